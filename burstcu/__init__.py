@@ -1,0 +1,15 @@
+"""burstcu: exact attention over sequences split across ranks (BurstAttention GAO + LAO).
+
+Public API (see `burstcu.api` for shapes and semantics)::
+
+    group = burstcu.init()                        # MPI.COMM_WORLD, backend "auto"
+    q, k, v = (burstcu.shard(x, group) for x in (Q, K, V))
+    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
+"""
+
+from .api import attention, attention_backward, shard, unshard
+from .group import Group, init
+
+__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard"]
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""The public functions: validate on every rank, agree across ranks, then run a strategy.
+
+Shapes (B batch, S = seqlen_local = this rank's share of the sequence, H query heads, Hkv
+key/value heads, D head dim):
+
+* q, out, dout: (B, S, H, D);  k, v: (B, S, Hkv, D) with H a multiple of Hkv (GQA/MQA: query
+  head h attends with kv head h // (H // Hkv), as in flash-attn; K/V are never replicated).
+* lse: (B, H, S), the natural log of each row's softmax denominator (scaled scores), float32
+  (float64 for float64 input).
+
+`layout` says which global positions a rank's S rows hold (see `burstcu.layout`):
+"contiguous" (rank r: chunk r of G) or "zigzag" (rank r: chunks r and 2G-1-r of 2G).
+`causal` masks over *global* positions: query position i attends to key position j iff j <= i,
+whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import ring
+from .group import Group, local_group
+from .layout import check_layout, shard_slices
+from .validate import agree, check_attention_inputs, check_backward_inputs, metadata
+
+STRATEGIES = ("burst", "ring", "allgather")
+
+
+def _group_for(group: Group | None, q) -> Group:
+    if group is not None:
+        return group
+    module = type(q).__module__.split(".")[0]
+    return local_group("cupy" if module == "cupy" else "numpy")
+
+
+def _engine(strategy: str):
+    """The forward/backward pair of a strategy (burst: this library's ring; others: baselines)."""
+    if strategy == "burst":
+        return ring
+    from . import strategies
+    return strategies.get(strategy)
+
+
+def _check_options(strategy: str):
+    if strategy not in STRATEGIES:
+        from .validate import InputError
+        return InputError(ValueError, f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    return None
+
+
+def _validate(group: Group, q, k, v, *, causal, softmax_scale, layout, strategy, extra=()):
+    ops = group.ops
+    err = _check_options(strategy) or check_attention_inputs(
+        q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
+        softmax_scale=softmax_scale, headdim_rule=ops.headdim_problem)
+    meta = metadata(q, k, v, *extra, causal=bool(causal), layout=layout, strategy=strategy,
+                    softmax_scale=softmax_scale)
+    return err, meta
+
+
+def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+              softmax_scale: float | None = None, layout: str = "contiguous",
+              return_lse: bool = False, strategy: str = "burst"):
+    """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
+
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
+    softmax_scale: defaults to 1/sqrt(D). causal: over global positions (module docstring).
+    group: from `burstcu.init()`; None means one process (S is then the whole sequence).
+    strategy: "burst" (K and V together in one message per ring step, double-buffered),
+        "ring" (K and V as separate messages, the classic Ring Attention), "allgather" (gather
+        all K and V, then attend locally). All give the same result.
+    Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
+    is (B, H, S) float32 (float64 for float64 input).
+    Every rank must call it with the same shapes, dtypes and options; a bad input raises
+    ValueError/TypeError on every rank before any data moves.
+    """
+    group = _group_for(group, q)
+    err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                          layout=layout, strategy=strategy)
+    agree(group.transport, err, meta)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _engine(strategy).forward(q, k, v, group.ops, group.transport, causal=bool(causal),
+                                         softmax_scale=scale, layout=layout, trace=group.trace)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
+                       causal: bool = False, softmax_scale: float | None = None,
+                       layout: str = "contiguous", strategy: str = "burst"):
+    """Gradients of `attention` with respect to this rank's q, k, v.
+
+    dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
+    `attention(..., return_lse=True)`; the other arguments as given to `attention`.
+    Returns (dq, dk, dv) with q's, k's and v's shapes, dtype and array type.
+    P is recomputed from lse; no score or probability matrix is stored beyond one tile.
+    """
+    group = _group_for(group, q)
+    err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                          layout=layout, strategy=strategy, extra=(dout, out, lse))
+    if err is None:
+        err = check_backward_inputs(dout, out, lse, q, array_types=group.ops.array_types)
+    agree(group.transport, err, meta)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _engine(strategy).backward(dout, q, k, v, out, lse, group.ops, group.transport,
+                                      causal=bool(causal), softmax_scale=scale, layout=layout,
+                                      trace=group.trace)
+
+
+def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):
+    """This rank's piece of the global array `x` along `axis` (the sequence axis).
+
+    "contiguous": chunk `rank` of `size` equal chunks. "zigzag": chunks `rank` and
+    `2*size-1-rank` of 2*size equal chunks, concatenated in that order. The length along `axis`
+    must divide evenly. No communication: every rank must hold the whole `x`.
+    """
+    check_layout(layout)
+    rank, size = (0, 1) if group is None else (group.rank, group.size)
+    xp = _array_module(x)
+    axis = axis % x.ndim
+    pieces = [x[(slice(None),) * axis + (sl,)] for sl in shard_slices(layout, rank, size, x.shape[axis])]
+    return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
+
+
+def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1):
+    """The global array on every rank, from each rank's `x_local` (the inverse of `shard`).
+
+    Collective: every rank calls it with equal shapes. Traffic is counted in `group.stats`.
+    """
+    check_layout(layout)
+    if group is None or group.size == 1:
+        return _array_module(x_local).ascontiguousarray(x_local)
+    xp = _array_module(x_local)
+    axis = axis % x_local.ndim
+    moved = xp.ascontiguousarray(xp.moveaxis(x_local, axis, 0))
+    gathered = xp.empty((group.size,) + moved.shape, dtype=moved.dtype)
+    group.transport.allgather(moved, gathered)
+    n_local = moved.shape[0]
+    whole = xp.empty((n_local * group.size,) + moved.shape[1:], dtype=moved.dtype)
+    for rank in range(group.size):
+        start = 0
+        for sl in shard_slices(layout, rank, group.size, n_local * group.size):
+            length = sl.stop - sl.start
+            whole[sl] = gathered[rank, start:start + length]
+            start += length
+    return xp.ascontiguousarray(xp.moveaxis(whole, 0, axis))
+
+
+def _array_module(x):
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np

@@ -1,0 +1,126 @@
+"""`burstcu.init`: pick a transport and a local op for this process and wrap them in a `Group`.
+
+backend        local op                            transport
+"numpy"        NumpyOps (BLAS tiles)                MPI (mpi4py), or none for one process
+"emulated"     KernelOps: the CUDA .cu source run   MPI
+               on the CPU by kernels/emu
+"cupy"         KernelOps: CUDA kernels via RawModule NCCL on a dedicated stream, bootstrapped
+                                                     over MPI
+"auto"         "cupy" when a GPU is usable, else "numpy"
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ops.base import LocalOps
+from .transport.base import CommStats, SelfTransport, Transport
+
+BACKENDS = ("auto", "numpy", "cupy", "emulated")
+
+
+@dataclass
+class Group:
+    """The ranks that share one sequence. `stats` counts this rank's payload bytes and messages."""
+
+    rank: int
+    size: int
+    backend: str
+    transport: Transport = field(repr=False)
+    ops: LocalOps = field(repr=False)
+    comm: Any = field(default=None, repr=False)
+    trace: Any = field(default=None, repr=False)  # a burstcu.ring.Trace to record step timings into
+
+    @property
+    def stats(self) -> CommStats:
+        return self.transport.stats
+
+    def barrier(self) -> None:
+        self.transport.barrier()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def gpu_usable() -> bool:
+    """True when CuPy imports and sees at least one CUDA device with a working driver."""
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # ImportError, or a driver/runtime mismatch surfacing at import
+        return False
+
+
+def _world(comm):
+    if comm is not None:
+        return comm
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+
+def _mpi_transport(comm, progress: str) -> Transport:
+    if comm is None or comm.Get_size() == 1:
+        return SelfTransport()
+    from .transport.mpi import MPITransport
+    return MPITransport(comm, progress=progress)
+
+
+def _resolve_backend(backend: str, comm) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+    if backend != "auto":
+        return backend
+    if gpu_usable():
+        return "cupy"
+    rank = comm.Get_rank() if comm is not None else 0
+    if rank == 0:
+        warnings.warn("burstcu: no usable GPU, backend 'auto' runs the NumPy CPU backend", stacklevel=3)
+    return "numpy"
+
+
+def init(comm=None, backend: str = "auto", *, progress: str = "thread", **options) -> Group:
+    """Create the group of all ranks of `comm` (default `MPI.COMM_WORLD`; without mpi4py, a
+    group of one process).
+
+    backend: "numpy", "emulated", "cupy" or "auto" (see the module docstring).
+    progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
+        caller's thread ("inline").
+    options: passed to the local op (e.g. tile sizes for "numpy", deterministic=True for the
+        kernel backends).
+    Collective over `comm`: every rank must call it.
+    """
+    comm = _world(comm)
+    backend = _resolve_backend(backend, comm)
+    if backend == "numpy":
+        from .ops.numpy_ops import NumpyOps
+        transport, ops = _mpi_transport(comm, progress), NumpyOps(**options)
+    elif backend == "emulated":
+        from .ops.kernel_ops import KernelOps
+        transport, ops = _mpi_transport(comm, progress), KernelOps("emulated", **options)
+    else:
+        from .transport.nccl import bootstrap
+        transport, device = bootstrap(comm)
+        from .ops.kernel_ops import KernelOps
+        ops = KernelOps("cupy", **options)
+    return Group(transport.rank, transport.size, backend, transport, ops, comm)
+
+
+_LOCAL: dict[str, Group] = {}
+
+
+def local_group(backend: str = "numpy") -> Group:
+    """The cached group of one process used when `group=None`."""
+    if backend not in _LOCAL:
+        if backend == "numpy":
+            from .ops.numpy_ops import NumpyOps
+            ops: LocalOps = NumpyOps()
+        else:
+            from .ops.kernel_ops import KernelOps
+            ops = KernelOps(backend)
+        _LOCAL[backend] = Group(0, 1, backend, SelfTransport(), ops)
+    return _LOCAL[backend]

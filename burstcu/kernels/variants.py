@@ -1,0 +1,68 @@
+"""Which kernel instantiations exist: the single list both the compile gate and the launchers use.
+
+Each family (forward in `fwd_variants`, backward in `bwd_variants`) declares its own
+`KernelVariant`s; `all_variants(arch)` is their union. A variant is one C++ template
+instantiation (a CuPy `name_expressions` entry), with the launch configuration it was tuned for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = ("sm_80", "sm_90")
+DTYPES = ("float16", "bfloat16")
+CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a variant is launched: threads per block, tile rows, dynamic shared memory."""
+
+    threads: int
+    block_m: int = 0
+    block_n: int = 0
+    smem_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One instantiation. `name` is the C++ name expression, e.g. ``flash_fwd_step<__half, 64>``."""
+
+    family: str
+    source: str
+    name: str
+    dtype: str
+    headdim: int
+    launch: LaunchConfig
+
+
+def kernel_dir() -> Path:
+    """Folder of the .cu sources: $BURSTCU_KERNEL_DIR, the checkout's kernels/, or package data."""
+    env = os.environ.get("BURSTCU_KERNEL_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[2] / "kernels", here.parents[1] / "_kernels"):
+        if (candidate / "common.cuh").exists():
+            return candidate
+    raise FileNotFoundError("cannot find the kernel sources (kernels/common.cuh); set BURSTCU_KERNEL_DIR")
+
+
+def all_variants(arch: str) -> list[KernelVariant]:
+    """Every variant the library can launch on `arch` (forward and backward families)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
+    out: list[KernelVariant] = []
+    try:
+        from .fwd_variants import forward_variants
+        out += forward_variants(arch)
+    except ImportError:
+        pass
+    try:
+        from .bwd_variants import backward_variants
+        out += backward_variants(arch)
+    except ImportError:
+        pass
+    return out

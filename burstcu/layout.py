@@ -1,0 +1,106 @@
+"""How a global sequence is split across the ranks, and which (query, key) tiles causal masking keeps.
+
+Layouts (G ranks, global sequence length N, every rank holds N/G positions):
+
+* ``"contiguous"``: rank r holds chunk r of G equal chunks, positions [r*N/G, (r+1)*N/G).
+* ``"zigzag"``: the sequence is cut into 2G equal chunks; rank r holds chunk r followed by chunk
+  2G-1-r. Under a causal mask every rank then owns one early and one late chunk, so the ring
+  steps carry equal work on every rank (contiguous leaves rank 0 nearly idle, rank G-1 busiest).
+
+A rank's local rows are described as `Segment`s (runs of consecutive global positions). For one
+ring step, `step_blocks` pairs this rank's query segments with the segments of the rank whose K/V
+it holds, drops pairs that lie wholly in the future (causal), and marks the pairs that straddle
+the diagonal, which need the per-element mask ``q_pos >= k_pos``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` local rows starting at local row `local`, holding global positions from `pos`."""
+
+    local: int
+    pos: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rectangle of a ring step's attention: local query rows x local key rows.
+
+    q_start, q_len: local query rows [q_start, q_start + q_len).
+    k_start, k_len: rows of the K/V block being visited [k_start, k_start + k_len).
+    q_pos, k_pos: global positions of rows q_start and k_start.
+    causal: True when the rectangle straddles the diagonal, so element (i, j) is kept only if
+        q_pos + i >= k_pos + j. False means every element is kept.
+    """
+
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    q_pos: int
+    k_pos: int
+    causal: bool
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    check_layout(layout)
+    return 1 if layout == "contiguous" else 2
+
+
+def segments(layout: str, rank: int, size: int, seqlen_local: int) -> list[Segment]:
+    """The global positions of `rank`'s `seqlen_local` rows under `layout` (see module doc)."""
+    check_layout(layout)
+    if layout == "contiguous":
+        return [Segment(0, rank * seqlen_local, seqlen_local)]
+    if seqlen_local % 2:
+        raise ValueError(f"zigzag layout needs an even local sequence length, got {seqlen_local}")
+    half = seqlen_local // 2
+    return [Segment(0, rank * half, half), Segment(half, (2 * size - 1 - rank) * half, half)]
+
+
+def global_positions(layout: str, rank: int, size: int, seqlen_local: int) -> list[int]:
+    """Global position of each local row (for tests and references)."""
+    out: list[int] = []
+    for seg in segments(layout, rank, size, seqlen_local):
+        out.extend(range(seg.pos, seg.pos + seg.length))
+    return out
+
+
+def step_blocks(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
+                causal: bool) -> list[Block]:
+    """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step)."""
+    if not causal:
+        return [Block(0, seqlen_local, 0, seqlen_local, 0, 0, False)]
+    blocks = []
+    for qs in segments(layout, q_rank, size, seqlen_local):
+        for ks in segments(layout, kv_rank, size, seqlen_local):
+            q_last, k_last = qs.pos + qs.length - 1, ks.pos + ks.length - 1
+            if q_last < ks.pos:
+                continue  # every key is in the future of every query
+            straddles = qs.pos < k_last
+            blocks.append(Block(qs.local, qs.length, ks.local, ks.length, qs.pos, ks.pos, straddles))
+    return blocks
+
+
+def shard_slices(layout: str, rank: int, size: int, seqlen_global: int) -> list[slice]:
+    """Slices of the global sequence axis that make up `rank`'s shard, in local order."""
+    check_layout(layout)
+    parts = size * chunks_per_rank(layout)
+    if seqlen_global % parts:
+        raise ValueError(
+            f"{layout} layout over {size} ranks needs a sequence length divisible by {parts}, "
+            f"got {seqlen_global}")
+    local = seqlen_global // size
+    return [slice(s.pos, s.pos + s.length) for s in segments(layout, rank, size, local)]

@@ -1,0 +1,136 @@
+"""The local-operation interface: what one ring step computes on one rank.
+
+The ring engine (`burstcu.ring`) never touches array contents itself: it allocates message
+buffers, copies and adds through a `LocalOps`, and asks it to run one step of attention. NumPy
+tiles (`numpy_ops`), CUDA kernels (`cupy_ops`) and the same kernels under the CPU emulator
+(`emulated_ops`) implement it; so does the schedule recorder of the GPU ordering checker.
+
+Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
+
+* q, dout, out, dq: (B, S, H, D);  k, v, dk, dv: (B, S, Hkv, D)
+* lse, delta: (B, H, S)
+* the running forward state and the backward context are private to the implementation.
+
+Dtypes: inputs are float16, bfloat16, float32 or float64. Everything that accumulates across ring
+steps (output accumulator, row max, row sum, lse, delta, dq, dk, dv) is held in
+`accum_dtype(input dtype)`: float32, or float64 for float64 input; nothing is rounded to the input
+dtype until the end of the pass.
+
+Masking is described by `burstcu.layout.Block`s: each step is given the rectangles to compute
+(wholly-masked rectangles are never passed), each either full or straddling the causal diagonal.
+GQA: query head h uses key/value head h // (H // Hkv).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..layout import Block
+
+
+
+def accum_dtype(dtype) -> np.dtype:
+    """float64 for float64 input, float32 for everything narrower."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+class Message:
+    """Named arrays packed in one contiguous byte buffer, so a ring step sends one message.
+
+    `fields` is a list of (name, shape, dtype). `span(first, last)` is the contiguous byte range
+    from field `first` through field `last`, in declaration order, for sending a sub-message.
+    Fields are packed back to back, padded only to each field's natural alignment, so a span's
+    size is the payload size (exactly, whenever every field's byte size is a multiple of the next
+    field's itemsize, as with any even head dim).
+    """
+
+    def __init__(self, xp: Any, fields: Sequence[tuple[str, tuple, Any]]):
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self.order = [name for name, _, _ in fields]
+        offset = 0
+        for name, shape, dtype in fields:
+            itemsize = np.dtype(dtype).itemsize
+            offset = -(-offset // itemsize) * itemsize
+            size = int(np.prod(shape)) * itemsize
+            self.offsets[name] = (offset, offset + size)
+            offset += size
+        self.flat = xp.empty(max(offset, 1), dtype=np.uint8)
+        self.fields = {}
+        for name, shape, dtype in fields:
+            lo, hi = self.offsets[name]
+            self.fields[name] = self.flat[lo:hi].view(dtype).reshape(shape)
+
+    def __getitem__(self, name: str):
+        return self.fields[name]
+
+    def span(self, first: str, last: str):
+        """The bytes from the start of `first` to the end of `last` (a contiguous uint8 view)."""
+        i, j = self.order.index(first), self.order.index(last)
+        assert i <= j, f"span({first!r}, {last!r}) runs backwards"
+        return self.flat[self.offsets[first][0]:self.offsets[last][1]]
+
+
+class LocalOps(ABC):
+    """One rank's share of a ring step. See the module docstring for shapes and dtypes."""
+
+    name: str = "abstract"
+    xp: Any = np
+    array_types: tuple = (np.ndarray,)           # what the public API accepts with this op
+    dtypes: tuple = ("float16", "bfloat16", "float32", "float64")
+
+    def headdim_problem(self, headdim: int) -> str | None:
+        """Why this op cannot run `headdim` (a message for the user), or None when it can."""
+        return None
+
+    # -- memory ------------------------------------------------------------------------------------
+    def message(self, fields: Sequence[tuple[str, tuple, Any]]) -> Message:
+        return Message(self.xp, fields)
+
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def copy_(self, dst, src) -> None:
+        """dst[...] = src (dst's dtype)."""
+        dst[...] = src
+
+    def add_(self, dst, src) -> None:
+        """dst += src, elementwise."""
+        dst += src
+
+    def sync(self) -> None:
+        """Block the host until queued device work is done (no-op on the CPU)."""
+
+    # -- forward -----------------------------------------------------------------------------------
+    @abstractmethod
+    def forward_init(self, q, softmax_scale: float) -> Any:
+        """A fresh running state for queries q: zero accumulator, row max -inf, row sum 0."""
+
+    @abstractmethod
+    def forward_step(self, state: Any, k, v, blocks: Sequence[Block]) -> None:
+        """Fold attention of the state's queries over (k, v) rows in `blocks` into the state."""
+
+    @abstractmethod
+    def forward_finalize(self, state: Any, out_dtype) -> tuple[Any, Any]:
+        """(out (B,S,H,D) in out_dtype, lse (B,H,S) in accum dtype). Rows that saw no key: out
+        0, lse -inf."""
+
+    # -- backward ----------------------------------------------------------------------------------
+    @abstractmethod
+    def backward_delta(self, dout, out) -> Any:
+        """delta = rowsum(dout * out) per (batch, head, row): (B,H,S) in accum dtype."""
+
+    @abstractmethod
+    def backward_init(self, k, v, softmax_scale: float) -> Any:
+        """Context holding the resident k, v and zeroed dk, dv accumulators."""
+
+    @abstractmethod
+    def backward_step(self, ctx: Any, q, dout, lse, delta, dq, blocks: Sequence[Block]) -> None:
+        """Accumulate into ctx's dk, dv and into dq (B,S,H,D, accum dtype) for the visiting
+        queries: P is recomputed from lse; dS = P * (dP - delta)."""
+
+    @abstractmethod
+    def backward_finalize(self, ctx: Any, out_dtype) -> tuple[Any, Any]:
+        """(dk, dv) in out_dtype."""

@@ -1,0 +1,226 @@
+"""The BurstAttention ring engine (GAO): forward and backward schedules with double buffers.
+
+Written once against two small interfaces: a `Transport` (burstcu.transport.base) that moves
+bytes, and a `LocalOps` (burstcu.ops.base) that computes one step. The same loops therefore run
+NumPy tiles over MPI, CUDA kernels over NCCL, or the emulated kernels over MPI.
+
+G ranks; rank r's neighbours are next = (r+1) % G and prev = (r-1) % G. At step s (0 <= s < G)
+rank r works on the data that originated at rank (r - s) % G.
+
+Forward (Algorithm 1 of the paper): K and V travel *together* as one message per step.
+    buffers A, B each hold (k, v) in one contiguous byte buffer
+    for s in 0..G-1:
+        if s < G-1: send cur -> next, receive nxt <- prev          (posted, not waited)
+        fold attention(q, cur.k, cur.v) into the running state     (overlaps the transfer)
+        wait; swap
+    Bytes sent per rank = (G-1) * 2*B*S*Hkv*D*itemsize; messages = G-1.
+
+Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
+accumulator. The dQ that rank r adds at step s is needed by rank r+1 only *after* its own step
+s+1 compute, so it rides in the message of step s+1 and its transfer overlaps that compute:
+    message at step s = [bundle j_s if s < G-1] + [dQ_{j_{s-1}} if s >= 1]
+    buffers hold (dq, q, dout, delta, lse) contiguously, so each message is one byte span.
+    for s in 0..G-1:
+        post send of cur's span -> next, receive of the same span of nxt <- prev
+        dq_part = 0; accumulate dk, dv and dq_part from cur's bundle          (overlaps)
+        wait; nxt.dq = (nxt.dq if s >= 1 else 0) + dq_part; swap
+    finally rank r sends the last dQ (that of bundle r+1) to r+1 and receives its own from r-1.
+    Bytes sent per rank (G > 1) = (G-1) * bundle + G * dq, where
+        bundle = B*S*H*D*itemsize*2 (q, dout) + B*H*S*acc_itemsize*2 (delta, lse)
+        dq     = B*S*H*D*acc_itemsize          (fp32 accumulator; fp64 for fp64 input)
+    messages = G + 1.
+
+Causal masking only changes what a step computes (`layout.step_blocks`), never what is sent, so
+byte counts do not depend on `causal`. All accumulation state stays in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .layout import step_blocks
+from .ops.base import LocalOps, accum_dtype
+from .transport.base import Transport
+
+
+@dataclass
+class StepTrace:
+    """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only)."""
+
+    pass_: str
+    step: int
+    source_rank: int
+    blocks: int
+    compute_s: float
+    wait_s: float
+
+
+@dataclass
+class Trace:
+    steps: list[StepTrace] = field(default_factory=list)
+
+    def add(self, *args) -> None:
+        self.steps.append(StepTrace(*args))
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _timed_wait(transport: Transport) -> float:
+    t0 = time.perf_counter()
+    transport.wait()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
+            layout: str, trace: Trace | None = None):
+    """Exact attention of this rank's queries over every rank's keys.
+
+    q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout`.
+    Returns out (B, S, H, D) in q's dtype and lse (B, H, S) in the accumulation dtype.
+    """
+    size, rank = transport.size, transport.rank
+    seqlen = q.shape[1]
+    kv_fields = [("k", k.shape, k.dtype), ("v", v.shape, v.dtype)]
+    buffers = [ops.message(kv_fields), ops.message(kv_fields)]
+    ops.copy_(buffers[0]["k"], k)
+    ops.copy_(buffers[0]["v"], v)
+    state = ops.forward_init(q, softmax_scale)
+
+    for s in range(size):
+        cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
+        exchanging = s < size - 1
+        if exchanging:
+            transport.send_recv(cur.span("k", "v"), nxt.span("k", "v"),
+                                transport.next_rank, transport.prev_rank)
+            transport.commit()
+        source = (rank - s) % size
+        blocks = step_blocks(layout, rank, source, size, seqlen, causal)
+        compute_s = _timed(ops.forward_step, state, cur["k"], cur["v"], blocks) if blocks else 0.0
+        wait_s = _timed_wait(transport) if exchanging else 0.0
+        if trace is not None:
+            trace.add("forward", s, source, len(blocks), compute_s, wait_s)
+    return ops.forward_finalize(state, q.dtype)
+
+
+def forward_bytes(size: int, k, v) -> int:
+    """Bytes one rank sends in `forward` (the formula in the module docstring)."""
+    return (size - 1) * (k.nbytes + v.nbytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+def _bundle_fields(q, lse):
+    b, s, h, d = q.shape
+    acc = accum_dtype(q.dtype)
+    # dq first: each step's message is then one contiguous span (prefix, suffix or all), and
+    # the large fields stay 16-byte aligned for vector loads.
+    return [("dq", q.shape, acc), ("q", q.shape, q.dtype), ("dout", q.shape, q.dtype),
+            ("delta", (b, h, s), acc), ("lse", (b, h, s), acc)]
+
+
+def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
+             softmax_scale: float, layout: str, trace: Trace | None = None):
+    """Gradients of `forward` for this rank's shard.
+
+    dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
+    Returns dq (B, S, H, D) and dk, dv (B, S, Hkv, D), in the inputs' dtype.
+    """
+    size, rank = transport.size, transport.rank
+    seqlen = q.shape[1]
+    acc = accum_dtype(q.dtype)
+    fields = _bundle_fields(q, lse)
+    buffers = [ops.message(fields), ops.message(fields)]
+    first = buffers[0]
+    ops.copy_(first["q"], q)
+    ops.copy_(first["dout"], dout)
+    ops.copy_(first["delta"], ops.backward_delta(dout, out))
+    ops.copy_(first["lse"], lse)
+    ctx = ops.backward_init(k, v, softmax_scale)
+    dq_part = ops.zeros(q.shape, acc)
+
+    for s in range(size):
+        cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
+        span = _backward_span(s, size)
+        if span:
+            transport.send_recv(cur.span(*span), nxt.span(*span),
+                                transport.next_rank, transport.prev_rank)
+            transport.commit()
+        source = (rank - s) % size  # the visiting queries are source's; the keys are ours
+        blocks = step_blocks(layout, source, rank, size, seqlen, causal)
+        ops.copy_(dq_part, 0)
+        compute_s = 0.0
+        if blocks:
+            compute_s = _timed(ops.backward_step, ctx, cur["q"], cur["dout"], cur["lse"],
+                               cur["delta"], dq_part, blocks)
+        wait_s = _timed_wait(transport) if span else 0.0
+        # nxt.dq now holds the dQ of the bundle we just used (received), or garbage at s == 0
+        if s == 0:
+            ops.copy_(nxt["dq"], dq_part)
+        else:
+            ops.add_(nxt["dq"], dq_part)
+        if trace is not None:
+            trace.add("backward", s, source, len(blocks), compute_s, wait_s)
+
+    last = buffers[size % 2]  # holds the dQ of bundle (rank + 1) % size after the loop
+    dq = ops.zeros(q.shape, acc)
+    if size == 1:
+        ops.copy_(dq, last["dq"])
+    else:
+        transport.send_recv(last["dq"], dq, transport.next_rank, transport.prev_rank)
+        transport.commit()
+        wait_s = _timed_wait(transport)
+        if trace is not None:
+            trace.add("backward", size, rank, 0, 0.0, wait_s)
+    dk, dv = ops.backward_finalize(ctx, k.dtype)
+    dq_out = ops.zeros(q.shape, q.dtype)
+    ops.copy_(dq_out, dq)
+    return dq_out, dk, dv
+
+
+def _backward_span(step: int, size: int) -> tuple[str, str] | None:
+    """Which fields the message of `step` carries (see the module docstring)."""
+    carries_bundle = step < size - 1
+    carries_dq = step >= 1
+    if carries_bundle and carries_dq:
+        return ("dq", "lse")
+    if carries_bundle:
+        return ("q", "lse")
+    if carries_dq:
+        return ("dq", "dq")
+    return None
+
+
+def backward_bytes(size: int, q) -> int:
+    """Bytes one rank sends in `backward` (the formula in the module docstring)."""
+    if size == 1:
+        return 0
+    b, s, h, d = q.shape
+    acc = accum_dtype(q.dtype).itemsize
+    bundle = 2 * q.nbytes + 2 * b * h * s * acc
+    dq = b * s * h * d * acc
+    return (size - 1) * bundle + size * dq
+
+
+def backward_messages(size: int) -> int:
+    return 0 if size == 1 else size + 1
+
+
+def forward_messages(size: int) -> int:
+    return size - 1
+
+
+__all__ = ["forward", "backward", "forward_bytes", "backward_bytes", "forward_messages",
+           "backward_messages", "Trace", "StepTrace"]
+
+_ = np  # numpy is the reference array module of the docstrings

@@ -1,0 +1,169 @@
+"""The transport interface the ring engine is written against.
+
+A transport moves opaque byte buffers between the ranks of one group. The ring engine drives it
+in the ring-flash-attention pattern, one ring step at a time::
+
+    transport.send_recv(send_buf, recv_buf, dst=next, src=prev)   # queue this step's exchange
+    transport.commit()                                            # post it (non-blocking)
+    ... compute on the other buffer ...
+    transport.wait()                                              # the exchange has completed
+
+`commit` and `wait` carry the ordering contract that makes double buffering safe:
+
+* everything the caller did to `send_buf` and `recv_buf` before `commit` happens before the
+  transport reads `send_buf` or writes `recv_buf` (NCCL: the communication stream waits on an
+  event recorded on the compute stream; MPI: trivially true, the host posts after it computed);
+* everything the transport does with them happens before anything the caller does after
+  `wait` (NCCL: the compute stream waits on an event recorded on the communication stream, no
+  host synchronisation; MPI: `Waitall`).
+
+Between `commit` and `wait` the caller must neither write `send_buf` nor touch `recv_buf`.
+
+Besides point-to-point, a transport offers `allgather_object` (small Python metadata, used to
+agree on shapes before any data moves), `barrier`, and `allgather` of a byte buffer (used by the
+all-gather baseline). Every byte of payload is counted in `stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass
+class CommStats:
+    """Payload counters of one rank, counted where the bytes enter and leave the transport.
+
+    bytes_sent / bytes_received: payload bytes of point-to-point and collective data.
+    messages: point-to-point sends this rank posted (K and V sent together count as one).
+    wait_seconds: host time spent blocked in `wait` (exposed, not hidden, communication).
+    steps: ring exchanges committed.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    wait_seconds: float = 0.0
+    steps: int = 0
+    history: list = field(default_factory=list, repr=False)
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = self.messages = self.steps = 0
+        self.wait_seconds = 0.0
+        self.history.clear()
+
+    def as_dict(self) -> dict:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "messages": self.messages,
+            "wait_seconds": self.wait_seconds,
+            "steps": self.steps,
+        }
+
+
+def nbytes(buf: Any) -> int:
+    """Payload size of a NumPy or CuPy array (or anything with `.nbytes`)."""
+    return int(buf.nbytes)
+
+
+class Transport(ABC):
+    """Point-to-point exchange + metadata agreement among `size` ranks; this process is `rank`."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, size: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of size {size}")
+        self.rank = rank
+        self.size = size
+        self.stats = CommStats()
+        self._queued: list[tuple[Any, Any, int, int]] = []
+
+    # -- ring pattern --------------------------------------------------------------------------
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.size
+
+    def send_recv(self, send_buf: Any | None, recv_buf: Any | None, dst: int, src: int) -> None:
+        """Queue one exchange: send `send_buf` to `dst`, receive `recv_buf` from `src`.
+
+        Either side may be None (nothing to send, or nothing to receive). Both buffers must be
+        contiguous. Sizes must match what the peer posts; the engine guarantees it.
+        """
+        assert send_buf is not None or recv_buf is not None, "an exchange needs a buffer"
+        assert 0 <= dst < self.size and 0 <= src < self.size
+        if send_buf is not None:
+            assert dst != self.rank, "a rank does not send to itself"
+        self._queued.append((send_buf, recv_buf, dst, src))
+
+    def commit(self) -> None:
+        """Post every queued exchange, without blocking the host."""
+        assert self._queued, "commit() with nothing queued"
+        queued, self._queued = self._queued, []
+        for send_buf, recv_buf, _, _ in queued:
+            if send_buf is not None:
+                self.stats.bytes_sent += nbytes(send_buf)
+                self.stats.messages += 1
+            if recv_buf is not None:
+                self.stats.bytes_received += nbytes(recv_buf)
+        self.stats.steps += 1
+        self._post(queued)
+
+    def wait(self) -> None:
+        """Return when everything committed so far has completed (see the module docstring)."""
+        t0 = time.perf_counter()
+        self._wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
+
+    @abstractmethod
+    def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None: ...
+
+    @abstractmethod
+    def _wait(self) -> None: ...
+
+    # -- collectives -----------------------------------------------------------------------------
+    @abstractmethod
+    def allgather_object(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order (small picklable metadata only; not counted)."""
+
+    @abstractmethod
+    def allgather(self, send_buf: Any, recv_buf: Any) -> None:
+        """Gather equal-sized contiguous buffers: `recv_buf` is `size` copies of send_buf's shape,
+        rank-major. Blocking for the caller's subsequent work (stream-ordered on a GPU)."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release resources (threads, communicators)."""
+
+
+class SelfTransport(Transport):
+    """The transport of a group of one: no peers, so nothing is ever sent."""
+
+    name = "self"
+
+    def __init__(self):
+        super().__init__(0, 1)
+
+    def _post(self, exchanges):
+        raise AssertionError("a group of one never exchanges data")
+
+    def _wait(self):
+        pass
+
+    def allgather_object(self, obj):
+        return [obj]
+
+    def allgather(self, send_buf, recv_buf):
+        recv_buf.reshape(send_buf.shape)[...] = send_buf
+
+    def barrier(self):
+        pass

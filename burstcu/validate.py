@@ -1,0 +1,135 @@
+"""Input checks that fail on every rank, before any communication that could hang.
+
+Each rank first checks its own arrays *without raising*; then one small `allgather_object`
+carries (error or None, metadata) from every rank; then every rank raises the same kind of error
+if any rank found a problem or if the ranks disagree. A lone rank raising before the others
+reached a collective would leave them waiting forever, so nothing raises before that exchange.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .layout import LAYOUTS
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class InputError:
+    """A deferred error: the exception type and message, raised after the agreement round."""
+
+    def __init__(self, kind: type[Exception], message: str):
+        self.kind, self.message = kind, message
+
+    def __reduce__(self):  # travels through allgather_object
+        return (InputError, (self.kind, self.message))
+
+
+def dtype_name(x: Any) -> str:
+    return np.dtype(x.dtype).name
+
+
+def _check_array(name: str, x: Any, ndim: int, array_types: tuple) -> InputError | None:
+    if not isinstance(x, array_types):
+        allowed = " or ".join(f"{t.__module__}.{t.__name__}" for t in array_types)
+        return InputError(TypeError, f"{name} must be a {allowed}, got {type(x).__module__}.{type(x).__name__}")
+    if x.ndim != ndim:
+        return InputError(ValueError, f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if dtype_name(x) not in FLOAT_DTYPES:
+        return InputError(TypeError, f"{name} has dtype {dtype_name(x)}; supported: {', '.join(FLOAT_DTYPES)}")
+    return None
+
+
+def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout: str,
+                           softmax_scale, headdim_rule=None) -> InputError | None:
+    """Local checks of q (B,S,H,D), k, v (B,S,Hkv,D). Returns the first problem, or None."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        err = _check_array(name, x, 4, array_types)
+        if err:
+            return err
+    if layout not in LAYOUTS:
+        return InputError(ValueError, f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
+        return InputError(TypeError, f"q, k, v dtypes differ: {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
+    if dtype_name(q) not in dtypes:
+        return InputError(TypeError, f"this backend supports dtypes {', '.join(dtypes)}; got {dtype_name(q)}")
+    if tuple(k.shape) != tuple(v.shape):
+        return InputError(ValueError, f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}")
+    b, s, h, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if bk != b:
+        return InputError(ValueError, f"q has batch {b}, k and v have batch {bk}")
+    if sk != s:
+        return InputError(ValueError, f"q has local seqlen {s}, k and v have {sk}: lengths must match")
+    if dk != d:
+        return InputError(ValueError, f"q has head dim {d}, k and v have {dk}")
+    if min(b, s, h, d, hkv) < 1:
+        return InputError(ValueError, f"empty dimension in q {tuple(q.shape)} or k {tuple(k.shape)}")
+    if h % hkv:
+        return InputError(ValueError, f"q has {h} heads, k has {hkv}: nheads must be a multiple of nheads_kv")
+    if layout == "zigzag" and s % 2:
+        return InputError(ValueError, f"zigzag layout needs an even local seqlen, got {s}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float, np.floating))
+                                          and math.isfinite(softmax_scale)):
+        return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    if headdim_rule is not None:
+        problem = headdim_rule(d)
+        if problem:
+            return InputError(ValueError, problem)
+    return None
+
+
+def check_backward_inputs(dout, out, lse, q, *, array_types: tuple) -> InputError | None:
+    """Local checks of dout, out (like q) and lse (B, H, S) for `attention_backward`."""
+    for name, x in (("dout", dout), ("out", out)):
+        err = _check_array(name, x, 4, array_types)
+        if err:
+            return err
+        if tuple(x.shape) != tuple(q.shape):
+            return InputError(ValueError, f"{name} has shape {tuple(x.shape)}, q has {tuple(q.shape)}")
+        if dtype_name(x) != dtype_name(q):
+            return InputError(TypeError, f"{name} has dtype {dtype_name(x)}, q has {dtype_name(q)}")
+    err = _check_array("lse", lse, 3, array_types)
+    if err:
+        return err
+    b, s, h, _ = q.shape
+    if tuple(lse.shape) != (b, h, s):
+        return InputError(ValueError, f"lse must have shape (batch, nheads, seqlen_local) = {(b, h, s)}, got {tuple(lse.shape)}")
+    return None
+
+
+def metadata(*arrays, **options) -> tuple:
+    """What every rank must agree on: shapes, dtypes and options of one call."""
+    shapes = tuple(tuple(int(n) for n in a.shape) if hasattr(a, "shape") else None for a in arrays)
+    dtypes = tuple(dtype_name(a) if hasattr(a, "dtype") else None for a in arrays)
+    return (shapes, dtypes, tuple(sorted(options.items())))
+
+
+def agree(transport, error: InputError | None, meta: tuple) -> None:
+    """One collective round; then raise on every rank if any rank failed or ranks disagree."""
+    if transport.size == 1:
+        if error:
+            raise error.kind(error.message)
+        return
+    gathered = transport.allgather_object((error, meta))
+    if error:
+        raise error.kind(error.message)
+    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise e.kind(f"rank {r}: {e.message}")
+    metas = [m for _, m in gathered]
+    if any(m != metas[0] for m in metas):
+        differing = [r for r, m in enumerate(metas) if m != metas[0]]
+        raise ValueError(
+            "ranks disagree on shapes, dtypes or options: rank 0 has "
+            f"{_describe(metas[0])}; rank {differing[0]} has {_describe(metas[differing[0]])}")
+
+
+def _describe(meta: tuple) -> str:
+    shapes, dtypes, options = meta
+    parts = [f"{s}:{d}" for s, d in zip(shapes, dtypes)]
+    return f"arrays {', '.join(parts)} options {dict(options)}"

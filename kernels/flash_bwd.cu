@@ -1,0 +1,511 @@
+// flash_bwd.cu — backward pass of one BurstAttention ring step (FlashAttention-2 style).
+//
+// ---------------------------------------------------------------------------------------------
+// Algorithm
+// ---------------------------------------------------------------------------------------------
+// In the backward ring each rank keeps K, V and fp32 dK, dV resident; the bundle (Q, dO, lse,
+// delta) travels with an fp32 dQ accumulator. One step covers one rectangle (Block): visiting
+// query rows [q_start, q_start + q_len) x resident key rows [k_start, k_start + k_len), global
+// positions q_pos / k_pos, causal keeps (i, j) iff q_pos + i >= k_pos + j. Per tile pair:
+//
+//     S  = Q K^T                      (scale folded into the exponent)
+//     P  = exp2(S * scale * log2e - lse * log2e)        recomputed from lse, never stored
+//     dV += P^T dO
+//     dP = dO V^T
+//     dS = P o (dP - delta),   delta = rowsum(dO o O)   (flash_bwd_delta, once per pass)
+//     dK += scale * dS^T Q
+//     dQ += scale * dS K
+//
+// Kernels
+//   flash_bwd_delta<T>                         delta[b,h,s] = sum_d dO*O in fp32, one warp a row.
+//   flash_bwd_dkdv<T, D, BM, BN, WARPS_D, DQ>  a CTA owns (batch, kv head, BN-key tile), keeps that
+//       K/V tile in shared memory and loops over the group's query heads (GQA: query head h uses
+//       kv head h / (H / Hkv)) and their BM-row Q tiles (double-buffered with cp.async). Warps
+//       split the keys, 16 rows each, so S^T, dP^T live in mma accumulators with keys as rows:
+//       P^T and dS^T are then already A fragments for dV += P^T dO and dK += dS^T Q (no smem
+//       round trip). dK/dV of a kv head sum over its query heads inside one CTA: no atomics.
+//       With DQ=true (default, "atomic" mode) dS is also written to shared memory and the CTA
+//       adds its partial dQ = dS K into global dQ with fp32 atomicAdd, as FlashAttention-2 does.
+//       WARPS_D > 1 splits the head dim of the dK/dV accumulators over WARPS_D warps that share
+//       the same 16 keys (they recompute S^T, dP^T redundantly): the only way to hold a 256-wide
+//       accumulator without spilling.
+//   flash_bwd_dq<T, D, BM, BN, WARPS_D>        deterministic mode: a CTA owns (batch, head,
+//       BM-row Q tile), loops over BN-key tiles (double-buffered), recomputes P and dP and adds
+//       dQ += scale * dS K into its own rows of dQ. Used with flash_bwd_dkdv<..., false>. Every
+//       output element is written by one thread in a fixed order, so two runs are bit-identical
+//       (the atomic mode is not: the order of the fp32 atomicAdds varies).
+//
+// Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the
+// diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
+// zero-filled by cp.async. Rows that saw no key in the forward pass have lse = -inf: we load
+// lse*log2e as +inf for them (and for rows past q_len), so P = exp2(finite - inf) = 0, not NaN.
+//
+// ---------------------------------------------------------------------------------------------
+// Tile sizes (burstcu/kernels/bwd_variants.py holds the table) and why
+// ---------------------------------------------------------------------------------------------
+// The FlashAttention paper starts from B_c = M / (4d) key rows (M = on-chip memory in elements):
+// sm_80 164 KB / 2 B / (4 * 128) ~ 160 rows, sm_90 227 KB -> ~220. What binds first in backward,
+// though, is registers: a warp holds dK and dV (16 x D/WARPS_D fp32 each: D/WARPS_D registers a
+// thread) plus S^T and dP^T (16 x BM each: BM registers a thread). Keeping that <= ~160 of the
+// 255 registers gives BM = 64 for D <= 64, BM = 32 for D = 96, 128 and (WARPS_D = 2) 256.
+// BN sets how often Q/dO are re-read: global traffic for Q, dO ~ 2 * Sq * D * 2 B per BN keys,
+// so larger BN is better while smem holds: sm_80 BN = 64 (4 warps; D = 128: 75 KB, two CTAs per
+// SM), sm_90 BN = 128 (8 warps, 115 KB) for D <= 128. D = 256: BN = 64, 8 warps (WARPS_D = 2),
+// 141 KB on both. The dq kernel holds dQ (D/WARPS_D) + S and dP (BN each): BM = 64 (4 warps),
+// BN = 64 for D <= 128, BN = 32 for D = 256.
+// Shared-memory rows are padded by 8 elements (16 B) so the eight row addresses of an ldmatrix
+// fall in different banks (rows of 128 or 256 B would otherwise all hit the same four banks).
+//
+// Napkin math (A100, D = 128, causal 8K x 8K, fp16): backward = 2.5x forward matmul flops
+// (5 matmuls vs 2) = 2.5 * 2 * 2 * 8K^2 * 128 / 2 ~ 43 GFLOP per head; at ~200 TFLOP/s usable
+// that is ~0.2 ms a head; the deterministic mode recomputes S and dP once more (+2 matmuls, 7/5
+// of the flops). Q/dO re-reads: 8K/64 key tiles x 8K x 128 x 2 B x 2 ~ 0.5 GB... per head at
+// 1.5 TB/s ~ 0.35 ms unless L2 catches it (Q/dO of one head: 4 MB fits the 40 MB L2): this is
+// why BN is as large as smem allows. No GPU was available while writing this: these are
+// estimates, not measurements.
+//
+// Build: NVRTC through burstcu.kernels (name expressions from bwd_variants.py), e.g.
+//   nvrtc -std=c++17 --gpu-architecture=sm_80 -I kernels -I <cuda include> -Xptxas=-v
+// or on the CPU through the emulator (burstcu.kernels.emulate.build_module).
+// ---------------------------------------------------------------------------------------------
+
+#include "common.cuh"
+
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------------
+// Fragment loads from shared memory (ldmatrix). Lane l supplies the row address for 8x8
+// matrix l/8; matrix order matches the register order of the mma.m16n8k16 operand.
+// ---------------------------------------------------------------------------------------------
+
+/// A operand (16 x 16) at (row0, col0) of a row-major tile s[m][k] with row stride `ld`.
+template <typename T>
+__device__ __forceinline__ void ld_a(u32 a[4], const T* s, int ld, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(a, s + (row0 + (lane & 15)) * ld + col0 + (lane >> 4) * 8);
+}
+
+/// A operand (16 x 16, m from m0, k from k0) read from transposed storage s[k][m].
+template <typename T>
+__device__ __forceinline__ void ld_a_t(u32 a[4], const T* s, int ld, int k0, int m0) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldmatrix_x4_trans(a, s + (k0 + r + (i >> 1) * 8) * ld + m0 + (i & 1) * 8);
+}
+
+/// B operands of two n8 tiles (n0..n0+15, k0..k0+15) from storage s[n][k]:
+/// b[0..1] for n0..n0+7, b[2..3] for n0+8..n0+15.
+template <typename T>
+__device__ __forceinline__ void ld_b(u32 b[4], const T* s, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldmatrix_x4(b, s + (n0 + r + (i >> 1) * 8) * ld + k0 + (i & 1) * 8);
+}
+
+/// B operands of two n8 tiles from storage s[k][n] (row-major K x N), same register order.
+template <typename T>
+__device__ __forceinline__ void ld_b_t(u32 b[4], const T* s, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldmatrix_x4_trans(b, s + (k0 + r + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level matmuls on mma.m16n8k16. C fragments: c[j][0..1] at (row g, col 8j+2t+{0,1}),
+// c[j][2..3] at (row g+8, same cols), g = lane/4, t = lane%4.
+// ---------------------------------------------------------------------------------------------
+
+/// c (16 x NCOLS) = sA[a_row0 : +16, 0:D] . sB[0:NCOLS, 0:D]^T, both row-major with stride ld.
+template <typename T, int NCOLS, int D>
+__device__ __forceinline__ void gemm_nt(float c[NCOLS / 8][4], const T* sA, int a_row0,
+                                        const T* sB, int ld) {
+#pragma unroll
+    for (int j = 0; j < NCOLS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[4];
+        ld_a(a, sA, ld, a_row0, kk * 16);
+#pragma unroll
+        for (int nb = 0; nb < NCOLS / 16; ++nb) {
+            u32 b[4];
+            ld_b(b, sB, ld, nb * 16, kk * 16);
+            mma_m16n8k16<T>(c[2 * nb], a, b, c[2 * nb]);
+            mma_m16n8k16<T>(c[2 * nb + 1], a, b + 2, c[2 * nb + 1]);
+        }
+    }
+}
+
+/// acc (16 x NW) += X (16 x KDIM, fp32 accumulator fragments, rounded to T here)
+///                  . sB[0:KDIM, n0:n0+NW] (row-major, stride ld).
+/// The C fragments of two adjacent n8 tiles form the A fragment of one k16 slice.
+template <typename T, int KDIM, int NW>
+__device__ __forceinline__ void gemm_rs(float acc[NW / 8][4], const float x[KDIM / 8][4],
+                                        const T* sB, int ld, int n0) {
+#pragma unroll
+    for (int kk = 0; kk < KDIM / 16; ++kk) {
+        const u32 a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]),
+                          pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                          pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                          pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+        for (int nd = 0; nd < NW / 16; ++nd) {
+            u32 b[4];
+            ld_b_t(b, sB, ld, kk * 16, n0 + nd * 16);
+            mma_m16n8k16<T>(acc[2 * nd], a, b, acc[2 * nd]);
+            mma_m16n8k16<T>(acc[2 * nd + 1], a, b + 2, acc[2 * nd + 1]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Global -> shared loads
+// ---------------------------------------------------------------------------------------------
+
+/// Copy ROWS x D elements (row r at g + r*row_stride) into s (row stride ld) with cp.async;
+/// rows >= rows_valid are zero-filled. Needs 16-byte aligned rows (the launcher checks).
+template <typename T, int ROWS, int D, int NT>
+__device__ __forceinline__ void load_tile_async(T* s, int ld, const T* g, long long row_stride,
+                                                int rows_valid) {
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        const bool valid = r < rows_valid;
+        cp_async_16(s + r * ld + col, valid ? g + r * row_stride + col : g, valid);
+    }
+}
+
+/// Per-query statistics of ROWS rows: lse2 = lse * log2e (+inf for rows past rows_valid and for
+/// rows with lse = -inf, so that P = 0 there), delta (0 past rows_valid).
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_row_stats(float* s_lse2, float* s_delta, const float* lse,
+                                               const float* delta, int rows_valid) {
+    for (int r = threadIdx.x; r < ROWS; r += NT) {
+        const bool valid = r < rows_valid;
+        const float l = valid ? lse[r] : -INFINITY;
+        s_lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+        s_delta[r] = valid ? delta[r] : 0.f;
+    }
+}
+
+/// Whether a (query tile at m0, key tile at n0) pair needs the element mask: it straddles the
+/// causal diagonal or runs past k_len (rows past q_len are zeroed through lse2 = +inf).
+__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int bn, int k_len, int q_pos,
+                                                int k_pos, int causal) {
+    return n0 + bn > k_len || (causal && q_pos + m0 < k_pos + n0 + bn - 1);
+}
+
+}  // namespace bwd
+
+// ---------------------------------------------------------------------------------------------
+// delta = rowsum(dO o O)
+// ---------------------------------------------------------------------------------------------
+
+/// out, dout: (B, S, H, D) in T with strides (sb, ss, sh) shared by both, last dim contiguous;
+/// delta: (B, H, S) fp32 with strides (st_sb, st_sh, 1). One warp per (b, s, h) row, 4 a block.
+template <typename T>
+__global__ void __launch_bounds__(128)
+flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, int D, int sb,
+                int ss, int sh, int st_sb, int st_sh) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= (long long)B * S * H) return;  // whole warps leave together
+    const int h = (int)(row % H), s = (int)((row / H) % S), b = (int)(row / ((long long)H * S));
+    const long long off = (long long)b * sb + (long long)s * ss + (long long)h * sh;
+    float acc = 0.f;
+    for (int d = lane; d < D; d += 32)  // consecutive lanes read consecutive elements
+        acc += to_float<T>(out[off + d]) * to_float<T>(dout[off + d]);
+    acc = warp_sum<32>(acc);
+    if (lane == 0) delta[(long long)b * st_sb + (long long)h * st_sh + s] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared argument list of the step kernels (pointers at element (0,0,0,0); strides in elements)
+//   q, dout (B,Sq,H,D) T, strides q_sb,q_ss,q_sh     k, v (B,Sk,Hkv,D) T, strides k_*
+//   lse, delta (B,H,Sq) fp32, strides st_sb, st_sh   dq (B,Sq,H,D) fp32, strides dq_*
+//   dk, dv (B,Sk,Hkv,D) fp32, strides dk_*           rectangle q_start..causal, softmax scale
+// ---------------------------------------------------------------------------------------------
+#define BWD_STEP_PARAMS                                                                         \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                \
+        const T *__restrict__ dout, const float *__restrict__ lse,                              \
+        const float *__restrict__ delta, float *__restrict__ dq, float *__restrict__ dk,       \
+        float *__restrict__ dv, int H, int Hkv, int q_sb, int q_ss, int q_sh, int k_sb,         \
+        int k_ss, int k_sh, int st_sb, int st_sh, int dq_sb, int dq_ss, int dq_sh, int dk_sb,   \
+        int dk_ss, int dk_sh, int q_start, int q_len, int k_start, int k_len, int q_pos,        \
+        int k_pos, int causal, float scale
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
+// ---------------------------------------------------------------------------------------------
+
+/// Grid (ceil(k_len / BN), Hkv, B); block (BN/16) * WARPS_D warps; dynamic smem
+/// bwd_dkdv_smem_bytes (see bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta,
+/// and with DQ a BN x BM tile of dS.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ>
+__global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
+flash_bwd_dkdv(BWD_STEP_PARAMS) {
+    using namespace bwd;
+    constexpr int WN = BN / 16, NW = WN * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
+    constexpr int LD = D + 8, LDS = BM + 8;  // padded smem row strides (elements)
+    static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
+
+    const int n0 = blockIdx.x * BN, hkv = blockIdx.y, b = blockIdx.z;
+    const int group = H / Hkv;
+    // First Q tile that sees any key of this tile: query i sees key n0 iff q_pos+i >= k_pos+n0.
+    int m_begin = 0;
+    if (causal && k_pos + n0 - q_pos > 0) m_begin = (k_pos + n0 - q_pos) / BM * BM;
+    if (n0 >= k_len || m_begin >= q_len) return;  // uniform over the CTA: nothing to add
+    const int m_tiles = (q_len - m_begin + BM - 1) / BM, n_it = group * m_tiles;
+
+    BURSTCU_DYNAMIC_SMEM(T, sK);
+    T* sV = sK + BN * LD;
+    T* sQ = sV + BN * LD;        // [2][BM][LD]
+    T* sdO = sQ + 2 * BM * LD;   // [2][BM][LD]
+    T* sdS = sdO + 2 * BM * LD;  // [BN][LDS], DQ only
+    float* sLse2 = reinterpret_cast<float*>(sdS + (DQ ? BN * LDS : 0));  // [2][BM]
+    float* sDelta = sLse2 + 2 * BM;                                       // [2][BM]
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wn = warp % WN, wd = warp / WN;
+    const float scale_log2 = scale * kLog2e;
+
+    {  // resident K, V tile: one cp.async group
+        const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
+                              (long long)hkv * k_sh;
+        load_tile_async<T, BN, D, NT>(sK, LD, k + off, k_ss, k_len - n0);
+        load_tile_async<T, BN, D, NT>(sV, LD, v + off, k_ss, k_len - n0);
+        cp_async_commit();
+    }
+    // Iteration it visits query head hkv*group + it / m_tiles, Q tile m_begin + (it % m_tiles)*BM.
+    auto prefetch = [&](int it, int stage) {
+        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+        const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
+                              (long long)h * q_sh;
+        load_tile_async<T, BM, D, NT>(sQ + stage * BM * LD, LD, q + off, q_ss, q_len - m0);
+        load_tile_async<T, BM, D, NT>(sdO + stage * BM * LD, LD, dout + off, q_ss, q_len - m0);
+        cp_async_commit();
+        const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + m0;
+        load_row_stats<BM, NT>(sLse2 + stage * BM, sDelta + stage * BM, lse + st, delta + st,
+                               q_len - m0);
+    };
+
+    float acc_dk[DW / 8][4], acc_dv[DW / 8][4];
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+
+    prefetch(0, 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int stage = it & 1;
+        if (it + 1 < n_it) {  // overlap the next tile's copy with this tile's math
+            prefetch(it + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+        const T* q_s = sQ + stage * BM * LD;
+        const T* do_s = sdO + stage * BM * LD;
+        const float* lse2_s = sLse2 + stage * BM;
+        const float* delta_s = sDelta + stage * BM;
+
+        // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
+        float s[BM / 8][4];
+        gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
+        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
+                float p = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
+                if (masked && (key >= k_len || (causal && q_pos + m0 + qi < k_pos + key))) p = 0.f;
+                s[j][e] = p;
+            }
+        gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);  // dV += P^T dO
+
+        // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
+        float ds[BM / 8][4];
+        gemm_nt<T, BM, D>(ds, sV, wn * 16, do_s, LD);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                ds[j][e] = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
+        gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);  // dK += dS^T Q (scaled at the end)
+
+        if constexpr (DQ) {
+            if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = wn * 16 + g + hf * 8, col = j * 8 + 2 * t;
+                        *reinterpret_cast<u32*>(sdS + row * LDS + col) =
+                            pack2<T>(ds[j][2 * hf], ds[j][2 * hf + 1]);
+                    }
+            }
+            __syncthreads();
+            // dQ (BM x D) += scale * dS (BM x BN) . K (BN x D): units of 16 rows x 32 columns.
+            constexpr int MB = BM / 16, NCH = D / 32;
+            for (int u = warp; u < MB * NCH; u += NW) {
+                const int mb = u % MB, c0 = (u / MB) * 32;
+                float acc[4][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    u32 a[4];
+                    ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        u32 bb[4];
+                        ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
+                        mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
+                        mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + mb * 16 + g + (e >> 1) * 8;
+                    if (row >= q_len) continue;
+                    float* dst = dq + (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
+                                 (long long)h * dq_sh + c0 + 2 * t + (e & 1);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) atomicAdd(dst + j * 8, scale * acc[j][e]);
+                }
+            }
+        }
+        __syncthreads();  // stage `stage` (and sdS) is overwritten by the next prefetch
+    }
+
+    // This CTA is the only writer of its dK/dV rows: plain read-add-write, no atomics.
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = n0 + wn * 16 + g + (e >> 1) * 8;
+            if (row >= k_len) continue;
+            const long long off = (long long)b * dk_sb + (long long)(k_start + row) * dk_ss +
+                                  (long long)hkv * dk_sh + wd * DW + j * 8 + 2 * t + (e & 1);
+            dk[off] += scale * acc_dk[j][e];
+            dv[off] += acc_dv[j][e];
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic dQ: a CTA owns (batch, head, BM-row Q tile)
+// ---------------------------------------------------------------------------------------------
+
+/// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
+/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. Same arguments as flash_bwd_dkdv
+/// (dk, dv unused). Each dQ element is read, added to and written by one thread.
+template <typename T, int D, int BM, int BN, int WARPS_D>
+__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
+flash_bwd_dq(BWD_STEP_PARAMS) {
+    using namespace bwd;
+    constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
+    constexpr int LD = D + 8;
+    static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
+
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+    const int hkv = h / (H / Hkv);
+    if (m0 >= q_len) return;
+    // Keys visible to the tile's last row: j <= q_pos + m_last - k_pos.
+    const int m_last = min(m0 + BM, q_len) - 1;
+    const int n_end = causal ? min(k_len, q_pos + m_last - k_pos + 1) : k_len;
+    if (n_end <= 0) return;
+    const int n_it = (n_end + BN - 1) / BN;
+
+    BURSTCU_DYNAMIC_SMEM(T, sQ);
+    T* sdO = sQ + BM * LD;
+    T* sK = sdO + BM * LD;     // [2][BN][LD]
+    T* sV = sK + 2 * BN * LD;  // [2][BN][LD]
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WM, wd = warp / WM;
+    const float scale_log2 = scale * kLog2e;
+
+    {
+        const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
+                              (long long)h * q_sh;
+        load_tile_async<T, BM, D, NT>(sQ, LD, q + off, q_ss, q_len - m0);
+        load_tile_async<T, BM, D, NT>(sdO, LD, dout + off, q_ss, q_len - m0);
+        cp_async_commit();
+    }
+    auto prefetch = [&](int it, int stage) {
+        const int n0 = it * BN;
+        const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
+                              (long long)hkv * k_sh;
+        load_tile_async<T, BN, D, NT>(sK + stage * BN * LD, LD, k + off, k_ss, k_len - n0);
+        load_tile_async<T, BN, D, NT>(sV + stage * BN * LD, LD, v + off, k_ss, k_len - n0);
+        cp_async_commit();
+    };
+
+    // This thread's two query rows (g and g + 8 of the warp's 16): lse2 and delta in registers.
+    float lse2[2], dlt[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = m0 + wm * 16 + g + hf * 8;
+        const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + row;
+        const float l = row < q_len ? lse[st] : -INFINITY;
+        lse2[hf] = l == -INFINITY ? INFINITY : l * kLog2e;
+        dlt[hf] = row < q_len ? delta[st] : 0.f;
+    }
+
+    float acc[DW / 8][4];
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+    prefetch(0, 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int stage = it & 1, n0 = it * BN;
+        if (it + 1 < n_it) {
+            prefetch(it + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* k_s = sK + stage * BN * LD;
+        const T* v_s = sV + stage * BN * LD;
+
+        float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
+        gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
+        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
+                float p = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
+                if (masked && (key >= k_len || (causal && q_pos + qi < k_pos + key))) p = 0.f;
+                s[j][e] = p;
+            }
+        float ds[BN / 8][4];  // dP = dO V^T, then dS
+        gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dlt[e >> 1]);
+        gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);  // dQ += dS K (scaled at the end)
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = m0 + wm * 16 + g + (e >> 1) * 8;
+            if (row >= q_len) continue;
+            const long long off = (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
+                                  (long long)h * dq_sh + wd * DW + j * 8 + 2 * t + (e & 1);
+            dq[off] += scale * acc[j][e];
+        }
+}
+
+#undef BWD_STEP_PARAMS

@@ -1,0 +1,389 @@
+/*
+flash_fwd.cu — the forward step of BurstAttention's local attention (LAO), and its finalize.
+
+ALGORITHM
+FlashAttention-2 forward, cut at ring-step boundaries. A rank keeps, for its local queries, the
+running online-softmax state of every row in fp32:
+    acc (B, S, H, D)  sum_j exp2(s_ij - m_i) * v_j          (un-normalised output)
+    m   (B, H, S)     running max of the scaled scores s_ij = (q_i . k_j) * scale * log2(e)
+    l   (B, H, S)     running sum_j exp2(s_ij - m_i)
+One launch of `flash_fwd_step` folds one K/V rectangle (a `burstcu.layout.Block`) into that
+state: each block of threads reads the state of its BLOCK_M query rows, streams the K/V rows in
+BLOCK_N-row tiles through shared memory, updates (acc, m, l) in registers with the usual FA2
+rescaling, and writes the state back. The merge of ring steps is therefore fused into the kernel:
+no partial output and no partial lse ever reach global memory, and the ring engine never runs a
+separate merge. `flash_fwd_finalize` ends the pass: out = acc / l, lse = (m + log2 l) * ln 2
+(natural log, as kernels/README.md specifies); a row that saw no key gets out 0 and lse -inf.
+
+Inside a step (one thread block = NWARPS warps, each warp owns 16 query rows, BLOCK_M = 16*NWARPS):
+    cp.async Q tile -> smem, K/V tile 0 -> smem stage 0
+    for each K/V tile j that is not wholly in the causal future:
+        cp.async K/V tile j+1 -> smem stage (j+1)%2          (double buffer: load overlaps math)
+        S = Q K^T           mma.m16n8k16, A = Q from ldmatrix.x4, B = K from ldmatrix.x4
+        mask                only if the tile straddles the diagonal or k_len (else no work)
+        m' = max(m, rowmax S); P = exp2(S - m'); l = l*exp2(m-m') + rowsum P; acc *= exp2(m-m')
+        acc += P V          P re-packed from the S accumulator fragments into A fragments (no
+                            smem round trip), V from ldmatrix.x4.trans
+    write acc, m, l back
+A row whose keys are all masked so far keeps m = -inf; the exponent then uses 0 instead of m so
+that exp2(-inf - (-inf)) never makes a NaN (the "finite -inf guard").
+
+VARIANTS (burstcu/kernels/fwd_variants.py lists them; each is one template instantiation)
+    flash_fwd_step<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>   T in {__half, __nv_bfloat16}
+        native HEADDIM in {32, 64, 96, 128, 256}; any other multiple of 8 up to 256 runs the next
+        native one with q/k/v zero-padded (zeros add nothing to q.k nor to the padded output
+        columns, which are dropped; the softmax scale stays 1/sqrt(real d)).
+    flash_fwd_finalize<T>   T in {__half, __nv_bfloat16, float}
+
+TILE SIZES AND WHY
+The BurstAttention paper (like FlashAttention-1) sizes the key tile from the on-chip memory M as
+B_c = M / (4 d): on an A100 (163 KB usable smem = 83K fp16 elements) that is 326 rows at d = 64
+and 163 at d = 128 — an upper bound, not a choice, because it spends the whole SM on one block.
+The working constraints are, in order:
+  1. registers: a thread holds D/2 fp32 of acc, BLOCK_N/2 fp32 of S, D/4 u32 of Q fragments (for
+     D <= 128; at D = 256 Q is re-read from smem per tile, else acc+Q alone is 192 registers)
+     and must stay <= 255 with no spills (the compile gate checks);
+  2. shared memory: Q tile + 2 stages x (K + V) tiles, every row padded by 16 bytes so that the
+     8 row addresses of an ldmatrix fall in 8 different bank groups (no conflicts, for every
+     head dim including 96 where an XOR swizzle over 12 chunks does not close);
+  3. at least two thread blocks (>= 8 warps) resident per SM, so one block's barrier or
+     cp.async wait is covered by another's math.
+Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes):
+    D    sm_80 (164 KB/SM)                 sm_90 (228 KB/SM)
+    32   4 warps, 64 x 128,  45 KB         same
+    64   8 warps, 128 x 64,  54 KB         same
+    96   4 warps, 64 x 32,   39 KB         4 warps, 64 x 64, 65 KB
+    128  4 warps, 64 x 32,   51 KB         8 warps, 128 x 32, 68 KB
+    256  4 warps, 64 x 32,   99 KB         same
+sm_90 gets larger tiles where its extra 64 KB of smem still leaves two blocks per SM. There is no
+Hopper-specific path (wgmma/TMA): sm_90 runs the same mma.sync code.
+`python bench/ptxas_report.py` prints the registers, smem and the occupancy they allow (computed
+from ptxas, not measured).
+
+NAPKIN MATH (A100: 312 TFLOP/s fp16 tensor, 1.55 TB/s HBM; untested — nothing here has run on a GPU)
+Per K/V tile a block does 4 * BLOCK_M * BLOCK_N * D flops for 4 * BLOCK_N * D bytes of K and V,
+i.e. BLOCK_M flop/byte from L2 (K/V tiles are shared by all query tiles of a head, so HBM sees
+them about once per launch). Fusing the merge costs 8 D bytes of state traffic (read + write acc)
+per query row per step against 4 k_len D flops: memory/compute = (8 / 1.55e12) / (4 k_len / 312e12)
+= 400 / k_len, so ~10% at k_len = 4096 before any overlap between blocks, and a separate merge
+kernel would move more (it reads a partial output and the state and writes the state). The target
+is FA2-level throughput per step; it is a goal, not a figure: UNTESTED on any GPU.
+
+BUILD
+    NVRTC (gate): python -m burstcu.kernels check --arch sm_80,sm_90 --json gate.json
+        options: -std=c++17 --gpu-architecture=sm_XX -default-device --use_fast_math
+                 -I kernels/ -I <nvidia cu13 include> -Xptxas=-v
+    at run time: burstcu.ops.kernel_ops.KernelOps("cupy") (same NVRTC path, CUBIN cached on disk)
+    CPU emulator: burstcu.ops.kernel_ops.KernelOps("emulated") (g++ with kernels/emu/cuda_emu.h)
+    cross-check: nvcc -cubin -arch=sm_90 -Xptxas -v -I kernels -DBURSTCU_NVCC_CHECK kernels/flash_fwd.cu
+        (instantiates one variant per head dim so nvcc has something to compile)
+
+ARGUMENT CONVENTIONS
+Strides are in elements, 64-bit (a (B, S, H, D) tensor passes 2^31 elements at S = 1M, H = 16,
+D = 128). q, k, v, acc and out have a contiguous last dim whose stride is 1; their strides must be
+even (float2 / 16-byte accesses), which they are for any native D. m, l, lse have stride 1 along
+S. All other sizes are int32.
+*/
+
+#include "common.cuh"
+
+// ------------------------------------------------------------------------------------------------
+// small helpers (not primitives: index arithmetic and constants only)
+
+namespace fwd {
+
+// -inf: common.cuh defines INFINITY where NVRTC lacks math.h.
+__device__ __forceinline__ float neg_inf() { return -INFINITY; }
+
+// Shared-memory row stride in elements: D plus 8 elements (16 bytes) of padding, so that the
+// 8 rows one ldmatrix reads start in 8 different 16-byte bank groups.
+template <int HEADDIM>
+struct SmemRow {
+  static constexpr int kStride = HEADDIM + 8;
+};
+
+// Bytes of dynamic shared memory a step launch needs: Q tile + 2 stages of (K, V) tiles.
+template <int HEADDIM, int BLOCK_M, int BLOCK_N>
+struct SmemBytes {
+  static constexpr int kValue = (BLOCK_M + 4 * BLOCK_N) * SmemRow<HEADDIM>::kStride * 2;
+};
+
+// Copy `rows` x HEADDIM elements (16-byte chunks) from global rows [row0, row0 + rows) into smem
+// with cp.async; rows at or past `valid_rows` are zero-filled and read nothing.
+//   dst: smem tile, rows x kStride elements;  src: element (row0, 0) of the global tensor;
+//   row_stride: elements between consecutive global rows.
+template <typename T, int HEADDIM, int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
+                                          int valid_rows, int tid) {
+  constexpr int kChunks = HEADDIM / 8;  // 16-byte chunks per row
+  constexpr int kStride = SmemRow<HEADDIM>::kStride;
+#pragma unroll
+  for (int i = tid; i < ROWS * kChunks; i += NTHREADS) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    const bool valid = row < valid_rows;
+    // An invalid row still needs a dereferenceable-looking address; row 0 always is (the
+    // caller never loads a tile with valid_rows <= 0).
+    const T* g = src + (valid ? row : 0) * row_stride + chunk * 8;
+    cp_async_16(dst + row * kStride + chunk * 8, g, valid);
+  }
+}
+
+}  // namespace fwd
+
+// ------------------------------------------------------------------------------------------------
+// forward step
+
+/* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
+   into the running state (acc, m, l) of those query rows.
+
+   q   (B, Sq, H, D)  T;      strides q_sb, q_sr, q_sh
+   k,v (B, Sk, Hkv, D) T;     strides kv_sb, kv_sr, kv_sh (k and v share them)
+   acc (B, Sq, H, D)  float;  strides acc_sb, acc_sr, acc_sh
+   m,l (B, H, Sq)     float;  strides ml_sb, ml_sh (stride 1 along Sq)
+   causal != 0: element (i, j) kept iff q_pos + i >= k_pos + j (i, j relative to q_start, k_start)
+   scale_log2 = softmax_scale * log2(e)
+   grid (ceil(q_len / BLOCK_M), H, B), block NWARPS * 32 threads,
+   dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
+               long long q_sb, long long q_sr, long long q_sh,
+               long long kv_sb, long long kv_sr, long long kv_sh,
+               long long acc_sb, long long acc_sr, long long acc_sh,
+               long long ml_sb, long long ml_sh,
+               int B, int H, int Hkv, int q_start, int q_len, int k_start, int k_len,
+               int q_pos, int k_pos, int causal, float scale_log2) {
+  static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
+  static_assert(HEADDIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-chunks are 16 wide");
+  constexpr int kThreads = NWARPS * 32;
+  constexpr int kStride = fwd::SmemRow<HEADDIM>::kStride;
+  constexpr int kDTiles = HEADDIM / 8;   // n-tiles of the P V product (8 output dims each)
+  constexpr int kNTiles = BLOCK_N / 8;   // n-tiles of the Q K^T product (8 keys each)
+  constexpr int kKChunks = HEADDIM / 16; // k-chunks of Q K^T
+  // Q fragments live in registers when they fit next to acc (D/4 + D/2 registers); at D = 256
+  // they would take 64 more than the budget allows, so they are re-read from smem per tile.
+  constexpr bool kQInRegs = HEADDIM <= 128;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv);
+  const int q0 = blockIdx.x * BLOCK_M;   // first query row of this block, relative to q_start
+  const int w0 = q0 + warp * 16;         // first query row of this warp
+
+  // Keys that any row of this block may see: with causal, key j is visible to the last valid
+  // row iff k_pos + j <= q_pos + last; tiles past that are never loaded.
+  const int q_last = min(q0 + BLOCK_M, q_len) - 1;
+  int n_keys = k_len;
+  if (causal) n_keys = min(k_len, q_pos + q_last - k_pos + 1);
+  if (q_last < q0 || n_keys <= 0) return;  // whole block in the future: state unchanged
+  const int n_tiles = (n_keys + BLOCK_N - 1) / BLOCK_N;
+
+  BURSTCU_DYNAMIC_SMEM(T, smem);
+  // layout: Q | K0 V0 | K1 V1; stage s of K starts at sK0 + s * kStage (plain arithmetic, not a
+  // pointer array, which would be indexed at run time and land on the stack)
+  constexpr int kStage = 2 * BLOCK_N * kStride;
+  T* sQ = smem;
+  T* sK0 = sQ + BLOCK_M * kStride;
+  T* sV0 = sK0 + BLOCK_N * kStride;
+
+  const T* gQ = q + b * q_sb + (long long)(q_start + q0) * q_sr + h * q_sh;
+  const T* gK = k + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
+  const T* gV = v + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
+
+  // ---- prologue: Q tile and K/V tile 0 in flight
+  fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
+  cp_async_commit();
+  fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK, kv_sr, n_keys, tid);
+  fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV, kv_sr, n_keys, tid);
+  cp_async_commit();
+
+  // ---- running state of this thread's two rows (w0 + g, w0 + g + 8), read while loads fly
+  const int row[2] = {w0 + g, w0 + g + 8};
+  const bool row_ok[2] = {row[0] < q_len, row[1] < q_len};
+  float o[kDTiles][4];  // acc fragment: o[j][0..1] row 0, dims 8j+2t..+1; o[j][2..3] row 1
+  float m_i[2], l_i[2]; // l_i is this thread's partial row sum: only t == 0 starts from l
+  float* ml_base_m = m + b * ml_sb + h * ml_sh + q_start;
+  float* ml_base_l = l + b * ml_sb + h * ml_sh + q_start;
+  float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m_i[r] = row_ok[r] ? ml_base_m[row[r]] : fwd::neg_inf();
+    l_i[r] = (row_ok[r] && t == 0) ? ml_base_l[row[r]] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      float2 a = make_float2(0.f, 0.f);
+      if (row_ok[r]) a = *reinterpret_cast<const float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t);
+      o[j][2 * r] = a.x;
+      o[j][2 * r + 1] = a.y;
+    }
+  }
+
+  u32 qf[kQInRegs ? kKChunks : 1][4];  // Q A-fragments, one x4 per 16-wide k-chunk
+  // ldmatrix.x4 row addresses for an A fragment: lanes 0-15 rows 0-15 at col 0, lanes 16-31 the
+  // same rows at col 8 (matrices: rows 0-7|8-15 x cols 0-7|8-15 = a0, a1, a2, a3).
+  const T* q_frag_row = sQ + (warp * 16 + lane % 16) * kStride + (lane / 16) * 8;
+  // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
+  const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
+  // V B-fragments (transposed): matrix i = keys 8*(i%2).., dims 8*(i/2)..
+  const int v_frag_row = lane % 16, v_frag_col = (lane / 16) * 8;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int stage = tile % 2, n0 = tile * BLOCK_N;
+    if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
+      const int nn = n0 + BLOCK_N;
+      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, gK + nn * kv_sr, kv_sr, n_keys - nn, tid);
+      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0 + (stage ^ 1) * kStage, gV + nn * kv_sr, kv_sr, n_keys - nn, tid);
+      cp_async_commit();
+      cp_async_wait<1>();  // everything but the prefetch: Q and this tile
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (kQInRegs && tile == 0) {
+#pragma unroll
+      for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
+    }
+
+    // A warp whose rows all precede every key of the tile, or that has no valid row, adds
+    // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
+    const bool warp_live = w0 < q_len && (!causal || q_pos + w0 + 15 >= k_pos + n0);
+    if (warp_live) {
+      // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
+      float s[kNTiles][4];
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      const T* kt = sK0 + stage * kStage;
+#pragma unroll
+      for (int kc = 0; kc < kKChunks; ++kc) {
+        u32 a_smem[4];
+        const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
+        if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
+#pragma unroll
+        for (int jp = 0; jp < kNTiles / 2; ++jp) {
+          u32 kb[4];
+          ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
+          mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
+          mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
+        }
+      }
+
+      // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
+      const bool need_mask = n0 + BLOCK_N > n_keys || (causal && k_pos + n0 + BLOCK_N - 1 > q_pos + w0);
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[j][e] * scale_log2;
+          if (need_mask) {
+            const int key = n0 + 8 * j + 2 * t + (e & 1);
+            const int qr = row[e / 2];
+            const bool keep = key < k_len && (!causal || q_pos + qr >= k_pos + key);
+            x = keep ? x : fwd::neg_inf();
+          }
+          s[j][e] = x;
+        }
+      }
+
+      // ---- online softmax: new max, rescale factor, P = exp2(S - m)
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+        mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
+        // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
+        // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+        const float ref = mx == fwd::neg_inf() ? 0.f : mx;
+        alpha[r] = exp2f(m_i[r] - ref);
+        m_i[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+          s[j][2 * r] = exp2f(s[j][2 * r] - ref);
+          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - ref);
+          sum += s[j][2 * r] + s[j][2 * r + 1];
+        }
+        l_i[r] = l_i[r] * alpha[r] + sum;  // partial: reduced over the row group at the end
+      }
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+      }
+
+      // ---- acc += P V: the S accumulator layout of two n-tiles is the A layout of one k-chunk
+      const T* vt = sV0 + stage * kStage;
+#pragma unroll
+      for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
+        u32 pa[4];
+        pa[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);          // row g,   keys 2t..
+        pa[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);          // row g+8, keys 2t..
+        pa[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);  // row g,   keys 8+2t..
+        pa[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);  // row g+8, keys 8+2t..
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          u32 vb[4];
+          ldmatrix_x4_trans(vb, vt + (kc * 16 + v_frag_row) * kStride + dp * 16 + v_frag_col);
+          mma_m16n8k16<T>(o[2 * dp], pa, vb, o[2 * dp]);
+          mma_m16n8k16<T>(o[2 * dp + 1], pa, vb + 2, o[2 * dp + 1]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
+
+  // ---- write the state back (rows past q_len were never read and are not written)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = warp_sum<4>(l_i[r]);
+    if (!row_ok[r]) continue;
+    if (t == 0) {
+      ml_base_m[row[r]] = m_i[r];
+      ml_base_l[row[r]] = lsum;
+    }
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j)
+      *reinterpret_cast<float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// finalize
+
+/* out = acc / l and lse = (m + log2 l) * ln 2 for every (b, s, h); rows with l == 0 get out 0 and
+   lse -inf.
+   acc (B, S, H, D) float; strides acc_sb, acc_sr, acc_sh
+   out (B, S, H, D) T;     strides out_sb, out_sr, out_sh
+   m, l (B, H, S) float;   strides ml_sb, ml_sh;   lse (B, H, S) float, strides lse_sb, lse_sh
+   grid (ceil(S * D / 256), H, B), block 256: one thread per output element (memory bound; the
+   per-element divisions by D are hidden behind the loads). */
+template <typename T>
+__global__ void __launch_bounds__(256)
+flash_fwd_finalize(const float* __restrict__ acc, const float* __restrict__ m,
+                   const float* __restrict__ l, T* __restrict__ out, float* __restrict__ lse,
+                   long long acc_sb, long long acc_sr, long long acc_sh,
+                   long long out_sb, long long out_sr, long long out_sh,
+                   long long ml_sb, long long ml_sh, long long lse_sb, long long lse_sh,
+                   int B, int S, int H, int D) {
+  const int h = blockIdx.y, b = blockIdx.z;
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)S * D) return;
+  const int s = (int)(idx / D), d = (int)(idx % D);
+  const float lv = l[b * ml_sb + h * ml_sh + s];
+  const float a = acc[b * acc_sb + s * acc_sr + h * acc_sh + d];
+  out[b * out_sb + s * out_sr + h * out_sh + d] = from_float<T>(lv > 0.f ? a / lv : 0.f);
+  if (d == 0) {
+    const float mv = m[b * ml_sb + h * ml_sh + s];
+    const float ln2 = 0.6931471805599453f;
+    lse[b * lse_sb + h * lse_sh + s] = lv > 0.f ? (mv + log2f(lv)) * ln2 : fwd::neg_inf();
+  }
+}
+
+#if defined(BURSTCU_NVCC_CHECK)
+// nvcc cross-check only: explicit instantiations (NVRTC and the emulator use name expressions).
+template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float);
+template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float);
+template __global__ void flash_fwd_finalize<__half>(const float*, const float*, const float*, __half*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int);
+#endif

@@ -1,0 +1,198 @@
+"""Test bodies run on every rank under `mpiexec -n N` (any N). Each asserts on its own rank's
+results and returns a small JSON-able summary that pytest checks for every rank.
+
+The expected values are computed here independently of burstcu: the float64 reference of
+tests/reference.py over the whole sequence, each rank's rows picked by its own index arithmetic,
+and the byte counts from the formulas written out below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import burstcu
+from tests.reference import attention_backward_ref, attention_ref, within_fa_rule
+
+try:
+    import ml_dtypes
+    DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+              "float64": np.float64}
+except ImportError:  # pragma: no cover
+    DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
+# the naive same-dtype implementation of the tolerance rule: fp16/bf16 naive attention is
+# computed in float32 with inputs rounded, as a framework's half-precision matmul would
+NAIVE = {"float16": np.float32, "bfloat16": np.float32, "float32": np.float32, "float64": np.float64}
+# the reference: float64, or long double when the implementation under test itself is float64
+TRUTH = {"float16": np.float64, "bfloat16": np.float64, "float32": np.float64, "float64": np.longdouble}
+
+
+def my_rows(layout: str, rank: int, size: int, n: int) -> np.ndarray:
+    """Global row indices this rank holds (written independently of burstcu.layout)."""
+    if layout == "contiguous":
+        c = n // size
+        return np.arange(rank * c, (rank + 1) * c)
+    c = n // (2 * size)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                           np.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c)])
+
+
+def make_inputs(seed, b, n, h, hkv, d, dtype, logit_scale=1.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, n, h, d)) * logit_scale
+    k = rng.standard_normal((b, n, hkv, d))
+    v = rng.standard_normal((b, n, hkv, d))
+    dout = rng.standard_normal((b, n, h, d))
+    return [x.astype(DTYPES[dtype]) for x in (q, k, v, dout)]
+
+
+def _check(name, got, ref, naive, dtype, factor=2.0):
+    ok, err, bound = within_fa_rule(got, ref, naive, EPS[dtype], factor)
+    assert ok, f"{name}: error {err:.3e} exceeds bound {bound:.3e}"
+    return err
+
+
+def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seqlen_local=38,
+                                options=None):
+    """Forward (out, lse) and backward (dq, dk, dv) against float64, plus exact byte counts."""
+    group = burstcu.init(backend=backend, **(options or {}))
+    size, rank = group.size, group.rank
+    summary = []
+    for i, case in enumerate(cases):
+        b, h, hkv, d = case["b"], case["h"], case["hkv"], case["d"]
+        causal, layout = case["causal"], case["layout"]
+        n = seqlen_local * size
+        q, k, v, dout = make_inputs(1000 + i, b, n, h, hkv, d, dtype)
+        rows = my_rows(layout, rank, size, n)
+        ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+
+        group.stats.reset()
+        out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout, return_lse=True)
+        fwd = group.stats.as_dict()
+        assert out.dtype == ql.dtype and out.shape == ql.shape and type(out) is type(ql)
+        acc = np.float64 if dtype == "float64" else np.float32
+        assert lse.dtype == acc and lse.shape == (b, h, seqlen_local)
+
+        ref_out, ref_lse = attention_ref(q, k, v, causal, dtype=TRUTH[dtype])
+        naive_out, naive_lse = attention_ref(q, k, v, causal, dtype=NAIVE[dtype])
+        errs = {"out": _check("out", out, ref_out[:, rows], naive_out[:, rows], dtype),
+                "lse": _check("lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)}
+
+        group.stats.reset()
+        dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
+                                                layout=layout)
+        bwd = group.stats.as_dict()
+        ref_grads = attention_backward_ref(dout, q, k, v, causal, dtype=TRUTH[dtype])
+        naive_grads = attention_backward_ref(dout, q, k, v, causal, dtype=NAIVE[dtype])
+        for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
+            assert got.dtype == ql.dtype and got.shape == (ql if name == "dq" else kl).shape
+            errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype)
+
+        # bytes on the wire, from the formulas (module docstring of burstcu.ring)
+        itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
+        kv = b * seqlen_local * hkv * d * itemsize
+        assert fwd["bytes_sent"] == (size - 1) * 2 * kv, (fwd, kv)
+        assert fwd["bytes_received"] == fwd["bytes_sent"]
+        assert fwd["messages"] == size - 1
+        qd = b * seqlen_local * h * d
+        bundle = 2 * qd * itemsize + 2 * b * h * seqlen_local * acc_size
+        expect_bwd = 0 if size == 1 else (size - 1) * bundle + size * qd * acc_size
+        assert bwd["bytes_sent"] == expect_bwd, (bwd, expect_bwd)
+        assert bwd["bytes_received"] == expect_bwd
+        assert bwd["messages"] == (0 if size == 1 else size + 1)
+        summary.append({"case": case, "errors": errs, "fwd_bytes": fwd["bytes_sent"],
+                        "bwd_bytes": bwd["bytes_sent"]})
+    group.close()
+    return summary
+
+
+BAD_INPUTS = {
+    # name: (which ranks get the bad input: "all" or "last", expected error type, text in message)
+    "ndim": ("all", "ValueError", "must have 4 dimensions"),
+    "heads_not_multiple": ("all", "ValueError", "multiple of nheads_kv"),
+    "headdim_differs": ("all", "ValueError", "head dim"),
+    "dtype_differs": ("all", "TypeError", "dtypes differ"),
+    "integer_dtype": ("all", "TypeError", "int32"),
+    "lengths_differ": ("all", "ValueError", "lengths must match"),
+    "not_an_array": ("all", "TypeError", "must be a numpy.ndarray"),
+    "bad_layout": ("all", "ValueError", "layout must be one of"),
+    "one_rank_wrong_ndim": ("last", "ValueError", "must have 4 dimensions"),
+    "ranks_disagree_seqlen": ("last", "ValueError", "ranks disagree"),
+    "ranks_disagree_dtype": ("last", "ValueError", "ranks disagree"),
+    "ranks_disagree_causal": ("last", "ValueError", "ranks disagree"),
+    "lse_shape": ("all", "ValueError", "lse must have shape"),
+}
+
+
+def bad_input_raises_everywhere(kind: str):
+    """Every rank must raise the expected error (none may hang or succeed); then the world is
+    still usable: a correct call afterwards works on every rank."""
+    group = burstcu.init(backend="numpy")
+    size, rank = group.size, group.rank
+    who, err_type, text = BAD_INPUTS[kind]
+    bad_here = who == "all" or (who == "last" and rank == size - 1)
+    q, k, v, dout = make_inputs(7, 1, 8, 2, 1, 16, "float32")
+    causal, layout, backward = False, "contiguous", False
+    if bad_here or kind.startswith("ranks_disagree"):
+        if kind in ("ndim", "one_rank_wrong_ndim"):
+            q = q[0]
+        elif kind == "heads_not_multiple":
+            q = np.concatenate([q, q[:, :, :1]], axis=2)  # 3 heads over... k has 1: ok; make k 2
+            k = np.concatenate([k, k], axis=2)
+            v = np.concatenate([v, v], axis=2)
+        elif kind == "headdim_differs":
+            k = k[..., :8].copy()
+            v = v[..., :8].copy()
+        elif kind == "dtype_differs":
+            k = k.astype(np.float64)
+        elif kind == "integer_dtype":
+            q, k, v = (x.astype(np.int32) for x in (q, k, v))
+        elif kind == "lengths_differ":
+            k, v = k[:, :6].copy(), v[:, :6].copy()
+        elif kind == "not_an_array":
+            q = q.tolist()
+        elif kind == "bad_layout":
+            layout = "diagonal"
+        elif kind == "ranks_disagree_seqlen" and bad_here:
+            q, k, v = (x[:, :6].copy() for x in (q, k, v))
+        elif kind == "ranks_disagree_dtype" and bad_here:
+            q, k, v = (x.astype(np.float64) for x in (q, k, v))
+        elif kind == "ranks_disagree_causal" and bad_here:
+            causal = True
+        elif kind == "lse_shape":
+            backward = True
+    try:
+        if backward:
+            out, lse = burstcu.attention(q, k, v, group, return_lse=True)
+            burstcu.attention_backward(dout, q, k, v, out, lse[:, :1], group)
+        else:
+            burstcu.attention(q, k, v, group, causal=causal, layout=layout)
+    except (ValueError, TypeError) as exc:
+        raised = (type(exc).__name__, str(exc))
+    else:
+        raised = None
+    if size == 1 and kind.startswith("ranks_disagree"):
+        assert raised is None, raised  # one rank always agrees with itself
+    else:
+        assert raised is not None, f"{kind}: rank {rank} raised nothing"
+        assert raised[0] == err_type and (text in raised[1] or "rank " in raised[1]), raised
+    # the group is still usable after the error
+    q, k, v, _ = make_inputs(8, 1, 8, 2, 1, 16, "float32")
+    out = burstcu.attention(q, k, v, group)
+    assert np.isfinite(out).all()
+    group.close()
+    return {"raised": raised}
+
+
+def shard_roundtrip(layout="zigzag"):
+    """shard then unshard gives back the global array on every rank; shard picks my rows."""
+    group = burstcu.init(backend="numpy")
+    n = 4 * group.size
+    x = np.arange(2 * n * 3, dtype=np.float32).reshape(2, n, 3)
+    local = burstcu.shard(x, group, layout=layout, axis=1)
+    assert np.array_equal(local, x[:, my_rows(layout, group.rank, group.size, n)])
+    back = burstcu.unshard(local, group, layout=layout, axis=1)
+    assert np.array_equal(back, x)
+    group.close()
+    return {"rows": my_rows(layout, group.rank, group.size, n).tolist()}
