@@ -66,16 +66,26 @@ class Trace:
         self.steps.append(StepTrace(*args))
 
 
-def _timed(fn, *args):
+def _timed(ops: LocalOps, label: str, fn, *args) -> float:
+    """Run fn(*args) inside an annotated range; host seconds spent issuing it."""
     t0 = time.perf_counter()
-    fn(*args)
+    with ops.annotate(label):
+        fn(*args)
     return time.perf_counter() - t0
 
 
-def _timed_wait(transport: Transport) -> float:
+def _timed_wait(ops: LocalOps, transport: Transport, label: str) -> float:
     t0 = time.perf_counter()
-    transport.wait()
+    with ops.annotate(label):
+        transport.wait()
     return time.perf_counter() - t0
+
+
+def _exchange(ops: LocalOps, transport: Transport, label: str, send_buf, recv_buf) -> None:
+    """Queue and post one ring exchange: send to next, receive from prev."""
+    with ops.annotate(label):
+        transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
+        transport.commit()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,13 +110,13 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
         exchanging = s < size - 1
         if exchanging:
-            transport.send_recv(cur.span("k", "v"), nxt.span("k", "v"),
-                                transport.next_rank, transport.prev_rank)
-            transport.commit()
+            _exchange(ops, transport, f"fwd {s} send/recv kv", cur.span("k", "v"), nxt.span("k", "v"))
         source = (rank - s) % size
         blocks = step_blocks(layout, rank, source, size, seqlen, causal)
-        compute_s = _timed(ops.forward_step, state, cur["k"], cur["v"], blocks) if blocks else 0.0
-        wait_s = _timed_wait(transport) if exchanging else 0.0
+        compute_s = 0.0
+        if blocks:
+            compute_s = _timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
+        wait_s = _timed_wait(ops, transport, f"fwd {s} wait") if exchanging else 0.0
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, wait_s)
     return ops.forward_finalize(state, q.dtype)
@@ -153,17 +163,16 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
         span = _backward_span(s, size)
         if span:
-            transport.send_recv(cur.span(*span), nxt.span(*span),
-                                transport.next_rank, transport.prev_rank)
-            transport.commit()
+            _exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
+                      cur.span(*span), nxt.span(*span))
         source = (rank - s) % size  # the visiting queries are source's; the keys are ours
         blocks = step_blocks(layout, source, rank, size, seqlen, causal)
         ops.copy_(dq_part, 0)
         compute_s = 0.0
         if blocks:
-            compute_s = _timed(ops.backward_step, ctx, cur["q"], cur["dout"], cur["lse"],
-                               cur["delta"], dq_part, blocks)
-        wait_s = _timed_wait(transport) if span else 0.0
+            compute_s = _timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
+                               cur["dout"], cur["lse"], cur["delta"], dq_part, blocks)
+        wait_s = _timed_wait(ops, transport, f"bwd {s} wait") if span else 0.0
         # nxt.dq now holds the dQ of the bundle we just used (received), or garbage at s == 0
         if s == 0:
             ops.copy_(nxt["dq"], dq_part)
@@ -177,9 +186,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     if size == 1:
         ops.copy_(dq, last["dq"])
     else:
-        transport.send_recv(last["dq"], dq, transport.next_rank, transport.prev_rank)
-        transport.commit()
-        wait_s = _timed_wait(transport)
+        _exchange(ops, transport, "bwd return dq", last["dq"], dq)
+        wait_s = _timed_wait(ops, transport, "bwd return dq wait")
         if trace is not None:
             trace.add("backward", size, rank, 0, 0.0, wait_s)
     dk, dv = ops.backward_finalize(ctx, k.dtype)

@@ -24,7 +24,8 @@ GQA: query head h uses key/value head h // (H // Hkv).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from contextlib import nullcontext
+from typing import Any, ContextManager, Sequence
 
 import numpy as np
 
@@ -102,6 +103,10 @@ class LocalOps(ABC):
 
     def sync(self) -> None:
         """Block the host until queued device work is done (no-op on the CPU)."""
+
+    def annotate(self, label: str) -> ContextManager:
+        """A named range around the work issued inside it (NVTX on a GPU; nothing on the CPU)."""
+        return nullcontext()
 
     # -- forward -----------------------------------------------------------------------------------
     @abstractmethod
