@@ -182,22 +182,24 @@ class NumpyOps(LocalOps):
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
         acc_t = ctx.k.dtype
         hkv = ctx.k.shape[1]
-        qg, dog = _grouped(q, hkv, acc_t), _grouped(dout, hkv, acc_t)
+        scale = acc_t.type(ctx.scale)
+        # scores exactly as the forward computed them, (scale * q) @ k^T, so that P recomputed
+        # from lse matches the forward's rounding (matters when logits are ~1e3)
+        qg = _grouped(q, hkv, acc_t) * scale
+        dog = _grouped(dout, hkv, acc_t)
         b, _, s, g, d = qg.shape
-        # exp(scale*qk - lse) == exp(score) / sum: rows with lse = -inf saw nothing; give P = 0
+        # rows with lse = -inf saw no key in the forward: P = exp(score - inf) = 0 there
         lse_rows = _rows_grouped(lse, hkv, acc_t)
         lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows)
         delta_rows = _rows_grouped(delta, hkv, acc_t)
         q_rows, do_rows = qg.reshape(b, hkv, s * g, d), dog.reshape(b, hkv, s * g, d)
         dq_acc = np.zeros_like(q_rows)
-        scale = acc_t.type(ctx.scale)
         for block in blocks:
             for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k):
                 r0, r1 = q0 * g, q1 * g
                 k_t, v_t = ctx.k[:, :, k0:k1], ctx.v[:, :, k0:k1]
                 q_t, do_t = q_rows[:, :, r0:r1], do_rows[:, :, r0:r1]
                 p = q_t @ k_t.swapaxes(-1, -2)
-                p *= scale
                 p -= lse_rows[:, :, r0:r1, None]
                 if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                     p = np.where(_causal_keep(block, q0, q1, k0, k1, g), p, -np.inf)
@@ -207,11 +209,10 @@ class NumpyOps(LocalOps):
                 ds -= delta_rows[:, :, r0:r1, None]
                 ds *= p
                 dq_acc[:, :, r0:r1] += ds @ k_t
-                ctx.dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q_t
+                ctx.dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q_t  # q_t carries the scale
         dq_acc *= scale
         dq += _ungrouped(dq_acc.reshape(b, hkv, s, g, d))
 
     def backward_finalize(self, ctx, out_dtype):
-        dk = ctx.dk * ctx.k.dtype.type(ctx.scale)
-        return (np.ascontiguousarray(dk.transpose(0, 2, 1, 3), dtype=out_dtype),
+        return (np.ascontiguousarray(ctx.dk.transpose(0, 2, 1, 3), dtype=out_dtype),
                 np.ascontiguousarray(ctx.dv.transpose(0, 2, 1, 3), dtype=out_dtype))

@@ -47,6 +47,13 @@ def make_inputs(seed, b, n, h, hkv, d, dtype, logit_scale=1.0):
     return [x.astype(DTYPES[dtype]) for x in (q, k, v, dout)]
 
 
+def on_rank0_then_bcast(compute):
+    """The references are the same for every rank: compute once, share (saves CPU on 2 cores)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    return comm.bcast(compute() if comm.Get_rank() == 0 else None, root=0)
+
+
 def _check(name, got, ref, naive, dtype, factor=2.0):
     ok, err, bound = within_fa_rule(got, ref, naive, EPS[dtype], factor)
     assert ok, f"{name}: error {err:.3e} exceeds bound {bound:.3e}"
@@ -74,8 +81,12 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
         acc = np.float64 if dtype == "float64" else np.float32
         assert lse.dtype == acc and lse.shape == (b, h, seqlen_local)
 
-        ref_out, ref_lse = attention_ref(q, k, v, causal, dtype=TRUTH[dtype])
-        naive_out, naive_lse = attention_ref(q, k, v, causal, dtype=NAIVE[dtype])
+        refs = on_rank0_then_bcast(lambda: (
+            attention_ref(q, k, v, causal, dtype=TRUTH[dtype]),
+            attention_ref(q, k, v, causal, dtype=NAIVE[dtype]),
+            attention_backward_ref(dout, q, k, v, causal, dtype=TRUTH[dtype]),
+            attention_backward_ref(dout, q, k, v, causal, dtype=NAIVE[dtype])))
+        (ref_out, ref_lse), (naive_out, naive_lse), ref_grads, naive_grads = refs
         errs = {"out": _check("out", out, ref_out[:, rows], naive_out[:, rows], dtype),
                 "lse": _check("lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)}
 
@@ -83,11 +94,11 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
         dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
                                                 layout=layout)
         bwd = group.stats.as_dict()
-        ref_grads = attention_backward_ref(dout, q, k, v, causal, dtype=TRUTH[dtype])
-        naive_grads = attention_backward_ref(dout, q, k, v, causal, dtype=NAIVE[dtype])
         for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
             assert got.dtype == ql.dtype and got.shape == (ql if name == "dq" else kl).shape
-            errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype)
+            # gradients sum over every ring step and tile (G * tiles partial sums, each rounded),
+            # where the naive one rounds once per matmul: flash-attn's backward tests allow 3x too
+            errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype, factor=3.0)
 
         # bytes on the wire, from the formulas (module docstring of burstcu.ring)
         itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
@@ -123,6 +134,11 @@ BAD_INPUTS = {
     "ranks_disagree_causal": ("last", "ValueError", "ranks disagree"),
     "lse_shape": ("all", "ValueError", "lse must have shape"),
 }
+
+
+def every_bad_input_raises_everywhere():
+    """`bad_input_raises_everywhere` for every kind, in one world (one mpiexec start)."""
+    return {kind: bad_input_raises_everywhere(kind) for kind in BAD_INPUTS}
 
 
 def bad_input_raises_everywhere(kind: str):

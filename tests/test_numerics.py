@@ -1,0 +1,106 @@
+"""Edge cases of the CPU backend in one process: NaN containment, fully masked rows, huge
+logits, GQA, softmax_scale, memory that never grows with seqlen^2, the running state's dtype."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu.layout import Block
+from burstcu.ops.numpy_ops import NumpyOps
+from tests.mpi.bodies import EPS, make_inputs
+from tests.reference import attention_backward_ref, attention_ref, within_fa_rule
+
+
+def test_nan_in_one_query_row_stays_in_that_row():
+    q, k, v, _ = make_inputs(1, 1, 64, 2, 2, 16, "float32")
+    q[0, 10, 1, 3] = np.nan
+    out = burstcu.attention(q, k, v)
+    assert np.isnan(out[0, 10, 1]).all()
+    finite = np.ones(out.shape[:3], bool)
+    finite[0, 10, 1] = False
+    assert np.isfinite(out[finite]).all()
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    """Rows whose every key is in the future (possible inside a ring step) end as 0, lse -inf."""
+    ops = NumpyOps(tile_q=4, tile_k=4)
+    q, k, v, _ = make_inputs(2, 1, 8, 2, 1, 8, "float32")
+    state = ops.forward_init(q, 0.3)
+    # queries at positions 0..7, keys at positions 4..11: rows 0..3 see no key
+    ops.forward_step(state, k, v, [Block(0, 8, 0, 8, q_pos=0, k_pos=4, causal=True)])
+    out, lse = ops.forward_finalize(state, np.float32)
+    assert np.array_equal(out[:, :4], np.zeros_like(out[:, :4]))
+    assert np.isneginf(lse[:, :, :4]).all()
+    assert np.isfinite(out[:, 4:]).all() and np.isfinite(lse[:, :, 4:]).all()
+    ref_out, ref_lse = attention_ref(q[:, 4:], k[:, :4], v[:, :4], causal=True, softmax_scale=0.3)
+    assert np.allclose(out[:, 4:], ref_out, atol=1e-6) and np.allclose(lse[:, :, 4:], ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_logits_of_magnitude_1e3_stay_exact(dtype):
+    q, k, v, dout = make_inputs(3, 1, 96, 2, 1, 32, dtype, logit_scale=400.0)
+    s = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), np.repeat(k, 2, axis=2)) / np.sqrt(32)
+    assert np.abs(s).max() > 1e3
+    truth = np.longdouble if dtype == "float64" else np.float64
+    naive = np.float64 if dtype == "float64" else np.float32
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, True, dtype=truth),
+                            attention_ref(q, k, v, True, dtype=naive)):
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
+        assert ok, (err, bound)
+    # The backward recomputes P = exp(score - lse) from the float32 lse the API hands back; the
+    # naive implementation never rounds lse. Rounding |lse| ~ 1e3 to float32 moves every P of a
+    # row by up to half an ulp of lse, relatively, so the gradients may move by that much more.
+    lse_rounding = 0.5 * EPS[dtype] * float(np.abs(lse).max())
+    grads = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for got, ref, nv in zip(grads, attention_backward_ref(dout, q, k, v, True, dtype=truth),
+                            attention_backward_ref(dout, q, k, v, True, dtype=naive)):
+        assert np.isfinite(got).all()
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype], factor=3.0)
+        bound += lse_rounding * float(np.abs(ref).max())
+        assert err <= bound, (err, bound)
+
+
+def test_softmax_scale_is_used():
+    q, k, v, _ = make_inputs(4, 1, 32, 2, 2, 16, "float64")
+    out = burstcu.attention(q, k, v, softmax_scale=0.05)
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.05)
+    assert np.abs(out - ref).max() < 1e-13
+    assert np.abs(burstcu.attention(q, k, v) - ref).max() > 1e-3
+
+
+def test_state_stays_float32_for_half_inputs():
+    """Running state in float32: 64 ring-like folds of float16 data lose nothing to float16."""
+    ops = NumpyOps(tile_q=8, tile_k=8)
+    q, k, v, _ = make_inputs(5, 1, 512, 1, 1, 16, "float16")
+    state = ops.forward_init(q[:, :8], 0.25)
+    for j in range(64):  # fold the keys 8 at a time, as 64 ring steps would
+        ops.forward_step(state, k[:, 8 * j:8 * j + 8], v[:, 8 * j:8 * j + 8],
+                         [Block(0, 8, 0, 8, 0, 0, False)])
+    out, lse = ops.forward_finalize(state, np.float16)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    ref, ref_lse = attention_ref(q[:, :8], k, v, softmax_scale=0.25)
+    # the only float16 rounding is of the final output: half an ulp
+    assert np.abs(out.astype(np.float64) - ref).max() <= 2.0**-11 * np.abs(ref).max() + 1e-6
+    assert np.abs(lse - ref_lse).max() < 1e-5
+
+
+def _peak_bytes(seqlen: int) -> int:
+    q, k, v, dout = make_inputs(6, 1, seqlen, 1, 1, 16, "float32")
+    tracemalloc.start()
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def test_memory_never_quadratic_in_seqlen():
+    """Peak allocation at seqlen 4096 is far below one 4096^2 score matrix, and doubling seqlen
+    roughly doubles it (a quadratic term would quadruple it)."""
+    small, large = _peak_bytes(2048), _peak_bytes(4096)
+    score_matrix = 4096 * 4096 * 4
+    assert large < score_matrix / 8, f"peak {large} bytes vs one score matrix {score_matrix}"
+    assert large / small < 2.6, f"peak grew {large / small:.2f}x when seqlen doubled"
