@@ -1,0 +1,567 @@
+"""Record the stream/event schedule of the ring engine over NCCL and prove it race-free, on a CPU.
+
+What is recorded: the real engine (`burstcu.ring.forward` / `backward`) driving the real
+`NCCLTransport`, whose device (streams, events, NCCL calls) is replaced by a `RecordingDevice`,
+and a `RecordingOps` whose arrays are `FakeArray`s: views = (buffer id, byte range), no data.
+Every op appends an `Action` that reads and writes byte regions on a stream:
+
+    compute stream   alloc, copy_, add_, zeros, forward_step (reads k, v; rw state),
+                     backward_step (reads q, dout, lse, delta; rw dq, ctx), ...; wait(arrived)
+    comm stream      wait(ready), send (reads its span), recv (writes its span), record(arrived)
+    both             record(event) on one stream, wait(event) on another
+
+Two sentinel actions on the compute stream bracket a call: `begin` writes the caller's inputs
+(the caller produced them on that stream) and `end` reads and writes every buffer (after the call
+the caller, or the memory pool, may reuse any of it).
+
+What is proved (`check`): happens-before = program order on each stream (the members of one
+NCCL group are unordered with each other) + each event wait after the event's latest record
+issued before it. For every pair of actions that touch overlapping bytes, at least one writing,
+the one the host issued first must happen-before the other: then every stream interleaving the
+GPU may choose gives the result of the host's program order, which is what the MPI transport and
+the NumPy ops compute. A wait on an event never recorded is an error (CUDA treats it as a no-op,
+so it silently orders nothing). `check_world` adds the cross-rank rules: the k-th NCCL group of
+rank r sends to r+1 exactly what the k-th group of r+1 receives from r (same bytes), so grouped
+point-to-point calls pair up and cannot deadlock.
+
+Ranks are simulated one after another in this process: the transport needs no peers to record.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .ops.base import LocalOps, Message, accum_dtype
+from .transport.nccl import NCCLTransport
+
+COMPUTE = "compute"
+
+
+# ----------------------------------------------------------------------------------------------
+# fake arrays: where bytes live, not what they hold
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes [lo, hi) of buffer `buffer`."""
+
+    buffer: int
+    lo: int
+    hi: int
+
+    def overlaps(self, other: "Region") -> bool:
+        return self.buffer == other.buffer and self.lo < other.hi and other.lo < self.hi
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class FakeArray:
+    """A C-contiguous view of `shape`/`dtype` starting at byte `offset` of buffer `buffer`.
+
+    Supports what the engine and `Message` do to arrays: 1-D slicing, `view`, `reshape`.
+    """
+
+    flags = _Flags()
+
+    def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any):
+        self.buffer, self.offset = buffer, offset
+        self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def region(self) -> Region:
+        return Region(self.buffer, self.offset, self.offset + self.nbytes)
+
+    def __getitem__(self, key: slice) -> "FakeArray":
+        assert len(self.shape) == 1 and isinstance(key, slice) and key.step in (None, 1)
+        lo, hi, _ = key.indices(self.shape[0])
+        item = self.dtype.itemsize
+        return FakeArray(self.buffer, self.offset + lo * item, (max(hi - lo, 0),), self.dtype)
+
+    def view(self, dtype: Any) -> "FakeArray":
+        dtype = np.dtype(dtype)
+        assert self.nbytes % dtype.itemsize == 0
+        return FakeArray(self.buffer, self.offset, (self.nbytes // dtype.itemsize,), dtype)
+
+    def reshape(self, shape) -> "FakeArray":
+        assert int(np.prod(shape)) == self.size
+        return FakeArray(self.buffer, self.offset, shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"FakeArray(buffer={self.buffer}, bytes=[{self.region.lo}, {self.region.hi}))"
+
+
+# ----------------------------------------------------------------------------------------------
+# the recorded schedule
+
+@dataclass(frozen=True)
+class Action:
+    """One thing issued to a stream, in host issue order (`index`).
+
+    kind: alloc, kernel, send, recv, allgather, record, wait, begin, end.
+    label: the annotation ranges open when it was issued + what it is (e.g. "fwd 2 compute /
+        forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only).
+    """
+
+    index: int
+    stream: str
+    kind: str
+    label: str
+    reads: tuple = ()
+    writes: tuple = ()
+    event: str | None = None
+    peer: int | None = None
+    group: int | None = None
+    nbytes: int = 0
+
+    def describe(self) -> str:
+        return f"#{self.index} {self.kind} on the {self.stream} stream ({self.label})"
+
+
+@dataclass
+class Schedule:
+    """The actions one rank issued in one engine call, and the names of its buffers."""
+
+    rank: int
+    size: int
+    actions: list[Action]
+    buffers: dict[int, str]
+
+    def renumbered(self, actions: Sequence[Action]) -> "Schedule":
+        """A copy with `actions` (an edited list) in the given order, re-indexed 0..n-1."""
+        return Schedule(self.rank, self.size, [replace(a, index=i) for i, a in enumerate(actions)],
+                        dict(self.buffers))
+
+
+class RecordingDevice:
+    """The device interface of `burstcu.transport.nccl.CupyDevice`, recording instead of doing.
+
+    Streams and events are names. `kernel` and `alloc` are how `RecordingOps` issues compute work.
+    """
+
+    def __init__(self):
+        self.actions: list[Action] = []
+        self.buffers: dict[int, str] = {}
+        self._labels: list[str] = []
+        self._last_label = "start"  # the last top-level range, to place unannotated work
+        self._streams = 0
+        self._events = 0
+        self._groups = 0
+        self._group_open: int | None = None
+
+    # -- recording ---------------------------------------------------------------------------
+    def _add(self, stream: str, kind: str, what: str, **kw) -> Action:
+        if self._labels:
+            label = " / ".join(self._labels + [what])
+        else:
+            label = f"{what}, after '{self._last_label}'"
+        action = Action(len(self.actions), stream, kind, label, **kw)
+        self.actions.append(action)
+        return action
+
+    @contextmanager
+    def annotate(self, label: str) -> Iterator[None]:
+        self._labels.append(label)
+        try:
+            yield
+        finally:
+            self._labels.pop()
+            if not self._labels:
+                self._last_label = label
+
+    def alloc(self, nbytes: int, name: str) -> FakeArray:
+        """A new buffer from the pool: a write of all its bytes on the compute stream (the memory
+        may have been used by earlier compute work)."""
+        buffer = len(self.buffers)
+        self.buffers[buffer] = name
+        arr = FakeArray(buffer, 0, (nbytes,), np.uint8)
+        self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
+        return arr
+
+    def kernel(self, name: str, reads: Sequence[FakeArray] = (), writes: Sequence[FakeArray] = ()) -> None:
+        self._add(COMPUTE, "kernel", name, reads=tuple(a.region for a in reads),
+                  writes=tuple(a.region for a in writes))
+
+    def sentinel(self, kind: str) -> None:
+        """begin: the caller wrote its inputs; end: anything may be reused (see module doc)."""
+        every = tuple(Region(b, 0, 1 << 62) for b in self.buffers)
+        self._add(COMPUTE, kind, kind, reads=every if kind == "end" else (), writes=every)
+
+    # -- the CupyDevice interface ------------------------------------------------------------
+    def current_stream(self) -> str:
+        return COMPUTE
+
+    def new_stream(self) -> str:
+        self._streams += 1
+        return f"comm{self._streams - 1}" if self._streams > 1 else "comm"
+
+    def new_event(self) -> str:
+        self._events += 1
+        return f"event{self._events - 1}"
+
+    def record(self, event: str, stream: str) -> None:
+        self._add(stream, "record", f"record {event}", event=event)
+
+    def wait_event(self, stream: str, event: str) -> None:
+        self._add(stream, "wait", f"wait {event}", event=event)
+
+    def group_start(self) -> None:
+        assert self._group_open is None, "NCCL groups do not nest here"
+        self._group_open = self._groups
+        self._groups += 1
+
+    def group_end(self) -> None:
+        assert self._group_open is not None, "groupEnd without groupStart"
+        self._group_open = None
+
+    def send(self, buf: FakeArray, peer: int, stream: str) -> None:
+        self._add(stream, "send", f"send to rank {peer}", reads=(buf.region,), peer=peer,
+                  group=self._group_open, nbytes=buf.nbytes)
+
+    def recv(self, buf: FakeArray, peer: int, stream: str) -> None:
+        self._add(stream, "recv", f"recv from rank {peer}", writes=(buf.region,), peer=peer,
+                  group=self._group_open, nbytes=buf.nbytes)
+
+    def all_gather(self, send_buf: FakeArray, recv_buf: FakeArray, stream: str) -> None:
+        self._add(stream, "allgather", "allgather", reads=(send_buf.region,),
+                  writes=(recv_buf.region,), group=self._groups, nbytes=send_buf.nbytes)
+        self._groups += 1
+
+
+class _FakeXP:
+    """The array module `Message` allocates from."""
+
+    def __init__(self, ops: "RecordingOps"):
+        self._ops = ops
+
+    def empty(self, n: int, dtype: Any = np.uint8) -> FakeArray:
+        return self._ops.device.alloc(int(n) * np.dtype(dtype).itemsize, self._ops.take_name("buffer"))
+
+
+class RecordingOps(LocalOps):
+    """A LocalOps that computes nothing and records which bytes each op reads and writes on the
+    compute stream. State and context are FakeArrays of their own buffers."""
+
+    name = "recording"
+    array_types = (FakeArray,)
+
+    def __init__(self, device: RecordingDevice):
+        self.device = device
+        self.xp = _FakeXP(self)
+        self._next_name: str | None = None
+        self._messages = 0
+
+    def take_name(self, default: str) -> str:
+        name, self._next_name = self._next_name or default, None
+        return name
+
+    def new(self, name: str, shape, dtype) -> FakeArray:
+        dtype = np.dtype(dtype)
+        return self.device.alloc(int(np.prod(shape)) * dtype.itemsize, name).view(dtype).reshape(shape)
+
+    def annotate(self, label: str):
+        return self.device.annotate(label)
+
+    # -- memory ------------------------------------------------------------------------------
+    def message(self, fields):
+        self._next_name = f"msg{self._messages}({','.join(f[0] for f in fields)})"
+        self._messages += 1
+        return Message(self.xp, fields)
+
+    def zeros(self, shape, dtype):
+        arr = self.new("zeros", shape, dtype)
+        self.device.kernel("zeros", writes=[arr])
+        return arr
+
+    def copy_(self, dst, src) -> None:
+        reads = [src] if isinstance(src, FakeArray) else []
+        self.device.kernel("copy_", reads=reads, writes=[dst])
+
+    def add_(self, dst, src) -> None:
+        self.device.kernel("add_", reads=[dst, src], writes=[dst])
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward_init(self, q, softmax_scale):
+        b, s, h, d = q.shape
+        state = self.new("fwd state", (b, h, s, d + 2), accum_dtype(q.dtype))  # acc | max | sum
+        self.device.kernel("forward_init", reads=[q], writes=[state])
+        return state
+
+    def forward_step(self, state, k, v, blocks) -> None:
+        self.device.kernel("forward_step", reads=[state, k, v], writes=[state])
+
+    def forward_finalize(self, state, out_dtype):
+        b, h, s, d2 = state.shape
+        out = self.new("out", (b, s, h, d2 - 2), out_dtype)
+        lse = self.new("lse", (b, h, s), state.dtype)
+        self.device.kernel("forward_finalize", reads=[state], writes=[out, lse])
+        return out, lse
+
+    # -- backward ----------------------------------------------------------------------------
+    def backward_delta(self, dout, out):
+        b, s, h, _ = dout.shape
+        delta = self.new("delta", (b, h, s), accum_dtype(dout.dtype))
+        self.device.kernel("backward_delta", reads=[dout, out], writes=[delta])
+        return delta
+
+    def backward_init(self, k, v, softmax_scale):
+        ctx = self.new("bwd ctx (k, v, dk, dv)", (4,) + k.shape, accum_dtype(k.dtype))
+        self.device.kernel("backward_init", reads=[k, v], writes=[ctx])
+        return ctx
+
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks) -> None:
+        self.device.kernel("backward_step", reads=[ctx, q, dout, lse, delta, dq], writes=[ctx, dq])
+
+    def backward_finalize(self, ctx, out_dtype):
+        shape = ctx.shape[1:]
+        dk, dv = self.new("dk", shape, out_dtype), self.new("dv", shape, out_dtype)
+        self.device.kernel("backward_finalize", reads=[ctx], writes=[dk, dv])
+        return dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# recording one engine call
+
+SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does not depend on values
+
+
+def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
+           shape: tuple = SHAPE, dtype: Any = np.float16) -> Schedule:
+    """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call."""
+    from . import ring
+
+    if pass_ not in ("forward", "backward"):
+        raise ValueError(f"pass_ must be 'forward' or 'backward', not {pass_!r}")
+    device = RecordingDevice()
+    ops = RecordingOps(device)
+    transport = NCCLTransport(rank, size, device)
+    b, s, h, hkv, d = shape
+    acc = accum_dtype(dtype)
+    q = ops.new("q", (b, s, h, d), dtype)
+    k, v = ops.new("k", (b, s, hkv, d), dtype), ops.new("v", (b, s, hkv, d), dtype)
+    extra = {}
+    if pass_ == "backward":
+        extra = {"dout": ops.new("dout", (b, s, h, d), dtype), "out": ops.new("out", (b, s, h, d), dtype),
+                 "lse": ops.new("lse", (b, h, s), acc)}
+    device.sentinel("begin")
+    kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
+    if pass_ == "forward":
+        ring.forward(q, k, v, ops, transport, **kw)
+    else:
+        ring.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw)
+    device.sentinel("end")
+    return Schedule(rank, size, device.actions, device.buffers)
+
+
+def record_world(pass_: str, size: int, **kw) -> list[Schedule]:
+    """Every rank's schedule (simulated one after another)."""
+    return [record(pass_, size, r, **kw) for r in range(size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# happens-before
+
+@dataclass
+class Violation:
+    """A pair of conflicting actions the schedule leaves unordered (or a structural error)."""
+
+    rank: int
+    message: str
+    first: Action | None = None
+    second: Action | None = None
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"
+
+
+def _predecessors(actions: Sequence[Action]) -> tuple[list[list[int]], list[Violation]]:
+    """Direct happens-before edges into each action (all from earlier-issued actions)."""
+    preds: list[list[int]] = [[] for _ in actions]
+    frontier: dict[str, list[int]] = {}      # last action(s) of each stream
+    open_group: dict[str, tuple[int, list[int]]] = {}  # stream -> (group, the frontier before it)
+    last_record: dict[str, int] = {}
+    problems: list[Violation] = []
+    for a in actions:
+        if a.group is not None and a.kind != "allgather":
+            group, before = open_group.get(a.stream, (None, None))
+            if group != a.group:  # the first member of a new group
+                before = frontier.get(a.stream, [])
+                open_group[a.stream] = (a.group, before)
+                frontier[a.stream] = []
+            preds[a.index] += before
+            frontier[a.stream].append(a.index)
+        else:
+            open_group.pop(a.stream, None)
+            preds[a.index] += frontier.get(a.stream, [])
+            frontier[a.stream] = [a.index]
+        if a.kind == "record":
+            last_record[a.event] = a.index
+        elif a.kind == "wait":
+            if a.event in last_record:
+                preds[a.index].append(last_record[a.event])
+            else:
+                problems.append(Violation(-1, f"{a.describe()} waits on {a.event}, which was never "
+                                              "recorded before it: the wait orders nothing", a))
+    return preds, problems
+
+
+def happens_before(actions: Sequence[Action]) -> tuple[list[int], list[Violation]]:
+    """For each action, a bitset (int) of the actions that happen before it."""
+    preds, problems = _predecessors(actions)
+    ancestors = [0] * len(actions)
+    for a in actions:  # host order is a topological order: every edge points forward
+        bits = 0
+        for p in preds[a.index]:
+            bits |= ancestors[p] | (1 << p)
+        ancestors[a.index] = bits
+    return ancestors, problems
+
+
+def _accesses(actions: Sequence[Action]) -> dict[int, list[tuple[Action, Region, bool]]]:
+    by_buffer: dict[int, list[tuple[Action, Region, bool]]] = {}
+    for a in actions:
+        for region in a.reads:
+            by_buffer.setdefault(region.buffer, []).append((a, region, False))
+        for region in a.writes:
+            by_buffer.setdefault(region.buffer, []).append((a, region, True))
+    return by_buffer
+
+
+_HAZARD = {(True, False): "read-after-write", (False, True): "write-after-read",
+           (True, True): "write-after-write"}
+
+
+def _explain(schedule: Schedule, first: Action, r1: Region, w1: bool, second: Action, r2: Region,
+             w2: bool) -> str:
+    lo, hi = max(r1.lo, r2.lo), min(r1.hi, r2.hi)
+    span = "every byte" if hi - lo > (1 << 61) else f"bytes [{lo}, {hi})"
+    verb1, verb2 = ("writes" if w1 else "reads"), ("writes" if w2 else "reads")
+    return (f"{_HAZARD[(w1, w2)]} race on buffer '{schedule.buffers[r1.buffer]}' {span}: "
+            f"{first.describe()} {verb1} it, then {second.describe()} {verb2} it, but no chain of "
+            f"stream order and event record -> wait makes the first finish before the second "
+            f"starts")
+
+
+def check(schedule: Schedule) -> list[Violation]:
+    """Every race and missing record in one rank's schedule (empty when it is race-free)."""
+    actions = schedule.actions
+    ancestors, problems = happens_before(actions)
+    out = [replace(p, rank=schedule.rank) for p in problems]
+    for accesses in _accesses(actions).values():
+        for i, (a, ra, wa) in enumerate(accesses):
+            for b, rb, wb in accesses[i + 1:]:
+                if a.index == b.index or not (wa or wb) or not ra.overlaps(rb):
+                    continue
+                first, second = (a, b) if a.index < b.index else (b, a)
+                f = (ra, wa) if first is a else (rb, wb)
+                s = (rb, wb) if first is a else (ra, wa)
+                if not ancestors[second.index] >> first.index & 1:
+                    out.append(Violation(schedule.rank, _explain(schedule, first, f[0], f[1],
+                                                                 second, s[0], s[1]), first, second))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# across ranks
+
+def _groups(schedule: Schedule) -> list[list[Action]]:
+    groups: dict[int, list[Action]] = {}
+    for a in schedule.actions:
+        if a.group is not None:
+            groups.setdefault(a.group, []).append(a)
+    return [groups[g] for g in sorted(groups)]
+
+
+def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
+    """Cross-rank pairing: the k-th NCCL group of every rank must match its peers' k-th groups
+    (every send has the peer's receive of the same size, and the reverse). A mismatch is a hang
+    (or a truncated message) on real hardware."""
+    size = len(schedules)
+    groups = [_groups(s) for s in schedules]
+    out: list[Violation] = []
+    counts = {len(g) for g in groups}
+    if len(counts) > 1:
+        per_rank = ", ".join(f"rank {r}: {len(g)}" for r, g in enumerate(groups))
+        out.append(Violation(-1, f"ranks issue different numbers of NCCL groups ({per_rank}): "
+                                 "some rank would wait forever for a peer"))
+    for r, rank_groups in enumerate(groups):
+        for k, group in enumerate(rank_groups):
+            for a in group:
+                out += _match(groups, r, k, a, size)
+    return out
+
+
+_PAIR = {"send": "recv", "recv": "send"}
+
+
+def _match(groups, r: int, k: int, a: Action, size: int) -> list[Violation]:
+    if a.kind == "allgather":
+        peers = [g[k] if k < len(g) else [] for g in groups]
+        sizes = {tuple(x.nbytes for x in p if x.kind == "allgather") for p in peers}
+        return [] if len(sizes) == 1 else [Violation(r, f"allgather in group {k} does not match "
+                                                        f"on every rank: sizes {sorted(sizes)}", a)]
+    peer_groups = groups[a.peer] if 0 <= a.peer < size else []
+    peer_group = peer_groups[k] if k < len(peer_groups) else []
+    want = _PAIR[a.kind]
+    if any(b.kind == want and b.peer == r and b.nbytes == a.nbytes for b in peer_group):
+        return []
+    return [Violation(r, f"{a.describe()} ({a.nbytes} bytes) in NCCL group {k} has no matching "
+                         f"{want} of {a.nbytes} bytes {'from' if want == 'recv' else 'to'} rank {r} "
+                         f"in group {k} of rank {a.peer}: the exchange would hang or truncate", a)]
+
+
+# ----------------------------------------------------------------------------------------------
+# proving, and the seeded mistakes the tests use to show the checker catches them
+
+class ScheduleError(AssertionError):
+    """The schedule has races; the message lists them, one per line."""
+
+
+def prove(pass_: str, size: int, *, causal: bool, layout: str, **kw) -> list[Schedule]:
+    """Record every rank and raise ScheduleError explaining each race or mismatch found."""
+    schedules = record_world(pass_, size, causal=causal, layout=layout, **kw)
+    problems = check_world(schedules)
+    for s in schedules:
+        problems += check(s)
+    if problems:
+        raise ScheduleError(report(problems))
+    return schedules
+
+
+def report(problems: Sequence[Violation], limit: int = 20) -> str:
+    lines = [str(p) for p in problems[:limit]]
+    if len(problems) > limit:
+        lines.append(f"... and {len(problems) - limit} more")
+    return "\n".join(lines)
+
+
+def drop_action(schedule: Schedule, index: int) -> Schedule:
+    """The schedule without action `index` (e.g. one event wait removed)."""
+    return schedule.renumbered([a for a in schedule.actions if a.index != index])
+
+
+def receive_into_current(schedule: Schedule, group: int) -> Schedule:
+    """The buffers swapped one step early: group `group`'s receive lands in the buffer the same
+    step sends from (and computes on) instead of the other one."""
+    members = [a for a in schedule.actions if a.group == group]
+    send = next(a for a in members if a.kind == "send")
+    edited = [replace(a, writes=send.reads) if a.group == group and a.kind == "recv" else a
+              for a in schedule.actions]
+    return schedule.renumbered(edited)
+
+
+__all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "RecordingOps",
+           "record", "record_world", "happens_before", "check", "check_world", "prove",
+           "report", "Violation", "ScheduleError", "drop_action", "receive_into_current"]

@@ -1,0 +1,234 @@
+"""`python -m burstcu.selftest`: check this installation on whatever hardware is present.
+
+    python -m burstcu.selftest [--quick] [--json PATH]
+    mpiexec -n 4 python -m burstcu.selftest           # every rank checks its own shard
+
+Three checks, on the CPU backend (NumPy over MPI) always, and on the GPU backend (CUDA kernels
+over NCCL) when a GPU is usable:
+
+1. correctness: forward and backward of a small causal zigzag problem against a float64
+   softmax written out here (full score matrix), every rank's rows;
+2. bandwidth: one ring exchange (send to next, receive from prev) of growing messages through
+   the transport, host-timed to completion (a device sync on the GPU);
+3. overlap: one ring step's compute alone, its exchange alone, and both as the engine issues them.
+   overlap = (compute + comm - both) / min(compute, comm): 1 means the exchange is fully hidden.
+
+Rank 0 prints one line per check; the exit status is 1 when a correctness check fails. Timings
+are what this machine measured; nothing here is a claim about other hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import api
+from .group import Group, gpu_usable, init
+from .layout import step_blocks
+
+TOL = {"float64": 1e-9, "float32": 2e-4}
+
+
+# ----------------------------------------------------------------------------------------------
+# correctness
+
+def _reference(q, k, v, dout, causal: bool):
+    """float64 out and (dq, dk, dv) over the whole sequence. q: (B, N, H, D); k, v: (B, N, Hkv, D)."""
+    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        n = q.shape[1]
+        s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhij,bjhd->bihd", p, v)
+    dp = np.einsum("bihd,bjhd->bhij", dout, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = np.einsum("bhij,bjhd->bihd", ds, k) * scale
+    dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
+    dv = np.einsum("bhij,bihd->bjhd", p, dout)
+    b, n, hkv = dk.shape[0], dk.shape[1], dk.shape[2] // g
+    fold = lambda x: x.reshape(b, n, hkv, g, -1).sum(3)  # noqa: E731 - GQA: sum the group
+    return out, dq, fold(dk), fold(dv)
+
+
+def check_correctness(group: Group, xp: Any = np, dtype: str = "float64", seqlen_local: int = 32,
+                      causal: bool = True, layout: str = "zigzag") -> dict:
+    """Max abs error of this rank's out, dq, dk, dv against `_reference`; ok when all < TOL."""
+    n = seqlen_local * group.size
+    rng = np.random.default_rng(1234)
+    q, dout = (rng.standard_normal((1, n, 4, 32)) for _ in range(2))
+    k, v = (rng.standard_normal((1, n, 2, 32)) for _ in range(2))
+    ref = _reference(q, k, v, dout, causal)
+    local = [xp.asarray(api.shard(x.astype(dtype), group, layout)) for x in (q, k, v, dout)]
+    out, lse = api.attention(*local[:3], group, causal=causal, layout=layout, return_lse=True)
+    grads = api.attention_backward(local[3], *local[:3], out, lse, group, causal=causal, layout=layout)
+    errors = {}
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        got = got.get() if hasattr(got, "get") else got
+        errors[name] = float(np.abs(got - api.shard(want, group, layout)).max())
+    return {"ok": all(e < TOL[dtype] for e in errors.values()), "errors": errors}
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+def _median_seconds(fn, sync, repeat: int) -> float:
+    fn()
+    sync()  # warm-up: allocations, NCCL connection setup
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _exchange(group: Group, send, recv) -> None:
+    t = group.transport
+    t.send_recv(send, recv, t.next_rank, t.prev_rank)
+    t.commit()
+    t.wait()
+
+
+def probe_bandwidth(group: Group, sizes=(1 << 16, 1 << 20, 1 << 22), repeat: int = 5) -> list[dict]:
+    """One ring exchange per message size: seconds and GB/s sent per rank (empty for one rank)."""
+    if group.size == 1:
+        return []
+    xp = group.ops.xp
+    rows = []
+    for nbytes in sizes:
+        send, recv = xp.ones(nbytes, dtype=np.uint8), xp.empty(nbytes, dtype=np.uint8)
+        group.barrier()
+        seconds = _median_seconds(lambda: _exchange(group, send, recv), group.ops.sync, repeat)
+        rows.append({"bytes": nbytes, "seconds": seconds, "GB/s": nbytes / seconds / 1e9})
+    return rows
+
+
+def probe_overlap(group: Group, seqlen: int = 512, heads: int = 8, headdim: int = 64,
+                  repeat: int = 5) -> dict:
+    """One ring step: compute alone, exchange alone, and both as the engine overlaps them."""
+    ops, xp = group.ops, group.ops.xp
+    shape_kv = (1, seqlen, heads, headdim)
+    q = xp.ones((1, seqlen, heads, headdim), dtype=np.float32)
+    k, v = xp.ones(shape_kv, dtype=np.float32), xp.ones(shape_kv, dtype=np.float32)
+    fields = [("k", shape_kv, np.float32), ("v", shape_kv, np.float32)]
+    cur, nxt = ops.message(fields), ops.message(fields)
+    ops.copy_(cur["k"], k)
+    ops.copy_(cur["v"], v)
+    state = ops.forward_init(q, 1.0 / math.sqrt(headdim))
+    blocks = step_blocks("contiguous", 0, 0, 1, seqlen, False)
+    compute = lambda: ops.forward_step(state, cur["k"], cur["v"], blocks)  # noqa: E731
+    result = {"compute_s": _median_seconds(compute, ops.sync, repeat), "message_bytes": 2 * k.nbytes}
+    if group.size == 1:
+        return result
+    span_c, span_n = cur.span("k", "v"), nxt.span("k", "v")
+    t = group.transport
+
+    def both():
+        t.send_recv(span_c, span_n, t.next_rank, t.prev_rank)
+        t.commit()
+        compute()
+        t.wait()
+
+    group.barrier()
+    result["comm_s"] = _median_seconds(lambda: _exchange(group, span_c, span_n), ops.sync, repeat)
+    group.barrier()
+    result["both_s"] = _median_seconds(both, ops.sync, repeat)
+    hidden = result["compute_s"] + result["comm_s"] - result["both_s"]
+    result["overlap"] = hidden / max(min(result["compute_s"], result["comm_s"]), 1e-12)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# the report
+
+def run_backend(backend: str, quick: bool) -> dict:
+    """All three checks on one backend; every rank returns its own results."""
+    group = init(backend=backend)
+    xp = group.ops.xp
+    report: dict = {"backend": backend, "transport": group.transport.name, "size": group.size}
+    report["correctness"] = check_correctness(group, xp, "float64" if backend == "numpy" else "float32")
+    sizes = (1 << 16, 1 << 20) if quick else (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+    report["bandwidth"] = probe_bandwidth(group, sizes, repeat=3 if quick else 10)
+    report["overlap"] = probe_overlap(group, seqlen=128 if quick else 1024, repeat=3 if quick else 10)
+    group.close()
+    return report
+
+
+def _lines(reports_by_rank: list[dict]) -> list[str]:
+    first = reports_by_rank[0]
+    head = f"[{first['backend']} over {first['transport']}, {first['size']} rank(s)]"
+    bad = [r for r, rep in enumerate(reports_by_rank) if not rep["correctness"]["ok"]]
+    worst = {k: max(rep["correctness"]["errors"][k] for rep in reports_by_rank)
+             for k in first["correctness"]["errors"]}
+    lines = [f"{head} correctness: {'FAIL on ranks ' + str(bad) if bad else 'ok'} (max abs error "
+             + ", ".join(f"{k} {e:.1e}" for k, e in worst.items()) + ")"]
+    for row in first["bandwidth"]:
+        lines.append(f"{head} ring exchange {row['bytes']:>9d} B: {row['seconds'] * 1e6:9.1f} us, "
+                     f"{row['GB/s']:.3f} GB/s per rank (rank 0)")
+    if not first["bandwidth"]:
+        lines.append(f"{head} bandwidth: one rank, no peer to exchange with")
+    ov = first["overlap"]
+    text = f"{head} one ring step: compute {ov['compute_s'] * 1e3:.2f} ms"
+    if "comm_s" in ov:
+        text += (f", exchange {ov['comm_s'] * 1e3:.2f} ms, both {ov['both_s'] * 1e3:.2f} ms, "
+                 f"overlap {ov['overlap']:.2f} (1 = exchange fully hidden)")
+    lines.append(text + " (rank 0)")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m burstcu.selftest", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
+    parser.add_argument("--json", help="write every rank's results to this file (rank 0)")
+    args = parser.parse_args(argv)
+
+    backends = ["numpy"] + (["cupy"] if gpu_usable() else [])
+    results, ok, lines = {}, True, []
+    for backend in backends:
+        mine = run_backend(backend, args.quick)
+        everyone = _gather(mine)
+        results[backend] = everyone
+        ok &= all(rep["correctness"]["ok"] for rep in everyone)
+        lines += _lines(everyone)
+    if _rank() == 0:
+        if len(backends) == 1:
+            lines.insert(0, "no usable CUDA GPU on this machine: ran the CPU checks only")
+        print("\n".join(lines + [f"selftest {'PASSED' if ok else 'FAILED'}"]), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1)
+    return 0 if ok else 1
+
+
+def _comm():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+
+def _rank() -> int:
+    comm = _comm()
+    return 0 if comm is None else comm.Get_rank()
+
+
+def _gather(obj) -> list:
+    comm = _comm()
+    return [obj] if comm is None else comm.allgather(obj)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

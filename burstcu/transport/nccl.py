@@ -1,0 +1,416 @@
+"""NCCL transport (cupy.cuda.nccl): the ring exchange on a dedicated stream, ordered by events.
+
+One ring step, as the engine drives it (see burstcu.transport.base)::
+
+    compute stream:  ... kernels that last touched send/recv ... [record ready] ... step kernels ... [wait arrived] ...
+                                                                       |                              ^
+    comm stream:                                           [wait ready] groupStart send recv groupEnd [record arrived]
+
+* `commit()` records `ready` on the compute stream (the caller's current stream) and makes the
+  communication stream wait on it, so the send reads, and the receive overwrites, only after every
+  kernel issued before the commit. Then it posts the step's sends and receives inside one
+  `groupStart`/`groupEnd`.
+* `wait()` records `arrived` on the communication stream and makes the compute stream wait on
+  it: kernels issued after `wait()` see the received bytes, and nothing the caller issues later
+  can overwrite a buffer NCCL still reads. The host never blocks.
+
+Why grouping is enough for any ring size: NCCL fuses the point-to-point calls of one group into
+one operation that makes progress on all of them together, so rank r's "send to r+1" and
+"receive from r-1" never wait for each other. Without grouping, blocking send/recv would need the
+even-ranks-send-first / odd-ranks-receive-first order to avoid a cycle of senders. Each commit is
+one group on every rank, and the k-th group of rank r pairs with the k-th group of its
+neighbours (burstcu.schedule checks that alignment).
+
+Events are reused across steps: `cudaStreamWaitEvent` captures the event's most recent record at
+the time of the call, so re-recording `ready` at the next step cannot release an earlier wait.
+
+All stream, event and NCCL actions go through a small *device* object (`CupyDevice` here). The
+schedule checker (burstcu.schedule) substitutes a recorder, so the schedule it proves race-free
+is the one this class issues.
+
+NCCL refuses two ranks on one GPU, so one process owns one GPU: `bootstrap` picks it from the
+node-local rank (or from the launcher's per-rank CUDA_VISIBLE_DEVICES; see launch/).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .base import Transport, nbytes
+
+# ----------------------------------------------------------------------------------------------
+# dtype table
+
+# ncclDataType_t values from nccl.h, used when cupy.cuda.nccl lacks a name (e.g. float8 types,
+# NCCL >= 2.24) or is not installed (tests of the table run without NCCL).
+_NCCL_ENUM = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+              "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+              "float8_e4m3fn": 10, "float8_e5m2": 11}
+_CUPY_NAME = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+              "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+              "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+              "bfloat16": "NCCL_BFLOAT16"}
+# numpy dtypes NCCL has no type for, moved as (element type, elements per item). Fine for
+# send/recv/allgather; a reduction over them would be wrong for bool (sum) and is not offered.
+_AS_PAIRS = {"complex64": ("float32", 2), "complex128": ("float64", 2), "bool": ("uint8", 1),
+             "int16": ("uint8", 2), "uint16": ("uint8", 2)}
+
+
+def nccl_dtype(dtype: Any) -> tuple[int, int]:
+    """(ncclDataType_t value, NCCL elements per numpy item) for a numpy (or ml_dtypes) dtype.
+
+    The engine's message buffers are uint8 (ncclUint8, 1). Raises TypeError for dtypes NCCL
+    cannot move (object, strings, structured).
+    """
+    dt = np.dtype(dtype)
+    name = dt.name
+    per_item = 1
+    if name in _AS_PAIRS:
+        name, per_item = _AS_PAIRS[name]
+    if name not in _NCCL_ENUM:
+        raise TypeError(f"NCCL has no data type for {dt.name!r}: send it as a uint8 view")
+    return _nccl_constant(name), per_item
+
+
+def _nccl_constant(name: str) -> int:
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # cupy or the NCCL wheel missing: the header's values are the ABI
+        return _NCCL_ENUM[name]
+    return int(getattr(nccl, _CUPY_NAME.get(name, ""), _NCCL_ENUM[name]))
+
+
+def nccl_count(buf: Any) -> tuple[int, int]:
+    """(NCCL element count, ncclDataType_t) of a contiguous array `buf`."""
+    dtype, per_item = nccl_dtype(buf.dtype)
+    return int(buf.size) * per_item, dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# observability
+
+@contextmanager
+def nvtx_range(label: str) -> Iterator[None]:
+    """An NVTX range around the host code inside (visible in Nsight Systems); a no-op when
+    CuPy or NVTX is unavailable, so it is safe on the CPU."""
+    nvtx = _nvtx()
+    if nvtx is None:
+        yield
+        return
+    nvtx.RangePush(label)
+    try:
+        yield
+    finally:
+        nvtx.RangePop()
+
+
+_NVTX: list = []
+
+
+def _nvtx():
+    """cupy.cuda.nvtx when it can emit ranges, else None (looked up once)."""
+    if not _NVTX:
+        try:
+            from cupy.cuda import nvtx
+            _NVTX.append(nvtx if getattr(nvtx, "available", False) else None)
+        except Exception:
+            _NVTX.append(None)
+    return _NVTX[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# the device: every stream, event and NCCL action the transport issues
+
+class CupyDevice:
+    """Streams, events and NCCL calls on one GPU, for one NCCL communicator.
+
+    The transport calls only these methods; burstcu.schedule.RecordingDevice implements the same
+    ones to record the schedule. Stream and event objects are opaque to the transport.
+    """
+
+    def __init__(self, nccl_comm: Any):
+        import cupy
+        self._cupy = cupy
+        self.comm = nccl_comm
+
+    def current_stream(self) -> Any:
+        """The caller's compute stream (CuPy's current stream at the time of the call)."""
+        return self._cupy.cuda.get_current_stream()
+
+    def new_stream(self) -> Any:
+        # non_blocking: no implicit sync with the legacy default stream; events order everything
+        return self._cupy.cuda.Stream(non_blocking=True)
+
+    def new_event(self) -> Any:
+        return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def group_start(self) -> None:
+        from cupy.cuda import nccl
+        nccl.groupStart()
+
+    def group_end(self) -> None:
+        from cupy.cuda import nccl
+        nccl.groupEnd()
+
+    def send(self, buf: Any, peer: int, stream: Any) -> None:
+        count, dtype = nccl_count(buf)
+        self.comm.send(buf.data.ptr, count, dtype, peer, stream.ptr)
+
+    def recv(self, buf: Any, peer: int, stream: Any) -> None:
+        count, dtype = nccl_count(buf)
+        self.comm.recv(buf.data.ptr, count, dtype, peer, stream.ptr)
+
+    def all_gather(self, send_buf: Any, recv_buf: Any, stream: Any) -> None:
+        count, dtype = nccl_count(send_buf)
+        self.comm.allGather(send_buf.data.ptr, recv_buf.data.ptr, count, dtype, stream.ptr)
+
+    def annotate(self, label: str):
+        return nvtx_range(label)
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.destroy()
+            self.comm = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the transport
+
+def _check_contiguous(buf: Any, what: str) -> None:
+    flags = getattr(buf, "flags", None)
+    if flags is not None and not flags.c_contiguous:
+        raise ValueError(f"NCCL transport needs C-contiguous buffers; the {what} buffer is not")
+
+
+class NCCLTransport(Transport):
+    """Ring exchange over NCCL on a dedicated communication stream (see the module docstring).
+
+    device: a CupyDevice (or a recorder with the same methods).
+    mpi_comm: the MPI communicator of the same ranks, for `allgather_object` and `barrier`
+        (metadata only; no payload goes through MPI). None for a recorder or a group of one.
+    """
+
+    name = "nccl"
+
+    def __init__(self, rank: int, size: int, device: Any, mpi_comm: Any = None):
+        super().__init__(rank, size)
+        self.device = device
+        self.mpi_comm = mpi_comm
+        self.stream = device.new_stream()
+        self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
+        self._arrived = device.new_event()   # comm -> compute: the exchange has completed
+        self._in_flight = False
+
+    def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
+        for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is issued
+            _check_contiguous(send_buf, "send")
+            _check_contiguous(recv_buf, "receive")
+        dev = self.device
+        with dev.annotate("burstcu commit"):
+            dev.record(self._ready, dev.current_stream())
+            dev.wait_event(self.stream, self._ready)
+            dev.group_start()
+            try:
+                for send_buf, recv_buf, dst, src in exchanges:
+                    if send_buf is not None:
+                        dev.send(send_buf, dst, self.stream)
+                    if recv_buf is not None:
+                        dev.recv(recv_buf, src, self.stream)
+            finally:
+                dev.group_end()  # an open group would swallow every later NCCL call
+        self._in_flight = True
+
+    def _wait(self) -> None:
+        if not self._in_flight:
+            return
+        dev = self.device
+        with dev.annotate("burstcu wait"):
+            dev.record(self._arrived, self.stream)
+            dev.wait_event(dev.current_stream(), self._arrived)
+        self._in_flight = False
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allgather(self, send_buf: Any, recv_buf: Any) -> None:
+        """ncclAllGather on the comm stream, ordered like a ring step (stream-ordered for the
+        caller: kernels issued afterwards see recv_buf; the host does not block)."""
+        _check_contiguous(send_buf, "send")
+        _check_contiguous(recv_buf, "receive")
+        if nbytes(recv_buf) != nbytes(send_buf) * self.size:
+            raise ValueError(f"allgather: recv_buf has {nbytes(recv_buf)} bytes, needs "
+                             f"{self.size} x {nbytes(send_buf)}")
+        dev = self.device
+        with dev.annotate("burstcu allgather"):
+            dev.record(self._ready, dev.current_stream())
+            dev.wait_event(self.stream, self._ready)
+            dev.all_gather(send_buf, recv_buf, self.stream)
+            dev.record(self._arrived, self.stream)
+            dev.wait_event(dev.current_stream(), self._arrived)
+        self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
+        self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
+
+    def allgather_object(self, obj: Any) -> list:
+        if self.mpi_comm is None:
+            if self.size == 1:
+                return [obj]
+            raise RuntimeError("NCCLTransport without an MPI communicator cannot agree on metadata")
+        return self.mpi_comm.allgather(obj)
+
+    def barrier(self) -> None:
+        if self.mpi_comm is not None:
+            self.mpi_comm.Barrier()
+
+    def close(self) -> None:
+        close = getattr(self.device, "close", None)
+        if close is not None:
+            close()
+        if self.mpi_comm is not None:
+            try:
+                self.mpi_comm.Free()
+            except Exception:  # MPI already finalized at interpreter exit
+                pass
+            self.mpi_comm = None
+
+
+# ----------------------------------------------------------------------------------------------
+# bootstrap
+
+class BackendUnavailable(RuntimeError):
+    """The "cupy" backend cannot start on this set of ranks (raised on every rank)."""
+
+
+BOUND_ENV = "BURSTCU_GPU_BOUND"  # set to 1 by launch/bind-gpu: each rank sees only its own GPU
+
+
+def select_device(local_rank: int, local_size: int, n_devices: int, bound: bool = False) -> int:
+    """The CUDA device index this rank uses.
+
+    local_rank, local_size: this rank's position among the ranks of its node.
+    n_devices: CUDA devices this process sees.
+    bound: the launcher gave every rank its own CUDA_VISIBLE_DEVICES, so device 0 is ours.
+    Raises ValueError (a message for the user) when there is no device or fewer devices than ranks.
+    """
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"node-local rank {local_rank} is outside 0..{local_size - 1}")
+    if n_devices <= 0:
+        raise ValueError("no usable CUDA GPU on this node (backend='cupy' needs one GPU per rank; "
+                         "use backend='numpy' or 'auto' on CPU-only machines)")
+    if bound:
+        return 0
+    if local_size > n_devices:
+        raise ValueError(f"{local_size} ranks on this node but only {n_devices} GPU(s): NCCL needs "
+                         f"one GPU per rank, start at most {n_devices} rank(s) per node")
+    return local_rank
+
+
+def device_count() -> tuple[int, str | None]:
+    """(CUDA devices visible, None) or (0, why not), without raising."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU backend
+        return 0, f"cupy is not importable ({exc}); install burstcu[cuda13]"
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()), None
+    except Exception as exc:  # CUDARuntimeError without a driver
+        return 0, str(exc).splitlines()[0]
+
+
+def _nccl_problem() -> str | None:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception as exc:
+        return f"cupy.cuda.nccl is unavailable ({exc}); install nvidia-nccl-cu13"
+    return None
+
+
+def _local_rank(comm: Any) -> tuple[int, int]:
+    """(node-local rank, ranks on this node), from a shared-memory split of `comm`."""
+    if comm is None:
+        return 0, 1
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+
+
+def _local_problem(comm: Any) -> tuple[int, str | None]:
+    """(device index, None) or (-1, what stops this rank), with no collective after the split."""
+    local_rank, local_size = _local_rank(comm)
+    n, why = device_count()
+    if n == 0 and why:
+        return -1, f"no usable CUDA GPU ({why}); backend='cupy' needs one GPU per rank"
+    try:
+        device_id = select_device(local_rank, local_size, n, bound=os.environ.get(BOUND_ENV) == "1")
+    except ValueError as exc:
+        return -1, str(exc)
+    return device_id, _nccl_problem()
+
+
+def agree_or_raise(comm: Any, problem: str | None) -> None:
+    """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
+    rank has one, so no rank enters a collective alone."""
+    problems = [problem] if comm is None else comm.allgather(problem)
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        ranks = ", ".join(str(r) for r, _ in bad)
+        raise BackendUnavailable(f"burstcu backend 'cupy' cannot start (rank(s) {ranks}): {bad[0][1]}")
+
+
+def unique_id(comm: Any) -> bytes:
+    """The NCCL unique id made on rank 0 and broadcast over MPI (128 bytes on every rank)."""
+    from cupy.cuda import nccl
+    uid = nccl.get_unique_id() if comm is None or comm.Get_rank() == 0 else None
+    return uid if comm is None else comm.bcast(uid, root=0)
+
+
+def bootstrap(comm: Any) -> tuple[NCCLTransport, int]:
+    """(NCCLTransport over all ranks of `comm`, this rank's device id). Collective over `comm`.
+
+    comm: an mpi4py communicator, or None for a single process. The node-local rank picks the
+    GPU; every rank checks it can start, the ranks agree, then rank 0's NCCL unique id is
+    broadcast and each rank creates its communicator. Raises BackendUnavailable on every rank
+    when any rank lacks a GPU, has to share one, or lacks NCCL.
+    """
+    device_id, problem = _local_problem(comm)
+    agree_or_raise(comm, problem)
+    uid = unique_id(comm)
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    nccl_comm = _create_communicator(comm, size, uid, rank, device_id)
+    mpi_comm = None if comm is None else comm.Dup()
+    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), mpi_comm)
+    return transport, device_id
+
+
+def _create_communicator(comm: Any, size: int, uid: bytes, rank: int, device_id: int) -> Any:
+    """ncclCommInitRank on `device_id`. Every other rank is inside the same blocking init, so a
+    failure here cannot be agreed on: the world is aborted with the reason rather than left
+    hanging."""
+    import cupy
+    from cupy.cuda import nccl
+    try:
+        cupy.cuda.Device(device_id).use()
+        return nccl.NcclCommunicator(size, uid, rank)
+    except Exception as exc:
+        if comm is None or size == 1:
+            raise BackendUnavailable(f"NCCL initialisation failed on device {device_id}: {exc}") from exc
+        import sys
+        sys.stderr.write(f"burstcu: rank {rank}: NCCL initialisation failed on device {device_id}: "
+                         f"{exc}; aborting the world (the other ranks are blocked in the same init)\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+        raise  # not reached
+
+
+__all__ = ["NCCLTransport", "CupyDevice", "bootstrap", "select_device", "nccl_dtype", "nccl_count",
+           "nvtx_range", "unique_id", "agree_or_raise", "BackendUnavailable", "device_count"]

@@ -1,0 +1,92 @@
+"""The "cupy" backend through NCCL on a real GPU: a world of one against the float64 reference,
+the transport's own collective, and no CuPy pool growth over repeated calls.
+
+Skipped unless `cupy.cuda.is_available()`. NCCL refuses two ranks on one GPU, so the ring itself
+(world > 1) is covered on the CPU: its schedule by tests/test_schedule.py, its numerics over MPI
+by tests/test_attention_mpi.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.reference import attention_backward_ref, attention_ref, within_fa_rule
+
+
+def _gpu() -> bool:
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")]
+
+EPS32 = 2.0**-23
+
+
+@pytest.fixture(scope="module")
+def group():
+    import burstcu
+    g = burstcu.init(backend="cupy")
+    assert g.transport.name == "nccl" and g.size == 1
+    yield g
+    g.close()
+
+
+def _inputs(seed, b=2, n=128, h=4, hkv=2, d=64):
+    rng = np.random.default_rng(seed)
+    q, dout = (rng.standard_normal((b, n, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, n, hkv, d)).astype(np.float32) for _ in range(2))
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_world_of_one_matches_reference(group, causal):
+    import cupy
+    import burstcu
+    q, k, v, dout = _inputs(3)
+    dq_, dk_, dv_, dd_ = (cupy.asarray(x) for x in (q, k, v, dout))
+    out, lse = burstcu.attention(dq_, dk_, dv_, group, causal=causal, return_lse=True)
+    grads = burstcu.attention_backward(dd_, dq_, dk_, dv_, out, lse, group, causal=causal)
+    ref_out, ref_lse = attention_ref(q, k, v, causal)
+    naive_out, naive_lse = attention_ref(q, k, v, causal, dtype=np.float32)
+    for name, got, ref, naive in [("out", out, ref_out, naive_out), ("lse", lse, ref_lse, naive_lse)]:
+        ok, err, bound = within_fa_rule(cupy.asnumpy(got), ref, naive, EPS32)
+        assert ok, f"{name}: {err:.3e} > {bound:.3e}"
+    refs = attention_backward_ref(dout, q, k, v, causal)
+    naives = attention_backward_ref(dout, q, k, v, causal, dtype=np.float32)
+    for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
+        ok, err, bound = within_fa_rule(cupy.asnumpy(got), ref, naive, EPS32)
+        assert ok, f"{name}: {err:.3e} > {bound:.3e}"
+
+
+def test_nccl_allgather_of_one_copies(group):
+    import cupy
+    send = cupy.arange(1000, dtype=cupy.float32)
+    recv = cupy.zeros((1, 1000), dtype=cupy.float32)
+    group.transport.allgather(send, recv)  # stream-ordered: the next kernel sees the result
+    assert bool((recv[0] == send).all())
+
+
+def test_no_pool_growth_over_100_calls(group):
+    import cupy
+    import burstcu
+    q, k, v, dout = (cupy.asarray(x) for x in _inputs(4, n=64))
+    pool = cupy.get_default_memory_pool()
+
+    def step():
+        out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+        burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
+
+    for _ in range(3):  # warm-up: kernels compiled, pool blocks cached
+        step()
+    cupy.cuda.Device().synchronize()
+    used, total = pool.used_bytes(), pool.total_bytes()
+    for _ in range(100):
+        step()
+    cupy.cuda.Device().synchronize()
+    assert pool.used_bytes() == used, (used, pool.used_bytes())
+    assert pool.total_bytes() <= total, (total, pool.total_bytes())

@@ -1,0 +1,100 @@
+"""Bodies for the NCCL bootstrap run under `mpiexec -n N` on CPU-only machines (any N).
+
+Run through tests/mpi/runner.py as `nccl_bodies:<function>`. They exercise what needs no GPU:
+the unique-id broadcast, the node-local split, and the agreed, every-rank failure of
+backend="cupy" when no GPU is usable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from mpi4py import MPI
+
+import burstcu
+from burstcu.transport import nccl as bn
+
+
+def unique_id_broadcast():
+    """Rank 0's NCCL unique id reaches every rank unchanged: 128 bytes, the same everywhere."""
+    uid = bn.unique_id(MPI.COMM_WORLD)
+    assert isinstance(uid, bytes) and len(uid) == 128, (type(uid), len(uid))
+    return {"len": len(uid), "sha": hashlib.sha256(uid).hexdigest()}
+
+
+def node_local_rank():
+    """On one node the shared-memory split gives local rank == rank, local size == size."""
+    local_rank, local_size = bn._local_rank(MPI.COMM_WORLD)
+    comm = MPI.COMM_WORLD
+    assert (local_rank, local_size) == (comm.Get_rank(), comm.Get_size())
+    return {"local_rank": local_rank, "local_size": local_size}
+
+
+def cupy_backend_fails_everywhere():
+    """Without a GPU, init(backend="cupy") raises BackendUnavailable on every rank, quickly; then
+    the world is still usable (a collective afterwards completes)."""
+    t0 = time.perf_counter()
+    try:
+        burstcu.init(backend="cupy")
+    except bn.BackendUnavailable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("backend='cupy' started without a GPU")
+    elapsed = time.perf_counter() - t0
+    assert "no usable CUDA GPU" in message or "cupy is not importable" in message, message
+    everyone = MPI.COMM_WORLD.allgather(message)  # nobody is stuck inside a collective
+    return {"message": message, "seconds": elapsed, "same_everywhere": len(set(everyone)) == 1}
+
+
+def one_rank_problem_raises_everywhere():
+    """A problem found only on the last rank is raised on every rank, naming that rank."""
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    problem = "2 ranks on this node but only 1 GPU(s)" if comm.Get_rank() == last else None
+    try:
+        bn.agree_or_raise(comm, problem)
+    except bn.BackendUnavailable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("agree_or_raise let a rank through")
+    assert f"rank(s) {last}" in message and "only 1 GPU" in message, message
+    comm.Barrier()
+    return {"message": message}
+
+
+def _pretend_devices(count: int, why: str | None = None) -> None:
+    """Make this rank's bootstrap see `count` GPUs (the check runs before any GPU call)."""
+    bn.device_count = lambda: (count, why)
+
+
+def too_many_ranks_per_gpu():
+    """N ranks on a node with one GPU: every rank raises, naming the count, before NCCL starts."""
+    _pretend_devices(1)
+    try:
+        bn.bootstrap(MPI.COMM_WORLD)
+    except bn.BackendUnavailable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("bootstrap accepted two ranks on one GPU")
+    size = MPI.COMM_WORLD.Get_size()
+    assert f"{size} ranks on this node but only 1 GPU(s)" in message, message
+    return {"message": message}
+
+
+def last_rank_without_gpu():
+    """Only the last rank lacks a GPU: the others must raise too, not enter the NCCL init."""
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    if comm.Get_rank() == last:
+        _pretend_devices(0, "cudaErrorNoDevice: no CUDA-capable device is detected")
+    else:
+        _pretend_devices(64)
+    try:
+        bn.bootstrap(comm)
+    except bn.BackendUnavailable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("bootstrap went on with a rank that has no GPU")
+    assert f"(rank(s) {last}):" in message and "cudaErrorNoDevice" in message, message
+    return {"message": message}

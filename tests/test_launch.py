@@ -1,0 +1,147 @@
+"""launch/: the commands burstcu-run and the SLURM example would run (dry runs), the per-rank GPU
+binding script, and a real CPU run of the selftest through the launcher on 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+
+
+def _load_run():
+    spec = importlib.util.spec_from_file_location("burstcu_launch_run", LAUNCH / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load_run()
+
+
+def _cli(*args, env=None, timeout=60):
+    proc = subprocess.run([str(LAUNCH / "burstcu-run"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable, **(env or {})))
+    return proc
+
+
+# ---- pure command construction ----------------------------------------------------------------
+def test_mpich_command_on_two_nodes():
+    argv = run.mpi_command(mpiexec="mpiexec", flavour="mpich", nprocs=16, per_node=8, hosts=["a", "b"],
+                           env={"NCCL_DEBUG": "WARN"}, bind="local-rank", command=["python", "t.py"])
+    assert argv == ["mpiexec", "-n", "16", "-hosts", "a,b", "-ppn", "8", "-genv", "NCCL_DEBUG", "WARN",
+                    "python", "t.py"]
+
+
+def test_openmpi_command_with_visible_binding():
+    argv = run.mpi_command(mpiexec="mpirun", flavour="openmpi", nprocs=8, per_node=4, hosts=["a", "b"],
+                           env={"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "1"}, bind="visible",
+                           command=["python", "t.py"])
+    assert argv == ["mpirun", "-n", "8", "--host", "a:4,b:4", "--map-by", "ppr:4:node",
+                    "-x", "NCCL_DEBUG=WARN", "-x", "NCCL_IB_DISABLE=1", str(LAUNCH / "bind-gpu"),
+                    "python", "t.py"]
+
+
+def test_rank_env_keeps_the_users_settings():
+    assert run.rank_env(True, {}, {}) == {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1",
+                                          "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert run.rank_env(False, {"NCCL_DEBUG": "INFO"}, {"NCCL_P2P_DISABLE": "1"}) == {"NCCL_P2P_DISABLE": "1"}
+
+
+# ---- the CLI's dry run ------------------------------------------------------------------------
+def test_dry_run_cpu():
+    proc = _cli("--cpu", "-n", "2", "--mpi", "mpich", "--mpiexec", "mpiexec", "--dry-run", "--",
+                "python", "-m", "burstcu.selftest", env={"NCCL_DEBUG": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("mpiexec -n 2 -genv MKL_NUM_THREADS 1 -genv OMP_NUM_THREADS 1 "
+                                   "-genv OPENBLAS_NUM_THREADS 1 python -m burstcu.selftest")
+
+
+def test_dry_run_gpu_one_node():
+    proc = _cli("--gpus-per-node", "4", "--mpi", "openmpi", "--mpiexec", "mpirun", "--env",
+                "NCCL_SOCKET_IFNAME=eth0", "--dry-run", "--", "python", "train.py", "--lr", "1e-3",
+                env={"NCCL_DEBUG": "WARN"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("mpirun -n 4 --map-by ppr:4:node -x NCCL_SOCKET_IFNAME=eth0 "
+                                   "python train.py --lr 1e-3")
+
+
+def test_refuses_more_ranks_than_gpus_and_missing_gpus():
+    proc = _cli("-n", "9", "--gpus-per-node", "8", "--mpi", "mpich", "--dry-run", "--", "python", "x.py")
+    assert proc.returncode != 0 and "one GPU per rank" in proc.stderr
+    if run.detect_gpus() is None:
+        proc = _cli("--dry-run", "--", "python", "x.py")
+        assert proc.returncode != 0 and "--gpus-per-node" in proc.stderr
+
+
+# ---- SLURM ---------------------------------------------------------------------------------------
+def test_slurm_example_is_the_rendered_template():
+    rendered = run.render_sbatch(nodes=2, gpus_per_node=8, command=["python", "-m", "burstcu.selftest"])
+    assert (LAUNCH / "slurm_example.sbatch").read_text() == rendered
+    proc = _cli("--slurm", "--nodes", "2", "--gpus-per-node", "8", "--", "python", "-m", "burstcu.selftest")
+    assert proc.returncode == 0 and proc.stdout == rendered
+
+
+def test_slurm_example_dry_run_prints_srun():
+    proc = subprocess.run(["bash", str(LAUNCH / "slurm_example.sbatch")], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT, env=dict(os.environ, BURSTCU_DRY_RUN="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "srun --mpi=pmix --cpu-bind=cores python -m burstcu.selftest"
+
+
+def test_slurm_visible_binding_and_partition():
+    text = run.render_sbatch(nodes=4, gpus_per_node=4, command=["python", "t.py"], partition="gpu",
+                             bind="visible", env={"NCCL_IB_HCA": "mlx5_0"})
+    assert "#SBATCH --partition=gpu" in text and "#SBATCH --ntasks-per-node=4" in text
+    assert 'export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5_0}"' in text
+    assert text.rstrip().endswith("srun --mpi=pmix --cpu-bind=cores launch/bind-gpu python t.py")
+
+
+# ---- per-rank GPU binding --------------------------------------------------------------------
+@pytest.mark.parametrize("env,expected", [
+    ({"MPI_LOCALRANKID": "1"}, "1"),
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "6"),
+    ({"SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "3"}, "3"),
+])
+def test_bind_gpu_picks_the_local_ranks_gpu(env, expected):
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                          "PMIX_LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
+    proc = subprocess.run([str(LAUNCH / "bind-gpu"), "sh", "-c",
+                           'echo "$CUDA_VISIBLE_DEVICES $BURSTCU_GPU_BOUND"'],
+                          capture_output=True, text=True, timeout=30, env=dict(clean, **env))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [expected, "1"]
+
+
+def test_bind_gpu_errors():
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMIX_LOCAL_RANK")}
+    proc = subprocess.run([str(LAUNCH / "bind-gpu"), "true"], capture_output=True, text=True,
+                          timeout=30, env=clean)
+    assert proc.returncode == 2 and "no node-local rank" in proc.stderr
+    proc = subprocess.run([str(LAUNCH / "bind-gpu"), "true"], capture_output=True, text=True, timeout=30,
+                          env=dict(clean, MPI_LOCALRANKID="3", CUDA_VISIBLE_DEVICES="0,1"))
+    assert proc.returncode == 2 and "lists fewer GPUs" in proc.stderr
+
+
+# ---- a real run through the launcher: the selftest on the CPU ---------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2])
+def test_selftest_through_the_launcher(world):
+    proc = _cli("--cpu", "-n", str(world), "--", sys.executable, "-m", "burstcu.selftest", "--quick",
+                env={"PYTHONPATH": str(ROOT)}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("selftest PASSED") == 1  # rank 0 reports
+    if run.detect_gpus() is None:
+        assert "no usable CUDA GPU on this machine: ran the CPU checks only" in out
+    assert f"[numpy over {'mpi' if world > 1 else 'self'}, {world} rank(s)] correctness: ok" in out
+    if world > 1:
+        assert "ring exchange" in out and "overlap" in out
