@@ -75,12 +75,16 @@ def _resolve_backend(backend: str, comm) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     if backend != "auto":
         return backend
-    if gpu_usable():
-        return "cupy"
-    rank = comm.Get_rank() if comm is not None else 0
-    if rank == 0:
-        warnings.warn("burstcu: no usable GPU, backend 'auto' runs the NumPy CPU backend", stacklevel=3)
-    return "numpy"
+    # decided together: ranks picking different backends would wait on each other forever
+    usable = gpu_usable()
+    if comm is not None and comm.Get_size() > 1:
+        usable = all(comm.allgather(usable))
+    return "cupy" if usable else "numpy"
+
+
+def _warn_cpu_fallback(comm, why: str) -> None:
+    if comm is None or comm.Get_rank() == 0:
+        warnings.warn(f"burstcu: backend 'auto' runs the NumPy CPU backend ({why})", stacklevel=3)
 
 
 def init(comm=None, backend: str = "auto", *, progress: str = "thread", **options) -> Group:
@@ -95,19 +99,34 @@ def init(comm=None, backend: str = "auto", *, progress: str = "thread", **option
     Collective over `comm`: every rank must call it.
     """
     comm = _world(comm)
+    asked = backend
     backend = _resolve_backend(backend, comm)
+    if asked == "auto" and backend == "numpy":
+        _warn_cpu_fallback(comm, "no usable GPU on every rank")
+    if backend == "cupy":
+        from .transport.nccl import BackendUnavailable
+        try:
+            return _init_cupy(comm, options)
+        except BackendUnavailable as exc:  # raised on every rank alike, so all fall back together
+            if asked != "auto":
+                raise
+            _warn_cpu_fallback(comm, str(exc))
+            backend = "numpy"
     if backend == "numpy":
         from .ops.numpy_ops import NumpyOps
         transport, ops = _mpi_transport(comm, progress), NumpyOps(**options)
     elif backend == "emulated":
         from .ops.kernel_ops import KernelOps
         transport, ops = _mpi_transport(comm, progress), KernelOps("emulated", **options)
-    else:
-        from .transport.nccl import bootstrap
-        transport, device = bootstrap(comm)
-        from .ops.kernel_ops import KernelOps
-        ops = KernelOps("cupy", **options)
     return Group(transport.rank, transport.size, backend, transport, ops, comm)
+
+
+def _init_cupy(comm, options) -> Group:
+    """NCCL over the node-local GPU (bootstrap makes it current) with the CUDA kernels."""
+    from .ops.kernel_ops import KernelOps
+    from .transport.nccl import bootstrap
+    transport, _device = bootstrap(comm)
+    return Group(transport.rank, transport.size, "cupy", transport, KernelOps("cupy", **options), comm)
 
 
 _LOCAL: dict[str, Group] = {}

@@ -1,0 +1,197 @@
+"""Helpers shared by the benchmarks in bench/: environment description, inputs, tables, JSON,
+progress lines, and the MPI world.
+
+API (for other bench scripts):
+    world()                       -> (comm or None, rank, size)    mpi4py COMM_WORLD if importable
+    environment(group, **extra)   -> dict: what was measured on (CPU/GPU, BLAS, MPI, progress)
+    measured_on(env)              -> one line saying so ("CPU ... not a GPU figure")
+    make_local_inputs(...)        -> this rank's q, k, v, dout shards (random, seeded)
+    median(xs), fmt_s(sec), fmt_bytes(n)
+    table(rows, columns)          -> str: an aligned text table (rows: list of dicts)
+    progress(msg, rank=0)         -> one line on stderr from rank 0, flushed
+    write_json(path, obj)         -> strict JSON (numpy values converted, NaN -> null)
+    clean(obj)                    -> the JSON-ready copy write_json writes
+    blas_threads_env()            -> os.environ copy with one BLAS/OpenMP thread
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def world():
+    """(comm, rank, size): MPI.COMM_WORLD when mpi4py imports, else (None, 0, 1)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None, 0, 1
+    comm = MPI.COMM_WORLD
+    return comm, comm.Get_rank(), comm.Get_size()
+
+
+def blas_threads_env(threads: int = 1) -> dict:
+    env = dict(os.environ)
+    for var in THREAD_VARS:
+        env[var] = str(threads)
+    return env
+
+
+def _blas_info() -> list:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keep = ("internal_api", "version", "num_threads", "architecture")
+    return [{k: info.get(k) for k in keep} for info in threadpool_info()]
+
+
+def _mpi_info() -> str | None:
+    try:
+        from mpi4py import MPI
+        return MPI.Get_library_version().splitlines()[0].strip()
+    except Exception:
+        return None
+
+
+def environment(group=None, **extra) -> dict:
+    """What the figures were measured on. Never claims a GPU unless the backend ran on one."""
+    backend = getattr(group, "backend", "numpy")
+    transport = getattr(group, "transport", None)
+    env = {
+        "device": "GPU (host-side enqueue timings)" if backend == "cupy" else "CPU",
+        "backend": backend,
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": _blas_info(),
+        "thread_env": {v: os.environ.get(v) for v in THREAD_VARS},
+        "mpi": _mpi_info(),
+        "transport": getattr(transport, "name", None),
+        "progress": getattr(transport, "progress", None),
+        "ranks": getattr(group, "size", 1),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    env.update(extra)
+    return env
+
+
+def measured_on(env: dict) -> str:
+    """One human line: what ran, and a reminder that CPU numbers are not GPU numbers."""
+    threads = env["thread_env"].get("OMP_NUM_THREADS") or "default"
+    line = (f"# measured on {env['device']}: backend={env['backend']}, {env['ranks']} rank(s) on "
+            f"{env['cpus']} cores, BLAS threads={threads}, transport={env['transport']}"
+            f" (progress={env['progress']}), MPI={env['mpi']}")
+    if env["device"] == "CPU":
+        line += "\n# these are CPU + MPI figures of the schedule, NOT GPU figures"
+    return line
+
+
+def make_local_inputs(rank: int, size: int, *, batch: int, seqlen: int, heads: int, kv_heads: int,
+                      headdim: int, dtype: str, layout: str = "contiguous", seed: int = 0):
+    """This rank's (q, k, v, dout) for a global sequence of `seqlen` tokens.
+
+    q, dout: (batch, seqlen/size, heads, headdim); k, v: (batch, seqlen/size, kv_heads, headdim).
+    Each rank draws only its own shard (seeded by rank), so no rank builds the whole sequence;
+    values are N(0, 1), which keeps softmax well conditioned for timing.
+    """
+    from burstcu.layout import shard_slices
+
+    shard_slices(layout, rank, size, seqlen)  # raises a clear error when seqlen does not divide
+    dt = _dtype(dtype)
+    rng = np.random.default_rng([seed, rank])
+    s = seqlen // size
+    shapes = [(batch, s, heads, headdim), (batch, s, kv_heads, headdim),
+              (batch, s, kv_heads, headdim), (batch, s, heads, headdim)]
+    return [rng.standard_normal(shape, dtype=np.float32).astype(dt) for shape in shapes]
+
+
+def _dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name).type
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def fmt_s(seconds) -> str:
+    if seconds is None or seconds != seconds:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f}s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f}ms"
+    return f"{seconds * 1e6:.0f}us"
+
+
+def fmt_bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list, columns: list) -> str:
+    """Aligned text table of `rows` (dicts) with the given column keys, header first."""
+    cells = [[str(c) for c in columns]] + [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def progress(msg: str, rank: int = 0) -> None:
+    """A progress line on stderr (rank 0 only), so stdout stays one line per configuration."""
+    if rank == 0:
+        sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+        sys.stderr.flush()
+
+
+def clean(x):
+    """obj with numpy scalars/arrays as Python values and NaN/inf as None (strict JSON)."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return clean(x.tolist())
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        x = x.item()
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    return x
+
+
+def write_json(path, obj) -> None:
+    """Write `obj` as strict JSON (see `clean`), creating the folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(clean(obj), f, indent=1, allow_nan=False)
+        f.write("\n")

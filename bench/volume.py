@@ -1,0 +1,176 @@
+"""Communication volume per rank, per pass and strategy: measured (`group.stats`) beside the exact
+byte formula of the implementation and beside the paper's formula, with the differences explained.
+
+    mpiexec -n G python bench/volume.py [--seqlen N] [--heads H] [--kv-heads Hkv] [--headdim D]
+        [--dtype float16] [--json FILE]
+
+The paper (BurstAttention, Table "communication overhead") counts ELEMENTS moved "across the
+ring" in one Transformer block, with B batch, Z heads, N global tokens, d head dim, G devices:
+
+    forward (BurstAttention and Ring Attention)   2 B Z N d
+    backward, BurstAttention                      3 B Z N d + 2 B N Z / G
+    backward, Ring Attention                      6 B Z N d
+
+Converting to bytes SENT BY ONE RANK in one pass (S = N/G local tokens):
+  * forward: each of the G-1 steps a rank sends its current K and V, 2 B Z S d elements, so
+    2 B Z S d (G-1) = 2 B Z N d (G-1)/G: the paper's total times (G-1)/G. With GQA the K/V heads
+    are Hkv, not Z.
+  * BurstAttention backward: each of the G-1 steps a rank sends Q, dO, dQ (3 B Z S d) and lse,
+    delta (2 B Z S) of one visiting block: 3 B Z N d (G-1)/G + 2 B Z N (G-1)/G. The paper's
+    lse/delta term 2 B N Z / G is ONE step's worth; over the pass it is (G-1) times that.
+  * Ring Attention backward: the paper's 6 B Z N d is not what the ring baseline here moves.
+    Following the seeds (Liu et al., ring-flash-attention) K, V and dK, dV travel:
+    4 B Z N d (G-1)/G + one more dK, dV hop. We print the paper's figure times (G-1)/G beside it.
+  * all-gather (Megatron-CP / LASP-2H; not in the paper's table): all-gather K, V sends
+    2 B Hkv S d (G-1) per rank per pass; the backward adds a reduce-scatter of dK, dV:
+    2 B Hkv S d (G-1) more.
+The paper assumes one element size. The implementation sends Q, dO, K, V in the input dtype but
+dQ, dK, dV, lse and delta in the accumulation dtype (fp32; fp64 for fp64 input), and its dQ (burst)
+or dK, dV (ring) make one extra hop to return to their owner; both are listed per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+import burstcu  # noqa: E402
+from burstcu import strategies  # noqa: E402
+from burstcu.ops.base import accum_dtype  # noqa: E402
+
+
+def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
+    """The paper's element count, converted to bytes one rank sends (all at input itemsize `it`).
+    See the module docstring; H plays Z for query-side tensors, Hkv for K/V-side ones."""
+    if G == 1:
+        return 0
+    hops = G - 1
+    if pass_ == "forward":
+        return 2 * B * Hkv * S * D * hops * it
+    if strategy == "burst":
+        return (3 * B * H * S * D + 2 * B * H * S) * hops * it
+    if strategy == "ring":
+        return 6 * B * Hkv * S * D * hops * it
+    return 4 * B * Hkv * S * D * hops * it  # allgather: gather K, V + reduce-scatter dK, dV
+
+
+def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[dict, str]:
+    """Decomposition of the implementation's bytes into named terms, and why it differs from
+    the paper's count."""
+    if G == 1:
+        return {}, "one rank: nothing moves"
+    hops = G - 1
+    kv, kv_acc = B * S * Hkv * D * it, B * S * Hkv * D * acc
+    qd, qd_acc, rows_acc = B * S * H * D * it, B * S * H * D * acc, B * H * S * acc
+    if pass_ == "forward":
+        return {"k, v (G-1 hops)": 2 * kv * hops}, "matches the paper (x (G-1)/G per rank)"
+    if strategy == "burst":
+        terms = {"q, dout (G-1 hops)": 2 * qd * hops, "lse, delta fp32 (G-1 hops)": 2 * rows_acc * hops,
+                 "dq fp32 (G-1 hops)": qd_acc * hops, "dq return hop to owner": qd_acc}
+        why = ("dq, lse, delta travel in the accumulation dtype (not the input dtype); dq makes one "
+               "extra hop home; the paper's 2BNZ/G term is one step of lse+delta, summed here over G-1 steps")
+        return terms, why
+    if strategy == "ring":
+        terms = {"k, v (G-1 hops)": 2 * kv * hops, "dk, dv fp32 (G-1 hops)": 2 * kv_acc * hops,
+                 "dk, dv return hop to owner": 2 * kv_acc}
+        why = ("the paper counts 6BZNd for Ring Attention; this baseline moves K, V, dK, dV "
+               "(4 tensors per step, as the seeds describe), dK/dV in fp32, plus one hop home")
+        return terms, why
+    terms = {"all-gather k, v": 2 * kv * hops, "reduce-scatter dk, dv fp32": 2 * kv_acc * hops}
+    return terms, "standard all-gather/reduce-scatter volume; dk, dv reduced in fp32"
+
+
+def measure(group, strategy: str, inputs, causal: bool) -> dict:
+    """Bytes and messages this rank sends in one forward and one backward pass."""
+    q, k, v, dout = inputs
+    group.stats.reset()
+    out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True, strategy=strategy)
+    fwd = group.stats.as_dict()
+    group.stats.reset()
+    burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, strategy=strategy)
+    bwd = group.stats.as_dict()
+    return {"forward": fwd, "backward": bwd}
+
+
+def rows_for(strategy: str, measured: dict, size: int, inputs) -> list:
+    q, k, v, _ = inputs
+    B, S, H, D = q.shape
+    Hkv = k.shape[2]
+    it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
+    impl = strategies.get(strategy)
+    formula = {"forward": (impl.forward_bytes(size, q, k, v), impl.forward_messages(size)),
+               "backward": (impl.backward_bytes(size, q, k, v), impl.backward_messages(size))}
+    rows = []
+    for pass_ in ("forward", "backward"):
+        dims = dict(G=size, B=B, S=S, H=H, Hkv=Hkv, D=D, it=it)
+        terms, why = explain(strategy, pass_, acc=acc, **dims)
+        paper = paper_bytes(strategy, pass_, **dims)
+        got = measured[pass_]
+        rows.append({
+            "strategy": strategy, "pass": pass_,
+            "measured_bytes": got["bytes_sent"], "formula_bytes": formula[pass_][0],
+            "match": got["bytes_sent"] == formula[pass_][0] and sum(terms.values()) == formula[pass_][0],
+            "measured_messages": got["messages"], "formula_messages": formula[pass_][1],
+            "paper_bytes": paper,
+            "measured_over_paper": (got["bytes_sent"] / paper) if paper else None,
+            "terms": terms, "why_different": why,
+        })
+    return rows
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    group = burstcu.init(backend="numpy")
+    inputs = C.make_local_inputs(group.rank, group.size, batch=args.batch, seqlen=args.seqlen,
+                                 heads=args.heads, kv_heads=args.kv_heads or args.heads,
+                                 headdim=args.headdim, dtype=args.dtype)
+    rows = []
+    for strategy in args.strategies:
+        C.progress(f"volume: {strategy}", group.rank)
+        rows += rows_for(strategy, measure(group, strategy, inputs, args.causal), group.size, inputs)
+    per_rank = group.comm.gather(rows, root=0) if group.comm is not None and group.size > 1 else [rows]
+    env = C.environment(group)
+    group.close()
+    if group.rank != 0:
+        return None
+    print(C.measured_on(env).splitlines()[0])
+    print(f"# bytes SENT per rank per pass; G={group.size} N={args.seqlen} B={args.batch} "
+          f"H={args.heads} Hkv={args.kv_heads or args.heads} D={args.headdim} dtype={args.dtype}")
+    show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
+                 paper=C.fmt_bytes(r["paper_bytes"]), msgs=f"{r['measured_messages']}/{r['formula_messages']}")
+            for r in per_rank[0]]
+    print(C.table(show, ["strategy", "pass", "measured", "formula", "match", "msgs", "paper",
+                         "measured_over_paper"]))
+    for r in per_rank[0]:
+        terms = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in r["terms"].items())
+        print(f"  {r['strategy']:9s} {r['pass']:8s} = {terms or '0'}\n{'':22s}vs paper: {r['why_different']}")
+    all_match = all(r["match"] and r["measured_messages"] == r["formula_messages"]
+                    for rows_ in per_rank for r in rows_)
+    print(f"# every rank's measured bytes and messages equal the formulas: {all_match}")
+    result = {"benchmark": "volume", "environment": env, "args": vars(args), "all_match": all_match,
+              "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}
+    if args.json:
+        C.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

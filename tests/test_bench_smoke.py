@@ -1,0 +1,149 @@
+"""Tiny runs of every benchmark in bench/, so they never rot: each writes its JSON and the test
+checks the fields, their internal consistency and the byte formulas. The whole file runs in well
+under a minute on 2 cores (sizes are tiny: the numbers are noise, only their shape is checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.mpi_run import mpiexec
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def run_bench(script: str, args: list, nprocs: int | None = 2, timeout: float = 60) -> str:
+    """Run bench/<script> (under mpiexec -n nprocs, or plainly when None); return its stdout."""
+    cmd = [sys.executable, str(BENCH / script), *map(str, args)]
+    if nprocs is not None:
+        cmd = [mpiexec(), "-n", str(nprocs), *cmd]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _eff(tc, tm, to):
+    m = min(tc, tm)
+    return None if not m > 0 else (tc + tm - to) / m
+
+
+@pytest.mark.mpi
+def test_overlap_smoke(tmp_path):
+    js, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
+    out = run_bench("overlap.py", ["--seqlen", 64, 128, "--heads", 2, "--headdim", 16, "--repeats", 1,
+                                   "--warmup", 0, "--causal", "--json", js, "--plot", png])
+    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 2 * 3, out                       # one line per configuration
+    assert "NOT GPU figures" in out and "progress=thread" in out
+    assert png.stat().st_size > 10_000
+    result = json.loads(js.read_text())
+    assert result["environment"]["device"] == "CPU"
+    assert {c["strategy"] for c in result["configs"]} == {"burst", "ring", "allgather"}
+    from burstcu import strategies
+    import numpy as np
+    for cfg in result["configs"]:
+        assert len(cfg["ranks"]) == 2 and cfg["summary"]["e2e_fwd_bwd_s"] > cfg["summary"]["e2e_forward_s"] > 0
+        for rank in cfg["ranks"]:
+            fwd, bwd = rank["forward"], rank["backward"]
+            assert len(fwd["steps"]) == 2 and len(bwd["steps"]) >= 2   # G steps (+ return/reduce hops)
+            for p in (fwd, bwd):
+                for s in p["steps"] + [p]:
+                    assert all(s[k] >= 0 for k in ("t_compute", "t_comm", "t_overlapped"))
+                    want = _eff(s["t_compute"], s["t_comm"], s["t_overlapped"])
+                    assert (s["efficiency"] is None) == (want is None)
+                    # efficiency is a ratio of measured times: finite; it can leave [0, 1] through
+                    # noise and core contention, but not by orders of magnitude at these sizes
+                    if want is not None:
+                        assert math.isclose(s["efficiency"], want, rel_tol=1e-9, abs_tol=1e-12)
+                        assert math.isfinite(want)
+            assert rank["timeline"] and all(b >= a for _, a, b in rank["timeline"])
+            # bytes moved in the overlapped run == the strategy's formulas
+            s_loc, h, d = cfg["seqlen"] // 2, cfg["heads"], cfg["headdim"]
+            q = np.zeros((1, s_loc, h, d), np.float32)
+            impl = strategies.get(cfg["strategy"])
+            assert rank["bytes_sent_fwd_bwd"] == impl.forward_bytes(2, q, q, q) + impl.backward_bytes(2, q, q, q)
+        # burst's forward exchanges on step 0 only (G=2): its t_comm is positive there, 0 after
+        burst_like = cfg["strategy"] != "allgather"
+        steps = cfg["ranks"][0]["forward"]["steps"]
+        assert (steps[0]["t_comm"] > 0) and (steps[1]["t_comm"] == 0 or not burst_like)
+
+
+def test_model_smoke(tmp_path, capsys):
+    import model
+    result = model.main(["--preset", "a100-ib", "--seqlen", "4096", "1048576",
+                         "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert all(ln.startswith("PREDICTION") or ln.lstrip().startswith(("pass", "PREDICTION"))
+               for ln in out.splitlines() if ln.strip()), out
+    rep = result["reports"][0]
+    assert rep["kind"] == "PREDICTION"
+    for row in rep["steps"]:
+        # the model's overlapped time lies between max and sum of its parts, so 0 <= eff <= 1
+        assert max(row["t_compute"], row["t_comm"]) <= row["t_overlapped"] <= row["t_compute"] + row["t_comm"]
+        assert -1e-9 <= row["efficiency"] <= 1 + 1e-9
+    hidden = rep["hidden_above_seqlen"]
+    assert 4096 < hidden["forward"] < 1 << 20                     # exposed at short, hidden at long
+    short = [r for r in rep["steps"] if r["seqlen"] == 4096]
+    long = [r for r in rep["steps"] if r["seqlen"] == 1 << 20]
+    assert not any(r["hidden"] for r in short) and all(r["hidden"] for r in long)
+    assert json.loads((tmp_path / "m.json").read_text())["kind"] == "PREDICTION"
+
+
+@pytest.mark.mpi
+def test_volume_smoke(tmp_path):
+    js = tmp_path / "volume.json"
+    out = run_bench("volume.py", ["--seqlen", 96, "--heads", 4, "--kv-heads", 2, "--headdim", 8,
+                                  "--json", js], nprocs=3)
+    assert "equal the formulas: True" in out, out
+    result = json.loads(js.read_text())
+    assert result["all_match"] and len(result["ranks"]) == 3
+    for r in result["ranks"][0]["rows"]:
+        assert r["measured_bytes"] == r["formula_bytes"] == sum(r["terms"].values())
+        assert r["measured_messages"] == r["formula_messages"]
+        if r["pass"] == "forward":
+            assert r["measured_bytes"] == r["paper_bytes"]          # 2BZNd (G-1)/G exactly
+        else:
+            assert r["measured_bytes"] > r["paper_bytes"] > 0 and r["why_different"]
+
+
+@pytest.mark.mpi
+def test_memory_smoke(tmp_path):
+    js = tmp_path / "memory.json"
+    run_bench("memory.py", ["--seqlen", 256, "--heads", 2, "--headdim", 16, "--json", js], nprocs=2)
+    result = json.loads(js.read_text())
+    for rank in result["ranks"]:
+        for r in rank["rows"]:
+            f = r["formula"]
+            # the strategy's own buffers are a floor under what the call allocates
+            assert r["forward_peak"] >= f["buffers"] > 0
+            assert r["backward_peak"] >= r["forward_peak"] * 0.5
+            assert r["forward_total"] > r["forward_peak"]
+
+
+@pytest.mark.mpi
+def test_scaling_smoke(tmp_path):
+    js = tmp_path / "scaling.json"
+    run_bench("scaling.py", ["--ranks", 1, 2, "--seqlen", 256, "--heads", 2, "--headdim", 16,
+                             "--repeats", 1, "--json", js], nprocs=None)
+    result = json.loads(js.read_text())
+    rows = {r["ranks"]: r for r in result["rows"]}
+    assert rows[1]["forward_efficiency"] == 1 and rows[2]["forward_s"] > 0
+    assert 0 < rows[2]["fwd_bwd_efficiency"] < 5
+    assert set(result["commands"]) == {"1", "2"}
