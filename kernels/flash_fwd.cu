@@ -46,17 +46,20 @@ The working constraints are, in order:
   2. shared memory: Q tile + 2 stages x (K + V) tiles, every row padded by 16 bytes so that the
      8 row addresses of an ldmatrix fall in 8 different bank groups (no conflicts, for every
      head dim including 96 where an XOR swizzle over 12 chunks does not close);
-  3. at least two thread blocks (>= 8 warps) resident per SM, so one block's barrier or
-     cp.async wait is covered by another's math.
-Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes):
-    D    sm_80 (164 KB/SM)                 sm_90 (228 KB/SM)
-    32   4 warps, 64 x 128,  45 KB         same
-    64   8 warps, 128 x 64,  54 KB         same
-    96   4 warps, 64 x 32,   39 KB         4 warps, 64 x 64, 65 KB
-    128  4 warps, 64 x 32,   51 KB         8 warps, 128 x 32, 68 KB
-    256  4 warps, 64 x 32,   99 KB         same
-sm_90 gets larger tiles where its extra 64 KB of smem still leaves two blocks per SM. There is no
-Hopper-specific path (wgmma/TMA): sm_90 runs the same mma.sync code.
+  3. about 8 or more resident warps per SM, so one warp's barrier or cp.async wait is covered
+     by another's math (met everywhere but d = 256, where one 4-warp block fits on sm_80).
+Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gate, NVRTC 13.0):
+    D    sm_80 (164 KB smem/SM)                     sm_90 (228 KB smem/SM)
+    32   8 warps, 128 x 64, 30 KB, 123 regs         same
+    64   8 warps, 128 x 64, 54 KB, 128 regs         same, 133 regs
+    96   4 warps,  64 x 32, 39 KB, 159 regs         4 warps, 64 x 64, 65 KB, 168 regs
+    128  4 warps,  64 x 32, 51 KB, 168 regs         same
+    256  4 warps,  64 x 32, 99 KB, 242 regs         same
+Registers, not smem, bind first: 8-16 warps per SM (d <= 128), which is the regime
+FA2 itself runs in (few warps, much ILP per warp). Capping registers with a min-blocks launch
+bound (3 or 4 blocks) made ptxas spill, which the gate forbids. sm_90 gets 64-key tiles at d = 96,
+where its extra smem still leaves 3 blocks per SM. There is no Hopper-specific path (wgmma/TMA):
+sm_90 runs the same mma.sync code.
 `python bench/ptxas_report.py` prints the registers, smem and the occupancy they allow (computed
 from ptxas, not measured).
 

@@ -22,6 +22,11 @@ def _cast(dtype, *xs):
     return [np.asarray(x).astype(dtype) for x in xs]
 
 
+def _round(x, to):
+    """x rounded to the storage dtype `to` and back (what a half-precision kernel stores)."""
+    return x if to is None else x.astype(to).astype(x.dtype)
+
+
 def _probs(q, k, causal, scale, dtype):
     """Softmax probabilities (B, H, Nq, Nk) and lse (B, H, Nq); fully masked rows give 0, -inf."""
     s = (np.einsum("bihd,bjhd->bhij", q, _expand_kv(k, q.shape[2])) * dtype(scale)).astype(dtype)
@@ -43,25 +48,30 @@ def _scale(q, softmax_scale):
     return 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, dtype=np.float64):
-    """(out (B, N, H, D), lse (B, H, N)) computed entirely in `dtype`."""
+def attention_ref(q, k, v, causal=False, softmax_scale=None, dtype=np.float64, round_to=None):
+    """(out (B, N, H, D), lse (B, H, N)) computed entirely in `dtype`. With round_to (e.g.
+    np.float16), P is rounded to that dtype before P @ V, as a naive half-precision
+    implementation with float32 accumulation does."""
     q, k, v = _cast(dtype, q, k, v)
     probs, lse = _probs(q, k, causal, _scale(q, softmax_scale), dtype)
-    out = np.einsum("bhij,bjhd->bihd", probs, _expand_kv(v, q.shape[2])).astype(dtype)
-    return out, lse
+    out = np.einsum("bhij,bjhd->bihd", _round(probs, round_to), _expand_kv(v, q.shape[2])).astype(dtype)
+    return _round(out, round_to), lse
 
 
-def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtype=np.float64):
-    """(dq, dk, dv) from the explicit softmax Jacobian, computed entirely in `dtype`."""
+def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtype=np.float64,
+                           round_to=None):
+    """(dq, dk, dv) from the explicit softmax Jacobian, computed entirely in `dtype`; with
+    round_to, P and dS are rounded to that dtype before their matmuls (naive half precision)."""
     dout, q, k, v = _cast(dtype, dout, q, k, v)
     scale = dtype(_scale(q, softmax_scale))
     h, hkv = q.shape[2], k.shape[2]
     probs, _ = _probs(q, k, causal, scale, dtype)                       # (B, H, Nq, Nk)
+    p_stored = _round(probs, round_to)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     do = dout.transpose(0, 2, 1, 3)                                       # (B, H, Nq, D)
-    dv_e = np.einsum("bhij,bhid->bjhd", probs, do)
+    dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do)
     dprobs = np.einsum("bhid,bjhd->bhij", do, ve).astype(dtype)
-    ds = (probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype)
+    ds = _round((probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype), round_to)
     dq = np.einsum("bhij,bjhd->bihd", ds, ke) * scale
     dk_e = np.einsum("bhij,bihd->bjhd", ds, q) * scale
     b, n, _, d = k.shape

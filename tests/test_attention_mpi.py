@@ -50,3 +50,15 @@ def test_shard_unshard_roundtrip(world, layout):
     results = run_mpi(world, "shard_roundtrip", layout=layout)
     rows = sorted(r for res in results for r in res["rows"])
     assert rows == list(range(4 * world)), "the shards must partition the sequence"
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_emulated_kernels_on_the_ring(world, dtype):
+    """The whole distributed algorithm running the real .cu kernels (CPU emulator) as its LAO:
+    forward and backward vs float64, tolerance against a naive same-dtype implementation."""
+    cases = [dict(b=1, h=4, hkv=2, d=64, causal=True, layout="zigzag"),
+             dict(b=2, h=2, hkv=2, d=80, causal=False, layout="contiguous")]
+    run_mpi(world, "attention_matches_reference", backend="emulated", dtype=dtype, cases=cases,
+            seqlen_local=48, timeout=600)

@@ -54,15 +54,6 @@ def all_variants(arch: str) -> list[KernelVariant]:
     """Every variant the library can launch on `arch` (forward and backward families)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    out: list[KernelVariant] = []
-    try:
-        from .fwd_variants import forward_variants
-        out += forward_variants(arch)
-    except ImportError:
-        pass
-    try:
-        from .bwd_variants import backward_variants
-        out += backward_variants(arch)
-    except ImportError:
-        pass
-    return out
+    from .bwd_variants import backward_variants
+    from .fwd_variants import forward_variants
+    return forward_variants(arch) + backward_variants(arch)

@@ -1,47 +1,64 @@
 """Local attention in NumPy: the CPU backend's LAO, tiled like FlashAttention.
 
-Each ring step folds a (tile_q x tile_k) tile at a time into the running state with online
-softmax, so memory is O(S*D + tile_q*tile_k) per head, never O(S^2). Matmuls go to BLAS.
+Each ring step folds one (rows x keys) tile at a time into the running state with online softmax,
+so memory is O(S*D + tile) per head, never O(S^2). Matmuls go to BLAS.
 
-Internal layout, chosen so GQA costs no copies of K/V: queries are grouped under their KV head,
-`(B, Hkv, S, g, D)` with g = H // Hkv. A tile of rows [a, b) is then the contiguous
-`(B, Hkv, (b-a)*g, D)` block, and one batched matmul against K `(B, Hkv, D, tk)` scores every
-query head of the group at once. Row statistics use the same `(B, Hkv, S*g)` order.
+Layout, chosen so GQA costs no copy of K/V: queries are grouped under their KV head, as
+`(B, Hkv, S*g, D)` with g = H // Hkv (row i*g + j is position i, query head j of the group).
+One matmul against a KV head's keys then scores every query head of its group.
+
+Speed on a CPU, where NumPy's elementwise passes run on one core and BLAS on all of them:
+* work is split into independent items — (batch, kv head, query rows) in the forward,
+  (batch, kv head, key rows) in the backward — run by a thread pool (NumPy and BLAS release the
+  GIL) with BLAS held to one thread meanwhile, so exp/max passes use every core too;
+* tiles are sized for L2 (256 query rows x 512 keys of float32 = 512 KiB of scores);
+* V carries an extra column of ones, so one matmul P @ [V | 1] updates both the output
+  accumulator and the row sum l (its last column) — one fewer pass over P.
+The thread count defaults to the BLAS library's (1 under OMP_NUM_THREADS=1, as with MPI ranks).
 
 float16/bfloat16 inputs are computed in float32 (their accumulation dtype); float64 in float64.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 
 from ..layout import Block
 from .base import LocalOps, accum_dtype
 
-# 256 x 512 fp32 scores per (batch, kv head, group member) = 512 KiB: large enough that BLAS runs
-# near peak, small enough to stay in L2/L3 next to the exp pass.
-TILE_Q = 256
-TILE_K = 512
+TILE_Q = 256   # query rows (times g query heads) per tile
+TILE_K = 512   # keys per tile
 
 
-def _grouped(x, hkv: int, dtype) -> np.ndarray:
-    """(B, S, H, D) -> contiguous (B, Hkv, S, g, D) in `dtype`."""
+# -- layouts -----------------------------------------------------------------------------------------
+
+def _grouped(x, hkv: int, dtype, scale=None) -> np.ndarray:
+    """(B, S, H, D) -> new contiguous (B, Hkv, S*g, D) in `dtype`, times `scale` if given."""
     b, s, h, d = x.shape
-    return np.ascontiguousarray(x.reshape(b, s, hkv, h // hkv, d).transpose(0, 2, 1, 3, 4), dtype=dtype)
+    out = np.empty((b, hkv, s, h // hkv, d), dtype=dtype)
+    out[...] = x.reshape(b, s, hkv, h // hkv, d).transpose(0, 2, 1, 3, 4)
+    if scale is not None:
+        out *= dtype.type(scale)
+    return out.reshape(b, hkv, s * (h // hkv), d)
 
 
-def _ungrouped(x) -> np.ndarray:
-    """(B, Hkv, S, g, D) -> (B, S, H, D) (a view when possible)."""
-    b, hkv, s, g, d = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(b, s, hkv * g, d)
+def _ungrouped(x, s: int) -> np.ndarray:
+    """(B, Hkv, S*g, D) -> (B, S, H, D) (a view when possible)."""
+    b, hkv, sg, d = x.shape
+    g = sg // s
+    return x.reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, hkv * g, d)
 
 
 def _rows_grouped(x, hkv: int, dtype) -> np.ndarray:
     """(B, H, S) -> contiguous (B, Hkv, S*g)."""
     b, h, s = x.shape
-    return np.ascontiguousarray(x.reshape(b, hkv, h // hkv, s).transpose(0, 1, 3, 2), dtype=dtype).reshape(b, hkv, s * (h // hkv))
+    g = h // hkv
+    return np.ascontiguousarray(x.reshape(b, hkv, g, s).transpose(0, 1, 3, 2), dtype=dtype).reshape(b, hkv, s * g)
 
 
 def _rows_ungrouped(x, g: int) -> np.ndarray:
@@ -50,129 +67,199 @@ def _rows_ungrouped(x, g: int) -> np.ndarray:
     return x.reshape(b, hkv, sg // g, g).transpose(0, 1, 3, 2).reshape(b, hkv * g, sg // g)
 
 
-def _heads_major(x, dtype) -> np.ndarray:
-    """(B, S, Hkv, D) -> contiguous (B, Hkv, S, D)."""
-    return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=dtype)
+def _heads_major(x, dtype, extra_ones: bool = False) -> np.ndarray:
+    """(B, S, Hkv, D) -> contiguous (B, Hkv, S, D), or (B, Hkv, S, D+1) ending in a ones column."""
+    b, s, hkv, d = x.shape
+    out = np.empty((b, hkv, s, d + extra_ones), dtype=dtype)
+    out[..., :d] = x.transpose(0, 2, 1, 3)
+    if extra_ones:
+        out[..., d] = 1
+    return out
 
 
-def _tiles(block: Block, tile_q: int, tile_k: int):
-    """(q0, q1, k0, k1, masked) local row ranges of the tiles of `block` that are not skipped."""
-    for q0 in range(block.q_start, block.q_start + block.q_len, tile_q):
+# -- tiles ---------------------------------------------------------------------------------------------
+
+def _split(start: int, length: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous near-equal [lo, hi) ranges covering [start, start + length)."""
+    edges = np.linspace(start, start + length, parts + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+
+
+def _clip_q(block: Block, lo: int, hi: int) -> Block | None:
+    """The part of `block` whose local query rows fall in [lo, hi)."""
+    a, b = max(block.q_start, lo), min(block.q_start + block.q_len, hi)
+    if a >= b:
+        return None
+    return replace(block, q_start=a, q_len=b - a, q_pos=block.q_pos + a - block.q_start)
+
+
+def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
+    """The part of `block` whose local key rows fall in [lo, hi)."""
+    a, b = max(block.k_start, lo), min(block.k_start + block.k_len, hi)
+    if a >= b:
+        return None
+    return replace(block, k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
+
+
+def _tiles(block: Block, tile_q: int, tile_k: int, keys_outer: bool = False):
+    """(q0, q1, k0, k1, masked) for the tiles of `block` that are not wholly in the future."""
+    qs = range(block.q_start, block.q_start + block.q_len, tile_q)
+    ks = range(block.k_start, block.k_start + block.k_len, tile_k)
+    pairs = ((q0, k0) for k0, q0 in product(ks, qs)) if keys_outer else product(qs, ks)
+    for q0, k0 in pairs:
         q1 = min(q0 + tile_q, block.q_start + block.q_len)
-        for k0 in range(block.k_start, block.k_start + block.k_len, tile_k):
-            k1 = min(k0 + tile_k, block.k_start + block.k_len)
-            masked = False
-            if block.causal:
-                first_q = block.q_pos + (q0 - block.q_start)
-                last_q = block.q_pos + (q1 - 1 - block.q_start)
-                first_k = block.k_pos + (k0 - block.k_start)
-                last_k = block.k_pos + (k1 - 1 - block.k_start)
-                if last_q < first_k:
-                    continue  # the whole tile is in the future
-                masked = first_q < last_k
-            yield q0, q1, k0, k1, masked
+        k1 = min(k0 + tile_k, block.k_start + block.k_len)
+        masked = False
+        if block.causal:
+            first_q = block.q_pos + q0 - block.q_start
+            last_q = block.q_pos + q1 - 1 - block.q_start
+            first_k = block.k_pos + k0 - block.k_start
+            last_k = block.k_pos + k1 - 1 - block.k_start
+            if last_q < first_k:
+                continue
+            masked = first_q < last_k
+        yield q0, q1, k0, k1, masked
 
 
-def _causal_keep(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndarray:
-    """Boolean (rows*g, keys): True where query position >= key position."""
-    qp = block.q_pos + np.arange(q0 - block.q_start, q1 - block.q_start)
-    kp = block.k_pos + np.arange(k0 - block.k_start, k1 - block.k_start)
-    return np.repeat(qp[:, None] >= kp[None, :], g, axis=0)
+def _future(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndarray:
+    """Boolean (rows*g, keys): True where the key lies in the query's future (masked)."""
+    qp = block.q_pos - block.q_start + np.arange(q0, q1)
+    kp = block.k_pos - block.k_start + np.arange(k0, k1)
+    return np.repeat(qp[:, None] < kp[None, :], g, axis=0)
 
+
+# -- state ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ForwardState:
-    q: np.ndarray      # (B, Hkv, S, g, D), pre-multiplied by softmax_scale
-    acc: np.ndarray    # (B, Hkv, S, g, D) un-normalised output
-    m: np.ndarray      # (B, Hkv, S*g) running row max of the scaled scores
-    l: np.ndarray      # (B, Hkv, S*g) running row sum of exp(score - m)
-    hkv: int
+    q_in: np.ndarray          # the caller's (B, S, H, D), grouped on the first step
+    scale: float
+    q: np.ndarray | None = None     # (B, Hkv, S*g, D), times softmax_scale
+    acc: np.ndarray | None = None   # (B, Hkv, S*g, D+1): un-normalised output | row sum l
+    m: np.ndarray | None = None     # (B, Hkv, S*g): running row max of the scaled scores
+    g: int = 1                      # query heads per kv head
 
 
 @dataclass
 class BackwardContext:
     k: np.ndarray      # (B, Hkv, S, D)
     v: np.ndarray
-    dk: np.ndarray     # (B, Hkv, S, D) accumulators
+    dk: np.ndarray     # (B, Hkv, S, D) accumulators (dk carries the softmax scale already)
     dv: np.ndarray
     scale: float
 
 
+def _default_threads() -> int:
+    try:
+        from threadpoolctl import threadpool_info
+        blas = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
+        if blas:
+            return max(1, min(blas))
+    except ImportError:
+        pass
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 class NumpyOps(LocalOps):
+    """The CPU local op. tile_q: query positions per tile; tile_k: keys per tile; threads: work
+    items run in parallel (default: as many as BLAS uses)."""
+
     name = "numpy"
     xp = np
 
-    def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K):
+    def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None):
+        if tile_q < 1 or tile_k < 1:
+            raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
         self.tile_q, self.tile_k = tile_q, tile_k
+        self.threads = threads or _default_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="burstcu-lao") if self.threads > 1 else None
+        self._blas = None
+
+    def _run(self, work, items) -> None:
+        """work(item) for every item: on the pool with BLAS held to one thread, or serially."""
+        if self._pool is None or len(items) == 1:
+            for item in items:
+                work(item)
+            return
+        if self._blas is None:
+            from threadpoolctl import ThreadpoolController
+            self._blas = ThreadpoolController()
+        with self._blas.limit(limits=1, user_api="blas"):
+            for _ in self._pool.map(work, items):  # re-raises a worker's exception here
+                pass
+
+    def _chunks(self, units: int) -> int:
+        """How many pieces to cut each of `units` independent units into to feed every thread."""
+        return max(1, -(-self.threads // units))
 
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale):
-        acc_t = accum_dtype(q.dtype)
-        b, s, h, d = q.shape
-        return {"q_dtype": acc_t, "scale": softmax_scale, "shape": q.shape, "q": q, "state": None}
+        return ForwardState(q_in=q, scale=softmax_scale)
 
-    def _state(self, holder, hkv: int) -> ForwardState:
-        """The state is built on the first step, when Hkv (from k) is known."""
-        if holder["state"] is None:
-            acc_t = holder["q_dtype"]
-            # a new array: _grouped may return a view of the caller's q when no copy is needed
-            q = _grouped(holder["q"], hkv, acc_t) * acc_t.type(holder["scale"])
-            b, _, s, g, d = q.shape
-            holder["state"] = ForwardState(
-                q=q, acc=np.zeros_like(q), m=np.full((b, hkv, s * g), -np.inf, acc_t),
-                l=np.zeros((b, hkv, s * g), acc_t), hkv=hkv)
-        return holder["state"]
+    def _ensure_state(self, st: ForwardState, hkv: int) -> None:
+        """Grouping needs Hkv, known from the first step's k."""
+        if st.q is None:
+            acc_t = accum_dtype(st.q_in.dtype)
+            st.g = st.q_in.shape[2] // hkv
+            st.q = _grouped(st.q_in, hkv, acc_t, st.scale)
+            b, _, sg, d = st.q.shape
+            st.acc = np.zeros((b, hkv, sg, d + 1), acc_t)
+            st.m = np.full((b, hkv, sg), -np.inf, acc_t)
+            st.q_in = None
 
-    def forward_step(self, holder, k, v, blocks):
+    def forward_step(self, st, k, v, blocks):
         hkv = k.shape[2]
-        st = self._state(holder, hkv)
+        self._ensure_state(st, hkv)
         acc_t = st.q.dtype
-        kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t)
-        b, _, s, g, d = st.q.shape
-        q_rows = st.q.reshape(b, hkv, s * g, d)
-        acc_rows = st.acc.reshape(b, hkv, s * g, d)
-        for block in blocks:
-            for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k):
-                r0, r1 = q0 * g, q1 * g
-                scores = q_rows[:, :, r0:r1] @ kh[:, :, k0:k1].swapaxes(-1, -2)
-                if masked:
-                    keep = _causal_keep(block, q0, q1, k0, k1, g)
-                    scores = np.where(keep, scores, -np.inf)
-                self._fold(scores, vh[:, :, k0:k1], st.m[:, :, r0:r1], st.l[:, :, r0:r1],
-                           acc_rows[:, :, r0:r1])
+        kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t, extra_ones=True)
+        b, g, seqlen = st.q.shape[0], st.g, k.shape[1]
+        ranges = _split(0, seqlen, self._chunks(b * hkv))
+        items = list(product(range(b), range(hkv), ranges))
 
-    @staticmethod
-    def _fold(scores, v_tile, m, l, acc):
-        """Online softmax: merge one tile of scores (B,Hkv,R,T) into m, l (B,Hkv,R), acc (B,Hkv,R,D)."""
-        m_new = np.maximum(m, scores.max(axis=-1))
-        # a row with no key kept so far has m_new = -inf; shift by 0 instead so exp gives 0, not NaN
-        shift = np.where(m_new == -np.inf, 0, m_new)
-        scores -= shift[..., None]
-        np.exp(scores, out=scores)
-        alpha = np.exp(m - shift)
-        l *= alpha
-        l += scores.sum(axis=-1)
-        acc *= alpha[..., None]
-        acc += scores @ v_tile
-        m[...] = m_new
+        def work(item):
+            bi, hi, (lo, hi_row) = item
+            for block in blocks:
+                part = _clip_q(block, lo, hi_row)
+                if part is not None:
+                    self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
+                                        st.m[bi, hi], part, g)
+        self._run(work, items)
 
-    def forward_finalize(self, holder, out_dtype):
-        st = holder["state"]
-        if st is None:  # no step ran (impossible through the ring, kept for direct callers)
+    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int) -> None:
+        """One head: q (S*g, D), k (S, D), v_ext (S, D+1), acc (S*g, D+1), m (S*g,)."""
+        for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k):
+            r0, r1 = q0 * g, q1 * g
+            s = q[r0:r1] @ k[k0:k1].T
+            if masked:
+                s[_future(block, q0, q1, k0, k1, g)] = -np.inf
+            m_old = m[r0:r1]
+            m_new = np.maximum(m_old, s.max(axis=1))
+            # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
+            shift = np.where(m_new == -np.inf, 0, m_new)
+            s -= shift[:, None]
+            np.exp(s, out=s)
+            alpha = np.exp(m_old - shift)
+            acc[r0:r1] *= alpha[:, None]
+            acc[r0:r1] += s @ v_ext[k0:k1]
+            m[r0:r1] = m_new
+
+    def forward_finalize(self, st, out_dtype):
+        if st.q is None:
             raise RuntimeError("forward_finalize before any forward_step")
-        b, hkv, s, g, d = st.acc.shape
-        seen = st.l > 0
-        l_safe = np.where(seen, st.l, 1)
-        out = st.acc / l_safe.reshape(b, hkv, s, g, 1)
+        l = st.acc[..., -1]
+        seen = l > 0
+        l_safe = np.where(seen, l, 1)
+        out = st.acc[..., :-1] / l_safe[..., None]
         lse = np.where(seen, st.m + np.log(l_safe), -np.inf)
-        return (np.ascontiguousarray(_ungrouped(out), dtype=out_dtype),
-                np.ascontiguousarray(_rows_ungrouped(lse, g)))
+        seqlen = st.acc.shape[2] // st.g
+        return (np.ascontiguousarray(_ungrouped(out, seqlen), dtype=out_dtype),
+                np.ascontiguousarray(_rows_ungrouped(lse, st.g)))
 
     # -- backward ----------------------------------------------------------------------------------
     def backward_delta(self, dout, out):
         acc_t = accum_dtype(dout.dtype)
-        prod = dout.astype(acc_t) * out.astype(acc_t)
-        return np.ascontiguousarray(prod.sum(axis=-1).transpose(0, 2, 1))
+        prod = np.einsum("bshd,bshd->bhs", dout.astype(acc_t, copy=False), out.astype(acc_t, copy=False))
+        return np.ascontiguousarray(prod)
 
     def backward_init(self, k, v, softmax_scale):
         acc_t = accum_dtype(k.dtype)
@@ -181,37 +268,50 @@ class NumpyOps(LocalOps):
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
         acc_t = ctx.k.dtype
-        hkv = ctx.k.shape[1]
-        scale = acc_t.type(ctx.scale)
+        b, hkv, seqlen, d = ctx.k.shape
         # scores exactly as the forward computed them, (scale * q) @ k^T, so that P recomputed
         # from lse matches the forward's rounding (matters when logits are ~1e3)
-        qg = _grouped(q, hkv, acc_t) * scale
-        dog = _grouped(dout, hkv, acc_t)
-        b, _, s, g, d = qg.shape
+        qs = _grouped(q, hkv, acc_t, ctx.scale)
+        do = _grouped(dout, hkv, acc_t)
+        g = qs.shape[2] // q.shape[1]
         # rows with lse = -inf saw no key in the forward: P = exp(score - inf) = 0 there
         lse_rows = _rows_grouped(lse, hkv, acc_t)
-        lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows)
+        lse_rows[lse_rows == -np.inf] = np.inf
         delta_rows = _rows_grouped(delta, hkv, acc_t)
-        q_rows, do_rows = qg.reshape(b, hkv, s * g, d), dog.reshape(b, hkv, s * g, d)
-        dq_acc = np.zeros_like(q_rows)
-        for block in blocks:
-            for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k):
-                r0, r1 = q0 * g, q1 * g
-                k_t, v_t = ctx.k[:, :, k0:k1], ctx.v[:, :, k0:k1]
-                q_t, do_t = q_rows[:, :, r0:r1], do_rows[:, :, r0:r1]
-                p = q_t @ k_t.swapaxes(-1, -2)
-                p -= lse_rows[:, :, r0:r1, None]
-                if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
-                    p = np.where(_causal_keep(block, q0, q1, k0, k1, g), p, -np.inf)
-                np.exp(p, out=p)
-                ctx.dv[:, :, k0:k1] += p.swapaxes(-1, -2) @ do_t
-                ds = do_t @ v_t.swapaxes(-1, -2)
-                ds -= delta_rows[:, :, r0:r1, None]
-                ds *= p
-                dq_acc[:, :, r0:r1] += ds @ k_t
-                ctx.dk[:, :, k0:k1] += ds.swapaxes(-1, -2) @ q_t  # q_t carries the scale
-        dq_acc *= scale
-        dq += _ungrouped(dq_acc.reshape(b, hkv, s, g, d))
+        ranges = _split(0, seqlen, self._chunks(b * hkv))
+        items = list(product(range(b), range(hkv), range(len(ranges))))
+        # each item owns the dk, dv rows of its key range; dq partials are private per item
+        dq_parts = np.zeros((len(ranges),) + qs.shape, acc_t)
+
+        def work(item):
+            bi, hi, ci = item
+            lo, hi_key = ranges[ci]
+            for block in blocks:
+                part = _clip_k(block, lo, hi_key)
+                if part is not None:
+                    self._backward_block(qs[bi, hi], do[bi, hi], lse_rows[bi, hi], delta_rows[bi, hi],
+                                         ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi], ctx.dv[bi, hi],
+                                         dq_parts[ci, bi, hi], part, g)
+        self._run(work, items)
+        dq_acc = dq_parts.sum(axis=0) if len(ranges) > 1 else dq_parts[0]
+        dq_acc *= acc_t.type(ctx.scale)
+        dq += _ungrouped(dq_acc, q.shape[1])
+
+    def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int) -> None:
+        """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D)."""
+        for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k, keys_outer=True):
+            r0, r1 = q0 * g, q1 * g
+            p = q[r0:r1] @ k[k0:k1].T
+            p -= lse[r0:r1, None]
+            if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
+                p[_future(block, q0, q1, k0, k1, g)] = -np.inf
+            np.exp(p, out=p)
+            dv[k0:k1] += p.T @ do[r0:r1]
+            ds = do[r0:r1] @ v[k0:k1].T
+            ds -= delta[r0:r1, None]
+            ds *= p
+            dq[r0:r1] += ds @ k[k0:k1]
+            dk[k0:k1] += ds.T @ q[r0:r1]  # q carries the softmax scale
 
     def backward_finalize(self, ctx, out_dtype):
         return (np.ascontiguousarray(ctx.dk.transpose(0, 2, 1, 3), dtype=out_dtype),

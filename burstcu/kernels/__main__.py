@@ -1,0 +1,75 @@
+"""Command line of the kernel package.
+
+    python -m burstcu.kernels check [--arch sm_80,sm_90] [--json FILE] [--family forward,...]
+
+`check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
+backward families) with NVRTC and the ptxas report, prints one table row per variant and writes
+the records (see `compile.gate_variant`) as a JSON list. It exits 1 if any variant fails to
+compile, spills, uses more than 255 registers or more shared memory than the arch allows per
+block, and 2 if there is nothing to check. No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .compile import gate_variant
+from .variants import ARCHS, all_variants
+
+COLUMNS = (("arch", 5), ("family", 16), ("dtype", 8), ("headdim", 4), ("threads", 4),
+           ("registers", 4), ("spill_stores", 5), ("spill_loads", 5), ("stack_bytes", 5),
+           ("smem_bytes", 7), ("compile_seconds", 6))
+HEADERS = {"headdim": "d", "threads": "thr", "registers": "regs", "spill_stores": "spSt",
+           "spill_loads": "spLd", "stack_bytes": "stack", "smem_bytes": "smem", "compile_seconds": "sec"}
+
+
+def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout) -> list[dict]:
+    """Compile every variant of every arch; print a row per variant; return the records."""
+    records = []
+    print(_row({c: HEADERS.get(c, c) for c, _ in COLUMNS}) + "  name", file=out)
+    for arch in archs:
+        for variant in all_variants(arch):
+            if families and variant.family not in families:
+                continue
+            record = gate_variant(variant, arch)
+            records.append(record)
+            status = "" if record["error"] is None else "  FAIL: " + record["error"].splitlines()[0]
+            print(_row(record) + f"  {variant.name}{status}", file=out, flush=True)
+    return records
+
+
+def _row(record: dict) -> str:
+    return " ".join(str(record.get(col, "-")).rjust(width) for col, width in COLUMNS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m burstcu.kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="compile every kernel variant and check its resources")
+    check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_90")
+    check.add_argument("--family", default="", help="only these families (comma-separated)")
+    check.add_argument("--json", dest="json_path", help="write the records to this file")
+    args = parser.parse_args(argv)
+
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        parser.error(f"unknown arch {bad}: choose from {ARCHS}")
+    families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    records = run_check(archs, families)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    failed = [r for r in records if r["error"] is not None]
+    print(f"{len(records)} variants, {len(failed)} failed", flush=True)
+    for r in failed:
+        print(f"--- {r['arch']} {r['name']}\n{r['error']}", file=sys.stderr)
+    if not records:
+        return 2
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""LocalOps on the CUDA kernels of kernels/: on a GPU through CuPy, or on the CPU through the emulator.
+
+Both backends run the same launch code: only `xp` (cupy or numpy) and `function(name)` differ.
+`function` returns a callable with CuPy RawKernel's convention ``fn(grid, block, args,
+shared_mem=0)``, where args are arrays (pointers) and NumPy scalars (np.int32, np.int64,
+np.float32 — never Python ints, so every argument has the width the C++ signature expects):
+
+* ``"cupy"``: `burstcu.kernels.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
+* ``"emulated"``: `burstcu.kernels.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
+
+Shapes (see `burstcu.ops.base`): q (B, S, H, D); k, v (B, Sk, Hkv, D); lse (B, H, S). Inputs are
+float16 or bfloat16 (the kernels' types). Head dims: 32, 64, 96, 128, 256 run natively; any other
+D <= 256 runs the next native one with q/k/v zero-padded in the last dim (zeros change neither
+q.k nor the kept output columns); the softmax scale stays 1/sqrt(D) of the caller's D.
+
+The forward state stays on the device between ring steps: acc (B, S, H, Dp) fp32, m, l (B, H, S)
+fp32 (m, l in base-2 units, see kernels/README.md); each `forward_step` launch folds one Block into
+it (the merge is fused in the kernel), `forward_finalize` divides.
+The backward entry points delegate to `burstcu.ops.kernel_bwd` with this object as `ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..kernels.variants import KernelVariant, all_variants, kernel_dir
+from ..layout import Block
+from .base import LocalOps
+
+_KERNEL_DTYPES = ("float16", "bfloat16")
+_OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
+_MAX_HEADDIM = 256
+_LOG2E = 1.4426950408889634
+BACKENDS = ("cupy", "emulated")
+
+
+@dataclass
+class ForwardState:
+    """Running forward state of one rank's queries.
+
+    q: (B, S, H, Dp) input dtype, padded, contiguous.  acc: (B, S, H, Dp) float32.
+    m, l: (B, H, S) float32 (base-2 running max / sum).  scale: softmax scale.
+    headdim: the caller's D.  dtype: "float16" or "bfloat16".
+    """
+
+    q: Any
+    acc: Any
+    m: Any
+    l: Any
+    scale: float
+    headdim: int
+    dtype: str
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _i32(*values) -> list:
+    return [np.int32(v) for v in values]
+
+
+def _i64(*values) -> list:
+    return [np.int64(v) for v in values]
+
+
+def _dtype_name(x) -> str:
+    return np.dtype(x.dtype).name
+
+
+class KernelOps(LocalOps):
+    """LocalOps whose steps are the CUDA kernels (see the module docstring).
+
+    backend: "cupy" (a GPU) or "emulated" (the CPU emulator, NumPy arrays).
+    arch: which tile table to use ("sm_80" or "sm_90"); default: the device's (cc >= 9.0 ->
+        sm_90) for cupy, sm_80 for the emulator.
+    deterministic: backward without atomics (see kernel_bwd).  randomize: the emulator shuffles
+        thread order between barriers (finds races; slower).
+    """
+
+    def __init__(self, backend: str = "cupy", arch: str | None = None,
+                 deterministic: bool = False, randomize: bool = False):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        self.backend = backend
+        self.name = f"kernels-{backend}"
+        self.deterministic = bool(deterministic)
+        self.randomize = bool(randomize)
+        if backend == "cupy":
+            import cupy
+
+            self.xp = cupy
+            self.arch = arch or _device_table_arch()
+        else:
+            self.xp = np
+            self.arch = arch or "sm_80"
+        self.array_types = (self.xp.ndarray,)
+        self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
+        self._functions: dict[str, Any] = {}
+
+    dtypes = _KERNEL_DTYPES
+
+    def headdim_problem(self, headdim: int) -> str | None:
+        if not 0 < headdim <= _MAX_HEADDIM:
+            return f"head dim {headdim} is not supported by the CUDA kernels: 1..{_MAX_HEADDIM}"
+        return None
+
+    def annotate(self, label: str):
+        """An NVTX range on a GPU (visible in Nsight Systems); nothing under emulation."""
+        if self.backend != "cupy":
+            return super().annotate(label)
+        from ..transport.nccl import nvtx_range
+        return nvtx_range(label)
+
+    # -- kernels -----------------------------------------------------------------------------------
+    def function(self, name_expression: str):
+        """The compiled kernel `name_expression` (an entry of all_variants(self.arch)), memoized."""
+        fn = self._functions.get(name_expression)
+        if fn is not None:
+            return fn
+        variant = self._variants.get(name_expression)
+        if variant is None:
+            raise KeyError(f"{name_expression!r} is not a variant for {self.arch}; "
+                           f"see burstcu.kernels.variants.all_variants")
+        if self.backend == "cupy":
+            from ..kernels.compile import get_function
+
+            fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes)
+        else:
+            from ..kernels import emulate
+
+            module = emulate.build_module([str(kernel_dir() / variant.source)], [name_expression],
+                                          randomize=self.randomize)
+            fn = module.get_function(name_expression)
+        self._functions[name_expression] = fn
+        return fn
+
+    def variant(self, family: str, dtype, headdim: int) -> KernelVariant:
+        """The variant of `family` for `dtype` that runs head dim `headdim`: the smallest native
+        head dim >= headdim (head-dim-agnostic families, headdim 0, match any)."""
+        dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        if not 0 < headdim <= _MAX_HEADDIM:
+            raise ValueError(f"head dim {headdim} is not supported: the kernels run 1..{_MAX_HEADDIM}")
+        fits = [v for v in self._variants.values() if v.family == family and v.dtype == dtype
+                and (v.headdim == 0 or v.headdim >= headdim)]
+        if not fits:
+            raise ValueError(f"no {family!r} kernel for {dtype} on {self.arch}")
+        return min(fits, key=lambda v: v.headdim)
+
+    def pad_headdim(self, x, padded: int):
+        """x (..., D) zero-padded to (..., padded) as a fresh contiguous array; x itself if D ==
+        padded."""
+        d = x.shape[-1]
+        if d == padded:
+            return x
+        if d > padded:
+            raise ValueError(f"cannot pad head dim {d} down to {padded}")
+        out = self.xp.zeros((*x.shape[:-1], padded), dtype=x.dtype)
+        out[..., :d] = x
+        return out
+
+    def unpad_headdim(self, x, d: int):
+        """x (..., Dp) -> (..., d) (a view; x itself if Dp == d)."""
+        return x if x.shape[-1] == d else x[..., :d]
+
+    def sync(self) -> None:
+        if self.backend == "cupy":
+            self.xp.cuda.get_current_stream().synchronize()
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward_init(self, q, softmax_scale: float | None = None) -> ForwardState:
+        """Fresh state for q (B, S, H, D): acc 0, m -inf, l 0; scale defaults to 1/sqrt(D)."""
+        dtype = self._check_dtype(q, "q")
+        B, S, H, D = q.shape
+        dp = self.variant("forward", dtype, D).headdim
+        scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+        xp = self.xp
+        return ForwardState(q=self._kernel_ready(self.pad_headdim(q, dp)),
+                            acc=xp.zeros((B, S, H, dp), dtype=np.float32),
+                            m=xp.full((B, H, S), -np.inf, dtype=np.float32),
+                            l=xp.zeros((B, H, S), dtype=np.float32),
+                            scale=scale, headdim=D, dtype=dtype)
+
+    def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
+        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`, one launch per
+        Block (launches on one stream run in order, so blocks sharing query rows compose)."""
+        blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
+        if not blocks:
+            return
+        self._check_kv(state, k, v)
+        B, S, H, dp = state.q.shape
+        Hkv = k.shape[2]
+        variant = self.variant("forward", state.dtype, state.headdim)
+        kp = self._kernel_ready(self.pad_headdim(k, dp))
+        vp = self._kernel_ready(self.pad_headdim(v, dp))
+        if kp.strides != vp.strides:
+            kp, vp = self.xp.ascontiguousarray(kp), self.xp.ascontiguousarray(vp)
+        strides = _i64(*self._estrides(state.q)[:3], *self._estrides(kp)[:3],
+                       *self._estrides(state.acc)[:3], *self._estrides(state.m)[:2])
+        head = (state.q, kp, vp, state.acc, state.m, state.l, *strides)
+        fn = self.function(variant.name)
+        cfg = variant.launch
+        for blk in blocks:
+            self._check_block(blk, S, k.shape[1])
+            args = (*head, *_i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
+                                 blk.q_pos, blk.k_pos, int(blk.causal)),
+                    np.float32(state.scale * _LOG2E))
+            fn((_cdiv(blk.q_len, cfg.block_m), H, B), (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+
+    def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
+        """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
+        xp = self.xp
+        out_name = np.dtype(out_dtype).name
+        run_name = out_name if out_name in _OUT_DTYPES else "float32"
+        B, S, H, dp = state.acc.shape
+        out = xp.empty((B, S, H, dp), dtype=run_name)
+        lse = xp.empty((B, H, S), dtype=np.float32)
+        if out.size:
+            variant = self.variant("forward_finalize", run_name, dp)
+            threads = variant.launch.threads
+            args = (state.acc, state.m, state.l, out, lse,
+                    *_i64(*self._estrides(state.acc)[:3], *self._estrides(out)[:3],
+                          *self._estrides(state.m)[:2], *self._estrides(lse)[:2]),
+                    *_i32(B, S, H, dp))
+            self.function(variant.name)((_cdiv(S * dp, threads), H, B), (threads,), args)
+        out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))
+        if run_name != out_name:
+            out = out.astype(out_dtype)
+        return out, lse
+
+    # -- backward (kernel_bwd) ---------------------------------------------------------------------
+    def backward_delta(self, dout, out):
+        from . import kernel_bwd
+
+        return kernel_bwd.backward_delta(self, dout, out)
+
+    def backward_init(self, k, v, softmax_scale: float):
+        from . import kernel_bwd
+
+        return kernel_bwd.backward_init(self, k, v, softmax_scale)
+
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence[Block]) -> None:
+        from . import kernel_bwd
+
+        kernel_bwd.backward_step(self, ctx, q, dout, lse, delta, dq, blocks)
+
+    def backward_finalize(self, ctx, out_dtype):
+        from . import kernel_bwd
+
+        return kernel_bwd.backward_finalize(self, ctx, out_dtype)
+
+    # -- argument checks and layout ----------------------------------------------------------------
+    def _check_dtype(self, x, what: str) -> str:
+        name = _dtype_name(x)
+        if name not in _KERNEL_DTYPES:
+            raise ValueError(f"{what} is {name}: the CUDA kernels take float16 or bfloat16 "
+                             f"(use the NumPy ops for float32/float64)")
+        return name
+
+    def _check_kv(self, state: ForwardState, k, v) -> None:
+        for name, x in (("k", k), ("v", v)):
+            if self._check_dtype(x, name) != state.dtype:
+                raise ValueError(f"{name} is {_dtype_name(x)}, q is {state.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k has shape {tuple(k.shape)}, v {tuple(v.shape)}")
+        B, _, H, _ = state.q.shape
+        if k.ndim != 4 or k.shape[0] != B or k.shape[3] != state.headdim or H % k.shape[2]:
+            raise ValueError(f"k/v of shape {tuple(k.shape)} do not fit q (B={B}, H={H}, "
+                             f"D={state.headdim}): need (B, Sk, Hkv, D) with H a multiple of Hkv")
+
+    @staticmethod
+    def _check_block(blk: Block, sq: int, sk: int) -> None:
+        if blk.q_start < 0 or blk.q_start + blk.q_len > sq or blk.k_start < 0 or blk.k_start + blk.k_len > sk:
+            raise ValueError(f"{blk} lies outside q rows [0, {sq}) / k rows [0, {sk})")
+
+    def _kernel_ready(self, x):
+        """x if the kernels can read it with 16-byte cp.async (aligned base, contiguous last dim,
+        other strides multiples of 8 elements), else an aligned contiguous copy."""
+        es = self._estrides(x)
+        ptr = (x.data.ptr if self.backend == "cupy" else x.__array_interface__["data"][0])
+        if ptr % 16 == 0 and es[-1] == 1 and all(s >= 0 and s % 8 == 0 for s in es[:-1]):
+            return x
+        return self.xp.array(x, order="C", copy=True)
+
+    @staticmethod
+    def _estrides(x) -> tuple[int, ...]:
+        return tuple(s // x.itemsize for s in x.strides)
+
+
+def _device_table_arch() -> str:
+    """The tile table for the current CuPy device: sm_90 for cc >= 9.0, sm_80 for 8.x."""
+    import cupy
+
+    cc = int(cupy.cuda.Device().compute_capability)
+    if cc < 80:
+        raise RuntimeError(f"the burstcu kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
+                           f"this device is {cc // 10}.{cc % 10}")
+    return "sm_90" if cc >= 90 else "sm_80"

@@ -1,0 +1,110 @@
+"""The compile gate: every kernel variant compiles with NVRTC for sm_80 and sm_90, without spills.
+
+Runs ``python -m burstcu.kernels check --arch sm_80,sm_90 --json FILE`` as a subprocess, as CI
+does, and checks the records. Needs cuda-python and the pinned NVRTC/runtime wheels, not a GPU.
+About a minute on two cores (each variant compiles in 0.1-1.5 s).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+pytest.importorskip("cuda.pathfinder")
+
+from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
+from burstcu.kernels.variants import all_variants  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90")
+FIELDS = ("name", "family", "arch", "dtype", "headdim", "threads", "registers", "spill_stores",
+          "spill_loads", "stack_bytes", "static_smem_bytes", "dynamic_smem_bytes", "smem_bytes",
+          "compile_seconds", "error")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory):
+    """(return code, records, stdout) of one run of the gate over both archs."""
+    path = tmp_path_factory.mktemp("gate") / "gate.json"
+    proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", ",".join(ARCHS),
+                           "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    records = json.loads(path.read_text()) if path.exists() else []
+    return proc.returncode, records, proc.stdout + proc.stderr
+
+
+def test_gate_passes(gate):
+    rc, records, log = gate
+    assert rc == 0, log[-4000:]
+    assert not [r for r in records if r["error"]], log[-4000:]
+
+
+def test_every_variant_compiled(gate):
+    _, records, _ = gate
+    expected = {(arch, v.name) for arch in ARCHS for v in all_variants(arch)}
+    assert {(r["arch"], r["name"]) for r in records} == expected
+    families = {r["family"] for r in records}
+    assert {"forward", "forward_finalize"} <= families
+
+
+def test_records_complete(gate):
+    _, records, _ = gate
+    for r in records:
+        missing = [f for f in FIELDS if f not in r]
+        assert not missing, (r["name"], missing)
+
+
+def test_no_spills_and_budgets(gate):
+    _, records, _ = gate
+    for r in records:
+        where = f"{r['arch']} {r['name']}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, where
+        assert 0 < r["registers"] <= MAX_REGISTERS, where
+        assert r["smem_bytes"] == r["static_smem_bytes"] + r["dynamic_smem_bytes"], where
+        assert r["smem_bytes"] <= ARCH_LIMITS[r["arch"]]["smem_per_block"], where
+        # registers of a full block must fit the SM, or the kernel cannot launch at all
+        assert r["registers"] * r["threads"] <= ARCH_LIMITS[r["arch"]]["regs_per_sm"], where
+
+
+def test_forward_covers_native_headdims(gate):
+    _, records, _ = gate
+    for arch in ARCHS:
+        for dtype in ("float16", "bfloat16"):
+            dims = {r["headdim"] for r in records if r["arch"] == arch and r["family"] == "forward"
+                    and r["dtype"] == dtype}
+            assert {64, 128} <= dims and {32, 96, 256} <= dims, (arch, dtype, dims)
+
+
+def test_parse_ptxas_report():
+    """The parser on a report in ptxas' own words (two functions, one with static smem)."""
+    log = """ptxas info    : 4 bytes gmem
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_80'
+ptxas info    : Function properties for _Z3fooPf
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 2048 bytes smem, 360 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z3barv' for 'sm_80'
+ptxas info    : Function properties for _Z3barv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 352 bytes cmem[0]
+"""
+    res = parse_ptxas(log)
+    assert res["_Z3fooPf"].registers == 40
+    assert (res["_Z3fooPf"].stack_bytes, res["_Z3fooPf"].spill_stores, res["_Z3fooPf"].spill_loads) == (16, 8, 4)
+    assert res["_Z3fooPf"].static_smem_bytes == 2048
+    assert res["_Z3barv"].registers == 8 and res["_Z3barv"].static_smem_bytes == 0
+
+
+def test_gate_failure_reasons():
+    """What makes a compiled record fail: spills, > 255 registers, smem over the arch's limit."""
+    from burstcu.kernels.compile import gate_failure
+
+    ok = {"arch": "sm_80", "registers": 128, "spill_stores": 0, "spill_loads": 0, "smem_bytes": 1024}
+    assert gate_failure(ok) is None
+    assert "spills" in gate_failure({**ok, "spill_loads": 4})
+    assert "registers" in gate_failure({**ok, "registers": 256})
+    assert "smem" in gate_failure({**ok, "smem_bytes": 200 * 1024})
+    assert gate_failure({**ok, "arch": "sm_90", "smem_bytes": 200 * 1024}) is None

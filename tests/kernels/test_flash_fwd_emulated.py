@@ -1,0 +1,252 @@
+"""kernels/flash_fwd.cu under the CPU emulator, through KernelOps(backend="emulated").
+
+Reference: float64, written here from the definition (full score matrix, explicit softmax) over
+the union of the Blocks' rectangles, never by calling burstcu. Tolerance, FlashAttention's rule:
+    |kernel - ref64| <= 2 * |naive - ref64| + atol
+where "naive" is what a plain same-dtype attention computes (inputs in fp16/bf16, scores and
+softmax in fp32, P rounded to the dtype before P @ V, output rounded to the dtype), and atol is the
+dtype's rounding noise at the output's magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from burstcu.layout import Block
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+pytest.importorskip("burstcu.kernels.emulate")
+
+pytestmark = pytest.mark.emulated
+
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from burstcu.ops.kernel_ops import KernelOps
+
+    return KernelOps(backend="emulated")
+
+
+# ------------------------------------------------------------------------------------------------
+# reference
+
+def keep_mask(blocks, sq: int, sk: int) -> np.ndarray:
+    """(Sq, Sk) bool: which (query row, key row) pairs the blocks keep."""
+    keep = np.zeros((sq, sk), dtype=bool)
+    for b in blocks:
+        i = np.arange(b.q_len)[:, None]
+        j = np.arange(b.k_len)[None, :]
+        rect = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
+        keep[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= rect
+    return keep
+
+
+def attention(q, k, v, keep, scale, compute=np.float64, p_dtype=None):
+    """(out (B,Sq,H,D), lse (B,H,Sq)) in `compute`; P rounded to `p_dtype` before P @ V if given.
+
+    Rows with no kept key: out 0, lse -inf.
+    """
+    h, hkv = q.shape[2], k.shape[2]
+    q, k, v = (x.astype(compute) for x in (q, k, v))
+    k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k).astype(compute) * compute(scale)
+    s = np.where(keep, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m).astype(compute)
+    l = p.sum(axis=-1, keepdims=True, dtype=compute)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(compute)
+    o = np.einsum("bhij,bjhd->bihd", p, v).astype(compute)
+    lt = l[..., 0].transpose(0, 2, 1)[..., None]  # (B, Sq, H, 1)
+    out = np.where(lt > 0, o / np.where(lt > 0, lt, 1), 0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
+    return out, lse
+
+
+def make(dtype, b, sq, sk, h, hkv, d, seed=0):
+    rng = np.random.default_rng(seed)
+    cast = DTYPES[dtype]
+    q = rng.standard_normal((b, sq, h, d)).astype(cast)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(cast)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(cast)
+    return q, k, v
+
+
+def run_kernel(ops, q, k, v, steps, scale=None):
+    """steps: list of (k, v, blocks) folded in order. Returns (out float64, lse)."""
+    state = ops.forward_init(q, scale)
+    for kk, vv, blocks in steps:
+        ops.forward_step(state, kk, vv, blocks)
+    out, lse = ops.forward_finalize(state, q.dtype)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    return out.astype(np.float64), lse.astype(np.float64)
+
+
+def check(ops, dtype, q, k, v, blocks, steps=None, scale=None):
+    """Run the kernel and assert the FlashAttention tolerance rule on out and lse. Returns the
+    (kernel error, naive error) of out for reporting."""
+    d = q.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    keep = keep_mask(blocks, q.shape[1], k.shape[1])
+    ref, ref_lse = attention(q, k, v, keep, scale)
+    naive, naive_lse = attention(q, k, v, keep, scale, compute=np.float32, p_dtype=DTYPES[dtype])
+    naive = naive.astype(DTYPES[dtype]).astype(np.float64)
+    out, lse = run_kernel(ops, q, k, v, steps or [(k, v, blocks)], scale)
+
+    assert np.isfinite(out).all(), "NaN/inf in out"
+    empty = ~keep.any(axis=1)  # query rows that saw no key
+    assert (out[:, empty] == 0).all()
+    assert np.isneginf(lse[:, :, empty]).all()
+    assert np.isfinite(lse[:, :, ~empty]).all()
+
+    err = np.abs(out - ref).max()
+    naive_err = np.abs(naive - ref).max()
+    rounding = np.abs((ref + 0.3).astype(DTYPES[dtype]).astype(np.float64) - 0.3 - ref).max()
+    assert err <= 2 * naive_err + 2 * rounding + 1e-6, (err, naive_err, rounding)
+
+    seen = ~empty
+    lse_err = np.abs(lse[:, :, seen] - ref_lse[:, :, seen]).max(initial=0)
+    naive_lse_err = np.abs(naive_lse[:, :, seen] - ref_lse[:, :, seen]).max(initial=0)
+    assert lse_err <= 2 * naive_lse_err + 1e-4, (lse_err, naive_lse_err)
+    return err, naive_err
+
+
+def full(sq, sk):
+    return [Block(0, sq, 0, sk, 0, 0, False)]
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [32, 64, 80, 128])
+def test_headdims(ops, dtype, d):
+    """Every native head dim, plus 80 (runs the 96 kernel with zero padding)."""
+    q, k, v = make(dtype, 1, 128, 128, 2, 2, d)
+    check(ops, dtype, q, k, v, full(128, 128))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [96, 256, 40])
+def test_headdims_more(ops, dtype, d):
+    q, k, v = make(dtype, 1, 96, 64, 1, 1, d)
+    check(ops, dtype, q, k, v, full(96, 64))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("q_pos,k_pos", [
+    (0, 0),       # the diagonal straddles every tile of the block
+    (300, 260),   # queries 40 positions ahead: shifted diagonal
+    (0, 64),      # first 64 query rows see no key (lse -inf, out 0; no NaN), the rest straddle
+    (1000, 0),    # wholly in the past: causal flag set but nothing masked
+])
+def test_causal_offsets(ops, dtype, q_pos, k_pos):
+    q, k, v = make(dtype, 1, 128, 128, 2, 2, 64, seed=1)
+    check(ops, dtype, q, k, v, [Block(0, 128, 0, 128, q_pos, k_pos, True)])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fully_future_block(ops, dtype):
+    """A block wholly in the future (every key after every query) leaves the state untouched,
+    alone (all rows empty) and next to a visible block."""
+    q, k, v = make(dtype, 1, 64, 128, 1, 1, 64, seed=2)
+    future = Block(0, 64, 64, 64, 0, 100, True)
+    check(ops, dtype, q, k, v, [future])
+    check(ops, dtype, q, k, v, [Block(0, 64, 0, 64, 0, 0, False), future])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged(ops, dtype, causal):
+    """Lengths that are no multiple of any tile, and sub-rectangles starting mid-tensor."""
+    q, k, v = make(dtype, 2, 77, 200, 2, 2, 64, seed=3)
+    blocks = [Block(0, 77, 0, 200, 150, 0, causal)]
+    check(ops, dtype, q, k, v, blocks)
+    sub = [Block(5, 50, 33, 130, 120, 40, causal)]  # rows 55..76 and keys outside 33..162 see nothing
+    check(ops, dtype, q, k, v, sub)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(ops, dtype, causal):
+    """H = 4 query heads over Hkv = 2: head h reads kv head h // 2."""
+    q, k, v = make(dtype, 1, 96, 96, 4, 2, 32, seed=4)
+    check(ops, dtype, q, k, v, [Block(0, 96, 0, 96, 0, 0, causal)])
+
+
+def split_steps(k, v, at: int, q_len: int, q_pos: int):
+    """K/V rows [0, at) and [at, Sk) as two forward_step calls (causal, keys from position 0)."""
+    a, b = slice(0, at), slice(at, k.shape[1])
+    return [(k[:, a], v[:, a], [Block(0, q_len, 0, at, q_pos, 0, True)]),
+            (k[:, b], v[:, b], [Block(0, q_len, 0, k.shape[1] - at, q_pos, at, True)])]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_state_across_calls(ops, dtype):
+    """Folding K/V in two forward_step calls equals one call over the concatenation.
+
+    Split on a key-tile boundary (64), the kernel sees the same tiles with the same running max,
+    so only the fp32 order of the row sums differs: the outputs agree to the last bit or two of
+    the dtype. Split mid-tile (77), P is rounded against different running maxima, so the two
+    differ like any two correct fp16 kernels: both must meet the tolerance rule.
+    """
+    q, k, v = make(dtype, 1, 128, 192, 2, 1, 64, seed=5)
+    blocks = [Block(0, 128, 0, 192, 100, 0, True)]
+    out1, lse1 = run_kernel(ops, q, k, v, [(k, v, blocks)])
+    out2, lse2 = run_kernel(ops, q, k, v, split_steps(k, v, 64, 128, 100))
+    eps = float(ml_dtypes.finfo(DTYPES[dtype]).eps)
+    assert (np.abs(out1 - out2) <= 2 * eps * np.maximum(np.abs(out1), np.abs(out2)) + 1e-6).all()
+    assert np.abs(lse1 - lse2).max() <= 1e-5
+    check(ops, dtype, q, k, v, blocks, steps=split_steps(k, v, 77, 128, 100))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_two_blocks_one_step(ops, dtype):
+    """A zigzag-like step: two query segments against two key segments in one forward_step,
+    one full rectangle and one straddling the diagonal."""
+    q, k, v = make(dtype, 1, 128, 128, 2, 2, 64, seed=6)
+    blocks = [Block(0, 64, 0, 64, 64, 0, False),      # early queries, earlier keys: full
+              Block(64, 64, 0, 64, 448, 448, True),   # late queries, late keys: diagonal
+              Block(64, 64, 64, 64, 448, 0, False)]   # late queries, early keys: full
+    check(ops, dtype, q, k, v, blocks)
+
+
+def test_randomized_thread_order():
+    """The emulator's shuffled thread order finds races on shared memory between barriers."""
+    from burstcu.ops.kernel_ops import KernelOps
+
+    ops = KernelOps(backend="emulated", randomize=True)
+    q, k, v = make("float16", 1, 96, 130, 2, 2, 64, seed=7)
+    check(ops, "float16", q, k, v, [Block(0, 96, 0, 130, 40, 0, True)])
+
+
+def test_scale_and_float32_out(ops):
+    """An explicit softmax scale is used as given; out_dtype float32 skips the final rounding."""
+    q, k, v = make("bfloat16", 1, 64, 64, 1, 1, 64, seed=8)
+    state = ops.forward_init(q, 0.05)
+    ops.forward_step(state, k, v, full(64, 64))
+    out, lse = ops.forward_finalize(state, np.float32)
+    assert out.dtype == np.float32
+    ref, ref_lse = attention(q, k, v, keep_mask(full(64, 64), 64, 64), 0.05)
+    assert np.abs(out - ref).max() < 2e-2
+    assert np.abs(lse - ref_lse).max() < 1e-4
+
+
+def test_rejects_bad_input(ops):
+    q, k, v = make("float16", 1, 16, 16, 3, 2, 64)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ops.forward_step(ops.forward_init(q, None), k, v, full(16, 16))
+    state = ops.forward_init(q[:, :, :2], None)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        ops.forward_init(q.astype(np.float32), None)
+    with pytest.raises(ValueError, match="outside"):
+        ops.forward_step(state, k, v, [Block(0, 16, 8, 16, 0, 0, False)])
