@@ -1,0 +1,30 @@
+"""The README's main job (burstcu.demo) runs under mpiexec and reports small errors and the
+formula's byte counts on every rank."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpi_run import ROOT, mpiexec
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 3])
+def test_demo_reports_every_rank(world):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "burstcu.demo", "--seqlen", "384",
+           "--heads", "4", "--kv-heads", "2", "--headdim", "32", "--causal", "--backend", "numpy"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.split()[:1] == ["rank"])
+    rows = [l.split() for l in lines[header + 1:header + 1 + world]]
+    assert [int(r[0]) for r in rows] == list(range(world))
+    formula = [l for l in lines if l.startswith("formula per rank")][0]
+    fwd_formula = int(formula.split("= ")[1].split(" bytes")[0].replace(",", ""))
+    for r in rows:
+        errors = [float(x) for x in r[1:5]]
+        assert max(errors) < 1e-4, r           # float32 against float64
+        assert int(r[7].replace(",", "")) == fwd_formula
