@@ -121,6 +121,21 @@ def _tiles(block: Block, tile_q: int, tile_k: int, keys_outer: bool = False):
         yield q0, q1, k0, k1, masked
 
 
+class _Scratch:
+    """Reusable per-work-item buffers. A fresh tile-sized array per tile costs more than the
+    arithmetic on it: above malloc's mmap threshold every allocation page-faults anew."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.flat: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, rows: int, cols: int) -> np.ndarray:
+        buf = self.flat.get(name)
+        if buf is None or buf.size < rows * cols:
+            buf = self.flat[name] = np.empty(rows * cols, self.dtype)
+        return buf[:rows * cols].reshape(rows, cols)
+
+
 def _future(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndarray:
     """Boolean (rows*g, keys): True where the key lies in the query's future (masked)."""
     qp = block.q_pos - block.q_start + np.arange(q0, q1)
@@ -176,17 +191,19 @@ class NumpyOps(LocalOps):
         self._blas = None
 
     def _run(self, work, items) -> None:
-        """work(item) for every item: on the pool with BLAS held to one thread, or serially."""
-        if self._pool is None or len(items) == 1:
-            for item in items:
-                work(item)
-            return
+        """work(item) for every item, on the pool or serially, with BLAS held to one thread:
+        the parallelism is across items; a multi-threaded BLAS on tile-sized matmuls spends
+        more time synchronising its threads than multiplying (10x slower, measured)."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController()
         with self._blas.limit(limits=1, user_api="blas"):
-            for _ in self._pool.map(work, items):  # re-raises a worker's exception here
-                pass
+            if self._pool is None or len(items) == 1:
+                for item in items:
+                    work(item)
+            else:
+                for _ in self._pool.map(work, items):  # re-raises a worker's exception here
+                    pass
 
     def _chunks(self, units: int) -> int:
         """How many pieces to cut each of `units` independent units into to feed every thread."""
@@ -218,18 +235,20 @@ class NumpyOps(LocalOps):
 
         def work(item):
             bi, hi, (lo, hi_row) = item
+            scratch = _Scratch(acc_t)
             for block in blocks:
                 part = _clip_q(block, lo, hi_row)
                 if part is not None:
                     self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
-                                        st.m[bi, hi], part, g)
+                                        st.m[bi, hi], part, g, scratch)
         self._run(work, items)
 
-    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int) -> None:
+    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int, scratch: _Scratch) -> None:
         """One head: q (S*g, D), k (S, D), v_ext (S, D+1), acc (S*g, D+1), m (S*g,)."""
         for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k):
             r0, r1 = q0 * g, q1 * g
-            s = q[r0:r1] @ k[k0:k1].T
+            s = scratch.get("s", r1 - r0, k1 - k0)
+            np.matmul(q[r0:r1], k[k0:k1].T, out=s)
             if masked:
                 s[_future(block, q0, q1, k0, k1, g)] = -np.inf
             m_old = m[r0:r1]
@@ -239,8 +258,10 @@ class NumpyOps(LocalOps):
             s -= shift[:, None]
             np.exp(s, out=s)
             alpha = np.exp(m_old - shift)
+            pv = scratch.get("pv", r1 - r0, v_ext.shape[1])
+            np.matmul(s, v_ext[k0:k1], out=pv)
             acc[r0:r1] *= alpha[:, None]
-            acc[r0:r1] += s @ v_ext[k0:k1]
+            acc[r0:r1] += pv
             m[r0:r1] = m_new
 
     def forward_finalize(self, st, out_dtype):
@@ -286,32 +307,38 @@ class NumpyOps(LocalOps):
         def work(item):
             bi, hi, ci = item
             lo, hi_key = ranges[ci]
+            scratch = _Scratch(acc_t)
             for block in blocks:
                 part = _clip_k(block, lo, hi_key)
                 if part is not None:
                     self._backward_block(qs[bi, hi], do[bi, hi], lse_rows[bi, hi], delta_rows[bi, hi],
                                          ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi], ctx.dv[bi, hi],
-                                         dq_parts[ci, bi, hi], part, g)
+                                         dq_parts[ci, bi, hi], part, g, scratch)
         self._run(work, items)
         dq_acc = dq_parts.sum(axis=0) if len(ranges) > 1 else dq_parts[0]
         dq_acc *= acc_t.type(ctx.scale)
         dq += _ungrouped(dq_acc, q.shape[1])
 
-    def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int) -> None:
+    def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int,
+                        scratch: _Scratch) -> None:
         """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D)."""
+        d = k.shape[1]
         for q0, q1, k0, k1, masked in _tiles(block, self.tile_q, self.tile_k, keys_outer=True):
             r0, r1 = q0 * g, q1 * g
-            p = q[r0:r1] @ k[k0:k1].T
+            rows, keys = r1 - r0, k1 - k0
+            p, ds = scratch.get("p", rows, keys), scratch.get("ds", rows, keys)
+            np.matmul(q[r0:r1], k[k0:k1].T, out=p)
             p -= lse[r0:r1, None]
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 p[_future(block, q0, q1, k0, k1, g)] = -np.inf
             np.exp(p, out=p)
-            dv[k0:k1] += p.T @ do[r0:r1]
-            ds = do[r0:r1] @ v[k0:k1].T
+            key_grad, row_grad = scratch.get("kg", keys, d), scratch.get("rg", rows, d)
+            dv[k0:k1] += np.matmul(p.T, do[r0:r1], out=key_grad)
+            np.matmul(do[r0:r1], v[k0:k1].T, out=ds)
             ds -= delta[r0:r1, None]
             ds *= p
-            dq[r0:r1] += ds @ k[k0:k1]
-            dk[k0:k1] += ds.T @ q[r0:r1]  # q carries the softmax scale
+            dq[r0:r1] += np.matmul(ds, k[k0:k1], out=row_grad)
+            dk[k0:k1] += np.matmul(ds.T, q[r0:r1], out=key_grad)  # q carries the softmax scale
 
     def backward_finalize(self, ctx, out_dtype):
         return (np.ascontiguousarray(ctx.dk.transpose(0, 2, 1, 3), dtype=out_dtype),
