@@ -46,27 +46,31 @@
 // The FlashAttention paper starts from B_c = M / (4d) key rows (M = on-chip memory in elements):
 // sm_80 164 KB / 2 B / (4 * 128) ~ 160 rows, sm_90 227 KB -> ~220. What binds first in backward,
 // though, is registers: a warp holds dK and dV (16 x D/WARPS_D fp32 each: D/WARPS_D registers a
-// thread) plus S^T and dP^T (16 x BM each: BM registers a thread). Keeping that <= ~160 of the
-// 255 registers gives BM = 64 for D <= 64, BM = 32 for D = 96, 128 and (WARPS_D = 2) 256.
-// BN sets how often Q/dO are re-read: global traffic for Q, dO ~ 2 * Sq * D * 2 B per BN keys,
-// so larger BN is better while smem holds: sm_80 BN = 64 (4 warps; D = 128: 75 KB, two CTAs per
-// SM), sm_90 BN = 128 (8 warps, 115 KB) for D <= 128. D = 256: BN = 64, 8 warps (WARPS_D = 2),
-// 141 KB on both. The dq kernel holds dQ (D/WARPS_D) + S and dP (BN each): BM = 64 (4 warps),
-// BN = 64 for D <= 128, BN = 32 for D = 256.
+// thread) plus S^T and dP^T (16 x BM each: BM registers a thread); fragments and addresses add
+// ~50-90 more. Keeping the accumulators <= ~160 gives BM = 64 for D <= 64, BM = 32 for D = 96,
+// 128 and (WARPS_D = 2) 256; ptxas then reports 163-253 registers, no spills (the gate's table).
+// BN sets how often Q/dO are re-read (once per BN keys), so it is as large as smem allows:
+// sm_80 BN = 64 (4 warps; D = 128: 75 KB, two CTAs per SM), sm_90 BN = 128 (8 warps, 115 KB)
+// for D <= 128; D = 256: BN = 64, 8 warps (WARPS_D = 2), 141 KB on both. The dq kernel holds
+// dQ (D/WARPS_D) + S and dP (BN each): BM = 64 (4 warps), BN = 64 for D = 32, 64, 128; BN = 32
+// for D = 256 and for D = 96 (ptxas spilled 20 B at BN = 64 there).
 // Shared-memory rows are padded by 8 elements (16 B) so the eight row addresses of an ldmatrix
 // fall in different banks (rows of 128 or 256 B would otherwise all hit the same four banks).
 //
-// Napkin math (A100, D = 128, causal 8K x 8K, fp16): backward = 2.5x forward matmul flops
-// (5 matmuls vs 2) = 2.5 * 2 * 2 * 8K^2 * 128 / 2 ~ 43 GFLOP per head; at ~200 TFLOP/s usable
-// that is ~0.2 ms a head; the deterministic mode recomputes S and dP once more (+2 matmuls, 7/5
-// of the flops). Q/dO re-reads: 8K/64 key tiles x 8K x 128 x 2 B x 2 ~ 0.5 GB... per head at
-// 1.5 TB/s ~ 0.35 ms unless L2 catches it (Q/dO of one head: 4 MB fits the 40 MB L2): this is
-// why BN is as large as smem allows. No GPU was available while writing this: these are
-// estimates, not measurements.
+// Napkin math (A100, fp16, D = 128, one head, causal 8K x 8K): 5 matmuls of 2*N^2*D flops,
+// halved by the mask: 5 * 2 * 8192^2 * 128 / 2 ~ 43 GFLOP, ~0.2 ms at ~200 TFLOP/s usable.
+// The deterministic mode recomputes S and dP in the dQ kernel: 7 matmuls instead of 5 (1.4x).
+// Traffic: each of the 128 key tiles (BN = 64) re-reads on average half of Q and dO:
+// 128 * 4096 rows * 128 * 2 B * 2 ~ 270 MB, ~0.18 ms at 1.5 TB/s -- as long as the math, so it
+// must come from L2 (Q/dO of a head are 4 MB; A100 L2 is 40 MB) and BN is as large as smem and
+// registers allow (sm_90: 128). Atomic dQ adds the same count of fp32 values (BM x D per tile
+// pair, ~270 MB) as L2 reductions. No GPU was available while writing this: estimates only.
 //
-// Build: NVRTC through burstcu.kernels (name expressions from bwd_variants.py), e.g.
-//   nvrtc -std=c++17 --gpu-architecture=sm_80 -I kernels -I <cuda include> -Xptxas=-v
-// or on the CPU through the emulator (burstcu.kernels.emulate.build_module).
+// Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
+//   python -m burstcu.kernels check --arch sm_80,sm_90
+//       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq
+// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
+// (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
 // ---------------------------------------------------------------------------------------------
 
 #include "common.cuh"

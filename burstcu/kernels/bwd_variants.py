@@ -1,0 +1,96 @@
+"""Backward kernel variants (kernels/flash_bwd.cu): which instantiations exist, how to launch them.
+
+Families (every one compiled for float16 and bfloat16):
+
+* ``bwd_delta``      ``flash_bwd_delta<T>``: delta = rowsum(dO * O); any head dim (headdim 0 here).
+* ``bwd_dkdv``       ``flash_bwd_dkdv<T, D, BM, BN, WARPS_D, true>``: dK, dV and dQ by fp32
+  atomicAdd (the default, FlashAttention-2's scheme).
+* ``bwd_dkdv_nodq``  the same kernel with ``DQ=false``: dK, dV only (deterministic mode).
+* ``bwd_dq``         ``flash_bwd_dq<T, D, BM, BN, WARPS_D>``: dQ without atomics (deterministic
+  mode).
+
+Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
+zero padding (done by the caller). The tile table and the reasoning behind it are in the opening
+comment of flash_bwd.cu: registers bind first (dK + dV take D/WARPS_D registers a thread, S and dP
+take BM), then shared memory (164 KB a SM on sm_80, 227 KB on sm_90) bounds BN.
+"""
+
+from __future__ import annotations
+
+from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig
+
+SOURCE = "flash_bwd.cu"
+NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
+DELTA_THREADS = 128  # four warps, one (b, s, h) row each
+DELTA_ROWS_PER_BLOCK = DELTA_THREADS // 32
+
+# (BM query rows, BN key rows, WARPS_D) of the dK/dV kernel, per arch and head dim.
+_DKDV_TILES = {
+    "sm_80": {32: (64, 64, 1), 64: (64, 64, 1), 96: (32, 64, 1), 128: (32, 64, 1),
+              256: (32, 64, 2)},
+    "sm_90": {32: (64, 128, 1), 64: (64, 128, 1), 96: (32, 128, 1), 128: (32, 128, 1),
+              256: (32, 64, 2)},
+}
+# (BM, BN, WARPS_D) of the deterministic dQ kernel (same on both archs: registers bind, not smem).
+_DQ_TILES = {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 64, 1), 256: (64, 32, 1)}
+
+_PAD = 8  # elements of padding per shared-memory row (bank-conflict-free ldmatrix)
+
+
+def dkdv_smem_bytes(d: int, bm: int, bn: int, with_dq: bool, itemsize: int = 2) -> int:
+    """K, V tiles (BN rows) + two stages of Q, dO (BM rows) + lse2, delta + dS (BN x BM) if dQ."""
+    ld = d + _PAD
+    elems = 2 * bn * ld + 4 * bm * ld + (bn * (bm + _PAD) if with_dq else 0)
+    return elems * itemsize + 4 * bm * 4
+
+
+def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
+    """Q, dO tiles (BM rows) + two stages of K, V (BN rows)."""
+    return (2 * bm + 4 * bn) * (d + _PAD) * itemsize
+
+
+def _dkdv(arch: str, dtype: str, d: int, with_dq: bool) -> KernelVariant:
+    bm, bn, wd = _DKDV_TILES[arch][d]
+    flag = "true" if with_dq else "false"
+    return KernelVariant(
+        family="bwd_dkdv" if with_dq else "bwd_dkdv_nodq",
+        source=SOURCE,
+        name=f"flash_bwd_dkdv<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {wd}, {flag}>",
+        dtype=dtype,
+        headdim=d,
+        launch=LaunchConfig(threads=(bn // 16) * wd * 32, block_m=bm, block_n=bn,
+                            smem_bytes=dkdv_smem_bytes(d, bm, bn, with_dq)),
+    )
+
+
+def _dq(dtype: str, d: int) -> KernelVariant:
+    bm, bn, wd = _DQ_TILES[d]
+    return KernelVariant(
+        family="bwd_dq",
+        source=SOURCE,
+        name=f"flash_bwd_dq<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {wd}>",
+        dtype=dtype,
+        headdim=d,
+        launch=LaunchConfig(threads=(bm // 16) * wd * 32, block_m=bm, block_n=bn,
+                            smem_bytes=dq_smem_bytes(d, bm, bn)),
+    )
+
+
+def delta_variant(dtype: str) -> KernelVariant:
+    """The delta kernel of `dtype` (head dim is a runtime argument, so headdim is 0)."""
+    return KernelVariant(
+        family="bwd_delta", source=SOURCE, name=f"flash_bwd_delta<{CXX_TYPE[dtype]}>",
+        dtype=dtype, headdim=0,
+        launch=LaunchConfig(threads=DELTA_THREADS, block_m=DELTA_ROWS_PER_BLOCK))
+
+
+def backward_variants(arch: str) -> list[KernelVariant]:
+    """Every backward instantiation for `arch` ("sm_80" or "sm_90")."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
+    out: list[KernelVariant] = []
+    for dtype in DTYPES:
+        out.append(delta_variant(dtype))
+        for d in NATIVE_HEADDIMS:
+            out += [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(dtype, d)]
+    return out

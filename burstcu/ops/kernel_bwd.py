@@ -1,0 +1,210 @@
+"""Launchers of the backward kernels (kernels/flash_bwd.cu), called by `KernelOps`.
+
+Shapes (B batch, Sq visiting query rows, Sk resident key rows, H query heads, Hkv kv heads,
+D head dim): q, dout, out (B,Sq,H,D) in float16/bfloat16; k, v (B,Sk,Hkv,D); lse, delta (B,H,Sq)
+float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate in float32
+(B,Sk,Hkv,Dp) inside the context, Dp the native head dim the kernels run at (D zero-padded).
+
+`ops` supplies the array module (`ops.xp`), compiled kernels (`ops.function(name)`, called as
+``fn(grid, block, args, shared_mem=...)`` with arrays and numpy scalars), the variant table
+(`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
+and the `ops.deterministic` switch: False launches one kernel per block that adds dQ with fp32
+atomics (run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two
+runs give bit-identical results (a second recomputation of S and dP: ~7/5 of the flops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..kernels.bwd_variants import delta_variant
+from ..layout import Block
+
+_KERNEL_DTYPES = ("float16", "bfloat16")
+_I32_MAX = 2**31 - 1
+
+
+@dataclass
+class BackwardContext:
+    """The resident side of the backward ring on one rank.
+
+    k, v: (B,Sk,Hkv,Dp) in the input dtype, padded to the native head dim Dp, 16-byte aligned.
+    dk, dv: (B,Sk,Hkv,Dp) float32 accumulators. headdim: the caller's D. dtype: "float16" or
+    "bfloat16". scale: the softmax scale.
+    """
+
+    k: Any
+    v: Any
+    dk: Any
+    dv: Any
+    scale: float
+    headdim: int
+    dtype: str
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+def _dtype_name(x) -> str:
+    name = np.dtype(x.dtype).name
+    if name not in _KERNEL_DTYPES:
+        raise ValueError(f"the backward kernels take float16 or bfloat16 input, not {name}")
+    return name
+
+
+def _data_ptr(x) -> int:
+    iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+    return int(iface["data"][0])
+
+
+def _estrides(x) -> tuple[int, ...]:
+    """Strides in elements; raises if one does not fit the kernels' int32 arguments."""
+    strides = tuple(s // x.itemsize for s in x.strides)
+    if any(abs(s) > _I32_MAX for s in strides):
+        raise ValueError(f"tensor of shape {tuple(x.shape)} has strides {strides} beyond int32")
+    return strides
+
+
+def _vector_ready(xp, x):
+    """x itself if cp.async can read it (16-byte aligned base, last dim contiguous, other strides
+    multiples of 8 elements), else an aligned contiguous copy."""
+    es = _estrides(x)
+    ok = (_data_ptr(x) % 16 == 0 and es[-1] == 1 and all(s % 8 == 0 and s >= 0 for s in es[:-1]))
+    return x if ok else xp.array(x, order="C", copy=True)
+
+
+def _same_strides(xp, a, b):
+    """(a, b) with identical element strides (the kernels take one stride triple for both).
+    A copy made here is a fresh, hence aligned, allocation."""
+    if a.strides == b.strides:
+        return a, b
+    return xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+
+
+def _rows_contiguous(xp, x):
+    """A (B,H,S) float32 row statistic with contiguous rows."""
+    x = xp.asarray(x, dtype=np.float32)
+    return x if _estrides(x)[-1] == 1 else xp.ascontiguousarray(x)
+
+
+def _i32(*values) -> list:
+    return [np.int32(v) for v in values]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
+    """ValueError unless q, dout, lse, delta, dq and blocks fit each other and ctx."""
+    for name, x in (("q", q), ("dout", dout)):
+        if _dtype_name(x) != ctx.dtype:
+            raise ValueError(f"{name} is {np.dtype(x.dtype).name}, k was {ctx.dtype}")
+    B, Sq, H, D = q.shape
+    _, Sk, Hkv, _ = ctx.k.shape
+    if D != ctx.headdim or H % Hkv or tuple(dout.shape) != tuple(q.shape):
+        raise ValueError(f"q {tuple(q.shape)} / dout {tuple(dout.shape)} do not fit k with "
+                         f"{Hkv} heads of dim {ctx.headdim}: H must be a multiple of Hkv")
+    if tuple(dq.shape) != (B, Sq, H, D) or np.dtype(dq.dtype) != np.float32:
+        raise ValueError(f"dq must be float32 {(B, Sq, H, D)}, not {dq.dtype} {tuple(dq.shape)}")
+    if {tuple(lse.shape), tuple(delta.shape)} != {(B, H, Sq)}:
+        raise ValueError(f"lse {tuple(lse.shape)} / delta {tuple(delta.shape)} must be "
+                         f"{(B, H, Sq)}")
+    for blk in blocks:
+        if (blk.q_start < 0 or blk.q_start + blk.q_len > Sq or blk.k_start < 0
+                or blk.k_start + blk.k_len > Sk):
+            raise ValueError(f"{blk} lies outside q rows [0, {Sq}) / k rows [0, {Sk})")
+
+
+# ------------------------------------------------------------------------------------------------
+# the four entry points
+
+def backward_delta(ops, dout, out):
+    """delta[b, h, s] = sum_d dout[b, s, h, d] * out[b, s, h, d] in float32: (B,H,S)."""
+    xp = ops.xp
+    dtype = _dtype_name(dout)
+    if out.shape != dout.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, dout {tuple(dout.shape)}")
+    B, S, H, D = dout.shape
+    delta = xp.empty((B, H, S), dtype=np.float32)
+    rows = B * S * H
+    if rows == 0:
+        return delta
+    out, dout = _same_strides(xp, out, dout)
+    if _estrides(dout)[-1] != 1:
+        out, dout = xp.ascontiguousarray(out), xp.ascontiguousarray(dout)
+    variant = delta_variant(dtype)
+    sb, ss, sh, _ = _estrides(dout)
+    fn = ops.function(variant.name)
+    grid = (_cdiv(rows, variant.launch.block_m),)
+    fn(grid, (variant.launch.threads,),
+       (out, dout, delta, *_i32(B, S, H, D, sb, ss, sh, H * S, S)))
+    return delta
+
+
+def backward_init(ops, k, v, softmax_scale: float) -> BackwardContext:
+    """Resident k, v (padded to the native head dim) and zeroed float32 dk, dv."""
+    xp = ops.xp
+    dtype = _dtype_name(k)
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
+    d = int(k.shape[-1])
+    dp = ops.variant("bwd_dkdv", dtype, d).headdim
+    kp, vp = _same_strides(xp, ops.pad_headdim(k, dp), ops.pad_headdim(v, dp))
+    kp, vp = _same_strides(xp, _vector_ready(xp, kp), _vector_ready(xp, vp))
+    shape = tuple(kp.shape)
+    return BackwardContext(k=kp, v=vp, dk=xp.zeros(shape, dtype=np.float32),
+                           dv=xp.zeros(shape, dtype=np.float32), scale=float(softmax_scale),
+                           headdim=d, dtype=dtype)
+
+
+def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
+                  blocks: Sequence[Block]) -> None:
+    """Add the gradients of the rectangles in `blocks` into ctx.dk, ctx.dv and into dq.
+
+    q, dout: (B,Sq,H,D) visiting queries; lse, delta: (B,H,Sq) float32; dq: (B,Sq,H,D) float32,
+    updated in place. GQA: query head h uses kv head h // (H // Hkv).
+    """
+    xp = ops.xp
+    blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
+    if not blocks:
+        return
+    _check_step(ctx, q, dout, lse, delta, dq, blocks)
+    B, Sq, H, D = q.shape
+    Hkv = ctx.k.shape[2]
+    dp = ctx.k.shape[-1]
+    qp, dop = _same_strides(xp, ops.pad_headdim(q, dp), ops.pad_headdim(dout, dp))
+    qp, dop = _same_strides(xp, _vector_ready(xp, qp), _vector_ready(xp, dop))
+    lse, delta = _same_strides(xp, _rows_contiguous(xp, lse), _rows_contiguous(xp, delta))
+    dq_run = ops.pad_headdim(dq, dp)  # a padded copy when D < Dp: kernels write all Dp columns
+    if _estrides(dq_run)[-1] != 1:
+        dq_run = xp.ascontiguousarray(dq_run)
+
+    head = [qp, ctx.k, ctx.v, dop, lse, delta, dq_run, ctx.dk, ctx.dv]
+    strides = (*_estrides(qp)[:3], *_estrides(ctx.k)[:3], *_estrides(lse)[:2],
+               *_estrides(dq_run)[:3], *_estrides(ctx.dk)[:3])
+    if ops.deterministic:
+        launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
+                    (ops.variant("bwd_dq", ctx.dtype, D), "q")]
+    else:
+        launches = [(ops.variant("bwd_dkdv", ctx.dtype, D), "k")]
+    for blk in blocks:
+        args = (*head, *_i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
+                             blk.q_pos, blk.k_pos, int(blk.causal)), np.float32(ctx.scale))
+        for variant, tiled in launches:
+            cfg = variant.launch
+            grid = ((_cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
+                    else (_cdiv(blk.q_len, cfg.block_m), H, B))
+            ops.function(variant.name)(grid, (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+    if dq_run is not dq:
+        dq[...] = ops.unpad_headdim(dq_run, D)
+
+
+def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:
+    """(dk, dv): (B,Sk,Hkv,D) in out_dtype (the padding columns dropped)."""
+    dk = ops.unpad_headdim(ctx.dk, ctx.headdim).astype(out_dtype)
+    dv = ops.unpad_headdim(ctx.dv, ctx.headdim).astype(out_dtype)
+    return dk, dv

@@ -1,0 +1,287 @@
+"""The backward kernels (kernels/flash_bwd.cu) run on the CPU emulator, against float64.
+
+The reference here is written from the definitions (full score matrix, explicit softmax and its
+gradient) and never calls burstcu. Tolerance is FlashAttention's rule: the kernel's error against
+float64 may be at most FACTOR x the error of a naive same-dtype implementation (inputs in the
+dtype, float32 matmuls, P and dS rounded to the dtype before their matmuls, as the kernels do)
+plus a small absolute term.
+
+Shapes: q, dout (B, Sq, H, D); k, v (B, Sk, Hkv, D); lse, delta (B, H, Sq). One backward step is
+given `Block`s (local row rectangles with global positions; causal keeps q_pos+i >= k_pos+j).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from burstcu.layout import Block, step_blocks
+from burstcu.ops.kernel_bwd import (backward_delta, backward_finalize, backward_init,
+                                    backward_step)
+from burstcu.ops.kernel_ops import KernelOps
+
+pytestmark = pytest.mark.emulated
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+FACTOR = 3.0
+
+
+def emulated_ops(deterministic: bool = False, randomize: bool = False, arch: str = "sm_80"):
+    """KernelOps on the CPU emulator (NumPy arrays), with the tile table of `arch`."""
+    return KernelOps(backend="emulated", arch=arch, deterministic=deterministic,
+                     randomize=randomize)
+
+
+# ------------------------------------------------------------------------------------------------
+# float64 reference and the naive same-dtype implementation
+
+def block_mask(sq: int, sk: int, blocks) -> np.ndarray:
+    """(Sq, Sk) bool: element (i, j) of local rows is computed by one of `blocks`."""
+    mask = np.zeros((sq, sk), dtype=bool)
+    for b in blocks:
+        i = np.arange(b.q_len)[:, None]
+        j = np.arange(b.k_len)[None, :]
+        keep = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
+        mask[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= keep
+    return mask
+
+
+def _expand(x, h):
+    """(B, S, Hkv, D) -> (B, S, H, D): query head h reads kv head h // (H // Hkv)."""
+    return np.repeat(x, h // x.shape[2], axis=2)
+
+
+def forward_stats(q, k, v, dout, mask, scale):
+    """float64 lse (B,H,Sq) over the masked keys (-inf where a row sees none) and delta."""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    s = np.einsum("bihd,bjhd->bhij", q, _expand(k, q.shape[2])) * scale
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
+    out = np.einsum("bhij,bjhd->bihd", p, _expand(v, q.shape[2]))
+    delta = np.einsum("bihd,bihd->bhi", dout, out)
+    return lse, delta
+
+
+def backward_math(q, k, v, dout, lse, delta, mask, scale, round_to=None):
+    """(dq, dk, dv) of attention restricted to `mask`, P recomputed from lse.
+
+    round_to=None: everything in float64 (the reference). Otherwise the naive same-dtype
+    implementation: float32 arithmetic, P and dS rounded to `round_to` before their matmuls.
+    """
+    work = np.float64 if round_to is None else np.float32
+    q, k, v, dout = (np.asarray(x).astype(work) for x in (q, k, v, dout))
+    lse, delta = np.asarray(lse).astype(work), np.asarray(delta).astype(work)
+    h, hkv = q.shape[2], k.shape[2]
+    ke, ve = _expand(k, h), _expand(v, h)
+    s = np.einsum("bihd,bjhd->bhij", q, ke) * work(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.where(mask, np.exp(s - lse[..., None]), 0.0).astype(work)
+    rnd = (lambda x: x.astype(round_to).astype(work)) if round_to is not None else (lambda x: x)
+    p = rnd(p)
+    dv = np.einsum("bhij,bihd->bjhd", p, dout)
+    dp = np.einsum("bihd,bjhd->bhij", dout, ve)
+    ds = rnd(p * (dp - delta[..., None]))
+    dq = np.einsum("bhij,bjhd->bihd", ds, ke) * work(scale)
+    dk = np.einsum("bhij,bihd->bjhd", ds, q) * work(scale)
+    b, sk, _, d = k.shape
+    group = lambda x: x.reshape(b, sk, hkv, h // hkv, d).sum(axis=3)  # noqa: E731
+    return dq, group(dk), group(dv)
+
+
+def assert_fa_rule(name, got, ref, naive):
+    """err(got) <= FACTOR * err(naive) + atol, all against float64; no NaN anywhere."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{name}: non-finite values"
+    err = float(np.abs(got - ref).max())
+    naive_err = float(np.abs(naive - ref).max())
+    atol = 1e-5 * max(1.0, float(np.abs(ref).max()))
+    assert err <= FACTOR * naive_err + atol, (
+        f"{name}: error {err:.3g} > {FACTOR} x naive {naive_err:.3g} + {atol:.1g}")
+    return err, naive_err
+
+
+# ------------------------------------------------------------------------------------------------
+# cases
+
+def make_inputs(dtype, b, sq, sk, h, hkv, d, seed=0):
+    rng = np.random.default_rng(seed)
+    t = DTYPES[dtype]
+    q = rng.standard_normal((b, sq, h, d)).astype(t)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(t)
+    v = rng.standard_normal((b, sk, hkv, d)).astype(t)
+    dout = rng.standard_normal((b, sq, h, d)).astype(t)
+    return q, k, v, dout
+
+
+# name -> (B, Sq, Sk, H, Hkv, list of backward_step calls, each a list of Blocks)
+CASES = {
+    # no mask, ragged lengths on both sides (77 queries, 200 keys), plain multi-head
+    "full_ragged": (1, 77, 200, 2, 2, [[Block(0, 77, 0, 200, 0, 0, False)]]),
+    # causal with offsets: K tiles partly and wholly in the future, GQA
+    "causal_offsets": (1, 96, 160, 4, 2, [[Block(0, 96, 0, 160, 100, 40, True)]]),
+    # rows that see no key (lse = -inf), rows outside the block, future-only K tiles, batch 2
+    "masked_rows": (2, 77, 200, 4, 2, [[Block(5, 72, 16, 184, 0, 30, True)]]),
+    # a zigzag diagonal step (three blocks, two of them straddling) split over two calls
+    # small causal GQA (2 query heads on 1 kv head) for the expensive head dim 256
+    "small_causal": (1, 40, 72, 2, 1, [[Block(0, 40, 0, 72, 50, 20, True)]]),
+    "zigzag_two_calls": (1, 128, 128, 4, 2, [step_blocks("zigzag", 0, 0, 2, 128, True)[:1],
+                                             step_blocks("zigzag", 0, 0, 2, 128, True)[1:]]),
+}
+
+
+def run_case(ops, dtype, d, case, seed=0):
+    """(kernel (dq, dk, dv), reference, naive), all (B,S,H[kv],d)."""
+    b, sq, sk, h, hkv, calls = CASES[case]
+    q, k, v, dout = make_inputs(dtype, b, sq, sk, h, hkv, d, seed)
+    scale = 1.0 / np.sqrt(d)
+    mask = block_mask(sq, sk, [blk for call in calls for blk in call])
+    lse, delta = forward_stats(q, k, v, dout, mask, scale)
+    lse32, delta32 = lse.astype(np.float32), delta.astype(np.float32)
+    ctx = backward_init(ops, k, v, scale)
+    dq = np.zeros((b, sq, h, d), np.float32)
+    for blocks in calls:
+        backward_step(ops, ctx, q, dout, lse32, delta32, dq, blocks)
+    dk, dv = backward_finalize(ops, ctx, np.float32)
+    ref = backward_math(q, k, v, dout, lse32, delta32, mask, scale)
+    naive = backward_math(q, k, v, dout, lse32, delta32, mask, scale, round_to=DTYPES[dtype])
+    return (dq, dk, dv), ref, naive
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [32, 80, 128])
+def test_delta(dtype, d):
+    rng = np.random.default_rng(1)
+    t = DTYPES[dtype]
+    out = rng.standard_normal((2, 37, 3, d)).astype(t)
+    dout = rng.standard_normal((2, 37, 3, d)).astype(t)
+    got = backward_delta(emulated_ops(), dout, out)
+    ref = np.einsum("bshd,bshd->bhs", out.astype(np.float64), dout.astype(np.float64))
+    assert got.shape == (2, 3, 37) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(d))
+
+
+STEP_PARAMS = (
+    [(dt, d, c, m) for dt in DTYPES for d in (64, 128) for c in CASES if c != "small_causal"
+     for m in ("atomic", "deterministic")]
+    + [(dt, d, c, "atomic") for dt in DTYPES for d in (32, 80)
+       for c in ("full_ragged", "masked_rows")]
+    + [(dt, d, "causal_offsets", "deterministic") for dt in DTYPES for d in (32, 80)]
+)
+
+
+@pytest.mark.parametrize("dtype,d,case,mode", STEP_PARAMS)
+def test_step_matches_reference(dtype, d, case, mode):
+    ops = emulated_ops(deterministic=(mode == "deterministic"))
+    got, ref, naive = run_case(ops, dtype, d, case)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(f"{case}/{dtype}/d{d}/{mode} {name}", g, r, n)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_head_dim_256(dtype):
+    """The 8-warp dK/dV variant (head dim split over two warps) and the 256-wide dQ kernel."""
+    for mode in ("atomic", "deterministic"):
+        ops = emulated_ops(deterministic=(mode == "deterministic"))
+        got, ref, naive = run_case(ops, dtype, 256, "small_causal")
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_fa_rule(f"d256/{dtype}/{mode} {name}", g, r, n)
+
+
+def test_sm90_tiles():
+    """The sm_90 table (128-key tiles, 8 warps) on the same kernels."""
+    ops = emulated_ops(arch="sm_90")
+    got, ref, naive = run_case(ops, "bfloat16", 64, "masked_rows")
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(f"sm_90 {name}", g, r, n)
+
+
+def test_deterministic_mode_is_bitwise_reproducible():
+    """Two runs with the threads of each block scheduled in random orders: identical bits."""
+    ops = emulated_ops(deterministic=True, randomize=True)
+    first, ref, naive = run_case(ops, "float16", 64, "zigzag_two_calls", seed=3)
+    second, _, _ = run_case(ops, "float16", 64, "zigzag_two_calls", seed=3)
+    for name, a, b, r, n in zip(("dq", "dk", "dv"), first, second, ref, naive):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), name
+        assert_fa_rule(f"randomized deterministic {name}", a, r, n)
+
+
+def test_atomic_mode_with_random_thread_order():
+    """Races between a block's threads would show up under a shuffled schedule."""
+    ops = emulated_ops(randomize=True)
+    got, ref, naive = run_case(ops, "bfloat16", 64, "zigzag_two_calls", seed=4)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(f"randomized atomic {name}", g, r, n)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+def test_rows_with_lse_minus_inf_contribute_nothing(mode):
+    """A row whose lse is -inf (it saw no key in the forward pass) has P = 0, never NaN, even
+    inside an unmasked block."""
+    ops = emulated_ops(deterministic=(mode == "deterministic"))
+    b, sq, sk, h, hkv, d = 1, 40, 72, 2, 2, 32
+    q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, seed=9)
+    scale = 1.0 / np.sqrt(d)
+    mask = np.ones((sq, sk), dtype=bool)
+    lse, delta = forward_stats(q, k, v, dout, mask, scale)
+    dead = np.arange(sq) % 3 == 0
+    lse[:, :, dead] = -np.inf
+    lse, delta = lse.astype(np.float32), delta.astype(np.float32)
+    ctx = backward_init(ops, k, v, scale)
+    dq = np.zeros((b, sq, h, d), np.float32)
+    backward_step(ops, ctx, q, dout, lse, delta, dq, [Block(0, sq, 0, sk, 0, 0, False)])
+    got = (dq, *backward_finalize(ops, ctx, np.float32))
+    mask[dead] = False  # what P = 0 on those rows means
+    ref = backward_math(q, k, v, dout, lse, delta, mask, scale)
+    naive = backward_math(q, k, v, dout, lse, delta, mask, scale, round_to=np.float16)
+    assert (dq[:, dead] == 0).all()
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(f"lse -inf/{mode} {name}", g, r, n)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+def test_two_calls_equal_one_call_over_the_union(mode):
+    """Accumulating two key halves in two steps equals one step over all keys (to rounding)."""
+    ops = emulated_ops(deterministic=(mode == "deterministic"))
+    b, sq, sk, h, hkv, d = 1, 77, 200, 4, 2, 64
+    q, k, v, dout = make_inputs("bfloat16", b, sq, sk, h, hkv, d, seed=5)
+    scale = 1.0 / np.sqrt(d)
+    whole = [Block(0, 77, 0, 200, 150, 0, True)]
+    halves = [[Block(0, 77, 0, 100, 150, 0, False)], [Block(0, 77, 100, 100, 150, 100, True)]]
+    lse, delta = forward_stats(q, k, v, dout, block_mask(sq, sk, whole), scale)
+    lse, delta = lse.astype(np.float32), delta.astype(np.float32)
+
+    def run(calls):
+        ctx = backward_init(ops, k, v, scale)
+        dq = np.zeros((b, sq, h, d), np.float32)
+        for blocks in calls:
+            backward_step(ops, ctx, q, dout, lse, delta, dq, blocks)
+        return (dq, *backward_finalize(ops, ctx, np.float32))
+
+    for name, one, two in zip(("dq", "dk", "dv"), run([whole]), run(halves)):
+        np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_rows_outside_blocks_are_untouched():
+    """dq rows no block covers keep their value; dk/dv rows no block covers stay zero."""
+    ops = emulated_ops()
+    b, sq, sk, h, hkv, d = 1, 40, 48, 2, 1, 32
+    q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, seed=7)
+    lse = np.zeros((b, h, sq), np.float32)
+    delta = np.zeros((b, h, sq), np.float32)
+    ctx = backward_init(ops, k, v, 0.1)
+    dq = np.full((b, sq, h, d), 7.0, np.float32)
+    backward_step(ops, ctx, q, dout, lse, delta, dq, [Block(8, 16, 16, 16, 0, 0, False)])
+    dk, dv = backward_finalize(ops, ctx, np.float32)
+    assert (dq[:, :8] == 7).all() and (dq[:, 24:] == 7).all()
+    assert not (dk[:, :16] != 0).any() and not (dv[:, 32:] != 0).any()
+    assert (dv[:, 16:32] != 0).any()
