@@ -29,7 +29,7 @@ def _round(x, to):
 
 def _probs(q, k, causal, scale, dtype):
     """Softmax probabilities (B, H, Nq, Nk) and lse (B, H, Nq); fully masked rows give 0, -inf."""
-    s = (np.einsum("bihd,bjhd->bhij", q, _expand_kv(k, q.shape[2])) * dtype(scale)).astype(dtype)
+    s = (np.einsum("bihd,bjhd->bhij", q, _expand_kv(k, q.shape[2]), optimize=True) * dtype(scale)).astype(dtype)
     if causal:
         keep = np.arange(q.shape[1])[:, None] >= np.arange(k.shape[1])[None, :]
         s = np.where(keep, s, dtype(-np.inf))
@@ -54,7 +54,7 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, dtype=np.float64, r
     implementation with float32 accumulation does."""
     q, k, v = _cast(dtype, q, k, v)
     probs, lse = _probs(q, k, causal, _scale(q, softmax_scale), dtype)
-    out = np.einsum("bhij,bjhd->bihd", _round(probs, round_to), _expand_kv(v, q.shape[2])).astype(dtype)
+    out = np.einsum("bhij,bjhd->bihd", _round(probs, round_to), _expand_kv(v, q.shape[2]), optimize=True).astype(dtype)
     return _round(out, round_to), lse
 
 
@@ -69,11 +69,11 @@ def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtyp
     p_stored = _round(probs, round_to)
     ke, ve = _expand_kv(k, h), _expand_kv(v, h)
     do = dout.transpose(0, 2, 1, 3)                                       # (B, H, Nq, D)
-    dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do)
-    dprobs = np.einsum("bhid,bjhd->bhij", do, ve).astype(dtype)
+    dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do, optimize=True)
+    dprobs = np.einsum("bhid,bjhd->bhij", do, ve, optimize=True).astype(dtype)
     ds = _round((probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype), round_to)
-    dq = np.einsum("bhij,bjhd->bihd", ds, ke) * scale
-    dk_e = np.einsum("bhij,bihd->bjhd", ds, q) * scale
+    dq = np.einsum("bhij,bjhd->bihd", ds, ke, optimize=True) * scale
+    dk_e = np.einsum("bhij,bihd->bjhd", ds, q, optimize=True) * scale
     b, n, _, d = k.shape
     dk = dk_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3)
     dv = dv_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3)
