@@ -45,11 +45,16 @@ def test_logits_of_magnitude_1e3_stay_exact(dtype):
     assert np.abs(s).max() > 1e3
     truth = np.longdouble if dtype == "float64" else np.float64
     naive = np.float64 if dtype == "float64" else np.float32
+    # Rounding a logit of this size once (half an ulp of |s|, which any implementation does in
+    # its own order) moves lse by as much and out by at most twice that times max|v|.
+    logit_rounding = 0.5 * EPS[dtype] * float(np.abs(s).max())
+    sensitivity = {"out": 2 * float(np.abs(v.astype(np.float64)).max()), "lse": 1.0}
     out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
-    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, True, dtype=truth),
-                            attention_ref(q, k, v, True, dtype=naive)):
+    for name, got, ref, nv in zip(("out", "lse"), (out, lse), attention_ref(q, k, v, True, dtype=truth),
+                                  attention_ref(q, k, v, True, dtype=naive)):
         ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
-        assert ok, (err, bound)
+        bound += logit_rounding * sensitivity[name]
+        assert err <= bound, (name, err, bound)
     # The backward recomputes P = exp(score - lse) from the float32 lse the API hands back; the
     # naive implementation never rounds lse. Rounding |lse| ~ 1e3 to float32 moves every P of a
     # row by up to half an ulp of lse, relatively, so the gradients may move by that much more.
@@ -98,9 +103,9 @@ def _peak_bytes(seqlen: int) -> int:
 
 
 def test_memory_never_quadratic_in_seqlen():
-    """Peak allocation at seqlen 4096 is far below one 4096^2 score matrix, and doubling seqlen
-    roughly doubles it (a quadratic term would quadruple it)."""
-    small, large = _peak_bytes(2048), _peak_bytes(4096)
-    score_matrix = 4096 * 4096 * 4
-    assert large < score_matrix / 8, f"peak {large} bytes vs one score matrix {score_matrix}"
-    assert large / small < 2.6, f"peak grew {large / small:.2f}x when seqlen doubled"
+    """Peak allocation (forward + backward) at seqlen 8192 is far below one 8192^2 score matrix,
+    and doubling seqlen at most doubles it (a quadratic term would quadruple it)."""
+    small, large = _peak_bytes(4096), _peak_bytes(8192)
+    score_matrix = 8192 * 8192 * 4
+    assert large < score_matrix / 16, f"peak {large} bytes vs one score matrix {score_matrix}"
+    assert large / small < 2.2, f"peak grew {large / small:.2f}x when seqlen doubled"
