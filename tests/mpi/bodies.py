@@ -60,9 +60,32 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
+def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int, d: int,
+                     itemsize: int, acc: int) -> dict:
+    """(bytes, messages) one rank sends per pass, written out from the algorithms' definitions
+    (burstcu.ring's and burstcu.strategies' docstrings), not taken from burstcu."""
+    g1 = size - 1
+    kv = b * s * hkv * d * itemsize          # one of K, V in the input dtype
+    kv_acc = b * s * hkv * d * acc           # one of dK, dV in the accumulation dtype
+    qd = b * s * h * d
+    rows = b * h * s
+    if size == 1:
+        return {"fwd": (0, 0), "bwd": (0, 0)}
+    if strategy == "burst":                  # K and V in one message; q, dout, delta, lse + dq
+        bundle = 2 * qd * itemsize + 2 * rows * acc
+        return {"fwd": (g1 * 2 * kv, g1), "bwd": (g1 * bundle + size * qd * acc, size + 1)}
+    if strategy == "ring":                   # K and V apart; backward: K, V, dK, dV travel
+        return {"fwd": (g1 * 2 * kv, 2 * g1),
+                "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
+    if strategy == "allgather":              # collectives only: no point-to-point sends counted
+        return {"fwd": (g1 * 2 * kv, 0), "bwd": (g1 * 2 * kv + g1 * 2 * kv_acc, g1)}
+    raise ValueError(strategy)
+
+
 def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seqlen_local=38,
-                                options=None):
-    """Forward (out, lse) and backward (dq, dk, dv) against float64, plus exact byte counts."""
+                                options=None, strategy="burst", seed=1000):
+    """Forward (out, lse) and backward (dq, dk, dv) of `strategy` against float64, plus exact
+    bytes and messages per pass."""
     group = burstcu.init(backend=backend, **(options or {}))
     size, rank = group.size, group.rank
     summary = []
@@ -70,12 +93,13 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
         b, h, hkv, d = case["b"], case["h"], case["hkv"], case["d"]
         causal, layout = case["causal"], case["layout"]
         n = seqlen_local * size
-        q, k, v, dout = make_inputs(1000 + i, b, n, h, hkv, d, dtype)
+        q, k, v, dout = make_inputs(seed + i, b, n, h, hkv, d, dtype)
         rows = my_rows(layout, rank, size, n)
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
 
         group.stats.reset()
-        out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout, return_lse=True)
+        out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout,
+                                     return_lse=True, strategy=strategy)
         fwd = group.stats.as_dict()
         assert out.dtype == ql.dtype and out.shape == ql.shape and type(out) is type(ql)
         acc = np.float64 if dtype == "float64" else np.float32
@@ -95,7 +119,7 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
 
         group.stats.reset()
         dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
-                                                layout=layout)
+                                                layout=layout, strategy=strategy)
         bwd = group.stats.as_dict()
         for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
             assert got.dtype == ql.dtype and got.shape == (ql if name == "dq" else kl).shape
@@ -103,18 +127,11 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
             # where the naive one rounds once per matmul: flash-attn's backward tests allow 3x too
             errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype, factor=3.0)
 
-        # bytes on the wire, from the formulas (module docstring of burstcu.ring)
         itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
-        kv = b * seqlen_local * hkv * d * itemsize
-        assert fwd["bytes_sent"] == (size - 1) * 2 * kv, (fwd, kv)
-        assert fwd["bytes_received"] == fwd["bytes_sent"]
-        assert fwd["messages"] == size - 1
-        qd = b * seqlen_local * h * d
-        bundle = 2 * qd * itemsize + 2 * b * h * seqlen_local * acc_size
-        expect_bwd = 0 if size == 1 else (size - 1) * bundle + size * qd * acc_size
-        assert bwd["bytes_sent"] == expect_bwd, (bwd, expect_bwd)
-        assert bwd["bytes_received"] == expect_bwd
-        assert bwd["messages"] == (0 if size == 1 else size + 1)
+        want = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize, acc_size)
+        for name, got in (("fwd", fwd), ("bwd", bwd)):
+            assert (got["bytes_sent"], got["messages"]) == want[name], (strategy, name, got, want[name])
+            assert got["bytes_received"] == got["bytes_sent"], (name, got)
         summary.append({"case": case, "errors": errs, "fwd_bytes": fwd["bytes_sent"],
                         "bwd_bytes": bwd["bytes_sent"]})
     group.close()
