@@ -101,7 +101,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     size, rank = transport.size, transport.rank
     seqlen = q.shape[1]
     kv_fields = [("k", k.shape, k.dtype), ("v", v.shape, v.dtype)]
-    buffers = [ops.message(kv_fields), ops.message(kv_fields)]
+    buffers = ops.double_buffer(kv_fields)
     ops.copy_(buffers[0]["k"], k)
     ops.copy_(buffers[0]["v"], v)
     state = ops.forward_init(q, softmax_scale)
@@ -150,7 +150,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     seqlen = q.shape[1]
     acc = accum_dtype(q.dtype)
     fields = _bundle_fields(q, lse)
-    buffers = [ops.message(fields), ops.message(fields)]
+    buffers = ops.double_buffer(fields)
     first = buffers[0]
     ops.copy_(first["q"], q)
     ops.copy_(first["dout"], dout)

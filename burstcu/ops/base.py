@@ -24,6 +24,7 @@ GQA: query head h uses key/value head h // (H // Hkv).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any, ContextManager, Sequence
 
@@ -87,8 +88,26 @@ class LocalOps(ABC):
         return None
 
     # -- memory ------------------------------------------------------------------------------------
+    BUFFER_LAYOUTS_KEPT = 4
+
     def message(self, fields: Sequence[tuple[str, tuple, Any]]) -> Message:
         return Message(self.xp, fields)
+
+    def double_buffer(self, fields: Sequence[tuple[str, tuple, Any]]) -> tuple[Message, Message]:
+        """The ring's two message buffers for `fields`, allocated once per layout and reused by
+        later calls (the last BUFFER_LAYOUTS_KEPT layouts are kept), so neither a call nor a
+        step allocates them. Safe because every exchange is waited on before a call returns,
+        and on a GPU that wait orders the communication stream before later compute-stream work.
+        """
+        key = tuple((name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
+        cache = self.__dict__.setdefault("_double_buffers", OrderedDict())
+        pair = cache.pop(key, None)
+        if pair is None:
+            pair = (self.message(fields), self.message(fields))
+        cache[key] = pair
+        while len(cache) > self.BUFFER_LAYOUTS_KEPT:
+            cache.popitem(last=False)
+        return pair
 
     def zeros(self, shape, dtype):
         return self.xp.zeros(shape, dtype=dtype)
