@@ -147,3 +147,16 @@ def test_scaling_smoke(tmp_path):
     assert rows[1]["forward_efficiency"] == 1 and rows[2]["forward_s"] > 0
     assert 0 < rows[2]["fwd_bwd_efficiency"] < 5
     assert set(result["commands"]) == {"1", "2"}
+
+
+def test_local_cpu_smoke(tmp_path):
+    """bench/local_cpu.py: burstcu vs naive NumPy (and torch when installed), same shapes."""
+    js = tmp_path / "local.json"
+    out = run_bench("local_cpu.py", ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16,
+                                     "--repeats", 1, "--threads", 1, "--json", js], nprocs=None)
+    assert "measured on the CPU" in out
+    result = json.loads(js.read_text())
+    impls = {(r["seqlen"], r["impl"]) for r in result["results"]}
+    assert {(64, "burstcu"), (64, "naive numpy"), (96, "burstcu"), (96, "naive numpy")} <= impls
+    assert all(r["seconds"] > 0 and r["gflops"] > 0 for r in result["results"])
+    assert result["environment"]["threads"] == 1
