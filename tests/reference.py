@@ -1,7 +1,9 @@
 """Independent reference attention: the whole sequence at once, full score matrix, explicit softmax.
 
-Written plainly from the definitions; it never calls burstcu. Shapes as in the public API:
-q (B, N, H, D); k, v (B, N, Hkv, D); positions are global (N = whole sequence).
+Written plainly from the definitions; it never calls burstcu (it only reads the fields of
+`burstcu.layout.Block` records handed to `keep_from_blocks`). Shapes as in the public API:
+q (B, N, H, D); k, v (B, N, Hkv, D); positions are global (N = whole sequence). With an explicit
+`keep` mask (Sq, Sk) the query and key lengths may differ (one ring step's local rows).
 
 `dtype=np.float64` is the reference. The same code in float32 (or float16) is the "naive
 same-dtype implementation" of the FlashAttention tolerance rule: an implementation under test may
@@ -27,57 +29,152 @@ def _round(x, to):
     return x if to is None else x.astype(to).astype(x.dtype)
 
 
-def _probs(q, k, causal, scale, dtype):
-    """Softmax probabilities (B, H, Nq, Nk) and lse (B, H, Nq); fully masked rows give 0, -inf."""
-    s = (np.einsum("bihd,bjhd->bhij", q, _expand_kv(k, q.shape[2]), optimize=True) * dtype(scale)).astype(dtype)
+def keep_from_blocks(blocks, sq: int, sk: int) -> np.ndarray:
+    """(Sq, Sk) bool: which (local query row, local key row) pairs one of `blocks` keeps.
+
+    Each `burstcu.layout.Block` covers rows [q_start, q_start + q_len) x [k_start, k_start + k_len);
+    with `causal` set it keeps element (i, j) of that rectangle only if q_pos + i >= k_pos + j.
+    """
+    keep = np.zeros((sq, sk), dtype=bool)
+    for b in blocks:
+        i = np.arange(b.q_len)[:, None]
+        j = np.arange(b.k_len)[None, :]
+        rect = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
+        keep[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= rect
+    return keep
+
+
+def _mask(nq, nk, causal, keep):
+    """The (Nq, Nk) bool mask to apply, or None: `keep` if given (it replaces causal), else the
+    global causal mask q >= k if `causal`."""
+    if keep is not None:
+        if causal:
+            raise ValueError("give either causal=True or an explicit keep mask, not both")
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != (nq, nk):
+            raise ValueError(f"keep must be (Sq, Sk) = {(nq, nk)}, got {keep.shape}")
+        return keep
     if causal:
-        keep = np.arange(q.shape[1])[:, None] >= np.arange(k.shape[1])[None, :]
-        s = np.where(keep, s, dtype(-np.inf))
+        return np.arange(nq)[:, None] >= np.arange(nk)[None, :]
+    return None
+
+
+def _scores(q, k, scale, dtype):
+    """Scaled scores (B, H, Nq, Nk) in `dtype`."""
+    return (np.einsum("bihd,bjhd->bhij", q, _expand_kv(k, q.shape[2]), optimize=True) * dtype(scale)).astype(dtype)
+
+
+def _softmax(q, k, causal, scale, dtype, keep=None):
+    """(p, l, lse): p = exp(s - rowmax) (B, H, Nq, Nk), 0 where masked; its row sums l
+    (B, H, Nq, 1); lse (B, H, Nq). Fully masked rows give p 0, l 0, lse -inf."""
+    s = _scores(q, k, scale, dtype)
+    mask = _mask(q.shape[1], k.shape[1], causal, keep)
+    if mask is not None:
+        s = np.where(mask, s, dtype(-np.inf))
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, dtype(0))
     p = np.exp(s - m).astype(dtype)
     l = p.sum(axis=-1, keepdims=True, dtype=dtype)
     seen = l > 0
-    probs = np.where(seen, p / np.where(seen, l, 1), 0).astype(dtype)
     with np.errstate(divide="ignore"):
         lse = np.where(seen[..., 0], m[..., 0] + np.log(np.where(seen, l, 1)[..., 0]), -np.inf)
-    return probs, lse.astype(dtype)
+    return p, l, lse.astype(dtype)
+
+
+def _probs(q, k, causal, scale, dtype, keep=None):
+    """Softmax probabilities (B, H, Nq, Nk) and lse (B, H, Nq); fully masked rows give 0, -inf."""
+    p, l, lse = _softmax(q, k, causal, scale, dtype, keep)
+    seen = l > 0
+    return np.where(seen, p / np.where(seen, l, 1), 0).astype(dtype), lse
 
 
 def _scale(q, softmax_scale):
     return 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, dtype=np.float64, round_to=None):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, dtype=np.float64, round_to=None,
+                  keep=None, unnormalized_p=False):
     """(out (B, N, H, D), lse (B, H, N)) computed entirely in `dtype`. With round_to (e.g.
     np.float16), P is rounded to that dtype before P @ V, as a naive half-precision
-    implementation with float32 accumulation does."""
+    implementation with float32 accumulation does, and so is out.
+
+    keep: an explicit (Sq, Sk) bool mask in place of `causal` (Sq may differ from Sk); a row
+    with no kept key gives out 0 and lse -inf.
+    unnormalized_p: the P rounded before P @ V is exp(s - rowmax), not yet divided by the row
+    sum (what a flash kernel stores); P @ V is divided by the row sum afterwards."""
     q, k, v = _cast(dtype, q, k, v)
-    probs, lse = _probs(q, k, causal, _scale(q, softmax_scale), dtype)
-    out = np.einsum("bhij,bjhd->bihd", _round(probs, round_to), _expand_kv(v, q.shape[2]), optimize=True).astype(dtype)
+    ve = _expand_kv(v, q.shape[2])
+    if unnormalized_p:
+        p, l, lse = _softmax(q, k, causal, _scale(q, softmax_scale), dtype, keep)
+        o = np.einsum("bhij,bjhd->bihd", _round(p, round_to), ve, optimize=True).astype(dtype)
+        l = l[..., 0].transpose(0, 2, 1)[..., None]                         # (B, Nq, H, 1)
+        out = np.where(l > 0, o / np.where(l > 0, l, 1), 0).astype(dtype)
+    else:
+        probs, lse = _probs(q, k, causal, _scale(q, softmax_scale), dtype, keep)
+        out = np.einsum("bhij,bjhd->bihd", _round(probs, round_to), ve, optimize=True).astype(dtype)
     return _round(out, round_to), lse
 
 
-def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtype=np.float64,
-                           round_to=None):
-    """(dq, dk, dv) from the explicit softmax Jacobian, computed entirely in `dtype`; with
-    round_to, P and dS are rounded to that dtype before their matmuls (naive half precision)."""
-    dout, q, k, v = _cast(dtype, dout, q, k, v)
-    scale = dtype(_scale(q, softmax_scale))
+def _grads(dv_e, ds, q, k, ke, scale, dtype):
+    """(dq, dk, dv) in `dtype` from dV per query head dv_e (B, Nk, H, D) and dS (B, H, Nq, Nk):
+    dq = dS K * scale, dk = dS^T Q * scale; dk, dv summed over the query heads of each kv head."""
     h, hkv = q.shape[2], k.shape[2]
-    probs, _ = _probs(q, k, causal, scale, dtype)                       # (B, H, Nq, Nk)
-    p_stored = _round(probs, round_to)
-    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
-    do = dout.transpose(0, 2, 1, 3)                                       # (B, H, Nq, D)
-    dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do, optimize=True)
-    dprobs = np.einsum("bhid,bjhd->bhij", do, ve, optimize=True).astype(dtype)
-    ds = _round((probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype), round_to)
     dq = np.einsum("bhij,bjhd->bihd", ds, ke, optimize=True) * scale
     dk_e = np.einsum("bhij,bihd->bjhd", ds, q, optimize=True) * scale
     b, n, _, d = k.shape
     dk = dk_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3)
     dv = dv_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+
+
+def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtype=np.float64,
+                           round_to=None, keep=None):
+    """(dq, dk, dv) from the explicit softmax Jacobian, computed entirely in `dtype`; with
+    round_to, P and dS are rounded to that dtype before their matmuls (naive half precision).
+    keep: as in `attention_ref`; rows with no kept key contribute nothing."""
+    dout, q, k, v = _cast(dtype, dout, q, k, v)
+    scale = dtype(_scale(q, softmax_scale))
+    h = q.shape[2]
+    probs, _ = _probs(q, k, causal, scale, dtype, keep)                 # (B, H, Nq, Nk)
+    p_stored = _round(probs, round_to)
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    do = dout.transpose(0, 2, 1, 3)                                       # (B, H, Nq, D)
+    dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do, optimize=True)
+    dprobs = np.einsum("bhid,bjhd->bhij", do, ve, optimize=True).astype(dtype)
+    ds = _round((probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype), round_to)
+    return _grads(dv_e, ds, q, k, ke, scale, dtype)
+
+
+def softmax_stats_ref(q, k, v, dout, keep, softmax_scale=None):
+    """float64 (lse, delta), each (B, H, Sq), of attention restricted to `keep` (Sq, Sk): what
+    the forward pass hands the backward pass. delta = rowsum(dout * out); lse is -inf on rows
+    with no kept key."""
+    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, keep=keep)
+    delta = np.einsum("bihd,bihd->bhi", np.asarray(dout, np.float64), out, optimize=True)
+    return lse, delta
+
+
+def step_backward_ref(q, k, v, dout, lse, delta, keep, softmax_scale=None, dtype=np.float64,
+                      round_to=None):
+    """(dq, dk, dv) of ONE backward step: attention restricted to `keep` (Sq, Sk), with P
+    recomputed from the GIVEN lse and delta (B, H, Sq) (those of the whole sequence, not of this
+    block's own softmax), computed in `dtype`. A row whose lse is -inf has P = 0.
+
+    dtype=np.float64 is the reference; dtype=np.float32 with round_to (np.float16, bfloat16) is
+    the naive same-dtype implementation: P and dS rounded to that dtype before their matmuls."""
+    dout, q, k, v, lse, delta = _cast(dtype, dout, q, k, v, lse, delta)
+    scale = dtype(_scale(q, softmax_scale))
+    h = q.shape[2]
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    s = _scores(q, k, scale, dtype)
+    seen = np.isfinite(lse)[..., None]
+    keep = seen if keep is None else _mask(q.shape[1], k.shape[1], False, keep) & seen
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = _round(np.where(keep, np.exp(s - lse[..., None]), 0).astype(dtype), round_to)
+    dv_e = np.einsum("bhij,bihd->bjhd", p, dout, optimize=True)
+    dp = np.einsum("bihd,bjhd->bhij", dout, ve, optimize=True)
+    ds = _round((p * (dp - delta[..., None])).astype(dtype), round_to)
+    return _grads(dv_e, ds, q, k, ke, scale, dtype)
 
 
 def max_err(x, ref) -> float:

@@ -1,7 +1,8 @@
 """The backward kernels (kernels/flash_bwd.cu) run on the CPU emulator, against float64.
 
-The reference here is written from the definitions (full score matrix, explicit softmax and its
-gradient) and never calls burstcu. Tolerance is FlashAttention's rule: the kernel's error against
+The reference is tests/reference.py (`step_backward_ref`: full score matrix, explicit softmax
+and its gradient, P recomputed from the given lse), which never calls burstcu. Tolerance is
+FlashAttention's rule: the kernel's error against
 float64 may be at most FACTOR x the error of a naive same-dtype implementation (inputs in the
 dtype, float32 matmuls, P and dS rounded to the dtype before their matmuls, as the kernels do)
 plus a small absolute term.
@@ -20,6 +21,7 @@ from burstcu.layout import Block, step_blocks
 from burstcu.ops.kernel_bwd import (backward_delta, backward_finalize, backward_init,
                                     backward_step)
 from burstcu.ops.kernel_ops import KernelOps
+from tests.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
 
 pytestmark = pytest.mark.emulated
 
@@ -34,66 +36,7 @@ def emulated_ops(deterministic: bool = False, randomize: bool = False, arch: str
 
 
 # ------------------------------------------------------------------------------------------------
-# float64 reference and the naive same-dtype implementation
-
-def block_mask(sq: int, sk: int, blocks) -> np.ndarray:
-    """(Sq, Sk) bool: element (i, j) of local rows is computed by one of `blocks`."""
-    mask = np.zeros((sq, sk), dtype=bool)
-    for b in blocks:
-        i = np.arange(b.q_len)[:, None]
-        j = np.arange(b.k_len)[None, :]
-        keep = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
-        mask[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= keep
-    return mask
-
-
-def _expand(x, h):
-    """(B, S, Hkv, D) -> (B, S, H, D): query head h reads kv head h // (H // Hkv)."""
-    return np.repeat(x, h // x.shape[2], axis=2)
-
-
-def forward_stats(q, k, v, dout, mask, scale):
-    """float64 lse (B,H,Sq) over the masked keys (-inf where a row sees none) and delta."""
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    s = np.einsum("bihd,bjhd->bhij", q, _expand(k, q.shape[2])) * scale
-    s = np.where(mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
-    p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(l[..., 0]), -np.inf)
-    out = np.einsum("bhij,bjhd->bihd", p, _expand(v, q.shape[2]))
-    delta = np.einsum("bihd,bihd->bhi", dout, out)
-    return lse, delta
-
-
-def backward_math(q, k, v, dout, lse, delta, mask, scale, round_to=None):
-    """(dq, dk, dv) of attention restricted to `mask`, P recomputed from lse.
-
-    round_to=None: everything in float64 (the reference). Otherwise the naive same-dtype
-    implementation: float32 arithmetic, P and dS rounded to `round_to` before their matmuls.
-    """
-    work = np.float64 if round_to is None else np.float32
-    q, k, v, dout = (np.asarray(x).astype(work) for x in (q, k, v, dout))
-    lse, delta = np.asarray(lse).astype(work), np.asarray(delta).astype(work)
-    h, hkv = q.shape[2], k.shape[2]
-    ke, ve = _expand(k, h), _expand(v, h)
-    s = np.einsum("bihd,bjhd->bhij", q, ke) * work(scale)
-    with np.errstate(over="ignore", invalid="ignore"):
-        p = np.where(mask, np.exp(s - lse[..., None]), 0.0).astype(work)
-    rnd = (lambda x: x.astype(round_to).astype(work)) if round_to is not None else (lambda x: x)
-    p = rnd(p)
-    dv = np.einsum("bhij,bihd->bjhd", p, dout)
-    dp = np.einsum("bihd,bjhd->bhij", dout, ve)
-    ds = rnd(p * (dp - delta[..., None]))
-    dq = np.einsum("bhij,bjhd->bihd", ds, ke) * work(scale)
-    dk = np.einsum("bhij,bihd->bjhd", ds, q) * work(scale)
-    b, sk, _, d = k.shape
-    group = lambda x: x.reshape(b, sk, hkv, h // hkv, d).sum(axis=3)  # noqa: E731
-    return dq, group(dk), group(dv)
-
+# tolerance
 
 def assert_fa_rule(name, got, ref, naive):
     """err(got) <= FACTOR * err(naive) + atol, all against float64; no NaN anywhere."""
@@ -141,16 +84,17 @@ def run_case(ops, dtype, d, case, seed=0):
     b, sq, sk, h, hkv, calls = CASES[case]
     q, k, v, dout = make_inputs(dtype, b, sq, sk, h, hkv, d, seed)
     scale = 1.0 / np.sqrt(d)
-    mask = block_mask(sq, sk, [blk for call in calls for blk in call])
-    lse, delta = forward_stats(q, k, v, dout, mask, scale)
+    mask = keep_from_blocks([blk for call in calls for blk in call], sq, sk)
+    lse, delta = softmax_stats_ref(q, k, v, dout, mask, scale)
     lse32, delta32 = lse.astype(np.float32), delta.astype(np.float32)
     ctx = backward_init(ops, k, v, scale)
     dq = np.zeros((b, sq, h, d), np.float32)
     for blocks in calls:
         backward_step(ops, ctx, q, dout, lse32, delta32, dq, blocks)
     dk, dv = backward_finalize(ops, ctx, np.float32)
-    ref = backward_math(q, k, v, dout, lse32, delta32, mask, scale)
-    naive = backward_math(q, k, v, dout, lse32, delta32, mask, scale, round_to=DTYPES[dtype])
+    ref = step_backward_ref(q, k, v, dout, lse32, delta32, mask, scale)
+    naive = step_backward_ref(q, k, v, dout, lse32, delta32, mask, scale, dtype=np.float32,
+                              round_to=DTYPES[dtype])
     return (dq, dk, dv), ref, naive
 
 
@@ -232,7 +176,7 @@ def test_rows_with_lse_minus_inf_contribute_nothing(mode):
     q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, seed=9)
     scale = 1.0 / np.sqrt(d)
     mask = np.ones((sq, sk), dtype=bool)
-    lse, delta = forward_stats(q, k, v, dout, mask, scale)
+    lse, delta = softmax_stats_ref(q, k, v, dout, mask, scale)
     dead = np.arange(sq) % 3 == 0
     lse[:, :, dead] = -np.inf
     lse, delta = lse.astype(np.float32), delta.astype(np.float32)
@@ -241,8 +185,9 @@ def test_rows_with_lse_minus_inf_contribute_nothing(mode):
     backward_step(ops, ctx, q, dout, lse, delta, dq, [Block(0, sq, 0, sk, 0, 0, False)])
     got = (dq, *backward_finalize(ops, ctx, np.float32))
     mask[dead] = False  # what P = 0 on those rows means
-    ref = backward_math(q, k, v, dout, lse, delta, mask, scale)
-    naive = backward_math(q, k, v, dout, lse, delta, mask, scale, round_to=np.float16)
+    ref = step_backward_ref(q, k, v, dout, lse, delta, mask, scale)
+    naive = step_backward_ref(q, k, v, dout, lse, delta, mask, scale, dtype=np.float32,
+                              round_to=np.float16)
     assert (dq[:, dead] == 0).all()
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         assert_fa_rule(f"lse -inf/{mode} {name}", g, r, n)
@@ -257,7 +202,7 @@ def test_two_calls_equal_one_call_over_the_union(mode):
     scale = 1.0 / np.sqrt(d)
     whole = [Block(0, 77, 0, 200, 150, 0, True)]
     halves = [[Block(0, 77, 0, 100, 150, 0, False)], [Block(0, 77, 100, 100, 150, 100, True)]]
-    lse, delta = forward_stats(q, k, v, dout, block_mask(sq, sk, whole), scale)
+    lse, delta = softmax_stats_ref(q, k, v, dout, keep_from_blocks(whole, sq, sk), scale)
     lse, delta = lse.astype(np.float32), delta.astype(np.float32)
 
     def run(calls):

@@ -1,10 +1,12 @@
 """kernels/flash_fwd.cu under the CPU emulator, through KernelOps(backend="emulated").
 
-Reference: float64, written here from the definition (full score matrix, explicit softmax) over
-the union of the Blocks' rectangles, never by calling burstcu. Tolerance, FlashAttention's rule:
+Reference: tests/reference.py in float64 (full score matrix, explicit softmax, never calling
+burstcu) over the union of the Blocks' rectangles (`keep_from_blocks`). Tolerance,
+FlashAttention's rule:
     |kernel - ref64| <= 2 * |naive - ref64| + atol
 where "naive" is what a plain same-dtype attention computes (inputs in fp16/bf16, scores and
-softmax in fp32, P rounded to the dtype before P @ V, output rounded to the dtype), and atol is the
+softmax in fp32, the unnormalized P = exp(s - rowmax) rounded to the dtype before P @ V as the
+kernel stores it, output rounded to the dtype), and atol is the
 dtype's rounding noise at the output's magnitude.
 """
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block
+from tests.reference import attention_ref, keep_from_blocks
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytest.importorskip("burstcu.kernels.emulate")
@@ -30,44 +33,6 @@ def ops():
     from burstcu.ops.kernel_ops import KernelOps
 
     return KernelOps(backend="emulated")
-
-
-# ------------------------------------------------------------------------------------------------
-# reference
-
-def keep_mask(blocks, sq: int, sk: int) -> np.ndarray:
-    """(Sq, Sk) bool: which (query row, key row) pairs the blocks keep."""
-    keep = np.zeros((sq, sk), dtype=bool)
-    for b in blocks:
-        i = np.arange(b.q_len)[:, None]
-        j = np.arange(b.k_len)[None, :]
-        rect = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
-        keep[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= rect
-    return keep
-
-
-def attention(q, k, v, keep, scale, compute=np.float64, p_dtype=None):
-    """(out (B,Sq,H,D), lse (B,H,Sq)) in `compute`; P rounded to `p_dtype` before P @ V if given.
-
-    Rows with no kept key: out 0, lse -inf.
-    """
-    h, hkv = q.shape[2], k.shape[2]
-    q, k, v = (x.astype(compute) for x in (q, k, v))
-    k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, k).astype(compute) * compute(scale)
-    s = np.where(keep, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m).astype(compute)
-    l = p.sum(axis=-1, keepdims=True, dtype=compute)
-    if p_dtype is not None:
-        p = p.astype(p_dtype).astype(compute)
-    o = np.einsum("bhij,bjhd->bihd", p, v).astype(compute)
-    lt = l[..., 0].transpose(0, 2, 1)[..., None]  # (B, Sq, H, 1)
-    out = np.where(lt > 0, o / np.where(lt > 0, lt, 1), 0)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
-    return out, lse
 
 
 def make(dtype, b, sq, sk, h, hkv, d, seed=0):
@@ -95,10 +60,11 @@ def check(ops, dtype, q, k, v, blocks, steps=None, scale=None):
     (kernel error, naive error) of out for reporting."""
     d = q.shape[-1]
     scale = 1 / math.sqrt(d) if scale is None else scale
-    keep = keep_mask(blocks, q.shape[1], k.shape[1])
-    ref, ref_lse = attention(q, k, v, keep, scale)
-    naive, naive_lse = attention(q, k, v, keep, scale, compute=np.float32, p_dtype=DTYPES[dtype])
-    naive = naive.astype(DTYPES[dtype]).astype(np.float64)
+    keep = keep_from_blocks(blocks, q.shape[1], k.shape[1])
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=scale, keep=keep)
+    naive, naive_lse = attention_ref(q, k, v, softmax_scale=scale, keep=keep, dtype=np.float32,
+                                     round_to=DTYPES[dtype], unnormalized_p=True)
+    naive = naive.astype(np.float64)  # already rounded to the dtype
     out, lse = run_kernel(ops, q, k, v, steps or [(k, v, blocks)], scale)
 
     assert np.isfinite(out).all(), "NaN/inf in out"
@@ -236,7 +202,8 @@ def test_scale_and_float32_out(ops):
     ops.forward_step(state, k, v, full(64, 64))
     out, lse = ops.forward_finalize(state, np.float32)
     assert out.dtype == np.float32
-    ref, ref_lse = attention(q, k, v, keep_mask(full(64, 64), 64, 64), 0.05)
+    keep = keep_from_blocks(full(64, 64), 64, 64)
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=0.05, keep=keep)
     assert np.abs(out - ref).max() < 2e-2
     assert np.abs(lse - ref_lse).max() < 1e-4
 
