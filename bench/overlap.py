@@ -411,7 +411,8 @@ def parse(argv=None):
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    p.add_argument("--layout", default=None, choices=["contiguous", "zigzag"],
+                   help="default: zigzag with --causal (balanced ranks), contiguous without")
     p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
     p.add_argument("--backend", default="numpy", choices=["numpy", "emulated", "cupy", "auto"])
     p.add_argument("--progress", default="thread", choices=["thread", "inline"],
@@ -421,7 +422,10 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.layout is None:  # causal + contiguous leaves rank 0 idle: the imbalance would read as comm
+        args.layout = "zigzag" if args.causal else "contiguous"
+    return args
 
 
 def main(argv=None) -> dict | None:

@@ -102,24 +102,44 @@ def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
     return replace(block, k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
 
 
+MIN_DIAGONAL_TILE = 128  # keys: tiles straddling the causal diagonal are halved down to this
+
+
 def _tiles(block: Block, tile_q: int, tile_k: int, keys_outer: bool = False):
-    """(q0, q1, k0, k1, masked) for the tiles of `block` that are not wholly in the future."""
+    """(q0, q1, k0, k1, masked) for the tiles of `block` that are not wholly in the future.
+
+    Under a causal block, a tile straddling the diagonal is split into quadrants (down to
+    MIN_DIAGONAL_TILE keys) so that its future half is skipped rather than computed and masked.
+    """
     qs = range(block.q_start, block.q_start + block.q_len, tile_q)
     ks = range(block.k_start, block.k_start + block.k_len, tile_k)
     pairs = ((q0, k0) for k0, q0 in product(ks, qs)) if keys_outer else product(qs, ks)
     for q0, k0 in pairs:
         q1 = min(q0 + tile_q, block.q_start + block.q_len)
         k1 = min(k0 + tile_k, block.k_start + block.k_len)
-        masked = False
-        if block.causal:
-            first_q = block.q_pos + q0 - block.q_start
-            last_q = block.q_pos + q1 - 1 - block.q_start
-            first_k = block.k_pos + k0 - block.k_start
-            last_k = block.k_pos + k1 - 1 - block.k_start
-            if last_q < first_k:
-                continue
-            masked = first_q < last_k
-        yield q0, q1, k0, k1, masked
+        yield from _causal_split(block, q0, q1, k0, k1)
+
+
+def _causal_split(block: Block, q0: int, q1: int, k0: int, k1: int):
+    if not block.causal:
+        yield q0, q1, k0, k1, False
+        return
+    first_q = block.q_pos + q0 - block.q_start
+    last_q = block.q_pos + q1 - 1 - block.q_start
+    first_k = block.k_pos + k0 - block.k_start
+    last_k = block.k_pos + k1 - 1 - block.k_start
+    if last_q < first_k:
+        return  # wholly in the future
+    if first_q >= last_k:
+        yield q0, q1, k0, k1, False
+        return
+    if k1 - k0 <= MIN_DIAGONAL_TILE or q1 - q0 < 2:
+        yield q0, q1, k0, k1, True
+        return
+    qm, km = (q0 + q1) // 2, (k0 + k1) // 2
+    for a, b in ((q0, qm), (qm, q1)):
+        for c, d in ((k0, km), (km, k1)):
+            yield from _causal_split(block, a, b, c, d)
 
 
 class _Scratch:
