@@ -12,6 +12,7 @@ API (for other bench scripts):
     write_json(path, obj)         -> strict JSON (numpy values converted, NaN -> null)
     clean(obj)                    -> the JSON-ready copy write_json writes
     blas_threads_env()            -> os.environ copy with one BLAS/OpenMP thread
+    add_problem_args(parser, ...) -> the shared --seqlen/--batch/--heads/.../--json options
 """
 
 from __future__ import annotations
@@ -195,3 +196,16 @@ def write_json(path, obj) -> None:
     with open(path, "w") as f:
         json.dump(clean(obj), f, indent=1, allow_nan=False)
         f.write("\n")
+
+
+def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
+    """The problem-shape options every per-strategy benchmark takes."""
+    p.add_argument("--seqlen", type=int, default=seqlen, help="global sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--dtype", default=dtype, choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
+    p.add_argument("--json", default=None)

@@ -98,16 +98,8 @@ def measure(group, strategy: str, inputs, causal: bool) -> dict:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
-    p.add_argument("--causal", action="store_true")
+    C.add_problem_args(p, seqlen=2048, dtype="float32")
     p.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 

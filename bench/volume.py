@@ -124,15 +124,7 @@ def rows_for(strategy: str, measured: dict, size: int, inputs) -> list:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlen", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32", "float64"])
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
-    p.add_argument("--json", default=None)
+    C.add_problem_args(p, seqlen=1024, dtype="float16")
     return p.parse_args(argv)
 
 

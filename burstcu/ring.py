@@ -66,7 +66,7 @@ class Trace:
         self.steps.append(StepTrace(*args))
 
 
-def _timed(ops: LocalOps, label: str, fn, *args) -> float:
+def timed(ops: LocalOps, label: str, fn, *args) -> float:
     """Run fn(*args) inside an annotated range; host seconds spent issuing it."""
     t0 = time.perf_counter()
     with ops.annotate(label):
@@ -74,17 +74,20 @@ def _timed(ops: LocalOps, label: str, fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def _timed_wait(ops: LocalOps, transport: Transport, label: str) -> float:
+def timed_wait(ops: LocalOps, transport: Transport, label: str) -> float:
+    """transport.wait() inside an annotated range; host seconds spent blocked."""
     t0 = time.perf_counter()
     with ops.annotate(label):
         transport.wait()
     return time.perf_counter() - t0
 
 
-def _exchange(ops: LocalOps, transport: Transport, label: str, send_buf, recv_buf) -> None:
-    """Queue and post one ring exchange: send to next, receive from prev."""
+def post_exchange(ops: LocalOps, transport: Transport, label: str, pairs) -> None:
+    """Queue one message per (send_buf, recv_buf) pair — send to next, receive from prev — and
+    post them together in one commit."""
     with ops.annotate(label):
-        transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
+        for send_buf, recv_buf in pairs:
+            transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
         transport.commit()
 
 
@@ -110,13 +113,13 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
         exchanging = s < size - 1
         if exchanging:
-            _exchange(ops, transport, f"fwd {s} send/recv kv", cur.span("k", "v"), nxt.span("k", "v"))
+            post_exchange(ops, transport, f"fwd {s} send/recv kv", [(cur.span("k", "v"), nxt.span("k", "v"))])
         source = (rank - s) % size
         blocks = step_blocks(layout, rank, source, size, seqlen, causal)
         compute_s = 0.0
         if blocks:
-            compute_s = _timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
-        wait_s = _timed_wait(ops, transport, f"fwd {s} wait") if exchanging else 0.0
+            compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
+        wait_s = timed_wait(ops, transport, f"fwd {s} wait") if exchanging else 0.0
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, wait_s)
     return ops.forward_finalize(state, q.dtype)
@@ -163,16 +166,16 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
         span = _backward_span(s, size)
         if span:
-            _exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
-                      cur.span(*span), nxt.span(*span))
+            post_exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
+                          [(cur.span(*span), nxt.span(*span))])
         source = (rank - s) % size  # the visiting queries are source's; the keys are ours
         blocks = step_blocks(layout, source, rank, size, seqlen, causal)
         ops.copy_(dq_part, 0)
         compute_s = 0.0
         if blocks:
-            compute_s = _timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
+            compute_s = timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
                                cur["dout"], cur["lse"], cur["delta"], dq_part, blocks)
-        wait_s = _timed_wait(ops, transport, f"bwd {s} wait") if span else 0.0
+        wait_s = timed_wait(ops, transport, f"bwd {s} wait") if span else 0.0
         # nxt.dq now holds the dQ of the bundle we just used (received), or garbage at s == 0
         if s == 0:
             ops.copy_(nxt["dq"], dq_part)
@@ -186,8 +189,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     if size == 1:
         ops.copy_(dq, last["dq"])
     else:
-        _exchange(ops, transport, "bwd return dq", last["dq"], dq)
-        wait_s = _timed_wait(ops, transport, "bwd return dq wait")
+        post_exchange(ops, transport, "bwd return dq", [(last["dq"], dq)])
+        wait_s = timed_wait(ops, transport, "bwd return dq wait")
         if trace is not None:
             trace.add("backward", size, rank, 0, 0.0, wait_s)
     dk, dv = ops.backward_finalize(ctx, k.dtype)

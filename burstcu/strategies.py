@@ -58,22 +58,6 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _post(ops: LocalOps, transport: Transport, label: str, pairs) -> None:
-    """Queue one ring exchange per (send_buf, recv_buf) pair — separate messages — and post them
-    together in one commit."""
-    with ops.annotate(label):
-        for send_buf, recv_buf in pairs:
-            transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
-        transport.commit()
-
-
-def _wait(ops: LocalOps, transport: Transport, label: str) -> float:
-    t0 = _now()
-    with ops.annotate(label):
-        transport.wait()
-    return _now() - t0
-
-
 def _partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc):
     """dk, dv (B, S, Hkv, D) in `acc` contributed by the visiting queries q over keys (k, v),
     and dq += their dq. Uses only the public LocalOps calls: a fresh context per block, so
@@ -110,17 +94,15 @@ class RingAttention:
             cur, nxt = s % 2, (s + 1) % 2
             exchanging = s < size - 1
             if exchanging:
-                _post(ops, transport, f"ring fwd {s} send/recv k, v",
+                ring.post_exchange(ops, transport, f"ring fwd {s} send/recv k, v",
                       [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])])
             source = (rank - s) % size
             blocks = step_blocks(layout, rank, source, size, seqlen, causal)
             compute_s = 0.0
             if blocks:
-                t0 = _now()
-                with ops.annotate(f"ring fwd {s} compute"):
-                    ops.forward_step(state, kbuf[cur], vbuf[cur], blocks)
-                compute_s = _now() - t0
-            wait_s = _wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
+                compute_s = ring.timed(ops, f"ring fwd {s} compute", ops.forward_step, state,
+                                       kbuf[cur], vbuf[cur], blocks)
+            wait_s = ring.timed_wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
             if trace is not None:
                 trace.add("forward", s, source, len(blocks), compute_s, wait_s)
         return ops.forward_finalize(state, q.dtype)
@@ -147,7 +129,7 @@ class RingAttention:
             if s >= 1:
                 pairs += [(dkbuf[cur], dkbuf[nxt]), (dvbuf[cur], dvbuf[nxt])]
             if pairs:
-                _post(ops, transport, f"ring bwd {s} send/recv", pairs)
+                ring.post_exchange(ops, transport, f"ring bwd {s} send/recv", pairs)
             source = (rank - s) % size  # the keys are source's; the queries are ours
             blocks = step_blocks(layout, rank, source, size, seqlen, causal)
             compute_s, parts = 0.0, None
@@ -157,7 +139,7 @@ class RingAttention:
                     parts = _partial_kv_grads(ops, kbuf[cur], vbuf[cur], q, dout, lse, delta, dq,
                                               blocks, softmax_scale, acc)
                 compute_s = _now() - t0
-            wait_s = _wait(ops, transport, f"ring bwd {s} wait") if pairs else 0.0
+            wait_s = ring.timed_wait(ops, transport, f"ring bwd {s} wait") if pairs else 0.0
             # nxt's dk/dv slot now holds what earlier holders accumulated for `source` (or
             # nothing at s == 0); the slot is sent on at step s+1
             self._fold(ops, dkbuf[nxt], dvbuf[nxt], parts, first=(s == 0))
@@ -184,8 +166,8 @@ class RingAttention:
             ops.copy_(dk, dk_last)
             ops.copy_(dv, dv_last)
             return dk, dv
-        _post(ops, transport, "ring bwd return dk, dv", [(dk_last, dk), (dv_last, dv)])
-        wait_s = _wait(ops, transport, "ring bwd return wait")
+        ring.post_exchange(ops, transport, "ring bwd return dk, dv", [(dk_last, dk), (dv_last, dv)])
+        wait_s = ring.timed_wait(ops, transport, "ring bwd return wait")
         if trace is not None:
             trace.add("backward", transport.size, transport.rank, 0, 0.0, wait_s)
         return dk, dv
@@ -259,10 +241,8 @@ class AllGatherAttention:
             blocks = step_blocks(layout, rank, source, size, seqlen, causal)
             compute_s = 0.0
             if blocks:
-                t0 = _now()
-                with ops.annotate(f"allgather fwd {s} compute"):
-                    ops.forward_step(state, kv[source][0], kv[source][1], blocks)
-                compute_s = _now() - t0
+                compute_s = ring.timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
+                                       kv[source][0], kv[source][1], blocks)
             if trace is not None:
                 trace.add("forward", s, source, len(blocks), compute_s, gather_s if s == 0 else 0.0)
         return ops.forward_finalize(state, q.dtype)
@@ -312,8 +292,8 @@ class AllGatherAttention:
         ops.copy_(bufs[0].flat, partial[(rank - 1) % size].flat)
         for t in range(size - 1):
             cur, nxt = bufs[t % 2], bufs[(t + 1) % 2]
-            _post(ops, transport, f"reduce-scatter {t}", [(cur.span("dk", "dv"), nxt.span("dk", "dv"))])
-            wait_s = _wait(ops, transport, f"reduce-scatter {t} wait")
+            ring.post_exchange(ops, transport, f"reduce-scatter {t}", [(cur.span("dk", "dv"), nxt.span("dk", "dv"))])
+            wait_s = ring.timed_wait(ops, transport, f"reduce-scatter {t} wait")
             t0 = _now()
             owner = (rank - t - 2) % size
             ops.add_(nxt["dk"], partial[owner]["dk"])
