@@ -17,6 +17,7 @@ whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -33,6 +34,31 @@ def _group_for(group: Group | None, q) -> Group:
         return group
     module = type(q).__module__.split(".")[0]
     return local_group("cupy" if module == "cupy" else "numpy")
+
+
+def _exporter(x):
+    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it."""
+    root = sys.modules.get(type(x).__module__.split(".")[0])
+    for owner in (root, getattr(root, "numpy", None)):
+        fn = getattr(owner, "from_dlpack", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _native(ops, *arrays):
+    """Arrays of another framework (JAX, PyTorch, ...) viewed zero-copy through DLPack as the
+    backend's own arrays, plus how to return results in the first one's framework (None: they
+    already are native). Anything else is left for validation to reject with a clear error."""
+    is_foreign = [not isinstance(x, ops.array_types) and hasattr(x, "__dlpack__") for x in arrays]
+    if not any(is_foreign):
+        return arrays, None
+    converted = tuple(ops.xp.from_dlpack(x) if f else x for x, f in zip(arrays, is_foreign))
+    return converted, _exporter(arrays[is_foreign.index(True)])
+
+
+def _returned(export, results):
+    return results if export is None else tuple(export(r) for r in results)
 
 
 def _engine(strategy: str):
@@ -72,17 +98,21 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         "ring" (K and V as separate messages, the classic Ring Attention), "allgather" (gather
         all K and V, then attend locally). All give the same result.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
-    is (B, H, S) float32 (float64 for float64 input).
+    is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
+    DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
+    are handed back in the same framework.
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
     group = _group_for(group, q)
+    (q, k, v), export = _native(group.ops, q, k, v)
     err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
                           layout=layout, strategy=strategy)
     agree(group.transport, err, meta)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _engine(strategy).forward(q, k, v, group.ops, group.transport, causal=bool(causal),
-                                         softmax_scale=scale, layout=layout, trace=group.trace)
+    out, lse = _returned(export, _engine(strategy).forward(
+        q, k, v, group.ops, group.transport, causal=bool(causal), softmax_scale=scale,
+        layout=layout, trace=group.trace))
     return (out, lse) if return_lse else out
 
 
@@ -97,15 +127,16 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
     """
     group = _group_for(group, q)
+    (dout, q, k, v, out, lse), export = _native(group.ops, dout, q, k, v, out, lse)
     err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
                           layout=layout, strategy=strategy, extra=(dout, out, lse))
     if err is None:
         err = check_backward_inputs(dout, out, lse, q, array_types=group.ops.array_types)
     agree(group.transport, err, meta)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return _engine(strategy).backward(dout, q, k, v, out, lse, group.ops, group.transport,
-                                      causal=bool(causal), softmax_scale=scale, layout=layout,
-                                      trace=group.trace)
+    return _returned(export, _engine(strategy).backward(
+        dout, q, k, v, out, lse, group.ops, group.transport, causal=bool(causal),
+        softmax_scale=scale, layout=layout, trace=group.trace))
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):

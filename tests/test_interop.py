@@ -1,0 +1,70 @@
+"""Arrays of other frameworks go in and come back out in their own framework, through DLPack
+(zero-copy on the CPU): a stand-in framework defined here, and PyTorch/JAX when installed."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import burstcu
+from tests.reference import attention_ref
+
+
+class _Tensor:
+    """A minimal framework array: holds a NumPy buffer, speaks only DLPack."""
+
+    def __init__(self, data):
+        self._data = np.asarray(data)
+
+    def __dlpack__(self, **kwargs):
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._data.__dlpack_device__()
+
+
+_Tensor.__module__ = "fakefw"
+
+
+@pytest.fixture
+def fakefw(monkeypatch):
+    module = types.ModuleType("fakefw")
+    module.Tensor = _Tensor
+    module.from_dlpack = lambda x: _Tensor(np.from_dlpack(x))
+    monkeypatch.setitem(sys.modules, "fakefw", module)
+    return module
+
+
+def test_foreign_arrays_round_trip(fakefw):
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal(s, dtype=np.float32)
+                     for s in ((1, 32, 2, 16), (1, 32, 1, 16), (1, 32, 1, 16), (1, 32, 2, 16)))
+    out, lse = burstcu.attention(_Tensor(q), _Tensor(k), _Tensor(v), causal=True, return_lse=True)
+    assert isinstance(out, _Tensor) and isinstance(lse, _Tensor)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert np.abs(np.from_dlpack(out) - ref_out).max() < 1e-5
+    grads = burstcu.attention_backward(_Tensor(dout), _Tensor(q), _Tensor(k), _Tensor(v), out, lse, causal=True)
+    assert all(isinstance(g, _Tensor) for g in grads)
+    assert np.from_dlpack(grads[1]).shape == k.shape
+
+
+def test_non_arrays_still_rejected_clearly():
+    with pytest.raises(TypeError, match="must be a numpy.ndarray"):
+        burstcu.attention([[1.0]], [[1.0]], [[1.0]])
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_real_framework(framework):
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        make = lambda a: torch.from_numpy(a)  # noqa: E731
+        kind = torch.Tensor
+    else:
+        jnp = pytest.importorskip("jax.numpy")
+        make, kind = jnp.asarray, type(pytest.importorskip("jax").numpy.zeros(1))
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 24, 2, 8), dtype=np.float32) for _ in range(3))
+    out = burstcu.attention(make(q), make(k), make(v))
+    assert isinstance(out, kind)
+    assert np.abs(np.asarray(out) - attention_ref(q, k, v)[0]).max() < 1e-5
