@@ -16,7 +16,6 @@ whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -
 
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
@@ -24,7 +23,8 @@ import numpy as np
 from . import ring
 from .group import Group, local_group
 from .layout import check_layout, shard_slices
-from .validate import agree, check_attention_inputs, check_backward_inputs, metadata
+from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, metadata,
+                       resolve_scale)
 
 STRATEGIES = ("burst", "ring", "allgather")
 
@@ -69,21 +69,40 @@ def _engine(strategy: str):
     return strategies.get(strategy)
 
 
+def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
+             strategy):
+    """Everything a rank checks alone, then one agreement round, then the same outcome on every
+    rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
+
+    Nothing before `agree` may raise — a rank failing alone would leave the others waiting in
+    the collective — so any exception from the local work becomes a deferred InputError.
+    """
+    err = meta = export = scale = None
+    try:
+        arrays, export = _native(group.ops, *arrays)
+        q, k, v = arrays[1:4] if backward else arrays
+        ops = group.ops
+        err = _check_options(strategy) or check_attention_inputs(
+            q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
+            softmax_scale=softmax_scale, headdim_rule=ops.headdim_problem)
+        if err is None and backward:
+            dout, _, _, _, out, lse = arrays
+            err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
+        if err is None:
+            scale = resolve_scale(softmax_scale, q.shape[-1])
+            meta = metadata(*arrays, causal=bool(causal), layout=layout, strategy=strategy,
+                            softmax_scale=scale)
+    except Exception as exc:  # e.g. a DLPack export that fails on this rank only
+        kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
+        err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
+    agree(group.transport, err, meta)
+    return arrays, export, scale
+
+
 def _check_options(strategy: str):
     if strategy not in STRATEGIES:
-        from .validate import InputError
         return InputError(ValueError, f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     return None
-
-
-def _validate(group: Group, q, k, v, *, causal, softmax_scale, layout, strategy, extra=()):
-    ops = group.ops
-    err = _check_options(strategy) or check_attention_inputs(
-        q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
-        softmax_scale=softmax_scale, headdim_rule=ops.headdim_problem)
-    meta = metadata(q, k, v, *extra, causal=bool(causal), layout=layout, strategy=strategy,
-                    softmax_scale=softmax_scale)
-    return err, meta
 
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
@@ -105,11 +124,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group = _group_for(group, q)
-    (q, k, v), export = _native(group.ops, q, k, v)
-    err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
-                          layout=layout, strategy=strategy)
-    agree(group.transport, err, meta)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    (q, k, v), export, scale = _checked(group, (q, k, v), backward=False, causal=causal,
+                                        softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     out, lse = _returned(export, _engine(strategy).forward(
         q, k, v, group.ops, group.transport, causal=bool(causal), softmax_scale=scale,
         layout=layout, trace=group.trace))
@@ -127,13 +143,9 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
     """
     group = _group_for(group, q)
-    (dout, q, k, v, out, lse), export = _native(group.ops, dout, q, k, v, out, lse)
-    err, meta = _validate(group, q, k, v, causal=causal, softmax_scale=softmax_scale,
-                          layout=layout, strategy=strategy, extra=(dout, out, lse))
-    if err is None:
-        err = check_backward_inputs(dout, out, lse, q, array_types=group.ops.array_types)
-    agree(group.transport, err, meta)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    (dout, q, k, v, out, lse), export, scale = _checked(
+        group, (dout, q, k, v, out, lse), backward=True, causal=causal,
+        softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     return _returned(export, _engine(strategy).backward(
         dout, q, k, v, out, lse, group.ops, group.transport, causal=bool(causal),
         softmax_scale=scale, layout=layout, trace=group.trace))
@@ -163,6 +175,9 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
     if group is None or group.size == 1:
         return _array_module(x_local).ascontiguousarray(x_local)
     xp = _array_module(x_local)
+    shapes = group.transport.allgather_object((tuple(x_local.shape), str(x_local.dtype), axis))
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; got {shapes}")
     axis = axis % x_local.ndim
     moved = xp.ascontiguousarray(xp.moveaxis(x_local, axis, 0))
     gathered = xp.empty((group.size,) + moved.shape, dtype=moved.dtype)

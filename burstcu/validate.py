@@ -9,6 +9,7 @@ reached a collective would leave them waiting forever, so nothing raises before 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -72,14 +73,27 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
         return InputError(ValueError, f"q has {h} heads, k has {hkv}: nheads must be a multiple of nheads_kv")
     if layout == "zigzag" and s % 2:
         return InputError(ValueError, f"zigzag layout needs an even local seqlen, got {s}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float, np.floating))
-                                          and math.isfinite(softmax_scale)):
+    if softmax_scale is not None and not _finite_real(softmax_scale):
         return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
     if headdim_rule is not None:
         problem = headdim_rule(d)
         if problem:
             return InputError(ValueError, problem)
     return None
+
+
+def _finite_real(x) -> bool:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except (OverflowError, ValueError):
+        return False
+
+
+def resolve_scale(softmax_scale, headdim: int) -> float:
+    """The softmax scale a call uses: the given one, or 1/sqrt(headdim)."""
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
 def check_backward_inputs(dout, out, lse, q, *, array_types: tuple) -> InputError | None:

@@ -75,7 +75,7 @@ def _softmax(q, k, causal, scale, dtype, keep=None):
     m = np.where(np.isfinite(m), m, dtype(0))
     p = np.exp(s - m).astype(dtype)
     l = p.sum(axis=-1, keepdims=True, dtype=dtype)
-    seen = l > 0
+    seen = l != 0  # a NaN row is "seen": its lse is NaN, not -inf
     with np.errstate(divide="ignore"):
         lse = np.where(seen[..., 0], m[..., 0] + np.log(np.where(seen, l, 1)[..., 0]), -np.inf)
     return p, l, lse.astype(dtype)
@@ -84,7 +84,7 @@ def _softmax(q, k, causal, scale, dtype, keep=None):
 def _probs(q, k, causal, scale, dtype, keep=None):
     """Softmax probabilities (B, H, Nq, Nk) and lse (B, H, Nq); fully masked rows give 0, -inf."""
     p, l, lse = _softmax(q, k, causal, scale, dtype, keep)
-    seen = l > 0
+    seen = l != 0
     return np.where(seen, p / np.where(seen, l, 1), 0).astype(dtype), lse
 
 

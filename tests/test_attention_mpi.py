@@ -62,3 +62,8 @@ def test_emulated_kernels_on_the_ring(world, dtype):
              dict(b=2, h=2, hkv=2, d=80, causal=False, layout="contiguous")]
     run_mpi(world, "attention_matches_reference", backend="emulated", dtype=dtype, cases=cases,
             seqlen_local=48, timeout=600)
+
+
+def test_unshard_rejects_mismatched_shapes():
+    for rank, result in enumerate(run_mpi(3, "unshard_rejects_mismatched_shapes")):
+        assert result["error"] and "same shape" in result["error"], (rank, result)

@@ -16,11 +16,16 @@ from tests.reference import attention_backward_ref, attention_ref, within_fa_rul
 def test_nan_in_one_query_row_stays_in_that_row():
     q, k, v, _ = make_inputs(1, 1, 64, 2, 2, 16, "float32")
     q[0, 10, 1, 3] = np.nan
-    out = burstcu.attention(q, k, v)
+    out, lse = burstcu.attention(q, k, v, return_lse=True)
     assert np.isnan(out[0, 10, 1]).all()
     finite = np.ones(out.shape[:3], bool)
     finite[0, 10, 1] = False
     assert np.isfinite(out[finite]).all()
+    # its lse is NaN as well: -inf is reserved for rows that saw no key
+    assert np.isnan(lse[0, 1, 10])
+    lse_finite = np.ones(lse.shape, bool)
+    lse_finite[0, 1, 10] = False
+    assert np.isfinite(lse[lse_finite]).all()
 
 
 def test_fully_masked_rows_give_zero_not_nan():

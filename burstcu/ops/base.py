@@ -95,11 +95,15 @@ class LocalOps(ABC):
 
     def double_buffer(self, fields: Sequence[tuple[str, tuple, Any]]) -> tuple[Message, Message]:
         """The ring's two message buffers for `fields`, allocated once per layout and reused by
-        later calls (the last BUFFER_LAYOUTS_KEPT layouts are kept), so neither a call nor a
-        step allocates them. Safe because every exchange is waited on before a call returns,
-        and on a GPU that wait orders the communication stream before later compute-stream work.
+        later calls, so neither a call nor a step allocates them. The last BUFFER_LAYOUTS_KEPT
+        layouts stay allocated between calls (2 messages each); `release_buffers()` frees them.
+        Safe because every exchange is waited on before a call returns, and on a GPU that wait
+        orders the communication stream before later work on the same compute stream; buffers
+        are kept per compute stream (`stream_key`), since a call on another stream is not
+        ordered after the last kernels that read them.
         """
-        key = tuple((name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
+        key = (self.stream_key(),) + tuple(
+            (name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
         cache = self.__dict__.setdefault("_double_buffers", OrderedDict())
         pair = cache.pop(key, None)
         if pair is None:
@@ -108,6 +112,14 @@ class LocalOps(ABC):
         while len(cache) > self.BUFFER_LAYOUTS_KEPT:
             cache.popitem(last=False)
         return pair
+
+    def release_buffers(self) -> None:
+        """Free the message buffers kept for reuse by `double_buffer`."""
+        self.__dict__.pop("_double_buffers", None)
+
+    def stream_key(self) -> Any:
+        """Identifies the stream this op's work is ordered on (None on the CPU)."""
+        return None
 
     def zeros(self, shape, dtype):
         return self.xp.zeros(shape, dtype=dtype)

@@ -109,6 +109,12 @@ class KernelOps(LocalOps):
             return f"head dim {headdim} is not supported by the CUDA kernels: 1..{_MAX_HEADDIM}"
         return None
 
+    def stream_key(self):
+        """The current CuPy stream (kernels and buffer copies are issued on it)."""
+        if self.backend != "cupy":
+            return None
+        return self.xp.cuda.get_current_stream().ptr
+
     def annotate(self, label: str):
         """An NVTX range on a GPU (visible in Nsight Systems); nothing under emulation."""
         if self.backend != "cupy":

@@ -289,7 +289,7 @@ class NumpyOps(LocalOps):
         if st.q is None:
             raise RuntimeError("forward_finalize before any forward_step")
         l = st.acc[..., -1]
-        seen = l > 0
+        seen = l != 0  # NaN rows count as seen, so their lse is NaN too, not "no key" (-inf)
         l_safe = np.where(seen, l, 1)
         out = st.acc[..., :-1] / l_safe[..., None]
         lse = np.where(seen, st.m + np.log(l_safe), -np.inf)

@@ -153,7 +153,21 @@ BAD_INPUTS = {
     "ranks_disagree_dtype": ("last", "ValueError", "ranks disagree"),
     "ranks_disagree_causal": ("last", "ValueError", "ranks disagree"),
     "lse_shape": ("all", "ValueError", "lse must have shape"),
+    # local work that raises on one rank only must still reach the agreement round
+    "one_rank_overflowing_scale": ("last", "ValueError", "softmax_scale must be a finite number"),
+    "one_rank_broken_dlpack": ("last", "TypeError", "cannot take these inputs"),
+    "scale_given_vs_default_agree": ("none", None, None),
 }
+
+
+class _BrokenDLPack:
+    """An array-like whose DLPack export fails (a framework error on one rank)."""
+
+    def __dlpack__(self, **kwargs):
+        raise RuntimeError("device lost")
+
+    def __dlpack_device__(self):
+        return (1, 0)
 
 
 def every_bad_input_raises_everywhere():
@@ -169,7 +183,7 @@ def bad_input_raises_everywhere(kind: str):
     who, err_type, text = BAD_INPUTS[kind]
     bad_here = who == "all" or (who == "last" and rank == size - 1)
     q, k, v, dout = make_inputs(7, 1, 8, 2, 1, 16, "float32")
-    causal, layout, backward = False, "contiguous", False
+    causal, layout, backward, scale = False, "contiguous", False, None
     if bad_here or kind.startswith("ranks_disagree"):
         if kind in ("ndim", "one_rank_wrong_ndim"):
             q = q[0]
@@ -198,17 +212,23 @@ def bad_input_raises_everywhere(kind: str):
             causal = True
         elif kind == "lse_shape":
             backward = True
+        elif kind == "one_rank_overflowing_scale":
+            scale = 10**400
+        elif kind == "one_rank_broken_dlpack":
+            q = _BrokenDLPack()
+    if kind == "scale_given_vs_default_agree" and rank == size - 1:
+        scale = 0.25  # = 1/sqrt(16), what the other ranks get by default: the same call
     try:
         if backward:
             out, lse = burstcu.attention(q, k, v, group, return_lse=True)
             burstcu.attention_backward(dout, q, k, v, out, lse[:, :1], group)
         else:
-            burstcu.attention(q, k, v, group, causal=causal, layout=layout)
+            burstcu.attention(q, k, v, group, causal=causal, layout=layout, softmax_scale=scale)
     except (ValueError, TypeError) as exc:
         raised = (type(exc).__name__, str(exc))
     else:
         raised = None
-    if size == 1 and kind.startswith("ranks_disagree"):
+    if who == "none" or (size == 1 and kind.startswith("ranks_disagree")):
         assert raised is None, raised  # one rank always agrees with itself
     else:
         assert raised is not None, f"{kind}: rank {rank} raised nothing"
@@ -232,3 +252,17 @@ def shard_roundtrip(layout="zigzag"):
     assert np.array_equal(back, x)
     group.close()
     return {"rows": my_rows(layout, group.rank, group.size, n).tolist()}
+
+
+def unshard_rejects_mismatched_shapes():
+    """Ranks passing different local shapes to unshard get a ValueError on every rank."""
+    group = burstcu.init(backend="numpy")
+    local = np.zeros((1, 4 + group.rank, 3), np.float32)
+    try:
+        burstcu.unshard(local, group)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = None
+    group.close()
+    return {"error": message}
