@@ -84,7 +84,7 @@ def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_sca
         ops = group.ops
         err = _check_options(strategy) or check_attention_inputs(
             q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
-            softmax_scale=softmax_scale, headdim_rule=ops.headdim_problem)
+            softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
         if err is None and backward:
             dout, _, _, _, out, lse = arrays
             err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)

@@ -64,7 +64,8 @@ def parse(argv=None):
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float64", "float16", "bfloat16"],
+                   help="default: float32 on the NumPy backend, float16 on the CUDA-kernel backends")
     p.add_argument("--backend", default="auto", choices=["auto", "numpy", "emulated", "cupy"])
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference")
     return p.parse_args(argv)
@@ -75,14 +76,17 @@ def main(argv=None) -> int:
     group = burstcu.init(backend=args.backend)
     rank, size = group.rank, group.size
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+    if args.dtype is None:  # the kernels take half precision; NumPy computes any float
+        args.dtype = "float32" if "float32" in group.ops.dtypes else "float16"
     dtype = np.dtype(args.dtype)
+    xp = group.ops.xp
     hkv = args.kv_heads or args.heads
     rng = np.random.default_rng(0)
     shape_q = (args.batch, args.seqlen, args.heads, args.headdim)
     shape_kv = (args.batch, args.seqlen, hkv, args.headdim)
     q, dout = (rng.standard_normal(shape_q).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal(shape_kv).astype(dtype) for _ in range(2))
-    ql, kl, vl, dol = (burstcu.shard(x, group, args.layout) for x in (q, k, v, dout))
+    ql, kl, vl, dol = (xp.asarray(burstcu.shard(x, group, args.layout)) for x in (q, k, v, dout))
 
     group.barrier()
     group.stats.reset()
@@ -108,6 +112,7 @@ def main(argv=None) -> int:
         ref_dk = _allreduce(group, ref_dk_part)[:, rows]
         ref_dv = _allreduce(group, ref_dv_part)[:, rows]
         for name, got, ref in (("out", out, ref_out), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+            got = got.get() if hasattr(got, "get") else got  # CuPy -> NumPy
             row[f"err_{name}"] = float(np.abs(got.astype(np.float64) - ref).max())
     rows_all = group.transport.allgather_object(row)
     if rank == 0:

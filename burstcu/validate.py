@@ -45,7 +45,7 @@ def _check_array(name: str, x: Any, ndim: int, array_types: tuple) -> InputError
 
 
 def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout: str,
-                           softmax_scale, headdim_rule=None) -> InputError | None:
+                           softmax_scale, op_rule=None) -> InputError | None:
     """Local checks of q (B,S,H,D), k, v (B,S,Hkv,D). Returns the first problem, or None."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         err = _check_array(name, x, 4, array_types)
@@ -75,8 +75,8 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
         return InputError(ValueError, f"zigzag layout needs an even local seqlen, got {s}")
     if softmax_scale is not None and not _finite_real(softmax_scale):
         return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    if headdim_rule is not None:
-        problem = headdim_rule(d)
+    if op_rule is not None:  # what this backend's local op cannot take (head dim, sizes)
+        problem = op_rule(q, k)
         if problem:
             return InputError(ValueError, problem)
     return None

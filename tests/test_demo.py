@@ -28,3 +28,19 @@ def test_demo_reports_every_rank(world):
         errors = [float(x) for x in r[1:5]]
         assert max(errors) < 1e-4, r           # float32 against float64
         assert int(r[7].replace(",", "")) == fwd_formula
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+def test_demo_on_the_kernel_backend():
+    """The same job on the CUDA kernels (CPU emulator): float16 by default, errors of fp16."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "burstcu.demo", "--seqlen", "128",
+           "--heads", "2", "--headdim", "32", "--causal", "--backend", "emulated"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "float16" in proc.stdout
+    lines = proc.stdout.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.split()[:1] == ["rank"])
+    for row in (l.split() for l in lines[header + 1:header + 3]):
+        assert max(float(x) for x in row[1:5]) < 1e-2, row

@@ -83,8 +83,14 @@ class LocalOps(ABC):
     array_types: tuple = (np.ndarray,)           # what the public API accepts with this op
     dtypes: tuple = ("float16", "bfloat16", "float32", "float64")
 
-    def headdim_problem(self, headdim: int) -> str | None:
-        """Why this op cannot run `headdim` (a message for the user), or None when it can."""
+    def input_problem(self, q, k, backward: bool = False) -> str | None:
+        """Why this op cannot take q (B,S,H,D), k (B,S,Hkv,D) in the forward (or backward)
+        pass — a message for the user — or None. Checked on every rank before any exchange."""
+        return self.headdim_problem(q.shape[-1], backward)
+
+    def headdim_problem(self, headdim: int, backward: bool = False) -> str | None:
+        """Why this op cannot run `headdim` in the forward (or backward) pass — a message for
+        the user — or None when it can."""
         return None
 
     # -- memory ------------------------------------------------------------------------------------

@@ -95,18 +95,42 @@ class KernelOps(LocalOps):
 
             self.xp = cupy
             self.arch = arch or _device_table_arch()
+            self.smem_limit = _device_smem_limit()
         else:
             self.xp = np
             self.arch = arch or "sm_80"
+            self.smem_limit = None
         self.array_types = (self.xp.ndarray,)
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._functions: dict[str, Any] = {}
 
     dtypes = _KERNEL_DTYPES
 
-    def headdim_problem(self, headdim: int) -> str | None:
+    def input_problem(self, q, k, backward: bool = False) -> str | None:
+        problem = self.headdim_problem(q.shape[-1], backward)
+        if problem or not backward:
+            return problem
+        b, s, h, d = q.shape
+        padded = b * s * h * self.variant("bwd_dkdv", "float16", d).headdim
+        if padded >= 2**31:  # the backward kernels take 32-bit element strides
+            return (f"q has {padded} elements (head dim padded): the backward kernels index with "
+                    f"32-bit strides, so B*S*H*D must stay below 2**31; split the batch")
+        return None
+
+    def headdim_problem(self, headdim: int, backward: bool = False) -> str | None:
         if not 0 < headdim <= _MAX_HEADDIM:
             return f"head dim {headdim} is not supported by the CUDA kernels: 1..{_MAX_HEADDIM}"
+        if self.smem_limit is None:
+            return None
+        # tile tables exist for sm_80 and sm_90; sm_86/89/120 allow less shared memory per block
+        families = ("forward",)
+        if backward:
+            families = ("bwd_dkdv_nodq", "bwd_dq") if self.deterministic else ("bwd_dkdv",)
+        for family in families:
+            need = self.variant(family, "float16", headdim).launch.smem_bytes
+            if need > self.smem_limit:
+                return (f"head dim {headdim}: the {family} kernel needs {need} bytes of shared "
+                        f"memory per block; this GPU allows {self.smem_limit}")
         return None
 
     def stream_key(self):
@@ -306,3 +330,10 @@ def _device_table_arch() -> str:
         raise RuntimeError(f"the burstcu kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                            f"this device is {cc // 10}.{cc % 10}")
     return "sm_90" if cc >= 90 else "sm_80"
+
+
+def _device_smem_limit() -> int:
+    """Shared memory one block may opt in to on the current CuPy device (bytes)."""
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])

@@ -354,7 +354,24 @@ def _local_problem(comm: Any) -> tuple[int, str | None]:
         device_id = select_device(local_rank, local_size, n, bound=os.environ.get(BOUND_ENV) == "1")
     except ValueError as exc:
         return -1, str(exc)
-    return device_id, _nccl_problem()
+    return device_id, _arch_problem(device_id) or _nccl_problem()
+
+
+MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.m16n8k16 need sm_80
+
+
+def _arch_problem(device_id: int) -> str | None:
+    """Why the kernels cannot run on this device (older than sm_80), or None. Checked before
+    the agreement round, so every rank falls back (backend="auto") or fails together."""
+    try:
+        import cupy
+        cc = int(cupy.cuda.Device(device_id).compute_capability)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised, before the agreement
+        return f"cannot query GPU {device_id}: {exc}"
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return (f"GPU {device_id} has compute capability {cc // 10}.{cc % 10}; the burstcu kernels "
+                f"need 8.0 or newer (cp.async, bf16 tensor cores)")
+    return None
 
 
 def agree_or_raise(comm: Any, problem: str | None) -> None:

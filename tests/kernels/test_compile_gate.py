@@ -108,3 +108,30 @@ def test_gate_failure_reasons():
     assert "registers" in gate_failure({**ok, "registers": 256})
     assert "smem" in gate_failure({**ok, "smem_bytes": 200 * 1024})
     assert gate_failure({**ok, "arch": "sm_90", "smem_bytes": 200 * 1024}) is None
+
+
+def test_kernels_too_big_for_a_gpu_are_refused_up_front():
+    """GPUs with less opt-in shared memory than the sm_80/sm_90 tables assume (sm_86/89/120:
+    99 KB) get a clear error at validation, per pass, instead of a failed launch mid-ring."""
+    from burstcu.ops.kernel_ops import KernelOps
+
+    ops = KernelOps("emulated")
+    ops.smem_limit = 101376  # e.g. RTX 4090, L40S
+    assert ops.headdim_problem(64) is None and ops.headdim_problem(64, backward=True) is None
+    assert ops.headdim_problem(256) is None                       # the forward fits
+    assert "shared memory" in ops.headdim_problem(256, backward=True)
+    ops.deterministic = True
+    assert "bwd_dq" in ops.headdim_problem(128, backward=True)
+
+
+def test_backward_sizes_beyond_32bit_strides_are_refused_up_front():
+    import numpy as np
+
+    from burstcu.ops.kernel_ops import KernelOps
+
+    ops = KernelOps("emulated")
+    small = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (1, 1024, 8, 64), (0, 0, 0, 0))
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (2, 2**20, 16, 64), (0, 0, 0, 0))
+    assert ops.input_problem(small, small, backward=True) is None
+    assert ops.input_problem(huge, huge) is None                  # the forward takes 64-bit strides
+    assert "32-bit strides" in ops.input_problem(huge, huge, backward=True)

@@ -64,8 +64,10 @@ def one_rank_problem_raises_everywhere():
 
 
 def _pretend_devices(count: int, why: str | None = None) -> None:
-    """Make this rank's bootstrap see `count` GPUs (the check runs before any GPU call)."""
+    """Make this rank's bootstrap see `count` GPUs of compute capability 9.0 (the checks run
+    before any GPU call)."""
     bn.device_count = lambda: (count, why)
+    bn._arch_problem = lambda device_id: None
 
 
 def too_many_ranks_per_gpu():

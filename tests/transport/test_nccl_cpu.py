@@ -166,3 +166,18 @@ def test_more_ranks_than_gpus_fails_on_every_rank(world):
 def test_one_rank_without_gpu_stops_every_rank():
     results = run_mpi(3, "nccl_bodies:last_rank_without_gpu", timeout=60)
     assert len({r["message"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("cc, problem", [("75", "compute capability 7.5"), ("80", None), ("90", None)])
+def test_gpus_older_than_sm80_are_a_problem_reported_before_agreement(monkeypatch, cc, problem):
+    """A T4/V100 stops the cupy backend on every rank (and 'auto' falls back), not mid-init."""
+    cupy = pytest.importorskip("cupy")
+    from burstcu.transport import nccl
+
+    class FakeDevice:
+        def __init__(self, device_id):
+            self.compute_capability = cc
+
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    got = nccl._arch_problem(0)
+    assert (got is None) if problem is None else (problem in got), got
