@@ -166,8 +166,14 @@ class TimedOps(LocalOps):
         self._run(self.inner.backward_step, ctx, q, dout, lse, delta, dq, blocks if self.compute else [])
 
     # plain delegation
-    def headdim_problem(self, headdim):
-        return self.inner.headdim_problem(headdim)
+    def input_problem(self, q, k, backward=False):
+        return self.inner.input_problem(q, k, backward)
+
+    def headdim_problem(self, headdim, backward=False):
+        return self.inner.headdim_problem(headdim, backward)
+
+    def stream_key(self):
+        return self.inner.stream_key()
 
     def message(self, fields):
         return self.inner.message(fields)
