@@ -1,17 +1,19 @@
 """Registers, shared memory and the theoretical occupancy they allow, per kernel variant.
 
-    python bench/ptxas_report.py [--arch sm_80,sm_90] [--family forward,...]
+    python bench/ptxas_report.py [--arch sm_80,sm_86,sm_90] [--family forward,...]
                                  [--from-json gate.json] [--json OUT] [--md OUT]
 
 Runs the compile gate (NVRTC + ptxas -v, no GPU needed) or reads a gate JSON written by
 ``python -m burstcu.kernels check --json``, and reports for each variant the blocks per SM and the
-occupancy (resident warps / 64) that its registers, shared memory and block size allow on an
-A100 (sm_80) and an H100 (sm_90). These numbers are COMPUTED FROM THE PTXAS REPORT with the CUDA
+occupancy (resident warps / the SM's maximum) that its registers, shared memory and block size
+allow on an A100 (sm_80), an RTX 3090/4090 or L40S (the "sm_86" table: cc 8.6/8.9, also used for
+cc 12.x) and an H100 (sm_90). These numbers are COMPUTED FROM THE PTXAS REPORT with the CUDA
 occupancy rules; they are not measured, and occupancy is not throughput.
 
-Rules (CUDA programming guide, compute capability 8.0 / 9.0): 64K 32-bit registers per SM,
-allocated per warp in units of 256; shared memory per SM 164 KB (sm_80) / 228 KB (sm_90) with 1 KB
-reserved per resident block; at most 2048 threads (64 warps) and 32 blocks per SM.
+Rules (CUDA programming guide, compute capability 8.0 / 8.6 / 9.0): 64K 32-bit registers per SM,
+allocated per warp in units of 256; shared memory per SM 164 KB (sm_80) / 100 KB (sm_86) / 228 KB
+(sm_90) with 1 KB reserved per resident block; at most 2048 threads (64 warps) and 32 blocks per
+SM on sm_80/sm_90, 1536 threads (48 warps) and 16 blocks on sm_86 (cc 8.9: 24 blocks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from burstcu.kernels.compile import ARCH_LIMITS  # noqa: E402
 
 REG_ALLOC_UNIT = 256        # registers per warp are allocated in multiples of this
 SMEM_RESERVED_PER_BLOCK = 1024
-WARPS_PER_SM = 64
 
 
 def occupancy(record: dict, arch: str | None = None) -> dict:
@@ -48,7 +49,7 @@ def occupancy(record: dict, arch: str | None = None) -> dict:
     blocks = min(by.values())
     limiter = min(by, key=lambda k: by[k])
     return {"blocks_per_sm": blocks, "limited_by": limiter, "warps_per_sm": blocks * warps,
-            "occupancy": blocks * warps / WARPS_PER_SM, "by_resource": by}
+            "occupancy": blocks * warps / (lim["threads_per_sm"] // 32), "by_resource": by}
 
 
 def gate_records(archs: list[str], families: list[str] | None, from_json: str | None) -> list[dict]:
@@ -84,7 +85,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="sm_80,sm_90")
+    parser.add_argument("--arch", default="sm_80,sm_86,sm_90")
     parser.add_argument("--family", default="", help="only these families (comma-separated)")
     parser.add_argument("--from-json", help="a gate JSON to read instead of compiling")
     parser.add_argument("--json", dest="json_out", default="bench/out/ptxas_report.json")

@@ -54,6 +54,23 @@
 // for D <= 128; D = 256: BN = 64, 8 warps (WARPS_D = 2), 141 KB on both. The dq kernel holds
 // dQ (D/WARPS_D) + S and dP (BN each): BM = 64 (4 warps), BN = 64 for D = 32, 64, 128; BN = 32
 // for D = 256 and for D = 96 (ptxas spilled 20 B at BN = 64 there).
+// The "sm_86" table is for GPUs with 99 KB (101376 B) opt-in smem a block (cc 8.6, 8.7, 8.9,
+// 12.x: RTX 3090/4090/5090, A10, A40, L4, L40S). It keeps the sm_80 tiles where they fit and
+// shrinks the three that do not (smem from bwd_variants.py, registers from the gate, NVRTC 13.0,
+// same for fp16 and bf16):
+//     kernel      D    sm_80 (BM, BN, WARPS_D)       sm_86 (BM, BN, WARPS_D)
+//     dkdv, DQ    256  32 x 64 x 2, 140800 B        16 x 48 x 2, 87040 B, 192 thr, 229 regs
+//     dkdv, !DQ   256  32 x 64 x 2, 135680 B        16 x 48 x 2, 84736 B, 192 thr, 222 regs
+//     dq          128  64 x 64 x 1, 104448 B        64 x 32 x 1, 69632 B, 128 thr, 159 regs
+//     dq          256  64 x 32 x 1, 135168 B        64 x 16 x 1, 101376 B, 128 thr, 225 regs
+// dkdv D = 256 cannot keep BM = 32: two stages of Q and dO alone are 4 x 32 x 264 x 2 = 67584 B,
+// and with K, V at BN = 32 it is 101888 B even without dS. BM = 16 halves that; BN = 48 (6
+// warps) rather than 32 re-reads Q/dO once per 48 keys instead of 32 (BN must be a multiple of
+// 16, not a power of two). dq keeps BM = 64 (K/V streamed once per 64 queries) and halves BN;
+// at D = 256 that uses the whole 101376 B (no static smem), and WARPS_D = 2 was not taken: it
+// would recompute S and dP twice (1.7x the mma work) for 8 warps instead of 4. Everything there
+// runs one CTA a SM (100 KB a SM), D <= 128 dkdv included (75 KB); no GPU measured any of it.
+// The table only picks tile sizes: each instantiation is compiled for the device's own arch.
 // Shared-memory rows are padded by 8 elements (16 B) so the eight row addresses of an ldmatrix
 // fall in different banks (rows of 128 or 256 B would otherwise all hit the same four banks).
 //
@@ -67,7 +84,7 @@
 // pair, ~270 MB) as L2 reductions. No GPU was available while writing this: estimates only.
 //
 // Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
-//   python -m burstcu.kernels check --arch sm_80,sm_90
+//   python -m burstcu.kernels check --arch sm_80,sm_86,sm_90
 //       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq
 // compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
 // (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.

@@ -55,6 +55,11 @@ Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gat
     96   4 warps,  64 x 32, 39 KB, 159 regs         4 warps, 64 x 64, 65 KB, 168 regs
     128  4 warps,  64 x 32, 51 KB, 168 regs         same
     256  4 warps,  64 x 32, 99 KB, 242 regs         same
+The "sm_86" table (GPUs with 99 KB = 101376 B opt-in smem a block and 100 KB a SM: cc 8.6, 8.7,
+8.9 and 12.x, e.g. RTX 3090/4090/5090, A10, A40, L4, L40S) takes the sm_80 tiles unchanged: the
+largest, d = 256, needs exactly 101376 B (one block a SM); d = 128 (51 KB) keeps one block a SM
+there too (two would need 2 x 52 KB + 2 KB reserved > 100 KB). The table only picks tile sizes;
+at run time the kernel is compiled for the device's own arch (sm_86, sm_89, sm_120, ...).
 Registers, not smem, bind first: 8-16 warps per SM (d <= 128), which is the regime
 FA2 itself runs in (few warps, much ILP per warp). Capping registers with a min-blocks launch
 bound (3 or 4 blocks) made ptxas spill, which the gate forbids. sm_90 gets 64-key tiles at d = 96,
@@ -73,7 +78,7 @@ kernel would move more (it reads a partial output and the state and writes the s
 is FA2-level throughput per step; it is a goal, not a figure: UNTESTED on any GPU.
 
 BUILD
-    NVRTC (gate): python -m burstcu.kernels check --arch sm_80,sm_90 --json gate.json
+    NVRTC (gate): python -m burstcu.kernels check --arch sm_80,sm_86,sm_90 --json gate.json
         options: -std=c++17 --gpu-architecture=sm_XX -default-device --use_fast_math
                  -I kernels/ -I <nvidia cu13 include> -Xptxas=-v
     at run time: burstcu.ops.kernel_ops.KernelOps("cupy") (same NVRTC path, CUBIN cached on disk)

@@ -1,6 +1,6 @@
 """Command line of the kernel package.
 
-    python -m burstcu.kernels check [--arch sm_80,sm_90] [--json FILE] [--family forward,...]
+    python -m burstcu.kernels check [--arch sm_80,sm_86,sm_90] [--json FILE] [--family forward,...]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families) with NVRTC and the ptxas report, prints one table row per variant and writes
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m burstcu.kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="compile every kernel variant and check its resources")
-    check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_90")
+    check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90")
     check.add_argument("--family", default="", help="only these families (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
     args = parser.parse_args(argv)

@@ -12,7 +12,8 @@ Families (every one compiled for float16 and bfloat16):
 Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
 zero padding (done by the caller). The tile table and the reasoning behind it are in the opening
 comment of flash_bwd.cu: registers bind first (dK + dV take D/WARPS_D registers a thread, S and dP
-take BM), then shared memory (164 KB a SM on sm_80, 227 KB on sm_90) bounds BN.
+take BM), then shared memory (163 KB a block on sm_80, 227 KB on sm_90, 99 KB on the "sm_86"
+table: cc 8.6/8.7/8.9/12.x) bounds BN.
 """
 
 from __future__ import annotations
@@ -28,11 +29,25 @@ DELTA_ROWS_PER_BLOCK = DELTA_THREADS // 32
 _DKDV_TILES = {
     "sm_80": {32: (64, 64, 1), 64: (64, 64, 1), 96: (32, 64, 1), 128: (32, 64, 1),
               256: (32, 64, 2)},
+    # 99 KB a block: sm_80's tiles up to d = 128 (75 KB at most); d = 256 takes 16 query rows a
+    # Q tile and 48 keys (6 warps): 87040 B with dS, 84736 B without (BM = 32 does not fit: the
+    # two Q/dO stages alone are 67 KB; BN = 48 reads Q/dO a third less often than BN = 32).
+    "sm_86": {32: (64, 64, 1), 64: (64, 64, 1), 96: (32, 64, 1), 128: (32, 64, 1),
+              256: (16, 48, 2)},
     "sm_90": {32: (64, 128, 1), 64: (64, 128, 1), 96: (32, 128, 1), 128: (32, 128, 1),
               256: (32, 64, 2)},
 }
-# (BM, BN, WARPS_D) of the deterministic dQ kernel (same on both archs: registers bind, not smem).
-_DQ_TILES = {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 64, 1), 256: (64, 32, 1)}
+# (BM, BN, WARPS_D) of the deterministic dQ kernel. sm_80 and sm_90 share one table (registers
+# bind, not smem); the 99 KB table halves BN at d = 128 (104448 -> 69632 B) and at d = 256
+# (135168 -> 101376 B, exactly the budget; BM stays 64 so K/V are streamed once per 64 queries).
+_DQ_TILES_BIG = {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 64, 1),
+                 256: (64, 32, 1)}
+_DQ_TILES = {
+    "sm_80": _DQ_TILES_BIG,
+    "sm_86": {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 32, 1),
+              256: (64, 16, 1)},
+    "sm_90": _DQ_TILES_BIG,
+}
 
 _PAD = 8  # elements of padding per shared-memory row (bank-conflict-free ldmatrix)
 
@@ -63,8 +78,8 @@ def _dkdv(arch: str, dtype: str, d: int, with_dq: bool) -> KernelVariant:
     )
 
 
-def _dq(dtype: str, d: int) -> KernelVariant:
-    bm, bn, wd = _DQ_TILES[d]
+def _dq(arch: str, dtype: str, d: int) -> KernelVariant:
+    bm, bn, wd = _DQ_TILES[arch][d]
     return KernelVariant(
         family="bwd_dq",
         source=SOURCE,
@@ -85,12 +100,12 @@ def delta_variant(dtype: str) -> KernelVariant:
 
 
 def backward_variants(arch: str) -> list[KernelVariant]:
-    """Every backward instantiation for `arch` ("sm_80" or "sm_90")."""
+    """Every backward instantiation for the tile table `arch` (one of ARCHS)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     out: list[KernelVariant] = []
     for dtype in DTYPES:
         out.append(delta_variant(dtype))
         for d in NATIVE_HEADDIMS:
-            out += [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(dtype, d)]
+            out += [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(arch, dtype, d)]
     return out

@@ -2,9 +2,11 @@
 
 Two users, one function (`nvrtc_compile`), the same options:
 
-* the compile gate (`python -m burstcu.kernels check`) compiles every variant for sm_80 / sm_90
-  with ``-Xptxas=-v`` and reads the ptxas resource report (`parse_ptxas`); this needs no GPU;
-* at run time on a GPU, `get_function` compiles the variant for the device's arch, keeps the
+* the compile gate (`python -m burstcu.kernels check`) compiles every variant of each tile
+  table for the arch it is named after (sm_80, sm_86, sm_90) with ``-Xptxas=-v`` and reads the
+  ptxas resource report (`parse_ptxas`); this needs no GPU;
+* at run time on a GPU, `get_function` compiles the variant for the device's own arch (not the
+  tile table's name: an sm_120 device running the "sm_86" table gets an sm_120 CUBIN), keeps the
   CUBIN and its lowered (mangled) kernel name in an on-disk cache shared by all ranks (a
   `filelock` per entry, so the first rank compiles and the others wait and load), loads it with
   ``cupy.RawModule(path=...)`` and memoizes the module per (source hash, options, arch, device).
@@ -310,6 +312,10 @@ ARCH_LIMITS = {
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "A100"},
     "sm_90": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": 227 * 1024,
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "H100"},
+    # The "sm_86" table serves cc 8.6/8.7/8.9/12.x; the limits are sm_86's (cc 8.9 allows 24
+    # blocks an SM, 12.0 32: a block-count bound never binds for these kernels).
+    "sm_86": {"regs_per_sm": 65536, "smem_per_sm": 100 * 1024, "smem_per_block": 99 * 1024,
+              "threads_per_sm": 1536, "blocks_per_sm": 16, "gpu": "RTX 3090/4090, L40S"},
 }
 MAX_REGISTERS = 255
 

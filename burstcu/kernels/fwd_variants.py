@@ -20,6 +20,9 @@ FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
 # (arch, head dim) -> (NWARPS, BLOCK_N); BLOCK_M = 16 * NWARPS (each warp owns 16 query rows).
 _TILES = {
     "sm_80": {32: (8, 64), 64: (8, 64), 96: (4, 32), 128: (4, 32), 256: (4, 32)},
+    # 99 KB a block (sm_86/87/89/12x): the sm_80 tiles fit as they are; d = 256 needs exactly
+    # (64 + 4*32) * 264 * 2 = 101376 B, the whole opt-in budget (no static smem).
+    "sm_86": {32: (8, 64), 64: (8, 64), 96: (4, 32), 128: (4, 32), 256: (4, 32)},
     # sm_90's extra 64 KB of smem per SM lets d = 96 take 64-key tiles and still keep 3 blocks.
     "sm_90": {32: (8, 64), 64: (8, 64), 96: (4, 64), 128: (4, 32), 256: (4, 32)},
 }

@@ -11,7 +11,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHS = ("sm_80", "sm_90")
+# Tile tables, not compile targets. "sm_80": A100 (163 KB opt-in smem a block); "sm_90": H100
+# (227 KB); "sm_86": every GPU with at most 99 KB (101376 B) opt-in smem a block (cc 8.6, 8.7,
+# 8.9 and the consumer Blackwells, cc 12.x). A table name only picks the tile sizes: at run time
+# `compile.get_function` compiles the chosen instantiation for the device's own arch (a CUBIN for
+# sm_86 would not load on an sm_120 device), see `burstcu.ops.kernel_ops._device_table_arch`.
+# The compile gate compiles each table for the arch it is named after.
+ARCHS = ("sm_80", "sm_86", "sm_90")
 DTYPES = ("float16", "bfloat16")
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 

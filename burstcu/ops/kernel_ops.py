@@ -76,8 +76,10 @@ class KernelOps(LocalOps):
     """LocalOps whose steps are the CUDA kernels (see the module docstring).
 
     backend: "cupy" (a GPU) or "emulated" (the CPU emulator, NumPy arrays).
-    arch: which tile table to use ("sm_80" or "sm_90"); default: the device's (cc >= 9.0 ->
-        sm_90) for cupy, sm_80 for the emulator.
+    arch: which tile table to use ("sm_80", "sm_86" or "sm_90", see
+        `burstcu.kernels.variants.ARCHS`); default: the device's (`_device_table_arch`) for
+        cupy, sm_80 for the emulator. The table only picks tile sizes: kernels are compiled for
+        the device's own arch.
     deterministic: backward without atomics (see kernel_bwd).  randomize: the emulator shuffles
         thread order between barriers (finds races; slower).
     """
@@ -122,7 +124,8 @@ class KernelOps(LocalOps):
             return f"head dim {headdim} is not supported by the CUDA kernels: 1..{_MAX_HEADDIM}"
         if self.smem_limit is None:
             return None
-        # tile tables exist for sm_80 and sm_90; sm_86/89/120 allow less shared memory per block
+        # the last guard: every table's variants fit the GPUs `_device_table_arch` maps to it,
+        # but a table chosen by hand (arch=...) or an unlisted GPU may allow less
         families = ("forward",)
         if backward:
             families = ("bwd_dkdv_nodq", "bwd_dq") if self.deterministic else ("bwd_dkdv",)
@@ -322,14 +325,33 @@ class KernelOps(LocalOps):
 
 
 def _device_table_arch() -> str:
-    """The tile table for the current CuPy device: sm_90 for cc >= 9.0, sm_80 for 8.x."""
+    """The tile table for the current CuPy device (see `table_arch_for`)."""
     import cupy
 
-    cc = int(cupy.cuda.Device().compute_capability)
+    return table_arch_for(int(cupy.cuda.Device().compute_capability))
+
+
+def table_arch_for(cc: int) -> str:
+    """The tile table for compute capability `cc` (major * 10 + minor, e.g. 86).
+
+    The table sets tile sizes only; `burstcu.kernels.compile.get_function` compiles for the
+    device's own arch, so an sm_120 device running the "sm_86" table gets an sm_120 CUBIN (an
+    sm_86 CUBIN would not load there).
+        8.0             sm_80  (A100, A30: 163 KB opt-in smem a block)
+        8.6, 8.7, 8.9   sm_86  (A10, A40, RTX 30xx/40xx, Orin, L4, L40S: 99 KB)
+        9.x, 10.x       sm_90  (H100/H200: 227 KB; B200/GB200, cc 10.0: 227 KB)
+        >= 12.0         sm_86  (consumer Blackwell, RTX 50xx / RTX PRO, cc 12.x: 99 KB)
+    Anything else at or above 8.0 (cc 11.x) gets the 99 KB table, the smallest. `headdim_problem`
+    still checks each launch's smem against the device's real limit.
+    """
     if cc < 80:
         raise RuntimeError(f"the burstcu kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                            f"this device is {cc // 10}.{cc % 10}")
-    return "sm_90" if cc >= 90 else "sm_80"
+    if cc == 80:
+        return "sm_80"
+    if 90 <= cc < 110:
+        return "sm_90"
+    return "sm_86"
 
 
 def _device_smem_limit() -> int:

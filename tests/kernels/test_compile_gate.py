@@ -1,8 +1,9 @@
-"""The compile gate: every kernel variant compiles with NVRTC for sm_80 and sm_90, without spills.
+"""The compile gate: every kernel variant compiles with NVRTC for sm_80, sm_86 and sm_90, without
+spills.
 
-Runs ``python -m burstcu.kernels check --arch sm_80,sm_90 --json FILE`` as a subprocess, as CI
-does, and checks the records. Needs cuda-python and the pinned NVRTC/runtime wheels, not a GPU.
-About a minute on two cores (each variant compiles in 0.1-1.5 s).
+Runs ``python -m burstcu.kernels check --arch sm_80,sm_86,sm_90 --json FILE`` as a subprocess, as
+CI does, and checks the records. Needs cuda-python and the pinned NVRTC/runtime wheels, not a GPU.
+About 1.5 minutes on two cores (each variant compiles in 0.1-1.5 s).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ pytest.importorskip("cuda.pathfinder")
 from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
 from burstcu.kernels.variants import all_variants  # noqa: E402
 
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_86", "sm_90")
+SM86_SMEM_PER_BLOCK = 101376  # 99 KB opt-in: RTX 3090/4090/5090, A10, A40, L4, L40S
 FIELDS = ("name", "family", "arch", "dtype", "headdim", "threads", "registers", "spill_stores",
           "spill_loads", "stack_bytes", "static_smem_bytes", "dynamic_smem_bytes", "smem_bytes",
           "compile_seconds", "error")
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory):
-    """(return code, records, stdout) of one run of the gate over both archs."""
+    """(return code, records, stdout) of one run of the gate over every arch."""
     path = tmp_path_factory.mktemp("gate") / "gate.json"
     proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", ",".join(ARCHS),
                            "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -68,6 +70,19 @@ def test_no_spills_and_budgets(gate):
         assert r["smem_bytes"] <= ARCH_LIMITS[r["arch"]]["smem_per_block"], where
         # registers of a full block must fit the SM, or the kernel cannot launch at all
         assert r["registers"] * r["threads"] <= ARCH_LIMITS[r["arch"]]["regs_per_sm"], where
+
+
+def test_sm86_table_fits_99KB(gate):
+    """Every variant of the "sm_86" table (cc 8.6/8.7/8.9/12.x) fits 101376 B a block: as
+    declared (no compile) and as compiled (static + dynamic smem)."""
+    assert ARCH_LIMITS["sm_86"]["smem_per_block"] == SM86_SMEM_PER_BLOCK
+    for v in all_variants("sm_86"):
+        assert v.launch.smem_bytes <= SM86_SMEM_PER_BLOCK, v.name
+    _, records, _ = gate
+    sm86 = [r for r in records if r["arch"] == "sm_86"]
+    assert len(sm86) == len(all_variants("sm_86"))
+    for r in sm86:
+        assert r["smem_bytes"] <= SM86_SMEM_PER_BLOCK, (r["name"], r["smem_bytes"])
 
 
 def test_forward_covers_native_headdims(gate):
@@ -111,8 +126,9 @@ def test_gate_failure_reasons():
 
 
 def test_kernels_too_big_for_a_gpu_are_refused_up_front():
-    """GPUs with less opt-in shared memory than the sm_80/sm_90 tables assume (sm_86/89/120:
-    99 KB) get a clear error at validation, per pass, instead of a failed launch mid-ring."""
+    """A table that does not fit the GPU (here sm_80's on a 99 KB GPU: only if chosen by hand,
+    `_device_table_arch` picks sm_86 there) gets a clear error at validation, per pass, instead of
+    a failed launch mid-ring."""
     from burstcu.ops.kernel_ops import KernelOps
 
     ops = KernelOps("emulated")
@@ -122,6 +138,34 @@ def test_kernels_too_big_for_a_gpu_are_refused_up_front():
     assert "shared memory" in ops.headdim_problem(256, backward=True)
     ops.deterministic = True
     assert "bwd_dq" in ops.headdim_problem(128, backward=True)
+
+
+def test_sm86_table_runs_every_headdim_on_99KB():
+    """The table those GPUs get: nothing refused, forward or backward, either mode."""
+    from burstcu.ops.kernel_ops import KernelOps
+
+    for deterministic in (False, True):
+        ops = KernelOps("emulated", arch="sm_86", deterministic=deterministic)
+        ops.smem_limit = SM86_SMEM_PER_BLOCK
+        for d in (32, 40, 64, 96, 128, 200, 256):
+            assert ops.headdim_problem(d) is None, d
+            assert ops.headdim_problem(d, backward=True) is None, (d, deterministic)
+
+
+@pytest.mark.parametrize("cc,table", [(80, "sm_80"), (86, "sm_86"), (87, "sm_86"), (89, "sm_86"),
+                                      (90, "sm_90"), (100, "sm_90"), (103, "sm_90"),
+                                      (110, "sm_86"), (120, "sm_86"), (121, "sm_86")])
+def test_device_table_arch(cc, table):
+    from burstcu.ops.kernel_ops import table_arch_for
+
+    assert table_arch_for(cc) == table
+
+
+def test_device_table_arch_refuses_pre_ampere():
+    from burstcu.ops.kernel_ops import table_arch_for
+
+    with pytest.raises(RuntimeError, match="8.0"):
+        table_arch_for(75)
 
 
 def test_backward_sizes_beyond_32bit_strides_are_refused_up_front():

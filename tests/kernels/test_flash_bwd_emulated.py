@@ -74,6 +74,8 @@ CASES = {
     # a zigzag diagonal step (three blocks, two of them straddling) split over two calls
     # small causal GQA (2 query heads on 1 kv head) for the expensive head dim 256
     "small_causal": (1, 40, 72, 2, 1, [[Block(0, 40, 0, 72, 50, 20, True)]]),
+    # small, no mask, ragged on both sides for every tile size used (16/48/64 rows)
+    "small_ragged": (1, 50, 100, 2, 1, [[Block(0, 50, 0, 100, 0, 0, False)]]),
     "zigzag_two_calls": (1, 128, 128, 4, 2, [step_blocks("zigzag", 0, 0, 2, 128, True)[:1],
                                              step_blocks("zigzag", 0, 0, 2, 128, True)[1:]]),
 }
@@ -115,7 +117,8 @@ def test_delta(dtype, d):
 
 
 STEP_PARAMS = (
-    [(dt, d, c, m) for dt in DTYPES for d in (64, 128) for c in CASES if c != "small_causal"
+    [(dt, d, c, m) for dt in DTYPES for d in (64, 128) for c in CASES
+     if c not in ("small_causal", "small_ragged")
      for m in ("atomic", "deterministic")]
     + [(dt, d, c, "atomic") for dt in DTYPES for d in (32, 80)
        for c in ("full_ragged", "masked_rows")]
@@ -147,6 +150,24 @@ def test_sm90_tiles():
     got, ref, naive = run_case(ops, "bfloat16", 64, "masked_rows")
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         assert_fa_rule(f"sm_90 {name}", g, r, n)
+
+
+@pytest.mark.parametrize("dtype,d,case,mode", [
+    ("float16", 128, "causal_offsets", "deterministic"),   # dQ 64 x 32 (sm_80: 64 x 64)
+    ("bfloat16", 128, "small_ragged", "deterministic"),
+    ("float16", 256, "small_causal", "atomic"),            # dK/dV 16 x 48 x 2 (sm_80: 32 x 64 x 2)
+    ("bfloat16", 256, "small_ragged", "atomic"),
+    ("bfloat16", 256, "small_causal", "deterministic"),    # dQ 64 x 16 (sm_80: 64 x 32)
+    ("float16", 256, "small_ragged", "deterministic"),
+])
+def test_sm86_tiles(dtype, d, case, mode):
+    """The 99 KB table (sm_86/89/12x) where its tiles differ from sm_80's."""
+    ops = emulated_ops(deterministic=(mode == "deterministic"), arch="sm_86")
+    family = "bwd_dq" if mode == "deterministic" else "bwd_dkdv"
+    assert ops.variant(family, dtype, d).name not in emulated_ops()._variants
+    got, ref, naive = run_case(ops, dtype, d, case)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(f"sm_86 {case}/{dtype}/d{d}/{mode} {name}", g, r, n)
 
 
 def test_deterministic_mode_is_bitwise_reproducible():
