@@ -53,12 +53,24 @@ def gpu_usable() -> bool:
         return False
 
 
-def _world(comm):
+_NO_MPI_WARNED: list = []
+
+
+def world_comm(comm=None):
+    """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
+    load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
+    once, since a job started by mpiexec would otherwise run as unrelated single processes)."""
     if comm is not None:
         return comm
     try:
         from mpi4py import MPI
     except ImportError:
+        return None
+    except RuntimeError as exc:
+        if not _NO_MPI_WARNED:
+            _NO_MPI_WARNED.append(True)
+            warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "
+                          f"process (install the 'mpi' extra for mpiexec)", stacklevel=3)
         return None
     return MPI.COMM_WORLD
 
@@ -98,7 +110,7 @@ def init(comm=None, backend: str = "auto", *, progress: str = "thread", **option
         kernel backends).
     Collective over `comm`: every rank must call it.
     """
-    comm = _world(comm)
+    comm = world_comm(comm)
     asked = backend
     backend = _resolve_backend(backend, comm)
     if asked == "auto" and backend == "numpy":

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from . import api
-from .group import Group, gpu_usable, init
+from .group import Group, gpu_usable, init, world_comm
 from .layout import step_blocks
+from .transport.nccl import BackendUnavailable
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
 # hundred ulps; float16 (the CUDA kernels: fp16 operands, fp32 accumulation) ~10 ulps of 1
@@ -203,10 +204,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every rank's results to this file (rank 0)")
     args = parser.parse_args(argv)
 
-    backends = ["numpy"] + (["cupy"] if gpu_usable() else [])
+    # decided together: a rank alone on the GPU path would wait forever for the others
+    backends = ["numpy"] + (["cupy"] if all(_gather(gpu_usable())) else [])
     results, ok, lines = {}, True, []
-    for backend in backends:
-        mine = run_backend(backend, args.quick)
+    for backend in list(backends):
+        try:
+            mine = run_backend(backend, args.quick)
+        except BackendUnavailable as exc:  # raised on every rank alike (agreed in bootstrap)
+            lines.append(f"[{backend}] cannot start: {exc}")
+            backends.remove(backend)
+            continue
         everyone = _gather(mine)
         results[backend] = everyone
         ok &= all(rep["correctness"]["ok"] for rep in everyone)
@@ -222,11 +229,7 @@ def main(argv=None) -> int:
 
 
 def _comm():
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    return MPI.COMM_WORLD
+    return world_comm()
 
 
 def _rank() -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from tests.reference import attention_ref
+from burstcu.testing.reference import attention_ref
 
 
 class _Tensor:

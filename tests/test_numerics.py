@@ -10,7 +10,7 @@ import burstcu
 from burstcu.layout import Block
 from burstcu.ops.numpy_ops import NumpyOps
 from tests.mpi.bodies import EPS, make_inputs
-from tests.reference import attention_backward_ref, attention_ref, within_fa_rule
+from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 
 
 def test_nan_in_one_query_row_stays_in_that_row():

@@ -1,6 +1,6 @@
 """The backward kernels (kernels/flash_bwd.cu) run on the CPU emulator, against float64.
 
-The reference is tests/reference.py (`step_backward_ref`: full score matrix, explicit softmax
+The reference is burstcu/testing/reference.py (`step_backward_ref`: full score matrix, explicit softmax
 and its gradient, P recomputed from the given lse), which never calls burstcu. Tolerance is
 FlashAttention's rule: the kernel's error against
 float64 may be at most FACTOR x the error of a naive same-dtype implementation (inputs in the
@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block, step_blocks
-from burstcu.ops.kernel_bwd import (backward_delta, backward_finalize, backward_init,
-                                    backward_step)
-from burstcu.ops.kernel_ops import KernelOps
-from tests.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
+from tests.kernels.backend import kernel_ops
+from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
 
 pytestmark = pytest.mark.emulated
 
@@ -30,9 +28,9 @@ FACTOR = 3.0
 
 
 def emulated_ops(deterministic: bool = False, randomize: bool = False, arch: str = "sm_80"):
-    """KernelOps on the CPU emulator (NumPy arrays), with the tile table of `arch`."""
-    return KernelOps(backend="emulated", arch=arch, deterministic=deterministic,
-                     randomize=randomize)
+    """KernelOps with the tile table of `arch` on the emulator (or a GPU, tests/kernels/backend.py),
+    NumPy arrays in and out."""
+    return kernel_ops(deterministic=deterministic, randomize=randomize, arch=arch)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -89,11 +87,11 @@ def run_case(ops, dtype, d, case, seed=0):
     mask = keep_from_blocks([blk for call in calls for blk in call], sq, sk)
     lse, delta = softmax_stats_ref(q, k, v, dout, mask, scale)
     lse32, delta32 = lse.astype(np.float32), delta.astype(np.float32)
-    ctx = backward_init(ops, k, v, scale)
+    ctx = ops.backward_init(k, v, scale)
     dq = np.zeros((b, sq, h, d), np.float32)
     for blocks in calls:
-        backward_step(ops, ctx, q, dout, lse32, delta32, dq, blocks)
-    dk, dv = backward_finalize(ops, ctx, np.float32)
+        ops.backward_step(ctx, q, dout, lse32, delta32, dq, blocks)
+    dk, dv = ops.backward_finalize(ctx, np.float32)
     ref = step_backward_ref(q, k, v, dout, lse32, delta32, mask, scale)
     naive = step_backward_ref(q, k, v, dout, lse32, delta32, mask, scale, dtype=np.float32,
                               round_to=DTYPES[dtype])
@@ -110,7 +108,7 @@ def test_delta(dtype, d):
     t = DTYPES[dtype]
     out = rng.standard_normal((2, 37, 3, d)).astype(t)
     dout = rng.standard_normal((2, 37, 3, d)).astype(t)
-    got = backward_delta(emulated_ops(), dout, out)
+    got = emulated_ops().backward_delta(dout, out)
     ref = np.einsum("bshd,bshd->bhs", out.astype(np.float64), dout.astype(np.float64))
     assert got.shape == (2, 3, 37) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(d))
@@ -201,10 +199,10 @@ def test_rows_with_lse_minus_inf_contribute_nothing(mode):
     dead = np.arange(sq) % 3 == 0
     lse[:, :, dead] = -np.inf
     lse, delta = lse.astype(np.float32), delta.astype(np.float32)
-    ctx = backward_init(ops, k, v, scale)
+    ctx = ops.backward_init(k, v, scale)
     dq = np.zeros((b, sq, h, d), np.float32)
-    backward_step(ops, ctx, q, dout, lse, delta, dq, [Block(0, sq, 0, sk, 0, 0, False)])
-    got = (dq, *backward_finalize(ops, ctx, np.float32))
+    ops.backward_step(ctx, q, dout, lse, delta, dq, [Block(0, sq, 0, sk, 0, 0, False)])
+    got = (dq, *ops.backward_finalize(ctx, np.float32))
     mask[dead] = False  # what P = 0 on those rows means
     ref = step_backward_ref(q, k, v, dout, lse, delta, mask, scale)
     naive = step_backward_ref(q, k, v, dout, lse, delta, mask, scale, dtype=np.float32,
@@ -227,11 +225,11 @@ def test_two_calls_equal_one_call_over_the_union(mode):
     lse, delta = lse.astype(np.float32), delta.astype(np.float32)
 
     def run(calls):
-        ctx = backward_init(ops, k, v, scale)
+        ctx = ops.backward_init(k, v, scale)
         dq = np.zeros((b, sq, h, d), np.float32)
         for blocks in calls:
-            backward_step(ops, ctx, q, dout, lse, delta, dq, blocks)
-        return (dq, *backward_finalize(ops, ctx, np.float32))
+            ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+        return (dq, *ops.backward_finalize(ctx, np.float32))
 
     for name, one, two in zip(("dq", "dk", "dv"), run([whole]), run(halves)):
         np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -244,10 +242,10 @@ def test_rows_outside_blocks_are_untouched():
     q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, seed=7)
     lse = np.zeros((b, h, sq), np.float32)
     delta = np.zeros((b, h, sq), np.float32)
-    ctx = backward_init(ops, k, v, 0.1)
+    ctx = ops.backward_init(k, v, 0.1)
     dq = np.full((b, sq, h, d), 7.0, np.float32)
-    backward_step(ops, ctx, q, dout, lse, delta, dq, [Block(8, 16, 16, 16, 0, 0, False)])
-    dk, dv = backward_finalize(ops, ctx, np.float32)
+    ops.backward_step(ctx, q, dout, lse, delta, dq, [Block(8, 16, 16, 16, 0, 0, False)])
+    dk, dv = ops.backward_finalize(ctx, np.float32)
     assert (dq[:, :8] == 7).all() and (dq[:, 24:] == 7).all()
     assert not (dk[:, :16] != 0).any() and not (dv[:, 32:] != 0).any()
     assert (dv[:, 16:32] != 0).any()

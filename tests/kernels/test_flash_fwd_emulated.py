@@ -1,6 +1,6 @@
 """kernels/flash_fwd.cu under the CPU emulator, through KernelOps(backend="emulated").
 
-Reference: tests/reference.py in float64 (full score matrix, explicit softmax, never calling
+Reference: burstcu/testing/reference.py in float64 (full score matrix, explicit softmax, never calling
 burstcu) over the union of the Blocks' rectangles (`keep_from_blocks`). Tolerance,
 FlashAttention's rule:
     |kernel - ref64| <= 2 * |naive - ref64| + atol
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block
-from tests.reference import attention_ref, keep_from_blocks
+from tests.kernels.backend import kernel_ops
+from burstcu.testing.reference import attention_ref, keep_from_blocks
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytest.importorskip("burstcu.kernels.emulate")
@@ -30,9 +31,7 @@ DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat
 
 @pytest.fixture(scope="module")
 def ops():
-    from burstcu.ops.kernel_ops import KernelOps
-
-    return KernelOps(backend="emulated")
+    return kernel_ops()
 
 
 def make(dtype, b, sq, sk, h, hkv, d, seed=0):
@@ -188,9 +187,7 @@ def test_two_blocks_one_step(ops, dtype):
 
 def test_randomized_thread_order():
     """The emulator's shuffled thread order finds races on shared memory between barriers."""
-    from burstcu.ops.kernel_ops import KernelOps
-
-    ops = KernelOps(backend="emulated", randomize=True)
+    ops = kernel_ops(randomize=True)
     q, k, v = make("float16", 1, 96, 130, 2, 2, 64, seed=7)
     check(ops, "float16", q, k, v, [Block(0, 96, 0, 130, 40, 0, True)])
 

@@ -2,7 +2,7 @@
 results and returns a small JSON-able summary that pytest checks for every rank.
 
 The expected values are computed here independently of burstcu: the float64 reference of
-tests/reference.py over the whole sequence, each rank's rows picked by its own index arithmetic,
+burstcu/testing/reference.py over the whole sequence, each rank's rows picked by its own index arithmetic,
 and the byte counts from the formulas written out below.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import burstcu
-from tests.reference import attention_backward_ref, attention_ref, within_fa_rule
+from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 
 try:
     import ml_dtypes

@@ -2,7 +2,7 @@
 `mpiexec -n N` (any N) through tests/mpi/runner.py as `strategy_bodies:<function>`.
 
 Each body checks its own rank's results against the independent float64 reference of
-tests/reference.py (the FlashAttention tolerance rule) and its own payload counters against the
+burstcu/testing/reference.py (the FlashAttention tolerance rule) and its own payload counters against the
 byte/message formulas of `bodies.expected_traffic`, written out there rather than taken from burstcu.
 """
 

@@ -1,0 +1,299 @@
+"""One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
+same device, in the same run.
+
+    python bench/kernels.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
+                            [--seqlens 1024 2048 4096 8192 16384] [--passes fwd fwd+bwd]
+                            [--tokens 16384] [--width 2048] [--repeats 10]
+                            [--json F] [--table F] [--plot F] [--dry-run]
+
+Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, width/D, D):
+
+* ``kernels``: the step kernels alone through `KernelOps` (forward: init, one step over the whole
+  key range, finalize; backward: delta, init, one step, finalize) — what one ring step costs;
+* ``api``: `burstcu.attention` / `burstcu.attention_backward` with CuPy arrays and group=None
+  (validation, layout and the engine around the same kernels);
+* ``torch-flash`` and ``torch-cudnn``: `scaled_dot_product_attention` restricted to one backend,
+  on the same memory viewed through DLPack as (B, H, S, D) (no copy).
+
+Timing: CUDA events around each call on the current stream, after --warmup calls (compiles,
+autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x
+the forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
+``dtype``, ``headdim``, ``seqlen``, ``causal``, ``ms``, ``tflops``, plus ``torch_ms`` and
+``torch_tflops`` (the flash backend's, for the ratio) on burstcu's rows. Progress on stderr.
+``--dry-run`` prints the plan and needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+
+from _common import clean, progress, table, write_json  # noqa: I001 - sets sys.path
+
+IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def shape(args, seqlen: int, headdim: int) -> tuple[int, int, int, int]:
+    """(B, S, H, D): a fixed number of tokens and a fixed model width per configuration."""
+    return max(1, args.tokens // seqlen), seqlen, max(1, args.width // headdim), headdim
+
+
+def flops(b, s, h, d, causal: bool, pass_: str) -> float:
+    fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return fwd * (3.5 if pass_ == "fwd+bwd" else 1.0)
+
+
+def plan(args) -> list[dict]:
+    rows = []
+    for dtype in args.dtypes:
+        for d in args.headdims:
+            for s in args.seqlens:
+                for causal in (False, True):
+                    for pass_ in args.passes:
+                        b, _, h, _ = shape(args, s, d)
+                        rows.append({"dtype": dtype, "headdim": d, "seqlen": s, "causal": causal,
+                                     "pass": pass_, "batch": b, "heads": h,
+                                     "gflop": flops(b, s, h, d, causal, pass_) / 1e9})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# the timed callables
+
+def burstcu_kernels(ops, q, k, v, dout, causal: bool, pass_: str):
+    """The step kernels alone: one full (or causal) block over every key."""
+    from burstcu.layout import Block
+
+    s = q.shape[1]
+    blocks = [Block(0, s, 0, s, 0, 0, causal)]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run():
+        state = ops.forward_init(q, scale)
+        ops.forward_step(state, k, v, blocks)
+        out, lse = ops.forward_finalize(state, q.dtype)
+        if pass_ == "fwd":
+            return
+        delta = ops.backward_delta(dout, out)
+        ctx = ops.backward_init(k, v, scale)
+        dq = ops.xp.zeros(q.shape, dtype=np.float32)
+        ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+        ops.backward_finalize(ctx, q.dtype)
+        dq.astype(q.dtype)
+    return run
+
+
+def burstcu_api(q, k, v, dout, causal: bool, pass_: str):
+    import burstcu
+
+    def run():
+        out, lse = burstcu.attention(q, k, v, causal=causal, return_lse=True)
+        if pass_ == "fwd+bwd":
+            burstcu.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    return run
+
+
+def torch_sdpa(backend: str, q, k, v, dout, causal: bool, pass_: str):
+    """SDPA on the same memory as (B, H, S, D) views; None when the backend refuses the shape."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
+    if pass_ == "fwd+bwd":
+        tq, tk, tv = (t.detach().requires_grad_(True) for t in (tq, tk, tv))
+
+    def run():
+        with sdpa_kernel([which]), (torch.no_grad() if pass_ == "fwd" else nullcontext()):
+            out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+            if pass_ == "fwd+bwd":
+                torch.autograd.grad(out, (tq, tk, tv), tdo)
+    try:
+        run()
+    except RuntimeError as exc:  # e.g. the flash backend has no kernel for this head dim
+        progress(f"  {backend} refused: {str(exc).splitlines()[0][:120]}")
+        return None
+    return run
+
+
+def time_ms(fn, warmup: int, repeats: int) -> float:
+    """Median milliseconds of fn() between CUDA events on CuPy's current stream. Torch runs on
+    its own current stream: the device is synchronized before each call so neither overlaps."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        cupy.cuda.Device().synchronize()
+        start.record()
+        fn()
+        _sync_torch()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def _sync_torch() -> None:
+    """Torch's work must finish before the stop event: order its stream before CuPy's."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
+# ------------------------------------------------------------------------------------------------
+
+def inputs(cfg, seed: int = 0):
+    import cupy
+
+    from burstcu.layout import Block  # noqa: F401 - import check before allocating
+    b, s, h, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["headdim"]
+    rng = cupy.random.default_rng(seed)
+    dt = cupy.float16 if cfg["dtype"] == "float16" else _bf16()
+    return [rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(dt) for _ in range(4)]
+
+
+def _bf16():
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+
+
+def run_config(cfg, args, ops) -> list[dict]:
+    q, k, v, dout = inputs(cfg)
+    gflop = cfg["gflop"]
+    rows = []
+    for impl in args.impls:
+        if impl == "kernels":
+            fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"])
+        elif impl == "api":
+            fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"])
+        else:
+            fn = torch_sdpa(impl, q, k, v, dout, cfg["causal"], cfg["pass"])
+        ms = None if fn is None else time_ms(fn, args.warmup, args.repeats)
+        rows.append({**{key: cfg[key] for key in ("pass", "dtype", "headdim", "seqlen", "causal",
+                                                  "batch", "heads")},
+                     "impl": impl, "ms": ms, "tflops": None if ms is None else gflop / ms})
+    torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)
+    for r in rows:
+        if torch_row and r["impl"] in ("kernels", "api"):
+            r["torch_ms"], r["torch_tflops"] = torch_row["ms"], torch_row["tflops"]
+            if r["ms"] and torch_row["ms"]:
+                r["vs_torch"] = torch_row["ms"] / r["ms"]
+    return rows
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0], "numpy": np.__version__}
+    for name in ("cupy", "torch"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    try:
+        import cupy
+        out["driver"] = cupy.cuda.runtime.driverGetVersion()
+        out["runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        out["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception as exc:
+        out["device"] = f"unavailable ({exc.__class__.__name__})"
+    try:
+        from cuda.bindings import nvrtc
+        out["nvrtc"] = ".".join(map(str, nvrtc.nvrtcVersion()[1:]))
+    except Exception:
+        out["nvrtc"] = None
+    return out
+
+
+COLUMNS = ["impl", "pass", "dtype", "headdim", "seqlen", "causal", "batch", "heads", "ms",
+           "tflops", "vs_torch"]
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["pass"], r["dtype"], r["headdim"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
+    for ax, (pass_, dtype, d) in zip(axes[0], keys):
+        for impl in IMPLS:
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = [(r["seqlen"], r["tflops"]) for r in rows if r["impl"] == impl and
+                       (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)
+                       and r["tflops"]]
+                if pts:
+                    xs, ys = zip(*sorted(pts))
+                    ax.plot(xs, ys, style, marker="o", ms=3,
+                            label=f"{impl}{' causal' if causal else ''}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{pass_} {dtype} d={d}", fontsize=9)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    p.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen per configuration")
+    p.add_argument("--width", type=int, default=2048, help="heads x headdim")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json")
+    p.add_argument("--table", help="also write the text table here")
+    p.add_argument("--plot")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
+    args = p.parse_args(argv)
+
+    configs = plan(args)
+    if args.dry_run:
+        print(table(configs, ["pass", "dtype", "headdim", "seqlen", "causal", "batch", "heads",
+                              "gflop"]))
+        print(f"# {len(configs)} configurations x {len(args.impls)} implementations "
+              f"({', '.join(args.impls)}); dry run: nothing timed")
+        return 0
+
+    from burstcu.ops.kernel_ops import KernelOps
+    ops = KernelOps("cupy")
+    env = versions()
+    progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")
+    rows = []
+    for i, cfg in enumerate(configs):
+        progress(f"[{i + 1}/{len(configs)}] {cfg['pass']} {cfg['dtype']} d={cfg['headdim']} "
+                 f"S={cfg['seqlen']} causal={cfg['causal']}")
+        try:
+            rows += run_config(cfg, args, ops)
+        except Exception as exc:  # one failing configuration must not lose the others
+            progress(f"  FAILED: {exc.__class__.__name__}: {exc}")
+            rows.append({**cfg, "impl": "error", "error": f"{exc.__class__.__name__}: {exc}"})
+        ops.release_buffers()
+    text = table(rows, COLUMNS)
+    print(text, flush=True)
+    if args.table:
+        with open(args.table, "w") as fh:
+            fh.write(f"# {env.get('device')}: measured, CUDA events, median of {args.repeats}\n"
+                     + text + "\n")
+    if args.json:
+        write_json(args.json, {"versions": env, "args": clean(vars(args)), "rows": rows})
+    if args.plot:
+        plot([r for r in rows if r.get("tflops")], args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Which machine runs the kernel tests: the CPU emulator (default) or a GPU.
+
+BURSTCU_KERNEL_TEST_BACKEND=cupy runs the same test bodies on a CUDA GPU through CuPy (NumPy
+inputs are copied to the device and results back, `burstcu.testing.host_arrays`); without a
+usable GPU those tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+BACKEND = os.environ.get("BURSTCU_KERNEL_TEST_BACKEND", "emulated")
+
+
+def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = "sm_80"):
+    """KernelOps on the chosen backend with the tile table of `arch` (None: the device's own),
+    seen through NumPy arrays."""
+    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.testing.host_arrays import HostArrays
+
+    if BACKEND == "cupy":
+        from burstcu.group import gpu_usable
+        if not gpu_usable():
+            pytest.skip("BURSTCU_KERNEL_TEST_BACKEND=cupy needs a CUDA GPU")
+    return HostArrays(KernelOps(backend=BACKEND, arch=arch, deterministic=deterministic,
+                                randomize=randomize))
