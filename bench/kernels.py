@@ -155,7 +155,6 @@ def _sync_torch() -> None:
 def inputs(cfg, seed: int = 0):
     import cupy
 
-    from burstcu.layout import Block  # noqa: F401 - import check before allocating
     b, s, h, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["headdim"]
     rng = cupy.random.default_rng(seed)
     dt = cupy.float16 if cfg["dtype"] == "float16" else _bf16()
@@ -192,25 +191,8 @@ def run_config(cfg, args, ops) -> list[dict]:
 
 
 def versions() -> dict:
-    out = {"python": sys.version.split()[0], "numpy": np.__version__}
-    for name in ("cupy", "torch"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception:
-            out[name] = None
-    try:
-        import cupy
-        out["driver"] = cupy.cuda.runtime.driverGetVersion()
-        out["runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-        out["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception as exc:
-        out["device"] = f"unavailable ({exc.__class__.__name__})"
-    try:
-        from cuda.bindings import nvrtc
-        out["nvrtc"] = ".".join(map(str, nvrtc.nvrtcVersion()[1:]))
-    except Exception:
-        out["nvrtc"] = None
-    return out
+    from burstcu.testing.checks import device_name, versions as package_versions
+    return {**package_versions(), "device": device_name("cupy")}
 
 
 COLUMNS = ["impl", "pass", "dtype", "headdim", "seqlen", "causal", "batch", "heads", "ms",

@@ -50,7 +50,7 @@ import _common as C  # noqa: E402  (also puts the repo root on sys.path)
 
 import burstcu  # noqa: E402
 from burstcu import ring  # noqa: E402
-from burstcu.ops.base import LocalOps  # noqa: E402
+from burstcu.ops.base import DelegatingOps, LocalOps  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
 
 MODES = ("compute", "comm", "overlapped")
@@ -145,13 +145,12 @@ class TimedTransport(Transport):
         self.inner.barrier()
 
 
-class TimedOps(LocalOps):
+class TimedOps(DelegatingOps):
     """Delegates to `inner`; timestamps each step; with compute=False a step gets no blocks."""
 
     def __init__(self, inner: LocalOps, compute: bool):
-        self.inner, self.compute = inner, compute
-        self.name, self.xp = f"timed({inner.name})", inner.xp
-        self.array_types, self.dtypes = inner.array_types, inner.dtypes
+        super().__init__(inner)
+        self.compute = compute
         self.intervals: list = []
 
     def _run(self, fn, *args):
@@ -164,49 +163,6 @@ class TimedOps(LocalOps):
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
         self._run(self.inner.backward_step, ctx, q, dout, lse, delta, dq, blocks if self.compute else [])
-
-    # plain delegation
-    def input_problem(self, q, k, backward=False):
-        return self.inner.input_problem(q, k, backward)
-
-    def headdim_problem(self, headdim, backward=False):
-        return self.inner.headdim_problem(headdim, backward)
-
-    def stream_key(self):
-        return self.inner.stream_key()
-
-    def message(self, fields):
-        return self.inner.message(fields)
-
-    def zeros(self, shape, dtype):
-        return self.inner.zeros(shape, dtype)
-
-    def copy_(self, dst, src):
-        self.inner.copy_(dst, src)
-
-    def add_(self, dst, src):
-        self.inner.add_(dst, src)
-
-    def sync(self):
-        self.inner.sync()
-
-    def annotate(self, label):
-        return self.inner.annotate(label)
-
-    def forward_init(self, q, softmax_scale):
-        return self.inner.forward_init(q, softmax_scale)
-
-    def forward_finalize(self, state, out_dtype):
-        return self.inner.forward_finalize(state, out_dtype)
-
-    def backward_delta(self, dout, out):
-        return self.inner.backward_delta(dout, out)
-
-    def backward_init(self, k, v, softmax_scale):
-        return self.inner.backward_init(k, v, softmax_scale)
-
-    def backward_finalize(self, ctx, out_dtype):
-        return self.inner.backward_finalize(ctx, out_dtype)
 
 
 class StepRecorder(ring.Trace):

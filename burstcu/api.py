@@ -29,11 +29,67 @@ from .validate import (InputError, agree, check_attention_inputs, check_backward
 STRATEGIES = ("burst", "ring", "allgather")
 
 
+_DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _dlpack_device(x) -> tuple[int, int] | None:
+    """(DLPack device type, device id) that x reports through `__dlpack_device__`, else None."""
+    report = getattr(x, "__dlpack_device__", None)
+    if not callable(report):
+        return None
+    try:
+        kind, device_id = report()
+        return int(kind), int(device_id)
+    except Exception:  # noqa: BLE001 - an array that cannot say is left to validation
+        return None
+
+
+def _cuda_device(x) -> int | None:
+    """The CUDA device id x lives on (CuPy arrays; DLPack arrays on kDLCUDA), else None."""
+    if _is_cupy(x):
+        return int(x.device.id)
+    where = _dlpack_device(x)
+    return where[1] if where is not None and where[0] == _DL_CUDA else None
+
+
 def _group_for(group: Group | None, q) -> Group:
+    """`group`, or with None the one-process group for q's device: CuPy arrays and DLPack arrays
+    on a CUDA device (torch, JAX, ...) -> "cupy"; everything else -> "numpy". Raises ValueError
+    when q is on a GPU that CuPy cannot use in this process."""
     if group is not None:
         return group
-    module = type(q).__module__.split(".")[0]
-    return local_group("cupy" if module == "cupy" else "numpy")
+    device_id = _cuda_device(q)
+    if device_id is None:
+        return local_group("numpy")
+    try:
+        return local_group("cupy")
+    except Exception as exc:  # noqa: BLE001 - no GPU, no CuPy, no driver: one process, no peers
+        raise ValueError(
+            f"q is on CUDA device {device_id}, but the 'cupy' backend cannot start in this process "
+            f"({exc.__class__.__name__}: {exc}); install burstcu[cuda13] where the GPU is "
+            f"visible, or pass CPU arrays") from exc
+
+
+def _device_problem(group: Group, names: tuple, arrays: tuple) -> InputError | None:
+    """On the cupy backend, the first input that lives on a GPU other than CuPy's current
+    device (the kernels and NCCL run on the current one), as a deferred error; else None."""
+    if group.backend != "cupy":
+        return None
+    import cupy
+
+    current = int(cupy.cuda.runtime.getDevice())
+    for name, x in zip(names, arrays):
+        device_id = _cuda_device(x)
+        if device_id is not None and device_id != current:
+            return InputError(ValueError, (
+                f"{name} is on CUDA device {device_id} but the current CuPy device is {current}: "
+                f"call cupy.cuda.Device({device_id}).use() before burstcu (with group=None), or "
+                f"move the inputs to device {current}"))
+    return None
 
 
 def _exporter(x):
@@ -79,24 +135,34 @@ def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_sca
     """
     err = meta = export = scale = None
     try:
-        arrays, export = _native(group.ops, *arrays)
-        q, k, v = arrays[1:4] if backward else arrays
-        ops = group.ops
-        err = _check_options(strategy) or check_attention_inputs(
-            q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
-            softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
-        if err is None and backward:
-            dout, _, _, _, out, lse = arrays
-            err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
+        names = ("dout", "q", "k", "v", "out", "lse") if backward else ("q", "k", "v")
+        err = _device_problem(group, names, arrays)
         if err is None:
-            scale = resolve_scale(softmax_scale, q.shape[-1])
-            meta = metadata(*arrays, causal=bool(causal), layout=layout, strategy=strategy,
-                            softmax_scale=scale)
+            arrays, export = _native(group.ops, *arrays)
+            err, scale, meta = _check_local(group.ops, arrays, backward=backward, causal=causal,
+                                            softmax_scale=softmax_scale, layout=layout,
+                                            strategy=strategy)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
     agree(group.transport, err, meta)
     return arrays, export, scale
+
+
+def _check_local(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout, strategy):
+    """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays."""
+    q, k, v = arrays[1:4] if backward else arrays
+    err = _check_options(strategy) or check_attention_inputs(
+        q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
+        softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
+    if err is None and backward:
+        dout, _, _, _, out, lse = arrays
+        err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
+    if err is not None:
+        return err, None, None
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    return None, scale, metadata(*arrays, causal=bool(causal), layout=layout, strategy=strategy,
+                                 softmax_scale=scale)
 
 
 def _check_options(strategy: str):
@@ -112,7 +178,9 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
     softmax_scale: defaults to 1/sqrt(D). causal: over global positions (module docstring).
-    group: from `burstcu.init()`; None means one process (S is then the whole sequence).
+    group: from `burstcu.init()`; None means one process (S is then the whole sequence), on
+        the inputs' device: CUDA arrays (CuPy, or DLPack ones such as torch/JAX on a GPU) run
+        the kernels on CuPy's current device, other arrays the NumPy backend.
     strategy: "burst" (K and V together in one message per ring step, double-buffered),
         "ring" (K and V as separate messages, the classic Ring Attention), "allgather" (gather
         all K and V, then attend locally). All give the same result.
@@ -194,7 +262,7 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
 
 
 def _array_module(x):
-    if type(x).__module__.split(".")[0] == "cupy":
+    if _is_cupy(x):
         import cupy
         return cupy
     return np

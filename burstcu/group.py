@@ -141,6 +141,24 @@ def _init_cupy(comm, options) -> Group:
     return Group(transport.rank, transport.size, "cupy", transport, KernelOps("cupy", **options), comm)
 
 
+def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
+    """Rank `rank` of a loopback world: ranks as threads of one process sharing one device
+    (`burstcu.transport.loopback`). Call on the rank's own thread; on "cupy", with that thread's
+    own compute stream current. `burstcu.testing.loopback.run_ranks` starts such a world."""
+    from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
+    if backend == "numpy":
+        from .ops.numpy_ops import NumpyOps
+        ops: LocalOps = NumpyOps(**options)
+    elif backend in ("cupy", "emulated"):
+        from .ops.kernel_ops import KernelOps
+        ops = KernelOps(backend, **options)
+    else:
+        raise ValueError(f"backend must be 'numpy', 'emulated' or 'cupy', not {backend!r}")
+    device = CupyCopyDevice() if backend == "cupy" else HostDevice()
+    transport = LoopbackTransport(rank, hub, device)
+    return Group(rank, hub.size, backend, transport, ops)
+
+
 _LOCAL: dict[str, Group] = {}
 
 

@@ -29,6 +29,7 @@ Ranks are simulated one after another in this process: the transport needs no pe
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
@@ -371,6 +372,117 @@ def record_world(pass_: str, size: int, **kw) -> list[Schedule]:
 
 
 # ----------------------------------------------------------------------------------------------
+# the loopback world: ranks sharing one device, recorded into one schedule
+
+class _WorldLog:
+    """The one action list and buffer table the ranks of a loopback world record into."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.actions: list[Action] = []
+        self.buffers: dict[int, str] = {}
+
+
+class RankRecordingDevice(RecordingDevice):
+    """The recorder of one rank of a loopback world (`burstcu.transport.loopback`).
+
+    Streams and events are named "r<rank>:<name>" and every rank appends to one shared list, so
+    cross-rank orderings (a receiver's copy waiting on the sender's `ready` event, the sender
+    waiting on the receiver's `copied`) are edges of one happens-before graph. `copy` records
+    the device-to-device copy: it reads the peer's send bytes and writes this rank's receive
+    bytes on this rank's communication stream.
+    """
+
+    def __init__(self, log: _WorldLog, rank: int):
+        super().__init__()
+        self.log, self.rank = log, rank
+        self.actions, self.buffers = log.actions, log.buffers
+        self._mine: list[int] = []
+
+    def _add(self, stream: str, kind: str, what: str, **kw) -> Action:
+        with self.log.lock:
+            return super()._add(f"r{self.rank}:{stream}", kind, what, **kw)
+
+    def alloc(self, nbytes: int, name: str) -> FakeArray:
+        with self.log.lock:
+            buffer = len(self.buffers)
+            self.buffers[buffer] = f"rank {self.rank} {name}"
+        self._mine.append(buffer)
+        arr = FakeArray(buffer, 0, (nbytes,), np.uint8)
+        self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
+        return arr
+
+    def sentinel(self, kind: str) -> None:
+        every = tuple(Region(b, 0, 1 << 62) for b in self._mine)
+        self._add(COMPUTE, kind, kind, reads=every if kind == "end" else (), writes=every)
+
+    def new_event(self) -> str:
+        return f"r{self.rank}:{super().new_event()}"
+
+    def copy(self, dst: FakeArray, src: FakeArray, stream: str) -> None:
+        self._add(stream, "copy", f"copy {src.nbytes} bytes", reads=(src.region,),
+                  writes=(dst.region,), nbytes=src.nbytes)
+
+
+def record_loopback(pass_: str, size: int, *, causal: bool, layout: str, shape: tuple = SHAPE,
+                    dtype: Any = np.float16, transport_class: Any = None) -> Schedule:
+    """The schedule of one `pass_` call of the real engine on every rank of a loopback world of
+    `size` ranks, run as threads like the real thing, recorded into one Schedule (rank -1).
+    transport_class: a LoopbackTransport subclass to record instead (the tests seed mistakes)."""
+    from . import ring
+    from .transport.loopback import LoopbackHub, LoopbackTransport
+
+    log, hub = _WorldLog(), LoopbackHub(size, timeout=30.0)
+    errors: list = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            device = RankRecordingDevice(log, rank)
+            ops = RecordingOps(device)
+            transport = (transport_class or LoopbackTransport)(rank, hub, device)
+            args = _fake_inputs(ops, pass_, shape, dtype)
+            device.sentinel("begin")
+            kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
+            (ring.forward if pass_ == "forward" else ring.backward)(*args, ops, transport, **kw)
+            device.sentinel("end")
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+            hub.abort(f"rank {rank}: {exc}")
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return Schedule(-1, size, log.actions, log.buffers)
+
+
+def _fake_inputs(ops: "RecordingOps", pass_: str, shape: tuple, dtype: Any) -> list:
+    """The positional arguments of ring.forward (q, k, v) or ring.backward (dout, q, k, v, out,
+    lse) as FakeArrays."""
+    if pass_ not in ("forward", "backward"):
+        raise ValueError(f"pass_ must be 'forward' or 'backward', not {pass_!r}")
+    b, s, h, hkv, d = shape
+    q = ops.new("q", (b, s, h, d), dtype)
+    k, v = ops.new("k", (b, s, hkv, d), dtype), ops.new("v", (b, s, hkv, d), dtype)
+    if pass_ == "forward":
+        return [q, k, v]
+    return [ops.new("dout", (b, s, h, d), dtype), q, k, v, ops.new("out", (b, s, h, d), dtype),
+            ops.new("lse", (b, h, s), accum_dtype(dtype))]
+
+
+def prove_loopback(pass_: str, size: int, *, causal: bool, layout: str, **kw) -> Schedule:
+    """Record a loopback world and raise ScheduleError explaining each race found."""
+    schedule = record_loopback(pass_, size, causal=causal, layout=layout, **kw)
+    problems = check(schedule)
+    if problems:
+        raise ScheduleError(report(problems))
+    return schedule
+
+
+# ----------------------------------------------------------------------------------------------
 # happens-before
 
 @dataclass
@@ -564,4 +676,5 @@ def receive_into_current(schedule: Schedule, group: int) -> Schedule:
 
 __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "RecordingOps",
            "record", "record_world", "happens_before", "check", "check_world", "prove",
-           "report", "Violation", "ScheduleError", "drop_action", "receive_into_current"]
+           "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
+           "RankRecordingDevice", "record_loopback", "prove_loopback"]

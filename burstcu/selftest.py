@@ -202,7 +202,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m burstcu.selftest", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
     parser.add_argument("--json", help="write every rank's results to this file (rank 0)")
+    parser.add_argument("--full", action="store_true",
+                        help="everything one device can check (burstcu.testing.checks): on a GPU "
+                             "at full sizes, else the kernels on the CPU emulator at toy sizes")
+    parser.add_argument("--only", nargs="+", metavar="CHECK",
+                        help="with --full: run only these checks (variants, kernels, ring_steps, "
+                             "nccl, determinism, loopback)")
     args = parser.parse_args(argv)
+    if args.full:
+        return run_full(args)
 
     # decided together: a rank alone on the GPU path would wait forever for the others
     backends = ["numpy"] + (["cupy"] if all(_gather(gpu_usable())) else [])
@@ -226,6 +234,58 @@ def main(argv=None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(results, fh, indent=1)
     return 0 if ok else 1
+
+
+def run_full(args) -> int:
+    """`--full`: one process, one device. On a GPU every check at full size; without one, the
+    same checks through the kernel emulator at toy sizes (what CI runs)."""
+    from .testing import checks
+
+    if len(_gather(None)) > 1:
+        if _rank() == 0:
+            print("selftest --full checks one device from one process: run it without mpiexec "
+                  "(it starts its own ranks as threads on the device)", flush=True)
+        return 2
+    backend = "cupy" if gpu_usable() else "emulated"
+    quick = args.quick or backend == "emulated"
+    started = time.perf_counter()
+    records = checks.run_all(backend, quick, args.only, progress=_progress)
+    failed = [r for r in records if r["passed"] is False]
+    skipped = [r for r in records if r["passed"] is None]
+    for r in records:
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[r["passed"]]
+        detail = r["detail"] if isinstance(r["detail"], str) else _short(r["detail"])
+        print(f"{mark} {r['name']}: {detail}", flush=True)
+    summary = (f"selftest --full on {checks.device_name(backend)}: {len(records) - len(failed) - len(skipped)} "
+               f"passed, {len(failed)} failed, {len(skipped)} skipped in {time.perf_counter() - started:.0f} s")
+    print(summary + (" - PASSED" if not failed else " - FAILED"), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": checks.device_name(backend), "backend": backend, "quick": quick,
+                       "versions": checks.versions(), "summary": summary, "checks": records},
+                      fh, indent=1, default=str)
+    return 1 if failed else 0
+
+
+def _short(detail: Any) -> str:
+    """A one-line digest of a check's detail dict (the JSON keeps all of it)."""
+    if not isinstance(detail, dict):
+        return str(detail)
+    parts = []
+    for key, value in detail.items():
+        if key == "kernels":
+            regs = [k.get("registers") for k in value if k.get("registers") is not None]
+            parts.append(f"registers {min(regs)}-{max(regs)}" if regs else "")
+        elif isinstance(value, list):
+            parts.append(f"{key} {len(value)}")
+        else:
+            parts.append(f"{key} {value}")
+    return "; ".join(p for p in parts if p)
+
+
+def _progress(message: str) -> None:
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
 
 
 def _comm():

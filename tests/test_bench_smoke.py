@@ -160,3 +160,13 @@ def test_local_cpu_smoke(tmp_path):
     assert {(64, "burstcu"), (64, "naive numpy"), (96, "burstcu"), (96, "naive numpy")} <= impls
     assert all(r["seconds"] > 0 and r["gflops"] > 0 for r in result["results"])
     assert result["environment"]["threads"] == 1
+
+
+def test_gpu_benchmarks_plan_without_a_gpu():
+    """bench/kernels.py and bench/overlap_gpu.py print their plan (--dry-run) on a CPU."""
+    out = run_bench("kernels.py", ["--dry-run", "--headdims", "64", "128", "--seqlens", "4096"],
+                    nprocs=None)
+    assert "16 configurations x 4 implementations" in out and "fwd+bwd" in out
+    out = run_bench("overlap_gpu.py", ["--dry-run", "--ranks", "2", "3", "--seqlen", "12288"],
+                    nprocs=None)
+    assert out.count("on one GPU") == 4 and "3 ranks on one GPU, global seqlen 12288 (4096 a rank)" in out

@@ -4,12 +4,16 @@
 #
 #     bash bench/gpu/run.sh [steps...]      # default: every step below, in order
 #
-# Steps: env, gate, selftest, tests, kbench. Wheels found in .whl/ (e.g. mpich) are installed
-# into /tmp/site first. Each step's exit status is printed; the script never stops early, so one
-# failure does not hide the next.
+# Steps: env, gate, full (selftest --full), basic (selftest), tests (tests/gpu and the kernel
+# tests on the GPU), kbench (bench/kernels.py), overlap (bench/overlap_gpu.py), tiles
+# (bench/tiles.py). Reports (JSON, PNG) go to $OUT; each step's log goes to $OUT/logs.tgz, rewritten
+# after every step so a run cut short still returns what it did. Wheels found in .whl/ (e.g. mpich)
+# are installed into /tmp/site first. The script never stops early: one failure does not hide
+# the next.
 set -u
 OUT=${OUT:-bench/out/gpu}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/burstcu-gpu-logs}
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export BURSTCU_CACHE_DIR=${BURSTCU_CACHE_DIR:-/tmp/burstcu-cache}
 PY=${PY:-python3}
@@ -18,30 +22,34 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env gate selftest tests kbench)
+[ ${#steps[@]} -eq 0 ] && steps=(env gate full tests kbench overlap)
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
+  echo "=== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOGS/summary.txt"
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
-  echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  tail -n "${TAIL:-25}" "$LOGS/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$LOGS/summary.txt"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 
 for s in "${steps[@]}"; do
   case $s in
-    env) step env 60 bash -c "nvidia-smi; $PY -c 'import sys; print(sys.version)';
+    env) step env 60 bash -c "nvidia-smi; nproc; $PY -c 'import sys; print(sys.version)';
            $PY -m pip list 2>/dev/null | grep -i -E 'cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'" ;;
     gate) step gate 240 $PY -m burstcu.kernels check --arch sm_90 --json "$OUT/gate_sm90.json" ;;
-    selftest) step selftest 420 $PY -m burstcu.selftest --full --json "$OUT/selftest.json" ;;
+    full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
              tests/kernels/test_flash_bwd_emulated.py ;;
-    kbench) step kbench 420 $PY bench/kernels.py --json "$OUT/kernels.json" --table "$OUT/kernels.txt" \
+    kbench) step kbench 420 $PY bench/kernels.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
+    overlap) step overlap 300 $PY bench/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
+             --plot "$OUT/overlap_gpu.png" ${OVERLAP_ARGS:-} ;;
+    gputests) step gputests 120 $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/gpu ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -17,8 +17,13 @@ load a stale kernel; CuPy would also use whichever NVRTC it finds, not the pinne
 checked. Compiling here keeps gate and run time on the same compiler and flags, with a key that
 includes every local header's contents (`source_digest`).
 
-Cache folder: $BURSTCU_CACHE_DIR, else ~/.cache/burstcu (one entry = ``<key>.cubin`` +
-``<key>.json`` + ``<key>.lock``). Delete it freely.
+Cache folder (`cache_dir`): $BURSTCU_CACHE_DIR if set, else ``$TMPDIR/burstcu-<uid>`` (``/tmp``
+when TMPDIR is unset), one folder per user created with mode 0700. The default is node-local on
+purpose: the ranks of a node share it through file locks, and file locks on an NFS home folder
+(the usual ~/.cache on clusters) can hang; each node compiles once. Set $BURSTCU_CACHE_DIR to
+share one folder across nodes (on a file system whose locks work) or to keep the CUBINs across
+reboots. One entry = ``<key>.cubin`` + ``<key>.json`` + ``<key>.lock``; the emulator's builds
+live in its ``emu/`` subfolder. Delete it freely.
 """
 
 from __future__ import annotations
@@ -209,9 +214,22 @@ def parse_ptxas(log: str) -> dict[str, Resources]:
 # on-disk cache (shared by ranks) and run-time loading
 
 def cache_dir() -> Path:
-    """$BURSTCU_CACHE_DIR or ~/.cache/burstcu (created)."""
-    path = Path(os.environ.get("BURSTCU_CACHE_DIR") or Path.home() / ".cache" / "burstcu")
-    path.mkdir(parents=True, exist_ok=True)
+    """The kernel cache folder (created): $BURSTCU_CACHE_DIR, else ``$TMPDIR/burstcu-<uid>``.
+
+    The default is node-local and per user (mode 0700; see the module docstring for why not
+    ~/.cache). Raises RuntimeError when that folder exists but belongs to another user.
+    """
+    override = os.environ.get("BURSTCU_CACHE_DIR")
+    if override:
+        path = Path(override)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    uid = os.getuid()
+    path = Path(os.environ.get("TMPDIR") or "/tmp") / f"burstcu-{uid}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != uid:
+        raise RuntimeError(f"the kernel cache folder {path} belongs to another user; set "
+                           f"BURSTCU_CACHE_DIR to a folder of your own")
     return path
 
 
@@ -259,12 +277,31 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def device_arch(device_id: int | None = None) -> str:
-    """"sm_XY" of a CuPy device (the current one by default)."""
+# cudaDeviceAttr values (CUDA runtime, driver_types.h)
+ATTR_CC_MAJOR, ATTR_CC_MINOR, ATTR_SMEM_PER_BLOCK_OPTIN = 75, 76, 97
+
+
+def device_attribute(attr: int, device_id: int | None = None) -> int:
+    """cudaDeviceGetAttribute(`attr`) of CUDA device `device_id` (CuPy's current one by default).
+
+    Read through the runtime without making the device current: `cupy.cuda.Device(i)`'s
+    properties switch to device i and back, which creates a CUDA context there (a failure on
+    exclusive-process GPUs owned by another rank).
+    """
     import cupy
 
-    dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
-    return f"sm_{dev.compute_capability}"
+    runtime = cupy.cuda.runtime
+    return int(runtime.deviceGetAttribute(attr, runtime.getDevice() if device_id is None else device_id))
+
+
+def compute_capability(device_id: int | None = None) -> int:
+    """major * 10 + minor of a CUDA device (the current one by default), e.g. 80, 90, 120."""
+    return 10 * device_attribute(ATTR_CC_MAJOR, device_id) + device_attribute(ATTR_CC_MINOR, device_id)
+
+
+def device_arch(device_id: int | None = None) -> str:
+    """"sm_XY" of a CUDA device (CuPy's current one by default), read without switching to it."""
+    return f"sm_{compute_capability(device_id)}"
 
 
 _MODULES: dict[tuple, tuple] = {}   # (digest, options, arch, device, name) -> (RawModule, lowered)

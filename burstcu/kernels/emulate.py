@@ -12,7 +12,7 @@ loads the ``.so`` with ctypes. The ``.so`` is
 cached on disk under a hash of everything that decides its contents (the sources, every header under
 ``kernels/``, name expressions, options, compiler version), so the first build costs about a
 second and later ones nothing; a file lock plus an atomic rename make concurrent builds by many
-ranks safe. Cache folder: ``$BURSTCU_CACHE_DIR/emu`` or ``~/.cache/burstcu/emu``.
+ranks safe. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.kernels.compile.cache_dir`).
 
 Arguments: numpy arrays are passed as their data pointer (contiguity is the kernel's business:
 strides are passed explicitly), ``None`` as a null pointer, numpy scalars by value. Python ``int`` and
@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .compile import cache_dir as kernel_cache_dir
 from .variants import kernel_dir
 
 __all__ = ["EmuModule", "EmuFunction", "build_module", "cache_dir"]
@@ -64,10 +65,8 @@ _SCALAR_KIND = {"i": "i", "u": "u", "f": "f", "b": "b"}
 
 
 def cache_dir() -> Path:
-    """Where built ``.so`` files live: ``$BURSTCU_CACHE_DIR/emu`` or ``~/.cache/burstcu/emu``."""
-    root = os.environ.get("BURSTCU_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "burstcu"
-    return base / "emu"
+    """Where built ``.so`` files live: ``emu/`` under the kernel cache (`compile.cache_dir`)."""
+    return kernel_cache_dir() / "emu"
 
 
 @lru_cache(maxsize=None)

@@ -176,3 +176,67 @@ class LocalOps(ABC):
     @abstractmethod
     def backward_finalize(self, ctx: Any, out_dtype) -> tuple[Any, Any]:
         """(dk, dv) in out_dtype."""
+
+
+class DelegatingOps(LocalOps):
+    """A LocalOps that forwards every call to `inner`: wrappers (timing, recording) derive from
+    it and override only what they change."""
+
+    def __init__(self, inner: LocalOps):
+        self.inner = inner
+        self.name, self.xp = f"{type(self).__name__}({inner.name})", inner.xp
+        self.array_types, self.dtypes = inner.array_types, inner.dtypes
+
+    def input_problem(self, q, k, backward: bool = False):
+        return self.inner.input_problem(q, k, backward)
+
+    def headdim_problem(self, headdim: int, backward: bool = False):
+        return self.inner.headdim_problem(headdim, backward)
+
+    def double_buffer(self, fields):
+        return self.inner.double_buffer(fields)
+
+    def release_buffers(self) -> None:
+        self.inner.release_buffers()
+
+    def stream_key(self):
+        return self.inner.stream_key()
+
+    def message(self, fields):
+        return self.inner.message(fields)
+
+    def zeros(self, shape, dtype):
+        return self.inner.zeros(shape, dtype)
+
+    def copy_(self, dst, src) -> None:
+        self.inner.copy_(dst, src)
+
+    def add_(self, dst, src) -> None:
+        self.inner.add_(dst, src)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def annotate(self, label: str):
+        return self.inner.annotate(label)
+
+    def forward_init(self, q, softmax_scale):
+        return self.inner.forward_init(q, softmax_scale)
+
+    def forward_step(self, state, k, v, blocks) -> None:
+        self.inner.forward_step(state, k, v, blocks)
+
+    def forward_finalize(self, state, out_dtype):
+        return self.inner.forward_finalize(state, out_dtype)
+
+    def backward_delta(self, dout, out):
+        return self.inner.backward_delta(dout, out)
+
+    def backward_init(self, k, v, softmax_scale):
+        return self.inner.backward_init(k, v, softmax_scale)
+
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks) -> None:
+        self.inner.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+
+    def backward_finalize(self, ctx, out_dtype):
+        return self.inner.backward_finalize(ctx, out_dtype)

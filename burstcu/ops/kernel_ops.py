@@ -326,9 +326,9 @@ class KernelOps(LocalOps):
 
 def _device_table_arch() -> str:
     """The tile table for the current CuPy device (see `table_arch_for`)."""
-    import cupy
+    from ..kernels.compile import compute_capability
 
-    return table_arch_for(int(cupy.cuda.Device().compute_capability))
+    return table_arch_for(compute_capability())
 
 
 def table_arch_for(cc: int) -> str:
@@ -356,6 +356,6 @@ def table_arch_for(cc: int) -> str:
 
 def _device_smem_limit() -> int:
     """Shared memory one block may opt in to on the current CuPy device (bytes)."""
-    import cupy
+    from ..kernels.compile import ATTR_SMEM_PER_BLOCK_OPTIN, device_attribute
 
-    return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    return device_attribute(ATTR_SMEM_PER_BLOCK_OPTIN)

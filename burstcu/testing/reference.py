@@ -128,9 +128,12 @@ def _grads(dv_e, ds, q, k, ke, scale, dtype):
 
 
 def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtype=np.float64,
-                           round_to=None, keep=None):
+                           round_to=None, keep=None, out_dtype=None):
     """(dq, dk, dv) from the explicit softmax Jacobian, computed entirely in `dtype`; with
     round_to, P and dS are rounded to that dtype before their matmuls (naive half precision).
+    out_dtype: the gradients are rounded to it at the end, as an implementation that returns
+    them in the inputs' half precision does (compare like with like: the public API returns
+    q's dtype; a step kernel's float32 accumulators are not rounded).
     keep: as in `attention_ref`; rows with no kept key contribute nothing."""
     dout, q, k, v = _cast(dtype, dout, q, k, v)
     scale = dtype(_scale(q, softmax_scale))
@@ -142,7 +145,7 @@ def attention_backward_ref(dout, q, k, v, causal=False, softmax_scale=None, dtyp
     dv_e = np.einsum("bhij,bhid->bjhd", p_stored, do, optimize=True)
     dprobs = np.einsum("bhid,bjhd->bhij", do, ve, optimize=True).astype(dtype)
     ds = _round((probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))).astype(dtype), round_to)
-    return _grads(dv_e, ds, q, k, ke, scale, dtype)
+    return tuple(_round(g, out_dtype) for g in _grads(dv_e, ds, q, k, ke, scale, dtype))
 
 
 def softmax_stats_ref(q, k, v, dout, keep, softmax_scale=None):

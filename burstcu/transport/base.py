@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
+class CommTimeoutError(RuntimeError):
+    """A rank waited longer than its deadline for a peer inside a burstcu call."""
+
+
 @dataclass
 class CommStats:
     """Payload counters of one rank, counted where the bytes enter and leave the transport.

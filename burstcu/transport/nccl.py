@@ -362,10 +362,11 @@ MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.m16n8k16 need sm_80
 
 def _arch_problem(device_id: int) -> str | None:
     """Why the kernels cannot run on this device (older than sm_80), or None. Checked before
-    the agreement round, so every rank falls back (backend="auto") or fails together."""
+    the agreement round, so every rank falls back (backend="auto") or fails together. Reads the
+    compute capability without making `device_id` current (no CUDA context is created there)."""
     try:
-        import cupy
-        cc = int(cupy.cuda.Device(device_id).compute_capability)
+        from ..kernels.compile import compute_capability
+        cc = compute_capability(device_id)
     except Exception as exc:  # noqa: BLE001 - reported, not raised, before the agreement
         return f"cannot query GPU {device_id}: {exc}"
     if cc < MIN_COMPUTE_CAPABILITY:

@@ -64,7 +64,8 @@ def test_world_of_one_matches_reference(group, causal, dtype):
         ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive, EPS[dtype])
         assert ok, f"{name}: {err:.3e} > {bound:.3e}"
     refs = attention_backward_ref(dout, q, k, v, causal)
-    naives = attention_backward_ref(dout, q, k, v, causal, dtype=np.float32, round_to=DTYPES[dtype])
+    naives = attention_backward_ref(dout, q, k, v, causal, dtype=np.float32, round_to=DTYPES[dtype],
+                                    out_dtype=DTYPES[dtype])
     for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
         ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive,
                                         EPS[dtype], factor=3.0)

@@ -174,10 +174,7 @@ def test_gpus_older_than_sm80_are_a_problem_reported_before_agreement(monkeypatc
     cupy = pytest.importorskip("cupy")
     from burstcu.transport import nccl
 
-    class FakeDevice:
-        def __init__(self, device_id):
-            self.compute_capability = cc
-
-    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute",
+                        lambda attr, device_id: {75: int(cc[0]), 76: int(cc[1])}[attr])
     got = nccl._arch_problem(0)
     assert (got is None) if problem is None else (problem in got), got

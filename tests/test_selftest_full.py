@@ -1,0 +1,59 @@
+"""`python -m burstcu.selftest --full` on a machine without a GPU: every check runs through the
+kernel emulator at toy sizes (what a GPU run does at full size), the JSON report carries device,
+versions and one record per check, and nothing fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from burstcu.group import gpu_usable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.emulated,
+              pytest.mark.skipif(gpu_usable(), reason="on a GPU --full runs at full size")]
+
+
+def test_full_selftest_on_the_emulator(tmp_path):
+    report = tmp_path / "full.json"
+    proc = subprocess.run([sys.executable, "-m", "burstcu.selftest", "--full", "--json", str(report)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(report.read_text())
+    assert data["device"].startswith("CPU") and data["backend"] == "emulated" and data["quick"]
+    assert {"cupy", "nccl", "nvrtc", "driver", "numpy"} <= set(data["versions"])
+    names = {c["name"].split("/")[0] for c in data["checks"]}
+    assert names == {"variants", "kernels", "ring_steps", "nccl", "determinism", "memory", "loopback"}
+    assert all(set(c) >= {"name", "passed", "detail"} for c in data["checks"])
+    assert not [c for c in data["checks"] if c["passed"] is False]
+    skipped = {c["name"] for c in data["checks"] if c["passed"] is None}
+    assert skipped == {"nccl", "memory/pool_growth"}  # a GPU is needed for those alone
+    assert "PASSED" in proc.stdout
+
+
+def test_full_selftest_refuses_several_mpi_ranks():
+    from tests.mpi_run import mpiexec
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "burstcu.selftest", "--full"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "without mpiexec" in proc.stdout
+
+
+def test_a_failing_check_is_reported_not_raised(monkeypatch):
+    from burstcu.testing import checks
+
+    def broken(backend, quick):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setitem(checks.CHECKS, "kernels", broken)
+    records = checks.run_all("emulated", True, only=["kernels", "nccl"])
+    assert records[0] == {**records[0], "name": "kernels", "passed": False,
+                          "detail": "RuntimeError: kernel launch failed"}
+    assert records[1]["passed"] is None

@@ -1,0 +1,168 @@
+"""The loopback transport (G ranks as threads sharing one device) on the CPU: the real engine and
+strategies against the float64 reference on every rank, exact traffic, failures that end the world
+instead of hanging, and the schedule it issues on a GPU proved race-free (burstcu.schedule)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu import ring, schedule as S, strategies
+from burstcu.testing.loopback import RankFailed, run_ranks
+from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
+from burstcu.transport.base import CommTimeoutError
+from burstcu.transport.loopback import LoopbackHub, LoopbackTransport, PeerFailedError
+
+EPS64 = 2.0**-52
+
+
+def _problem(seed, n, h=4, hkv=2, d=16, b=1):
+    rng = np.random.default_rng(seed)
+    q, dout = (rng.standard_normal((b, n, h, d)) for _ in range(2))
+    k, v = (rng.standard_normal((b, n, hkv, d)) for _ in range(2))
+    return q, k, v, dout
+
+
+def _run(size, strategy, causal, layout, backend="numpy", dtype=np.float64, n=None, d=16):
+    n = n or 16 * size
+    q, k, v, dout = (x.astype(dtype) for x in _problem(size, n, d=d))
+
+    def body(group):
+        local = [burstcu.shard(x, group, layout) for x in (q, k, v, dout)]
+        kw = dict(causal=causal, layout=layout, strategy=strategy)
+        group.stats.reset()
+        out, lse = burstcu.attention(*local[:3], group, return_lse=True, **kw)
+        fwd = group.stats.as_dict()
+        group.stats.reset()
+        grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **kw)
+        bwd = group.stats.as_dict()
+        return [burstcu.unshard(x, group, layout) for x in (out, *grads)], fwd, bwd, local
+
+    return (q, k, v, dout), run_ranks(size, body, backend=backend)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["burst", "ring", "allgather"])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"),
+                                           (True, "zigzag")])
+def test_every_rank_matches_the_reference(size, strategy, causal, layout):
+    (q, k, v, dout), results = _run(size, strategy, causal, layout)
+    ref = [attention_ref(q, k, v, causal, dtype=np.longdouble)[0],
+           *attention_backward_ref(dout, q, k, v, causal, dtype=np.longdouble)]
+    naive = [attention_ref(q, k, v, causal)[0], *attention_backward_ref(dout, q, k, v, causal)]
+    engine = ring if strategy == "burst" else strategies.get(strategy)
+    for rank, (whole, fwd, bwd, local) in enumerate(results):
+        for name, got, want, plain in zip(("out", "dq", "dk", "dv"), whole, ref, naive):
+            ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
+            assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
+        ql, kl, vl, _ = local
+        if strategy == "burst":
+            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl), ring.backward_bytes(size, ql)
+        else:
+            want_fwd, want_bwd = engine.forward_bytes(size, ql, kl, vl), engine.backward_bytes(size, ql, kl, vl)
+        assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (want_fwd, want_bwd), rank
+
+
+@pytest.mark.emulated
+def test_emulated_kernels_on_the_loopback_ring():
+    """The CUDA kernels (CPU emulator) on a 2-rank loopback ring, zigzag causal, float16."""
+    (q, k, v, dout), results = _run(2, "burst", True, "zigzag", backend="emulated",
+                                    dtype=np.float16, n=64, d=32)
+    ref = [attention_ref(q, k, v, True)[0], *attention_backward_ref(dout, q, k, v, True)]
+    naive = [attention_ref(q, k, v, True, dtype=np.float32, round_to=np.float16)[0],
+             *attention_backward_ref(dout, q, k, v, True, dtype=np.float32, round_to=np.float16,
+                                    out_dtype=np.float16)]
+    for rank, (whole, _, _, _) in enumerate(results):
+        for name, got, want, plain in zip(("out", "dq", "dk", "dv"), whole, ref, naive):
+            ok, err, bound = within_fa_rule(got.astype(np.float64), want, plain, 2.0**-10, 3.0)
+            assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
+
+
+def test_a_failing_rank_ends_the_world_with_its_name():
+    def body(group):
+        if group.rank == 2:
+            raise MemoryError("simulated allocation failure")
+        q = np.zeros((1, 8, 2, 8))
+        return burstcu.attention(q, q, q, group)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 2 failed: MemoryError") as info:
+        run_ranks(3, body, timeout=60)
+    assert info.value.rank == 2 and time.monotonic() - t0 < 10
+
+
+def test_a_missing_peer_times_out_with_its_name():
+    hub = LoopbackHub(2, timeout=0.5)
+    from burstcu.transport.loopback import HostDevice
+    t = LoopbackTransport(0, hub, HostDevice())
+    buf = np.zeros(4)
+    t.send_recv(buf, np.zeros(4), 1, 1)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="rank 1's message #0 to rank 0"):
+        t.commit()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[1\]"):
+        t.allgather_object("meta")
+
+
+def test_abort_wakes_waiting_ranks():
+    hub = LoopbackHub(2, timeout=60)
+    hub.abort("rank 1 failed: boom")
+    with pytest.raises(PeerFailedError, match="rank 1 failed: boom"):
+        hub.allgather_object(0, None)
+
+
+def test_message_sizes_must_agree():
+    def body(group):
+        t = group.transport
+        t.send_recv(np.zeros(4 if group.rank == 0 else 8), np.zeros(4), t.next_rank, t.prev_rank)
+        t.commit()
+        t.wait()
+
+    with pytest.raises(RankFailed, match="sent 64 bytes, rank 0 expected 32|sent 32 bytes"):
+        run_ranks(2, body, timeout=10)
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU ordering: one happens-before graph over every rank's streams
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
+def test_loopback_schedule_is_race_free(size, pass_, causal, layout):
+    schedule = S.prove_loopback(pass_, size, causal=causal, layout=layout)
+    copies = sum(a.kind == "copy" for a in schedule.actions)
+    messages = ring.forward_messages(size) if pass_ == "forward" else ring.backward_messages(size)
+    assert copies == size * messages
+
+
+class _SkipsConfirmation(LoopbackTransport):
+    """A seeded mistake: the sender does not wait for its receivers' copies before going on."""
+
+    def _wait(self):
+        self._unconfirmed = []
+        super()._wait()
+
+
+class _SkipsReady(LoopbackTransport):
+    """A seeded mistake: the receiver copies without waiting for the sender's `ready` event."""
+
+    def _receive(self, key, recv_buf, src):
+        wait_event = self.device.wait_event
+        self.device.wait_event = lambda stream, event: None
+        try:
+            super()._receive(key, recv_buf, src)
+        finally:
+            self.device.wait_event = wait_event
+
+
+@pytest.mark.parametrize("mistake", [_SkipsConfirmation, _SkipsReady])
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_seeded_ordering_mistakes_are_caught(mistake, pass_):
+    schedule = S.record_loopback(pass_, 3, causal=False, layout="contiguous",
+                                 transport_class=mistake)
+    problems = S.check(schedule)
+    assert problems and all("race" in str(p) for p in problems), S.report(problems)
