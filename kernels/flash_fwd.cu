@@ -49,12 +49,18 @@ The working constraints are, in order:
   3. about 8 or more resident warps per SM, so one warp's barrier or cp.async wait is covered
      by another's math (met everywhere but d = 256, where one 4-warp block fits on sm_80).
 Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gate, NVRTC 13.0):
-    D    sm_80 (164 KB smem/SM)                     sm_90 (228 KB smem/SM)
-    32   8 warps, 128 x 64, 30 KB, 123 regs         same
-    64   8 warps, 128 x 64, 54 KB, 128 regs         same, 133 regs
-    96   4 warps,  64 x 32, 39 KB, 159 regs         4 warps, 64 x 64, 65 KB, 168 regs
-    128  4 warps,  64 x 32, 51 KB, 168 regs         same
-    256  4 warps,  64 x 32, 99 KB, 242 regs         same
+    D    sm_80 (164 KB smem/SM)                     sm_90 (228 KB smem/SM), MEASURED on an H100
+    32   8 warps, 128 x 64, 30 KB, 123 regs         same (not measured)
+    64   8 warps, 128 x 64, 54 KB, 128 regs         4 warps,  64 x  64,  45 KB, 133 regs
+    96   4 warps,  64 x 32, 39 KB, 159 regs         4 warps,  64 x  64,  65 KB, 168 regs (not measured)
+    128  4 warps,  64 x 32, 51 KB, 168 regs         8 warps, 128 x 128, 170 KB, 255 regs
+    256  4 warps,  64 x 32, 99 KB, 242 regs         8 warps, 128 x  64, 198 KB, 245 regs
+The sm_90 column was chosen by timing every tile pair that passes the gate on an H100
+(bench/tiles.py; bench/results/h100/tiles.json): against the sm_80-style tiles it was 1.22x
+(d = 64), 1.32x (d = 128) and 1.16x (d = 256) faster at S = 4096 and 16384. Occupancy did not
+decide it: at d = 128 and 256 the 8-warp blocks of 128 query rows (one block a SM) won, a K/V
+tile in smem serving twice the query rows; at d = 64, 4 warps x 64 beat 8 warps x 128 at the
+same registers. The sm_80 column is still the no-GPU choice (no A100 has measured it).
 The "sm_86" table (GPUs with 99 KB = 101376 B opt-in smem a block and 100 KB a SM: cc 8.6, 8.7,
 8.9 and 12.x, e.g. RTX 3090/4090/5090, A10, A40, L4, L40S) takes the sm_80 tiles unchanged: the
 largest, d = 256, needs exactly 101376 B (one block a SM); d = 128 (51 KB) keeps one block a SM

@@ -49,6 +49,10 @@ for s in "${steps[@]}"; do
              --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
              --plot "$OUT/overlap_gpu.png" ${OVERLAP_ARGS:-} ;;
+    tiles) step tiles 240 $PY bench/tiles.py --candidates bench/results/h100/tile_candidates.json \
+             --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
+    overlap_causal) step overlap_causal 300 $PY bench/overlap_gpu.py --causal --layout zigzag \
+             --json "$OUT/overlap_gpu_causal.json" --plot "$LOGS/overlap_gpu_causal.png" ${OVERLAP_ARGS:-} ;;
     gputests) step gputests 120 $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/gpu ;;
     *) echo "unknown step $s" ;;
   esac

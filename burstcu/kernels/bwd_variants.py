@@ -46,7 +46,10 @@ _DQ_TILES = {
     "sm_80": _DQ_TILES_BIG,
     "sm_86": {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 32, 1),
               256: (64, 16, 1)},
-    "sm_90": _DQ_TILES_BIG,
+    # measured on an H100 (bench/tiles.py): d = 256 runs 1.24x faster with 128 query rows (8
+    # warps, 251 registers); the other head dims' tiles and every dK/dV tile were already the
+    # fastest candidate that passed the gate.
+    "sm_90": {**_DQ_TILES_BIG, 256: (128, 32, 1)},
 }
 
 _PAD = 8  # elements of padding per shared-memory row (bank-conflict-free ldmatrix)
@@ -109,3 +112,35 @@ def backward_variants(arch: str) -> list[KernelVariant]:
         for d in NATIVE_HEADDIMS:
             out += [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(arch, dtype, d)]
     return out
+
+
+def _check_tiles(d: int, bm: int, bn: int, warps_d: int) -> None:
+    """The kernels' static_asserts: D % 32, (D / WARPS_D) % 16, BM % 16, BN % 16 all zero."""
+    if (warps_d < 1 or d % 32 or d % warps_d or (d // warps_d) % 16 or bm % 16 or bn % 16
+            or bm <= 0 or bn <= 0):
+        raise ValueError(f"illegal backward tiles: D={d}, BM={bm}, BN={bn}, WARPS_D={warps_d}")
+
+
+def dkdv_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int,
+                           with_dq: bool = True) -> KernelVariant:
+    """A dK/dV variant with explicit tiles, outside any table (for tile searches such as
+    bench/tiles.py); with a table's tiles this equals that table's variant."""
+    _check_tiles(d, bm, bn, warps_d)
+    flag = "true" if with_dq else "false"
+    return KernelVariant(
+        family="bwd_dkdv" if with_dq else "bwd_dkdv_nodq", source=SOURCE,
+        name=f"flash_bwd_dkdv<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}, {flag}>",
+        dtype=dtype, headdim=d,
+        launch=LaunchConfig(threads=(bn // 16) * warps_d * 32, block_m=bm, block_n=bn,
+                            smem_bytes=dkdv_smem_bytes(d, bm, bn, with_dq)))
+
+
+def dq_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int) -> KernelVariant:
+    """A deterministic-dQ variant with explicit tiles, outside any table (see
+    `dkdv_variant_for_tiles`)."""
+    _check_tiles(d, bm, bn, warps_d)
+    return KernelVariant(
+        family="bwd_dq", source=SOURCE, name=f"flash_bwd_dq<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}>",
+        dtype=dtype, headdim=d,
+        launch=LaunchConfig(threads=(bm // 16) * warps_d * 32, block_m=bm, block_n=bn,
+                            smem_bytes=dq_smem_bytes(d, bm, bn)))

@@ -14,9 +14,9 @@ import pytest
 BACKEND = os.environ.get("BURSTCU_KERNEL_TEST_BACKEND", "emulated")
 
 
-def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = "sm_80"):
-    """KernelOps on the chosen backend with the tile table of `arch` (None: the device's own),
-    seen through NumPy arrays."""
+def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = None):
+    """KernelOps on the chosen backend with the tile table of `arch` (None: the device's own on
+    a GPU, sm_80's on the emulator), seen through NumPy arrays."""
     from burstcu.ops.kernel_ops import KernelOps
     from burstcu.testing.host_arrays import HostArrays
 

@@ -192,6 +192,15 @@ def test_randomized_thread_order():
     check(ops, "float16", q, k, v, [Block(0, 96, 0, 130, 40, 0, True)])
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_tiles(d):
+    """The sm_90 table's forward tiles (measured on an H100: 64 x 64 with 4 warps at d = 64,
+    128 x 128 and 128 x 64 with 8 warps at d = 128 and 256), ragged and causal."""
+    ops = kernel_ops(arch="sm_90")
+    q, k, v = make("bfloat16", 1, 140, 150, 2, 1, d, seed=9)
+    check(ops, "bfloat16", q, k, v, [Block(0, 140, 0, 150, 20, 0, True)])
+
+
 def test_scale_and_float32_out(ops):
     """An explicit softmax scale is used as given; out_dtype float32 skips the final rounding."""
     q, k, v = make("bfloat16", 1, 64, 64, 1, 1, 64, seed=8)

@@ -1,0 +1,119 @@
+"""bench/tiles.py on the CPU: the dry run, a gate of a tiny candidate subset, the committed
+candidate file, and the measuring path on the kernel emulator at toy sizes (a few seconds in all;
+the GPU run itself is not testable here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+COMMITTED = BENCH / "results" / "h100" / "tile_candidates.json"
+sys.path.insert(0, str(BENCH))
+
+
+def run_tiles(args: list, timeout: float = 60, cache: Path | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if cache is not None:
+        env["BURSTCU_CACHE_DIR"] = str(cache)
+    proc = subprocess.run([sys.executable, str(BENCH / "tiles.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"tiles.py {args} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_variants_for_tiles_match_the_tables():
+    from burstcu.kernels import bwd_variants, fwd_variants
+    from burstcu.kernels.variants import ARCHS, DTYPES, all_variants
+
+    import tiles
+
+    for arch in ARCHS:
+        for v in all_variants(arch):
+            if v.family in ("forward", "bwd_dkdv", "bwd_dq"):
+                assert tiles.make_variant(v.family, v.dtype, v.headdim, tiles.tiles_of(v)) == v
+            elif v.family == "bwd_dkdv_nodq":
+                bm, bn, wd = tiles.tiles_of(v)
+                assert bwd_variants.dkdv_variant_for_tiles(v.dtype, v.headdim, bm, bn, wd,
+                                                           with_dq=False) == v
+    with pytest.raises(ValueError):
+        fwd_variants.step_variant_for_tiles(DTYPES[0], 64, 4, 40)
+    with pytest.raises(ValueError):
+        bwd_variants.dq_variant_for_tiles(DTYPES[0], 256, 64, 32, 32)
+
+
+def test_dry_run():
+    out = run_tiles(["--dry-run"])
+    assert "dry run: nothing compiled" in out and "estimate on one H100" in out
+    for family in ("forward", "bwd_dkdv", "bwd_dq"):
+        assert family in out
+    assert "flash_fwd_step<__half, 64, 64, 64, 4>" in out  # the sm_90 table's d = 64 forward
+
+
+def test_gate_tiny_subset(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    pytest.importorskip("cuda.pathfinder")
+    path = tmp_path / "cands.json"
+    out = run_tiles(["--gate", "--headdims", 64, "--families", "forward", "--max-candidates", 2,
+                     "--jobs", 2, "--candidates", path])
+    assert "2/2 candidates kept" in out, out
+    data = json.loads(path.read_text())
+    cands = data["candidates"]
+    assert len(cands) == 2 and cands[0]["current"] and not cands[1]["current"]
+    for c in cands:
+        assert c["error"] is None and c["registers"] > 0 and c["spill_stores"] == 0
+        assert 0 < c["occupancy"] <= 1 and c["family"] == "forward" and c["headdim"] == 64
+    assert set(data["source_digests"]) == {"flash_fwd.cu", "flash_bwd.cu"}
+    # the file is what a GPU run reads: its dry run takes the candidates from it, gating nothing
+    out = run_tiles(["--dry-run", "--headdims", 64, "--families", "forward", "--candidates", path])
+    assert "2 candidates (2 from" in out and "0 to gate" in out
+
+
+def test_committed_candidates_cover_the_default_run():
+    import tiles
+
+    data = json.loads(COMMITTED.read_text())
+    assert data["tile_table"] == "sm_90"
+    cands = data["candidates"]
+    groups = {(c["family"], c["dtype"], c["headdim"]) for c in cands}
+    assert groups == {(f, "float16", d) for f in tiles.FAMILIES for d in (64, 128, 256)}
+    for key in groups:
+        assert sum(c["current"] for c in cands if (c["family"], c["dtype"], c["headdim"]) == key) == 1
+    for c in cands:
+        assert c["error"] is None and c["spill_stores"] == 0 and c["spill_loads"] == 0
+        assert c["registers"] <= 255 and c["smem_bytes"] <= 227 * 1024
+    # the default GPU run must fit one call of about four minutes
+    out = run_tiles(["--dry-run", "--candidates", COMMITTED])
+    line = next(ln for ln in out.splitlines() if ln.startswith("# estimate on one H100"))
+    assert float(line.split("~")[1].split()[0]) < 220, line
+
+
+@pytest.mark.emulated
+def test_measure_path_on_the_emulator(tmp_path):
+    """The whole GPU-run path (pinning, checks, timing, tables, JSON) on the kernel emulator,
+    with a candidate that cannot be built: it is reported and the others still run."""
+    import tiles
+
+    cands = tiles.enumerate_candidates("sm_90", ["forward"], ["float16"], [64], max_per_group=2)
+    bad = {**cands[1], "tiles": [64, 40, 4], "name": "illegal"}
+    src = {"tile_table": "sm_90", "source_digests": tiles.source_digests(),
+           "candidates": cands + [bad]}
+    cpath, jpath = tmp_path / "c.json", tmp_path / "r.json"
+    cpath.write_text(json.dumps(src))
+    out = run_tiles(["--backend", "emulated", "--families", "forward", "--headdims", 64,
+                     "--seqlens", 32, "--tokens", 32, "--width", 128, "--warmup", 0,
+                     "--repeats", 1, "--candidates", cpath, "--json", jpath],
+                    timeout=120, cache=tmp_path / "cache")
+    assert "best tiles per family" in out
+    result = json.loads(jpath.read_text())
+    assert result["complete"]
+    rows = {r["tiles"]: r for r in result["rows"]}
+    assert rows["64x64x4"]["current"] and rows["64x64x4"]["check"] == "ok"
+    assert rows["64x32x4"]["check"] == "ok" and rows["64x32x4"]["ms"] > 0
+    assert rows["64x40x4"]["status"].startswith("error: ValueError")
