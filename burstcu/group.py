@@ -56,10 +56,27 @@ def gpu_usable() -> bool:
 _NO_MPI_WARNED: list = []
 
 
+# world-size variables the common launchers set in every rank's environment
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def launcher_world_size() -> tuple[str, int] | None:
+    """(variable, ranks) when an MPI launcher (Open MPI, MPICH/Hydra, Intel MPI, MVAPICH, srun
+    with PMI) started this process, else None."""
+    import os
+    for var in _LAUNCHER_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return var, int(value)
+    return None
+
+
 def world_comm(comm=None):
     """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
     load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
-    once, since a job started by mpiexec would otherwise run as unrelated single processes)."""
+    once). If a launcher started this process as one of several ranks (`launcher_world_size`),
+    a missing MPI library raises RuntimeError instead: the ranks would otherwise each run the
+    whole problem alone, as unrelated single processes."""
     if comm is not None:
         return comm
     try:
@@ -67,6 +84,13 @@ def world_comm(comm=None):
     except ImportError:
         return None
     except RuntimeError as exc:
+        launched = launcher_world_size()
+        if launched is not None and launched[1] > 1:
+            raise RuntimeError(
+                f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
+                f"but mpi4py cannot load an MPI library ({exc}): every rank would run alone on the "
+                f"whole problem. Install the 'mpi' extra and use its mpiexec, or point "
+                f"MPI4PY_LIBMPI at the MPI library of the launcher you use") from exc
         if not _NO_MPI_WARNED:
             _NO_MPI_WARNED.append(True)
             warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "

@@ -276,3 +276,26 @@ def test_cache_dir_override_and_foreign_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)  # the folder is not "ours"
     with pytest.raises(RuntimeError, match="BURSTCU_CACHE_DIR"):
         kc.cache_dir()
+
+
+@pytest.mark.parametrize("launched,ok", [("2", False), ("1", True), (None, True)])
+def test_no_mpi_library_under_a_launcher_of_several_ranks_is_an_error(launched, ok):
+    """mpi4py without an MPI library: one process runs alone with a warning, but a rank that a
+    launcher started as one of several refuses (it would otherwise compute the whole problem
+    alone, silently duplicated on every rank)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
+    env["MPI4PY_LIBMPI"] = "/nonexistent/libmpi.so"
+    if launched is not None:
+        env["PMI_SIZE"] = launched
+    proc = subprocess.run([sys.executable, "-c", "import burstcu; print(burstcu.init().size)"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
+        assert "cannot load an MPI library" in proc.stderr  # the warning
+    else:
+        assert proc.returncode != 0
+        assert "one of 2 ranks (PMI_SIZE=2)" in proc.stderr and "MPI4PY_LIBMPI" in proc.stderr

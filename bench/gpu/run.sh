@@ -53,6 +53,16 @@ for s in "${steps[@]}"; do
              --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
     overlap_causal) step overlap_causal 300 $PY bench/overlap_gpu.py --causal --layout zigzag \
              --json "$OUT/overlap_gpu_causal.json" --plot "$LOGS/overlap_gpu_causal.png" ${OVERLAP_ARGS:-} ;;
+    memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
+             compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+             $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
+             tests/kernels/test_flash_bwd_emulated.py -k "ragged or causal_offsets or gqa or masked_rows or small_" ;;
+    racecheck) step racecheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
+             compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+             $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
+             tests/kernels/test_flash_bwd_emulated.py -k "test_ragged or (full_ragged and float16 and 64)" ;;
+    demo) step demo 120 $PY -m burstcu.demo --causal ;;
+    mpi) step mpi 240 bash bench/gpu/mpi_checks.sh ;;
     gputests) step gputests 120 $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/gpu ;;
     *) echo "unknown step $s" ;;
   esac

@@ -404,13 +404,15 @@ def versions() -> dict:
         out["nvrtc"] = None
     try:
         from cupy.cuda import nccl
-        out["nccl"] = nccl.get_version()
+        v = int(nccl.get_version())  # e.g. 22809 = 2.28.9
+        out["nccl"] = f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
     except Exception:  # noqa: BLE001
         out["nccl"] = None
     try:
         import cupy
-        out["driver"] = cupy.cuda.runtime.driverGetVersion()
-        out["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        cuda = lambda v: f"{v // 1000}.{v % 1000 // 10}"  # noqa: E731 - 13000 = 13.0
+        out["driver"] = cuda(cupy.cuda.runtime.driverGetVersion())  # newest CUDA it supports
+        out["cuda_runtime"] = cuda(cupy.cuda.runtime.runtimeGetVersion())
     except Exception:  # noqa: BLE001 - no driver on a CPU-only machine
         out["driver"] = None
     return out

@@ -2,7 +2,7 @@
 
 BURSTCU_KERNEL_TEST_BACKEND=cupy runs the same test bodies on a CUDA GPU through CuPy (NumPy
 inputs are copied to the device and results back, `burstcu.testing.host_arrays`); without a
-usable GPU those tests skip.
+usable GPU those tests skip. bench/gpu/run.sh runs them so, and under compute-sanitizer.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import os
 import pytest
 
 BACKEND = os.environ.get("BURSTCU_KERNEL_TEST_BACKEND", "emulated")
+# BURSTCU_CUPY_NO_POOL=1: every CuPy array is its own cudaMalloc, so compute-sanitizer's memcheck
+# sees an access past an array's end (inside a pooled chunk it would go unnoticed)
+if BACKEND == "cupy" and os.environ.get("BURSTCU_CUPY_NO_POOL") == "1":
+    import cupy
+    cupy.cuda.set_allocator(None)
 
 
 def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = None):

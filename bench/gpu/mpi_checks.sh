@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The MPI launch path on a machine with one GPU and no system MPI: installs the carried mpich
+# wheel (.whl/mpich-*.whl) by unpacking it into /tmp/mpich (a wheel's data files are not placed
+# by `pip install --target`), then
+#   1. mpiexec -n 1 python -m burstcu.demo --causal       NCCL world of one, bootstrapped over MPI
+#   2. mpiexec -n 2 python -m burstcu.demo --backend cupy  two ranks, one GPU: must fail on both
+#                                                          ranks with the bootstrap's message,
+#                                                          within the time limit (no hang)
+set -u
+PY=${PY:-python3}
+rm -rf /tmp/mpich && mkdir -p /tmp/mpich && (cd /tmp/mpich && $PY -m zipfile -e "$OLDPWD"/.whl/mpich-*.whl .) || exit 1
+bin=$(dirname "$(find /tmp/mpich -name mpiexec.hydra | head -1)")  # the wheel's data/bin
+lib=$(dirname "$(find /tmp/mpich -name 'libmpi.so.12' | head -1)")
+chmod +x "$bin"/*
+export PATH=$bin:$PATH LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MPI4PY_LIBMPI=$lib/libmpi.so.12 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+echo "mpiexec: $(command -v mpiexec)"
+$PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+echo "--- mpiexec -n 1 demo (auto backend)"
+timeout 120 mpiexec -n 1 $PY -m burstcu.demo --causal; echo "exit $?"
+echo "--- mpiexec -n 2 demo, cupy backend, one GPU (expected: a clear error on both ranks)"
+timeout 60 mpiexec -n 2 $PY -m burstcu.demo --backend cupy; echo "exit $?"

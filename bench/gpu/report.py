@@ -1,0 +1,111 @@
+"""Merge one GPU run's outputs into bench/results/gpu_<device>.json and a Markdown table.
+
+    python bench/gpu/report.py --selftest S.json --kernels K.json [--overlap O.json ...]
+                               --out bench/results/gpu_h100
+
+S.json: `python -m burstcu.selftest --full --json` (device, versions, checks); K.json:
+`bench/kernels.py --json` (speed rows); O.json: `bench/overlap_gpu.py --json`. The JSON written
+holds `device`, `versions`, `checks` and `speed` (the kernels rows), plus `overlap` when given;
+the .md file is the tables a reader wants: checks by group, and per (pass, dtype, head dim) the
+speed against PyTorch's flash backend. Every figure is copied from the inputs: nothing is
+estimated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(path):
+    return json.loads(Path(path).read_text())
+
+
+def checks_table(checks: list[dict]) -> list[str]:
+    groups: dict[str, list] = defaultdict(list)
+    for c in checks:
+        groups[c["name"].split("/")[0]].append(c["passed"])
+    lines = ["| check | passed | failed | skipped |", "| --- | --- | --- | --- |"]
+    for name, results in groups.items():
+        lines.append(f"| {name} | {results.count(True)} | {results.count(False)} | "
+                     f"{results.count(None)} |")
+    return lines
+
+
+def speed_table(rows: list[dict]) -> list[str]:
+    """Per (pass, dtype, head dim, causal): burstcu kernels' TFLOP/s and ratio to torch flash
+    at each seqlen."""
+    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms")]
+    seqlens = sorted({r["seqlen"] for r in ours})
+    lines = ["| pass | dtype | d | causal | " + " | ".join(f"S={s}" for s in seqlens) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
+    keys = sorted({(r["pass"], r["dtype"], r["headdim"], r["causal"]) for r in ours})
+    for key in keys:
+        cells = []
+        for s in seqlens:
+            r = next((x for x in ours if (x["pass"], x["dtype"], x["headdim"], x["causal"]) == key
+                      and x["seqlen"] == s), None)
+            ratio = r.get("vs_torch") if r else None
+            cells.append("-" if r is None else f"{r['tflops']:.0f} TF ({ratio:.2f}x)" if ratio
+                         else f"{r['tflops']:.0f} TF")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def overlap_table(runs: list[dict]) -> list[str]:
+    lines = ["| causal | ranks | seqlen | strategy | fwd ms (compute / comm / both) | fwd eff | "
+             "bwd ms (compute / comm / both) | bwd eff | hidden |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run in runs:
+        causal = "causal" in run.get("args", {}) and run["args"]["causal"] == "True"
+        for r in run["rows"]:
+            f = " / ".join(f"{r[f'forward_{m}_ms']:.2f}" for m in ("compute", "comm", "overlapped"))
+            b = " / ".join(f"{r[f'backward_{m}_ms']:.2f}" for m in ("compute", "comm", "overlapped"))
+            eff = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            lines.append(f"| {causal} | {r['ranks']} | {r['seqlen']} | {r['strategy']} | {f} | "
+                         f"{eff(r['forward_efficiency'])} | {b} | {eff(r['backward_efficiency'])} | "
+                         f"{eff(r['hidden'])} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--selftest", required=True)
+    p.add_argument("--kernels", required=True)
+    p.add_argument("--overlap", nargs="*", default=[])
+    p.add_argument("--out", required=True, help="path without suffix: writes OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    selftest, kernels = load(args.selftest), load(args.kernels)
+    overlap = [load(o) for o in args.overlap]
+    versions = {**kernels.get("versions", {}), **{k: v for k, v in selftest["versions"].items()
+                                                  if v is not None}}
+    report = {"device": selftest["device"], "versions": versions,
+              "summary": selftest["summary"], "checks": selftest["checks"],
+              "speed": kernels["rows"], "speed_args": kernels.get("args"),
+              "overlap": [{"args": o.get("args"), "rows": [{k: v for k, v in r.items()
+                                                            if k != "timeline"} for r in o["rows"]]}
+                          for o in overlap]}
+    Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    v = versions
+    md = [f"# burstcu on {selftest['device']} (measured)", "",
+          f"CuPy {v.get('cupy')}, NVRTC {v.get('nvrtc')}, NCCL {v.get('nccl')}, driver "
+          f"{v.get('driver')}, CUDA runtime {v.get('cuda_runtime')}, PyTorch {v.get('torch')}.", "",
+          f"## `python -m burstcu.selftest --full`: {selftest['summary']}", "",
+          *checks_table(selftest["checks"]), "",
+          "## Speed, one GPU, one rank (`bench/kernels.py`): burstcu's step kernels, TFLOP/s and "
+          "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, CUDA "
+          "events, same run", "", *speed_table(kernels["rows"]), ""]
+    if overlap:
+        md += ["## Overlap on ONE GPU shared by G ranks (`bench/overlap_gpu.py`, loopback "
+               "transport: copies through HBM, not NVLink; read as schedule behaviour, not scaling)",
+               "", *overlap_table(overlap), ""]
+    Path(args.out + ".md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
