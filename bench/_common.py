@@ -133,6 +133,32 @@ def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def cuda_event_times_ms(fn, warmup: int, repeats: int, sync_inside: bool = False) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn() between CUDA events on CuPy's current
+    stream, after `warmup` calls. sync_inside: synchronize the whole device before the start and
+    before the stop event, for work other libraries issue on their own streams (a few
+    microseconds of host latency then enter every figure)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    device = cupy.cuda.Device()
+    device.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        if sync_inside:
+            device.synchronize()
+        start.record()
+        fn()
+        if sync_inside:
+            device.synchronize()
+        stop.record()
+        stop.synchronize()
+        times.append(float(cupy.cuda.get_elapsed_time(start, stop)))
+    return times
+
+
 def fmt_s(seconds) -> str:
     if seconds is None or seconds != seconds:
         return "-"

@@ -32,7 +32,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from _common import clean, progress, table, write_json  # noqa: I001 - sets sys.path
+from _common import clean, cuda_event_times_ms, progress, table, write_json  # noqa: I001 - sets sys.path
 
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
@@ -99,10 +99,15 @@ def burstcu_api(q, k, v, dout, causal: bool, pass_: str):
 
 
 def torch_sdpa(backend: str, q, k, v, dout, causal: bool, pass_: str):
-    """SDPA on the same memory as (B, H, S, D) views; None when the backend refuses the shape."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """SDPA on the same memory as (B, H, S, D) views; None when torch is missing or the backend
+    refuses the shape."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as exc:
+        progress(f"  {backend} skipped: {exc}")
+        return None
 
     which = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
@@ -123,31 +128,9 @@ def torch_sdpa(backend: str, q, k, v, dout, causal: bool, pass_: str):
 
 
 def time_ms(fn, warmup: int, repeats: int) -> float:
-    """Median milliseconds of fn() between CUDA events on CuPy's current stream. Torch runs on
-    its own current stream: the device is synchronized before each call so neither overlaps."""
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        cupy.cuda.Device().synchronize()
-        start.record()
-        fn()
-        _sync_torch()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
-def _sync_torch() -> None:
-    """Torch's work must finish before the stop event: order its stream before CuPy's."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
+    """Median milliseconds of fn() between CUDA events. Torch issues on its own stream, so for
+    every implementation alike the device is synchronized inside the timed region."""
+    return float(np.median(cuda_event_times_ms(fn, warmup, repeats, sync_inside=True)))
 
 
 # ------------------------------------------------------------------------------------------------

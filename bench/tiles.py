@@ -596,19 +596,8 @@ def time_ms(fn, warmup: int, repeats: int, backend: str = "cupy") -> list[float]
             fn()
             times.append((time.perf_counter() - t) * 1e3)
         return times
-    import cupy
-
-    dev = cupy.cuda.Device()
-    dev.synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(float(cupy.cuda.get_elapsed_time(start, stop)))
-    return times
+    from _common import cuda_event_times_ms
+    return cuda_event_times_ms(fn, 0, repeats)
 
 
 def measure_group(ops, family: str, dtype: str, d: int, seqlen: int, cands: list[dict],
@@ -933,7 +922,7 @@ def run_gate(args, cands: list[dict]) -> list[dict]:
     return records
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print candidates and plan; no compile")
     p.add_argument("--gate", action="store_true", help="compile-check on the CPU, write --candidates")
@@ -960,7 +949,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cupy", choices=["cupy", "emulated"],
                    help="emulated: the CPU emulator, to test this script without a GPU (tiny "
                         "sizes only; its times are not GPU figures)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
 
     enumerated = enumerate_candidates(args.tile_table, args.families, args.dtypes, args.headdims,
                                       args.max_candidates)

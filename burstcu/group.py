@@ -57,17 +57,21 @@ _NO_MPI_WARNED: list = []
 
 
 # world-size variables the common launchers set in every rank's environment
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_SLURM_BATCH_STEP = 4294967290  # step ids from here up are Slurm's batch/extern/interactive steps
 
 
 def launcher_world_size() -> tuple[str, int] | None:
-    """(variable, ranks) when an MPI launcher (Open MPI, MPICH/Hydra, Intel MPI, MVAPICH, srun
-    with PMI) started this process, else None."""
+    """(variable, ranks) when an MPI launcher (Open MPI's mpirun, MPICH/Hydra and Intel MPI,
+    MVAPICH) or Slurm's srun (any --mpi plugin, PMIx included) started this process, else None."""
     import os
     for var in _LAUNCHER_SIZE_VARS:
         value = os.environ.get(var, "")
         if value.isdigit():
             return var, int(value)
+    step, tasks = os.environ.get("SLURM_STEP_ID", ""), os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if step.isdigit() and int(step) < _SLURM_BATCH_STEP and tasks.isdigit():
+        return "SLURM_STEP_NUM_TASKS", int(tasks)
     return None
 
 

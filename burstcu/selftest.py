@@ -206,6 +206,7 @@ def main(argv=None) -> int:
                         help="everything one device can check (burstcu.testing.checks): on a GPU "
                              "at full sizes, else the kernels on the CPU emulator at toy sizes")
     parser.add_argument("--only", nargs="+", metavar="CHECK",
+                        choices=["variants", "kernels", "ring_steps", "nccl", "determinism", "loopback"],
                         help="with --full: run only these checks (variants, kernels, ring_steps, "
                              "nccl, determinism, loopback)")
     args = parser.parse_args(argv)

@@ -278,7 +278,11 @@ def test_cache_dir_override_and_foreign_folder(monkeypatch, tmp_path):
         kc.cache_dir()
 
 
-@pytest.mark.parametrize("launched,ok", [("2", False), ("1", True), (None, True)])
+@pytest.mark.parametrize("launched,ok", [({"PMI_SIZE": "2"}, False), ({"PMI_SIZE": "1"}, True),
+                                         ({}, True),
+                                         ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}, False),
+                                         ({"SLURM_STEP_ID": "4294967294",  # the batch step
+                                           "SLURM_STEP_NUM_TASKS": "2"}, True)])
 def test_no_mpi_library_under_a_launcher_of_several_ranks_is_an_error(launched, ok):
     """mpi4py without an MPI library: one process runs alone with a warning, but a rank that a
     launcher started as one of several refuses (it would otherwise compute the whole problem
@@ -287,10 +291,10 @@ def test_no_mpi_library_under_a_launcher_of_several_ranks_is_an_error(launched, 
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
-    env["MPI4PY_LIBMPI"] = "/nonexistent/libmpi.so"
-    if launched is not None:
-        env["PMI_SIZE"] = launched
+    drop = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_ID",
+            "SLURM_STEP_NUM_TASKS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(launched, MPI4PY_LIBMPI="/nonexistent/libmpi.so")
     proc = subprocess.run([sys.executable, "-c", "import burstcu; print(burstcu.init().size)"],
                           capture_output=True, text=True, timeout=60, env=env)
     if ok:
@@ -298,4 +302,5 @@ def test_no_mpi_library_under_a_launcher_of_several_ranks_is_an_error(launched, 
         assert "cannot load an MPI library" in proc.stderr  # the warning
     else:
         assert proc.returncode != 0
-        assert "one of 2 ranks (PMI_SIZE=2)" in proc.stderr and "MPI4PY_LIBMPI" in proc.stderr
+        var = "PMI_SIZE" if "PMI_SIZE" in launched else "SLURM_STEP_NUM_TASKS"
+        assert f"one of 2 ranks ({var}=2)" in proc.stderr and "MPI4PY_LIBMPI" in proc.stderr

@@ -61,8 +61,10 @@ def test_real_framework(framework):
         make = lambda a: torch.from_numpy(a)  # noqa: E731
         kind = torch.Tensor
     else:
-        jnp = pytest.importorskip("jax.numpy")
-        make, kind = jnp.asarray, type(pytest.importorskip("jax").numpy.zeros(1))
+        jax = pytest.importorskip("jax")
+        cpu = jax.devices("cpu")[0]  # the NumPy backend's device, also where a GPU is the default
+        make = lambda a: jax.device_put(jax.numpy.asarray(a), cpu)  # noqa: E731
+        kind = jax.Array
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 24, 2, 8), dtype=np.float32) for _ in range(3))
     out = burstcu.attention(make(q), make(k), make(v))

@@ -63,15 +63,17 @@ def test_logits_of_magnitude_1e3_stay_exact(dtype):
         assert err <= bound, (name, err, bound)
     # The backward recomputes P = exp(score - lse) from the lse the API hands back, with the
     # scores computed again in another BLAS call: at |score| ~ 1e3 a few float32 ulps of the score
-    # or of lse move P relatively by ~1e-4. The naive implementation of the same algorithm in the
-    # same dtype (scores recomputed by einsum in float32, P from the same lse and delta) shows
-    # the size of that: the rule compares against it.
+    # or of lse move P relatively by ~1e-4. The naive implementation of that algorithm in the
+    # same dtype shows the size of it: scores recomputed by einsum in the dtype, P from the exact
+    # (float64) lse and delta rounded once to the dtype - independent of the code under test.
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
-    delta = np.einsum("bshd,bshd->bhs", dout.astype(naive), out.astype(naive))
     keep = np.tril(np.ones((q.shape[1], q.shape[1]), bool))
+    exact_out, exact_lse = attention_ref(q, k, v, True, dtype=truth)
+    exact_delta = np.einsum("bshd,bshd->bhs", dout.astype(truth), exact_out)
+    naive_grads = step_backward_ref(q, k, v, dout, exact_lse.astype(naive), exact_delta.astype(naive),
+                                    keep, dtype=naive)
     for name, got, ref, nv in zip(("dq", "dk", "dv"), grads,
-                                  attention_backward_ref(dout, q, k, v, True, dtype=truth),
-                                  step_backward_ref(q, k, v, dout, lse, delta, keep, dtype=naive)):
+                                  attention_backward_ref(dout, q, k, v, True, dtype=truth), naive_grads):
         assert np.isfinite(got).all()
         ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype], factor=3.0)
         assert ok, (name, err, bound)

@@ -35,6 +35,8 @@ def test_full_selftest_on_the_emulator(tmp_path):
     assert not [c for c in data["checks"] if c["passed"] is False]
     skipped = {c["name"] for c in data["checks"] if c["passed"] is None}
     assert skipped == {"nccl", "memory/pool_growth"}  # a GPU is needed for those alone
+    assert {"ring_steps/G3/contiguous/full", "loopback/G3/contiguous/full",
+            "kernels/float16/d80/causal/deterministic"} <= {c["name"] for c in data["checks"]}
     assert "PASSED" in proc.stdout
 
 
@@ -57,3 +59,17 @@ def test_a_failing_check_is_reported_not_raised(monkeypatch):
     assert records[0] == {**records[0], "name": "kernels", "passed": False,
                           "detail": "RuntimeError: kernel launch failed"}
     assert records[1]["passed"] is None
+
+
+def test_ranks_agree_on_the_gpu_backend():
+    """The plain selftest under mpiexec -n 2, where only rank 1 believes it has a GPU: both
+    ranks run the CPU checks only (none enters the GPU path alone), and the job ends."""
+    from tests.mpi_run import mpiexec
+    script = ("from mpi4py import MPI; import burstcu.selftest as s; "
+              "s.gpu_usable = lambda: MPI.COMM_WORLD.Get_rank() == 1; "
+              "raise SystemExit(s.main(['--quick']))")
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ran the CPU checks only" in proc.stdout and "cupy" not in proc.stdout

@@ -16,7 +16,14 @@ export PATH=$bin:$PATH LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MPI4PY_LIBMPI=$lib/libmpi.so.12 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "mpiexec: $(command -v mpiexec)"
 $PY -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
-echo "--- mpiexec -n 1 demo (auto backend)"
-timeout 120 mpiexec -n 1 $PY -m burstcu.demo --causal; echo "exit $?"
-echo "--- mpiexec -n 2 demo, cupy backend, one GPU (expected: a clear error on both ranks)"
-timeout 60 mpiexec -n 2 $PY -m burstcu.demo --backend cupy; echo "exit $?"
+status=0
+echo "--- mpiexec -n 1 demo (auto backend): must run the kernels over NCCL and pass its checks"
+out=$(timeout 180 mpiexec -n 1 $PY -m burstcu.demo --causal 2>&1); rc=$?; echo "$out"
+if [ $rc -ne 0 ] || ! grep -q "backend cupy" <<<"$out"; then echo "FAIL: exit $rc"; status=1; fi
+echo "--- mpiexec -n 2 demo, cupy backend, one GPU: must fail on both ranks, with the reason"
+out=$(timeout 60 mpiexec -n 2 $PY -m burstcu.demo --backend cupy 2>&1); rc=$?; echo "$out"
+reasons=$(grep -c "only 1 GPU(s)" <<<"$out")
+if [ $rc -eq 0 ] || [ $rc -eq 124 ] || [ "$reasons" -lt 2 ]; then
+  echo "FAIL: exit $rc (124 = hung), reason printed by $reasons rank(s)"; status=1
+fi
+exit $status

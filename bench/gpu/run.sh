@@ -4,12 +4,14 @@
 #
 #     bash bench/gpu/run.sh [steps...]      # default: every step below, in order
 #
-# Steps: env, gate, full (selftest --full), basic (selftest), tests (tests/gpu and the kernel
-# tests on the GPU), kbench (bench/kernels.py), overlap (bench/overlap_gpu.py), tiles
-# (bench/tiles.py). Reports (JSON, PNG) go to $OUT; each step's log goes to $OUT/logs.tgz, rewritten
-# after every step so a run cut short still returns what it did. Wheels found in .whl/ (e.g. mpich)
-# are installed into /tmp/site first. The script never stops early: one failure does not hide
-# the next.
+# Steps (default: all, in this order): env, gate (compile gate with this machine's NVRTC), full
+# (selftest --full), tests (the kernel tests on the GPU), gputests (tests/gpu, interop, bring-up
+# fixes), kbench (bench/kernels.py), overlap and overlap_causal (bench/overlap_gpu.py), tiles
+# (bench/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
+# (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/). Reports (JSON, PNG) go to $OUT; each
+# step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
+# what it did. The script never stops early (one failure does not hide the next) and exits 1 if
+# any step failed. Wheels in .whl/ are installed into /tmp/site first.
 set -u
 OUT=${OUT:-bench/out/gpu}
 LOGS=${LOGS:-/tmp/burstcu-gpu-logs}
@@ -22,7 +24,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env gate full tests kbench overlap)
+[ ${#steps[@]} -eq 0 ] && steps=(env gate full tests gputests kbench overlap overlap_causal tiles
+                                 memcheck racecheck demo mpi)
+failed=()
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -32,6 +36,7 @@ step() {  # step NAME SECONDS COMMAND...
   local rc=$?
   tail -n "${TAIL:-25}" "$LOGS/$name.log"
   echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$LOGS/summary.txt"
+  [ "$rc" -eq 0 ] || failed+=("$name")
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 
@@ -63,7 +68,15 @@ for s in "${steps[@]}"; do
              tests/kernels/test_flash_bwd_emulated.py -k "test_ragged or (full_ragged and float16 and 64)" ;;
     demo) step demo 120 $PY -m burstcu.demo --causal ;;
     mpi) step mpi 240 bash bench/gpu/mpi_checks.sh ;;
-    gputests) step gputests 120 $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/gpu ;;
+    gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
+             -p no:cacheprovider tests/gpu tests/test_interop.py tests/test_bringup_fixes.py ;;
     *) echo "unknown step $s" ;;
   esac
 done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED steps: ${failed[*]}" | tee -a "$LOGS/summary.txt"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
+  exit 1
+fi
+echo "every step passed" | tee -a "$LOGS/summary.txt"

@@ -28,9 +28,10 @@ class RankFailed(RuntimeError):
 
 
 def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy",
-              timeout: float = 120.0, **options) -> list:
+              timeout: float = 120.0, join_timeout: float = 3600.0, **options) -> list:
     """[body(group of rank r) for r in range(size)], each on its own thread (see the module
-    docstring). timeout: seconds a rank waits for a peer. options: for the local op."""
+    docstring). timeout: seconds a rank waits for a peer. join_timeout: seconds the whole world
+    may take. options: for the local op."""
     hub = LoopbackHub(size, timeout)
     results: list = [None] * size
     errors: list = [None] * size
@@ -50,8 +51,13 @@ def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy"
                for r in range(size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    for t in threads:  # a rank stuck outside the hub (not waiting on a peer) is reported, not awaited
+        t.join(join_timeout)
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        hub.abort(f"rank(s) {stuck} still running after {join_timeout:.0f} s")
+        raise RankFailed(stuck[0], TimeoutError(f"still running after {join_timeout:.0f} s; "
+                                                f"its thread is left behind (daemon)"))
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         first = next(((r, e) for r, e in failed if not isinstance(e, PeerFailedError)), failed[0])

@@ -73,6 +73,13 @@ def nbytes(buf: Any) -> int:
     return int(buf.nbytes)
 
 
+def check_contiguous(buf: Any, what: str, transport: str) -> None:
+    """ValueError unless `buf` is C-contiguous (transports move raw bytes, ignoring strides)."""
+    flags = getattr(buf, "flags", None)
+    if flags is not None and not flags.c_contiguous:
+        raise ValueError(f"{transport} transport needs C-contiguous buffers; the {what} buffer is not")
+
+
 class Transport(ABC):
     """Point-to-point exchange + metadata agreement among `size` ranks; this process is `rank`."""
 

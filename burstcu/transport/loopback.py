@@ -40,7 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import CommTimeoutError, Transport, nbytes
+from .base import CommTimeoutError, Transport, check_contiguous, nbytes
+from .nccl import CupyStreams, join_stream
 
 
 class PeerFailedError(RuntimeError):
@@ -144,36 +145,13 @@ class HostDevice:
         return nullcontext()
 
 
-class CupyCopyDevice:
+class CupyCopyDevice(CupyStreams):
     """One GPU shared by the ranks: CuPy streams and events, device-to-device async copies."""
-
-    def __init__(self):
-        import cupy
-        self._cupy = cupy
-
-    def current_stream(self) -> Any:
-        return self._cupy.cuda.get_current_stream()
-
-    def new_stream(self) -> Any:
-        return self._cupy.cuda.Stream(non_blocking=True)
-
-    def new_event(self) -> Any:
-        return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
 
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
         runtime = self._cupy.cuda.runtime
         runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes(src),
                             runtime.memcpyDeviceToDevice, stream.ptr)
-
-    def annotate(self, label: str):
-        from .nccl import nvtx_range
-        return nvtx_range(label)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +180,10 @@ class LoopbackTransport(Transport):
         self._collectives = 0
 
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
+        for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is posted
+            for buf, what in ((send_buf, "send"), (recv_buf, "receive")):
+                if buf is not None:
+                    check_contiguous(buf, what, "loopback")
         dev = self.device
         with dev.annotate("burstcu commit"):
             ready = dev.new_event()
@@ -240,8 +222,7 @@ class LoopbackTransport(Transport):
             return
         dev = self.device
         with dev.annotate("burstcu wait"):
-            dev.record(self._arrived, self.stream)
-            dev.wait_event(dev.current_stream(), self._arrived)
+            join_stream(dev, self.stream, self._arrived)
             keys, self._unconfirmed = self._unconfirmed, []
             for key in keys:
                 copied = self.hub.take(("copied",) + key[1:],
@@ -252,6 +233,8 @@ class LoopbackTransport(Transport):
     # -- collectives ---------------------------------------------------------------------------
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
         """Every rank's send_buf into recv_buf (rank-major), stream-ordered like a ring step."""
+        check_contiguous(send_buf, "send", "loopback")
+        check_contiguous(recv_buf, "receive", "loopback")
         if nbytes(recv_buf) != nbytes(send_buf) * self.size:
             raise ValueError(f"allgather: recv_buf has {nbytes(recv_buf)} bytes, needs "
                              f"{self.size} x {nbytes(send_buf)}")

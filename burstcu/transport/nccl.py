@@ -40,7 +40,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .base import Transport, nbytes
+from .base import Transport, check_contiguous, nbytes
 
 # ----------------------------------------------------------------------------------------------
 # dtype table
@@ -125,17 +125,17 @@ def _nvtx():
 # ----------------------------------------------------------------------------------------------
 # the device: every stream, event and NCCL action the transport issues
 
-class CupyDevice:
-    """Streams, events and NCCL calls on one GPU, for one NCCL communicator.
+class CupyStreams:
+    """CuPy streams and events on the current GPU: what every GPU transport's device shares.
 
-    The transport calls only these methods; burstcu.schedule.RecordingDevice implements the same
-    ones to record the schedule. Stream and event objects are opaque to the transport.
+    The transports call only these methods (and their own additions); burstcu.schedule's
+    recording devices implement the same ones to record the schedule. Stream and event objects
+    are opaque to the transports.
     """
 
-    def __init__(self, nccl_comm: Any):
+    def __init__(self):
         import cupy
         self._cupy = cupy
-        self.comm = nccl_comm
 
     def current_stream(self) -> Any:
         """The caller's compute stream (CuPy's current stream at the time of the call)."""
@@ -153,6 +153,17 @@ class CupyDevice:
 
     def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def annotate(self, label: str):
+        return nvtx_range(label)
+
+
+class CupyDevice(CupyStreams):
+    """Streams, events and NCCL calls on one GPU, for one NCCL communicator."""
+
+    def __init__(self, nccl_comm: Any):
+        super().__init__()
+        self.comm = nccl_comm
 
     def group_start(self) -> None:
         from cupy.cuda import nccl
@@ -174,9 +185,6 @@ class CupyDevice:
         count, dtype = nccl_count(send_buf)
         self.comm.allGather(send_buf.data.ptr, recv_buf.data.ptr, count, dtype, stream.ptr)
 
-    def annotate(self, label: str):
-        return nvtx_range(label)
-
     def close(self) -> None:
         if self.comm is not None:
             self.comm.destroy()
@@ -186,10 +194,15 @@ class CupyDevice:
 # ----------------------------------------------------------------------------------------------
 # the transport
 
+def join_stream(device: Any, stream: Any, event: Any) -> None:
+    """Order the caller's current stream after everything issued so far on `stream`, through
+    `event`, without blocking the host."""
+    device.record(event, stream)
+    device.wait_event(device.current_stream(), event)
+
+
 def _check_contiguous(buf: Any, what: str) -> None:
-    flags = getattr(buf, "flags", None)
-    if flags is not None and not flags.c_contiguous:
-        raise ValueError(f"NCCL transport needs C-contiguous buffers; the {what} buffer is not")
+    check_contiguous(buf, what, "NCCL")
 
 
 class NCCLTransport(Transport):
@@ -233,10 +246,8 @@ class NCCLTransport(Transport):
     def _wait(self) -> None:
         if not self._in_flight:
             return
-        dev = self.device
-        with dev.annotate("burstcu wait"):
-            dev.record(self._arrived, self.stream)
-            dev.wait_event(dev.current_stream(), self._arrived)
+        with self.device.annotate("burstcu wait"):
+            join_stream(self.device, self.stream, self._arrived)
         self._in_flight = False
 
     # -- collectives ---------------------------------------------------------------------------
