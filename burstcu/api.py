@@ -92,13 +92,21 @@ def _device_problem(group: Group, names: tuple, arrays: tuple) -> InputError | N
     return None
 
 
+# frameworks whose array type lives in another package than their `from_dlpack`
+# (jax.Array's class is defined in jaxlib)
+_FRAMEWORK_OF = {"jaxlib": "jax"}
+
+
 def _exporter(x):
-    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it."""
-    root = sys.modules.get(type(x).__module__.split(".")[0])
-    for owner in (root, getattr(root, "numpy", None)):
-        fn = getattr(owner, "from_dlpack", None)
-        if callable(fn):
-            return fn
+    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it;
+    None when it cannot be found (the results then stay the backend's own arrays)."""
+    package = type(x).__module__.split(".")[0]
+    for name in (_FRAMEWORK_OF.get(package), package):
+        root = sys.modules.get(name) if name else None
+        for owner in (root, getattr(root, "numpy", None)):
+            fn = getattr(owner, "from_dlpack", None)
+            if callable(fn):
+                return fn
     return None
 
 

@@ -70,3 +70,20 @@ def test_real_framework(framework):
     out = burstcu.attention(make(q), make(k), make(v))
     assert isinstance(out, kind)
     assert np.abs(np.asarray(out) - attention_ref(q, k, v)[0]).max() < 1e-5
+
+
+def test_an_array_class_defined_in_a_helper_package_returns_to_its_framework(monkeypatch):
+    """jax.Array's class lives in jaxlib, its from_dlpack in jax.numpy: results must still come
+    back as the framework's arrays (here with stand-ins for both packages)."""
+    class Array(_Tensor):
+        pass
+
+    Array.__module__ = "jaxlib._jax"
+    jax_like = types.ModuleType("jax")
+    jax_like.numpy = types.SimpleNamespace(from_dlpack=lambda a: Array(np.from_dlpack(a)))
+    monkeypatch.setitem(sys.modules, "jax", jax_like)
+    monkeypatch.setitem(sys.modules, "jaxlib", types.ModuleType("jaxlib"))
+    q = np.random.default_rng(2).standard_normal((1, 16, 2, 8))
+    out = burstcu.attention(Array(q), Array(q), Array(q))
+    assert isinstance(out, Array)
+    assert np.abs(np.from_dlpack(out) - attention_ref(q, q, q)[0]).max() < 1e-12
