@@ -26,6 +26,9 @@ From CUDA events on each rank's streams (one reference event shared by all ranks
   hidden      in the overlapped run, the fraction of each rank's incoming-copy time during which
               one of its own step kernels was running (interval intersection of event times)
   copy_ms     the device time of one rank's incoming copies in the overlapped run (both passes)
+  steps       per ring step of the overlapped run (labels from the engine's annotations, e.g.
+              "fwd 2"): compute ms, copy ms and the hidden fraction of its copies, median over
+              ranks; printed per configuration
 Caveat on `efficiency`: the "comm" run keeps all the work but the step kernels (state init,
 finalize, layout copies), so t_comm is mostly not communication; when copies are cheap, as on one
 GPU, the efficiency sits near 1 by construction and its spread (values above 1) is noise. Read
@@ -51,20 +54,26 @@ MODES = ("compute", "comm", "overlapped")
 
 
 class EventOps(DelegatingOps):
-    """Records CUDA events around every step kernel on the current (compute) stream; with
-    compute=False each step gets no blocks."""
+    """Records CUDA events around every step kernel on the current (compute) stream, labelled
+    with the engine's annotation of the step ("fwd 2 compute"); with compute=False each step gets
+    no blocks. `where` is the engine's latest annotation (the copy device reads it too)."""
 
     def __init__(self, inner, compute: bool):
         super().__init__(inner)
-        self.compute, self.intervals = compute, []
+        self.compute, self.intervals, self.where = compute, [], "start"
+
+    def annotate(self, label: str):
+        self.where = label
+        return self.inner.annotate(label)
 
     def _timed(self, fn, *args):
         import cupy
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        label = self.where
         start.record()
         fn(*args)
         stop.record()
-        self.intervals.append(("compute", start, stop))
+        self.intervals.append(("compute", label, start, stop))
 
     def forward_step(self, state, k, v, blocks):
         self._timed(self.inner.forward_step, state, k, v, blocks if self.compute else [])
@@ -75,11 +84,12 @@ class EventOps(DelegatingOps):
 
 
 class EventCopyDevice(CupyCopyDevice):
-    """The loopback device with events around every copy; with move=False it copies nothing."""
+    """The loopback device with events around every copy, labelled with the engine's annotation
+    at the time (`labels.where`: "fwd 0 send/recv kv"); with move=False it copies nothing."""
 
     def __init__(self, move: bool):
         super().__init__()
-        self.move, self.intervals = move, []
+        self.move, self.intervals, self.labels = move, [], None
 
     def copy(self, dst, src, stream):
         start, stop = self._cupy.cuda.Event(), self._cupy.cuda.Event()
@@ -87,7 +97,7 @@ class EventCopyDevice(CupyCopyDevice):
         if self.move:
             super().copy(dst, src, stream)
         stop.record(stream)
-        self.intervals.append(("comm", start, stop))
+        self.intervals.append(("comm", getattr(self.labels, "where", "?"), start, stop))
 
 
 def _instrument(group, mode: str):
@@ -95,7 +105,9 @@ def _instrument(group, mode: str):
     import dataclasses
     device = EventCopyDevice(move=(mode != "compute"))
     group.transport.device = device
-    return dataclasses.replace(group, ops=EventOps(group.ops, compute=(mode != "comm"))), device
+    ops = EventOps(group.ops, compute=(mode != "comm"))
+    device.labels = ops
+    return dataclasses.replace(group, ops=ops), device
 
 
 def _one_call(group, inputs, args, strategy):
@@ -129,6 +141,35 @@ def _hidden(compute, comm) -> float | None:
     return min(1.0, covered / total)
 
 
+def _step_key(label: str) -> str:
+    """"fwd 2 compute" / "fwd 2 send/recv kv" -> "fwd 2"; "bwd return dq" -> "bwd return"."""
+    return " ".join(label.split()[:2])
+
+
+def _per_step(timelines: list) -> list[dict]:
+    """Per ring step of the overlapped run: compute and copy milliseconds and the hidden fraction
+    of the copies, each the median over ranks (a step a rank skips counts 0 for it)."""
+    keys = []
+    for tl in timelines:
+        for _, label, _, _ in tl:
+            if _step_key(label) not in keys:
+                keys.append(_step_key(label))
+    rows = []
+    for key in keys:
+        per_rank = []
+        for tl in timelines:
+            compute = [(a, b) for kind, label, a, b in tl if kind == "compute"]
+            mine = [(kind, a, b) for kind, label, a, b in tl if _step_key(label) == key]
+            comm = [(a, b) for kind, a, b in mine if kind == "comm"]
+            per_rank.append((sum(b - a for kind, a, b in mine if kind == "compute"),
+                             sum(b - a for a, b in comm), _hidden(compute, comm)))
+        hidden = [h for _, _, h in per_rank if h is not None]
+        rows.append({"step": key, "compute_ms": C.median([c for c, _, _ in per_rank]),
+                     "copy_ms": C.median([m for _, m, _ in per_rank]),
+                     "hidden": C.median(hidden) if hidden else None})
+    return rows
+
+
 def run_config(size: int, seqlen: int, strategy: str, args) -> dict:
     import cupy
     from burstcu.testing.loopback import run_ranks
@@ -150,8 +191,8 @@ def run_config(size: int, seqlen: int, strategy: str, args) -> dict:
                     continue
                 rows[mode].append({p: _ms(a, b) for p, (a, b) in marks.items()})
                 if mode == "overlapped":
-                    timeline = [(kind, _ms(ref, a), _ms(ref, b))
-                                for kind, a, b in g.ops.intervals + device.intervals]
+                    timeline = [(kind, label, _ms(ref, a), _ms(ref, b))
+                                for kind, label, a, b in g.ops.intervals + device.intervals]
         return rows, timeline
 
     results = run_ranks(size, body, backend="cupy")
@@ -179,12 +220,13 @@ def _summarize(size, seqlen, strategy, results) -> dict:
                                   if shorter > 0 else None)
     hidden, copy_ms = [], []
     for _, timeline in results:
-        compute = [(a, b) for kind, a, b in timeline if kind == "compute"]
-        comm = [(a, b) for kind, a, b in timeline if kind == "comm"]
+        compute = [(a, b) for kind, _, a, b in timeline if kind == "compute"]
+        comm = [(a, b) for kind, _, a, b in timeline if kind == "comm"]
         hidden.append(_hidden(compute, comm))
         copy_ms.append(sum(b - a for a, b in comm))
     row["copy_ms"] = C.median(copy_ms)  # device time of one rank's incoming copies, both passes
     row["hidden"] = C.median([h for h in hidden if h is not None]) if any(h is not None for h in hidden) else None
+    row["steps"] = _per_step([timeline for _, timeline in results])
     row["hidden_per_rank"] = hidden
     row["timeline"] = [timeline for _, timeline in results]
     return row
@@ -202,9 +244,9 @@ def plot(rows, path) -> None:
 
     big = max(rows, key=lambda r: (r["ranks"], r["seqlen"]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
-    t0 = min(a for tl in big["timeline"] for _, a, _ in tl)
+    t0 = min(a for tl in big["timeline"] for _, _, a, _ in tl)
     for rank, tl in enumerate(big["timeline"]):
-        for kind, a, b in tl:
+        for kind, _, a, b in tl:
             y = rank + (0.2 if kind == "compute" else -0.2)
             ax.barh(y, b - a, left=a - t0, height=0.35,
                     color="tab:blue" if kind == "compute" else "tab:orange")
@@ -262,6 +304,10 @@ def main(argv=None) -> int:
         C.progress(f"[{i + 1}/{len(plan)}] {g} ranks, seqlen {s}, {st}")
         rows.append(run_config(g, s, st, args))
         print(C.table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+        print("  per step: " + "; ".join(
+            f"{r['step']} compute {r['compute_ms']:.2f} copy {r['copy_ms']:.2f} hidden "
+            f"{'-' if r['hidden'] is None else format(r['hidden'], '.2f')}" for r in rows[-1]["steps"]),
+            flush=True)
     print("# one GPU shared by every rank (loopback transport): see the docstring before reading "
           "these as multi-GPU figures\n" + C.table(rows, COLUMNS), flush=True)
     if args.json:

@@ -170,3 +170,23 @@ def test_gpu_benchmarks_plan_without_a_gpu():
     out = run_bench("overlap_gpu.py", ["--dry-run", "--ranks", "2", "3", "--seqlen", "12288"],
                     nprocs=None)
     assert out.count("on one GPU") == 4 and "3 ranks on one GPU, global seqlen 12288 (4096 a rank)" in out
+
+
+def test_overlap_gpu_interval_arithmetic():
+    """bench/overlap_gpu.py's per-step table and hidden fraction, from labelled event intervals
+    (kind, engine annotation, start ms, stop ms) of two ranks."""
+    import overlap_gpu as og
+
+    assert og._hidden([(0, 10)], [(5, 15)]) == 0.5
+    assert og._hidden([(0, 2), (4, 6)], [(1, 5)]) == 0.5
+    assert og._hidden([(0, 1)], []) is None
+    rank0 = [("compute", "fwd 0 compute", 0, 10), ("comm", "fwd 0 send/recv kv", 2, 4),
+             ("compute", "fwd 1 compute", 10, 20), ("comm", "bwd return dq", 30, 31)]
+    rank1 = [("compute", "fwd 0 compute", 0, 8), ("comm", "fwd 0 send/recv kv", 9, 11),
+             ("compute", "fwd 1 compute", 11, 19)]
+    steps = {r["step"]: r for r in og._per_step([rank0, rank1])}
+    assert list(steps) == ["fwd 0", "fwd 1", "bwd return"]
+    assert steps["fwd 0"]["compute_ms"] == 9 and steps["fwd 0"]["copy_ms"] == 2
+    assert steps["fwd 0"]["hidden"] == 0.5  # rank 0: inside its compute; rank 1: between kernels
+    assert steps["fwd 1"]["copy_ms"] == 0 and steps["fwd 1"]["hidden"] is None
+    assert steps["bwd return"]["copy_ms"] == 0.5 and steps["bwd return"]["hidden"] == 0.0

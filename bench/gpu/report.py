@@ -69,7 +69,7 @@ def overlap_table(runs: list[dict]) -> list[str]:
             base = r["forward_compute_ms"] + r["backward_compute_ms"]
             copies = r.get("copy_ms")
             if copies is None and r.get("timeline"):  # older runs: from the recorded intervals
-                copies = sorted(sum(b - a for kind, a, b in tl if kind == "comm")
+                copies = sorted(sum(x[-1] - x[-2] for x in tl if x[0] == "comm")
                                 for tl in r["timeline"])[len(r["timeline"]) // 2]
             lines.append(f"| {causal} | {r['ranks']} | {r['seqlen']} | {r['strategy']} | {f} | "
                          f"{eff(r['forward_efficiency'])} | {b} | {eff(r['backward_efficiency'])} | "
