@@ -142,8 +142,14 @@ def _hidden(compute, comm) -> float | None:
 
 
 def _step_key(label: str) -> str:
-    """"fwd 2 compute" / "fwd 2 send/recv kv" -> "fwd 2"; "bwd return dq" -> "bwd return"."""
-    return " ".join(label.split()[:2])
+    """The step an annotation names: its words up to the step number ("fwd 2 compute" and
+    "fwd 2 send/recv kv" -> "fwd 2"; "ring bwd 1 compute" -> "ring bwd 1"), else its first two
+    words ("bwd return dq" -> "bwd return")."""
+    words = label.split()
+    for i, word in enumerate(words):
+        if word.isdigit():
+            return " ".join(words[:i + 1])
+    return " ".join(words[:2])
 
 
 def _per_step(timelines: list) -> list[dict]:

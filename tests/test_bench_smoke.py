@@ -190,3 +190,4 @@ def test_overlap_gpu_interval_arithmetic():
     assert steps["fwd 0"]["hidden"] == 0.5  # rank 0: inside its compute; rank 1: between kernels
     assert steps["fwd 1"]["copy_ms"] == 0 and steps["fwd 1"]["hidden"] is None
     assert steps["bwd return"]["copy_ms"] == 0.5 and steps["bwd return"]["hidden"] == 0.0
+    assert og._step_key("ring bwd 3 send/recv") == "ring bwd 3"

@@ -78,6 +78,29 @@ def overlap_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def step_tables(runs: list[dict]) -> list[str]:
+    """Per ring step of the largest burst configuration of each run, from its recorded
+    intervals (bench/overlap_gpu.py's per-step medians over ranks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from overlap_gpu import _per_step
+
+    lines = []
+    for run in runs:
+        burst = [r for r in run["rows"] if r["strategy"] == "burst" and r.get("timeline")]
+        if not burst or len(burst[0]["timeline"][0][0]) != 4:  # older runs carry no labels
+            continue
+        big = max(burst, key=lambda r: (r["ranks"], r["seqlen"]))
+        causal = run.get("args", {}).get("causal") == "True"
+        lines += [f"Per step, burst, {big['ranks']} ranks, S = {big['seqlen']}, "
+                  f"{'causal zigzag' if causal else 'full'} (median over ranks):", "",
+                  "| step | compute ms | copy ms | hidden |", "| --- | --- | --- | --- |"]
+        for row in _per_step(big["timeline"]):
+            hidden = "-" if row["hidden"] is None else f"{row['hidden']:.2f}"
+            lines.append(f"| {row['step']} | {row['compute_ms']:.2f} | {row['copy_ms']:.2f} | {hidden} |")
+        lines.append("")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--selftest", required=True)
@@ -112,7 +135,7 @@ def main(argv=None) -> int:
                "", "`eff` is near 1 by construction when copies are cheap (see overlap_gpu.py); "
                "`both - compute` is what running the copies added to the compute-only passes, "
                "`copies ms` their device time, `hidden` the fraction of it during which the same "
-               "rank's kernels ran.", "", *md_overlap, ""]
+               "rank's kernels ran.", "", *md_overlap, "", *step_tables(overlap)]
     Path(args.out + ".md").write_text("\n".join(md))
     print("\n".join(md))
     return 0
