@@ -138,8 +138,8 @@ class TimedTransport(Transport):
         self.intervals.append(["comm", t0, time.perf_counter()])
         self._posts += self.size > 1  # a group of one gathers by a local copy: not communication
 
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
+    def allgather_object(self, obj, what="metadata"):
+        return self.inner.allgather_object(obj, what)
 
     def barrier(self):
         self.inner.barrier()

@@ -10,6 +10,8 @@ Public API (see `burstcu.api` for shapes and semantics)::
 
 from .api import attention, attention_backward, shard, unshard
 from .group import Group, init
+from .transport.base import CommTimeoutError
 
-__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard"]
+__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard",
+           "CommTimeoutError"]
 __version__ = "0.1.0"

@@ -22,9 +22,11 @@ import numpy as np
 
 from . import ring
 from .group import Group, local_group
+from .ops.base import DelegatingOps
+from .transport.base import CommTimeoutError, PeerFailedError
 from .layout import check_layout, shard_slices
-from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, metadata,
-                       resolve_scale)
+from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
+                       metadata, resolve_scale)
 
 STRATEGIES = ("burst", "ring", "allgather")
 
@@ -133,8 +135,49 @@ def _engine(strategy: str):
     return strategies.get(strategy)
 
 
+class _Tracking(DelegatingOps):
+    """The group's local op, reporting each step the engine annotates ("fwd 2 compute") to the
+    transport, so a failure or a timeout can say where it happened."""
+
+    def __init__(self, inner, transport):
+        super().__init__(inner)
+        self.transport = transport
+
+    def annotate(self, label: str):
+        self.transport.where = label
+        return self.inner.annotate(label)
+
+
+class _Call:
+    """One public call on one rank, and what happens when it fails (README, "When things go
+    wrong"). While the ranks agree on the inputs, only a transport failure (a timeout, a peer
+    that failed) ends the group: input errors are raised on every rank alike by the agreement.
+    Once data moves (`moving()`), any exception on this rank ends the group, since its peers are
+    waiting for it mid-ring: `Transport.fail` prints the rank, the call, the step and the cause
+    and aborts every rank; in a group of one the exception just rises."""
+
+    def __init__(self, group: Group, name: str):
+        self.transport, self.name, self.moving_data = group.transport, name, False
+
+    def __enter__(self):
+        self.transport.call, self.transport.where = self.name, "agreement on the inputs"
+        return self
+
+    def moving(self) -> None:
+        self.moving_data = True
+
+    def __exit__(self, kind, exc, tb):
+        t = self.transport
+        try:
+            if exc is not None and (self.moving_data or isinstance(exc, (CommTimeoutError, PeerFailedError))):
+                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
+        finally:
+            t.call, t.where = None, "between calls"
+        return False
+
+
 def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
-             strategy):
+             strategy, flags: dict):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
 
@@ -149,18 +192,19 @@ def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_sca
             arrays, export = _native(group.ops, *arrays)
             err, scale, meta = _check_local(group.ops, arrays, backward=backward, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy)
+                                            strategy=strategy, flags=flags)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
-    agree(group.transport, err, meta)
+    agree(group.transport, err, meta, "attention_backward" if backward else "attention")
     return arrays, export, scale
 
 
-def _check_local(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout, strategy):
+def _check_local(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout, strategy,
+                 flags: dict):
     """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays."""
     q, k, v = arrays[1:4] if backward else arrays
-    err = _check_options(strategy) or check_attention_inputs(
+    err = _check_options(strategy) or check_flags(**flags) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
         softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
     if err is None and backward:
@@ -200,11 +244,15 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group = _group_for(group, q)
-    (q, k, v), export, scale = _checked(group, (q, k, v), backward=False, causal=causal,
-                                        softmax_scale=softmax_scale, layout=layout, strategy=strategy)
-    out, lse = _returned(export, _engine(strategy).forward(
-        q, k, v, group.ops, group.transport, causal=bool(causal), softmax_scale=scale,
-        layout=layout, trace=group.trace))
+    with _Call(group, "attention forward") as call:
+        (q, k, v), export, scale = _checked(group, (q, k, v), backward=False, causal=causal,
+                                            softmax_scale=softmax_scale, layout=layout,
+                                            strategy=strategy,
+                                            flags={"causal": causal, "return_lse": return_lse})
+        call.moving()
+        out, lse = _returned(export, _engine(strategy).forward(
+            q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
+            softmax_scale=scale, layout=layout, trace=group.trace))
     return (out, lse) if return_lse else out
 
 
@@ -219,12 +267,15 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
     """
     group = _group_for(group, q)
-    (dout, q, k, v, out, lse), export, scale = _checked(
-        group, (dout, q, k, v, out, lse), backward=True, causal=causal,
-        softmax_scale=softmax_scale, layout=layout, strategy=strategy)
-    return _returned(export, _engine(strategy).backward(
-        dout, q, k, v, out, lse, group.ops, group.transport, causal=bool(causal),
-        softmax_scale=scale, layout=layout, trace=group.trace))
+    with _Call(group, "attention backward") as call:
+        (dout, q, k, v, out, lse), export, scale = _checked(
+            group, (dout, q, k, v, out, lse), backward=True, causal=causal,
+            softmax_scale=softmax_scale, layout=layout, strategy=strategy,
+            flags={"causal": causal})
+        call.moving()
+        return _returned(export, _engine(strategy).backward(
+            dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
+            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace))
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):
@@ -250,10 +301,18 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
     check_layout(layout)
     if group is None or group.size == 1:
         return _array_module(x_local).ascontiguousarray(x_local)
+    with _Call(group, "unshard") as call:
+        shapes = group.transport.allgather_object((tuple(x_local.shape), str(x_local.dtype), axis),
+                                                  "unshard")
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; got {shapes}")
+        call.moving()
+        return _gathered(x_local, group, layout, axis)
+
+
+def _gathered(x_local, group: Group, layout: str, axis: int):
+    """The allgather and reassembly of `unshard`, after the ranks agreed on the shape."""
     xp = _array_module(x_local)
-    shapes = group.transport.allgather_object((tuple(x_local.shape), str(x_local.dtype), axis))
-    if any(s != shapes[0] for s in shapes):
-        raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; got {shapes}")
     axis = axis % x_local.ndim
     moved = xp.ascontiguousarray(xp.moveaxis(x_local, axis, 0))
     gathered = xp.empty((group.size,) + moved.shape, dtype=moved.dtype)

@@ -23,7 +23,14 @@ BACKENDS = ("auto", "numpy", "cupy", "emulated")
 
 @dataclass
 class Group:
-    """The ranks that share one sequence. `stats` counts this rank's payload bytes and messages."""
+    """The ranks that share one sequence. `stats` counts this rank's payload bytes and messages.
+
+    A context manager: `with burstcu.init() as group: ...` closes it on the way out. `close()`
+    frees the message buffers kept between calls and the transport's communicator; calling it
+    again does nothing. `release_buffers()` frees only the buffers (the ring keeps two message
+    buffers per recent problem shape, about 4 x (|K| + |V|) forward and 4 x (|Q| + |dO|) + 4 x
+    |dQ fp32| backward, for the 4 most recent shapes, so repeated calls allocate nothing).
+    """
 
     rank: int
     size: int
@@ -32,16 +39,37 @@ class Group:
     ops: LocalOps = field(repr=False)
     comm: Any = field(default=None, repr=False)
     trace: Any = field(default=None, repr=False)  # a burstcu.ring.Trace to record step timings into
+    closed: bool = field(default=False, repr=False)
 
     @property
     def stats(self) -> CommStats:
         return self.transport.stats
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a rank waits for a peer inside a burstcu call before CommTimeoutError."""
+        return self.transport.timeout
+
     def barrier(self) -> None:
         self.transport.barrier()
 
+    def release_buffers(self) -> None:
+        """Free the message buffers kept for reuse between calls (they are re-made on demand)."""
+        self.ops.release_buffers()
+
     def close(self) -> None:
+        """Free buffers and the communicator. Idempotent; the group is unusable afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.release_buffers()
         self.transport.close()
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def gpu_usable() -> bool:
@@ -103,11 +131,11 @@ def world_comm(comm=None):
     return MPI.COMM_WORLD
 
 
-def _mpi_transport(comm, progress: str) -> Transport:
+def _mpi_transport(comm, progress: str, timeout: float | None) -> Transport:
     if comm is None or comm.Get_size() == 1:
-        return SelfTransport()
+        return SelfTransport(timeout)
     from .transport.mpi import MPITransport
-    return MPITransport(comm, progress=progress)
+    return MPITransport(comm, progress=progress, timeout=timeout)
 
 
 def _resolve_backend(backend: str, comm) -> str:
@@ -127,17 +155,24 @@ def _warn_cpu_fallback(comm, why: str) -> None:
         warnings.warn(f"burstcu: backend 'auto' runs the NumPy CPU backend ({why})", stacklevel=3)
 
 
-def init(comm=None, backend: str = "auto", *, progress: str = "thread", **options) -> Group:
+def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
+         progress: str = "thread", **options) -> Group:
     """Create the group of all ranks of `comm` (default `MPI.COMM_WORLD`; without mpi4py, a
     group of one process).
 
     backend: "numpy", "emulated", "cupy" or "auto" (see the module docstring).
+    timeout: seconds a rank may wait for a peer inside any burstcu call (agreement, exchange,
+        collective) before it raises `burstcu.CommTimeoutError` naming the call, the step and the
+        peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. Waiting does not spin.
     progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
         caller's thread ("inline").
     options: passed to the local op (e.g. tile sizes for "numpy", deterministic=True for the
         kernel backends).
-    Collective over `comm`: every rank must call it.
+    Collective over `comm`: every rank must call it. Close the group when done (`close()`, or
+    use it as a context manager).
     """
+    from .transport.base import resolve_timeout
+    timeout = resolve_timeout(timeout)
     comm = world_comm(comm)
     asked = backend
     backend = _resolve_backend(backend, comm)
@@ -146,7 +181,7 @@ def init(comm=None, backend: str = "auto", *, progress: str = "thread", **option
     if backend == "cupy":
         from .transport.nccl import BackendUnavailable
         try:
-            return _init_cupy(comm, options)
+            return _init_cupy(comm, options, timeout)
         except BackendUnavailable as exc:  # raised on every rank alike, so all fall back together
             if asked != "auto":
                 raise
@@ -154,18 +189,18 @@ def init(comm=None, backend: str = "auto", *, progress: str = "thread", **option
             backend = "numpy"
     if backend == "numpy":
         from .ops.numpy_ops import NumpyOps
-        transport, ops = _mpi_transport(comm, progress), NumpyOps(**options)
+        transport, ops = _mpi_transport(comm, progress, timeout), NumpyOps(**options)
     elif backend == "emulated":
         from .ops.kernel_ops import KernelOps
-        transport, ops = _mpi_transport(comm, progress), KernelOps("emulated", **options)
+        transport, ops = _mpi_transport(comm, progress, timeout), KernelOps("emulated", **options)
     return Group(transport.rank, transport.size, backend, transport, ops, comm)
 
 
-def _init_cupy(comm, options) -> Group:
+def _init_cupy(comm, options, timeout: float) -> Group:
     """NCCL over the node-local GPU (bootstrap makes it current) with the CUDA kernels."""
     from .ops.kernel_ops import KernelOps
     from .transport.nccl import bootstrap
-    transport, _device = bootstrap(comm)
+    transport, _device = bootstrap(comm, timeout)
     return Group(transport.rank, transport.size, "cupy", transport, KernelOps("cupy", **options), comm)
 
 

@@ -218,6 +218,11 @@ class RecordingDevice:
     def wait_event(self, stream: str, event: str) -> None:
         self._add(stream, "wait", f"wait {event}", event=event)
 
+    def query(self, event: str) -> bool:
+        """Whether the event has completed: always, unless `stalled` (a test of the watchdog:
+        a peer that never answers leaves the exchange's event pending forever)."""
+        return not getattr(self, "stalled", False)
+
     def group_start(self) -> None:
         assert self._group_open is None, "NCCL groups do not nest here"
         self._group_open = self._groups

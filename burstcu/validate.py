@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .layout import LAYOUTS
+from .ops.base import accum_dtype
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -33,14 +34,16 @@ def dtype_name(x: Any) -> str:
     return np.dtype(x.dtype).name
 
 
-def _check_array(name: str, x: Any, ndim: int, array_types: tuple) -> InputError | None:
+def _check_array(name: str, x: Any, ndim: int, array_types: tuple,
+                 dtypes: tuple | None = FLOAT_DTYPES) -> InputError | None:
+    """x's array type, number of dimensions and (unless `dtypes` is None) dtype."""
     if not isinstance(x, array_types):
         allowed = " or ".join(f"{t.__module__}.{t.__name__}" for t in array_types)
         return InputError(TypeError, f"{name} must be a {allowed}, got {type(x).__module__}.{type(x).__name__}")
     if x.ndim != ndim:
         return InputError(ValueError, f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
-    if dtype_name(x) not in FLOAT_DTYPES:
-        return InputError(TypeError, f"{name} has dtype {dtype_name(x)}; supported: {', '.join(FLOAT_DTYPES)}")
+    if dtypes is not None and dtype_name(x) not in dtypes:
+        return InputError(TypeError, f"{name} has dtype {dtype_name(x)}; supported: {', '.join(dtypes)}")
     return None
 
 
@@ -106,12 +109,36 @@ def check_backward_inputs(dout, out, lse, q, *, array_types: tuple) -> InputErro
             return InputError(ValueError, f"{name} has shape {tuple(x.shape)}, q has {tuple(q.shape)}")
         if dtype_name(x) != dtype_name(q):
             return InputError(TypeError, f"{name} has dtype {dtype_name(x)}, q has {dtype_name(q)}")
-    err = _check_array("lse", lse, 3, array_types)
+    return _check_lse(lse, q, array_types)
+
+
+_PASS_LSE = "pass the lse that attention(..., return_lse=True) returned"
+
+
+def _check_lse(lse, q, array_types: tuple) -> InputError | None:
+    """lse exactly as `attention(..., return_lse=True)` returns it for q (B, S, H, D): shape
+    (B, H, S), dtype float32 (float64 for float64 q) — the backward reads it as that."""
+    err = _check_array("lse", lse, 3, array_types, dtypes=None)
     if err:
         return err
+    want = accum_dtype(q.dtype).name
+    if dtype_name(lse) != want:
+        return InputError(TypeError, f"lse has dtype {dtype_name(lse)}; attention returns {want} lse "
+                                     f"for {dtype_name(q)} inputs: {_PASS_LSE}")
     b, s, h, _ = q.shape
     if tuple(lse.shape) != (b, h, s):
-        return InputError(ValueError, f"lse must have shape (batch, nheads, seqlen_local) = {(b, h, s)}, got {tuple(lse.shape)}")
+        return InputError(ValueError, f"lse must have shape (batch, nheads, seqlen_local) = {(b, h, s)}, "
+                                      f"got {tuple(lse.shape)}: {_PASS_LSE}")
+    return None
+
+
+def check_flags(**flags) -> InputError | None:
+    """A TypeError naming the first flag (e.g. causal=..., return_lse=...) whose value is not a
+    bool — Python's or NumPy's — else None. Without it `causal="no"` would read as True."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            return InputError(TypeError, f"{name} must be True or False, got {value!r} "
+                                         f"({type(value).__name__})")
     return None
 
 
@@ -122,13 +149,14 @@ def metadata(*arrays, **options) -> tuple:
     return (shapes, dtypes, tuple(sorted(options.items())))
 
 
-def agree(transport, error: InputError | None, meta: tuple) -> None:
-    """One collective round; then raise on every rank if any rank failed or ranks disagree."""
+def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata") -> None:
+    """One collective round; then raise on every rank if any rank failed or ranks disagree.
+    `what` names the call, so ranks inside different calls fail together too."""
     if transport.size == 1:
         if error:
             raise error.kind(error.message)
         return
-    gathered = transport.allgather_object((error, meta))
+    gathered = transport.allgather_object((error, meta), what)
     if error:
         raise error.kind(error.message)
     failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]

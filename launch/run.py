@@ -7,6 +7,10 @@
     launch/burstcu-run --slurm --nodes 2 --gpus-per-node 8 -- python train.py > job.sbatch
     add --dry-run to print the exact command and environment instead of running it.
 
+Every rank runs as `launch/rank-guard [launch/bind-gpu] python -m mpi4py ...`: under
+`-m mpi4py` an uncaught exception on one rank aborts all of them (no rank waits forever for a
+peer that died), and rank-guard names a rank that dies of a signal (MPICH reports only its PID).
+
 One rank per GPU. NCCL refuses two ranks on one GPU, so a node runs at most as many ranks as it
 has GPUs. Two ways to give each rank its GPU:
   --bind local-rank (default): every rank sees every GPU; burstcu's bootstrap picks device
@@ -38,6 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BIND_GPU = HERE / "bind-gpu"
+RANK_GUARD = HERE / "rank-guard"
 DEFAULT_ENV = {"NCCL_DEBUG": "WARN"}
 CPU_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -51,6 +56,22 @@ def rank_env(cpu: bool, user_env: dict[str, str], extra: dict[str, str]) -> dict
     env = {k: v for k, v in wanted.items() if k not in user_env}
     env.update(extra)
     return env
+
+
+def with_mpi4py(command: list[str]) -> list[str]:
+    """`python X ...` as `python -m mpi4py X ...`: an uncaught exception on one rank then prints
+    its traceback and aborts every rank (MPI_Abort) instead of leaving the others waiting."""
+    if command and Path(command[0]).name.startswith("python") and command[1:3] != ["-m", "mpi4py"]:
+        return [command[0], "-m", "mpi4py", *command[1:]]
+    return list(command)
+
+
+def rank_program(command: list[str], bind: str, root: Path | str = HERE) -> list[str]:
+    """What each rank runs: launch/rank-guard (names a rank that dies of a signal), then
+    launch/bind-gpu with --bind visible, then the command under `python -m mpi4py`."""
+    root = Path(root)
+    wrap = [str(root / RANK_GUARD.name)] + ([str(root / BIND_GPU.name)] if bind == "visible" else [])
+    return wrap + with_mpi4py(command)
 
 
 def mpi_command(*, mpiexec: str, flavour: str, nprocs: int, per_node: int | None,
@@ -74,9 +95,7 @@ def mpi_command(*, mpiexec: str, flavour: str, nprocs: int, per_node: int | None
             argv += ["--map-by", f"ppr:{per_node}:node"]
         for key, value in sorted(env.items()):
             argv += ["-x", f"{key}={value}"]
-    if bind == "visible":
-        argv.append(str(BIND_GPU))
-    return argv + command
+    return argv + rank_program(command, bind)
 
 
 def render_sbatch(*, nodes: int, gpus_per_node: int, command: list[str], time: str = "00:30:00",
@@ -101,9 +120,8 @@ def render_sbatch(*, nodes: int, gpus_per_node: int, command: list[str], time: s
         lines.append(f'export {key}="${{{key}:-{value}}}"')
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
     srun = ["srun", "--mpi=pmix", "--cpu-bind=cores"]
-    if bind == "visible":
-        srun.append("launch/bind-gpu")  # relative to the submit directory (the repository root)
-    lines += ["", "${BURSTCU_DRY_RUN:+echo} " + shlex.join(srun + command), ""]
+    program = rank_program(command, bind, root="launch")  # relative to the submit directory
+    lines += ["", "${BURSTCU_DRY_RUN:+echo} " + shlex.join(srun + program), ""]
     return "\n".join(lines)
 
 

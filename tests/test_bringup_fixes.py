@@ -186,7 +186,7 @@ class _TwoRankTransport:
     def __init__(self, peer):
         self.peer, self.sent = peer, []
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj, what="metadata"):
         self.sent.append(obj)
         return [obj, self.peer]
 

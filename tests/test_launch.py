@@ -36,7 +36,7 @@ def test_mpich_command_on_two_nodes():
     argv = run.mpi_command(mpiexec="mpiexec", flavour="mpich", nprocs=16, per_node=8, hosts=["a", "b"],
                            env={"NCCL_DEBUG": "WARN"}, bind="local-rank", command=["python", "t.py"])
     assert argv == ["mpiexec", "-n", "16", "-hosts", "a,b", "-ppn", "8", "-genv", "NCCL_DEBUG", "WARN",
-                    "python", "t.py"]
+                    str(LAUNCH / "rank-guard"), "python", "-m", "mpi4py", "t.py"]
 
 
 def test_openmpi_command_with_visible_binding():
@@ -44,8 +44,14 @@ def test_openmpi_command_with_visible_binding():
                            env={"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "1"}, bind="visible",
                            command=["python", "t.py"])
     assert argv == ["mpirun", "-n", "8", "--host", "a:4,b:4", "--map-by", "ppr:4:node",
-                    "-x", "NCCL_DEBUG=WARN", "-x", "NCCL_IB_DISABLE=1", str(LAUNCH / "bind-gpu"),
-                    "python", "t.py"]
+                    "-x", "NCCL_DEBUG=WARN", "-x", "NCCL_IB_DISABLE=1", str(LAUNCH / "rank-guard"),
+                    str(LAUNCH / "bind-gpu"), "python", "-m", "mpi4py", "t.py"]
+
+
+def test_python_runs_under_mpi4py_once():
+    assert run.with_mpi4py(["python3", "x.py"]) == ["python3", "-m", "mpi4py", "x.py"]
+    assert run.with_mpi4py(["python", "-m", "mpi4py", "x.py"]) == ["python", "-m", "mpi4py", "x.py"]
+    assert run.with_mpi4py(["./a.out", "x"]) == ["./a.out", "x"]
 
 
 def test_rank_env_keeps_the_users_settings():
@@ -60,7 +66,8 @@ def test_dry_run_cpu():
                 "python", "-m", "burstcu.selftest", env={"NCCL_DEBUG": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("mpiexec -n 2 -genv MKL_NUM_THREADS 1 -genv OMP_NUM_THREADS 1 "
-                                   "-genv OPENBLAS_NUM_THREADS 1 python -m burstcu.selftest")
+                                   f"-genv OPENBLAS_NUM_THREADS 1 {LAUNCH / 'rank-guard'} "
+                                   "python -m mpi4py -m burstcu.selftest")
 
 
 def test_dry_run_gpu_one_node():
@@ -69,7 +76,7 @@ def test_dry_run_gpu_one_node():
                 env={"NCCL_DEBUG": "WARN"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("mpirun -n 4 --map-by ppr:4:node -x NCCL_SOCKET_IFNAME=eth0 "
-                                   "python train.py --lr 1e-3")
+                                   f"{LAUNCH / 'rank-guard'} python -m mpi4py train.py --lr 1e-3")
 
 
 def test_refuses_more_ranks_than_gpus_and_missing_gpus():
@@ -92,7 +99,8 @@ def test_slurm_example_dry_run_prints_srun():
     proc = subprocess.run(["bash", str(LAUNCH / "slurm_example.sbatch")], capture_output=True, text=True,
                           timeout=30, cwd=ROOT, env=dict(os.environ, BURSTCU_DRY_RUN="1"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "srun --mpi=pmix --cpu-bind=cores python -m burstcu.selftest"
+    assert proc.stdout.strip() == ("srun --mpi=pmix --cpu-bind=cores launch/rank-guard "
+                                   "python -m mpi4py -m burstcu.selftest")
 
 
 def test_slurm_visible_binding_and_partition():
@@ -100,7 +108,8 @@ def test_slurm_visible_binding_and_partition():
                              bind="visible", env={"NCCL_IB_HCA": "mlx5_0"})
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --ntasks-per-node=4" in text
     assert 'export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5_0}"' in text
-    assert text.rstrip().endswith("srun --mpi=pmix --cpu-bind=cores launch/bind-gpu python t.py")
+    assert text.rstrip().endswith("srun --mpi=pmix --cpu-bind=cores launch/rank-guard launch/bind-gpu "
+                                  "python -m mpi4py t.py")
 
 
 # ---- per-rank GPU binding --------------------------------------------------------------------

@@ -4,13 +4,15 @@ checker shown to catch seeded mistakes (burstcu.schedule)."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
 
 from burstcu import ring
 from burstcu import schedule as S
-from burstcu.transport.nccl import NCCLTransport
+from burstcu.ops.base import DelegatingOps
+from burstcu.transport.nccl import EventWatchdog, NCCLTransport
 
 SIZES = range(1, 9)
 PASSES = ("forward", "backward")
@@ -122,3 +124,51 @@ def test_group_members_are_unordered_with_each_other():
     schedule = S.record("forward", 2, 0, causal=False, layout="contiguous")
     text = S.report(S.check(S.receive_into_current(schedule, 0)))
     assert "send on the comm stream" in text and "then #" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# the NCCL transport's host-side watchdog, on the recording device
+
+def test_watchdog_fires_when_an_exchange_never_completes():
+    """A peer that never answers leaves the exchange's completion event pending: the watchdog
+    reports the call and step within its timeout (here 0.3 s), once, from its own thread."""
+    device = S.RecordingDevice()
+    device.stalled = True
+    ops = S.RecordingOps(device)
+    transport = NCCLTransport(1, 3, device, timeout=0.3)
+    reasons = []
+    transport.fail = reasons.append
+    transport.call = "attention forward"
+    q = ops.new("q", (1, 4, 2, 8), np.float16)
+    k, v = ops.new("k", (1, 4, 1, 8), np.float16), ops.new("v", (1, 4, 1, 8), np.float16)
+    t0 = time.monotonic()
+    ring.forward(q, k, v, _Annotating(ops, transport), transport, causal=False, softmax_scale=1.0,
+                 layout="contiguous")
+    while not reasons and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert len(reasons) == 1 and 0.3 <= time.monotonic() - t0 < 3
+    assert "rank 1: the NCCL exchange of attention forward at 'fwd 1 wait'" in reasons[0]
+    assert "ranks 0 and 2 are its peers" in reasons[0]
+    transport.close()
+
+
+def test_watchdog_stays_quiet_when_exchanges_complete():
+    device = S.RecordingDevice()
+    fired = []
+    dog = EventWatchdog(device, 0.1, fired.append, poll=0.01)
+    dog.watch("event0", "step 0")
+    time.sleep(0.3)
+    assert fired == [] and dog.fired is None
+    dog.stop()
+
+
+class _Annotating(DelegatingOps):
+    """The recording op, reporting the engine's annotations to the transport (as the API does)."""
+
+    def __init__(self, inner, transport):
+        super().__init__(inner)
+        self.transport = transport
+
+    def annotate(self, label):
+        self.transport.where = label
+        return self.inner.annotate(label)

@@ -8,14 +8,27 @@ Layout, chosen so GQA costs no copy of K/V: queries are grouped under their KV h
 One matmul against a KV head's keys then scores every query head of its group.
 
 Speed on a CPU, where NumPy's elementwise passes run on one core and BLAS on all of them:
-* work is split into independent items — (batch, kv head, query rows) in the forward,
-  (batch, kv head, key rows) in the backward — run by a thread pool (NumPy and BLAS release the
-  GIL) with BLAS held to one thread meanwhile, so exp/max passes use every core too;
+* work is split into independent items — (batch, kv head, one tile of query rows) in the
+  forward, (batch, kv head, a range of key tiles) in the backward — run by a thread pool (NumPy
+  and BLAS release the GIL) with BLAS held to one thread meanwhile, so exp/max passes use every
+  core;
 * tiles of 512 score rows x 512 keys (1 MiB of float32 scores): the best of a sweep at seqlen
   4096, 8 heads, headdim 64 (256x512: 0.34 s, 512x512: 0.30 s, 1024x1024: 0.32 s, 2 cores);
 * V carries an extra column of ones, so one matmul P @ [V | 1] updates both the output
   accumulator and the row sum l (its last column) — one fewer pass over P.
 The thread count defaults to the BLAS library's (1 under OMP_NUM_THREADS=1, as with MPI ranks).
+
+Deterministic: the items are cut from the blocks, the shapes and the tile sizes alone, never
+from the thread count, and the backward's per-key-range dQ partials are added in key order
+whichever thread finishes first — so out, lse, dq, dk and dv are bitwise the same for any
+`threads`.
+
+Masked positions are inert: a NaN or Inf in K or V (or Q, dO) at a position a row cannot see
+never reaches that row's out, lse or dq, nor the dk/dv of that key through that row. Only tiles
+straddling the causal diagonal hold masked pairs; there P and dS are kept exactly 0 at masked
+pairs, and a matmul with a non-finite operand row takes a careful path (`_matmul_masked`). Whether
+a head needs any of that is read once per step from per-head max |x| (`_Clean`), so finite
+inputs pay one reduction over Q, dO, delta (and K, V once) per causal step, nothing per tile.
 
 float16/bfloat16 inputs are computed in float32 (their accumulation dtype); float64 in float64.
 """
@@ -23,9 +36,11 @@ float16/bfloat16 inputs are computed in float32 (their accumulation dtype); floa
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,10 +95,17 @@ def _heads_major(x, dtype, extra_ones: bool = False) -> np.ndarray:
 
 # -- tiles ---------------------------------------------------------------------------------------------
 
-def _split(start: int, length: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous near-equal [lo, hi) ranges covering [start, start + length)."""
-    edges = np.linspace(start, start + length, parts + 1).round().astype(int)
-    return [(int(lo), int(hi)) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+def _spans(extents: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of at most `size` rows covering the union of the [lo, hi) `extents`,
+    cut at every extent's edges and then every `size` rows from each piece's start. They depend
+    on the extents and `size` only — never on the thread count — so each row meets the same
+    tiles, in the same order, however many threads share the work."""
+    edges = sorted({e for extent in extents for e in extent})
+    spans = []
+    for a, c in zip(edges[:-1], edges[1:]):
+        if any(lo <= a and c <= hi for lo, hi in extents):
+            spans.extend((lo, min(lo + size, c)) for lo in range(a, c, size))
+    return spans
 
 
 def _clip_q(block: Block, lo: int, hi: int) -> Block | None:
@@ -102,6 +124,7 @@ def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
     return replace(block, k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
 
 
+BACKWARD_ITEMS = 16     # work items a backward step aims at, at least (see _key_tiles_per_item)
 MIN_DIAGONAL_TILE = 128  # keys: tiles straddling the causal diagonal are halved down to this
 
 
@@ -143,17 +166,19 @@ def _causal_split(block: Block, q0: int, q1: int, k0: int, k1: int):
 
 
 class _Scratch:
-    """Reusable per-work-item buffers. A fresh tile-sized array per tile costs more than the
-    arithmetic on it: above malloc's mmap threshold every allocation page-faults anew."""
+    """Reusable buffers, one set per thread, kept for one step. A fresh tile-sized array per
+    tile costs more than the arithmetic on it: above malloc's mmap threshold every allocation
+    page-faults anew."""
 
     def __init__(self, dtype):
         self.dtype = dtype
-        self.flat: dict[str, np.ndarray] = {}
+        self.local = threading.local()   # its __dict__ is the calling thread's own
 
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
-        buf = self.flat.get(name)
+        flat = self.local.__dict__
+        buf = flat.get(name)
         if buf is None or buf.size < rows * cols:
-            buf = self.flat[name] = np.empty(rows * cols, self.dtype)
+            buf = flat[name] = np.empty(rows * cols, self.dtype)
         return buf[:rows * cols].reshape(rows, cols)
 
 
@@ -162,6 +187,78 @@ def _future(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndar
     qp = block.q_pos - block.q_start + np.arange(q0, q1)
     kp = block.k_pos - block.k_start + np.arange(k0, k1)
     return np.repeat(qp[:, None] < kp[None, :], g, axis=0)
+
+
+def _max_abs(x) -> np.ndarray:
+    """(B, Hkv) largest |x| in each head of x (B, Hkv, ...): NaN if the head holds a NaN, inf if
+    an Inf. Two reductions, no temporary array."""
+    axes = tuple(range(2, x.ndim))
+    return np.maximum(x.max(axis=axes), -x.min(axis=axes))
+
+
+class _Clean(NamedTuple):
+    """What one head's masked tiles may skip: each False sends them down a careful path.
+    q, do, k: that operand is all finite (else `_matmul_masked` checks its rows);
+    ds: dS = P * (dO V^T - delta) is finite everywhere, so exactly 0 where P is (else dS is
+    zeroed at masked pairs, where 0 * inf would make it NaN)."""
+    q: bool = True
+    do: bool = True
+    k: bool = True
+    ds: bool = True
+
+
+def _matmul_masked(a, b, masked, out, b_finite: bool) -> np.ndarray:
+    """out = a @ b over the pairs (i, j) that are not `masked` (None: a tile without any).
+
+    a: (m, n), exactly 0 wherever `masked` (m, n) is True; b: (n, d). A plain matmul spreads a
+    NaN or Inf in row j of b to every row i as 0 * inf = NaN, even where (i, j) is masked. So
+    when b is not all finite, its non-finite rows are zeroed for the matmul and then added back
+    only to the rows that see them, giving those rows what the plain product gives them.
+    b_finite: b's head is known to be all finite (then this is the plain matmul, unchecked).
+    """
+    if masked is None or b_finite or np.isfinite(np.sum(b)):  # any NaN/Inf makes the sum so
+        return np.matmul(a, b, out=out)
+    bad = np.flatnonzero(~np.isfinite(b).all(axis=1))
+    if bad.size == 0:          # finite values whose sum overflowed
+        return np.matmul(a, b, out=out)
+    zeroed = b.copy()
+    zeroed[bad] = 0
+    np.matmul(a, zeroed, out=out)
+    for j in bad:
+        rows = ~masked[:, j]
+        out[rows] += a[rows, j, None] * b[j]
+    return out
+
+
+class _InOrder:
+    """Turns per head, so that the backward adds each head's dQ partials in key-range order
+    whichever thread finishes first: item (range c, head) adds only after (range c-1, head).
+
+    No deadlock: items are queued range by range into a FIFO pool, so the item a waiter waits
+    for was taken by a thread before the waiter was. An item that fails releases every waiter
+    (which then fails too), so a pool thread never waits forever.
+    """
+
+    def __init__(self, heads: int):
+        self.added = [0] * heads   # ranges whose partial each head has received
+        self.failed = False
+        self.cond = threading.Condition()
+
+    def wait(self, head: int, turn: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.added[head] >= turn or self.failed)
+            if self.failed:
+                raise RuntimeError("another work item of this backward step failed")
+
+    def done(self, head: int) -> None:
+        with self.cond:
+            self.added[head] += 1
+            self.cond.notify_all()
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
 
 
 # -- state ---------------------------------------------------------------------------------------------
@@ -183,6 +280,8 @@ class BackwardContext:
     dk: np.ndarray     # (B, Hkv, S, D) accumulators (dk carries the softmax scale already)
     dv: np.ndarray
     scale: float
+    k_max: np.ndarray | None = None      # (B, Hkv) max |k|, max |v|: at the first masked step
+    v_max: np.ndarray | None = None
 
 
 def _default_threads() -> int:
@@ -214,7 +313,8 @@ class NumpyOps(LocalOps):
     def _run(self, work, items) -> None:
         """work(item) for every item, on the pool or serially, with BLAS held to one thread:
         the parallelism is across items; a multi-threaded BLAS on tile-sized matmuls spends
-        more time synchronising its threads than multiplying (10x slower, measured)."""
+        more time synchronising its threads than multiplying (10x slower, measured).
+        Pool threads run under the caller's np.errstate, as the serial path does."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController()
@@ -223,12 +323,13 @@ class NumpyOps(LocalOps):
                 for item in items:
                     work(item)
             else:
-                for _ in self._pool.map(work, items):  # re-raises a worker's exception here
-                    pass
+                errstate = np.geterr()
 
-    def _chunks(self, units: int) -> int:
-        """How many pieces to cut each of `units` independent units into to feed every thread."""
-        return max(1, -(-self.threads // units))
+                def under_errstate(item):
+                    with np.errstate(**errstate):
+                        work(item)
+                for _ in self._pool.map(under_errstate, items):  # re-raises a worker's exception
+                    pass
 
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale):
@@ -250,28 +351,33 @@ class NumpyOps(LocalOps):
         self._ensure_state(st, hkv)
         acc_t = st.q.dtype
         kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t, extra_ones=True)
-        b, g, seqlen = st.q.shape[0], st.g, k.shape[1]
-        ranges = _split(0, seqlen, self._chunks(b * hkv))
-        items = list(product(range(b), range(hkv), ranges))
+        b, g = st.q.shape[0], st.g
+        tile_rows = max(1, self.tile_q // g)
+        spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], tile_rows)
+        items = list(product(range(b), range(hkv), spans))
+        scratch = _Scratch(acc_t)
+        v_finite = np.isfinite(_max_abs(vh)) if any(blk.causal for blk in blocks) else None
 
         def work(item):
             bi, hi, (lo, hi_row) = item
-            scratch = _Scratch(acc_t)
+            finite = v_finite is None or bool(v_finite[bi, hi])
             for block in blocks:
                 part = _clip_q(block, lo, hi_row)
                 if part is not None:
                     self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
-                                        st.m[bi, hi], part, g, scratch)
+                                        st.m[bi, hi], part, g, scratch, finite)
         self._run(work, items)
 
-    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int, scratch: _Scratch) -> None:
+    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int, scratch: _Scratch,
+                       v_finite: bool) -> None:
         """One head: q (S*g, D), k (S, D), v_ext (S, D+1), acc (S*g, D+1), m (S*g,)."""
         for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k):
             r0, r1 = q0 * g, q1 * g
             s = scratch.get("s", r1 - r0, k1 - k0)
             np.matmul(q[r0:r1], k[k0:k1].T, out=s)
-            if masked:
-                s[_future(block, q0, q1, k0, k1, g)] = -np.inf
+            future = _future(block, q0, q1, k0, k1, g) if masked else None
+            if masked:  # overwrites NaN/Inf scores of masked keys too
+                np.copyto(s, -np.inf, where=future)
             m_old = m[r0:r1]
             m_new = np.maximum(m_old, s.max(axis=1))
             # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
@@ -280,7 +386,9 @@ class NumpyOps(LocalOps):
             np.exp(s, out=s)
             alpha = np.exp(m_old - shift)
             pv = scratch.get("pv", r1 - r0, v_ext.shape[1])
-            np.matmul(s, v_ext[k0:k1], out=pv)
+            # P is 0 at masked keys (except on a row whose max is NaN: NaN already), but
+            # 0 * inf would still be NaN in a plain P @ V
+            _matmul_masked(s, v_ext[k0:k1], future, pv, v_finite)
             acc[r0:r1] *= alpha[:, None]
             acc[r0:r1] += pv
             m[r0:r1] = m_new
@@ -310,7 +418,7 @@ class NumpyOps(LocalOps):
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
         acc_t = ctx.k.dtype
-        b, hkv, seqlen, d = ctx.k.shape
+        b, hkv, _, d = ctx.k.shape
         # scores exactly as the forward computed them, (scale * q) @ k^T, so that P recomputed
         # from lse matches the forward's rounding (matters when logits are ~1e3)
         qs = _grouped(q, hkv, acc_t, ctx.scale)
@@ -320,28 +428,69 @@ class NumpyOps(LocalOps):
         lse_rows = _rows_grouped(lse, hkv, acc_t)
         lse_rows[lse_rows == -np.inf] = np.inf
         delta_rows = _rows_grouped(delta, hkv, acc_t)
-        ranges = _split(0, seqlen, self._chunks(b * hkv))
-        items = list(product(range(b), range(hkv), range(len(ranges))))
-        # each item owns the dk, dv rows of its key range; dq partials are private per item
-        dq_parts = np.zeros((len(ranges),) + qs.shape, acc_t)
+        # one item per (key range, batch, kv head); it owns the dk, dv rows of its keys. Items
+        # are queued key range by key range, so threads mostly work on different heads at once.
+        extents = [(blk.k_start, blk.k_start + blk.k_len) for blk in blocks]
+        ranges = _spans(extents, self.tile_k * self._key_tiles_per_item(extents, b * hkv))
+        heads = list(product(range(b), range(hkv)))
+        items = list(product(range(len(ranges)), range(len(heads))))
+        dq_acc = np.zeros(qs.shape, acc_t)
+        turns, scratch = _InOrder(len(heads)), _Scratch(acc_t)
+        clean = self._head_checks(ctx, qs, do, delta_rows, blocks)
 
         def work(item):
-            bi, hi, ci = item
-            lo, hi_key = ranges[ci]
-            scratch = _Scratch(acc_t)
-            for block in blocks:
-                part = _clip_k(block, lo, hi_key)
-                if part is not None:
+            ci, head = item
+            bi, hi = heads[head]
+            try:
+                parts = [p for p in (_clip_k(blk, *ranges[ci]) for blk in blocks) if p is not None]
+                # range 0 accumulates into dq_acc itself; later ranges into a partial that is
+                # added to dq_acc in range order, so the sum's order never depends on threads
+                r0 = min((p.q_start for p in parts), default=0) * g
+                r1 = max((p.q_start + p.q_len for p in parts), default=0) * g
+                target = dq_acc[bi, hi] if ci == 0 else scratch.get("dq", qs.shape[2], d)
+                if ci:
+                    target[r0:r1] = 0
+                for part in parts:
                     self._backward_block(qs[bi, hi], do[bi, hi], lse_rows[bi, hi], delta_rows[bi, hi],
                                          ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi], ctx.dv[bi, hi],
-                                         dq_parts[ci, bi, hi], part, g, scratch)
+                                         target, part, g, scratch, clean(bi, hi))
+                turns.wait(head, ci)
+                if ci:
+                    dq_acc[bi, hi, r0:r1] += target[r0:r1]
+                turns.done(head)
+            except BaseException:
+                turns.fail()
+                raise
         self._run(work, items)
-        dq_acc = dq_parts.sum(axis=0) if len(ranges) > 1 else dq_parts[0]
         dq_acc *= acc_t.type(ctx.scale)
         dq += _ungrouped(dq_acc, q.shape[1])
 
+    def _key_tiles_per_item(self, extents, heads: int) -> int:
+        """Key tiles per backward item, from the shapes alone (never the thread count, which
+        would change how dq is summed): about BACKWARD_ITEMS items or more per step — enough
+        to feed that many threads — with as few dq partials to add as that allows."""
+        keys = _spans(extents, self.tile_k)
+        return max(1, len(keys) * heads // BACKWARD_ITEMS)
+
+    @staticmethod
+    def _head_checks(ctx: BackwardContext, qs, do, delta, blocks):
+        """clean(bi, hi) -> that head's _Clean; checked only when a block has masked pairs."""
+        if not any(blk.causal for blk in blocks):
+            return lambda bi, hi: _Clean()
+        if ctx.k_max is None:
+            ctx.k_max, ctx.v_max = _max_abs(ctx.k), _max_abs(ctx.v)
+        q_max, do_max, delta_max = _max_abs(qs), _max_abs(do), _max_abs(delta)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # |dO . v| <= D max|dO| max|v|: with |delta| well below the largest float (half of
+            # it: room for rounding), dS is finite. A NaN anywhere makes the bound NaN: False.
+            bound = ctx.k.shape[-1] * do_max * ctx.v_max + delta_max
+            ds_ok = bound < np.finfo(ctx.k.dtype).max / 2
+        q_ok, do_ok, k_ok = (np.isfinite(x) for x in (q_max, do_max, ctx.k_max))
+        return lambda bi, hi: _Clean(bool(q_ok[bi, hi]), bool(do_ok[bi, hi]), bool(k_ok[bi, hi]),
+                                     bool(ds_ok[bi, hi]))
+
     def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int,
-                        scratch: _Scratch) -> None:
+                        scratch: _Scratch, clean: _Clean) -> None:
         """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D)."""
         d = k.shape[1]
         for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k, keys_outer=True):
@@ -350,16 +499,25 @@ class NumpyOps(LocalOps):
             p, ds = scratch.get("p", rows, keys), scratch.get("ds", rows, keys)
             np.matmul(q[r0:r1], k[k0:k1].T, out=p)
             p -= lse[r0:r1, None]
+            future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
-                p[_future(block, q0, q1, k0, k1, g)] = -np.inf
+                np.copyto(p, -np.inf, where=future)
             np.exp(p, out=p)
             key_grad, row_grad = scratch.get("kg", keys, d), scratch.get("rg", rows, d)
-            dv[k0:k1] += np.matmul(p.T, do[r0:r1], out=key_grad)
+            # with P and dS exactly 0 at masked pairs, _matmul_masked keeps a non-finite dO, K
+            # or Q row out of the pairs that do not see it
+            future_t = None if future is None else future.T
+            dv[k0:k1] += _matmul_masked(p.T, do[r0:r1], future_t, key_grad, clean.do)
             np.matmul(do[r0:r1], v[k0:k1].T, out=ds)
             ds -= delta[r0:r1, None]
             ds *= p
-            dq[r0:r1] += np.matmul(ds, k[k0:k1], out=row_grad)
-            dk[k0:k1] += np.matmul(ds.T, q[r0:r1], out=key_grad)  # q carries the softmax scale
+            if masked and not clean.ds:
+                # dS is 0 at masked pairs by definition; the product above is NaN there when
+                # V, dO or delta is not finite (or dO V^T overflows)
+                np.copyto(ds, 0, where=future)
+            dq[r0:r1] += _matmul_masked(ds, k[k0:k1], future, row_grad, clean.k)
+            # q carries the softmax scale
+            dk[k0:k1] += _matmul_masked(ds.T, q[r0:r1], future_t, key_grad, clean.q)
 
     def backward_finalize(self, ctx, out_dtype):
         return (np.ascontiguousarray(ctx.dk.transpose(0, 2, 1, 3), dtype=out_dtype),

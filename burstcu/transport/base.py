@@ -22,10 +22,19 @@ Between `commit` and `wait` the caller must neither write `send_buf` nor touch `
 Besides point-to-point, a transport offers `allgather_object` (small Python metadata, used to
 agree on shapes before any data moves), `barrier`, and `allgather` of a byte buffer (used by the
 all-gather baseline). Every byte of payload is counted in `stats`.
+
+Failures. Every wait for a peer has a deadline (`timeout` seconds, from `burstcu.init(timeout=)`,
+else $BURSTCU_TIMEOUT, else 600) and waits without spinning; past it the waiting rank raises
+`CommTimeoutError` naming the peer(s) it waited for and what it was doing (`where`, which the
+engine keeps current: "attention forward: fwd 2 send/recv kv"). `fail(reason)` ends the whole
+group after a failure on this rank: it prints the reason and aborts every rank (MPI_Abort), since
+its peers may be blocked mid-ring waiting for it; a group of one just lets the exception rise.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -34,6 +43,42 @@ from typing import Any, Sequence
 
 class CommTimeoutError(RuntimeError):
     """A rank waited longer than its deadline for a peer inside a burstcu call."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the group failed; this rank stops waiting for it."""
+
+
+DEFAULT_TIMEOUT = 600.0
+TIMEOUT_ENV = "BURSTCU_TIMEOUT"
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """`timeout`, else $BURSTCU_TIMEOUT, else 600 seconds; ValueError unless positive."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise ValueError(f"${TIMEOUT_ENV} must be a number of seconds, not {raw!r}") from None
+    if isinstance(timeout, bool) or not float(timeout) > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def poll_until(done, deadline: float, on_timeout) -> None:
+    """Call `done()` until it returns True, without burning a core: a short burst of tight
+    polls (fast messages finish within it), then sleeps that grow to 5 ms. Past `deadline`
+    (time.monotonic()) raise `on_timeout()`."""
+    for _ in range(200):
+        if done():
+            return
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise on_timeout()
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
 
 
 @dataclass
@@ -85,13 +130,42 @@ class Transport(ABC):
 
     name: str = "abstract"
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, timeout: float | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of size {size}")
         self.rank = rank
         self.size = size
         self.stats = CommStats()
+        self.timeout = resolve_timeout(timeout)
+        self.call: str | None = None     # the burstcu call in progress ("attention forward")
+        self.where = "between calls"     # its latest step, from the engine's annotations
         self._queued: list[tuple[Any, Any, int, int]] = []
+
+    # -- failures --------------------------------------------------------------------------------
+    def deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def doing(self) -> str:
+        """What this rank is doing, for messages: "attention forward at 'fwd 2 compute'"."""
+        return f"{self.call or 'no burstcu call'} at '{self.where}'"
+
+    def timed_out(self, waited_for: str) -> CommTimeoutError:
+        return CommTimeoutError(f"rank {self.rank} waited {self.timeout:g} s for {waited_for} "
+                                f"during {self.doing()} (timeout: burstcu.init(timeout=...) or "
+                                f"${TIMEOUT_ENV})")
+
+    def fail(self, reason: str) -> None:
+        """After a failure on this rank inside a burstcu call: make every rank stop (see the
+        module docstring). Returns where the transport leaves the exception to rise (a group of
+        one; a loopback world, whose other ranks are woken with the reason)."""
+        if self.size > 1:
+            sys.stderr.write(f"burstcu: {reason}\nburstcu: rank {self.rank} ends all {self.size} "
+                             f"ranks of the group (its peers may be waiting for it)\n")
+            sys.stderr.flush()
+            self._abort(reason)
+
+    def _abort(self, reason: str) -> None:
+        """End every rank (MPI_Abort, the communicator's abort, ...); default: nothing."""
 
     # -- ring pattern --------------------------------------------------------------------------
     @property
@@ -141,8 +215,9 @@ class Transport(ABC):
 
     # -- collectives -----------------------------------------------------------------------------
     @abstractmethod
-    def allgather_object(self, obj: Any) -> list:
-        """Every rank's `obj`, in rank order (small picklable metadata only; not counted)."""
+    def allgather_object(self, obj: Any, what: str = "metadata") -> list:
+        """Every rank's `obj`, in rank order (small picklable metadata only; not counted).
+        `what` names the call: ranks inside different calls raise ValueError on every rank."""
 
     @abstractmethod
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
@@ -161,8 +236,8 @@ class SelfTransport(Transport):
 
     name = "self"
 
-    def __init__(self):
-        super().__init__(0, 1)
+    def __init__(self, timeout: float | None = None):
+        super().__init__(0, 1, timeout)
 
     def _post(self, exchanges):
         raise AssertionError("a group of one never exchanges data")
@@ -170,7 +245,7 @@ class SelfTransport(Transport):
     def _wait(self):
         pass
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj, what: str = "metadata"):
         return [obj]
 
     def allgather(self, send_buf, recv_buf):

@@ -40,12 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import CommTimeoutError, Transport, check_contiguous, nbytes
+from .base import CommTimeoutError, PeerFailedError, Transport, check_contiguous, nbytes
 from .nccl import CupyStreams, join_stream
-
-
-class PeerFailedError(RuntimeError):
-    """Another rank of the same loopback world failed; this rank stops waiting for it."""
 
 
 class LoopbackHub:
@@ -168,7 +164,7 @@ class LoopbackTransport(Transport):
     name = "loopback"
 
     def __init__(self, rank: int, hub: LoopbackHub, device: Any):
-        super().__init__(rank, hub.size)
+        super().__init__(rank, hub.size, hub.timeout)
         self.hub = hub
         self.device = device
         self.stream = device.new_stream()
@@ -264,11 +260,20 @@ class LoopbackTransport(Transport):
         self.stats.bytes_sent += width * (self.size - 1)
         self.stats.bytes_received += width * (self.size - 1)
 
-    def allgather_object(self, obj: Any) -> list:
-        return self.hub.allgather_object(self.rank, obj)
+    def allgather_object(self, obj: Any, what: str = "metadata") -> list:
+        labelled = self.hub.allgather_object(self.rank, (what, obj))
+        labels = [label for label, _ in labelled]
+        if len(set(labels)) > 1:
+            calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
+            raise ValueError(f"ranks are inside different burstcu calls ({calls}): every rank "
+                             f"must make the same calls in the same order")
+        return [value for _, value in labelled]
 
     def barrier(self) -> None:
-        self.allgather_object(None)
+        self.allgather_object(None, "barrier")
+
+    def _abort(self, reason: str) -> None:
+        self.hub.abort(reason)
 
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "HostDevice", "CupyCopyDevice", "PeerFailedError"]

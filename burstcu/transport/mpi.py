@@ -1,25 +1,37 @@
 """MPI transport (mpi4py), the CPU analogue of a dedicated communication stream.
 
 MPICH progresses a large non-blocking transfer only while some thread is inside an MPI call, so
-`Isend`/`Irecv` posted from the compute thread would mostly move while the host sits in
-`Waitall`: no overlap. With ``progress="thread"`` (the default) one worker thread posts each
-step's exchange and waits on it, while the main thread computes in NumPy/BLAS (which release the
+`Isend`/`Irecv` posted from the compute thread would mostly move while the host sits in a wait:
+no overlap. With ``progress="thread"`` (the default) one worker thread posts each step's exchange
+and drives it to completion, while the main thread computes in NumPy/BLAS (which release the
 GIL). That thread plays the role the NCCL stream plays on a GPU. ``progress="inline"`` posts and
 waits on the caller's thread, for comparison in benchmarks.
+
+No wait spins and none is unbounded: requests are tested in a short tight burst, then with
+sleeps growing to 5 ms (`poll_until`), and every wait for a peer ends at the transport's deadline
+with `CommTimeoutError` naming the peer. The metadata agreement (`allgather_object`) gathers on
+rank 0 by point-to-point messages and answers every rank, so a rank that never arrives is named
+by rank 0; the calls being agreed on are named too, so ranks inside different burstcu calls get
+the same error instead of matching each other's collectives.
 
 The transport duplicates the user's communicator, so its messages can never match the user's.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import pickle
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from .base import Transport, nbytes
+from .base import Transport, nbytes, poll_until
 
-_TAG = 7
+_TAG_RING = 7
+_TAG_AGREE = 8
+_ROOT_GRACE_S = 2.0  # other ranks wait this much longer, so rank 0 names a missing rank first
 
 
 def _byte_view(buf: np.ndarray) -> np.ndarray:
@@ -29,70 +41,155 @@ def _byte_view(buf: np.ndarray) -> np.ndarray:
     return buf.reshape(-1).view(np.uint8)
 
 
+class AgreementMismatch:
+    """What rank 0 answers when ranks are inside different collective calls."""
+
+    def __init__(self, labels: list[str]):
+        self.labels = labels
+
+
 class MPITransport(Transport):
     name = "mpi"
 
-    def __init__(self, comm: Any, progress: str = "thread"):
+    def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None):
         if progress not in ("thread", "inline"):
             raise ValueError(f"progress must be 'thread' or 'inline', not {progress!r}")
         self.comm = comm.Dup()
-        super().__init__(self.comm.Get_rank(), self.comm.Get_size())
+        super().__init__(self.comm.Get_rank(), self.comm.Get_size(), timeout)
         self.progress = progress
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="burstcu-comm") if progress == "thread" else None
         self._pending: list[Future] = []
         self._requests: list = []
+        self._peers: list[str] = []  # what the pending exchanges wait for, for timeout messages
 
+    # -- the ring exchange -----------------------------------------------------------------------
     def _start(self, exchanges):
         from mpi4py import MPI
 
         reqs = []
         for send_buf, recv_buf, dst, src in exchanges:
             if recv_buf is not None:
-                reqs.append(self.comm.Irecv([_byte_view(recv_buf), MPI.BYTE], source=src, tag=_TAG))
+                reqs.append(self.comm.Irecv([_byte_view(recv_buf), MPI.BYTE], source=src, tag=_TAG_RING))
             if send_buf is not None:
-                reqs.append(self.comm.Isend([_byte_view(send_buf), MPI.BYTE], dest=dst, tag=_TAG))
+                reqs.append(self.comm.Isend([_byte_view(send_buf), MPI.BYTE], dest=dst, tag=_TAG_RING))
         return reqs
 
     def _post(self, exchanges):
+        for send_buf, recv_buf, dst, src in exchanges:
+            if recv_buf is not None:
+                self._peers.append(f"rank {src}'s message")
+            if send_buf is not None:
+                self._peers.append(f"rank {dst} to take this rank's message")
         if self._pool is None:
             self._requests.extend(self._start(exchanges))
             return
+        give_up = self.deadline() + _ROOT_GRACE_S  # the caller's wait times out first
 
         def run():
             from mpi4py import MPI
 
-            MPI.Request.Waitall(self._start(exchanges))
+            reqs = self._start(exchanges)
+            poll_until(lambda: MPI.Request.Testall(reqs), give_up, lambda: TimeoutError())
 
         self._pending.append(self._pool.submit(run))
 
     def _wait(self):
         from mpi4py import MPI
 
+        peers, self._peers = " and ".join(dict.fromkeys(self._peers)), []
+        deadline = self.deadline()
         if self._requests:
             reqs, self._requests = self._requests, []
-            MPI.Request.Waitall(reqs)
+            poll_until(lambda: MPI.Request.Testall(reqs), deadline, lambda: self.timed_out(peers))
         pending, self._pending = self._pending, []
         for fut in pending:
-            fut.result()
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                raise self.timed_out(peers) from None
 
-    def allgather_object(self, obj):
-        return self.comm.allgather(obj)
+    # -- agreement and collectives -----------------------------------------------------------------
+    def allgather_object(self, obj, what: str = "metadata"):
+        """Every rank's `obj` in rank order, gathered on rank 0 and sent back (see the module
+        docstring). `what` names the call; ranks inside different calls raise ValueError."""
+        if self.size == 1:
+            return [obj]
+        if self.rank == 0:
+            answer = self._collect((what, obj))
+        else:
+            answer = self._ask((what, obj))
+        if isinstance(answer, AgreementMismatch):
+            calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(answer.labels))
+            raise ValueError(f"ranks are inside different burstcu calls ({calls}): every rank "
+                             f"must make the same calls in the same order")
+        return answer
+
+    def _collect(self, mine):
+        """Rank 0: receive every rank's (what, obj), answer each with the list (or a mismatch)."""
+        got: dict[int, Any] = {0: mine}
+        deadline = self.deadline()
+
+        def arrived() -> bool:
+            for r in range(1, self.size):
+                if r not in got:
+                    msg = self.comm.improbe(source=r, tag=_TAG_AGREE)
+                    if msg is not None:
+                        got[r] = msg.recv()
+            return len(got) == self.size
+
+        poll_until(arrived, deadline, lambda: self.timed_out(
+            f"rank(s) {sorted(set(range(self.size)) - set(got))} to reach the agreement round "
+            f"(they may have failed, exited, or be inside another call)"))
+        labels = [got[r][0] for r in range(self.size)]
+        answer = (AgreementMismatch(labels) if len(set(labels)) > 1
+                  else [got[r][1] for r in range(self.size)])
+        payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        sends = [self.comm.isend(payload, dest=r, tag=_TAG_AGREE) for r in range(1, self.size)]
+        poll_until(lambda: all(req.Test() for req in sends), self.deadline(),
+                   lambda: self.timed_out("the other ranks to take the agreement's answer"))
+        return answer
+
+    def _ask(self, mine):
+        """Other ranks: send (what, obj) to rank 0 and wait for its answer."""
+        send = self.comm.isend(mine, dest=0, tag=_TAG_AGREE)
+        deadline = self.deadline() + _ROOT_GRACE_S
+        box: list = []
+
+        def answered() -> bool:
+            msg = self.comm.improbe(source=0, tag=_TAG_AGREE)
+            if msg is not None:
+                box.append(pickle.loads(msg.recv()))
+            return bool(box)
+
+        poll_until(answered, deadline, lambda: self.timed_out(
+            "rank 0's answer to the agreement round (rank 0, or a rank it waits for, may have "
+            "failed or exited)"))
+        send.wait()
+        return box[0]
 
     def allgather(self, send_buf, recv_buf):
         from mpi4py import MPI
 
-        self.comm.Allgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
+        req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
+        poll_until(req.Test, self.deadline(), lambda: self.timed_out("every rank's allgather"))
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
 
     def barrier(self):
-        self.comm.Barrier()
+        self.allgather_object(None, "barrier")
+
+    # -- failures and cleanup ----------------------------------------------------------------------
+    def _abort(self, reason: str):
+        self.comm.Abort(1)
 
     def close(self):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.comm is None:
+            return
         try:
             self.comm.Free()
         except Exception:  # MPI already finalized at interpreter exit
             pass
+        self.comm = None

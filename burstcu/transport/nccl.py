@@ -154,6 +154,10 @@ class CupyStreams:
     def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def query(self, event: Any) -> bool:
+        """Whether everything before the event's latest record has completed (no blocking)."""
+        return bool(event.done)
+
     def annotate(self, label: str):
         return nvtx_range(label)
 
@@ -185,6 +189,12 @@ class CupyDevice(CupyStreams):
         count, dtype = nccl_count(send_buf)
         self.comm.allGather(send_buf.data.ptr, recv_buf.data.ptr, count, dtype, stream.ptr)
 
+    def abort(self) -> None:
+        """ncclCommAbort: kernels of this communicator stop waiting for peers."""
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+
     def close(self) -> None:
         if self.comm is not None:
             self.comm.destroy()
@@ -193,6 +203,71 @@ class CupyDevice(CupyStreams):
 
 # ----------------------------------------------------------------------------------------------
 # the transport
+
+class EventWatchdog:
+    """A host thread that watches the completion event of the latest exchange.
+
+    The GPU ring never blocks the host: a peer that died leaves this rank's communication stream
+    (and so its compute stream) stalled while the host queues more work. `watch(event, what)`
+    replaces the watched event; if it has not completed `timeout` seconds after it was watched,
+    `on_timeout(what)` runs once, on the watchdog's thread (NCCLTransport: print, abort the NCCL
+    communicator so its kernels stop waiting, abort the MPI job). The device's `query` polls,
+    without blocking, every `poll` seconds.
+    """
+
+    IDLE_EXIT_S = 1.0  # the thread ends after this long with nothing pending (re-made on demand)
+
+    def __init__(self, device: Any, timeout: float, on_timeout, poll: float = 0.01):
+        import threading
+
+        self.device, self.timeout, self.on_timeout, self.poll = device, timeout, on_timeout, poll
+        self._lock = threading.Lock()
+        self._watched: tuple | None = None   # (event, deadline, what)
+        self._stop = threading.Event()
+        self._thread: Any = None
+        self.fired: str | None = None
+
+    def watch(self, event: Any, what: str) -> None:
+        import threading
+        import time
+
+        with self._lock:
+            self._watched = (event, time.monotonic() + self.timeout, what)
+            if self._stop.is_set() or self.fired is not None:
+                return
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="burstcu-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        idle_since = time.monotonic()
+        while not self._stop.wait(self.poll):
+            with self._lock:
+                watched = self._watched
+                if watched is None and time.monotonic() - idle_since > self.IDLE_EXIT_S:
+                    self._thread = None
+                    return
+            if watched is None:
+                continue
+            event, deadline, what = watched
+            if self.device.query(event):
+                idle_since = time.monotonic()
+                with self._lock:
+                    if self._watched is watched:
+                        self._watched = None
+            elif time.monotonic() > deadline:
+                self.fired = what
+                self.on_timeout(what)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout=1.0)
+
 
 def join_stream(device: Any, stream: Any, event: Any) -> None:
     """Order the caller's current stream after everything issued so far on `stream`, through
@@ -209,20 +284,32 @@ class NCCLTransport(Transport):
     """Ring exchange over NCCL on a dedicated communication stream (see the module docstring).
 
     device: a CupyDevice (or a recorder with the same methods).
-    mpi_comm: the MPI communicator of the same ranks, for `allgather_object` and `barrier`
+    mpi_comm: the MPI communicator of the same ranks (duplicated here), for `allgather_object`,
+        `barrier` and aborting
         (metadata only; no payload goes through MPI). None for a recorder or a group of one.
     """
 
     name = "nccl"
 
-    def __init__(self, rank: int, size: int, device: Any, mpi_comm: Any = None):
-        super().__init__(rank, size)
+    def __init__(self, rank: int, size: int, device: Any, mpi_comm: Any = None,
+                 timeout: float | None = None):
+        super().__init__(rank, size, timeout)
         self.device = device
-        self.mpi_comm = mpi_comm
+        # metadata (agreement, barrier) and aborts go through MPI, with the same deadlines
+        self.meta = None
+        if mpi_comm is not None:
+            from .mpi import MPITransport
+            self.meta = MPITransport(mpi_comm, progress="inline", timeout=self.timeout)
         self.stream = device.new_stream()
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
         self._arrived = device.new_event()   # comm -> compute: the exchange has completed
         self._in_flight = False
+        self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out)
+
+    def _exchange_timed_out(self, what: str) -> None:
+        self.fail(f"rank {self.rank}: the NCCL exchange of {what} has not completed after "
+                  f"{self.timeout:g} s (ranks {self.prev_rank} and {self.next_rank} are its peers); "
+                  f"timeout: burstcu.init(timeout=...) or $BURSTCU_TIMEOUT")
 
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
         for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is issued
@@ -248,6 +335,7 @@ class NCCLTransport(Transport):
             return
         with self.device.annotate("burstcu wait"):
             join_stream(self.device, self.stream, self._arrived)
+        self.watchdog.watch(self._arrived, self.doing())
         self._in_flight = False
 
     # -- collectives ---------------------------------------------------------------------------
@@ -269,27 +357,33 @@ class NCCLTransport(Transport):
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
 
-    def allgather_object(self, obj: Any) -> list:
-        if self.mpi_comm is None:
+    def allgather_object(self, obj: Any, what: str = "metadata") -> list:
+        if self.meta is None:
             if self.size == 1:
                 return [obj]
             raise RuntimeError("NCCLTransport without an MPI communicator cannot agree on metadata")
-        return self.mpi_comm.allgather(obj)
+        self.meta.call, self.meta.where = self.call, self.where
+        return self.meta.allgather_object(obj, what)
 
     def barrier(self) -> None:
-        if self.mpi_comm is not None:
-            self.mpi_comm.Barrier()
+        if self.meta is not None:
+            self.allgather_object(None, "barrier")
+
+    def _abort(self, reason: str) -> None:
+        abort = getattr(self.device, "abort", None)
+        if abort is not None:  # unblock this rank's NCCL kernels first
+            abort()
+        if self.meta is not None:
+            self.meta._abort(reason)
 
     def close(self) -> None:
+        self.watchdog.stop()
         close = getattr(self.device, "close", None)
         if close is not None:
             close()
-        if self.mpi_comm is not None:
-            try:
-                self.mpi_comm.Free()
-            except Exception:  # MPI already finalized at interpreter exit
-                pass
-            self.mpi_comm = None
+        if self.meta is not None:
+            self.meta.close()
+            self.meta = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +497,7 @@ def unique_id(comm: Any) -> bytes:
     return uid if comm is None else comm.bcast(uid, root=0)
 
 
-def bootstrap(comm: Any) -> tuple[NCCLTransport, int]:
+def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, int]:
     """(NCCLTransport over all ranks of `comm`, this rank's device id). Collective over `comm`.
 
     comm: an mpi4py communicator, or None for a single process. The node-local rank picks the
@@ -416,8 +510,7 @@ def bootstrap(comm: Any) -> tuple[NCCLTransport, int]:
     uid = unique_id(comm)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
     nccl_comm = _create_communicator(comm, size, uid, rank, device_id)
-    mpi_comm = None if comm is None else comm.Dup()
-    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), mpi_comm)
+    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout)  # dups comm
     return transport, device_id
 
 
@@ -441,5 +534,5 @@ def _create_communicator(comm: Any, size: int, uid: bytes, rank: int, device_id:
         raise  # not reached
 
 
-__all__ = ["NCCLTransport", "CupyDevice", "bootstrap", "select_device", "nccl_dtype", "nccl_count",
+__all__ = ["NCCLTransport", "CupyDevice", "EventWatchdog", "bootstrap", "select_device", "nccl_dtype", "nccl_count",
            "nvtx_range", "unique_id", "agree_or_raise", "BackendUnavailable", "device_count"]

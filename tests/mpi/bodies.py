@@ -266,3 +266,132 @@ def unshard_rejects_mismatched_shapes():
         message = None
     group.close()
     return {"error": message}
+
+
+# -- masked positions are inert ------------------------------------------------------------------
+
+def _world(one_process: bool, options):
+    """(group or None, rank, size): group=None (one process, default tiles) or a numpy group."""
+    if one_process:
+        return None, 0, 1
+    group = burstcu.init(backend="numpy", **(options or {}))
+    return group, group.rank, group.size
+
+
+def _shared(compute, one_process: bool):
+    return compute() if one_process else on_rank0_then_bcast(compute)
+
+
+def poison_sites(n: int) -> list[tuple[str, int, int, int, int, float]]:
+    """(tensor, batch, position, kv head, column, value) of the NaN/+Inf planted in K and V:
+    batch 0 / kv head 0 has them in V, batch 1 / kv head 1 in K; the other two (batch, kv head)
+    pairs stay clean. Positions are off any multiple of 8, so with 8-wide tiles some rows of
+    the tile straddling the diagonal at each site come before it."""
+    return [("v", 0, n // 3 + 3, 0, 3, np.inf), ("v", 0, n // 2 + 1, 0, 5, np.nan),
+            ("k", 1, n // 4 + 5, 1, 1, np.nan), ("k", 1, n // 2 + 3, 1, 6, np.inf)]
+
+
+def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, one_process=False,
+                               seed=2024):
+    """Causal attention with NaN/+Inf planted in K and V (`poison_sites`). The truth for a row
+    is the float64 reference computed on inputs poisoned only at the sites that row can see
+    (positions <= its own): for rows that see none, the clean reference. out, lse and dq must be
+    non-finite exactly where that truth is, and elsewhere within the tolerance rule of it. dk, dv
+    of the clean (batch, kv head) pairs, and dv of the pair poisoned only in V (dv does not
+    depend on V), must be finite and within the rule of the clean reference."""
+    group, rank, size = _world(one_process, options)
+    b, h, hkv, d, n = 2, 4, 2, 16, seqlen_local * size
+    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, "float32")
+    sites = sorted(poison_sites(n), key=lambda site: site[2])
+
+    def planted(count):
+        """k, v with the first `count` sites (in position order) poisoned."""
+        kp, vp = k.copy(), v.copy()
+        for name, bi, pos, hi, col, value in sites[:count]:
+            (kp if name == "k" else vp)[bi, pos, hi, col] = value
+        return kp, vp
+
+    def references():
+        refs = []
+        with np.errstate(all="ignore"):
+            for count in range(len(sites) + 1):
+                kp, vp = planted(count)
+                refs.append([attention_ref(q, kp, vp, True, dtype=dt) + attention_backward_ref(
+                    dout, q, kp, vp, True, dtype=dt)[:1] for dt in (np.float64, np.float32)])
+        return refs
+    refs = _shared(references, one_process)
+
+    rows = my_rows(layout, rank, size, n)
+    ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, *planted(len(sites)), dout))
+    with np.errstate(all="ignore"):
+        out, lse = burstcu.attention(ql, kl, vl, group, causal=True, layout=layout, return_lse=True)
+        dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True,
+                                                layout=layout)
+    # the sites local row i can see: the first `seen[i]` in position order
+    seen = np.searchsorted([site[2] for site in sites], rows, side="right")
+    for index, (name, got) in enumerate((("out", out), ("lse", lse), ("dq", dq))):
+        axis = 2 if name == "lse" else 1
+        truth, naive = (np.empty_like(got, dtype=dt) for dt in (np.float64, np.float32))
+        for count in range(len(sites) + 1):
+            at, lead = seen == count, (slice(None),) * axis     # rows on the sequence axis
+            for dst, ref in ((truth, refs[count][0][index]), (naive, refs[count][1][index])):
+                dst[lead + (at,)] = ref[lead + (rows[at],)]
+        finite = np.isfinite(truth)
+        wrong = int((np.isfinite(got) != finite).sum())
+        assert wrong == 0, f"{name}: {wrong} entries finite where the truth is not, or not where it is"
+        assert np.isfinite(naive[finite]).all(), f"{name}: the naive float32 reference is not finite"
+        _check(name, got[finite], truth[finite], naive[finite], "float32",
+               factor=3.0 if name == "dq" else 2.0)
+    clean = np.ones((b, hkv), bool)
+    for _, bi, _, hi, _, _ in sites:
+        clean[bi, hi] = False
+    v_only = clean.copy()      # ... or poisoned in V alone: its dv does not depend on V
+    v_only[0, 0] = all(name == "v" for name, bi, _, hi, _, _ in sites if (bi, hi) == (0, 0))
+    (_, ref_dk, ref_dv), (_, nv_dk, nv_dv) = (
+        attention_backward_ref(dout, q, k, v, True, dtype=dt) for dt in (np.float64, np.float32))
+    for name, got, ref, nv, heads in (("dk", dk, ref_dk, nv_dk, clean), ("dv", dv, ref_dv, nv_dv, v_only)):
+        sel = np.broadcast_to(heads[:, None, :, None], got.shape)
+        assert np.isfinite(got[sel]).all(), f"{name} of a key with no poison is not finite"
+        _check(name, got[sel], ref[:, rows][sel], nv[:, rows][sel], "float32", factor=3.0)
+    if group is not None:
+        group.close()
+    return {"blind_rows": int((seen == 0).sum()), "seeing_rows": int((seen > 0).sum()),
+            "nonfinite_out": int((~np.isfinite(out)).sum())}
+
+
+def garbage(rng, shape) -> np.ndarray:
+    """float32 of random bit patterns, as an np.empty buffer may hold: NaN, Inf, huge, tiny."""
+    return rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+def garbage_padding_is_inert(layout="zigzag", seqlen_local=24, pad=15, options=None,
+                             one_process=False, seed=77):
+    """A causal sequence padded at its end: garbage (random bits) in q, k, v and dout of the
+    padding gives the real rows out, lse and dq identical to those of zero padding. (dk, dv of
+    the real keys are not compared: the padding's own query rows see the garbage keys and pass
+    NaN on to every key they see, as the reference does. Keys that no row sees at all are
+    covered by tests/test_masked_inert.py::test_keys_no_row_sees_are_inert.)"""
+    group, rank, size = _world(one_process, options)
+    b, h, hkv, d, n = 1, 2, 1, 16, seqlen_local * size
+    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, "float32")
+    rng = np.random.default_rng(seed)
+    rows = my_rows(layout, rank, size, n)
+    real = rows < n - pad
+    results = {}
+    for fill in ("zeros", "garbage"):
+        arrays = []
+        for x in (q, k, v, dout):
+            x = x.copy()
+            x[:, n - pad:] = 0 if fill == "zeros" else garbage(rng, x[:, n - pad:].shape)
+            arrays.append(np.ascontiguousarray(x[:, rows]))
+        ql, kl, vl, dol = arrays
+        with np.errstate(all="ignore"):
+            out, lse = burstcu.attention(ql, kl, vl, group, causal=True, layout=layout, return_lse=True)
+            dq, _, _ = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True,
+                                                  layout=layout)
+        results[fill] = (out[:, real], lse[:, :, real], dq[:, real])
+    for name, zero, junk in zip(("out", "lse", "dq"), results["zeros"], results["garbage"]):
+        assert np.isfinite(zero).all() and np.array_equal(zero, junk), f"{name} of real rows changed"
+    if group is not None:
+        group.close()
+    return {"real_rows": int(real.sum())}

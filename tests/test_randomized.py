@@ -1,0 +1,73 @@
+"""Randomized problems (hypothesis) against the float64 reference: shapes, GQA ratios, head dims,
+layouts, causal or not, 1-4 ranks (the real engine on the loopback transport: ranks as threads,
+so each example costs milliseconds), every rank's out, lse and gradients, and its bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import burstcu  # noqa: E402
+from burstcu import ring  # noqa: E402
+from burstcu.testing.loopback import run_ranks  # noqa: E402
+from burstcu.testing.reference import (attention_backward_ref, attention_ref, max_err,  # noqa: E402
+                                       within_fa_rule)
+
+EPS64 = 2.0**-52
+
+
+@st.composite
+def problems(draw):
+    ranks = draw(st.integers(1, 4))
+    layout = draw(st.sampled_from(["contiguous", "zigzag"]))
+    per_rank = draw(st.integers(1, 12)) * (2 if layout == "zigzag" else 1)
+    hkv = draw(st.integers(1, 3))
+    return {"ranks": ranks, "layout": layout, "n": per_rank * ranks, "hkv": hkv,
+            "h": hkv * draw(st.sampled_from([1, 2, 4])), "d": draw(st.sampled_from([1, 8, 13, 32])),
+            "b": draw(st.integers(1, 2)), "causal": draw(st.booleans()),
+            "scale": draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(problems())
+def test_random_problems_match_the_reference(p):
+    rng = np.random.default_rng(p["seed"])
+    q, dout = (rng.standard_normal((p["b"], p["n"], p["h"], p["d"])) for _ in range(2))
+    k, v = (rng.standard_normal((p["b"], p["n"], p["hkv"], p["d"])) for _ in range(2))
+    kw = dict(causal=p["causal"], layout=p["layout"], softmax_scale=p["scale"])
+
+    def body(group):
+        local = [burstcu.shard(x, group, p["layout"]) for x in (q, k, v, dout)]
+        group.stats.reset()
+        out, lse = burstcu.attention(*local[:3], group, return_lse=True, **kw)
+        sent = group.stats.bytes_sent
+        grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **kw)
+        assert sent == ring.forward_bytes(group.size, local[1], local[2])
+        assert group.stats.bytes_sent - sent == ring.backward_bytes(group.size, local[0])
+        return [burstcu.unshard(x, group, p["layout"]) for x in (out, *grads)], \
+            burstcu.unshard(lse, group, p["layout"], axis=2)
+
+    results = run_ranks(p["ranks"], body)
+    truth = [*attention_ref(q, k, v, p["causal"], p["scale"], dtype=np.longdouble),
+             *attention_backward_ref(dout, q, k, v, p["causal"], p["scale"], dtype=np.longdouble)]
+    naive = [*attention_ref(q, k, v, p["causal"], p["scale"]),
+             *attention_backward_ref(dout, q, k, v, p["causal"], p["scale"])]
+    # FlashAttention's rule. Its rounding term is eps * max|ref|; for gradients it is taken at
+    # the magnitude of the terms they sum instead (|dS| <= |dP| + |delta| <= 2 d max|dout| max|v|,
+    # times max|q or k| and the scale): tiny problems make gradients that cancel to ~0 (a row
+    # that sees one key has dS = dP - delta = 0), and the backward computes dP and delta in
+    # different orders. Logic errors are orders of magnitude above either term.
+    scale = p["scale"] if p["scale"] is not None else 1 / np.sqrt(p["d"])
+    terms = 2 * p["d"] * np.abs(dout).max() * np.abs(v).max() * max(np.abs(q).max(), np.abs(k).max()) * scale
+    for rank, ((out, dq, dk, dv), lse) in enumerate(results):
+        for name, got, want, plain in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                                          truth, naive):
+            ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
+            if name in ("dq", "dk", "dv"):
+                bound = 3.0 * max_err(plain, want) + 8 * EPS64 * terms
+                ok = err <= bound
+            assert ok, f"rank {rank} {name} {p}: {err:.3e} > {bound:.3e}"
