@@ -139,7 +139,11 @@ class TimedTransport(Transport):
         self._posts += self.size > 1  # a group of one gathers by a local copy: not communication
 
     def allgather_object(self, obj, what="metadata"):
+        self.inner.call, self.inner.where = self.call, self.where
         return self.inner.allgather_object(obj, what)
+
+    def _abort(self, reason):
+        self.inner._abort(reason)
 
     def barrier(self):
         self.inner.barrier()

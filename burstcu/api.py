@@ -21,9 +21,8 @@ import sys
 import numpy as np
 
 from . import ring
-from .group import Group, local_group
+from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
-from .transport.base import CommTimeoutError, PeerFailedError
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
                        metadata, resolve_scale)
@@ -61,8 +60,10 @@ def _cuda_device(x) -> int | None:
 def _group_for(group: Group | None, q) -> Group:
     """`group`, or with None the one-process group for q's device: CuPy arrays and DLPack arrays
     on a CUDA device (torch, JAX, ...) -> "cupy"; everything else -> "numpy". Raises ValueError
-    when q is on a GPU that CuPy cannot use in this process."""
+    when q is on a GPU that CuPy cannot use in this process, or the group is closed."""
     if group is not None:
+        if group.closed:
+            raise ValueError("this group is closed: make a new one with burstcu.init()")
         return group
     device_id = _cuda_device(q)
     if device_id is None:
@@ -148,36 +149,8 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
-class _Call:
-    """One public call on one rank, and what happens when it fails (README, "When things go
-    wrong"). While the ranks agree on the inputs, only a transport failure (a timeout, a peer
-    that failed) ends the group: input errors are raised on every rank alike by the agreement.
-    Once data moves (`moving()`), any exception on this rank ends the group, since its peers are
-    waiting for it mid-ring: `Transport.fail` prints the rank, the call, the step and the cause
-    and aborts every rank; in a group of one the exception just rises."""
-
-    def __init__(self, group: Group, name: str):
-        self.transport, self.name, self.moving_data = group.transport, name, False
-
-    def __enter__(self):
-        self.transport.call, self.transport.where = self.name, "agreement on the inputs"
-        return self
-
-    def moving(self) -> None:
-        self.moving_data = True
-
-    def __exit__(self, kind, exc, tb):
-        t = self.transport
-        try:
-            if exc is not None and (self.moving_data or isinstance(exc, (CommTimeoutError, PeerFailedError))):
-                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
-        finally:
-            t.call, t.where = None, "between calls"
-        return False
-
-
-def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
-             strategy, flags: dict):
+def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
+             layout, strategy, flags: dict):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
 
@@ -196,7 +169,8 @@ def _checked(group: Group, arrays: tuple, *, backward: bool, causal, softmax_sca
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
-    agree(group.transport, err, meta, "attention_backward" if backward else "attention")
+    with call.raising_together():
+        agree(group.transport, err, meta, "attention_backward" if backward else "attention")
     return arrays, export, scale
 
 
@@ -244,12 +218,11 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group = _group_for(group, q)
-    with _Call(group, "attention forward") as call:
-        (q, k, v), export, scale = _checked(group, (q, k, v), backward=False, causal=causal,
+    with Call(group, "attention forward") as call:
+        (q, k, v), export, scale = _checked(call, group, (q, k, v), backward=False, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
                                             strategy=strategy,
                                             flags={"causal": causal, "return_lse": return_lse})
-        call.moving()
         out, lse = _returned(export, _engine(strategy).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=layout, trace=group.trace))
@@ -267,12 +240,11 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
     """
     group = _group_for(group, q)
-    with _Call(group, "attention backward") as call:
+    with Call(group, "attention backward") as call:
         (dout, q, k, v, out, lse), export, scale = _checked(
-            group, (dout, q, k, v, out, lse), backward=True, causal=causal,
+            call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy,
             flags={"causal": causal})
-        call.moving()
         return _returned(export, _engine(strategy).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace))
@@ -301,12 +273,13 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
     check_layout(layout)
     if group is None or group.size == 1:
         return _array_module(x_local).ascontiguousarray(x_local)
-    with _Call(group, "unshard") as call:
-        shapes = group.transport.allgather_object((tuple(x_local.shape), str(x_local.dtype), axis),
-                                                  "unshard")
-        if any(s != shapes[0] for s in shapes):
-            raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; got {shapes}")
-        call.moving()
+    with Call(group, "unshard") as call:
+        with call.raising_together():
+            shapes = group.transport.allgather_object(
+                (tuple(x_local.shape), str(x_local.dtype), axis), "unshard")
+            if any(s != shapes[0] for s in shapes):
+                raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; "
+                                 f"got {shapes}")
         return _gathered(x_local, group, layout, axis)
 
 

@@ -12,6 +12,7 @@ backend        local op                            transport
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +52,21 @@ class Group:
         return self.transport.timeout
 
     def barrier(self) -> None:
-        self.transport.barrier()
+        """Wait until every rank of the group is here (bounded by `timeout`, like every call)."""
+        with Call(self, "barrier") as call, call.raising_together():
+            self.transport.barrier()
 
     def release_buffers(self) -> None:
         """Free the message buffers kept for reuse between calls (they are re-made on demand)."""
         self.ops.release_buffers()
 
     def close(self) -> None:
-        """Free buffers and the communicator. Idempotent; the group is unusable afterwards."""
+        """Free buffers, worker threads and the communicator. Idempotent; the group is unusable
+        afterwards."""
         if self.closed:
             return
         self.closed = True
-        self.release_buffers()
+        self.ops.close()
         self.transport.close()
 
     def __enter__(self) -> "Group":
@@ -70,6 +74,43 @@ class Group:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Call:
+    """One public call on one rank (attention, unshard, barrier, ...), and what happens when it
+    fails (README, "When things go wrong"). Any exception leaving the call ends the whole group
+    (`Transport.fail`: print the rank, the call, the step and the cause; abort every rank), since
+    peers may be waiting for this rank; except errors raised inside `raising_together()`, which
+    every rank raises alike (the agreement on the inputs). In a group of one the exception just
+    rises."""
+
+    def __init__(self, group: "Group", name: str):
+        if group.closed:
+            raise ValueError("this group is closed: make a new one with burstcu.init()")
+        self.transport, self.name, self.together = group.transport, name, False
+
+    def __enter__(self) -> "Call":
+        self.transport.call, self.transport.where = self.name, "agreement on the inputs"
+        return self
+
+    @contextmanager
+    def raising_together(self):
+        """Errors raised inside are raised on every rank alike: they end only this call."""
+        try:
+            yield
+        except (ValueError, TypeError):
+            self.together = True
+            raise
+        self.transport.where = "after the agreement"
+
+    def __exit__(self, kind, exc, tb):
+        t = self.transport
+        try:
+            if exc is not None and not self.together:
+                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
+        finally:
+            t.call, t.where = None, "between calls"
+        return False
 
 
 def gpu_usable() -> bool:

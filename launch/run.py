@@ -58,12 +58,21 @@ def rank_env(cpu: bool, user_env: dict[str, str], extra: dict[str, str]) -> dict
     return env
 
 
+_PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
+
+
 def with_mpi4py(command: list[str]) -> list[str]:
-    """`python X ...` as `python -m mpi4py X ...`: an uncaught exception on one rank then prints
-    its traceback and aborts every rank (MPI_Abort) instead of leaving the others waiting."""
-    if command and Path(command[0]).name.startswith("python") and command[1:3] != ["-m", "mpi4py"]:
-        return [command[0], "-m", "mpi4py", *command[1:]]
-    return list(command)
+    """`python [options] X ...` as `python [options] -m mpi4py X ...`: an uncaught exception on
+    one rank then prints its traceback and aborts every rank (MPI_Abort) instead of leaving the
+    others waiting. The interpreter's own options (-u, -O, -X dev, -W error, ...) stay first."""
+    if not command or not Path(command[0]).name.startswith("python"):
+        return list(command)
+    i = 1
+    while i < len(command) and command[i].startswith("-") and command[i] not in ("-m", "-c", "-"):
+        i += 2 if command[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
+    if command[i:i + 2] == ["-m", "mpi4py"]:
+        return list(command)
+    return [*command[:i], "-m", "mpi4py", *command[i:]]
 
 
 def rank_program(command: list[str], bind: str, root: Path | str = HERE) -> list[str]:

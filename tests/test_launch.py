@@ -52,6 +52,9 @@ def test_python_runs_under_mpi4py_once():
     assert run.with_mpi4py(["python3", "x.py"]) == ["python3", "-m", "mpi4py", "x.py"]
     assert run.with_mpi4py(["python", "-m", "mpi4py", "x.py"]) == ["python", "-m", "mpi4py", "x.py"]
     assert run.with_mpi4py(["./a.out", "x"]) == ["./a.out", "x"]
+    assert run.with_mpi4py(["python", "-u", "-X", "dev", "t.py", "-u"]) == \
+        ["python", "-u", "-X", "dev", "-m", "mpi4py", "t.py", "-u"]
+    assert run.with_mpi4py(["python", "-O", "-m", "pkg.main"]) == ["python", "-O", "-m", "mpi4py", "-m", "pkg.main"]
 
 
 def test_rank_env_keeps_the_users_settings():

@@ -123,6 +123,10 @@ class LocalOps(ABC):
         """Free the message buffers kept for reuse by `double_buffer`."""
         self.__dict__.pop("_double_buffers", None)
 
+    def close(self) -> None:
+        """Free everything the op holds (buffers; worker threads where it has them)."""
+        self.release_buffers()
+
     def stream_key(self) -> Any:
         """Identifies the stream this op's work is ordered on (None on the CPU)."""
         return None
@@ -198,6 +202,9 @@ class DelegatingOps(LocalOps):
 
     def release_buffers(self) -> None:
         self.inner.release_buffers()
+
+    def close(self) -> None:
+        self.inner.close()
 
     def stream_key(self):
         return self.inner.stream_key()

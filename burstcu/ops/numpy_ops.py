@@ -310,6 +310,13 @@ class NumpyOps(LocalOps):
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="burstcu-lao") if self.threads > 1 else None
         self._blas = None
 
+    def close(self) -> None:
+        """Free the buffers and stop the worker threads (the op runs serially afterwards)."""
+        super().close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def _run(self, work, items) -> None:
         """work(item) for every item, on the pool or serially, with BLAS held to one thread:
         the parallelism is across items; a multi-threaded BLAS on tile-sized matmuls spends

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import pickle
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -54,13 +55,26 @@ class MPITransport(Transport):
     def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None):
         if progress not in ("thread", "inline"):
             raise ValueError(f"progress must be 'thread' or 'inline', not {progress!r}")
-        self.comm = comm.Dup()
-        super().__init__(self.comm.Get_rank(), self.comm.Get_size(), timeout)
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
+        self.where = "creating the group (every rank must call burstcu.init)"
+        self.comm, request = comm.Idup()  # a private communicator; bounded like every wait
+        poll_until(request.Test, self.deadline(), lambda: self._init_timed_out(comm))
+        self.where = "between calls"
         self.progress = progress
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="burstcu-comm") if progress == "thread" else None
         self._pending: list[Future] = []
         self._requests: list = []
         self._peers: list[str] = []  # what the pending exchanges wait for, for timeout messages
+
+    def _init_timed_out(self, comm):
+        """Print and abort through the user's communicator (ours is not made yet): the ranks that
+        did arrive are blocked in the same duplication."""
+        exc = self.timed_out("every rank of the communicator to call burstcu.init (a rank may "
+                             "have failed or exited before it)")
+        sys.stderr.write(f"burstcu: {exc}\nburstcu: rank {self.rank} ends all {self.size} ranks\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+        return exc
 
     # -- the ring exchange -----------------------------------------------------------------------
     def _start(self, exchanges):
@@ -105,7 +119,7 @@ class MPITransport(Transport):
         for fut in pending:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
+            except (concurrent.futures.TimeoutError, TimeoutError):  # distinct types before 3.11
                 raise self.timed_out(peers) from None
 
     # -- agreement and collectives -----------------------------------------------------------------

@@ -352,8 +352,8 @@ class NCCLTransport(Transport):
             dev.record(self._ready, dev.current_stream())
             dev.wait_event(self.stream, self._ready)
             dev.all_gather(send_buf, recv_buf, self.stream)
-            dev.record(self._arrived, self.stream)
-            dev.wait_event(dev.current_stream(), self._arrived)
+            join_stream(dev, self.stream, self._arrived)
+        self.watchdog.watch(self._arrived, self.doing())
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
 

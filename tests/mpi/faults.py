@@ -35,6 +35,10 @@ def _fail_at_step(group, step: int, action):
 
 
 def main(scenario: str, timeout: float) -> None:
+    if scenario == "exit_before_init":
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            sys.exit(0)
     group = burstcu.init(backend="numpy", timeout=timeout)
     q, k, v, dout = _inputs(group)
     bad = group.rank == 1
@@ -46,6 +50,14 @@ def main(scenario: str, timeout: float) -> None:
         time.sleep(10 * timeout)
     if scenario == "raise_in_step" and bad:
         _fail_at_step(group, 2, lambda: (_ for _ in ()).throw(MemoryError("simulated: out of memory")))
+    if scenario == "interrupt_in_agreement" and bad:  # Ctrl-C while the inputs are checked
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt()
+        sys.modules["burstcu.api"].check_attention_inputs = interrupted
+    if scenario == "barrier_late":
+        if bad:
+            time.sleep(10 * timeout)
+        group.barrier()
     if scenario == "sigkill_mid_ring" and bad:
         _fail_at_step(group, 2, lambda: os.kill(os.getpid(), signal.SIGKILL))
     if scenario == "mismatched_calls":
@@ -55,7 +67,8 @@ def main(scenario: str, timeout: float) -> None:
             else:
                 burstcu.attention(q, k, v, group)
         except ValueError as exc:
-            print(f"rank {group.rank} caught: {exc}", flush=True)
+            sys.stdout.write(f"rank {group.rank} caught: {exc}\n")
+            sys.stdout.flush()
             group.close()
             return
     if scenario == "slow_peer_cpu":  # rank 1 arrives 3 s late; the others must not spin
@@ -64,12 +77,14 @@ def main(scenario: str, timeout: float) -> None:
         t0, c0 = time.monotonic(), time.process_time()
         burstcu.attention(q, k, v, group, causal=True)
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
-        print(f"rank {group.rank} waited {wall:.2f} s using {cpu:.3f} s of CPU", flush=True)
+        sys.stdout.write(f"rank {group.rank} waited {wall:.2f} s using {cpu:.3f} s of CPU\n")
+        sys.stdout.flush()
         group.close()
         return
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
-    print(f"rank {group.rank} finished", flush=True)
+    sys.stdout.write(f"rank {group.rank} finished\n")
+    sys.stdout.flush()
     group.close()
 
 
