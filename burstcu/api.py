@@ -60,11 +60,9 @@ def _cuda_device(x) -> int | None:
 def _group_for(group: Group | None, q) -> Group:
     """`group`, or with None the one-process group for q's device: CuPy arrays and DLPack arrays
     on a CUDA device (torch, JAX, ...) -> "cupy"; everything else -> "numpy". Raises ValueError
-    when q is on a GPU that CuPy cannot use in this process, or the group is closed."""
+    when q is on a GPU that CuPy cannot use in this process."""
     if group is not None:
-        if group.closed:
-            raise ValueError("this group is closed: make a new one with burstcu.init()")
-        return group
+        return group  # a closed group is refused by `Call`
     device_id = _cuda_device(q)
     if device_id is None:
         return local_group("numpy")

@@ -276,10 +276,6 @@ def join_stream(device: Any, stream: Any, event: Any) -> None:
     device.wait_event(device.current_stream(), event)
 
 
-def _check_contiguous(buf: Any, what: str) -> None:
-    check_contiguous(buf, what, "NCCL")
-
-
 class NCCLTransport(Transport):
     """Ring exchange over NCCL on a dedicated communication stream (see the module docstring).
 
@@ -313,8 +309,8 @@ class NCCLTransport(Transport):
 
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
         for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is issued
-            _check_contiguous(send_buf, "send")
-            _check_contiguous(recv_buf, "receive")
+            check_contiguous(send_buf, "send", "NCCL")
+            check_contiguous(recv_buf, "receive", "NCCL")
         dev = self.device
         with dev.annotate("burstcu commit"):
             dev.record(self._ready, dev.current_stream())
@@ -342,8 +338,8 @@ class NCCLTransport(Transport):
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
         """ncclAllGather on the comm stream, ordered like a ring step (stream-ordered for the
         caller: kernels issued afterwards see recv_buf; the host does not block)."""
-        _check_contiguous(send_buf, "send")
-        _check_contiguous(recv_buf, "receive")
+        check_contiguous(send_buf, "send", "NCCL")
+        check_contiguous(recv_buf, "receive", "NCCL")
         if nbytes(recv_buf) != nbytes(send_buf) * self.size:
             raise ValueError(f"allgather: recv_buf has {nbytes(recv_buf)} bytes, needs "
                              f"{self.size} x {nbytes(send_buf)}")
