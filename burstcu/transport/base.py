@@ -50,6 +50,9 @@ class PeerFailedError(RuntimeError):
 
 
 DEFAULT_TIMEOUT = 600.0
+# between printing why and aborting: the launcher forwards a rank's output through a pipe and
+# may tear the job down before it has read what an aborting rank wrote last
+ABORT_GRACE_S = 0.3
 TIMEOUT_ENV = "BURSTCU_TIMEOUT"
 
 
@@ -164,6 +167,7 @@ class Transport(ABC):
             sys.stderr.write(f"burstcu: {reason}\nburstcu: rank {self.rank} ends all {self.size} "
                              f"ranks of the group (its peers may be waiting for it)\n")
             sys.stderr.flush()
+            time.sleep(ABORT_GRACE_S)
             self._abort(reason)
 
     def _abort(self, reason: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, nbytes, poll_until
+from .base import ABORT_GRACE_S, Transport, nbytes, poll_until
 
 _TAG_RING = 7
 _TAG_AGREE = 8
@@ -73,6 +73,7 @@ class MPITransport(Transport):
                              "have failed or exited before it)")
         sys.stderr.write(f"burstcu: {exc}\nburstcu: rank {self.rank} ends all {self.size} ranks\n")
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(1)
         return exc
 
