@@ -165,8 +165,9 @@ class TimedOps(DelegatingOps):
     def forward_step(self, state, k, v, blocks):
         self._run(self.inner.forward_step, state, k, v, blocks if self.compute else [])
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
-        self._run(self.inner.backward_step, ctx, q, dout, lse, delta, dq, blocks if self.compute else [])
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
+        self._run(self.inner.backward_step, ctx, q, dout, lse, delta, dq,
+                  blocks if self.compute else [], psum)
 
 
 class StepRecorder(ring.Trace):

@@ -78,9 +78,9 @@ class EventOps(DelegatingOps):
     def forward_step(self, state, k, v, blocks):
         self._timed(self.inner.forward_step, state, k, v, blocks if self.compute else [])
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
         self._timed(self.inner.backward_step, ctx, q, dout, lse, delta, dq,
-                    blocks if self.compute else [])
+                    blocks if self.compute else [], psum)
 
 
 class EventCopyDevice(CupyCopyDevice):

@@ -25,7 +25,7 @@ from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
-                       metadata, resolve_scale)
+                       check_row_sums, metadata, resolve_scale)
 
 STRATEGIES = ("burst", "ring", "allgather")
 
@@ -185,8 +185,9 @@ def _check_local(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, l
     if err is not None:
         return err, None, None
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    return None, scale, metadata(*arrays, causal=bool(causal), layout=layout, strategy=strategy,
-                                 softmax_scale=scale)
+    # every flag is agreed on too (check=True changes what the backward ring sends)
+    return None, scale, metadata(*arrays, layout=layout, strategy=strategy, softmax_scale=scale,
+                                 **{name: bool(value) for name, value in flags.items()})
 
 
 def _check_options(strategy: str):
@@ -229,23 +230,39 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 
 def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                        causal: bool = False, softmax_scale: float | None = None,
-                       layout: str = "contiguous", strategy: str = "burst"):
+                       layout: str = "contiguous", strategy: str = "burst", check: bool = False):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
     `attention(..., return_lse=True)`; the other arguments as given to `attention`.
     Returns (dq, dk, dv) with q's, k's and v's shapes, dtype and array type.
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
+    lse must have exactly the dtype and shape `attention` returns. check=True also verifies
+    that lse belongs to these inputs and options: each row's recomputed probabilities are
+    summed over every ring step (the sums travel with dQ) and must add up to 1, else ValueError
+    on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
+    round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
     group = _group_for(group, q)
     with Call(group, "attention backward") as call:
         (dout, q, k, v, out, lse), export, scale = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy,
-            flags={"causal": causal})
-        return _returned(export, _engine(strategy).backward(
+            flags={"causal": causal, "check": check})
+        row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
+        grads = _engine(strategy).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
-            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace))
+            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace, **row_sums)
+        if check:
+            call.transport.where = "check of the row sums of P"
+            try:  # nothing may raise on one rank alone before the agreement (see _checked)
+                verdict = check_row_sums(lse, row_sums["row_sums"], group.rank)
+            except Exception as exc:
+                verdict = InputError(ValueError, f"cannot check the row sums on rank {group.rank}: "
+                                                 f"{exc.__class__.__name__}: {exc}")
+            with call.raising_together():
+                agree(group.transport, verdict, None, "attention_backward check")
+        return _returned(export, grads)
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):

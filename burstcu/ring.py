@@ -30,6 +30,11 @@ s+1 compute, so it rides in the message of step s+1 and its transfer overlaps th
         dq     = B*S*H*D*acc_itemsize          (fp32 accumulator; fp64 for fp64 input)
     messages = G + 1.
 
+With `row_sums` (attention_backward(check=True)) each rank also adds its keys' share of every
+visiting row's sum of P into a (B, H, S) accumulator that rides right behind dQ, exactly as dQ
+does (one step behind, home in the last hop, which then carries two messages); the check is that
+every row's total is 1. Byte counts above are without it.
+
 Causal masking only changes what a step computes (`layout.step_blocks`), never what is sent, so
 byte counts do not depend on `causal`. All accumulation state stays in the accumulation dtype.
 """
@@ -133,26 +138,34 @@ def forward_bytes(size: int, k, v) -> int:
 # ----------------------------------------------------------------------------------------------
 # backward
 
-def _bundle_fields(q, lse):
+def _bundle_fields(q, lse, row_sums: bool = False):
     b, s, h, d = q.shape
     acc = accum_dtype(q.dtype)
-    # dq first: each step's message is then one contiguous span (prefix, suffix or all), and
-    # the large fields stay 16-byte aligned for vector loads.
-    return [("dq", q.shape, acc), ("q", q.shape, q.dtype), ("dout", q.shape, q.dtype),
+    # dq (and psum) first: each step's message is then one contiguous span (prefix, suffix or
+    # all), and the large fields stay 16-byte aligned for vector loads (psum is followed by the
+    # bytes that bring q back to a 16-byte boundary; they travel only inside a whole bundle).
+    sums = []
+    if row_sums:
+        ends = (int(np.prod(q.shape)) + b * h * s) * acc.itemsize
+        sums = [("psum", (b, h, s), acc), ("psum_pad", ((-ends) % 16,), np.uint8)]
+    return [("dq", q.shape, acc), *sums, ("q", q.shape, q.dtype), ("dout", q.shape, q.dtype),
             ("delta", (b, h, s), acc), ("lse", (b, h, s), acc)]
 
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
-             softmax_scale: float, layout: str, trace: Trace | None = None):
+             softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
     Returns dq (B, S, H, D) and dk, dv (B, S, Hkv, D), in the inputs' dtype.
+    row_sums: None, or (B, H, S) in the accumulation dtype, contiguous: receives each of this
+    rank's rows' sum of the recomputed P over every rank's keys (1 when lse is right).
     """
     size, rank = transport.size, transport.rank
     seqlen = q.shape[1]
     acc = accum_dtype(q.dtype)
-    fields = _bundle_fields(q, lse)
+    sums = row_sums is not None
+    fields = _bundle_fields(q, lse, sums)
     buffers = ops.double_buffer(fields)
     first = buffers[0]
     ops.copy_(first["q"], q)
@@ -161,35 +174,42 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     ops.copy_(first["lse"], lse)
     ctx = ops.backward_init(k, v, softmax_scale)
     dq_part = ops.zeros(q.shape, acc)
+    psum_part = ops.zeros(lse.shape, acc) if sums else None
 
     for s in range(size):
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
-        span = _backward_span(s, size)
+        span = _backward_span(s, size, sums)
         if span:
             post_exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
                           [(cur.span(*span), nxt.span(*span))])
         source = (rank - s) % size  # the visiting queries are source's; the keys are ours
         blocks = step_blocks(layout, source, rank, size, seqlen, causal)
         ops.copy_(dq_part, 0)
+        if sums:
+            ops.copy_(psum_part, 0)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
-                               cur["dout"], cur["lse"], cur["delta"], dq_part, blocks)
+                               cur["dout"], cur["lse"], cur["delta"], dq_part, blocks,
+                               *([psum_part] if sums else []))
         wait_s = timed_wait(ops, transport, f"bwd {s} wait") if span else 0.0
         # nxt.dq now holds the dQ of the bundle we just used (received), or garbage at s == 0
-        if s == 0:
-            ops.copy_(nxt["dq"], dq_part)
-        else:
-            ops.add_(nxt["dq"], dq_part)
+        for name, part in (("dq", dq_part), ("psum", psum_part)) if sums else (("dq", dq_part),):
+            if s == 0:
+                ops.copy_(nxt[name], part)
+            else:
+                ops.add_(nxt[name], part)
         if trace is not None:
             trace.add("backward", s, source, len(blocks), compute_s, wait_s)
 
     last = buffers[size % 2]  # holds the dQ of bundle (rank + 1) % size after the loop
     dq = ops.zeros(q.shape, acc)
+    home = [(last["dq"], dq)] + ([(last["psum"], row_sums)] if sums else [])
     if size == 1:
-        ops.copy_(dq, last["dq"])
+        for mine, out_buf in home:
+            ops.copy_(out_buf, mine)
     else:
-        post_exchange(ops, transport, "bwd return dq", [(last["dq"], dq)])
+        post_exchange(ops, transport, "bwd return dq", home)
         wait_s = timed_wait(ops, transport, "bwd return dq wait")
         if trace is not None:
             trace.add("backward", size, rank, 0, 0.0, wait_s)
@@ -199,7 +219,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     return dq_out, dk, dv
 
 
-def _backward_span(step: int, size: int) -> tuple[str, str] | None:
+def _backward_span(step: int, size: int, row_sums: bool = False) -> tuple[str, str] | None:
     """Which fields the message of `step` carries (see the module docstring)."""
     carries_bundle = step < size - 1
     carries_dq = step >= 1
@@ -208,7 +228,7 @@ def _backward_span(step: int, size: int) -> tuple[str, str] | None:
     if carries_bundle:
         return ("q", "lse")
     if carries_dq:
-        return ("dq", "dq")
+        return ("dq", "psum" if row_sums else "dq")
     return None
 
 

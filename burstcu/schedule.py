@@ -327,8 +327,10 @@ class RecordingOps(LocalOps):
         self.device.kernel("backward_init", reads=[k, v], writes=[ctx])
         return ctx
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks) -> None:
-        self.device.kernel("backward_step", reads=[ctx, q, dout, lse, delta, dq], writes=[ctx, dq])
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None) -> None:
+        sums = [] if psum is None else [psum]
+        self.device.kernel("backward_step", reads=[ctx, q, dout, lse, delta, dq, *sums],
+                           writes=[ctx, dq, *sums])
 
     def backward_finalize(self, ctx, out_dtype):
         shape = ctx.shape[1:]

@@ -58,12 +58,14 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc):
+def _partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc,
+                      row_sums=None):
     """dk, dv (B, S, Hkv, D) in `acc` contributed by the visiting queries q over keys (k, v),
-    and dq += their dq. Uses only the public LocalOps calls: a fresh context per block, so
-    the partial can be added to an accumulator that travels (the ops' own context cannot)."""
+    and dq += their dq (row_sums += their rows' sums of P, if given). Uses only the public
+    LocalOps calls: a fresh context per block, so the partial can be added to an accumulator
+    that travels (the ops' own context cannot)."""
     ctx = ops.backward_init(k, v, scale)
-    ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+    ops.backward_step(ctx, q, dout, lse, delta, dq, blocks, *([] if row_sums is None else [row_sums]))
     return ops.backward_finalize(ctx, acc)
 
 
@@ -108,8 +110,10 @@ class RingAttention:
         return ops.forward_finalize(state, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None):
-        """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype."""
+                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None):
+        """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
+        row_sums: None, or (B,H,S) in the accumulation dtype, zeroed: receives each of this
+        rank's rows' sum of the recomputed P over every rank's keys (Q stays, so it stays too)."""
         size, rank, seqlen = transport.size, transport.rank, q.shape[1]
         acc = accum_dtype(q.dtype)
         kbuf = [ops.zeros(k.shape, k.dtype) for _ in range(2)]
@@ -137,7 +141,7 @@ class RingAttention:
                 t0 = _now()
                 with ops.annotate(f"ring bwd {s} compute"):
                     parts = _partial_kv_grads(ops, kbuf[cur], vbuf[cur], q, dout, lse, delta, dq,
-                                              blocks, softmax_scale, acc)
+                                              blocks, softmax_scale, acc, row_sums)
                 compute_s = _now() - t0
             wait_s = ring.timed_wait(ops, transport, f"ring bwd {s} wait") if pairs else 0.0
             # nxt's dk/dv slot now holds what earlier holders accumulated for `source` (or
@@ -248,8 +252,9 @@ class AllGatherAttention:
         return ops.forward_finalize(state, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None):
-        """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype."""
+                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None):
+        """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
+        row_sums: as for RingAttention.backward."""
         size, rank, seqlen = transport.size, transport.rank, q.shape[1]
         acc = accum_dtype(q.dtype)
         kv, gather_s = self._gather_kv(ops, transport, k, v)
@@ -267,7 +272,7 @@ class AllGatherAttention:
                 t0 = _now()
                 with ops.annotate(f"allgather bwd {s} compute"):
                     dk_p, dv_p = _partial_kv_grads(ops, kv[source][0], kv[source][1], q, dout, lse,
-                                                   delta, dq, blocks, softmax_scale, acc)
+                                                   delta, dq, blocks, softmax_scale, acc, row_sums)
                     ops.copy_(partial[source]["dk"], dk_p)
                     ops.copy_(partial[source]["dv"], dv_p)
                 compute_s = _now() - t0

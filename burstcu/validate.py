@@ -142,6 +142,37 @@ def check_flags(**flags) -> InputError | None:
     return None
 
 
+# attention_backward(check=True): a row's sum of P is 1 within ROW_SUM_TOL plus
+# ROW_SUM_ULPS ulps (of the accumulation dtype) times max(1, |lse|) (P = exp(score - lse) moves by
+# a few ulps of the score and of lse, which grow with them; see README, numerics at large logits)
+ROW_SUM_TOL = 1e-3
+ROW_SUM_ULPS = 64
+
+
+def check_row_sums(lse, row_sums, rank: int) -> InputError | None:
+    """A ValueError unless every row's sum of the recomputed P over the ring is 1 within
+    ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|) (exactly 0 for rows with lse = -inf, which
+    saw no key): else lse is not the forward's for these inputs and options. lse, row_sums:
+    (B, H, S), NumPy or CuPy."""
+    lse_h, sums = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (lse, row_sums))
+    eps = float(np.finfo(np.asarray(row_sums.dtype.type(0)).dtype).eps)
+    saw = lse_h != -np.inf
+    expect = np.where(saw, 1.0, 0.0)
+    with np.errstate(invalid="ignore"):
+        # a row that saw no key has P = exp(score - inf) = 0 exactly
+        tol = np.where(saw, ROW_SUM_TOL + ROW_SUM_ULPS * eps * np.maximum(1.0, np.abs(lse_h)), 0.0)
+        bad = ~(np.abs(sums - expect) <= tol)  # NaN counts as bad
+    if not bad.any():
+        return None
+    b, h, s = (int(i) for i in np.argwhere(bad)[0])
+    return InputError(ValueError, (
+        f"attention_backward(check=True): on rank {rank} the probabilities recomputed from lse "
+        f"sum to {sums[b, h, s]:.6g} over the ring in {int(bad.sum())} rows, not "
+        f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}): lse is "
+        f"not the one attention(..., return_lse=True) returned for these q, k, v and options, or "
+        f"the inputs hold NaN/Inf"))
+
+
 def metadata(*arrays, **options) -> tuple:
     """What every rank must agree on: shapes, dtypes and options of one call."""
     shapes = tuple(tuple(int(n) for n in a.shape) if hasattr(a, "shape") else None for a in arrays)

@@ -224,3 +224,124 @@ template <int WIDTH> __device__ __forceinline__ float warp_sum(float x) {
   for (int offset = WIDTH / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite values. A 16-bit float is Inf or NaN iff its exponent bits are all set.
+template <typename T> struct ExponentBits;
+// kMask: the exponent bits; kOne: the bits of 1.0
+template <> struct ExponentBits<__half> { static constexpr u32 kMask = 0x7c00u, kOne = 0x3c00u; };
+template <> struct ExponentBits<__nv_bfloat16> { static constexpr u32 kMask = 0x7f80u, kOne = 0x3f80u; };
+
+/// Whether either 16-bit value packed in x (pack2's layout) is Inf or NaN.
+template <typename T> __device__ __forceinline__ bool nonfinite_pair(u32 x) {
+  constexpr u32 e = ExponentBits<T>::kMask;
+  return (x & e) == e || ((x >> 16) & e) == e;
+}
+
+/// Whether any element of the ROWS x COLS tile at s (row stride ld elements, rows 16-byte
+/// aligned, COLS a multiple of 8) is Inf or NaN: one warp vote, so all 32 lanes call it and all
+/// get the answer. Reads the tile once (16 bytes a lane a turn).
+template <typename T, int ROWS, int COLS>
+__device__ __forceinline__ bool warp_any_nonfinite(const T* s, int ld) {
+  static_assert(COLS % 8 == 0, "whole 16-byte chunks");
+  constexpr int kChunks = COLS / 8;
+  bool bad = false;
+  for (int i = threadIdx.x & 31; i < ROWS * kChunks; i += 32) {
+    const uint4 w = *reinterpret_cast<const uint4*>(s + (i / kChunks) * ld + (i % kChunks) * 8);
+    bad = bad || nonfinite_pair<T>(w.x) || nonfinite_pair<T>(w.y) || nonfinite_pair<T>(w.z) ||
+          nonfinite_pair<T>(w.w);
+  }
+  return __any_sync(0xffffffffu, bad);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level matmul with the left operand in registers (FlashAttention's P V, and the backward's
+// P^T dO, dS^T Q, dS K). Fragments as mma.m16n8k16's C: x[j][0..1] at (row g, col 8j+2t+{0,1}),
+// x[j][2..3] at (row g+8, same cols), g = lane/4, t = lane%4.
+
+/// B operands of two n8 tiles (n0..n0+15, k0..k0+15) from row-major storage s[k][n] (stride ld):
+/// b[0..1] for n0..n0+7, b[2..3] for n0+8..n0+15.
+template <typename T>
+__device__ __forceinline__ void ld_b_t(u32 b[4], const T* s, int ld, int k0, int n0) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+  ldmatrix_x4_trans(b, s + (k0 + r + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
+}
+
+/// acc (16 x NW) += X (16 x KDIM fp32 fragments, rounded to T here) . sB[0:KDIM, n0:n0+NW]
+/// (row-major, stride ld). The C fragments of two adjacent n8 tiles are the A fragment of one
+/// k16 slice, so X never goes through shared memory.
+template <typename T, int KDIM, int NW>
+__device__ __forceinline__ void gemm_rs(float acc[NW / 8][4], const float x[KDIM / 8][4],
+                                        const T* sB, int ld, int n0) {
+#pragma unroll
+  for (int kk = 0; kk < KDIM / 16; ++kk) {
+    const u32 a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                      pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                      pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+    for (int nd = 0; nd < NW / 16; ++nd) {
+      u32 b[4];
+      ld_b_t(b, sB, ld, kk * 16, n0 + nd * 16);
+      mma_m16n8k16<T>(acc[2 * nd], a, b, acc[2 * nd]);
+      mma_m16n8k16<T>(acc[2 * nd + 1], a, b + 2, acc[2 * nd + 1]);
+    }
+  }
+}
+
+/// For the products of a tile with masked pairs (gemm_rs_masked): 1.0 in each half of an A
+/// operand register whose value is non-zero, 0 elsewhere.
+template <typename T> __device__ __forceinline__ u32 nonzero_ones(u32 a) {
+  constexpr u32 one = ExponentBits<T>::kOne;
+  return ((a & 0x7fffu) ? one : 0u) | ((a & 0x7fff0000u) ? one << 16 : 0u);
+}
+
+/// ... and of a B operand register: returns 1.0 in each half that is Inf or NaN, and sets those
+/// halves of b to 0.
+template <typename T> __device__ __forceinline__ u32 take_nonfinite(u32& b) {
+  constexpr u32 e = ExponentBits<T>::kMask, one = ExponentBits<T>::kOne;
+  const bool lo = (b & e) == e, hi = ((b >> 16) & e) == e;
+  b &= (lo ? 0xffff0000u : 0xffffffffu) & (hi ? 0x0000ffffu : 0xffffffffu);
+  return (lo ? one : 0u) | (hi ? one << 16 : 0u);
+}
+
+/// gemm_rs for a tile with masked pairs, whose weights there are exactly 0: a weight that is 0
+/// after rounding to T adds nothing, even against an Inf or NaN in sB (the tensor cores would
+/// add 0 x Inf = NaN, so a NaN in V at a key a row cannot see would reach that row). `masked`
+/// must be the same on every lane. Unmasked, or when the sB slab is all finite (one warp vote
+/// over it), this is gemm_rs. Otherwise sB's non-finite values are replaced by 0 for the product,
+/// which is then bit for bit gemm_rs's wherever no non-finite value meets a non-zero weight, and
+/// a second product of indicators, taint = [x != 0] . [sB not finite] (exact small counts), turns
+/// the outputs where one does into NaN. (IEEE arithmetic would give +-Inf for some of those.)
+template <typename T, int KDIM, int NW>
+__device__ __forceinline__ void gemm_rs_masked(float acc[NW / 8][4], const float x[KDIM / 8][4],
+                                               const T* sB, int ld, int n0, bool masked) {
+  if (!masked || !warp_any_nonfinite<T, KDIM, NW>(sB + n0, ld)) {
+    gemm_rs<T, KDIM, NW>(acc, x, sB, ld, n0);
+    return;
+  }
+#pragma unroll
+  for (int nd = 0; nd < NW / 16; ++nd) {  // 16 output columns at a time: taint takes 8 registers
+    float taint[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KDIM / 16; ++kk) {
+      const u32 a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                        pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                        pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+      const u32 a_nonzero[4] = {nonzero_ones<T>(a[0]), nonzero_ones<T>(a[1]),
+                                nonzero_ones<T>(a[2]), nonzero_ones<T>(a[3])};
+      u32 b[4];
+      ld_b_t(b, sB, ld, kk * 16, n0 + nd * 16);
+      const u32 b_bad[4] = {take_nonfinite<T>(b[0]), take_nonfinite<T>(b[1]),
+                            take_nonfinite<T>(b[2]), take_nonfinite<T>(b[3])};
+      mma_m16n8k16<T>(acc[2 * nd], a, b, acc[2 * nd]);
+      mma_m16n8k16<T>(acc[2 * nd + 1], a, b + 2, acc[2 * nd + 1]);
+      mma_m16n8k16<T>(taint[0], a_nonzero, b_bad, taint[0]);
+      mma_m16n8k16<T>(taint[1], a_nonzero, b_bad + 2, taint[1]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (taint[h][i] != 0.f) acc[2 * nd + h][i] = NAN;
+  }
+}

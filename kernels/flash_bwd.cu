@@ -39,6 +39,10 @@
 // diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
 // zero-filled by cp.async. Rows that saw no key in the forward pass have lse = -inf: we load
 // lse*log2e as +inf for them (and for rows past q_len), so P = exp2(finite - inf) = 0, not NaN.
+// Masked pairs are inert (kernels/README.md): P = 0 there in every variant; the CAREFUL variant,
+// run instead when an operand could be non-finite, also forces dS = 0 there (dP = dO . v may be
+// Inf or NaN) and forms dV += P^T dO, dK += dS^T Q, dQ += dS K with gemm_rs_masked, so that a
+// zero weight never meets an Inf/NaN row of dO, Q or K on the tensor cores.
 //
 // ---------------------------------------------------------------------------------------------
 // Tile sizes (burstcu/kernels/bwd_variants.py holds the table) and why
@@ -85,7 +89,7 @@
 //
 // Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
 //   python -m burstcu.kernels check --arch sm_80,sm_86,sm_90
-//       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq
+//       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq,bwd_dkdv_careful,bwd_dkdv_nodq_careful,bwd_dq_careful
 // compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
 // (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
 // ---------------------------------------------------------------------------------------------
@@ -123,13 +127,6 @@ __device__ __forceinline__ void ld_b(u32 b[4], const T* s, int ld, int n0, int k
     ldmatrix_x4(b, s + (n0 + r + (i >> 1) * 8) * ld + k0 + (i & 1) * 8);
 }
 
-/// B operands of two n8 tiles from storage s[k][n] (row-major K x N), same register order.
-template <typename T>
-__device__ __forceinline__ void ld_b_t(u32 b[4], const T* s, int ld, int k0, int n0) {
-    const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
-    ldmatrix_x4_trans(b, s + (k0 + r + (i & 1) * 8) * ld + n0 + (i >> 1) * 8);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Warp-level matmuls on mma.m16n8k16. C fragments: c[j][0..1] at (row g, col 8j+2t+{0,1}),
 // c[j][2..3] at (row g+8, same cols), g = lane/4, t = lane%4.
@@ -153,28 +150,6 @@ __device__ __forceinline__ void gemm_nt(float c[NCOLS / 8][4], const T* sA, int 
             ld_b(b, sB, ld, nb * 16, kk * 16);
             mma_m16n8k16<T>(c[2 * nb], a, b, c[2 * nb]);
             mma_m16n8k16<T>(c[2 * nb + 1], a, b + 2, c[2 * nb + 1]);
-        }
-    }
-}
-
-/// acc (16 x NW) += X (16 x KDIM, fp32 accumulator fragments, rounded to T here)
-///                  . sB[0:KDIM, n0:n0+NW] (row-major, stride ld).
-/// The C fragments of two adjacent n8 tiles form the A fragment of one k16 slice.
-template <typename T, int KDIM, int NW>
-__device__ __forceinline__ void gemm_rs(float acc[NW / 8][4], const float x[KDIM / 8][4],
-                                        const T* sB, int ld, int n0) {
-#pragma unroll
-    for (int kk = 0; kk < KDIM / 16; ++kk) {
-        const u32 a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]),
-                          pack2<T>(x[2 * kk][2], x[2 * kk][3]),
-                          pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                          pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
-#pragma unroll
-        for (int nd = 0; nd < NW / 16; ++nd) {
-            u32 b[4];
-            ld_b_t(b, sB, ld, kk * 16, n0 + nd * 16);
-            mma_m16n8k16<T>(acc[2 * nd], a, b, acc[2 * nd]);
-            mma_m16n8k16<T>(acc[2 * nd + 1], a, b + 2, acc[2 * nd + 1]);
         }
     }
 }
@@ -246,6 +221,9 @@ flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, 
 //   q, dout (B,Sq,H,D) T, strides q_sb,q_ss,q_sh     k, v (B,Sk,Hkv,D) T, strides k_*
 //   lse, delta (B,H,Sq) fp32, strides st_sb, st_sh   dq (B,Sq,H,D) fp32, strides dq_*
 //   dk, dv (B,Sk,Hkv,D) fp32, strides dk_*           rectangle q_start..causal, softmax scale
+//   nonfinite: device int, nonzero when q, dout, k, v or delta may make a masked pair non-finite
+//   (flash_any_nonfinite); the launcher issues <..., false> and <..., true> (CAREFUL) on one
+//   stream, exactly one runs
 // ---------------------------------------------------------------------------------------------
 #define BWD_STEP_PARAMS                                                                         \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                \
@@ -254,7 +232,7 @@ flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, 
         float *__restrict__ dv, int H, int Hkv, int q_sb, int q_ss, int q_sh, int k_sb,         \
         int k_ss, int k_sh, int st_sb, int st_sh, int dq_sb, int dq_ss, int dq_sh, int dk_sb,   \
         int dk_ss, int dk_sh, int q_start, int q_len, int k_start, int k_len, int q_pos,        \
-        int k_pos, int causal, float scale
+        int k_pos, int causal, float scale, const int *__restrict__ nonfinite
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
@@ -263,10 +241,11 @@ flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, 
 /// Grid (ceil(k_len / BN), Hkv, B); block (BN/16) * WARPS_D warps; dynamic smem
 /// bwd_dkdv_smem_bytes (see bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta,
 /// and with DQ a BN x BM tile of dS.
-template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ>
+template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
 __global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
 flash_bwd_dkdv(BWD_STEP_PARAMS) {
     using namespace bwd;
+    if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
     constexpr int WN = BN / 16, NW = WN * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8, LDS = BM + 8;  // padded smem row strides (elements)
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
@@ -337,17 +316,25 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
         // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
         float s[BM / 8][4];
         gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
-        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal);
+        // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
+        // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
+        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal) ||
+                            (CAREFUL && m0 + BM > q_len);
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
                 float p = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
-                if (masked && (key >= k_len || (causal && q_pos + m0 + qi < k_pos + key))) p = 0.f;
+                if (masked && (key >= k_len || (causal && q_pos + m0 + qi < k_pos + key) ||
+                               (CAREFUL && m0 + qi >= q_len)))
+                    p = 0.f;
                 s[j][e] = p;
             }
-        gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);  // dV += P^T dO
+        if constexpr (CAREFUL)  // dV += P^T dO
+            gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);
 
         // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
         float ds[BM / 8][4];
@@ -355,9 +342,14 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                ds[j][e] = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
-        gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);  // dK += dS^T Q (scaled at the end)
+            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                const float d_s = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
+                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            }
+        if constexpr (CAREFUL)  // dK += dS^T Q (scaled at the end)
+            gemm_rs_masked<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);
 
         if constexpr (DQ) {
             if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
@@ -376,16 +368,44 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
             for (int u = warp; u < MB * NCH; u += NW) {
                 const int mb = u % MB, c0 = (u / MB) * 32;
                 float acc[4][4] = {};
+                if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD)) {
+                    // as gemm_rs_masked: a zero dS adds nothing, even against an Inf/NaN key
+                    float taint[4][4] = {};
 #pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk) {
-                    u32 a[4];
-                    ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
+                    for (int kk = 0; kk < BN / 16; ++kk) {
+                        u32 a[4];
+                        ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
+                        const u32 a_nonzero[4] = {nonzero_ones<T>(a[0]), nonzero_ones<T>(a[1]),
+                                                  nonzero_ones<T>(a[2]), nonzero_ones<T>(a[3])};
 #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        u32 bb[4];
-                        ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
-                        mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
-                        mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
+                        for (int hf = 0; hf < 2; ++hf) {
+                            u32 bb[4];
+                            ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
+                            const u32 bad[4] = {take_nonfinite<T>(bb[0]), take_nonfinite<T>(bb[1]),
+                                                take_nonfinite<T>(bb[2]), take_nonfinite<T>(bb[3])};
+                            mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
+                            mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
+                            mma_m16n8k16<T>(taint[2 * hf], a_nonzero, bad, taint[2 * hf]);
+                            mma_m16n8k16<T>(taint[2 * hf + 1], a_nonzero, bad + 2, taint[2 * hf + 1]);
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (taint[j][e] != 0.f) acc[j][e] = NAN;
+                } else {
+#pragma unroll
+                    for (int kk = 0; kk < BN / 16; ++kk) {
+                        u32 a[4];
+                        ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            u32 bb[4];
+                            ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
+                            mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
+                            mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
+                        }
                     }
                 }
 #pragma unroll
@@ -422,11 +442,15 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
 
 /// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
 /// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. Same arguments as flash_bwd_dkdv
-/// (dk, dv unused). Each dQ element is read, added to and written by one thread.
-template <typename T, int D, int BM, int BN, int WARPS_D>
+/// (dk, dv unused), then psum (B,H,Sq) fp32 with lse's strides: with with_psum != 0 each row's
+/// sum of the recomputed P over this step's keys is added to it (attention_backward(check=True)
+/// checks that they add up to 1 over the ring). Each dQ and psum element is read, added to and
+/// written by one thread.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
 __global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
-flash_bwd_dq(BWD_STEP_PARAMS) {
+flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
     using namespace bwd;
+    if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
     constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8;
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
@@ -481,6 +505,7 @@ flash_bwd_dq(BWD_STEP_PARAMS) {
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    float p_sum[2] = {0.f, 0.f};  // this lane's part of its two rows' sum of P (with_psum)
 
     prefetch(0, 0);
     for (int it = 0; it < n_it; ++it) {
@@ -507,13 +532,25 @@ flash_bwd_dq(BWD_STEP_PARAMS) {
                 if (masked && (key >= k_len || (causal && q_pos + qi < k_pos + key))) p = 0.f;
                 s[j][e] = p;
             }
+        if (with_psum) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p_sum[e >> 1] += s[j][e];
+        }
         float ds[BN / 8][4];  // dP = dO V^T, then dS
         gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dlt[e >> 1]);
-        gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);  // dQ += dS K (scaled at the end)
+            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                const float d_s = s[j][e] * (ds[j][e] - dlt[e >> 1]);
+                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            }
+        if constexpr (CAREFUL)  // dQ += dS K (scaled at the end)
+            gemm_rs_masked<T, BN, DW>(acc, ds, k_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);
         __syncthreads();
     }
 
@@ -527,6 +564,15 @@ flash_bwd_dq(BWD_STEP_PARAMS) {
                                   (long long)h * dq_sh + wd * DW + j * 8 + 2 * t + (e & 1);
             dq[off] += scale * acc[j][e];
         }
+    if (with_psum) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float total = warp_sum<4>(p_sum[hf]);  // the 4 lanes of a row group
+            const int row = m0 + wm * 16 + g + hf * 8;
+            if (t == 0 && wd == 0 && row < q_len)
+                psum[(long long)b * st_sb + (long long)h * st_sh + q_start + row] += total;
+        }
+    }
 }
 
 #undef BWD_STEP_PARAMS

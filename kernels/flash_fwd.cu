@@ -26,14 +26,19 @@ Inside a step (one thread block = NWARPS warps, each warp owns 16 query rows, BL
                             smem round trip), V from ldmatrix.x4.trans
     write acc, m, l back
 A row whose keys are all masked so far keeps m = -inf; the exponent then uses 0 instead of m so
-that exp2(-inf - (-inf)) never makes a NaN (the "finite -inf guard").
+that exp2(-inf - (-inf)) never makes a NaN (the "finite -inf guard"). Masked scores are set to
+-inf whatever K holds; a non-finite V at a masked key would still reach the row through 0 x Inf
+in P V, so blocks with masked pairs launch the CAREFUL twin instead when V holds one
+(flash_any_nonfinite sets the flag; kernels/README.md, "Masked positions are inert").
 
 VARIANTS (burstcu/kernels/fwd_variants.py lists them; each is one template instantiation)
     flash_fwd_step<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>   T in {__half, __nv_bfloat16}
         native HEADDIM in {32, 64, 96, 128, 256}; any other multiple of 8 up to 256 runs the next
         native one with q/k/v zero-padded (zeros add nothing to q.k nor to the padded output
         columns, which are dropped; the softmax scale stays 1/sqrt(real d)).
+    flash_fwd_step<..., CAREFUL = true>   the same with gemm_rs_masked for P V
     flash_fwd_finalize<T>   T in {__half, __nv_bfloat16, float}
+    flash_any_nonfinite<T>  T in {__half, __nv_bfloat16, float}
 
 TILE SIZES AND WHY
 The BurstAttention paper (like FlashAttention-1) sizes the key tile from the on-chip memory M as
@@ -156,9 +161,12 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
    m,l (B, H, Sq)     float;  strides ml_sb, ml_sh (stride 1 along Sq)
    causal != 0: element (i, j) kept iff q_pos + i >= k_pos + j (i, j relative to q_start, k_start)
    scale_log2 = softmax_scale * log2(e)
+   nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
+     (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
+     stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
    grid (ceil(q_len / BLOCK_M), H, B), block NWARPS * 32 threads,
    dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
@@ -167,7 +175,8 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long acc_sb, long long acc_sr, long long acc_sh,
                long long ml_sb, long long ml_sh,
                int B, int H, int Hkv, int q_start, int q_len, int k_start, int k_len,
-               int q_pos, int k_pos, int causal, float scale_log2) {
+               int q_pos, int k_pos, int causal, float scale_log2, const int* __restrict__ nonfinite) {
+  if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
   static_assert(HEADDIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-chunks are 16 wide");
   constexpr int kThreads = NWARPS * 32;
@@ -239,8 +248,6 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const T* q_frag_row = sQ + (warp * 16 + lane % 16) * kStride + (lane / 16) * 8;
   // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
-  // V B-fragments (transposed): matrix i = keys 8*(i%2).., dims 8*(i/2)..
-  const int v_frag_row = lane % 16, v_frag_col = (lane / 16) * 8;
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile % 2, n0 = tile * BLOCK_N;
@@ -327,23 +334,13 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
       }
 
-      // ---- acc += P V: the S accumulator layout of two n-tiles is the A layout of one k-chunk
-      const T* vt = sV0 + stage * kStage;
-#pragma unroll
-      for (int kc = 0; kc < BLOCK_N / 16; ++kc) {
-        u32 pa[4];
-        pa[0] = pack2<T>(s[2 * kc][0], s[2 * kc][1]);          // row g,   keys 2t..
-        pa[1] = pack2<T>(s[2 * kc][2], s[2 * kc][3]);          // row g+8, keys 2t..
-        pa[2] = pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]);  // row g,   keys 8+2t..
-        pa[3] = pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3]);  // row g+8, keys 8+2t..
-#pragma unroll
-        for (int dp = 0; dp < kDTiles / 2; ++dp) {
-          u32 vb[4];
-          ldmatrix_x4_trans(vb, vt + (kc * 16 + v_frag_row) * kStride + dp * 16 + v_frag_col);
-          mma_m16n8k16<T>(o[2 * dp], pa, vb, o[2 * dp]);
-          mma_m16n8k16<T>(o[2 * dp + 1], pa, vb + 2, o[2 * dp + 1]);
-        }
-      }
+      // ---- acc += P V: the S accumulator fragments are P's A fragments (gemm_rs). In a tile
+      // with masked pairs P is exactly 0 there, and a non-finite V at such a key must not reach
+      // the row (0 x Inf = NaN on the tensor cores): the CAREFUL variant takes care of it.
+      if constexpr (CAREFUL)
+        gemm_rs_masked<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0, need_mask);
+      else
+        gemm_rs<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0);
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
@@ -364,10 +361,45 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 }
 
 // ------------------------------------------------------------------------------------------------
+// the non-finite flag
+
+/* flag[0] = 1 if an element of x could make a product at a masked pair non-finite (flag is only
+   ever set here, never cleared): Inf or NaN, and for bfloat16 also |x| >= 2^56, whose products
+   with a D <= 256 vector may overflow float32 (dP = dO . v in the backward); float16 cannot.
+   x (B, S, H, D) T, strides sb, ss, sh, last dim contiguous (a (B, H, S) float row statistic
+   such as delta goes in as B, H, S, 1). Grid-stride, 256 threads a block, one element
+   a thread a turn; memory bound, launched only for ring steps with masked pairs. */
+template <typename T> __device__ __forceinline__ bool may_poison(T x);
+template <> __device__ __forceinline__ bool may_poison<__half>(__half x) {
+  return (__half_as_ushort(x) & 0x7c00u) == 0x7c00u;
+}
+template <> __device__ __forceinline__ bool may_poison<__nv_bfloat16>(__nv_bfloat16 x) {
+  return (__bfloat16_as_ushort(x) & 0x7f80u) >= ((127u + 56u) << 7);
+}
+template <> __device__ __forceinline__ bool may_poison<float>(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+flash_any_nonfinite(const T* __restrict__ x, int* __restrict__ flag, long long sb, long long ss,
+                    long long sh, int B, int S, int H, int D) {
+  const long long n = (long long)B * S * H * D;
+  bool bad = false;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / D;
+    const int d = (int)(i % D), h = (int)(row % H), s = (int)((row / H) % S), b = (int)(row / ((long long)H * S));
+    bad = bad || may_poison<T>(x[b * sb + s * ss + h * sh + d]);
+  }
+  if (bad) *flag = 1;  // every writer writes the same value
+}
+
+// ------------------------------------------------------------------------------------------------
 // finalize
 
 /* out = acc / l and lse = (m + log2 l) * ln 2 for every (b, s, h); rows with l == 0 get out 0 and
-   lse -inf.
+   lse -inf, rows with l NaN (a NaN they saw) NaN.
    acc (B, S, H, D) float; strides acc_sb, acc_sr, acc_sh
    out (B, S, H, D) T;     strides out_sb, out_sr, out_sh
    m, l (B, H, S) float;   strides ml_sb, ml_sh;   lse (B, H, S) float, strides lse_sb, lse_sh
@@ -387,17 +419,19 @@ flash_fwd_finalize(const float* __restrict__ acc, const float* __restrict__ m,
   const int s = (int)(idx / D), d = (int)(idx % D);
   const float lv = l[b * ml_sb + h * ml_sh + s];
   const float a = acc[b * acc_sb + s * acc_sr + h * acc_sh + d];
-  out[b * out_sb + s * out_sr + h * out_sh + d] = from_float<T>(lv > 0.f ? a / lv : 0.f);
+  // l == 0: the row saw no key. (Not `l > 0`: a NaN that the row did see makes l NaN, and it
+  // must come out as NaN, not as an empty row.)
+  out[b * out_sb + s * out_sr + h * out_sh + d] = from_float<T>(lv == 0.f ? 0.f : a / lv);
   if (d == 0) {
     const float mv = m[b * ml_sb + h * ml_sh + s];
     const float ln2 = 0.6931471805599453f;
-    lse[b * lse_sb + h * lse_sh + s] = lv > 0.f ? (mv + log2f(lv)) * ln2 : fwd::neg_inf();
+    lse[b * lse_sb + h * lse_sh + s] = lv == 0.f ? fwd::neg_inf() : (mv + log2f(lv)) * ln2;
   }
 }
 
 #if defined(BURSTCU_NVCC_CHECK)
 // nvcc cross-check only: explicit instantiations (NVRTC and the emulator use name expressions).
-template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float);
-template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float);
+template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float, const int*);
+template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float, const int*);
 template __global__ void flash_fwd_finalize<__half>(const float*, const float*, const float*, __half*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int);
 #endif

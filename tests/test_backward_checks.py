@@ -108,3 +108,71 @@ def test_flags_must_be_bool_through_the_api(call):
     with pytest.raises(TypeError, match="return_lse must be True or False"):
         burstcu.attention(q, q, q, return_lse=1)
     assert burstcu.attention(q, q, q, causal=np.bool_(True)).shape == q.shape
+
+
+# -- check=True: the recomputed probabilities of every row sum to 1 over the ring --------------------
+
+def test_check_accepts_the_forward_lse_and_changes_nothing():
+    dout, q, k, v, out, lse = _forward("float32")
+    checked = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, check=True)
+    plain = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert all(np.array_equal(a, b) for a, b in zip(checked, plain))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_check_rejects_an_lse_of_the_right_dtype_and_shape_from_elsewhere(dtype):
+    dout, q, k, v, out, lse = _forward(dtype)
+    _, lse_full = burstcu.attention(q, k, v, causal=False, return_lse=True)
+    _, lse_other = burstcu.attention((q * 1.25).astype(q.dtype), k, v, causal=True, return_lse=True)
+    shifted = lse.copy()
+    shifted[0, 1, 7] += 0.01
+    for bad, causal in ((lse_full, True), (lse_other, True), (shifted, True), (lse, False)):
+        with pytest.raises(ValueError, match=r"probabilities recomputed from lse sum to .* not 1"):
+            burstcu.attention_backward(dout, q, k, v, out, bad, causal=causal, check=True)
+        # without check the same call returns plausible, wrong gradients: what check is for
+        grads = burstcu.attention_backward(dout, q, k, v, out, bad, causal=causal)
+        assert all(np.isfinite(g).all() for g in grads)
+
+
+def test_check_must_be_a_bool():
+    dout, q, k, v, out, lse = _forward("float32")
+    with pytest.raises(TypeError, match="check must be True or False"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, check="yes")
+
+
+def test_row_sums_tolerance_grows_with_lse():
+    """The check's tolerance: 1e-3 + 64 ulps x max(1, |lse|), written out here."""
+    from burstcu.validate import check_row_sums
+    lse = np.array([[[0.0, 1e4, -np.inf]]], np.float32)
+    eps = float(np.finfo(np.float32).eps)
+    ok = np.array([[[1 + 0.9e-3, 1 - (1e-3 + 64 * eps * 1e4) * 0.99, 0.0]]], np.float32)
+    assert check_row_sums(lse, ok, 0) is None
+    for bad in ([1.002, 1.0, 0.0], [1.0, 1 - (1e-3 + 64 * eps * 1e4) * 1.2, 0.0], [1.0, 1.0, 1e-3],
+                [np.nan, 1.0, 0.0]):
+        err = check_row_sums(lse, np.array([[bad]], np.float32), 3)
+        assert err is not None and err.kind is ValueError and "on rank 3" in err.message
+
+
+def _mpi4py():
+    pytest.importorskip("mpi4py")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["burst", "ring", "allgather"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_check_on_the_ring(world, strategy):
+    _mpi4py()
+    from tests.mpi_run import run_mpi
+    results = run_mpi(world, "backward_check_catches_wrong_lse", strategy=strategy)
+    assert len(results) == world and all(len(r["raised"]) == 4 for r in results)
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.parametrize("world", [2])
+def test_check_on_the_ring_emulated_kernels(world):
+    _mpi4py()
+    from tests.mpi_run import run_mpi
+    results = run_mpi(world, "backward_check_catches_wrong_lse", backend="emulated", dtype="float16",
+                      seqlen_local=32, timeout=600)
+    assert all(len(r["raised"]) == 4 for r in results)

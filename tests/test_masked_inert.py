@@ -51,6 +51,19 @@ def test_poison_on_the_ring(world, layout):
     assert sum(r["nonfinite_out"] for r in results) > 0
 
 
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world,dtype", [(2, "float16"), (3, "bfloat16")])
+def test_poison_on_the_ring_emulated_kernels(world, dtype, layout):
+    """The CUDA kernels (on the CPU emulator) on a real MPI ring: their tiles (64-128 rows) are
+    larger than a rank's chunk, so every poisoned site shares a tile with rows before it."""
+    results = run_mpi(world, "masked_positions_are_inert", layout=layout, backend="emulated",
+                      dtype=dtype, timeout=600)
+    assert sum(r["blind_rows"] for r in results) > 0
+    assert sum(r["nonfinite_out"] for r in results) > 0
+
+
 # -- garbage where no row looks ------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -225,3 +238,13 @@ def test_a_failing_work_item_neither_hangs_nor_breaks_the_op(monkeypatch):
     assert all(a.tobytes() == b.tobytes() for a, b in zip(again, want))
     group.close()
     fresh.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world,dtype", [(2, "float16"), (3, "bfloat16")])
+def test_garbage_padding_on_the_ring_emulated_kernels(world, dtype, layout):
+    results = run_mpi(world, "garbage_padding_is_inert", layout=layout, backend="emulated",
+                      dtype=dtype, timeout=600)
+    assert sum(r["real_rows"] for r in results) > 0

@@ -3,17 +3,20 @@
     python -m burstcu.kernels check [--arch sm_80,sm_86,sm_90] [--json FILE] [--family forward,...]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
-backward families) with NVRTC and the ptxas report, prints one table row per variant and writes
-the records (see `compile.gate_variant`) as a JSON list. It exits 1 if any variant fails to
-compile, spills, uses more than 255 registers or more shared memory than the arch allows per
-block, and 2 if there is nothing to check. No GPU is needed.
+backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
+variant and writes the records (see `compile.gate_variant`) as a JSON list. It exits 1 if any
+variant fails to compile, spills (careful variants excepted: their spills are recorded), uses
+more than 255 registers or more shared memory than the arch allows per block, and 2 if there is
+nothing to check. No GPU is needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 from .compile import gate_variant
 from .variants import ARCHS, all_variants
@@ -25,19 +28,25 @@ HEADERS = {"headdim": "d", "threads": "thr", "registers": "regs", "spill_stores"
            "spill_loads": "spLd", "stack_bytes": "stack", "smem_bytes": "smem", "compile_seconds": "sec"}
 
 
-def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout) -> list[dict]:
-    """Compile every variant of every arch; print a row per variant; return the records."""
-    records = []
+def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout,
+              jobs: int | None = None) -> list[dict]:
+    """Compile every variant of every arch (`jobs` processes at once, default one per CPU this
+    process may run on); print a row per variant in table order; return the records in order."""
+    todo = [(variant, arch) for arch in archs for variant in all_variants(arch)
+            if not families or variant.family in families]
     print(_row({c: HEADERS.get(c, c) for c, _ in COLUMNS}) + "  name", file=out)
-    for arch in archs:
-        for variant in all_variants(arch):
-            if families and variant.family not in families:
-                continue
-            record = gate_variant(variant, arch)
+    jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
+    records = []
+    with ProcessPoolExecutor(jobs) as pool:
+        for (variant, _), record in zip(todo, pool.map(_gate, todo)):
             records.append(record)
             status = "" if record["error"] is None else "  FAIL: " + record["error"].splitlines()[0]
             print(_row(record) + f"  {variant.name}{status}", file=out, flush=True)
     return records
+
+
+def _gate(job) -> dict:
+    return gate_variant(*job)
 
 
 def _row(record: dict) -> str:

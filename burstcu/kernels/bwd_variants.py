@@ -7,7 +7,10 @@ Families (every one compiled for float16 and bfloat16):
   atomicAdd (the default, FlashAttention-2's scheme).
 * ``bwd_dkdv_nodq``  the same kernel with ``DQ=false``: dK, dV only (deterministic mode).
 * ``bwd_dq``         ``flash_bwd_dq<T, D, BM, BN, WARPS_D>``: dQ without atomics (deterministic
-  mode).
+  mode); it also adds each row's sum of P when asked (attention_backward(check=True)).
+* ``<family>_careful`` for the three step families: CAREFUL = true (`variants.careful_variant`),
+  run instead of the plain kernel for a block with masked pairs when q, dO, K, V or delta could
+  make a product there non-finite.
 
 Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
 zero padding (done by the caller). The tile table and the reasoning behind it are in the opening
@@ -18,7 +21,7 @@ table: cc 8.6/8.7/8.9/12.x) bounds BN.
 
 from __future__ import annotations
 
-from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig
+from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig, careful_variant
 
 SOURCE = "flash_bwd.cu"
 NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
@@ -110,7 +113,8 @@ def backward_variants(arch: str) -> list[KernelVariant]:
     for dtype in DTYPES:
         out.append(delta_variant(dtype))
         for d in NATIVE_HEADDIMS:
-            out += [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(arch, dtype, d)]
+            steps = [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(arch, dtype, d)]
+            out += steps + [careful_variant(v) for v in steps]
     return out
 
 

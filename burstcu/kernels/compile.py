@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .variants import kernel_dir
+from .variants import CAREFUL_SUFFIX, kernel_dir
 
 # Options every compile uses (the arch and include dirs are added per call). --use_fast_math
 # makes exp2f a single ex2.approx (FA2 does the same); -default-device lets common.cuh helpers
@@ -387,7 +387,9 @@ def gate_variant(variant, arch: str) -> dict:
 def gate_failure(record: dict) -> str | None:
     """Why a compiled record fails the gate (spills, registers, smem over the arch), or None."""
     limits = ARCH_LIMITS.get(record["arch"])
-    if record["spill_stores"] or record["spill_loads"]:
+    # careful variants run only where Inf/NaN meets masked pairs (variants.careful_variant):
+    # their spills are in the record, not a failure
+    if (record["spill_stores"] or record["spill_loads"]) and not record["family"].endswith(CAREFUL_SUFFIX):
         return f"spills {record['spill_stores']} B stored / {record['spill_loads']} B loaded"
     if record["registers"] > MAX_REGISTERS:
         return f"{record['registers']} registers > {MAX_REGISTERS}"

@@ -5,17 +5,23 @@ Two families live in flash_fwd.cu:
 * ``"forward"``: ``flash_fwd_step<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>``, one per (dtype, native
   head dim), with the tile sizes chosen for the arch (the table and the reasoning are in the
   comment that opens flash_fwd.cu; the register/smem figures come from the compile gate).
+* ``"forward_careful"``: the same steps with CAREFUL = true (`variants.careful_variant`), run
+  instead of ``"forward"`` for a block with masked pairs when V holds Inf/NaN.
 * ``"forward_finalize"``: ``flash_fwd_finalize<T>`` for T in {__half, __nv_bfloat16, float}
   (`headdim` 0: it serves every head dim).
+* ``"nonfinite_flag"``: ``flash_any_nonfinite<T>`` for T in {__half, __nv_bfloat16, float}: sets a
+  device flag when a (B, S, H, D) tensor holds a value that could make a product at a masked pair
+  non-finite (it picks which of a plain/careful pair runs, forward and backward alike).
 """
 
 from __future__ import annotations
 
-from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig
+from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig, careful_variant
 
 SOURCE = "flash_fwd.cu"
 NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
 FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
+FLAG_THREADS = 256  # flash_any_nonfinite's __launch_bounds__
 
 # (arch, head dim) -> (NWARPS, BLOCK_N); BLOCK_M = 16 * NWARPS (each warp owns 16 query rows).
 _TILES = {
@@ -56,12 +62,23 @@ def finalize_variant(out_dtype: str) -> KernelVariant:
                          LaunchConfig(threads=FINALIZE_THREADS))
 
 
+def nonfinite_flag_variant(dtype: str) -> KernelVariant:
+    """The kernel that flags values in a `dtype` ("float16", "bfloat16" or "float32") tensor that
+    could make a product at a masked pair non-finite."""
+    cxx = {"float32": "float", **CXX_TYPE}[dtype]
+    return KernelVariant("nonfinite_flag", SOURCE, f"flash_any_nonfinite<{cxx}>", dtype, 0,
+                         LaunchConfig(threads=FLAG_THREADS))
+
+
 def forward_variants(arch: str) -> list[KernelVariant]:
-    """Every forward-family variant on `arch`: steps for DTYPES x NATIVE_HEADDIMS, finalizes."""
+    """Every forward-family variant on `arch`: steps (plain and careful) for DTYPES x
+    NATIVE_HEADDIMS, finalizes, non-finite flags."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     steps = [step_variant(arch, dt, d) for dt in DTYPES for d in NATIVE_HEADDIMS]
-    return steps + [finalize_variant(dt) for dt in (*DTYPES, "float32")]
+    return (steps + [careful_variant(v) for v in steps]
+            + [finalize_variant(dt) for dt in (*DTYPES, "float32")]
+            + [nonfinite_flag_variant(dt) for dt in (*DTYPES, "float32")])
 
 
 def step_variant_for_tiles(dtype: str, headdim: int, nwarps: int, block_n: int) -> KernelVariant:

@@ -8,7 +8,7 @@ instantiation (a CuPy `name_expressions` entry), with the launch configuration i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Tile tables, not compile targets. "sm_80": A100 (163 KB opt-in smem a block); "sm_90": H100
@@ -42,6 +42,17 @@ class KernelVariant:
     dtype: str
     headdim: int
     launch: LaunchConfig
+
+
+CAREFUL_SUFFIX = "_careful"
+
+
+def careful_variant(variant: KernelVariant) -> KernelVariant:
+    """The CAREFUL twin of a step variant: the same template with `true` appended, family
+    `<family>_careful`. It runs in place of the plain one when a ring step with masked pairs may
+    meet Inf/NaN inputs (kernels/common.cuh, gemm_rs_masked); being off the path of finite data,
+    the compile gate reports its spills without failing on them."""
+    return replace(variant, family=variant.family + CAREFUL_SUFFIX, name=variant.name[:-1] + ", true>")
 
 
 def kernel_dir() -> Path:

@@ -173,9 +173,12 @@ class LocalOps(ABC):
         """Context holding the resident k, v and zeroed dk, dv accumulators."""
 
     @abstractmethod
-    def backward_step(self, ctx: Any, q, dout, lse, delta, dq, blocks: Sequence[Block]) -> None:
+    def backward_step(self, ctx: Any, q, dout, lse, delta, dq, blocks: Sequence[Block],
+                      psum=None) -> None:
         """Accumulate into ctx's dk, dv and into dq (B,S,H,D, accum dtype) for the visiting
-        queries: P is recomputed from lse; dS = P * (dP - delta)."""
+        queries: P is recomputed from lse; dS = P * (dP - delta). With psum ((B,H,S), accum
+        dtype) also add to it each row's sum of P over the blocks' pairs (a row's sums over
+        every ring step add up to 1 when lse is the forward's: `attention_backward(check=True)`)."""
 
     @abstractmethod
     def backward_finalize(self, ctx: Any, out_dtype) -> tuple[Any, Any]:
@@ -242,8 +245,8 @@ class DelegatingOps(LocalOps):
     def backward_init(self, k, v, softmax_scale):
         return self.inner.backward_init(k, v, softmax_scale)
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks) -> None:
-        self.inner.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None) -> None:
+        self.inner.backward_step(ctx, q, dout, lse, delta, dq, blocks, psum)
 
     def backward_finalize(self, ctx, out_dtype):
         return self.inner.backward_finalize(ctx, out_dtype)

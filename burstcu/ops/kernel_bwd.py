@@ -162,11 +162,13 @@ def backward_init(ops, k, v, softmax_scale: float) -> BackwardContext:
 
 
 def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
-                  blocks: Sequence[Block]) -> None:
+                  blocks: Sequence[Block], psum=None) -> None:
     """Add the gradients of the rectangles in `blocks` into ctx.dk, ctx.dv and into dq.
 
     q, dout: (B,Sq,H,D) visiting queries; lse, delta: (B,H,Sq) float32; dq: (B,Sq,H,D) float32,
-    updated in place. GQA: query head h uses kv head h // (H // Hkv).
+    updated in place. GQA: query head h uses kv head h // (H // Hkv). psum: None, or (B,H,Sq)
+    float32 to which each row's sum of the recomputed P over these blocks is added; it needs the
+    deterministic kernels' dQ pass, so with psum they run whatever `ops.deterministic` says.
     """
     xp = ops.xp
     blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
@@ -182,15 +184,26 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     dq_run = ops.pad_headdim(dq, dp)  # a padded copy when D < Dp: kernels write all Dp columns
     if _estrides(dq_run)[-1] != 1:
         dq_run = xp.ascontiguousarray(dq_run)
+    psum_run = None
+    if psum is not None:  # the dq kernel indexes psum with lse's strides: all three contiguous
+        if tuple(psum.shape) != (B, H, Sq) or np.dtype(psum.dtype) != np.float32:
+            raise ValueError(f"psum must be float32 {(B, H, Sq)}, not {psum.dtype} {tuple(psum.shape)}")
+        lse, delta = xp.ascontiguousarray(lse), xp.ascontiguousarray(delta)
+        psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
     head = [qp, ctx.k, ctx.v, dop, lse, delta, dq_run, ctx.dk, ctx.dv]
     strides = (*_estrides(qp)[:3], *_estrides(ctx.k)[:3], *_estrides(lse)[:2],
                *_estrides(dq_run)[:3], *_estrides(ctx.dk)[:3])
-    if ops.deterministic:
+    if ops.deterministic or psum is not None:
         launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
                     (ops.variant("bwd_dq", ctx.dtype, D), "q")]
     else:
         launches = [(ops.variant("bwd_dkdv", ctx.dtype, D), "k")]
+    # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
+    # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
+    flag = (ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta)
+            if any(blk.causal for blk in blocks) else None)
+    row_sums = (psum_run, np.int32(1)) if psum_run is not None else (ops.zero_flag(), np.int32(0))
     for blk in blocks:
         args = (*head, *_i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
                              blk.q_pos, blk.k_pos, int(blk.causal)), np.float32(ctx.scale))
@@ -198,9 +211,12 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
             cfg = variant.launch
             grid = ((_cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
                     else (_cdiv(blk.q_len, cfg.block_m), H, B))
-            ops.function(variant.name)(grid, (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+            ops.launch_step(variant, grid, args, blk.causal, flag,
+                            after_flag=row_sums if tiled == "q" else ())
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
+    if psum is not None and psum_run is not psum:
+        psum += psum_run
 
 
 def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.variants import KernelVariant, all_variants, kernel_dir
+from ..kernels.fwd_variants import nonfinite_flag_variant
+from ..kernels.variants import KernelVariant, all_variants, careful_variant, kernel_dir
 from ..layout import Block
 from .base import LocalOps
 
@@ -105,6 +106,7 @@ class KernelOps(LocalOps):
         self.array_types = (self.xp.ndarray,)
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._functions: dict[str, Any] = {}
+        self._zero_flag = None
 
     dtypes = _KERNEL_DTYPES
 
@@ -184,6 +186,46 @@ class KernelOps(LocalOps):
             raise ValueError(f"no {family!r} kernel for {dtype} on {self.arch}")
         return min(fits, key=lambda v: v.headdim)
 
+    # -- masked pairs and non-finite inputs --------------------------------------------------------
+    def nonfinite_flag(self, *tensors):
+        """A fresh device int32 (1,): nonzero if any of `tensors` ((B, S, H, D) float16/bfloat16
+        with a contiguous last dim, or (B, H, S) float32 row statistics) holds a value that could
+        make a product at a masked pair non-finite (kernels/flash_fwd.cu, flash_any_nonfinite).
+        Launched on the current stream; nothing waits for it on the host."""
+        flag = self.xp.zeros((1,), dtype=np.int32)
+        for x in tensors:
+            if x.size == 0:
+                continue
+            x4 = x[..., None] if x.ndim == 3 else x
+            variant = nonfinite_flag_variant(_dtype_name(x))
+            threads = variant.launch.threads
+            B, S, H, D = x4.shape
+            args = (x4, flag, *_i64(*self._estrides(x4)[:3]), *_i32(B, S, H, D))
+            self.function(variant.name)((min(_cdiv(x4.size, threads), 1024),), (threads,), args)
+        return flag
+
+    def zero_flag(self):
+        """A device int32 (1,) that stays 0: the flag of launches whose block has no masked pair."""
+        if self._zero_flag is None:
+            self._zero_flag = self.xp.zeros((1,), dtype=np.int32)
+            # it is filled on the stream current now and read later on any stream: once, wait
+            # for the fill, or a launch on another stream could read it first
+            self.sync()
+        return self._zero_flag
+
+    def launch_step(self, variant: KernelVariant, grid, args, masked: bool, flag,
+                    after_flag=()) -> None:
+        """Launch a step kernel with arguments (*args, flag, *after_flag), flag being its
+        non-finite flag. A block with masked pairs (`masked`) gets the pair plain + careful on
+        `flag`, of which exactly one runs (the careful one when the flag is set: a NaN where a
+        row cannot see must not reach it); any other block the plain kernel alone, with a flag
+        that is always 0."""
+        cfg = variant.launch
+        flag = flag if masked else self.zero_flag()
+        for v in (variant, careful_variant(variant)) if masked else (variant,):
+            self.function(v.name)(grid, (cfg.threads,), (*args, flag, *after_flag),
+                                  shared_mem=cfg.smem_bytes)
+
     def pad_headdim(self, x, padded: int):
         """x (..., D) zero-padded to (..., padded) as a fresh contiguous array; x itself if D ==
         padded."""
@@ -235,14 +277,17 @@ class KernelOps(LocalOps):
         strides = _i64(*self._estrides(state.q)[:3], *self._estrides(kp)[:3],
                        *self._estrides(state.acc)[:3], *self._estrides(state.m)[:2])
         head = (state.q, kp, vp, state.acc, state.m, state.l, *strides)
-        fn = self.function(variant.name)
-        cfg = variant.launch
         for blk in blocks:
             self._check_block(blk, S, k.shape[1])
+        # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
+        # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
+        flag = self.nonfinite_flag(vp) if any(blk.causal for blk in blocks) else None
+        for blk in blocks:
             args = (*head, *_i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
                                  blk.q_pos, blk.k_pos, int(blk.causal)),
                     np.float32(state.scale * _LOG2E))
-            fn((_cdiv(blk.q_len, cfg.block_m), H, B), (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+            self.launch_step(variant, (_cdiv(blk.q_len, variant.launch.block_m), H, B), args,
+                             blk.causal, flag)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
@@ -276,10 +321,10 @@ class KernelOps(LocalOps):
 
         return kernel_bwd.backward_init(self, k, v, softmax_scale)
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence[Block]) -> None:
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence[Block], psum=None) -> None:
         from . import kernel_bwd
 
-        kernel_bwd.backward_step(self, ctx, q, dout, lse, delta, dq, blocks)
+        kernel_bwd.backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum)
 
     def backward_finalize(self, ctx, out_dtype):
         from . import kernel_bwd

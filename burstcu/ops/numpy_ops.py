@@ -423,7 +423,7 @@ class NumpyOps(LocalOps):
         kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t)
         return BackwardContext(kh, vh, np.zeros_like(kh), np.zeros_like(vh), softmax_scale)
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks):
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
         acc_t = ctx.k.dtype
         b, hkv, _, d = ctx.k.shape
         # scores exactly as the forward computed them, (scale * q) @ k^T, so that P recomputed
@@ -442,6 +442,9 @@ class NumpyOps(LocalOps):
         heads = list(product(range(b), range(hkv)))
         items = list(product(range(len(ranges)), range(len(heads))))
         dq_acc = np.zeros(qs.shape, acc_t)
+        # row sums of P: one slot per item, summed in range order afterwards (no races, and the
+        # order of the sum never depends on threads)
+        p_sums = None if psum is None else np.zeros((len(ranges),) + qs.shape[:3], acc_t)
         turns, scratch = _InOrder(len(heads)), _Scratch(acc_t)
         clean = self._head_checks(ctx, qs, do, delta_rows, blocks)
 
@@ -457,10 +460,11 @@ class NumpyOps(LocalOps):
                 target = dq_acc[bi, hi] if ci == 0 else scratch.get("dq", qs.shape[2], d)
                 if ci:
                     target[r0:r1] = 0
+                row_p = None if p_sums is None else p_sums[ci, bi, hi]
                 for part in parts:
                     self._backward_block(qs[bi, hi], do[bi, hi], lse_rows[bi, hi], delta_rows[bi, hi],
                                          ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi], ctx.dv[bi, hi],
-                                         target, part, g, scratch, clean(bi, hi))
+                                         target, part, g, scratch, clean(bi, hi), row_p)
                 turns.wait(head, ci)
                 if ci:
                     dq_acc[bi, hi, r0:r1] += target[r0:r1]
@@ -471,6 +475,8 @@ class NumpyOps(LocalOps):
         self._run(work, items)
         dq_acc *= acc_t.type(ctx.scale)
         dq += _ungrouped(dq_acc, q.shape[1])
+        if p_sums is not None:
+            psum += _rows_ungrouped(p_sums.sum(axis=0), g)
 
     def _key_tiles_per_item(self, extents, heads: int) -> int:
         """Key tiles per backward item, from the shapes alone (never the thread count, which
@@ -497,8 +503,9 @@ class NumpyOps(LocalOps):
                                      bool(ds_ok[bi, hi]))
 
     def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int,
-                        scratch: _Scratch, clean: _Clean) -> None:
-        """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D)."""
+                        scratch: _Scratch, clean: _Clean, row_p=None) -> None:
+        """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D);
+        row_p (S*g,) or None: each row's sum of P is added to it."""
         d = k.shape[1]
         for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k, keys_outer=True):
             r0, r1 = q0 * g, q1 * g
@@ -510,6 +517,8 @@ class NumpyOps(LocalOps):
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 np.copyto(p, -np.inf, where=future)
             np.exp(p, out=p)
+            if row_p is not None:
+                row_p[r0:r1] += p.sum(axis=1)
             key_grad, row_grad = scratch.get("kg", keys, d), scratch.get("rg", rows, d)
             # with P and dS exactly 0 at masked pairs, _matmul_masked keeps a non-finite dO, K
             # or Q row out of the pairs that do not see it

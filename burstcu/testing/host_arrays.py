@@ -51,12 +51,15 @@ class HostArrays:
     def backward_init(self, k, v, softmax_scale: float):
         return self.ops.backward_init(self.device(k), self.device(v), softmax_scale)
 
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence) -> None:
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence, psum=None) -> None:
         dq_device = self.device(dq)
+        psum_device = None if psum is None else self.device(psum)
         self.ops.backward_step(ctx, *(self.device(x) for x in (q, dout, lse, delta)), dq_device,
-                               blocks)
+                               blocks, psum_device)
         if dq_device is not dq:
             dq[...] = self.host(dq_device)
+        if psum_device is not None and psum_device is not psum:
+            psum[...] = self.host(psum_device)
 
     def backward_finalize(self, ctx, out_dtype) -> tuple:
         return tuple(self.host(x) for x in self.ops.backward_finalize(ctx, out_dtype))

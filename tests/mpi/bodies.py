@@ -270,11 +270,12 @@ def unshard_rejects_mismatched_shapes():
 
 # -- masked positions are inert ------------------------------------------------------------------
 
-def _world(one_process: bool, options):
-    """(group or None, rank, size): group=None (one process, default tiles) or a numpy group."""
+def _world(one_process: bool, options, backend: str = "numpy"):
+    """(group or None, rank, size): group=None (one process, default tiles) or a group of
+    `backend` ("numpy" or "emulated": the CUDA kernels on the CPU emulator)."""
     if one_process:
         return None, 0, 1
-    group = burstcu.init(backend="numpy", **(options or {}))
+    group = burstcu.init(backend=backend, **(options or {}))
     return group, group.rank, group.size
 
 
@@ -292,16 +293,20 @@ def poison_sites(n: int) -> list[tuple[str, int, int, int, int, float]]:
 
 
 def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, one_process=False,
-                               seed=2024):
+                               seed=2024, backend="numpy", dtype="float32"):
     """Causal attention with NaN/+Inf planted in K and V (`poison_sites`). The truth for a row
     is the float64 reference computed on inputs poisoned only at the sites that row can see
     (positions <= its own): for rows that see none, the clean reference. out, lse and dq must be
     non-finite exactly where that truth is, and elsewhere within the tolerance rule of it. dk, dv
     of the clean (batch, kv head) pairs, and dv of the pair poisoned only in V (dv does not
-    depend on V), must be finite and within the rule of the clean reference."""
-    group, rank, size = _world(one_process, options)
+    depend on V), must be finite and within the rule of the clean reference. With float16 or
+    bfloat16 (the kernels' dtypes) the naive side of the rule rounds P, dS and the results to it."""
+    group, rank, size = _world(one_process, options, backend)
     b, h, hkv, d, n = 2, 4, 2, 16, seqlen_local * size
-    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, "float32")
+    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, dtype)
+    half = DTYPES[dtype] if dtype in ("float16", "bfloat16") else None
+    naive_fwd = dict(round_to=half)
+    naive_bwd = dict(round_to=half, out_dtype=half)
     sites = sorted(poison_sites(n), key=lambda site: site[2])
 
     def planted(count):
@@ -316,8 +321,9 @@ def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, o
         with np.errstate(all="ignore"):
             for count in range(len(sites) + 1):
                 kp, vp = planted(count)
-                refs.append([attention_ref(q, kp, vp, True, dtype=dt) + attention_backward_ref(
-                    dout, q, kp, vp, True, dtype=dt)[:1] for dt in (np.float64, np.float32)])
+                refs.append([attention_ref(q, kp, vp, True, dtype=dt, **kw) + attention_backward_ref(
+                    dout, q, kp, vp, True, dtype=dt, **kwb)[:1]
+                    for dt, kw, kwb in ((np.float64, {}, {}), (np.float32, naive_fwd, naive_bwd))])
         return refs
     refs = _shared(references, one_process)
 
@@ -340,7 +346,7 @@ def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, o
         wrong = int((np.isfinite(got) != finite).sum())
         assert wrong == 0, f"{name}: {wrong} entries finite where the truth is not, or not where it is"
         assert np.isfinite(naive[finite]).all(), f"{name}: the naive float32 reference is not finite"
-        _check(name, got[finite], truth[finite], naive[finite], "float32",
+        _check(name, got[finite].astype(np.float64), truth[finite], naive[finite], dtype,
                factor=3.0 if name == "dq" else 2.0)
     clean = np.ones((b, hkv), bool)
     for _, bi, _, hi, _, _ in sites:
@@ -348,11 +354,13 @@ def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, o
     v_only = clean.copy()      # ... or poisoned in V alone: its dv does not depend on V
     v_only[0, 0] = all(name == "v" for name, bi, _, hi, _, _ in sites if (bi, hi) == (0, 0))
     (_, ref_dk, ref_dv), (_, nv_dk, nv_dv) = (
-        attention_backward_ref(dout, q, k, v, True, dtype=dt) for dt in (np.float64, np.float32))
+        attention_backward_ref(dout, q, k, v, True, dtype=dt, **kw)
+        for dt, kw in ((np.float64, {}), (np.float32, naive_bwd)))
     for name, got, ref, nv, heads in (("dk", dk, ref_dk, nv_dk, clean), ("dv", dv, ref_dv, nv_dv, v_only)):
         sel = np.broadcast_to(heads[:, None, :, None], got.shape)
+        got = got.astype(np.float64)
         assert np.isfinite(got[sel]).all(), f"{name} of a key with no poison is not finite"
-        _check(name, got[sel], ref[:, rows][sel], nv[:, rows][sel], "float32", factor=3.0)
+        _check(name, got[sel], ref[:, rows][sel], nv[:, rows][sel], dtype, factor=3.0)
     if group is not None:
         group.close()
     return {"blind_rows": int((seen == 0).sum()), "seeing_rows": int((seen > 0).sum()),
@@ -365,15 +373,16 @@ def garbage(rng, shape) -> np.ndarray:
 
 
 def garbage_padding_is_inert(layout="zigzag", seqlen_local=24, pad=15, options=None,
-                             one_process=False, seed=77):
+                             one_process=False, seed=77, backend="numpy", dtype="float32"):
     """A causal sequence padded at its end: garbage (random bits) in q, k, v and dout of the
     padding gives the real rows out, lse and dq identical to those of zero padding. (dk, dv of
     the real keys are not compared: the padding's own query rows see the garbage keys and pass
     NaN on to every key they see, as the reference does. Keys that no row sees at all are
-    covered by tests/test_masked_inert.py::test_keys_no_row_sees_are_inert.)"""
-    group, rank, size = _world(one_process, options)
+    covered by tests/test_masked_inert.py::test_keys_no_row_sees_are_inert.) Half-precision
+    inputs take the garbage rounded to them (huge values become Inf)."""
+    group, rank, size = _world(one_process, options, backend)
     b, h, hkv, d, n = 1, 2, 1, 16, seqlen_local * size
-    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, "float32")
+    q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, dtype)
     rng = np.random.default_rng(seed)
     rows = my_rows(layout, rank, size, n)
     real = rows < n - pad
@@ -382,7 +391,8 @@ def garbage_padding_is_inert(layout="zigzag", seqlen_local=24, pad=15, options=N
         arrays = []
         for x in (q, k, v, dout):
             x = x.copy()
-            x[:, n - pad:] = 0 if fill == "zeros" else garbage(rng, x[:, n - pad:].shape)
+            with np.errstate(over="ignore", invalid="ignore"):
+                x[:, n - pad:] = 0 if fill == "zeros" else garbage(rng, x[:, n - pad:].shape)
             arrays.append(np.ascontiguousarray(x[:, rows]))
         ql, kl, vl, dol = arrays
         with np.errstate(all="ignore"):
@@ -391,7 +401,53 @@ def garbage_padding_is_inert(layout="zigzag", seqlen_local=24, pad=15, options=N
                                                   layout=layout)
         results[fill] = (out[:, real], lse[:, :, real], dq[:, real])
     for name, zero, junk in zip(("out", "lse", "dq"), results["zeros"], results["garbage"]):
+        zero, junk = zero.astype(np.float64), junk.astype(np.float64)
         assert np.isfinite(zero).all() and np.array_equal(zero, junk), f"{name} of real rows changed"
     if group is not None:
         group.close()
     return {"real_rows": int(real.sum())}
+
+
+# -- attention_backward(check=True) ----------------------------------------------------------------
+
+def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend="numpy",
+                                     dtype="float32", seqlen_local=24):
+    """check=True on the lse of the forward: no error, and the same gradients as check=False.
+    Then four wrong lse of the right dtype and shape — from a non-causal forward, from another q,
+    shifted by 0.05 in one row on the last rank only, and a causal lse given to a non-causal
+    backward — each raise a ValueError on every rank (the row sums travel around the ring, so
+    a wrong row on one rank is seen by its owner; the agreement makes every rank raise)."""
+    group = burstcu.init(backend=backend)
+    rank, size = group.rank, group.size
+    b, h, hkv, d, n = 1, 4, 2, 16, seqlen_local * size
+    q, k, v, dout = make_inputs(31, b, n, h, hkv, d, dtype)
+    rows = my_rows(layout, rank, size, n)
+    ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+    opts = dict(layout=layout, strategy=strategy)
+    out, lse = burstcu.attention(ql, kl, vl, group, causal=True, return_lse=True, **opts)
+    checked = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True, check=True, **opts)
+    plain = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True, **opts)
+    same = all(np.array_equal(a, c) for a, c in zip(checked, plain))
+    if backend == "numpy":  # the kernels' check runs the deterministic dQ pass: not the same bits
+        assert same, "check=True changed the gradients"
+
+    _, lse_full = burstcu.attention(ql, kl, vl, group, causal=False, return_lse=True, **opts)
+    q_other = np.ascontiguousarray((q * 1.25).astype(q.dtype)[:, rows])
+    _, lse_other = burstcu.attention(q_other, kl, vl, group, causal=True, return_lse=True, **opts)
+    lse_shifted = lse.copy()
+    if rank == size - 1:
+        lse_shifted[0, 1, len(rows) // 2] += 0.05
+    wrong = {"non-causal lse": (lse_full, True), "lse of another q": (lse_other, True),
+             "one row shifted on the last rank": (lse_shifted, True), "causal lse, non-causal call": (lse, False)}
+    raised = {}
+    for name, (bad, causal) in wrong.items():
+        try:
+            burstcu.attention_backward(dol, ql, kl, vl, out, bad, group, causal=causal, check=True, **opts)
+        except ValueError as exc:
+            raised[name] = str(exc)
+    assert set(raised) == set(wrong), f"no error for {sorted(set(wrong) - set(raised))}"
+    assert all("sum to" in m for m in raised.values()), raised
+    if size > 1:  # the shifted row lives on the last rank: every rank's message names it
+        assert f"rank {size - 1}" in raised["one row shifted on the last rank"], raised
+    group.close()
+    return {"raised": sorted(raised), "same_as_unchecked": same}

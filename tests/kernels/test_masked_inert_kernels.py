@@ -1,0 +1,259 @@
+"""Masked positions are inert in the CUDA kernels (run on the CPU emulator, or a GPU with
+BURSTCU_KERNEL_TEST_BACKEND=cupy): an Inf or NaN at a position a row cannot see never reaches that
+row's out, lse or dq, nor a key's dk, dv through rows that cannot see the key — although the
+tensor cores compute 0 x Inf = NaN wherever a masked (zero) probability meets it in a tile on the
+causal diagonal. And where a row does see the poison, its results are not finite.
+
+One causal block, S = 96 rows, head dim 64, two query heads on one kv head. Poison sits at
+position 70 (K, V: rows 64..69 share its key tile and cannot see it) or 20 / 40 (Q, dO: the keys
+after it in the same tile cannot be seen by that row). Each case runs the kernels on clean and on
+poisoned inputs: where the poison cannot reach, the two must agree (exactly in the deterministic
+backward and the forward; within float32 atomics' reordering in the atomic backward); where it
+must reach, the results must be non-finite. The clean run itself is checked against float64 by
+test_flash_{fwd,bwd}_emulated.py.
+
+Also here: the careful kernels (variants.careful_variant) give the plain kernels' bits on finite
+tiles, and the dQ pass's row sums of P (attention_backward(check=True)) add up to 1.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from burstcu.layout import Block
+from tests.kernels.backend import kernel_ops
+
+pytestmark = pytest.mark.emulated
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+S, H, HKV, D = 96, 2, 1, 64
+BLOCKS = [Block(0, S, 0, S, 0, 0, True)]
+ROWS = np.arange(S)
+
+
+def inputs(dtype, seed=3):
+    rng = np.random.default_rng(seed)
+    cast = DTYPES[dtype]
+    q = rng.standard_normal((1, S, H, D)).astype(cast)
+    k, v = (rng.standard_normal((1, S, HKV, D)).astype(cast) for _ in range(2))
+    dout = rng.standard_normal((1, S, H, D)).astype(cast)
+    return {"q": q, "k": k, "v": v, "dout": dout}
+
+
+def poisoned(x: dict, name: str, pos: int, value: float, head: int = 0, col: int | None = None):
+    """A copy of the inputs with x[name][0, pos, head, col] (whole row if col is None) = value."""
+    out = {n: a.copy() for n, a in x.items()}
+    out[name][0, pos, head, slice(None) if col is None else col] = value
+    return out
+
+
+def forward(ops, x, blocks=BLOCKS):
+    state = ops.forward_init(x["q"])
+    ops.forward_step(state, x["k"], x["v"], blocks)
+    out, lse = ops.forward_finalize(state, x["q"].dtype)
+    return out.astype(np.float64), lse.astype(np.float64)
+
+
+def backward(ops, x, out, lse, blocks=BLOCKS, psum=None):
+    ctx = ops.backward_init(x["k"], x["v"], 1 / np.sqrt(D))
+    dq = np.zeros(x["q"].shape, np.float32)
+    dout = x["dout"]
+    ops.backward_step(ctx, x["q"], dout, lse.astype(np.float32),
+                      ops.backward_delta(dout, out.astype(dout.dtype)), dq, blocks, psum)
+    dk, dv = ops.backward_finalize(ctx, np.float32)
+    return dq.astype(np.float64), dk.astype(np.float64), dv.astype(np.float64)
+
+
+def assert_reach(name, got, clean, reached, exact: bool):
+    """got is non-finite exactly where `reached` (broadcast) and equals clean elsewhere."""
+    reached = np.broadcast_to(reached, got.shape)
+    finite = np.isfinite(got)
+    assert not finite[reached].any(), f"{name}: finite where the poison is seen"
+    assert finite[~reached].all(), (f"{name}: the poison reached {int((~finite[~reached]).sum())} "
+                                    f"entries that cannot see it")
+    if exact:
+        assert np.array_equal(got[~reached], clean[~reached]), f"{name}: differs from the clean run"
+    else:
+        np.testing.assert_allclose(got[~reached], clean[~reached], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def rows(mask_rows, axis_len=S):
+    """(1, S, 1, 1) bool from a per-row mask (broadcasts over heads and columns)."""
+    return np.asarray(mask_rows).reshape(1, axis_len, 1, 1)
+
+
+def lse_rows(mask_rows):
+    return np.asarray(mask_rows).reshape(1, 1, S)
+
+
+# -- forward ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_poisoned_v(dtype, value):
+    ops = kernel_ops()
+    x = inputs(dtype)
+    out0, lse0 = forward(ops, x)
+    out, lse = forward(ops, poisoned(x, "v", 70, value, col=5))
+    seen = np.zeros((1, S, 1, D), bool)
+    seen[0, 70:, 0, 5] = True                    # rows >= 70 see key 70, in column 5 only
+    assert_reach("out", out, out0, seen, exact=True)
+    assert_reach("lse", lse, lse0, np.zeros((1, 1, S), bool), exact=True)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_poisoned_k(dtype):
+    ops = kernel_ops()
+    x = inputs(dtype)
+    out0, lse0 = forward(ops, x)
+    out, lse = forward(ops, poisoned(x, "k", 70, np.nan))
+    assert_reach("out", out, out0, rows(ROWS >= 70), exact=True)
+    assert_reach("lse", lse, lse0, lse_rows(ROWS >= 70), exact=True)
+
+
+# -- backward -------------------------------------------------------------------------------------
+
+MODES = [pytest.param(False, id="atomic"), pytest.param(True, id="deterministic")]
+
+
+def _backward_case(dtype, deterministic, name, pos, value, head=0):
+    ops = kernel_ops(deterministic=deterministic)
+    x = inputs(dtype)
+    bad = poisoned(x, name, pos, value, head=head)
+    clean = backward(ops, x, *forward(ops, x))
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = backward(ops, bad, *forward(ops, bad))
+    return clean, got
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+def test_backward_poisoned_q_row(deterministic):
+    """q of row 20, head 1, is NaN: dq of that row only; dk, dv of keys <= 20 (the row sees them),
+    never of keys 21.. (same tile, masked for row 20)."""
+    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case("float16", deterministic, "q", 20, np.nan, head=1)
+    row20 = np.zeros((1, S, H, 1), bool)
+    row20[0, 20, 1] = True
+    assert_reach("dq", dq, dq0, row20, exact=deterministic)
+    for name, got, clean in (("dk", dk, dk0), ("dv", dv, dv0)):
+        assert_reach(name, got, clean, rows(ROWS <= 20), exact=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+def test_backward_poisoned_dout_row(deterministic):
+    """dout of row 40, head 0, is +Inf: dq of that row; dk, dv of keys <= 40, never 41.."""
+    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case("bfloat16", deterministic, "dout", 40, np.inf)
+    row40 = np.zeros((1, S, H, 1), bool)
+    row40[0, 40, 0] = True
+    assert_reach("dq", dq, dq0, row40, exact=deterministic)
+    for name, got, clean in (("dk", dk, dk0), ("dv", dv, dv0)):
+        assert_reach(name, got, clean, rows(ROWS <= 40), exact=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+@pytest.mark.parametrize("name,value", [("v", np.inf), ("k", np.nan)])
+def test_backward_poisoned_key(deterministic, name, value):
+    """k or v of key 70 poisoned: dq of rows 0..69 (rows 64..69 share the key's tile) stay
+    clean, rows 70.. are not finite; dv does not depend on v, so a poisoned v leaves all of it
+    clean (a NaN k makes the P of rows 70.. NaN, hence every dk, dv)."""
+    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case("float16", deterministic, name, 70, value)
+    assert_reach("dq", dq, dq0, rows(ROWS >= 70), exact=deterministic)
+    if name == "v":
+        assert_reach("dv", dv, dv0, np.zeros(dv.shape, bool), exact=deterministic)
+    else:
+        assert not np.isfinite(dv).any() and not np.isfinite(dk).any()
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+def test_backward_nan_key_past_the_rows_of_a_ragged_block(deterministic):
+    """A block of 80 query rows over 96 keys: key 90 is seen by no row, and holds NaN. The
+    zero-filled query rows 80..95 of the last query tile must not turn it into NaN in dk, dv
+    (their S = 0 . NaN): every gradient equals the clean run's, key 90's dk, dv are 0."""
+    ops = kernel_ops(deterministic=deterministic)
+    x = inputs("float16")
+    blocks = [Block(0, 80, 0, S, 0, 0, True)]
+    out0, lse0 = forward(ops, x, blocks)
+    clean = backward(ops, x, out0, lse0, blocks)
+    bad = poisoned(x, "k", 90, np.nan)
+    out, lse = forward(ops, bad, blocks)
+    assert np.array_equal(out, out0) and np.array_equal(lse, lse0)
+    with np.errstate(invalid="ignore"):
+        got = backward(ops, bad, out, lse, blocks)
+    for name, a, b in zip(("dq", "dk", "dv"), clean, got):
+        assert np.isfinite(b).all(), name
+        if deterministic:
+            assert np.array_equal(a, b), name
+        else:
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not got[1][0, 90].any() and not got[2][0, 90].any()
+
+
+# -- the careful kernels on finite tiles, and the row sums of P ------------------------------------
+
+def _spy_flags(ops) -> list:
+    """The device flags the launcher computes from now on (see KernelOps.nonfinite_flag)."""
+    inner, flags = ops.ops, []
+    compute = inner.nonfinite_flag
+
+    def spy(*tensors):
+        flags.append(compute(*tensors))
+        return flags[-1]
+    inner.nonfinite_flag = spy
+    return flags
+
+
+@pytest.mark.parametrize("deterministic", MODES)
+def test_careful_kernels_match_the_plain_ones_on_finite_tiles(deterministic):
+    """NaN in keys 88..95 and query rows 88..95, which the block (rows and keys 0..87) does not
+    cover: the flag is raised, so the careful kernels run (asserted), on tiles that are all
+    finite. Their results must be the plain kernels' (run on the same inputs with the poison
+    zeroed, flag not raised)."""
+    ops = kernel_ops(deterministic=deterministic)
+    flags = _spy_flags(ops)
+    x = inputs("float16")
+    blocks = [Block(0, 88, 0, 88, 0, 0, True)]
+    bad = {n: a.copy() for n, a in x.items()}
+    for name in ("q", "k", "v", "dout"):
+        bad[name][0, 88:] = np.nan
+        x[name][0, 88:] = 0
+    fwd0 = forward(ops, x, blocks)
+    fwd = forward(ops, bad, blocks)
+    assert [int(np.asarray(f)[0]) for f in flags] == [0, 1]      # plain, then careful
+    for name, a, b in zip(("out", "lse"), fwd0, fwd):
+        assert np.array_equal(a, b), name     # rows 88.. saw nothing: 0 and -inf in both
+    out0, lse0 = fwd0
+    g0 = backward(ops, x, out0, lse0, blocks)
+    with np.errstate(invalid="ignore"):
+        g = backward(ops, bad, out0, lse0, blocks)
+    assert [int(np.asarray(f)[0]) for f in flags[2:]] == [0, 1]
+    for name, a, b in zip(("dq", "dk", "dv"), g0, g):
+        if deterministic:
+            assert np.array_equal(a, b), name
+        else:
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_row_sums_of_p():
+    """backward_step's psum (which runs the deterministic kernels whatever the mode): over the
+    two halves of the keys (two steps) every row's sum of P is 1 (to float32 rounding); rows
+    outside the blocks get nothing."""
+    ops = kernel_ops()
+    x = inputs("bfloat16")
+    halves = [[Block(8, S - 8, 0, 48, 8, 0, False)], [Block(8, S - 8, 48, 48, 8, 48, True)]]
+    state = ops.forward_init(x["q"])
+    for blocks in halves:
+        ops.forward_step(state, x["k"], x["v"], blocks)
+    out, lse = ops.forward_finalize(state, x["q"].dtype)
+    psum = np.zeros((1, H, S), np.float32)
+    for blocks in halves:
+        backward(ops, x, out.astype(np.float64), lse, blocks, psum)
+    assert (psum[:, :, :8] == 0).all()
+    assert np.abs(psum[:, :, 8:] - 1).max() < 1e-4, np.abs(psum[:, :, 8:] - 1).max()
+    # with an lse off by 0.1 in one row, that row's sum is exp(-0.1) instead of 1
+    shifted = lse.copy()
+    shifted[0, 1, 50] += 0.1
+    psum[:] = 0
+    for blocks in halves:
+        backward(ops, x, out.astype(np.float64), shifted, blocks, psum)
+    assert abs(psum[0, 1, 50] - np.exp(-0.1)) < 1e-4
