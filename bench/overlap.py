@@ -11,7 +11,7 @@ For every configuration (global seqlen x strategy) the real engine runs three ti
                  O(S*D) layout conversions around a step remain);
   overlapped     both real: what a user runs.
 
-Per ring step, from the `burstcu.ring.Trace` the engine records (plus the host time spent posting
+Per ring step, from the `burstcu.engine.Trace` the engine records (plus the host time spent posting
 the step's exchange, measured by a pass-through transport wrapper):
 
   t_compute    = compute_s of the step in the compute-only run
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402  (also puts the repo root on sys.path)
 
 import burstcu  # noqa: E402
-from burstcu import ring  # noqa: E402
+from burstcu.engine import Trace  # noqa: E402
 from burstcu.ops.base import DelegatingOps, LocalOps  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
 
@@ -170,7 +170,7 @@ class TimedOps(DelegatingOps):
                   blocks if self.compute else [], psum)
 
 
-class StepRecorder(ring.Trace):
+class StepRecorder(Trace):
     """A `Trace` that also notes, per step, the posting time and post count since the last step."""
 
     def __init__(self, transport: TimedTransport):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu import strategies  # noqa: E402
+from burstcu import engine as strategies  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
 
 

@@ -20,14 +20,14 @@ import sys
 
 import numpy as np
 
-from . import ring
+from . import engine
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
                        check_row_sums, metadata, resolve_scale)
 
-STRATEGIES = ("burst", "ring", "allgather")
+STRATEGIES = engine.NAMES
 
 
 _DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
@@ -127,11 +127,8 @@ def _returned(export, results):
 
 
 def _engine(strategy: str):
-    """The forward/backward pair of a strategy (burst: this library's ring; others: baselines)."""
-    if strategy == "burst":
-        return ring
-    from . import strategies
-    return strategies.get(strategy)
+    """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`."""
+    return engine.get(strategy)
 
 
 class _Tracking(DelegatingOps):

@@ -7,7 +7,7 @@ Every rank builds the same global Q, K, V, dO from a seed, keeps its shard, runs
 backward passes through the ring, and checks its rows against a float64 reference (plain
 softmax attention, one block of query rows at a time, computed by this program — not by
 burstcu). Rank 0 prints per rank: max error of out and dq/dk/dv, wall time, and bytes/messages
-sent, beside the byte formula of `burstcu.ring`. The times are of a second forward and backward
+sent, beside the byte formula of `burstcu.engine.burst`. The times are of a second forward and backward
 pass: one untimed warm-up pass runs first, so they exclude the kernel backends' one-time
 compiles (NVRTC, or g++ for the emulator) and other first-call costs.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 import burstcu
 from burstcu.layout import global_positions
-from burstcu.ring import backward_bytes, forward_bytes
+from burstcu.engine.burst import backward_bytes, forward_bytes
 
 
 def reference_rows(q, k, v, dout, rows, causal, scale, block=256):

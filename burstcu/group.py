@@ -39,7 +39,7 @@ class Group:
     transport: Transport = field(repr=False)
     ops: LocalOps = field(repr=False)
     comm: Any = field(default=None, repr=False)
-    trace: Any = field(default=None, repr=False)  # a burstcu.ring.Trace to record step timings into
+    trace: Any = field(default=None, repr=False)  # a burstcu.engine.Trace to record step timings into
     closed: bool = field(default=False, repr=False)
 
     @property

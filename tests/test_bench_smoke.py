@@ -56,7 +56,7 @@ def test_overlap_smoke(tmp_path):
     result = json.loads(js.read_text())
     assert result["environment"]["device"] == "CPU"
     assert {c["strategy"] for c in result["configs"]} == {"burst", "ring", "allgather"}
-    from burstcu import strategies
+    from burstcu import engine as strategies
     import numpy as np
     for cfg in result["configs"]:
         assert len(cfg["ranks"]) == 2 and cfg["summary"]["e2e_fwd_bwd_s"] > cfg["summary"]["e2e_forward_s"] > 0

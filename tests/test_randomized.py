@@ -12,7 +12,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu import ring  # noqa: E402
+from burstcu.engine import burst as ring  # noqa: E402
 from burstcu.testing.loopback import run_ranks  # noqa: E402
 from burstcu.testing.reference import (attention_backward_ref, attention_ref, max_err,  # noqa: E402
                                        within_fa_rule)

@@ -1,5 +1,5 @@
 """The GPU ordering of the ring engine over NCCLTransport, proved race-free on the CPU, and the
-checker shown to catch seeded mistakes (burstcu.schedule)."""
+checker shown to catch seeded mistakes (burstcu.testing.schedule)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from burstcu import ring
-from burstcu import schedule as S
+from burstcu.engine import burst as ring
+from burstcu.testing import schedule as S
 from burstcu.ops.base import DelegatingOps
 from burstcu.transport.nccl import EventWatchdog, NCCLTransport
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu import strategies
+from burstcu import engine as strategies
 from tests.mpi_run import run_mpi
 
 CASES = [

@@ -1,6 +1,6 @@
 """The local-operation interface: what one ring step computes on one rank.
 
-The ring engine (`burstcu.ring`) never touches array contents itself: it allocates message
+The strategies (`burstcu.engine`) never touch array contents itself: it allocates message
 buffers, copies and adds through a `LocalOps`, and asks it to run one step of attention. NumPy
 tiles (`numpy_ops`), CUDA kernels (`cupy_ops`) and the same kernels under the CPU emulator
 (`emulated_ops`) implement it; so does the schedule recorder of the GPU ordering checker.

@@ -6,7 +6,7 @@ shared_mem=0)``, where args are arrays (pointers) and NumPy scalars (np.int32, n
 np.float32 — never Python ints, so every argument has the width the C++ signature expects):
 
 * ``"cupy"``: `burstcu.kernels.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
-* ``"emulated"``: `burstcu.kernels.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
+* ``"emulated"``: `burstcu.testing.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
 
 Shapes (see `burstcu.ops.base`): q (B, S, H, D); k, v (B, Sk, Hkv, D); lse (B, H, S). Inputs are
 float16 or bfloat16 (the kernels' types). Head dims: 32, 64, 96, 128, 256 run natively; any other
@@ -30,6 +30,7 @@ import numpy as np
 from ..kernels.fwd_variants import nonfinite_flag_variant
 from ..kernels.variants import KernelVariant, all_variants, careful_variant, kernel_dir
 from ..layout import Block
+from ..testing import emulate
 from .base import LocalOps
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -166,8 +167,6 @@ class KernelOps(LocalOps):
 
             fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes)
         else:
-            from ..kernels import emulate
-
             module = emulate.build_module([str(kernel_dir() / variant.source)], [name_expression],
                                           randomize=self.randomize)
             fn = module.get_function(name_expression)

@@ -23,7 +23,7 @@ peer's earlier wait. The host never synchronizes a stream.
 
 The same transport runs on the CPU with `HostDevice` (no streams: the receiver copies with NumPy
 at commit, the sender's wait returns once every receiver has copied), which is how CI runs it, and
-under `burstcu.schedule` with a recording device, which proves the GPU ordering race-free.
+under `burstcu.testing.schedule` with a recording device, which proves the GPU ordering race-free.
 
 Messages are matched per (sender, receiver) pair in commit order, like NCCL point-to-point calls.
 Every host-side wait for a peer has a deadline; when it passes, or when another rank fails
@@ -157,7 +157,7 @@ class LoopbackTransport(Transport):
     """Rank `rank` of a loopback world (see the module docstring).
 
     hub: the world's LoopbackHub. device: HostDevice, CupyCopyDevice, or a recorder with the same
-    methods (burstcu.schedule). Must be created and used on the rank's own thread, with that
+    methods (burstcu.testing.schedule). Must be created and used on the rank's own thread, with that
     thread's compute stream current (CuPy's current stream is per thread).
     """
 

@@ -19,13 +19,13 @@ one operation that makes progress on all of them together, so rank r's "send to 
 "receive from r-1" never wait for each other. Without grouping, blocking send/recv would need the
 even-ranks-send-first / odd-ranks-receive-first order to avoid a cycle of senders. Each commit is
 one group on every rank, and the k-th group of rank r pairs with the k-th group of its
-neighbours (burstcu.schedule checks that alignment).
+neighbours (burstcu.testing.schedule checks that alignment).
 
 Events are reused across steps: `cudaStreamWaitEvent` captures the event's most recent record at
 the time of the call, so re-recording `ready` at the next step cannot release an earlier wait.
 
 All stream, event and NCCL actions go through a small *device* object (`CupyDevice` here). The
-schedule checker (burstcu.schedule) substitutes a recorder, so the schedule it proves race-free
+schedule checker (burstcu.testing.schedule) substitutes a recorder, so the schedule it proves race-free
 is the one this class issues.
 
 NCCL refuses two ranks on one GPU, so one process owns one GPU: `bootstrap` picks it from the
@@ -128,7 +128,7 @@ def _nvtx():
 class CupyStreams:
     """CuPy streams and events on the current GPU: what every GPU transport's device shares.
 
-    The transports call only these methods (and their own additions); burstcu.schedule's
+    The transports call only these methods (and their own additions); burstcu.testing.schedule's
     recording devices implement the same ones to record the schedule. Stream and event objects
     are opaque to the transports.
     """

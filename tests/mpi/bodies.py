@@ -63,7 +63,7 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
 def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int, d: int,
                      itemsize: int, acc: int) -> dict:
     """(bytes, messages) one rank sends per pass, written out from the algorithms' definitions
-    (burstcu.ring's and burstcu.strategies' docstrings), not taken from burstcu."""
+    (burstcu.engine's modules' docstrings), not taken from burstcu."""
     g1 = size - 1
     kv = b * s * hkv * d * itemsize          # one of K, V in the input dtype
     kv_acc = b * s * hkv * d * acc           # one of dK, dV in the accumulation dtype

@@ -1,6 +1,6 @@
 """The loopback transport (G ranks as threads sharing one device) on the CPU: the real engine and
 strategies against the float64 reference on every rank, exact traffic, failures that end the world
-instead of hanging, and the schedule it issues on a GPU proved race-free (burstcu.schedule)."""
+instead of hanging, and the schedule it issues on a GPU proved race-free (burstcu.testing.schedule)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu import ring, schedule as S, strategies
+from burstcu import engine as strategies
+from burstcu.engine import burst as ring
+from burstcu.testing import schedule as S
 from burstcu.testing.loopback import RankFailed, run_ranks
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from burstcu.transport.base import CommTimeoutError

@@ -96,7 +96,7 @@ def test_bootstrap_without_gpu_raises_fast(monkeypatch):
 
 
 def test_transport_checks_buffers():
-    from burstcu.schedule import RecordingDevice
+    from burstcu.testing.schedule import RecordingDevice
     t = bn.NCCLTransport(0, 2, RecordingDevice())
     with pytest.raises(ValueError, match="C-contiguous"):
         t.send_recv(np.zeros((4, 4))[:, ::2], None, 1, 1)
@@ -109,7 +109,7 @@ def test_transport_checks_buffers():
 
 
 def test_allgather_is_event_ordered():
-    from burstcu.schedule import RecordingDevice, RecordingOps
+    from burstcu.testing.schedule import RecordingDevice, RecordingOps
     dev = RecordingDevice()
     ops = RecordingOps(dev)
     send, recv = ops.new("send", (4,), np.uint8), ops.new("recv", (2, 4), np.uint8)

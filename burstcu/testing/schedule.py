@@ -1,6 +1,6 @@
 """Record the stream/event schedule of the ring engine over NCCL and prove it race-free, on a CPU.
 
-What is recorded: the real engine (`burstcu.ring.forward` / `backward`) driving the real
+What is recorded: a strategy of `burstcu.engine` (forward / backward) driving the real
 `NCCLTransport`, whose device (streams, events, NCCL calls) is replaced by a `RecordingDevice`,
 and a `RecordingOps` whose arrays are `FakeArray`s: views = (buffer id, byte range), no data.
 Every op appends an `Action` that reads and writes byte regions on a stream:
@@ -36,8 +36,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .ops.base import LocalOps, Message, accum_dtype
-from .transport.nccl import NCCLTransport
+from .. import engine
+from ..ops.base import LocalOps, Message, accum_dtype
+from ..transport.loopback import LoopbackHub, LoopbackTransport
+from ..transport.nccl import NCCLTransport
 
 COMPUTE = "compute"
 
@@ -346,9 +348,10 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 
 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
-           shape: tuple = SHAPE, dtype: Any = np.float16) -> Schedule:
-    """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call."""
-    from . import ring
+           shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst") -> Schedule:
+    """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
+    `strategy` (burstcu.engine)."""
+    run = engine.get(strategy)
 
     if pass_ not in ("forward", "backward"):
         raise ValueError(f"pass_ must be 'forward' or 'backward', not {pass_!r}")
@@ -366,9 +369,9 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
     device.sentinel("begin")
     kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
     if pass_ == "forward":
-        ring.forward(q, k, v, ops, transport, **kw)
+        run.forward(q, k, v, ops, transport, **kw)
     else:
-        ring.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw)
+        run.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw)
     device.sentinel("end")
     return Schedule(rank, size, device.actions, device.buffers)
 
@@ -432,13 +435,12 @@ class RankRecordingDevice(RecordingDevice):
 
 
 def record_loopback(pass_: str, size: int, *, causal: bool, layout: str, shape: tuple = SHAPE,
-                    dtype: Any = np.float16, transport_class: Any = None) -> Schedule:
+                    dtype: Any = np.float16, transport_class: Any = None,
+                    strategy: str = "burst") -> Schedule:
     """The schedule of one `pass_` call of the real engine on every rank of a loopback world of
     `size` ranks, run as threads like the real thing, recorded into one Schedule (rank -1).
     transport_class: a LoopbackTransport subclass to record instead (the tests seed mistakes)."""
-    from . import ring
-    from .transport.loopback import LoopbackHub, LoopbackTransport
-
+    run = engine.get(strategy)
     log, hub = _WorldLog(), LoopbackHub(size, timeout=30.0)
     errors: list = []
 
@@ -450,7 +452,7 @@ def record_loopback(pass_: str, size: int, *, causal: bool, layout: str, shape: 
             args = _fake_inputs(ops, pass_, shape, dtype)
             device.sentinel("begin")
             kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
-            (ring.forward if pass_ == "forward" else ring.backward)(*args, ops, transport, **kw)
+            (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
             device.sentinel("end")
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append(exc)

@@ -1,4 +1,5 @@
-"""The BurstAttention ring engine (GAO): forward and backward schedules with double buffers.
+"""BurstAttention (GAO): the ring of this library — forward and backward schedules with double
+buffers, K and V in one message, the backward bundle (Q, dO, delta, lse) travelling with dQ.
 
 Written once against two small interfaces: a `Transport` (burstcu.transport.base) that moves
 bytes, and a `LocalOps` (burstcu.ops.base) that computes one step. The same loops therefore run
@@ -41,60 +42,12 @@ byte counts do not depend on `causal`. All accumulation state stays in the accum
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from .layout import step_blocks
-from .ops.base import LocalOps, accum_dtype
-from .transport.base import Transport
-
-
-@dataclass
-class StepTrace:
-    """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only)."""
-
-    pass_: str
-    step: int
-    source_rank: int
-    blocks: int
-    compute_s: float
-    wait_s: float
-
-
-@dataclass
-class Trace:
-    steps: list[StepTrace] = field(default_factory=list)
-
-    def add(self, *args) -> None:
-        self.steps.append(StepTrace(*args))
-
-
-def timed(ops: LocalOps, label: str, fn, *args) -> float:
-    """Run fn(*args) inside an annotated range; host seconds spent issuing it."""
-    t0 = time.perf_counter()
-    with ops.annotate(label):
-        fn(*args)
-    return time.perf_counter() - t0
-
-
-def timed_wait(ops: LocalOps, transport: Transport, label: str) -> float:
-    """transport.wait() inside an annotated range; host seconds spent blocked."""
-    t0 = time.perf_counter()
-    with ops.annotate(label):
-        transport.wait()
-    return time.perf_counter() - t0
-
-
-def post_exchange(ops: LocalOps, transport: Transport, label: str, pairs) -> None:
-    """Queue one message per (send_buf, recv_buf) pair — send to next, receive from prev — and
-    post them together in one commit."""
-    with ops.annotate(label):
-        for send_buf, recv_buf in pairs:
-            transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
-        transport.commit()
-
+from ..layout import step_blocks
+from ..ops.base import LocalOps, accum_dtype
+from ..transport.base import Transport
+from .steps import Trace, post_exchange, timed, timed_wait
 
 # ----------------------------------------------------------------------------------------------
 # forward
@@ -251,7 +204,26 @@ def forward_messages(size: int) -> int:
     return size - 1
 
 
-__all__ = ["forward", "backward", "forward_bytes", "backward_bytes", "forward_messages",
-           "backward_messages", "Trace", "StepTrace"]
+class BurstAttention:
+    """This module behind the strategy interface (K and V together; Q, dO, delta, lse, dQ
+    travel in the backward pass)."""
 
-_ = np  # numpy is the reference array module of the docstrings
+    name = "burst"
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+
+    @staticmethod
+    def forward_bytes(size: int, q, k, v) -> int:
+        return forward_bytes(size, k, v)
+
+    @staticmethod
+    def backward_bytes(size: int, q, k, v) -> int:
+        return backward_bytes(size, q)
+
+    @staticmethod
+    def forward_messages(size: int) -> int:
+        return forward_messages(size)
+
+    @staticmethod
+    def backward_messages(size: int) -> int:
+        return backward_messages(size)

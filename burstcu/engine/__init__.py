@@ -1,0 +1,51 @@
+"""The strategies for exact attention over a sequence sharded across ranks, one module each, all
+written against the same two interfaces — a `Transport` (burstcu.transport.base) that moves bytes
+and a `LocalOps` (burstcu.ops.base) that computes one step — so a benchmark compares schedules,
+never attention kernels.
+
+    burst      BurstAttention, this library's ring (`burst`): K and V in ONE message per step,
+               double-buffered; backward moves (Q, dO, delta, lse) + a dQ accumulator, K, V stay
+    ring       Ring Attention as Liu et al. / ring-flash-attention run it (`ring`): K and V as two
+               messages; backward moves K, V and the dK, dV accumulators
+    allgather  Megatron context parallelism (`allgather`): all-gather K, V; reduce-scatter dK, dV
+    ulysses    DeepSpeed-Ulysses (`ulysses`): all-to-all from sequence- to head-sharded, local
+               attention over the whole sequence for H/G heads, all-to-all back
+
+`get(name)` returns an object with
+
+    forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace) -> (out, lse)
+    backward(dout, q, k, v, out, lse, ops, transport, *, causal, softmax_scale, layout, trace,
+             row_sums=None) -> (dq, dk, dv)
+    input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take)
+
+plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v)`,
+`backward_bytes(size, q, k, v)`, `forward_messages(size)`, `backward_messages(size)`), which the
+tests check against `transport.stats`.
+
+Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
+q, dout, out, dq: (B, S, H, D); k, v, dk, dv: (B, S, Hkv, D); lse: (B, H, S) in the accumulation
+dtype (float32; float64 for float64 input). Masking follows `burstcu.layout`: causal over
+*global* positions, whatever the layout. G ranks, next = (r+1) % G, prev = (r-1) % G.
+Trace entries (`steps.Trace`): per step, host seconds in compute and in `wait`.
+"""
+
+from __future__ import annotations
+
+from .allgather import AllGatherAttention
+from .burst import BurstAttention
+from .ring import RingAttention
+from .steps import StepTrace, Trace
+
+_STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention}
+NAMES = tuple(_STRATEGIES)
+
+
+def get(name: str):
+    """The strategy object called `name` (one of NAMES)."""
+    try:
+        return _STRATEGIES[name]()
+    except KeyError:
+        raise ValueError(f"strategy must be one of {NAMES}, not {name!r}") from None
+
+
+__all__ = ["get", "NAMES", "Trace", "StepTrace"]

@@ -1,0 +1,140 @@
+"""Ring Attention as Liu et al. / ring-flash-attention run it, on this library's transports and
+local ops (a baseline beside BurstAttention, `burstcu.engine.burst`).
+
+forward: K and V as TWO messages per step (queued together, one commit, double buffered, so the
+    transfer still overlaps the step's compute);
+backward: K, V and the dK, dV accumulators travel (4 messages per step); Q, dO, lse, delta and
+    the dQ accumulator stay. The dK/dV of the block computed at step s is sent at step s+1 (its
+    transfer overlaps that step's compute); after the last step one more hop brings every dK/dV
+    home to its owner.
+    bytes fwd = (G-1) * (|k| + |v|)                    messages = 2(G-1)
+    bytes bwd = (G-1) * (|k| + |v|) + G * 2 * |k|_acc   messages = 2(G-1) + 2G
+(|k|_acc: k's element count in the accumulation dtype: dK, dV travel in fp32.) Shapes as in
+`burstcu.engine`.
+"""
+
+from __future__ import annotations
+
+from ..layout import step_blocks
+from ..ops.base import LocalOps, accum_dtype
+from ..transport.base import Transport
+from .steps import cast_copy, kv_bytes_acc, now, partial_kv_grads, post_exchange, timed, timed_wait
+
+
+class RingAttention:
+    """Classic Ring Attention (see the module docstring for the schedule and byte formulas)."""
+
+    name = "ring"
+
+    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
+                softmax_scale: float, layout: str, trace=None):
+        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
+        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
+        # separate allocations: K and V are distinct messages, as in the original
+        kbuf = [ops.zeros(k.shape, k.dtype) for _ in range(2)]
+        vbuf = [ops.zeros(v.shape, v.dtype) for _ in range(2)]
+        ops.copy_(kbuf[0], k)
+        ops.copy_(vbuf[0], v)
+        state = ops.forward_init(q, softmax_scale)
+        for s in range(size):
+            cur, nxt = s % 2, (s + 1) % 2
+            exchanging = s < size - 1
+            if exchanging:
+                post_exchange(ops, transport, f"ring fwd {s} send/recv k, v",
+                      [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])])
+            source = (rank - s) % size
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal)
+            compute_s = 0.0
+            if blocks:
+                compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state,
+                                       kbuf[cur], vbuf[cur], blocks)
+            wait_s = timed_wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
+            if trace is not None:
+                trace.add("forward", s, source, len(blocks), compute_s, wait_s)
+        return ops.forward_finalize(state, q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
+                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None):
+        """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
+        row_sums: None, or (B,H,S) in the accumulation dtype, zeroed: receives each of this
+        rank's rows' sum of the recomputed P over every rank's keys (Q stays, so it stays too)."""
+        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
+        acc = accum_dtype(q.dtype)
+        kbuf = [ops.zeros(k.shape, k.dtype) for _ in range(2)]
+        vbuf = [ops.zeros(v.shape, v.dtype) for _ in range(2)]
+        dkbuf = [ops.zeros(k.shape, acc) for _ in range(2)]
+        dvbuf = [ops.zeros(v.shape, acc) for _ in range(2)]
+        ops.copy_(kbuf[0], k)
+        ops.copy_(vbuf[0], v)
+        delta = ops.backward_delta(dout, out)
+        dq = ops.zeros(q.shape, acc)
+        for s in range(size):
+            cur, nxt = s % 2, (s + 1) % 2
+            # K, V of the next block go ahead; the dK, dV finished at step s-1 follow one behind
+            pairs = []
+            if s < size - 1:
+                pairs += [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])]
+            if s >= 1:
+                pairs += [(dkbuf[cur], dkbuf[nxt]), (dvbuf[cur], dvbuf[nxt])]
+            if pairs:
+                post_exchange(ops, transport, f"ring bwd {s} send/recv", pairs)
+            source = (rank - s) % size  # the keys are source's; the queries are ours
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal)
+            compute_s, parts = 0.0, None
+            if blocks:
+                t0 = now()
+                with ops.annotate(f"ring bwd {s} compute"):
+                    parts = partial_kv_grads(ops, kbuf[cur], vbuf[cur], q, dout, lse, delta, dq,
+                                              blocks, softmax_scale, acc, row_sums)
+                compute_s = now() - t0
+            wait_s = timed_wait(ops, transport, f"ring bwd {s} wait") if pairs else 0.0
+            # nxt's dk/dv slot now holds what earlier holders accumulated for `source` (or
+            # nothing at s == 0); the slot is sent on at step s+1
+            self._fold(ops, dkbuf[nxt], dvbuf[nxt], parts, first=(s == 0))
+            if trace is not None:
+                trace.add("backward", s, source, len(blocks), compute_s, wait_s)
+        dk, dv = self._return_home(ops, transport, dkbuf[size % 2], dvbuf[size % 2], trace)
+        return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
+
+    @staticmethod
+    def _fold(ops, dk_slot, dv_slot, parts, first: bool) -> None:
+        """dk_slot, dv_slot = (0 if first else themselves) + parts (None: nothing computed)."""
+        if first:
+            ops.copy_(dk_slot, 0)
+            ops.copy_(dv_slot, 0)
+        if parts is not None:
+            ops.add_(dk_slot, parts[0])
+            ops.add_(dv_slot, parts[1])
+
+    @staticmethod
+    def _return_home(ops, transport, dk_last, dv_last, trace):
+        """After step G-1 a rank holds the dK, dV of block (r+1) % G: one hop brings it home."""
+        dk, dv = ops.zeros(dk_last.shape, dk_last.dtype), ops.zeros(dv_last.shape, dv_last.dtype)
+        if transport.size == 1:
+            ops.copy_(dk, dk_last)
+            ops.copy_(dv, dv_last)
+            return dk, dv
+        post_exchange(ops, transport, "ring bwd return dk, dv", [(dk_last, dk), (dv_last, dv)])
+        wait_s = timed_wait(ops, transport, "ring bwd return wait")
+        if trace is not None:
+            trace.add("backward", transport.size, transport.rank, 0, 0.0, wait_s)
+        return dk, dv
+
+    # -- what one rank sends -------------------------------------------------------------------
+    @staticmethod
+    def forward_bytes(size: int, q, k, v) -> int:
+        return (size - 1) * (k.nbytes + v.nbytes)
+
+    @staticmethod
+    def backward_bytes(size: int, q, k, v) -> int:
+        if size == 1:
+            return 0
+        return (size - 1) * (k.nbytes + v.nbytes) + size * 2 * kv_bytes_acc(k)
+
+    @staticmethod
+    def forward_messages(size: int) -> int:
+        return 2 * (size - 1)
+
+    @staticmethod
+    def backward_messages(size: int) -> int:
+        return 0 if size == 1 else 2 * (size - 1) + 2 * size

@@ -1,0 +1,85 @@
+"""What every strategy's loop shares: step traces, timed compute and waits, posting an exchange,
+and the partial-gradient helper of the strategies whose keys travel.
+
+Shapes as in `burstcu.ops.base`: q, dout, dq (B, S, H, D); k, v, dk, dv (B, S, Hkv, D); lse,
+delta (B, H, S).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..ops.base import LocalOps, accum_dtype
+from ..transport.base import Transport
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class StepTrace:
+    """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only)."""
+
+    pass_: str
+    step: int
+    source_rank: int
+    blocks: int
+    compute_s: float
+    wait_s: float
+
+
+@dataclass
+class Trace:
+    steps: list[StepTrace] = field(default_factory=list)
+
+    def add(self, *args) -> None:
+        self.steps.append(StepTrace(*args))
+
+
+def timed(ops: LocalOps, label: str, fn, *args) -> float:
+    """Run fn(*args) inside an annotated range; host seconds spent issuing it."""
+    t0 = time.perf_counter()
+    with ops.annotate(label):
+        fn(*args)
+    return time.perf_counter() - t0
+
+
+def timed_wait(ops: LocalOps, transport: Transport, label: str) -> float:
+    """transport.wait() inside an annotated range; host seconds spent blocked."""
+    t0 = time.perf_counter()
+    with ops.annotate(label):
+        transport.wait()
+    return time.perf_counter() - t0
+
+
+def post_exchange(ops: LocalOps, transport: Transport, label: str, pairs) -> None:
+    """Queue one message per (send_buf, recv_buf) pair — send to next, receive from prev — and
+    post them together in one commit."""
+    with ops.annotate(label):
+        for send_buf, recv_buf in pairs:
+            transport.send_recv(send_buf, recv_buf, transport.next_rank, transport.prev_rank)
+        transport.commit()
+
+
+def partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc,
+                      row_sums=None):
+    """dk, dv (B, S, Hkv, D) in `acc` contributed by the visiting queries q over keys (k, v),
+    and dq += their dq (row_sums += their rows' sums of P, if given). Uses only the public
+    LocalOps calls: a fresh context per block, so the partial can be added to an accumulator
+    that travels (the ops' own context cannot)."""
+    ctx = ops.backward_init(k, v, scale)
+    ops.backward_step(ctx, q, dout, lse, delta, dq, blocks, *([] if row_sums is None else [row_sums]))
+    return ops.backward_finalize(ctx, acc)
+
+
+def kv_bytes_acc(k) -> int:
+    return int(k.size) * accum_dtype(k.dtype).itemsize
+
+
+def cast_copy(ops: LocalOps, x, dtype):
+    """A fresh array of x's shape in `dtype` holding x."""
+    y = ops.zeros(x.shape, dtype)
+    ops.copy_(y, x)
+    return y
