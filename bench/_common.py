@@ -232,5 +232,5 @@ def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--dtype", default=dtype, choices=["float16", "bfloat16", "float32", "float64"])
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
+    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"])
     p.add_argument("--json", default=None)

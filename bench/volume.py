@@ -24,6 +24,10 @@ Converting to bytes SENT BY ONE RANK in one pass (S = N/G local tokens):
   * all-gather (Megatron-CP / LASP-2H; not in the paper's table): all-gather K, V sends
     2 B Hkv S d (G-1) per rank per pass; the backward adds a reduce-scatter of dK, dV:
     2 B Hkv S d (G-1) more.
+  * Ulysses (DeepSpeed-Ulysses; not in the paper's table): an all-to-all of a rank's M elements
+    sends M (G-1)/G of them. Forward: q, k, v out and the attention output back, (2 H + 2 Hkv)
+    B S d (G-1)/G; backward: q, dO, k, v out and dq, dk, dv back, (3 H + 4 Hkv) B S d (G-1)/G.
+    Where G > Hkv a kv head goes to each of the G/Hkv ranks that use it (Hkv/G becomes 1).
 The paper assumes one element size. The implementation sends Q, dO, K, V in the input dtype but
 dQ, dK, dV, lse and delta in the accumulation dtype (fp32; fp64 for fp64 input), and its dQ (burst)
 or dK, dV (ring) make one extra hop to return to their owner; both are listed per row.
@@ -49,6 +53,9 @@ def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
     if G == 1:
         return 0
     hops = G - 1
+    if strategy == "ulysses":
+        heads = 2 * H + 2 * Hkv if pass_ == "forward" else 3 * H + 4 * Hkv
+        return heads * B * S * D * hops // G * it
     if pass_ == "forward":
         return 2 * B * Hkv * S * D * hops * it
     if strategy == "burst":
@@ -66,6 +73,17 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
     hops = G - 1
     kv, kv_acc = B * S * Hkv * D * it, B * S * Hkv * D * acc
     qd, qd_acc, rows_acc = B * S * H * D * it, B * S * H * D * acc, B * H * S * acc
+    if strategy == "ulysses":
+        hg, hk = H // G, (Hkv // G if Hkv % G == 0 else 1)   # heads per peer chunk
+        q_c, kv_c, rows_c = B * S * hg * D, B * S * hk * D, B * hg * S
+        if pass_ == "forward":
+            return ({"q, k, v all-to-all": (q_c + 2 * kv_c) * it * hops,
+                     "out + lse fp32 all-to-all back": (q_c * it + rows_c * acc) * hops},
+                    "the all-to-all volume, plus lse (fp32) with out")
+        return ({"q, dout, k, v all-to-all": (2 * q_c + 2 * kv_c) * it * hops,
+                 "lse, delta fp32 with them": 2 * rows_c * acc * hops,
+                 "dq, dk, dv fp32 all-to-all back": (q_c + 2 * kv_c) * acc * hops},
+                "delta is formed before the all-to-all, so out does not travel; gradients in fp32")
     if pass_ == "forward":
         return {"k, v (G-1 hops)": 2 * kv * hops}, "matches the paper (x (G-1)/G per rank)"
     if strategy == "burst":
@@ -136,6 +154,11 @@ def main(argv=None):
                                  headdim=args.headdim, dtype=args.dtype)
     rows = []
     for strategy in args.strategies:
+        problem = getattr(strategies.get(strategy), "input_problem", lambda *a: None)(
+            inputs[0].shape, inputs[1].shape, group.size)
+        if problem:
+            C.progress(f"volume: {strategy} skipped: {problem}", group.rank)
+            continue
         C.progress(f"volume: {strategy}", group.rank)
         rows += rows_for(strategy, measure(group, strategy, inputs, args.causal), group.size, inputs)
     per_rank = group.comm.gather(rows, root=0) if group.comm is not None and group.size > 1 else [rows]

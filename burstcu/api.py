@@ -158,7 +158,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
         err = _device_problem(group, names, arrays)
         if err is None:
             arrays, export = _native(group.ops, *arrays)
-            err, scale, meta = _check_local(group.ops, arrays, backward=backward, causal=causal,
+            err, scale, meta = _check_local(group.ops, arrays, group.size, backward=backward, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
                                             strategy=strategy, flags=flags)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
@@ -169,13 +169,16 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
     return arrays, export, scale
 
 
-def _check_local(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout, strategy,
-                 flags: dict):
-    """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays."""
+def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
+                 strategy, flags: dict):
+    """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays in a
+    group of `size` ranks."""
     q, k, v = arrays[1:4] if backward else arrays
     err = _check_options(strategy) or check_flags(**flags) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
         softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
+    if err is None:
+        err = _strategy_problem(strategy, q.shape, k.shape, size)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
@@ -193,6 +196,13 @@ def _check_options(strategy: str):
     return None
 
 
+def _strategy_problem(strategy: str, q_shape, k_shape, size: int):
+    """The strategy's own limits (Ulysses: heads divisible by the ranks), as an InputError."""
+    rule = getattr(_engine(strategy), "input_problem", None)
+    problem = rule(q_shape, k_shape, size) if rule else None
+    return None if problem is None else InputError(ValueError, problem)
+
+
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str = "contiguous",
               return_lse: bool = False, strategy: str = "burst"):
@@ -204,7 +214,9 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         the inputs' device: CUDA arrays (CuPy, or DLPack ones such as torch/JAX on a GPU) run
         the kernels on CuPy's current device, other arrays the NumPy backend.
     strategy: "burst" (K and V together in one message per ring step, double-buffered),
-        "ring" (K and V as separate messages, the classic Ring Attention), "allgather" (gather
+        "ring" (K and V as separate messages, the classic Ring Attention), "ulysses" (all-to-all
+        to head shards: each rank attends over the whole sequence for H/G heads; needs H
+        divisible by G, and Hkv dividing G or a multiple of it), "allgather" (gather
         all K and V, then attend locally). All give the same result.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak

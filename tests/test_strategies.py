@@ -44,7 +44,7 @@ def test_strategies_agree(nprocs):
 
 def test_get_unknown_strategy():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        strategies.get("ulysses")
+        strategies.get("zigzag-ring")
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])

@@ -16,7 +16,8 @@ never attention kernels.
     forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace) -> (out, lse)
     backward(dout, q, k, v, out, lse, ops, transport, *, causal, softmax_scale, layout, trace,
              row_sums=None) -> (dq, dk, dv)
-    input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take)
+    input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take;
+                                                          only strategies with limits have it)
 
 plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v)`,
 `backward_bytes(size, q, k, v)`, `forward_messages(size)`, `backward_messages(size)`), which the
@@ -35,8 +36,10 @@ from .allgather import AllGatherAttention
 from .burst import BurstAttention
 from .ring import RingAttention
 from .steps import StepTrace, Trace
+from .ulysses import UlyssesAttention
 
-_STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention}
+_STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention,
+               "ulysses": UlyssesAttention}
 NAMES = tuple(_STRATEGIES)
 
 

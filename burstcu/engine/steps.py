@@ -63,6 +63,15 @@ def post_exchange(ops: LocalOps, transport: Transport, label: str, pairs) -> Non
         transport.commit()
 
 
+def post_pairwise(ops: LocalOps, transport: Transport, label: str, exchanges) -> None:
+    """Queue one message per (send_buf, recv_buf, peer) — send to peer, receive from the same
+    peer — and post them together in one commit (an all-to-all is one such call)."""
+    with ops.annotate(label):
+        for send_buf, recv_buf, peer in exchanges:
+            transport.send_recv(send_buf, recv_buf, peer, peer)
+        transport.commit()
+
+
 def partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc,
                       row_sums=None):
     """dk, dv (B, S, Hkv, D) in `acc` contributed by the visiting queries q over keys (k, v),

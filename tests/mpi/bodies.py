@@ -79,6 +79,14 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
                 "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
     if strategy == "allgather":              # collectives only: no point-to-point sends counted
         return {"fwd": (g1 * 2 * kv, 0), "bwd": (g1 * 2 * kv + g1 * 2 * kv_acc, g1)}
+    if strategy == "ulysses":                # one all-to-all each way; to every other rank:
+        hg = h // size                       # its query heads of my rows,
+        hk = hkv // size if hkv % size == 0 else 1   # and the kv heads those use
+        q_part, kv_part, row_part = b * s * hg * d, b * s * hk * d, b * hg * s
+        fwd = (q_part + 2 * kv_part) * itemsize + row_part * acc + q_part * itemsize  # + lse, out
+        bwd = ((2 * q_part + 2 * kv_part) * itemsize + 2 * row_part * acc         # q, dout, k, v, lse, delta
+               + (q_part + 2 * kv_part) * acc)                                   # dq, dk, dv back
+        return {"fwd": (g1 * fwd, 2 * g1), "bwd": (g1 * bwd, 2 * g1)}
     raise ValueError(strategy)
 
 

@@ -21,8 +21,9 @@ def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqle
 
 
 def strategies_agree(seqlen_local=16, causal=True, layout="zigzag"):
-    """All three strategies give the same out, lse and gradients to float32 rounding noise on
-    one set of inputs (a cross-check independent of the reference's tolerance rule)."""
+    """Every strategy gives the same out, lse and gradients to float64 rounding noise on one set
+    of inputs (a cross-check independent of the reference's tolerance rule); Ulysses where the 4
+    query heads split over the ranks."""
     group = burstcu.init(backend="numpy")
     size, rank = group.size, group.rank
     n = seqlen_local * size
@@ -30,18 +31,39 @@ def strategies_agree(seqlen_local=16, causal=True, layout="zigzag"):
     rows = my_rows(layout, rank, size, n)
     ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
     results = {}
-    for strategy in ("burst", "ring", "allgather"):
+    names = ["burst", "ring", "allgather"] + (["ulysses"] if size in (1, 2, 4) else [])  # 4 heads
+    for strategy in names:
         out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout,
                                      return_lse=True, strategy=strategy)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
                                            layout=layout, strategy=strategy)
         results[strategy] = (out, lse) + tuple(grads)
     worst = 0.0
-    for strategy in ("ring", "allgather"):
+    for strategy in names[1:]:
         for a, b in zip(results["burst"], results[strategy]):
             finite = np.isfinite(a)
             assert np.array_equal(finite, np.isfinite(b)), strategy
             worst = max(worst, float(np.abs(a[finite] - b[finite]).max(initial=0.0)))
     assert worst < 1e-12, worst  # float64 inputs: only summation order differs
     group.close()
-    return {"max_diff": worst}
+    return {"max_diff": worst, "strategies": names}
+
+
+def ulysses_refuses_bad_head_counts(h=3, hkv=3):
+    """Heads that do not split over the ranks: the same ValueError on every rank, before any
+    data moves (the next call still works)."""
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    q, k, v, _ = make_inputs(5, 1, n, h, hkv, 8, "float32")
+    rows = my_rows("contiguous", group.rank, group.size, n)
+    ql, kl, vl = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v))
+    try:
+        burstcu.attention(ql, kl, vl, group, strategy="ulysses")
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("no error")
+    out = burstcu.attention(ql, kl, vl, group, strategy="burst")   # the group still works
+    assert out.shape == ql.shape
+    group.close()
+    return {"error": message}
