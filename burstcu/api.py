@@ -126,9 +126,10 @@ def _returned(export, results):
     return results if export is None else tuple(export(r) for r in results)
 
 
-def _engine(strategy: str):
-    """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`."""
-    return engine.get(strategy)
+def _engine(strategy: str, options: dict):
+    """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`;
+    options: its keywords (ulysses_degree for "usp"), None meaning the default."""
+    return engine.get(strategy, **{k: v for k, v in options.items() if v is not None})
 
 
 class _Tracking(DelegatingOps):
@@ -145,7 +146,7 @@ class _Tracking(DelegatingOps):
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, flags: dict):
+             layout, strategy, options: dict, flags: dict):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
 
@@ -160,7 +161,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             arrays, export = _native(group.ops, *arrays)
             err, scale, meta = _check_local(group.ops, arrays, group.size, backward=backward, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy, flags=flags)
+                                            strategy=strategy, options=options, flags=flags)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
@@ -170,15 +171,15 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
 
 
 def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
-                 strategy, flags: dict):
+                 strategy, options: dict, flags: dict):
     """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays in a
     group of `size` ranks."""
     q, k, v = arrays[1:4] if backward else arrays
-    err = _check_options(strategy) or check_flags(**flags) or check_attention_inputs(
+    err = _check_options(strategy, options) or check_flags(**flags) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
         softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
     if err is None:
-        err = _strategy_problem(strategy, q.shape, k.shape, size)
+        err = _strategy_problem(strategy, options, q.shape, k.shape, size)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
@@ -187,25 +188,32 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
     scale = resolve_scale(softmax_scale, q.shape[-1])
     # every flag is agreed on too (check=True changes what the backward ring sends)
     return None, scale, metadata(*arrays, layout=layout, strategy=strategy, softmax_scale=scale,
-                                 **{name: bool(value) for name, value in flags.items()})
+                                 **options, **{name: bool(value) for name, value in flags.items()})
 
 
-def _check_options(strategy: str):
+def _check_options(strategy: str, options: dict):
     if strategy not in STRATEGIES:
         return InputError(ValueError, f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    u = options.get("ulysses_degree")
+    if u is not None:
+        if strategy != "usp":
+            return InputError(ValueError, f"ulysses_degree is an option of strategy='usp', not of "
+                                          f"strategy={strategy!r}")
+        if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
+            return InputError(ValueError, f"ulysses_degree must be a positive int or None, got {u!r}")
     return None
 
 
-def _strategy_problem(strategy: str, q_shape, k_shape, size: int):
+def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int):
     """The strategy's own limits (Ulysses: heads divisible by the ranks), as an InputError."""
-    rule = getattr(_engine(strategy), "input_problem", None)
+    rule = getattr(_engine(strategy, options), "input_problem", None)
     problem = rule(q_shape, k_shape, size) if rule else None
     return None if problem is None else InputError(ValueError, problem)
 
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str = "contiguous",
-              return_lse: bool = False, strategy: str = "burst"):
+              return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
@@ -216,8 +224,10 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     strategy: "burst" (K and V together in one message per ring step, double-buffered),
         "ring" (K and V as separate messages, the classic Ring Attention), "ulysses" (all-to-all
         to head shards: each rank attends over the whole sequence for H/G heads; needs H
-        divisible by G, and Hkv dividing G or a multiple of it), "allgather" (gather
-        all K and V, then attend locally). All give the same result.
+        divisible by G, and Hkv dividing G or a multiple of it), "usp" (Ulysses inside groups of
+        `ulysses_degree` ranks — u divides G and H; None picks the largest u <= 8 that works —
+        and the burst ring across the G/u groups), "allgather" (gather all K and V, then attend
+        locally). All give the same result.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -226,12 +236,13 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group = _group_for(group, q)
+    options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention forward") as call:
         (q, k, v), export, scale = _checked(call, group, (q, k, v), backward=False, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy,
+                                            strategy=strategy, options=options,
                                             flags={"causal": causal, "return_lse": return_lse})
-        out, lse = _returned(export, _engine(strategy).forward(
+        out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=layout, trace=group.trace))
     return (out, lse) if return_lse else out
@@ -239,7 +250,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 
 def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                        causal: bool = False, softmax_scale: float | None = None,
-                       layout: str = "contiguous", strategy: str = "burst", check: bool = False):
+                       layout: str = "contiguous", strategy: str = "burst",
+                       ulysses_degree: int | None = None, check: bool = False):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -253,13 +265,14 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
     group = _group_for(group, q)
+    options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention backward") as call:
         (dout, q, k, v, out, lse), export, scale = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
-            softmax_scale=softmax_scale, layout=layout, strategy=strategy,
+            softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check})
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
-        grads = _engine(strategy).backward(
+        grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace, **row_sums)
         if check:

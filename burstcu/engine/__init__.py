@@ -10,6 +10,8 @@ never attention kernels.
     allgather  Megatron context parallelism (`allgather`): all-gather K, V; reduce-scatter dK, dV
     ulysses    DeepSpeed-Ulysses (`ulysses`): all-to-all from sequence- to head-sharded, local
                attention over the whole sequence for H/G heads, all-to-all back
+    usp        USP / long-context-attention (`usp`): Ulysses inside groups of u ranks, the burst
+               ring across the G/u groups (`ulysses_degree=u`)
 
 `get(name)` returns an object with
 
@@ -37,18 +39,19 @@ from .burst import BurstAttention
 from .ring import RingAttention
 from .steps import StepTrace, Trace
 from .ulysses import UlyssesAttention
+from .usp import USPAttention
 
 _STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention,
-               "ulysses": UlyssesAttention}
+               "ulysses": UlyssesAttention, "usp": USPAttention}
 NAMES = tuple(_STRATEGIES)
 
 
-def get(name: str):
-    """The strategy object called `name` (one of NAMES)."""
-    try:
-        return _STRATEGIES[name]()
-    except KeyError:
-        raise ValueError(f"strategy must be one of {NAMES}, not {name!r}") from None
+def get(name: str, **options):
+    """The strategy object called `name` (one of NAMES), made with `options` (only "usp" has
+    one: ulysses_degree)."""
+    if name not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {NAMES}, not {name!r}")
+    return _STRATEGIES[name](**options)
 
 
 __all__ = ["get", "NAMES", "Trace", "StepTrace"]

@@ -106,13 +106,15 @@ def _bundle_fields(q, lse, row_sums: bool = False):
 
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
-             softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None):
+             softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None,
+             delta=None):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
     Returns dq (B, S, H, D) and dk, dv (B, S, Hkv, D), in the inputs' dtype.
     row_sums: None, or (B, H, S) in the accumulation dtype, contiguous: receives each of this
     rank's rows' sum of the recomputed P over every rank's keys (1 when lse is right).
+    delta: rowsum(dout * out) (B, H, S) when the caller has it already (then `out` is unused).
     """
     size, rank = transport.size, transport.rank
     seqlen = q.shape[1]
@@ -123,7 +125,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     first = buffers[0]
     ops.copy_(first["q"], q)
     ops.copy_(first["dout"], dout)
-    ops.copy_(first["delta"], ops.backward_delta(dout, out))
+    ops.copy_(first["delta"], ops.backward_delta(dout, out) if delta is None else delta)
     ops.copy_(first["lse"], lse)
     ctx = ops.backward_init(k, v, softmax_scale)
     dq_part = ops.zeros(q.shape, acc)

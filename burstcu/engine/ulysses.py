@@ -33,10 +33,140 @@ Trace: step 0 is all-to-all 1 (its wait), step 1 the local attention, step 2 all
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..layout import Block, segments
-from ..ops.base import LocalOps, Message, accum_dtype
+from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .steps import cast_copy, post_pairwise, timed, timed_wait
+
+
+def heads_problem(h: int, hkv: int, size: int, what: str) -> str | None:
+    """Why `size` ranks cannot share out h query heads on hkv kv heads Ulysses' way, or None."""
+    if h % size:
+        return f"{what} gives each of its {size} ranks H/{size} query heads: H = {h} is not divisible by {size}"
+    if hkv % size and size % hkv:
+        return (f"{what} over {size} ranks with {h} query heads on {hkv} kv heads: each rank's "
+                f"{h // size} query heads would need a fraction of a kv head (Hkv must divide "
+                f"{size} or be a multiple of it)")
+    return None
+
+
+def kv_heads(rank: int, size: int, h: int, hkv: int) -> tuple[int, int]:
+    """(first, count) of the kv heads that `rank`'s h/size query heads use."""
+    if hkv % size == 0:
+        return rank * (hkv // size), hkv // size
+    return rank * (h // size) // (h // hkv), 1
+
+
+class HeadExchange:
+    """The all-to-alls of Ulysses inside one group of ranks (the whole group for "ulysses", one
+    node-sized group for "usp"): from this rank's rows of every head to the group's rows of this
+    rank's heads, and back.
+
+    transport: the group's transport; its ranks are `ranks` (ranks of the `size`-rank world
+    whose `layout` places `seqlen_local` rows on each). Assembled arrays hold the group's rows
+    sorted by global position (for "ulysses" the whole sequence in order; for "usp" exactly the
+    local rows of the group's super-rank in the ring of groups, under the same layout).
+    Parts are (kind, array): "q" (B, S, H, D) query heads, "kv" (B, S, Hkv, D) kv heads, "st"
+    (B, H, S) a row statistic of the query heads.
+    """
+
+    def __init__(self, transport: Transport, ranks, layout: str, size: int, seqlen_local: int,
+                 h: int, hkv: int):
+        self.transport, self.g, self.s = transport, transport.size, seqlen_local
+        self.hg = h // self.g
+        self.kv = [kv_heads(m, self.g, h, hkv) for m in range(self.g)]
+        runs = sorted((seg.pos, m, seg.local, seg.length) for m, r in enumerate(ranks)
+                      for seg in segments(layout, r, size, seqlen_local))
+        self.rows: list[list[tuple[int, int, int]]] = [[] for _ in ranks]  # (local, assembled, n)
+        offset = 0
+        for _, m, local, length in runs:
+            self.rows[m].append((local, offset, length))
+            offset += length
+        self.n = offset
+
+    def _chunk(self, kind: str, x, m: int):
+        """The part of my array `x` that member m gets: its query heads or kv heads."""
+        if kind == "kv":
+            k0, hk = self.kv[m]
+            return x[:, :, k0:k0 + hk]
+        heads = slice(m * self.hg, (m + 1) * self.hg)
+        return x[:, heads] if kind == "st" else x[:, :, heads]
+
+    def _chunk_shape(self, kind: str, x_shape) -> tuple:
+        if kind == "st":
+            return (x_shape[0], self.hg, self.s)
+        heads = self.kv[self.transport.rank][1] if kind == "kv" else self.hg
+        return (x_shape[0], self.s, heads) + tuple(x_shape[3:])
+
+    def _exchange(self, ops: LocalOps, fields):
+        """fields(m) -> [(name, shape, dtype)] of what member m and I exchange, the same list on
+        both sides; returns (send, recv, seconds waited) after the all-to-all. Fields are
+        ordered widest dtype first, so no padding falls inside a member's span."""
+        def laid(m):
+            return sorted(fields(m), key=lambda f: -np.dtype(f[2]).itemsize)
+        send, recv = (ops.message([f for m in range(self.g) for f in laid(m)]) for _ in range(2))
+        return send, recv, laid
+
+    def _post(self, ops, label, send, recv, laid) -> float:
+        me = self.transport.rank
+
+        def span(msg, m):
+            names = [f[0] for f in laid(m)]
+            return msg.span(names[0], names[-1])
+        ops.copy_(span(recv, me), span(send, me))
+        peers = [(span(send, m), span(recv, m), m) for m in range(self.g) if m != me]
+        if not peers:
+            return 0.0
+        post_pairwise(ops, self.transport, label, peers)
+        return timed_wait(ops, self.transport, f"{label} wait")
+
+    def to_heads(self, ops: LocalOps, label: str, parts):
+        """([assembled arrays], seconds waited): each part of all my rows, for member m's heads,
+        to member m; mine, from every member's rows, assembled in position order."""
+        def fields(m):
+            return [(f"{i}.{m}", self._chunk_shape(kind, x.shape), x.dtype)
+                    for i, (kind, x) in enumerate(parts)]
+        send, recv, laid = self._exchange(ops, fields)
+        for m in range(self.g):
+            for i, (kind, x) in enumerate(parts):
+                ops.copy_(send[f"{i}.{m}"], self._chunk(kind, x, m))
+        waited = self._post(ops, label, send, recv, laid)
+        out = []
+        for i, (kind, x) in enumerate(parts):
+            shape = self._chunk_shape(kind, x.shape)
+            axis = 2 if kind == "st" else 1
+            full = ops.zeros(shape[:axis] + (self.n,) + shape[axis + 1:], x.dtype)
+            lead = (slice(None),) * axis
+            for m in range(self.g):
+                for local, at, length in self.rows[m]:
+                    ops.copy_(full[lead + (slice(at, at + length),)],
+                              recv[f"{i}.{m}"][lead + (slice(local, local + length),)])
+            out.append(full)
+        return out, waited
+
+    def to_rows(self, ops: LocalOps, label: str, parts, homes) -> float:
+        """The inverse: parts are (kind, assembled array) of my heads over the group's rows; each
+        member's rows go back to it, and land in `homes` (my rows, all heads): "q" and "st"
+        chunks are copied into their heads, "kv" chunks added (members sharing a kv head each
+        send their share). Returns the seconds waited."""
+        def fields(m):  # sent in the parts' dtype, added into the homes' dtype
+            return [(f"{i}.{m}", self._chunk_shape(kind, home.shape), full.dtype)
+                    for i, ((kind, full), home) in enumerate(zip(parts, homes))]
+        send, recv, laid = self._exchange(ops, fields)
+        for m in range(self.g):
+            for i, (kind, full) in enumerate(parts):
+                axis = 2 if kind == "st" else 1
+                lead = (slice(None),) * axis
+                for local, at, length in self.rows[m]:
+                    ops.copy_(send[f"{i}.{m}"][lead + (slice(local, local + length),)],
+                              full[lead + (slice(at, at + length),)])
+        waited = self._post(ops, label, send, recv, laid)
+        for m in range(self.g):
+            for i, ((kind, _), home) in enumerate(zip(parts, homes)):
+                (ops.add_ if kind == "kv" else ops.copy_)(self._chunk(kind, home, m), recv[f"{i}.{m}"])
+        return waited
 
 
 class UlyssesAttention:
@@ -44,76 +174,29 @@ class UlyssesAttention:
 
     name = "ulysses"
 
-    # -- what it can take ------------------------------------------------------------------------
     @staticmethod
     def input_problem(q_shape, k_shape, size: int) -> str | None:
         """Why Ulysses cannot split these heads over `size` ranks, or None."""
-        h, hkv = int(q_shape[2]), int(k_shape[2])
-        if h % size:
-            return (f"strategy 'ulysses' gives each of the {size} ranks H/G query heads: H = {h} "
-                    f"is not divisible by {size}")
-        if hkv % size and size % hkv:
-            return (f"strategy 'ulysses' over {size} ranks with {h} query heads on {hkv} kv heads: "
-                    f"each rank's {h // size} query heads would need a fraction of a kv head "
-                    f"(Hkv must divide G or be a multiple of it)")
-        return None
+        return heads_problem(int(q_shape[2]), int(k_shape[2]), size, "strategy 'ulysses'")
 
-    @staticmethod
-    def kv_heads(rank: int, size: int, h: int, hkv: int) -> tuple[int, int]:
-        """(first, count) of the kv heads `rank`'s query heads use."""
-        if hkv % size == 0:
-            return rank * (hkv // size), hkv // size
-        return rank * (h // size) // (h // hkv), 1
+    kv_heads = staticmethod(kv_heads)
 
-    # -- passes ------------------------------------------------------------------------------------
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
                 softmax_scale: float, layout: str, trace=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        g, rank = transport.size, transport.rank
-        b, s, h, d = q.shape
-        hg, (_, hk) = h // g, self.kv_heads(rank, g, h, k.shape[2])
-        acc = accum_dtype(q.dtype)
-
-        def inbound(j):  # what rank j and I exchange in all-to-all 1, from my side
-            return [(f"q{j}", (b, s, hg, d), q.dtype), (f"k{j}", (b, s, hk, d), k.dtype),
-                    (f"v{j}", (b, s, hk, d), v.dtype)]
-        send, recv = (ops.message([f for j in range(g) for f in inbound(j)]) for _ in range(2))
-        for j in range(g):
-            k0, _ = self.kv_heads(j, g, h, k.shape[2])
-            ops.copy_(send[f"q{j}"], q[:, :, j * hg:(j + 1) * hg])
-            ops.copy_(send[f"k{j}"], k[:, :, k0:k0 + hk])
-            ops.copy_(send[f"v{j}"], v[:, :, k0:k0 + hk])
-        wait_in = self._all_to_all(ops, transport, "ulysses fwd all-to-all q, k, v", send, recv,
-                                   ("q", "v"))
-        q_all, k_all, v_all = (_by_position(ops, recv, name, shape, dtype, layout, g, s)
-                               for name, shape, dtype in (("q", (b, s, hg, d), q.dtype),
-                                                          ("k", (b, s, hk, d), k.dtype),
-                                                          ("v", (b, s, hk, d), v.dtype)))
+        x = HeadExchange(transport, range(transport.size), layout, transport.size, q.shape[1],
+                         q.shape[2], k.shape[2])
+        (q_all, k_all, v_all), wait_in = x.to_heads(
+            ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
         state = ops.forward_init(q_all, softmax_scale)
-        n = g * s
         compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
-                          [Block(0, n, 0, n, 0, 0, bool(causal))])
-        out_h, lse_h = ops.forward_finalize(state, q.dtype)    # (B, N, Hg, D), (B, Hg, N)
-
-        def outbound(i):  # lse first: no padding inside a peer's span
-            return [(f"l{i}", (b, hg, s), acc), (f"o{i}", (b, s, hg, d), q.dtype)]
-        send2, recv2 = (ops.message([f for i in range(g) for f in outbound(i)]) for _ in range(2))
-        for i in range(g):
-            for seg in segments(layout, i, g, s):
-                ops.copy_(send2[f"l{i}"][:, :, seg.local:seg.local + seg.length],
-                          lse_h[:, :, seg.pos:seg.pos + seg.length])
-                ops.copy_(send2[f"o{i}"][:, seg.local:seg.local + seg.length],
-                          out_h[:, seg.pos:seg.pos + seg.length])
-        wait_out = self._all_to_all(ops, transport, "ulysses fwd all-to-all out, lse", send2, recv2,
-                                    ("l", "o"))
-        out, lse = ops.zeros(q.shape, q.dtype), ops.zeros((b, h, s), acc)
-        for j in range(g):
-            ops.copy_(out[:, :, j * hg:(j + 1) * hg], recv2[f"o{j}"])
-            ops.copy_(lse[:, j * hg:(j + 1) * hg], recv2[f"l{j}"])
-        if trace is not None:
-            trace.add("forward", 0, rank, 0, 0.0, wait_in)
-            trace.add("forward", 1, rank, 1, compute_s, 0.0)
-            trace.add("forward", 2, rank, 0, 0.0, wait_out)
+                          [Block(0, x.n, 0, x.n, 0, 0, bool(causal))])
+        out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
+        out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
+                                                          lse_all.dtype)
+        wait_out = x.to_rows(ops, "ulysses fwd all-to-all out, lse", [("q", out_all), ("st", lse_all)],
+                             [out, lse])
+        _trace(trace, "forward", transport.rank, wait_in, compute_s, wait_out)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
@@ -121,97 +204,40 @@ class UlyssesAttention:
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
         sum of the recomputed P over the whole sequence (computed where the heads are)."""
-        g, rank = transport.size, transport.rank
-        b, s, h, d = q.shape
-        hkv = k.shape[2]
-        hg, (_, hk) = h // g, self.kv_heads(rank, g, h, hkv)
         acc = accum_dtype(q.dtype)
+        x = HeadExchange(transport, range(transport.size), layout, transport.size, q.shape[1],
+                         q.shape[2], k.shape[2])
         delta = ops.backward_delta(dout, out)                  # (B, H, S): out stays home
-
-        def inbound(j):  # row statistics first (accumulation dtype), then the inputs
-            return [(f"st{j}", (2, b, hg, s), acc), (f"q{j}", (b, s, hg, d), q.dtype),
-                    (f"do{j}", (b, s, hg, d), q.dtype), (f"k{j}", (b, s, hk, d), k.dtype),
-                    (f"v{j}", (b, s, hk, d), v.dtype)]
-        send, recv = (ops.message([f for j in range(g) for f in inbound(j)]) for _ in range(2))
-        for j in range(g):
-            heads, (k0, _) = slice(j * hg, (j + 1) * hg), self.kv_heads(j, g, h, hkv)
-            ops.copy_(send[f"st{j}"][0], lse[:, heads])
-            ops.copy_(send[f"st{j}"][1], delta[:, heads])
-            ops.copy_(send[f"q{j}"], q[:, :, heads])
-            ops.copy_(send[f"do{j}"], dout[:, :, heads])
-            ops.copy_(send[f"k{j}"], k[:, :, k0:k0 + hk])
-            ops.copy_(send[f"v{j}"], v[:, :, k0:k0 + hk])
-        wait_in = self._all_to_all(ops, transport, "ulysses bwd all-to-all q, dout, k, v", send,
-                                   recv, ("st", "v"))
-        q_all, do_all, k_all, v_all = (
-            _by_position(ops, recv, name, shape, dtype, layout, g, s)
-            for name, shape, dtype in (("q", (b, s, hg, d), q.dtype), ("do", (b, s, hg, d), q.dtype),
-                                       ("k", (b, s, hk, d), k.dtype), ("v", (b, s, hk, d), v.dtype)))
-        stats = _by_position(ops, recv, "st", (2, b, hg, s), acc, layout, g, s, axis=3)
-        n = g * s
+        (lse_all, delta_all, q_all, do_all, k_all, v_all), wait_in = x.to_heads(
+            ops, "ulysses bwd all-to-all q, dout, k, v",
+            [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
         ctx = ops.backward_init(k_all, v_all, softmax_scale)
-        dq_all = ops.zeros((b, n, hg, d), acc)
-        sums = [ops.zeros((b, hg, n), acc)] if row_sums is not None else []
+        dq_all = ops.zeros(q_all.shape, acc)
+        sums = [ops.zeros(lse_all.shape, acc)] if row_sums is not None else []
         compute_s = timed(ops, "ulysses bwd compute", ops.backward_step, ctx, q_all, do_all,
-                          stats[0], stats[1], dq_all, [Block(0, n, 0, n, 0, 0, bool(causal))], *sums)
+                          lse_all, delta_all, dq_all, [Block(0, x.n, 0, x.n, 0, 0, bool(causal))],
+                          *sums)
         dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
-
-        def outbound(i):
-            return ([(f"p{i}", (b, hg, s), acc)] if sums else []) + [
-                (f"dq{i}", (b, s, hg, d), acc), (f"dk{i}", (b, s, hk, d), acc),
-                (f"dv{i}", (b, s, hk, d), acc)]
-        send2, recv2 = (ops.message([f for i in range(g) for f in outbound(i)]) for _ in range(2))
-        for i in range(g):
-            for seg in segments(layout, i, g, s):
-                mine, there = slice(seg.local, seg.local + seg.length), slice(seg.pos, seg.pos + seg.length)
-                if sums:
-                    ops.copy_(send2[f"p{i}"][:, :, mine], sums[0][:, :, there])
-                for name, full in (("dq", dq_all), ("dk", dk_all), ("dv", dv_all)):
-                    ops.copy_(send2[f"{name}{i}"][:, mine], full[:, there])
-        wait_out = self._all_to_all(ops, transport, "ulysses bwd all-to-all dq, dk, dv", send2,
-                                    recv2, ("p" if sums else "dq", "dv"))
-        dq = ops.zeros(q.shape, acc)
-        dk, dv = ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
-        for j in range(g):
-            heads, (k0, _) = slice(j * hg, (j + 1) * hg), self.kv_heads(j, g, h, hkv)
-            ops.copy_(dq[:, :, heads], recv2[f"dq{j}"])
-            ops.add_(dk[:, :, k0:k0 + hk], recv2[f"dk{j}"])    # summed where ranks share a kv head
-            ops.add_(dv[:, :, k0:k0 + hk], recv2[f"dv{j}"])
-            if sums:
-                ops.copy_(row_sums[:, heads], recv2[f"p{j}"])
-        if trace is not None:
-            trace.add("backward", 0, rank, 0, 0.0, wait_in)
-            trace.add("backward", 1, rank, 1, compute_s, 0.0)
-            trace.add("backward", 2, rank, 0, 0.0, wait_out)
+        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+        wait_out = x.to_rows(ops, "ulysses bwd all-to-all dq, dk, dv",
+                             [("q", dq_all), ("kv", dk_all), ("kv", dv_all)]
+                             + [("st", p) for p in sums],
+                             [dq, dk, dv] + ([row_sums] if sums else []))
+        _trace(trace, "backward", transport.rank, wait_in, compute_s, wait_out)
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
-    @staticmethod
-    def _all_to_all(ops: LocalOps, transport: Transport, label: str, send: Message, recv: Message,
-                    fields: tuple[str, str]) -> float:
-        """Every rank j gets span(fields[0]{j} .. fields[1]{j}) of my `send`, into that span of
-        its `recv` for me; my own span is copied. Returns the host seconds spent waiting."""
-        first, last = fields
-        me = transport.rank
-        ops.copy_(recv.span(f"{first}{me}", f"{last}{me}"), send.span(f"{first}{me}", f"{last}{me}"))
-        peers = [(send.span(f"{first}{j}", f"{last}{j}"), recv.span(f"{first}{j}", f"{last}{j}"), j)
-                 for j in range(transport.size) if j != me]
-        if not peers:
-            return 0.0
-        post_pairwise(ops, transport, label, peers)
-        return timed_wait(ops, transport, f"{label} wait")
-
     # -- what one rank sends -------------------------------------------------------------------
-    @classmethod
-    def forward_bytes(cls, size: int, q, k, v) -> int:
+    @staticmethod
+    def forward_bytes(size: int, q, k, v) -> int:
         b, s, h, d = q.shape
-        hg, hk = h // size, cls.kv_heads(0, size, h, k.shape[2])[1]
+        hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         return (size - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
 
-    @classmethod
-    def backward_bytes(cls, size: int, q, k, v, row_sums: bool = False) -> int:
+    @staticmethod
+    def backward_bytes(size: int, q, k, v, row_sums: bool = False) -> int:
         b, s, h, d = q.shape
-        hg, hk = h // size, cls.kv_heads(0, size, h, k.shape[2])[1]
+        hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         inbound = hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
         outbound = (hg + 2 * hk) * d * acc + (hg * acc if row_sums else 0)
@@ -226,16 +252,9 @@ class UlyssesAttention:
         return 2 * (size - 1)
 
 
-def _by_position(ops: LocalOps, recv: Message, name: str, shape: tuple, dtype, layout: str,
-                 size: int, seqlen_local: int, axis: int = 1):
-    """The fields `name`0..`name`{G-1} of `recv` (rank i's rows, each of `shape`, the sequence on
-    `axis`) assembled into one array with G*seqlen_local rows on `axis`, in global position
-    order."""
-    full_shape = shape[:axis] + (size * seqlen_local,) + shape[axis + 1:]
-    full = ops.zeros(full_shape, dtype)
-    lead = (slice(None),) * axis
-    for i in range(size):
-        for seg in segments(layout, i, size, seqlen_local):
-            ops.copy_(full[lead + (slice(seg.pos, seg.pos + seg.length),)],
-                      recv[f"{name}{i}"][lead + (slice(seg.local, seg.local + seg.length),)])
-    return full
+def _trace(trace, pass_: str, rank: int, wait_in: float, compute_s: float, wait_out: float) -> None:
+    """Steps 0 (all-to-all in), 1 (local attention), 2 (all-to-all back)."""
+    if trace is not None:
+        trace.add(pass_, 0, rank, 0, 0.0, wait_in)
+        trace.add(pass_, 1, rank, 1, compute_s, 0.0)
+        trace.add(pass_, 2, rank, 0, 0.0, wait_out)

@@ -21,7 +21,10 @@ Between `commit` and `wait` the caller must neither write `send_buf` nor touch `
 
 Besides point-to-point, a transport offers `allgather_object` (small Python metadata, used to
 agree on shapes before any data moves), `barrier`, and `allgather` of a byte buffer (used by the
-all-gather baseline). Every byte of payload is counted in `stats`.
+all-gather baseline). Every byte of payload is counted in `stats`. An all-to-all is one commit of
+`send_recv`s to every peer (`burstcu.engine.steps.post_pairwise`). `split(color, key, name)`
+makes a sub-group (USP's Ulysses and ring groups): made once per name and kept, its traffic
+counted in the parent's `stats`, its failures reported as the parent's call and step.
 
 Failures. Every wait for a peer has a deadline (`timeout` seconds, from `burstcu.init(timeout=)`,
 else $BURSTCU_TIMEOUT, else 600) and waits without spinning; past it the waiting rank raises
@@ -145,6 +148,11 @@ class Transport(ABC):
         self.call: str | None = None     # the burstcu call in progress ("attention forward")
         self.where = "between calls"     # its latest step, from the engine's annotations
         self._queued: list[tuple[Any, Any, int, int]] = []
+        # a sub-group (`split`): the transport it was split from, its ranks' ranks there, its name
+        self.parent: Transport | None = None
+        self.members: tuple[int, ...] = tuple(range(size))
+        self.group_name = ""
+        self._subgroups: dict[str, Transport] = {}
 
     # -- failures --------------------------------------------------------------------------------
     def deadline(self) -> float:
@@ -152,12 +160,21 @@ class Transport(ABC):
 
     def doing(self) -> str:
         """What this rank is doing, for messages: "attention forward at 'fwd 2 compute'"."""
+        if self.parent is not None:
+            return f"{self.parent.doing()} (in its {self.group_name} group of ranks {self.top_ranks()})"
         return f"{self.call or 'no burstcu call'} at '{self.where}'"
 
+    def top_rank(self, rank: int) -> int:
+        """`rank` of this group as a rank of the group it was split from (recursively)."""
+        return rank if self.parent is None else self.parent.top_rank(self.members[rank])
+
+    def top_ranks(self) -> list[int]:
+        return [self.top_rank(r) for r in range(self.size)]
+
     def timed_out(self, waited_for: str) -> CommTimeoutError:
-        return CommTimeoutError(f"rank {self.rank} waited {self.timeout:g} s for {waited_for} "
-                                f"during {self.doing()} (timeout: burstcu.init(timeout=...) or "
-                                f"${TIMEOUT_ENV})")
+        return CommTimeoutError(f"rank {self.top_rank(self.rank)} waited {self.timeout:g} s for "
+                                f"{waited_for} during {self.doing()} (timeout: "
+                                f"burstcu.init(timeout=...) or ${TIMEOUT_ENV})")
 
     def fail(self, reason: str) -> None:
         """After a failure on this rank inside a burstcu call: make every rank stop (see the
@@ -172,6 +189,31 @@ class Transport(ABC):
 
     def _abort(self, reason: str) -> None:
         """End every rank (MPI_Abort, the communicator's abort, ...); default: nothing."""
+
+    # -- sub-groups ------------------------------------------------------------------------------
+    def split(self, color: int, key: int, name: str) -> "Transport":
+        """The sub-group of the ranks that pass the same `color`, ordered by `key`. Collective:
+        every rank calls it, in the same order; the first call under `name` makes the group
+        (after one bounded agreement, so a missing rank times out instead of hanging), later
+        ones return it. It shares this transport's timeout and `stats`, reports failures as
+        this transport's call and step, and is closed with it."""
+        sub = self._subgroups.get(name)
+        if sub is None:
+            chosen = self.allgather_object((int(color), int(key)), f"split {name}")
+            members = tuple(r for _, r in sorted((k, r) for r, (c, k) in enumerate(chosen)
+                                                 if c == color))
+            sub = self._split(int(color), int(key), members, name)
+            sub.parent, sub.members, sub.group_name, sub.stats = self, members, name, self.stats
+            self._subgroups[name] = sub
+        return sub
+
+    def _split(self, color: int, key: int, members: tuple[int, ...], name: str) -> "Transport":
+        raise NotImplementedError(f"the {self.name} transport cannot make sub-groups")
+
+    def _close_subgroups(self) -> None:
+        for sub in self._subgroups.values():
+            sub.close()
+        self._subgroups.clear()
 
     # -- ring pattern --------------------------------------------------------------------------
     @property
@@ -234,7 +276,8 @@ class Transport(ABC):
     def barrier(self) -> None: ...
 
     def close(self) -> None:
-        """Release resources (threads, communicators)."""
+        """Release resources (threads, communicators), sub-groups included."""
+        self._close_subgroups()
 
 
 class SelfTransport(Transport):
@@ -259,3 +302,6 @@ class SelfTransport(Transport):
 
     def barrier(self):
         pass
+
+    def _split(self, color, key, members, name):
+        return SelfTransport(self.timeout)

@@ -60,13 +60,29 @@ class LoopbackHub:
         self._failure: str | None = None
         self._objects: dict[int, list] = {}  # round -> [slots, readers]
         self._rounds = [0] * size
+        self._subhubs: dict[tuple, LoopbackHub] = {}
+
+    def subhub(self, name: str, members: tuple[int, ...]) -> "LoopbackHub":
+        """The hub of the sub-group `members` made under `name`: the first member thread to ask
+        makes it, the others get the same one. An abort of this hub reaches it."""
+        with self._cond:
+            hub = self._subhubs.get((name, members))
+            if hub is None:
+                hub = self._subhubs[(name, members)] = LoopbackHub(len(members), self.timeout)
+                if self._failure is not None:
+                    hub.abort(self._failure)
+            return hub
 
     def abort(self, reason: str) -> None:
-        """Wake every waiting rank with PeerFailedError(reason) (first reason wins)."""
+        """Wake every waiting rank with PeerFailedError(reason) (first reason wins), in this
+        hub and in every sub-group hub made from it."""
         with self._cond:
             if self._failure is None:
                 self._failure = reason
             self._cond.notify_all()
+            subhubs = list(self._subhubs.values())
+        for hub in subhubs:
+            hub.abort(reason)
 
     def put(self, key: tuple, value: Any) -> None:
         with self._cond:
@@ -274,6 +290,11 @@ class LoopbackTransport(Transport):
 
     def _abort(self, reason: str) -> None:
         self.hub.abort(reason)
+        if self.parent is not None:  # the whole world stops, not only this sub-group
+            self.parent._abort(reason)
+
+    def _split(self, color, key, members, name):
+        return LoopbackTransport(members.index(self.rank), self.hub.subhub(name, members), self.device)
 
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "HostDevice", "CupyCopyDevice", "PeerFailedError"]

@@ -92,9 +92,9 @@ class MPITransport(Transport):
     def _post(self, exchanges):
         for send_buf, recv_buf, dst, src in exchanges:
             if recv_buf is not None:
-                self._peers.append(f"rank {src}'s message")
+                self._peers.append(f"rank {self.top_rank(src)}'s message")
             if send_buf is not None:
-                self._peers.append(f"rank {dst} to take this rank's message")
+                self._peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
         if self._pool is None:
             self._requests.extend(self._start(exchanges))
             return
@@ -193,11 +193,20 @@ class MPITransport(Transport):
     def barrier(self):
         self.allgather_object(None, "barrier")
 
+    # -- sub-groups ---------------------------------------------------------------------------------
+    def _split(self, color, key, members, name):
+        sub_comm = self.comm.Split(color, key)  # every rank is here: split() agreed first
+        try:
+            return MPITransport(sub_comm, progress=self.progress, timeout=self.timeout)
+        finally:
+            sub_comm.Free()  # the sub-group keeps its own duplicate
+
     # -- failures and cleanup ----------------------------------------------------------------------
     def _abort(self, reason: str):
         self.comm.Abort(1)
 
     def close(self):
+        self._close_subgroups()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

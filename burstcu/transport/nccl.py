@@ -372,7 +372,23 @@ class NCCLTransport(Transport):
         if self.meta is not None:
             self.meta._abort(reason)
 
+    def _split(self, color, key, members, name):
+        """A sub-group with its own NCCL communicator, bootstrapped over an MPI split of the
+        metadata communicator (collective over this group)."""
+        if self.meta is None:
+            raise RuntimeError("an NCCLTransport without an MPI communicator cannot make sub-groups")
+        import cupy
+        sub_comm = self.meta.comm.Split(color, key)
+        try:
+            rank, size = sub_comm.Get_rank(), sub_comm.Get_size()
+            nccl_comm = _create_communicator(sub_comm, size, unique_id(sub_comm), rank,
+                                             cupy.cuda.Device().id)
+            return NCCLTransport(rank, size, CupyDevice(nccl_comm), sub_comm, self.timeout)
+        finally:
+            sub_comm.Free()
+
     def close(self) -> None:
+        self._close_subgroups()
         self.watchdog.stop()
         close = getattr(self.device, "close", None)
         if close is not None:

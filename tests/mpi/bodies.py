@@ -61,7 +61,7 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
 
 
 def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int, d: int,
-                     itemsize: int, acc: int) -> dict:
+                     itemsize: int, acc: int, ulysses_degree: int | None = None) -> dict:
     """(bytes, messages) one rank sends per pass, written out from the algorithms' definitions
     (burstcu.engine's modules' docstrings), not taken from burstcu."""
     g1 = size - 1
@@ -79,6 +79,18 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
                 "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
     if strategy == "allgather":              # collectives only: no point-to-point sends counted
         return {"fwd": (g1 * 2 * kv, 0), "bwd": (g1 * 2 * kv + g1 * 2 * kv_acc, g1)}
+    if strategy == "usp":                    # Ulysses in groups of u, the burst ring across them
+        u = ulysses_degree
+        r, hg = size // u, h // u
+        hk = hkv // u if hkv % u == 0 else 1
+        q_part, kv_part, row_part = b * s * hg * d, b * s * hk * d, b * hg * s
+        fwd = ((u - 1) * ((q_part + 2 * kv_part) * itemsize + row_part * acc + q_part * itemsize)
+               + (r - 1) * 2 * u * kv_part * itemsize)              # a group's K, V per ring step
+        bwd = (u - 1) * ((2 * q_part + 2 * kv_part) * itemsize + 2 * row_part * acc)
+        if r > 1:                            # the ring's bundle over (r-1) steps + dQ r times
+            bwd += (r - 1) * (2 * u * q_part * itemsize + 2 * u * row_part * acc) + r * u * q_part * acc
+        bwd += (u - 1) * (q_part + 2 * kv_part) * itemsize        # dq, dk, dv back (input dtype)
+        return {"fwd": (fwd, 2 * (u - 1) + r - 1), "bwd": (bwd, 2 * (u - 1) + (r + 1 if r > 1 else 0))}
     if strategy == "ulysses":                # one all-to-all each way; to every other rank:
         hg = h // size                       # its query heads of my rows,
         hk = hkv // size if hkv % size == 0 else 1   # and the kv heads those use
@@ -91,7 +103,7 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
 
 
 def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seqlen_local=38,
-                                options=None, strategy="burst", seed=1000):
+                                options=None, strategy="burst", seed=1000, ulysses_degree=None):
     """Forward (out, lse) and backward (dq, dk, dv) of `strategy` against float64, plus exact
     bytes and messages per pass."""
     group = burstcu.init(backend=backend, **(options or {}))
@@ -106,8 +118,9 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
 
         group.stats.reset()
+        how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
         out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout,
-                                     return_lse=True, strategy=strategy)
+                                     return_lse=True, **how)
         fwd = group.stats.as_dict()
         assert out.dtype == ql.dtype and out.shape == ql.shape and type(out) is type(ql)
         acc = np.float64 if dtype == "float64" else np.float32
@@ -127,7 +140,7 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
 
         group.stats.reset()
         dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
-                                                layout=layout, strategy=strategy)
+                                                layout=layout, **how)
         bwd = group.stats.as_dict()
         for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, naive_grads):
             assert got.dtype == ql.dtype and got.shape == (ql if name == "dq" else kl).shape
@@ -136,7 +149,8 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
             errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype, factor=3.0)
 
         itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
-        want = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize, acc_size)
+        want = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize, acc_size,
+                                ulysses_degree)
         for name, got in (("fwd", fwd), ("bwd", bwd)):
             assert (got["bytes_sent"], got["messages"]) == want[name], (strategy, name, got, want[name])
             assert got["bytes_received"] == got["bytes_sent"], (name, got)

@@ -14,10 +14,11 @@ import burstcu
 from tests.mpi.bodies import attention_matches_reference, make_inputs, my_rows
 
 
-def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24):
+def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
+                               ulysses_degree=None):
     """`bodies.attention_matches_reference` for one strategy on the CPU backend."""
     return attention_matches_reference(dtype=dtype, cases=cases, seqlen_local=seqlen_local,
-                                       strategy=strategy, seed=2000)
+                                       strategy=strategy, seed=2000, ulysses_degree=ulysses_degree)
 
 
 def strategies_agree(seqlen_local=16, causal=True, layout="zigzag"):
@@ -67,3 +68,26 @@ def ulysses_refuses_bad_head_counts(h=3, hkv=3):
     assert out.shape == ql.shape
     group.close()
     return {"error": message}
+
+
+def usp_refuses_bad_degrees():
+    """ulysses_degree that does not divide the ranks or the heads, or is given to another
+    strategy: the same ValueError on every rank; the same call with a good degree then works."""
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    q, k, v, _ = make_inputs(5, 1, n, 4, 2, 8, "float32")
+    rows = my_rows("contiguous", group.rank, group.size, n)
+    ql, kl, vl = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v))
+    errors = {}
+    for name, how in {"degree 3": dict(strategy="usp", ulysses_degree=3),
+                      "degree 0": dict(strategy="usp", ulysses_degree=0),
+                      "degree for burst": dict(strategy="burst", ulysses_degree=2)}.items():
+        try:
+            burstcu.attention(ql, kl, vl, group, **how)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    assert set(errors) == {"degree 3", "degree 0", "degree for burst"}, errors
+    out = burstcu.attention(ql, kl, vl, group, strategy="usp", ulysses_degree=2)
+    assert out.shape == ql.shape
+    group.close()
+    return {"errors": errors}

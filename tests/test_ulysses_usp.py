@@ -83,3 +83,54 @@ def test_single_process_equals_burst():
     ref = burstcu.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True)
     for a, b in zip(grads, ref):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+# -- USP: Ulysses inside groups of u ranks, the burst ring across them ----------------------------
+
+USP_CASES = [
+    {"b": 1, "h": 4, "hkv": 2, "d": 8, "causal": True, "layout": "zigzag"},
+    {"b": 2, "h": 4, "hkv": 4, "d": 16, "causal": True, "layout": "contiguous"},
+    {"b": 1, "h": 4, "hkv": 1, "d": 8, "causal": False, "layout": "zigzag"},
+]
+
+
+@pytest.mark.parametrize("world,u", [(4, 2), (4, 1), (4, 4), (2, 2), (3, 1)])
+def test_usp_matches_reference(world, u):
+    """USP 2 x 2 at four ranks (and its ends: u = 1 is the ring, u = G is Ulysses)."""
+    results = run_mpi(world, "strategy_bodies:strategy_matches_reference", timeout=240,
+                      strategy="usp", ulysses_degree=u, dtype="float32", cases=USP_CASES,
+                      seqlen_local=16)
+    assert len(results) == world and all(len(r) == len(USP_CASES) for r in results)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_usp_dtypes(dtype):
+    run_mpi(4, "strategy_bodies:strategy_matches_reference", timeout=240, strategy="usp",
+            ulysses_degree=2, dtype=dtype, cases=USP_CASES[:1], seqlen_local=16)
+
+
+@pytest.mark.emulated
+def test_usp_on_the_emulated_kernels():
+    run_mpi(4, "attention_matches_reference", timeout=600, backend="emulated", dtype="float16",
+            strategy="usp", ulysses_degree=2, cases=USP_CASES[:2], seqlen_local=32)
+
+
+def test_usp_bad_degrees_are_refused_on_every_rank():
+    results = run_mpi(4, "strategy_bodies:usp_refuses_bad_degrees")
+    assert all(r["errors"] == results[0]["errors"] for r in results)
+    assert "must divide" in results[0]["errors"]["degree 3"]
+
+
+def test_usp_degree_choice():
+    """None picks the largest u <= 8 dividing G whose split of the heads works."""
+    from burstcu.engine.usp import USPAttention
+    assert USPAttention.choose_degree(16, 32, 8) == 8
+    assert USPAttention.choose_degree(12, 12, 12) == 6
+    assert USPAttention.choose_degree(4, 6, 6) == 2       # 4 does not divide 6 heads
+    assert USPAttention.choose_degree(8, 8, 2) == 8         # 4 ranks share each kv head
+    assert USPAttention.choose_degree(3, 4, 4) == 1
+
+
+def test_check_through_usp():
+    results = run_mpi(4, "backward_check_catches_wrong_lse", strategy="usp")
+    assert all(len(r["raised"]) == 4 for r in results)

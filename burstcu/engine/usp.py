@@ -1,0 +1,147 @@
+"""USP (unified sequence parallelism, long-context-attention): Ulysses inside groups of u ranks,
+BurstAttention's ring across the G/u groups.
+
+Ranks are numbered rank = i*u + j: group i (ranks i*u .. i*u+u-1, meant to be one node's GPUs)
+runs Ulysses' all-to-all over its u ranks (`ulysses.HeadExchange`), after which rank (i, j) holds
+H/u query heads (and the kv heads they use) for every row of group i; the ring of ranks
+{j, j+u, j+2u, ...} (one per group, same heads) then runs `burst.forward` / `burst.backward` over
+the G/u groups as if each group were one rank with u*S rows — K and V in one message per step,
+double-buffered, the backward bundle travelling with dQ. The group's rows, sorted by position,
+are exactly the rows of super-rank i under the same layout over G/u ranks (contiguous: chunks
+i*u..i*u+u-1 are one chunk of the coarser split; zigzag: chunks i*u.. and 2G-1-i*u-.. are the
+coarse chunks i and 2(G/u)-1-i), so causal masking and zigzag balance carry over unchanged.
+u = 1 is the ring alone, u = G Ulysses alone.
+
+ulysses_degree u must divide G and H and split the kv heads (`ulysses.heads_problem`); None
+picks the largest u <= 8 that does (`choose_degree`).
+
+Bytes one rank sends (exact; Hg = H/u, Hk the kv heads a rank holds after the all-to-all: Hkv/u,
+or 1 when u % Hkv == 0; S local rows; it, acc: input and accumulation itemsize; r = G/u):
+    fwd = (u-1) B S ((Hg + 2 Hk) D it + Hg (acc + D it))           Ulysses in, out + lse back
+        + (r-1) 2 B (u S) Hk D it                                  ring: K and V of a group
+    bwd = (u-1) B S (Hg (2 acc + 2 D it) + 2 Hk D it)              lse, delta, q, dO, k, v in
+        + (r-1) (2 B (u S) Hg D it + 2 B Hg (u S) acc) + r B (u S) Hg D acc     ring bundle, dQ
+        + (u-1) B S (Hg + 2 Hk) D it [+ (u-1) B S Hg acc]           dq, dk, dv back [row sums]
+(gradients come back in the input dtype, as the ring returns them; dk, dv of a kv head shared by
+several ranks are summed at home in the accumulation dtype). Messages: fwd 2(u-1) + (r-1);
+bwd 2(u-1) + (r+1 if r > 1 else 0).
+"""
+
+from __future__ import annotations
+
+from ..ops.base import LocalOps, accum_dtype
+from ..transport.base import Transport
+from . import burst
+from .steps import cast_copy
+from .ulysses import HeadExchange, heads_problem, kv_heads
+
+MAX_DEGREE = 8  # the GPUs of one node, where all-to-all runs over NVLink
+
+
+class USPAttention:
+    """USP (see the module docstring). ulysses_degree: u, or None to choose."""
+
+    name = "usp"
+
+    def __init__(self, ulysses_degree: int | None = None):
+        self.ulysses_degree = ulysses_degree
+
+    @staticmethod
+    def choose_degree(size: int, h: int, hkv: int) -> int:
+        """The largest u <= MAX_DEGREE dividing `size` whose Ulysses split of the heads works."""
+        return max(u for u in range(1, min(MAX_DEGREE, size) + 1)
+                   if size % u == 0 and heads_problem(h, hkv, u, "") is None)
+
+    def degree(self, size: int, h: int, hkv: int) -> int:
+        return self.ulysses_degree or self.choose_degree(size, h, hkv)
+
+    def input_problem(self, q_shape, k_shape, size: int) -> str | None:
+        u = self.ulysses_degree
+        if u is None:
+            return None
+        if size % u:
+            return f"strategy 'usp': ulysses_degree={u} must divide the number of ranks, {size}"
+        return heads_problem(int(q_shape[2]), int(k_shape[2]), u,
+                             f"strategy 'usp' with ulysses_degree={u}")
+
+    @staticmethod
+    def groups(transport: Transport, u: int) -> tuple[Transport, Transport]:
+        """(this rank's Ulysses group of u ranks, its ring of G/u ranks), made once and kept."""
+        i, j = divmod(transport.rank, u)
+        return (transport.split(i, j, f"usp ulysses groups of {u}"),
+                transport.split(j, i, f"usp rings of {transport.size // u}"))
+
+    def _exchange(self, transport: Transport, layout: str, q, k) -> tuple:
+        u = self.degree(transport.size, q.shape[2], k.shape[2])
+        ulysses, ring = self.groups(transport, u)
+        x = HeadExchange(ulysses, ulysses.members, layout, transport.size, q.shape[1], q.shape[2],
+                         k.shape[2])
+        return x, ring
+
+    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
+                softmax_scale: float, layout: str, trace=None):
+        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
+        x, ring = self._exchange(transport, layout, q, k)
+        (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
+                                              [("q", q), ("kv", k), ("kv", v)])
+        out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
+                                     softmax_scale=softmax_scale, layout=layout, trace=trace)
+        out = ops.zeros(q.shape, q.dtype)
+        lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
+        wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
+                             [out, lse])
+        if trace is not None:
+            trace.add("forward", ring.size, transport.rank, 0, 0.0, wait_in + wait_out)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
+                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None):
+        """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
+        row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
+        acc = accum_dtype(q.dtype)
+        x, ring = self._exchange(transport, layout, q, k)
+        delta = ops.backward_delta(dout, out)                   # out stays home
+        (lse_g, delta_g, q_g, do_g, k_g, v_g), wait_in = x.to_heads(
+            ops, "usp bwd all-to-all q, dout, k, v",
+            [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
+        sums = ops.zeros(lse_g.shape, acc) if row_sums is not None else None
+        dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
+                                          causal=causal, softmax_scale=softmax_scale,
+                                          layout=layout, trace=trace, row_sums=sums, delta=delta_g)
+        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+        parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
+        wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
+                             [dq, dk, dv] + ([row_sums] if sums is not None else []))
+        if trace is not None:
+            trace.add("backward", ring.size + 1, transport.rank, 0, 0.0, wait_in + wait_out)
+        return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
+
+    # -- what one rank sends -------------------------------------------------------------------
+    def _dims(self, size: int, q, k):
+        b, s, h, d = q.shape
+        u = self.degree(size, h, k.shape[2])
+        return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, size // u
+
+    def forward_bytes(self, size: int, q, k, v) -> int:
+        b, s, hg, hk, d, u, r = self._dims(size, q, k)
+        it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
+        return ((u - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
+                + (r - 1) * 2 * b * u * s * hk * d * it)
+
+    def backward_bytes(self, size: int, q, k, v, row_sums: bool = False) -> int:
+        b, s, hg, hk, d, u, r = self._dims(size, q, k)
+        it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
+        ring_bytes = 0 if r == 1 else ((r - 1) * (2 * b * u * s * hg * d * it + 2 * b * hg * u * s * acc)
+                                       + r * b * u * s * hg * d * acc)
+        back = (hg + 2 * hk) * d * it + (hg * acc if row_sums else 0)
+        return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
+                + (u - 1) * b * s * back)
+
+    def forward_messages(self, size: int, q=None, k=None) -> int:
+        u = self.ulysses_degree if q is None else self.degree(size, q.shape[2], k.shape[2])
+        return 2 * (u - 1) + (size // u - 1)
+
+    def backward_messages(self, size: int, q=None, k=None) -> int:
+        u = self.ulysses_degree if q is None else self.degree(size, q.shape[2], k.shape[2])
+        r = size // u
+        return 2 * (u - 1) + (r + 1 if r > 1 else 0)
