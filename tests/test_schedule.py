@@ -172,3 +172,26 @@ class _Annotating(DelegatingOps):
     def annotate(self, label):
         self.transport.where = label
         return self.inner.annotate(label)
+
+
+# -- the all-to-all strategies ------------------------------------------------------------------
+
+ULYSSES_SHAPE = (1, 4, 12, 12, 8)   # B, S, H, Hkv, D: 12 heads split over 1..4 ranks
+
+
+@pytest.mark.parametrize("size", (1, 2, 3, 4))
+@pytest.mark.parametrize("pass_", PASSES)
+def test_ulysses_schedule_is_race_free(size, pass_):
+    """Ulysses on the NCCL transport: the two all-to-alls (one group of send/recv to every peer
+    each) ordered against the copies that fill and empty their buffers."""
+    S.prove(pass_, size, causal=True, layout="zigzag", strategy="ulysses", shape=ULYSSES_SHAPE)
+
+
+@pytest.mark.parametrize("pass_", PASSES)
+def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
+    for rank in range(3):
+        schedule = S.record(pass_, 3, rank, causal=True, layout="zigzag", strategy="ulysses",
+                            shape=ULYSSES_SHAPE)
+        for action in _ordering_actions(schedule):
+            assert S.check(S.drop_action(schedule, action.index)), (
+                f"rank {rank}: removing {action.describe()} went unnoticed")

@@ -60,20 +60,25 @@ class Region:
 
 
 class _Flags:
-    c_contiguous = True
+    def __init__(self, c_contiguous: bool = True):
+        self.c_contiguous = c_contiguous
 
 
 class FakeArray:
-    """A C-contiguous view of `shape`/`dtype` starting at byte `offset` of buffer `buffer`.
+    """A view of `shape`/`dtype` starting at byte `offset` of buffer `buffer`: C-contiguous, or
+    (a slice along several axes, as the all-to-all strategies take heads and rows) strided, in
+    which case its region is the whole byte range from its first to its last element, a
+    conservative bound for the race checker.
 
-    Supports what the engine and `Message` do to arrays: 1-D slicing, `view`, `reshape`.
+    Supports what the engines and `Message` do to arrays: slicing with unit steps, `view` and
+    `reshape` of contiguous views.
     """
 
-    flags = _Flags()
-
-    def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any):
+    def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any, span: int | None = None):
         self.buffer, self.offset = buffer, offset
         self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        self.span = self.nbytes if span is None else span      # bytes from first to last element
+        self.flags = _Flags(self.span == self.nbytes)
 
     @property
     def size(self) -> int:
@@ -85,21 +90,28 @@ class FakeArray:
 
     @property
     def region(self) -> Region:
-        return Region(self.buffer, self.offset, self.offset + self.nbytes)
+        return Region(self.buffer, self.offset, self.offset + self.span)
 
-    def __getitem__(self, key: slice) -> "FakeArray":
-        assert len(self.shape) == 1 and isinstance(key, slice) and key.step in (None, 1)
-        lo, hi, _ = key.indices(self.shape[0])
-        item = self.dtype.itemsize
-        return FakeArray(self.buffer, self.offset + lo * item, (max(hi - lo, 0),), self.dtype)
+    def __getitem__(self, key) -> "FakeArray":
+        assert self.flags.c_contiguous, "slicing a strided fake view is not supported"
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (len(self.shape) - len(key))
+        assert all(isinstance(k, slice) and k.step in (None, 1) for k in key), key
+        bounds = [k.indices(n)[:2] for k, n in zip(key, self.shape)]
+        shape = tuple(max(hi - lo, 0) for lo, hi in bounds)
+        strides = np.cumprod((1,) + self.shape[:0:-1])[::-1] * self.dtype.itemsize
+        first = sum(int(lo) * int(st) for (lo, _), st in zip(bounds, strides))
+        last = sum((int(lo) + n - 1) * int(st) for (lo, _), n, st in zip(bounds, shape, strides))
+        span = 0 if 0 in shape else last - first + self.dtype.itemsize
+        return FakeArray(self.buffer, self.offset + first, shape, self.dtype, span)
 
     def view(self, dtype: Any) -> "FakeArray":
         dtype = np.dtype(dtype)
-        assert self.nbytes % dtype.itemsize == 0
+        assert self.flags.c_contiguous and self.nbytes % dtype.itemsize == 0
         return FakeArray(self.buffer, self.offset, (self.nbytes // dtype.itemsize,), dtype)
 
     def reshape(self, shape) -> "FakeArray":
-        assert int(np.prod(shape)) == self.size
+        assert self.flags.c_contiguous and int(np.prod(shape)) == self.size
         return FakeArray(self.buffer, self.offset, shape, self.dtype)
 
     def __repr__(self) -> str:
@@ -348,10 +360,12 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 
 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
-           shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst") -> Schedule:
+           shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
+           options: dict | None = None) -> Schedule:
     """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
-    `strategy` (burstcu.engine)."""
-    run = engine.get(strategy)
+    `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
+    need `record_loopback`: a recording NCCL rank has no MPI to split over."""
+    run = engine.get(strategy, **(options or {}))
 
     if pass_ not in ("forward", "backward"):
         raise ValueError(f"pass_ must be 'forward' or 'backward', not {pass_!r}")
@@ -436,11 +450,11 @@ class RankRecordingDevice(RecordingDevice):
 
 def record_loopback(pass_: str, size: int, *, causal: bool, layout: str, shape: tuple = SHAPE,
                     dtype: Any = np.float16, transport_class: Any = None,
-                    strategy: str = "burst") -> Schedule:
+                    strategy: str = "burst", options: dict | None = None) -> Schedule:
     """The schedule of one `pass_` call of the real engine on every rank of a loopback world of
     `size` ranks, run as threads like the real thing, recorded into one Schedule (rank -1).
     transport_class: a LoopbackTransport subclass to record instead (the tests seed mistakes)."""
-    run = engine.get(strategy)
+    run = engine.get(strategy, **(options or {}))
     log, hub = _WorldLog(), LoopbackHub(size, timeout=30.0)
     errors: list = []
 

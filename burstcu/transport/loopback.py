@@ -294,7 +294,7 @@ class LoopbackTransport(Transport):
             self.parent._abort(reason)
 
     def _split(self, color, key, members, name):
-        return LoopbackTransport(members.index(self.rank), self.hub.subhub(name, members), self.device)
+        return type(self)(members.index(self.rank), self.hub.subhub(name, members), self.device)
 
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "HostDevice", "CupyCopyDevice", "PeerFailedError"]

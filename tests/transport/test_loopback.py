@@ -168,3 +168,70 @@ def test_seeded_ordering_mistakes_are_caught(mistake, pass_):
                                  transport_class=mistake)
     problems = S.check(schedule)
     assert problems and all("race" in str(p) for p in problems), S.report(problems)
+
+
+# ------------------------------------------------------------------------------------------------
+# the all-to-all strategies on the loopback: Ulysses, and USP's sub-groups (split)
+
+@pytest.mark.parametrize("size,strategy", [(2, "ulysses"), (4, "ulysses"), (4, "usp"), (2, "usp")])
+def test_all_to_all_strategies_match_the_reference(size, strategy):
+    """4 query heads on 2 kv heads: Ulysses splits them over 2 or 4 ranks; USP at 4 ranks runs
+    2 x 2 (its default degree there), sub-groups made by the loopback's split."""
+    (q, k, v, dout), results = _run(size, strategy, True, "zigzag")
+    ref = [attention_ref(q, k, v, True, dtype=np.longdouble)[0],
+           *attention_backward_ref(dout, q, k, v, True, dtype=np.longdouble)]
+    naive = [attention_ref(q, k, v, True)[0], *attention_backward_ref(dout, q, k, v, True)]
+    engine = strategies.get(strategy)
+    for rank, (whole, fwd, bwd, local) in enumerate(results):
+        for name, got, want, plain in zip(("out", "dq", "dk", "dv"), whole, ref, naive):
+            ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
+            assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
+        ql, kl, vl, _ = local
+        assert fwd["bytes_sent"] == engine.forward_bytes(size, ql, kl, vl), rank
+        assert bwd["bytes_sent"] == engine.backward_bytes(size, ql, kl, vl), rank
+
+
+def test_a_failing_rank_inside_a_sub_group_ends_the_world():
+    """USP 2 x 2: rank 3 raises inside the ring of its sub-group; every rank stops, named."""
+    q, k, v, _ = (x.astype(np.float64) for x in _problem(4, 64, d=16))
+
+    class Boom(RuntimeError):
+        pass
+
+    def body(group):
+        local = [burstcu.shard(x, group, "zigzag") for x in (q, k, v)]
+        if group.rank == 3:
+            ops = group.ops
+            step = ops.forward_step
+
+            def failing(*args):
+                raise Boom("injected")
+            ops.forward_step = failing
+            try:
+                return burstcu.attention(*local, group, causal=True, layout="zigzag", strategy="usp",
+                                         ulysses_degree=2)
+            finally:
+                ops.forward_step = step
+        return burstcu.attention(*local, group, causal=True, layout="zigzag", strategy="usp",
+                                 ulysses_degree=2)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 3"):
+        run_ranks(4, body, timeout=30)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("size,degree", [(4, 2), (6, 3), (4, 4)])
+def test_usp_loopback_schedule_is_race_free(pass_, size, degree):
+    S.prove_loopback(pass_, size, causal=True, layout="zigzag", strategy="usp",
+                     options={"ulysses_degree": degree}, shape=(1, 4, 12, 12, 8))
+
+
+@pytest.mark.parametrize("mistake", [_SkipsConfirmation, _SkipsReady])
+def test_seeded_ordering_mistakes_in_usp_are_caught(mistake):
+    schedule = S.record_loopback("backward", 4, causal=True, layout="zigzag", strategy="usp",
+                                 options={"ulysses_degree": 2}, shape=(1, 4, 4, 4, 8),
+                                 transport_class=mistake)
+    problems = S.check(schedule)
+    assert problems and all("race" in str(p) for p in problems), S.report(problems)
