@@ -4,6 +4,8 @@ hidden. Every figure it prints is a PREDICTION from the numbers below, not a mea
 
     python bench/model.py [--preset h100-nvlink] [--ranks 8] [--heads 32] [--headdim 128]
         [--seqlen N ...] [--causal] [--strategy burst|ring] [--all-presets] [--json FILE]
+    python bench/model.py --strategies [--all-presets] ...   every strategy's predicted pass times
+        (burstcu.plan's model: burst, ring, allgather, ulysses, usp) and the one "auto" picks
 
 Model (per rank, one ring step, S = N/G local tokens, B batch, H heads, Hkv K/V heads, D):
   compute   t_c = flops / (peak * mfu)
@@ -144,6 +146,30 @@ def print_report(rep: dict) -> None:
               f"seqlen ~{n:,.0f} (local {n / sh['ranks']:,.0f} per rank); exposed below it")
 
 
+def strategy_tables(args, names) -> list[dict]:
+    """PREDICTED forward/backward seconds of every strategy (burstcu.plan) on each preset, for
+    each global seqlen: the preset's peak x mfu as flop/s, its link x efficiency as bandwidth,
+    all `ranks` on one link class."""
+    from burstcu.plan import Machine, plan
+
+    out = []
+    for name in names:
+        hw = hardware(args, name)
+        bw = hw.link_gbps * 1e9 * hw.link_eff
+        machine = Machine(hw.name, hw.peak_tflops * 1e12 * hw.mfu_fwd, bw, bw, hw.latency_us * 1e-6,
+                          args.ranks, hw.source + " (ASSUMED efficiencies as above)")
+        group = type("G", (), {"size": args.ranks, "ops": None})()
+        for n in args.seqlen:
+            s = n // args.ranks
+            p = plan((args.batch, s, args.heads, args.headdim),
+                     (args.batch, s, args.kv_heads or args.heads, args.headdim), group,
+                     causal=args.causal, layout="zigzag", machine=machine)
+            print(p)
+            out.append({"kind": "PREDICTION", "preset": name, "seqlen": n, "choice": p.choice.label,
+                        "candidates": [c.__dict__ for c in p.candidates]})
+    return out
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="h100-nvlink", choices=sorted(PRESETS))
@@ -160,6 +186,8 @@ def parse(argv=None):
     p.add_argument("--itemsize", type=int, default=2)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategy", default="burst", choices=["burst", "ring"])
+    p.add_argument("--strategies", action="store_true",
+                   help="every strategy's predicted pass times (burstcu.plan) instead of one ring step")
     p.add_argument("--seqlen", type=int, nargs="+", default=[2**k for k in range(12, 21, 2)])
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -177,6 +205,11 @@ def main(argv=None) -> dict:
     shape = Shape(args.ranks, args.batch, args.heads, args.kv_heads or args.heads, args.headdim,
                   itemsize=args.itemsize, causal=args.causal)
     names = sorted(PRESETS) if args.all_presets else [args.preset]
+    if args.strategies:
+        result = {"benchmark": "model", "kind": "PREDICTION", "strategies": strategy_tables(args, names)}
+        if args.json:
+            C.write_json(args.json, result)
+        return result
     reports = [report(hardware(args, n), shape, args.strategy, args.seqlen) for n in names]
     if args.all_presets:
         for rep in reports:

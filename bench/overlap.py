@@ -1,7 +1,7 @@
 """Overlap efficiency of the ring schedules, with the baselines measured in the same run.
 
     mpiexec -n G python bench/overlap.py [--seqlen N ...] [--heads H] [--headdim D] [--causal]
-        [--strategies burst ring allgather] [--repeats R] [--json FILE] [--plot FILE]
+        [--strategies burst ring allgather ulysses usp] [--repeats R] [--json FILE] [--plot FILE]
 
 For every configuration (global seqlen x strategy) the real engine runs three times per repeat:
 
@@ -78,6 +78,7 @@ class TimedTransport(Transport):
         self.intervals: list = []   # [kind, start, end]
         self._open: list = []       # intervals whose completion is not yet known
         self._post_s, self._posts = 0.0, 0
+        self.root = self            # sub-groups (USP) keep their records in the top wrapper
 
     # ring pattern
     def send_recv(self, send_buf, recv_buf, dst, src):
@@ -93,11 +94,12 @@ class TimedTransport(Transport):
         else:
             self.inner.commit()
         t1 = time.perf_counter()
-        self._post_s += t1 - t0
-        self._posts += 1
+        root = self.root
+        root._post_s += t1 - t0
+        root._posts += 1
         iv = ["comm", t0, None]
-        self.intervals.append(iv)
-        self._open.append(iv)
+        root.intervals.append(iv)
+        root._open.append(iv)
         pending = getattr(self.inner, "_pending", None)  # bench-only peek at the MPI thread's futures
         if not self.null and pending:
             pending[-1].add_done_callback(lambda _f, iv=iv: iv.__setitem__(2, time.perf_counter()))
@@ -108,10 +110,10 @@ class TimedTransport(Transport):
         else:
             self.inner.wait()
         now = time.perf_counter()
-        for iv in self._open:
+        for iv in self.root._open:
             if iv[2] is None:
                 iv[2] = now
-        self._open = []
+        self.root._open = []
 
     def _post(self, exchanges):  # null mode only: a local copy instead of a transfer
         for send_buf, recv_buf, _, _ in exchanges:
@@ -135,8 +137,8 @@ class TimedTransport(Transport):
                 recv_buf[j] = send_buf
         else:
             self.inner.allgather(send_buf, recv_buf)
-        self.intervals.append(["comm", t0, time.perf_counter()])
-        self._posts += self.size > 1  # a group of one gathers by a local copy: not communication
+        self.root.intervals.append(["comm", t0, time.perf_counter()])
+        self.root._posts += self.size > 1  # a group of one gathers by a local copy: not communication
 
     def allgather_object(self, obj, what="metadata"):
         self.inner.call, self.inner.where = self.call, self.where
@@ -147,6 +149,13 @@ class TimedTransport(Transport):
 
     def barrier(self):
         self.inner.barrier()
+
+    def _split(self, color, key, members, name):
+        """USP's sub-groups: the wrapped transport's, wrapped alike; their posts and intervals
+        are recorded in the top wrapper, so a step's timeline shows every group's traffic."""
+        sub = TimedTransport(self.inner.split(color, key, name), self.null)
+        sub.root = self.root
+        return sub
 
 
 class TimedOps(DelegatingOps):

@@ -24,6 +24,8 @@ Converting to bytes SENT BY ONE RANK in one pass (S = N/G local tokens):
   * all-gather (Megatron-CP / LASP-2H; not in the paper's table): all-gather K, V sends
     2 B Hkv S d (G-1) per rank per pass; the backward adds a reduce-scatter of dK, dV:
     2 B Hkv S d (G-1) more.
+  * USP (Ulysses in groups of u ranks, the burst ring across the G/u groups): listed with its
+    terms; no published count to compare with.
   * Ulysses (DeepSpeed-Ulysses; not in the paper's table): an all-to-all of a rank's M elements
     sends M (G-1)/G of them. Forward: q, k, v out and the attention output back, (2 H + 2 Hkv)
     B S d (G-1)/G; backward: q, dO, k, v out and dq, dk, dv back, (3 H + 4 Hkv) B S d (G-1)/G.
@@ -50,7 +52,7 @@ from burstcu.ops.base import accum_dtype  # noqa: E402
 def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
     """The paper's element count, converted to bytes one rank sends (all at input itemsize `it`).
     See the module docstring; H plays Z for query-side tensors, Hkv for K/V-side ones."""
-    if G == 1:
+    if G == 1 or strategy == "usp":    # usp: no published table to compare with
         return 0
     hops = G - 1
     if strategy == "ulysses":
@@ -73,6 +75,21 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
     hops = G - 1
     kv, kv_acc = B * S * Hkv * D * it, B * S * Hkv * D * acc
     qd, qd_acc, rows_acc = B * S * H * D * it, B * S * H * D * acc, B * H * S * acc
+    if strategy == "usp":
+        u = strategies.get("usp").degree(G, H, Hkv)
+        r, hg, hk = G // u, H // u, (Hkv // u if Hkv % u == 0 else 1)
+        q_c, kv_c, rows_c = B * S * hg * D, B * S * hk * D, B * hg * S
+        if pass_ == "forward":
+            return ({f"q, k, v all-to-all in groups of {u}": (q_c + 2 * kv_c) * it * (u - 1),
+                     "out + lse fp32 back": (q_c * it + rows_c * acc) * (u - 1),
+                     f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1)},
+                    "Ulysses inside groups, the burst ring across them (no published count)")
+        ring_bwd = ((r - 1) * (2 * u * q_c * it + 2 * u * rows_c * acc) + r * u * q_c * acc) if r > 1 else 0
+        return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
+                 ((2 * q_c + 2 * kv_c) * it + 2 * rows_c * acc) * (u - 1),
+                 f"ring of {r} groups: q, dout, lse, delta, dq": ring_bwd,
+                 "dq, dk, dv back (input dtype)": (q_c + 2 * kv_c) * it * (u - 1)},
+                "Ulysses inside groups, the burst ring across them (no published count)")
     if strategy == "ulysses":
         hg, hk = H // G, (Hkv // G if Hkv % G == 0 else 1)   # heads per peer chunk
         q_c, kv_c, rows_c = B * S * hg * D, B * S * hk * D, B * hg * S
@@ -102,14 +119,23 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
     return terms, "standard all-gather/reduce-scatter volume; dk, dv reduced in fp32"
 
 
+def _options(strategy: str, size: int, inputs) -> dict:
+    """usp: its default degree for these heads, made explicit (its formulas depend on it)."""
+    if strategy != "usp":
+        return {}
+    q, k = inputs[0], inputs[1]
+    return {"ulysses_degree": strategies.get("usp").degree(size, q.shape[2], k.shape[2])}
+
+
 def measure(group, strategy: str, inputs, causal: bool) -> dict:
     """Bytes and messages this rank sends in one forward and one backward pass."""
     q, k, v, dout = inputs
+    how = dict(strategy=strategy, **_options(strategy, group.size, inputs))
     group.stats.reset()
-    out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True, strategy=strategy)
+    out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True, **how)
     fwd = group.stats.as_dict()
     group.stats.reset()
-    burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, strategy=strategy)
+    burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, **how)
     bwd = group.stats.as_dict()
     return {"forward": fwd, "backward": bwd}
 
@@ -119,7 +145,7 @@ def rows_for(strategy: str, measured: dict, size: int, inputs) -> list:
     B, S, H, D = q.shape
     Hkv = k.shape[2]
     it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-    impl = strategies.get(strategy)
+    impl = strategies.get(strategy, **_options(strategy, size, inputs))
     formula = {"forward": (impl.forward_bytes(size, q, k, v), impl.forward_messages(size)),
                "backward": (impl.backward_bytes(size, q, k, v), impl.backward_messages(size))}
     rows = []

@@ -6,12 +6,14 @@ Public API (see `burstcu.api` for shapes and semantics)::
     q, k, v = (burstcu.shard(x, group) for x in (Q, K, V))
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
+    print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
 """
 
 from .api import attention, attention_backward, shard, unshard
 from .group import Group, init
+from .plan import plan
 from .transport.base import CommTimeoutError
 
-__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard",
+__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard", "plan",
            "CommTimeoutError"]
 __version__ = "0.1.0"

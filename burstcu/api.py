@@ -21,13 +21,14 @@ import sys
 import numpy as np
 
 from . import engine
+from .plan import plan
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
                        check_row_sums, metadata, resolve_scale)
 
-STRATEGIES = engine.NAMES
+STRATEGIES = engine.NAMES + ("auto",)
 
 
 _DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
@@ -126,6 +127,17 @@ def _returned(export, results):
     return results if export is None else tuple(export(r) for r in results)
 
 
+def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
+              backward: bool) -> tuple[str, dict]:
+    """strategy="auto" replaced by the choice of `burstcu.plan` (the same on every rank: it
+    depends only on the agreed shapes and options)."""
+    if strategy != "auto":
+        return strategy, options
+    choice = plan(q.shape, k.shape, group, causal=bool(causal), layout=layout, dtype=q.dtype,
+                  backward=backward)
+    return choice.strategy, choice.options
+
+
 def _engine(strategy: str, options: dict):
     """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`;
     options: its keywords (ulysses_degree for "usp"), None meaning the default."""
@@ -196,7 +208,7 @@ def _check_options(strategy: str, options: dict):
         return InputError(ValueError, f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     u = options.get("ulysses_degree")
     if u is not None:
-        if strategy != "usp":
+        if strategy != "usp":  # "auto" picks a degree itself
             return InputError(ValueError, f"ulysses_degree is an option of strategy='usp', not of "
                                           f"strategy={strategy!r}")
         if isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1:
@@ -206,6 +218,8 @@ def _check_options(strategy: str, options: dict):
 
 def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int):
     """The strategy's own limits (Ulysses: heads divisible by the ranks), as an InputError."""
+    if strategy == "auto":  # it only picks strategies that can take the shapes
+        return None
     rule = getattr(_engine(strategy, options), "input_problem", None)
     problem = rule(q_shape, k_shape, size) if rule else None
     return None if problem is None else InputError(ValueError, problem)
@@ -227,7 +241,9 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         divisible by G, and Hkv dividing G or a multiple of it), "usp" (Ulysses inside groups of
         `ulysses_degree` ranks — u divides G and H; None picks the largest u <= 8 that works —
         and the burst ring across the G/u groups), "allgather" (gather all K and V, then attend
-        locally). All give the same result.
+        locally), or "auto": the one `burstcu.plan` predicts fastest for these shapes on this
+        group (printable: `print(burstcu.plan(q.shape, k.shape, group, causal=...))`). All give
+        the same result.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -242,6 +258,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
                                             softmax_scale=softmax_scale, layout=layout,
                                             strategy=strategy, options=options,
                                             flags={"causal": causal, "return_lse": return_lse})
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, False)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=layout, trace=group.trace))
@@ -272,6 +289,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check})
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, True)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace, **row_sums)

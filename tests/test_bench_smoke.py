@@ -191,3 +191,25 @@ def test_overlap_gpu_interval_arithmetic():
     assert steps["fwd 1"]["copy_ms"] == 0 and steps["fwd 1"]["hidden"] is None
     assert steps["bwd return"]["copy_ms"] == 0.5 and steps["bwd return"]["hidden"] == 0.0
     assert og._step_key("ring bwd 3 send/recv") == "ring bwd 3"
+
+
+@pytest.mark.mpi
+def test_plan_check_smoke(tmp_path):
+    js = tmp_path / "plan.json"
+    out = run_bench("plan_check.py", ["--seqlen", 64, "--heads", 4, "--kv-heads", 4, 2, "--headdim", 8,
+                                      "--repeats", 1, "--causal", "--json", js], nprocs=2)
+    assert "CPU, not GPU figures" in out and "MEASURED here" in out
+    result = json.loads(js.read_text())
+    assert len(result["rows"]) == 2
+    for row in result["rows"]:
+        assert row["regret"] >= 1.0 and row["pick"] in row["measured_s"]
+        assert set(row["predicted_s"]) == set(row["measured_s"])  # every candidate timed
+
+
+def test_model_strategies_smoke(tmp_path):
+    js = tmp_path / "model.json"
+    out = run_bench("model.py", ["--strategies", "--ranks", 4, "--heads", 8, "--kv-heads", 2,
+                                 "--seqlen", 4096, "--causal", "--json", js], nprocs=None)
+    assert out.startswith("PREDICTION") and "usp ulysses_degree=2" in out
+    table = json.loads(js.read_text())["strategies"][0]
+    assert {c["strategy"] for c in table["candidates"]} == {"burst", "ring", "allgather", "ulysses", "usp"}

@@ -137,11 +137,17 @@ class USPAttention:
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
                 + (u - 1) * b * s * back)
 
-    def forward_messages(self, size: int, q=None, k=None) -> int:
-        u = self.ulysses_degree if q is None else self.degree(size, q.shape[2], k.shape[2])
+    def _known_degree(self) -> int:
+        if self.ulysses_degree is None:
+            raise ValueError("the message count of usp depends on its degree: make it with "
+                             "ulysses_degree=u (USPAttention.choose_degree gives the default)")
+        return self.ulysses_degree
+
+    def forward_messages(self, size: int) -> int:
+        u = self._known_degree()
         return 2 * (u - 1) + (size // u - 1)
 
-    def backward_messages(self, size: int, q=None, k=None) -> int:
-        u = self.ulysses_degree if q is None else self.degree(size, q.shape[2], k.shape[2])
+    def backward_messages(self, size: int) -> int:
+        u = self._known_degree()
         r = size // u
         return 2 * (u - 1) + (r + 1 if r > 1 else 0)

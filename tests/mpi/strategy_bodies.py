@@ -91,3 +91,28 @@ def usp_refuses_bad_degrees():
     assert out.shape == ql.shape
     group.close()
     return {"errors": errors}
+
+
+def auto_runs_the_planned_strategy(causal=True, layout="zigzag", h=8, hkv=2, seqlen_local=16):
+    """strategy="auto": the bytes this rank sends are those of `burstcu.plan`'s choice, the
+    results are bitwise those of that strategy named explicitly, on every rank alike."""
+    group = burstcu.init(backend="numpy")
+    n = seqlen_local * group.size
+    q, k, v, dout = make_inputs(9, 1, n, h, hkv, 8, "float32")
+    rows = my_rows(layout, group.rank, group.size, n)
+    ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+    chosen = burstcu.plan(ql.shape, kl.shape, group, causal=causal, layout=layout, dtype=ql.dtype)
+    group.stats.reset()
+    out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout, return_lse=True,
+                                 strategy="auto")
+    assert group.stats.bytes_sent == chosen.choice.forward_bytes, (chosen.choice, group.stats)
+    grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
+                                       layout=layout, strategy="auto")
+    named = dict(strategy=chosen.strategy, **chosen.options)
+    out2, lse2 = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout, return_lse=True,
+                                   **named)
+    grads2 = burstcu.attention_backward(dol, ql, kl, vl, out2, lse2, group, causal=causal,
+                                        layout=layout, **named)
+    assert all(np.array_equal(a, b) for a, b in zip((out, lse, *grads), (out2, lse2, *grads2)))
+    group.close()
+    return {"choice": chosen.choice.label}
