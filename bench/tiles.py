@@ -116,7 +116,7 @@ def make_variant(family: str, dtype: str, d: int, tiles):
 
 def table_variant(tile_table: str, family: str, dtype: str, d: int):
     """The variant the table `tile_table` launches for (family, dtype, native head dim d)."""
-    from burstcu.kernels.variants import all_variants
+    from burstcu.kernels import all_variants
 
     found = [v for v in all_variants(tile_table)
              if v.family == family and v.dtype == dtype and v.headdim == d]

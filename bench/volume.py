@@ -29,7 +29,8 @@ Converting to bytes SENT BY ONE RANK in one pass (S = N/G local tokens):
   * Ulysses (DeepSpeed-Ulysses; not in the paper's table): an all-to-all of a rank's M elements
     sends M (G-1)/G of them. Forward: q, k, v out and the attention output back, (2 H + 2 Hkv)
     B S d (G-1)/G; backward: q, dO, k, v out and dq, dk, dv back, (3 H + 4 Hkv) B S d (G-1)/G.
-    Where G > Hkv a kv head goes to each of the G/Hkv ranks that use it (Hkv/G becomes 1).
+    Where G > Hkv a kv head goes to each of the G/Hkv ranks that use it: the k, v terms are then
+    Hk = 1 head to each of the G-1 peers instead of Hkv (G-1)/G.
 The paper assumes one element size. The implementation sends Q, dO, K, V in the input dtype but
 dQ, dK, dV, lse and delta in the accumulation dtype (fp32; fp64 for fp64 input), and its dQ (burst)
 or dK, dV (ring) make one extra hop to return to their owner; both are listed per row.
@@ -55,9 +56,10 @@ def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
     if G == 1 or strategy == "usp":    # usp: no published table to compare with
         return 0
     hops = G - 1
-    if strategy == "ulysses":
-        heads = 2 * H + 2 * Hkv if pass_ == "forward" else 3 * H + 4 * Hkv
-        return heads * B * S * D * hops // G * it
+    if strategy == "ulysses":  # q-side tensors: (G-1)/G of H heads; k, v: Hk heads to each peer
+        hk = Hkv // G if Hkv % G == 0 else 1
+        q_side, kv_side = (2, 2) if pass_ == "forward" else (3, 4)
+        return (q_side * H * B * S * D * hops // G + kv_side * hk * B * S * D * hops) * it
     if pass_ == "forward":
         return 2 * B * Hkv * S * D * hops * it
     if strategy == "burst":
@@ -88,7 +90,7 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
         return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
                  ((2 * q_c + 2 * kv_c) * it + 2 * rows_c * acc) * (u - 1),
                  f"ring of {r} groups: q, dout, lse, delta, dq": ring_bwd,
-                 "dq, dk, dv back (input dtype)": (q_c + 2 * kv_c) * it * (u - 1)},
+                 "dq, dk, dv fp32 back": (q_c + 2 * kv_c) * acc * (u - 1)},
                 "Ulysses inside groups, the burst ring across them (no published count)")
     if strategy == "ulysses":
         hg, hk = H // G, (Hkv // G if Hkv % G == 0 else 1)   # heads per peer chunk

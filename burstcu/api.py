@@ -127,14 +127,13 @@ def _returned(export, results):
     return results if export is None else tuple(export(r) for r in results)
 
 
-def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
-              backward: bool) -> tuple[str, dict]:
-    """strategy="auto" replaced by the choice of `burstcu.plan` (the same on every rank: it
+def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str) -> tuple[str, dict]:
+    """strategy="auto" replaced by the choice of `burstcu.plan` for a training step (forward +
+    backward), so attention and attention_backward pick alike; the same on every rank (it
     depends only on the agreed shapes and options)."""
     if strategy != "auto":
         return strategy, options
-    choice = plan(q.shape, k.shape, group, causal=bool(causal), layout=layout, dtype=q.dtype,
-                  backward=backward)
+    choice = plan(q.shape, k.shape, group, causal=bool(causal), layout=layout, dtype=q.dtype)
     return choice.strategy, choice.options
 
 
@@ -258,7 +257,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
                                             softmax_scale=softmax_scale, layout=layout,
                                             strategy=strategy, options=options,
                                             flags={"causal": causal, "return_lse": return_lse})
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, False)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=layout, trace=group.trace))
@@ -289,7 +288,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check})
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, True)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace, **row_sums)

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ops.base import LocalOps
-from .transport.base import CommStats, SelfTransport, Transport
+from .ops.kernel_ops import KernelOps
+from .ops.numpy_ops import NumpyOps
+from .transport.base import CommStats, SelfTransport, Transport, resolve_timeout
+from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
+from .transport.mpi import MPITransport
+from .transport.nccl import BackendUnavailable, bootstrap
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
 
@@ -175,7 +180,6 @@ def world_comm(comm=None):
 def _mpi_transport(comm, progress: str, timeout: float | None) -> Transport:
     if comm is None or comm.Get_size() == 1:
         return SelfTransport(timeout)
-    from .transport.mpi import MPITransport
     return MPITransport(comm, progress=progress, timeout=timeout)
 
 
@@ -212,7 +216,6 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     Collective over `comm`: every rank must call it. Close the group when done (`close()`, or
     use it as a context manager).
     """
-    from .transport.base import resolve_timeout
     timeout = resolve_timeout(timeout)
     comm = world_comm(comm)
     asked = backend
@@ -220,7 +223,6 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     if asked == "auto" and backend == "numpy":
         _warn_cpu_fallback(comm, "no usable GPU on every rank")
     if backend == "cupy":
-        from .transport.nccl import BackendUnavailable
         try:
             return _init_cupy(comm, options, timeout)
         except BackendUnavailable as exc:  # raised on every rank alike, so all fall back together
@@ -229,18 +231,14 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
             _warn_cpu_fallback(comm, str(exc))
             backend = "numpy"
     if backend == "numpy":
-        from .ops.numpy_ops import NumpyOps
         transport, ops = _mpi_transport(comm, progress, timeout), NumpyOps(**options)
     elif backend == "emulated":
-        from .ops.kernel_ops import KernelOps
         transport, ops = _mpi_transport(comm, progress, timeout), KernelOps("emulated", **options)
     return Group(transport.rank, transport.size, backend, transport, ops, comm)
 
 
 def _init_cupy(comm, options, timeout: float) -> Group:
     """NCCL over the node-local GPU (bootstrap makes it current) with the CUDA kernels."""
-    from .ops.kernel_ops import KernelOps
-    from .transport.nccl import bootstrap
     transport, _device = bootstrap(comm, timeout)
     return Group(transport.rank, transport.size, "cupy", transport, KernelOps("cupy", **options), comm)
 
@@ -249,12 +247,9 @@ def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
     """Rank `rank` of a loopback world: ranks as threads of one process sharing one device
     (`burstcu.transport.loopback`). Call on the rank's own thread; on "cupy", with that thread's
     own compute stream current. `burstcu.testing.loopback.run_ranks` starts such a world."""
-    from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
     if backend == "numpy":
-        from .ops.numpy_ops import NumpyOps
         ops: LocalOps = NumpyOps(**options)
     elif backend in ("cupy", "emulated"):
-        from .ops.kernel_ops import KernelOps
         ops = KernelOps(backend, **options)
     else:
         raise ValueError(f"backend must be 'numpy', 'emulated' or 'cupy', not {backend!r}")
@@ -270,10 +265,8 @@ def local_group(backend: str = "numpy") -> Group:
     """The cached group of one process used when `group=None`."""
     if backend not in _LOCAL:
         if backend == "numpy":
-            from .ops.numpy_ops import NumpyOps
             ops: LocalOps = NumpyOps()
         else:
-            from .ops.kernel_ops import KernelOps
             ops = KernelOps(backend)
         _LOCAL[backend] = Group(0, 1, backend, SelfTransport(), ops)
     return _LOCAL[backend]

@@ -31,6 +31,7 @@ import numpy as np
 from . import api
 from .group import Group, gpu_usable, init, world_comm
 from .layout import step_blocks
+from .testing.reference import attention_backward_ref, attention_ref
 from .transport.nccl import BackendUnavailable
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
@@ -47,26 +48,10 @@ def native_dtype(group: Group) -> str:
 # correctness
 
 def _reference(q, k, v, dout, causal: bool):
-    """float64 out and (dq, dk, dv) over the whole sequence. q: (B, N, H, D); k, v: (B, N, Hkv, D)."""
-    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
-    g = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
-    if causal:
-        n = q.shape[1]
-        s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = np.einsum("bhij,bjhd->bihd", p, v)
-    dp = np.einsum("bihd,bjhd->bhij", dout, v)
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-    dq = np.einsum("bhij,bjhd->bihd", ds, k) * scale
-    dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
-    dv = np.einsum("bhij,bihd->bjhd", p, dout)
-    b, n, hkv = dk.shape[0], dk.shape[1], dk.shape[2] // g
-    fold = lambda x: x.reshape(b, n, hkv, g, -1).sum(3)  # noqa: E731 - GQA: sum the group
-    return out, dq, fold(dk), fold(dv)
+    """float64 out and (dq, dk, dv) over the whole sequence (`burstcu.testing.reference`).
+    q: (B, N, H, D); k, v: (B, N, Hkv, D)."""
+    out, _ = attention_ref(q, k, v, causal)
+    return (out, *attention_backward_ref(dout, q, k, v, causal))
 
 
 def check_correctness(group: Group, xp: Any = np, dtype: str = "float64", seqlen_local: int = 32,

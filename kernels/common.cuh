@@ -304,6 +304,22 @@ template <typename T> __device__ __forceinline__ u32 take_nonfinite(u32& b) {
   return (lo ? one : 0u) | (hi ? one << 16 : 0u);
 }
 
+/// Two n8 tiles of a product for a tile with masked pairs: acc0/acc1 += a . b with b's Inf/NaN
+/// values taken out (set to 0), taint0/taint1 += [a != 0] . [b was Inf/NaN] (exact counts).
+/// b[0..1] serve the first tile, b[2..3] the second, as ld_b_t loads them; b is modified.
+template <typename T>
+__device__ __forceinline__ void mma_pair_masked(float acc0[4], float acc1[4], float taint0[4],
+                                                float taint1[4], const u32 a[4], u32 b[4]) {
+  const u32 a_nonzero[4] = {nonzero_ones<T>(a[0]), nonzero_ones<T>(a[1]), nonzero_ones<T>(a[2]),
+                            nonzero_ones<T>(a[3])};
+  const u32 b_bad[4] = {take_nonfinite<T>(b[0]), take_nonfinite<T>(b[1]), take_nonfinite<T>(b[2]),
+                        take_nonfinite<T>(b[3])};
+  mma_m16n8k16<T>(acc0, a, b, acc0);
+  mma_m16n8k16<T>(acc1, a, b + 2, acc1);
+  mma_m16n8k16<T>(taint0, a_nonzero, b_bad, taint0);
+  mma_m16n8k16<T>(taint1, a_nonzero, b_bad + 2, taint1);
+}
+
 /// gemm_rs for a tile with masked pairs, whose weights there are exactly 0: a weight that is 0
 /// after rounding to T adds nothing, even against an Inf or NaN in sB (the tensor cores would
 /// add 0 x Inf = NaN, so a NaN in V at a key a row cannot see would reach that row). `masked`
@@ -327,16 +343,9 @@ __device__ __forceinline__ void gemm_rs_masked(float acc[NW / 8][4], const float
       const u32 a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
                         pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
                         pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
-      const u32 a_nonzero[4] = {nonzero_ones<T>(a[0]), nonzero_ones<T>(a[1]),
-                                nonzero_ones<T>(a[2]), nonzero_ones<T>(a[3])};
       u32 b[4];
       ld_b_t(b, sB, ld, kk * 16, n0 + nd * 16);
-      const u32 b_bad[4] = {take_nonfinite<T>(b[0]), take_nonfinite<T>(b[1]),
-                            take_nonfinite<T>(b[2]), take_nonfinite<T>(b[3])};
-      mma_m16n8k16<T>(acc[2 * nd], a, b, acc[2 * nd]);
-      mma_m16n8k16<T>(acc[2 * nd + 1], a, b + 2, acc[2 * nd + 1]);
-      mma_m16n8k16<T>(taint[0], a_nonzero, b_bad, taint[0]);
-      mma_m16n8k16<T>(taint[1], a_nonzero, b_bad + 2, taint[1]);
+      mma_pair_masked<T>(acc[2 * nd], acc[2 * nd + 1], taint[0], taint[1], a, b);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)

@@ -375,18 +375,12 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
                     for (int kk = 0; kk < BN / 16; ++kk) {
                         u32 a[4];
                         ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
-                        const u32 a_nonzero[4] = {nonzero_ones<T>(a[0]), nonzero_ones<T>(a[1]),
-                                                  nonzero_ones<T>(a[2]), nonzero_ones<T>(a[3])};
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf) {
                             u32 bb[4];
                             ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
-                            const u32 bad[4] = {take_nonfinite<T>(bb[0]), take_nonfinite<T>(bb[1]),
-                                                take_nonfinite<T>(bb[2]), take_nonfinite<T>(bb[3])};
-                            mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
-                            mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
-                            mma_m16n8k16<T>(taint[2 * hf], a_nonzero, bad, taint[2 * hf]);
-                            mma_m16n8k16<T>(taint[2 * hf + 1], a_nonzero, bad + 2, taint[2 * hf + 1]);
+                            mma_pair_masked<T>(acc[2 * hf], acc[2 * hf + 1], taint[2 * hf],
+                                               taint[2 * hf + 1], a, bb);
                         }
                     }
 #pragma unroll

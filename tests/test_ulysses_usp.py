@@ -105,8 +105,10 @@ def test_usp_matches_reference(world, u):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_usp_dtypes(dtype):
+    """Own kv heads (4 on 2 ranks) and one kv head shared by both ranks of a group, whose dk, dv
+    shares are summed at home before rounding."""
     run_mpi(4, "strategy_bodies:strategy_matches_reference", timeout=240, strategy="usp",
-            ulysses_degree=2, dtype=dtype, cases=USP_CASES[:1], seqlen_local=16)
+            ulysses_degree=2, dtype=dtype, cases=[USP_CASES[1], USP_CASES[2]], seqlen_local=16)
 
 
 @pytest.mark.emulated
@@ -131,6 +133,8 @@ def test_usp_degree_choice():
     assert USPAttention.choose_degree(3, 4, 4) == 1
 
 
-def test_check_through_usp():
-    results = run_mpi(4, "backward_check_catches_wrong_lse", strategy="usp")
+@pytest.mark.parametrize("degree", [2, 4])
+def test_check_through_usp(degree):
+    """u = 2 at four ranks: the row sums travel through the ring of two groups as well."""
+    results = run_mpi(4, "backward_check_catches_wrong_lse", strategy="usp", ulysses_degree=degree)
     assert all(len(r["raised"]) == 4 for r in results)

@@ -107,7 +107,7 @@ def _bundle_fields(q, lse, row_sums: bool = False):
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None,
-             delta=None):
+             delta=None, grad_dtype=None):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
@@ -115,6 +115,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     row_sums: None, or (B, H, S) in the accumulation dtype, contiguous: receives each of this
     rank's rows' sum of the recomputed P over every rank's keys (1 when lse is right).
     delta: rowsum(dout * out) (B, H, S) when the caller has it already (then `out` is unused).
+    grad_dtype: the dtype of the returned gradients (default: the inputs'; USP asks for the
+    accumulation dtype, to sum the shares of a kv head before rounding).
     """
     size, rank = transport.size, transport.rank
     seqlen = q.shape[1]
@@ -168,8 +170,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
         wait_s = timed_wait(ops, transport, "bwd return dq wait")
         if trace is not None:
             trace.add("backward", size, rank, 0, 0.0, wait_s)
-    dk, dv = ops.backward_finalize(ctx, k.dtype)
-    dq_out = ops.zeros(q.shape, q.dtype)
+    dk, dv = ops.backward_finalize(ctx, k.dtype if grad_dtype is None else grad_dtype)
+    dq_out = ops.zeros(q.shape, q.dtype if grad_dtype is None else grad_dtype)
     ops.copy_(dq_out, dq)
     return dq_out, dk, dv
 

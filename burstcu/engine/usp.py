@@ -21,10 +21,11 @@ or 1 when u % Hkv == 0; S local rows; it, acc: input and accumulation itemsize; 
         + (r-1) 2 B (u S) Hk D it                                  ring: K and V of a group
     bwd = (u-1) B S (Hg (2 acc + 2 D it) + 2 Hk D it)              lse, delta, q, dO, k, v in
         + (r-1) (2 B (u S) Hg D it + 2 B Hg (u S) acc) + r B (u S) Hg D acc     ring bundle, dQ
-        + (u-1) B S (Hg + 2 Hk) D it [+ (u-1) B S Hg acc]           dq, dk, dv back [row sums]
-(gradients come back in the input dtype, as the ring returns them; dk, dv of a kv head shared by
-several ranks are summed at home in the accumulation dtype). Messages: fwd 2(u-1) + (r-1);
-bwd 2(u-1) + (r+1 if r > 1 else 0).
+        + (u-1) B S (Hg + 2 Hk) D acc                               dq, dk, dv back
+(gradients come back in the accumulation dtype, so the shares of a kv head several ranks use are
+summed before rounding). Messages: fwd 2(u-1) + (r-1); bwd 2(u-1) + (r+1 if r > 1 else 0). With
+check=True the row sums ride along (in the all-to-all back, and with dQ in the ring, whose last
+hop then carries two messages); those bytes are not in these formulas.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class USPAttention:
         sums = ops.zeros(lse_g.shape, acc) if row_sums is not None else None
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
-                                          layout=layout, trace=trace, row_sums=sums, delta=delta_g)
+                                          layout=layout, trace=trace, row_sums=sums, delta=delta_g,
+                                          grad_dtype=acc)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
@@ -128,12 +130,12 @@ class USPAttention:
         return ((u - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
                 + (r - 1) * 2 * b * u * s * hk * d * it)
 
-    def backward_bytes(self, size: int, q, k, v, row_sums: bool = False) -> int:
+    def backward_bytes(self, size: int, q, k, v) -> int:
         b, s, hg, hk, d, u, r = self._dims(size, q, k)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         ring_bytes = 0 if r == 1 else ((r - 1) * (2 * b * u * s * hg * d * it + 2 * b * hg * u * s * acc)
                                        + r * b * u * s * hg * d * acc)
-        back = (hg + 2 * hk) * d * it + (hg * acc if row_sums else 0)
+        back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
                 + (u - 1) * b * s * back)
 

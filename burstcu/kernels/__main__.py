@@ -19,7 +19,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from .compile import gate_variant
-from .variants import ARCHS, all_variants
+from . import all_variants
+from .variants import ARCHS
 
 COLUMNS = (("arch", 5), ("family", 16), ("dtype", 8), ("headdim", 4), ("threads", 4),
            ("registers", 4), ("spill_stores", 5), ("spill_loads", 5), ("stack_bytes", 5),

@@ -21,10 +21,10 @@ table: cc 8.6/8.7/8.9/12.x) bounds BN.
 
 from __future__ import annotations
 
-from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig, careful_variant
+from .variants import (ARCHS, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant, LaunchConfig,
+                       careful_variant)
 
 SOURCE = "flash_bwd.cu"
-NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
 DELTA_THREADS = 128  # four warps, one (b, s, h) row each
 DELTA_ROWS_PER_BLOCK = DELTA_THREADS // 32
 

@@ -16,10 +16,10 @@ Two families live in flash_fwd.cu:
 
 from __future__ import annotations
 
-from .variants import ARCHS, CXX_TYPE, DTYPES, KernelVariant, LaunchConfig, careful_variant
+from .variants import (ARCHS, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant, LaunchConfig,
+                       careful_variant)
 
 SOURCE = "flash_fwd.cu"
-NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
 FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
 FLAG_THREADS = 256  # flash_any_nonfinite's __launch_bounds__
 

@@ -1,7 +1,8 @@
 """Which kernel instantiations exist: the single list both the compile gate and the launchers use.
 
 Each family (forward in `fwd_variants`, backward in `bwd_variants`) declares its own
-`KernelVariant`s; `all_variants(arch)` is their union. A variant is one C++ template
+`KernelVariant`s; `burstcu.kernels.all_variants(arch)` is their union (this module imports
+neither, so they import it without a circle). A variant is one C++ template
 instantiation (a CuPy `name_expressions` entry), with the launch configuration it was tuned for.
 """
 
@@ -18,6 +19,10 @@ from pathlib import Path
 # sm_86 would not load on an sm_120 device), see `burstcu.ops.kernel_ops._device_table_arch`.
 # The compile gate compiles each table for the arch it is named after.
 ARCHS = ("sm_80", "sm_86", "sm_90")
+# head dims the kernels instantiate; any other multiple of 8 up to 256 runs the next one, padded
+NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
+# cp.async and bf16 mma.m16n8k16 need compute capability 8.0 (sm_80) or newer
+MIN_COMPUTE_CAPABILITY = 80
 DTYPES = ("float16", "bfloat16")
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -65,12 +70,3 @@ def kernel_dir() -> Path:
         if (candidate / "common.cuh").exists():
             return candidate
     raise FileNotFoundError("cannot find the kernel sources (kernels/common.cuh); set BURSTCU_KERNEL_DIR")
-
-
-def all_variants(arch: str) -> list[KernelVariant]:
-    """Every variant the library can launch on `arch` (forward and backward families)."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    from .bwd_variants import backward_variants
-    from .fwd_variants import forward_variants
-    return forward_variants(arch) + backward_variants(arch)

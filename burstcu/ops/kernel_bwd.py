@@ -22,9 +22,9 @@ import numpy as np
 
 from ..kernels.bwd_variants import delta_variant
 from ..layout import Block
+from .launch import cdiv, element_strides, i32, rows_contiguous, same_strides, vector_ready
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
-_I32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -48,6 +48,11 @@ class BackwardContext:
 # ------------------------------------------------------------------------------------------------
 # helpers
 
+def _strides32(x) -> tuple[int, ...]:
+    """Element strides, which the backward kernels take as int32."""
+    return element_strides(x, int32=True)
+
+
 def _dtype_name(x) -> str:
     name = np.dtype(x.dtype).name
     if name not in _KERNEL_DTYPES:
@@ -55,47 +60,6 @@ def _dtype_name(x) -> str:
     return name
 
 
-def _data_ptr(x) -> int:
-    iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-    return int(iface["data"][0])
-
-
-def _estrides(x) -> tuple[int, ...]:
-    """Strides in elements; raises if one does not fit the kernels' int32 arguments."""
-    strides = tuple(s // x.itemsize for s in x.strides)
-    if any(abs(s) > _I32_MAX for s in strides):
-        raise ValueError(f"tensor of shape {tuple(x.shape)} has strides {strides} beyond int32")
-    return strides
-
-
-def _vector_ready(xp, x):
-    """x itself if cp.async can read it (16-byte aligned base, last dim contiguous, other strides
-    multiples of 8 elements), else an aligned contiguous copy."""
-    es = _estrides(x)
-    ok = (_data_ptr(x) % 16 == 0 and es[-1] == 1 and all(s % 8 == 0 and s >= 0 for s in es[:-1]))
-    return x if ok else xp.array(x, order="C", copy=True)
-
-
-def _same_strides(xp, a, b):
-    """(a, b) with identical element strides (the kernels take one stride triple for both).
-    A copy made here is a fresh, hence aligned, allocation."""
-    if a.strides == b.strides:
-        return a, b
-    return xp.ascontiguousarray(a), xp.ascontiguousarray(b)
-
-
-def _rows_contiguous(xp, x):
-    """A (B,H,S) float32 row statistic with contiguous rows."""
-    x = xp.asarray(x, dtype=np.float32)
-    return x if _estrides(x)[-1] == 1 else xp.ascontiguousarray(x)
-
-
-def _i32(*values) -> list:
-    return [np.int32(v) for v in values]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
@@ -133,15 +97,15 @@ def backward_delta(ops, dout, out):
     rows = B * S * H
     if rows == 0:
         return delta
-    out, dout = _same_strides(xp, out, dout)
-    if _estrides(dout)[-1] != 1:
+    out, dout = same_strides(xp, out, dout)
+    if _strides32(dout)[-1] != 1:
         out, dout = xp.ascontiguousarray(out), xp.ascontiguousarray(dout)
     variant = delta_variant(dtype)
-    sb, ss, sh, _ = _estrides(dout)
+    sb, ss, sh, _ = _strides32(dout)
     fn = ops.function(variant.name)
-    grid = (_cdiv(rows, variant.launch.block_m),)
+    grid = (cdiv(rows, variant.launch.block_m),)
     fn(grid, (variant.launch.threads,),
-       (out, dout, delta, *_i32(B, S, H, D, sb, ss, sh, H * S, S)))
+       (out, dout, delta, *i32(B, S, H, D, sb, ss, sh, H * S, S)))
     return delta
 
 
@@ -153,8 +117,8 @@ def backward_init(ops, k, v, softmax_scale: float) -> BackwardContext:
         raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
     d = int(k.shape[-1])
     dp = ops.variant("bwd_dkdv", dtype, d).headdim
-    kp, vp = _same_strides(xp, ops.pad_headdim(k, dp), ops.pad_headdim(v, dp))
-    kp, vp = _same_strides(xp, _vector_ready(xp, kp), _vector_ready(xp, vp))
+    kp, vp = same_strides(xp, ops.pad_headdim(k, dp), ops.pad_headdim(v, dp))
+    kp, vp = same_strides(xp, vector_ready(xp, kp), vector_ready(xp, vp))
     shape = tuple(kp.shape)
     return BackwardContext(k=kp, v=vp, dk=xp.zeros(shape, dtype=np.float32),
                            dv=xp.zeros(shape, dtype=np.float32), scale=float(softmax_scale),
@@ -178,11 +142,11 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     B, Sq, H, D = q.shape
     Hkv = ctx.k.shape[2]
     dp = ctx.k.shape[-1]
-    qp, dop = _same_strides(xp, ops.pad_headdim(q, dp), ops.pad_headdim(dout, dp))
-    qp, dop = _same_strides(xp, _vector_ready(xp, qp), _vector_ready(xp, dop))
-    lse, delta = _same_strides(xp, _rows_contiguous(xp, lse), _rows_contiguous(xp, delta))
+    qp, dop = same_strides(xp, ops.pad_headdim(q, dp), ops.pad_headdim(dout, dp))
+    qp, dop = same_strides(xp, vector_ready(xp, qp), vector_ready(xp, dop))
+    lse, delta = same_strides(xp, rows_contiguous(xp, lse), rows_contiguous(xp, delta))
     dq_run = ops.pad_headdim(dq, dp)  # a padded copy when D < Dp: kernels write all Dp columns
-    if _estrides(dq_run)[-1] != 1:
+    if _strides32(dq_run)[-1] != 1:
         dq_run = xp.ascontiguousarray(dq_run)
     psum_run = None
     if psum is not None:  # the dq kernel indexes psum with lse's strides: all three contiguous
@@ -192,8 +156,8 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
     head = [qp, ctx.k, ctx.v, dop, lse, delta, dq_run, ctx.dk, ctx.dv]
-    strides = (*_estrides(qp)[:3], *_estrides(ctx.k)[:3], *_estrides(lse)[:2],
-               *_estrides(dq_run)[:3], *_estrides(ctx.dk)[:3])
+    strides = (*_strides32(qp)[:3], *_strides32(ctx.k)[:3], *_strides32(lse)[:2],
+               *_strides32(dq_run)[:3], *_strides32(ctx.dk)[:3])
     if ops.deterministic or psum is not None:
         launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
                     (ops.variant("bwd_dq", ctx.dtype, D), "q")]
@@ -205,12 +169,12 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
             if any(blk.causal for blk in blocks) else None)
     row_sums = (psum_run, np.int32(1)) if psum_run is not None else (ops.zero_flag(), np.int32(0))
     for blk in blocks:
-        args = (*head, *_i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
+        args = (*head, *i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
                              blk.q_pos, blk.k_pos, int(blk.causal)), np.float32(ctx.scale))
         for variant, tiled in launches:
             cfg = variant.launch
-            grid = ((_cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
-                    else (_cdiv(blk.q_len, cfg.block_m), H, B))
+            grid = ((cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
+                    else (cdiv(blk.q_len, cfg.block_m), H, B))
             ops.launch_step(variant, grid, args, blk.causal, flag,
                             after_flag=row_sums if tiled == "q" else ())
     if dq_run is not dq:

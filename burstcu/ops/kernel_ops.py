@@ -28,10 +28,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..kernels.fwd_variants import nonfinite_flag_variant
-from ..kernels.variants import KernelVariant, all_variants, careful_variant, kernel_dir
+from ..kernels import all_variants
+from ..kernels.compile import ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability, device_attribute, get_function
+from ..kernels.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
 from ..layout import Block
 from ..testing import emulate
+from ..transport.nccl import nvtx_range
 from .base import LocalOps
+from . import kernel_bwd
+from .launch import cdiv, element_strides, i32, i64, vector_ready
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
@@ -56,18 +61,6 @@ class ForwardState:
     scale: float
     headdim: int
     dtype: str
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _i32(*values) -> list:
-    return [np.int32(v) for v in values]
-
-
-def _i64(*values) -> list:
-    return [np.int64(v) for v in values]
 
 
 def _dtype_name(x) -> str:
@@ -149,7 +142,6 @@ class KernelOps(LocalOps):
         """An NVTX range on a GPU (visible in Nsight Systems); nothing under emulation."""
         if self.backend != "cupy":
             return super().annotate(label)
-        from ..transport.nccl import nvtx_range
         return nvtx_range(label)
 
     # -- kernels -----------------------------------------------------------------------------------
@@ -161,10 +153,8 @@ class KernelOps(LocalOps):
         variant = self._variants.get(name_expression)
         if variant is None:
             raise KeyError(f"{name_expression!r} is not a variant for {self.arch}; "
-                           f"see burstcu.kernels.variants.all_variants")
+                           f"see burstcu.kernels.all_variants")
         if self.backend == "cupy":
-            from ..kernels.compile import get_function
-
             fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes)
         else:
             module = emulate.build_module([str(kernel_dir() / variant.source)], [name_expression],
@@ -199,8 +189,8 @@ class KernelOps(LocalOps):
             variant = nonfinite_flag_variant(_dtype_name(x))
             threads = variant.launch.threads
             B, S, H, D = x4.shape
-            args = (x4, flag, *_i64(*self._estrides(x4)[:3]), *_i32(B, S, H, D))
-            self.function(variant.name)((min(_cdiv(x4.size, threads), 1024),), (threads,), args)
+            args = (x4, flag, *i64(*element_strides(x4)[:3]), *i32(B, S, H, D))
+            self.function(variant.name)((min(cdiv(x4.size, threads), 1024),), (threads,), args)
         return flag
 
     def zero_flag(self):
@@ -224,6 +214,10 @@ class KernelOps(LocalOps):
         for v in (variant, careful_variant(variant)) if masked else (variant,):
             self.function(v.name)(grid, (cfg.threads,), (*args, flag, *after_flag),
                                   shared_mem=cfg.smem_bytes)
+
+    def _ready(self, x):
+        """x, or an aligned contiguous copy, so the kernels can read it with 16-byte cp.async."""
+        return vector_ready(self.xp, x)
 
     def pad_headdim(self, x, padded: int):
         """x (..., D) zero-padded to (..., padded) as a fresh contiguous array; x itself if D ==
@@ -253,7 +247,7 @@ class KernelOps(LocalOps):
         dp = self.variant("forward", dtype, D).headdim
         scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
         xp = self.xp
-        return ForwardState(q=self._kernel_ready(self.pad_headdim(q, dp)),
+        return ForwardState(q=self._ready(self.pad_headdim(q, dp)),
                             acc=xp.zeros((B, S, H, dp), dtype=np.float32),
                             m=xp.full((B, H, S), -np.inf, dtype=np.float32),
                             l=xp.zeros((B, H, S), dtype=np.float32),
@@ -269,12 +263,12 @@ class KernelOps(LocalOps):
         B, S, H, dp = state.q.shape
         Hkv = k.shape[2]
         variant = self.variant("forward", state.dtype, state.headdim)
-        kp = self._kernel_ready(self.pad_headdim(k, dp))
-        vp = self._kernel_ready(self.pad_headdim(v, dp))
+        kp = self._ready(self.pad_headdim(k, dp))
+        vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
             kp, vp = self.xp.ascontiguousarray(kp), self.xp.ascontiguousarray(vp)
-        strides = _i64(*self._estrides(state.q)[:3], *self._estrides(kp)[:3],
-                       *self._estrides(state.acc)[:3], *self._estrides(state.m)[:2])
+        strides = i64(*element_strides(state.q)[:3], *element_strides(kp)[:3],
+                       *element_strides(state.acc)[:3], *element_strides(state.m)[:2])
         head = (state.q, kp, vp, state.acc, state.m, state.l, *strides)
         for blk in blocks:
             self._check_block(blk, S, k.shape[1])
@@ -282,10 +276,10 @@ class KernelOps(LocalOps):
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
         flag = self.nonfinite_flag(vp) if any(blk.causal for blk in blocks) else None
         for blk in blocks:
-            args = (*head, *_i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
+            args = (*head, *i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
                                  blk.q_pos, blk.k_pos, int(blk.causal)),
                     np.float32(state.scale * _LOG2E))
-            self.launch_step(variant, (_cdiv(blk.q_len, variant.launch.block_m), H, B), args,
+            self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), args,
                              blk.causal, flag)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
@@ -300,10 +294,10 @@ class KernelOps(LocalOps):
             variant = self.variant("forward_finalize", run_name, dp)
             threads = variant.launch.threads
             args = (state.acc, state.m, state.l, out, lse,
-                    *_i64(*self._estrides(state.acc)[:3], *self._estrides(out)[:3],
-                          *self._estrides(state.m)[:2], *self._estrides(lse)[:2]),
-                    *_i32(B, S, H, dp))
-            self.function(variant.name)((_cdiv(S * dp, threads), H, B), (threads,), args)
+                    *i64(*element_strides(state.acc)[:3], *element_strides(out)[:3],
+                          *element_strides(state.m)[:2], *element_strides(lse)[:2]),
+                    *i32(B, S, H, dp))
+            self.function(variant.name)((cdiv(S * dp, threads), H, B), (threads,), args)
         out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))
         if run_name != out_name:
             out = out.astype(out_dtype)
@@ -311,23 +305,15 @@ class KernelOps(LocalOps):
 
     # -- backward (kernel_bwd) ---------------------------------------------------------------------
     def backward_delta(self, dout, out):
-        from . import kernel_bwd
-
         return kernel_bwd.backward_delta(self, dout, out)
 
     def backward_init(self, k, v, softmax_scale: float):
-        from . import kernel_bwd
-
         return kernel_bwd.backward_init(self, k, v, softmax_scale)
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence[Block], psum=None) -> None:
-        from . import kernel_bwd
-
         kernel_bwd.backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum)
 
     def backward_finalize(self, ctx, out_dtype):
-        from . import kernel_bwd
-
         return kernel_bwd.backward_finalize(self, ctx, out_dtype)
 
     # -- argument checks and layout ----------------------------------------------------------------
@@ -354,24 +340,9 @@ class KernelOps(LocalOps):
         if blk.q_start < 0 or blk.q_start + blk.q_len > sq or blk.k_start < 0 or blk.k_start + blk.k_len > sk:
             raise ValueError(f"{blk} lies outside q rows [0, {sq}) / k rows [0, {sk})")
 
-    def _kernel_ready(self, x):
-        """x if the kernels can read it with 16-byte cp.async (aligned base, contiguous last dim,
-        other strides multiples of 8 elements), else an aligned contiguous copy."""
-        es = self._estrides(x)
-        ptr = (x.data.ptr if self.backend == "cupy" else x.__array_interface__["data"][0])
-        if ptr % 16 == 0 and es[-1] == 1 and all(s >= 0 and s % 8 == 0 for s in es[:-1]):
-            return x
-        return self.xp.array(x, order="C", copy=True)
-
-    @staticmethod
-    def _estrides(x) -> tuple[int, ...]:
-        return tuple(s // x.itemsize for s in x.strides)
-
 
 def _device_table_arch() -> str:
     """The tile table for the current CuPy device (see `table_arch_for`)."""
-    from ..kernels.compile import compute_capability
-
     return table_arch_for(compute_capability())
 
 
@@ -388,7 +359,7 @@ def table_arch_for(cc: int) -> str:
     Anything else at or above 8.0 (cc 11.x) gets the 99 KB table, the smallest. `headdim_problem`
     still checks each launch's smem against the device's real limit.
     """
-    if cc < 80:
+    if cc < MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(f"the burstcu kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                            f"this device is {cc // 10}.{cc % 10}")
     if cc == 80:
@@ -400,6 +371,4 @@ def table_arch_for(cc: int) -> str:
 
 def _device_smem_limit() -> int:
     """Shared memory one block may opt in to on the current CuPy device (bytes)."""
-    from ..kernels.compile import ATTR_SMEM_PER_BLOCK_OPTIN, device_attribute
-
     return device_attribute(ATTR_SMEM_PER_BLOCK_OPTIN)

@@ -75,7 +75,8 @@ def _rule(got, ref, naive, factor: float) -> tuple[bool, str]:
 def check_variants(backend: str, quick: bool) -> list[dict]:
     """Compile and load every variant (emulated/quick: the head-dim-64 and any-head-dim variants
     of the sm_80 table only, which the emulator builds in seconds)."""
-    from ..kernels.variants import ARCHS, CAREFUL_SUFFIX, all_variants
+    from ..kernels import all_variants
+    from ..kernels.variants import ARCHS, CAREFUL_SUFFIX
     from ..ops.kernel_ops import KernelOps
 
     out = []

@@ -179,7 +179,11 @@ class Transport(ABC):
     def fail(self, reason: str) -> None:
         """After a failure on this rank inside a burstcu call: make every rank stop (see the
         module docstring). Returns where the transport leaves the exception to rise (a group of
-        one; a loopback world, whose other ranks are woken with the reason)."""
+        one; a loopback world, whose other ranks are woken with the reason). A sub-group's
+        failure (its watchdog) ends the whole group it was split from."""
+        if self.parent is not None:
+            self.parent.fail(reason)
+            return
         if self.size > 1:
             sys.stderr.write(f"burstcu: {reason}\nburstcu: rank {self.rank} ends all {self.size} "
                              f"ranks of the group (its peers may be waiting for it)\n")

@@ -40,6 +40,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..kernels.compile import compute_capability
+from ..kernels.variants import MIN_COMPUTE_CAPABILITY
 from .base import Transport, check_contiguous, nbytes
 
 # ----------------------------------------------------------------------------------------------
@@ -303,9 +305,12 @@ class NCCLTransport(Transport):
         self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out)
 
     def _exchange_timed_out(self, what: str) -> None:
-        self.fail(f"rank {self.rank}: the NCCL exchange of {what} has not completed after "
-                  f"{self.timeout:g} s (ranks {self.prev_rank} and {self.next_rank} are its peers); "
-                  f"timeout: burstcu.init(timeout=...) or $BURSTCU_TIMEOUT")
+        peers = (f"ranks {self.top_rank(self.prev_rank)} and {self.top_rank(self.next_rank)} are its "
+                 f"ring peers" if self.parent is None else
+                 f"its {self.group_name} group is ranks {self.top_ranks()}")
+        self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not completed "
+                  f"after {self.timeout:g} s ({peers}); timeout: burstcu.init(timeout=...) or "
+                  f"$BURSTCU_TIMEOUT")
 
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
         for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is issued
@@ -474,7 +479,6 @@ def _local_problem(comm: Any) -> tuple[int, str | None]:
     return device_id, _arch_problem(device_id) or _nccl_problem()
 
 
-MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.m16n8k16 need sm_80
 
 
 def _arch_problem(device_id: int) -> str | None:
@@ -482,7 +486,6 @@ def _arch_problem(device_id: int) -> str | None:
     the agreement round, so every rank falls back (backend="auto") or fails together. Reads the
     compute capability without making `device_id` current (no CUDA context is created there)."""
     try:
-        from ..kernels.compile import compute_capability
         cc = compute_capability(device_id)
     except Exception as exc:  # noqa: BLE001 - reported, not raised, before the agreement
         return f"cannot query GPU {device_id}: {exc}"

@@ -19,7 +19,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 pytest.importorskip("cuda.pathfinder")
 
 from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
-from burstcu.kernels.variants import all_variants  # noqa: E402
+from burstcu.kernels import all_variants  # noqa: E402
 
 ARCHS = ("sm_80", "sm_86", "sm_90")
 SM86_SMEM_PER_BLOCK = 101376  # 99 KB opt-in: RTX 3090/4090/5090, A10, A40, L4, L40S

@@ -129,26 +129,17 @@ def _backward_case(dtype, deterministic, name, pos, value, head=0):
 
 
 @pytest.mark.parametrize("deterministic", MODES)
-def test_backward_poisoned_q_row(deterministic):
-    """q of row 20, head 1, is NaN: dq of that row only; dk, dv of keys <= 20 (the row sees them),
-    never of keys 21.. (same tile, masked for row 20)."""
-    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case("float16", deterministic, "q", 20, np.nan, head=1)
-    row20 = np.zeros((1, S, H, 1), bool)
-    row20[0, 20, 1] = True
-    assert_reach("dq", dq, dq0, row20, exact=deterministic)
-    for name, got, clean in (("dk", dk, dk0), ("dv", dv, dv0)):
-        assert_reach(name, got, clean, rows(ROWS <= 20), exact=deterministic)
-
-
-@pytest.mark.parametrize("deterministic", MODES)
-def test_backward_poisoned_dout_row(deterministic):
-    """dout of row 40, head 0, is +Inf: dq of that row; dk, dv of keys <= 40, never 41.."""
-    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case("bfloat16", deterministic, "dout", 40, np.inf)
-    row40 = np.zeros((1, S, H, 1), bool)
-    row40[0, 40, 0] = True
-    assert_reach("dq", dq, dq0, row40, exact=deterministic)
-    for name, got, clean in (("dk", dk, dk0), ("dv", dv, dv0)):
-        assert_reach(name, got, clean, rows(ROWS <= 40), exact=deterministic)
+@pytest.mark.parametrize("dtype,name,pos,head,value", [("float16", "q", 20, 1, np.nan),
+                                                        ("bfloat16", "dout", 40, 0, np.inf)])
+def test_backward_poisoned_query_row(deterministic, dtype, name, pos, head, value):
+    """q (NaN) or dout (+Inf) of one row and head: dq of that row and head only; dk, dv of the
+    keys <= pos (the row sees them), never of the keys after it (same tile, masked for it)."""
+    (dq0, dk0, dv0), (dq, dk, dv) = _backward_case(dtype, deterministic, name, pos, value, head=head)
+    row = np.zeros((1, S, H, 1), bool)
+    row[0, pos, head] = True
+    assert_reach("dq", dq, dq0, row, exact=deterministic)
+    for grad, got, clean in (("dk", dk, dk0), ("dv", dv, dv0)):
+        assert_reach(grad, got, clean, rows(ROWS <= pos), exact=deterministic)
 
 
 @pytest.mark.parametrize("deterministic", MODES)

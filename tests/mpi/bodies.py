@@ -89,7 +89,7 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
         bwd = (u - 1) * ((2 * q_part + 2 * kv_part) * itemsize + 2 * row_part * acc)
         if r > 1:                            # the ring's bundle over (r-1) steps + dQ r times
             bwd += (r - 1) * (2 * u * q_part * itemsize + 2 * u * row_part * acc) + r * u * q_part * acc
-        bwd += (u - 1) * (q_part + 2 * kv_part) * itemsize        # dq, dk, dv back (input dtype)
+        bwd += (u - 1) * (q_part + 2 * kv_part) * acc             # dq, dk, dv back (fp32)
         return {"fwd": (fwd, 2 * (u - 1) + r - 1), "bwd": (bwd, 2 * (u - 1) + (r + 1 if r > 1 else 0))}
     if strategy == "ulysses":                # one all-to-all each way; to every other rank:
         hg = h // size                       # its query heads of my rows,
@@ -433,7 +433,7 @@ def garbage_padding_is_inert(layout="zigzag", seqlen_local=24, pad=15, options=N
 # -- attention_backward(check=True) ----------------------------------------------------------------
 
 def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend="numpy",
-                                     dtype="float32", seqlen_local=24):
+                                     dtype="float32", seqlen_local=24, ulysses_degree=None):
     """check=True on the lse of the forward: no error, and the same gradients as check=False.
     Then four wrong lse of the right dtype and shape — from a non-causal forward, from another q,
     shifted by 0.05 in one row on the last rank only, and a causal lse given to a non-causal
@@ -446,6 +446,8 @@ def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend=
     rows = my_rows(layout, rank, size, n)
     ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
     opts = dict(layout=layout, strategy=strategy)
+    if ulysses_degree:
+        opts["ulysses_degree"] = ulysses_degree
     out, lse = burstcu.attention(ql, kl, vl, group, causal=True, return_lse=True, **opts)
     checked = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True, check=True, **opts)
     plain = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=True, **opts)

@@ -4,6 +4,7 @@ instead of hanging, and the schedule it issues on a GPU proved race-free (burstc
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -235,3 +236,31 @@ def test_seeded_ordering_mistakes_in_usp_are_caught(mistake):
                                  transport_class=mistake)
     problems = S.check(schedule)
     assert problems and all("race" in str(p) for p in problems), S.report(problems)
+
+
+def test_a_sub_group_failure_wakes_the_whole_world():
+    """A rank whose sub-group fails (its watchdog, a timeout in it) ends every rank, also those
+    waiting in the parent group or in other sub-groups."""
+    hub = LoopbackHub(4, timeout=30)
+    from burstcu.transport.loopback import HostDevice
+    errors: dict = {}
+
+    def rank_main(rank):
+        t = LoopbackTransport(rank, hub, HostDevice())
+        try:
+            sub = t.split(rank % 2, rank, "pairs")
+            if rank == 0:
+                sub.fail("rank 0: injected sub-group failure")
+            else:
+                t.allgather_object(None, "waiting in the parent")
+        except PeerFailedError as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert time.monotonic() - t0 < 10
+    assert sorted(errors) == [1, 2, 3] and all("injected sub-group failure" in m for m in errors.values())
