@@ -101,3 +101,23 @@ def test_no_pool_growth_over_100_calls(group):
     cupy.cuda.Device().synchronize()
     assert pool.used_bytes() == used, (used, pool.used_bytes())
     assert pool.total_bytes() <= total, (total, pool.total_bytes())
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "usp", "auto"])
+def test_all_to_all_strategies_on_one_gpu(group, strategy):
+    """Ulysses and USP on CuPy arrays (their all-to-all bookkeeping is device slicing), USP
+    making its sub-groups as NCCL communicators (of one rank here: NCCL refuses two ranks on one
+    GPU), "auto" whatever it picks: each bitwise equal to burst in a world of one."""
+    import cupy
+    import burstcu
+    q, k, v, dout = (cupy.asarray(x) for x in _inputs(5))
+    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True, strategy="burst")
+    grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True, strategy="burst")
+    how = {"strategy": strategy, **({"ulysses_degree": 1} if strategy == "usp" else {})}
+    out2, lse2 = burstcu.attention(q, k, v, group, causal=True, return_lse=True, **how)
+    grads2 = burstcu.attention_backward(dout, q, k, v, out2, lse2, group, causal=True, **how)
+    for a, b in zip((out, lse, *grads), (out2, lse2, *grads2)):
+        assert bool(cupy.array_equal(a, b))
+    if strategy == "usp":
+        assert group.transport._subgroups and all(
+            sub.name == "nccl" for sub in group.transport._subgroups.values())
