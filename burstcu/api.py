@@ -26,7 +26,7 @@ from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
-                       check_row_sums, metadata, resolve_scale)
+                       check_row_sums, check_window, metadata, resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -137,6 +137,11 @@ def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: 
     return choice.strategy, choice.options
 
 
+def _window(window_size) -> tuple[int, int]:
+    """The validated window as plain ints."""
+    return int(window_size[0]), int(window_size[1])
+
+
 def _engine(strategy: str, options: dict):
     """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`;
     options: its keywords (ulysses_degree for "usp"), None meaning the default."""
@@ -157,7 +162,7 @@ class _Tracking(DelegatingOps):
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, options: dict, flags: dict):
+             layout, strategy, options: dict, flags: dict, window=(-1, -1)):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
 
@@ -172,7 +177,8 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             arrays, export = _native(group.ops, *arrays)
             err, scale, meta = _check_local(group.ops, arrays, group.size, backward=backward, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy, options=options, flags=flags)
+                                            strategy=strategy, options=options, flags=flags,
+                                            window=window)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
@@ -182,7 +188,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
 
 
 def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
-                 strategy, options: dict, flags: dict):
+                 strategy, options: dict, flags: dict, window=(-1, -1)):
     """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays in a
     group of `size` ranks."""
     q, k, v = arrays[1:4] if backward else arrays
@@ -191,6 +197,8 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
         softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
     if err is None:
         err = _strategy_problem(strategy, options, q.shape, k.shape, size)
+    if err is None:
+        err = check_window(window, bool(causal), getattr(ops, "masks_windows", False))
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
@@ -199,7 +207,8 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
     scale = resolve_scale(softmax_scale, q.shape[-1])
     # every flag is agreed on too (check=True changes what the backward ring sends)
     return None, scale, metadata(*arrays, layout=layout, strategy=strategy, softmax_scale=scale,
-                                 **options, **{name: bool(value) for name, value in flags.items()})
+                                 window=tuple(int(w) for w in window), **options,
+                                 **{name: bool(value) for name, value in flags.items()})
 
 
 def _check_options(strategy: str, options: dict):
@@ -226,7 +235,8 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str = "contiguous",
-              return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None):
+              return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
+              window_size: tuple[int, int] = (-1, -1)):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
@@ -243,6 +253,10 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         locally), or "auto": the one `burstcu.plan` predicts fastest for these shapes on this
         group (printable: `print(burstcu.plan(q.shape, k.shape, group, causal=...))`). All give
         the same result.
+    window_size: (left, right) sliding window (flash-attn's convention): a query at global
+        position i sees keys in [i - left, i + right], -1 meaning unbounded on that side; with
+        causal the right bound is the diagonal (right 0 or -1). Steps and tiles wholly outside
+        are skipped (the K/V still travel the whole ring). NumPy backend only for now.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -256,18 +270,20 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         (q, k, v), export, scale = _checked(call, group, (q, k, v), backward=False, causal=causal,
                                             softmax_scale=softmax_scale, layout=layout,
                                             strategy=strategy, options=options,
-                                            flags={"causal": causal, "return_lse": return_lse})
+                                            flags={"causal": causal, "return_lse": return_lse},
+                                            window=window_size)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
-            softmax_scale=scale, layout=layout, trace=group.trace))
+            softmax_scale=scale, layout=layout, trace=group.trace, window=_window(window_size)))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                        causal: bool = False, softmax_scale: float | None = None,
                        layout: str = "contiguous", strategy: str = "burst",
-                       ulysses_degree: int | None = None, check: bool = False):
+                       ulysses_degree: int | None = None, check: bool = False,
+                       window_size: tuple[int, int] = (-1, -1)):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -286,12 +302,13 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
         (dout, q, k, v, out, lse), export, scale = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "check": check})
+            flags={"causal": causal, "check": check}, window=window_size)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
-            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace, **row_sums)
+            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace,
+            window=_window(window_size), **row_sums)
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)

@@ -38,6 +38,9 @@ class Block:
     q_pos, k_pos: global positions of rows q_start and k_start.
     causal: True when the rectangle straddles the diagonal, so element (i, j) is kept only if
         q_pos + i >= k_pos + j. False means every element is kept.
+    left, right: a sliding window's bounds that cut through the rectangle (-1: they do not):
+        element (i, j) is kept only if k >= q - left and k <= q + right, q = q_pos + i and
+        k = k_pos + j. All three tests apply together.
     """
 
     q_start: int
@@ -47,6 +50,13 @@ class Block:
     q_pos: int
     k_pos: int
     causal: bool
+    left: int = -1
+    right: int = -1
+
+    @property
+    def masked(self) -> bool:
+        """Whether some element of the rectangle is masked (needs the per-element tests)."""
+        return self.causal or self.left >= 0 or self.right >= 0
 
 
 def check_layout(layout: str) -> None:
@@ -79,18 +89,32 @@ def global_positions(layout: str, rank: int, size: int, seqlen_local: int) -> li
 
 
 def step_blocks(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
-                causal: bool) -> list[Block]:
-    """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step)."""
-    if not causal:
+                causal: bool, window: tuple[int, int] = (-1, -1)) -> list[Block]:
+    """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step).
+
+    window = (left, right): a query at position q sees keys in [q - left, q + right] (-1:
+    unbounded on that side; with causal the right bound is the diagonal). Rectangles wholly
+    outside are dropped; those a bound cuts through carry it (`Block.left` / `Block.right`).
+    """
+    left, right = window
+    hi = 0 if causal else (right if right >= 0 else None)   # keys up to q + hi
+    lo = left if left >= 0 else None                          # keys from q - lo
+    if hi is None and lo is None:
         return [Block(0, seqlen_local, 0, seqlen_local, 0, 0, False)]
     blocks = []
     for qs in segments(layout, q_rank, size, seqlen_local):
         for ks in segments(layout, kv_rank, size, seqlen_local):
-            q_last, k_last = qs.pos + qs.length - 1, ks.pos + ks.length - 1
-            if q_last < ks.pos:
-                continue  # every key is in the future of every query
-            straddles = qs.pos < k_last
-            blocks.append(Block(qs.local, qs.length, ks.local, ks.length, qs.pos, ks.pos, straddles))
+            q_first, q_last = qs.pos, qs.pos + qs.length - 1
+            k_first, k_last = ks.pos, ks.pos + ks.length - 1
+            if hi is not None and k_first > q_last + hi:
+                continue  # every key is past every query's right bound (causal: its future)
+            if lo is not None and k_last < q_first - lo:
+                continue  # every key is before every query's left bound
+            cut_right = hi is not None and k_last > q_first + hi
+            cut_left = lo is not None and k_first < q_last - lo
+            blocks.append(Block(qs.local, qs.length, ks.local, ks.length, qs.pos, ks.pos,
+                                causal and cut_right, lo if cut_left else -1,
+                                hi if cut_right and not causal else -1))
     return blocks
 
 

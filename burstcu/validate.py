@@ -142,6 +142,26 @@ def check_flags(**flags) -> InputError | None:
     return None
 
 
+def check_window(window_size, causal: bool, supported: bool) -> InputError | None:
+    """A clear error unless window_size is (left, right), each an int >= -1 (-1: unbounded),
+    with right 0 or -1 under causal (flash-attn's convention), and the local op can mask it."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        return InputError(ValueError, f"window_size must be (left, right), got {window_size!r}")
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
+            return InputError(ValueError, f"window_size {name} must be an int >= -1 (-1: unbounded), "
+                                          f"got {value!r}")
+    if causal and right not in (0, -1):
+        return InputError(ValueError, f"with causal=True the window's right bound is the diagonal: "
+                                      f"window_size=({left}, 0) or ({left}, -1), not {window_size!r}")
+    if (left, right) != (-1, -1) and not supported:
+        return InputError(ValueError, "window_size is not supported by the CUDA kernels yet: use "
+                                      "the NumPy backend, or window_size=(-1, -1)")
+    return None
+
+
 # attention_backward(check=True): a row's sum of P is 1 within ROW_SUM_TOL plus
 # ROW_SUM_ULPS ulps (of the accumulation dtype) times max(1, |lse|) (P = exp(score - lse) moves by
 # a few ulps of the score and of lse, which grow with them; see README, numerics at large logits)

@@ -53,7 +53,7 @@ from .steps import Trace, post_exchange, timed, timed_wait
 # forward
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str, trace: Trace | None = None):
+            layout: str, trace: Trace | None = None, window=(-1, -1)):
     """Exact attention of this rank's queries over every rank's keys.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout`.
@@ -73,7 +73,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         if exchanging:
             post_exchange(ops, transport, f"fwd {s} send/recv kv", [(cur.span("k", "v"), nxt.span("k", "v"))])
         source = (rank - s) % size
-        blocks = step_blocks(layout, rank, source, size, seqlen, causal)
+        blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
@@ -107,7 +107,7 @@ def _bundle_fields(q, lse, row_sums: bool = False):
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None,
-             delta=None, grad_dtype=None):
+             delta=None, grad_dtype=None, window=(-1, -1)):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
@@ -140,7 +140,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
             post_exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
                           [(cur.span(*span), nxt.span(*span))])
         source = (rank - s) % size  # the visiting queries are source's; the keys are ours
-        blocks = step_blocks(layout, source, rank, size, seqlen, causal)
+        blocks = step_blocks(layout, source, rank, size, seqlen, causal, window)
         ops.copy_(dq_part, 0)
         if sums:
             ops.copy_(psum_part, 0)

@@ -80,13 +80,14 @@ class USPAttention:
         return x, ring
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None):
+                softmax_scale: float, layout: str, trace=None, window=(-1, -1)):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
         x, ring = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
-                                     softmax_scale=softmax_scale, layout=layout, trace=trace)
+                                     softmax_scale=softmax_scale, layout=layout, trace=trace,
+                                     window=window)
         out = ops.zeros(q.shape, q.dtype)
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
         wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
@@ -96,7 +97,8 @@ class USPAttention:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None):
+                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
+                 window=(-1, -1)):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
         acc = accum_dtype(q.dtype)
@@ -109,7 +111,7 @@ class USPAttention:
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
                                           layout=layout, trace=trace, row_sums=sums, delta=delta_g,
-                                          grad_dtype=acc)
+                                          grad_dtype=acc, window=window)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,

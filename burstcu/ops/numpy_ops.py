@@ -140,20 +140,34 @@ def _tiles(block: Block, tile_q: int, tile_k: int, keys_outer: bool = False):
     for q0, k0 in pairs:
         q1 = min(q0 + tile_q, block.q_start + block.q_len)
         k1 = min(k0 + tile_k, block.k_start + block.k_len)
-        yield from _causal_split(block, q0, q1, k0, k1)
+        yield from _mask_split(block, q0, q1, k0, k1)
 
 
-def _causal_split(block: Block, q0: int, q1: int, k0: int, k1: int):
-    if not block.causal:
+def _key_bounds(block: Block) -> tuple[float, float]:
+    """(lo, hi): a query at q sees keys in [q - lo, q + hi] within `block` (inf: unbounded)."""
+    hi = float("inf")
+    if block.causal:
+        hi = 0
+    if block.right >= 0:
+        hi = min(hi, block.right)
+    return (block.left if block.left >= 0 else float("inf")), hi
+
+
+def _mask_split(block: Block, q0: int, q1: int, k0: int, k1: int):
+    """The tile's pieces that are not wholly masked, each with whether it needs the element
+    mask: tiles a mask bound cuts through are split into quadrants (down to MIN_DIAGONAL_TILE
+    keys), so that their wholly masked parts are skipped rather than computed and masked."""
+    if not block.masked:
         yield q0, q1, k0, k1, False
         return
+    lo, hi = _key_bounds(block)
     first_q = block.q_pos + q0 - block.q_start
     last_q = block.q_pos + q1 - 1 - block.q_start
     first_k = block.k_pos + k0 - block.k_start
     last_k = block.k_pos + k1 - 1 - block.k_start
-    if last_q < first_k:
-        return  # wholly in the future
-    if first_q >= last_k:
+    if first_k > last_q + hi or last_k < first_q - lo:
+        return  # wholly masked (causal: wholly in the future)
+    if last_k <= first_q + hi and first_k >= last_q - lo:
         yield q0, q1, k0, k1, False
         return
     if k1 - k0 <= MIN_DIAGONAL_TILE or q1 - q0 < 2:
@@ -162,7 +176,7 @@ def _causal_split(block: Block, q0: int, q1: int, k0: int, k1: int):
     qm, km = (q0 + q1) // 2, (k0 + k1) // 2
     for a, b in ((q0, qm), (qm, q1)):
         for c, d in ((k0, km), (km, k1)):
-            yield from _causal_split(block, a, b, c, d)
+            yield from _mask_split(block, a, b, c, d)
 
 
 class _Scratch:
@@ -183,10 +197,13 @@ class _Scratch:
 
 
 def _future(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndarray:
-    """Boolean (rows*g, keys): True where the key lies in the query's future (masked)."""
+    """Boolean (rows*g, keys): True where the pair is masked (the key in the query's future,
+    or outside its window)."""
+    lo, hi = _key_bounds(block)
     qp = block.q_pos - block.q_start + np.arange(q0, q1)
     kp = block.k_pos - block.k_start + np.arange(k0, k1)
-    return np.repeat(qp[:, None] < kp[None, :], g, axis=0)
+    offset = kp[None, :] - qp[:, None]
+    return np.repeat((offset > hi) | (offset < -lo), g, axis=0)
 
 
 def _max_abs(x) -> np.ndarray:
@@ -302,6 +319,8 @@ class NumpyOps(LocalOps):
     name = "numpy"
     xp = np
 
+    masks_windows = True  # sliding windows (Block.left / Block.right) are masked per element
+
     def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None):
         if tile_q < 1 or tile_k < 1:
             raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
@@ -363,7 +382,7 @@ class NumpyOps(LocalOps):
         spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], tile_rows)
         items = list(product(range(b), range(hkv), spans))
         scratch = _Scratch(acc_t)
-        v_finite = np.isfinite(_max_abs(vh)) if any(blk.causal for blk in blocks) else None
+        v_finite = np.isfinite(_max_abs(vh)) if any(blk.masked for blk in blocks) else None
 
         def work(item):
             bi, hi, (lo, hi_row) = item
@@ -488,7 +507,7 @@ class NumpyOps(LocalOps):
     @staticmethod
     def _head_checks(ctx: BackwardContext, qs, do, delta, blocks):
         """clean(bi, hi) -> that head's _Clean; checked only when a block has masked pairs."""
-        if not any(blk.causal for blk in blocks):
+        if not any(blk.masked for blk in blocks):
             return lambda bi, hi: _Clean()
         if ctx.k_max is None:
             ctx.k_max, ctx.v_max = _max_abs(ctx.k), _max_abs(ctx.v)

@@ -306,7 +306,7 @@ class NCCLTransport(Transport):
 
     def _exchange_timed_out(self, what: str) -> None:
         peers = (f"ranks {self.top_rank(self.prev_rank)} and {self.top_rank(self.next_rank)} are its "
-                 f"ring peers" if self.parent is None else
+                 f"peers" if self.parent is None else
                  f"its {self.group_name} group is ranks {self.top_ranks()}")
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not completed "
                   f"after {self.timeout:g} s ({peers}); timeout: burstcu.init(timeout=...) or "

@@ -116,3 +116,53 @@ def auto_runs_the_planned_strategy(causal=True, layout="zigzag", h=8, hkv=2, seq
     assert all(np.array_equal(a, b) for a, b in zip((out, lse, *grads), (out2, lse2, *grads2)))
     group.close()
     return {"choice": chosen.choice.label}
+
+
+def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
+                             ulysses_degree=None):
+    """Sliding windows (window_size=(left, right), with and without causal, both layouts):
+    out, lse, dq, dk, dv against a float64 reference over an explicit dense mask written here
+    (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
+    unbounded), within FlashAttention's tolerance rule; check=True passes."""
+    from burstcu.testing.reference import attention_backward_ref, attention_ref
+    from tests.mpi.bodies import EPS, _check
+
+    group = burstcu.init(backend="numpy")
+    rank, size = group.rank, group.size
+    n = seqlen_local * size
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
+    for index, case in enumerate(cases):
+        causal, layout, (left, right) = case["causal"], case["layout"], case["window"]
+        keep = np.ones((n, n), bool)
+        if causal:
+            keep &= j <= i
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+        q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
+        rows = my_rows(layout, rank, size, n)
+        ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+        kw = dict(causal=causal, layout=layout, window_size=(left, right), **how)
+        out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
+        grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
+        ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
+        naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32)
+        _check("out", out.astype(np.float64), ref_out[:, rows], naive_out[:, rows], dtype)
+        _check("lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)
+        refs = attention_backward_ref(dout, q, k, v, keep=keep)
+        naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32)
+        # a gradient that is exactly 0 in the reference (window (0, 0): each row sees itself,
+        # P = 1, so dS = dP - delta cancels) has no error scale of its own: it must be within
+        # rounding of the terms that cancel, |dO| |v| D per dS entry, times |k| (or |q|)
+        cancel = 8 * EPS[dtype] * q.shape[-1] * float(np.abs(dout).max() * np.abs(v).max()
+                                                      * max(np.abs(k).max(), np.abs(q).max()))
+        for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
+            if not np.any(ref):
+                worst = float(np.abs(got.astype(np.float64)).max())
+                assert worst <= cancel, f"{name}: {worst:.3e} where the reference is 0 (> {cancel:.3e})"
+                continue
+            _check(name, got.astype(np.float64), ref[:, rows], naive[:, rows], dtype, factor=3.0)
+    group.close()
+    return {"cases": len(cases)}
