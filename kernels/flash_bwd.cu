@@ -6,7 +6,8 @@
 // In the backward ring each rank keeps K, V and fp32 dK, dV resident; the bundle (Q, dO, lse,
 // delta) travels with an fp32 dQ accumulator. One step covers one rectangle (Block): visiting
 // query rows [q_start, q_start + q_len) x resident key rows [k_start, k_start + k_len), global
-// positions q_pos / k_pos, causal keeps (i, j) iff q_pos + i >= k_pos + j. Per tile pair:
+// positions q_pos / k_pos; (i, j) is kept iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi
+// (causal: hi = 0; a sliding window: lo, hi = left, right; no bound: NO_BOUND). Per tile pair:
 //
 //     S  = Q K^T                      (scale folded into the exponent)
 //     P  = exp2(S * scale * log2e - lse * log2e)        recomputed from lse, never stored
@@ -185,11 +186,13 @@ __device__ __forceinline__ void load_row_stats(float* s_lse2, float* s_delta, co
     }
 }
 
-/// Whether a (query tile at m0, key tile at n0) pair needs the element mask: it straddles the
-/// causal diagonal or runs past k_len (rows past q_len are zeroed through lse2 = +inf).
-__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int bn, int k_len, int q_pos,
-                                                int k_pos, int causal) {
-    return n0 + bn > k_len || (causal && q_pos + m0 < k_pos + n0 + bn - 1);
+/// Whether a (query tile of bm rows at m0, key tile of bn keys at n0) pair needs the element
+/// mask: a bound (hi: the causal diagonal or a window's right edge; lo: its left edge) cuts
+/// through it, or it runs past k_len (rows past q_len are zeroed through lse2 = +inf).
+__device__ __forceinline__ bool tile_needs_mask(int m0, int bm, int n0, int bn, int k_len, int q_pos,
+                                                int k_pos, int hi, int lo) {
+    return n0 + bn > k_len || k_pos + n0 + bn - 1 > q_pos + m0 + hi ||
+           k_pos + n0 < q_pos + m0 + bm - 1 - lo;
 }
 
 }  // namespace bwd
@@ -232,7 +235,7 @@ flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, 
         float *__restrict__ dv, int H, int Hkv, int q_sb, int q_ss, int q_sh, int k_sb,         \
         int k_ss, int k_sh, int st_sb, int st_sh, int dq_sb, int dq_ss, int dq_sh, int dk_sb,   \
         int dk_ss, int dk_sh, int q_start, int q_len, int k_start, int k_len, int q_pos,        \
-        int k_pos, int causal, float scale, const int *__restrict__ nonfinite
+        int k_pos, int hi, int lo, float scale, const int *__restrict__ nonfinite
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
@@ -252,11 +255,15 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
 
     const int n0 = blockIdx.x * BN, hkv = blockIdx.y, b = blockIdx.z;
     const int group = H / Hkv;
-    // First Q tile that sees any key of this tile: query i sees key n0 iff q_pos+i >= k_pos+n0.
-    int m_begin = 0;
-    if (causal && k_pos + n0 - q_pos > 0) m_begin = (k_pos + n0 - q_pos) / BM * BM;
-    if (n0 >= k_len || m_begin >= q_len) return;  // uniform over the CTA: nothing to add
-    const int m_tiles = (q_len - m_begin + BM - 1) / BM, n_it = group * m_tiles;
+    // The Q tiles that see some key of this tile: query i sees key j iff
+    // q_pos + i - lo <= k_pos + j <= q_pos + i + hi.
+    const int n_last = min(n0 + BN, k_len) - 1;
+    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+    const int first_q = k_pos + n0 - hi - q_pos;
+    const int m_begin = first_q > 0 ? first_q / BM * BM : 0;
+    const int m_end = min(q_len, k_pos + n_last + lo - q_pos + 1);
+    if (n0 >= k_len || m_begin >= m_end) return;  // uniform over the CTA: nothing to add
+    const int m_tiles = (m_end - m_begin + BM - 1) / BM, n_it = group * m_tiles;
 
     BURSTCU_DYNAMIC_SMEM(T, sK);
     T* sV = sK + BN * LD;
@@ -318,7 +325,7 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
         gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
         // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
         // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
-        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal) ||
+        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
                             (CAREFUL && m0 + BM > q_len);
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j)
@@ -326,7 +333,9 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
                 float p = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
-                if (masked && (key >= k_len || (causal && q_pos + m0 + qi < k_pos + key) ||
+                // kept iff -lo <= offset <= hi, offset = key position - query position
+                const int offset = k_pos + key - q_pos - m0 - qi;
+                if (masked && (key >= k_len || offset > hi || offset < -lo ||
                                (CAREFUL && m0 + qi >= q_len)))
                     p = 0.f;
                 s[j][e] = p;
@@ -452,11 +461,15 @@ flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
     const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
     const int hkv = h / (H / Hkv);
     if (m0 >= q_len) return;
-    // Keys visible to the tile's last row: j <= q_pos + m_last - k_pos.
+    // Keys some row of the tile sees: k_pos + j <= q_pos + m_last + hi (the last row) and
+    // k_pos + j >= q_pos + m0 - lo (the first).
     const int m_last = min(m0 + BM, q_len) - 1;
-    const int n_end = causal ? min(k_len, q_pos + m_last - k_pos + 1) : k_len;
-    if (n_end <= 0) return;
+    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+    const int n_end = max(0, min(k_len, q_pos + m_last + hi - k_pos + 1));
+    const int first_key = q_pos + m0 - lo - k_pos;
+    const int it_begin = first_key > 0 ? first_key / BN : 0;
     const int n_it = (n_end + BN - 1) / BN;
+    if (it_begin >= n_it) return;
 
     BURSTCU_DYNAMIC_SMEM(T, sQ);
     T* sdO = sQ + BM * LD;
@@ -501,9 +514,9 @@ flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
     float p_sum[2] = {0.f, 0.f};  // this lane's part of its two rows' sum of P (with_psum)
 
-    prefetch(0, 0);
-    for (int it = 0; it < n_it; ++it) {
-        const int stage = it & 1, n0 = it * BN;
+    prefetch(it_begin, 0);
+    for (int it = it_begin; it < n_it; ++it) {
+        const int stage = (it - it_begin) & 1, n0 = it * BN;
         if (it + 1 < n_it) {
             prefetch(it + 1, stage ^ 1);
             cp_async_wait<1>();
@@ -516,14 +529,16 @@ flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
 
         float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
         gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
-        const bool masked = tile_needs_mask(m0, n0, BN, k_len, q_pos, k_pos, causal);
+        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
                 float p = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
-                if (masked && (key >= k_len || (causal && q_pos + qi < k_pos + key))) p = 0.f;
+                if (masked && (key >= k_len || k_pos + key > q_pos + qi + hi ||
+                               k_pos + key < q_pos + qi - lo))
+                    p = 0.f;
                 s[j][e] = p;
             }
         if (with_psum) {

@@ -159,7 +159,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
    k,v (B, Sk, Hkv, D) T;     strides kv_sb, kv_sr, kv_sh (k and v share them)
    acc (B, Sq, H, D)  float;  strides acc_sb, acc_sr, acc_sh
    m,l (B, H, Sq)     float;  strides ml_sb, ml_sh (stride 1 along Sq)
-   causal != 0: element (i, j) kept iff q_pos + i >= k_pos + j (i, j relative to q_start, k_start)
+   hi, lo: element (i, j) (relative to q_start, k_start) is kept iff
+       q_pos + i - lo <= k_pos + j <= q_pos + i + hi
+     (causal: hi = 0; a sliding window (left, right): lo = left, hi = right; no bound: NO_BOUND,
+     which keeps every sum of positions below 2^31 for positions below 2^29)
    scale_log2 = softmax_scale * log2(e)
    nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
@@ -175,7 +178,7 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long acc_sb, long long acc_sr, long long acc_sh,
                long long ml_sb, long long ml_sh,
                int B, int H, int Hkv, int q_start, int q_len, int k_start, int k_len,
-               int q_pos, int k_pos, int causal, float scale_log2, const int* __restrict__ nonfinite) {
+               int q_pos, int k_pos, int hi, int lo, float scale_log2, const int* __restrict__ nonfinite) {
   if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
   static_assert(HEADDIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-chunks are 16 wide");
@@ -194,13 +197,16 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const int q0 = blockIdx.x * BLOCK_M;   // first query row of this block, relative to q_start
   const int w0 = q0 + warp * 16;         // first query row of this warp
 
-  // Keys that any row of this block may see: with causal, key j is visible to the last valid
-  // row iff k_pos + j <= q_pos + last; tiles past that are never loaded.
+  // Keys that some row of this block may see: key j is visible to the last valid row iff
+  // k_pos + j <= q_pos + last + hi, and to the first iff k_pos + j >= q_pos + q0 - lo; tiles
+  // outside [tile_begin, n_tiles) are never loaded.
   const int q_last = min(q0 + BLOCK_M, q_len) - 1;
-  int n_keys = k_len;
-  if (causal) n_keys = min(k_len, q_pos + q_last - k_pos + 1);
-  if (q_last < q0 || n_keys <= 0) return;  // whole block in the future: state unchanged
+  // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+  const int n_keys = max(0, min(k_len, q_pos + q_last + hi - k_pos + 1));
+  const int first_key = q_pos + q0 - lo - k_pos;
+  const int tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;
   const int n_tiles = (n_keys + BLOCK_N - 1) / BLOCK_N;
+  if (q_last < q0 || tile_begin >= n_tiles) return;  // every key masked: state unchanged
 
   BURSTCU_DYNAMIC_SMEM(T, smem);
   // layout: Q | K0 V0 | K1 V1; stage s of K starts at sK0 + s * kStage (plain arithmetic, not a
@@ -214,11 +220,14 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const T* gK = k + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
   const T* gV = v + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
 
-  // ---- prologue: Q tile and K/V tile 0 in flight
+  // ---- prologue: Q tile and K/V tile tile_begin in flight
   fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
   cp_async_commit();
-  fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK, kv_sr, n_keys, tid);
-  fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV, kv_sr, n_keys, tid);
+  {
+    const int nb = tile_begin * BLOCK_N;
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, n_keys - nb, tid);
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, n_keys - nb, tid);
+  }
   cp_async_commit();
 
   // ---- running state of this thread's two rows (w0 + g, w0 + g + 8), read while loads fly
@@ -249,8 +258,8 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int stage = tile % 2, n0 = tile * BLOCK_N;
+  for (int tile = tile_begin; tile < n_tiles; ++tile) {
+    const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
     if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
       const int nn = n0 + BLOCK_N;
       fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, gK + nn * kv_sr, kv_sr, n_keys - nn, tid);
@@ -261,14 +270,15 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (kQInRegs && tile == 0) {
+    if (kQInRegs && tile == tile_begin) {
 #pragma unroll
       for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
     }
 
     // A warp whose rows all precede every key of the tile, or that has no valid row, adds
     // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
-    const bool warp_live = w0 < q_len && (!causal || q_pos + w0 + 15 >= k_pos + n0);
+    const bool warp_live = w0 < q_len && q_pos + w0 + 15 + hi >= k_pos + n0 &&
+                           q_pos + w0 - lo <= k_pos + n0 + BLOCK_N - 1;
     if (warp_live) {
       // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
       float s[kNTiles][4];
@@ -290,7 +300,8 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
       }
 
       // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
-      const bool need_mask = n0 + BLOCK_N > n_keys || (causal && k_pos + n0 + BLOCK_N - 1 > q_pos + w0);
+      const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
+                             k_pos + n0 < q_pos + w0 + 15 - lo;
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
@@ -299,7 +310,8 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
           if (need_mask) {
             const int key = n0 + 8 * j + 2 * t + (e & 1);
             const int qr = row[e / 2];
-            const bool keep = key < k_len && (!causal || q_pos + qr >= k_pos + key);
+            const bool keep = key < k_len && k_pos + key <= q_pos + qr + hi &&
+                              k_pos + key >= q_pos + qr - lo;
             x = keep ? x : fwd::neg_inf();
           }
           s[j][e] = x;
@@ -431,7 +443,7 @@ flash_fwd_finalize(const float* __restrict__ acc, const float* __restrict__ m,
 
 #if defined(BURSTCU_NVCC_CHECK)
 // nvcc cross-check only: explicit instantiations (NVRTC and the emulator use name expressions).
-template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float, const int*);
-template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, float, const int*);
+template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, int, float, const int*);
+template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, int, float, const int*);
 template __global__ void flash_fwd_finalize<__half>(const float*, const float*, const float*, __half*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int);
 #endif

@@ -63,8 +63,10 @@ def test_bad_windows_are_refused(window, causal, message):
         burstcu.attention(q, q, q, causal=causal, window_size=window)
 
 
-def test_the_kernels_refuse_a_window_for_now():
-    from burstcu.ops.kernel_ops import KernelOps
-    from burstcu.validate import check_window
-    err = check_window((4, 0), True, getattr(KernelOps, "masks_windows", False))
-    assert err is not None and "not supported by the CUDA kernels yet" in err.message
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.parametrize("world,dtype", [(2, "float16"), (3, "bfloat16")])
+def test_window_on_the_emulated_kernels(world, dtype):
+    """The CUDA kernels' key bounds on a real ring, through the CPU emulator."""
+    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=600, backend="emulated",
+            dtype=dtype, seqlen_local=32, cases=CASES)

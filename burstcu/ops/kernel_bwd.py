@@ -22,7 +22,7 @@ import numpy as np
 
 from ..kernels.bwd_variants import delta_variant
 from ..layout import Block
-from .launch import cdiv, element_strides, i32, rows_contiguous, same_strides, vector_ready
+from .launch import cdiv, element_strides, i32, key_bounds, rows_contiguous, same_strides, vector_ready
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -166,16 +166,16 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = (ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta)
-            if any(blk.causal for blk in blocks) else None)
+            if any(blk.masked for blk in blocks) else None)
     row_sums = (psum_run, np.int32(1)) if psum_run is not None else (ops.zero_flag(), np.int32(0))
     for blk in blocks:
         args = (*head, *i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
-                             blk.q_pos, blk.k_pos, int(blk.causal)), np.float32(ctx.scale))
+                             blk.q_pos, blk.k_pos), *key_bounds(blk), np.float32(ctx.scale))
         for variant, tiled in launches:
             cfg = variant.launch
             grid = ((cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
                     else (cdiv(blk.q_len, cfg.block_m), H, B))
-            ops.launch_step(variant, grid, args, blk.causal, flag,
+            ops.launch_step(variant, grid, args, blk.masked, flag,
                             after_flag=row_sums if tiled == "q" else ())
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)

@@ -36,7 +36,7 @@ from ..testing import emulate
 from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd
-from .launch import cdiv, element_strides, i32, i64, vector_ready
+from .launch import cdiv, element_strides, i32, i64, key_bounds, vector_ready
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
@@ -103,6 +103,7 @@ class KernelOps(LocalOps):
         self._zero_flag = None
 
     dtypes = _KERNEL_DTYPES
+    masks_windows = True  # Block.left / Block.right become the kernels' key bounds (lo, hi)
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
         problem = self.headdim_problem(q.shape[-1], backward)
@@ -274,13 +275,13 @@ class KernelOps(LocalOps):
             self._check_block(blk, S, k.shape[1])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
-        flag = self.nonfinite_flag(vp) if any(blk.causal for blk in blocks) else None
+        flag = self.nonfinite_flag(vp) if any(blk.masked for blk in blocks) else None
         for blk in blocks:
             args = (*head, *i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
-                                 blk.q_pos, blk.k_pos, int(blk.causal)),
+                                 blk.q_pos, blk.k_pos), *key_bounds(blk),
                     np.float32(state.scale * _LOG2E))
             self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), args,
-                             blk.causal, flag)
+                             blk.masked, flag)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layout import Block
+
 I32_MAX = 2**31 - 1
+# "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
+# position (below 2^30) plus it stays within int32
+NO_BOUND = 1 << 29
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,3 +63,16 @@ def rows_contiguous(xp, x):
     """A (B, H, S) float32 row statistic with contiguous rows."""
     x = xp.asarray(x, dtype=np.float32)
     return x if element_strides(x)[-1] == 1 else xp.ascontiguousarray(x)
+
+
+def key_bounds(block: Block) -> list:
+    """The kernels' (hi, lo) of a block as np.int32: element (i, j) is kept iff
+    q_pos + i - lo <= k_pos + j <= q_pos + i + hi (causal: hi = 0; a window cutting through the
+    block: its right / left edge; no bound: NO_BOUND)."""
+    hi = NO_BOUND
+    if block.causal:
+        hi = 0
+    if block.right >= 0:
+        hi = min(hi, block.right)
+    lo = block.left if block.left >= 0 else NO_BOUND
+    return i32(hi, lo)

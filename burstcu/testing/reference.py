@@ -33,13 +33,20 @@ def keep_from_blocks(blocks, sq: int, sk: int) -> np.ndarray:
     """(Sq, Sk) bool: which (local query row, local key row) pairs one of `blocks` keeps.
 
     Each `burstcu.layout.Block` covers rows [q_start, q_start + q_len) x [k_start, k_start + k_len);
-    with `causal` set it keeps element (i, j) of that rectangle only if q_pos + i >= k_pos + j.
+    with `causal` set it keeps element (i, j) of that rectangle only if q_pos + i >= k_pos + j,
+    with `left` / `right` >= 0 only if k_pos + j >= q_pos + i - left / <= q_pos + i + right.
     """
     keep = np.zeros((sq, sk), dtype=bool)
     for b in blocks:
-        i = np.arange(b.q_len)[:, None]
-        j = np.arange(b.k_len)[None, :]
-        rect = (b.q_pos + i >= b.k_pos + j) if b.causal else np.ones((b.q_len, b.k_len), bool)
+        qpos = b.q_pos + np.arange(b.q_len)[:, None]
+        kpos = b.k_pos + np.arange(b.k_len)[None, :]
+        rect = np.ones((b.q_len, b.k_len), bool)
+        if b.causal:
+            rect &= qpos >= kpos
+        if getattr(b, "left", -1) >= 0:
+            rect &= kpos >= qpos - b.left
+        if getattr(b, "right", -1) >= 0:
+            rect &= kpos <= qpos + b.right
         keep[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] |= rect
     return keep
 

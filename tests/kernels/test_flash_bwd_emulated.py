@@ -74,6 +74,12 @@ CASES = {
     "small_causal": (1, 40, 72, 2, 1, [[Block(0, 40, 0, 72, 50, 20, True)]]),
     # small, no mask, ragged on both sides for every tile size used (16/48/64 rows)
     "small_ragged": (1, 50, 100, 2, 1, [[Block(0, 50, 0, 100, 0, 0, False)]]),
+    # sliding windows (Block.left / right: the kernels' lo / hi key bounds): a causal window
+    # whose left edge skips the first key tiles of late query tiles; a window on both sides,
+    # no causal, ragged; the left edge alone over keys that end before some queries start
+    "window_causal": (1, 96, 256, 4, 2, [[Block(0, 96, 0, 256, 180, 0, True, 37)]]),
+    "window_both": (1, 77, 200, 2, 2, [[Block(0, 77, 0, 200, 30, 0, False, 20, 9)]]),
+    "window_left": (2, 64, 96, 2, 1, [[Block(0, 64, 0, 96, 60, 0, False, 40)]]),
     "zigzag_two_calls": (1, 128, 128, 4, 2, [step_blocks("zigzag", 0, 0, 2, 128, True)[:1],
                                              step_blocks("zigzag", 0, 0, 2, 128, True)[1:]]),
 }
@@ -114,10 +120,12 @@ def test_delta(dtype, d):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(d))
 
 
+WINDOW_CASES = ("window_causal", "window_both", "window_left")
 STEP_PARAMS = (
     [(dt, d, c, m) for dt in DTYPES for d in (64, 128) for c in CASES
-     if c not in ("small_causal", "small_ragged")
+     if c not in ("small_causal", "small_ragged") + WINDOW_CASES
      for m in ("atomic", "deterministic")]
+    + [(dt, 64, c, m) for dt in DTYPES for c in WINDOW_CASES for m in ("atomic", "deterministic")]
     + [(dt, d, c, "atomic") for dt in DTYPES for d in (32, 80)
        for c in ("full_ragged", "masked_rows")]
     + [(dt, d, "causal_offsets", "deterministic") for dt in DTYPES for d in (32, 80)]

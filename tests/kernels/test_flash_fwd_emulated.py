@@ -223,3 +223,17 @@ def test_rejects_bad_input(ops):
         ops.forward_init(q.astype(np.float32), None)
     with pytest.raises(ValueError, match="outside"):
         ops.forward_step(state, k, v, [Block(0, 16, 8, 16, 0, 0, False)])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("block", [
+    Block(0, 96, 0, 256, 180, 0, True, 37),      # causal window: late rows skip early key tiles
+    Block(0, 77, 0, 200, 30, 0, False, 20, 9),   # both edges, no causal, ragged
+    Block(0, 64, 0, 96, 60, 0, False, 40),       # left edge only; rows 0..(some) see few keys
+    Block(0, 64, 0, 128, 0, 0, False, 0, 0),     # each row its own key: one visible key a row
+])
+def test_windows(ops, dtype, block):
+    """Sliding-window bounds (Block.left / right) as the kernels' key bounds, against float64
+    over the explicit mask keep_from_blocks builds."""
+    q, k, v = make(dtype, 1, block.q_len, block.k_len, 2, 1, 64, seed=7)
+    check(ops, dtype, q, k, v, [block])

@@ -119,18 +119,20 @@ def auto_runs_the_planned_strategy(causal=True, layout="zigzag", h=8, hkv=2, seq
 
 
 def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
-                             ulysses_degree=None):
+                             ulysses_degree=None, backend="numpy"):
     """Sliding windows (window_size=(left, right), with and without causal, both layouts):
     out, lse, dq, dk, dv against a float64 reference over an explicit dense mask written here
     (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
     unbounded), within FlashAttention's tolerance rule; check=True passes."""
     from burstcu.testing.reference import attention_backward_ref, attention_ref
-    from tests.mpi.bodies import EPS, _check
+    from tests.mpi.bodies import DTYPES, EPS, _check
 
-    group = burstcu.init(backend="numpy")
+    group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
     n = seqlen_local * size
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
+    half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
     how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
     for index, case in enumerate(cases):
         causal, layout, (left, right) = case["causal"], case["layout"], case["window"]
@@ -148,11 +150,11 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
-        naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32)
+        naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32, **half)
         _check("out", out.astype(np.float64), ref_out[:, rows], naive_out[:, rows], dtype)
         _check("lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)
         refs = attention_backward_ref(dout, q, k, v, keep=keep)
-        naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32)
+        naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32, **half)
         # a gradient that is exactly 0 in the reference (window (0, 0): each row sees itself,
         # P = 1, so dS = dP - delta cancels) has no error scale of its own: it must be within
         # rounding of the terms that cancel, |dO| |v| D per dS entry, times |k| (or |q|)
