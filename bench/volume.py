@@ -69,9 +69,10 @@ def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
     return 4 * B * Hkv * S * D * hops * it  # allgather: gather K, V + reduce-scatter dK, dV
 
 
-def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[dict, str]:
+def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=None) -> tuple[dict, str]:
     """Decomposition of the implementation's bytes into named terms, and why it differs from
-    the paper's count."""
+    the paper's count. sends: the forward ring hops this rank sends K, V on (burst; usp: its
+    ring of groups), fewer than G-1 where a mask ends a block's trip early."""
     if G == 1:
         return {}, "one rank: nothing moves"
     hops = G - 1
@@ -84,7 +85,7 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
         if pass_ == "forward":
             return ({f"q, k, v all-to-all in groups of {u}": (q_c + 2 * kv_c) * it * (u - 1),
                      "out + lse fp32 back": (q_c * it + rows_c * acc) * (u - 1),
-                     f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1)},
+                     f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1 if sends is None else sends)},
                     "Ulysses inside groups, the burst ring across them (no published count)")
         ring_bwd = ((r - 1) * (2 * u * q_c * it + 2 * u * rows_c * acc) + r * u * q_c * acc) if r > 1 else 0
         return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
@@ -104,6 +105,9 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc) -> tuple[
                  "dq, dk, dv fp32 all-to-all back": (q_c + 2 * kv_c) * acc * hops},
                 "delta is formed before the all-to-all, so out does not travel; gradients in fp32")
     if pass_ == "forward":
+        if strategy == "burst" and sends is not None and sends != hops:
+            return ({f"k, v ({sends} of G-1 hops)": 2 * kv * sends},
+                    "a block stops once no rank it would reach needs it (causal, windows)")
         return {"k, v (G-1 hops)": 2 * kv * hops}, "matches the paper (x (G-1)/G per rank)"
     if strategy == "burst":
         terms = {"q, dout (G-1 hops)": 2 * qd * hops, "lse, delta fp32 (G-1 hops)": 2 * rows_acc * hops,
@@ -142,18 +146,25 @@ def measure(group, strategy: str, inputs, causal: bool) -> dict:
     return {"forward": fwd, "backward": bwd}
 
 
-def rows_for(strategy: str, measured: dict, size: int, inputs) -> list:
+def rows_for(strategy: str, measured: dict, size: int, inputs, rank: int = 0,
+             causal: bool = False) -> list:
     q, k, v, _ = inputs
     B, S, H, D = q.shape
     Hkv = k.shape[2]
     it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
     impl = strategies.get(strategy, **_options(strategy, size, inputs))
-    formula = {"forward": (impl.forward_bytes(size, q, k, v), impl.forward_messages(size)),
+    mask = dict(rank=rank, layout="contiguous", causal=causal)   # measure() runs contiguous
+    formula = {"forward": (impl.forward_bytes(size, q, k, v, **mask), impl.forward_messages(size, q, **mask)),
                "backward": (impl.backward_bytes(size, q, k, v), impl.backward_messages(size))}
     rows = []
     for pass_ in ("forward", "backward"):
         dims = dict(G=size, B=B, S=S, H=H, Hkv=Hkv, D=D, it=it)
-        terms, why = explain(strategy, pass_, acc=acc, **dims)
+        msgs, sends = formula["forward"][1], None
+        if strategy == "burst":
+            sends = msgs
+        elif strategy == "usp":
+            sends = msgs - 2 * (impl.ulysses_degree - 1)
+        terms, why = explain(strategy, pass_, acc=acc, sends=sends, **dims)
         paper = paper_bytes(strategy, pass_, **dims)
         got = measured[pass_]
         rows.append({
@@ -188,7 +199,8 @@ def main(argv=None):
             C.progress(f"volume: {strategy} skipped: {problem}", group.rank)
             continue
         C.progress(f"volume: {strategy}", group.rank)
-        rows += rows_for(strategy, measure(group, strategy, inputs, args.causal), group.size, inputs)
+        rows += rows_for(strategy, measure(group, strategy, inputs, args.causal), group.size, inputs,
+                         group.rank, args.causal)
     per_rank = group.comm.gather(rows, root=0) if group.comm is not None and group.size > 1 else [rows]
     env = C.environment(group)
     group.close()

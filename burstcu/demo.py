@@ -22,7 +22,7 @@ import numpy as np
 
 import burstcu
 from burstcu.layout import global_positions
-from burstcu.engine.burst import backward_bytes, forward_bytes
+from burstcu.engine.burst import backward_bytes, forward_bytes, forward_sends
 
 
 def reference_rows(q, k, v, dout, rows, causal, scale, block=256):
@@ -155,8 +155,11 @@ def _report(args, size, backend, rows, ql, kl):
     for r in rows:
         print(f"{r['rank']:>4} " + "".join(f"{r[e]:>11.2e}" for e in errs)
               + f"{r['fwd_s']:>8.3f}{r['bwd_s']:>8.3f}{r['fwd_bytes']:>13,}{r['fwd_msgs']:>5}{r['bwd_bytes']:>13,}{r['bwd_msgs']:>5}")
-    print(f"formula per rank: forward (G-1)*(|K|+|V|) = {forward_bytes(size, kl, kl):,} bytes; "
-          f"backward (G-1)*(|Q|+|dO|+|D|+|lse|) + G*|dQ fp32| = {backward_bytes(size, ql):,} bytes")
+    sends = [forward_sends(r, size, ql.shape[1], args.layout, args.causal) for r in range(size)]
+    print(f"formula per rank: forward sends*(|K|+|V|) = "
+          f"{', '.join(f'{forward_bytes(size, kl, kl, n):,}' for n in sends)} bytes (ranks 0..{size - 1}: a "
+          f"block travels only while a rank it reaches needs it); backward (G-1)*(|Q|+|dO|+|D|+|lse|) "
+          f"+ G*|dQ fp32| = {backward_bytes(size, ql):,} bytes")
     sys.stdout.flush()
 
 

@@ -141,13 +141,14 @@ def _transfer(machine: Machine, nbytes: float, local: bool) -> float:
 
 
 def predict(strategy: str, options: dict, q_shape, k_shape, size: int, *, causal: bool,
-            layout: str, dtype, machine: Machine) -> Candidate:
-    """PREDICTED forward and backward seconds of `strategy` (see the module docstring)."""
+            layout: str, dtype, machine: Machine, rank: int = 0) -> Candidate:
+    """PREDICTED forward and backward seconds of `strategy` (see the module docstring); bytes
+    are those `rank` sends (the forward of burst and usp skips hops under some masks)."""
     b, s, h, d = (int(n) for n in q_shape)
     hkv = int(k_shape[2])
     q, k = _Spec(q_shape, dtype), _Spec(k_shape, dtype)
     run = engine.get(strategy, **options)
-    fwd_bytes = run.forward_bytes(size, q, k, k)
+    fwd_bytes = run.forward_bytes(size, q, k, k, rank=rank, layout=layout, causal=causal)
     bwd_bytes = run.backward_bytes(size, q, k, k)
     it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
     node = size <= machine.ranks_per_node
@@ -232,8 +233,10 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False, layout: str = "c
         machine = "h100" if group is not None and getattr(group.ops, "backend", "") == "cupy" else "cpu"
     if isinstance(machine, str):
         machine = MACHINES[machine]
+    rank = getattr(group, "rank", 0)
     preds = [predict(name, opts, q_shape, k_shape, size, causal=causal, layout=layout,
-                     dtype=dtype, machine=machine) for name, opts in candidates(q_shape, k_shape, size)]
+                     dtype=dtype, machine=machine, rank=rank)
+             for name, opts in candidates(q_shape, k_shape, size)]
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))
     b, s, h, d = (int(n) for n in q_shape)

@@ -27,8 +27,10 @@ def test_engine_schedule_is_race_free(size, pass_, causal, layout):
     schedules = S.prove(pass_, size, causal=causal, layout=layout)
     assert len(schedules) == size
     groups = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
-    expected = {"forward": ring.forward_messages(size), "backward": ring.backward_messages(size)}
-    assert groups == [expected[pass_]] * size  # one send per NCCL group, as many as messages
+    seqlen = S.SHAPE[1]
+    expected = ([ring.forward_sends(r, size, seqlen, layout, causal) for r in range(size)]
+                if pass_ == "forward" else [ring.backward_messages(size)] * size)
+    assert groups == expected  # one send per NCCL group, as many as messages
 
 
 def test_recorded_transport_counts_like_the_base_class():
@@ -110,12 +112,27 @@ def test_mismatched_ranks_are_reported_as_a_hang():
     send = next(a for a in schedules[1].actions if a.kind == "send" and a.group == 2)
     schedules[1] = S.drop_action(schedules[1], send.index)
     text = S.report(S.check_world(schedules))
-    assert "recv on the comm stream" in text and "no matching send" in text
-    assert "group 2 of rank 1" in text
+    assert "recv on the comm stream" in text and "no matching send from rank 1" in text
 
     schedules = S.record_world("forward", 3, causal=False, layout="contiguous")
     schedules[2] = schedules[2].renumbered([a for a in schedules[2].actions if a.group != 1])
-    assert "different numbers of NCCL groups" in S.report(S.check_world(schedules))
+    text = S.report(S.check_world(schedules))
+    assert "no matching recv at rank 2" in text and "no matching send from rank 2" in text
+
+
+def test_groups_paired_out_of_order_are_a_deadlock():
+    """Rank 0 sends in its group 0 what rank 1 receives in its group 1, and rank 1 sends in its
+    group 0 what rank 0 receives in its group 1: each waits in group 0 for the other's group 1."""
+    def rank(r):
+        return S.Schedule(r, 2, [S.Action(0, "comm", "send", "early", peer=1 - r, group=0, nbytes=8),
+                                 S.Action(1, "comm", "recv", "late", peer=1 - r, group=1, nbytes=8)], {})
+    text = S.report(S.check_world([rank(0), rank(1)]))
+    assert "deadlock" in text and "ranks 0 and 1" in text
+    # the same messages in matching groups are fine
+    def ok(r):
+        return S.Schedule(r, 2, [S.Action(0, "comm", "send", "x", peer=1 - r, group=0, nbytes=8),
+                                 S.Action(1, "comm", "recv", "x", peer=1 - r, group=0, nbytes=8)], {})
+    assert S.check_world([ok(0), ok(1)]) == []
 
 
 def test_group_members_are_unordered_with_each_other():

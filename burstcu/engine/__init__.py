@@ -21,9 +21,10 @@ never attention kernels.
     input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take;
                                                           only strategies with limits have it)
 
-plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v)`,
-`backward_bytes(size, q, k, v)`, `forward_messages(size)`, `backward_messages(size)`), which the
-tests check against `transport.stats`.
+plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v,
+**mask)`, `backward_bytes(size, q, k, v)`, `forward_messages(size, q=None, **mask)`,
+`backward_messages(size)`), which the tests check against `transport.stats`; mask = rank,
+layout, causal, window, for the strategies whose forward skips hops no rank needs (burst, usp).
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
 q, dout, out, dq: (B, S, H, D); k, v, dk, dv: (B, S, Hkv, D); lse: (B, H, S) in the accumulation

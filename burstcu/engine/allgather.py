@@ -123,7 +123,7 @@ class AllGatherAttention:
 
     # -- what one rank sends -------------------------------------------------------------------
     @staticmethod
-    def forward_bytes(size: int, q, k, v) -> int:
+    def forward_bytes(size: int, q, k, v, **mask) -> int:
         return (size - 1) * (k.nbytes + v.nbytes)
 
     @staticmethod
@@ -131,7 +131,7 @@ class AllGatherAttention:
         return (size - 1) * (k.nbytes + v.nbytes + 2 * kv_bytes_acc(k))
 
     @staticmethod
-    def forward_messages(size: int) -> int:
+    def forward_messages(size: int, q=None, **mask) -> int:
         return 0  # the all-gather is a collective: bytes are counted, messages are not
 
     @staticmethod

@@ -14,7 +14,12 @@ Forward (Algorithm 1 of the paper): K and V travel *together* as one message per
         if s < G-1: send cur -> next, receive nxt <- prev          (posted, not waited)
         fold attention(q, cur.k, cur.v) into the running state     (overlaps the transfer)
         wait; swap
-    Bytes sent per rank = (G-1) * 2*B*S*Hkv*D*itemsize; messages = G-1.
+    A block goes on only while a rank it would still reach needs it (`travels`: causal or a
+    window can end its trip early; the receiver skips the same receive), so
+    Bytes sent per rank = sends * 2*B*S*Hkv*D*itemsize, messages = sends, with sends
+    (`forward_sends`) = G-1 without a mask; under causal over contiguous shards r+1 for rank
+    r < G-1 and 0 for the last (G(G-1)/2 block-hops in all, half the ring's); G-1 under causal
+    zigzag (every rank needs every block); for a narrow window only the hops to ranks it reaches.
 
 Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
 accumulator. The dQ that rank r adds at step s is needed by rank r+1 only *after* its own step
@@ -67,11 +72,18 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     ops.copy_(buffers[0]["v"], v)
     state = ops.forward_init(q, softmax_scale)
 
+    mask = (layout, size, seqlen, causal, window)
     for s in range(size):
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
-        exchanging = s < size - 1
+        # a block goes on only while some later holder still needs it (sender and receiver
+        # decide alike); a rank never has to send what it did not receive (`travels`)
+        sending = s < size - 1 and travels(rank, s, *mask)
+        receiving = s < size - 1 and travels(transport.prev_rank, s, *mask)
+        exchanging = sending or receiving
         if exchanging:
-            post_exchange(ops, transport, f"fwd {s} send/recv kv", [(cur.span("k", "v"), nxt.span("k", "v"))])
+            post_exchange(ops, transport, f"fwd {s} send/recv kv",
+                          [(cur.span("k", "v") if sending else None,
+                            nxt.span("k", "v") if receiving else None)])
         source = (rank - s) % size
         blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
         compute_s = 0.0
@@ -83,9 +95,33 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     return ops.forward_finalize(state, q.dtype)
 
 
-def forward_bytes(size: int, k, v) -> int:
-    """Bytes one rank sends in `forward` (the formula in the module docstring)."""
-    return (size - 1) * (k.nbytes + v.nbytes)
+def needs(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int, causal: bool,
+          window=(-1, -1)) -> bool:
+    """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
+    return bool(step_blocks(layout, q_rank, kv_rank, size, seqlen_local, causal, window))
+
+
+def travels(holder: int, step: int, layout: str, size: int, seqlen_local: int, causal: bool,
+            window=(-1, -1)) -> bool:
+    """Whether the K/V block `holder` has at forward step `step` (that of rank holder - step)
+    goes on to holder + 1: some rank it would still reach, holder + 1 .. holder + G-1-step,
+    needs it."""
+    block = (holder - step) % size
+    return any(needs(layout, (holder + t) % size, block, size, seqlen_local, causal, window)
+               for t in range(1, size - step))
+
+
+def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+                  causal: bool = False, window=(-1, -1)) -> int:
+    """How many of the G-1 forward steps `rank` sends its K, V on: G-1 without a mask; with
+    causal over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last
+    rank none, G(G-1)/2 in all; zigzag needs every hop."""
+    return sum(travels(rank, s, layout, size, seqlen_local, causal, window) for s in range(size - 1))
+
+
+def forward_bytes(size: int, k, v, sends: int | None = None) -> int:
+    """Bytes one rank sends in `forward`: `sends` (default G-1, no mask) x (|K| + |V|)."""
+    return (size - 1 if sends is None else sends) * (k.nbytes + v.nbytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,17 +253,27 @@ class BurstAttention:
     backward = staticmethod(backward)
 
     @staticmethod
-    def forward_bytes(size: int, q, k, v) -> int:
-        return forward_bytes(size, k, v)
+    def forward_bytes(size: int, q, k, v, **mask) -> int:
+        """mask: rank, layout, causal, window (forward_sends); none: every hop."""
+        return forward_bytes(size, k, v, _sends(size, q, mask))
 
     @staticmethod
     def backward_bytes(size: int, q, k, v) -> int:
         return backward_bytes(size, q)
 
     @staticmethod
-    def forward_messages(size: int) -> int:
-        return forward_messages(size)
+    def forward_messages(size: int, q=None, **mask) -> int:
+        sends = None if q is None else _sends(size, q, mask)
+        return forward_messages(size) if sends is None else sends
 
     @staticmethod
     def backward_messages(size: int) -> int:
         return backward_messages(size)
+
+
+def _sends(size: int, q, mask: dict) -> int | None:
+    """forward_sends for a strategy-level formula call (None: no mask given, every hop)."""
+    if not mask.get("causal") and tuple(mask.get("window", (-1, -1))) == (-1, -1):
+        return None
+    return forward_sends(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
+                         mask.get("causal", False), tuple(mask.get("window", (-1, -1))))

@@ -123,7 +123,7 @@ class RingAttention:
 
     # -- what one rank sends -------------------------------------------------------------------
     @staticmethod
-    def forward_bytes(size: int, q, k, v) -> int:
+    def forward_bytes(size: int, q, k, v, **mask) -> int:
         return (size - 1) * (k.nbytes + v.nbytes)
 
     @staticmethod
@@ -133,7 +133,7 @@ class RingAttention:
         return (size - 1) * (k.nbytes + v.nbytes) + size * 2 * kv_bytes_acc(k)
 
     @staticmethod
-    def forward_messages(size: int) -> int:
+    def forward_messages(size: int, q=None, **mask) -> int:
         return 2 * (size - 1)
 
     @staticmethod

@@ -230,7 +230,7 @@ class UlyssesAttention:
 
     # -- what one rank sends -------------------------------------------------------------------
     @staticmethod
-    def forward_bytes(size: int, q, k, v) -> int:
+    def forward_bytes(size: int, q, k, v, **mask) -> int:
         b, s, h, d = q.shape
         hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
@@ -246,7 +246,7 @@ class UlyssesAttention:
         return (size - 1) * b * s * (inbound + outbound)
 
     @staticmethod
-    def forward_messages(size: int) -> int:
+    def forward_messages(size: int, q=None, **mask) -> int:
         return 2 * (size - 1)
 
     @staticmethod

@@ -18,7 +18,9 @@ picks the largest u <= 8 that does (`choose_degree`).
 Bytes one rank sends (exact; Hg = H/u, Hk the kv heads a rank holds after the all-to-all: Hkv/u,
 or 1 when u % Hkv == 0; S local rows; it, acc: input and accumulation itemsize; r = G/u):
     fwd = (u-1) B S ((Hg + 2 Hk) D it + Hg (acc + D it))           Ulysses in, out + lse back
-        + (r-1) 2 B (u S) Hk D it                                  ring: K and V of a group
+        + sends 2 B (u S) Hk D it                                  ring: K and V of a group
+      (sends = r-1, fewer under causal contiguous or a window: `burst.forward_sends` of the
+      group's super-rank in the ring of r groups)
     bwd = (u-1) B S (Hg (2 acc + 2 D it) + 2 Hk D it)              lse, delta, q, dO, k, v in
         + (r-1) (2 B (u S) Hg D it + 2 B Hg (u S) acc) + r B (u S) Hg D acc     ring bundle, dQ
         + (u-1) B S (Hg + 2 Hk) D acc                               dq, dk, dv back
@@ -126,11 +128,22 @@ class USPAttention:
         u = self.degree(size, h, k.shape[2])
         return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, size // u
 
-    def forward_bytes(self, size: int, q, k, v) -> int:
+    def forward_bytes(self, size: int, q, k, v, **mask) -> int:
+        """mask: rank, layout, causal, window — the ring across the groups skips hops as
+        `burst.forward_sends` says, for the group's super-rank; none: every hop."""
         b, s, hg, hk, d, u, r = self._dims(size, q, k)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         return ((u - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
-                + (r - 1) * 2 * b * u * s * hk * d * it)
+                + self._ring_sends(size, u, s, mask) * 2 * b * u * s * hk * d * it)
+
+    @staticmethod
+    def _ring_sends(size: int, u: int, s: int, mask: dict) -> int:
+        """Forward sends of this rank's ring of G/u groups (of u*s rows each)."""
+        if not mask.get("causal") and tuple(mask.get("window", (-1, -1))) == (-1, -1):
+            return size // u - 1
+        return burst.forward_sends(mask.get("rank", 0) // u, size // u, u * s,
+                                   mask.get("layout", "contiguous"), mask.get("causal", False),
+                                   tuple(mask.get("window", (-1, -1))))
 
     def backward_bytes(self, size: int, q, k, v) -> int:
         b, s, hg, hk, d, u, r = self._dims(size, q, k)
@@ -147,9 +160,10 @@ class USPAttention:
                              "ulysses_degree=u (USPAttention.choose_degree gives the default)")
         return self.ulysses_degree
 
-    def forward_messages(self, size: int) -> int:
+    def forward_messages(self, size: int, q=None, **mask) -> int:
         u = self._known_degree()
-        return 2 * (u - 1) + (size // u - 1)
+        ring = size // u - 1 if q is None else self._ring_sends(size, u, q.shape[1], mask)
+        return 2 * (u - 1) + ring
 
     def backward_messages(self, size: int) -> int:
         u = self._known_degree()

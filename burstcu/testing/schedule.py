@@ -611,50 +611,64 @@ def check(schedule: Schedule) -> list[Violation]:
 # ----------------------------------------------------------------------------------------------
 # across ranks
 
-def _groups(schedule: Schedule) -> list[list[Action]]:
-    groups: dict[int, list[Action]] = {}
-    for a in schedule.actions:
-        if a.group is not None:
-            groups.setdefault(a.group, []).append(a)
-    return [groups[g] for g in sorted(groups)]
-
-
 def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
-    """Cross-rank pairing: the k-th NCCL group of every rank must match its peers' k-th groups
-    (every send has the peer's receive of the same size, and the reverse). A mismatch is a hang
-    (or a truncated message) on real hardware."""
-    size = len(schedules)
-    groups = [_groups(s) for s in schedules]
+    """Cross-rank pairing, as NCCL matches point-to-point messages: between two ranks, the i-th
+    send from one to the other meets the i-th receive there, of the same size (a missing or
+    resized one is a hang or a truncated message on real hardware); and the NCCL groups that
+    hold the matched pairs of two ranks must come in the same order on both (otherwise each
+    waits in an earlier group for the other's later one: a deadlock). All-gathers, being
+    collectives, must be the same sequence on every rank."""
     out: list[Violation] = []
-    counts = {len(g) for g in groups}
-    if len(counts) > 1:
-        per_rank = ", ".join(f"rank {r}: {len(g)}" for r, g in enumerate(groups))
-        out.append(Violation(-1, f"ranks issue different numbers of NCCL groups ({per_rank}): "
-                                 "some rank would wait forever for a peer"))
-    for r, rank_groups in enumerate(groups):
-        for k, group in enumerate(rank_groups):
-            for a in group:
-                out += _match(groups, r, k, a, size)
+    gathers = [[a for a in s.actions if a.kind == "allgather"] for s in schedules]
+    if len({len(g) for g in gathers}) > 1:
+        per_rank = ", ".join(f"rank {r}: {len(g)}" for r, g in enumerate(gathers))
+        out.append(Violation(-1, f"ranks issue different numbers of allgathers ({per_rank}): some "
+                                 "rank would wait forever for a peer"))
+    for k in range(min((len(g) for g in gathers), default=0)):
+        sizes = {g[k].nbytes for g in gathers}
+        if len(sizes) > 1:
+            out.append(Violation(-1, f"allgather #{k} does not match on every rank: sizes "
+                                     f"{sorted(sizes)}", gathers[0][k]))
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    for r, s in enumerate(schedules):
+        for a in s.actions:
+            if a.kind == "send":
+                sends.setdefault((r, a.peer), []).append(a)
+            elif a.kind == "recv":
+                recvs.setdefault((a.peer, r), []).append(a)
+    matched: dict[frozenset, list[tuple[int, int, int]]] = {}   # {a, b} -> (rank, its group, peer group)
+    for src, dst in sorted(set(sends) | set(recvs)):
+        ss, rr = sends.get((src, dst), []), recvs.get((src, dst), [])
+        for i in range(max(len(ss), len(rr))):
+            a = ss[i] if i < len(ss) else None
+            b = rr[i] if i < len(rr) else None
+            if a is None:
+                out.append(Violation(dst, f"{b.describe()} ({b.nbytes} bytes) in NCCL group {b.group} "
+                                          f"has no matching send from rank {src} (its message #{i} to "
+                                          f"rank {dst}; rank {src} sends {len(ss)}): the exchange would "
+                                          f"hang", b))
+            elif b is None:
+                out.append(Violation(src, f"{a.describe()} ({a.nbytes} bytes) in NCCL group {a.group} "
+                                          f"has no matching recv at rank {dst} (message #{i}; rank {dst} "
+                                          f"receives {len(rr)}): the exchange would hang", a))
+            elif a.nbytes != b.nbytes:
+                out.append(Violation(src, f"{a.describe()} sends {a.nbytes} bytes in NCCL group "
+                                          f"{a.group}; rank {dst} receives {b.nbytes} in its group "
+                                          f"{b.group}: the exchange would truncate or hang", a))
+            else:
+                matched.setdefault(frozenset((src, dst)), []).append((src, a.group, b.group))
+    for pair, links in matched.items():
+        lo = min(pair)
+        order = sorted((g_src, g_dst) if src == lo else (g_dst, g_src) for src, g_src, g_dst in links)
+        for (ga, gb), (ga2, gb2) in zip(order, order[1:]):
+            if gb2 < gb:
+                hi = max(pair)
+                out.append(Violation(-1, f"ranks {lo} and {hi} pair NCCL groups out of order (rank "
+                                         f"{lo}'s group {ga} with rank {hi}'s {gb}, but its later group "
+                                         f"{ga2} with the earlier {gb2}): a deadlock"))
+                break
     return out
-
-
-_PAIR = {"send": "recv", "recv": "send"}
-
-
-def _match(groups, r: int, k: int, a: Action, size: int) -> list[Violation]:
-    if a.kind == "allgather":
-        peers = [g[k] if k < len(g) else [] for g in groups]
-        sizes = {tuple(x.nbytes for x in p if x.kind == "allgather") for p in peers}
-        return [] if len(sizes) == 1 else [Violation(r, f"allgather in group {k} does not match "
-                                                        f"on every rank: sizes {sorted(sizes)}", a)]
-    peer_groups = groups[a.peer] if 0 <= a.peer < size else []
-    peer_group = peer_groups[k] if k < len(peer_groups) else []
-    want = _PAIR[a.kind]
-    if any(b.kind == want and b.peer == r and b.nbytes == a.nbytes for b in peer_group):
-        return []
-    return [Violation(r, f"{a.describe()} ({a.nbytes} bytes) in NCCL group {k} has no matching "
-                         f"{want} of {a.nbytes} bytes {'from' if want == 'recv' else 'to'} rank {r} "
-                         f"in group {k} of rank {a.peer}: the exchange would hang or truncate", a)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -60,20 +60,44 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
+def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1)) -> int:
+    """Forward hops ring member `index` sends K, V on when a block goes on only while a member
+    it would still reach sees one of its keys. groups: each member's global positions."""
+    g = len(groups)
+    left, right = window
+
+    def sees(x, j):  # do member x's queries see any of member j's keys? (every pair, spelled out)
+        qpos, kpos = np.asarray(groups[x])[:, None], np.asarray(groups[j])[None, :]
+        keep = np.ones((qpos.size, kpos.size), bool)
+        if causal:
+            keep &= kpos <= qpos
+        if left >= 0:
+            keep &= kpos >= qpos - left
+        if right >= 0:
+            keep &= kpos <= qpos + right
+        return bool(keep.any())
+
+    return sum(any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step))
+               for step in range(g - 1))
+
+
 def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int, d: int,
-                     itemsize: int, acc: int, ulysses_degree: int | None = None) -> dict:
+                     itemsize: int, acc: int, ulysses_degree: int | None = None, rank: int = 0,
+                     layout: str = "contiguous", causal: bool = False) -> dict:
     """(bytes, messages) one rank sends per pass, written out from the algorithms' definitions
     (burstcu.engine's modules' docstrings), not taken from burstcu."""
     g1 = size - 1
+    rows = [my_rows(layout, x, size, s * size) for x in range(size)]
     kv = b * s * hkv * d * itemsize          # one of K, V in the input dtype
     kv_acc = b * s * hkv * d * acc           # one of dK, dV in the accumulation dtype
     qd = b * s * h * d
-    rows = b * h * s
+    row_stats = b * h * s
     if size == 1:
         return {"fwd": (0, 0), "bwd": (0, 0)}
     if strategy == "burst":                  # K and V in one message; q, dout, delta, lse + dq
-        bundle = 2 * qd * itemsize + 2 * rows * acc
-        return {"fwd": (g1 * 2 * kv, g1), "bwd": (g1 * bundle + size * qd * acc, size + 1)}
+        bundle = 2 * qd * itemsize + 2 * row_stats * acc
+        sends = ring_sends(rows, rank, causal)   # K, V stop once no rank they reach needs them
+        return {"fwd": (sends * 2 * kv, sends), "bwd": (g1 * bundle + size * qd * acc, size + 1)}
     if strategy == "ring":                   # K and V apart; backward: K, V, dK, dV travel
         return {"fwd": (g1 * 2 * kv, 2 * g1),
                 "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
@@ -84,13 +108,15 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
         r, hg = size // u, h // u
         hk = hkv // u if hkv % u == 0 else 1
         q_part, kv_part, row_part = b * s * hg * d, b * s * hk * d, b * hg * s
+        groups = [np.concatenate(rows[i * u:(i + 1) * u]) for i in range(r)]
+        sends = ring_sends(groups, rank // u, causal)
         fwd = ((u - 1) * ((q_part + 2 * kv_part) * itemsize + row_part * acc + q_part * itemsize)
-               + (r - 1) * 2 * u * kv_part * itemsize)              # a group's K, V per ring step
+               + sends * 2 * u * kv_part * itemsize)                # a group's K, V per ring hop
         bwd = (u - 1) * ((2 * q_part + 2 * kv_part) * itemsize + 2 * row_part * acc)
         if r > 1:                            # the ring's bundle over (r-1) steps + dQ r times
             bwd += (r - 1) * (2 * u * q_part * itemsize + 2 * u * row_part * acc) + r * u * q_part * acc
         bwd += (u - 1) * (q_part + 2 * kv_part) * acc             # dq, dk, dv back (fp32)
-        return {"fwd": (fwd, 2 * (u - 1) + r - 1), "bwd": (bwd, 2 * (u - 1) + (r + 1 if r > 1 else 0))}
+        return {"fwd": (fwd, 2 * (u - 1) + sends), "bwd": (bwd, 2 * (u - 1) + (r + 1 if r > 1 else 0))}
     if strategy == "ulysses":                # one all-to-all each way; to every other rank:
         hg = h // size                       # its query heads of my rows,
         hk = hkv // size if hkv % size == 0 else 1   # and the kv heads those use
@@ -150,10 +176,14 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
 
         itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
         want = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize, acc_size,
-                                ulysses_degree)
+                                ulysses_degree, rank, layout, causal)
+        # what I receive is what the rank before me in the ring sends (USP: in the ring of groups)
+        before = (rank - (ulysses_degree or 1) if strategy == "usp" else rank - 1) % size
+        sent_to_me = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize,
+                                      acc_size, ulysses_degree, before, layout, causal)
         for name, got in (("fwd", fwd), ("bwd", bwd)):
             assert (got["bytes_sent"], got["messages"]) == want[name], (strategy, name, got, want[name])
-            assert got["bytes_received"] == got["bytes_sent"], (name, got)
+            assert got["bytes_received"] == sent_to_me[name][0], (name, got, sent_to_me[name])
         summary.append({"case": case, "errors": errs, "fwd_bytes": fwd["bytes_sent"],
                         "bwd_bytes": bwd["bytes_sent"]})
     group.close()

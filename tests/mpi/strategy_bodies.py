@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import burstcu
-from tests.mpi.bodies import attention_matches_reference, make_inputs, my_rows
+from tests.mpi.bodies import attention_matches_reference, make_inputs, my_rows, ring_sends
 
 
 def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
@@ -147,7 +147,13 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
         rows = my_rows(layout, rank, size, n)
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
         kw = dict(causal=causal, layout=layout, window_size=(left, right), **how)
+        group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
+        if strategy == "burst":  # K, V go on only while a rank they reach needs them
+            sends = ring_sends([my_rows(layout, x, size, n) for x in range(size)], rank, causal,
+                               (left, right))
+            assert group.stats.bytes_sent == sends * (kl.nbytes + vl.nbytes), (case, sends, group.stats)
+            assert group.stats.messages == sends
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
         naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32, **half)

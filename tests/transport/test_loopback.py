@@ -62,10 +62,13 @@ def test_every_rank_matches_the_reference(size, strategy, causal, layout):
             ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
             assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
         ql, kl, vl, _ = local
+        mask = dict(rank=rank, layout=layout, causal=causal)
         if strategy == "burst":
-            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl), ring.backward_bytes(size, ql)
+            sends = ring.forward_sends(rank, size, ql.shape[1], layout, causal)
+            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl, sends), ring.backward_bytes(size, ql)
         else:
-            want_fwd, want_bwd = engine.forward_bytes(size, ql, kl, vl), engine.backward_bytes(size, ql, kl, vl)
+            want_fwd = engine.forward_bytes(size, ql, kl, vl, **mask)
+            want_bwd = engine.backward_bytes(size, ql, kl, vl)
         assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (want_fwd, want_bwd), rank
 
 
@@ -188,7 +191,8 @@ def test_all_to_all_strategies_match_the_reference(size, strategy):
             ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
             assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
         ql, kl, vl, _ = local
-        assert fwd["bytes_sent"] == engine.forward_bytes(size, ql, kl, vl), rank
+        assert fwd["bytes_sent"] == engine.forward_bytes(size, ql, kl, vl, rank=rank, layout="zigzag",
+                                                         causal=True), rank
         assert bwd["bytes_sent"] == engine.backward_bytes(size, ql, kl, vl), rank
 
 

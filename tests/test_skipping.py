@@ -1,0 +1,35 @@
+"""The forward ring stops a K/V block once no rank it would still reach needs it
+(`burstcu.engine.burst.travels`): causal over contiguous shards moves half the ring's block-hops,
+a narrow window talks to the next rank only, zigzag needs every hop. Counted here against a
+brute force over positions written out in tests/mpi/bodies.py::ring_sends; the bytes a real ring
+sends are asserted by tests/test_window.py and tests/test_strategies.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from burstcu.engine.burst import forward_sends
+from tests.mpi.bodies import my_rows, ring_sends
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, 0)),
+                                           (False, (3, 2)), (False, (0, 0)), (True, (40, -1))])
+def test_sends_match_the_brute_force(size, layout, causal, window):
+    s = 8
+    rows = [my_rows(layout, x, size, s * size) for x in range(size)]
+    got = [forward_sends(r, size, s, layout, causal, window) for r in range(size)]
+    assert got == [ring_sends(rows, r, causal, window) for r in range(size)]
+
+
+def test_causal_contiguous_moves_half_the_hops():
+    for size in (2, 4, 8):
+        sends = [forward_sends(r, size, 16, "contiguous", True) for r in range(size)]
+        assert sends == [r + 1 for r in range(size - 1)] + [0]   # rank r forwards blocks 0..r
+        assert sum(sends) == size * (size - 1) // 2
+        assert [forward_sends(r, size, 16, "zigzag", True) for r in range(size)] == [size - 1] * size
+
+
+def test_a_narrow_causal_window_talks_to_the_next_rank_only():
+    assert [forward_sends(r, 6, 16, "contiguous", True, (4, 0)) for r in range(6)] == [1] * 5 + [0]
