@@ -256,7 +256,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     window_size: (left, right) sliding window (flash-attn's convention): a query at global
         position i sees keys in [i - left, i + right], -1 meaning unbounded on that side; with
         causal the right bound is the diagonal (right 0 or -1). Steps and tiles wholly outside
-        are skipped (the K/V still travel the whole ring).
+        are skipped; the forward's K/V blocks stop once no rank they would reach needs them.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results

@@ -157,7 +157,7 @@ def _report(args, size, backend, rows, ql, kl):
               + f"{r['fwd_s']:>8.3f}{r['bwd_s']:>8.3f}{r['fwd_bytes']:>13,}{r['fwd_msgs']:>5}{r['bwd_bytes']:>13,}{r['bwd_msgs']:>5}")
     sends = [forward_sends(r, size, ql.shape[1], args.layout, args.causal) for r in range(size)]
     print(f"formula per rank: forward sends*(|K|+|V|) = "
-          f"{', '.join(f'{forward_bytes(size, kl, kl, n):,}' for n in sends)} bytes (ranks 0..{size - 1}: a "
+          f"{' / '.join(f'{forward_bytes(size, kl, kl, n):,}' for n in sends)} bytes (ranks 0..{size - 1}: a "
           f"block travels only while a rank it reaches needs it); backward (G-1)*(|Q|+|dO|+|D|+|lse|) "
           f"+ G*|dQ fp32| = {backward_bytes(size, ql):,} bytes")
     sys.stdout.flush()
