@@ -162,7 +162,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
    hi, lo: element (i, j) (relative to q_start, k_start) is kept iff
        q_pos + i - lo <= k_pos + j <= q_pos + i + hi
      (causal: hi = 0; a sliding window (left, right): lo = left, hi = right; no bound: NO_BOUND,
-     which keeps every sum of positions below 2^31 for positions below 2^29)
+     which keeps every sum of positions below 2^31 for positions below 2^30)
    scale_log2 = softmax_scale * log2(e)
    nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one

@@ -41,11 +41,14 @@ visiting row's sum of P into a (B, H, S) accumulator that rides right behind dQ,
 does (one step behind, home in the last hop, which then carries two messages); the check is that
 every row's total is 1. Byte counts above are without it.
 
-Causal masking only changes what a step computes (`layout.step_blocks`), never what is sent, so
-byte counts do not depend on `causal`. All accumulation state stays in the accumulation dtype.
+In the backward, masks only change what a step computes (`layout.step_blocks`), never what is
+sent, so its byte counts do not depend on them; in the forward they decide how far each K/V
+block travels (above). All accumulation state stays in the accumulation dtype.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
@@ -95,6 +98,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     return ops.forward_finalize(state, q.dtype)
 
 
+@lru_cache(maxsize=65536)
 def needs(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int, causal: bool,
           window=(-1, -1)) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""

@@ -25,7 +25,7 @@ or 1 when u % Hkv == 0; S local rows; it, acc: input and accumulation itemsize; 
         + (r-1) (2 B (u S) Hg D it + 2 B Hg (u S) acc) + r B (u S) Hg D acc     ring bundle, dQ
         + (u-1) B S (Hg + 2 Hk) D acc                               dq, dk, dv back
 (gradients come back in the accumulation dtype, so the shares of a kv head several ranks use are
-summed before rounding). Messages: fwd 2(u-1) + (r-1); bwd 2(u-1) + (r+1 if r > 1 else 0). With
+summed before rounding). Messages: fwd 2(u-1) + sends; bwd 2(u-1) + (r+1 if r > 1 else 0). With
 check=True the row sums ride along (in the all-to-all back, and with dQ in the ring, whose last
 hop then carries two messages); those bytes are not in these formulas.
 """

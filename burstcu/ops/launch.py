@@ -14,6 +14,7 @@ I32_MAX = 2**31 - 1
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
 # position (below 2^30) plus it stays within int32
 NO_BOUND = 1 << 29
+MAX_POSITION = 1 << 30
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,4 +76,8 @@ def key_bounds(block: Block) -> list:
     if block.right >= 0:
         hi = min(hi, block.right)
     lo = block.left if block.left >= 0 else NO_BOUND
+    if max(block.q_pos + block.q_len, block.k_pos + block.k_len) > MAX_POSITION:
+        raise ValueError(f"global positions up to {MAX_POSITION} only (the kernels add bounds of "
+                         f"up to 2^29 to them in int32); this block reaches "
+                         f"{max(block.q_pos + block.q_len, block.k_pos + block.k_len)}")
     return i32(hi, lo)

@@ -361,7 +361,7 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
            shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
-           options: dict | None = None) -> Schedule:
+           options: dict | None = None, window: tuple = (-1, -1)) -> Schedule:
     """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
     `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
     need `record_loopback`: a recording NCCL rank has no MPI to split over."""
@@ -381,7 +381,7 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
         extra = {"dout": ops.new("dout", (b, s, h, d), dtype), "out": ops.new("out", (b, s, h, d), dtype),
                  "lse": ops.new("lse", (b, h, s), acc)}
     device.sentinel("begin")
-    kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
+    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window=window)
     if pass_ == "forward":
         run.forward(q, k, v, ops, transport, **kw)
     else:
@@ -617,7 +617,9 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
     resized one is a hang or a truncated message on real hardware); and the NCCL groups that
     hold the matched pairs of two ranks must come in the same order on both (otherwise each
     waits in an earlier group for the other's later one: a deadlock). All-gathers, being
-    collectives, must be the same sequence on every rank."""
+    collectives, must be the same sequence on every rank. Groups are
+    proved free of deadlock: no cycle of ranks each waiting in an earlier group for another's
+    later one (a pair or any longer ring of ranks, all-gathers included)."""
     out: list[Violation] = []
     gathers = [[a for a in s.actions if a.kind == "allgather"] for s in schedules]
     if len({len(g) for g in gathers}) > 1:
@@ -637,7 +639,6 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
                 sends.setdefault((r, a.peer), []).append(a)
             elif a.kind == "recv":
                 recvs.setdefault((a.peer, r), []).append(a)
-    matched: dict[frozenset, list[tuple[int, int, int]]] = {}   # {a, b} -> (rank, its group, peer group)
     for src, dst in sorted(set(sends) | set(recvs)):
         ss, rr = sends.get((src, dst), []), recvs.get((src, dst), [])
         for i in range(max(len(ss), len(rr))):
@@ -656,18 +657,50 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
                 out.append(Violation(src, f"{a.describe()} sends {a.nbytes} bytes in NCCL group "
                                           f"{a.group}; rank {dst} receives {b.nbytes} in its group "
                                           f"{b.group}: the exchange would truncate or hang", a))
-            else:
-                matched.setdefault(frozenset((src, dst)), []).append((src, a.group, b.group))
-    for pair, links in matched.items():
-        lo = min(pair)
-        order = sorted((g_src, g_dst) if src == lo else (g_dst, g_src) for src, g_src, g_dst in links)
-        for (ga, gb), (ga2, gb2) in zip(order, order[1:]):
-            if gb2 < gb:
-                hi = max(pair)
-                out.append(Violation(-1, f"ranks {lo} and {hi} pair NCCL groups out of order (rank "
-                                         f"{lo}'s group {ga} with rank {hi}'s {gb}, but its later group "
-                                         f"{ga2} with the earlier {gb2}): a deadlock"))
-                break
+    # deadlock: every rank's NCCL groups run in issue order; a matched send/recv pair, and the
+    # k-th all-gather of every rank, must run in the same "meeting" of groups. Merge the groups
+    # that meet; a cycle through the ranks' orders is then a set of ranks each waiting in an
+    # earlier group for another's later one.
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for (src, dst), ss in sends.items():
+        for a, b in zip(ss, recvs.get((src, dst), [])):
+            parent[find((src, a.group))] = find((dst, b.group))
+    for k in range(min((len(g) for g in gathers), default=0)):
+        for r, g in enumerate(gathers[1:], start=1):
+            parent[find((r, g[k].group))] = find((0, gathers[0][k].group))
+    edges: dict[tuple[int, int], set] = {}
+    for r, s in enumerate(schedules):
+        order = sorted({a.group for a in s.actions if a.group is not None})
+        for g1, g2 in zip(order, order[1:]):
+            a, b = find((r, g1)), find((r, g2))
+            edges.setdefault(a, set()).add(b)
+            if a == b:
+                edges[a].add(a)
+    state: dict = {}
+
+    def cycle_from(node) -> bool:
+        state[node] = 1
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == 1 or (nxt not in state and cycle_from(nxt)):
+                return True
+        state[node] = 2
+        return False
+
+    for node in list(edges):
+        if node not in state and cycle_from(node):
+            ranks = sorted({r for r, g in list(parent) if state.get(find((r, g))) == 1})
+            out.append(Violation(-1, f"NCCL groups wait for each other in a cycle (ranks {ranks}): "
+                                     f"each holds a message another rank only posts in a later "
+                                     f"group — a deadlock"))
+            break
     return out
 
 
