@@ -60,22 +60,28 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
+def dense_keep(qpos, kpos, causal: bool, window=(-1, -1)) -> np.ndarray:
+    """(len(qpos), len(kpos)) bool: key position k visible to query position q, spelled out:
+    (not causal or k <= q) and q - left <= k <= q + right (-1: unbounded)."""
+    qpos, kpos = np.asarray(qpos)[:, None], np.asarray(kpos)[None, :]
+    left, right = window
+    keep = np.ones((qpos.size, kpos.size), bool)
+    if causal:
+        keep &= kpos <= qpos
+    if left >= 0:
+        keep &= kpos >= qpos - left
+    if right >= 0:
+        keep &= kpos <= qpos + right
+    return keep
+
+
 def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1)) -> int:
     """Forward hops ring member `index` sends K, V on when a block goes on only while a member
     it would still reach sees one of its keys. groups: each member's global positions."""
     g = len(groups)
-    left, right = window
 
-    def sees(x, j):  # do member x's queries see any of member j's keys? (every pair, spelled out)
-        qpos, kpos = np.asarray(groups[x])[:, None], np.asarray(groups[j])[None, :]
-        keep = np.ones((qpos.size, kpos.size), bool)
-        if causal:
-            keep &= kpos <= qpos
-        if left >= 0:
-            keep &= kpos >= qpos - left
-        if right >= 0:
-            keep &= kpos <= qpos + right
-        return bool(keep.any())
+    def sees(x, j):  # do member x's queries see any of member j's keys?
+        return bool(dense_keep(groups[x], groups[j], causal, window).any())
 
     return sum(any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step))
                for step in range(g - 1))

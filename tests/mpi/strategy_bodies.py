@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import burstcu
-from tests.mpi.bodies import attention_matches_reference, make_inputs, my_rows, ring_sends
+from tests.mpi.bodies import attention_matches_reference, dense_keep, make_inputs, my_rows, ring_sends
 
 
 def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
@@ -130,19 +130,12 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
     group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
     n = seqlen_local * size
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
     half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
     how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
     for index, case in enumerate(cases):
         causal, layout, (left, right) = case["causal"], case["layout"], case["window"]
-        keep = np.ones((n, n), bool)
-        if causal:
-            keep &= j <= i
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
+        keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right))
         q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
         rows = my_rows(layout, rank, size, n)
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
