@@ -195,6 +195,39 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int bm, int n0, int bn, 
            k_pos + n0 < q_pos + m0 + bm - 1 - lo;
 }
 
+/// acc (16 rows x 32 columns) += dS^T[mb*16.., :] . K[:, c0..c0+32): rows of dQ from the dS
+/// tile stored [key][query] (stride lds) and the K tile (stride ld), BN keys. With TAINT, K's
+/// Inf/NaN values are taken out of the product and the outputs a non-zero dS meets them at
+/// become NaN (mma_pair_masked), so a zero (masked) dS adds nothing.
+template <typename T, int BN, bool TAINT>
+__device__ __forceinline__ void ds_k_unit(float acc[4][4], const T* sdS, int lds, const T* sK,
+                                          int ld, int mb, int c0) {
+    float taint[4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 a[4];
+        ld_a_t(a, sdS, lds, kk * 16, mb * 16);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            u32 bb[4];
+            ld_b_t(bb, sK, ld, kk * 16, c0 + hf * 16);
+            if constexpr (TAINT) {
+                mma_pair_masked<T>(acc[2 * hf], acc[2 * hf + 1], taint[2 * hf], taint[2 * hf + 1], a, bb);
+            } else {
+                mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
+                mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
+            }
+        }
+    }
+    if constexpr (TAINT) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (taint[j][e] != 0.f) acc[j][e] = NAN;
+    }
+}
+
 }  // namespace bwd
 
 // ---------------------------------------------------------------------------------------------
@@ -377,40 +410,11 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
             for (int u = warp; u < MB * NCH; u += NW) {
                 const int mb = u % MB, c0 = (u / MB) * 32;
                 float acc[4][4] = {};
-                if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD)) {
-                    // as gemm_rs_masked: a zero dS adds nothing, even against an Inf/NaN key
-                    float taint[4][4] = {};
-#pragma unroll
-                    for (int kk = 0; kk < BN / 16; ++kk) {
-                        u32 a[4];
-                        ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            u32 bb[4];
-                            ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
-                            mma_pair_masked<T>(acc[2 * hf], acc[2 * hf + 1], taint[2 * hf],
-                                               taint[2 * hf + 1], a, bb);
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (taint[j][e] != 0.f) acc[j][e] = NAN;
-                } else {
-#pragma unroll
-                    for (int kk = 0; kk < BN / 16; ++kk) {
-                        u32 a[4];
-                        ld_a_t(a, sdS, LDS, kk * 16, mb * 16);
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            u32 bb[4];
-                            ld_b_t(bb, sK, LD, kk * 16, c0 + hf * 16);
-                            mma_m16n8k16<T>(acc[2 * hf], a, bb, acc[2 * hf]);
-                            mma_m16n8k16<T>(acc[2 * hf + 1], a, bb + 2, acc[2 * hf + 1]);
-                        }
-                    }
-                }
+                // a zero dS must add nothing even against an Inf/NaN key (gemm_rs_masked's rule)
+                if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD))
+                    ds_k_unit<T, BN, true>(acc, sdS, LDS, sK, LD, mb, c0);
+                else
+                    ds_k_unit<T, BN, false>(acc, sdS, LDS, sK, LD, mb, c0);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = m0 + mb * 16 + g + (e >> 1) * 8;
