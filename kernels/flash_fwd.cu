@@ -379,30 +379,45 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
    ever set here, never cleared): Inf or NaN, and for bfloat16 also |x| >= 2^56, whose products
    with a D <= 256 vector may overflow float32 (dP = dO . v in the backward); float16 cannot.
    x (B, S, H, D) T, strides sb, ss, sh, last dim contiguous (a (B, H, S) float row statistic
-   such as delta goes in as B, H, S, 1). Grid-stride, 256 threads a block, one element
-   a thread a turn; memory bound, launched only for ring steps with masked pairs. */
-template <typename T> __device__ __forceinline__ bool may_poison(T x);
-template <> __device__ __forceinline__ bool may_poison<__half>(__half x) {
-  return (__half_as_ushort(x) & 0x7c00u) == 0x7c00u;
+   such as delta goes in as (B, S, H, 1) through a transposed view).
+   vec: elements a thread reads, 16 / sizeof(T) when the launcher found every row's chunks
+   16-byte aligned (one uint4 load), else 1.
+   grid (ceil(S * D / vec / 256), H, B), block 256: one chunk a thread, its row found with one
+   division (S * D / vec < 2^31); memory bound, launched only for ring steps with masked pairs. */
+/// may_poison of the element whose bit pattern is the low sizeof(T) bytes of `bits`
+template <typename T> __device__ __forceinline__ bool may_poison_bits(unsigned bits);
+template <> __device__ __forceinline__ bool may_poison_bits<__half>(unsigned bits) {
+  return (bits & 0x7c00u) == 0x7c00u;
 }
-template <> __device__ __forceinline__ bool may_poison<__nv_bfloat16>(__nv_bfloat16 x) {
-  return (__bfloat16_as_ushort(x) & 0x7f80u) >= ((127u + 56u) << 7);
+template <> __device__ __forceinline__ bool may_poison_bits<__nv_bfloat16>(unsigned bits) {
+  return (bits & 0x7f80u) >= ((127u + 56u) << 7);
 }
-template <> __device__ __forceinline__ bool may_poison<float>(float x) {
-  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+template <> __device__ __forceinline__ bool may_poison_bits<float>(unsigned bits) {
+  return (bits & 0x7f800000u) == 0x7f800000u;
 }
+__device__ __forceinline__ unsigned element_bits(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ unsigned element_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ unsigned element_bits(float x) { return __float_as_uint(x); }
 
 template <typename T>
 __global__ void __launch_bounds__(256)
 flash_any_nonfinite(const T* __restrict__ x, int* __restrict__ flag, long long sb, long long ss,
-                    long long sh, int B, int S, int H, int D) {
-  const long long n = (long long)B * S * H * D;
+                    long long sh, int S, int D, int vec) {
+  const int chunks = D / vec;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= S * chunks) return;
+  const int s = i / chunks;
+  const T* p = x + blockIdx.z * sb + s * ss + blockIdx.y * sh + (i - s * chunks) * vec;
   bool bad = false;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long row = i / D;
-    const int d = (int)(i % D), h = (int)(row % H), s = (int)((row / H) % S), b = (int)(row / ((long long)H * S));
-    bad = bad || may_poison<T>(x[b * sb + s * ss + h * sh + d]);
+  if (vec > 1) {  // the 16 bytes as four words of 4 / sizeof(T) elements each, read by shifting
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4 / (int)sizeof(T); ++e) bad = bad || may_poison_bits<T>(words[j] >> (16 * e));
+  } else {
+    bad = may_poison_bits<T>(element_bits(*p));
   }
   if (bad) *flag = 1;  // every writer writes the same value
 }

@@ -36,7 +36,7 @@ from ..testing import emulate
 from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd
-from .launch import cdiv, element_strides, i32, i64, key_bounds, vector_ready
+from .launch import I32_MAX, cdiv, data_ptr, element_strides, i32, i64, key_bounds, vector_ready
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
@@ -186,12 +186,18 @@ class KernelOps(LocalOps):
         for x in tensors:
             if x.size == 0:
                 continue
-            x4 = x[..., None] if x.ndim == 3 else x
+            x4 = x.transpose(0, 2, 1)[..., None] if x.ndim == 3 else x    # (B, S, H, D)
             variant = nonfinite_flag_variant(_dtype_name(x))
             threads = variant.launch.threads
             B, S, H, D = x4.shape
-            args = (x4, flag, *i64(*element_strides(x4)[:3]), *i32(B, S, H, D))
-            self.function(variant.name)((min(cdiv(x4.size, threads), 1024),), (threads,), args)
+            strides = element_strides(x4)[:3]
+            vec = 16 // x4.itemsize
+            if D % vec or data_ptr(x4) % 16 or any(st % vec for st in strides):
+                vec = 1
+            if S * D // vec > I32_MAX:
+                raise ValueError(f"{S} x {D} elements a head: beyond the flag kernel's int32 index")
+            args = (x4, flag, *i64(*strides), *i32(S, D, vec))
+            self.function(variant.name)((cdiv(S * D // vec, threads), H, B), (threads,), args)
         return flag
 
     def zero_flag(self):

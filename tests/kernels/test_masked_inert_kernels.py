@@ -210,14 +210,14 @@ def test_careful_kernels_match_the_plain_ones_on_finite_tiles(deterministic):
         x[name][0, 88:] = 0
     fwd0 = forward(ops, x, blocks)
     fwd = forward(ops, bad, blocks)
-    assert [int(np.asarray(f)[0]) for f in flags] == [0, 1]      # plain, then careful
+    assert [int(ops.host(f)[0]) for f in flags] == [0, 1]      # plain, then careful
     for name, a, b in zip(("out", "lse"), fwd0, fwd):
         assert np.array_equal(a, b), name     # rows 88.. saw nothing: 0 and -inf in both
     out0, lse0 = fwd0
     g0 = backward(ops, x, out0, lse0, blocks)
     with np.errstate(invalid="ignore"):
         g = backward(ops, bad, out0, lse0, blocks)
-    assert [int(np.asarray(f)[0]) for f in flags[2:]] == [0, 1]
+    assert [int(ops.host(f)[0]) for f in flags[2:]] == [0, 1]
     for name, a, b in zip(("dq", "dk", "dv"), g0, g):
         if deterministic:
             assert np.array_equal(a, b), name
@@ -248,3 +248,50 @@ def test_row_sums_of_p():
     for blocks in halves:
         backward(ops, x, out.astype(np.float64), shifted, blocks, psum)
     assert abs(psum[0, 1, 50] - np.exp(-0.1)) < 1e-4
+
+
+# -- the flag itself -------------------------------------------------------------------------------
+
+FLAG_DTYPES = {**DTYPES, "float32": np.float32}
+POISONS = {"float16": [np.inf, -np.inf, np.nan], "bfloat16": [np.inf, np.nan, 2.0**56, -2.0**60],
+           "float32": [np.inf, np.nan]}
+
+
+@pytest.mark.parametrize("dtype", list(FLAG_DTYPES))
+@pytest.mark.parametrize("shape", [(1, 40, 2, 64), (2, 33, 3, 96), (1, 17, 1, 8), (2, 5, 2, 40)])
+def test_nonfinite_flag_finds_every_poison(shape, dtype):
+    """The flag kernel (16-byte loads where rows allow, one element a thread where they do not)
+    is 0 on finite data (bfloat16 just below its 2^56 threshold too) and 1 for a poison at any
+    of 20 random positions, each in its own launch; also through views with a head stride
+    (every other head) and an unaligned start (column 1 on)."""
+    ops = kernel_ops()
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(FLAG_DTYPES[dtype])
+
+    def flag(a, view=lambda d: d):
+        return int(ops.host(ops.ops.nonfinite_flag(view(ops.device(a))))[0])
+
+    assert flag(x) == 0
+    if dtype == "bfloat16":
+        y = x.copy()
+        y.flat[7] = 2.0**55
+        assert flag(y) == 0
+    for i in range(20):
+        y = x.copy()
+        y[tuple(int(rng.integers(0, n)) for n in shape)] = POISONS[dtype][i % len(POISONS[dtype])]
+        assert flag(y) == 1, (i, np.argwhere(~np.isfinite(y.astype(np.float64))))
+    y = x.copy()
+    y[:, -1, 0, 0] = POISONS[dtype][0]                   # the last row's first column, head 0
+    assert flag(y, lambda d: d[:, :, ::2]) == 1
+    assert flag(y, lambda d: d[..., 1:]) == 0 and flag(y, lambda d: d[:, :, 1:]) == 0
+
+
+def test_nonfinite_flag_of_row_statistics():
+    """(B, H, S) float32 statistics (delta, lse) go through a transposed view: a NaN anywhere."""
+    ops = kernel_ops()
+    d = np.zeros((2, 3, 40), np.float32)
+    assert int(ops.host(ops.ops.nonfinite_flag(ops.device(d)))[0]) == 0
+    for pos in [(0, 0, 0), (1, 2, 39), (0, 1, 17)]:
+        e = d.copy()
+        e[pos] = np.nan
+        assert int(ops.host(ops.ops.nonfinite_flag(ops.device(e)))[0]) == 1, pos
