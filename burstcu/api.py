@@ -198,7 +198,7 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
     if err is None:
         err = _strategy_problem(strategy, options, q.shape, k.shape, size)
     if err is None:
-        err = check_window(window, bool(causal), getattr(ops, "masks_windows", False))
+        err = check_window(window, bool(causal), ops.masks_windows)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)

@@ -82,6 +82,7 @@ class LocalOps(ABC):
     xp: Any = np
     array_types: tuple = (np.ndarray,)           # what the public API accepts with this op
     dtypes: tuple = ("float16", "bfloat16", "float32", "float64")
+    masks_windows: bool = False                  # Block.left / Block.right honoured (sliding windows)
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
         """Why this op cannot take q (B,S,H,D), k (B,S,Hkv,D) in the forward (or backward)
@@ -193,6 +194,7 @@ class DelegatingOps(LocalOps):
         self.inner = inner
         self.name, self.xp = f"{type(self).__name__}({inner.name})", inner.xp
         self.array_types, self.dtypes = inner.array_types, inner.dtypes
+        self.masks_windows = inner.masks_windows
 
     def input_problem(self, q, k, backward: bool = False):
         return self.inner.input_problem(q, k, backward)
