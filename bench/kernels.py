@@ -3,7 +3,7 @@ same device, in the same run.
 
     python bench/kernels.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
                             [--seqlens 1024 2048 4096 8192 16384] [--passes fwd fwd+bwd]
-                            [--tokens 16384] [--width 2048] [--repeats 10]
+                            [--tokens 16384] [--width 2048] [--repeats 10] [--windows 512 ...]
                             [--json F] [--table F] [--plot F] [--dry-run]
 
 Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, width/D, D):
@@ -18,9 +18,14 @@ Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, widt
 Timing: CUDA events around each call on the current stream, after --warmup calls (compiles,
 autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x
 the forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
-``dtype``, ``headdim``, ``seqlen``, ``causal``, ``ms``, ``tflops``, plus ``torch_ms`` and
-``torch_tflops`` (the flash backend's, for the ratio) on burstcu's rows. Progress on stderr.
+``dtype``, ``headdim``, ``seqlen``, ``causal``, ``window``, ``ms``, ``tflops``, plus ``torch_ms``
+and ``torch_tflops`` (the flash backend's, for the ratio) on burstcu's rows. Progress on stderr.
 ``--dry-run`` prints the plan and needs no GPU.
+
+``--windows W ...`` adds causal sliding-window rows, window_size = (W, 0), for burstcu only
+(SDPA has no sliding window): their FLOPs count the visible (query, key) pairs exactly, so a
+kernel that skips the key tiles outside the window keeps its TFLOP/s while its time falls with
+W / S; ``ms`` against the plain causal row's is the saving.
 """
 
 from __future__ import annotations
@@ -43,8 +48,19 @@ def shape(args, seqlen: int, headdim: int) -> tuple[int, int, int, int]:
     return max(1, args.tokens // seqlen), seqlen, max(1, args.width // headdim), headdim
 
 
-def flops(b, s, h, d, causal: bool, pass_: str) -> float:
-    fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+def visible_pairs(s: int, left: int) -> int:
+    """(query, key) pairs a causal window (left, 0) keeps over S positions: query i sees keys
+    max(0, i - left) .. i."""
+    if left < 0 or left >= s - 1:
+        return s * (s + 1) // 2
+    return (left + 1) * s - left * (left + 1) // 2
+
+
+def flops(b, s, h, d, causal: bool, pass_: str, window: int | None = None) -> float:
+    if window is None:
+        fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    else:
+        fwd = 4.0 * b * h * visible_pairs(s, window) * d
     return fwd * (3.5 if pass_ == "fwd+bwd" else 1.0)
 
 
@@ -53,24 +69,25 @@ def plan(args) -> list[dict]:
     for dtype in args.dtypes:
         for d in args.headdims:
             for s in args.seqlens:
-                for causal in (False, True):
+                masks = [(False, None), (True, None)] + [(True, w) for w in args.windows if w < s]
+                for causal, window in masks:
                     for pass_ in args.passes:
                         b, _, h, _ = shape(args, s, d)
                         rows.append({"dtype": dtype, "headdim": d, "seqlen": s, "causal": causal,
-                                     "pass": pass_, "batch": b, "heads": h,
-                                     "gflop": flops(b, s, h, d, causal, pass_) / 1e9})
+                                     "window": window, "pass": pass_, "batch": b, "heads": h,
+                                     "gflop": flops(b, s, h, d, causal, pass_, window) / 1e9})
     return rows
 
 
 # ------------------------------------------------------------------------------------------------
 # the timed callables
 
-def burstcu_kernels(ops, q, k, v, dout, causal: bool, pass_: str):
-    """The step kernels alone: one full (or causal) block over every key."""
+def burstcu_kernels(ops, q, k, v, dout, causal: bool, pass_: str, window: int | None = None):
+    """The step kernels alone: one full (or causal, or causal-windowed) block over every key."""
     from burstcu.layout import Block
 
     s = q.shape[1]
-    blocks = [Block(0, s, 0, s, 0, 0, causal)]
+    blocks = [Block(0, s, 0, s, 0, 0, causal, left=-1 if window is None else window)]
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def run():
@@ -88,13 +105,15 @@ def burstcu_kernels(ops, q, k, v, dout, causal: bool, pass_: str):
     return run
 
 
-def burstcu_api(q, k, v, dout, causal: bool, pass_: str):
+def burstcu_api(q, k, v, dout, causal: bool, pass_: str, window: int | None = None):
     import burstcu
 
+    mask = {"causal": causal, "window_size": (-1 if window is None else window, -1 if not causal else 0)}
+
     def run():
-        out, lse = burstcu.attention(q, k, v, causal=causal, return_lse=True)
+        out, lse = burstcu.attention(q, k, v, return_lse=True, **mask)
         if pass_ == "fwd+bwd":
-            burstcu.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            burstcu.attention_backward(dout, q, k, v, out, lse, **mask)
     return run
 
 
@@ -155,16 +174,18 @@ def run_config(cfg, args, ops) -> list[dict]:
     rows = []
     for impl in args.impls:
         if impl == "kernels":
-            fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"])
+            fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
         elif impl == "api":
-            fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"])
+            fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
+        elif cfg["window"] is not None:
+            continue                                    # SDPA has no sliding window
         else:
             fn = torch_sdpa(impl, q, k, v, dout, cfg["causal"], cfg["pass"])
         ms = None if fn is None else time_ms(fn, args.warmup, args.repeats)
         rows.append({**{key: cfg[key] for key in ("pass", "dtype", "headdim", "seqlen", "causal",
-                                                  "batch", "heads")},
+                                                  "window", "batch", "heads")},
                      "impl": impl, "ms": ms, "tflops": None if ms is None else gflop / ms})
-    torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)
+    torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)    # None if windowed
     for r in rows:
         if torch_row and r["impl"] in ("kernels", "api"):
             r["torch_ms"], r["torch_tflops"] = torch_row["ms"], torch_row["tflops"]
@@ -178,8 +199,8 @@ def versions() -> dict:
     return {**package_versions(), "device": device_name("cupy")}
 
 
-COLUMNS = ["impl", "pass", "dtype", "headdim", "seqlen", "causal", "batch", "heads", "ms",
-           "tflops", "vs_torch"]
+COLUMNS = ["impl", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads",
+           "ms", "tflops", "vs_torch"]
 
 
 def plot(rows, path) -> None:
@@ -222,13 +243,15 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--table", help="also write the text table here")
     p.add_argument("--plot")
+    p.add_argument("--windows", nargs="*", type=int, default=[],
+                   help="also causal sliding windows (W, 0), burstcu only")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
 
     configs = plan(args)
     if args.dry_run:
-        print(table(configs, ["pass", "dtype", "headdim", "seqlen", "causal", "batch", "heads",
-                              "gflop"]))
+        print(table(configs, ["pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
+                              "heads", "gflop"]))
         print(f"# {len(configs)} configurations x {len(args.impls)} implementations "
               f"({', '.join(args.impls)}); dry run: nothing timed")
         return 0
@@ -240,7 +263,7 @@ def main(argv=None) -> int:
     rows = []
     for i, cfg in enumerate(configs):
         progress(f"[{i + 1}/{len(configs)}] {cfg['pass']} {cfg['dtype']} d={cfg['headdim']} "
-                 f"S={cfg['seqlen']} causal={cfg['causal']}")
+                 f"S={cfg['seqlen']} causal={cfg['causal']} window={cfg['window']}")
         try:
             rows += run_config(cfg, args, ops)
         except Exception as exc:  # one failing configuration must not lose the others
@@ -256,7 +279,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"versions": env, "args": clean(vars(args)), "rows": rows})
     if args.plot:
-        plot([r for r in rows if r.get("tflops")], args.plot)
+        plot([r for r in rows if r.get("tflops") and r.get("window") is None], args.plot)
     return 0
 
 

@@ -2,7 +2,7 @@
 ONE GPU through the loopback transport (burstcu.transport.loopback), timed with CUDA events.
 
     python bench/overlap_gpu.py [--ranks 2 4] [--seqlen 8192 32768] [--heads 16] [--headdim 128]
-        [--causal] [--layout zigzag] [--strategies burst ring] [--repeats 5]
+        [--causal] [--layout zigzag] [--window LEFT RIGHT] [--strategies burst ring] [--repeats 5]
         [--json F] [--plot F] [--dry-run]
 
 What one GPU can and cannot show. Each rank is a thread with its own compute stream and its own
@@ -115,7 +115,8 @@ def _one_call(group, inputs, args, strategy):
     import cupy
     q, k, v, dout = inputs
     marks = [cupy.cuda.Event() for _ in range(3)]
-    kw = dict(causal=args.causal, layout=args.layout, strategy=strategy)
+    kw = dict(causal=args.causal, layout=args.layout, strategy=strategy,
+              window_size=tuple(args.window))
     group.barrier()
     marks[0].record()
     out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
@@ -287,6 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
+    p.add_argument("--window", nargs=2, type=int, default=[-1, -1], metavar=("LEFT", "RIGHT"),
+                   help="sliding window (flash-attn's window_size; -1 unbounded)")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json")
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         for g, s, st in plan:
             print(f"{g} ranks on one GPU, global seqlen {s} ({s // g} a rank), {st}, "
-                  f"{'causal ' + args.layout if args.causal else 'full'}, {args.repeats} repeats x 3 modes")
+                  f"{'causal ' + args.layout if args.causal else 'full'}, window {tuple(args.window)}, "
+                  f"{args.repeats} repeats x 3 modes")
         return 0
     if args.dtype == "bfloat16":
         import ml_dtypes

@@ -38,7 +38,7 @@ def checks_table(checks: list[dict]) -> list[str]:
 def speed_table(rows: list[dict]) -> list[str]:
     """Per (pass, dtype, head dim, causal): burstcu kernels' TFLOP/s and ratio to torch flash
     at each seqlen."""
-    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms")]
+    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("window") is None]
     seqlens = sorted({r["seqlen"] for r in ours})
     lines = ["| pass | dtype | d | causal | " + " | ".join(f"S={s}" for s in seqlens) + " |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
@@ -55,12 +55,38 @@ def speed_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def window_table(rows: list[dict]) -> list[str]:
+    """Per (pass, dtype, head dim, seqlen): the kernels' ms under plain causal and each causal
+    sliding window (W, 0) of the run (bench/kernels.py --windows), TFLOP/s over visible pairs."""
+    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("causal")]
+    windows = sorted({r["window"] for r in ours if r.get("window") is not None})
+    if not windows:
+        return []
+    lines = ["| pass | dtype | d | S | causal ms | " + " | ".join(f"window {w} ms (TFLOP/s)" for w in windows)
+             + " |", "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in windows) + " |"]
+    keys = sorted({(r["pass"], r["dtype"], r["headdim"], r["seqlen"]) for r in ours})
+    for key in keys:
+        at = {r.get("window"): r for r in ours if (r["pass"], r["dtype"], r["headdim"], r["seqlen"]) == key}
+        if None not in at:
+            continue
+        cells = [f"{at[w]['ms']:.2f} ({at[w]['tflops']:.0f})" if w in at else "-" for w in windows]
+        lines.append(f"| {' | '.join(str(x) for x in key)} | {at[None]['ms']:.2f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mask(args: dict) -> str:
+    """How an overlap run masked: "full", "causal zigzag", "causal contiguous, window (4096, 0)"."""
+    text = f"causal {args.get('layout', 'zigzag')}" if args.get("causal") == "True" else "full"
+    window = args.get("window")
+    return text if window in (None, "[-1, -1]") else f"{text}, window {window}"
+
+
 def overlap_table(runs: list[dict]) -> list[str]:
-    lines = ["| causal | ranks | seqlen | strategy | fwd ms (compute / comm / both) | fwd eff | "
+    lines = ["| mask | ranks | seqlen | strategy | fwd ms (compute / comm / both) | fwd eff | "
              "bwd ms (compute / comm / both) | bwd eff | both - compute, fwd+bwd | copies ms | hidden |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in runs:
-        causal = "causal" in run.get("args", {}) and run["args"]["causal"] == "True"
+        mask = _mask(run.get("args", {}))
         for r in run["rows"]:
             f = " / ".join(f"{r[f'forward_{m}_ms']:.2f}" for m in ("compute", "comm", "overlapped"))
             b = " / ".join(f"{r[f'backward_{m}_ms']:.2f}" for m in ("compute", "comm", "overlapped"))
@@ -71,7 +97,7 @@ def overlap_table(runs: list[dict]) -> list[str]:
             if copies is None and r.get("timeline"):  # older runs: from the recorded intervals
                 copies = sorted(sum(x[-1] - x[-2] for x in tl if x[0] == "comm")
                                 for tl in r["timeline"])[len(r["timeline"]) // 2]
-            lines.append(f"| {causal} | {r['ranks']} | {r['seqlen']} | {r['strategy']} | {f} | "
+            lines.append(f"| {mask} | {r['ranks']} | {r['seqlen']} | {r['strategy']} | {f} | "
                          f"{eff(r['forward_efficiency'])} | {b} | {eff(r['backward_efficiency'])} | "
                          f"{extra:+.2f} ({100 * extra / base:+.0f}%) | {eff(copies)} | "
                          f"{eff(r['hidden'])} |")
@@ -90,9 +116,8 @@ def step_tables(runs: list[dict]) -> list[str]:
         if not burst or len(burst[0]["timeline"][0][0]) != 4:  # older runs carry no labels
             continue
         big = max(burst, key=lambda r: (r["ranks"], r["seqlen"]))
-        causal = run.get("args", {}).get("causal") == "True"
         lines += [f"Per step, burst, {big['ranks']} ranks, S = {big['seqlen']}, "
-                  f"{'causal zigzag' if causal else 'full'} (median over ranks):", "",
+                  f"{_mask(run.get('args', {}))} (median over ranks):", "",
                   "| step | compute ms | copy ms | hidden |", "| --- | --- | --- | --- |"]
         for row in _per_step(big["timeline"]):
             hidden = "-" if row["hidden"] is None else f"{row['hidden']:.2f}"
@@ -129,6 +154,10 @@ def main(argv=None) -> int:
           "## Speed, one GPU, one rank (`bench/kernels.py`): burstcu's step kernels, TFLOP/s and "
           "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, CUDA "
           "events, same run", "", *speed_table(kernels["rows"]), ""]
+    windowed = window_table(kernels["rows"])
+    if windowed:
+        md += ["## Causal sliding windows (`bench/kernels.py --windows`): the same kernels skip the "
+               "key tiles outside the window; TFLOP/s counts the visible pairs only", "", *windowed, ""]
     if overlap:
         md += ["## Overlap on ONE GPU shared by G ranks (`bench/overlap_gpu.py`, loopback "
                "transport: copies through HBM, not NVLink; read as schedule behaviour, not scaling)",

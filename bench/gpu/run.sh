@@ -49,7 +49,7 @@ for s in "${steps[@]}"; do
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py ;;
+             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py ;;
     kbench) step kbench 420 $PY bench/kernels.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
@@ -61,7 +61,8 @@ for s in "${steps[@]}"; do
     memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
              compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
              $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py -k "ragged or causal_offsets or gqa or masked_rows or small_" ;;
+             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
+             -k "ragged or causal_offsets or gqa or masked_rows or small_ or window or poisoned or flag" ;;
     racecheck) step racecheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
              compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
              $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \

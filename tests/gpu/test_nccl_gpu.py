@@ -8,6 +8,8 @@ by tests/test_attention_mpi.py.
 
 from __future__ import annotations
 
+import gc
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -48,30 +50,61 @@ def _inputs(seed, b=2, n=128, h=4, hkv=2, d=64, dtype="float16"):
     return q, k, v, dout
 
 
+def _window_keep(n, causal, window):
+    """(n, n) bool, spelled out: key j visible to query i iff (not causal or j <= i) and
+    i - left <= j <= i + right (-1: unbounded)."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    left, right = window
+    keep = np.ones((n, n), bool)
+    if causal:
+        keep &= j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+# (causal, window): none, a causal band (key tiles before it skipped), a two-sided band that
+# cuts through tiles on both sides, a one-sided band to the right
+MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (40, 0)), (False, (19, 70)), (False, (-1, 5))]
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("causal", [False, True])
-def test_world_of_one_matches_reference(group, causal, dtype):
-    """FlashAttention's rule against float64: at most 2x (forward) / 3x (gradients) the error of
-    a naive same-dtype implementation (float32 math, P and dS rounded to the dtype)."""
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_world_of_one_matches_reference(group, causal, window, dtype):
+    """FlashAttention's rule against float64 over the mask spelled out: at most 2x (forward) /
+    3x (gradients) the error of a naive same-dtype implementation (float32 math, P and dS
+    rounded to the dtype)."""
     import cupy
     import burstcu
-    q, k, v, dout = _inputs(3, dtype=dtype)
+    n = 200                                                   # ragged against every tile size
+    q, k, v, dout = _inputs(3, n=n, dtype=dtype)
     dq_, dk_, dv_, dd_ = (cupy.asarray(x) for x in (q, k, v, dout))
-    out, lse = burstcu.attention(dq_, dk_, dv_, group, causal=causal, return_lse=True)
-    grads = burstcu.attention_backward(dd_, dq_, dk_, dv_, out, lse, group, causal=causal)
+    how = {"causal": causal, "window_size": window}
+    out, lse = burstcu.attention(dq_, dk_, dv_, group, return_lse=True, **how)
+    grads = burstcu.attention_backward(dd_, dq_, dk_, dv_, out, lse, group, **how)
     assert out.dtype == DTYPES[dtype] and lse.dtype == np.float32
-    ref_out, ref_lse = attention_ref(q, k, v, causal)
-    naive_out, naive_lse = attention_ref(q, k, v, causal, dtype=np.float32, round_to=DTYPES[dtype])
+    keep = _window_keep(n, causal, window)
+    ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
+    naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32,
+                                         round_to=DTYPES[dtype])
     for name, got, ref, naive in [("out", out, ref_out, naive_out), ("lse", lse, ref_lse, naive_lse)]:
         ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive, EPS32)
         assert ok, f"{name}: {err:.3e} > {bound:.3e}"
-    refs = attention_backward_ref(dout, q, k, v, causal)
-    naives = attention_backward_ref(dout, q, k, v, causal, dtype=np.float32, round_to=DTYPES[dtype],
-                                    out_dtype=DTYPES[dtype])
+    refs = attention_backward_ref(dout, q, k, v, keep=keep)
+    naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32,
+                                    round_to=DTYPES[dtype], out_dtype=DTYPES[dtype])
     for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
         ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive,
                                         EPS32, factor=3.0)
         assert ok, f"{name}: {err:.3e} > {bound:.3e}"
+    # check=True (deterministic dQ, row sums of P agreed) gives gradients within the same rule
+    checked = burstcu.attention_backward(dd_, dq_, dk_, dv_, out, lse, group, check=True, **how)
+    for name, got, ref, naive in zip(("dq", "dk", "dv"), checked, refs, naives):
+        ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive,
+                                        EPS32, factor=3.0)
+        assert ok, f"check=True {name}: {err:.3e} > {bound:.3e}"
 
 
 def test_nccl_allgather_of_one_copies(group):
@@ -95,10 +128,12 @@ def test_no_pool_growth_over_100_calls(group):
     for _ in range(3):  # warm-up: kernels compiled, pool blocks cached
         step()
     cupy.cuda.Device().synchronize()
+    gc.collect()        # arrays of earlier tests held in cycles must not be freed mid-count
     used, total = pool.used_bytes(), pool.total_bytes()
     for _ in range(100):
         step()
     cupy.cuda.Device().synchronize()
+    gc.collect()
     assert pool.used_bytes() == used, (used, pool.used_bytes())
     assert pool.total_bytes() <= total, (total, pool.total_bytes())
 
@@ -107,15 +142,17 @@ def test_no_pool_growth_over_100_calls(group):
 def test_all_to_all_strategies_on_one_gpu(group, strategy):
     """Ulysses and USP on CuPy arrays (their all-to-all bookkeeping is device slicing), USP
     making its sub-groups as NCCL communicators (of one rank here: NCCL refuses two ranks on one
-    GPU), "auto" whatever it picks: each bitwise equal to burst in a world of one."""
+    GPU), "auto" whatever it picks: each bitwise equal to burst in a world of one, under a
+    causal window."""
     import cupy
     import burstcu
     q, k, v, dout = (cupy.asarray(x) for x in _inputs(5))
-    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True, strategy="burst")
-    grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True, strategy="burst")
-    how = {"strategy": strategy, **({"ulysses_degree": 1} if strategy == "usp" else {})}
-    out2, lse2 = burstcu.attention(q, k, v, group, causal=True, return_lse=True, **how)
-    grads2 = burstcu.attention_backward(dout, q, k, v, out2, lse2, group, causal=True, **how)
+    mask = {"causal": True, "window_size": (40, 0)}
+    out, lse = burstcu.attention(q, k, v, group, return_lse=True, strategy="burst", **mask)
+    grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, strategy="burst", **mask)
+    how = {"strategy": strategy, **({"ulysses_degree": 1} if strategy == "usp" else {}), **mask}
+    out2, lse2 = burstcu.attention(q, k, v, group, return_lse=True, **how)
+    grads2 = burstcu.attention_backward(dout, q, k, v, out2, lse2, group, **how)
     for a, b in zip((out, lse, *grads), (out2, lse2, *grads2)):
         assert bool(cupy.array_equal(a, b))
     if strategy == "usp":
