@@ -25,8 +25,9 @@ from .plan import plan
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
-from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs, check_flags,
-                       check_row_sums, check_window, metadata, resolve_scale)
+from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs,
+                       check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
+                       metadata, resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -162,35 +163,36 @@ class _Tracking(DelegatingOps):
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, options: dict, flags: dict, window=(-1, -1)):
+             layout, strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
-    rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale).
+    rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale,
+    document boundaries as a tuple or None).
 
     Nothing before `agree` may raise — a rank failing alone would leave the others waiting in
     the collective — so any exception from the local work becomes a deferred InputError.
     """
-    err = meta = export = scale = None
+    err = meta = export = scale = docs = None
     try:
         names = ("dout", "q", "k", "v", "out", "lse") if backward else ("q", "k", "v")
         err = _device_problem(group, names, arrays)
         if err is None:
             arrays, export = _native(group.ops, *arrays)
-            err, scale, meta = _check_local(group.ops, arrays, group.size, backward=backward, causal=causal,
-                                            softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy, options=options, flags=flags,
-                                            window=window)
+            err, scale, meta, docs = _check_local(
+                group.ops, arrays, group.size, backward=backward, causal=causal,
+                softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
+                flags=flags, window=window, cu_seqlens=cu_seqlens)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
     with call.raising_together():
         agree(group.transport, err, meta, "attention_backward" if backward else "attention")
-    return arrays, export, scale
+    return arrays, export, scale, docs
 
 
 def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
-                 strategy, options: dict, flags: dict, window=(-1, -1)):
-    """(InputError or None, resolved softmax scale, metadata) of this rank's native arrays in a
-    group of `size` ranks."""
+                 strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
+    """(InputError or None, resolved softmax scale, metadata, document boundaries or None) of
+    this rank's native arrays in a group of `size` ranks."""
     q, k, v = arrays[1:4] if backward else arrays
     err = _check_options(strategy, options) or check_flags(**flags) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
@@ -199,16 +201,19 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
         err = _strategy_problem(strategy, options, q.shape, k.shape, size)
     if err is None:
         err = check_window(window, bool(causal), ops.masks_windows)
+    docs = None
+    if err is None:
+        err, docs = check_cu_seqlens(cu_seqlens, q.shape[1] * size, layout)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
     if err is not None:
-        return err, None, None
+        return err, None, None, None
     scale = resolve_scale(softmax_scale, q.shape[-1])
     # every flag is agreed on too (check=True changes what the backward ring sends)
     return None, scale, metadata(*arrays, layout=layout, strategy=strategy, softmax_scale=scale,
-                                 window=tuple(int(w) for w in window), **options,
-                                 **{name: bool(value) for name, value in flags.items()})
+                                 window=tuple(int(w) for w in window), cu_seqlens=docs_digest(docs),
+                                 **options, **{name: bool(value) for name, value in flags.items()}), docs
 
 
 def _check_options(strategy: str, options: dict):
@@ -236,7 +241,7 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str = "contiguous",
               return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
-              window_size: tuple[int, int] = (-1, -1)):
+              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
@@ -257,6 +262,14 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         position i sees keys in [i - left, i + right], -1 meaning unbounded on that side; with
         causal the right bound is the diagonal (right 0 or -1). Steps and tiles wholly outside
         are skipped; the forward's K/V blocks stop once no rank they would reach needs them.
+    cu_seqlens: documents (varlen) — int array (any framework) of global boundaries
+        0 = b_0 <= ... <= b_n = S * G, the same on every rank; a query at position i sees only
+        keys of its own document [b_j, b_j+1) (together with causal and window_size); the
+        same boundaries hold for every batch row. Any boundaries work (no divisibility), with
+        layout="contiguous" and every strategy; a document is a set of rectangles of the steps
+        (`burstcu.layout.step_blocks`): steps without a shared document compute nothing, and
+        burst's (and usp's) forward ring stops a K/V block once no rank it would reach
+        shares a document with it.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -267,15 +280,16 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     group = _group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention forward") as call:
-        (q, k, v), export, scale = _checked(call, group, (q, k, v), backward=False, causal=causal,
-                                            softmax_scale=softmax_scale, layout=layout,
-                                            strategy=strategy, options=options,
-                                            flags={"causal": causal, "return_lse": return_lse},
-                                            window=window_size)
+        (q, k, v), export, scale, docs = _checked(
+            call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
+            layout=layout, strategy=strategy, options=options,
+            flags={"causal": causal, "return_lse": return_lse}, window=window_size,
+            cu_seqlens=cu_seqlens)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
-            softmax_scale=scale, layout=layout, trace=group.trace, window=_window(window_size)))
+            softmax_scale=scale, layout=layout, trace=group.trace, window=_window(window_size),
+            docs=docs))
     return (out, lse) if return_lse else out
 
 
@@ -283,7 +297,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                        causal: bool = False, softmax_scale: float | None = None,
                        layout: str = "contiguous", strategy: str = "burst",
                        ulysses_degree: int | None = None, check: bool = False,
-                       window_size: tuple[int, int] = (-1, -1)):
+                       window_size: tuple[int, int] = (-1, -1), cu_seqlens=None):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -299,16 +313,16 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     group = _group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention backward") as call:
-        (dout, q, k, v, out, lse), export, scale = _checked(
+        (dout, q, k, v, out, lse), export, scale, docs = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "check": check}, window=window_size)
+            flags={"causal": causal, "check": check}, window=window_size, cu_seqlens=cu_seqlens)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace,
-            window=_window(window_size), **row_sums)
+            window=_window(window_size), docs=docs, **row_sums)
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)
@@ -321,14 +335,17 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
         return _returned(export, grads)
 
 
-def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):
+def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_seqlens=None):
     """This rank's piece of the global array `x` along `axis` (the sequence axis).
 
     "contiguous": chunk `rank` of `size` equal chunks. "zigzag": chunks `rank` and
     `2*size-1-rank` of 2*size equal chunks, concatenated in that order. The length along `axis`
     must divide evenly. No communication: every rank must hold the whole `x`.
+    cu_seqlens: the documents `attention` will be given, checked against x's length and the
+    layout (with "contiguous" they do not move any row).
     """
     check_layout(layout)
+    _raise_docs_problem(cu_seqlens, x.shape[axis], layout)
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     xp = _array_module(x)
     axis = axis % x.ndim
@@ -336,22 +353,40 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1):
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
 
 
-def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1):
+def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1,
+            cu_seqlens=None):
     """The global array on every rank, from each rank's `x_local` (the inverse of `shard`).
 
-    Collective: every rank calls it with equal shapes. Traffic is counted in `group.stats`.
+    Collective: every rank calls it with equal shapes (and equal cu_seqlens, checked as in
+    `shard`). Traffic is counted in `group.stats`.
     """
     check_layout(layout)
+    size = 1 if group is None else group.size
     if group is None or group.size == 1:
+        _raise_docs_problem(cu_seqlens, x_local.shape[axis] * size, layout)
         return _array_module(x_local).ascontiguousarray(x_local)
     with Call(group, "unshard") as call:
         with call.raising_together():
+            try:  # nothing may raise on one rank alone before the gather (see _checked)
+                err, docs = check_cu_seqlens(cu_seqlens, x_local.shape[axis] * size, layout)
+            except Exception as exc:
+                err, docs = InputError(ValueError, f"unshard cannot take this input: "
+                                                   f"{exc.__class__.__name__}: {exc}"), None
             shapes = group.transport.allgather_object(
-                (tuple(x_local.shape), str(x_local.dtype), axis), "unshard")
-            if any(s != shapes[0] for s in shapes):
-                raise ValueError(f"unshard needs the same shape, dtype and axis on every rank; "
-                                 f"got {shapes}")
+                (tuple(x_local.shape), str(x_local.dtype), axis, docs_digest(docs), err), "unshard")
+            failed = [(r, e) for r, (*_, e) in enumerate(shapes) if e is not None]
+            if failed:
+                raise failed[0][1].kind(f"rank {failed[0][0]}: {failed[0][1].message}")
+            if any(s[:4] != shapes[0][:4] for s in shapes):
+                raise ValueError(f"unshard needs the same shape, dtype, axis and cu_seqlens on "
+                                 f"every rank; got {[s[:4] for s in shapes]}")
         return _gathered(x_local, group, layout, axis)
+
+
+def _raise_docs_problem(cu_seqlens, seqlen_global: int, layout: str) -> None:
+    err, _ = check_cu_seqlens(cu_seqlens, seqlen_global, layout)
+    if err is not None:
+        raise err.kind(err.message)
 
 
 def _gathered(x_local, group: Group, layout: str, axis: int):

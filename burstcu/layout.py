@@ -15,6 +15,7 @@ the diagonal, which need the per-element mask ``q_pos >= k_pos``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -89,33 +90,65 @@ def global_positions(layout: str, rank: int, size: int, seqlen_local: int) -> li
 
 
 def step_blocks(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
-                causal: bool, window: tuple[int, int] = (-1, -1)) -> list[Block]:
+                causal: bool, window: tuple[int, int] = (-1, -1),
+                docs: tuple[int, ...] | None = None) -> list[Block]:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step).
 
     window = (left, right): a query at position q sees keys in [q - left, q + right] (-1:
     unbounded on that side; with causal the right bound is the diagonal). Rectangles wholly
     outside are dropped; those a bound cuts through carry it (`Block.left` / `Block.right`).
+    docs: document boundaries (cu_seqlens: 0 = b_0 <= b_1 <= ... <= b_n = global length); a
+    query sees keys of its own document [b_i, b_i+1) only. Each pair of segments is cut at the
+    boundaries into one rectangle per document both touch, so a document is a set of rectangles
+    and no kernel needs to know about it.
     """
     left, right = window
     hi = 0 if causal else (right if right >= 0 else None)   # keys up to q + hi
     lo = left if left >= 0 else None                          # keys from q - lo
-    if hi is None and lo is None:
+    if hi is None and lo is None and docs is None:
         return [Block(0, seqlen_local, 0, seqlen_local, 0, 0, False)]
     blocks = []
     for qs in segments(layout, q_rank, size, seqlen_local):
         for ks in segments(layout, kv_rank, size, seqlen_local):
-            q_first, q_last = qs.pos, qs.pos + qs.length - 1
-            k_first, k_last = ks.pos, ks.pos + ks.length - 1
-            if hi is not None and k_first > q_last + hi:
-                continue  # every key is past every query's right bound (causal: its future)
-            if lo is not None and k_last < q_first - lo:
-                continue  # every key is before every query's left bound
-            cut_right = hi is not None and k_last > q_first + hi
-            cut_left = lo is not None and k_first < q_last - lo
-            blocks.append(Block(qs.local, qs.length, ks.local, ks.length, qs.pos, ks.pos,
-                                causal and cut_right, lo if cut_left else -1,
-                                hi if cut_right and not causal else -1))
+            for q_piece, k_piece in _same_document(qs, ks, docs):
+                block = _rectangle(q_piece, k_piece, causal, lo, hi)
+                if block is not None:
+                    blocks.append(block)
     return blocks
+
+
+def _same_document(qs: Segment, ks: Segment, docs):
+    """(query piece, key piece) pairs of qs and ks that lie in one document (docs None: the
+    whole sequence is one)."""
+    if docs is None:
+        yield qs, ks
+        return
+    q_end, k_end = qs.pos + qs.length, ks.pos + ks.length
+    first = bisect_right(docs, max(qs.pos, ks.pos)) - 1    # the document of the later start
+    for i in range(max(first, 0), len(docs) - 1):
+        start, stop = docs[i], docs[i + 1]
+        if start >= min(q_end, k_end):
+            break                                           # past one of the two segments
+        q0, q1 = max(qs.pos, start), min(q_end, stop)
+        k0, k1 = max(ks.pos, start), min(k_end, stop)
+        if q0 < q1 and k0 < k1:
+            yield (Segment(qs.local + q0 - qs.pos, q0, q1 - q0),
+                   Segment(ks.local + k0 - ks.pos, k0, k1 - k0))
+
+
+def _rectangle(qs: Segment, ks: Segment, causal: bool, lo, hi) -> Block | None:
+    """The block of queries qs x keys ks under key bounds q - lo <= k <= q + hi (None:
+    unbounded), None when no element survives; the bounds that cut through it are kept."""
+    q_first, q_last = qs.pos, qs.pos + qs.length - 1
+    k_first, k_last = ks.pos, ks.pos + ks.length - 1
+    if hi is not None and k_first > q_last + hi:
+        return None  # every key is past every query's right bound (causal: its future)
+    if lo is not None and k_last < q_first - lo:
+        return None  # every key is before every query's left bound
+    cut_right = hi is not None and k_last > q_first + hi
+    cut_left = lo is not None and k_first < q_last - lo
+    return Block(qs.local, qs.length, ks.local, ks.length, qs.pos, ks.pos, causal and cut_right,
+                 lo if cut_left else -1, hi if cut_right and not causal else -1)
 
 
 def shard_slices(layout: str, rank: int, size: int, seqlen_global: int) -> list[slice]:

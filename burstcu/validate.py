@@ -8,6 +8,7 @@ reached a collective would leave them waiting forever, so nothing raises before 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from typing import Any
@@ -160,6 +161,60 @@ def check_window(window_size, causal: bool, supported: bool) -> InputError | Non
         return InputError(ValueError, "window_size is not supported by the CUDA kernels yet: use "
                                       "the NumPy backend, or window_size=(-1, -1)")
     return None
+
+
+def host_ints(x) -> np.ndarray:
+    """x (a list, NumPy, CuPy, PyTorch or JAX array of ints) as a NumPy array on the host."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        return x.get()
+    if hasattr(x, "cpu") and callable(x.cpu):          # torch tensors, wherever they live
+        x = x.cpu()
+    return np.asarray(x)
+
+
+def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str):
+    """(InputError or None, docs): docs is None without documents, else the boundaries as a
+    tuple of ints with empty documents dropped. cu_seqlens must be a 1-D integer array
+    0 = b_0 <= b_1 <= ... <= b_n = the global sequence length (flash-attn's convention)."""
+    if cu_seqlens is None:
+        return None, None
+    try:
+        cu = host_ints(cu_seqlens)
+    except Exception as exc:  # noqa: BLE001 - any array type that cannot come to the host
+        return InputError(TypeError, f"cu_seqlens must be an integer array, cannot read it: "
+                                     f"{exc.__class__.__name__}: {exc}"), None
+    if not np.issubdtype(cu.dtype, np.integer):
+        return InputError(TypeError, f"cu_seqlens must hold integers, got {cu.dtype}"), None
+    if cu.ndim != 1 or cu.size < 2:
+        return InputError(ValueError, f"cu_seqlens must be 1-D with at least 2 boundaries, got "
+                                      f"shape {tuple(cu.shape)}"), None
+    if (cu < 0).any() or (cu > seqlen_global).any():
+        return InputError(ValueError, f"cu_seqlens must lie in [0, {seqlen_global}] (the global "
+                                      f"sequence length: every rank's S times the ranks)"), None
+    if int(cu[0]) != 0 or int(cu[-1]) != seqlen_global:
+        return InputError(ValueError, f"cu_seqlens must start at 0 and end at the global sequence "
+                                      f"length {seqlen_global} (every rank's S times the ranks), "
+                                      f"got {int(cu[0])} .. {int(cu[-1])}"), None
+    cu = cu.astype(np.int64)                       # in [0, seqlen_global]: no overflow now
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        return InputError(ValueError, f"cu_seqlens must not decrease: b[{i}] = {int(cu[i])} > "
+                                      f"b[{i + 1}] = {int(cu[i + 1])}"), None
+    if layout != "contiguous":
+        return InputError(ValueError, f"cu_seqlens with layout={layout!r} is not supported yet "
+                                      f"(documents would be split into 2G pieces each, which "
+                                      f"needs shards of different lengths): use "
+                                      f"layout='contiguous'"), None
+    docs = [0] + [int(b) for b, step in zip(cu[1:], steps) if step > 0]
+    return None, tuple(docs)
+
+
+def docs_digest(docs) -> str | None:
+    """What ranks agree on for cu_seqlens: its length and a hash (not the whole list)."""
+    if docs is None:
+        return None
+    return f"{len(docs) - 1} documents, sha1 {hashlib.sha1(np.asarray(docs, np.int64).tobytes()).hexdigest()[:16]}"
 
 
 # attention_backward(check=True): a row's sum of P is 1 within ROW_SUM_TOL plus

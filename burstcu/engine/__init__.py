@@ -24,7 +24,9 @@ never attention kernels.
 plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v,
 **mask)`, `backward_bytes(size, q, k, v)`, `forward_messages(size, q=None, **mask)`,
 `backward_messages(size)`), which the tests check against `transport.stats`; mask = rank,
-layout, causal, window, for the strategies whose forward skips hops no rank needs (burst, usp).
+layout, causal, window, docs, for the strategies whose forward skips hops no rank needs (burst,
+usp). Every strategy's forward and backward take `window` and `docs` (document boundaries)
+keyword arguments, passed on to `burstcu.layout.step_blocks`.
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
 q, dout, out, dq: (B, S, H, D); k, v, dk, dv: (B, S, Hkv, D); lse: (B, H, S) in the accumulation

@@ -47,7 +47,7 @@ class AllGatherAttention:
         return pairs, seconds
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1)):
+                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
         size, rank, seqlen = transport.size, transport.rank, q.shape[1]
         kv, gather_s = self._gather_kv(ops, transport, k, v)
@@ -55,7 +55,7 @@ class AllGatherAttention:
         # visit the shards in the ring's order so traces line up with the other strategies
         for s in range(size):
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
             compute_s = 0.0
             if blocks:
                 compute_s = timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
@@ -66,7 +66,7 @@ class AllGatherAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
-                 window=(-1, -1)):
+                 window=(-1, -1), docs=None):
         """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
         row_sums: as for RingAttention.backward."""
         size, rank, seqlen = transport.size, transport.rank, q.shape[1]
@@ -79,7 +79,7 @@ class AllGatherAttention:
         partial = [ops.message(fields) for _ in range(size)]
         for s in range(size):
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
             ops.copy_(partial[source].flat, 0)
             compute_s = 0.0
             if blocks:

@@ -19,7 +19,8 @@ Forward (Algorithm 1 of the paper): K and V travel *together* as one message per
     Bytes sent per rank = sends * 2*B*S*Hkv*D*itemsize, messages = sends, with sends
     (`forward_sends`) = G-1 without a mask; under causal over contiguous shards r+1 for rank
     r < G-1 and 0 for the last (G(G-1)/2 block-hops in all, half the ring's); G-1 under causal
-    zigzag (every rank needs every block); for a narrow window only the hops to ranks it reaches.
+    zigzag (every rank needs every block); for a narrow window only the hops to ranks it reaches;
+    for documents (cu_seqlens) only the hops to ranks holding part of a document the block holds.
 
 Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
 accumulator. The dQ that rank r adds at step s is needed by rank r+1 only *after* its own step
@@ -61,7 +62,7 @@ from .steps import Trace, post_exchange, timed, timed_wait
 # forward
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str, trace: Trace | None = None, window=(-1, -1)):
+            layout: str, trace: Trace | None = None, window=(-1, -1), docs=None):
     """Exact attention of this rank's queries over every rank's keys.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout`.
@@ -75,7 +76,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     ops.copy_(buffers[0]["v"], v)
     state = ops.forward_init(q, softmax_scale)
 
-    mask = (layout, size, seqlen, causal, window)
+    mask = (layout, size, seqlen, causal, window, docs)
     for s in range(size):
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
         # a block goes on only while some later holder still needs it (sender and receiver
@@ -88,7 +89,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
                           [(cur.span("k", "v") if sending else None,
                             nxt.span("k", "v") if receiving else None)])
         source = (rank - s) % size
-        blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
+        blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
@@ -98,29 +99,31 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     return ops.forward_finalize(state, q.dtype)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=4096)  # varlen batches bring new docs each call: keep only recent ones
 def needs(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int, causal: bool,
-          window=(-1, -1)) -> bool:
+          window=(-1, -1), docs=None) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
-    return bool(step_blocks(layout, q_rank, kv_rank, size, seqlen_local, causal, window))
+    return bool(step_blocks(layout, q_rank, kv_rank, size, seqlen_local, causal, window, docs))
 
 
 def travels(holder: int, step: int, layout: str, size: int, seqlen_local: int, causal: bool,
-            window=(-1, -1)) -> bool:
+            window=(-1, -1), docs=None) -> bool:
     """Whether the K/V block `holder` has at forward step `step` (that of rank holder - step)
     goes on to holder + 1: some rank it would still reach, holder + 1 .. holder + G-1-step,
     needs it."""
     block = (holder - step) % size
-    return any(needs(layout, (holder + t) % size, block, size, seqlen_local, causal, window)
+    return any(needs(layout, (holder + t) % size, block, size, seqlen_local, causal, window, docs)
                for t in range(1, size - step))
 
 
 def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
-                  causal: bool = False, window=(-1, -1)) -> int:
+                  causal: bool = False, window=(-1, -1), docs=None) -> int:
     """How many of the G-1 forward steps `rank` sends its K, V on: G-1 without a mask; with
     causal over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last
-    rank none, G(G-1)/2 in all; zigzag needs every hop."""
-    return sum(travels(rank, s, layout, size, seqlen_local, causal, window) for s in range(size - 1))
+    rank none, G(G-1)/2 in all; zigzag needs every hop; documents each inside one rank's shard:
+    none."""
+    return sum(travels(rank, s, layout, size, seqlen_local, causal, window, docs)
+               for s in range(size - 1))
 
 
 def forward_bytes(size: int, k, v, sends: int | None = None) -> int:
@@ -147,7 +150,7 @@ def _bundle_fields(q, lse, row_sums: bool = False):
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None,
-             delta=None, grad_dtype=None, window=(-1, -1)):
+             delta=None, grad_dtype=None, window=(-1, -1), docs=None):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
@@ -180,7 +183,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
             post_exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
                           [(cur.span(*span), nxt.span(*span))])
         source = (rank - s) % size  # the visiting queries are source's; the keys are ours
-        blocks = step_blocks(layout, source, rank, size, seqlen, causal, window)
+        blocks = step_blocks(layout, source, rank, size, seqlen, causal, window, docs)
         ops.copy_(dq_part, 0)
         if sums:
             ops.copy_(psum_part, 0)
@@ -258,7 +261,7 @@ class BurstAttention:
 
     @staticmethod
     def forward_bytes(size: int, q, k, v, **mask) -> int:
-        """mask: rank, layout, causal, window (forward_sends); none: every hop."""
+        """mask: rank, layout, causal, window, docs (forward_sends); none: every hop."""
         return forward_bytes(size, k, v, _sends(size, q, mask))
 
     @staticmethod
@@ -277,7 +280,14 @@ class BurstAttention:
 
 def _sends(size: int, q, mask: dict) -> int | None:
     """forward_sends for a strategy-level formula call (None: no mask given, every hop)."""
-    if not mask.get("causal") and tuple(mask.get("window", (-1, -1))) == (-1, -1):
+    if not masked(mask):
         return None
     return forward_sends(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
-                         mask.get("causal", False), tuple(mask.get("window", (-1, -1))))
+                         mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
+                         mask.get("docs"))
+
+
+def masked(mask: dict) -> bool:
+    """Whether a formula's mask (rank, layout, causal, window, docs) can skip a forward hop."""
+    return bool(mask.get("causal")) or tuple(mask.get("window", (-1, -1))) != (-1, -1) \
+        or mask.get("docs") is not None

@@ -27,7 +27,7 @@ class RingAttention:
     name = "ring"
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1)):
+                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
         size, rank, seqlen = transport.size, transport.rank, q.shape[1]
         # separate allocations: K and V are distinct messages, as in the original
@@ -43,7 +43,7 @@ class RingAttention:
                 post_exchange(ops, transport, f"ring fwd {s} send/recv k, v",
                       [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])])
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
             compute_s = 0.0
             if blocks:
                 compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state,
@@ -55,7 +55,7 @@ class RingAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
-                 window=(-1, -1)):
+                 window=(-1, -1), docs=None):
         """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype, zeroed: receives each of this
         rank's rows' sum of the recomputed P over every rank's keys (Q stays, so it stays too)."""
@@ -80,7 +80,7 @@ class RingAttention:
             if pairs:
                 post_exchange(ops, transport, f"ring bwd {s} send/recv", pairs)
             source = (rank - s) % size  # the keys are source's; the queries are ours
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window)
+            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
             compute_s, parts = 0.0, None
             if blocks:
                 t0 = now()

@@ -182,7 +182,7 @@ class UlyssesAttention:
     kv_heads = staticmethod(kv_heads)
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1)):
+                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
         x = HeadExchange(transport, range(transport.size), layout, transport.size, q.shape[1],
                          q.shape[2], k.shape[2])
@@ -190,7 +190,7 @@ class UlyssesAttention:
             ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
         state = ops.forward_init(q_all, softmax_scale)
         compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
-                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window))
+                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window, docs))
         out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
         out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
                                                           lse_all.dtype)
@@ -201,7 +201,7 @@ class UlyssesAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
-                 window=(-1, -1)):
+                 window=(-1, -1), docs=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
         sum of the recomputed P over the whole sequence (computed where the heads are)."""
@@ -217,7 +217,7 @@ class UlyssesAttention:
         sums = [ops.zeros(lse_all.shape, acc)] if row_sums is not None else []
         compute_s = timed(ops, "ulysses bwd compute", ops.backward_step, ctx, q_all, do_all,
                           lse_all, delta_all, dq_all,
-                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window),
+                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window, docs),
                           *sums)
         dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)

@@ -82,14 +82,14 @@ class USPAttention:
         return x, ring
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1)):
+                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
         x, ring = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
                                      softmax_scale=softmax_scale, layout=layout, trace=trace,
-                                     window=window)
+                                     window=window, docs=docs)
         out = ops.zeros(q.shape, q.dtype)
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
         wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
@@ -100,7 +100,7 @@ class USPAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
-                 window=(-1, -1)):
+                 window=(-1, -1), docs=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
         acc = accum_dtype(q.dtype)
@@ -113,7 +113,7 @@ class USPAttention:
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
                                           layout=layout, trace=trace, row_sums=sums, delta=delta_g,
-                                          grad_dtype=acc, window=window)
+                                          grad_dtype=acc, window=window, docs=docs)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
@@ -129,7 +129,7 @@ class USPAttention:
         return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, size // u
 
     def forward_bytes(self, size: int, q, k, v, **mask) -> int:
-        """mask: rank, layout, causal, window — the ring across the groups skips hops as
+        """mask: rank, layout, causal, window, docs — the ring across the groups skips hops as
         `burst.forward_sends` says, for the group's super-rank; none: every hop."""
         b, s, hg, hk, d, u, r = self._dims(size, q, k)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
@@ -139,11 +139,11 @@ class USPAttention:
     @staticmethod
     def _ring_sends(size: int, u: int, s: int, mask: dict) -> int:
         """Forward sends of this rank's ring of G/u groups (of u*s rows each)."""
-        if not mask.get("causal") and tuple(mask.get("window", (-1, -1))) == (-1, -1):
+        if not burst.masked(mask):
             return size // u - 1
         return burst.forward_sends(mask.get("rank", 0) // u, size // u, u * s,
                                    mask.get("layout", "contiguous"), mask.get("causal", False),
-                                   tuple(mask.get("window", (-1, -1))))
+                                   tuple(mask.get("window", (-1, -1))), mask.get("docs"))
 
     def backward_bytes(self, size: int, q, k, v) -> int:
         b, s, hg, hk, d, u, r = self._dims(size, q, k)

@@ -60,12 +60,16 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
-def dense_keep(qpos, kpos, causal: bool, window=(-1, -1)) -> np.ndarray:
+def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None) -> np.ndarray:
     """(len(qpos), len(kpos)) bool: key position k visible to query position q, spelled out:
-    (not causal or k <= q) and q - left <= k <= q + right (-1: unbounded)."""
+    (not causal or k <= q) and q - left <= k <= q + right (-1: unbounded) and, with document
+    boundaries docs = (0, b_1, ..., n), q and k in the same document."""
     qpos, kpos = np.asarray(qpos)[:, None], np.asarray(kpos)[None, :]
     left, right = window
     keep = np.ones((qpos.size, kpos.size), bool)
+    if docs is not None:
+        inner = np.asarray(docs[1:])      # a position's document: how many boundaries it passed
+        keep &= (qpos[..., None] >= inner).sum(-1) == (kpos[..., None] >= inner).sum(-1)
     if causal:
         keep &= kpos <= qpos
     if left >= 0:
@@ -75,13 +79,13 @@ def dense_keep(qpos, kpos, causal: bool, window=(-1, -1)) -> np.ndarray:
     return keep
 
 
-def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1)) -> int:
+def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None) -> int:
     """Forward hops ring member `index` sends K, V on when a block goes on only while a member
     it would still reach sees one of its keys. groups: each member's global positions."""
     g = len(groups)
 
     def sees(x, j):  # do member x's queries see any of member j's keys?
-        return bool(dense_keep(groups[x], groups[j], causal, window).any())
+        return bool(dense_keep(groups[x], groups[j], causal, window, docs).any())
 
     return sum(any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step))
                for step in range(g - 1))

@@ -118,12 +118,25 @@ def auto_runs_the_planned_strategy(causal=True, layout="zigzag", h=8, hkv=2, seq
     return {"choice": chosen.choice.label}
 
 
+def doc_boundaries(lengths, n: int):
+    """(0, b_1, ..., n) from document lengths cycled until n is covered (None: no documents)."""
+    if lengths is None:
+        return None
+    bounds, i = [0], 0
+    while bounds[-1] < n:
+        bounds.append(min(n, bounds[-1] + lengths[i % len(lengths)]))
+        i += 1
+    return tuple(bounds)
+
+
 def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
                              ulysses_degree=None, backend="numpy"):
     """Sliding windows (window_size=(left, right), with and without causal, both layouts):
     out, lse, dq, dk, dv against a float64 reference over an explicit dense mask written here
     (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
-    unbounded), within FlashAttention's tolerance rule; check=True passes."""
+    unbounded), within FlashAttention's tolerance rule; check=True passes. A case with
+    "doc_lengths" also passes cu_seqlens: documents of those lengths, cycled until the sequence
+    is full (the last one cut short), and the reference keeps only same-document pairs."""
     from burstcu.testing.reference import attention_backward_ref, attention_ref
     from tests.mpi.bodies import DTYPES, EPS, _check
 
@@ -134,17 +147,19 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
     half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
     how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
     for index, case in enumerate(cases):
-        causal, layout, (left, right) = case["causal"], case["layout"], case["window"]
-        keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right))
+        causal, layout, (left, right) = case["causal"], case["layout"], case.get("window", (-1, -1))
+        docs = doc_boundaries(case.get("doc_lengths"), n)
+        keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right), docs)
         q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
         rows = my_rows(layout, rank, size, n)
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
-        kw = dict(causal=causal, layout=layout, window_size=(left, right), **how)
+        kw = dict(causal=causal, layout=layout, window_size=(left, right), **how,
+                  **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}))
         group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
         if strategy == "burst":  # K, V go on only while a rank they reach needs them
             sends = ring_sends([my_rows(layout, x, size, n) for x in range(size)], rank, causal,
-                               (left, right))
+                               (left, right), docs)
             assert group.stats.bytes_sent == sends * (kl.nbytes + vl.nbytes), (case, sends, group.stats)
             assert group.stats.messages == sends
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
@@ -167,3 +182,44 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
             _check(name, got.astype(np.float64), ref[:, rows], naive[:, rows], dtype, factor=3.0)
     group.close()
     return {"cases": len(cases)}
+
+
+def documents_disagree():
+    """One rank passes other cu_seqlens: attention and unshard raise on every rank, naming it."""
+    group = burstcu.init(backend="numpy")
+    q = np.zeros((1, 4, 2, 8))
+    n = 4 * group.size
+    cu = np.array([0, 1, n]) if group.rank == group.size - 1 else np.array([0, 2, n])
+    for call in (lambda: burstcu.attention(q, q, q, group, cu_seqlens=cu),
+                 lambda: burstcu.unshard(q, group, cu_seqlens=cu)):
+        try:
+            call()
+        except ValueError as exc:
+            assert "disagree" in str(exc) or "same shape" in str(exc), exc
+            assert "cu_seqlens" in str(exc) or "documents" in str(exc), exc
+        else:
+            raise AssertionError("disagreeing cu_seqlens were accepted")
+    group.close()
+    return {"rank": group.rank}
+
+
+def documents_bad_on_one_rank():
+    """The last rank passes boundaries that do not end at the global length, or an array unshard
+    cannot index: attention and unshard raise on every rank (no hang, no abort)."""
+    group = burstcu.init(backend="numpy")
+    q = np.zeros((1, 4, 2, 8))
+    n = 4 * group.size
+    last = group.rank == group.size - 1
+    bad_cu = np.array([0, n - 1]) if last else np.array([0, n])
+    raised = []
+    for call in (lambda: burstcu.attention(q, q, q, group, cu_seqlens=bad_cu),
+                 lambda: burstcu.unshard(q, group, cu_seqlens=bad_cu),
+                 lambda: burstcu.unshard(np.zeros(4) if last else q, group)):
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            raised.append(str(exc))
+        else:
+            raise AssertionError("a bad input on one rank was accepted")
+    group.close()
+    return {"rank": group.rank, "raised": len(raised)}

@@ -1,0 +1,147 @@
+"""Documents (`cu_seqlens`, varlen): a query sees keys of its own document only, on every
+strategy under real `mpiexec -n 1..4`, composed with causal and sliding windows, against a float64
+reference over an explicit dense mask (tests/mpi/strategy_bodies.py::window_matches_reference);
+documents of length 1, of prime length and longer than a shard, boundaries anywhere; the
+forward's bytes per rank asserted (a document inside one shard sends nothing); bad boundaries and
+disagreeing ranks refused on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu.layout import global_positions, step_blocks
+from tests.mpi.bodies import dense_keep
+from tests.mpi_run import run_mpi
+
+# shards of 12 rows: lengths 1, 7, 5, 13 (> a shard), 2, 11 cycled put boundaries anywhere
+MIX = [1, 7, 5, 13, 2, 11]
+CASES = [
+    {"causal": True, "layout": "contiguous", "doc_lengths": MIX},
+    {"causal": False, "layout": "contiguous", "doc_lengths": MIX},
+    {"causal": True, "layout": "contiguous", "doc_lengths": [3, 17], "window": (4, 0)},
+    {"causal": False, "layout": "contiguous", "doc_lengths": [29, 1], "window": (2, 5)},
+    {"causal": True, "layout": "contiguous", "doc_lengths": [1]},          # every row alone
+    {"causal": True, "layout": "contiguous", "doc_lengths": [1000]},       # one document
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["burst", "ring", "allgather"])
+def test_documents_match_reference(world, strategy):
+    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
+            cases=CASES)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world,strategy,degree", [(2, "ulysses", None), (4, "ulysses", None),
+                                                   (4, "usp", 2)])
+def test_documents_through_the_all_to_all_strategies(world, strategy, degree):
+    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
+            ulysses_degree=degree, cases=CASES)
+
+
+@pytest.mark.mpi
+def test_documents_in_float64_and_float16():
+    for dtype in ("float64", "float16"):
+        run_mpi(3, "strategy_bodies:window_matches_reference", timeout=240, dtype=dtype,
+                cases=CASES[:3])
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.parametrize("world,dtype", [(2, "float16"), (3, "bfloat16")])
+def test_documents_on_the_emulated_kernels(world, dtype):
+    """Documents reach the CUDA kernels as more rectangles; run through the CPU emulator."""
+    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=600, backend="emulated",
+            dtype=dtype, seqlen_local=32, cases=CASES[:4])
+
+
+def test_blocks_cover_exactly_the_dense_mask_once():
+    """step_blocks with documents against the mask spelled out, over random boundaries, both
+    layouts, causal or not, windows: every kept (query, key) pair in exactly one rectangle, no
+    masked pair in any, no empty rectangle."""
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        size, per = int(rng.integers(1, 5)), 2 * int(rng.integers(1, 7))
+        n = size * per
+        cuts = sorted(rng.choice(np.arange(0, n + 1), size=int(rng.integers(0, 7))).tolist())
+        docs = tuple([0, *cuts, n])                 # repeated boundaries: empty documents
+        causal = bool(rng.integers(2))
+        window = (int(rng.choice([-1, 0, 2, 5])), 0 if causal else int(rng.choice([-1, 0, 3])))
+        layout = str(rng.choice(["contiguous", "zigzag"]))
+        for qr in range(size):
+            for kr in range(size):
+                covered = np.zeros((per, per), int)
+                for b in step_blocks(layout, qr, kr, size, per, causal, window, docs):
+                    assert b.q_len > 0 and b.k_len > 0
+                    i = np.arange(b.q_len)[:, None] + b.q_pos
+                    j = np.arange(b.k_len)[None, :] + b.k_pos
+                    ok = np.ones((b.q_len, b.k_len), bool)
+                    if b.causal:
+                        ok &= j <= i
+                    if b.left >= 0:
+                        ok &= j >= i - b.left
+                    if b.right >= 0:
+                        ok &= j <= i + b.right
+                    covered[b.q_start:b.q_start + b.q_len, b.k_start:b.k_start + b.k_len] += ok
+                want = dense_keep(global_positions(layout, qr, size, per),
+                                  global_positions(layout, kr, size, per), causal, window, docs)
+                assert (covered == want).all(), (layout, size, per, docs, causal, window, qr, kr)
+
+
+def test_a_document_inside_one_shard_computes_and_sends_nothing_across():
+    """Contiguous shards of 8 rows and documents aligned with them: every rank sees only its own
+    keys (one step), and the forward ring sends nothing."""
+    from burstcu.engine.burst import forward_sends
+    docs = (0, 8, 16, 24)
+    for q_rank in range(3):
+        sources = [s for s in range(3) if step_blocks("contiguous", q_rank, s, 3, 8, True,
+                                                      docs=docs)]
+        assert sources == [q_rank]
+        assert forward_sends(q_rank, 3, 8, "contiguous", True, docs=docs) == 0
+
+
+@pytest.mark.parametrize("cu,kind,message", [
+    ([0, 5, 15], ValueError, "end at the global sequence length 16"),
+    ([2, 16], ValueError, "start at 0"),
+    ([0, 9, 4, 16], ValueError, "must not decrease"),
+    ([0.0, 16.0], TypeError, "integers"),
+    ([[0, 16]], ValueError, "1-D"),
+    ([16], ValueError, "at least 2"),
+    (np.array([0, 2**62, -2**63 + 17, 16], np.int64), ValueError, "lie in"),   # no wrap-around
+    (np.array([0, 2**64 - 1, 16], np.uint64), ValueError, "lie in"),
+])
+def test_bad_boundaries_are_refused(cu, kind, message):
+    q = np.zeros((1, 16, 2, 8))
+    with pytest.raises(kind, match=message):
+        burstcu.attention(q, q, q, cu_seqlens=np.asarray(cu))
+
+
+def test_zigzag_with_documents_is_refused_with_the_way_out():
+    q = np.zeros((1, 16, 2, 8))
+    with pytest.raises(ValueError, match="layout='contiguous'"):
+        burstcu.attention(q, q, q, layout="zigzag", cu_seqlens=[0, 16])
+    with pytest.raises(ValueError, match="layout='contiguous'"):
+        burstcu.shard(q, None, layout="zigzag", cu_seqlens=[0, 16])
+
+
+def test_empty_documents_are_dropped_and_lists_accepted():
+    """Repeated boundaries (empty documents, as padding makes them) change nothing."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 10, 2, 8)) for _ in range(3))
+    a = burstcu.attention(q, k, v, causal=True, cu_seqlens=[0, 3, 3, 10, 10])
+    b = burstcu.attention(q, k, v, causal=True, cu_seqlens=np.array([0, 3, 10], np.int64))
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.mpi
+def test_ranks_disagreeing_on_documents_fail_on_every_rank():
+    run_mpi(3, "strategy_bodies:documents_disagree", timeout=120)
+
+
+@pytest.mark.mpi
+def test_bad_documents_on_one_rank_fail_on_every_rank():
+    run_mpi(3, "strategy_bodies:documents_bad_on_one_rank", timeout=120)
