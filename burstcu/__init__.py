@@ -7,13 +7,15 @@ Public API (see `burstcu.api` for shapes and semantics)::
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
     print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
+    out = burstcu.linear_attention(q, k, v, group, causal=True)   # LASP-2 (linear attention)
 """
 
-from .api import attention, attention_backward, shard, unshard
+from .api import (attention, attention_backward, linear_attention, linear_attention_backward,
+                  shard, unshard)
 from .group import Group, init
 from .plan import plan
 from .transport.base import CommTimeoutError
 
-__all__ = ["init", "Group", "attention", "attention_backward", "shard", "unshard", "plan",
-           "CommTimeoutError"]
+__all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
+           "linear_attention_backward", "shard", "unshard", "plan", "CommTimeoutError"]
 __version__ = "0.1.0"

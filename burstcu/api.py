@@ -27,7 +27,7 @@ from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
 from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs,
                        check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
-                       metadata, resolve_scale)
+                       dtype_name, metadata, resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -333,6 +333,96 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
             with call.raising_together():
                 agree(group.transport, verdict, None, "attention_backward check")
         return _returned(export, grads)
+
+
+# -- linear attention --------------------------------------------------------------------------
+
+LINEAR_STRATEGIES = engine.LINEAR_NAMES
+
+
+def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
+                    strategy):
+    """`_checked` for linear attention: local checks, one agreement, the same outcome on every
+    rank; returns (native arrays, exporter)."""
+    err = meta = export = None
+    try:
+        names = ("dout", "q", "k", "v") if backward else ("q", "k", "v")
+        err = _device_problem(group, names, arrays)
+        if err is None:
+            arrays, export = _native(group.ops, *arrays)
+            err, meta = _linear_check_local(group.ops, arrays, backward=backward, causal=causal,
+                                            layout=layout, strategy=strategy)
+    except Exception as exc:  # e.g. a DLPack export that fails on this rank only
+        kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
+        err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
+    with call.raising_together():
+        agree(group.transport, err, meta,
+              "linear_attention_backward" if backward else "linear_attention")
+    return arrays, export
+
+
+def _linear_dtypes(ops) -> tuple:
+    """What the array module of `ops` can compute linear attention in (CuPy has no bfloat16)."""
+    return ("float16", "bfloat16", "float32", "float64") if ops.xp is np else ("float16", "float32", "float64")
+
+
+def _linear_check_local(ops, arrays: tuple, *, backward: bool, causal, layout, strategy):
+    """(InputError or None, metadata) of this rank's native arrays."""
+    q, k, v = arrays[1:] if backward else arrays
+    err = None
+    if strategy not in LINEAR_STRATEGIES:
+        err = InputError(ValueError, f"strategy must be one of {LINEAR_STRATEGIES}, not {strategy!r}")
+    err = err or check_flags(causal=causal) or check_attention_inputs(
+        q, k, v, array_types=ops.array_types, dtypes=_linear_dtypes(ops), layout=layout,
+        softmax_scale=None)
+    if err is None and backward:
+        dout = arrays[0]
+        if not isinstance(dout, ops.array_types) or tuple(dout.shape) != tuple(q.shape) \
+                or dtype_name(dout) != dtype_name(q):
+            err = InputError(ValueError, f"dout must be an array of q's shape {tuple(q.shape)} and "
+                                         f"dtype {dtype_name(q)}, got {type(dout).__name__} "
+                                         f"{tuple(getattr(dout, 'shape', ()))} {dtype_name(dout)}")
+    if err is not None:
+        return err, None
+    return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
+
+
+def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+                     layout: str = "contiguous", strategy: str = "lasp2"):
+    """Basic linear attention (unnormalised, phi = identity, as LASP-2 defines it) of this
+    rank's queries over every rank's keys: per head, with query head h using kv head
+    h // (H // Hkv),
+        non-causal   out_i = q_i (sum_j k_j^T v_j)        over every position j
+        causal       out_i = sum_{j <= i} (q_i . k_j) v_j   (global positions, as `layout` says)
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard (`shard`). Returns out (B, S, H, D)
+    in q's dtype and array type; computed in float32 (float64 for float64 input).
+    strategy: "lasp2" (one all-gather of the D x D states a pass, overlapping the local work;
+        `burstcu.engine.lasp2`) or "lasp1" (the states passed rank to rank along the sequence,
+        one hop at a time; `burstcu.engine.lasp1`). Both give the same result.
+    Validation and agreement as in `attention`: a bad input raises on every rank.
+    """
+    group = _group_for(group, q)
+    with Call(group, "linear attention forward") as call:
+        (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
+                                            layout=layout, strategy=strategy)
+        out = engine.get_linear(strategy).forward(
+            q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
+            layout=layout, trace=group.trace)
+    return _returned(export, (out,))[0]
+
+
+def linear_attention_backward(dout, q, k, v, group: Group | None = None, *, causal: bool = False,
+                              layout: str = "contiguous", strategy: str = "lasp2"):
+    """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
+    dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
+    group = _group_for(group, q)
+    with Call(group, "linear attention backward") as call:
+        (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
+                                                  causal=causal, layout=layout, strategy=strategy)
+        grads = engine.get_linear(strategy).backward(
+            dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
+            causal=bool(causal), layout=layout, trace=group.trace)
+    return _returned(export, grads)
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_seqlens=None):

@@ -213,3 +213,30 @@ def test_model_strategies_smoke(tmp_path):
     assert out.startswith("PREDICTION") and "usp ulysses_degree=2" in out
     table = json.loads(js.read_text())["strategies"][0]
     assert {c["strategy"] for c in table["candidates"]} == {"burst", "ring", "allgather", "ulysses", "usp"}
+
+
+def test_linear_smoke(tmp_path):
+    """bench/linear.py on 2 ranks: lasp2's bytes are one state a pass whatever the seqlen, the
+    burst ring's grow with it; --predict labels its figures."""
+    js = tmp_path / "linear.json"
+    run_bench("linear.py", ["--seqlens", 64, 256, "--heads", 2, "--headdim", 8, "--repeats", 1,
+                            "--json", js])
+    rows = {(r["seqlen"], r["strategy"]): r for r in json.loads(js.read_text())["rows"]}
+    state = 1 * 2 * 8 * 8 * 4
+    assert rows[(64, "lasp2")]["forward_bytes"] == rows[(256, "lasp2")]["forward_bytes"] == state
+    assert rows[(256, "burst")]["forward_bytes"] == 4 * rows[(64, "burst")]["forward_bytes"] > 0
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows.values())
+    out = run_bench("linear.py", ["--predict", "--ranks", 8, "--seqlens", 65536], nprocs=None)
+    assert "PREDICTION" in out and "lasp2_over_ring" in out
+
+
+def test_hybrid_smoke(tmp_path):
+    """bench/hybrid.py on 2 ranks: an all-linear stack sends a state a layer; softmax layers add
+    their K/V traffic."""
+    js = tmp_path / "hybrid.json"
+    run_bench("hybrid.py", ["--layers", 4, "--seqlen", 128, "--heads", 2, "--headdim", 8,
+                            "--repeats", 1, "--json", js])
+    rows = {r["mix"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["linear"]["softmax_layers"] == 0 and rows["1/4 burst"]["softmax_layers"] == 1
+    assert rows["linear"]["bytes_per_rank"] < rows["1/4 allgather"]["bytes_per_rank"] \
+        < rows["softmax burst"]["bytes_per_rank"]

@@ -8,7 +8,9 @@
 # (selftest --full), tests (the kernel tests on the GPU), gputests (tests/gpu, interop, bring-up
 # fixes), kbench (bench/kernels.py), overlap and overlap_causal (bench/overlap_gpu.py), tiles
 # (bench/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
-# (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/). Reports (JSON, PNG) go to $OUT; each
+# (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
+# attention: tests/gpu/test_linear_gpu.py; bench/linear.py on one GPU, LASP-2/LASP-1 to 1M tokens
+# beside softmax burst). Reports (JSON, PNG) go to $OUT; each
 # step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
 # any step failed. Wheels in .whl/ are installed into /tmp/site first.
@@ -25,7 +27,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env gate full tests gputests kbench overlap overlap_causal tiles
-                                 memcheck racecheck demo mpi)
+                                 memcheck racecheck demo mpi linear linearbench)
 failed=()
 
 step() {  # step NAME SECONDS COMMAND...
@@ -69,6 +71,13 @@ for s in "${steps[@]}"; do
              tests/kernels/test_flash_bwd_emulated.py -k "test_ragged or (full_ragged and float16 and 64)" ;;
     demo) step demo 120 $PY -m burstcu.demo --causal ;;
     mpi) step mpi 240 bash bench/gpu/mpi_checks.sh ;;
+    linear) step linear 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
+             -p no:cacheprovider tests/gpu/test_linear_gpu.py ;;
+    linearbench) step linearbench 300 bash -c "$PY bench/linear.py --backend cupy --dtype float16 \
+             --strategies lasp2 lasp1 --seqlens 16384 65536 262144 1048576 --json $OUT/linear_gpu.json \
+             --table $LOGS/linear_gpu.txt && $PY bench/linear.py --backend cupy --dtype float16 \
+             --strategies burst --seqlens 16384 65536 --json $OUT/linear_gpu_burst.json \
+             --table $LOGS/linear_gpu_burst.txt" ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/test_interop.py tests/test_bringup_fixes.py ;;
     *) echo "unknown step $s" ;;

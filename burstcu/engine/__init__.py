@@ -13,6 +13,12 @@ never attention kernels.
     usp        USP / long-context-attention (`usp`): Ulysses inside groups of u ranks, the burst
                ring across the G/u groups (`ulysses_degree=u`)
 
+Linear attention (`get_linear(name)`, `burstcu.linear_attention`):
+    lasp2      LASP-2 (`lasp2`): one all-gather of the D x D states a pass
+    lasp1      LASP-1 (`lasp1`): the states passed rank to rank along the sequence
+with forward(q, k, v, ops, transport, *, causal, layout, trace) -> out and backward(dout, q, k,
+v, ops, transport, *, causal, layout, trace) -> (dq, dk, dv).
+
 `get(name)` returns an object with
 
     forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace) -> (out, lse)
@@ -39,6 +45,8 @@ from __future__ import annotations
 
 from .allgather import AllGatherAttention
 from .burst import BurstAttention
+from .lasp1 import LASP1
+from .lasp2 import LASP2
 from .ring import RingAttention
 from .steps import StepTrace, Trace
 from .ulysses import UlyssesAttention
@@ -47,6 +55,8 @@ from .usp import USPAttention
 _STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention,
                "ulysses": UlyssesAttention, "usp": USPAttention}
 NAMES = tuple(_STRATEGIES)
+_LINEAR = {"lasp2": LASP2, "lasp1": LASP1}
+LINEAR_NAMES = tuple(_LINEAR)
 
 
 def get(name: str, **options):
@@ -57,4 +67,11 @@ def get(name: str, **options):
     return _STRATEGIES[name](**options)
 
 
-__all__ = ["get", "NAMES", "Trace", "StepTrace"]
+def get_linear(name: str):
+    """The linear-attention strategy called `name` (one of LINEAR_NAMES)."""
+    if name not in _LINEAR:
+        raise ValueError(f"strategy must be one of {LINEAR_NAMES}, not {name!r}")
+    return _LINEAR[name]()
+
+
+__all__ = ["get", "get_linear", "NAMES", "LINEAR_NAMES", "Trace", "StepTrace"]

@@ -201,3 +201,27 @@ def within_fa_rule(x, ref, naive, eps, factor=2.0) -> tuple[bool, float, float]:
     noise = 8 * eps * (float(np.abs(finite).max()) if finite.size else 1.0)
     err, naive_err = max_err(x, ref), max_err(naive, ref)
     return err <= factor * naive_err + noise, err, factor * naive_err + noise
+
+
+def linear_attention_ref(q, k, v, causal=False, dtype=np.float64, dout=None):
+    """Basic linear attention (no normalisation, phi = identity) in the quadratic form, entirely
+    in `dtype`: out_i = sum_j [j <= i if causal] (q_i . k_j) v_j, per head, kv head h // (H/Hkv).
+    With dout, also its gradients (dq, dk, dv) from A = mask * Q K^T: dA = mask * dO V^T,
+    dq = dA K, dk = dA^T Q, dv = A^T dO (summed over a kv head's query heads).
+    Written without states or chunks: an independent check of burstcu.ops.linear."""
+    q, k, v = _cast(dtype, q, k, v)
+    h, n = q.shape[2], q.shape[1]
+    ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+    mask = np.tril(np.ones((n, n), dtype)) if causal else np.ones((n, n), dtype)
+    a = np.einsum("bihd,bjhd->bhij", q, ke, optimize=True) * mask
+    out = np.einsum("bhij,bjhd->bihd", a, ve, optimize=True)
+    if dout is None:
+        return out
+    (do,) = _cast(dtype, dout)
+    da = np.einsum("bihd,bjhd->bhij", do, ve, optimize=True) * mask
+    dq = np.einsum("bhij,bjhd->bihd", da, ke, optimize=True)
+    dk_e = np.einsum("bhij,bihd->bjhd", da, q, optimize=True)
+    dv_e = np.einsum("bhij,bihd->bjhd", a, do, optimize=True)
+    b, _, hkv, d = k.shape
+    return out, (dq, dk_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3),
+                 dv_e.reshape(b, n, hkv, h // hkv, d).sum(axis=3))

@@ -223,3 +223,74 @@ def documents_bad_on_one_rank():
             raise AssertionError("a bad input on one rank was accepted")
     group.close()
     return {"rank": group.rank, "raised": len(raised)}
+
+
+def linear_matches_reference(strategy="lasp2", dtype="float32", seqlen_local=40, cases=(),
+                             backend="numpy"):
+    """linear_attention and its backward (B=2, H=4, Hkv=2, D=8) against the quadratic float64
+    form (burstcu.testing.reference.linear_attention_ref) within FlashAttention's rule (the naive
+    implementation: the same form in float32), for each case {"causal", "layout"}; the bytes
+    and messages each rank sends asserted against the strategy's formulas and, for lasp2, the
+    seed's (G-1) x runs x B*Hkv*D*D x itemsize, independent of the sequence length."""
+    from burstcu.engine import LASP1
+    from burstcu.testing.reference import linear_attention_ref
+    from tests.mpi.bodies import NAIVE, TRUTH, _check
+
+    group = burstcu.init(backend=backend)
+    rank, size = group.rank, group.size
+    n = seqlen_local * size
+    b, h, hkv, d = 2, 4, 2, 8
+    acc = 8 if dtype == "float64" else 4
+    for index, case in enumerate(cases):
+        causal, layout = case["causal"], case["layout"]
+        q, k, v, dout = make_inputs(500 + index, b, n, h, hkv, d, dtype)
+        rows = my_rows(layout, rank, size, n)
+        ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+        kw = dict(causal=causal, layout=layout, strategy=strategy)
+        group.stats.reset()
+        out = burstcu.linear_attention(ql, kl, vl, group, **kw)
+        fwd_bytes, fwd_msgs = group.stats.bytes_sent, group.stats.messages
+        group.stats.reset()
+        grads = burstcu.linear_attention_backward(dol, ql, kl, vl, group, **kw)
+        bwd_bytes, bwd_msgs = group.stats.bytes_sent, group.stats.messages
+        state = b * hkv * d * d * acc
+        nruns = 1 if layout == "contiguous" else 2
+        if strategy == "lasp2":
+            assert (fwd_bytes, fwd_msgs) == ((size - 1) * nruns * state, size - 1), (case, fwd_bytes)
+            assert (bwd_bytes, bwd_msgs) == (2 * (size - 1) * nruns * state, size - 1), (case, bwd_bytes)
+        else:
+            sends = LASP1.forward_sends(rank, size, seqlen_local, layout, causal)
+            assert (fwd_bytes, fwd_msgs) == (sends * state, sends), (case, fwd_bytes, sends)
+            bsends = LASP1.backward_sends(rank, size, seqlen_local, layout, causal)
+            per = state * (1 if causal else 2)
+            assert (bwd_bytes, bwd_msgs) == (bsends * per, bsends), (case, bwd_bytes, bsends)
+            if layout == "contiguous" and causal:   # the chain, spelled out
+                assert sends == (rank < size - 1) and bsends == (rank < size - 1) + (rank > 0)
+        ref_out, ref_grads = linear_attention_ref(q, k, v, causal, TRUTH[dtype], dout=dout)
+        naive_out, naive_grads = linear_attention_ref(q, k, v, causal, NAIVE[dtype], dout=dout)
+        assert out.dtype == q.dtype and all(g.dtype == x.dtype for g, x in zip(grads, (q, k, v)))
+        _check("out", out.astype(np.float64), ref_out[:, rows], naive_out[:, rows], dtype)
+        for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+            _check(name, got.astype(np.float64), ref[:, rows], naive[:, rows], dtype, factor=3.0)
+    group.close()
+    return {"cases": len(cases)}
+
+
+def linear_bad_input_on_one_rank():
+    """The last rank passes k with another head dim, then another strategy: both calls raise
+    on every rank."""
+    group = burstcu.init(backend="numpy")
+    last = group.rank == group.size - 1
+    q = np.zeros((1, 8, 2, 8))
+    k = np.zeros((1, 8, 2, 4 if last else 8))
+    raised = 0
+    for call in (lambda: burstcu.linear_attention(q, k, k, group),
+                 lambda: burstcu.linear_attention(q, q, q, group,
+                                                  strategy="lasp1" if last else "lasp2")):
+        try:
+            call()
+        except ValueError:
+            raised += 1
+    assert raised == 2, raised
+    group.close()
+    return {"rank": group.rank}

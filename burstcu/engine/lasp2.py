@@ -1,0 +1,164 @@
+"""LASP-2 (Sun et al. 2025): linear attention over a sharded sequence with ONE all-gather of the
+D x D states per pass, posted before and waited after the local work so the two overlap.
+
+Linear attention, chunkwise local compute and shapes: `burstcu.ops.linear`. A rank's rows are
+one or two runs of global positions (`burstcu.layout.segments`: contiguous, zigzag); each run is
+a chunk t with state M_t = K_t^T V_t (B, Hkv, D, D) in the accumulation dtype.
+
+Forward:
+    states = [M_t for my runs]                      (nruns, B, Hkv, D, D), nruns = 1 or 2
+    post: send states to every other rank, receive theirs       (the all-gather, one commit)
+    causal: out_t = forward_run(run t, no prefix)   (intra-chunk work, overlaps the gather)
+    wait
+    causal: out_t += Q_t P_t, P_t = sum of the states of every chunk before t in global order
+    non-causal: out = Q M, M = sum of every chunk's state (in rank order: the same bits on
+                every rank)
+Backward (the API keeps no state between calls, so M travels again, beside dM):
+    states = [(M_t, dM_t) for my runs], dM_t = sum over a kv head's query heads of Q_t^T dO_t
+    post the all-gather; causal: backward_run(run t, no prefix, no suffix); wait
+    causal: dq_t += dO_t P_t^T, dk_t += V_t S_t^T, dv_t += K_t S_t, S_t = sum of the dM of every
+            chunk after t;   non-causal: dq = dO M^T, dk = V dM^T, dv = K dM over the sums
+Bytes sent per rank (G > 1), itemsize that of the accumulation dtype:
+    forward  (G-1) * nruns * B*Hkv*D*D * itemsize       in G-1 messages
+    backward (G-1) * 2 * nruns * B*Hkv*D*D * itemsize   in G-1 messages
+independent of the sequence length.
+"""
+
+from __future__ import annotations
+
+from ..layout import segments
+from ..ops import linear
+from ..ops.base import LocalOps, accum_dtype
+from ..transport.base import Transport
+from .steps import Trace, now, post_pairwise, timed_wait
+
+
+def runs(layout: str, rank: int, size: int, seqlen_local: int):
+    """This rank's runs of rows (layout.Segment) and, for each, its chunk's place in global
+    order among all G * nruns chunks."""
+    order = sorted((seg.pos, r, i) for r in range(size)
+                   for i, seg in enumerate(segments(layout, r, size, seqlen_local)))
+    place = {(r, i): n for n, (_, r, i) in enumerate(order)}
+    mine = segments(layout, rank, size, seqlen_local)
+    return mine, [place[(rank, i)] for i in range(len(mine))], place
+
+
+def rows(x, seg):
+    return x[:, seg.local:seg.local + seg.length]
+
+
+def state_bytes(q, k) -> int:
+    """Bytes of one chunk's state: B * Hkv * D * D in the accumulation dtype."""
+    b, _, hkv, d = k.shape
+    return b * hkv * d * d * accum_dtype(q.dtype).itemsize
+
+
+class LASP2:
+    """See the module docstring."""
+
+    name = "lasp2"
+
+    @staticmethod
+    def _gather(ops: LocalOps, transport: Transport, mine, label: str):
+        """(size, *mine.shape) holding every rank's `mine`, the exchange posted, not waited."""
+        gathered = ops.zeros((transport.size,) + tuple(mine.shape), mine.dtype)
+        ops.copy_(gathered[transport.rank], mine)
+        peers = [p for p in range(transport.size) if p != transport.rank]
+        if peers:
+            post_pairwise(ops, transport, label, [(mine, gathered[p], p) for p in peers])
+        return gathered, bool(peers)
+
+    @staticmethod
+    def _chunk_states(gathered, place, size: int, nruns: int):
+        """The gathered states as a list in global chunk order."""
+        ordered = [None] * (size * nruns)
+        for (r, i), n in place.items():
+            ordered[n] = gathered[r, i]
+        return ordered
+
+    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+                trace: Trace | None = None):
+        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
+        xp, acc = ops.xp, accum_dtype(q.dtype)
+        size, rank = transport.size, transport.rank
+        mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+        states = xp.stack([linear.kv_state(xp, rows(k, s), rows(v, s), acc) for s in mine_runs])
+        gathered, posted = self._gather(ops, transport, states, "lasp2 fwd all-gather states")
+        t0 = now()
+        local = ([linear.forward_run(xp, rows(q, s), rows(k, s), rows(v, s), None, acc)
+                  for s in mine_runs] if causal else None)
+        compute_s = now() - t0
+        wait_s = timed_wait(ops, transport, "lasp2 fwd wait") if posted else 0.0
+        ordered = self._chunk_states(gathered, place, size, len(mine_runs))
+        out = ops.zeros(q.shape, acc)
+        if causal:
+            for seg, n, part in zip(mine_runs, places, local):
+                prefix = _total(xp, ordered[:n], acc, k.shape, q.shape[-1])
+                out[:, seg.local:seg.local + seg.length] = part + linear.forward_full(
+                    xp, rows(q, seg), prefix, acc)
+        else:
+            out[...] = linear.forward_full(xp, q, _total(xp, ordered, acc, k.shape, q.shape[-1]), acc)
+        if trace is not None:
+            trace.add("forward", 0, rank, len(mine_runs), compute_s, wait_s)
+        return out.astype(q.dtype)
+
+    def backward(self, dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
+                 layout: str, trace: Trace | None = None):
+        """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
+        xp, acc = ops.xp, accum_dtype(q.dtype)
+        size, rank, hkv = transport.size, transport.rank, k.shape[2]
+        mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+        states = xp.stack([xp.stack([linear.kv_state(xp, rows(k, s), rows(v, s), acc),
+                                     linear.grad_state(xp, rows(q, s), rows(dout, s), hkv, acc)])
+                           for s in mine_runs])                      # (nruns, 2, B, Hkv, D, D)
+        gathered, posted = self._gather(ops, transport, states, "lasp2 bwd all-gather states")
+        t0 = now()
+        local = ([linear.backward_run(xp, rows(dout, s), rows(q, s), rows(k, s), rows(v, s),
+                                      None, None, acc) for s in mine_runs] if causal else None)
+        compute_s = now() - t0
+        wait_s = timed_wait(ops, transport, "lasp2 bwd wait") if posted else 0.0
+        ordered = self._chunk_states(gathered, place, size, len(mine_runs))
+        kv_states, grad_states = [s[0] for s in ordered], [s[1] for s in ordered]
+        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+        d = q.shape[-1]
+        if causal:
+            for seg, n, (dq_t, dk_t, dv_t) in zip(mine_runs, places, local):
+                prefix = _total(xp, kv_states[:n], acc, k.shape, d)
+                suffix = _total(xp, grad_states[n + 1:], acc, k.shape, d)
+                cq, ck, cv = linear.backward_full(xp, rows(dout, seg), rows(k, seg), rows(v, seg),
+                                                  prefix, suffix, acc)
+                sl = slice(seg.local, seg.local + seg.length)
+                dq[:, sl], dk[:, sl], dv[:, sl] = dq_t + cq, dk_t + ck, dv_t + cv
+        else:
+            total, grad_total = (_total(xp, kv_states, acc, k.shape, d),
+                                 _total(xp, grad_states, acc, k.shape, d))
+            dq[...], dk[...], dv[...] = linear.backward_full(xp, dout, k, v, total, grad_total, acc)
+        if trace is not None:
+            trace.add("backward", 0, rank, len(mine_runs), compute_s, wait_s)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    # -- what one rank sends -------------------------------------------------------------------
+    @staticmethod
+    def forward_bytes(size: int, q, k, layout: str = "contiguous") -> int:
+        return (size - 1) * len(segments(layout, 0, size, q.shape[1])) * state_bytes(q, k)
+
+    @staticmethod
+    def backward_bytes(size: int, q, k, layout: str = "contiguous") -> int:
+        return 2 * LASP2.forward_bytes(size, q, k, layout)
+
+    @staticmethod
+    def forward_messages(size: int) -> int:
+        return size - 1
+
+    backward_messages = forward_messages
+
+
+def _total(xp, states, acc, k_shape, d: int):
+    """The sum of `states` (each (B, Hkv, D, D)) in list order; zeros when there are none."""
+    out = xp.zeros((k_shape[0], k_shape[2], d, d), dtype=acc)
+    for s in states:
+        out += s
+    return out
+
+
+__all__ = ["LASP2", "runs", "rows", "state_bytes"]

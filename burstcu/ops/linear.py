@@ -1,0 +1,170 @@
+"""Local compute of (basic, unnormalised) linear attention, chunkwise, on any array module.
+
+Linear attention as LASP-2 defines it (phi = identity, no normalisation), per head, with query
+head h using kv head h // (H / Hkv) as in softmax attention:
+
+    non-causal   O = Q (K^T V)
+    causal       O_i = sum_{j <= i} (q_i . k_j) v_j
+
+Chunkwise (the form every routine here uses): a run of C rows is cut into tiles of T rows; the
+state M = sum K^T V (D x D per kv head) of the tiles before a tile carries its whole past, so
+
+    O_tile = tril(Q_t K_t^T) V_t + Q_t (P + M_<t)
+
+with P the state of everything before the run (another rank's chunks). Cost O(C T D + C D^2), all
+of it batched matmuls plus one triangular mask a tile (no kernel of its own). The backward runs
+the same sweep forwards for dQ and backwards for dK, dV with the gradient state
+dM = sum Q^T dO (summed over the query heads of a kv head):
+
+    dQ_t = tril(dO_t V_t^T) K_t + dO_t (P + M_<t)^T
+    dK_t = sum_heads tril(dO_t V_t^T)^T Q_t + V_t (S + dM_>t)^T
+    dV_t = sum_heads tril(Q_t K_t^T)^T dO_t + K_t (S + dM_>t)
+
+with S the gradient state of everything after the run. The tiles of a span of TILES_AT_ONCE
+tiles go through each product together (their states M_<t by a cumulative sum), so a run costs
+C / (T * TILES_AT_ONCE) rounds of batched matmuls, not one a tile. Shapes: q, dout (B, C, H, D); k, v
+(B, C, Hkv, D) (rows of one run); states (B, Hkv, D, D); results in the accumulation dtype `acc`
+(float32; float64 for float64 input), rows-first like the inputs. The strategies
+(burstcu/engine/lasp2.py, lasp1.py) say where P and S come from.
+"""
+
+from __future__ import annotations
+
+TILE = 128  # rows a tile: tril(Q K^T) costs T/D of the state products, small at T = 128
+TILES_AT_ONCE = 64  # tiles a batched matmul takes: B*H*64*T*T scores at a time
+
+
+def _grouped(xp, x, hkv: int, acc):
+    """(B, C, H, D) -> (B, Hkv, H/Hkv, C, D) in acc (query heads of one kv head together)."""
+    b, c, h, d = x.shape
+    return xp.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(b, hkv, h // hkv, c, d).astype(acc))
+
+
+def _heads(xp, x, acc):
+    """(B, C, Hkv, D) -> (B, Hkv, C, D) in acc."""
+    return xp.ascontiguousarray(x.transpose(0, 2, 1, 3).astype(acc))
+
+
+def _rows_first(xp, x):
+    """(B, Hkv, R, C, D) or (B, Hkv, C, D) back to (B, C, H, D)."""
+    if x.ndim == 5:
+        b, g, r, c, d = x.shape
+        x = x.reshape(b, g * r, c, d)
+    return xp.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def _tril(xp, n: int, acc):
+    return xp.tril(xp.ones((n, n), dtype=acc))
+
+
+def kv_state(xp, k, v, acc):
+    """M = K^T V: (B, Hkv, D, D) in acc from k, v (B, C, Hkv, D)."""
+    kh, vh = _heads(xp, k, acc), _heads(xp, v, acc)
+    return kh.transpose(0, 1, 3, 2) @ vh
+
+
+def grad_state(xp, q, dout, hkv: int, acc):
+    """dM = sum over a kv head's query heads of Q^T dO: (B, Hkv, D, D) in acc."""
+    qg, dg = _grouped(xp, q, hkv, acc), _grouped(xp, dout, hkv, acc)
+    return (qg.transpose(0, 1, 2, 4, 3) @ dg).sum(axis=2)
+
+
+def _spans(c: int, rows: int):
+    """[r0, r1) row ranges of at most `rows` rows covering 0..c."""
+    return [(r0, min(c, r0 + rows)) for r0 in range(0, c, rows)]
+
+
+def _tiled(xp, x, r0: int, r1: int, tile: int):
+    """Rows r0..r1 of x (..., C, D) as (..., n_tiles, tile, D), zero-padded to whole tiles (zero
+    rows add nothing to a state and their outputs are dropped)."""
+    part = x[..., r0:r1, :]
+    n = r1 - r0
+    pad = -n % tile
+    if pad:
+        part = xp.concatenate([part, xp.zeros(part.shape[:-2] + (pad, part.shape[-1]), part.dtype)],
+                              axis=-2)
+    return part.reshape(part.shape[:-2] + ((n + pad) // tile, tile, part.shape[-1]))
+
+
+def _untiled(x, n: int):
+    """(..., n_tiles, tile, D) back to (..., n, D) (padding dropped)."""
+    return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
+
+
+def _t(x):
+    return x.swapaxes(-1, -2)
+
+
+def forward_run(xp, q, k, v, prefix, acc, tile: int = TILE):
+    """Causal linear attention of one run of rows: out (B, C, H, D) in acc, with `prefix`
+    (B, Hkv, D, D) the state of every earlier row outside the run (None: none). Tiles are
+    processed TILES_AT_ONCE at a time as batched matmuls, the state carried between groups."""
+    hkv = k.shape[2]
+    qg, kh, vh = _grouped(xp, q, hkv, acc), _heads(xp, k, acc), _heads(xp, v, acc)
+    b, _, r, c, d = qg.shape
+    tile = max(1, min(tile, c))
+    mask = _tril(xp, tile, acc)
+    out = xp.empty_like(qg)
+    state = xp.zeros((b, hkv, d, d), dtype=acc) if prefix is None else prefix.astype(acc, copy=True)
+    for r0, r1 in _spans(c, tile * TILES_AT_ONCE):
+        qt = _tiled(xp, qg, r0, r1, tile)                        # (B, G, R, n, T, D)
+        kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)   # (B, G, n, T, D)
+        states = _t(kt) @ vt                                     # (B, G, n, D, D)
+        before = xp.cumsum(states, axis=2) - states + state[:, :, None]
+        scores = (qt @ _t(kt)[:, :, None]) * mask
+        part = scores @ vt[:, :, None] + qt @ before[:, :, None]
+        out[..., r0:r1, :] = _untiled(part, r1 - r0)
+        state = state + states.sum(axis=2)
+    return _rows_first(xp, out)
+
+
+def backward_run(xp, dout, q, k, v, prefix, suffix, acc, tile: int = TILE):
+    """Gradients of `forward_run` for one run: (dq (B, C, H, D), dk, dv (B, C, Hkv, D)) in acc.
+    prefix: the state of every earlier row outside the run; suffix: the gradient state dM of
+    every later row outside the run (either None: none)."""
+    hkv = k.shape[2]
+    qg, dg = _grouped(xp, q, hkv, acc), _grouped(xp, dout, hkv, acc)
+    kh, vh = _heads(xp, k, acc), _heads(xp, v, acc)
+    b, _, r, c, d = qg.shape
+    tile = max(1, min(tile, c))
+    mask = _tril(xp, tile, acc)
+    dq, dk, dv = xp.empty_like(qg), xp.empty_like(kh), xp.empty_like(vh)
+    spans = _spans(c, tile * TILES_AT_ONCE)
+    state = xp.zeros((b, hkv, d, d), dtype=acc) if prefix is None else prefix.astype(acc, copy=True)
+    for r0, r1 in spans:                                # forwards: dQ needs the past
+        dt = _tiled(xp, dg, r0, r1, tile)
+        kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)
+        states = _t(kt) @ vt
+        before = xp.cumsum(states, axis=2) - states + state[:, :, None]
+        dscores = (dt @ _t(vt)[:, :, None]) * mask
+        dq[..., r0:r1, :] = _untiled(dscores @ kt[:, :, None] + dt @ _t(before)[:, :, None], r1 - r0)
+        state = state + states.sum(axis=2)
+    grad = xp.zeros((b, hkv, d, d), dtype=acc) if suffix is None else suffix.astype(acc, copy=True)
+    for r0, r1 in reversed(spans):                      # backwards: dK, dV need the future
+        qt, dt = _tiled(xp, qg, r0, r1, tile), _tiled(xp, dg, r0, r1, tile)
+        kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)
+        grads = (_t(qt) @ dt).sum(axis=2)                # (B, G, n, D, D), summed over heads
+        after = grads.sum(axis=2, keepdims=True) - xp.cumsum(grads, axis=2) + grad[:, :, None]
+        scores = (qt @ _t(kt)[:, :, None]) * mask
+        dscores = (dt @ _t(vt)[:, :, None]) * mask
+        dk[..., r0:r1, :] = _untiled((_t(dscores) @ qt).sum(axis=2) + vt @ _t(after), r1 - r0)
+        dv[..., r0:r1, :] = _untiled((_t(scores) @ dt).sum(axis=2) + kt @ after, r1 - r0)
+        grad = grad + grads.sum(axis=2)
+    return _rows_first(xp, dq), _rows_first(xp, dk), _rows_first(xp, dv)
+
+
+def forward_full(xp, q, total, acc):
+    """Non-causal: out = Q M (B, C, H, D) in acc, M = `total` (B, Hkv, D, D), every row's."""
+    qg = _grouped(xp, q, total.shape[1], acc)
+    return _rows_first(xp, qg @ total[:, :, None])
+
+
+def backward_full(xp, dout, k, v, total, grad_total, acc):
+    """Non-causal gradients: dq = dO M^T, dk = V dM^T, dv = K dM in acc, with M = `total` and
+    dM = `grad_total` (B, Hkv, D, D) summed over every row of the sequence."""
+    hkv = k.shape[2]
+    dg = _grouped(xp, dout, hkv, acc)
+    kh, vh = _heads(xp, k, acc), _heads(xp, v, acc)
+    dq = dg @ total[:, :, None].transpose(0, 1, 2, 4, 3)
+    return (_rows_first(xp, dq), _rows_first(xp, vh @ grad_total.transpose(0, 1, 3, 2)),
+            _rows_first(xp, kh @ grad_total))

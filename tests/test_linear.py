@@ -1,0 +1,116 @@
+"""Linear attention (LASP-2 and the LASP-1 ring baseline) under real `mpiexec -n 1..4`: out, dq,
+dk, dv against the quadratic float64 form over every layout, causal and not, GQA, float32 and
+float64; bytes and messages per rank asserted (LASP-2's independent of the sequence length);
+bad input on one rank raised on every rank (tests/mpi/strategy_bodies.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu.engine import LASP1, LASP2
+from burstcu.ops import linear
+from burstcu.testing.reference import linear_attention_ref
+from tests.mpi_run import run_mpi
+
+CASES = [{"causal": c, "layout": lay} for c in (True, False) for lay in ("contiguous", "zigzag")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["lasp2", "lasp1"])
+def test_linear_attention_matches_reference(world, strategy):
+    run_mpi(world, "strategy_bodies:linear_matches_reference", timeout=240, strategy=strategy,
+            cases=CASES)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["lasp2", "lasp1"])
+def test_linear_attention_in_float64(strategy):
+    run_mpi(3, "strategy_bodies:linear_matches_reference", timeout=240, strategy=strategy,
+            dtype="float64", cases=CASES)
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+def test_linear_attention_on_the_kernel_backend():
+    """The CUDA backend's array path (here its CPU emulation: NumPy arrays, the same code CuPy
+    runs) in half precision."""
+    run_mpi(2, "strategy_bodies:linear_matches_reference", timeout=240, backend="emulated",
+            dtype="float16", cases=CASES[:2])
+
+
+@pytest.mark.mpi
+def test_linear_bad_input_on_one_rank_fails_on_every_rank():
+    run_mpi(3, "strategy_bodies:linear_bad_input_on_one_rank", timeout=120)
+
+
+def test_lasp2_bytes_do_not_depend_on_the_sequence_length():
+    for s in (16, 4096, 1 << 20):
+        q = np.zeros((1, s, 8, 64), np.float16)
+        k = np.zeros((1, s, 2, 64), np.float16)
+        assert LASP2.forward_bytes(8, q, k) == 7 * 2 * 64 * 64 * 4
+        assert LASP2.backward_bytes(8, q, k) == 2 * 7 * 2 * 64 * 64 * 4
+
+
+def test_lasp1_sends_one_state_a_hop_along_the_chain():
+    """Contiguous: the causal forward chain 0 -> 1 -> .. -> G-1; the non-causal one adds the
+    total's chain G-1 -> 0 -> 1 -> .. -> G-2. Zigzag (chunks 0..2G-1 held by 0, 1, .., G-1,
+    G-1, .., 0): every rank but the last sends twice (once a direction)."""
+    g = 4
+    assert [LASP1.forward_sends(r, g, 8) for r in range(g)] == [1, 1, 1, 0]
+    assert [LASP1.forward_sends(r, g, 8, causal=False) for r in range(g)] == [2, 2, 1, 1]
+    assert [LASP1.backward_sends(r, g, 8) for r in range(g)] == [1, 2, 2, 1]
+    assert [LASP1.forward_sends(r, g, 8, "zigzag") for r in range(g)] == [1, 2, 2, 1]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunkwise_tiles_match_the_quadratic_form(causal, monkeypatch):
+    """burstcu.ops.linear over several tile sizes (including ones that do not divide the run),
+    spans of a few tiles at once (the state carried between spans, the last one padded), and a
+    run split in two with the state of the first handed to the second, float64."""
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((2, 77, 6, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 77, 3, 8)) for _ in range(2))
+    ref_out, ref_grads = linear_attention_ref(q, k, v, causal, dout=dout)
+    acc = np.float64
+    if causal:
+        for tile, at_once in ((1, 64), (16, 64), (16, 2), (7, 3), (77, 64), (200, 64)):
+            monkeypatch.setattr(linear, "TILES_AT_ONCE", at_once)
+            np.testing.assert_allclose(linear.forward_run(np, q, k, v, None, acc, tile), ref_out,
+                                       rtol=1e-12, atol=1e-10)
+            got = linear.backward_run(np, dout, q, k, v, None, None, acc, tile)
+            for g, r in zip(got, ref_grads):
+                np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-10)
+        c = 30
+        prefix = linear.kv_state(np, k[:, :c], v[:, :c], acc)
+        suffix = linear.grad_state(np, q[:, c:], dout[:, c:], 3, acc)
+        second = linear.forward_run(np, q[:, c:], k[:, c:], v[:, c:], prefix, acc, 16)
+        np.testing.assert_allclose(second, ref_out[:, c:], rtol=1e-12, atol=1e-10)
+        first = linear.backward_run(np, dout[:, :c], q[:, :c], k[:, :c], v[:, :c], None, suffix, acc, 16)
+        for g, r in zip(first, ref_grads):
+            np.testing.assert_allclose(g, r[:, :c], rtol=1e-12, atol=1e-10)
+    else:
+        total = linear.kv_state(np, k, v, acc)
+        np.testing.assert_allclose(linear.forward_full(np, q, total, acc), ref_out, rtol=1e-12, atol=1e-10)
+        grads = linear.backward_full(np, dout, k, v, total, linear.grad_state(np, q, dout, 3, acc), acc)
+        for g, r in zip(grads, ref_grads):
+            np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs,kind,message", [
+    ({"strategy": "lasp3"}, ValueError, "strategy must be one of"),
+    ({"causal": "yes"}, TypeError, "causal must be True or False"),
+    ({"layout": "spiral"}, ValueError, "layout must be one of"),
+])
+def test_bad_linear_options_are_refused(kwargs, kind, message):
+    q = np.zeros((1, 8, 2, 4))
+    with pytest.raises(kind, match=message):
+        burstcu.linear_attention(q, q, q, **kwargs)
+
+
+def test_bad_dout_is_refused():
+    q = np.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="dout must be"):
+        burstcu.linear_attention_backward(np.zeros((1, 8, 2, 5)), q, q, q)
