@@ -68,12 +68,15 @@ def _mpi_info() -> str | None:
         return None
 
 
-def environment(group=None, **extra) -> dict:
-    """What the figures were measured on. Never claims a GPU unless the backend ran on one."""
+def environment(group=None, synchronized: bool = False, **extra) -> dict:
+    """What the figures were measured on. Never claims a GPU unless the backend ran on one.
+    synchronized: the script syncs the device inside its timings (device times, not enqueue)."""
     backend = getattr(group, "backend", "numpy")
     transport = getattr(group, "transport", None)
+    gpu = ("GPU (wall time around each call, device synchronized)" if synchronized
+           else "GPU (host-side enqueue timings)")
     env = {
-        "device": "GPU (host-side enqueue timings)" if backend == "cupy" else "CPU",
+        "device": gpu if backend == "cupy" else "CPU",
         "backend": backend,
         "host": socket.gethostname(),
         "cpus": os.cpu_count(),

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         rows.append(row)
         if group.rank == 0:
             print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
-    env = C.environment(group)
+    env = C.environment(group, synchronized=True)
     group.close()
     if group.rank == 0:
         text = C.measured_on(env) + "\n" + C.table(rows, COLUMNS)

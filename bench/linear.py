@@ -106,7 +106,7 @@ def run(args) -> list[dict]:
             rows.append(row)
             if group.rank == 0:
                 print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
-    env = C.environment(group)
+    env = C.environment(group, synchronized=True)
     group.close()
     return rows, env
 

@@ -9,18 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from burstcu.group import gpu_usable
 from burstcu.testing.reference import linear_attention_ref, within_fa_rule
 
 
-def _gpu() -> bool:
-    try:
-        import cupy
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU")]
 
 EPS = {"float16": 2.0**-10, "float32": 2.0**-23}
 

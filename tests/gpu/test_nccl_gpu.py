@@ -14,18 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from burstcu.group import gpu_usable
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
+from tests.mpi.bodies import dense_keep
 
 
-def _gpu() -> bool:
-    try:
-        import cupy
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU")]
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # the naive implementation already carries the half-precision roundings (P, dS, the outputs), so
@@ -50,21 +44,6 @@ def _inputs(seed, b=2, n=128, h=4, hkv=2, d=64, dtype="float16"):
     return q, k, v, dout
 
 
-def _window_keep(n, causal, window):
-    """(n, n) bool, spelled out: key j visible to query i iff (not causal or j <= i) and
-    i - left <= j <= i + right (-1: unbounded)."""
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    left, right = window
-    keep = np.ones((n, n), bool)
-    if causal:
-        keep &= j <= i
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    return keep
-
-
 # (causal, window): none, a causal band (key tiles before it skipped), a two-sided band that
 # cuts through tiles on both sides, a one-sided band to the right
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (40, 0)), (False, (19, 70)), (False, (-1, 5))]
@@ -85,7 +64,7 @@ def test_world_of_one_matches_reference(group, causal, window, dtype):
     out, lse = burstcu.attention(dq_, dk_, dv_, group, return_lse=True, **how)
     grads = burstcu.attention_backward(dd_, dq_, dk_, dv_, out, lse, group, **how)
     assert out.dtype == DTYPES[dtype] and lse.dtype == np.float32
-    keep = _window_keep(n, causal, window)
+    keep = dense_keep(np.arange(n), np.arange(n), causal, window)
     ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
     naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32,
                                          round_to=DTYPES[dtype])
