@@ -16,10 +16,11 @@ LASP is that its messages do not grow with the sequence while the ring's K/V do.
 
 --predict (no MPI, no measurement; every figure labelled PREDICTION): a cost model on a preset of
 `burstcu.plan.MACHINES` for one layer, forward + backward, per rank:
-    lasp2   compute + max(0, allgather - intra) where the all-gather of B*Hkv*D*D states costs
-            latency * (G-1) + (G-1) * state / bandwidth and hides behind the intra-chunk work
-    lasp1   compute + the chain: 2 (G-1) sequential hops of latency + state / bandwidth each
-            (forward and backward), nothing hidden
+    lasp2   compute + for each pass max(0, all-gather - intra-chunk work): one collective of
+            latency * ceil(log2 G) + (G-1) * its bytes / bandwidth (forward: one state of
+            B*Hkv*D*D fp32 a rank; backward: two, M and dM), hidden behind that pass's intra work
+    lasp1   compute + the chains, nothing hidden: (G-1) hops of latency + state / bandwidth in
+            the forward, 2 (G-1) in the causal backward (the prefix chain again, then dM's)
     ring    the LASP paper's "Ring Attention" baseline for a linear layer: G-1 steps of a K/V
             chunk, each step max(its share of compute, transfer)
 with compute = the chunkwise flops (tiles of 128 rows) at the preset's flop/s. The LASP-2 paper
@@ -27,7 +28,8 @@ reports, at 2048K tokens on 64 A100s (Linear-Llama3-1B), LASP-2 36.6% faster tha
 and 15.2% faster than LASP-1; those are whole-model training throughputs (projections and MLPs
 included, on A100s), while this model prices the attention layer alone on the preset, so its
 ratios show which way and why, not the paper's magnitudes: a K/V ring moves C*D per step where
-LASP moves D*D, and LASP-1's chain adds 2(G-1) latencies that LASP-2's one exchange does not.
+LASP moves D*D; LASP-1's 3 (G-1) sequential hops pay a latency each and hide nothing, where
+LASP-2's two collectives pay log2 G latencies and hide behind the intra-chunk work.
 """
 
 from __future__ import annotations
@@ -128,18 +130,24 @@ def linear_flops(b, c, h, hkv, d, tile=128) -> tuple[float, float]:
 
 def predict(preset: str, ranks: int, seqlen: int, b: int, h: int, hkv: int, d: int,
             itemsize: int) -> dict:
-    """Predicted seconds of one layer's forward + backward per rank (see the module docstring);
-    the backward counted as twice the forward's compute and the same communication twice."""
+    """Predicted seconds of one causal layer's forward + backward per rank (see the module
+    docstring); the backward's compute counted as twice the forward's."""
     m = MACHINES[preset]
     bw = m.inter_bw if ranks > m.ranks_per_node else m.intra_bw
     c = seqlen // ranks
     intra, inter = linear_flops(b, c, h, hkv, d)
+    intra_s = intra / m.flops
     compute = 3 * (intra + inter) / m.flops                      # forward + backward (2x)
     state = b * hkv * d * d * 4                                   # fp32 states
-    gather = m.latency * (ranks - 1) + (ranks - 1) * state / bw
-    lasp2 = compute + 2 * max(0.0, gather - intra / m.flops) + m.step_overhead * 2
-    chain = (ranks - 1) * (m.latency + state / bw)
-    lasp1 = compute + 2 * chain + m.step_overhead * 2
+    rounds = m.latency * max(1, (ranks - 1).bit_length())         # ceil(log2 G) latencies
+
+    def gather(states: int) -> float:
+        return rounds + (ranks - 1) * states * state / bw
+
+    lasp2 = (compute + max(0.0, gather(1) - intra_s) + max(0.0, gather(2) - 2 * intra_s)
+             + m.step_overhead * 2)
+    hop = m.latency + state / bw
+    lasp1 = compute + 3 * (ranks - 1) * hop + m.step_overhead * 2
     kv = 2 * b * hkv * c * d * itemsize
     per_step = compute / ranks
     ring = sum(max(per_step, m.latency + kv / bw) for _ in range(ranks - 1)) * 2 + per_step * 2

@@ -377,11 +377,14 @@ def _linear_check_local(ops, arrays: tuple, *, backward: bool, causal, layout, s
         softmax_scale=None)
     if err is None and backward:
         dout = arrays[0]
-        if not isinstance(dout, ops.array_types) or tuple(dout.shape) != tuple(q.shape) \
-                or dtype_name(dout) != dtype_name(q):
-            err = InputError(ValueError, f"dout must be an array of q's shape {tuple(q.shape)} and "
-                                         f"dtype {dtype_name(q)}, got {type(dout).__name__} "
-                                         f"{tuple(getattr(dout, 'shape', ()))} {dtype_name(dout)}")
+        if not isinstance(dout, ops.array_types):
+            err = InputError(TypeError, f"dout must be an array like q, got {type(dout).__name__}")
+        elif tuple(dout.shape) != tuple(q.shape):
+            err = InputError(ValueError, f"dout must have q's shape {tuple(q.shape)}, got "
+                                         f"{tuple(dout.shape)}")
+        elif dtype_name(dout) != dtype_name(q):
+            err = InputError(TypeError, f"dout must have q's dtype {dtype_name(q)}, got "
+                                        f"{dtype_name(dout)}")
     if err is not None:
         return err, None
     return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
@@ -398,7 +401,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
     in q's dtype and array type; computed in float32 (float64 for float64 input).
     strategy: "lasp2" (one all-gather of the D x D states a pass, overlapping the local work;
         `burstcu.engine.lasp2`) or "lasp1" (the states passed rank to rank along the sequence,
-        one hop at a time; `burstcu.engine.lasp1`). Both give the same result.
+        one hop at a time; `burstcu.engine.lasp1`). Both give the same result up to rounding.
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
     group = _group_for(group, q)

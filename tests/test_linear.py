@@ -27,9 +27,10 @@ def test_linear_attention_matches_reference(world, strategy):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["lasp2", "lasp1"])
-def test_linear_attention_in_float64(strategy):
-    run_mpi(3, "strategy_bodies:linear_matches_reference", timeout=240, strategy=strategy,
-            dtype="float64", cases=CASES)
+def test_linear_attention_in_float64_and_bfloat16(strategy):
+    for dtype in ("float64", "bfloat16"):
+        run_mpi(3, "strategy_bodies:linear_matches_reference", timeout=240, strategy=strategy,
+                dtype=dtype, cases=CASES)
 
 
 @pytest.mark.mpi
@@ -57,7 +58,7 @@ def test_lasp2_bytes_do_not_depend_on_the_sequence_length():
 def test_lasp1_sends_one_state_a_hop_along_the_chain():
     """Contiguous: the causal forward chain 0 -> 1 -> .. -> G-1; the non-causal one adds the
     total's chain G-1 -> 0 -> 1 -> .. -> G-2. Zigzag (chunks 0..2G-1 held by 0, 1, .., G-1,
-    G-1, .., 0): every rank but the last sends twice (once a direction)."""
+    G-1, .., 0): ranks 1..G-2 send twice (once a direction), ranks 0 and G-1 once."""
     g = 4
     assert [LASP1.forward_sends(r, g, 8) for r in range(g)] == [1, 1, 1, 0]
     assert [LASP1.forward_sends(r, g, 8, causal=False) for r in range(g)] == [2, 2, 1, 1]
@@ -110,7 +111,11 @@ def test_bad_linear_options_are_refused(kwargs, kind, message):
         burstcu.linear_attention(q, q, q, **kwargs)
 
 
-def test_bad_dout_is_refused():
+@pytest.mark.parametrize("dout,kind,message", [
+    (np.zeros((1, 8, 2, 5)), ValueError, "q's shape"), (np.zeros((1, 8, 2, 4), np.float32), TypeError,
+                                                       "q's dtype"),
+    (None, TypeError, "array like q"), ([[0.0]], TypeError, "array like q")])
+def test_bad_dout_is_refused(dout, kind, message):
     q = np.zeros((1, 8, 2, 4))
-    with pytest.raises(ValueError, match="dout must be"):
-        burstcu.linear_attention_backward(np.zeros((1, 8, 2, 5)), q, q, q)
+    with pytest.raises(kind, match=message):
+        burstcu.linear_attention_backward(dout, q, q, q)

@@ -11,8 +11,8 @@ Forward:
     causal: out_t = forward_run(run t, no prefix)   (intra-chunk work, overlaps the gather)
     wait
     causal: out_t += Q_t P_t, P_t = sum of the states of every chunk before t in global order
-    non-causal: out = Q M, M = sum of every chunk's state (in rank order: the same bits on
-                every rank)
+    non-causal: out = Q M, M = sum of every chunk's state (in global chunk order: the same bits
+                on every rank)
 Backward (the API keeps no state between calls, so M travels again, beside dM):
     states = [(M_t, dM_t) for my runs], dM_t = sum over a kv head's query heads of Q_t^T dO_t
     post the all-gather; causal: backward_run(run t, no prefix, no suffix); wait
