@@ -47,7 +47,12 @@ import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu import engine as strategies  # noqa: E402
+from burstcu.engine.burst import backward_counts  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
+
+
+def burst_counts(size: int, seqlen_local: int, *, rank: int, layout: str, causal: bool):
+    return backward_counts(rank, size, seqlen_local, layout, causal)
 
 
 def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
@@ -69,10 +74,13 @@ def paper_bytes(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it) -> int:
     return 4 * B * Hkv * S * D * hops * it  # allgather: gather K, V + reduce-scatter dK, dV
 
 
-def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=None) -> tuple[dict, str]:
+def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=None,
+            counts=None) -> tuple[dict, str]:
     """Decomposition of the implementation's bytes into named terms, and why it differs from
     the paper's count. sends: the forward ring hops this rank sends K, V on (burst; usp: its
-    ring of groups), fewer than G-1 where a mask ends a block's trip early."""
+    ring of groups), fewer than G-1 where a mask ends a block's trip early. counts: the
+    backward's (bundles, dqs, messages) this rank sends (burst; usp: its ring), fewer than
+    (G-1, G, G+1) where a mask ends a bundle's trip early."""
     if G == 1:
         return {}, "one rank: nothing moves"
     hops = G - 1
@@ -87,7 +95,8 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
                      "out + lse fp32 back": (q_c * it + rows_c * acc) * (u - 1),
                      f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1 if sends is None else sends)},
                     "Ulysses inside groups, the burst ring across them (no published count)")
-        ring_bwd = ((r - 1) * (2 * u * q_c * it + 2 * u * rows_c * acc) + r * u * q_c * acc) if r > 1 else 0
+        bundles, dqs = (r - 1, r) if counts is None else counts[:2]
+        ring_bwd = (bundles * (2 * u * q_c * it + 2 * u * rows_c * acc) + dqs * u * q_c * acc) if r > 1 else 0
         return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
                  ((2 * q_c + 2 * kv_c) * it + 2 * rows_c * acc) * (u - 1),
                  f"ring of {r} groups: q, dout, lse, delta, dq": ring_bwd,
@@ -109,6 +118,13 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
             return ({f"k, v ({sends} of G-1 hops)": 2 * kv * sends},
                     "a block stops once no rank it would reach needs it (causal, windows)")
         return {"k, v (G-1 hops)": 2 * kv * hops}, "matches the paper (x (G-1)/G per rank)"
+    if strategy == "burst" and counts is not None and counts[:2] != (hops, G):
+        bundles, dqs = counts[:2]
+        return ({f"q, dout ({bundles} of G-1 bundle hops)": 2 * qd * bundles,
+                 "lse, delta fp32 with them": 2 * rows_acc * bundles,
+                 f"dq fp32 ({dqs} sends: riding behind, or straight home)": qd_acc * dqs},
+                "a bundle goes only as far as the last rank that needs it (backwards under causal), "
+                "its dq then straight home")
     if strategy == "burst":
         terms = {"q, dout (G-1 hops)": 2 * qd * hops, "lse, delta fp32 (G-1 hops)": 2 * rows_acc * hops,
                  "dq fp32 (G-1 hops)": qd_acc * hops, "dq return hop to owner": qd_acc}
@@ -155,16 +171,19 @@ def rows_for(strategy: str, measured: dict, size: int, inputs, rank: int = 0,
     impl = strategies.get(strategy, **_options(strategy, size, inputs))
     mask = dict(rank=rank, layout="contiguous", causal=causal)   # measure() runs contiguous
     formula = {"forward": (impl.forward_bytes(size, q, k, v, **mask), impl.forward_messages(size, q, **mask)),
-               "backward": (impl.backward_bytes(size, q, k, v), impl.backward_messages(size))}
+               "backward": (impl.backward_bytes(size, q, k, v, **mask),
+                            impl.backward_messages(size, q, **mask))}
     rows = []
     for pass_ in ("forward", "backward"):
         dims = dict(G=size, B=B, S=S, H=H, Hkv=Hkv, D=D, it=it)
-        msgs, sends = formula["forward"][1], None
+        msgs, sends, counts = formula["forward"][1], None, None
         if strategy == "burst":
             sends = msgs
+            counts = burst_counts(size, S, **mask)
         elif strategy == "usp":
             sends = msgs - 2 * (impl.ulysses_degree - 1)
-        terms, why = explain(strategy, pass_, acc=acc, sends=sends, **dims)
+            counts = impl._ring_counts(size, impl.ulysses_degree, S, mask)
+        terms, why = explain(strategy, pass_, acc=acc, sends=sends, counts=counts, **dims)
         paper = paper_bytes(strategy, pass_, **dims)
         got = measured[pass_]
         rows.append({

@@ -22,7 +22,7 @@ import numpy as np
 
 import burstcu
 from burstcu.layout import global_positions
-from burstcu.engine.burst import backward_bytes, forward_bytes, forward_sends
+from burstcu.engine.burst import backward_bytes, backward_counts, forward_bytes, forward_sends
 
 
 def reference_rows(q, k, v, dout, rows, causal, scale, block=256):
@@ -158,8 +158,10 @@ def _report(args, size, backend, rows, ql, kl):
     sends = [forward_sends(r, size, ql.shape[1], args.layout, args.causal) for r in range(size)]
     print(f"formula per rank: forward sends*(|K|+|V|) = "
           f"{' / '.join(f'{forward_bytes(size, kl, kl, n):,}' for n in sends)} bytes (ranks 0..{size - 1}: a "
-          f"block travels only while a rank it reaches needs it); backward (G-1)*(|Q|+|dO|+|D|+|lse|) "
-          f"+ G*|dQ fp32| = {backward_bytes(size, ql):,} bytes")
+          f"block travels only while a rank it reaches needs it); backward bundles*(|Q|+|dO|+|D|+|lse|) "
+          f"+ dqs*|dQ fp32| = "
+          f"{' / '.join(f'{backward_bytes(size, ql, backward_counts(r, size, ql.shape[1], args.layout, args.causal)):,}' for r in range(size))}"
+          f" bytes (a bundle goes only as far as the last rank that needs it)")
     sys.stdout.flush()
 
 

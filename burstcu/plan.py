@@ -143,13 +143,13 @@ def _transfer(machine: Machine, nbytes: float, local: bool) -> float:
 def predict(strategy: str, options: dict, q_shape, k_shape, size: int, *, causal: bool,
             layout: str, dtype, machine: Machine, rank: int = 0) -> Candidate:
     """PREDICTED forward and backward seconds of `strategy` (see the module docstring); bytes
-    are those `rank` sends (the forward of burst and usp skips hops under some masks)."""
+    are those `rank` sends (burst and usp skip hops under some masks)."""
     b, s, h, d = (int(n) for n in q_shape)
     hkv = int(k_shape[2])
     q, k = _Spec(q_shape, dtype), _Spec(k_shape, dtype)
     run = engine.get(strategy, **options)
     fwd_bytes = run.forward_bytes(size, q, k, k, rank=rank, layout=layout, causal=causal)
-    bwd_bytes = run.backward_bytes(size, q, k, k)
+    bwd_bytes = run.backward_bytes(size, q, k, k, rank=rank, layout=layout, causal=causal)
     it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
     node = size <= machine.ranks_per_node
     step = machine.step_overhead

@@ -53,7 +53,9 @@ def test_random_problems_match_the_reference(p):
         grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **kw)
         sends = ring.forward_sends(group.rank, group.size, local[0].shape[1], p["layout"], p["causal"])
         assert sent == ring.forward_bytes(group.size, local[1], local[2], sends)
-        assert group.stats.bytes_sent - sent == ring.backward_bytes(group.size, local[0])
+        counts = ring.backward_counts(group.rank, group.size, local[0].shape[1], p["layout"],
+                                      p["causal"])
+        assert group.stats.bytes_sent - sent == ring.backward_bytes(group.size, local[0], counts)
         return [burstcu.unshard(x, group, p["layout"]) for x in (out, *grads)], \
             burstcu.unshard(lse, group, p["layout"], axis=2)
 

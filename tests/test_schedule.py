@@ -29,7 +29,9 @@ def test_engine_schedule_is_race_free(size, pass_, causal, layout):
     groups = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
     seqlen = S.SHAPE[1]
     expected = ([ring.forward_sends(r, size, seqlen, layout, causal) for r in range(size)]
-                if pass_ == "forward" else [ring.backward_messages(size)] * size)
+                if pass_ == "forward" else
+                [ring.backward_messages(size, ring.backward_counts(r, size, seqlen, layout, causal))
+                 for r in range(size)])
     assert groups == expected  # one send per NCCL group, as many as messages
 
 

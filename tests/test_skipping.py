@@ -33,3 +33,30 @@ def test_causal_contiguous_moves_half_the_hops():
 
 def test_a_narrow_causal_window_talks_to_the_next_rank_only():
     assert [forward_sends(r, 6, 16, "contiguous", True, (4, 0)) for r in range(6)] == [1] * 5 + [0]
+
+
+def test_backward_bundles_go_only_as_far_as_needed():
+    """burst.backward_counts against the spelled-out count (tests/mpi/bodies.bundle_counts, over
+    dense masks) for random windows and documents, both layouts, G = 1..5; and the headline:
+    causal over contiguous shards passes on G(G-1)/2 bundles in all, half of the ring's."""
+    import numpy as np
+    from burstcu.engine.burst import backward_counts
+    from tests.mpi.bodies import bundle_counts, my_rows
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        size, per = int(rng.integers(1, 6)), 2 * int(rng.integers(1, 5))
+        n = size * per
+        layout = str(rng.choice(["contiguous", "zigzag"]))
+        causal = bool(rng.integers(2))
+        window = (int(rng.choice([-1, 0, 3, 9])), 0 if causal else int(rng.choice([-1, 0, 2])))
+        docs = None
+        if layout == "contiguous" and rng.integers(2):
+            docs = tuple([0, *sorted(rng.choice(np.arange(1, n), int(rng.integers(0, 4))).tolist()), n])
+        groups = [my_rows(layout, r, size, n) for r in range(size)]
+        for r in range(size):
+            assert backward_counts(r, size, per, layout, causal, window, docs) == \
+                bundle_counts(groups, r, causal, window, docs), (size, per, layout, causal, window, docs, r)
+    for g in range(1, 7):
+        assert sum(backward_counts(r, g, 8, "contiguous", True)[0] for r in range(g)) == g * (g - 1) // 2
+        assert all(backward_counts(r, g, 8, "contiguous", False) == ((g - 1, g, g + 1) if g > 1
+                                                                    else (0, 0, 0)) for r in range(g))

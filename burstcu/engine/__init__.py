@@ -28,10 +28,10 @@ v, ops, transport, *, causal, layout, trace) -> (dq, dk, dv).
                                                           only strategies with limits have it)
 
 plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v,
-**mask)`, `backward_bytes(size, q, k, v)`, `forward_messages(size, q=None, **mask)`,
-`backward_messages(size)`), which the tests check against `transport.stats`; mask = rank,
-layout, causal, window, docs, for the strategies whose forward skips hops no rank needs (burst,
-usp). Every strategy's forward and backward take `window` and `docs` (document boundaries)
+**mask)`, `backward_bytes(size, q, k, v, **mask)`, `forward_messages(size, q=None, **mask)`,
+`backward_messages(size, q=None, **mask)`), which the tests check against `transport.stats`;
+mask = rank, layout, causal, window, docs, for the strategies that skip what no rank needs
+(burst and usp, forward and backward; the others take it and send the same). Every strategy's forward and backward take `window` and `docs` (document boundaries)
 keyword arguments, passed on to `burstcu.layout.step_blocks`.
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):

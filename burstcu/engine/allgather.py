@@ -127,7 +127,7 @@ class AllGatherAttention:
         return (size - 1) * (k.nbytes + v.nbytes)
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v) -> int:
+    def backward_bytes(size: int, q, k, v, **mask) -> int:  # mask: the same bytes
         return (size - 1) * (k.nbytes + v.nbytes + 2 * kv_bytes_acc(k))
 
     @staticmethod
@@ -135,5 +135,5 @@ class AllGatherAttention:
         return 0  # the all-gather is a collective: bytes are counted, messages are not
 
     @staticmethod
-    def backward_messages(size: int) -> int:
+    def backward_messages(size: int, q=None, **mask) -> int:
         return size - 1

@@ -23,28 +23,36 @@ Forward (Algorithm 1 of the paper): K and V travel *together* as one message per
     for documents (cu_seqlens) only the hops to ranks holding part of a document the block holds.
 
 Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
-accumulator. The dQ that rank r adds at step s is needed by rank r+1 only *after* its own step
-s+1 compute, so it rides in the message of step s+1 and its transfer overlaps that compute:
-    message at step s = [bundle j_s if s < G-1] + [dQ_{j_{s-1}} if s >= 1]
+accumulator. The dQ that rank r adds at step s is needed by the bundle's next holder only
+*after* that rank's own step s+1 compute, so it rides in the message of step s+1 and its transfer
+overlaps that compute. Bundles go round in `backward_direction`: to the next rank, or under
+causal to the previous one (causal queries see earlier keys, which contiguous shards put on
+earlier ranks), each only as far as the last rank that needs it (`bundle_hops`); the dQ of a
+bundle that stopped goes straight home from there (a message to a non-neighbour):
+    rank r holds bundle j_s = (r - d s) % G at step s while s <= hops(j_s)
+    message to the next holder at step s = [bundle j_s if s < hops(j_s)]
+                                         + [dQ_{j_{s-1}} if s - 1 < hops(j_{s-1})]
+    message home at step s                = dQ_{j_{s-1}} if s - 1 == hops(j_{s-1}) >= 1
     buffers hold (dq, q, dout, delta, lse) contiguously, so each message is one byte span.
-    for s in 0..G-1:
-        post send of cur's span -> next, receive of the same span of nxt <- prev
-        dq_part = 0; accumulate dk, dv and dq_part from cur's bundle          (overlaps)
+    for s in 0..G:
+        post those sends and the matching receives (from the previous holder; our own dQ home
+            at step hops(r) + 1) in one commit
+        if we hold a bundle and see its queries: dq_part = 0; accumulate dk, dv and dq_part
         wait; nxt.dq = (nxt.dq if s >= 1 else 0) + dq_part; swap
-    finally rank r sends the last dQ (that of bundle r+1) to r+1 and receives its own from r-1.
-    Bytes sent per rank (G > 1) = (G-1) * bundle + G * dq, where
+Without a mask every bundle goes G-1 hops (the paper's ring, plus the return hop); under causal
+over contiguous shards bundle j goes j hops down to rank 0, half the ring's bundles in all.
+    Bytes sent per rank (G > 1) = bundles * bundle + dqs * dq (`backward_counts`), where
         bundle = B*S*H*D*itemsize*2 (q, dout) + B*H*S*acc_itemsize*2 (delta, lse)
         dq     = B*S*H*D*acc_itemsize          (fp32 accumulator; fp64 for fp64 input)
-    messages = G + 1.
+    and without a mask bundles = G-1, dqs = G, messages = G + 1.
 
 With `row_sums` (attention_backward(check=True)) each rank also adds its keys' share of every
 visiting row's sum of P into a (B, H, S) accumulator that rides right behind dQ, exactly as dQ
-does (one step behind, home in the last hop, which then carries two messages); the check is that
-every row's total is 1. Byte counts above are without it.
+does (one step behind, home with it as a second message); the check is that every row's total
+is 1. Byte counts above are without it.
 
-In the backward, masks only change what a step computes (`layout.step_blocks`), never what is
-sent, so its byte counts do not depend on them; in the forward they decide how far each K/V
-block travels (above). All accumulation state stays in the accumulation dtype.
+Masks change what a step computes (`layout.step_blocks`) and how far each K/V block (forward)
+and each bundle (backward) travels. All accumulation state stays in the accumulation dtype.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ import numpy as np
 from ..layout import step_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import Trace, post_exchange, timed, timed_wait
+from .steps import Trace, post_exchange, post_messages, timed, timed_wait
 
 # ----------------------------------------------------------------------------------------------
 # forward
@@ -160,6 +168,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     delta: rowsum(dout * out) (B, H, S) when the caller has it already (then `out` is unused).
     grad_dtype: the dtype of the returned gradients (default: the inputs'; USP asks for the
     accumulation dtype, to sum the shares of a kv head before rounding).
+    Schedule (module docstring): bundles go round in `backward_direction(causal)`, each only
+    as far as the last rank that needs it (`bundle_hops`), its dQ one step behind, then home.
     """
     size, rank = transport.size, transport.rank
     seqlen = q.shape[1]
@@ -175,76 +185,128 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     ctx = ops.backward_init(k, v, softmax_scale)
     dq_part = ops.zeros(q.shape, acc)
     psum_part = ops.zeros(lse.shape, acc) if sums else None
+    dq = ops.zeros(q.shape, acc)                             # our dQ, once it is home
 
-    for s in range(size):
+    d = backward_direction(causal)
+    to_next, from_prev = (rank + d) % size, (rank - d) % size
+    mask = (layout, size, seqlen, causal, window, docs)
+
+    def bundle(step: int) -> int:       # whose bundle this rank holds at `step`
+        return (rank - d * step) % size
+
+    def hops(j: int) -> int:
+        return bundle_hops(j, *mask)
+
+    dq_only = ("dq", "psum") if sums else ("dq", "dq")
+    home_parts = (("dq", dq),) + ((("psum", row_sums),) if sums else ())
+    own_hops = hops(rank)
+    for s in range(size + 1):                                   # step `size`: the last returns
         cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
-        span = _backward_span(s, size, sums)
+        messages = []                                            # (send, recv, dst, src)
+        send_bundle = s < hops(bundle(s))                       # it goes on from here
+        send_dq = s >= 1 and s - 1 < hops(bundle(s - 1))         # ... one step behind
+        span = _span(send_bundle, send_dq, dq_only)
         if span:
-            post_exchange(ops, transport, f"bwd {s} send/recv {span[0]}..{span[1]}",
-                          [(cur.span(*span), nxt.span(*span))])
-        source = (rank - s) % size  # the visiting queries are source's; the keys are ours
-        blocks = step_blocks(layout, source, rank, size, seqlen, causal, window, docs)
-        ops.copy_(dq_part, 0)
-        if sums:
-            ops.copy_(psum_part, 0)
+            messages.append((cur.span(*span), None, to_next, to_next))
+        if s >= 1 and s - 1 == hops(bundle(s - 1)) >= 1:         # it ended here: dQ goes home
+            messages += [(cur[name], None, bundle(s - 1), bundle(s - 1)) for name, _ in home_parts]
+        recv_span = _span(s < size and s < hops(bundle(s + 1)),    # prev sends it on
+                          1 <= s <= hops(bundle(s)), dq_only)
+        if recv_span:
+            messages.append((None, nxt.span(*recv_span), from_prev, from_prev))
+        if s >= 1 and s - 1 == own_hops >= 1:                     # our dQ comes home
+            holder = (rank + d * own_hops) % size
+            messages += [(None, mine, holder, holder) for _, mine in home_parts]
+        if messages:
+            shown = span or recv_span
+            label = f"bwd {s} send/recv {shown[0]}..{shown[1]}" if shown else f"bwd {s} dq home"
+            post_messages(ops, transport, label, messages)
         compute_s = 0.0
-        if blocks:
-            compute_s = timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
-                               cur["dout"], cur["lse"], cur["delta"], dq_part, blocks,
-                               *([psum_part] if sums else []))
-        wait_s = timed_wait(ops, transport, f"bwd {s} wait") if span else 0.0
-        # nxt.dq now holds the dQ of the bundle we just used (received), or garbage at s == 0
-        for name, part in (("dq", dq_part), ("psum", psum_part)) if sums else (("dq", dq_part),):
-            if s == 0:
-                ops.copy_(nxt[name], part)
-            else:
-                ops.add_(nxt[name], part)
-        if trace is not None:
-            trace.add("backward", s, source, len(blocks), compute_s, wait_s)
-
-    last = buffers[size % 2]  # holds the dQ of bundle (rank + 1) % size after the loop
-    dq = ops.zeros(q.shape, acc)
-    home = [(last["dq"], dq)] + ([(last["psum"], row_sums)] if sums else [])
-    if size == 1:
-        for mine, out_buf in home:
-            ops.copy_(out_buf, mine)
-    else:
-        post_exchange(ops, transport, "bwd return dq", home)
-        wait_s = timed_wait(ops, transport, "bwd return dq wait")
-        if trace is not None:
-            trace.add("backward", size, rank, 0, 0.0, wait_s)
+        held = s < size and s <= hops(bundle(s))
+        blocks = step_blocks(layout, bundle(s), rank, size, seqlen, causal, window, docs) \
+            if held else []
+        adds = held and (bool(blocks) or s == 0)    # a bundle passing through adds nothing
+        if adds:
+            ops.copy_(dq_part, 0)
+            if sums:
+                ops.copy_(psum_part, 0)
+            if blocks:
+                compute_s = timed(ops, f"bwd {s} compute", ops.backward_step, ctx, cur["q"],
+                                   cur["dout"], cur["lse"], cur["delta"], dq_part, blocks,
+                                   *([psum_part] if sums else []))
+        wait_s = timed_wait(ops, transport, f"bwd {s} wait") if messages else 0.0
+        if adds:  # nxt.dq holds the dQ of the bundle just used so far (received), or nothing at s 0
+            for name, part in (("dq", dq_part), ("psum", psum_part)) if sums else (("dq", dq_part),):
+                (ops.copy_ if s == 0 else ops.add_)(nxt[name], part)
+            if s == 0 and own_hops == 0:                           # it never left: home already
+                for name, mine in home_parts:
+                    ops.copy_(mine, nxt[name])
+        if trace is not None and (held or messages):
+            trace.add("backward", s, bundle(s) if s < size else rank, len(blocks), compute_s,
+                      wait_s)
     dk, dv = ops.backward_finalize(ctx, k.dtype if grad_dtype is None else grad_dtype)
     dq_out = ops.zeros(q.shape, q.dtype if grad_dtype is None else grad_dtype)
     ops.copy_(dq_out, dq)
     return dq_out, dk, dv
 
 
-def _backward_span(step: int, size: int, row_sums: bool = False) -> tuple[str, str] | None:
-    """Which fields the message of `step` carries (see the module docstring)."""
-    carries_bundle = step < size - 1
-    carries_dq = step >= 1
-    if carries_bundle and carries_dq:
+def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] | None:
+    """The fields of a message carrying a bundle and/or the dQ (and row sums) riding behind."""
+    if bundle and dq:
         return ("dq", "lse")
-    if carries_bundle:
+    if bundle:
         return ("q", "lse")
-    if carries_dq:
-        return ("dq", "psum" if row_sums else "dq")
-    return None
+    return dq_only if dq else None
 
 
-def backward_bytes(size: int, q) -> int:
-    """Bytes one rank sends in `backward` (the formula in the module docstring)."""
+def backward_direction(causal: bool) -> int:
+    """Which way the backward bundles go: +1 to the next rank, -1 to the previous one. Causal
+    queries see earlier keys, held by earlier ranks under a contiguous layout, so they go back."""
+    return -1 if causal else 1
+
+
+@lru_cache(maxsize=4096)
+def bundle_hops(owner: int, layout: str, size: int, seqlen_local: int, causal: bool,
+                window=(-1, -1), docs=None) -> int:
+    """How far `owner`'s backward bundle travels: the last step at which a rank it visits (in
+    `backward_direction`) needs it, 0 when no other rank does."""
+    d = backward_direction(causal)
+    return max([0] + [t for t in range(1, size)
+                      if needs(layout, owner, (owner + d * t) % size, size, seqlen_local, causal,
+                               window, docs)])
+
+
+def backward_counts(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+                    causal: bool = False, window=(-1, -1), docs=None) -> tuple[int, int, int]:
+    """(bundles, dqs, messages) `rank` sends in `backward`: bundles it passes on, dQ
+    accumulators it passes on or sends home, messages in all. Without a mask every bundle goes
+    G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r passes on r bundles (the
+    bundles of r..G-1 visit it on their way down to 0) and so on: half the ring's bundles."""
+    d = backward_direction(causal)
+    hops = [bundle_hops((rank - d * s) % size, layout, size, seqlen_local, causal, window, docs)
+            for s in range(size)]
+    bundles = sum(s < hops[s] for s in range(size))
+    returns = sum(s == hops[s] >= 1 for s in range(size))
+    to_next = sum(s < hops[s] or (s >= 1 and s - 1 < hops[s - 1]) for s in range(size))
+    return bundles, bundles + returns, to_next + returns
+
+
+def backward_bytes(size: int, q, counts: tuple[int, int, int] | None = None) -> int:
+    """Bytes one rank sends in `backward` (module docstring): counts from `backward_counts`
+    (default: no mask, every bundle all the way round)."""
     if size == 1:
         return 0
+    bundles, dqs, _ = (size - 1, size, size + 1) if counts is None else counts
     b, s, h, d = q.shape
     acc = accum_dtype(q.dtype).itemsize
     bundle = 2 * q.nbytes + 2 * b * h * s * acc
-    dq = b * s * h * d * acc
-    return (size - 1) * bundle + size * dq
+    return bundles * bundle + dqs * b * s * h * d * acc
 
 
-def backward_messages(size: int) -> int:
-    return 0 if size == 1 else size + 1
+def backward_messages(size: int, counts: tuple[int, int, int] | None = None) -> int:
+    if size == 1:
+        return 0
+    return size + 1 if counts is None else counts[2]
 
 
 def forward_messages(size: int) -> int:
@@ -265,8 +327,9 @@ class BurstAttention:
         return forward_bytes(size, k, v, _sends(size, q, mask))
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v) -> int:
-        return backward_bytes(size, q)
+    def backward_bytes(size: int, q, k, v, **mask) -> int:
+        """mask as in forward_bytes (backward_counts); none: every bundle all the way round."""
+        return backward_bytes(size, q, _counts(size, q, mask))
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:
@@ -274,8 +337,8 @@ class BurstAttention:
         return forward_messages(size) if sends is None else sends
 
     @staticmethod
-    def backward_messages(size: int) -> int:
-        return backward_messages(size)
+    def backward_messages(size: int, q=None, **mask) -> int:
+        return backward_messages(size, None if q is None else _counts(size, q, mask))
 
 
 def _sends(size: int, q, mask: dict) -> int | None:
@@ -285,6 +348,15 @@ def _sends(size: int, q, mask: dict) -> int | None:
     return forward_sends(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
                          mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
                          mask.get("docs"))
+
+
+def _counts(size: int, q, mask: dict):
+    """backward_counts for a strategy-level formula call (None: no mask given)."""
+    if not masked(mask):
+        return None
+    return backward_counts(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
+                           mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
+                           mask.get("docs"))
 
 
 def masked(mask: dict) -> bool:

@@ -127,7 +127,7 @@ class RingAttention:
         return (size - 1) * (k.nbytes + v.nbytes)
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v) -> int:
+    def backward_bytes(size: int, q, k, v, **mask) -> int:  # mask: the same bytes
         if size == 1:
             return 0
         return (size - 1) * (k.nbytes + v.nbytes) + size * 2 * kv_bytes_acc(k)
@@ -137,5 +137,5 @@ class RingAttention:
         return 2 * (size - 1)
 
     @staticmethod
-    def backward_messages(size: int) -> int:
+    def backward_messages(size: int, q=None, **mask) -> int:
         return 0 if size == 1 else 2 * (size - 1) + 2 * size

@@ -72,6 +72,15 @@ def post_pairwise(ops: LocalOps, transport: Transport, label: str, exchanges) ->
         transport.commit()
 
 
+def post_messages(ops: LocalOps, transport: Transport, label: str, messages) -> None:
+    """Queue (send_buf, recv_buf, dst, src) exchanges, each side optional, and post them in one
+    commit (a step whose messages go to different peers)."""
+    with ops.annotate(label):
+        for send_buf, recv_buf, dst, src in messages:
+            transport.send_recv(send_buf, recv_buf, dst, src)
+        transport.commit()
+
+
 def partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale, acc,
                       row_sums=None):
     """dk, dv (B, S, Hkv, D) in `acc` contributed by the visiting queries q over keys (k, v),

@@ -237,7 +237,7 @@ class UlyssesAttention:
         return (size - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v, row_sums: bool = False) -> int:
+    def backward_bytes(size: int, q, k, v, row_sums: bool = False, **mask) -> int:
         b, s, h, d = q.shape
         hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
@@ -250,7 +250,7 @@ class UlyssesAttention:
         return 2 * (size - 1)
 
     @staticmethod
-    def backward_messages(size: int) -> int:
+    def backward_messages(size: int, q=None, **mask) -> int:
         return 2 * (size - 1)
 
 

@@ -145,11 +145,14 @@ class USPAttention:
                                    mask.get("layout", "contiguous"), mask.get("causal", False),
                                    tuple(mask.get("window", (-1, -1))), mask.get("docs"))
 
-    def backward_bytes(self, size: int, q, k, v) -> int:
+    def backward_bytes(self, size: int, q, k, v, **mask) -> int:
+        """mask as in forward_bytes: the ring's bundles stop as `burst.backward_counts` says,
+        for the group's super-rank; none: every bundle all the way round."""
         b, s, hg, hk, d, u, r = self._dims(size, q, k)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        ring_bytes = 0 if r == 1 else ((r - 1) * (2 * b * u * s * hg * d * it + 2 * b * hg * u * s * acc)
-                                       + r * b * u * s * hg * d * acc)
+        bundles, dqs, _ = self._ring_counts(size, u, s, mask)
+        ring_bytes = 0 if r == 1 else (bundles * (2 * b * u * s * hg * d * it + 2 * b * hg * u * s * acc)
+                                       + dqs * b * u * s * hg * d * acc)
         back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
                 + (u - 1) * b * s * back)
@@ -165,7 +168,19 @@ class USPAttention:
         ring = size // u - 1 if q is None else self._ring_sends(size, u, q.shape[1], mask)
         return 2 * (u - 1) + ring
 
-    def backward_messages(self, size: int) -> int:
+    def backward_messages(self, size: int, q=None, **mask) -> int:
         u = self._known_degree()
         r = size // u
-        return 2 * (u - 1) + (r + 1 if r > 1 else 0)
+        if r == 1:
+            return 2 * (u - 1)
+        return 2 * (u - 1) + (r + 1 if q is None else self._ring_counts(size, u, q.shape[1], mask)[2])
+
+    @staticmethod
+    def _ring_counts(size: int, u: int, s: int, mask: dict) -> tuple[int, int, int]:
+        """burst.backward_counts of this rank's ring of G/u groups (of u*s rows each)."""
+        r = size // u
+        if not burst.masked(mask):
+            return r - 1, r, r + 1
+        return burst.backward_counts(mask.get("rank", 0) // u, r, u * s,
+                                     mask.get("layout", "contiguous"), mask.get("causal", False),
+                                     tuple(mask.get("window", (-1, -1))), mask.get("docs"))

@@ -358,7 +358,9 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
         bwd_bytes = group.stats.bytes_sent - fwd_bytes
         whole = [_host(burstcu.unshard(x, group, layout)) for x in (out, *grads)]
         sends = ring.forward_sends(group.rank, size, local[0].shape[1], layout, causal)
-        expected = (ring.forward_bytes(size, local[1], local[2], sends), ring.backward_bytes(size, local[0]))
+        counts = ring.backward_counts(group.rank, size, local[0].shape[1], layout, causal)
+        expected = (ring.forward_bytes(size, local[1], local[2], sends),
+                    ring.backward_bytes(size, local[0], counts))
         return whole, (fwd_bytes, bwd_bytes) == expected
 
     results = run_ranks(size, body, backend=backend)

@@ -91,6 +91,29 @@ def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=Non
                for step in range(g - 1))
 
 
+def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
+                  received: bool = False):
+    """(bundles, dqs, messages) ring member `index` sends in the burst backward when a bundle
+    goes round backwards under causal (forwards otherwise) only as far as the last member that
+    sees one of its queries, its dQ one step behind it and then straight home.
+    groups: each member's global positions. received: (bundles, dqs) it receives instead."""
+    g = len(groups)
+    d = -1 if causal else 1
+
+    def last(j):   # the last step at which member j's bundle is held
+        return max([0] + [t for t in range(1, g) if dense_keep(
+            groups[j], groups[(j + d * t) % g], causal, window, docs).any()])
+
+    held = [(index - d * s) % g for s in range(g + 1)]       # whose bundle at step s
+    bundles = sum(s < last(held[s]) for s in range(g))
+    returns = sum(s == last(held[s]) >= 1 for s in range(g))
+    to_next = sum(s < last(held[s]) or (s >= 1 and s - 1 < last(held[s - 1])) for s in range(g))
+    if received:   # bundles that come on to me, dQs riding behind them, my own dQ coming home
+        got = sum(s < last(held[s + 1]) for s in range(g - 1))
+        return got, sum(1 <= s <= last(held[s]) for s in range(g)) + (last(index) >= 1)
+    return bundles, bundles + returns, to_next + returns
+
+
 def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int, d: int,
                      itemsize: int, acc: int, ulysses_degree: int | None = None, rank: int = 0,
                      layout: str = "contiguous", causal: bool = False) -> dict:
@@ -107,7 +130,10 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
     if strategy == "burst":                  # K and V in one message; q, dout, delta, lse + dq
         bundle = 2 * qd * itemsize + 2 * row_stats * acc
         sends = ring_sends(rows, rank, causal)   # K, V stop once no rank they reach needs them
-        return {"fwd": (sends * 2 * kv, sends), "bwd": (g1 * bundle + size * qd * acc, size + 1)}
+        bundles, dqs, messages = bundle_counts(rows, rank, causal)
+        got_b, got_dq = bundle_counts(rows, rank, causal, received=True)
+        return {"fwd": (sends * 2 * kv, sends), "bwd": (bundles * bundle + dqs * qd * acc, messages),
+                "bwd_received": got_b * bundle + got_dq * qd * acc}
     if strategy == "ring":                   # K and V apart; backward: K, V, dK, dV travel
         return {"fwd": (g1 * 2 * kv, 2 * g1),
                 "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
@@ -123,10 +149,15 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
         fwd = ((u - 1) * ((q_part + 2 * kv_part) * itemsize + row_part * acc + q_part * itemsize)
                + sends * 2 * u * kv_part * itemsize)                # a group's K, V per ring hop
         bwd = (u - 1) * ((2 * q_part + 2 * kv_part) * itemsize + 2 * row_part * acc)
-        if r > 1:                            # the ring's bundle over (r-1) steps + dQ r times
-            bwd += (r - 1) * (2 * u * q_part * itemsize + 2 * u * row_part * acc) + r * u * q_part * acc
         bwd += (u - 1) * (q_part + 2 * kv_part) * acc             # dq, dk, dv back (fp32)
-        return {"fwd": (fwd, 2 * (u - 1) + sends), "bwd": (bwd, 2 * (u - 1) + (r + 1 if r > 1 else 0))}
+        received = bwd                       # the all-to-alls are symmetric
+        bundles, dqs, messages = bundle_counts(groups, rank // u, causal) if r > 1 else (0, 0, 0)
+        got_b, got_dq = bundle_counts(groups, rank // u, causal, received=True) if r > 1 else (0, 0)
+        # the ring's bundles (a group's rows, its super-rank's) and dQ accumulators
+        ring_bundle, ring_dq = 2 * u * q_part * itemsize + 2 * u * row_part * acc, u * q_part * acc
+        bwd += bundles * ring_bundle + dqs * ring_dq
+        return {"fwd": (fwd, 2 * (u - 1) + sends), "bwd": (bwd, 2 * (u - 1) + messages),
+                "bwd_received": received + got_b * ring_bundle + got_dq * ring_dq}
     if strategy == "ulysses":                # one all-to-all each way; to every other rank:
         hg = h // size                       # its query heads of my rows,
         hk = hkv // size if hkv % size == 0 else 1   # and the kv heads those use
@@ -191,6 +222,8 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
         before = (rank - (ulysses_degree or 1) if strategy == "usp" else rank - 1) % size
         sent_to_me = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize,
                                       acc_size, ulysses_degree, before, layout, causal)
+        if "bwd_received" in want:   # burst, usp: bundles and dQs come from several ranks
+            sent_to_me["bwd"] = (want["bwd_received"], None)
         for name, got in (("fwd", fwd), ("bwd", bwd)):
             assert (got["bytes_sent"], got["messages"]) == want[name], (strategy, name, got, want[name])
             assert got["bytes_received"] == sent_to_me[name][0], (name, got, sent_to_me[name])

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 import burstcu
-from tests.mpi.bodies import attention_matches_reference, dense_keep, make_inputs, my_rows, ring_sends
+from tests.mpi.bodies import (attention_matches_reference, bundle_counts, dense_keep, make_inputs,
+                              my_rows, ring_sends)
 
 
 def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
@@ -162,6 +163,16 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
                                (left, right), docs)
             assert group.stats.bytes_sent == sends * (kl.nbytes + vl.nbytes), (case, sends, group.stats)
             assert group.stats.messages == sends
+        if strategy == "burst":  # bundles go only as far as the last rank that needs them
+            group.stats.reset()
+            burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, **kw)
+            groups = [my_rows(layout, x, size, n) for x in range(size)]
+            bundles, dqs, messages = bundle_counts(groups, rank, causal, (left, right), docs)
+            acc = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
+            bundle = 2 * ql.nbytes + 2 * ql.shape[0] * ql.shape[2] * ql.shape[1] * acc
+            want = bundles * bundle + dqs * ql.size * acc if size > 1 else 0
+            assert (group.stats.bytes_sent, group.stats.messages) == (want, messages if size > 1 else 0), \
+                (case, group.stats, bundles, dqs, messages)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
         naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32, **half)

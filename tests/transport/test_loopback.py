@@ -65,10 +65,11 @@ def test_every_rank_matches_the_reference(size, strategy, causal, layout):
         mask = dict(rank=rank, layout=layout, causal=causal)
         if strategy == "burst":
             sends = ring.forward_sends(rank, size, ql.shape[1], layout, causal)
-            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl, sends), ring.backward_bytes(size, ql)
+            counts = ring.backward_counts(rank, size, ql.shape[1], layout, causal)
+            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl, sends), ring.backward_bytes(size, ql, counts)
         else:
             want_fwd = engine.forward_bytes(size, ql, kl, vl, **mask)
-            want_bwd = engine.backward_bytes(size, ql, kl, vl)
+            want_bwd = engine.backward_bytes(size, ql, kl, vl, **mask)
         assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (want_fwd, want_bwd), rank
 
 
@@ -141,8 +142,11 @@ def test_message_sizes_must_agree():
 def test_loopback_schedule_is_race_free(size, pass_, causal, layout):
     schedule = S.prove_loopback(pass_, size, causal=causal, layout=layout)
     copies = sum(a.kind == "copy" for a in schedule.actions)
-    messages = ring.forward_messages(size) if pass_ == "forward" else ring.backward_messages(size)
-    assert copies == size * messages
+    seqlen = S.SHAPE[1]
+    messages = (sum(ring.forward_sends(r, size, seqlen, layout, causal) for r in range(size))
+                if pass_ == "forward" else
+                sum(ring.backward_counts(r, size, seqlen, layout, causal)[2] for r in range(size)))
+    assert copies == messages
 
 
 class _SkipsConfirmation(LoopbackTransport):
@@ -193,7 +197,8 @@ def test_all_to_all_strategies_match_the_reference(size, strategy):
         ql, kl, vl, _ = local
         assert fwd["bytes_sent"] == engine.forward_bytes(size, ql, kl, vl, rank=rank, layout="zigzag",
                                                          causal=True), rank
-        assert bwd["bytes_sent"] == engine.backward_bytes(size, ql, kl, vl), rank
+        assert bwd["bytes_sent"] == engine.backward_bytes(size, ql, kl, vl, rank=rank,
+                                                          layout="zigzag", causal=True), rank
 
 
 def test_a_failing_rank_inside_a_sub_group_ends_the_world():
