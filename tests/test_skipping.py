@@ -60,3 +60,16 @@ def test_backward_bundles_go_only_as_far_as_needed():
         assert sum(backward_counts(r, g, 8, "contiguous", True)[0] for r in range(g)) == g * (g - 1) // 2
         assert all(backward_counts(r, g, 8, "contiguous", False) == ((g - 1, g, g + 1) if g > 1
                                                                     else (0, 0, 0)) for r in range(g))
+
+
+def test_the_backward_direction_follows_the_mask_not_the_flag():
+    """A left-only window without causal is the causal window's mask: the bundles go the cheap
+    way (back) either way and cost the same; a right-only window sends them forwards."""
+    from burstcu.engine.burst import backward_counts, backward_direction
+    g = 8
+    for r in range(g):
+        assert backward_counts(r, g, 8, "contiguous", False, (3, 0)) == \
+            backward_counts(r, g, 8, "contiguous", True, (3, 0))
+    assert backward_direction("contiguous", g, 8, False, (3, 0)) == -1
+    assert backward_direction("contiguous", g, 8, False, (0, 3)) == 1
+    assert sum(backward_counts(r, g, 8, "contiguous", False, (0, 3))[0] for r in range(g)) == g - 1

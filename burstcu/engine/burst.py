@@ -25,9 +25,9 @@ Forward (Algorithm 1 of the paper): K and V travel *together* as one message per
 Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
 accumulator. The dQ that rank r adds at step s is needed by the bundle's next holder only
 *after* that rank's own step s+1 compute, so it rides in the message of step s+1 and its transfer
-overlaps that compute. Bundles go round in `backward_direction`: to the next rank, or under
-causal to the previous one (causal queries see earlier keys, which contiguous shards put on
-earlier ranks), each only as far as the last rank that needs it (`bundle_hops`); the dQ of a
+overlaps that compute. Bundles go round in `backward_direction`: the way with fewer bundle hops
+under the mask (under causal over contiguous shards, to the previous rank: causal queries see
+earlier keys), each only as far as the last rank that needs it (`bundle_hops`); the dQ of a
 bundle that stopped goes straight home from there (a message to a non-neighbour):
     rank r holds bundle j_s = (r - d s) % G at step s while s <= hops(j_s)
     message to the next holder at step s = [bundle j_s if s < hops(j_s)]
@@ -187,9 +187,9 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     psum_part = ops.zeros(lse.shape, acc) if sums else None
     dq = ops.zeros(q.shape, acc)                             # our dQ, once it is home
 
-    d = backward_direction(causal)
-    to_next, from_prev = (rank + d) % size, (rank - d) % size
     mask = (layout, size, seqlen, causal, window, docs)
+    d = backward_direction(*mask)
+    to_next, from_prev = (rank + d) % size, (rank - d) % size
 
     def bundle(step: int) -> int:       # whose bundle this rank holds at `step`
         return (rank - d * step) % size
@@ -259,9 +259,24 @@ def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] |
     return dq_only if dq else None
 
 
-def backward_direction(causal: bool) -> int:
-    """Which way the backward bundles go: +1 to the next rank, -1 to the previous one. Causal
-    queries see earlier keys, held by earlier ranks under a contiguous layout, so they go back."""
+def _hops(d: int, owner: int, layout: str, size: int, seqlen_local: int, causal: bool, window,
+          docs) -> int:
+    """The last step at which a rank on `owner`'s way in direction d needs its bundle (0: none)."""
+    return max([0] + [t for t in range(1, size)
+                      if needs(layout, owner, (owner + d * t) % size, size, seqlen_local, causal,
+                               window, docs)])
+
+
+@lru_cache(maxsize=4096)
+def backward_direction(layout: str, size: int, seqlen_local: int, causal: bool,
+                       window=(-1, -1), docs=None) -> int:
+    """Which way the backward bundles go: +1 to the next rank, -1 to the previous one — the way
+    with fewer bundle hops in all under this mask (the same on every rank); on a tie, back under
+    causal (causal queries see earlier keys, which contiguous shards put on earlier ranks)."""
+    mask = (layout, size, seqlen_local, causal, window, docs)
+    forwards, backwards = (sum(_hops(d, j, *mask) for j in range(size)) for d in (1, -1))
+    if forwards != backwards:
+        return 1 if forwards < backwards else -1
     return -1 if causal else 1
 
 
@@ -270,10 +285,8 @@ def bundle_hops(owner: int, layout: str, size: int, seqlen_local: int, causal: b
                 window=(-1, -1), docs=None) -> int:
     """How far `owner`'s backward bundle travels: the last step at which a rank it visits (in
     `backward_direction`) needs it, 0 when no other rank does."""
-    d = backward_direction(causal)
-    return max([0] + [t for t in range(1, size)
-                      if needs(layout, owner, (owner + d * t) % size, size, seqlen_local, causal,
-                               window, docs)])
+    mask = (layout, size, seqlen_local, causal, window, docs)
+    return _hops(backward_direction(*mask), owner, *mask)
 
 
 def backward_counts(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
@@ -282,7 +295,7 @@ def backward_counts(rank: int, size: int, seqlen_local: int, layout: str = "cont
     accumulators it passes on or sends home, messages in all. Without a mask every bundle goes
     G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r passes on r bundles (the
     bundles of r..G-1 visit it on their way down to 0) and so on: half the ring's bundles."""
-    d = backward_direction(causal)
+    d = backward_direction(layout, size, seqlen_local, causal, window, docs)
     hops = [bundle_hops((rank - d * s) % size, layout, size, seqlen_local, causal, window, docs)
             for s in range(size)]
     bundles = sum(s < hops[s] for s in range(size))
@@ -333,12 +346,14 @@ class BurstAttention:
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:
+        if q is None and masked(mask):
+            raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
         sends = None if q is None else _sends(size, q, mask)
         return forward_messages(size) if sends is None else sends
 
     @staticmethod
     def backward_messages(size: int, q=None, **mask) -> int:
-        return backward_messages(size, None if q is None else _counts(size, q, mask))
+        return backward_messages(size, _counts(size, q, mask))
 
 
 def _sends(size: int, q, mask: dict) -> int | None:
@@ -354,6 +369,8 @@ def _counts(size: int, q, mask: dict):
     """backward_counts for a strategy-level formula call (None: no mask given)."""
     if not masked(mask):
         return None
+    if q is None:
+        raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
     return backward_counts(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
                            mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
                            mask.get("docs"))

@@ -361,10 +361,12 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
            shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
-           options: dict | None = None, window: tuple = (-1, -1)) -> Schedule:
+           options: dict | None = None, window: tuple = (-1, -1), docs=None,
+           row_sums: bool = False) -> Schedule:
     """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
     `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
-    need `record_loopback`: a recording NCCL rank has no MPI to split over."""
+    need `record_loopback`: a recording NCCL rank has no MPI to split over. docs: document
+    boundaries; row_sums: the backward of attention_backward(check=True)."""
     run = engine.get(strategy, **(options or {}))
 
     if pass_ not in ("forward", "backward"):
@@ -381,11 +383,13 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
         extra = {"dout": ops.new("dout", (b, s, h, d), dtype), "out": ops.new("out", (b, s, h, d), dtype),
                  "lse": ops.new("lse", (b, h, s), acc)}
     device.sentinel("begin")
-    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window=window)
+    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window=window, docs=docs)
     if pass_ == "forward":
         run.forward(q, k, v, ops, transport, **kw)
     else:
-        run.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw)
+        sums = {"row_sums": ops.new("row_sums", (b, h, s), acc)} if row_sums else {}
+        run.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw,
+                     **sums)
     device.sentinel("end")
     return Schedule(rank, size, device.actions, device.buffers)
 

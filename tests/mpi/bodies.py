@@ -96,13 +96,19 @@ def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=
     """(bundles, dqs, messages) ring member `index` sends in the burst backward when a bundle
     goes round backwards under causal (forwards otherwise) only as far as the last member that
     sees one of its queries, its dQ one step behind it and then straight home.
-    groups: each member's global positions. received: (bundles, dqs) it receives instead."""
+    groups: each member's global positions. received: (bundles, dqs) it receives instead.
+    The direction: the one with fewer bundle hops in all; on a tie back under causal."""
     g = len(groups)
-    d = -1 if causal else 1
 
-    def last(j):   # the last step at which member j's bundle is held
+    def last_in(d, j):   # the last step at which member j's bundle is held going way d
         return max([0] + [t for t in range(1, g) if dense_keep(
             groups[j], groups[(j + d * t) % g], causal, window, docs).any()])
+
+    forwards, backwards = (sum(last_in(d, j) for j in range(g)) for d in (1, -1))
+    d = (1 if forwards < backwards else -1) if forwards != backwards else (-1 if causal else 1)
+
+    def last(j):
+        return last_in(d, j)
 
     held = [(index - d * s) % g for s in range(g + 1)]       # whose bundle at step s
     bundles = sum(s < last(held[s]) for s in range(g))
