@@ -272,12 +272,38 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     metas = [m for _, m in gathered]
     if any(m != metas[0] for m in metas):
         differing = [r for r, m in enumerate(metas) if m != metas[0]]
-        raise ValueError(
-            "ranks disagree on shapes, dtypes or options: rank 0 has "
-            f"{_describe(metas[0])}; rank {differing[0]} has {_describe(metas[differing[0]])}")
+        raise ValueError(f"ranks disagree in {what}: "
+                         + _difference(metas[0], metas[differing[0]], differing[0],
+                                       ARRAY_NAMES.get(what), transport.size))
 
 
-def _describe(meta: tuple) -> str:
-    shapes, dtypes, options = meta
-    parts = [f"{s}:{d}" for s, d in zip(shapes, dtypes)]
-    return f"arrays {', '.join(parts)} options {dict(options)}"
+# the arrays a call's metadata lists, in order, for naming them in a disagreement
+ARRAY_NAMES = {"attention": ("q", "k", "v"),
+               "attention_backward": ("dout", "q", "k", "v", "out", "lse"),
+               "linear_attention": ("q", "k", "v"),
+               "linear_attention_backward": ("dout", "q", "k", "v")}
+
+
+def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
+    """What differs between rank 0's metadata and `rank`'s, one item each ("causal: rank 0
+    False, rank 2 True"), with a hint when a sequence length is G times another's."""
+    (shapes0, dtypes0, options0), (shapes1, dtypes1, options1) = mine, theirs
+    names = names or tuple(f"array {i}" for i in range(len(shapes0)))
+    items, hint = [], ""
+    for name, s0, s1, d0, d1 in zip(names, shapes0, shapes1, dtypes0, dtypes1):
+        if s0 != s1:
+            items.append(f"{name} shape: rank 0 {s0}, rank {rank} {s1}")
+            if s0 and s1 and len(s0) == len(s1) > 1 and size > 1 and \
+                    size * min(s0[1], s1[1]) == max(s0[1], s1[1]):
+                big = 0 if s0[1] > s1[1] else rank
+                hint = (f" (rank {big}'s sequence length is {size} times the other's: did it pass "
+                        f"the global array instead of its shard? see burstcu.shard)")
+        if d0 != d1:
+            items.append(f"{name} dtype: rank 0 {d0}, rank {rank} {d1}")
+    if len(shapes0) != len(shapes1):
+        items.append(f"number of arrays: rank 0 {len(shapes0)}, rank {rank} {len(shapes1)}")
+    o0, o1 = dict(options0), dict(options1)
+    for key in sorted(set(o0) | set(o1)):
+        if o0.get(key) != o1.get(key):
+            items.append(f"{key}: rank 0 {o0.get(key)!r}, rank {rank} {o1.get(key)!r}")
+    return "; ".join(items or ["their calls differ"]) + hint

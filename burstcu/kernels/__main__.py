@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown arch {bad}: choose from {ARCHS}")
     families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    known = sorted({v.family for arch in archs for v in all_variants(arch)})
+    unknown = [f for f in families or () if f not in known]
+    if unknown:
+        parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
     records = run_check(archs, families)
     if args.json_path:
         with open(args.json_path, "w") as f:

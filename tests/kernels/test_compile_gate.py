@@ -186,3 +186,12 @@ def test_backward_sizes_beyond_32bit_strides_are_refused_up_front():
     assert ops.input_problem(small, small, backward=True) is None
     assert ops.input_problem(huge, huge) is None                  # the forward takes 64-bit strides
     assert "32-bit strides" in ops.input_problem(huge, huge, backward=True)
+
+
+def test_an_unknown_family_is_refused_with_the_families(capsys):
+    from burstcu.kernels.__main__ import main
+    with pytest.raises(SystemExit) as stop:
+        main(["check", "--family", "fwd"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown family ['fwd']" in err and "forward" in err and "nonfinite_flag" in err
