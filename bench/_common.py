@@ -237,3 +237,14 @@ def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"])
     p.add_argument("--json", default=None)
+
+
+def print_and_write(env: dict, rows: list, columns: list, args) -> None:
+    """Rank 0's output of a measured run: the environment line and the table on stdout, the
+    same text to args.table and everything (environment, arguments, rows) to args.json."""
+    text = measured_on(env) + "\n" + table(rows, columns)
+    print(text)
+    if getattr(args, "table", None):
+        Path(args.table).write_text(text + "\n")
+    if getattr(args, "json", None):
+        write_json(args.json, {"environment": env, "args": clean(vars(args)), "rows": rows})

@@ -196,12 +196,7 @@ def main(argv=None) -> int:
     comm, rank, _ = C.world()
     if rank != 0:
         return 0
-    text = C.measured_on(env) + "\n" + C.table(rows, COLUMNS)
-    print(text)
-    if args.table:
-        Path(args.table).write_text(text + "\n")
-    if args.json:
-        C.write_json(args.json, {"environment": env, "args": C.clean(vars(args)), "rows": rows})
+    C.print_and_write(env, rows, COLUMNS, args)
     if args.plot:
         plot(rows, args.plot)
     return 0
