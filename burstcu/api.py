@@ -261,15 +261,16 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     window_size: (left, right) sliding window (flash-attn's convention): a query at global
         position i sees keys in [i - left, i + right], -1 meaning unbounded on that side; with
         causal the right bound is the diagonal (right 0 or -1). Steps and tiles wholly outside
-        are skipped; the forward's K/V blocks stop once no rank they would reach needs them.
+        are skipped; burst's K/V blocks (forward) and query bundles (backward) stop once
+        no rank they would reach needs them.
     cu_seqlens: documents (varlen) — int array (any framework) of global boundaries
         0 = b_0 <= ... <= b_n = S * G, the same on every rank; a query at position i sees only
         keys of its own document [b_j, b_j+1) (together with causal and window_size); the
         same boundaries hold for every batch row. Any boundaries work (no divisibility), with
         layout="contiguous" and every strategy; a document is a set of rectangles of the steps
         (`burstcu.layout.step_blocks`): steps without a shared document compute nothing, and
-        burst's (and usp's) forward ring stops a K/V block once no rank it would reach
-        shares a document with it.
+        burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
+        once no rank it would reach shares a document with it.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
