@@ -183,16 +183,17 @@ def _mpi_transport(comm, progress: str, timeout: float | None) -> Transport:
     return MPITransport(comm, progress=progress, timeout=timeout)
 
 
-def _resolve_backend(backend: str, comm) -> str:
+def _resolve_backend(backend: str, comm) -> tuple[str, bool]:
+    """(backend, whether some rank has a usable GPU): "auto" is decided together, since ranks
+    picking different backends would wait on each other forever."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     if backend != "auto":
-        return backend
-    # decided together: ranks picking different backends would wait on each other forever
-    usable = gpu_usable()
+        return backend, False
+    usable = [gpu_usable()]
     if comm is not None and comm.Get_size() > 1:
-        usable = all(comm.allgather(usable))
-    return "cupy" if usable else "numpy"
+        usable = comm.allgather(usable[0])
+    return ("cupy" if all(usable) else "numpy"), any(usable)
 
 
 def _warn_cpu_fallback(comm, why: str) -> None:
@@ -219,9 +220,9 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     timeout = resolve_timeout(timeout)
     comm = world_comm(comm)
     asked = backend
-    backend = _resolve_backend(backend, comm)
-    if asked == "auto" and backend == "numpy":
-        _warn_cpu_fallback(comm, "no usable GPU on every rank")
+    backend, some_gpu = _resolve_backend(backend, comm)
+    if asked == "auto" and backend == "numpy" and some_gpu:   # a CPU-only machine is no surprise
+        _warn_cpu_fallback(comm, "some ranks have a usable GPU, not every rank")
     if backend == "cupy":
         try:
             return _init_cupy(comm, options, timeout)

@@ -304,3 +304,37 @@ def test_no_mpi_library_under_a_launcher_of_several_ranks_is_an_error(launched, 
         assert proc.returncode != 0
         var = "PMI_SIZE" if "PMI_SIZE" in launched else "SLURM_STEP_NUM_TASKS"
         assert f"one of 2 ranks ({var}=2)" in proc.stderr and "MPI4PY_LIBMPI" in proc.stderr
+
+
+def test_auto_on_a_machine_without_a_gpu_says_nothing(monkeypatch):
+    """backend='auto' picks NumPy quietly when no rank has a GPU (the usual CPU machine), and
+    warns only when some rank has one that cannot be used everywhere."""
+    import warnings
+    import burstcu
+    from burstcu import group as G
+    monkeypatch.setattr(G, "gpu_usable", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with burstcu.init() as g:
+            assert g.backend == "numpy"
+    assert not [w for w in caught if "burstcu" in str(w.message)], [str(w.message) for w in caught]
+    assert G._resolve_backend("auto", None) == ("numpy", False)
+
+
+def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
+    from burstcu import group as G
+
+    class TwoRanks:   # rank 0 of two; the other rank has no usable GPU
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 0
+
+        def allgather(self, mine):
+            return [mine, False]
+
+    monkeypatch.setattr(G, "gpu_usable", lambda: True)
+    assert G._resolve_backend("auto", TwoRanks()) == ("numpy", True)
+    with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
+        G._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
