@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     row = {"rank": rank}
     out, _, (dq, dk, dv) = _passes(group, args, ql, kl, vl, dol, timings=row)
     if not args.no_check:
+        if rank == 0:
+            print(f"burstcu demo: passes done; checking against a float64 reference of "
+                  f"{args.seqlen} tokens (--no-check skips it)...", file=sys.stderr, flush=True)
         rows = global_positions(args.layout, rank, size, args.seqlen // size)
         ref_out, ref_dq, ref_dk_part, ref_dv_part = reference_rows(
             q, k, v, dout, rows, args.causal, 1 / np.sqrt(args.headdim))

@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(argv_))
         return 0
+    if not shutil.which(argv_[0]):
+        raise SystemExit(f"burstcu-run: no mpiexec found ({argv_[0]!r} is not a program here): "
+                         f"install the 'mpi' extra into the Python that runs this (pip install -e "
+                         f"'.[mpi]' puts the mpich wheel's mpiexec beside it), run burstcu-run with "
+                         f"PYTHON=.venv/bin/python, or pass --mpiexec PATH")
     os.execvpe(argv_[0], argv_, dict(os.environ, **env))
     return 0  # not reached
 

@@ -25,10 +25,14 @@ def test_demo_reports_every_rank(world):
     formula = [l for l in lines if l.startswith("formula per rank")][0]
     fwd_formula = [int(x.replace(",", "")) for x in formula.split("= ")[1].split(" bytes")[0].split(" / ")]
     assert len(fwd_formula) == world
+    bwd_formula = [int(x.replace(",", "")) for x in
+                   formula.split("dqs*|dQ fp32| = ")[1].split(" bytes")[0].split(" / ")]
     for r in rows:
         errors = [float(x) for x in r[1:5]]
         assert max(errors) < 1e-4, r           # float32 against float64
         assert int(r[7].replace(",", "")) == fwd_formula[int(r[0])]
+        assert int(r[9].replace(",", "")) == bwd_formula[int(r[0])]
+    assert "checking against a float64 reference" in proc.stderr   # not silent meanwhile
 
 
 @pytest.mark.mpi

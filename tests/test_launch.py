@@ -157,3 +157,11 @@ def test_selftest_through_the_launcher(world):
     assert f"[numpy over {'mpi' if world > 1 else 'self'}, {world} rank(s)] correctness: ok" in out
     if world > 1:
         assert "ring exchange" in out and "overlap" in out
+
+
+def test_a_missing_mpiexec_is_named_with_the_way_out():
+    """Without the venv's mpiexec (or one on PATH), a clear message instead of a traceback."""
+    proc = _cli("--cpu", "-n", "2", "--mpi", "mpich", "--mpiexec", "/nonexistent/mpiexec", "--",
+                "python", "x.py")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no mpiexec found" in proc.stderr and "'mpi' extra" in proc.stderr
