@@ -25,7 +25,7 @@ from .plan import plan
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import check_layout, shard_slices
-from .validate import (InputError, agree, check_attention_inputs, check_backward_inputs,
+from .validate import (ARRAY_NAMES, InputError, agree, check_attention_inputs, check_backward_inputs,
                        check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
                        dtype_name, metadata, resolve_scale)
 
@@ -162,30 +162,42 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
-def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
+def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
-    rank: an exception everywhere, or (native arrays, exporter, resolved softmax scale,
-    document boundaries as a tuple or None).
+    rank: an exception everywhere, or (native arrays, exporter, extra) where
+    local_check(native arrays) -> (InputError or None, metadata, extra).
 
     Nothing before `agree` may raise — a rank failing alone would leave the others waiting in
     the collective — so any exception from the local work becomes a deferred InputError.
     """
-    err = meta = export = scale = docs = None
+    err = meta = export = extra = None
     try:
-        names = ("dout", "q", "k", "v", "out", "lse") if backward else ("q", "k", "v")
-        err = _device_problem(group, names, arrays)
+        err = _device_problem(group, ARRAY_NAMES[what], arrays)
         if err is None:
             arrays, export = _native(group.ops, *arrays)
-            err, scale, meta, docs = _check_local(
-                group.ops, arrays, group.size, backward=backward, causal=causal,
-                softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-                flags=flags, window=window, cu_seqlens=cu_seqlens)
+            err, meta, extra = local_check(arrays)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
     with call.raising_together():
-        agree(group.transport, err, meta, "attention_backward" if backward else "attention")
+        agree(group.transport, err, meta, what)
+    return arrays, export, extra
+
+
+def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
+             layout, strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
+    """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
+    document boundaries as a tuple or None)."""
+    def local(native):
+        err, scale, meta, docs = _check_local(
+            group.ops, native, group.size, backward=backward, causal=causal,
+            softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
+            flags=flags, window=window, cu_seqlens=cu_seqlens)
+        return err, meta, (scale, docs)
+
+    arrays, export, extra = _agreed(call, group, arrays,
+                                    "attention_backward" if backward else "attention", local)
+    scale, docs = extra or (None, None)
     return arrays, export, scale, docs
 
 
@@ -343,22 +355,14 @@ LINEAR_STRATEGIES = engine.LINEAR_NAMES
 
 def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
                     strategy):
-    """`_checked` for linear attention: local checks, one agreement, the same outcome on every
-    rank; returns (native arrays, exporter)."""
-    err = meta = export = None
-    try:
-        names = ("dout", "q", "k", "v") if backward else ("q", "k", "v")
-        err = _device_problem(group, names, arrays)
-        if err is None:
-            arrays, export = _native(group.ops, *arrays)
-            err, meta = _linear_check_local(group.ops, arrays, backward=backward, causal=causal,
-                                            layout=layout, strategy=strategy)
-    except Exception as exc:  # e.g. a DLPack export that fails on this rank only
-        kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
-        err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
-    with call.raising_together():
-        agree(group.transport, err, meta,
-              "linear_attention_backward" if backward else "linear_attention")
+    """`_agreed` for linear attention: (native arrays, exporter)."""
+    def local(native):
+        err, meta = _linear_check_local(group.ops, native, backward=backward, causal=causal,
+                                        layout=layout, strategy=strategy)
+        return err, meta, None
+
+    what = "linear_attention_backward" if backward else "linear_attention"
+    arrays, export, _ = _agreed(call, group, arrays, what, local)
     return arrays, export
 
 
