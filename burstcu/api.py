@@ -9,7 +9,10 @@ key/value heads, D head dim):
   (float64 for float64 input).
 
 `layout` says which global positions a rank's S rows hold (see `burstcu.layout`):
-"contiguous" (rank r: chunk r of G) or "zigzag" (rank r: chunks r and 2G-1-r of 2G).
+"contiguous" (rank r: one run of rows after those of ranks 0..r-1; ranks may hold any
+lengths, S_r >= 1) or "zigzag" (rank r: chunks r and 2G-1-r of 2G near-equal chunks; with
+cu_seqlens, pieces r and 2G-1-r of every document, as `shard` cuts them). The global length
+N is the ranks' lengths added up; nothing needs to divide by G.
 `causal` masks over *global* positions: query position i attends to key position j iff j <= i,
 whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -inf.
 """
@@ -24,10 +27,10 @@ from . import engine
 from .plan import plan
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
-from .layout import check_layout, shard_slices
+from .layout import Partition, check_layout, partition
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_inputs, check_backward_inputs,
                        check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
-                       dtype_name, metadata, resolve_scale)
+                       dtype_name, metadata, parse_cu_seqlens, partition_of, resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -128,13 +131,17 @@ def _returned(export, results):
     return results if export is None else tuple(export(r) for r in results)
 
 
-def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str) -> tuple[str, dict]:
+def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
+              part: Partition) -> tuple[str, dict]:
     """strategy="auto" replaced by the choice of `burstcu.plan` for a training step (forward +
     backward), so attention and attention_backward pick alike; the same on every rank (it
-    depends only on the agreed shapes and options)."""
+    depends only on agreed shapes and options: the sequence extent is the mean shard's, since
+    shards may differ)."""
     if strategy != "auto":
         return strategy, options
-    choice = plan(q.shape, k.shape, group, causal=bool(causal), layout=layout, dtype=q.dtype)
+    seqlen = -(-part.total // part.size)
+    q_shape, k_shape = ((x.shape[0], seqlen) + tuple(x.shape[2:]) for x in (q, k))
+    choice = plan(q_shape, k_shape, group, causal=bool(causal), layout=layout, dtype=q.dtype)
     return choice.strategy, choice.options
 
 
@@ -162,49 +169,60 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
-def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check):
+def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, finish=None):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, extra) where
-    local_check(native arrays) -> (InputError or None, metadata, extra).
+    local_check(native arrays) -> (InputError or None, metadata, extra, local length) and, if
+    given, finish(every rank's local length, extra) -> extra' runs after the agreement, on
+    what every rank knows alike (so what it raises, it raises everywhere).
 
     Nothing before `agree` may raise — a rank failing alone would leave the others waiting in
     the collective — so any exception from the local work becomes a deferred InputError.
     """
-    err = meta = export = extra = None
+    err = meta = export = extra = length = None
     try:
         err = _device_problem(group, ARRAY_NAMES[what], arrays)
         if err is None:
             arrays, export = _native(group.ops, *arrays)
-            err, meta, extra = local_check(arrays)
+            err, meta, extra, length = local_check(arrays)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
         kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
         err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
     with call.raising_together():
-        agree(group.transport, err, meta, what)
+        lengths = agree(group.transport, err, meta, what, length)
+        if finish is not None:
+            extra = finish(lengths, extra)
     return arrays, export, extra
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
              layout, strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
-    document boundaries as a tuple or None)."""
+    document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`)."""
     def local(native):
         err, scale, meta, docs = _check_local(
             group.ops, native, group.size, backward=backward, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags=flags, window=window, cu_seqlens=cu_seqlens)
-        return err, meta, (scale, docs)
+        return err, meta, (scale, docs), None if err else int(native[2 if backward else 0].shape[1])
 
-    arrays, export, extra = _agreed(call, group, arrays,
-                                    "attention_backward" if backward else "attention", local)
-    scale, docs = extra or (None, None)
-    return arrays, export, scale, docs
+    def finish(lengths, extra):
+        scale, docs = extra
+        err, part = partition_of(layout, lengths, docs)
+        if err is not None:
+            raise err.kind(err.message)
+        return scale, docs, part
+
+    what = "attention_backward" if backward else "attention"
+    arrays, export, (scale, docs, part) = _agreed(call, group, arrays, what, local, finish)
+    return arrays, export, scale, docs, part
 
 
 def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
                  strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
     """(InputError or None, resolved softmax scale, metadata, document boundaries or None) of
-    this rank's native arrays in a group of `size` ranks."""
+    this rank's native arrays in a group of `size` ranks. The ranks' sequence lengths may
+    differ (the metadata leaves them out; `partition_of` checks them once all are known)."""
     q, k, v = arrays[1:4] if backward else arrays
     err = _check_options(strategy, options) or check_flags(**flags) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
@@ -215,17 +233,19 @@ def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softm
         err = check_window(window, bool(causal), ops.masks_windows)
     docs = None
     if err is None:
-        err, docs = check_cu_seqlens(cu_seqlens, q.shape[1] * size, layout)
+        err, docs = parse_cu_seqlens(cu_seqlens)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
     if err is not None:
         return err, None, None, None
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    seq_axes = (1, 1, 1, 1, 1, 2) if backward else (1, 1, 1)
     # every flag is agreed on too (check=True changes what the backward ring sends)
-    return None, scale, metadata(*arrays, layout=layout, strategy=strategy, softmax_scale=scale,
-                                 window=tuple(int(w) for w in window), cu_seqlens=docs_digest(docs),
-                                 **options, **{name: bool(value) for name, value in flags.items()}), docs
+    return None, scale, metadata(*arrays, seq_axes=seq_axes, layout=layout, strategy=strategy,
+                                 softmax_scale=scale, window=tuple(int(w) for w in window),
+                                 cu_seqlens=docs_digest(docs), **options,
+                                 **{name: bool(value) for name, value in flags.items()}), docs
 
 
 def _check_options(strategy: str, options: dict):
@@ -256,7 +276,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               window_size: tuple[int, int] = (-1, -1), cu_seqlens=None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
-    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`).
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`);
+        S may differ between ranks (module docstring), every other extent may not.
     softmax_scale: defaults to 1/sqrt(D). causal: over global positions (module docstring).
     group: from `burstcu.init()`; None means one process (S is then the whole sequence), on
         the inputs' device: CUDA arrays (CuPy, or DLPack ones such as torch/JAX on a GPU) run
@@ -276,11 +297,13 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         are skipped; burst's K/V blocks (forward) and query bundles (backward) stop once
         no rank they would reach needs them.
     cu_seqlens: documents (varlen) — int array (any framework) of global boundaries
-        0 = b_0 <= ... <= b_n = S * G, the same on every rank; a query at position i sees only
+        0 = b_0 <= ... <= b_n = N, the same on every rank; a query at position i sees only
         keys of its own document [b_j, b_j+1) (together with causal and window_size); the
         same boundaries hold for every batch row. Any boundaries work (no divisibility), with
-        layout="contiguous" and every strategy; a document is a set of rectangles of the steps
-        (`burstcu.layout.step_blocks`): steps without a shared document compute nothing, and
+        every layout and strategy; with layout="zigzag" the shards are each document's 2G
+        pieces (`shard(..., cu_seqlens=...)` cuts them), which balances causal work whatever
+        the mix of lengths. A document is a set of rectangles of the steps
+        (`burstcu.layout.blocks`): steps without a shared document compute nothing, and
         burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
         once no rank it would reach shares a document with it.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
@@ -293,15 +316,15 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     group = _group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention forward") as call:
-        (q, k, v), export, scale, docs = _checked(
+        (q, k, v), export, scale, docs, part = _checked(
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "return_lse": return_lse}, window=window_size,
             cu_seqlens=cu_seqlens)
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
-            softmax_scale=scale, layout=layout, trace=group.trace, window=_window(window_size),
+            softmax_scale=scale, layout=part, trace=group.trace, window=_window(window_size),
             docs=docs))
     return (out, lse) if return_lse else out
 
@@ -326,15 +349,15 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     group = _group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention backward") as call:
-        (dout, q, k, v, out, lse), export, scale, docs = _checked(
+        (dout, q, k, v, out, lse), export, scale, docs, part = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check}, window=window_size, cu_seqlens=cu_seqlens)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
-            causal=bool(causal), softmax_scale=scale, layout=layout, trace=group.trace,
+            causal=bool(causal), softmax_scale=scale, layout=part, trace=group.trace,
             window=_window(window_size), docs=docs, **row_sums)
         if check:
             call.transport.where = "check of the row sums of P"
@@ -359,7 +382,7 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
     def local(native):
         err, meta = _linear_check_local(group.ops, native, backward=backward, causal=causal,
                                         layout=layout, strategy=strategy)
-        return err, meta, None
+        return err, meta, None, None
 
     what = "linear_attention_backward" if backward else "linear_attention"
     arrays, export, _ = _agreed(call, group, arrays, what, local)
@@ -380,6 +403,9 @@ def _linear_check_local(ops, arrays: tuple, *, backward: bool, causal, layout, s
     err = err or check_flags(causal=causal) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=_linear_dtypes(ops), layout=layout,
         softmax_scale=None)
+    if err is None and layout == "zigzag" and q.shape[1] % 2:
+        err = InputError(ValueError, f"linear attention's zigzag layout needs an even local "
+                                     f"seqlen, got {q.shape[1]}")
     if err is None and backward:
         dout = arrays[0]
         if not isinstance(dout, ops.array_types):
@@ -434,74 +460,87 @@ def linear_attention_backward(dout, q, k, v, group: Group | None = None, *, caus
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_seqlens=None):
-    """This rank's piece of the global array `x` along `axis` (the sequence axis).
+    """This rank's piece of the global array `x` along `axis` (the sequence axis), N long.
 
-    "contiguous": chunk `rank` of `size` equal chunks. "zigzag": chunks `rank` and
-    `2*size-1-rank` of 2*size equal chunks, concatenated in that order. The length along `axis`
-    must divide evenly. No communication: every rank must hold the whole `x`.
-    cu_seqlens: the documents `attention` will be given, checked against x's length and the
-    layout (with "contiguous" they do not move any row).
+    "contiguous": run `rank` of `size` near-equal runs (the first N % size ranks hold one row
+    more). "zigzag": chunks `rank` and `2*size-1-rank` of 2*size near-equal chunks, in that
+    order; with cu_seqlens, pieces `rank` and `2*size-1-rank` of *every document* cut into
+    2*size, document by document (`burstcu.layout.partition`). Any N >= size works. No
+    communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
+    will be given, checked against N (with "contiguous" they do not move any row).
     """
     check_layout(layout)
-    _raise_docs_problem(cu_seqlens, x.shape[axis], layout)
     rank, size = (0, 1) if group is None else (group.rank, group.size)
-    xp = _array_module(x)
     axis = axis % x.ndim
-    pieces = [x[(slice(None),) * axis + (sl,)] for sl in shard_slices(layout, rank, size, x.shape[axis])]
+    part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
+    xp = _array_module(x)
+    pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
+              for seg in part.runs[rank]]
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
+
+
+def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens) -> Partition:
+    """`shard`'s partition of a global sequence of `seqlen_global` rows (raises on bad input)."""
+    err, docs = check_cu_seqlens(cu_seqlens, seqlen_global, layout)
+    if err is not None:
+        raise err.kind(err.message)
+    return partition(layout, size, seqlen_global, docs if layout == "zigzag" else None)
 
 
 def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1,
             cu_seqlens=None):
-    """The global array on every rank, from each rank's `x_local` (the inverse of `shard`).
+    """The global array on every rank, from each rank's `x_local` (the inverse of `shard`; with
+    "contiguous", of any split the ranks' shards make in rank order).
 
-    Collective: every rank calls it with equal shapes (and equal cu_seqlens, checked as in
-    `shard`). Traffic is counted in `group.stats`.
+    Collective: every rank calls it with the same dtype, axis and cu_seqlens and shapes equal
+    but along `axis`, where shards may differ (zigzag: as `shard` cuts them). Traffic is counted
+    in `group.stats` (uneven shards travel padded to the longest).
     """
-    check_layout(layout)
-    size = 1 if group is None else group.size
+    axis = axis % x_local.ndim
     if group is None or group.size == 1:
-        _raise_docs_problem(cu_seqlens, x_local.shape[axis] * size, layout)
+        check_layout(layout)
+        _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
         return _array_module(x_local).ascontiguousarray(x_local)
     with Call(group, "unshard") as call:
         with call.raising_together():
-            try:  # nothing may raise on one rank alone before the gather (see _checked)
-                err, docs = check_cu_seqlens(cu_seqlens, x_local.shape[axis] * size, layout)
+            try:  # nothing may raise on one rank alone before the gather (see _agreed)
+                check_layout(layout)
+                err, docs = parse_cu_seqlens(cu_seqlens)
             except Exception as exc:
                 err, docs = InputError(ValueError, f"unshard cannot take this input: "
                                                    f"{exc.__class__.__name__}: {exc}"), None
-            shapes = group.transport.allgather_object(
-                (tuple(x_local.shape), str(x_local.dtype), axis, docs_digest(docs), err), "unshard")
-            failed = [(r, e) for r, (*_, e) in enumerate(shapes) if e is not None]
+            shape = tuple(int(n) for n in x_local.shape)
+            free = shape[:axis] + ("S",) + shape[axis + 1:]
+            reports = group.transport.allgather_object(
+                (free, str(x_local.dtype), axis, layout, docs_digest(docs), shape[axis], err),
+                "unshard")
+            failed = [(r, e) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
                 raise failed[0][1].kind(f"rank {failed[0][0]}: {failed[0][1].message}")
-            if any(s[:4] != shapes[0][:4] for s in shapes):
-                raise ValueError(f"unshard needs the same shape, dtype, axis and cu_seqlens on "
-                                 f"every rank; got {[s[:4] for s in shapes]}")
-        return _gathered(x_local, group, layout, axis)
+            if any(rep[:5] != reports[0][:5] for rep in reports):
+                raise ValueError(f"unshard needs the same shape (but along axis {axis}), dtype, "
+                                 f"axis, layout and cu_seqlens on every rank; got "
+                                 f"{[rep[:5] for rep in reports]}")
+            err, part = partition_of(layout, [rep[5] for rep in reports], docs)
+            if err is not None:
+                raise err.kind(err.message)
+        return _gathered(x_local, group, part, axis)
 
 
-def _raise_docs_problem(cu_seqlens, seqlen_global: int, layout: str) -> None:
-    err, _ = check_cu_seqlens(cu_seqlens, seqlen_global, layout)
-    if err is not None:
-        raise err.kind(err.message)
-
-
-def _gathered(x_local, group: Group, layout: str, axis: int):
-    """The allgather and reassembly of `unshard`, after the ranks agreed on the shape."""
+def _gathered(x_local, group: Group, part: Partition, axis: int):
+    """The allgather and reassembly of `unshard`, after the ranks agreed on the shapes (each
+    shard padded to the longest for the collective)."""
     xp = _array_module(x_local)
-    axis = axis % x_local.ndim
-    moved = xp.ascontiguousarray(xp.moveaxis(x_local, axis, 0))
-    gathered = xp.empty((group.size,) + moved.shape, dtype=moved.dtype)
-    group.transport.allgather(moved, gathered)
-    n_local = moved.shape[0]
-    whole = xp.empty((n_local * group.size,) + moved.shape[1:], dtype=moved.dtype)
+    moved = xp.moveaxis(x_local, axis, 0)
+    longest = max(part.lengths)
+    padded = xp.zeros((longest,) + moved.shape[1:], dtype=moved.dtype)
+    padded[:moved.shape[0]] = moved
+    gathered = xp.empty((group.size,) + padded.shape, dtype=moved.dtype)
+    group.transport.allgather(padded, gathered)
+    whole = xp.empty((part.total,) + moved.shape[1:], dtype=moved.dtype)
     for rank in range(group.size):
-        start = 0
-        for sl in shard_slices(layout, rank, group.size, n_local * group.size):
-            length = sl.stop - sl.start
-            whole[sl] = gathered[rank, start:start + length]
-            start += length
+        for seg in part.runs[rank]:
+            whole[seg.pos:seg.pos + seg.length] = gathered[rank, seg.local:seg.local + seg.length]
     return xp.ascontiguousarray(xp.moveaxis(whole, 0, axis))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import LAYOUTS
+from .layout import LAYOUTS, Partition, partition
 from .ops.base import accum_dtype
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -75,8 +75,6 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
         return InputError(ValueError, f"empty dimension in q {tuple(q.shape)} or k {tuple(k.shape)}")
     if h % hkv:
         return InputError(ValueError, f"q has {h} heads, k has {hkv}: nheads must be a multiple of nheads_kv")
-    if layout == "zigzag" and s % 2:
-        return InputError(ValueError, f"zigzag layout needs an even local seqlen, got {s}")
     if softmax_scale is not None and not _finite_real(softmax_scale):
         return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
     if op_rule is not None:  # what this backend's local op cannot take (head dim, sizes)
@@ -172,10 +170,16 @@ def host_ints(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str):
-    """(InputError or None, docs): docs is None without documents, else the boundaries as a
-    tuple of ints with empty documents dropped. cu_seqlens must be a 1-D integer array
-    0 = b_0 <= b_1 <= ... <= b_n = the global sequence length (flash-attn's convention)."""
+# boundaries beyond this are refused before any arithmetic (no int64 wrap-around)
+MAX_POSITION = 2**62
+
+
+def parse_cu_seqlens(cu_seqlens):
+    """(InputError or None, docs): what a rank can check of cu_seqlens alone. docs is None
+    without documents, else the boundaries as a tuple of ints with empty documents dropped.
+    cu_seqlens must be a 1-D integer array 0 = b_0 <= b_1 <= ... <= b_n = N (flash-attn's
+    convention); that b_n is the global length N is checked once the ranks' lengths are known
+    (`check_docs_total`)."""
     if cu_seqlens is None:
         return None, None
     try:
@@ -188,26 +192,59 @@ def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str):
     if cu.ndim != 1 or cu.size < 2:
         return InputError(ValueError, f"cu_seqlens must be 1-D with at least 2 boundaries, got "
                                       f"shape {tuple(cu.shape)}"), None
-    if (cu < 0).any() or (cu > seqlen_global).any():
-        return InputError(ValueError, f"cu_seqlens must lie in [0, {seqlen_global}] (the global "
-                                      f"sequence length: every rank's S times the ranks)"), None
-    if int(cu[0]) != 0 or int(cu[-1]) != seqlen_global:
-        return InputError(ValueError, f"cu_seqlens must start at 0 and end at the global sequence "
-                                      f"length {seqlen_global} (every rank's S times the ranks), "
-                                      f"got {int(cu[0])} .. {int(cu[-1])}"), None
-    cu = cu.astype(np.int64)                       # in [0, seqlen_global]: no overflow now
+    if (cu < 0).any() or (cu > MAX_POSITION).any():
+        return InputError(ValueError, "cu_seqlens must lie in [0, N] (N: the global sequence "
+                                      "length, the ranks' local lengths added up)"), None
+    if int(cu[0]) != 0:
+        return InputError(ValueError, f"cu_seqlens must start at 0, got {int(cu[0])}"), None
+    cu = cu.astype(np.int64)                       # in [0, 2^62]: no overflow now
     steps = np.diff(cu)
     if (steps < 0).any():
         i = int(np.argmax(steps < 0))
         return InputError(ValueError, f"cu_seqlens must not decrease: b[{i}] = {int(cu[i])} > "
                                       f"b[{i + 1}] = {int(cu[i + 1])}"), None
-    if layout != "contiguous":
-        return InputError(ValueError, f"cu_seqlens with layout={layout!r} is not supported yet "
-                                      f"(documents would be split into 2G pieces each, which "
-                                      f"needs shards of different lengths): use "
-                                      f"layout='contiguous'"), None
     docs = [0] + [int(b) for b, step in zip(cu[1:], steps) if step > 0]
     return None, tuple(docs)
+
+
+def check_docs_total(docs, seqlen_global: int) -> InputError | None:
+    """cu_seqlens (parsed) must end at the global sequence length."""
+    if docs is not None and docs[-1] != seqlen_global:
+        return InputError(ValueError, f"cu_seqlens must end at the global sequence length "
+                                      f"N = {seqlen_global} (the ranks' local lengths added up), "
+                                      f"got {docs[-1]}")
+    return None
+
+
+def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str = "contiguous"):
+    """`parse_cu_seqlens` and `check_docs_total` together, where N is known (shard)."""
+    err, docs = parse_cu_seqlens(cu_seqlens)
+    return (err, None) if err else (check_docs_total(docs, seqlen_global), docs)
+
+
+def partition_of(layout: str, lengths, docs) -> tuple[InputError | None, Partition | None]:
+    """(InputError or None, the Partition) of the ranks' local `lengths` under `layout` with
+    documents `docs` (parsed cu_seqlens or None) — the same verdict on every rank, which all
+    know the lengths after the agreement round. Contiguous shards may have any lengths;
+    zigzag ones must be the ones `burstcu.shard` cuts (each document in 2G pieces)."""
+    lengths = tuple(int(n) for n in lengths)
+    size, total = len(lengths), sum(lengths)
+    err = check_docs_total(docs, total)
+    if err:
+        return err, None
+    if layout == "contiguous":
+        return None, partition(layout, size, total, lengths=lengths)
+    want = partition(layout, size, total, docs).lengths
+    if lengths != want:
+        hint = ""
+        if size > 1 and max(lengths) == size * min(lengths):
+            hint = (f" (rank {lengths.index(max(lengths))}'s sequence length is {size} times "
+                    f"another's: did it pass the global array instead of its shard?)")
+        what = "these documents" if docs is not None else "no documents"
+        return InputError(ValueError, f"layout='{layout}' over {size} ranks cuts N = {total} "
+                                      f"with {what} into shards of {want} rows (burstcu.shard "
+                                      f"makes them); got {lengths}{hint}"), None
+    return None, partition(layout, size, total, docs)
 
 
 def docs_digest(docs) -> str | None:
@@ -248,33 +285,42 @@ def check_row_sums(lse, row_sums, rank: int) -> InputError | None:
         f"the inputs hold NaN/Inf"))
 
 
-def metadata(*arrays, **options) -> tuple:
-    """What every rank must agree on: shapes, dtypes and options of one call."""
-    shapes = tuple(tuple(int(n) for n in a.shape) if hasattr(a, "shape") else None for a in arrays)
+FREE = "S"   # a shape's sequence extent, which ranks need not agree on
+
+
+def metadata(*arrays, seq_axes=None, **options) -> tuple:
+    """What every rank must agree on: shapes, dtypes and options of one call. seq_axes: per
+    array, the axis whose extent may differ between ranks (shown as "S"), or None."""
+    seq_axes = seq_axes or (None,) * len(arrays)
+    shapes = tuple(tuple(FREE if i == axis else int(n) for i, n in enumerate(a.shape))
+                   if hasattr(a, "shape") else None for a, axis in zip(arrays, seq_axes))
     dtypes = tuple(dtype_name(a) if hasattr(a, "dtype") else None for a in arrays)
     return (shapes, dtypes, tuple(sorted(options.items())))
 
 
-def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata") -> None:
+def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata",
+          local=None) -> list:
     """One collective round; then raise on every rank if any rank failed or ranks disagree.
-    `what` names the call, so ranks inside different calls fail together too."""
+    `what` names the call, so ranks inside different calls fail together too. `local`: a value
+    each rank reports without agreeing on it (its sequence length); returns every rank's."""
     if transport.size == 1:
         if error:
             raise error.kind(error.message)
-        return
-    gathered = transport.allgather_object((error, meta), what)
+        return [local]
+    gathered = transport.allgather_object((error, meta, local), what)
     if error:
         raise error.kind(error.message)
-    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]
         raise e.kind(f"rank {r}: {e.message}")
-    metas = [m for _, m in gathered]
+    metas = [m for _, m, _ in gathered]
     if any(m != metas[0] for m in metas):
         differing = [r for r, m in enumerate(metas) if m != metas[0]]
         raise ValueError(f"ranks disagree in {what}: "
                          + _difference(metas[0], metas[differing[0]], differing[0],
                                        ARRAY_NAMES.get(what), transport.size))
+    return [value for _, _, value in gathered]
 
 
 # the arrays a call's metadata lists, in order, for naming them in a disagreement

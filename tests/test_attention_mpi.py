@@ -66,4 +66,6 @@ def test_emulated_kernels_on_the_ring(world, dtype):
 
 def test_unshard_rejects_mismatched_shapes():
     for rank, result in enumerate(run_mpi(3, "unshard_rejects_mismatched_shapes")):
-        assert result["error"] and "same shape" in result["error"], (rank, result)
+        assert result["other_axis"] and "same shape" in result["other_axis"], (rank, result)
+        assert result["zigzag_lengths"] and "(4, 5, 6)" in result["zigzag_lengths"] \
+            and "layout='zigzag'" in result["zigzag_lengths"], (rank, result)

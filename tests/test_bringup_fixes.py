@@ -197,25 +197,25 @@ def _cupy_group(monkeypatch, peer, current=0):
 
 
 def test_inputs_on_another_gpu_fail_through_the_agreement(monkeypatch):
-    group = _cupy_group(monkeypatch, peer=(None, None))
+    group = _cupy_group(monkeypatch, peer=(None, None, None))
     q, k, v = (_DLTensor(x, device=(2, 1)) for x in _qkv())
     with pytest.raises(ValueError, match=r"q is on CUDA device 1 but the current CuPy device is 0"
                                          r".*cupy\.cuda\.Device\(1\)\.use\(\)"):
         burstcu.attention(q, k, v, group)
-    (err, meta), = group.transport.sent  # raised only after the agreement round
-    assert isinstance(err, InputError) and meta is None
+    (err, meta, length), = group.transport.sent  # raised only after the agreement round
+    assert isinstance(err, InputError) and meta is None and length is None
 
 
 def test_a_peer_on_another_gpu_stops_this_rank_too(monkeypatch):
     message = "k is on CUDA device 1 but the current CuPy device is 0: call cupy.cuda.Device(1).use()"
-    group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message), None))
+    group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message), None, None))
     with pytest.raises(ValueError, match=r"rank 1: k is on CUDA device 1"):
         burstcu.attention(*_qkv(), group)  # this rank's inputs (host arrays here) are fine
     assert len(group.transport.sent) == 1
 
 
 def test_inputs_on_the_current_gpu_pass_the_device_check(monkeypatch):
-    group = _cupy_group(monkeypatch, peer=(None, None), current=1)
+    group = _cupy_group(monkeypatch, peer=(None, None, None), current=1)
     arrays = tuple(_DLTensor(x, device=(2, 1)) for x in _qkv())
     assert api._device_problem(group, ("q", "k", "v"), arrays) is None
 

@@ -105,7 +105,7 @@ def test_a_document_inside_one_shard_computes_and_sends_nothing_across():
 
 
 @pytest.mark.parametrize("cu,kind,message", [
-    ([0, 5, 15], ValueError, "end at the global sequence length 16"),
+    ([0, 5, 15], ValueError, "end at the global sequence length N = 16"),
     ([2, 16], ValueError, "start at 0"),
     ([0, 9, 4, 16], ValueError, "must not decrease"),
     ([0.0, 16.0], TypeError, "integers"),
@@ -120,12 +120,40 @@ def test_bad_boundaries_are_refused(cu, kind, message):
         burstcu.attention(q, q, q, cu_seqlens=np.asarray(cu))
 
 
-def test_zigzag_with_documents_is_refused_with_the_way_out():
-    q = np.zeros((1, 16, 2, 8))
-    with pytest.raises(ValueError, match="layout='contiguous'"):
-        burstcu.attention(q, q, q, layout="zigzag", cu_seqlens=[0, 16])
-    with pytest.raises(ValueError, match="layout='contiguous'"):
-        burstcu.shard(q, None, layout="zigzag", cu_seqlens=[0, 16])
+def test_zigzag_with_documents_cuts_every_document_in_2g_pieces():
+    """shard(layout="zigzag", cu_seqlens=...) gives rank r pieces r and 2G-1-r of every document
+    (near-equal, no divisibility needed), and the shards' lengths differ by at most 2."""
+    from burstcu.layout import partition
+
+    docs = (0, 5, 6, 23, 40)
+    x = np.arange(40)[None, :, None]
+    for size in (1, 2, 3, 4):
+        part = partition("zigzag", size, 40, docs)
+        shards = [burstcu.shard(x, _Rank(r, size), "zigzag", cu_seqlens=list(docs))[0, :, 0]
+                  for r in range(size)]
+        assert sorted(np.concatenate(shards).tolist()) == list(range(40))
+        assert max(part.lengths) - min(part.lengths) <= 2, part.lengths
+        order = list(range(size)) + list(range(size - 2, -1, -1))   # pieces G-1, G touch
+        for r, rows in enumerate(shards):
+            assert rows.tolist() == part.positions(r)
+        owner = np.empty(40, int)
+        for r, rows in enumerate(shards):
+            owner[rows] = r
+        for start, stop in zip(docs[:-1], docs[1:]):
+            n = stop - start
+            runs = [int(o) for i, o in enumerate(owner[start:stop]) if i == 0 or o != owner[start + i - 1]]
+            it = iter(order)
+            assert all(any(o == want for want in it) for o in runs), (size, start, runs)
+            for r in range(size):   # two pieces of n // 2G or one more rows each
+                held = int((owner[start:stop] == r).sum())
+                assert n // (2 * size) * 2 <= held <= n // (2 * size) * 2 + 2, (size, r, start, held)
+
+
+class _Rank:
+    """The rank and size `shard` reads from a group."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
 
 
 def test_empty_documents_are_dropped_and_lists_accepted():

@@ -40,9 +40,9 @@ def test_messages_are_specific():
         burstcu.attention(q, k, k)
     with pytest.raises(TypeError, match="int64"):
         burstcu.attention(q.astype(np.int64), k.astype(np.int64), k.astype(np.int64))
-    with pytest.raises(ValueError, match="zigzag layout needs an even local seqlen"):
+    with pytest.raises(ValueError, match="linear attention's zigzag layout needs an even local seqlen"):
         q3 = np.zeros((1, 7, 2, 16), np.float32)
-        burstcu.attention(q3, q3, q3, layout="zigzag")
+        burstcu.linear_attention(q3, q3, q3, layout="zigzag")
     with pytest.raises(ValueError, match="strategy must be one of"):
         burstcu.attention(q[:, :, :4], k, k, strategy="psychic")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):

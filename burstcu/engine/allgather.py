@@ -7,16 +7,20 @@ backward: all-gather K, V again, compute dq and every rank's partial dk, dv, the
     dv packed). No overlap: the gather is blocking, by design of the baseline.
     bytes fwd = (G-1) * (|k| + |v|)                    messages = 0 (collective)
     bytes bwd = (G-1) * (|k| + |v|) + (G-1) * 2 * |k|_acc   messages = G-1
+Uneven shards (a `burstcu.layout.Partition`): the all-gather moves every rank's K, V padded to
+the longest shard ((G-1) * S_max rows); the reduce-scatter sends each owner's rows
+(N - S_r rows of dK, dV from rank r).
 Trace: the blocking all-gather is recorded as the wait of step 0 (before any compute) and each
 reduce-scatter step as its own entry (step G, G+1, ...). Shapes as in `burstcu.engine`.
 """
 
 from __future__ import annotations
 
-from ..layout import step_blocks
+from ..layout import Partition, as_partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import cast_copy, kv_bytes_acc, now, partial_kv_grads, post_exchange, timed, timed_wait
+from .steps import (cast_copy, formula_partition, kv_bytes_acc, laid_out, now, partial_kv_grads,
+                    post_exchange, row_bytes, timed, timed_wait)
 
 
 class AllGatherAttention:
@@ -25,37 +29,44 @@ class AllGatherAttention:
     name = "allgather"
 
     @staticmethod
-    def _gather_kv(ops: LocalOps, transport: Transport, k, v):
-        """Every rank's (k, v): a list of G pairs of (B,S,Hkv,D) views, and the seconds spent."""
-        fields = [("k", k.shape, k.dtype), ("v", v.shape, v.dtype)]
-        mine = ops.message(fields)
+    def _gather_kv(ops: LocalOps, transport: Transport, k, v, lengths):
+        """Every rank's (k, v): a list of G pairs of (B,S_j,Hkv,D) views, and the seconds spent.
+        Each rank's K and V are packed in one buffer sized for the longest shard (uneven
+        shards travel padded to it: the all-gather moves equal pieces)."""
+        def fields(rows):
+            b, _, hkv, d = k.shape
+            return [("k", (b, rows, hkv, d), k.dtype), ("v", (b, rows, hkv, d), v.dtype)]
+        longest = ops.message(fields(max(lengths)))
+        mine = longest.resized(fields(lengths[transport.rank]))
         ops.copy_(mine["k"], k)
         ops.copy_(mine["v"], v)
-        packed = mine.span("k", "v")
+        packed = longest.span("k", "v")
         gathered = ops.zeros((transport.size,) + tuple(packed.shape), packed.dtype)
         t0 = now()
         with ops.annotate("allgather k, v"):
             transport.allgather(packed, gathered)
         seconds = now() - t0
-        (k0, k1), (v0, v1) = mine.offsets["k"], mine.offsets["v"]
-        base = mine.offsets["k"][0]
         pairs = []
         for j in range(transport.size):
+            theirs = longest.resized(fields(lengths[j]))
+            base = theirs.offsets["k"][0]
             row = gathered[j]
-            pairs.append((row[k0 - base:k1 - base].view(k.dtype).reshape(k.shape),
-                          row[v0 - base:v1 - base].view(v.dtype).reshape(v.shape)))
+            (k0, k1), (v0, v1) = theirs.offsets["k"], theirs.offsets["v"]
+            pairs.append((row[k0 - base:k1 - base].view(k.dtype).reshape(theirs["k"].shape),
+                          row[v0 - base:v1 - base].view(v.dtype).reshape(theirs["v"].shape)))
         return pairs, seconds
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
+                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1), docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
-        kv, gather_s = self._gather_kv(ops, transport, k, v)
+        size, rank = transport.size, transport.rank
+        part = as_partition(layout, size, q.shape[1])
+        kv, gather_s = self._gather_kv(ops, transport, k, v, part.lengths)
         state = ops.forward_init(q, softmax_scale)
         # visit the shards in the ring's order so traces line up with the other strategies
         for s in range(size):
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
+            blocks = mask_blocks(part, rank, source, causal, window, docs)
             compute_s = 0.0
             if blocks:
                 compute_s = timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
@@ -65,21 +76,24 @@ class AllGatherAttention:
         return ops.forward_finalize(state, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
+                 causal: bool, softmax_scale: float, layout: str | Partition, trace=None, row_sums=None,
                  window=(-1, -1), docs=None):
         """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
         row_sums: as for RingAttention.backward."""
-        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
+        size, rank = transport.size, transport.rank
+        part = as_partition(layout, size, q.shape[1])
         acc = accum_dtype(q.dtype)
-        kv, gather_s = self._gather_kv(ops, transport, k, v)
+        kv, gather_s = self._gather_kv(ops, transport, k, v, part.lengths)
         delta = ops.backward_delta(dout, out)
         dq = ops.zeros(q.shape, acc)
         # partial dk, dv for every owner, packed per owner so each reduce-scatter hop is one span
-        fields = [("dk", k.shape, acc), ("dv", v.shape, acc)]
-        partial = [ops.message(fields) for _ in range(size)]
+        def fields(rows):
+            b, _, hkv, d = k.shape
+            return [("dk", (b, rows, hkv, d), acc), ("dv", (b, rows, hkv, d), acc)]
+        partial = [ops.message(fields(part.lengths[j])) for j in range(size)]
         for s in range(size):
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
+            blocks = mask_blocks(part, rank, source, causal, window, docs)
             ops.copy_(partial[source].flat, 0)
             compute_s = 0.0
             if blocks:
@@ -92,25 +106,32 @@ class AllGatherAttention:
                 compute_s = now() - t0
             if trace is not None:
                 trace.add("backward", s, source, len(blocks), compute_s, gather_s if s == 0 else 0.0)
-        mine = self._reduce_scatter(ops, transport, partial, fields, trace)
+        mine = self._reduce_scatter(ops, transport, partial, fields, part.lengths, trace)
         return (cast_copy(ops, dq, q.dtype), cast_copy(ops, mine["dk"], k.dtype),
                 cast_copy(ops, mine["dv"], v.dtype))
 
     @staticmethod
-    def _reduce_scatter(ops, transport, partial, fields, trace):
+    def _reduce_scatter(ops, transport, partial, fields, lengths, trace):
         """Sum over ranks of partial[owner], delivered to each owner: ring reduce-scatter.
 
         At hop t (0 <= t < G-1) rank r sends the running sum for owner (r-t-1) % G to next and
         receives the running sum for owner (r-t-2) % G from prev, then adds its own partial for
         that owner. After G-1 hops the running sum received is the one for owner r.
+        fields(rows): the message of one owner's dk, dv; lengths: every owner's rows (the two
+        buffers are sized for the longest and laid out for the owner they hold).
         """
         size, rank = transport.size, transport.rank
         if size == 1:
             return partial[0]
-        bufs = [ops.message(fields) for _ in range(2)]
-        ops.copy_(bufs[0].flat, partial[(rank - 1) % size].flat)
+        bufs = [ops.message(fields(max(lengths))) for _ in range(2)]
+
+        def holding(t: int):  # the buffer of hop t, holding the running sum of owner r-t-1
+            return laid_out(bufs[t % 2], fields(lengths[(rank - t - 1) % size]))
+
+        first = holding(0)
+        ops.copy_(first.span("dk", "dv"), partial[(rank - 1) % size].span("dk", "dv"))
         for t in range(size - 1):
-            cur, nxt = bufs[t % 2], bufs[(t + 1) % 2]
+            cur, nxt = holding(t), holding(t + 1)
             post_exchange(ops, transport, f"reduce-scatter {t}", [(cur.span("dk", "dv"), nxt.span("dk", "dv"))])
             wait_s = timed_wait(ops, transport, f"reduce-scatter {t} wait")
             t0 = now()
@@ -119,16 +140,22 @@ class AllGatherAttention:
             ops.add_(nxt["dv"], partial[owner]["dv"])
             if trace is not None:
                 trace.add("backward", size + t, owner, 0, now() - t0, wait_s)
-        return bufs[(size - 1) % 2]
+        return holding(size - 1)
 
     # -- what one rank sends -------------------------------------------------------------------
+    # mask: only its layout matters (uneven shards travel padded to the longest in the
+    # all-gather; the reduce-scatter sends each owner's rows); allgather skips nothing
     @staticmethod
     def forward_bytes(size: int, q, k, v, **mask) -> int:
-        return (size - 1) * (k.nbytes + v.nbytes)
+        longest = max(formula_partition(size, q, mask).lengths)
+        return (size - 1) * longest * (row_bytes(k) + row_bytes(v))
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v, **mask) -> int:  # mask: the same bytes
-        return (size - 1) * (k.nbytes + v.nbytes + 2 * kv_bytes_acc(k))
+    def backward_bytes(size: int, q, k, v, **mask) -> int:
+        part, rank = formula_partition(size, q, mask), mask.get("rank", 0)
+        rows = part.total - part.lengths[rank]              # every other owner's sum passes by
+        return (AllGatherAttention.forward_bytes(size, q, k, v, **mask)
+                + rows * 2 * kv_bytes_acc(k) // k.shape[1])
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:

@@ -61,32 +61,46 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..layout import step_blocks
+from ..layout import Partition, as_partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import Trace, post_exchange, post_messages, timed, timed_wait
+from .steps import Trace, laid_out, post_exchange, post_messages, prefix, timed, timed_wait
 
 # ----------------------------------------------------------------------------------------------
 # forward
 
+def _kv_fields(k, v, rows: int):
+    """The fields of a forward message holding a K/V block of `rows` rows."""
+    b, _, hkv, d = k.shape
+    return [("k", (b, rows, hkv, d), k.dtype), ("v", (b, rows, hkv, d), v.dtype)]
+
+
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str, trace: Trace | None = None, window=(-1, -1), docs=None):
+            layout: str | Partition, trace: Trace | None = None, window=(-1, -1), docs=None):
     """Exact attention of this rank's queries over every rank's keys.
 
-    q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout`.
+    q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout` (a layout name:
+    every rank holds S rows; or a `burstcu.layout.Partition`: rank j holds S_j rows, and the
+    buffers, sized for the longest shard, hold each block at its own length).
     Returns out (B, S, H, D) in q's dtype and lse (B, H, S) in the accumulation dtype.
     """
     size, rank = transport.size, transport.rank
-    seqlen = q.shape[1]
-    kv_fields = [("k", k.shape, k.dtype), ("v", v.shape, v.dtype)]
-    buffers = ops.double_buffer(kv_fields)
-    ops.copy_(buffers[0]["k"], k)
-    ops.copy_(buffers[0]["v"], v)
+    part = as_partition(layout, size, q.shape[1])
+    lengths = part.lengths
+    assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
+    buffers = ops.double_buffer(_kv_fields(k, v, max(lengths)))
+
+    def holding(step: int):  # the buffer of `step`, laid out for the block it holds then
+        return laid_out(buffers[step % 2], _kv_fields(k, v, lengths[(rank - step) % size]))
+
+    first = holding(0)
+    ops.copy_(first["k"], k)
+    ops.copy_(first["v"], v)
     state = ops.forward_init(q, softmax_scale)
 
-    mask = (layout, size, seqlen, causal, window, docs)
+    mask = (part, causal, window, docs)
     for s in range(size):
-        cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
+        cur, nxt = holding(s), holding(s + 1)
         # a block goes on only while some later holder still needs it (sender and receiver
         # decide alike); a rank never has to send what it did not receive (`travels`)
         sending = s < size - 1 and travels(rank, s, *mask)
@@ -97,7 +111,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
                           [(cur.span("k", "v") if sending else None,
                             nxt.span("k", "v") if receiving else None)])
         source = (rank - s) % size
-        blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
+        blocks = mask_blocks(part, rank, source, causal, window, docs)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
@@ -108,60 +122,74 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
 
 
 @lru_cache(maxsize=4096)  # varlen batches bring new docs each call: keep only recent ones
-def needs(layout: str, q_rank: int, kv_rank: int, size: int, seqlen_local: int, causal: bool,
-          window=(-1, -1), docs=None) -> bool:
+def needs(part: Partition, q_rank: int, kv_rank: int, causal: bool, window=(-1, -1),
+          docs=None) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
-    return bool(step_blocks(layout, q_rank, kv_rank, size, seqlen_local, causal, window, docs))
+    return bool(mask_blocks(part, q_rank, kv_rank, causal, window, docs))
 
 
-def travels(holder: int, step: int, layout: str, size: int, seqlen_local: int, causal: bool,
-            window=(-1, -1), docs=None) -> bool:
+def travels(holder: int, step: int, part: Partition, causal: bool, window=(-1, -1),
+            docs=None) -> bool:
     """Whether the K/V block `holder` has at forward step `step` (that of rank holder - step)
     goes on to holder + 1: some rank it would still reach, holder + 1 .. holder + G-1-step,
     needs it."""
+    size = part.size
     block = (holder - step) % size
-    return any(needs(layout, (holder + t) % size, block, size, seqlen_local, causal, window, docs)
+    return any(needs(part, (holder + t) % size, block, causal, window, docs)
                for t in range(1, size - step))
 
 
-def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+def forward_sends(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
                   causal: bool = False, window=(-1, -1), docs=None) -> int:
     """How many of the G-1 forward steps `rank` sends its K, V on: G-1 without a mask; with
     causal over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last
     rank none, G(G-1)/2 in all; zigzag needs every hop; documents each inside one rank's shard:
     none."""
-    return sum(travels(rank, s, layout, size, seqlen_local, causal, window, docs)
-               for s in range(size - 1))
+    part = as_partition(layout, size, seqlen_local)
+    return sum(travels(rank, s, part, causal, window, docs) for s in range(size - 1))
+
+
+def forward_rows(rank: int, part: Partition, causal: bool = False, window=(-1, -1),
+                 docs=None) -> int:
+    """Rows of the K/V blocks `rank` sends in `forward` (each block at its owner's length):
+    (G-1) * S for equal shards without a mask."""
+    size = part.size
+    return sum(part.lengths[(rank - s) % size] for s in range(size - 1)
+               if travels(rank, s, part, causal, window, docs))
 
 
 def forward_bytes(size: int, k, v, sends: int | None = None) -> int:
-    """Bytes one rank sends in `forward`: `sends` (default G-1, no mask) x (|K| + |V|)."""
+    """Bytes one rank sends in `forward` over equal shards: `sends` (default G-1, no mask) x
+    (|K| + |V|). Uneven shards: `forward_rows` x the bytes of a row of K and V."""
     return (size - 1 if sends is None else sends) * (k.nbytes + v.nbytes)
 
 
 # ----------------------------------------------------------------------------------------------
 # backward
 
-def _bundle_fields(q, lse, row_sums: bool = False):
-    b, s, h, d = q.shape
-    acc = accum_dtype(q.dtype)
+def _bundle_fields(q, acc, dq_rows: int, rows: int, row_sums: bool = False):
+    """The fields of a backward message: the dQ (and row sums) of a bundle of `dq_rows` rows
+    riding behind, then a bundle of `rows` rows."""
+    b, _, h, d = q.shape
     # dq (and psum) first: each step's message is then one contiguous span (prefix, suffix or
     # all), and the large fields stay 16-byte aligned for vector loads (psum is followed by the
     # bytes that bring q back to a 16-byte boundary; they travel only inside a whole bundle).
     sums = []
     if row_sums:
-        ends = (int(np.prod(q.shape)) + b * h * s) * acc.itemsize
-        sums = [("psum", (b, h, s), acc), ("psum_pad", ((-ends) % 16,), np.uint8)]
-    return [("dq", q.shape, acc), *sums, ("q", q.shape, q.dtype), ("dout", q.shape, q.dtype),
-            ("delta", (b, h, s), acc), ("lse", (b, h, s), acc)]
+        ends = (b * dq_rows * h * d + b * h * dq_rows) * acc.itemsize
+        sums = [("psum", (b, h, dq_rows), acc), ("psum_pad", ((-ends) % 16,), np.uint8)]
+    return [("dq", (b, dq_rows, h, d), acc), *sums, ("q", (b, rows, h, d), q.dtype),
+            ("dout", (b, rows, h, d), q.dtype), ("delta", (b, h, rows), acc),
+            ("lse", (b, h, rows), acc)]
 
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
-             softmax_scale: float, layout: str, trace: Trace | None = None, row_sums=None,
-             delta=None, grad_dtype=None, window=(-1, -1), docs=None):
+             softmax_scale: float, layout: str | Partition, trace: Trace | None = None,
+             row_sums=None, delta=None, grad_dtype=None, window=(-1, -1), docs=None):
     """Gradients of `forward` for this rank's shard.
 
-    dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`.
+    dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`; layout
+    as in `forward` (with uneven shards each bundle and dQ travel at their owner's length).
     Returns dq (B, S, H, D) and dk, dv (B, S, Hkv, D), in the inputs' dtype.
     row_sums: None, or (B, H, S) in the accumulation dtype, contiguous: receives each of this
     rank's rows' sum of the recomputed P over every rank's keys (1 when lse is right).
@@ -172,36 +200,47 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     as far as the last rank that needs it (`bundle_hops`), its dQ one step behind, then home.
     """
     size, rank = transport.size, transport.rank
-    seqlen = q.shape[1]
+    part = as_partition(layout, size, q.shape[1])
+    lengths = part.lengths
+    assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
     acc = accum_dtype(q.dtype)
     sums = row_sums is not None
-    fields = _bundle_fields(q, lse, sums)
-    buffers = ops.double_buffer(fields)
-    first = buffers[0]
-    ops.copy_(first["q"], q)
-    ops.copy_(first["dout"], dout)
-    ops.copy_(first["delta"], ops.backward_delta(dout, out) if delta is None else delta)
-    ops.copy_(first["lse"], lse)
-    ctx = ops.backward_init(k, v, softmax_scale)
-    dq_part = ops.zeros(q.shape, acc)
-    psum_part = ops.zeros(lse.shape, acc) if sums else None
-    dq = ops.zeros(q.shape, acc)                             # our dQ, once it is home
+    longest = max(lengths)
+    # allocated for the longest shard in both places (plus slack for the psum padding, which
+    # a shorter dQ may need more of)
+    buffers = ops.double_buffer(_bundle_fields(q, acc, longest, longest, sums)
+                                + ([("slack", (16,), np.uint8)] if sums else []))
 
-    mask = (layout, size, seqlen, causal, window, docs)
-    d = backward_direction(*mask)
+    mask = (part, causal, window, docs)
+    d = _direction(*mask)
     to_next, from_prev = (rank + d) % size, (rank - d) % size
 
     def bundle(step: int) -> int:       # whose bundle this rank holds at `step`
         return (rank - d * step) % size
 
+    def holding(step: int):  # the buffer of `step`: dQ of bundle(step - 1), bundle(step)
+        return laid_out(buffers[step % 2], _bundle_fields(
+            q, acc, lengths[bundle(step - 1)], lengths[bundle(step)], sums))
+
     def hops(j: int) -> int:
-        return bundle_hops(j, *mask)
+        return _bundle_hops(j, *mask)
+
+    first = holding(0)
+    ops.copy_(first["q"], q)
+    ops.copy_(first["dout"], dout)
+    ops.copy_(first["delta"], ops.backward_delta(dout, out) if delta is None else delta)
+    ops.copy_(first["lse"], lse)
+    ctx = ops.backward_init(k, v, softmax_scale)
+    b, _, h, hd = q.shape
+    dq_flat = ops.zeros((b * longest * h * hd,), acc)        # the dQ part of the bundle held
+    psum_flat = ops.zeros((b * h * longest,), acc) if sums else None
+    dq = ops.zeros(q.shape, acc)                             # our dQ, once it is home
 
     dq_only = ("dq", "psum") if sums else ("dq", "dq")
     home_parts = (("dq", dq),) + ((("psum", row_sums),) if sums else ())
     own_hops = hops(rank)
     for s in range(size + 1):                                   # step `size`: the last returns
-        cur, nxt = buffers[s % 2], buffers[(s + 1) % 2]
+        cur, nxt = holding(s), holding(s + 1)
         messages = []                                            # (send, recv, dst, src)
         send_bundle = s < hops(bundle(s))                       # it goes on from here
         send_dq = s >= 1 and s - 1 < hops(bundle(s - 1))         # ... one step behind
@@ -223,10 +262,12 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
             post_messages(ops, transport, label, messages)
         compute_s = 0.0
         held = s < size and s <= hops(bundle(s))
-        blocks = step_blocks(layout, bundle(s), rank, size, seqlen, causal, window, docs) \
-            if held else []
+        blocks = mask_blocks(part, bundle(s), rank, causal, window, docs) if held else []
         adds = held and (bool(blocks) or s == 0)    # a bundle passing through adds nothing
         if adds:
+            rows = lengths[bundle(s)]
+            dq_part = prefix(dq_flat, (b, rows, h, hd))
+            psum_part = prefix(psum_flat, (b, h, rows)) if sums else None
             ops.copy_(dq_part, 0)
             if sums:
                 ops.copy_(psum_part, 0)
@@ -236,8 +277,8 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
                                    *([psum_part] if sums else []))
         wait_s = timed_wait(ops, transport, f"bwd {s} wait") if messages else 0.0
         if adds:  # nxt.dq holds the dQ of the bundle just used so far (received), or nothing at s 0
-            for name, part in (("dq", dq_part), ("psum", psum_part)) if sums else (("dq", dq_part),):
-                (ops.copy_ if s == 0 else ops.add_)(nxt[name], part)
+            for name, part_ in (("dq", dq_part), ("psum", psum_part)) if sums else (("dq", dq_part),):
+                (ops.copy_ if s == 0 else ops.add_)(nxt[name], part_)
             if s == 0 and own_hops == 0:                           # it never left: home already
                 for name, mine in home_parts:
                     ops.copy_(mine, nxt[name])
@@ -259,61 +300,96 @@ def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] |
     return dq_only if dq else None
 
 
-def _hops(d: int, owner: int, layout: str, size: int, seqlen_local: int, causal: bool, window,
-          docs) -> int:
+def _hops(d: int, owner: int, part: Partition, causal: bool, window, docs) -> int:
     """The last step at which a rank on `owner`'s way in direction d needs its bundle (0: none)."""
+    size = part.size
     return max([0] + [t for t in range(1, size)
-                      if needs(layout, owner, (owner + d * t) % size, size, seqlen_local, causal,
-                               window, docs)])
+                      if needs(part, owner, (owner + d * t) % size, causal, window, docs)])
 
 
 @lru_cache(maxsize=4096)
-def backward_direction(layout: str, size: int, seqlen_local: int, causal: bool,
-                       window=(-1, -1), docs=None) -> int:
-    """Which way the backward bundles go: +1 to the next rank, -1 to the previous one — the way
-    with fewer bundle hops in all under this mask (the same on every rank); on a tie, back under
-    causal (causal queries see earlier keys, which contiguous shards put on earlier ranks)."""
-    mask = (layout, size, seqlen_local, causal, window, docs)
-    forwards, backwards = (sum(_hops(d, j, *mask) for j in range(size)) for d in (1, -1))
+def _direction(part: Partition, causal: bool, window=(-1, -1), docs=None) -> int:
+    mask = (part, causal, window, docs)
+    forwards, backwards = (sum(_hops(d, j, *mask) for j in range(part.size)) for d in (1, -1))
     if forwards != backwards:
         return 1 if forwards < backwards else -1
     return -1 if causal else 1
 
 
+def backward_direction(layout: str | Partition, size: int, seqlen_local: int, causal: bool,
+                       window=(-1, -1), docs=None) -> int:
+    """Which way the backward bundles go: +1 to the next rank, -1 to the previous one — the way
+    with fewer bundle hops in all under this mask (the same on every rank); on a tie, back under
+    causal (causal queries see earlier keys, which contiguous shards put on earlier ranks)."""
+    return _direction(as_partition(layout, size, seqlen_local), causal, window, docs)
+
+
 @lru_cache(maxsize=4096)
-def bundle_hops(owner: int, layout: str, size: int, seqlen_local: int, causal: bool,
+def _bundle_hops(owner: int, part: Partition, causal: bool, window=(-1, -1), docs=None) -> int:
+    mask = (part, causal, window, docs)
+    return _hops(_direction(*mask), owner, *mask)
+
+
+def bundle_hops(owner: int, layout: str | Partition, size: int, seqlen_local: int, causal: bool,
                 window=(-1, -1), docs=None) -> int:
     """How far `owner`'s backward bundle travels: the last step at which a rank it visits (in
     `backward_direction`) needs it, 0 when no other rank does."""
-    mask = (layout, size, seqlen_local, causal, window, docs)
-    return _hops(backward_direction(*mask), owner, *mask)
+    return _bundle_hops(owner, as_partition(layout, size, seqlen_local), causal, window, docs)
 
 
-def backward_counts(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+def _sent(rank: int, part: Partition, causal: bool, window, docs):
+    """Per step s of `backward` on `rank`: (whose bundle it holds, whether it passes the bundle
+    on, whether it sends that bundle's dQ on or home at step s + 1)."""
+    size = part.size
+    d = _direction(part, causal, window, docs)
+    out = []
+    for s in range(size):
+        j = (rank - d * s) % size
+        hops = _bundle_hops(j, part, causal, window, docs)
+        out.append((j, s < hops, s < hops or s == hops >= 1))
+    return out
+
+
+def backward_counts(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
                     causal: bool = False, window=(-1, -1), docs=None) -> tuple[int, int, int]:
     """(bundles, dqs, messages) `rank` sends in `backward`: bundles it passes on, dQ
     accumulators it passes on or sends home, messages in all. Without a mask every bundle goes
     G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r passes on r bundles (the
     bundles of r..G-1 visit it on their way down to 0) and so on: half the ring's bundles."""
-    d = backward_direction(layout, size, seqlen_local, causal, window, docs)
-    hops = [bundle_hops((rank - d * s) % size, layout, size, seqlen_local, causal, window, docs)
-            for s in range(size)]
-    bundles = sum(s < hops[s] for s in range(size))
-    returns = sum(s == hops[s] >= 1 for s in range(size))
-    to_next = sum(s < hops[s] or (s >= 1 and s - 1 < hops[s - 1]) for s in range(size))
-    return bundles, bundles + returns, to_next + returns
+    sent = _sent(rank, as_partition(layout, size, seqlen_local), causal, window, docs)
+    bundles = sum(on for _, on, _ in sent)
+    dqs = sum(dq for _, _, dq in sent)
+    returns = dqs - bundles
+    # messages to the next holder: a step that passes a bundle on or the dQ behind one
+    to_next = sum(sent[s][1] or (s >= 1 and sent[s - 1][1]) for s in range(size))
+    return bundles, dqs, to_next + returns
+
+
+def backward_rows(rank: int, part: Partition, causal: bool = False, window=(-1, -1),
+                  docs=None) -> tuple[int, int]:
+    """(bundle rows, dQ rows) `rank` sends in `backward`, each bundle at its owner's length:
+    (G-1) * S and G * S for equal shards without a mask."""
+    sent = _sent(rank, part, causal, window, docs)
+    return (sum(part.lengths[j] for j, on, _ in sent if on),
+            sum(part.lengths[j] for j, _, dq in sent if dq))
 
 
 def backward_bytes(size: int, q, counts: tuple[int, int, int] | None = None) -> int:
-    """Bytes one rank sends in `backward` (module docstring): counts from `backward_counts`
-    (default: no mask, every bundle all the way round)."""
+    """Bytes one rank sends in `backward` over equal shards (module docstring): counts from
+    `backward_counts` (default: no mask, every bundle all the way round)."""
     if size == 1:
         return 0
     bundles, dqs, _ = (size - 1, size, size + 1) if counts is None else counts
-    b, s, h, d = q.shape
+    s = q.shape[1]
+    return _backward_row_bytes(q, (bundles * s, dqs * s))
+
+
+def _backward_row_bytes(q, rows: tuple[int, int]) -> int:
+    """Bytes of `rows` = (bundle rows, dQ rows) of queries shaped like q (B, _, H, D)."""
+    b, _, h, d = q.shape
     acc = accum_dtype(q.dtype).itemsize
-    bundle = 2 * q.nbytes + 2 * b * h * s * acc
-    return bundles * bundle + dqs * b * s * h * d * acc
+    bundle = b * h * (2 * d * q.dtype.itemsize + 2 * acc)       # q, dout; delta, lse
+    return rows[0] * bundle + rows[1] * b * h * d * acc
 
 
 def backward_messages(size: int, counts: tuple[int, int, int] | None = None) -> int:
@@ -336,47 +412,49 @@ class BurstAttention:
 
     @staticmethod
     def forward_bytes(size: int, q, k, v, **mask) -> int:
-        """mask: rank, layout, causal, window, docs (forward_sends); none: every hop."""
-        return forward_bytes(size, k, v, _sends(size, q, mask))
+        """mask: rank, layout (a name or a Partition), causal, window, docs (`forward_rows`);
+        none: every hop."""
+        part, flags = _mask(size, q, mask)
+        rows = forward_rows(mask.get("rank", 0), part, *flags)
+        return rows * (k.nbytes + v.nbytes) // k.shape[1]
 
     @staticmethod
     def backward_bytes(size: int, q, k, v, **mask) -> int:
-        """mask as in forward_bytes (backward_counts); none: every bundle all the way round."""
-        return backward_bytes(size, q, _counts(size, q, mask))
+        """mask as in forward_bytes (`backward_rows`); none: every bundle all the way round."""
+        if size == 1:
+            return 0
+        part, flags = _mask(size, q, mask)
+        return _backward_row_bytes(q, backward_rows(mask.get("rank", 0), part, *flags))
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:
-        if q is None and masked(mask):
-            raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
-        sends = None if q is None else _sends(size, q, mask)
-        return forward_messages(size) if sends is None else sends
+        if q is None:
+            if masked(mask):
+                raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
+            return forward_messages(size)
+        part, flags = _mask(size, q, mask)
+        return sum(travels(mask.get("rank", 0), s, part, *flags) for s in range(size - 1))
 
     @staticmethod
     def backward_messages(size: int, q=None, **mask) -> int:
-        return backward_messages(size, _counts(size, q, mask))
+        if q is None:
+            if masked(mask):
+                raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
+            return backward_messages(size)
+        part, flags = _mask(size, q, mask)
+        return backward_messages(size, backward_counts(mask.get("rank", 0), size, q.shape[1],
+                                                       part, *flags))
 
 
-def _sends(size: int, q, mask: dict) -> int | None:
-    """forward_sends for a strategy-level formula call (None: no mask given, every hop)."""
-    if not masked(mask):
-        return None
-    return forward_sends(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
-                         mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
-                         mask.get("docs"))
-
-
-def _counts(size: int, q, mask: dict):
-    """backward_counts for a strategy-level formula call (None: no mask given)."""
-    if not masked(mask):
-        return None
-    if q is None:
-        raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
-    return backward_counts(mask.get("rank", 0), size, q.shape[1], mask.get("layout", "contiguous"),
-                           mask.get("causal", False), tuple(mask.get("window", (-1, -1))),
-                           mask.get("docs"))
+def _mask(size: int, q, mask: dict):
+    """(partition, (causal, window, docs)) of a strategy-level formula call."""
+    part = as_partition(mask.get("layout", "contiguous"), size, q.shape[1])
+    return part, (bool(mask.get("causal", False)), tuple(mask.get("window", (-1, -1))),
+                  mask.get("docs"))
 
 
 def masked(mask: dict) -> bool:
-    """Whether a formula's mask (rank, layout, causal, window, docs) can skip a forward hop."""
+    """Whether a formula's mask (rank, layout, causal, window, docs) can skip a forward hop, or
+    its layout is a Partition (whose shards may differ in length)."""
     return bool(mask.get("causal")) or tuple(mask.get("window", (-1, -1))) != (-1, -1) \
-        or mask.get("docs") is not None
+        or mask.get("docs") is not None or isinstance(mask.get("layout"), Partition)

@@ -9,16 +9,19 @@ backward: K, V and the dK, dV accumulators travel (4 messages per step); Q, dO, 
     home to its owner.
     bytes fwd = (G-1) * (|k| + |v|)                    messages = 2(G-1)
     bytes bwd = (G-1) * (|k| + |v|) + G * 2 * |k|_acc   messages = 2(G-1) + 2G
-(|k|_acc: k's element count in the accumulation dtype: dK, dV travel in fp32.) Shapes as in
-`burstcu.engine`.
+(|k|_acc: k's element count in the accumulation dtype: dK, dV travel in fp32.) Uneven shards
+(a `burstcu.layout.Partition`): every block travels at its owner's length, so rank r sends the
+rows of blocks r, r-1, ..., r-G+2 in the forward (N - S_{r+1} rows) and N rows of dK, dV.
+Shapes as in `burstcu.engine`.
 """
 
 from __future__ import annotations
 
-from ..layout import step_blocks
+from ..layout import Partition, as_partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import cast_copy, kv_bytes_acc, now, partial_kv_grads, post_exchange, timed, timed_wait
+from .steps import (cast_copy, formula_partition, kv_bytes_acc, now, partial_kv_grads,
+                    post_exchange, row_bytes, seq_view, timed, timed_wait)
 
 
 class RingAttention:
@@ -27,74 +30,96 @@ class RingAttention:
     name = "ring"
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
-        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
+                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1),
+                docs=None):
+        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
+        layout: a name, or a Partition (uneven shards: buffers of the longest, each block
+        at its owner's length)."""
+        size, rank = transport.size, transport.rank
+        part = as_partition(layout, size, q.shape[1])
+        lengths = part.lengths
         # separate allocations: K and V are distinct messages, as in the original
-        kbuf = [ops.zeros(k.shape, k.dtype) for _ in range(2)]
-        vbuf = [ops.zeros(v.shape, v.dtype) for _ in range(2)]
-        ops.copy_(kbuf[0], k)
-        ops.copy_(vbuf[0], v)
+        kflat = [ops.zeros((k.size // k.shape[1] * max(lengths),), k.dtype) for _ in range(2)]
+        vflat = [ops.zeros((v.size // v.shape[1] * max(lengths),), v.dtype) for _ in range(2)]
+
+        def kv(step: int):  # the buffers of `step`, at the length of the block they hold
+            rows = lengths[(rank - step) % size]
+            return seq_view(kflat[step % 2], k, rows), seq_view(vflat[step % 2], v, rows)
+
+        k0, v0 = kv(0)
+        ops.copy_(k0, k)
+        ops.copy_(v0, v)
         state = ops.forward_init(q, softmax_scale)
         for s in range(size):
-            cur, nxt = s % 2, (s + 1) % 2
+            (kc, vc), (kn, vn) = kv(s), kv(s + 1)
             exchanging = s < size - 1
             if exchanging:
-                post_exchange(ops, transport, f"ring fwd {s} send/recv k, v",
-                      [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])])
+                post_exchange(ops, transport, f"ring fwd {s} send/recv k, v", [(kc, kn), (vc, vn)])
             source = (rank - s) % size
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
+            blocks = mask_blocks(part, rank, source, causal, window, docs)
             compute_s = 0.0
             if blocks:
-                compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state,
-                                       kbuf[cur], vbuf[cur], blocks)
+                compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state, kc, vc,
+                                  blocks)
             wait_s = timed_wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
             if trace is not None:
                 trace.add("forward", s, source, len(blocks), compute_s, wait_s)
         return ops.forward_finalize(state, q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
-                 window=(-1, -1), docs=None):
+                 causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
+                 row_sums=None, window=(-1, -1), docs=None):
         """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype, zeroed: receives each of this
         rank's rows' sum of the recomputed P over every rank's keys (Q stays, so it stays too)."""
-        size, rank, seqlen = transport.size, transport.rank, q.shape[1]
+        size, rank = transport.size, transport.rank
+        part = as_partition(layout, size, q.shape[1])
+        lengths = part.lengths
         acc = accum_dtype(q.dtype)
-        kbuf = [ops.zeros(k.shape, k.dtype) for _ in range(2)]
-        vbuf = [ops.zeros(v.shape, v.dtype) for _ in range(2)]
-        dkbuf = [ops.zeros(k.shape, acc) for _ in range(2)]
-        dvbuf = [ops.zeros(v.shape, acc) for _ in range(2)]
-        ops.copy_(kbuf[0], k)
-        ops.copy_(vbuf[0], v)
+        n = k.size // k.shape[1] * max(lengths)
+        kflat, vflat = ([ops.zeros((n,), k.dtype) for _ in range(2)] for _ in range(2))
+        dkflat, dvflat = ([ops.zeros((n,), acc) for _ in range(2)] for _ in range(2))
+
+        def kv(step: int):   # K, V of the block of `step`
+            rows = lengths[(rank - step) % size]
+            return seq_view(kflat[step % 2], k, rows), seq_view(vflat[step % 2], v, rows)
+
+        def grads(step: int):  # the dK, dV slots of `step`: those of the block of step - 1
+            rows = lengths[(rank - step + 1) % size]
+            return seq_view(dkflat[step % 2], k, rows), seq_view(dvflat[step % 2], v, rows)
+
+        k0, v0 = kv(0)
+        ops.copy_(k0, k)
+        ops.copy_(v0, v)
         delta = ops.backward_delta(dout, out)
         dq = ops.zeros(q.shape, acc)
         for s in range(size):
-            cur, nxt = s % 2, (s + 1) % 2
+            (kc, vc), (kn, vn) = kv(s), kv(s + 1)
+            (dkc, dvc), (dkn, dvn) = grads(s), grads(s + 1)
             # K, V of the next block go ahead; the dK, dV finished at step s-1 follow one behind
             pairs = []
             if s < size - 1:
-                pairs += [(kbuf[cur], kbuf[nxt]), (vbuf[cur], vbuf[nxt])]
+                pairs += [(kc, kn), (vc, vn)]
             if s >= 1:
-                pairs += [(dkbuf[cur], dkbuf[nxt]), (dvbuf[cur], dvbuf[nxt])]
+                pairs += [(dkc, dkn), (dvc, dvn)]
             if pairs:
                 post_exchange(ops, transport, f"ring bwd {s} send/recv", pairs)
             source = (rank - s) % size  # the keys are source's; the queries are ours
-            blocks = step_blocks(layout, rank, source, size, seqlen, causal, window, docs)
+            blocks = mask_blocks(part, rank, source, causal, window, docs)
             compute_s, parts = 0.0, None
             if blocks:
                 t0 = now()
                 with ops.annotate(f"ring bwd {s} compute"):
-                    parts = partial_kv_grads(ops, kbuf[cur], vbuf[cur], q, dout, lse, delta, dq,
+                    parts = partial_kv_grads(ops, kc, vc, q, dout, lse, delta, dq,
                                               blocks, softmax_scale, acc, row_sums)
                 compute_s = now() - t0
             wait_s = timed_wait(ops, transport, f"ring bwd {s} wait") if pairs else 0.0
-            # nxt's dk/dv slot now holds what earlier holders accumulated for `source` (or
-            # nothing at s == 0); the slot is sent on at step s+1
-            self._fold(ops, dkbuf[nxt], dvbuf[nxt], parts, first=(s == 0))
+            # the step-(s+1) dk/dv slot now holds what earlier holders accumulated for
+            # `source` (or nothing at s == 0); it is sent on at step s+1
+            self._fold(ops, dkn, dvn, parts, first=(s == 0))
             if trace is not None:
                 trace.add("backward", s, source, len(blocks), compute_s, wait_s)
-        dk, dv = self._return_home(ops, transport, dkbuf[size % 2], dvbuf[size % 2], trace)
+        dk, dv = self._return_home(ops, transport, *grads(size), k.shape, trace)
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
     @staticmethod
@@ -108,9 +133,10 @@ class RingAttention:
             ops.add_(dv_slot, parts[1])
 
     @staticmethod
-    def _return_home(ops, transport, dk_last, dv_last, trace):
-        """After step G-1 a rank holds the dK, dV of block (r+1) % G: one hop brings it home."""
-        dk, dv = ops.zeros(dk_last.shape, dk_last.dtype), ops.zeros(dv_last.shape, dv_last.dtype)
+    def _return_home(ops, transport, dk_last, dv_last, shape, trace):
+        """After step G-1 a rank holds the dK, dV of block (r+1) % G: one hop brings it home
+        (into arrays of this rank's `shape`)."""
+        dk, dv = ops.zeros(shape, dk_last.dtype), ops.zeros(shape, dv_last.dtype)
         if transport.size == 1:
             ops.copy_(dk, dk_last)
             ops.copy_(dv, dv_last)
@@ -122,15 +148,21 @@ class RingAttention:
         return dk, dv
 
     # -- what one rank sends -------------------------------------------------------------------
+    # mask: only its layout matters (a Partition: the blocks a rank passes on have their
+    # owners' lengths); the classic ring skips nothing
     @staticmethod
     def forward_bytes(size: int, q, k, v, **mask) -> int:
-        return (size - 1) * (k.nbytes + v.nbytes)
+        lengths = formula_partition(size, q, mask).lengths
+        rank = mask.get("rank", 0)
+        rows = sum(lengths[(rank - s) % size] for s in range(size - 1))
+        return rows * (row_bytes(k) + row_bytes(v))
 
     @staticmethod
-    def backward_bytes(size: int, q, k, v, **mask) -> int:  # mask: the same bytes
+    def backward_bytes(size: int, q, k, v, **mask) -> int:
         if size == 1:
             return 0
-        return (size - 1) * (k.nbytes + v.nbytes) + size * 2 * kv_bytes_acc(k)
+        total = formula_partition(size, q, mask).total          # every dK, dV goes round
+        return RingAttention.forward_bytes(size, q, k, v, **mask) + total * 2 * kv_bytes_acc(k) // k.shape[1]
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:

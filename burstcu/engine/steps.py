@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..layout import Partition, as_partition
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 
@@ -101,3 +102,37 @@ def cast_copy(ops: LocalOps, x, dtype):
     y = ops.zeros(x.shape, dtype)
     ops.copy_(y, x)
     return y
+
+
+def prefix(flat, shape):
+    """The first prod(shape) elements of the 1-D array `flat`, as a contiguous array of `shape`
+    (a buffer sized for the longest shard, holding a shorter one)."""
+    n = 1
+    for extent in shape:
+        n *= int(extent)
+    return flat[:n].reshape(shape)
+
+
+def laid_out(message, fields):
+    """`message` itself when its fields already have these shapes, else the same storage laid
+    out for `fields` (`Message.resized`): uneven shards reuse the buffers of the longest."""
+    same = all(tuple(message[name].shape) == tuple(shape) for name, shape, _ in fields
+               if name in message.fields)
+    return message if same and len(fields) == len(message.fields) else message.resized(fields)
+
+
+def formula_partition(size: int, q, mask: dict) -> Partition:
+    """The partition a byte formula's mask names (mask["layout"]: a layout name, every rank
+    holding q's rows, or a Partition)."""
+    return as_partition(mask.get("layout", "contiguous"), size, q.shape[1])
+
+
+def row_bytes(x) -> int:
+    """Bytes of one sequence row of x (B, S, ...)."""
+    return x.nbytes // x.shape[1]
+
+
+def seq_view(flat, x, rows: int):
+    """A contiguous (B, rows, *x.shape[2:]) view at the start of the 1-D `flat` (in x's
+    layout; x only gives the shape)."""
+    return prefix(flat, (x.shape[0], rows) + tuple(x.shape[2:]))

@@ -26,7 +26,9 @@ Bytes one rank sends (exact; it = input itemsize, acc = accumulation itemsize, H
 heads and Hk kv heads a rank: Hkv/G, or 1 when G % Hkv == 0; S the local rows):
     fwd = (G-1) * B*S * ((Hg + 2*Hk)*D*it + Hg*(acc + D*it))
     bwd = (G-1) * B*S * (Hg*(2*acc + 2*D*it) + 2*Hk*D*it  +  (Hg + 2*Hk)*D*acc [+ Hg*acc])
-(the last term with row_sums); messages: 2(G-1) in each pass. Each message is one contiguous
+(the last term with row_sums); messages: 2(G-1) in each pass. Uneven shards (a
+`burstcu.layout.Partition`): the inbound terms go out at a rank's own S rows to each of the G-1
+others, the outbound ones (out, lse; dq, dk, dv) at the other ranks' rows, N - S in all. Each message is one contiguous
 span of one packed buffer (fields ordered so no padding falls inside a span).
 Trace: step 0 is all-to-all 1 (its wait), step 1 the local attention, step 2 all-to-all 2.
 """
@@ -35,10 +37,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import segments, step_blocks
+from ..layout import Partition, as_partition, step_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import cast_copy, post_pairwise, timed, timed_wait
+from .steps import cast_copy, formula_partition, post_pairwise, timed, timed_wait
 
 
 def heads_problem(h: int, hkv: int, size: int, what: str) -> str | None:
@@ -64,21 +66,22 @@ class HeadExchange:
     node-sized group for "usp"): from this rank's rows of every head to the group's rows of this
     rank's heads, and back.
 
-    transport: the group's transport; its ranks are `ranks` (ranks of the `size`-rank world
-    whose `layout` places `seqlen_local` rows on each). Assembled arrays hold the group's rows
-    sorted by global position (for "ulysses" the whole sequence in order; for "usp" exactly the
-    local rows of the group's super-rank in the ring of groups, under the same layout).
+    transport: the group's transport; its members are the world ranks `ranks` of `part` (the
+    world's `burstcu.layout.Partition`; members may hold different numbers of rows). Assembled
+    arrays hold the group's rows sorted by global position (for "ulysses" the whole sequence in
+    order; for "usp" exactly the rows of the group's super-rank, `layout.grouped`).
     Parts are (kind, array): "q" (B, S, H, D) query heads, "kv" (B, S, Hkv, D) kv heads, "st"
     (B, H, S) a row statistic of the query heads.
     """
 
-    def __init__(self, transport: Transport, ranks, layout: str, size: int, seqlen_local: int,
-                 h: int, hkv: int):
-        self.transport, self.g, self.s = transport, transport.size, seqlen_local
+    def __init__(self, transport: Transport, ranks, part: Partition, h: int, hkv: int):
+        self.transport, self.g = transport, transport.size
+        ranks = list(ranks)
+        self.lengths = [part.lengths[r] for r in ranks]          # rows of each member
         self.hg = h // self.g
         self.kv = [kv_heads(m, self.g, h, hkv) for m in range(self.g)]
         runs = sorted((seg.pos, m, seg.local, seg.length) for m, r in enumerate(ranks)
-                      for seg in segments(layout, r, size, seqlen_local))
+                      for seg in part.runs[r])
         self.rows: list[list[tuple[int, int, int]]] = [[] for _ in ranks]  # (local, assembled, n)
         offset = 0
         for _, m, local, length in runs:
@@ -94,20 +97,27 @@ class HeadExchange:
         heads = slice(m * self.hg, (m + 1) * self.hg)
         return x[:, heads] if kind == "st" else x[:, :, heads]
 
-    def _chunk_shape(self, kind: str, x_shape) -> tuple:
+    def _chunk_shape(self, kind: str, x_shape, rows: int) -> tuple:
+        """The shape of one member's heads of `rows` rows of an array shaped like x."""
         if kind == "st":
-            return (x_shape[0], self.hg, self.s)
+            return (x_shape[0], self.hg, rows)
         heads = self.kv[self.transport.rank][1] if kind == "kv" else self.hg
-        return (x_shape[0], self.s, heads) + tuple(x_shape[3:])
+        return (x_shape[0], rows, heads) + tuple(x_shape[3:])
 
-    def _exchange(self, ops: LocalOps, fields):
-        """fields(m) -> [(name, shape, dtype)] of what member m and I exchange, the same list on
-        both sides; returns (send, recv, seconds waited) after the all-to-all. Fields are
+    def _exchange(self, ops: LocalOps, fields, mine_out: bool):
+        """fields(m, rows) -> [(name, shape, dtype)] of what member m and I exchange for `rows`
+        rows; the messages go out at my rows and come back at m's (mine_out) or the reverse.
+        Returns (send, recv, laid), laid(m, rows) the fields of member m's span. Fields are
         ordered widest dtype first, so no padding falls inside a member's span."""
-        def laid(m):
-            return sorted(fields(m), key=lambda f: -np.dtype(f[2]).itemsize)
-        send, recv = (ops.message([f for m in range(self.g) for f in laid(m)]) for _ in range(2))
-        return send, recv, laid
+        me = self.transport.rank
+
+        def laid(m, rows):
+            return sorted(fields(m, rows), key=lambda f: -np.dtype(f[2]).itemsize)
+        out_rows = [self.lengths[me] if mine_out else self.lengths[m] for m in range(self.g)]
+        in_rows = [self.lengths[m] if mine_out else self.lengths[me] for m in range(self.g)]
+        send = ops.message([f for m in range(self.g) for f in laid(m, out_rows[m])])
+        recv = ops.message([f for m in range(self.g) for f in laid(m, in_rows[m])])
+        return send, recv, lambda m: laid(m, 0)
 
     def _post(self, ops, label, send, recv, laid) -> float:
         me = self.transport.rank
@@ -125,19 +135,19 @@ class HeadExchange:
     def to_heads(self, ops: LocalOps, label: str, parts):
         """([assembled arrays], seconds waited): each part of all my rows, for member m's heads,
         to member m; mine, from every member's rows, assembled in position order."""
-        def fields(m):
-            return [(f"{i}.{m}", self._chunk_shape(kind, x.shape), x.dtype)
+        def fields(m, rows):
+            return [(f"{i}.{m}", self._chunk_shape(kind, x.shape, rows), x.dtype)
                     for i, (kind, x) in enumerate(parts)]
-        send, recv, laid = self._exchange(ops, fields)
+        send, recv, laid = self._exchange(ops, fields, mine_out=True)
         for m in range(self.g):
             for i, (kind, x) in enumerate(parts):
                 ops.copy_(send[f"{i}.{m}"], self._chunk(kind, x, m))
         waited = self._post(ops, label, send, recv, laid)
         out = []
         for i, (kind, x) in enumerate(parts):
-            shape = self._chunk_shape(kind, x.shape)
+            shape = self._chunk_shape(kind, x.shape, self.n)
             axis = 2 if kind == "st" else 1
-            full = ops.zeros(shape[:axis] + (self.n,) + shape[axis + 1:], x.dtype)
+            full = ops.zeros(shape, x.dtype)
             lead = (slice(None),) * axis
             for m in range(self.g):
                 for local, at, length in self.rows[m]:
@@ -151,10 +161,10 @@ class HeadExchange:
         member's rows go back to it, and land in `homes` (my rows, all heads): "q" and "st"
         chunks are copied into their heads, "kv" chunks added (members sharing a kv head each
         send their share). Returns the seconds waited."""
-        def fields(m):  # sent in the parts' dtype, added into the homes' dtype
-            return [(f"{i}.{m}", self._chunk_shape(kind, home.shape), full.dtype)
+        def fields(m, rows):  # sent in the parts' dtype, added into the homes' dtype
+            return [(f"{i}.{m}", self._chunk_shape(kind, home.shape, rows), full.dtype)
                     for i, ((kind, full), home) in enumerate(zip(parts, homes))]
-        send, recv, laid = self._exchange(ops, fields)
+        send, recv, laid = self._exchange(ops, fields, mine_out=False)
         for m in range(self.g):
             for i, (kind, full) in enumerate(parts):
                 axis = 2 if kind == "st" else 1
@@ -182,10 +192,11 @@ class UlyssesAttention:
     kv_heads = staticmethod(kv_heads)
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
+                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1),
+                docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        x = HeadExchange(transport, range(transport.size), layout, transport.size, q.shape[1],
-                         q.shape[2], k.shape[2])
+        x = HeadExchange(transport, range(transport.size),
+                         as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
         (q_all, k_all, v_all), wait_in = x.to_heads(
             ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
         state = ops.forward_init(q_all, softmax_scale)
@@ -200,14 +211,15 @@ class UlyssesAttention:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
+                 causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
+                 row_sums=None,
                  window=(-1, -1), docs=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
         sum of the recomputed P over the whole sequence (computed where the heads are)."""
         acc = accum_dtype(q.dtype)
-        x = HeadExchange(transport, range(transport.size), layout, transport.size, q.shape[1],
-                         q.shape[2], k.shape[2])
+        x = HeadExchange(transport, range(transport.size),
+                         as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
         delta = ops.backward_delta(dout, out)                  # (B, H, S): out stays home
         (lse_all, delta_all, q_all, do_all, k_all, v_all), wait_in = x.to_heads(
             ops, "ulysses bwd all-to-all q, dout, k, v",
@@ -229,12 +241,15 @@ class UlyssesAttention:
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
     # -- what one rank sends -------------------------------------------------------------------
+    # mask: its layout and rank matter with uneven shards (a rank sends its own rows of every
+    # other member's heads, and every other member's rows of its own heads)
     @staticmethod
     def forward_bytes(size: int, q, k, v, **mask) -> int:
         b, s, h, d = q.shape
         hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        return (size - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
+        others = formula_partition(size, q, mask).total - s
+        return (size - 1) * b * s * (hg + 2 * hk) * d * it + others * b * hg * (acc + d * it)
 
     @staticmethod
     def backward_bytes(size: int, q, k, v, row_sums: bool = False, **mask) -> int:
@@ -243,7 +258,8 @@ class UlyssesAttention:
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         inbound = hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
         outbound = (hg + 2 * hk) * d * acc + (hg * acc if row_sums else 0)
-        return (size - 1) * b * s * (inbound + outbound)
+        others = formula_partition(size, q, mask).total - s
+        return (size - 1) * b * s * inbound + others * b * outbound
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:

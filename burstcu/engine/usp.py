@@ -32,10 +32,11 @@ hop then carries two messages); those bytes are not in these formulas.
 
 from __future__ import annotations
 
+from ..layout import Partition, as_partition, grouped
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from . import burst
-from .steps import cast_copy
+from .steps import cast_copy, formula_partition
 from .ulysses import HeadExchange, heads_problem, kv_heads
 
 MAX_DEGREE = 8  # the GPUs of one node, where all-to-all runs over NVLink
@@ -74,21 +75,23 @@ class USPAttention:
         return (transport.split(i, j, f"usp ulysses groups of {u}"),
                 transport.split(j, i, f"usp rings of {transport.size // u}"))
 
-    def _exchange(self, transport: Transport, layout: str, q, k) -> tuple:
+    def _exchange(self, transport: Transport, layout: str | Partition, q, k) -> tuple:
+        """(the group's HeadExchange, the ring of groups, the ring's partition of super-ranks)."""
         u = self.degree(transport.size, q.shape[2], k.shape[2])
         ulysses, ring = self.groups(transport, u)
-        x = HeadExchange(ulysses, ulysses.members, layout, transport.size, q.shape[1], q.shape[2],
-                         k.shape[2])
-        return x, ring
+        part = as_partition(layout, transport.size, q.shape[1])
+        x = HeadExchange(ulysses, ulysses.members, part, q.shape[2], k.shape[2])
+        return x, ring, grouped(part, u)
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str, trace=None, window=(-1, -1), docs=None):
+                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1),
+                docs=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        x, ring = self._exchange(transport, layout, q, k)
+        x, ring, groups = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
-                                     softmax_scale=softmax_scale, layout=layout, trace=trace,
+                                     softmax_scale=softmax_scale, layout=groups, trace=trace,
                                      window=window, docs=docs)
         out = ops.zeros(q.shape, q.dtype)
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
@@ -99,12 +102,13 @@ class USPAttention:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str, trace=None, row_sums=None,
+                 causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
+                 row_sums=None,
                  window=(-1, -1), docs=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
         acc = accum_dtype(q.dtype)
-        x, ring = self._exchange(transport, layout, q, k)
+        x, ring, groups = self._exchange(transport, layout, q, k)
         delta = ops.backward_delta(dout, out)                   # out stays home
         (lse_g, delta_g, q_g, do_g, k_g, v_g), wait_in = x.to_heads(
             ops, "usp bwd all-to-all q, dout, k, v",
@@ -112,7 +116,7 @@ class USPAttention:
         sums = ops.zeros(lse_g.shape, acc) if row_sums is not None else None
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
-                                          layout=layout, trace=trace, row_sums=sums, delta=delta_g,
+                                          layout=groups, trace=trace, row_sums=sums, delta=delta_g,
                                           grad_dtype=acc, window=window, docs=docs)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
@@ -123,39 +127,36 @@ class USPAttention:
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
     # -- what one rank sends -------------------------------------------------------------------
-    def _dims(self, size: int, q, k):
+    def _dims(self, size: int, q, k, mask: dict):
+        """(b, s, hg, hk, d, u, my group's rows, the ring's partition of super-ranks, my
+        super-rank)."""
         b, s, h, d = q.shape
         u = self.degree(size, h, k.shape[2])
-        return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, size // u
+        part = formula_partition(size, q, mask)
+        rank = mask.get("rank", 0)
+        i = rank // u
+        group_rows = sum(part.lengths[i * u:(i + 1) * u])
+        return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, group_rows, grouped(part, u), i
 
     def forward_bytes(self, size: int, q, k, v, **mask) -> int:
-        """mask: rank, layout, causal, window, docs — the ring across the groups skips hops as
-        `burst.forward_sends` says, for the group's super-rank; none: every hop."""
-        b, s, hg, hk, d, u, r = self._dims(size, q, k)
+        """mask: rank, layout (a name or a Partition), causal, window, docs — the ring across
+        the groups skips hops as `burst.forward_rows` says, for the group's super-rank."""
+        b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        return ((u - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
-                + self._ring_sends(size, u, s, mask) * 2 * b * u * s * hk * d * it)
-
-    @staticmethod
-    def _ring_sends(size: int, u: int, s: int, mask: dict) -> int:
-        """Forward sends of this rank's ring of G/u groups (of u*s rows each)."""
-        if not burst.masked(mask):
-            return size // u - 1
-        return burst.forward_sends(mask.get("rank", 0) // u, size // u, u * s,
-                                   mask.get("layout", "contiguous"), mask.get("causal", False),
-                                   tuple(mask.get("window", (-1, -1))), mask.get("docs"))
+        ring_rows = burst.forward_rows(i, groups, *_flags(mask))
+        return ((u - 1) * b * s * (hg + 2 * hk) * d * it + (rows - s) * b * hg * (acc + d * it)
+                + ring_rows * 2 * b * hk * d * it)
 
     def backward_bytes(self, size: int, q, k, v, **mask) -> int:
-        """mask as in forward_bytes: the ring's bundles stop as `burst.backward_counts` says,
-        for the group's super-rank; none: every bundle all the way round."""
-        b, s, hg, hk, d, u, r = self._dims(size, q, k)
+        """mask as in forward_bytes: the ring's bundles stop as `burst.backward_rows` says, for
+        the group's super-rank; none: every bundle all the way round."""
+        b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        bundles, dqs, _ = self._ring_counts(size, u, s, mask)
-        ring_bytes = 0 if r == 1 else (bundles * (2 * b * u * s * hg * d * it + 2 * b * hg * u * s * acc)
-                                       + dqs * b * u * s * hg * d * acc)
+        bundle_rows, dq_rows = (0, 0) if groups.size == 1 else burst.backward_rows(i, groups, *_flags(mask))
+        ring_bytes = bundle_rows * b * hg * (2 * d * it + 2 * acc) + dq_rows * b * hg * d * acc
         back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
-                + (u - 1) * b * s * back)
+                + (rows - s) * b * back)
 
     def _known_degree(self) -> int:
         if self.ulysses_degree is None:
@@ -165,22 +166,23 @@ class USPAttention:
 
     def forward_messages(self, size: int, q=None, **mask) -> int:
         u = self._known_degree()
-        ring = size // u - 1 if q is None else self._ring_sends(size, u, q.shape[1], mask)
-        return 2 * (u - 1) + ring
+        if q is None:
+            return 2 * (u - 1) + size // u - 1
+        *_, groups, i = self._dims(size, q, q, mask)
+        return 2 * (u - 1) + sum(burst.travels(i, s, groups, *_flags(mask))
+                                 for s in range(groups.size - 1))
 
     def backward_messages(self, size: int, q=None, **mask) -> int:
         u = self._known_degree()
         r = size // u
         if r == 1:
             return 2 * (u - 1)
-        return 2 * (u - 1) + (r + 1 if q is None else self._ring_counts(size, u, q.shape[1], mask)[2])
+        if q is None:
+            return 2 * (u - 1) + r + 1
+        *_, groups, i = self._dims(size, q, q, mask)
+        return 2 * (u - 1) + burst.backward_counts(i, r, 0, groups, *_flags(mask))[2]
 
-    @staticmethod
-    def _ring_counts(size: int, u: int, s: int, mask: dict) -> tuple[int, int, int]:
-        """burst.backward_counts of this rank's ring of G/u groups (of u*s rows each)."""
-        r = size // u
-        if not burst.masked(mask):
-            return r - 1, r, r + 1
-        return burst.backward_counts(mask.get("rank", 0) // u, r, u * s,
-                                     mask.get("layout", "contiguous"), mask.get("causal", False),
-                                     tuple(mask.get("window", (-1, -1))), mask.get("docs"))
+
+def _flags(mask: dict) -> tuple:
+    """(causal, window, docs) of a formula's mask."""
+    return (bool(mask.get("causal", False)), tuple(mask.get("window", (-1, -1))), mask.get("docs"))

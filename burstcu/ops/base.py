@@ -49,7 +49,8 @@ class Message:
     field's itemsize, as with any even head dim).
     """
 
-    def __init__(self, xp: Any, fields: Sequence[tuple[str, tuple, Any]]):
+    def __init__(self, xp: Any, fields: Sequence[tuple[str, tuple, Any]], flat=None):
+        self.xp = xp
         self.offsets: dict[str, tuple[int, int]] = {}
         self.order = [name for name, _, _ in fields]
         offset = 0
@@ -59,7 +60,11 @@ class Message:
             size = int(np.prod(shape)) * itemsize
             self.offsets[name] = (offset, offset + size)
             offset += size
-        self.flat = xp.empty(max(offset, 1), dtype=np.uint8)
+        if flat is None:
+            self.flat = xp.empty(max(offset, 1), dtype=np.uint8)
+        else:                      # `resized`: the same storage, other shapes
+            assert offset <= flat.shape[0], f"fields of {offset} bytes over a {flat.shape[0]}-byte buffer"
+            self.flat = flat
         self.fields = {}
         for name, shape, dtype in fields:
             lo, hi = self.offsets[name]
@@ -67,6 +72,11 @@ class Message:
 
     def __getitem__(self, name: str):
         return self.fields[name]
+
+    def resized(self, fields: Sequence[tuple[str, tuple, Any]]) -> "Message":
+        """The same storage laid out for `fields` (the same names with other shapes, at most as
+        many bytes): a ring's buffer, allocated for its longest shard, holding a shorter one."""
+        return Message(self.xp, fields, flat=self.flat)
 
     def span(self, first: str, last: str):
         """The bytes from the start of `first` to the end of `last` (a contiguous uint8 view)."""

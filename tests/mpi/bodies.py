@@ -79,24 +79,27 @@ def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None) -> np.ndarr
     return keep
 
 
-def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None) -> int:
+def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
+               rows: bool = False) -> int:
     """Forward hops ring member `index` sends K, V on when a block goes on only while a member
-    it would still reach sees one of its keys. groups: each member's global positions."""
+    it would still reach sees one of its keys. groups: each member's global positions.
+    rows: count the rows of the blocks sent instead (uneven shards)."""
     g = len(groups)
 
     def sees(x, j):  # do member x's queries see any of member j's keys?
         return bool(dense_keep(groups[x], groups[j], causal, window, docs).any())
 
-    return sum(any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step))
-               for step in range(g - 1))
+    return sum((len(groups[(index - step) % g]) if rows else 1) for step in range(g - 1)
+               if any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step)))
 
 
 def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
-                  received: bool = False):
+                  received: bool = False, rows: bool = False):
     """(bundles, dqs, messages) ring member `index` sends in the burst backward when a bundle
     goes round backwards under causal (forwards otherwise) only as far as the last member that
     sees one of its queries, its dQ one step behind it and then straight home.
     groups: each member's global positions. received: (bundles, dqs) it receives instead.
+    rows: bundles and dqs counted in rows (each at its owner's length; uneven shards).
     The direction: the one with fewer bundle hops in all; on a tie back under causal."""
     g = len(groups)
 
@@ -111,6 +114,13 @@ def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=
         return last_in(d, j)
 
     held = [(index - d * s) % g for s in range(g + 1)]       # whose bundle at step s
+
+    def size(j):
+        return len(groups[j]) if rows else 1
+
+    if rows and not received:
+        return (sum(size(held[s]) for s in range(g) if s < last(held[s])),
+                sum(size(held[s]) for s in range(g) if s < last(held[s]) or s == last(held[s]) >= 1))
     bundles = sum(s < last(held[s]) for s in range(g))
     returns = sum(s == last(held[s]) >= 1 for s in range(g))
     to_next = sum(s < last(held[s]) or (s >= 1 and s - 1 < last(held[s - 1])) for s in range(g))
@@ -250,7 +260,10 @@ BAD_INPUTS = {
     "not_an_array": ("all", "TypeError", "must be a numpy.ndarray"),
     "bad_layout": ("all", "ValueError", "layout must be one of"),
     "one_rank_wrong_ndim": ("last", "ValueError", "must have 4 dimensions"),
-    "ranks_disagree_seqlen": ("last", "ValueError", "q shape: rank 0 (1, 8, 2, 16)"),
+    # contiguous shards may differ in length; zigzag ones must be the ones shard() cuts
+    "ranks_disagree_seqlen": ("last", "ValueError", "layout='zigzag' over"),
+    "ranks_disagree_heads": ("last", "ValueError", "q shape: rank 0 (1, 'S', 2, 16)"),
+    "uneven_contiguous_shards_agree": ("none", None, None),
     "ranks_disagree_dtype": ("last", "ValueError", "q dtype: rank 0 float32"),
     "ranks_disagree_causal": ("last", "ValueError", "causal: rank 0 False"),
     "lse_shape": ("all", "ValueError", "lse must have shape"),
@@ -305,8 +318,13 @@ def bad_input_raises_everywhere(kind: str):
             q = q.tolist()
         elif kind == "bad_layout":
             layout = "diagonal"
-        elif kind == "ranks_disagree_seqlen" and bad_here:
+        elif kind in ("ranks_disagree_seqlen", "uneven_contiguous_shards_agree") and bad_here:
             q, k, v = (x[:, :6].copy() for x in (q, k, v))
+            layout = "zigzag" if kind == "ranks_disagree_seqlen" else layout
+        elif kind == "ranks_disagree_seqlen":
+            layout = "zigzag"
+        elif kind == "ranks_disagree_heads" and bad_here:
+            q = np.concatenate([q, q], axis=2)
         elif kind == "ranks_disagree_dtype" and bad_here:
             q, k, v = (x.astype(np.float64) for x in (q, k, v))
         elif kind == "ranks_disagree_causal" and bad_here:
@@ -358,17 +376,28 @@ def shard_roundtrip(layout="zigzag"):
 
 
 def unshard_rejects_mismatched_shapes():
-    """Ranks passing different local shapes to unshard get a ValueError on every rank."""
+    """Ranks passing shapes that differ off the sequence axis, or zigzag shards of the wrong
+    lengths, get a ValueError on every rank; contiguous shards of different lengths are glued
+    back in rank order."""
     group = burstcu.init(backend="numpy")
-    local = np.zeros((1, 4 + group.rank, 3), np.float32)
-    try:
-        burstcu.unshard(local, group)
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        message = None
+    rank, size = group.rank, group.size
+    out = {}
+    cases = {"other_axis": (np.zeros((1, 4, 3 + rank), np.float32), "contiguous"),
+             "zigzag_lengths": (np.zeros((1, 4 + rank, 3), np.float32), "zigzag")}
+    for name, (local, layout) in cases.items():
+        try:
+            burstcu.unshard(local, group, layout)
+        except ValueError as exc:
+            out[name] = str(exc)
+        else:
+            out[name] = None
+    lengths = [2 + 3 * r for r in range(size)]
+    local = np.arange(lengths[rank], dtype=np.float32)[None, :, None] + sum(lengths[:rank])
+    whole = burstcu.unshard(local, group)
+    assert whole.shape == (1, sum(lengths), 1), whole.shape
+    assert np.array_equal(whole[0, :, 0], np.arange(sum(lengths))), whole[0, :, 0]
     group.close()
-    return {"error": message}
+    return out
 
 
 # -- masked positions are inert ------------------------------------------------------------------

@@ -130,6 +130,33 @@ def doc_boundaries(lengths, n: int):
     return tuple(bounds)
 
 
+def case_rows(case: dict, size: int, n: int, docs, group) -> list:
+    """Every rank's global positions under a case: "lengths" (contiguous shards of those
+    lengths, a list per world size) or a near-equal split of n, written out here; zigzag with
+    documents as burstcu.shard cuts them (its pieces are checked in tests/test_documents.py)."""
+    layout = case["layout"]
+    if layout == "zigzag" and docs is not None:
+        whole = np.arange(n)[None, :, None]
+        return [burstcu.shard(whole, _Member(r, size), layout, cu_seqlens=list(docs))[0, :, 0]
+                for r in range(size)]
+    if layout == "contiguous":
+        lengths = case.get("lengths", {}).get(str(size)) or \
+            [n // size + (r < n % size) for r in range(size)]
+        starts = np.cumsum([0] + list(lengths))
+        return [np.arange(starts[r], starts[r + 1]) for r in range(size)]
+    base, extra = divmod(n, 2 * size)           # 2G chunks, the first `extra` one row longer
+    bounds = [c * base + min(c, extra) for c in range(2 * size + 1)]
+    return [np.concatenate([np.arange(bounds[c], bounds[c + 1]) for c in (r, 2 * size - 1 - r)])
+            for r in range(size)]
+
+
+class _Member:
+    """The rank and size `burstcu.shard` reads from a group."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
 def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
                              ulysses_degree=None, backend="numpy"):
     """Sliding windows (window_size=(left, right), with and without causal, both layouts):
@@ -137,42 +164,60 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
     (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
     unbounded), within FlashAttention's tolerance rule; check=True passes. A case with
     "doc_lengths" also passes cu_seqlens: documents of those lengths, cycled until the sequence
-    is full (the last one cut short), and the reference keeps only same-document pairs."""
+    is full (the last one cut short), and the reference keeps only same-document pairs. A case
+    with "n" has that global length (any: shards differ by a row), one with "lengths" (per
+    world size) contiguous shards of those lengths. Bytes sent are asserted for burst (rows
+    of the blocks and bundles it passes on, each at its owner's length), ring and allgather."""
     from burstcu.testing.reference import attention_backward_ref, attention_ref
     from tests.mpi.bodies import DTYPES, EPS, _check
 
     group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
-    n = seqlen_local * size
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
     half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
     how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
     for index, case in enumerate(cases):
         causal, layout, (left, right) = case["causal"], case["layout"], case.get("window", (-1, -1))
+        lengths = case.get("lengths", {}).get(str(size))
+        n = sum(lengths) if lengths else case.get("n", seqlen_local * size)
         docs = doc_boundaries(case.get("doc_lengths"), n)
         keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right), docs)
         q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
-        rows = my_rows(layout, rank, size, n)
+        groups = case_rows(case, size, n, docs, group)
+        rows = groups[rank]
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
         kw = dict(causal=causal, layout=layout, window_size=(left, right), **how,
                   **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}))
         group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
-        if strategy == "burst":  # K, V go on only while a rank they reach needs them
-            sends = ring_sends([my_rows(layout, x, size, n) for x in range(size)], rank, causal,
-                               (left, right), docs)
-            assert group.stats.bytes_sent == sends * (kl.nbytes + vl.nbytes), (case, sends, group.stats)
+        kv_row = (kl.nbytes + vl.nbytes) // kl.shape[1]          # one row of K and V
+        acc = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
+        kv_row_acc = 2 * kl.shape[0] * kl.shape[2] * kl.shape[3] * acc
+        lengths = [len(g) for g in groups]
+        fwd_want = {   # bytes sent, from each strategy's definition
+            # K, V go on only while a rank they reach needs them, at their owner's length
+            "burst": ring_sends(groups, rank, causal, (left, right), docs, rows=True) * kv_row,
+            "ring": sum(lengths[(rank - s) % size] for s in range(size - 1)) * kv_row,
+            "allgather": (size - 1) * max(lengths) * kv_row,   # padded to the longest shard
+        }.get(strategy)
+        if fwd_want is not None:
+            assert group.stats.bytes_sent == fwd_want, (case, fwd_want, group.stats)
+        if strategy == "burst":
+            sends = ring_sends(groups, rank, causal, (left, right), docs)
             assert group.stats.messages == sends
+        group.stats.reset()
+        burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, **kw)
+        b, _, h, d = ql.shape
         if strategy == "burst":  # bundles go only as far as the last rank that needs them
-            group.stats.reset()
-            burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, **kw)
-            groups = [my_rows(layout, x, size, n) for x in range(size)]
-            bundles, dqs, messages = bundle_counts(groups, rank, causal, (left, right), docs)
-            acc = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
-            bundle = 2 * ql.nbytes + 2 * ql.shape[0] * ql.shape[2] * ql.shape[1] * acc
-            want = bundles * bundle + dqs * ql.size * acc if size > 1 else 0
-            assert (group.stats.bytes_sent, group.stats.messages) == (want, messages if size > 1 else 0), \
-                (case, group.stats, bundles, dqs, messages)
+            bundle_rows, dq_rows = bundle_counts(groups, rank, causal, (left, right), docs, rows=True)
+            messages = bundle_counts(groups, rank, causal, (left, right), docs)[2]
+            want = bundle_rows * b * h * (2 * d * ql.itemsize + 2 * acc) + dq_rows * b * h * d * acc
+            assert (group.stats.bytes_sent, group.stats.messages) == \
+                ((want, messages) if size > 1 else (0, 0)), (case, group.stats, bundle_rows, dq_rows)
+        elif strategy in ("ring", "allgather") and size > 1:
+            # ring: every dK, dV goes round (N rows); allgather: the other owners' sums pass by
+            passed = n if strategy == "ring" else n - lengths[rank]
+            assert group.stats.bytes_sent == fwd_want + passed * kv_row_acc, (case, group.stats)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
         naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32, **half)
@@ -186,11 +231,14 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
         cancel = 8 * EPS[dtype] * q.shape[-1] * float(np.abs(dout).max() * np.abs(v).max()
                                                       * max(np.abs(k).max(), np.abs(q).max()))
         for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
-            if not np.any(ref):
+            if not np.any(ref[:, rows]):   # e.g. a one-row shard at position 0 under causal
                 worst = float(np.abs(got.astype(np.float64)).max())
                 assert worst <= cancel, f"{name}: {worst:.3e} where the reference is 0 (> {cancel:.3e})"
                 continue
             _check(name, got.astype(np.float64), ref[:, rows], naive[:, rows], dtype, factor=3.0)
+        # the whole output comes back from uneven shards too
+        whole = burstcu.unshard(out, group, layout, cu_seqlens=kw.get("cu_seqlens"))
+        assert whole.shape[1] == n and np.array_equal(whole[:, rows], out)
     group.close()
     return {"cases": len(cases)}
 
@@ -305,3 +353,26 @@ def linear_bad_input_on_one_rank():
     assert raised == 2, raised
     group.close()
     return {"rank": group.rank}
+
+
+def prime_length_matches_one_process(n=3001):
+    """A global length no rank count divides, sharded over the world by `burstcu.shard`:
+    causal forward and backward, unsharded, equal one process's attention over the whole
+    sequence (burst, both layouts); returns each layout's shard lengths."""
+    group = burstcu.init(backend="numpy")
+    q, k, v, dout = make_inputs(11, 1, n, 2, 1, 16, "float64")
+    want_out, want_lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    want = burstcu.attention_backward(dout, q, k, v, want_out, want_lse, causal=True)
+    lengths = {}
+    for layout in ("contiguous", "zigzag"):
+        ql, kl, vl, dl = (burstcu.shard(x, group, layout) for x in (q, k, v, dout))
+        lengths[layout] = [int(x) for x in group.transport.allgather_object(ql.shape[1], "lengths")]
+        out, lse = burstcu.attention(ql, kl, vl, group, causal=True, layout=layout, return_lse=True)
+        grads = burstcu.attention_backward(dl, ql, kl, vl, out, lse, group, causal=True, layout=layout)
+        for got, ref in zip((out, *grads), (want_out, *want)):
+            whole = burstcu.unshard(got, group, layout)
+            assert whole.shape == ref.shape and np.allclose(whole, ref, rtol=1e-10, atol=1e-12), layout
+        whole_lse = burstcu.unshard(lse, group, layout, axis=2)
+        assert np.allclose(whole_lse, want_lse, rtol=1e-10, atol=1e-12), layout
+    group.close()
+    return {"lengths": lengths}
