@@ -132,7 +132,7 @@ def _returned(export, results):
 
 
 def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
-              part: Partition) -> tuple[str, dict]:
+              part: Partition, window=(-1, -1), docs=None) -> tuple[str, dict]:
     """strategy="auto" replaced by the choice of `burstcu.plan` for a training step (forward +
     backward), so attention and attention_backward pick alike; the same on every rank (it
     depends only on agreed shapes and options: the sequence extent is the mean shard's, since
@@ -141,7 +141,8 @@ def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: 
         return strategy, options
     seqlen = -(-part.total // part.size)
     q_shape, k_shape = ((x.shape[0], seqlen) + tuple(x.shape[2:]) for x in (q, k))
-    choice = plan(q_shape, k_shape, group, causal=bool(causal), layout=layout, dtype=q.dtype)
+    choice = plan(q_shape, k_shape, group, causal=bool(causal), layout=part, dtype=q.dtype,
+                  window_size=window, cu_seqlens=docs)
     return choice.strategy, choice.options
 
 
@@ -321,7 +322,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
             layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "return_lse": return_lse}, window=window_size,
             cu_seqlens=cu_seqlens)
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
+                                       _window(window_size), docs)
         out, lse = _returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=part, trace=group.trace, window=_window(window_size),
@@ -354,7 +356,8 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check}, window=window_size, cu_seqlens=cu_seqlens)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
-        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part)
+        strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
+                                       _window(window_size), docs)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=part, trace=group.trace,

@@ -91,3 +91,48 @@ def test_auto_in_one_process():
 def test_auto_runs_the_planned_strategy(world, h, hkv):
     results = run_mpi(world, "strategy_bodies:auto_runs_the_planned_strategy", h=h, hkv=hkv)
     assert len({r["choice"] for r in results}) == 1
+
+
+def test_the_mask_is_counted_per_rank_and_step():
+    """Windows, documents and uneven shards change what the model predicts, the way they change
+    what runs: a narrow window or documents inside shards cost a fraction of plain causal and
+    send nothing burst can skip; many short documents cost a call each."""
+    from burstcu.layout import partition
+
+    q = k = (1, 1024, 8, 64)
+    free = Machine("free", 1e12, 1e18, 1e18, 0.0, 64, "test")
+    slow = Machine("slow", 1e15, 1e6, 1e6, 0.0, 64, "test")
+    kw = dict(causal=True, layout="contiguous", dtype="float16")
+    plain = predict("burst", {}, q, k, 4, machine=free, **kw)
+    narrow = predict("burst", {}, q, k, 4, machine=free, window=(64, 0), **kw)
+    assert narrow.forward_s < 0.1 * plain.forward_s
+    inside = tuple(range(0, 4097, 1024))                       # one document a shard
+    alone = predict("burst", {}, q, k, 4, machine=slow, docs=inside, **kw)
+    assert alone.forward_bytes == alone.backward_bytes == 0
+    assert alone.forward_s < predict("burst", {}, q, k, 4, machine=slow, **kw).forward_s / 100
+    with_calls = dataclasses.replace(free, step_overhead=1e-3)
+    short = tuple(range(0, 4097, 16))                          # 256 documents of 16 rows
+    few = predict("burst", {}, q, k, 4, machine=with_calls, docs=inside, **kw)
+    many = predict("burst", {}, q, k, 4, machine=with_calls, docs=short, **kw)
+    assert many.forward_s >= 64 * 1e-3 > 30 * (few.forward_s - 1e-3)   # 64 calls a shard, not one
+    # uneven shards: the longest shard's rank sets the pace
+    part = partition("contiguous", 4, 4096, lengths=(256, 256, 256, 3328))
+    uneven = predict("burst", {}, q, k, 4, machine=free, causal=False, layout=part, dtype="float16")
+    even = predict("burst", {}, q, k, 4, machine=free, causal=False, layout="contiguous", dtype="float16")
+    assert uneven.forward_s > 2 * even.forward_s
+
+
+def test_every_rank_picks_alike_with_uneven_shards_and_documents():
+    from burstcu.layout import partition
+
+    part = partition("contiguous", 4, 1000, lengths=(100, 400, 250, 250))
+    docs = (0, 90, 500, 777, 1000)
+    choices = set()
+    for rank in range(4):
+        group = _Group(4)
+        group.rank = rank
+        p = plan((1, 250, 8, 64), (1, 250, 8, 64), group, causal=True, layout=part,
+                 cu_seqlens=docs, machine="h100")
+        choices.add((p.strategy, tuple(sorted(p.options.items())),
+                     tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates)))
+    assert len(choices) == 1

@@ -47,6 +47,15 @@ def test_uneven_shards_through_the_all_to_all_strategies(world, strategy, degree
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("world", [3, 4])
+def test_auto_picks_alike_on_uneven_shards_and_documents(world):
+    """strategy="auto" plans from the agreed partition and mask: every rank runs the same
+    strategy (a rank picking another would hang the job into its timeout)."""
+    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy="auto",
+            cases=CASES)
+
+
+@pytest.mark.mpi
 def test_uneven_shards_in_float64_and_float16():
     for dtype in ("float64", "float16"):
         run_mpi(3, "strategy_bodies:window_matches_reference", timeout=240, dtype=dtype,
