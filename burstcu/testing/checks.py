@@ -338,35 +338,49 @@ def _pool_growth(group, q, k, v, dout) -> dict:
 # 6. the real engine on G ranks sharing the device
 
 def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_local: int, d: int,
-                  seed: int) -> tuple[bool, dict]:
+                  seed: int, n: int | None = None, doc_lengths=None) -> tuple[bool, dict]:
+    """A world of `size` ranks in threads (`loopback.run_ranks`): shard, attention forward and
+    backward, unshard, against float64 over the whole sequence, and each rank's bytes against
+    the burst formulas. n: the global length (default seqlen_local * size; any n gives shards
+    that differ by a row); doc_lengths: documents of these lengths, cycled (cu_seqlens; with
+    zigzag each document is cut into 2G pieces)."""
     import burstcu
-    from ..engine import burst as ring
+    from ..engine.burst import BurstAttention
+    from ..layout import partition
     from .loopback import run_ranks
+    from .reference import document_mask
 
     rng = np.random.default_rng(seed)
-    n = seqlen_local * size
+    n = seqlen_local * size if n is None else n
+    docs = None
+    if doc_lengths:
+        docs = [0]
+        while docs[-1] < n:
+            docs.append(min(n, docs[-1] + doc_lengths[(len(docs) - 1) % len(doc_lengths)]))
     q, k, v, dout = _inputs(rng, "float16", 1, n, n, 4, 2, d)
+    part = partition(layout, size, n, None if docs is None or layout == "contiguous" else tuple(docs))
+    mask = dict(causal=causal, layout=layout, **({} if docs is None else {"cu_seqlens": docs}))
 
     def body(group):
         xp = group.ops.xp
-        local = [xp.asarray(burstcu.shard(x, group, layout)) for x in (q, k, v, dout)]
+        local = [xp.asarray(burstcu.shard(x, group, layout, cu_seqlens=docs)) for x in (q, k, v, dout)]
         group.stats.reset()
-        out, lse = burstcu.attention(*local[:3], group, causal=causal, layout=layout, return_lse=True)
+        out, lse = burstcu.attention(*local[:3], group, return_lse=True, **mask)
         fwd_bytes = group.stats.bytes_sent
-        grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, causal=causal,
-                                           layout=layout)
+        grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **mask)
         bwd_bytes = group.stats.bytes_sent - fwd_bytes
-        whole = [_host(burstcu.unshard(x, group, layout)) for x in (out, *grads)]
-        sends = ring.forward_sends(group.rank, size, local[0].shape[1], layout, causal)
-        counts = ring.backward_counts(group.rank, size, local[0].shape[1], layout, causal)
-        expected = (ring.forward_bytes(size, local[1], local[2], sends),
-                    ring.backward_bytes(size, local[0], counts))
+        whole = [_host(burstcu.unshard(x, group, layout, cu_seqlens=docs)) for x in (out, *grads)]
+        formula = dict(rank=group.rank, layout=part, causal=causal,
+                       docs=None if docs is None else tuple(docs))
+        expected = (BurstAttention.forward_bytes(size, *local[:3], **formula),
+                    BurstAttention.backward_bytes(size, *local[:3], **formula))
         return whole, (fwd_bytes, bwd_bytes) == expected
 
     results = run_ranks(size, body, backend=backend)
-    refs = [attention_ref(q, k, v, causal)[0], *attention_backward_ref(dout, q, k, v, causal)]
-    naives = [attention_ref(q, k, v, causal, dtype=np.float32, round_to=q.dtype)[0],
-              *attention_backward_ref(dout, q, k, v, causal, dtype=np.float32, round_to=q.dtype,
+    keep = document_mask(n, causal, docs)
+    refs = [attention_ref(q, k, v, keep=keep)[0], *attention_backward_ref(dout, q, k, v, keep=keep)]
+    naives = [attention_ref(q, k, v, keep=keep, dtype=np.float32, round_to=q.dtype)[0],
+              *attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32, round_to=q.dtype,
                                       out_dtype=q.dtype)]
     detail, ok = {}, True
     for rank, (whole, bytes_ok) in enumerate(results):
@@ -378,8 +392,14 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
                 detail[f"rank{rank}/{name}"] = why
         ok &= bytes_ok
         if not bytes_ok:
-            detail[f"rank{rank}/bytes"] = "bytes sent differ from ring.forward_bytes/backward_bytes"
+            detail[f"rank{rank}/bytes"] = "bytes sent differ from the burst formulas"
     return ok, detail
+
+
+# uneven shards and documents: (size, layout, causal, n, document lengths)
+UNEVEN = [(3, "contiguous", True, 3 * 256 + 1, None), (3, "zigzag", True, 3 * 256 + 5, None),
+          (4, "zigzag", True, 4 * 256 - 3, (1, 200, 37, 513, 64)),
+          (2, "contiguous", False, 2 * 256 + 1, (300, 7, 90))]
 
 
 def check_loopback(backend: str, quick: bool) -> list[dict]:
@@ -390,6 +410,12 @@ def check_loopback(backend: str, quick: bool) -> list[dict]:
     for i, (size, layout, causal) in enumerate(grid):
         ok, detail = loopback_case(backend, size, layout, causal, seqlen_local, d, seed=100 + i)
         out.append(record(f"loopback/G{size}/{layout}/{'causal' if causal else 'full'}", ok, detail))
+    for i, (size, layout, causal, n, docs) in enumerate(UNEVEN[:1] if quick else UNEVEN):
+        n = n if not quick else n // 8
+        ok, detail = loopback_case(backend, size, layout, causal, seqlen_local, d, seed=200 + i,
+                                   n=n, doc_lengths=docs)
+        out.append(record(f"loopback/G{size}/{layout}/{'causal' if causal else 'full'}/N{n}"
+                          + ("/docs" if docs else ""), ok, detail))
     return out
 
 

@@ -51,6 +51,18 @@ def keep_from_blocks(blocks, sq: int, sk: int) -> np.ndarray:
     return keep
 
 
+def document_mask(n: int, causal: bool, docs=None) -> np.ndarray:
+    """(n, n) bool over global positions, spelled out: key j visible to query i iff (not causal
+    or j <= i) and, with document boundaries docs = (0, b_1, ..., n), i and j lie in the same
+    document."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    keep = (j <= i) if causal else np.ones((n, n), bool)
+    if docs is not None:
+        doc = np.searchsorted(np.asarray(docs[1:]), np.arange(n), side="right")
+        keep &= doc[:, None] == doc[None, :]
+    return keep
+
+
 def _mask(nq, nk, causal, keep):
     """The (Nq, Nk) bool mask to apply, or None: `keep` if given (it replaces causal), else the
     global causal mask q >= k if `causal`."""
