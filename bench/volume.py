@@ -34,6 +34,22 @@ Converting to bytes SENT BY ONE RANK in one pass (S = N/G local tokens):
 The paper assumes one element size. The implementation sends Q, dO, K, V in the input dtype but
 dQ, dK, dV, lse and delta in the accumulation dtype (fp32; fp64 for fp64 input), and its dQ (burst)
 or dK, dV (ring) make one extra hop to return to their owner; both are listed per row.
+
+Masks (--docs and/or --window LEFT RIGHT, with --causal and --layout as given): burst only.
+    mpiexec -n G python bench/volume.py --docs [--window L R] [--causal] [--layout zigzag]
+--docs packs a seeded mix of documents (`bench/varlen.py`'s `document_mix`: log-normal lengths,
+--doc-seed, --doc-median) into the N tokens and passes it as cu_seqlens; zigzag shards are each
+document's 2G pieces. Per rank it prints the bytes burst sent (group.stats, measured) beside
+  * burst's own formula for the mask (`BurstAttention.forward_bytes` / `backward_bytes`),
+  * the MINIMUM for the mask, counted here from the partition and a dense test of every
+    (query, key) pair (same document, key <= query under causal, inside the window), without
+    burstcu.engine: a K/V block (forward) goes exactly to the ranks whose queries see one of its
+    keys; a query bundle (q, dout in the input dtype, lse and delta in fp32; backward) goes
+    exactly to the ranks whose keys its queries see, and each of those returns one dQ (fp32).
+    "min blocks" sends whole blocks, "min rows" only the rows some query there needs. The
+    minimum is charged to the block's owner (direct sends); a ring relays blocks, so one rank
+    may send less than its own minimum while another sends more: compare the totals;
+  * the full ring: every block G-1 hops, every dQ home (what the ring sends without skipping).
 """
 
 from __future__ import annotations
@@ -42,13 +58,18 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu import engine as strategies  # noqa: E402
 from burstcu.engine.burst import backward_counts  # noqa: E402
+from burstcu.engine.burst import BurstAttention  # noqa: E402
+from burstcu.layout import partition  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
+from varlen import document_mix  # noqa: E402
 
 
 def burst_counts(size: int, seqlen_local: int, *, rank: int, layout: str, causal: bool):
@@ -201,12 +222,165 @@ def rows_for(strategy: str, measured: dict, size: int, inputs, rank: int = 0,
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_problem_args(p, seqlen=1024, dtype="float16")
+    p.add_argument("--docs", action="store_true",
+                   help="burst under a seeded document mix (cu_seqlens) against the mask's minimum")
+    p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="burst under a sliding window against the mask's minimum (-1: unbounded)")
+    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
+                   help="with --docs / --window (the formulas above are for contiguous)")
+    p.add_argument("--doc-seed", type=int, default=0)
+    p.add_argument("--doc-median", type=float, default=64, help="median document length")
     return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# masks: burst's bytes against the minimum the mask allows
+
+
+def sees(qpos, kpos, docs, causal: bool, window) -> np.ndarray:
+    """Dense (len(qpos), len(kpos)) test: does the query at qpos[i] attend to the key at kpos[j]?
+    Same document (docs: boundaries, or None), key <= query under causal, key in
+    [query - left, query + right] (-1: unbounded; under causal the right bound is the diagonal)."""
+    qp, kp = np.asarray(qpos, np.int64)[:, None], np.asarray(kpos, np.int64)[None, :]
+    ok = np.ones((qp.shape[0], kp.shape[1]), bool)
+    if docs is not None:
+        bounds = np.asarray(docs, np.int64)
+        ok &= (np.searchsorted(bounds, qp, side="right") == np.searchsorted(bounds, kp, side="right"))
+    left, right = window
+    if causal:
+        ok &= kp <= qp
+    elif right >= 0:
+        ok &= kp <= qp + right
+    if left >= 0:
+        ok &= kp >= qp - left
+    return ok
+
+
+def row_bytes(args) -> dict:
+    """Bytes of one sequence row of each payload (B rows of every head)."""
+    it = np.dtype(args.dtype if args.dtype != "bfloat16" else "float16").itemsize
+    acc = 8 if args.dtype == "float64" else 4
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    return {"kv": 2 * b * hkv * d * it, "bundle": b * h * (2 * d * it + 2 * acc), "dq": b * h * d * acc}
+
+
+def minimum_bytes(part, docs, causal: bool, window, rb: dict) -> list:
+    """Per owner rank: the minimum and full-ring bytes of its blocks (module docstring)."""
+    size, n = part.size, part.total
+    pos = [part.positions(r) for r in range(size)]
+    rows = part.lengths
+    out = []
+    for j in range(size):
+        fwd_blocks = fwd_rows = bwd_blocks = bwd_rows = 0
+        for r in range(size):
+            if r == j:
+                continue
+            kv_needed = sees(pos[r], pos[j], docs, causal, window).any(axis=0)  # j's keys r sees
+            fwd_blocks += rows[j] * kv_needed.any()
+            fwd_rows += int(kv_needed.sum())
+            q_needed = sees(pos[j], pos[r], docs, causal, window).any(axis=1)   # j's queries r serves
+            bwd_blocks += rows[j] * q_needed.any()
+            bwd_rows += int(q_needed.sum())
+        per_q = rb["bundle"] + rb["dq"]
+        # the full ring holds every block but one at steps 0 .. G-2: K/V blocks come from the
+        # previous rank; bundles from the next one under causal (they go backwards), else the
+        # previous; every dQ is sent once (on, or home)
+        kv_rows = n - rows[(j + 1) % size]
+        bundle_rows = n - rows[(j - 1) % size] if causal else kv_rows
+        out.append({"forward": {"min_blocks": int(fwd_blocks) * rb["kv"], "min_rows": fwd_rows * rb["kv"],
+                                "full_ring": kv_rows * rb["kv"]},
+                    "backward": {"min_blocks": int(bwd_blocks) * per_q, "min_rows": bwd_rows * per_q,
+                                 "full_ring": bundle_rows * rb["bundle"] + n * rb["dq"]}})
+    return out
+
+
+def measure_masked(group, args, docs, window, part) -> dict:
+    """Bytes and messages this rank sends under the mask, beside burst's formula for it."""
+    rng = np.random.default_rng([args.doc_seed, group.rank])
+    rows, hkv = part.lengths[group.rank], args.kv_heads or args.heads
+    dt = C._dtype(args.dtype)
+    q, dout = (rng.standard_normal((args.batch, rows, args.heads, args.headdim), dtype=np.float32).astype(dt)
+               for _ in range(2))
+    k, v = (rng.standard_normal((args.batch, rows, hkv, args.headdim), dtype=np.float32).astype(dt)
+            for _ in range(2))
+    how = dict(causal=args.causal, layout=args.layout, window_size=tuple(window),
+               cu_seqlens=None if docs is None else np.asarray(docs))
+    group.stats.reset()
+    out, lse = burstcu.attention(q, k, v, group, return_lse=True, **how)
+    fwd = group.stats.as_dict()
+    group.stats.reset()
+    burstcu.attention_backward(dout, q, k, v, out, lse, group, **how)
+    bwd = group.stats.as_dict()
+    mask = dict(rank=group.rank, layout=part, causal=args.causal, window=tuple(window), docs=docs)
+    return {"rank": group.rank, "rows": rows,
+            "forward": {"achieved": fwd["bytes_sent"], "messages": fwd["messages"],
+                        "formula": BurstAttention.forward_bytes(group.size, q, k, v, **mask)},
+            "backward": {"achieved": bwd["bytes_sent"], "messages": bwd["messages"],
+                         "formula": BurstAttention.backward_bytes(group.size, q, k, v, **mask)}}
+
+
+def masked_main(args, group):
+    """--docs / --window: burst's achieved bytes per rank against the mask's minimum."""
+    window = tuple(args.window) if args.window else (-1, -1)
+    docs = document_mix(args.seqlen, args.doc_seed, args.doc_median) if args.docs else None
+    part = partition(args.layout, group.size, args.seqlen, docs if args.layout == "zigzag" else None)
+    C.progress(f"volume: burst under the mask ({args.layout}, causal={args.causal}, window={window}, "
+               f"{'no documents' if docs is None else f'{len(docs) - 1} documents'})", group.rank)
+    mine = measure_masked(group, args, docs, window, part)
+    ranks = group.transport.allgather_object(mine, "bench volume masks")
+    env = C.environment(group)
+    group.close()
+    if group.rank != 0:
+        return None
+    for got, least in zip(ranks, minimum_bytes(part, docs, args.causal, window, row_bytes(args))):
+        for pass_ in ("forward", "backward"):
+            got[pass_].update(least[pass_])
+    totals = {p: {k: sum(r[p][k] for r in ranks) for k in ("achieved", "formula", "min_blocks",
+                                                           "min_rows", "full_ring")}
+              for p in ("forward", "backward")}
+    result = {"benchmark": "volume", "mode": "mask", "environment": env, "args": vars(args),
+              "mask": {"causal": args.causal, "window": list(window), "layout": args.layout,
+                       "cu_seqlens": None if docs is None else list(docs)},
+              "ranks": ranks, "totals": totals,
+              "formula_matches": all(r[p]["achieved"] == r[p]["formula"] for r in ranks
+                                     for p in ("forward", "backward")),
+              "at_least_minimum": all(t["achieved"] >= t["min_blocks"] >= t["min_rows"]
+                                      for t in totals.values())}
+    print_masked(result, args, group.size, docs)
+    if args.json:
+        C.write_json(args.json, result)
+    return result
+
+
+def print_masked(result: dict, args, size: int, docs) -> None:
+    print(C.measured_on(result["environment"]).splitlines()[0])
+    what = "no documents" if docs is None else f"{len(docs) - 1} documents (seed {args.doc_seed})"
+    print(f"# burst, bytes SENT per rank per pass under the mask: G={size} N={args.seqlen} "
+          f"B={args.batch} H={args.heads} Hkv={args.kv_heads or args.heads} D={args.headdim} "
+          f"dtype={args.dtype} layout={args.layout} causal={args.causal} "
+          f"window={tuple(result['mask']['window'])}, {what}")
+    show = []
+    for r in result["ranks"] + [dict(rank="total", **result["totals"])]:
+        for pass_ in ("forward", "backward"):
+            x = r[pass_]
+            show.append({"rank": r["rank"], "pass": pass_, "achieved": C.fmt_bytes(x["achieved"]),
+                         "formula": C.fmt_bytes(x["formula"]), "min_blocks": C.fmt_bytes(x["min_blocks"]),
+                         "min_rows": C.fmt_bytes(x["min_rows"]), "full_ring": C.fmt_bytes(x["full_ring"]),
+                         "achieved/min_blocks": x["achieved"] / x["min_blocks"] if x["min_blocks"] else None,
+                         "achieved/full_ring": x["achieved"] / x["full_ring"] if x["full_ring"] else None})
+    print(C.table(show, list(show[0])))
+    print("# achieved: group.stats (measured); formula: burst's for this mask; min_*: counted from "
+          "the partition and a dense mask test, charged to the block's owner (a ring relays, so "
+          "compare totals); full_ring: every block G-1 hops")
+    print(f"# achieved == formula on every rank: {result['formula_matches']}; total achieved >= "
+          f"min_blocks >= min_rows: {result['at_least_minimum']}")
 
 
 def main(argv=None):
     args = parse(argv)
     group = burstcu.init(backend="numpy")
+    if args.docs or args.window:
+        return masked_main(args, group)
     inputs = C.make_local_inputs(group.rank, group.size, batch=args.batch, seqlen=args.seqlen,
                                  heads=args.heads, kv_heads=args.kv_heads or args.heads,
                                  headdim=args.headdim, dtype=args.dtype)

@@ -240,3 +240,62 @@ def test_hybrid_smoke(tmp_path):
     assert rows["linear"]["softmax_layers"] == 0 and rows["1/4 burst"]["softmax_layers"] == 1
     assert rows["linear"]["bytes_per_rank"] < rows["1/4 allgather"]["bytes_per_rank"] \
         < rows["softmax burst"]["bytes_per_rank"]
+
+
+@pytest.mark.mpi
+def test_varlen_smoke(tmp_path):
+    """bench/varlen.py --quick on 2 ranks: the three configurations, per-rank figures, zigzag's
+    counted work balanced at least as well as contiguous's, the no-skip baseline computing more
+    pairs than it needs; --predict labels every row."""
+    js, png = tmp_path / "varlen.json", tmp_path / "varlen.png"
+    out = run_bench("varlen.py", ["--quick", "--json", js, "--plot", png], nprocs=2, timeout=90)
+    assert "NOT GPU figures" in out and "outputs agree: True" in out
+    assert png.stat().st_size > 10_000
+    result = json.loads(js.read_text())
+    configs = {c["name"]: c for c in result["configs"]}
+    assert set(configs) == {"zigzag", "contiguous", "no-skip"} and result["check"]["same_output"]
+    keys = {f"{p}_{k}" for p in ("forward", "backward")
+            for k in ("compute_s", "wait_s", "wall_s", "bytes", "pairs")}
+    for cfg in configs.values():
+        assert len(cfg["ranks"]) == 2
+        for r in cfg["ranks"]:
+            assert keys <= set(r) and r["forward_compute_s"] > 0 and r["backward_compute_s"] > 0
+            assert r["forward_wall_s"] >= r["forward_compute_s"]
+    s = {name: c["summary"] for name, c in configs.items()}
+    assert s["zigzag"]["forward_work_imbalance"] <= s["contiguous"]["forward_work_imbalance"]
+    assert s["zigzag"]["backward_work_imbalance"] <= s["contiguous"]["backward_work_imbalance"]
+    assert s["zigzag"]["forward_work_imbalance"] < 1.01
+    # the documents' pairs are the same whatever the layout; the baseline computes more
+    assert s["zigzag"]["pairs_computed"] == s["contiguous"]["pairs_computed"] == s["no-skip"]["pairs_needed"]
+    assert s["no-skip"]["pairs_computed"] > s["no-skip"]["pairs_needed"]
+    pj = tmp_path / "predict.json"
+    out = run_bench("varlen.py", ["--predict", "--ranks", 4, "--seqlen", 8192, "--presets", "h100-ib",
+                                  "--json", pj], nprocs=None)
+    assert all(ln.startswith(("# PREDICTION", "PREDICTION")) or "preset" in ln
+               for ln in out.splitlines() if ln.strip()), out
+    pred = json.loads(pj.read_text())
+    assert pred["kind"] == "PREDICTION" and all(r["kind"] == "PREDICTION" for r in pred["rows"])
+    assert {r["config"] for r in pred["rows"]} == {"zigzag", "contiguous", "no-skip"}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.mpi
+def test_volume_docs_smoke(tmp_path, layout):
+    """bench/volume.py --docs (with a window): burst's measured bytes equal its formula on every
+    rank, and in total are at least the mask's minimum (counted independently) and at most the
+    full ring's."""
+    js = tmp_path / "volume_docs.json"
+    out = run_bench("volume.py", ["--docs", "--causal", "--window", 200, -1, "--layout", layout,
+                                  "--seqlen", 768, "--heads", 2, "--headdim", 8, "--json", js], nprocs=3)
+    assert "achieved == formula on every rank: True" in out, out
+    result = json.loads(js.read_text())
+    assert result["mode"] == "mask" and len(result["ranks"]) == 3
+    assert result["mask"]["cu_seqlens"][-1] == 768 and len(result["mask"]["cu_seqlens"]) > 3
+    for r in result["ranks"]:
+        for p in ("forward", "backward"):
+            assert r[p]["achieved"] == r[p]["formula"]
+    for t in result["totals"].values():
+        assert t["full_ring"] >= t["achieved"] >= t["min_blocks"] >= t["min_rows"] > 0
+    assert result["at_least_minimum"]
+    if layout == "contiguous":   # documents and a window end most trips early
+        assert result["totals"]["forward"]["achieved"] < result["totals"]["forward"]["full_ring"]
