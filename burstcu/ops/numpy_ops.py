@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import product
@@ -122,6 +123,24 @@ def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
     if a >= b:
         return None
     return replace(block, k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
+
+
+def _parts_by_span(blocks, spans, clip, first) -> list[list[Block]]:
+    """For each [lo, hi) of `spans` (sorted, disjoint), the blocks clipped to it by `clip`
+    (_clip_q or _clip_k), in block order; first(block) -> (start, length) of the rows `clip`
+    cuts. Each block meets only the spans it overlaps (found by bisection), so many small
+    blocks (documents) cost their number, not their number times the spans'."""
+    starts = [lo for lo, _ in spans]
+    out: list[list[Block]] = [[] for _ in spans]
+    for block in blocks:
+        a, n = first(block)
+        i = max(bisect_right(starts, a) - 1, 0)
+        while i < len(spans) and spans[i][0] < a + n:
+            part = clip(block, *spans[i])
+            if part is not None:
+                out[i].append(part)
+            i += 1
+    return out
 
 
 BACKWARD_ITEMS = 16     # work items a backward step aims at, at least (see _key_tiles_per_item)
@@ -380,18 +399,17 @@ class NumpyOps(LocalOps):
         b, g = st.q.shape[0], st.g
         tile_rows = max(1, self.tile_q // g)
         spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], tile_rows)
-        items = list(product(range(b), range(hkv), spans))
+        parts = _parts_by_span(blocks, spans, _clip_q, lambda blk: (blk.q_start, blk.q_len))
+        items = list(product(range(b), range(hkv), range(len(spans))))
         scratch = _Scratch(acc_t)
         v_finite = np.isfinite(_max_abs(vh)) if any(blk.masked for blk in blocks) else None
 
         def work(item):
-            bi, hi, (lo, hi_row) = item
+            bi, hi, span = item
             finite = v_finite is None or bool(v_finite[bi, hi])
-            for block in blocks:
-                part = _clip_q(block, lo, hi_row)
-                if part is not None:
-                    self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
-                                        st.m[bi, hi], part, g, scratch, finite)
+            for part in parts[span]:
+                self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
+                                    st.m[bi, hi], part, g, scratch, finite)
         self._run(work, items)
 
     def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int, scratch: _Scratch,
@@ -458,6 +476,7 @@ class NumpyOps(LocalOps):
         # are queued key range by key range, so threads mostly work on different heads at once.
         extents = [(blk.k_start, blk.k_start + blk.k_len) for blk in blocks]
         ranges = _spans(extents, self.tile_k * self._key_tiles_per_item(extents, b * hkv))
+        parts_of = _parts_by_span(blocks, ranges, _clip_k, lambda blk: (blk.k_start, blk.k_len))
         heads = list(product(range(b), range(hkv)))
         items = list(product(range(len(ranges)), range(len(heads))))
         dq_acc = np.zeros(qs.shape, acc_t)
@@ -471,7 +490,7 @@ class NumpyOps(LocalOps):
             ci, head = item
             bi, hi = heads[head]
             try:
-                parts = [p for p in (_clip_k(blk, *ranges[ci]) for blk in blocks) if p is not None]
+                parts = parts_of[ci]
                 # range 0 accumulates into dq_acc itself; later ranges into a partial that is
                 # added to dq_acc in range order, so the sum's order never depends on threads
                 r0 = min((p.q_start for p in parts), default=0) * g
