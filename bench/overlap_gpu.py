@@ -110,13 +110,17 @@ def _instrument(group, mode: str):
     return dataclasses.replace(group, ops=ops), device
 
 
-def _one_call(group, inputs, args, strategy):
-    """Forward then backward on this rank; ({pass: (start, stop) events}, ops intervals)."""
+def _one_call(group, inputs, args, strategy, seqlen: int):
+    """Forward then backward on this rank; ({pass: (start, stop) events}, ops intervals).
+    seqlen: the global length (picks the documents, with --docs)."""
     import cupy
     q, k, v, dout = inputs
     marks = [cupy.cuda.Event() for _ in range(3)]
     kw = dict(causal=args.causal, layout=args.layout, strategy=strategy,
               window_size=tuple(args.window))
+    docs = args.docs_by_seqlen.get(seqlen)
+    if docs is not None:
+        kw["cu_seqlens"] = list(docs)
     group.barrier()
     marks[0].record()
     out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
@@ -191,7 +195,7 @@ def run_config(size: int, seqlen: int, strategy: str, args) -> dict:
         for rep in range(args.repeats + 1):  # the first repeat warms up (compiles, pools)
             for mode in MODES:
                 g, device = _instrument(group, mode)
-                marks = _one_call(g, inputs, args, strategy)
+                marks = _one_call(g, inputs, args, strategy, seqlen)
                 cupy.cuda.get_current_stream().synchronize()
                 group.transport.stream.synchronize()
                 if rep == 0:
@@ -208,7 +212,10 @@ def run_config(size: int, seqlen: int, strategy: str, args) -> dict:
 
 def _inputs(group, seqlen: int, args):
     import cupy
-    s = seqlen // group.size
+    from burstcu.layout import partition
+    docs = args.docs_by_seqlen.get(seqlen)
+    s = partition(args.layout, group.size, seqlen, docs if args.layout == "zigzag" else None
+                  ).lengths[group.rank]
     rng = cupy.random.default_rng(group.rank)
     hkv = args.kv_heads or args.heads
     shapes = [(args.batch, s, args.heads, args.headdim), (args.batch, s, hkv, args.headdim),
@@ -290,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     p.add_argument("--window", nargs=2, type=int, default=[-1, -1], metavar=("LEFT", "RIGHT"),
                    help="sliding window (flash-attn's window_size; -1 unbounded)")
+    p.add_argument("--docs", type=int, default=None, metavar="SEED",
+                   help="documents (cu_seqlens): bench/varlen.py's long-tailed mix of this seed "
+                        "(with --layout zigzag each document is cut into 2G pieces)")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json")
@@ -297,13 +307,20 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
     plan = [(g, s, st) for g in args.ranks for s in args.seqlen for st in args.strategies]
-    from burstcu.layout import shard_slices
+    from burstcu.layout import partition
+    args.docs_by_seqlen = {}
+    if args.docs is not None:
+        from varlen import document_mix
+        args.docs_by_seqlen = {s: tuple(int(b) for b in document_mix(s, seed=args.docs))
+                               for s in args.seqlen}
     for g, s, _ in plan:
-        shard_slices(args.layout, 0, g, s)  # a clear error when s does not split over g ranks
+        partition(args.layout, g, s)   # a clear error when s cannot split over g ranks
     if args.dry_run:
         for g, s, st in plan:
+            docs = args.docs_by_seqlen.get(s)
             print(f"{g} ranks on one GPU, global seqlen {s} ({s // g} a rank), {st}, "
                   f"{'causal ' + args.layout if args.causal else 'full'}, window {tuple(args.window)}, "
+                  f"{'no documents' if docs is None else f'{len(docs) - 1} documents'}, "
                   f"{args.repeats} repeats x 3 modes")
         return 0
     if args.dtype == "bfloat16":

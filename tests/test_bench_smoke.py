@@ -170,6 +170,10 @@ def test_gpu_benchmarks_plan_without_a_gpu():
     out = run_bench("overlap_gpu.py", ["--dry-run", "--ranks", "2", "3", "--seqlen", "12288"],
                     nprocs=None)
     assert out.count("on one GPU") == 4 and "3 ranks on one GPU, global seqlen 12288 (4096 a rank)" in out
+    out = run_bench("overlap_gpu.py", ["--dry-run", "--ranks", "4", "--seqlen", "65537", "--causal",
+                                       "--layout", "zigzag", "--docs", "0", "--strategies", "burst"],
+                    nprocs=None)   # any length; documents from bench/varlen.py's mix
+    assert "global seqlen 65537" in out and " documents, " in out and "no documents" not in out
 
 
 def test_overlap_gpu_interval_arithmetic():

@@ -10,7 +10,9 @@
 # (bench/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
 # (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
 # attention: tests/gpu/test_linear_gpu.py; bench/linear.py on one GPU, LASP-2/LASP-1 to 1M tokens
-# beside softmax burst). Reports (JSON, PNG) go to $OUT; each
+# beside softmax burst), varlen (bench/overlap_gpu.py --docs: causal documents on 4 ranks,
+# zigzag per document vs contiguous) and uneven (a global length 3 ranks do not divide).
+# Reports (JSON, PNG) go to $OUT; each
 # step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
 # any step failed. Wheels in .whl/ are installed into /tmp/site first.
@@ -27,7 +29,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env gate full tests gputests kbench overlap overlap_causal tiles
-                                 memcheck racecheck demo mpi linear linearbench)
+                                 memcheck racecheck demo mpi linear linearbench varlen uneven)
 failed=()
 
 step() {  # step NAME SECONDS COMMAND...
@@ -78,6 +80,11 @@ for s in "${steps[@]}"; do
              --table $LOGS/linear_gpu.txt && $PY bench/linear.py --backend cupy --dtype float16 \
              --strategies burst --seqlens 16384 65536 --json $OUT/linear_gpu_burst.json \
              --table $LOGS/linear_gpu_burst.txt" ;;
+    varlen) step varlen 420 bash -c "for layout in zigzag contiguous; do $PY bench/overlap_gpu.py \
+             --ranks 4 --seqlen 65536 --causal --docs 0 --layout \$layout --strategies burst ring \
+             --repeats 3 --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
+    uneven) step uneven 300 $PY bench/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
+             --layout contiguous --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/test_interop.py tests/test_bringup_fixes.py ;;
     *) echo "unknown step $s" ;;
