@@ -64,10 +64,10 @@
 // shrinks the three that do not (smem from bwd_variants.py, registers from the gate, NVRTC 13.0,
 // same for fp16 and bf16):
 //     kernel      D    sm_80 (BM, BN, WARPS_D)       sm_86 (BM, BN, WARPS_D)
-//     dkdv, DQ    256  32 x 64 x 2, 140800 B        16 x 48 x 2, 87040 B, 192 thr, 229 regs
-//     dkdv, !DQ   256  32 x 64 x 2, 135680 B        16 x 48 x 2, 84736 B, 192 thr, 222 regs
-//     dq          128  64 x 64 x 1, 104448 B        64 x 32 x 1, 69632 B, 128 thr, 159 regs
-//     dq          256  64 x 32 x 1, 135168 B        64 x 16 x 1, 101376 B, 128 thr, 225 regs
+//     dkdv, DQ    256  32 x 64 x 2, 140800 B        16 x 48 x 2, 87040 B, 192 thr, 240 regs
+//     dkdv, !DQ   256  32 x 64 x 2, 135680 B        16 x 48 x 2, 84736 B, 192 thr, 232 regs
+//     dq          128  64 x 64 x 1, 104448 B        64 x 32 x 1, 69632 B, 128 thr, 128 regs
+//     dq          256  64 x 32 x 1, 135168 B        64 x 16 x 1, 101376 B, 128 thr, 229 regs
 // dkdv D = 256 cannot keep BM = 32: two stages of Q and dO alone are 4 x 32 x 264 x 2 = 67584 B,
 // and with K, V at BN = 32 it is 101888 B even without dS. BM = 16 halves that; BN = 48 (6
 // warps) rather than 32 re-reads Q/dO once per 48 keys instead of 32 (BN must be a multiple of
@@ -88,18 +88,29 @@
 // registers allow (sm_90: 128). Atomic dQ adds the same count of fp32 values (BM x D per tile
 // pair, ~270 MB) as L2 reductions. No GPU was available while writing this: estimates only.
 //
+// Arguments: each kernel takes one struct by value (kernels/params.cuh): flash_bwd_delta a
+// BwdDeltaParams, flash_bwd_dkdv and flash_bwd_dq the same BwdStepParams (burstcu/ops/launch.py
+// fills them). Strides are 64-bit element counts, as in the forward, and every global index is
+// formed in 64-bit arithmetic, so a tensor may hold more than 2^31 elements.
+//
 // Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
 //   python -m burstcu.kernels check --arch sm_80,sm_86,sm_90
 //       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq,bwd_dkdv_careful,bwd_dkdv_nodq_careful,bwd_dq_careful
-// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
+// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.testing.emulate
 // (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
 // ---------------------------------------------------------------------------------------------
 
 #include "common.cuh"
+#include "params.cuh"
 
 namespace bwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+/// A compile-time bool as a value: the argument that instantiates a generic lambda once per case.
+template <bool V> struct Case {
+    static constexpr bool value = V;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Fragment loads from shared memory (ldmatrix). Lane l supplies the row address for 8x8
@@ -160,7 +171,8 @@ __device__ __forceinline__ void gemm_nt(float c[NCOLS / 8][4], const T* sA, int 
 // ---------------------------------------------------------------------------------------------
 
 /// Copy ROWS x D elements (row r at g + r*row_stride) into s (row stride ld) with cp.async;
-/// rows >= rows_valid are zero-filled. Needs 16-byte aligned rows (the launcher checks).
+/// rows >= rows_valid are zero-filled and read nothing (their source is row 0, which is always
+/// valid: callers pass rows_valid >= 1). Needs 16-byte aligned rows (the launcher checks).
 template <typename T, int ROWS, int D, int NT>
 __device__ __forceinline__ void load_tile_async(T* s, int ld, const T* g, long long row_stride,
                                                 int rows_valid) {
@@ -169,7 +181,7 @@ __device__ __forceinline__ void load_tile_async(T* s, int ld, const T* g, long l
     for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         const bool valid = r < rows_valid;
-        cp_async_16(s + r * ld + col, valid ? g + r * row_stride + col : g, valid);
+        cp_async_16(s + r * ld + col, g + (valid ? r : 0) * row_stride + col, valid);
     }
 }
 
@@ -234,41 +246,37 @@ __device__ __forceinline__ void ds_k_unit(float acc[4][4], const T* sdS, int lds
 // delta = rowsum(dO o O)
 // ---------------------------------------------------------------------------------------------
 
-/// out, dout: (B, S, H, D) in T with strides (sb, ss, sh) shared by both, last dim contiguous;
-/// delta: (B, H, S) fp32 with strides (st_sb, st_sh, 1). One warp per (b, s, h) row, 4 a block.
+/// out, dout: (B, S, H, D) in T sharing one set of strides, last dim contiguous; delta: (B, H, S)
+/// fp32 (BwdDeltaParams, kernels/params.cuh). One warp per (b, s, h) row, 4 a block.
 template <typename T>
 __global__ void __launch_bounds__(128)
-flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, int D, int sb,
-                int ss, int sh, int st_sb, int st_sh) {
+flash_bwd_delta(const __grid_constant__ BwdDeltaParams<T> p) {
+    // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+    const T* __restrict__ out = p.out;
+    const T* __restrict__ dout = p.dout;
+    float* __restrict__ delta = p.delta;
+    const long long sb = p.row_stride.b, ss = p.row_stride.s, sh = p.row_stride.h;
+    const long long st_sb = p.delta_stride.b, st_sh = p.delta_stride.h;
+    const int B = p.B, S = p.S, H = p.H, D = p.D;
+
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= (long long)B * S * H) return;  // whole warps leave together
     const int h = (int)(row % H), s = (int)((row / H) % S), b = (int)(row / ((long long)H * S));
-    const long long off = (long long)b * sb + (long long)s * ss + (long long)h * sh;
+    const long long off = b * sb + s * ss + h * sh;
     float acc = 0.f;
     for (int d = lane; d < D; d += 32)  // consecutive lanes read consecutive elements
         acc += to_float<T>(out[off + d]) * to_float<T>(dout[off + d]);
     acc = warp_sum<32>(acc);
-    if (lane == 0) delta[(long long)b * st_sb + (long long)h * st_sh + s] = acc;
+    if (lane == 0) delta[b * st_sb + h * st_sh + s] = acc;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared argument list of the step kernels (pointers at element (0,0,0,0); strides in elements)
-//   q, dout (B,Sq,H,D) T, strides q_sb,q_ss,q_sh     k, v (B,Sk,Hkv,D) T, strides k_*
-//   lse, delta (B,H,Sq) fp32, strides st_sb, st_sh   dq (B,Sq,H,D) fp32, strides dq_*
-//   dk, dv (B,Sk,Hkv,D) fp32, strides dk_*           rectangle q_start..causal, softmax scale
-//   nonfinite: device int, nonzero when q, dout, k, v or delta may make a masked pair non-finite
-//   (flash_any_nonfinite); the launcher issues <..., false> and <..., true> (CAREFUL) on one
-//   stream, exactly one runs
+// The step kernels take one BwdStepParams (kernels/params.cuh; pointers at element (0,0,0,0)).
+// p.nonfinite: device int, nonzero when q, dout, k, v or delta may make a masked pair non-finite
+// (flash_any_nonfinite); the launcher issues <..., false> and <..., true> (CAREFUL) on one
+// stream, exactly one runs.
 // ---------------------------------------------------------------------------------------------
-#define BWD_STEP_PARAMS                                                                         \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                \
-        const T *__restrict__ dout, const float *__restrict__ lse,                              \
-        const float *__restrict__ delta, float *__restrict__ dq, float *__restrict__ dk,       \
-        float *__restrict__ dv, int H, int Hkv, int q_sb, int q_ss, int q_sh, int k_sb,         \
-        int k_ss, int k_sh, int st_sb, int st_sh, int dq_sb, int dq_ss, int dq_sh, int dk_sb,   \
-        int dk_ss, int dk_sh, int q_start, int q_len, int k_start, int k_len, int q_pos,        \
-        int k_pos, int hi, int lo, float scale, const int *__restrict__ nonfinite
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
@@ -279,9 +287,28 @@ flash_bwd_delta(const T* out, const T* dout, float* delta, int B, int S, int H, 
 /// and with DQ a BN x BM tile of dS.
 template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
 __global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
-flash_bwd_dkdv(BWD_STEP_PARAMS) {
+flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
     using namespace bwd;
-    if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+    if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+    // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+    const T* __restrict__ q = p.q;
+    const T* __restrict__ dout = p.dout;
+    const T* __restrict__ k = p.k;
+    const T* __restrict__ v = p.v;
+    const float* __restrict__ lse = p.lse;
+    const float* __restrict__ delta = p.delta;
+    float* __restrict__ dq = p.dq;
+    float* __restrict__ dk = p.dk;
+    float* __restrict__ dv = p.dv;
+    const long long q_sb = p.q_stride.b, q_ss = p.q_stride.s, q_sh = p.q_stride.h;
+    const long long k_sb = p.k_stride.b, k_ss = p.k_stride.s, k_sh = p.k_stride.h;
+    const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
+    const long long dk_sb = p.dk_stride.b, dk_ss = p.dk_stride.s, dk_sh = p.dk_stride.h;
+    const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
+    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
+    const int H = p.H, Hkv = p.Hkv;
+    const float scale = p.scale;
     constexpr int WN = BN / 16, NW = WN * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8, LDS = BM + 8;  // padded smem row strides (elements)
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
@@ -360,19 +387,26 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
         // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
         const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
                             (CAREFUL && m0 + BM > q_len);
+        // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
+        auto scores_to_p = [&](auto mask) {
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
+            for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
-                float p = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
-                // kept iff -lo <= offset <= hi, offset = key position - query position
-                const int offset = k_pos + key - q_pos - m0 - qi;
-                if (masked && (key >= k_len || offset > hi || offset < -lo ||
-                               (CAREFUL && m0 + qi >= q_len)))
-                    p = 0.f;
-                s[j][e] = p;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
+                    float pv = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
+                    // kept iff -lo <= offset <= hi, offset = key position - query position
+                    const int offset = k_pos + key - q_pos - m0 - qi;
+                    if (decltype(mask)::value && (key >= k_len || offset > hi || offset < -lo ||
+                                                  (CAREFUL && m0 + qi >= q_len)))
+                        pv = 0.f;
+                    s[j][e] = pv;
+                }
+        };
+        if (masked)
+            scores_to_p(Case<true>{});
+        else
+            scores_to_p(Case<false>{});
         if constexpr (CAREFUL)  // dV += P^T dO
             gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
         else
@@ -448,16 +482,33 @@ flash_bwd_dkdv(BWD_STEP_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 
 /// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
-/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. Same arguments as flash_bwd_dkdv
-/// (dk, dv unused), then psum (B,H,Sq) fp32 with lse's strides: with with_psum != 0 each row's
-/// sum of the recomputed P over this step's keys is added to it (attention_backward(check=True)
-/// checks that they add up to 1 over the ring). Each dQ and psum element is read, added to and
-/// written by one thread.
+/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. The same struct as flash_bwd_dkdv
+/// (dk, dv unused); with p.psum non-null each row's sum of the recomputed P over this step's
+/// keys is added to psum (attention_backward(check=True) checks that they add up to 1 over the
+/// ring). Each dQ and psum element is read, added to and written by one thread.
 template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
 __global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
-flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
+flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
     using namespace bwd;
-    if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+    if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+    // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+    const T* __restrict__ q = p.q;
+    const T* __restrict__ dout = p.dout;
+    const T* __restrict__ k = p.k;
+    const T* __restrict__ v = p.v;
+    const float* __restrict__ lse = p.lse;
+    const float* __restrict__ delta = p.delta;
+    float* __restrict__ dq = p.dq;
+    float* __restrict__ psum = p.psum;
+    const bool with_psum = psum != nullptr;
+    const long long q_sb = p.q_stride.b, q_ss = p.q_stride.s, q_sh = p.q_stride.h;
+    const long long k_sb = p.k_stride.b, k_ss = p.k_stride.s, k_sh = p.k_stride.h;
+    const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
+    const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
+    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
+    const int H = p.H, Hkv = p.Hkv;
+    const float scale = p.scale;
     constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8;
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
@@ -534,17 +585,28 @@ flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
         float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
         gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
         const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
+        // One copy of this loop per case, so that the tiles without masked pairs (all but the
+        // diagonal and the ragged ends) run without the test. As one loop testing a run-time
+        // `masked`, the split was left to the compiler's heuristics, which stopped making it
+        // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
+        // sm_80).
+        auto scores_to_p = [&](auto mask) {
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
-                float p = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
-                if (masked && (key >= k_len || k_pos + key > q_pos + qi + hi ||
-                               k_pos + key < q_pos + qi - lo))
-                    p = 0.f;
-                s[j][e] = p;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
+                    float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
+                    if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
+                                                  k_pos + key < q_pos + qi - lo))
+                        pv = 0.f;
+                    s[j][e] = pv;
+                }
+        };
+        if (masked)
+            scores_to_p(Case<true>{});
+        else
+            scores_to_p(Case<false>{});
         if (with_psum) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
@@ -587,5 +649,3 @@ flash_bwd_dq(BWD_STEP_PARAMS, float* __restrict__ psum, int with_psum) {
         }
     }
 }
-
-#undef BWD_STEP_PARAMS

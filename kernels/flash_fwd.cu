@@ -55,11 +55,11 @@ The working constraints are, in order:
      by another's math (met everywhere but d = 256, where one 4-warp block fits on sm_80).
 Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gate, NVRTC 13.0):
     D    sm_80 (164 KB smem/SM)                     sm_90 (228 KB smem/SM), MEASURED on an H100
-    32   8 warps, 128 x 64, 30 KB, 123 regs         same (not measured)
-    64   8 warps, 128 x 64, 54 KB, 128 regs         4 warps,  64 x  64,  45 KB, 133 regs
-    96   4 warps,  64 x 32, 39 KB, 159 regs         4 warps,  64 x  64,  65 KB, 168 regs (not measured)
-    128  4 warps,  64 x 32, 51 KB, 168 regs         8 warps, 128 x 128, 170 KB, 255 regs
-    256  4 warps,  64 x 32, 99 KB, 242 regs         8 warps, 128 x  64, 198 KB, 245 regs
+    32   8 warps, 128 x 64, 30 KB, 128 regs         same (not measured)
+    64   8 warps, 128 x 64, 54 KB, 128 regs         4 warps,  64 x  64,  45 KB, 161 regs
+    96   4 warps,  64 x 32, 39 KB, 160 regs         4 warps,  64 x  64,  65 KB, 168 regs (not measured)
+    128  4 warps,  64 x 32, 51 KB, 168 regs         8 warps, 128 x 128, 170 KB, 249 regs
+    256  4 warps,  64 x 32, 99 KB, 244 regs         8 warps, 128 x  64, 198 KB, 246 regs
 The sm_90 column was chosen by timing every tile pair that passes the gate on an H100
 (bench/tiles.py; bench/results/h100/tiles.json): against the sm_80-style tiles it was 1.22x
 (d = 64), 1.32x (d = 128) and 1.16x (d = 256) faster at S = 4096 and 16384. Occupancy did not
@@ -98,13 +98,15 @@ BUILD
         (instantiates one variant per head dim so nvcc has something to compile)
 
 ARGUMENT CONVENTIONS
-Strides are in elements, 64-bit (a (B, S, H, D) tensor passes 2^31 elements at S = 1M, H = 16,
-D = 128). q, k, v, acc and out have a contiguous last dim whose stride is 1; their strides must be
-even (float2 / 16-byte accesses), which they are for any native D. m, l, lse have stride 1 along
-S. All other sizes are int32.
+Each kernel takes one struct by value (kernels/params.cuh: FwdStepParams, FwdFinalizeParams,
+NonfiniteParams), which burstcu/ops/launch.py fills. Strides are in elements, 64-bit (a (B, S, H,
+D) tensor passes 2^31 elements at S = 1M, H = 16, D = 128). q, k, v, acc and out have a
+contiguous last dim whose stride is 1; their strides must be even (float2 / 16-byte accesses),
+which they are for any native D. m, l, lse have stride 1 along S. All other sizes are int32.
 */
 
 #include "common.cuh"
+#include "params.cuh"
 
 // ------------------------------------------------------------------------------------------------
 // small helpers (not primitives: index arithmetic and constants only)
@@ -153,33 +155,18 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
 // forward step
 
 /* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
-   into the running state (acc, m, l) of those query rows.
-
-   q   (B, Sq, H, D)  T;      strides q_sb, q_sr, q_sh
-   k,v (B, Sk, Hkv, D) T;     strides kv_sb, kv_sr, kv_sh (k and v share them)
-   acc (B, Sq, H, D)  float;  strides acc_sb, acc_sr, acc_sh
-   m,l (B, H, Sq)     float;  strides ml_sb, ml_sh (stride 1 along Sq)
-   hi, lo: element (i, j) (relative to q_start, k_start) is kept iff
-       q_pos + i - lo <= k_pos + j <= q_pos + i + hi
-     (causal: hi = 0; a sliding window (left, right): lo = left, hi = right; no bound: NO_BOUND,
-     which keeps every sum of positions below 2^31 for positions below 2^30)
-   scale_log2 = softmax_scale * log2(e)
-   nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
+   (p.blk) into the running state (p.acc, p.m, p.l) of those query rows; shapes, strides and the
+   key bounds hi, lo are FwdStepParams' (kernels/params.cuh). NO_BOUND keeps every sum of
+   positions below 2^31 for positions below 2^30.
+   p.nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
      stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
    grid (ceil(q_len / BLOCK_M), H, B), block NWARPS * 32 threads,
    dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
 __global__ void __launch_bounds__(NWARPS * 32)
-flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               float* __restrict__ acc, float* __restrict__ m, float* __restrict__ l,
-               long long q_sb, long long q_sr, long long q_sh,
-               long long kv_sb, long long kv_sr, long long kv_sh,
-               long long acc_sb, long long acc_sr, long long acc_sh,
-               long long ml_sb, long long ml_sh,
-               int B, int H, int Hkv, int q_start, int q_len, int k_start, int k_len,
-               int q_pos, int k_pos, int hi, int lo, float scale_log2, const int* __restrict__ nonfinite) {
-  if ((*nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
+  if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
   static_assert(HEADDIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-chunks are 16 wide");
   constexpr int kThreads = NWARPS * 32;
@@ -190,6 +177,22 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   // Q fragments live in registers when they fit next to acc (D/4 + D/2 registers); at D = 256
   // they would take 64 more than the budget allows, so they are re-read from smem per tile.
   constexpr bool kQInRegs = HEADDIM <= 128;
+
+  // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+  const T* __restrict__ q = p.q;
+  const T* __restrict__ k = p.k;
+  const T* __restrict__ v = p.v;
+  float* __restrict__ acc = p.acc;
+  float* __restrict__ m = p.m;
+  float* __restrict__ l = p.l;
+  const long long q_sb = p.q_stride.b, q_sr = p.q_stride.s, q_sh = p.q_stride.h;
+  const long long kv_sb = p.kv_stride.b, kv_sr = p.kv_stride.s, kv_sh = p.kv_stride.h;
+  const long long acc_sb = p.acc_stride.b, acc_sr = p.acc_stride.s, acc_sh = p.acc_stride.h;
+  const long long ml_sb = p.ml_stride.b, ml_sh = p.ml_stride.h;
+  const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+  const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
+  const int H = p.H, Hkv = p.Hkv;
+  const float scale_log2 = p.scale_log2;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
@@ -378,8 +381,8 @@ flash_fwd_step(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 /* flag[0] = 1 if an element of x could make a product at a masked pair non-finite (flag is only
    ever set here, never cleared): Inf or NaN, and for bfloat16 also |x| >= 2^56, whose products
    with a D <= 256 vector may overflow float32 (dP = dO . v in the backward); float16 cannot.
-   x (B, S, H, D) T, strides sb, ss, sh, last dim contiguous (a (B, H, S) float row statistic
-   such as delta goes in as (B, S, H, 1) through a transposed view).
+   x (B, S, H, D) T, last dim contiguous (a (B, H, S) float row statistic such as delta goes in
+   as (B, S, H, 1) through a transposed view); NonfiniteParams (kernels/params.cuh).
    vec: elements a thread reads, 16 / sizeof(T) when the launcher found every row's chunks
    16-byte aligned (one uint4 load), else 1.
    grid (ceil(S * D / vec / 256), H, B), block 256: one chunk a thread, its row found with one
@@ -401,25 +404,29 @@ __device__ __forceinline__ unsigned element_bits(float x) { return __float_as_ui
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-flash_any_nonfinite(const T* __restrict__ x, int* __restrict__ flag, long long sb, long long ss,
-                    long long sh, int S, int D, int vec) {
+flash_any_nonfinite(const __grid_constant__ NonfiniteParams<T> p) {
+  // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+  const T* __restrict__ x = p.x;
+  const long long sb = p.x_stride.b, ss = p.x_stride.s, sh = p.x_stride.h;
+  const int S = p.S, D = p.D, vec = p.vec;
+
   const int chunks = D / vec;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= S * chunks) return;
   const int s = i / chunks;
-  const T* p = x + blockIdx.z * sb + s * ss + blockIdx.y * sh + (i - s * chunks) * vec;
+  const T* src = x + blockIdx.z * sb + s * ss + blockIdx.y * sh + (i - s * chunks) * vec;
   bool bad = false;
   if (vec > 1) {  // the 16 bytes as four words of 4 / sizeof(T) elements each, read by shifting
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const uint4 w = *reinterpret_cast<const uint4*>(src);
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4 / (int)sizeof(T); ++e) bad = bad || may_poison_bits<T>(words[j] >> (16 * e));
   } else {
-    bad = may_poison_bits<T>(element_bits(*p));
+    bad = may_poison_bits<T>(element_bits(*src));
   }
-  if (bad) *flag = 1;  // every writer writes the same value
+  if (bad) *p.flag = 1;  // every writer writes the same value
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -427,19 +434,24 @@ flash_any_nonfinite(const T* __restrict__ x, int* __restrict__ flag, long long s
 
 /* out = acc / l and lse = (m + log2 l) * ln 2 for every (b, s, h); rows with l == 0 get out 0 and
    lse -inf, rows with l NaN (a NaN they saw) NaN.
-   acc (B, S, H, D) float; strides acc_sb, acc_sr, acc_sh
-   out (B, S, H, D) T;     strides out_sb, out_sr, out_sh
-   m, l (B, H, S) float;   strides ml_sb, ml_sh;   lse (B, H, S) float, strides lse_sb, lse_sh
+   acc, out (B, S, H, D), m, l, lse (B, H, S): FwdFinalizeParams (kernels/params.cuh).
    grid (ceil(S * D / 256), H, B), block 256: one thread per output element (memory bound; the
    per-element divisions by D are hidden behind the loads). */
 template <typename T>
 __global__ void __launch_bounds__(256)
-flash_fwd_finalize(const float* __restrict__ acc, const float* __restrict__ m,
-                   const float* __restrict__ l, T* __restrict__ out, float* __restrict__ lse,
-                   long long acc_sb, long long acc_sr, long long acc_sh,
-                   long long out_sb, long long out_sr, long long out_sh,
-                   long long ml_sb, long long ml_sh, long long lse_sb, long long lse_sh,
-                   int B, int S, int H, int D) {
+flash_fwd_finalize(const __grid_constant__ FwdFinalizeParams<T> p) {
+  // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
+  const float* __restrict__ acc = p.acc;
+  const float* __restrict__ m = p.m;
+  const float* __restrict__ l = p.l;
+  T* __restrict__ out = p.out;
+  float* __restrict__ lse = p.lse;
+  const long long acc_sb = p.acc_stride.b, acc_sr = p.acc_stride.s, acc_sh = p.acc_stride.h;
+  const long long out_sb = p.out_stride.b, out_sr = p.out_stride.s, out_sh = p.out_stride.h;
+  const long long ml_sb = p.ml_stride.b, ml_sh = p.ml_stride.h;
+  const long long lse_sb = p.lse_stride.b, lse_sh = p.lse_stride.h;
+  const int S = p.S, D = p.D;
+
   const int h = blockIdx.y, b = blockIdx.z;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)S * D) return;
@@ -458,7 +470,7 @@ flash_fwd_finalize(const float* __restrict__ acc, const float* __restrict__ m,
 
 #if defined(BURSTCU_NVCC_CHECK)
 // nvcc cross-check only: explicit instantiations (NVRTC and the emulator use name expressions).
-template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const __half*, const __half*, const __half*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, int, float, const int*);
-template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, float*, float*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int, int, int, int, int, int, int, int, float, const int*);
-template __global__ void flash_fwd_finalize<__half>(const float*, const float*, const float*, __half*, float*, long long, long long, long long, long long, long long, long long, long long, long long, long long, long long, int, int, int, int);
+template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const FwdStepParams<__half>);
+template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const FwdStepParams<__nv_bfloat16>);
+template __global__ void flash_fwd_finalize<__half>(const FwdFinalizeParams<__half>);
 #endif

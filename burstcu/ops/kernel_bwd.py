@@ -6,7 +6,9 @@ float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate i
 (B,Sk,Hkv,Dp) inside the context, Dp the native head dim the kernels run at (D zero-padded).
 
 `ops` supplies the array module (`ops.xp`), compiled kernels (`ops.function(name)`, called as
-``fn(grid, block, args, shared_mem=...)`` with arrays and numpy scalars), the variant table
+``fn(grid, block, (params,), shared_mem=...)`` with the kernel's parameter struct from
+`burstcu.ops.launch`), the non-finite flags and step launches (`ops.nonfinite_flag`,
+`ops.step_flag`, `ops.launch_step`), the variant table
 (`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
 and the `ops.deterministic` switch: False launches one kernel per block that adds dQ with fp32
 atomics (run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two
@@ -22,7 +24,8 @@ import numpy as np
 
 from ..kernels.bwd_variants import delta_variant
 from ..layout import Block
-from .launch import cdiv, element_strides, i32, key_bounds, rows_contiguous, same_strides, vector_ready
+from .launch import (bwd_delta_params, bwd_step_params, cdiv, element_strides, rows_contiguous,
+                     same_strides, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -48,18 +51,11 @@ class BackwardContext:
 # ------------------------------------------------------------------------------------------------
 # helpers
 
-def _strides32(x) -> tuple[int, ...]:
-    """Element strides, which the backward kernels take as int32."""
-    return element_strides(x, int32=True)
-
-
 def _dtype_name(x) -> str:
     name = np.dtype(x.dtype).name
     if name not in _KERNEL_DTYPES:
         raise ValueError(f"the backward kernels take float16 or bfloat16 input, not {name}")
     return name
-
-
 
 
 def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
@@ -98,14 +94,12 @@ def backward_delta(ops, dout, out):
     if rows == 0:
         return delta
     out, dout = same_strides(xp, out, dout)
-    if _strides32(dout)[-1] != 1:
+    if element_strides(dout)[-1] != 1:
         out, dout = xp.ascontiguousarray(out), xp.ascontiguousarray(dout)
     variant = delta_variant(dtype)
-    sb, ss, sh, _ = _strides32(dout)
-    fn = ops.function(variant.name)
     grid = (cdiv(rows, variant.launch.block_m),)
-    fn(grid, (variant.launch.threads,),
-       (out, dout, delta, *i32(B, S, H, D, sb, ss, sh, H * S, S)))
+    ops.function(variant.name)(grid, (variant.launch.threads,),
+                               (bwd_delta_params(out, dout, delta),))
     return delta
 
 
@@ -146,7 +140,7 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     qp, dop = same_strides(xp, vector_ready(xp, qp), vector_ready(xp, dop))
     lse, delta = same_strides(xp, rows_contiguous(xp, lse), rows_contiguous(xp, delta))
     dq_run = ops.pad_headdim(dq, dp)  # a padded copy when D < Dp: kernels write all Dp columns
-    if _strides32(dq_run)[-1] != 1:
+    if element_strides(dq_run)[-1] != 1:
         dq_run = xp.ascontiguousarray(dq_run)
     psum_run = None
     if psum is not None:  # the dq kernel indexes psum with lse's strides: all three contiguous
@@ -155,9 +149,6 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         lse, delta = xp.ascontiguousarray(lse), xp.ascontiguousarray(delta)
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
-    head = [qp, ctx.k, ctx.v, dop, lse, delta, dq_run, ctx.dk, ctx.dv]
-    strides = (*_strides32(qp)[:3], *_strides32(ctx.k)[:3], *_strides32(lse)[:2],
-               *_strides32(dq_run)[:3], *_strides32(ctx.dk)[:3])
     if ops.deterministic or psum is not None:
         launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
                     (ops.variant("bwd_dq", ctx.dtype, D), "q")]
@@ -167,16 +158,14 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = (ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta)
             if any(blk.masked for blk in blocks) else None)
-    row_sums = (psum_run, np.int32(1)) if psum_run is not None else (ops.zero_flag(), np.int32(0))
-    for blk in blocks:
-        args = (*head, *i32(H, Hkv, *strides, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
-                             blk.q_pos, blk.k_pos), *key_bounds(blk), np.float32(ctx.scale))
+    for blk in blocks:  # one struct serves both kernels of a deterministic step
+        params = bwd_step_params(qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv,
+                                 psum_run, ops.step_flag(blk.masked, flag), blk, ctx.scale)
         for variant, tiled in launches:
             cfg = variant.launch
             grid = ((cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
                     else (cdiv(blk.q_len, cfg.block_m), H, B))
-            ops.launch_step(variant, grid, args, blk.masked, flag,
-                            after_flag=row_sums if tiled == "q" else ())
+            ops.launch_step(variant, grid, params, blk.masked)
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:

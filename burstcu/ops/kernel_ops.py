@@ -2,8 +2,8 @@
 
 Both backends run the same launch code: only `xp` (cupy or numpy) and `function(name)` differ.
 `function` returns a callable with CuPy RawKernel's convention ``fn(grid, block, args,
-shared_mem=0)``, where args are arrays (pointers) and NumPy scalars (np.int32, np.int64,
-np.float32 — never Python ints, so every argument has the width the C++ signature expects):
+shared_mem=0)``; every kernel takes one argument, its parameter struct (kernels/params.cuh) as a
+numpy.void scalar that `burstcu.ops.launch` builds (one builder per struct):
 
 * ``"cupy"``: `burstcu.kernels.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
 * ``"emulated"``: `burstcu.testing.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
@@ -36,7 +36,8 @@ from ..testing import emulate
 from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd
-from .launch import I32_MAX, cdiv, data_ptr, element_strides, i32, i64, key_bounds, vector_ready
+from .launch import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
+                     nonfinite_params, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
@@ -106,15 +107,8 @@ class KernelOps(LocalOps):
     masks_windows = True  # Block.left / Block.right become the kernels' key bounds (lo, hi)
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
-        problem = self.headdim_problem(q.shape[-1], backward)
-        if problem or not backward:
-            return problem
-        b, s, h, d = q.shape
-        padded = b * s * h * self.variant("bwd_dkdv", "float16", d).headdim
-        if padded >= 2**31:  # the backward kernels take 32-bit element strides
-            return (f"q has {padded} elements (head dim padded): the backward kernels index with "
-                    f"32-bit strides, so B*S*H*D must stay below 2**31; split the batch")
-        return None
+        # forward and backward kernels take 64-bit strides: no limit on the element count
+        return self.headdim_problem(q.shape[-1], backward)
 
     def headdim_problem(self, headdim: int, backward: bool = False) -> str | None:
         if not 0 < headdim <= _MAX_HEADDIM:
@@ -196,8 +190,8 @@ class KernelOps(LocalOps):
                 vec = 1
             if S * D // vec > I32_MAX:
                 raise ValueError(f"{S} x {D} elements a head: beyond the flag kernel's int32 index")
-            args = (x4, flag, *i64(*strides), *i32(S, D, vec))
-            self.function(variant.name)((cdiv(S * D // vec, threads), H, B), (threads,), args)
+            self.function(variant.name)((cdiv(S * D // vec, threads), H, B), (threads,),
+                                        (nonfinite_params(x4, flag, vec),))
         return flag
 
     def zero_flag(self):
@@ -209,18 +203,19 @@ class KernelOps(LocalOps):
             self.sync()
         return self._zero_flag
 
-    def launch_step(self, variant: KernelVariant, grid, args, masked: bool, flag,
-                    after_flag=()) -> None:
-        """Launch a step kernel with arguments (*args, flag, *after_flag), flag being its
-        non-finite flag. A block with masked pairs (`masked`) gets the pair plain + careful on
-        `flag`, of which exactly one runs (the careful one when the flag is set: a NaN where a
-        row cannot see must not reach it); any other block the plain kernel alone, with a flag
-        that is always 0."""
+    def step_flag(self, masked: bool, flag):
+        """The non-finite flag a step launch reads: `flag` (from `nonfinite_flag`) for a block
+        with masked pairs, else the flag that stays 0 (`zero_flag`)."""
+        return flag if masked else self.zero_flag()
+
+    def launch_step(self, variant: KernelVariant, grid, params, masked: bool) -> None:
+        """Launch a step kernel with its parameter struct `params`, whose non-finite flag is
+        `step_flag(masked, ...)`. A block with masked pairs (`masked`) gets the pair plain +
+        careful, of which exactly one runs (the careful one when the flag is set: a NaN where a
+        row cannot see must not reach it); any other block the plain kernel alone."""
         cfg = variant.launch
-        flag = flag if masked else self.zero_flag()
         for v in (variant, careful_variant(variant)) if masked else (variant,):
-            self.function(v.name)(grid, (cfg.threads,), (*args, flag, *after_flag),
-                                  shared_mem=cfg.smem_bytes)
+            self.function(v.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
 
     def _ready(self, x):
         """x, or an aligned contiguous copy, so the kernels can read it with 16-byte cp.async."""
@@ -268,26 +263,22 @@ class KernelOps(LocalOps):
             return
         self._check_kv(state, k, v)
         B, S, H, dp = state.q.shape
-        Hkv = k.shape[2]
         variant = self.variant("forward", state.dtype, state.headdim)
         kp = self._ready(self.pad_headdim(k, dp))
         vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
             kp, vp = self.xp.ascontiguousarray(kp), self.xp.ascontiguousarray(vp)
-        strides = i64(*element_strides(state.q)[:3], *element_strides(kp)[:3],
-                       *element_strides(state.acc)[:3], *element_strides(state.m)[:2])
-        head = (state.q, kp, vp, state.acc, state.m, state.l, *strides)
         for blk in blocks:
             self._check_block(blk, S, k.shape[1])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
         flag = self.nonfinite_flag(vp) if any(blk.masked for blk in blocks) else None
         for blk in blocks:
-            args = (*head, *i32(B, H, Hkv, blk.q_start, blk.q_len, blk.k_start, blk.k_len,
-                                 blk.q_pos, blk.k_pos), *key_bounds(blk),
-                    np.float32(state.scale * _LOG2E))
-            self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), args,
-                             blk.masked, flag)
+            params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
+                                     self.step_flag(blk.masked, flag), blk,
+                                     state.scale * _LOG2E)
+            self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), params,
+                             blk.masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
@@ -300,11 +291,8 @@ class KernelOps(LocalOps):
         if out.size:
             variant = self.variant("forward_finalize", run_name, dp)
             threads = variant.launch.threads
-            args = (state.acc, state.m, state.l, out, lse,
-                    *i64(*element_strides(state.acc)[:3], *element_strides(out)[:3],
-                          *element_strides(state.m)[:2], *element_strides(lse)[:2]),
-                    *i32(B, S, H, dp))
-            self.function(variant.name)((cdiv(S * dp, threads), H, B), (threads,), args)
+            params = fwd_finalize_params(state.acc, state.m, state.l, out, lse)
+            self.function(variant.name)((cdiv(S * dp, threads), H, B), (threads,), (params,))
         out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))
         if run_name != out_name:
             out = out.astype(out_dtype)

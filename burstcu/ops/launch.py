@@ -1,10 +1,27 @@
-"""Argument helpers shared by the CUDA kernels' launchers (`kernel_ops`, `kernel_bwd`): the
-kernels take NumPy scalars of exact widths and element strides, and read 16-byte vectors.
+"""What the CUDA kernels' launchers (`kernel_ops`, `kernel_bwd`) share: the kernels' parameter
+structs, mirrored from kernels/params.cuh, and argument helpers.
 
-Arrays are CuPy (a GPU) or NumPy (the emulator); every helper works on both.
+Every kernel takes one struct by value. Each struct is declared here once, as a `CStruct` with
+the C struct's fields in the C declaration order; its `dtype` is the NumPy structured dtype with
+C's natural-alignment layout, and one builder function per struct (`fwd_step_params`,
+`fwd_finalize_params`, `nonfinite_params`, `bwd_delta_params`, `bwd_step_params`) fills it from
+the launch's arrays and returns a ``numpy.void`` scalar. That scalar is the kernel's one
+argument on both backends: CuPy (``RawKernel``, cupy-cuda13x 14.x) turns a NumPy scalar into a
+`CScalar` holding its bytes and hands the driver a pointer to them, and the driver copies the
+struct's size from there into the kernel's parameter space; the emulator
+(`burstcu.testing.emulate`) copies the same bytes into the C++ struct. Pointers travel as their
+addresses (64-bit unsigned integers). tests/kernels/test_params_layout.py checks every size,
+alignment and offset against what g++ and NVRTC make of kernels/params.cuh.
+
+Arrays are CuPy (a GPU) or NumPy (the emulator); every helper works on both. The structs hold raw
+addresses, so the arrays must stay alive until the kernel has read them: the launchers keep them
+referenced until after the launch, and CuPy's memory pool reuses a freed block only in stream
+order, after the kernels already queued on that stream.
 """
 
 from __future__ import annotations
+
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -22,26 +39,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def i32(*values) -> list:
-    return [np.int32(v) for v in values]
-
-
-def i64(*values) -> list:
-    return [np.int64(v) for v in values]
-
-
 def data_ptr(x) -> int:
     """The address of x's first element (CuPy or NumPy)."""
-    iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-    return int(iface["data"][0])
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    ptr = getattr(getattr(x, "data", None), "ptr", None)  # CuPy: the first element's MemoryPointer
+    return int(ptr) if ptr is not None else int(x.__cuda_array_interface__["data"][0])
 
 
-def element_strides(x, int32: bool = False) -> tuple[int, ...]:
-    """Strides in elements; with int32, ValueError if one does not fit a 32-bit argument."""
-    strides = tuple(s // x.itemsize for s in x.strides)
-    if int32 and any(abs(s) > I32_MAX for s in strides):
-        raise ValueError(f"tensor of shape {tuple(x.shape)} has strides {strides} beyond int32")
-    return strides
+def element_strides(x) -> tuple[int, ...]:
+    """Strides in elements."""
+    itemsize = x.itemsize
+    return tuple([s // itemsize for s in x.strides])
 
 
 def vector_ready(xp, x):
@@ -66,8 +75,8 @@ def rows_contiguous(xp, x):
     return x if element_strides(x)[-1] == 1 else xp.ascontiguousarray(x)
 
 
-def key_bounds(block: Block) -> list:
-    """The kernels' (hi, lo) of a block as np.int32: element (i, j) is kept iff
+def key_bounds(block: Block) -> tuple[int, int]:
+    """The kernels' (hi, lo) of a block: element (i, j) is kept iff
     q_pos + i - lo <= k_pos + j <= q_pos + i + hi (causal: hi = 0; a window cutting through the
     block: its right / left edge; no bound: NO_BOUND)."""
     hi = NO_BOUND
@@ -80,4 +89,171 @@ def key_bounds(block: Block) -> list:
         raise ValueError(f"global positions up to {MAX_POSITION} only (the kernels add bounds of "
                          f"up to 2^29 to them in int32); this block reaches "
                          f"{max(block.q_pos + block.q_len, block.k_pos + block.k_len)}")
-    return i32(hi, lo)
+    return hi, lo
+
+
+# ------------------------------------------------------------------------------------------------
+# the parameter structs (kernels/params.cuh)
+
+_SCALARS = {"ptr": np.dtype(np.uint64), "i64": np.dtype(np.int64), "i32": np.dtype(np.int32),
+            "f32": np.dtype(np.float32)}
+_CTYPES = {"ptr": "pointer", "i64": "long long", "i32": "int", "f32": "float"}
+
+
+class CStruct:
+    """A C struct of kernels/params.cuh, field for field.
+
+    name: the C++ type (`templated`: a template on the element type T, e.g. FwdStepParams<T>).
+    fields: (name, type) in declaration order; type is "ptr" (any pointer, passed as its
+    address), "i64" (long long), "i32" (int), "f32" (float) or a nested CStruct.
+    dtype: the NumPy structured dtype with C's layout (each field at the next multiple of its
+    alignment, the size rounded up to the largest one: ``align=True``).
+    """
+
+    def __init__(self, name: str, fields: Sequence[tuple[str, Union[str, "CStruct"]]],
+                 templated: bool = False):
+        self.name = name
+        self.fields = tuple(fields)
+        self.templated = templated
+        self.names = tuple(n for n, _ in self.fields)
+        self.dtype = np.dtype([(n, t.dtype if isinstance(t, CStruct) else _SCALARS[t])
+                               for n, t in self.fields], align=True)
+        self._pointers = [i for i, (_, t) in enumerate(self.fields) if t == "ptr"]
+
+    def __repr__(self) -> str:
+        return f"CStruct({self.name}, {self.dtype.itemsize} bytes)"
+
+    def layout(self, prefix: str = "", base: int = 0) -> list[tuple[str, int, int, str]]:
+        """Every scalar field, nested ones included, as (C member path such as "blk.q_len",
+        byte offset, byte size, type name): what the layout test compares with C's offsetof."""
+        out = []
+        for name, typ in self.fields:
+            offset = base + self.dtype.fields[name][1]
+            if isinstance(typ, CStruct):
+                out += typ.layout(f"{prefix}{name}.", offset)
+            else:
+                out.append((prefix + name, offset, _SCALARS[typ].itemsize, typ))
+        return out
+
+    def values(self, given: dict) -> tuple:
+        """The field values of `given` (field name -> value) in declaration order: arrays (and
+        None) become addresses for the pointer fields; numbers and nested structs (tuples in
+        their field order) go as they are, and NumPy's assignment raises OverflowError for a
+        value out of a field's range instead of wrapping it. TypeError names missing or unknown
+        fields."""
+        try:
+            values = [given[name] for name in self.names]
+        except KeyError:
+            values = None
+        if values is None or len(given) != len(self.names):
+            missing = [n for n in self.names if n not in given]
+            unknown = sorted(set(given) - set(self.names))
+            raise TypeError(f"{self.name}: missing fields {missing}, unknown fields {unknown}")
+        for i in self._pointers:
+            values[i] = 0 if values[i] is None else data_ptr(values[i])
+        return tuple(values)
+
+    def pack(self, **given) -> np.void:
+        """One struct as a numpy.void scalar: the kernel argument (see the module docstring)."""
+        buf = np.empty(1, self.dtype)
+        buf[0] = self.values(given)
+        return buf[0]
+
+
+ROW_STRIDES = CStruct("RowStrides", [("b", "i64"), ("s", "i64"), ("h", "i64")])
+STAT_STRIDES = CStruct("StatStrides", [("b", "i64"), ("h", "i64")])
+BLOCK_RECT = CStruct("BlockRect", [("q_start", "i32"), ("q_len", "i32"), ("k_start", "i32"),
+                                   ("k_len", "i32"), ("q_pos", "i32"), ("k_pos", "i32"),
+                                   ("hi", "i32"), ("lo", "i32")])
+FWD_STEP = CStruct("FwdStepParams", [
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"),
+    ("nonfinite", "ptr"), ("q_stride", ROW_STRIDES), ("kv_stride", ROW_STRIDES),
+    ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
+    ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32")], templated=True)
+FWD_FINALIZE = CStruct("FwdFinalizeParams", [
+    ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
+    ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
+    ("lse_stride", STAT_STRIDES), ("S", "i32"), ("D", "i32")], templated=True)
+NONFINITE = CStruct("NonfiniteParams", [
+    ("x", "ptr"), ("flag", "ptr"), ("x_stride", ROW_STRIDES), ("S", "i32"), ("D", "i32"),
+    ("vec", "i32")], templated=True)
+BWD_DELTA = CStruct("BwdDeltaParams", [
+    ("out", "ptr"), ("dout", "ptr"), ("delta", "ptr"), ("row_stride", ROW_STRIDES),
+    ("delta_stride", STAT_STRIDES), ("B", "i32"), ("S", "i32"), ("H", "i32"), ("D", "i32")],
+    templated=True)
+BWD_STEP = CStruct("BwdStepParams", [
+    ("q", "ptr"), ("dout", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lse", "ptr"), ("delta", "ptr"),
+    ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("psum", "ptr"), ("nonfinite", "ptr"),
+    ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES), ("dq_stride", ROW_STRIDES),
+    ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
+    ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")], templated=True)
+# every struct of kernels/params.cuh (the layout test walks this list)
+PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
+                 BWD_DELTA, BWD_STEP)
+
+
+def _shared_strides(n: int, x, *others) -> tuple[int, ...]:
+    """The first n element strides of x, which every one of `others` must share (the kernels
+    read them with one stride set) along each dim longer than 1 (the stride of a dim of size 1
+    is never used); ValueError otherwise."""
+    strides = element_strides(x)[:n]
+    for y in others:
+        theirs = element_strides(y)[:n]
+        if theirs != strides and any(a != b and size > 1
+                                     for a, b, size in zip(strides, theirs, y.shape)):
+            raise ValueError(f"tensors of shapes {[tuple(t.shape) for t in (x, *others)]} must "
+                             f"share their strides, not {[element_strides(t) for t in (x, *others)]}")
+    return strides
+
+
+def block_rect(block: Block) -> tuple:
+    """A BlockRect: the block's rectangle and key bounds (`key_bounds`)."""
+    return (block.q_start, block.q_len, block.k_start, block.k_len, block.q_pos, block.k_pos,
+            *key_bounds(block))
+
+
+def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block, scale_log2: float) -> np.void:
+    """FwdStepParams: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) sharing strides; acc (B, Sq, H, D)
+    float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32."""
+    return FWD_STEP.pack(
+        q=q, k=k, v=v, acc=acc, m=m, l=l, nonfinite=nonfinite,
+        q_stride=_shared_strides(3, q), kv_stride=_shared_strides(3, k, v),
+        acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
+        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale_log2=scale_log2)
+
+
+def fwd_finalize_params(acc, m, l, out, lse) -> np.void:
+    """FwdFinalizeParams: acc (B, S, H, D) float32, m, l (B, H, S) float32 sharing strides,
+    out (B, S, H, D), lse (B, H, S) float32."""
+    return FWD_FINALIZE.pack(
+        acc=acc, m=m, l=l, out=out, lse=lse, acc_stride=_shared_strides(3, acc),
+        out_stride=_shared_strides(3, out), ml_stride=_shared_strides(2, m, l),
+        lse_stride=_shared_strides(2, lse), S=acc.shape[1], D=acc.shape[3])
+
+
+def nonfinite_params(x, flag, vec: int) -> np.void:
+    """NonfiniteParams: x (B, S, H, D) with a contiguous last dim, flag a device int32."""
+    return NONFINITE.pack(x=x, flag=flag, x_stride=_shared_strides(3, x), S=x.shape[1],
+                          D=x.shape[3], vec=vec)
+
+
+def bwd_delta_params(out, dout, delta) -> np.void:
+    """BwdDeltaParams: out, dout (B, S, H, D) sharing strides, delta (B, H, S) float32."""
+    B, S, H, D = dout.shape
+    return BWD_DELTA.pack(out=out, dout=dout, delta=delta,
+                          row_stride=_shared_strides(3, out, dout),
+                          delta_stride=_shared_strides(2, delta), B=B, S=S, H=H, D=D)
+
+
+def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, block: Block,
+                    scale: float) -> np.void:
+    """BwdStepParams: q, dout (B, Sq, H, D) sharing strides; k, v (B, Sk, Hkv, D) sharing
+    strides; lse, delta (and psum unless None) (B, H, Sq) float32 sharing strides; dq (B, Sq, H,
+    D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides; nonfinite a device int32."""
+    stats = (lse, delta) if psum is None else (lse, delta, psum)
+    return BWD_STEP.pack(
+        q=q, dout=dout, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, psum=psum,
+        nonfinite=nonfinite, q_stride=_shared_strides(3, q, dout),
+        k_stride=_shared_strides(3, k, v), dq_stride=_shared_strides(3, dq),
+        dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, *stats),
+        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale=scale)

@@ -1,9 +1,9 @@
 """Run the project's CUDA kernel sources on the CPU: build them with g++ against the emulator
 (`kernels/emu/cuda_emu.h`) and launch them with CuPy ``RawKernel``'s calling convention.
 
-    mod = build_module(["flash_fwd.cu"], ["flash_fwd_step<__half, 64>"])
-    fn = mod.get_function("flash_fwd_step<__half, 64>")
-    fn((grid_x, grid_y), (128,), (q, k, out, np.int32(seqlen), np.float32(scale)), shared_mem=49152)
+    mod = build_module(["flash_bwd.cu"], ["flash_bwd_delta<__half>"])
+    fn = mod.get_function("flash_bwd_delta<__half>")
+    fn((blocks,), (128,), (params,))      # params: a numpy.void, e.g. launch.bwd_delta_params(...)
 
 How it works: `build_module` writes a small C++ file that includes the emulator, the sources and one
 ``BURSTCU_EMU_REGISTER`` line per name expression (the emulator's equivalent of NVRTC name
@@ -15,9 +15,14 @@ second and later ones nothing; a file lock plus an atomic rename make concurrent
 ranks safe. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.kernels.compile.cache_dir`).
 
 Arguments: numpy arrays are passed as their data pointer (contiguity is the kernel's business:
-strides are passed explicitly), ``None`` as a null pointer, numpy scalars by value. Python ``int`` and
-``float`` are refused, because their C width would be a guess; the emulator checks each argument's
-size and kind (pointer / signed / unsigned / float / bool) against the kernel's C++ signature.
+strides are passed explicitly), ``None`` as a null pointer, numpy scalars by value, and a
+structured scalar (``numpy.void``, e.g. a parameter struct from `burstcu.ops.launch`) as the bytes
+of a C++ struct passed by value, as CuPy passes it. Python ``int`` and ``float`` are refused,
+because their C width would be a guess; the emulator checks each argument's size and kind
+(pointer / signed / unsigned / float / bool / struct) against the kernel's C++ signature.
+
+`struct_layout` reports how g++ lays out a C++ type of the sources (sizeof, alignof, offsetof of
+named members): the host mirrors of the parameter structs are checked against it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,7 +45,7 @@ import numpy as np
 from ..kernels.compile import cache_dir as kernel_cache_dir
 from ..kernels.variants import kernel_dir
 
-__all__ = ["EmuModule", "EmuFunction", "build_module", "cache_dir"]
+__all__ = ["EmuModule", "EmuFunction", "build_module", "cache_dir", "struct_layout"]
 
 # Bump when the generated file or the flags change in a way the hash would not see.
 _FORMAT_VERSION = "2"
@@ -61,7 +67,7 @@ _LAUNCH_LOCK = threading.Lock()
 _LOADED: dict[str, "EmuModule"] = {}
 _LOADED_LOCK = threading.Lock()
 
-_SCALAR_KIND = {"i": "i", "u": "u", "f": "f", "b": "b"}
+_SCALAR_KIND = {"i": "i", "u": "u", "f": "f", "b": "b", "V": "s"}
 
 
 def cache_dir() -> Path:
@@ -179,6 +185,33 @@ def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path) -> None:
         os.replace(out, target)  # atomic: readers see the old file or the whole new one
 
 
+def _source_paths(sources: Sequence[str | Path], kdir: Path) -> list[Path]:
+    """Each source as an absolute path: a relative one is looked up in `kdir` first, then the cwd."""
+    paths = []
+    for s in sources:
+        p = Path(s)
+        if not p.is_absolute():
+            p = (kdir / p) if (kdir / p).exists() else p.resolve()
+        if not p.is_file():
+            raise FileNotFoundError(f"kernel source {s} not found (looked in {kdir} and the cwd)")
+        paths.append(p.resolve())
+    return paths
+
+
+def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path) -> tuple[str, Path]:
+    """(cache key, path) of the shared library built from `text`, building it at most once."""
+    key = _cache_key(paths, text, flags, kdir)
+    target = cache_dir() / f"{key}.so"
+    if not target.exists():
+        from filelock import FileLock
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not target.exists():
+                _compile(text, flags, kdir, target)
+    return key, target
+
+
 def build_module(
     sources: Sequence[str | Path],
     name_expressions: Sequence[str],
@@ -194,30 +227,72 @@ def build_module(
     randomize/seed: the module's default for launches (see `EmuFunction.__call__`).
     """
     kdir = kernel_dir().resolve()
-    paths = []
-    for s in sources:
-        p = Path(s)
-        if not p.is_absolute():
-            p = (kdir / p) if (kdir / p).exists() else p.resolve()
-        if not p.is_file():
-            raise FileNotFoundError(f"kernel source {s} not found (looked in {kdir} and the cwd)")
-        paths.append(p.resolve())
+    paths = _source_paths(sources, kdir)
     flags = _translate_options(options)
     text = _generated_source(paths, name_expressions)
-    key = _cache_key(paths, text, flags, kdir)
     with _LOADED_LOCK:
+        key, target = _built(paths, text, flags, kdir)
         if key not in _LOADED:
-            target = cache_dir() / f"{key}.so"
-            if not target.exists():
-                from filelock import FileLock
-
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with FileLock(str(target) + ".lock"):
-                    if not target.exists():
-                        _compile(text, flags, kdir, target)
             _LOADED[key] = EmuModule(target, list(name_expressions))
     mod = _LOADED[key]
     return EmuModule(mod.path, mod.names, randomize=randomize, seed=seed, _lib=mod._lib)
+
+
+# C++17: burstcu_member_count<T>() is the number of members of the aggregate T, as the largest
+# number of initializers T{...} accepts from values convertible to anything (a nested struct takes
+# one). Compiles under g++ and NVRTC alike.
+_MEMBER_COUNT_CXX = """
+struct burstcu_any { template <class T> operator T() const; };
+template <class T, class... A> constexpr auto burstcu_takes(int) -> decltype(T{A{}...}, true) { return true; }
+template <class T, class... A> constexpr bool burstcu_takes(...) { return false; }
+template <class T, class... A> constexpr unsigned long long burstcu_member_count() {
+  if constexpr (sizeof...(A) > 256 || !burstcu_takes<T, A..., burstcu_any>(0)) return sizeof...(A);
+  else return burstcu_member_count<T, A..., burstcu_any>();
+}
+"""
+_TYPE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_:<>, ]*")
+_MEMBER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def struct_layout(source: str | Path, type_name: str, members: Sequence[str]) -> dict:
+    """How g++ lays out the C++ type `type_name` of kernels/`source` (a header or .cu file).
+
+    members: member paths such as ``"q"`` or ``"blk.q_len"``. Returns {"size": sizeof,
+    "align": alignof, "count": the number of members of the (aggregate) type, "members":
+    {path: (offsetof, sizeof, kind)}}, kind as the emulator's argument check spells it ('p'
+    pointer, 'i' signed, 'u' unsigned, 'f' float, 'b' bool, 's' struct). The count is the largest
+    number of initializers the type accepts in aggregate initialization (each member can take one
+    value of a type convertible to anything, so nested structs count once), which finds a member
+    that `members` does not name. A member the type lacks fails the build: RuntimeError with
+    g++'s message.
+    """
+    if not _TYPE_RE.fullmatch(type_name):
+        raise ValueError(f"invalid type name {type_name!r}")
+    bad = [m for m in members if not _MEMBER_RE.fullmatch(m)]
+    if bad:
+        raise ValueError(f"invalid member paths {bad}")
+    kdir = kernel_dir().resolve()
+    paths = _source_paths([source], kdir)
+    lines = ["// generated by burstcu/testing/emulate.py (struct_layout)", "#include <cstddef>",
+             '#include "emu/cuda_emu.h"', f'#include "{paths[0]}"',
+             _MEMBER_COUNT_CXX, f"namespace {{ using burstcu_layout_t = {type_name}; }}",
+             'extern "C" __attribute__((visibility("default"))) void burstcu_struct_layout('
+             "unsigned long long* out) {",
+             "  out[0] = sizeof(burstcu_layout_t);", "  out[1] = alignof(burstcu_layout_t);",
+             "  out[2] = burstcu_member_count<burstcu_layout_t>();"]
+    for i, m in enumerate(members):
+        member = f"(static_cast<burstcu_layout_t*>(nullptr)->{m})"
+        lines += [f"  out[{3 + 3 * i}] = offsetof(burstcu_layout_t, {m});",
+                  f"  out[{4 + 3 * i}] = sizeof{member};",
+                  f"  out[{5 + 3 * i}] = ::emu::kind_of<decltype{member}>();"]
+    text = "\n".join(lines + ["}"]) + "\n"
+    _, target = _built(paths, text, [], kdir)
+    lib = ctypes.CDLL(str(target))
+    out = (ctypes.c_ulonglong * (3 + 3 * len(members)))()
+    lib.burstcu_struct_layout(out)
+    return {"size": out[0], "align": out[1], "count": out[2],
+            "members": {m: (out[3 + 3 * i], out[4 + 3 * i], chr(out[5 + 3 * i]))
+                        for i, m in enumerate(members)}}
 
 
 class EmuModule:

@@ -3,18 +3,18 @@
 // How to use it
 //   A kernel file that includes "common.cuh" gets this header automatically whenever neither nvcc nor
 //   NVRTC is compiling (common.cuh then defines BURSTCU_EMU). A file that does not include common.cuh
-//   can include this header first (burstcu/kernels/emulate.py's generated translation unit does).
+//   can include this header first (burstcu/testing/emulate.py's generated translation unit does).
 //   Build:   g++ -std=c++17 -O2 -shared -fPIC -fstack-clash-protection -I kernels -DBURSTCU_EMU x.cpp -lrt
 //   Register each instantiation after the kernel's definition, then launch through emu_launch
 //   (emu_launch.h) — emulate.py does both:
 //     BURSTCU_EMU_REGISTER("flash_fwd_step<__half, 64>", (flash_fwd_step<__half, 64>));
 //
-// What it provides: the CUDA keywords (__global__, __device__, __shared__, __launch_bounds__, ...),
-// threadIdx/blockIdx/blockDim/gridDim/warpSize, dim3 and the vector types, __half/__nv_bfloat16 and
-// their conversions, the math functions kernels use, __syncthreads/__syncwarp, shuffles, votes,
-// atomics, __trap. The machinery is in emu_fiber.h (fibers), emu_runtime.h (scheduler, barriers,
-// warp rendezvous, cp.async), emu_collectives.h (what shuffles/ldmatrix/mma compute) and
-// emu_launch.h (registry, fault handling, emu_launch).
+// What it provides: the CUDA keywords (__global__, __device__, __shared__, __launch_bounds__,
+// __grid_constant__, ...), threadIdx/blockIdx/blockDim/gridDim/warpSize, dim3 and the vector
+// types, __half/__nv_bfloat16 and their conversions, the math functions kernels use,
+// __syncthreads/__syncwarp, shuffles, votes, atomics, __trap. The machinery is in emu_fiber.h
+// (fibers), emu_runtime.h (scheduler, barriers, warp rendezvous, cp.async), emu_collectives.h
+// (what shuffles/ldmatrix/mma compute) and emu_launch.h (registry, fault handling, emu_launch).
 //
 // Constraints kernels must respect (all hold for code that is correct CUDA):
 //   * `__shared__` is `static`, which is right only because blocks run one at a time: a kernel must
@@ -55,6 +55,7 @@
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
+#define __grid_constant__  // a by-value kernel parameter read in place; here an ordinary copy
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 #define __constant__

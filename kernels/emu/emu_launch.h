@@ -1,14 +1,16 @@
 // emu_launch.h — kernel registry, the per-block scheduler loop, fault handling and the C entry
-// points that burstcu/kernels/emulate.py calls through ctypes.
+// points that burstcu/testing/emulate.py calls through ctypes.
 //
 //   BURSTCU_EMU_REGISTER("name<args>", (name<args>));   // at namespace scope, after the kernel
 //   int emu_launch(name, gx, gy, gz, bx, by, bz, dynamic_smem, args, arg_sizes, arg_kinds, nargs,
 //                  seed, flags, err, errlen)
-// `args` is like cuLaunchKernel's kernelParams: args[i] points at the value of parameter i.
-// `arg_sizes[i]` and `arg_kinds[i]` ('p' pointer, 'i' signed integer, 'u' unsigned integer,
-// 'f' floating point, 'b' bool) are checked against the C++ signature before anything runs, so a
-// np.int64 passed for an `int` is an error message, not a garbage value. Returns 0 on success,
-// otherwise non-zero with a message in err. Names are compared with whitespace removed.
+// `args` is like cuLaunchKernel's kernelParams: args[i] points at the value of parameter i (any
+// alignment: each is copied out with memcpy). `arg_sizes[i]` and `arg_kinds[i]` ('p' pointer,
+// 'i' signed integer, 'u' unsigned integer, 'f' floating point, 'b' bool, 's' a struct passed by
+// value, e.g. the kernels' parameter structs as numpy.void) are checked against the C++
+// signature before anything runs, so a np.int64 passed for an `int`, or a struct of another size,
+// is an error message, not a garbage value. Returns 0 on success, otherwise non-zero with a
+// message in err. Names are compared with whitespace removed.
 #pragma once
 
 #include <sys/syscall.h>
@@ -49,13 +51,21 @@ template <typename T> constexpr char kind_of() {
   else if constexpr (std::is_floating_point_v<U>) return 'f';
   else if constexpr (std::is_enum_v<U>) return std::is_signed_v<std::underlying_type_t<U>> ? 'i' : 'u';
   else if constexpr (std::is_integral_v<U>) return std::is_signed_v<U> ? 'i' : 'u';
-  else return 's';  // a struct passed by value: only its size is checked
+  else return 's';  // a struct passed by value: its size is checked, not its fields
+}
+
+// The value of a parameter of type T from the bytes at p (a host buffer of any alignment).
+template <typename T> T load_arg(const void* p) {
+  static_assert(std::is_trivially_copyable_v<T>, "kernel parameters are copied bytewise");
+  T value;
+  memcpy(static_cast<void*>(&value), p, sizeof(T));
+  return value;
 }
 
 template <typename... P, size_t... I>
 std::function<void()> bind_args(void (*fn)(P...), void** args, std::index_sequence<I...>) {
   // Copy every argument once per launch; each thread then calls fn with its own copies.
-  auto values = std::make_shared<std::tuple<std::decay_t<P>...>>(*static_cast<std::decay_t<P>*>(args[I])...);
+  auto values = std::make_shared<std::tuple<std::decay_t<P>...>>(load_arg<std::decay_t<P>>(args[I])...);
   return [fn, values] { std::apply(fn, *values); };
 }
 
@@ -312,9 +322,9 @@ inline std::string check_args(const Kernel& k, const size_t* sizes, const char* 
     return fmt("%s takes %zu argument(s), got %d", k.name.c_str(), k.sizes.size(), nargs);
   for (int i = 0; i < nargs; ++i) {
     const char want = k.kinds[i], got = kinds ? kinds[i] : want;
-    if (sizes[i] != k.sizes[i] || (want != 's' && got != want))
+    if (sizes[i] != k.sizes[i] || got != want)
       return fmt("%s: argument %d is a %zu-byte '%c' in C++ but a %zu-byte '%c' was passed "
-                 "(kinds: p pointer, i signed, u unsigned, f float, b bool)",
+                 "(kinds: p pointer, i signed, u unsigned, f float, b bool, s struct)",
                  k.name.c_str(), i, k.sizes[i], want, sizes[i], got);
   }
   return "";

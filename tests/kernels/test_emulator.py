@@ -24,7 +24,7 @@ PROBES = Path(__file__).parent / "emu_src" / "emu_probes.cu"
 NAMES = [
     "probe_mma<__half>", "probe_mma<__nv_bfloat16>", "probe_ldmatrix", "probe_cp_async", "probe_warp",
     "probe_atomics", "probe_smem", "probe_race<true>", "probe_race<false>", "probe_convert", "probe_errors",
-    "bench_syncwarp", "bench_mma", "bench_ldmatrix",
+    "probe_struct", "bench_syncwarp", "bench_mma", "bench_ldmatrix",
 ]
 DTYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16}
 
@@ -304,6 +304,32 @@ def test_argument_checks(mod):
         fn((1,), (2048,), (out,))
     with pytest.raises(KeyError):
         mod.get_function("no_such_kernel")
+
+
+# a numpy.void in the layout of kernels' ProbeArgs (pointers as addresses, C alignment)
+PROBE_ARGS = np.dtype([("x", np.uint64), ("out", np.uint64), ("big", np.int64), ("n", np.int32),
+                       ("f", np.float32)], align=True)
+
+
+def test_struct_argument(mod):
+    nt = 64
+    x = np.arange(nt, dtype=np.int32) - 7
+    out = np.zeros((nt, 3), np.int64)
+    args = np.zeros(1, PROBE_ARGS)
+    args[0] = (x.ctypes.data, out.ctypes.data, 2**40 + 5, -3, 2.5)
+    mod.get_function("probe_struct")((1,), (nt,), (args[0],))
+    np.testing.assert_array_equal(out[:, 0], x * -3)
+    np.testing.assert_array_equal(out[:, 1], 2**40 + 5 + np.arange(nt))
+    np.testing.assert_array_equal(out[:, 2], 10)
+
+
+def test_struct_argument_checks(mod):
+    fn = mod.get_function("probe_struct")
+    short = np.zeros(1, np.dtype([("x", np.uint64), ("out", np.uint64)]))
+    with pytest.raises(RuntimeError, match="32-byte 's'.*16-byte 's'"):
+        fn((1,), (32,), (short[0],))
+    with pytest.raises(RuntimeError, match="32-byte 's'.*8-byte 'i'"):
+        fn((1,), (32,), (np.int64(0),))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block, step_blocks
-from tests.kernels.backend import kernel_ops
+from tests.kernels.backend import BACKEND, kernel_ops
 from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
 
 pytestmark = pytest.mark.emulated
@@ -263,3 +263,55 @@ def test_rows_outside_blocks_are_untouched():
     assert (dq[:, :8] == 7).all() and (dq[:, 24:] == 7).all()
     assert not (dk[:, :16] != 0).any() and not (dv[:, 32:] != 0).any()
     assert (dv[:, 16:32] != 0).any()
+
+
+def strided_far_apart(arrays, gap: int):
+    """Copies of `arrays` ((2, S, H, D) each, one dtype) in one buffer whose batch stride is
+    `gap` elements: batch 1 of every array lies `gap` elements after batch 0. The buffer is
+    allocated, not touched, so only the pages the copies land on take memory."""
+    per_batch = [a[0].size for a in arrays]
+    try:
+        buf = np.empty(gap + sum(per_batch), arrays[0].dtype)
+    except MemoryError:
+        pytest.skip(f"cannot map a {gap * arrays[0].itemsize / 2**30:.1f} GiB buffer here")
+    out, offset = [], 0
+    for a, n in zip(arrays, per_batch):
+        _, s, h, d = a.shape
+        view = np.lib.stride_tricks.as_strided(buf[offset:], a.shape,
+                                               np.array([gap, h * d, d, 1]) * buf.itemsize)
+        view[...] = a
+        out.append(view)
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+def test_batch_strides_beyond_int32(mode):
+    """Every backward kernel (and the forward) indexes in 64-bit: q, dout, out, k and v of batch
+    1 lie 2^31 + 64 elements after batch 0, and the results equal those from compact copies
+    bit for bit (an index formed in 32 bits would wrap and read elsewhere, or fault)."""
+    if BACKEND != "emulated":
+        pytest.skip("the strided views live in host memory: emulator only")
+    ops = emulated_ops(deterministic=(mode == "deterministic"))
+    b, sq, sk, h, hkv, d = 2, 40, 48, 2, 1, 64
+    q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, seed=11)
+    out = make_inputs("float16", b, sq, sk, h, hkv, d, seed=12)[0]
+    blocks = [Block(0, sq, 0, sk, 30, 0, True)]
+    lse = np.random.default_rng(13).standard_normal((b, h, sq)).astype(np.float32) + 4
+
+    def run(q, k, v, dout, out):
+        state = ops.forward_init(q, 0.125)
+        ops.forward_step(state, k, v, blocks)
+        fwd = ops.forward_finalize(state, np.float16)
+        delta = ops.backward_delta(dout, out)
+        ctx = ops.backward_init(k, v, 0.125)
+        dq = np.zeros((b, sq, h, d), np.float32)
+        ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+        return (*fwd, delta, dq, *ops.backward_finalize(ctx, np.float32))
+
+    far = strided_far_apart([q, dout, out, k, v], 2**31 + 64)
+    assert far[0].strides[0] // 2 > 2**31 and far[0][1, 0, 0, 0] == q[1, 0, 0, 0]
+    names = ("out", "lse", "delta", "dq", "dk", "dv")
+    for name, got, want in zip(names, run(far[0], far[3], far[4], far[1], far[2]),
+                               run(q, k, v, dout, out)):
+        np.testing.assert_array_equal(got, want, err_msg=name)

@@ -128,6 +128,22 @@ __global__ void probe_convert(const float* in, u16* h, u16* bf, u32* packed_h, u
   }
 }
 
+// ---- a struct passed by value (the kernels' calling convention): every field arrives intact.
+struct ProbeArgs {
+  const int* x;    // (blockDim.x,) input
+  long long* out;  // (blockDim.x, 3) output
+  long long big;   // needs all 64 bits
+  int n;
+  float f;
+};
+
+__global__ void probe_struct(const __grid_constant__ ProbeArgs a) {
+  const int t = threadIdx.x;
+  a.out[3 * t] = a.x[t] * a.n;
+  a.out[3 * t + 1] = a.big + t;
+  a.out[3 * t + 2] = static_cast<long long>(a.f * 4.f);
+}
+
 // ---- errors the emulator must report (mode selects which).
 __device__ __noinline__ int deep(volatile char* p, int depth) {
   volatile char big[8192];

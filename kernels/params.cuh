@@ -1,0 +1,139 @@
+// params.cuh — the parameter structs of the burstcu kernels: every __global__ function takes one
+// of these by value (`const __grid_constant__ XxxParams<T> p`) and nothing else.
+//
+// Why structs: a step kernel needs ~35 values (pointers, strides, the rectangle, the scale); as
+// loose arguments every launcher had to repeat their order, and the forward and backward drifted
+// apart (int64 strides in one, int32 in the other). One struct per kernel gives each value a name
+// and a comment, one place to change, and one layout to check.
+//
+// The host mirror is burstcu/ops/launch.py: one `CStruct` per struct below, declaring the same
+// fields in the same order, from which a NumPy structured dtype with C alignment is made; the
+// launchers fill it once per launch and pass it as a numpy.void scalar (CuPy copies its bytes
+// into the kernel's parameter space, the emulator into the struct). The layout test
+// (tests/kernels/test_params_layout.py) compares every size, alignment and offset with what g++
+// and NVRTC make of this file, so a field added here and not there (or in another order) fails
+// on a CPU. Rules that keep the two in step:
+//   * only fixed-size members: pointers (8 bytes), long long, int, float, and the structs here;
+//   * no default member initialisers, no base classes, nothing virtual (standard layout, so
+//     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
+//   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
+// Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
+// here takes 248 bytes.
+//
+// Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
+// any loop, and uses only those. A field read where it is used (inside the tile loops) is
+// addressed through a register holding the parameter's address, and ptxas then computes what
+// derives from it (tile offsets, mask bounds) per thread instead of on the uniform datapath:
+// about 36 more registers for flash_bwd_dq at D = 128 (NVRTC 13.0, sm_80). Read at the top,
+// each field is a constant-bank operand, as a scalar argument was.
+//
+// Conventions: every tensor has a contiguous last dim (D, or S for the row statistics), and its
+// other strides are in elements, as 64-bit integers (a (B, S, H, D) tensor passes 2^31 elements at
+// S = 1M, H = 16, D = 128). Sizes and positions are int: positions stay below 2^30 and the key
+// bounds at most NO_BOUND = 2^29 (burstcu.ops.launch), so their sums fit.
+#pragma once
+
+#include "common.cuh"
+
+// Element strides of a (B, S, H, D) tensor along B, S and H (D is contiguous).
+struct RowStrides {
+  long long b, s, h;
+};
+
+// Element strides of a (B, H, S) fp32 row statistic (m, l, lse, delta, psum) along B and H
+// (S is contiguous).
+struct StatStrides {
+  long long b, h;
+};
+
+// The rectangle one step launch covers (a burstcu.layout.Block) and its key bounds: query rows
+// [q_start, q_start + q_len) against key rows [k_start, k_start + k_len); element (i, j), counted
+// from q_start and k_start, is kept iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi
+// (causal: hi = 0; a sliding window (left, right): lo = left, hi = right; no bound: NO_BOUND).
+struct BlockRect {
+  int q_start, q_len;  // first query row (index into the tensors' S dim) and row count
+  int k_start, k_len;  // first key row and key count
+  int q_pos, k_pos;    // global positions of rows q_start and k_start
+  int hi, lo;          // key bounds (above)
+};
+
+// flash_fwd_step: fold one BlockRect into the running forward state (acc, m, l).
+template <typename T>
+struct FwdStepParams {
+  const T* q;             // (B, Sq, H, D) queries, strides q_stride
+  const T* k;             // (B, Sk, Hkv, D) keys, strides kv_stride
+  const T* v;             // (B, Sk, Hkv, D) values, strides kv_stride (the same as k's)
+  float* acc;             // (B, Sq, H, D) fp32 un-normalised output, strides acc_stride
+  float* m;               // (B, H, Sq) fp32 running max of the scaled scores (base 2), ml_stride
+  float* l;               // (B, H, Sq) fp32 running sum of exp2(s - m), ml_stride (m's)
+  const int* nonfinite;   // device int: nonzero runs the CAREFUL twin (kernels/README.md)
+  RowStrides q_stride;    // of q
+  RowStrides kv_stride;   // of k and v
+  RowStrides acc_stride;  // of acc
+  StatStrides ml_stride;  // of m and l
+  BlockRect blk;          // the rectangle and its key bounds
+  int H, Hkv;             // query heads, kv heads (GQA: query head h reads kv head h / (H / Hkv))
+  float scale_log2;       // softmax_scale * log2(e)
+};
+
+// flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.
+template <typename T>
+struct FwdFinalizeParams {
+  const float* acc;         // (B, S, H, D) fp32, strides acc_stride
+  const float* m;           // (B, H, S) fp32, strides ml_stride
+  const float* l;           // (B, H, S) fp32, strides ml_stride (m's)
+  T* out;                   // (B, S, H, D) output, strides out_stride
+  float* lse;               // (B, H, S) fp32 natural-log sum of exp, strides lse_stride
+  RowStrides acc_stride;    // of acc
+  RowStrides out_stride;    // of out
+  StatStrides ml_stride;    // of m and l
+  StatStrides lse_stride;   // of lse
+  int S, D;                 // rows a (batch, head) and head dim (acc's last dim)
+};
+
+// flash_any_nonfinite: set *flag when x holds a value that could poison a masked pair.
+template <typename T>
+struct NonfiniteParams {
+  const T* x;            // (B, S, H, D) tensor to scan (a (B, H, S) statistic as (B, S, H, 1))
+  int* flag;             // device int, only ever set to 1 here
+  RowStrides x_stride;   // of x
+  int S, D;              // rows a (batch, head) and elements a row (S * D / vec < 2^31)
+  int vec;               // elements a thread reads: 16 / sizeof(T) (aligned rows) or 1
+};
+
+// flash_bwd_delta: delta = rowsum(dO * O) in fp32.
+template <typename T>
+struct BwdDeltaParams {
+  const T* out;               // (B, S, H, D) forward output, strides row_stride
+  const T* dout;              // (B, S, H, D) its gradient, strides row_stride (out's)
+  float* delta;               // (B, H, S) fp32, strides delta_stride
+  RowStrides row_stride;      // of out and dout
+  StatStrides delta_stride;   // of delta
+  int B, S, H, D;             // sizes of out
+};
+
+// flash_bwd_dkdv and flash_bwd_dq: one backward ring step over one BlockRect. The two kernels of
+// a deterministic step take the same struct (psum is read by flash_bwd_dq only).
+template <typename T>
+struct BwdStepParams {
+  const T* q;               // (B, Sq, H, D) visiting queries, strides q_stride
+  const T* dout;            // (B, Sq, H, D) output gradient, strides q_stride (q's)
+  const T* k;               // (B, Sk, Hkv, D) resident keys, strides k_stride
+  const T* v;               // (B, Sk, Hkv, D) resident values, strides k_stride (k's)
+  const float* lse;         // (B, H, Sq) fp32 forward lse (natural log), strides stat_stride
+  const float* delta;       // (B, H, Sq) fp32 rowsum(dO * O), strides stat_stride
+  float* dq;                // (B, Sq, H, D) fp32 travelling dQ accumulator, strides dq_stride
+  float* dk;                // (B, Sk, Hkv, D) fp32 resident dK accumulator, strides dk_stride
+  float* dv;                // (B, Sk, Hkv, D) fp32 resident dV accumulator, strides dk_stride
+  float* psum;              // (B, H, Sq) fp32 with stat_stride, or null: flash_bwd_dq adds each
+                            // row's sum of the recomputed P to it (attention_backward(check=True))
+  const int* nonfinite;     // device int: nonzero runs the CAREFUL twin of the pair
+  RowStrides q_stride;      // of q and dout
+  RowStrides k_stride;      // of k and v
+  RowStrides dq_stride;     // of dq
+  RowStrides dk_stride;     // of dk and dv
+  StatStrides stat_stride;  // of lse, delta and psum
+  BlockRect blk;            // the rectangle and its key bounds
+  int H, Hkv;               // query heads, kv heads (GQA as in the forward)
+  float scale;              // softmax scale (natural units; the kernels fold in log2(e))
+};

@@ -1,0 +1,154 @@
+"""The host mirrors of the kernels' parameter structs (`burstcu.ops.launch`) against the C structs
+of kernels/params.cuh: size, alignment, member count and every member's offset, size and kind as
+g++ lays them out (through the emulator's build), and sizes, alignments and offsets as NVRTC does
+(read from a probe kernel's PTX; needs cuda-python, not a GPU). A field added to, dropped from or
+moved in one side only fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from burstcu.layout import Block
+from burstcu.ops import launch
+from burstcu.ops.launch import NO_BOUND, PARAM_STRUCTS, CStruct
+from burstcu.testing.emulate import struct_layout
+
+pytestmark = pytest.mark.emulated
+
+KIND = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f"}
+ELEMENT_TYPES = ("__half", "__nv_bfloat16", "float")
+
+
+def instances(st: CStruct) -> list[str]:
+    """The C++ types of `st` to check (a template's layout may not depend on T: every T)."""
+    return [f"{st.name}<{t}>" for t in ELEMENT_TYPES] if st.templated else [st.name]
+
+
+CASES = [(st, name) for st in PARAM_STRUCTS for name in instances(st)]
+
+
+@pytest.mark.parametrize("st,cxx", CASES, ids=[c for _, c in CASES])
+def test_host_layout_matches_gxx(st, cxx):
+    members = st.layout()
+    got = struct_layout("params.cuh", cxx, [m for m, *_ in members])
+    assert (got["size"], got["align"]) == (st.dtype.itemsize, st.dtype.alignment), cxx
+    assert got["count"] == len(st.fields), f"{cxx} has {got['count']} members, the host {len(st.fields)}"
+    for path, offset, size, typ in members:
+        assert got["members"][path] == (offset, size, KIND[typ]), f"{cxx}.{path}"
+
+
+def nvrtc_ptx(source: str) -> str:
+    """PTX of `source` (kernels/ on the include path) for compute_80, with the compile gate's
+    options otherwise."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    pytest.importorskip("cuda.pathfinder")
+    from burstcu.kernels.compile import nvrtc_options
+
+    opts = [o for o in nvrtc_options("compute_80") if not o.startswith("--gpu-architecture")]
+    opts = [o.encode() for o in (*opts, "--gpu-architecture=compute_80")]
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"layout_probe.cu", 0, [], [])
+    try:
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode().rstrip("\0 ")
+
+
+def stored_constants(ptx: str) -> dict[int, int]:
+    """{index: value} of the `out[index] = constant` stores of a probe kernel's PTX."""
+    regs = dict(re.findall(r"mov\.u64\s+(%rd\d+), (\d+);", ptx))
+    out = {}
+    for offset, src in re.findall(r"st\.global\.u64\s+\[%rd\d+\+?(\d*)\], (%rd\d+|\d+);", ptx):
+        out[int(offset or 0) // 8] = int(regs.get(src, src))
+    return out
+
+
+def test_host_layout_matches_nvrtc():
+    """Sizes, alignments, offsets and member sizes as NVRTC (the compiler of the GPU kernels) lays
+    them out: a probe kernel stores them as constants, which the PTX shows (no GPU needed)."""
+    lines, expected = ['#include "params.cuh"',
+                       'extern "C" __global__ void layout_probe(unsigned long long* out) {'], []
+    for st, cxx in CASES:
+        ptr = f"static_cast<{cxx}*>(nullptr)"
+        facts = [(f"sizeof({cxx})", st.dtype.itemsize, f"sizeof {cxx}"),
+                 (f"alignof({cxx})", st.dtype.alignment, f"alignof {cxx}")]
+        for path, offset, size, _ in st.layout():
+            facts += [(f"(unsigned long long)&{ptr}->{path}", offset, f"offset of {cxx}.{path}"),
+                      (f"sizeof({ptr}->{path})", size, f"size of {cxx}.{path}")]
+        for expr, value, what in facts:
+            lines.append(f"  out[{len(expected)}] = {expr};")
+            expected.append((value, what))
+    got = stored_constants(nvrtc_ptx("\n".join(lines + ["}"]) + "\n"))
+    assert len(got) == len(expected)
+    mismatches = [f"{what}: NVRTC {got[i]}, host {value}" for i, (value, what) in enumerate(expected)
+                  if got[i] != value]
+    assert not mismatches, mismatches
+
+
+def test_every_struct_of_the_header_is_mirrored():
+    text = (Path(launch.__file__).resolve().parents[2] / "kernels" / "params.cuh").read_text()
+    declared = {line.split()[1] for line in text.splitlines() if line.startswith("struct ")}
+    assert declared == {st.name for st in PARAM_STRUCTS}
+
+
+# ------------------------------------------------------------------------------------------------
+# the builders
+
+
+def test_pack_refuses_missing_unknown_and_out_of_range_fields():
+    with pytest.raises(TypeError, match=r"missing fields \['h'\], unknown fields \['x'\]"):
+        launch.ROW_STRIDES.pack(b=1, s=2, x=3)
+    with pytest.raises(OverflowError):
+        launch.BLOCK_RECT.pack(q_start=2**31, q_len=1, k_start=0, k_len=1, q_pos=0, k_pos=0,
+                               hi=0, lo=0)
+
+
+def test_fwd_step_params_fields():
+    q = np.zeros((2, 16, 4, 64), np.float16)
+    k = np.zeros((2, 24, 2, 64), np.float16)
+    v = np.zeros_like(k)
+    acc = np.zeros((2, 16, 4, 64), np.float32)
+    m, l = np.zeros((2, 4, 16), np.float32), np.zeros((2, 4, 16), np.float32)
+    flag = np.zeros(1, np.int32)
+    blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
+    p = launch.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
+    assert p.dtype == launch.FWD_STEP.dtype and p.dtype.itemsize == 192
+    assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
+    assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
+    assert tuple(p["ml_stride"]) == (4 * 16, 16)
+    assert tuple(p["blk"]) == (3, 5, 4, 6, 103, 104, 0, NO_BOUND)
+    assert (int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (4, 2, 0.5)
+
+
+def test_bwd_step_params_take_64bit_strides_and_check_shared_ones():
+    big = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (1, 2, 1, 64), (0, 2**34, 0, 2))
+    stat = np.zeros((1, 1, 2), np.float32)
+    grad = np.zeros((1, 2, 1, 64), np.float32)
+    blk = Block(q_start=0, q_len=2, k_start=0, k_len=2, q_pos=0, k_pos=0, causal=False)
+    p = launch.bwd_step_params(big, big, big, big, stat, stat, grad, grad, grad, None,
+                               np.zeros(1, np.int32), blk, 0.125)
+    assert int(p["q_stride"]["s"]) == 2**33 and int(p["psum"]) == 0
+    other = np.zeros((1, 2, 1, 64), np.float16)
+    with pytest.raises(ValueError, match="share their strides"):
+        launch.bwd_step_params(big, other, big, big, stat, stat, grad, grad, grad, None,
+                               np.zeros(1, np.int32), blk, 0.125)
+
+
+def test_strides_of_length_one_dims_need_not_agree():
+    """A dim of size 1 is only ever indexed at 0: tensors that differ in its stride alone share
+    their strides (NumPy and CuPy keep such strides on contiguous copies)."""
+    a = np.zeros((1, 24, 2, 32), np.float16)
+    b = np.lib.stride_tricks.as_strided(np.zeros(24 * 2 * 32, np.float16), a.shape, (64, 128, 64, 2))
+    assert launch._shared_strides(3, a, b) == (24 * 2 * 32, 64, 32)
