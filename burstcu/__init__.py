@@ -8,14 +8,17 @@ Public API (see `burstcu.api` for shapes and semantics)::
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
     print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
     out = burstcu.linear_attention(q, k, v, group, causal=True)   # LASP-2 (linear attention)
+    out = burstcu.decode(q_new, k_cache, v_cache, group, cache_seqlens=n)   # sharded KV cache
 """
 
 from .api import (attention, attention_backward, linear_attention, linear_attention_backward,
                   shard, unshard)
+from .kvcache import KVCache, decode
 from .group import Group, init
 from .plan import plan
 from .transport.base import CommTimeoutError
 
 __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
-           "linear_attention_backward", "shard", "unshard", "plan", "CommTimeoutError"]
+           "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
+           "CommTimeoutError"]
 __version__ = "0.1.0"

@@ -327,7 +327,8 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
 ARRAY_NAMES = {"attention": ("q", "k", "v"),
                "attention_backward": ("dout", "q", "k", "v", "out", "lse"),
                "linear_attention": ("q", "k", "v"),
-               "linear_attention_backward": ("dout", "q", "k", "v")}
+               "linear_attention_backward": ("dout", "q", "k", "v"),
+               "decode": ("q", "k_cache", "v_cache")}
 
 
 def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:

@@ -137,3 +137,25 @@ def test_all_to_all_strategies_on_one_gpu(group, strategy):
     if strategy == "usp":
         assert group.transport._subgroups and all(
             sub.name == "nccl" for sub in group.transport._subgroups.values())
+
+
+def test_decode_on_the_gpu(group):
+    """burstcu.decode on CuPy arrays (world of one over NCCL): float16 against float64 within
+    FlashAttention's rule, rows past cache_seqlens (NaN) never read, results stay CuPy."""
+    import cupy
+    import burstcu
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 1, 8, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 300, 2, 64)).astype(np.float16) for _ in range(2))
+    n = np.array([300, 129], np.int32)
+    k[1, 129:], v[1, 129:] = np.nan, np.nan
+    out, lse = burstcu.decode(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), group,
+                              cache_seqlens=n, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
+    for b in range(2):
+        ref_out, ref_lse = attention_ref(q[b:b + 1], k[b:b + 1, :n[b]], v[b:b + 1, :n[b]])
+        naive, _ = attention_ref(q[b:b + 1], k[b:b + 1, :n[b]], v[b:b + 1, :n[b]], dtype=np.float32,
+                                 round_to=np.float16)
+        ok, err, bound = within_fa_rule(cupy.asnumpy(out[b:b + 1]).astype(np.float64), ref_out, naive, EPS32)
+        assert ok, f"out: {err:.3e} > {bound:.3e}"
+        assert np.abs(cupy.asnumpy(lse[b]) - ref_lse[0]).max() < 1e-3
