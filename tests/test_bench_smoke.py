@@ -303,3 +303,21 @@ def test_volume_docs_smoke(tmp_path, layout):
     assert result["at_least_minimum"]
     if layout == "contiguous":   # documents and a window end most trips early
         assert result["totals"]["forward"]["achieved"] < result["totals"]["forward"]["full_ring"]
+
+
+def test_decode_bench_smoke(tmp_path):
+    """bench/decode.py on 2 ranks at toy sizes: every row measured, bytes per rank the same at
+    every cache length (decode_bytes; the script asserts it against group.stats), prefill rows
+    for burst, allgather and one rank; --predict labels every row PREDICTION."""
+    out = tmp_path / "decode.json"
+    run_bench("decode.py", ["--cache", "64", "512", "--prefill", "64", "--heads", "4",
+                            "--kv-heads", "2", "--headdim", "16", "--repeats", "2", "--json", out])
+    rows = json.loads(out.read_text())["rows"]
+    tokens = [r for r in rows if r.get("token_ms") is not None]
+    assert [r["cache"] for r in tokens] == [64, 512] and all(r["token_ms"] > 0 for r in tokens)
+    assert len({r["bytes_per_rank"] for r in tokens}) == 1 and tokens[0]["bytes_per_rank"] > 0
+    assert {r["strategy"] for r in rows if r.get("first_token_ms")} == {"burst", "allgather", "one rank"}
+    pred = tmp_path / "pred.json"
+    run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
+              nprocs=None)
+    assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])

@@ -1,0 +1,191 @@
+"""Decode against a sequence-sharded KV cache: per-token latency against the cache length, and the
+first token's (prefill) latency of burst vs allgather vs one rank — measured at the world size
+it runs in; `--predict` gives the GPU presets' model (PREDICTION, never a measurement).
+
+    mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096 16384]
+        [--batch 1] [--heads 32] [--kv-heads 8] [--headdim 128] [--dtype float32]
+        [--repeats 5] [--json F] [--table F] [--plot F]
+    python bench/decode.py --predict [--ranks 1 2 4 8] [--cache ...] [--json F]
+
+Per token (decode): every rank holds cache/G rows per batch row (`burstcu.KVCache`), q is one new
+token; the time is the median over repeats of one `KVCache.decode` (the partial attention of a
+rank's rows + one all-gather of the partials + the merge), max over ranks; bytes are what a rank
+sends (`decode_bytes`: independent of the cache length).
+First token (prefill): causal attention over the prompt sharded zigzag over G ranks with
+`strategy="burst"` and `"allgather"`, and (rank 0 alone, `group=None`) the whole prompt on one
+rank: the time to the first token's attention output.
+Model (--predict): per token, a rank reads its K/V shard once (memory-bound: 2*B*S/G*Hkv*D*itemsize
+bytes at the preset's HBM bandwidth) and the all-gather costs latency*log2(G) + bytes/link; the
+prefill is bench/model.py's burst ring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402  (also puts the repo root on sys.path)
+
+import burstcu  # noqa: E402
+from burstcu.kvcache import decode_bytes  # noqa: E402
+
+# HBM bandwidth of the presets' GPUs (vendor datasheets), for the memory-bound decode step
+HBM_GBPS = {"a100": 2039, "h100": 3350}
+
+
+def _timed(group, fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats`, each started together (barrier) and timed to the
+    slowest rank."""
+    times = []
+    for _ in range(repeats):
+        group.barrier()
+        t0 = time.perf_counter()
+        fn()
+        mine = time.perf_counter() - t0
+        times.append(max(group.transport.allgather_object(mine, "decode bench time")))
+    return C.median(times)
+
+
+def measure_decode(group, args, cache_len: int) -> dict:
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    dt = C._dtype(args.dtype)
+    per_rank = -(-cache_len // group.size)
+    rng = np.random.default_rng([1, group.rank])
+    cache = burstcu.KVCache(group, b, per_rank + 1, hkv, d, dt)
+    mine = per_rank if group.rank < cache_len % group.size or cache_len % group.size == 0 else per_rank - 1
+    kv = rng.standard_normal((2, b, mine, hkv, d), dtype=np.float32).astype(dt)
+    cache.from_prefill(kv[0], kv[1])
+    q = np.random.default_rng(2).standard_normal((b, 1, h, d), dtype=np.float32).astype(dt)
+    cache.decode(q)                                         # warm-up
+    group.stats.reset()
+    seconds = _timed(group, lambda: cache.decode(q), args.repeats)
+    sent = group.stats.bytes_sent // args.repeats
+    assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
+    return {"kind": "measured", "ranks": group.size, "cache": cache_len, "token_ms": seconds * 1e3,
+            "tokens_per_s": 1.0 / seconds, "bytes_per_rank": sent,
+            "cache_rows_per_rank": int(cache.counts[:, 0].max())}
+
+
+def measure_prefill(group, args, n: int) -> list[dict]:
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    dt = C._dtype(args.dtype)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((b, n, h, d), dtype=np.float32).astype(dt)
+    k, v = (rng.standard_normal((b, n, hkv, d), dtype=np.float32).astype(dt) for _ in range(2))
+    local = [burstcu.shard(x, group, "zigzag") for x in (q, k, v)]
+    rows = []
+    for strategy in ("burst", "allgather"):
+        def run():
+            burstcu.attention(*local, group, causal=True, layout="zigzag", strategy=strategy)
+        run()
+        rows.append({"kind": "measured", "ranks": group.size, "prompt": n, "strategy": strategy,
+                     "first_token_ms": _timed(group, run, args.repeats) * 1e3})
+    if group.rank == 0:                 # the whole prompt on one rank, for comparison
+        burstcu.attention(q, k, v, causal=True)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            burstcu.attention(q, k, v, causal=True)
+        one = (time.perf_counter() - t0) / args.repeats
+    else:
+        one = None
+    one = group.transport.allgather_object(one, "one rank")[0]
+    rows.append({"kind": "measured", "ranks": 1, "prompt": n, "strategy": "one rank",
+                 "first_token_ms": one * 1e3})
+    return rows
+
+
+def predict(args) -> dict:
+    """PREDICTIONS of the per-token latency for every preset (module docstring)."""
+    import model
+
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    itemsize = np.dtype(C._dtype(args.dtype)).itemsize if args.dtype != "bfloat16" else 2
+    rows = []
+    for name, hw in sorted(model.PRESETS.items()):
+        hbm = HBM_GBPS[name.split("-")[0]] * 1e9 * 0.8
+        for g in args.ranks:
+            for n in args.cache:
+                read = 2 * b * math.ceil(n / g) * hkv * d * itemsize / hbm
+                q = np.empty((b, 1, h, d), np.float16)
+                sent = decode_bytes(g, q)
+                comm = 0.0 if g == 1 else (hw.latency_us * 1e-6 * math.ceil(math.log2(g))
+                                           + sent / (hw.link_gbps * 1e9 * hw.link_eff))
+                rows.append({"kind": "PREDICTION", "preset": name, "ranks": g, "cache": n,
+                             "token_ms": (read + comm) * 1e3, "read_ms": read * 1e3,
+                             "gather_ms": comm * 1e3, "bytes_per_rank": sent})
+    return {"benchmark": "decode", "kind": "PREDICTION", "args": C.clean(vars(args)), "rows": rows}
+
+
+def plot(rows: list, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tokens = [r for r in rows if "token_ms" in r]
+    ax.plot([r["cache"] for r in tokens], [r["token_ms"] for r in tokens], "o-",
+            label=f"{tokens[0]['ranks']} rank(s), measured" if tokens else "")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("cache length (tokens, all ranks)")
+    ax.set_ylabel("ms per token")
+    ax.set_title("decode against a sharded KV cache (CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cache", nargs="+", type=int, default=[4096, 65536, 262144])
+    p.add_argument("--prefill", nargs="+", type=int, default=[4096])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--predict", action="store_true", help="the GPU presets' model only (PREDICTION)")
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
+    p.add_argument("--json")
+    p.add_argument("--table")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    if args.predict:
+        result = predict(args)
+        text = ("# PREDICTION (bench/model.py presets; HBM-bound read of the cache shard + the "
+                "all-gather); not a measurement\n"
+                + C.table(result["rows"], ["kind", "preset", "ranks", "cache", "token_ms", "read_ms",
+                                           "gather_ms", "bytes_per_rank"]))
+        print(text)
+        if args.table:
+            Path(args.table).write_text(text + "\n")
+        if args.json:
+            C.write_json(args.json, result)
+        return 0
+    group = burstcu.init(backend="numpy")
+    rows = []
+    for n in args.cache:
+        C.progress(f"decode, cache {n}", group.rank)
+        rows.append(measure_decode(group, args, n))
+    for n in args.prefill:
+        C.progress(f"prefill, prompt {n}", group.rank)
+        rows += measure_prefill(group, args, n)
+    if group.rank == 0:
+        C.print_and_write(C.environment(group), rows,
+                          ["kind", "ranks", "cache", "token_ms", "tokens_per_s", "bytes_per_rank",
+                           "cache_rows_per_rank", "prompt", "strategy", "first_token_ms"], args)
+        if args.plot:
+            plot(rows, args.plot)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
