@@ -7,7 +7,8 @@ holds, capacity the most it can hold):
     shard, rows in any order;  cache_seqlens (B,) ints: valid rows of each batch row on this rank
     out (B, T, H, D) in q's dtype, lse (B, H, T) float32 (float64 for float64 q): the same on
     every rank
-One partial attention per rank over its valid rows (`burstcu.ops.decode.partial`), then ONE
+One partial attention per rank over its valid rows (`burstcu.ops.decode.partial` on the CPU;
+on the kernel backends the split-K kernels of kernels/flash_decode.cu, `ops.kernel_decode`), then ONE
 all-gather of the partials (acc (B,T,H,D), row max and row sum (B,H,T), accumulation dtype)
 merged in rank order (`burstcu.ops.decode.merge`), so every rank holds the same bits:
     bytes sent per rank = (G-1) * B*T*H*(D+2) * acc itemsize    (`decode_bytes`)
@@ -24,6 +25,7 @@ import numpy as np
 from .api import _agreed, _group_for, _returned
 from .group import Call, Group
 from .ops import decode as local
+from .ops import kernel_decode
 from .ops.base import Message, accum_dtype
 from .validate import InputError, _check_array, agree, dtype_name, host_ints, metadata, resolve_scale
 
@@ -105,7 +107,10 @@ def _decode(q, k_cache, v_cache, group, cache_seqlens, softmax_scale, return_lse
             call, group, (q, k_cache, v_cache), "decode", check)
         xp, acc = group.ops.xp, accum_dtype(q.dtype)
         call.transport.where = "decode partial attention"
-        mine = local.partial(xp, q, k_cache, v_cache, lengths, scale, acc)
+        if group.backend in ("cupy", "emulated") and dtype_name(q) in kernel_decode.KERNEL_DTYPES:
+            mine = kernel_decode.partial(group.ops, q, k_cache, v_cache, lengths, scale)
+        else:
+            mine = local.partial(xp, q, k_cache, v_cache, lengths, scale, acc)
         parts = _gathered(group, mine)
         out, lse = local.merge(xp, parts, q.dtype)
     results = _returned(export, (out, lse))

@@ -53,7 +53,8 @@ for s in "${steps[@]}"; do
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py ;;
+             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
+             tests/kernels/test_decode_emulated.py ;;
     kbench) step kbench 420 $PY bench/kernels.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
