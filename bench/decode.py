@@ -52,24 +52,64 @@ def _timed(group, fn, repeats: int) -> float:
     return C.median(times)
 
 
-def measure_decode(group, args, cache_len: int) -> dict:
+def _sync(group) -> None:
+    if group.backend == "cupy":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def measure_decode(group, args, cache_len: int) -> list[dict]:
     b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
     dt = C._dtype(args.dtype)
+    xp = group.ops.xp
     per_rank = -(-cache_len // group.size)
     rng = np.random.default_rng([1, group.rank])
     cache = burstcu.KVCache(group, b, per_rank + 1, hkv, d, dt)
     mine = per_rank if group.rank < cache_len % group.size or cache_len % group.size == 0 else per_rank - 1
-    kv = rng.standard_normal((2, b, mine, hkv, d), dtype=np.float32).astype(dt)
+    kv = xp.asarray(rng.standard_normal((2, b, mine, hkv, d), dtype=np.float32).astype(dt))
     cache.from_prefill(kv[0], kv[1])
-    q = np.random.default_rng(2).standard_normal((b, 1, h, d), dtype=np.float32).astype(dt)
-    cache.decode(q)                                         # warm-up
+    q = xp.asarray(np.random.default_rng(2).standard_normal((b, 1, h, d), dtype=np.float32).astype(dt))
+
+    def step():
+        cache.decode(q)
+        _sync(group)
+
+    step()                                                  # warm-up (compiles on a GPU)
     group.stats.reset()
-    seconds = _timed(group, lambda: cache.decode(q), args.repeats)
+    seconds = _timed(group, step, args.repeats)
     sent = group.stats.bytes_sent // args.repeats
     assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
-    return {"kind": "measured", "ranks": group.size, "cache": cache_len, "token_ms": seconds * 1e3,
-            "tokens_per_s": 1.0 / seconds, "bytes_per_rank": sent,
-            "cache_rows_per_rank": int(cache.counts[:, 0].max())}
+    rows = [{"kind": "measured", "impl": "burstcu", "ranks": group.size, "cache": cache_len,
+             "token_ms": seconds * 1e3, "tokens_per_s": 1.0 / seconds, "bytes_per_rank": sent,
+             "cache_rows_per_rank": int(cache.counts[:, 0].max())}]
+    if group.backend == "cupy" and group.size == 1:        # the same attention in torch, same run
+        rows += _torch_baseline(args, cache, q, cache_len)
+    return rows
+
+
+def _torch_baseline(args, cache, q, cache_len: int) -> list[dict]:
+    """torch's scaled_dot_product_attention over the same cache rows (one GPU), if torch is there."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return []
+    n = int(cache.counts[0, 0])
+    tq = torch.from_dlpack(q).transpose(1, 2)                            # (B, H, 1, D)
+    g = q.shape[2] // cache.k.shape[2]
+    tk = torch.from_dlpack(cache.k[:, :n]).transpose(1, 2).repeat_interleave(g, dim=1)
+    tv = torch.from_dlpack(cache.v[:, :n]).transpose(1, 2).repeat_interleave(g, dim=1)
+    F.scaled_dot_product_attention(tq, tk, tv)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(tq, tk, tv)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    seconds = C.median(times)
+    return [{"kind": "measured", "impl": "torch sdpa", "ranks": 1, "cache": cache_len,
+             "token_ms": seconds * 1e3, "tokens_per_s": 1.0 / seconds}]
 
 
 def measure_prefill(group, args, n: int) -> list[dict]:
@@ -128,14 +168,14 @@ def plot(rows: list, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    tokens = [r for r in rows if "token_ms" in r]
+    tokens = [r for r in rows if r.get("impl") == "burstcu"]
     ax.plot([r["cache"] for r in tokens], [r["token_ms"] for r in tokens], "o-",
             label=f"{tokens[0]['ranks']} rank(s), measured" if tokens else "")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("cache length (tokens, all ranks)")
     ax.set_ylabel("ms per token")
-    ax.set_title("decode against a sharded KV cache (CPU)")
+    ax.set_title("decode against a sharded KV cache")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -151,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--backend", default="numpy", choices=["numpy", "cupy"],
+                   help="cupy: decode on the GPU (a world of one; torch's SDPA beside it if torch "
+                        "is installed; prefill not timed)")
     p.add_argument("--predict", action="store_true", help="the GPU presets' model only (PREDICTION)")
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
     p.add_argument("--json")
@@ -169,17 +212,17 @@ def main(argv=None) -> int:
         if args.json:
             C.write_json(args.json, result)
         return 0
-    group = burstcu.init(backend="numpy")
+    group = burstcu.init(backend=args.backend)
     rows = []
     for n in args.cache:
         C.progress(f"decode, cache {n}", group.rank)
-        rows.append(measure_decode(group, args, n))
-    for n in args.prefill:
+        rows += measure_decode(group, args, n)
+    for n in args.prefill if group.backend != "cupy" else []:
         C.progress(f"prefill, prompt {n}", group.rank)
         rows += measure_prefill(group, args, n)
     if group.rank == 0:
-        C.print_and_write(C.environment(group), rows,
-                          ["kind", "ranks", "cache", "token_ms", "tokens_per_s", "bytes_per_rank",
+        C.print_and_write(C.environment(group, synchronized=True), rows,
+                          ["kind", "impl", "ranks", "cache", "token_ms", "tokens_per_s", "bytes_per_rank",
                            "cache_rows_per_rank", "prompt", "strategy", "first_token_ms"], args)
         if args.plot:
             plot(rows, args.plot)

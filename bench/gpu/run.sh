@@ -11,7 +11,8 @@
 # (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
 # attention: tests/gpu/test_linear_gpu.py; bench/linear.py on one GPU, LASP-2/LASP-1 to 1M tokens
 # beside softmax burst), varlen (bench/overlap_gpu.py --docs: causal documents on 4 ranks,
-# zigzag per document vs contiguous) and uneven (a global length 3 ranks do not divide).
+# zigzag per document vs contiguous), uneven (a global length 3 ranks do not divide) and decode
+# (bench/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
 # Reports (JSON, PNG) go to $OUT; each
 # step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
@@ -29,7 +30,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env gate full tests gputests kbench overlap overlap_causal tiles
-                                 memcheck racecheck demo mpi linear linearbench varlen uneven)
+                                 memcheck racecheck demo mpi linear linearbench varlen uneven decode)
 failed=()
 
 step() {  # step NAME SECONDS COMMAND...
@@ -86,6 +87,8 @@ for s in "${steps[@]}"; do
              --repeats 3 --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
     uneven) step uneven 300 $PY bench/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
              --layout contiguous --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
+    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
+             262144 1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/test_interop.py tests/test_bringup_fixes.py ;;
     *) echo "unknown step $s" ;;
