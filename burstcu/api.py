@@ -209,7 +209,8 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
 
     def finish(lengths, extra):
         scale, docs = extra
-        err, part = partition_of(layout, lengths, docs)
+        err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
+                                 _max_positions(group))
         if err is not None:
             raise err.kind(err.message)
         return scale, docs, part
@@ -217,6 +218,11 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
     what = "attention_backward" if backward else "attention"
     arrays, export, (scale, docs, part) = _agreed(call, group, arrays, what, local, finish)
     return arrays, export, scale, docs, part
+
+
+def _max_positions(group: Group) -> int | None:
+    """The most global positions the group's local op addresses (the kernels: 2^30)."""
+    return 2**30 if group.backend in ("cupy", "emulated") else None
 
 
 def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
@@ -274,7 +280,7 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str = "contiguous",
               return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
-              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None):
+              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool = False):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`);
@@ -302,11 +308,15 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         keys of its own document [b_j, b_j+1) (together with causal and window_size); the
         same boundaries hold for every batch row. Any boundaries work (no divisibility), with
         every layout and strategy; with layout="zigzag" the shards are each document's 2G
-        pieces (`shard(..., cu_seqlens=...)` cuts them), which balances causal work whatever
-        the mix of lengths. A document is a set of rectangles of the steps
+        pieces (`shard(..., cu_seqlens=...)` cuts them: give shard the same cu_seqlens, since
+        plain zigzag shards of the same lengths cannot be told apart), which balances causal
+        work whatever the mix of lengths. A document is a set of rectangles of the steps
         (`burstcu.layout.blocks`): steps without a shared document compute nothing, and
         burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
         once no rank it would reach shares a document with it.
+    uneven: contiguous shards of other than near-equal lengths are what the ranks mean to
+        hold (default False: lengths differing by more than one row are refused on every rank,
+        which catches a rank passing the global array instead of its shard).
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -320,7 +330,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
         (q, k, v), export, scale, docs, part = _checked(
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "return_lse": return_lse}, window=window_size,
+            flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window=window_size,
             cu_seqlens=cu_seqlens)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs)
@@ -335,7 +345,8 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                        causal: bool = False, softmax_scale: float | None = None,
                        layout: str = "contiguous", strategy: str = "burst",
                        ulysses_degree: int | None = None, check: bool = False,
-                       window_size: tuple[int, int] = (-1, -1), cu_seqlens=None):
+                       window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
+                       uneven: bool = False):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -354,7 +365,8 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
         (dout, q, k, v, out, lse), export, scale, docs, part = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "check": check}, window=window_size, cu_seqlens=cu_seqlens)
+            flags={"causal": causal, "check": check, "uneven": uneven}, window=window_size,
+            cu_seqlens=cu_seqlens)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs)
@@ -491,40 +503,44 @@ def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens) -> 
 
 
 def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1,
-            cu_seqlens=None):
+            cu_seqlens=None, uneven: bool = False):
     """The global array on every rank, from each rank's `x_local` (the inverse of `shard`; with
     "contiguous", of any split the ranks' shards make in rank order).
 
     Collective: every rank calls it with the same dtype, axis and cu_seqlens and shapes equal
-    but along `axis`, where shards may differ (zigzag: as `shard` cuts them). Traffic is counted
-    in `group.stats` (uneven shards travel padded to the longest).
+    but along `axis`, where shards may differ (zigzag: as `shard` cuts them; contiguous: by at
+    most one row, or any lengths with uneven=True, as `attention` takes them). Traffic is
+    counted in `group.stats` (uneven shards travel padded to the longest).
     """
-    axis = axis % x_local.ndim
     if group is None or group.size == 1:
         check_layout(layout)
-        _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
+        _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
         return _array_module(x_local).ascontiguousarray(x_local)
     with Call(group, "unshard") as call:
         with call.raising_together():
+            free = length = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
                 check_layout(layout)
+                axis = axis % x_local.ndim
                 err, docs = parse_cu_seqlens(cu_seqlens)
+                err = err or check_flags(uneven=uneven)
+                shape = tuple(int(n) for n in x_local.shape)
+                free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
+                dtype = str(x_local.dtype)
             except Exception as exc:
-                err, docs = InputError(ValueError, f"unshard cannot take this input: "
-                                                   f"{exc.__class__.__name__}: {exc}"), None
-            shape = tuple(int(n) for n in x_local.shape)
-            free = shape[:axis] + ("S",) + shape[axis + 1:]
+                err, docs, dtype = InputError(ValueError, f"unshard cannot take this input: "
+                                                          f"{exc.__class__.__name__}: {exc}"), None, None
             reports = group.transport.allgather_object(
-                (free, str(x_local.dtype), axis, layout, docs_digest(docs), shape[axis], err),
+                (free, dtype, axis, layout, docs_digest(docs), bool(uneven), length, err),
                 "unshard")
             failed = [(r, e) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
                 raise failed[0][1].kind(f"rank {failed[0][0]}: {failed[0][1].message}")
-            if any(rep[:5] != reports[0][:5] for rep in reports):
+            if any(rep[:6] != reports[0][:6] for rep in reports):
                 raise ValueError(f"unshard needs the same shape (but along axis {axis}), dtype, "
-                                 f"axis, layout and cu_seqlens on every rank; got "
-                                 f"{[rep[:5] for rep in reports]}")
-            err, part = partition_of(layout, [rep[5] for rep in reports], docs)
+                                 f"axis, layout, cu_seqlens and uneven on every rank; got "
+                                 f"{[rep[:6] for rep in reports]}")
+            err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))
             if err is not None:
                 raise err.kind(err.message)
         return _gathered(x_local, group, part, axis)

@@ -225,8 +225,10 @@ class KVCache:
                 if k_local.shape[1] > self.capacity:
                     err = InputError(ValueError, f"KVCache.from_prefill: {k_local.shape[1]} rows "
                                                  f"exceed the capacity {self.capacity} a rank")
-            except ValueError as exc:
-                err = InputError(ValueError, str(exc))
+            except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
+                kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
+                err = InputError(kind, f"KVCache.from_prefill cannot take these rows: "
+                                       f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
                 lengths = agree(self.group.transport, err, None, "KVCache.from_prefill",
                                 None if err else int(k_local.shape[1]))

@@ -147,9 +147,9 @@ def partition(layout: str, size: int, seqlen_global: int, docs: tuple[int, ...] 
     if layout == "contiguous":
         if lengths is None:
             lengths = tuple(near_equal(seqlen_global, size))
-        if len(lengths) != size or sum(lengths) != seqlen_global or min(lengths) < 0:
+        if len(lengths) != size or sum(lengths) != seqlen_global or min(lengths) < 1:
             raise ValueError(f"lengths {lengths} do not split {seqlen_global} positions over "
-                             f"{size} ranks")
+                             f"{size} ranks of at least one row each")
         starts = [sum(lengths[:r]) for r in range(size)]
         return Partition(layout, tuple(_runs([(starts[r], lengths[r])]) for r in range(size)))
     if lengths is not None and tuple(lengths) != partition(layout, size, seqlen_global, docs).lengths:

@@ -36,7 +36,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import engine
-from .layout import Partition, as_partition, blocks, grouped
+from .layout import Partition, as_partition, blocks, grouped, partition
 from .ops.base import accum_dtype
 
 
@@ -289,6 +289,8 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)
     docs = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
+    if layout == "zigzag" and docs is not None:     # every document in 2G pieces, as shard cuts
+        layout = partition("zigzag", size, docs[-1], docs)
     preds = [predict(name, opts, q_shape, k_shape, size, causal=causal, layout=layout,
                      dtype=dtype, machine=machine, rank=rank, window=window_size, docs=docs)
              for name, opts in candidates(q_shape, k_shape, size)]

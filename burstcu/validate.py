@@ -222,24 +222,37 @@ def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str = "contiguous")
     return (err, None) if err else (check_docs_total(docs, seqlen_global), docs)
 
 
-def partition_of(layout: str, lengths, docs) -> tuple[InputError | None, Partition | None]:
+def partition_of(layout: str, lengths, docs, uneven: bool = False,
+                 max_positions: int | None = None) -> tuple[InputError | None, Partition | None]:
     """(InputError or None, the Partition) of the ranks' local `lengths` under `layout` with
     documents `docs` (parsed cu_seqlens or None) — the same verdict on every rank, which all
-    know the lengths after the agreement round. Contiguous shards may have any lengths;
-    zigzag ones must be the ones `burstcu.shard` cuts (each document in 2G pieces)."""
+    know the lengths after the agreement round. Contiguous shards are near-equal (lengths
+    differing by at most one, as `burstcu.shard` cuts them) unless `uneven` says the ranks hold
+    other lengths on purpose (so one rank passing the global array is an error, not a silently
+    other sequence); zigzag ones must be the ones `burstcu.shard` cuts (each document in 2G
+    pieces). max_positions: the most positions the local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
     err = check_docs_total(docs, total)
     if err:
         return err, None
+    if max_positions is not None and total > max_positions:
+        return InputError(ValueError, f"the global sequence length N = {total} exceeds the "
+                                      f"{max_positions} positions the CUDA kernels address"), None
+    hint = ""
+    if size > 1 and max(lengths) >= size * min(lengths):
+        hint = (f" (rank {lengths.index(max(lengths))} holds {max(lengths)} rows, {size} times "
+                f"another's or more: did it pass the global array instead of its shard? see "
+                f"burstcu.shard)")
     if layout == "contiguous":
+        if not uneven and max(lengths) - min(lengths) > 1:
+            return InputError(ValueError, f"contiguous shards of {lengths} rows differ by more "
+                                          f"than one row (burstcu.shard cuts near-equal ones); "
+                                          f"pass uneven=True if the ranks hold these lengths on "
+                                          f"purpose{hint}"), None
         return None, partition(layout, size, total, lengths=lengths)
     want = partition(layout, size, total, docs).lengths
     if lengths != want:
-        hint = ""
-        if size > 1 and max(lengths) == size * min(lengths):
-            hint = (f" (rank {lengths.index(max(lengths))}'s sequence length is {size} times "
-                    f"another's: did it pass the global array instead of its shard?)")
         what = "these documents" if docs is not None else "no documents"
         return InputError(ValueError, f"layout='{layout}' over {size} ranks cuts N = {total} "
                                       f"with {what} into shards of {want} rows (burstcu.shard "

@@ -3,14 +3,15 @@
     mpiexec -n 2 python examples/decode_numpy.py [--prompt 37] [--new 12] [--json F]
     python examples/decode_numpy.py                      # one process: the same tokens
 
-A one-layer attention model with random weights (NumPy, float64): token embedding, q/k/v
+A one-layer attention model with random weights (NumPy, float64): token embedding plus
+sinusoidal position features, q/k/v
 projections (GQA: 4 query heads on 2 kv heads), attention, output projection, unembedding.
 Prefill: the prompt is sharded with layout="zigzag" and attended causally with
 `burstcu.attention`; each rank's K/V shard goes into a `burstcu.KVCache` (`from_prefill`).
 Decode: the next token's q, k, v are the same on every rank; `KVCache.append` stores the new K/V
 on one rank (balanced) and `KVCache.decode` attends over every rank's rows; the greedy next token
 is the argmax of the logits. Prints the tokens (and writes them with --json); they equal a
-one-process run's.
+one-process run's and `reference_generate`'s (plain NumPy, no burstcu).
 """
 
 from __future__ import annotations
@@ -36,9 +37,17 @@ def weights(seed: int = 0) -> dict:
             "wo": w(HEADS * HEADDIM, MODEL), "unembed": w(MODEL, VOCAB)}
 
 
-def project(p: dict, tokens: np.ndarray):
-    """q (1, T, H, D), k, v (1, T, Hkv, D) of these tokens (their embeddings x: (T, MODEL))."""
-    x = p["embed"][tokens]
+def positions(start: int, n: int) -> np.ndarray:
+    """Sinusoidal position features (n, MODEL) of positions start .. start + n - 1."""
+    pos = np.arange(start, start + n)[:, None]
+    freq = 1.0 / 50.0 ** (np.arange(MODEL // 2) / (MODEL // 2))
+    return np.concatenate([np.sin(pos * freq), np.cos(pos * freq)], axis=1)
+
+
+def project(p: dict, tokens: np.ndarray, start: int = 0):
+    """q (1, T, H, D), k, v (1, T, Hkv, D) of these tokens at positions start.. (their inputs
+    x: (T, MODEL), embedding plus position features)."""
+    x = p["embed"][tokens] + positions(start, len(tokens))
     t = len(tokens)
     return (x, (x @ p["wq"]).reshape(1, t, HEADS, HEADDIM),
             (x @ p["wk"]).reshape(1, t, KV_HEADS, HEADDIM),
@@ -46,9 +55,31 @@ def project(p: dict, tokens: np.ndarray):
 
 
 def next_token(p: dict, x_last: np.ndarray, attended: np.ndarray) -> int:
-    """Greedy: argmax of the logits of the residual stream x + attention output projection."""
-    h = x_last + attended.reshape(-1) @ p["wo"]
+    """Greedy: argmax of the logits of a residual stream the attention output dominates
+    (x / 8 + attention projected), so every cache row can change the next token."""
+    h = x_last / 8 + attended.reshape(-1) @ p["wo"] * 4
     return int(np.argmax(h @ p["unembed"]))
+
+
+def reference_generate(prompt: np.ndarray, new: int, keep=None) -> list[int]:
+    """The same greedy generation in plain NumPy, without burstcu: each step recomputes the
+    last token's attention over every token so far (softmax over q . k / sqrt(D), kv head
+    h // (H / Hkv)). keep(n) -> the key positions to use of n (default: all), for tests that
+    show a wrong cache changes the tokens."""
+    p = weights()
+    tokens = list(prompt)
+    out = []
+    for _ in range(new):
+        x, q, k, v = project(p, np.array(tokens))
+        rows = np.arange(len(tokens)) if keep is None else keep(len(tokens))
+        g = HEADS // KV_HEADS
+        ke, ve = np.repeat(k[0, rows], g, axis=1), np.repeat(v[0, rows], g, axis=1)   # (n, H, D)
+        s = np.einsum("hd,nhd->hn", q[0, -1], ke) / np.sqrt(HEADDIM)
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        attended = np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), ve)
+        out.append(next_token(p, x[-1], attended))
+        tokens.append(out[-1])
+    return out
 
 
 def generate(group, prompt: np.ndarray, new: int, capacity: int) -> list[int]:
@@ -60,8 +91,8 @@ def generate(group, prompt: np.ndarray, new: int, capacity: int) -> list[int]:
     cache = burstcu.KVCache(group, 1, capacity, KV_HEADS, HEADDIM, np.float64)
     cache.from_prefill(local[1], local[2])
     tokens = [next_token(p, x[-1], whole[0, -1])]
-    for _ in range(new - 1):
-        x_new, q_new, k_new, v_new = project(p, np.array(tokens[-1:]))
+    for i in range(new - 1):
+        x_new, q_new, k_new, v_new = project(p, np.array(tokens[-1:]), len(prompt) + i)
         cache.append(k_new, v_new)
         attended = cache.decode(q_new)                           # (1, 1, H, D), every rank
         tokens.append(next_token(p, x_new[-1], attended[0, 0]))

@@ -69,3 +69,4 @@ def test_unshard_rejects_mismatched_shapes():
         assert result["other_axis"] and "same shape" in result["other_axis"], (rank, result)
         assert result["zigzag_lengths"] and "(4, 5, 6)" in result["zigzag_lengths"] \
             and "layout='zigzag'" in result["zigzag_lengths"], (rank, result)
+        assert "uneven=True" in result["uneven_not_declared"], (rank, result)

@@ -91,10 +91,20 @@ def _generate(world: int, prompt: int, tmp_path) -> list[int]:
 
 
 @pytest.mark.mpi
-def test_prefill_then_greedy_decode_gives_one_process_tokens(tmp_path):
+def test_prefill_then_greedy_decode_gives_the_reference_tokens(tmp_path):
     """examples/decode_numpy.py: zigzag prefill over G ranks, then decode through KVCache; the
-    tokens equal a one-process run's (prompt lengths that no G divides)."""
+    tokens equal the example's plain-NumPy generation (no burstcu: full attention recomputed at
+    every step) at G = 1, 2, 3 (prompt lengths that no G divides) — and that reference is
+    sensitive: dropping half of the cache changes its tokens."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import decode_numpy as ex
+
     for prompt in (37, 40):
-        one = _generate(1, prompt, tmp_path)
-        for world in (2, 3):
-            assert _generate(world, prompt, tmp_path) == one, (prompt, world)
+        tokens = np.random.default_rng(1).integers(0, ex.VOCAB, prompt)
+        want = ex.reference_generate(tokens, 10)
+        assert len(set(want)) > 4, want                       # not a short cycle
+        # a cache missing its first half (or its second) gives other tokens
+        for drop in (lambda n: np.arange(n // 2), lambda n: np.arange(n // 2, n)):
+            assert ex.reference_generate(tokens, 10, keep=drop) != want
+        for world in (1, 2, 3):
+            assert _generate(world, prompt, tmp_path) == want, (prompt, world)

@@ -262,6 +262,9 @@ BAD_INPUTS = {
     "one_rank_wrong_ndim": ("last", "ValueError", "must have 4 dimensions"),
     # contiguous shards may differ in length; zigzag ones must be the ones shard() cuts
     "ranks_disagree_seqlen": ("last", "ValueError", "layout='zigzag' over"),
+    # the global array on one rank: refused (contiguous shards differ by one row at most
+    # unless uneven=True), with a hint
+    "one_rank_passes_the_global_array": ("last", "ValueError", "did it pass the global array"),
     "ranks_disagree_heads": ("last", "ValueError", "q shape: rank 0 (1, 'S', 2, 16)"),
     "uneven_contiguous_shards_agree": ("none", None, None),
     "ranks_disagree_dtype": ("last", "ValueError", "q dtype: rank 0 float32"),
@@ -321,6 +324,8 @@ def bad_input_raises_everywhere(kind: str):
         elif kind in ("ranks_disagree_seqlen", "uneven_contiguous_shards_agree") and bad_here:
             q, k, v = (x[:, :6].copy() for x in (q, k, v))
             layout = "zigzag" if kind == "ranks_disagree_seqlen" else layout
+        elif kind == "one_rank_passes_the_global_array" and bad_here:
+            q, k, v = (np.concatenate([x] * size, axis=1) for x in (q, k, v))
         elif kind == "ranks_disagree_seqlen":
             layout = "zigzag"
         elif kind == "ranks_disagree_heads" and bad_here:
@@ -342,12 +347,14 @@ def bad_input_raises_everywhere(kind: str):
             out, lse = burstcu.attention(q, k, v, group, return_lse=True)
             burstcu.attention_backward(dout, q, k, v, out, lse[:, :1], group)
         else:
-            burstcu.attention(q, k, v, group, causal=causal, layout=layout, softmax_scale=scale)
+            burstcu.attention(q, k, v, group, causal=causal, layout=layout, softmax_scale=scale,
+                              uneven=kind == "uneven_contiguous_shards_agree")
     except (ValueError, TypeError) as exc:
         raised = (type(exc).__name__, str(exc))
     else:
         raised = None
-    if who == "none" or (size == 1 and kind.startswith("ranks_disagree")):
+    if who == "none" or (size == 1 and (kind.startswith("ranks_disagree")
+                                        or kind == "one_rank_passes_the_global_array")):
         assert raised is None, raised  # one rank always agrees with itself
     else:
         assert raised is not None, f"{kind}: rank {rank} raised nothing"
@@ -393,7 +400,12 @@ def unshard_rejects_mismatched_shapes():
             out[name] = None
     lengths = [2 + 3 * r for r in range(size)]
     local = np.arange(lengths[rank], dtype=np.float32)[None, :, None] + sum(lengths[:rank])
-    whole = burstcu.unshard(local, group)
+    if size > 1:   # lengths far apart need uneven=True (else: the global-array guard)
+        try:
+            burstcu.unshard(local, group)
+        except ValueError as exc:
+            out["uneven_not_declared"] = str(exc)
+    whole = burstcu.unshard(local, group, uneven=True)
     assert whole.shape == (1, sum(lengths), 1), whole.shape
     assert np.array_equal(whole[0, :, 0], np.arange(sum(lengths))), whole[0, :, 0]
     group.close()

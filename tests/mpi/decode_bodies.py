@@ -7,7 +7,7 @@ import numpy as np
 import burstcu
 from burstcu.kvcache import decode_bytes
 from burstcu.testing.reference import attention_ref
-from tests.mpi.bodies import DTYPES, _check
+from tests.mpi.bodies import DTYPES, NAIVE, _check
 
 
 def _spread(rng, total: int, size: int) -> np.ndarray:
@@ -50,7 +50,7 @@ def decode_matches_reference(dtype="float32", backend="numpy", b=3, t=2, h=4, hk
             continue
         ref_out, ref_lse = attention_ref(q[bi:bi + 1], whole_k[bi][None], whole_v[bi][None])
         naive_out, naive_lse = attention_ref(q[bi:bi + 1], whole_k[bi][None], whole_v[bi][None],
-                                             dtype=np.float32)
+                                             dtype=NAIVE[dtype])
         _check("out", out[bi:bi + 1].astype(np.float64), ref_out, naive_out, dtype)
         _check("lse", lse[bi:bi + 1], ref_lse, naive_lse, dtype)
     group.close()

@@ -169,7 +169,7 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
     world size) contiguous shards of those lengths. Bytes sent are asserted for burst (rows
     of the blocks and bundles it passes on, each at its owner's length), ring and allgather."""
     from burstcu.testing.reference import attention_backward_ref, attention_ref
-    from tests.mpi.bodies import DTYPES, EPS, _check
+    from tests.mpi.bodies import DTYPES, EPS, NAIVE, _check
 
     group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
@@ -187,7 +187,8 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
         rows = groups[rank]
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
         kw = dict(causal=causal, layout=layout, window_size=(left, right), **how,
-                  **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}))
+                  **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}),
+                  **({"uneven": True} if "lengths" in case else {}))
         group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
         kv_row = (kl.nbytes + vl.nbytes) // kl.shape[1]          # one row of K and V
@@ -220,11 +221,12 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
             assert group.stats.bytes_sent == fwd_want + passed * kv_row_acc, (case, group.stats)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
-        naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=np.float32, **half)
+        # the naive same-dtype implementation (float64 for float64: no float32 slack)
+        naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=NAIVE[dtype], **half)
         _check("out", out.astype(np.float64), ref_out[:, rows], naive_out[:, rows], dtype)
         _check("lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)
         refs = attention_backward_ref(dout, q, k, v, keep=keep)
-        naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=np.float32, **half)
+        naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=NAIVE[dtype], **half)
         # a gradient that is exactly 0 in the reference (window (0, 0): each row sees itself,
         # P = 1, so dS = dP - delta cancels) has no error scale of its own: it must be within
         # rounding of the terms that cancel, |dO| |v| D per dS entry, times |k| (or |q|)
@@ -237,7 +239,8 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
                 continue
             _check(name, got.astype(np.float64), ref[:, rows], naive[:, rows], dtype, factor=3.0)
         # the whole output comes back from uneven shards too
-        whole = burstcu.unshard(out, group, layout, cu_seqlens=kw.get("cu_seqlens"))
+        whole = burstcu.unshard(out, group, layout, cu_seqlens=kw.get("cu_seqlens"),
+                                uneven=kw.get("uneven", False))
         assert whole.shape[1] == n and np.array_equal(whole[:, rows], out)
     group.close()
     return {"cases": len(cases)}
