@@ -153,13 +153,20 @@ def world_comm(comm=None):
     """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
     load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
     once). If a launcher started this process as one of several ranks (`launcher_world_size`),
-    a missing MPI library raises RuntimeError instead: the ranks would otherwise each run the
-    whole problem alone, as unrelated single processes."""
+    a missing mpi4py or MPI library raises RuntimeError instead: the ranks would otherwise each
+    run the whole problem alone, as unrelated single processes."""
     if comm is not None:
         return comm
     try:
         from mpi4py import MPI
-    except ImportError:
+    except ImportError as exc:
+        launched = launcher_world_size()
+        if launched is not None and launched[1] > 1:
+            raise RuntimeError(
+                f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
+                f"but mpi4py is not installed ({exc}): every rank would run alone on the whole "
+                f"problem. Install the 'mpi' extra (pip install 'burstcu[mpi]') in the Python "
+                f"that mpiexec starts") from exc
         return None
     except RuntimeError as exc:
         launched = launcher_world_size()

@@ -338,3 +338,28 @@ def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
     assert G._resolve_backend("auto", TwoRanks()) == ("numpy", True)
     with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
         G._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
+
+
+@pytest.mark.parametrize("launched,ok", [({"PMI_SIZE": "3"}, False), ({}, True)])
+def test_no_mpi4py_under_a_launcher_of_several_ranks_is_an_error(launched, ok, tmp_path):
+    """Without mpi4py at all, a rank started as one of several says so (and names the 'mpi'
+    extra) instead of running the whole problem alone; one process just runs."""
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "mpi4py"            # a package that fails to import, first on the path
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('No module named mpi4py')\n")
+    drop = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_ID",
+            "SLURM_STEP_NUM_TASKS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(launched, PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", "import burstcu; print(burstcu.init().size)"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    if ok:
+        assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
+    else:
+        assert proc.returncode != 0
+        assert "one of 3 ranks (PMI_SIZE=3)" in proc.stderr and "mpi4py is not installed" in proc.stderr
+        assert "burstcu[mpi]" in proc.stderr
