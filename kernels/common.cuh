@@ -18,7 +18,6 @@
 //   cp_async_16 / cp_async_commit / cp_async_wait<N>   cp.async.cg 16 B with zero-fill, groups
 //   warp_max<W>, warp_sum<W>      xor-butterfly reductions over W consecutive lanes (all 32 lanes call)
 //   smem_u32addr(p)               shared-window address of a generic pointer (device only)
-//   reread(x)                     an int read anew from memory at each call (volatile load)
 //   BURSTCU_DYNAMIC_SMEM(T, name) declares `T* name` pointing at the block's dynamic shared memory
 #pragma once
 
@@ -225,13 +224,6 @@ template <int WIDTH> __device__ __forceinline__ float warp_sum(float x) {
   for (int offset = WIDTH / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
-
-// ---------------------------------------------------------------------------------------------
-// A value of a table in global memory (the step kernels' task tables) read anew where it is used
-// (an L1 hit) instead of held in a register from an earlier read: `volatile` keeps the compiler
-// from reusing the first load. For values used once before and once after a kernel's main loops,
-// where the register would sit idle through them and, at the edge of the budget, spill.
-__device__ __forceinline__ int reread(const int& x) { return *static_cast<const volatile int*>(&x); }
 
 // ---------------------------------------------------------------------------------------------
 // Non-finite values. A 16-bit float is Inf or NaN iff its exponent bits are all set.

@@ -4,16 +4,10 @@
 // Algorithm
 // ---------------------------------------------------------------------------------------------
 // In the backward ring each rank keeps K, V and fp32 dK, dV resident; the bundle (Q, dO, lse,
-// delta) travels with an fp32 dQ accumulator. One step covers any number of rectangles (Blocks,
-// one per document piece pair under cu_seqlens): visiting query rows [q_start, q_start + q_len)
-// x resident key rows [k_start, k_start + k_len), global positions q_pos / k_pos; (i, j) is kept
-// iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi (causal: hi = 0; a sliding window: lo, hi =
-// left, right; no bound: NO_BOUND). Each step kernel covers all of them in one launch through a
-// task table (kernels/params.cuh, StepTask / StepRange) built by the host: the kernel's own rows
-// (keys for dK/dV, queries for dQ) cut into disjoint tasks of at most one tile (BN, resp. BM
-// rows), each listing the other side's ranges of every block covering its rows, in the blocks'
-// order. A CTA owns one task and walks its ranges with its accumulators in registers; tasks are
-// disjoint, so no two CTAs write the same dK/dV (or, deterministic, dQ) rows. Per tile pair:
+// delta) travels with an fp32 dQ accumulator. One step covers one rectangle (Block): visiting
+// query rows [q_start, q_start + q_len) x resident key rows [k_start, k_start + k_len), global
+// positions q_pos / k_pos; (i, j) is kept iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi
+// (causal: hi = 0; a sliding window: lo, hi = left, right; no bound: NO_BOUND). Per tile pair:
 //
 //     S  = Q K^T                      (scale folded into the exponent)
 //     P  = exp2(S * scale * log2e - lse * log2e)        recomputed from lse, never stored
@@ -25,10 +19,9 @@
 //
 // Kernels
 //   flash_bwd_delta<T>                         delta[b,h,s] = sum_d dO*O in fp32, one warp a row.
-//   flash_bwd_dkdv<T, D, BM, BN, WARPS_D, DQ>  a CTA owns (batch, kv head, key task of <= BN
-//       rows), keeps that K/V tile in shared memory and loops over the task's query ranges, and
-//       in each over the group's query heads (GQA: query head h uses kv head h / (H / Hkv)) and
-//       their BM-row Q tiles (double-buffered with cp.async; the pipeline drains at a range's end). Warps
+//   flash_bwd_dkdv<T, D, BM, BN, WARPS_D, DQ>  a CTA owns (batch, kv head, BN-key tile), keeps that
+//       K/V tile in shared memory and loops over the group's query heads (GQA: query head h uses
+//       kv head h / (H / Hkv)) and their BM-row Q tiles (double-buffered with cp.async). Warps
 //       split the keys, 16 rows each, so S^T, dP^T live in mma accumulators with keys as rows:
 //       P^T and dS^T are then already A fragments for dV += P^T dO and dK += dS^T Q (no smem
 //       round trip). dK/dV of a kv head sum over its query heads inside one CTA: no atomics.
@@ -38,13 +31,13 @@
 //       the same 16 keys (they recompute S^T, dP^T redundantly): the only way to hold a 256-wide
 //       accumulator without spilling.
 //   flash_bwd_dq<T, D, BM, BN, WARPS_D>        deterministic mode: a CTA owns (batch, head,
-//       query task of <= BM rows), loops over the task's key ranges and their BN-key tiles
-//       (double-buffered), recomputes P and dP and adds dQ += scale * dS K into its own rows. Used with flash_bwd_dkdv<..., false>. Every
+//       BM-row Q tile), loops over BN-key tiles (double-buffered), recomputes P and dP and adds
+//       dQ += scale * dS K into its own rows of dQ. Used with flash_bwd_dkdv<..., false>. Every
 //       output element is written by one thread in a fixed order, so two runs are bit-identical
 //       (the atomic mode is not: the order of the fp32 atomicAdds varies).
 //
-// Masking: K/Q tile pairs wholly outside a range's bounds are skipped (loop bounds); tiles
-// straddling a bound or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
+// Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the
+// diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
 // zero-filled by cp.async. Rows that saw no key in the forward pass have lse = -inf: we load
 // lse*log2e as +inf for them (and for rows past q_len), so P = exp2(finite - inf) = 0, not NaN.
 // Masked pairs are inert (kernels/README.md): P = 0 there in every variant; the CAREFUL variant,
@@ -60,7 +53,7 @@
 // though, is registers: a warp holds dK and dV (16 x D/WARPS_D fp32 each: D/WARPS_D registers a
 // thread) plus S^T and dP^T (16 x BM each: BM registers a thread); fragments and addresses add
 // ~50-90 more. Keeping the accumulators <= ~160 gives BM = 64 for D <= 64, BM = 32 for D = 96,
-// 128 and (WARPS_D = 2) 256; ptxas then reports 158-255 registers, no spills (the gate's table).
+// 128 and (WARPS_D = 2) 256; ptxas then reports 163-253 registers, no spills (the gate's table).
 // BN sets how often Q/dO are re-read (once per BN keys), so it is as large as smem allows:
 // sm_80 BN = 64 (4 warps; D = 128: 75 KB, two CTAs per SM), sm_90 BN = 128 (8 warps, 115 KB)
 // for D <= 128; D = 256: BN = 64, 8 warps (WARPS_D = 2), 141 KB on both. The dq kernel holds
@@ -71,10 +64,10 @@
 // shrinks the three that do not (smem from bwd_variants.py, registers from the gate, NVRTC 13.0,
 // same for fp16 and bf16):
 //     kernel      D    sm_80 (BM, BN, WARPS_D)       sm_86 (BM, BN, WARPS_D)
-//     dkdv, DQ    256  32 x 64 x 2, 140800 B        16 x 48 x 2, 87040 B, 192 thr, 241 regs
-//     dkdv, !DQ   256  32 x 64 x 2, 135680 B        16 x 48 x 2, 84736 B, 192 thr, 234 regs
-//     dq          128  64 x 64 x 1, 104448 B        64 x 32 x 1, 69632 B, 128 thr, 175 regs
-//     dq          256  64 x 32 x 1, 135168 B        64 x 16 x 1, 101376 B, 128 thr, 239 regs
+//     dkdv, DQ    256  32 x 64 x 2, 140800 B        16 x 48 x 2, 87040 B, 192 thr, 240 regs
+//     dkdv, !DQ   256  32 x 64 x 2, 135680 B        16 x 48 x 2, 84736 B, 192 thr, 232 regs
+//     dq          128  64 x 64 x 1, 104448 B        64 x 32 x 1, 69632 B, 128 thr, 128 regs
+//     dq          256  64 x 32 x 1, 135168 B        64 x 16 x 1, 101376 B, 128 thr, 229 regs
 // dkdv D = 256 cannot keep BM = 32: two stages of Q and dO alone are 4 x 32 x 264 x 2 = 67584 B,
 // and with K, V at BN = 32 it is 101888 B even without dS. BM = 16 halves that; BN = 48 (6
 // warps) rather than 32 re-reads Q/dO once per 48 keys instead of 32 (BN must be a multiple of
@@ -206,11 +199,12 @@ __device__ __forceinline__ void load_row_stats(float* s_lse2, float* s_delta, co
 }
 
 /// Whether a (query tile of bm rows at m0, key tile of bn keys at n0) pair needs the element
-/// mask: a bound cuts through it (query i keeps key j iff i + d_lo <= j <= i + d_hi, see
-/// `flash_bwd_dkdv`), or it runs past k_len (rows past q_len are zeroed through lse2 = +inf).
-__device__ __forceinline__ bool tile_needs_mask(int m0, int bm, int n0, int bn, int k_len, int d_hi,
-                                                int d_lo) {
-    return n0 + bn > k_len || n0 + bn - 1 > m0 + d_hi || n0 < m0 + bm - 1 + d_lo;
+/// mask: a bound (hi: the causal diagonal or a window's right edge; lo: its left edge) cuts
+/// through it, or it runs past k_len (rows past q_len are zeroed through lse2 = +inf).
+__device__ __forceinline__ bool tile_needs_mask(int m0, int bm, int n0, int bn, int k_len, int q_pos,
+                                                int k_pos, int hi, int lo) {
+    return n0 + bn > k_len || k_pos + n0 + bn - 1 > q_pos + m0 + hi ||
+           k_pos + n0 < q_pos + m0 + bm - 1 - lo;
 }
 
 /// acc (16 rows x 32 columns) += dS^T[mb*16.., :] . K[:, c0..c0+32): rows of dQ from the dS
@@ -280,19 +274,17 @@ flash_bwd_delta(const __grid_constant__ BwdDeltaParams<T> p) {
 // ---------------------------------------------------------------------------------------------
 // The step kernels take one BwdStepParams (kernels/params.cuh; pointers at element (0,0,0,0)).
 // p.nonfinite: device int, nonzero when q, dout, k, v or delta may make a masked pair non-finite
-// (flash_any_nonfinite); for a step with masked pairs in any block the launcher issues
-// <..., false> and <..., true> (CAREFUL) on one stream, exactly one runs.
+// (flash_any_nonfinite); the launcher issues <..., false> and <..., true> (CAREFUL) on one
+// stream, exactly one runs.
 // ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
 // ---------------------------------------------------------------------------------------------
 
-/// Grid (n_tasks, Hkv, B): CTA x owns key-row task x of p.tasks (at most BN key rows no other
-/// task holds) and walks its query ranges in table order, the dK/dV accumulators in registers
-/// throughout; block (BN/16) * WARPS_D warps; dynamic smem bwd_dkdv_smem_bytes (see
-/// bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta, and with DQ a BN x BM tile
-/// of dS.
+/// Grid (ceil(k_len / BN), Hkv, B); block (BN/16) * WARPS_D warps; dynamic smem
+/// bwd_dkdv_smem_bytes (see bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta,
+/// and with DQ a BN x BM tile of dS.
 template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
 __global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
 flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
@@ -313,24 +305,25 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
     const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
     const long long dk_sb = p.dk_stride.b, dk_ss = p.dk_stride.s, dk_sh = p.dk_stride.h;
     const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
-    const StepTask* __restrict__ tasks = p.tasks;
-    const StepRange* __restrict__ ranges = p.ranges;
-    const int n_tasks = p.n_tasks;
+    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
     const int H = p.H, Hkv = p.Hkv;
     const float scale = p.scale;
     constexpr int WN = BN / 16, NW = WN * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8, LDS = BM + 8;  // padded smem row strides (elements)
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
-    if ((int)blockIdx.x >= n_tasks) return;
-    // This CTA's task: key rows [k_start, k_start + k_len), k_len <= BN, and its query ranges.
-    // The task's fields (and a range's start and len) are read from the table where they are
-    // used (`reread`) rather than held in registers across the loops: at D = 256 (sm_90, DQ)
-    // the kernel sits at 255 registers and those few would spill.
-    const int range_begin = tasks[blockIdx.x].range_begin;
 
-    constexpr int n0 = 0;  // the task's key tile starts at its first row
-    const int hkv = blockIdx.y, b = blockIdx.z;
+    const int n0 = blockIdx.x * BN, hkv = blockIdx.y, b = blockIdx.z;
     const int group = H / Hkv;
+    // The Q tiles that see some key of this tile: query i sees key j iff
+    // q_pos + i - lo <= k_pos + j <= q_pos + i + hi.
+    const int n_last = min(n0 + BN, k_len) - 1;
+    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+    const int first_q = k_pos + n0 - hi - q_pos;
+    const int m_begin = first_q > 0 ? first_q / BM * BM : 0;
+    const int m_end = min(q_len, k_pos + n_last + lo - q_pos + 1);
+    if (n0 >= k_len || m_begin >= m_end) return;  // uniform over the CTA: nothing to add
+    const int m_tiles = (m_end - m_begin + BM - 1) / BM, n_it = group * m_tiles;
 
     BURSTCU_DYNAMIC_SMEM(T, sK);
     T* sV = sK + BN * LD;
@@ -344,14 +337,25 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
     const int wn = warp % WN, wd = warp / WN;
     const float scale_log2 = scale * kLog2e;
 
-    {  // resident K, V tile: one cp.async group (it lands by the first Q tile's wait)
-        const int k_start = tasks[blockIdx.x].start, k_len = tasks[blockIdx.x].len;
+    {  // resident K, V tile: one cp.async group
         const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
                               (long long)hkv * k_sh;
         load_tile_async<T, BN, D, NT>(sK, LD, k + off, k_ss, k_len - n0);
         load_tile_async<T, BN, D, NT>(sV, LD, v + off, k_ss, k_len - n0);
         cp_async_commit();
     }
+    // Iteration it visits query head hkv*group + it / m_tiles, Q tile m_begin + (it % m_tiles)*BM.
+    auto prefetch = [&](int it, int stage) {
+        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+        const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
+                              (long long)h * q_sh;
+        load_tile_async<T, BM, D, NT>(sQ + stage * BM * LD, LD, q + off, q_ss, q_len - m0);
+        load_tile_async<T, BM, D, NT>(sdO + stage * BM * LD, LD, dout + off, q_ss, q_len - m0);
+        cp_async_commit();
+        const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + m0;
+        load_row_stats<BM, NT>(sLse2 + stage * BM, sDelta + stage * BM, lse + st, delta + st,
+                               q_len - m0);
+    };
 
     float acc_dk[DW / 8][4], acc_dv[DW / 8][4];
 #pragma unroll
@@ -359,149 +363,113 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
 
-    // The query ranges, in table order; dK, dV stay in registers from one to the next.
-    for (int ri = range_begin; ri < reread(tasks[blockIdx.x].range_end); ++ri) {
-        const int q_len = ranges[ri].len;  // its first row, ranges[ri].start, is reread where used
-        // Query i (from ranges[ri].start) keeps key j (from k_start) iff i + d_lo <= j <= i + d_hi:
-        // the bounds q_pos + i - lo <= k_pos + j <= q_pos + i + hi with the positions folded in
-        // (two registers instead of four). (int arithmetic: positions stay below 2^30 and the
-        // bounds at most NO_BOUND = 2^29, so |d_hi|, |d_lo| < 2^31 - 2^30.)
-        const int k_pos = reread(tasks[blockIdx.x].pos);
-        const int d_hi = ranges[ri].pos + ranges[ri].hi - k_pos;
-        const int d_lo = ranges[ri].pos - ranges[ri].lo - k_pos;
-        // The Q tiles that see some key of this tile: queries [n0 - d_hi, n_last - d_lo].
-        const int n_last = reread(tasks[blockIdx.x].len) - 1;
-        const int first_q = n0 - d_hi;
-        const int m_begin = first_q > 0 ? first_q / BM * BM : 0;
-        const int m_end = min(q_len, n_last - d_lo + 1);
-        if (m_begin >= m_end) continue;  // uniform over the CTA: nothing to add from this range
-        const int m_tiles = (m_end - m_begin + BM - 1) / BM, n_it = group * m_tiles;
-        // Iteration it visits query head hkv*group + it / m_tiles, Q tile m_begin + (it % m_tiles)*BM;
-        // the pipeline drains at each range's last iteration.
-        auto prefetch = [&](int it, int stage) {
-            const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
-            const int q_start = reread(ranges[ri].start);
-            const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
-                                  (long long)h * q_sh;
-            load_tile_async<T, BM, D, NT>(sQ + stage * BM * LD, LD, q + off, q_ss, q_len - m0);
-            load_tile_async<T, BM, D, NT>(sdO + stage * BM * LD, LD, dout + off, q_ss, q_len - m0);
-            cp_async_commit();
-            const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + m0;
-            load_row_stats<BM, NT>(sLse2 + stage * BM, sDelta + stage * BM, lse + st, delta + st,
-                                   q_len - m0);
-        };
+    prefetch(0, 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int stage = it & 1;
+        if (it + 1 < n_it) {  // overlap the next tile's copy with this tile's math
+            prefetch(it + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
 
-        prefetch(0, 0);
-        for (int it = 0; it < n_it; ++it) {
-            const int stage = it & 1;
-            if (it + 1 < n_it) {  // overlap the next tile's copy with this tile's math
-                prefetch(it + 1, stage ^ 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads();
+        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+        const T* q_s = sQ + stage * BM * LD;
+        const T* do_s = sdO + stage * BM * LD;
+        const float* lse2_s = sLse2 + stage * BM;
+        const float* delta_s = sDelta + stage * BM;
 
-            const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
-            const T* q_s = sQ + stage * BM * LD;
-            const T* do_s = sdO + stage * BM * LD;
-            const float* lse2_s = sLse2 + stage * BM;
-            const float* delta_s = sDelta + stage * BM;
-
-            // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
-            float s[BM / 8][4];
-            gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
-            // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
-            // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
-            const bool masked = tile_needs_mask(m0, BM, n0, BN, reread(tasks[blockIdx.x].len), d_hi, d_lo) ||
-                                (CAREFUL && m0 + BM > q_len);
-            // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
-            auto scores_to_p = [&](auto mask) {
-                const int kl = decltype(mask)::value ? reread(tasks[blockIdx.x].len) : 0;
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
-                        float pv = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
-                        const int qrow = m0 + qi;
-                        if (decltype(mask)::value && (key >= kl || key > qrow + d_hi || key < qrow + d_lo ||
-                                                      (CAREFUL && m0 + qi >= q_len)))
-                            pv = 0.f;
-                        s[j][e] = pv;
-                    }
-            };
-            if (masked)
-                scores_to_p(Case<true>{});
-            else
-                scores_to_p(Case<false>{});
-            if constexpr (CAREFUL)  // dV += P^T dO
-                gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
-            else
-                gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);
-
-            // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
-            float ds[BM / 8][4];
-            gemm_nt<T, BM, D>(ds, sV, wn * 16, do_s, LD);
+        // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
+        float s[BM / 8][4];
+        gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
+        // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
+        // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
+        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
+                            (CAREFUL && m0 + BM > q_len);
+        // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
+        auto scores_to_p = [&](auto mask) {
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
-                    const float d_s = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
-                    ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+                for (int e = 0; e < 4; ++e) {
+                    const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
+                    float pv = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
+                    // kept iff -lo <= offset <= hi, offset = key position - query position
+                    const int offset = k_pos + key - q_pos - m0 - qi;
+                    if (decltype(mask)::value && (key >= k_len || offset > hi || offset < -lo ||
+                                                  (CAREFUL && m0 + qi >= q_len)))
+                        pv = 0.f;
+                    s[j][e] = pv;
                 }
-            if constexpr (CAREFUL)  // dK += dS^T Q (scaled at the end)
-                gemm_rs_masked<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW, masked);
-            else
-                gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);
+        };
+        if (masked)
+            scores_to_p(Case<true>{});
+        else
+            scores_to_p(Case<false>{});
+        if constexpr (CAREFUL)  // dV += P^T dO
+            gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);
 
-            if constexpr (DQ) {
-                if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
+        // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
+        float ds[BM / 8][4];
+        gemm_nt<T, BM, D>(ds, sV, wn * 16, do_s, LD);
 #pragma unroll
-                    for (int j = 0; j < BM / 8; ++j)
+        for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            const int row = wn * 16 + g + hf * 8, col = j * 8 + 2 * t;
-                            *reinterpret_cast<u32*>(sdS + row * LDS + col) =
-                                pack2<T>(ds[j][2 * hf], ds[j][2 * hf + 1]);
-                        }
-                }
-                __syncthreads();
-                // dQ (BM x D) += scale * dS (BM x BN) . K (BN x D): units of 16 rows x 32 columns.
-                constexpr int MB = BM / 16, NCH = D / 32;
-                for (int u = warp; u < MB * NCH; u += NW) {
-                    const int mb = u % MB, c0 = (u / MB) * 32;
-                    float acc[4][4] = {};
-                    // a zero dS must add nothing even against an Inf/NaN key (gemm_rs_masked's rule)
-                    if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD))
-                        ds_k_unit<T, BN, true>(acc, sdS, LDS, sK, LD, mb, c0);
-                    else
-                        ds_k_unit<T, BN, false>(acc, sdS, LDS, sK, LD, mb, c0);
+            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                const float d_s = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
+                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            }
+        if constexpr (CAREFUL)  // dK += dS^T Q (scaled at the end)
+            gemm_rs_masked<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);
+
+        if constexpr (DQ) {
+            if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + mb * 16 + g + (e >> 1) * 8;
-                        if (row >= reread(ranges[ri].len)) continue;
-                        float* dst = dq + (long long)b * dq_sb + (long long)(reread(ranges[ri].start) + row) * dq_ss +
-                                     (long long)h * dq_sh + c0 + 2 * t + (e & 1);
+                for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) atomicAdd(dst + j * 8, scale * acc[j][e]);
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = wn * 16 + g + hf * 8, col = j * 8 + 2 * t;
+                        *reinterpret_cast<u32*>(sdS + row * LDS + col) =
+                            pack2<T>(ds[j][2 * hf], ds[j][2 * hf + 1]);
                     }
+            }
+            __syncthreads();
+            // dQ (BM x D) += scale * dS (BM x BN) . K (BN x D): units of 16 rows x 32 columns.
+            constexpr int MB = BM / 16, NCH = D / 32;
+            for (int u = warp; u < MB * NCH; u += NW) {
+                const int mb = u % MB, c0 = (u / MB) * 32;
+                float acc[4][4] = {};
+                // a zero dS must add nothing even against an Inf/NaN key (gemm_rs_masked's rule)
+                if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD))
+                    ds_k_unit<T, BN, true>(acc, sdS, LDS, sK, LD, mb, c0);
+                else
+                    ds_k_unit<T, BN, false>(acc, sdS, LDS, sK, LD, mb, c0);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + mb * 16 + g + (e >> 1) * 8;
+                    if (row >= q_len) continue;
+                    float* dst = dq + (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
+                                 (long long)h * dq_sh + c0 + 2 * t + (e & 1);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) atomicAdd(dst + j * 8, scale * acc[j][e]);
                 }
             }
-            __syncthreads();  // stage `stage` (and sdS) is overwritten by the next prefetch
         }
-    }  // ranges
-    cp_async_wait<0>();  // the K/V tile, when no range had a Q tile
+        __syncthreads();  // stage `stage` (and sdS) is overwritten by the next prefetch
+    }
 
-    // This CTA is the only writer of its dK/dV rows (tasks are disjoint): plain
-    // read-add-write, no atomics.
-    const int k_start = reread(tasks[blockIdx.x].start);
+    // This CTA is the only writer of its dK/dV rows: plain read-add-write, no atomics.
 #pragma unroll
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = n0 + wn * 16 + g + (e >> 1) * 8;
-            if (row >= reread(tasks[blockIdx.x].len)) continue;
+            if (row >= k_len) continue;
             const long long off = (long long)b * dk_sb + (long long)(k_start + row) * dk_ss +
                                   (long long)hkv * dk_sh + wd * DW + j * 8 + 2 * t + (e & 1);
             dk[off] += scale * acc_dk[j][e];
@@ -513,16 +481,13 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
 // Deterministic dQ: a CTA owns (batch, head, BM-row Q tile)
 // ---------------------------------------------------------------------------------------------
 
-/// Grid (n_tasks, H, B): CTA x owns query-row task x of p.tasks (at most BM rows no other task
-/// holds) and walks its key ranges in table order, dQ (and the P sums) in registers throughout;
-/// block (BM/16) * WARPS_D warps; dynamic smem bwd_dq_smem_bytes: Q, dO tiles and two stages of
-/// K, V. The same struct as flash_bwd_dkdv (dk, dv unused); with p.psum non-null each row's sum
-/// of the recomputed P over this step's keys is added to psum (attention_backward(check=True)
-/// checks that they add up to 1 over the ring). Each dQ and psum element is read, added to and
-/// written by one thread. __launch_bounds__(threads, 1) for the reason flash_fwd_step gives:
-/// without it ptxas spills a few bytes to reach 128 registers at D = 32 and 96.
+/// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
+/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. The same struct as flash_bwd_dkdv
+/// (dk, dv unused); with p.psum non-null each row's sum of the recomputed P over this step's
+/// keys is added to psum (attention_backward(check=True) checks that they add up to 1 over the
+/// ring). Each dQ and psum element is read, added to and written by one thread.
 template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
-__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32, 1)
+__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
 flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
     using namespace bwd;
     if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
@@ -540,23 +505,26 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
     const long long k_sb = p.k_stride.b, k_ss = p.k_stride.s, k_sh = p.k_stride.h;
     const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
     const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
-    const StepTask* __restrict__ tasks = p.tasks;
-    const StepRange* __restrict__ ranges = p.ranges;
-    const int n_tasks = p.n_tasks;
+    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
     const int H = p.H, Hkv = p.Hkv;
     const float scale = p.scale;
     constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8;
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
-    if ((int)blockIdx.x >= n_tasks) return;
-    // this CTA's task: query rows [q_start, q_start + q_len), q_len <= BM, and its key ranges
-    const int q_start = tasks[blockIdx.x].start, q_len = tasks[blockIdx.x].len;
-    const int q_pos = tasks[blockIdx.x].pos;
-    const int range_begin = tasks[blockIdx.x].range_begin, range_end = tasks[blockIdx.x].range_end;
 
-    constexpr int m0 = 0;  // the task's query tile starts at its first row
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
     const int hkv = h / (H / Hkv);
+    if (m0 >= q_len) return;
+    // Keys some row of the tile sees: k_pos + j <= q_pos + m_last + hi (the last row) and
+    // k_pos + j >= q_pos + m0 - lo (the first).
+    const int m_last = min(m0 + BM, q_len) - 1;
+    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+    const int n_end = max(0, min(k_len, q_pos + m_last + hi - k_pos + 1));
+    const int first_key = q_pos + m0 - lo - k_pos;
+    const int it_begin = first_key > 0 ? first_key / BN : 0;
+    const int n_it = (n_end + BN - 1) / BN;
+    if (it_begin >= n_it) return;
 
     BURSTCU_DYNAMIC_SMEM(T, sQ);
     T* sdO = sQ + BM * LD;
@@ -572,8 +540,16 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
                               (long long)h * q_sh;
         load_tile_async<T, BM, D, NT>(sQ, LD, q + off, q_ss, q_len - m0);
         load_tile_async<T, BM, D, NT>(sdO, LD, dout + off, q_ss, q_len - m0);
-        cp_async_commit();  // lands by the first K/V tile's wait
+        cp_async_commit();
     }
+    auto prefetch = [&](int it, int stage) {
+        const int n0 = it * BN;
+        const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
+                              (long long)hkv * k_sh;
+        load_tile_async<T, BN, D, NT>(sK + stage * BN * LD, LD, k + off, k_ss, k_len - n0);
+        load_tile_async<T, BN, D, NT>(sV + stage * BN * LD, LD, v + off, k_ss, k_len - n0);
+        cp_async_commit();
+    };
 
     // This thread's two query rows (g and g + 8 of the warp's 16): lse2 and delta in registers.
     float lse2[2], dlt[2];
@@ -593,91 +569,65 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
     float p_sum[2] = {0.f, 0.f};  // this lane's part of its two rows' sum of P (with_psum)
 
-    // The key ranges, in table order; dQ and the P sums stay in registers from one to the next.
-    for (int ri = range_begin; ri < range_end; ++ri) {
-        // Query i (from q_start) keeps key j (from the range's start) iff i + d_lo <= j <= i + d_hi
-        // (as in flash_bwd_dkdv).
-        const int d_hi = q_pos + ranges[ri].hi - ranges[ri].pos;
-        const int d_lo = q_pos - ranges[ri].lo - ranges[ri].pos;
-        // Keys some row of the tile sees: [m0 + d_lo, m_last + d_hi] (the first row's lower
-        // bound, the last row's upper one); keys from n_end on are invisible to every row.
-        const int m_last = q_len - 1;
-        const int n_end = max(0, min(ranges[ri].len, m_last + d_hi + 1));
-        const int first_key = m0 + d_lo;
-        const int it_begin = first_key > 0 ? first_key / BN : 0;
-        // offset of the range's first K/V row (k and v share strides)
-        const long long kv_off = (long long)b * k_sb + (long long)ranges[ri].start * k_ss +
-                                 (long long)hkv * k_sh;
-        const int n_it = (n_end + BN - 1) / BN;
-        if (it_begin >= n_it) continue;  // uniform over the CTA: nothing to add from this range
-        // the pipeline drains at each range's last tile
-        auto prefetch = [&](int it, int stage) {
-            const int n0 = it * BN;
-            const long long off = kv_off + (long long)n0 * k_ss;
-            load_tile_async<T, BN, D, NT>(sK + stage * BN * LD, LD, k + off, k_ss, n_end - n0);
-            load_tile_async<T, BN, D, NT>(sV + stage * BN * LD, LD, v + off, k_ss, n_end - n0);
-            cp_async_commit();
-        };
-        prefetch(it_begin, 0);
-        for (int it = it_begin; it < n_it; ++it) {
-            const int stage = (it - it_begin) & 1, n0 = it * BN;
-            if (it + 1 < n_it) {
-                prefetch(it + 1, stage ^ 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads();
-            const T* k_s = sK + stage * BN * LD;
-            const T* v_s = sV + stage * BN * LD;
+    prefetch(it_begin, 0);
+    for (int it = it_begin; it < n_it; ++it) {
+        const int stage = (it - it_begin) & 1, n0 = it * BN;
+        if (it + 1 < n_it) {
+            prefetch(it + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* k_s = sK + stage * BN * LD;
+        const T* v_s = sV + stage * BN * LD;
 
-            float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
-            gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
-            const bool masked = tile_needs_mask(m0, BM, n0, BN, n_end, d_hi, d_lo);
-            // One copy of this loop per case, so that the tiles without masked pairs (all but the
-            // diagonal and the ragged ends) run without the test. As one loop testing a run-time
-            // `masked`, the split was left to the compiler's heuristics, which stopped making it
-            // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
-            // sm_80).
-            auto scores_to_p = [&](auto mask) {
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
-                        float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
-                        if (decltype(mask)::value && (key >= n_end || key > qi + d_hi || key < qi + d_lo))
-                            pv = 0.f;
-                        s[j][e] = pv;
-                    }
-            };
-            if (masked)
-                scores_to_p(Case<true>{});
-            else
-                scores_to_p(Case<false>{});
-            if (with_psum) {
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) p_sum[e >> 1] += s[j][e];
-            }
-            float ds[BN / 8][4];  // dP = dO V^T, then dS
-            gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
+        float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
+        gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
+        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
+        // One copy of this loop per case, so that the tiles without masked pairs (all but the
+        // diagonal and the ragged ends) run without the test. As one loop testing a run-time
+        // `masked`, the split was left to the compiler's heuristics, which stopped making it
+        // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
+        // sm_80).
+        auto scores_to_p = [&](auto mask) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
-                    const float d_s = s[j][e] * (ds[j][e] - dlt[e >> 1]);
-                    ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
+                    float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
+                    if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
+                                                  k_pos + key < q_pos + qi - lo))
+                        pv = 0.f;
+                    s[j][e] = pv;
                 }
-            if constexpr (CAREFUL)  // dQ += dS K (scaled at the end)
-                gemm_rs_masked<T, BN, DW>(acc, ds, k_s, LD, wd * DW, masked);
-            else
-                gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);
-            __syncthreads();
+        };
+        if (masked)
+            scores_to_p(Case<true>{});
+        else
+            scores_to_p(Case<false>{});
+        if (with_psum) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p_sum[e >> 1] += s[j][e];
         }
-    }  // ranges
-    cp_async_wait<0>();  // the Q/dO tiles, when no range had a K/V tile
+        float ds[BN / 8][4];  // dP = dO V^T, then dS
+        gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                const float d_s = s[j][e] * (ds[j][e] - dlt[e >> 1]);
+                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            }
+        if constexpr (CAREFUL)  // dQ += dS K (scaled at the end)
+            gemm_rs_masked<T, BN, DW>(acc, ds, k_s, LD, wd * DW, masked);
+        else
+            gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);
+        __syncthreads();
+    }
 
 #pragma unroll
     for (int j = 0; j < DW / 8; ++j)

@@ -7,40 +7,28 @@ running online-softmax state of every row in fp32:
     acc (B, S, H, D)  sum_j exp2(s_ij - m_i) * v_j          (un-normalised output)
     m   (B, H, S)     running max of the scaled scores s_ij = (q_i . k_j) * scale * log2(e)
     l   (B, H, S)     running sum_j exp2(s_ij - m_i)
-One launch of `flash_fwd_step` folds a whole ring step, any number of K/V rectangles
-(`burstcu.layout.Block`s: one per document piece pair under cu_seqlens), into that state. The
-host hands it a task table (kernels/params.cuh, StepTask / StepRange): the query rows the blocks
-cover, cut into disjoint tasks of at most BLOCK_M rows, each listing the key ranges (with their
-own key bounds) of every block that covers its rows, in the blocks' order. Each block of threads
-(CTA) owns one task: it reads the state of its rows once, walks the ranges, streaming each
-range's K/V rows in BLOCK_N-row tiles through shared memory and updating (acc, m, l) in
-registers with the usual FA2 rescaling, and writes the state back once. Tasks are disjoint, so
-no two CTAs ever update the same rows: no atomics and no ordering between CTAs are needed. The merge of ring steps is therefore fused into the kernel:
+One launch of `flash_fwd_step` folds one K/V rectangle (a `burstcu.layout.Block`) into that
+state: each block of threads reads the state of its BLOCK_M query rows, streams the K/V rows in
+BLOCK_N-row tiles through shared memory, updates (acc, m, l) in registers with the usual FA2
+rescaling, and writes the state back. The merge of ring steps is therefore fused into the kernel:
 no partial output and no partial lse ever reach global memory, and the ring engine never runs a
 separate merge. `flash_fwd_finalize` ends the pass: out = acc / l, lse = (m + log2 l) * ln 2
 (natural log, as kernels/README.md specifies); a row that saw no key gets out 0 and lse -inf.
 
 Inside a step (one thread block = NWARPS warps, each warp owns 16 query rows, BLOCK_M = 16*NWARPS):
-    cp.async Q tile -> smem (once a task; Q fragments -> registers for D <= 128)
-    for each key range r of the task (state kept in registers from one range to the next):
-      cp.async K/V tile 0 of r -> smem stage 0                 (the pipeline drains at r's end)
-      for each K/V tile j of r not wholly outside r's bounds (causal future, window):
-        cp.async K/V tile j+1 -> smem stage (j+1)%2        (double buffer: load overlaps math)
-        S = Q K^T         mma.m16n8k16, A = Q from ldmatrix.x4, B = K from ldmatrix.x4
-        mask              only if the tile straddles a bound or r's end (else no work)
+    cp.async Q tile -> smem, K/V tile 0 -> smem stage 0
+    for each K/V tile j that is not wholly in the causal future:
+        cp.async K/V tile j+1 -> smem stage (j+1)%2          (double buffer: load overlaps math)
+        S = Q K^T           mma.m16n8k16, A = Q from ldmatrix.x4, B = K from ldmatrix.x4
+        mask                only if the tile straddles the diagonal or k_len (else no work)
         m' = max(m, rowmax S); P = exp2(S - m'); l = l*exp2(m-m') + rowsum P; acc *= exp2(m-m')
-        acc += P V        P re-packed from the S accumulator fragments into A fragments (no
-                          smem round trip), V from ldmatrix.x4.trans
+        acc += P V          P re-packed from the S accumulator fragments into A fragments (no
+                            smem round trip), V from ldmatrix.x4.trans
     write acc, m, l back
-Why tables: under documents a step has hundreds of rectangles; a launch each made the step
-launch-bound (H100, 4 ranks on one GPU, N = 64K causal, 241 documents, zigzag per document:
-576 ms forward against 26 ms for contiguous shards). With the table a step is one launch (two
-with the masked twin pair) whatever the number of rectangles; the table is 20 bytes a task and
-a range, one asynchronous copy.
 A row whose keys are all masked so far keeps m = -inf; the exponent then uses 0 instead of m so
 that exp2(-inf - (-inf)) never makes a NaN (the "finite -inf guard"). Masked scores are set to
 -inf whatever K holds; a non-finite V at a masked key would still reach the row through 0 x Inf
-in P V, so steps with masked pairs launch the CAREFUL twin instead when V holds one
+in P V, so blocks with masked pairs launch the CAREFUL twin instead when V holds one
 (flash_any_nonfinite sets the flag; kernels/README.md, "Masked positions are inert").
 
 VARIANTS (burstcu/kernels/fwd_variants.py lists them; each is one template instantiation)
@@ -67,14 +55,11 @@ The working constraints are, in order:
      by another's math (met everywhere but d = 256, where one 4-warp block fits on sm_80).
 Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gate, NVRTC 13.0):
     D    sm_80 (164 KB smem/SM)                     sm_90 (228 KB smem/SM), MEASURED on an H100
-    32   8 warps, 128 x 64, 30 KB, 120 regs         same (not measured)
-    64   8 warps, 128 x 64, 54 KB, 145 regs         4 warps,  64 x  64,  45 KB, 153 regs
-    96   4 warps,  64 x 32, 39 KB, 158 regs         4 warps,  64 x  64,  65 KB, 183 regs (not measured)
-    128  4 warps,  64 x 32, 51 KB, 190 regs         8 warps, 128 x 128, 170 KB, 253 regs
-    256  4 warps,  64 x 32, 99 KB, 243 regs         8 warps, 128 x  64, 198 KB, 247 regs
-(Registers with the task-table loop and __launch_bounds__(threads, 1); the tiles were chosen with
-the one-rectangle kernel at 128 / 161 / 160 / 168 / 244 (sm_80) and 161 / 168 / 249 / 246
-(sm_90) registers. sm_80 d = 64 and d = 128 now fit one block a SM fewer: not re-measured.)
+    32   8 warps, 128 x 64, 30 KB, 128 regs         same (not measured)
+    64   8 warps, 128 x 64, 54 KB, 128 regs         4 warps,  64 x  64,  45 KB, 161 regs
+    96   4 warps,  64 x 32, 39 KB, 160 regs         4 warps,  64 x  64,  65 KB, 168 regs (not measured)
+    128  4 warps,  64 x 32, 51 KB, 168 regs         8 warps, 128 x 128, 170 KB, 249 regs
+    256  4 warps,  64 x 32, 99 KB, 244 regs         8 warps, 128 x  64, 198 KB, 246 regs
 The sm_90 column was chosen by timing every tile pair that passes the gate on an H100
 (bench/tiles.py; bench/results/h100/tiles.json): against the sm_80-style tiles it was 1.22x
 (d = 64), 1.32x (d = 128) and 1.16x (d = 256) faster at S = 4096 and 16384. Occupancy did not
@@ -164,49 +149,22 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
   }
 }
 
-/// Range r of a query-row task, in the task's terms: row i (from the task's start) keeps key j
-/// (from the range's start) iff i + d_lo <= j <= i + d_hi (the bounds q_pos + i - lo <= k_pos +
-/// j <= q_pos + i + hi with the positions folded in); keys from n_keys on are invisible to every
-/// row of the task (past the range, or past the last row's upper bound); kv_row is the range's
-/// first key row. (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND =
-/// 2^29, so |d_hi|, |d_lo| < 2^31 - 2^30.) Read from the table anew at each call (`reread`):
-/// the kernel calls it at the top of every K/V tile instead of holding the values through the
-/// tile loop, where these registers would spill at the edge of the budget.
-struct RangeView {
-  int d_hi, d_lo, n_keys, kv_row;
-};
-__device__ __forceinline__ RangeView range_view(const StepTask& task, const StepRange& range) {
-  const int q_pos = reread(task.pos), k_pos = reread(range.pos);
-  RangeView r;
-  r.d_hi = q_pos + reread(range.hi) - k_pos;
-  r.d_lo = q_pos - reread(range.lo) - k_pos;
-  r.n_keys = max(0, min(reread(range.len), reread(task.len) + r.d_hi));
-  r.kv_row = reread(range.start);
-  return r;
-}
-
 }  // namespace fwd
 
 // ------------------------------------------------------------------------------------------------
 // forward step
 
-/* Fold attention over one ring step's rectangles into the running state (p.acc, p.m, p.l). The
-   step comes as a task table (kernels/params.cuh, StepTask / StepRange): CTA x owns task x, at
-   most BLOCK_M query rows no other task holds, reads their state once, folds the key ranges of
-   the task in table order (each range with its own key bounds hi, lo) with the state kept in
-   registers, and writes it back once. Shapes and strides are FwdStepParams'. NO_BOUND keeps
-   every sum of positions below 2^31 for positions below 2^30.
+/* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
+   (p.blk) into the running state (p.acc, p.m, p.l) of those query rows; shapes, strides and the
+   key bounds hi, lo are FwdStepParams' (kernels/params.cuh). NO_BOUND keeps every sum of
+   positions below 2^31 for positions below 2^30.
    p.nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
      stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
-   grid (n_tasks, H, B), block NWARPS * 32 threads,
-   dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes.
-   __launch_bounds__(threads, 1): without a minimum of blocks a SM, ptxas (NVRTC 13.0) trades a
-   few spilled bytes for the next occupancy step (128 or 168 registers) when the kernel's natural
-   count sits a little above it, as the range loop made it for d = 64 and 96 on the sm_80 table;
-   the gate forbids spills, so the minimum of 1 tells it that the registers it needs are fine. */
+   grid (ceil(q_len / BLOCK_M), H, B), block NWARPS * 32 threads,
+   dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
 template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
-__global__ void __launch_bounds__(NWARPS * 32, 1)
+__global__ void __launch_bounds__(NWARPS * 32)
 flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
@@ -231,23 +189,27 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   const long long kv_sb = p.kv_stride.b, kv_sr = p.kv_stride.s, kv_sh = p.kv_stride.h;
   const long long acc_sb = p.acc_stride.b, acc_sr = p.acc_stride.s, acc_sh = p.acc_stride.h;
   const long long ml_sb = p.ml_stride.b, ml_sh = p.ml_stride.h;
-  const StepTask* __restrict__ tasks = p.tasks;
-  const StepRange* __restrict__ ranges = p.ranges;
-  const int n_tasks = p.n_tasks;
+  const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
+  const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
   const int H = p.H, Hkv = p.Hkv;
   const float scale_log2 = p.scale_log2;
-  if ((int)blockIdx.x >= n_tasks) return;
-  // This CTA's task: query rows [q_start, q_start + q_len), q_len <= BLOCK_M, and its key
-  // ranges. Its fields are read from the table again where they are used (`reread`,
-  // `fwd::range_view`) rather than held in registers through the loops: next to the state and
-  // the Q fragments, these few registers would spill at the edge of the budget.
-  const StepTask& task = tasks[blockIdx.x];
-  const int range_begin = task.range_begin;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv);
-  const int w0 = warp * 16;              // first query row of this warp, relative to q_start
+  const int q0 = blockIdx.x * BLOCK_M;   // first query row of this block, relative to q_start
+  const int w0 = q0 + warp * 16;         // first query row of this warp
+
+  // Keys that some row of this block may see: key j is visible to the last valid row iff
+  // k_pos + j <= q_pos + last + hi, and to the first iff k_pos + j >= q_pos + q0 - lo; tiles
+  // outside [tile_begin, n_tiles) are never loaded.
+  const int q_last = min(q0 + BLOCK_M, q_len) - 1;
+  // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
+  const int n_keys = max(0, min(k_len, q_pos + q_last + hi - k_pos + 1));
+  const int first_key = q_pos + q0 - lo - k_pos;
+  const int tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;
+  const int n_tiles = (n_keys + BLOCK_N - 1) / BLOCK_N;
+  if (q_last < q0 || tile_begin >= n_tiles) return;  // every key masked: state unchanged
 
   BURSTCU_DYNAMIC_SMEM(T, smem);
   // layout: Q | K0 V0 | K1 V1; stage s of K starts at sK0 + s * kStage (plain arithmetic, not a
@@ -257,32 +219,38 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   T* sK0 = sQ + BLOCK_M * kStride;
   T* sV0 = sK0 + BLOCK_N * kStride;
 
-  // ---- prologue: the Q tile in flight (it lands by the first tile's wait)
-  const T* gQ = q + b * q_sb + (long long)task.start * q_sr + h * q_sh;
-  fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, task.len, tid);
+  const T* gQ = q + b * q_sb + (long long)(q_start + q0) * q_sr + h * q_sh;
+  const T* gK = k + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
+  const T* gV = v + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
+
+  // ---- prologue: Q tile and K/V tile tile_begin in flight
+  fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
+  cp_async_commit();
+  {
+    const int nb = tile_begin * BLOCK_N;
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, n_keys - nb, tid);
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, n_keys - nb, tid);
+  }
   cp_async_commit();
 
   // ---- running state of this thread's two rows (w0 + g, w0 + g + 8), read while loads fly
   const int row[2] = {w0 + g, w0 + g + 8};
+  const bool row_ok[2] = {row[0] < q_len, row[1] < q_len};
   float o[kDTiles][4];  // acc fragment: o[j][0..1] row 0, dims 8j+2t..+1; o[j][2..3] row 1
   float m_i[2], l_i[2]; // l_i is this thread's partial row sum: only t == 0 starts from l
-  {  // (the pointers are formed again for the write-back)
-    const int q_start = task.start;
-    const bool row_ok[2] = {row[0] < task.len, row[1] < task.len};
-    const float* ml_base_m = m + b * ml_sb + h * ml_sh + q_start;
-    const float* ml_base_l = l + b * ml_sb + h * ml_sh + q_start;
-    const float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
+  float* ml_base_m = m + b * ml_sb + h * ml_sh + q_start;
+  float* ml_base_l = l + b * ml_sb + h * ml_sh + q_start;
+  float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_i[r] = row_ok[r] ? ml_base_m[row[r]] : fwd::neg_inf();
-      l_i[r] = (row_ok[r] && t == 0) ? ml_base_l[row[r]] : 0.f;
+  for (int r = 0; r < 2; ++r) {
+    m_i[r] = row_ok[r] ? ml_base_m[row[r]] : fwd::neg_inf();
+    l_i[r] = (row_ok[r] && t == 0) ? ml_base_l[row[r]] : 0.f;
 #pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        float2 a = make_float2(0.f, 0.f);
-        if (row_ok[r]) a = *reinterpret_cast<const float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t);
-        o[j][2 * r] = a.x;
-        o[j][2 * r + 1] = a.y;
-      }
+    for (int j = 0; j < kDTiles; ++j) {
+      float2 a = make_float2(0.f, 0.f);
+      if (row_ok[r]) a = *reinterpret_cast<const float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t);
+      o[j][2 * r] = a.x;
+      o[j][2 * r + 1] = a.y;
     }
   }
 
@@ -292,136 +260,107 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   const T* q_frag_row = sQ + (warp * 16 + lane % 16) * kStride + (lane / 16) * 8;
   // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
-  if (kQInRegs) {  // the Q fragments, once for every range
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
-  }
 
-  // ---- the key ranges, in table order; the state stays in registers from one to the next
-  for (int ri = range_begin; ri < reread(task.range_end); ++ri) {
-    // Keys that some row of this task may see: [d_lo, q_len - 1 + d_hi] (the first row's lower
-    // bound, the last row's upper one) within the range; tiles outside [tile_begin, n_tiles) are
-    // never loaded.
-    int tile_begin, n_tiles;
-    {
-      const fwd::RangeView rv = fwd::range_view(task, ranges[ri]);
-      tile_begin = rv.d_lo > 0 ? rv.d_lo / BLOCK_N : 0;
-      n_tiles = (rv.n_keys + BLOCK_N - 1) / BLOCK_N;
-      if (tile_begin >= n_tiles) continue;  // every key of the range masked (uniform over the CTA)
-      // K/V tile tile_begin in flight; the pipeline drains at each range's last tile
-      const int nb = tile_begin * BLOCK_N;
-      const long long off = b * kv_sb + (long long)(rv.kv_row + nb) * kv_sr + hk * kv_sh;
-      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, k + off, kv_sr, rv.n_keys - nb, tid);
-      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, v + off, kv_sr, rv.n_keys - nb, tid);
+  for (int tile = tile_begin; tile < n_tiles; ++tile) {
+    const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
+    if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
+      const int nn = n0 + BLOCK_N;
+      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, gK + nn * kv_sr, kv_sr, n_keys - nn, tid);
+      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0 + (stage ^ 1) * kStage, gV + nn * kv_sr, kv_sr, n_keys - nn, tid);
+      cp_async_commit();
+      cp_async_wait<1>();  // everything but the prefetch: Q and this tile
+    } else {
+      cp_async_wait<0>();
     }
-    cp_async_commit();
+    __syncthreads();
+    if (kQInRegs && tile == tile_begin) {
+#pragma unroll
+      for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
+    }
 
-    for (int tile = tile_begin; tile < n_tiles; ++tile) {
-      const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
-      const fwd::RangeView rv = fwd::range_view(task, ranges[ri]);  // (see range_view)
-      const int n_keys = rv.n_keys, d_hi = rv.d_hi, d_lo = rv.d_lo;
-      if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
-        const int nn = n0 + BLOCK_N;
-        const long long off = b * kv_sb + (long long)(rv.kv_row + nn) * kv_sr + hk * kv_sh;
-        fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, k + off, kv_sr, n_keys - nn, tid);
-        fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0 + (stage ^ 1) * kStage, v + off, kv_sr, n_keys - nn, tid);
-        cp_async_commit();
-        cp_async_wait<1>();  // everything but the prefetch: Q and this tile
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-
-      // A warp whose rows all precede every key of the tile, or that has no valid row, adds
-      // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
-      const bool warp_live = w0 < reread(task.len) && w0 + 15 + d_hi >= n0 && w0 + d_lo <= n0 + BLOCK_N - 1;
-      if (warp_live) {
-        // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
-        float s[kNTiles][4];
+    // A warp whose rows all precede every key of the tile, or that has no valid row, adds
+    // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
+    const bool warp_live = w0 < q_len && q_pos + w0 + 15 + hi >= k_pos + n0 &&
+                           q_pos + w0 - lo <= k_pos + n0 + BLOCK_N - 1;
+    if (warp_live) {
+      // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
+      float s[kNTiles][4];
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        const T* kt = sK0 + stage * kStage;
+      for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      const T* kt = sK0 + stage * kStage;
 #pragma unroll
-        for (int kc = 0; kc < kKChunks; ++kc) {
-          u32 a_smem[4];
-          const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
-          if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
+      for (int kc = 0; kc < kKChunks; ++kc) {
+        u32 a_smem[4];
+        const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
+        if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
 #pragma unroll
-          for (int jp = 0; jp < kNTiles / 2; ++jp) {
-            u32 kb[4];
-            ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
-            mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
-            mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
-          }
+        for (int jp = 0; jp < kNTiles / 2; ++jp) {
+          u32 kb[4];
+          ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
+          mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
+          mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
         }
+      }
 
-        // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
-        const bool need_mask = n0 + BLOCK_N > n_keys || n0 + BLOCK_N - 1 > w0 + d_hi ||
-                               n0 < w0 + 15 + d_lo;
+      // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
+      const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
+                             k_pos + n0 < q_pos + w0 + 15 - lo;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[j][e] * scale_log2;
+          if (need_mask) {
+            const int key = n0 + 8 * j + 2 * t + (e & 1);
+            const int qr = row[e / 2];
+            const bool keep = key < k_len && k_pos + key <= q_pos + qr + hi &&
+                              k_pos + key >= q_pos + qr - lo;
+            x = keep ? x : fwd::neg_inf();
+          }
+          s[j][e] = x;
+        }
+      }
+
+      // ---- online softmax: new max, rescale factor, P = exp2(S - m)
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+        mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
+        // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
+        // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+        const float ref = mx == fwd::neg_inf() ? 0.f : mx;
+        alpha[r] = exp2f(m_i[r] - ref);
+        m_i[r] = mx;
+        float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[j][e] * scale_log2;
-            if (need_mask) {
-              const int key = n0 + 8 * j + 2 * t + (e & 1);
-              const int qr = row[e / 2];
-              const bool keep = key < n_keys && key <= qr + d_hi && key >= qr + d_lo;
-              x = keep ? x : fwd::neg_inf();
-            }
-            s[j][e] = x;
-          }
+          s[j][2 * r] = exp2f(s[j][2 * r] - ref);
+          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - ref);
+          sum += s[j][2 * r] + s[j][2 * r + 1];
         }
-
-        // ---- online softmax: new max, rescale factor, P = exp2(S - m)
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = m_i[r];
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-          mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
-          // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
-          // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
-          const float ref = mx == fwd::neg_inf() ? 0.f : mx;
-          alpha[r] = exp2f(m_i[r] - ref);
-          m_i[r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
-            s[j][2 * r] = exp2f(s[j][2 * r] - ref);
-            s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - ref);
-            sum += s[j][2 * r] + s[j][2 * r + 1];
-          }
-          l_i[r] = l_i[r] * alpha[r] + sum;  // partial: reduced over the row group at the end
-        }
-#pragma unroll
-        for (int j = 0; j < kDTiles; ++j) {
-          o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
-          o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-        }
-
-        // ---- acc += P V: the S accumulator fragments are P's A fragments (gemm_rs). In a tile
-        // with masked pairs P is exactly 0 there, and a non-finite V at such a key must not reach
-        // the row (0 x Inf = NaN on the tensor cores): the CAREFUL variant takes care of it.
-        if constexpr (CAREFUL)
-          gemm_rs_masked<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0, need_mask);
-        else
-          gemm_rs<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0);
+        l_i[r] = l_i[r] * alpha[r] + sum;  // partial: reduced over the row group at the end
       }
-      __syncthreads();  // the next iteration's prefetch overwrites this stage
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+      }
+
+      // ---- acc += P V: the S accumulator fragments are P's A fragments (gemm_rs). In a tile
+      // with masked pairs P is exactly 0 there, and a non-finite V at such a key must not reach
+      // the row (0 x Inf = NaN on the tensor cores): the CAREFUL variant takes care of it.
+      if constexpr (CAREFUL)
+        gemm_rs_masked<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0, need_mask);
+      else
+        gemm_rs<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0);
     }
-  }  // ranges
-  cp_async_wait<0>();  // the Q tile, when no range had a visible tile
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
 
   // ---- write the state back (rows past q_len were never read and are not written)
-  const int q_start = reread(task.start);
-  const bool row_ok[2] = {row[0] < reread(task.len), row[1] < reread(task.len)};
-  float* ml_base_m = m + b * ml_sb + h * ml_sh + q_start;
-  float* ml_base_l = l + b * ml_sb + h * ml_sh + q_start;
-  float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float lsum = warp_sum<4>(l_i[r]);

@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here (BwdStepParams) takes 232 bytes.
+// here takes 248 bytes.
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is
@@ -46,31 +46,18 @@ struct StatStrides {
   long long b, h;
 };
 
-// A step's rectangles (burstcu.layout.Block) reach the step kernels as a task table, built per
-// step by the host (burstcu.ops.launch.task_table) and read from device memory. The rows of one
-// side ("own" rows: query rows for flash_fwd_step and flash_bwd_dq, key rows for flash_bwd_dkdv)
-// are cut into tasks, one CTA each: disjoint row intervals of at most the variant's tile rows
-// (BLOCK_M, resp. BN), each with the slice [range_begin, range_end) of the range table that lists,
-// in the order of the step's blocks, the other side's rows of every block covering the task's
-// rows. Disjoint tasks are why no two CTAs ever write the same state (acc, m, l) or dK/dV rows.
-// Element (i, j), query i and key j counted from their interval starts, is kept iff
-//   q_pos + i - lo <= k_pos + j <= q_pos + i + hi
+// The rectangle one step launch covers (a burstcu.layout.Block) and its key bounds: query rows
+// [q_start, q_start + q_len) against key rows [k_start, k_start + k_len); element (i, j), counted
+// from q_start and k_start, is kept iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi
 // (causal: hi = 0; a sliding window (left, right): lo = left, hi = right; no bound: NO_BOUND).
-struct StepTask {
-  int start, len;                // first own row (index into the tensors' S dim) and row count
-  int pos;                       // global position of row `start`
-  int range_begin, range_end;    // this task's ranges: ranges[range_begin .. range_end)
+struct BlockRect {
+  int q_start, q_len;  // first query row (index into the tensors' S dim) and row count
+  int k_start, k_len;  // first key row and key count
+  int q_pos, k_pos;    // global positions of rows q_start and k_start
+  int hi, lo;          // key bounds (above)
 };
 
-// One block's rows on the other side (keys of a forward / dq task, queries of a dkdv task) and
-// the block's key bounds.
-struct StepRange {
-  int start, len;  // first row and row count
-  int pos;         // global position of row `start`
-  int hi, lo;      // key bounds (above)
-};
-
-// flash_fwd_step: fold one step's rectangles (a task table) into the running forward state.
+// flash_fwd_step: fold one BlockRect into the running forward state (acc, m, l).
 template <typename T>
 struct FwdStepParams {
   const T* q;             // (B, Sq, H, D) queries, strides q_stride
@@ -80,13 +67,11 @@ struct FwdStepParams {
   float* m;               // (B, H, Sq) fp32 running max of the scaled scores (base 2), ml_stride
   float* l;               // (B, H, Sq) fp32 running sum of exp2(s - m), ml_stride (m's)
   const int* nonfinite;   // device int: nonzero runs the CAREFUL twin (kernels/README.md)
-  const StepTask* tasks;  // (n_tasks,) query-row tasks of at most BLOCK_M rows
-  const StepRange* ranges;  // key ranges of the tasks
   RowStrides q_stride;    // of q
   RowStrides kv_stride;   // of k and v
   RowStrides acc_stride;  // of acc
   StatStrides ml_stride;  // of m and l
-  int n_tasks;            // tasks (the grid's x extent)
+  BlockRect blk;          // the rectangle and its key bounds
   int H, Hkv;             // query heads, kv heads (GQA: query head h reads kv head h / (H / Hkv))
   float scale_log2;       // softmax_scale * log2(e)
 };
@@ -127,10 +112,8 @@ struct BwdDeltaParams {
   int B, S, H, D;             // sizes of out
 };
 
-// flash_bwd_dkdv and flash_bwd_dq: one backward ring step over a task table. flash_bwd_dkdv reads
-// a table of key-row tasks (at most BN rows, ranges of queries), flash_bwd_dq one of query-row
-// tasks (at most BM rows, ranges of keys); the other fields are shared (psum is read by
-// flash_bwd_dq only).
+// flash_bwd_dkdv and flash_bwd_dq: one backward ring step over one BlockRect. The two kernels of
+// a deterministic step take the same struct (psum is read by flash_bwd_dq only).
 template <typename T>
 struct BwdStepParams {
   const T* q;               // (B, Sq, H, D) visiting queries, strides q_stride
@@ -145,14 +128,12 @@ struct BwdStepParams {
   float* psum;              // (B, H, Sq) fp32 with stat_stride, or null: flash_bwd_dq adds each
                             // row's sum of the recomputed P to it (attention_backward(check=True))
   const int* nonfinite;     // device int: nonzero runs the CAREFUL twin of the pair
-  const StepTask* tasks;    // (n_tasks,) tasks of the kernel's own rows (above)
-  const StepRange* ranges;  // the other side's ranges of the tasks
   RowStrides q_stride;      // of q and dout
   RowStrides k_stride;      // of k and v
   RowStrides dq_stride;     // of dq
   RowStrides dk_stride;     // of dk and dv
   StatStrides stat_stride;  // of lse, delta and psum
-  int n_tasks;              // tasks (the grid's x extent)
+  BlockRect blk;            // the rectangle and its key bounds
   int H, Hkv;               // query heads, kv heads (GQA as in the forward)
   float scale;              // softmax scale (natural units; the kernels fold in log2(e))
 };

@@ -8,14 +8,11 @@ float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate i
 `ops` supplies the array module (`ops.xp`), compiled kernels (`ops.function(name)`, called as
 ``fn(grid, block, (params,), shared_mem=...)`` with the kernel's parameter struct from
 `burstcu.ops.launch`), the non-finite flags and step launches (`ops.nonfinite_flag`,
-`ops.step_flag`, `ops.launch_step`), the task tables (`ops.step_table`), the variant table
+`ops.step_flag`, `ops.launch_step`), the variant table
 (`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
-and the `ops.deterministic` switch: False launches one kernel per step that adds dQ with fp32
+and the `ops.deterministic` switch: False launches one kernel per block that adds dQ with fp32
 atomics (run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two
-runs give bit-identical results (a second recomputation of S and dP: ~7/5 of the flops). Each
-kernel covers all the step's blocks in one launch through a task table: the dK/dV kernel's tasks
-are disjoint key-row intervals (at most BN rows, ranges of queries), the dQ kernel's disjoint
-query-row intervals (at most BM rows, ranges of keys).
+runs give bit-identical results (a second recomputation of S and dP: ~7/5 of the flops).
 """
 
 from __future__ import annotations
@@ -153,20 +150,22 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
     if ops.deterministic or psum is not None:
-        launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), True),
-                    (ops.variant("bwd_dq", ctx.dtype, D), False)]
+        launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
+                    (ops.variant("bwd_dq", ctx.dtype, D), "q")]
     else:
-        launches = [(ops.variant("bwd_dkdv", ctx.dtype, D), True)]
+        launches = [(ops.variant("bwd_dkdv", ctx.dtype, D), "k")]
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
-    masked = any(blk.masked for blk in blocks)
-    flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
-    for variant, by_keys in launches:  # by_keys: tasks over key rows (dK/dV), else query rows
-        cfg = variant.launch
-        tasks, ranges, n_tasks = ops.step_table(blocks, by_keys, cfg.block_n if by_keys else cfg.block_m)
+    flag = (ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta)
+            if any(blk.masked for blk in blocks) else None)
+    for blk in blocks:  # one struct serves both kernels of a deterministic step
         params = bwd_step_params(qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv,
-                                 psum_run, ops.step_flag(masked, flag), tasks, ranges, ctx.scale)
-        ops.launch_step(variant, (n_tasks, Hkv if by_keys else H, B), params, masked)
+                                 psum_run, ops.step_flag(blk.masked, flag), blk, ctx.scale)
+        for variant, tiled in launches:
+            cfg = variant.launch
+            grid = ((cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
+                    else (cdiv(blk.q_len, cfg.block_m), H, B))
+            ops.launch_step(variant, grid, params, blk.masked)
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:

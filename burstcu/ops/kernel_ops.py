@@ -14,12 +14,8 @@ D <= 256 runs the next native one with q/k/v zero-padded in the last dim (zeros 
 q.k nor the kept output columns); the softmax scale stays 1/sqrt(D) of the caller's D.
 
 The forward state stays on the device between ring steps: acc (B, S, H, Dp) fp32, m, l (B, H, S)
-fp32 (m, l in base-2 units, see kernels/README.md); `forward_step` folds a step's Blocks into it
-with one launch (the merge is fused in the kernel), `forward_finalize` divides.
-
-A step reaches a step kernel as a task table (`burstcu.ops.launch.task_table`), built on the host
-and uploaded per step and kernel family: on a GPU with one asynchronous copy on the current stream
-from pinned memory that `PinnedStaging` keeps until that copy has completed (the host never waits).
+fp32 (m, l in base-2 units, see kernels/README.md); each `forward_step` launch folds one Block into
+it (the merge is fused in the kernel), `forward_finalize` divides.
 The backward entry points delegate to `burstcu.ops.kernel_bwd` with this object as `ops`.
 """
 
@@ -41,7 +37,7 @@ from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd
 from .launch import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
-                     nonfinite_params, table_parts, task_table, vector_ready)
+                     nonfinite_params, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
@@ -70,45 +66,6 @@ class ForwardState:
 
 def _dtype_name(x) -> str:
     return np.dtype(x.dtype).name
-
-
-class PinnedStaging:
-    """Pinned host buffers from which the task tables are copied to the device asynchronously.
-
-    A buffer is reused only once the event recorded after the copy that read it has completed, so
-    nothing is overwritten or freed while a copy is in flight, and the host never synchronises:
-    while copies are queued, new buffers are allocated (as many as there are steps in flight, a few).
-    """
-
-    def __init__(self, cupy):
-        self._cupy = cupy
-        self._slots: list[list] = []  # [event of the last copy or None, pinned memory, bytes]
-
-    def _free_slot(self, nbytes: int) -> list:
-        for slot in self._slots:
-            event, _, size = slot
-            if size >= nbytes and (event is None or event.done):
-                return slot
-        size = max(4096, 1 << (nbytes - 1).bit_length())
-        slot = [None, self._cupy.cuda.alloc_pinned_memory(size), size]
-        self._slots.append(slot)
-        return slot
-
-    def upload(self, table: np.ndarray):
-        """A device copy of the int32 array `table`, made on the current stream."""
-        cp = self._cupy
-        dev = cp.empty(table.shape, dtype=table.dtype)
-        if table.nbytes == 0:
-            return dev
-        slot = self._free_slot(table.nbytes)
-        host = np.frombuffer(slot[1], dtype=table.dtype, count=table.size)
-        host[...] = table
-        stream = cp.cuda.get_current_stream()
-        dev.data.copy_from_host_async(slot[1].ptr, table.nbytes, stream)
-        event = cp.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
-        slot[0] = event
-        return dev
 
 
 class KernelOps(LocalOps):
@@ -145,7 +102,6 @@ class KernelOps(LocalOps):
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._functions: dict[str, Any] = {}
         self._zero_flag = None
-        self._staging = PinnedStaging(self.xp) if backend == "cupy" else None
 
     dtypes = _KERNEL_DTYPES
     masks_windows = True  # Block.left / Block.right become the kernels' key bounds (lo, hi)
@@ -252,22 +208,11 @@ class KernelOps(LocalOps):
         with masked pairs, else the flag that stays 0 (`zero_flag`)."""
         return flag if masked else self.zero_flag()
 
-    def step_table(self, blocks: Sequence[Block], by_keys: bool, rows: int):
-        """(tasks, ranges, n_tasks): the task table of `blocks` (`launch.task_table`; by_keys:
-        tasks over key rows, else over query rows; tasks of at most `rows` rows) in device
-        memory, split in its two parts. On a GPU it is copied on the current stream from pinned
-        memory (`PinnedStaging`); under emulation the host array is the table."""
-        table, n_tasks = task_table(blocks, by_keys, rows)
-        if self._staging is not None:
-            table = self._staging.upload(table)
-        return (*table_parts(table, n_tasks), n_tasks)
-
     def launch_step(self, variant: KernelVariant, grid, params, masked: bool) -> None:
         """Launch a step kernel with its parameter struct `params`, whose non-finite flag is
-        `step_flag(masked, ...)`. A step with masked pairs in any of its blocks (`masked`) gets
-        the pair plain + careful, of which exactly one runs (the careful one when the flag is
-        set: a NaN where a row cannot see must not reach it); any other step the plain kernel
-        alone."""
+        `step_flag(masked, ...)`. A block with masked pairs (`masked`) gets the pair plain +
+        careful, of which exactly one runs (the careful one when the flag is set: a NaN where a
+        row cannot see must not reach it); any other block the plain kernel alone."""
         cfg = variant.launch
         for v in (variant, careful_variant(variant)) if masked else (variant,):
             self.function(v.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
@@ -311,9 +256,8 @@ class KernelOps(LocalOps):
                             scale=scale, headdim=D, dtype=dtype)
 
     def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
-        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state` with one launch
-        (two, plain and careful, when a block has masked pairs) of one task table: each CTA owns
-        query rows no other holds and folds every block covering them, in the order given."""
+        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`, one launch per
+        Block (launches on one stream run in order, so blocks sharing query rows compose)."""
         blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
         if not blocks:
             return
@@ -328,12 +272,13 @@ class KernelOps(LocalOps):
             self._check_block(blk, S, k.shape[1])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
-        masked = any(blk.masked for blk in blocks)
-        flag = self.nonfinite_flag(vp) if masked else None
-        tasks, ranges, n_tasks = self.step_table(blocks, False, variant.launch.block_m)
-        params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
-                                 self.step_flag(masked, flag), tasks, ranges, state.scale * _LOG2E)
-        self.launch_step(variant, (n_tasks, H, B), params, masked)
+        flag = self.nonfinite_flag(vp) if any(blk.masked for blk in blocks) else None
+        for blk in blocks:
+            params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
+                                     self.step_flag(blk.masked, flag), blk,
+                                     state.scale * _LOG2E)
+            self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), params,
+                             blk.masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""

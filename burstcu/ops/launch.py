@@ -5,8 +5,7 @@ Every kernel takes one struct by value. Each struct is declared here once, as a 
 the C struct's fields in the C declaration order; its `dtype` is the NumPy structured dtype with
 C's natural-alignment layout, and one builder function per struct (`fwd_step_params`,
 `fwd_finalize_params`, `nonfinite_params`, `bwd_delta_params`, `bwd_step_params`) fills it from
-the launch's arrays and returns a ``numpy.void`` scalar. The step kernels also read a task table
-from device memory (`task_table` builds it on the host, one per step and kernel family). That scalar is the kernel's one
+the launch's arrays and returns a ``numpy.void`` scalar. That scalar is the kernel's one
 argument on both backends: CuPy (``RawKernel``, cupy-cuda13x 14.x) turns a NumPy scalar into a
 `CScalar` holding its bytes and hands the driver a pointer to them, and the driver copies the
 struct's size from there into the kernel's parameter space; the emulator
@@ -163,15 +162,14 @@ class CStruct:
 
 ROW_STRIDES = CStruct("RowStrides", [("b", "i64"), ("s", "i64"), ("h", "i64")])
 STAT_STRIDES = CStruct("StatStrides", [("b", "i64"), ("h", "i64")])
-STEP_TASK = CStruct("StepTask", [("start", "i32"), ("len", "i32"), ("pos", "i32"),
-                                 ("range_begin", "i32"), ("range_end", "i32")])
-STEP_RANGE = CStruct("StepRange", [("start", "i32"), ("len", "i32"), ("pos", "i32"), ("hi", "i32"),
-                                   ("lo", "i32")])
+BLOCK_RECT = CStruct("BlockRect", [("q_start", "i32"), ("q_len", "i32"), ("k_start", "i32"),
+                                   ("k_len", "i32"), ("q_pos", "i32"), ("k_pos", "i32"),
+                                   ("hi", "i32"), ("lo", "i32")])
 FWD_STEP = CStruct("FwdStepParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"),
-    ("nonfinite", "ptr"), ("tasks", "ptr"), ("ranges", "ptr"), ("q_stride", ROW_STRIDES),
-    ("kv_stride", ROW_STRIDES), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
-    ("n_tasks", "i32"), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32")], templated=True)
+    ("nonfinite", "ptr"), ("q_stride", ROW_STRIDES), ("kv_stride", ROW_STRIDES),
+    ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
+    ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32")], templated=True)
 FWD_FINALIZE = CStruct("FwdFinalizeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
@@ -186,14 +184,12 @@ BWD_DELTA = CStruct("BwdDeltaParams", [
 BWD_STEP = CStruct("BwdStepParams", [
     ("q", "ptr"), ("dout", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lse", "ptr"), ("delta", "ptr"),
     ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("psum", "ptr"), ("nonfinite", "ptr"),
-    ("tasks", "ptr"), ("ranges", "ptr"), ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES),
-    ("dq_stride", ROW_STRIDES), ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES),
-    ("n_tasks", "i32"), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")], templated=True)
+    ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES), ("dq_stride", ROW_STRIDES),
+    ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
+    ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")], templated=True)
 # every struct of kernels/params.cuh (the layout test walks this list)
-PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, STEP_TASK, STEP_RANGE, FWD_STEP, FWD_FINALIZE,
-                 NONFINITE, BWD_DELTA, BWD_STEP)
-TASK_INTS = len(STEP_TASK.fields)    # int32 words of a StepTask
-RANGE_INTS = len(STEP_RANGE.fields)  # int32 words of a StepRange
+PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
+                 BWD_DELTA, BWD_STEP)
 
 
 def _shared_strides(n: int, x, *others) -> tuple[int, ...]:
@@ -210,72 +206,20 @@ def _shared_strides(n: int, x, *others) -> tuple[int, ...]:
     return strides
 
 
-# ------------------------------------------------------------------------------------------------
-# task tables (kernels/params.cuh, StepTask / StepRange)
-
-def task_table(blocks: Sequence[Block], by_keys: bool, rows: int) -> tuple[np.ndarray, int]:
-    """The task table of one step and kernel family as one int32 array, `TASK_INTS` words a task
-    followed by `RANGE_INTS` words a range, and the task count.
-
-    by_keys False: tasks over query rows with ranges of keys (flash_fwd_step, flash_bwd_dq);
-    True: tasks over key rows with ranges of queries (flash_bwd_dkdv). rows: the variant's tile
-    rows (BLOCK_M, resp. BN); no task is longer.
-
-    The edges of the blocks' own-side intervals cut the rows into segments over which the set of
-    covering blocks is constant; each covered segment is cut into tasks of at most `rows` rows,
-    which share the segment's ranges: the other side's rows and key bounds of each covering
-    block, in the order of `blocks` (so a row meets the blocks in the order a launch per block
-    would have folded them). Tasks are disjoint by construction: no two CTAs of a launch write
-    the same rows. Ranges are not clipped: the kernels skip the tiles that no row of a task can
-    see, and keep the tile grid of each block (key tiles from its k_start, query tiles from its
-    q_start). Blocks covering the same row must agree on its position; ValueError otherwise.
-    """
-    own = [(b.k_start, b.k_len, b.k_pos) if by_keys else (b.q_start, b.q_len, b.q_pos)
-           for b in blocks]
-    other = [(b.q_start, b.q_len, b.q_pos) if by_keys else (b.k_start, b.k_len, b.k_pos)
-             for b in blocks]
-    bounds = [key_bounds(b) for b in blocks]
-    edges = sorted({s for s, _, _ in own} | {s + n for s, n, _ in own})
-    index = {e: i for i, e in enumerate(edges)}
-    cover: list[list[int]] = [[] for _ in edges[1:]]
-    for i, (s, n, _) in enumerate(own):
-        for seg in range(index[s], index[s + n]):
-            cover[seg].append(i)
-    tasks: list[tuple[int, ...]] = []
-    ranges: list[tuple[int, ...]] = []
-    for seg, members in enumerate(cover):
-        if not members:
-            continue
-        begin, end = edges[seg], edges[seg + 1]
-        shifts = {own[i][2] - own[i][0] for i in members}  # position - row
-        if len(shifts) > 1:
-            raise ValueError(f"blocks {[blocks[i] for i in members]} give rows [{begin}, {end}) "
-                             f"different positions")
-        shift = shifts.pop()
-        first = len(ranges)
-        ranges += [other[i] + bounds[i] for i in members]
-        tasks += [(row, min(rows, end - row), row + shift, first, len(ranges))
-                  for row in range(begin, end, rows)]
-    table = np.empty(TASK_INTS * len(tasks) + RANGE_INTS * len(ranges), np.int32)
-    table[:TASK_INTS * len(tasks)] = np.asarray(tasks, np.int64).ravel()
-    table[TASK_INTS * len(tasks):] = np.asarray(ranges, np.int64).ravel()
-    return table, len(tasks)
+def block_rect(block: Block) -> tuple:
+    """A BlockRect: the block's rectangle and key bounds (`key_bounds`)."""
+    return (block.q_start, block.q_len, block.k_start, block.k_len, block.q_pos, block.k_pos,
+            *key_bounds(block))
 
 
-def table_parts(table, n_tasks: int) -> tuple:
-    """(tasks, ranges): the two parts of a task table (host or device, from `task_table`)."""
-    return table[:TASK_INTS * n_tasks], table[TASK_INTS * n_tasks:]
-
-
-def fwd_step_params(q, k, v, acc, m, l, nonfinite, tasks, ranges, scale_log2: float) -> np.void:
+def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block, scale_log2: float) -> np.void:
     """FwdStepParams: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) sharing strides; acc (B, Sq, H, D)
-    float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32; tasks, ranges the
-    device parts of a `task_table` over query rows (`table_parts`)."""
+    float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32."""
     return FWD_STEP.pack(
-        q=q, k=k, v=v, acc=acc, m=m, l=l, nonfinite=nonfinite, tasks=tasks, ranges=ranges,
+        q=q, k=k, v=v, acc=acc, m=m, l=l, nonfinite=nonfinite,
         q_stride=_shared_strides(3, q), kv_stride=_shared_strides(3, k, v),
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
-        n_tasks=tasks.shape[0] // TASK_INTS, H=q.shape[2], Hkv=k.shape[2], scale_log2=scale_log2)
+        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale_log2=scale_log2)
 
 
 def fwd_finalize_params(acc, m, l, out, lse) -> np.void:
@@ -301,17 +245,15 @@ def bwd_delta_params(out, dout, delta) -> np.void:
                           delta_stride=_shared_strides(2, delta), B=B, S=S, H=H, D=D)
 
 
-def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, tasks, ranges,
+def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, block: Block,
                     scale: float) -> np.void:
     """BwdStepParams: q, dout (B, Sq, H, D) sharing strides; k, v (B, Sk, Hkv, D) sharing
     strides; lse, delta (and psum unless None) (B, H, Sq) float32 sharing strides; dq (B, Sq, H,
-    D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides; nonfinite a device int32; tasks,
-    ranges the device parts of a `task_table` (over key rows for flash_bwd_dkdv, query rows for
-    flash_bwd_dq)."""
+    D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides; nonfinite a device int32."""
     stats = (lse, delta) if psum is None else (lse, delta, psum)
     return BWD_STEP.pack(
         q=q, dout=dout, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, psum=psum,
-        nonfinite=nonfinite, tasks=tasks, ranges=ranges, q_stride=_shared_strides(3, q, dout),
+        nonfinite=nonfinite, q_stride=_shared_strides(3, q, dout),
         k_stride=_shared_strides(3, k, v), dq_stride=_shared_strides(3, dq),
         dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, *stats),
-        n_tasks=tasks.shape[0] // TASK_INTS, H=q.shape[2], Hkv=k.shape[2], scale=scale)
+        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale=scale)

@@ -111,7 +111,8 @@ def test_pack_refuses_missing_unknown_and_out_of_range_fields():
     with pytest.raises(TypeError, match=r"missing fields \['h'\], unknown fields \['x'\]"):
         launch.ROW_STRIDES.pack(b=1, s=2, x=3)
     with pytest.raises(OverflowError):
-        launch.STEP_RANGE.pack(start=2**31, len=1, pos=0, hi=0, lo=0)
+        launch.BLOCK_RECT.pack(q_start=2**31, q_len=1, k_start=0, k_len=1, q_pos=0, k_pos=0,
+                               hi=0, lo=0)
 
 
 def test_fwd_step_params_fields():
@@ -122,18 +123,13 @@ def test_fwd_step_params_fields():
     m, l = np.zeros((2, 4, 16), np.float32), np.zeros((2, 4, 16), np.float32)
     flag = np.zeros(1, np.int32)
     blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
-    table, n_tasks = launch.task_table([blk], False, 64)
-    tasks, ranges = launch.table_parts(table, n_tasks)
-    assert n_tasks == 1 and tuple(tasks) == (3, 5, 103, 0, 1)
-    assert tuple(ranges) == (4, 6, 104, 0, NO_BOUND)
-    p = launch.fwd_step_params(q, k, v, acc, m, l, flag, tasks, ranges, 0.5)
-    assert p.dtype == launch.FWD_STEP.dtype and p.dtype.itemsize == 176
+    p = launch.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
+    assert p.dtype == launch.FWD_STEP.dtype and p.dtype.itemsize == 192
     assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
-    assert int(p["tasks"]) == table.ctypes.data
-    assert int(p["ranges"]) == table.ctypes.data + 4 * launch.TASK_INTS
     assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
     assert tuple(p["ml_stride"]) == (4 * 16, 16)
-    assert (int(p["n_tasks"]), int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (1, 4, 2, 0.5)
+    assert tuple(p["blk"]) == (3, 5, 4, 6, 103, 104, 0, NO_BOUND)
+    assert (int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (4, 2, 0.5)
 
 
 def test_bwd_step_params_take_64bit_strides_and_check_shared_ones():
@@ -141,14 +137,13 @@ def test_bwd_step_params_take_64bit_strides_and_check_shared_ones():
     stat = np.zeros((1, 1, 2), np.float32)
     grad = np.zeros((1, 2, 1, 64), np.float32)
     blk = Block(q_start=0, q_len=2, k_start=0, k_len=2, q_pos=0, k_pos=0, causal=False)
-    tasks, ranges = launch.table_parts(*launch.task_table([blk], True, 64))
     p = launch.bwd_step_params(big, big, big, big, stat, stat, grad, grad, grad, None,
-                               np.zeros(1, np.int32), tasks, ranges, 0.125)
+                               np.zeros(1, np.int32), blk, 0.125)
     assert int(p["q_stride"]["s"]) == 2**33 and int(p["psum"]) == 0
     other = np.zeros((1, 2, 1, 64), np.float16)
     with pytest.raises(ValueError, match="share their strides"):
         launch.bwd_step_params(big, other, big, big, stat, stat, grad, grad, grad, None,
-                               np.zeros(1, np.int32), tasks, ranges, 0.125)
+                               np.zeros(1, np.int32), blk, 0.125)
 
 
 def test_strides_of_length_one_dims_need_not_agree():
