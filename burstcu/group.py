@@ -160,28 +160,29 @@ def world_comm(comm=None):
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        launched = launcher_world_size()
-        if launched is not None and launched[1] > 1:
-            raise RuntimeError(
-                f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
-                f"but mpi4py is not installed ({exc}): every rank would run alone on the whole "
-                f"problem. Install the 'mpi' extra (pip install 'burstcu[mpi]') in the Python "
-                f"that mpiexec starts") from exc
+        _refuse_under_a_launcher(exc, "mpi4py is not installed", "Install the 'mpi' extra (pip "
+                                 "install 'burstcu[mpi]') in the Python that mpiexec starts")
         return None
     except RuntimeError as exc:
-        launched = launcher_world_size()
-        if launched is not None and launched[1] > 1:
-            raise RuntimeError(
-                f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
-                f"but mpi4py cannot load an MPI library ({exc}): every rank would run alone on the "
-                f"whole problem. Install the 'mpi' extra and use its mpiexec, or point "
-                f"MPI4PY_LIBMPI at the MPI library of the launcher you use") from exc
+        _refuse_under_a_launcher(exc, "mpi4py cannot load an MPI library", "Install the 'mpi' "
+                                 "extra and use its mpiexec, or point MPI4PY_LIBMPI at the MPI "
+                                 "library of the launcher you use")
         if not _NO_MPI_WARNED:
             _NO_MPI_WARNED.append(True)
             warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "
                           f"process (install the 'mpi' extra for mpiexec)", stacklevel=3)
         return None
     return MPI.COMM_WORLD
+
+
+def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:
+    """RuntimeError when a launcher started this process as one of several ranks and MPI is
+    not usable (`what`): each rank would otherwise run the whole problem alone."""
+    launched = launcher_world_size()
+    if launched is not None and launched[1] > 1:
+        raise RuntimeError(
+            f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
+            f"but {what} ({exc}): every rank would run alone on the whole problem. {remedy}") from exc
 
 
 def _mpi_transport(comm, progress: str, timeout: float | None) -> Transport:
