@@ -79,9 +79,12 @@ def _check_local(ops, arrays, cache_seqlens, softmax_scale, return_lse, agreed: 
     return None, meta, (lengths, scale)
 
 
-def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=None,
+def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """Attention of the new tokens q over every rank's KV cache rows (module docstring).
+
+    `decode(q, cache)` with a `KVCache` is `cache.decode(q, ...)` (its arrays, group and
+    row counts).
 
     q: (B, T, H, D), the same on every rank (T new tokens, usually 1; their own K/V already in
     the cache; they see every valid cache row, no causal order among them). k_cache, v_cache:
@@ -91,6 +94,13 @@ def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=Non
     return_lse, (out, lse (B, H, T)). A batch row with no valid row anywhere gets out 0 and
     lse -inf.
     """
+    if isinstance(k_cache, KVCache):
+        if v_cache is not None or cache_seqlens is not None or group not in (None, k_cache.group):
+            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
+                            "pass no v_cache, group or cache_seqlens with a KVCache")
+        return k_cache.decode(q, softmax_scale=softmax_scale, return_lse=return_lse)
+    if v_cache is None:
+        raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
     return _decode(q, k_cache, v_cache, group, cache_seqlens, softmax_scale, return_lse)
 
 

@@ -78,6 +78,7 @@ def kv_cache_appends_balance_and_decode(capacity=6):
     assert (cache.counts.max(axis=0) - cache.counts.min(axis=0) <= 1).all(), cache.counts
     q = rng.standard_normal((b, 1, h, d))
     got = cache.decode(q)
+    assert np.array_equal(burstcu.decode(q, cache), got)          # the same call
     want = attention_ref(q, np.concatenate(rows_k, axis=1), np.concatenate(rows_v, axis=1))[0]
     assert np.abs(got - want).max() < 1e-12, np.abs(got - want).max()
     room = capacity * size - total
