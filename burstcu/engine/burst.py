@@ -428,29 +428,36 @@ class BurstAttention:
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:
-        if q is None:
-            if masked(mask):
-                raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
+        if _unmasked_count(q, mask):
             return forward_messages(size)
         part, flags = _mask(size, q, mask)
         return sum(travels(mask.get("rank", 0), s, part, *flags) for s in range(size - 1))
 
     @staticmethod
     def backward_messages(size: int, q=None, **mask) -> int:
-        if q is None:
-            if masked(mask):
-                raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
+        if _unmasked_count(q, mask):
             return backward_messages(size)
         part, flags = _mask(size, q, mask)
         return backward_messages(size, backward_counts(mask.get("rank", 0), size, q.shape[1],
                                                        part, *flags))
 
 
+def _unmasked_count(q, mask: dict) -> bool:
+    """Whether a message-count call without q takes the unmasked formula (with a mask but no
+    q: TypeError, since the count then depends on the local sequence length)."""
+    if q is None and masked(mask):
+        raise TypeError("a mask changes the message count: pass q too (its local seqlen)")
+    return q is None
+
+
+def mask_flags(mask: dict) -> tuple:
+    """(causal, window, docs) of a formula's mask (rank, layout, causal, window, docs)."""
+    return (bool(mask.get("causal", False)), tuple(mask.get("window", (-1, -1))), mask.get("docs"))
+
+
 def _mask(size: int, q, mask: dict):
     """(partition, (causal, window, docs)) of a strategy-level formula call."""
-    part = as_partition(mask.get("layout", "contiguous"), size, q.shape[1])
-    return part, (bool(mask.get("causal", False)), tuple(mask.get("window", (-1, -1))),
-                  mask.get("docs"))
+    return as_partition(mask.get("layout", "contiguous"), size, q.shape[1]), mask_flags(mask)
 
 
 def masked(mask: dict) -> bool:

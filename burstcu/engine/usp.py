@@ -143,7 +143,7 @@ class USPAttention:
         the groups skips hops as `burst.forward_rows` says, for the group's super-rank."""
         b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        ring_rows = burst.forward_rows(i, groups, *_flags(mask))
+        ring_rows = burst.forward_rows(i, groups, *burst.mask_flags(mask))
         return ((u - 1) * b * s * (hg + 2 * hk) * d * it + (rows - s) * b * hg * (acc + d * it)
                 + ring_rows * 2 * b * hk * d * it)
 
@@ -152,7 +152,8 @@ class USPAttention:
         the group's super-rank; none: every bundle all the way round."""
         b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        bundle_rows, dq_rows = (0, 0) if groups.size == 1 else burst.backward_rows(i, groups, *_flags(mask))
+        bundle_rows, dq_rows = (0, 0) if groups.size == 1 else \
+            burst.backward_rows(i, groups, *burst.mask_flags(mask))
         ring_bytes = bundle_rows * b * hg * (2 * d * it + 2 * acc) + dq_rows * b * hg * d * acc
         back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
@@ -169,7 +170,7 @@ class USPAttention:
         if q is None:
             return 2 * (u - 1) + size // u - 1
         *_, groups, i = self._dims(size, q, q, mask)
-        return 2 * (u - 1) + sum(burst.travels(i, s, groups, *_flags(mask))
+        return 2 * (u - 1) + sum(burst.travels(i, s, groups, *burst.mask_flags(mask))
                                  for s in range(groups.size - 1))
 
     def backward_messages(self, size: int, q=None, **mask) -> int:
@@ -180,9 +181,5 @@ class USPAttention:
         if q is None:
             return 2 * (u - 1) + r + 1
         *_, groups, i = self._dims(size, q, q, mask)
-        return 2 * (u - 1) + burst.backward_counts(i, r, 0, groups, *_flags(mask))[2]
+        return 2 * (u - 1) + burst.backward_counts(i, r, 0, groups, *burst.mask_flags(mask))[2]
 
-
-def _flags(mask: dict) -> tuple:
-    """(causal, window, docs) of a formula's mask."""
-    return (bool(mask.get("causal", False)), tuple(mask.get("window", (-1, -1))), mask.get("docs"))
