@@ -170,6 +170,28 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
+def _untakeable(exc: Exception, arrays: tuple) -> InputError:
+    """Why inputs could not be taken as the backend's arrays, with what to do instead: JAX
+    tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy. The
+    kind is a builtin TypeError or ValueError (a framework's own exception class may not take a
+    message: JAX's tracer errors want the tracer)."""
+    kind = ValueError if isinstance(exc, ValueError) and not isinstance(exc, TypeError) else TypeError
+    jax = sys.modules.get("jax")
+    text = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
+    if jax is not None and any(isinstance(x, jax.core.Tracer) for x in arrays):
+        return InputError(TypeError, "got JAX tracers (inside jax.jit, jax.grad or jax.vmap): use "
+                                     "burstcu.jax.attention / linear_attention / decode, which "
+                                     "are differentiable and run under jax.jit")
+    if "require" in text and "grad" in text:
+        return InputError(TypeError, f"cannot take tensors that require grad ({text}): use "
+                                     f"burstcu.torch.attention for autograd, or pass .detach()")
+    if "dtype" in text.lower() and any("bfloat16" in str(getattr(x, "dtype", "")) for x in arrays):
+        return InputError(TypeError, f"bfloat16 arrays cannot cross DLPack into NumPy ({text}): "
+                                     f"use burstcu.torch / burstcu.jax, or NumPy arrays of "
+                                     f"ml_dtypes.bfloat16")
+    return InputError(kind, f"cannot take these inputs: {text}")
+
+
 def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, finish=None):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, extra) where
@@ -187,8 +209,7 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
             arrays, export = _native(group.ops, *arrays)
             err, meta, extra, length = local_check(arrays)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
-        kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
-        err = InputError(kind, f"cannot take these inputs: {exc.__class__.__name__}: {exc}")
+        err = _untakeable(exc, arrays)
     with call.raising_together():
         lengths = agree(group.transport, err, meta, what, length)
         if finish is not None:
@@ -386,6 +407,21 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
         return _returned(export, grads)
 
 
+# the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
+# through besides causal, softmax_scale, layout and strategy
+ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "check")
+
+
+def adapter_options(options: dict) -> tuple[dict, dict]:
+    """An adapter's extra keywords split into (the forward's, the backward's): `check` applies to
+    the backward only. TypeError names an unknown one."""
+    unknown = sorted(set(options) - set(ADAPTER_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; the options besides causal, "
+                        f"softmax_scale, layout and strategy are {list(ADAPTER_OPTIONS)}")
+    return {k: v for k, v in options.items() if k != "check"}, dict(options)
+
+
 # -- linear attention --------------------------------------------------------------------------
 
 LINEAR_STRATEGIES = engine.LINEAR_NAMES
@@ -488,10 +524,25 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = axis % x.ndim
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
-    xp = _array_module(x)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
-    return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
+    return _joined(x, pieces, axis)
+
+
+def _joined(x, pieces: list, axis: int):
+    """The pieces of x joined along axis into one contiguous array of x's own framework: NumPy,
+    CuPy, array-API arrays (JAX, ...) through their namespace's `concat`, torch tensors through
+    `torch.cat`."""
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        xp = _array_module(x)
+        return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
+    namespace = getattr(x, "__array_namespace__", None)
+    if callable(namespace):
+        return namespace().concat(pieces, axis=axis)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch.cat(pieces, dim=axis).contiguous()
+    return np.ascontiguousarray(np.concatenate(pieces, axis=axis))
 
 
 def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens) -> Partition:
@@ -515,11 +566,13 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
     if group is None or group.size == 1:
         check_layout(layout)
         _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
-        return _array_module(x_local).ascontiguousarray(x_local)
+        return _joined(x_local, [x_local], axis % x_local.ndim)
     with Call(group, "unshard") as call:
         with call.raising_together():
-            free = length = None
+            free = length = export = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
+                if not (isinstance(x_local, np.ndarray) or _is_cupy(x_local)):
+                    (x_local,), export = _native(group.ops, x_local)  # torch, JAX, ... : DLPack
                 check_layout(layout)
                 axis = axis % x_local.ndim
                 err, docs = parse_cu_seqlens(cu_seqlens)
@@ -543,7 +596,7 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
             err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))
             if err is not None:
                 raise err.kind(err.message)
-        return _gathered(x_local, group, part, axis)
+        return _returned(export, (_gathered(x_local, group, part, axis),))[0]
 
 
 def _gathered(x_local, group: Group, part: Partition, axis: int):
