@@ -9,6 +9,8 @@ Public API (see `burstcu.api` for shapes and semantics)::
     print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
     out = burstcu.linear_attention(q, k, v, group, causal=True)   # LASP-2 (linear attention)
     out = burstcu.decode(q_new, k_cache, v_cache, group, cache_seqlens=n)   # sharded KV cache
+    out = burstcu.jax.attention(q, k, v, group, causal=True)     # jax.grad / jax.jit (extra "jax")
+    out = burstcu.torch.attention(q, k, v, group, causal=True)   # torch autograd (extra "torch")
 """
 
 from .api import (attention, attention_backward, linear_attention, linear_attention_backward,
@@ -22,3 +24,13 @@ __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
            "CommTimeoutError"]
 __version__ = "0.1.0"
+
+# the autodiff adapters import their framework: loaded on first use (`burstcu.jax.attention`)
+_ADAPTERS = ("jax", "torch")
+
+
+def __getattr__(name: str):
+    if name in _ADAPTERS:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'burstcu' has no attribute {name!r}")

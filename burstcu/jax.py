@@ -1,0 +1,174 @@
+"""JAX over burstcu: `attention` and `linear_attention` differentiable with `jax.grad`
+(`jax.custom_vjp` whose backward calls `burstcu.attention_backward` /
+`linear_attention_backward`, so every rank's K and V gradients gather the contributions of
+every rank's queries), usable inside `jax.jit`, and `decode` for inference. Install with the
+`jax` extra.
+
+Shapes as `burstcu.api` (B batch, S this rank's rows, H query heads, Hkv kv heads, D head dim):
+q (B, S, H, D); k, v (B, S, Hkv, D); out (B, S, H, D). Each rank passes its own shard (see
+`burstcu.shard`) and calls the function collectively, with the same options; every rank must
+run the same program (the same jitted function, in the same order), since each call
+exchanges data with the other ranks.
+
+How the arithmetic is reached:
+* outside `jax.jit` (eager, `jax.grad` included): the arrays themselves; CPU arrays as NumPy
+  views of their buffers (the NumPy backend), GPU arrays zero-copy through DLPack to CuPy.
+* inside `jax.jit`: an ordered host callback (`jax.experimental.io_callback(ordered=True)`),
+  so calls run in program order on every rank and XLA never drops or reorders one (each is a
+  collective). The arrays cross to the host: on a CPU this is free; with a "cupy" group they
+  are copied to the GPU and back (an XLA FFI call would avoid the copies; not written yet).
+`jax.vmap` is not supported (ordered callbacks cannot be batched): put the batch in B.
+Errors (bad input, ranks that disagree) raise on every rank; inside `jax.jit` they surface as
+JAX's runtime error carrying burstcu's message.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from . import api, kvcache
+from .group import Group
+
+__all__ = ["attention", "linear_attention", "decode"]
+
+
+def _is_traced(arrays) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
+def _on_gpu(x) -> bool:
+    return api._cuda_device(x) is not None
+
+
+def _eager(fn, arrays, *args, **kwargs):
+    """fn on concrete arrays: GPU arrays passed as they are (DLPack to CuPy; results come back
+    as jax arrays), CPU arrays as NumPy views; a result is a jax array, a tuple stays a tuple."""
+    if any(_on_gpu(x) for x in arrays):
+        return fn(*arrays, *args, **kwargs)
+    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)
+    return tuple(jnp.asarray(r) for r in result) if isinstance(result, tuple) else jnp.asarray(result)
+
+
+def _host(fn, group: Group | None, *args, **kwargs):
+    """The host callback: the traced arrays arrive as host arrays; on a "cupy" group they go to
+    the GPU and the results come back (XLA takes NumPy results)."""
+    def run(*arrays):
+        arrays = tuple(np.asarray(x) for x in arrays)
+        if group is not None and group.backend == "cupy":
+            import cupy
+            result = fn(*(cupy.asarray(x) for x in arrays), group, *args, **kwargs)
+            as_host = cupy.asnumpy
+        else:
+            result, as_host = fn(*arrays, group, *args, **kwargs), np.asarray
+        return tuple(as_host(r) for r in result) if isinstance(result, tuple) else as_host(result)
+    return run
+
+
+def _run(fn, arrays, results, group, *args, **kwargs):
+    """fn(*arrays, group, *args, **kwargs) eagerly or, under tracing, as an ordered host callback
+    whose results have the shapes and dtypes `results` (a ShapeDtypeStruct or a tuple of them)."""
+    if _is_traced(arrays):
+        return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
+    return _eager(fn, arrays, group, *args, **kwargs)
+
+
+def _like(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _lse_struct(q) -> jax.ShapeDtypeStruct:
+    """lse (B, H, S): float32, float64 for float64 q."""
+    b, s, h, _ = q.shape
+    return jax.ShapeDtypeStruct((b, h, s), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+
+
+def _static(options: dict) -> dict:
+    """cu_seqlens as host ints (it decides the masks, so it must be known when tracing)."""
+    docs = options.get("cu_seqlens")
+    if docs is not None:
+        if isinstance(docs, jax.core.Tracer):
+            raise TypeError("cu_seqlens must be concrete (a NumPy array, a list, or a jax array "
+                            "made outside jax.jit): the document boundaries decide which blocks "
+                            "are computed and sent")
+        options = {**options, "cu_seqlens": np.asarray(docs)}
+    return options
+
+
+def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+              softmax_scale: float | None = None, layout: str = "contiguous",
+              strategy: str = "burst", **mask_kwargs):
+    """`burstcu.attention` for jax arrays, differentiable and jit-able: out (B, S, H, D) in q's
+    dtype.
+
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
+    cu_seqlens (concrete), uneven, ulysses_degree (as `burstcu.attention`) and check (verify
+    lse in the backward). The backward (`jax.grad`) is collective too.
+    """
+    fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
+    common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
+
+    def forward(q, k, v):
+        return _run(api.attention, (q, k, v), (_like(q), _lse_struct(q)), group,
+                    return_lse=True, **common, **fwd_options)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)[0]
+
+    def attend_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_bwd(saved, dout):
+        q, k, v, out, lse = saved
+        return _run(api.attention_backward, (dout.astype(q.dtype), q, k, v, out, lse),
+                    (_like(q), _like(k), _like(v)), group, **common, **bwd_options)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v)
+
+
+def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+                     layout: str = "contiguous", strategy: str = "lasp2"):
+    """`burstcu.linear_attention` for jax arrays, differentiable and jit-able: out (B, S, H, D)."""
+    options = dict(causal=causal, layout=layout, strategy=strategy)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return _run(api.linear_attention, (q, k, v), _like(q), group, **options)
+
+    def attend_fwd(q, k, v):
+        return attend(q, k, v), (q, k, v)
+
+    def attend_bwd(saved, dout):
+        q, k, v = saved
+        return _run(api.linear_attention_backward, (dout.astype(q.dtype), q, k, v),
+                    (_like(q), _like(k), _like(v)), group, **options)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v)
+
+
+def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=None,
+           softmax_scale: float | None = None, return_lse: bool = False):
+    """`burstcu.decode` for jax arrays (inference; jit-able, not differentiable): q (B, T, H, D)
+    the same on every rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows,
+    cache_seqlens (B,) ints (concrete, or traced: it travels into the callback then). Returns
+    out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
+    lengths = () if cache_seqlens is None else (cache_seqlens,)
+    arrays = (q, k_cache, v_cache)
+    arrays += tuple(jnp.asarray(n) for n in lengths) if _is_traced(arrays + lengths) else lengths
+
+    def call(q, k_cache, v_cache, *lengths_and_group):
+        *lengths, group = lengths_and_group
+        return kvcache.decode(q, k_cache, v_cache, group,
+                              cache_seqlens=lengths[0] if lengths else None,
+                              softmax_scale=softmax_scale, return_lse=return_lse)
+
+    b, t, h, _ = q.shape
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    results = (_like(q), lse) if return_lse else _like(q)
+    return _run(call, arrays, results, group)

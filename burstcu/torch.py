@@ -1,0 +1,141 @@
+"""PyTorch autograd over burstcu: `attention` and `linear_attention` as `torch.autograd.Function`s
+(their backward calls `burstcu.attention_backward` / `linear_attention_backward`, so the
+gradients of every rank's K and V gather the contributions of every rank's queries), and
+`decode` for inference. Install with the `torch` extra.
+
+Shapes as `burstcu.api` (B batch, S this rank's rows, H query heads, Hkv kv heads, D head dim):
+q (B, S, H, D); k, v (B, S, Hkv, D); out (B, S, H, D). Each rank passes its own shard (see
+`burstcu.shard`) and calls the function collectively, with the same options, like
+`burstcu.attention`.
+
+Where the arithmetic runs: CPU tensors on the NumPy backend, viewed zero-copy (bfloat16
+through an int16 view, since NumPy cannot import it over DLPack); CUDA tensors on the CUDA
+kernels through CuPy, zero-copy over DLPack, with the kernels and the exchange ordered on
+torch's current stream (CuPy runs on it as an external stream: nothing synchronises the host).
+The group decides the backend for multi-rank jobs (`burstcu.init(backend=...)`); with
+group=None the tensors' device does.
+
+Only out is differentiable: `burstcu.attention(..., return_lse=True)` gives lse without autograd.
+The backward recomputes probabilities from the saved out and lse (FlashAttention's way): it
+keeps q, k, v, out and lse, nothing of size S x S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from . import api, kvcache
+from .group import Group
+
+__all__ = ["attention", "linear_attention", "decode"]
+
+def _to_burstcu(t: torch.Tensor):
+    """t as burstcu takes it: a CUDA tensor as itself (DLPack to CuPy), a CPU tensor as a NumPy
+    view (bfloat16 through int16, viewed back as ml_dtypes.bfloat16). Detached and contiguous."""
+    if not isinstance(t, torch.Tensor):
+        return t  # validation names what it is
+    t = t.detach().contiguous()
+    if t.is_cuda:
+        return t
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_torch(x) -> torch.Tensor:
+    """A burstcu result as a tensor: NumPy arrays zero-copy (bfloat16 through int16), tensors
+    (CUDA results already handed back over DLPack) as they are."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(x))
+    return torch.from_dlpack(x)
+
+
+def _on_torch_stream(tensors):
+    """A context running CuPy (kernels, NCCL ordering) on torch's current stream when the
+    inputs are CUDA tensors; a no-op otherwise."""
+    cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    if cuda is None:
+        return contextlib.nullcontext()
+    import cupy
+    stream = torch.cuda.current_stream(cuda.device)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, cuda.device.index)
+
+
+def _call(fn, tensors, *args, **kwargs):
+    """fn(*tensors as burstcu takes them, *args, **kwargs) on torch's stream, results as tensors
+    (a tuple stays a tuple)."""
+    with _on_torch_stream(tensors):
+        result = fn(*(_to_burstcu(t) for t in tensors), *args, **kwargs)
+    return tuple(_to_torch(r) for r in result) if isinstance(result, tuple) else _to_torch(result)
+
+
+class _Attention(torch.autograd.Function):
+    """out = softmax(q k^T * scale [masked]) v over every rank's keys; backward: the ring backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, forward_kwargs, backward_kwargs):
+        out, lse = _call(api.attention, (q, k, v), group, return_lse=True, **forward_kwargs)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.backward_kwargs = group, backward_kwargs
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _call(api.attention_backward, (dout, q, k, v, out, lse), ctx.group,
+                           **ctx.backward_kwargs)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+              softmax_scale: float | None = None, layout: str = "contiguous",
+              strategy: str = "burst", **mask_kwargs) -> torch.Tensor:
+    """`burstcu.attention` for tensors, differentiable: out (B, S, H, D), q's dtype and device.
+
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
+    cu_seqlens, uneven, ulysses_degree (as `burstcu.attention`) and check (verify lse in the
+    backward). Every rank must call it, and later run its backward, collectively.
+    """
+    fwd, bwd = api.adapter_options(mask_kwargs)
+    common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
+    return _Attention.apply(q, k, v, group, {**common, **fwd}, {**common, **bwd})
+
+
+class _LinearAttention(torch.autograd.Function):
+    """LASP linear attention; backward: `linear_attention_backward` (nothing saved but q, k, v)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kwargs):
+        ctx.save_for_backward(q, k, v)
+        ctx.group, ctx.kwargs = group, kwargs
+        return _call(api.linear_attention, (q, k, v), group, **kwargs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = _call(api.linear_attention_backward, (dout, q, k, v), ctx.group, **ctx.kwargs)
+        return dq, dk, dv, None, None
+
+
+def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
+                     layout: str = "contiguous", strategy: str = "lasp2") -> torch.Tensor:
+    """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D)."""
+    return _LinearAttention.apply(q, k, v, group,
+                                  dict(causal=causal, layout=layout, strategy=strategy))
+
+
+def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=None,
+           softmax_scale: float | None = None, return_lse: bool = False):
+    """`burstcu.decode` for tensors (inference: no autograd): q (B, T, H, D) the same on every
+    rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints.
+    Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
+    return _call(kvcache.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
+                 softmax_scale=softmax_scale, return_lse=return_lse)

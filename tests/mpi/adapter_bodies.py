@@ -1,0 +1,128 @@
+"""MPI bodies of tests/test_adapters.py (any world size): burstcu.jax and burstcu.torch on
+sharded sequences, gradients against float64 references over the whole sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import burstcu
+from burstcu.testing.reference import (attention_backward_ref, attention_ref, document_mask,
+                                       linear_attention_ref, max_err)
+
+N, H, HKV, D = 37, 4, 2, 8          # a global length no world size divides
+DOCS = [0, 9, 10, 30, 37]
+
+
+def _cases():
+    """(layout, causal, window, cu_seqlens) covering masks and both layouts."""
+    return [("contiguous", False, (-1, -1), None), ("zigzag", True, (-1, -1), None),
+            ("contiguous", True, (6, 0), None), ("zigzag", True, (-1, -1), DOCS)]
+
+
+def _inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    q, dout = (rng.standard_normal((2, N, H, D)) for _ in range(2))
+    k, v = (rng.standard_normal((2, N, HKV, D)) for _ in range(2))
+    return q, k, v, dout
+
+
+def _keep(causal: bool, window, docs) -> np.ndarray:
+    """(N, N) bool: query i sees key j (written here from the definitions, not from burstcu)."""
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    keep = document_mask(N, causal, None if docs is None else tuple(docs))
+    left, right = window
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+def jax_attention_grads(jit: bool = True):
+    """jax.grad (under jax.jit when `jit`) of sum(out * dout) through burstcu.jax.attention on
+    every rank's shard (shard and unshard given jax arrays): out and the gathered dq, dk, dv
+    equal float64 attention over the whole sequence, on every rank."""
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    group = burstcu.init(backend="numpy")
+    errors = {}
+    for layout, causal, window, docs in _cases():
+        q, k, v, dout = (jnp.asarray(x) for x in _inputs(3))
+        local = [burstcu.shard(x, group, layout, cu_seqlens=docs) for x in (q, k, v, dout)]
+        assert all(isinstance(x, jax.Array) for x in local), "shard must keep jax arrays"
+
+        def loss(q, k, v, dout):
+            out = burstcu.jax.attention(q, k, v, group, causal=causal, layout=layout,
+                                        window_size=window, cu_seqlens=docs)
+            return (out * dout).sum(), out
+
+        step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        (_, out), grads = (jax.jit(step) if jit else step)(*local)
+        got = [burstcu.unshard(x, group, layout, cu_seqlens=docs) for x in (out, *grads)]
+        assert all(isinstance(x, jax.Array) for x in got), "unshard must keep jax arrays"
+        keep = _keep(causal, window, docs)
+        ref = [attention_ref(*_inputs(3)[:3], keep=keep)[0],
+               *attention_backward_ref(_inputs(3)[3], *_inputs(3)[:3], keep=keep)]
+        errors[f"{layout} causal={causal} window={window} docs={docs is not None}"] = \
+            max(max_err(np.asarray(g), r) for g, r in zip(got, ref))
+    group.close()
+    return errors
+
+
+def jax_linear_and_decode():
+    """burstcu.jax.linear_attention's jitted gradients and burstcu.jax.decode under jax.jit, on
+    every rank, against float64 references over the whole sequence / cache."""
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    group = burstcu.init(backend="numpy")
+    n = 12 * (N // 12)                  # linear attention takes equal shards only
+    q, k, v, dout = (x[:, :n] for x in _inputs(4))
+    local = [burstcu.shard(jnp.asarray(x), group) for x in (q, k, v, dout)]
+    grads = jax.jit(jax.grad(lambda q, k, v, do: (burstcu.jax.linear_attention(
+        q, k, v, group, causal=True) * do).sum(), argnums=(0, 1, 2)))(*local)
+    got = [burstcu.unshard(g, group) for g in grads]
+    _, ref = linear_attention_ref(q, k, v, causal=True, dout=dout)
+    linear_err = max(max_err(np.asarray(g), r) for g, r in zip(got, ref))
+    # decode: the new token's query (the same everywhere) against each rank's cache rows
+    q_new = q[:, :1]
+    out = jax.jit(lambda qn, kc, vc: burstcu.jax.decode(qn, kc, vc, group))(
+        jnp.asarray(q_new), *local[1:3])
+    decode_err = max_err(np.asarray(out), attention_ref(q_new, k, v)[0])
+    group.close()
+    return {"linear": linear_err, "decode": decode_err}
+
+
+def torch_attention_grads():
+    """torch autograd of sum(out * dout) through burstcu.torch.attention on every rank's shard
+    (shard/unshard given tensors): out and the gathered grads equal float64 attention over the
+    whole sequence; bfloat16 tensors go through and come back bfloat16."""
+    import torch
+
+    group = burstcu.init(backend="numpy")
+    errors = {}
+    for layout, causal, window, docs in _cases():
+        q, k, v, dout = (torch.from_numpy(x) for x in _inputs(5))
+        local = [burstcu.shard(x, group, layout, cu_seqlens=docs) for x in (q, k, v, dout)]
+        assert all(isinstance(x, torch.Tensor) for x in local), "shard must keep tensors"
+        qkv = [x.clone().requires_grad_() for x in local[:3]]
+        out = burstcu.torch.attention(*qkv, group, causal=causal, layout=layout,
+                                      window_size=window, cu_seqlens=docs)
+        (out * local[3]).sum().backward()
+        got = [burstcu.unshard(x.detach(), group, layout, cu_seqlens=docs)
+               for x in (out, *(t.grad for t in qkv))]
+        assert all(isinstance(x, torch.Tensor) for x in got), "unshard must keep tensors"
+        keep = _keep(causal, window, docs)
+        ref = [attention_ref(*_inputs(5)[:3], keep=keep)[0],
+               *attention_backward_ref(_inputs(5)[3], *_inputs(5)[:3], keep=keep)]
+        errors[f"{layout} causal={causal} window={window} docs={docs is not None}"] = \
+            max(max_err(g.numpy(), r) for g, r in zip(got, ref))
+    half = [burstcu.shard(torch.from_numpy(x).to(torch.bfloat16), group) for x in _inputs(5)[:3]]
+    half = [x.requires_grad_() for x in half]
+    burstcu.torch.attention(*half, group, causal=True).float().sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 for t in half)
+    group.close()
+    return errors

@@ -1,0 +1,243 @@
+"""burstcu.jax and burstcu.torch: gradients through the autodiff adapters equal float64
+references, under jax.jit and torch autograd, in one process and under mpiexec; bad options and
+the plain API's framework errors say what to do."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu.testing.reference import (attention_backward_ref, attention_ref, linear_attention_ref,
+                                       max_err, within_fa_rule)
+from tests.mpi.bodies import EPS
+from tests.mpi_run import run_mpi
+
+WORLDS = [1, 2, 3, 4]
+
+
+def _inputs(seed=0, n=40, h=4, hkv=2, d=16):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, n, h, d)), rng.standard_normal((2, n, hkv, d)),
+            rng.standard_normal((2, n, hkv, d)), rng.standard_normal((2, n, h, d)))
+
+
+# -- PyTorch ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+def test_torch_gradcheck_with_window_and_gqa(torch):
+    q, k, v, _ = (torch.from_numpy(x[:1, :24]).requires_grad_() for x in _inputs(1))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: burstcu.torch.attention(q, k, v, causal=True, window_size=(5, 0)), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: burstcu.torch.linear_attention(q, k, v, causal=True), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_grads_in_each_dtype_within_the_fa_rule(torch, dtype):
+    """out and grads in the tensors' dtype, within FlashAttention's rule of a naive same-dtype
+    implementation (float32 arithmetic on inputs rounded to the dtype)."""
+    q, k, v, dout = _inputs(2)
+    rounded = [torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, k, v, dout)]
+    leaves = [x.clone().requires_grad_() for x in rounded[:3]]
+    out = burstcu.torch.attention(*leaves, causal=True)
+    (out.float() * rounded[3].float()).sum().backward()
+    assert out.dtype == leaves[0].grad.dtype == getattr(torch, dtype)
+    exact = [x.float().numpy().astype(np.float64) for x in rounded]    # the inputs as rounded
+    _assert_fa_rule(dtype, exact, [x.detach().float().numpy() for x in (out, *(t.grad for t in leaves))])
+
+
+def _assert_fa_rule(dtype: str, exact: list, got: list):
+    """got = (out, dq, dk, dv) of causal attention of exact = (q, k, v, dout) (float64 values of
+    the rounded inputs) within FlashAttention's rule against float64, where the naive
+    implementation computes in float32 with P and dS rounded to `dtype`."""
+    half = None if dtype == "float32" else np.float16 if dtype == "float16" else _bf16()
+    ref = [attention_ref(*exact[:3], True)[0], *attention_backward_ref(exact[3], *exact[:3], True)]
+    naive = [attention_ref(*exact[:3], True, dtype=np.float32, round_to=half)[0],
+             *attention_backward_ref(exact[3], *exact[:3], True, dtype=np.float32, round_to=half,
+                                     out_dtype=half)]
+    for name, g, r, nv in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        ok, err, bound = within_fa_rule(g, r, nv, EPS[dtype], factor=3.0)
+        assert ok, (name, err, bound)
+
+
+def _bf16():
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+
+
+def test_torch_decode_and_plain_api_errors(torch):
+    q, k, v, _ = _inputs(3)
+    out = burstcu.torch.decode(torch.from_numpy(q[:, :1]), torch.from_numpy(k), torch.from_numpy(v),
+                               cache_seqlens=torch.tensor([40, 17]))
+    assert isinstance(out, torch.Tensor)
+    ref0 = attention_ref(q[:1, :1], k[:1], v[:1])[0]
+    ref1 = attention_ref(q[1:, :1], k[1:, :17], v[1:, :17])[0]
+    assert max_err(out.numpy(), np.concatenate([ref0, ref1])) < 1e-12
+    needs_grad = torch.from_numpy(q).requires_grad_()
+    with pytest.raises(TypeError, match="burstcu.torch.attention"):
+        burstcu.attention(needs_grad, needs_grad, needs_grad)
+    with pytest.raises(TypeError, match="bfloat16"):
+        burstcu.attention(*(torch.from_numpy(q).to(torch.bfloat16),) * 3)
+    with pytest.raises(TypeError, match=r"\['windw'\]"):
+        burstcu.torch.attention(needs_grad, needs_grad, needs_grad, windw=(1, 1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", WORLDS)
+def test_torch_grads_on_sharded_sequences(torch, world):
+    for rank_errors in run_mpi(world, "adapter_bodies:torch_attention_grads", timeout=240):
+        for case, err in rank_errors.items():
+            assert err < 1e-12, (case, err)
+
+
+# -- JAX ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield jax
+    jax.config.update("jax_enable_x64", previous)
+
+
+def _jax_reference_attention(jnp, q, k, v, causal):
+    """Plain jnp attention over the whole sequence (GQA by repetition), differentiable by JAX
+    itself: an independent check of burstcu.jax's custom_vjp."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[1]
+        s = jnp.where(np.tril(np.ones((n, n), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - s.max(-1, keepdims=True)) /
+                      jnp.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_grad_equals_jax_differentiating_plain_attention(jax, jit):
+    jnp = jax.numpy
+    q, k, v, w = (jnp.asarray(x) for x in _inputs(4))
+
+    def loss(attend):
+        return lambda q, k, v: (attend(q, k, v) * w).sum()
+
+    ours = jax.grad(loss(lambda q, k, v: burstcu.jax.attention(q, k, v, causal=True)), (0, 1, 2))
+    theirs = jax.grad(loss(lambda q, k, v: _jax_reference_attention(jnp, q, k, v, True)), (0, 1, 2))
+    got = (jax.jit(ours) if jit else ours)(q, k, v)
+    assert all(isinstance(g, jax.Array) for g in got)
+    for g, r in zip(got, theirs(q, k, v)):
+        assert g.dtype == jnp.float64 and max_err(np.asarray(g), np.asarray(r)) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_jit_grads_in_low_precision_within_the_fa_rule(jax, dtype):
+    jnp = jax.numpy
+    args = [jnp.asarray(x, getattr(jnp, dtype)) for x in _inputs(5)]
+
+    def loss(q, k, v, dout):
+        out = burstcu.jax.attention(q, k, v, causal=True)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(*args)
+    assert out.dtype == getattr(jnp, dtype) and all(g.dtype == out.dtype for g in grads)
+    exact = [np.asarray(a.astype(jnp.float64)) for a in args]
+    _assert_fa_rule(dtype, exact, [np.asarray(x.astype(jnp.float64)) for x in (out, *grads)])
+
+
+def test_jax_linear_attention_and_decode_in_one_process(jax):
+    jnp = jax.numpy
+    q, k, v, dout = _inputs(6)
+    grads = jax.jit(jax.grad(lambda q, k, v: (burstcu.jax.linear_attention(q, k, v, causal=True)
+                                              * dout).sum(), (0, 1, 2)))(q, k, v)
+    _, ref = linear_attention_ref(q, k, v, causal=True, dout=dout)
+    assert max(max_err(np.asarray(g), r) for g, r in zip(grads, ref)) < 1e-10
+    out, lse = jax.jit(lambda q: burstcu.jax.decode(q, jnp.asarray(k), jnp.asarray(v),
+                                                    cache_seqlens=np.array([40, 17]),
+                                                    return_lse=True))(jnp.asarray(q[:, :1]))
+    assert lse.shape == (2, 4, 1)
+    ref1 = attention_ref(q[1:, :1], k[1:, :17], v[1:, :17])[0]
+    assert max_err(np.asarray(out)[1:], ref1) < 1e-12
+
+
+def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
+    q = jax.numpy.ones((1, 8, 2, 4))
+    for transform in (jax.jit, jax.grad):
+        with pytest.raises(TypeError, match="burstcu.jax.attention"):
+            transform(lambda q: burstcu.attention(q, q, q).sum())(q)
+    with pytest.raises(TypeError, match="cu_seqlens must be concrete"):
+        jax.jit(lambda q, docs: burstcu.jax.attention(q, q, q, cu_seqlens=docs))(q, jax.numpy.array([0, 8]))
+
+
+def test_jax_errors_inside_jit_carry_burstcus_message(jax):
+    q = jax.numpy.ones((1, 8, 2, 4))
+    k = jax.numpy.ones((1, 8, 3, 4))
+    with pytest.raises(Exception, match="multiple of"):
+        jax.jit(lambda q, k: burstcu.jax.attention(q, k, k))(q, k)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", WORLDS)
+def test_jax_jit_grads_on_sharded_sequences(jax, world):
+    for rank_errors in run_mpi(world, "adapter_bodies:jax_attention_grads", timeout=300):
+        for case, err in rank_errors.items():
+            assert err < 1e-12, (case, err)
+
+
+@pytest.mark.mpi
+def test_jax_eager_grads_linear_and_decode_on_three_ranks(jax):
+    for rank_errors in run_mpi(3, "adapter_bodies:jax_attention_grads", timeout=300, jit=False):
+        assert max(rank_errors.values()) < 1e-12, rank_errors
+    for rank_errors in run_mpi(3, "adapter_bodies:jax_linear_and_decode", timeout=300):
+        assert rank_errors["linear"] < 1e-10 and rank_errors["decode"] < 1e-12, rank_errors
+
+
+# -- examples/train_jax.py ----------------------------------------------------------------------
+
+@pytest.mark.mpi
+def test_train_jax_example_equals_one_process_jax(jax, tmp_path):
+    """examples/train_jax.py under mpiexec -n 2: every rank's loss and gradients equal the
+    one-process JAX run (plain attention, no burstcu) at every step, and the loss falls."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_run import ROOT, mpiexec
+
+    report = tmp_path / "train.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+                           str(ROOT / "examples" / "train_jax.py"), "--check", "--steps", "4",
+                           "--json", str(report)], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert proc.stdout.count(f"rank {rank}/2 step ") == 4, proc.stdout
+    steps = json.loads(report.read_text())["steps"]
+    assert len(steps) == 4 and all(s["loss_rel_err"] < 1e-5 and s["grad_rel_err"] < 1e-4 for s in steps)
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
+
+
+def test_train_jax_check_sees_a_wrong_attention(jax, monkeypatch):
+    """The example's comparison can fail: training with attention that is not causal differs
+    from the reference far beyond the tolerance."""
+    import sys
+
+    from tests.mpi_run import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import train_jax as ex
+
+    right = ex.train_reference(2, 0.5)
+    monkeypatch.setattr(ex, "reference_attention", lambda q, k, v: _jax_reference_attention(
+        jax.numpy, q, k, v, causal=False))
+    wrong = ex.train_reference(2, 0.5)
+    assert max(r["grad_rel_err"] for r in ex.compare(wrong, right)) > 1e-2
+    sys.modules.pop("train_jax", None)
