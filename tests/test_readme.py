@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import burstcu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,24 +31,53 @@ def test_documented_api_exists():
         assert hasattr(burstcu, name)
 
 
-def test_the_usage_example_runs_as_written(tmp_path):
-    """README's "Using it" block, copied verbatim, runs under mpiexec -n 2 and every rank gets
-    the whole output back."""
+def _run_block(heading: str, tmp_path) -> str:
+    """The first python block after `heading` in README.md, copied verbatim, run under
+    mpiexec -n 2; its stdout (the run must succeed)."""
+    import os
     import subprocess
     import sys
 
     from tests.mpi_run import mpiexec
 
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Using it"):]
+    section = text[text.index(heading):]
     block = re.findall(r"```python\n(.*?)\n```", section, flags=re.S)[0]
     program = tmp_path / "example.py"
     program.write_text(block + "\n")
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    import os
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(program)],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env=dict(os.environ, **env))
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_the_usage_example_runs_as_written(tmp_path):
+    """README's "Using it" block runs under mpiexec -n 2 and every rank gets the whole output back."""
+    out = _run_block("## Using it", tmp_path)
     for rank in (0, 1):
-        assert f"rank {rank}: out (1, 4096, 8, 64), sent " in proc.stdout, proc.stdout
+        assert f"rank {rank}: out (1, 4096, 8, 64), sent " in out, out
+
+
+def test_the_jax_example_runs_as_written(tmp_path):
+    pytest.importorskip("jax")
+    out = _run_block("### JAX", tmp_path)
+    for rank in (0, 1):
+        assert f"rank {rank}: dq (1, 512, 4, 32) of dQ (1, 1024, 4, 32), ArrayImpl" in out, out
+
+
+def test_the_pytorch_example_runs_as_written(tmp_path):
+    pytest.importorskip("torch")
+    out = _run_block("### PyTorch", tmp_path)
+    for rank in (0, 1):
+        assert f"rank {rank}: q.grad (1, 512, 4, 32) of dQ (1, 1024, 4, 32)" in out, out
+
+
+def test_every_package_directory_ships_in_the_wheel():
+    """pyproject's package list names every directory of burstcu/ that holds Python modules (an
+    editable install hides a missing one; a wheel would lack it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "burstcu").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
