@@ -70,3 +70,75 @@ def test_jax_gpu_arrays(dtype):
         assert list(x.devices())[0].platform == "gpu"
     _check_against_reference(host, [np.asarray(x.astype(jnp.float32), np.float64)
                                     for x in (out, *grads)], dtype)
+
+
+def _torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    return torch
+
+
+def _torch_inputs(torch, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(s, device="cuda", generator=gen).to(getattr(torch, dtype)) for s in SHAPES]
+
+
+def _adapter_step(torch, q, k, v, dout, group=None, **kwargs):
+    """out and (dq, dk, dv) of burstcu.torch.attention through autograd."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = burstcu.torch.attention(*leaves, group, causal=True, **kwargs)
+    (out.float() * dout.float()).sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_adapter_autograd_on_cuda(dtype):
+    torch = _torch_cuda()
+    q, k, v, dout = _torch_inputs(torch, dtype)
+    out, grads = _adapter_step(torch, q, k, v, dout)
+    for x, like in zip((out, *grads), (q, q, k, v)):
+        assert x.is_cuda and x.dtype == like.dtype and x.shape == like.shape
+    host = [x.float().cpu().numpy().astype(NP[dtype]) for x in (q, k, v, dout)]
+    _check_against_reference(host, [x.double().cpu().numpy() for x in (out, *grads)], dtype)
+
+
+def test_torch_adapter_orders_itself_after_a_side_streams_work():
+    """Inputs written by a long chain of kernels on a side stream, used at once on that stream:
+    burstcu runs on torch's current stream (CuPy's ExternalStream), so it reads them finished,
+    and autograd's backward (on the same stream) sees out and lse finished too."""
+    torch = _torch_cuda()
+    dtype = "float16"
+    q0, k0, v0, dout = _torch_inputs(torch, dtype, seed=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):                       # ~tens of ms of work before the inputs exist
+            big = torch.tanh(big @ big * 1e-3)
+        scale = 1 + big.mean() * 0               # 1, but known only after the chain
+        q, k, v = (x * scale.to(x.dtype) for x in (q0, k0, v0))
+        out, grads = _adapter_step(torch, q, k, v, dout)
+        results = [x.double().cpu().numpy() for x in (out, *grads)]   # .cpu() syncs the side stream
+    host = [x.float().cpu().numpy().astype(NP[dtype]) for x in (q0, k0, v0, dout)]
+    _check_against_reference(host, results, dtype)
+
+
+def test_torch_adapter_with_three_ranks_sharing_the_gpu():
+    """run_ranks: 3 ranks on threads, each on its own torch stream, zigzag shards of one
+    sequence; the gathered out and grads equal one process's within the FA rule."""
+    torch = _torch_cuda()
+    from burstcu.testing.loopback import run_ranks
+    dtype, size = "float16", 3
+    whole = _torch_inputs(torch, dtype, seed=5)
+
+    def body(group):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            mine = [burstcu.shard(x, group, "zigzag") for x in whole]
+            out, grads = _adapter_step(torch, *mine, group=group, layout="zigzag")
+            gathered = [burstcu.unshard(x.detach(), group, "zigzag") for x in (out, *grads)]
+            return [x.double().cpu().numpy() for x in gathered]
+
+    host = [x.float().cpu().numpy().astype(NP[dtype]) for x in whole]
+    for results in run_ranks(size, body, backend="cupy"):
+        _check_against_reference(host, results, dtype)
