@@ -7,12 +7,12 @@ and drives it to completion, while the main thread computes in NumPy/BLAS (which
 GIL). That thread plays the role the NCCL stream plays on a GPU. ``progress="inline"`` posts and
 waits on the caller's thread, for comparison in benchmarks.
 
-No wait spins and none is unbounded: requests are tested in a short tight burst, then with
-sleeps growing to 5 ms (`poll_until`), and every wait for a peer ends at the transport's deadline
-with `CommTimeoutError` naming the peer. The metadata agreement (`allgather_object`) gathers on
-rank 0 by point-to-point messages and answers every rank, so a rank that never arrives is named
-by rank 0; the calls being agreed on are named too, so ranks inside different burstcu calls get
-the same error instead of matching each other's collectives.
+No wait spins and none is unbounded: requests are tested with sleeps in between that grow
+with the time waited (`poll_until`: 5% of it, at most 10 ms), and every wait for a peer ends at
+the transport's deadline with `CommTimeoutError` naming the peer. The metadata agreement
+(`allgather_object`) gathers on rank 0 by point-to-point messages and answers every rank, so a
+rank that never arrives is named by rank 0; the calls being agreed on are named too, so ranks
+inside different burstcu calls get the same error instead of matching each other's collectives.
 
 The transport duplicates the user's communicator, so its messages can never match the user's.
 """
