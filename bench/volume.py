@@ -65,7 +65,7 @@ import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu import engine as strategies  # noqa: E402
-from burstcu.engine.burst import backward_counts  # noqa: E402
+from burstcu.engine.burst import backward_counts, mask_flags  # noqa: E402
 from burstcu.engine.burst import BurstAttention  # noqa: E402
 from burstcu.layout import partition  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
@@ -202,8 +202,11 @@ def rows_for(strategy: str, measured: dict, size: int, inputs, rank: int = 0,
             sends = msgs
             counts = burst_counts(size, S, **mask)
         elif strategy == "usp":
-            sends = msgs - 2 * (impl.ulysses_degree - 1)
-            counts = impl._ring_counts(size, impl.ulysses_degree, S, mask)
+            u = impl.ulysses_degree
+            sends = msgs - 2 * (u - 1)
+            if size // u > 1:     # the burst ring across the groups, for my group's super-rank
+                *_, groups, i = impl._dims(size, q, k, mask)
+                counts = backward_counts(i, size // u, 0, groups, *mask_flags(mask))
         terms, why = explain(strategy, pass_, acc=acc, sends=sends, counts=counts, **dims)
         paper = paper_bytes(strategy, pass_, **dims)
         got = measured[pass_]

@@ -5,8 +5,10 @@ forward: all-gather K and V (one collective, K and V packed), then attend over t
 backward: all-gather K, V again, compute dq and every rank's partial dk, dv, then reduce-scatter
     dk, dv to their owners: the classic ring reduce-scatter over `send_recv` (G-1 steps, dk and
     dv packed). No overlap: the gather is blocking, by design of the baseline.
-    bytes fwd = (G-1) * (|k| + |v|)                    messages = 0 (collective)
-    bytes bwd = (G-1) * (|k| + |v|) + (G-1) * 2 * |k|_acc   messages = G-1
+    bytes fwd = (G-1) * (|k| + |v|)                         messages = G-1
+    bytes bwd = (G-1) * (|k| + |v|) + (G-1) * 2 * |k|_acc   messages = 2(G-1)
+    An all-gather counts G-1 messages, this rank's piece to each other rank (`CommStats`), and
+    each reduce-scatter hop one.
 Uneven shards (a `burstcu.layout.Partition`): the all-gather moves every rank's K, V padded to
 the longest shard ((G-1) * S_max rows); the reduce-scatter sends each owner's rows
 (N - S_r rows of dK, dV from rank r).
@@ -159,8 +161,8 @@ class AllGatherAttention:
 
     @staticmethod
     def forward_messages(size: int, q=None, **mask) -> int:
-        return 0  # the all-gather is a collective: bytes are counted, messages are not
+        return size - 1  # the all-gather: this rank's K, V to each other rank
 
     @staticmethod
     def backward_messages(size: int, q=None, **mask) -> int:
-        return size - 1
+        return 2 * (size - 1)  # the all-gather again, then G-1 reduce-scatter hops

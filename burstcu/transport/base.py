@@ -100,7 +100,10 @@ class CommStats:
     """Payload counters of one rank, counted where the bytes enter and leave the transport.
 
     bytes_sent / bytes_received: payload bytes of point-to-point and collective data.
-    messages: point-to-point sends this rank posted (K and V sent together count as one).
+    messages: messages this rank sent: each point-to-point send it posted (K and V sent together
+        count as one), and G-1 for each all-gather among G ranks (its piece, once to every other
+        rank: the all-gather counts as if it were sent directly, as bytes_sent counts it, G-1
+        times the piece, whatever route the MPI or NCCL algorithm takes).
     wait_seconds: host time spent blocked in `wait` (exposed, not hidden, communication).
     steps: ring exchanges committed.
     """

@@ -183,12 +183,15 @@ class MPITransport(Transport):
         return box[0]
 
     def allgather(self, send_buf, recv_buf):
+        """Counted as G-1 messages of send_buf's size each way: this rank's piece to every
+        other rank, theirs to it (`CommStats`)."""
         from mpi4py import MPI
 
         req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
         poll_until(req.Test, self.deadline(), lambda: self.timed_out("every rank's allgather"))
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
+        self.stats.messages += self.size - 1
 
     def barrier(self):
         self.allgather_object(None, "barrier")

@@ -357,6 +357,7 @@ class NCCLTransport(Transport):
         self.watchdog.watch(self._arrived, self.doing())
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
+        self.stats.messages += self.size - 1   # G-1 pieces out, as `CommStats` counts
 
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
         if self.meta is None:

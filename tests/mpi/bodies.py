@@ -153,8 +153,9 @@ def expected_traffic(strategy: str, size: int, b: int, s: int, h: int, hkv: int,
     if strategy == "ring":                   # K and V apart; backward: K, V, dK, dV travel
         return {"fwd": (g1 * 2 * kv, 2 * g1),
                 "bwd": (g1 * 2 * kv + size * 2 * kv_acc, 2 * g1 + 2 * size)}
-    if strategy == "allgather":              # collectives only: no point-to-point sends counted
-        return {"fwd": (g1 * 2 * kv, 0), "bwd": (g1 * 2 * kv + g1 * 2 * kv_acc, g1)}
+    if strategy == "allgather":              # an all-gather: my K, V to each of the G-1 others
+        return {"fwd": (g1 * 2 * kv, g1),    # (G-1 messages); backward: that, then G-1 hops
+                "bwd": (g1 * 2 * kv + g1 * 2 * kv_acc, g1 + g1)}
     if strategy == "usp":                    # Ulysses in groups of u, the burst ring across them
         u = ulysses_degree
         r, hg = size // u, h // u
@@ -376,8 +377,13 @@ def shard_roundtrip(layout="zigzag"):
     x = np.arange(2 * n * 3, dtype=np.float32).reshape(2, n, 3)
     local = burstcu.shard(x, group, layout=layout, axis=1)
     assert np.array_equal(local, x[:, my_rows(layout, group.rank, group.size, n)])
+    group.stats.reset()
     back = burstcu.unshard(local, group, layout=layout, axis=1)
     assert np.array_equal(back, x)
+    # an all-gather of my rows (equal shards here): to each of the G-1 other ranks, one message
+    got = (group.stats.bytes_sent, group.stats.bytes_received, group.stats.messages)
+    assert got == ((group.size - 1) * local.nbytes, (group.size - 1) * local.nbytes,
+                   group.size - 1), got
     group.close()
     return {"rows": my_rows(layout, group.rank, group.size, n).tolist()}
 

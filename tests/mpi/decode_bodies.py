@@ -41,6 +41,7 @@ def decode_matches_reference(dtype="float32", backend="numpy", b=3, t=2, h=4, hk
     group.stats.reset()
     out, lse = burstcu.decode(q, k, v, group, cache_seqlens=seqlens, return_lse=True)
     assert group.stats.bytes_sent == decode_bytes(size, q), (group.stats, decode_bytes(size, q))
+    assert group.stats.messages == size - 1, group.stats   # one all-gather: a piece to each peer
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, h, t)
     every = group.transport.allgather_object((out.tobytes(), lse.tobytes()), "results")
     assert all(e == every[0] for e in every), "ranks hold different results"

@@ -206,6 +206,8 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
         if strategy == "burst":
             sends = ring_sends(groups, rank, causal, (left, right), docs)
             assert group.stats.messages == sends
+        if strategy == "allgather":   # one all-gather: my K, V to each of the G-1 others
+            assert group.stats.messages == size - 1, (case, group.stats)
         group.stats.reset()
         burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, **kw)
         b, _, h, d = ql.shape
@@ -219,6 +221,8 @@ def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12,
             # ring: every dK, dV goes round (N rows); allgather: the other owners' sums pass by
             passed = n if strategy == "ring" else n - lengths[rank]
             assert group.stats.bytes_sent == fwd_want + passed * kv_row_acc, (case, group.stats)
+            if strategy == "allgather":   # the all-gather again (G-1), then G-1 reduce-scatter hops
+                assert group.stats.messages == 2 * (size - 1), (case, group.stats)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, check=True, **kw)
         ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
         # the naive same-dtype implementation (float64 for float64: no float32 slack)

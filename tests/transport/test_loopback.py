@@ -71,6 +71,8 @@ def test_every_rank_matches_the_reference(size, strategy, causal, layout):
             want_fwd = engine.forward_bytes(size, ql, kl, vl, **mask)
             want_bwd = engine.backward_bytes(size, ql, kl, vl, **mask)
         assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (want_fwd, want_bwd), rank
+        if strategy == "allgather":   # the all-gather: a piece to each of G-1 ranks; then G-1 hops
+            assert (fwd["messages"], bwd["messages"]) == (size - 1, 2 * (size - 1)), rank
 
 
 @pytest.mark.emulated

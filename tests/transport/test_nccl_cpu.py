@@ -120,6 +120,7 @@ def test_allgather_is_event_ordered():
         ("compute", "record"), ("comm", "wait"), ("comm", "allgather"), ("comm", "record"),
         ("compute", "wait")]
     assert t.stats.bytes_sent == 4 and t.stats.bytes_received == 4
+    assert t.stats.messages == 1   # its piece to the one other rank
 
 
 # ---- under mpiexec ------------------------------------------------------------------------------
