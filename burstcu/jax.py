@@ -15,8 +15,9 @@ How the arithmetic is reached:
   views of their buffers (the NumPy backend), GPU arrays zero-copy through DLPack to CuPy.
 * inside `jax.jit`: an ordered host callback (`jax.experimental.io_callback(ordered=True)`),
   so calls run in program order on every rank and XLA never drops or reorders one (each is a
-  collective). The arrays cross to the host: on a CPU this is free; with a "cupy" group they
-  are copied to the GPU and back (an XLA FFI call would avoid the copies; not written yet).
+  collective). The arrays cross to the host: on a CPU this is free; with a "cupy" group (or
+  group=None where JAX's default backend is a GPU) they are copied to the GPU and back (an XLA
+  FFI call would avoid the copies; not written yet).
 `jax.vmap` is not supported (ordered callbacks cannot be batched): put the batch in B.
 Errors (bad input, ranks that disagree) raise on every rank; inside `jax.jit` they surface as
 JAX's runtime error carrying burstcu's message.
@@ -30,7 +31,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from . import api, kvcache
-from .group import Group
+from .group import Group, local_group
 
 __all__ = ["attention", "linear_attention", "decode"]
 
@@ -67,11 +68,23 @@ def _host(fn, group: Group | None, *args, **kwargs):
     return run
 
 
+def _callback_group(group: Group | None) -> Group | None:
+    """The group a host callback computes on: `group`; with None, where JAX computes (its
+    default backend a GPU and CuPy usable: the CUDA kernels, else NumPy on the host)."""
+    if group is not None or jax.default_backend() != "gpu":
+        return group
+    try:
+        return local_group("cupy")
+    except Exception:  # noqa: BLE001 - no CuPy here: the host's NumPy backend computes it
+        return None
+
+
 def _run(fn, arrays, results, group, *args, **kwargs):
     """fn(*arrays, group, *args, **kwargs) eagerly or, under tracing, as an ordered host callback
     whose results have the shapes and dtypes `results` (a ShapeDtypeStruct or a tuple of them)."""
     if _is_traced(arrays):
-        return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
+        host = _host(fn, _callback_group(group), *args, **kwargs)
+        return io_callback(host, results, *arrays, ordered=True)
     return _eager(fn, arrays, group, *args, **kwargs)
 
 

@@ -66,6 +66,8 @@ def _on_torch_stream(tensors):
         return contextlib.nullcontext()
     import cupy
     stream = torch.cuda.current_stream(cuda.device)
+    if stream.cuda_stream == 0:   # torch's default stream is CUDA's legacy stream, CuPy's default too
+        return contextlib.nullcontext()
     return cupy.cuda.ExternalStream(stream.cuda_stream, cuda.device.index)
 
 

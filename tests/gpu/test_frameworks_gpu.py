@@ -126,7 +126,10 @@ def test_torch_adapter_orders_itself_after_a_side_streams_work():
 
 def test_torch_adapter_with_three_ranks_sharing_the_gpu():
     """run_ranks: 3 ranks on threads, each on its own torch stream, zigzag shards of one
-    sequence; the gathered out and grads equal one process's within the FA rule."""
+    sequence; the gathered out and grads equal one process's within the FA rule. Each rank
+    calls its node's backward itself: torch's autograd engine runs CUDA backward work on one
+    thread per device, where three ranks of one process would wait on each other (ranks that
+    are processes, as under mpiexec, each have their own)."""
     torch = _torch_cuda()
     from burstcu.testing.loopback import run_ranks
     dtype, size = "float16", 3
@@ -134,11 +137,41 @@ def test_torch_adapter_with_three_ranks_sharing_the_gpu():
 
     def body(group):
         with torch.cuda.stream(torch.cuda.Stream()):
-            mine = [burstcu.shard(x, group, "zigzag") for x in whole]
-            out, grads = _adapter_step(torch, *mine, group=group, layout="zigzag")
+            q, k, v, dout = (burstcu.shard(x, group, "zigzag") for x in whole)
+            leaves = [x.requires_grad_() for x in (q, k, v)]
+            out = burstcu.torch.attention(*leaves, group, causal=True, layout="zigzag")
+            grads = out.grad_fn.apply(dout)[:3]
             gathered = [burstcu.unshard(x.detach(), group, "zigzag") for x in (out, *grads)]
             return [x.double().cpu().numpy() for x in gathered]
 
     host = [x.float().cpu().numpy().astype(NP[dtype]) for x in whole]
     for results in run_ranks(size, body, backend="cupy"):
         _check_against_reference(host, results, dtype)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_jax_adapter_grads_on_gpu(dtype, jit):
+    """jax.grad through burstcu.jax.attention on GPU arrays: eager (DLPack to CuPy) and under
+    jax.jit (an ordered host callback computing on the CUDA kernels)."""
+    jax = pytest.importorskip("jax")
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("jax has no GPU backend here")
+    jnp = jax.numpy
+    rng = np.random.default_rng(7)
+    host = [rng.standard_normal(s, dtype=np.float32).astype(NP[dtype]) for s in SHAPES]
+    q, k, v, dout = (jax.device_put(jnp.asarray(x), device) for x in host)
+
+    def loss(q, k, v):
+        out = burstcu.jax.attention(q, k, v, causal=True)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum(), out
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = (jax.jit(step) if jit else step)(q, k, v)
+    for x, like in zip((out, *grads), (q, q, k, v)):
+        assert x.dtype == like.dtype and x.shape == like.shape
+        assert list(x.devices())[0].platform == "gpu"
+    _check_against_reference(host, [np.asarray(x.astype(jnp.float32), np.float64)
+                                    for x in (out, *grads)], dtype)
