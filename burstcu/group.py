@@ -20,6 +20,7 @@ from .ops.base import LocalOps
 from .ops.kernel_ops import KernelOps
 from .ops.numpy_ops import NumpyOps
 from .transport.base import CommStats, SelfTransport, Transport, resolve_timeout
+from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
 from .transport.mpi import MPITransport
 from .transport.nccl import BackendUnavailable, bootstrap
@@ -50,6 +51,12 @@ class Group:
     @property
     def stats(self) -> CommStats:
         return self.transport.stats
+
+    @property
+    def link(self) -> Link | None:
+        """The emulated link this group's messages are paced to (`burstcu.init(link=...)`), or
+        None. Figures that depend on it say so: `str(group.link)` is "emulated link X Gb/s, Y us"."""
+        return self.transport.link
 
     @property
     def timeout(self) -> float:
@@ -185,10 +192,26 @@ def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:
             f"but {what} ({exc}): every rank would run alone on the whole problem. {remedy}") from exc
 
 
-def _mpi_transport(comm, progress: str, timeout: float | None) -> Transport:
+def _mpi_transport(comm, progress: str, timeout: float | None, link: Link | None) -> Transport:
     if comm is None or comm.Get_size() == 1:
-        return SelfTransport(timeout)
-    return MPITransport(comm, progress=progress, timeout=timeout)
+        transport = SelfTransport(timeout)
+        transport.link = link  # nothing is sent, so nothing to pace; kept for the labels
+        return transport
+    return MPITransport(comm, progress=progress, timeout=timeout, link=link)
+
+
+def _check_link(link, backend: str) -> None:
+    """TypeError unless `link` is a Link or None; ValueError when `backend` (given, or picked
+    by "auto" alike on every rank) does not run over MPI."""
+    if link is None:
+        return
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a burstcu.Link(gbps=..., latency_us=...) or None, not "
+                        f"{type(link).__name__}")
+    if backend == "cupy":
+        raise ValueError(f"link={link!r} emulates a network on the MPI transport (backends "
+                         f"'numpy' and 'emulated'); backend {backend!r} moves data over NCCL, "
+                         f"whose links are real: leave link out")
 
 
 def _resolve_backend(backend: str, comm) -> tuple[str, bool]:
@@ -210,7 +233,7 @@ def _warn_cpu_fallback(comm, why: str) -> None:
 
 
 def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
-         progress: str = "thread", **options) -> Group:
+         progress: str = "thread", link: Link | None = None, **options) -> Group:
     """Create the group of all ranks of `comm` (default `MPI.COMM_WORLD`; without mpi4py, a
     group of one process).
 
@@ -220,15 +243,21 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. Waiting does not spin.
     progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
         caller's thread ("inline").
+    link: a `burstcu.Link(gbps=..., latency_us=...)` to pace every MPI message to, as a network
+        of that speed would (`burstcu.transport.link`): to measure overlap on one machine, whose
+        shared memory is far faster than any network. The same on every rank. MPI transport
+        only: refused with the "cupy" backend (and "auto" when it picks "cupy").
     options: passed to the local op (e.g. tile sizes for "numpy", deterministic=True for the
         kernel backends).
     Collective over `comm`: every rank must call it. Close the group when done (`close()`, or
     use it as a context manager).
     """
     timeout = resolve_timeout(timeout)
+    _check_link(link, backend)
     comm = world_comm(comm)
     asked = backend
     backend, some_gpu = _resolve_backend(backend, comm)
+    _check_link(link, backend)
     if asked == "auto" and backend == "numpy" and some_gpu:   # a CPU-only machine is no surprise
         _warn_cpu_fallback(comm, "some ranks have a usable GPU, not every rank")
     if backend == "cupy":
@@ -240,9 +269,9 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
             _warn_cpu_fallback(comm, str(exc))
             backend = "numpy"
     if backend == "numpy":
-        transport, ops = _mpi_transport(comm, progress, timeout), NumpyOps(**options)
+        transport, ops = _mpi_transport(comm, progress, timeout, link), NumpyOps(**options)
     elif backend == "emulated":
-        transport, ops = _mpi_transport(comm, progress, timeout), KernelOps("emulated", **options)
+        transport, ops = _mpi_transport(comm, progress, timeout, link), KernelOps("emulated", **options)
     return Group(transport.rank, transport.size, backend, transport, ops, comm)
 
 

@@ -95,6 +95,15 @@ def poll_until(done, deadline: float, on_timeout) -> None:
         time.sleep(max(0.0, min(nap, deadline - now)))
 
 
+def sleep_until(moment: float) -> None:
+    """Block (no polling) until time.monotonic() >= moment."""
+    while True:
+        left = moment - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
 @dataclass
 class CommStats:
     """Payload counters of one rank, counted where the bytes enter and leave the transport.
@@ -146,6 +155,7 @@ class Transport(ABC):
     """Point-to-point exchange + metadata agreement among `size` ranks; this process is `rank`."""
 
     name: str = "abstract"
+    link = None  # the emulated link its messages are paced to (`burstcu.transport.link`), if any
 
     def __init__(self, rank: int, size: int, timeout: float | None = None):
         if not 0 <= rank < size:

@@ -14,6 +14,11 @@ the transport's deadline with `CommTimeoutError` naming the peer. The metadata a
 rank that never arrives is named by rank 0; the calls being agreed on are named too, so ranks
 inside different burstcu calls get the same error instead of matching each other's collectives.
 
+``link=Link(gbps, latency_us)`` paces every message as a network of that speed would
+(`burstcu.transport.link`): the progress thread sleeps until each exchange's paced completion
+after MPI has moved it, so on one machine the exchange takes as long as on that link and still
+runs behind the compute.
+
 The transport duplicates the user's communicator, so its messages can never match the user's.
 """
 
@@ -28,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import ABORT_GRACE_S, Transport, nbytes, poll_until
+from .base import ABORT_GRACE_S, Transport, nbytes, poll_until, sleep_until
+from .link import Link, Port
 
 _TAG_RING = 7
 _TAG_AGREE = 8
@@ -42,6 +48,15 @@ def _byte_view(buf: np.ndarray) -> np.ndarray:
     return buf.reshape(-1).view(np.uint8)
 
 
+def _sleep_until(moment: float, deadline: float, on_timeout) -> None:
+    """Sleep until `moment` (an exchange's completion on the emulated link); past `deadline`
+    raise `on_timeout()` instead of sleeping on."""
+    if moment > deadline:
+        sleep_until(deadline)
+        raise on_timeout()
+    sleep_until(moment)
+
+
 class AgreementMismatch:
     """What rank 0 answers when ranks are inside different collective calls."""
 
@@ -52,9 +67,12 @@ class AgreementMismatch:
 class MPITransport(Transport):
     name = "mpi"
 
-    def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None):
+    def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None,
+                 link: Link | None = None):
         if progress not in ("thread", "inline"):
             raise ValueError(f"progress must be 'thread' or 'inline', not {progress!r}")
+        if link is not None and not isinstance(link, Link):
+            raise TypeError(f"link must be a burstcu.Link or None, not {type(link).__name__}")
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.where = "creating the group (every rank must call burstcu.init)"
         self.comm, request = comm.Idup()  # a private communicator; bounded like every wait
@@ -64,6 +82,9 @@ class MPITransport(Transport):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="burstcu-comm") if progress == "thread" else None
         self._pending: list[Future] = []
         self._requests: list = []
+        self.link = link
+        self._port = Port(link) if link is not None else None
+        self._paced_until = 0.0  # inline progress: when the posted exchanges complete on the link
         self._peers: list[str] = []  # what the pending exchanges wait for, for timeout messages
 
     def _init_timed_out(self, comm):
@@ -89,14 +110,21 @@ class MPITransport(Transport):
                 reqs.append(self.comm.Isend([_byte_view(send_buf), MPI.BYTE], dest=dst, tag=_TAG_RING))
         return reqs
 
+    def _paced(self, sent, received) -> float:
+        """When messages of these sizes posted now complete on the emulated link (0: no link)."""
+        return 0.0 if self._port is None else self._port.schedule(sent, received)
+
     def _post(self, exchanges):
         for send_buf, recv_buf, dst, src in exchanges:
             if recv_buf is not None:
                 self._peers.append(f"rank {self.top_rank(src)}'s message")
             if send_buf is not None:
                 self._peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
+        ready = self._paced([nbytes(s) for s, _, _, _ in exchanges if s is not None],
+                            [nbytes(r) for _, r, _, _ in exchanges if r is not None])
         if self._pool is None:
             self._requests.extend(self._start(exchanges))
+            self._paced_until = max(self._paced_until, ready)
             return
         give_up = self.deadline() + _ROOT_GRACE_S  # the caller's wait times out first
 
@@ -105,6 +133,7 @@ class MPITransport(Transport):
 
             reqs = self._start(exchanges)
             poll_until(lambda: MPI.Request.Testall(reqs), give_up, lambda: TimeoutError())
+            _sleep_until(ready, give_up, TimeoutError)   # the link's pace: asleep, not polling
 
         self._pending.append(self._pool.submit(run))
 
@@ -116,6 +145,7 @@ class MPITransport(Transport):
         if self._requests:
             reqs, self._requests = self._requests, []
             poll_until(lambda: MPI.Request.Testall(reqs), deadline, lambda: self.timed_out(peers))
+            _sleep_until(self._paced_until, deadline, lambda: self.timed_out(f"{peers} ({self.link})"))
         pending, self._pending = self._pending, []
         for fut in pending:
             try:
@@ -183,15 +213,19 @@ class MPITransport(Transport):
         return box[0]
 
     def allgather(self, send_buf, recv_buf):
-        """Counted as G-1 messages of send_buf's size each way: this rank's piece to every
-        other rank, theirs to it (`CommStats`)."""
+        """Counted (and paced on an emulated link) as G-1 messages of send_buf's size each
+        way: this rank's piece to every other rank, theirs to it (`CommStats`)."""
         from mpi4py import MPI
 
+        pieces = [nbytes(send_buf)] * (self.size - 1)
+        ready = self._paced(pieces, pieces)
         req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
-        poll_until(req.Test, self.deadline(), lambda: self.timed_out("every rank's allgather"))
-        self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
-        self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
-        self.stats.messages += self.size - 1
+        deadline = self.deadline()
+        poll_until(req.Test, deadline, lambda: self.timed_out("every rank's allgather"))
+        _sleep_until(ready, deadline, lambda: self.timed_out(f"the allgather ({self.link})"))
+        self.stats.bytes_sent += sum(pieces)
+        self.stats.bytes_received += sum(pieces)
+        self.stats.messages += len(pieces)
 
     def barrier(self):
         self.allgather_object(None, "barrier")
@@ -200,7 +234,9 @@ class MPITransport(Transport):
     def _split(self, color, key, members, name):
         sub_comm = self.comm.Split(color, key)  # every rank is here: split() agreed first
         try:
-            return MPITransport(sub_comm, progress=self.progress, timeout=self.timeout)
+            sub = MPITransport(sub_comm, progress=self.progress, timeout=self.timeout, link=self.link)
+            sub._port = self._port  # one rank, one port: the sub-groups' messages queue with ours
+            return sub
         finally:
             sub_comm.Free()  # the sub-group keeps its own duplicate
 

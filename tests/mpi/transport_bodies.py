@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 import burstcu
+from burstcu.transport.link import Link
 
 
 def _exchange(t, send, recv) -> None:
@@ -34,3 +36,70 @@ def waiting_for_a_late_peer(late_s: float = 0.015, rounds: int = 20, nbytes: int
     assert wall >= 0.9 * rounds * late_s, (wall, rounds * late_s)
     return {"cpu_s": cpu, "wall_s": wall}
 
+
+def link_paces_and_overlaps(gbps: float = 1.0, latency_us: float = 200.0, nbytes: int = 1 << 22) -> dict:
+    """With burstcu.init(link=Link(gbps, latency_us)), on every rank:
+    an exchange of `nbytes` each way takes at least the link's time for it;
+    an exchange posted before 1.5x that much compute is hidden: wait returns at once (checked
+    where every rank has a core: the progress thread needs one to finish the transfer);
+    an all-gather of `nbytes` pieces takes at least G-1 link times (its G-1 messages each way);
+    attention gives the same bits with the link as without;
+    a slow exchange (0.4 s on the link) costs its waiting threads far less than 0.4 s of CPU."""
+    link = Link(gbps=gbps, latency_us=latency_us)
+    with burstcu.init(backend="numpy", link=link) as group:
+        t, size = group.transport, group.size
+        assert group.link == link and str(link) == f"emulated link {gbps:g} Gb/s, {latency_us:g} us"
+        if size == 1:
+            return {"size": 1}
+        need = latency_us * 1e-6 + nbytes * 8 / (gbps * 1e9)   # the model, spelled out
+        send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        _exchange(t, send, recv)
+        out = {}
+        group.barrier()
+        t0 = time.monotonic()
+        _exchange(t, send, recv)
+        out["exchange_s"] = time.monotonic() - t0
+        assert need <= out["exchange_s"] < need + 0.25, (out, need)
+
+        a = np.random.default_rng(0).standard_normal((128, 128))
+        group.barrier()
+        t0 = time.monotonic()
+        t.send_recv(send, recv, t.next_rank, t.prev_rank)
+        t.commit()
+        while time.monotonic() - t0 < 1.5 * need:      # compute while the link is busy
+            a = np.tanh(a @ a)
+        w0 = time.monotonic()
+        t.wait()
+        out["wait_after_compute_s"] = time.monotonic() - w0
+        if size <= (os.cpu_count() or 1):
+            assert out["wait_after_compute_s"] < 0.25 * need, (out, need)
+
+        piece = nbytes // 4
+        gathered = np.empty((size, piece), np.uint8)
+        group.barrier()
+        group.stats.reset()
+        t0 = time.monotonic()
+        t.allgather(send[:piece], gathered)
+        out["allgather_s"] = time.monotonic() - t0
+        gather_need = (size - 1) * (latency_us * 1e-6 + piece * 8 / (gbps * 1e9))
+        assert gather_need <= out["allgather_s"] < gather_need + 0.25, (out, gather_need)
+        assert group.stats.messages == size - 1, group.stats
+
+        # pacing changes when data arrives, never what: the ring gives the same bits
+        rng = np.random.default_rng(group.rank)
+        q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+        paced = burstcu.attention(q, k, v, group, causal=True)
+        with burstcu.init(backend="numpy") as plain:
+            assert np.array_equal(paced, burstcu.attention(q, k, v, plain, causal=True))
+
+    # a link slow enough that the wait is long: the waiting threads sleep through it
+    slow = 0.4
+    with burstcu.init(backend="numpy", link=Link(gbps=gbps, latency_us=slow * 1e6)) as group:
+        t = group.transport
+        small, got = np.ones(1 << 16, np.uint8), np.empty(1 << 16, np.uint8)
+        group.barrier()
+        c0, t0 = time.process_time(), time.monotonic()
+        _exchange(t, small, got)
+        out["slow_s"], out["slow_cpu_s"] = time.monotonic() - t0, time.process_time() - c0
+        assert out["slow_s"] >= slow and out["slow_cpu_s"] < 0.05 * slow, out
+    return out

@@ -1,9 +1,15 @@
-"""The MPI transport's waits: a rank waiting for a late peer uses little CPU."""
+"""The MPI transport's waits and its emulated link (`burstcu.Link`): a rank waiting for a late
+peer uses little CPU; a link paces each message to its bandwidth and latency while the exchange
+still runs behind compute; the link is refused where the transport is not MPI."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import burstcu
+from burstcu.transport.link import Link, Port
 from tests.mpi_run import run_mpi
 
 
@@ -15,3 +21,43 @@ def test_waiting_for_a_late_peer_burns_no_core():
     for r in run_mpi(2, "transport_bodies:waiting_for_a_late_peer", timeout=60):
         assert r["cpu_s"] < 0.2 * r["wall_s"], r
 
+
+def test_link_model_and_validation():
+    link = Link(gbps=2, latency_us=10)
+    assert link.seconds(0) == pytest.approx(10e-6)
+    assert link.seconds(1 << 20) == pytest.approx(10e-6 + (1 << 20) * 8 / 2e9)
+    assert str(link) == "emulated link 2 Gb/s, 10 us"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        link.gbps = 3
+    for bad in (dict(gbps=0), dict(gbps=-1), dict(gbps=True), dict(gbps=float("inf")),
+                dict(gbps=1, latency_us=-1), dict(gbps="1")):
+        with pytest.raises(ValueError, match="Link"):
+            Link(**bad)
+
+
+def test_port_queues_each_direction():
+    """Messages through one direction go one after another; the other direction is free."""
+    link = Link(gbps=8e-9 * 1e6, latency_us=0)   # 1e6 bytes take 1 s... at 8e-3 Gb/s
+    port = Port(link)
+    one = link.seconds(1000)
+    assert port.schedule([1000, 1000], [], posted=0.0) == pytest.approx(2 * one)
+    # a receive posted meanwhile does not wait for those sends
+    assert port.schedule([], [1000], posted=0.0) == pytest.approx(one)
+    # a send posted before the direction is free waits for it
+    assert port.schedule([1000], [], posted=one) == pytest.approx(3 * one)
+    # posted after everything: from its own post time
+    assert port.schedule([1000], [1000], posted=10.0) == pytest.approx(10.0 + one)
+
+
+def test_link_refused_off_mpi():
+    with pytest.raises(ValueError, match="MPI transport"):
+        burstcu.init(backend="cupy", link=Link(gbps=1))
+    with pytest.raises(TypeError, match="burstcu.Link"):
+        burstcu.init(backend="numpy", link=100)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_link_paces_and_overlaps(world):
+    results = run_mpi(world, "transport_bodies:link_paces_and_overlaps", timeout=90)
+    assert len(results) == world
