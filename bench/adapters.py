@@ -8,7 +8,7 @@ against the plain API on the backend's own arrays, and torch's SDPA beside them,
 
 Rows: "api" = burstcu.attention + attention_backward on NumPy (CPU) or CuPy (GPU) arrays;
 "torch" = burstcu.torch.attention, loss.backward(); "jax" / "jax.jit" = jax.grad through
-burstcu.jax.attention (CPU only); "sdpa" = torch.nn.functional.scaled_dot_product_attention
+burstcu.jax.attention, eager and under jax.jit; "sdpa" = torch.nn.functional.scaled_dot_product_attention
 forward + backward (causal). Median wall time over repeats after one warm-up; on the GPU the
 device is synchronized around each step. The adapters' overhead is their time over "api"'s.
 """
@@ -75,18 +75,18 @@ def _steps(shape, dtype: str, device: str) -> dict:
             out = torch.nn.functional.scaled_dot_product_attention(*heads_first, is_causal=True)
             out.backward(t[3].transpose(1, 2))
         steps["sdpa"] = sdpa
-    if device == "cpu":
-        steps.update(_jax_steps(host, dtype))
+    steps.update(_jax_steps(host, dtype, device))
     return steps
 
 
-def _jax_steps(host, dtype: str) -> dict:
+def _jax_steps(host, dtype: str, device: str) -> dict:
     try:
         import jax
-    except ImportError:
+        where = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    except (ImportError, RuntimeError):   # no JAX, or none for this device
         return {}
     jnp = jax.numpy
-    q, k, v, dout = (jnp.asarray(x, getattr(jnp, dtype)) for x in host)
+    q, k, v, dout = (jax.device_put(jnp.asarray(x, getattr(jnp, dtype)), where) for x in host)
 
     def loss(q, k, v):
         return (burstcu.jax.attention(q, k, v, causal=True) * dout).sum()

@@ -100,7 +100,7 @@ def test_torch_adapter_autograd_on_cuda(dtype):
     for x, like in zip((out, *grads), (q, q, k, v)):
         assert x.is_cuda and x.dtype == like.dtype and x.shape == like.shape
     host = [x.float().cpu().numpy().astype(NP[dtype]) for x in (q, k, v, dout)]
-    _check_against_reference(host, [x.double().cpu().numpy() for x in (out, *grads)], dtype)
+    _check_against_reference(host, [x.detach().double().cpu().numpy() for x in (out, *grads)], dtype)
 
 
 def test_torch_adapter_orders_itself_after_a_side_streams_work():
@@ -119,7 +119,7 @@ def test_torch_adapter_orders_itself_after_a_side_streams_work():
         scale = 1 + big.mean() * 0               # 1, but known only after the chain
         q, k, v = (x * scale.to(x.dtype) for x in (q0, k0, v0))
         out, grads = _adapter_step(torch, q, k, v, dout)
-        results = [x.double().cpu().numpy() for x in (out, *grads)]   # .cpu() syncs the side stream
+        results = [x.detach().double().cpu().numpy() for x in (out, *grads)]   # .cpu() syncs the side stream
     host = [x.float().cpu().numpy().astype(NP[dtype]) for x in (q0, k0, v0, dout)]
     _check_against_reference(host, results, dtype)
 
