@@ -127,8 +127,8 @@ def main(argv=None) -> int:
     env = C.environment(None, synchronized=args.device == "cuda", device_asked=args.device,
                         dtype=dtype, shape="(B, S, H, D) = "
                         f"({args.batch}, S, {args.heads}, {args.headdim}), causal, forward+backward")
-    if args.device == "cuda":
-        env["device"] = "GPU (wall time around each step, device synchronized)"
+    if args.device == "cuda":   # group=None: the CUDA kernels through CuPy
+        env.update(device="GPU (wall time around each step, device synchronized)", backend="cupy")
     text = C.measured_on(env) + "\n" + C.table(rows, ["seqlen", "path", "time_ms", "vs_api"])
     print(text)
     if args.table:

@@ -13,11 +13,14 @@ exchanges data with the other ranks.
 How the arithmetic is reached:
 * outside `jax.jit` (eager, `jax.grad` included): the arrays themselves; CPU arrays as NumPy
   views of their buffers (the NumPy backend), GPU arrays zero-copy through DLPack to CuPy.
-* inside `jax.jit`: an ordered host callback (`jax.experimental.io_callback(ordered=True)`),
-  so calls run in program order on every rank and XLA never drops or reorders one (each is a
-  collective). The arrays cross to the host: on a CPU this is free; with a "cupy" group (or
-  group=None where JAX's default backend is a GPU) they are copied to the GPU and back (an XLA
-  FFI call would avoid the copies; not written yet).
+* inside `jax.jit` on a GPU (JAX's default backend, with a "cupy" group or group=None): a
+  `jax.experimental.buffer_callback` marked as having side effects (XLA never drops one): XLA's
+  device buffers are viewed zero-copy as CuPy arrays and the kernels and the exchange run on
+  XLA's own stream. XLA's GPU runtime issues its work in program order from one thread, so
+  every rank runs its calls in the same order.
+* inside `jax.jit` elsewhere: an ordered host callback (`jax.experimental.io_callback(ordered=
+  True)`), so calls run in program order on every rank and XLA never drops or reorders one
+  (each is a collective); on a CPU the arrays are host memory already.
 `jax.vmap` is not supported (ordered callbacks cannot be batched): put the batch in B.
 Errors (bad input, ranks that disagree) raise on every rank; inside `jax.jit` they surface as
 JAX's runtime error carrying burstcu's message.
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 
 from . import api, kvcache
 from .group import Group, local_group
@@ -79,13 +83,43 @@ def _callback_group(group: Group | None) -> Group | None:
         return None
 
 
+def _device_buffers(fn, group: Group | None, *args, **kwargs):
+    """The body of a `buffer_callback` on a GPU: XLA's input buffers viewed zero-copy as CuPy
+    arrays and the work run on XLA's own stream (`ctx.stream`), the results copied into XLA's
+    output buffers on that stream. A CPU buffer (an array placed on the CPU while a GPU is the
+    default) is read through NumPy instead."""
+    import cupy
+
+    def view(buffer):
+        if hasattr(buffer, "__cuda_array_interface__"):
+            try:
+                return cupy.from_dlpack(buffer)       # keeps bfloat16, which the interface cannot say
+            except (TypeError, BufferError, RuntimeError):
+                return cupy.asarray(buffer)
+        return np.asarray(buffer)
+
+    def run(ctx, outs, *ins):
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        with cupy.cuda.ExternalStream(int(ctx.stream)):
+            result = fn(*(view(b) for b in ins), group, *args, **kwargs)
+            for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
+                view(out)[...] = value
+    return run
+
+
 def _run(fn, arrays, results, group, *args, **kwargs):
-    """fn(*arrays, group, *args, **kwargs) eagerly or, under tracing, as an ordered host callback
-    whose results have the shapes and dtypes `results` (a ShapeDtypeStruct or a tuple of them)."""
-    if _is_traced(arrays):
-        host = _host(fn, _callback_group(group), *args, **kwargs)
-        return io_callback(host, results, *arrays, ordered=True)
-    return _eager(fn, arrays, group, *args, **kwargs)
+    """fn(*arrays, group, *args, **kwargs) eagerly or, under tracing, as a callback whose results
+    have the shapes and dtypes `results` (a ShapeDtypeStruct or a tuple of them): where JAX's
+    default backend is a GPU and CuPy computes, a `buffer_callback` on XLA's device buffers and
+    stream (zero-copy; XLA's GPU runtime issues its ops in program order from one thread);
+    elsewhere an ordered host callback."""
+    if not _is_traced(arrays):
+        return _eager(fn, arrays, group, *args, **kwargs)
+    group = _callback_group(group)
+    if group is not None and group.backend == "cupy" and jax.default_backend() == "gpu":
+        body = _device_buffers(fn, group, *args, **kwargs)
+        return buffer_callback(body, results, has_side_effect=True)(*arrays)
+    return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
 
 
 def _like(x):
