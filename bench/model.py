@@ -17,8 +17,15 @@ Model (per rank, one ring step, S = N/G local tokens, B batch, H heads, Hkv K/V 
   overlap   t_o = max(t_c + contention * min(t_c, t_m), t_m): the transfer runs beside the kernel
             on its own stream; while both run (min(t_c, t_m)) the NCCL kernels / copy engines slow
             the attention kernel by the fraction `contention` (SMs and HBM bandwidth they take).
-  efficiency = (t_c + t_m - t_o) / min(t_c, t_m), as in bench/overlap.py.
+            A blocking exchange (the all-gather baseline) hides nothing: t_o = t_c + t_m.
+  efficiency = (t_c + t_m - t_o) / t_m, as in bench/overlap.py: the fraction of the exchange's
+            time hidden behind compute. 1 - contention while compute outlasts the exchange, and
+            t_c / t_m < 1 once the exchange is longer (communication exposed), 0 for a blocking
+            exchange. (Over a pass: the same with the sums of the steps' times.)
   hidden    t_c >= t_m: solved for S in a S^2 = m*latency + b S (a, b: time per S^2, per S).
+  emulated link (burstcu.Link, `overlap_prediction`): t_m of a step = per direction, its
+            messages * latency + bytes * 8 / (Gb/s * 1e9), the longer direction; t_c measured;
+            contention 0 (no NCCL kernels; the CPU's own copy cost is part of what is measured).
 
 Sources of the preset numbers (vendor peak specifications; everything else is an assumption and
 is labelled so):
@@ -93,6 +100,45 @@ def step_terms(strategy: str, pass_: str, shape: Shape) -> tuple[float, float, i
     return 10 * B * H * D * work, 2 * B * Hkv * D * it + 2 * B * Hkv * D * acc, 4
 
 
+def overlapped(tc: float, tm: float, contention: float = 0.0, blocking: bool = False) -> float:
+    """t_o of one step whose compute takes tc and exchange tm (module docstring)."""
+    if blocking:
+        return tc + tm
+    return max(tc + contention * min(tc, tm), tm)
+
+
+def efficiency(tc: float, tm: float, to: float) -> float | None:
+    """(tc + tm - to) / tm: the fraction of the exchange hidden behind compute; None without
+    an exchange."""
+    return (tc + tm - to) / tm if tm > 0 else None
+
+
+def link_seconds(messages: int, nbytes: int, gbps: float, latency_us: float) -> float:
+    """One direction of an emulated link (burstcu.Link): messages * latency + bytes / rate.
+    gbps in gigabits per second (not the presets' GB/s)."""
+    return messages * latency_us * 1e-6 + nbytes * 8 / (gbps * 1e9)
+
+
+def overlap_prediction(steps, gbps: float, latency_us: float, blocking: bool = False) -> dict:
+    """PREDICTED pass over an emulated link from measured compute: `steps` are dicts with
+    t_compute (measured) and sent_messages, sent_bytes, received_messages, received_bytes (what
+    the step's exchange moves on this rank). Each step: t_m = the longer direction's
+    `link_seconds`, t_o = `overlapped(t_c, t_m, 0, blocking)`; the pass: sums, and the
+    efficiency of the sums. hidden: the pass takes only its compute (every exchange is shorter
+    than the compute beside it; a step that only exchanges, as the last hop home of a backward,
+    leaves its exchange exposed)."""
+    tc = tm = to = hidden = 0.0
+    for st in steps:
+        c = st["t_compute"]
+        m = max(link_seconds(st["sent_messages"], st["sent_bytes"], gbps, latency_us),
+                link_seconds(st["received_messages"], st["received_bytes"], gbps, latency_us))
+        o = overlapped(c, m, 0.0, blocking)
+        tc, tm, to, hidden = tc + c, tm + m, to + o, hidden + (c + m - o)  # per step: exact 0s
+    return {"kind": "PREDICTION", "t_compute": tc, "t_comm": tm, "t_overlapped": to,
+            "t_hidden": hidden, "efficiency": hidden / tm if tm > 0 else None,
+            "hidden": tm > 0 and to <= tc}
+
+
 def predict_step(hw: Hardware, shape: Shape, strategy: str, pass_: str, seqlen: int) -> dict:
     """PREDICTED times (seconds) of one ring step at global `seqlen`."""
     flops_s2, bytes_s, msgs = step_terms(strategy, pass_, shape)
@@ -100,8 +146,8 @@ def predict_step(hw: Hardware, shape: Shape, strategy: str, pass_: str, seqlen: 
     mfu = hw.mfu_fwd if pass_ == "forward" else hw.mfu_bwd
     tc = flops_s2 * s * s / (hw.peak_tflops * 1e12 * mfu)
     tm = msgs * hw.latency_us * 1e-6 + bytes_s * s / (hw.link_gbps * 1e9 * hw.link_eff)
-    to = max(tc + hw.contention * min(tc, tm), tm)
-    eff = (tc + tm - to) / min(tc, tm)
+    to = overlapped(tc, tm, hw.contention)
+    eff = efficiency(tc, tm, to)
     return {"kind": "PREDICTION", "seqlen": seqlen, "t_compute": tc, "t_comm": tm, "t_overlapped": to,
             "efficiency": eff, "exposed_comm": max(0.0, tm - tc), "hidden": tc >= tm,
             "bytes": bytes_s * s, "flops": flops_s2 * s * s}

@@ -2,6 +2,7 @@
 
     mpiexec -n G python bench/overlap.py [--seqlen N ...] [--heads H] [--headdim D] [--causal]
         [--strategies burst ring allgather ulysses usp] [--repeats R] [--json FILE] [--plot FILE]
+        [--link-gbps X [--link-latency-us Y]]
 
 For every configuration (global seqlen x strategy) the real engine runs three times per repeat:
 
@@ -18,23 +19,37 @@ the step's exchange, measured by a pass-through transport wrapper):
   t_comm       = post + compute + wait of the step in the comm-only run (its wall time: the
                  transfer runs from post to the end of wait); 0 for a step that exchanges nothing
   t_overlapped = post + compute + wait of the step in the overlapped run
-  efficiency   = (t_compute + t_comm - t_overlapped) / min(t_compute, t_comm)
-                 1: the shorter of the two is fully hidden; 0: they ran back to back;
-                 < 0: running them together was slower than back to back (contention for cores
-                 or memory bandwidth); undefined (null) when either is 0.
+  efficiency   = (t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange's
+                 time hidden behind compute. 1: fully hidden; 0: compute and exchange ran back
+                 to back; at most t_compute / t_comm when the exchange is the longer (it cannot
+                 all hide); < 0: running them together was slower than back to back (contention
+                 for cores or memory bandwidth); undefined (null) without an exchange.
 
 Per pass (forward, backward), the same formula over the sums of the steps. Per-step figures are
-medians over repeats. Each pass efficiency comes with an uncertainty: the run-to-run range of its
-three times over min(t_compute, t_comm) (printed as ±); when communication is a few percent of
-compute, compute jitter alone swamps it, and the efficiency says nothing. End-to-end forward and forward+backward wall times (overlapped run) are
-the max over ranks, median over repeats. For "allgather" the blocking gather is step 0's wait
-and the reduce-scatter hops are steps G.. of the backward pass: its efficiency is the no-overlap
-baseline.
+medians over repeats. A pass efficiency is reported only when it is a measurement: its jitter
+(the run-to-run ranges over repeats of the pass sums of t_compute, t_comm and t_overlapped,
+added; compute dominates it) must be smaller than t_comm, else the line says "not measurable
+here (compute jitter ±X ms > exchange Y ms)" and the JSON holds efficiency null (the raw figure
+as efficiency_raw); a negative one is printed with what it means. On a CPU the exchange through
+shared memory takes about a millisecond, less than compute jitter: emulate a link (below). End-to-end forward and forward+backward wall times (overlapped run) are the max over
+ranks, median over repeats. For "allgather" the blocking gather is step 0's wait and the
+reduce-scatter hops are steps G.. of the backward pass: its efficiency is the no-overlap baseline.
 
-Rank 0 prints one line per configuration; --json holds every figure of every rank (gathered to
-rank 0); --plot draws a per-rank timeline of compute and communication (overlapped run, largest
-seqlen, first strategy) and efficiency against seqlen. On the CPU backend these are CPU + MPI
-figures (BLAS on the main thread, transfers on the transport's progress thread), never GPU ones.
+--link-gbps X [--link-latency-us Y] runs over `burstcu.Link(gbps=X, latency_us=Y)`: the MPI
+transport paces every message as an X Gb/s link with Y us per message would (its progress thread
+sleeps until then, beside the compute), so t_comm is the link's, not shared memory's. Every
+figure that depends on it is labelled "emulated link X Gb/s, Y us", and each pass gets
+efficiency_predicted: bench/model.py's `overlap_prediction` from this run's measured per-step
+t_compute and each step's messages and bytes on the link (t_comm = messages * latency +
+bytes * 8 / rate per direction; t_overlapped = max(t_compute, t_comm), or their sum for a
+blocking exchange: allgather's gather and hops).
+
+Rank 0 prints one line per configuration, then a table of every pass (--json: every figure of
+every rank, gathered to rank 0); --plot draws a per-rank timeline of compute and communication
+(overlapped run, largest seqlen, first strategy; forward and backward marked) and efficiency
+against seqlen with its jitter as error bars (with a link: the prediction beside it, and measured
+against predicted). On the CPU backend these are CPU + MPI figures (BLAS on the main thread,
+transfers on the transport's progress thread), never GPU ones.
 """
 
 from __future__ import annotations
@@ -47,14 +62,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402  (also puts the repo root on sys.path)
+import model  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu.engine import Trace  # noqa: E402
 from burstcu.ops.base import DelegatingOps, LocalOps  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
+from burstcu.transport.link import Link  # noqa: E402
 
 MODES = ("compute", "comm", "overlapped")
 PASSES = ("forward", "backward")
+# strategies whose exchange completes before the compute that follows it (burstcu.engine.allgather:
+# "No overlap: the gather is blocking, by design of the baseline"): the model hides nothing there
+BLOCKING = {"allgather"}
+TRAFFIC = ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,8 +86,9 @@ class TimedTransport(Transport):
     """Pass-through (`null=False`) or do-nothing (`null=True`) transport that timestamps posts.
 
     It records, per commit, [post start, completion] (completion: when the progress thread's
-    Waitall returned if the wrapped MPI transport has one, else the end of `wait`), and the host
-    seconds spent posting since the last step (`take_post`), and every all-gather's interval.
+    Waitall returned if the wrapped MPI transport has one, else the end of `wait`), the host
+    seconds spent posting since the last step and what the posts move (`take_post`), and every
+    all-gather's interval.
     """
 
     def __init__(self, inner: Transport, null: bool):
@@ -78,6 +100,7 @@ class TimedTransport(Transport):
         self.intervals: list = []   # [kind, start, end]
         self._open: list = []       # intervals whose completion is not yet known
         self._post_s, self._posts = 0.0, 0
+        self._traffic = dict.fromkeys(TRAFFIC, 0)
         self.root = self            # sub-groups (USP) keep their records in the top wrapper
 
     # ring pattern
@@ -87,7 +110,17 @@ class TimedTransport(Transport):
         else:
             self.inner.send_recv(send_buf, recv_buf, dst, src)
 
+    def _count(self, sent: list, received: list) -> None:
+        t = self.root._traffic
+        t["sent_messages"] += len(sent)
+        t["sent_bytes"] += sum(sent)
+        t["received_messages"] += len(received)
+        t["received_bytes"] += sum(received)
+
     def commit(self):
+        queued = self._queued if self.null else self.inner._queued
+        self._count([x.nbytes for x, _, _, _ in queued if x is not None],
+                    [y.nbytes for _, y, _, _ in queued if y is not None])
         t0 = time.perf_counter()
         if self.null:
             super().commit()
@@ -123,10 +156,11 @@ class TimedTransport(Transport):
     def _wait(self):
         pass
 
-    def take_post(self) -> tuple[float, int]:
-        """(host seconds posting, number of posts + all-gathers) since the last call."""
-        out = (self._post_s, self._posts)
-        self._post_s, self._posts = 0.0, 0
+    def take_post(self) -> tuple[float, int, dict]:
+        """(host seconds posting, number of posts + all-gathers, messages and bytes they move
+        on this rank) since the last call."""
+        out = (self._post_s, self._posts, self._traffic)
+        self._post_s, self._posts, self._traffic = 0.0, 0, dict.fromkeys(TRAFFIC, 0)
         return out
 
     # collectives
@@ -139,6 +173,8 @@ class TimedTransport(Transport):
             self.inner.allgather(send_buf, recv_buf)
         self.root.intervals.append(["comm", t0, time.perf_counter()])
         self.root._posts += self.size > 1  # a group of one gathers by a local copy: not communication
+        pieces = [send_buf.nbytes] * (self.size - 1)   # G-1 messages each way (CommStats)
+        self._count(pieces, pieces)
 
     def allgather_object(self, obj, what="metadata"):
         self.inner.call, self.inner.where = self.call, self.where
@@ -180,7 +216,8 @@ class TimedOps(DelegatingOps):
 
 
 class StepRecorder(Trace):
-    """A `Trace` that also notes, per step, the posting time and post count since the last step."""
+    """A `Trace` that also notes, per step, the posting time, post count and traffic since the
+    last step."""
 
     def __init__(self, transport: TimedTransport):
         super().__init__()
@@ -212,64 +249,94 @@ def _run_mode(group, mode: str, strategy: str, inputs, causal: bool, layout: str
                                strategy=strategy)
     t2 = time.perf_counter()
     steps = []
-    for st, (post_s, posts) in zip(rec.steps, rec.extra):
+    for st, (post_s, posts, traffic) in zip(rec.steps, rec.extra):
         steps.append({"pass": st.pass_, "step": st.step, "source": st.source_rank, "blocks": st.blocks,
                       "compute_s": st.compute_s, "wait_s": st.wait_s, "post_s": post_s,
-                      "exchanged": posts > 0})
+                      "exchanged": posts > 0, **traffic})
     timeline = [[kind, a - t0, (b if b is not None else t2) - t0]
                 for kind, a, b in ops.intervals + transport.intervals]
     return {"steps": steps, "forward_s": t1 - t0, "fwd_bwd_s": t2 - t0, "timeline": timeline}
 
 
-def _step_metrics(runs: dict) -> dict:
-    """Per pass: per-step t_compute, t_comm, t_overlapped, efficiency (medians over repeats)."""
+def _step_time(mode: str):
+    """What a step's record contributes to t_compute, t_comm or t_overlapped (module docstring)."""
+    if mode == "compute":
+        return lambda s: s["compute_s"]
+    if mode == "comm":
+        return lambda s: (s["post_s"] + s["compute_s"] + s["wait_s"]) if s["exchanged"] else 0.0
+    return lambda s: s["post_s"] + s["compute_s"] + s["wait_s"]
+
+
+def _step_metrics(runs: dict, link: Link | None, blocking: bool) -> dict:
+    """Per pass: per-step t_compute, t_comm, t_overlapped, efficiency (medians over repeats),
+    and the pass figures (`pass_figures`)."""
     out = {}
     for pass_ in PASSES:
-        keys = [(s["step"]) for s in runs["overlapped"][0]["steps"] if s["pass"] == pass_]
+        ovl_steps = [s for s in runs["overlapped"][0]["steps"] if s["pass"] == pass_]
         steps = []
-        for i, step in enumerate(keys):
-            def pick(mode, f):
-                vals = []
-                for run in runs[mode]:
-                    row = [s for s in run["steps"] if s["pass"] == pass_][i]
-                    vals.append(f(row))
-                return C.median(vals)
-            ovl = [s for s in runs["overlapped"][0]["steps"] if s["pass"] == pass_][i]
-            tc = pick("compute", lambda s: s["compute_s"])
-            tm = pick("comm", lambda s: (s["post_s"] + s["compute_s"] + s["wait_s"]) if s["exchanged"] else 0.0)
-            to = pick("overlapped", lambda s: s["post_s"] + s["compute_s"] + s["wait_s"])
-            steps.append({"step": step, "source": ovl["source"], "blocks": ovl["blocks"],
+        for i, ovl in enumerate(ovl_steps):
+            def pick(mode):
+                f = _step_time(mode)
+                return C.median([f([s for s in run["steps"] if s["pass"] == pass_][i])
+                                 for run in runs[mode]])
+            tc, tm, to = pick("compute"), pick("comm"), pick("overlapped")
+            steps.append({"step": ovl["step"], "source": ovl["source"], "blocks": ovl["blocks"],
                           "t_compute": tc, "t_comm": tm, "t_overlapped": to,
-                          "efficiency": efficiency(tc, tm, to)})
+                          "efficiency": model.efficiency(tc, tm, to),
+                          **{k: ovl[k] for k in TRAFFIC}})
         tc, tm, to = (sum(s[k] for s in steps) for k in ("t_compute", "t_comm", "t_overlapped"))
-        out[pass_] = {"steps": steps, "t_compute": tc, "t_comm": tm, "t_overlapped": to,
-                      "efficiency": efficiency(tc, tm, to),
-                      "efficiency_uncertainty": _uncertainty(runs, pass_, min(tc, tm))}
+        jitter = _jitter(runs, pass_)
+        out[pass_] = {"steps": steps, **pass_figures(tc, tm, to, jitter, len(runs["overlapped"])),
+                      **_predicted(steps, link, blocking)}
     return out
 
 
-def _pass_sums(runs: dict, mode: str, pass_: str, f) -> list:
-    return [sum(f(s) for s in run["steps"] if s["pass"] == pass_) for run in runs[mode]]
+def _predicted(steps: list, link: Link | None, blocking: bool) -> dict:
+    """bench/model.py's prediction of the pass over the emulated link from the measured compute."""
+    if link is None:
+        return {}
+    pred = model.overlap_prediction(steps, link.gbps, link.latency_us, blocking)
+    return {"efficiency_predicted": pred["efficiency"], "t_comm_predicted": pred["t_comm"],
+            "t_overlapped_predicted": pred["t_overlapped"], "t_hidden_predicted": pred["t_hidden"],
+            "comm_hidden_predicted": pred["hidden"], **link.as_dict()}
 
 
-def _uncertainty(runs: dict, pass_: str, shorter: float):
-    """How far the pass efficiency could move with the run-to-run spread of its three times:
-    (range of t_compute + range of t_comm + range of t_overlapped over repeats) / min(t_c, t_m).
-    When it is >= 1 the efficiency is noise (typical on shared, oversubscribed cores)."""
-    if len(runs["overlapped"]) < 2 or not shorter > 0:
+def _jitter(runs: dict, pass_: str) -> float | None:
+    """Seconds the pass's three times spread over repeats: the sum of the ranges (max - min) of
+    the pass sums of t_compute, t_comm and t_overlapped; None with one repeat."""
+    if len(runs["overlapped"]) < 2:
         return None
-    sums = [_pass_sums(runs, "compute", pass_, lambda s: s["compute_s"]),
-            _pass_sums(runs, "comm", pass_, lambda s: (s["post_s"] + s["compute_s"] + s["wait_s"]) if s["exchanged"] else 0.0),
-            _pass_sums(runs, "overlapped", pass_, lambda s: s["post_s"] + s["compute_s"] + s["wait_s"])]
-    return sum(max(x) - min(x) for x in sums) / shorter
+    spread = 0.0
+    for mode in MODES:
+        f = _step_time(mode)
+        sums = [sum(f(s) for s in run["steps"] if s["pass"] == pass_) for run in runs[mode]]
+        spread += max(sums) - min(sums)
+    return spread
 
 
-def efficiency(tc: float, tm: float, to: float):
-    """(tc + tm - to) / min(tc, tm); None when either time is zero (nothing to overlap)."""
-    shorter = min(tc, tm)
-    if not shorter > 0:
-        return None
-    return (tc + tm - to) / shorter
+def pass_figures(tc: float, tm: float, to: float, jitter: float | None, repeats: int) -> dict:
+    """A pass's times, its efficiency when it is a measurement, and what to say otherwise.
+
+    efficiency_raw: (tc + tm - to) / tm, whatever the noise; efficiency: the same, or None when
+    there is no exchange or the jitter is at least t_comm (the efficiency could then be anything
+    between its bounds); efficiency_uncertainty: jitter / t_comm (the ± printed); note: why the
+    efficiency is missing or what a negative one means."""
+    raw = model.efficiency(tc, tm, to)
+    out = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "jitter_s": jitter, "repeats": repeats,
+           "efficiency_raw": raw, "efficiency": raw,
+           "efficiency_uncertainty": None if jitter is None or raw is None else jitter / tm,
+           "note": None}
+    if raw is None:
+        out["note"] = "no exchange in this pass"
+    elif jitter is not None and jitter >= tm:
+        out["efficiency"] = None
+        out["note"] = (f"not measurable here (compute jitter ±{jitter * 1e3:.2f} ms > exchange "
+                       f"{tm * 1e3:.2f} ms)")
+    elif raw < 0:
+        out["note"] = "negative: together slower than one after the other, cores contended"
+    elif jitter is None:
+        out["note"] = "one repeat: spread unknown"
+    return out
 
 
 def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
@@ -288,29 +355,55 @@ def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
             if r >= args.warmup:
                 runs[mode].append(result)
     ovl = runs["overlapped"]
-    record = {"rank": group.rank, **_step_metrics(runs),
+    record = {"rank": group.rank, **_step_metrics(runs, group.link, strategy in BLOCKING),
               "e2e": {m: {"forward_s": C.median([x["forward_s"] for x in runs[m]]),
                           "fwd_bwd_s": C.median([x["fwd_bwd_s"] for x in runs[m]])} for m in MODES},
               "e2e_repeats": {"forward_s": [x["forward_s"] for x in ovl],
                               "fwd_bwd_s": [x["fwd_bwd_s"] for x in ovl]},
               "bytes_sent_fwd_bwd": ovl[-1]["bytes_sent"],
-              "timeline": ovl[-1]["timeline"]}
+              "timeline": ovl[-1]["timeline"], "forward_end_s": ovl[-1]["forward_s"]}
     return record
 
 
-def summarize(ranks: list) -> dict:
-    """Across ranks: pass times averaged, efficiency of the averages; e2e: slowest rank."""
+def summarize(ranks: list, link: Link | None = None, blocking: bool = False) -> dict:
+    """Across ranks: pass times averaged, efficiency of the averages (measurable when the mean
+    jitter is below the mean t_comm); e2e: slowest rank."""
     out = {}
     for pass_ in PASSES:
         tc, tm, to = (sum(r[pass_][k] for r in ranks) / len(ranks) for k in ("t_compute", "t_comm", "t_overlapped"))
-        unc = [r[pass_]["efficiency_uncertainty"] for r in ranks]
-        out[pass_] = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "efficiency": efficiency(tc, tm, to),
-                      "efficiency_uncertainty": None if None in unc else sum(unc) / len(unc),
+        jit = [r[pass_]["jitter_s"] for r in ranks]
+        jitter = None if None in jit else sum(jit) / len(jit)
+        out[pass_] = {**pass_figures(tc, tm, to, jitter, ranks[0][pass_]["repeats"]),
                       "efficiency_per_rank": [r[pass_]["efficiency"] for r in ranks]}
+        if link is not None:
+            pred = [r[pass_] for r in ranks]
+            ptm, pto, phid = (sum(p[k] for p in pred) / len(pred) for k in
+                              ("t_comm_predicted", "t_overlapped_predicted", "t_hidden_predicted"))
+            out[pass_].update({"efficiency_predicted": phid / ptm if ptm > 0 else None,
+                               "t_comm_predicted": ptm, "t_overlapped_predicted": pto,
+                               "comm_hidden_predicted": all(p["comm_hidden_predicted"] for p in pred),
+                               "efficiency_predicted_per_rank": [p["efficiency_predicted"] for p in pred],
+                               **link.as_dict()})
     reps = len(ranks[0]["e2e_repeats"]["forward_s"])
     for key in ("forward_s", "fwd_bwd_s"):
         out[f"e2e_{key}"] = C.median([max(r["e2e_repeats"][key][i] for r in ranks) for i in range(reps)])
     return out
+
+
+def efficiency_text(p: dict) -> str:
+    """The efficiency of one pass as printed: a number with its ± and the prediction, or why
+    there is none; a negative one always says what it means."""
+    if p["efficiency"] is None:
+        text = p["note"]
+    else:
+        text = f"{p['efficiency']:+.2f}"
+        if p["efficiency_uncertainty"] is not None:
+            text += f"±{p['efficiency_uncertainty']:.2f}"
+        if p["note"]:
+            text += f" ({p['note']})"
+    if p.get("efficiency_predicted") is not None:
+        text += f" [predicted {p['efficiency_predicted']:+.2f}]"
+    return text
 
 
 def line(cfg: dict) -> str:
@@ -320,13 +413,37 @@ def line(cfg: dict) -> str:
              f"D={cfg['headdim']} {'causal' if cfg['causal'] else 'full  '} {cfg['dtype']}"]
     for pass_ in PASSES:
         p = s[pass_]
-        eff = "-" if p["efficiency"] is None else f"{p['efficiency']:+.2f}"
-        if p["efficiency"] is not None and p["efficiency_uncertainty"] is not None:
-            eff += f"±{p['efficiency_uncertainty']:.2f}"
         parts.append(f"{pass_[:3]}: comp {C.fmt_s(p['t_compute'])} comm {C.fmt_s(p['t_comm'])} "
-                     f"ovl {C.fmt_s(p['t_overlapped'])} eff {eff}")
+                     f"ovl {C.fmt_s(p['t_overlapped'])} eff {efficiency_text(p)}")
     parts.append(f"e2e fwd {C.fmt_s(s['e2e_forward_s'])} fwd+bwd {C.fmt_s(s['e2e_fwd_bwd_s'])}")
+    if cfg.get("link"):
+        parts.append(cfg["link"])
     return " | ".join(parts)
+
+
+def table_rows(configs: list) -> list:
+    """One row per configuration and pass: the figures of the summary."""
+    rows = []
+    for cfg in configs:
+        for pass_ in PASSES:
+            p = cfg["summary"][pass_]
+            rows.append({"strategy": cfg["strategy"], "seqlen": cfg["seqlen"], "pass": pass_,
+                         "t_compute": C.fmt_s(p["t_compute"]), "t_comm": C.fmt_s(p["t_comm"]),
+                         "t_overlapped": C.fmt_s(p["t_overlapped"]),
+                         "efficiency": "-" if p["efficiency"] is None else f"{p['efficiency']:+.2f}",
+                         "±": "-" if p["efficiency_uncertainty"] is None else f"{p['efficiency_uncertainty']:.2f}",
+                         "efficiency_predicted": "-" if p.get("efficiency_predicted") is None
+                         else f"{p['efficiency_predicted']:+.2f}",
+                         "t_comm_predicted": C.fmt_s(p.get("t_comm_predicted")),
+                         "comm_hidden_predicted": p.get("comm_hidden_predicted", "-"),
+                         "link_gbps": p.get("link_gbps", "-"), "link_latency_us": p.get("link_latency_us", "-"),
+                         "note": p["note"] or ""})
+    return rows
+
+
+TABLE_COLUMNS = ["strategy", "seqlen", "pass", "t_compute", "t_comm", "t_overlapped", "efficiency", "±",
+                 "efficiency_predicted", "t_comm_predicted", "comm_hidden_predicted", "link_gbps",
+                 "link_latency_us", "note"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,45 +451,108 @@ def line(cfg: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Top: per-rank timeline (compute and comm lanes) of one configuration's overlapped run;
-    bottom: pass efficiency against seqlen per strategy."""
+    """Top: per-rank timeline (compute and comm lanes) of one configuration's overlapped run,
+    forward and backward marked; then pass efficiency against seqlen per strategy, with the
+    jitter as error bars (and, over an emulated link, the prediction dashed); with a link,
+    measured against predicted with the +-0.15 band."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     configs = result["configs"]
+    link = result.get("link")
+    panels = 3 if link else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(13, 4 + 3.5 * (panels - 1)),
+                             gridspec_kw={"height_ratios": [3, 2.5, 2.5][:panels]})
+    _plot_timeline(axes[0], result)
+    _plot_efficiency(axes[1], configs, link)
+    if link:
+        _plot_measured_vs_predicted(axes[2], configs, link)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_timeline(ax, result: dict) -> None:
+    configs = result["configs"]
     first = configs[0]["strategy"]
     chosen = max((c for c in configs if c["strategy"] == first), key=lambda c: c["seqlen"])
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]})
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
     for r in chosen["ranks"]:
         for kind, a, b in r["timeline"]:
             y = 2 * r["rank"] + (0 if kind == "compute" else 1)
-            ax0.broken_barh([(a * 1e3, max(b - a, 1e-7) * 1e3)], (y + 0.1, 0.8), color=colors[kind],
-                            edgecolor="black", linewidth=0.3)
+            ax.broken_barh([(a * 1e3, max(b - a, 1e-7) * 1e3)], (y + 0.1, 0.8), color=colors[kind],
+                           edgecolor="black", linewidth=0.3)
     size = len(chosen["ranks"])
-    ax0.set_yticks([2 * r + o + 0.5 for r in range(size) for o in (0, 1)])
-    ax0.set_yticklabels([f"rank {r} {k}" for r in range(size) for k in ("compute", "comm")])
-    ax0.set_xlabel("ms since the forward pass started (forward, then backward)")
-    ax0.set_title(f"{chosen['strategy']} N={chosen['seqlen']}: overlapped run, "
-                  f"{result['environment']['device']} (comm = post to completion)")
+    # forward | backward: the slowest rank's forward end (every rank's backward starts after it)
+    split = max(r["forward_end_s"] for r in chosen["ranks"]) * 1e3
+    end = max(b for r in chosen["ranks"] for _, _, b in r["timeline"]) * 1e3
+    ax.axvspan(split, max(end, split), color="grey", alpha=0.12, lw=0)
+    ax.axvline(split, color="black", lw=1, ls="--")
+    for x, text in ((split / 2, "forward"), ((split + max(end, split)) / 2, "backward")):
+        ax.text(x, 2 * size + 0.1, text, ha="center", va="bottom", fontsize=9, weight="bold")
+    ax.set_ylim(0, 2 * size + 0.8)
+    ax.set_yticks([2 * r + o + 0.5 for r in range(size) for o in (0, 1)])
+    ax.set_yticklabels([f"rank {r} {k}" for r in range(size) for k in ("compute", "comm")])
+    ax.set_xlabel("ms since the forward pass started (dashed: forward ends on the slowest rank)")
+    label = f", {result['link']}" if result.get("link") else ""
+    ax.set_title(f"{chosen['strategy']} N={chosen['seqlen']}: overlapped run, "
+                 f"{result['environment']['device']}{label} (comm = post to completion)")
+
+
+def _plot_efficiency(ax, configs: list, link) -> None:
+    cycle = iter(f"C{i}" for i in range(10))
+    skipped = 0
     for strategy in dict.fromkeys(c["strategy"] for c in configs):
+        color = next(cycle)
         rows = sorted((c for c in configs if c["strategy"] == strategy), key=lambda c: c["seqlen"])
-        for pass_, style in (("forward", "-o"), ("backward", "--s")):
-            xs = [c["seqlen"] for c in rows if c["summary"][pass_]["efficiency"] is not None]
-            ys = [c["summary"][pass_]["efficiency"] for c in rows if c["summary"][pass_]["efficiency"] is not None]
-            if xs:
-                ax1.plot(xs, ys, style, label=f"{strategy} {pass_}")
-    ax1.axhline(1, color="grey", lw=0.5)
-    ax1.axhline(0, color="grey", lw=0.5)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("global seqlen")
-    ax1.set_ylabel("overlap efficiency")
-    ax1.legend(fontsize=8)
-    ax1.set_title("(t_compute + t_comm - t_overlapped) / min(t_compute, t_comm), mean over ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        for pass_, marker, ls in (("forward", "o", "-"), ("backward", "s", ":")):
+            got = [(c["seqlen"], c["summary"][pass_]) for c in rows]
+            shown = [(n, p) for n, p in got if p["efficiency"] is not None]
+            skipped += len(got) - len(shown)
+            if shown:
+                ax.errorbar([n for n, _ in shown], [p["efficiency"] for _, p in shown],
+                            yerr=[p["efficiency_uncertainty"] or 0 for _, p in shown], color=color,
+                            marker=marker, ls=ls, capsize=3, label=f"{strategy} {pass_}")
+            pred = [(n, p["efficiency_predicted"]) for n, p in got if p.get("efficiency_predicted") is not None]
+            if pred:
+                ax.plot([n for n, _ in pred], [e for _, e in pred], color=color, ls="--", marker=marker,
+                        mfc="none", alpha=0.6, label=f"{strategy} {pass_} predicted")
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global seqlen")
+    ax.set_ylabel("overlap efficiency")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    title = "(t_compute + t_comm - t_overlapped) / t_comm, mean over ranks; bars: jitter over repeats"
+    if link:
+        title += f"; {link}"
+    if skipped:
+        title += f"\n{skipped} pass(es) not shown: jitter >= exchange (not measurable) or no exchange"
+    ax.set_title(title, fontsize=9)
+
+
+def _plot_measured_vs_predicted(ax, configs: list, link) -> None:
+    cycle = iter(f"C{i}" for i in range(10))
+    for strategy in dict.fromkeys(c["strategy"] for c in configs):
+        color = next(cycle)
+        for pass_, marker in (("forward", "o"), ("backward", "s")):
+            pts = [(c["summary"][pass_]["efficiency_predicted"], c["summary"][pass_]["efficiency"],
+                    c["summary"][pass_]["efficiency_uncertainty"] or 0) for c in configs
+                   if c["strategy"] == strategy and c["summary"][pass_]["efficiency"] is not None
+                   and c["summary"][pass_].get("efficiency_predicted") is not None]
+            if pts:
+                ax.errorbar([p for p, _, _ in pts], [m for _, m, _ in pts], yerr=[u for _, _, u in pts],
+                            color=color, marker=marker, ls="none", capsize=3, label=f"{strategy} {pass_}")
+    ax.plot([-0.2, 1.2], [-0.2, 1.2], color="black", lw=0.8)
+    ax.fill_between([-0.2, 1.2], [-0.35, 1.05], [-0.05, 1.35], color="grey", alpha=0.15, lw=0,
+                    label="predicted ± 0.15")
+    ax.set_xlim(-0.2, 1.2)
+    ax.set_ylim(-0.2, 1.2)
+    ax.set_xlabel("predicted efficiency (bench/model.py, measured compute, the link's comm)")
+    ax.set_ylabel("measured efficiency")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(f"measured against predicted, every configuration and pass; {link}", fontsize=9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,6 +576,10 @@ def parse(argv=None):
     p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a link of this many Gb/s (burstcu.Link; MPI transport only)")
+    p.add_argument("--link-latency-us", type=float, default=0.0,
+                   help="with --link-gbps: microseconds per message")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -406,10 +590,14 @@ def parse(argv=None):
 
 def main(argv=None) -> dict | None:
     args = parse(argv)
-    group = burstcu.init(backend=args.backend, progress=args.progress)
-    env = C.environment(group)
+    link = None if args.link_gbps is None else Link(gbps=args.link_gbps, latency_us=args.link_latency_us)
+    group = burstcu.init(backend=args.backend, progress=args.progress, link=link)
+    env = C.environment(group, link=None if link is None else {"describe": str(link), **link.as_dict()})
     if group.rank == 0:
         print(C.measured_on(env))
+        if link is not None:
+            print(f"# {link}: every message paced to it (burstcu.Link); t_comm, efficiency and "
+                  f"efficiency_predicted depend on it")
         if env["device"] != "CPU":
             print("# WARNING: step timings are host-side (enqueue) times on a GPU; use nsys for kernels")
         sys.stdout.flush()
@@ -424,16 +612,18 @@ def main(argv=None) -> dict | None:
                 cfg = {"strategy": strategy, "seqlen": seqlen, "seqlen_local": seqlen // group.size,
                        "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
                        "headdim": args.headdim, "causal": args.causal, "layout": args.layout,
-                       "dtype": args.dtype, "repeats": args.repeats, "summary": summarize(ranks),
-                       "ranks": ranks}
+                       "dtype": args.dtype, "repeats": args.repeats,
+                       "link": None if link is None else str(link),
+                       "summary": summarize(ranks, link, strategy in BLOCKING), "ranks": ranks}
                 configs.append(cfg)
                 print(line(cfg))
                 sys.stdout.flush()
     group.close()
     if group.rank != 0:
         return None
+    print(C.table(table_rows(configs), TABLE_COLUMNS))
     result = {"benchmark": "overlap", "environment": env, "definitions": _definitions(),
-              "configs": configs}
+              "link": None if link is None else str(link), "configs": configs}
     if args.json:
         C.write_json(args.json, result)
     if args.plot:
@@ -446,12 +636,19 @@ def _definitions() -> dict:
         "t_compute": "compute_s of the step with a transport that moves nothing",
         "t_comm": "post + compute + wait of the step with ops that compute nothing (0: no exchange)",
         "t_overlapped": "post + compute + wait of the step with both real",
-        "efficiency": "(t_compute + t_comm - t_overlapped) / min(t_compute, t_comm); null if a term is 0",
+        "efficiency": "(t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange hidden; "
+                      "null without an exchange or when jitter_s >= t_comm (not measurable: see note)",
+        "efficiency_raw": "the same formula whatever the jitter",
         "pass": "sums over the pass's steps; summary: mean over ranks, efficiency of the means",
-        "efficiency_uncertainty": "(range over repeats of the pass sums of t_compute, t_comm, t_overlapped) "
-                                  "/ min(t_compute, t_comm); >= 1 means the efficiency is noise",
+        "jitter_s": "sum over t_compute, t_comm, t_overlapped of the range (max - min) over repeats of "
+                    "the pass sums",
+        "efficiency_uncertainty": "jitter_s / t_comm (the ± printed)",
+        "efficiency_predicted": "with a link: bench/model.py overlap_prediction from the measured "
+                                "per-step t_compute and the step's messages and bytes on the link",
+        "link_gbps, link_latency_us": "the emulated link (burstcu.Link), Gb/s and us per message",
         "e2e": "wall seconds of attention() and attention()+attention_backward(); summary: max over ranks",
-        "timeline": "[kind, start_s, end_s] relative to the start of the overlapped forward (last repeat)",
+        "timeline": "[kind, start_s, end_s] relative to the start of the overlapped forward (last repeat); "
+                    "forward_end_s: where its forward ended",
     }
 
 
