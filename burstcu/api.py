@@ -80,6 +80,21 @@ def _group_for(group: Group | None, q) -> Group:
             f"visible, or pass CPU arrays") from exc
 
 
+def external_stream(handle: int):
+    """A CuPy stream object for a CUDA stream another library created (torch's current stream,
+    XLA's compute stream), so CuPy work issued under it (`with ...:`) joins that stream."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:                     # CuPy before the CUDA stream protocol
+        return cupy.cuda.ExternalStream(handle)
+
+    class _Handle:                                # the CUDA stream protocol: (version, handle)
+        def __cuda_stream__(self):
+            return 0, handle
+    return from_external(_Handle())
+
+
 def _device_problem(group: Group, names: tuple, arrays: tuple) -> InputError | None:
     """On the cupy backend, the first input that lives on a GPU other than CuPy's current
     device (the kernels and NCCL run on the current one), as a deferred error; else None."""

@@ -100,7 +100,7 @@ def _device_buffers(fn, group: Group | None, *args, **kwargs):
 
     def run(ctx, outs, *ins):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        with cupy.cuda.ExternalStream(int(ctx.stream)):
+        with api.external_stream(int(ctx.stream)):
             result = fn(*(view(b) for b in ins), group, *args, **kwargs)
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 view(out)[...] = value

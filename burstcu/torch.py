@@ -68,7 +68,8 @@ def _on_torch_stream(tensors):
     stream = torch.cuda.current_stream(cuda.device)
     if stream.cuda_stream == 0:   # torch's default stream is CUDA's legacy stream, CuPy's default too
         return contextlib.nullcontext()
-    return cupy.cuda.ExternalStream(stream.cuda_stream, cuda.device.index)
+    with cupy.cuda.Device(cuda.device.index):
+        return api.external_stream(stream.cuda_stream)
 
 
 def _call(fn, tensors, *args, **kwargs):
