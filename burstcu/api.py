@@ -119,8 +119,16 @@ _FRAMEWORK_OF = {"jaxlib": "jax"}
 
 
 def _exporter(x):
-    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it;
-    None when it cannot be found (the results then stay the backend's own arrays)."""
+    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it:
+    its array-API namespace's where it has one, else its package's; None when it cannot be
+    found (the results then stay the backend's own arrays)."""
+    namespace = getattr(x, "__array_namespace__", None)
+    try:
+        fn = getattr(namespace(), "from_dlpack", None) if callable(namespace) else None
+    except Exception:  # noqa: BLE001 - a namespace that cannot be had: look up the package
+        fn = None
+    if callable(fn):
+        return fn
     package = type(x).__module__.split(".")[0]
     for name in (_FRAMEWORK_OF.get(package), package):
         root = sys.modules.get(name) if name else None
