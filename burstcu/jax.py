@@ -32,7 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.experimental.buffer_callback import buffer_callback
+
+try:  # JAX releases before buffer_callback go through the host under jax.jit on a GPU too
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:
+    buffer_callback = None
 
 from . import api, kvcache
 from .group import Group, local_group
@@ -116,7 +120,8 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     if not _is_traced(arrays):
         return _eager(fn, arrays, group, *args, **kwargs)
     group = _callback_group(group)
-    if group is not None and group.backend == "cupy" and jax.default_backend() == "gpu":
+    if (buffer_callback is not None and group is not None and group.backend == "cupy"
+            and jax.default_backend() == "gpu"):
         body = _device_buffers(fn, group, *args, **kwargs)
         return buffer_callback(body, results, has_side_effect=True)(*arrays)
     return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
