@@ -1,8 +1,12 @@
 """Overlap efficiency of the ring schedules, with the baselines measured in the same run.
 
-    mpiexec -n G python bench/overlap.py [--seqlen N ...] [--heads H] [--headdim D] [--causal]
-        [--strategies burst ring allgather ulysses usp] [--repeats R] [--json FILE] [--plot FILE]
-        [--link-gbps X [--link-latency-us Y]]
+    mpiexec -bind-to core -n G python bench/overlap.py [--seqlen N ...] [--heads H] [--headdim D]
+        [--causal] [--strategies burst ring allgather ulysses usp] [--repeats R] [--json FILE]
+        [--plot FILE] [--link-gbps X [--link-latency-us Y]]
+
+Bind each rank to a core (MPICH: -bind-to core; Open MPI: --bind-to core): unbound, the
+scheduler moves the ranks about and a step's compute varied by up to 40% between repeats here
+(2 ranks on 2 cores, N = 2048: 106-167 ms unbound, 102-109 ms bound).
 
 For every configuration (global seqlen x strategy) the real engine runs three times per repeat:
 
@@ -27,7 +31,7 @@ the step's exchange, measured by a pass-through transport wrapper):
 
 Per pass (forward, backward), the same formula over the sums of the steps. Per-step figures are
 medians over repeats. A pass efficiency is reported only when it is a measurement: its jitter
-(the run-to-run ranges over repeats of the pass sums of t_compute, t_comm and t_overlapped,
+(the interquartile ranges over repeats of the pass sums of t_compute, t_comm and t_overlapped,
 added; compute dominates it) must be smaller than t_comm, else the line says "not measurable
 here (compute jitter ±X ms > exchange Y ms)" and the JSON holds efficiency null (the raw figure
 as efficiency_raw); a negative one is printed with what it means. On a CPU the exchange through
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -285,9 +290,9 @@ def _step_metrics(runs: dict, link: Link | None, blocking: bool) -> dict:
                           "efficiency": model.efficiency(tc, tm, to),
                           **{k: ovl[k] for k in TRAFFIC}})
         tc, tm, to = (sum(s[k] for s in steps) for k in ("t_compute", "t_comm", "t_overlapped"))
-        jitter = _jitter(runs, pass_)
-        out[pass_] = {"steps": steps, **pass_figures(tc, tm, to, jitter, len(runs["overlapped"])),
-                      **_predicted(steps, link, blocking)}
+        sums = _pass_sums(runs, pass_)
+        out[pass_] = {"steps": steps, **pass_figures(tc, tm, to, _jitter(sums), len(runs["overlapped"])),
+                      "repeats_s": sums, **_predicted(steps, link, blocking)}
     return out
 
 
@@ -301,16 +306,24 @@ def _predicted(steps: list, link: Link | None, blocking: bool) -> dict:
             "comm_hidden_predicted": pred["hidden"], **link.as_dict()}
 
 
-def _jitter(runs: dict, pass_: str) -> float | None:
-    """Seconds the pass's three times spread over repeats: the sum of the ranges (max - min) of
-    the pass sums of t_compute, t_comm and t_overlapped; None with one repeat."""
-    if len(runs["overlapped"]) < 2:
+def _pass_sums(runs: dict, pass_: str) -> dict:
+    """Per repeat, the pass sums of t_compute, t_comm and t_overlapped (seconds)."""
+    names = dict(zip(MODES, ("t_compute", "t_comm", "t_overlapped")))
+    return {names[mode]: [sum(_step_time(mode)(s) for s in run["steps"] if s["pass"] == pass_)
+                          for run in runs[mode]] for mode in MODES}
+
+
+def _jitter(sums: dict) -> float | None:
+    """Seconds the pass's three times spread over repeats: the interquartile ranges of the pass
+    sums of t_compute, t_comm and t_overlapped, added (half the range with 2 or 3 repeats).
+    Like the medians it qualifies, it ignores one repeat slowed by another process; None with
+    one repeat."""
+    if len(sums["t_overlapped"]) < 2:
         return None
     spread = 0.0
-    for mode in MODES:
-        f = _step_time(mode)
-        sums = [sum(f(s) for s in run["steps"] if s["pass"] == pass_) for run in runs[mode]]
-        spread += max(sums) - min(sums)
+    for xs in sums.values():
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        spread += q3 - q1
     return spread
 
 
@@ -640,8 +653,9 @@ def _definitions() -> dict:
                       "null without an exchange or when jitter_s >= t_comm (not measurable: see note)",
         "efficiency_raw": "the same formula whatever the jitter",
         "pass": "sums over the pass's steps; summary: mean over ranks, efficiency of the means",
-        "jitter_s": "sum over t_compute, t_comm, t_overlapped of the range (max - min) over repeats of "
-                    "the pass sums",
+        "jitter_s": "sum over t_compute, t_comm, t_overlapped of the interquartile range over repeats "
+                    "of the pass sums (repeats_s)",
+        "repeats_s": "per rank and pass: the pass sums of t_compute, t_comm, t_overlapped of every repeat",
         "efficiency_uncertainty": "jitter_s / t_comm (the ± printed)",
         "efficiency_predicted": "with a link: bench/model.py overlap_prediction from the measured "
                                 "per-step t_compute and the step's messages and bytes on the link",
