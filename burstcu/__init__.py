@@ -3,6 +3,7 @@
 Public API (see `burstcu.api` for shapes and semantics)::
 
     group = burstcu.init()                        # MPI.COMM_WORLD, backend "auto"
+    group = burstcu.init(link=burstcu.Link(gbps=10, latency_us=5))   # MPI paced as that network
     q, k, v = (burstcu.shard(x, group) for x in (Q, K, V))
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
@@ -19,10 +20,11 @@ from .kvcache import KVCache, decode
 from .group import Group, init
 from .plan import plan
 from .transport.base import CommTimeoutError
+from .transport.link import Link
 
 __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
-           "CommTimeoutError"]
+           "CommTimeoutError", "Link"]
 __version__ = "0.1.0"
 
 # the autodiff adapters import their framework: loaded on first use (`burstcu.jax.attention`)
