@@ -603,9 +603,9 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
                 shape = tuple(int(n) for n in x_local.shape)
                 free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
                 dtype = str(x_local.dtype)
-            except Exception as exc:
-                err, docs, dtype = InputError(ValueError, f"unshard cannot take this input: "
-                                                          f"{exc.__class__.__name__}: {exc}"), None, None
+            except Exception as exc:  # what _untakeable names (bfloat16 over DLPack, ...) or a bad axis
+                taken = _untakeable(exc, (x_local,))
+                err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
             reports = group.transport.allgather_object(
                 (free, dtype, axis, layout, docs_digest(docs), bool(uneven), length, err),
                 "unshard")

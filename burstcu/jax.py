@@ -90,8 +90,8 @@ def _callback_group(group: Group | None) -> Group | None:
 def _device_buffers(fn, group: Group | None, *args, **kwargs):
     """The body of a `buffer_callback` on a GPU: XLA's input buffers viewed zero-copy as CuPy
     arrays and the work run on XLA's own stream (`ctx.stream`), the results copied into XLA's
-    output buffers on that stream. A CPU buffer (an array placed on the CPU while a GPU is the
-    default) is read through NumPy instead."""
+    output buffers on that stream (the "cupy" group then takes CuPy arrays only: a computation
+    placed on the CPU while a GPU is JAX's default is refused by it, on every rank)."""
     import cupy
 
     def view(buffer):

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 
+import ml_dtypes
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import api, kvcache
 from .group import Group
@@ -41,7 +43,6 @@ def _to_burstcu(t: torch.Tensor):
     if t.is_cuda:
         return t
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
@@ -64,12 +65,10 @@ def _on_torch_stream(tensors):
     cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
     if cuda is None:
         return contextlib.nullcontext()
-    import cupy
     stream = torch.cuda.current_stream(cuda.device)
     if stream.cuda_stream == 0:   # torch's default stream is CUDA's legacy stream, CuPy's default too
         return contextlib.nullcontext()
-    with cupy.cuda.Device(cuda.device.index):
-        return api.external_stream(stream.cuda_stream)
+    return api.external_stream(stream.cuda_stream)   # the inputs' device: _device_problem checks it
 
 
 def _call(fn, tensors, *args, **kwargs):
@@ -91,6 +90,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable   # the backward is not itself differentiable: no double backward
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _call(api.attention_backward, (dout, q, k, v, out, lse), ctx.group,
@@ -122,6 +122,7 @@ class _LinearAttention(torch.autograd.Function):
         return _call(api.linear_attention, (q, k, v), group, **kwargs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = _call(api.linear_attention_backward, (dout, q, k, v), ctx.group, **ctx.kwargs)

@@ -11,7 +11,7 @@ rows of the sequence axis (layout="zigzag", which balances causal work): `burstc
 tokens, targets and the position table. A training step on rank r:
 
     loss_r, grads_r = jit(value_and_grad(local_loss))(params, rank r's rows)
-    loss = allreduce(loss_r), grads = allreduce(grads_r)        (mpi4py, sum over ranks)
+    loss = sum(loss_r), grads = sum(grads_r)   (mpi4py: reduce to rank 0, broadcast)
     params -= lr * grads                                        (the same on every rank)
 
 local_loss sums the cross-entropy of the rank's rows divided by the global token count, so the
@@ -99,8 +99,10 @@ def local_loss(params: dict, tokens, targets, positions, attend, total_tokens: i
     return -picked.sum() / total_tokens
 
 
-def _allreduce(comm, tree):
-    """The sum over ranks of every leaf (float32 NumPy through mpi4py), as jax arrays."""
+def _sum_over_ranks(comm, tree):
+    """The sum over ranks of every leaf (float32 NumPy through mpi4py), as jax arrays: reduced
+    on rank 0 and broadcast, so every rank holds the same bits (an all-reduce may round
+    differently on different ranks, and the parameters would drift apart)."""
     if comm is None or comm.Get_size() == 1:
         return tree
     from mpi4py import MPI
@@ -108,7 +110,8 @@ def _allreduce(comm, tree):
     def total(leaf):
         mine = np.array(leaf)            # a contiguous copy (0-d stays 0-d)
         out = np.empty_like(mine)
-        comm.Allreduce(mine, out, op=MPI.SUM)
+        comm.Reduce(mine, out, op=MPI.SUM, root=0)
+        comm.Bcast(out, root=0)
         return jnp.asarray(out)
     return jax.tree_util.tree_map(total, tree)
 
@@ -127,7 +130,7 @@ def train(group, steps: int, lr: float, layout: str = "zigzag") -> list[dict]:
     comm = getattr(group, "comm", None)
     params, history = init_params(), []
     for _ in range(steps):
-        loss, grads = _allreduce(comm, step(params, *mine))
+        loss, grads = _sum_over_ranks(comm, step(params, *mine))
         history.append({"loss": float(loss), "grads": grads})
         params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
     return history

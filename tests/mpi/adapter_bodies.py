@@ -124,5 +124,12 @@ def torch_attention_grads():
     half = [x.requires_grad_() for x in half]
     burstcu.torch.attention(*half, group, causal=True).float().sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 for t in half)
+    if group.size > 1:   # bfloat16 cannot cross DLPack into NumPy: unshard says what to do
+        try:
+            burstcu.unshard(half[0].detach(), group)
+        except TypeError as exc:
+            assert "bfloat16" in str(exc) and "burstcu.torch" in str(exc), exc
+        else:
+            raise AssertionError("unshard took a bfloat16 tensor over DLPack")
     group.close()
     return errors
