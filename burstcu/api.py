@@ -19,7 +19,9 @@ whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -
 
 from __future__ import annotations
 
+import hashlib
 import sys
+import warnings
 
 import numpy as np
 
@@ -249,19 +251,41 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             group.ops, native, group.size, backward=backward, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags=flags, window=window, cu_seqlens=cu_seqlens)
-        return err, meta, (scale, docs), None if err else int(native[2 if backward else 0].shape[1])
+        q = native[2 if backward else 0]
+        return err, meta, (scale, docs), None if err else (int(q.shape[1]), _first_rows(q))
 
-    def finish(lengths, extra):
+    def finish(reports, extra):
         scale, docs = extra
+        lengths = [length for length, _ in reports]
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
                                  _max_positions(group))
         if err is not None:
             raise err.kind(err.message)
+        _warn_if_all_the_same([rows for _, rows in reports], "q")
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
     arrays, export, (scale, docs, part) = _agreed(call, group, arrays, what, local, finish)
     return arrays, export, scale, docs, part
+
+
+def _first_rows(x) -> bytes | None:
+    """A digest of x's first two rows along the sequence axis (axis 1) when x is in host memory
+    (NumPy), else None (reading device memory would synchronise the host)."""
+    if not isinstance(x, np.ndarray) or x.ndim < 2:
+        return None
+    return hashlib.blake2b(np.ascontiguousarray(x[:, :2]).tobytes(), digest_size=16).digest()
+
+
+def _warn_if_all_the_same(digests: list, name: str) -> None:
+    """A warning on every rank (each sees every digest) when G > 1 ranks hold the same first
+    rows: most likely each passed the global array instead of its shard, which attends over G
+    copies of the sequence. A warning, not an error: identical shards can be meant."""
+    if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
+        warnings.warn(f"every rank's {name} starts with the same rows: if each rank passed the "
+                      f"global array instead of its shard, this attends over {len(digests)} "
+                      f"copies of the sequence; cut shards with burstcu.shard(x, group, layout)",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _max_positions(group: Group) -> int | None:

@@ -242,3 +242,14 @@ def test_train_jax_check_sees_a_wrong_attention(jax, monkeypatch):
     wrong = ex.train_reference(2, 0.5)
     assert max(r["grad_rel_err"] for r in ex.compare(wrong, right)) > 1e-2
     sys.modules.pop("train_jax", None)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_passing_the_global_array_is_warned_about(world):
+    for rank_result in run_mpi(world, "adapter_bodies:every_rank_passes_the_global_array"):
+        assert rank_result["sharded"] == []
+        if world == 1:
+            assert rank_result["whole"] == []
+        else:
+            assert len(rank_result["whole"]) == 1 and "burstcu.shard" in rank_result["whole"][0]

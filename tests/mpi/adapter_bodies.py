@@ -133,3 +133,21 @@ def torch_attention_grads():
             raise AssertionError("unshard took a bfloat16 tensor over DLPack")
     group.close()
     return errors
+
+
+def every_rank_passes_the_global_array():
+    """Every rank gives attention the whole sequence (equal lengths, nothing to refuse): a
+    RuntimeWarning with the shard hint on every rank; its own shard: no warning."""
+    import warnings
+
+    group = burstcu.init(backend="numpy")
+    q, k, v, _ = _inputs(6)
+    with warnings.catch_warnings(record=True) as whole:
+        warnings.simplefilter("always")
+        burstcu.attention(q, k, v, group)
+    with warnings.catch_warnings(record=True) as sharded:
+        warnings.simplefilter("always")
+        burstcu.attention(*(burstcu.shard(x, group) for x in (q, k, v)), group)
+    group.close()
+    return {"whole": [str(w.message) for w in whole if w.category is RuntimeWarning],
+            "sharded": [str(w.message) for w in sharded if w.category is RuntimeWarning]}
