@@ -16,8 +16,8 @@ How the arithmetic is reached:
 * inside `jax.jit` on a GPU (JAX's default backend, with a "cupy" group or group=None): a
   `jax.experimental.buffer_callback` marked as having side effects (XLA never drops one): XLA's
   device buffers are viewed zero-copy as CuPy arrays and the kernels and the exchange run on
-  XLA's own stream. XLA's GPU runtime issues its work in program order from one thread, so
-  every rank runs its calls in the same order.
+  XLA's own stream. It is held in program order between two tiny ordered host callbacks
+  (`_in_program_order`), so every rank runs its calls in the same order.
 * inside `jax.jit` elsewhere: an ordered host callback (`jax.experimental.io_callback(ordered=
   True)`), so calls run in program order on every rank and XLA never drops or reorders one
   (each is a collective); on a CPU the arrays are host memory already.
@@ -102,10 +102,10 @@ def _device_buffers(fn, group: Group | None, *args, **kwargs):
                 return cupy.asarray(buffer)
         return np.asarray(buffer)
 
-    def run(ctx, outs, *ins):
+    def run(ctx, outs, *ins_and_ticket):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         with api.external_stream(int(ctx.stream)):
-            result = fn(*(view(b) for b in ins), group, *args, **kwargs)
+            result = fn(*(view(b) for b in ins_and_ticket[:-1]), group, *args, **kwargs)
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 view(out)[...] = value
     return run
@@ -122,9 +122,30 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     group = _callback_group(group)
     if (buffer_callback is not None and group is not None and group.backend == "cupy"
             and jax.default_backend() == "gpu"):
-        body = _device_buffers(fn, group, *args, **kwargs)
-        return buffer_callback(body, results, has_side_effect=True)(*arrays)
+        return _in_program_order(_device_buffers(fn, group, *args, **kwargs), arrays, results)
     return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
+
+
+def _ticket():
+    return np.int32(0)
+
+
+def _receipt(_first_value) -> None:
+    return None
+
+
+def _in_program_order(body, arrays, results):
+    """buffer_callback(body) held in program order among every ordered callback: an ordered
+    host callback issues a ticket the call takes as an input, and another takes one element of
+    its first result as a receipt. Ordered callbacks run in program order, so call n+1 (after
+    its ticket) starts after call n's receipt, hence after call n — on every rank, whatever
+    XLA's schedule (buffer_callback alone carries no ordering token). Costs two tiny host
+    round trips a call."""
+    ticket = io_callback(_ticket, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+    outs = buffer_callback(body, results, has_side_effect=True)(*arrays, ticket)
+    first = outs[0] if isinstance(outs, (tuple, list)) else outs
+    io_callback(_receipt, None, first.reshape(-1)[:1], ordered=True)
+    return outs
 
 
 def _like(x):

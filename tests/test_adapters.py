@@ -253,3 +253,28 @@ def test_every_rank_passing_the_global_array_is_warned_about(world):
             assert rank_result["whole"] == []
         else:
             assert len(rank_result["whole"]) == 1 and "burstcu.shard" in rank_result["whole"][0]
+
+
+def test_buffer_callbacks_are_held_in_program_order(jax):
+    """burstcu.jax's GPU path (`_in_program_order`): each buffer_callback sits between an ordered
+    ticket and an ordered receipt, so two calls with no data dependence still run in program
+    order (run here on the CPU, where buffer_callback works too)."""
+    from burstcu.jax import _in_program_order
+    jnp = jax.numpy
+    log = []
+
+    def make(tag):
+        def body(ctx, out, x, ticket):
+            log.append(tag)
+            np.asarray(out)[...] = np.asarray(x) + 1
+        return body
+
+    def both(a, b):
+        first = _in_program_order(make("first"), (a,), jax.ShapeDtypeStruct(a.shape, a.dtype))
+        second = _in_program_order(make("second"), (b,), jax.ShapeDtypeStruct(b.shape, b.dtype))
+        return first, second
+
+    assert str(jax.make_jaxpr(both)(jnp.ones(3), jnp.ones(3))).count("ordered=True") == 4
+    first, second = jax.jit(both)(jnp.ones(3), jnp.zeros(3))
+    assert log == ["first", "second"]
+    assert np.asarray(first).tolist() == [2.0] * 3 and np.asarray(second).tolist() == [1.0] * 3
