@@ -7,39 +7,61 @@ Layout, chosen so GQA costs no copy of K/V: queries are grouped under their KV h
 `(B, Hkv, S*g, D)` with g = H // Hkv (row i*g + j is position i, query head j of the group).
 One matmul against a KV head's keys then scores every query head of its group.
 
-Speed on a CPU, where NumPy's elementwise passes run on one core and BLAS on all of them:
-* work is split into independent items — (batch, kv head, one tile of query rows) in the
-  forward, (batch, kv head, a range of key tiles) in the backward — run by a thread pool (NumPy
-  and BLAS release the GIL) with BLAS held to one thread meanwhile, so exp/max passes use every
-  core;
-* tiles of 512 score rows x 512 keys (1 MiB of float32 scores): the best of a sweep at seqlen
-  4096, 8 heads, headdim 64 (256x512: 0.34 s, 512x512: 0.30 s, 1024x1024: 0.32 s, 2 cores);
-* V carries an extra column of ones, so one matmul P @ [V | 1] updates both the output
-  accumulator and the row sum l (its last column) — one fewer pass over P.
-The thread count defaults to the BLAS library's (1 under OMP_NUM_THREADS=1, as with MPI ranks).
+What a tile costs (float32, one core of the Zen 5 machine measured): each of its two matmuls
+~1.2 ns per score (~105 GFLOP/s, OpenBLAS); each other pass over the tile 0.1-0.4 ns. So the
+forward makes one other pass, exp2, and folds the rest into the matmuls:
+* base 2: q carries softmax_scale * log2(e) and P = exp2(score - m) (NumPy's exp2 takes 0.23 ns
+  a value, exp 0.37);
+* extra columns: q ends in -m and K in ones, so Q K^T yields score - m; V ends in ones, so
+  P @ [V | 1] yields the row sums l beside the output;
+* lazy rescaling: a row keeps its shift m (a score it has seen) until a tile's P would sum past
+  LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per tile;
+  those rows, and anything non-finite, are folded again exactly (`_fold_tile`).
+A tile is then two matmuls, exp2, a max over its row sums and one accumulate: ~2.9 ns per
+score, against 3.5 ns for the max / subtract / exp / rescale sequence (seqlen 4096, 8 heads,
+d 64: 0.40 s against 0.46 s). The backward folds -lse and -delta into its matmuls the same way.
+
+Tiles: 512 score rows x 512 keys in the forward, a 1 MiB float32 score tile — the L2 of one
+core — beside 130 KiB rows of Q, K, V; the ~10 ufunc calls of Python per tile (~20 us) then
+weigh ~3% of its ~0.75 ms. Measured at seqlen 4096, 8 heads, d 64, forward, one thread:
+512x512 0.401 s, 384x512 0.402, 256x512 0.405, 512x256 0.414, 256x256 0.425 (two threads:
+0.211, -, 0.216, -, 0.233). The backward holds two tiles (P and dS), so its tiles have at most
+BACKWARD_TILE_Q rows: together the bytes of one forward tile, and as fast as 512 x 512 (0.928 s
+against 0.927). Tiles that a causal diagonal or a window bound cuts through come in strips of
+MASK_STRIP query positions narrowed to the keys they see (`_mask_split`).
+
+Threads: work items — (batch, kv head, one tile of query rows) in the forward, (batch, kv head,
+a range of key tiles) in the backward — run on the calling thread and a pool (NumPy and BLAS
+release the GIL) with BLAS held to one thread meanwhile. The thread count defaults to the BLAS
+library's (1 under OMP_NUM_THREADS=1, as with MPI ranks). Between calls the op keeps its
+per-thread scratch and a few (B, Hkv, S, D)-sized work arrays (`_Kept`) rather than have them
+page-faulted in anew; `release_buffers()` frees them.
 
 Deterministic: the items are cut from the blocks, the shapes and the tile sizes alone, never
 from the thread count, and the backward's per-key-range dQ partials are added in key order
 whichever thread finishes first — so out, lse, dq, dk and dv are bitwise the same for any
-`threads`.
+`threads`. Each row's bits depend on that row's inputs alone: which path folds a tile is
+decided row by row.
 
 Masked positions are inert: a NaN or Inf in K or V (or Q, dO) at a position a row cannot see
 never reaches that row's out, lse or dq, nor the dk/dv of that key through that row. Only tiles
-straddling the causal diagonal hold masked pairs; there P and dS are kept exactly 0 at masked
-pairs, and a matmul with a non-finite operand row takes a careful path (`_matmul_masked`). Whether
-a head needs any of that is read once per step from per-head max |x| (`_Clean`), so finite
-inputs pay one reduction over Q, dO, delta (and K, V once) per causal step, nothing per tile.
+cut by a mask bound hold masked pairs; there P and dS are kept exactly 0 at masked pairs, and a
+matmul with a non-finite operand row takes a careful path (`_matmul_masked`). Whether a head
+needs any of that is read once per step from per-head max |x| (`_Clean`), so finite inputs pay
+one reduction over Q, dO, delta (and K, V once) per masked step, nothing per tile.
 
 float16/bfloat16 inputs are computed in float32 (their accumulation dtype); float64 in float64.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from itertools import product
 from typing import NamedTuple
 
@@ -50,25 +72,33 @@ from .base import LocalOps, accum_dtype
 
 TILE_Q = 512   # score rows per tile (query positions x the g query heads of a kv head)
 TILE_K = 512   # keys per tile
+BACKWARD_TILE_Q = 256   # at most: the backward holds two tiles (P, dS), together one forward tile
+# the scores are in base 2 (exp2 is the faster ufunc): ln 2 and log2(e) in extended precision,
+# so that float64's conversions of lse and of softmax_scale round once, and invert each other
+LN2 = np.log(np.longdouble(2))
+LOG2E = 1 / LN2
+LAZY_LIMIT = 2.0 ** 16       # a lazily folded tile whose row sum of P exceeds this is redone exactly
+TAME_V = 2.0 ** 100          # max |V| below which P @ V cannot overflow float32 when P sums to LAZY_LIMIT
+SEED_KEYS = 8                # a row's first shift: its max over 2 x this many keys of the tile (`_seed`)
 
 
 # -- layouts -----------------------------------------------------------------------------------------
 
-def _grouped(x, hkv: int, dtype, scale=None) -> np.ndarray:
-    """(B, S, H, D) -> new contiguous (B, Hkv, S*g, D) in `dtype`, times `scale` if given."""
-    b, s, h, d = x.shape
-    out = np.empty((b, hkv, s, h // hkv, d), dtype=dtype)
-    out[...] = x.reshape(b, s, hkv, h // hkv, d).transpose(0, 2, 1, 3, 4)
-    if scale is not None:
-        out *= dtype.type(scale)
-    return out.reshape(b, hkv, s * (h // hkv), d)
-
-
-def _ungrouped(x, s: int) -> np.ndarray:
-    """(B, Hkv, S*g, D) -> (B, S, H, D) (a view when possible)."""
-    b, hkv, sg, d = x.shape
-    g = sg // s
-    return x.reshape(b, hkv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, hkv * g, d)
+def _put(dst, x, scale=None, *last) -> None:
+    """One head into the op's layout: dst (S*g, D + len(last)) <- x (S, g, D) — the g query
+    heads of a kv head (row i*g + j is position i, head j), or one kv head (g = 1) — in dst's
+    dtype, times `scale` if given, then the extra columns `last` (each a scalar or (S*g,)).
+    One pass when x already has dst's dtype."""
+    s, g, d = x.shape
+    out = dst.reshape(s, g, dst.shape[-1])[..., :d]
+    if scale is not None and x.dtype == dst.dtype:
+        np.multiply(x, dst.dtype.type(scale), out=out)
+    else:
+        out[...] = x
+        if scale is not None:
+            out *= dst.dtype.type(scale)
+    for i, column in enumerate(last):
+        dst[:, d + i] = column
 
 
 def _rows_grouped(x, hkv: int, dtype) -> np.ndarray:
@@ -82,16 +112,6 @@ def _rows_ungrouped(x, g: int) -> np.ndarray:
     """(B, Hkv, S*g) -> (B, H, S)."""
     b, hkv, sg = x.shape
     return x.reshape(b, hkv, sg // g, g).transpose(0, 1, 3, 2).reshape(b, hkv * g, sg // g)
-
-
-def _heads_major(x, dtype, extra_ones: bool = False) -> np.ndarray:
-    """(B, S, Hkv, D) -> contiguous (B, Hkv, S, D), or (B, Hkv, S, D+1) ending in a ones column."""
-    b, s, hkv, d = x.shape
-    out = np.empty((b, hkv, s, d + extra_ones), dtype=dtype)
-    out[..., :d] = x.transpose(0, 2, 1, 3)
-    if extra_ones:
-        out[..., d] = 1
-    return out
 
 
 # -- tiles ---------------------------------------------------------------------------------------------
@@ -144,15 +164,13 @@ def _parts_by_span(blocks, spans, clip, first) -> list[list[Block]]:
 
 
 BACKWARD_ITEMS = 16     # work items a backward step aims at, at least (see _key_tiles_per_item)
-MIN_DIAGONAL_TILE = 128  # keys: tiles straddling the causal diagonal are halved down to this
+MASK_STRIP = 128  # query positions: tiles a mask bound cuts through are cut into strips this high
 
 
 def _tiles(block: Block, tile_q: int, tile_k: int, keys_outer: bool = False):
-    """(q0, q1, k0, k1, masked) for the tiles of `block` that are not wholly in the future.
-
-    Under a causal block, a tile straddling the diagonal is split into quadrants (down to
-    MIN_DIAGONAL_TILE keys) so that its future half is skipped rather than computed and masked.
-    """
+    """(q0, q1, k0, k1, masked) for the tiles of `block` that are not wholly masked (causal:
+    wholly in the future); a tile that a mask bound cuts through comes in strips
+    (`_mask_split`), so that its masked half is skipped rather than computed and masked."""
     qs = range(block.q_start, block.q_start + block.q_len, tile_q)
     ks = range(block.k_start, block.k_start + block.k_len, tile_k)
     pairs = ((q0, k0) for k0, q0 in product(ks, qs)) if keys_outer else product(qs, ks)
@@ -174,62 +192,116 @@ def _key_bounds(block: Block) -> tuple[float, float]:
 
 def _mask_split(block: Block, q0: int, q1: int, k0: int, k1: int):
     """The tile's pieces that are not wholly masked, each with whether it needs the element
-    mask: tiles a mask bound cuts through are split into quadrants (down to MIN_DIAGONAL_TILE
-    keys), so that their wholly masked parts are skipped rather than computed and masked."""
+    mask: a tile that a mask bound cuts through is cut into strips of MASK_STRIP query
+    positions, each narrowed to the keys that some of its queries see, so that wholly masked
+    parts are skipped rather than computed and masked. One strip per MASK_STRIP rows keeps
+    the matmuls wide (a 512-key tile on the causal diagonal: 4 strips of 128 x 128..512, where
+    quadrants down to 128 keys give 7 pieces of 128 x 128 and 256 x 256)."""
     if not block.masked:
         yield q0, q1, k0, k1, False
         return
     lo, hi = _key_bounds(block)
-    first_q = block.q_pos + q0 - block.q_start
-    last_q = block.q_pos + q1 - 1 - block.q_start
-    first_k = block.k_pos + k0 - block.k_start
-    last_k = block.k_pos + k1 - 1 - block.k_start
-    if first_k > last_q + hi or last_k < first_q - lo:
+    dq, dk = block.q_pos - block.q_start, block.k_pos - block.k_start   # local row -> position
+    if dk + k0 > dq + q1 - 1 + hi or dk + k1 - 1 < dq + q0 - lo:
         return  # wholly masked (causal: wholly in the future)
-    if last_k <= first_q + hi and first_k >= last_q - lo:
+    if dk + k1 - 1 <= dq + q0 + hi and dk + k0 >= dq + q1 - 1 - lo:
         yield q0, q1, k0, k1, False
         return
-    if k1 - k0 <= MIN_DIAGONAL_TILE or q1 - q0 < 2:
-        yield q0, q1, k0, k1, True
-        return
-    qm, km = (q0 + q1) // 2, (k0 + k1) // 2
-    for a, b in ((q0, qm), (qm, q1)):
-        for c, d in ((k0, km), (km, k1)):
-            yield from _mask_split(block, a, b, c, d)
+    for a in range(q0, q1, MASK_STRIP):
+        b = min(a + MASK_STRIP, q1)
+        # the keys some query of [a, b) sees: positions [a - lo, b - 1 + hi]
+        c = k0 if lo == float("inf") else max(k0, int(dq + a - lo - dk))
+        d = k1 if hi == float("inf") else min(k1, int(dq + b - 1 + hi - dk) + 1)
+        if c < d:
+            yield a, b, c, d, not (dk + d - 1 <= dq + a + hi and dk + c >= dq + b - 1 - lo)
 
 
 class _Scratch:
-    """Reusable buffers, one set per thread, kept for one step. A fresh tile-sized array per
-    tile costs more than the arithmetic on it: above malloc's mmap threshold every allocation
-    page-faults anew."""
+    """Reusable tile buffers, one set per thread, kept by the op between steps and calls. A
+    fresh tile-sized array per tile costs more than the arithmetic on it: above malloc's mmap
+    threshold every allocation page-faults anew. nbytes: what all threads' buffers hold."""
 
     def __init__(self, dtype):
         self.dtype = dtype
         self.local = threading.local()   # its __dict__ is the calling thread's own
+        self.nbytes = 0
+        self.lock = threading.Lock()
 
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
         flat = self.local.__dict__
         buf = flat.get(name)
         if buf is None or buf.size < rows * cols:
-            buf = flat[name] = np.empty(rows * cols, self.dtype)
+            new = np.empty(rows * cols, self.dtype)
+            with self.lock:
+                self.nbytes += new.nbytes - (0 if buf is None else buf.nbytes)
+            buf = flat[name] = new
         return buf[:rows * cols].reshape(rows, cols)
 
 
+class _Kept:
+    """(B, Hkv, S, D)-sized work arrays kept between calls. malloc hands arrays this large back
+    to the system when they are freed, and a fresh one is page-faulted in again on first touch:
+    ~0.5 ms per MiB here, a fifth of a seqlen-1024 forward on two threads (measured), while at
+    long sequences the arithmetic (~S^2) dwarfs it. take() returns a kept array of that size
+    and dtype, reshaped (contents undefined), or a new one — outputs too: a returned array is
+    simply no longer kept; give() keeps contiguous arrays whose call is done, the most recently
+    given first, up to KEPT_BYTES in all; clear() drops them."""
+
+    KEPT_BYTES = 64 << 20
+
+    def __init__(self):
+        self.free: dict[tuple, list[np.ndarray]] = {}    # (size, dtype): oldest given first
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype) -> np.ndarray:
+        with self.lock:
+            arrays = self.free.get((int(np.prod(shape)), np.dtype(dtype).str))
+            if arrays:
+                self.nbytes -= arrays[-1].nbytes
+                return arrays.pop().reshape(shape)
+        return np.empty(shape, dtype)
+
+    def give(self, *arrays) -> None:
+        with self.lock:
+            for x in arrays:
+                key = (x.size, x.dtype.str)
+                self.free[key] = self.free.pop(key, []) + [x]   # re-inserted: the newest
+                self.nbytes += x.nbytes
+            while self.nbytes > self.KEPT_BYTES:
+                oldest = self.free[next(iter(self.free))]
+                self.nbytes -= oldest.pop(0).nbytes
+                if not oldest:
+                    del self.free[next(iter(self.free))]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.nbytes = 0
+
+
 def _future(block: Block, q0: int, q1: int, k0: int, k1: int, g: int) -> np.ndarray:
-    """Boolean (rows*g, keys): True where the pair is masked (the key in the query's future,
-    or outside its window)."""
-    lo, hi = _key_bounds(block)
-    qp = block.q_pos - block.q_start + np.arange(q0, q1)
-    kp = block.k_pos - block.k_start + np.arange(k0, k1)
-    offset = kp[None, :] - qp[:, None]
-    return np.repeat((offset > hi) | (offset < -lo), g, axis=0)
+    """Boolean (rows*g, keys), read-only: True where the pair is masked (the key in the query's
+    future, or outside its window)."""
+    offset = (block.k_pos - block.k_start + k0) - (block.q_pos - block.q_start + q0)
+    return _mask(offset, q1 - q0, k1 - k0, g, *_key_bounds(block))
 
 
-def _max_abs(x) -> np.ndarray:
-    """(B, Hkv) largest |x| in each head of x (B, Hkv, ...): NaN if the head holds a NaN, inf if
-    an Inf. Two reductions, no temporary array."""
-    axes = tuple(range(2, x.ndim))
-    return np.maximum(x.max(axis=axes), -x.min(axis=axes))
+@lru_cache(maxsize=64)
+def _mask(offset: int, rows: int, keys: int, g: int, lo: float, hi: float) -> np.ndarray:
+    """`_future`'s mask for a tile whose first key is `offset` positions after its first query:
+    the same for every head and every tile of that geometry (the causal diagonal's repeat down
+    the sequence), so it is built once. At most 64 kept, each at most MASK_STRIP * g x tile_k
+    booleans."""
+    delta = offset + np.arange(keys)[None, :] - np.arange(rows)[:, None]
+    mask = np.repeat((delta > hi) | (delta < -lo), g, axis=0)
+    mask.flags.writeable = False
+    return mask
+
+
+def _max_abs(x) -> float:
+    """Largest |x| (NaN if x holds a NaN, inf if an Inf): two reductions, no temporary array."""
+    return float(np.maximum(x.max(), -x.min())) if x.size else 0.0
 
 
 class _Clean(NamedTuple):
@@ -241,6 +313,18 @@ class _Clean(NamedTuple):
     do: bool = True
     k: bool = True
     ds: bool = True
+
+    @classmethod
+    def of(cls, q, do, delta, k_max: float, v_max: float) -> "_Clean":
+        """One head's: q, do (S*g, D), delta (S*g,); k_max, v_max: max |k|, |v| of its keys."""
+        do_max = _max_abs(do)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # |dO . v| <= D max|dO| max|v|: with |delta| well below the largest float (half of
+            # it: room for rounding), dS is finite. A NaN anywhere makes the bound NaN: False.
+            bound = q.shape[1] * do_max * v_max + _max_abs(delta)
+        fin = np.isfinite
+        return cls(bool(fin(_max_abs(q))), bool(fin(do_max)), bool(fin(k_max)),
+                   bool(bound < np.finfo(q.dtype).max / 2))
 
 
 def _matmul_masked(a, b, masked, out, b_finite: bool) -> np.ndarray:
@@ -264,6 +348,111 @@ def _matmul_masked(a, b, masked, out, b_finite: bool) -> np.ndarray:
         rows = ~masked[:, j]
         out[rows] += a[rows, j, None] * b[j]
     return out
+
+
+def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
+    """acc += P @ [V | 1] for one tile, P = 2^(score - m), folded lazily where that is exact and
+    exactly elsewhere. q (rows, D+1): scaled queries | -m, the rows' negated running shift;
+    k, v (keys, D+1) ending in ones; acc (rows, D+1); future (rows, keys) or None: masked pairs;
+    s (rows, keys), pv (rows, D+1): scratch; v_max: max |V| of the head (NaN, inf: not finite).
+
+    Lazily: against each row's shift m as it stands — no row max, no rescaling of acc, and with
+    q's -m column against k's ones the matmul yields score - m directly. Exact because softmax
+    is invariant to the shift, as long as P neither overflows nor loses the row's largest
+    terms: m is a score the row has seen (so its largest P is at least 1), and a row is
+    accepted only if its P sums to at most LAZY_LIMIT (NaN and Inf fail that too). Then
+    |P @ V| <= LAZY_LIMIT * max |V|, finite unless V is huge (only then is P @ V checked).
+    A row meeting its first keys takes a seed (`_seed`); rows without one, with scores well
+    above m, or with NaN/Inf inputs go to `_fold_exactly`. Each row's result depends on that
+    row alone (the tiles, not the values, pick the matmul shapes), so garbage in one row never
+    changes another's bits. The common case costs four ufunc calls beyond the two matmuls.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
+        shifted = math.isfinite(q[:, -1].sum())    # every row has a shift (a NaN/Inf sums so)
+        if not shifted:
+            _seed(q, k, future)
+            fresh = ~np.isfinite(q[:, -1])
+            if fresh.all():
+                _fold_exactly(q, k, v, acc, future, s, pv, v_max)
+                return
+            shifted = not fresh.any()
+        np.matmul(q, k.T, out=s)
+        if future is not None:  # overwrites NaN/Inf scores of masked keys too
+            np.copyto(s, -np.inf, where=future)
+        np.exp2(s, out=s)
+        _matmul_masked(s, v, future, pv, math.isfinite(v_max))
+        l = pv[:, -1]
+        if shifted and l.max() <= LAZY_LIMIT and (v_max < TAME_V or math.isfinite(pv.sum())):
+            acc += pv
+            return
+        ok = np.isfinite(pv).all(axis=1) & (l <= LAZY_LIMIT)
+        if not shifted:
+            ok &= ~fresh
+    acc[ok] += pv[ok]
+    if not ok.all():
+        _fold_exactly(q, k, v, acc, future, s, pv, v_max, ~ok)
+
+
+def _seed(q, k, future) -> None:
+    """Rows that have seen no key yet (-m = +inf in q's last column) take as m their largest
+    score against a few keys of the tile that they see (`ends`): a score of the row,
+    so a valid shift for `_fold_tile`, and near the tile's max. Rows seeing none of those keys,
+    or scoring NaN there, keep +inf (folded exactly). q (rows, D+1); k (keys, D+1)."""
+    d, n = k.shape[1] - 1, k.shape[0]
+    # every row sees every key of an unmasked tile; in a masked one, a row may see only its
+    # first keys (causal) or only its last (a window's left bound)
+    ends = ([slice(0, n)] if n <= 2 * SEED_KEYS else [slice(0, 2 * SEED_KEYS)] if future is None
+            else [slice(0, SEED_KEYS), slice(n - SEED_KEYS, n)])
+    best = None
+    for keys in ends:   # (keys, rows): the max runs across rows, vectorised
+        sample = k[keys, :d] @ q[:, :d].T
+        if future is not None:
+            sample[future[:, keys].T] = -np.inf
+        best = sample.max(axis=0) if best is None else np.maximum(best, sample.max(axis=0))
+    rows = (q[:, d] == np.inf) & np.isfinite(best)
+    q[rows, d] = -best[rows]
+
+
+def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows=None) -> None:
+    """The online-softmax update of one tile with the exact row max (shapes as `_fold_tile`):
+    m' = max(m, scores), acc = acc * 2^(m - m') + 2^(scores - m') @ [V | 1], q's -m := -m'.
+    rows (bool, rows) or None (all): the rows updated; every row is computed, so each row's bits
+    are the same whichever others are updated."""
+    d = k.shape[1] - 1
+    np.matmul(q[:, :d], k[:, :d].T, out=s)
+    if future is not None:  # overwrites NaN/Inf scores of masked keys too
+        np.copyto(s, -np.inf, where=future)
+    m_old = -q[:, d]
+    m_new = np.maximum(m_old, s.max(axis=1))
+    # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
+    shift = np.where(m_new == -np.inf, 0, m_new)
+    s -= shift[:, None]
+    np.exp2(s, out=s)
+    # P is 0 at masked keys (except on a row whose max is NaN: NaN already), but 0 * inf would
+    # still be NaN in a plain P @ V
+    _matmul_masked(s, v, future, pv, math.isfinite(v_max))
+    alpha = np.exp2(m_old - shift)
+    if rows is None:
+        acc *= alpha[:, None]
+        acc += pv
+        q[:, d] = -m_new
+    else:
+        acc[rows] = acc[rows] * alpha[rows, None] + pv[rows]
+        q[rows, d] = -m_new[rows]
+
+
+def _neg_lse2(lse_rows) -> tuple[np.ndarray, np.ndarray]:
+    """-lse * log2(e), the base-2 shift of the backward's scores, as hi + lo in lse's dtype:
+    computed wide, so that q's two last columns against k's two ones give score - lse * log2(e)
+    as exactly as lse itself (one rounded column would add half an ulp of it to every score).
+    Rows with lse = -inf saw no key in the forward: -inf + 0, so their P = 2^(score - inf) = 0."""
+    wide = np.longdouble if lse_rows.dtype == np.float64 else np.float64
+    exact = lse_rows.astype(wide) * -wide(LOG2E)
+    hi = exact.astype(lse_rows.dtype)
+    with np.errstate(invalid="ignore"):    # inf - inf, where lse is infinite: 0 below
+        lo = np.where(np.isfinite(hi), exact - hi, 0).astype(lse_rows.dtype)
+    hi[lse_rows == -np.inf] = -np.inf
+    return hi, lo
 
 
 class _InOrder:
@@ -297,27 +486,30 @@ class _InOrder:
             self.cond.notify_all()
 
 
+_DONE = object()   # the end of `NumpyOps._run`'s items
+
+
 # -- state ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ForwardState:
     q_in: np.ndarray          # the caller's (B, S, H, D), grouped on the first step
     scale: float
-    q: np.ndarray | None = None     # (B, Hkv, S*g, D), times softmax_scale
+    # (B, Hkv, S*g, D+1): queries times softmax_scale * log2(e) | -m, the negated running shift
+    # of the rows' base-2 scores (+inf before a row's first key)
+    q: np.ndarray | None = None
     acc: np.ndarray | None = None   # (B, Hkv, S*g, D+1): un-normalised output | row sum l
-    m: np.ndarray | None = None     # (B, Hkv, S*g): running row max of the scaled scores
     g: int = 1                      # query heads per kv head
 
 
 @dataclass
 class BackwardContext:
-    k: np.ndarray      # (B, Hkv, S, D)
-    v: np.ndarray
-    dk: np.ndarray     # (B, Hkv, S, D) accumulators (dk carries the softmax scale already)
+    k: np.ndarray      # (B, Hkv, S, D+2), ending in two ones columns (see _neg_lse2)
+    v: np.ndarray      # (B, Hkv, S, D+1), ending in a ones column
+    dk: np.ndarray     # (B, Hkv, S, D) accumulators (dk carries softmax_scale * log2(e))
     dv: np.ndarray
     scale: float
-    k_max: np.ndarray | None = None      # (B, Hkv) max |k|, max |v|: at the first masked step
-    v_max: np.ndarray | None = None
+    kv_max: np.ndarray | None = None      # (B, Hkv, 2) max |k|, max |v|: at the first masked step
 
 
 def _default_threads() -> int:
@@ -333,7 +525,11 @@ def _default_threads() -> int:
 
 class NumpyOps(LocalOps):
     """The CPU local op. tile_q: score rows per tile (query positions x g); tile_k: keys per
-    tile; threads: work items run in parallel (default: as many as BLAS uses)."""
+    tile; threads: work items run in parallel (default: as many as BLAS uses).
+    Between calls it keeps its per-thread scratch and a few (B, Hkv, S, D)-sized work arrays
+    (`_Kept`) for the next call; `release_buffers()` frees them. scratch_bytes: the most bytes
+    of per-thread scratch (tiles, dq partials) held at once, all threads together — what the op
+    uses beyond its O(S * H * D) arrays."""
 
     name = "numpy"
     xp = np
@@ -347,6 +543,24 @@ class NumpyOps(LocalOps):
         self.threads = threads or _default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="burstcu-lao") if self.threads > 1 else None
         self._blas = None
+        self._kept, self._scratch = _Kept(), {}
+        self.scratch_bytes = 0
+
+    def release_buffers(self) -> None:
+        """Free the kept message buffers, work arrays and scratch."""
+        super().release_buffers()
+        self._kept.clear()
+        self._scratch = {}
+
+    def _scratch_of(self, dtype) -> _Scratch:
+        """The scratch for `dtype`, kept between steps (see `_Scratch`)."""
+        scratch = self._scratch.get(dtype)
+        if scratch is None:
+            scratch = self._scratch[dtype] = _Scratch(dtype)
+        return scratch
+
+    def _count_scratch(self) -> None:
+        self.scratch_bytes = max(self.scratch_bytes, sum(x.nbytes for x in self._scratch.values()))
 
     def close(self) -> None:
         """Free the buffers and stop the worker threads (the op runs serially afterwards)."""
@@ -356,10 +570,15 @@ class NumpyOps(LocalOps):
             self._pool = None
 
     def _run(self, work, items) -> None:
-        """work(item) for every item, on the pool or serially, with BLAS held to one thread:
-        the parallelism is across items; a multi-threaded BLAS on tile-sized matmuls spends
-        more time synchronising its threads than multiplying (10x slower, measured).
-        Pool threads run under the caller's np.errstate, as the serial path does."""
+        """work(item) for every item, in order of `items`, on this thread and threads - 1 pool
+        threads, with BLAS held to one thread: the parallelism is across items; a multi-threaded
+        BLAS on tile-sized matmuls spends more time synchronising its threads than multiplying
+        (10x slower, measured). The calling thread works too rather than sleeping until the
+        pool is done: each wake-up of a sleeping thread costs a core a context switch.
+        Each thread takes the next item in order, so an item waited for (`_InOrder`) was
+        taken before its waiter. After a failure no thread takes another item; the first
+        exception is raised once every thread has stopped. Pool threads run under the
+        caller's np.errstate, as the calling thread does."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController()
@@ -367,87 +586,111 @@ class NumpyOps(LocalOps):
             if self._pool is None or len(items) == 1:
                 for item in items:
                     work(item)
-            else:
-                errstate = np.geterr()
+                return
+            queue, lock, failed = iter(items), threading.Lock(), []
+            errstate = np.geterr()
 
-                def under_errstate(item):
-                    with np.errstate(**errstate):
-                        work(item)
-                for _ in self._pool.map(under_errstate, items):  # re-raises a worker's exception
-                    pass
+            def drain():
+                with np.errstate(**errstate):
+                    while not failed:
+                        with lock:
+                            item = next(queue, _DONE)
+                        if item is _DONE:
+                            return
+                        try:
+                            work(item)
+                        except BaseException:
+                            failed.append(True)
+                            raise
+            helpers = [self._pool.submit(drain) for _ in range(min(self.threads, len(items)) - 1)]
+            try:
+                drain()
+            finally:
+                errors = [f.exception() for f in helpers]   # waits for each
+            for error in errors:
+                if error is not None:
+                    raise error
+
+    @staticmethod
+    def _each_head(fn, b: int, hkv: int) -> None:
+        """fn(bi, hi) for every head, in this thread: the layout passes are memory-bound copies,
+        and handing them to the pool costs more than a second core gains (seqlen 1024, 8 heads:
+        0.47 ms here, 0.88 ms on two pool threads; measured)."""
+        for bi, hi in product(range(b), range(hkv)):
+            fn(bi, hi)
 
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale):
         return ForwardState(q_in=q, scale=softmax_scale)
 
-    def _ensure_state(self, st: ForwardState, hkv: int) -> None:
-        """Grouping needs Hkv, known from the first step's k."""
-        if st.q is None:
-            acc_t = accum_dtype(st.q_in.dtype)
-            st.g = st.q_in.shape[2] // hkv
-            st.q = _grouped(st.q_in, hkv, acc_t, st.scale)
-            b, _, sg, d = st.q.shape
-            st.acc = np.zeros((b, hkv, sg, d + 1), acc_t)
-            st.m = np.full((b, hkv, sg), -np.inf, acc_t)
-            st.q_in = None
-
     def forward_step(self, st, k, v, blocks):
-        hkv = k.shape[2]
-        self._ensure_state(st, hkv)
-        acc_t = st.q.dtype
-        kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t, extra_ones=True)
-        b, g = st.q.shape[0], st.g
-        tile_rows = max(1, self.tile_q // g)
-        spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], tile_rows)
+        b, sk, hkv, d = k.shape
+        first = st.q is None   # grouping needs Hkv, known from the first step's k
+        if first:
+            acc_t, st.g = accum_dtype(st.q_in.dtype), st.q_in.shape[2] // hkv
+            st.q, st.acc = (self._kept.take((b, hkv, st.q_in.shape[1] * st.g, d + 1), acc_t) for _ in range(2))
+        g, acc_t = st.g, st.q.dtype
+        kh, vh = (self._kept.take((b, hkv, sk, d + 1), acc_t) for _ in range(2))
+        v_max = np.empty((b, hkv))    # max |V| per head (see _fold_tile)
+
+        def layout(bi, hi):
+            if first:
+                _put(st.q[bi, hi], st.q_in[bi, :, hi * g:(hi + 1) * g], np.longdouble(st.scale) * LOG2E, np.inf)
+                st.acc[bi, hi].fill(0)
+            _put(kh[bi, hi], k[bi, :, hi:hi + 1], None, 1)
+            _put(vh[bi, hi], v[bi, :, hi:hi + 1], None, 1)
+            v_max[bi, hi] = _max_abs(vh[bi, hi, :, :d])
+        self._each_head(layout, b, hkv)
+        st.q_in = None
+        spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], max(1, self.tile_q // g))
         parts = _parts_by_span(blocks, spans, _clip_q, lambda blk: (blk.q_start, blk.q_len))
-        items = list(product(range(b), range(hkv), range(len(spans))))
-        scratch = _Scratch(acc_t)
-        v_finite = np.isfinite(_max_abs(vh)) if any(blk.masked for blk in blocks) else None
+        scratch = self._scratch_of(acc_t)
 
         def work(item):
             bi, hi, span = item
-            finite = v_finite is None or bool(v_finite[bi, hi])
             for part in parts[span]:
-                self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi],
-                                    st.m[bi, hi], part, g, scratch, finite)
-        self._run(work, items)
+                self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi], part, g,
+                                    scratch, float(v_max[bi, hi]))
+        self._run(work, list(product(range(b), range(hkv), range(len(spans)))))
+        self._count_scratch()
+        self._kept.give(kh, vh)
 
-    def _forward_block(self, q, k, v_ext, acc, m, block: Block, g: int, scratch: _Scratch,
-                       v_finite: bool) -> None:
-        """One head: q (S*g, D), k (S, D), v_ext (S, D+1), acc (S*g, D+1), m (S*g,)."""
+    def _forward_block(self, q, k, v, acc, block: Block, g: int, scratch: _Scratch,
+                       v_max: float) -> None:
+        """One head: q (S*g, D+1) scaled queries | -m; k, v (S, D+1) ending in ones; acc
+        (S*g, D+1). Each tile is folded lazily when that is safe, else exactly."""
         for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k):
             r0, r1 = q0 * g, q1 * g
-            s = scratch.get("s", r1 - r0, k1 - k0)
-            np.matmul(q[r0:r1], k[k0:k1].T, out=s)
+            # the backward's buffers under the same names: a step holds one set, whichever pass
+            s = scratch.get("scores", r1 - r0, k1 - k0)
+            pv = scratch.get("rows", r1 - r0, v.shape[1])
             future = _future(block, q0, q1, k0, k1, g) if masked else None
-            if masked:  # overwrites NaN/Inf scores of masked keys too
-                np.copyto(s, -np.inf, where=future)
-            m_old = m[r0:r1]
-            m_new = np.maximum(m_old, s.max(axis=1))
-            # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
-            shift = np.where(m_new == -np.inf, 0, m_new)
-            s -= shift[:, None]
-            np.exp(s, out=s)
-            alpha = np.exp(m_old - shift)
-            pv = scratch.get("pv", r1 - r0, v_ext.shape[1])
-            # P is 0 at masked keys (except on a row whose max is NaN: NaN already), but
-            # 0 * inf would still be NaN in a plain P @ V
-            _matmul_masked(s, v_ext[k0:k1], future, pv, v_finite)
-            acc[r0:r1] *= alpha[:, None]
-            acc[r0:r1] += pv
-            m[r0:r1] = m_new
+            _fold_tile(q[r0:r1], k[k0:k1], v[k0:k1], acc[r0:r1], future, s, pv, v_max)
 
     def forward_finalize(self, st, out_dtype):
+        """out = acc / l in (B, S, H, D); lse = ln 2 * (m + log2 l) (B, H, S), from the base-2
+        running shift m; rows that saw no key get out 0 and lse -inf."""
         if st.q is None:
-            raise RuntimeError("forward_finalize before any forward_step")
-        l = st.acc[..., -1]
+            raise RuntimeError("forward_finalize before any forward_step, or twice")
+        b, hkv, sg, d = st.acc.shape[0], st.acc.shape[1], st.acc.shape[2], st.acc.shape[3] - 1
+        g, acc_t = st.g, st.acc.dtype
+        s = sg // g
+        l = st.acc[..., d]
         seen = l != 0  # NaN rows count as seen, so their lse is NaN too, not "no key" (-inf)
         l_safe = np.where(seen, l, 1)
-        out = st.acc[..., :-1] / l_safe[..., None]
-        lse = np.where(seen, st.m + np.log(l_safe), -np.inf)
-        seqlen = st.acc.shape[2] // st.g
-        return (np.ascontiguousarray(_ungrouped(out, seqlen), dtype=out_dtype),
-                np.ascontiguousarray(_rows_ungrouped(lse, st.g)))
+        # in float64 (longdouble for float64 input), rounded once to the state's dtype
+        wide = np.longdouble if acc_t == np.float64 else np.float64
+        m = -st.q[..., d].astype(wide)
+        lse = np.where(seen, (m + np.log2(l_safe.astype(wide))) * wide(LN2), -np.inf).astype(acc_t)
+        out = self._kept.take((b, s, hkv * g, d), acc_t)
+
+        def divide(bi, hi):
+            np.divide(st.acc[bi, hi, :, :d].reshape(s, g, d), l_safe[bi, hi].reshape(s, g, 1),
+                      out=out[bi, :, hi * g:(hi + 1) * g])
+        self._each_head(divide, b, hkv)
+        self._kept.give(st.q, st.acc)
+        st.q = st.acc = None
+        return self._cast(out, out_dtype), np.ascontiguousarray(_rows_ungrouped(lse, g))
 
     # -- backward ----------------------------------------------------------------------------------
     def backward_delta(self, dout, out):
@@ -456,65 +699,105 @@ class NumpyOps(LocalOps):
         return np.ascontiguousarray(prod)
 
     def backward_init(self, k, v, softmax_scale):
+        b, s, hkv, d = k.shape
         acc_t = accum_dtype(k.dtype)
-        kh, vh = _heads_major(k, acc_t), _heads_major(v, acc_t)
-        return BackwardContext(kh, vh, np.zeros_like(kh), np.zeros_like(vh), softmax_scale)
+        take = self._kept.take
+        ctx = BackwardContext(take((b, hkv, s, d + 2), acc_t), take((b, hkv, s, d + 1), acc_t),
+                              take((b, hkv, s, d), acc_t), take((b, hkv, s, d), acc_t), softmax_scale)
+
+        def layout(bi, hi):
+            _put(ctx.k[bi, hi], k[bi, :, hi:hi + 1], None, 1, 1)
+            _put(ctx.v[bi, hi], v[bi, :, hi:hi + 1], None, 1)
+            ctx.dk[bi, hi].fill(0)
+            ctx.dv[bi, hi].fill(0)
+        self._each_head(layout, b, hkv)
+        return ctx
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
-        acc_t = ctx.k.dtype
-        b, hkv, _, d = ctx.k.shape
-        # scores exactly as the forward computed them, (scale * q) @ k^T, so that P recomputed
-        # from lse matches the forward's rounding (matters when logits are ~1e3)
-        qs = _grouped(q, hkv, acc_t, ctx.scale)
-        do = _grouped(dout, hkv, acc_t)
-        g = qs.shape[2] // q.shape[1]
-        # rows with lse = -inf saw no key in the forward: P = exp(score - inf) = 0 there
-        lse_rows = _rows_grouped(lse, hkv, acc_t)
-        lse_rows[lse_rows == -np.inf] = np.inf
-        delta_rows = _rows_grouped(delta, hkv, acc_t)
+        b, hkv, _, d = ctx.dk.shape
+        acc_t, g = ctx.k.dtype, q.shape[2] // hkv
+        qs, do, dq_acc, clean = self._backward_layout(ctx, q, dout, lse, delta, blocks)
         # one item per (key range, batch, kv head); it owns the dk, dv rows of its keys. Items
         # are queued key range by key range, so threads mostly work on different heads at once.
         extents = [(blk.k_start, blk.k_start + blk.k_len) for blk in blocks]
         ranges = _spans(extents, self.tile_k * self._key_tiles_per_item(extents, b * hkv))
         parts_of = _parts_by_span(blocks, ranges, _clip_k, lambda blk: (blk.k_start, blk.k_len))
         heads = list(product(range(b), range(hkv)))
-        items = list(product(range(len(ranges)), range(len(heads))))
-        dq_acc = np.zeros(qs.shape, acc_t)
         # row sums of P: one slot per item, summed in range order afterwards (no races, and the
         # order of the sum never depends on threads)
         p_sums = None if psum is None else np.zeros((len(ranges),) + qs.shape[:3], acc_t)
-        turns, scratch = _InOrder(len(heads)), _Scratch(acc_t)
-        clean = self._head_checks(ctx, qs, do, delta_rows, blocks)
+        turns, scratch = _InOrder(len(heads)), self._scratch_of(acc_t)
 
         def work(item):
             ci, head = item
             bi, hi = heads[head]
             try:
-                parts = parts_of[ci]
-                # range 0 accumulates into dq_acc itself; later ranges into a partial that is
-                # added to dq_acc in range order, so the sum's order never depends on threads
-                r0 = min((p.q_start for p in parts), default=0) * g
-                r1 = max((p.q_start + p.q_len for p in parts), default=0) * g
-                target = dq_acc[bi, hi] if ci == 0 else scratch.get("dq", qs.shape[2], d)
-                if ci:
-                    target[r0:r1] = 0
-                row_p = None if p_sums is None else p_sums[ci, bi, hi]
-                for part in parts:
-                    self._backward_block(qs[bi, hi], do[bi, hi], lse_rows[bi, hi], delta_rows[bi, hi],
-                                         ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi], ctx.dv[bi, hi],
-                                         target, part, g, scratch, clean(bi, hi), row_p)
-                turns.wait(head, ci)
-                if ci:
-                    dq_acc[bi, hi, r0:r1] += target[r0:r1]
-                turns.done(head)
+                self._backward_item(ctx, qs, do, dq_acc, p_sums, bi, hi, ci, parts_of[ci], g,
+                                    scratch, clean[bi][hi], turns, head)
             except BaseException:
                 turns.fail()
                 raise
-        self._run(work, items)
-        dq_acc *= acc_t.type(ctx.scale)
-        dq += _ungrouped(dq_acc, q.shape[1])
+        self._run(work, list(product(range(len(ranges)), range(len(heads)))))
+        self._count_scratch()
+
+        def add_dq(bi, hi):
+            dq_acc[bi, hi] *= acc_t.type(ctx.scale)
+            dq[bi, :, hi * g:(hi + 1) * g] += dq_acc[bi, hi].reshape(-1, g, d)
+        self._each_head(add_dq, b, hkv)
+        self._kept.give(qs, do, dq_acc)
         if p_sums is not None:
             psum += _rows_ungrouped(p_sums.sum(axis=0), g)
+
+    def _backward_layout(self, ctx, q, dout, lse, delta, blocks):
+        """(qs, do, dq_acc, clean) for one step, laid out head by head. q ends in
+        -lse and dO in -delta, against k's and v's ones columns: the matmuls yield score - lse
+        and dO V^T - delta with no pass of their own. Scores in base 2, as the forward's:
+        (scale * log2(e) * q) @ k^T against lse * log2(e). qs (B, Hkv, S*g, D+2), ending in
+        -lse * log2(e) as hi and lo (`_neg_lse2`); do (B, Hkv, S*g, D+1); dq_acc
+        (B, Hkv, S*g, D) zeroed; clean[bi][hi]: `_Clean` of that head (checked only under a
+        mask)."""
+        b, hkv, _, d = ctx.dk.shape
+        acc_t, rows, g = ctx.k.dtype, q.shape[1] * (q.shape[2] // hkv), q.shape[2] // hkv
+        hi2, lo2 = _neg_lse2(_rows_grouped(lse, hkv, acc_t))
+        delta_rows = _rows_grouped(delta, hkv, acc_t)
+        qs, do = self._kept.take((b, hkv, rows, d + 2), acc_t), self._kept.take((b, hkv, rows, d + 1), acc_t)
+        dq_acc = self._kept.take((b, hkv, rows, d), acc_t)
+        clean = [[_Clean()] * hkv for _ in range(b)]
+        masked = any(blk.masked for blk in blocks)
+        measure_kv = masked and ctx.kv_max is None
+        if measure_kv:
+            ctx.kv_max = np.empty((b, hkv, 2))
+
+        def layout(bi, hi):
+            _put(qs[bi, hi], q[bi, :, hi * g:(hi + 1) * g], np.longdouble(ctx.scale) * LOG2E, hi2[bi, hi], lo2[bi, hi])
+            _put(do[bi, hi], dout[bi, :, hi * g:(hi + 1) * g], None, -delta_rows[bi, hi])
+            dq_acc[bi, hi].fill(0)
+            if measure_kv:
+                ctx.kv_max[bi, hi] = _max_abs(ctx.k[bi, hi, :, :d]), _max_abs(ctx.v[bi, hi, :, :d])
+            if masked:
+                clean[bi][hi] = _Clean.of(qs[bi, hi, :, :d], do[bi, hi, :, :d], delta_rows[bi, hi],
+                                          *ctx.kv_max[bi, hi])
+        self._each_head(layout, b, hkv)
+        return qs, do, dq_acc, clean
+
+    def _backward_item(self, ctx, qs, do, dq_acc, p_sums, bi, hi, ci, parts, g, scratch,
+                       clean, turns, head) -> None:
+        """Key range ci of head (bi, hi): its dk, dv rows, and its dq partial added to dq_acc
+        (B, Hkv, S*g, D) after range ci - 1's. Range 0 accumulates into dq_acc itself; later
+        ranges into a partial added in range order, so the sum's order never depends on threads."""
+        r0 = min((p.q_start for p in parts), default=0) * g
+        r1 = max((p.q_start + p.q_len for p in parts), default=0) * g
+        target = dq_acc[bi, hi] if ci == 0 else scratch.get("dq", dq_acc.shape[2], dq_acc.shape[3])
+        if ci:
+            target[r0:r1] = 0
+        row_p = None if p_sums is None else p_sums[ci, bi, hi]
+        for part in parts:
+            self._backward_block(qs[bi, hi], do[bi, hi], ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi],
+                                 ctx.dv[bi, hi], target, part, g, scratch, clean, row_p)
+        turns.wait(head, ci)
+        if ci:
+            dq_acc[bi, hi, r0:r1] += target[r0:r1]
+        turns.done(head)
 
     def _key_tiles_per_item(self, extents, heads: int) -> int:
         """Key tiles per backward item, from the shapes alone (never the thread count, which
@@ -523,56 +806,57 @@ class NumpyOps(LocalOps):
         keys = _spans(extents, self.tile_k)
         return max(1, len(keys) * heads // BACKWARD_ITEMS)
 
-    @staticmethod
-    def _head_checks(ctx: BackwardContext, qs, do, delta, blocks):
-        """clean(bi, hi) -> that head's _Clean; checked only when a block has masked pairs."""
-        if not any(blk.masked for blk in blocks):
-            return lambda bi, hi: _Clean()
-        if ctx.k_max is None:
-            ctx.k_max, ctx.v_max = _max_abs(ctx.k), _max_abs(ctx.v)
-        q_max, do_max, delta_max = _max_abs(qs), _max_abs(do), _max_abs(delta)
-        with np.errstate(over="ignore", invalid="ignore"):
-            # |dO . v| <= D max|dO| max|v|: with |delta| well below the largest float (half of
-            # it: room for rounding), dS is finite. A NaN anywhere makes the bound NaN: False.
-            bound = ctx.k.shape[-1] * do_max * ctx.v_max + delta_max
-            ds_ok = bound < np.finfo(ctx.k.dtype).max / 2
-        q_ok, do_ok, k_ok = (np.isfinite(x) for x in (q_max, do_max, ctx.k_max))
-        return lambda bi, hi: _Clean(bool(q_ok[bi, hi]), bool(do_ok[bi, hi]), bool(k_ok[bi, hi]),
-                                     bool(ds_ok[bi, hi]))
-
-    def _backward_block(self, q, do, lse, delta, k, v, dk, dv, dq, block: Block, g: int,
+    def _backward_block(self, q, do, k, v, dk, dv, dq, block: Block, g: int,
                         scratch: _Scratch, clean: _Clean, row_p=None) -> None:
-        """One head: q (scaled), do, dq (S*g, D); lse, delta (S*g,); k, v, dk, dv (S, D);
+        """One head: q (S*g, D+2) scaled queries | -lse*log2(e) as hi, lo; do (S*g, D+1)
+        dO | -delta; k (S, D+2), v (S, D+1) ending in ones; dq (S*g, D); dk, dv (S, D);
         row_p (S*g,) or None: each row's sum of P is added to it."""
-        d = k.shape[1]
-        for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k, keys_outer=True):
+        d = dk.shape[1]
+        rows_per_tile = max(1, min(self.tile_q, BACKWARD_TILE_Q) // g)
+        for q0, q1, k0, k1, masked in _tiles(block, rows_per_tile, self.tile_k, keys_outer=True):
             r0, r1 = q0 * g, q1 * g
             rows, keys = r1 - r0, k1 - k0
-            p, ds = scratch.get("p", rows, keys), scratch.get("ds", rows, keys)
-            np.matmul(q[r0:r1], k[k0:k1].T, out=p)
-            p -= lse[r0:r1, None]
+            p, ds = scratch.get("scores", rows, keys), scratch.get("ds", rows, keys)
+            np.matmul(q[r0:r1], k[k0:k1].T, out=p)        # score - lse
             future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 np.copyto(p, -np.inf, where=future)
-            np.exp(p, out=p)
+            np.exp2(p, out=p)
             if row_p is not None:
-                row_p[r0:r1] += p.sum(axis=1)
-            key_grad, row_grad = scratch.get("kg", keys, d), scratch.get("rg", rows, d)
+                row_p[r0:r1] += np.matmul(p, np.ones(keys, p.dtype))
+            key_grad, row_grad = scratch.get("keys", keys, d), scratch.get("rows", rows, d)
+            q_r, do_r, k_k = q[r0:r1, :d], do[r0:r1, :d], k[k0:k1, :d]
             # with P and dS exactly 0 at masked pairs, _matmul_masked keeps a non-finite dO, K
             # or Q row out of the pairs that do not see it
             future_t = None if future is None else future.T
-            dv[k0:k1] += _matmul_masked(p.T, do[r0:r1], future_t, key_grad, clean.do)
-            np.matmul(do[r0:r1], v[k0:k1].T, out=ds)
-            ds -= delta[r0:r1, None]
+            dv[k0:k1] += _matmul_masked(p.T, do_r, future_t, key_grad, clean.do)
+            np.matmul(do[r0:r1], v[k0:k1].T, out=ds)      # dO V^T - delta
             ds *= p
             if masked and not clean.ds:
                 # dS is 0 at masked pairs by definition; the product above is NaN there when
                 # V, dO or delta is not finite (or dO V^T overflows)
                 np.copyto(ds, 0, where=future)
-            dq[r0:r1] += _matmul_masked(ds, k[k0:k1], future, row_grad, clean.k)
-            # q carries the softmax scale
-            dk[k0:k1] += _matmul_masked(ds.T, q[r0:r1], future_t, key_grad, clean.q)
+            dq[r0:r1] += _matmul_masked(ds, k_k, future, row_grad, clean.k)
+            # q carries softmax_scale * log2(e): backward_finalize multiplies dk by ln 2
+            dk[k0:k1] += _matmul_masked(ds.T, q_r, future_t, key_grad, clean.q)
 
     def backward_finalize(self, ctx, out_dtype):
-        return (np.ascontiguousarray(ctx.dk.transpose(0, 2, 1, 3), dtype=out_dtype),
-                np.ascontiguousarray(ctx.dv.transpose(0, 2, 1, 3), dtype=out_dtype))
+        """(dk, dv) (B, S, Hkv, D) in out_dtype; dk's sum ran over base-2 scaled queries: times ln 2."""
+        b, hkv, s, d = ctx.dk.shape
+        dk, dv = (self._kept.take((b, s, hkv, d), ctx.dk.dtype) for _ in range(2))
+
+        def put(bi, hi):
+            np.multiply(ctx.dk[bi, hi], ctx.dk.dtype.type(LN2), out=dk[bi, :, hi])
+            dv[bi, :, hi] = ctx.dv[bi, hi]
+        self._each_head(put, b, hkv)
+        self._kept.give(ctx.k, ctx.v, ctx.dk, ctx.dv)
+        ctx.k = ctx.v = ctx.dk = ctx.dv = None
+        return self._cast(dk, out_dtype), self._cast(dv, out_dtype)
+
+    def _cast(self, x, dtype) -> np.ndarray:
+        """x (taken from `_kept`) in `dtype`: x itself, or a new array with x kept again."""
+        if x.dtype == dtype:
+            return x
+        out = x.astype(dtype)
+        self._kept.give(x)
+        return out
