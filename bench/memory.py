@@ -86,8 +86,10 @@ def measure(group, strategy: str, inputs, causal: bool) -> dict:
     live arguments added (forward: q, k, v; backward: also dout, out, lse), which is what the
     paper's formula counts (its 4BZNd/G term is Q, K, V, O)."""
     q, k, v, dout = inputs
+    group.release_buffers()   # buffers kept from earlier calls count as this call's
     with PeakMeter(group.backend) as fwd:
         out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True, strategy=strategy)
+    group.release_buffers()
     with PeakMeter(group.backend) as bwd:
         burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, strategy=strategy)
     live_fwd = q.nbytes + k.nbytes + v.nbytes
