@@ -1,24 +1,50 @@
-"""One-rank CPU forward: burstcu's NumPy backend against a naive NumPy implementation and, when
-installed, PyTorch's CPU `scaled_dot_product_attention` — same shapes, same run, same threads.
+"""One-rank CPU attention, forward and backward: burstcu's NumPy backend against PyTorch's CPU
+`scaled_dot_product_attention` (and a naive NumPy forward) — same shapes, threads and run.
 
-    python bench/local_cpu.py [--seqlen 1024 4096] [--heads 8] [--headdim 64] [--batch 1]
-                              [--causal] [--threads N] [--repeats 3] [--json FILE]
+    python bench/local_cpu.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
+                              [--heads 8] [--headdim 64] [--batch 1] [--repeats 5]
+                              [--no-backward] [--naive-max 1024] [--json FILE] [--plot FILE]
 
-Prints one line per (seqlen, implementation) and writes JSON with every timing. Times are the
-median of --repeats runs after one warm-up; inputs are converted to each library's layout
-outside the timed region. FLOPs counted as 4*B*H*S^2*D (halved when causal).
+For each (threads, seqlen, mask) burstcu and torch run interleaved — one repetition of each in
+turn, --repeats times, after one warm-up each — so a slow spell of the machine hits them alike;
+times are medians. The naive forward runs after them: OpenBLAS's threads spin on for a while
+after it and would slow whatever came next. BLAS and torch are held to the same thread count
+(threadpoolctl, torch.set_num_threads) and burstcu runs a group of one process, as `group=None`
+gives, with its NumPy op on that many threads. Inputs are float32, converted to each library's
+layout outside the timed region. Backward: burstcu.attention_backward against SDPA's backward
+alone (torch.autograd.grad of the SDPA output for the same dout, graph kept between repetitions).
+
+Memory, on a fresh op (nothing kept from earlier calls): tracemalloc's peak over one burstcu
+forward and one backward call — every NumPy allocation inside them: the op's (B, H, S, D)-sized
+copies and state, the ring's message buffers, the scratch, the outputs — and
+`NumpyOps.scratch_bytes` (per-thread tiles and dq partials), each against one S x S float32
+score matrix, which the op never forms.
+
+Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
+--plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
+(five matmuls to two), halved when causal.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+import tracemalloc
+
+# torch's OpenMP threads (libgomp) otherwise spin for a while after each call and take a core
+# from whatever runs next — here the other implementation, interleaved. Passive waiting leaves
+# torch's own times as they are (within 2%, each configuration measured both ways) and must be
+# set before libgomp loads. An explicit setting is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 
-from _common import environment, median, progress, table, write_json  # noqa: I001 - sets sys.path
+from _common import environment, fmt_bytes, median, progress, table, write_json  # noqa: I001 - sets sys.path
 
 import burstcu
+from burstcu.ops.numpy_ops import NumpyOps
+from burstcu.transport.base import SelfTransport
 
 
 def naive_numpy(q, k, v, causal):
@@ -32,85 +58,172 @@ def naive_numpy(q, k, v, causal):
     return np.einsum("bhij,bjhd->bihd", s, v)
 
 
-def torch_sdpa():
-    """A callable running PyTorch's CPU SDPA on (B,H,S,D) tensors, or None without torch."""
+def torch_runs(q, k, v, dout, causal, backward):
+    """{(pass, "torch sdpa"): callable} on (B,H,S,D) copies of the inputs; {} without torch."""
     try:
         import torch
+        import torch.nn.functional as F
     except ImportError:
-        return None
-    import torch.nn.functional as F
+        return {}
+    tq, tk, tv, tdo = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+                       for x in (q, k, v, dout))
 
-    def run(q, k, v, causal):
+    def forward():
         with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
+            return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    runs = {("forward", "torch sdpa"): forward}
+    if backward:
+        leaves = [x.clone().requires_grad_() for x in (tq, tk, tv)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        runs[("backward", "torch sdpa")] = lambda: torch.autograd.grad(out, leaves, tdo, retain_graph=True)
+    return runs
 
 
-def timed(fn, repeats):
-    fn()  # warm-up: first-touch allocations, BLAS thread start-up
-    times = []
+def interleaved(runs: dict, repeats: int) -> dict:
+    """{key: [seconds, ...]}: one warm-up of each, then `repeats` rounds running each once."""
+    for fn in runs.values():
+        fn()   # first-touch allocations, thread pools, BLAS buffers
+    times = {key: [] for key in runs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        for key, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return times
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes tracemalloc sees allocated during fn() (numpy reports its buffers to it)."""
+    tracemalloc.start()
+    try:
         fn()
-        times.append(time.perf_counter() - t0)
-    return median(times), times
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
-def bench_one(seqlen, args, sdpa):
+def bench_config(args, threads: int, seqlen: int, causal: bool):
+    """Timing rows and the memory row of one (threads, seqlen, mask)."""
     rng = np.random.default_rng(0)
     shape = (args.batch, seqlen, args.heads, args.headdim)
-    q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
-    flops = 4 * args.batch * args.heads * seqlen * seqlen * args.headdim * (0.5 if args.causal else 1)
-    runs = {"burstcu": lambda: burstcu.attention(q, k, v, causal=args.causal)}
-    if seqlen <= args.naive_max:
-        runs["naive numpy"] = lambda: naive_numpy(q, k, v, args.causal)
-    if sdpa is not None:
-        import torch
-        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))) for x in (q, k, v))
-        runs["torch sdpa"] = lambda: sdpa(tq, tk, tv, args.causal)
+    q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    ops = NumpyOps(threads=threads)
+    group = burstcu.Group(0, 1, "numpy", SelfTransport(), ops)
+    out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
+    runs = {("forward", "burstcu"): lambda: burstcu.attention(q, k, v, group, causal=causal)}
+    if not args.no_backward:
+        runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
+            dout, q, k, v, out, lse, group, causal=causal)
+    runs.update(torch_runs(q, k, v, dout, causal, not args.no_backward))
+    times = interleaved(runs, args.repeats)
+    if seqlen <= args.naive_max:   # after, not among them: its BLAS threads spin on after it
+        times.update(interleaved({("forward", "naive numpy"): lambda: naive_numpy(q, k, v, causal)},
+                                 args.repeats))
+    flops = 4 * args.batch * args.heads * seqlen * seqlen * args.headdim * (0.5 if causal else 1)
+    mask = "causal" if causal else "full"
     rows = []
-    for name, fn in runs.items():
-        progress(f"seqlen {seqlen}: {name}")
-        t, all_t = timed(fn, args.repeats)
-        rows.append({"seqlen": seqlen, "impl": name, "seconds": t, "all_seconds": all_t,
-                     "gflops": flops / t / 1e9})
-    ref = next((r["seconds"] for r in rows if r["impl"] == "torch sdpa"), None)
-    for r in rows:
-        r["time_vs_torch"] = r["seconds"] / ref if ref else None
-    return rows
+    for (pass_, impl), ts in times.items():
+        t = median(ts)
+        ref = times.get((pass_, "torch sdpa"))
+        rows.append({"threads": threads, "seqlen": seqlen, "mask": mask, "pass": pass_, "impl": impl,
+                     "seconds": t, "all_seconds": ts, "time_vs_torch": t / median(ref) if ref else None,
+                     "gflops": flops * (2.5 if pass_ == "backward" else 1) / t / 1e9})
+    group.close()
+    return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse))
+
+
+def measure_memory(args, threads: int, seqlen: int, causal: bool, arrays) -> dict:
+    """tracemalloc peaks of one forward and one backward call on a fresh op (nothing kept from
+    earlier calls, so its kept work arrays count too), and its scratch."""
+    q, k, v, dout, out, lse = arrays
+    ops = NumpyOps(threads=threads)
+    group = burstcu.Group(0, 1, "numpy", SelfTransport(), ops)
+    memory = {"threads": threads, "seqlen": seqlen, "mask": "causal" if causal else "full",
+              "forward_peak": traced_peak(lambda: burstcu.attention(q, k, v, group, causal=causal)),
+              "score_matrix": seqlen * seqlen * 4}
+    if not args.no_backward:
+        memory["backward_peak"] = traced_peak(
+            lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal))
+    memory["scratch"] = getattr(ops, "scratch_bytes", None)   # None: an op that does not count it
+    if memory["scratch"] is not None:
+        memory["scratch_vs_score_matrix"] = memory["scratch"] / memory["score_matrix"]
+    group.close()
+    return memory
+
+
+def plot(rows: list, path: str) -> None:
+    """Each configuration's time against torch's, forward and backward, with the 1.0 line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["impl"] == "burstcu" and r["time_vs_torch"] is not None]
+    labels = sorted({(r["threads"], r["seqlen"], r["mask"]) for r in mine})
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4))
+    width = 0.4
+    for i, pass_ in enumerate(("forward", "backward")):
+        ratio = {(r["threads"], r["seqlen"], r["mask"]): r["time_vs_torch"] for r in mine if r["pass"] == pass_}
+        xs = [j + (i - 0.5) * width for j, key in enumerate(labels) if key in ratio]
+        ax.bar(xs, [ratio[key] for key in labels if key in ratio], width, label=pass_)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), [f"{s} {m}\n{t} thr" for t, s, m in labels], fontsize=8)
+    ax.set_ylabel("burstcu time / torch SDPA time")
+    ax.set_title("one rank on the CPU, float32: below 1 is faster than torch")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="one-rank CPU attention forward: burstcu vs naive vs torch")
+    p = argparse.ArgumentParser(description="one-rank CPU attention forward and backward: burstcu vs torch SDPA")
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="BLAS, torch and burstcu threads (default: 1 and all cores)")
+    p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"])
+    p.add_argument("--causal", action="store_true", help="the same as --masks causal")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--headdim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="BLAS and torch threads (default: all cores)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--naive-max", type=int, default=8192, help="skip the O(S^2)-memory naive run above this")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
     p.add_argument("--json", default="bench/out/local_cpu.json")
+    p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
+    masks = ["causal"] if args.causal else args.masks
+    threads_list = args.threads or sorted({1, os.cpu_count() or 1})
 
-    import os
-    threads = args.threads or os.cpu_count()
     from threadpoolctl import threadpool_limits
-    sdpa = torch_sdpa()
-    if sdpa is not None:
+    try:
         import torch
-        torch.set_num_threads(threads)
-    rows = []
-    with threadpool_limits(limits=threads):
-        env = environment(None, threads=threads,
-                          torch=None if sdpa is None else __import__("torch").__version__)
-        for seqlen in args.seqlen:
-            rows += bench_one(seqlen, args, sdpa)
-    print(f"one-rank forward, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
-          f"causal={args.causal}, {threads} threads, measured on the CPU")
-    print(table(rows, ["seqlen", "impl", "seconds", "gflops", "time_vs_torch"]))
-    write_json(args.json, {"config": vars(args), "environment": env, "results": rows})
+    except ImportError:
+        torch = None
+    rows, memory = [], []
+    env = environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
+                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+    for threads in threads_list:
+        if torch is not None:
+            torch.set_num_threads(threads)
+        with threadpool_limits(limits=threads):
+            for seqlen in args.seqlen:
+                for mask in masks:
+                    progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
+                    got, mem = bench_config(args, threads, seqlen, mask == "causal")
+                    rows += got
+                    memory.append(mem)
+    print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
+          f"median of {args.repeats} interleaved repetitions, measured on the CPU")
+    print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
+    print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes)")
+    shown = [{key: fmt_bytes(val) if key in ("forward_peak", "backward_peak", "scratch", "score_matrix") and val is not None else val
+              for key, val in m.items()} for m in memory]
+    print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch",
+                        "score_matrix", "scratch_vs_score_matrix"]))
+    write_json(args.json, {"config": vars(args), "environment": env, "results": rows, "memory": memory})
     print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

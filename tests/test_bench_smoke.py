@@ -250,16 +250,31 @@ def test_scaling_smoke(tmp_path):
 
 
 def test_local_cpu_smoke(tmp_path):
-    """bench/local_cpu.py: burstcu vs naive NumPy (and torch when installed), same shapes."""
-    js = tmp_path / "local.json"
-    out = run_bench("local_cpu.py", ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16,
-                                     "--repeats", 1, "--threads", 1, "--json", js], nprocs=None)
+    """bench/local_cpu.py: burstcu vs naive NumPy (and torch when installed), forward and
+    backward, same shapes, thread counts and masks interleaved; memory per configuration."""
+    js, png = tmp_path / "local.json", tmp_path / "local.png"
+    out = run_bench("local_cpu.py", ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16, "--repeats", 1,
+                                     "--threads", 1, 2, "--naive-max", 64, "--json", js, "--plot", png],
+                    nprocs=None)
     assert "measured on the CPU" in out
     result = json.loads(js.read_text())
-    impls = {(r["seqlen"], r["impl"]) for r in result["results"]}
-    assert {(64, "burstcu"), (64, "naive numpy"), (96, "burstcu"), (96, "naive numpy")} <= impls
-    assert all(r["seconds"] > 0 and r["gflops"] > 0 for r in result["results"])
-    assert result["environment"]["threads"] == 1
+    rows = {(r["threads"], r["seqlen"], r["mask"], r["pass"], r["impl"]): r for r in result["results"]}
+    for threads in (1, 2):
+        for seqlen in (64, 96):
+            for mask in ("full", "causal"):
+                for pass_ in ("forward", "backward"):
+                    row = rows[(threads, seqlen, mask, pass_, "burstcu")]
+                    assert row["seconds"] > 0 and row["gflops"] > 0 and len(row["all_seconds"]) == 1
+    assert {(s, i) for _, s, _, p, i in rows if p == "forward"} >= {(64, "naive numpy"), (64, "burstcu")}
+    assert (1, 96, "full", "forward", "naive numpy") not in rows     # above --naive-max
+    if "torch sdpa" in {key[-1] for key in rows}:
+        assert all(r["time_vs_torch"] > 0 for key, r in rows.items() if key[-1] == "burstcu")
+    assert result["environment"]["threads"] == [1, 2]
+    assert len(result["memory"]) == 8
+    for mem in result["memory"]:
+        assert mem["forward_peak"] > 0 and mem["backward_peak"] > 0 and mem["scratch"] > 0
+        assert mem["score_matrix"] == mem["seqlen"] ** 2 * 4
+    assert png.stat().st_size > 10_000
 
 
 def test_gpu_benchmarks_plan_without_a_gpu():
