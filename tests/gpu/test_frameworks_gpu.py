@@ -52,17 +52,23 @@ def test_torch_cuda_tensors(dtype):
     _check_against_reference(host, [x.double().cpu().numpy() for x in (out, *grads)], dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_jax_gpu_arrays(dtype):
+def _jax_gpu_inputs(dtype: str, seed: int):
+    """(jax, host arrays (q, k, v, dout) in the dtype, the same as jax arrays on the GPU);
+    skips without JAX or its GPU backend."""
     jax = pytest.importorskip("jax")
     try:
         device = jax.devices("gpu")[0]
     except RuntimeError:
         pytest.skip("jax has no GPU backend here")
-    jnp = jax.numpy
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     host = [rng.standard_normal(s, dtype=np.float32).astype(NP[dtype]) for s in SHAPES]
-    q, k, v, dout = (jax.device_put(jnp.asarray(x), device) for x in host)
+    return jax, host, [jax.device_put(jax.numpy.asarray(x), device) for x in host]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_jax_gpu_arrays(dtype):
+    jax, host, (q, k, v, dout) = _jax_gpu_inputs(dtype, 1)
+    jnp = jax.numpy
     out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
     for x, like in zip((out, *grads), (q, q, k, v)):
@@ -153,16 +159,9 @@ def test_torch_adapter_with_three_ranks_sharing_the_gpu():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_jax_adapter_grads_on_gpu(dtype, jit):
     """jax.grad through burstcu.jax.attention on GPU arrays: eager (DLPack to CuPy) and under
-    jax.jit (an ordered host callback computing on the CUDA kernels)."""
-    jax = pytest.importorskip("jax")
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("jax has no GPU backend here")
+    jax.jit (a buffer_callback on XLA's buffers and stream, held in program order)."""
+    jax, host, (q, k, v, dout) = _jax_gpu_inputs(dtype, 7)
     jnp = jax.numpy
-    rng = np.random.default_rng(7)
-    host = [rng.standard_normal(s, dtype=np.float32).astype(NP[dtype]) for s in SHAPES]
-    q, k, v, dout = (jax.device_put(jnp.asarray(x), device) for x in host)
 
     def loss(q, k, v):
         out = burstcu.jax.attention(q, k, v, causal=True)
