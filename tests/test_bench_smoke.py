@@ -436,3 +436,22 @@ def test_decode_bench_smoke(tmp_path):
     run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
               nprocs=None)
     assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])
+
+
+def test_adapters_smoke(tmp_path):
+    """bench/adapters.py on the CPU: the plain API and every adapter installed, one row each per
+    seqlen, their ratio to the API's time."""
+    js = tmp_path / "adapters.json"
+    out = run_bench("adapters.py", ["--seqlen", 64, "--heads", 2, "--headdim", 16, "--repeats", 1,
+                                    "--json", js], nprocs=None, timeout=120)
+    assert "measured on CPU" in out
+    rows = {r["path"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["api"]["vs_api"] == 1.0
+    expected = {"api"} | ({"torch", "sdpa"} if _installed("torch") else set()) | \
+        ({"jax", "jax.jit"} if _installed("jax") else set())
+    assert set(rows) == expected and all(r["time_ms"] > 0 for r in rows.values())
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
