@@ -20,8 +20,9 @@ Per ring step, from the `burstcu.engine.Trace` the engine records (plus the host
 the step's exchange, measured by a pass-through transport wrapper):
 
   t_compute    = compute_s of the step in the compute-only run
-  t_comm       = post + compute + wait of the step in the comm-only run (its wall time: the
-                 transfer runs from post to the end of wait); 0 for a step that exchanges nothing
+  t_comm       = post to completion of the step's exchanges in the comm-only run (completion:
+                 when the transport's progress thread finished them, or the end of a blocking
+                 all-gather): the exchange's own time; 0 for a step that exchanges nothing
   t_overlapped = post + compute + wait of the step in the overlapped run
   efficiency   = (t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange's
                  time hidden behind compute. 1: fully hidden; 0: compute and exchange ran back
@@ -104,6 +105,7 @@ class TimedTransport(Transport):
             self.stats = inner.stats
         self.intervals: list = []   # [kind, start, end]
         self._open: list = []       # intervals whose completion is not yet known
+        self._step: list = []       # the intervals of the exchanges since the last step
         self._post_s, self._posts = 0.0, 0
         self._traffic = dict.fromkeys(TRAFFIC, 0)
         self.root = self            # sub-groups (USP) keep their records in the top wrapper
@@ -138,6 +140,7 @@ class TimedTransport(Transport):
         iv = ["comm", t0, None]
         root.intervals.append(iv)
         root._open.append(iv)
+        root._step.append(iv)
         pending = getattr(self.inner, "_pending", None)  # bench-only peek at the MPI thread's futures
         if not self.null and pending:
             pending[-1].add_done_callback(lambda _f, iv=iv: iv.__setitem__(2, time.perf_counter()))
@@ -163,9 +166,11 @@ class TimedTransport(Transport):
 
     def take_post(self) -> tuple[float, int, dict]:
         """(host seconds posting, number of posts + all-gathers, messages and bytes they move
-        on this rank) since the last call."""
-        out = (self._post_s, self._posts, self._traffic)
-        self._post_s, self._posts, self._traffic = 0.0, 0, dict.fromkeys(TRAFFIC, 0)
+        on this rank and comm_s, the seconds from post to completion of each, added) since the
+        last call. Called after the step's wait, so every exchange of the step has completed."""
+        comm_s = _covered([(a, b) for _, a, b in self._step if b is not None])
+        out = (self._post_s, self._posts, {**self._traffic, "comm_s": comm_s})
+        self._post_s, self._posts, self._traffic, self._step = 0.0, 0, dict.fromkeys(TRAFFIC, 0), []
         return out
 
     # collectives
@@ -176,8 +181,11 @@ class TimedTransport(Transport):
                 recv_buf[j] = send_buf
         else:
             self.inner.allgather(send_buf, recv_buf)
-        self.root.intervals.append(["comm", t0, time.perf_counter()])
-        self.root._posts += self.size > 1  # a group of one gathers by a local copy: not communication
+        iv = ["comm", t0, time.perf_counter()]
+        self.root.intervals.append(iv)
+        if self.size > 1:  # a group of one gathers by a local copy: not communication
+            self.root._posts += 1
+            self.root._step.append(iv)
         pieces = [send_buf.nbytes] * (self.size - 1)   # G-1 messages each way (CommStats)
         self._count(pieces, pieces)
 
@@ -197,6 +205,17 @@ class TimedTransport(Transport):
         sub = TimedTransport(self.inner.split(color, key, name), self.null)
         sub.root = self.root
         return sub
+
+
+def _covered(intervals: list) -> float:
+    """Seconds covered by the union of (start, end) intervals (exchanges of one step may run
+    one after another or at once)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
 
 
 class TimedOps(DelegatingOps):
@@ -268,7 +287,7 @@ def _step_time(mode: str):
     if mode == "compute":
         return lambda s: s["compute_s"]
     if mode == "comm":
-        return lambda s: (s["post_s"] + s["compute_s"] + s["wait_s"]) if s["exchanged"] else 0.0
+        return lambda s: s["comm_s"] if s["exchanged"] else 0.0
     return lambda s: s["post_s"] + s["compute_s"] + s["wait_s"]
 
 
@@ -647,7 +666,7 @@ def main(argv=None) -> dict | None:
 def _definitions() -> dict:
     return {
         "t_compute": "compute_s of the step with a transport that moves nothing",
-        "t_comm": "post + compute + wait of the step with ops that compute nothing (0: no exchange)",
+        "t_comm": "post to completion of the step's exchanges with ops that compute nothing (0: no exchange)",
         "t_overlapped": "post + compute + wait of the step with both real",
         "efficiency": "(t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange hidden; "
                       "null without an exchange or when jitter_s >= t_comm (not measurable: see note)",
