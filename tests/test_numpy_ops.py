@@ -1,4 +1,5 @@
-"""The NumPy local op's fast paths: lazy rescaling falls back to the exact fold where it must,
+"""The NumPy local op's fast paths: lazy folding rescales rows or falls back to the exact fold
+where it must,
 buffers kept between calls never leak one call's data into the next, and its scratch stays
 tile-sized."""
 
@@ -18,26 +19,47 @@ def _group(**options):
     return burstcu.Group(0, 1, "numpy", SelfTransport(), NumpyOps(**options))
 
 
-def _rising(dtype, n=64, rise=1.5):
-    """Scores of query row i against key j: rise * j * (i % 3 - 1) — rows whose scores climb
-    12 per 8-key tile (past LAZY_LIMIT at every tile), fall, or stay flat — plus noise."""
+def _stepping(dtype, n=64, step=9.5):
+    """Scores of query row i against key j: step * (j // 8) * (i % 3 - 1) — rows whose scores
+    climb a step at each 8-key tile and are flat within it, fall, or stay flat — plus noise.
+    Against the shift from the tile before, a climbing row's P is ~e^9.5 at each of the 8 keys:
+    their sum past LAZY_LIMIT (2^16 ~ e^11.1), each within RESCALE_LIMIT (e^22.2)."""
     q, k, v, dout = make_inputs(11, 1, n, 2, 1, 4, dtype)
     q[..., 0] = (np.arange(n) % 3 - 1)[None, :, None]
-    k[..., 0] = rise * np.arange(n)[None, :, None] / q.shape[-1] ** -0.5
+    k[..., 0] = step * (np.arange(n) // 8)[None, :, None] / q.shape[-1] ** -0.5
+    return q, k, v, dout
+
+
+def _jumping(dtype, n=64):
+    """Every row's scores jump from about -100 to about 0 at key n / 2 (plus noise): exp of the
+    scores against the shift from the keys before overflows float32 (e^100 > 2^128), not
+    float64. (Scores near 0 where the rows' softmax lives: a float32 lse near 100 would carry
+    an absolute error of ulp(100) / 2 into every P of the backward.)"""
+    q, k, v, dout = make_inputs(11, 1, n, 2, 1, 4, dtype)
+    q[..., 0] = 1
+    k[..., 0] = np.where(np.arange(n) < n // 2, -100 / q.shape[-1] ** -0.5, 0)[None, :, None]
     return q, k, v, dout
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_rows_whose_scores_climb_are_folded_exactly(dtype, causal, monkeypatch):
-    q, k, v, dout = _rising(dtype)
-    exact = []
-    fold = numpy_ops._fold_exactly
-    monkeypatch.setattr(numpy_ops, "_fold_exactly", lambda *a: exact.append(1) or fold(*a))
+@pytest.mark.parametrize("inputs, path", [(_stepping, "_rescale_rows"), (_jumping, "_fold_exactly")])
+def test_rows_whose_scores_climb(dtype, causal, inputs, path, monkeypatch):
+    """Rows whose P sums past LAZY_LIMIT, each P within RESCALE_LIMIT, are rescaled alone; rows
+    with a larger P (here e^100: past float32's range) are folded again exactly. Either way out, lse and
+    the gradients stay within the FA rule of a float64 reference."""
+    q, k, v, dout = inputs(dtype)
+    calls = {name: [] for name in ("_rescale_rows", "_fold_exactly")}
+    for name in calls:
+        fn = getattr(numpy_ops, name)
+        monkeypatch.setattr(numpy_ops, name, lambda *a, _fn=fn, _log=calls[name]: _log.append(1) or _fn(*a))
     group = _group(tile_q=8, tile_k=8, threads=1)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, check=True)
-    assert exact, "no tile needed the exact fold: the test lost its point"
+    assert calls[path], f"no tile took {path}: the test lost its point"
+    if path == "_rescale_rows":
+        # rows are seeded from a sample of each row's first tile: none needs the exact fold
+        assert not calls["_fold_exactly"], len(calls["_fold_exactly"])
     truth = np.longdouble if dtype == "float64" else np.float64
     naive = np.float64 if dtype == "float64" else np.float32
     refs = attention_ref(q, k, v, causal, dtype=truth) + attention_backward_ref(dout, q, k, v, causal, dtype=truth)

@@ -9,17 +9,25 @@ One matmul against a KV head's keys then scores every query head of its group.
 
 What a tile costs (float32, one core of the Zen 5 machine measured): each of its two matmuls
 ~1.2 ns per score (~105 GFLOP/s, OpenBLAS); each other pass over the tile 0.1-0.4 ns. So the
-forward makes one other pass, exp2, and folds the rest into the matmuls:
-* base 2: q carries softmax_scale * log2(e) and P = exp2(score - m) (NumPy's exp2 takes 0.23 ns
-  a value, exp 0.37);
+forward makes one other pass, exp, and folds the rest into the matmuls:
 * extra columns: q ends in -m and K in ones, so Q K^T yields score - m; V ends in ones, so
-  P @ [V | 1] yields the row sums l beside the output;
-* lazy rescaling: a row keeps its shift m (a score it has seen) until a tile's P would sum past
-  LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per tile;
-  those rows, and anything non-finite, are folded again exactly (`_fold_tile`).
-A tile is then two matmuls, exp2, a max over its row sums and one accumulate: ~2.9 ns per
-score, against 3.5 ns for the max / subtract / exp / rescale sequence (seqlen 4096, 8 heads,
-d 64: 0.40 s against 0.46 s). The backward folds -lse and -delta into its matmuls the same way.
+  P @ [V | 1] yields the row sums l beside the output (a 65th column costs 0.03 ns a score in
+  Q K^T and 0.1 in P @ V, against 0.23 for a subtraction pass and 0.18 for a row sum);
+* lazy rescaling: a row keeps its shift m (a score it has seen) while a tile's P sums to at
+  most LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per
+  tile; rows past it are rescaled alone, anything non-finite folded again exactly
+  (`_fold_tile`).
+A tile is then two matmuls, exp, a max over its row sums and one accumulate: ~3 ns per score,
+against 3.5 ns for the max / subtract / exp / rescale sequence. The backward folds -lse and
+-delta into its matmuls the same way.
+
+Why exp and not exp2 (with log2(e) folded into q): NumPy's float32 exp2 is an SVML routine that
+takes 0.2 ns a value on ordinary scores but leaves its vector path for -inf (masked pairs) and
+for results that underflow (scores far below the row's shift, as peaked attention has): 4-90x
+slower on such arrays, where NumPy's own exp holds 0.36 ns for any input (2^16 values, half
+-inf: exp2 295 us, exp 24 us). In about one process in four, exp2 is also ~4x slower on every
+input for the process's life (address-space layout: never with randomisation off). exp gave
+the same time, 0.97-1.01x torch's, at seqlen 4096 in every process measured.
 
 Tiles: 512 score rows x 512 keys in the forward, a 1 MiB float32 score tile — the L2 of one
 core — beside 130 KiB rows of Q, K, V; the ~10 ufunc calls of Python per tile (~20 us) then
@@ -73,11 +81,8 @@ from .base import LocalOps, accum_dtype
 TILE_Q = 512   # score rows per tile (query positions x the g query heads of a kv head)
 TILE_K = 512   # keys per tile
 BACKWARD_TILE_Q = 256   # at most: the backward holds two tiles (P, dS), together one forward tile
-# the scores are in base 2 (exp2 is the faster ufunc): ln 2 and log2(e) in extended precision,
-# so that float64's conversions of lse and of softmax_scale round once, and invert each other
-LN2 = np.log(np.longdouble(2))
-LOG2E = 1 / LN2
-LAZY_LIMIT = 2.0 ** 16       # a lazily folded tile whose row sum of P exceeds this is redone exactly
+LAZY_LIMIT = 2.0 ** 16       # a lazily folded row whose P sums past this is rescaled or redone
+RESCALE_LIMIT = 2.0 ** 32    # ... rescaled if its largest P is at most this (`_rescale_rows`)
 TAME_V = 2.0 ** 100          # max |V| below which P @ V cannot overflow float32 when P sums to LAZY_LIMIT
 SEED_KEYS = 8                # a row's first shift: its max over 2 x this many keys of the tile (`_seed`)
 
@@ -351,21 +356,25 @@ def _matmul_masked(a, b, masked, out, b_finite: bool) -> np.ndarray:
 
 
 def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
-    """acc += P @ [V | 1] for one tile, P = 2^(score - m), folded lazily where that is exact and
-    exactly elsewhere. q (rows, D+1): scaled queries | -m, the rows' negated running shift;
+    """acc += P @ [V | 1] for one tile, P = exp(score - m), folded lazily where that is exact
+    and exactly elsewhere. q (rows, D+1): scaled queries | -m, the rows' negated running shift;
     k, v (keys, D+1) ending in ones; acc (rows, D+1); future (rows, keys) or None: masked pairs;
     s (rows, keys), pv (rows, D+1): scratch; v_max: max |V| of the head (NaN, inf: not finite).
 
     Lazily: against each row's shift m as it stands — no row max, no rescaling of acc, and with
     q's -m column against k's ones the matmul yields score - m directly. Exact because softmax
     is invariant to the shift, as long as P neither overflows nor loses the row's largest
-    terms: m is a score the row has seen (so its largest P is at least 1), and a row is
-    accepted only if its P sums to at most LAZY_LIMIT (NaN and Inf fail that too). Then
-    |P @ V| <= LAZY_LIMIT * max |V|, finite unless V is huge (only then is P @ V checked).
-    A row meeting its first keys takes a seed (`_seed`); rows without one, with scores well
-    above m, or with NaN/Inf inputs go to `_fold_exactly`. Each row's result depends on that
-    row alone (the tiles, not the values, pick the matmul shapes), so garbage in one row never
-    changes another's bits. The common case costs four ufunc calls beyond the two matmuls.
+    terms: m is a score the row has seen (so its largest P is at least 1). A row whose P sums
+    to at most LAZY_LIMIT is added as it is; then |P @ V| <= LAZY_LIMIT * max |V|, finite
+    unless V is huge (only then is P @ V checked). A row whose P sums past it but whose
+    largest P stays within RESCALE_LIMIT is added divided by that P, and m grows by its log
+    (`_rescale_rows`): a few rows of one pass, where redoing the tile would cost its two
+    matmuls again (peaked scores sent nearly every tile there: queries x 4 on normal inputs,
+    0.9 s against 0.42 at seqlen 4096). A row meeting its first keys takes a seed (`_seed`);
+    rows without one, with a larger P, or with NaN/Inf inputs go to `_fold_exactly`. Each row's
+    result depends on that row alone (the tiles, not the values, pick the matmul shapes), so
+    garbage in one row never changes another's bits. The common case costs four ufunc calls
+    beyond the two matmuls.
     """
     with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
         shifted = math.isfinite(q[:, -1].sum())    # every row has a shift (a NaN/Inf sums so)
@@ -379,18 +388,42 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
         np.matmul(q, k.T, out=s)
         if future is not None:  # overwrites NaN/Inf scores of masked keys too
             np.copyto(s, -np.inf, where=future)
-        np.exp2(s, out=s)
+        np.exp(s, out=s)
         _matmul_masked(s, v, future, pv, math.isfinite(v_max))
         l = pv[:, -1]
         if shifted and l.max() <= LAZY_LIMIT and (v_max < TAME_V or math.isfinite(pv.sum())):
             acc += pv
             return
-        ok = np.isfinite(pv).all(axis=1) & (l <= LAZY_LIMIT)
+        ok = np.isfinite(pv).all(axis=1)
         if not shifted:
             ok &= ~fresh
+        big = ok & (l > LAZY_LIMIT)
+    ok &= ~big
+    if big.any():
+        big = _rescale_rows(q, acc, s, pv, big)
     acc[ok] += pv[ok]
-    if not ok.all():
-        _fold_exactly(q, k, v, acc, future, s, pv, v_max, ~ok)
+    done = ok | big
+    if not done.all():
+        _fold_exactly(q, k, v, acc, future, s, pv, v_max, ~done)
+
+
+def _rescale_rows(q, acc, p, pv, rows) -> np.ndarray:
+    """Of the rows `rows` (bool) of a lazily folded tile whose P summed past LAZY_LIMIT,
+    finite, those whose largest P, t, is at most RESCALE_LIMIT: acc := (acc + pv) / t and
+    m := m + ln t, so their largest P is 1 again — the shift is then that score, as the exact
+    fold's would be. Returns them (bool); the rest need the exact fold. Their scores, computed
+    against the old m, carry an absolute error of about ulp(score - m) / 2 <= ulp(22) / 2 =
+    1e-6 in float32 (ln RESCALE_LIMIT = 22.2), so each P is within ~8 ulp — a lazily folded
+    row's within ~4 (ln LAZY_LIMIT = 11.1); a larger t would carry more (scores 100 above m:
+    4e-6, 32 ulp). Peaked scores land here: queries x 4 on normal inputs, ln t 9-19.
+    q (rows, D+1) ending in -m; acc, pv (rows, D+1); p (rows, keys): the tile's P."""
+    top = np.zeros(len(rows), p.dtype)
+    top[rows] = p[rows].max(axis=1)
+    rows = rows & (top <= RESCALE_LIMIT)
+    r = 1 / top[rows]
+    acc[rows] = acc[rows] * r[:, None] + pv[rows] * r[:, None]   # each term finite, so their sum
+    q[rows, -1] += np.log(r)
+    return rows
 
 
 def _seed(q, k, future) -> None:
@@ -415,7 +448,7 @@ def _seed(q, k, future) -> None:
 
 def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows=None) -> None:
     """The online-softmax update of one tile with the exact row max (shapes as `_fold_tile`):
-    m' = max(m, scores), acc = acc * 2^(m - m') + 2^(scores - m') @ [V | 1], q's -m := -m'.
+    m' = max(m, scores), acc = acc * exp(m - m') + exp(scores - m') @ [V | 1], q's -m := -m'.
     rows (bool, rows) or None (all): the rows updated; every row is computed, so each row's bits
     are the same whichever others are updated."""
     d = k.shape[1] - 1
@@ -427,11 +460,11 @@ def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows=None) -> None:
     # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
     shift = np.where(m_new == -np.inf, 0, m_new)
     s -= shift[:, None]
-    np.exp2(s, out=s)
+    np.exp(s, out=s)
     # P is 0 at masked keys (except on a row whose max is NaN: NaN already), but 0 * inf would
     # still be NaN in a plain P @ V
     _matmul_masked(s, v, future, pv, math.isfinite(v_max))
-    alpha = np.exp2(m_old - shift)
+    alpha = np.exp(m_old - shift)
     if rows is None:
         acc *= alpha[:, None]
         acc += pv
@@ -441,18 +474,13 @@ def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows=None) -> None:
         q[rows, d] = -m_new[rows]
 
 
-def _neg_lse2(lse_rows) -> tuple[np.ndarray, np.ndarray]:
-    """-lse * log2(e), the base-2 shift of the backward's scores, as hi + lo in lse's dtype:
-    computed wide, so that q's two last columns against k's two ones give score - lse * log2(e)
-    as exactly as lse itself (one rounded column would add half an ulp of it to every score).
-    Rows with lse = -inf saw no key in the forward: -inf + 0, so their P = 2^(score - inf) = 0."""
-    wide = np.longdouble if lse_rows.dtype == np.float64 else np.float64
-    exact = lse_rows.astype(wide) * -wide(LOG2E)
-    hi = exact.astype(lse_rows.dtype)
-    with np.errstate(invalid="ignore"):    # inf - inf, where lse is infinite: 0 below
-        lo = np.where(np.isfinite(hi), exact - hi, 0).astype(lse_rows.dtype)
-    hi[lse_rows == -np.inf] = -np.inf
-    return hi, lo
+def _neg_lse(lse_rows) -> np.ndarray:
+    """-lse, the shift of the backward's scores (q's last column against k's ones gives
+    score - lse), except -inf where lse = -inf: such a row saw no key in the forward, so its
+    P = exp(score - inf) = 0 (-lse = +inf would make it inf)."""
+    neg = -lse_rows
+    neg[lse_rows == -np.inf] = -np.inf
+    return neg
 
 
 class _InOrder:
@@ -495,8 +523,8 @@ _DONE = object()   # the end of `NumpyOps._run`'s items
 class ForwardState:
     q_in: np.ndarray          # the caller's (B, S, H, D), grouped on the first step
     scale: float
-    # (B, Hkv, S*g, D+1): queries times softmax_scale * log2(e) | -m, the negated running shift
-    # of the rows' base-2 scores (+inf before a row's first key)
+    # (B, Hkv, S*g, D+1): queries times softmax_scale | -m, the negated running shift of the
+    # rows' scores (+inf before a row's first key)
     q: np.ndarray | None = None
     acc: np.ndarray | None = None   # (B, Hkv, S*g, D+1): un-normalised output | row sum l
     g: int = 1                      # query heads per kv head
@@ -504,9 +532,9 @@ class ForwardState:
 
 @dataclass
 class BackwardContext:
-    k: np.ndarray      # (B, Hkv, S, D+2), ending in two ones columns (see _neg_lse2)
+    k: np.ndarray      # (B, Hkv, S, D+1), ending in a ones column (against q's -lse)
     v: np.ndarray      # (B, Hkv, S, D+1), ending in a ones column
-    dk: np.ndarray     # (B, Hkv, S, D) accumulators (dk carries softmax_scale * log2(e))
+    dk: np.ndarray     # (B, Hkv, S, D) accumulators
     dv: np.ndarray
     scale: float
     kv_max: np.ndarray | None = None      # (B, Hkv, 2) max |k|, max |v|: at the first masked step
@@ -539,6 +567,7 @@ class NumpyOps(LocalOps):
     def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None):
         if tile_q < 1 or tile_k < 1:
             raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
+
         self.tile_q, self.tile_k = tile_q, tile_k
         self.threads = threads or _default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="burstcu-lao") if self.threads > 1 else None
@@ -635,7 +664,7 @@ class NumpyOps(LocalOps):
 
         def layout(bi, hi):
             if first:
-                _put(st.q[bi, hi], st.q_in[bi, :, hi * g:(hi + 1) * g], np.longdouble(st.scale) * LOG2E, np.inf)
+                _put(st.q[bi, hi], st.q_in[bi, :, hi * g:(hi + 1) * g], st.scale, np.inf)
                 st.acc[bi, hi].fill(0)
             _put(kh[bi, hi], k[bi, :, hi:hi + 1], None, 1)
             _put(vh[bi, hi], v[bi, :, hi:hi + 1], None, 1)
@@ -668,8 +697,8 @@ class NumpyOps(LocalOps):
             _fold_tile(q[r0:r1], k[k0:k1], v[k0:k1], acc[r0:r1], future, s, pv, v_max)
 
     def forward_finalize(self, st, out_dtype):
-        """out = acc / l in (B, S, H, D); lse = ln 2 * (m + log2 l) (B, H, S), from the base-2
-        running shift m; rows that saw no key get out 0 and lse -inf."""
+        """out = acc / l in (B, S, H, D); lse = m + log l (B, H, S), from the running shift m;
+        rows that saw no key get out 0 and lse -inf."""
         if st.q is None:
             raise RuntimeError("forward_finalize before any forward_step, or twice")
         b, hkv, sg, d = st.acc.shape[0], st.acc.shape[1], st.acc.shape[2], st.acc.shape[3] - 1
@@ -681,7 +710,7 @@ class NumpyOps(LocalOps):
         # in float64 (longdouble for float64 input), rounded once to the state's dtype
         wide = np.longdouble if acc_t == np.float64 else np.float64
         m = -st.q[..., d].astype(wide)
-        lse = np.where(seen, (m + np.log2(l_safe.astype(wide))) * wide(LN2), -np.inf).astype(acc_t)
+        lse = np.where(seen, m + np.log(l_safe.astype(wide)), -np.inf).astype(acc_t)
         out = self._kept.take((b, s, hkv * g, d), acc_t)
 
         def divide(bi, hi):
@@ -702,11 +731,11 @@ class NumpyOps(LocalOps):
         b, s, hkv, d = k.shape
         acc_t = accum_dtype(k.dtype)
         take = self._kept.take
-        ctx = BackwardContext(take((b, hkv, s, d + 2), acc_t), take((b, hkv, s, d + 1), acc_t),
+        ctx = BackwardContext(take((b, hkv, s, d + 1), acc_t), take((b, hkv, s, d + 1), acc_t),
                               take((b, hkv, s, d), acc_t), take((b, hkv, s, d), acc_t), softmax_scale)
 
         def layout(bi, hi):
-            _put(ctx.k[bi, hi], k[bi, :, hi:hi + 1], None, 1, 1)
+            _put(ctx.k[bi, hi], k[bi, :, hi:hi + 1], None, 1)
             _put(ctx.v[bi, hi], v[bi, :, hi:hi + 1], None, 1)
             ctx.dk[bi, hi].fill(0)
             ctx.dv[bi, hi].fill(0)
@@ -751,16 +780,15 @@ class NumpyOps(LocalOps):
     def _backward_layout(self, ctx, q, dout, lse, delta, blocks):
         """(qs, do, dq_acc, clean) for one step, laid out head by head. q ends in
         -lse and dO in -delta, against k's and v's ones columns: the matmuls yield score - lse
-        and dO V^T - delta with no pass of their own. Scores in base 2, as the forward's:
-        (scale * log2(e) * q) @ k^T against lse * log2(e). qs (B, Hkv, S*g, D+2), ending in
-        -lse * log2(e) as hi and lo (`_neg_lse2`); do (B, Hkv, S*g, D+1); dq_acc
+        and dO V^T - delta with no pass of their own. qs (B, Hkv, S*g, D+1): softmax_scale * q
+        | -lse (`_neg_lse`); do (B, Hkv, S*g, D+1); dq_acc
         (B, Hkv, S*g, D) zeroed; clean[bi][hi]: `_Clean` of that head (checked only under a
         mask)."""
         b, hkv, _, d = ctx.dk.shape
         acc_t, rows, g = ctx.k.dtype, q.shape[1] * (q.shape[2] // hkv), q.shape[2] // hkv
-        hi2, lo2 = _neg_lse2(_rows_grouped(lse, hkv, acc_t))
+        neg_lse = _neg_lse(_rows_grouped(lse, hkv, acc_t))
         delta_rows = _rows_grouped(delta, hkv, acc_t)
-        qs, do = self._kept.take((b, hkv, rows, d + 2), acc_t), self._kept.take((b, hkv, rows, d + 1), acc_t)
+        qs, do = (self._kept.take((b, hkv, rows, d + 1), acc_t) for _ in range(2))
         dq_acc = self._kept.take((b, hkv, rows, d), acc_t)
         clean = [[_Clean()] * hkv for _ in range(b)]
         masked = any(blk.masked for blk in blocks)
@@ -769,7 +797,7 @@ class NumpyOps(LocalOps):
             ctx.kv_max = np.empty((b, hkv, 2))
 
         def layout(bi, hi):
-            _put(qs[bi, hi], q[bi, :, hi * g:(hi + 1) * g], np.longdouble(ctx.scale) * LOG2E, hi2[bi, hi], lo2[bi, hi])
+            _put(qs[bi, hi], q[bi, :, hi * g:(hi + 1) * g], ctx.scale, neg_lse[bi, hi])
             _put(do[bi, hi], dout[bi, :, hi * g:(hi + 1) * g], None, -delta_rows[bi, hi])
             dq_acc[bi, hi].fill(0)
             if measure_kv:
@@ -808,8 +836,8 @@ class NumpyOps(LocalOps):
 
     def _backward_block(self, q, do, k, v, dk, dv, dq, block: Block, g: int,
                         scratch: _Scratch, clean: _Clean, row_p=None) -> None:
-        """One head: q (S*g, D+2) scaled queries | -lse*log2(e) as hi, lo; do (S*g, D+1)
-        dO | -delta; k (S, D+2), v (S, D+1) ending in ones; dq (S*g, D); dk, dv (S, D);
+        """One head: q (S*g, D+1) scaled queries | -lse; do (S*g, D+1) dO | -delta; k, v
+        (S, D+1) ending in ones; dq (S*g, D); dk, dv (S, D);
         row_p (S*g,) or None: each row's sum of P is added to it."""
         d = dk.shape[1]
         rows_per_tile = max(1, min(self.tile_q, BACKWARD_TILE_Q) // g)
@@ -821,7 +849,7 @@ class NumpyOps(LocalOps):
             future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 np.copyto(p, -np.inf, where=future)
-            np.exp2(p, out=p)
+            np.exp(p, out=p)
             if row_p is not None:
                 row_p[r0:r1] += np.matmul(p, np.ones(keys, p.dtype))
             key_grad, row_grad = scratch.get("keys", keys, d), scratch.get("rows", rows, d)
@@ -837,16 +865,16 @@ class NumpyOps(LocalOps):
                 # V, dO or delta is not finite (or dO V^T overflows)
                 np.copyto(ds, 0, where=future)
             dq[r0:r1] += _matmul_masked(ds, k_k, future, row_grad, clean.k)
-            # q carries softmax_scale * log2(e): backward_finalize multiplies dk by ln 2
+            # q carries softmax_scale, which the sum over rows of dS q then holds too
             dk[k0:k1] += _matmul_masked(ds.T, q_r, future_t, key_grad, clean.q)
 
     def backward_finalize(self, ctx, out_dtype):
-        """(dk, dv) (B, S, Hkv, D) in out_dtype; dk's sum ran over base-2 scaled queries: times ln 2."""
+        """(dk, dv) (B, S, Hkv, D) in out_dtype."""
         b, hkv, s, d = ctx.dk.shape
         dk, dv = (self._kept.take((b, s, hkv, d), ctx.dk.dtype) for _ in range(2))
 
         def put(bi, hi):
-            np.multiply(ctx.dk[bi, hi], ctx.dk.dtype.type(LN2), out=dk[bi, :, hi])
+            dk[bi, :, hi] = ctx.dk[bi, hi]
             dv[bi, :, hi] = ctx.dv[bi, hi]
         self._each_head(put, b, hkv)
         self._kept.give(ctx.k, ctx.v, ctx.dk, ctx.dv)
