@@ -60,3 +60,24 @@ def test_single_process(strategy):
     ref = burstcu.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=True)
     for got, want in zip(grads, ref):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_one_rank_burst_reads_k_v_in_place(monkeypatch):
+    """With one rank nothing travels: the burst forward takes no message buffers (it copied K
+    and V into one before) and reads strided K, V as they are — out and lse still equal the
+    float64 reference."""
+    from burstcu.ops.numpy_ops import NumpyOps
+    from burstcu.testing.reference import attention_ref
+    from burstcu.transport.base import SelfTransport
+
+    ops = NumpyOps(threads=1)
+    monkeypatch.setattr(ops, "double_buffer", lambda fields: pytest.fail("a message buffer with one rank"))
+    group = burstcu.Group(0, 1, "numpy", SelfTransport(), ops)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 32, 4, 8))
+    kv = rng.standard_normal((1, 32, 8, 8))
+    k, v = kv[:, :, 0::2], kv[:, :, 1::2]          # views, not contiguous
+    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, True, dtype=np.longdouble)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-13)

@@ -88,14 +88,20 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     part = as_partition(layout, size, q.shape[1])
     lengths = part.lengths
     assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
-    buffers = ops.double_buffer(_kv_fields(k, v, max(lengths)))
+    if size == 1:   # nothing travels: the one step reads K and V where they are
+        own = {"k": ops.xp.ascontiguousarray(k), "v": ops.xp.ascontiguousarray(v)}
 
-    def holding(step: int):  # the buffer of `step`, laid out for the block it holds then
-        return laid_out(buffers[step % 2], _kv_fields(k, v, lengths[(rank - step) % size]))
+        def holding(step: int):
+            return own
+    else:
+        buffers = ops.double_buffer(_kv_fields(k, v, max(lengths)))
 
-    first = holding(0)
-    ops.copy_(first["k"], k)
-    ops.copy_(first["v"], v)
+        def holding(step: int):  # the buffer of `step`, laid out for the block it holds then
+            return laid_out(buffers[step % 2], _kv_fields(k, v, lengths[(rank - step) % size]))
+
+        first = holding(0)
+        ops.copy_(first["k"], k)
+        ops.copy_(first["v"], v)
     state = ops.forward_init(q, softmax_scale)
 
     mask = (part, causal, window, docs)
