@@ -3,7 +3,8 @@
 
     python bench/local_cpu.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
                               [--heads 8] [--headdim 64] [--batch 1] [--repeats 5]
-                              [--no-backward] [--naive-max 1024] [--json FILE] [--plot FILE]
+                              [--no-backward] [--naive-max 1024] [--score-std 1]
+                              [--json FILE] [--plot FILE]
 
 For each (threads, seqlen, mask) burstcu and torch run interleaved — one repetition of each in
 turn, --repeats times, after one warm-up each — so a slow spell of the machine hits them alike;
@@ -13,6 +14,9 @@ after it and would slow whatever came next. BLAS and torch are held to the same 
 gives, with its NumPy op on that many threads. Inputs are float32, converted to each library's
 layout outside the timed region. Backward: burstcu.attention_backward against SDPA's backward
 alone (torch.autograd.grad of the SDPA output for the same dout, graph kept between repetitions).
+Inputs are standard normal, so the scores (softmax_scale * q.k) have std 1; --score-std X scales
+q to make it X: a trained model's attention is more peaked than that, and an online softmax that
+folds lazily (burstcu's) meets new row maxima more often there.
 
 Memory, on a fresh op (nothing kept from earlier calls): tracemalloc's peak over one burstcu
 forward and one backward call — every NumPy allocation inside them: the op's (B, H, S, D)-sized
@@ -107,6 +111,7 @@ def bench_config(args, threads: int, seqlen: int, causal: bool):
     rng = np.random.default_rng(0)
     shape = (args.batch, seqlen, args.heads, args.headdim)
     q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    q *= np.float32(args.score_std)
     ops = NumpyOps(threads=threads)
     group = burstcu.Group(0, 1, "numpy", SelfTransport(), ops)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
@@ -125,7 +130,8 @@ def bench_config(args, threads: int, seqlen: int, causal: bool):
     for (pass_, impl), ts in times.items():
         t = median(ts)
         ref = times.get((pass_, "torch sdpa"))
-        rows.append({"threads": threads, "seqlen": seqlen, "mask": mask, "pass": pass_, "impl": impl,
+        rows.append({"threads": threads, "seqlen": seqlen, "mask": mask, "score_std": args.score_std,
+                     "pass": pass_, "impl": impl,
                      "seconds": t, "all_seconds": ts, "time_vs_torch": t / median(ref) if ref else None,
                      "gflops": flops * (2.5 if pass_ == "backward" else 1) / t / 1e9})
     group.close()
@@ -187,6 +193,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
+    p.add_argument("--score-std", type=float, default=1.0, help="std of the scores (q is scaled to it)")
     p.add_argument("--json", default="bench/out/local_cpu.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -212,7 +219,7 @@ def main(argv=None):
                     rows += got
                     memory.append(mem)
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
-          f"median of {args.repeats} interleaved repetitions, measured on the CPU")
+          f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes)")
     shown = [{key: fmt_bytes(val) if key in ("forward_peak", "backward_peak", "scratch", "score_matrix") and val is not None else val
