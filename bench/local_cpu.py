@@ -21,8 +21,9 @@ folds lazily (burstcu's) meets new row maxima more often there.
 Memory, on a fresh op (nothing kept from earlier calls): tracemalloc's peak over one burstcu
 forward and one backward call — every NumPy allocation inside them: the op's (B, H, S, D)-sized
 copies and state, the ring's message buffers, the scratch, the outputs — and
-`NumpyOps.scratch_bytes` (per-thread tiles and dq partials), each against one S x S float32
-score matrix, which the op never forms.
+`NumpyOps.scratch_bytes` (per-thread tiles and the backward's O(S*D) dq partials) and
+`tile_scratch_bytes` (the tiles alone), each against one S x S float32 score matrix, which the
+op never forms.
 
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
@@ -150,9 +151,10 @@ def measure_memory(args, threads: int, seqlen: int, causal: bool, arrays) -> dic
     if not args.no_backward:
         memory["backward_peak"] = traced_peak(
             lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal))
-    memory["scratch"] = getattr(ops, "scratch_bytes", None)   # None: an op that does not count it
-    if memory["scratch"] is not None:
-        memory["scratch_vs_score_matrix"] = memory["scratch"] / memory["score_matrix"]
+    for name in ("scratch", "tile_scratch"):
+        memory[name] = getattr(ops, f"{name}_bytes", None)   # None: an op that does not count it
+        if memory[name] is not None:
+            memory[f"{name}_vs_score_matrix"] = memory[name] / memory["score_matrix"]
     group.close()
     return memory
 
@@ -221,11 +223,13 @@ def main(argv=None):
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
           f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
-    print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes)")
-    shown = [{key: fmt_bytes(val) if key in ("forward_peak", "backward_peak", "scratch", "score_matrix") and val is not None else val
-              for key, val in m.items()} for m in memory]
-    print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch",
-                        "score_matrix", "scratch_vs_score_matrix"]))
+    print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
+          " its tiles alone)")
+    sizes = ("forward_peak", "backward_peak", "scratch", "tile_scratch", "score_matrix")
+    shown = [{key: fmt_bytes(val) if key in sizes and val is not None else val for key, val in m.items()}
+             for m in memory]
+    print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch", "tile_scratch",
+                        "score_matrix", "scratch_vs_score_matrix", "tile_scratch_vs_score_matrix"]))
     write_json(args.json, {"config": vars(args), "environment": env, "results": rows, "memory": memory})
     print(f"wrote {args.json}")
     if args.plot:

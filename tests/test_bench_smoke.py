@@ -275,6 +275,7 @@ def test_local_cpu_smoke(tmp_path):
     assert len(result["memory"]) == 8
     for mem in result["memory"]:
         assert mem["forward_peak"] > 0 and mem["backward_peak"] > 0 and mem["scratch"] > 0
+        assert 0 < mem["tile_scratch"] <= mem["scratch"]
         assert mem["score_matrix"] == mem["seqlen"] ** 2 * 4
     assert png.stat().st_size > 10_000
 

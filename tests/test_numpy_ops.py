@@ -113,14 +113,19 @@ def test_kept_buffers_carry_nothing_between_calls():
 
 def test_scratch_is_tile_sized():
     """NumpyOps.scratch_bytes — per-thread tiles and the backward's dq partials (O(S * D)) —
-    does not grow like the score matrix: 4x the sequence, under 2x the scratch."""
-    scratch = []
+    does not grow like the score matrix: 4x the sequence, under 2x the scratch; its tiles
+    (tile_scratch_bytes) do not grow at all, and on two threads with the default tiles hold
+    under 1/16 of one float32 score matrix of seqlen 4096: the backward's P and dS share the
+    bytes of one forward tile."""
+    scratch, tiles = [], []
     for n in (1024, 4096):
-        q, k, v, dout = make_inputs(16, 1, n, 1, 1, 16, "float32")
+        q, k, v, dout = make_inputs(16, 1, n, 8, 8, 64, "float32")
         group = _group(threads=2)
         out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
         burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
         scratch.append(group.ops.scratch_bytes)
+        tiles.append(group.ops.tile_scratch_bytes)
         group.close()
     assert 0 < scratch[0] <= scratch[1] < 2 * scratch[0]
-    assert scratch[1] < 4096 * 4096 * 4 / 16
+    assert 0 < tiles[0] == tiles[1] < scratch[1]
+    assert tiles[1] < 4096 * 4096 * 4 / 16

@@ -234,12 +234,14 @@ def _mask_split(block: Block, q0: int, q1: int, k0: int, k1: int):
 class _Scratch:
     """Reusable tile buffers, one set per thread, kept by the op between steps and calls. A
     fresh tile-sized array per tile costs more than the arithmetic on it: above malloc's mmap
-    threshold every allocation page-faults anew. nbytes: what all threads' buffers hold."""
+    threshold every allocation page-faults anew. nbytes: what all threads' buffers hold;
+    by_name: the same per buffer name."""
 
     def __init__(self, dtype):
         self.dtype = dtype
         self.local = threading.local()   # its __dict__ is the calling thread's own
         self.nbytes = 0
+        self.by_name: dict[str, int] = {}
         self.lock = threading.Lock()
 
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
@@ -247,8 +249,10 @@ class _Scratch:
         buf = flat.get(name)
         if buf is None or buf.size < rows * cols:
             new = np.empty(rows * cols, self.dtype)
+            grown = new.nbytes - (0 if buf is None else buf.nbytes)
             with self.lock:
-                self.nbytes += new.nbytes - (0 if buf is None else buf.nbytes)
+                self.nbytes += grown
+                self.by_name[name] = self.by_name.get(name, 0) + grown
             buf = flat[name] = new
         return buf[:rows * cols].reshape(rows, cols)
 
@@ -567,7 +571,8 @@ class NumpyOps(LocalOps):
     Between calls it keeps its per-thread scratch and a few (B, Hkv, S, D)-sized work arrays
     (`_Kept`) for the next call; `release_buffers()` frees them. scratch_bytes: the most bytes
     of per-thread scratch (tiles, dq partials) held at once, all threads together — what the op
-    uses beyond its O(S * H * D) arrays."""
+    uses beyond its O(S * H * D) arrays; tile_scratch_bytes: the part of it in tiles (score-
+    shaped, fixed by tile_q and tile_k), without the backward's O(S * D) dq partials."""
 
     name = "numpy"
     xp = np
@@ -577,13 +582,12 @@ class NumpyOps(LocalOps):
     def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None):
         if tile_q < 1 or tile_k < 1:
             raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
-
         self.tile_q, self.tile_k = tile_q, tile_k
         self.threads = threads or _default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="burstcu-lao") if self.threads > 1 else None
         self._blas = None
         self._kept, self._scratch = _Kept(), {}
-        self.scratch_bytes = 0
+        self.scratch_bytes = self.tile_scratch_bytes = 0
 
     def release_buffers(self) -> None:
         """Free the kept message buffers, work arrays and scratch."""
@@ -599,7 +603,10 @@ class NumpyOps(LocalOps):
         return scratch
 
     def _count_scratch(self) -> None:
-        self.scratch_bytes = max(self.scratch_bytes, sum(x.nbytes for x in self._scratch.values()))
+        held = self._scratch.values()
+        self.scratch_bytes = max(self.scratch_bytes, sum(x.nbytes for x in held))
+        tiles = sum(n for x in held for name, n in x.by_name.items() if name != "dq")
+        self.tile_scratch_bytes = max(self.tile_scratch_bytes, tiles)
 
     def close(self) -> None:
         """Free the buffers and stop the worker threads (the op runs serially afterwards)."""
@@ -864,7 +871,8 @@ class NumpyOps(LocalOps):
         for q0, q1, k0, k1, masked in _tiles(block, rows_per_tile, self.tile_k, keys_outer=True):
             r0, r1 = q0 * g, q1 * g
             rows, keys = r1 - r0, k1 - k0
-            p, ds = scratch.get("scores", rows, keys), scratch.get("ds", rows, keys)
+            pair = scratch.get("scores", 2 * rows, keys)   # P and dS: the bytes of one forward tile
+            p, ds = pair[:rows], pair[rows:]
             np.matmul(q[r0:r1], k[k0:k1].T, out=p)        # score - lse
             future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
