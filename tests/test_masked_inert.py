@@ -10,6 +10,7 @@ import pytest
 
 import burstcu
 from burstcu.layout import Block
+from burstcu.ops import numpy_ops
 from burstcu.ops.numpy_ops import NumpyOps
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from tests.mpi.bodies import EPS, garbage, garbage_padding_is_inert, make_inputs, masked_positions_are_inert
@@ -189,15 +190,21 @@ def test_nan_query_and_inf_dout_rows_stay_out_of_keys_they_cannot_see(tiles):
 
 # -- the thread count changes nothing ------------------------------------------------------------
 
+@pytest.mark.parametrize("score_std", [1, 6])
 @pytest.mark.parametrize("tiles", [{"tile_q": 64, "tile_k": 96}, {}])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles):
+def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles, score_std, monkeypatch):
     """One batch and one kv head (fewer than the threads): out, lse, dq, dk, dv bitwise equal
-    for 1 to 4 threads."""
+    for 1 to 4 threads — also with peaked scores (q x 6), whose rows the forward rescales
+    alone (`_rescale_rows`, asserted to run) or folds again exactly."""
     _mpi4py()
     q, k, v, dout = make_inputs(9, 1, 1300, 2, 1, 32, dtype)
+    q *= score_std
+    rescaled = []
+    rescale = numpy_ops._rescale_rows
+    monkeypatch.setattr(numpy_ops, "_rescale_rows", lambda *a: rescaled.append(1) or rescale(*a))
     runs = []
     for threads in (1, 2, 3, 4):
         group = burstcu.init(backend="numpy", threads=threads, **tiles)
@@ -208,6 +215,7 @@ def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles):
     for threads, run in zip((2, 3, 4), runs[1:]):
         for name, one, many in zip(("out", "lse", "dq", "dk", "dv"), runs[0], run):
             assert one == many, f"{name} with {threads} threads differs from 1 thread"
+    assert bool(rescaled) == (score_std > 1), len(rescaled)
 
 
 @pytest.mark.timeout(120)

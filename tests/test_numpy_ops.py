@@ -113,19 +113,49 @@ def test_kept_buffers_carry_nothing_between_calls():
 
 def test_scratch_is_tile_sized():
     """NumpyOps.scratch_bytes — per-thread tiles and the backward's dq partials (O(S * D)) —
-    does not grow like the score matrix: 4x the sequence, under 2x the scratch; its tiles
-    (tile_scratch_bytes) do not grow at all, and on two threads with the default tiles hold
-    under 1/16 of one float32 score matrix of seqlen 4096: the backward's P and dS share the
-    bytes of one forward tile."""
-    scratch, tiles = [], []
-    for n in (1024, 4096):
-        q, k, v, dout = make_inputs(16, 1, n, 8, 8, 64, "float32")
-        group = _group(threads=2)
-        out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
-        burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
-        scratch.append(group.ops.scratch_bytes)
-        tiles.append(group.ops.tile_scratch_bytes)
+    does not grow like the score matrix: 4x the sequence, under 2x the scratch. Its tiles
+    (tile_scratch_bytes) are fixed by the tile sizes: one thread holds one forward score tile
+    (which the backward's P and dS share), its P @ [V | 1] rows and the backward's key rows —
+    on two threads at most twice that, under 1/16 of one float32 score matrix of seqlen 4096."""
+    one_thread = 4 * (numpy_ops.TILE_Q * numpy_ops.TILE_K + numpy_ops.TILE_Q * 65 + numpy_ops.TILE_K * 64)
+    for threads in (1, 2):
+        scratch, tiles = [], []
+        for n in (1024, 4096):
+            q, k, v, dout = make_inputs(16, 1, n, 8, 8, 64, "float32")
+            group = _group(threads=threads)
+            out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+            burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
+            scratch.append(group.ops.scratch_bytes)
+            tiles.append(group.ops.tile_scratch_bytes)
+            group.close()
+        assert 0 < scratch[0] <= scratch[1] < 2 * scratch[0]
+        if threads == 1:
+            assert tiles == [one_thread, one_thread]
+        else:    # each thread's buffers grow to the largest tile it happened to run
+            assert one_thread <= tiles[0] <= tiles[1] <= 2 * one_thread < 4096 * 4096 * 4 / 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rescaled_rows_keep_masked_garbage_out(dtype, monkeypatch):
+    """Peaked causal scores (q x 6: rows rescaled alone) with NaN and Inf in K and V at late
+    positions: every row before them has out, lse and dq bitwise as without the garbage (a
+    row's bits depend on its own inputs alone); the rows that see them are not finite."""
+    rescaled = []
+    rescale = numpy_ops._rescale_rows
+    monkeypatch.setattr(numpy_ops, "_rescale_rows", lambda *a: rescaled.append(1) or rescale(*a))
+    q, k, v, dout = make_inputs(5, 1, 300, 2, 1, 16, dtype)
+    q *= 6
+    bad_k, bad_v = k.copy(), v.copy()
+    bad_k[0, 200, 0, 3], bad_v[0, 250, 0, 5], bad_v[0, 260, 0, 0] = np.nan, np.inf, -np.inf
+    runs = []
+    for kk, vv in ((k, v), (bad_k, bad_v)):
+        group = _group(tile_q=64, tile_k=64, threads=2)
+        out, lse = burstcu.attention(q, kk, vv, group, causal=True, return_lse=True)
+        runs.append((out, lse, *burstcu.attention_backward(dout, q, kk, vv, out, lse, group, causal=True)))
         group.close()
-    assert 0 < scratch[0] <= scratch[1] < 2 * scratch[0]
-    assert 0 < tiles[0] == tiles[1] < scratch[1]
-    assert tiles[1] < 4096 * 4096 * 4 / 16
+    assert rescaled, "no row was rescaled: the test lost its point"
+    (out, lse, dq, dk, dv), (out2, lse2, dq2, dk2, dv2) = runs
+    assert out[:, :200].tobytes() == out2[:, :200].tobytes()
+    assert lse[..., :200].tobytes() == lse2[..., :200].tobytes()
+    assert dq[:, :200].tobytes() == dq2[:, :200].tobytes()
+    assert np.isfinite(out2[:, :200]).all() and not np.isfinite(out2[:, 200:]).all()

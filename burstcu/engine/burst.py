@@ -88,8 +88,8 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     part = as_partition(layout, size, q.shape[1])
     lengths = part.lengths
     assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
-    if size == 1:   # nothing travels: the one step reads K and V where they are
-        own = {"k": ops.xp.ascontiguousarray(k), "v": ops.xp.ascontiguousarray(v)}
+    if size == 1:   # nothing travels: the one step reads K and V where they are (strided or not)
+        own = {"k": k, "v": v}
 
         def holding(step: int):
             return own

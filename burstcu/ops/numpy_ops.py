@@ -15,8 +15,8 @@ forward makes one other pass, exp, and folds the rest into the matmuls:
   Q K^T and 0.1 in P @ V, against 0.23 for a subtraction pass and 0.18 for a row sum);
 * lazy rescaling: a row keeps its shift m (a score it has seen) while a tile's P sums to at
   most LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per
-  tile; rows past it are rescaled alone, anything non-finite folded again exactly
-  (`_fold_tile`).
+  tile; rows past it are rescaled alone, and rows with a P past RESCALE_LIMIT, without a
+  shift yet, or with anything non-finite are folded again exactly (`_fold_tile`).
 A tile is then two matmuls, exp, a max over its row sums and one accumulate: ~3 ns per score,
 against 3.5 ns for the max / subtract / exp / rescale sequence. The backward folds -lse and
 -delta into its matmuls the same way.
@@ -381,7 +381,8 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     terms: m is a score the row has seen (so its largest P is at least 1). A row whose P sums
     to at most LAZY_LIMIT is added as it is; then |P @ V| <= LAZY_LIMIT * max |V|, finite
     unless V is huge (only then is P @ V checked). A row whose P sums past it but whose
-    largest P stays within RESCALE_LIMIT is added divided by that P, and m grows by its log
+    largest P stays within RESCALE_LIMIT is added, acc and P @ [V | 1] both divided by that
+    P, and m grows by its log
     (`_rescale_rows`): a few rows of one pass, where redoing the tile would cost its two
     matmuls again (peaked scores sent nearly every tile there: queries x 4 on normal inputs,
     0.9 s against 0.42 at seqlen 4096). A row meeting its first keys takes a seed (`_seed`);
@@ -431,11 +432,14 @@ def _rescale_rows(q, acc, p, pv, rows) -> np.ndarray:
     row's within ~4 (ln LAZY_LIMIT = 11.1); a larger t would carry more (scores 100 above m:
     4e-6, 32 ulp). Peaked scores land here: queries x 4 on normal inputs, ln t 9-19.
     q (rows, D+1) ending in -m; acc, pv (rows, D+1); p (rows, keys): the tile's P."""
-    top = np.zeros(len(rows), p.dtype)
-    top[rows] = p[rows].max(axis=1)
+    top = np.ones(len(rows), p.dtype)
+    # t >= 1 (m never falls): the row sums past LAZY_LIMIT over at most tile_k keys, so t >=
+    # LAZY_LIMIT / tile_k, under 1 only for tiles wider than LAZY_LIMIT keys
+    top[rows] = np.maximum(p[rows].max(axis=1), 1)
     rows = rows & (top <= RESCALE_LIMIT)
     r = 1 / top[rows]
-    acc[rows] = acc[rows] * r[:, None] + pv[rows] * r[:, None]   # each term finite, so their sum
+    # r <= 1 / 128 for tiles of up to 512 keys (t >= LAZY_LIMIT / keys): the sum shrinks
+    acc[rows] = acc[rows] * r[:, None] + pv[rows] * r[:, None]
     q[rows, -1] += np.log(r)
     return rows
 
