@@ -34,7 +34,14 @@ def strategies_agree(seqlen_local=16, causal=True, layout="zigzag"):
     ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
     results = {}
     names = ["burst", "ring", "allgather"] + (["ulysses"] if size in (1, 2, 4) else [])  # 4 heads
+    other = [np.ascontiguousarray(x[:, ::-1]) * 3 for x in (ql, kl, vl, dol)]
     for strategy in names:
+        # a call on other data of the same shapes first: the buffers each strategy keeps
+        # between calls must carry nothing into the next
+        o, l = burstcu.attention(*other[:3], group, causal=causal, layout=layout, return_lse=True,
+                                 strategy=strategy)
+        burstcu.attention_backward(other[3], *other[:3], o, l, group, causal=causal, layout=layout,
+                                   strategy=strategy)
         out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout,
                                      return_lse=True, strategy=strategy)
         grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
