@@ -195,16 +195,14 @@ def test_nan_query_and_inf_dout_rows_stay_out_of_keys_they_cannot_see(tiles):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles, score_std, monkeypatch):
+def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles, score_std, count_calls):
     """One batch and one kv head (fewer than the threads): out, lse, dq, dk, dv bitwise equal
     for 1 to 4 threads — also with peaked scores (q x 6), whose rows the forward rescales
     alone (`_rescale_rows`, asserted to run) or folds again exactly."""
     _mpi4py()
     q, k, v, dout = make_inputs(9, 1, 1300, 2, 1, 32, dtype)
     q *= score_std
-    rescaled = []
-    rescale = numpy_ops._rescale_rows
-    monkeypatch.setattr(numpy_ops, "_rescale_rows", lambda *a: rescaled.append(1) or rescale(*a))
+    rescaled = count_calls(numpy_ops, "_rescale_rows")
     runs = []
     for threads in (1, 2, 3, 4):
         group = burstcu.init(backend="numpy", threads=threads, **tiles)

@@ -44,15 +44,12 @@ def _jumping(dtype, n=64):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("inputs, path", [(_stepping, "_rescale_rows"), (_jumping, "_fold_exactly")])
-def test_rows_whose_scores_climb(dtype, causal, inputs, path, monkeypatch):
+def test_rows_whose_scores_climb(dtype, causal, inputs, path, count_calls):
     """Rows whose P sums past LAZY_LIMIT, each P within RESCALE_LIMIT, are rescaled alone; rows
     with a larger P (here e^100: past float32's range) are folded again exactly. Either way out, lse and
     the gradients stay within the FA rule of a float64 reference."""
     q, k, v, dout = inputs(dtype)
-    calls = {name: [] for name in ("_rescale_rows", "_fold_exactly")}
-    for name in calls:
-        fn = getattr(numpy_ops, name)
-        monkeypatch.setattr(numpy_ops, name, lambda *a, _fn=fn, _log=calls[name]: _log.append(1) or _fn(*a))
+    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_exactly")}
     group = _group(tile_q=8, tile_k=8, threads=1)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, check=True)
@@ -136,13 +133,11 @@ def test_scratch_is_tile_sized():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_rescaled_rows_keep_masked_garbage_out(dtype, monkeypatch):
+def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     """Peaked causal scores (q x 6: rows rescaled alone) with NaN and Inf in K and V at late
     positions: every row before them has out, lse and dq bitwise as without the garbage (a
     row's bits depend on its own inputs alone); the rows that see them are not finite."""
-    rescaled = []
-    rescale = numpy_ops._rescale_rows
-    monkeypatch.setattr(numpy_ops, "_rescale_rows", lambda *a: rescaled.append(1) or rescale(*a))
+    rescaled = count_calls(numpy_ops, "_rescale_rows")
     q, k, v, dout = make_inputs(5, 1, 300, 2, 1, 16, dtype)
     q *= 6
     bad_k, bad_v = k.copy(), v.copy()

@@ -237,15 +237,18 @@ def _mask_split(block: Block, q0: int, q1: int, k0: int, k1: int):
 class _Scratch:
     """Reusable tile buffers, one set per thread, kept by the op between steps and calls. A
     fresh tile-sized array per tile costs more than the arithmetic on it: above malloc's mmap
-    threshold every allocation page-faults anew. nbytes: what all threads' buffers hold;
-    by_name: the same per buffer name."""
+    threshold every allocation page-faults anew. by_name: what all threads' buffers of each
+    name hold; nbytes: all of them."""
 
     def __init__(self, dtype):
         self.dtype = dtype
         self.local = threading.local()   # its __dict__ is the calling thread's own
-        self.nbytes = 0
         self.by_name: dict[str, int] = {}
         self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.by_name.values())
 
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
         flat = self.local.__dict__
@@ -254,7 +257,6 @@ class _Scratch:
             new = np.empty(rows * cols, self.dtype)
             grown = new.nbytes - (0 if buf is None else buf.nbytes)
             with self.lock:
-                self.nbytes += grown
                 self.by_name[name] = self.by_name.get(name, 0) + grown
             buf = flat[name] = new
         return buf[:rows * cols].reshape(rows, cols)
