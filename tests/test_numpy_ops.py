@@ -43,20 +43,20 @@ def _jumping(dtype, n=64):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("inputs, path", [(_stepping, "_rescale_rows"), (_jumping, "_fold_exactly")])
+@pytest.mark.parametrize("inputs, path", [(_stepping, "_rescale_rows"), (_jumping, "_fold_rows_exactly")])
 def test_rows_whose_scores_climb(dtype, causal, inputs, path, count_calls):
     """Rows whose P sums past LAZY_LIMIT, each P within RESCALE_LIMIT, are rescaled alone; rows
     with a larger P (here e^100: past float32's range) are folded again exactly. Either way out, lse and
     the gradients stay within the FA rule of a float64 reference."""
     q, k, v, dout = inputs(dtype)
-    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_exactly")}
+    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_rows_exactly")}
     group = _group(tile_q=8, tile_k=8, threads=1)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, check=True)
     assert calls[path], f"no tile took {path}: the test lost its point"
     if path == "_rescale_rows":
         # rows are seeded from a sample of each row's first tile: none needs the exact fold
-        assert not calls["_fold_exactly"], len(calls["_fold_exactly"])
+        assert not calls["_fold_rows_exactly"], len(calls["_fold_rows_exactly"])
     truth = np.longdouble if dtype == "float64" else np.float64
     naive = np.float64 if dtype == "float64" else np.float32
     refs = attention_ref(q, k, v, causal, dtype=truth) + attention_backward_ref(dout, q, k, v, causal, dtype=truth)
@@ -154,3 +154,61 @@ def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     assert lse[..., :200].tobytes() == lse2[..., :200].tobytes()
     assert dq[:, :200].tobytes() == dq2[:, :200].tobytes()
     assert np.isfinite(out2[:, :200]).all() and not np.isfinite(out2[:, 200:]).all()
+
+
+def _rows_refolded(monkeypatch) -> list:
+    """The rows handed to `_fold_rows_exactly`, one list per call (the call still runs)."""
+    calls, fn = [], numpy_ops._fold_rows_exactly
+    monkeypatch.setattr(numpy_ops, "_fold_rows_exactly",
+                        lambda q, k, v, acc, future, rows, v_max: calls.append(list(rows)) or
+                        fn(q, k, v, acc, future, rows, v_max))
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_one_jumping_row_is_refolded_alone(dtype, causal, monkeypatch):
+    """Row 40's scores jump by 100 at key 32, the first of the second key tile (e^100: past
+    float32's range, past RESCALE_LIMIT in float64); the other rows' scores do not. Only that
+    row is folded again exactly, alone, the other rows of its tile lazily: their out and lse
+    are bitwise those of a run where row 40 does not jump, and everything is within the FA
+    rule of the reference."""
+    q, k, v, _ = make_inputs(21, 1, 64, 1, 1, 16, dtype)
+    q[..., 0] = 0
+    k[0, 32:, 0, 0] = 100 / 16 ** -0.5
+    tame = q.copy()
+    q[0, 40, 0, 0] = 1
+    refolded = _rows_refolded(monkeypatch)
+    runs = []
+    for qq in (q, tame):
+        out, lse = burstcu.attention(qq, k, v, _group(tile_q=64, tile_k=32, threads=1), causal=causal,
+                                     return_lse=True)
+        runs.append((out, lse))
+    assert refolded == [[40]], refolded
+    (out, lse), (out_tame, lse_tame) = runs
+    others = np.arange(64) != 40
+    assert out[:, others].tobytes() == out_tame[:, others].tobytes()
+    assert lse[..., others].tobytes() == lse_tame[..., others].tobytes()
+    truth = np.longdouble if dtype == "float64" else np.float64
+    naive = np.float64 if dtype == "float64" else np.float32
+    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, causal, dtype=truth),
+                            attention_ref(q, k, v, causal, dtype=naive)):
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
+        assert ok, (err, bound)
+
+
+def test_window_rows_seed_from_a_key_they_see(monkeypatch):
+    """A sliding window of 8 keys inside 64-key tiles: most rows see none of the tile's first
+    2 * SEED_KEYS keys. Each row still takes a seed, from the last key it sees, so no row is
+    folded exactly; out and lse are within the FA rule of the reference."""
+    q, k, v, _ = make_inputs(22, 1, 256, 2, 1, 16, "float32")
+    refolded = _rows_refolded(monkeypatch)
+    out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True,
+                                 window_size=(8, 0), return_lse=True)
+    assert refolded == []
+    rows, keys = np.arange(256)[:, None], np.arange(256)[None, :]
+    keep = (keys <= rows) & (keys >= rows - 8)
+    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, keep=keep),
+                            attention_ref(q, k, v, keep=keep, dtype=np.float32)):
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS["float32"])
+        assert ok, (err, bound)
