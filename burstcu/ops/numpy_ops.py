@@ -424,9 +424,10 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     matmuls.
     """
     with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
-        if not math.isfinite(q[:, -1].sum()):   # a row without a shift (+inf), or a dead one
+        shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
+        if not shifted:
             _seed(q, acc, k, future)
-        shifted = math.isfinite(q[:, -1].sum())
+            shifted = math.isfinite(q[:, -1].sum())
         np.matmul(q, k.T, out=s)
         if future is not None:  # overwrites NaN/Inf scores of masked keys too
             future.fill(s, -np.inf)
