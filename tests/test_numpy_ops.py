@@ -43,20 +43,24 @@ def _jumping(dtype, n=64):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("inputs, path", [(_stepping, "_rescale_rows"), (_jumping, "_fold_rows_exactly")])
-def test_rows_whose_scores_climb(dtype, causal, inputs, path, count_calls):
+@pytest.mark.parametrize("inputs", [_stepping, _jumping])
+def test_rows_whose_scores_climb(dtype, causal, inputs, count_calls):
     """Rows whose P sums past LAZY_LIMIT, each P within RESCALE_LIMIT, are rescaled alone; rows
-    with a larger P (here e^100: past float32's range) are folded again exactly. Either way out, lse and
-    the gradients stay within the FA rule of a float64 reference."""
+    with a larger P are folded again exactly: here e^100, past float32's range (P @ V overflows:
+    the tile's exact fold), finite in float64 but far more than a rescale may take, the scores
+    jumping to about 0 (each row alone). Either way out, lse and the gradients stay within the
+    FA rule of a float64 reference."""
     q, k, v, dout = inputs(dtype)
-    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_rows_exactly")}
+    paths = ("_rescale_rows", "_fold_exactly", "_fold_rows_exactly")
+    calls = {name: count_calls(numpy_ops, name) for name in paths}
     group = _group(tile_q=8, tile_k=8, threads=1)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, check=True)
-    assert calls[path], f"no tile took {path}: the test lost its point"
-    if path == "_rescale_rows":
-        # rows are seeded from a sample of each row's first tile: none needs the exact fold
-        assert not calls["_fold_rows_exactly"], len(calls["_fold_rows_exactly"])
+    taken = {name for name in paths if calls[name]}
+    if inputs is _stepping:   # rows are seeded from a sample of each row's first tile
+        assert taken == {"_rescale_rows"}, taken
+    else:
+        assert taken == {"_fold_exactly" if dtype == "float32" else "_fold_rows_exactly"}, taken
     truth = np.longdouble if dtype == "float64" else np.float64
     naive = np.float64 if dtype == "float64" else np.float32
     refs = attention_ref(q, k, v, causal, dtype=truth) + attention_backward_ref(dout, q, k, v, causal, dtype=truth)
@@ -156,26 +160,40 @@ def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     assert np.isfinite(out2[:, :200]).all() and not np.isfinite(out2[:, 200:]).all()
 
 
-def _rows_refolded(monkeypatch) -> list:
-    """The rows handed to `_fold_rows_exactly`, one list per call (the call still runs)."""
-    calls, fn = [], numpy_ops._fold_rows_exactly
+def _rows_refolded(monkeypatch, where=None) -> dict:
+    """{"alone": [...], "tile": [...]}: the rows (of the tile) each call of `_fold_rows_exactly`
+    and of `_fold_exactly` updates, one list per call (the calls still run). where: a list that
+    gets each such row's address in memory (which tile rows share, one row of q each)."""
+    calls = {"alone": [], "tile": []}
+    alone, tile = numpy_ops._fold_rows_exactly, numpy_ops._fold_exactly
+
+    def note(path, q, rows):
+        calls[path].append([int(r) for r in rows])
+        if where is not None:
+            where.extend(q.ctypes.data + int(r) * q.strides[0] for r in rows)
+
     monkeypatch.setattr(numpy_ops, "_fold_rows_exactly",
-                        lambda q, k, v, acc, future, rows, v_max: calls.append(list(rows)) or
-                        fn(q, k, v, acc, future, rows, v_max))
+                        lambda q, k, v, acc, future, rows, v_max: note("alone", q, rows) or
+                        alone(q, k, v, acc, future, rows, v_max))
+    monkeypatch.setattr(numpy_ops, "_fold_exactly",
+                        lambda q, k, v, acc, future, s, pv, v_max, rows: note("tile", q, np.flatnonzero(rows)) or
+                        tile(q, k, v, acc, future, s, pv, v_max, rows))
     return calls
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_one_jumping_row_is_refolded_alone(dtype, causal, monkeypatch):
-    """Row 40's scores jump by 100 at key 32, the first of the second key tile (e^100: past
-    float32's range, past RESCALE_LIMIT in float64); the other rows' scores do not. Only that
-    row is folded again exactly, alone, the other rows of its tile lazily: their out and lse
-    are bitwise those of a run where row 40 does not jump, and everything is within the FA
-    rule of the reference."""
+@pytest.mark.parametrize("dtype, jump, path", [("float32", 40, "alone"), ("float64", 40, "alone"),
+                                               ("float32", 100, "tile"), ("float64", 100, "alone")])
+def test_one_jumping_row_is_refolded_alone(dtype, jump, path, causal, monkeypatch):
+    """Row 40's scores jump from about -jump to about 0 at key 32, the first of the second key
+    tile; the other rows' scores do not. P = e^jump is far more than a rescale may take for
+    scores near 0: the row is folded again exactly — alone while P is finite (e^40; e^100 in
+    float64), by the tile's exact fold where P @ V overflows (e^100 in float32), updating that
+    row only. The other rows of its tile are folded lazily: their out and lse are bitwise those
+    of a run where row 40 does not jump, and everything is within the FA rule of the reference."""
     q, k, v, _ = make_inputs(21, 1, 64, 1, 1, 16, dtype)
     q[..., 0] = 0
-    k[0, 32:, 0, 0] = 100 / 16 ** -0.5
+    k[0, :32, 0, 0] = -jump / 16 ** -0.5
     tame = q.copy()
     q[0, 40, 0, 0] = 1
     refolded = _rows_refolded(monkeypatch)
@@ -184,7 +202,7 @@ def test_one_jumping_row_is_refolded_alone(dtype, causal, monkeypatch):
         out, lse = burstcu.attention(qq, k, v, _group(tile_q=64, tile_k=32, threads=1), causal=causal,
                                      return_lse=True)
         runs.append((out, lse))
-    assert refolded == [[40]], refolded
+    assert refolded == {"alone": [], "tile": [], path: [[40]]}, refolded
     (out, lse), (out_tame, lse_tame) = runs
     others = np.arange(64) != 40
     assert out[:, others].tobytes() == out_tame[:, others].tobytes()
@@ -205,10 +223,92 @@ def test_window_rows_seed_from_a_key_they_see(monkeypatch):
     refolded = _rows_refolded(monkeypatch)
     out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True,
                                  window_size=(8, 0), return_lse=True)
-    assert refolded == []
+    assert refolded == {"alone": [], "tile": []}, refolded
     rows, keys = np.arange(256)[:, None], np.arange(256)[None, :]
     keep = (keys <= rows) & (keys >= rows - 8)
     for got, ref, nv in zip((out, lse), attention_ref(q, k, v, keep=keep),
                             attention_ref(q, k, v, keep=keep, dtype=np.float32)):
         ok, err, bound = within_fa_rule(got, ref, nv, EPS["float32"])
+        assert ok, (err, bound)
+
+
+def test_rescale_paths_give_the_same_bits(count_calls):
+    """Peaked scores (q x 6: rows rescaled alone), once clean and once with NaN in one query
+    row: that row is dead from its first tile, so every tile holding it takes the masked path,
+    the others the whole-tile one. Each other row's out and lse are bitwise the same in both
+    runs: the two paths rescale a row with the same arithmetic."""
+    rescaled = count_calls(numpy_ops, "_rescale_rows")
+    q, k, v, _ = make_inputs(5, 1, 128, 2, 1, 16, "float32")
+    q *= 6
+    bad = q.copy()
+    bad[0, 3, 0, 0] = np.nan
+    runs = [burstcu.attention(x, k, v, _group(tile_q=64, tile_k=64, threads=1), return_lse=True) for x in (q, bad)]
+    assert len(rescaled) >= 2, "too few tiles rescaled rows: the test lost its point"
+    (out, lse), (out_bad, lse_bad) = runs
+    keep = np.ones((128, 2), bool)
+    keep[3, 0] = False
+    assert out[0][keep].tobytes() == out_bad[0][keep].tobytes()
+    assert lse[0].T[keep].tobytes() == lse_bad[0].T[keep].tobytes()
+    assert np.isnan(out_bad[0, 3, 0]).all() and np.isnan(lse_bad[0, 0, 3])
+
+
+@pytest.mark.parametrize("tile_k", [16, 64])
+def test_window_garbage_at_keys_a_row_cannot_see(tile_k):
+    """A sliding window of 8 keys, NaN in one key at a time: rows that do not see it keep the
+    bits of the clean run (a row's seed is a score against keys it sees: the sampled keys are
+    masked for it, its own last key is one it sees), rows that see it are NaN."""
+    q, k, v, _ = make_inputs(22, 1, 128, 2, 1, 16, "float32")
+
+    def run(kk):
+        group = _group(tile_q=64, tile_k=tile_k, threads=1)
+        return burstcu.attention(q, kk, v, group, causal=True, window_size=(8, 0), return_lse=True)
+    out, lse = run(k)
+    for p in (0, 24, 56, 88, 100, 127):
+        bad = k.copy()
+        bad[0, p, 0, :] = np.nan
+        out_bad, lse_bad = run(bad)
+        sees = (np.arange(128) >= p) & (np.arange(128) <= p + 8)
+        assert out[0, ~sees].tobytes() == out_bad[0, ~sees].tobytes(), p
+        assert lse[0][:, ~sees].tobytes() == lse_bad[0][:, ~sees].tobytes(), p
+        assert np.isnan(out_bad[0, sees]).all(), p
+
+
+def test_dead_rows_are_never_computed_again(monkeypatch):
+    """Rows that score +inf (K holds +inf at a key they see, q . k = +inf) or NaN (a NaN query)
+    are NaN whatever else they see: each is folded exactly at most once, then skipped. Rows
+    before the bad key keep the bits of the clean run."""
+    q, k, v, _ = make_inputs(23, 1, 256, 1, 1, 16, "float32")
+    q[0, :, 0, 0] = np.abs(q[0, :, 0, 0]) + 0.1      # every q . k[100] = +inf
+    q[0, 200, 0, 1] = np.nan
+    bad = k.copy()
+    bad[0, 100, 0, 0] = np.inf
+    rows = []
+    _rows_refolded(monkeypatch, rows)
+    out, lse = burstcu.attention(q, bad, v, _group(tile_q=32, tile_k=32, threads=1), causal=True,
+                                 return_lse=True)
+    assert rows and len(rows) == len(set(rows)), len(rows) - len(set(rows))
+    assert np.isnan(out[0, 100:]).all() and np.isnan(lse[0, 0, 100:]).all()
+    clean, clean_lse = burstcu.attention(q, k, v, _group(tile_q=32, tile_k=32, threads=1), causal=True,
+                                         return_lse=True)
+    assert out[0, :100].tobytes() == clean[0, :100].tobytes()
+    assert lse[0, 0, :100].tobytes() == clean_lse[0, 0, :100].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_very_peaked_scores_are_rescaled(dtype, count_calls):
+    """Scores of std 20: a row's largest score lies e^13 to e^30 above its seed (the max of a
+    sample of 16 keys), often past RESCALE_LIMIT, but within the size of the scores themselves,
+    so the stale shift adds an error no larger than their rounding: such rows are rescaled
+    alone, none folded again exactly; out and lse within the FA rule of the reference."""
+    q, k, v, _ = make_inputs(24, 1, 256, 2, 1, 16, dtype)
+    q *= 20
+    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_exactly", "_fold_rows_exactly")}
+    out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True, return_lse=True)
+    assert calls["_rescale_rows"] and not calls["_fold_exactly"] and not calls["_fold_rows_exactly"], \
+        {name: len(c) for name, c in calls.items()}
+    truth = np.longdouble if dtype == "float64" else np.float64
+    naive = np.float64 if dtype == "float64" else np.float32
+    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, True, dtype=truth),
+                            attention_ref(q, k, v, True, dtype=naive)):
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
         assert ok, (err, bound)

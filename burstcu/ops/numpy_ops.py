@@ -16,8 +16,7 @@ forward makes one other pass, exp, and folds the rest into the matmuls:
 * lazy rescaling: a row keeps its shift m (a score it has seen) while a tile's P sums to at
   most LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per
   tile; rows past it are rescaled alone, and rows with a P past RESCALE_LIMIT, without a
-  shift yet, or with anything non-finite are folded again exactly, one row at a time
-  (`_fold_tile`).
+  shift yet, or with anything non-finite are folded again exactly (`_fold_tile`).
 A tile is then two matmuls, exp, a max over its row sums and one accumulate: ~3 ns per score
 (the max / subtract / exp / rescale sequence took 3.5 ns with exp2, ~0.2 ns faster than exp).
 The backward folds -lse and -delta into its matmuls the same way.
@@ -83,13 +82,15 @@ TILE_Q = 512   # score rows per tile (query positions x the g query heads of a k
 TILE_K = 512   # keys per tile
 BACKWARD_TILE_Q = 256   # at most: the backward holds two tiles (P, dS), together one forward tile
 LAZY_LIMIT = 2.0 ** 16       # a lazily folded row whose P sums past this is rescaled or redone
-RESCALE_LIMIT = 2.0 ** 32    # ... rescaled if its largest P is at most this (`_rescale_rows`)
+RESCALE_LIMIT = 2.0 ** 32    # ... rescaled if its largest P is at most this, or within the scores' rounding (`_rescalable`)
 TAME_V = 2.0 ** 100          # max |V| below which P @ V cannot overflow float32 when P sums to LAZY_LIMIT
 SEED_KEYS = 8                # a row's first shift: its max over 2 x this many keys of the tile (`_seed`);
 # 16 keys, not 64: a seed's matmul then costs ~10 us rather than ~45 (a seqlen-1024 causal forward
 # seeds 40 tiles, most of them 128-row strips of the diagonal). Rows that jump past their seed are
-# rescaled or refolded alone, so peaked scores gain little from a larger sample (seqlen 4096, one
-# thread, score std 8: 0.89x the time of the op that sampled 64 keys and redid whole tiles; std 4: 0.99x)
+# rescaled or refolded alone, so peaked scores gain little from a larger sample. Against the op that
+# sampled 64 keys and redid whole tiles (seqlen 2048, 8 heads, one thread, interleaved in one process):
+# score std 4 0.99x its time, std 8 0.84x, std 20 0.50x, std 40 0.64x, std 100 1.02x (rows overflow
+# against any sampled seed there: whole tiles are redone, as before); seqlen 1024 causal, std 1: 0.94x
 
 
 # -- layouts -----------------------------------------------------------------------------------------
@@ -413,15 +414,16 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     terms: m is a score the row has seen (so its largest P is at least 1). A row whose P sums
     to at most LAZY_LIMIT is added as it is; then |P @ V| <= LAZY_LIMIT * max |V|, finite
     unless V is huge (only then is P @ V checked). A row whose P sums past it but whose
-    largest P stays within RESCALE_LIMIT is rescaled alone (`_rescale_rows`). A row meeting
-    its first keys takes a seed (`_seed`). The rest — rows with a larger P, without a seed, or
-    with NaN/Inf in what they see — are folded again one at a time (`_fold_rows_exactly`):
-    a few rows of the tile, where redoing the tile would cost its two matmuls again (one row
-    jumping past its shift sent a whole tile there before: 57 of 512 tiles at seqlen 4096 with
-    scores of std 8). Each row's result depends on that row alone (the tiles, not the values,
-    pick the matmul shapes, and a row refolded alone is one of its own), so garbage in one row
-    never changes another's bits. The common case costs four ufunc calls beyond the two
-    matmuls.
+    largest P stays within RESCALE_LIMIT (or, for large scores, within their rounding:
+    `_rescalable`) is rescaled alone (`_rescale_rows`). A row meeting its first keys takes a
+    seed (`_seed`). A row with a finite P too large for that is folded again exactly on its
+    own (`_fold_rows_exactly`: ~30 us, where redoing the tile costs its two matmuls again —
+    one such row sent a whole tile there before, 57 of 512 tiles at seqlen 4096 with scores of
+    std 8); rows whose P @ [V | 1] is not finite (overflow, no shift, garbage they see) by
+    the tile's exact fold (`_fold_exactly`). Which path a row takes depends on its own values
+    alone, and so does its result on each path (the tiles, not the values, pick the matmul
+    shapes), so garbage in one row never changes another's bits. The common case costs four
+    ufunc calls beyond the two matmuls.
     """
     with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
         shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
@@ -440,7 +442,7 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
             return
         if shifted and math.isfinite(pv.sum()):   # some rows sum past LAZY_LIMIT
             big = np.flatnonzero(l > LAZY_LIMIT)
-            rows, r = _rescalable(s, big)
+            rows, r = _rescalable(q, s, big)
             if len(rows) == len(big):
                 before = acc[rows]
                 acc += pv
@@ -448,28 +450,38 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
                 return
         ok = np.isfinite(pv).all(axis=1) & np.isfinite(q[:, -1])
         big = np.flatnonzero(ok & (l > LAZY_LIMIT))
-    rows, r = _rescalable(s, big)
-    ok[big] = False
-    before = acc[rows]
-    acc[ok] += pv[ok]
-    if len(rows):
-        _rescale_rows(q, acc, pv, rows, r, before)
-    ok[rows] = True
-    # rows that see no key of the tile (P = 0: nothing to add) or are dead (NaN) stay as they are
-    redo = ~ok & ~np.isnan(q[:, -1])
-    if future is not None:
-        redo &= ~future.blind
-    if redo.any():
-        _fold_rows_exactly(q, k, v, acc, future, np.flatnonzero(redo), v_max)
+        rows, r = _rescalable(q, s, big)
+        ok[big] = False
+        before = acc[rows]
+        acc[ok] += pv[ok]
+        if len(rows):
+            _rescale_rows(q, acc, pv, rows, r, before)
+        # rows that see no key of the tile (P = 0: nothing to add) or are dead (NaN) stay so
+        idle = np.isnan(q[:, -1]) if future is None else np.isnan(q[:, -1]) | future.blind
+        alone = np.setdiff1d(big, rows, assume_unique=True)   # finite, P past what a rescale takes
+        ok[rows] = True
+        ok[alone] = True
+        redo = ~ok & ~idle    # P @ [V | 1] not finite: overflow, no shift, or garbage it sees
+        if redo.any():
+            _fold_exactly(q, k, v, acc, future, s, pv, v_max, redo)
+        if len(alone):
+            _fold_rows_exactly(q, k, v, acc, future, alone, v_max)
 
 
-def _rescalable(p, rows):
-    """(those of `rows` (indices) whose largest P, t, is at most RESCALE_LIMIT, 1 / t as a
-    column) — rows of a lazily folded tile whose P summed past LAZY_LIMIT; p (rows, keys)."""
+def _rescalable(q, p, rows):
+    """(those of `rows` (indices) that may be rescaled, 1 / t as a column) — rows of a lazily
+    folded tile whose P summed past LAZY_LIMIT, finite; t: a row's largest P. A row may when t
+    is at most RESCALE_LIMIT, or when ln t is at most |m'|, m' = m + ln t its new shift: the
+    error a stale shift leaves in each score, ~ulp(ln t), is then within the rounding of the
+    scores themselves, ~ulp(m'), which a naive softmax carries too (very peaked attention,
+    where a sampled seed falls far below the row's largest scores, lands here). A row whose
+    scores jump far above a small shift (-100 to 0) is refolded instead. q (rows, D+1) ending
+    in -m; p (rows, keys)."""
     # t >= 1 (m never falls): the row sums past LAZY_LIMIT over at most tile_k keys, so t >=
     # LAZY_LIMIT / tile_k, under 1 only for tiles wider than LAZY_LIMIT keys
     top = np.maximum(p[rows].max(axis=1, initial=0), 1)
-    keep = top <= RESCALE_LIMIT
+    log_top = np.log(top)
+    keep = (top <= RESCALE_LIMIT) | (log_top <= np.abs(log_top - q[rows, -1]))
     return rows[keep], (1 / top[keep])[:, None]
 
 
@@ -513,9 +525,41 @@ def _seed(q, acc, k, future) -> None:
         return
     seeded = fresh & np.isfinite(best)
     q[seeded, d] = -best[seeded]
-    dead = fresh & ((best == np.inf) | np.isnan(best))
-    q[dead, d] = np.nan
-    acc[dead] = np.nan
+    _mark_dead(q, acc, fresh & ((best == np.inf) | np.isnan(best)))
+
+
+def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows) -> None:
+    """The online-softmax update of one tile with the exact row max (shapes as `_fold_tile`)
+    for the rows `rows` (bool): m' = max(m, scores), acc := acc * exp(m - m') + exp(scores -
+    m') @ [V | 1], q's -m := -m'. Every row is computed, so each row's bits are the same
+    whichever others are updated: the path of rows whose P @ [V | 1] came out non-finite
+    (overflow, no shift, garbage), where many rows of a tile at once are common (very peaked
+    scores overflow against a sampled seed). A row whose m' is +inf or NaN saw garbage: it is
+    marked dead (`_mark_dead`)."""
+    d = k.shape[1] - 1
+    np.matmul(q[:, :d], k[:, :d].T, out=s)
+    if future is not None:  # overwrites NaN/Inf scores of masked keys too
+        future.fill(s, -np.inf)
+    m_old = -q[:, d]
+    m_new = np.maximum(m_old, s.max(axis=1))
+    # a row that has seen no key yet has m_new = -inf: shift by 0 so exp gives 0, not NaN
+    shift = np.where(m_new == -np.inf, 0, m_new)
+    s -= shift[:, None]
+    np.exp(s, out=s)
+    # P is 0 at masked keys (except on a row whose max is NaN: NaN already), but 0 * inf would
+    # still be NaN in a plain P @ V
+    _matmul_masked(s, v, None if future is None else future.pairs, pv, math.isfinite(v_max))
+    alpha = np.exp(m_old - shift)
+    acc[rows] = acc[rows] * alpha[rows, None] + pv[rows]
+    q[rows, d] = -m_new[rows]
+    _mark_dead(q, acc, rows & ((m_new == np.inf) | np.isnan(m_new)))
+
+
+def _mark_dead(q, acc, rows) -> None:
+    """Rows `rows` (bool or indices) saw garbage (a NaN or +inf score): their out and lse are NaN
+    whatever else they see, so m and acc become NaN and no later tile computes them again."""
+    q[rows, -1] = np.nan
+    acc[rows] = np.nan
 
 
 def _fold_rows_exactly(q, k, v, acc, future, rows, v_max: float) -> None:
@@ -541,6 +585,8 @@ def _fold_rows_exactly(q, k, v, acc, future, rows, v_max: float) -> None:
         pv = _matmul_masked(p, v, pairs, np.empty((1, d + 1), acc.dtype), v_finite)
         acc[i] = acc[i] * np.exp(m_old - shift) + pv[0]
         q[i, d] = -m_new
+        if m_new == np.inf or np.isnan(m_new):
+            _mark_dead(q, acc, i)
 
 
 def _neg_lse(lse_rows) -> np.ndarray:
