@@ -25,6 +25,10 @@ copies and state, the ring's message buffers, the scratch, the outputs — and
 `tile_scratch_bytes` (the tiles alone), each against one S x S float32 score matrix, which the
 op never forms.
 
+Matmuls are most of the burstcu time, and their speed is the BLAS kernels': the header line
+names the kernels NumPy's OpenBLAS picked (OPENBLAS_CORETYPE, set in the environment, overrides
+the choice; `burstcu.ops.numpy_ops.blas_advice` says when AVX-512 ones would run and are not).
+
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
 (five matmuls to two), halved when causal.
@@ -48,7 +52,7 @@ import numpy as np
 from _common import environment, fmt_bytes, median, progress, table, write_json  # noqa: I001 - sets sys.path
 
 import burstcu
-from burstcu.ops.numpy_ops import NumpyOps
+from burstcu.ops.numpy_ops import NumpyOps, blas_advice
 from burstcu.transport.base import SelfTransport
 
 
@@ -220,8 +224,14 @@ def main(argv=None):
                     got, mem = bench_config(args, threads, seqlen, mask == "causal")
                     rows += got
                     memory.append(mem)
+    cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
-          f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU")
+          f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU "
+          f"(NumPy's OpenBLAS: {'/'.join(cores) or 'not found'} kernels"
+          f"{', OPENBLAS_CORETYPE=' + os.environ['OPENBLAS_CORETYPE'] if os.environ.get('OPENBLAS_CORETYPE') else ''})")
+    advice = blas_advice()
+    if advice:
+        print(f"note: {advice}")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
           " its tiles alone)")

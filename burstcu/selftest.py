@@ -35,6 +35,7 @@ import numpy as np
 from . import api
 from .group import Group, gpu_usable, init, world_comm
 from .layout import step_blocks
+from .ops.numpy_ops import blas_advice
 from .testing.reference import attention_backward_ref, attention_ref
 from .transport.nccl import BackendUnavailable
 
@@ -249,6 +250,9 @@ def main(argv=None) -> int:
     if _rank() == 0:
         if len(backends) == 1:
             lines.insert(0, "no usable CUDA GPU on this machine: ran the CPU checks only")
+        advice = blas_advice()
+        if advice:
+            lines.append(f"[numpy] {advice}")
         print("\n".join(lines + [f"selftest {'PASSED' if ok else 'FAILED'}"]), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

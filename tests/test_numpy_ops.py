@@ -312,3 +312,20 @@ def test_very_peaked_scores_are_rescaled(dtype, count_calls):
                             attention_ref(q, k, v, True, dtype=naive)):
         ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
         assert ok, (err, bound)
+
+
+def test_blas_advice():
+    """blas_advice speaks only when OpenBLAS runs AVX2 kernels on a CPU that has every AVX-512
+    extension its SkylakeX kernels use, and says whether the environment pinned them."""
+    advice = numpy_ops.blas_advice
+    avx512 = ["fma", "avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl"]
+    haswell = [{"internal_api": "openblas", "architecture": "Haswell"}]
+    said = advice(haswell, avx512, environ={})
+    assert said and "picked its Haswell" in said and "OPENBLAS_CORETYPE=SkylakeX" in said
+    pinned = advice([{"internal_api": "openblas", "architecture": "Zen"}], avx512,
+                    environ={"OPENBLAS_CORETYPE": "Zen"})
+    assert pinned and "OPENBLAS_CORETYPE=Zen in the environment" in pinned and "or unset" in pinned
+    assert advice([{"internal_api": "openblas", "architecture": "SkylakeX"}], avx512, environ={}) is None
+    assert advice(haswell, ["fma", "avx2", "avx512f"], environ={}) is None      # no avx512bw/dq/vl
+    assert advice([{"internal_api": "mkl", "architecture": None}], avx512, environ={}) is None
+    assert advice([], avx512, environ={}) is None

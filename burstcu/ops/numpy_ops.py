@@ -655,6 +655,46 @@ class BackwardContext:
     kv_max: np.ndarray | None = None      # (B, Hkv, 2) max |k|, max |v|: at the first masked step
 
 
+# the CPU flags OpenBLAS's SkylakeX kernels use
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+
+
+def blas_advice(blas_info=None, cpu_flags=None, environ=None) -> str | None:
+    """A sentence when NumPy's OpenBLAS runs AVX2 kernels (its core "Haswell" or "Zen") on a
+    CPU with AVX-512, else None. The op's time is mostly its two matmuls a tile, and OpenBLAS's
+    AVX-512 (SkylakeX) kernels take ~0.55x the time of its AVX2 ones on their shapes (measured
+    on the Zen 5 machine of `bench/results/local_cpu_vs_torch.txt`: 512 x 512 x 65 and 512 x 65
+    x 512 float32 at 180 and 160 GFLOP/s a core against 99 and 90). OpenBLAS picks its kernels
+    when NumPy loads it, from the CPU, unless OPENBLAS_CORETYPE names them. blas_info:
+    threadpoolctl's threadpool_info(); cpu_flags: the CPU's flags (default: /proc/cpuinfo's
+    first flags line; none elsewhere); environ: default os.environ."""
+    if blas_info is None:
+        try:
+            from threadpoolctl import threadpool_info
+        except ImportError:
+            return None
+        blas_info = threadpool_info()
+    cores = {str(i.get("architecture")) for i in blas_info if i.get("internal_api") == "openblas"}
+    slow = sorted(cores & {"Haswell", "Zen"})
+    if not slow:
+        return None
+    if cpu_flags is None:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                line = next((ln for ln in fh if ln.startswith("flags")), "")
+        except OSError:
+            return None
+        cpu_flags = line.partition(":")[2].split()
+    if not AVX512_FLAGS <= set(cpu_flags):
+        return None
+    pinned = (os.environ if environ is None else environ).get("OPENBLAS_CORETYPE")
+    why = (f"OPENBLAS_CORETYPE={pinned} in the environment makes NumPy's OpenBLAS run"
+           if pinned else "NumPy's OpenBLAS picked")
+    return (f"{why} its {'/'.join(slow)} (AVX2) kernels on a CPU with AVX-512: with "
+            f"OPENBLAS_CORETYPE=SkylakeX{' or unset' if pinned else ''} (before Python starts) the "
+            f"CPU backend's matmuls take ~0.55x the time")
+
+
 def _default_threads() -> int:
     try:
         from threadpoolctl import threadpool_info
