@@ -324,7 +324,12 @@ def test_blas_advice():
     assert said and "picked its Haswell" in said and "OPENBLAS_CORETYPE=SkylakeX" in said
     pinned = advice([{"internal_api": "openblas", "architecture": "Zen"}], avx512,
                     environ={"OPENBLAS_CORETYPE": "Zen"})
-    assert pinned and "OPENBLAS_CORETYPE=Zen in the environment" in pinned and "or unset" in pinned
+    assert pinned and "OPENBLAS_CORETYPE=Zen in the environment" in pinned and "=SkylakeX" in pinned
+    # another library's OpenBLAS beside NumPy's: NumPy's decides
+    both = [{"internal_api": "openblas", "architecture": "Haswell", "filepath": "/x/scipy.libs/libopenblas.so"},
+            {"internal_api": "openblas", "architecture": "SkylakeX", "filepath": "/x/numpy.libs/libopenblas.so"}]
+    assert advice(both, avx512, environ={}) is None
+    assert advice(both[:1], avx512, environ={})
     assert advice([{"internal_api": "openblas", "architecture": "SkylakeX"}], avx512, environ={}) is None
     assert advice(haswell, ["fma", "avx2", "avx512f"], environ={}) is None      # no avx512bw/dq/vl
     assert advice([{"internal_api": "mkl", "architecture": None}], avx512, environ={}) is None

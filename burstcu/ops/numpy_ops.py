@@ -15,8 +15,9 @@ forward makes one other pass, exp, and folds the rest into the matmuls:
   Q K^T and 0.1 in P @ V, against 0.23 for a subtraction pass and 0.18 for a row sum);
 * lazy rescaling: a row keeps its shift m (a score it has seen) while a tile's P sums to at
   most LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per
-  tile; rows past it are rescaled alone, and rows with a P past RESCALE_LIMIT, without a
-  shift yet, or with anything non-finite are folded again exactly (`_fold_tile`).
+  tile; rows past it are rescaled alone (`_rescalable` says which may be), the others —
+  and rows without a shift yet or with anything non-finite — folded again exactly
+  (`_fold_tile`).
 A tile is then two matmuls, exp, a max over its row sums and one accumulate: ~3 ns per score
 (the max / subtract / exp / rescale sequence took 3.5 ns with exp2, ~0.2 ns faster than exp).
 The backward folds -lse and -delta into its matmuls the same way.
@@ -474,9 +475,11 @@ def _rescalable(q, p, rows):
     is at most RESCALE_LIMIT, or when ln t is at most |m'|, m' = m + ln t its new shift: the
     error a stale shift leaves in each score, ~ulp(ln t), is then within the rounding of the
     scores themselves, ~ulp(m'), which a naive softmax carries too (very peaked attention,
-    where a sampled seed falls far below the row's largest scores, lands here). A row whose
-    scores jump far above a small shift (-100 to 0) is refolded instead. q (rows, D+1) ending
-    in -m; p (rows, keys)."""
+    where a sampled seed falls far below the row's largest scores, lands here). In terms of
+    the old shift: always when m >= 0, else only when m <= -2 ln t, so |m| <= 2 |m'| and the
+    fused matmul's rounding stays within ~2 ulp(m'). A row whose scores jump far above a
+    negative shift to near 0 (-100 to 0) is refolded instead. q (rows, D+1) ending in -m;
+    p (rows, keys)."""
     # t >= 1 (m never falls): the row sums past LAZY_LIMIT over at most tile_k keys, so t >=
     # LAZY_LIMIT / tile_k, under 1 only for tiles wider than LAZY_LIMIT keys
     top = np.maximum(p[rows].max(axis=1, initial=0), 1)
@@ -487,14 +490,14 @@ def _rescalable(q, p, rows):
 
 def _rescale_rows(q, acc, pv, rows, r, before) -> None:
     """Rows `rows` (indices) of a lazily folded tile, whose P summed past LAZY_LIMIT and whose
-    largest P, t = 1 / r, is at most RESCALE_LIMIT: acc := (before + pv) / t and m := m + ln t,
-    so their largest P is 1 again — the shift is then that score, as the exact fold's would
-    be. before: acc[rows] before this tile. Their scores, computed against the old m, carry an
-    absolute error of about ulp(score - m) / 2 <= ulp(22) / 2 = 1e-6 in float32 (ln
-    RESCALE_LIMIT = 22.2), so each P is within ~8 ulp — a lazily folded row's within ~4 (ln
-    LAZY_LIMIT = 11.1); a larger t would carry more (scores 100 above m: 4e-6, 32 ulp). Peaked
-    scores land here: queries x 4 on normal inputs, ln t 9-19. q (rows, D+1) ending in -m;
-    acc, pv (rows, D+1); r (len(rows), 1)."""
+    largest P, t = 1 / r, `_rescalable` accepts: acc := (before + pv) / t and m := m + ln t, so
+    their largest P is 1 again — the shift is then that score, as the exact fold's would be.
+    before: acc[rows] before this tile. Their scores, computed against the old m, carry an
+    absolute error of about ulp(score - m) / 2: for t <= RESCALE_LIMIT at most ulp(22) / 2 =
+    1e-6 in float32 (ln RESCALE_LIMIT = 22.2), each P within ~8 ulp — a lazily folded row's
+    within ~4 (ln LAZY_LIMIT = 11.1); for a larger t, within the rounding of the row's scores
+    themselves (`_rescalable`). Peaked scores land here: queries x 4 on normal inputs, ln t
+    9-19. q (rows, D+1) ending in -m; acc, pv (rows, D+1); r (len(rows), 1)."""
     # r <= 1 / 128 for tiles of up to 512 keys (t >= LAZY_LIMIT / keys): the sum shrinks
     acc[rows] = before * r + pv[rows] * r
     q[rows, -1] += np.log(r[:, 0])
@@ -557,7 +560,8 @@ def _fold_exactly(q, k, v, acc, future, s, pv, v_max: float, rows) -> None:
 
 def _mark_dead(q, acc, rows) -> None:
     """Rows `rows` (bool or indices) saw garbage (a NaN or +inf score): their out and lse are NaN
-    whatever else they see, so m and acc become NaN and no later tile computes them again."""
+    whatever else they see, so m and acc become NaN and no later tile folds them again (a tile
+    holding one takes `_fold_tile`'s masked path: a few small passes, on garbage inputs only)."""
     q[rows, -1] = np.nan
     acc[rows] = np.nan
 
@@ -639,7 +643,7 @@ class ForwardState:
     q_in: np.ndarray          # the caller's (B, S, H, D), grouped on the first step
     scale: float
     # (B, Hkv, S*g, D+1): queries times softmax_scale | -m, the negated running shift of the
-    # rows' scores (+inf before a row's first key)
+    # rows' scores (+inf before a row's first key, NaN once a row is dead: `_mark_dead`)
     q: np.ndarray | None = None
     acc: np.ndarray | None = None   # (B, Hkv, S*g, D+1): un-normalised output | row sum l
     g: int = 1                      # query heads per kv head
@@ -674,7 +678,9 @@ def blas_advice(blas_info=None, cpu_flags=None, environ=None) -> str | None:
         except ImportError:
             return None
         blas_info = threadpool_info()
-    cores = {str(i.get("architecture")) for i in blas_info if i.get("internal_api") == "openblas"}
+    openblas = [i for i in blas_info if i.get("internal_api") == "openblas"]
+    numpys = [i for i in openblas if "numpy" in str(i.get("filepath", ""))]   # NumPy's own, if listed
+    cores = {str(i.get("architecture")) for i in numpys or openblas}
     slow = sorted(cores & {"Haswell", "Zen"})
     if not slow:
         return None
@@ -691,8 +697,8 @@ def blas_advice(blas_info=None, cpu_flags=None, environ=None) -> str | None:
     why = (f"OPENBLAS_CORETYPE={pinned} in the environment makes NumPy's OpenBLAS run"
            if pinned else "NumPy's OpenBLAS picked")
     return (f"{why} its {'/'.join(slow)} (AVX2) kernels on a CPU with AVX-512: with "
-            f"OPENBLAS_CORETYPE=SkylakeX{' or unset' if pinned else ''} (before Python starts) the "
-            f"CPU backend's matmuls take ~0.55x the time")
+            f"OPENBLAS_CORETYPE=SkylakeX (set before Python starts) the CPU backend's matmuls "
+            f"take ~0.55x the time")
 
 
 def _default_threads() -> int:
