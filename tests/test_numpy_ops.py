@@ -160,6 +160,17 @@ def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     assert np.isfinite(out2[:, :200]).all() and not np.isfinite(out2[:, 200:]).all()
 
 
+def _assert_forward_within_fa_rule(q, k, v, causal, dtype, out, lse) -> None:
+    """out and lse within the FA rule of a float64 (long double for float64 inputs) reference,
+    against a naive implementation in the inputs' dtype."""
+    truth = np.longdouble if dtype == "float64" else np.float64
+    naive = np.float64 if dtype == "float64" else np.float32
+    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, causal, dtype=truth),
+                            attention_ref(q, k, v, causal, dtype=naive)):
+        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
+        assert ok, (err, bound)
+
+
 def _rows_refolded(monkeypatch, where=None) -> dict:
     """{"alone": [...], "tile": [...]}: the rows (of the tile) each call of `_fold_rows_exactly`
     and of `_fold_exactly` updates, one list per call (the calls still run). where: a list that
@@ -207,12 +218,7 @@ def test_one_jumping_row_is_refolded_alone(dtype, jump, path, causal, monkeypatc
     others = np.arange(64) != 40
     assert out[:, others].tobytes() == out_tame[:, others].tobytes()
     assert lse[..., others].tobytes() == lse_tame[..., others].tobytes()
-    truth = np.longdouble if dtype == "float64" else np.float64
-    naive = np.float64 if dtype == "float64" else np.float32
-    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, causal, dtype=truth),
-                            attention_ref(q, k, v, causal, dtype=naive)):
-        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
-        assert ok, (err, bound)
+    _assert_forward_within_fa_rule(q, k, v, causal, dtype, out, lse)
 
 
 def test_window_rows_seed_from_a_key_they_see(monkeypatch):
@@ -306,12 +312,7 @@ def test_very_peaked_scores_are_rescaled(dtype, count_calls):
     out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True, return_lse=True)
     assert calls["_rescale_rows"] and not calls["_fold_exactly"] and not calls["_fold_rows_exactly"], \
         {name: len(c) for name, c in calls.items()}
-    truth = np.longdouble if dtype == "float64" else np.float64
-    naive = np.float64 if dtype == "float64" else np.float32
-    for got, ref, nv in zip((out, lse), attention_ref(q, k, v, True, dtype=truth),
-                            attention_ref(q, k, v, True, dtype=naive)):
-        ok, err, bound = within_fa_rule(got, ref, nv, EPS[dtype])
-        assert ok, (err, bound)
+    _assert_forward_within_fa_rule(q, k, v, True, dtype, out, lse)
 
 
 def test_blas_advice():
