@@ -444,11 +444,15 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
         if shifted and math.isfinite(pv.sum()):   # some rows sum past LAZY_LIMIT
             big = np.flatnonzero(l > LAZY_LIMIT)
             rows, r = _rescalable(q, s, big)
-            if len(rows) == len(big):
-                before = acc[rows]
-                acc += pv
+            alone = np.setdiff1d(big, rows, assume_unique=True)   # P past what a rescale takes
+            before, kept = acc[rows], acc[alone]
+            acc += pv
+            acc[alone] = kept      # as they were: folded again below
+            if len(rows):
                 _rescale_rows(q, acc, pv, rows, r, before)
-                return
+            if len(alone):
+                _fold_rows_exactly(q, k, v, acc, future, alone, v_max)
+            return
         ok = np.isfinite(pv).all(axis=1) & np.isfinite(q[:, -1])
         big = np.flatnonzero(ok & (l > LAZY_LIMIT))
         rows, r = _rescalable(q, s, big)
