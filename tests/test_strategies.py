@@ -81,3 +81,47 @@ def test_one_rank_burst_reads_k_v_in_place(monkeypatch):
     ref_out, ref_lse = attention_ref(q, k, v, True, dtype=np.longdouble)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-13)
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "emulated"])
+def test_one_rank_burst_backward_reads_inputs_in_place(monkeypatch, backend):
+    """With one rank the backward takes no bundle buffers either: its one step reads strided Q
+    and dO as they are and adds into the dQ it returns. The gradients and check=True's row sums
+    are those of the same call on contiguous copies, bit for bit, and match the float64
+    reference; the trace holds the one step."""
+    from burstcu.engine.steps import Trace
+    from burstcu.testing.reference import attention_backward_ref, within_fa_rule
+    from burstcu.transport.base import SelfTransport
+
+    if backend == "numpy":
+        from burstcu.ops.numpy_ops import NumpyOps
+        ops, dtype, atol = NumpyOps(threads=1), np.float64, 1e-12
+    else:
+        from burstcu.ops.kernel_ops import KernelOps
+        ops, dtype, atol = KernelOps("emulated"), np.float16, None
+    monkeypatch.setattr(ops, "double_buffer", lambda fields: pytest.fail("a message buffer with one rank"))
+    group = burstcu.Group(0, 1, backend, SelfTransport(), ops)
+    rng = np.random.default_rng(2)
+    qd = rng.standard_normal((1, 32, 8, 16)).astype(dtype)
+    q, dout = qd[:, :, 0::2], qd[:, :, 1::2]                 # views, not contiguous
+    k, v = (rng.standard_normal((1, 32, 2, 16)).astype(dtype) for _ in range(2))
+    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    group.trace = Trace()
+    grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True, check=True)
+    assert [(t.pass_, t.step, t.source_rank, t.blocks) for t in group.trace.steps] == [("backward", 0, 0, 1)]
+    group.trace = None
+    again = burstcu.attention_backward(np.ascontiguousarray(dout), np.ascontiguousarray(q), k, v,
+                                       out, lse, group, causal=True)
+    for got, want in zip(grads, again):
+        assert got.dtype == dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    refs = attention_backward_ref(dout, q, k, v, True, dtype=np.longdouble)
+    if atol is None:   # float16: the FA rule against a naive float16 computation's error
+        naive = attention_backward_ref(dout, q, k, v, True, dtype=np.float32, round_to=np.float16,
+                                       out_dtype=np.float16)
+        for got, ref, bad in zip(grads, refs, naive):
+            ok, err, bound = within_fa_rule(got, ref, bad, float(np.finfo(np.float16).eps))
+            assert ok, (err, bound)
+    else:
+        for got, ref in zip(grads, refs):
+            np.testing.assert_allclose(got, ref, rtol=0, atol=atol)

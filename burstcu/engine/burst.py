@@ -211,6 +211,10 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
     acc = accum_dtype(q.dtype)
     sums = row_sums is not None
+    if size == 1:
+        return _backward_alone(dout, q, k, v, out, lse, ops, part, causal=causal,
+                               softmax_scale=softmax_scale, trace=trace, row_sums=row_sums,
+                               delta=delta, grad_dtype=grad_dtype, window=window, docs=docs)
     longest = max(lengths)
     # allocated for the longest shard in both places (plus slack for the psum padding, which
     # a shorter dQ may need more of)
@@ -293,6 +297,36 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
                       wait_s)
     dk, dv = ops.backward_finalize(ctx, k.dtype if grad_dtype is None else grad_dtype)
     dq_out = ops.zeros(q.shape, q.dtype if grad_dtype is None else grad_dtype)
+    ops.copy_(dq_out, dq)
+    return dq_out, dk, dv
+
+
+def _backward_alone(dout, q, k, v, out, lse, ops: LocalOps, part: Partition, *, causal: bool,
+                    softmax_scale: float, trace: Trace | None, row_sums, delta, grad_dtype,
+                    window, docs):
+    """`backward` on a group of one rank: the one step reads Q, dO, lse and delta where they
+    are and adds into the dQ it returns — no bundle buffers, and no copies of Q and dO into
+    them, of dQ out of them, or of dQ into a second array in the inputs' dtype when that is
+    the accumulation dtype (seqlen 1024, 8 heads, float32: six 2 MiB copies, ~2 ms of a
+    ~30 ms backward on two threads, measured). Shapes as in `backward`."""
+    acc = accum_dtype(q.dtype)
+    delta = ops.backward_delta(dout, out) if delta is None else delta
+    ctx = ops.backward_init(k, v, softmax_scale)
+    dq = ops.zeros(q.shape, acc)
+    if row_sums is not None:
+        ops.copy_(row_sums, 0)
+    blocks = mask_blocks(part, 0, 0, causal, window, docs)
+    compute_s = 0.0
+    if blocks:
+        compute_s = timed(ops, "bwd 0 compute", ops.backward_step, ctx, q, dout, lse, delta, dq,
+                          blocks, *([] if row_sums is None else [row_sums]))
+    if trace is not None:
+        trace.add("backward", 0, 0, len(blocks), compute_s, 0.0)
+    dk, dv = ops.backward_finalize(ctx, k.dtype if grad_dtype is None else grad_dtype)
+    dq_dtype = q.dtype if grad_dtype is None else grad_dtype
+    if np.dtype(dq_dtype) == np.dtype(acc):
+        return dq, dk, dv
+    dq_out = ops.zeros(q.shape, dq_dtype)
     ops.copy_(dq_out, dq)
     return dq_out, dk, dv
 
