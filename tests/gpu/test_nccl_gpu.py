@@ -86,6 +86,36 @@ def test_world_of_one_matches_reference(group, causal, window, dtype):
         assert ok, f"check=True {name}: {err:.3e} > {bound:.3e}"
 
 
+def test_world_of_one_backward_reads_strided_q_and_dout(group):
+    """One rank: the backward's one step reads Q and dO where they are (no bundle buffers), so
+    strided views of them reach the kernels' op as given. Their gradients are those of
+    contiguous copies, bit for bit (check=True: the deterministic dQ pass), and within the FA
+    rule against float64."""
+    import cupy
+    import burstcu
+    n = 200
+    rng = np.random.default_rng(5)
+    both = rng.standard_normal((2, n, 8, 64)).astype(np.float16)     # q and dout interleaved
+    k, v = (rng.standard_normal((2, n, 2, 64)).astype(np.float16) for _ in range(2))
+    g_both, g_k, g_v = (cupy.asarray(x) for x in (both, k, v))
+    q, dout = g_both[:, :, 0::2], g_both[:, :, 1::2]
+    assert not q.flags.c_contiguous and not dout.flags.c_contiguous
+    out, lse = burstcu.attention(q, g_k, g_v, group, causal=True, return_lse=True)
+    grads = burstcu.attention_backward(dout, q, g_k, g_v, out, lse, group, causal=True, check=True)
+    again = burstcu.attention_backward(cupy.ascontiguousarray(dout), cupy.ascontiguousarray(q),
+                                       g_k, g_v, out, lse, group, causal=True, check=True)
+    for got, want in zip(grads, again):
+        assert got.dtype == np.float16 and bool((got == want).all())
+    host_q, host_do = both[:, :, 0::2], both[:, :, 1::2]
+    refs = attention_backward_ref(host_do, host_q, k, v, causal=True)
+    naives = attention_backward_ref(host_do, host_q, k, v, causal=True, dtype=np.float32,
+                                    round_to=np.float16, out_dtype=np.float16)
+    for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
+        ok, err, bound = within_fa_rule(cupy.asnumpy(got).astype(np.float64), ref, naive,
+                                        EPS32, factor=3.0)
+        assert ok, f"{name}: {err:.3e} > {bound:.3e}"
+
+
 def test_nccl_allgather_of_one_copies(group):
     import cupy
     send = cupy.arange(1000, dtype=cupy.float32)
