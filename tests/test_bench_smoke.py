@@ -458,3 +458,21 @@ def test_adapters_smoke(tmp_path):
 def _installed(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
+
+
+def test_local_cpu_ab_smoke(tmp_path):
+    """bench/local_cpu_ab.py: local_cpu.py runs alternating between two trees (here this one
+    twice), summarized per configuration, every run kept verbatim."""
+    prefix = tmp_path / "ab"
+    out = run_bench("local_cpu_ab.py", ["--before-tree", ROOT, "--runs", 1, "--idle", 0, "--out", prefix,
+                                        "--", "--seqlen", 64, "--heads", 2, "--headdim", 16, "--repeats", 1,
+                                        "--threads", 1, "--naive-max", 0, "--no-backward"],
+                    nprocs=None)
+    assert "before_median" in out
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert len(result["runs"]) == len(result["before_runs"]) == 1
+    assert {(r["threads"], r["seqlen"], r["mask"], r["pass"]) for r in result["summary"]} == {
+        (1, 64, "full", "forward"), (1, 64, "causal", "forward")}
+    text = (tmp_path / "ab.txt").read_text()
+    assert text.count("verbatim:") == 2 and text.count("measured on the CPU") == 2
+    assert (tmp_path / "ab.png").stat().st_size > 5_000

@@ -1,0 +1,157 @@
+"""bench/local_cpu.py for two versions of burstcu, in alternating processes: this tree ("after")
+and another checkout ("before"), so that the comparison, and each against torch, comes from one
+stretch of time on one machine.
+
+    python bench/local_cpu_ab.py --before-tree DIR [--runs 4] [--out PREFIX]
+                                 [--idle 0.95] [-- ARGS for local_cpu.py, e.g. --repeats 7]
+
+DIR: a checkout of the version to compare with (`git worktree add DIR REV`); each of its runs
+executes DIR's own bench/local_cpu.py with DIR first on PYTHONPATH. Runs alternate after /
+before (the first pair starts with before), each started once the machine has been idle (all
+CPUs at least --idle of the time over 6 s; at most 120 s of waiting, then it starts anyway and
+says so; --idle 0: no waiting). Every run's output is kept verbatim.
+
+Writes PREFIX.txt (the summary table, then every run verbatim), PREFIX.json (command, summary,
+runs, before_runs: each run's own JSON) and PREFIX.png (each configuration's burstcu / torch
+time, after against before). Summary cells: burstcu time / torch time of the same run (the
+`time_vs_torch` column of local_cpu.py); median, min, max over the runs of this tree;
+before_median over the other's. Progress lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from _common import ROOT, median, progress, table, write_json  # noqa: I001 - sets sys.path
+
+KEY = ("threads", "seqlen", "mask", "pass")
+
+
+def cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs so far (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)   # idle + iowait
+
+
+def wait_until_idle(share: float, window: float = 6.0, limit: float = 120.0) -> bool:
+    """Wait until the CPUs were idle at least `share` of a `window`-second span; False if that
+    did not happen within `limit` seconds (the run then starts anyway)."""
+    if share <= 0 or not os.path.exists("/proc/stat"):
+        return True
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        idle0, total0 = cpu_times()
+        time.sleep(window)
+        idle1, total1 = cpu_times()
+        if total1 > total0 and (idle1 - idle0) / (total1 - total0) >= share:
+            return True
+    return False
+
+
+def one_run(tree: Path, extra: list[str], idle: float) -> tuple[str, dict, str]:
+    """(stdout, its JSON, start time) of one local_cpu.py run from `tree`."""
+    quiet = wait_until_idle(idle)
+    started = datetime.now().isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+        proc = subprocess.run([sys.executable, str(tree / "bench" / "local_cpu.py"), *extra,
+                               "--json", str(out)], env=env, cwd=tree, capture_output=True,
+                              text=True, check=True)
+        result = json.loads(out.read_text())
+    if not quiet:
+        started += " (the machine was not idle when it started)"
+    return proc.stdout, result, started
+
+
+def ratios(run: dict) -> dict:
+    """{(threads, seqlen, mask, pass): burstcu time / torch time} of one run's JSON."""
+    return {tuple(r[k] for k in KEY): r["time_vs_torch"] for r in run["results"]
+            if r["impl"] == "burstcu" and r["time_vs_torch"] is not None}
+
+
+def summarize(after: list[dict], before: list[dict]) -> list[dict]:
+    """One row per configuration: median / min / max of this tree's ratios, the other's median."""
+    rows = []
+    for key in ratios(after[0]):
+        mine = [ratios(r)[key] for r in after]
+        theirs = [ratios(r)[key] for r in before if key in ratios(r)]
+        rows.append({**dict(zip(KEY, key)), "median": median(mine), "min": min(mine),
+                     "max": max(mine), "before_median": median(theirs) if theirs else None,
+                     "runs": " ".join(f"{x:.2f}" for x in mine),
+                     "before_runs": " ".join(f"{x:.2f}" for x in theirs)})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['threads']}t {r['seqlen']} {r['mask']} {r['pass'][:3]}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows)), 4))
+    ax.plot(xs, [r["before_median"] for r in rows], "o", color="0.6", label="before (median)")
+    ax.errorbar(xs, [r["median"] for r in rows],
+                yerr=[[r["median"] - r["min"] for r in rows], [r["max"] - r["median"] for r in rows]],
+                fmt="s", color="C0", capsize=3, label="after (median, min-max)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("burstcu time / torch SDPA time")
+    ax.set_title("one rank on the CPU, float32 (runs alternating after / before)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description="local_cpu.py for this tree and another, alternating")
+    p.add_argument("--before-tree", required=True, type=Path)
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--idle", type=float, default=0.95)
+    p.add_argument("--out", default="bench/out/local_cpu_ab")
+    args = p.parse_args(own)
+    trees = {"after": ROOT, "before": args.before_tree.resolve()}
+    if not (trees["before"] / "bench" / "local_cpu.py").exists():
+        p.error(f"{trees['before']} has no bench/local_cpu.py")
+    got: dict[str, list] = {"after": [], "before": []}
+    for i in range(args.runs):
+        for label in ("before", "after") if i % 2 == 0 else ("after", "before"):
+            progress(f"run {i + 1} of {args.runs}, {label} ({trees[label]})")
+            got[label].append(one_run(trees[label], extra, args.idle))
+    rows = summarize([r for _, r, _ in got["after"]], [r for _, r, _ in got["before"]])
+    command = "python bench/local_cpu.py " + " ".join(extra)
+    lines = [f"# each run: {command}",
+             f"# runs alternate before / after, {args.runs} each; before = {trees['before']}",
+             "# cells: burstcu time / torch time of the same run; median, min, max over this "
+             "tree's runs, before_median over the other's", "",
+             table(rows, ["threads", "seqlen", "mask", "pass", "median", "min", "max",
+                          "before_median", "runs", "before_runs"]), ""]
+    for label, name in (("after", "this tree"), ("before", "the tree before")):
+        for i, (stdout, _, started) in enumerate(got[label]):
+            lines += [f"# run {i + 1} of {args.runs}, {name} ({started}), verbatim:", stdout]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".txt").write_text("\n".join(lines))
+    write_json(args.out + ".json", {"command": command, "summary": rows,
+                                    "runs": [r for _, r, _ in got["after"]],
+                                    "before_runs": [r for _, r, _ in got["before"]]})
+    plot(rows, args.out + ".png")
+    print("\n".join(lines[:len(rows) + 8]))
+    print(f"wrote {args.out}.txt, .json, .png")
+
+
+if __name__ == "__main__":
+    main()
