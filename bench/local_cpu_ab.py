@@ -6,16 +6,20 @@ stretch of time on one machine.
                                  [--idle 0.95] [-- ARGS for local_cpu.py, e.g. --repeats 7]
 
 DIR: a checkout of the version to compare with (`git worktree add DIR REV`); each of its runs
-executes DIR's own bench/local_cpu.py with DIR first on PYTHONPATH. Runs alternate after /
-before (the first pair starts with before), each started once the machine has been idle (all
-CPUs at least --idle of the time over 6 s; at most 120 s of waiting, then it starts anyway and
-says so; --idle 0: no waiting). Every run's output is kept verbatim.
+executes DIR's own bench/local_cpu.py with DIR first on PYTHONPATH and DIR as the working
+directory (relative paths in ARGS resolve there). Needs torch (the cells are ratios to its
+SDPA). Runs come in pairs, before then after, after then before, and so on; each starts once
+the machine has been idle (the aggregate CPU line of /proc/stat at least --idle idle over
+6 s; at most 120 s of waiting, then it starts anyway and says so; --idle 0: no waiting).
+Every run's output is kept verbatim, and each tree's commit (with "+changes" when its work
+tree differs from it) is recorded.
 
 Writes PREFIX.txt (the summary table, then every run verbatim), PREFIX.json (command, summary,
 runs, before_runs: each run's own JSON) and PREFIX.png (each configuration's burstcu / torch
 time, after against before). Summary cells: burstcu time / torch time of the same run (the
 `time_vs_torch` column of local_cpu.py); median, min, max over the runs of this tree;
-before_median over the other's. Progress lines go to stderr.
+before_median over the other's; after_s, before_s: the median of each tree's burstcu seconds
+(runs alternate, so these compare the two trees directly). Progress lines go to stderr.
 """
 
 from __future__ import annotations
@@ -67,8 +71,12 @@ def one_run(tree: Path, extra: list[str], idle: float) -> tuple[str, dict, str]:
             [str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
         proc = subprocess.run([sys.executable, str(tree / "bench" / "local_cpu.py"), *extra,
                                "--json", str(out)], env=env, cwd=tree, capture_output=True,
-                              text=True, check=True)
+                              text=True)
+        if proc.returncode != 0:
+            sys.exit(f"local_cpu.py in {tree} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
+    if not ratios(result):
+        sys.exit("local_cpu.py measured no torch SDPA (torch not installed?): nothing to compare")
     if not quiet:
         started += " (the machine was not idle when it started)"
     return proc.stdout, result, started
@@ -80,17 +88,36 @@ def ratios(run: dict) -> dict:
             if r["impl"] == "burstcu" and r["time_vs_torch"] is not None}
 
 
+def seconds(run: dict) -> dict:
+    """{(threads, seqlen, mask, pass): burstcu seconds} of one run's JSON."""
+    return {tuple(r[k] for k in KEY): r["seconds"] for r in run["results"] if r["impl"] == "burstcu"}
+
+
 def summarize(after: list[dict], before: list[dict]) -> list[dict]:
-    """One row per configuration: median / min / max of this tree's ratios, the other's median."""
+    """One row per configuration the runs share: median / min / max of this tree's ratios, the
+    other's median, and each tree's median burstcu seconds."""
     rows = []
-    for key in ratios(after[0]):
-        mine = [ratios(r)[key] for r in after]
-        theirs = [ratios(r)[key] for r in before if key in ratios(r)]
+    keys = [key for key in ratios(after[0]) if all(key in ratios(r) for r in after + before)]
+    for key in keys:
+        mine, theirs = [ratios(r)[key] for r in after], [ratios(r)[key] for r in before]
         rows.append({**dict(zip(KEY, key)), "median": median(mine), "min": min(mine),
-                     "max": max(mine), "before_median": median(theirs) if theirs else None,
+                     "max": max(mine), "before_median": median(theirs),
+                     "after_s": median([seconds(r)[key] for r in after]),
+                     "before_s": median([seconds(r)[key] for r in before]),
                      "runs": " ".join(f"{x:.2f}" for x in mine),
                      "before_runs": " ".join(f"{x:.2f}" for x in theirs)})
     return rows
+
+
+def revision(tree: Path) -> str:
+    """The tree's commit, with "+changes" when its tracked files differ from it ("?" outside git)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return "?"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -134,22 +161,25 @@ def main(argv=None) -> None:
             got[label].append(one_run(trees[label], extra, args.idle))
     rows = summarize([r for _, r, _ in got["after"]], [r for _, r, _ in got["before"]])
     command = "python bench/local_cpu.py " + " ".join(extra)
-    lines = [f"# each run: {command}",
-             f"# runs alternate before / after, {args.runs} each; before = {trees['before']}",
-             "# cells: burstcu time / torch time of the same run; median, min, max over this "
-             "tree's runs, before_median over the other's", "",
-             table(rows, ["threads", "seqlen", "mask", "pass", "median", "min", "max",
-                          "before_median", "runs", "before_runs"]), ""]
+    revs = {label: revision(tree) for label, tree in trees.items()}
+    head = [f"# each run: {command}",
+            f"# {args.runs} runs of each tree in alternating pairs; after = {trees['after']} "
+            f"({revs['after']}), before = {trees['before']} ({revs['before']})",
+            "# cells: burstcu time / torch time of the same run; median, min, max over this "
+            "tree's runs, before_median over the other's; after_s, before_s: median burstcu seconds",
+            "", table(rows, ["threads", "seqlen", "mask", "pass", "median", "min", "max",
+                             "before_median", "after_s", "before_s", "runs", "before_runs"])]
+    lines = head + [""]
     for label, name in (("after", "this tree"), ("before", "the tree before")):
         for i, (stdout, _, started) in enumerate(got[label]):
             lines += [f"# run {i + 1} of {args.runs}, {name} ({started}), verbatim:", stdout]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".txt").write_text("\n".join(lines))
-    write_json(args.out + ".json", {"command": command, "summary": rows,
+    write_json(args.out + ".json", {"command": command, "revisions": revs, "summary": rows,
                                     "runs": [r for _, r, _ in got["after"]],
                                     "before_runs": [r for _, r, _ in got["before"]]})
     plot(rows, args.out + ".png")
-    print("\n".join(lines[:len(rows) + 8]))
+    print("\n".join(head))
     print(f"wrote {args.out}.txt, .json, .png")
 
 

@@ -463,6 +463,7 @@ def _installed(module: str) -> bool:
 def test_local_cpu_ab_smoke(tmp_path):
     """bench/local_cpu_ab.py: local_cpu.py runs alternating between two trees (here this one
     twice), summarized per configuration, every run kept verbatim."""
+    pytest.importorskip("torch")   # its cells are ratios to torch's SDPA
     prefix = tmp_path / "ab"
     out = run_bench("local_cpu_ab.py", ["--before-tree", ROOT, "--runs", 1, "--idle", 0, "--out", prefix,
                                         "--", "--seqlen", 64, "--heads", 2, "--headdim", 16, "--repeats", 1,
@@ -471,6 +472,8 @@ def test_local_cpu_ab_smoke(tmp_path):
     assert "before_median" in out
     result = json.loads((tmp_path / "ab.json").read_text())
     assert len(result["runs"]) == len(result["before_runs"]) == 1
+    assert set(result["revisions"]) == {"after", "before"}
+    assert all(r["after_s"] > 0 and r["before_s"] > 0 and r["median"] > 0 for r in result["summary"])
     assert {(r["threads"], r["seqlen"], r["mask"], r["pass"]) for r in result["summary"]} == {
         (1, 64, "full", "forward"), (1, 64, "causal", "forward")}
     text = (tmp_path / "ab.txt").read_text()

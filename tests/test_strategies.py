@@ -83,12 +83,13 @@ def test_one_rank_burst_reads_k_v_in_place(monkeypatch):
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-13)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "emulated"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("emulated", marks=pytest.mark.emulated)])
 def test_one_rank_burst_backward_reads_inputs_in_place(monkeypatch, backend):
     """With one rank the backward takes no bundle buffers either: its one step reads strided Q
-    and dO as they are and adds into the dQ it returns. The gradients and check=True's row sums
-    are those of the same call on contiguous copies, bit for bit, and match the float64
-    reference; the trace holds the one step."""
+    and dO as they are (head dim 32: the kernels' op pads none, so its kernels read the views)
+    and adds into the dQ it returns. With check=True (row sums of P agreed; the kernels'
+    deterministic dQ pass) the gradients are those of the same call on contiguous copies, bit
+    for bit, and match the float64 reference; the trace holds the one step."""
     from burstcu.engine.steps import Trace
     from burstcu.testing.reference import attention_backward_ref, within_fa_rule
     from burstcu.transport.base import SelfTransport
@@ -102,16 +103,16 @@ def test_one_rank_burst_backward_reads_inputs_in_place(monkeypatch, backend):
     monkeypatch.setattr(ops, "double_buffer", lambda fields: pytest.fail("a message buffer with one rank"))
     group = burstcu.Group(0, 1, backend, SelfTransport(), ops)
     rng = np.random.default_rng(2)
-    qd = rng.standard_normal((1, 32, 8, 16)).astype(dtype)
+    qd = rng.standard_normal((1, 32, 8, 32)).astype(dtype)
     q, dout = qd[:, :, 0::2], qd[:, :, 1::2]                 # views, not contiguous
-    k, v = (rng.standard_normal((1, 32, 2, 16)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((1, 32, 2, 32)).astype(dtype) for _ in range(2))
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     group.trace = Trace()
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True, check=True)
     assert [(t.pass_, t.step, t.source_rank, t.blocks) for t in group.trace.steps] == [("backward", 0, 0, 1)]
     group.trace = None
     again = burstcu.attention_backward(np.ascontiguousarray(dout), np.ascontiguousarray(q), k, v,
-                                       out, lse, group, causal=True)
+                                       out, lse, group, causal=True, check=True)
     for got, want in zip(grads, again):
         assert got.dtype == dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
