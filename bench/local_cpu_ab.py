@@ -124,7 +124,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"{r['threads']}t {r['seqlen']} {r['mask']} {r['pass'][:3]}" for r in rows]
+    labels = [f"{r['threads']}t {r['seqlen']} {r['mask']} {'fwd' if r['pass'] == 'forward' else 'bwd'}" for r in rows]
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows)), 4))
     ax.plot(xs, [r["before_median"] for r in rows], "o", color="0.6", label="before (median)")

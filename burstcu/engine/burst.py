@@ -46,6 +46,9 @@ over contiguous shards bundle j goes j hops down to rank 0, half the ring's bund
         dq     = B*S*H*D*acc_itemsize          (fp32 accumulator; fp64 for fp64 input)
     and without a mask bundles = G-1, dqs = G, messages = G + 1.
 
+On one rank nothing travels in either pass: the forward's one step reads K and V where they
+are, the backward's Q, dO, lse and delta (`_backward_alone`), with no message buffers.
+
 With `row_sums` (attention_backward(check=True)) each rank also adds its keys' share of every
 visiting row's sum of P into a (B, H, S) accumulator that rides right behind dQ, exactly as dQ
 does (one step behind, home with it as a second message); the check is that every row's total
