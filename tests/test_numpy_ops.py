@@ -3,6 +3,9 @@ where it must,
 buffers kept between calls never leak one call's data into the next, and its scratch stays
 tile-sized."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -313,6 +316,79 @@ def test_very_peaked_scores_are_rescaled(dtype, count_calls):
     assert calls["_rescale_rows"] and not calls["_fold_exactly"] and not calls["_fold_rows_exactly"], \
         {name: len(c) for name, c in calls.items()}
     _assert_forward_within_fa_rule(q, k, v, True, dtype, out, lse)
+
+
+def test_row_sums_beside_p_times_v():
+    """_times_v: P @ [V | 1] as P @ V and the row sums apart, against float64 products."""
+    rng = np.random.default_rng(4)
+    p = rng.random((96, 80), dtype=np.float32)
+    v = np.ones((80, 17), np.float32)
+    v[:, :16] = rng.standard_normal((80, 16))
+    out = np.full((96, 17), np.nan, np.float32)
+    numpy_ops._times_v(p, v, out)
+    want = p.astype(np.float64) @ v.astype(np.float64)
+    scale = np.abs(p).astype(np.float64) @ np.abs(v).astype(np.float64)
+    assert (np.abs(out - want) <= 80 * EPS["float32"] * scale).all()
+    np.testing.assert_allclose(out[:, 16], p.astype(np.float64).sum(axis=1), rtol=80 * EPS["float32"])
+
+
+def test_forward_queues_layouts_then_the_largest_folds(monkeypatch):
+    """One thread runs a forward step's items in queue order: each head's K/V layout first,
+    then the folds largest first — causal spans grow down the sequence, so the last span's
+    rows come first and the first span's last; out and lse as the reference's."""
+    q, k, v, _ = make_inputs(5, 1, 256, 2, 2, 16, "float32")
+    events = []
+    max_abs, forward_block = numpy_ops._max_abs, NumpyOps._forward_block
+    monkeypatch.setattr(numpy_ops, "_max_abs", lambda x: events.append("layout") or max_abs(x))
+
+    def block(self, q, k, v, acc, part, *rest):
+        events.append(part.q_start)
+        return forward_block(self, q, k, v, acc, part, *rest)
+    monkeypatch.setattr(NumpyOps, "_forward_block", block)
+    out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True,
+                                 return_lse=True)
+    assert events == ["layout"] * 2 + [192, 192, 128, 128, 64, 64, 0, 0], events
+    _assert_forward_within_fa_rule(q, k, v, True, "float32", out, lse)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
+    """The forward's folds wait for their head's K/V layout. A layout on the pool thread fails,
+    slowly: meanwhile the calling thread lays out the other head and reaches a fold of the
+    failing one, and waits. The call raises the layout's error — not the waiter's — no pool
+    thread is left waiting, and the same op computes the next call exactly."""
+    tiles = {"tile_q": 64, "tile_k": 64, "threads": 2}
+    q, k, v, _ = make_inputs(3, 1, 512, 2, 2, 16, "float32")
+    group, fresh = _group(**tiles), _group(**tiles)
+    max_abs, failed, abandoned = numpy_ops._max_abs, [], []
+    wait = numpy_ops._InOrder.wait
+
+    def failing(x):
+        if threading.current_thread() is not threading.main_thread() and not failed:
+            failed.append(1)
+            time.sleep(0.5)
+            raise MemoryError("simulated failure in a layout")
+        return max_abs(x)
+
+    def waiting(self, *args):
+        try:
+            wait(self, *args)
+        except numpy_ops._Abandoned:
+            abandoned.append(threading.current_thread() is threading.main_thread())
+            raise
+    monkeypatch.setattr(numpy_ops, "_max_abs", failing)
+    monkeypatch.setattr(numpy_ops._InOrder, "wait", waiting)
+    with pytest.raises(MemoryError, match="simulated"):
+        burstcu.attention(q, k, v, group, causal=True)
+    monkeypatch.undo()
+    assert failed and abandoned == [True]   # the calling thread was the waiter released
+    barrier = threading.Barrier(tiles["threads"], timeout=20)
+    list(group.ops._pool.map(lambda _: barrier.wait(), range(tiles["threads"])))
+    again = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    want = burstcu.attention(q, k, v, fresh, causal=True, return_lse=True)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(again, want))
+    group.close()
+    fresh.close()
 
 
 def test_blas_advice():

@@ -10,9 +10,10 @@ One matmul against a KV head's keys then scores every query head of its group.
 What a tile costs (float32, one core of the Zen 5 machine measured): each of its two matmuls
 ~1.2 ns per score (~105 GFLOP/s, OpenBLAS); each other pass over the tile 0.1-0.4 ns. So the
 forward makes one other pass, exp, and folds the rest into the matmuls:
-* extra columns: q ends in -m and K in ones, so Q K^T yields score - m; V ends in ones, so
-  P @ [V | 1] yields the row sums l beside the output (a 65th column costs 0.03 ns a score in
-  Q K^T and 0.1 in P @ V, against 0.23 for a subtraction pass and 0.18 for a row sum);
+* extra columns: q ends in -m and K in ones, so Q K^T yields score - m (a 65th column costs
+  0.03 ns a score, against 0.23 for a subtraction pass); V ends in ones, and P times that
+  column is the row sums l beside the output, as a matrix-vector product (~0.05 ns, against
+  0.1 as a 65th column of P @ V and 0.18 for a row-sum pass: `_times_v`);
 * lazy rescaling: a row keeps its shift m (a score it has seen) while a tile's P sums to at
   most LAZY_LIMIT, so there is no row max (0.21 ns) and no rescaling of the accumulator per
   tile; rows past it are rescaled alone (`_rescalable` says which may be), the others —
@@ -402,6 +403,16 @@ def _matmul_masked(a, b, masked, out, b_finite: bool) -> np.ndarray:
     return out
 
 
+def _times_v(p, v, out) -> None:
+    """out = p @ v for v (keys, D+1) ending in ones: p @ v[:, :D], then the row sums p @ 1 as a
+    matrix-vector product. As a 65th column of the matmul they cost ~0.1 ns a score (OpenBLAS
+    runs its edge kernel over all of p again for it), as a matrix-vector product ~0.05 (512 x
+    512 tiles, float32, interleaved: 309 us against 319 for the 65-column product).
+    p (rows, keys); out (rows, D+1)."""
+    np.matmul(p, v[:, :-1], out=out[:, :-1])
+    np.matmul(p, v[:, -1], out=out[:, -1])
+
+
 def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     """acc += P @ [V | 1] for one tile, P = exp(score - m), folded lazily where that is exact
     and row by row elsewhere. q (rows, D+1): scaled queries | -m, the rows' negated running
@@ -436,7 +447,10 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
             future.fill(s, -np.inf)
         np.exp(s, out=s)
         pairs = None if future is None else future.pairs
-        _matmul_masked(s, v, pairs, pv, math.isfinite(v_max))
+        if pairs is None:
+            _times_v(s, v, pv)
+        else:   # strips of a mask's edge: their short matmuls gain less than a call costs
+            _matmul_masked(s, v, pairs, pv, math.isfinite(v_max))
         l = pv[:, -1]
         if shifted and l.max() <= LAZY_LIMIT and (v_max < TAME_V or math.isfinite(pv.sum())):
             acc += pv
@@ -607,12 +621,15 @@ def _neg_lse(lse_rows) -> np.ndarray:
 
 
 class _InOrder:
-    """Turns per head, so that the backward adds each head's dQ partials in key-range order
-    whichever thread finishes first: item (range c, head) adds only after (range c-1, head).
+    """Turns per head: wait(head, turn) returns once done(head) was called `turn` times. The
+    backward adds each head's dQ partials in key-range order with it, whichever thread
+    finishes first (item (range c, head) adds only after (range c-1, head)); the forward's
+    folds wait for their head's K/V layout (turn 1).
 
-    No deadlock: items are queued range by range into a FIFO pool, so the item a waiter waits
-    for was taken by a thread before the waiter was. An item that fails releases every waiter
-    (which then fails too), so a pool thread never waits forever.
+    No deadlock: an item waited for is queued before its waiters (key range by key range; the
+    layouts before every fold), and `NumpyOps._run` hands items out in queue order, so it was
+    taken by a thread before the waiter was. An item that fails releases every waiter (which
+    then fails too), so a pool thread never waits forever.
     """
 
     def __init__(self, heads: int):
@@ -624,7 +641,7 @@ class _InOrder:
         with self.cond:
             self.cond.wait_for(lambda: self.added[head] >= turn or self.failed)
             if self.failed:
-                raise RuntimeError("another work item of this backward step failed")
+                raise _Abandoned("another work item of this step failed")
 
     def done(self, head: int) -> None:
         with self.cond:
@@ -635,6 +652,11 @@ class _InOrder:
         with self.cond:
             self.failed = True
             self.cond.notify_all()
+
+
+class _Abandoned(RuntimeError):
+    """A work item gave up because another one failed (`_InOrder.fail`): `NumpyOps._run` raises
+    the failure itself, not this."""
 
 
 _DONE = object()   # the end of `NumpyOps._run`'s items
@@ -773,9 +795,10 @@ class NumpyOps(LocalOps):
         (10x slower, measured). The calling thread works too rather than sleeping until the
         pool is done: each wake-up of a sleeping thread costs a core a context switch.
         Each thread takes the next item in order, so an item waited for (`_InOrder`) was
-        taken before its waiter. After a failure no thread takes another item; the first
-        exception is raised once every thread has stopped. Pool threads run under the
-        caller's np.errstate, as the calling thread does."""
+        taken before its waiter. After a failure no thread takes another item; once every
+        thread has stopped, the failure is raised — the first exception that is not a waiter's
+        `_Abandoned`, whichever thread met it. Pool threads run under the caller's
+        np.errstate, as the calling thread does."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController()
@@ -796,26 +819,28 @@ class NumpyOps(LocalOps):
                             return
                         try:
                             work(item)
-                        except BaseException:
-                            failed.append(True)
-                            raise
+                        except BaseException as error:
+                            failed.append(error)
+                            return
             helpers = [self._pool.submit(drain) for _ in range(min(self.threads, len(items)) - 1)]
             try:
                 drain()
             finally:
-                errors = [f.exception() for f in helpers]   # waits for each
-            for error in errors:
-                if error is not None:
-                    raise error
+                for helper in helpers:
+                    helper.result()   # waits; drain itself raises nothing
+            if failed:
+                raise next((e for e in failed if not isinstance(e, _Abandoned)), failed[0])
 
     @staticmethod
     def _each_head(fn, b: int, hkv: int) -> None:
         """fn(bi, hi) for every head, in this thread: the layout passes are memory-bound copies,
-        and handing them to the pool costs more than a second core gains (seqlen 1024, 8 heads:
-        0.47 ms here, 0.88 ms on two pool threads; forward_finalize's divide: 15.6 ms a forward
-        either way; measured). The first forward step's queries are laid out inside the work
-        items instead, on the thread that folds them next (1024 forward, two threads: 1.25 to
-        1.2x torch's time, causal 1.3 to 1.2x, with the one-rank burst reading K, V in place)."""
+        and handing them to the pool in a `_run` of their own costs more than a second core
+        gains (seqlen 1024, 8 heads: 0.47 ms here, 0.88 ms on two pool threads; forward_finalize's
+        divide: 15.6 ms a forward either way; measured). The forward step lays out inside its
+        folds' `_run` instead: the first step's queries in the fold items, on the thread that
+        folds them next (1024 forward, two threads: 1.25 to 1.2x torch's time, causal 1.3 to
+        1.2x, with the one-rank burst reading K, V in place), and K, V as items of their own
+        queued before the folds."""
         for bi, hi in product(range(b), range(hkv)):
             fn(bi, hi)
 
@@ -842,22 +867,42 @@ class NumpyOps(LocalOps):
             st.acc[bi, hi, lo * g:end * g].fill(0)
 
         def layout(bi, hi):
-            if first:   # rows no span covers here; each work item lays out its span's own
+            if first:   # rows no span covers here; each fold lays out its span's own
                 for lo, end in _gaps(spans, st.q_in.shape[1]):
                     put_rows(bi, hi, lo, end)
             _put(kh[bi, hi], k[bi, :, hi:hi + 1], None, 1)
             _put(vh[bi, hi], v[bi, :, hi:hi + 1], None, 1)
             v_max[bi, hi] = _max_abs(vh[bi, hi, :, :d])
-        self._each_head(layout, b, hkv)
+
+        # Items: each head's layout, then the folds (head, span), which wait for their head's
+        # layout alone. So the threads lay out heads side by side rather than the calling thread
+        # all of them while the others wait, and folds are queued largest first (by their tiles'
+        # area: causal spans grow down the sequence), so the last to finish are small ones.
+        heads = list(product(range(b), range(hkv)))
+        laid_out = _InOrder(len(heads))
+        rows = max(1, self.tile_q // g)
+        area = [sum((q1 - q0) * (k1 - k0) for part in span_parts for q0, q1, k0, k1, _ in
+                    _tiles(part, rows, self.tile_k)) for span_parts in parts]
+        folds = sorted(product(range(len(heads)), range(len(spans))), key=lambda item: -area[item[1]])
 
         def work(item):
-            bi, hi, span = item
-            if first:   # on the thread that folds these rows next, while they are in its cache
-                put_rows(bi, hi, *spans[span])
-            for part in parts[span]:
-                self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi], part, g,
-                                    scratch, float(v_max[bi, hi]))
-        self._run(work, list(product(range(b), range(hkv), range(len(spans)))))
+            head, span = item
+            bi, hi = heads[head]
+            try:
+                if span is None:
+                    layout(bi, hi)
+                    laid_out.done(head)
+                    return
+                laid_out.wait(head, 1)
+                if first:   # on the thread that folds these rows next, while they are in its cache
+                    put_rows(bi, hi, *spans[span])
+                for part in parts[span]:
+                    self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi], part, g,
+                                        scratch, float(v_max[bi, hi]))
+            except BaseException:
+                laid_out.fail()
+                raise
+        self._run(work, [(head, None) for head in range(len(heads))] + folds)
         st.q_in = None
         self._count_scratch()
         self._kept.give(kh, vh)
