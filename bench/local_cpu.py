@@ -3,7 +3,7 @@
 
     python bench/local_cpu.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
                               [--heads 8] [--headdim 64] [--batch 1] [--repeats 5]
-                              [--no-backward] [--naive-max 1024] [--score-std 1]
+                              [--no-backward] [--naive-max 1024] [--score-std 1] [--matmul-size 2048]
                               [--json FILE] [--plot FILE]
 
 For each (threads, seqlen, mask) burstcu and torch run interleaved — one repetition of each in
@@ -28,6 +28,10 @@ op never forms.
 Matmuls are most of the burstcu time, and their speed is the BLAS kernels': the header line
 names the kernels NumPy's OpenBLAS picked (OPENBLAS_CORETYPE, set in the environment, overrides
 the choice; `burstcu.ops.numpy_ops.blas_advice` says when AVX-512 ones would run and are not).
+So each thread count starts with the matmul peaks: a float32 n^3 matmul (--matmul-size, 2048)
+through NumPy's BLAS and one through torch (which brings its own BLAS, MKL in its CPU wheels),
+and every row's `of_matmul_peak` is its GFLOP/s over the peak of its own library's matmuls: how
+close each implementation comes to the ceiling its kernels set, which differs between the two.
 
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
@@ -101,6 +105,22 @@ def interleaved(runs: dict, repeats: int) -> dict:
     return times
 
 
+def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
+    """{"numpy": GFLOP/s, "torch": GFLOP/s or None} of one float32 n x n x n matmul (median of
+    `repeats`, after a warm-up) through NumPy's BLAS and through torch, on `threads` threads:
+    the rate each library's matmuls reach at best here, against which its attention's GFLOP/s
+    reads as a share of its own ceiling (what each implementation makes of the kernels it has)."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    runs = {"numpy": lambda: a @ b}
+    if torch is not None:
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        runs["torch"] = lambda: torch.mm(ta, tb)
+    peaks = {name: 2 * n ** 3 / median(ts) / 1e9 for name, ts in interleaved(runs, repeats).items()}
+    time.sleep(0.5)   # OpenBLAS's threads spin for a while after a threaded call: let them sleep
+    return {"threads": threads, "n": n, "numpy": peaks["numpy"], "torch": peaks.get("torch")}
+
+
 def traced_peak(fn) -> int:
     """Peak bytes tracemalloc sees allocated during fn() (numpy reports its buffers to it)."""
     tracemalloc.start()
@@ -111,8 +131,9 @@ def traced_peak(fn) -> int:
         tracemalloc.stop()
 
 
-def bench_config(args, threads: int, seqlen: int, causal: bool):
-    """Timing rows and the memory row of one (threads, seqlen, mask)."""
+def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict):
+    """Timing rows and the memory row of one (threads, seqlen, mask); peaks: `matmul_peaks`
+    on these threads (each row's `of_matmul_peak` is its GFLOP/s over its library's)."""
     rng = np.random.default_rng(0)
     shape = (args.batch, seqlen, args.heads, args.headdim)
     q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
@@ -139,6 +160,8 @@ def bench_config(args, threads: int, seqlen: int, causal: bool):
                      "pass": pass_, "impl": impl,
                      "seconds": t, "all_seconds": ts, "time_vs_torch": t / median(ref) if ref else None,
                      "gflops": flops * (2.5 if pass_ == "backward" else 1) / t / 1e9})
+        peak = peaks.get("torch" if impl.startswith("torch") else "numpy")
+        rows[-1]["of_matmul_peak"] = rows[-1]["gflops"] / peak if peak else None
     group.close()
     return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse))
 
@@ -200,6 +223,7 @@ def main(argv=None):
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
     p.add_argument("--score-std", type=float, default=1.0, help="std of the scores (q is scaled to it)")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n^3 matmul that measures each library's peak")
     p.add_argument("--json", default="bench/out/local_cpu.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -211,17 +235,19 @@ def main(argv=None):
         import torch
     except ImportError:
         torch = None
-    rows, memory = [], []
+    rows, memory, peaks = [], [], []
     env = environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     for threads in threads_list:
         if torch is not None:
             torch.set_num_threads(threads)
         with threadpool_limits(limits=threads):
+            progress(f"{threads} thread(s), matmul peaks")
+            peaks.append(matmul_peaks(torch, threads, args.matmul_size))
             for seqlen in args.seqlen:
                 for mask in masks:
                     progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
-                    got, mem = bench_config(args, threads, seqlen, mask == "causal")
+                    got, mem = bench_config(args, threads, seqlen, mask == "causal", peaks[-1])
                     rows += got
                     memory.append(mem)
     cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
@@ -232,7 +258,12 @@ def main(argv=None):
     advice = blas_advice()
     if advice:
         print(f"note: {advice}")
-    print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
+    for peak in peaks:
+        torch_rate = "not measured (no torch)" if peak["torch"] is None else f"{peak['torch']:.1f}"
+        print(f"matmul peak, float32 {peak['n']}^3 on {peak['threads']} thread(s): NumPy's BLAS "
+              f"{peak['numpy']:.1f} GFLOP/s, torch {torch_rate} GFLOP/s")
+    print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch",
+                       "of_matmul_peak"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
           " its tiles alone)")
     sizes = ("forward_peak", "backward_peak", "scratch", "tile_scratch", "score_matrix")
@@ -240,7 +271,8 @@ def main(argv=None):
              for m in memory]
     print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch", "tile_scratch",
                         "score_matrix", "scratch_vs_score_matrix", "tile_scratch_vs_score_matrix"]))
-    write_json(args.json, {"config": vars(args), "environment": env, "results": rows, "memory": memory})
+    write_json(args.json, {"config": vars(args), "environment": env, "matmul_peaks": peaks, "results": rows,
+                           "memory": memory})
     print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot)

@@ -254,10 +254,11 @@ def test_local_cpu_smoke(tmp_path):
     backward, same shapes, thread counts and masks interleaved; memory per configuration."""
     js, png = tmp_path / "local.json", tmp_path / "local.png"
     out = run_bench("local_cpu.py", ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16, "--repeats", 1,
-                                     "--threads", 1, 2, "--naive-max", 64, "--score-std", 3, "--json", js,
-                                     "--plot", png],
+                                     "--threads", 1, 2, "--naive-max", 64, "--score-std", 3, "--matmul-size", 256,
+                                     "--json", js, "--plot", png],
                     nprocs=None)
     assert "measured on the CPU" in out and "score std 3," in out
+    assert "matmul peak, float32 256^3 on 2 thread(s): NumPy's BLAS" in out
     result = json.loads(js.read_text())
     rows = {(r["threads"], r["seqlen"], r["mask"], r["pass"], r["impl"]): r for r in result["results"]}
     for threads in (1, 2):
@@ -267,10 +268,14 @@ def test_local_cpu_smoke(tmp_path):
                     row = rows[(threads, seqlen, mask, pass_, "burstcu")]
                     assert row["seconds"] > 0 and row["gflops"] > 0 and len(row["all_seconds"]) == 1
                     assert row["score_std"] == 3
+                    peak = next(p["numpy"] for p in result["matmul_peaks"] if p["threads"] == threads)
+                    assert row["of_matmul_peak"] == pytest.approx(row["gflops"] / peak)
     assert {(s, i) for _, s, _, p, i in rows if p == "forward"} >= {(64, "naive numpy"), (64, "burstcu")}
     assert (1, 96, "full", "forward", "naive numpy") not in rows     # above --naive-max
     if "torch sdpa" in {key[-1] for key in rows}:
         assert all(r["time_vs_torch"] > 0 for key, r in rows.items() if key[-1] == "burstcu")
+        assert all(p["torch"] > 0 for p in result["matmul_peaks"])
+        assert all(r["of_matmul_peak"] > 0 for key, r in rows.items() if key[-1] == "torch sdpa")
     assert result["environment"]["threads"] == [1, 2]
     assert len(result["memory"]) == 8
     for mem in result["memory"]:
