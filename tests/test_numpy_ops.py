@@ -354,8 +354,8 @@ def test_forward_queues_layouts_then_the_largest_folds(monkeypatch):
 @pytest.mark.timeout(120)
 def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
     """The forward's folds wait for their head's K/V layout. A layout on the pool thread fails,
-    slowly: meanwhile the calling thread lays out the other head and reaches a fold of the
-    failing one, and waits. The call raises the layout's error — not the waiter's — no pool
+    slowly: meanwhile the calling thread lays out the other head (once the pool thread is in
+    its layout) and reaches a fold of the failing one, and waits. The call raises the layout's error — not the waiter's — no pool
     thread is left waiting, and the same op computes the next call exactly."""
     tiles = {"tile_q": 64, "tile_k": 64, "threads": 2}
     q, k, v, _ = make_inputs(3, 1, 512, 2, 2, 16, "float32")
@@ -363,9 +363,14 @@ def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
     max_abs, failed, abandoned = numpy_ops._max_abs, [], []
     wait = numpy_ops._InOrder.wait
 
+    helper_in_layout = threading.Event()
+
     def failing(x):
-        if threading.current_thread() is not threading.main_thread() and not failed:
+        if threading.current_thread() is threading.main_thread():
+            helper_in_layout.wait(timeout=20)   # the pool thread takes the other layout
+        elif not failed:
             failed.append(1)
+            helper_in_layout.set()
             time.sleep(0.5)
             raise MemoryError("simulated failure in a layout")
         return max_abs(x)

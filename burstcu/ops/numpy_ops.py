@@ -19,7 +19,8 @@ forward makes one other pass, exp, and folds the rest into the matmuls:
   tile; rows past it are rescaled alone (`_rescalable` says which may be), the others —
   and rows without a shift yet or with anything non-finite — folded again exactly
   (`_fold_tile`).
-A tile is then two matmuls, exp, a max over its row sums and one accumulate: ~3 ns per score
+A tile is then two matmuls (and the row sums' matrix-vector product), exp, a max over its row
+sums and one accumulate: ~3 ns per score
 (the max / subtract / exp / rescale sequence took 3.5 ns with exp2, ~0.2 ns faster than exp).
 The backward folds -lse and -delta into its matmuls the same way.
 
@@ -40,8 +41,9 @@ BACKWARD_TILE_Q rows: together the bytes of one forward tile, and as fast as 512
 against 0.927). Tiles that a causal diagonal or a window bound cuts through come in strips of
 MASK_STRIP query positions narrowed to the keys they see (`_mask_split`).
 
-Threads: work items — (batch, kv head, one tile of query rows) in the forward, (batch, kv head,
-a range of key tiles) in the backward — run on the calling thread and a pool (NumPy and BLAS
+Threads: work items — in the forward each (batch, kv head)'s K/V layout, then (batch, kv head,
+one tile of query rows), largest first; in the backward (batch, kv head, a range of key tiles)
+— run on the calling thread and a pool (NumPy and BLAS
 release the GIL) with BLAS held to one thread meanwhile. The thread count defaults to the BLAS
 library's (1 under OMP_NUM_THREADS=1, as with MPI ranks). Between calls the op keeps its
 per-thread scratch and a few (B, Hkv, S, D)-sized work arrays (`_Kept`) rather than have them
@@ -435,7 +437,7 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     the tile's exact fold (`_fold_exactly`). Which path a row takes depends on its own values
     alone, and so does its result on each path (the tiles, not the values, pick the matmul
     shapes), so garbage in one row never changes another's bits. The common case costs four
-    ufunc calls beyond the two matmuls.
+    ufunc calls beyond the matmuls.
     """
     with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
         shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
@@ -628,12 +630,13 @@ class _InOrder:
 
     No deadlock: an item waited for is queued before its waiters (key range by key range; the
     layouts before every fold), and `NumpyOps._run` hands items out in queue order, so it was
-    taken by a thread before the waiter was. An item that fails releases every waiter (which
-    then fails too), so a pool thread never waits forever.
+    taken by a thread before the waiter was. `_run` releases every waiter when any thread stops
+    on an exception (`fail`, its on_failure), wherever it met it, so a pool thread never waits
+    forever.
     """
 
     def __init__(self, heads: int):
-        self.added = [0] * heads   # ranges whose partial each head has received
+        self.added = [0] * heads   # done() calls so far, per head
         self.failed = False
         self.cond = threading.Condition()
 
@@ -788,17 +791,18 @@ class NumpyOps(LocalOps):
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _run(self, work, items) -> None:
+    def _run(self, work, items, on_failure=None) -> None:
         """work(item) for every item, in order of `items`, on this thread and threads - 1 pool
         threads, with BLAS held to one thread: the parallelism is across items; a multi-threaded
         BLAS on tile-sized matmuls spends more time synchronising its threads than multiplying
         (10x slower, measured). The calling thread works too rather than sleeping until the
         pool is done: each wake-up of a sleeping thread costs a core a context switch.
         Each thread takes the next item in order, so an item waited for (`_InOrder`) was
-        taken before its waiter. After a failure no thread takes another item; once every
-        thread has stopped, the failure is raised — the first exception that is not a waiter's
-        `_Abandoned`, whichever thread met it. Pool threads run under the caller's
-        np.errstate, as the calling thread does."""
+        taken before its waiter. A thread that meets an exception (in an item or between two)
+        calls on_failure() (`_InOrder.fail`: waiters give up), and no thread takes another
+        item; once every thread has stopped, the failure is raised — the first exception that
+        is not a waiter's `_Abandoned`, whichever thread met it. Pool threads run under the
+        caller's np.errstate, as the calling thread does."""
         if self._blas is None:
             from threadpoolctl import ThreadpoolController
             self._blas = ThreadpoolController()
@@ -811,23 +815,24 @@ class NumpyOps(LocalOps):
             errstate = np.geterr()
 
             def drain():
-                with np.errstate(**errstate):
-                    while not failed:
-                        with lock:
-                            item = next(queue, _DONE)
-                        if item is _DONE:
-                            return
-                        try:
+                try:
+                    with np.errstate(**errstate):
+                        while not failed:
+                            with lock:
+                                item = next(queue, _DONE)
+                            if item is _DONE:
+                                return
                             work(item)
-                        except BaseException as error:
-                            failed.append(error)
-                            return
+                except BaseException as error:
+                    failed.append(error)
+                    if on_failure is not None:
+                        on_failure()
             helpers = [self._pool.submit(drain) for _ in range(min(self.threads, len(items)) - 1)]
             try:
                 drain()
             finally:
                 for helper in helpers:
-                    helper.result()   # waits; drain itself raises nothing
+                    helper.exception()   # waits; drain itself raises nothing
             if failed:
                 raise next((e for e in failed if not isinstance(e, _Abandoned)), failed[0])
 
@@ -888,21 +893,17 @@ class NumpyOps(LocalOps):
         def work(item):
             head, span = item
             bi, hi = heads[head]
-            try:
-                if span is None:
-                    layout(bi, hi)
-                    laid_out.done(head)
-                    return
-                laid_out.wait(head, 1)
-                if first:   # on the thread that folds these rows next, while they are in its cache
-                    put_rows(bi, hi, *spans[span])
-                for part in parts[span]:
-                    self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi], part, g,
-                                        scratch, float(v_max[bi, hi]))
-            except BaseException:
-                laid_out.fail()
-                raise
-        self._run(work, [(head, None) for head in range(len(heads))] + folds)
+            if span is None:
+                layout(bi, hi)
+                laid_out.done(head)
+                return
+            laid_out.wait(head, 1)
+            if first:   # on the thread that folds these rows next, while they are in its cache
+                put_rows(bi, hi, *spans[span])
+            for part in parts[span]:
+                self._forward_block(st.q[bi, hi], kh[bi, hi], vh[bi, hi], st.acc[bi, hi], part, g,
+                                    scratch, float(v_max[bi, hi]))
+        self._run(work, [(head, None) for head in range(len(heads))] + folds, laid_out.fail)
         st.q_in = None
         self._count_scratch()
         self._kept.give(kh, vh)
@@ -983,13 +984,9 @@ class NumpyOps(LocalOps):
         def work(item):
             ci, head = item
             bi, hi = heads[head]
-            try:
-                self._backward_item(ctx, qs, do, dq_acc, p_sums, bi, hi, ci, parts_of[ci], g,
-                                    scratch, clean[bi][hi], turns, head)
-            except BaseException:
-                turns.fail()
-                raise
-        self._run(work, list(product(range(len(ranges)), range(len(heads)))))
+            self._backward_item(ctx, qs, do, dq_acc, p_sums, bi, hi, ci, parts_of[ci], g,
+                                scratch, clean[bi][hi], turns, head)
+        self._run(work, list(product(range(len(ranges)), range(len(heads)))), turns.fail)
         self._count_scratch()
 
         def add_dq(bi, hi):
