@@ -29,8 +29,9 @@ Matmuls are most of the burstcu time, and their speed is the BLAS kernels': the 
 names the kernels NumPy's OpenBLAS picked (OPENBLAS_CORETYPE, set in the environment, overrides
 the choice; `burstcu.ops.numpy_ops.blas_advice` says when AVX-512 ones would run and are not).
 So each thread count starts with the matmul peaks: a float32 n^3 matmul (--matmul-size, 2048)
-through NumPy's BLAS and one through torch (which brings its own BLAS, MKL in its x86-64 CPU wheels),
-and every row's `of_matmul_peak` is its GFLOP/s over the peak of its own library's matmuls: how
+on one thread through NumPy's BLAS and through torch (which brings its own BLAS, MKL in its
+x86-64 CPU wheels), times the thread count (`matmul_peaks`); every row's `of_matmul_peak` is its
+GFLOP/s over that peak of its own library's matmuls: how
 close each implementation comes to the ceiling its kernels set, which differs between the two
 (a square matmul runs faster than attention's thin ones, 512 x 65 x 512: no implementation
 reaches 1).
@@ -108,10 +109,13 @@ def interleaved(runs: dict, repeats: int) -> dict:
 
 
 def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
-    """{"numpy": GFLOP/s, "torch": GFLOP/s or None} of one float32 n x n x n matmul (median of
-    `repeats`, after a warm-up) through NumPy's BLAS and through torch, on `threads` threads:
-    the rate each library's matmuls reach at best here, against which its attention's GFLOP/s
-    reads as a share of its own ceiling (what each implementation makes of the kernels it has)."""
+    """{"numpy": GFLOP/s, "torch": GFLOP/s or None, ...}: `threads` times the rate of one float32
+    n x n x n matmul on one thread (median of `repeats`, after a warm-up) through NumPy's BLAS
+    and through torch — the ceiling of an attention that runs one-thread matmuls on each of
+    `threads` threads, as both do (burstcu's work items; torch's SDPA, parallel over heads and
+    blocks). One thread, not `threads`: a threaded square matmul measures how the BLAS splits
+    one product (torch's gained 1.4x from a second thread here), not that ceiling."""
+    from threadpoolctl import threadpool_limits
     rng = np.random.default_rng(1)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     c = np.empty_like(a)
@@ -119,9 +123,16 @@ def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
     if torch is not None:
         ta, tb, tc = torch.from_numpy(a), torch.from_numpy(b), torch.empty(n, n)
         runs["torch"] = lambda: torch.mm(ta, tb, out=tc)
-    peaks = {name: 2 * n ** 3 / median(ts) / 1e9 for name, ts in interleaved(runs, repeats).items()}
-    time.sleep(0.5)   # OpenBLAS's threads spin for a while after a threaded call: let them sleep
-    return {"threads": threads, "n": n, "numpy": peaks["numpy"], "torch": peaks.get("torch")}
+        torch.set_num_threads(1)
+    try:
+        with threadpool_limits(limits=1):
+            one = {name: 2 * n ** 3 / median(ts) / 1e9 for name, ts in interleaved(runs, repeats).items()}
+    finally:
+        if torch is not None:
+            torch.set_num_threads(threads)
+    return {"threads": threads, "n": n, "numpy": threads * one["numpy"],
+            "torch": threads * one["torch"] if "torch" in one else None,
+            "numpy_one_thread": one["numpy"], "torch_one_thread": one.get("torch")}
 
 
 def traced_peak(fn) -> int:
@@ -263,7 +274,7 @@ def main(argv=None):
         print(f"note: {advice}")
     for peak in peaks:
         torch_rate = "not measured (no torch)" if peak["torch"] is None else f"{peak['torch']:.1f}"
-        print(f"matmul peak, float32 {peak['n']}^3 on {peak['threads']} thread(s): NumPy's BLAS "
+        print(f"matmul peak, float32 {peak['n']}^3 on one thread, times {peak['threads']}: NumPy's BLAS "
               f"{peak['numpy']:.1f} GFLOP/s, torch {torch_rate} GFLOP/s")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch",
                        "of_matmul_peak"]))

@@ -258,7 +258,7 @@ def test_local_cpu_smoke(tmp_path):
                                      "--json", js, "--plot", png],
                     nprocs=None)
     assert "measured on the CPU" in out and "score std 3," in out
-    assert "matmul peak, float32 256^3 on 2 thread(s): NumPy's BLAS" in out
+    assert "matmul peak, float32 256^3 on one thread, times 2: NumPy's BLAS" in out
     result = json.loads(js.read_text())
     rows = {(r["threads"], r["seqlen"], r["mask"], r["pass"], r["impl"]): r for r in result["results"]}
     for threads in (1, 2):
@@ -277,6 +277,8 @@ def test_local_cpu_smoke(tmp_path):
         assert all(p["torch"] > 0 for p in result["matmul_peaks"])
         assert all(r["of_matmul_peak"] > 0 for key, r in rows.items() if key[-1] == "torch sdpa")
     assert result["environment"]["threads"] == [1, 2]
+    for peak in result["matmul_peaks"]:
+        assert peak["numpy"] == pytest.approx(peak["threads"] * peak["numpy_one_thread"]) and peak["numpy"] > 0
     assert len(result["memory"]) == 8
     for mem in result["memory"]:
         assert mem["forward_peak"] > 0 and mem["backward_peak"] > 0 and mem["scratch"] > 0
