@@ -863,7 +863,8 @@ class NumpyOps(LocalOps):
         kh, vh = (self._kept.take((b, hkv, sk, d + 1), acc_t) for _ in range(2))
         v_max = np.empty((b, hkv))    # max |V| per head (see _fold_tile)
 
-        spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], max(1, self.tile_q // g))
+        rows = max(1, self.tile_q // g)   # query positions per tile
+        spans = _spans([(blk.q_start, blk.q_start + blk.q_len) for blk in blocks], rows)
         parts = _parts_by_span(blocks, spans, _clip_q, lambda blk: (blk.q_start, blk.q_len))
         scratch = self._scratch_of(acc_t)
 
@@ -885,7 +886,6 @@ class NumpyOps(LocalOps):
         # area: causal spans grow down the sequence), so the last to finish are small ones.
         heads = list(product(range(b), range(hkv)))
         laid_out = _InOrder(len(heads))
-        rows = max(1, self.tile_q // g)
         area = [sum((q1 - q0) * (k1 - k0) for part in span_parts for q0, q1, k0, k1, _ in
                     _tiles(part, rows, self.tile_k)) for span_parts in parts]
         folds = sorted(product(range(len(heads)), range(len(spans))), key=lambda item: -area[item[1]])
