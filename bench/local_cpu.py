@@ -36,6 +36,17 @@ close each implementation comes to the ceiling its kernels set, which differs be
 (a square matmul runs faster than attention's thin ones, 512 x 65 x 512: no implementation
 reaches 1).
 
+The kernels also set a floor, and it can rule a target out: `TileKernels` times each library's
+float32 matmuls at the NumPy op's tile shape (512 x headdim scores against 512 keys, then P
+against V) and its exp over such a tile (np.exp, torch.exp), one-thread kernels on all the
+threads at once, interleaved with each configuration's attention runs. A row's `floor_s` is
+its pass at those rates with nothing else (its matmul FLOPs at the tile GEMM rate plus one
+exp a score), `of_floor` that over the row's time (1: no time beside those kernels), and a
+burstcu row's `floor_vs_torch` its floor over torch's time: a ratio to torch that burstcu
+cannot go below with NumPy's BLAS and exp as they run on this CPU (its tiles are those shapes;
+within the noise of the runs). torch's SDPA blocks its work its own way and can beat the floor
+measured with torch.mm at these shapes: its `of_floor` may read above 1.
+
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
 (five matmuls to two), halved when causal.
@@ -47,6 +58,7 @@ import argparse
 import os
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 # torch's OpenMP threads (libgomp) otherwise spin for a while after each call and take a core
 # from whatever runs next — here the other implementation, interleaved. Passive waiting leaves
@@ -59,7 +71,7 @@ import numpy as np
 from _common import environment, fmt_bytes, median, progress, table, write_json  # noqa: I001 - sets sys.path
 
 import burstcu
-from burstcu.ops.numpy_ops import NumpyOps, blas_advice
+from burstcu.ops.numpy_ops import TILE_K, TILE_Q, NumpyOps, blas_advice
 from burstcu.transport.base import SelfTransport
 
 
@@ -96,15 +108,17 @@ def torch_runs(q, k, v, dout, causal, backward):
 
 
 def interleaved(runs: dict, repeats: int) -> dict:
-    """{key: [seconds, ...]}: one warm-up of each, then `repeats` rounds running each once."""
+    """{key: [seconds, ...]}: one warm-up of each, then `repeats` rounds running each once (a run
+    returning a float has timed itself: that is its time)."""
     for fn in runs.values():
         fn()   # first-touch allocations, thread pools, BLAS buffers
     times = {key: [] for key in runs}
     for _ in range(repeats):
         for key, fn in runs.items():
             t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
+            got = fn()
+            elapsed = time.perf_counter() - t0
+            times[key].append(got if isinstance(got, float) else elapsed)   # a run may time itself
     return times
 
 
@@ -135,6 +149,93 @@ def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
             "numpy_one_thread": one["numpy"], "torch_one_thread": one.get("torch")}
 
 
+class TileKernels:
+    """The work one attention tile holds, per library, as runs for `interleaved`: the float32
+    matmuls of the NumPy op's forward tile (TILE_Q x headdim scores against TILE_K keys as a
+    transposed view, then the TILE_Q x TILE_K P against TILE_K x headdim V) and exp over such a
+    tile (np.exp for NumPy, torch.exp for torch) on scores shifted as an online softmax shifts
+    them. Each run makes `calls` calls on each of `threads` threads at once, every thread on its
+    own one-thread kernels and arrays (as burstcu's work items and torch's SDPA run them), and
+    returns the seconds from the common start to the last thread's end (the thread limits are
+    set outside that time). Interleaved with the attention runs of a configuration, the rates
+    see the machine as those runs do; concurrent, what threads lose to each other counts."""
+
+    def __init__(self, torch, threads: int, headdim: int, calls: int = 30):
+        from threadpoolctl import ThreadpoolController
+        self.torch, self.threads, self.calls = torch, threads, calls
+        self.shape = (TILE_Q, TILE_K, headdim)
+        self.libs = ["numpy"] + ([] if torch is None else ["torch"])
+        rng = np.random.default_rng(2)
+        self.kernels = {lib: [self._kernels(lib, rng) for _ in range(threads)] for lib in self.libs}
+        self.blas = ThreadpoolController()
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def _kernels(self, lib, rng):   # one thread's arrays: (its matmuls, its exp)
+        rows, keys, d = self.shape
+        q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for n in (rows, keys, keys))
+        scores = rng.standard_normal((rows, keys), dtype=np.float32) - np.float32(3)
+        s, o, e = np.empty((rows, keys), np.float32), np.empty((rows, d), np.float32), np.empty_like(scores)
+        p = np.exp(scores)
+        if lib == "numpy":
+            return (lambda: (np.matmul(q, k.T, out=s), np.matmul(p, v, out=o)), lambda: np.exp(scores, out=e))
+        mm, exp = self.torch.mm, self.torch.exp
+        tq, tk, tv, ts, to, tp, tsc, te = map(self.torch.from_numpy, (q, k, v, s, o, p, scores, e))
+        return (lambda: (mm(tq, tk.T, out=ts), mm(tp, tv, out=to)), lambda: exp(tsc, out=te))
+
+    def runs(self) -> dict:
+        """{("tile matmuls" | "tile exp", lib): run returning its seconds}."""
+        return {(kind, lib): self._run(lib, i) for lib in self.libs
+                for i, kind in enumerate(("tile matmuls", "tile exp"))}
+
+    def _run(self, lib, i):
+        def one_thread(t):
+            fn = self.kernels[lib][t][i]
+            for _ in range(self.calls):
+                fn()
+
+        def run() -> float:
+            with self.blas.limit(limits=1):
+                if self.torch is not None:
+                    self.torch.set_num_threads(1)
+                try:
+                    t0 = time.perf_counter()
+                    if self.pool is None:
+                        one_thread(0)
+                    else:
+                        list(self.pool.map(one_thread, range(self.threads)))
+                    return time.perf_counter() - t0
+                finally:
+                    if self.torch is not None:
+                        self.torch.set_num_threads(self.threads)
+        return run
+
+    def rates(self, times: dict) -> dict:
+        """{lib: {"gemm_gflops", "exp_ns", "matmuls_us", "exp_us"}} from `interleaved`'s times of
+        `runs()`: the matmuls' float32 rate and exp's time per value (ns), all threads together
+        (medians); *_us: one call on every thread."""
+        rows, keys, d = self.shape
+        rates = {}
+        for lib in self.libs:
+            mm, ex = (median(times[(kind, lib)]) / self.calls for kind in ("tile matmuls", "tile exp"))
+            rates[lib] = {"gemm_gflops": self.threads * 4 * rows * keys * d / mm / 1e9,
+                          "exp_ns": ex / (rows * keys) / self.threads * 1e9,
+                          "matmuls_us": mm * 1e6, "exp_us": ex * 1e6}
+        return rates
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def floor_seconds(rates: dict | None, flops: float, exps: float) -> float | None:
+    """The time `flops` of matmuls and `exps` exps take at a library's `tile_rates`: what an
+    attention pass costs with nothing but its tiles' matmuls and exps, each as fast as alone on a
+    warm tile. None without rates."""
+    if rates is None:
+        return None
+    return flops / (rates["gemm_gflops"] * 1e9) + exps * rates["exp_ns"] * 1e-9
+
+
 def traced_peak(fn) -> int:
     """Peak bytes tracemalloc sees allocated during fn() (numpy reports its buffers to it)."""
     tracemalloc.start()
@@ -145,9 +246,12 @@ def traced_peak(fn) -> int:
         tracemalloc.stop()
 
 
-def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict):
-    """Timing rows and the memory row of one (threads, seqlen, mask); peaks: `matmul_peaks`
-    on these threads (each row's `of_matmul_peak` is its GFLOP/s over its library's)."""
+def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, torch):
+    """Timing rows, the memory row and the tile rates of one (threads, seqlen, mask); peaks:
+    `matmul_peaks` on these threads (each row's `of_matmul_peak` is its GFLOP/s over its
+    library's). The `TileKernels` run interleaved with the attention runs; from their rates each
+    burstcu and torch row gets `floor_s`, `of_floor` = floor_s / seconds, and burstcu's
+    `floor_vs_torch` = its floor_s / torch's seconds."""
     rng = np.random.default_rng(0)
     shape = (args.batch, seqlen, args.heads, args.headdim)
     q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
@@ -160,24 +264,38 @@ def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict):
         runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
             dout, q, k, v, out, lse, group, causal=causal)
     runs.update(torch_runs(q, k, v, dout, causal, not args.no_backward))
-    times = interleaved(runs, args.repeats)
+    tiles = TileKernels(torch, threads, args.headdim)
+    try:
+        times = interleaved({**runs, **tiles.runs()}, args.repeats)
+    finally:
+        tiles.close()
+    rates = tiles.rates(times)
+    times = {key: ts for key, ts in times.items() if key in runs}
     if seqlen <= args.naive_max:   # after, not among them: its BLAS threads spin on after it
         times.update(interleaved({("forward", "naive numpy"): lambda: naive_numpy(q, k, v, causal)},
                                  args.repeats))
-    flops = 4 * args.batch * args.heads * seqlen * seqlen * args.headdim * (0.5 if causal else 1)
+    scores = args.batch * args.heads * seqlen * seqlen * (0.5 if causal else 1)
+    flops = 4 * scores * args.headdim
     mask = "causal" if causal else "full"
     rows = []
     for (pass_, impl), ts in times.items():
         t = median(ts)
         ref = times.get((pass_, "torch sdpa"))
+        pass_flops = flops * (2.5 if pass_ == "backward" else 1)   # 5 matmuls to 2; one exp a score either way
         rows.append({"threads": threads, "seqlen": seqlen, "mask": mask, "score_std": args.score_std,
                      "pass": pass_, "impl": impl,
                      "seconds": t, "all_seconds": ts, "time_vs_torch": t / median(ref) if ref else None,
-                     "gflops": flops * (2.5 if pass_ == "backward" else 1) / t / 1e9})
-        peak = peaks.get("torch" if impl.startswith("torch") else "numpy")
+                     "gflops": pass_flops / t / 1e9})
+        lib = "torch" if impl.startswith("torch") else "numpy"
+        peak = peaks.get(lib)
         rows[-1]["of_matmul_peak"] = rows[-1]["gflops"] / peak if peak else None
+        floor = floor_seconds(rates.get(lib), pass_flops, scores) if impl != "naive numpy" else None
+        rows[-1]["floor_s"] = floor
+        rows[-1]["of_floor"] = floor / t if floor else None
+        rows[-1]["floor_vs_torch"] = floor / median(ref) if floor and ref and impl == "burstcu" else None
     group.close()
-    return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse))
+    tile_rates = {"threads": threads, "seqlen": seqlen, "mask": mask, "tile": list(tiles.shape), **rates}
+    return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse)), tile_rates
 
 
 def measure_memory(args, threads: int, seqlen: int, causal: bool, arrays) -> dict:
@@ -201,24 +319,30 @@ def measure_memory(args, threads: int, seqlen: int, causal: bool, arrays) -> dic
 
 
 def plot(rows: list, path: str) -> None:
-    """Each configuration's time against torch's, forward and backward, with the 1.0 line."""
+    """Each configuration's time against torch's, forward and backward, with the 1.0 line; a
+    black tick on a bar marks its `floor_vs_torch` where measured."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     mine = [r for r in rows if r["impl"] == "burstcu" and r["time_vs_torch"] is not None]
     labels = sorted({(r["threads"], r["seqlen"], r["mask"]) for r in mine})
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)) + 2.5, 4))
     width = 0.4
     for i, pass_ in enumerate(("forward", "backward")):
         ratio = {(r["threads"], r["seqlen"], r["mask"]): r["time_vs_torch"] for r in mine if r["pass"] == pass_}
+        floor = {(r["threads"], r["seqlen"], r["mask"]): r.get("floor_vs_torch") for r in mine if r["pass"] == pass_}
         xs = [j + (i - 0.5) * width for j, key in enumerate(labels) if key in ratio]
         ax.bar(xs, [ratio[key] for key in labels if key in ratio], width, label=pass_)
+        ticks = [(x, floor[key]) for x, key in zip(xs, [key for key in labels if key in ratio]) if floor.get(key)]
+        if ticks:
+            ax.scatter(*zip(*ticks), marker="_", s=300, color="k", zorder=3,
+                       label="floor: its matmuls and exps alone" if i == 0 else None)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_xticks(range(len(labels)), [f"{s} {m}\n{t} thr" for t, s, m in labels], fontsize=8)
     ax.set_ylabel("burstcu time / torch SDPA time")
     ax.set_title("one rank on the CPU, float32: below 1 is faster than torch")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -249,7 +373,7 @@ def main(argv=None):
         import torch
     except ImportError:
         torch = None
-    rows, memory, peaks = [], [], []
+    rows, memory, peaks, tiles = [], [], [], []
     env = environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     for threads in threads_list:
@@ -261,9 +385,10 @@ def main(argv=None):
             for seqlen in args.seqlen:
                 for mask in masks:
                     progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
-                    got, mem = bench_config(args, threads, seqlen, mask == "causal", peaks[-1])
+                    got, mem, rates = bench_config(args, threads, seqlen, mask == "causal", peaks[-1], torch)
                     rows += got
                     memory.append(mem)
+                    tiles.append(rates)
     cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
           f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU "
@@ -277,7 +402,15 @@ def main(argv=None):
         print(f"matmul peak, float32 {peak['n']}^3 on one thread, times {peak['threads']}: NumPy's BLAS "
               f"{peak['numpy']:.1f} GFLOP/s, torch {torch_rate} GFLOP/s")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch",
-                       "of_matmul_peak"]))
+                       "of_matmul_peak", "of_floor", "floor_vs_torch"]))
+    if tiles:
+        shape = "{0} x {2} x {1} and {0} x {1} x {2}".format(*tiles[0]["tile"])
+        print(f"\ntile work, interleaved with each configuration's runs: float32 {shape} matmuls (GFLOP/s) "
+              "and exp over the tile (ns a value), one-thread kernels on every thread at once")
+        print(table([{"threads": t["threads"], "seqlen": t["seqlen"], "mask": t["mask"], "lib": lib,
+                      "gemm_gflops": t[lib]["gemm_gflops"], "exp_ns": t[lib]["exp_ns"]}
+                     for t in tiles for lib in ("numpy", "torch") if lib in t],
+                    ["threads", "seqlen", "mask", "lib", "gemm_gflops", "exp_ns"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
           " its tiles alone)")
     sizes = ("forward_peak", "backward_peak", "scratch", "tile_scratch", "score_matrix")
@@ -285,8 +418,8 @@ def main(argv=None):
              for m in memory]
     print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch", "tile_scratch",
                         "score_matrix", "scratch_vs_score_matrix", "tile_scratch_vs_score_matrix"]))
-    write_json(args.json, {"config": vars(args), "environment": env, "matmul_peaks": peaks, "results": rows,
-                           "memory": memory})
+    write_json(args.json, {"config": vars(args), "environment": env, "matmul_peaks": peaks, "tile_rates": tiles,
+                           "results": rows, "memory": memory})
     print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot)

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,18 @@ def test_scaling_smoke(tmp_path):
     assert set(result["commands"]) == {"1", "2"}
 
 
+def test_interleaved_takes_the_time_a_run_reports(monkeypatch):
+    """bench/local_cpu.py's `interleaved`: a run returning a float has timed itself (the tile
+    kernels leave their thread-limit changes out that way); any other run is timed around."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
+    import local_cpu
+    calls = []
+    times = local_cpu.interleaved({"self-timed": lambda: calls.append(1) or 123.0,
+                                   "timed": lambda: time.sleep(0.01)}, repeats=3)
+    assert times["self-timed"] == [123.0] * 3 and len(calls) == 4      # one warm-up, 3 timed
+    assert len(times["timed"]) == 3 and all(0.01 <= t < 1 for t in times["timed"])
+
+
 def test_local_cpu_smoke(tmp_path):
     """bench/local_cpu.py: burstcu vs naive NumPy (and torch when installed), forward and
     backward, same shapes, thread counts and masks interleaved; memory per configuration."""
@@ -270,10 +283,32 @@ def test_local_cpu_smoke(tmp_path):
                     assert row["score_std"] == 3
                     peak = next(p["numpy"] for p in result["matmul_peaks"] if p["threads"] == threads)
                     assert row["of_matmul_peak"] == pytest.approx(row["gflops"] / peak)
+                    rates = next(t["numpy"] for t in result["tile_rates"]
+                                 if (t["threads"], t["seqlen"], t["mask"]) == (threads, seqlen, mask))
+                    scores = 2 * seqlen ** 2 * (0.5 if mask == "causal" else 1)     # heads x S^2
+                    matmul_flops = 4 * scores * 16 * (2.5 if pass_ == "backward" else 1)
+                    floor = matmul_flops / (rates["gemm_gflops"] * 1e9) + scores * rates["exp_ns"] * 1e-9
+                    assert row["floor_s"] == pytest.approx(floor)
+                    assert row["of_floor"] == pytest.approx(floor / row["seconds"])
     assert {(s, i) for _, s, _, p, i in rows if p == "forward"} >= {(64, "naive numpy"), (64, "burstcu")}
     assert (1, 96, "full", "forward", "naive numpy") not in rows     # above --naive-max
+    assert all(r["floor_s"] is None for key, r in rows.items() if key[-1] == "naive numpy")
+    assert len(result["tile_rates"]) == 8      # one per (threads, seqlen, mask), from its own runs
+    for tiles in result["tile_rates"]:
+        assert tiles["tile"] == [512, 512, 16]
+        one = tiles["numpy"]
+        assert one["gemm_gflops"] == pytest.approx(tiles["threads"] * 4 * 512 * 512 * 16 / one["matmuls_us"] / 1e3)
+        assert one["exp_ns"] == pytest.approx(one["exp_us"] * 1e3 / (512 * 512) / tiles["threads"])
+    assert "tile work, interleaved with each configuration's runs: float32 512 x 16 x 512 and 512 x 512 x 16" in out
     if "torch sdpa" in {key[-1] for key in rows}:
         assert all(r["time_vs_torch"] > 0 for key, r in rows.items() if key[-1] == "burstcu")
+        for key, r in rows.items():
+            if key[-1] == "burstcu":
+                torch_row = rows[key[:-1] + ("torch sdpa",)]
+                assert r["floor_vs_torch"] == pytest.approx(r["floor_s"] / torch_row["seconds"])
+            if key[-1] == "torch sdpa":
+                assert 0 < r["of_floor"] and r["floor_vs_torch"] is None
+        assert all(t["torch"]["gemm_gflops"] > 0 and t["torch"]["exp_ns"] > 0 for t in result["tile_rates"])
         assert all(p["torch"] > 0 for p in result["matmul_peaks"])
         assert all(r["of_matmul_peak"] > 0 for key, r in rows.items() if key[-1] == "torch sdpa")
     assert result["environment"]["threads"] == [1, 2]
