@@ -18,7 +18,8 @@ Writes PREFIX.txt (the summary table, then every run verbatim), PREFIX.json (com
 runs, before_runs: each run's own JSON) and PREFIX.png (each configuration's burstcu / torch
 time, after against before). Summary cells: burstcu time / torch time of the same run (the
 `time_vs_torch` column of local_cpu.py); median, min, max over the runs of this tree;
-before_median over the other's; after_s, before_s: the median of each tree's burstcu seconds
+before_median over the other's; floor_median, this tree's median `floor_vs_torch` (its own
+matmuls and exps alone against torch's time); after_s, before_s: the median of each tree's burstcu seconds
 (runs alternate, so these compare the two trees directly). Progress lines go to stderr.
 """
 
@@ -93,15 +94,25 @@ def seconds(run: dict) -> dict:
     return {tuple(r[k] for k in KEY): r["seconds"] for r in run["results"] if r["impl"] == "burstcu"}
 
 
+def floors(run: dict) -> dict:
+    """{(threads, seqlen, mask, pass): burstcu's floor_vs_torch} of one run's JSON (none from a
+    local_cpu.py that did not measure floors)."""
+    return {tuple(r[k] for k in KEY): r["floor_vs_torch"] for r in run["results"]
+            if r["impl"] == "burstcu" and r.get("floor_vs_torch") is not None}
+
+
 def summarize(after: list[dict], before: list[dict]) -> list[dict]:
     """One row per configuration the runs share: median / min / max of this tree's ratios, the
-    other's median, and each tree's median burstcu seconds."""
+    other's median, this tree's median floor_vs_torch (None without floors), and each tree's
+    median burstcu seconds."""
     rows = []
     keys = [key for key in ratios(after[0]) if all(key in ratios(r) for r in after + before)]
     for key in keys:
         mine, theirs = [ratios(r)[key] for r in after], [ratios(r)[key] for r in before]
+        floor = [floors(r)[key] for r in after if key in floors(r)]
         rows.append({**dict(zip(KEY, key)), "median": median(mine), "min": min(mine),
                      "max": max(mine), "before_median": median(theirs),
+                     "floor_median": median(floor) if floor else None,
                      "after_s": median([seconds(r)[key] for r in after]),
                      "before_s": median([seconds(r)[key] for r in before]),
                      "runs": " ".join(f"{x:.2f}" for x in mine),
@@ -166,9 +177,10 @@ def main(argv=None) -> None:
             f"# {args.runs} runs of each tree in alternating pairs; after = {trees['after']} "
             f"({revs['after']}), before = {trees['before']} ({revs['before']})",
             "# cells: burstcu time / torch time of the same run; median, min, max over this "
-            "tree's runs, before_median over the other's; after_s, before_s: median burstcu seconds",
+            "tree's runs, before_median over the other's; floor_median: this tree's floor_vs_torch "
+            "(its matmuls and exps alone against torch's time); after_s, before_s: median burstcu seconds",
             "", table(rows, ["threads", "seqlen", "mask", "pass", "median", "min", "max",
-                             "before_median", "after_s", "before_s", "runs", "before_runs"])]
+                             "before_median", "floor_median", "after_s", "before_s", "runs", "before_runs"])]
     lines = head + [""]
     for label, name in (("after", "this tree"), ("before", "the tree before")):
         for i, (stdout, _, started) in enumerate(got[label]):

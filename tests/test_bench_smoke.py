@@ -516,6 +516,10 @@ def test_local_cpu_ab_smoke(tmp_path):
     assert len(result["runs"]) == len(result["before_runs"]) == 1
     assert set(result["revisions"]) == {"after", "before"}
     assert all(r["after_s"] > 0 and r["before_s"] > 0 and r["median"] > 0 for r in result["summary"])
+    for row in result["summary"]:    # one run of this tree: its floor is that run's
+        burst = next(r for r in result["runs"][0]["results"] if r["impl"] == "burstcu"
+                     and (r["threads"], r["seqlen"], r["mask"], r["pass"]) == (1, row["seqlen"], row["mask"], "forward"))
+        assert row["floor_median"] == pytest.approx(burst["floor_vs_torch"]) and row["floor_median"] > 0
     assert {(r["threads"], r["seqlen"], r["mask"], r["pass"]) for r in result["summary"]} == {
         (1, 64, "full", "forward"), (1, 64, "causal", "forward")}
     text = (tmp_path / "ab.txt").read_text()
