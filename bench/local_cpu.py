@@ -228,9 +228,9 @@ class TileKernels:
 
 
 def floor_seconds(rates: dict | None, flops: float, exps: float) -> float | None:
-    """The time `flops` of matmuls and `exps` exps take at a library's `tile_rates`: what an
-    attention pass costs with nothing but its tiles' matmuls and exps, each as fast as alone on a
-    warm tile. None without rates."""
+    """The time `flops` of matmuls and `exps` exps take at a library's `TileKernels.rates`: what an
+    attention pass costs with nothing but its tiles' matmuls and exps, each at the rate it reaches
+    on tiles of its own between the attention runs. None without rates."""
     if rates is None:
         return None
     return flops / (rates["gemm_gflops"] * 1e9) + exps * rates["exp_ns"] * 1e-9
