@@ -37,15 +37,17 @@ close each implementation comes to the ceiling its kernels set, which differs be
 reaches 1).
 
 The kernels also set a floor, and it can rule a target out: `TileKernels` times each library's
-float32 matmuls at the NumPy op's tile shape (512 x headdim scores against 512 keys, then P
-against V) and its exp over such a tile (np.exp, torch.exp), one-thread kernels on all the
-threads at once, interleaved with each configuration's attention runs. A row's `floor_s` is
-its pass at those rates with nothing else (its matmul FLOPs at the tile GEMM rate plus one
-exp a score), `of_floor` that over the row's time (1: no time beside those kernels), and a
-burstcu row's `floor_vs_torch` its floor over torch's time: a ratio to torch that burstcu
-cannot go below with NumPy's BLAS and exp as they run on this CPU (its tiles are those shapes;
-within the noise of the runs). torch's SDPA blocks its work its own way and can beat the floor
-measured with torch.mm at these shapes: its `of_floor` may read above 1.
+float32 matmuls at the NumPy op's forward tile shape (512 x headdim scores against 512 keys,
+then P against V) and its exp over such a tile (np.exp, torch.exp), one-thread kernels on all
+the threads at once, interleaved with each configuration's attention runs. A row's `floor_s` is
+its pass at those rates (medians) with nothing else: its matmul FLOPs at the tile GEMM rate
+plus one exp a score. `of_floor` is that over the row's time (1: no time beside those kernels),
+and a burstcu row's `floor_vs_torch` its floor over torch's time: about the least ratio to torch
+that NumPy's BLAS and exp allow on this CPU, an estimate within the runs' noise (a run's
+of_floor can read a little above 1). The forward's tiles are those shapes; the backward's are
+256-row tiles with transposed products, priced at the forward tile's rates. The exp run writes
+a second tile where the op's exp works in place. torch's SDPA blocks its work its own way and
+can beat the floor measured with torch.mm at these shapes: its `of_floor` may read above 1.
 
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
@@ -107,9 +109,14 @@ def torch_runs(q, k, v, dout, causal, backward):
     return runs
 
 
+class Elapsed(float):
+    """Seconds a run measured itself and returns to `interleaved` as its time (a plain float or
+    NumPy scalar a run returns is not one)."""
+
+
 def interleaved(runs: dict, repeats: int) -> dict:
     """{key: [seconds, ...]}: one warm-up of each, then `repeats` rounds running each once (a run
-    returning a float has timed itself: that is its time)."""
+    returning `Elapsed` has timed itself: that is its time)."""
     for fn in runs.values():
         fn()   # first-touch allocations, thread pools, BLAS buffers
     times = {key: [] for key in runs}
@@ -118,7 +125,7 @@ def interleaved(runs: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             got = fn()
             elapsed = time.perf_counter() - t0
-            times[key].append(got if isinstance(got, float) else elapsed)   # a run may time itself
+            times[key].append(float(got) if isinstance(got, Elapsed) else elapsed)
     return times
 
 
@@ -167,7 +174,7 @@ class TileKernels:
         self.libs = ["numpy"] + ([] if torch is None else ["torch"])
         rng = np.random.default_rng(2)
         self.kernels = {lib: [self._kernels(lib, rng) for _ in range(threads)] for lib in self.libs}
-        self.blas = ThreadpoolController()
+        self.thread_limits = ThreadpoolController()   # every BLAS and OpenMP library loaded
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
 
     def _kernels(self, lib, rng):   # one thread's arrays: (its matmuls, its exp)
@@ -184,17 +191,20 @@ class TileKernels:
 
     def runs(self) -> dict:
         """{("tile matmuls" | "tile exp", lib): run returning its seconds}."""
-        return {(kind, lib): self._run(lib, i) for lib in self.libs
-                for i, kind in enumerate(("tile matmuls", "tile exp"))}
+        return {(kind, lib): self._run(lib, kernel) for lib in self.libs
+                for kernel, kind in enumerate(("tile matmuls", "tile exp"))}
 
-    def _run(self, lib, i):
+    def _run(self, lib, kernel: int):
         def one_thread(t):
-            fn = self.kernels[lib][t][i]
+            if lib == "torch":   # a pool thread's own OpenMP count: MKL's would be every core
+                self.torch.set_num_threads(1)
+            fn = self.kernels[lib][t][kernel]
             for _ in range(self.calls):
                 fn()
 
-        def run() -> float:
-            with self.blas.limit(limits=1):
+        def run() -> Elapsed:
+            restore = None if self.torch is None else self.torch.get_num_threads()
+            with self.thread_limits.limit(limits=1):
                 if self.torch is not None:
                     self.torch.set_num_threads(1)
                 try:
@@ -203,10 +213,10 @@ class TileKernels:
                         one_thread(0)
                     else:
                         list(self.pool.map(one_thread, range(self.threads)))
-                    return time.perf_counter() - t0
+                    return Elapsed(time.perf_counter() - t0)
                 finally:
                     if self.torch is not None:
-                        self.torch.set_num_threads(self.threads)
+                        self.torch.set_num_threads(restore)
         return run
 
     def rates(self, times: dict) -> dict:
@@ -264,12 +274,12 @@ def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, tor
         runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
             dout, q, k, v, out, lse, group, causal=causal)
     runs.update(torch_runs(q, k, v, dout, causal, not args.no_backward))
-    tiles = TileKernels(torch, threads, args.headdim)
+    tile_kernels = TileKernels(torch, threads, args.headdim)
     try:
-        times = interleaved({**runs, **tiles.runs()}, args.repeats)
+        times = interleaved({**runs, **tile_kernels.runs()}, args.repeats)
     finally:
-        tiles.close()
-    rates = tiles.rates(times)
+        tile_kernels.close()
+    rates = tile_kernels.rates(times)
     times = {key: ts for key, ts in times.items() if key in runs}
     if seqlen <= args.naive_max:   # after, not among them: its BLAS threads spin on after it
         times.update(interleaved({("forward", "naive numpy"): lambda: naive_numpy(q, k, v, causal)},
@@ -294,8 +304,8 @@ def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, tor
         rows[-1]["of_floor"] = floor / t if floor else None
         rows[-1]["floor_vs_torch"] = floor / median(ref) if floor and ref and impl == "burstcu" else None
     group.close()
-    tile_rates = {"threads": threads, "seqlen": seqlen, "mask": mask, "tile": list(tiles.shape), **rates}
-    return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse)), tile_rates
+    config_rates = {"threads": threads, "seqlen": seqlen, "mask": mask, "tile": list(tile_kernels.shape), **rates}
+    return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse)), config_rates
 
 
 def measure_memory(args, threads: int, seqlen: int, causal: bool, arrays) -> dict:
@@ -373,7 +383,7 @@ def main(argv=None):
         import torch
     except ImportError:
         torch = None
-    rows, memory, peaks, tiles = [], [], [], []
+    rows, memory, peaks, tile_rates = [], [], [], []
     env = environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
                       omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
     for threads in threads_list:
@@ -385,10 +395,10 @@ def main(argv=None):
             for seqlen in args.seqlen:
                 for mask in masks:
                     progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
-                    got, mem, rates = bench_config(args, threads, seqlen, mask == "causal", peaks[-1], torch)
+                    got, mem, config_rates = bench_config(args, threads, seqlen, mask == "causal", peaks[-1], torch)
                     rows += got
                     memory.append(mem)
-                    tiles.append(rates)
+                    tile_rates.append(config_rates)
     cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
           f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU "
@@ -403,13 +413,13 @@ def main(argv=None):
               f"{peak['numpy']:.1f} GFLOP/s, torch {torch_rate} GFLOP/s")
     print(table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch",
                        "of_matmul_peak", "of_floor", "floor_vs_torch"]))
-    if tiles:
-        shape = "{0} x {2} x {1} and {0} x {1} x {2}".format(*tiles[0]["tile"])
+    if tile_rates:
+        shape = "{0} x {2} x {1} and {0} x {1} x {2}".format(*tile_rates[0]["tile"])
         print(f"\ntile work, interleaved with each configuration's runs: float32 {shape} matmuls (GFLOP/s) "
               "and exp over the tile (ns a value), one-thread kernels on every thread at once")
         print(table([{"threads": t["threads"], "seqlen": t["seqlen"], "mask": t["mask"], "lib": lib,
                       "gemm_gflops": t[lib]["gemm_gflops"], "exp_ns": t[lib]["exp_ns"]}
-                     for t in tiles for lib in ("numpy", "torch") if lib in t],
+                     for t in tile_rates for lib in ("numpy", "torch") if lib in t],
                     ["threads", "seqlen", "mask", "lib", "gemm_gflops", "exp_ns"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
           " its tiles alone)")
@@ -418,7 +428,7 @@ def main(argv=None):
              for m in memory]
     print(table(shown, ["threads", "seqlen", "mask", "forward_peak", "backward_peak", "scratch", "tile_scratch",
                         "score_matrix", "scratch_vs_score_matrix", "tile_scratch_vs_score_matrix"]))
-    write_json(args.json, {"config": vars(args), "environment": env, "matmul_peaks": peaks, "tile_rates": tiles,
+    write_json(args.json, {"config": vars(args), "environment": env, "matmul_peaks": peaks, "tile_rates": tile_rates,
                            "results": rows, "memory": memory})
     print(f"wrote {args.json}")
     if args.plot:

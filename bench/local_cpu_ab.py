@@ -107,9 +107,10 @@ def summarize(after: list[dict], before: list[dict]) -> list[dict]:
     median burstcu seconds."""
     rows = []
     keys = [key for key in ratios(after[0]) if all(key in ratios(r) for r in after + before)]
+    after_floors = [floors(r) for r in after]
     for key in keys:
         mine, theirs = [ratios(r)[key] for r in after], [ratios(r)[key] for r in before]
-        floor = [floors(r)[key] for r in after if key in floors(r)]
+        floor = [f[key] for f in after_floors if key in f]
         rows.append({**dict(zip(KEY, key)), "median": median(mine), "min": min(mine),
                      "max": max(mine), "before_median": median(theirs),
                      "floor_median": median(floor) if floor else None,

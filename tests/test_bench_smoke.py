@@ -255,11 +255,63 @@ def test_interleaved_takes_the_time_a_run_reports(monkeypatch):
     kernels leave their thread-limit changes out that way); any other run is timed around."""
     monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
     import local_cpu
+    import numpy as np
     calls = []
-    times = local_cpu.interleaved({"self-timed": lambda: calls.append(1) or 123.0,
-                                   "timed": lambda: time.sleep(0.01)}, repeats=3)
+    times = local_cpu.interleaved({"self-timed": lambda: calls.append(1) or local_cpu.Elapsed(123.0),
+                                   "timed": lambda: time.sleep(0.01),
+                                   "returns a number": lambda: np.float64(123.0)}, repeats=3)
     assert times["self-timed"] == [123.0] * 3 and len(calls) == 4      # one warm-up, 3 timed
     assert len(times["timed"]) == 3 and all(0.01 <= t < 1 for t in times["timed"])
+    assert all(t < 1 for t in times["returns a number"])                # timed around, not taken
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, lib):
+    """bench/local_cpu.py's TileKernels: a run makes `calls` calls of its one kernel on each
+    thread, with one BLAS / torch thread inside each, and reports its own time; the rates divide
+    by the right calls, threads and FLOPs."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
+    import threading
+
+    import local_cpu
+    from threadpoolctl import threadpool_info
+    torch = pytest.importorskip("torch") if lib == "torch" else None
+    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=3)
+    seen, lock = [], threading.Lock()
+
+    def tasks():   # the process's OS threads, OpenMP's and MKL's included
+        return len(os.listdir("/proc/self/task"))
+
+    def counted(fn, name, t):
+        def call():
+            blas = {i["internal_api"]: i["num_threads"] for i in threadpool_info()}
+            fn()
+            with lock:
+                seen.append((name, t, threading.get_ident(), blas.get("openblas"), tasks()))
+        return call
+    try:
+        tiles.kernels[lib] = [(counted(mm, "matmuls", t), counted(ex, "exp", t))
+                              for t, (mm, ex) in enumerate(tiles.kernels[lib])]
+        runs = tiles.runs()
+        assert {key for key in runs if key[1] == lib} == {("tile matmuls", lib), ("tile exp", lib)}
+        before = tasks()
+        for kind, name in (("tile matmuls", "matmuls"), ("tile exp", "exp")):
+            seen.clear()
+            got = runs[(kind, lib)]()
+            assert isinstance(got, local_cpu.Elapsed) and got > 0
+            assert sorted((n, t) for n, t, *_ in seen) == [(name, 0)] * 3 + [(name, 1)] * 3
+            assert len({ident for _, _, ident, *_ in seen}) == 2        # two threads at once
+            assert all(blas in (None, 1) for *_, blas, _ in seen)       # one BLAS thread inside
+            # the two pool threads and no thread team of a BLAS or OpenMP under them (a pool
+            # thread's MKL would start one on its own OpenMP count, every core by default)
+            assert max(n for *_, n in seen) <= before + 2
+    finally:
+        tiles.close()
+    rates = tiles.rates({key: [0.3, 0.9, 0.3] if key[0] == "tile matmuls" else [0.6] * 3 for key in runs})
+    # medians 0.3 and 0.6 s for 3 calls on each of 2 threads: one call on every thread 0.1 and 0.2 s
+    assert rates[lib]["gemm_gflops"] == pytest.approx(2 * 4 * 512 * 512 * 8 / 0.1 / 1e9)
+    assert rates[lib]["exp_ns"] == pytest.approx(0.2 / (512 * 512) / 2 * 1e9)
+    assert rates[lib]["matmuls_us"] == pytest.approx(1e5) and rates[lib]["exp_us"] == pytest.approx(2e5)
 
 
 def test_local_cpu_smoke(tmp_path):

@@ -9,7 +9,7 @@ One matmul against a KV head's keys then scores every query head of its group.
 
 What a tile costs (float32, one core of the Zen 5 machine measured): each of its two matmuls
 ~1.2 ns per score (~105 GFLOP/s, OpenBLAS); each other pass over the tile 0.1-0.4 ns (on an
-Intel Xeon, Emerald Rapids: matmuls ~1.1 ns a score on OpenBLAS's SkylakeX kernels, exp 0.53;
+Intel Xeon, Emerald Rapids: matmuls ~1.1 ns a score on OpenBLAS's SkylakeX kernels, exp 0.53 ns;
 `bench/local_cpu.py` measures both). So the forward makes one other pass, exp, and folds the
 rest into the matmuls:
 * extra columns: q ends in -m and K in ones, so Q K^T yields score - m (a 65th column costs
