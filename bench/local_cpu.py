@@ -203,10 +203,8 @@ class TileKernels:
                 fn()
 
         def run() -> Elapsed:
-            restore = None if self.torch is None else self.torch.get_num_threads()
+            restore = self.torch.get_num_threads() if lib == "torch" else None
             with self.thread_limits.limit(limits=1):
-                if self.torch is not None:
-                    self.torch.set_num_threads(1)
                 try:
                     t0 = time.perf_counter()
                     if self.pool is None:
@@ -214,8 +212,8 @@ class TileKernels:
                     else:
                         list(self.pool.map(one_thread, range(self.threads)))
                     return Elapsed(time.perf_counter() - t0)
-                finally:
-                    if self.torch is not None:
+                finally:   # torch's intra-op count is the process's: one_thread set it to 1
+                    if restore is not None:
                         self.torch.set_num_threads(restore)
         return run
 
@@ -342,9 +340,9 @@ def plot(rows: list, path: str) -> None:
     for i, pass_ in enumerate(("forward", "backward")):
         ratio = {(r["threads"], r["seqlen"], r["mask"]): r["time_vs_torch"] for r in mine if r["pass"] == pass_}
         floor = {(r["threads"], r["seqlen"], r["mask"]): r.get("floor_vs_torch") for r in mine if r["pass"] == pass_}
-        xs = [j + (i - 0.5) * width for j, key in enumerate(labels) if key in ratio]
-        ax.bar(xs, [ratio[key] for key in labels if key in ratio], width, label=pass_)
-        ticks = [(x, floor[key]) for x, key in zip(xs, [key for key in labels if key in ratio]) if floor.get(key)]
+        shown = [(j + (i - 0.5) * width, key) for j, key in enumerate(labels) if key in ratio]
+        ax.bar([x for x, _ in shown], [ratio[key] for _, key in shown], width, label=pass_)
+        ticks = [(x, floor[key]) for x, key in shown if floor.get(key)]
         if ticks:
             ax.scatter(*zip(*ticks), marker="_", s=300, color="k", zorder=3,
                        label="floor: its matmuls and exps alone" if i == 0 else None)

@@ -76,29 +76,19 @@ def one_run(tree: Path, extra: list[str], idle: float) -> tuple[str, dict, str]:
         if proc.returncode != 0:
             sys.exit(f"local_cpu.py in {tree} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
-    if not ratios(result):
+    if not burstcu_column(result, "time_vs_torch"):
         sys.exit("local_cpu.py measured no torch SDPA (torch not installed?): nothing to compare")
     if not quiet:
         started += " (the machine was not idle when it started)"
     return proc.stdout, result, started
 
 
-def ratios(run: dict) -> dict:
-    """{(threads, seqlen, mask, pass): burstcu time / torch time} of one run's JSON."""
-    return {tuple(r[k] for k in KEY): r["time_vs_torch"] for r in run["results"]
-            if r["impl"] == "burstcu" and r["time_vs_torch"] is not None}
-
-
-def seconds(run: dict) -> dict:
-    """{(threads, seqlen, mask, pass): burstcu seconds} of one run's JSON."""
-    return {tuple(r[k] for k in KEY): r["seconds"] for r in run["results"] if r["impl"] == "burstcu"}
-
-
-def floors(run: dict) -> dict:
-    """{(threads, seqlen, mask, pass): burstcu's floor_vs_torch} of one run's JSON (none from a
-    local_cpu.py that did not measure floors)."""
-    return {tuple(r[k] for k in KEY): r["floor_vs_torch"] for r in run["results"]
-            if r["impl"] == "burstcu" and r.get("floor_vs_torch") is not None}
+def burstcu_column(run: dict, name: str) -> dict:
+    """{(threads, seqlen, mask, pass): burstcu's `name`} of one run's JSON, where it has one:
+    time_vs_torch (the ratio to torch), seconds, floor_vs_torch (none from a local_cpu.py that
+    did not measure floors)."""
+    return {tuple(r[k] for k in KEY): r[name] for r in run["results"]
+            if r["impl"] == "burstcu" and r.get(name) is not None}
 
 
 def summarize(after: list[dict], before: list[dict]) -> list[dict]:
@@ -106,16 +96,18 @@ def summarize(after: list[dict], before: list[dict]) -> list[dict]:
     other's median, this tree's median floor_vs_torch (None without floors), and each tree's
     median burstcu seconds."""
     rows = []
-    keys = [key for key in ratios(after[0]) if all(key in ratios(r) for r in after + before)]
-    after_floors = [floors(r) for r in after]
+    col = {name: [burstcu_column(r, name) for r in after] for name in ("time_vs_torch", "seconds", "floor_vs_torch")}
+    theirs_col = {name: [burstcu_column(r, name) for r in before] for name in ("time_vs_torch", "seconds")}
+    keys = [key for key in col["time_vs_torch"][0]
+            if all(key in c for c in col["time_vs_torch"] + theirs_col["time_vs_torch"])]
     for key in keys:
-        mine, theirs = [ratios(r)[key] for r in after], [ratios(r)[key] for r in before]
-        floor = [f[key] for f in after_floors if key in f]
+        mine, theirs = [c[key] for c in col["time_vs_torch"]], [c[key] for c in theirs_col["time_vs_torch"]]
+        floor = [c[key] for c in col["floor_vs_torch"] if key in c]
         rows.append({**dict(zip(KEY, key)), "median": median(mine), "min": min(mine),
                      "max": max(mine), "before_median": median(theirs),
                      "floor_median": median(floor) if floor else None,
-                     "after_s": median([seconds(r)[key] for r in after]),
-                     "before_s": median([seconds(r)[key] for r in before]),
+                     "after_s": median([c[key] for c in col["seconds"]]),
+                     "before_s": median([c[key] for c in theirs_col["seconds"]]),
                      "runs": " ".join(f"{x:.2f}" for x in mine),
                      "before_runs": " ".join(f"{x:.2f}" for x in theirs)})
     return rows
