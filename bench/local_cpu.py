@@ -4,7 +4,7 @@
     python bench/local_cpu.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
                               [--heads 8] [--headdim 64] [--batch 1] [--repeats 5]
                               [--no-backward] [--naive-max 1024] [--score-std 1] [--matmul-size 2048]
-                              [--json FILE] [--plot FILE]
+                              [--no-mkl] [--json FILE] [--plot FILE]
 
 For each (threads, seqlen, mask) burstcu and torch run interleaved — one repetition of each in
 turn, --repeats times, after one warm-up each — so a slow spell of the machine hits them alike;
@@ -48,6 +48,15 @@ of_floor can read a little above 1). The forward's tiles are those shapes; the b
 256-row tiles with transposed products, priced at the forward tile's rates. The exp run writes
 a second tile where the op's exp works in place. torch's SDPA blocks its work its own way and
 can beat the floor measured with torch.mm at these shapes: its `of_floor` may read above 1.
+Where Intel MKL's runtime library loads (`pip install mkl` into the environment; --no-mkl leaves
+it out), the tile kernels run a third set, MKL's sgemm and VML's exp, through ctypes, and each
+burstcu row gets `mkl_floor_vs_torch`: its floor if the op ran on those kernels — what a
+switch of kernels could win, measured before making it. burstcu never calls MKL itself.
+
+Speed targets (`SPEED_TARGETS`): at the default shape, burstcu's forward at most 1.0x torch's
+time at seqlen 4096 and 1.2x at 1024, its backward at most 1.0x, on any thread count and mask.
+Each such burstcu row carries `target` and `meets_target`, and a table lists them beside the
+floors: a target above a row's floor_vs_torch is out of reach of those kernels on this CPU.
 
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
@@ -156,38 +165,87 @@ def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
             "numpy_one_thread": one["numpy"], "torch_one_thread": one.get("torch")}
 
 
+MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS = 101, 111, 112    # CBLAS enums
+MKL_SEQUENTIAL, VML_LA = 1, 1   # MKL_Set_Threading_Layer's sequential layer; VML's "low accuracy" mode
+
+
+def mkl_runtime(paths=None):
+    """Intel MKL's runtime library, libmkl_rt (`pip install mkl` puts it in the environment's
+    lib/), through ctypes on its sequential layer — one thread a call, as every tile kernel runs
+    — with cblas_sgemm's and vmsExp's signatures set; None where none loads. paths: the files to
+    try (default: the system's libmkl_rt, then the environment's). Only the benchmark uses it:
+    the third kernel set of `TileKernels`, what burstcu's floor would be on MKL's kernels."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import sys
+    if paths is None:
+        paths = [ctypes.util.find_library("mkl_rt")] + sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+    for path in filter(None, paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.MKL_Set_Threading_Layer(MKL_SEQUENTIAL)   # before any other call into MKL
+        except (OSError, AttributeError):
+            continue
+        i, f, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+        lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, ptr, i, ptr, i, f, ptr, i]
+        lib.cblas_sgemm.restype = None
+        lib.vmsExp.argtypes = [i, ptr, ptr, ctypes.c_longlong]
+        lib.vmsExp.restype = None
+        return lib
+    return None
+
+
 class TileKernels:
-    """The work one attention tile holds, per library, as runs for `interleaved`: the float32
+    """The work one attention tile holds, per kernel set, as runs for `interleaved`: the float32
     matmuls of the NumPy op's forward tile (TILE_Q x headdim scores against TILE_K keys as a
     transposed view, then the TILE_Q x TILE_K P against TILE_K x headdim V) and exp over such a
-    tile (np.exp for NumPy, torch.exp for torch) on scores shifted as an online softmax shifts
-    them. Each run makes `calls` calls on each of `threads` threads at once, every thread on its
+    tile on scores shifted as an online softmax shifts them. Kernel sets ("libs"): "numpy" (its
+    BLAS's matmul, np.exp), "torch" (torch.mm, torch.exp) when torch is given, and "mkl" when
+    `mkl` (`mkl_runtime()`) is (cblas_sgemm, and vmsExp in VML's low-accuracy mode: within 4
+    ulp). Each run makes `calls` calls on each of `threads` threads at once, every thread on its
     own one-thread kernels and arrays (as burstcu's work items and torch's SDPA run them), and
     returns the seconds from the common start to the last thread's end (the thread limits are
     set outside that time). Interleaved with the attention runs of a configuration, the rates
     see the machine as those runs do; concurrent, what threads lose to each other counts."""
 
-    def __init__(self, torch, threads: int, headdim: int, calls: int = 30):
+    def __init__(self, torch, threads: int, headdim: int, calls: int = 30, mkl=None):
         from threadpoolctl import ThreadpoolController
-        self.torch, self.threads, self.calls = torch, threads, calls
+        self.torch, self.mkl, self.threads, self.calls = torch, mkl, threads, calls
         self.shape = (TILE_Q, TILE_K, headdim)
-        self.libs = ["numpy"] + ([] if torch is None else ["torch"])
+        self.libs = ["numpy"] + ([] if torch is None else ["torch"]) + ([] if mkl is None else ["mkl"])
         rng = np.random.default_rng(2)
-        self.kernels = {lib: [self._kernels(lib, rng) for _ in range(threads)] for lib in self.libs}
+        made = {lib: [self._kernels(lib, rng) for _ in range(threads)] for lib in self.libs}
+        self.kernels = {lib: [kernels for kernels, _ in per_thread] for lib, per_thread in made.items()}
+        self.arrays = {lib: [arrays for _, arrays in per_thread] for lib, per_thread in made.items()}
         self.thread_limits = ThreadpoolController()   # every BLAS and OpenMP library loaded
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
 
-    def _kernels(self, lib, rng):   # one thread's arrays: (its matmuls, its exp)
+    def _kernels(self, lib, rng):
+        """((matmuls, exp), arrays) for one thread: its two kernels of `lib` and the arrays they
+        read and write — inputs q, k, v (rows or keys x d), p (rows x keys) and scores, outputs
+        s = q k^T, o = p v and e = exp(scores)."""
         rows, keys, d = self.shape
         q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for n in (rows, keys, keys))
         scores = rng.standard_normal((rows, keys), dtype=np.float32) - np.float32(3)
         s, o, e = np.empty((rows, keys), np.float32), np.empty((rows, d), np.float32), np.empty_like(scores)
         p = np.exp(scores)
+        arrays = {"q": q, "k": k, "v": v, "p": p, "scores": scores, "s": s, "o": o, "e": e}
         if lib == "numpy":
-            return (lambda: (np.matmul(q, k.T, out=s), np.matmul(p, v, out=o)), lambda: np.exp(scores, out=e))
+            return (lambda: (np.matmul(q, k.T, out=s), np.matmul(p, v, out=o)),
+                    lambda: np.exp(scores, out=e)), arrays
+        if lib == "mkl":   # by address: `arrays`, returned with the kernels, keeps them alive
+            gemm, exp = self.mkl.cblas_sgemm, self.mkl.vmsExp
+            a = {name: x.ctypes.data for name, x in arrays.items()}
+
+            def matmuls():   # row-major: s = q k^T (rows x keys, inner d), o = p v (rows x d, inner keys)
+                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS, rows, keys, d, 1.0, a["q"], d, a["k"], d, 0.0, a["s"], keys)
+                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_NO_TRANS, rows, d, keys, 1.0, a["p"], keys, a["v"], d, 0.0,
+                     a["o"], d)
+            return (matmuls, lambda: exp(rows * keys, a["scores"], a["e"], VML_LA)), arrays
         mm, exp = self.torch.mm, self.torch.exp
         tq, tk, tv, ts, to, tp, tsc, te = map(self.torch.from_numpy, (q, k, v, s, o, p, scores, e))
-        return (lambda: (mm(tq, tk.T, out=ts), mm(tp, tv, out=to)), lambda: exp(tsc, out=te))
+        return (lambda: (mm(tq, tk.T, out=ts), mm(tp, tv, out=to)), lambda: exp(tsc, out=te)), arrays
 
     def runs(self) -> dict:
         """{("tile matmuls" | "tile exp", lib): run returning its seconds}."""
@@ -244,6 +302,28 @@ def floor_seconds(rates: dict | None, flops: float, exps: float) -> float | None
     return flops / (rates["gemm_gflops"] * 1e9) + exps * rates["exp_ns"] * 1e-9
 
 
+# burstcu's time over torch SDPA's, at most, by (pass, seqlen): one rank, float32, at
+# TARGET_SHAPE (batch, heads, headdim: the defaults), on any thread count, causal or not
+SPEED_TARGETS = {("forward", 4096): 1.0, ("forward", 1024): 1.2, ("backward", 4096): 1.0, ("backward", 1024): 1.0}
+TARGET_SHAPE = (1, 8, 64)
+
+
+def mkl_version(mkl) -> str | None:
+    """MKL's version string (`mkl_runtime()`'s library), or None without one."""
+    if mkl is None:
+        return None
+    import ctypes
+    buf = ctypes.create_string_buffer(256)
+    mkl.MKL_Get_Version_String(buf, len(buf))
+    return buf.value.decode(errors="replace").strip()
+
+
+def speed_target(pass_: str, seqlen: int, shape: tuple) -> float | None:
+    """The `SPEED_TARGETS` bound of a burstcu row of this (batch, heads, headdim) shape, or None
+    where none is set."""
+    return SPEED_TARGETS.get((pass_, seqlen)) if tuple(shape) == TARGET_SHAPE else None
+
+
 def traced_peak(fn) -> int:
     """Peak bytes tracemalloc sees allocated during fn() (numpy reports its buffers to it)."""
     tracemalloc.start()
@@ -254,12 +334,13 @@ def traced_peak(fn) -> int:
         tracemalloc.stop()
 
 
-def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, torch):
+def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, torch, mkl=None):
     """Timing rows, the memory row and the tile rates of one (threads, seqlen, mask); peaks:
     `matmul_peaks` on these threads (each row's `of_matmul_peak` is its GFLOP/s over its
     library's). The `TileKernels` run interleaved with the attention runs; from their rates each
     burstcu and torch row gets `floor_s`, `of_floor` = floor_s / seconds, and burstcu's
-    `floor_vs_torch` = its floor_s / torch's seconds."""
+    `floor_vs_torch` = its floor_s / torch's seconds, `mkl_floor_vs_torch` the same with MKL's
+    kernel rates (None without `mkl`), and `target` / `meets_target` (`speed_target`)."""
     rng = np.random.default_rng(0)
     shape = (args.batch, seqlen, args.heads, args.headdim)
     q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
@@ -272,7 +353,7 @@ def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, tor
         runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
             dout, q, k, v, out, lse, group, causal=causal)
     runs.update(torch_runs(q, k, v, dout, causal, not args.no_backward))
-    tile_kernels = TileKernels(torch, threads, args.headdim)
+    tile_kernels = TileKernels(torch, threads, args.headdim, mkl=mkl)
     try:
         times = interleaved({**runs, **tile_kernels.runs()}, args.repeats)
     finally:
@@ -301,6 +382,12 @@ def bench_config(args, threads: int, seqlen: int, causal: bool, peaks: dict, tor
         rows[-1]["floor_s"] = floor
         rows[-1]["of_floor"] = floor / t if floor else None
         rows[-1]["floor_vs_torch"] = floor / median(ref) if floor and ref and impl == "burstcu" else None
+        if impl == "burstcu":
+            mkl_floor = floor_seconds(rates.get("mkl"), pass_flops, scores)
+            rows[-1]["mkl_floor_vs_torch"] = mkl_floor / median(ref) if mkl_floor and ref else None
+            target = speed_target(pass_, seqlen, (args.batch, args.heads, args.headdim))
+            rows[-1]["target"] = target
+            rows[-1]["meets_target"] = rows[-1]["time_vs_torch"] <= target if target and ref else None
     group.close()
     config_rates = {"threads": threads, "seqlen": seqlen, "mask": mask, "tile": list(tile_kernels.shape), **rates}
     return rows, measure_memory(args, threads, seqlen, causal, (q, k, v, dout, out, lse)), config_rates
@@ -370,6 +457,8 @@ def main(argv=None):
     p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
     p.add_argument("--score-std", type=float, default=1.0, help="std of the scores (q is scaled to it)")
     p.add_argument("--matmul-size", type=int, default=2048, help="n of the n^3 matmul that measures each library's peak")
+    p.add_argument("--no-mkl", action="store_true",
+                   help="leave MKL's kernel set out of the tile rates even where its runtime loads")
     p.add_argument("--json", default="bench/out/local_cpu.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -381,9 +470,10 @@ def main(argv=None):
         import torch
     except ImportError:
         torch = None
+    mkl = None if args.no_mkl else mkl_runtime()
     rows, memory, peaks, tile_rates = [], [], [], []
     env = environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
-                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), mkl=mkl_version(mkl))
     for threads in threads_list:
         if torch is not None:
             torch.set_num_threads(threads)
@@ -393,7 +483,8 @@ def main(argv=None):
             for seqlen in args.seqlen:
                 for mask in masks:
                     progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
-                    got, mem, config_rates = bench_config(args, threads, seqlen, mask == "causal", peaks[-1], torch)
+                    got, mem, config_rates = bench_config(args, threads, seqlen, mask == "causal", peaks[-1], torch,
+                                                          mkl)
                     rows += got
                     memory.append(mem)
                     tile_rates.append(config_rates)
@@ -417,8 +508,18 @@ def main(argv=None):
               "and exp over the tile (ns a value), one-thread kernels on every thread at once")
         print(table([{"threads": t["threads"], "seqlen": t["seqlen"], "mask": t["mask"], "lib": lib,
                       "gemm_gflops": t[lib]["gemm_gflops"], "exp_ns": t[lib]["exp_ns"]}
-                     for t in tile_rates for lib in ("numpy", "torch") if lib in t],
+                     for t in tile_rates for lib in ("numpy", "torch", "mkl") if lib in t],
                     ["threads", "seqlen", "mask", "lib", "gemm_gflops", "exp_ns"]))
+    targeted = [r for r in rows if r.get("target") is not None]
+    if targeted:
+        print("\nspeed targets: burstcu time / torch SDPA time at most `target`; floor_allows: its floor (its"
+              " matmuls and exps alone, NumPy's kernels) is under it;"
+              + (f" mkl_floor_vs_torch: the floor on MKL's kernels ({env['mkl']})" if mkl is not None else
+                 " (MKL's kernel set: not measured, no libmkl_rt loads)"))
+        print(table([{**r, "floor_allows": None if r["floor_vs_torch"] is None else r["floor_vs_torch"] <= r["target"]}
+                     for r in targeted],
+                    ["threads", "seqlen", "mask", "pass", "target", "time_vs_torch", "meets_target",
+                     "floor_vs_torch", "floor_allows", "mkl_floor_vs_torch"]))
     print("\nmemory of the burstcu calls (tracemalloc peak; scratch = NumpyOps.scratch_bytes, tile_scratch ="
           " its tiles alone)")
     sizes = ("forward_peak", "backward_peak", "scratch", "tile_scratch", "score_matrix")

@@ -4,6 +4,7 @@ under a minute on 2 cores (sizes are tiny: the numbers are noise, only their sha
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.mpi_run import mpiexec
@@ -58,7 +60,6 @@ def test_overlap_smoke(tmp_path):
     assert result["environment"]["device"] == "CPU"
     assert {c["strategy"] for c in result["configs"]} == {"burst", "ring", "allgather"}
     from burstcu import engine as strategies
-    import numpy as np
     for cfg in result["configs"]:
         assert len(cfg["ranks"]) == 2 and cfg["summary"]["e2e_fwd_bwd_s"] > cfg["summary"]["e2e_forward_s"] > 0
         for rank in cfg["ranks"]:
@@ -255,7 +256,6 @@ def test_interleaved_takes_the_time_a_run_reports(monkeypatch):
     kernels leave their thread-limit changes out that way); any other run is timed around."""
     monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
     import local_cpu
-    import numpy as np
     calls = []
     times = local_cpu.interleaved({"self-timed": lambda: calls.append(1) or local_cpu.Elapsed(123.0),
                                    "timed": lambda: time.sleep(0.01),
@@ -265,8 +265,46 @@ def test_interleaved_takes_the_time_a_run_reports(monkeypatch):
     assert all(t < 1 for t in times["returns a number"])                # timed around, not taken
 
 
-@pytest.mark.parametrize("lib", ["numpy", "torch"])
-def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, lib):
+class FakeMkl:
+    """MKL's calls that bench/local_cpu.py makes, in NumPy, through the addresses they are given:
+    a wrong dimension, leading dimension or transpose flag there gives a wrong product here."""
+
+    @staticmethod
+    def _at(address, rows, cols, ld):
+        """The row-major (rows, cols) float32 matrix at `address` with leading dimension ld."""
+        assert ld >= cols
+        size = (rows - 1) * ld + cols
+        flat = np.frombuffer((ctypes.c_float * size).from_address(address), np.float32)
+        return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4 * ld, 4))
+
+    def cblas_sgemm(self, layout, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        assert (layout, trans_a, beta) == (101, 111, 0.0) and trans_b in (111, 112)
+        b_mat = self._at(b, n, k, ldb).T if trans_b == 112 else self._at(b, k, n, ldb)
+        self._at(c, m, n, ldc)[...] = alpha * (self._at(a, m, k, lda) @ b_mat)
+
+    def vmsExp(self, n, a, r, mode):
+        assert mode == 1
+        np.exp(self._at(a, 1, n, n), out=self._at(r, 1, n, n))
+
+    def MKL_Get_Version_String(self, buf, size):
+        buf.value = b"NumPy standing in for MKL"
+
+
+def _kernel_sets():
+    """The kernel sets TileKernels can run here: numpy, torch (if installed), fake MKL, and the
+    real MKL where its runtime loads (`pip install mkl`)."""
+    wait_policy = os.environ.get("OMP_WAIT_POLICY")
+    import local_cpu  # sets OMP_WAIT_POLICY where unset: not for the rest of this process
+    if wait_policy is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    sets = [pytest.param("numpy", None, id="numpy"), pytest.param("torch", None, id="torch"),
+            pytest.param("mkl", FakeMkl, id="fake-mkl")]
+    real = local_cpu.mkl_runtime()
+    return sets + ([pytest.param("mkl", real, id="mkl")] if real is not None else [])
+
+
+@pytest.mark.parametrize("lib, mkl", [("numpy", None), ("torch", None), ("mkl", FakeMkl)])
+def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, lib, mkl):
     """bench/local_cpu.py's TileKernels: a run makes `calls` calls of its one kernel on each
     thread, with one BLAS / torch thread inside each, and reports its own time; the rates divide
     by the right calls, threads and FLOPs."""
@@ -276,7 +314,8 @@ def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, 
     import local_cpu
     from threadpoolctl import threadpool_info
     torch = pytest.importorskip("torch") if lib == "torch" else None
-    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=3)
+    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=3, mkl=None if mkl is None else mkl())
+    assert tiles.libs == ["numpy"] + [lib] * (lib != "numpy")
     seen, lock = [], threading.Lock()
 
     def tasks():   # the process's OS threads, OpenMP's and MKL's included
@@ -312,6 +351,81 @@ def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, 
     assert rates[lib]["gemm_gflops"] == pytest.approx(2 * 4 * 512 * 512 * 8 / 0.1 / 1e9)
     assert rates[lib]["exp_ns"] == pytest.approx(0.2 / (512 * 512) / 2 * 1e9)
     assert rates[lib]["matmuls_us"] == pytest.approx(1e5) and rates[lib]["exp_us"] == pytest.approx(2e5)
+
+
+@pytest.mark.parametrize("lib, mkl", _kernel_sets())
+def test_tile_kernels_compute_the_tile_products(lib, mkl):
+    """Each kernel set's kernels compute what they are timed as: s = q k^T, o = p v and
+    e = exp(scores), on every thread's arrays (float64 references; MKL's exp within VML_LA's
+    4 ulp)."""
+    import local_cpu
+    torch = pytest.importorskip("torch") if lib == "torch" else None
+    if isinstance(mkl, type):
+        mkl = mkl()
+    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=1, mkl=mkl)
+    try:
+        for (matmuls, exp), arrays in zip(tiles.kernels[lib], tiles.arrays[lib]):
+            for name in ("s", "o", "e"):
+                arrays[name].fill(np.nan)
+            matmuls()
+            exp()
+            x = {name: a.astype(np.float64) for name, a in arrays.items()}
+            # float32 products with inner lengths 8 and 512, against float64
+            np.testing.assert_allclose(arrays["s"], x["q"] @ x["k"].T, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(arrays["o"], x["p"] @ x["v"], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(arrays["e"], np.exp(x["scores"]), rtol=4 * 2.0 ** -23, atol=0)
+    finally:
+        tiles.close()
+
+
+def test_speed_target_is_set_at_the_default_shape_alone():
+    import local_cpu
+    shape = (1, 8, 64)
+    assert local_cpu.speed_target("forward", 4096, shape) == 1.0
+    assert local_cpu.speed_target("forward", 1024, shape) == 1.2
+    assert local_cpu.speed_target("backward", 4096, shape) == local_cpu.speed_target("backward", 1024, shape) == 1.0
+    assert local_cpu.speed_target("forward", 2048, shape) is None
+    assert local_cpu.speed_target("forward", 4096, (2, 8, 64)) is None
+    assert local_cpu.speed_target("forward", 4096, (1, 8, 128)) is None
+
+
+def test_local_cpu_rows_against_speed_targets_and_mkl_floor(monkeypatch, tmp_path, capsys):
+    """bench/local_cpu.py in this process, targets set for its tiny shape and MKL's kernel set
+    stood in for by NumPy: each burstcu row carries its target and whether it met it, and its
+    floor on the third kernel set's rates; the targets table lists them."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
+    import local_cpu
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(local_cpu, "TARGET_SHAPE", (1, 2, 16))
+    monkeypatch.setattr(local_cpu, "SPEED_TARGETS", {("forward", 64): 1e9, ("backward", 64): 1e-9})
+    monkeypatch.setattr(local_cpu, "mkl_runtime", FakeMkl)
+    js = tmp_path / "local.json"
+    torch_threads = torch.get_num_threads()
+    try:
+        local_cpu.main([str(a) for a in ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16, "--repeats", 1,
+                                         "--threads", 1, "--masks", "causal", "--matmul-size", 128, "--no-backward",
+                                         "--json", js]])
+    finally:
+        torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    result = json.loads(js.read_text())
+    assert result["environment"]["mkl"] == "NumPy standing in for MKL"
+    mine = {r["seqlen"]: r for r in result["results"] if r["impl"] == "burstcu"}
+    assert mine[64]["target"] == 1e9 and mine[64]["meets_target"] is True
+    assert mine[96]["target"] is None and mine[96]["meets_target"] is None
+    for seqlen, row in mine.items():
+        rates = next(t for t in result["tile_rates"] if t["seqlen"] == seqlen)
+        torch_s = next(r["seconds"] for r in result["results"] if (r["seqlen"], r["impl"]) == (seqlen, "torch sdpa"))
+        scores = 2 * seqlen ** 2 * 0.5
+        mkl_floor = 4 * scores * 16 / (rates["mkl"]["gemm_gflops"] * 1e9) + scores * rates["mkl"]["exp_ns"] * 1e-9
+        assert row["mkl_floor_vs_torch"] == pytest.approx(mkl_floor / torch_s)
+    assert "speed targets: burstcu time / torch SDPA time at most `target`" in out
+    assert "the floor on MKL's kernels (NumPy standing in for MKL)" in out
+    lines = out[out.index("speed targets"):].splitlines()
+    assert lines[1].split()[:8] == ["threads", "seqlen", "mask", "pass", "target", "time_vs_torch", "meets_target",
+                                    "floor_vs_torch"]
+    assert lines[2].split()[:7] == ["1", "64", "causal", "forward", "1e+09", f"{mine[64]['time_vs_torch']:.3g}", "True"]
+    assert lines[3] == ""     # seqlen 96 has no target: one row
 
 
 def test_local_cpu_smoke(tmp_path):

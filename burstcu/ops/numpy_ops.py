@@ -105,15 +105,13 @@ def _put(dst, x, scale=None, *last) -> None:
     """One head into the op's layout: dst (S*g, D + len(last)) <- x (S, g, D) — the g query
     heads of a kv head (row i*g + j is position i, head j), or one kv head (g = 1) — in dst's
     dtype, times `scale` if given, then the extra columns `last` (each a scalar or (S*g,)).
-    One pass when x already has dst's dtype."""
+    dst is contiguous: the copy strides, the scaling then runs over dst whole, last columns
+    included (set afterwards), as one flat pass — a strided multiply into dst's first D columns
+    took 0.6 ms for 8 heads of 1024 rows, copy and flat multiply 0.45 (the same bits)."""
     s, g, d = x.shape
-    out = dst.reshape(s, g, dst.shape[-1])[..., :d]
-    if scale is not None and x.dtype == dst.dtype:
-        np.multiply(x, dst.dtype.type(scale), out=out)
-    else:
-        out[...] = x
-        if scale is not None:
-            out *= dst.dtype.type(scale)
+    dst.reshape(s, g, dst.shape[-1])[..., :d] = x
+    if scale is not None:
+        np.multiply(dst, dst.dtype.type(scale), out=dst)
     for i, column in enumerate(last):
         dst[:, d + i] = column
 
@@ -439,56 +437,56 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     the tile's exact fold (`_fold_exactly`). Which path a row takes depends on its own values
     alone, and so does its result on each path (the tiles, not the values, pick the matmul
     shapes), so garbage in one row never changes another's bits. The common case costs four
-    ufunc calls beyond the matmuls.
+    ufunc calls beyond the matmuls. Runs under np.errstate(over="ignore", invalid="ignore"),
+    which its caller sets once for all its tiles (rows it overflows are redone).
     """
-    with np.errstate(over="ignore", invalid="ignore"):   # rows it overflows are redone
-        shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
-        if not shifted:
-            _seed(q, acc, k, future)
-            shifted = math.isfinite(q[:, -1].sum())
-        np.matmul(q, k.T, out=s)
-        if future is not None:  # overwrites NaN/Inf scores of masked keys too
-            future.fill(s, -np.inf)
-        np.exp(s, out=s)
-        pairs = None if future is None else future.pairs
-        if pairs is None:
-            _times_v(s, v, pv)
-        else:   # strips of a mask's edge: their short matmuls gain less than a call costs
-            _matmul_masked(s, v, pairs, pv, math.isfinite(v_max))
-        l = pv[:, -1]
-        if shifted and l.max() <= LAZY_LIMIT and (v_max < TAME_V or math.isfinite(pv.sum())):
-            acc += pv
-            return
-        if shifted and math.isfinite(pv.sum()):   # some rows sum past LAZY_LIMIT
-            big = np.flatnonzero(l > LAZY_LIMIT)
-            rows, r = _rescalable(q, s, big)
-            alone = np.setdiff1d(big, rows, assume_unique=True)   # P past what a rescale takes
-            before, kept = acc[rows], acc[alone]
-            acc += pv
-            acc[alone] = kept      # as they were: folded again below
-            if len(rows):
-                _rescale_rows(q, acc, pv, rows, r, before)
-            if len(alone):
-                _fold_rows_exactly(q, k, v, acc, future, alone, v_max)
-            return
-        ok = np.isfinite(pv).all(axis=1) & np.isfinite(q[:, -1])
-        big = np.flatnonzero(ok & (l > LAZY_LIMIT))
+    shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
+    if not shifted:
+        _seed(q, acc, k, future)
+        shifted = math.isfinite(q[:, -1].sum())
+    np.matmul(q, k.T, out=s)
+    if future is not None:  # overwrites NaN/Inf scores of masked keys too
+        future.fill(s, -np.inf)
+    np.exp(s, out=s)
+    pairs = None if future is None else future.pairs
+    if pairs is None:
+        _times_v(s, v, pv)
+    else:   # strips of a mask's edge: their short matmuls gain less than a call costs
+        _matmul_masked(s, v, pairs, pv, math.isfinite(v_max))
+    l = pv[:, -1]
+    if shifted and l.max() <= LAZY_LIMIT and (v_max < TAME_V or math.isfinite(pv.sum())):
+        acc += pv
+        return
+    if shifted and math.isfinite(pv.sum()):   # some rows sum past LAZY_LIMIT
+        big = np.flatnonzero(l > LAZY_LIMIT)
         rows, r = _rescalable(q, s, big)
-        ok[big] = False
-        before = acc[rows]
-        acc[ok] += pv[ok]
+        alone = np.setdiff1d(big, rows, assume_unique=True)   # P past what a rescale takes
+        before, kept = acc[rows], acc[alone]
+        acc += pv
+        acc[alone] = kept      # as they were: folded again below
         if len(rows):
             _rescale_rows(q, acc, pv, rows, r, before)
-        # rows that see no key of the tile (P = 0: nothing to add) or are dead (NaN) stay so
-        idle = np.isnan(q[:, -1]) if future is None else np.isnan(q[:, -1]) | future.blind
-        alone = np.setdiff1d(big, rows, assume_unique=True)   # finite, P past what a rescale takes
-        ok[rows] = True
-        ok[alone] = True
-        redo = ~ok & ~idle    # P @ [V | 1] not finite: overflow, no shift, or garbage it sees
-        if redo.any():
-            _fold_exactly(q, k, v, acc, future, s, pv, v_max, redo)
         if len(alone):
             _fold_rows_exactly(q, k, v, acc, future, alone, v_max)
+        return
+    ok = np.isfinite(pv).all(axis=1) & np.isfinite(q[:, -1])
+    big = np.flatnonzero(ok & (l > LAZY_LIMIT))
+    rows, r = _rescalable(q, s, big)
+    ok[big] = False
+    before = acc[rows]
+    acc[ok] += pv[ok]
+    if len(rows):
+        _rescale_rows(q, acc, pv, rows, r, before)
+    # rows that see no key of the tile (P = 0: nothing to add) or are dead (NaN) stay so
+    idle = np.isnan(q[:, -1]) if future is None else np.isnan(q[:, -1]) | future.blind
+    alone = np.setdiff1d(big, rows, assume_unique=True)   # finite, P past what a rescale takes
+    ok[rows] = True
+    ok[alone] = True
+    redo = ~ok & ~idle    # P @ [V | 1] not finite: overflow, no shift, or garbage it sees
+    if redo.any():
+        _fold_exactly(q, k, v, acc, future, s, pv, v_max, redo)
+    if len(alone):
+        _fold_rows_exactly(q, k, v, acc, future, alone, v_max)
 
 
 def _rescalable(q, p, rows):
@@ -914,13 +912,14 @@ class NumpyOps(LocalOps):
                        v_max: float) -> None:
         """One head: q (S*g, D+1) scaled queries | -m; k, v (S, D+1) ending in ones; acc
         (S*g, D+1). Each tile is folded lazily when that is safe, else exactly."""
-        for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k):
-            r0, r1 = q0 * g, q1 * g
-            # the backward's buffers under the same names: a step holds one set, whichever pass
-            s = scratch.get("scores", r1 - r0, k1 - k0)
-            pv = scratch.get("rows", r1 - r0, v.shape[1])
-            future = _future(block, q0, q1, k0, k1, g) if masked else None
-            _fold_tile(q[r0:r1], k[k0:k1], v[k0:k1], acc[r0:r1], future, s, pv, v_max)
+        with np.errstate(over="ignore", invalid="ignore"):   # once, not per tile (~1.2 us each)
+            for q0, q1, k0, k1, masked in _tiles(block, max(1, self.tile_q // g), self.tile_k):
+                r0, r1 = q0 * g, q1 * g
+                # the backward's buffers under the same names: a step holds one set, whichever pass
+                s = scratch.get("scores", r1 - r0, k1 - k0)
+                pv = scratch.get("rows", r1 - r0, v.shape[1])
+                future = _future(block, q0, q1, k0, k1, g) if masked else None
+                _fold_tile(q[r0:r1], k[k0:k1], v[k0:k1], acc[r0:r1], future, s, pv, v_max)
 
     def forward_finalize(self, st, out_dtype):
         """out = acc / l in (B, S, H, D); lse = m + log l (B, H, S), from the running shift m;
