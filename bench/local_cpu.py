@@ -56,7 +56,7 @@ switch of kernels could win, measured before making it. burstcu never calls MKL 
 Speed targets (`SPEED_TARGETS`): at the default shape, burstcu's forward at most 1.0x torch's
 time at seqlen 4096 and 1.2x at 1024, its backward at most 1.0x, on any thread count and mask.
 Each such burstcu row carries `target` and `meets_target`, and a table lists them beside the
-floors: a target above a row's floor_vs_torch is out of reach of those kernels on this CPU.
+floors: a target below a row's floor_vs_torch is out of reach of those kernels on this CPU.
 
 Prints a progress line per configuration on stderr, then the tables; writes JSON and, with
 --plot, a PNG of each time against torch's. FLOPs: 4*B*H*S^2*D forward, 2.5 times that backward
@@ -166,34 +166,44 @@ def matmul_peaks(torch, threads: int, n: int = 2048, repeats: int = 3) -> dict:
 
 
 MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS = 101, 111, 112    # CBLAS enums
-MKL_SEQUENTIAL, VML_LA = 1, 1   # MKL_Set_Threading_Layer's sequential layer; VML's "low accuracy" mode
+MKL_SEQUENTIAL, MKL_LP64 = 1, 0   # MKL_Set_Threading_Layer's sequential layer; 32-bit integer arguments
+VML_HA = 2   # VML's high-accuracy mode: within 1 ulp (np.exp: ~2); as fast as its low-accuracy one here
 
 
 def mkl_runtime(paths=None):
     """Intel MKL's runtime library, libmkl_rt (`pip install mkl` puts it in the environment's
     lib/), through ctypes on its sequential layer — one thread a call, as every tile kernel runs
-    — with cblas_sgemm's and vmsExp's signatures set; None where none loads. paths: the files to
-    try (default: the system's libmkl_rt, then the environment's). Only the benchmark uses it:
-    the third kernel set of `TileKernels`, what burstcu's floor would be on MKL's kernels."""
+    — and its LP64 interface, with cblas_sgemm's and vmsExp's signatures set; None where none
+    loads or MKL, already started in this process, keeps other layers. paths: the files to try
+    (default: `mkl_paths()`). Loading it has effects for the process's life: threadpoolctl then
+    sees a second BLAS, one thread. Only the benchmark uses it: the third kernel set of
+    `TileKernels`, what burstcu's floor would be on MKL's kernels."""
     import ctypes
+    for path in mkl_paths() if paths is None else paths:
+        try:
+            lib = ctypes.CDLL(path)
+            # before any other call into MKL; each returns the layer now in force
+            if (lib.MKL_Set_Threading_Layer(MKL_SEQUENTIAL), lib.MKL_Set_Interface_Layer(MKL_LP64)) != (
+                    MKL_SEQUENTIAL, MKL_LP64):
+                continue
+            i, f, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+            lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, ptr, i, ptr, i, f, ptr, i]
+            lib.cblas_sgemm.restype = None
+            lib.vmsExp.argtypes = [i, ptr, ptr, ctypes.c_longlong]
+            lib.vmsExp.restype = None
+        except (OSError, AttributeError):   # not loadable, or not MKL's runtime
+            continue
+        return lib
+    return None
+
+
+def mkl_paths() -> list:
+    """The libmkl_rt files `mkl_runtime` tries, none loaded: the system's, then the environment's."""
     import ctypes.util
     import glob
     import sys
-    if paths is None:
-        paths = [ctypes.util.find_library("mkl_rt")] + sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
-    for path in filter(None, paths):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.MKL_Set_Threading_Layer(MKL_SEQUENTIAL)   # before any other call into MKL
-        except (OSError, AttributeError):
-            continue
-        i, f, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-        lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, ptr, i, ptr, i, f, ptr, i]
-        lib.cblas_sgemm.restype = None
-        lib.vmsExp.argtypes = [i, ptr, ptr, ctypes.c_longlong]
-        lib.vmsExp.restype = None
-        return lib
-    return None
+    found = ctypes.util.find_library("mkl_rt")
+    return ([found] if found else []) + sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
 
 
 class TileKernels:
@@ -202,8 +212,7 @@ class TileKernels:
     transposed view, then the TILE_Q x TILE_K P against TILE_K x headdim V) and exp over such a
     tile on scores shifted as an online softmax shifts them. Kernel sets ("libs"): "numpy" (its
     BLAS's matmul, np.exp), "torch" (torch.mm, torch.exp) when torch is given, and "mkl" when
-    `mkl` (`mkl_runtime()`) is (cblas_sgemm, and vmsExp in VML's low-accuracy mode: within 4
-    ulp). Each run makes `calls` calls on each of `threads` threads at once, every thread on its
+    `mkl` (`mkl_runtime()`) is (cblas_sgemm, and vmsExp in VML's high-accuracy mode). Each run makes `calls` calls on each of `threads` threads at once, every thread on its
     own one-thread kernels and arrays (as burstcu's work items and torch's SDPA run them), and
     returns the seconds from the common start to the last thread's end (the thread limits are
     set outside that time). Interleaved with the attention runs of a configuration, the rates
@@ -242,7 +251,7 @@ class TileKernels:
                 gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS, rows, keys, d, 1.0, a["q"], d, a["k"], d, 0.0, a["s"], keys)
                 gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_NO_TRANS, rows, d, keys, 1.0, a["p"], keys, a["v"], d, 0.0,
                      a["o"], d)
-            return (matmuls, lambda: exp(rows * keys, a["scores"], a["e"], VML_LA)), arrays
+            return (matmuls, lambda: exp(rows * keys, a["scores"], a["e"], VML_HA)), arrays
         mm, exp = self.torch.mm, self.torch.exp
         tq, tk, tv, ts, to, tp, tsc, te = map(self.torch.from_numpy, (q, k, v, s, o, p, scores, e))
         return (lambda: (mm(tq, tk.T, out=ts), mm(tp, tv, out=to)), lambda: exp(tsc, out=te)), arrays

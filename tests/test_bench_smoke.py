@@ -266,15 +266,26 @@ def test_interleaved_takes_the_time_a_run_reports(monkeypatch):
 
 
 class FakeMkl:
-    """MKL's calls that bench/local_cpu.py makes, in NumPy, through the addresses they are given:
-    a wrong dimension, leading dimension or transpose flag there gives a wrong product here."""
+    """MKL's calls that bench/local_cpu.py makes, in NumPy, through the addresses, dimensions,
+    leading dimensions and transpose flags they are given, so that a wrong one there gives a
+    wrong product here (given tiles whose rows and keys differ). arrays: the float32 arrays the
+    calls may address, if known — then each matrix must start at one of them and fit in it
+    (an AssertionError, not a read past it); None: read whatever the address holds."""
 
-    @staticmethod
-    def _at(address, rows, cols, ld):
+    def __init__(self, arrays=None):
+        self.arrays = arrays
+
+    def _at(self, address, rows, cols, ld):
         """The row-major (rows, cols) float32 matrix at `address` with leading dimension ld."""
         assert ld >= cols
         size = (rows - 1) * ld + cols
-        flat = np.frombuffer((ctypes.c_float * size).from_address(address), np.float32)
+        if self.arrays is None:
+            flat = np.frombuffer((ctypes.c_float * size).from_address(address), np.float32)
+        else:
+            base = next((a for a in self.arrays if a.ctypes.data == address), None)
+            assert base is not None and base.dtype == np.float32 and base.flags.c_contiguous, "no array there"
+            assert size <= base.size, f"a {rows} x {cols} matrix, leading dimension {ld}, past its array"
+            flat = base.reshape(-1)
         return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4 * ld, 4))
 
     def cblas_sgemm(self, layout, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
@@ -283,24 +294,11 @@ class FakeMkl:
         self._at(c, m, n, ldc)[...] = alpha * (self._at(a, m, k, lda) @ b_mat)
 
     def vmsExp(self, n, a, r, mode):
-        assert mode == 1
+        assert mode == 2    # VML_HA
         np.exp(self._at(a, 1, n, n), out=self._at(r, 1, n, n))
 
     def MKL_Get_Version_String(self, buf, size):
         buf.value = b"NumPy standing in for MKL"
-
-
-def _kernel_sets():
-    """The kernel sets TileKernels can run here: numpy, torch (if installed), fake MKL, and the
-    real MKL where its runtime loads (`pip install mkl`)."""
-    wait_policy = os.environ.get("OMP_WAIT_POLICY")
-    import local_cpu  # sets OMP_WAIT_POLICY where unset: not for the rest of this process
-    if wait_policy is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    sets = [pytest.param("numpy", None, id="numpy"), pytest.param("torch", None, id="torch"),
-            pytest.param("mkl", FakeMkl, id="fake-mkl")]
-    real = local_cpu.mkl_runtime()
-    return sets + ([pytest.param("mkl", real, id="mkl")] if real is not None else [])
 
 
 @pytest.mark.parametrize("lib, mkl", [("numpy", None), ("torch", None), ("mkl", FakeMkl)])
@@ -353,29 +351,78 @@ def test_tile_kernels_run_every_kernel_calls_times_on_every_thread(monkeypatch, 
     assert rates[lib]["matmuls_us"] == pytest.approx(1e5) and rates[lib]["exp_us"] == pytest.approx(2e5)
 
 
-@pytest.mark.parametrize("lib, mkl", _kernel_sets())
-def test_tile_kernels_compute_the_tile_products(lib, mkl):
-    """Each kernel set's kernels compute what they are timed as: s = q k^T, o = p v and
-    e = exp(scores), on every thread's arrays (float64 references; MKL's exp within VML_LA's
-    4 ulp)."""
+def _check_tile_products(tiles, lib) -> None:
+    """Each thread's kernels of `lib` in TileKernels `tiles` compute what they are timed as:
+    s = q k^T, o = p v and e = exp(scores) (float64 references)."""
+    for (matmuls, exp), arrays in zip(tiles.kernels[lib], tiles.arrays[lib]):
+        for name in ("s", "o", "e"):
+            arrays[name].fill(np.nan)
+        matmuls()
+        exp()
+        x = {name: a.astype(np.float64) for name, a in arrays.items()}
+        # float32 products with inner lengths 8 and 512, against float64
+        np.testing.assert_allclose(arrays["s"], x["q"] @ x["k"].T, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(arrays["o"], x["p"] @ x["v"], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(arrays["e"], np.exp(x["scores"]), rtol=4 * 2.0 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("lib, mkl", [("numpy", None), ("torch", None), ("mkl", FakeMkl)])
+def test_tile_kernels_compute_the_tile_products(monkeypatch, lib, mkl):
+    """Each kernel set's kernels compute what they are timed as, on every thread's arrays, here
+    on 256-row tiles of 512 keys so that rows and keys taken for each other show; MKL's calls
+    through `FakeMkl` (the real library: the test below)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # the import sets it
     import local_cpu
+    monkeypatch.setattr(local_cpu, "TILE_Q", 256)
     torch = pytest.importorskip("torch") if lib == "torch" else None
-    if isinstance(mkl, type):
-        mkl = mkl()
-    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=1, mkl=mkl)
+    tiles = local_cpu.TileKernels(torch, threads=2, headdim=8, calls=1, mkl=None if mkl is None else mkl())
+    if mkl is not None:   # the fake checks every matrix against the arrays it may address
+        tiles.mkl.arrays = [a for arrays in tiles.arrays["mkl"] for a in arrays.values()]
     try:
-        for (matmuls, exp), arrays in zip(tiles.kernels[lib], tiles.arrays[lib]):
-            for name in ("s", "o", "e"):
-                arrays[name].fill(np.nan)
-            matmuls()
-            exp()
-            x = {name: a.astype(np.float64) for name, a in arrays.items()}
-            # float32 products with inner lengths 8 and 512, against float64
-            np.testing.assert_allclose(arrays["s"], x["q"] @ x["k"].T, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(arrays["o"], x["p"] @ x["v"], rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(arrays["e"], np.exp(x["scores"]), rtol=4 * 2.0 ** -23, atol=0)
+        assert tiles.shape == (256, 512, 8)
+        _check_tile_products(tiles, lib)
     finally:
         tiles.close()
+
+
+def real_mkl_tile_products() -> None:
+    """test_real_mkl_kernels_compute_the_tile_products's child process: prints "no libmkl_rt"
+    where none loads; else checks MKL's kernels as above, on 256-row tiles, and that two
+    threads running them start no thread team, then prints "ok"."""
+    import local_cpu
+    mkl = local_cpu.mkl_runtime()
+    if mkl is None:
+        print("no libmkl_rt")
+        return
+    local_cpu.TILE_Q = 256
+    tiles = local_cpu.TileKernels(None, threads=2, headdim=8, calls=2, mkl=mkl)
+    try:
+        _check_tile_products(tiles, "mkl")
+        tasks = len(os.listdir("/proc/self/task"))
+        for run in tiles.runs().values():
+            run()
+        # the two pool threads, and no OpenMP or TBB team that MKL's threaded layers would start
+        assert len(os.listdir("/proc/self/task")) <= tasks + 2, "MKL started threads of its own"
+    finally:
+        tiles.close()
+    print("ok", local_cpu.mkl_version(mkl))
+
+
+def test_real_mkl_kernels_compute_the_tile_products():
+    """The MKL kernel set on the real library, where `pip install mkl` put one in the environment
+    (skipped elsewhere), in a process of its own: a loaded MKL stays for the process's life, and
+    threadpoolctl would count it among this one's BLAS libraries."""
+    import local_cpu
+    if not local_cpu.mkl_paths():
+        pytest.skip("no libmkl_rt here (pip install mkl)")
+    code = "from tests.test_bench_smoke import real_mkl_tile_products; real_mkl_tile_products()"
+    env = {k: v for k, v in _env().items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")}  # MKL's own count
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if proc.stdout.startswith("no libmkl_rt"):
+        pytest.skip("libmkl_rt found but not loadable as MKL's runtime")
+    assert proc.stdout.startswith("ok "), proc.stdout + proc.stderr
 
 
 def test_speed_target_is_set_at_the_default_shape_alone():
@@ -397,35 +444,40 @@ def test_local_cpu_rows_against_speed_targets_and_mkl_floor(monkeypatch, tmp_pat
     import local_cpu
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(local_cpu, "TARGET_SHAPE", (1, 2, 16))
-    monkeypatch.setattr(local_cpu, "SPEED_TARGETS", {("forward", 64): 1e9, ("backward", 64): 1e-9})
+    monkeypatch.setattr(local_cpu, "SPEED_TARGETS", {("forward", 64): 1e9, ("backward", 64): 1e-9})   # met, not
     monkeypatch.setattr(local_cpu, "mkl_runtime", FakeMkl)
     js = tmp_path / "local.json"
     torch_threads = torch.get_num_threads()
     try:
         local_cpu.main([str(a) for a in ["--seqlen", 64, 96, "--heads", 2, "--headdim", 16, "--repeats", 1,
-                                         "--threads", 1, "--masks", "causal", "--matmul-size", 128, "--no-backward",
-                                         "--json", js]])
+                                         "--threads", 1, "--masks", "causal", "--matmul-size", 128, "--json", js]])
     finally:
         torch.set_num_threads(torch_threads)
     out = capsys.readouterr().out
     result = json.loads(js.read_text())
     assert result["environment"]["mkl"] == "NumPy standing in for MKL"
-    mine = {r["seqlen"]: r for r in result["results"] if r["impl"] == "burstcu"}
-    assert mine[64]["target"] == 1e9 and mine[64]["meets_target"] is True
-    assert mine[96]["target"] is None and mine[96]["meets_target"] is None
-    for seqlen, row in mine.items():
+    mine = {(r["seqlen"], r["pass"]): r for r in result["results"] if r["impl"] == "burstcu"}
+    assert mine[(64, "forward")]["target"] == 1e9 and mine[(64, "forward")]["meets_target"] is True
+    assert mine[(64, "backward")]["target"] == 1e-9 and mine[(64, "backward")]["meets_target"] is False
+    assert all(mine[(96, p)]["target"] is None and mine[(96, p)]["meets_target"] is None for p in ("forward", "backward"))
+    for (seqlen, pass_), row in mine.items():
         rates = next(t for t in result["tile_rates"] if t["seqlen"] == seqlen)
-        torch_s = next(r["seconds"] for r in result["results"] if (r["seqlen"], r["impl"]) == (seqlen, "torch sdpa"))
+        torch_s = next(r["seconds"] for r in result["results"] if (r["seqlen"], r["pass"], r["impl"]) ==
+                       (seqlen, pass_, "torch sdpa"))
         scores = 2 * seqlen ** 2 * 0.5
-        mkl_floor = 4 * scores * 16 / (rates["mkl"]["gemm_gflops"] * 1e9) + scores * rates["mkl"]["exp_ns"] * 1e-9
+        flops = 4 * scores * 16 * (2.5 if pass_ == "backward" else 1)
+        mkl_floor = flops / (rates["mkl"]["gemm_gflops"] * 1e9) + scores * rates["mkl"]["exp_ns"] * 1e-9
         assert row["mkl_floor_vs_torch"] == pytest.approx(mkl_floor / torch_s)
     assert "speed targets: burstcu time / torch SDPA time at most `target`" in out
     assert "the floor on MKL's kernels (NumPy standing in for MKL)" in out
     lines = out[out.index("speed targets"):].splitlines()
-    assert lines[1].split()[:8] == ["threads", "seqlen", "mask", "pass", "target", "time_vs_torch", "meets_target",
-                                    "floor_vs_torch"]
-    assert lines[2].split()[:7] == ["1", "64", "causal", "forward", "1e+09", f"{mine[64]['time_vs_torch']:.3g}", "True"]
-    assert lines[3] == ""     # seqlen 96 has no target: one row
+    assert lines[1].split() == ["threads", "seqlen", "mask", "pass", "target", "time_vs_torch", "meets_target",
+                                "floor_vs_torch", "floor_allows", "mkl_floor_vs_torch"]
+    for line, pass_, target, met in ((lines[2], "forward", "1e+09", "True"), (lines[3], "backward", "1e-09", "False")):
+        row = mine[(64, pass_)]
+        assert line.split() == ["1", "64", "causal", pass_, target, f"{row['time_vs_torch']:.3g}", met,
+                                f"{row['floor_vs_torch']:.3g}", met, f"{row['mkl_floor_vs_torch']:.3g}"]
+    assert lines[4] == ""     # seqlen 96 has no target: two rows
 
 
 def test_local_cpu_smoke(tmp_path):

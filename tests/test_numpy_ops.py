@@ -332,6 +332,27 @@ def test_row_sums_beside_p_times_v():
     np.testing.assert_allclose(out[:, 16], p.astype(np.float64).sum(axis=1), rtol=80 * EPS["float32"])
 
 
+@pytest.mark.parametrize("src, dst_t", [(np.float32, np.float32), (np.float16, np.float32),
+                                        (np.float64, np.float64), (np.float32, np.float64)])
+def test_put_scales_as_one_multiply_in_the_layouts_dtype(src, dst_t):
+    """`_put` lays a head out as x cast to dst's dtype times the scale there, one rounding (the
+    bits of np.multiply in that dtype), then its extra columns — and stale values in dst (huge,
+    inf, NaN), which its flat scaling pass runs over, raise no floating-point error."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 2, 8)).astype(src)         # (S, g, D): 2 query heads of a group
+    column = rng.standard_normal(10)
+    for stale in (np.finfo(dst_t).max, np.inf, np.nan):
+        dst = np.full((10, 10), stale, dst_t)
+        with np.errstate(all="raise"):
+            numpy_ops._put(dst, x, 4.0, column, np.inf)
+        expected = np.multiply(x.astype(dst_t), dst_t(4.0)).reshape(10, 8)
+        assert np.array_equal(dst[:, :8], expected)
+        assert np.array_equal(dst[:, 8], column.astype(dst_t)) and (dst[:, 9] == np.inf).all()
+    dst = np.full((10, 9), np.nan, dst_t)
+    numpy_ops._put(dst, x, None, 1)
+    assert np.array_equal(dst[:, :8], x.astype(dst_t).reshape(10, 8)) and (dst[:, 8] == 1).all()
+
+
 def test_forward_queues_layouts_then_the_largest_folds(monkeypatch):
     """One thread runs a forward step's items in queue order: each head's K/V layout first,
     then the folds largest first — causal spans grow down the sequence, so the last span's
