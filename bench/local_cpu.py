@@ -170,16 +170,16 @@ MKL_SEQUENTIAL, MKL_LP64 = 1, 0   # MKL_Set_Threading_Layer's sequential layer; 
 VML_HA = 2   # VML's high-accuracy mode: within 1 ulp (np.exp: ~2); as fast as its low-accuracy one here
 
 
-def mkl_runtime(paths=None):
+def mkl_runtime():
     """Intel MKL's runtime library, libmkl_rt (`pip install mkl` puts it in the environment's
     lib/), through ctypes on its sequential layer — one thread a call, as every tile kernel runs
     — and its LP64 interface, with cblas_sgemm's and vmsExp's signatures set; None where none
-    loads or MKL, already started in this process, keeps other layers. paths: the files to try
-    (default: `mkl_paths()`). Loading it has effects for the process's life: threadpoolctl then
+    loads or MKL, already started in this process, keeps other layers (`mkl_paths()`: the files
+    it tries). Loading it has effects for the process's life: threadpoolctl then
     sees a second BLAS, one thread. Only the benchmark uses it: the third kernel set of
     `TileKernels`, what burstcu's floor would be on MKL's kernels."""
     import ctypes
-    for path in mkl_paths() if paths is None else paths:
+    for path in mkl_paths():
         try:
             lib = ctypes.CDLL(path)
             # before any other call into MKL; each returns the layer now in force
@@ -212,10 +212,11 @@ class TileKernels:
     transposed view, then the TILE_Q x TILE_K P against TILE_K x headdim V) and exp over such a
     tile on scores shifted as an online softmax shifts them. Kernel sets ("libs"): "numpy" (its
     BLAS's matmul, np.exp), "torch" (torch.mm, torch.exp) when torch is given, and "mkl" when
-    `mkl` (`mkl_runtime()`) is (cblas_sgemm, and vmsExp in VML's high-accuracy mode). Each run makes `calls` calls on each of `threads` threads at once, every thread on its
-    own one-thread kernels and arrays (as burstcu's work items and torch's SDPA run them), and
-    returns the seconds from the common start to the last thread's end (the thread limits are
-    set outside that time). Interleaved with the attention runs of a configuration, the rates
+    `mkl` (`mkl_runtime()`) is (cblas_sgemm, and vmsExp in VML's high-accuracy mode). Each run
+    makes `calls` calls on each of `threads` threads at once, every thread on its own one-thread
+    kernels and arrays (as burstcu's work items and torch's SDPA run them), and returns the
+    seconds from the common start to the last thread's end (the thread limits are set outside
+    that time). Interleaved with the attention runs of a configuration, the rates
     see the machine as those runs do; concurrent, what threads lose to each other counts."""
 
     def __init__(self, torch, threads: int, headdim: int, calls: int = 30, mkl=None):
@@ -248,9 +249,10 @@ class TileKernels:
             a = {name: x.ctypes.data for name, x in arrays.items()}
 
             def matmuls():   # row-major: s = q k^T (rows x keys, inner d), o = p v (rows x d, inner keys)
-                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS, rows, keys, d, 1.0, a["q"], d, a["k"], d, 0.0, a["s"], keys)
-                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_NO_TRANS, rows, d, keys, 1.0, a["p"], keys, a["v"], d, 0.0,
-                     a["o"], d)
+                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_TRANS, rows, keys, d,
+                     1.0, a["q"], d, a["k"], d, 0.0, a["s"], keys)
+                gemm(MKL_ROW_MAJOR, MKL_NO_TRANS, MKL_NO_TRANS, rows, d, keys,
+                     1.0, a["p"], keys, a["v"], d, 0.0, a["o"], d)
             return (matmuls, lambda: exp(rows * keys, a["scores"], a["e"], VML_HA)), arrays
         mm, exp = self.torch.mm, self.torch.exp
         tq, tk, tv, ts, to, tp, tsc, te = map(self.torch.from_numpy, (q, k, v, s, o, p, scores, e))
