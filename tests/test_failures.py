@@ -108,6 +108,14 @@ def test_resident_memory_is_flat_over_1000_calls(nprocs):
     assert len(results) == nprocs
 
 
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_training_loop_runs_and_repeats_its_bits(nprocs):
+    """Forward+backward steps with 16 MiB arrays a rank, then a mix of shapes, on every rank
+    (tests/mpi/resource_bodies.py: training_loop)."""
+    results = run_mpi(nprocs, "resource_bodies:training_loop", timeout=240)
+    assert [r["calls"] for r in results] == [13] * nprocs
+
+
 def test_10000_init_close_cycles_leak_no_communicator():
     results = run_mpi(2, "resource_bodies:init_close_cycles", timeout=240)
     assert [r["cycles"] for r in results] == [10000, 10000]

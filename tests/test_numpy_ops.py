@@ -98,9 +98,8 @@ def _one_pass(group, q, k, v, dout, causal):
 
 
 def test_kept_buffers_carry_nothing_between_calls():
-    """Calls of other shapes, dtypes and masks in between (whose buffers the op keeps and hands
-    out again, outputs included), then release_buffers: every call gives the bits a fresh op
-    gives."""
+    """Calls of other shapes, dtypes and masks in between (whose scratch and message buffers the
+    op keeps), then release_buffers: every call gives the bits a fresh op gives."""
     problems = [(make_inputs(13, 1, 96, 4, 2, 16, "float32"), True),
                 (make_inputs(14, 2, 40, 2, 2, 16, "float64"), False),
                 (make_inputs(15, 1, 96, 4, 4, 16, "float32"), False),   # the size of the first's q
@@ -113,6 +112,17 @@ def test_kept_buffers_carry_nothing_between_calls():
             fresh.close()
         shared.ops.release_buffers()
     shared.close()
+
+
+def test_training_steps_at_seqlen_8192_repeat_their_bits():
+    """Two forward+backward steps on one process at (1, 8192, 8, 64) float32 (arrays of 16 MiB;
+    the work arrays of a call add up to over 64 MiB): the second step runs, and gives the first
+    one's bits."""
+    q, k, v, dout = make_inputs(17, 1, 8192, 8, 8, 64, "float32")
+    group = _group(threads=2)
+    first, second = (_one_pass(group, q, k, v, dout, True) for _ in range(2))
+    group.close()
+    assert first == second
 
 
 def test_scratch_is_tile_sized():

@@ -48,3 +48,71 @@ def init_close_cycles(cycles: int = 10000) -> dict:
         out = burstcu.attention(q, q, q, group)
         assert np.allclose(out, 1.0)
     return {"cycles": cycles}
+
+
+# (batch, rows per rank, heads, kv heads, dim, dtype): arrays of 16 MiB a rank (the first, as a
+# training step at batch 64 has), and smaller ones between; the sizes add up past any amount of
+# work arrays an op might keep between calls
+TRAINING_SHAPES = [(64, 64, 8, 8, 128, "float32"), (4, 96, 4, 2, 32, "float64"),
+                   (32, 64, 8, 4, 128, "float32"), (1, 512, 8, 8, 64, "float32"),
+                   (64, 32, 8, 2, 64, "float64")]
+
+
+def _training_step(group, q, k, v, dout) -> list[np.ndarray]:
+    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    return [out, lse, *burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)]
+
+
+def _sharded_inputs(group, shape, seed) -> tuple[list, list]:
+    """(global q, k, v, dout; this rank's contiguous shards of them)."""
+    from .bodies import make_inputs
+
+    b, rows, h, hkv, d, dtype = shape
+    full = make_inputs(seed, b, rows * group.size, h, hkv, d, dtype)
+    mine = slice(group.rank * rows, (group.rank + 1) * rows)
+    return full, [np.ascontiguousarray(x[:, mine]) for x in full]
+
+
+def _check_against_float64(group, shape, full, got) -> None:
+    """`got` (out, lse, dq, dk, dv) on this rank's rows against the float64 reference, by
+    FlashAttention's rule (against a naive implementation in the inputs' dtype)."""
+    from .bodies import EPS
+    from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
+
+    dtype, rows = shape[-1], shape[1]
+    mine = slice(group.rank * rows, (group.rank + 1) * rows)
+    q, k, v, dout = full
+    naive_t = np.float64 if dtype == "float64" else np.float32
+    truth_t = np.longdouble if dtype == "float64" else np.float64
+    ref, naive = ([attention_ref(q, k, v, causal=True, dtype=t)[0],
+                   *attention_backward_ref(dout, q, k, v, causal=True, dtype=t)]
+                  for t in (truth_t, naive_t))
+    for name, x, r, n in zip(("out", "dq", "dk", "dv"), [got[0], *got[2:]], ref, naive):
+        ok, err, bound = within_fa_rule(x, r[:, mine], n[:, mine], EPS[dtype])
+        assert ok, f"rank {group.rank} {shape} {name}: error {err:.3g} > {bound:.3g}"
+
+
+def training_loop(steps: int = 3, rounds: int = 2) -> dict:
+    """A training loop: `steps` forward+backward steps at the largest shape, then `rounds`
+    passes over every shape in a shuffled order (the same on every rank). Each shape's first
+    call meets the float64 reference; every later call gives its bits: nothing one call leaves
+    behind changes, or breaks, a later one."""
+    with burstcu.init(backend="numpy") as group:
+        inputs = [_sharded_inputs(group, shape, seed) for seed, shape in enumerate(TRAINING_SHAPES)]
+        first: dict[int, list] = {}
+
+        def call(i: int) -> None:
+            full, mine = inputs[i]
+            got = _training_step(group, *mine)
+            if i not in first:
+                _check_against_float64(group, TRAINING_SHAPES[i], full, got)
+                first[i] = got
+            assert all(np.array_equal(a, b) for a, b in zip(got, first[i])), TRAINING_SHAPES[i]
+
+        for _ in range(steps):
+            call(0)
+        order = np.random.default_rng(1)
+        for _ in range(rounds):
+            for i in order.permutation(len(TRAINING_SHAPES)):
+                call(int(i))
+        return {"calls": steps + rounds * len(TRAINING_SHAPES)}
