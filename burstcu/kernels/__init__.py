@@ -1,8 +1,10 @@
 """CUDA kernel sources, their variants, and the two ways to build them (NVRTC here, the CPU
 emulator in `burstcu.testing.emulate`). `all_variants(arch)`: every instantiation the library can
-launch with the tile table `arch`, forward, backward and decode families."""
+launch with the tile table `arch`, forward, backward and decode families. `BuildTimeoutError`:
+a build waited past $BURSTCU_BUILD_TIMEOUT (see `burstcu.kernels.compile`)."""
 
 from .bwd_variants import backward_variants
+from .compile import BuildTimeoutError
 from .decode_variants import decode_variants
 from .fwd_variants import forward_variants
 from .variants import ARCHS, KernelVariant
@@ -15,4 +17,4 @@ def all_variants(arch: str) -> list[KernelVariant]:
     return forward_variants(arch) + backward_variants(arch) + decode_variants(arch)
 
 
-__all__ = ["all_variants"]
+__all__ = ["BuildTimeoutError", "all_variants"]

@@ -18,25 +18,58 @@ checked. Compiling here keeps gate and run time on the same compiler and flags, 
 includes every local header's contents (`source_digest`).
 
 Cache folder (`cache_dir`): $BURSTCU_CACHE_DIR if set, else ``$TMPDIR/burstcu-<uid>`` (``/tmp``
-when TMPDIR is unset), one folder per user created with mode 0700. The default is node-local on
-purpose: the ranks of a node share it through file locks, and file locks on an NFS home folder
-(the usual ~/.cache on clusters) can hang; each node compiles once. Set $BURSTCU_CACHE_DIR to
-share one folder across nodes (on a file system whose locks work) or to keep the CUBINs across
-reboots. One entry = ``<key>.cubin`` + ``<key>.json`` + ``<key>.lock``; the emulator's builds
-live in its ``emu/`` subfolder. Delete it freely.
+when TMPDIR is unset), one folder per user. The default is node-local on purpose: the ranks of a
+node share it through file locks, and file locks on an NFS home folder (the usual ~/.cache on
+clusters) can hang; each node compiles once. Set $BURSTCU_CACHE_DIR to share one folder across
+nodes (on a file system whose locks work) or to keep the CUBINs across reboots. The emulator's
+builds live in its ``emu/`` subfolder. Delete it freely.
+
+Trust (`trusted_dir`): code from this folder runs in the process (the emulator's ``.so`` through
+ctypes, CUBINs on the GPU, the precompiled header inside g++), so whoever can write the folder can
+run code as you. The cache folder and every folder burstcu uses below it (``emu/``,
+``emu/pch-*``) must therefore be a real folder, not a symbolic link (links are not followed, even
+to a good folder: point $BURSTCU_CACHE_DIR at the folder itself), owned by the current user and
+not writable by group or others. burstcu creates them with mode 0700 and refuses any other with a
+RuntimeError that says how to fix it. The folders above the cache folder are not checked: keep it
+where no one else can rename it away (a folder of your own, or a sticky-bit /tmp as by default).
+
+Entries: each is a few files plus ``<key>.manifest``, a JSON object
+``{"format": 1, "sha256": {file name: sha256 hex digest of its content}}``, written (temp file +
+rename) after the files it vouches for; ``<key>.lock`` serializes its builders. An entry is used
+only when its manifest lists exactly its files and every digest matches: a missing manifest (a
+cache from before manifests), a truncated or foreign file is rebuilt with a warning, never loaded.
+
+* NVRTC: ``<key>.cubin`` and ``<key>.json`` (lowered names, arch, source, log);
+* emulator (`burstcu.testing.emulate`): ``emu/<key>.so``;
+* its precompiled header: ``emu/pch-<digest>/`` holding ``emu_pch.h`` and ``emu_pch.h.gch``.
+
+Deadlines (`build_timeout`): $BURSTCU_BUILD_TIMEOUT seconds (default 600) bound every wait of a
+build on its own: each build-lock acquisition, each compiler run (the g++ subprocesses; NVRTC
+compiles in-process, on a worker thread the caller stops waiting for). Past it, BuildTimeoutError
+names what was waited for; inside a burstcu call on several ranks, the rank fails and the whole
+group aborts (`burstcu.group.Call`), instead of every rank hanging behind one stuck compiler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 import tempfile
+import threading
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
+
+from filelock import FileLock
+from filelock import Timeout as FileLockTimeout
 
 from .variants import CAREFUL_SUFFIX, kernel_dir
 
@@ -44,6 +77,8 @@ from .variants import CAREFUL_SUFFIX, kernel_dir
 # makes exp2f a single ex2.approx (FA2 does the same); -default-device lets common.cuh helpers
 # omit __device__.
 BASE_OPTIONS = ("-std=c++17", "-default-device", "--use_fast_math")
+
+T = TypeVar("T")
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
@@ -211,26 +246,205 @@ def parse_ptxas(log: str) -> dict[str, Resources]:
 
 
 # ------------------------------------------------------------------------------------------------
-# on-disk cache (shared by ranks) and run-time loading
+# the trusted cache: folders, manifests, deadlines (the module docstring has the rules)
+
+DEFAULT_BUILD_TIMEOUT_S = 600.0
+MANIFEST_FORMAT = 1
+_WHY_TRUST = ("burstcu runs code it finds there, so anyone who can change the folder could run "
+              "code in this process")
+
+
+class BuildTimeoutError(RuntimeError):
+    """A build waited longer than $BURSTCU_BUILD_TIMEOUT for a build lock or a compiler."""
+
+    @classmethod
+    def waited(cls, what: str, timeout: float, hint: str) -> "BuildTimeoutError":
+        """The error for a wait of `timeout` seconds for `what`; `hint` says what may be behind it."""
+        return cls(f"waited {timeout:g} s for {what}: {hint}. If builds are only slow here, "
+                   f"raise the limit with BURSTCU_BUILD_TIMEOUT=<seconds>")
+
+
+def build_timeout() -> float:
+    """Seconds one wait of a build may last: $BURSTCU_BUILD_TIMEOUT, default 600.
+
+    Raises ValueError naming the variable when it is not a positive, finite number.
+    """
+    raw = os.environ.get("BURSTCU_BUILD_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"BURSTCU_BUILD_TIMEOUT={raw!r}: it must be a positive number of seconds "
+                         f"(the longest a kernel build may wait for a lock or a compiler; "
+                         f"unset, {DEFAULT_BUILD_TIMEOUT_S:g})")
+    return value
+
+
+@contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """Hold the file lock `path` (the builders of one cache entry), waiting at most `build_timeout()`.
+
+    Raises BuildTimeoutError when another process holds it longer.
+    """
+    timeout = build_timeout()
+    lock = FileLock(str(path), timeout=timeout)
+    try:
+        lock.acquire()
+    except FileLockTimeout:
+        raise BuildTimeoutError.waited(
+            f"the build lock {path}", timeout, "another process holds it (a rank building the same "
+            f"kernel, or a stuck one: `fuser {path}` names it; if none does, delete the file)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def with_deadline(fn: Callable[[], T], what: str) -> T:
+    """fn(), run on a worker thread and waited for at most `build_timeout()` seconds.
+
+    For work that cannot be killed (NVRTC compiles inside this process). On expiry the thread is
+    abandoned (a daemon: it does not keep the process alive) and BuildTimeoutError is raised; the
+    caller ends the process (on several ranks, `burstcu.group.Call` aborts the group).
+    """
+    timeout = build_timeout()
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name=f"burstcu build: {what}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise BuildTimeoutError.waited(what, timeout, "it did not finish (its thread is abandoned)")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
+def trusted_dir(path: str | os.PathLike) -> Path:
+    """`path` as a cache folder only this user can change; created with mode 0700 when missing.
+
+    A real folder (a symbolic link is refused, not followed), owned by this user, not writable by
+    group or others; its parents are created when missing but not checked. Raises RuntimeError
+    saying what is wrong, why it matters and how to fix it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        problem = f"is a symbolic link (to {os.readlink(path)}), which burstcu does not follow"
+        fix = "point BURSTCU_CACHE_DIR at a real folder of your own, or remove the link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem, fix = "is not a folder", "remove it, or set BURSTCU_CACHE_DIR to another folder"
+    elif st.st_uid != uid:
+        problem = f"belongs to uid {st.st_uid}, not to you (uid {uid})"
+        fix = f"set BURSTCU_CACHE_DIR to a folder of your own (or, if it is yours, `chown {uid} {path}`)"
+    elif st.st_mode & 0o022:
+        who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "others")) if st.st_mode & bit)
+        problem = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+        fix = f"`chmod go-w {path}`, or set BURSTCU_CACHE_DIR to a private folder"
+    else:
+        return path
+    raise RuntimeError(f"the kernel cache folder {path} {problem}; {_WHY_TRUST}. Fix: {fix}")
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file's content."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, key: str, names: Sequence[str]) -> None:
+    """Record the sha256 of each file `names` of `folder` in folder/<key>.manifest (atomically)."""
+    digests = {name: file_sha256(folder / name) for name in names}
+    atomic_write(folder / f"{key}.manifest",
+                 json.dumps({"format": MANIFEST_FORMAT, "sha256": digests}, sort_keys=True).encode())
+
+
+def manifest_problem(folder: Path, key: str, names: Sequence[str]) -> str | None:
+    """Why folder/<key>.manifest does not vouch for the files `names`, or None when it does."""
+    manifest = folder / f"{key}.manifest"
+    entry = ", ".join(str(folder / name) for name in names)
+    try:
+        recorded = json.loads(manifest.read_bytes())
+    except FileNotFoundError:
+        return f"{entry}: no manifest vouches for it ({manifest.name} is missing)"
+    except (OSError, ValueError) as exc:
+        return f"{entry}: its manifest {manifest.name} cannot be read ({exc})"
+    fits = isinstance(recorded, dict) and recorded.get("format") == MANIFEST_FORMAT
+    digests = recorded.get("sha256") if fits else None
+    if not isinstance(digests, dict) or sorted(digests) != sorted(names):
+        return f"{entry}: its manifest {manifest.name} does not list exactly these files"
+    for name in names:
+        try:
+            if file_sha256(folder / name) != digests[name]:
+                return f"{folder / name} does not match its sha256 in {manifest.name}"
+        except OSError as exc:
+            return f"{folder / name} cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable[[], None]) -> None:
+    """Make the cache entry `key` (the files `names` of the trusted `folder`) present and verified.
+
+    Returns at once when its manifest vouches for every file. Else, holding folder/<key>.lock,
+    checks again (another process may have built it meanwhile), calls `build` (which writes the
+    files, each atomically) and records the manifest; an entry that was there but failed the
+    check is rebuilt, never used, with a warning naming the file.
+    """
+    if manifest_problem(folder, key, names) is None:
+        return
+    with build_lock(folder / f"{key}.lock"):
+        problem = manifest_problem(folder, key, names)
+        if problem is None:
+            return
+        stale = any((folder / name).exists() for name in (*names, f"{key}.manifest"))
+        build()
+        write_manifest(folder, key, names)
+    if stale:
+        warnings.warn(f"burstcu kernel cache: {problem}; rebuilt the entry", stacklevel=3)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` so that readers see the old file or the whole new one (temp file + rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------
+# on-disk cache of CUBINs (shared by ranks) and run-time loading
 
 def cache_dir() -> Path:
-    """The kernel cache folder (created): $BURSTCU_CACHE_DIR, else ``$TMPDIR/burstcu-<uid>``.
-
-    The default is node-local and per user (mode 0700; see the module docstring for why not
-    ~/.cache). Raises RuntimeError when that folder exists but belongs to another user.
-    """
+    """The kernel cache folder, trusted (`trusted_dir`): $BURSTCU_CACHE_DIR, else
+    ``$TMPDIR/burstcu-<uid>``, node-local and per user (see the module docstring for why not
+    ~/.cache). Raises RuntimeError when the folder fails the trust rule."""
     override = os.environ.get("BURSTCU_CACHE_DIR")
     if override:
-        path = Path(override)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    uid = os.getuid()
-    path = Path(os.environ.get("TMPDIR") or "/tmp") / f"burstcu-{uid}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_uid != uid:
-        raise RuntimeError(f"the kernel cache folder {path} belongs to another user; set "
-                           f"BURSTCU_CACHE_DIR to a folder of your own")
-    return path
+        return trusted_dir(override)
+    return trusted_dir(Path(os.environ.get("TMPDIR") or "/tmp") / f"burstcu-{os.getuid()}")
 
 
 def cache_key(source: str, name_expressions: Sequence[str], arch: str,
@@ -252,29 +466,24 @@ def cached_cubin(source: str, name_expressions: Sequence[str], arch: str,
                  extra_options: Sequence[str] = (), kdir: Path | None = None) -> tuple[Path, dict[str, str]]:
     """(path of the CUBIN, {name expression: lowered name}), compiling at most once per key.
 
-    Ranks sharing the cache folder serialize on a file lock: the first compiles and writes the
-    entry atomically (temp file + rename), the others find it when they get the lock.
+    Ranks sharing the cache folder serialize on the entry's file lock: the first compiles (within
+    `build_timeout()`) and writes the entry, the others find it verified when they get the lock.
     """
-    from filelock import FileLock
-
+    build_timeout()  # a bad $BURSTCU_BUILD_TIMEOUT is an error on every call, cached or not
     key = cache_key(source, name_expressions, arch, extra_options, kdir)
     root = cache_dir()
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
-    with FileLock(str(root / f"{key}.lock")):
-        if not (cubin_path.exists() and meta_path.exists()):
-            compiled = nvrtc_compile(source, name_expressions, arch, extra_options, kdir)
-            _atomic_write(cubin_path, compiled.cubin)
-            _atomic_write(meta_path, json.dumps({"lowered": compiled.lowered, "arch": arch,
-                                                 "source": source, "log": compiled.log}).encode())
-        lowered = json.loads(meta_path.read_text())["lowered"]
-    return cubin_path, lowered
 
+    def build() -> None:
+        compiled = with_deadline(
+            lambda: nvrtc_compile(source, name_expressions, arch, extra_options, kdir),
+            f"NVRTC to compile {source} ({', '.join(name_expressions)}) for {arch}")
+        atomic_write(cubin_path, compiled.cubin)
+        atomic_write(meta_path, json.dumps({"lowered": compiled.lowered, "arch": arch,
+                                            "source": source, "log": compiled.log}).encode())
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    verified_entry(root, key, [cubin_path.name, meta_path.name], build)
+    return cubin_path, json.loads(meta_path.read_text())["lowered"]
 
 
 # cudaDeviceAttr values (CUDA runtime, driver_types.h)

@@ -12,7 +12,10 @@ loads the ``.so`` with ctypes. The ``.so`` is
 cached on disk under a hash of everything that decides its contents (the sources, every header under
 ``kernels/``, name expressions, options, compiler version), so the first build costs about a
 second and later ones nothing; a file lock plus an atomic rename make concurrent builds by many
-ranks safe. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.kernels.compile.cache_dir`).
+ranks safe. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.kernels.compile.cache_dir`),
+under the same rules as the rest of it (the module docstring of `burstcu.kernels.compile`): a
+folder only this user can change, a ``.so`` loaded only when its sha256 matches its manifest
+(else rebuilt, with a warning), and every g++ run and lock wait bounded by $BURSTCU_BUILD_TIMEOUT.
 
 Arguments: numpy arrays are passed as their data pointer (contiguity is the kernel's business:
 strides are passed explicitly), ``None`` as a null pointer, numpy scalars by value, and a
@@ -27,21 +30,25 @@ named members): the host mirrors of the parameter structs are checked against it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..kernels.compile import BuildTimeoutError, atomic_write, build_timeout, trusted_dir, verified_entry
 from ..kernels.compile import cache_dir as kernel_cache_dir
 from ..kernels.variants import kernel_dir
 
@@ -69,18 +76,48 @@ _LOADED_LOCK = threading.Lock()
 
 _SCALAR_KIND = {"i": "i", "u": "u", "f": "f", "b": "b", "V": "s"}
 
+# Set once this process has warned that builds run without the precompiled header.
+_PCH_WARNED = threading.Event()
+_PCH_FILES = ("emu_pch.h", "emu_pch.h.gch")
+
 
 def cache_dir() -> Path:
-    """Where built ``.so`` files live: ``emu/`` under the kernel cache (`compile.cache_dir`)."""
-    return kernel_cache_dir() / "emu"
+    """Where built ``.so`` files live: ``emu/`` under the kernel cache (`compile.cache_dir`),
+    trusted like it (`compile.trusted_dir`)."""
+    return trusted_dir(kernel_cache_dir() / "emu")
+
+
+def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
+    """Run a compiler command to its end or to `build_timeout()`, capturing its output as text.
+
+    It runs in a process group of its own, killed whole past the deadline or on an interrupt:
+    killing g++ alone would leave its cc1plus running. Raises BuildTimeoutError naming the command.
+    """
+    timeout = build_timeout()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise BuildTimeoutError.waited(f"the compiler command `{' '.join(cmd)}`", timeout,
+                                           "it did not finish and was killed") from None
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 @lru_cache(maxsize=None)
 def _compiler_version() -> str:
     try:
-        out = subprocess.run([_CXX, "--version"], capture_output=True, text=True, check=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as e:
+        out = _run([_CXX, "--version"])
+    except OSError as e:
         raise RuntimeError(f"the emulator needs a C++17 compiler ({_CXX}): {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"the emulator needs a C++17 compiler: `{_CXX} --version` failed "
+                           f"(exit {out.returncode}): {out.stderr.strip()[-2000:]}")
     return out.stdout.splitlines()[0] if out.stdout else _CXX
 
 
@@ -123,8 +160,8 @@ def _cache_key(sources: Sequence[Path], text: str, flags: Sequence[str], kdir: P
 def _precompiled_header(kdir: Path) -> Path | None:
     """A GCC precompiled header of emu/cuda_emu.h, built once per emulator version: it takes
     parsing the standard library and the emulator (about 60% of a module build) off every build.
-    Returns the stub to force-include, or None (no PCH: slower, same result). GCC itself falls back
-    to the plain header when a PCH does not fit the flags (-Winvalid-pch says so)."""
+    Returns the stub to force-include, or None (no PCH: slower, same result, and a warning once
+    per process). A PCH whose digest does not match its manifest is rebuilt, never used."""
     if os.environ.get("BURSTCU_EMU_PCH", "1") == "0":
         return None
     h = hashlib.sha256()
@@ -132,29 +169,43 @@ def _precompiled_header(kdir: Path) -> Path | None:
         h.update(part.encode() + b"\0")
     for p in sorted((kdir / "emu").glob("*.h")):  # the PCH holds these and nothing else
         h.update(p.name.encode() + b"\0" + p.read_bytes())
-    folder = cache_dir() / f"pch-{h.hexdigest()[:24]}"
-    stub = folder / "emu_pch.h"
-    if (folder / "emu_pch.h.gch").exists():
-        return stub
-    from filelock import FileLock
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):
-        if (folder / "emu_pch.h.gch").exists():
-            return stub
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".pch-"))
-        try:
-            (tmp / "emu_pch.h").write_text(f'#include "{kdir / "emu" / "cuda_emu.h"}"\n')
-            cmd = [_CXX, *(f for f in _BASE_FLAGS if f != "-shared"), f"-I{kdir}",
-                   "-x", "c++-header", str(tmp / "emu_pch.h"), "-o", str(tmp / "emu_pch.h.gch")]
-            if subprocess.run(cmd, capture_output=True).returncode != 0:
-                return None
-            os.chmod(tmp, 0o755)  # mkdtemp made it private
-            os.replace(tmp, folder)  # atomic: the folder appears complete or not at all
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    folder = trusted_dir(cache_dir() / f"pch-{h.hexdigest()[:24]}")
+    try:
+        verified_entry(folder, "emu_pch", _PCH_FILES, lambda: _build_pch(kdir, folder))
+    except subprocess.CalledProcessError as exc:
+        _warn_pch_once(f"g++ could not build the precompiled header in {folder} "
+                       f"({exc.stderr.strip()[-2000:]})")
+        return None
     _remove_stale_pch(keep=folder)
-    return stub
+    return folder / _PCH_FILES[0]
+
+
+def _build_pch(kdir: Path, folder: Path) -> None:
+    """Write the stub header and its .gch into `folder` (each atomically); CalledProcessError
+    when g++ fails."""
+    stub, gch = (folder / name for name in _PCH_FILES)
+    atomic_write(stub, f'#include "{kdir / "emu" / "cuda_emu.h"}"\n'.encode())
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{gch.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        cmd = [_CXX, *(f for f in _BASE_FLAGS if f != "-shared"), f"-I{kdir}",
+               "-x", "c++-header", str(stub), "-o", tmp]
+        proc = _run(cmd)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        os.replace(tmp, gch)  # atomic: readers see the old file or the whole new one
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _warn_pch_once(reason: str) -> None:
+    """Warn, the first time in this process, that emulator builds run without the precompiled
+    header (about twice as slow), and why."""
+    if not _PCH_WARNED.is_set():
+        _PCH_WARNED.set()
+        warnings.warn(f"emulator builds run without the precompiled header, about twice as slow: "
+                      f"{reason}", stacklevel=3)
 
 
 def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
@@ -166,7 +217,8 @@ def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
 
 
 def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Build `text` into the shared library `target` (atomically), with the precompiled header
+    when there is one; g++'s message on failure (RuntimeError)."""
     pch = _precompiled_header(kdir)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         cpp = Path(tmp) / "module.cpp"
@@ -176,10 +228,15 @@ def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path) -> None:
         cmd = [_CXX, *_BASE_FLAGS, f"-I{kdir}", *flags, str(cpp), "-o", str(out), "-lrt"]
         proc = None
         if pch:  # a PCH removed under our feet (cache cleanup) costs a retry without it, not an error
-            proc = subprocess.run(cmd[:1] + ["-Winvalid-pch", "-include", str(pch)] + cmd[1:],
-                                  capture_output=True, text=True)
+            proc = _run(cmd[:1] + ["-Winvalid-pch", "-include", str(pch)] + cmd[1:])
+            if proc.returncode == 0 and "-Winvalid-pch" in proc.stderr:  # built, without the PCH
+                said = [line.strip() for line in proc.stderr.splitlines() if "-Winvalid-pch" in line]
+                _warn_pch_once(f"g++ did not use {pch}.gch: {said[0]}")
         if proc is None or proc.returncode != 0:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            retry = _run(cmd)
+            if proc is not None and retry.returncode == 0:  # the PCH was the trouble, not the source
+                _warn_pch_once(f"g++ failed with {pch}, not without it: {proc.stderr.strip()[-2000:]}")
+            proc = retry
         if proc.returncode != 0:
             raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{proc.stderr[-8000:]}")
         os.replace(out, target)  # atomic: readers see the old file or the whole new one
@@ -199,16 +256,13 @@ def _source_paths(sources: Sequence[str | Path], kdir: Path) -> list[Path]:
 
 
 def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path) -> tuple[str, Path]:
-    """(cache key, path) of the shared library built from `text`, building it at most once."""
+    """(cache key, path) of the shared library built from `text`: built at most once, and
+    returned only once its sha256 matches its manifest (see `compile.verified_entry`)."""
+    build_timeout()  # a bad $BURSTCU_BUILD_TIMEOUT is an error on every call, cached or not
     key = _cache_key(paths, text, flags, kdir)
-    target = cache_dir() / f"{key}.so"
-    if not target.exists():
-        from filelock import FileLock
-
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(target) + ".lock"):
-            if not target.exists():
-                _compile(text, flags, kdir, target)
+    folder = cache_dir()
+    target = folder / f"{key}.so"
+    verified_entry(folder, key, [target.name], lambda: _compile(text, flags, kdir, target))
     return key, target
 
 

@@ -1,0 +1,345 @@
+"""The kernel cache runs only code this user built, and no build waits forever.
+
+Trust (`burstcu.kernels.compile.trusted_dir`): a cache folder, or a folder burstcu uses under it
+(``emu/``, ``emu/pch-*``), that another user owns, that group or others may write, or that is a
+symbolic link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json`` or
+``.gch`` whose sha256 does not match its manifest (or has none) is rebuilt with a warning, never
+loaded. Deadlines (`build_timeout`): a build lock held elsewhere, a g++ that hangs and an NVRTC
+compile that hangs all end in BuildTimeoutError after $BURSTCU_BUILD_TIMEOUT seconds.
+
+Every test has its own cache folder. Emulator builds use a two-kernel source written here (about
+a second each, without the precompiled header unless the test is about it); NVRTC needs no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from burstcu.kernels import compile as kc
+from burstcu.testing import emulate
+
+TINY_CU = """
+__global__ void tiny_a(int* p) { p[threadIdx.x] = 1; }
+__global__ void tiny_b(int* p) { p[threadIdx.x] = 2; }
+"""
+NVRTC_CU = 'template <int N> __global__ void tiny(int* p) { p[threadIdx.x] = N; }\n'
+NVRTC_NAME = "tiny<3>"
+# A stand-in compiler: answers --version (unless told to hang there too), then hangs; it writes
+# the pid of the process it waits on, to check that the deadline killed it as well.
+HANGING_CXX = """#!/bin/sh
+if [ "$1" = "--version" ] && [ "$HANG_ON_VERSION" != 1 ]; then echo "hanging-c++ 1.0"; exit 0; fi
+sleep 10 &
+echo $! > "$SLEEPER_PID"
+wait
+"""
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path) -> Path:
+    """A fresh cache folder (BURSTCU_CACHE_DIR), no modules loaded yet, no precompiled header."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("BURSTCU_CACHE_DIR", str(root))
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "0")
+    monkeypatch.delenv("BURSTCU_BUILD_TIMEOUT", raising=False)
+    monkeypatch.setattr(emulate, "_LOADED", {})
+    monkeypatch.setattr(emulate, "_PCH_WARNED", threading.Event(), raising=False)
+    return root
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    """The emulator's test source (kernels tiny_a and tiny_b)."""
+    path = tmp_path / "tiny.cu"
+    path.write_text(TINY_CU)
+    return path
+
+
+def predicted_so(source: Path, name: str) -> Path:
+    """Where the emulator caches the module of `source` with the one kernel `name`."""
+    kdir = emulate.kernel_dir().resolve()
+    paths = emulate._source_paths([source], kdir)
+    text = emulate._generated_source(paths, [name])
+    return emulate.cache_dir() / f"{emulate._cache_key(paths, text, [], kdir)}.so"
+
+
+def replace_bytes(path: Path, data: bytes) -> None:
+    """Give `path` new content as a new file: a loaded library keeps its old pages."""
+    tmp = path.with_name(path.name + ".test")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def needs_nvrtc():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    pytest.importorskip("cuda.pathfinder")
+
+
+# ------------------------------------------------------------------------------------------------
+# trust: folders
+
+
+def folder(cache: Path, where: str) -> Path:
+    """The cache folder itself (".") or its emu/ subfolder, created."""
+    path = cache / where
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.parametrize("where", [".", "emu"])
+def test_folder_of_another_user_is_refused(cache, tiny, where):
+    path = folder(cache, where)
+    try:
+        os.chown(path, 65534, 65534)
+    except PermissionError:
+        pytest.skip("chown to another uid needs root")
+    with pytest.raises(RuntimeError, match="belongs to uid 65534.*run code.*chown") as err:
+        emulate.build_module([tiny], ["tiny_a"])
+    assert "BURSTCU_CACHE_DIR" in str(err.value)
+
+
+@pytest.mark.parametrize("where", [".", "emu"])
+@pytest.mark.parametrize("mode,who", [(0o777, "group and others"), (0o770, "group"),
+                                      (0o1777, "group and others")])
+def test_folder_others_can_write_is_refused(cache, tiny, where, mode, who):
+    path = folder(cache, where)
+    os.chmod(path, mode)
+    with pytest.raises(RuntimeError, match=f"{re.escape(str(path))} is writable by {who} .*chmod go-w"):
+        emulate.build_module([tiny], ["tiny_a"])
+    assert not list(cache.rglob("*.so"))
+
+
+@pytest.mark.parametrize("where", [".", "emu"])
+def test_symlinked_folder_is_refused(cache, tiny, tmp_path, monkeypatch, where):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = cache / where if where != "." else tmp_path / "link"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(real)
+    if where == ".":
+        monkeypatch.setenv("BURSTCU_CACHE_DIR", str(link))
+    with pytest.raises(RuntimeError, match="symbolic link"):
+        emulate.build_module([tiny], ["tiny_a"])
+    assert not list(real.rglob("*.so"))
+
+
+def test_folders_are_created_private(cache, tiny):
+    emulate.build_module([tiny], ["tiny_a"])
+    for path in (cache, cache / "emu"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+
+
+# ------------------------------------------------------------------------------------------------
+# digests: the emulator's .so
+
+
+def test_planted_so_is_not_loaded(cache, tiny):
+    """A valid library of other kernels at the key path of tiny_a (no manifest vouches for it)."""
+    foreign = emulate.build_module([tiny], ["tiny_b"]).path
+    target = predicted_so(tiny, "tiny_a")
+    replace_bytes(target, foreign.read_bytes())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = emulate.build_module([tiny], ["tiny_a"])
+    assert mod.path == target
+    assert mod.kernel_names() == ["tiny_a"]
+    said = f"{re.escape(target.name)}: no manifest.*rebuilt"
+    assert [w for w in caught if re.search(said, str(w.message))], [str(w.message) for w in caught]
+    assert kc.manifest_problem(target.parent, target.stem, [target.name]) is None
+
+
+def test_truncated_so_is_rebuilt(cache, tiny):
+    target = emulate.build_module([tiny], ["tiny_a"]).path
+    whole = target.read_bytes()
+    replace_bytes(target, whole[: len(whole) // 2])
+    emulate._LOADED.clear()  # as a new process would
+    with pytest.warns(UserWarning, match=f"{re.escape(target.name)} does not match its sha256.*rebuilt"):
+        mod = emulate.build_module([tiny], ["tiny_a"])
+    assert mod.kernel_names() == ["tiny_a"]
+    assert target.stat().st_size == len(whole)
+
+
+# ------------------------------------------------------------------------------------------------
+# digests: NVRTC's .cubin and .json
+
+
+@pytest.mark.parametrize("damage", ["truncated .cubin", "corrupt .json", "corrupt manifest"])
+def test_damaged_nvrtc_entry_is_rebuilt(cache, tmp_path, damage):
+    needs_nvrtc()
+    (tmp_path / "nvrtc.cu").write_text(NVRTC_CU)
+    cubin, lowered = kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    whole = cubin.read_bytes()
+    if damage == "truncated .cubin":
+        victim, data = cubin, whole[: len(whole) // 2]
+    elif damage == "corrupt .json":
+        victim, data = cubin.with_suffix(".json"), b'{"lowered": '
+    else:
+        victim, data = cubin.with_suffix(".manifest"), b"[]"
+    replace_bytes(victim, data)
+    with pytest.warns(UserWarning, match=f"{re.escape(victim.name)}.*rebuilt"):
+        again, lowered_again = kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    assert again == cubin and lowered_again == lowered and lowered[NVRTC_NAME].startswith("_Z4tiny")
+    assert cubin.stat().st_size == len(whole)
+    assert json.loads(cubin.with_suffix(".manifest").read_text())["sha256"][cubin.name] == \
+        kc.file_sha256(cubin)
+
+
+# ------------------------------------------------------------------------------------------------
+# the precompiled header
+
+
+def pch_folder(cache: Path) -> Path:
+    (found,) = (cache / "emu").glob("pch-*/")
+    return found
+
+
+def test_corrupt_gch_is_rebuilt_and_used(cache, tiny, monkeypatch, recwarn):
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "1")
+    emulate.build_module([tiny], ["tiny_a"])
+    gch = pch_folder(cache) / "emu_pch.h.gch"
+    replace_bytes(gch, b"not a precompiled header")
+    mod = emulate.build_module([tiny], ["tiny_b"])
+    assert mod.kernel_names() == ["tiny_b"]
+    messages = [str(w.message) for w in recwarn]
+    assert [m for m in messages if "emu_pch.h.gch" in m and "rebuilt" in m], messages
+    assert not [m for m in messages if "without the precompiled header" in m], messages
+    assert kc.manifest_problem(gch.parent, "emu_pch", ["emu_pch.h", "emu_pch.h.gch"]) is None
+    assert stat.S_IMODE(gch.parent.stat().st_mode) == 0o700
+
+
+def test_group_writable_pch_folder_is_refused(cache, tiny, monkeypatch):
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "1")
+    emulate.build_module([tiny], ["tiny_a"])
+    os.chmod(pch_folder(cache), 0o770)
+    with pytest.raises(RuntimeError, match="pch-.* writable by group"):
+        emulate.build_module([tiny], ["tiny_b"])
+
+
+def test_build_without_the_pch_warns_once(cache, tiny, monkeypatch, tmp_path, recwarn):
+    """g++ rejects the header it is given (here: one that is gone); the retry without it warns,
+    once in the process."""
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "1")
+    monkeypatch.setattr(emulate, "_precompiled_header", lambda kdir: tmp_path / "gone" / "emu_pch.h")
+    assert emulate.build_module([tiny], ["tiny_a"]).kernel_names() == ["tiny_a"]
+    assert emulate.build_module([tiny], ["tiny_b"]).kernel_names() == ["tiny_b"]
+    fallbacks = [w for w in recwarn if "without the precompiled header" in str(w.message)]
+    assert len(fallbacks) == 1 and "gone" in str(fallbacks[0].message)
+
+
+# ------------------------------------------------------------------------------------------------
+# deadlines
+
+
+@pytest.fixture
+def held_lock():
+    """held_lock(path): hold the file lock `path` from another thread (an fcntl lock, so it
+    conflicts with this thread's too) for at most 10 s, released at the end of the test."""
+    done, threads = threading.Event(), []
+
+    def hold(path: Path) -> None:
+        acquired = threading.Event()
+
+        def run() -> None:
+            with FileLock(str(path)):
+                acquired.set()
+                done.wait(10)
+
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+        assert acquired.wait(10)
+
+    yield hold
+    done.set()
+    for t in threads:
+        t.join()
+
+
+def nvrtc_entry(tmp_path: Path) -> Path:
+    """The cache root path of the NVRTC test kernel's entry, without its suffix."""
+    (tmp_path / "nvrtc.cu").write_text(NVRTC_CU)
+    return kc.cache_dir() / kc.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+
+
+@pytest.mark.parametrize("builder", ["emulator", "nvrtc"])
+def test_lock_held_elsewhere_times_out(cache, tiny, tmp_path, monkeypatch, held_lock, builder):
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1")
+    if builder == "nvrtc":
+        needs_nvrtc()
+        lock = nvrtc_entry(tmp_path).with_suffix(".lock")
+        build = lambda: kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)  # noqa: E731
+    else:
+        lock = predicted_so(tiny, "tiny_a").with_suffix(".lock")
+        build = lambda: emulate.build_module([tiny], ["tiny_a"])  # noqa: E731
+    held_lock(lock)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"1 s for the build lock {re.escape(str(lock))}: "
+                       "another process holds it.*BURSTCU_BUILD_TIMEOUT") as err:
+        build()
+    assert time.monotonic() - start < 5
+    assert isinstance(err.value, kc.BuildTimeoutError)
+
+
+@pytest.mark.parametrize("stage", ["version", "pch", "module"])
+def test_hanging_compiler_times_out(cache, tiny, tmp_path, monkeypatch, stage):
+    cxx = tmp_path / "hanging-c++"
+    cxx.write_text(HANGING_CXX)
+    cxx.chmod(0o755)
+    pid_file = tmp_path / "sleeper.pid"
+    monkeypatch.setenv("SLEEPER_PID", str(pid_file))
+    monkeypatch.setenv("HANG_ON_VERSION", "1" if stage == "version" else "0")
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "1" if stage == "pch" else "0")
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1")
+    monkeypatch.setattr(emulate, "_CXX", str(cxx))
+    emulate._compiler_version.cache_clear()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"1 s for the compiler command `{re.escape(str(cxx))}"
+                           ".*killed.*BURSTCU_BUILD_TIMEOUT") as err:
+            emulate.build_module([tiny], ["tiny_a"])
+        assert time.monotonic() - start < 5
+        assert isinstance(err.value, kc.BuildTimeoutError)
+    finally:
+        emulate._compiler_version.cache_clear()  # the next test asks the real compiler
+    status = Path(f"/proc/{pid_file.read_text().strip()}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the compiler's child still runs"
+
+
+def test_hanging_nvrtc_times_out(cache, tmp_path, monkeypatch):
+    needs_nvrtc()
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1")
+    release = threading.Event()
+    monkeypatch.setattr(kc, "nvrtc_compile", lambda *args: release.wait(10))
+    nvrtc_entry(tmp_path)
+    start = time.monotonic()
+    try:
+        said = re.escape(f"1 s for NVRTC to compile nvrtc.cu ({NVRTC_NAME}) for sm_80: it did not finish")
+        with pytest.raises(RuntimeError, match=said) as err:
+            kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+        assert time.monotonic() - start < 5
+        assert isinstance(err.value, kc.BuildTimeoutError)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "nan", "inf"])
+def test_bad_build_timeout_is_a_value_error(cache, tiny, monkeypatch, value):
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", value)
+    said = re.escape(f"BURSTCU_BUILD_TIMEOUT={value!r}") + ".*positive number of seconds"
+    with pytest.raises(ValueError, match=said):
+        emulate.build_module([tiny], ["tiny_a"])
+
+
+def test_build_timeout_reads_the_variable(monkeypatch):
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", " 2.5 ")
+    assert kc.build_timeout() == 2.5
+    monkeypatch.delenv("BURSTCU_BUILD_TIMEOUT")
+    assert kc.build_timeout() == kc.DEFAULT_BUILD_TIMEOUT_S == 600
