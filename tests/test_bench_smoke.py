@@ -744,3 +744,77 @@ def test_local_cpu_ab_smoke(tmp_path):
     text = (tmp_path / "ab.txt").read_text()
     assert text.count("verbatim:") == 2 and text.count("measured on the CPU") == 2
     assert (tmp_path / "ab.png").stat().st_size > 5_000
+
+
+def test_numerics_smoke(tmp_path):
+    """bench/numerics.py at S = 512, G in {1, 2, 4}, bfloat16: a row for every (mask, G), every
+    method's error finite, positive and at least the floor's (the correctly rounded result is
+    the nearest one, element by element); one row's burstcu error recomputed here from the
+    project's float64 reference and a loopback ring of this test's own."""
+    import numerics
+
+    import burstcu
+    from burstcu.testing.loopback import run_ranks
+    from burstcu.testing.reference import attention_ref
+    js, png = tmp_path / "numerics.json", tmp_path / "numerics.png"
+    numerics.main([str(a) for a in ["--seqlen", 512, "--ranks", 1, 2, 4, "--dtypes", "bfloat16",
+                                    "--json", js, "--plot", png]])
+    assert png.stat().st_size > 10_000
+    result = json.loads(js.read_text())
+    assert result["environment"]["device"] == "CPU"
+    rows = {(r["mask"], r["ranks"]): r for r in result["rows"]}
+    assert len(rows) == len(result["rows"]) == 6
+    assert set(rows) == {(mask, g) for mask in ("full", "causal") for g in (1, 2, 4)}
+    for (mask, g), r in rows.items():
+        assert r["dtype"] == "bfloat16"
+        for name in ["burstcu", "rfa", "dtype-merge", "floor"] + ["burstcu-zz"] * (mask == "causal"):
+            for stat in ("max", "mean"):
+                err = r[f"{name}_{stat}"]
+                assert math.isfinite(err) and err > 0, (mask, g, name, stat, err)
+                assert err >= r[f"floor_{stat}"] * (1 - 1e-12), (mask, g, name, stat)
+        for name in ("rfa", "dtype-merge"):   # at G = 1 one block, rounded once: the floor
+            assert rows[(mask, 1)][f"{name}_mean"] == rows[(mask, 1)]["floor_mean"]
+    q, k, v = numerics.problem(512, 1, 2, 64, "bfloat16")   # the bench's defaults: seed 0, std 1
+    ref, _ = attention_ref(q, k, v, causal=True)
+
+    def body(group):
+        return burstcu.attention(*(burstcu.shard(x, group) for x in (q, k, v)), group, causal=True)
+
+    out = np.concatenate(run_ranks(2, body, threads=1), axis=1)
+    diff = np.abs(out.astype(np.float64) - ref)
+    assert diff.max() == pytest.approx(rows[("causal", 2)]["burstcu_max"], rel=1e-9)
+    assert diff.mean() == pytest.approx(rows[("causal", 2)]["burstcu_mean"], rel=1e-9)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_numerics_input_dtype_merges_lose_to_burstcu(mask):
+    """bench/numerics.py at S = 512, bfloat16, G = 4: a ring whose running out is kept in the
+    input dtype ("dtype-merge") has a larger mean error than burstcu's float32 state (1.89-1.98x
+    full, 1.35-1.37x causal over seeds 0-11), and burstcu's stays within 1.2x of its G = 1 error
+    (1.00x over those seeds)."""
+    import numerics
+    result = numerics.main(["--seqlen", "512", "--ranks", "1", "4", "--dtypes", "bfloat16",
+                            "--masks", mask, "--no-zigzag"])
+    at4 = next(r for r in result["rows"] if r["ranks"] == 4)
+    assert at4["dtype-merge_mean"] > 1.2 * at4["burstcu_mean"], at4
+    assert at4["burstcu_mean_x1"] <= 1.2 and at4["burstcu_max_x1"] <= 1.2, at4
+
+
+def test_numerics_floor_is_the_nearest_value():
+    """bench/numerics.py's `rounded` (its floor): float64 to bfloat16 to nearest, ties to even,
+    also just off a midpoint, where a cast through float32 rounds twice and misses."""
+    import ml_dtypes
+    import numerics
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(4096).astype(bf16).astype(np.float64)
+    half = np.sign(base) * 2.0 ** (np.floor(np.log2(np.abs(base))) - 8)   # half a bfloat16 ulp
+    up = base + 2 * half                                                     # the next one out
+    for x, want in ((base + half * (1 + 2.0**-30), up), (base + half * (1 - 2.0**-30), base),
+                    (base + 0.25 * half, base), (base + 1.75 * half, up)):
+        assert np.array_equal(numerics.rounded(x, bf16).astype(np.float64), want)
+    tie = numerics.rounded(base + half, bf16).astype(np.float64)
+    assert np.all((tie == base) | (tie == up))
+    assert not np.any(tie.astype(np.float32).view(np.uint32) & (1 << 16))   # even: last bit 0
+    assert not np.array_equal(numerics.rounded(base + half * (1 + 2.0**-30), bf16),
+                              (base + half * (1 + 2.0**-30)).astype(bf16))   # the plain cast misses
