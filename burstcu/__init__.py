@@ -19,12 +19,12 @@ from .api import (attention, attention_backward, linear_attention, linear_attent
 from .kvcache import KVCache, decode
 from .group import Group, init
 from .plan import plan
-from .transport.base import CommTimeoutError
+from .transport.base import CommTimeoutError, PeerFailedError
 from .transport.link import Link
 
 __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
-           "CommTimeoutError", "Link"]
+           "CommTimeoutError", "PeerFailedError", "Link"]
 __version__ = "0.1.0"
 
 # the autodiff adapters import their framework: loaded on first use (`burstcu.jax.attention`)

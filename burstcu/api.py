@@ -32,7 +32,8 @@ from .ops.base import DelegatingOps
 from .layout import Partition, check_layout, partition
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_inputs, check_backward_inputs,
                        check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
-                       dtype_name, metadata, parse_cu_seqlens, partition_of, resolve_scale)
+                       dtype_name, masked_array_problem, metadata, parse_cu_seqlens, partition_of,
+                       resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -203,6 +204,8 @@ def _untakeable(exc: Exception, arrays: tuple) -> InputError:
     kind = ValueError if isinstance(exc, ValueError) and not isinstance(exc, TypeError) else TypeError
     jax = sys.modules.get("jax")
     text = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
+    if isinstance(exc, MemoryError):
+        return InputError(MemoryError, f"out of memory while taking the inputs ({text})")
     if jax is not None and any(isinstance(x, jax.core.Tracer) for x in arrays):
         return InputError(TypeError, "got JAX tracers (inside jax.jit, jax.grad or jax.vmap): use "
                                      "burstcu.jax.attention / linear_attention / decode, which "
@@ -565,9 +568,13 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_
     order; with cu_seqlens, pieces `rank` and `2*size-1-rank` of *every document* cut into
     2*size, document by document (`burstcu.layout.partition`). Any N >= size works. No
     communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
-    will be given, checked against N (with "contiguous" they do not move any row).
+    will be given, checked against N (with "contiguous" they do not move any row). A
+    numpy.ma.MaskedArray is refused (TypeError): its mask would be lost.
     """
     check_layout(layout)
+    masked = masked_array_problem("x", x)
+    if masked is not None:
+        raise masked.kind(masked.message)
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = axis % x.ndim
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
@@ -612,6 +619,9 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
     """
     if group is None or group.size == 1:
         check_layout(layout)
+        masked = masked_array_problem("x_local", x_local)
+        if masked is not None:
+            raise masked.kind(masked.message)
         _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
         return _joined(x_local, [x_local], axis % x_local.ndim)
     with Call(group, "unshard") as call:
@@ -623,17 +633,16 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
                 check_layout(layout)
                 axis = axis % x_local.ndim
                 err, docs = parse_cu_seqlens(cu_seqlens)
-                err = err or check_flags(uneven=uneven)
+                err = err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
                 shape = tuple(int(n) for n in x_local.shape)
                 free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
                 dtype = str(x_local.dtype)
             except Exception as exc:  # what _untakeable names (bfloat16 over DLPack, ...) or a bad axis
                 taken = _untakeable(exc, (x_local,))
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
-            reports = group.transport.allgather_object(
-                (free, dtype, axis, layout, docs_digest(docs), bool(uneven), length, err),
-                "unshard")
-            failed = [(r, e) for r, (*_, e) in enumerate(reports) if e is not None]
+            mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs), uneven, length)
+            reports = group.transport.allgather_object((*mine, err.plain() if err else None), "unshard")
+            failed = [(r, InputError.from_plain(e)) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
                 raise failed[0][1].kind(f"rank {failed[0][0]}: {failed[0][1].message}")
             if any(rep[:6] != reports[0][:6] for rep in reports):

@@ -11,19 +11,24 @@ backend        local op                            transport
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .kernels.compile import build_timeout
 from .ops.base import LocalOps
 from .ops.kernel_ops import KernelOps
 from .ops.numpy_ops import NumpyOps
-from .transport.base import CommStats, SelfTransport, Transport, resolve_timeout
+from .transport.base import DEFAULT_TIMEOUT, CommStats, SelfTransport, Transport, resolve_timeout
 from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
-from .transport.mpi import MPITransport
+from .transport.mpi import PROGRESS, MPITransport, gather_plain
 from .transport.nccl import BackendUnavailable, bootstrap
+from .validate import InputError
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
 
@@ -47,6 +52,7 @@ class Group:
     comm: Any = field(default=None, repr=False)
     trace: Any = field(default=None, repr=False)  # a burstcu.engine.Trace to record step timings into
     closed: bool = field(default=False, repr=False)
+    counted: bool = field(default=False, repr=False)  # in the rank's state (`RankState`)
 
     @property
     def stats(self) -> CommStats:
@@ -78,6 +84,8 @@ class Group:
         if self.closed:
             return
         self.closed = True
+        if self.counted:
+            RANK_STATE.change(-1)
         self.ops.close()
         self.transport.close()
 
@@ -86,6 +94,49 @@ class Group:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RankState:
+    """What launch/rank-guard learns when this rank's process ends, in the file named by
+    $BURSTCU_RANK_STATE (set by rank-guard; without it nothing is written): "open N" while N
+    groups made by `init` are open, "exit N" once the interpreter has exited normally. A process
+    that ends with "open N", N > 0 (os._exit, a C library's exit(), with a group open) left
+    while its peers may be inside a call: rank-guard names it and fails the job."""
+
+    ENV = "BURSTCU_RANK_STATE"
+
+    def __init__(self):
+        self.open, self.lock, self.watching = 0, threading.Lock(), False
+
+    def change(self, by: int) -> None:
+        path = os.environ.get(self.ENV)
+        if not path:
+            return
+        with self.lock:
+            self.open += by
+            if not self.watching:
+                self.watching = True
+                atexit.register(self._write, path, "exit")
+            self._write(path, "open")
+
+    def _write(self, path: str, word: str) -> None:
+        try:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(f"{word} {self.open}\n")
+            os.replace(tmp, path)   # rank-guard reads the old line or the new one, whole
+        except OSError:
+            pass   # rank-guard's folder is gone: nobody is left to read it
+
+
+RANK_STATE = RankState()
+
+
+def _counted(group: Group) -> Group:
+    """`group`, counted among this rank's open groups (`RankState`)."""
+    RANK_STATE.change(+1)
+    group.counted = True
+    return group
 
 
 class Call:
@@ -110,7 +161,7 @@ class Call:
         """Errors raised inside are raised on every rank alike: they end only this call."""
         try:
             yield
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, MemoryError):   # `InputError.KINDS`
             self.together = True
             raise
         self.transport.where = "after the agreement"
@@ -145,7 +196,6 @@ _SLURM_BATCH_STEP = 4294967290  # step ids from here up are Slurm's batch/extern
 def launcher_world_size() -> tuple[str, int] | None:
     """(variable, ranks) when an MPI launcher (Open MPI's mpirun, MPICH/Hydra and Intel MPI,
     MVAPICH) or Slurm's srun (any --mpi plugin, PMIx included) started this process, else None."""
-    import os
     for var in _LAUNCHER_SIZE_VARS:
         value = os.environ.get(var, "")
         if value.isdigit():
@@ -214,16 +264,59 @@ def _check_link(link, backend: str) -> None:
                          f"whose links are real: leave link out")
 
 
-def _resolve_backend(backend: str, comm) -> tuple[str, bool]:
-    """(backend, whether some rank has a usable GPU): "auto" is decided together, since ranks
-    picking different backends would wait on each other forever."""
+def _settings(backend: str, timeout, progress: str, link) -> dict:
+    """This rank's init arguments and environment, checked (raises ValueError/TypeError) and
+    as plain values the ranks compare: what every rank must have alike, and `gpu` (whether a
+    GPU is usable here, for "auto"), which may differ."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+    if progress not in PROGRESS:
+        raise ValueError(f"progress must be one of {PROGRESS}, not {progress!r}")
+    _check_link(link, backend)
+    gpu = gpu_usable() if backend == "auto" else None
+    if backend in ("emulated", "cupy") or gpu:   # kernels are built: $BURSTCU_BUILD_TIMEOUT
+        build_timeout()
+    return {"backend": backend, "timeout": resolve_timeout(timeout), "progress": progress,
+            "link": None if link is None else (float(link.gbps), float(link.latency_us)),
+            "gpu": gpu}
+
+
+def _agreed_settings(comm, backend: str, timeout, progress: str, link) -> tuple[dict, list]:
+    """(this rank's settings, every rank's) once every rank has checked its own: any rank's
+    error, or ranks that differ, raise on every rank alike (nothing raises on one rank alone
+    while the others wait in a collective). Bounded by this rank's timeout, else the default."""
+    try:
+        mine, error = _settings(backend, timeout, progress, link), None
+    except (ValueError, TypeError) as exc:
+        mine, error = None, InputError(type(exc), f"burstcu.init: {exc}")
+    if comm is None or comm.Get_size() == 1:
+        if error:
+            raise error.kind(error.message)
+        return mine, [mine]
+    wait = mine["timeout"] if mine else DEFAULT_TIMEOUT
+    reports = gather_plain(comm, (error.plain() if error else None, mine), wait,
+                           "burstcu.init (every rank must call it)")
+    failed = [(r, InputError.from_plain(e)) for r, (e, _) in enumerate(reports) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise first.kind(f"rank {rank}: {first.message}")
+    every = [settings for _, settings in reports]
+    for key in ("backend", "timeout", "progress", "link"):
+        values = [settings[key] for settings in every]
+        if len(set(values)) > 1:
+            differ = ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values) if v != values[0])
+            raise ValueError(f"burstcu.init: ranks disagree on {key}: rank 0 {values[0]!r}, "
+                             f"{differ}; every rank must pass the same arguments and environment "
+                             f"(timeout: also $BURSTCU_TIMEOUT)")
+    return mine, every
+
+
+def _resolve_backend(backend: str, every: list) -> tuple[str, bool]:
+    """(backend, whether some rank has a usable GPU): "auto" is decided from every rank's
+    settings alike, since ranks picking different backends would wait on each other forever."""
     if backend != "auto":
         return backend, False
-    usable = [gpu_usable()]
-    if comm is not None and comm.Get_size() > 1:
-        usable = comm.allgather(usable[0])
+    usable = [settings["gpu"] for settings in every]
     return ("cupy" if all(usable) else "numpy"), any(usable)
 
 
@@ -240,7 +333,8 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     backend: "numpy", "emulated", "cupy" or "auto" (see the module docstring).
     timeout: seconds a rank may wait for a peer inside any burstcu call (agreement, exchange,
         collective) before it raises `burstcu.CommTimeoutError` naming the call, the step and the
-        peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. Waiting does not spin.
+        peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. `math.inf` (or
+        $BURSTCU_TIMEOUT=inf) waits forever. Waiting does not spin.
     progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
         caller's thread ("inline").
     link: a `burstcu.Link(gbps=..., latency_us=...)` to pace every MPI message to, as a network
@@ -249,20 +343,23 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         only: refused with the "cupy" backend (and "auto" when it picks "cupy").
     options: passed to the local op (e.g. tile sizes for "numpy", deterministic=True for the
         kernel backends).
-    Collective over `comm`: every rank must call it. Close the group when done (`close()`, or
+    Collective over `comm`: every rank must call it. MPI is initialised first, so that under
+    `python -m mpi4py` anything init raises on one rank ends the job; then every rank checks
+    its arguments and environment, and one bounded agreement raises the same error on every
+    rank if any rank's are bad or the ranks' differ. Close the group when done (`close()`, or
     use it as a context manager).
     """
-    timeout = resolve_timeout(timeout)
-    _check_link(link, backend)
     comm = world_comm(comm)
+    mine, every = _agreed_settings(comm, backend, timeout, progress, link)
+    timeout = mine["timeout"]
     asked = backend
-    backend, some_gpu = _resolve_backend(backend, comm)
+    backend, some_gpu = _resolve_backend(backend, every)
     _check_link(link, backend)
     if asked == "auto" and backend == "numpy" and some_gpu:   # a CPU-only machine is no surprise
         _warn_cpu_fallback(comm, "some ranks have a usable GPU, not every rank")
     if backend == "cupy":
         try:
-            return _init_cupy(comm, options, timeout)
+            return _counted(_init_cupy(comm, options, timeout))
         except BackendUnavailable as exc:  # raised on every rank alike, so all fall back together
             if asked != "auto":
                 raise
@@ -272,7 +369,7 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         transport, ops = _mpi_transport(comm, progress, timeout, link), NumpyOps(**options)
     elif backend == "emulated":
         transport, ops = _mpi_transport(comm, progress, timeout, link), KernelOps("emulated", **options)
-    return Group(transport.rank, transport.size, backend, transport, ops, comm)
+    return _counted(Group(transport.rank, transport.size, backend, transport, ops, comm))
 
 
 def _init_cupy(comm, options, timeout: float) -> Group:

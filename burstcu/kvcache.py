@@ -236,8 +236,7 @@ class KVCache:
                     err = InputError(ValueError, f"KVCache.from_prefill: {k_local.shape[1]} rows "
                                                  f"exceed the capacity {self.capacity} a rank")
             except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
-                kind = exc.__class__ if isinstance(exc, (TypeError, ValueError)) else TypeError
-                err = InputError(kind, f"KVCache.from_prefill cannot take these rows: "
+                err = InputError(exc.__class__, f"KVCache.from_prefill cannot take these rows: "
                                        f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
                 lengths = agree(self.group.transport, err, None, "KVCache.from_prefill",

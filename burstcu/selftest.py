@@ -37,6 +37,8 @@ from .group import Group, gpu_usable, init, world_comm
 from .layout import step_blocks
 from .ops.numpy_ops import blas_advice
 from .testing.reference import attention_backward_ref, attention_ref
+from .transport.base import resolve_timeout
+from .transport.mpi import gather_plain
 from .transport.nccl import BackendUnavailable
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
@@ -322,8 +324,9 @@ def _rank() -> int:
 
 
 def _gather(obj) -> list:
+    """Every rank's `obj` (plain values), bounded by $BURSTCU_TIMEOUT (else 600 s)."""
     comm = _comm()
-    return [obj] if comm is None else comm.allgather(obj)
+    return [obj] if comm is None else gather_plain(comm, obj, resolve_timeout(None), "the self-test")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,35 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class InputError:
-    """A deferred error: the exception type and message, raised after the agreement round."""
+    """A deferred error: the exception type and message, raised on every rank after the
+    agreement round. The type is one of KINDS (a subclass is taken as the kind it derives from;
+    anything else as TypeError), since it crosses ranks by name: `plain()` is what travels
+    (`burstcu.transport.wire` carries plain values only), `from_plain` makes it again."""
 
-    def __init__(self, kind: type[Exception], message: str):
-        self.kind, self.message = kind, message
+    KINDS = (MemoryError, ValueError, TypeError)
 
-    def __reduce__(self):  # travels through allgather_object
-        return (InputError, (self.kind, self.message))
+    def __init__(self, kind: type[BaseException], message: str):
+        self.kind = next((k for k in self.KINDS if issubclass(kind, k)), TypeError)
+        self.message = message
+
+    def plain(self) -> tuple[str, str]:
+        return (self.kind.__name__, self.message)
+
+    @classmethod
+    def from_plain(cls, plain) -> "InputError":
+        """The error a peer sent as `plain()`; a kind of another name is a ValueError."""
+        name, message = plain
+        return cls(next((k for k in cls.KINDS if k.__name__ == name), ValueError), str(message))
+
+
+def masked_array_problem(name: str, x: Any) -> InputError | None:
+    """A TypeError for a numpy.ma.MaskedArray: its data would be taken and its mask dropped."""
+    if isinstance(x, np.ma.MaskedArray):
+        return InputError(TypeError, f"{name} is a numpy.ma.MaskedArray: burstcu would read its "
+                                     f"data and ignore its mask. Pass {name}.filled(0) (or "
+                                     f"np.ma.getdata({name})) and say which keys a query may see "
+                                     f"with causal, window_size or cu_seqlens")
+    return None
 
 
 def dtype_name(x: Any) -> str:
@@ -37,7 +59,11 @@ def dtype_name(x: Any) -> str:
 
 def _check_array(name: str, x: Any, ndim: int, array_types: tuple,
                  dtypes: tuple | None = FLOAT_DTYPES) -> InputError | None:
-    """x's array type, number of dimensions and (unless `dtypes` is None) dtype."""
+    """x's array type (a masked array is refused: `masked_array_problem`), number of dimensions
+    and (unless `dtypes` is None) dtype."""
+    masked = masked_array_problem(name, x)
+    if masked is not None:
+        return masked
     if not isinstance(x, array_types):
         allowed = " or ".join(f"{t.__module__}.{t.__name__}" for t in array_types)
         return InputError(TypeError, f"{name} must be a {allowed}, got {type(x).__module__}.{type(x).__name__}")
@@ -320,10 +346,10 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
         if error:
             raise error.kind(error.message)
         return [local]
-    gathered = transport.allgather_object((error, meta, local), what)
+    gathered = transport.allgather_object((error.plain() if error else None, meta, local), what)
     if error:
         raise error.kind(error.message)
-    failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
+    failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]
         raise e.kind(f"rank {r}: {e.message}")

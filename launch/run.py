@@ -7,9 +7,12 @@
     launch/burstcu-run --slurm --nodes 2 --gpus-per-node 8 -- python train.py > job.sbatch
     add --dry-run to print the exact command and environment instead of running it.
 
-Every rank runs as `launch/rank-guard [launch/bind-gpu] python -m mpi4py ...`: under
-`-m mpi4py` an uncaught exception on one rank aborts all of them (no rank waits forever for a
-peer that died), and rank-guard names a rank that dies of a signal (MPICH reports only its PID).
+Every rank runs as `launch/rank-guard [launch/bind-gpu] python launch/mpi_first.py ...`:
+`python -m mpi4py` with MPI initialised before the program starts, so an uncaught exception on
+one rank, wherever it is raised, aborts all of them (no rank waits forever for a peer that
+died). rank-guard names a rank that dies of a signal (MPICH reports only its PID) or exits
+with an error, and fails the job when a rank leaves with a burstcu group open without the
+interpreter's exit (os._exit, a C library's exit()): its peers may be waiting for it.
 
 One rank per GPU. NCCL refuses two ranks on one GPU, so a node runs at most as many ranks as it
 has GPUs. Two ways to give each rank its GPU:
@@ -43,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BIND_GPU = HERE / "bind-gpu"
 RANK_GUARD = HERE / "rank-guard"
+MPI_FIRST = HERE / "mpi_first.py"
 DEFAULT_ENV = {"NCCL_DEBUG": "WARN"}
 CPU_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -61,26 +65,28 @@ def rank_env(cpu: bool, user_env: dict[str, str], extra: dict[str, str]) -> dict
 _PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
 
 
-def with_mpi4py(command: list[str]) -> list[str]:
-    """`python [options] X ...` as `python [options] -m mpi4py X ...`: an uncaught exception on
-    one rank then prints its traceback and aborts every rank (MPI_Abort) instead of leaving the
-    others waiting. The interpreter's own options (-u, -O, -X dev, -W error, ...) stay first."""
+def with_mpi_first(command: list[str], root: Path | str = HERE) -> list[str]:
+    """`python [options] X ...` (or `python [options] -m mpi4py X ...`) as `python [options]
+    ROOT/mpi_first.py X ...`: `python -m mpi4py`, with MPI initialised before X runs, so that an
+    uncaught exception anywhere on one rank — before burstcu.init too — prints its traceback
+    and aborts every rank (MPI_Abort) instead of leaving the others waiting. The interpreter's
+    own options (-u, -O, -X dev, -W error, ...) stay first."""
     if not command or not Path(command[0]).name.startswith("python"):
         return list(command)
     i = 1
     while i < len(command) and command[i].startswith("-") and command[i] not in ("-m", "-c", "-"):
         i += 2 if command[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
-    if command[i:i + 2] == ["-m", "mpi4py"]:
-        return list(command)
-    return [*command[:i], "-m", "mpi4py", *command[i:]]
+    program = command[i + 2:] if command[i:i + 2] == ["-m", "mpi4py"] else command[i:]
+    return [*command[:i], str(Path(root) / MPI_FIRST.name), *program]
 
 
 def rank_program(command: list[str], bind: str, root: Path | str = HERE) -> list[str]:
-    """What each rank runs: launch/rank-guard (names a rank that dies of a signal), then
-    launch/bind-gpu with --bind visible, then the command under `python -m mpi4py`."""
+    """What each rank runs: launch/rank-guard (names a rank that dies of a signal, exits with
+    an error, or leaves with a burstcu group open), then launch/bind-gpu with --bind visible,
+    then the command through launch/mpi_first.py."""
     root = Path(root)
     wrap = [str(root / RANK_GUARD.name)] + ([str(root / BIND_GPU.name)] if bind == "visible" else [])
-    return wrap + with_mpi4py(command)
+    return wrap + with_mpi_first(command, root)
 
 
 def mpi_command(*, mpiexec: str, flavour: str, nprocs: int, per_node: int | None,

@@ -203,12 +203,13 @@ def test_inputs_on_another_gpu_fail_through_the_agreement(monkeypatch):
                                          r".*cupy\.cuda\.Device\(1\)\.use\(\)"):
         burstcu.attention(q, k, v, group)
     (err, meta, length), = group.transport.sent  # raised only after the agreement round
-    assert isinstance(err, InputError) and meta is None and length is None
+    assert err[0] == "ValueError" and meta is None and length is None
+    assert InputError.from_plain(err).kind is ValueError
 
 
 def test_a_peer_on_another_gpu_stops_this_rank_too(monkeypatch):
     message = "k is on CUDA device 1 but the current CuPy device is 0: call cupy.cuda.Device(1).use()"
-    group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message), None, None))
+    group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message).plain(), None, None))
     with pytest.raises(ValueError, match=r"rank 1: k is on CUDA device 1"):
         burstcu.attention(*_qkv(), group)  # this rank's inputs (host arrays here) are fine
     assert len(group.transport.sent) == 1
@@ -318,24 +319,24 @@ def test_auto_on_a_machine_without_a_gpu_says_nothing(monkeypatch):
         with burstcu.init() as g:
             assert g.backend == "numpy"
     assert not [w for w in caught if "burstcu" in str(w.message)], [str(w.message) for w in caught]
-    assert G._resolve_backend("auto", None) == ("numpy", False)
+    assert G._resolve_backend("auto", [G._settings("auto", None, "thread", None)]) == ("numpy", False)
 
 
 def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
     from burstcu import group as G
 
-    class TwoRanks:   # rank 0 of two; the other rank has no usable GPU
+    class TwoRanks:   # rank 0 of two
         def Get_size(self):
             return 2
 
         def Get_rank(self):
             return 0
 
-        def allgather(self, mine):
-            return [mine, False]
-
     monkeypatch.setattr(G, "gpu_usable", lambda: True)
-    assert G._resolve_backend("auto", TwoRanks()) == ("numpy", True)
+    mine = G._settings("auto", None, "thread", None)
+    assert mine["gpu"] is True
+    assert G._resolve_backend("auto", [mine, dict(mine, gpu=False)]) == ("numpy", True)
+    assert G._resolve_backend("auto", [mine, mine]) == ("cupy", True)
     with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
         G._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
 

@@ -7,6 +7,7 @@ and 10,000 init/close cycles leak no communicator."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -24,11 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 4  # burstcu.init(timeout=...) in the programs: seconds a rank waits for a peer
 
 
-def run_faulty(scenario: str, ranks: int = 3, limit: float = 60) -> tuple[int, str, float]:
-    """(exit status, combined output, seconds) of tests/mpi/faults.py SCENARIO on `ranks`."""
-    cmd = [mpiexec(), "-n", str(ranks), str(ROOT / "launch" / "rank-guard"), sys.executable, "-m",
-           "mpi4py", str(ROOT / "tests" / "mpi" / "faults.py"), scenario, str(TIMEOUT)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
+               launcher: bool = False) -> tuple[int, str, float]:
+    """(exit status, combined output, seconds) of tests/mpi/faults.py SCENARIO on `ranks`:
+    under mpiexec through launch/rank-guard and `python -m mpi4py`, or with `launcher` through
+    launch/burstcu-run (rank-guard and launch/mpi_first.py)."""
+    program = [str(ROOT / "tests" / "mpi" / "faults.py"), scenario, str(TIMEOUT)]
+    if launcher:
+        cmd = [str(ROOT / "launch" / "burstcu-run"), "--cpu", "-n", str(ranks), "--", sys.executable, *program]
+    else:
+        cmd = [mpiexec(), "-n", str(ranks), str(ROOT / "launch" / "rank-guard"), sys.executable, "-m",
+               "mpi4py", *program]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHON=sys.executable,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
     try:
@@ -55,8 +63,18 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60) -> tuple[int, s
     # a late rank at a barrier, and a rank that never calls init
     ("barrier_late", [f"rank 0 failed in barrier at 'agreement on the inputs': CommTimeoutError: "
                       f"rank 0 waited {TIMEOUT} s for rank(s) [1]"]),
-    ("exit_before_init", [f"waited {TIMEOUT} s for every rank of the communicator to call "
+    ("exit_before_init", [f"waited {TIMEOUT} s for every rank of the communicator to reach "
                           f"burstcu.init"]),
+    # bad arguments or environment on rank 1 alone: every rank raises, naming rank 1
+    ("bad_timeout", ["rank 1: burstcu.init: timeout must be a positive number of seconds"]),
+    ("bad_env_timeout", ["rank 1: burstcu.init: $BURSTCU_TIMEOUT must be a positive number"]),
+    ("bad_link", ["rank 1: burstcu.init: link must be a burstcu.Link"]),
+    ("bad_progress", ["rank 1: burstcu.init: progress must be one of"]),
+    ("other_timeout", [f"burstcu.init: ranks disagree on timeout: rank 0 {float(TIMEOUT)}, "
+                       f"rank 1 {float(2 * TIMEOUT)}"]),
+    # rank 1's compiler hangs while it builds a kernel: past its build timeout it fails
+    ("build_hangs", ["burstcu: rank 1 failed in attention forward at ", "BuildTimeoutError: waited 2 s "
+                     "for the compiler command"]),
     # a rank killed mid-ring: rank-guard names it before mpiexec ends the others
     ("sigkill_mid_ring", ["burstcu: rank 1 on ", "died of signal 9"]),
 ])
@@ -67,6 +85,45 @@ def test_a_failure_on_one_rank_ends_the_job(scenario, names):
     for text in names:
         assert text in out, f"{text!r} missing from:\n{out}"
     assert "finished" not in out  # no rank went on as if nothing happened
+
+
+@pytest.mark.parametrize("scenario,names", [
+    # an exception on rank 1 before burstcu.init (before MPI is initialised): burstcu-run starts
+    # every rank with MPI initialised, so mpi4py aborts the world (the traceback names the
+    # rank, as in raise_before_call)
+    ("raise_before_init", ["RuntimeError: user code failed on rank 1 before burstcu.init"]),
+    # rank 1 leaves through os._exit(0) between two calls, its group open: rank-guard names it
+    # and fails the job (the launcher alone may report success)
+    ("os_exit_between_calls", ["burstcu: rank 1 on ", "exited (status 0) with 1 burstcu group(s) "
+                               "open, without the interpreter's exit"]),
+])
+def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
+    status, out, seconds = run_faulty(scenario, launcher=True)
+    assert status != 0, out
+    assert seconds < 30, f"{scenario} took {seconds:.0f} s to end:\n{out}"
+    for text in names:
+        assert text in out, f"{text!r} missing from:\n{out}"
+    assert "finished" not in out
+
+
+def test_bad_init_arguments_on_one_rank_raise_on_every_rank():
+    """Each case of faults.BAD_INIT, caught: every rank raised, and its message names rank 1."""
+    from tests.mpi.faults import BAD_INIT
+
+    status, out, seconds = run_faulty("init_errors_caught")
+    assert status == 0 and seconds < 30, out
+    for rank in range(3):
+        for case in BAD_INIT:
+            line = re.search(rf"^rank {rank} {case}: (\w+): (.*)$", out, re.MULTILINE)
+            assert line, f"rank {rank} reported nothing for {case}:\n{out}"
+            assert line.group(1) in ("ValueError", "TypeError") and "rank 1" in line.group(2), line.group(0)
+
+
+def test_timeout_inf_waits_without_a_deadline():
+    """timeout=math.inf: the job runs as with any timeout (no overflow in any wait)."""
+    status, out, _ = run_faulty("wait_forever")
+    assert status == 0, out
+    assert all(f"rank {r} finished" in out for r in range(3)), out
 
 
 def test_ranks_inside_different_calls_fail_together():
@@ -100,6 +157,82 @@ def test_timeout_is_validated_and_reported():
         assert burstcu.init(backend="numpy").timeout == 12.0
     finally:
         del os.environ["BURSTCU_TIMEOUT"]
+
+
+@pytest.mark.parametrize("value,env", [(math.inf, None), (None, "inf"), (None, "none"), (1e12, None)])
+def test_timeout_inf_waits_forever_and_huge_ones_are_clamped(value, env, monkeypatch):
+    """math.inf (or $BURSTCU_TIMEOUT inf / none) means wait forever; a timeout past what the
+    platform can wait (1e12 s > threading.TIMEOUT_MAX on some, past time_t's range in a sleep)
+    waits MAX_WAIT_S: every deadline stays finite, so no wait overflows."""
+    import threading
+
+    import numpy as np
+
+    import burstcu
+    from burstcu.transport.base import MAX_WAIT_S, deadline_after
+    if env is None:
+        monkeypatch.delenv("BURSTCU_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("BURSTCU_TIMEOUT", env)
+    with burstcu.init(backend="numpy", timeout=value) as group:
+        assert group.timeout == (math.inf if value is None else value)
+        deadline = group.transport.deadline()
+        assert math.isfinite(deadline) and deadline - time.monotonic() <= MAX_WAIT_S < threading.TIMEOUT_MAX
+        q = np.ones((1, 8, 1, 8))
+        assert np.allclose(burstcu.attention(q, q, q, group), 1.0)
+    assert math.isfinite(deadline_after(math.inf))
+
+
+def test_a_memory_error_in_the_input_checks_stays_a_memory_error(monkeypatch):
+    """On one process and on every rank of a loopback world of 3 (the error on rank 1 alone):
+    MemoryError, naming the rank, and the group still works afterwards."""
+    import threading
+
+    import numpy as np
+
+    import burstcu
+    from burstcu import api
+    from burstcu.testing.loopback import run_ranks
+    real = api._check_local
+
+    def short_of_memory_on_rank_1(ops, arrays, size, **kwargs):
+        if threading.current_thread().name in ("MainThread", "burstcu-rank1"):
+            raise MemoryError("simulated: cannot allocate")
+        return real(ops, arrays, size, **kwargs)
+
+    monkeypatch.setattr(api, "_check_local", short_of_memory_on_rank_1)
+    q = np.ones((1, 8, 2, 8))
+    with pytest.raises(MemoryError, match="simulated: cannot allocate"):
+        burstcu.attention(q, q, q)
+
+    def body(group):
+        try:
+            burstcu.attention(q, q, q, group)
+        except MemoryError as exc:
+            caught = str(exc)
+        group.barrier()   # the group still works: every rank raised together
+        return caught
+
+    for rank, message in enumerate(run_ranks(3, body, timeout=30)):   # rank 1 raises its own
+        assert message.startswith("" if rank == 1 else "rank 1: ") and "simulated" in message
+        assert "out of memory while taking the inputs" in message
+
+
+def test_masked_arrays_are_refused(monkeypatch):
+    """A numpy.ma.MaskedArray would lose its mask: attention, shard and unshard refuse it."""
+    import numpy as np
+
+    import burstcu
+    q = np.ones((1, 8, 2, 8))
+    masked = np.ma.masked_array(q, mask=np.zeros_like(q, bool))
+    with pytest.raises(TypeError, match="k is a numpy.ma.MaskedArray: burstcu would read its data"):
+        burstcu.attention(q, masked, q)
+    with pytest.raises(TypeError, match="x is a numpy.ma.MaskedArray"):
+        burstcu.shard(masked, None)
+    with pytest.raises(TypeError, match="x_local is a numpy.ma.MaskedArray"):
+        burstcu.unshard(masked, None)
+    with pytest.raises(TypeError, match="q is a numpy.ma.MaskedArray"):
+        burstcu.linear_attention(masked, q, q)
 
 
 @pytest.mark.parametrize("nprocs", [2])

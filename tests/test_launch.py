@@ -36,7 +36,7 @@ def test_mpich_command_on_two_nodes():
     argv = run.mpi_command(mpiexec="mpiexec", flavour="mpich", nprocs=16, per_node=8, hosts=["a", "b"],
                            env={"NCCL_DEBUG": "WARN"}, bind="local-rank", command=["python", "t.py"])
     assert argv == ["mpiexec", "-n", "16", "-hosts", "a,b", "-ppn", "8", "-genv", "NCCL_DEBUG", "WARN",
-                    str(LAUNCH / "rank-guard"), "python", "-m", "mpi4py", "t.py"]
+                    str(LAUNCH / "rank-guard"), "python", str(LAUNCH / "mpi_first.py"), "t.py"]
 
 
 def test_openmpi_command_with_visible_binding():
@@ -45,16 +45,35 @@ def test_openmpi_command_with_visible_binding():
                            command=["python", "t.py"])
     assert argv == ["mpirun", "-n", "8", "--host", "a:4,b:4", "--map-by", "ppr:4:node",
                     "-x", "NCCL_DEBUG=WARN", "-x", "NCCL_IB_DISABLE=1", str(LAUNCH / "rank-guard"),
-                    str(LAUNCH / "bind-gpu"), "python", "-m", "mpi4py", "t.py"]
+                    str(LAUNCH / "bind-gpu"), "python", str(LAUNCH / "mpi_first.py"), "t.py"]
 
 
-def test_python_runs_under_mpi4py_once():
-    assert run.with_mpi4py(["python3", "x.py"]) == ["python3", "-m", "mpi4py", "x.py"]
-    assert run.with_mpi4py(["python", "-m", "mpi4py", "x.py"]) == ["python", "-m", "mpi4py", "x.py"]
-    assert run.with_mpi4py(["./a.out", "x"]) == ["./a.out", "x"]
-    assert run.with_mpi4py(["python", "-u", "-X", "dev", "t.py", "-u"]) == \
-        ["python", "-u", "-X", "dev", "-m", "mpi4py", "t.py", "-u"]
-    assert run.with_mpi4py(["python", "-O", "-m", "pkg.main"]) == ["python", "-O", "-m", "mpi4py", "-m", "pkg.main"]
+def test_python_runs_with_mpi_initialised_first_once():
+    first = str(LAUNCH / "mpi_first.py")
+    assert run.with_mpi_first(["python3", "x.py"]) == ["python3", first, "x.py"]
+    assert run.with_mpi_first(["python", "-m", "mpi4py", "x.py"]) == ["python", first, "x.py"]
+    assert run.with_mpi_first(["./a.out", "x"]) == ["./a.out", "x"]
+    assert run.with_mpi_first(["python", "-u", "-X", "dev", "t.py", "-u"]) == \
+        ["python", "-u", "-X", "dev", first, "t.py", "-u"]
+    assert run.with_mpi_first(["python", "-O", "-m", "pkg.main"]) == ["python", "-O", first, "-m", "pkg.main"]
+    assert run.with_mpi_first(["python", "x.py"], root="launch") == ["python", "launch/mpi_first.py", "x.py"]
+
+
+def test_mpi_first_runs_modules_scripts_and_code_with_mpi_initialised(tmp_path):
+    """launch/mpi_first.py runs a script (its folder first on sys.path), `-m module` (the
+    current folder first) and `-c code` as `python -m mpi4py` does, with MPI initialised
+    before the program's first line."""
+    probe = "from mpi4py import MPI; import sys; print(MPI.Is_initialized(), sys.argv[1:], sys.path[0])"
+    (tmp_path / "prog.py").write_text(probe)
+    (tmp_path / "mod_here.py").write_text(probe)
+    for program in (["prog.py"], ["-m", "mod_here"], ["-c", probe]):
+        proc = subprocess.run([sys.executable, str(LAUNCH / "mpi_first.py"), *program, "a", "b"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        initialised, rest = proc.stdout.strip().split(" ", 1)
+        assert initialised == "True" and rest.startswith("['a', 'b']"), proc.stdout
+        if program[0] != "-c":
+            assert rest.endswith(str(tmp_path)), proc.stdout
 
 
 def test_rank_env_keeps_the_users_settings():
@@ -70,7 +89,7 @@ def test_dry_run_cpu():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("mpiexec -n 2 -genv MKL_NUM_THREADS 1 -genv OMP_NUM_THREADS 1 "
                                    f"-genv OPENBLAS_NUM_THREADS 1 {LAUNCH / 'rank-guard'} "
-                                   "python -m mpi4py -m burstcu.selftest")
+                                   f"python {LAUNCH / 'mpi_first.py'} -m burstcu.selftest")
 
 
 def test_dry_run_gpu_one_node():
@@ -79,7 +98,7 @@ def test_dry_run_gpu_one_node():
                 env={"NCCL_DEBUG": "WARN"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("mpirun -n 4 --map-by ppr:4:node -x NCCL_SOCKET_IFNAME=eth0 "
-                                   f"{LAUNCH / 'rank-guard'} python -m mpi4py train.py --lr 1e-3")
+                                   f"{LAUNCH / 'rank-guard'} python {LAUNCH / 'mpi_first.py'} train.py --lr 1e-3")
 
 
 def test_refuses_more_ranks_than_gpus_and_missing_gpus():
@@ -103,7 +122,7 @@ def test_slurm_example_dry_run_prints_srun():
                           timeout=30, cwd=ROOT, env=dict(os.environ, BURSTCU_DRY_RUN="1"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("srun --mpi=pmix --cpu-bind=cores launch/rank-guard "
-                                   "python -m mpi4py -m burstcu.selftest")
+                                   "python launch/mpi_first.py -m burstcu.selftest")
 
 
 def test_slurm_visible_binding_and_partition():
@@ -112,7 +131,7 @@ def test_slurm_visible_binding_and_partition():
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --ntasks-per-node=4" in text
     assert 'export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5_0}"' in text
     assert text.rstrip().endswith("srun --mpi=pmix --cpu-bind=cores launch/rank-guard launch/bind-gpu "
-                                  "python -m mpi4py t.py")
+                                  "python launch/mpi_first.py t.py")
 
 
 # ---- per-rank GPU binding --------------------------------------------------------------------

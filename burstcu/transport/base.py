@@ -27,7 +27,7 @@ makes a sub-group (USP's Ulysses and ring groups): made once per name and kept, 
 counted in the parent's `stats`, its failures reported as the parent's call and step.
 
 Failures. Every wait for a peer has a deadline (`timeout` seconds, from `burstcu.init(timeout=)`,
-else $BURSTCU_TIMEOUT, else 600) and waits without spinning; past it the waiting rank raises
+else $BURSTCU_TIMEOUT, else 600; `math.inf` waits forever) and waits without spinning; past it the waiting rank raises
 `CommTimeoutError` naming the peer(s) it waited for and what it was doing (`where`, which the
 engine keeps current: "attention forward: fwd 2 send/recv kv"). `fail(reason)` ends the whole
 group after a failure on this rank: it prints the reason and aborts every rank (MPI_Abort), since
@@ -36,12 +36,17 @@ its peers may be blocked mid-ring waiting for it; a group of one just lets the e
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+import numpy as np
+
+from . import wire
 
 
 class CommTimeoutError(RuntimeError):
@@ -59,17 +64,37 @@ ABORT_GRACE_S = 0.3
 TIMEOUT_ENV = "BURSTCU_TIMEOUT"
 
 
+# the longest wait a deadline stands for: `timeout=math.inf` ("wait forever") waits this long
+# (over 3 years), within what sleeps and thread waits take (threading.TIMEOUT_MAX: ~292 years)
+MAX_WAIT_S = 1e8
+FOREVER_WORDS = ("inf", "infinity", "none", "forever")
+
+
 def resolve_timeout(timeout: float | None) -> float:
-    """`timeout`, else $BURSTCU_TIMEOUT, else 600 seconds; ValueError unless positive."""
+    """`timeout`, else $BURSTCU_TIMEOUT, else 600 seconds; ValueError unless a positive number.
+    `math.inf` (or $BURSTCU_TIMEOUT inf / none / forever) waits forever."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if raw.lower() in FOREVER_WORDS:
+            return math.inf
         try:
             timeout = float(raw) if raw else DEFAULT_TIMEOUT
         except ValueError:
-            raise ValueError(f"${TIMEOUT_ENV} must be a number of seconds, not {raw!r}") from None
-    if isinstance(timeout, bool) or not float(timeout) > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+            raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds (or inf: wait "
+                             f"forever), not {raw!r}") from None
+        if not timeout > 0:
+            raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds (or inf: wait "
+                             f"forever), not {raw!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+            or not float(timeout) > 0:
+        raise ValueError(f"timeout must be a positive number of seconds (math.inf: wait forever), "
+                         f"not {timeout!r}")
     return float(timeout)
+
+
+def deadline_after(timeout: float) -> float:
+    """time.monotonic() `timeout` seconds from now, at most MAX_WAIT_S (so `math.inf` too)."""
+    return time.monotonic() + min(timeout, MAX_WAIT_S)
 
 
 # Polling: MPI progresses a transfer only inside an MPI call, so a wait must keep calling one;
@@ -151,6 +176,13 @@ def check_contiguous(buf: Any, what: str, transport: str) -> None:
         raise ValueError(f"{transport} transport needs C-contiguous buffers; the {what} buffer is not")
 
 
+def calls_differ(labels: Sequence[str]) -> ValueError:
+    """The error every rank raises when the agreement finds ranks inside different calls."""
+    calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
+    return ValueError(f"ranks are inside different burstcu calls ({calls}): every rank must make "
+                      f"the same calls in the same order")
+
+
 class Transport(ABC):
     """Point-to-point exchange + metadata agreement among `size` ranks; this process is `rank`."""
 
@@ -175,7 +207,7 @@ class Transport(ABC):
 
     # -- failures --------------------------------------------------------------------------------
     def deadline(self) -> float:
-        return time.monotonic() + self.timeout
+        return deadline_after(self.timeout)
 
     def doing(self) -> str:
         """What this rank is doing, for messages: "attention forward at 'fwd 2 compute'"."""
@@ -287,7 +319,8 @@ class Transport(ABC):
     # -- collectives -----------------------------------------------------------------------------
     @abstractmethod
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
-        """Every rank's `obj`, in rank order (small picklable metadata only; not counted).
+        """Every rank's `obj`, in rank order (small metadata of plain values, in the fixed
+        encoding of `burstcu.transport.wire`; not counted).
         `what` names the call: ranks inside different calls raise ValueError on every rank."""
 
     @abstractmethod
@@ -318,7 +351,7 @@ class SelfTransport(Transport):
         pass
 
     def allgather_object(self, obj, what: str = "metadata"):
-        return [obj]
+        return [wire.decode(wire.encode(obj))]   # what a peer would get: plain values only
 
     def allgather(self, send_buf, recv_buf):
         recv_buf.reshape(send_buf.shape)[...] = send_buf

@@ -40,7 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import CommTimeoutError, PeerFailedError, Transport, check_contiguous, nbytes
+from . import wire
+from .base import CommTimeoutError, PeerFailedError, Transport, calls_differ, check_contiguous, nbytes
 from .nccl import CupyStreams, join_stream
 
 
@@ -278,12 +279,11 @@ class LoopbackTransport(Transport):
         self.stats.messages += self.size - 1   # G-1 pieces out, as `CommStats` counts
 
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
-        labelled = self.hub.allgather_object(self.rank, (what, obj))
+        # in the wire encoding, as over MPI: plain values only, whatever the transport
+        labelled = [wire.decode(m) for m in self.hub.allgather_object(self.rank, wire.encode((what, obj)))]
         labels = [label for label, _ in labelled]
         if len(set(labels)) > 1:
-            calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
-            raise ValueError(f"ranks are inside different burstcu calls ({calls}): every rank "
-                             f"must make the same calls in the same order")
+            raise calls_differ(labels)
         return [value for _, value in labelled]
 
     def barrier(self) -> None:

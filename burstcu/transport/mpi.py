@@ -11,7 +11,8 @@ No wait spins and none is unbounded: requests are tested with sleeps in between 
 with the time waited (`poll_until`: 5% of it, at most 10 ms), and every wait for a peer ends at
 the transport's deadline with `CommTimeoutError` naming the peer. The metadata agreement
 (`allgather_object`) gathers on rank 0 by point-to-point messages and answers every rank, so a
-rank that never arrives is named by rank 0; the calls being agreed on are named too, so ranks
+rank that never arrives is named by rank 0; its messages are plain values in a fixed encoding
+(`burstcu.transport.wire`, never pickle); the calls being agreed on are named too, so ranks
 inside different burstcu calls get the same error instead of matching each other's collectives.
 
 ``link=Link(gbps, latency_us)`` paces every message as a network of that speed would
@@ -25,17 +26,20 @@ The transport duplicates the user's communicator, so its messages can never matc
 from __future__ import annotations
 
 import concurrent.futures
-import pickle
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from .base import ABORT_GRACE_S, Transport, nbytes, poll_until, sleep_until
+from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, calls_differ,
+                   deadline_after, nbytes, poll_until, sleep_until)
+from . import wire
 from .link import Link, Port
 
+PROGRESS = ("thread", "inline")   # where transfers progress: a worker thread, or the caller's
 _TAG_RING = 7
 _TAG_AGREE = 8
 _ROOT_GRACE_S = 2.0  # other ranks wait this much longer, so rank 0 names a missing rank first
@@ -57,11 +61,54 @@ def _sleep_until(moment: float, deadline: float, on_timeout) -> None:
     sleep_until(moment)
 
 
-class AgreementMismatch:
-    """What rank 0 answers when ranks are inside different collective calls."""
+def _send(comm, payload: bytes, dest: int):
+    """Post one agreement message (wire bytes) to `dest`; the request."""
+    from mpi4py import MPI
 
-    def __init__(self, labels: list[str]):
-        self.labels = labels
+    return comm.Isend([payload, MPI.BYTE], dest=dest, tag=_TAG_AGREE)
+
+
+def _take(comm, source: int) -> bytes | None:
+    """The agreement message `source` sent, if one has arrived (else None): its bytes, received
+    whatever their length; what they hold is `wire.decode`'s business, never unpickled."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    message = comm.Improbe(source=source, tag=_TAG_AGREE, status=status)
+    if message is None:
+        return None
+    data = bytearray(status.Get_count(MPI.BYTE))
+    message.Recv([data, MPI.BYTE])
+    return bytes(data)
+
+
+def gather_plain(comm, obj, timeout: float, what: str) -> list:
+    """Every rank's `obj` (plain values, `wire`) over a raw mpi4py communicator, before any
+    transport exists (`burstcu.init`, the NCCL bootstrap, the self-test): non-blocking
+    all-gathers of the lengths, then of the bytes, each bounded by `timeout` seconds (past it,
+    CommTimeoutError naming `what`). Every rank decodes every message, so what fails to decode
+    fails alike on every rank."""
+    from mpi4py import MPI
+
+    deadline = deadline_after(timeout)
+
+    def timed_out() -> CommTimeoutError:
+        return CommTimeoutError(f"rank {comm.Get_rank()} waited {timeout:g} s for every rank of the "
+                                f"communicator to reach {what} (a rank may have failed, exited or "
+                                f"be stuck before it)")
+
+    data = np.frombuffer(wire.encode(obj), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    request = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+    poll_until(request.Test, deadline, timed_out)
+    if sizes.max() > wire.MAX_BYTES:
+        raise ValueError(f"rank {int(sizes.argmax())} sent {int(sizes.max())} bytes, over the "
+                         f"{wire.MAX_BYTES}-byte bound of agreement messages")
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    gathered = np.empty(int(sizes.sum()), np.uint8)
+    request = comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE])
+    poll_until(request.Test, deadline, timed_out)
+    return [wire.decode(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
 class MPITransport(Transport):
@@ -69,8 +116,8 @@ class MPITransport(Transport):
 
     def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None,
                  link: Link | None = None):
-        if progress not in ("thread", "inline"):
-            raise ValueError(f"progress must be 'thread' or 'inline', not {progress!r}")
+        if progress not in PROGRESS:
+            raise ValueError(f"progress must be one of {PROGRESS}, not {progress!r}")
         if link is not None and not isinstance(link, Link):
             raise TypeError(f"link must be a burstcu.Link or None, not {type(link).__name__}")
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
@@ -114,12 +161,29 @@ class MPITransport(Transport):
         """When messages of these sizes posted now complete on the emulated link (0: no link)."""
         return 0.0 if self._port is None else self._port.schedule(sent, received)
 
+    @contextmanager
+    def _naming_peers(self, waited_for: str):
+        """MPI's own error inside a wait (a peer that died mid-transfer: "See the MPI_ERROR
+        field in MPI_Status"), raised as PeerFailedError naming the peer(s) waited for."""
+        from mpi4py import MPI
+
+        try:
+            yield
+        except MPI.Exception as exc:
+            raise PeerFailedError(
+                f"rank {self.top_rank(self.rank)}: MPI failed while waiting for {waited_for} "
+                f"during {self.doing()}: {exc.Get_error_string().strip()} (that rank may have "
+                f"died or exited)") from None
+
     def _post(self, exchanges):
+        peers = []
         for send_buf, recv_buf, dst, src in exchanges:
             if recv_buf is not None:
-                self._peers.append(f"rank {self.top_rank(src)}'s message")
+                peers.append(f"rank {self.top_rank(src)}'s message")
             if send_buf is not None:
-                self._peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
+                peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
+        self._peers += peers
+        step_peers = " and ".join(dict.fromkeys(peers))
         ready = self._paced([nbytes(s) for s, _, _, _ in exchanges if s is not None],
                             [nbytes(r) for _, r, _, _ in exchanges if r is not None])
         if self._pool is None:
@@ -132,7 +196,8 @@ class MPITransport(Transport):
             from mpi4py import MPI
 
             reqs = self._start(exchanges)
-            poll_until(lambda: MPI.Request.Testall(reqs), give_up, lambda: TimeoutError())
+            with self._naming_peers(step_peers):
+                poll_until(lambda: MPI.Request.Testall(reqs), give_up, lambda: TimeoutError())
             _sleep_until(ready, give_up, TimeoutError)   # the link's pace: asleep, not polling
 
         self._pending.append(self._pool.submit(run))
@@ -144,7 +209,8 @@ class MPITransport(Transport):
         deadline = self.deadline()
         if self._requests:
             reqs, self._requests = self._requests, []
-            poll_until(lambda: MPI.Request.Testall(reqs), deadline, lambda: self.timed_out(peers))
+            with self._naming_peers(peers):
+                poll_until(lambda: MPI.Request.Testall(reqs), deadline, lambda: self.timed_out(peers))
             _sleep_until(self._paced_until, deadline, lambda: self.timed_out(f"{peers} ({self.link})"))
         pending, self._pending = self._pending, []
         for fut in pending:
@@ -155,62 +221,71 @@ class MPITransport(Transport):
 
     # -- agreement and collectives -----------------------------------------------------------------
     def allgather_object(self, obj, what: str = "metadata"):
-        """Every rank's `obj` in rank order, gathered on rank 0 and sent back (see the module
-        docstring). `what` names the call; ranks inside different calls raise ValueError."""
-        if self.size == 1:
-            return [obj]
-        if self.rank == 0:
-            answer = self._collect((what, obj))
-        else:
-            answer = self._ask((what, obj))
-        if isinstance(answer, AgreementMismatch):
-            calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(answer.labels))
-            raise ValueError(f"ranks are inside different burstcu calls ({calls}): every rank "
-                             f"must make the same calls in the same order")
-        return answer
+        """Every rank's `obj` (plain values: `burstcu.transport.wire`) in rank order, gathered on
+        rank 0 and sent back (see the module docstring). `what` names the call; ranks inside
+        different calls raise ValueError, and so does a message no rank can read."""
+        mine = wire.encode((what, obj))
+        answer = self._collect(mine) if self.rank == 0 else self._ask(mine)
+        if "calls" in answer:
+            raise calls_differ(answer["calls"])
+        if "unreadable" in answer:
+            rank, why = answer["unreadable"]
+            raise ValueError(f"rank {rank}'s agreement message cannot be read ({why}): are all "
+                             f"ranks running the same burstcu?")
+        return answer["values"]
 
-    def _collect(self, mine):
-        """Rank 0: receive every rank's (what, obj), answer each with the list (or a mismatch)."""
-        got: dict[int, Any] = {0: mine}
-        deadline = self.deadline()
+    def _collect(self, mine: bytes) -> dict:
+        """Rank 0: receive every rank's (what, obj), answer each with the values, the calls
+        when they differ, or the first rank whose message did not decode."""
+        got: dict[int, Any] = {0: wire.decode(mine)}
+        unreadable = []
 
         def arrived() -> bool:
             for r in range(1, self.size):
                 if r not in got:
-                    msg = self.comm.improbe(source=r, tag=_TAG_AGREE)
-                    if msg is not None:
-                        got[r] = msg.recv()
+                    with self._naming_peers(f"rank {self.top_rank(r)}'s agreement message"):
+                        message = _take(self.comm, r)
+                    if message is not None:
+                        try:
+                            got[r] = wire.decode(message)
+                        except ValueError as exc:   # answered below, on every rank
+                            unreadable.append((r, str(exc)))
+                            got[r] = ("unreadable", None)
             return len(got) == self.size
 
-        poll_until(arrived, deadline, lambda: self.timed_out(
+        poll_until(arrived, self.deadline(), lambda: self.timed_out(
             f"rank(s) {sorted(set(range(self.size)) - set(got))} to reach the agreement round "
             f"(they may have failed, exited, or be inside another call)"))
         labels = [got[r][0] for r in range(self.size)]
-        answer = (AgreementMismatch(labels) if len(set(labels)) > 1
-                  else [got[r][1] for r in range(self.size)])
-        payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        sends = [self.comm.isend(payload, dest=r, tag=_TAG_AGREE) for r in range(1, self.size)]
-        poll_until(lambda: all(req.Test() for req in sends), self.deadline(),
-                   lambda: self.timed_out("the other ranks to take the agreement's answer"))
-        return answer
+        answer = ({"unreadable": unreadable[0]} if unreadable else
+                  {"calls": labels} if len(set(labels)) > 1 else
+                  {"values": [got[r][1] for r in range(self.size)]})
+        payload = wire.encode(answer)
+        sends = [_send(self.comm, payload, r) for r in range(1, self.size)]
+        with self._naming_peers("the other ranks to take the agreement's answer"):
+            poll_until(lambda: all(req.Test() for req in sends), self.deadline(),
+                       lambda: self.timed_out("the other ranks to take the agreement's answer"))
+        return wire.decode(payload)
 
-    def _ask(self, mine):
+    def _ask(self, mine: bytes) -> dict:
         """Other ranks: send (what, obj) to rank 0 and wait for its answer."""
-        send = self.comm.isend(mine, dest=0, tag=_TAG_AGREE)
-        deadline = self.deadline() + _ROOT_GRACE_S
+        send = _send(self.comm, mine, 0)
         box: list = []
 
         def answered() -> bool:
-            msg = self.comm.improbe(source=0, tag=_TAG_AGREE)
-            if msg is not None:
-                box.append(pickle.loads(msg.recv()))
+            with self._naming_peers(f"rank {self.top_rank(0)}'s answer to the agreement round"):
+                message = _take(self.comm, 0)
+            if message is not None:
+                box.append(message)
             return bool(box)
 
-        poll_until(answered, deadline, lambda: self.timed_out(
+        poll_until(answered, self.deadline() + _ROOT_GRACE_S, lambda: self.timed_out(
             "rank 0's answer to the agreement round (rank 0, or a rank it waits for, may have "
             "failed or exited)"))
-        send.wait()
-        return box[0]
+        with self._naming_peers(f"rank {self.top_rank(0)} to take this rank's agreement message"):
+            poll_until(send.Test, self.deadline(), lambda: self.timed_out("rank 0 to take this "
+                                                                          "rank's agreement message"))
+        return wire.decode(box[0])
 
     def allgather(self, send_buf, recv_buf):
         """Counted (and paced on an emulated link) as G-1 messages of send_buf's size each
@@ -221,7 +296,8 @@ class MPITransport(Transport):
         ready = self._paced(pieces, pieces)
         req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
         deadline = self.deadline()
-        poll_until(req.Test, deadline, lambda: self.timed_out("every rank's allgather"))
+        with self._naming_peers("every rank's allgather"):
+            poll_until(req.Test, deadline, lambda: self.timed_out("every rank's allgather"))
         _sleep_until(ready, deadline, lambda: self.timed_out(f"the allgather ({self.link})"))
         self.stats.bytes_sent += sum(pieces)
         self.stats.bytes_received += sum(pieces)

@@ -42,7 +42,8 @@ import numpy as np
 
 from ..kernels.compile import compute_capability
 from ..kernels.variants import MIN_COMPUTE_CAPABILITY
-from .base import Transport, check_contiguous, nbytes
+from .base import Transport, check_contiguous, deadline_after, nbytes, resolve_timeout
+from .mpi import MPITransport, gather_plain
 
 # ----------------------------------------------------------------------------------------------
 # dtype table
@@ -231,10 +232,9 @@ class EventWatchdog:
 
     def watch(self, event: Any, what: str) -> None:
         import threading
-        import time
 
         with self._lock:
-            self._watched = (event, time.monotonic() + self.timeout, what)
+            self._watched = (event, deadline_after(self.timeout), what)
             if self._stop.is_set() or self.fired is not None:
                 return
             if self._thread is None or not self._thread.is_alive():
@@ -296,7 +296,6 @@ class NCCLTransport(Transport):
         # metadata (agreement, barrier) and aborts go through MPI, with the same deadlines
         self.meta = None
         if mpi_comm is not None:
-            from .mpi import MPITransport
             self.meta = MPITransport(mpi_comm, progress="inline", timeout=self.timeout)
         self.stream = device.new_stream()
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
@@ -387,7 +386,7 @@ class NCCLTransport(Transport):
         sub_comm = self.meta.comm.Split(color, key)
         try:
             rank, size = sub_comm.Get_rank(), sub_comm.Get_size()
-            nccl_comm = _create_communicator(sub_comm, size, unique_id(sub_comm), rank,
+            nccl_comm = _create_communicator(sub_comm, size, unique_id(sub_comm, self.timeout), rank,
                                              cupy.cuda.Device().id)
             return NCCLTransport(rank, size, CupyDevice(nccl_comm), sub_comm, self.timeout)
         finally:
@@ -496,21 +495,25 @@ def _arch_problem(device_id: int) -> str | None:
     return None
 
 
-def agree_or_raise(comm: Any, problem: str | None) -> None:
+def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None) -> None:
     """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
-    rank has one, so no rank enters a collective alone."""
-    problems = [problem] if comm is None else comm.allgather(problem)
+    rank has one, so no rank enters a collective alone. Bounded by `timeout` (default
+    `resolve_timeout(None)`)."""
+    problems = [problem] if comm is None else gather_plain(
+        comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:
         ranks = ", ".join(str(r) for r, _ in bad)
         raise BackendUnavailable(f"burstcu backend 'cupy' cannot start (rank(s) {ranks}): {bad[0][1]}")
 
 
-def unique_id(comm: Any) -> bytes:
-    """The NCCL unique id made on rank 0 and broadcast over MPI (128 bytes on every rank)."""
+def unique_id(comm: Any, timeout: float | None = None) -> bytes:
+    """The NCCL unique id made on rank 0 and sent to every rank over MPI (128 bytes on every
+    rank), bounded by `timeout` (default `resolve_timeout(None)`)."""
     from cupy.cuda import nccl
     uid = nccl.get_unique_id() if comm is None or comm.Get_rank() == 0 else None
-    return uid if comm is None else comm.bcast(uid, root=0)
+    return uid if comm is None else gather_plain(comm, uid, resolve_timeout(timeout),
+                                                 "the NCCL unique id's broadcast")[0]
 
 
 def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, int]:
@@ -522,8 +525,8 @@ def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, i
     when any rank lacks a GPU, has to share one, or lacks NCCL.
     """
     device_id, problem = _local_problem(comm)
-    agree_or_raise(comm, problem)
-    uid = unique_id(comm)
+    agree_or_raise(comm, problem, timeout)
+    uid = unique_id(comm, timeout)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
     nccl_comm = _create_communicator(comm, size, uid, rank, device_id)
     transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout)  # dups comm

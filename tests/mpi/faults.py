@@ -34,12 +34,91 @@ def _fail_at_step(group, step: int, action):
     group.ops.forward_step = forward_step
 
 
+# what rank 1 changes of burstcu.init's arguments (and environment) when the others pass
+# (backend="numpy", timeout=TIMEOUT): each case is refused on every rank, naming rank 1
+BAD_INIT = {"bad_timeout": ({}, {"timeout": 0}),
+            "bad_env_timeout": ({"BURSTCU_TIMEOUT": "soon"}, {"timeout": None}),
+            "bad_link": ({}, {"link": "1 Gb/s"}),
+            "bad_progress": ({}, {"progress": "eager"}),
+            "other_timeout": ({}, {"timeout": "twice"}),
+            "bad_env_build_timeout": ({"BURSTCU_BUILD_TIMEOUT": "-1"}, {"backend": "emulated"})}
+
+
+def _launched_rank() -> int:
+    """This rank, from the launcher's environment (before MPI is initialised)."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def _init(case: str | None, timeout: float):
+    """burstcu.init as this rank makes it in `case` (None: as the good ranks do)."""
+    env, changed = BAD_INIT[case] if case and _launched_rank() == 1 else ({}, {})
+    kwargs = dict(backend="numpy", timeout=timeout)
+    kwargs.update({k: 2 * timeout if v == "twice" else v for k, v in changed.items()})
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return burstcu.init(**kwargs)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def init_errors_caught(timeout: float) -> None:
+    """Every BAD_INIT case in turn, caught: each rank prints what it raised."""
+    for case in BAD_INIT:
+        try:
+            _init(case, timeout).close()
+        except (ValueError, TypeError) as exc:
+            sys.stdout.write(f"rank {_launched_rank()} {case}: {type(exc).__name__}: {exc}\n")
+        else:
+            sys.stdout.write(f"rank {_launched_rank()} {case}: no error\n")
+        sys.stdout.flush()
+
+
+HANGING_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "hanging-c++ 1.0"; exit 0; fi
+exec sleep 120
+"""
+
+
+def build_hangs(timeout: float) -> None:
+    """The emulated backend, rank 1's compiler hanging (in a kernel cache of its own, so it
+    must build): past $BURSTCU_BUILD_TIMEOUT (2 s) its build raises and the job ends."""
+    import tempfile
+
+    from burstcu.testing import emulate
+
+    if _launched_rank() == 1:
+        private = tempfile.mkdtemp(prefix="burstcu-hanging-build-")
+        compiler = os.path.join(private, "c++")
+        with open(compiler, "w") as fh:
+            fh.write(HANGING_CXX)
+        os.chmod(compiler, 0o755)
+        os.environ.update(BURSTCU_CACHE_DIR=os.path.join(private, "cache"), BURSTCU_BUILD_TIMEOUT="2")
+        emulate._CXX = compiler
+    group = burstcu.init(backend="emulated", timeout=10 * timeout)
+    rng = np.random.default_rng(group.rank)
+    q = rng.standard_normal((1, 64, 2, 64)).astype(np.float16)
+    burstcu.attention(q, q, q, group)
+    sys.stdout.write(f"rank {group.rank} finished\n")
+
+
 def main(scenario: str, timeout: float) -> None:
     if scenario == "exit_before_init":
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_rank() == 1:
             sys.exit(0)
-    group = burstcu.init(backend="numpy", timeout=timeout)
+    if scenario == "raise_before_init" and _launched_rank() == 1:
+        raise RuntimeError("user code failed on rank 1 before burstcu.init")
+    if scenario == "init_errors_caught":
+        return init_errors_caught(timeout)
+    if scenario == "build_hangs":
+        return build_hangs(timeout)
+    group = _init(scenario if scenario in BAD_INIT else None,
+                  float("inf") if scenario == "wait_forever" else timeout)
     q, k, v, dout = _inputs(group)
     bad = group.rank == 1
     if scenario == "raise_before_call" and bad:
@@ -60,6 +139,10 @@ def main(scenario: str, timeout: float) -> None:
         group.barrier()
     if scenario == "sigkill_mid_ring" and bad:
         _fail_at_step(group, 2, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if scenario == "os_exit_between_calls":
+        burstcu.attention(q, k, v, group)
+        if bad:
+            os._exit(0)
     if scenario == "mismatched_calls":
         try:
             if bad:

@@ -103,3 +103,50 @@ def link_paces_and_overlaps(gbps: float = 1.0, latency_us: float = 200.0, nbytes
         out["slow_s"], out["slow_cpu_s"] = time.monotonic() - t0, time.process_time() - c0
         assert out["slow_s"] >= slow and out["slow_cpu_s"] < 0.05 * slow, out
     return out
+
+
+class _RunsCode:
+    """Pickled, it calls open(path, "w") when unpickled: what a peer's pickle could do."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def agreement_never_unpickles(marker: str) -> dict:
+    """The last rank sends rank 0 a pickle that would create `marker` when unpickled, in place
+    of its agreement message; the others agree as usual. Every rank learns that the last rank's
+    message cannot be read (a ValueError naming it), and nothing ran: `marker` does not exist."""
+    import pickle
+
+    from mpi4py import MPI
+
+    from burstcu.transport import mpi as tm
+    from burstcu.transport import wire
+
+    with burstcu.init(backend="numpy") as group:
+        t, last = group.transport, group.size - 1
+        if group.size == 1:
+            return {"skipped": "one rank"}
+        if group.rank == last:
+            request = t.comm.Isend([pickle.dumps(_RunsCode(marker)), MPI.BYTE], dest=0, tag=tm._TAG_AGREE)
+            deadline = time.monotonic() + 30
+            while (answer := tm._take(t.comm, 0)) is None:
+                assert time.monotonic() < deadline, "no answer from rank 0"
+                time.sleep(0.01)
+            request.Wait()
+            unreadable = wire.decode(answer)["unreadable"]
+            message = f"rank {unreadable[0]}'s agreement message cannot be read"
+        else:
+            try:
+                t.allgather_object(("shapes", 1), "probe")
+            except ValueError as exc:
+                message = str(exc)
+            else:
+                raise AssertionError("an unreadable agreement message was accepted")
+        assert f"rank {last}'s agreement message cannot be read" in message, message
+        group.barrier()   # every rank has answered by now: the group still works
+    assert not os.path.exists(marker), "a peer's pickle ran"
+    return {"message": message}

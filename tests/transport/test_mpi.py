@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 
 import burstcu
@@ -61,3 +63,37 @@ def test_link_refused_off_mpi():
 def test_link_paces_and_overlaps(world):
     results = run_mpi(world, "transport_bodies:link_paces_and_overlaps", timeout=90)
     assert len(results) == world
+
+
+def test_an_agreement_message_is_never_unpickled(tmp_path):
+    """A peer's bytes decode to plain values or are refused: a pickle sent in place of an
+    agreement message is refused on every rank, and never runs."""
+    marker = tmp_path / "ran"
+    results = run_mpi(3, "transport_bodies:agreement_never_unpickles", timeout=60, marker=str(marker))
+    assert all("rank 2's agreement message cannot be read" in r["message"] for r in results)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("progress", ["inline", "thread"])
+def test_an_mpi_error_inside_a_wait_names_the_peer(progress):
+    """MPI's own error in a wait (here a real one: a message longer than the receive buffer,
+    as a peer dying mid-transfer gives "See the MPI_ERROR field in MPI_Status") is raised as
+    PeerFailedError naming the rank waited for and the call and step."""
+    from mpi4py import MPI
+
+    from burstcu.transport.base import PeerFailedError
+    from burstcu.transport.mpi import _TAG_RING, MPITransport
+
+    t = MPITransport(MPI.COMM_SELF, progress=progress, timeout=20)
+    try:
+        t.call, t.where = "attention forward", "fwd 1 wait"
+        t.send_recv(None, np.empty(4, np.uint8), dst=0, src=0)
+        t.commit()
+        request = t.comm.Isend([np.ones(64, np.uint8), MPI.BYTE], dest=0, tag=_TAG_RING)
+        with pytest.raises(PeerFailedError, match=r"^rank 0: MPI failed while waiting for rank 0's "
+                                                   r"message during attention forward at 'fwd 1 wait': "
+                                                   r"\S.*may have died"):
+            t.wait()
+        request.Wait()
+    finally:
+        t.close()
