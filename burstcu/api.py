@@ -644,7 +644,7 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
             reports = group.transport.allgather_object((*mine, err.plain() if err else None), "unshard")
             failed = [(r, InputError.from_plain(e)) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
-                raise failed[0][1].kind(f"rank {failed[0][0]}: {failed[0][1].message}")
+                raise failed[0][1].exception(rank=failed[0][0])
             if any(rep[:6] != reports[0][:6] for rep in reports):
                 raise ValueError(f"unshard needs the same shape (but along axis {axis}), dtype, "
                                  f"axis, layout, cu_seqlens and uneven on every rank; got "

@@ -22,6 +22,7 @@ import numpy as np
 
 import burstcu
 from burstcu.layout import global_positions
+from burstcu.transport.base import CommTimeoutError, deadline_after, poll_until
 from burstcu.engine.burst import backward_bytes, backward_counts, forward_bytes, forward_sends
 
 
@@ -149,7 +150,9 @@ def _allreduce(group, x):
     from mpi4py import MPI
 
     total = np.ascontiguousarray(x, np.float64)
-    group.comm.Allreduce(MPI.IN_PLACE, [total, MPI.DOUBLE], op=MPI.SUM)
+    request = group.comm.Iallreduce(MPI.IN_PLACE, [total, MPI.DOUBLE], op=MPI.SUM)
+    poll_until(request.Test, deadline_after(group.timeout), lambda: CommTimeoutError(
+        f"rank {group.rank} waited {group.timeout:g} s for every rank's reference part"))
     return total
 
 

@@ -17,9 +17,10 @@ import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .kernels.compile import build_timeout
+from .kernels.compile import atomic_write, build_timeout
 from .ops.base import LocalOps
 from .ops.kernel_ops import KernelOps
 from .ops.numpy_ops import NumpyOps
@@ -28,7 +29,7 @@ from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
 from .transport.mpi import PROGRESS, MPITransport, gather_plain
 from .transport.nccl import BackendUnavailable, bootstrap
-from .validate import InputError
+from .validate import InputError, agree
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
 
@@ -97,39 +98,40 @@ class Group:
 
 
 class RankState:
-    """What launch/rank-guard learns when this rank's process ends, in the file named by
-    $BURSTCU_RANK_STATE (set by rank-guard; without it nothing is written): "open N" while N
-    groups made by `init` are open, "exit N" once the interpreter has exited normally. A process
-    that ends with "open N", N > 0 (os._exit, a C library's exit(), with a group open) left
-    while its peers may be inside a call: rank-guard names it and fails the job."""
+    """What launch/rank-guard learns when this rank's process ends, in the file `path` (from
+    $BURSTCU_RANK_STATE, which rank-guard sets and this module takes out of the environment on
+    import, so that no child process writes it; None: nothing is written): "open N" while N
+    groups made by `init` are open, "exit N" once the interpreter has exited normally. Only the
+    process that imported burstcu writes (a forked child that exits does not). A process that
+    ends with "open N", N > 0 (os._exit, a C library's exit(), with a group open) left while its
+    peers may be inside a call: rank-guard names it and fails the job."""
 
     ENV = "BURSTCU_RANK_STATE"
 
-    def __init__(self):
+    def __init__(self, path: str | None):
+        self.path, self.pid = path, os.getpid()
         self.open, self.lock, self.watching = 0, threading.Lock(), False
 
     def change(self, by: int) -> None:
-        path = os.environ.get(self.ENV)
-        if not path:
+        if not self.path:
             return
         with self.lock:
             self.open += by
             if not self.watching:
                 self.watching = True
-                atexit.register(self._write, path, "exit")
-            self._write(path, "open")
+                atexit.register(self._write, "exit")
+            self._write("open")
 
-    def _write(self, path: str, word: str) -> None:
+    def _write(self, word: str) -> None:
+        if os.getpid() != self.pid:
+            return
         try:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as fh:
-                fh.write(f"{word} {self.open}\n")
-            os.replace(tmp, path)   # rank-guard reads the old line or the new one, whole
+            atomic_write(Path(self.path), f"{word} {self.open}\n".encode())
         except OSError:
             pass   # rank-guard's folder is gone: nobody is left to read it
 
 
-RANK_STATE = RankState()
+RANK_STATE = RankState(os.environ.pop(RankState.ENV, None))
 
 
 def _counted(group: Group) -> Group:
@@ -161,8 +163,11 @@ class Call:
         """Errors raised inside are raised on every rank alike: they end only this call."""
         try:
             yield
-        except (ValueError, TypeError, MemoryError):   # `InputError.KINDS`
+        except (ValueError, TypeError):
             self.together = True
+            raise
+        except MemoryError as exc:   # only one every rank raised (`InputError.exception`)
+            self.together = getattr(exc, "burstcu_agreed", False)
             raise
         self.transport.where = "after the agreement"
 
@@ -287,19 +292,22 @@ def _agreed_settings(comm, backend: str, timeout, progress: str, link) -> tuple[
     while the others wait in a collective). Bounded by this rank's timeout, else the default."""
     try:
         mine, error = _settings(backend, timeout, progress, link), None
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it in the round below
         mine, error = None, InputError(type(exc), f"burstcu.init: {exc}")
     if comm is None or comm.Get_size() == 1:
         if error:
-            raise error.kind(error.message)
+            raise error.exception()
         return mine, [mine]
-    wait = mine["timeout"] if mine else DEFAULT_TIMEOUT
+    try:
+        wait = resolve_timeout(timeout)
+    except Exception:  # noqa: BLE001 - reported with the rest of this rank's settings
+        wait = DEFAULT_TIMEOUT
     reports = gather_plain(comm, (error.plain() if error else None, mine), wait,
                            "burstcu.init (every rank must call it)")
     failed = [(r, InputError.from_plain(e)) for r, (e, _) in enumerate(reports) if e is not None]
     if failed:
         rank, first = failed[0]
-        raise first.kind(f"rank {rank}: {first.message}")
+        raise first.exception(rank=rank)
     every = [settings for _, settings in reports]
     for key in ("backend", "timeout", "progress", "link"):
         values = [settings[key] for settings in every]
@@ -359,23 +367,35 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         _warn_cpu_fallback(comm, "some ranks have a usable GPU, not every rank")
     if backend == "cupy":
         try:
-            return _counted(_init_cupy(comm, options, timeout))
+            transport, _device = bootstrap(comm, timeout)   # makes the node-local GPU current
         except BackendUnavailable as exc:  # raised on every rank alike, so all fall back together
             if asked != "auto":
                 raise
             _warn_cpu_fallback(comm, str(exc))
             backend = "numpy"
-    if backend == "numpy":
-        transport, ops = _mpi_transport(comm, progress, timeout, link), NumpyOps(**options)
-    elif backend == "emulated":
-        transport, ops = _mpi_transport(comm, progress, timeout, link), KernelOps("emulated", **options)
+    if backend != "cupy":
+        transport = _mpi_transport(comm, progress, timeout, link)
+    ops = _agreed_ops(transport, backend, options)
     return _counted(Group(transport.rank, transport.size, backend, transport, ops, comm))
 
 
-def _init_cupy(comm, options, timeout: float) -> Group:
-    """NCCL over the node-local GPU (bootstrap makes it current) with the CUDA kernels."""
-    transport, _device = bootstrap(comm, timeout)
-    return Group(transport.rank, transport.size, "cupy", transport, KernelOps("cupy", **options), comm)
+def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
+    """The local op of `backend` made with `options` on every rank, or the same error on every
+    rank (one more agreement round: a bad option, or one rank short of memory, raises
+    everywhere, with the transport closed)."""
+    ops = error = None
+    try:
+        ops = NumpyOps(**options) if backend == "numpy" else KernelOps(backend, **options)
+    except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
+        error = InputError(type(exc), f"burstcu.init: the {backend!r} local op: {exc}")
+    try:
+        agree(transport, error, None, "burstcu.init (the local op)")
+    except BaseException:
+        if ops is not None:
+            ops.close()
+        transport.close()
+        raise
+    return ops
 
 
 def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:

@@ -36,6 +36,14 @@ class InputError:
     def plain(self) -> tuple[str, str]:
         return (self.kind.__name__, self.message)
 
+    def exception(self, rank: int | None = None) -> BaseException:
+        """The exception to raise once every rank knows of this error (`rank`: the rank it is
+        from, named in the message), marked agreed: `burstcu.group.Call` lets an agreed
+        MemoryError end only the call, as it does every ValueError and TypeError."""
+        exc = self.kind(self.message if rank is None else f"rank {rank}: {self.message}")
+        exc.burstcu_agreed = True
+        return exc
+
     @classmethod
     def from_plain(cls, plain) -> "InputError":
         """The error a peer sent as `plain()`; a kind of another name is a ValueError."""
@@ -344,15 +352,15 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     each rank reports without agreeing on it (its sequence length); returns every rank's."""
     if transport.size == 1:
         if error:
-            raise error.kind(error.message)
+            raise error.exception()
         return [local]
     gathered = transport.allgather_object((error.plain() if error else None, meta, local), what)
     if error:
-        raise error.kind(error.message)
+        raise error.exception()
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]
-        raise e.kind(f"rank {r}: {e.message}")
+        raise e.exception(rank=r)
     metas = [m for _, m, _ in gathered]
     if any(m != metas[0] for m in metas):
         differing = [r for r, m in enumerate(metas) if m != metas[0]]

@@ -1,19 +1,47 @@
-"""python launch/mpi_first.py PROGRAM [ARGS...]: `python -m mpi4py PROGRAM ...`, with MPI
-initialised before PROGRAM runs (PROGRAM: a script, `-m module`, `-c code` or `-`, as for
-`python -m mpi4py`).
+"""python launch/mpi_first.py [-rc KEY=VALUE,...] PROGRAM [ARGS...]: `python -m mpi4py PROGRAM
+...`, with MPI initialised before PROGRAM runs (PROGRAM: a script, `-m module`, `-c code` or
+`-`, as for `python -m mpi4py`; its `-rc` options are applied before MPI starts, as there).
 
 Why: `-m mpi4py` aborts every rank on an uncaught exception only once MPI has been initialised
 (on importing mpi4py.MPI). A rank that raises before that leaves the others in MPI_Init forever.
 With MPI initialised first, any exception, anywhere in the program, ends the whole job.
-launch/burstcu-run starts every rank through this file.
+launch/burstcu-run starts every rank through this file. (mpi4py.rc settings a program makes
+itself come too late here: pass them as -rc options.)
 """
 
 import os
 import sys
+from ast import literal_eval
 
-from mpi4py import MPI  # noqa: F401  (importing it initialises MPI: the point of this file)
-from mpi4py.run import main
+
+def rc_options(args: list) -> dict:
+    """mpi4py's `-rc KEY=VALUE,...` (or `--rc=...`) options at the head of `args`, as mpi4py
+    parses them (values through literal_eval where they are literals)."""
+    found, i = {}, 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-m", "-c", "-"):
+        if args[i] in ("-rc", "--rc") and i + 1 < len(args):
+            entries, i = args[i + 1], i + 2
+        elif args[i].startswith("--rc="):
+            entries, i = args[i].partition("=")[2], i + 1
+        else:
+            i += 1
+            continue
+        for entry in entries.split(","):
+            key, _, value = entry.partition("=")
+            try:
+                found[key] = literal_eval(value)
+            except (ValueError, SyntaxError):
+                found[key] = value
+    return found
+
 
 if __name__ == "__main__":
-    sys.path[0] = os.getcwd()  # as `python -m` has it (a script's folder replaces it in main)
+    import mpi4py
+
+    mpi4py.rc(**rc_options(sys.argv[1:]))
+    from mpi4py import MPI  # noqa: F401  (importing it initialises MPI: the point of this file)
+    from mpi4py.run import main
+
+    if not (sys.flags.safe_path or sys.flags.isolated):
+        sys.path[0] = os.getcwd()  # as `python -m` has it (a script's folder replaces it in main)
     main()

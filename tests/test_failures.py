@@ -106,8 +106,18 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     assert "finished" not in out
 
 
+def test_a_rank_that_leaves_through_os_exit_after_its_last_call_fails_the_job():
+    """Rank 1 leaves through os._exit(0) after its last call, its group open, while the others
+    finish as if nothing happened: only rank-guard can tell, and it fails the job."""
+    status, out, seconds = run_faulty("os_exit_after_last_call", launcher=True)
+    assert status != 0 and seconds < 30, out
+    assert all(f"rank {r} finished" in out for r in (0, 2)), out
+    assert "burstcu: rank 1 on " in out and "exited (status 0) with 1 burstcu group(s) open" in out, out
+
+
 def test_bad_init_arguments_on_one_rank_raise_on_every_rank():
-    """Each case of faults.BAD_INIT, caught: every rank raised, and its message names rank 1."""
+    """Each case of faults.BAD_INIT, caught: every rank raised, and the others' messages name
+    rank 1."""
     from tests.mpi.faults import BAD_INIT
 
     status, out, seconds = run_faulty("init_errors_caught")
@@ -116,11 +126,14 @@ def test_bad_init_arguments_on_one_rank_raise_on_every_rank():
         for case in BAD_INIT:
             line = re.search(rf"^rank {rank} {case}: (\w+): (.*)$", out, re.MULTILINE)
             assert line, f"rank {rank} reported nothing for {case}:\n{out}"
-            assert line.group(1) in ("ValueError", "TypeError") and "rank 1" in line.group(2), line.group(0)
+            # the others name rank 1; rank 1 may raise its own message as it is
+            assert line.group(1) in ("ValueError", "TypeError"), line.group(0)
+            assert "rank 1" in line.group(2) or rank == 1, line.group(0)
 
 
 def test_timeout_inf_waits_without_a_deadline():
-    """timeout=math.inf: the job runs as with any timeout (no overflow in any wait)."""
+    """timeout=math.inf: the job runs as with any timeout (no overflow in any wait), rank 1
+    arriving 1 s late."""
     status, out, _ = run_faulty("wait_forever")
     assert status == 0, out
     assert all(f"rank {r} finished" in out for r in range(3)), out
@@ -216,6 +229,39 @@ def test_a_memory_error_in_the_input_checks_stays_a_memory_error(monkeypatch):
     for rank, message in enumerate(run_ranks(3, body, timeout=30)):   # rank 1 raises its own
         assert message.startswith("" if rank == 1 else "rank 1: ") and "simulated" in message
         assert "out of memory while taking the inputs" in message
+
+
+def test_a_memory_error_on_one_rank_alone_inside_the_agreement_ends_the_group(monkeypatch):
+    """Out of memory on rank 1 alone after the agreement round (while the layout is worked
+    out): not an error the ranks agreed on, so the group ends at once (the other rank stops
+    waiting, PeerFailedError) instead of waiting out its timeout."""
+    import threading
+
+    import numpy as np
+
+    import burstcu
+    from burstcu import api
+    from burstcu.testing.loopback import run_ranks
+    real = api.partition_of
+
+    def short_of_memory_on_rank_1(*args, **kwargs):
+        if threading.current_thread().name == "burstcu-rank1":
+            raise MemoryError("simulated: cannot allocate")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "partition_of", short_of_memory_on_rank_1)
+    q = np.ones((1, 8, 2, 8))
+
+    def body(group):
+        started = time.monotonic()
+        try:
+            burstcu.attention(q, q, q, group)
+        except BaseException as exc:  # noqa: BLE001 - what each rank raised is the result
+            return type(exc).__name__, time.monotonic() - started
+        return None, time.monotonic() - started
+
+    (kind0, seconds0), (kind1, _) = run_ranks(2, body, timeout=30)
+    assert kind1 == "MemoryError" and kind0 == "PeerFailedError" and seconds0 < 10, (kind0, seconds0)
 
 
 def test_masked_arrays_are_refused(monkeypatch):

@@ -74,6 +74,11 @@ def test_mpi_first_runs_modules_scripts_and_code_with_mpi_initialised(tmp_path):
         assert initialised == "True" and rest.startswith("['a', 'b']"), proc.stdout
         if program[0] != "-c":
             assert rest.endswith(str(tmp_path)), proc.stdout
+    # mpi4py's -rc options still take effect: applied before MPI is initialised
+    proc = subprocess.run([sys.executable, str(LAUNCH / "mpi_first.py"), "-rc", "thread_level=single",
+                           "-c", "from mpi4py import MPI; print(MPI.Query_thread() == MPI.THREAD_SINGLE)"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr
 
 
 def test_rank_env_keeps_the_users_settings():

@@ -44,7 +44,8 @@ cache from before manifests), a truncated or foreign file is rebuilt with a warn
 * its precompiled header: ``emu/pch-<digest>/`` holding ``emu_pch.h`` and ``emu_pch.h.gch``.
 
 Deadlines (`build_timeout`): $BURSTCU_BUILD_TIMEOUT seconds (default 600) bound every wait of a
-build on its own: each build-lock acquisition, each compiler run (the g++ subprocesses; NVRTC
+build on its own: each compiler run, and each build-lock acquisition at twice that (its holder
+may run the compiler twice; locks are never nested) (the g++ subprocesses; NVRTC
 compiles in-process, on a worker thread the caller stops waiting for). Past it, BuildTimeoutError
 names what was waited for; inside a burstcu call on several ranks, the rank fails and the whole
 group aborts (`burstcu.group.Call`), instead of every rank hanging behind one stuck compiler.
@@ -249,6 +250,9 @@ def parse_ptxas(log: str) -> dict[str, Resources]:
 # the trusted cache: folders, manifests, deadlines (the module docstring has the rules)
 
 DEFAULT_BUILD_TIMEOUT_S = 600.0
+# a lock wait outlasts its holder's longest build: up to two compiler runs (the emulator's: with
+# the precompiled header, then without it), each within build_timeout()
+LOCK_WAIT_BUILDS = 2
 MANIFEST_FORMAT = 1
 _WHY_TRUST = ("burstcu runs code it finds there, so anyone who can change the folder could run "
               "code in this process")
@@ -289,7 +293,7 @@ def build_lock(path: Path) -> Iterator[None]:
 
     Raises BuildTimeoutError when another process holds it longer.
     """
-    timeout = build_timeout()
+    timeout = LOCK_WAIT_BUILDS * build_timeout()
     lock = FileLock(str(path), timeout=timeout)
     try:
         lock.acquire()
@@ -400,16 +404,20 @@ def manifest_problem(folder: Path, key: str, names: Sequence[str]) -> str | None
     return None
 
 
-def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable[[], None]) -> None:
+def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable[[], None],
+                   before_lock: Callable[[], None] | None = None) -> None:
     """Make the cache entry `key` (the files `names` of the trusted `folder`) present and verified.
 
-    Returns at once when its manifest vouches for every file. Else, holding folder/<key>.lock,
-    checks again (another process may have built it meanwhile), calls `build` (which writes the
+    Returns at once when its manifest vouches for every file. Else runs `before_lock` (work with
+    a lock of its own, such as the precompiled header: locks are never nested), then, holding
+    folder/<key>.lock, checks again (another process may have built it meanwhile), calls `build` (which writes the
     files, each atomically) and records the manifest; an entry that was there but failed the
     check is rebuilt, never used, with a warning naming the file.
     """
     if manifest_problem(folder, key, names) is None:
         return
+    if before_lock is not None:   # what `build` needs that has a lock of its own (no nesting)
+        before_lock()
     with build_lock(folder / f"{key}.lock"):
         problem = manifest_problem(folder, key, names)
         if problem is None:

@@ -216,10 +216,9 @@ def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path) -> None:
+def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path, pch: Path | None) -> None:
     """Build `text` into the shared library `target` (atomically), with the precompiled header
-    when there is one; g++'s message on failure (RuntimeError)."""
-    pch = _precompiled_header(kdir)
+    `pch` when there is one; g++'s message on failure (RuntimeError)."""
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         cpp = Path(tmp) / "module.cpp"
         cpp.write_text(text)
@@ -262,7 +261,9 @@ def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path) -
     key = _cache_key(paths, text, flags, kdir)
     folder = cache_dir()
     target = folder / f"{key}.so"
-    verified_entry(folder, key, [target.name], lambda: _compile(text, flags, kdir, target))
+    pch: list = []   # made before the entry's lock is taken: the PCH has a lock of its own
+    verified_entry(folder, key, [target.name], lambda: _compile(text, flags, kdir, target, pch[0]),
+                   before_lock=lambda: pch.append(_precompiled_header(kdir)))
     return key, target
 
 

@@ -183,6 +183,30 @@ def calls_differ(labels: Sequence[str]) -> ValueError:
                       f"the same calls in the same order")
 
 
+def answer_of(messages: list[tuple]) -> dict:
+    """The answer to an agreement round, from every rank's `wire.unlabelled` message in rank
+    order: {"values": [...]}, {"calls": [labels]} when ranks are inside different calls, or
+    {"unusable": (rank, why)} for the first rank whose message cannot be used."""
+    problems = [(r, why) for r, (_, _, why) in enumerate(messages) if why is not None]
+    labels = [label for label, _, _ in messages]
+    if problems:
+        return {"unusable": problems[0]}
+    if len(set(labels)) > 1:
+        return {"calls": labels}
+    return {"values": [value for _, value, _ in messages]}
+
+
+def agreed(answer: dict) -> list:
+    """The values of an agreement round's answer (`answer_of`), or the error every rank raises."""
+    if "calls" in answer:
+        raise calls_differ(answer["calls"])
+    if "unusable" in answer:
+        rank, why = answer["unusable"]
+        raise ValueError(f"rank {rank}'s agreement message cannot be used: {why}. Are all ranks "
+                         f"running the same burstcu?")
+    return answer["values"]
+
+
 class Transport(ABC):
     """Point-to-point exchange + metadata agreement among `size` ranks; this process is `rank`."""
 

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import wire
-from .base import CommTimeoutError, PeerFailedError, Transport, calls_differ, check_contiguous, nbytes
+from .base import CommTimeoutError, PeerFailedError, Transport, agreed, answer_of, check_contiguous, nbytes
 from .nccl import CupyStreams, join_stream
 
 
@@ -280,11 +280,8 @@ class LoopbackTransport(Transport):
 
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
         # in the wire encoding, as over MPI: plain values only, whatever the transport
-        labelled = [wire.decode(m) for m in self.hub.allgather_object(self.rank, wire.encode((what, obj)))]
-        labels = [label for label, _ in labelled]
-        if len(set(labels)) > 1:
-            raise calls_differ(labels)
-        return [value for _, value in labelled]
+        messages = self.hub.allgather_object(self.rank, wire.labelled(what, obj))
+        return agreed(answer_of([wire.unlabelled(m) for m in messages]))
 
     def barrier(self) -> None:
         self.allgather_object(None, "barrier")

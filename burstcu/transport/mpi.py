@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, calls_differ,
+from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
                    deadline_after, nbytes, poll_until, sleep_until)
 from . import wire
 from .link import Link, Port
@@ -85,9 +85,9 @@ def _take(comm, source: int) -> bytes | None:
 def gather_plain(comm, obj, timeout: float, what: str) -> list:
     """Every rank's `obj` (plain values, `wire`) over a raw mpi4py communicator, before any
     transport exists (`burstcu.init`, the NCCL bootstrap, the self-test): non-blocking
-    all-gathers of the lengths, then of the bytes, each bounded by `timeout` seconds (past it,
-    CommTimeoutError naming `what`). Every rank decodes every message, so what fails to decode
-    fails alike on every rank."""
+    all-gathers of the lengths, then of the labelled messages, each bounded by `timeout`
+    seconds (past it, CommTimeoutError naming `what`). Every rank decodes every message, so a
+    message that cannot be used, or ranks in different rounds, raise ValueError on every rank."""
     from mpi4py import MPI
 
     deadline = deadline_after(timeout)
@@ -97,7 +97,7 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
                                 f"communicator to reach {what} (a rank may have failed, exited or "
                                 f"be stuck before it)")
 
-    data = np.frombuffer(wire.encode(obj), np.uint8)
+    data = np.frombuffer(wire.labelled(what, obj), np.uint8)
     sizes = np.zeros(comm.Get_size(), np.int64)
     request = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
     poll_until(request.Test, deadline, timed_out)
@@ -108,7 +108,7 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
     gathered = np.empty(int(sizes.sum()), np.uint8)
     request = comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE])
     poll_until(request.Test, deadline, timed_out)
-    return [wire.decode(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+    return agreed(answer_of([wire.unlabelled(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]))
 
 
 class MPITransport(Transport):
@@ -223,22 +223,16 @@ class MPITransport(Transport):
     def allgather_object(self, obj, what: str = "metadata"):
         """Every rank's `obj` (plain values: `burstcu.transport.wire`) in rank order, gathered on
         rank 0 and sent back (see the module docstring). `what` names the call; ranks inside
-        different calls raise ValueError, and so does a message no rank can read."""
-        mine = wire.encode((what, obj))
+        different calls raise ValueError on every rank, and so does a message that cannot be
+        encoded or read (whichever rank's it is)."""
+        mine = wire.labelled(what, obj)
         answer = self._collect(mine) if self.rank == 0 else self._ask(mine)
-        if "calls" in answer:
-            raise calls_differ(answer["calls"])
-        if "unreadable" in answer:
-            rank, why = answer["unreadable"]
-            raise ValueError(f"rank {rank}'s agreement message cannot be read ({why}): are all "
-                             f"ranks running the same burstcu?")
-        return answer["values"]
+        return agreed(answer)
 
     def _collect(self, mine: bytes) -> dict:
-        """Rank 0: receive every rank's (what, obj), answer each with the values, the calls
-        when they differ, or the first rank whose message did not decode."""
-        got: dict[int, Any] = {0: wire.decode(mine)}
-        unreadable = []
+        """Rank 0: receive every rank's labelled message, answer each with the values, the calls
+        when they differ, or the first rank whose message cannot be used."""
+        got: dict[int, tuple] = {0: wire.unlabelled(mine)}
 
         def arrived() -> bool:
             for r in range(1, self.size):
@@ -246,29 +240,22 @@ class MPITransport(Transport):
                     with self._naming_peers(f"rank {self.top_rank(r)}'s agreement message"):
                         message = _take(self.comm, r)
                     if message is not None:
-                        try:
-                            got[r] = wire.decode(message)
-                        except ValueError as exc:   # answered below, on every rank
-                            unreadable.append((r, str(exc)))
-                            got[r] = ("unreadable", None)
+                        got[r] = wire.unlabelled(message)
             return len(got) == self.size
 
         poll_until(arrived, self.deadline(), lambda: self.timed_out(
             f"rank(s) {sorted(set(range(self.size)) - set(got))} to reach the agreement round "
             f"(they may have failed, exited, or be inside another call)"))
-        labels = [got[r][0] for r in range(self.size)]
-        answer = ({"unreadable": unreadable[0]} if unreadable else
-                  {"calls": labels} if len(set(labels)) > 1 else
-                  {"values": [got[r][1] for r in range(self.size)]})
-        payload = wire.encode(answer)
+        payload = wire.encode(answer_of([got[r] for r in range(self.size)]),
+                              limit=self.size * wire.MAX_BYTES)
         sends = [_send(self.comm, payload, r) for r in range(1, self.size)]
         with self._naming_peers("the other ranks to take the agreement's answer"):
             poll_until(lambda: all(req.Test() for req in sends), self.deadline(),
                        lambda: self.timed_out("the other ranks to take the agreement's answer"))
-        return wire.decode(payload)
+        return wire.decode(payload, limit=self.size * wire.MAX_BYTES)
 
     def _ask(self, mine: bytes) -> dict:
-        """Other ranks: send (what, obj) to rank 0 and wait for its answer."""
+        """Other ranks: send this rank's labelled message to rank 0 and wait for its answer."""
         send = _send(self.comm, mine, 0)
         box: list = []
 
@@ -285,7 +272,7 @@ class MPITransport(Transport):
         with self._naming_peers(f"rank {self.top_rank(0)} to take this rank's agreement message"):
             poll_until(send.Test, self.deadline(), lambda: self.timed_out("rank 0 to take this "
                                                                           "rank's agreement message"))
-        return wire.decode(box[0])
+        return wire.decode(box[0], limit=self.size * wire.MAX_BYTES)
 
     def allgather(self, send_buf, recv_buf):
         """Counted (and paced on an emulated link) as G-1 messages of send_buf's size each

@@ -43,6 +43,7 @@ import numpy as np
 from ..kernels.compile import compute_capability
 from ..kernels.variants import MIN_COMPUTE_CAPABILITY
 from .base import Transport, check_contiguous, deadline_after, nbytes, resolve_timeout
+from . import wire
 from .mpi import MPITransport, gather_plain
 
 # ----------------------------------------------------------------------------------------------
@@ -361,7 +362,7 @@ class NCCLTransport(Transport):
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
         if self.meta is None:
             if self.size == 1:
-                return [obj]
+                return [wire.decode(wire.encode(obj))]   # what a peer would get: plain values only
             raise RuntimeError("NCCLTransport without an MPI communicator cannot agree on metadata")
         self.meta.call, self.meta.where = self.call, self.where
         return self.meta.allgather_object(obj, what)

@@ -41,7 +41,9 @@ BAD_INIT = {"bad_timeout": ({}, {"timeout": 0}),
             "bad_link": ({}, {"link": "1 Gb/s"}),
             "bad_progress": ({}, {"progress": "eager"}),
             "other_timeout": ({}, {"timeout": "twice"}),
-            "bad_env_build_timeout": ({"BURSTCU_BUILD_TIMEOUT": "-1"}, {"backend": "emulated"})}
+            "bad_env_build_timeout": ({"BURSTCU_BUILD_TIMEOUT": "-1"}, {"backend": "emulated"}),
+            "bad_option": ({}, {"tile_q": -1}),
+            "huge_timeout": ({}, {"timeout": 10**400})}
 
 
 def _launched_rank() -> int:
@@ -103,23 +105,21 @@ def build_hangs(timeout: float) -> None:
     rng = np.random.default_rng(group.rank)
     q = rng.standard_normal((1, 64, 2, 64)).astype(np.float16)
     burstcu.attention(q, q, q, group)
-    sys.stdout.write(f"rank {group.rank} finished\n")
+    _say(f"rank {group.rank} finished")
 
 
-def main(scenario: str, timeout: float) -> None:
+def before_init(scenario: str) -> None:
+    """What rank 1 does before burstcu.init in the scenarios about that time."""
     if scenario == "exit_before_init":
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_rank() == 1:
             sys.exit(0)
     if scenario == "raise_before_init" and _launched_rank() == 1:
         raise RuntimeError("user code failed on rank 1 before burstcu.init")
-    if scenario == "init_errors_caught":
-        return init_errors_caught(timeout)
-    if scenario == "build_hangs":
-        return build_hangs(timeout)
-    group = _init(scenario if scenario in BAD_INIT else None,
-                  float("inf") if scenario == "wait_forever" else timeout)
-    q, k, v, dout = _inputs(group)
+
+
+def misbehave(scenario: str, group, timeout: float, q, k, v) -> None:
+    """What rank 1 (or every rank) does wrong once the group exists."""
     bad = group.rank == 1
     if scenario == "raise_before_call" and bad:
         raise RuntimeError("user code failed on rank 1 before calling burstcu")
@@ -143,31 +143,56 @@ def main(scenario: str, timeout: float) -> None:
         burstcu.attention(q, k, v, group)
         if bad:
             os._exit(0)
-    if scenario == "mismatched_calls":
-        try:
-            if bad:
-                group.barrier()
-            else:
-                burstcu.attention(q, k, v, group)
-        except ValueError as exc:
-            sys.stdout.write(f"rank {group.rank} caught: {exc}\n")
-            sys.stdout.flush()
-            group.close()
-            return
-    if scenario == "slow_peer_cpu":  # rank 1 arrives 3 s late; the others must not spin
-        if bad:
-            time.sleep(3)
-        t0, c0 = time.monotonic(), time.process_time()
-        burstcu.attention(q, k, v, group, causal=True)
-        wall, cpu = time.monotonic() - t0, time.process_time() - c0
-        sys.stdout.write(f"rank {group.rank} waited {wall:.2f} s using {cpu:.3f} s of CPU\n")
-        sys.stdout.flush()
+    if scenario == "wait_forever" and bad:   # the others wait for it with no deadline
+        time.sleep(1.0)
+
+
+def mismatched_calls(group, q, k, v) -> None:
+    try:
+        if group.rank == 1:
+            group.barrier()
+        else:
+            burstcu.attention(q, k, v, group)
+    except ValueError as exc:
+        _say(f"rank {group.rank} caught: {exc}")
+
+
+def slow_peer_cpu(group, q, k, v) -> None:
+    """Rank 1 arrives 3 s late; the others must not spin."""
+    if group.rank == 1:
+        time.sleep(3)
+    t0, c0 = time.monotonic(), time.process_time()
+    burstcu.attention(q, k, v, group, causal=True)
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    _say(f"rank {group.rank} waited {wall:.2f} s using {cpu:.3f} s of CPU")
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs}   # whole ones
+ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu}
+
+
+def main(scenario: str, timeout: float) -> None:
+    before_init(scenario)
+    if scenario in PROGRAMS:
+        return PROGRAMS[scenario](timeout)
+    group = _init(scenario if scenario in BAD_INIT else None,
+                  float("inf") if scenario == "wait_forever" else timeout)
+    q, k, v, dout = _inputs(group)
+    misbehave(scenario, group, timeout, q, k, v)
+    if scenario in ENDINGS:
+        ENDINGS[scenario](group, q, k, v)
         group.close()
         return
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
-    sys.stdout.write(f"rank {group.rank} finished\n")
-    sys.stdout.flush()
+    if scenario == "os_exit_after_last_call" and group.rank == 1:
+        os._exit(0)   # its group open; the others finish as if nothing happened
+    _say(f"rank {group.rank} finished")
     group.close()
 
 

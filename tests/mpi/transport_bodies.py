@@ -137,8 +137,8 @@ def agreement_never_unpickles(marker: str) -> dict:
                 assert time.monotonic() < deadline, "no answer from rank 0"
                 time.sleep(0.01)
             request.Wait()
-            unreadable = wire.decode(answer)["unreadable"]
-            message = f"rank {unreadable[0]}'s agreement message cannot be read"
+            rank, why = wire.decode(answer)["unusable"]
+            message = f"rank {rank}'s agreement message cannot be used: {why}"
         else:
             try:
                 t.allgather_object(("shapes", 1), "probe")
@@ -146,7 +146,38 @@ def agreement_never_unpickles(marker: str) -> dict:
                 message = str(exc)
             else:
                 raise AssertionError("an unreadable agreement message was accepted")
-        assert f"rank {last}'s agreement message cannot be read" in message, message
+        assert f"rank {last}'s agreement message cannot be used: it cannot be read" in message, message
         group.barrier()   # every rank has answered by now: the group still works
     assert not os.path.exists(marker), "a peer's pickle ran"
     return {"message": message}
+
+
+def agreement_edges() -> dict:
+    """Agreement rounds at their edges, on every rank: messages that add up past one message's
+    bound (rank 0's answer carries them all); one rank whose value cannot be encoded (every
+    rank raises, naming it, and the group goes on); and start-up gathers (`gather_plain`) of
+    ranks in different rounds (every rank raises)."""
+    from mpi4py import MPI
+
+    from burstcu.transport import wire
+    from burstcu.transport.mpi import gather_plain
+
+    with burstcu.init(backend="numpy") as group:
+        t, last = group.transport, group.size - 1
+        big = "x" * (wire.MAX_BYTES // 2)
+        assert t.allgather_object(big + str(group.rank), "large") == [big + str(r) for r in range(group.size)]
+        messages = {}
+        try:
+            t.allgather_object(object() if group.rank == last else 1, "unencodable")
+        except ValueError as exc:
+            messages["unencodable"] = str(exc)
+        assert f"rank {last}'s agreement message cannot be used: it cannot be encoded" in \
+            messages.get("unencodable", ""), messages
+        try:
+            gather_plain(MPI.COMM_WORLD, 1, 30, "round B" if group.rank == last else "round A")
+        except ValueError as exc:
+            messages["rounds"] = str(exc)
+        if group.size > 1:
+            assert f"rank {last}: round B" in messages.get("rounds", ""), messages
+        group.barrier()
+    return messages

@@ -70,7 +70,7 @@ def test_an_agreement_message_is_never_unpickled(tmp_path):
     agreement message is refused on every rank, and never runs."""
     marker = tmp_path / "ran"
     results = run_mpi(3, "transport_bodies:agreement_never_unpickles", timeout=60, marker=str(marker))
-    assert all("rank 2's agreement message cannot be read" in r["message"] for r in results)
+    assert all("rank 2's agreement message cannot be used: it cannot be read" in r["message"] for r in results)
     assert not marker.exists()
 
 
@@ -97,3 +97,10 @@ def test_an_mpi_error_inside_a_wait_names_the_peer(progress):
         request.Wait()
     finally:
         t.close()
+
+
+def test_agreement_rounds_at_their_edges():
+    """tests/mpi/transport_bodies.py: agreement_edges, on 3 ranks."""
+    results = run_mpi(3, "transport_bodies:agreement_edges", timeout=60)
+    assert all("rank 2's agreement message cannot be used" in r["unencodable"] for r in results)
+    assert all("ranks are inside different burstcu calls" in r["rounds"] for r in results)

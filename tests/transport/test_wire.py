@@ -30,6 +30,7 @@ def test_non_finite_floats_and_numpy_scalars():
     inf, ninf, nan = wire.decode(wire.encode((math.inf, -math.inf, math.nan)))
     assert inf == math.inf and ninf == -math.inf and math.isnan(nan)
     assert wire.decode(wire.encode((np.float32(0.5), np.int64(3), np.bool_(True)))) == (0.5, 3, True)
+    assert wire.decode(wire.encode(np.longdouble(1.5))) == 1.5
 
 
 @pytest.mark.parametrize("value", [ValueError, ValueError("x"), np.zeros(3), object(), {1, 2},
@@ -61,6 +62,9 @@ class _RunsCode:
     wire.HEADER + b'{"t": [1], "f": 2}',  # two tags
     wire.HEADER + b'{"f": "1e999"}',
     wire.HEADER + b'{"d": [[[1], 2]]}',    # a list as a key
+    wire.HEADER + b'{"d": [[{"d": []}, 1]]}',   # a dict as a key
+    wire.HEADER + b'{"d": [[{"t": [[1]]}, 1]]}',   # a tuple holding a list as a key
+    wire.HEADER + b'{"f": []}',
     wire.HEADER + b"NaN",
     wire.HEADER + b"[1,",
     wire.HEADER + b"\xff\xfe",
@@ -76,3 +80,22 @@ def test_other_bytes_are_refused_on_decoding(data, capsys):
 def test_messages_are_bounded():
     with pytest.raises(ValueError, match="bound"):
         wire.encode("x" * wire.MAX_BYTES)
+
+
+def test_labelled_messages_carry_what_could_not_be_sent():
+    """What a rank cannot encode travels as a problem every rank reads (never an exception on
+    that rank alone), and so does a message that is not a labelled one."""
+    assert wire.unlabelled(wire.labelled("attention", (1, "S"))) == ("attention", (1, "S"), None)
+    label, value, problem = wire.unlabelled(wire.labelled("attention", object()))
+    assert label == "attention" and value is None and "cannot be encoded (TypeError" in problem
+    assert wire.unlabelled(wire.encode([1, 2]))[2] == "it is not a labelled agreement message"
+    assert wire.unlabelled(pickle.dumps(("attention", 1)))[2].startswith("it cannot be read")
+
+
+def test_an_answer_may_carry_every_ranks_message():
+    """Each rank's message is bounded by MAX_BYTES; rank 0's answer carries all of them."""
+    big = "x" * (wire.MAX_BYTES // 2)
+    answer = {"values": [big] * 4}
+    with pytest.raises(ValueError, match="bound"):
+        wire.encode(answer)
+    assert wire.decode(wire.encode(answer, limit=4 * wire.MAX_BYTES), limit=4 * wire.MAX_BYTES) == answer
