@@ -190,8 +190,14 @@ def main(scenario: str, timeout: float) -> None:
         return
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
-    if scenario == "os_exit_after_last_call" and group.rank == 1:
-        os._exit(0)   # its group open; the others finish as if nothing happened
+    if scenario == "os_exit_after_last_call":   # the others finish as if nothing happened,
+        if group.rank != 1:                          # then rank 1 leaves, its group open
+            _say(f"rank {group.rank} finished")
+        group.barrier()
+        if group.rank == 1:
+            os._exit(0)
+        group.close()
+        return
     _say(f"rank {group.rank} finished")
     group.close()
 
