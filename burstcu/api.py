@@ -574,7 +574,7 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_
     check_layout(layout)
     masked = masked_array_problem("x", x)
     if masked is not None:
-        raise masked.kind(masked.message)
+        raise masked.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = axis % x.ndim
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
@@ -621,7 +621,7 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
         check_layout(layout)
         masked = masked_array_problem("x_local", x_local)
         if masked is not None:
-            raise masked.kind(masked.message)
+            raise masked.exception()
         _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
         return _joined(x_local, [x_local], axis % x_local.ndim)
     with Call(group, "unshard") as call:

@@ -27,9 +27,10 @@ makes a sub-group (USP's Ulysses and ring groups): made once per name and kept, 
 counted in the parent's `stats`, its failures reported as the parent's call and step.
 
 Failures. Every wait for a peer has a deadline (`timeout` seconds, from `burstcu.init(timeout=)`,
-else $BURSTCU_TIMEOUT, else 600; `math.inf` waits forever) and waits without spinning; past it the waiting rank raises
-`CommTimeoutError` naming the peer(s) it waited for and what it was doing (`where`, which the
-engine keeps current: "attention forward: fwd 2 send/recv kv"). `fail(reason)` ends the whole
+else $BURSTCU_TIMEOUT, else 600; `math.inf` waits forever) and waits without spinning; past it
+the waiting rank raises `CommTimeoutError` naming the peer(s) it waited for and what it was
+doing (`where`, which the engine keeps current: "attention forward: fwd 2 send/recv kv").
+`fail(reason)` ends the whole
 group after a failure on this rank: it prints the reason and aborts every rank (MPI_Abort), since
 its peers may be blocked mid-ring waiting for it; a group of one just lets the exception rise.
 """
