@@ -200,7 +200,10 @@ _SLURM_BATCH_STEP = 4294967290  # step ids from here up are Slurm's batch/extern
 
 def launcher_world_size() -> tuple[str, int] | None:
     """(variable, ranks) when an MPI launcher (Open MPI's mpirun, MPICH/Hydra and Intel MPI,
-    MVAPICH) or Slurm's srun (any --mpi plugin, PMIx included) started this process, else None."""
+    MVAPICH), Slurm's srun (any --mpi plugin, PMIx included) or torchrun (TORCHELASTIC_RUN_ID
+    and WORLD_SIZE) started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("WORLD_SIZE", "").isdigit():
+        return "WORLD_SIZE", int(os.environ["WORLD_SIZE"])
     for var in _LAUNCHER_SIZE_VARS:
         value = os.environ.get(var, "")
         if value.isdigit():
@@ -215,8 +218,10 @@ def world_comm(comm=None):
     """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
     load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
     once). If a launcher started this process as one of several ranks (`launcher_world_size`),
-    a missing mpi4py or MPI library raises RuntimeError instead: the ranks would otherwise each
-    run the whole problem alone, as unrelated single processes."""
+    a missing mpi4py or MPI library, or an MPI world of another size (torchrun's processes, or
+    a launcher of another MPI than mpi4py's: each process then a world of one), raises
+    RuntimeError instead, on every process alike: the ranks would otherwise each run the whole
+    problem alone, as unrelated single processes."""
     if comm is not None:
         return comm
     try:
@@ -234,7 +239,29 @@ def world_comm(comm=None):
             warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "
                           f"process (install the 'mpi' extra for mpiexec)", stacklevel=3)
         return None
+    _refuse_a_world_of_another_size(MPI.COMM_WORLD.Get_size())
     return MPI.COMM_WORLD
+
+
+def _refuse_a_world_of_another_size(size: int) -> None:
+    """RuntimeError when a launcher started this process as one of N > 1 ranks and MPI's world
+    has another size: each process would run alone (or the ranks split) on the whole problem."""
+    launched = launcher_world_size()
+    if launched is None or launched[1] <= 1 or launched[1] == size:
+        return
+    var, n = launched
+    if var == "WORLD_SIZE":
+        why = "torchrun starts processes that MPI does not join"
+        remedy = ("Start the job with `mpiexec -n N python -m mpi4py program.py` (or "
+                  "launch/burstcu-run)")
+    else:
+        why = "the launcher's MPI is not the one mpi4py loaded"
+        remedy = ("Use the mpiexec of the 'mpi' extra (beside this Python), or point "
+                  "MPI4PY_LIBMPI at the MPI library of the launcher you use")
+    raise RuntimeError(f"burstcu: this process is one of {n} ranks ({var}={n}) but MPI's world has "
+                       f"{size} rank(s): {why}, and every process would run alone on the whole "
+                       f"problem. {remedy}; pass comm=MPI.COMM_SELF for a one-process group on "
+                       f"purpose")
 
 
 def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:

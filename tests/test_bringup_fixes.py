@@ -5,6 +5,7 @@ warm-up, and the node-local kernel cache."""
 import os
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ from burstcu.group import Group
 from burstcu.ops.numpy_ops import NumpyOps
 from burstcu.testing.reference import attention_ref
 from burstcu.validate import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------------
 # a fake cupy that records every device query and every device switch
@@ -339,6 +342,42 @@ def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
     assert G._resolve_backend("auto", [mine, mine]) == ("cupy", True)
     with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
         G._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
+
+
+def test_torchrun_processes_are_refused_on_every_process(tmp_path):
+    """torchrun --standalone --nproc_per_node 2: MPI does not join its processes (each is a
+    world of one), so init raises on both, saying how to launch, instead of two one-rank jobs."""
+    import shutil
+    import subprocess
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists() and not shutil.which("torchrun"):
+        pytest.skip("no torchrun (the torch extra)")
+    program = tmp_path / "job.py"
+    program.write_text("import burstcu\nwith burstcu.init(backend='numpy') as g:\n"
+                       "    print('ran as rank', g.rank, 'of', g.size, flush=True)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([str(torchrun if torchrun.exists() else "torchrun"), "--standalone",
+                           "--nproc_per_node", "2", str(program)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "ran as rank" not in out, out
+    said = "this process is one of 2 ranks (WORLD_SIZE=2) but MPI's world has 1 rank(s): torchrun"
+    assert out.count(said) >= 2 and "mpiexec -n N python -m mpi4py" in out, out
+
+
+def test_a_launcher_of_another_mpi_is_refused(tmp_path):
+    """Open MPI's mpirun starting processes whose mpi4py loaded MPICH: each is a world of one.
+    Simulated by Open MPI's size variable over this MPICH: init says so and what to do."""
+    import subprocess
+
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", "import burstcu; burstcu.init(backend='numpy')"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "one of 2 ranks (OMPI_COMM_WORLD_SIZE=2) but MPI's world has 1 rank(s): the " \
+           "launcher's MPI is not the one mpi4py loaded" in proc.stderr, proc.stderr
+    assert "MPI4PY_LIBMPI" in proc.stderr
 
 
 @pytest.mark.parametrize("launched,ok", [({"PMI_SIZE": "3"}, False), ({}, True)])
