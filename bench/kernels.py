@@ -4,12 +4,15 @@ same device, in the same run.
     python bench/kernels.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
                             [--seqlens 1024 2048 4096 8192 16384] [--passes fwd fwd+bwd]
                             [--tokens 16384] [--width 2048] [--repeats 10] [--windows 512 ...]
-                            [--json F] [--table F] [--plot F] [--dry-run]
+                            [--archs sm_90a sm_80] [--json F] [--table F] [--plot F] [--dry-run]
 
 Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, width/D, D):
 
 * ``kernels``: the step kernels alone through `KernelOps` (forward: init, one step over the whole
   key range, finalize; backward: delta, init, one step, finalize) — what one ring step costs;
+  once per kernel table of ``--archs`` (default: the device's own), each row saying which
+  forward family ran (``family``: "sm90", the Hopper kernel of kernels/flash_fwd_sm90.cu, or
+  "sm80", the mma.sync one), so ``--archs sm_90a sm_80`` puts both on one H100 in one run;
 * ``api``: `burstcu.attention` / `burstcu.attention_backward` with CuPy arrays and group=None
   (validation, layout and the engine around the same kernels);
 * ``torch-flash`` and ``torch-cudnn``: `scaled_dot_product_attention` restricted to one backend,
@@ -18,8 +21,9 @@ Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, widt
 Timing: CUDA events around each call on the current stream, after --warmup calls (compiles,
 autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x
 the forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
-``dtype``, ``headdim``, ``seqlen``, ``causal``, ``window``, ``ms``, ``tflops``, plus ``torch_ms``
-and ``torch_tflops`` (the flash backend's, for the ratio) on burstcu's rows. Progress on stderr.
+``dtype``, ``headdim``, ``seqlen``, ``causal``, ``window``, ``arch``, ``family``, ``ms``,
+``tflops``, plus ``torch_ms``, ``torch_tflops`` (the flash backend's, for the ratio ``vs_torch``)
+and ``cudnn_tflops`` (cuDNN's) on burstcu's rows. Progress on stderr.
 ``--dry-run`` prints the plan and needs no GPU.
 
 ``--windows W ...`` adds causal sliding-window rows, window_size = (W, 0), for burstcu only
@@ -168,12 +172,22 @@ def _bf16():
     return ml_dtypes.bfloat16
 
 
-def run_config(cfg, args, ops) -> list[dict]:
+def family(ops, dtype: str, headdim: int) -> str:
+    """Which forward family `ops` runs for (dtype, head dim): "sm90" or "sm80"."""
+    return "sm90" if ops.forward_variant(dtype, headdim).family.startswith("forward_sm90") else "sm80"
+
+
+def run_config(cfg, args, ops_by_arch) -> list[dict]:
     q, k, v, dout = inputs(cfg)
     gflop = cfg["gflop"]
     rows = []
-    for impl in args.impls:
+    runs = [(impl, arch) for impl in args.impls
+            for arch in (ops_by_arch if impl == "kernels" else [None])]
+    for impl, arch in runs:
+        tags = {}
         if impl == "kernels":
+            ops = ops_by_arch[arch]
+            tags = {"arch": arch, "family": family(ops, cfg["dtype"], cfg["headdim"])}
             fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
         elif impl == "api":
             fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
@@ -184,13 +198,16 @@ def run_config(cfg, args, ops) -> list[dict]:
         ms = None if fn is None else time_ms(fn, args.warmup, args.repeats)
         rows.append({**{key: cfg[key] for key in ("pass", "dtype", "headdim", "seqlen", "causal",
                                                   "window", "batch", "heads")},
-                     "impl": impl, "ms": ms, "tflops": None if ms is None else gflop / ms})
+                     "impl": impl, **tags, "ms": ms, "tflops": None if ms is None else gflop / ms})
     torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)    # None if windowed
+    cudnn_row = next((r for r in rows if r["impl"] == "torch-cudnn"), None)
     for r in rows:
         if torch_row and r["impl"] in ("kernels", "api"):
             r["torch_ms"], r["torch_tflops"] = torch_row["ms"], torch_row["tflops"]
             if r["ms"] and torch_row["ms"]:
                 r["vs_torch"] = torch_row["ms"] / r["ms"]
+        if cudnn_row and r["impl"] in ("kernels", "api"):
+            r["cudnn_tflops"] = cudnn_row["tflops"]
     return rows
 
 
@@ -199,8 +216,8 @@ def versions() -> dict:
     return {**package_versions(), "device": device_name("cupy")}
 
 
-COLUMNS = ["impl", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads",
-           "ms", "tflops", "vs_torch"]
+COLUMNS = ["impl", "family", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
+           "heads", "ms", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plot(rows, path) -> None:
@@ -211,15 +228,17 @@ def plot(rows, path) -> None:
     keys = sorted({(r["pass"], r["dtype"], r["headdim"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
     for ax, (pass_, dtype, d) in zip(axes[0], keys):
-        for impl in IMPLS:
+        lines = sorted({(r["impl"], r.get("family")) for r in rows})
+        for impl, fam in lines:
             for causal, style in ((False, "-"), (True, "--")):
-                pts = [(r["seqlen"], r["tflops"]) for r in rows if r["impl"] == impl and
-                       (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)
-                       and r["tflops"]]
+                pts = [(r["seqlen"], r["tflops"]) for r in rows
+                       if (r["impl"], r.get("family")) == (impl, fam) and r["tflops"] and
+                       (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)]
                 if pts:
                     xs, ys = zip(*sorted(pts))
+                    name = f"{impl} {fam}" if fam else impl
                     ax.plot(xs, ys, style, marker="o", ms=3,
-                            label=f"{impl}{' causal' if causal else ''}")
+                            label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{pass_} {dtype} d={d}", fontsize=9)
         ax.set_xlabel("seqlen")
@@ -245,6 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--plot")
     p.add_argument("--windows", nargs="*", type=int, default=[],
                    help="also causal sliding windows (W, 0), burstcu only")
+    p.add_argument("--archs", nargs="*", default=[],
+                   help="kernel tables for the kernels rows (e.g. sm_90a sm_80); default: the device's")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
 
@@ -257,7 +278,8 @@ def main(argv=None) -> int:
         return 0
 
     from burstcu.ops.kernel_ops import KernelOps
-    ops = KernelOps("cupy")
+    ops_by_arch = {arch: KernelOps("cupy", arch=arch) for arch in args.archs} or {None: KernelOps("cupy")}
+    ops_by_arch = {ops.arch: ops for ops in ops_by_arch.values()}
     env = versions()
     progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")
     rows = []
@@ -265,11 +287,12 @@ def main(argv=None) -> int:
         progress(f"[{i + 1}/{len(configs)}] {cfg['pass']} {cfg['dtype']} d={cfg['headdim']} "
                  f"S={cfg['seqlen']} causal={cfg['causal']} window={cfg['window']}")
         try:
-            rows += run_config(cfg, args, ops)
+            rows += run_config(cfg, args, ops_by_arch)
         except Exception as exc:  # one failing configuration must not lose the others
             progress(f"  FAILED: {exc.__class__.__name__}: {exc}")
             rows.append({**cfg, "impl": "error", "error": f"{exc.__class__.__name__}: {exc}"})
-        ops.release_buffers()
+        for ops in ops_by_arch.values():
+            ops.release_buffers()
     text = table(rows, COLUMNS)
     print(text, flush=True)
     if args.table:

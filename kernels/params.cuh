@@ -76,6 +76,33 @@ struct FwdStepParams {
   float scale_log2;       // softmax_scale * log2(e)
 };
 
+// A CUtensorMap (128 bytes, 64-byte aligned): how a bulk tensor copy (TMA) reads a global
+// tensor. Opaque to the kernels: the driver's encoding on a GPU (cuTensorMapEncodeTiled), the
+// emulator's mirror on the CPU (kernels/emu/emu_hopper.h); burstcu/ops/tensor_map.py builds both.
+struct __align__(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// flash_fwd_step_sm90: FwdStepParams' fold with Q, K and V read through tensor maps. Each map
+// covers only the rows of the rectangle, so rows past q_len / k_len read as zeros:
+//   q_map  dims (D, q_len, H, B) from row q_start, box (64, BLOCK_M, 1, 1), 128-byte swizzle
+//   k_map  dims (D, k_len, Hkv, B) from row k_start, box (64, BLOCK_N, 1, 1), 128-byte swizzle
+//   v_map  the same for v
+// The maps come first: their 64-byte alignment then needs no padding.
+struct FwdStepSm90Params {
+  TensorMap q_map, k_map, v_map;
+  float* acc;             // (B, Sq, H, D) fp32 un-normalised output, strides acc_stride
+  float* m;               // (B, H, Sq) fp32 running max (base 2), ml_stride
+  float* l;               // (B, H, Sq) fp32 running sum, ml_stride (m's)
+  const int* nonfinite;   // device int: nonzero runs the careful twin instead (kernels/README.md)
+  RowStrides acc_stride;  // of acc
+  StatStrides ml_stride;  // of m and l
+  BlockRect blk;          // the rectangle and its key bounds
+  int H, Hkv;             // query heads, kv heads (GQA)
+  float scale_log2;       // softmax_scale * log2(e)
+  int n_tiles;            // (query tiles of BLOCK_M rows) x H x B: the persistent grid's work
+};
+
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.
 template <typename T>
 struct FwdFinalizeParams {

@@ -64,6 +64,19 @@ def test_emulated_kernels_on_the_ring(world, dtype):
             seqlen_local=48, timeout=600)
 
 
+@pytest.mark.emulated
+@pytest.mark.parametrize("world", [2, 4])
+def test_emulated_hopper_kernels_on_the_ring(world):
+    """The ring with the Hopper forward kernel (kernels/flash_fwd_sm90.cu, arch="sm_90a": wgmma,
+    TMA, mbarriers in the emulator) as the forward LAO of every step, zigzag causal (steps with
+    and without masked pairs) and a full contiguous case, forward and backward vs float64; 288
+    rows a rank, so blocks span several 128-key tiles and the pipelines run their steady state."""
+    cases = [dict(b=1, h=4, hkv=2, d=64, causal=True, layout="zigzag"),
+             dict(b=1, h=2, hkv=2, d=128, causal=False, layout="contiguous")]
+    run_mpi(world, "attention_matches_reference", backend="emulated", dtype="bfloat16",
+            cases=cases, seqlen_local=288, options={"arch": "sm_90a"}, timeout=600)
+
+
 def test_unshard_rejects_mismatched_shapes():
     for rank, result in enumerate(run_mpi(3, "unshard_rejects_mismatched_shapes")):
         assert result["other_axis"] and "same shape" in result["other_axis"], (rank, result)

@@ -4,7 +4,8 @@
 #
 #     bash bench/gpu/run.sh [steps...]      # default: every step below, in order
 #
-# Steps (default: all, in this order): env, gate (compile gate with this machine's NVRTC), full
+# Steps (default: all, in this order): env, isa (tests/gpu/test_hopper_isa_gpu.py: the Hopper ISA
+# probes, report $OUT/hopper_isa.json), gate (compile gate with this machine's NVRTC), full
 # (selftest --full), tests (the kernel tests on the GPU), gputests (tests/gpu, interop, bring-up
 # fixes), kbench (bench/kernels.py), overlap and overlap_causal (bench/overlap_gpu.py), tiles
 # (bench/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
@@ -13,6 +14,11 @@
 # beside softmax burst), varlen (bench/overlap_gpu.py --docs: causal documents on 4 ranks,
 # zigzag per document vs contiguous), uneven (a global length 3 ranks do not divide) and decode
 # (bench/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
+# The Hopper forward kernel (kernels/flash_fwd_sm90.cu, compute capability 9.0 only) has its own
+# steps, not in the default list: hopper (its kernel tests on the GPU and the 4-rank loopback
+# ring), hopper_bench (bench/kernels.py with both kernel families, torch flash and cuDNN in one
+# run), hopper_memcheck, hopper_racecheck. `bash bench/gpu/run.sh hopper-session` runs
+# env isa hopper hopper_bench (about 6 minutes), then `hopper_memcheck hopper_racecheck`.
 # Reports (JSON, PNG) go to $OUT; each
 # step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
@@ -29,7 +35,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env gate full tests gputests kbench overlap overlap_causal tiles
+[ "${steps[0]:-}" = hopper-session ] && steps=(env isa hopper hopper_bench)
+[ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
                                  memcheck racecheck demo mpi linear linearbench varlen uneven decode)
 failed=()
 
@@ -49,7 +56,24 @@ for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nproc; $PY -c 'import sys; print(sys.version)';
            $PY -m pip list 2>/dev/null | grep -i -E 'cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'" ;;
-    gate) step gate 240 $PY -m burstcu.kernels check --arch sm_90 --json "$OUT/gate_sm90.json" ;;
+    isa) step isa 120 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" \
+             $PY -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_isa_gpu.py ;;
+    gate) step gate 240 $PY -m burstcu.kernels check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
+    hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
+             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
+             tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
+             tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
+    hopper_bench) step hopper_bench 300 $PY bench/kernels.py --archs sm_90a sm_80 --passes fwd \
+             --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
+             --table "$OUT/kernels_sm90.txt" --plot "$OUT/kernels_sm90.png" ${KBENCH_ARGS:-} ;;
+    hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
+             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --error-exitcode 9 \
+             --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
+             tests/kernels/test_masked_inert_kernels.py -k "ragged or causal_offsets or headdims or poisoned_v" ;;
+    hopper_racecheck) step hopper_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
+             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool racecheck --error-exitcode 9 \
+             --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
+             -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \

@@ -1,13 +1,15 @@
 """Command line of the kernel package.
 
-    python -m burstcu.kernels check [--arch sm_80,sm_86,sm_90] [--json FILE] [--family forward,...]
+    python -m burstcu.kernels check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--family forward,...]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
 variant and writes the records (see `compile.gate_variant`) as a JSON list. It exits 1 if any
 variant fails to compile, spills (careful variants excepted: their spills are recorded), uses
-more than 255 registers or more shared memory than the arch allows per block, and 2 if there is
-nothing to check. No GPU is needed.
+more than 255 registers or more shared memory than the arch allows per block, or, compiled for
+sm_90a, when its SASS cannot be read (nvdisasm, from the nvidia-cuda-nvdisasm wheel, missing) or,
+for a Hopper family (name containing "sm90"), holds no HGMMA or uses local memory; and 2 if there
+is nothing to check. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -22,19 +24,22 @@ from .compile import gate_variant
 from . import all_variants
 from .variants import ARCHS
 
-COLUMNS = (("arch", 5), ("family", 16), ("dtype", 8), ("headdim", 4), ("threads", 4),
+COLUMNS = (("arch", 6), ("family", 16), ("dtype", 8), ("headdim", 4), ("threads", 4),
            ("registers", 4), ("spill_stores", 5), ("spill_loads", 5), ("stack_bytes", 5),
-           ("smem_bytes", 7), ("compile_seconds", 6))
+           ("smem_bytes", 7), ("local_bytes", 5), ("sass_hgmma", 5), ("compile_seconds", 6))
 HEADERS = {"headdim": "d", "threads": "thr", "registers": "regs", "spill_stores": "spSt",
-           "spill_loads": "spLd", "stack_bytes": "stack", "smem_bytes": "smem", "compile_seconds": "sec"}
+           "spill_loads": "spLd", "stack_bytes": "stack", "smem_bytes": "smem", "local_bytes": "local",
+           "sass_hgmma": "hgmma", "compile_seconds": "sec"}
 
 
 def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout,
               jobs: int | None = None) -> list[dict]:
     """Compile every variant of every arch (`jobs` processes at once, default one per CPU this
     process may run on); print a row per variant in table order; return the records in order."""
+    # the "sm_90a" table's other variants are the sm_90 table's, compiled for the device's own
+    # arch at run time: the sm_90 rows gate them
     todo = [(variant, arch) for arch in archs for variant in all_variants(arch)
-            if not families or variant.family in families]
+            if (not families or variant.family in families) and (arch != "sm_90a" or variant.target)]
     print(_row({c: HEADERS.get(c, c) for c, _ in COLUMNS}) + "  name", file=out)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
     records = []
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m burstcu.kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="compile every kernel variant and check its resources")
-    check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90")
+    check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")
     check.add_argument("--family", default="", help="only these families (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
     args = parser.parse_args(argv)

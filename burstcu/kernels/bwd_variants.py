@@ -22,7 +22,7 @@ table: cc 8.6/8.7/8.9/12.x) bounds BN.
 from __future__ import annotations
 
 from .variants import (ARCHS, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant, LaunchConfig,
-                       careful_variant)
+                       base_table, careful_variant)
 
 SOURCE = "flash_bwd.cu"
 DELTA_THREADS = 128  # four warps, one (b, s, h) row each
@@ -71,7 +71,7 @@ def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
 
 
 def _dkdv(arch: str, dtype: str, d: int, with_dq: bool) -> KernelVariant:
-    bm, bn, wd = _DKDV_TILES[arch][d]
+    bm, bn, wd = _DKDV_TILES[base_table(arch)][d]
     flag = "true" if with_dq else "false"
     return KernelVariant(
         family="bwd_dkdv" if with_dq else "bwd_dkdv_nodq",
@@ -85,7 +85,7 @@ def _dkdv(arch: str, dtype: str, d: int, with_dq: bool) -> KernelVariant:
 
 
 def _dq(arch: str, dtype: str, d: int) -> KernelVariant:
-    bm, bn, wd = _DQ_TILES[arch][d]
+    bm, bn, wd = _DQ_TILES[base_table(arch)][d]
     return KernelVariant(
         family="bwd_dq",
         source=SOURCE,

@@ -3,10 +3,13 @@
 Two users, one function (`nvrtc_compile`), the same options:
 
 * the compile gate (`python -m burstcu.kernels check`) compiles every variant of each tile
-  table for the arch it is named after (sm_80, sm_86, sm_90) with ``-Xptxas=-v`` and reads the
-  ptxas resource report (`parse_ptxas`); this needs no GPU;
+  table for the arch it is named after (sm_80, sm_86, sm_90, sm_90a; a variant with a
+  `KernelVariant.target` for that target) with ``-Xptxas=-v`` and reads the ptxas resource report
+  (`parse_ptxas`); for sm_90a it also reads the SASS (`sass_summary`, NVIDIA's nvdisasm from the
+  ``nvidia-cuda-nvdisasm`` wheel); this needs no GPU;
 * at run time on a GPU, `get_function` compiles the variant for the device's own arch (not the
-  tile table's name: an sm_120 device running the "sm_86" table gets an sm_120 CUBIN), keeps the
+  tile table's name: an sm_120 device running the "sm_86" table gets an sm_120 CUBIN), or for the
+  variant's `target` when it names one (sm_90a: compute capability 9.0 only), keeps the
   CUBIN and its lowered (mangled) kernel name in an on-disk cache shared by all ranks (a
   `filelock` per entry, so the first rank compiles and the others wait and load), loads it with
   ``cupy.RawModule(path=...)`` and memoizes the module per (source hash, options, arch, device).
@@ -59,13 +62,17 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
+import struct
+import subprocess
 import tempfile
 import threading
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -244,6 +251,171 @@ def parse_ptxas(log: str) -> dict[str, Resources]:
                                      static_smem_bytes=int(smem.group(1)) if smem else 0)
             current = None
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# SASS: what ptxas made of a kernel, read back from its CUBIN
+
+# The disassembler is nvdisasm from the nvidia-cuda-nvdisasm wheel (the cuda13 extra). That wheel
+# was never published for 13.0 (13.2 is the oldest there is); 13.2 reads the CUBINs NVRTC 13.0
+# writes for every arch here, sm_90a included. `cuobjdump -sass` is no alternative: it runs
+# nvdisasm itself.
+NVDISASM_REQUIREMENT = "nvidia-cuda-nvdisasm==13.2.*"
+# the compile targets whose gate records carry the SASS summary (sass_hgmma, sass_ldl, sass_stl)
+SASS_ARCHS = ("sm_90a",)
+# .nv.info attributes (the CUBIN's per-function records; cuobjdump -elf names them EIATTR_*)
+EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE = 0x11, 0x12
+EIFMT_SVAL = 0x04  # an attribute with a payload: u8 format, u8 attribute, u16 size, then size bytes
+
+
+class DisassemblerMissing(RuntimeError):
+    """nvdisasm cannot be found; the message says how to install it."""
+
+
+class SassError(RuntimeError):
+    """nvdisasm failed on a CUBIN, or the CUBIN is not an ELF file this reader understands."""
+
+
+@dataclass(frozen=True)
+class Sass:
+    """One function of a CUBIN: counts of SASS instructions, and its local memory.
+
+    `local_bytes` is the local memory (bytes per thread) the function reserves, as the CUBIN
+    records it (`.nv.info`): the larger of its stack frame (EIATTR_FRAME_SIZE, what ptxas -v prints
+    as "N bytes stack frame") and its stack with callees (EIATTR_MIN_STACK_SIZE, ptxas' "cumulative
+    stack size"). It is 0 exactly when the function has no local memory: no spill slots, no array
+    that stays in local memory (one indexed at run time), no call stack. `ldl`/`stl` count the
+    instructions that read and write local memory (LDL, STL, any width).
+    """
+
+    instructions: int
+    hgmma: int
+    ldl: int
+    stl: int
+    local_bytes: int
+
+
+@lru_cache(maxsize=None)
+def find_nvdisasm() -> str | None:
+    """The path of nvdisasm, or None: `cuda.pathfinder` (NVIDIA wheels first, then conda and
+    CUDA_HOME / CUDA_PATH), else the wheel's own folder (nvidia/cu13/bin, or nvidia/cuda_nvdisasm/bin
+    of the cu12 wheel), else PATH."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_binary_utility("nvdisasm")
+        if found:
+            return str(found)
+    except Exception:  # a cuda-pathfinder without find_nvidia_binary_utility, or its search failed
+        pass
+    try:
+        import nvidia  # the namespace package of NVIDIA's wheels
+
+        for root in getattr(nvidia, "__path__", ()):
+            for sub in ("cu13", "cuda_nvdisasm"):
+                candidate = Path(root) / sub / "bin" / "nvdisasm"
+                if candidate.is_file() and os.access(candidate, os.X_OK):
+                    return str(candidate)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def elf_local_bytes(cubin: bytes) -> dict[str, int]:
+    """{function name (lowered): local bytes} from a CUBIN's ``.nv.info`` records (`Sass.local_bytes`).
+
+    A function with no record has none (ptxas records every function's frame, 0 included).
+    Raises SassError when `cubin` is not a 64-bit little-endian ELF file.
+    """
+    try:
+        if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+            raise SassError("not a CUBIN (a 64-bit little-endian ELF file)")
+        (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        # (name, type, flags, addr, offset, size, link, info, addralign, entsize)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+        def body(sec) -> bytes:
+            return cubin[sec[4]:sec[4] + sec[5]]
+
+        def cstr(blob: bytes, offset: int) -> str:
+            return blob[offset:blob.index(b"\0", offset)].decode(errors="replace")
+
+        shstr = body(sections[shstrndx])
+        symtab = next((sec for sec in sections if sec[1] == 2), None)  # SHT_SYMTAB
+        if symtab is None:
+            return {}
+        strtab, syms = body(sections[symtab[6]]), body(symtab)
+        symbols = [cstr(strtab, struct.unpack_from("<I", syms, off)[0]) for off in range(0, len(syms) - 23, 24)]
+        out: dict[str, int] = {}
+        for sec in sections:
+            if not cstr(shstr, sec[0]).startswith(".nv.info"):
+                continue
+            blob, i = body(sec), 0
+            while i + 4 <= len(blob):
+                fmt, attr, size = blob[i], blob[i + 1], struct.unpack_from("<H", blob, i + 2)[0]
+                i += 4
+                if fmt != EIFMT_SVAL:  # no value, or one in the u16 itself
+                    continue
+                if attr in (EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE) and size == 8:
+                    sym, value = struct.unpack_from("<II", blob, i)
+                    if 0 < sym < len(symbols):
+                        out[symbols[sym]] = max(out.get(symbols[sym], 0), value)
+                i += size
+        return out
+    except (struct.error, IndexError, ValueError) as exc:
+        raise SassError(f"cannot read the CUBIN's ELF records: {exc}") from None
+
+
+_SECTION_RE = re.compile(r'^\s*\.section\s+"?([^",\s]+)')
+# "/*0130*/   @!P0 HGMMA.64x64x16.F32 R24, ..." -> HGMMA (after an optional predicate)
+_INSTR_RE = re.compile(r"^\s*/\*[0-9a-fA-F]+\*/\s+(?:\{\s*)?(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)\b")
+
+
+def parse_sass(text: str) -> dict[str, dict[str, int]]:
+    """nvdisasm's listing as {function name: {opcode: count}}: the instructions of each
+    ``.text.<function>`` section, by opcode without modifiers (``LDL.LU.64`` counts as LDL)."""
+    out: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    for line in text.splitlines():
+        if m := _SECTION_RE.match(line):
+            name = m.group(1)
+            current = out.setdefault(name[len(".text."):], {}) if name.startswith(".text.") else None
+        elif current is not None and (m := _INSTR_RE.match(line)):
+            current[m.group(1)] = current.get(m.group(1), 0) + 1
+    return out
+
+
+def sass_summary(cubin: bytes) -> dict[str, Sass]:
+    """{function name (lowered): Sass} for every function of `cubin` (kernels and device
+    functions that were not inlined), from nvdisasm's listing and the CUBIN's records.
+
+    Raises DisassemblerMissing when nvdisasm cannot be found, SassError when it fails, and
+    BuildTimeoutError past `build_timeout()`. Needs no GPU.
+    """
+    tool = find_nvdisasm()
+    if tool is None:
+        raise DisassemblerMissing(
+            f"nvdisasm not found: the SASS check (HGMMA present, no local memory) of sm_90a kernels "
+            f"needs it; install it with pip install '{NVDISASM_REQUIREMENT}' (part of the cuda13 extra)")
+    local = elf_local_bytes(cubin)
+    with tempfile.TemporaryDirectory(prefix="burstcu-sass-") as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        timeout = build_timeout()
+        try:
+            proc = subprocess.run([tool, "--print-code", "--no-dataflow", str(path)],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BuildTimeoutError.waited(f"{tool} to disassemble a CUBIN", timeout,
+                                           "it did not finish") from None
+        except OSError as exc:
+            raise SassError(f"cannot run {tool}: {exc}") from None
+    if proc.returncode != 0:
+        raise SassError(f"{tool} failed (exit {proc.returncode}) on a CUBIN: {proc.stderr.strip()[-2000:]}")
+    return {name: Sass(instructions=sum(ops.values()), hgmma=ops.get("HGMMA", 0), ldl=ops.get("LDL", 0),
+                       stl=ops.get("STL", 0), local_bytes=local.get(name, 0))
+            for name, ops in parse_sass(proc.stdout).items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -496,6 +668,7 @@ def cached_cubin(source: str, name_expressions: Sequence[str], arch: str,
 
 # cudaDeviceAttr values (CUDA runtime, driver_types.h)
 ATTR_CC_MAJOR, ATTR_CC_MINOR, ATTR_SMEM_PER_BLOCK_OPTIN = 75, 76, 97
+ATTR_SM_COUNT = 16  # cudaDevAttrMultiProcessorCount
 
 
 def device_attribute(attr: int, device_id: int | None = None) -> int:
@@ -522,26 +695,53 @@ def device_arch(device_id: int | None = None) -> str:
 
 
 _MODULES: dict[tuple, tuple] = {}   # (digest, options, arch, device, name) -> (RawModule, lowered)
-_FUNCTIONS: dict[tuple, object] = {}  # (source, name, options, device) -> RawKernel, per process
+_FUNCTIONS: dict[tuple, object] = {}  # (source, name, options, device, target) -> RawKernel, per process
+
+
+def target_problem(target: str, cc: int) -> str | None:
+    """Why a CUBIN for `target` cannot run on a device of compute capability `cc`, or None.
+
+    An arch-specific target ("sm_90a": wgmma, setmaxnreg; any "sm_XYa") runs only on exactly
+    that compute capability, not on a later one; a plain "sm_XY" runs on XY and newer.
+    """
+    m = re.fullmatch(r"sm_(\d+)([af]?)", target)
+    if m is None:
+        return f"unknown compile target {target!r} (expected e.g. 'sm_90a')"
+    need = int(m.group(1))
+    if m.group(2) == "a" and cc != need:
+        return (f"{target} kernels run only on compute capability {need // 10}.{need % 10} "
+                f"(this device is {cc // 10}.{cc % 10}): an arch-specific CUBIN does not load on any "
+                f"other GPU; use a variant without this target here")
+    if cc < need:
+        return f"{target} kernels need compute capability {need // 10}.{need % 10} or newer (this device is {cc // 10}.{cc % 10})"
+    return None
 
 
 def get_function(source: str, name_expression: str, smem_bytes: int = 0,
-                 extra_options: Sequence[str] = (), device_id: int | None = None):
+                 extra_options: Sequence[str] = (), device_id: int | None = None, target: str = ""):
     """A `cupy.RawKernel` for one instantiation on a CuPy device (the current one by default).
 
-    Compiled lazily for the device's own arch, through the disk cache, memoized per (source
-    digest, options, arch, device). `smem_bytes` > 48 KB raises the kernel's dynamic-smem limit,
-    which launches above 48 KB require. Later calls in the process are one dict lookup (sources
-    are not re-hashed per launch).
+    Compiled lazily for the device's own arch, or for `target` when it is not empty (a variant's
+    `KernelVariant.target`, e.g. "sm_90a"; RuntimeError if the device cannot run it, see
+    `target_problem`), through the disk cache, memoized per (source digest, options, arch,
+    device). `smem_bytes` > 48 KB raises the kernel's dynamic-smem limit, which launches above
+    48 KB require. Later calls in the process are one dict lookup (sources are not re-hashed per
+    launch).
     """
     import cupy
 
     device_id = cupy.cuda.Device().id if device_id is None else device_id
-    fast_key = (source, name_expression, tuple(extra_options), device_id)
+    fast_key = (source, name_expression, tuple(extra_options), device_id, target)
     fn = _FUNCTIONS.get(fast_key)
     if fn is not None:
         return fn
-    arch = device_arch(device_id)
+    if target:
+        problem = target_problem(target, compute_capability(device_id))
+        if problem:
+            raise RuntimeError(f"cannot run {name_expression} on device {device_id}: {problem}")
+        arch = target
+    else:
+        arch = device_arch(device_id)
     key = (source_digest(source), tuple(extra_options), arch, device_id, name_expression)
     if key not in _MODULES:
         path, lowered = cached_cubin(source, [name_expression], arch, extra_options)
@@ -566,6 +766,9 @@ ARCH_LIMITS = {
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "A100"},
     "sm_90": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": 227 * 1024,
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "H100"},
+    # the sm_90 table plus the Hopper families, for the same GPUs (cc 9.0 only)
+    "sm_90a": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": 227 * 1024,
+               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "H100"},
     # The "sm_86" table serves cc 8.6/8.7/8.9/12.x; the limits are sm_86's (cc 8.9 allows 24
     # blocks an SM, 12.0 32: a block-count bound never binds for these kernels).
     "sm_86": {"regs_per_sm": 65536, "smem_per_sm": 100 * 1024, "smem_per_block": 99 * 1024,
@@ -574,42 +777,95 @@ ARCH_LIMITS = {
 MAX_REGISTERS = 255
 
 
-def gate_variant(variant, arch: str) -> dict:
-    """Compile one KernelVariant for `arch` with the ptxas report; a JSON-ready record.
+# families that must run on the tensor cores of sm_90a (wgmma) with no local memory: the gate
+# checks their SASS (`gate_failure`)
+HOPPER_FAMILY_MARK = "sm90"
 
-    Keys: name, family, arch, dtype, headdim, threads, registers, spill_stores, spill_loads,
-    stack_bytes, static_smem_bytes, dynamic_smem_bytes, smem_bytes (static + dynamic),
-    compile_seconds, error (None, or the reason the variant fails the gate).
+
+def gate_variant(variant, arch: str) -> dict:
+    """Compile one KernelVariant of the tile table `arch` with the ptxas report; a JSON-ready record.
+
+    The variant compiles for its `target` when it names one, else for `arch`. Keys: name,
+    family, arch (the table), target (the arch compiled for), dtype, headdim, threads, registers,
+    spill_stores, spill_loads, stack_bytes, static_smem_bytes, dynamic_smem_bytes, smem_bytes
+    (static + dynamic), local_bytes (`Sass.local_bytes`, from the CUBIN), compile_seconds, error
+    (None, or the reason the variant fails the gate). A record compiled for an arch of
+    `SASS_ARCHS` (sm_90a) adds sass_hgmma, sass_ldl, sass_stl (instruction counts of the kernel's
+    SASS, `sass_summary`), or None in each and sass_error saying why the SASS could not be read
+    (no nvdisasm: the record fails).
     """
-    record = {"name": variant.name, "family": variant.family, "arch": arch, "dtype": variant.dtype,
-              "headdim": variant.headdim, "threads": variant.launch.threads,
+    target = getattr(variant, "target", "") or arch
+    record = {"name": variant.name, "family": variant.family, "arch": arch, "target": target,
+              "dtype": variant.dtype, "headdim": variant.headdim, "threads": variant.launch.threads,
               "dynamic_smem_bytes": variant.launch.smem_bytes, "error": None}
     try:
-        compiled = nvrtc_compile(variant.source, [variant.name], arch, ptxas_verbose=True)
+        compiled = nvrtc_compile(variant.source, [variant.name], target, ptxas_verbose=True)
     except (CompileError, OSError) as exc:
         record["error"] = str(exc)
         return record
-    res = compiled.resources.get(compiled.lowered[variant.name])
+    lowered = compiled.lowered[variant.name]
+    res = compiled.resources.get(lowered)
     if res is None:
-        record["error"] = f"no ptxas report for {compiled.lowered[variant.name]}"
+        record["error"] = f"no ptxas report for {lowered}"
         return record
     record.update(registers=res.registers, spill_stores=res.spill_stores, spill_loads=res.spill_loads,
                   stack_bytes=res.stack_bytes, static_smem_bytes=res.static_smem_bytes,
                   smem_bytes=res.static_smem_bytes + variant.launch.smem_bytes,
-                  compile_seconds=round(compiled.seconds, 3))
+                  compile_seconds=round(compiled.seconds, 3),
+                  ptxas_warnings=[line.strip() for line in compiled.log.splitlines()
+                                  if "warning" in line.lower()])
+    try:
+        record["local_bytes"] = elf_local_bytes(compiled.cubin).get(lowered, 0)
+    except SassError as exc:
+        record["error"] = str(exc)
+        return record
+    if target in SASS_ARCHS:
+        record.update(sass_hgmma=None, sass_ldl=None, sass_stl=None)
+        try:
+            sass = sass_summary(compiled.cubin).get(lowered)
+        except (DisassemblerMissing, SassError, BuildTimeoutError) as exc:
+            record["sass_error"] = str(exc)
+        else:
+            if sass is None:
+                record["sass_error"] = f"nvdisasm listed no code for {lowered}"
+            else:
+                record.update(sass_hgmma=sass.hgmma, sass_ldl=sass.ldl, sass_stl=sass.stl)
     record["error"] = gate_failure(record)
     return record
 
 
 def gate_failure(record: dict) -> str | None:
-    """Why a compiled record fails the gate (spills, registers, smem over the arch), or None."""
+    """Why a compiled record fails the gate, or None: its SASS could not be read (sm_90a without
+    nvdisasm), spills, > 255 registers, smem over the arch; for a Hopper family (name containing
+    "sm90") compiled for sm_90a, no HGMMA in its SASS (wgmma was not emitted, or ptxas serialized
+    it away) or any local memory (local_bytes, LDL/STL)."""
     limits = ARCH_LIMITS.get(record["arch"])
+    careful = record["family"].endswith(CAREFUL_SUFFIX)
+    if record.get("sass_error"):
+        return f"SASS check for {record.get('target') or record['arch']}: {record['sass_error']}"
     # careful variants run only where Inf/NaN meets masked pairs (variants.careful_variant):
     # their spills are in the record, not a failure
-    if (record["spill_stores"] or record["spill_loads"]) and not record["family"].endswith(CAREFUL_SUFFIX):
+    if (record["spill_stores"] or record["spill_loads"]) and not careful:
         return f"spills {record['spill_stores']} B stored / {record['spill_loads']} B loaded"
     if record["registers"] > MAX_REGISTERS:
         return f"{record['registers']} registers > {MAX_REGISTERS}"
     if limits and record["smem_bytes"] > limits["smem_per_block"]:
         return f"{record['smem_bytes']} B smem > {limits['smem_per_block']} B per block on {record['arch']}"
+    if HOPPER_FAMILY_MARK in record["family"] and (record.get("target") or record["arch"]) == "sm_90a":
+        # ptxas warns when it serializes wgmma (e.g. "wgmma.mma_async instructions are
+        # serialized due to ...") or ignores setmaxnreg (C7508): HGMMA is still in the SASS, but
+        # the kernel has lost what it is for
+        warned = [w for w in record.get("ptxas_warnings") or () if "wgmma" in w or "setmaxnreg" in w
+                  or "C7508" in w]
+        if warned:
+            return f"ptxas: {warned[0]}"
+        if not record.get("sass_hgmma"):
+            return ("no HGMMA instruction in the SASS: the kernel does not run on the wgmma tensor "
+                    "cores (was it compiled without the wgmma path?)")
+        local = record.get("local_bytes") or 0
+        accesses = (record.get("sass_ldl") or 0) + (record.get("sass_stl") or 0)
+        if (local or accesses) and not careful:
+            return (f"local memory: {local} B a thread, {record.get('sass_ldl') or 0} LDL / "
+                    f"{record.get('sass_stl') or 0} STL in the SASS (spills, a run-time indexed "
+                    f"array, or an accumulator ptxas could not keep in registers across a wgmma)")
     return None

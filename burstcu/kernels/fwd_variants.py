@@ -7,6 +7,12 @@ Two families live in flash_fwd.cu:
   comment that opens flash_fwd.cu; the register/smem figures come from the compile gate).
 * ``"forward_careful"``: the same steps with CAREFUL = true (`variants.careful_variant`), run
   instead of ``"forward"`` for a block with masked pairs when V holds Inf/NaN.
+* ``"forward_sm90"`` (tile table "sm_90a" only): ``flash_fwd_step_sm90<T, HEADDIM, BLOCK_N, STAGES>``
+  of kernels/flash_fwd_sm90.cu for head dims 64, 128 and 256, compiled for sm_90a (wgmma, TMA,
+  setmaxnreg): a producer warpgroup and two consumer warpgroups of 64 query rows each, on a
+  persistent grid; ``"forward_sm90_careful"`` is its CAREFUL twin (the producer warpgroup zeroes
+  each V tile's non-finite values and records where they were; the consumers turn the outputs
+  they reach into NaN). The other head dims keep ``"forward"``.
 * ``"forward_finalize"``: ``flash_fwd_finalize<T>`` for T in {__half, __nv_bfloat16, float}
   (`headdim` 0: it serves every head dim).
 * ``"nonfinite_flag"``: ``flash_any_nonfinite<T>`` for T in {__half, __nv_bfloat16, float}: sets a
@@ -16,8 +22,8 @@ Two families live in flash_fwd.cu:
 
 from __future__ import annotations
 
-from .variants import (ARCHS, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant, LaunchConfig,
-                       careful_variant)
+from .variants import (ARCHS, CAREFUL_SUFFIX, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant,
+                       LaunchConfig, base_table, careful_variant)
 
 SOURCE = "flash_fwd.cu"
 FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
@@ -47,12 +53,43 @@ def step_smem_bytes(headdim: int, block_m: int, block_n: int) -> int:
 
 def step_variant(arch: str, dtype: str, headdim: int) -> KernelVariant:
     """The forward-step variant for (arch, dtype, native head dim)."""
-    nwarps, block_n = _TILES[arch][headdim]
+    nwarps, block_n = _TILES[base_table(arch)][headdim]
     block_m = 16 * nwarps
     name = f"flash_fwd_step<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
     launch = LaunchConfig(threads=32 * nwarps, block_m=block_m, block_n=block_n,
                           smem_bytes=step_smem_bytes(headdim, block_m, block_n))
     return KernelVariant("forward", SOURCE, name, dtype, headdim, launch)
+
+
+SM90_SOURCE = "flash_fwd_sm90.cu"
+SM90_FAMILY = "forward_sm90"
+SM90_BLOCK_M = 128  # two consumer warpgroups of 64 rows (one wgmma m64 each)
+SM90_THREADS = 384  # a producer warpgroup and two consumer warpgroups
+# head dim -> (BLOCK_N, STAGES): keys a K/V tile and K/V stages in flight. Q tile + STAGES x (K, V)
+# tiles fill up to ~190 KB of the 227 KB; d = 256 takes 64-key tiles (the S accumulator is then 32
+# registers a thread, next to 128 of O). Not yet timed on a GPU.
+_SM90_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+SM90_HEADDIMS = tuple(_SM90_TILES)
+
+
+def sm90_smem_bytes(headdim: int, block_n: int, stages: int, careful: bool = False) -> int:
+    """Dynamic smem of a forward_sm90 launch: 1024 B of alignment slack, Q (BLOCK_M x D), STAGES x
+    (K, V) (BLOCK_N x D each), 2-byte elements, (careful: STAGES x D x BLOCK_N bits of
+    non-finite marks), then 256 B of mbarriers. Must equal `fwd90::Smem::kBytes` in
+    flash_fwd_sm90.cu."""
+    marks = stages * headdim * block_n // 8 if careful else 0
+    return 1024 + (SM90_BLOCK_M + 2 * stages * block_n) * headdim * 2 + marks + 256
+
+
+def sm90_step_variant(dtype: str, headdim: int, careful: bool = False) -> KernelVariant:
+    """The Hopper forward step for (dtype, head dim in SM90_HEADDIMS), or its CAREFUL twin."""
+    block_n, stages = _SM90_TILES[headdim]
+    name = (f"flash_fwd_step_sm90<{CXX_TYPE[dtype]}, {headdim}, {block_n}, {stages}"
+            + (", true>" if careful else ">"))
+    launch = LaunchConfig(threads=SM90_THREADS, block_m=SM90_BLOCK_M, block_n=block_n,
+                          smem_bytes=sm90_smem_bytes(headdim, block_n, stages, careful))
+    family = SM90_FAMILY + (CAREFUL_SUFFIX if careful else "")
+    return KernelVariant(family, SM90_SOURCE, name, dtype, headdim, launch, target="sm_90a")
 
 
 def finalize_variant(out_dtype: str) -> KernelVariant:
@@ -72,11 +109,13 @@ def nonfinite_flag_variant(dtype: str) -> KernelVariant:
 
 def forward_variants(arch: str) -> list[KernelVariant]:
     """Every forward-family variant on `arch`: steps (plain and careful) for DTYPES x
-    NATIVE_HEADDIMS, finalizes, non-finite flags."""
+    NATIVE_HEADDIMS, on "sm_90a" the Hopper steps too, finalizes, non-finite flags."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     steps = [step_variant(arch, dt, d) for dt in DTYPES for d in NATIVE_HEADDIMS]
-    return (steps + [careful_variant(v) for v in steps]
+    hopper = ([sm90_step_variant(dt, d, careful) for careful in (False, True) for dt in DTYPES
+               for d in SM90_HEADDIMS] if arch == "sm_90a" else [])
+    return (steps + [careful_variant(v) for v in steps] + hopper
             + [finalize_variant(dt) for dt in (*DTYPES, "float32")]
             + [nonfinite_flag_variant(dt) for dt in (*DTYPES, "float32")])
 

@@ -17,8 +17,11 @@ from pathlib import Path
 # 8.9 and the consumer Blackwells, cc 12.x). A table name only picks the tile sizes: at run time
 # `compile.get_function` compiles the chosen instantiation for the device's own arch (a CUBIN for
 # sm_86 would not load on an sm_120 device), see `burstcu.ops.kernel_ops._device_table_arch`.
-# The compile gate compiles each table for the arch it is named after.
-ARCHS = ("sm_80", "sm_86", "sm_90")
+# The compile gate compiles each table for the arch it is named after. "sm_90a": the sm_90 table
+# plus the Hopper forward family (kernels/flash_fwd_sm90.cu: wgmma, TMA, setmaxnreg), whose
+# variants name the compile target they need (`KernelVariant.target`): an sm_90a CUBIN runs on
+# compute capability 9.0 only.
+ARCHS = ("sm_80", "sm_86", "sm_90", "sm_90a")
 # head dims the kernels instantiate; any other multiple of 8 up to 256 runs the next one, padded
 NATIVE_HEADDIMS = (32, 64, 96, 128, 256)
 # cp.async and bf16 mma.m16n8k16 need compute capability 8.0 (sm_80) or newer
@@ -47,6 +50,12 @@ class KernelVariant:
     dtype: str
     headdim: int
     launch: LaunchConfig
+    target: str = ""  # the arch it must be compiled for ("sm_90a"), or "": the device's own
+
+
+def base_table(arch: str) -> str:
+    """The tile table of the families every arch shares: "sm_90a" takes sm_90's."""
+    return "sm_90" if arch == "sm_90a" else arch
 
 
 CAREFUL_SUFFIX = "_careful"

@@ -22,28 +22,40 @@ The backward entry points delegate to `burstcu.ops.kernel_bwd` with this object 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.fwd_variants import nonfinite_flag_variant
+from ..kernels.fwd_variants import SM90_FAMILY, nonfinite_flag_variant
 from ..kernels import all_variants
-from ..kernels.compile import ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability, device_attribute, get_function
-from ..kernels.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
+from ..kernels.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
+                               device_attribute, get_function)
+from ..kernels.variants import (CAREFUL_SUFFIX, MIN_COMPUTE_CAPABILITY, KernelVariant,
+                                careful_variant, kernel_dir)
 from ..layout import Block
 from ..testing import emulate
 from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd
 from .launch import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
-                     nonfinite_params, vector_ready)
+                     fwd_step_sm90_params, nonfinite_params, vector_ready)
+from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantiations
 _MAX_HEADDIM = 256
 _LOG2E = 1.4426950408889634
 BACKENDS = ("cupy", "emulated")
+# Blocks of a persistent launch (forward_sm90) under the emulator: a few, so that every block
+# runs several tiles and the pipelines carry their phases from tile to tile, as on a GPU.
+_EMULATED_SM_COUNT = 3
+# (device, Hopper variant name) -> whether it passed its first-use check on that device
+# (`KernelOps._sm90_checked`): until the Hopper kernels have a record of GPU runs, a wrong
+# result must fall back to the mma.sync kernels with a warning, never reach a model
+_SM90_FIRST_USE: dict[tuple[int, str], bool] = {}
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 @dataclass
@@ -72,10 +84,13 @@ class KernelOps(LocalOps):
     """LocalOps whose steps are the CUDA kernels (see the module docstring).
 
     backend: "cupy" (a GPU) or "emulated" (the CPU emulator, NumPy arrays).
-    arch: which tile table to use ("sm_80", "sm_86" or "sm_90", see
-        `burstcu.kernels.variants.ARCHS`); default: the device's (`_device_table_arch`) for
-        cupy, sm_80 for the emulator. The table only picks tile sizes: kernels are compiled for
-        the device's own arch.
+    arch: which kernel table to use ("sm_80", "sm_86", "sm_90" or "sm_90a", see
+        `burstcu.kernels.variants.ARCHS`); default: the device's (`_device_table_arch`; a
+        compute capability 9.0 GPU gets "sm_90a", the Hopper forward kernels) for cupy, sm_80
+        for the emulator. The table picks tile sizes and, for "sm_90a", the Hopper forward
+        family (head dims 64, 128, 256; kernels/flash_fwd_sm90.cu); kernels are compiled for the
+        device's own arch, the Hopper ones for sm_90a. `arch="sm_80"` forces the mma.sync
+        kernels on any GPU.
     deterministic: backward without atomics (see kernel_bwd).  randomize: the emulator shuffles
         thread order between barriers (finds races; slower).
     """
@@ -94,11 +109,17 @@ class KernelOps(LocalOps):
             self.xp = cupy
             self.arch = arch or _device_table_arch()
             self.smem_limit = _device_smem_limit()
+            self.sm_count = device_attribute(ATTR_SM_COUNT)
+            if self.arch == "sm_90a" and compute_capability() != 90:
+                raise ValueError("arch 'sm_90a' (the Hopper kernels) needs a compute capability "
+                                 f"9.0 GPU; this one is {compute_capability() / 10:.1f}")
         else:
             self.xp = np
             self.arch = arch or "sm_80"
             self.smem_limit = None
+            self.sm_count = _EMULATED_SM_COUNT
         self.array_types = (self.xp.ndarray,)
+        self.first_use_check = backend == "cupy"  # see _sm90_checked
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._functions: dict[str, Any] = {}
         self._zero_flag = None
@@ -117,10 +138,12 @@ class KernelOps(LocalOps):
             return None
         # the last guard: every table's variants fit the GPUs `_device_table_arch` maps to it,
         # but a table chosen by hand (arch=...) or an unlisted GPU may allow less
-        families = ("forward",)
+        families = ("forward", SM90_FAMILY) if self.arch == "sm_90a" else ("forward",)
         if backward:
             families = ("bwd_dkdv_nodq", "bwd_dq") if self.deterministic else ("bwd_dkdv",)
         for family in families:
+            if family == SM90_FAMILY and self.forward_variant("float16", headdim).family != family:
+                continue
             need = self.variant(family, "float16", headdim).launch.smem_bytes
             if need > self.smem_limit:
                 return (f"head dim {headdim}: the {family} kernel needs {need} bytes of shared "
@@ -150,7 +173,8 @@ class KernelOps(LocalOps):
             raise KeyError(f"{name_expression!r} is not a variant for {self.arch}; "
                            f"see burstcu.kernels.all_variants")
         if self.backend == "cupy":
-            fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes)
+            fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes,
+                              target=variant.target)
         else:
             module = emulate.build_module([str(kernel_dir() / variant.source)], [name_expression],
                                           randomize=self.randomize)
@@ -169,6 +193,54 @@ class KernelOps(LocalOps):
         if not fits:
             raise ValueError(f"no {family!r} kernel for {dtype} on {self.arch}")
         return min(fits, key=lambda v: v.headdim)
+
+    def forward_variant(self, dtype, headdim: int) -> KernelVariant:
+        """The forward step that runs head dim `headdim`: on the "sm_90a" table the Hopper one
+        (forward_sm90) when its native head dim (64, 128 or 256) is the smallest native one >=
+        headdim, else the mma.sync one ("forward")."""
+        plain = self.variant("forward", dtype, headdim)
+        if self.arch != "sm_90a":
+            return plain
+        hopper = self.variant(SM90_FAMILY, dtype, headdim)
+        if hopper.headdim != plain.headdim or not _SM90_FIRST_USE.get(self._first_use_key(hopper), True):
+            return plain
+        return hopper
+
+    def _first_use_key(self, variant: KernelVariant) -> tuple[int, str]:
+        return (self.xp.cuda.Device().id if self.backend == "cupy" else -1, variant.name)
+
+    def _sm90_checked(self, hopper: KernelVariant, dtype) -> bool:
+        """On a GPU, the first use of a Hopper variant on a device runs it once against the
+        mma.sync kernel of the same head dim (1 batch, 320 rows, 2 heads, causal: several
+        query and key tiles, a diagonal); if they differ by more than two correct kernels do
+        (8 eps of the output's magnitude), it warns and this process keeps the mma.sync kernel
+        for that variant (`forward_variant`). `first_use_check` (True on a GPU, False under the
+        emulator, whose runs the tests check) turns it on or off."""
+        key = self._first_use_key(hopper)
+        if not self.first_use_check or key in _SM90_FIRST_USE:
+            return _SM90_FIRST_USE.get(key, True)
+        _SM90_FIRST_USE[key] = True  # the check itself runs the Hopper kernel
+        xp, d, n = self.xp, hopper.headdim, 320
+        rng = np.random.default_rng(0)
+        q, k, v = (xp.asarray(rng.standard_normal((1, n, 2, d), dtype=np.float32)).astype(dtype)
+                   for _ in range(3))
+        outs = []
+        for variant in (hopper, self.variant("forward", hopper.dtype, d)):
+            state = self.forward_init(q)
+            self._fold(variant, state, k, v, [Block(0, n, 0, n, 0, 0, True)])
+            out = self.forward_finalize(state, np.float32)[0]
+            outs.append(np.asarray(xp.asnumpy(out) if xp is not np else out, np.float64))
+        got, want = outs
+        err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+        ok = err <= 8 * _EPS[hopper.dtype] * float(np.abs(want).max())
+        _SM90_FIRST_USE[key] = ok
+        if not ok:
+            warnings.warn(f"burstcu: the Hopper forward kernel {hopper.name} differs from the "
+                          f"mma.sync kernel on this GPU by {err:.3g} in its first-use check; "
+                          f"this process runs the mma.sync kernel for it instead (please report "
+                          f"it, with `python -m burstcu.selftest --full`)", RuntimeWarning,
+                          stacklevel=3)
+        return ok
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -262,8 +334,14 @@ class KernelOps(LocalOps):
         if not blocks:
             return
         self._check_kv(state, k, v)
+        variant = self.forward_variant(state.dtype, state.headdim)
+        if variant.family == SM90_FAMILY and not self._sm90_checked(variant, state.q.dtype):
+            variant = self.forward_variant(state.dtype, state.headdim)
+        self._fold(variant, state, k, v, blocks)
+
+    def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
+        """forward_step's launches with the step kernel `variant`."""
         B, S, H, dp = state.q.shape
-        variant = self.variant("forward", state.dtype, state.headdim)
         kp = self._ready(self.pad_headdim(k, dp))
         vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
@@ -273,12 +351,36 @@ class KernelOps(LocalOps):
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
         flag = self.nonfinite_flag(vp) if any(blk.masked for blk in blocks) else None
+        if variant.family == SM90_FAMILY:
+            for blk in blocks:
+                self._forward_step_sm90(variant, state, kp, vp, blk, flag)
+            return
         for blk in blocks:
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
                                      self.step_flag(blk.masked, flag), blk,
                                      state.scale * _LOG2E)
             self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), params,
                              blk.masked)
+
+    def _forward_step_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp, blk: Block,
+                           flag) -> None:
+        """One Block through the Hopper kernel: tensor maps of the block's q, k and v rows, a
+        persistent grid of min(tiles, SMs) blocks; a block with masked pairs issues the pair
+        plain + careful (forward_sm90_careful), of which the nonfinite flag runs exactly one."""
+        B, S, H, dp = state.q.shape
+        cfg = variant.launch
+        backend = "cupy" if self.backend == "cupy" else "emulated"
+        q_map = tensor_map_4d_rows(backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
+        k_map = tensor_map_4d_rows(backend, kp, blk.k_start, blk.k_len, cfg.block_n)
+        v_map = tensor_map_4d_rows(backend, vp, blk.k_start, blk.k_len, cfg.block_n)
+        n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
+        step_flag = self.step_flag(blk.masked, flag)
+        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l, step_flag,
+                                      blk, H, kp.shape[2], state.scale * _LOG2E, n_tiles)
+        pair = (variant, self.variant(SM90_FAMILY + CAREFUL_SUFFIX, state.dtype, state.headdim))
+        for v in pair if blk.masked else pair[:1]:
+            self.function(v.name)((min(n_tiles, self.sm_count),), (cfg.threads,), (params,),
+                                  shared_mem=v.launch.smem_bytes)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
@@ -349,7 +451,8 @@ def table_arch_for(cc: int) -> str:
     sm_86 CUBIN would not load there).
         8.0             sm_80  (A100, A30: 163 KB opt-in smem a block)
         8.6, 8.7, 8.9   sm_86  (A10, A40, RTX 30xx/40xx, Orin, L4, L40S: 99 KB)
-        9.x, 10.x       sm_90  (H100/H200: 227 KB; B200/GB200, cc 10.0: 227 KB)
+        9.0             sm_90a (H100/H200: 227 KB; the Hopper forward kernels, wgmma + TMA)
+        10.x            sm_90  (B200/GB200, cc 10.0: 227 KB; sm_90a code does not run there)
         >= 12.0         sm_86  (consumer Blackwell, RTX 50xx / RTX PRO, cc 12.x: 99 KB)
     Anything else at or above 8.0 (cc 11.x) gets the 99 KB table, the smallest. `headdim_problem`
     still checks each launch's smem against the device's real limit.
@@ -359,7 +462,9 @@ def table_arch_for(cc: int) -> str:
                            f"this device is {cc // 10}.{cc % 10}")
     if cc == 80:
         return "sm_80"
-    if 90 <= cc < 110:
+    if cc == 90:
+        return "sm_90a"
+    if 90 < cc < 110:
         return "sm_90"
     return "sm_86"
 

@@ -96,8 +96,11 @@ def key_bounds(block: Block) -> tuple[int, int]:
 # the parameter structs (kernels/params.cuh)
 
 _SCALARS = {"ptr": np.dtype(np.uint64), "i64": np.dtype(np.int64), "i32": np.dtype(np.int32),
-            "f32": np.dtype(np.float32)}
-_CTYPES = {"ptr": "pointer", "i64": "long long", "i32": "int", "f32": "float"}
+            "f32": np.dtype(np.float32), "tmap": np.dtype((np.uint8, 128))}
+_CTYPES = {"ptr": "pointer", "i64": "long long", "i32": "int", "f32": "float",
+           "tmap": "TensorMap"}
+# C alignment of each field type (a TensorMap is 64-byte aligned; NumPy cannot say so itself)
+_ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 64}
 
 
 class CStruct:
@@ -105,9 +108,10 @@ class CStruct:
 
     name: the C++ type (`templated`: a template on the element type T, e.g. FwdStepParams<T>).
     fields: (name, type) in declaration order; type is "ptr" (any pointer, passed as its
-    address), "i64" (long long), "i32" (int), "f32" (float) or a nested CStruct.
+    address), "i64" (long long), "i32" (int), "f32" (float), "tmap" (a TensorMap: 128 bytes,
+    64-byte aligned, given as 128 uint8) or a nested CStruct.
     dtype: the NumPy structured dtype with C's layout (each field at the next multiple of its
-    alignment, the size rounded up to the largest one: ``align=True``).
+    alignment, the size rounded up to the largest one); alignment: the C struct's.
     """
 
     def __init__(self, name: str, fields: Sequence[tuple[str, Union[str, "CStruct"]]],
@@ -116,8 +120,19 @@ class CStruct:
         self.fields = tuple(fields)
         self.templated = templated
         self.names = tuple(n for n, _ in self.fields)
-        self.dtype = np.dtype([(n, t.dtype if isinstance(t, CStruct) else _SCALARS[t])
-                               for n, t in self.fields], align=True)
+        offsets, offset, self.alignment = [], 0, 1
+        for _, t in self.fields:
+            align = t.alignment if isinstance(t, CStruct) else _ALIGN[t]
+            offset = -(-offset // align) * align
+            offsets.append(offset)
+            offset += (t.dtype if isinstance(t, CStruct) else _SCALARS[t]).itemsize
+            self.alignment = max(self.alignment, align)
+        self.dtype = np.dtype({"names": list(self.names),
+                               "formats": [t.dtype if isinstance(t, CStruct) else _SCALARS[t]
+                                           for _, t in self.fields],
+                               "offsets": offsets,
+                               "itemsize": -(-offset // self.alignment) * self.alignment,
+                               "aligned": True})
         self._pointers = [i for i, (_, t) in enumerate(self.fields) if t == "ptr"]
 
     def __repr__(self) -> str:
@@ -187,9 +202,13 @@ BWD_STEP = CStruct("BwdStepParams", [
     ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES), ("dq_stride", ROW_STRIDES),
     ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
     ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")], templated=True)
+FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
+    ("q_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("acc", "ptr"), ("m", "ptr"),
+    ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
+    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
-                 BWD_DELTA, BWD_STEP)
+                 BWD_DELTA, BWD_STEP, FWD_STEP_SM90)
 
 
 def _shared_strides(n: int, x, *others) -> tuple[int, ...]:
@@ -220,6 +239,17 @@ def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block, scale_log2: flo
         q_stride=_shared_strides(3, q), kv_stride=_shared_strides(3, k, v),
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
         blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale_log2=scale_log2)
+
+
+def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
+                         kv_heads: int, scale_log2: float, n_tiles: int) -> np.void:
+    """FwdStepSm90Params: the tensor maps of q's and k's, v's rows in the block (128 uint8 each,
+    `burstcu.ops.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
+    strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch."""
+    return FWD_STEP_SM90.pack(
+        q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,
+        acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
+        blk=block_rect(block), H=heads, Hkv=kv_heads, scale_log2=scale_log2, n_tiles=n_tiles)
 
 
 def fwd_finalize_params(acc, m, l, out, lse) -> np.void:

@@ -76,11 +76,15 @@ def check_variants(backend: str, quick: bool) -> list[dict]:
     """Compile and load every variant (emulated/quick: the head-dim-64 and any-head-dim variants
     of the sm_80 table only, which the emulator builds in seconds)."""
     from ..kernels import all_variants
+    from ..kernels.compile import compute_capability
     from ..kernels.variants import ARCHS, CAREFUL_SUFFIX
     from ..ops.kernel_ops import KernelOps
 
     out = []
-    for arch in (ARCHS if backend == "cupy" and not quick else ("sm_80",)):
+    archs = ARCHS if backend == "cupy" and not quick else ("sm_80",)
+    if backend == "cupy" and compute_capability() != 90:
+        archs = tuple(a for a in archs if a != "sm_90a")  # sm_90a code runs on cc 9.0 only
+    for arch in archs:
         ops = KernelOps(backend, arch=arch)
         chosen = [v for v in all_variants(arch)
                   if backend == "cupy" and not quick or v.headdim in (0, 64)]
@@ -114,7 +118,7 @@ def _compile_in_parallel(variants) -> None:
 
     arch = device_arch()
     with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda v: cached_cubin(v.source, [v.name], arch), variants))
+        list(pool.map(lambda v: cached_cubin(v.source, [v.name], v.target or arch), variants))
 
 
 def _kernel_attributes(variant, fn) -> dict:

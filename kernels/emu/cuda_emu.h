@@ -14,7 +14,9 @@
 // types, __half/__nv_bfloat16 and their conversions, the math functions kernels use,
 // __syncthreads/__syncwarp, shuffles, votes, atomics, __trap. The machinery is in emu_fiber.h
 // (fibers), emu_runtime.h (scheduler, barriers, warp rendezvous, cp.async), emu_collectives.h
-// (what shuffles/ldmatrix/mma compute) and emu_launch.h (registry, fault handling, emu_launch).
+// (what shuffles/ldmatrix/mma compute), emu_launch.h (registry, fault handling, emu_launch),
+// emu_hopper.h (sm_90: mbarriers, bulk tensor copies, named barriers, the warpgroup side of wgmma)
+// and emu_wgmma.h (what wgmma computes).
 //
 // Constraints kernels must respect (all hold for code that is correct CUDA):
 //   * `__shared__` is `static`, which is right only because blocks run one at a time: a kernel must
@@ -22,10 +24,11 @@
 //     (it does hold them here — the GPU gives garbage). `extern __shared__` does not compile: use
 //     BURSTCU_DYNAMIC_SMEM(T, name) from common.cuh.
 //   * __CUDA_ARCH__ is not defined: `#if __CUDA_ARCH__ >= 800` code takes its fallback path.
-//   * A thread switches only at __syncthreads, warp collectives and exit, so atomics are trivially
-//     atomic, and a data race shows only as an ordering difference (see randomised order). A thread
-//     that spins waiting for another thread never lets it run: the watchdog (BURSTCU_EMU_TIMEOUT_S)
-//     reports it.
+//   * A thread switches only at __syncthreads, warp and warpgroup collectives (wgmma, setmaxnreg),
+//     named barriers, mbarrier waits (mbar_wait / a failing mbar_try_wait yields) and exit, so
+//     atomics are trivially atomic, and a data race shows only as an ordering difference (see
+//     randomised order). A thread that spins on a plain memory flag another thread sets never
+//     lets it run: the watchdog (BURSTCU_EMU_TIMEOUT_S) reports it (spin on an mbarrier instead).
 //   * Static shared arrays have no bounds check (dynamic shared memory ends at a guard page).
 //   * Fiber stacks are 64 KB (BURSTCU_EMU_STACK_KB, read when the first fibers are made).
 //   * Launches are serialised (one mutex per loaded module; emulate.py adds a process-wide lock).
@@ -45,6 +48,7 @@
 #include <cstring>
 
 #include "emu_launch.h"
+#include "emu_hopper.h"  // sm_90: mbarriers, bulk tensor copies, named barriers, wgmma
 
 // ---------------------------------------------------------------------------------------------
 // Keywords

@@ -174,6 +174,7 @@ inline void compute_collective(int warp, const Group& w) {
     case K_BALLOT: case K_ANY: case K_ALL: return compute_vote(warp, w);
     case K_MMA_F16: return compute_mma(warp, Elem::f16);
     case K_MMA_BF16: return compute_mma(warp, Elem::bf16);
+    case K_ELECT: case K_NAMED_BAR: case K_SETMAXNREG: return g_hopper.collective(warp, w);  // emu_hopper.h
     default: return compute_ldmatrix(warp, w.kind);
   }
 }

@@ -108,10 +108,17 @@ struct DynSmem {
 };
 inline DynSmem g_dyn;
 
-// A buffer of `size` bytes (16-aligned) whose end touches a PROT_NONE page.
+// The bytes mapped for `size` bytes of dynamic shared memory: rounded up to 1024 so that the start
+// is 1024-byte aligned (the sm_90 swizzle patterns, TMA's and wgmma's, are functions of the shared
+// address bits, and the kernels align their tiles to 1024 bytes relative to this start).
+inline size_t dyn_smem_span(size_t size) { return (size + 1023) / 1024 * 1024; }
+
+// A buffer of `size` bytes, 1024-byte aligned, whose end is within 1023 bytes of a PROT_NONE page:
+// the slack (dyn_smem_span(size) - size bytes) is poisoned like the rest (run_block), so an
+// overflow into it reads NaN and one past it faults.
 inline unsigned char* dyn_smem_buffer(size_t size) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t need = (size + 15) / 16 * 16;
+  const size_t need = dyn_smem_span(size);
   if (!g_dyn.map || need > g_dyn.capacity) {
     if (g_dyn.map) munmap(g_dyn.map, g_dyn.map_size);
     g_dyn.capacity = (need + page - 1) / page * page;
@@ -233,7 +240,7 @@ inline std::string describe_fault(int sig, void* addr) {
   if (sig == kWatchdogSignal)
     return fmt("the launch ran longer than BURSTCU_EMU_TIMEOUT_S = %g s; stopped in %s. A thread spinning on a "
                "value that another thread or block sets never yields to it in the emulator (threads switch only at "
-               "__syncthreads, warp collectives and exit)",
+               "__syncthreads, warp collectives, mbarrier waits, named barriers, wgmma and exit)",
                watchdog_seconds(), who.c_str());
   if (sig == SIGSEGV || sig == SIGBUS) {
     for (Thread* t : g_pool)
@@ -265,7 +272,7 @@ inline std::string describe_deadlock() {
       s += fmt(" Warp %zu: lanes 0x%08x wait at %s for lanes 0x%08x (mask 0x%08x).", w, g.arrived, kind_name(g.kind),
                g.mask & ~g.arrived, g.mask);
     }
-  return s;
+  return g_hopper.describe ? s + g_hopper.describe() : s;
 }
 
 inline void run_block() {
@@ -294,7 +301,8 @@ inline void run_block() {
   r.exited = 0;
   r.bar_waiting = 0;
   r.q_head = r.q_count = 0;
-  if (r.dyn_smem) memset(r.dyn_smem, 0xff, r.dyn_size);
+  if (r.dyn_smem) memset(r.dyn_smem, 0xff, dyn_smem_span(r.dyn_size));
+  if (g_hopper.block_begin) g_hopper.block_begin();
   enqueue_all(start.data(), r.nthreads);
   while (!r.failed) {
     Thread* t = dequeue();
@@ -307,6 +315,13 @@ inline void run_block() {
   if (!r.failed && r.live > 0) {
     r.failed = true;
     r.error = describe_deadlock();
+  }
+  if (!r.failed && g_hopper.block_end) {
+    std::string err = g_hopper.block_end();
+    if (!err.empty()) {
+      r.failed = true;
+      r.error = err;
+    }
   }
 }
 
@@ -459,3 +474,6 @@ extern "C" __attribute__((weak, visibility("default"))) size_t emu_kernel_names(
 extern "C" __attribute__((weak, visibility("default"))) unsigned long long emu_switch_count() {
   return emu::g_switches;
 }
+
+// The sm_90 machinery: fills in the g_hopper hooks that the scheduler above calls.
+#include "emu_hopper.h"

@@ -24,13 +24,21 @@
 //   * cp.async is deferred: cp_async_16 snapshots the 16 source bytes (or zeros) at issue and writes
 //     the destination only when a cp_async_wait retires its group (or the thread exits), so a read
 //     of the destination before the wait sees stale data, as it may on the GPU.
+//   * sm_90 (emu_hopper.h): a thread waiting on an mbarrier spins (state S_SPIN: it goes to the back
+//     of the run queue between tries), a thread at bar.sync waits in S_NBAR, and the wgmma
+//     instructions are rendezvous of the 128 threads of a warpgroup (S_WG). emu_hopper.h gets the
+//     hooks declared below: per-block reset, exit checks, deadlock description, a random
+//     scheduling point in yield_to_next (lands bulk copies early when randomising), and the
+//     warp collectives elect.sync / bar.sync-arrive / setmaxnreg.
 //   * Faults (stack overflow, dynamic shared-memory overflow, bad pointers, integer division by zero)
 //     raise a signal that the launch catches (sigaltstack + siglongjmp) and reports as an error
 //     naming the thread; all other errors are detected in code. Nothing here exits the process.
 //     A watchdog timer (BURSTCU_EMU_TIMEOUT_S, default 300 s) ends a launch that never finishes,
 //     e.g. a thread spinning on a flag that only a not-yet-run thread would set (emu_launch.h).
-// Dynamic shared memory is poisoned with 0xFF bytes (NaN in fp32/fp16/bf16) before each block, and
-// ends exactly at a guard page, so reading uninitialised or out-of-range dynamic smem shows.
+// Dynamic shared memory is poisoned with 0xFF bytes (NaN in fp32/fp16/bf16) before each block, so
+// reading uninitialised dynamic smem shows. Its start is 1024-byte aligned (the sm_90 swizzle
+// patterns are functions of address bits), and it ends at most 1023 bytes before a guard page:
+// the size is rounded up to a multiple of 1024, and that slack is poisoned too (emu_launch.h).
 #pragma once
 
 #include <pthread.h>
@@ -78,7 +86,10 @@ enum class Elem { f16, bf16 };
 // Collective kinds; ldmatrix/mma variants get distinct codes so that mismatches are caught.
 enum Kind : int {
   K_NONE = 0, K_SYNCWARP, K_SHFL_IDX, K_SHFL_UP, K_SHFL_DOWN, K_SHFL_XOR, K_BALLOT, K_ANY, K_ALL,
-  K_MMA_F16, K_MMA_BF16, K_LDMATRIX /* + 2*(num-1) + trans */
+  K_MMA_F16, K_MMA_BF16, K_LDMATRIX /* + 2*(num-1) + trans: 6 codes */,
+  K_ELECT = K_LDMATRIX + 6,  // elect.sync (emu_hopper.h)
+  K_NAMED_BAR,               // the warp's part of bar.sync / bar.arrive (emu_hopper.h)
+  K_SETMAXNREG               // setmaxnreg.sync.aligned (emu_hopper.h)
 };
 
 inline int ldmatrix_kind(int num, bool trans) { return K_LDMATRIX + 2 * (num == 1 ? 0 : num == 2 ? 1 : 2) + trans; }
@@ -88,13 +99,17 @@ inline const char* kind_name(int k) {
                                 "__shfl_xor_sync", "__ballot_sync", "__any_sync", "__all_sync",
                                 "mma_m16n8k16<__half>", "mma_m16n8k16<__nv_bfloat16>",
                                 "ldmatrix_x1", "ldmatrix_x1_trans", "ldmatrix_x2", "ldmatrix_x2_trans",
-                                "ldmatrix_x4", "ldmatrix_x4_trans"};
+                                "ldmatrix_x4", "ldmatrix_x4_trans", "elect.sync", "bar.sync/bar.arrive",
+                                "setmaxnreg"};
   return (k >= 0 && k < int(sizeof names / sizeof *names)) ? names[k] : "?";
 }
 
-inline bool is_aligned(int kind) { return kind >= K_MMA_F16; }
+// .aligned: the whole warp must be at the same instruction (elect.sync is only .sync).
+inline bool is_aligned(int kind) { return kind >= K_MMA_F16 && kind != K_ELECT; }
 
-enum State : int { S_READY, S_RUNNING, S_BARRIER, S_WARP, S_EXITED };
+// S_SPIN: queued between two tries of an mbarrier wait; S_NBAR: waiting for a named barrier
+// (bar.sync); S_WG: waiting for the rest of its warpgroup at a wgmma instruction (emu_hopper.h).
+enum State : int { S_READY, S_RUNNING, S_BARRIER, S_WARP, S_EXITED, S_SPIN, S_NBAR, S_WG };
 
 struct CpAsync {  // one pending cp.async: destination, bytes to write, group (-1: not committed yet)
   void* dst;
@@ -165,6 +180,18 @@ struct Run {  // the state of one launch
   unsigned char* dyn_smem = nullptr;
   size_t dyn_size = 0;
 };
+
+// Hooks into the sm_90 machinery: emu_hopper.h (which emu_launch.h includes) fills them in when the
+// library loads. A translation unit without it (e.g. a shim around one header's math) gets no-ops.
+struct HopperHooks {
+  void (*block_begin)() = nullptr;                 // per-block reset
+  std::string (*block_end)() = nullptr;            // checks once every thread has exited ("" = fine)
+  void (*thread_exit)(Thread* self) = nullptr;     // checks when a thread exits (may fail())
+  void (*random_point)() = nullptr;                // a scheduling point when randomising
+  std::string (*describe)() = nullptr;             // the sm_90 part of a deadlock report
+  void (*collective)(int warp, const Group& g) = nullptr;  // K_ELECT, K_NAMED_BAR, K_SETMAXNREG
+};
+inline HopperHooks g_hopper;
 
 inline Run* g_run = nullptr;
 inline Thread* g_cur = nullptr;  // the running fiber; nullptr while the scheduler runs
@@ -246,6 +273,7 @@ inline Thread* dequeue() {
 
 // The running fiber stops (its state already says why, or it is queued) and the next one runs.
 inline void yield_to_next() {
+  if ((g_run->flags & EMU_RANDOMIZE) && g_hopper.random_point) g_hopper.random_point();
   Thread* self = g_cur;
   Thread* next = dequeue();
   if (next == self) {
@@ -315,6 +343,17 @@ inline Thread* lane_thread(int warp, int lane) { return g_pool[warp * 32 + lane]
 
 inline void compute_collective(int warp, const Group& g);  // defined in emu_collectives.h
 
+// All lanes of group g have arrived: compute, remove the group, and list its lanes in batch.
+inline int finish_group(int warp, Group* g, Thread** batch) {
+  const u32 mask = g->mask;
+  compute_collective(warp, *g);
+  g_run->warps[warp].remove(g);
+  int n = 0;
+  for (int l = 0; l < 32; ++l)
+    if (mask >> l & 1u) batch[n++] = lane_thread(warp, l);
+  return n;
+}
+
 // Rendezvous of the lanes in `mask` at collective `kind`; inputs are already in g_cur's slots.
 inline void collective(int kind, u32 mask) {
   Run& r = *g_run;
@@ -349,12 +388,8 @@ inline void collective(int kind, u32 mask) {
     yield_to_next();
     return;
   }
-  compute_collective(self->warp, *g);
-  w.remove(g);
   Thread* batch[32];
-  int n = 0;
-  for (int l = 0; l < 32; ++l)
-    if (mask >> l & 1u) batch[n++] = lane_thread(self->warp, l);
+  const int n = finish_group(self->warp, g, batch);
   if (r.flags & EMU_RANDOMIZE) {
     enqueue_all(batch, n);  // this lane too: it need not be the first to go on
     yield_to_next();
@@ -419,9 +454,19 @@ inline void thread_exit(Thread* self) {
   ++r.exited;
   Warp& w = r.warps[self->warp];
   w.exited |= 1u << self->lane;
-  if (const Group* g = w.find(1u << self->lane))
-    fail(fmt("%s exited while lanes 0x%08x of its warp wait for it at %s (mask 0x%08x)", where(self).c_str(),
-             g->arrived, kind_name(g->kind), g->mask));
+  if (Group* g = w.find(1u << self->lane)) {
+    // bar.sync / bar.arrive wait only for the warp's lanes that have not exited (PTX ISA)
+    if (g->kind != K_NAMED_BAR)
+      fail(fmt("%s exited while lanes 0x%08x of its warp wait for it at %s (mask 0x%08x)", where(self).c_str(),
+               g->arrived, kind_name(g->kind), g->mask));
+    g->mask &= ~(1u << self->lane);
+    if (g->arrived == g->mask) {
+      Thread* batch[32];
+      const int n = finish_group(self->warp, g, batch);
+      enqueue_all(batch, n);
+    }
+  }
+  if (g_hopper.thread_exit) g_hopper.thread_exit(self);
   if (r.bar_waiting > 0) {
     if (!(r.flags & EMU_ALLOW_EXIT))
       fail(fmt("%s exited while %d thread(s) wait at __syncthreads at %s:%d", where(self).c_str(), r.bar_waiting,

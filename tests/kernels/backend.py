@@ -12,6 +12,9 @@ import os
 import pytest
 
 BACKEND = os.environ.get("BURSTCU_KERNEL_TEST_BACKEND", "emulated")
+# BURSTCU_KERNEL_TEST_ARCH=sm_90a runs every test that does not name a kernel table on that one
+# (the Hopper forward kernels); unset: the device's own table on a GPU, sm_80's on the emulator
+ARCH = os.environ.get("BURSTCU_KERNEL_TEST_ARCH") or None
 # BURSTCU_CUPY_NO_POOL=1: every CuPy array is its own cudaMalloc, so compute-sanitizer's memcheck
 # sees an access past an array's end (inside a pooled chunk it would go unnoticed)
 if BACKEND == "cupy" and os.environ.get("BURSTCU_CUPY_NO_POOL") == "1":
@@ -29,5 +32,5 @@ def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str |
         from burstcu.group import gpu_usable
         if not gpu_usable():
             pytest.skip("BURSTCU_KERNEL_TEST_BACKEND=cupy needs a CUDA GPU")
-    return HostArrays(KernelOps(backend=BACKEND, arch=arch, deterministic=deterministic,
+    return HostArrays(KernelOps(backend=BACKEND, arch=arch or ARCH, deterministic=deterministic,
                                 randomize=randomize))

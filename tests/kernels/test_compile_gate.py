@@ -1,9 +1,12 @@
-"""The compile gate: every kernel variant compiles with NVRTC for sm_80, sm_86 and sm_90, without
-spills.
+"""The compile gate: every kernel variant compiles with NVRTC for sm_80, sm_86, sm_90 and (once the
+tables have it) sm_90a, without spills; the Hopper families' SASS holds HGMMA and no local memory.
 
-Runs ``python -m burstcu.kernels check --arch sm_80,sm_86,sm_90 --json FILE`` as a subprocess, as
-CI does, and checks the records. Needs cuda-python and the pinned NVRTC/runtime wheels, not a GPU.
-About 1.5 minutes on two cores (each variant compiles in 0.1-1.5 s; one process a core).
+Runs ``python -m burstcu.kernels check --arch sm_80,sm_86,sm_90,sm_90a --json FILE`` as a
+subprocess, as CI does (one process pool for every arch), and checks the records. Needs
+cuda-python and the pinned NVRTC/runtime/nvdisasm wheels, not a GPU. About 2 minutes on two
+cores (each variant compiles in 0.1-1.5 s; one process a core): 1.5 for the three plain archs,
+and sm_90a adds its table (the sm_90 one plus the Hopper families) with an nvdisasm run of about
+0.25 s a variant.
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc")
 pytest.importorskip("cuda.pathfinder")
 
-from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
 from burstcu.kernels import all_variants  # noqa: E402
+from burstcu.kernels import compile as kcompile  # noqa: E402
+from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
+from burstcu.kernels.variants import ARCHS as TABLE_ARCHS  # noqa: E402
 
-ARCHS = ("sm_80", "sm_86", "sm_90")
+HOPPER = "sm_90a" in TABLE_ARCHS
+NO_HOPPER = "burstcu.kernels.variants.ARCHS has no 'sm_90a' yet: no Hopper table to gate"
+# every arch the gate checks in CI: the three plain ones, and sm_90a once the tables have it
+ARCHS = ("sm_80", "sm_86", "sm_90") + (("sm_90a",) if HOPPER else ())
 SM86_SMEM_PER_BLOCK = 101376  # 99 KB opt-in: RTX 3090/4090/5090, A10, A40, L4, L40S
 FIELDS = ("name", "family", "arch", "dtype", "headdim", "threads", "registers", "spill_stores",
           "spill_loads", "stack_bytes", "static_smem_bytes", "dynamic_smem_bytes", "smem_bytes",
-          "compile_seconds", "error")
+          "local_bytes", "target", "compile_seconds", "error")
+SASS_FIELDS = ("sass_hgmma", "sass_ldl", "sass_stl")  # in every record compiled for sm_90a
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -47,7 +56,10 @@ def test_gate_passes(gate):
 
 def test_every_variant_compiled(gate):
     _, records, _ = gate
-    expected = {(arch, v.name) for arch in ARCHS for v in all_variants(arch)}
+    # the sm_90a table's variants without a target of their own are the sm_90 table's (compiled
+    # for the device's own arch at run time): the sm_90 rows gate them
+    expected = {(arch, v.name) for arch in ARCHS for v in all_variants(arch)
+                if arch != "sm_90a" or v.target}
     assert {(r["arch"], r["name"]) for r in records} == expected
     families = {r["family"] for r in records}
     assert {"forward", "forward_finalize", "nonfinite_flag"} <= families
@@ -58,7 +70,25 @@ def test_records_complete(gate):
     _, records, _ = gate
     for r in records:
         missing = [f for f in FIELDS if f not in r]
+        missing += [f for f in SASS_FIELDS if r["target"] == "sm_90a" and f not in r]
         assert not missing, (r["name"], missing)
+        # the CUBIN's frame record and ptxas' report agree (local_bytes also counts callees)
+        assert r["local_bytes"] >= r["stack_bytes"], r["name"]
+
+
+@pytest.mark.skipif(not HOPPER, reason=NO_HOPPER)
+def test_hopper_families_run_on_wgmma_without_local_memory(gate):
+    """Every sm_90a row of a Hopper family (name containing "sm90") has HGMMA in its SASS and no
+    local memory: no frame, no LDL/STL (careful twins excepted from the latter, as for spills)."""
+    _, records, _ = gate
+    rows = [r for r in records if r["arch"] == "sm_90a" and "sm90" in r["family"]]
+    assert rows, "no Hopper family in the sm_90a table"
+    for r in rows:
+        where = f"{r['name']}: {r['error']}"
+        assert r["target"] == "sm_90a", where
+        assert r["sass_hgmma"] > 0, where
+        if not r["family"].endswith("_careful"):
+            assert r["local_bytes"] == 0 and r["sass_ldl"] == 0 and r["sass_stl"] == 0, where
 
 
 def test_no_spills_and_budgets(gate):
@@ -93,9 +123,12 @@ def test_forward_covers_native_headdims(gate):
     _, records, _ = gate
     for arch in ARCHS:
         for dtype in ("float16", "bfloat16"):
-            dims = {r["headdim"] for r in records if r["arch"] == arch and r["family"] == "forward"
+            # sm_90a: its own rows are the Hopper family (64, 128, 256); the sm_90 rows gate the rest
+            family = "forward_sm90" if arch == "sm_90a" else "forward"
+            want = {64, 128, 256} if arch == "sm_90a" else {32, 64, 96, 128, 256}
+            dims = {r["headdim"] for r in records if r["arch"] == arch and r["family"] == family
                     and r["dtype"] == dtype}
-            assert {64, 128} <= dims and {32, 96, 256} <= dims, (arch, dtype, dims)
+            assert dims == want, (arch, dtype, dims)
 
 
 def test_parse_ptxas_report():
@@ -160,7 +193,7 @@ def test_sm86_table_runs_every_headdim_on_99KB():
 
 
 @pytest.mark.parametrize("cc,table", [(80, "sm_80"), (86, "sm_86"), (87, "sm_86"), (89, "sm_86"),
-                                      (90, "sm_90"), (100, "sm_90"), (103, "sm_90"),
+                                      (90, "sm_90a"), (100, "sm_90"), (103, "sm_90"),
                                       (110, "sm_86"), (120, "sm_86"), (121, "sm_86")])
 def test_device_table_arch(cc, table):
     from burstcu.ops.kernel_ops import table_arch_for
@@ -196,3 +229,145 @@ def test_an_unknown_family_is_refused_with_the_families(capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "unknown family ['fwd']" in err and "forward" in err and "nonfinite_flag" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# sm_90a compiles, and the SASS reader (nvdisasm) on probe kernels
+
+NEEDS_NVDISASM = pytest.mark.skipif(
+    kcompile.find_nvdisasm() is None,
+    reason=f"nvdisasm not found: pip install '{kcompile.NVDISASM_REQUIREMENT}' (the cuda13 extra)")
+
+PROBES = r'''
+#include "hopper.cuh"
+
+// one wgmma m64n64k16 from shared memory (the contents do not matter: it is never launched)
+extern "C" __global__ void probe_wgmma(float* out) {
+  __shared__ __align__(128) __half a[64 * 16];
+  __shared__ __align__(128) __half b[64 * 16];
+  float d[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  wgmma_fence();
+  wgmma_ss<__half, 64, 0, 0>(d, wgmma_desc(a, SWIZZLE_NONE, 128, 256), wgmma_desc(b, SWIZZLE_NONE, 128, 256), false);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+}
+
+// an array indexed at run time cannot live in registers: it is a local-memory frame
+extern "C" __global__ void probe_local(float* out, const int* idx) {
+  float buf[64];
+#pragma unroll 1
+  for (int i = 0; i < 64; ++i) buf[(i * 7 + threadIdx.x) & 63] = i * out[i];
+  buf[idx[threadIdx.x] & 63] += 1.f;
+  out[threadIdx.x] = buf[idx[threadIdx.x + 1] & 63];
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def probe_cubin(tmp_path_factory):
+    """The probes compiled by NVRTC for sm_90a (with the ptxas report)."""
+    from burstcu.kernels.variants import kernel_dir
+
+    folder = tmp_path_factory.mktemp("probes")
+    (folder / "probes.cu").write_text(PROBES)
+    return kcompile.nvrtc_compile("probes.cu", [], "sm_90a", extra_options=[f"-I{kernel_dir()}"],
+                                  kdir=folder, ptxas_verbose=True)
+
+
+def test_nvrtc_compiles_for_sm90a(probe_cubin):
+    """--gpu-architecture=sm_90a: wgmma and the other arch-specific instructions assemble."""
+    assert "for 'sm_90a'" in probe_cubin.log
+    assert set(probe_cubin.resources) == {"probe_wgmma", "probe_local"}
+
+
+@NEEDS_NVDISASM
+def test_sass_of_a_wgmma_kernel_has_hgmma(probe_cubin):
+    sass = kcompile.sass_summary(probe_cubin.cubin)
+    assert set(sass) == {"probe_wgmma", "probe_local"}
+    wg = sass["probe_wgmma"]
+    assert wg.hgmma > 0 and wg.instructions > wg.hgmma
+    assert (wg.ldl, wg.stl, wg.local_bytes) == (0, 0, 0)
+    assert sass["probe_local"].hgmma == 0
+
+
+@NEEDS_NVDISASM
+def test_sass_of_a_local_array_has_ldl_stl(probe_cubin):
+    local = kcompile.sass_summary(probe_cubin.cubin)["probe_local"]
+    assert local.ldl > 0 and local.stl > 0
+    assert local.local_bytes == 256 == probe_cubin.resources["probe_local"].stack_bytes  # 64 floats
+
+
+def test_elf_frames_without_the_disassembler(probe_cubin):
+    """local_bytes comes from the CUBIN's own records: no nvdisasm needed."""
+    assert kcompile.elf_local_bytes(probe_cubin.cubin) == {"probe_wgmma": 0, "probe_local": 256}
+    with pytest.raises(kcompile.SassError, match="not a CUBIN"):
+        kcompile.elf_local_bytes(b"\x7fELF\x01" + bytes(100))
+
+
+def test_parse_sass_listing():
+    """Opcodes without modifiers, predicates skipped, per .text section, other sections ignored."""
+    listing = """
+	.section	.nv.info.k,"",@"SHT_CUDA_INFO"
+        /*0000*/ 	.byte	0x04, 0x2f
+	.section	.text.k,"ax",@progbits
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 HGMMA.64x64x16.F32 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0020*/                   LDL.LU.64 R2, [R1+0x8] ;
+        /*0030*/               @P1 STL.128 [R1], R4 ;
+        /*0040*/             @!UP0 BRA `(.L_x_1) ;
+	.section	.text.g,"ax",@progbits
+        /*0000*/                   STL [R1], R7 ;
+"""
+    ops = kcompile.parse_sass(listing)
+    assert ops == {"k": {"LDC": 1, "HGMMA": 1, "LDL": 1, "STL": 1, "BRA": 1}, "g": {"STL": 1}}
+
+
+def test_a_missing_disassembler_fails_the_sm90a_rows_clearly(monkeypatch):
+    """No nvdisasm: sass_summary says how to install it; the gate records the reason on every row
+    compiled for sm_90a (a failure, not a crash) and leaves the other archs alone."""
+    monkeypatch.setattr(kcompile, "find_nvdisasm", lambda: None)
+    with pytest.raises(kcompile.DisassemblerMissing, match="pip install 'nvidia-cuda-nvdisasm"):
+        kcompile.sass_summary(b"")
+    variant = next(v for v in all_variants("sm_90") if v.family == "nonfinite_flag")
+    record = kcompile.gate_variant(variant, "sm_90a")
+    assert record["target"] == "sm_90a" and record["sass_hgmma"] is None
+    assert "nvdisasm not found" in record["error"] and "sm_90a" in record["error"]
+    assert kcompile.gate_variant(variant, "sm_90")["error"] is None
+
+
+def test_gate_failure_hopper_rules():
+    """A Hopper family compiled for sm_90a fails without HGMMA or with local memory (its careful
+    twin may use local memory, as careful variants may spill); other families are not judged by
+    their SASS."""
+    from burstcu.kernels.compile import gate_failure
+
+    ok = {"arch": "sm_90a", "target": "sm_90a", "family": "forward_sm90", "registers": 168,
+          "spill_stores": 0, "spill_loads": 0, "smem_bytes": 1024, "local_bytes": 0,
+          "sass_hgmma": 24, "sass_ldl": 0, "sass_stl": 0}
+    assert gate_failure(ok) is None
+    assert "HGMMA" in gate_failure({**ok, "sass_hgmma": 0})
+    assert "HGMMA" in gate_failure({**ok, "family": "forward_sm90_careful", "sass_hgmma": 0})
+    assert "local memory" in gate_failure({**ok, "local_bytes": 16})
+    assert "local memory" in gate_failure({**ok, "sass_stl": 1})
+    assert gate_failure({**ok, "family": "forward_sm90_careful", "local_bytes": 16, "sass_ldl": 2}) is None
+    assert gate_failure({**ok, "family": "forward", "sass_hgmma": 0}) is None
+    assert "nvdisasm" in gate_failure({**ok, "sass_error": "nvdisasm not found", "sass_hgmma": None})
+
+
+@pytest.mark.parametrize("target,cc,ok", [("sm_90a", 90, True), ("sm_90a", 100, False),
+                                          ("sm_90a", 80, False), ("sm_90", 120, True),
+                                          ("sm_90", 86, False), ("sm_100a", 100, True)])
+def test_arch_specific_targets_run_on_their_own_cc_only(target, cc, ok):
+    assert (kcompile.target_problem(target, cc) is None) == ok
+
+
+def test_get_function_refuses_sm90a_off_hopper(monkeypatch):
+    """Before any compile or CUDA call, with the device's compute capability in the message."""
+    pytest.importorskip("cupy")
+    monkeypatch.setattr(kcompile, "compute_capability", lambda device_id=None: 120)
+    with pytest.raises(RuntimeError, match=r"sm_90a kernels run only on compute capability 9\.0 .*12\.0"):
+        kcompile.get_function("flash_fwd_sm90.cu", "k", device_id=0, target="sm_90a")

@@ -159,15 +159,16 @@ def split_steps(k, v, at: int, q_len: int, q_pos: int):
 def test_state_across_calls(ops, dtype):
     """Folding K/V in two forward_step calls equals one call over the concatenation.
 
-    Split on a key-tile boundary (64), the kernel sees the same tiles with the same running max,
-    so only the fp32 order of the row sums differs: the outputs agree to the last bit or two of
-    the dtype. Split mid-tile (77), P is rounded against different running maxima, so the two
-    differ like any two correct fp16 kernels: both must meet the tolerance rule.
+    Split on a key-tile boundary (the kernel's BLOCK_N), the kernel sees the same tiles with the
+    same running max, so only the fp32 order of the row sums differs: the outputs agree to the
+    last bit or two of the dtype. Split mid-tile (77), P is rounded against different running
+    maxima, so the two differ like any two correct fp16 kernels: both must meet the tolerance rule.
     """
-    q, k, v = make(dtype, 1, 128, 192, 2, 1, 64, seed=5)
-    blocks = [Block(0, 128, 0, 192, 100, 0, True)]
+    tile = ops.forward_variant(dtype, 64).launch.block_n
+    q, k, v = make(dtype, 1, 128, tile + 128, 2, 1, 64, seed=5)
+    blocks = [Block(0, 128, 0, tile + 128, 100, 0, True)]
     out1, lse1 = run_kernel(ops, q, k, v, [(k, v, blocks)])
-    out2, lse2 = run_kernel(ops, q, k, v, split_steps(k, v, 64, 128, 100))
+    out2, lse2 = run_kernel(ops, q, k, v, split_steps(k, v, tile, 128, 100))
     eps = float(ml_dtypes.finfo(DTYPES[dtype]).eps)
     assert (np.abs(out1 - out2) <= 2 * eps * np.maximum(np.abs(out1), np.abs(out2)) + 1e-6).all()
     assert np.abs(lse1 - lse2).max() <= 1e-5

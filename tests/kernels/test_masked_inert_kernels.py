@@ -13,7 +13,9 @@ must reach, the results must be non-finite. The clean run itself is checked agai
 test_flash_{fwd,bwd}_emulated.py.
 
 Also here: the careful kernels (variants.careful_variant) give the plain kernels' bits on finite
-tiles, and the dQ pass's row sums of P (attention_backward(check=True)) add up to 1.
+tiles, and the dQ pass's row sums of P (attention_backward(check=True)) add up to 1. The forward
+cases run on the mma.sync kernels and on the Hopper kernel and its careful twin (arch "sm_90a",
+kernels/flash_fwd_sm90.cu; its 128-key tiles hold the whole block).
 """
 
 from __future__ import annotations
@@ -90,10 +92,14 @@ def lse_rows(mask_rows):
 
 # -- forward ------------------------------------------------------------------------------------
 
+ARCHS = [pytest.param(None, id="default"), pytest.param("sm_90a", id="sm_90a")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("value", [np.inf, np.nan])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_forward_poisoned_v(dtype, value):
-    ops = kernel_ops()
+def test_forward_poisoned_v(dtype, value, arch):
+    ops = kernel_ops(arch=arch)
     x = inputs(dtype)
     out0, lse0 = forward(ops, x)
     out, lse = forward(ops, poisoned(x, "v", 70, value, col=5))
@@ -103,9 +109,10 @@ def test_forward_poisoned_v(dtype, value):
     assert_reach("lse", lse, lse0, np.zeros((1, 1, S), bool), exact=True)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_forward_poisoned_k(dtype):
-    ops = kernel_ops()
+def test_forward_poisoned_k(dtype, arch):
+    ops = kernel_ops(arch=arch)
     x = inputs(dtype)
     out0, lse0 = forward(ops, x)
     out, lse = forward(ops, poisoned(x, "k", 70, np.nan))
@@ -194,13 +201,14 @@ def _spy_flags(ops) -> list:
     return flags
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("deterministic", MODES)
-def test_careful_kernels_match_the_plain_ones_on_finite_tiles(deterministic):
+def test_careful_kernels_match_the_plain_ones_on_finite_tiles(deterministic, arch):
     """NaN in keys 88..95 and query rows 88..95, which the block (rows and keys 0..87) does not
     cover: the flag is raised, so the careful kernels run (asserted), on tiles that are all
     finite. Their results must be the plain kernels' (run on the same inputs with the poison
     zeroed, flag not raised)."""
-    ops = kernel_ops(deterministic=deterministic)
+    ops = kernel_ops(deterministic=deterministic, arch=arch)
     flags = _spy_flags(ops)
     x = inputs("float16")
     blocks = [Block(0, 88, 0, 88, 0, 0, True)]

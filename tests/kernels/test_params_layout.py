@@ -20,7 +20,7 @@ from burstcu.testing.emulate import struct_layout
 
 pytestmark = pytest.mark.emulated
 
-KIND = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f"}
+KIND = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f", "tmap": "s"}
 ELEMENT_TYPES = ("__half", "__nv_bfloat16", "float")
 
 
@@ -36,7 +36,7 @@ CASES = [(st, name) for st in PARAM_STRUCTS for name in instances(st)]
 def test_host_layout_matches_gxx(st, cxx):
     members = st.layout()
     got = struct_layout("params.cuh", cxx, [m for m, *_ in members])
-    assert (got["size"], got["align"]) == (st.dtype.itemsize, st.dtype.alignment), cxx
+    assert (got["size"], got["align"]) == (st.dtype.itemsize, st.alignment), cxx
     assert got["count"] == len(st.fields), f"{cxx} has {got['count']} members, the host {len(st.fields)}"
     for path, offset, size, typ in members:
         assert got["members"][path] == (offset, size, KIND[typ]), f"{cxx}.{path}"
@@ -83,7 +83,7 @@ def test_host_layout_matches_nvrtc():
     for st, cxx in CASES:
         ptr = f"static_cast<{cxx}*>(nullptr)"
         facts = [(f"sizeof({cxx})", st.dtype.itemsize, f"sizeof {cxx}"),
-                 (f"alignof({cxx})", st.dtype.alignment, f"alignof {cxx}")]
+                 (f"alignof({cxx})", st.alignment, f"alignof {cxx}")]
         for path, offset, size, _ in st.layout():
             facts += [(f"(unsigned long long)&{ptr}->{path}", offset, f"offset of {cxx}.{path}"),
                       (f"sizeof({ptr}->{path})", size, f"size of {cxx}.{path}")]
@@ -99,8 +99,16 @@ def test_host_layout_matches_nvrtc():
 
 def test_every_struct_of_the_header_is_mirrored():
     text = (Path(launch.__file__).resolve().parents[2] / "kernels" / "params.cuh").read_text()
-    declared = {line.split()[1] for line in text.splitlines() if line.startswith("struct ")}
-    assert declared == {st.name for st in PARAM_STRUCTS}
+    declared = {[w for w in line.split() if not w.startswith("__align__")][1]
+                for line in text.splitlines() if line.startswith("struct ")}
+    # TensorMap is opaque: the host mirrors it as the "tmap" field type (128 bytes, align 64)
+    assert declared == {st.name for st in PARAM_STRUCTS} | {"TensorMap"}
+
+
+def test_tensor_map_fields_are_64_byte_aligned_and_128_bytes():
+    st = launch.FWD_STEP_SM90
+    assert st.alignment == 64 and st.dtype.itemsize % 64 == 0
+    assert [st.dtype.fields[n][1] for n in ("q_map", "k_map", "v_map")] == [0, 128, 256]
 
 
 # ------------------------------------------------------------------------------------------------

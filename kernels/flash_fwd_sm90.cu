@@ -1,0 +1,558 @@
+/*
+flash_fwd_sm90.cu — the forward step of the local attention on Hopper (sm_90a): wgmma, bulk tensor
+copies (TMA), mbarriers and warp specialisation.
+
+ALGORITHM
+The same fold as flash_fwd.cu's flash_fwd_step (read its opening comment first): the fp32 running
+state (acc, m, l) of the local query rows is read, one K/V rectangle (a burstcu.layout.Block) is
+folded into it with the online softmax in base 2, and the state is written back; the ring's merge
+is fused, flash_fwd_finalize (flash_fwd.cu) ends the pass. What changes is how the work is fed to
+the tensor cores, following FlashAttention-3:
+  * one block = 3 warpgroups of 128 threads on a persistent grid: warpgroup 0 is the producer
+    (one elected thread of its warp 0 issues every copy; its registers are given away with
+    setmaxnreg.dec), warpgroups 1 and 2 are consumers, 64 query rows each (BLOCK_M = 128 a tile);
+  * the producer copies the Q tile and, for every key tile, the K and V tiles with
+    cp.async.bulk.tensor (tensor maps built on the host, 128-byte swizzle) into a ring of STAGES
+    shared buffers; each copy completes its bytes on a "full" mbarrier, and the consumers free a
+    stage by arriving on its "empty" mbarrier;
+  * the consumers compute S = Q K^T with wgmma (both operands in shared memory, K-major) and
+    O += P V with wgmma (P from registers: the S accumulator re-packed as A fragments, V in shared
+    memory read N-major, i.e. transposed by the instruction), fp32 accumulation throughout;
+  * within a consumer, the softmax of key tile j overlaps the tensor cores: S_{j+1} = Q K_{j+1}^T
+    and O += P_j V_j are issued together, wgmma.wait_group 1 returns when S_{j+1} is ready, and
+    its softmax runs while P_j V_j is still in flight; O is rescaled after wait_group 0;
+  * the two consumers take turns issuing their GEMMs (named barriers 1 and 2, "ping-pong"), so
+    that one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores;
+  * tiles (query block, head, batch) are handed out round-robin over the persistent grid, query
+    blocks with the most keys first when the rectangle has a causal or window bound.
+
+PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
+    producer:  Q -> [q_full]      K_j -> [k_full[s]]  V_j -> [v_full[s]]   waits [kv_empty[s]]
+    consumer:  wait q_full, k_full[s0];  S = Q K_0^T;  softmax -> P_0
+               for j = 1 .. n-1:
+                   wait k_full[s_j];  issue S = Q K_j^T           (group a)
+                   wait v_full[s_j-1]; issue O += P_{j-1} V_{j-1}  (group b)
+                   wait_group 1 (S ready)  -> mask, max, exp2 -> P_j, row sums
+                   wait_group 0 (O ready)  -> arrive kv_empty[s_j-1]; O *= alpha_j
+               wait v_full; O += P_{n-1} V_{n-1}; arrive kv_empty; write acc, m, l
+    q_empty is arrived once a tile's last Q K^T has completed, letting the producer load the next Q.
+
+SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel itself)
+    Q tile  BLOCK_M x D, K and V tiles BLOCK_N x D per stage, each stored as D/64 column blocks of
+    rows x 64 elements (128 bytes a row, the 128-byte swizzle pattern repeating every 8 rows =
+    1024 bytes), exactly what a TMA box of (64, rows) with CU_TENSOR_MAP_SWIZZLE_128B writes and
+    what a wgmma descriptor with the 128-byte swizzle mode reads. Then the mbarriers.
+    D     BLOCK_N  STAGES   smem (bytes, burstcu/kernels/fwd_variants.py: sm90_smem_bytes)
+    64    128      3        1024 + (128 + 768) x 128 + 256   = 115968
+    128   128      2        1024 + (128 + 512) x 256 + 256   = 165120
+    256   64       2        1024 + (128 + 256) x 512 + 256   = 197888
+    Registers: __launch_bounds__(384, 1); the producer keeps 24, the consumers 240 each
+    (128 x 24 + 256 x 240 = 64512 of 65536). A consumer thread holds O (D/2 fp32), S (BLOCK_N/2
+    fp32) and P (BLOCK_N/4 u32 A fragments).
+
+MASKS AND THE CAREFUL TWIN
+Masks are flash_fwd_step's: scores of masked pairs are -inf whatever K holds, rows and keys past
+q_len / k_len read zeros (the tensor maps cover only the rectangle, and TMA fills outside them with
+zeros). A non-finite V at a masked key would still reach a row through 0 x Inf in P V: blocks with
+masked pairs launch this kernel with the sm_90 table's CAREFUL flash_fwd_step as its twin (the
+nonfinite flag picks exactly one of the pair; that path runs only when V holds Inf/NaN, where
+speed does not matter).
+
+BUILD
+    python -m burstcu.kernels check --arch sm_90a --json gate.json   (NVRTC, sm_90a: wgmma and
+    setmaxnreg need the "a" target; the gate reads the SASS for HGMMA and local memory)
+    CPU emulator: burstcu.init(backend="emulated", arch="sm_90a") (kernels/emu/emu_hopper.h,
+    emu_wgmma.h implement every primitive of hopper.cuh)
+    NOTHING HERE HAS RUN ON A GPU YET: the tile table is a starting point, not a measurement.
+*/
+
+#include "hopper.cuh"
+
+namespace fwd90 {
+
+constexpr int kBlockM = 128;     // query rows a tile: two consumer warpgroups
+constexpr int kWgRows = 64;      // query rows a consumer warpgroup (one wgmma m64)
+constexpr int kThreads = 384;    // producer warpgroup + two consumers
+constexpr int kColBlock = 64;    // elements of a 128-byte swizzled column block
+constexpr int kConsumers = 256;  // threads that arrive on the empty barriers
+// registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 65536); the CAREFUL
+// producer also cleans V tiles, and gets more
+template <bool CAREFUL> struct Regs {
+  static constexpr int kProducer = CAREFUL ? 40 : 24, kConsumer = CAREFUL ? 232 : 240;
+};
+constexpr int kPingPongBar = 1;  // named barriers 1 and 2: the consumers' turns
+constexpr int kCleanBar = 3;     // named barrier 3: the producer warpgroup cleaned a V tile (CAREFUL)
+
+__device__ __forceinline__ float neg_inf() { return -INFINITY; }
+
+// Byte offsets inside the (1024-aligned) dynamic shared memory.
+template <int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL>
+struct Smem {
+  static constexpr int kQBytes = kBlockM * HEADDIM * 2;
+  static constexpr int kTileBytes = BLOCK_N * HEADDIM * 2;  // one K or one V tile
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQBytes;                         // stage s: kK + s * kTileBytes
+  static constexpr int kV = kK + STAGES * kTileBytes;        // stage s: kV + s * kTileBytes
+  // CAREFUL: per stage and head dim d, the keys whose V[key][d] was not finite, BLOCK_N bits
+  static constexpr int kMaskWords = BLOCK_N / 32;
+  static constexpr int kNf = kV + STAGES * kTileBytes;       // stage s: kNf + s * kNfBytes
+  static constexpr int kNfBytes = CAREFUL ? HEADDIM * kMaskWords * 4 : 0;
+  static constexpr int kBars = kNf + STAGES * kNfBytes;      // the mbarriers (u64 each)
+  // q_full, q_empty, then k_full[STAGES], v_full[STAGES], kv_empty[STAGES], v_clean[STAGES]
+  static constexpr int kNumBars = 2 + 4 * STAGES;
+  static constexpr int kBytes = 1024 + kBars + 256;          // = fwd_variants.sm90_smem_bytes
+  static_assert(kNumBars * 8 <= 256, "barriers fit their 256 bytes");
+  static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0, "tiles keep 1024-byte alignment");
+};
+
+// The barriers, in Smem's order.
+template <int STAGES>
+struct Barriers {
+  u64 *q_full, *q_empty, *k_full, *v_full, *kv_empty, *v_clean;
+  __device__ __forceinline__ explicit Barriers(u64* bars)
+      : q_full(bars), q_empty(bars + 1), k_full(bars + 2), v_full(bars + 2 + STAGES),
+        kv_empty(bars + 2 + 2 * STAGES), v_clean(bars + 2 + 3 * STAGES) {}
+};
+
+// The key tiles [tile_begin, n_key_tiles) some row of query block `mb` may see (flash_fwd_step's
+// bounds with BLOCK_M = 128); empty when tile_begin >= n_key_tiles or the block has no row.
+template <int BLOCK_N>
+struct KeyRange {
+  int begin, end;
+  __device__ __forceinline__ KeyRange(const BlockRect& r, int mb) {
+    const int q0 = mb * kBlockM;
+    const int q_last = min(q0 + kBlockM, r.q_len) - 1;
+    const int n_keys = max(0, min(r.k_len, r.q_pos + q_last + r.hi - r.k_pos + 1));
+    const int first_key = r.q_pos + q0 - r.lo - r.k_pos;
+    begin = first_key > 0 ? first_key / BLOCK_N : 0;
+    end = q_last < q0 ? 0 : (n_keys + BLOCK_N - 1) / BLOCK_N;
+  }
+  __device__ __forceinline__ bool empty() const { return begin >= end; }
+};
+
+// The block's dynamic shared memory, aligned to 1024 bytes in the shared window (the 128-byte
+// swizzle of TMA and wgmma is a function of the address bits): Smem's offsets count from here.
+__device__ __forceinline__ unsigned char* aligned_smem() {
+  BURSTCU_DYNAMIC_SMEM(unsigned char, raw);
+  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
+
+// Arrivals that complete a phase of barrier i (Smem's order): the full barriers one (the
+// producer's arrive.expect_tx; the copies complete the bytes), the empty ones every consumer
+// thread, v_clean one (the producer thread that saw its warpgroup finish cleaning V).
+template <int STAGES>
+struct BarrierCounts {
+  __device__ __forceinline__ static u32 of(int i) {
+    const bool empty = i == 1 || (i >= 2 + 2 * STAGES && i < 2 + 3 * STAGES);  // q_empty, kv_empty[]
+    return empty ? kConsumers : 1;
+  }
+};
+
+// CAREFUL: V tile `tile` (BLOCK_N keys x HEADDIM, as TMA wrote it: column blocks of 64, 128-byte
+// swizzle) loses its non-finite values to 0, and nf[d * kMaskWords + w] gets bit j % 32 of word
+// w = j / 32 set for each key j whose V[j][d] was not finite (d = the thread's columns). One
+// producer warpgroup (128 threads, ptid) shares the columns; elements past k_len are TMA's zeros.
+template <typename T, int HEADDIM, int BLOCK_N>
+__device__ __forceinline__ void clean_v_tile(unsigned char* tile, u32* nf, int ptid) {
+  constexpr int kWords = BLOCK_N / 32;
+  for (int d = ptid; d < HEADDIM; d += 128) {
+    const int cb = d / kColBlock, chunk = (d % kColBlock) / 8, e = d % 8;
+    for (int w = 0; w < kWords; ++w) {  // keys 32w .. 32w + 31, one mask word
+      u32 word = 0;
+      for (int jj = 0; jj < 32; ++jj) {
+        const int j = 32 * w + jj;
+        // 128-byte swizzle: the 16-byte chunk c of row j sits at chunk c ^ (j % 8) (tiles are
+        // 1024-byte aligned, so address bits and row bits agree)
+        u16* x = reinterpret_cast<u16*>(tile + cb * BLOCK_N * 128 + j * 128 + ((chunk ^ (j % 8)) * 16) + e * 2);
+        if ((u32(*x) & ExponentBits<T>::kMask) == ExponentBits<T>::kMask) {  // Inf or NaN
+          *x = 0;
+          word |= 1u << jj;
+        }
+      }
+      nf[d * kWords + w] = word;
+    }
+  }
+}
+
+// The persistent grid's work: tile t -> (query block, head, batch), heads and batches fastest;
+// with a causal or window bound (hi below NO_BOUND) the query blocks run last to first, which
+// under a causal mask is longest first.
+// Computed from the parameters at each tile (constant-bank operands, no registers held across
+// the tile loop, where the d = 256 consumers have none to spare).
+__device__ __forceinline__ void tile_coord(const FwdStepSm90Params& p, int t, int& mb, int& h, int& b) {
+  const int n_mb = (p.blk.q_len + kBlockM - 1) / kBlockM;
+  const int hb_count = p.n_tiles / max(1, n_mb);
+  const int i = t / hb_count, hb = t - i * hb_count;
+  mb = p.blk.hi < (1 << 29) ? n_mb - 1 - i : i;
+  h = hb % p.H;
+  b = hb / p.H;
+}
+
+}  // namespace fwd90
+
+/* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
+   (p.blk) into the running state (p.acc, p.m, p.l): FwdStepSm90Params (kernels/params.cuh).
+   grid (min(p.n_tiles, SMs), 1, 1), block 384 threads, dynamic smem fwd90::Smem<...>::kBytes;
+   p.n_tiles = ceil(q_len / 128) x H x B. Returns at once when *p.nonfinite is set (the careful
+   twin of the launch pair runs instead). */
+template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL = false>
+__global__ void __launch_bounds__(fwd90::kThreads, 1)
+flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
+  using namespace fwd90;
+  using S = Smem<HEADDIM, BLOCK_N, STAGES, CAREFUL>;
+  static_assert(HEADDIM % kColBlock == 0, "head dims 64, 128, 256");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "wgmma N of S = Q K^T");
+  constexpr int kColBlocks = HEADDIM / kColBlock;
+  constexpr int kKSteps = HEADDIM / 16;    // k16 steps of Q K^T
+  constexpr int kPSteps = BLOCK_N / 16;    // k16 steps of P V
+  if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
+
+  // Nothing computed here stays live across setmaxnreg (a value that did would be spilled around
+  // the register reallocation): each role reads the parameters and carves shared memory itself.
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    u64* bars = reinterpret_cast<u64*>(aligned_smem() + S::kBars);
+    for (int i = 0; i < S::kNumBars; ++i) mbar_init(bars + i, BarrierCounts<STAGES>::of(i));
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / 128;
+  if (warpgroup == 0) {
+    // ============================== producer ==============================
+    setmaxnreg_dec<Regs<CAREFUL>::kProducer>();
+    // one thread issues every copy; CAREFUL keeps the whole warpgroup to clean the V tiles
+    const bool leader = tid / 32 == 0 && elect_one();
+    if (!CAREFUL && !leader) return;
+    const BlockRect& rect = p.blk;  // read in place: constant-bank operands
+    const int H = p.H, Hkv = p.Hkv, n_tiles = p.n_tiles;
+    unsigned char* smem = aligned_smem();
+    const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
+    int stage = 0;
+    u32 phase = 0, q_phase = 0;
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+      int mb, h, b;
+      tile_coord(p, t, mb, h, b);
+      const KeyRange<BLOCK_N> keys(rect, mb);
+      if (keys.empty()) continue;
+      const int hk = h / (H / Hkv);
+      if (leader) {
+        mbar_wait(bar.q_empty, q_phase ^ 1);
+        mbar_arrive_expect_tx(bar.q_full, S::kQBytes);
+        for (int c = 0; c < kColBlocks; ++c)
+          tma_load_4d(smem + S::kQ + c * kBlockM * 128, &p.q_map, bar.q_full, c * kColBlock, mb * kBlockM, h, b);
+      }
+      for (int j = keys.begin; j < keys.end; ++j) {
+        unsigned char* v_tile = smem + S::kV + stage * S::kTileBytes;
+        if (leader) {
+          mbar_wait(bar.kv_empty + stage, phase ^ 1);
+          mbar_arrive_expect_tx(bar.k_full + stage, S::kTileBytes);
+          for (int c = 0; c < kColBlocks; ++c)
+            tma_load_4d(smem + S::kK + stage * S::kTileBytes + c * BLOCK_N * 128, &p.k_map,
+                        bar.k_full + stage, c * kColBlock, j * BLOCK_N, hk, b);
+          mbar_arrive_expect_tx(bar.v_full + stage, S::kTileBytes);
+          for (int c = 0; c < kColBlocks; ++c)
+            tma_load_4d(v_tile + c * BLOCK_N * 128, &p.v_map, bar.v_full + stage, c * kColBlock, j * BLOCK_N, hk, b);
+        }
+        if constexpr (CAREFUL) {
+          // the tile's non-finite values out (the consumers wait for v_clean, not v_full): the
+          // generic-proxy writes are fenced before the tensor cores (async proxy) read them
+          mbar_wait(bar.v_full + stage, phase);
+          clean_v_tile<T, HEADDIM, BLOCK_N>(v_tile, reinterpret_cast<u32*>(smem + S::kNf + stage * S::kNfBytes),
+                                            tid);
+          fence_proxy_async();
+          named_bar_sync(kCleanBar, 128);
+          if (tid == 0) mbar_arrive(bar.v_clean + stage);
+        }
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      q_phase ^= 1;
+    }
+    return;
+  }
+
+  // ============================== consumers ==============================
+  setmaxnreg_inc<Regs<CAREFUL>::kConsumer>();
+  const BlockRect& rect = p.blk;  // read in place: constant-bank operands
+  const int n_tiles = p.n_tiles;
+  unsigned char* smem = aligned_smem();
+  const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
+  u64 *q_full = bar.q_full, *q_empty = bar.q_empty, *k_full = bar.k_full, *kv_empty = bar.kv_empty;
+  u64* v_ready = CAREFUL ? bar.v_clean : bar.v_full;  // V tiles the consumers may read
+  const int wg = warpgroup - 1;           // 0 or 1: rows wg*64 .. wg*64+63 of a tile
+  const int ct = tid - 128 * warpgroup;   // thread within the warpgroup
+  const int warp = ct / 32, lane = ct % 32;
+  const int g = lane / 4, tq = lane % 4;  // fragment coordinates: row group, thread in group
+  const float scale_log2 = p.scale_log2;
+  // the running state of tile (b, h), from the parameters where it is used (their constant-bank
+  // operands hold no registers across the tile loop)
+  auto m_row0 = [&](int b, int h) { return p.m + b * p.ml_stride.b + h * p.ml_stride.h + rect.q_start; };
+  auto l_row0 = [&](int b, int h) { return p.l + b * p.ml_stride.b + h * p.ml_stride.h + rect.q_start; };
+  auto acc_row0 = [&](int b, int h) {
+    return p.acc + b * p.acc_stride.b + (long long)rect.q_start * p.acc_stride.s + h * p.acc_stride.h;
+  };
+
+  // wgmma descriptors (kernels/emu/emu_wgmma.h explains the layouts):
+  //   Q, K: K-major, 128-byte swizzle; 8-row groups 1024 bytes apart (SBO); a k16 step is +32
+  //   bytes inside a 64-element column block, and column block c starts c x rows x 128 bytes on.
+  //   V: N-major (transposed by the instruction), 128-byte swizzle: 8-key groups 1024 bytes apart
+  //   (SBO), the next 64 head dims BLOCK_N x 128 bytes on (LBO); a k16 step is 16 keys = 2048 bytes.
+  unsigned char* sQ = smem + S::kQ + wg * kWgRows * 128;
+  auto q_desc = [&](int kk) {
+    return wgmma_desc(sQ + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, SWIZZLE_128B, 16, 1024);
+  };
+  auto k_desc = [&](int stage, int kk) {
+    return wgmma_desc(smem + S::kK + stage * S::kTileBytes + (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32,
+                      SWIZZLE_128B, 16, 1024);
+  };
+  auto v_desc = [&](int stage, int kk) {
+    return wgmma_desc(smem + S::kV + stage * S::kTileBytes + kk * 16 * 128, SWIZZLE_128B, BLOCK_N * 128, 1024);
+  };
+
+  // ping-pong: warpgroup wg issues its GEMMs after the other has issued its own (named barrier
+  // kPingPongBar + wg, 256 threads: its own 128 syncing, the other's 128 arriving)
+  const int my_turn = kPingPongBar + wg, their_turn = kPingPongBar + (wg ^ 1);
+  if (wg == 1) named_bar_arrive(their_turn, 2 * 128);  // consumer 0 goes first
+
+  int stage = 0;
+  u32 phase = 0, q_phase = 0;
+  float o[HEADDIM / 2];   // O accumulator: o[4j + i] row g (+8 for i >= 2), dim 8j + 2tq + (i & 1)
+  float s[BLOCK_N / 2];   // S accumulator, the same layout over keys
+  u32 pa[kPSteps][4];     // P as the A fragments of P V, one set a k16 step
+  // CAREFUL: the keys of the pending P whose rounded weight is not 0, per row of the thread
+  u32 pm[2][CAREFUL ? S::kMaskWords : 1];
+
+  for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+    int mb, h, b;
+    tile_coord(p, t, mb, h, b);
+    const KeyRange<BLOCK_N> keys(rect, mb);
+    if (keys.empty()) continue;
+
+    // ---- this thread's rows (relative to q_start) and their running state
+    const int w0 = mb * kBlockM + wg * kWgRows + warp * 16;  // first row of this warp
+    const int row[2] = {w0 + g, w0 + g + 8};
+    const bool row_ok[2] = {row[0] < rect.q_len, row[1] < rect.q_len};
+    float m_i[2], l_i[2];  // l_i: this thread's partial row sum (tq == 0 starts from l)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_i[r] = row_ok[r] ? m_row0(b, h)[row[r]] : neg_inf();
+      l_i[r] = (row_ok[r] && tq == 0) ? l_row0(b, h)[row[r]] : 0.f;
+#pragma unroll
+      for (int j = 0; j < HEADDIM / 8; ++j) {
+        float2 a = make_float2(0.f, 0.f);
+        if (row_ok[r])
+          a = *reinterpret_cast<const float2*>(acc_row0(b, h) + row[r] * p.acc_stride.s + 8 * j + 2 * tq);
+        o[4 * j + 2 * r] = a.x;
+        o[4 * j + 2 * r + 1] = a.y;
+      }
+    }
+    // rows of this warpgroup, for the per-tile mask test
+    const int wg_row0 = mb * kBlockM + wg * kWgRows;
+
+    // ---- softmax of S (key tile j) in place: scale, mask, new max, P = exp2(S - m), row sums;
+    // returns the rescale factors of O in alpha
+    auto softmax = [&](int j, float alpha[2]) {
+      const int n0 = j * BLOCK_N;
+      const bool need_mask = n0 + BLOCK_N > rect.k_len ||
+                             rect.k_pos + n0 + BLOCK_N - 1 > rect.q_pos + wg_row0 + rect.hi ||
+                             rect.k_pos + n0 < rect.q_pos + wg_row0 + kWgRows - 1 - rect.lo;
+#pragma unroll
+      for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[4 * jj + e] * scale_log2;
+          if (need_mask) {
+            const int key = n0 + 8 * jj + 2 * tq + (e & 1);
+            const int qr = row[e / 2];
+            const bool keep = key < rect.k_len && rect.k_pos + key <= rect.q_pos + qr + rect.hi &&
+                              rect.k_pos + key >= rect.q_pos + qr - rect.lo;
+            x = keep ? x : neg_inf();
+          }
+          s[4 * jj + e] = x;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int jj = 0; jj < BLOCK_N / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * r], s[4 * jj + 2 * r + 1]));
+        mx = warp_max<4>(mx);
+        const float ref = mx == neg_inf() ? 0.f : mx;  // the finite -inf guard (flash_fwd.cu)
+        alpha[r] = exp2f(m_i[r] - ref);
+        m_i[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
+          s[4 * jj + 2 * r] = exp2f(s[4 * jj + 2 * r] - ref);
+          s[4 * jj + 2 * r + 1] = exp2f(s[4 * jj + 2 * r + 1] - ref);
+          sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
+        }
+        l_i[r] = l_i[r] * alpha[r] + sum;
+      }
+    };
+    auto rescale_o = [&](const float alpha[2]) {
+#pragma unroll
+      for (int j = 0; j < HEADDIM / 8; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    };
+    // P (in s) -> the A fragments of P V: k16 step kc covers keys 16kc..16kc+15, i.e. the n8
+    // blocks 2kc (columns 2tq, 2tq+1) and 2kc+1 (columns 8+2tq, 8+2tq+1)
+    auto pack_p = [&]() {
+#pragma unroll
+      for (int kc = 0; kc < kPSteps; ++kc) {
+        pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
+        pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
+        pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
+        pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
+      }
+      if constexpr (CAREFUL) {  // pm from the rounded weights, then over the row's 4 threads
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int w = 0; w < S::kMaskWords; ++w) pm[r][w] = 0;
+#pragma unroll
+        for (int kc = 0; kc < kPSteps; ++kc)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              // keys 16kc + (8) + 2tq + e: 2tq + e < 8 never crosses a word, so the word index is
+              // a compile-time constant (a run-time index would put pm in local memory)
+              const int base = 16 * kc + (i >= 2 ? 8 : 0);
+              if ((pa[kc][i] >> (16 * e)) & 0x7fffu) pm[i & 1][base / 32] |= 1u << ((base + 2 * tq + e) % 32);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int w = 0; w < S::kMaskWords; ++w) {
+            pm[r][w] |= __shfl_xor_sync(0xffffffffu, pm[r][w], 1);
+            pm[r][w] |= __shfl_xor_sync(0xffffffffu, pm[r][w], 2);
+          }
+      }
+    };
+    // CAREFUL, once P V of stage st has completed (the V values it zeroed took part as zeros):
+    // each output that a non-finite V value reaches through a non-zero weight becomes NaN, as in
+    // flash_fwd.cu's gemm_rs_masked (IEEE arithmetic would give +-Inf for some of them)
+    auto taint = [&](int st) {
+      if constexpr (CAREFUL) {
+        const u32* nf = reinterpret_cast<const u32*>(smem + S::kNf + st * S::kNfBytes);
+#pragma unroll
+        for (int j = 0; j < HEADDIM / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int d = 8 * j + 2 * tq + e;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              u32 hit = 0;
+#pragma unroll
+              for (int w = 0; w < S::kMaskWords; ++w) hit |= pm[r][w] & nf[d * S::kMaskWords + w];
+              if (hit) o[4 * j + 2 * r + e] = NAN;
+            }
+          }
+      }
+    };
+    auto issue_qk = [&](int st) {
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) wgmma_ss<T, BLOCK_N, 0, 0>(s, q_desc(kk), k_desc(st, kk), kk > 0);
+    };
+    auto issue_pv = [&](int st) {
+#pragma unroll
+      for (int kc = 0; kc < kPSteps; ++kc) wgmma_rs<T, HEADDIM, 1>(o, pa[kc], v_desc(st, kc), true);
+    };
+    auto advance = [&](int& st, u32& ph) {
+      if (++st == STAGES) {
+        st = 0;
+        ph ^= 1;
+      }
+    };
+
+    // ---- prologue: S = Q K_begin^T
+    mbar_wait(q_full, q_phase);
+    mbar_wait(k_full + stage, phase);
+    named_bar_sync(my_turn, 2 * 128);
+    wgmma_fence();
+    issue_qk(stage);
+    wgmma_commit();
+    named_bar_arrive(their_turn, 2 * 128);
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+    if (keys.end - keys.begin == 1) mbar_arrive(q_empty);  // the tile's last use of Q
+    {
+      float alpha[2];
+      softmax(keys.begin, alpha);
+      rescale_o(alpha);
+      pack_p();
+    }
+    int prev = stage;          // the stage whose P V is pending, and its phase
+    u32 prev_phase = phase;
+    advance(stage, phase);
+
+    // ---- steady state
+    for (int j = keys.begin + 1; j < keys.end; ++j) {
+      mbar_wait(k_full + stage, phase);
+      mbar_wait(v_ready + prev, prev_phase);
+      named_bar_sync(my_turn, 2 * 128);
+      wgmma_fence();
+      issue_qk(stage);
+      wgmma_commit();
+      issue_pv(prev);
+      wgmma_commit();
+      named_bar_arrive(their_turn, 2 * 128);
+      wgmma_wait<1>();  // S ready; P V still in flight
+      wgmma_fence_operand(s);
+      if (j == keys.end - 1) mbar_arrive(q_empty);
+      float alpha[2];
+      softmax(j, alpha);
+      wgmma_wait<0>();  // P_{j-1} V_{j-1} done: its stage is free, O may be rescaled
+      wgmma_fence_operand(o);
+      taint(prev);
+      mbar_arrive(kv_empty + prev);
+      rescale_o(alpha);
+      pack_p();
+      prev = stage;
+      prev_phase = phase;
+      advance(stage, phase);
+    }
+
+    // ---- epilogue: O += P_last V_last
+    mbar_wait(v_ready + prev, prev_phase);
+    named_bar_sync(my_turn, 2 * 128);
+    wgmma_fence();
+    issue_pv(prev);
+    wgmma_commit();
+    named_bar_arrive(their_turn, 2 * 128);
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    taint(prev);
+    mbar_arrive(kv_empty + prev);
+    q_phase ^= 1;
+
+    // ---- write the state back (rows past q_len were never read and are not written)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float lsum = warp_sum<4>(l_i[r]);
+      if (!row_ok[r]) continue;
+      if (tq == 0) {
+        m_row0(b, h)[row[r]] = m_i[r];
+        l_row0(b, h)[row[r]] = lsum;
+      }
+      float* out_row = acc_row0(b, h) + row[r] * p.acc_stride.s;
+#pragma unroll
+      for (int j = 0; j < HEADDIM / 8; ++j)
+        *reinterpret_cast<float2*>(out_row + 8 * j + 2 * tq) = make_float2(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
+    }
+  }
+  // balance the ping-pong: consumer 1 arrived once more on consumer 0's turn than 0 synced
+  if (wg == 0) named_bar_sync(my_turn, 2 * 128);
+}
+
+#if defined(BURSTCU_NVCC_CHECK)
+template __global__ void flash_fwd_step_sm90<__half, 128, 128, 2>(const FwdStepSm90Params);
+#endif

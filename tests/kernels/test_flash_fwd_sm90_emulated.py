@@ -1,0 +1,202 @@
+"""kernels/flash_fwd_sm90.cu (the Hopper forward step: wgmma, TMA, mbarriers, warp
+specialisation) under the CPU emulator, through KernelOps(backend="emulated", arch="sm_90a").
+
+The checks are test_flash_fwd_emulated.py's (float64 reference written independently of the
+kernels, FlashAttention's tolerance rule); here they run on the kernel table "sm_90a", whose
+forward steps for head dims 64, 128 and 256 are the Hopper kernel. The emulator runs the
+persistent grid with 3 blocks, so blocks take several tiles and the pipelines carry their
+barrier phases across tiles. Two pipeline mistakes are seeded into a copy of the kernel source
+(a consumer that skips its wait for a K tile, and a wait on the wrong phase): the emulator must
+catch each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from burstcu.kernels.variants import kernel_dir
+from burstcu.layout import Block
+from tests.kernels.backend import BACKEND, kernel_ops
+from tests.kernels.test_flash_fwd_emulated import DTYPES, check, full, make
+
+pytestmark = pytest.mark.emulated
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernel_ops(arch="sm_90a")
+
+
+def test_the_hopper_family_runs_for_its_head_dims(ops):
+    for d, family in ((32, "forward"), (64, "forward_sm90"), (80, "forward"), (96, "forward"),
+                      (128, "forward_sm90"), (200, "forward_sm90"), (256, "forward_sm90")):
+        assert ops.forward_variant("float16", d).family == family, d
+    assert ops.arch == "sm_90a"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_headdims(ops, dtype, d):
+    q, k, v = make(dtype, 1, 150, 200, 2, 2, d, seed=d)
+    check(ops, dtype, q, k, v, full(150, 200))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("q_pos,k_pos", [(0, 0), (200, 0), (64, 100), (0, 300)])
+def test_causal_offsets(ops, dtype, q_pos, k_pos):
+    """The diagonal at any offset: tiles wholly in the future are skipped, tiles that straddle it
+    masked, query blocks taken longest first."""
+    q, k, v = make(dtype, 1, 260, 190, 2, 1, 64, seed=q_pos + k_pos)
+    check(ops, dtype, q, k, v, [Block(0, 260, 0, 190, q_pos, k_pos, True)])
+
+
+def test_fully_future_block(ops):
+    """Every key in the future of every row: the state is untouched, rows stay empty."""
+    q, k, v = make("float16", 1, 64, 64, 1, 1, 64)
+    check(ops, "float16", q, k, v, [Block(0, 64, 0, 64, 0, 500, True)])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_and_gqa(ops, causal):
+    """q_len and k_len not multiples of the tiles (rows past them read zeros through the tensor
+    maps), a consumer warpgroup with no valid row (q_len <= 64 in a tile), GQA without
+    replication (4 query heads on 2 kv heads) and a batch of 2."""
+    q, k, v = make("bfloat16", 2, 200, 333, 4, 2, 128, seed=3)
+    blocks = [Block(7, 150, 5, 301, 100, 90, causal), Block(170, 30, 0, 333, 500, 0, causal)]
+    check(ops, "bfloat16", q, k, v, blocks)
+
+
+def test_state_across_calls_and_two_blocks_one_step(ops):
+    """Three ring steps fold into one running state; two blocks of one step share query rows."""
+    q, k, v = make("float16", 1, 192, 384, 2, 1, 128, seed=5)
+    k1, k2, k3 = k[:, :128], k[:, 128:256], k[:, 256:]
+    v1, v2, v3 = v[:, :128], v[:, 128:256], v[:, 256:]
+    steps = [(k1, v1, [Block(0, 192, 0, 128, 256, 0, True)]),
+             (k2, v2, [Block(0, 96, 0, 128, 256, 128, True), Block(96, 96, 0, 128, 352, 128, True)]),
+             (k3, v3, [Block(0, 192, 0, 128, 256, 256, True)])]
+    blocks = [Block(0, 192, 0, 384, 256, 0, True)]
+    check(ops, "float16", q, k, v, blocks, steps=steps)
+
+
+@pytest.mark.parametrize("block", [
+    Block(0, 96, 0, 256, 180, 0, True, 37),      # causal window
+    Block(0, 77, 0, 200, 30, 0, False, 20, 9),   # both edges, ragged
+    Block(0, 128, 0, 128, 0, 0, False, 0, 0),    # one visible key a row
+])
+def test_windows(ops, block):
+    q, k, v = make("bfloat16", 1, block.q_len, block.k_len, 2, 1, 64, seed=7)
+    check(ops, "bfloat16", q, k, v, [block])
+
+
+def test_many_tiles_per_block_and_randomized_order():
+    """More tiles than persistent blocks (each block runs several, its barrier phases carrying
+    over), with the emulator's shuffled thread and block order and copies landing at random
+    points: a missing barrier or a phase error shows as a wrong result or a reported error."""
+    ops = kernel_ops(arch="sm_90a", randomize=True)
+    q, k, v = make("float16", 2, 300, 400, 3, 1, 64, seed=11)
+    check(ops, "float16", q, k, v, [Block(0, 300, 0, 400, 100, 0, True)])
+
+
+# ------------------------------------------------------------------------------------------------
+# seeded pipeline mistakes: the emulator must catch each
+
+SEEDS = {
+    # (anchor, replacement, what the emulator says)
+    # the steady state issues S = Q K^T without waiting for the K tile to land: the tile is read
+    # before its bytes arrive, and the copy is still in flight when the block ends
+    "missing_wait": ("      mbar_wait(k_full + stage, phase);\n", "",
+                     "TMA copies in flight"),
+    # ... or waits on the phase of the other parity, which a fresh barrier reports complete
+    "wrong_phase": ("      mbar_wait(k_full + stage, phase);\n",
+                    "      mbar_wait(k_full + stage, phase ^ 1);\n", "TMA copies in flight"),
+    # the producer waits for a free stage on the wrong parity: it waits for a phase no one
+    # completes while the consumers wait for its copies
+    "wrong_empty_phase": ("          mbar_wait(bar.kv_empty + stage, phase ^ 1);\n",
+                          "          mbar_wait(bar.kv_empty + stage, phase);\n", "deadlock"),
+    # the consumers never free a stage
+    "missing_release": ("      taint(prev);\n      mbar_arrive(kv_empty + prev);\n",
+                        "      taint(prev);\n", "deadlock"),
+    # P V's registers are overwritten while it is in flight (no wait before the next P)
+    "missing_wgmma_wait": ("      wgmma_wait<0>();  // P_{j-1} V_{j-1} done", "      // (no wait)",
+                           "A-fragment registers"),
+}
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="seeded mistakes are the emulator's to catch")
+@pytest.mark.parametrize("seed", list(SEEDS))
+def test_the_emulator_catches_a_seeded_pipeline_mistake(tmp_path, seed):
+    from burstcu.testing import emulate
+
+    old, new, message = SEEDS[seed]
+    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
+    assert source.count(old) == 1, "the seed's anchor moved: update SEEDS"
+    bad = tmp_path / "flash_fwd_sm90.cu"
+    bad.write_text(source.replace(old, new))
+
+    ops = kernel_ops(arch="sm_90a")
+    variant = ops.forward_variant("float16", 64)
+    module = emulate.build_module([bad], [variant.name])
+    ops.ops._functions[variant.name] = module.get_function(variant.name)
+    q, k, v = make("float16", 1, 128, 512, 1, 1, 64, seed=1)
+    with pytest.raises(RuntimeError, match=message):
+        check(ops, "float16", q, k, v, full(128, 512))
+
+
+def test_the_good_kernel_passes_the_same_check():
+    """The control of the seeded tests: the unmodified kernel on the same input."""
+    ops = kernel_ops(arch="sm_90a")
+    q, k, v = make("float16", 1, 128, 512, 1, 1, 64, seed=1)
+    check(ops, "float16", q, k, v, full(128, 512))
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="seeds a broken kernel")
+def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path):
+    """On a GPU the first use of each Hopper variant runs it against the mma.sync kernel of its
+    head dim; one that disagrees (seeded here: scores scaled by half, a silently wrong result,
+    as a misread layout would give on hardware) warns, and the process keeps the mma.sync
+    kernel for that variant: the caller's result is still right."""
+    from burstcu.ops import kernel_ops as kops
+    from burstcu.testing import emulate
+
+    anchor = "          float x = s[4 * jj + e] * scale_log2;\n"
+    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
+    assert source.count(anchor) == 1, "the seed's anchor moved"
+    bad = tmp_path / "flash_fwd_sm90.cu"
+    bad.write_text(source.replace(anchor, anchor.replace("scale_log2;", "scale_log2 * 0.5f;")))
+    ops = kernel_ops(arch="sm_90a")
+    ops.ops.first_use_check = True  # as on a GPU
+    hopper = ops.forward_variant("float16", 64)
+    assert hopper.family == "forward_sm90"
+    module = emulate.build_module([bad], [hopper.name])
+    ops.ops._functions[hopper.name] = module.get_function(hopper.name)
+    key = ops.ops._first_use_key(hopper)
+    kops._SM90_FIRST_USE.pop(key, None)
+    try:
+        q, k, v = make("float16", 1, 100, 140, 2, 1, 64, seed=4)
+        with pytest.warns(RuntimeWarning, match="differs from the mma.sync kernel"):
+            check(ops, "float16", q, k, v, full(100, 140))
+        assert ops.forward_variant("float16", 64).family == "forward"
+        check(ops, "float16", q, k, v, full(100, 140))  # no second check, no warning
+    finally:
+        kops._SM90_FIRST_USE.pop(key, None)
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="the check's own path, on the emulator")
+def test_a_correct_hopper_kernel_passes_its_first_use_check():
+    from burstcu.ops import kernel_ops as kops
+
+    ops = kernel_ops(arch="sm_90a")
+    ops.ops.first_use_check = True
+    hopper = ops.forward_variant("bfloat16", 128)
+    key = ops.ops._first_use_key(hopper)
+    kops._SM90_FIRST_USE.pop(key, None)
+    try:
+        q, k, v = make("bfloat16", 1, 64, 64, 1, 1, 128, seed=2)
+        check(ops, "bfloat16", q, k, v, full(64, 64))
+        assert kops._SM90_FIRST_USE[key] is True
+        assert ops.forward_variant("bfloat16", 128).family == "forward_sm90"
+    finally:
+        kops._SM90_FIRST_USE.pop(key, None)
