@@ -226,6 +226,11 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     if (!CAREFUL && !leader) return;
     const BlockRect& rect = p.blk;  // read in place: constant-bank operands
     const int H = p.H, Hkv = p.Hkv, n_tiles = p.n_tiles;
+    if (leader) {
+      tma_prefetch_map(&p.q_map);
+      tma_prefetch_map(&p.k_map);
+      tma_prefetch_map(&p.v_map);
+    }
     unsigned char* smem = aligned_smem();
     const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
     int stage = 0;
@@ -402,16 +407,9 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
         o[4 * j + 3] *= alpha[1];
       }
     };
-    // P (in s) -> the A fragments of P V: k16 step kc covers keys 16kc..16kc+15, i.e. the n8
-    // blocks 2kc (columns 2tq, 2tq+1) and 2kc+1 (columns 8+2tq, 8+2tq+1)
+    // P (in s) -> the A fragments of P V (hopper.cuh, accumulator_as_a)
     auto pack_p = [&]() {
-#pragma unroll
-      for (int kc = 0; kc < kPSteps; ++kc) {
-        pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
-        pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
-        pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
-        pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
-      }
+      accumulator_as_a<T, BLOCK_N>(s, pa);
       if constexpr (CAREFUL) {  // pm from the rounded weights, then over the row's 4 threads
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -477,6 +475,7 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     mbar_wait(q_full, q_phase);
     mbar_wait(k_full + stage, phase);
     named_bar_sync(my_turn, 2 * 128);
+    wgmma_fence_operand(s);
     wgmma_fence();
     issue_qk(stage);
     wgmma_commit();
@@ -499,11 +498,15 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
       mbar_wait(k_full + stage, phase);
       mbar_wait(v_ready + prev, prev_phase);
       named_bar_sync(my_turn, 2 * 128);
+      wgmma_fence_operand(s);
+      wgmma_fence_operand(o);
+      wgmma_fence_operand(pa);
       wgmma_fence();
       issue_qk(stage);
       wgmma_commit();
       issue_pv(prev);
       wgmma_commit();
+      wgmma_fence_operand(pa);
       named_bar_arrive(their_turn, 2 * 128);
       wgmma_wait<1>();  // S ready; P V still in flight
       wgmma_fence_operand(s);
@@ -524,9 +527,12 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     // ---- epilogue: O += P_last V_last
     mbar_wait(v_ready + prev, prev_phase);
     named_bar_sync(my_turn, 2 * 128);
+    wgmma_fence_operand(o);
+    wgmma_fence_operand(pa);
     wgmma_fence();
     issue_pv(prev);
     wgmma_commit();
+    wgmma_fence_operand(pa);
     named_bar_arrive(their_turn, 2 * 128);
     wgmma_wait<0>();
     wgmma_fence_operand(o);

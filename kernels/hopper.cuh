@@ -21,6 +21,7 @@
 //   tma_load_4d(dst, map, bar, c0..c3)  cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::
 //                                       complete_tx::bytes: one box of `map` at coordinates
 //                                       (c0 innermost) into dst, completing its bytes on bar
+//   tma_prefetch_map(map)               prefetch.tensormap
 //   fence_proxy_async()                 fence.proxy.async.shared::cta
 //   elect_one()                         elect.sync over the full warp: true in exactly one lane
 //   setmaxnreg_inc<N>/dec<N>()          setmaxnreg.{inc,dec}.sync.aligned.u32 N (no effect in the
@@ -35,6 +36,8 @@
 //                                       memory (descriptors), trans-a TA, trans-b TB; acc false:
 //                                       D = A B (the scale-d predicate), else D += A B
 //   wgmma_rs<T, N, TB>(d, a, db, acc)   the same with A from registers (a[4]: the m64k16 A fragment)
+//   accumulator_as_a<T, N>(d, a)        an m64nN accumulator rounded to T as the A fragments of
+//                                       N/16 k16 steps (P = S in attention: no shared memory)
 //   Register fragments (PTX ISA, "Register Fragments and Shared Memory Matrix Layouts" of wgmma):
 //   warp w of the warpgroup owns rows 16w..16w+15; accumulator d[4j + i] of lane (g = lane/4,
 //   t = lane%4) is row g (+8 for i >= 2), column 8j + 2t + (i & 1); A fragment a[r] holds the two
@@ -130,6 +133,16 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64
 #elif defined(BURSTCU_EMU)
   const int coords[4] = {c0, c1, c2, c3};
   ::emu::tma_load(dst, map, bar, coords, 4);
+#endif
+}
+
+// prefetch.tensormap: bring a tensor map (here: in the kernel's parameter space) into the
+// cache of tensor maps before the first copy that uses it. No effect in the emulator.
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+#else
+  (void)map;
 #endif
 }
 
@@ -232,6 +245,15 @@ template <int R> __device__ __forceinline__ void wgmma_fence_operand(float (&d)[
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 #endif
 }
+// ... and the A fragments of the register form, a[K][4] (K k16 steps)
+template <int K> __device__ __forceinline__ void wgmma_fence_operand(u32 (&a)[K][4]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+#endif
+}
 
 #if defined(__CUDA_ARCH__)
 // The asm of each shape (N/2 accumulator operands %0..%(N/2-1), then the inputs).
@@ -322,4 +344,19 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u
 #elif defined(BURSTCU_EMU)
   ::emu::wgmma_issue(d, N, WgmmaType<T>::kElem, a, 0, desc_b, 0, TRANS_B, accumulate);
 #endif
+}
+
+// The m64nN fp32 accumulator d as the A fragments of N/16 k16 steps, rounded to T: k16 step kc
+// covers columns 16kc..16kc+15, i.e. the accumulator's n8 blocks 2kc (a[kc][0] row g, a[kc][1]
+// row g+8, columns 2t, 2t+1) and 2kc+1 (a[kc][2], a[kc][3]: columns 8+2t, 8+2t+1) — the two
+// register tables above coincide, so no element moves between threads.
+template <typename T, int N>
+__device__ __forceinline__ void accumulator_as_a(const float (&d)[N / 2], u32 (&a)[N / 16][4]) {
+#pragma unroll
+  for (int kc = 0; kc < N / 16; ++kc) {
+    a[kc][0] = pack2<T>(d[8 * kc + 0], d[8 * kc + 1]);
+    a[kc][1] = pack2<T>(d[8 * kc + 2], d[8 * kc + 3]);
+    a[kc][2] = pack2<T>(d[8 * kc + 4], d[8 * kc + 5]);
+    a[kc][3] = pack2<T>(d[8 * kc + 6], d[8 * kc + 7]);
+  }
 }

@@ -859,6 +859,14 @@ def gate_failure(record: dict) -> str | None:
                   or "C7508" in w]
         if warned:
             return f"ptxas: {warned[0]}"
+        # setmaxnreg moves registers between warpgroups inside the block's pool: the kernels'
+        # producer/consumer counts add up to the whole register file only if ptxas gave every
+        # thread the most a one-block launch allows (168 for 384 threads); with fewer, a
+        # consumer's setmaxnreg.inc would wait forever for registers that are not there
+        full = ARCH_LIMITS["sm_90a"]["regs_per_sm"] // record["threads"] // 8 * 8
+        if record["registers"] != full:
+            return (f"{record['registers']} registers at launch, not {full}: the setmaxnreg "
+                    f"split of {record['threads']} threads assumes the whole register file")
         if not record.get("sass_hgmma"):
             return ("no HGMMA instruction in the SASS: the kernel does not run on the wgmma tensor "
                     "cores (was it compiled without the wgmma path?)")

@@ -194,13 +194,7 @@ probe_attn_tma(const __grid_constant__ TensorMap q_map, const __grid_constant__ 
   wgmma_fence_operand(s);
   store_regs(s_out, s);
   u32 pa[kSteps][4];  // pack_p of flash_fwd_sm90.cu
-#pragma unroll
-  for (int kc = 0; kc < kSteps; ++kc) {
-    pa[kc][0] = pack2<T>(s[8 * kc + 0], s[8 * kc + 1]);
-    pa[kc][1] = pack2<T>(s[8 * kc + 2], s[8 * kc + 3]);
-    pa[kc][2] = pack2<T>(s[8 * kc + 4], s[8 * kc + 5]);
-    pa[kc][3] = pack2<T>(s[8 * kc + 6], s[8 * kc + 7]);
-  }
+  accumulator_as_a<T, BLOCK_N>(s, pa);
   float o[D / 2];
   load_regs(o, o_init);
   bounded_wait(bars + 2, 0, status);

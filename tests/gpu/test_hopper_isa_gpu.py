@@ -50,6 +50,7 @@ import pytest
 
 from burstcu.kernels.variants import kernel_dir
 from burstcu.ops.tensor_map import tensor_map, tensor_map_4d_rows
+from tests.kernels.tma_model import box_values
 
 HERE = Path(__file__).resolve().parent
 PROBES = HERE / "hopper_isa_probes.cu"
@@ -195,18 +196,6 @@ def small_ints(rng, shape, bound: int = 4) -> np.ndarray:
     """Nonzero integers in [-bound, bound] (no zero factor, so no -0 anywhere), float64."""
     x = rng.integers(1, bound + 1, shape) * rng.choice([-1, 1], shape)
     return x.astype(np.float64)
-
-
-def box_values(L: np.ndarray, box, coords) -> np.ndarray:
-    """The box of L (indexed L[i0, i1, ...], dim 0 innermost) at `coords`, zeros outside L, as a
-    row-major array of shape box[::-1] (dim 0 innermost)."""
-    grids = np.meshgrid(*[np.arange(b) + c for b, c in zip(box, coords)], indexing="ij")
-    inside = np.ones(grids[0].shape, bool)
-    for g, n in zip(grids, L.shape):
-        inside &= (g >= 0) & (g < n)
-    vals = np.zeros(tuple(box), L.dtype)
-    vals[inside] = L[tuple(g[inside] for g in grids)]
-    return vals.transpose(tuple(range(len(box) - 1, -1, -1)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -346,9 +346,13 @@ def test_gate_failure_hopper_rules():
     from burstcu.kernels.compile import gate_failure
 
     ok = {"arch": "sm_90a", "target": "sm_90a", "family": "forward_sm90", "registers": 168,
-          "spill_stores": 0, "spill_loads": 0, "smem_bytes": 1024, "local_bytes": 0,
+          "threads": 384, "spill_stores": 0, "spill_loads": 0, "smem_bytes": 1024, "local_bytes": 0,
           "sass_hgmma": 24, "sass_ldl": 0, "sass_stl": 0}
     assert gate_failure(ok) is None
+    # setmaxnreg's split needs the whole register file at launch: 65536 / 384 -> 168
+    assert "register file" in gate_failure({**ok, "registers": 160})
+    assert "wgmma" in gate_failure({**ok, "ptxas_warnings": [
+        "ptxas warning : Potential Performance Loss: wgmma.mma_async instructions are serialized"]})
     assert "HGMMA" in gate_failure({**ok, "sass_hgmma": 0})
     assert "HGMMA" in gate_failure({**ok, "family": "forward_sm90_careful", "sass_hgmma": 0})
     assert "local memory" in gate_failure({**ok, "local_bytes": 16})

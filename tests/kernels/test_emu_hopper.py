@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from burstcu.testing.emulate import build_module
+from tests.kernels.tma_model import box_values
 
 pytestmark = pytest.mark.emulated
 
@@ -62,18 +63,6 @@ def maps_buffer(*maps: bytes) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # the model of a landed box
-
-
-def box_values(L: np.ndarray, box, coords) -> np.ndarray:
-    """L: the tensor indexed in dim order (L[i0, i1, ...], dim 0 innermost). Returns the box as a
-    row-major array of shape box[::-1] (dim 0 innermost), zeros outside the tensor."""
-    grids = np.meshgrid(*[np.arange(b) + c for b, c in zip(box, coords)], indexing="ij")
-    valid = np.ones(grids[0].shape, bool)
-    for g, d in zip(grids, L.shape):
-        valid &= (g >= 0) & (g < d)
-    vals = np.zeros(tuple(box), L.dtype)
-    vals[valid] = L[tuple(g[valid] for g in grids)]
-    return vals.transpose(tuple(range(len(box) - 1, -1, -1)))
 
 
 def swizzled(raw: bytes, span: int) -> np.ndarray:

@@ -12,9 +12,9 @@ catch each.
 
 from __future__ import annotations
 
-from pathlib import Path
+import warnings
 
-import numpy as np
+
 import pytest
 
 from burstcu.kernels.variants import kernel_dir
@@ -152,20 +152,30 @@ def test_the_good_kernel_passes_the_same_check():
     check(ops, "float16", q, k, v, full(128, 512))
 
 
+FIRST_USE_SEEDS = {
+    # scores scaled by half: a silently wrong result, as a misread layout would give on hardware
+    "wrong_result": ("          float x = s[4 * jj + e] * scale_log2;\n",
+                     "          float x = s[4 * jj + e] * scale_log2 * 0.5f;\n",
+                     "differs from the mma.sync kernel"),
+    # a launch that fails (here the emulator's report of a copy never waited for)
+    "launch_fails": (*SEEDS["missing_wait"][:2], "RuntimeError: emulated kernel flash_fwd_step_sm90"),
+}
+
+
 @pytest.mark.skipif(BACKEND != "emulated", reason="seeds a broken kernel")
-def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path):
+@pytest.mark.parametrize("seed", list(FIRST_USE_SEEDS))
+def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, seed):
     """On a GPU the first use of each Hopper variant runs it against the mma.sync kernel of its
-    head dim; one that disagrees (seeded here: scores scaled by half, a silently wrong result,
-    as a misread layout would give on hardware) warns, and the process keeps the mma.sync
-    kernel for that variant: the caller's result is still right."""
+    head dim; one that disagrees or fails warns, and the process keeps the mma.sync kernel for
+    that variant: the caller's result is still right."""
     from burstcu.ops import kernel_ops as kops
     from burstcu.testing import emulate
 
-    anchor = "          float x = s[4 * jj + e] * scale_log2;\n"
+    anchor, replacement, message = FIRST_USE_SEEDS[seed]
     source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
     assert source.count(anchor) == 1, "the seed's anchor moved"
     bad = tmp_path / "flash_fwd_sm90.cu"
-    bad.write_text(source.replace(anchor, anchor.replace("scale_log2;", "scale_log2 * 0.5f;")))
+    bad.write_text(source.replace(anchor, replacement))
     ops = kernel_ops(arch="sm_90a")
     ops.ops.first_use_check = True  # as on a GPU
     hopper = ops.forward_variant("float16", 64)
@@ -176,7 +186,7 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path):
     kops._SM90_FIRST_USE.pop(key, None)
     try:
         q, k, v = make("float16", 1, 100, 140, 2, 1, 64, seed=4)
-        with pytest.warns(RuntimeWarning, match="differs from the mma.sync kernel"):
+        with pytest.warns(RuntimeWarning, match="failed its first-use check.*" + message):
             check(ops, "float16", q, k, v, full(100, 140))
         assert ops.forward_variant("float16", 64).family == "forward"
         check(ops, "float16", q, k, v, full(100, 140))  # no second check, no warning
@@ -195,7 +205,9 @@ def test_a_correct_hopper_kernel_passes_its_first_use_check():
     kops._SM90_FIRST_USE.pop(key, None)
     try:
         q, k, v = make("bfloat16", 1, 64, 64, 1, 1, 128, seed=2)
-        check(ops, "bfloat16", q, k, v, full(64, 64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: it passes
+            check(ops, "bfloat16", q, k, v, full(64, 64))
         assert kops._SM90_FIRST_USE[key] is True
         assert ops.forward_variant("bfloat16", 128).family == "forward_sm90"
     finally:
