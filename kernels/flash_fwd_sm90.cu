@@ -64,6 +64,17 @@ BUILD
     CPU emulator: burstcu.init(backend="emulated", arch="sm_90a") (kernels/emu/emu_hopper.h,
     emu_wgmma.h implement every primitive of hopper.cuh)
     NOTHING HERE HAS RUN ON A GPU YET: the tile table is a starting point, not a measurement.
+
+TWO NUMBERS AND A PREDICTION (H100 SXM; PREDICTION, not measured)
+Forward, non-causal, S = 16384, d = 128, B x H = 16: 4 S^2 d B H = 2.25e12 FLOP; at the ~800
+TFLOP/s a large bf16 GEMM reaches on an H100 (NO-GPU.md) the floor is 2.8 ms. Bytes: Q, K, V in
+and the fp32 state (acc read and written, m, l) = 0.34 GB, 0.1 ms at 3.35 TB/s: matrix-bound,
+as FA3 is. PREDICTION: 450-600 TFLOP/s at S >= 4K, d = 128 (FA3, with this structure plus
+tuned 176-key tiles and other register tricks, reaches ~650; the mma.sync family measured 163-252),
+so >= 1.4x torch's flash backend (~330); d = 64 lower (softmax-bound: half the FLOPs per exp).
+If a GPU run lands below 400, look first at: ptxas serializing wgmma (the gate fails on it),
+the producer waiting (a third stage at d = 128 still fits: 1024 + (128 + 768) x 256 + 256 =
+230656 of 232448 B), the ping-pong barriers, and descriptor arithmetic between HGMMAs (R2UR).
 */
 
 #include "hopper.cuh"
@@ -306,16 +317,16 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
   //   V: N-major (transposed by the instruction), 128-byte swizzle: 8-key groups 1024 bytes apart
   //   (SBO), the next 64 head dims BLOCK_N x 128 bytes on (LBO); a k16 step is 16 keys = 2048 bytes.
   unsigned char* sQ = smem + S::kQ + wg * kWgRows * 128;
-  auto q_desc = [&](int kk) {
-    return wgmma_desc(sQ + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, SWIZZLE_128B, 16, 1024);
-  };
+  // Each descriptor is a base built once plus a byte offset (wgmma_desc_at): the offsets are
+  // compile-time constants in the unrolled k-loops, the stage's a run-time multiple of the tile.
+  const u64 q_base = wgmma_desc(sQ, SWIZZLE_128B, 16, 1024);
+  const u64 k_base = wgmma_desc(smem + S::kK, SWIZZLE_128B, 16, 1024);
+  const u64 v_base = wgmma_desc(smem + S::kV, SWIZZLE_128B, BLOCK_N * 128, 1024);
+  auto q_desc = [&](int kk) { return wgmma_desc_at(q_base, (kk / 4) * kBlockM * 128 + (kk % 4) * 32); };
   auto k_desc = [&](int stage, int kk) {
-    return wgmma_desc(smem + S::kK + stage * S::kTileBytes + (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32,
-                      SWIZZLE_128B, 16, 1024);
+    return wgmma_desc_at(k_base, stage * S::kTileBytes + (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32);
   };
-  auto v_desc = [&](int stage, int kk) {
-    return wgmma_desc(smem + S::kV + stage * S::kTileBytes + kk * 16 * 128, SWIZZLE_128B, BLOCK_N * 128, 1024);
-  };
+  auto v_desc = [&](int stage, int kk) { return wgmma_desc_at(v_base, stage * S::kTileBytes + kk * 16 * 128); };
 
   // ping-pong: warpgroup wg issues its GEMMs after the other has issued its own (named barrier
   // kPingPongBar + wg, 256 threads: its own 128 syncing, the other's 128 arriving)

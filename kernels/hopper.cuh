@@ -31,6 +31,7 @@
 //                                       ("Matrix Descriptor Format"): start address >> 4 in bits
 //                                       0-13, leading byte offset >> 4 in 16-29, stride byte offset
 //                                       >> 4 in 32-45, base offset 0, swizzle mode in 62-63
+//   wgmma_desc_at(desc, bytes)          the same descriptor `bytes` further on
 //   wgmma_fence() / wgmma_commit() / wgmma_wait<N>()   wgmma.fence / commit_group / wait_group N
 //   wgmma_ss<T, N, TA, TB>(d, da, db, acc)   wgmma.mma_async m64nNk16 .f32.T.T, A and B from shared
 //                                       memory (descriptors), trans-a TA, trans-b TB; acc false:
@@ -211,6 +212,11 @@ __device__ __forceinline__ u64 wgmma_desc(const void* smem, int swizzle, u32 lbo
   return (u64((smem_addr(smem) >> 4) & 0x3fffu)) | (u64((lbo_bytes >> 4) & 0x3fffu) << 16) |
          (u64((sbo_bytes >> 4) & 0x3fffu) << 32) | (u64(swizzle & 3) << 62);
 }
+
+// The descriptor of the matrix `bytes` further on in shared memory: the start address field
+// (bits 0-13, address >> 4) plus bytes >> 4 (bytes a multiple of 16; shared addresses stay
+// below 256 KB, so the field does not carry into the next one).
+__device__ __forceinline__ u64 wgmma_desc_at(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
 
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH__)
