@@ -618,19 +618,26 @@ def save() -> None:
 # the two backends
 
 
-_EMULATOR: list = []  # the Emulator, or the exception its build raised (raised again, not retried)
+def started_once(what: str, start):
+    """`start()`'s result, made once; if it raised, the same RuntimeError every time after
+    (recorded in the report as ENVIRONMENT[f"{what}_error"], never retried)."""
+    slot: list = []
+
+    def get():
+        if not slot:
+            try:
+                slot.append(start())
+            except Exception as exc:
+                slot.append(exc)
+                ENVIRONMENT[f"{what}_error"] = f"{type(exc).__name__}: {exc}"
+                save()
+        if isinstance(slot[0], Exception):
+            raise RuntimeError(f"the {what} side could not start: {slot[0]}") from slot[0]
+        return slot[0]
+    return get
 
 
-def emulator() -> Emulator:
-    if not _EMULATOR:
-        try:
-            _EMULATOR.append(Emulator())
-        except Exception as exc:
-            _EMULATOR.append(exc)
-            ENVIRONMENT["emulator_error"] = f"{type(exc).__name__}: {exc}"
-    if isinstance(_EMULATOR[0], Exception):
-        raise RuntimeError(f"the emulator could not build the probes: {_EMULATOR[0]}") from _EMULATOR[0]
-    return _EMULATOR[0]
+emulator = started_once("emulator", lambda: Emulator())
 
 
 @functools.lru_cache(maxsize=None)
@@ -660,22 +667,6 @@ def gpu_problem() -> str | None:
     return None
 
 
-_GPU: list = []  # the Gpu backend, or the exception that stopped it (raised again, not retried)
-
-
-def gpu() -> Gpu:
-    if not _GPU:
-        try:
-            _GPU.append(_start_gpu())
-        except Exception as exc:
-            _GPU.append(exc)
-            ENVIRONMENT["gpu_error"] = f"{type(exc).__name__}: {exc}"
-            save()
-    if isinstance(_GPU[0], Exception):
-        raise RuntimeError(f"the GPU side could not start: {_GPU[0]}") from _GPU[0]
-    return _GPU[0]
-
-
 def _start_gpu() -> Gpu:
     import cupy
     from cuda.bindings import nvrtc
@@ -693,6 +684,9 @@ def _start_gpu() -> Gpu:
     ENVIRONMENT["nvrtc_log"] = g.log  # ptxas remarks (e.g. wgmma serialized), if any
     save()
     return g
+
+
+gpu = started_once("gpu", _start_gpu)
 
 
 # ---------------------------------------------------------------------------------------------

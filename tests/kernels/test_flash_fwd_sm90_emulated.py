@@ -125,21 +125,28 @@ SEEDS = {
 }
 
 
+def seed_kernel(ops, folder, anchor: str, replacement: str):
+    """Make `ops` run, for float16 at d = 64, a copy of flash_fwd_sm90.cu with the one line
+    `anchor` replaced (built into `folder`); returns the seeded variant."""
+    from burstcu.testing import emulate
+
+    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
+    assert source.count(anchor) == 1, "the seed's anchor moved: update the seeds"
+    bad = folder / "flash_fwd_sm90.cu"
+    bad.write_text(source.replace(anchor, replacement))
+    variant = ops.forward_variant("float16", 64)
+    assert variant.family == "forward_sm90"
+    module = emulate.build_module([bad], [variant.name])
+    ops.ops._functions[variant.name] = module.get_function(variant.name)
+    return variant
+
+
 @pytest.mark.skipif(BACKEND != "emulated", reason="seeded mistakes are the emulator's to catch")
 @pytest.mark.parametrize("seed", list(SEEDS))
 def test_the_emulator_catches_a_seeded_pipeline_mistake(tmp_path, seed):
-    from burstcu.testing import emulate
-
     old, new, message = SEEDS[seed]
-    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
-    assert source.count(old) == 1, "the seed's anchor moved: update SEEDS"
-    bad = tmp_path / "flash_fwd_sm90.cu"
-    bad.write_text(source.replace(old, new))
-
     ops = kernel_ops(arch="sm_90a")
-    variant = ops.forward_variant("float16", 64)
-    module = emulate.build_module([bad], [variant.name])
-    ops.ops._functions[variant.name] = module.get_function(variant.name)
+    seed_kernel(ops, tmp_path, old, new)
     q, k, v = make("float16", 1, 128, 512, 1, 1, 64, seed=1)
     with pytest.raises(RuntimeError, match=message):
         check(ops, "float16", q, k, v, full(128, 512))
@@ -169,19 +176,11 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, se
     head dim; one that disagrees or fails warns, and the process keeps the mma.sync kernel for
     that variant: the caller's result is still right."""
     from burstcu.ops import kernel_ops as kops
-    from burstcu.testing import emulate
 
     anchor, replacement, message = FIRST_USE_SEEDS[seed]
-    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
-    assert source.count(anchor) == 1, "the seed's anchor moved"
-    bad = tmp_path / "flash_fwd_sm90.cu"
-    bad.write_text(source.replace(anchor, replacement))
     ops = kernel_ops(arch="sm_90a")
     ops.ops.first_use_check = True  # as on a GPU
-    hopper = ops.forward_variant("float16", 64)
-    assert hopper.family == "forward_sm90"
-    module = emulate.build_module([bad], [hopper.name])
-    ops.ops._functions[hopper.name] = module.get_function(hopper.name)
+    hopper = seed_kernel(ops, tmp_path, anchor, replacement)
     key = ops.ops._first_use_key(hopper)
     kops._SM90_FIRST_USE.pop(key, None)
     try:
