@@ -49,6 +49,9 @@ def test_four_ranks_on_the_hopper_kernel(dtype, causal, layout):
         assert group.ops.arch == group_arch[0]
         shards = [burstcu.shard(cupy.asarray(x), group, layout) for x in (q, k, v)]
         out = burstcu.attention(*shards, group, causal=causal, layout=layout)
+        # the first-use check passed: the Hopper kernel ran, not the mma.sync fallback
+        family = group.ops.forward_variant(dtype, 128).family
+        assert family == ("forward_sm90" if group_arch[0] == "sm_90a" else "forward"), family
         return cupy.asnumpy(burstcu.unshard(out, group, layout)).astype(np.float64)
 
     ref, _ = attention_ref(q, k, v, causal)
