@@ -439,7 +439,7 @@ def make_ops(tile_table: str, backend: str = "cupy"):
 
                     fn = get_function(v.source, name_expression, smem_bytes=v.launch.smem_bytes)
                 else:
-                    from burstcu.testing import emulate
+                    from burstcu.kernels import emulate
                     from burstcu.kernels.variants import kernel_dir
 
                     module = emulate.build_module([str(kernel_dir() / v.source)], [name_expression])

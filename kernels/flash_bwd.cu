@@ -96,7 +96,7 @@
 // Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
 //   python -m burstcu.kernels check --arch sm_80,sm_86,sm_90
 //       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq,bwd_dkdv_careful,bwd_dkdv_nodq_careful,bwd_dq_careful
-// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.testing.emulate
+// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
 // (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
 // ---------------------------------------------------------------------------------------------
 

@@ -260,7 +260,7 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys):
 
 def test_cache_dir_defaults_to_a_private_folder_under_tmpdir(monkeypatch, tmp_path):
     from burstcu.kernels import compile as kc
-    from burstcu.testing import emulate
+    from burstcu.kernels import emulate
 
     monkeypatch.delenv("BURSTCU_CACHE_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -26,7 +26,7 @@ import pytest
 from filelock import FileLock
 
 from burstcu.kernels import compile as kc
-from burstcu.testing import emulate
+from burstcu.kernels import emulate
 
 TINY_CU = """
 __global__ void tiny_a(int* p) { p[threadIdx.x] = 1; }

@@ -43,7 +43,7 @@ only when its manifest lists exactly its files and every digest matches: a missi
 cache from before manifests), a truncated or foreign file is rebuilt with a warning, never loaded.
 
 * NVRTC: ``<key>.cubin`` and ``<key>.json`` (lowered names, arch, source, log);
-* emulator (`burstcu.testing.emulate`): ``emu/<key>.so``;
+* emulator (`burstcu.kernels.emulate`): ``emu/<key>.so``;
 * its precompiled header: ``emu/pch-<digest>/`` holding ``emu_pch.h`` and ``emu_pch.h.gch``.
 
 Deadlines (`build_timeout`): $BURSTCU_BUILD_TIMEOUT seconds (default 600) bound every wait of a

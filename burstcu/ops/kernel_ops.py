@@ -6,7 +6,7 @@ shared_mem=0)``; every kernel takes one argument, its parameter struct (kernels/
 numpy.void scalar that `burstcu.ops.launch` builds (one builder per struct):
 
 * ``"cupy"``: `burstcu.kernels.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
-* ``"emulated"``: `burstcu.testing.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
+* ``"emulated"``: `burstcu.kernels.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
 
 Shapes (see `burstcu.ops.base`): q (B, S, H, D); k, v (B, Sk, Hkv, D); lse (B, H, S). Inputs are
 float16 or bfloat16 (the kernels' types). Head dims: 32, 64, 96, 128, 256 run natively; any other
@@ -35,7 +35,7 @@ from ..kernels.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute
 from ..kernels.variants import (CAREFUL_SUFFIX, MIN_COMPUTE_CAPABILITY, KernelVariant,
                                 careful_variant, kernel_dir)
 from ..layout import Block
-from ..testing import emulate
+from ..kernels import emulate
 from ..transport.nccl import nvtx_range
 from .base import LocalOps
 from . import kernel_bwd

@@ -9,7 +9,7 @@ the launch's arrays and returns a ``numpy.void`` scalar. That scalar is the kern
 argument on both backends: CuPy (``RawKernel``, cupy-cuda13x 14.x) turns a NumPy scalar into a
 `CScalar` holding its bytes and hands the driver a pointer to them, and the driver copies the
 struct's size from there into the kernel's parameter space; the emulator
-(`burstcu.testing.emulate`) copies the same bytes into the C++ struct. Pointers travel as their
+(`burstcu.kernels.emulate`) copies the same bytes into the C++ struct. Pointers travel as their
 addresses (64-bit unsigned integers). tests/kernels/test_params_layout.py checks every size,
 alignment and offset against what g++ and NVRTC make of kernels/params.cuh.
 

@@ -1,5 +1,5 @@
-"""Verification code, like `numpy.testing`: nothing in the library's run path imports it, except
-that the "emulated" backend runs the kernels through `emulate`.
+"""Verification code, like `numpy.testing`: nothing in the library's run path imports it (the
+"emulated" backend's build lives beside the NVRTC one, in `burstcu.kernels.emulate`).
 
 * `reference`: float64 attention written plainly (full score matrix, explicit softmax) and the
   FlashAttention tolerance rule; `host_arrays`: a device LocalOps seen through NumPy arrays, so
@@ -9,6 +9,5 @@ that the "emulated" backend runs the kernels through `emulate`.
   everything `python -m burstcu.selftest --full` verifies. These two drive the public API, so
   they sit above it; still, nothing below them imports them;
 * `schedule`: the GPU ordering checker (records the stream/event/NCCL actions of the real engine
-  and proves happens-before); `emulate`: builds the kernels with g++ against kernels/emu/ and
-  launches them with CuPy's calling convention (the "emulated" backend).
+  and proves happens-before).
 """

@@ -356,7 +356,7 @@ class Emulator:
     name = "emulated"
 
     def __init__(self):
-        from burstcu.testing.emulate import build_module
+        from burstcu.kernels.emulate import build_module
         self.mod = build_module([PROBES], NAMES)
 
     def put(self, x):

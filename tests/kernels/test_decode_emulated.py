@@ -84,7 +84,7 @@ def test_splits_fill_the_device_and_keep_a_minimum():
 
 @pytest.mark.parametrize("st", kernel_decode.DECODE_STRUCTS, ids=lambda st: st.name)
 def test_decode_struct_layout_matches_gxx(st):
-    from burstcu.testing.emulate import struct_layout
+    from burstcu.kernels.emulate import struct_layout
     kind = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f"}
     names = [f"{st.name}<{t}>" for t in ("__half", "__nv_bfloat16", "float")] if st.templated else [st.name]
     for cxx in names:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from burstcu.testing.emulate import build_module
+from burstcu.kernels.emulate import build_module
 from tests.kernels.tma_model import box_values
 
 pytestmark = pytest.mark.emulated

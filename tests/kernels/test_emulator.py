@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.testing.emulate import build_module
+from burstcu.kernels.emulate import build_module
 from burstcu.kernels.variants import kernel_dir
 
 pytestmark = pytest.mark.emulated

@@ -128,7 +128,7 @@ SEEDS = {
 def seed_kernel(ops, folder, anchor: str, replacement: str):
     """Make `ops` run, for float16 at d = 64, a copy of flash_fwd_sm90.cu with the one line
     `anchor` replaced (built into `folder`); returns the seeded variant."""
-    from burstcu.testing import emulate
+    from burstcu.kernels import emulate
 
     source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
     assert source.count(anchor) == 1, "the seed's anchor moved: update the seeds"

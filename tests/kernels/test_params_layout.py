@@ -16,7 +16,7 @@ import pytest
 from burstcu.layout import Block
 from burstcu.ops import launch
 from burstcu.ops.launch import NO_BOUND, PARAM_STRUCTS, CStruct
-from burstcu.testing.emulate import struct_layout
+from burstcu.kernels.emulate import struct_layout
 
 pytestmark = pytest.mark.emulated
 

@@ -1,0 +1,51 @@
+"""Which way imports run: the library's run path never imports its verification package.
+
+`burstcu.testing` (references, the loopback runner, the schedule checker, the self-test checks)
+sits above the library like `numpy.testing`; only the verification entry point
+`burstcu.selftest` may import it. Read from the sources (every import statement, relative or
+absolute, at any depth), so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import burstcu
+
+PACKAGE = Path(burstcu.__file__).resolve().parent
+VERIFICATION = {"testing", "selftest.py"}  # may import burstcu.testing
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Absolute names of every module `path` imports (relative imports resolved)."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = parts[:-1]  # the package a relative import counts from (also for __init__.py)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_no_runtime_module_imports_the_verification_package():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] in VERIFICATION:
+            continue
+        hits = [m for m in imported_modules(path) if m == "burstcu.testing" or m.startswith("burstcu.testing.")]
+        if hits:
+            offenders.append(f"{path.relative_to(PACKAGE.parent)}: {sorted(set(hits))[0]}")
+    assert not offenders, offenders
+
+
+def test_the_scan_sees_relative_imports():
+    """The scanner itself: kernel_ops's relative import of the emulator build resolves to its
+    absolute name (a scanner that missed relative imports would pass anything)."""
+    names = imported_modules(PACKAGE / "ops" / "kernel_ops.py")
+    assert "burstcu.kernels.emulate" in names
+    assert any(n.startswith("burstcu.testing") for n in imported_modules(PACKAGE / "selftest.py"))
