@@ -41,22 +41,29 @@ SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel
     Q tile  BLOCK_M x D, K and V tiles BLOCK_N x D per stage, each stored as D/64 column blocks of
     rows x 64 elements (128 bytes a row, the 128-byte swizzle pattern repeating every 8 rows =
     1024 bytes), exactly what a TMA box of (64, rows) with CU_TENSOR_MAP_SWIZZLE_128B writes and
-    what a wgmma descriptor with the 128-byte swizzle mode reads. Then the mbarriers.
+    what a wgmma descriptor with the 128-byte swizzle mode reads. Then (CAREFUL) the non-finite
+    marks, then the mbarriers.
     D     BLOCK_N  STAGES   smem (bytes, burstcu/kernels/fwd_variants.py: sm90_smem_bytes)
     64    128      3        1024 + (128 + 768) x 128 + 256   = 115968
     128   128      2        1024 + (128 + 512) x 256 + 256   = 165120
     256   64       2        1024 + (128 + 256) x 512 + 256   = 197888
-    Registers: __launch_bounds__(384, 1); the producer keeps 24, the consumers 240 each
-    (128 x 24 + 256 x 240 = 64512 of 65536). A consumer thread holds O (D/2 fp32), S (BLOCK_N/2
+    Registers: __launch_bounds__(384, 1) gives 168 a thread at launch (the gate checks it); the
+    producer keeps 24, the consumers 240 each (128 x 24 + 256 x 240 = 64512 = 384 x 168; CAREFUL:
+    40 and 232). A consumer thread holds O (D/2 fp32), S (BLOCK_N/2
     fp32) and P (BLOCK_N/4 u32 A fragments).
 
 MASKS AND THE CAREFUL TWIN
 Masks are flash_fwd_step's: scores of masked pairs are -inf whatever K holds, rows and keys past
 q_len / k_len read zeros (the tensor maps cover only the rectangle, and TMA fills outside them with
 zeros). A non-finite V at a masked key would still reach a row through 0 x Inf in P V: blocks with
-masked pairs launch this kernel with the sm_90 table's CAREFUL flash_fwd_step as its twin (the
-nonfinite flag picks exactly one of the pair; that path runs only when V holds Inf/NaN, where
-speed does not matter).
+masked pairs launch the pair <..., false> and <..., true> (CAREFUL), and the nonfinite flag runs
+exactly one. In the CAREFUL twin the whole producer warpgroup waits for each V tile, replaces its
+Inf/NaN values by 0 and records, per head dim, the keys where they were (BLOCK_N bits each, after
+the V stages in shared memory), then fences the generic-proxy writes (fence.proxy.async), meets at
+named barrier 3 and arrives on v_clean[s], which the consumers wait for instead of v_full[s].
+After each P V the consumers turn into NaN every output that a recorded value reaches through a
+non-zero rounded weight (flash_fwd.cu's gemm_rs_masked does the same): on finite tiles the twin
+is the plain kernel bit for bit. It runs only where V holds Inf/NaN; its speed does not matter.
 
 BUILD
     python -m burstcu.kernels check --arch sm_90a --json gate.json   (NVRTC, sm_90a: wgmma and
