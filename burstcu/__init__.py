@@ -14,8 +14,8 @@ Public API (see `burstcu.api` for shapes and semantics)::
     out = burstcu.torch.attention(q, k, v, group, causal=True)   # torch autograd (extra "torch")
 """
 
-from .api import (attention, attention_backward, linear_attention, linear_attention_backward,
-                  shard, unshard)
+from .api import (SameShardsWarning, attention, attention_backward, linear_attention,
+                  linear_attention_backward, shard, unshard)
 from .kvcache import KVCache, decode
 from .group import Group, init
 from .plan import plan
@@ -24,7 +24,7 @@ from .transport.link import Link
 
 __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
-           "CommTimeoutError", "PeerFailedError", "Link"]
+           "CommTimeoutError", "PeerFailedError", "Link", "SameShardsWarning"]
 __version__ = "0.1.0"
 
 # the autodiff adapters import their framework: loaded on first use (`burstcu.jax.attention`)

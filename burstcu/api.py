@@ -30,10 +30,10 @@ from .plan import plan
 from .group import Call, Group, local_group
 from .ops.base import DelegatingOps
 from .layout import Partition, check_layout, partition
-from .validate import (ARRAY_NAMES, InputError, agree, check_attention_inputs, check_backward_inputs,
-                       check_cu_seqlens, check_flags, check_row_sums, check_window, docs_digest,
-                       dtype_name, masked_array_problem, metadata, parse_cu_seqlens, partition_of,
-                       resolve_scale)
+from .validate import (ARRAY_NAMES, InputError, agree, caller_stacklevel, check_attention_inputs,
+                       check_backward_inputs, check_cu_seqlens, check_flags, check_row_sums,
+                       check_window, docs_digest, dtype_name, masked_array_problem, metadata,
+                       parse_cu_seqlens, partition_of, resolve_scale)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -280,15 +280,25 @@ def _first_rows(x) -> bytes | None:
     return hashlib.blake2b(np.ascontiguousarray(x[:, :2]).tobytes(), digest_size=16).digest()
 
 
+class SameShardsWarning(RuntimeWarning):
+    """Every rank's shard starts with the same rows: most likely each rank passed the global
+    array instead of its shard (`burstcu.shard` cuts them). Identical shards can be meant; then
+    ``warnings.filterwarnings("ignore", category=burstcu.SameShardsWarning)`` silences it."""
+
+
 def _warn_if_all_the_same(digests: list, name: str) -> None:
-    """A warning on every rank (each sees every digest) when G > 1 ranks hold the same first
-    rows: most likely each passed the global array instead of its shard, which attends over G
-    copies of the sequence. A warning, not an error: identical shards can be meant."""
+    """A SameShardsWarning on every rank (each sees every digest) when G > 1 ranks hold the same
+    first rows, pointing at the caller's line (the first frame outside burstcu): most likely
+    each passed the global array instead of its shard, which attends over G copies of the
+    sequence. A warning, not an error: identical shards can be meant. (Where the shapes make it
+    certain, documents that cover one copy of the rows, `validate.check_docs_total` raises.)"""
     if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
         warnings.warn(f"every rank's {name} starts with the same rows: if each rank passed the "
                       f"global array instead of its shard, this attends over {len(digests)} "
-                      f"copies of the sequence; cut shards with burstcu.shard(x, group, layout)",
-                      RuntimeWarning, stacklevel=4)
+                      f"copies of the sequence; cut shards with burstcu.shard(x, group, layout) "
+                      f"(identical shards meant? warnings.filterwarnings('ignore', "
+                      f"category=burstcu.SameShardsWarning))",
+                      SameShardsWarning, stacklevel=caller_stacklevel())
 
 
 def _max_positions(group: Group) -> int | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -241,13 +243,29 @@ def parse_cu_seqlens(cu_seqlens):
     return None, tuple(docs)
 
 
-def check_docs_total(docs, seqlen_global: int) -> InputError | None:
-    """cu_seqlens (parsed) must end at the global sequence length."""
+def check_docs_total(docs, seqlen_global: int, size: int = 1) -> InputError | None:
+    """cu_seqlens (parsed) must end at the global sequence length. With `size` ranks whose
+    lengths add up to size times the documents' end, each rank holds all of them: the global
+    array passed on every rank, which the message says."""
     if docs is not None and docs[-1] != seqlen_global:
+        hint = ""
+        if size > 1 and seqlen_global == size * docs[-1]:
+            hint = (f": the {size} ranks hold {size} x {docs[-1]} rows, so each holds the whole "
+                    f"sequence: pass each rank its shard (burstcu.shard), not the global array")
         return InputError(ValueError, f"cu_seqlens must end at the global sequence length "
                                       f"N = {seqlen_global} (the ranks' local lengths added up), "
-                                      f"got {docs[-1]}")
+                                      f"got {docs[-1]}{hint}")
     return None
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
+    warning names the first frame outside the burstcu package (the user's line)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str = "contiguous"):
@@ -267,7 +285,7 @@ def partition_of(layout: str, lengths, docs, uneven: bool = False,
     pieces). max_positions: the most positions the local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
-    err = check_docs_total(docs, total)
+    err = check_docs_total(docs, total, size)
     if err:
         return err, None
     if max_positions is not None and total > max_positions:

@@ -52,3 +52,15 @@ def test_messages_are_specific():
 def test_init_rejects_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         burstcu.init(backend="tpu")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_global_array_on_every_rank(world):
+    """The warning points at the user's line and names its category, on every rank; with
+    documents that cover one copy of the rows it is an error on every rank."""
+    for rank, r in enumerate(run_mpi(world, "global_array_on_every_rank", timeout=120)):
+        assert r["warned"] == 1 and r["file"] == "bodies.py" and r["line_ok"], (rank, r)
+        assert f"{world} copies of the sequence" in r["message"], (rank, r)
+        assert "burstcu.SameShardsWarning" in r["message"], (rank, r)
+        assert r["docs_error"] and "each holds the whole sequence" in r["docs_error"], (rank, r)
+

@@ -605,3 +605,31 @@ def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend=
         assert f"rank {size - 1}" in raised["one row shifted on the last rank"], raised
     group.close()
     return {"raised": sorted(raised), "same_as_unchecked": same}
+
+
+def global_array_on_every_rank():
+    """Every rank passes the same global array: a SameShardsWarning that names this file's line
+    (not burstcu's) and says how to silence it; with documents that cover one copy of the rows
+    (the mistake certain), a ValueError saying each rank holds the whole sequence."""
+    import inspect
+    import os
+    import warnings
+
+    group = burstcu.init(backend="numpy")
+    q = np.random.default_rng(0).standard_normal((1, 16, 2, 8)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        burstcu.attention(q, q, q, group, causal=True)
+    same = [w for w in caught if issubclass(w.category, burstcu.SameShardsWarning)]
+    result = {"warned": len(same),
+              "file": os.path.basename(same[0].filename) if same else None,
+              "line_ok": bool(same) and same[0].lineno == line,
+              "message": str(same[0].message) if same else None}
+    try:
+        burstcu.attention(q, q, q, group, causal=True, cu_seqlens=[0, 16])
+        result["docs_error"] = None
+    except ValueError as exc:
+        result["docs_error"] = str(exc)
+    return result
+
