@@ -63,6 +63,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -402,13 +403,8 @@ def sass_summary(cubin: bytes) -> dict[str, Sass]:
     with tempfile.TemporaryDirectory(prefix="burstcu-sass-") as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        timeout = build_timeout()
         try:
-            proc = subprocess.run([tool, "--print-code", "--no-dataflow", str(path)],
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise BuildTimeoutError.waited(f"{tool} to disassemble a CUBIN", timeout,
-                                           "it did not finish") from None
+            proc = run_bounded([tool, "--print-code", "--no-dataflow", str(path)], "disassembler")
         except OSError as exc:
             raise SassError(f"cannot run {tool}: {exc}") from None
     if proc.returncode != 0:
@@ -438,6 +434,28 @@ class BuildTimeoutError(RuntimeError):
         """The error for a wait of `timeout` seconds for `what`; `hint` says what may be behind it."""
         return cls(f"waited {timeout:g} s for {what}: {hint}. If builds are only slow here, "
                    f"raise the limit with BURSTCU_BUILD_TIMEOUT=<seconds>")
+
+
+def run_bounded(cmd: Sequence[str], what: str = "compiler") -> subprocess.CompletedProcess:
+    """Run a tool (g++, nvdisasm) to its end or to `build_timeout()`, capturing its output as text.
+
+    It runs in a process group of its own, killed whole past the deadline or on an interrupt:
+    killing g++ alone would leave its cc1plus running. Raises BuildTimeoutError naming the command.
+    """
+    timeout = build_timeout()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise BuildTimeoutError.waited(f"the {what} command `{' '.join(cmd)}`", timeout,
+                                           "it did not finish and was killed") from None
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 def build_timeout() -> float:

@@ -36,7 +36,6 @@ import hashlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -48,7 +47,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .compile import BuildTimeoutError, atomic_write, build_timeout, trusted_dir, verified_entry
+from .compile import atomic_write, build_timeout, run_bounded, trusted_dir, verified_entry
 from .compile import cache_dir as kernel_cache_dir
 from .variants import kernel_dir
 
@@ -87,32 +86,12 @@ def cache_dir() -> Path:
     return trusted_dir(kernel_cache_dir() / "emu")
 
 
-def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess:
-    """Run a compiler command to its end or to `build_timeout()`, capturing its output as text.
-
-    It runs in a process group of its own, killed whole past the deadline or on an interrupt:
-    killing g++ alone would leave its cc1plus running. Raises BuildTimeoutError naming the command.
-    """
-    timeout = build_timeout()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException as exc:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        if isinstance(exc, subprocess.TimeoutExpired):
-            raise BuildTimeoutError.waited(f"the compiler command `{' '.join(cmd)}`", timeout,
-                                           "it did not finish and was killed") from None
-        raise
-    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 @lru_cache(maxsize=None)
 def _compiler_version() -> str:
     try:
-        out = _run([_CXX, "--version"])
+        out = run_bounded([_CXX, "--version"])
     except OSError as e:
         raise RuntimeError(f"the emulator needs a C++17 compiler ({_CXX}): {e}") from e
     if out.returncode != 0:
@@ -190,7 +169,7 @@ def _build_pch(kdir: Path, folder: Path) -> None:
     try:
         cmd = [_CXX, *(f for f in _BASE_FLAGS if f != "-shared"), f"-I{kdir}",
                "-x", "c++-header", str(stub), "-o", tmp]
-        proc = _run(cmd)
+        proc = run_bounded(cmd)
         if proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
         os.replace(tmp, gch)  # atomic: readers see the old file or the whole new one
@@ -227,12 +206,12 @@ def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path, pch: Pat
         cmd = [_CXX, *_BASE_FLAGS, f"-I{kdir}", *flags, str(cpp), "-o", str(out), "-lrt"]
         proc = None
         if pch:  # a PCH removed under our feet (cache cleanup) costs a retry without it, not an error
-            proc = _run(cmd[:1] + ["-Winvalid-pch", "-include", str(pch)] + cmd[1:])
+            proc = run_bounded(cmd[:1] + ["-Winvalid-pch", "-include", str(pch)] + cmd[1:])
             if proc.returncode == 0 and "-Winvalid-pch" in proc.stderr:  # built, without the PCH
                 said = [line.strip() for line in proc.stderr.splitlines() if "-Winvalid-pch" in line]
                 _warn_pch_once(f"g++ did not use {pch}.gch: {said[0]}")
         if proc is None or proc.returncode != 0:
-            retry = _run(cmd)
+            retry = run_bounded(cmd)
             if proc is not None and retry.returncode == 0:  # the PCH was the trouble, not the source
                 _warn_pch_once(f"g++ failed with {pch}, not without it: {proc.stderr.strip()[-2000:]}")
             proc = retry

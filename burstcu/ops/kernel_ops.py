@@ -32,8 +32,7 @@ from ..kernels.fwd_variants import SM90_FAMILY, nonfinite_flag_variant
 from ..kernels import all_variants
 from ..kernels.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
-from ..kernels.variants import (CAREFUL_SUFFIX, MIN_COMPUTE_CAPABILITY, KernelVariant,
-                                careful_variant, kernel_dir)
+from ..kernels.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
 from ..layout import Block
 from ..kernels import emulate
 from ..transport.nccl import nvtx_range
@@ -304,10 +303,11 @@ class KernelOps(LocalOps):
         """Launch a step kernel with its parameter struct `params`, whose non-finite flag is
         `step_flag(masked, ...)`. A block with masked pairs (`masked`) gets the pair plain +
         careful, of which exactly one runs (the careful one when the flag is set: a NaN where a
-        row cannot see must not reach it); any other block the plain kernel alone."""
-        cfg = variant.launch
-        for v in (variant, careful_variant(variant)) if masked else (variant,):
-            self.function(v.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
+        row cannot see must not reach it); any other block the plain kernel alone. Each runs
+        with its own launch configuration (the Hopper careful twin needs more shared memory)."""
+        pair = (variant, self._variants[careful_variant(variant).name])
+        for v in pair if masked else pair[:1]:
+            self.function(v.name)(grid, (v.launch.threads,), (params,), shared_mem=v.launch.smem_bytes)
 
     def _ready(self, x):
         """x, or an aligned contiguous copy, so the kernels can read it with 16-byte cp.async."""
@@ -356,7 +356,7 @@ class KernelOps(LocalOps):
         self._check_kv(state, k, v)
         variant = self.forward_variant(state.dtype, state.headdim)
         if variant.family == SM90_FAMILY and not self._sm90_checked(variant, state.q.dtype):
-            variant = self.forward_variant(state.dtype, state.headdim)
+            variant = self.variant("forward", state.dtype, state.headdim)
         self._fold(variant, state, k, v, blocks)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
@@ -389,18 +389,14 @@ class KernelOps(LocalOps):
         plain + careful (forward_sm90_careful), of which the nonfinite flag runs exactly one."""
         B, S, H, dp = state.q.shape
         cfg = variant.launch
-        backend = "cupy" if self.backend == "cupy" else "emulated"
-        q_map = tensor_map_4d_rows(backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
-        k_map = tensor_map_4d_rows(backend, kp, blk.k_start, blk.k_len, cfg.block_n)
-        v_map = tensor_map_4d_rows(backend, vp, blk.k_start, blk.k_len, cfg.block_n)
+        q_map = tensor_map_4d_rows(self.backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
+        k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)
+        v_map = tensor_map_4d_rows(self.backend, vp, blk.k_start, blk.k_len, cfg.block_n)
         n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
-        step_flag = self.step_flag(blk.masked, flag)
-        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l, step_flag,
-                                      blk, H, kp.shape[2], state.scale * _LOG2E, n_tiles)
-        pair = (variant, self.variant(SM90_FAMILY + CAREFUL_SUFFIX, state.dtype, state.headdim))
-        for v in pair if blk.masked else pair[:1]:
-            self.function(v.name)((min(n_tiles, self.sm_count),), (cfg.threads,), (params,),
-                                  shared_mem=v.launch.smem_bytes)
+        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
+                                      self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
+                                      state.scale * _LOG2E, n_tiles)
+        self.launch_step(variant, (min(n_tiles, self.sm_count),), params, blk.masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
