@@ -305,7 +305,8 @@ class KernelOps(LocalOps):
         careful, of which exactly one runs (the careful one when the flag is set: a NaN where a
         row cannot see must not reach it); any other block the plain kernel alone. Each runs
         with its own launch configuration (the Hopper careful twin needs more shared memory)."""
-        pair = (variant, self._variants[careful_variant(variant).name])
+        twin = careful_variant(variant)  # the table's own entry when it has one (its launch)
+        pair = (variant, self._variants.get(twin.name, twin))
         for v in pair if masked else pair[:1]:
             self.function(v.name)(grid, (v.launch.threads,), (params,), shared_mem=v.launch.smem_bytes)
 
