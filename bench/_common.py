@@ -37,7 +37,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 def world():
     """(comm, rank, size): MPI.COMM_WORLD when mpi4py loads an MPI library, else (None, 0, 1)."""
-    from burstcu.group import world_comm
+    from burstcu.transport.bootstrap import world_comm
     comm = world_comm()
     if comm is None:
         return None, 0, 1

@@ -277,7 +277,7 @@ def main(argv=None) -> int:
               f"({', '.join(args.impls)}); dry run: nothing timed")
         return 0
 
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
     ops_by_arch = {arch: KernelOps("cupy", arch=arch) for arch in args.archs} or {None: KernelOps("cupy")}
     ops_by_arch = {ops.arch: ops for ops in ops_by_arch.values()}
     env = versions()

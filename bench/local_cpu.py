@@ -27,7 +27,7 @@ op never forms.
 
 Matmuls are most of the burstcu time, and their speed is the BLAS kernels': the header line
 names the kernels NumPy's OpenBLAS picked (OPENBLAS_CORETYPE, set in the environment, overrides
-the choice; `burstcu.ops.numpy_ops.blas_advice` says when AVX-512 ones would run and are not).
+the choice; `burstcu.ops.numpy.tiled.blas_advice` says when AVX-512 ones would run and are not).
 So each thread count starts with the matmul peaks: a float32 n^3 matmul (--matmul-size, 2048)
 on one thread through NumPy's BLAS and through torch (which brings its own BLAS, MKL in its
 x86-64 CPU wheels), times the thread count (`matmul_peaks`); every row's `of_matmul_peak` is its
@@ -82,7 +82,7 @@ import numpy as np
 from _common import environment, fmt_bytes, median, progress, table, write_json  # noqa: I001 - sets sys.path
 
 import burstcu
-from burstcu.ops.numpy_ops import TILE_K, TILE_Q, NumpyOps, blas_advice
+from burstcu.ops.numpy.tiled import TILE_K, TILE_Q, NumpyOps, blas_advice
 from burstcu.transport.base import SelfTransport
 
 

@@ -4,7 +4,7 @@
                                  [--from-json gate.json] [--json OUT] [--md OUT]
 
 Runs the compile gate (NVRTC + ptxas -v, no GPU needed) or reads a gate JSON written by
-``python -m burstcu.kernels check --json``, and reports for each variant the blocks per SM and the
+``python -m burstcu.build check --json``, and reports for each variant the blocks per SM and the
 occupancy (resident warps / the SM's maximum) that its registers, shared memory and block size
 allow on an A100 (sm_80), an RTX 3090/4090 or L40S (the "sm_86" table: cc 8.6/8.9, also used for
 cc 12.x) and an H100 (sm_90). These numbers are COMPUTED FROM THE PTXAS REPORT with the CUDA
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from burstcu.kernels.compile import ARCH_LIMITS  # noqa: E402
+from burstcu.build.compile import ARCH_LIMITS  # noqa: E402
 
 REG_ALLOC_UNIT = 256        # registers per warp are allocated in multiples of this
 SMEM_RESERVED_PER_BLOCK = 1024
@@ -59,7 +59,7 @@ def gate_records(archs: list[str], families: list[str] | None, from_json: str | 
     else:
         import io
 
-        from burstcu.kernels.__main__ import run_check
+        from burstcu.build.__main__ import run_check
 
         records = run_check(archs, families, out=io.StringIO())
     bad = [r for r in records if r.get("error")]

@@ -19,7 +19,7 @@ WARPS_D in the backward.
 Candidates, per family, dtype and head dim: forward NWARPS in {4, 8} x BLOCK_N in {32, 64, 128};
 backward BM in {16, 32, 64, 128} x BN in {32, 64, 128} x WARPS_D in {1, 2}; those the kernels'
 static_asserts accept, with 64 to 1024 threads (two warps at least) and a dynamic smem (the formulas of
-`burstcu.kernels.fwd_variants` / `bwd_variants`) within the tile table's per-block limit (227 KB
+`burstcu.build.fwd_variants` / `bwd_variants`) within the tile table's per-block limit (227 KB
 for sm_90); the table's own tiles are always candidate number one.
 
 ``--gate`` compiles each candidate with the project's NVRTC path and the ptxas report for the
@@ -100,7 +100,7 @@ def default_candidates_path(tile_table: str = "sm_90") -> str:
 
 def make_variant(family: str, dtype: str, d: int, tiles):
     """The KernelVariant of `family` with tiles (BLOCK_M, BLOCK_N, warps)."""
-    from burstcu.kernels import bwd_variants, fwd_variants
+    from burstcu.build import bwd_variants, fwd_variants
 
     bm, bn, w = (int(x) for x in tiles)
     if family == "forward":
@@ -116,7 +116,7 @@ def make_variant(family: str, dtype: str, d: int, tiles):
 
 def table_variant(tile_table: str, family: str, dtype: str, d: int):
     """The variant the table `tile_table` launches for (family, dtype, native head dim d)."""
-    from burstcu.kernels import all_variants
+    from burstcu.build import all_variants
 
     found = [v for v in all_variants(tile_table)
              if v.family == family and v.dtype == dtype and v.headdim == d]
@@ -155,7 +155,7 @@ def enumerate_candidates(tile_table: str, families, dtypes, headdims,
     threads, dynamic smem within the table arch's per-block limit. `max_per_group` > 0 keeps the
     first that many of each group (the table's tiles included).
     """
-    from burstcu.kernels.compile import ARCH_LIMITS
+    from burstcu.build.compile import ARCH_LIMITS
 
     smem_limit = ARCH_LIMITS[tile_table]["smem_per_block"]
     out = []
@@ -194,7 +194,7 @@ def group_key(c: dict) -> tuple:
 
 
 def source_digests() -> dict:
-    from burstcu.kernels.compile import source_digest
+    from burstcu.build.compile import source_digest
 
     return {s: source_digest(s) for s in SOURCES}
 
@@ -213,7 +213,7 @@ def nvrtc_version() -> str | None:
 def _gate_one(family: str, dtype: str, d: int, tiles, arch: str) -> dict:
     """One gate record; runs in a worker process. Never raises."""
     try:
-        from burstcu.kernels.compile import gate_variant
+        from burstcu.build.compile import gate_variant
 
         return gate_variant(make_variant(family, dtype, d, tiles), arch)
     except Exception as exc:  # noqa: BLE001 - reported as the candidate's failure
@@ -402,7 +402,7 @@ def print_plan(rows: list[dict], args, est: dict) -> None:
 def make_ops(tile_table: str, backend: str = "cupy"):
     """A KernelOps (CuPy, or the CPU emulator for testing this script) whose variant lookup
     returns a pinned candidate (`pin`) and whose kernels of the `skip` families do nothing."""
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
 
     class TileOps(KernelOps):
         def __init__(self):
@@ -435,12 +435,12 @@ def make_ops(tile_table: str, backend: str = "cupy"):
                 if v is None:
                     raise KeyError(f"{name_expression!r} was never pinned")
                 if self.backend == "cupy":
-                    from burstcu.kernels.compile import get_function
+                    from burstcu.build.compile import get_function
 
                     fn = get_function(v.source, name_expression, smem_bytes=v.launch.smem_bytes)
                 else:
-                    from burstcu.kernels import emulate
-                    from burstcu.kernels.variants import kernel_dir
+                    from burstcu.build import emulate
+                    from burstcu.build.variants import kernel_dir
 
                     module = emulate.build_module([str(kernel_dir() / v.source)], [name_expression])
                     fn = module.get_function(name_expression)
@@ -458,7 +458,7 @@ def _compile_one(source: str, name: str, arch: str) -> tuple[str, float, str | N
     """Compile one instantiation into the kernel cache (a worker process). Never raises."""
     t = time.perf_counter()
     try:
-        from burstcu.kernels.compile import cached_cubin
+        from burstcu.build.compile import cached_cubin
 
         cached_cubin(source, [name], arch)
         return name, time.perf_counter() - t, None
@@ -746,7 +746,7 @@ def versions(backend: str) -> dict:
 
 def support_variants(ops, args) -> list:
     """The table's kernels a run launches besides the candidates: references, finalize, delta."""
-    from burstcu.kernels.bwd_variants import delta_variant
+    from burstcu.build.bwd_variants import delta_variant
 
     out = []
     for dtype in args.dtypes:
@@ -775,8 +775,8 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
     if backend == "cupy":
         import cupy
 
-        from burstcu.kernels.compile import device_arch
-        from burstcu.ops.kernel_ops import table_arch_for
+        from burstcu.build.compile import device_arch
+        from burstcu.ops.cuda.kernel_ops import table_arch_for
 
         arch = device_arch()
         device_table = table_arch_for(int(arch.split("_")[1]))

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .kernels.compile import atomic_write, build_timeout
+from .build.compile import atomic_write, build_timeout
 from .ops.base import LocalOps
-from .ops.kernel_ops import KernelOps
-from .ops.numpy_ops import NumpyOps
+from .ops.cuda import KernelOps
+from .ops.numpy import NumpyOps
 from .transport.base import DEFAULT_TIMEOUT, CommStats, SelfTransport, Transport, resolve_timeout
 from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
 from .transport.mpi import PROGRESS, MPITransport, gather_plain
-from .transport.nccl import BackendUnavailable, bootstrap
+from .transport.bootstrap import BackendUnavailable, bootstrap, gpu_usable, world_comm
 from .validate import InputError, agree
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
@@ -179,99 +179,6 @@ class Call:
         finally:
             t.call, t.where = None, "between calls"
         return False
-
-
-def gpu_usable() -> bool:
-    """True when CuPy imports and sees at least one CUDA device with a working driver."""
-    try:
-        import cupy
-        return bool(cupy.cuda.is_available())
-    except Exception:  # ImportError, or a driver/runtime mismatch surfacing at import
-        return False
-
-
-_NO_MPI_WARNED: list = []
-
-
-# world-size variables the common launchers set in every rank's environment
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-_SLURM_BATCH_STEP = 4294967290  # step ids from here up are Slurm's batch/extern/interactive steps
-
-
-def launcher_world_size() -> tuple[str, int] | None:
-    """(variable, ranks) when an MPI launcher (Open MPI's mpirun, MPICH/Hydra and Intel MPI,
-    MVAPICH), Slurm's srun (any --mpi plugin, PMIx included) or torchrun (TORCHELASTIC_RUN_ID
-    and WORLD_SIZE) started this process, else None."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("WORLD_SIZE", "").isdigit():
-        return "WORLD_SIZE", int(os.environ["WORLD_SIZE"])
-    for var in _LAUNCHER_SIZE_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return var, int(value)
-    step, tasks = os.environ.get("SLURM_STEP_ID", ""), os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if step.isdigit() and int(step) < _SLURM_BATCH_STEP and tasks.isdigit():
-        return "SLURM_STEP_NUM_TASKS", int(tasks)
-    return None
-
-
-def world_comm(comm=None):
-    """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
-    load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
-    once). If a launcher started this process as one of several ranks (`launcher_world_size`),
-    a missing mpi4py or MPI library, or an MPI world of another size (torchrun's processes, or
-    a launcher of another MPI than mpi4py's: each process then a world of one), raises
-    RuntimeError instead, on every process alike: the ranks would otherwise each run the whole
-    problem alone, as unrelated single processes."""
-    if comm is not None:
-        return comm
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        _refuse_under_a_launcher(exc, "mpi4py is not installed", "Install the 'mpi' extra (pip "
-                                 "install 'burstcu[mpi]') in the Python that mpiexec starts")
-        return None
-    except RuntimeError as exc:
-        _refuse_under_a_launcher(exc, "mpi4py cannot load an MPI library", "Install the 'mpi' "
-                                 "extra and use its mpiexec, or point MPI4PY_LIBMPI at the MPI "
-                                 "library of the launcher you use")
-        if not _NO_MPI_WARNED:
-            _NO_MPI_WARNED.append(True)
-            warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "
-                          f"process (install the 'mpi' extra for mpiexec)", stacklevel=3)
-        return None
-    _refuse_a_world_of_another_size(MPI.COMM_WORLD.Get_size())
-    return MPI.COMM_WORLD
-
-
-def _refuse_a_world_of_another_size(size: int) -> None:
-    """RuntimeError when a launcher started this process as one of N > 1 ranks and MPI's world
-    has another size: each process would run alone (or the ranks split) on the whole problem."""
-    launched = launcher_world_size()
-    if launched is None or launched[1] <= 1 or launched[1] == size:
-        return
-    var, n = launched
-    if var == "WORLD_SIZE":
-        why = "torchrun starts processes that MPI does not join"
-        remedy = ("Start the job with `mpiexec -n N python -m mpi4py program.py` (or "
-                  "launch/burstcu-run)")
-    else:
-        why = "the launcher's MPI is not the one mpi4py loaded"
-        remedy = ("Use the mpiexec of the 'mpi' extra (beside this Python), or point "
-                  "MPI4PY_LIBMPI at the MPI library of the launcher you use")
-    raise RuntimeError(f"burstcu: this process is one of {n} ranks ({var}={n}) but MPI's world has "
-                       f"{size} rank(s): {why}, and every process would run alone on the whole "
-                       f"problem. {remedy}; pass comm=MPI.COMM_SELF for a one-process group on "
-                       f"purpose")
-
-
-def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:
-    """RuntimeError when a launcher started this process as one of several ranks and MPI is
-    not usable (`what`): each rank would otherwise run the whole problem alone."""
-    launched = launcher_world_size()
-    if launched is not None and launched[1] > 1:
-        raise RuntimeError(
-            f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
-            f"but {what} ({exc}): every rank would run alone on the whole problem. {remedy}") from exc
 
 
 def _mpi_transport(comm, progress: str, timeout: float | None, link: Link | None) -> Transport:

@@ -25,7 +25,7 @@ import numpy as np
 from .api import _agreed, _group_for, _returned
 from .group import Call, Group
 from .ops import decode as local
-from .ops import kernel_decode
+from .ops.cuda import decode as kernel_decode
 from .ops.base import Message, accum_dtype
 from .validate import InputError, _check_array, agree, dtype_name, host_ints, metadata, resolve_scale
 

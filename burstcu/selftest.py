@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 
 from . import api
-from .group import Group, gpu_usable, init, world_comm
+from .group import Group, init
+from .transport.bootstrap import BackendUnavailable, gpu_usable, world_comm
 from .layout import step_blocks
-from .ops.numpy_ops import blas_advice
+from .ops.numpy import blas_advice
 from .testing.reference import attention_backward_ref, attention_ref
 from .transport.base import resolve_timeout
 from .transport.mpi import gather_plain
-from .transport.nccl import BackendUnavailable
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
 # hundred ulps; float16 (the CUDA kernels: fp16 operands, fp32 accumulation) ~10 ulps of 1

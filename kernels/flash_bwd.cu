@@ -46,7 +46,7 @@
 // zero weight never meets an Inf/NaN row of dO, Q or K on the tensor cores.
 //
 // ---------------------------------------------------------------------------------------------
-// Tile sizes (burstcu/kernels/bwd_variants.py holds the table) and why
+// Tile sizes (burstcu/build/bwd_variants.py holds the table) and why
 // ---------------------------------------------------------------------------------------------
 // The FlashAttention paper starts from B_c = M / (4d) key rows (M = on-chip memory in elements):
 // sm_80 164 KB / 2 B / (4 * 128) ~ 160 rows, sm_90 227 KB -> ~220. What binds first in backward,
@@ -89,14 +89,14 @@
 // pair, ~270 MB) as L2 reductions. No GPU was available while writing this: estimates only.
 //
 // Arguments: each kernel takes one struct by value (kernels/params.cuh): flash_bwd_delta a
-// BwdDeltaParams, flash_bwd_dkdv and flash_bwd_dq the same BwdStepParams (burstcu/ops/launch.py
+// BwdDeltaParams, flash_bwd_dkdv and flash_bwd_dq the same BwdStepParams (burstcu/ops/cuda/params.py
 // fills them). Strides are 64-bit element counts, as in the forward, and every global index is
 // formed in 64-bit arithmetic, so a tensor may hold more than 2^31 elements.
 //
-// Build: NVRTC, one name expression per variant of burstcu/kernels/bwd_variants.py; the gate
-//   python -m burstcu.kernels check --arch sm_80,sm_86,sm_90
+// Build: NVRTC, one name expression per variant of burstcu/build/bwd_variants.py; the gate
+//   python -m burstcu.build check --arch sm_80,sm_86,sm_90
 //       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq,bwd_dkdv_careful,bwd_dkdv_nodq_careful,bwd_dq_careful
-// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.kernels.emulate
+// compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.build.emulate
 // (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
 // ---------------------------------------------------------------------------------------------
 

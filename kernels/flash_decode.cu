@@ -27,7 +27,7 @@ A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in p
 maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows.
 The kernel is memory-bound (each K/V byte is read once per row group); no tensor cores.
 
-VARIANTS (burstcu/kernels/decode_variants.py)
+VARIANTS (burstcu/build/decode_variants.py)
     flash_decode_split<T, DPL, ROWS, NWARPS>   T in {__half, __nv_bfloat16, float}; DPL in
         {1, 2, 4, 8} (D <= 32 * DPL), ROWS = 16 (DPL <= 4) or 8 (DPL = 8): DPL * ROWS <= 64
         fp32 accumulators a lane

@@ -31,7 +31,7 @@ that exp2(-inf - (-inf)) never makes a NaN (the "finite -inf guard"). Masked sco
 in P V, so blocks with masked pairs launch the CAREFUL twin instead when V holds one
 (flash_any_nonfinite sets the flag; kernels/README.md, "Masked positions are inert").
 
-VARIANTS (burstcu/kernels/fwd_variants.py lists them; each is one template instantiation)
+VARIANTS (burstcu/build/fwd_variants.py lists them; each is one template instantiation)
     flash_fwd_step<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS>   T in {__half, __nv_bfloat16}
         native HEADDIM in {32, 64, 96, 128, 256}; any other multiple of 8 up to 256 runs the next
         native one with q/k/v zero-padded (zeros add nothing to q.k nor to the padded output
@@ -91,17 +91,17 @@ kernel would move more (it reads a partial output and the state and writes the s
 is FA2-level throughput per step (measured on an H100: 0.49-0.79x torch's FA2 backend).
 
 BUILD
-    NVRTC (gate): python -m burstcu.kernels check --arch sm_80,sm_86,sm_90 --json gate.json
+    NVRTC (gate): python -m burstcu.build check --arch sm_80,sm_86,sm_90 --json gate.json
         options: -std=c++17 --gpu-architecture=sm_XX -default-device --use_fast_math
                  -I kernels/ -I <nvidia cu13 include> -Xptxas=-v
-    at run time: burstcu.ops.kernel_ops.KernelOps("cupy") (same NVRTC path, CUBIN cached on disk)
-    CPU emulator: burstcu.ops.kernel_ops.KernelOps("emulated") (g++ with kernels/emu/cuda_emu.h)
+    at run time: burstcu.ops.cuda.kernel_ops.KernelOps("cupy") (same NVRTC path, CUBIN cached on disk)
+    CPU emulator: burstcu.ops.cuda.kernel_ops.KernelOps("emulated") (g++ with kernels/emu/cuda_emu.h)
     cross-check: nvcc -cubin -arch=sm_90 -Xptxas -v -I kernels -DBURSTCU_NVCC_CHECK kernels/flash_fwd.cu
         (instantiates one variant per head dim so nvcc has something to compile)
 
 ARGUMENT CONVENTIONS
 Each kernel takes one struct by value (kernels/params.cuh: FwdStepParams, FwdFinalizeParams,
-NonfiniteParams), which burstcu/ops/launch.py fills. Strides are in elements, 64-bit (a (B, S, H,
+NonfiniteParams), which burstcu/ops/cuda/params.py fills. Strides are in elements, 64-bit (a (B, S, H,
 D) tensor passes 2^31 elements at S = 1M, H = 16, D = 128). q, k, v, acc and out have a
 contiguous last dim whose stride is 1; their strides must be even (float2 / 16-byte accesses),
 which they are for any native D. m, l, lse have stride 1 along S. All other sizes are int32.

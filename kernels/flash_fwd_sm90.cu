@@ -43,7 +43,7 @@ SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel
     1024 bytes), exactly what a TMA box of (64, rows) with CU_TENSOR_MAP_SWIZZLE_128B writes and
     what a wgmma descriptor with the 128-byte swizzle mode reads. Then (CAREFUL) the non-finite
     marks, then the mbarriers.
-    D     BLOCK_N  STAGES   smem (bytes, burstcu/kernels/fwd_variants.py: sm90_smem_bytes)
+    D     BLOCK_N  STAGES   smem (bytes, burstcu/build/fwd_variants.py: sm90_smem_bytes)
     64    128      3        1024 + (128 + 768) x 128 + 256   = 115968
     128   128      2        1024 + (128 + 512) x 256 + 256   = 165120
     256   64       2        1024 + (128 + 256) x 512 + 256   = 197888
@@ -66,7 +66,7 @@ non-zero rounded weight (flash_fwd.cu's gemm_rs_masked does the same): on finite
 is the plain kernel bit for bit. It runs only where V holds Inf/NaN; its speed does not matter.
 
 BUILD
-    python -m burstcu.kernels check --arch sm_90a --json gate.json   (NVRTC, sm_90a: wgmma and
+    python -m burstcu.build check --arch sm_90a --json gate.json   (NVRTC, sm_90a: wgmma and
     setmaxnreg need the "a" target; the gate reads the SASS for HGMMA and local memory)
     CPU emulator: burstcu.init(backend="emulated", arch="sm_90a") (kernels/emu/emu_hopper.h,
     emu_wgmma.h implement every primitive of hopper.cuh)

@@ -6,7 +6,7 @@
 // apart (int64 strides in one, int32 in the other). One struct per kernel gives each value a name
 // and a comment, one place to change, and one layout to check.
 //
-// The host mirror is burstcu/ops/launch.py: one `CStruct` per struct below, declaring the same
+// The host mirror is burstcu/ops/cuda/params.py: one `CStruct` per struct below, declaring the same
 // fields in the same order, from which a NumPy structured dtype with C alignment is made; the
 // launchers fill it once per launch and pass it as a numpy.void scalar (CuPy copies its bytes
 // into the kernel's parameter space, the emulator into the struct). The layout test
@@ -30,7 +30,7 @@
 // Conventions: every tensor has a contiguous last dim (D, or S for the row statistics), and its
 // other strides are in elements, as 64-bit integers (a (B, S, H, D) tensor passes 2^31 elements at
 // S = 1M, H = 16, D = 128). Sizes and positions are int: positions stay below 2^30 and the key
-// bounds at most NO_BOUND = 2^29 (burstcu.ops.launch), so their sums fit.
+// bounds at most NO_BOUND = 2^29 (burstcu.ops.cuda.params), so their sums fit.
 #pragma once
 
 #include "common.cuh"
@@ -78,7 +78,7 @@ struct FwdStepParams {
 
 // A CUtensorMap (128 bytes, 64-byte aligned): how a bulk tensor copy (TMA) reads a global
 // tensor. Opaque to the kernels: the driver's encoding on a GPU (cuTensorMapEncodeTiled), the
-// emulator's mirror on the CPU (kernels/emu/emu_hopper.h); burstcu/ops/tensor_map.py builds both.
+// emulator's mirror on the CPU (kernels/emu/emu_hopper.h); burstcu/ops/cuda/tensor_map.py builds both.
 struct __align__(64) TensorMap {
   unsigned long long opaque[16];
 };

@@ -13,7 +13,7 @@ import pytest
 import burstcu
 from burstcu import api
 from burstcu.group import Group
-from burstcu.ops.numpy_ops import NumpyOps
+from burstcu.ops.numpy.tiled import NumpyOps
 from burstcu.testing.reference import attention_ref
 from burstcu.validate import InputError
 
@@ -94,7 +94,7 @@ class _FakeCupy:
 
 
 def test_arch_check_reads_the_given_device_without_switching(monkeypatch):
-    from burstcu.transport import nccl
+    from burstcu.transport import bootstrap as nccl
 
     fake = _FakeCupy(cc=(7, 5)).install(monkeypatch)
     assert "compute capability 7.5" in nccl._arch_problem(3)
@@ -102,8 +102,8 @@ def test_arch_check_reads_the_given_device_without_switching(monkeypatch):
 
 
 def test_compile_and_kernel_ops_read_properties_without_switching(monkeypatch):
-    from burstcu.kernels import compile as kc
-    from burstcu.ops import kernel_ops
+    from burstcu.build import compile as kc
+    from burstcu.ops.cuda import kernel_ops
 
     fake = _FakeCupy(cc=(12, 0), current=2).install(monkeypatch)
     assert kc.device_arch(5) == "sm_120"
@@ -118,7 +118,7 @@ def test_compile_and_kernel_ops_read_properties_without_switching(monkeypatch):
 def test_bootstrap_selects_the_device_once_after_reading_it(monkeypatch):
     """A rank whose GPU is 2 reads GPU 2's properties, then makes GPU 2 current (once) right
     before the NCCL init: no context is ever created on another GPU."""
-    from burstcu.transport import nccl
+    from burstcu.transport import bootstrap as nccl
 
     fake = _FakeCupy(cc=(9, 0), n_devices=4).install(monkeypatch)
     monkeypatch.delenv(nccl.BOUND_ENV, raising=False)
@@ -259,8 +259,8 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys):
 
 
 def test_cache_dir_defaults_to_a_private_folder_under_tmpdir(monkeypatch, tmp_path):
-    from burstcu.kernels import compile as kc
-    from burstcu.kernels import emulate
+    from burstcu.build import compile as kc
+    from burstcu.build import emulate
 
     monkeypatch.delenv("BURSTCU_CACHE_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -271,7 +271,7 @@ def test_cache_dir_defaults_to_a_private_folder_under_tmpdir(monkeypatch, tmp_pa
 
 
 def test_cache_dir_override_and_foreign_folder(monkeypatch, tmp_path):
-    from burstcu.kernels import compile as kc
+    from burstcu.build import compile as kc
 
     monkeypatch.setenv("BURSTCU_CACHE_DIR", str(tmp_path / "shared"))
     assert kc.cache_dir() == tmp_path / "shared" and (tmp_path / "shared").is_dir()

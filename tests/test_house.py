@@ -46,6 +46,6 @@ def test_no_runtime_module_imports_the_verification_package():
 def test_the_scan_sees_relative_imports():
     """The scanner itself: kernel_ops's relative import of the emulator build resolves to its
     absolute name (a scanner that missed relative imports would pass anything)."""
-    names = imported_modules(PACKAGE / "ops" / "kernel_ops.py")
-    assert "burstcu.kernels.emulate" in names
+    names = imported_modules(PACKAGE / "ops" / "cuda" / "kernel_ops.py")
+    assert "burstcu.build.emulate" in names
     assert any(n.startswith("burstcu.testing") for n in imported_modules(PACKAGE / "selftest.py"))

@@ -1,6 +1,6 @@
 """The kernel cache runs only code this user built, and no build waits forever.
 
-Trust (`burstcu.kernels.compile.trusted_dir`): a cache folder, or a folder burstcu uses under it
+Trust (`burstcu.build.compile.trusted_dir`): a cache folder, or a folder burstcu uses under it
 (``emu/``, ``emu/pch-*``), that another user owns, that group or others may write, or that is a
 symbolic link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json`` or
 ``.gch`` whose sha256 does not match its manifest (or has none) is rebuilt with a warning, never
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from burstcu.kernels import compile as kc
-from burstcu.kernels import emulate
+from burstcu.build import compile as kc
+from burstcu.build import emulate
 
 TINY_CU = """
 __global__ void tiny_a(int* p) { p[threadIdx.x] = 1; }

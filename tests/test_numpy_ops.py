@@ -11,8 +11,8 @@ import pytest
 
 import burstcu
 from burstcu.layout import Block
-from burstcu.ops import numpy_ops
-from burstcu.ops.numpy_ops import NumpyOps
+from burstcu.ops.numpy import tiled as numpy_ops
+from burstcu.ops.numpy.tiled import NumpyOps
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from burstcu.transport.base import SelfTransport
 from tests.mpi.bodies import EPS, make_inputs

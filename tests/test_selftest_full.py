@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from burstcu.group import gpu_usable
+from burstcu.transport.bootstrap import gpu_usable
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -66,7 +66,7 @@ def test_one_rank_burst_reads_k_v_in_place(monkeypatch):
     """With one rank nothing travels: the burst forward takes no message buffers (it copied K
     and V into one before) and reads strided K, V as they are — out and lse still equal the
     float64 reference."""
-    from burstcu.ops.numpy_ops import NumpyOps
+    from burstcu.ops.numpy.tiled import NumpyOps
     from burstcu.testing.reference import attention_ref
     from burstcu.transport.base import SelfTransport
 
@@ -95,10 +95,10 @@ def test_one_rank_burst_backward_reads_inputs_in_place(monkeypatch, backend):
     from burstcu.transport.base import SelfTransport
 
     if backend == "numpy":
-        from burstcu.ops.numpy_ops import NumpyOps
+        from burstcu.ops.numpy.tiled import NumpyOps
         ops, dtype, atol = NumpyOps(threads=1), np.float64, 1e-12
     else:
-        from burstcu.ops.kernel_ops import KernelOps
+        from burstcu.ops.cuda.kernel_ops import KernelOps
         ops, dtype, atol = KernelOps("emulated"), np.float16, None
     monkeypatch.setattr(ops, "double_buffer", lambda fields: pytest.fail("a message buffer with one rank"))
     group = burstcu.Group(0, 1, backend, SelfTransport(), ops)

@@ -1,4 +1,4 @@
-"""Host tensor maps (burstcu/ops/tensor_map.py): the driver's rules for cuTensorMapEncodeTiled,
+"""Host tensor maps (burstcu/ops/cuda/tensor_map.py): the driver's rules for cuTensorMapEncodeTiled,
 checked on both backends before anything is encoded; the emulator's 128-byte mirror, field by
 field; the (B, S, H, D) row maps of the Hopper kernels; and, on a GPU of compute capability 9.0 or
 newer, the driver's own 128 bytes."""
@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.ops.tensor_map import (EMU_MAGIC, SWIZZLES, data_pointer, tensor_map, tensor_map_4d_rows,
+from burstcu.ops.cuda.tensor_map import (EMU_MAGIC, SWIZZLES, data_pointer, tensor_map, tensor_map_4d_rows,
                                     validate_tiled)
 
 BASE = 0x7F00_0000_1000  # 16-aligned
@@ -174,11 +174,11 @@ def test_rows_map_refusals():
 # the driver's encoding (a GPU of compute capability >= 9.0)
 
 def _hopper_or_newer() -> bool:
-    from burstcu.group import gpu_usable
+    from burstcu.transport.bootstrap import gpu_usable
 
     if not gpu_usable():
         return False
-    from burstcu.kernels.compile import compute_capability
+    from burstcu.build.compile import compute_capability
 
     return compute_capability() >= 90
 

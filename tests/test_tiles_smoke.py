@@ -29,9 +29,9 @@ def run_tiles(args: list, timeout: float = 60, cache: Path | None = None) -> str
 
 
 def test_variants_for_tiles_match_the_tables():
-    from burstcu.kernels import bwd_variants, fwd_variants
-    from burstcu.kernels import all_variants
-    from burstcu.kernels.variants import ARCHS, DTYPES
+    from burstcu.build import bwd_variants, fwd_variants
+    from burstcu.build import all_variants
+    from burstcu.build.variants import ARCHS, DTYPES
 
     import tiles
 

@@ -58,7 +58,7 @@ for s in "${steps[@]}"; do
            $PY -m pip list 2>/dev/null | grep -i -E 'cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'" ;;
     isa) step isa 120 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" \
              $PY -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_isa_gpu.py ;;
-    gate) step gate 240 $PY -m burstcu.kernels check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
+    gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
     hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
              $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
              tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \

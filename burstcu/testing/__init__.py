@@ -1,5 +1,5 @@
 """Verification code, like `numpy.testing`: nothing in the library's run path imports it (the
-"emulated" backend's build lives beside the NVRTC one, in `burstcu.kernels.emulate`).
+"emulated" backend's build lives beside the NVRTC one, in `burstcu.build.emulate`).
 
 * `reference`: float64 attention written plainly (full score matrix, explicit softmax) and the
   FlashAttention tolerance rule; `host_arrays`: a device LocalOps seen through NumPy arrays, so

@@ -75,10 +75,10 @@ def _rule(got, ref, naive, factor: float) -> tuple[bool, str]:
 def check_variants(backend: str, quick: bool) -> list[dict]:
     """Compile and load every variant (emulated/quick: the head-dim-64 and any-head-dim variants
     of the sm_80 table only, which the emulator builds in seconds)."""
-    from ..kernels import all_variants
-    from ..kernels.compile import compute_capability
-    from ..kernels.variants import ARCHS, CAREFUL_SUFFIX
-    from ..ops.kernel_ops import KernelOps
+    from ..build import all_variants
+    from ..build.compile import compute_capability
+    from ..build.variants import ARCHS, CAREFUL_SUFFIX
+    from ..ops.cuda import KernelOps
 
     out = []
     archs = ARCHS if backend == "cupy" and not quick else ("sm_80",)
@@ -114,7 +114,7 @@ def _compile_in_parallel(variants) -> None:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..kernels.compile import cached_cubin, device_arch
+    from ..build.compile import cached_cubin, device_arch
 
     arch = device_arch()
     with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
@@ -172,7 +172,7 @@ def kernel_case(ops, rng, dtype: str, d: int, causal: bool, shape: tuple) -> tup
 
 def check_kernels(backend: str, quick: bool) -> list[dict]:
     from .host_arrays import HostArrays
-    from ..ops.kernel_ops import KernelOps
+    from ..ops.cuda import KernelOps
 
     rng = np.random.default_rng(20261122)
     if quick:
@@ -242,7 +242,7 @@ def ring_case(ops, rng, size: int, layout: str, causal: bool, seqlen_local: int,
 
 def check_ring_steps(backend: str, quick: bool) -> list[dict]:
     from .host_arrays import HostArrays
-    from ..ops.kernel_ops import KernelOps
+    from ..ops.cuda import KernelOps
 
     rng = np.random.default_rng(7)
     ops = HostArrays(KernelOps(backend))
@@ -264,7 +264,7 @@ def check_nccl(backend: str, quick: bool) -> list[dict]:
         return [record("nccl", None, "skipped: needs a GPU")]
     import cupy
 
-    from ..transport.nccl import bootstrap
+    from ..transport.bootstrap import bootstrap
     transport, device_id = bootstrap(None)
     try:
         send = cupy.arange(1 << 20, dtype=cupy.float32)

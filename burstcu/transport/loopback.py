@@ -42,7 +42,7 @@ import numpy as np
 
 from . import wire
 from .base import CommTimeoutError, PeerFailedError, Transport, agreed, answer_of, check_contiguous, nbytes
-from .nccl import CupyStreams, join_stream
+from .streams import CupyStreams, join_stream
 
 
 class LoopbackHub:

@@ -28,23 +28,20 @@ All stream, event and NCCL actions go through a small *device* object (`CupyDevi
 schedule checker (burstcu.testing.schedule) substitutes a recorder, so the schedule it proves race-free
 is the one this class issues.
 
-NCCL refuses two ranks on one GPU, so one process owns one GPU: `bootstrap` picks it from the
+NCCL refuses two ranks on one GPU, so one process owns one GPU: `transport.bootstrap` picks it from the
 node-local rank (or from the launcher's per-rank CUDA_VISIBLE_DEVICES; see launch/).
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.compile import compute_capability
-from ..kernels.variants import MIN_COMPUTE_CAPABILITY
-from .base import Transport, check_contiguous, deadline_after, nbytes, resolve_timeout
+from .base import Transport, check_contiguous, deadline_after, nbytes
 from . import wire
-from .mpi import MPITransport, gather_plain
+from .mpi import MPITransport
+from .streams import CupyStreams, join_stream
 
 # ----------------------------------------------------------------------------------------------
 # dtype table
@@ -92,78 +89,6 @@ def nccl_count(buf: Any) -> tuple[int, int]:
     """(NCCL element count, ncclDataType_t) of a contiguous array `buf`."""
     dtype, per_item = nccl_dtype(buf.dtype)
     return int(buf.size) * per_item, dtype
-
-
-# ----------------------------------------------------------------------------------------------
-# observability
-
-@contextmanager
-def nvtx_range(label: str) -> Iterator[None]:
-    """An NVTX range around the host code inside (visible in Nsight Systems); a no-op when
-    CuPy or NVTX is unavailable, so it is safe on the CPU."""
-    nvtx = _nvtx()
-    if nvtx is None:
-        yield
-        return
-    nvtx.RangePush(label)
-    try:
-        yield
-    finally:
-        nvtx.RangePop()
-
-
-_NVTX: list = []
-
-
-def _nvtx():
-    """cupy.cuda.nvtx when it can emit ranges, else None (looked up once)."""
-    if not _NVTX:
-        try:
-            from cupy.cuda import nvtx
-            _NVTX.append(nvtx if getattr(nvtx, "available", False) else None)
-        except Exception:
-            _NVTX.append(None)
-    return _NVTX[0]
-
-
-# ----------------------------------------------------------------------------------------------
-# the device: every stream, event and NCCL action the transport issues
-
-class CupyStreams:
-    """CuPy streams and events on the current GPU: what every GPU transport's device shares.
-
-    The transports call only these methods (and their own additions); burstcu.testing.schedule's
-    recording devices implement the same ones to record the schedule. Stream and event objects
-    are opaque to the transports.
-    """
-
-    def __init__(self):
-        import cupy
-        self._cupy = cupy
-
-    def current_stream(self) -> Any:
-        """The caller's compute stream (CuPy's current stream at the time of the call)."""
-        return self._cupy.cuda.get_current_stream()
-
-    def new_stream(self) -> Any:
-        # non_blocking: no implicit sync with the legacy default stream; events order everything
-        return self._cupy.cuda.Stream(non_blocking=True)
-
-    def new_event(self) -> Any:
-        return self._cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        """Whether everything before the event's latest record has completed (no blocking)."""
-        return bool(event.done)
-
-    def annotate(self, label: str):
-        return nvtx_range(label)
 
 
 class CupyDevice(CupyStreams):
@@ -272,13 +197,6 @@ class EventWatchdog:
             thread.join(timeout=1.0)
 
 
-def join_stream(device: Any, stream: Any, event: Any) -> None:
-    """Order the caller's current stream after everything issued so far on `stream`, through
-    `event`, without blocking the host."""
-    device.record(event, stream)
-    device.wait_event(device.current_stream(), event)
-
-
 class NCCLTransport(Transport):
     """Ring exchange over NCCL on a dedicated communication stream (see the module docstring).
 
@@ -384,11 +302,12 @@ class NCCLTransport(Transport):
         if self.meta is None:
             raise RuntimeError("an NCCLTransport without an MPI communicator cannot make sub-groups")
         import cupy
+        from .bootstrap import create_communicator, unique_id  # bootstrap builds on this module
         sub_comm = self.meta.comm.Split(color, key)
         try:
             rank, size = sub_comm.Get_rank(), sub_comm.Get_size()
-            nccl_comm = _create_communicator(sub_comm, size, unique_id(sub_comm, self.timeout), rank,
-                                             cupy.cuda.Device().id)
+            nccl_comm = create_communicator(sub_comm, size, unique_id(sub_comm, self.timeout), rank,
+                                            cupy.cuda.Device().id)
             return NCCLTransport(rank, size, CupyDevice(nccl_comm), sub_comm, self.timeout)
         finally:
             sub_comm.Free()
@@ -404,155 +323,4 @@ class NCCLTransport(Transport):
             self.meta = None
 
 
-# ----------------------------------------------------------------------------------------------
-# bootstrap
-
-class BackendUnavailable(RuntimeError):
-    """The "cupy" backend cannot start on this set of ranks (raised on every rank)."""
-
-
-BOUND_ENV = "BURSTCU_GPU_BOUND"  # set to 1 by launch/bind-gpu: each rank sees only its own GPU
-
-
-def select_device(local_rank: int, local_size: int, n_devices: int, bound: bool = False) -> int:
-    """The CUDA device index this rank uses.
-
-    local_rank, local_size: this rank's position among the ranks of its node.
-    n_devices: CUDA devices this process sees.
-    bound: the launcher gave every rank its own CUDA_VISIBLE_DEVICES, so device 0 is ours.
-    Raises ValueError (a message for the user) when there is no device or fewer devices than ranks.
-    """
-    if not 0 <= local_rank < local_size:
-        raise ValueError(f"node-local rank {local_rank} is outside 0..{local_size - 1}")
-    if n_devices <= 0:
-        raise ValueError("no usable CUDA GPU on this node (backend='cupy' needs one GPU per rank; "
-                         "use backend='numpy' or 'auto' on CPU-only machines)")
-    if bound:
-        return 0
-    if local_size > n_devices:
-        raise ValueError(f"{local_size} ranks on this node but only {n_devices} GPU(s): NCCL needs "
-                         f"one GPU per rank, start at most {n_devices} rank(s) per node")
-    return local_rank
-
-
-def device_count() -> tuple[int, str | None]:
-    """(CUDA devices visible, None) or (0, why not), without raising."""
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU backend
-        return 0, f"cupy is not importable ({exc}); install burstcu[cuda13]"
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()), None
-    except Exception as exc:  # CUDARuntimeError without a driver
-        return 0, str(exc).splitlines()[0]
-
-
-def _nccl_problem() -> str | None:
-    try:
-        from cupy.cuda import nccl  # noqa: F401
-    except Exception as exc:
-        return f"cupy.cuda.nccl is unavailable ({exc}); install nvidia-nccl-cu13"
-    return None
-
-
-def _local_rank(comm: Any) -> tuple[int, int]:
-    """(node-local rank, ranks on this node), from a shared-memory split of `comm`."""
-    if comm is None:
-        return 0, 1
-    from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return local.Get_rank(), local.Get_size()
-    finally:
-        local.Free()
-
-
-def _local_problem(comm: Any) -> tuple[int, str | None]:
-    """(device index, None) or (-1, what stops this rank), with no collective after the split."""
-    local_rank, local_size = _local_rank(comm)
-    n, why = device_count()
-    if n == 0 and why:
-        return -1, f"no usable CUDA GPU ({why}); backend='cupy' needs one GPU per rank"
-    try:
-        device_id = select_device(local_rank, local_size, n, bound=os.environ.get(BOUND_ENV) == "1")
-    except ValueError as exc:
-        return -1, str(exc)
-    return device_id, _arch_problem(device_id) or _nccl_problem()
-
-
-
-
-def _arch_problem(device_id: int) -> str | None:
-    """Why the kernels cannot run on this device (older than sm_80), or None. Checked before
-    the agreement round, so every rank falls back (backend="auto") or fails together. Reads the
-    compute capability without making `device_id` current (no CUDA context is created there)."""
-    try:
-        cc = compute_capability(device_id)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised, before the agreement
-        return f"cannot query GPU {device_id}: {exc}"
-    if cc < MIN_COMPUTE_CAPABILITY:
-        return (f"GPU {device_id} has compute capability {cc // 10}.{cc % 10}; the burstcu kernels "
-                f"need 8.0 or newer (cp.async, bf16 tensor cores)")
-    return None
-
-
-def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None) -> None:
-    """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
-    rank has one, so no rank enters a collective alone. Bounded by `timeout` (default
-    `resolve_timeout(None)`)."""
-    problems = [problem] if comm is None else gather_plain(
-        comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        ranks = ", ".join(str(r) for r, _ in bad)
-        raise BackendUnavailable(f"burstcu backend 'cupy' cannot start (rank(s) {ranks}): {bad[0][1]}")
-
-
-def unique_id(comm: Any, timeout: float | None = None) -> bytes:
-    """The NCCL unique id made on rank 0 and sent to every rank over MPI (128 bytes on every
-    rank), bounded by `timeout` (default `resolve_timeout(None)`)."""
-    from cupy.cuda import nccl
-    uid = nccl.get_unique_id() if comm is None or comm.Get_rank() == 0 else None
-    return uid if comm is None else gather_plain(comm, uid, resolve_timeout(timeout),
-                                                 "the NCCL unique id's broadcast")[0]
-
-
-def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, int]:
-    """(NCCLTransport over all ranks of `comm`, this rank's device id). Collective over `comm`.
-
-    comm: an mpi4py communicator, or None for a single process. The node-local rank picks the
-    GPU; every rank checks it can start, the ranks agree, then rank 0's NCCL unique id is
-    broadcast and each rank creates its communicator. Raises BackendUnavailable on every rank
-    when any rank lacks a GPU, has to share one, or lacks NCCL.
-    """
-    device_id, problem = _local_problem(comm)
-    agree_or_raise(comm, problem, timeout)
-    uid = unique_id(comm, timeout)
-    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
-    nccl_comm = _create_communicator(comm, size, uid, rank, device_id)
-    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout)  # dups comm
-    return transport, device_id
-
-
-def _create_communicator(comm: Any, size: int, uid: bytes, rank: int, device_id: int) -> Any:
-    """ncclCommInitRank on `device_id`. Every other rank is inside the same blocking init, so a
-    failure here cannot be agreed on: the world is aborted with the reason rather than left
-    hanging."""
-    import cupy
-    from cupy.cuda import nccl
-    try:
-        cupy.cuda.Device(device_id).use()
-        return nccl.NcclCommunicator(size, uid, rank)
-    except Exception as exc:
-        if comm is None or size == 1:
-            raise BackendUnavailable(f"NCCL initialisation failed on device {device_id}: {exc}") from exc
-        import sys
-        sys.stderr.write(f"burstcu: rank {rank}: NCCL initialisation failed on device {device_id}: "
-                         f"{exc}; aborting the world (the other ranks are blocked in the same init)\n")
-        sys.stderr.flush()
-        comm.Abort(1)
-        raise  # not reached
-
-
-__all__ = ["NCCLTransport", "CupyDevice", "EventWatchdog", "bootstrap", "select_device", "nccl_dtype", "nccl_count",
-           "nvtx_range", "unique_id", "agree_or_raise", "BackendUnavailable", "device_count"]
+__all__ = ["NCCLTransport", "CupyDevice", "EventWatchdog", "nccl_dtype", "nccl_count"]

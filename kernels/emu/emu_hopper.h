@@ -123,7 +123,7 @@ namespace emu {
 
 // ---------------------------------------------------------------------------------------------
 // The tensor map: the emulator's host mirror of a CUtensorMap, 128 bytes, built on the host by
-// burstcu/ops/tensor_map.py (field for field; offsets in bytes, little-endian):
+// burstcu/ops/cuda/tensor_map.py (field for field; offsets in bytes, little-endian):
 //   u64 magic        0    0x3150414d54554342 ("BCUTMAP1" little-endian)
 //   u64 base         8    global address of element (0, ..., 0); 16-byte aligned
 //   u64 dims[5]      16   elements along dim i (dim 0 innermost), 1 .. 2^32; unused dims 1
@@ -152,7 +152,7 @@ static_assert(offsetof(EmuTensorMap, base) == 8 && offsetof(EmuTensorMap, dims) 
                   offsetof(EmuTensorMap, strides) == 56 && offsetof(EmuTensorMap, box) == 96 &&
                   offsetof(EmuTensorMap, rank) == 116 && offsetof(EmuTensorMap, elem_bytes) == 120 &&
                   offsetof(EmuTensorMap, swizzle) == 124,
-              "EmuTensorMap layout (burstcu/ops/tensor_map.py packs the same offsets)");
+              "EmuTensorMap layout (burstcu/ops/cuda/tensor_map.py packs the same offsets)");
 constexpr u64 kTensorMapMagic = 0x3150414d54554342ull;
 
 // The swizzle span in bytes (0: none) of a driver CUtensorMapSwizzle value 0..3.
@@ -443,7 +443,7 @@ inline void mbar_complete_tx(const PendingCopy& c) {
 
 inline std::string check_map(const EmuTensorMap& m) {
   if (m.magic != kTensorMapMagic)
-    return fmt("its magic is 0x%016llx, not 0x%016llx: not an emulator tensor map (burstcu/ops/tensor_map.py, "
+    return fmt("its magic is 0x%016llx, not 0x%016llx: not an emulator tensor map (burstcu/ops/cuda/tensor_map.py, "
                "backend \"emulated\")", m.magic, kTensorMapMagic);
   if (m.rank < 1 || m.rank > 5) return fmt("rank %u is not in 1..5", m.rank);
   const u32 eb = m.elem_bytes;

@@ -1,5 +1,5 @@
 // emu_launch.h — kernel registry, the per-block scheduler loop, fault handling and the C entry
-// points that burstcu/kernels/emulate.py calls through ctypes.
+// points that burstcu/build/emulate.py calls through ctypes.
 //
 //   BURSTCU_EMU_REGISTER("name<args>", (name<args>));   // at namespace scope, after the kernel
 //   int emu_launch(name, gx, gy, gz, bx, by, bz, dynamic_smem, args, arg_sizes, arg_kinds, nargs,

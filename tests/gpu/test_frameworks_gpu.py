@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.group import gpu_usable
+from burstcu.transport.bootstrap import gpu_usable
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_usable(), reason="needs a CUDA GPU")]

@@ -26,7 +26,7 @@ Every probe is compared with its NumPy model (`model`: written here from the ISA
 emulator's C++) and, on a GPU, the GPU's raw output with the emulator's, bit for bit. The emulator
 side always runs (CI keeps the probes compiling and the model honest; a few seconds); the GPU side
 runs with BURSTCU_KERNEL_TEST_BACKEND=cupy on a compute capability 9.0 device (NVRTC for sm_90a
-through burstcu.kernels.compile's disk cache) and skips otherwise. BURSTCU_ISA_REPORT=path.json
+through burstcu.build.compile's disk cache) and skips otherwise. BURSTCU_ISA_REPORT=path.json
 writes a JSON report of every probe (what it asks, its parameters, emulator vs model, GPU vs model,
 GPU vs emulator, the first mismatches), rewritten after each test so that a run cut short keeps
 what it did:
@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from burstcu.kernels.variants import kernel_dir
-from burstcu.ops.tensor_map import tensor_map, tensor_map_4d_rows
+from burstcu.build.variants import kernel_dir
+from burstcu.ops.cuda.tensor_map import tensor_map, tensor_map_4d_rows
 from tests.kernels.tma_model import box_values
 
 HERE = Path(__file__).resolve().parent
@@ -356,7 +356,7 @@ class Emulator:
     name = "emulated"
 
     def __init__(self):
-        from burstcu.kernels.emulate import build_module
+        from burstcu.build.emulate import build_module
         self.mod = build_module([PROBES], NAMES)
 
     def put(self, x):
@@ -378,7 +378,7 @@ class Gpu:
     def __init__(self):
         import cupy
 
-        from burstcu.kernels.compile import cached_cubin, source_digest
+        from burstcu.build.compile import cached_cubin, source_digest
         self.cp = cupy
         # the CUBIN cache key hashes the probe file; hopper.cuh and what it includes live in
         # kernels/, so their digest goes into the options (a define nobody reads)
@@ -656,10 +656,10 @@ def gpu_problem() -> str | None:
     if BACKEND != "cupy":
         return ("the GPU half runs with BURSTCU_KERNEL_TEST_BACKEND=cupy on a compute capability 9.0 GPU "
                 f"(backend here: {BACKEND})")
-    from burstcu.group import gpu_usable
+    from burstcu.transport.bootstrap import gpu_usable
     if not gpu_usable():
         return "BURSTCU_KERNEL_TEST_BACKEND=cupy but CuPy sees no usable CUDA GPU"
-    from burstcu.kernels.compile import compute_capability
+    from burstcu.build.compile import compute_capability
     cc = compute_capability()
     if cc != 90:
         return (f"the probes are sm_90a code (wgmma, TMA): they run only on compute capability 9.0, this device "

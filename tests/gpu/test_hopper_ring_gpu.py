@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from burstcu.group import gpu_usable
+from burstcu.transport.bootstrap import gpu_usable
 from burstcu.testing.reference import attention_ref, within_fa_rule
 
 
 def _hopper() -> bool:
     if not gpu_usable():
         return False
-    from burstcu.kernels.compile import compute_capability
+    from burstcu.build.compile import compute_capability
     return compute_capability() == 90
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from burstcu.group import gpu_usable
+from burstcu.transport.bootstrap import gpu_usable
 from burstcu.testing.reference import linear_attention_ref, within_fa_rule
 
 

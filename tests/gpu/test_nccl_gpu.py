@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.group import gpu_usable
+from burstcu.transport.bootstrap import gpu_usable
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from tests.mpi.bodies import dense_keep
 

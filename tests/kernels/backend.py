@@ -25,11 +25,11 @@ if BACKEND == "cupy" and os.environ.get("BURSTCU_CUPY_NO_POOL") == "1":
 def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = None):
     """KernelOps on the chosen backend with the tile table of `arch` (None: the device's own on
     a GPU, sm_80's on the emulator), seen through NumPy arrays."""
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
     from burstcu.testing.host_arrays import HostArrays
 
     if BACKEND == "cupy":
-        from burstcu.group import gpu_usable
+        from burstcu.transport.bootstrap import gpu_usable
         if not gpu_usable():
             pytest.skip("BURSTCU_KERNEL_TEST_BACKEND=cupy needs a CUDA GPU")
     ops = KernelOps(backend=BACKEND, arch=arch or ARCH, deterministic=deterministic,

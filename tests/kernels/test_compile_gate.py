@@ -1,7 +1,7 @@
 """The compile gate: every kernel variant compiles with NVRTC for sm_80, sm_86, sm_90 and (once the
 tables have it) sm_90a, without spills; the Hopper families' SASS holds HGMMA and no local memory.
 
-Runs ``python -m burstcu.kernels check --arch sm_80,sm_86,sm_90,sm_90a --json FILE`` as a
+Runs ``python -m burstcu.build check --arch sm_80,sm_86,sm_90,sm_90a --json FILE`` as a
 subprocess, as CI does (one process pool for every arch), and checks the records. Needs
 cuda-python and the pinned NVRTC/runtime/nvdisasm wheels, not a GPU. About 2 minutes on two
 cores (each variant compiles in 0.1-1.5 s; one process a core): 1.5 for the three plain archs,
@@ -21,13 +21,13 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc")
 pytest.importorskip("cuda.pathfinder")
 
-from burstcu.kernels import all_variants  # noqa: E402
-from burstcu.kernels import compile as kcompile  # noqa: E402
-from burstcu.kernels.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
-from burstcu.kernels.variants import ARCHS as TABLE_ARCHS  # noqa: E402
+from burstcu.build import all_variants  # noqa: E402
+from burstcu.build import compile as kcompile  # noqa: E402
+from burstcu.build.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
+from burstcu.build.variants import ARCHS as TABLE_ARCHS  # noqa: E402
 
 HOPPER = "sm_90a" in TABLE_ARCHS
-NO_HOPPER = "burstcu.kernels.variants.ARCHS has no 'sm_90a' yet: no Hopper table to gate"
+NO_HOPPER = "burstcu.build.variants.ARCHS has no 'sm_90a' yet: no Hopper table to gate"
 # every arch the gate checks in CI: the three plain ones, and sm_90a once the tables have it
 ARCHS = ("sm_80", "sm_86", "sm_90") + (("sm_90a",) if HOPPER else ())
 SM86_SMEM_PER_BLOCK = 101376  # 99 KB opt-in: RTX 3090/4090/5090, A10, A40, L4, L40S
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 def gate(tmp_path_factory):
     """(return code, records, stdout) of one run of the gate over every arch."""
     path = tmp_path_factory.mktemp("gate") / "gate.json"
-    proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", ",".join(ARCHS),
+    proc = subprocess.run([sys.executable, "-m", "burstcu.build", "check", "--arch", ",".join(ARCHS),
                            "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=900)
     records = json.loads(path.read_text()) if path.exists() else []
     return proc.returncode, records, proc.stdout + proc.stderr
@@ -152,7 +152,7 @@ ptxas info    : Used 8 registers, used 0 barriers, 352 bytes cmem[0]
 
 def test_gate_failure_reasons():
     """What makes a compiled record fail: spills, > 255 registers, smem over the arch's limit."""
-    from burstcu.kernels.compile import gate_failure
+    from burstcu.build.compile import gate_failure
 
     ok = {"arch": "sm_80", "family": "forward", "registers": 128, "spill_stores": 0, "spill_loads": 0,
           "smem_bytes": 1024}
@@ -169,7 +169,7 @@ def test_kernels_too_big_for_a_gpu_are_refused_up_front():
     """A table that does not fit the GPU (here sm_80's on a 99 KB GPU: only if chosen by hand,
     `_device_table_arch` picks sm_86 there) gets a clear error at validation, per pass, instead of
     a failed launch mid-ring."""
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
 
     ops = KernelOps("emulated")
     ops.smem_limit = 101376  # e.g. RTX 4090, L40S
@@ -182,7 +182,7 @@ def test_kernels_too_big_for_a_gpu_are_refused_up_front():
 
 def test_sm86_table_runs_every_headdim_on_99KB():
     """The table those GPUs get: nothing refused, forward or backward, either mode."""
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
 
     for deterministic in (False, True):
         ops = KernelOps("emulated", arch="sm_86", deterministic=deterministic)
@@ -196,13 +196,13 @@ def test_sm86_table_runs_every_headdim_on_99KB():
                                       (90, "sm_90a"), (100, "sm_90"), (103, "sm_90"),
                                       (110, "sm_86"), (120, "sm_86"), (121, "sm_86")])
 def test_device_table_arch(cc, table):
-    from burstcu.ops.kernel_ops import table_arch_for
+    from burstcu.ops.cuda.kernel_ops import table_arch_for
 
     assert table_arch_for(cc) == table
 
 
 def test_device_table_arch_refuses_pre_ampere():
-    from burstcu.ops.kernel_ops import table_arch_for
+    from burstcu.ops.cuda.kernel_ops import table_arch_for
 
     with pytest.raises(RuntimeError, match="8.0"):
         table_arch_for(75)
@@ -212,7 +212,7 @@ def test_sizes_beyond_32bit_element_counts_are_accepted():
     """Forward and backward kernels take 64-bit strides: 2^31 elements and more are no problem."""
     import numpy as np
 
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
 
     ops = KernelOps("emulated")
     small = np.lib.stride_tricks.as_strided(np.zeros(1, np.float16), (1, 1024, 8, 64), (0, 0, 0, 0))
@@ -223,7 +223,7 @@ def test_sizes_beyond_32bit_element_counts_are_accepted():
 
 
 def test_an_unknown_family_is_refused_with_the_families(capsys):
-    from burstcu.kernels.__main__ import main
+    from burstcu.build.__main__ import main
     with pytest.raises(SystemExit) as stop:
         main(["check", "--family", "fwd"])
     assert stop.value.code == 2
@@ -270,7 +270,7 @@ extern "C" __global__ void probe_local(float* out, const int* idx) {
 @pytest.fixture(scope="module")
 def probe_cubin(tmp_path_factory):
     """The probes compiled by NVRTC for sm_90a (with the ptxas report)."""
-    from burstcu.kernels.variants import kernel_dir
+    from burstcu.build.variants import kernel_dir
 
     folder = tmp_path_factory.mktemp("probes")
     (folder / "probes.cu").write_text(PROBES)
@@ -343,7 +343,7 @@ def test_gate_failure_hopper_rules():
     """A Hopper family compiled for sm_90a fails without HGMMA or with local memory (its careful
     twin may use local memory, as careful variants may spill); other families are not judged by
     their SASS."""
-    from burstcu.kernels.compile import gate_failure
+    from burstcu.build.compile import gate_failure
 
     ok = {"arch": "sm_90a", "target": "sm_90a", "family": "forward_sm90", "registers": 168,
           "threads": 384, "spill_stores": 0, "spill_loads": 0, "smem_bytes": 1024, "local_bytes": 0,

@@ -1,4 +1,4 @@
-"""The decode kernels (kernels/flash_decode.cu, `burstcu.ops.kernel_decode`) against float64
+"""The decode kernels (kernels/flash_decode.cu, `burstcu.ops.cuda.decode`) against float64
 attention over each batch row's valid cache rows: float16, bfloat16 and float32; head dims that
 are and are not multiples of 32; more query rows than a block holds (row groups); many splits;
 batch rows with no valid row; NaN/Inf past the valid rows (never read). On the CPU emulator by
@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.ops import kernel_decode
+from burstcu.ops.cuda import decode as kernel_decode
 from burstcu.testing.reference import attention_ref, within_fa_rule
 from tests.kernels.backend import BACKEND
 
@@ -22,9 +22,9 @@ EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
 
 
 def _ops():
-    from burstcu.ops.kernel_ops import KernelOps
+    from burstcu.ops.cuda.kernel_ops import KernelOps
     if BACKEND == "cupy":
-        from burstcu.group import gpu_usable
+        from burstcu.transport.bootstrap import gpu_usable
         if not gpu_usable():
             pytest.skip("BURSTCU_KERNEL_TEST_BACKEND=cupy needs a CUDA GPU")
     return KernelOps(backend=BACKEND)
@@ -84,7 +84,7 @@ def test_splits_fill_the_device_and_keep_a_minimum():
 
 @pytest.mark.parametrize("st", kernel_decode.DECODE_STRUCTS, ids=lambda st: st.name)
 def test_decode_struct_layout_matches_gxx(st):
-    from burstcu.kernels.emulate import struct_layout
+    from burstcu.build.emulate import struct_layout
     kind = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f"}
     names = [f"{st.name}<{t}>" for t in ("__half", "__nv_bfloat16", "float")] if st.templated else [st.name]
     for cxx in names:

@@ -6,7 +6,7 @@ The probe kernels are in tests/kernels/emu_src/hopper_probes.cu. The expected sh
 of a TMA box is rebuilt here from the definitions (PTX ISA "Tensors" / "Swizzling Modes", CUDA
 driver cuTensorMapEncodeTiled): the box at the given coordinates, zeros outside the tensor, row-major
 with dim 0 innermost, then the 16-byte chunks permuted by the address bits. The tensor maps are
-packed here with `struct`, independently of burstcu/ops/tensor_map.py. The wgmma tests install a
+packed here with `struct`, independently of burstcu/ops/cuda/tensor_map.py. The wgmma tests install a
 stand-in for the math (hopper_probes.cu) so that only the scheduling is under test.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from burstcu.kernels.emulate import build_module
+from burstcu.build.emulate import build_module
 from tests.kernels.tma_model import box_values
 
 pytestmark = pytest.mark.emulated

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.kernels.emulate import build_module
-from burstcu.kernels.variants import kernel_dir
+from burstcu.build.emulate import build_module
+from burstcu.build.variants import kernel_dir
 
 pytestmark = pytest.mark.emulated
 

@@ -22,7 +22,7 @@ from tests.kernels.backend import kernel_ops
 from burstcu.testing.reference import attention_ref, keep_from_blocks
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-pytest.importorskip("burstcu.kernels.emulate")
+pytest.importorskip("burstcu.build.emulate")
 
 pytestmark = pytest.mark.emulated
 

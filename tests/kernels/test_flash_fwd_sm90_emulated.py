@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from burstcu.kernels.variants import kernel_dir
+from burstcu.build.variants import kernel_dir
 from burstcu.layout import Block
 from tests.kernels.backend import BACKEND, kernel_ops
 from tests.kernels.test_flash_fwd_emulated import DTYPES, check, full, make
@@ -128,7 +128,7 @@ SEEDS = {
 def seed_kernel(ops, folder, anchor: str, replacement: str):
     """Make `ops` run, for float16 at d = 64, a copy of flash_fwd_sm90.cu with the one line
     `anchor` replaced (built into `folder`); returns the seeded variant."""
-    from burstcu.kernels import emulate
+    from burstcu.build import emulate
 
     source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
     assert source.count(anchor) == 1, "the seed's anchor moved: update the seeds"
@@ -175,7 +175,7 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, se
     """On a GPU the first use of each Hopper variant runs it against the mma.sync kernel of its
     head dim; one that disagrees or fails warns, and the process keeps the mma.sync kernel for
     that variant: the caller's result is still right."""
-    from burstcu.ops import kernel_ops as kops
+    from burstcu.ops.cuda import kernel_ops as kops
 
     anchor, replacement, message = FIRST_USE_SEEDS[seed]
     ops = kernel_ops(arch="sm_90a")
@@ -195,7 +195,7 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, se
 
 @pytest.mark.skipif(BACKEND != "emulated", reason="the check's own path, on the emulator")
 def test_a_correct_hopper_kernel_passes_its_first_use_check():
-    from burstcu.ops import kernel_ops as kops
+    from burstcu.ops.cuda import kernel_ops as kops
 
     ops = kernel_ops(arch="sm_90a")
     ops.ops.first_use_check = True

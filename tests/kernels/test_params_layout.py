@@ -1,4 +1,4 @@
-"""The host mirrors of the kernels' parameter structs (`burstcu.ops.launch`) against the C structs
+"""The host mirrors of the kernels' parameter structs (`burstcu.ops.cuda.params`) against the C structs
 of kernels/params.cuh: size, alignment, member count and every member's offset, size and kind as
 g++ lays them out (through the emulator's build), and sizes, alignments and offsets as NVRTC does
 (read from a probe kernel's PTX; needs cuda-python, not a GPU). A field added to, dropped from or
@@ -8,15 +8,15 @@ moved in one side only fails here.
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from burstcu.build.variants import kernel_dir
 
 import numpy as np
 import pytest
 
 from burstcu.layout import Block
-from burstcu.ops import launch
-from burstcu.ops.launch import NO_BOUND, PARAM_STRUCTS, CStruct
-from burstcu.kernels.emulate import struct_layout
+from burstcu.ops.cuda import params as launch
+from burstcu.ops.cuda.params import NO_BOUND, PARAM_STRUCTS, CStruct
+from burstcu.build.emulate import struct_layout
 
 pytestmark = pytest.mark.emulated
 
@@ -47,7 +47,7 @@ def nvrtc_ptx(source: str) -> str:
     options otherwise."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     pytest.importorskip("cuda.pathfinder")
-    from burstcu.kernels.compile import nvrtc_options
+    from burstcu.build.compile import nvrtc_options
 
     opts = [o for o in nvrtc_options("compute_80") if not o.startswith("--gpu-architecture")]
     opts = [o.encode() for o in (*opts, "--gpu-architecture=compute_80")]
@@ -98,7 +98,7 @@ def test_host_layout_matches_nvrtc():
 
 
 def test_every_struct_of_the_header_is_mirrored():
-    text = (Path(launch.__file__).resolve().parents[2] / "kernels" / "params.cuh").read_text()
+    text = (kernel_dir() / "params.cuh").read_text()
     declared = {[w for w in line.split() if not w.startswith("__align__")][1]
                 for line in text.splitlines() if line.startswith("struct ")}
     # TensorMap is opaque: the host mirrors it as the "tmap" field type (128 bytes, align 64)

@@ -91,7 +91,7 @@ def build_hangs(timeout: float) -> None:
     must build): past $BURSTCU_BUILD_TIMEOUT (2 s) its build raises and the job ends."""
     import tempfile
 
-    from burstcu.kernels import emulate
+    from burstcu.build import emulate
 
     if _launched_rank() == 1:
         private = tempfile.mkdtemp(prefix="burstcu-hanging-build-")

@@ -13,7 +13,7 @@ import time
 from mpi4py import MPI
 
 import burstcu
-from burstcu.transport import nccl as bn
+from burstcu.transport import bootstrap as bn
 
 
 def unique_id_broadcast():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from burstcu.transport import bootstrap as boot
 from burstcu.transport import nccl as bn
+from burstcu.transport.streams import nvtx_range
 from tests.mpi_run import run_mpi
 
 try:
@@ -66,33 +68,33 @@ def test_count_of_a_byte_view_and_of_complex():
 def test_select_device(local_rank, local_size, n, expected):
     if expected is None:
         with pytest.raises(ValueError, match="3 ranks on this node but only 1 GPU"):
-            bn.select_device(local_rank, local_size, n)
+            boot.select_device(local_rank, local_size, n)
     else:
-        assert bn.select_device(local_rank, local_size, n) == expected
+        assert boot.select_device(local_rank, local_size, n) == expected
 
 
 def test_select_device_errors_and_binding():
     with pytest.raises(ValueError, match="no usable CUDA GPU"):
-        bn.select_device(0, 1, 0)
+        boot.select_device(0, 1, 0)
     with pytest.raises(ValueError, match="outside"):
-        bn.select_device(2, 2, 4)
+        boot.select_device(2, 2, 4)
     # the launcher gave each rank its own CUDA_VISIBLE_DEVICES: device 0 is ours
-    assert bn.select_device(5, 8, 1, bound=True) == 0
+    assert boot.select_device(5, 8, 1, bound=True) == 0
 
 
 # ---- helpers and error paths in one process -------------------------------------------------
 def test_nvtx_range_is_a_no_op_without_a_gpu():
-    with bn.nvtx_range("burstcu test"):
+    with nvtx_range("burstcu test"):
         x = 1
     assert x == 1
 
 
 def test_bootstrap_without_gpu_raises_fast(monkeypatch):
-    monkeypatch.delenv(bn.BOUND_ENV, raising=False)
-    if bn.device_count()[0] > 0:
+    monkeypatch.delenv(boot.BOUND_ENV, raising=False)
+    if boot.device_count()[0] > 0:
         pytest.skip("a GPU is present")
-    with pytest.raises(bn.BackendUnavailable, match="no usable CUDA GPU|cupy is not importable"):
-        bn.bootstrap(None)
+    with pytest.raises(boot.BackendUnavailable, match="no usable CUDA GPU|cupy is not importable"):
+        boot.bootstrap(None)
 
 
 def test_transport_checks_buffers():
@@ -141,7 +143,7 @@ def test_node_local_rank():
 
 @pytest.mark.mpi
 def test_cupy_backend_without_gpu_fails_on_every_rank():
-    if bn.device_count()[0] > 0:
+    if boot.device_count()[0] > 0:
         pytest.skip("a GPU is present")
     results = run_mpi(2, "nccl_bodies:cupy_backend_fails_everywhere", timeout=60)
     assert all(r["same_everywhere"] for r in results)
@@ -173,9 +175,8 @@ def test_one_rank_without_gpu_stops_every_rank():
 def test_gpus_older_than_sm80_are_a_problem_reported_before_agreement(monkeypatch, cc, problem):
     """A T4/V100 stops the cupy backend on every rank (and 'auto' falls back), not mid-init."""
     cupy = pytest.importorskip("cupy")
-    from burstcu.transport import nccl
 
     monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute",
                         lambda attr, device_id: {75: int(cc[0]), 76: int(cc[1])}[attr])
-    got = nccl._arch_problem(0)
+    got = boot._arch_problem(0)
     assert (got is None) if problem is None else (problem in got), got

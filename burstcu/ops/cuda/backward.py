@@ -7,7 +7,7 @@ float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate i
 
 `ops` supplies the array module (`ops.xp`), compiled kernels (`ops.function(name)`, called as
 ``fn(grid, block, (params,), shared_mem=...)`` with the kernel's parameter struct from
-`burstcu.ops.launch`), the non-finite flags and step launches (`ops.nonfinite_flag`,
+`burstcu.ops.cuda.params`), the non-finite flags and step launches (`ops.nonfinite_flag`,
 `ops.step_flag`, `ops.launch_step`), the variant table
 (`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
 and the `ops.deterministic` switch: False launches one kernel per block that adds dQ with fp32
@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.bwd_variants import delta_variant
-from ..layout import Block
-from .launch import (bwd_delta_params, bwd_step_params, cdiv, element_strides, rows_contiguous,
+from ...build.bwd_variants import delta_variant
+from ...layout import Block
+from .params import (bwd_delta_params, bwd_step_params, cdiv, element_strides, rows_contiguous,
                      same_strides, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")

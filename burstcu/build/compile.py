@@ -2,7 +2,7 @@
 
 Two users, one function (`nvrtc_compile`), the same options:
 
-* the compile gate (`python -m burstcu.kernels check`) compiles every variant of each tile
+* the compile gate (`python -m burstcu.build check`) compiles every variant of each tile
   table for the arch it is named after (sm_80, sm_86, sm_90, sm_90a; a variant with a
   `KernelVariant.target` for that target) with ``-Xptxas=-v`` and reads the ptxas resource report
   (`parse_ptxas`); for sm_90a it also reads the SASS (`sass_summary`, NVIDIA's nvdisasm from the
@@ -43,7 +43,7 @@ only when its manifest lists exactly its files and every digest matches: a missi
 cache from before manifests), a truncated or foreign file is rebuilt with a warning, never loaded.
 
 * NVRTC: ``<key>.cubin`` and ``<key>.json`` (lowered names, arch, source, log);
-* emulator (`burstcu.kernels.emulate`): ``emu/<key>.so``;
+* emulator (`burstcu.build.emulate`): ``emu/<key>.so``;
 * its precompiled header: ``emu/pch-<digest>/`` holding ``emu_pch.h`` and ``emu_pch.h.gch``.
 
 Deadlines (`build_timeout`): $BURSTCU_BUILD_TIMEOUT seconds (default 600) bound every wait of a

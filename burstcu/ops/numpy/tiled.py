@@ -82,8 +82,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..layout import Block
-from .base import LocalOps, accum_dtype
+from ...layout import Block
+from ..base import LocalOps, accum_dtype
 
 TILE_Q = 512   # score rows per tile (query positions x the g query heads of a kv head)
 TILE_K = 512   # keys per tile

@@ -1,7 +1,7 @@
 """CUDA kernel sources, their variants, and the two ways to build them (NVRTC here, the CPU
-emulator in `burstcu.kernels.emulate`). `all_variants(arch)`: every instantiation the library can
+emulator in `burstcu.build.emulate`). `all_variants(arch)`: every instantiation the library can
 launch with the tile table `arch`, forward, backward and decode families. `BuildTimeoutError`:
-a build waited past $BURSTCU_BUILD_TIMEOUT (see `burstcu.kernels.compile`)."""
+a build waited past $BURSTCU_BUILD_TIMEOUT (see `burstcu.build.compile`)."""
 
 from .bwd_variants import backward_variants
 from .compile import BuildTimeoutError

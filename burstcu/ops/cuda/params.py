@@ -9,7 +9,7 @@ the launch's arrays and returns a ``numpy.void`` scalar. That scalar is the kern
 argument on both backends: CuPy (``RawKernel``, cupy-cuda13x 14.x) turns a NumPy scalar into a
 `CScalar` holding its bytes and hands the driver a pointer to them, and the driver copies the
 struct's size from there into the kernel's parameter space; the emulator
-(`burstcu.kernels.emulate`) copies the same bytes into the C++ struct. Pointers travel as their
+(`burstcu.build.emulate`) copies the same bytes into the C++ struct. Pointers travel as their
 addresses (64-bit unsigned integers). tests/kernels/test_params_layout.py checks every size,
 alignment and offset against what g++ and NVRTC make of kernels/params.cuh.
 
@@ -25,7 +25,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from ..layout import Block
+from ...layout import Block
 
 I32_MAX = 2**31 - 1
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
@@ -244,7 +244,7 @@ def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block, scale_log2: flo
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
                          kv_heads: int, scale_log2: float, n_tiles: int) -> np.void:
     """FwdStepSm90Params: the tensor maps of q's and k's, v's rows in the block (128 uint8 each,
-    `burstcu.ops.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
+    `burstcu.ops.cuda.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
     strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch."""
     return FWD_STEP_SM90.pack(
         q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,

@@ -2,7 +2,7 @@
 
 `tensor_map(backend, ptr, dtype, dims, strides_bytes, box, swizzle)` describes a tiled view of a
 global tensor and returns its 128 bytes as a NumPy array of 128 uint8 (what the kernel's params
-struct holds, `burstcu.ops.launch` field kind "tmap"), on both backends:
+struct holds, `burstcu.ops.cuda.params` field kind "tmap"), on both backends:
 
 * ``"cupy"``: the driver's own encoding, `cuda.bindings.driver.cuTensorMapEncodeTiled` (needs a
   GPU of compute capability 9.0 or newer and its driver);

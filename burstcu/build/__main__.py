@@ -1,6 +1,6 @@
 """Command line of the kernel package.
 
-    python -m burstcu.kernels check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--family forward,...]
+    python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--family forward,...]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
@@ -60,7 +60,7 @@ def _row(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m burstcu.kernels")
+    parser = argparse.ArgumentParser(prog="python -m burstcu.build")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="compile every kernel variant and check its resources")
     check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.decode_variants import NWARPS
-from .launch import CStruct, element_strides
+from ...build.decode_variants import NWARPS
+from .params import CStruct, element_strides
 
 DECODE_SPLIT = CStruct("DecodeSplitParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lengths", "ptr"), ("ws_m", "ptr"),

@@ -1,7 +1,7 @@
 """Which kernel instantiations exist: the single list both the compile gate and the launchers use.
 
 Each family (forward in `fwd_variants`, backward in `bwd_variants`) declares its own
-`KernelVariant`s; `burstcu.kernels.all_variants(arch)` is their union (this module imports
+`KernelVariant`s; `burstcu.build.all_variants(arch)` is their union (this module imports
 neither, so they import it without a circle). A variant is one C++ template
 instantiation (a CuPy `name_expressions` entry), with the launch configuration it was tuned for.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 # (227 KB); "sm_86": every GPU with at most 99 KB (101376 B) opt-in smem a block (cc 8.6, 8.7,
 # 8.9 and the consumer Blackwells, cc 12.x). A table name only picks the tile sizes: at run time
 # `compile.get_function` compiles the chosen instantiation for the device's own arch (a CUBIN for
-# sm_86 would not load on an sm_120 device), see `burstcu.ops.kernel_ops._device_table_arch`.
+# sm_86 would not load on an sm_120 device), see `burstcu.ops.cuda.kernel_ops._device_table_arch`.
 # The compile gate compiles each table for the arch it is named after. "sm_90a": the sm_90 table
 # plus the Hopper forward family (kernels/flash_fwd_sm90.cu: wgmma, TMA, setmaxnreg), whose
 # variants name the compile target they need (`KernelVariant.target`): an sm_90a CUBIN runs on

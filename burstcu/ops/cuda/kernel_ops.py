@@ -3,10 +3,10 @@
 Both backends run the same launch code: only `xp` (cupy or numpy) and `function(name)` differ.
 `function` returns a callable with CuPy RawKernel's convention ``fn(grid, block, args,
 shared_mem=0)``; every kernel takes one argument, its parameter struct (kernels/params.cuh) as a
-numpy.void scalar that `burstcu.ops.launch` builds (one builder per struct):
+numpy.void scalar that `burstcu.ops.cuda.params` builds (one builder per struct):
 
-* ``"cupy"``: `burstcu.kernels.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
-* ``"emulated"``: `burstcu.kernels.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
+* ``"cupy"``: `burstcu.build.compile.get_function` (NVRTC -> CUBIN, disk cache, RawModule);
+* ``"emulated"``: `burstcu.build.emulate.build_module` (g++ + kernels/emu/cuda_emu.h).
 
 Shapes (see `burstcu.ops.base`): q (B, S, H, D); k, v (B, Sk, Hkv, D); lse (B, H, S). Inputs are
 float16 or bfloat16 (the kernels' types). Head dims: 32, 64, 96, 128, 256 run natively; any other
@@ -16,7 +16,7 @@ q.k nor the kept output columns); the softmax scale stays 1/sqrt(D) of the calle
 The forward state stays on the device between ring steps: acc (B, S, H, Dp) fp32, m, l (B, H, S)
 fp32 (m, l in base-2 units, see kernels/README.md); each `forward_step` launch folds one Block into
 it (the merge is fused in the kernel), `forward_finalize` divides.
-The backward entry points delegate to `burstcu.ops.kernel_bwd` with this object as `ops`.
+The backward entry points delegate to `burstcu.ops.cuda.backward` with this object as `ops`.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.fwd_variants import SM90_FAMILY, nonfinite_flag_variant
-from ..kernels import all_variants
-from ..kernels.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
+from ...build.fwd_variants import SM90_FAMILY, nonfinite_flag_variant
+from ...build import all_variants
+from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
-from ..kernels.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
-from ..layout import Block
-from ..kernels import emulate
-from ..transport.nccl import nvtx_range
-from .base import LocalOps
-from . import kernel_bwd
-from .launch import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
+from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
+from ...layout import Block
+from ...build import emulate
+from ...transport.streams import nvtx_range
+from ..base import LocalOps
+from . import backward as kernel_bwd
+from .params import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
                      fwd_step_sm90_params, nonfinite_params, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
@@ -84,7 +84,7 @@ class KernelOps(LocalOps):
 
     backend: "cupy" (a GPU) or "emulated" (the CPU emulator, NumPy arrays).
     arch: which kernel table to use ("sm_80", "sm_86", "sm_90" or "sm_90a", see
-        `burstcu.kernels.variants.ARCHS`); default: the device's (`_device_table_arch`; a
+        `burstcu.build.variants.ARCHS`); default: the device's (`_device_table_arch`; a
         compute capability 9.0 GPU gets "sm_90a", the Hopper forward kernels) for cupy, sm_80
         for the emulator. The table picks tile sizes and, for "sm_90a", the Hopper forward
         family (head dims 64, 128, 256; kernels/flash_fwd_sm90.cu); kernels are compiled for the
@@ -170,7 +170,7 @@ class KernelOps(LocalOps):
         variant = self._variants.get(name_expression)
         if variant is None:
             raise KeyError(f"{name_expression!r} is not a variant for {self.arch}; "
-                           f"see burstcu.kernels.all_variants")
+                           f"see burstcu.build.all_variants")
         if self.backend == "cupy":
             fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes,
                               target=variant.target)
@@ -463,7 +463,7 @@ def _device_table_arch() -> str:
 def table_arch_for(cc: int) -> str:
     """The tile table for compute capability `cc` (major * 10 + minor, e.g. 86).
 
-    The table sets tile sizes only; `burstcu.kernels.compile.get_function` compiles for the
+    The table sets tile sizes only; `burstcu.build.compile.get_function` compiles for the
     device's own arch, so an sm_120 device running the "sm_86" table gets an sm_120 CUBIN (an
     sm_86 CUBIN would not load there).
         8.0             sm_80  (A100, A30: 163 KB opt-in smem a block)

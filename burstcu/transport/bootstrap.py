@@ -1,0 +1,262 @@
+"""Starting a rank: which launcher started this process, its MPI world, its GPU, and the NCCL
+communicator over every rank.
+
+* `launcher_world_size` / `world_comm`: the MPI world, refusing to run N copies of a one-process
+  job when a launcher (mpirun, srun, torchrun) started N ranks that MPI does not join;
+* `select_device` / `device_count` / `gpu_usable`: the GPU this rank owns (node-local rank, or
+  device 0 under launch/bind-gpu's per-rank CUDA_VISIBLE_DEVICES);
+* `bootstrap`: every rank checks it can start, the ranks agree (a `BackendUnavailable` on every
+  rank otherwise), rank 0's NCCL unique id is sent over MPI, each rank creates its communicator.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from ..build.compile import compute_capability
+from ..build.variants import MIN_COMPUTE_CAPABILITY
+from .base import resolve_timeout
+from .mpi import gather_plain
+from .nccl import CupyDevice, NCCLTransport
+
+def gpu_usable() -> bool:
+    """True when CuPy imports and sees at least one CUDA device with a working driver."""
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # ImportError, or a driver/runtime mismatch surfacing at import
+        return False
+
+
+_NO_MPI_WARNED: list = []
+
+
+# world-size variables the common launchers set in every rank's environment
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_SLURM_BATCH_STEP = 4294967290  # step ids from here up are Slurm's batch/extern/interactive steps
+
+
+def launcher_world_size() -> tuple[str, int] | None:
+    """(variable, ranks) when an MPI launcher (Open MPI's mpirun, MPICH/Hydra and Intel MPI,
+    MVAPICH), Slurm's srun (any --mpi plugin, PMIx included) or torchrun (TORCHELASTIC_RUN_ID
+    and WORLD_SIZE) started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("WORLD_SIZE", "").isdigit():
+        return "WORLD_SIZE", int(os.environ["WORLD_SIZE"])
+    for var in _LAUNCHER_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return var, int(value)
+    step, tasks = os.environ.get("SLURM_STEP_ID", ""), os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if step.isdigit() and int(step) < _SLURM_BATCH_STEP and tasks.isdigit():
+        return "SLURM_STEP_NUM_TASKS", int(tasks)
+    return None
+
+
+def world_comm(comm=None):
+    """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
+    load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
+    once). If a launcher started this process as one of several ranks (`launcher_world_size`),
+    a missing mpi4py or MPI library, or an MPI world of another size (torchrun's processes, or
+    a launcher of another MPI than mpi4py's: each process then a world of one), raises
+    RuntimeError instead, on every process alike: the ranks would otherwise each run the whole
+    problem alone, as unrelated single processes."""
+    if comm is not None:
+        return comm
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        _refuse_under_a_launcher(exc, "mpi4py is not installed", "Install the 'mpi' extra (pip "
+                                 "install 'burstcu[mpi]') in the Python that mpiexec starts")
+        return None
+    except RuntimeError as exc:
+        _refuse_under_a_launcher(exc, "mpi4py cannot load an MPI library", "Install the 'mpi' "
+                                 "extra and use its mpiexec, or point MPI4PY_LIBMPI at the MPI "
+                                 "library of the launcher you use")
+        if not _NO_MPI_WARNED:
+            _NO_MPI_WARNED.append(True)
+            warnings.warn(f"burstcu: mpi4py cannot load an MPI library ({exc}); running as one "
+                          f"process (install the 'mpi' extra for mpiexec)", stacklevel=3)
+        return None
+    _refuse_a_world_of_another_size(MPI.COMM_WORLD.Get_size())
+    return MPI.COMM_WORLD
+
+
+def _refuse_a_world_of_another_size(size: int) -> None:
+    """RuntimeError when a launcher started this process as one of N > 1 ranks and MPI's world
+    has another size: each process would run alone (or the ranks split) on the whole problem."""
+    launched = launcher_world_size()
+    if launched is None or launched[1] <= 1 or launched[1] == size:
+        return
+    var, n = launched
+    if var == "WORLD_SIZE":
+        why = "torchrun starts processes that MPI does not join"
+        remedy = ("Start the job with `mpiexec -n N python -m mpi4py program.py` (or "
+                  "launch/burstcu-run)")
+    else:
+        why = "the launcher's MPI is not the one mpi4py loaded"
+        remedy = ("Use the mpiexec of the 'mpi' extra (beside this Python), or point "
+                  "MPI4PY_LIBMPI at the MPI library of the launcher you use")
+    raise RuntimeError(f"burstcu: this process is one of {n} ranks ({var}={n}) but MPI's world has "
+                       f"{size} rank(s): {why}, and every process would run alone on the whole "
+                       f"problem. {remedy}; pass comm=MPI.COMM_SELF for a one-process group on "
+                       f"purpose")
+
+
+def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:
+    """RuntimeError when a launcher started this process as one of several ranks and MPI is
+    not usable (`what`): each rank would otherwise run the whole problem alone."""
+    launched = launcher_world_size()
+    if launched is not None and launched[1] > 1:
+        raise RuntimeError(
+            f"burstcu: this process is one of {launched[1]} ranks ({launched[0]}={launched[1]}) "
+            f"but {what} ({exc}): every rank would run alone on the whole problem. {remedy}") from exc
+
+
+
+class BackendUnavailable(RuntimeError):
+    """The "cupy" backend cannot start on this set of ranks (raised on every rank)."""
+
+
+BOUND_ENV = "BURSTCU_GPU_BOUND"  # set to 1 by launch/bind-gpu: each rank sees only its own GPU
+
+
+def select_device(local_rank: int, local_size: int, n_devices: int, bound: bool = False) -> int:
+    """The CUDA device index this rank uses.
+
+    local_rank, local_size: this rank's position among the ranks of its node.
+    n_devices: CUDA devices this process sees.
+    bound: the launcher gave every rank its own CUDA_VISIBLE_DEVICES, so device 0 is ours.
+    Raises ValueError (a message for the user) when there is no device or fewer devices than ranks.
+    """
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"node-local rank {local_rank} is outside 0..{local_size - 1}")
+    if n_devices <= 0:
+        raise ValueError("no usable CUDA GPU on this node (backend='cupy' needs one GPU per rank; "
+                         "use backend='numpy' or 'auto' on CPU-only machines)")
+    if bound:
+        return 0
+    if local_size > n_devices:
+        raise ValueError(f"{local_size} ranks on this node but only {n_devices} GPU(s): NCCL needs "
+                         f"one GPU per rank, start at most {n_devices} rank(s) per node")
+    return local_rank
+
+
+def device_count() -> tuple[int, str | None]:
+    """(CUDA devices visible, None) or (0, why not), without raising."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU backend
+        return 0, f"cupy is not importable ({exc}); install burstcu[cuda13]"
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()), None
+    except Exception as exc:  # CUDARuntimeError without a driver
+        return 0, str(exc).splitlines()[0]
+
+
+def _nccl_problem() -> str | None:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception as exc:
+        return f"cupy.cuda.nccl is unavailable ({exc}); install nvidia-nccl-cu13"
+    return None
+
+
+def _local_rank(comm: Any) -> tuple[int, int]:
+    """(node-local rank, ranks on this node), from a shared-memory split of `comm`."""
+    if comm is None:
+        return 0, 1
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+
+
+def _local_problem(comm: Any) -> tuple[int, str | None]:
+    """(device index, None) or (-1, what stops this rank), with no collective after the split."""
+    local_rank, local_size = _local_rank(comm)
+    n, why = device_count()
+    if n == 0 and why:
+        return -1, f"no usable CUDA GPU ({why}); backend='cupy' needs one GPU per rank"
+    try:
+        device_id = select_device(local_rank, local_size, n, bound=os.environ.get(BOUND_ENV) == "1")
+    except ValueError as exc:
+        return -1, str(exc)
+    return device_id, _arch_problem(device_id) or _nccl_problem()
+
+
+
+
+def _arch_problem(device_id: int) -> str | None:
+    """Why the kernels cannot run on this device (older than sm_80), or None. Checked before
+    the agreement round, so every rank falls back (backend="auto") or fails together. Reads the
+    compute capability without making `device_id` current (no CUDA context is created there)."""
+    try:
+        cc = compute_capability(device_id)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised, before the agreement
+        return f"cannot query GPU {device_id}: {exc}"
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return (f"GPU {device_id} has compute capability {cc // 10}.{cc % 10}; the burstcu kernels "
+                f"need 8.0 or newer (cp.async, bf16 tensor cores)")
+    return None
+
+
+def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None) -> None:
+    """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
+    rank has one, so no rank enters a collective alone. Bounded by `timeout` (default
+    `resolve_timeout(None)`)."""
+    problems = [problem] if comm is None else gather_plain(
+        comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        ranks = ", ".join(str(r) for r, _ in bad)
+        raise BackendUnavailable(f"burstcu backend 'cupy' cannot start (rank(s) {ranks}): {bad[0][1]}")
+
+
+def unique_id(comm: Any, timeout: float | None = None) -> bytes:
+    """The NCCL unique id made on rank 0 and sent to every rank over MPI (128 bytes on every
+    rank), bounded by `timeout` (default `resolve_timeout(None)`)."""
+    from cupy.cuda import nccl
+    uid = nccl.get_unique_id() if comm is None or comm.Get_rank() == 0 else None
+    return uid if comm is None else gather_plain(comm, uid, resolve_timeout(timeout),
+                                                 "the NCCL unique id's broadcast")[0]
+
+
+def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, int]:
+    """(NCCLTransport over all ranks of `comm`, this rank's device id). Collective over `comm`.
+
+    comm: an mpi4py communicator, or None for a single process. The node-local rank picks the
+    GPU; every rank checks it can start, the ranks agree, then rank 0's NCCL unique id is
+    broadcast and each rank creates its communicator. Raises BackendUnavailable on every rank
+    when any rank lacks a GPU, has to share one, or lacks NCCL.
+    """
+    device_id, problem = _local_problem(comm)
+    agree_or_raise(comm, problem, timeout)
+    uid = unique_id(comm, timeout)
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    nccl_comm = create_communicator(comm, size, uid, rank, device_id)
+    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout)  # dups comm
+    return transport, device_id
+
+
+def create_communicator(comm: Any, size: int, uid: bytes, rank: int, device_id: int) -> Any:
+    """ncclCommInitRank on `device_id`. Every other rank is inside the same blocking init, so a
+    failure here cannot be agreed on: the world is aborted with the reason rather than left
+    hanging."""
+    import cupy
+    from cupy.cuda import nccl
+    try:
+        cupy.cuda.Device(device_id).use()
+        return nccl.NcclCommunicator(size, uid, rank)
+    except Exception as exc:
+        if comm is None or size == 1:
+            raise BackendUnavailable(f"NCCL initialisation failed on device {device_id}: {exc}") from exc
+        import sys
+        sys.stderr.write(f"burstcu: rank {rank}: NCCL initialisation failed on device {device_id}: "
+                         f"{exc}; aborting the world (the other ranks are blocked in the same init)\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+        raise  # not reached
