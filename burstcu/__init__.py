@@ -12,15 +12,21 @@ Public API (see `burstcu.api` for shapes and semantics)::
     out = burstcu.decode(q_new, k_cache, v_cache, group, cache_seqlens=n)   # sharded KV cache
     out = burstcu.jax.attention(q, k, v, group, causal=True)     # jax.grad / jax.jit (extra "jax")
     out = burstcu.torch.attention(q, k, v, group, causal=True)   # torch autograd (extra "torch")
+
+The house (README, "Layout of the repository"): api.py is the public face; engine/ holds one
+module a strategy, written against two interfaces, ops/base.py's LocalOps (numpy/, cuda/) and
+transport/base.py's Transport (mpi, nccl, loopback); group.py alone picks them; build/ compiles
+the kernels of kernels/; testing/ verifies and is never imported at run time.
 """
 
-from .api import (SameShardsWarning, attention, attention_backward, linear_attention,
+from .api import (attention, attention_backward, decode, linear_attention,
                   linear_attention_backward, shard, unshard)
-from .kvcache import KVCache, decode
+from .kvcache import KVCache
 from .group import Group, init
 from .plan import plan
 from .transport.base import CommTimeoutError, PeerFailedError
 from .transport.link import Link
+from .validate import SameShardsWarning
 
 __all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",

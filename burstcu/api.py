@@ -19,146 +19,25 @@ whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -
 
 from __future__ import annotations
 
-import hashlib
-import sys
-import warnings
-
 import numpy as np
 
 from . import engine
-from .plan import plan
-from .group import Call, Group, local_group
-from .ops.base import DelegatingOps
+from .arrays import array_module, device_problem, group_for, is_cupy, joined, native, returned, untakeable
+from .engine import decode as decode_strategy
+from .group import Call, Group
 from .layout import Partition, check_layout, partition
-from .validate import (ARRAY_NAMES, InputError, agree, caller_stacklevel, check_attention_inputs,
-                       check_backward_inputs, check_cu_seqlens, check_flags, check_row_sums,
-                       check_window, docs_digest, dtype_name, masked_array_problem, metadata,
-                       parse_cu_seqlens, partition_of, resolve_scale)
+from .ops.base import DelegatingOps
+from .plan import plan
+from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_cu_seqlens,
+                       check_decode_call, check_flags, check_linear_call, check_row_sums,
+                       docs_digest, first_rows_digest, masked_array_problem, parse_cu_seqlens,
+                       partition_of, warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
 
-_DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
-
-
-def _is_cupy(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
-def _dlpack_device(x) -> tuple[int, int] | None:
-    """(DLPack device type, device id) that x reports through `__dlpack_device__`, else None."""
-    report = getattr(x, "__dlpack_device__", None)
-    if not callable(report):
-        return None
-    try:
-        kind, device_id = report()
-        return int(kind), int(device_id)
-    except Exception:  # noqa: BLE001 - an array that cannot say is left to validation
-        return None
-
-
-def _cuda_device(x) -> int | None:
-    """The CUDA device id x lives on (CuPy arrays; DLPack arrays on kDLCUDA), else None."""
-    if _is_cupy(x):
-        return int(x.device.id)
-    where = _dlpack_device(x)
-    return where[1] if where is not None and where[0] == _DL_CUDA else None
-
-
-def _group_for(group: Group | None, q) -> Group:
-    """`group`, or with None the one-process group for q's device: CuPy arrays and DLPack arrays
-    on a CUDA device (torch, JAX, ...) -> "cupy"; everything else -> "numpy". Raises ValueError
-    when q is on a GPU that CuPy cannot use in this process."""
-    if group is not None:
-        return group  # a closed group is refused by `Call`
-    device_id = _cuda_device(q)
-    if device_id is None:
-        return local_group("numpy")
-    try:
-        return local_group("cupy")
-    except Exception as exc:  # noqa: BLE001 - no GPU, no CuPy, no driver: one process, no peers
-        raise ValueError(
-            f"q is on CUDA device {device_id}, but the 'cupy' backend cannot start in this process "
-            f"({exc.__class__.__name__}: {exc}); install burstcu[cuda13] where the GPU is "
-            f"visible, or pass CPU arrays") from exc
-
-
-def external_stream(handle: int):
-    """A CuPy stream object for a CUDA stream another library created (torch's current stream,
-    XLA's compute stream), so CuPy work issued under it (`with ...:`) joins that stream."""
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is None:                     # CuPy before the CUDA stream protocol
-        return cupy.cuda.ExternalStream(handle)
-
-    class _Handle:                                # the CUDA stream protocol: (version, handle)
-        def __cuda_stream__(self):
-            return 0, handle
-    return from_external(_Handle())
-
-
-def _device_problem(group: Group, names: tuple, arrays: tuple) -> InputError | None:
-    """On the cupy backend, the first input that lives on a GPU other than CuPy's current
-    device (the kernels and NCCL run on the current one), as a deferred error; else None."""
-    if group.backend != "cupy":
-        return None
-    import cupy
-
-    current = int(cupy.cuda.runtime.getDevice())
-    for name, x in zip(names, arrays):
-        device_id = _cuda_device(x)
-        if device_id is not None and device_id != current:
-            return InputError(ValueError, (
-                f"{name} is on CUDA device {device_id} but the current CuPy device is {current}: "
-                f"call cupy.cuda.Device({device_id}).use() before burstcu (with group=None), or "
-                f"move the inputs to device {current}"))
-    return None
-
-
-# frameworks whose array type lives in another package than their `from_dlpack`
-# (jax.Array's class is defined in jaxlib)
-_FRAMEWORK_OF = {"jaxlib": "jax"}
-
-
-def _exporter(x):
-    """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it:
-    its array-API namespace's where it has one, else its package's; None when it cannot be
-    found (the results then stay the backend's own arrays)."""
-    namespace = getattr(x, "__array_namespace__", None)
-    try:
-        fn = getattr(namespace(), "from_dlpack", None) if callable(namespace) else None
-    except Exception:  # noqa: BLE001 - a namespace that cannot be had: look up the package
-        fn = None
-    if callable(fn):
-        return fn
-    package = type(x).__module__.split(".")[0]
-    for name in (_FRAMEWORK_OF.get(package), package):
-        root = sys.modules.get(name) if name else None
-        for owner in (root, getattr(root, "numpy", None)):
-            fn = getattr(owner, "from_dlpack", None)
-            if callable(fn):
-                return fn
-    return None
-
-
-def _native(ops, *arrays):
-    """Arrays of another framework (JAX, PyTorch, ...) viewed zero-copy through DLPack as the
-    backend's own arrays, plus how to return results in the first one's framework (None: they
-    already are native). Anything else is left for validation to reject with a clear error."""
-    is_foreign = [not isinstance(x, ops.array_types) and hasattr(x, "__dlpack__") for x in arrays]
-    if not any(is_foreign):
-        return arrays, None
-    converted = tuple(ops.xp.from_dlpack(x) if f else x for x, f in zip(arrays, is_foreign))
-    return converted, _exporter(arrays[is_foreign.index(True)])
-
-
-def _returned(export, results):
-    return results if export is None else tuple(export(r) for r in results)
-
-
 def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
-              part: Partition, window=(-1, -1), docs=None) -> tuple[str, dict]:
+              part: Partition, window_size=(-1, -1), docs=None) -> tuple[str, dict]:
     """strategy="auto" replaced by the choice of `burstcu.plan` for a training step (forward +
     backward), so attention and attention_backward pick alike; the same on every rank (it
     depends only on agreed shapes and options: the sequence extent is the mean shard's, since
@@ -168,7 +47,7 @@ def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: 
     seqlen = -(-part.total // part.size)
     q_shape, k_shape = ((x.shape[0], seqlen) + tuple(x.shape[2:]) for x in (q, k))
     choice = plan(q_shape, k_shape, group, causal=bool(causal), layout=part, dtype=q.dtype,
-                  window_size=window, cu_seqlens=docs)
+                  window_size=window_size, cu_seqlens=docs)
     return choice.strategy, choice.options
 
 
@@ -196,30 +75,6 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
-def _untakeable(exc: Exception, arrays: tuple) -> InputError:
-    """Why inputs could not be taken as the backend's arrays, with what to do instead: JAX
-    tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy. The
-    kind is a builtin TypeError or ValueError (a framework's own exception class may not take a
-    message: JAX's tracer errors want the tracer)."""
-    kind = ValueError if isinstance(exc, ValueError) and not isinstance(exc, TypeError) else TypeError
-    jax = sys.modules.get("jax")
-    text = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
-    if isinstance(exc, MemoryError):
-        return InputError(MemoryError, f"out of memory while taking the inputs ({text})")
-    if jax is not None and any(isinstance(x, jax.core.Tracer) for x in arrays):
-        return InputError(TypeError, "got JAX tracers (inside jax.jit, jax.grad or jax.vmap): use "
-                                     "burstcu.jax.attention / linear_attention / decode, which "
-                                     "are differentiable and run under jax.jit")
-    if "require" in text and "grad" in text:
-        return InputError(TypeError, f"cannot take tensors that require grad ({text}): use "
-                                     f"burstcu.torch.attention for autograd, or pass .detach()")
-    if "dtype" in text.lower() and any("bfloat16" in str(getattr(x, "dtype", "")) for x in arrays):
-        return InputError(TypeError, f"bfloat16 arrays cannot cross DLPack into NumPy ({text}): "
-                                     f"use burstcu.torch / burstcu.jax, or NumPy arrays of "
-                                     f"ml_dtypes.bfloat16")
-    return InputError(kind, f"cannot take these inputs: {text}")
-
-
 def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, finish=None):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, extra) where
@@ -232,12 +87,12 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
     """
     err = meta = export = extra = length = None
     try:
-        err = _device_problem(group, ARRAY_NAMES[what], arrays)
+        err = device_problem(group.ops, ARRAY_NAMES[what], arrays)
         if err is None:
-            arrays, export = _native(group.ops, *arrays)
+            arrays, export = native(group.ops, *arrays)
             err, meta, extra, length = local_check(arrays)
     except Exception as exc:  # e.g. a DLPack export that fails on this rank only
-        err = _untakeable(exc, arrays)
+        err = untakeable(exc, arrays)
     with call.raising_together():
         lengths = agree(group.transport, err, meta, what, length)
         if finish is not None:
@@ -246,94 +101,33 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
+             layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
     document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`)."""
     def local(native):
-        err, scale, meta, docs = _check_local(
-            group.ops, native, group.size, backward=backward, causal=causal,
-            softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-            flags=flags, window=window, cu_seqlens=cu_seqlens)
+        err, scale, meta, docs = check_attention_call(
+            group.ops, native, backward=backward, causal=causal, softmax_scale=softmax_scale,
+            layout=layout, strategy=strategy, options=options, flags=flags,
+            options_problem=_check_options(strategy, options),
+            strategy_problem=lambda q_shape, k_shape: _strategy_problem(
+                strategy, options, q_shape, k_shape, group.size),
+            window_size=window_size, cu_seqlens=cu_seqlens)
         q = native[2 if backward else 0]
-        return err, meta, (scale, docs), None if err else (int(q.shape[1]), _first_rows(q))
+        return err, meta, (scale, docs), None if err else (int(q.shape[1]), first_rows_digest(q))
 
     def finish(reports, extra):
         scale, docs = extra
         lengths = [length for length, _ in reports]
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
-                                 _max_positions(group))
+                                 group.ops.max_positions)
         if err is not None:
             raise err.kind(err.message)
-        _warn_if_all_the_same([rows for _, rows in reports], "q")
+        warn_if_all_the_same([rows for _, rows in reports], "q")
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
     arrays, export, (scale, docs, part) = _agreed(call, group, arrays, what, local, finish)
     return arrays, export, scale, docs, part
-
-
-def _first_rows(x) -> bytes | None:
-    """A digest of x's first two rows along the sequence axis (axis 1) when x is in host memory
-    (NumPy), else None (reading device memory would synchronise the host)."""
-    if not isinstance(x, np.ndarray) or x.ndim < 2:
-        return None
-    return hashlib.blake2b(np.ascontiguousarray(x[:, :2]).tobytes(), digest_size=16).digest()
-
-
-class SameShardsWarning(RuntimeWarning):
-    """Every rank's shard starts with the same rows: most likely each rank passed the global
-    array instead of its shard (`burstcu.shard` cuts them). Identical shards can be meant; then
-    ``warnings.filterwarnings("ignore", category=burstcu.SameShardsWarning)`` silences it."""
-
-
-def _warn_if_all_the_same(digests: list, name: str) -> None:
-    """A SameShardsWarning on every rank (each sees every digest) when G > 1 ranks hold the same
-    first rows, pointing at the caller's line (the first frame outside burstcu): most likely
-    each passed the global array instead of its shard, which attends over G copies of the
-    sequence. A warning, not an error: identical shards can be meant. (Where the shapes make it
-    certain, documents that cover one copy of the rows, `validate.check_docs_total` raises.)"""
-    if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
-        warnings.warn(f"every rank's {name} starts with the same rows: if each rank passed the "
-                      f"global array instead of its shard, this attends over {len(digests)} "
-                      f"copies of the sequence; cut shards with burstcu.shard(x, group, layout) "
-                      f"(identical shards meant? warnings.filterwarnings('ignore', "
-                      f"category=burstcu.SameShardsWarning))",
-                      SameShardsWarning, stacklevel=caller_stacklevel())
-
-
-def _max_positions(group: Group) -> int | None:
-    """The most global positions the group's local op addresses (the kernels: 2^30)."""
-    return 2**30 if group.backend in ("cupy", "emulated") else None
-
-
-def _check_local(ops, arrays: tuple, size: int, *, backward: bool, causal, softmax_scale, layout,
-                 strategy, options: dict, flags: dict, window=(-1, -1), cu_seqlens=None):
-    """(InputError or None, resolved softmax scale, metadata, document boundaries or None) of
-    this rank's native arrays in a group of `size` ranks. The ranks' sequence lengths may
-    differ (the metadata leaves them out; `partition_of` checks them once all are known)."""
-    q, k, v = arrays[1:4] if backward else arrays
-    err = _check_options(strategy, options) or check_flags(**flags) or check_attention_inputs(
-        q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
-        softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
-    if err is None:
-        err = _strategy_problem(strategy, options, q.shape, k.shape, size)
-    if err is None:
-        err = check_window(window, bool(causal), ops.masks_windows)
-    docs = None
-    if err is None:
-        err, docs = parse_cu_seqlens(cu_seqlens)
-    if err is None and backward:
-        dout, _, _, _, out, lse = arrays
-        err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
-    if err is not None:
-        return err, None, None, None
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    seq_axes = (1, 1, 1, 1, 1, 2) if backward else (1, 1, 1)
-    # every flag is agreed on too (check=True changes what the backward ring sends)
-    return None, scale, metadata(*arrays, seq_axes=seq_axes, layout=layout, strategy=strategy,
-                                 softmax_scale=scale, window=tuple(int(w) for w in window),
-                                 cu_seqlens=docs_digest(docs), **options,
-                                 **{name: bool(value) for name, value in flags.items()}), docs
 
 
 def _check_options(strategy: str, options: dict):
@@ -405,20 +199,20 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
-    group = _group_for(group, q)
+    group = group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention forward") as call:
         (q, k, v), export, scale, docs, part = _checked(
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window=window_size,
+            flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window_size=window_size,
             cu_seqlens=cu_seqlens)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs)
-        out, lse = _returned(export, _engine(strategy, options).forward(
+        out, lse = returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
-            softmax_scale=scale, layout=part, trace=group.trace, window=_window(window_size),
-            docs=docs))
+            softmax_scale=scale, layout=part, trace=group.trace,
+            window_size=_window(window_size), cu_seqlens=docs))
     return (out, lse) if return_lse else out
 
 
@@ -440,13 +234,13 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
-    group = _group_for(group, q)
+    group = group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention backward") as call:
         (dout, q, k, v, out, lse), export, scale, docs, part = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
-            flags={"causal": causal, "check": check, "uneven": uneven}, window=window_size,
+            flags={"causal": causal, "check": check, "uneven": uneven}, window_size=window_size,
             cu_seqlens=cu_seqlens)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
@@ -454,7 +248,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=part, trace=group.trace,
-            window=_window(window_size), docs=docs, **row_sums)
+            window_size=_window(window_size), cu_seqlens=docs, **row_sums)
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)
@@ -464,7 +258,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                                                  f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
                 agree(group.transport, verdict, None, "attention_backward check")
-        return _returned(export, grads)
+        return returned(export, grads)
 
 
 # the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
@@ -491,45 +285,13 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
                     strategy):
     """`_agreed` for linear attention: (native arrays, exporter)."""
     def local(native):
-        err, meta = _linear_check_local(group.ops, native, backward=backward, causal=causal,
-                                        layout=layout, strategy=strategy)
+        err, meta = check_linear_call(group.ops, native, backward=backward, causal=causal,
+                                      layout=layout, strategy=strategy, strategies=LINEAR_STRATEGIES)
         return err, meta, None, None
 
     what = "linear_attention_backward" if backward else "linear_attention"
     arrays, export, _ = _agreed(call, group, arrays, what, local)
     return arrays, export
-
-
-def _linear_dtypes(ops) -> tuple:
-    """What the array module of `ops` can compute linear attention in (CuPy has no bfloat16)."""
-    return ("float16", "bfloat16", "float32", "float64") if ops.xp is np else ("float16", "float32", "float64")
-
-
-def _linear_check_local(ops, arrays: tuple, *, backward: bool, causal, layout, strategy):
-    """(InputError or None, metadata) of this rank's native arrays."""
-    q, k, v = arrays[1:] if backward else arrays
-    err = None
-    if strategy not in LINEAR_STRATEGIES:
-        err = InputError(ValueError, f"strategy must be one of {LINEAR_STRATEGIES}, not {strategy!r}")
-    err = err or check_flags(causal=causal) or check_attention_inputs(
-        q, k, v, array_types=ops.array_types, dtypes=_linear_dtypes(ops), layout=layout,
-        softmax_scale=None)
-    if err is None and layout == "zigzag" and q.shape[1] % 2:
-        err = InputError(ValueError, f"linear attention's zigzag layout needs an even local "
-                                     f"seqlen, got {q.shape[1]}")
-    if err is None and backward:
-        dout = arrays[0]
-        if not isinstance(dout, ops.array_types):
-            err = InputError(TypeError, f"dout must be an array like q, got {type(dout).__name__}")
-        elif tuple(dout.shape) != tuple(q.shape):
-            err = InputError(ValueError, f"dout must have q's shape {tuple(q.shape)}, got "
-                                         f"{tuple(dout.shape)}")
-        elif dtype_name(dout) != dtype_name(q):
-            err = InputError(TypeError, f"dout must have q's dtype {dtype_name(q)}, got "
-                                        f"{dtype_name(dout)}")
-    if err is not None:
-        return err, None
-    return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
 
 
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
@@ -546,28 +308,75 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
         one hop at a time; `burstcu.engine.lasp1`). Both give the same result up to rounding.
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
-    group = _group_for(group, q)
+    group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
                                             layout=layout, strategy=strategy)
         out = engine.get_linear(strategy).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             layout=layout, trace=group.trace)
-    return _returned(export, (out,))[0]
+    return returned(export, (out,))[0]
 
 
 def linear_attention_backward(dout, q, k, v, group: Group | None = None, *, causal: bool = False,
                               layout: str = "contiguous", strategy: str = "lasp2"):
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
-    group = _group_for(group, q)
+    group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
                                                   causal=causal, layout=layout, strategy=strategy)
         grads = engine.get_linear(strategy).backward(
             dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), layout=layout, trace=group.trace)
-    return _returned(export, grads)
+    return returned(export, grads)
+
+
+# -- decode against a sharded KV cache ------------------------------------------------------------
+
+def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
+           softmax_scale: float | None = None, return_lse: bool = False):
+    """Attention of the new tokens q over every rank's KV cache rows (`burstcu.engine.decode`:
+    one partial a rank, one all-gather of the partials, the same merge on every rank).
+
+    `decode(q, cache)` with a `burstcu.KVCache` is `cache.decode(q, ...)` (its arrays, group and
+    row counts).
+
+    q: (B, T, H, D), the same on every rank (T new tokens, usually 1; their own K/V already in
+    the cache; they see every valid cache row, no causal order among them). k_cache, v_cache:
+    (B, S_cache, Hkv, D), this rank's shard in any order. cache_seqlens: (B,) ints, this rank's
+    valid rows per batch row (0 allowed; None: all S_cache); rows past them are never read.
+    Returns out (B, T, H, D) in q's dtype and array type, identical on every rank; with
+    return_lse, (out, lse (B, H, T) float32; float64 for float64 q). A batch row with no valid
+    row anywhere gets out 0 and lse -inf. Validation and agreement as `attention`: a bad input
+    or ranks disagreeing raise on every rank before the gather.
+    """
+    agreed = {}
+    cache_arguments = getattr(k_cache, "decode_arguments", None)
+    if callable(cache_arguments):                 # a KVCache
+        if v_cache is not None or cache_seqlens is not None:
+            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
+                            "pass no v_cache, group or cache_seqlens with a KVCache")
+        k_cache, v_cache, cache_group, cache_seqlens, agreed = cache_arguments()
+        if group not in (None, cache_group):
+            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
+                            "pass no v_cache, group or cache_seqlens with a KVCache")
+        group = cache_group
+    elif v_cache is None:
+        raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
+    group = group_for(group, q)
+    with Call(group, "decode") as call:
+        def check(native_arrays):
+            err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
+                                                 softmax_scale, return_lse, agreed)
+            return err, meta, extra, None
+
+        (q, k_cache, v_cache), export, (lengths, scale) = _agreed(
+            call, group, (q, k_cache, v_cache), "decode", check)
+        out, lse = decode_strategy.decode(q, k_cache, v_cache, lengths, scale,
+                                          _Tracking(group.ops, group.transport), group.transport)
+    results = returned(export, (out, lse))
+    return results if return_lse else results[0]
 
 
 def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_seqlens=None):
@@ -590,23 +399,7 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
-    return _joined(x, pieces, axis)
-
-
-def _joined(x, pieces: list, axis: int):
-    """The pieces of x joined along axis into one contiguous array of x's own framework: NumPy,
-    CuPy, array-API arrays (JAX, ...) through their namespace's `concat`, torch tensors through
-    `torch.cat`."""
-    if isinstance(x, np.ndarray) or _is_cupy(x):
-        xp = _array_module(x)
-        return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
-    namespace = getattr(x, "__array_namespace__", None)
-    if callable(namespace):
-        return namespace().concat(pieces, axis=axis)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return torch.cat(pieces, dim=axis).contiguous()
-    return np.ascontiguousarray(np.concatenate(pieces, axis=axis))
+    return joined(x, pieces, axis)
 
 
 def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens) -> Partition:
@@ -633,13 +426,13 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
         if masked is not None:
             raise masked.exception()
         _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
-        return _joined(x_local, [x_local], axis % x_local.ndim)
+        return joined(x_local, [x_local], axis % x_local.ndim)
     with Call(group, "unshard") as call:
         with call.raising_together():
             free = length = export = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
-                if not (isinstance(x_local, np.ndarray) or _is_cupy(x_local)):
-                    (x_local,), export = _native(group.ops, x_local)  # torch, JAX, ... : DLPack
+                if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
+                    (x_local,), export = native(group.ops, x_local)  # torch, JAX, ... : DLPack
                 check_layout(layout)
                 axis = axis % x_local.ndim
                 err, docs = parse_cu_seqlens(cu_seqlens)
@@ -647,8 +440,8 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
                 shape = tuple(int(n) for n in x_local.shape)
                 free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
                 dtype = str(x_local.dtype)
-            except Exception as exc:  # what _untakeable names (bfloat16 over DLPack, ...) or a bad axis
-                taken = _untakeable(exc, (x_local,))
+            except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...) or a bad axis
+                taken = untakeable(exc, (x_local,))
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
             mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs), uneven, length)
             reports = group.transport.allgather_object((*mine, err.plain() if err else None), "unshard")
@@ -662,13 +455,13 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
             err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))
             if err is not None:
                 raise err.kind(err.message)
-        return _returned(export, (_gathered(x_local, group, part, axis),))[0]
+        return returned(export, (_gathered(x_local, group, part, axis),))[0]
 
 
 def _gathered(x_local, group: Group, part: Partition, axis: int):
     """The allgather and reassembly of `unshard`, after the ranks agreed on the shapes (each
     shard padded to the longest for the collective)."""
-    xp = _array_module(x_local)
+    xp = array_module(x_local)
     moved = xp.moveaxis(x_local, axis, 0)
     longest = max(part.lengths)
     padded = xp.zeros((longest,) + moved.shape[1:], dtype=moved.dtype)
@@ -682,8 +475,3 @@ def _gathered(x_local, group: Group, part: Partition, axis: int):
     return xp.ascontiguousarray(xp.moveaxis(whole, 0, axis))
 
 
-def _array_module(x):
-    if _is_cupy(x):
-        import cupy
-        return cupy
-    return np

@@ -23,7 +23,7 @@ import numpy as np
 import burstcu
 from burstcu.layout import global_positions
 from burstcu.transport.base import CommTimeoutError, deadline_after, poll_until
-from burstcu.engine.burst import backward_bytes, backward_counts, forward_bytes, forward_sends
+from burstcu.engine import burst
 
 
 def reference_rows(q, k, v, dout, rows, causal, scale, block=256):
@@ -167,12 +167,13 @@ def _report(args, size, backend, rows, ql, kl):
     for r in rows:
         print(f"{r['rank']:>4} " + "".join(f"{r[e]:>11.2e}" for e in errs)
               + f"{r['fwd_s']:>8.3f}{r['bwd_s']:>8.3f}{r['fwd_bytes']:>13,}{r['fwd_msgs']:>5}{r['bwd_bytes']:>13,}{r['bwd_msgs']:>5}")
-    sends = [forward_sends(r, size, ql.shape[1], args.layout, args.causal) for r in range(size)]
+    mask = dict(layout=args.layout, causal=args.causal)
+    fwd = [burst.forward_bytes(size, ql, kl, kl, rank=r, **mask) for r in range(size)]
+    bwd = [burst.backward_bytes(size, ql, kl, kl, rank=r, **mask) for r in range(size)]
     print(f"formula per rank: forward sends*(|K|+|V|) = "
-          f"{' / '.join(f'{forward_bytes(size, kl, kl, n):,}' for n in sends)} bytes (ranks 0..{size - 1}: a "
+          f"{' / '.join(f'{n:,}' for n in fwd)} bytes (ranks 0..{size - 1}: a "
           f"block travels only while a rank it reaches needs it); backward bundles*(|Q|+|dO|+|D|+|lse|) "
-          f"+ dqs*|dQ fp32| = "
-          f"{' / '.join(f'{backward_bytes(size, ql, backward_counts(r, size, ql.shape[1], args.layout, args.causal)):,}' for r in range(size))}"
+          f"+ dqs*|dQ fp32| = {' / '.join(f'{n:,}' for n in bwd)}"
           f" bytes (a bundle goes only as far as the last rank that needs it)")
     sys.stdout.flush()
 

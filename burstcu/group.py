@@ -32,6 +32,14 @@ from .transport.bootstrap import BackendUnavailable, bootstrap, gpu_usable, worl
 from .validate import InputError, agree
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
+DEVICE_OF = {"numpy": "cpu", "emulated": "cpu", "cupy": "cuda"}   # where each backend computes
+
+
+def on_gpu(backend: str) -> bool:
+    """Whether `backend` ("numpy", "emulated", "cupy") computes on a GPU: the one question about a
+    backend's name that code outside this module asks (the verification harness, which runs a
+    named backend); the library itself asks its local op's capabilities (`LocalOps.device`)."""
+    return DEVICE_OF[backend] == "cuda"
 
 
 @dataclass
@@ -335,7 +343,7 @@ def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
 def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
     """Rank `rank` of a loopback world: ranks as threads of one process sharing one device
     (`burstcu.transport.loopback`). Call on the rank's own thread; on "cupy", with that thread's
-    own compute stream current. `burstcu.testing.loopback.run_ranks` starts such a world."""
+    own compute stream current. `burstcu.testing.world.run_ranks` starts such a world."""
     if backend == "numpy":
         ops: LocalOps = NumpyOps(**options)
     elif backend in ("cupy", "emulated"):

@@ -38,7 +38,7 @@ try:  # JAX releases before buffer_callback go through the host under jax.jit on
 except ImportError:
     buffer_callback = None
 
-from . import api, kvcache
+from . import api, arrays
 from .group import Group, local_group
 
 __all__ = ["attention", "linear_attention", "decode"]
@@ -49,7 +49,7 @@ def _is_traced(arrays) -> bool:
 
 
 def _on_gpu(x) -> bool:
-    return api._cuda_device(x) is not None
+    return arrays.cuda_device(x) is not None
 
 
 def _eager(fn, arrays, *args, **kwargs):
@@ -66,7 +66,7 @@ def _host(fn, group: Group | None, *args, **kwargs):
     the GPU and the results come back (XLA takes NumPy results)."""
     def run(*arrays):
         arrays = tuple(np.asarray(x) for x in arrays)
-        if group is not None and group.backend == "cupy":
+        if group is not None and group.ops.device == "cuda":
             import cupy
             result = fn(*(cupy.asarray(x) for x in arrays), group, *args, **kwargs)
             as_host = cupy.asnumpy
@@ -104,7 +104,7 @@ def _device_buffers(fn, group: Group | None, *args, **kwargs):
 
     def run(ctx, outs, *ins_and_ticket):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        with api.external_stream(int(ctx.stream)):
+        with arrays.external_stream(int(ctx.stream)):
             result = fn(*(view(b) for b in ins_and_ticket[:-1]), group, *args, **kwargs)
             for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
                 view(out)[...] = value
@@ -120,7 +120,7 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     if not _is_traced(arrays):
         return _eager(fn, arrays, group, *args, **kwargs)
     group = _callback_group(group)
-    if (buffer_callback is not None and group is not None and group.backend == "cupy"
+    if (buffer_callback is not None and group is not None and group.ops.device == "cuda"
             and jax.default_backend() == "gpu"):
         return _in_program_order(_device_buffers(fn, group, *args, **kwargs), arrays, results)
     return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
@@ -237,7 +237,7 @@ def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=Non
 
     def call(q, k_cache, v_cache, *lengths_and_group):
         *lengths, group = lengths_and_group
-        return kvcache.decode(q, k_cache, v_cache, group,
+        return api.decode(q, k_cache, v_cache, group,
                               cache_seqlens=lengths[0] if lengths else None,
                               softmax_scale=softmax_scale, return_lse=return_lse)
 

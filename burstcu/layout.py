@@ -130,15 +130,16 @@ def _runs(pieces: list[tuple[int, int]], merge: bool = False) -> tuple[Segment, 
 
 
 @lru_cache(maxsize=256)
-def partition(layout: str, size: int, seqlen_global: int, docs: tuple[int, ...] | None = None,
+def partition(layout: str, size: int, seqlen_global: int,
+              cu_seqlens: tuple[int, ...] | None = None,
               lengths: tuple[int, ...] | None = None) -> Partition:
     """The rows of every rank under `layout` (module docstring).
 
-    lengths: each rank's S_r (contiguous only; default near-equal). docs: document boundaries
-    (cu_seqlens); with "zigzag" each document is cut into 2G pieces, the longer pieces of a
-    document going on where the previous document's stopped, so the ranks' lengths differ by
-    at most 2. Raises ValueError for a split it cannot make (lengths that do not add up to N,
-    lengths with zigzag, N < G).
+    lengths: each rank's S_r (contiguous only; default near-equal). cu_seqlens: document
+    boundaries (a tuple of ints); with "zigzag" each document is cut into 2G pieces, the longer
+    pieces of a document going on where the previous document's stopped, so the ranks' lengths
+    differ by at most 2. Raises ValueError for a split it cannot make (lengths that do not add up
+    to N, lengths with zigzag, N < G).
     """
     check_layout(layout)
     if size < 1 or seqlen_global < size:
@@ -152,13 +153,15 @@ def partition(layout: str, size: int, seqlen_global: int, docs: tuple[int, ...] 
                              f"{size} ranks of at least one row each")
         starts = [sum(lengths[:r]) for r in range(size)]
         return Partition(layout, tuple(_runs([(starts[r], lengths[r])]) for r in range(size)))
-    if lengths is not None and tuple(lengths) != partition(layout, size, seqlen_global, docs).lengths:
-        raise ValueError(f"zigzag fixes every rank's length ({seqlen_global} positions over "
-                         f"{size} ranks: {partition(layout, size, seqlen_global, docs).lengths}); "
-                         f"got {tuple(lengths)}")
+    if lengths is not None:
+        fixed = partition(layout, size, seqlen_global, cu_seqlens).lengths
+        if tuple(lengths) != fixed:
+            raise ValueError(f"zigzag fixes every rank's length ({seqlen_global} positions over "
+                             f"{size} ranks: {fixed}); got {tuple(lengths)}")
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
     first = 0
-    for start, stop in zip(*(((0,), (seqlen_global,)) if docs is None else (docs[:-1], docs[1:]))):
+    spans = [(0, seqlen_global)] if cu_seqlens is None else zip(cu_seqlens[:-1], cu_seqlens[1:])
+    for start, stop in spans:                      # each document [start, stop) in 2G pieces
         cut = near_equal(stop - start, 2 * size, first)
         first = (first + (stop - start)) % (2 * size)
         bounds = [start + sum(cut[:c]) for c in range(2 * size + 1)]
@@ -205,72 +208,75 @@ def global_positions(layout: str | Partition, rank: int, size: int, seqlen_local
 
 
 def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
-                causal: bool, window: tuple[int, int] = (-1, -1),
-                docs: tuple[int, ...] | None = None) -> list[Block]:
+                causal: bool, window_size: tuple[int, int] = (-1, -1),
+                cu_seqlens: tuple[int, ...] | None = None) -> list[Block]:
     """`blocks` of `as_partition(layout, size, seqlen_local)`."""
-    return blocks(as_partition(layout, size, seqlen_local), q_rank, kv_rank, causal, window, docs)
+    return blocks(as_partition(layout, size, seqlen_local), q_rank, kv_rank, causal, window_size,
+                  cu_seqlens)
 
 
 def blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool,
-           window: tuple[int, int] = (-1, -1), docs: tuple[int, ...] | None = None) -> list[Block]:
+           window_size: tuple[int, int] = (-1, -1),
+           cu_seqlens: tuple[int, ...] | None = None) -> list[Block]:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step).
 
-    window = (left, right): a query at position q sees keys in [q - left, q + right] (-1:
+    window_size = (left, right): a query at position q sees keys in [q - left, q + right] (-1:
     unbounded on that side; with causal the right bound is the diagonal). Rectangles wholly
     outside are dropped; those a bound cuts through carry it (`Block.left` / `Block.right`).
-    docs: document boundaries (cu_seqlens: 0 = b_0 <= b_1 <= ... <= b_n = global length); a
-    query sees keys of its own document [b_i, b_i+1) only. Each pair of segments is cut at the
+    cu_seqlens: document boundaries (0 = b_0 <= b_1 <= ... <= b_n = global length); a query
+    sees keys of its own document [b_i, b_i+1) only. Each pair of segments is cut at the
     boundaries into one rectangle per document both touch, so a document is a set of rectangles
     and no kernel needs to know about it.
     """
-    left, right = window
+    left, right = window_size
     hi = 0 if causal else (right if right >= 0 else None)   # keys up to q + hi
     lo = left if left >= 0 else None                          # keys from q - lo
     q_segs, k_segs = part.runs[q_rank], part.runs[kv_rank]
-    if hi is None and lo is None and docs is None:        # no mask: one rectangle of all rows
+    if hi is None and lo is None and cu_seqlens is None:  # no mask: one rectangle of all rows
         return [Block(0, part.lengths[q_rank], 0, part.lengths[kv_rank], 0, 0, False)]
     by_pos = sorted(k_segs, key=lambda seg: seg.pos)
     starts = [seg.pos for seg in by_pos]
     out = []
     for qs in q_segs:
-        for ks in by_pos[_first_reachable(qs, by_pos, starts, lo, docs):]:
-            if _beyond(qs, ks, hi, docs):
+        for ks in by_pos[_first_reachable(qs, by_pos, starts, lo, cu_seqlens):]:
+            if _beyond(qs, ks, hi, cu_seqlens):
                 break
-            for q_piece, k_piece in _same_document(qs, ks, docs):
+            for q_piece, k_piece in _same_document(qs, ks, cu_seqlens):
                 block = _rectangle(q_piece, k_piece, causal, lo, hi)
                 if block is not None:
                     out.append(block)
     return out
 
 
-def _first_reachable(qs: Segment, k_sorted, starts, lo, docs) -> int:
+def _first_reachable(qs: Segment, k_sorted, starts, lo, cu_seqlens) -> int:
     """Index of the first key segment (by position) that could hold a key qs's queries see:
     none ends before qs's first query's document starts or its left bound."""
     floor = 0 if lo is None else qs.pos - lo
-    if docs is not None:
-        floor = max(floor, docs[bisect_right(docs, qs.pos) - 1])
+    if cu_seqlens is not None:
+        floor = max(floor, cu_seqlens[bisect_right(cu_seqlens, qs.pos) - 1])
     i = max(bisect_right(starts, floor) - 1, 0)
     return i
 
 
-def _beyond(qs: Segment, ks: Segment, hi, docs) -> bool:
+def _beyond(qs: Segment, ks: Segment, hi, cu_seqlens) -> bool:
     """Whether ks (and every later key segment) starts past every key qs's queries can see."""
     last = qs.pos + qs.length - 1
     if hi is not None and ks.pos > last + hi:
         return True
-    return docs is not None and ks.pos >= docs[min(bisect_right(docs, last), len(docs) - 1)]
+    return cu_seqlens is not None and \
+        ks.pos >= cu_seqlens[min(bisect_right(cu_seqlens, last), len(cu_seqlens) - 1)]
 
 
-def _same_document(qs: Segment, ks: Segment, docs):
-    """(query piece, key piece) pairs of qs and ks that lie in one document (docs None: the
-    whole sequence is one)."""
-    if docs is None:
+def _same_document(qs: Segment, ks: Segment, cu_seqlens):
+    """(query piece, key piece) pairs of qs and ks that lie in one document (cu_seqlens None:
+    the whole sequence is one)."""
+    if cu_seqlens is None:
         yield qs, ks
         return
     q_end, k_end = qs.pos + qs.length, ks.pos + ks.length
-    first = bisect_right(docs, max(qs.pos, ks.pos)) - 1    # the document of the later start
-    for i in range(max(first, 0), len(docs) - 1):
-        start, stop = docs[i], docs[i + 1]
+    first = bisect_right(cu_seqlens, max(qs.pos, ks.pos)) - 1    # the document of the later start
+    for i in range(max(first, 0), len(cu_seqlens) - 1):
+        start, stop = cu_seqlens[i], cu_seqlens[i + 1]
         if start >= min(q_end, k_end):
             break                                           # past one of the two segments
         q0, q1 = max(qs.pos, start), min(q_end, stop)
@@ -296,9 +302,9 @@ def _rectangle(qs: Segment, ks: Segment, causal: bool, lo, hi) -> Block | None:
 
 
 def shard_slices(layout: str, rank: int, size: int, seqlen_global: int,
-                 docs: tuple[int, ...] | None = None,
+                 cu_seqlens: tuple[int, ...] | None = None,
                  lengths: tuple[int, ...] | None = None) -> list[slice]:
     """Slices of the global sequence axis that make up `rank`'s shard, in local order
     (`partition` for the arguments)."""
     return [slice(seg.pos, seg.pos + seg.length)
-            for seg in partition(layout, size, seqlen_global, docs, lengths).runs[rank]]
+            for seg in partition(layout, size, seqlen_global, cu_seqlens, lengths).runs[rank]]

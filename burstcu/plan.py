@@ -5,7 +5,7 @@ forward and one backward pass of every strategy that can take the shapes (burst,
 allgather, ulysses, and usp for every Ulysses degree u > 1 that works and fits a node) on a
 `Machine`, and picks the one with the smallest predicted forward + backward time (forward only
 with backward=False); ties go to the earlier candidate, burst first. The result prints as a table.
-Every figure is a PREDICTION of this model, not a measurement (bench/plan_check.py compares the
+Every figure is a PREDICTION of this model, not a measurement (bench/model/plan_check.py compares the
 pick with the measured best on the CPU).
 
 The model (per rank; B batch, H / Hkv heads, D head dim, it / acc the input and accumulation
@@ -16,11 +16,13 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               (`burstcu.layout.blocks`, counted exactly per rank and step: causal, windows,
               documents and uneven shards all show), the overhead being host work and launches.
     messages  t(bytes) = latency + bytes / bandwidth for each ring exchange and for each
-              all-to-all (its messages go out together), with the intra-node bandwidth when the
-              ranks that talk share a node (machine.ranks_per_node), else the inter-node one.
+              all-to-all (its messages go out together; one latency more for each further
+              message of an exchange), with the intra-node bandwidth when the ranks that talk
+              share a node (machine.ranks_per_node), else the inter-node one.
     burst     per step, the busiest rank's max(compute, transfer) (the transfer hides behind
               the step's compute), summed over the steps (+ dQ's hop home in the backward);
-              blocks and bundles that stop early (`burst.travels`, `bundle_hops`) send nothing;
+              blocks and bundles that stop early send nothing (the strategy's own schedule,
+              `burst.forward_steps` / `backward_steps`, says which rank sends what at each step);
               ring: the same with its messages and no skipping; allgather: gather, then the
               busiest rank's compute (no overlap; backward adds the reduce-scatter); ulysses:
               all-to-all in + compute over the whole sequence for H/G heads + all-to-all out;
@@ -36,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import engine
+from .engine import burst, steps, ulysses
 from .layout import Partition, as_partition, blocks, grouped, partition
 from .ops.base import accum_dtype
 
@@ -59,7 +62,7 @@ class Machine:
 
 MACHINES = {
     # ASSUMED round figures for the NumPy backend on a few cores with shared-memory MPI; measure
-    # them for a real choice (bench/plan_check.py does)
+    # them for a real choice (bench/model/plan_check.py does)
     "cpu": Machine("cpu", 2e10, 2e9, 2e9, 2e-4, 1 << 30, "ASSUMED: NumPy/BLAS on a few cores, "
                    "MPI over shared memory", step_overhead=8e-4),
     # vendor peaks (H100 SXM5: 989 TF dense BF16; NVLink 4: 450 GB/s each way; NDR InfiniBand:
@@ -146,116 +149,209 @@ def _kept_pairs(block) -> int:
 
 
 @lru_cache(maxsize=64)
-def _work(part: Partition, causal: bool, window, docs) -> tuple[np.ndarray, np.ndarray]:
+def _work(part: Partition, causal: bool, window_size, cu_seqlens) -> tuple[np.ndarray, np.ndarray]:
     """(pairs, calls), each (G, G): kept (query, key) pairs of rank i's queries over rank j's
     keys, and the rectangles (local-op calls) they take."""
     g = part.size
     pairs, calls = np.zeros((g, g), np.int64), np.zeros((g, g), np.int64)
     for i in range(g):
         for j in range(g):
-            rects = blocks(part, i, j, causal, window, docs)
+            rects = blocks(part, i, j, causal, window_size, cu_seqlens)
             pairs[i, j] = sum(_kept_pairs(r) for r in rects)
             calls[i, j] = len(rects)
     return pairs, calls
 
 
-def _transfer(machine: Machine, nbytes: float, local: bool) -> float:
-    """One exchange (or one all-to-all, whose messages go out together)."""
-    bw = machine.intra_bw if local else machine.inter_bw
-    return machine.latency + nbytes / bw
+@dataclass(frozen=True)
+class _Problem:
+    """What one prediction is for: this rank's q and k (`_Spec`s, (B, S, H, D) and
+    (B, S, Hkv, D)) on `size` ranks, the mask (causal, window_size, cu_seqlens as
+    `engine.steps.mask_key` gives it), the machine; and what a step of it costs there."""
+
+    q: _Spec
+    k: _Spec
+    size: int
+    rank: int
+    mask: tuple
+    machine: Machine
+
+    @property
+    def node(self) -> bool:
+        """Whether all ranks share a node (the intra-node links)."""
+        return self.size <= self.machine.ranks_per_node
+
+    def spec(self, heads: int) -> _Spec:
+        """q's shape and dtype with `heads` heads (a group's heads: usp; kv heads: for k)."""
+        b, s, _, d = self.q.shape
+        return _Spec((b, s, heads, d), self.q.dtype)
+
+    def formula(self, layout) -> dict:
+        """The keywords of the strategies' byte and message counts for this rank and mask."""
+        causal, window_size, cu_seqlens = self.mask
+        return dict(rank=self.rank, layout=layout, causal=causal, window_size=window_size,
+                    cu_seqlens=cu_seqlens)
+
+    def compute(self, pairs, calls, heads: int, factor: float = 1.0):
+        """Seconds of the local op for these kept pairs and calls of `heads` query heads (0
+        where there is nothing): a fixed cost a call, and 4 B D flops a pair and head forward
+        (`factor` 2.5 backward)."""
+        b, _, _, d = self.q.shape
+        flop_s = 4 * b * d / self.machine.flops      # seconds per kept pair and query head
+        return np.where(calls > 0, self.machine.step_overhead * calls
+                        + factor * flop_s * heads * pairs, 0.0)
+
+    def transfer(self, nbytes: float, local: bool, messages: int = 1) -> float:
+        """Seconds of `messages` messages of `nbytes` in all, posted together (an exchange, or
+        an all-to-all): a latency each, and the bytes at the intra- or inter-node bandwidth."""
+        machine = self.machine
+        bw = machine.intra_bw if local else machine.inter_bw
+        return machine.latency + nbytes / bw + (messages - 1) * machine.latency
+
+
+def _ring_seconds(problem: _Problem, part: Partition, forward_step, backward_step,
+                  home_bytes: int, local: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of a ring schedule over part's ranks (burst's or the classic
+    ring's): per step the busiest rank's seconds, summed over the steps, then the last
+    gradients' hop home. forward_step(r, t), backward_step(r, t): rank r's seconds at step t,
+    max(compute, transfer) (the transfer hides behind the step's compute)."""
+    g = part.size
+    fwd = bwd = 0.0
+    for t in range(g):
+        fwd += max(forward_step(r, t) for r in range(g))
+        bwd += max(backward_step(r, t) for r in range(g))
+    if g > 1:
+        bwd += problem.transfer(home_bytes, local)
+    return fwd, bwd
+
+
+def _burst_seconds(problem: _Problem, part: Partition, heads: int, kv_heads: int,
+                   local: bool) -> tuple[float, float]:
+    """burst's ring over part's ranks with these heads: each step's K/V block and backward
+    bundle (with its dQ) sent only where the schedule (`burst.forward_steps`, `backward_steps`)
+    passes it on."""
+    pairs, calls = _work(part, *problem.mask)
+    q, k = problem.spec(heads), problem.spec(kv_heads)
+    lengths = part.lengths
+    kv_row = steps.kv_row_bytes(k, k)
+    bundle_row = burst.bundle_row_bytes(q) + burst.dq_row_bytes(q)
+    forward_steps = [burst.forward_steps(r, part, *problem.mask) for r in range(part.size)]
+    backward_steps = [burst.backward_steps(r, part, *problem.mask) for r in range(part.size)]
+
+    def forward_step(r: int, t: int) -> float:
+        step = forward_steps[r][t]
+        sent = problem.transfer(lengths[step.source] * kv_row, local) if step.sends else 0.0
+        return max(float(problem.compute(pairs[r, step.source], calls[r, step.source], heads)),
+                   sent)
+
+    def backward_step(r: int, t: int) -> float:
+        step = backward_steps[r][t]
+        j = step.bundle
+        sent = problem.transfer(lengths[j] * bundle_row, local) if step.passes_on else 0.0
+        work = problem.compute(pairs[j, r], calls[j, r], heads, 2.5) if step.held else 0.0
+        return max(float(work), sent)
+
+    home = max(lengths) * burst.dq_row_bytes(q)
+    return _ring_seconds(problem, part, forward_step, backward_step, home, local)
+
+
+def _burst_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
+    """burst: the ring over every rank, all heads."""
+    return _burst_seconds(problem, part, problem.q.shape[2], problem.k.shape[2], problem.node)
+
+
+def _ring_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
+    """Ring Attention: every block goes all the way round, K and V as two messages, and backward
+    K, V and dK, dV as four."""
+    pairs, calls = _work(part, *problem.mask)
+    h, hkv, g, lengths = problem.q.shape[2], problem.k.shape[2], part.size, part.lengths
+    k = problem.spec(hkv)
+    kv_row, grad_row = steps.kv_row_bytes(k, k), steps.grad_row_bytes(k, k)
+
+    def forward_step(r: int, t: int) -> float:
+        src = (r - t) % g
+        sent = problem.transfer(lengths[src] * kv_row, problem.node, 2) if t < g - 1 else 0.0
+        return max(float(problem.compute(pairs[r, src], calls[r, src], h)), sent)
+
+    def backward_step(r: int, t: int) -> float:
+        src = (r - t) % g
+        sent = (problem.transfer(lengths[src] * (kv_row + grad_row), problem.node, 4)
+                if t < g - 1 else 0.0)
+        return max(float(problem.compute(pairs[r, src], calls[r, src], h, 2.5)), sent)
+
+    home = max(lengths) * grad_row
+    return _ring_seconds(problem, part, forward_step, backward_step, home, problem.node)
+
+
+def _allgather_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
+    """allgather: the gather, then the busiest rank's compute (no overlap); backward adds the
+    reduce-scatter."""
+    pairs, calls = _work(part, *problem.mask)
+    h, size, longest = problem.q.shape[2], problem.size, max(part.lengths)
+    k = problem.spec(problem.k.shape[2])
+    gather = (size - 1) * problem.transfer(longest * steps.kv_row_bytes(k, k), problem.node)
+    scatter = (size - 1) * problem.transfer(longest * steps.grad_row_bytes(k, k), problem.node)
+    fwd = gather + float(problem.compute(pairs, calls, h).sum(axis=1).max())
+    bwd = gather + float(problem.compute(pairs, calls, h, 2.5).sum(axis=1).max()) + scatter
+    return fwd, bwd
+
+
+def _ulysses_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
+    """ulysses: all-to-all in + compute over the whole sequence for H/G heads + all-to-all out,
+    at the busiest rank's bytes (the same figure on every rank, so every rank picks alike)."""
+    whole = as_partition("contiguous", 1, part.total)
+    pairs, calls = _work(whole, *problem.mask)
+    size, hg = problem.size, problem.q.shape[2] // problem.size
+    q, k = problem.q, problem.k
+    formula = problem.formula(part)
+    most_f, most_b = (max(count(size, q, k, k, **(formula | {"rank": r})) for r in range(size))
+                      for count in (run.forward_bytes, run.backward_bytes))
+    fwd = (2 * problem.transfer(most_f / 2, problem.node)
+           + float(problem.compute(pairs, calls, hg)[0, 0]))
+    bwd = (2 * problem.transfer(most_b / 2, problem.node)
+           + float(problem.compute(pairs, calls, hg, 2.5)[0, 0]))
+    return fwd, bwd
+
+
+def _usp_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
+    """usp(u): the all-to-alls inside groups of u (intra-node when a group fits a node) around
+    burst's ring over the G/u groups."""
+    b, s, h, d = problem.q.shape
+    hkv = problem.k.shape[2]
+    it, acc = problem.q.dtype.itemsize, accum_dtype(problem.q.dtype).itemsize
+    u = run.degree(problem.size, h, hkv)
+    hg, hk = h // u, ulysses.kv_heads(0, u, h, hkv)[1]
+    a2a_f = ulysses.forward_bytes(u, problem.q, problem.k, problem.k)
+    # lse, delta, q, dO, k, v in; dq, dk, dv back, counted at the input itemsize here
+    a2a_b = (u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
+                               + (hg + 2 * hk) * d * it)
+    ring_f, ring_b = _burst_seconds(problem, grouped(part, u), hg, hk, problem.node)
+    within = u <= problem.machine.ranks_per_node
+    fwd = 2 * problem.transfer(a2a_f / 2, within) + ring_f
+    bwd = 2 * problem.transfer(a2a_b / 2, within) + ring_b
+    return fwd, bwd
+
+
+_MODELS = {"burst": _burst_model, "ring": _ring_model, "allgather": _allgather_model,
+           "ulysses": _ulysses_model, "usp": _usp_model}
 
 
 def predict(strategy: str, options: dict, q_shape, k_shape, size: int, *, causal: bool,
             layout: str | Partition, dtype, machine: Machine, rank: int = 0,
-            window=(-1, -1), docs=None) -> Candidate:
+            window_size=(-1, -1), cu_seqlens=None) -> Candidate:
     """PREDICTED forward and backward seconds of `strategy` (see the module docstring); bytes
     are those `rank` sends (burst and usp skip hops under some masks). layout: a name (every
-    rank holding q_shape's S rows) or a `burstcu.layout.Partition`; window and docs (document
-    boundaries) as `burstcu.attention` takes them."""
-    b, s, h, d = (int(n) for n in q_shape)
-    hkv = int(k_shape[2])
-    q, k = _Spec(q_shape, dtype), _Spec(k_shape, dtype)
-    part = as_partition(layout, size, s)
-    mask = (bool(causal), tuple(int(w) for w in window), docs)
+    rank holding q_shape's S rows) or a `burstcu.layout.Partition`; window_size and cu_seqlens
+    (document boundaries) as `burstcu.attention` takes them."""
     run = engine.get(strategy, **options)
-    formula = dict(rank=rank, layout=part, causal=mask[0], window=mask[1], docs=docs)
-    fwd_bytes = run.forward_bytes(size, q, k, k, **formula)
-    bwd_bytes = run.backward_bytes(size, q, k, k, **formula)
-    it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-    node = size <= machine.ranks_per_node
-    step = machine.step_overhead
-    flop_s = 4 * b * d / machine.flops          # seconds per kept pair and query head, forward
-
-    def compute(pairs, calls, heads: int, factor: float = 1.0):
-        """Seconds of the local op for these pairs and calls (0 where there is nothing)."""
-        return np.where(calls > 0, step * calls + factor * flop_s * heads * pairs, 0.0)
-
-    def ring(p: Partition, heads: int, kv_heads: int, local: bool, skipping: bool = True,
-             messages: str = "burst") -> tuple[float, float]:
-        """(forward, backward) of a ring over p's ranks: per step the busiest rank's
-        max(compute, transfer) (the transfer hides behind the step's compute)."""
-        g, lengths = p.size, p.lengths
-        pairs, calls = _work(p, *mask)
-        fwd = bwd = 0.0
-        if messages == "burst":
-            d_ = engine.burst._direction(p, *mask)
-        for t in range(g):
-            tf, tb = [], []
-            for r in range(g):
-                src = (r - t) % g
-                sends = t < g - 1 and (not skipping or engine.burst.travels(r, t, p, *mask))
-                kv = 2 * b * lengths[src] * kv_heads * d * it
-                if messages == "burst":
-                    tm = _transfer(machine, kv, local) if sends else 0.0
-                    j = (r - d_ * t) % g                         # the bundle held backward
-                    hops = engine.burst._bundle_hops(j, p, *mask)
-                    rows = lengths[j]
-                    held_b = t <= hops
-                    bundle = 2 * b * rows * heads * (d * it + acc) + b * rows * heads * d * acc
-                    tmb = _transfer(machine, bundle, local) if t < hops else 0.0
-                    cb = compute(pairs[j, r], calls[j, r], heads, 2.5) if held_b else 0.0
-                else:                                            # ring: two messages a pass
-                    tm = _transfer(machine, kv, local) + machine.latency if sends else 0.0
-                    tmb = (_transfer(machine, kv + 2 * b * lengths[src] * kv_heads * d * acc, local)
-                           + 3 * machine.latency) if t < g - 1 else 0.0
-                    cb = compute(pairs[r, src], calls[r, src], heads, 2.5)
-                tf.append(max(float(compute(pairs[r, src], calls[r, src], heads)), tm))
-                tb.append(max(float(cb), tmb))
-            fwd, bwd = fwd + max(tf), bwd + max(tb)
-        if g > 1:                                                # the last dQ / dK, dV home
-            home = b * max(lengths) * (heads * d if messages == "burst" else 2 * kv_heads * d) * acc
-            bwd += _transfer(machine, home, local)
-        return fwd, bwd
-
-    if strategy in ("burst", "ring"):
-        fwd, bwd = ring(part, h, hkv, node, skipping=strategy == "burst", messages=strategy)
-    elif strategy == "allgather":
-        pairs, calls = _work(part, *mask)
-        gather = (size - 1) * _transfer(machine, 2 * b * max(part.lengths) * hkv * d * it, node)
-        scatter = (size - 1) * _transfer(machine, 2 * b * max(part.lengths) * hkv * d * acc, node)
-        fwd = gather + float(compute(pairs, calls, h).sum(axis=1).max())
-        bwd = gather + float(compute(pairs, calls, h, 2.5).sum(axis=1).max()) + scatter
-    elif strategy == "ulysses":
-        whole = as_partition("contiguous", 1, part.total)
-        pairs, calls = _work(whole, *mask)
-        hg = h // size
-        # the busiest rank's bytes (the same figure on every rank, so every rank picks alike)
-        most_f, most_b = (max(f(size, q, k, k, **(formula | {"rank": r})) for r in range(size))
-                          for f in (run.forward_bytes, run.backward_bytes))
-        fwd = 2 * _transfer(machine, most_f / 2, node) + float(compute(pairs, calls, hg)[0, 0])
-        bwd = 2 * _transfer(machine, most_b / 2, node) + float(compute(pairs, calls, hg, 2.5)[0, 0])
-    elif strategy == "usp":
-        u = run.degree(size, h, hkv)
-        hg, hk = h // u, engine.ulysses.kv_heads(0, u, h, hkv)[1]
-        a2a_f = (u - 1) * b * s * ((hg + 2 * hk) * d * it + hg * (acc + d * it))
-        a2a_b = (u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it + (hg + 2 * hk) * d * it)
-        ring_f, ring_b = ring(grouped(part, u), hg, hk, node)
-        within = u <= machine.ranks_per_node
-        fwd = 2 * _transfer(machine, a2a_f / 2, within) + ring_f
-        bwd = 2 * _transfer(machine, a2a_b / 2, within) + ring_b
-    else:
+    if strategy not in _MODELS:
         raise ValueError(f"no model for strategy {strategy!r}")
-    return Candidate(strategy, dict(options), fwd, bwd, fwd_bytes, bwd_bytes)
+    q, k = _Spec(q_shape, dtype), _Spec(k_shape, dtype)
+    problem = _Problem(q, k, size, rank, steps.mask_key(causal, window_size, cu_seqlens), machine)
+    part = as_partition(layout, size, q.shape[1])
+    formula = problem.formula(part)
+    fwd, bwd = _MODELS[strategy](problem, run, part)
+    return Candidate(strategy, dict(options), fwd, bwd, run.forward_bytes(size, q, k, k, **formula),
+                     run.backward_bytes(size, q, k, k, **formula))
 
 
 def candidates(q_shape, k_shape, size: int) -> list[tuple[str, dict]]:
@@ -288,11 +384,12 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     if isinstance(machine, str):
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)
-    docs = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    if layout == "zigzag" and docs is not None:     # every document in 2G pieces, as shard cuts
-        layout = partition("zigzag", size, docs[-1], docs)
+    cu_seqlens = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
+    if layout == "zigzag" and cu_seqlens is not None:  # every document in 2G pieces, as shard cuts
+        layout = partition("zigzag", size, cu_seqlens[-1], cu_seqlens)
     preds = [predict(name, opts, q_shape, k_shape, size, causal=causal, layout=layout,
-                     dtype=dtype, machine=machine, rank=rank, window=window_size, docs=docs)
+                     dtype=dtype, machine=machine, rank=rank, window_size=window_size,
+                     cu_seqlens=cu_seqlens)
              for name, opts in candidates(q_shape, k_shape, size)]
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import api
-from .group import Group, init
+from .group import Group, init, on_gpu
 from .transport.bootstrap import BackendUnavailable, gpu_usable, world_comm
 from .layout import step_blocks
 from .ops.numpy import blas_advice
@@ -273,7 +273,7 @@ def run_full(args) -> int:
                   "(it starts its own ranks as threads on the device)", flush=True)
         return 2
     backend = "cupy" if gpu_usable() else "emulated"
-    quick = args.quick or backend == "emulated"
+    quick = args.quick or not on_gpu(backend)
     started = time.perf_counter()
     records = checks.run_all(backend, quick, args.only, progress=_progress)
     failed = [r for r in records if r["passed"] is False]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import api, kvcache
+from . import api, arrays
 from .group import Group
 
 __all__ = ["attention", "linear_attention", "decode"]
@@ -68,7 +68,7 @@ def _on_torch_stream(tensors):
     stream = torch.cuda.current_stream(cuda.device)
     if stream.cuda_stream == 0:   # torch's default stream is CUDA's legacy stream, CuPy's default too
         return contextlib.nullcontext()
-    return api.external_stream(stream.cuda_stream)   # the inputs' device: _device_problem checks it
+    return arrays.external_stream(stream.cuda_stream)   # the inputs' device: arrays.device_problem checks it
 
 
 def _call(fn, tensors, *args, **kwargs):
@@ -141,5 +141,5 @@ def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=Non
     """`burstcu.decode` for tensors (inference: no autograd): q (B, T, H, D) the same on every
     rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints.
     Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
-    return _call(kvcache.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
+    return _call(api.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
                  softmax_scale=softmax_scale, return_lse=return_lse)

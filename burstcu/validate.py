@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -419,3 +420,144 @@ def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
         if o0.get(key) != o1.get(key):
             items.append(f"{key}: rank 0 {o0.get(key)!r}, rank {rank} {o1.get(key)!r}")
     return "; ".join(items or ["their calls differ"]) + hint
+
+
+# -- the checks of each public call (what one rank checks alone, before the agreement) ------------
+
+def check_attention_call(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
+                         strategy: str, options: dict, flags: dict, options_problem=None,
+                         strategy_problem=None, window_size=(-1, -1), cu_seqlens=None):
+    """(InputError or None, resolved softmax scale, metadata, document boundaries or None) of
+    this rank's native arrays for `attention` (q, k, v) or `attention_backward` (dout, q, k, v,
+    out, lse). options_problem: the strategy options' InputError (checked first);
+    strategy_problem(q_shape, k_shape): the strategy's own limits as an InputError or None. The
+    ranks' sequence lengths may differ (the metadata leaves them out; `partition_of` checks them
+    once all are known)."""
+    q, k, v = arrays[1:4] if backward else arrays
+    err = options_problem or check_flags(**flags) or check_attention_inputs(
+        q, k, v, array_types=ops.array_types, dtypes=ops.dtypes, layout=layout,
+        softmax_scale=softmax_scale, op_rule=lambda q_, k_: ops.input_problem(q_, k_, backward))
+    if err is None and strategy_problem is not None:
+        err = strategy_problem(q.shape, k.shape)
+    if err is None:
+        err = check_window(window_size, bool(causal), ops.masks_windows)
+    docs = None
+    if err is None:
+        err, docs = parse_cu_seqlens(cu_seqlens)
+    if err is None and backward:
+        dout, _, _, _, out, lse = arrays
+        err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
+    if err is not None:
+        return err, None, None, None
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    seq_axes = (1, 1, 1, 1, 1, 2) if backward else (1, 1, 1)
+    # every flag is agreed on too (check=True changes what the backward ring sends)
+    return None, scale, metadata(*arrays, seq_axes=seq_axes, layout=layout, strategy=strategy,
+                                 softmax_scale=scale, window=tuple(int(w) for w in window_size),
+                                 cu_seqlens=docs_digest(docs), **options,
+                                 **{name: bool(value) for name, value in flags.items()}), docs
+
+
+def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, strategy: str,
+                      strategies: tuple):
+    """(InputError or None, metadata) of this rank's native arrays for `linear_attention` (q, k,
+    v) or its backward (dout, q, k, v); strategies: the linear strategies' names."""
+    q, k, v = arrays[1:] if backward else arrays
+    err = None
+    if strategy not in strategies:
+        err = InputError(ValueError, f"strategy must be one of {strategies}, not {strategy!r}")
+    err = err or check_flags(causal=causal) or check_attention_inputs(
+        q, k, v, array_types=ops.array_types, dtypes=ops.array_dtypes, layout=layout,
+        softmax_scale=None)
+    if err is None and layout == "zigzag" and q.shape[1] % 2:
+        err = InputError(ValueError, f"linear attention's zigzag layout needs an even local "
+                                     f"seqlen, got {q.shape[1]}")
+    if err is None and backward:
+        dout = arrays[0]
+        if not isinstance(dout, ops.array_types):
+            err = InputError(TypeError, f"dout must be an array like q, got {type(dout).__name__}")
+        elif tuple(dout.shape) != tuple(q.shape):
+            err = InputError(ValueError, f"dout must have q's shape {tuple(q.shape)}, got "
+                                         f"{tuple(dout.shape)}")
+        elif dtype_name(dout) != dtype_name(q):
+            err = InputError(TypeError, f"dout must have q's dtype {dtype_name(q)}, got "
+                                        f"{dtype_name(dout)}")
+    if err is not None:
+        return err, None
+    return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
+
+
+def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict):
+    """(InputError or None, metadata, (valid rows per batch row (B,) int64, scale)) of this
+    rank's q (B,T,H,D), k_cache, v_cache (B,S_cache,Hkv,D) for `decode`; agreed: more values
+    every rank must hold alike (a KVCache's counts)."""
+    q, k, v = arrays
+    for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
+        err = _check_array(name, x, 4, ops.array_types, ops.array_dtypes)
+        if err:
+            return err, None, None
+    if not dtype_name(q) == dtype_name(k) == dtype_name(v):
+        return InputError(TypeError, f"q, k_cache, v_cache dtypes differ: {dtype_name(q)}, "
+                                     f"{dtype_name(k)}, {dtype_name(v)}"), None, None
+    if tuple(k.shape) != tuple(v.shape):
+        return InputError(ValueError, f"k_cache has shape {tuple(k.shape)} but v_cache has "
+                                      f"{tuple(v.shape)}"), None, None
+    b, t, h, d = q.shape
+    bk, s, hkv, dk = k.shape
+    if bk != b or dk != d or min(b, t, h, d, hkv) < 1 or h % hkv:
+        return InputError(ValueError, f"q {tuple(q.shape)} does not fit the cache {tuple(k.shape)}: "
+                                      f"(B, T, H, D) against (B, S_cache, Hkv, D), H a multiple "
+                                      f"of Hkv"), None, None
+    if not isinstance(return_lse, (bool, np.bool_)):
+        return InputError(TypeError, f"return_lse must be True or False, got {return_lse!r}"), None, None
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float, np.floating))
+                                          and not isinstance(softmax_scale, bool)
+                                          and np.isfinite(float(softmax_scale))):
+        return InputError(ValueError, f"softmax_scale must be a finite number, got "
+                                      f"{softmax_scale!r}"), None, None
+    if cache_seqlens is None:
+        lengths = np.full(b, s, np.int64)
+    else:
+        lengths = host_ints(cache_seqlens)
+        if not np.issubdtype(lengths.dtype, np.integer) or lengths.shape != (b,):
+            return InputError(ValueError, f"cache_seqlens must be {b} integers (one a batch row), "
+                                          f"got {lengths.dtype} {tuple(lengths.shape)}"), None, None
+        if (lengths < 0).any() or (lengths > s).any():
+            return InputError(ValueError, f"cache_seqlens must lie in [0, {s}] (this rank's "
+                                          f"cache rows), got {lengths.tolist()}"), None, None
+        lengths = lengths.astype(np.int64)
+    scale = resolve_scale(softmax_scale, d)
+    meta = metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
+                    return_lse=bool(return_lse), **agreed)
+    return None, meta, (lengths, scale)
+
+
+# -- shards that are all the same (the global array passed on every rank) ----------------------
+
+class SameShardsWarning(RuntimeWarning):
+    """Every rank's shard starts with the same rows: most likely each rank passed the global
+    array instead of its shard (`burstcu.shard` cuts them). Identical shards can be meant; then
+    ``warnings.filterwarnings("ignore", category=burstcu.SameShardsWarning)`` silences it."""
+
+
+def first_rows_digest(x) -> bytes | None:
+    """A digest of x's first two rows along the sequence axis (axis 1) when x is in host memory
+    (NumPy), else None (reading device memory would synchronise the host)."""
+    if not isinstance(x, np.ndarray) or x.ndim < 2:
+        return None
+    return hashlib.blake2b(np.ascontiguousarray(x[:, :2]).tobytes(), digest_size=16).digest()
+
+
+def warn_if_all_the_same(digests: list, name: str) -> None:
+    """A SameShardsWarning on every rank (each sees every digest) when G > 1 ranks hold the same
+    first rows, pointing at the caller's line (the first frame outside burstcu): most likely
+    each passed the global array instead of its shard, which attends over G copies of the
+    sequence. A warning, not an error: identical shards can be meant. (Where the shapes make it
+    certain, documents that cover one copy of the rows, `check_docs_total` raises.)"""
+    if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
+        warnings.warn(f"every rank's {name} starts with the same rows: if each rank passed the "
+                      f"global array instead of its shard, this attends over {len(digests)} "
+                      f"copies of the sequence; cut shards with burstcu.shard(x, group, layout) "
+                      f"(identical shards meant? warnings.filterwarnings('ignore', "
+                      f"category=burstcu.SameShardsWarning))",
+                      SameShardsWarning, stacklevel=caller_stacklevel())

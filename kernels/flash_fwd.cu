@@ -61,7 +61,7 @@ Result (smem = (BLOCK_M + 4 BLOCK_N) * (D + 8) * 2 bytes; registers from the gat
     128  4 warps,  64 x 32, 51 KB, 168 regs         8 warps, 128 x 128, 170 KB, 249 regs
     256  4 warps,  64 x 32, 99 KB, 244 regs         8 warps, 128 x  64, 198 KB, 246 regs
 The sm_90 column was chosen by timing every tile pair that passes the gate on an H100
-(bench/tiles.py; bench/results/h100/tiles.json): against the sm_80-style tiles it was 1.22x
+(bench/gpu/tiles.py; bench/results/h100/tiles.json): against the sm_80-style tiles it was 1.22x
 (d = 64), 1.32x (d = 128) and 1.16x (d = 256) faster at S = 4096 and 16384. Occupancy did not
 decide it: at d = 128 and 256 the 8-warp blocks of 128 query rows (one block a SM) won, a K/V
 tile in smem serving twice the query rows; at d = 64, 4 warps x 64 beat 8 warps x 128 at the
@@ -77,7 +77,7 @@ bound (3 or 4 blocks) made ptxas spill, which the gate forbids. sm_90 gets 64-ke
 where its extra smem still leaves 3 blocks per SM. On compute capability 9.0 the forward steps of
 head dims 64, 128 and 256 run flash_fwd_sm90.cu instead (wgmma, TMA, warp specialisation: the
 "sm_90a" table); the sm_90 column above serves the other head dims there, and cc 10.x.
-`python bench/ptxas_report.py` prints the registers, smem and the occupancy they allow (computed
+`python bench/gpu/ptxas_report.py` prints the registers, smem and the occupancy they allow (computed
 from ptxas, not measured).
 
 NAPKIN MATH (A100: 312 TFLOP/s fp16 tensor, 1.55 TB/s HBM; a model: no A100 has run this code,

@@ -49,7 +49,7 @@ _DQ_TILES = {
     "sm_80": _DQ_TILES_BIG,
     "sm_86": {32: (64, 64, 1), 64: (64, 64, 1), 96: (64, 32, 1), 128: (64, 32, 1),
               256: (64, 16, 1)},
-    # measured on an H100 (bench/tiles.py): d = 256 runs 1.24x faster with 128 query rows (8
+    # measured on an H100 (bench/gpu/tiles.py): d = 256 runs 1.24x faster with 128 query rows (8
     # warps, 251 registers); the other head dims' tiles and every dK/dV tile were already the
     # fastest candidate that passed the gate.
     "sm_90": {**_DQ_TILES_BIG, 256: (128, 32, 1)},
@@ -128,7 +128,7 @@ def _check_tiles(d: int, bm: int, bn: int, warps_d: int) -> None:
 def dkdv_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int,
                            with_dq: bool = True) -> KernelVariant:
     """A dK/dV variant with explicit tiles, outside any table (for tile searches such as
-    bench/tiles.py); with a table's tiles this equals that table's variant."""
+    bench/gpu/tiles.py); with a table's tiles this equals that table's variant."""
     _check_tiles(d, bm, bn, warps_d)
     flag = "true" if with_dq else "false"
     return KernelVariant(

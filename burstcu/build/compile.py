@@ -777,7 +777,7 @@ def get_function(source: str, name_expression: str, smem_bytes: int = 0,
 # ------------------------------------------------------------------------------------------------
 # the compile gate
 
-# Per-arch limits the gate checks and bench/ptxas_report.py computes occupancy from (CUDA
+# Per-arch limits the gate checks and bench/gpu/ptxas_report.py computes occupancy from (CUDA
 # programming guide, "Technical Specifications per Compute Capability").
 ARCH_LIMITS = {
     "sm_80": {"regs_per_sm": 65536, "smem_per_sm": 164 * 1024, "smem_per_block": 163 * 1024,

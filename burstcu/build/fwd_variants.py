@@ -35,7 +35,7 @@ _TILES = {
     # 99 KB a block (sm_86/87/89/12x): the sm_80 tiles fit as they are; d = 256 needs exactly
     # (64 + 4*32) * 264 * 2 = 101376 B, the whole opt-in budget (no static smem).
     "sm_86": {32: (8, 64), 64: (8, 64), 96: (4, 32), 128: (4, 32), 256: (4, 32)},
-    # sm_90: measured on an H100 (bench/tiles.py, bench/results/h100/tiles.json; fp16, median of
+    # sm_90: measured on an H100 (bench/gpu/tiles.py, bench/results/h100/tiles.json; fp16, median of
     # 10, S = 4096 and 16384): d = 64 4 warps x 64 keys (1.22x the 8 x 64 tiles chosen without a
     # GPU), d = 128 8 warps x 128 keys (1.32x; 249 registers, no spills; 170 KB smem, which only
     # sm_90's 227 KB allow), d = 256 8 warps x 64 keys (1.16x; 198 KB). d = 32 and 96 unmeasured.
@@ -122,7 +122,7 @@ def forward_variants(arch: str) -> list[KernelVariant]:
 
 def step_variant_for_tiles(dtype: str, headdim: int, nwarps: int, block_n: int) -> KernelVariant:
     """A forward-step variant with explicit tiles, outside any table (for tile searches such as
-    bench/tiles.py): NWARPS warps, BLOCK_M = 16 * NWARPS query rows, BLOCK_N keys a tile.
+    bench/gpu/tiles.py): NWARPS warps, BLOCK_M = 16 * NWARPS query rows, BLOCK_N keys a tile.
 
     The kernel's static_asserts need HEADDIM and BLOCK_N to be multiples of 16; with the tiles of
     a table this returns exactly that table's `step_variant`.

@@ -11,28 +11,46 @@ never attention kernels.
     ulysses    DeepSpeed-Ulysses (`ulysses`): all-to-all from sequence- to head-sharded, local
                attention over the whole sequence for H/G heads, all-to-all back
     usp        USP / long-context-attention (`usp`): Ulysses inside groups of u ranks, the burst
-               ring across the G/u groups (`ulysses_degree=u`)
+               ring across the G/u groups (`USPAttention(ulysses_degree=u)`)
 
-Linear attention (`get_linear(name)`, `burstcu.linear_attention`):
-    lasp2      LASP-2 (`lasp2`): one all-gather of the D x D states a pass
-    lasp1      LASP-1 (`lasp1`): the states passed rank to rank along the sequence
-with forward(q, k, v, ops, transport, *, causal, layout, trace) -> out and backward(dout, q, k,
-v, ops, transport, *, causal, layout, trace) -> (dq, dk, dv).
+`get(name, **options)` returns the strategy: the module itself, or for "usp" (which has an
+option) a `usp.USPAttention`. Either way it has
 
-`get(name)` returns an object with
-
-    forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace) -> (out, lse)
-    backward(dout, q, k, v, out, lse, ops, transport, *, causal, softmax_scale, layout, trace,
-             row_sums=None) -> (dq, dk, dv)
+    forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace=None,
+            window_size=(-1, -1), cu_seqlens=None) -> (out, lse)
+    backward(dout, q, k, v, out, lse, ops, transport, *, causal, softmax_scale, layout,
+             trace=None, row_sums=None, window_size=(-1, -1), cu_seqlens=None) -> (dq, dk, dv)
     input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take;
                                                           only strategies with limits have it)
 
-plus the byte and message formulas of what one rank sends (`forward_bytes(size, q, k, v,
-**mask)`, `backward_bytes(size, q, k, v, **mask)`, `forward_messages(size, q=None, **mask)`,
-`backward_messages(size, q=None, **mask)`), which the tests check against `transport.stats`;
-mask = rank, layout, causal, window, docs, for the strategies that skip what no rank needs
-(burst and usp, forward and backward; the others take it and send the same). Every strategy's forward and backward take `window` and `docs` (document boundaries)
-keyword arguments, passed on to `burstcu.layout.step_blocks`.
+layout: a layout name (every rank holding S rows) or a `burstcu.layout.Partition`; window_size
+(left, right) and cu_seqlens (document boundaries, a tuple of ints or None) as
+`burstcu.attention` takes them, passed on to `burstcu.layout.blocks`.
+
+Linear attention (`get_linear(name)`, `burstcu.linear_attention`), modules both:
+    lasp2      LASP-2 (`lasp2`): one all-gather of the D x D states a pass
+    lasp1      LASP-1 (`lasp1`): the states passed rank to rank along the sequence
+with forward(q, k, v, ops, transport, *, causal, layout, trace=None) -> out and backward(dout, q,
+k, v, ops, transport, *, causal, layout, trace=None) -> (dq, dk, dv).
+
+Decode against a sequence-sharded KV cache (`burstcu.decode`), a module of its own:
+    decode     one partial attention a rank, ONE all-gather of the partials, the same merge on
+               every rank: decode(q, k_cache, v_cache, lengths, softmax_scale, ops, transport)
+               -> (out, lse); `decode_bytes(size, q)`
+
+Every strategy, linear ones included, also counts what one rank sends, with one signature:
+
+    forward_bytes(size, q, k, v, *, rank=0, layout="contiguous", causal=False,
+                  window_size=(-1, -1), cu_seqlens=None) -> int
+    backward_bytes(...), forward_messages(...), backward_messages(...)   the same arguments
+
+size: G; q, k, v: this rank's arrays, or anything with their `shape`, `dtype`, `size` and
+`nbytes` (only those are read); the keywords describe the call as `forward` takes them, for the
+rank `rank`. The tests check the counts against `transport.stats`. burst, and usp's ring of
+groups, skip what no rank needs, so their counts depend on the rank and the whole mask; the
+others send the same under any window or documents (the linear strategies take none), and their
+counts depend on the layout's shard lengths, causal (lasp1) and the rank's place. The counts
+leave out the row sums of attention_backward(check=True).
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
 q, dout, out, dq: (B, S, H, D); k, v, dk, dv: (B, S, Hkv, D); lse: (B, H, S) in the accumulation
@@ -43,35 +61,35 @@ Trace entries (`steps.Trace`): per step, host seconds in compute and in `wait`.
 
 from __future__ import annotations
 
-from .allgather import AllGatherAttention
-from .burst import BurstAttention
-from .lasp1 import LASP1
-from .lasp2 import LASP2
-from .ring import RingAttention
+from . import allgather, burst, lasp1, lasp2, ring, ulysses
 from .steps import StepTrace, Trace
-from .ulysses import UlyssesAttention
 from .usp import USPAttention
 
-_STRATEGIES = {"burst": BurstAttention, "ring": RingAttention, "allgather": AllGatherAttention,
-               "ulysses": UlyssesAttention, "usp": USPAttention}
+_STRATEGIES = {"burst": burst, "ring": ring, "allgather": allgather, "ulysses": ulysses,
+               "usp": USPAttention}
 NAMES = tuple(_STRATEGIES)
-_LINEAR = {"lasp2": LASP2, "lasp1": LASP1}
+_LINEAR = {"lasp2": lasp2, "lasp1": lasp1}
 LINEAR_NAMES = tuple(_LINEAR)
 
 
 def get(name: str, **options):
-    """The strategy object called `name` (one of NAMES), made with `options` (only "usp" has
-    one: ulysses_degree)."""
+    """The strategy called `name` (one of NAMES): its module, or a USPAttention made with
+    `options` (only "usp" has one: ulysses_degree)."""
     if name not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {NAMES}, not {name!r}")
-    return _STRATEGIES[name](**options)
+    strategy = _STRATEGIES[name]
+    if isinstance(strategy, type):
+        return strategy(**options)
+    if options:
+        raise TypeError(f"strategy {name!r} takes no options, got {sorted(options)}")
+    return strategy
 
 
 def get_linear(name: str):
-    """The linear-attention strategy called `name` (one of LINEAR_NAMES)."""
+    """The linear-attention strategy (its module) called `name` (one of LINEAR_NAMES)."""
     if name not in _LINEAR:
         raise ValueError(f"strategy must be one of {LINEAR_NAMES}, not {name!r}")
-    return _LINEAR[name]()
+    return _LINEAR[name]
 
 
 __all__ = ["get", "get_linear", "NAMES", "LINEAR_NAMES", "Trace", "StepTrace"]

@@ -22,7 +22,6 @@ state, B*Hkv*D*D in the accumulation dtype (two of them in the non-causal backwa
 
 from __future__ import annotations
 
-from ..ops import linear
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .lasp2 import rows, runs, state_bytes
@@ -115,117 +114,129 @@ def _total_chain(chain: _Chain, xp, total, shape, acc, label: str):
     return have
 
 
-class LASP1:
-    """See the module docstring."""
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+            trace: Trace | None = None):
+    """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
+    xp, acc = ops.xp, accum_dtype(q.dtype)
+    size, rank = transport.size, transport.rank
+    segs, places, _ = runs(layout, rank, size, q.shape[1])
+    chain = _Chain(ops, transport, owners(layout, size, q.shape[1]))
+    shape = (k.shape[0], k.shape[2], q.shape[-1], q.shape[-1])
+    states = [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in segs]
+    out = ops.zeros(q.shape, acc)
+    t0, local = now(), {}
 
-    name = "lasp1"
+    def intra(i):
+        s = segs[i]
+        local[i] = ops.linear_forward_run(rows(q, s), rows(k, s), rows(v, s), None, acc)
 
-    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
-                trace: Trace | None = None):
-        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
-        xp, acc = ops.xp, accum_dtype(q.dtype)
-        size, rank = transport.size, transport.rank
-        segs, places, _ = runs(layout, rank, size, q.shape[1])
-        chain = _Chain(ops, transport, owners(layout, size, q.shape[1]))
-        shape = (k.shape[0], k.shape[2], q.shape[-1], q.shape[-1])
-        states = [linear.kv_state(xp, rows(k, s), rows(v, s), acc) for s in segs]
-        out = ops.zeros(q.shape, acc)
-        t0, local = now(), {}
+    prefixes, carried = _prefix_chain(chain, xp, places, states, shape, acc, "lasp1 fwd",
+                                      intra if causal else None)
+    if causal:
+        for i, (s, prefix) in enumerate(zip(segs, prefixes)):
+            out[:, s.local:s.local + s.length] = local[i] + ops.linear_forward_full(rows(q, s), prefix, acc)
+    else:
+        total = _total_chain(chain, xp, carried, shape, acc, "lasp1 fwd total")
+        out[...] = ops.linear_forward_full(q, total, acc)
+    if trace is not None:
+        trace.add("forward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
+    return out.astype(q.dtype)
+
+def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+             trace: Trace | None = None):
+    """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
+    xp, acc = ops.xp, accum_dtype(q.dtype)
+    size, rank, hkv = transport.size, transport.rank, k.shape[2]
+    segs, places, _ = runs(layout, rank, size, q.shape[1])
+    owner = owners(layout, size, q.shape[1])
+    chain = _Chain(ops, transport, owner)
+    d = q.shape[-1]
+    shape = (k.shape[0], hkv, d, d)
+    kv = [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in segs]
+    grads = [ops.linear_grad_state(rows(q, s), rows(dout, s), hkv, acc) for s in segs]
+    dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+    t0 = now()
+    if causal:
+        local = {}
 
         def intra(i):
             s = segs[i]
-            local[i] = linear.forward_run(xp, rows(q, s), rows(k, s), rows(v, s), None, acc)
+            local[i] = ops.linear_backward_run(rows(dout, s), rows(q, s), rows(k, s),
+                                           rows(v, s), None, None, acc)
 
-        prefixes, carried = _prefix_chain(chain, xp, places, states, shape, acc, "lasp1 fwd",
-                                          intra if causal else None)
-        if causal:
-            for i, (s, prefix) in enumerate(zip(segs, prefixes)):
-                out[:, s.local:s.local + s.length] = local[i] + linear.forward_full(
-                    xp, rows(q, s), prefix, acc)
-        else:
-            total = _total_chain(chain, xp, carried, shape, acc, "lasp1 fwd total")
-            out[...] = linear.forward_full(xp, q, total, acc)
-        if trace is not None:
-            trace.add("forward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
-        return out.astype(q.dtype)
-
-    def backward(self, dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                 layout: str, trace: Trace | None = None):
-        """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-        xp, acc = ops.xp, accum_dtype(q.dtype)
-        size, rank, hkv = transport.size, transport.rank, k.shape[2]
-        segs, places, _ = runs(layout, rank, size, q.shape[1])
-        owner = owners(layout, size, q.shape[1])
-        chain = _Chain(ops, transport, owner)
-        d = q.shape[-1]
-        shape = (k.shape[0], hkv, d, d)
-        kv = [linear.kv_state(xp, rows(k, s), rows(v, s), acc) for s in segs]
-        grads = [linear.grad_state(xp, rows(q, s), rows(dout, s), hkv, acc) for s in segs]
-        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
-        t0 = now()
-        if causal:
-            local = {}
-
-            def intra(i):
-                s = segs[i]
-                local[i] = linear.backward_run(xp, rows(dout, s), rows(q, s), rows(k, s),
-                                               rows(v, s), None, None, acc)
-
-            prefixes, _ = _prefix_chain(chain, xp, places, kv, shape, acc, "lasp1 bwd", intra)
-            # the reverse chain: chunk order reversed, so its "prefix" is the suffix of dM
-            rev = _Chain(ops, transport, owner[::-1])
-            last = len(owner) - 1
-            order = sorted(range(len(segs)), key=lambda i: -places[i])
-            suffixes, _ = _prefix_chain(rev, xp, [last - places[i] for i in order],
-                                        [grads[i] for i in order], shape, acc, "lasp1 bwd rev")
-            chain.wait_s += rev.wait_s
-            suffix_of = {i: sfx for i, sfx in zip(order, suffixes)}
-            for i, s in enumerate(segs):
-                cq, ck, cv = linear.backward_full(xp, rows(dout, s), rows(k, s), rows(v, s),
-                                                  prefixes[i], suffix_of[i], acc)
-                sl = slice(s.local, s.local + s.length)
-                dq[:, sl], dk[:, sl], dv[:, sl] = local[i][0] + cq, local[i][1] + ck, local[i][2] + cv
-        else:
-            both = [xp.stack([m, g]) for m, g in zip(kv, grads)]
-            _, carried = _prefix_chain(chain, xp, places, both, (2,) + shape, acc, "lasp1 bwd")
-            total = _total_chain(chain, xp, carried, (2,) + shape, acc, "lasp1 bwd total")
-            dq[...], dk[...], dv[...] = linear.backward_full(xp, dout, k, v, total[0], total[1], acc)
-        if trace is not None:
-            trace.add("backward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-    # -- what one rank sends -------------------------------------------------------------------
-    @staticmethod
-    def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
-                      causal: bool = True) -> int:
-        """Messages `rank` sends in `forward`: a hop t -> t+1 of the chain for each of its chunks
-        t < T-1 whose successor another rank holds; non-causal adds the total's chain
-        (`total_hops`)."""
-        owner = owners(layout, size, seqlen_local)
-        sends = sum(owner[t] == rank and owner[t + 1] != rank for t in range(len(owner) - 1))
-        if not causal:
-            sends += sum(src == rank for src, _ in total_hops(owner))
-        return sends
-
-    @staticmethod
-    def backward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
-                       causal: bool = True) -> int:
-        """Messages `rank` sends in `backward`: causal, the forward chain and the same chain
-        reversed; non-causal, the forward's two chains (each message twice the size)."""
-        owner = owners(layout, size, seqlen_local)
+        prefixes, _ = _prefix_chain(chain, xp, places, kv, shape, acc, "lasp1 bwd", intra)
+        # the reverse chain: chunk order reversed, so its "prefix" is the suffix of dM
+        rev = _Chain(ops, transport, owner[::-1])
         last = len(owner) - 1
-        fwd = LASP1.forward_sends(rank, size, seqlen_local, layout, causal)
-        if not causal:
-            return fwd
-        return fwd + sum(owner[t] == rank and owner[t - 1] != rank for t in range(last, 0, -1))
+        order = sorted(range(len(segs)), key=lambda i: -places[i])
+        suffixes, _ = _prefix_chain(rev, xp, [last - places[i] for i in order],
+                                    [grads[i] for i in order], shape, acc, "lasp1 bwd rev")
+        chain.wait_s += rev.wait_s
+        suffix_of = {i: sfx for i, sfx in zip(order, suffixes)}
+        for i, s in enumerate(segs):
+            cq, ck, cv = ops.linear_backward_full(rows(dout, s), rows(k, s), rows(v, s),
+                                              prefixes[i], suffix_of[i], acc)
+            sl = slice(s.local, s.local + s.length)
+            dq[:, sl], dk[:, sl], dv[:, sl] = local[i][0] + cq, local[i][1] + ck, local[i][2] + cv
+    else:
+        both = [xp.stack([m, g]) for m, g in zip(kv, grads)]
+        _, carried = _prefix_chain(chain, xp, places, both, (2,) + shape, acc, "lasp1 bwd")
+        total = _total_chain(chain, xp, carried, (2,) + shape, acc, "lasp1 bwd total")
+        dq[...], dk[...], dv[...] = ops.linear_backward_full(dout, k, v, total[0], total[1], acc)
+    if trace is not None:
+        trace.add("backward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    @staticmethod
-    def forward_bytes(rank: int, size: int, q, k, layout: str = "contiguous",
-                      causal: bool = True) -> int:
-        return LASP1.forward_sends(rank, size, q.shape[1], layout, causal) * state_bytes(q, k)
+# ----------------------------------------------------------------------------------------------
+# what one rank sends
 
-    @staticmethod
-    def backward_bytes(rank: int, size: int, q, k, layout: str = "contiguous",
-                       causal: bool = True) -> int:
-        per = state_bytes(q, k) * (1 if causal else 2)
-        return LASP1.backward_sends(rank, size, q.shape[1], layout, causal) * per
+def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+                  causal: bool = True) -> int:
+    """Messages `rank` sends in `forward`: a hop t -> t+1 of the chain for each of its chunks
+    t < T-1 whose successor another rank holds; non-causal adds the total's chain
+    (`total_hops`)."""
+    owner = owners(layout, size, seqlen_local)
+    sends = sum(owner[t] == rank and owner[t + 1] != rank for t in range(len(owner) - 1))
+    if not causal:
+        sends += sum(src == rank for src, _ in total_hops(owner))
+    return sends
+
+
+def backward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+                   causal: bool = True) -> int:
+    """Messages `rank` sends in `backward`: causal, the forward chain and the same chain
+    reversed; non-causal, the forward's two chains (each message twice the size)."""
+    owner = owners(layout, size, seqlen_local)
+    last = len(owner) - 1
+    fwd = forward_sends(rank, size, seqlen_local, layout, causal)
+    if not causal:
+        return fwd
+    return fwd + sum(owner[t] == rank and owner[t - 1] != rank for t in range(last, 0, -1))
+
+
+# the strategy interface (`burstcu.engine`): linear attention takes no window or documents (the
+# keywords are there for the one signature)
+
+def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """One chunk state a message (`forward_sends`)."""
+    return forward_sends(rank, size, q.shape[1], layout, causal) * state_bytes(q, k)
+
+
+def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """One chunk state a message (`backward_sends`), two (M and dM) when not causal."""
+    per = state_bytes(q, k) * (1 if causal else 2)
+    return backward_sends(rank, size, q.shape[1], layout, causal) * per
+
+
+def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """`forward_sends`."""
+    return forward_sends(rank, size, q.shape[1], layout, causal)
+
+
+def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """`backward_sends`."""
+    return backward_sends(rank, size, q.shape[1], layout, causal)

@@ -27,7 +27,6 @@ independent of the sequence length.
 from __future__ import annotations
 
 from ..layout import segments
-from ..ops import linear
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .steps import Trace, now, post_pairwise, timed_wait
@@ -53,104 +52,84 @@ def state_bytes(q, k) -> int:
     return b * hkv * d * d * accum_dtype(q.dtype).itemsize
 
 
-class LASP2:
-    """See the module docstring."""
+def _gather(ops: LocalOps, transport: Transport, mine, label: str):
+    """(size, *mine.shape) holding every rank's `mine`, the exchange posted, not waited."""
+    gathered = ops.zeros((transport.size,) + tuple(mine.shape), mine.dtype)
+    ops.copy_(gathered[transport.rank], mine)
+    peers = [p for p in range(transport.size) if p != transport.rank]
+    if peers:
+        post_pairwise(ops, transport, label, [(mine, gathered[p], p) for p in peers])
+    return gathered, bool(peers)
 
-    name = "lasp2"
 
-    @staticmethod
-    def _gather(ops: LocalOps, transport: Transport, mine, label: str):
-        """(size, *mine.shape) holding every rank's `mine`, the exchange posted, not waited."""
-        gathered = ops.zeros((transport.size,) + tuple(mine.shape), mine.dtype)
-        ops.copy_(gathered[transport.rank], mine)
-        peers = [p for p in range(transport.size) if p != transport.rank]
-        if peers:
-            post_pairwise(ops, transport, label, [(mine, gathered[p], p) for p in peers])
-        return gathered, bool(peers)
+def _chunk_states(gathered, place, size: int, nruns: int):
+    """The gathered states as a list in global chunk order."""
+    ordered = [None] * (size * nruns)
+    for (r, i), n in place.items():
+        ordered[n] = gathered[r, i]
+    return ordered
 
-    @staticmethod
-    def _chunk_states(gathered, place, size: int, nruns: int):
-        """The gathered states as a list in global chunk order."""
-        ordered = [None] * (size * nruns)
-        for (r, i), n in place.items():
-            ordered[n] = gathered[r, i]
-        return ordered
 
-    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
-                trace: Trace | None = None):
-        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
-        xp, acc = ops.xp, accum_dtype(q.dtype)
-        size, rank = transport.size, transport.rank
-        mine_runs, places, place = runs(layout, rank, size, q.shape[1])
-        states = xp.stack([linear.kv_state(xp, rows(k, s), rows(v, s), acc) for s in mine_runs])
-        gathered, posted = self._gather(ops, transport, states, "lasp2 fwd all-gather states")
-        t0 = now()
-        local = ([linear.forward_run(xp, rows(q, s), rows(k, s), rows(v, s), None, acc)
-                  for s in mine_runs] if causal else None)
-        compute_s = now() - t0
-        wait_s = timed_wait(ops, transport, "lasp2 fwd wait") if posted else 0.0
-        ordered = self._chunk_states(gathered, place, size, len(mine_runs))
-        out = ops.zeros(q.shape, acc)
-        if causal:
-            for seg, n, part in zip(mine_runs, places, local):
-                prefix = _total(xp, ordered[:n], acc, k.shape, q.shape[-1])
-                out[:, seg.local:seg.local + seg.length] = part + linear.forward_full(
-                    xp, rows(q, seg), prefix, acc)
-        else:
-            out[...] = linear.forward_full(xp, q, _total(xp, ordered, acc, k.shape, q.shape[-1]), acc)
-        if trace is not None:
-            trace.add("forward", 0, rank, len(mine_runs), compute_s, wait_s)
-        return out.astype(q.dtype)
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+            trace: Trace | None = None):
+    """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
+    xp, acc = ops.xp, accum_dtype(q.dtype)
+    size, rank = transport.size, transport.rank
+    mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+    states = xp.stack([ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in mine_runs])
+    gathered, posted = _gather(ops, transport, states, "lasp2 fwd all-gather states")
+    t0 = now()
+    local = ([ops.linear_forward_run(rows(q, s), rows(k, s), rows(v, s), None, acc)
+              for s in mine_runs] if causal else None)
+    compute_s = now() - t0
+    wait_s = timed_wait(ops, transport, "lasp2 fwd wait") if posted else 0.0
+    ordered = _chunk_states(gathered, place, size, len(mine_runs))
+    out = ops.zeros(q.shape, acc)
+    if causal:
+        for seg, n, part in zip(mine_runs, places, local):
+            prefix = _total(xp, ordered[:n], acc, k.shape, q.shape[-1])
+            out[:, seg.local:seg.local + seg.length] = part + ops.linear_forward_full(rows(q, seg), prefix, acc)
+    else:
+        out[...] = ops.linear_forward_full(q, _total(xp, ordered, acc, k.shape, q.shape[-1]), acc)
+    if trace is not None:
+        trace.add("forward", 0, rank, len(mine_runs), compute_s, wait_s)
+    return out.astype(q.dtype)
 
-    def backward(self, dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                 layout: str, trace: Trace | None = None):
-        """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-        xp, acc = ops.xp, accum_dtype(q.dtype)
-        size, rank, hkv = transport.size, transport.rank, k.shape[2]
-        mine_runs, places, place = runs(layout, rank, size, q.shape[1])
-        states = xp.stack([xp.stack([linear.kv_state(xp, rows(k, s), rows(v, s), acc),
-                                     linear.grad_state(xp, rows(q, s), rows(dout, s), hkv, acc)])
-                           for s in mine_runs])                      # (nruns, 2, B, Hkv, D, D)
-        gathered, posted = self._gather(ops, transport, states, "lasp2 bwd all-gather states")
-        t0 = now()
-        local = ([linear.backward_run(xp, rows(dout, s), rows(q, s), rows(k, s), rows(v, s),
-                                      None, None, acc) for s in mine_runs] if causal else None)
-        compute_s = now() - t0
-        wait_s = timed_wait(ops, transport, "lasp2 bwd wait") if posted else 0.0
-        ordered = self._chunk_states(gathered, place, size, len(mine_runs))
-        kv_states, grad_states = [s[0] for s in ordered], [s[1] for s in ordered]
-        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
-        d = q.shape[-1]
-        if causal:
-            for seg, n, (dq_t, dk_t, dv_t) in zip(mine_runs, places, local):
-                prefix = _total(xp, kv_states[:n], acc, k.shape, d)
-                suffix = _total(xp, grad_states[n + 1:], acc, k.shape, d)
-                cq, ck, cv = linear.backward_full(xp, rows(dout, seg), rows(k, seg), rows(v, seg),
-                                                  prefix, suffix, acc)
-                sl = slice(seg.local, seg.local + seg.length)
-                dq[:, sl], dk[:, sl], dv[:, sl] = dq_t + cq, dk_t + ck, dv_t + cv
-        else:
-            total, grad_total = (_total(xp, kv_states, acc, k.shape, d),
-                                 _total(xp, grad_states, acc, k.shape, d))
-            dq[...], dk[...], dv[...] = linear.backward_full(xp, dout, k, v, total, grad_total, acc)
-        if trace is not None:
-            trace.add("backward", 0, rank, len(mine_runs), compute_s, wait_s)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    # -- what one rank sends -------------------------------------------------------------------
-    @staticmethod
-    def forward_bytes(size: int, q, k, layout: str = "contiguous") -> int:
-        return (size - 1) * len(segments(layout, 0, size, q.shape[1])) * state_bytes(q, k)
-
-    @staticmethod
-    def backward_bytes(size: int, q, k, layout: str = "contiguous") -> int:
-        return 2 * LASP2.forward_bytes(size, q, k, layout)
-
-    @staticmethod
-    def forward_messages(size: int) -> int:
-        return size - 1
-
-    backward_messages = forward_messages
+def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+             trace: Trace | None = None):
+    """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
+    xp, acc = ops.xp, accum_dtype(q.dtype)
+    size, rank, hkv = transport.size, transport.rank, k.shape[2]
+    mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+    states = xp.stack([xp.stack([ops.linear_kv_state(rows(k, s), rows(v, s), acc),
+                                 ops.linear_grad_state(rows(q, s), rows(dout, s), hkv, acc)])
+                       for s in mine_runs])                      # (nruns, 2, B, Hkv, D, D)
+    gathered, posted = _gather(ops, transport, states, "lasp2 bwd all-gather states")
+    t0 = now()
+    local = ([ops.linear_backward_run(rows(dout, s), rows(q, s), rows(k, s), rows(v, s),
+                                  None, None, acc) for s in mine_runs] if causal else None)
+    compute_s = now() - t0
+    wait_s = timed_wait(ops, transport, "lasp2 bwd wait") if posted else 0.0
+    ordered = _chunk_states(gathered, place, size, len(mine_runs))
+    kv_states, grad_states = [s[0] for s in ordered], [s[1] for s in ordered]
+    dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+    d = q.shape[-1]
+    if causal:
+        for seg, n, (dq_t, dk_t, dv_t) in zip(mine_runs, places, local):
+            prefix = _total(xp, kv_states[:n], acc, k.shape, d)
+            suffix = _total(xp, grad_states[n + 1:], acc, k.shape, d)
+            cq, ck, cv = ops.linear_backward_full(rows(dout, seg), rows(k, seg), rows(v, seg),
+                                              prefix, suffix, acc)
+            sl = slice(seg.local, seg.local + seg.length)
+            dq[:, sl], dk[:, sl], dv[:, sl] = dq_t + cq, dk_t + ck, dv_t + cv
+    else:
+        total, grad_total = (_total(xp, kv_states, acc, k.shape, d),
+                             _total(xp, grad_states, acc, k.shape, d))
+        dq[...], dk[...], dv[...] = ops.linear_backward_full(dout, k, v, total, grad_total, acc)
+    if trace is not None:
+        trace.add("backward", 0, rank, len(mine_runs), compute_s, wait_s)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _total(xp, states, acc, k_shape, d: int):
@@ -161,4 +140,30 @@ def _total(xp, states, acc, k_shape, d: int):
     return out
 
 
-__all__ = ["LASP2", "runs", "rows", "state_bytes"]
+# ----------------------------------------------------------------------------------------------
+# what one rank sends (the strategy interface, `burstcu.engine`): linear attention takes no
+# window or documents (the keywords are there for the one signature); of the mask only the
+# layout matters (how many runs, so states, a rank holds)
+
+def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """This rank's chunk states to each of the G-1 others."""
+    return (size - 1) * len(segments(layout, 0, size, q.shape[1])) * state_bytes(q, k)
+
+
+def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """The forward's states again, beside the gradient states: twice the forward."""
+    return 2 * forward_bytes(size, q, k, v, layout=layout)
+
+
+def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """One all-gather: a message to each other rank."""
+    return size - 1
+
+
+def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """One all-gather: a message to each other rank."""
+    return size - 1

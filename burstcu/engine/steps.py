@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..layout import Partition, as_partition
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 
@@ -93,10 +92,6 @@ def partial_kv_grads(ops: LocalOps, k, v, q, dout, lse, delta, dq, blocks, scale
     return ops.backward_finalize(ctx, acc)
 
 
-def kv_bytes_acc(k) -> int:
-    return int(k.size) * accum_dtype(k.dtype).itemsize
-
-
 def cast_copy(ops: LocalOps, x, dtype):
     """A fresh array of x's shape in `dtype` holding x."""
     y = ops.zeros(x.shape, dtype)
@@ -121,15 +116,27 @@ def laid_out(message, fields):
     return message if same and len(fields) == len(message.fields) else message.resized(fields)
 
 
-def formula_partition(size: int, q, mask: dict) -> Partition:
-    """The partition a byte formula's mask names (mask["layout"]: a layout name, every rank
-    holding q's rows, or a Partition)."""
-    return as_partition(mask.get("layout", "contiguous"), size, q.shape[1])
-
-
 def row_bytes(x) -> int:
     """Bytes of one sequence row of x (B, S, ...)."""
     return x.nbytes // x.shape[1]
+
+
+def kv_row_bytes(k, v) -> int:
+    """Bytes of one row of K and V together (k, v: (B, S, Hkv, D)): what a K/V block sends a row."""
+    return row_bytes(k) + row_bytes(v)
+
+
+def grad_row_bytes(k, v) -> int:
+    """Bytes of one row of dK and dV in the accumulation dtype (the gradients travel in it)."""
+    acc = accum_dtype(k.dtype).itemsize
+    return (k.size // k.shape[1] + v.size // v.shape[1]) * acc
+
+
+def mask_key(causal, window_size=(-1, -1), cu_seqlens=None) -> tuple:
+    """(causal, window_size, cu_seqlens) as a bool, a pair of ints and a tuple of ints (or None):
+    the hashable form the cached schedule queries (`burst.needs`, ...) take."""
+    return (bool(causal), (int(window_size[0]), int(window_size[1])),
+            None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens))
 
 
 def seq_view(flat, x, rows: int):

@@ -26,10 +26,11 @@ Bytes one rank sends (exact; it = input itemsize, acc = accumulation itemsize, H
 heads and Hk kv heads a rank: Hkv/G, or 1 when G % Hkv == 0; S the local rows):
     fwd = (G-1) * B*S * ((Hg + 2*Hk)*D*it + Hg*(acc + D*it))
     bwd = (G-1) * B*S * (Hg*(2*acc + 2*D*it) + 2*Hk*D*it  +  (Hg + 2*Hk)*D*acc [+ Hg*acc])
-(the last term with row_sums); messages: 2(G-1) in each pass. Uneven shards (a
-`burstcu.layout.Partition`): the inbound terms go out at a rank's own S rows to each of the G-1
-others, the outbound ones (out, lse; dq, dk, dv) at the other ranks' rows, N - S in all. Each message is one contiguous
-span of one packed buffer (fields ordered so no padding falls inside a span).
+(the last term with check=True's row sums, which `backward_bytes` leaves out); messages: 2(G-1)
+in each pass. Uneven shards (a `burstcu.layout.Partition`): the inbound terms go out at a rank's
+own S rows to each of the G-1 others, the outbound ones (out, lse; dq, dk, dv) at the other
+ranks' rows, N - S in all. Each message is one contiguous span of one packed buffer (fields
+ordered so no padding falls inside a span).
 Trace: step 0 is all-to-all 1 (its wait), step 1 the local attention, step 2 all-to-all 2.
 """
 
@@ -40,7 +41,7 @@ import numpy as np
 from ..layout import Partition, as_partition, step_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import cast_copy, formula_partition, post_pairwise, timed, timed_wait
+from .steps import cast_copy, post_pairwise, timed, timed_wait
 
 
 def heads_problem(h: int, hkv: int, size: int, what: str) -> str | None:
@@ -179,95 +180,106 @@ class HeadExchange:
         return waited
 
 
-class UlyssesAttention:
-    """DeepSpeed-Ulysses (see the module docstring)."""
+def input_problem(q_shape, k_shape, size: int) -> str | None:
+    """Why Ulysses cannot split these heads over `size` ranks, or None."""
+    return heads_problem(int(q_shape[2]), int(k_shape[2]), size, "strategy 'ulysses'")
 
-    name = "ulysses"
 
-    @staticmethod
-    def input_problem(q_shape, k_shape, size: int) -> str | None:
-        """Why Ulysses cannot split these heads over `size` ranks, or None."""
-        return heads_problem(int(q_shape[2]), int(k_shape[2]), size, "strategy 'ulysses'")
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
+            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None):
+    """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
+    window_size, cu_seqlens: the mask over global positions (`layout.blocks`)."""
+    x = HeadExchange(transport, range(transport.size),
+                     as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
+    (q_all, k_all, v_all), wait_in = x.to_heads(
+        ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
+    state = ops.forward_init(q_all, softmax_scale)
+    compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
+                      step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
+                                  cu_seqlens))
+    out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
+    out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
+                                                      lse_all.dtype)
+    wait_out = x.to_rows(ops, "ulysses fwd all-to-all out, lse", [("q", out_all), ("st", lse_all)],
+                         [out, lse])
+    _trace(trace, "forward", transport.rank, wait_in, compute_s, wait_out)
+    return out, lse
 
-    kv_heads = staticmethod(kv_heads)
 
-    def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1),
-                docs=None):
-        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
-        x = HeadExchange(transport, range(transport.size),
-                         as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
-        (q_all, k_all, v_all), wait_in = x.to_heads(
-            ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
-        state = ops.forward_init(q_all, softmax_scale)
-        compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
-                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window, docs))
-        out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
-        out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
-                                                          lse_all.dtype)
-        wait_out = x.to_rows(ops, "ulysses fwd all-to-all out, lse", [("q", out_all), ("st", lse_all)],
-                             [out, lse])
-        _trace(trace, "forward", transport.rank, wait_in, compute_s, wait_out)
-        return out, lse
+def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
+             softmax_scale: float, layout: str | Partition, trace=None, row_sums=None,
+             window_size=(-1, -1), cu_seqlens=None):
+    """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
+    row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
+    sum of the recomputed P over the whole sequence (computed where the heads are)."""
+    acc = accum_dtype(q.dtype)
+    x = HeadExchange(transport, range(transport.size),
+                     as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
+    delta = ops.backward_delta(dout, out)                  # (B, H, S): out stays home
+    (lse_all, delta_all, q_all, do_all, k_all, v_all), wait_in = x.to_heads(
+        ops, "ulysses bwd all-to-all q, dout, k, v",
+        [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
+    ctx = ops.backward_init(k_all, v_all, softmax_scale)
+    dq_all = ops.zeros(q_all.shape, acc)
+    sums = [ops.zeros(lse_all.shape, acc)] if row_sums is not None else []
+    compute_s = timed(ops, "ulysses bwd compute", ops.backward_step, ctx, q_all, do_all,
+                      lse_all, delta_all, dq_all,
+                      step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
+                                  cu_seqlens),
+                      *sums)
+    dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
+    dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
+    wait_out = x.to_rows(ops, "ulysses bwd all-to-all dq, dk, dv",
+                         [("q", dq_all), ("kv", dk_all), ("kv", dv_all)]
+                         + [("st", p) for p in sums],
+                         [dq, dk, dv] + ([row_sums] if sums else []))
+    _trace(trace, "backward", transport.rank, wait_in, compute_s, wait_out)
+    return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
-    def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
-                 causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
-                 row_sums=None,
-                 window=(-1, -1), docs=None):
-        """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
-        row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
-        sum of the recomputed P over the whole sequence (computed where the heads are)."""
-        acc = accum_dtype(q.dtype)
-        x = HeadExchange(transport, range(transport.size),
-                         as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
-        delta = ops.backward_delta(dout, out)                  # (B, H, S): out stays home
-        (lse_all, delta_all, q_all, do_all, k_all, v_all), wait_in = x.to_heads(
-            ops, "ulysses bwd all-to-all q, dout, k, v",
-            [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
-        ctx = ops.backward_init(k_all, v_all, softmax_scale)
-        dq_all = ops.zeros(q_all.shape, acc)
-        sums = [ops.zeros(lse_all.shape, acc)] if row_sums is not None else []
-        compute_s = timed(ops, "ulysses bwd compute", ops.backward_step, ctx, q_all, do_all,
-                          lse_all, delta_all, dq_all,
-                          step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window, docs),
-                          *sums)
-        dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
-        dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
-        wait_out = x.to_rows(ops, "ulysses bwd all-to-all dq, dk, dv",
-                             [("q", dq_all), ("kv", dk_all), ("kv", dv_all)]
-                             + [("st", p) for p in sums],
-                             [dq, dk, dv] + ([row_sums] if sums else []))
-        _trace(trace, "backward", transport.rank, wait_in, compute_s, wait_out)
-        return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
-    # -- what one rank sends -------------------------------------------------------------------
-    # mask: its layout and rank matter with uneven shards (a rank sends its own rows of every
-    # other member's heads, and every other member's rows of its own heads)
-    @staticmethod
-    def forward_bytes(size: int, q, k, v, **mask) -> int:
-        b, s, h, d = q.shape
-        hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
-        it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        others = formula_partition(size, q, mask).total - s
-        return (size - 1) * b * s * (hg + 2 * hk) * d * it + others * b * hg * (acc + d * it)
+# ----------------------------------------------------------------------------------------------
+# what one rank sends (the strategy interface, `burstcu.engine`). Of the mask its layout and
+# rank matter with uneven shards (a rank sends its own rows of every other member's heads, and
+# every other member's rows of its own heads); the counts are without check=True's row sums
 
-    @staticmethod
-    def backward_bytes(size: int, q, k, v, row_sums: bool = False, **mask) -> int:
-        b, s, h, d = q.shape
-        hg, hk = h // size, kv_heads(0, size, h, k.shape[2])[1]
-        it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        inbound = hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
-        outbound = (hg + 2 * hk) * d * acc + (hg * acc if row_sums else 0)
-        others = formula_partition(size, q, mask).total - s
-        return (size - 1) * b * s * inbound + others * b * outbound
+def _head_split(size: int, q, k) -> tuple:
+    """(B, S, D, Hg, Hk, input itemsize, accumulation itemsize) of q (B,S,H,D), k (B,S,Hkv,D)."""
+    b, s, h, d = q.shape
+    return (b, s, d, h // size, kv_heads(0, size, h, k.shape[2])[1], q.dtype.itemsize,
+            accum_dtype(q.dtype).itemsize)
 
-    @staticmethod
-    def forward_messages(size: int, q=None, **mask) -> int:
-        return 2 * (size - 1)
 
-    @staticmethod
-    def backward_messages(size: int, q=None, **mask) -> int:
-        return 2 * (size - 1)
+def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """q, k, v of my rows for each other member's heads; out, lse of their rows for mine."""
+    b, s, d, hg, hk, it, acc = _head_split(size, q, k)
+    others = as_partition(layout, size, s).total - s
+    return (size - 1) * b * s * (hg + 2 * hk) * d * it + others * b * hg * (acc + d * it)
+
+
+def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+    """lse, delta, q, dO, k, v of my rows out; dq, dk, dv of their rows back, in the
+    accumulation dtype."""
+    b, s, d, hg, hk, it, acc = _head_split(size, q, k)
+    inbound = hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
+    outbound = (hg + 2 * hk) * d * acc
+    others = as_partition(layout, size, s).total - s
+    return (size - 1) * b * s * inbound + others * b * outbound
+
+
+def forward_messages(size: int, q, k, v, *, rank: int = 0,
+                     layout: str | Partition = "contiguous", causal: bool = False,
+                     window_size=(-1, -1), cu_seqlens=None) -> int:
+    """Two all-to-alls, one message to each other member each."""
+    return 2 * (size - 1)
+
+
+def backward_messages(size: int, q, k, v, *, rank: int = 0,
+                      layout: str | Partition = "contiguous", causal: bool = False,
+                      window_size=(-1, -1), cu_seqlens=None) -> int:
+    """Two all-to-alls, one message to each other member each."""
+    return 2 * (size - 1)
 
 
 def _trace(trace, pass_: str, rank: int, wait_in: float, compute_s: float, wait_out: float) -> None:

@@ -36,16 +36,15 @@ from ..layout import Partition, as_partition, grouped
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from . import burst
-from .steps import cast_copy, formula_partition
+from .steps import cast_copy, mask_key
 from .ulysses import HeadExchange, heads_problem, kv_heads
 
 MAX_DEGREE = 8  # the GPUs of one node, where all-to-all runs over NVLink
 
 
 class USPAttention:
-    """USP (see the module docstring). ulysses_degree: u, or None to choose."""
-
-    name = "usp"
+    """USP (see the module docstring): a class, since it has an option. ulysses_degree: u, or
+    None to choose (`choose_degree`)."""
 
     def __init__(self, ulysses_degree: int | None = None):
         self.ulysses_degree = ulysses_degree
@@ -57,6 +56,7 @@ class USPAttention:
                    if size % u == 0 and heads_problem(h, hkv, u, "") is None)
 
     def degree(self, size: int, h: int, hkv: int) -> int:
+        """u for `size` ranks and these heads: the one given, else `choose_degree`'s."""
         return self.ulysses_degree or self.choose_degree(size, h, hkv)
 
     def input_problem(self, q_shape, k_shape, size: int) -> str | None:
@@ -84,15 +84,16 @@ class USPAttention:
         return x, ring, grouped(part, u)
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
-                softmax_scale: float, layout: str | Partition, trace=None, window=(-1, -1),
-                docs=None):
-        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S)."""
+                softmax_scale: float, layout: str | Partition, trace=None, window_size=(-1, -1),
+                cu_seqlens=None):
+        """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
+        window_size, cu_seqlens: the mask over global positions (`layout.blocks`)."""
         x, ring, groups = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
                                      softmax_scale=softmax_scale, layout=groups, trace=trace,
-                                     window=window, docs=docs)
+                                     window_size=window_size, cu_seqlens=cu_seqlens)
         out = ops.zeros(q.shape, q.dtype)
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
         wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
@@ -103,8 +104,7 @@ class USPAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
-                 row_sums=None,
-                 window=(-1, -1), docs=None):
+                 row_sums=None, window_size=(-1, -1), cu_seqlens=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
         acc = accum_dtype(q.dtype)
@@ -117,7 +117,8 @@ class USPAttention:
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
                                           layout=groups, trace=trace, row_sums=sums, delta=delta_g,
-                                          grad_dtype=acc, window=window, docs=docs)
+                                          grad_dtype=acc, window_size=window_size,
+                                          cu_seqlens=cu_seqlens)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
@@ -126,60 +127,59 @@ class USPAttention:
             trace.add("backward", ring.size + 1, transport.rank, 0, 0.0, wait_in + wait_out)
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
-    # -- what one rank sends -------------------------------------------------------------------
-    def _dims(self, size: int, q, k, mask: dict):
-        """(b, s, hg, hk, d, u, my group's rows, the ring's partition of super-ranks, my
-        super-rank)."""
-        b, s, h, d = q.shape
-        u = self.degree(size, h, k.shape[2])
-        part = formula_partition(size, q, mask)
-        rank = mask.get("rank", 0)
-        i = rank // u
-        group_rows = sum(part.lengths[i * u:(i + 1) * u])
-        return b, s, h // u, kv_heads(0, u, h, k.shape[2])[1], d, u, group_rows, grouped(part, u), i
+    # -- what one rank sends (the strategy interface, `burstcu.engine`) ----------------------
+    # the counts are without check=True's row sums
 
-    def forward_bytes(self, size: int, q, k, v, **mask) -> int:
-        """mask: rank, layout (a name or a Partition), causal, window, docs — the ring across
-        the groups skips hops as `burst.forward_rows` says, for the group's super-rank."""
-        b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
+    def ring_of_groups(self, size: int, q, k, *, rank: int = 0,
+                       layout: str | Partition = "contiguous") -> tuple[int, Partition, int]:
+        """(u, the partition of the G/u super-ranks the ring of groups runs over, `rank`'s
+        super-rank) for this rank's q (B,S,H,D) and k (B,S,Hkv,D)."""
+        u = self.degree(size, q.shape[2], k.shape[2])
+        return u, grouped(as_partition(layout, size, q.shape[1]), u), rank // u
+
+    def forward_bytes(self, size: int, q, k, v, *, rank: int = 0,
+                      layout: str | Partition = "contiguous", causal: bool = False,
+                      window_size=(-1, -1), cu_seqlens=None) -> int:
+        """The group's all-to-alls (Ulysses in, out + lse back), then the ring across the
+        groups, which skips hops as `burst.forward_rows` says for the group's super-rank."""
+        b, s, h, d = q.shape
+        u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
+        hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        ring_rows = burst.forward_rows(i, groups, *burst.mask_flags(mask))
-        return ((u - 1) * b * s * (hg + 2 * hk) * d * it + (rows - s) * b * hg * (acc + d * it)
+        ring_rows = burst.forward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens))
+        return ((u - 1) * b * s * (hg + 2 * hk) * d * it
+                + (groups.lengths[i] - s) * b * hg * (acc + d * it)
                 + ring_rows * 2 * b * hk * d * it)
 
-    def backward_bytes(self, size: int, q, k, v, **mask) -> int:
-        """mask as in forward_bytes: the ring's bundles stop as `burst.backward_rows` says, for
-        the group's super-rank; none: every bundle all the way round."""
-        b, s, hg, hk, d, u, rows, groups, i = self._dims(size, q, k, mask)
+    def backward_bytes(self, size: int, q, k, v, *, rank: int = 0,
+                       layout: str | Partition = "contiguous", causal: bool = False,
+                       window_size=(-1, -1), cu_seqlens=None) -> int:
+        """The group's all-to-alls (lse, delta, q, dO, k, v in; dq, dk, dv back), then the ring
+        across the groups, whose bundles stop as `burst.backward_rows` says for the group's
+        super-rank."""
+        b, s, h, d = q.shape
+        u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
+        hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         bundle_rows, dq_rows = (0, 0) if groups.size == 1 else \
-            burst.backward_rows(i, groups, *burst.mask_flags(mask))
+            burst.backward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens))
         ring_bytes = bundle_rows * b * hg * (2 * d * it + 2 * acc) + dq_rows * b * hg * d * acc
         back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
-                + (rows - s) * b * back)
+                + (groups.lengths[i] - s) * b * back)
 
-    def _known_degree(self) -> int:
-        if self.ulysses_degree is None:
-            raise ValueError("the message count of usp depends on its degree: make it with "
-                             "ulysses_degree=u (USPAttention.choose_degree gives the default)")
-        return self.ulysses_degree
+    def forward_messages(self, size: int, q, k, v, *, rank: int = 0,
+                         layout: str | Partition = "contiguous", causal: bool = False,
+                         window_size=(-1, -1), cu_seqlens=None) -> int:
+        """Two all-to-alls in the group, then one message a block the ring passes on."""
+        u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
+        return 2 * (u - 1) + burst.forward_sends(i, groups.size, 0, groups, causal, window_size,
+                                                 cu_seqlens)
 
-    def forward_messages(self, size: int, q=None, **mask) -> int:
-        u = self._known_degree()
-        if q is None:
-            return 2 * (u - 1) + size // u - 1
-        *_, groups, i = self._dims(size, q, q, mask)
-        return 2 * (u - 1) + sum(burst.travels(i, s, groups, *burst.mask_flags(mask))
-                                 for s in range(groups.size - 1))
-
-    def backward_messages(self, size: int, q=None, **mask) -> int:
-        u = self._known_degree()
-        r = size // u
-        if r == 1:
-            return 2 * (u - 1)
-        if q is None:
-            return 2 * (u - 1) + r + 1
-        *_, groups, i = self._dims(size, q, q, mask)
-        return 2 * (u - 1) + burst.backward_counts(i, r, 0, groups, *burst.mask_flags(mask))[2]
-
+    def backward_messages(self, size: int, q, k, v, *, rank: int = 0,
+                          layout: str | Partition = "contiguous", causal: bool = False,
+                          window_size=(-1, -1), cu_seqlens=None) -> int:
+        """Two all-to-alls in the group, then the ring's `burst.backward_counts` messages."""
+        u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
+        return 2 * (u - 1) + burst.backward_counts(i, groups.size, 0, groups, causal, window_size,
+                                                   cu_seqlens)[2]

@@ -1,9 +1,12 @@
-"""The local-operation interface: what one ring step computes on one rank.
+"""The local-operation interface: what one rank computes, the only door to compute.
 
-The strategies (`burstcu.engine`) never touch array contents itself: it allocates message
-buffers, copies and adds through a `LocalOps`, and asks it to run one step of attention. NumPy
-tiles (`numpy_ops`), CUDA kernels (`cupy_ops`) and the same kernels under the CPU emulator
-(`emulated_ops`) implement it; so does the schedule recorder of the GPU ordering checker.
+The strategies (`burstcu.engine`) never touch array contents themselves: they allocate message
+buffers, copy and add through a `LocalOps`, and ask it to run one step of attention, a decode
+partial or a linear-attention chunk product. The NumPy op (`burstcu.ops.numpy`) and the CUDA
+kernels (`burstcu.ops.cuda`, on a GPU or under the CPU emulator) implement it; wrappers (timing,
+recording, the schedule checker's recorder) derive from `DelegatingOps`. What an op can take is
+read from its capability attributes (`dtypes`, `array_dtypes`, `headdim_problem`,
+`max_positions`, `masks_windows`, `device`, `current_device()`), never from a backend's name.
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
 
@@ -15,6 +18,10 @@ Dtypes: inputs are float16, bfloat16, float32 or float64. Everything that accumu
 steps (output accumulator, row max, row sum, lse, delta, dq, dk, dv) is held in
 `accum_dtype(input dtype)`: float32, or float64 for float64 input; nothing is rounded to the input
 dtype until the end of the pass.
+
+Decode (`decode_partial`, `decode_merge`) and linear attention (`linear_*`) have array-module
+defaults here (`burstcu.ops.decode`, `burstcu.ops.linear`: any xp), which an op overrides with
+kernels where it has them.
 
 Masking is described by `burstcu.layout.Block`s: each step is given the rectangles to compute
 (wholly-masked rectangles are never passed), each either full or straddling the causal diagonal.
@@ -31,7 +38,8 @@ from typing import Any, ContextManager, Sequence
 import numpy as np
 
 from ..layout import Block
-
+from . import decode as decode_xp
+from . import linear as linear_xp
 
 
 def accum_dtype(dtype) -> np.dtype:
@@ -91,8 +99,16 @@ class LocalOps(ABC):
     name: str = "abstract"
     xp: Any = np
     array_types: tuple = (np.ndarray,)           # what the public API accepts with this op
-    dtypes: tuple = ("float16", "bfloat16", "float32", "float64")
+    dtypes: tuple = ("float16", "bfloat16", "float32", "float64")   # softmax attention's inputs
+    array_dtypes: tuple = ("float16", "bfloat16", "float32", "float64")  # what xp's arrays hold:
+    #                                            decode's and linear attention's inputs
     masks_windows: bool = False                  # Block.left / Block.right honoured (sliding windows)
+    max_positions: int | None = None             # global positions it addresses (None: any)
+    device: str = "cpu"                          # where its arrays live: "cpu" or "cuda"
+
+    def current_device(self) -> int | None:
+        """The CUDA device its work runs on now (device "cuda"), else None."""
+        return None
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
         """Why this op cannot take q (B,S,H,D), k (B,S,Hkv,D) in the forward (or backward)
@@ -195,6 +211,45 @@ class LocalOps(ABC):
     def backward_finalize(self, ctx: Any, out_dtype) -> tuple[Any, Any]:
         """(dk, dv) in out_dtype."""
 
+    # -- decode (a sequence-sharded KV cache) ---------------------------------------------------------
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale: float) -> tuple[Any, Any, Any]:
+        """(acc (B,T,H,D), m (B,H,T), l (B,H,T)) in the accumulation dtype: this rank's share of
+        decode for q (B,T,H,D) over the first lengths[b] rows of k_cache, v_cache (B,S,Hkv,D)
+        (`burstcu.ops.decode`: unnormalised accumulator, row max of the scaled scores, row sum)."""
+        return decode_xp.partial(self.xp, q, k_cache, v_cache, lengths, scale, accum_dtype(q.dtype))
+
+    def decode_merge(self, parts: Sequence[tuple[Any, Any, Any]], out_dtype) -> tuple[Any, Any]:
+        """(out (B,T,H,D) in out_dtype, lse (B,H,T)) from every rank's (acc, m, l), in rank order,
+        so every rank that merges the same parts gets the same bits."""
+        return decode_xp.merge(self.xp, parts, out_dtype)
+
+    # -- linear attention (chunkwise products; burstcu.ops.linear states the algebra) -----------------
+    def linear_kv_state(self, k, v, acc):
+        """M = K^T V (B,Hkv,D,D) in acc of k, v (B,C,Hkv,D)."""
+        return linear_xp.kv_state(self.xp, k, v, acc)
+
+    def linear_grad_state(self, q, dout, hkv: int, acc):
+        """dM = sum over a kv head's query heads of Q^T dO: (B,Hkv,D,D) in acc."""
+        return linear_xp.grad_state(self.xp, q, dout, hkv, acc)
+
+    def linear_forward_run(self, q, k, v, prefix, acc):
+        """Causal linear attention of one run of rows (B,C,H,D) in acc, after the state `prefix`
+        (B,Hkv,D,D) of every earlier row outside the run (None: none)."""
+        return linear_xp.forward_run(self.xp, q, k, v, prefix, acc)
+
+    def linear_backward_run(self, dout, q, k, v, prefix, suffix, acc):
+        """(dq (B,C,H,D), dk, dv (B,C,Hkv,D)) in acc of `linear_forward_run`, with `suffix` the
+        gradient state of every later row outside the run (None: none)."""
+        return linear_xp.backward_run(self.xp, dout, q, k, v, prefix, suffix, acc)
+
+    def linear_forward_full(self, q, total, acc):
+        """Non-causal linear attention: Q M (B,C,H,D) in acc, M = `total` (B,Hkv,D,D)."""
+        return linear_xp.forward_full(self.xp, q, total, acc)
+
+    def linear_backward_full(self, dout, k, v, total, grad_total, acc):
+        """Non-causal gradients (dq, dk, dv) in acc, from the sequence's states M and dM."""
+        return linear_xp.backward_full(self.xp, dout, k, v, total, grad_total, acc)
+
 
 class DelegatingOps(LocalOps):
     """A LocalOps that forwards every call to `inner`: wrappers (timing, recording) derive from
@@ -204,7 +259,11 @@ class DelegatingOps(LocalOps):
         self.inner = inner
         self.name, self.xp = f"{type(self).__name__}({inner.name})", inner.xp
         self.array_types, self.dtypes = inner.array_types, inner.dtypes
-        self.masks_windows = inner.masks_windows
+        self.array_dtypes, self.masks_windows = inner.array_dtypes, inner.masks_windows
+        self.max_positions, self.device = inner.max_positions, inner.device
+
+    def current_device(self):
+        return self.inner.current_device()
 
     def input_problem(self, q, k, backward: bool = False):
         return self.inner.input_problem(q, k, backward)
@@ -262,3 +321,27 @@ class DelegatingOps(LocalOps):
 
     def backward_finalize(self, ctx, out_dtype):
         return self.inner.backward_finalize(ctx, out_dtype)
+
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale):
+        return self.inner.decode_partial(q, k_cache, v_cache, lengths, scale)
+
+    def decode_merge(self, parts, out_dtype):
+        return self.inner.decode_merge(parts, out_dtype)
+
+    def linear_kv_state(self, k, v, acc):
+        return self.inner.linear_kv_state(k, v, acc)
+
+    def linear_grad_state(self, q, dout, hkv, acc):
+        return self.inner.linear_grad_state(q, dout, hkv, acc)
+
+    def linear_forward_run(self, q, k, v, prefix, acc):
+        return self.inner.linear_forward_run(q, k, v, prefix, acc)
+
+    def linear_backward_run(self, dout, q, k, v, prefix, suffix, acc):
+        return self.inner.linear_backward_run(dout, q, k, v, prefix, suffix, acc)
+
+    def linear_forward_full(self, q, total, acc):
+        return self.inner.linear_forward_full(q, total, acc)
+
+    def linear_backward_full(self, dout, k, v, total, grad_total, acc):
+        return self.inner.linear_backward_full(dout, k, v, total, grad_total, acc)

@@ -5,7 +5,7 @@
   FlashAttention tolerance rule; `host_arrays`: a device LocalOps seen through NumPy arrays, so
   one test body checks the CUDA kernels under the CPU emulator and on a GPU (both import only
   the layers below the engine);
-* `loopback`: `run_ranks`, G ranks of the real engine as threads on one device, and `checks`:
+* `world`: `run_ranks`, G ranks of the real engine as threads on one device, and `checks`:
   everything `python -m burstcu.selftest --full` verifies. These two drive the public API, so
   they sit above it; still, nothing below them imports them;
 * `schedule`: the GPU ordering checker (records the stream/event/NCCL actions of the real engine

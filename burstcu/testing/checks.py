@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..layout import Block, shard_slices, step_blocks
+from ..group import on_gpu
 from .reference import (attention_backward_ref, attention_ref, keep_from_blocks, max_err,
                         softmax_stats_ref, step_backward_ref)
 
@@ -81,15 +82,15 @@ def check_variants(backend: str, quick: bool) -> list[dict]:
     from ..ops.cuda import KernelOps
 
     out = []
-    archs = ARCHS if backend == "cupy" and not quick else ("sm_80",)
-    if backend == "cupy" and compute_capability() != 90:
+    archs = ARCHS if on_gpu(backend) and not quick else ("sm_80",)
+    if on_gpu(backend) and compute_capability() != 90:
         archs = tuple(a for a in archs if a != "sm_90a")  # sm_90a code runs on cc 9.0 only
     for arch in archs:
         ops = KernelOps(backend, arch=arch)
         chosen = [v for v in all_variants(arch)
-                  if backend == "cupy" and not quick or v.headdim in (0, 64)]
+                  if on_gpu(backend) and not quick or v.headdim in (0, 64)]
         fits = [v for v in chosen if ops.smem_limit is None or v.launch.smem_bytes <= ops.smem_limit]
-        if backend == "cupy":
+        if on_gpu(backend):
             _compile_in_parallel(fits)
         rows, failures = [], []
         for v in fits:
@@ -260,7 +261,7 @@ def check_ring_steps(backend: str, quick: bool) -> list[dict]:
 # 4. NCCL, world of one
 
 def check_nccl(backend: str, quick: bool) -> list[dict]:
-    if backend != "cupy":
+    if not on_gpu(backend):
         return [record("nccl", None, "skipped: needs a GPU")]
     import cupy
 
@@ -305,7 +306,7 @@ def check_determinism(backend: str, quick: bool) -> list[dict]:
         group.ops.deterministic = saved
     same = all(np.array_equal(a, b) for a, b in zip(*runs))
     out = [record("determinism/bitwise", same, "deterministic dQ: out, dq, dk, dv identical bits twice")]
-    if backend == "cupy":
+    if on_gpu(backend):
         out.append(_pool_growth(group, q, k, v, dout))
     else:
         out.append(record("memory/pool_growth", None, "skipped: the CuPy pool exists on a GPU only"))
@@ -349,9 +350,9 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
     that differ by a row); doc_lengths: documents of these lengths, cycled (cu_seqlens; with
     zigzag each document is cut into 2G pieces)."""
     import burstcu
-    from ..engine.burst import BurstAttention
+    from ..engine import burst
     from ..layout import partition
-    from .loopback import run_ranks
+    from .world import run_ranks
     from .reference import document_mask
 
     rng = np.random.default_rng(seed)
@@ -374,10 +375,9 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
         grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **mask)
         bwd_bytes = group.stats.bytes_sent - fwd_bytes
         whole = [_host(burstcu.unshard(x, group, layout, cu_seqlens=docs)) for x in (out, *grads)]
-        formula = dict(rank=group.rank, layout=part, causal=causal,
-                       docs=None if docs is None else tuple(docs))
-        expected = (BurstAttention.forward_bytes(size, *local[:3], **formula),
-                    BurstAttention.backward_bytes(size, *local[:3], **formula))
+        formula = dict(rank=group.rank, layout=part, causal=causal, cu_seqlens=docs)
+        expected = (burst.forward_bytes(size, *local[:3], **formula),
+                    burst.backward_bytes(size, *local[:3], **formula))
         return whole, (fwd_bytes, bwd_bytes) == expected
 
     results = run_ranks(size, body, backend=backend)
@@ -455,7 +455,7 @@ def versions() -> dict:
 
 
 def device_name(backend: str) -> str:
-    if backend != "cupy":
+    if not on_gpu(backend):
         return "CPU (CUDA kernels on the emulator)"
     import cupy
     dev = cupy.cuda.Device()

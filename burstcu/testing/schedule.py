@@ -361,12 +361,13 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
            shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
-           options: dict | None = None, window: tuple = (-1, -1), docs=None,
+           options: dict | None = None, window_size: tuple = (-1, -1), cu_seqlens=None,
            row_sums: bool = False) -> Schedule:
     """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
     `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
-    need `record_loopback`: a recording NCCL rank has no MPI to split over. docs: document
-    boundaries; row_sums: the backward of attention_backward(check=True)."""
+    need `record_loopback`: a recording NCCL rank has no MPI to split over. window_size,
+    cu_seqlens: the mask, as the strategies take it; row_sums: the backward of
+    attention_backward(check=True)."""
     run = engine.get(strategy, **(options or {}))
 
     if pass_ not in ("forward", "backward"):
@@ -383,7 +384,8 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
         extra = {"dout": ops.new("dout", (b, s, h, d), dtype), "out": ops.new("out", (b, s, h, d), dtype),
                  "lse": ops.new("lse", (b, h, s), acc)}
     device.sentinel("begin")
-    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window=window, docs=docs)
+    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window_size=window_size,
+              cu_seqlens=cu_seqlens)
     if pass_ == "forward":
         run.forward(q, k, v, ops, transport, **kw)
     else:
@@ -624,8 +626,29 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
     collectives, must be the same sequence on every rank. Groups are
     proved free of deadlock: no cycle of ranks each waiting in an earlier group for another's
     later one (a pair or any longer ring of ranks, all-gathers included)."""
-    out: list[Violation] = []
     gathers = [[a for a in s.actions if a.kind == "allgather"] for s in schedules]
+    sends, recvs = _point_to_point(schedules)
+    return (_unmatched_gathers(gathers) + _unmatched_messages(sends, recvs)
+            + _deadlocks(schedules, sends, recvs, gathers))
+
+
+def _point_to_point(schedules: Sequence[Schedule]) -> tuple[dict, dict]:
+    """(sends, recvs): for each (source rank, destination rank), the sends the source issues to
+    the destination and the receives the destination posts from the source, in issue order."""
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    for r, s in enumerate(schedules):
+        for a in s.actions:
+            if a.kind == "send":
+                sends.setdefault((r, a.peer), []).append(a)
+            elif a.kind == "recv":
+                recvs.setdefault((a.peer, r), []).append(a)
+    return sends, recvs
+
+
+def _unmatched_gathers(gathers: list[list[Action]]) -> list[Violation]:
+    """All-gathers that differ between ranks in number or, the k-th of each, in size."""
+    out: list[Violation] = []
     if len({len(g) for g in gathers}) > 1:
         per_rank = ", ".join(f"rank {r}: {len(g)}" for r, g in enumerate(gathers))
         out.append(Violation(-1, f"ranks issue different numbers of allgathers ({per_rank}): some "
@@ -635,14 +658,13 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
         if len(sizes) > 1:
             out.append(Violation(-1, f"allgather #{k} does not match on every rank: sizes "
                                      f"{sorted(sizes)}", gathers[0][k]))
-    sends: dict[tuple[int, int], list[Action]] = {}
-    recvs: dict[tuple[int, int], list[Action]] = {}
-    for r, s in enumerate(schedules):
-        for a in s.actions:
-            if a.kind == "send":
-                sends.setdefault((r, a.peer), []).append(a)
-            elif a.kind == "recv":
-                recvs.setdefault((a.peer, r), []).append(a)
+    return out
+
+
+def _unmatched_messages(sends: dict, recvs: dict) -> list[Violation]:
+    """Between each pair of ranks, the i-th send without an i-th receive, or the other way
+    round, or the two of different sizes."""
+    out: list[Violation] = []
     for src, dst in sorted(set(sends) | set(recvs)):
         ss, rr = sends.get((src, dst), []), recvs.get((src, dst), [])
         for i in range(max(len(ss), len(rr))):
@@ -661,34 +683,57 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
                 out.append(Violation(src, f"{a.describe()} sends {a.nbytes} bytes in NCCL group "
                                           f"{a.group}; rank {dst} receives {b.nbytes} in its group "
                                           f"{b.group}: the exchange would truncate or hang", a))
-    # deadlock: every rank's NCCL groups run in issue order; a matched send/recv pair, and the
-    # k-th all-gather of every rank, must run in the same "meeting" of groups. Merge the groups
-    # that meet; a cycle through the ranks' orders is then a set of ranks each waiting in an
-    # earlier group for another's later one.
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
+    return out
 
-    def find(x):
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
+
+class _Meetings:
+    """Union-find over (rank, NCCL group ordinal): the groups of different ranks that must run
+    together (a matched send/recv pair, or the k-th all-gather of every rank) become one."""
+
+    def __init__(self):
+        self.parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(self, x: tuple[int, int]) -> tuple[int, int]:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
         return x
 
+    def join(self, a: tuple[int, int], b: tuple[int, int]) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _deadlocks(schedules: Sequence[Schedule], sends: dict, recvs: dict,
+               gathers: list[list[Action]]) -> list[Violation]:
+    """Every rank's NCCL groups run in issue order; a matched send/recv pair, and the k-th
+    all-gather of every rank, must run in the same "meeting" of groups. Merge the groups that
+    meet; a cycle through the ranks' orders is then a set of ranks each waiting in an earlier
+    group for another's later one."""
+    meetings = _Meetings()
     for (src, dst), ss in sends.items():
         for a, b in zip(ss, recvs.get((src, dst), [])):
-            parent[find((src, a.group))] = find((dst, b.group))
+            meetings.join((src, a.group), (dst, b.group))
     for k in range(min((len(g) for g in gathers), default=0)):
         for r, g in enumerate(gathers[1:], start=1):
-            parent[find((r, g[k].group))] = find((0, gathers[0][k].group))
+            meetings.join((r, g[k].group), (0, gathers[0][k].group))
     edges: dict[tuple[int, int], set] = {}
     for r, s in enumerate(schedules):
         order = sorted({a.group for a in s.actions if a.group is not None})
         for g1, g2 in zip(order, order[1:]):
-            a, b = find((r, g1)), find((r, g2))
-            edges.setdefault(a, set()).add(b)
-            if a == b:
-                edges[a].add(a)
-    state: dict = {}
+            edges.setdefault(meetings.find((r, g1)), set()).add(meetings.find((r, g2)))
+    path = _cycle(edges)
+    if not path:
+        return []
+    ranks = sorted({r for r, g in list(meetings.parent) if meetings.find((r, g)) in path})
+    return [Violation(-1, f"NCCL groups wait for each other in a cycle (ranks {ranks}): each holds "
+                          f"a message another rank only posts in a later group — a deadlock")]
+
+
+def _cycle(edges: dict) -> set:
+    """The nodes on the depth-first path that closes the first cycle found in `edges` (node ->
+    set of successors), or an empty set when there is none."""
+    state: dict = {}   # 1: on the current path, 2: done
 
     def cycle_from(node) -> bool:
         state[node] = 1
@@ -700,12 +745,8 @@ def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
 
     for node in list(edges):
         if node not in state and cycle_from(node):
-            ranks = sorted({r for r, g in list(parent) if state.get(find((r, g))) == 1})
-            out.append(Violation(-1, f"NCCL groups wait for each other in a cycle (ranks {ranks}): "
-                                     f"each holds a message another rank only posts in a later "
-                                     f"group — a deadlock"))
-            break
-    return out
+            return {n for n, mark in state.items() if mark == 1}
+    return set()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,7 +238,13 @@ def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, i
     uid = unique_id(comm, timeout)
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
     nccl_comm = create_communicator(comm, size, uid, rank, device_id)
-    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout)  # dups comm
+
+    def connect(sub_comm):
+        """The NCCL communicator of a sub-group (`Transport.split`), bootstrapped over its MPI
+        communicator on this rank's device (collective over `sub_comm`)."""
+        return create_communicator(sub_comm, sub_comm.Get_size(), unique_id(sub_comm, timeout),
+                                   sub_comm.Get_rank(), device_id)
+    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout, connect)  # dups comm
     return transport, device_id
 
 

@@ -4,14 +4,14 @@ On one machine MPI moves a ring step's message through shared memory in about a 
 far faster than the step's compute, so nothing shows whether the exchange really runs behind
 the compute. `burstcu.init(..., link=Link(gbps=1, latency_us=50))` paces every message as a
 network of that speed would: the exchange then takes as long as it would on such a link, and
-overlapping it with compute becomes measurable (`bench/overlap.py --link-gbps`).
+overlapping it with compute becomes measurable (`bench/cpu/overlap.py --link-gbps`).
 
 The model, per rank: one port, full duplex. Messages leave through the outgoing direction one
 after another, each occupying it for `latency + n * 8 / (gbps * 1e9)` seconds (n bytes);
 messages arrive through the incoming direction the same way. A message of n bytes therefore
 completes no earlier than latency + n*8/(gbps*1e9) after it was posted, later while earlier
 messages still occupy its direction; an exchange (one commit) completes when its last message
-does. This is `bench/model.py`'s `t_comm = messages * latency + bytes / bandwidth` for each
+does. This is the cost model's (`burstcu.plan`, `bench/model/predict.py`) `t_comm = messages * latency + bytes / bandwidth` for each
 direction. The clock of each message starts when this rank posts it (the sender's and the
 receiver's posts are paced alike; a peer that posts later delays the data as well, but the
 pacing does not add that peer's lateness to the link time).

@@ -209,9 +209,10 @@ class NCCLTransport(Transport):
     name = "nccl"
 
     def __init__(self, rank: int, size: int, device: Any, mpi_comm: Any = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, connect=None):
         super().__init__(rank, size, timeout)
         self.device = device
+        self.connect = connect   # connect(mpi sub-communicator) -> its NCCL communicator (`split`)
         # metadata (agreement, barrier) and aborts go through MPI, with the same deadlines
         self.meta = None
         if mpi_comm is not None:
@@ -299,16 +300,14 @@ class NCCLTransport(Transport):
     def _split(self, color, key, members, name):
         """A sub-group with its own NCCL communicator, bootstrapped over an MPI split of the
         metadata communicator (collective over this group)."""
-        if self.meta is None:
-            raise RuntimeError("an NCCLTransport without an MPI communicator cannot make sub-groups")
-        import cupy
-        from .bootstrap import create_communicator, unique_id  # bootstrap builds on this module
+        if self.meta is None or self.connect is None:
+            raise RuntimeError("an NCCLTransport without an MPI communicator (or a way to connect "
+                               "one) cannot make sub-groups")
         sub_comm = self.meta.comm.Split(color, key)
         try:
-            rank, size = sub_comm.Get_rank(), sub_comm.Get_size()
-            nccl_comm = create_communicator(sub_comm, size, unique_id(sub_comm, self.timeout), rank,
-                                            cupy.cuda.Device().id)
-            return NCCLTransport(rank, size, CupyDevice(nccl_comm), sub_comm, self.timeout)
+            return NCCLTransport(sub_comm.Get_rank(), sub_comm.Get_size(),
+                                 CupyDevice(self.connect(sub_comm)), sub_comm, self.timeout,
+                                 self.connect)
         finally:
             sub_comm.Free()
 

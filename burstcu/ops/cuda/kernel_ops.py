@@ -38,7 +38,8 @@ from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps
 from . import backward as kernel_bwd
-from .params import (I32_MAX, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
+from . import decode as kernel_decode
+from .params import (I32_MAX, MAX_POSITION, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
                      fwd_step_sm90_params, nonfinite_params, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
@@ -47,6 +48,7 @@ _OUT_DTYPES = ("float16", "bfloat16", "float32")  # flash_fwd_finalize instantia
 _MAX_HEADDIM = 256
 _LOG2E = 1.4426950408889634
 BACKENDS = ("cupy", "emulated")
+DEVICE_OF = {"cupy": "cuda", "emulated": "cpu"}   # where each backend's arrays live
 # Blocks of a persistent launch (forward_sm90) under the emulator: a few, so that every block
 # runs several tiles and the pipelines carry their phases from tile to tile, as on a GPU.
 _EMULATED_SM_COUNT = 3
@@ -98,11 +100,11 @@ class KernelOps(LocalOps):
                  deterministic: bool = False, randomize: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
-        self.backend = backend
+        self.backend, self.device = backend, DEVICE_OF[backend]
         self.name = f"kernels-{backend}"
         self.deterministic = bool(deterministic)
         self.randomize = bool(randomize)
-        if backend == "cupy":
+        if self.device == "cuda":
             import cupy
 
             self.xp = cupy
@@ -118,13 +120,19 @@ class KernelOps(LocalOps):
             self.smem_limit = None
             self.sm_count = _EMULATED_SM_COUNT
         self.array_types = (self.xp.ndarray,)
-        self.first_use_check = backend == "cupy"  # see _sm90_checked
+        if self.device == "cuda":                  # CuPy arrays have no bfloat16
+            self.array_dtypes = ("float16", "float32", "float64")
+        self.first_use_check = self.device == "cuda"  # see _sm90_checked
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._functions: dict[str, Any] = {}
         self._zero_flag = None
 
     dtypes = _KERNEL_DTYPES
     masks_windows = True  # Block.left / Block.right become the kernels' key bounds (lo, hi)
+    max_positions = MAX_POSITION  # the kernels add bounds of 32-bit positions
+
+    def current_device(self) -> int | None:
+        return int(self.xp.cuda.runtime.getDevice()) if self.device == "cuda" else None
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
         # forward and backward kernels take 64-bit strides: no limit on the element count
@@ -151,13 +159,13 @@ class KernelOps(LocalOps):
 
     def stream_key(self):
         """The current CuPy stream (kernels and buffer copies are issued on it)."""
-        if self.backend != "cupy":
+        if self.device != "cuda":
             return None
         return self.xp.cuda.get_current_stream().ptr
 
     def annotate(self, label: str):
         """An NVTX range on a GPU (visible in Nsight Systems); nothing under emulation."""
-        if self.backend != "cupy":
+        if self.device != "cuda":
             return super().annotate(label)
         return nvtx_range(label)
 
@@ -171,7 +179,7 @@ class KernelOps(LocalOps):
         if variant is None:
             raise KeyError(f"{name_expression!r} is not a variant for {self.arch}; "
                            f"see burstcu.build.all_variants")
-        if self.backend == "cupy":
+        if self.device == "cuda":
             fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes,
                               target=variant.target)
         else:
@@ -206,7 +214,7 @@ class KernelOps(LocalOps):
         return hopper
 
     def _first_use_key(self, variant: KernelVariant) -> tuple[int, str]:
-        return (self.xp.cuda.Device().id if self.backend == "cupy" else -1, variant.name)
+        return (self.xp.cuda.Device().id if self.device == "cuda" else -1, variant.name)
 
     def _sm90_checked(self, hopper: KernelVariant, dtype) -> bool:
         """On a GPU, the first use of a Hopper variant on a device runs it against the mma.sync
@@ -331,7 +339,7 @@ class KernelOps(LocalOps):
         return x if x.shape[-1] == d else x[..., :d]
 
     def sync(self) -> None:
-        if self.backend == "cupy":
+        if self.device == "cuda":
             self.xp.cuda.get_current_stream().synchronize()
 
     # -- forward -----------------------------------------------------------------------------------
@@ -429,6 +437,12 @@ class KernelOps(LocalOps):
 
     def backward_finalize(self, ctx, out_dtype):
         return kernel_bwd.backward_finalize(self, ctx, out_dtype)
+
+    # -- decode (kernels/flash_decode.cu; other dtypes: the array-module default) ---------------------
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale):
+        if _dtype_name(q) not in kernel_decode.KERNEL_DTYPES:
+            return super().decode_partial(q, k_cache, v_cache, lengths, scale)
+        return kernel_decode.partial(self, q, k_cache, v_cache, lengths, scale)
 
     # -- argument checks and layout ----------------------------------------------------------------
     def _check_dtype(self, x, what: str) -> str:

@@ -128,9 +128,9 @@ def tensor_map(backend: str, ptr: int, dtype: str, dims: Sequence[int], strides_
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     elem, dims, strides, box = validate_tiled(ptr, dtype, dims, strides_bytes, box, swizzle)
-    if backend == "emulated":
-        return _emulated(ptr, elem, dims, strides, box, SWIZZLES[swizzle][0])
-    return _driver(ptr, dtype, dims, strides, box, swizzle)
+    encode = {"cupy": lambda: _driver(ptr, dtype, dims, strides, box, swizzle),
+              "emulated": lambda: _emulated(ptr, elem, dims, strides, box, SWIZZLES[swizzle][0])}
+    return encode[backend]()
 
 
 def _emulated(ptr: int, elem: int, dims: list[int], strides: list[int], box: list[int],

@@ -15,7 +15,7 @@ import threading
 from contextlib import nullcontext
 from typing import Any, Callable
 
-from ..group import Group, loopback_group
+from ..group import Group, loopback_group, on_gpu
 from ..transport.loopback import LoopbackHub, PeerFailedError
 
 
@@ -41,7 +41,7 @@ def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy"
             with _own_stream(backend):
                 group = loopback_group(hub, rank, backend, **options)
                 results[rank] = body(group)
-                if backend == "cupy":
+                if on_gpu(backend):
                     group.ops.sync()
         except BaseException as exc:  # noqa: BLE001 - reported below, with the rank
             errors[rank] = exc
@@ -66,7 +66,7 @@ def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy"
 
 
 def _own_stream(backend: str):
-    if backend != "cupy":
+    if not on_gpu(backend):
         return nullcontext()
     import cupy
     return cupy.cuda.Stream(non_blocking=True)

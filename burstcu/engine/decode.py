@@ -1,0 +1,60 @@
+"""Decode against a sequence-sharded KV cache: one partial attention per rank, ONE all-gather of
+the partials, the same merge on every rank ("flash decoding" with the keys split across ranks).
+
+Shapes (B batch, T new tokens, H query heads, Hkv kv heads, D head dim, S_cache rows a rank
+holds, G ranks):
+    q (B, T, H, D): the same on every rank;  k_cache, v_cache (B, S_cache, Hkv, D): this rank's
+    shard, rows in any order;  lengths (B,) host ints: valid rows of each batch row on this rank
+    partial (`LocalOps.decode_partial`): acc (B, T, H, D), row max m and row sum l (B, H, T), in
+        the accumulation dtype
+    out (B, T, H, D) in q's dtype, lse (B, H, T) in the accumulation dtype: identical on every
+        rank, since every rank merges the same partials in rank order (`LocalOps.decode_merge`)
+
+Bytes one rank sends (`decode_bytes`), independent of the cache length:
+    (G - 1) * B*T*H*(D + 2) * accumulation itemsize
+(the transport's all-gather sends this rank's packed (acc, m, l) to each other rank).
+"""
+
+from __future__ import annotations
+
+from ..ops.base import LocalOps, Message, accum_dtype
+from ..transport.base import Transport
+
+
+def decode(q, k_cache, v_cache, lengths, softmax_scale: float, ops: LocalOps,
+           transport: Transport) -> tuple:
+    """(out (B,T,H,D) in q's dtype, lse (B,H,T)): attention of q over every rank's first
+    lengths[b] cache rows (module docstring). Collective over `transport`."""
+    transport.where = "decode partial attention"
+    mine = ops.decode_partial(q, k_cache, v_cache, lengths, softmax_scale)
+    return ops.decode_merge(gathered_partials(mine, ops, transport), q.dtype)
+
+
+def _fields(acc_shape, stat_shape, dtype) -> list:
+    return [("acc", acc_shape, dtype), ("m", stat_shape, dtype), ("l", stat_shape, dtype)]
+
+
+def gathered_partials(mine: tuple, ops: LocalOps, transport: Transport) -> list[tuple]:
+    """Every rank's (acc, m, l), in rank order, after one all-gather of the packed partials."""
+    if transport.size == 1:
+        return [mine]
+    acc, m, _ = mine
+    fields = _fields(acc.shape, m.shape, acc.dtype)
+    packed = ops.message(fields)
+    for name, x in zip(("acc", "m", "l"), mine):
+        ops.copy_(packed[name], x)
+    flat = packed.span("acc", "l")
+    gathered = ops.zeros((transport.size,) + tuple(flat.shape), flat.dtype)
+    transport.where = "decode all-gather of the partials"
+    transport.allgather(flat, gathered)
+    parts = []
+    for r in range(transport.size):
+        theirs = Message(ops.xp, fields, flat=gathered[r])
+        parts.append((theirs["acc"], theirs["m"], theirs["l"]))
+    return parts
+
+
+def decode_bytes(size: int, q) -> int:
+    """Bytes one rank sends in `decode`: (G-1) * B*T*H*(D+2) * acc itemsize (q (B,T,H,D))."""
+    b, t, h, d = q.shape
+    return (size - 1) * b * t * h * (d + 2) * accum_dtype(q.dtype).itemsize
