@@ -1,18 +1,22 @@
-"""Helpers shared by the benchmarks in bench/: environment description, inputs, tables, JSON,
-progress lines, and the MPI world.
+"""Helpers shared by every benchmark in bench/: the MPI world, what a run measured on, inputs,
+one timing helper, tables, JSON and progress lines.
 
-API (for other bench scripts):
-    world()                       -> (comm or None, rank, size)    mpi4py COMM_WORLD if importable
-    environment(group, **extra)   -> dict: what was measured on (CPU/GPU, BLAS, MPI, progress)
-    measured_on(env)              -> one line saying so ("CPU ... not a GPU figure")
-    make_local_inputs(...)        -> this rank's q, k, v, dout shards (random, seeded)
-    median(xs), fmt_s(sec), fmt_bytes(n)
-    table(rows, columns)          -> str: an aligned text table (rows: list of dicts)
-    progress(msg, rank=0)         -> one line on stderr from rank 0, flushed
-    write_json(path, obj)         -> strict JSON (numpy values converted, NaN -> null)
-    clean(obj)                    -> the JSON-ready copy write_json writes
-    blas_threads_env()            -> os.environ copy with one BLAS/OpenMP thread
-    add_problem_args(parser, ...) -> the shared --seqlen/--batch/--heads/.../--json options
+    world()                        -> (comm or None, rank, size): mpi4py's COMM_WORLD if it loads
+    environment(group, **extra)    -> dict: what was measured on (CPU/GPU, BLAS, MPI, progress)
+    measured_on(env)               -> one line saying so ("CPU ... NOT GPU figures")
+    array_dtype(name)              -> the NumPy scalar type of "float16" ... "bfloat16" (ml_dtypes)
+    make_local_inputs(...)         -> this rank's q, k, v, dout shards (random, seeded)
+    document_mix(total, seed, ...) -> cu_seqlens of a seeded long-tailed mix of documents
+    call_seconds(fn, repeats, ...) -> seconds of each call (host clock, or CUDA events)
+    slowest_rank_seconds(group, fn, repeats) -> median over calls of the slowest rank's seconds
+    overlap_efficiency(tc, tm, to) -> the fraction of an exchange hidden behind compute
+    median(xs), fmt_s(seconds), fmt_bytes(n), table(rows, columns), progress(msg)
+    clean(obj), write_json(path, obj), print_and_write(env, rows, columns, args)
+    blas_threads_env(threads)      -> os.environ copy with that many BLAS/OpenMP threads
+    add_problem_args(parser, ...)  -> the shared --seqlen/--batch/--heads/.../--json options
+
+Scripts run as files (`python bench/cpu/overlap.py`) put the repository root on sys.path before
+importing this module as `bench._common`.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python bench/x.py` from anywhere
-    sys.path.insert(0, str(ROOT))
-
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+# ----------------------------------------------------------------------------------------------
+# the world and what it is
 
 
 def world():
@@ -45,6 +51,7 @@ def world():
 
 
 def blas_threads_env(threads: int = 1) -> dict:
+    """A copy of os.environ with every BLAS / OpenMP thread count set to `threads`."""
     env = dict(os.environ)
     for var in THREAD_VARS:
         env[var] = str(threads)
@@ -105,6 +112,15 @@ def measured_on(env: dict) -> str:
     return line
 
 
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def array_dtype(name: str):
+    """The NumPy scalar type named "float16", "bfloat16" (ml_dtypes'), "float32" or "float64"."""
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name).type
+
+
 def make_local_inputs(rank: int, size: int, *, batch: int, seqlen: int, heads: int, kv_heads: int,
                       headdim: int, dtype: str, layout: str = "contiguous", seed: int = 0):
     """This rank's (q, k, v, dout) for a global sequence of `seqlen` tokens.
@@ -116,7 +132,7 @@ def make_local_inputs(rank: int, size: int, *, batch: int, seqlen: int, heads: i
     from burstcu.layout import shard_slices
 
     shard_slices(layout, rank, size, seqlen)  # raises a clear error when seqlen does not divide
-    dt = _dtype(dtype)
+    dt = array_dtype(dtype)
     rng = np.random.default_rng([seed, rank])
     s = seqlen // size
     shapes = [(batch, s, heads, headdim), (batch, s, kv_heads, headdim),
@@ -124,27 +140,63 @@ def make_local_inputs(rank: int, size: int, *, batch: int, seqlen: int, heads: i
     return [rng.standard_normal(shape, dtype=np.float32).astype(dt) for shape in shapes]
 
 
-def _dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(name).type
+def document_mix(total: int, seed: int = 0, median: float = 64, sigma: float = 1.75,
+                 shortest: int = 8) -> tuple[int, ...]:
+    """cu_seqlens (0, b_1, ..., total) of a seeded long-tailed mix: log-normal lengths (median
+    `median` tokens, shape `sigma`) clipped to [shortest, total // 2], drawn until they fill
+    `total`; the last document is cut to fit."""
+    rng = np.random.default_rng(seed)
+    bounds = [0]
+    longest = max(shortest, total // 2)
+    while bounds[-1] < total:
+        length = int(np.clip(round(rng.lognormal(np.log(median), sigma)), shortest, longest))
+        bounds.append(min(total, bounds[-1] + length))
+    return tuple(bounds)
 
 
-def median(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else float("nan")
+# ----------------------------------------------------------------------------------------------
+# timing
 
 
-def cuda_event_times_ms(fn, warmup: int, repeats: int, sync_inside: bool = False) -> list[float]:
-    """Milliseconds of each of `repeats` calls of fn() between CUDA events on CuPy's current
-    stream, after `warmup` calls. sync_inside: synchronize the whole device before the start and
+def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
+                 sync_inside: bool = False, before=None, after=None) -> list[float]:
+    """Seconds of each of `repeats` calls of fn(), after `warmup` untimed calls.
+
+    Host clock (default): time.perf_counter around fn() and after() (a device synchronize, say);
+    before() (a barrier, say) runs untimed ahead of each call. cuda=True: CUDA events on CuPy's
+    current stream around fn(); sync_inside synchronizes the whole device before the start and
     before the stop event, for work other libraries issue on their own streams (a few
-    microseconds of host latency then enter every figure)."""
-    import cupy
-
+    microseconds of host latency then enter every figure).
+    """
     for _ in range(warmup):
         fn()
+    if after is not None and warmup:
+        after()
+    if cuda:
+        return _cuda_event_seconds(fn, repeats, sync_inside)
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        if after is not None:
+            after()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def slowest_rank_seconds(group, fn, repeats: int, warmup: int = 0, after=None) -> float:
+    """The median over `repeats` calls of fn() (after `warmup` untimed ones) of the slowest
+    rank's seconds, every call started together (a barrier); `after` as in `call_seconds`."""
+    mine = call_seconds(fn, repeats, warmup, before=group.barrier, after=after)
+    every = group.transport.allgather_object(mine, "bench timing")
+    return median([max(per_rank) for per_rank in zip(*every)])
+
+
+def _cuda_event_seconds(fn, repeats: int, sync_inside: bool) -> list[float]:
+    import cupy
+
     device = cupy.cuda.Device()
     device.synchronize()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -158,11 +210,29 @@ def cuda_event_times_ms(fn, warmup: int, repeats: int, sync_inside: bool = False
             device.synchronize()
         stop.record()
         stop.synchronize()
-        times.append(float(cupy.cuda.get_elapsed_time(start, stop)))
+        times.append(float(cupy.cuda.get_elapsed_time(start, stop)) * 1e-3)
     return times
 
 
+def overlap_efficiency(t_compute: float, t_comm: float, t_overlapped: float) -> float | None:
+    """(t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange's time hidden
+    behind compute (1: all of it, 0: back to back, < 0: together slower than in sequence); None
+    without an exchange."""
+    return (t_compute + t_comm - t_overlapped) / t_comm if t_comm > 0 else None
+
+
+def median(xs) -> float:
+    """The median of the values that are not None (NaN when none is)."""
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+
+
 def fmt_s(seconds) -> str:
+    """Seconds as "1.23s", "4.56ms" or "78us"; "-" for None or NaN."""
     if seconds is None or seconds != seconds:
         return "-"
     if seconds >= 1:
@@ -173,6 +243,7 @@ def fmt_s(seconds) -> str:
 
 
 def fmt_bytes(n) -> str:
+    """A byte count as "512B", "1.50KiB", "2.00MiB" or "3.00GiB"."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -1,4 +1,4 @@
-"""bench/tiles.py on the CPU: the dry run, a gate of a tiny candidate subset, the committed
+"""bench/gpu/tiles.py on the CPU: the dry run, a gate of a tiny candidate subset, the committed
 candidate file, and the measuring path on the kernel emulator at toy sizes (a few seconds in all;
 the GPU run itself is not testable here)."""
 
@@ -15,14 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 COMMITTED = BENCH / "results" / "h100" / "tile_candidates.json"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT))     # bench/ is imported as the package `bench`
 
 
 def run_tiles(args: list, timeout: float = 60, cache: Path | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if cache is not None:
         env["BURSTCU_CACHE_DIR"] = str(cache)
-    proc = subprocess.run([sys.executable, str(BENCH / "tiles.py"), *map(str, args)],
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu" / "tiles.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"tiles.py {args} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -33,7 +33,7 @@ def test_variants_for_tiles_match_the_tables():
     from burstcu.build import all_variants
     from burstcu.build.variants import ARCHS, DTYPES
 
-    import tiles
+    from bench.gpu import tiles
 
     for arch in ARCHS:
         for v in all_variants(arch):
@@ -77,7 +77,7 @@ def test_gate_tiny_subset(tmp_path):
 
 
 def test_committed_candidates_cover_the_default_run():
-    import tiles
+    from bench.gpu import tiles
 
     data = json.loads(COMMITTED.read_text())
     assert data["tile_table"] == "sm_90"
@@ -100,7 +100,7 @@ def test_committed_candidates_cover_the_default_run():
 def test_measure_path_on_the_emulator(tmp_path):
     """The whole GPU-run path (pinning, checks, timing, tables, JSON) on the kernel emulator,
     with a candidate that cannot be built: it is reported and the others still run."""
-    import tiles
+    from bench.gpu import tiles
 
     cands = tiles.enumerate_candidates("sm_90", ["forward"], ["float16"], [64], max_per_group=2)
     bad = {**cands[1], "tiles": [64, 40, 4], "name": "illegal"}

@@ -4,7 +4,7 @@
                                --out bench/results/gpu_h100
 
 S.json: `python -m burstcu.selftest --full --json` (device, versions, checks); K.json:
-`bench/kernels.py --json` (speed rows); O.json: `bench/overlap_gpu.py --json`. The JSON written
+`bench/gpu/kernel_speed.py --json` (speed rows); O.json: `bench/gpu/overlap_gpu.py --json`. The JSON written
 holds `device`, `versions`, `checks` and `speed` (the kernels rows), plus `overlap` when given;
 the .md file is the tables a reader wants: checks by group, and per (pass, dtype, head dim) the
 speed against PyTorch's flash backend. Every figure is copied from the inputs: nothing is
@@ -18,6 +18,9 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
+from bench.gpu.overlap_gpu import per_step  # noqa: E402
 
 
 def load(path):
@@ -57,7 +60,7 @@ def speed_table(rows: list[dict]) -> list[str]:
 
 def window_table(rows: list[dict]) -> list[str]:
     """Per (pass, dtype, head dim, seqlen): the kernels' ms under plain causal and each causal
-    sliding window (W, 0) of the run (bench/kernels.py --windows), TFLOP/s over visible pairs."""
+    sliding window (W, 0) of the run (bench/gpu/kernel_speed.py --windows), TFLOP/s over visible pairs."""
     ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("causal")]
     windows = sorted({r["window"] for r in ours if r.get("window") is not None})
     if not windows:
@@ -106,10 +109,7 @@ def overlap_table(runs: list[dict]) -> list[str]:
 
 def step_tables(runs: list[dict]) -> list[str]:
     """Per ring step of the largest burst configuration of each run, from its recorded
-    intervals (bench/overlap_gpu.py's per-step medians over ranks)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from overlap_gpu import _per_step
-
+    intervals (bench/gpu/overlap_gpu.py's per-step medians over ranks)."""
     lines = []
     for run in runs:
         burst = [r for r in run["rows"] if r["strategy"] == "burst" and r.get("timeline")]
@@ -119,7 +119,7 @@ def step_tables(runs: list[dict]) -> list[str]:
         lines += [f"Per step, burst, {big['ranks']} ranks, S = {big['seqlen']}, "
                   f"{_mask(run.get('args', {}))} (median over ranks):", "",
                   "| step | compute ms | copy ms | hidden |", "| --- | --- | --- | --- |"]
-        for row in _per_step(big["timeline"]):
+        for row in per_step(big["timeline"]):
             hidden = "-" if row["hidden"] is None else f"{row['hidden']:.2f}"
             lines.append(f"| {row['step']} | {row['compute_ms']:.2f} | {row['copy_ms']:.2f} | {hidden} |")
         lines.append("")
@@ -151,15 +151,15 @@ def main(argv=None) -> int:
           f"{v.get('driver')}, CUDA runtime {v.get('cuda_runtime')}, PyTorch {v.get('torch')}.", "",
           f"## `python -m burstcu.selftest --full`: {selftest['summary']}", "",
           *checks_table(selftest["checks"]), "",
-          "## Speed, one GPU, one rank (`bench/kernels.py`): burstcu's step kernels, TFLOP/s and "
+          "## Speed, one GPU, one rank (`bench/gpu/kernel_speed.py`): burstcu's step kernels, TFLOP/s and "
           "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, CUDA "
           "events, same run", "", *speed_table(kernels["rows"]), ""]
     windowed = window_table(kernels["rows"])
     if windowed:
-        md += ["## Causal sliding windows (`bench/kernels.py --windows`): the same kernels skip the "
+        md += ["## Causal sliding windows (`bench/gpu/kernel_speed.py --windows`): the same kernels skip the "
                "key tiles outside the window; TFLOP/s counts the visible pairs only", "", *windowed, ""]
     if overlap:
-        md += ["## Overlap on ONE GPU shared by G ranks (`bench/overlap_gpu.py`, loopback "
+        md += ["## Overlap on ONE GPU shared by G ranks (`bench/gpu/overlap_gpu.py`, loopback "
                "transport: copies through HBM, not NVLink; read as schedule behaviour, not scaling)",
                "", "`eff` is near 1 by construction when copies are cheap (see overlap_gpu.py); "
                "`both - compute` is what running the copies added to the compute-only passes, "

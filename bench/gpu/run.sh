@@ -2,21 +2,22 @@
 # Everything one GPU can show, in one command, each step under its own time limit; logs land in
 # $OUT (default bench/out/gpu). Run from the repository root on a machine with one CUDA GPU:
 #
-#     bash bench/gpu/run.sh [steps...]      # default: every step below, in order
+#     bash bench/gpu/run.sh [steps...]            # default: every step below, in order
+#     bash bench/gpu/run.sh --dry-run [steps...]  # print each step's command, run nothing (any machine)
 #
 # Steps (default: all, in this order): env, isa (tests/gpu/test_hopper_isa_gpu.py: the Hopper ISA
 # probes, report $OUT/hopper_isa.json), gate (compile gate with this machine's NVRTC), full
 # (selftest --full), tests (the kernel tests on the GPU), gputests (tests/gpu, interop, bring-up
-# fixes), kbench (bench/kernels.py), overlap and overlap_causal (bench/overlap_gpu.py), tiles
-# (bench/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
+# fixes), kbench (bench/gpu/kernel_speed.py), overlap and overlap_causal (bench/gpu/overlap_gpu.py),
+# tiles (bench/gpu/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
 # (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
-# attention: tests/gpu/test_linear_gpu.py; bench/linear.py on one GPU, LASP-2/LASP-1 to 1M tokens
-# beside softmax burst), varlen (bench/overlap_gpu.py --docs: causal documents on 4 ranks,
+# attention: tests/gpu/test_linear_gpu.py; bench/cpu/linear.py on one GPU, LASP-2/LASP-1 to 1M
+# tokens beside softmax burst), varlen (bench/gpu/overlap_gpu.py --docs: causal documents on 4 ranks,
 # zigzag per document vs contiguous), uneven (a global length 3 ranks do not divide) and decode
-# (bench/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
+# (bench/cpu/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
 # The Hopper forward kernel (kernels/flash_fwd_sm90.cu, compute capability 9.0 only) has its own
 # steps, not in the default list: hopper (its kernel tests on the GPU and the 4-rank loopback
-# ring), hopper_bench (bench/kernels.py with both kernel families, torch flash and cuDNN in one
+# ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families, torch flash and cuDNN in one
 # run), hopper_memcheck, hopper_racecheck. `bash bench/gpu/run.sh hopper-session` runs
 # env isa hopper hopper_bench (about 6 minutes), then `hopper_memcheck hopper_racecheck`.
 # Reports (JSON, PNG) go to $OUT; each
@@ -24,13 +25,15 @@
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
 # any step failed. Wheels in .whl/ are installed into /tmp/site first.
 set -u
+DRY_RUN=0
+[ "${1:-}" = --dry-run ] && { DRY_RUN=1; shift; }
 OUT=${OUT:-bench/out/gpu}
 LOGS=${LOGS:-/tmp/burstcu-gpu-logs}
-mkdir -p "$OUT" "$LOGS"
+[ $DRY_RUN = 1 ] || mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export BURSTCU_CACHE_DIR=${BURSTCU_CACHE_DIR:-/tmp/burstcu-cache}
 PY=${PY:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -42,6 +45,7 @@ failed=()
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ $DRY_RUN = 1 ]; then echo "=== $name (limit ${limit}s): $*"; return; fi
   echo "=== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOGS/summary.txt"
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
@@ -63,7 +67,7 @@ for s in "${steps[@]}"; do
              $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
              tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
-    hopper_bench) step hopper_bench 300 $PY bench/kernels.py --archs sm_90a sm_80 --passes fwd \
+    hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
              --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
              --table "$OUT/kernels_sm90.txt" --plot "$OUT/kernels_sm90.png" ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
@@ -80,13 +84,13 @@ for s in "${steps[@]}"; do
              -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
              tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/kernels/test_decode_emulated.py ;;
-    kbench) step kbench 420 $PY bench/kernels.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
+    kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
-    overlap) step overlap 300 $PY bench/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
+    overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
              --plot "$OUT/overlap_gpu.png" ${OVERLAP_ARGS:-} ;;
-    tiles) step tiles 240 $PY bench/tiles.py --candidates bench/results/h100/tile_candidates.json \
+    tiles) step tiles 240 $PY bench/gpu/tiles.py --candidates bench/results/h100/tile_candidates.json \
              --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
-    overlap_causal) step overlap_causal 300 $PY bench/overlap_gpu.py --causal --layout zigzag \
+    overlap_causal) step overlap_causal 300 $PY bench/gpu/overlap_gpu.py --causal --layout zigzag \
              --json "$OUT/overlap_gpu_causal.json" --plot "$LOGS/overlap_gpu_causal.png" ${OVERLAP_ARGS:-} ;;
     memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
              compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
@@ -101,24 +105,27 @@ for s in "${steps[@]}"; do
     mpi) step mpi 240 bash bench/gpu/mpi_checks.sh ;;
     linear) step linear 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu/test_linear_gpu.py ;;
-    linearbench) step linearbench 300 bash -c "$PY bench/linear.py --backend cupy --dtype float16 \
+    linearbench) step linearbench 300 bash -c "$PY bench/cpu/linear.py --backend cupy --dtype float16 \
              --strategies lasp2 lasp1 --seqlens 16384 65536 262144 1048576 --json $OUT/linear_gpu.json \
-             --table $LOGS/linear_gpu.txt && $PY bench/linear.py --backend cupy --dtype float16 \
+             --table $LOGS/linear_gpu.txt && $PY bench/cpu/linear.py --backend cupy --dtype float16 \
              --strategies burst --seqlens 16384 65536 --json $OUT/linear_gpu_burst.json \
              --table $LOGS/linear_gpu_burst.txt" ;;
-    varlen) step varlen 420 bash -c "for layout in zigzag contiguous; do $PY bench/overlap_gpu.py \
+    varlen) step varlen 420 bash -c "for layout in zigzag contiguous; do $PY bench/gpu/overlap_gpu.py \
              --ranks 4 --seqlen 65536 --causal --docs 0 --layout \$layout --strategies burst ring \
              --repeats 3 --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
-    uneven) step uneven 300 $PY bench/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
+    uneven) step uneven 300 $PY bench/gpu/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
              --layout contiguous --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
-    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
+    decode) step decode 240 $PY bench/cpu/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
              262144 1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
-             -p no:cacheprovider tests/gpu tests/test_interop.py tests/test_bringup_fixes.py ;;
-    *) echo "unknown step $s" ;;
+             -p no:cacheprovider tests/gpu tests/test_interop.py tests/transport/test_bootstrap.py \
+             tests/kernels/test_device_properties.py tests/test_device_routing.py tests/test_group.py \
+             tests/kernels/test_kernel_cache.py ;;
+    *) echo "unknown step $s"; failed+=("$s") ;;
   esac
 done
 
+[ $DRY_RUN = 1 ] && { [ ${#failed[@]} -eq 0 ]; exit; }
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED steps: ${failed[*]}" | tee -a "$LOGS/summary.txt"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .

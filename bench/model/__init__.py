@@ -1,0 +1,1 @@
+"""PREDICTIONS of burstcu.plan's cost model, and its pick checked against measurements."""

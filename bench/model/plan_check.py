@@ -1,0 +1,140 @@
+"""The planner's pick (`burstcu.plan`, what strategy="auto" runs) against the measured best, on
+the CPU, over a grid of shapes.
+
+    mpiexec -n G python bench/model/plan_check.py [--seqlen 512 1024] [--heads 8] [--kv-heads 8 2]
+        [--headdim 32] [--causal] [--layout zigzag] [--repeats 3] [--json FILE]
+
+First it measures what the model needs, with every rank busy at once as in a real run: the flop/s
+of the local op (one forward + backward of one rank's block, 14 B H S^2 D flops, less the fixed
+cost of a call, timed at a tiny size) and the link's bandwidth and latency (timed ring exchanges
+of 4 MiB and of 8 bytes), into a `Machine`. Then for
+each shape it times every candidate strategy (forward + backward, the slowest rank's time, median
+of repeats) and prints the model's pick, the measured best, and the pick's regret: its measured
+time over the best's (1.00 = the pick was the fastest). CPU figures, not GPU ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
+from bench import _common as C  # noqa: E402
+
+import burstcu  # noqa: E402
+from burstcu.plan import Machine, candidates, plan  # noqa: E402
+
+
+def measure_machine(group, headdim: int, repeats: int) -> Machine:
+    """flop/s of the local op and the ring's bandwidth and latency, every rank busy at once."""
+    rng = np.random.default_rng(group.rank)
+    b, s, h, d = 1, 512, 4, headdim
+    q, k, v, dout = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
+
+    def forward_backward(q, k, v, dout):                   # one process: local only
+        out, lse = burstcu.attention(q, k, v, return_lse=True)
+        burstcu.attention_backward(dout, q, k, v, out, lse)
+
+    full = C.slowest_rank_seconds(group, lambda: forward_backward(q, k, v, dout), repeats, warmup=1)
+    tiny = [a[:, :8, :1, :8].copy() for a in (q, k, v, dout)]      # the fixed cost of a call
+    step_overhead = C.slowest_rank_seconds(group, lambda: forward_backward(*tiny), repeats, warmup=1) / 2
+    flops = 14 * b * h * s * s * d / max(full - 2 * step_overhead, 1e-9)
+    t = group.transport
+
+    def exchange(nbytes: int, rounds: int) -> float:
+        send, recv = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        group.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            t.send_recv(send, recv, t.next_rank, t.prev_rank)
+            t.commit()
+            t.wait()
+        return max(group.transport.allgather_object((time.perf_counter() - t0) / rounds, "bench timing"))
+
+    if group.size > 1:
+        latency = exchange(8, 20)
+        bandwidth = (4 << 20) / max(exchange(4 << 20, 5) - latency, 1e-9)
+    else:
+        latency, bandwidth = 1e-6, 1e12
+    return Machine("measured", flops, bandwidth, bandwidth, latency, group.size,
+                   f"MEASURED here: {flops / 1e9:.1f} GFLOP/s a rank, {bandwidth / 1e9:.2f} GB/s, "
+                   f"{latency * 1e6:.0f} us an exchange, {step_overhead * 1e3:.2f} ms a step",
+                   step_overhead)
+
+
+def time_strategy(group, inputs, strategy: str, options: dict, causal: bool, layout: str,
+                  repeats: int) -> float:
+    """Median over repeats of the slowest rank's forward + backward seconds."""
+    q, k, v, dout = inputs
+    kw = dict(causal=causal, layout=layout, strategy=strategy, **options)
+
+    def forward_backward():
+        out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
+        burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw)
+    return C.slowest_rank_seconds(group, forward_backward, repeats, warmup=1)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024], help="global lengths")
+    p.add_argument("--heads", type=int, nargs="+", default=[8])
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    p.add_argument("--headdim", type=int, default=32)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    group = burstcu.init(backend="numpy")
+    machine = measure_machine(group, args.headdim, args.repeats)
+    rows = []
+    grid = [(n, h, hkv) for n, h, hkv in itertools.product(args.seqlen, args.heads, args.kv_heads)
+            if h % hkv == 0]
+    for index, (n, h, hkv) in enumerate(grid):
+        C.progress(f"plan_check [{index + 1}/{len(grid)}] N={n} H={h}/{hkv}", group.rank)
+        inputs = C.make_local_inputs(group.rank, group.size, batch=1, seqlen=n, heads=h,
+                                     kv_heads=hkv, headdim=args.headdim, dtype="float32",
+                                     layout=args.layout)
+        q, k = inputs[0], inputs[1]
+        chosen = plan(q.shape, k.shape, group, causal=args.causal, layout=args.layout,
+                      dtype=q.dtype, machine=machine)
+        measured = {}
+        for strategy, options in candidates(q.shape, k.shape, group.size):
+            label = strategy + "".join(f" {k_}={v_}" for k_, v_ in options.items())
+            measured[label] = time_strategy(group, inputs, strategy, options, args.causal,
+                                            args.layout, args.repeats)
+        best = min(measured, key=measured.get)
+        predicted = {c.label: c.forward_s + c.backward_s for c in chosen.candidates}
+        rows.append({"seqlen": n, "heads": h, "kv_heads": hkv, "pick": chosen.choice.label,
+                     "measured_best": best, "regret": measured[chosen.choice.label] / measured[best],
+                     "measured_s": measured, "predicted_s": predicted})
+    env = C.environment(group)
+    group.close()
+    if group.rank != 0:
+        return None
+    print(C.measured_on(env).splitlines()[0])
+    print(f"# CPU, not GPU figures. G={group.size} D={args.headdim} causal={args.causal} "
+          f"layout={args.layout}; model machine: {machine.source}")
+    show = [{"N": r["seqlen"], "H": f"{r['heads']}/{r['kv_heads']}", "pick": r["pick"],
+             "measured best": r["measured_best"], "regret": f"{r['regret']:.2f}",
+             "pick measured": C.fmt_s(r["measured_s"][r["pick"]]),
+             "best measured": C.fmt_s(r["measured_s"][r["measured_best"]])} for r in rows]
+    print(C.table(show, list(show[0])) if show else "(no shape in the grid)")
+    result = {"benchmark": "plan_check", "environment": env, "args": vars(args),
+              "machine": machine.__dict__, "rows": rows}
+    if args.json:
+        C.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
