@@ -27,7 +27,8 @@ def mpiexec() -> str:
 
 
 def run_mpi(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = False, **kwargs):
-    """Run tests/mpi/bodies.py::body on `nprocs` ranks; return the list of per-rank results.
+    """Run `body` (a function of tests/mpi/bodies.py, or "module:function" for another module of
+    tests/mpi/) on `nprocs` ranks with `kwargs`; return the list of per-rank results.
 
     Fails the test if the run times out, exits non-zero, or a rank reports nothing.
     With expect_fail, returns the combined output of a run that must exit non-zero.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.kvcache import decode_bytes
+from burstcu.engine.decode import decode_bytes
 from burstcu.testing.reference import attention_ref
 from tests.mpi_run import ROOT, mpiexec, run_mpi
 

@@ -1,62 +1,21 @@
-"""Documents (`cu_seqlens`, varlen): a query sees keys of its own document only, on every
-strategy under real `mpiexec -n 1..4`, composed with causal and sliding windows, against a float64
-reference over an explicit dense mask (tests/mpi/strategy_bodies.py::window_matches_reference);
-documents of length 1, of prime length and longer than a shard, boundaries anywhere; the
-forward's bytes per rank asserted (a document inside one shard sends nothing); bad boundaries and
-disagreeing ranks refused on every rank."""
+"""Documents (`cu_seqlens`, varlen): a query sees keys of its own document only. The rectangles
+of each ring step cover exactly the dense mask, composed with causal and sliding windows, at
+random boundaries; a document inside one shard sends nothing; zigzag cuts every document in 2G
+pieces; empty documents change nothing; bad boundaries and disagreeing ranks refused on every
+rank. Documents on every strategy against the float64 reference: tests/test_mask_kinds.py."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import burstcu
-from burstcu.layout import global_positions, step_blocks
+from burstcu.engine.burst import forward_sends
+from burstcu.layout import global_positions, partition, step_blocks
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
-
-# shards of 12 rows: lengths 1, 7, 5, 13 (> a shard), 2, 11 cycled put boundaries anywhere
-MIX = [1, 7, 5, 13, 2, 11]
-CASES = [
-    {"causal": True, "layout": "contiguous", "doc_lengths": MIX},
-    {"causal": False, "layout": "contiguous", "doc_lengths": MIX},
-    {"causal": True, "layout": "contiguous", "doc_lengths": [3, 17], "window": (4, 0)},
-    {"causal": False, "layout": "contiguous", "doc_lengths": [29, 1], "window": (2, 5)},
-    {"causal": True, "layout": "contiguous", "doc_lengths": [1]},          # every row alone
-    {"causal": True, "layout": "contiguous", "doc_lengths": [1000]},       # one document
-]
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", ["burst", "ring", "allgather"])
-def test_documents_match_reference(world, strategy):
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
-            cases=CASES)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("world,strategy,degree", [(2, "ulysses", None), (4, "ulysses", None),
-                                                   (4, "usp", 2)])
-def test_documents_through_the_all_to_all_strategies(world, strategy, degree):
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
-            ulysses_degree=degree, cases=CASES)
-
-
-@pytest.mark.mpi
-def test_documents_in_float64_and_float16():
-    for dtype in ("float64", "float16"):
-        run_mpi(3, "strategy_bodies:window_matches_reference", timeout=240, dtype=dtype,
-                cases=CASES[:3])
-
-
-@pytest.mark.mpi
-@pytest.mark.emulated
-@pytest.mark.parametrize("world,dtype", [(2, "float16"), (3, "bfloat16")])
-def test_documents_on_the_emulated_kernels(world, dtype):
-    """Documents reach the CUDA kernels as more rectangles; run through the CPU emulator."""
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=600, backend="emulated",
-            dtype=dtype, seqlen_local=32, cases=CASES[:4])
 
 
 def test_blocks_cover_exactly_the_dense_mask_once():
@@ -95,13 +54,12 @@ def test_blocks_cover_exactly_the_dense_mask_once():
 def test_a_document_inside_one_shard_computes_and_sends_nothing_across():
     """Contiguous shards of 8 rows and documents aligned with them: every rank sees only its own
     keys (one step), and the forward ring sends nothing."""
-    from burstcu.engine.burst import forward_sends
     docs = (0, 8, 16, 24)
     for q_rank in range(3):
         sources = [s for s in range(3) if step_blocks("contiguous", q_rank, s, 3, 8, True,
-                                                      docs=docs)]
+                                                      cu_seqlens=docs)]
         assert sources == [q_rank]
-        assert forward_sends(q_rank, 3, 8, "contiguous", True, docs=docs) == 0
+        assert forward_sends(q_rank, 3, 8, "contiguous", True, cu_seqlens=docs) == 0
 
 
 @pytest.mark.parametrize("cu,kind,message", [
@@ -123,14 +81,12 @@ def test_bad_boundaries_are_refused(cu, kind, message):
 def test_zigzag_with_documents_cuts_every_document_in_2g_pieces():
     """shard(layout="zigzag", cu_seqlens=...) gives rank r pieces r and 2G-1-r of every document
     (near-equal, no divisibility needed), and the shards' lengths differ by at most 2."""
-    from burstcu.layout import partition
-
     docs = (0, 5, 6, 23, 40)
     x = np.arange(40)[None, :, None]
     for size in (1, 2, 3, 4):
         part = partition("zigzag", size, 40, docs)
-        shards = [burstcu.shard(x, _Rank(r, size), "zigzag", cu_seqlens=list(docs))[0, :, 0]
-                  for r in range(size)]
+        shards = [burstcu.shard(x, SimpleNamespace(rank=r, size=size), "zigzag",
+                                cu_seqlens=list(docs))[0, :, 0] for r in range(size)]
         assert sorted(np.concatenate(shards).tolist()) == list(range(40))
         assert max(part.lengths) - min(part.lengths) <= 2, part.lengths
         order = list(range(size)) + list(range(size - 2, -1, -1))   # pieces G-1, G touch
@@ -147,13 +103,6 @@ def test_zigzag_with_documents_cuts_every_document_in_2g_pieces():
             for r in range(size):   # two pieces of n // 2G or one more rows each
                 held = int((owner[start:stop] == r).sum())
                 assert n // (2 * size) * 2 <= held <= n // (2 * size) * 2 + 2, (size, r, start, held)
-
-
-class _Rank:
-    """The rank and size `shard` reads from a group."""
-
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
 
 
 def test_empty_documents_are_dropped_and_lists_accepted():

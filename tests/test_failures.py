@@ -205,15 +205,15 @@ def test_a_memory_error_in_the_input_checks_stays_a_memory_error(monkeypatch):
 
     import burstcu
     from burstcu import api
-    from burstcu.testing.loopback import run_ranks
-    real = api._check_local
+    from burstcu.testing.world import run_ranks
+    real = api.check_attention_call
 
-    def short_of_memory_on_rank_1(ops, arrays, size, **kwargs):
+    def short_of_memory_on_rank_1(ops, arrays, **kwargs):
         if threading.current_thread().name in ("MainThread", "burstcu-rank1"):
             raise MemoryError("simulated: cannot allocate")
-        return real(ops, arrays, size, **kwargs)
+        return real(ops, arrays, **kwargs)
 
-    monkeypatch.setattr(api, "_check_local", short_of_memory_on_rank_1)
+    monkeypatch.setattr(api, "check_attention_call", short_of_memory_on_rank_1)
     q = np.ones((1, 8, 2, 8))
     with pytest.raises(MemoryError, match="simulated: cannot allocate"):
         burstcu.attention(q, q, q)
@@ -241,7 +241,7 @@ def test_a_memory_error_on_one_rank_alone_inside_the_agreement_ends_the_group(mo
 
     import burstcu
     from burstcu import api
-    from burstcu.testing.loopback import run_ranks
+    from burstcu.testing.world import run_ranks
     real = api.partition_of
 
     def short_of_memory_on_rank_1(*args, **kwargs):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.engine import LASP1, LASP2
+from burstcu.engine import lasp1, lasp2
 from burstcu.ops import linear
 from burstcu.testing.reference import linear_attention_ref
 from tests.mpi_run import run_mpi
@@ -51,8 +51,8 @@ def test_lasp2_bytes_do_not_depend_on_the_sequence_length():
     for s in (16, 4096, 1 << 20):
         q = np.zeros((1, s, 8, 64), np.float16)
         k = np.zeros((1, s, 2, 64), np.float16)
-        assert LASP2.forward_bytes(8, q, k) == 7 * 2 * 64 * 64 * 4
-        assert LASP2.backward_bytes(8, q, k) == 2 * 7 * 2 * 64 * 64 * 4
+        assert lasp2.forward_bytes(8, q, k, k) == 7 * 2 * 64 * 64 * 4
+        assert lasp2.backward_bytes(8, q, k, k) == 2 * 7 * 2 * 64 * 64 * 4
 
 
 def test_lasp1_sends_one_state_a_hop_along_the_chain():
@@ -60,10 +60,10 @@ def test_lasp1_sends_one_state_a_hop_along_the_chain():
     total's chain G-1 -> 0 -> 1 -> .. -> G-2. Zigzag (chunks 0..2G-1 held by 0, 1, .., G-1,
     G-1, .., 0): ranks 1..G-2 send twice (once a direction), ranks 0 and G-1 once."""
     g = 4
-    assert [LASP1.forward_sends(r, g, 8) for r in range(g)] == [1, 1, 1, 0]
-    assert [LASP1.forward_sends(r, g, 8, causal=False) for r in range(g)] == [2, 2, 1, 1]
-    assert [LASP1.backward_sends(r, g, 8) for r in range(g)] == [1, 2, 2, 1]
-    assert [LASP1.forward_sends(r, g, 8, "zigzag") for r in range(g)] == [1, 2, 2, 1]
+    assert [lasp1.forward_sends(r, g, 8) for r in range(g)] == [1, 1, 1, 0]
+    assert [lasp1.forward_sends(r, g, 8, causal=False) for r in range(g)] == [2, 2, 1, 1]
+    assert [lasp1.backward_sends(r, g, 8) for r in range(g)] == [1, 2, 2, 1]
+    assert [lasp1.forward_sends(r, g, 8, "zigzag") for r in range(g)] == [1, 2, 2, 1]
 
 
 @pytest.mark.parametrize("causal", [True, False])

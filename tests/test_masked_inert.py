@@ -10,8 +10,8 @@ import pytest
 
 import burstcu
 from burstcu.layout import Block
-from burstcu.ops.numpy import tiled as numpy_ops
-from burstcu.ops.numpy.tiled import NumpyOps
+from burstcu.ops.numpy import tiles as numpy_tiles
+from burstcu.ops.numpy import NumpyOps
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from tests.mpi.bodies import EPS, garbage, garbage_padding_is_inert, make_inputs, masked_positions_are_inert
 from tests.mpi_run import run_mpi
@@ -202,7 +202,7 @@ def test_bitwise_independent_of_thread_count(dtype, causal, layout, tiles, score
     _mpi4py()
     q, k, v, dout = make_inputs(9, 1, 1300, 2, 1, 32, dtype)
     q *= score_std
-    rescaled = count_calls(numpy_ops, "_rescale_rows")
+    rescaled = count_calls(numpy_tiles, "_rescale_rows")
     runs = []
     for threads in (1, 2, 3, 4):
         group = burstcu.init(backend="numpy", threads=threads, **tiles)
@@ -239,7 +239,7 @@ def test_a_failing_work_item_neither_hangs_nor_breaks_the_op(monkeypatch):
     monkeypatch.undo()
     # every pool thread is free again: all of them can meet at a barrier
     barrier = threading.Barrier(tiles["threads"], timeout=20)
-    list(group.ops._pool.map(lambda _: barrier.wait(), range(tiles["threads"])))
+    list(group.ops._workers._pool.map(lambda _: barrier.wait(), range(tiles["threads"])))
     again = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
     want = burstcu.attention_backward(dout, q, k, v, out, lse, fresh, causal=True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(again, want))

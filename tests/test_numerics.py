@@ -8,7 +8,7 @@ import pytest
 
 import burstcu
 from burstcu.layout import Block
-from burstcu.ops.numpy.tiled import NumpyOps
+from burstcu.ops.numpy import NumpyOps
 from tests.mpi.bodies import EPS, make_inputs
 from burstcu.testing.reference import (attention_backward_ref, attention_ref, step_backward_ref,
                                        within_fa_rule)

@@ -104,16 +104,16 @@ def test_the_mask_is_counted_per_rank_and_step():
     slow = Machine("slow", 1e15, 1e6, 1e6, 0.0, 64, "test")
     kw = dict(causal=True, layout="contiguous", dtype="float16")
     plain = predict("burst", {}, q, k, 4, machine=free, **kw)
-    narrow = predict("burst", {}, q, k, 4, machine=free, window=(64, 0), **kw)
+    narrow = predict("burst", {}, q, k, 4, machine=free, window_size=(64, 0), **kw)
     assert narrow.forward_s < 0.1 * plain.forward_s
     inside = tuple(range(0, 4097, 1024))                       # one document a shard
-    alone = predict("burst", {}, q, k, 4, machine=slow, docs=inside, **kw)
+    alone = predict("burst", {}, q, k, 4, machine=slow, cu_seqlens=inside, **kw)
     assert alone.forward_bytes == alone.backward_bytes == 0
     assert alone.forward_s < predict("burst", {}, q, k, 4, machine=slow, **kw).forward_s / 100
     with_calls = dataclasses.replace(free, step_overhead=1e-3)
     short = tuple(range(0, 4097, 16))                          # 256 documents of 16 rows
-    few = predict("burst", {}, q, k, 4, machine=with_calls, docs=inside, **kw)
-    many = predict("burst", {}, q, k, 4, machine=with_calls, docs=short, **kw)
+    few = predict("burst", {}, q, k, 4, machine=with_calls, cu_seqlens=inside, **kw)
+    many = predict("burst", {}, q, k, 4, machine=with_calls, cu_seqlens=short, **kw)
     assert many.forward_s >= 64 * 1e-3 > 30 * (few.forward_s - 1e-3)   # 64 calls a shard, not one
     # uneven shards: the longest shard's rank sets the pace
     part = partition("contiguous", 4, 4096, lengths=(256, 256, 256, 3328))

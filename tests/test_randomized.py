@@ -12,8 +12,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu.engine import burst as ring  # noqa: E402
-from burstcu.testing.loopback import run_ranks  # noqa: E402
+from burstcu.engine import burst  # noqa: E402
+from burstcu.testing.world import run_ranks  # noqa: E402
 from burstcu.testing.reference import (attention_backward_ref, attention_ref, max_err,  # noqa: E402
                                        within_fa_rule)
 
@@ -51,11 +51,9 @@ def test_random_problems_match_the_reference(p):
         out, lse = burstcu.attention(*local[:3], group, return_lse=True, **kw)
         sent = group.stats.bytes_sent
         grads = burstcu.attention_backward(local[3], *local[:3], out, lse, group, **kw)
-        sends = ring.forward_sends(group.rank, group.size, local[0].shape[1], p["layout"], p["causal"])
-        assert sent == ring.forward_bytes(group.size, local[1], local[2], sends)
-        counts = ring.backward_counts(group.rank, group.size, local[0].shape[1], p["layout"],
-                                      p["causal"])
-        assert group.stats.bytes_sent - sent == ring.backward_bytes(group.size, local[0], counts)
+        mask = dict(rank=group.rank, layout=p["layout"], causal=p["causal"])
+        assert sent == burst.forward_bytes(group.size, *local[:3], **mask)
+        assert group.stats.bytes_sent - sent == burst.backward_bytes(group.size, *local[:3], **mask)
         return [burstcu.unshard(x, group, p["layout"]) for x in (out, *grads)], \
             burstcu.unshard(lse, group, p["layout"], axis=2)
 

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from burstcu.engine import burst as ring
-from burstcu.testing import schedule as S
+from burstcu.engine import burst
+from burstcu.testing import schedule
 from burstcu.ops.base import DelegatingOps
 from burstcu.transport.nccl import EventWatchdog, NCCLTransport
 
@@ -24,31 +24,30 @@ LAYOUTS = ("contiguous", "zigzag")
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_engine_schedule_is_race_free(size, pass_, causal, layout):
-    schedules = S.prove(pass_, size, causal=causal, layout=layout)
+    schedules = schedule.prove(pass_, size, causal=causal, layout=layout)
     assert len(schedules) == size
     groups = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
-    seqlen = S.SHAPE[1]
-    expected = ([ring.forward_sends(r, size, seqlen, layout, causal) for r in range(size)]
-                if pass_ == "forward" else
-                [ring.backward_messages(size, ring.backward_counts(r, size, seqlen, layout, causal))
-                 for r in range(size)])
+    b, s, h, hkv, d = schedule.SHAPE
+    q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
+    count = burst.forward_messages if pass_ == "forward" else burst.backward_messages
+    expected = [count(size, q, k, k, rank=r, layout=layout, causal=causal) for r in range(size)]
     assert groups == expected  # one send per NCCL group, as many as messages
 
 
 def test_recorded_transport_counts_like_the_base_class():
-    device = S.RecordingDevice()
-    ops = S.RecordingOps(device)
+    device = schedule.RecordingDevice()
+    ops = schedule.RecordingOps(device)
     transport = NCCLTransport(1, 3, device)
     q = ops.new("q", (1, 4, 2, 8), np.float16)
     k, v = ops.new("k", (1, 4, 1, 8), np.float16), ops.new("v", (1, 4, 1, 8), np.float16)
-    ring.forward(q, k, v, ops, transport, causal=False, softmax_scale=1.0, layout="contiguous")
-    assert transport.stats.bytes_sent == ring.forward_bytes(3, k, v)
+    burst.forward(q, k, v, ops, transport, causal=False, softmax_scale=1.0, layout="contiguous")
+    assert transport.stats.bytes_sent == burst.forward_bytes(3, q, k, v, rank=1)
     assert transport.stats.bytes_received == transport.stats.bytes_sent
     assert transport.stats.messages == 2 and transport.stats.steps == 2
 
 
-def _ordering_actions(schedule):
-    return [a for a in schedule.actions if a.kind in ("record", "wait")]
+def _ordering_actions(recorded):
+    return [a for a in recorded.actions if a.kind in ("record", "wait")]
 
 
 # Under a contiguous causal mask, steps whose blocks are all masked issue no compute; the waits
@@ -62,17 +61,17 @@ NECESSARY = [("forward", False, "contiguous"), ("forward", True, "zigzag"),
 @pytest.mark.parametrize("pass_,causal,layout", NECESSARY)
 def test_removing_any_record_or_wait_is_caught(size, pass_, causal, layout):
     for rank in range(size):
-        schedule = S.record(pass_, size, rank, causal=causal, layout=layout)
-        for action in _ordering_actions(schedule):
-            problems = S.check(S.drop_action(schedule, action.index))
+        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout)
+        for action in _ordering_actions(recorded):
+            problems = schedule.check(schedule.drop_action(recorded, action.index))
             assert problems, f"rank {rank}: removing {action.describe()} went unnoticed"
 
 
 def test_removed_compute_wait_is_explained():
-    schedule = S.record("forward", 4, 1, causal=False, layout="contiguous")
-    wait = [a for a in schedule.actions if a.kind == "wait" and a.stream == "compute"][1]
+    recorded = schedule.record("forward", 4, 1, causal=False, layout="contiguous")
+    wait = [a for a in recorded.actions if a.kind == "wait" and a.stream == "compute"][1]
     assert "fwd 1 wait" in wait.label
-    text = S.report(S.check(S.drop_action(schedule, wait.index)))
+    text = schedule.report(schedule.check(schedule.drop_action(recorded, wait.index)))
     # which buffer, which two actions, which step, which hazard
     assert "read-after-write race on buffer 'msg0(k,v)'" in text
     assert "recv on the comm stream (fwd 1 send/recv kv" in text
@@ -80,9 +79,9 @@ def test_removed_compute_wait_is_explained():
 
 
 def test_removed_comm_wait_lets_a_receive_overwrite_what_a_kernel_reads():
-    schedule = S.record("backward", 4, 1, causal=False, layout="contiguous")
-    wait = [a for a in schedule.actions if a.kind == "wait" and a.stream == "comm"][2]
-    text = S.report(S.check(S.drop_action(schedule, wait.index)))
+    recorded = schedule.record("backward", 4, 1, causal=False, layout="contiguous")
+    wait = [a for a in recorded.actions if a.kind == "wait" and a.stream == "comm"][2]
+    text = schedule.report(schedule.check(schedule.drop_action(recorded, wait.index)))
     assert "write-after-read race on buffer 'msg1(dq,q,dout,delta,lse)'" in text
     assert "(bwd 1 compute / backward_step) reads it, then" in text
     assert "recv on the comm stream (bwd 2 send/recv dq..lse" in text
@@ -94,31 +93,31 @@ def test_removed_comm_wait_lets_a_receive_overwrite_what_a_kernel_reads():
 @pytest.mark.parametrize("size", (2, 3, 5))
 def test_buffers_swapped_one_step_early_are_caught(pass_, size):
     for rank, group in itertools.product(range(size), range(size - 1)):
-        schedule = S.record(pass_, size, rank, causal=False, layout="zigzag")
-        problems = S.check(S.receive_into_current(schedule, group))
+        recorded = schedule.record(pass_, size, rank, causal=False, layout="zigzag")
+        problems = schedule.check(schedule.receive_into_current(recorded, group))
         assert problems, f"rank {rank}: receiving into the current buffer at group {group} unnoticed"
-        text = S.report(problems)
+        text = schedule.report(problems)
         assert "write-after-read race" in text and "recv on the comm stream" in text
 
 
 def test_wait_without_record_is_reported():
-    schedule = S.record("forward", 2, 0, causal=False, layout="contiguous")
-    first_record = next(a for a in schedule.actions if a.kind == "record")
-    text = S.report(S.check(S.drop_action(schedule, first_record.index)))
+    recorded = schedule.record("forward", 2, 0, causal=False, layout="contiguous")
+    first_record = next(a for a in recorded.actions if a.kind == "record")
+    text = schedule.report(schedule.check(schedule.drop_action(recorded, first_record.index)))
     assert "which was never recorded before it: the wait orders nothing" in text
 
 
 def test_mismatched_ranks_are_reported_as_a_hang():
-    schedules = S.record_world("backward", 3, causal=True, layout="zigzag")
-    assert S.check_world(schedules) == []
+    schedules = schedule.record_world("backward", 3, causal=True, layout="zigzag")
+    assert schedule.check_world(schedules) == []
     send = next(a for a in schedules[1].actions if a.kind == "send" and a.group == 2)
-    schedules[1] = S.drop_action(schedules[1], send.index)
-    text = S.report(S.check_world(schedules))
+    schedules[1] = schedule.drop_action(schedules[1], send.index)
+    text = schedule.report(schedule.check_world(schedules))
     assert "recv on the comm stream" in text and "no matching send from rank 1" in text
 
-    schedules = S.record_world("forward", 3, causal=False, layout="contiguous")
+    schedules = schedule.record_world("forward", 3, causal=False, layout="contiguous")
     schedules[2] = schedules[2].renumbered([a for a in schedules[2].actions if a.group != 1])
-    text = S.report(S.check_world(schedules))
+    text = schedule.report(schedule.check_world(schedules))
     assert "no matching recv at rank 2" in text and "no matching send from rank 2" in text
 
 
@@ -126,40 +125,40 @@ def test_groups_paired_out_of_order_are_a_deadlock():
     """Rank 0 sends in its group 0 what rank 1 receives in its group 1, and rank 1 sends in its
     group 0 what rank 0 receives in its group 1: each waits in group 0 for the other's group 1."""
     def rank(r):
-        return S.Schedule(r, 2, [S.Action(0, "comm", "send", "early", peer=1 - r, group=0, nbytes=8),
-                                 S.Action(1, "comm", "recv", "late", peer=1 - r, group=1, nbytes=8)], {})
-    text = S.report(S.check_world([rank(0), rank(1)]))
+        return schedule.Schedule(r, 2, [schedule.Action(0, "comm", "send", "early", peer=1 - r, group=0, nbytes=8),
+                                 schedule.Action(1, "comm", "recv", "late", peer=1 - r, group=1, nbytes=8)], {})
+    text = schedule.report(schedule.check_world([rank(0), rank(1)]))
     assert "deadlock" in text and "ranks [0, 1]" in text
 
     # the same around three ranks: each sends early to the next, receives late from the last
     def ring(r):
-        return S.Schedule(r, 3, [S.Action(0, "comm", "send", "early", peer=(r + 1) % 3, group=0, nbytes=8),
-                                 S.Action(1, "comm", "recv", "late", peer=(r - 1) % 3, group=1, nbytes=8)], {})
-    assert "deadlock" in S.report(S.check_world([ring(r) for r in range(3)]))
+        return schedule.Schedule(r, 3, [schedule.Action(0, "comm", "send", "early", peer=(r + 1) % 3, group=0, nbytes=8),
+                                 schedule.Action(1, "comm", "recv", "late", peer=(r - 1) % 3, group=1, nbytes=8)], {})
+    assert "deadlock" in schedule.report(schedule.check_world([ring(r) for r in range(3)]))
 
     # an all-gather before the exchange on one rank and after it on the other
     def gather_first(r):
-        acts = [S.Action(0, "comm", "allgather", "g", group=0, nbytes=8),
-                S.Action(1, "comm", "send", "x", peer=1 - r, group=1, nbytes=8),
-                S.Action(2, "comm", "recv", "x", peer=1 - r, group=1, nbytes=8)]
+        acts = [schedule.Action(0, "comm", "allgather", "g", group=0, nbytes=8),
+                schedule.Action(1, "comm", "send", "x", peer=1 - r, group=1, nbytes=8),
+                schedule.Action(2, "comm", "recv", "x", peer=1 - r, group=1, nbytes=8)]
         if r == 1:
-            acts = [S.Action(0, "comm", "send", "x", peer=0, group=0, nbytes=8),
-                    S.Action(1, "comm", "recv", "x", peer=0, group=0, nbytes=8),
-                    S.Action(2, "comm", "allgather", "g", group=1, nbytes=8)]
-        return S.Schedule(r, 2, acts, {})
-    assert "deadlock" in S.report(S.check_world([gather_first(0), gather_first(1)]))
+            acts = [schedule.Action(0, "comm", "send", "x", peer=0, group=0, nbytes=8),
+                    schedule.Action(1, "comm", "recv", "x", peer=0, group=0, nbytes=8),
+                    schedule.Action(2, "comm", "allgather", "g", group=1, nbytes=8)]
+        return schedule.Schedule(r, 2, acts, {})
+    assert "deadlock" in schedule.report(schedule.check_world([gather_first(0), gather_first(1)]))
     # the same messages in matching groups are fine
     def ok(r):
-        return S.Schedule(r, 2, [S.Action(0, "comm", "send", "x", peer=1 - r, group=0, nbytes=8),
-                                 S.Action(1, "comm", "recv", "x", peer=1 - r, group=0, nbytes=8)], {})
-    assert S.check_world([ok(0), ok(1)]) == []
+        return schedule.Schedule(r, 2, [schedule.Action(0, "comm", "send", "x", peer=1 - r, group=0, nbytes=8),
+                                 schedule.Action(1, "comm", "recv", "x", peer=1 - r, group=0, nbytes=8)], {})
+    assert schedule.check_world([ok(0), ok(1)]) == []
 
 
 def test_group_members_are_unordered_with_each_other():
     """A send and a receive of the same group run concurrently: overlapping them is a race even
     though they are on the same stream."""
-    schedule = S.record("forward", 2, 0, causal=False, layout="contiguous")
-    text = S.report(S.check(S.receive_into_current(schedule, 0)))
+    recorded = schedule.record("forward", 2, 0, causal=False, layout="contiguous")
+    text = schedule.report(schedule.check(schedule.receive_into_current(recorded, 0)))
     assert "send on the comm stream" in text and "then #" in text
 
 
@@ -169,9 +168,9 @@ def test_group_members_are_unordered_with_each_other():
 def test_watchdog_fires_when_an_exchange_never_completes():
     """A peer that never answers leaves the exchange's completion event pending: the watchdog
     reports the call and step within its timeout (here 0.3 s), once, from its own thread."""
-    device = S.RecordingDevice()
+    device = schedule.RecordingDevice()
     device.stalled = True
-    ops = S.RecordingOps(device)
+    ops = schedule.RecordingOps(device)
     transport = NCCLTransport(1, 3, device, timeout=0.3)
     reasons = []
     transport.fail = reasons.append
@@ -179,8 +178,8 @@ def test_watchdog_fires_when_an_exchange_never_completes():
     q = ops.new("q", (1, 4, 2, 8), np.float16)
     k, v = ops.new("k", (1, 4, 1, 8), np.float16), ops.new("v", (1, 4, 1, 8), np.float16)
     t0 = time.monotonic()
-    ring.forward(q, k, v, _Annotating(ops, transport), transport, causal=False, softmax_scale=1.0,
-                 layout="contiguous")
+    burst.forward(q, k, v, _Annotating(ops, transport), transport, causal=False, softmax_scale=1.0,
+                  layout="contiguous")
     while not reasons and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert len(reasons) == 1 and 0.3 <= time.monotonic() - t0 < 3
@@ -190,7 +189,7 @@ def test_watchdog_fires_when_an_exchange_never_completes():
 
 
 def test_watchdog_stays_quiet_when_exchanges_complete():
-    device = S.RecordingDevice()
+    device = schedule.RecordingDevice()
     fired = []
     dog = EventWatchdog(device, 0.1, fired.append, poll=0.01)
     dog.watch("event0", "step 0")
@@ -221,16 +220,16 @@ ULYSSES_SHAPE = (1, 4, 12, 12, 8)   # B, S, H, Hkv, D: 12 heads split over 1..4 
 def test_ulysses_schedule_is_race_free(size, pass_):
     """Ulysses on the NCCL transport: the two all-to-alls (one group of send/recv to every peer
     each) ordered against the copies that fill and empty their buffers."""
-    S.prove(pass_, size, causal=True, layout="zigzag", strategy="ulysses", shape=ULYSSES_SHAPE)
+    schedule.prove(pass_, size, causal=True, layout="zigzag", strategy="ulysses", shape=ULYSSES_SHAPE)
 
 
 @pytest.mark.parametrize("pass_", PASSES)
 def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
     for rank in range(3):
-        schedule = S.record(pass_, 3, rank, causal=True, layout="zigzag", strategy="ulysses",
+        recorded = schedule.record(pass_, 3, rank, causal=True, layout="zigzag", strategy="ulysses",
                             shape=ULYSSES_SHAPE)
-        for action in _ordering_actions(schedule):
-            assert S.check(S.drop_action(schedule, action.index)), (
+        for action in _ordering_actions(recorded):
+            assert schedule.check(schedule.drop_action(recorded, action.index)), (
                 f"rank {rank}: removing {action.describe()} went unnoticed")
 
 
@@ -242,10 +241,10 @@ def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
 def test_windowed_schedules_are_race_free(size, pass_, layout, causal, window):
     """Windows end K/V trips early, so ranks send and receive in different steps: the one-sided
     exchanges still pair up, in order, without races or deadlock."""
-    schedules = S.prove(pass_, size, causal=causal, layout=layout, window=window)
+    schedules = schedule.prove(pass_, size, causal=causal, layout=layout, window_size=window)
     if pass_ == "forward":
         sends = [sum(1 for a in sch.actions if a.kind == "send") for sch in schedules]
-        assert sends == [ring.forward_sends(r, size, S.SHAPE[1], layout, causal, window)
+        assert sends == [burst.forward_sends(r, size, schedule.SHAPE[1], layout, causal, window)
                          for r in range(size)]
 
 
@@ -254,9 +253,9 @@ def test_windowed_schedules_are_race_free(size, pass_, layout, causal, window):
 def test_skipping_backward_with_documents_windows_and_row_sums_is_race_free(size, layout):
     """The backward's bundles stop where no rank needs them and their dQ (and row sums, under
     check=True) go home from there: every such schedule proved free of races and deadlocks."""
-    n = S.SHAPE[1] * size
+    n = schedule.SHAPE[1] * size
     docs = (0, 3, n // 2 + 1, n) if layout == "contiguous" else None
     for causal, window in ((True, (5, 0)), (False, (2, 3)), (False, (4, 0)), (True, (-1, -1))):
         for row_sums in (False, True):
-            S.prove("backward", size, causal=causal, layout=layout, window=window, docs=docs,
-                    row_sums=row_sums)
+            schedule.prove("backward", size, causal=causal, layout=layout, window_size=window,
+                    cu_seqlens=docs, row_sums=row_sums)

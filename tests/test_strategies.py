@@ -1,5 +1,5 @@
 """The baseline strategies ("ring", "allgather") against the float64 reference and their byte
-formulas, under a real `mpiexec -n 1, 2, 3`; plus single-process checks of `strategies.get`."""
+formulas, under a real `mpiexec -n 1, 2, 3`; plus single-process checks of `engine.get`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu import engine as strategies
+from burstcu import engine
 from tests.mpi_run import run_mpi
 
 CASES = [
@@ -44,7 +44,32 @@ def test_strategies_agree(nprocs):
 
 def test_get_unknown_strategy():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        strategies.get("zigzag-ring")
+        engine.get("zigzag-ring")
+    with pytest.raises(TypeError, match="takes no options"):
+        engine.get("burst", ulysses_degree=2)
+
+
+COUNTS = ("forward_bytes", "backward_bytes", "forward_messages", "backward_messages")
+
+
+@pytest.mark.parametrize("name", engine.NAMES + engine.LINEAR_NAMES)
+def test_every_strategy_counts_with_one_signature(name):
+    """`engine.get` / `get_linear` give forward, backward and the four counts of what a rank
+    sends, every count taking (size, q, k, v, *, rank, layout, causal, window_size,
+    cu_seqlens) (the signature documented in burstcu.engine)."""
+    import inspect
+
+    linear = name in engine.LINEAR_NAMES
+    made = engine.get_linear(name) if linear else engine.get(name)   # usp: u chosen
+    assert callable(made.forward) and callable(made.backward)
+    q, k = np.empty((1, 8, 4, 8), np.float32), np.empty((1, 8, 2, 8), np.float32)
+    for count in (getattr(made, c) for c in COUNTS):
+        params = inspect.signature(count).parameters.values()
+        assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == ["size", "q", "k", "v"]
+        assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == \
+            ["rank", "layout", "causal", "window_size", "cu_seqlens"]
+        assert count(4, q, k, k, rank=1, layout="zigzag", causal=True) > 0
+        assert count(1, q, k, k) == 0
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -66,7 +91,7 @@ def test_one_rank_burst_reads_k_v_in_place(monkeypatch):
     """With one rank nothing travels: the burst forward takes no message buffers (it copied K
     and V into one before) and reads strided K, V as they are — out and lse still equal the
     float64 reference."""
-    from burstcu.ops.numpy.tiled import NumpyOps
+    from burstcu.ops.numpy import NumpyOps
     from burstcu.testing.reference import attention_ref
     from burstcu.transport.base import SelfTransport
 
@@ -95,7 +120,7 @@ def test_one_rank_burst_backward_reads_inputs_in_place(monkeypatch, backend):
     from burstcu.transport.base import SelfTransport
 
     if backend == "numpy":
-        from burstcu.ops.numpy.tiled import NumpyOps
+        from burstcu.ops.numpy import NumpyOps
         ops, dtype, atol = NumpyOps(threads=1), np.float64, 1e-12
     else:
         from burstcu.ops.cuda.kernel_ops import KernelOps

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.engine.ulysses import UlyssesAttention
+from burstcu.engine import ulysses
 from tests.mpi_run import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -64,11 +64,11 @@ def test_check_through_ulysses(world):
 
 def test_head_assignment():
     """kv heads per rank: split when Hkv % G == 0, else the one head a rank's queries share."""
-    assert [UlyssesAttention.kv_heads(r, 4, 8, 8) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
-    assert [UlyssesAttention.kv_heads(r, 4, 8, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
-    assert [UlyssesAttention.kv_heads(r, 3, 12, 1) for r in range(3)] == [(0, 1)] * 3
-    assert UlyssesAttention.input_problem((1, 8, 6, 8), (1, 8, 3, 8), 2) is not None
-    assert UlyssesAttention.input_problem((1, 8, 6, 8), (1, 8, 3, 8), 3) is None
+    assert [ulysses.kv_heads(r, 4, 8, 8) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [ulysses.kv_heads(r, 4, 8, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [ulysses.kv_heads(r, 3, 12, 1) for r in range(3)] == [(0, 1)] * 3
+    assert ulysses.input_problem((1, 8, 6, 8), (1, 8, 3, 8), 2) is not None
+    assert ulysses.input_problem((1, 8, 6, 8), (1, 8, 3, 8), 3) is None
 
 
 def test_single_process_equals_burst():

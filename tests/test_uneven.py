@@ -1,11 +1,11 @@
-"""Uneven lengths: any global length with either layout, contiguous shards of any lengths the
-ranks hold, zigzag with documents (each document cut into 2G near-equal pieces), on every
-strategy under real `mpiexec -n 1..4`: out, lse, dq, dk, dv against a float64 reference over an
-explicit dense mask (tests/mpi/strategy_bodies.py::window_matches_reference), bytes per rank
-asserted against counts spelled out there (each block and bundle at its owner's length), and
-unshard gives the global array back. Then a new user's case, N = 3001 on 3 ranks."""
+"""Uneven lengths: a new user's case, N = 3001 on 3 ranks, sharded, run and unsharded as one
+process computes it; zigzag pieces of documents balance causal work; a partition that cannot give
+every rank a row is refused. Uneven shards on every strategy against the float64 reference:
+tests/test_mask_kinds.py."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,61 +13,6 @@ import pytest
 import burstcu
 from burstcu.layout import partition
 from tests.mpi_run import run_mpi
-
-MIX = [1, 7, 5, 13, 2, 11]
-# per world size: contiguous shard lengths with a 1-row shard, and shards far apart
-LENGTHS = {"1": [23], "2": [5, 19], "3": [1, 20, 9], "4": [13, 2, 7, 11]}
-CASES = [
-    {"causal": True, "layout": "contiguous", "n": 37},
-    {"causal": False, "layout": "zigzag", "n": 37},
-    {"causal": True, "layout": "zigzag", "n": 41},
-    {"causal": True, "layout": "contiguous", "lengths": LENGTHS},
-    {"causal": False, "layout": "contiguous", "lengths": LENGTHS, "window": (3, 2)},
-    {"causal": True, "layout": "contiguous", "lengths": LENGTHS, "doc_lengths": MIX},
-    {"causal": True, "layout": "zigzag", "n": 45, "doc_lengths": MIX},
-    {"causal": False, "layout": "zigzag", "n": 40, "doc_lengths": [17, 3, 20], "window": (4, 1)},
-    {"causal": True, "layout": "zigzag", "n": 43, "doc_lengths": [29, 1], "window": (6, 0)},
-]
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", ["burst", "ring", "allgather"])
-def test_uneven_shards_match_reference(world, strategy):
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
-            cases=CASES)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("world,strategy,degree", [(2, "ulysses", None), (4, "ulysses", None),
-                                                   (4, "usp", 2)])
-def test_uneven_shards_through_the_all_to_all_strategies(world, strategy, degree):
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy=strategy,
-            ulysses_degree=degree, cases=CASES)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("world", [3, 4])
-def test_auto_picks_alike_on_uneven_shards_and_documents(world):
-    """strategy="auto" plans from the agreed partition and mask: every rank runs the same
-    strategy (a rank picking another would hang the job into its timeout)."""
-    run_mpi(world, "strategy_bodies:window_matches_reference", timeout=240, strategy="auto",
-            cases=CASES)
-
-
-@pytest.mark.mpi
-def test_uneven_shards_in_float64_and_float16():
-    for dtype in ("float64", "float16"):
-        run_mpi(3, "strategy_bodies:window_matches_reference", timeout=240, dtype=dtype,
-                cases=CASES[2:4] + CASES[6:7])
-
-
-@pytest.mark.mpi
-@pytest.mark.emulated
-def test_uneven_shards_on_the_emulated_kernels():
-    """Blocks of other lengths than this rank's reach the CUDA kernels (CPU emulator)."""
-    run_mpi(3, "strategy_bodies:window_matches_reference", timeout=600, backend="emulated",
-            dtype="float16", cases=[CASES[0], CASES[3], CASES[6]])
 
 
 @pytest.mark.mpi
@@ -109,9 +54,4 @@ def test_partition_refuses_what_cannot_be_split():
         partition("zigzag", 2, 10, lengths=(4, 6))
     q = np.zeros((1, 3, 2, 8))
     with pytest.raises(ValueError, match="at least one row"):
-        burstcu.shard(q, _Rank(0, 4), "contiguous")
-
-
-class _Rank:
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
+        burstcu.shard(q, SimpleNamespace(rank=0, size=4), "contiguous")

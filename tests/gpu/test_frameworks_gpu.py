@@ -137,7 +137,7 @@ def test_torch_adapter_with_three_ranks_sharing_the_gpu():
     thread per device, where three ranks of one process would wait on each other (ranks that
     are processes, as under mpiexec, each have their own)."""
     torch = _torch_cuda()
-    from burstcu.testing.loopback import run_ranks
+    from burstcu.testing.world import run_ranks
     dtype, size = "float16", 3
     whole = _torch_inputs(torch, dtype, seed=5)
 

@@ -40,7 +40,7 @@ def _inputs(seed, n, dtype, b=1, h=8, hkv=2, d=128):
 def test_four_ranks_on_the_hopper_kernel(dtype, causal, layout):
     import cupy
     import burstcu
-    from burstcu.testing.loopback import run_ranks
+    from burstcu.testing.world import run_ranks
 
     size, n = 4, 2048
     q, k, v = _inputs(7, n, dtype)

@@ -57,7 +57,7 @@ def test_three_ranks_on_one_gpu(strategy, causal, layout):
     import cupy
     import burstcu
     from burstcu.layout import global_positions
-    from burstcu.testing.loopback import run_ranks
+    from burstcu.testing.world import run_ranks
     size, local = 3, 64
     q, k, v, dout = _inputs(2, size * local, "float32")
     kw = dict(causal=causal, layout=layout, strategy=strategy)

@@ -22,11 +22,11 @@ pytest.importorskip("cuda.bindings.nvrtc")
 pytest.importorskip("cuda.pathfinder")
 
 from burstcu.build import all_variants  # noqa: E402
-from burstcu.build import compile as kcompile  # noqa: E402
+from burstcu.build import compile  # noqa: E402
 from burstcu.build.compile import ARCH_LIMITS, MAX_REGISTERS, parse_ptxas  # noqa: E402
-from burstcu.build.variants import ARCHS as TABLE_ARCHS  # noqa: E402
+from burstcu.build import variants  # noqa: E402
 
-HOPPER = "sm_90a" in TABLE_ARCHS
+HOPPER = "sm_90a" in variants.ARCHS
 NO_HOPPER = "burstcu.build.variants.ARCHS has no 'sm_90a' yet: no Hopper table to gate"
 # every arch the gate checks in CI: the three plain ones, and sm_90a once the tables have it
 ARCHS = ("sm_80", "sm_86", "sm_90") + (("sm_90a",) if HOPPER else ())
@@ -235,8 +235,8 @@ def test_an_unknown_family_is_refused_with_the_families(capsys):
 # sm_90a compiles, and the SASS reader (nvdisasm) on probe kernels
 
 NEEDS_NVDISASM = pytest.mark.skipif(
-    kcompile.find_nvdisasm() is None,
-    reason=f"nvdisasm not found: pip install '{kcompile.NVDISASM_REQUIREMENT}' (the cuda13 extra)")
+    compile.find_nvdisasm() is None,
+    reason=f"nvdisasm not found: pip install '{compile.NVDISASM_REQUIREMENT}' (the cuda13 extra)")
 
 PROBES = r'''
 #include "hopper.cuh"
@@ -274,7 +274,7 @@ def probe_cubin(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("probes")
     (folder / "probes.cu").write_text(PROBES)
-    return kcompile.nvrtc_compile("probes.cu", [], "sm_90a", extra_options=[f"-I{kernel_dir()}"],
+    return compile.nvrtc_compile("probes.cu", [], "sm_90a", extra_options=[f"-I{kernel_dir()}"],
                                   kdir=folder, ptxas_verbose=True)
 
 
@@ -286,7 +286,7 @@ def test_nvrtc_compiles_for_sm90a(probe_cubin):
 
 @NEEDS_NVDISASM
 def test_sass_of_a_wgmma_kernel_has_hgmma(probe_cubin):
-    sass = kcompile.sass_summary(probe_cubin.cubin)
+    sass = compile.sass_summary(probe_cubin.cubin)
     assert set(sass) == {"probe_wgmma", "probe_local"}
     wg = sass["probe_wgmma"]
     assert wg.hgmma > 0 and wg.instructions > wg.hgmma
@@ -296,16 +296,16 @@ def test_sass_of_a_wgmma_kernel_has_hgmma(probe_cubin):
 
 @NEEDS_NVDISASM
 def test_sass_of_a_local_array_has_ldl_stl(probe_cubin):
-    local = kcompile.sass_summary(probe_cubin.cubin)["probe_local"]
+    local = compile.sass_summary(probe_cubin.cubin)["probe_local"]
     assert local.ldl > 0 and local.stl > 0
     assert local.local_bytes == 256 == probe_cubin.resources["probe_local"].stack_bytes  # 64 floats
 
 
 def test_elf_frames_without_the_disassembler(probe_cubin):
     """local_bytes comes from the CUBIN's own records: no nvdisasm needed."""
-    assert kcompile.elf_local_bytes(probe_cubin.cubin) == {"probe_wgmma": 0, "probe_local": 256}
-    with pytest.raises(kcompile.SassError, match="not a CUBIN"):
-        kcompile.elf_local_bytes(b"\x7fELF\x01" + bytes(100))
+    assert compile.elf_local_bytes(probe_cubin.cubin) == {"probe_wgmma": 0, "probe_local": 256}
+    with pytest.raises(compile.SassError, match="not a CUBIN"):
+        compile.elf_local_bytes(b"\x7fELF\x01" + bytes(100))
 
 
 def test_parse_sass_listing():
@@ -322,21 +322,21 @@ def test_parse_sass_listing():
 	.section	.text.g,"ax",@progbits
         /*0000*/                   STL [R1], R7 ;
 """
-    ops = kcompile.parse_sass(listing)
+    ops = compile.parse_sass(listing)
     assert ops == {"k": {"LDC": 1, "HGMMA": 1, "LDL": 1, "STL": 1, "BRA": 1}, "g": {"STL": 1}}
 
 
 def test_a_missing_disassembler_fails_the_sm90a_rows_clearly(monkeypatch):
     """No nvdisasm: sass_summary says how to install it; the gate records the reason on every row
     compiled for sm_90a (a failure, not a crash) and leaves the other archs alone."""
-    monkeypatch.setattr(kcompile, "find_nvdisasm", lambda: None)
-    with pytest.raises(kcompile.DisassemblerMissing, match="pip install 'nvidia-cuda-nvdisasm"):
-        kcompile.sass_summary(b"")
+    monkeypatch.setattr(compile, "find_nvdisasm", lambda: None)
+    with pytest.raises(compile.DisassemblerMissing, match="pip install 'nvidia-cuda-nvdisasm"):
+        compile.sass_summary(b"")
     variant = next(v for v in all_variants("sm_90") if v.family == "nonfinite_flag")
-    record = kcompile.gate_variant(variant, "sm_90a")
+    record = compile.gate_variant(variant, "sm_90a")
     assert record["target"] == "sm_90a" and record["sass_hgmma"] is None
     assert "nvdisasm not found" in record["error"] and "sm_90a" in record["error"]
-    assert kcompile.gate_variant(variant, "sm_90")["error"] is None
+    assert compile.gate_variant(variant, "sm_90")["error"] is None
 
 
 def test_gate_failure_hopper_rules():
@@ -366,12 +366,12 @@ def test_gate_failure_hopper_rules():
                                           ("sm_90a", 80, False), ("sm_90", 120, True),
                                           ("sm_90", 86, False), ("sm_100a", 100, True)])
 def test_arch_specific_targets_run_on_their_own_cc_only(target, cc, ok):
-    assert (kcompile.target_problem(target, cc) is None) == ok
+    assert (compile.target_problem(target, cc) is None) == ok
 
 
 def test_get_function_refuses_sm90a_off_hopper(monkeypatch):
     """Before any compile or CUDA call, with the device's compute capability in the message."""
     pytest.importorskip("cupy")
-    monkeypatch.setattr(kcompile, "compute_capability", lambda device_id=None: 120)
+    monkeypatch.setattr(compile, "compute_capability", lambda device_id=None: 120)
     with pytest.raises(RuntimeError, match=r"sm_90a kernels run only on compute capability 9\.0 .*12\.0"):
-        kcompile.get_function("flash_fwd_sm90.cu", "k", device_id=0, target="sm_90a")
+        compile.get_function("flash_fwd_sm90.cu", "k", device_id=0, target="sm_90a")

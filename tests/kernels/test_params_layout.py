@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block
-from burstcu.ops.cuda import params as launch
+from burstcu.ops.cuda import params
 from burstcu.ops.cuda.params import NO_BOUND, PARAM_STRUCTS, CStruct
 from burstcu.build.emulate import struct_layout
 
@@ -106,7 +106,7 @@ def test_every_struct_of_the_header_is_mirrored():
 
 
 def test_tensor_map_fields_are_64_byte_aligned_and_128_bytes():
-    st = launch.FWD_STEP_SM90
+    st = params.FWD_STEP_SM90
     assert st.alignment == 64 and st.dtype.itemsize % 64 == 0
     assert [st.dtype.fields[n][1] for n in ("q_map", "k_map", "v_map")] == [0, 128, 256]
 
@@ -117,9 +117,9 @@ def test_tensor_map_fields_are_64_byte_aligned_and_128_bytes():
 
 def test_pack_refuses_missing_unknown_and_out_of_range_fields():
     with pytest.raises(TypeError, match=r"missing fields \['h'\], unknown fields \['x'\]"):
-        launch.ROW_STRIDES.pack(b=1, s=2, x=3)
+        params.ROW_STRIDES.pack(b=1, s=2, x=3)
     with pytest.raises(OverflowError):
-        launch.BLOCK_RECT.pack(q_start=2**31, q_len=1, k_start=0, k_len=1, q_pos=0, k_pos=0,
+        params.BLOCK_RECT.pack(q_start=2**31, q_len=1, k_start=0, k_len=1, q_pos=0, k_pos=0,
                                hi=0, lo=0)
 
 
@@ -131,8 +131,8 @@ def test_fwd_step_params_fields():
     m, l = np.zeros((2, 4, 16), np.float32), np.zeros((2, 4, 16), np.float32)
     flag = np.zeros(1, np.int32)
     blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
-    p = launch.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
-    assert p.dtype == launch.FWD_STEP.dtype and p.dtype.itemsize == 192
+    p = params.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
+    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 192
     assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
     assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
     assert tuple(p["ml_stride"]) == (4 * 16, 16)
@@ -145,12 +145,12 @@ def test_bwd_step_params_take_64bit_strides_and_check_shared_ones():
     stat = np.zeros((1, 1, 2), np.float32)
     grad = np.zeros((1, 2, 1, 64), np.float32)
     blk = Block(q_start=0, q_len=2, k_start=0, k_len=2, q_pos=0, k_pos=0, causal=False)
-    p = launch.bwd_step_params(big, big, big, big, stat, stat, grad, grad, grad, None,
+    p = params.bwd_step_params(big, big, big, big, stat, stat, grad, grad, grad, None,
                                np.zeros(1, np.int32), blk, 0.125)
     assert int(p["q_stride"]["s"]) == 2**33 and int(p["psum"]) == 0
     other = np.zeros((1, 2, 1, 64), np.float16)
     with pytest.raises(ValueError, match="share their strides"):
-        launch.bwd_step_params(big, other, big, big, stat, stat, grad, grad, grad, None,
+        params.bwd_step_params(big, other, big, big, stat, stat, grad, grad, grad, None,
                                np.zeros(1, np.int32), blk, 0.125)
 
 
@@ -159,4 +159,4 @@ def test_strides_of_length_one_dims_need_not_agree():
     their strides (NumPy and CuPy keep such strides on contiguous copies)."""
     a = np.zeros((1, 24, 2, 32), np.float16)
     b = np.lib.stride_tricks.as_strided(np.zeros(24 * 2 * 32, np.float16), a.shape, (64, 128, 64, 2))
-    assert launch._shared_strides(3, a, b) == (24 * 2 * 32, 64, 32)
+    assert params._shared_strides(3, a, b) == (24 * 2 * 32, 64, 32)

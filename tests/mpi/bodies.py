@@ -8,6 +8,9 @@ and the byte counts from the formulas written out below.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 import burstcu
@@ -253,7 +256,9 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
 
 
 BAD_INPUTS = {
-    # name: (which ranks get the bad input: "all" or "last", expected error type, text in message)
+    # name: (which ranks get the bad input: "all", "last", or "none" for inputs the ranks agree
+    # on, where no rank may raise; expected error type; text in the message). SPOIL below says
+    # how each kind spoils the call.
     "ndim": ("all", "ValueError", "must have 4 dimensions"),
     "heads_not_multiple": ("all", "ValueError", "multiple of nheads_kv"),
     "headdim_differs": ("all", "ValueError", "head dim"),
@@ -290,6 +295,146 @@ class _BrokenDLPack:
         return (1, 0)
 
 
+@dataclass
+class BadCall:
+    """One rank's arguments to the call a kind of bad input spoils: attention(q, k, v, ...), or
+    with `backward` an attention_backward given an lse of the wrong shape."""
+
+    q: Any
+    k: Any
+    v: Any
+    dout: Any
+    causal: bool = False
+    layout: str = "contiguous"
+    softmax_scale: float | None = None
+    uneven: bool = False
+    backward: bool = False
+
+    def run(self, group) -> None:
+        if self.backward:
+            out, lse = burstcu.attention(self.q, self.k, self.v, group, return_lse=True)
+            burstcu.attention_backward(self.dout, self.q, self.k, self.v, out, lse[:, :1], group)
+        else:
+            burstcu.attention(self.q, self.k, self.v, group, causal=self.causal, layout=self.layout,
+                              softmax_scale=self.softmax_scale, uneven=self.uneven)
+
+
+# How each kind of BAD_INPUTS spoils the call: spoil(call, singled_out, size), on every rank.
+# singled_out: this rank is one the kind picks (every rank for "all", else the last rank).
+
+def _drop_the_batch_axis(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q = call.q[0]
+
+
+def _three_query_heads_over_two_kv_heads(call: BadCall, singled_out: bool, size: int) -> None:
+    call.q = np.concatenate([call.q, call.q[:, :, :1]], axis=2)
+    call.k, call.v = (np.concatenate([x, x], axis=2) for x in (call.k, call.v))
+
+
+def _halve_the_kv_head_dim(call: BadCall, singled_out: bool, size: int) -> None:
+    call.k, call.v = (x[..., :8].copy() for x in (call.k, call.v))
+
+
+def _k_in_float64(call: BadCall, singled_out: bool, size: int) -> None:
+    call.k = call.k.astype(np.float64)
+
+
+def _integers(call: BadCall, singled_out: bool, size: int) -> None:
+    call.q, call.k, call.v = (x.astype(np.int32) for x in (call.q, call.k, call.v))
+
+
+def _shorter_keys(call: BadCall, singled_out: bool, size: int) -> None:
+    call.k, call.v = call.k[:, :6].copy(), call.v[:, :6].copy()
+
+
+def _q_as_a_list(call: BadCall, singled_out: bool, size: int) -> None:
+    call.q = call.q.tolist()
+
+
+def _unknown_layout(call: BadCall, singled_out: bool, size: int) -> None:
+    call.layout = "diagonal"
+
+
+def _shorter_shard(call: BadCall, singled_out: bool) -> None:
+    if singled_out:
+        call.q, call.k, call.v = (x[:, :6].copy() for x in (call.q, call.k, call.v))
+
+
+def _zigzag_with_a_shorter_shard(call: BadCall, singled_out: bool, size: int) -> None:
+    call.layout = "zigzag"            # on every rank: zigzag shards must be the ones shard() cuts
+    _shorter_shard(call, singled_out)
+
+
+def _uneven_contiguous_shards(call: BadCall, singled_out: bool, size: int) -> None:
+    call.uneven = True                # declared on every rank: contiguous shards may differ
+    _shorter_shard(call, singled_out)
+
+
+def _the_global_array(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q, call.k, call.v = (np.concatenate([x] * size, axis=1)
+                                  for x in (call.q, call.k, call.v))
+
+
+def _twice_the_query_heads(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q = np.concatenate([call.q, call.q], axis=2)
+
+
+def _all_in_float64(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q, call.k, call.v = (x.astype(np.float64) for x in (call.q, call.k, call.v))
+
+
+def _causal(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.causal = True
+
+
+def _backward_with_a_short_lse(call: BadCall, singled_out: bool, size: int) -> None:
+    call.backward = True
+
+
+def _overflowing_scale(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.softmax_scale = 10**400
+
+
+def _broken_dlpack(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q = _BrokenDLPack()
+
+
+def _the_default_scale_given(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.softmax_scale = 0.25     # = 1/sqrt(16), what the other ranks get by default
+
+
+SPOIL = {
+    "ndim": _drop_the_batch_axis,
+    "heads_not_multiple": _three_query_heads_over_two_kv_heads,
+    "headdim_differs": _halve_the_kv_head_dim,
+    "dtype_differs": _k_in_float64,
+    "integer_dtype": _integers,
+    "lengths_differ": _shorter_keys,
+    "not_an_array": _q_as_a_list,
+    "bad_layout": _unknown_layout,
+    "one_rank_wrong_ndim": _drop_the_batch_axis,
+    "ranks_disagree_seqlen": _zigzag_with_a_shorter_shard,
+    "one_rank_passes_the_global_array": _the_global_array,
+    "ranks_disagree_heads": _twice_the_query_heads,
+    "uneven_contiguous_shards_agree": _uneven_contiguous_shards,
+    "ranks_disagree_dtype": _all_in_float64,
+    "ranks_disagree_causal": _causal,
+    "lse_shape": _backward_with_a_short_lse,
+    "one_rank_overflowing_scale": _overflowing_scale,
+    "one_rank_broken_dlpack": _broken_dlpack,
+    "scale_given_vs_default_agree": _the_default_scale_given,
+}
+assert SPOIL.keys() == BAD_INPUTS.keys()
+
+
 def every_bad_input_raises_everywhere():
     """`bad_input_raises_everywhere` for every kind, in one world (one mpiexec start)."""
     return {kind: bad_input_raises_everywhere(kind) for kind in BAD_INPUTS}
@@ -297,61 +442,15 @@ def every_bad_input_raises_everywhere():
 
 def bad_input_raises_everywhere(kind: str):
     """Every rank must raise the expected error (none may hang or succeed); then the world is
-    still usable: a correct call afterwards works on every rank."""
+    still usable: a correct call afterwards works on every rank. A kind whose ranks agree
+    (who = "none") must raise on no rank."""
     group = burstcu.init(backend="numpy")
     size, rank = group.size, group.rank
     who, err_type, text = BAD_INPUTS[kind]
-    bad_here = who == "all" or (who == "last" and rank == size - 1)
-    q, k, v, dout = make_inputs(7, 1, 8, 2, 1, 16, "float32")
-    causal, layout, backward, scale = False, "contiguous", False, None
-    if bad_here or kind.startswith("ranks_disagree"):
-        if kind in ("ndim", "one_rank_wrong_ndim"):
-            q = q[0]
-        elif kind == "heads_not_multiple":
-            q = np.concatenate([q, q[:, :, :1]], axis=2)  # 3 heads over... k has 1: ok; make k 2
-            k = np.concatenate([k, k], axis=2)
-            v = np.concatenate([v, v], axis=2)
-        elif kind == "headdim_differs":
-            k = k[..., :8].copy()
-            v = v[..., :8].copy()
-        elif kind == "dtype_differs":
-            k = k.astype(np.float64)
-        elif kind == "integer_dtype":
-            q, k, v = (x.astype(np.int32) for x in (q, k, v))
-        elif kind == "lengths_differ":
-            k, v = k[:, :6].copy(), v[:, :6].copy()
-        elif kind == "not_an_array":
-            q = q.tolist()
-        elif kind == "bad_layout":
-            layout = "diagonal"
-        elif kind in ("ranks_disagree_seqlen", "uneven_contiguous_shards_agree") and bad_here:
-            q, k, v = (x[:, :6].copy() for x in (q, k, v))
-            layout = "zigzag" if kind == "ranks_disagree_seqlen" else layout
-        elif kind == "one_rank_passes_the_global_array" and bad_here:
-            q, k, v = (np.concatenate([x] * size, axis=1) for x in (q, k, v))
-        elif kind == "ranks_disagree_seqlen":
-            layout = "zigzag"
-        elif kind == "ranks_disagree_heads" and bad_here:
-            q = np.concatenate([q, q], axis=2)
-        elif kind == "ranks_disagree_dtype" and bad_here:
-            q, k, v = (x.astype(np.float64) for x in (q, k, v))
-        elif kind == "ranks_disagree_causal" and bad_here:
-            causal = True
-        elif kind == "lse_shape":
-            backward = True
-        elif kind == "one_rank_overflowing_scale":
-            scale = 10**400
-        elif kind == "one_rank_broken_dlpack":
-            q = _BrokenDLPack()
-    if kind == "scale_given_vs_default_agree" and rank == size - 1:
-        scale = 0.25  # = 1/sqrt(16), what the other ranks get by default: the same call
+    call = BadCall(*make_inputs(7, 1, 8, 2, 1, 16, "float32"))
+    SPOIL[kind](call, who == "all" or rank == size - 1, size)
     try:
-        if backward:
-            out, lse = burstcu.attention(q, k, v, group, return_lse=True)
-            burstcu.attention_backward(dout, q, k, v, out, lse[:, :1], group)
-        else:
-            burstcu.attention(q, k, v, group, causal=causal, layout=layout, softmax_scale=scale,
-                              uneven=kind == "uneven_contiguous_shards_agree")
+        call.run(group)
     except (ValueError, TypeError) as exc:
         raised = (type(exc).__name__, str(exc))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import burstcu
-from burstcu.kvcache import decode_bytes
+from burstcu.engine.decode import decode_bytes
 from burstcu.testing.reference import attention_ref
 from tests.mpi.bodies import DTYPES, NAIVE, _check
 

@@ -132,7 +132,7 @@ def misbehave(scenario: str, group, timeout: float, q, k, v) -> None:
     if scenario == "interrupt_in_agreement" and bad:  # Ctrl-C while the inputs are checked
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt()
-        sys.modules["burstcu.api"].check_attention_inputs = interrupted
+        sys.modules["burstcu.api"].check_attention_call = interrupted
     if scenario == "barrier_late":
         if bad:
             time.sleep(10 * timeout)

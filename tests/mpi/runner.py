@@ -6,7 +6,7 @@ BODY is a function of tests/mpi/bodies.py, or `module:function` for another modu
 Each rank prints `BURSTCU-RESULT <rank> <json>` when its body returns. An exception on any rank
 prints its traceback and aborts the whole world (MPI_Abort), so no rank waits forever for a
 peer that died; pytest then sees a non-zero exit (and has its own timeout as a last resort).
-Bodies live in tests/mpi/bodies.py and must pass at any world size.
+Bodies live in tests/mpi/ (bodies.py and the *_bodies.py modules) and must pass at any world size.
 """
 
 import json

@@ -1,5 +1,7 @@
-"""Bodies for the baseline strategies ("ring", "allgather") and "burst", run on every rank under
-`mpiexec -n N` (any N) through tests/mpi/runner.py as `strategy_bodies:<function>`.
+"""Bodies for every strategy (burst, ring, allgather, ulysses, usp, "auto", and the linear lasp2
+and lasp1), run on every rank under `mpiexec -n N` (any N) through tests/mpi/runner.py as
+`strategy_bodies:<function>`: plain causal or not, windows, documents and uneven shards, and the
+inputs each strategy refuses.
 
 Each body checks its own rank's results against the independent float64 reference of
 burstcu/testing/reference.py (the FlashAttention tolerance rule) and its own payload counters against the
@@ -8,11 +10,15 @@ byte/message formulas of `bodies.expected_traffic`, written out there rather tha
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 import burstcu
-from tests.mpi.bodies import (attention_matches_reference, bundle_counts, dense_keep, make_inputs,
-                              my_rows, ring_sends)
+from burstcu.engine import lasp1
+from burstcu.testing.reference import attention_backward_ref, attention_ref, linear_attention_ref
+from tests.mpi.bodies import (DTYPES, EPS, NAIVE, TRUTH, _check, attention_matches_reference,
+                              bundle_counts, dense_keep, make_inputs, my_rows, ring_sends)
 
 
 def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
@@ -144,8 +150,8 @@ def case_rows(case: dict, size: int, n: int, docs, group) -> list:
     layout = case["layout"]
     if layout == "zigzag" and docs is not None:
         whole = np.arange(n)[None, :, None]
-        return [burstcu.shard(whole, _Member(r, size), layout, cu_seqlens=list(docs))[0, :, 0]
-                for r in range(size)]
+        return [burstcu.shard(whole, SimpleNamespace(rank=r, size=size), layout,
+                              cu_seqlens=list(docs))[0, :, 0] for r in range(size)]
     if layout == "contiguous":
         lengths = case.get("lengths", {}).get(str(size)) or \
             [n // size + (r < n % size) for r in range(size)]
@@ -157,27 +163,18 @@ def case_rows(case: dict, size: int, n: int, docs, group) -> list:
             for r in range(size)]
 
 
-class _Member:
-    """The rank and size `burstcu.shard` reads from a group."""
-
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
-
-
-def window_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
-                             ulysses_degree=None, backend="numpy"):
-    """Sliding windows (window_size=(left, right), with and without causal, both layouts):
+def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
+                                       ulysses_degree=None, backend="numpy"):
+    """Sliding windows, documents and uneven shards (tests/test_mask_kinds.py's cases):
     out, lse, dq, dk, dv against a float64 reference over an explicit dense mask written here
     (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
-    unbounded), within FlashAttention's tolerance rule; check=True passes. A case with
-    "doc_lengths" also passes cu_seqlens: documents of those lengths, cycled until the sequence
-    is full (the last one cut short), and the reference keeps only same-document pairs. A case
-    with "n" has that global length (any: shards differ by a row), one with "lengths" (per
-    world size) contiguous shards of those lengths. Bytes sent are asserted for burst (rows
-    of the blocks and bundles it passes on, each at its owner's length), ring and allgather."""
-    from burstcu.testing.reference import attention_backward_ref, attention_ref
-    from tests.mpi.bodies import DTYPES, EPS, NAIVE, _check
-
+    unbounded, for a case's "window" (left, right)), within FlashAttention's tolerance rule;
+    check=True passes. A case with "doc_lengths" also passes cu_seqlens: documents of those
+    lengths, cycled until the sequence is full (the last one cut short), and the reference keeps
+    only same-document pairs. A case with "n" has that global length (any: shards differ by a
+    row), one with "lengths" (per world size) contiguous shards of those lengths. Bytes sent are
+    asserted for burst (rows of the blocks and bundles it passes on, each at its owner's
+    length), ring and allgather; unshard gives the global output back."""
     group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
@@ -305,10 +302,6 @@ def linear_matches_reference(strategy="lasp2", dtype="float32", seqlen_local=40,
     implementation: the same form in float32), for each case {"causal", "layout"}; the bytes
     and messages each rank sends asserted against the strategy's formulas and, for lasp2, the
     seed's (G-1) x runs x B*Hkv*D*D x itemsize, independent of the sequence length."""
-    from burstcu.engine import LASP1
-    from burstcu.testing.reference import linear_attention_ref
-    from tests.mpi.bodies import NAIVE, TRUTH, _check
-
     group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
     n = seqlen_local * size
@@ -332,9 +325,9 @@ def linear_matches_reference(strategy="lasp2", dtype="float32", seqlen_local=40,
             assert (fwd_bytes, fwd_msgs) == ((size - 1) * nruns * state, size - 1), (case, fwd_bytes)
             assert (bwd_bytes, bwd_msgs) == (2 * (size - 1) * nruns * state, size - 1), (case, bwd_bytes)
         else:
-            sends = LASP1.forward_sends(rank, size, seqlen_local, layout, causal)
+            sends = lasp1.forward_sends(rank, size, seqlen_local, layout, causal)
             assert (fwd_bytes, fwd_msgs) == (sends * state, sends), (case, fwd_bytes, sends)
-            bsends = LASP1.backward_sends(rank, size, seqlen_local, layout, causal)
+            bsends = lasp1.backward_sends(rank, size, seqlen_local, layout, causal)
             per = state * (1 if causal else 2)
             assert (bwd_bytes, bwd_msgs) == (bsends * per, bsends), (case, bwd_bytes, bsends)
             if layout == "contiguous" and causal:   # the chain, spelled out

@@ -123,17 +123,16 @@ def agreement_never_unpickles(marker: str) -> dict:
 
     from mpi4py import MPI
 
-    from burstcu.transport import mpi as tm
-    from burstcu.transport import wire
+    from burstcu.transport import mpi, wire
 
     with burstcu.init(backend="numpy") as group:
         t, last = group.transport, group.size - 1
         if group.size == 1:
             return {"skipped": "one rank"}
         if group.rank == last:
-            request = t.comm.Isend([pickle.dumps(_RunsCode(marker)), MPI.BYTE], dest=0, tag=tm._TAG_AGREE)
+            request = t.comm.Isend([pickle.dumps(_RunsCode(marker)), MPI.BYTE], dest=0, tag=mpi._TAG_AGREE)
             deadline = time.monotonic() + 30
-            while (answer := tm._take(t.comm, 0)) is None:
+            while (answer := mpi._take(t.comm, 0)) is None:
                 assert time.monotonic() < deadline, "no answer from rank 0"
                 time.sleep(0.01)
             request.Wait()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu import engine as strategies
-from burstcu.engine import burst as ring
-from burstcu.testing import schedule as S
-from burstcu.testing.loopback import RankFailed, run_ranks
+from burstcu import engine
+from burstcu.engine import burst
+from burstcu.testing import schedule
+from burstcu.testing.world import RankFailed, run_ranks
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from burstcu.transport.base import CommTimeoutError
 from burstcu.transport.loopback import LoopbackHub, LoopbackTransport, PeerFailedError
@@ -56,20 +56,15 @@ def test_every_rank_matches_the_reference(size, strategy, causal, layout):
     ref = [attention_ref(q, k, v, causal, dtype=np.longdouble)[0],
            *attention_backward_ref(dout, q, k, v, causal, dtype=np.longdouble)]
     naive = [attention_ref(q, k, v, causal)[0], *attention_backward_ref(dout, q, k, v, causal)]
-    engine = ring if strategy == "burst" else strategies.get(strategy)
+    strategy_module = engine.get(strategy)
     for rank, (whole, fwd, bwd, local) in enumerate(results):
         for name, got, want, plain in zip(("out", "dq", "dk", "dv"), whole, ref, naive):
             ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
             assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
         ql, kl, vl, _ = local
         mask = dict(rank=rank, layout=layout, causal=causal)
-        if strategy == "burst":
-            sends = ring.forward_sends(rank, size, ql.shape[1], layout, causal)
-            counts = ring.backward_counts(rank, size, ql.shape[1], layout, causal)
-            want_fwd, want_bwd = ring.forward_bytes(size, kl, vl, sends), ring.backward_bytes(size, ql, counts)
-        else:
-            want_fwd = engine.forward_bytes(size, ql, kl, vl, **mask)
-            want_bwd = engine.backward_bytes(size, ql, kl, vl, **mask)
+        want_fwd = strategy_module.forward_bytes(size, ql, kl, vl, **mask)
+        want_bwd = strategy_module.backward_bytes(size, ql, kl, vl, **mask)
         assert (fwd["bytes_sent"], bwd["bytes_sent"]) == (want_fwd, want_bwd), rank
         if strategy == "allgather":   # the all-gather: a piece to each of G-1 ranks; then G-1 hops
             assert (fwd["messages"], bwd["messages"]) == (size - 1, 2 * (size - 1)), rank
@@ -142,12 +137,12 @@ def test_message_sizes_must_agree():
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
 def test_loopback_schedule_is_race_free(size, pass_, causal, layout):
-    schedule = S.prove_loopback(pass_, size, causal=causal, layout=layout)
-    copies = sum(a.kind == "copy" for a in schedule.actions)
-    seqlen = S.SHAPE[1]
-    messages = (sum(ring.forward_sends(r, size, seqlen, layout, causal) for r in range(size))
+    proved = schedule.prove_loopback(pass_, size, causal=causal, layout=layout)
+    copies = sum(a.kind == "copy" for a in proved.actions)
+    seqlen = schedule.SHAPE[1]
+    messages = (sum(burst.forward_sends(r, size, seqlen, layout, causal) for r in range(size))
                 if pass_ == "forward" else
-                sum(ring.backward_counts(r, size, seqlen, layout, causal)[2] for r in range(size)))
+                sum(burst.backward_counts(r, size, seqlen, layout, causal)[2] for r in range(size)))
     assert copies == messages
 
 
@@ -174,10 +169,10 @@ class _SkipsReady(LoopbackTransport):
 @pytest.mark.parametrize("mistake", [_SkipsConfirmation, _SkipsReady])
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_seeded_ordering_mistakes_are_caught(mistake, pass_):
-    schedule = S.record_loopback(pass_, 3, causal=False, layout="contiguous",
-                                 transport_class=mistake)
-    problems = S.check(schedule)
-    assert problems and all("race" in str(p) for p in problems), S.report(problems)
+    recorded = schedule.record_loopback(pass_, 3, causal=False, layout="contiguous",
+                                        transport_class=mistake)
+    problems = schedule.check(recorded)
+    assert problems and all("race" in str(p) for p in problems), schedule.report(problems)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,16 +186,15 @@ def test_all_to_all_strategies_match_the_reference(size, strategy):
     ref = [attention_ref(q, k, v, True, dtype=np.longdouble)[0],
            *attention_backward_ref(dout, q, k, v, True, dtype=np.longdouble)]
     naive = [attention_ref(q, k, v, True)[0], *attention_backward_ref(dout, q, k, v, True)]
-    engine = strategies.get(strategy)
+    strategy_module = engine.get(strategy)
     for rank, (whole, fwd, bwd, local) in enumerate(results):
         for name, got, want, plain in zip(("out", "dq", "dk", "dv"), whole, ref, naive):
             ok, err, bound = within_fa_rule(got, want, plain, EPS64, factor=3.0)
             assert ok, f"rank {rank} {name}: {err:.3e} > {bound:.3e}"
         ql, kl, vl, _ = local
-        assert fwd["bytes_sent"] == engine.forward_bytes(size, ql, kl, vl, rank=rank, layout="zigzag",
-                                                         causal=True), rank
-        assert bwd["bytes_sent"] == engine.backward_bytes(size, ql, kl, vl, rank=rank,
-                                                          layout="zigzag", causal=True), rank
+        mask = dict(rank=rank, layout="zigzag", causal=True)
+        assert fwd["bytes_sent"] == strategy_module.forward_bytes(size, ql, kl, vl, **mask), rank
+        assert bwd["bytes_sent"] == strategy_module.backward_bytes(size, ql, kl, vl, **mask), rank
 
 
 def test_a_failing_rank_inside_a_sub_group_ends_the_world():
@@ -236,17 +230,17 @@ def test_a_failing_rank_inside_a_sub_group_ends_the_world():
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 @pytest.mark.parametrize("size,degree", [(4, 2), (6, 3), (4, 4)])
 def test_usp_loopback_schedule_is_race_free(pass_, size, degree):
-    S.prove_loopback(pass_, size, causal=True, layout="zigzag", strategy="usp",
-                     options={"ulysses_degree": degree}, shape=(1, 4, 12, 12, 8))
+    schedule.prove_loopback(pass_, size, causal=True, layout="zigzag", strategy="usp",
+                            options={"ulysses_degree": degree}, shape=(1, 4, 12, 12, 8))
 
 
 @pytest.mark.parametrize("mistake", [_SkipsConfirmation, _SkipsReady])
 def test_seeded_ordering_mistakes_in_usp_are_caught(mistake):
-    schedule = S.record_loopback("backward", 4, causal=True, layout="zigzag", strategy="usp",
-                                 options={"ulysses_degree": 2}, shape=(1, 4, 4, 4, 8),
-                                 transport_class=mistake)
-    problems = S.check(schedule)
-    assert problems and all("race" in str(p) for p in problems), S.report(problems)
+    recorded = schedule.record_loopback("backward", 4, causal=True, layout="zigzag", strategy="usp",
+                                        options={"ulysses_degree": 2}, shape=(1, 4, 4, 4, 8),
+                                        transport_class=mistake)
+    problems = schedule.check(recorded)
+    assert problems and all("race" in str(p) for p in problems), schedule.report(problems)
 
 
 def test_a_sub_group_failure_wakes_the_whole_world():

@@ -1,8 +1,10 @@
-"""The kernel cache runs only code this user built, and no build waits forever.
+"""The kernel cache is this user's, runs only code this user built, and no build waits forever.
 
-Trust (`burstcu.build.compile.trusted_dir`): a cache folder, or a folder burstcu uses under it
-(``emu/``, ``emu/pch-*``), that another user owns, that group or others may write, or that is a
-symbolic link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json`` or
+Where (`burstcu.build.compile.cache_dir`): $BURSTCU_CACHE_DIR, else a node-local folder of this
+user's under $TMPDIR that only this user may enter (the emulator's under it in ``emu/``).
+Trust (`trusted_dir`): a cache folder, or a folder burstcu uses under it (``emu/``,
+``emu/pch-*``), that another user owns, that group or others may write, or that is a symbolic
+link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json`` or
 ``.gch`` whose sha256 does not match its manifest (or has none) is rebuilt with a warning, never
 loaded. Deadlines (`build_timeout`): a build lock held elsewhere, a g++ that hangs and an NVRTC
 compile that hangs all end in BuildTimeoutError after $BURSTCU_BUILD_TIMEOUT seconds.
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from burstcu.build import compile as kc
+from burstcu.build import compile
 from burstcu.build import emulate
 
 TINY_CU = """
@@ -82,6 +84,29 @@ def replace_bytes(path: Path, data: bytes) -> None:
 def needs_nvrtc():
     pytest.importorskip("cuda.bindings.nvrtc")
     pytest.importorskip("cuda.pathfinder")
+
+
+# ------------------------------------------------------------------------------------------------
+# where: node-local and per user
+
+
+def test_cache_dir_defaults_to_a_private_folder_under_tmpdir(monkeypatch, tmp_path):
+    monkeypatch.delenv("BURSTCU_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    path = compile.cache_dir()
+    assert path == tmp_path / f"burstcu-{os.getuid()}" and path.is_dir()
+    assert path.stat().st_mode & 0o777 == 0o700
+    assert emulate.cache_dir() == path / "emu"
+
+
+def test_cache_dir_override_and_foreign_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("BURSTCU_CACHE_DIR", str(tmp_path / "shared"))
+    assert compile.cache_dir() == tmp_path / "shared" and (tmp_path / "shared").is_dir()
+    monkeypatch.delenv("BURSTCU_CACHE_DIR")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)  # the folder is not "ours"
+    with pytest.raises(RuntimeError, match="BURSTCU_CACHE_DIR"):
+        compile.cache_dir()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,7 +179,7 @@ def test_planted_so_is_not_loaded(cache, tiny):
     assert mod.kernel_names() == ["tiny_a"]
     said = f"{re.escape(target.name)}: no manifest.*rebuilt"
     assert [w for w in caught if re.search(said, str(w.message))], [str(w.message) for w in caught]
-    assert kc.manifest_problem(target.parent, target.stem, [target.name]) is None
+    assert compile.manifest_problem(target.parent, target.stem, [target.name]) is None
 
 
 def test_truncated_so_is_rebuilt(cache, tiny):
@@ -176,7 +201,7 @@ def test_truncated_so_is_rebuilt(cache, tiny):
 def test_damaged_nvrtc_entry_is_rebuilt(cache, tmp_path, damage):
     needs_nvrtc()
     (tmp_path / "nvrtc.cu").write_text(NVRTC_CU)
-    cubin, lowered = kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    cubin, lowered = compile.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
     whole = cubin.read_bytes()
     if damage == "truncated .cubin":
         victim, data = cubin, whole[: len(whole) // 2]
@@ -186,11 +211,11 @@ def test_damaged_nvrtc_entry_is_rebuilt(cache, tmp_path, damage):
         victim, data = cubin.with_suffix(".manifest"), b"[]"
     replace_bytes(victim, data)
     with pytest.warns(UserWarning, match=f"{re.escape(victim.name)}.*rebuilt"):
-        again, lowered_again = kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+        again, lowered_again = compile.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
     assert again == cubin and lowered_again == lowered and lowered[NVRTC_NAME].startswith("_Z4tiny")
     assert cubin.stat().st_size == len(whole)
     assert json.loads(cubin.with_suffix(".manifest").read_text())["sha256"][cubin.name] == \
-        kc.file_sha256(cubin)
+        compile.file_sha256(cubin)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,7 +237,7 @@ def test_corrupt_gch_is_rebuilt_and_used(cache, tiny, monkeypatch, recwarn):
     messages = [str(w.message) for w in recwarn]
     assert [m for m in messages if "emu_pch.h.gch" in m and "rebuilt" in m], messages
     assert not [m for m in messages if "without the precompiled header" in m], messages
-    assert kc.manifest_problem(gch.parent, "emu_pch", ["emu_pch.h", "emu_pch.h.gch"]) is None
+    assert compile.manifest_problem(gch.parent, "emu_pch", ["emu_pch.h", "emu_pch.h.gch"]) is None
     assert stat.S_IMODE(gch.parent.stat().st_mode) == 0o700
 
 
@@ -266,7 +291,7 @@ def held_lock():
 def nvrtc_entry(tmp_path: Path) -> Path:
     """The cache root path of the NVRTC test kernel's entry, without its suffix."""
     (tmp_path / "nvrtc.cu").write_text(NVRTC_CU)
-    return kc.cache_dir() / kc.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    return compile.cache_dir() / compile.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
 
 
 @pytest.mark.parametrize("builder", ["emulator", "nvrtc"])
@@ -275,7 +300,7 @@ def test_lock_held_elsewhere_times_out(cache, tiny, tmp_path, monkeypatch, held_
     if builder == "nvrtc":
         needs_nvrtc()
         lock = nvrtc_entry(tmp_path).with_suffix(".lock")
-        build = lambda: kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)  # noqa: E731
+        build = lambda: compile.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)  # noqa: E731
     else:
         lock = predicted_so(tiny, "tiny_a").with_suffix(".lock")
         build = lambda: emulate.build_module([tiny], ["tiny_a"])  # noqa: E731
@@ -286,7 +311,7 @@ def test_lock_held_elsewhere_times_out(cache, tiny, tmp_path, monkeypatch, held_
                        "another process holds it.*BURSTCU_BUILD_TIMEOUT") as err:
         build()
     assert time.monotonic() - start < 5
-    assert isinstance(err.value, kc.BuildTimeoutError)
+    assert isinstance(err.value, compile.BuildTimeoutError)
 
 
 @pytest.mark.parametrize("stage", ["version", "pch", "module"])
@@ -307,7 +332,7 @@ def test_hanging_compiler_times_out(cache, tiny, tmp_path, monkeypatch, stage):
                            ".*killed.*BURSTCU_BUILD_TIMEOUT") as err:
             emulate.build_module([tiny], ["tiny_a"])
         assert time.monotonic() - start < 5
-        assert isinstance(err.value, kc.BuildTimeoutError)
+        assert isinstance(err.value, compile.BuildTimeoutError)
     finally:
         emulate._compiler_version.cache_clear()  # the next test asks the real compiler
     status = Path(f"/proc/{pid_file.read_text().strip()}/status")
@@ -328,15 +353,15 @@ def test_hanging_nvrtc_times_out(cache, tmp_path, monkeypatch):
     needs_nvrtc()
     monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1")
     release = threading.Event()
-    monkeypatch.setattr(kc, "nvrtc_compile", lambda *args: release.wait(10))
+    monkeypatch.setattr(compile, "nvrtc_compile", lambda *args: release.wait(10))
     nvrtc_entry(tmp_path)
     start = time.monotonic()
     try:
         said = re.escape(f"1 s for NVRTC to compile nvrtc.cu ({NVRTC_NAME}) for sm_80: it did not finish")
         with pytest.raises(RuntimeError, match=said) as err:
-            kc.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+            compile.cached_cubin("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
         assert time.monotonic() - start < 5
-        assert isinstance(err.value, kc.BuildTimeoutError)
+        assert isinstance(err.value, compile.BuildTimeoutError)
     finally:
         release.set()
 
@@ -351,6 +376,6 @@ def test_bad_build_timeout_is_a_value_error(cache, tiny, monkeypatch, value):
 
 def test_build_timeout_reads_the_variable(monkeypatch):
     monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", " 2.5 ")
-    assert kc.build_timeout() == 2.5
+    assert compile.build_timeout() == 2.5
     monkeypatch.delenv("BURSTCU_BUILD_TIMEOUT")
-    assert kc.build_timeout() == kc.DEFAULT_BUILD_TIMEOUT_S == 600
+    assert compile.build_timeout() == compile.DEFAULT_BUILD_TIMEOUT_S == 600

@@ -1,6 +1,7 @@
-"""Bodies for the NCCL bootstrap run under `mpiexec -n N` on CPU-only machines (any N).
+"""Bodies of tests/transport/test_bootstrap.py: the NCCL bootstrap (`burstcu.transport.bootstrap`)
+under `mpiexec -n N` on CPU-only machines (any N).
 
-Run through tests/mpi/runner.py as `nccl_bodies:<function>`. They exercise what needs no GPU:
+Run through tests/mpi/runner.py as `bootstrap_bodies:<function>`. They exercise what needs no GPU:
 the unique-id broadcast, the node-local split, and the agreed, every-rank failure of
 backend="cupy" when no GPU is usable.
 """
@@ -13,19 +14,19 @@ import time
 from mpi4py import MPI
 
 import burstcu
-from burstcu.transport import bootstrap as bn
+from burstcu.transport import bootstrap
 
 
 def unique_id_broadcast():
     """Rank 0's NCCL unique id reaches every rank unchanged: 128 bytes, the same everywhere."""
-    uid = bn.unique_id(MPI.COMM_WORLD)
+    uid = bootstrap.unique_id(MPI.COMM_WORLD)
     assert isinstance(uid, bytes) and len(uid) == 128, (type(uid), len(uid))
     return {"len": len(uid), "sha": hashlib.sha256(uid).hexdigest()}
 
 
 def node_local_rank():
     """On one node the shared-memory split gives local rank == rank, local size == size."""
-    local_rank, local_size = bn._local_rank(MPI.COMM_WORLD)
+    local_rank, local_size = bootstrap._local_rank(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD
     assert (local_rank, local_size) == (comm.Get_rank(), comm.Get_size())
     return {"local_rank": local_rank, "local_size": local_size}
@@ -37,7 +38,7 @@ def cupy_backend_fails_everywhere():
     t0 = time.perf_counter()
     try:
         burstcu.init(backend="cupy")
-    except bn.BackendUnavailable as exc:
+    except bootstrap.BackendUnavailable as exc:
         message = str(exc)
     else:
         raise AssertionError("backend='cupy' started without a GPU")
@@ -53,8 +54,8 @@ def one_rank_problem_raises_everywhere():
     last = comm.Get_size() - 1
     problem = "2 ranks on this node but only 1 GPU(s)" if comm.Get_rank() == last else None
     try:
-        bn.agree_or_raise(comm, problem)
-    except bn.BackendUnavailable as exc:
+        bootstrap.agree_or_raise(comm, problem)
+    except bootstrap.BackendUnavailable as exc:
         message = str(exc)
     else:
         raise AssertionError("agree_or_raise let a rank through")
@@ -66,16 +67,16 @@ def one_rank_problem_raises_everywhere():
 def _pretend_devices(count: int, why: str | None = None) -> None:
     """Make this rank's bootstrap see `count` GPUs of compute capability 9.0 (the checks run
     before any GPU call)."""
-    bn.device_count = lambda: (count, why)
-    bn._arch_problem = lambda device_id: None
+    bootstrap.device_count = lambda: (count, why)
+    bootstrap._arch_problem = lambda device_id: None
 
 
 def too_many_ranks_per_gpu():
     """N ranks on a node with one GPU: every rank raises, naming the count, before NCCL starts."""
     _pretend_devices(1)
     try:
-        bn.bootstrap(MPI.COMM_WORLD)
-    except bn.BackendUnavailable as exc:
+        bootstrap.bootstrap(MPI.COMM_WORLD)
+    except bootstrap.BackendUnavailable as exc:
         message = str(exc)
     else:
         raise AssertionError("bootstrap accepted two ranks on one GPU")
@@ -93,8 +94,8 @@ def last_rank_without_gpu():
     else:
         _pretend_devices(64)
     try:
-        bn.bootstrap(comm)
-    except bn.BackendUnavailable as exc:
+        bootstrap.bootstrap(comm)
+    except bootstrap.BackendUnavailable as exc:
         message = str(exc)
     else:
         raise AssertionError("bootstrap went on with a rank that has no GPU")

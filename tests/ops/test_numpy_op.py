@@ -11,8 +11,10 @@ import pytest
 
 import burstcu
 from burstcu.layout import Block
-from burstcu.ops.numpy import tiled as numpy_ops
-from burstcu.ops.numpy.tiled import NumpyOps
+from burstcu.ops.numpy import op as numpy_op
+from burstcu.ops.numpy import threads as numpy_threads
+from burstcu.ops.numpy import tiles as numpy_tiles
+from burstcu.ops.numpy import NumpyOps
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from burstcu.transport.base import SelfTransport
 from tests.mpi.bodies import EPS, make_inputs
@@ -55,7 +57,7 @@ def test_rows_whose_scores_climb(dtype, causal, inputs, count_calls):
     FA rule of a float64 reference."""
     q, k, v, dout = inputs(dtype)
     paths = ("_rescale_rows", "_fold_exactly", "_fold_rows_exactly")
-    calls = {name: count_calls(numpy_ops, name) for name in paths}
+    calls = {name: count_calls(numpy_tiles, name) for name in paths}
     group = _group(tile_q=8, tile_k=8, threads=1)
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
     grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, check=True)
@@ -131,7 +133,7 @@ def test_scratch_is_tile_sized():
     (tile_scratch_bytes) are fixed by the tile sizes: one thread holds one forward score tile
     (which the backward's P and dS share), its P @ [V | 1] rows and the backward's key rows —
     on two threads at most twice that, under 1/16 of one float32 score matrix of seqlen 4096."""
-    one_thread = 4 * (numpy_ops.TILE_Q * numpy_ops.TILE_K + numpy_ops.TILE_Q * 65 + numpy_ops.TILE_K * 64)
+    one_thread = 4 * (numpy_tiles.TILE_Q * numpy_tiles.TILE_K + numpy_tiles.TILE_Q * 65 + numpy_tiles.TILE_K * 64)
     for threads in (1, 2):
         scratch, tiles = [], []
         for n in (1024, 4096):
@@ -154,7 +156,7 @@ def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     """Peaked causal scores (q x 6: rows rescaled alone) with NaN and Inf in K and V at late
     positions: every row before them has out, lse and dq bitwise as without the garbage (a
     row's bits depend on its own inputs alone); the rows that see them are not finite."""
-    rescaled = count_calls(numpy_ops, "_rescale_rows")
+    rescaled = count_calls(numpy_tiles, "_rescale_rows")
     q, k, v, dout = make_inputs(5, 1, 300, 2, 1, 16, dtype)
     q *= 6
     bad_k, bad_v = k.copy(), v.copy()
@@ -189,17 +191,17 @@ def _rows_refolded(monkeypatch, where=None) -> dict:
     and of `_fold_exactly` updates, one list per call (the calls still run). where: a list that
     gets each such row's address in memory (which tile rows share, one row of q each)."""
     calls = {"alone": [], "tile": []}
-    alone, tile = numpy_ops._fold_rows_exactly, numpy_ops._fold_exactly
+    alone, tile = numpy_tiles._fold_rows_exactly, numpy_tiles._fold_exactly
 
     def note(path, q, rows):
         calls[path].append([int(r) for r in rows])
         if where is not None:
             where.extend(q.ctypes.data + int(r) * q.strides[0] for r in rows)
 
-    monkeypatch.setattr(numpy_ops, "_fold_rows_exactly",
+    monkeypatch.setattr(numpy_tiles, "_fold_rows_exactly",
                         lambda q, k, v, acc, future, rows, v_max: note("alone", q, rows) or
                         alone(q, k, v, acc, future, rows, v_max))
-    monkeypatch.setattr(numpy_ops, "_fold_exactly",
+    monkeypatch.setattr(numpy_tiles, "_fold_exactly",
                         lambda q, k, v, acc, future, s, pv, v_max, rows: note("tile", q, np.flatnonzero(rows)) or
                         tile(q, k, v, acc, future, s, pv, v_max, rows))
     return calls
@@ -256,7 +258,7 @@ def test_rescale_paths_give_the_same_bits(count_calls):
     row: that row is dead from its first tile, so every tile holding it takes the masked path,
     the others the whole-tile one. Each other row's out and lse are bitwise the same in both
     runs: the two paths rescale a row with the same arithmetic."""
-    rescaled = count_calls(numpy_ops, "_rescale_rows")
+    rescaled = count_calls(numpy_tiles, "_rescale_rows")
     q, k, v, _ = make_inputs(5, 1, 128, 2, 1, 16, "float32")
     q *= 6
     bad = q.copy()
@@ -321,7 +323,7 @@ def test_very_peaked_scores_are_rescaled(dtype, count_calls):
     alone, none folded again exactly; out and lse within the FA rule of the reference."""
     q, k, v, _ = make_inputs(24, 1, 256, 2, 1, 16, dtype)
     q *= 20
-    calls = {name: count_calls(numpy_ops, name) for name in ("_rescale_rows", "_fold_exactly", "_fold_rows_exactly")}
+    calls = {name: count_calls(numpy_tiles, name) for name in ("_rescale_rows", "_fold_exactly", "_fold_rows_exactly")}
     out, lse = burstcu.attention(q, k, v, _group(tile_q=64, tile_k=64, threads=1), causal=True, return_lse=True)
     assert calls["_rescale_rows"] and not calls["_fold_exactly"] and not calls["_fold_rows_exactly"], \
         {name: len(c) for name, c in calls.items()}
@@ -335,7 +337,7 @@ def test_row_sums_beside_p_times_v():
     v = np.ones((80, 17), np.float32)
     v[:, :16] = rng.standard_normal((80, 16))
     out = np.full((96, 17), np.nan, np.float32)
-    numpy_ops._times_v(p, v, out)
+    numpy_tiles._times_v(p, v, out)
     want = p.astype(np.float64) @ v.astype(np.float64)
     scale = np.abs(p).astype(np.float64) @ np.abs(v).astype(np.float64)
     assert (np.abs(out - want) <= 80 * EPS["float32"] * scale).all()
@@ -354,12 +356,12 @@ def test_put_scales_as_one_multiply_in_the_layouts_dtype(src, dst_t):
     for stale in (np.finfo(dst_t).max, np.inf, np.nan):
         dst = np.full((10, 10), stale, dst_t)
         with np.errstate(all="raise"):
-            numpy_ops._put(dst, x, 4.0, column, np.inf)
+            numpy_tiles._put(dst, x, 4.0, column, np.inf)
         expected = np.multiply(x.astype(dst_t), dst_t(4.0)).reshape(10, 8)
         assert np.array_equal(dst[:, :8], expected)
         assert np.array_equal(dst[:, 8], column.astype(dst_t)) and (dst[:, 9] == np.inf).all()
     dst = np.full((10, 9), np.nan, dst_t)
-    numpy_ops._put(dst, x, None, 1)
+    numpy_tiles._put(dst, x, None, 1)
     assert np.array_equal(dst[:, :8], x.astype(dst_t).reshape(10, 8)) and (dst[:, 8] == 1).all()
 
 
@@ -369,8 +371,8 @@ def test_forward_queues_layouts_then_the_largest_folds(monkeypatch):
     rows come first and the first span's last; out and lse as the reference's."""
     q, k, v, _ = make_inputs(5, 1, 256, 2, 2, 16, "float32")
     events = []
-    max_abs, forward_block = numpy_ops._max_abs, NumpyOps._forward_block
-    monkeypatch.setattr(numpy_ops, "_max_abs", lambda x: events.append("layout") or max_abs(x))
+    max_abs, forward_block = numpy_op._max_abs, NumpyOps._forward_block
+    monkeypatch.setattr(numpy_op, "_max_abs", lambda x: events.append("layout") or max_abs(x))
 
     def block(self, q, k, v, acc, part, *rest):
         events.append(part.q_start)
@@ -391,8 +393,8 @@ def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
     tiles = {"tile_q": 64, "tile_k": 64, "threads": 2}
     q, k, v, _ = make_inputs(3, 1, 512, 2, 2, 16, "float32")
     group, fresh = _group(**tiles), _group(**tiles)
-    max_abs, failed, abandoned = numpy_ops._max_abs, [], []
-    wait = numpy_ops._InOrder.wait
+    max_abs, failed, abandoned = numpy_op._max_abs, [], []
+    wait = numpy_threads.InOrder.wait
 
     helper_in_layout = threading.Event()
 
@@ -409,17 +411,17 @@ def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
     def waiting(self, *args):
         try:
             wait(self, *args)
-        except numpy_ops._Abandoned:
+        except numpy_threads.Abandoned:
             abandoned.append(threading.current_thread() is threading.main_thread())
             raise
-    monkeypatch.setattr(numpy_ops, "_max_abs", failing)
-    monkeypatch.setattr(numpy_ops._InOrder, "wait", waiting)
+    monkeypatch.setattr(numpy_op, "_max_abs", failing)
+    monkeypatch.setattr(numpy_threads.InOrder, "wait", waiting)
     with pytest.raises(MemoryError, match="simulated"):
         burstcu.attention(q, k, v, group, causal=True)
     monkeypatch.undo()
     assert failed and abandoned == [True]   # the calling thread was the waiter released
     barrier = threading.Barrier(tiles["threads"], timeout=20)
-    list(group.ops._pool.map(lambda _: barrier.wait(), range(tiles["threads"])))
+    list(group.ops._workers._pool.map(lambda _: barrier.wait(), range(tiles["threads"])))
     again = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     want = burstcu.attention(q, k, v, fresh, causal=True, return_lse=True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(again, want))
@@ -430,7 +432,7 @@ def test_a_failing_forward_layout_neither_hangs_nor_breaks_the_op(monkeypatch):
 def test_blas_advice():
     """blas_advice speaks only when OpenBLAS runs AVX2 kernels on a CPU that has every AVX-512
     extension its SkylakeX kernels use, and says whether the environment pinned them."""
-    advice = numpy_ops.blas_advice
+    advice = numpy_threads.blas_advice
     avx512 = ["fma", "avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl"]
     haswell = [{"internal_api": "openblas", "architecture": "Haswell"}]
     said = advice(haswell, avx512, environ={})

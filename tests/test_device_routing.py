@@ -1,0 +1,119 @@
+"""Which device a call runs on (`burstcu.arrays`). With group=None the inputs' DLPack device
+routes the call: CPU arrays to the NumPy backend, CUDA arrays to the cupy group (or, on a machine
+without a usable GPU, a clear error). With an op that computes on a GPU, inputs on another GPU
+than the current one are refused through the cross-rank agreement, so a peer's wrong device stops
+this rank too. CuPy is a stand-in (tests/fake_cupy.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import burstcu
+from burstcu import arrays
+from burstcu.group import Group
+from burstcu.ops.numpy import NumpyOps
+from burstcu.testing.reference import attention_ref
+from burstcu.validate import InputError
+from tests.fake_cupy import FakeCupy
+
+
+class _DLTensor:
+    """A framework array on the CPU that may claim to live on another device."""
+
+    def __init__(self, data, device=None):
+        self._data = np.asarray(data)
+        self._device = device
+
+    def __dlpack__(self, **kwargs):
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._device or self._data.__dlpack_device__()
+
+
+_DLTensor.__module__ = "standinfw"
+
+
+def _qkv(seed=0, shape=(1, 16, 2, 8)):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+
+
+# ---- group=None: routed by the DLPack device ----------------------------------------------------
+def test_cpu_dlpack_arrays_take_the_numpy_path():
+    q, k, v = _qkv()
+    assert arrays.group_for(None, _DLTensor(q)).backend == "numpy"
+    assert arrays.group_for(None, _DLTensor(q, device=(1, 0))).backend == "numpy"
+    out = burstcu.attention(_DLTensor(q), _DLTensor(k), _DLTensor(v), causal=True)
+    assert np.abs(np.from_dlpack(out) - attention_ref(q, k, v, causal=True)[0]).max() < 1e-5
+
+
+def test_cuda_dlpack_arrays_on_a_cpu_only_machine_get_a_clear_error():
+    if burstcu.group.gpu_usable():
+        pytest.skip("a GPU is usable here: CUDA arrays run on it")
+    q, k, v = (_DLTensor(x, device=(2, 0)) for x in _qkv())
+    with pytest.raises(ValueError, match=r"q is on CUDA device 0.*'cupy' backend cannot start"):
+        burstcu.attention(q, k, v)
+
+
+def test_cuda_dlpack_arrays_route_to_the_cupy_group(monkeypatch):
+    sentinel = object()
+    monkeypatch.setattr(arrays, "local_group", lambda backend: (backend, sentinel))
+    assert arrays.group_for(None, _DLTensor(np.zeros(1), device=(2, 1))) == ("cupy", sentinel)
+    assert arrays.group_for(None, _DLTensor(np.zeros(1))) == ("numpy", sentinel)
+
+
+# ---- an op on a GPU: inputs on the current GPU, agreed across ranks -----------------------------
+class _OpOnTheCurrentGpu(NumpyOps):
+    """The NumPy op, saying that its work runs on CuPy's current GPU (as the CUDA kernels' op
+    does): the device check reads the device from the op."""
+
+    device = "cuda"
+
+    def current_device(self) -> int:
+        import cupy   # the stand-in installed by the test
+        return int(cupy.cuda.runtime.getDevice())
+
+
+class _TwoRankTransport:
+    """Rank 0 of two; the other rank's agreement message is `peer`."""
+
+    size, rank = 2, 0
+
+    def __init__(self, peer):
+        self.peer, self.sent = peer, []
+
+    def allgather_object(self, obj, what="metadata"):
+        self.sent.append(obj)
+        return [obj, self.peer]
+
+
+def _cupy_group(monkeypatch, peer, current=0):
+    FakeCupy(current=current).install(monkeypatch)
+    return Group(0, 2, "cupy", _TwoRankTransport(peer), _OpOnTheCurrentGpu())
+
+
+def test_inputs_on_another_gpu_fail_through_the_agreement(monkeypatch):
+    group = _cupy_group(monkeypatch, peer=(None, None, None))
+    q, k, v = (_DLTensor(x, device=(2, 1)) for x in _qkv())
+    with pytest.raises(ValueError, match=r"q is on CUDA device 1 but the current CuPy device is 0"
+                                         r".*cupy\.cuda\.Device\(1\)\.use\(\)"):
+        burstcu.attention(q, k, v, group)
+    (err, meta, length), = group.transport.sent  # raised only after the agreement round
+    assert err[0] == "ValueError" and meta is None and length is None
+    assert InputError.from_plain(err).kind is ValueError
+
+
+def test_a_peer_on_another_gpu_stops_this_rank_too(monkeypatch):
+    message = "k is on CUDA device 1 but the current CuPy device is 0: call cupy.cuda.Device(1).use()"
+    group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message).plain(), None, None))
+    with pytest.raises(ValueError, match=r"rank 1: k is on CUDA device 1"):
+        burstcu.attention(*_qkv(), group)  # this rank's inputs (host arrays here) are fine
+    assert len(group.transport.sent) == 1
+
+
+def test_inputs_on_the_current_gpu_pass_the_device_check(monkeypatch):
+    group = _cupy_group(monkeypatch, peer=(None, None, None), current=1)
+    inputs = tuple(_DLTensor(x, device=(2, 1)) for x in _qkv())
+    assert arrays.device_problem(group.ops, ("q", "k", "v"), inputs) is None

@@ -1,0 +1,41 @@
+"""init's choice of backend (`burstcu.group`): backend="auto" picks NumPy quietly when no rank has
+a usable GPU, the GPU backend when every rank has one, and says so when only some ranks do."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import burstcu
+from burstcu import group
+
+
+def test_auto_on_a_machine_without_a_gpu_says_nothing(monkeypatch):
+    """backend='auto' picks NumPy quietly when no rank has a GPU (the usual CPU machine), and
+    warns only when some rank has one that cannot be used everywhere."""
+    monkeypatch.setattr(group, "gpu_usable", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with burstcu.init() as g:
+            assert g.backend == "numpy"
+    assert not [w for w in caught if "burstcu" in str(w.message)], [str(w.message) for w in caught]
+    alone = group._settings("auto", None, "thread", None)
+    assert group._resolve_backend("auto", [alone]) == ("numpy", False)
+
+
+def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
+    class TwoRanks:   # rank 0 of two
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 0
+
+    monkeypatch.setattr(group, "gpu_usable", lambda: True)
+    mine = group._settings("auto", None, "thread", None)
+    assert mine["gpu"] is True
+    assert group._resolve_backend("auto", [mine, dict(mine, gpu=False)]) == ("numpy", True)
+    assert group._resolve_backend("auto", [mine, mine]) == ("cupy", True)
+    with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
+        group._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
