@@ -79,11 +79,12 @@ def environment(group=None, synchronized: bool = False, **extra) -> dict:
     """What the figures were measured on. Never claims a GPU unless the backend ran on one.
     synchronized: the script syncs the device inside its timings (device times, not enqueue)."""
     backend = getattr(group, "backend", "numpy")
+    on_gpu = getattr(getattr(group, "ops", None), "device", "cpu") == "cuda"
     transport = getattr(group, "transport", None)
     gpu = ("GPU (wall time around each call, device synchronized)" if synchronized
            else "GPU (host-side enqueue timings)")
     env = {
-        "device": gpu if backend == "cupy" else "CPU",
+        "device": gpu if on_gpu else "CPU",
         "backend": backend,
         "host": socket.gethostname(),
         "cpus": os.cpu_count(),
@@ -98,6 +99,19 @@ def environment(group=None, synchronized: bool = False, **extra) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     env.update(extra)
+    return env
+
+
+def environment_on_rank0(group, print_header: bool = False) -> dict | None:
+    """The run's `environment`, then `group` closed: the environment on rank 0 (which reports;
+    with print_header, after printing the first line of `measured_on`), None on every other
+    rank."""
+    env = environment(group)
+    group.close()
+    if group.rank != 0:
+        return None
+    if print_header:
+        print(measured_on(env).splitlines()[0])
     return env
 
 
@@ -287,6 +301,13 @@ def clean(x):
     if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
         return None
     return x
+
+
+def finish(result: dict, json_path) -> dict:
+    """`result`, written to `json_path` as strict JSON first when one is given."""
+    if json_path:
+        write_json(json_path, result)
+    return result
 
 
 def write_json(path, obj) -> None:

@@ -155,9 +155,7 @@ def main(argv=None):
     print(C.table(show, list(show[0])))
     result = {"benchmark": "memory", "environment": env, "args": vars(args), "dims": dims,
               "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -127,9 +127,7 @@ def main(argv=None):
     result = {"benchmark": "scaling", "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "commands": {str(n): c for n, c in commands.items()}, "environment": env, "rows": rows,
               "runs": {str(n): r["times"] for n, r in runs.items()}}
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

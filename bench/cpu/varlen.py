@@ -200,9 +200,8 @@ def run(args) -> dict | None:
         if docs:
             outs[name] = burstcu.unshard(out, group, layout, cu_seqlens=np.asarray(cu))
     diff = float(np.max(np.abs(outs["zigzag"].astype(np.float64) - outs["contiguous"])))
-    env = C.environment(group)
-    group.close()
-    if group.rank != 0:
+    env = C.environment_on_rank0(group)
+    if env is None:
         return None
     return {"benchmark": "varlen", "kind": "MEASURED", "environment": env,
             "args": C.clean(vars(args)), "mix": describe_mix(cu), "cu_seqlens": list(cu),
@@ -406,9 +405,7 @@ def main(argv=None):
     print(text)
     if args.table:
         Path(args.table).write_text(text + "\n")
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

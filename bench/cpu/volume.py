@@ -332,9 +332,8 @@ def masked_main(args, group):
                f"{'no documents' if docs is None else f'{len(docs) - 1} documents'})", group.rank)
     mine = measure_masked(group, args, docs, window, part)
     ranks = group.transport.allgather_object(mine, "bench volume masks")
-    env = C.environment(group)
-    group.close()
-    if group.rank != 0:
+    env = C.environment_on_rank0(group)
+    if env is None:
         return None
     for got, least in zip(ranks, minimum_bytes(part, docs, args.causal, window, row_bytes(args))):
         for pass_ in ("forward", "backward"):
@@ -351,9 +350,7 @@ def masked_main(args, group):
               "at_least_minimum": all(t["achieved"] >= t["min_blocks"] >= t["min_rows"]
                                       for t in totals.values())}
     print_masked(result, args, group.size, docs)
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 def print_masked(result: dict, args, size: int, docs) -> None:
@@ -399,11 +396,9 @@ def main(argv=None):
         rows += rows_for(strategy, measure(group, strategy, inputs, args.causal), group.size, inputs,
                          group.rank, args.causal)
     per_rank = group.comm.gather(rows, root=0) if group.comm is not None and group.size > 1 else [rows]
-    env = C.environment(group)
-    group.close()
-    if group.rank != 0:
+    env = C.environment_on_rank0(group, print_header=True)
+    if env is None:
         return None
-    print(C.measured_on(env).splitlines()[0])
     print(f"# bytes SENT per rank per pass; G={group.size} N={args.seqlen} B={args.batch} "
           f"H={args.heads} Hkv={args.kv_heads or args.heads} D={args.headdim} dtype={args.dtype}")
     show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
@@ -419,9 +414,7 @@ def main(argv=None):
     print(f"# every rank's measured bytes and messages equal the formulas: {all_match}")
     result = {"benchmark": "volume", "environment": env, "args": vars(args), "all_match": all_match,
               "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -117,11 +117,9 @@ def main(argv=None):
         rows.append({"seqlen": n, "heads": h, "kv_heads": hkv, "pick": chosen.choice.label,
                      "measured_best": best, "regret": measured[chosen.choice.label] / measured[best],
                      "measured_s": measured, "predicted_s": predicted})
-    env = C.environment(group)
-    group.close()
-    if group.rank != 0:
+    env = C.environment_on_rank0(group, print_header=True)
+    if env is None:
         return None
-    print(C.measured_on(env).splitlines()[0])
     print(f"# CPU, not GPU figures. G={group.size} D={args.headdim} causal={args.causal} "
           f"layout={args.layout}; model machine: {machine.source}")
     show = [{"N": r["seqlen"], "H": f"{r['heads']}/{r['kv_heads']}", "pick": r["pick"],
@@ -131,9 +129,7 @@ def main(argv=None):
     print(C.table(show, list(show[0])) if show else "(no shape in the grid)")
     result = {"benchmark": "plan_check", "environment": env, "args": vars(args),
               "machine": machine.__dict__, "rows": rows}
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -249,9 +249,7 @@ def main(argv=None) -> dict:
         if not args.all_presets:
             print_report(reports[0])
         result = {"benchmark": "model", "kind": "PREDICTION", "reports": reports}
-    if args.json:
-        C.write_json(args.json, result)
-    return result
+    return C.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .lasp2 import rows, runs, state_bytes
+from .lasp2 import outputs, rows, runs, state_bytes
 from .steps import Trace, now, timed_wait
 
 
@@ -123,7 +123,6 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
     chain = _Chain(ops, transport, owners(layout, size, q.shape[1]))
     shape = (k.shape[0], k.shape[2], q.shape[-1], q.shape[-1])
     states = [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in segs]
-    out = ops.zeros(q.shape, acc)
     t0, local = now(), {}
 
     def intra(i):
@@ -132,15 +131,13 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
 
     prefixes, carried = _prefix_chain(chain, xp, places, states, shape, acc, "lasp1 fwd",
                                       intra if causal else None)
-    if causal:
-        for i, (s, prefix) in enumerate(zip(segs, prefixes)):
-            out[:, s.local:s.local + s.length] = local[i] + ops.linear_forward_full(rows(q, s), prefix, acc)
-    else:
-        total = _total_chain(chain, xp, carried, shape, acc, "lasp1 fwd total")
-        out[...] = ops.linear_forward_full(q, total, acc)
+    total = None if causal else _total_chain(chain, xp, carried, shape, acc, "lasp1 fwd total")
+    out = outputs(ops, q, segs, [local[i] for i in range(len(segs))] if causal else None,
+                  prefixes, total, acc)
     if trace is not None:
         trace.add("forward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
     return out.astype(q.dtype)
+
 
 def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
              trace: Trace | None = None):

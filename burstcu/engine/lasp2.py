@@ -46,6 +46,20 @@ def rows(x, seg):
     return x[:, seg.local:seg.local + seg.length]
 
 
+def outputs(ops: LocalOps, q, segs, local, prefixes, total, acc):
+    """out (B,S,H,D) in acc from this rank's runs: causal (total None), each run's own part
+    `local[i]` plus its queries against `prefixes[i]`, the state of every earlier chunk;
+    non-causal, every row's queries against `total`, the state of the whole sequence."""
+    out = ops.zeros(q.shape, acc)
+    if total is None:
+        for seg, part, prefix in zip(segs, local, prefixes):
+            out[:, seg.local:seg.local + seg.length] = part + ops.linear_forward_full(
+                rows(q, seg), prefix, acc)
+    else:
+        out[...] = ops.linear_forward_full(q, total, acc)
+    return out
+
+
 def state_bytes(q, k) -> int:
     """Bytes of one chunk's state: B * Hkv * D * D in the accumulation dtype."""
     b, _, hkv, d = k.shape
@@ -84,13 +98,10 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
     compute_s = now() - t0
     wait_s = timed_wait(ops, transport, "lasp2 fwd wait") if posted else 0.0
     ordered = _chunk_states(gathered, place, size, len(mine_runs))
-    out = ops.zeros(q.shape, acc)
-    if causal:
-        for seg, n, part in zip(mine_runs, places, local):
-            prefix = _total(xp, ordered[:n], acc, k.shape, q.shape[-1])
-            out[:, seg.local:seg.local + seg.length] = part + ops.linear_forward_full(rows(q, seg), prefix, acc)
-    else:
-        out[...] = ops.linear_forward_full(q, _total(xp, ordered, acc, k.shape, q.shape[-1]), acc)
+    d = q.shape[-1]
+    prefixes = [_total(xp, ordered[:n], acc, k.shape, d) for n in places] if causal else None
+    out = outputs(ops, q, mine_runs, local, prefixes,
+                  None if causal else _total(xp, ordered, acc, k.shape, d), acc)
     if trace is not None:
         trace.add("forward", 0, rank, len(mine_runs), compute_s, wait_s)
     return out.astype(q.dtype)
