@@ -14,7 +14,7 @@ import hashlib
 import numpy as np
 
 from . import api
-from .group import Call, Group
+from .group import Call, Group, local_group
 from .validate import InputError, agree
 
 
@@ -29,7 +29,6 @@ class KVCache:
 
     def __init__(self, group: Group | None, batch: int, capacity_per_rank: int, kv_heads: int,
                  headdim: int, dtype):
-        from .group import local_group
         self.group = group if group is not None else local_group("numpy")
         for name, n in (("batch", batch), ("capacity_per_rank", capacity_per_rank),
                         ("kv_heads", kv_heads), ("headdim", headdim)):

@@ -8,7 +8,7 @@ import types
 
 
 class FakeCupy:
-    """Just enough of cupy for the bootstrap, KernelOps' device queries and `api._device_problem`.
+    """Just enough of cupy for the bootstrap, KernelOps' device queries and `arrays.device_problem`.
 
     cc: the compute capability every device reports; n_devices: how many there are; current:
     the device CuPy calls current. `calls` records ("attr", attribute, device), ("Device", id),

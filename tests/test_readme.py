@@ -79,5 +79,6 @@ def test_every_package_directory_ships_in_the_wheel():
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "burstcu").rglob("__init__.py")}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "burstcu").rglob("*.py")
+             if "__pycache__" not in p.parts}
     assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
@@ -82,15 +81,9 @@ def main(argv=None) -> int:
     for mix in args.mixes:
         kinds = layer_kinds(mix, args.layers)
         C.progress(f"{mix}: {['lasp2' if x is None else x for x in kinds]}", group.rank)
-        stack(group, kinds, q, k, v, dout)                  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            group.stats.reset()
-            group.barrier()
-            t0 = time.perf_counter()
-            stack(group, kinds, q, k, v, dout)
-            group.ops.sync()
-            times.append(time.perf_counter() - t0)
+        times = C.call_seconds(lambda: stack(group, kinds, q, k, v, dout), args.repeats, warmup=1,
+                               before=lambda: (group.stats.reset(), group.barrier()),
+                               after=group.ops.sync)   # the stats: the last call's
         mine = {"s": C.median(times), "bytes": group.stats.bytes_sent,
                 "messages": group.stats.messages}
         every = group.transport.allgather_object(mine, "bench hybrid")

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu import engine as strategies  # noqa: E402
+from burstcu import engine  # noqa: E402
 from burstcu.engine import burst  # noqa: E402
 from burstcu.engine.burst import backward_counts  # noqa: E402
 from burstcu.layout import partition  # noqa: E402
@@ -107,7 +107,7 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
     kv, kv_acc = B * S * Hkv * D * it, B * S * Hkv * D * acc
     qd, qd_acc, rows_acc = B * S * H * D * it, B * S * H * D * acc, B * H * S * acc
     if strategy == "usp":
-        u = strategies.get("usp").degree(G, H, Hkv)
+        u = engine.get("usp").degree(G, H, Hkv)
         r, hg, hk = G // u, H // u, (Hkv // u if Hkv % u == 0 else 1)
         q_c, kv_c, rows_c = B * S * hg * D, B * S * hk * D, B * hg * S
         if pass_ == "forward":
@@ -166,7 +166,7 @@ def _options(strategy: str, size: int, inputs) -> dict:
     if strategy != "usp":
         return {}
     q, k = inputs[0], inputs[1]
-    return {"ulysses_degree": strategies.get("usp").degree(size, q.shape[2], k.shape[2])}
+    return {"ulysses_degree": engine.get("usp").degree(size, q.shape[2], k.shape[2])}
 
 
 def measure(group, strategy: str, inputs, causal: bool) -> dict:
@@ -188,7 +188,7 @@ def rows_for(strategy: str, measured: dict, size: int, inputs, rank: int = 0,
     B, S, H, D = q.shape
     Hkv = k.shape[2]
     it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-    impl = strategies.get(strategy, **_options(strategy, size, inputs))
+    impl = engine.get(strategy, **_options(strategy, size, inputs))
     mask = dict(rank=rank, layout="contiguous", causal=causal)   # measure() runs contiguous
     formula = {"forward": (impl.forward_bytes(size, q, k, v, **mask),
                            impl.forward_messages(size, q, k, v, **mask)),
@@ -387,7 +387,7 @@ def main(argv=None):
                                  headdim=args.headdim, dtype=args.dtype)
     rows = []
     for strategy in args.strategies:
-        problem = getattr(strategies.get(strategy), "input_problem", lambda *a: None)(
+        problem = getattr(engine.get(strategy), "input_problem", lambda *a: None)(
             inputs[0].shape, inputs[1].shape, group.size)
         if problem:
             C.progress(f"volume: {strategy} skipped: {problem}", group.rank)

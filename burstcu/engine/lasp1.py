@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .lasp2 import outputs, rows, runs, state_bytes
+from .lasp2 import outputs, rows, runs, stacked, state_bytes
 from .steps import Trace, now, timed_wait
 
 
@@ -74,7 +74,7 @@ def total_hops(owner: list[int]) -> list[tuple[int, int]]:
     return hops
 
 
-def _prefix_chain(chain: _Chain, xp, places, local_states, shape, acc, label: str,
+def _prefix_chain(chain: _Chain, places, local_states, shape, acc, label: str,
                   on_chunk=None):
     """Walk my chunks (global places, ascending) in order: receive the running sum of the states
     before each from the previous chunk's holder (or carry it from my own previous chunk), call
@@ -86,7 +86,7 @@ def _prefix_chain(chain: _Chain, xp, places, local_states, shape, acc, label: st
         if n > 0 and owner[n - 1] == rank:
             prefix, posted = carried, False
         else:
-            prefix, posted = xp.zeros(shape, dtype=acc), n > 0
+            prefix, posted = chain.ops.zeros(shape, acc), n > 0
             if posted:
                 chain.receive(prefix, owner[n - 1], f"{label} recv {n}")
         if on_chunk is not None:
@@ -94,30 +94,32 @@ def _prefix_chain(chain: _Chain, xp, places, local_states, shape, acc, label: st
         if posted:
             chain.wait(f"{label} wait {n}")
         prefixes.append(prefix)
-        carried = prefix + local_states[i]
+        carried = chain.ops.zeros(shape, acc)
+        chain.ops.copy_(carried, prefix)
+        chain.ops.add_(carried, local_states[i])
         if n + 1 < len(owner) and owner[n + 1] != rank:
-            chain.send(xp.ascontiguousarray(carried), owner[n + 1], f"{label} send {n + 1}")
+            chain.send(carried, owner[n + 1], f"{label} send {n + 1}")
     return prefixes, carried
 
 
-def _total_chain(chain: _Chain, xp, total, shape, acc, label: str):
+def _total_chain(chain: _Chain, total, shape, acc, label: str):
     """The total, held by the last chunk's holder, brought to every rank (`total_hops`)."""
     rank = chain.transport.rank
     have = total if chain.owner[-1] == rank else None
     for n, (src, dst) in enumerate(total_hops(chain.owner)):
         if dst == rank:
-            have = xp.zeros(shape, dtype=acc)
+            have = chain.ops.zeros(shape, acc)
             chain.receive(have, src, f"{label} recv {n}")
             chain.wait(f"{label} wait {n}")
         elif src == rank:
-            chain.send(xp.ascontiguousarray(have), dst, f"{label} send {n}")
+            chain.send(have, dst, f"{label} send {n}")
     return have
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
-    xp, acc = ops.xp, accum_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     size, rank = transport.size, transport.rank
     segs, places, _ = runs(layout, rank, size, q.shape[1])
     chain = _Chain(ops, transport, owners(layout, size, q.shape[1]))
@@ -129,10 +131,10 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
         s = segs[i]
         local[i] = ops.linear_forward_run(rows(q, s), rows(k, s), rows(v, s), None, acc)
 
-    prefixes, carried = _prefix_chain(chain, xp, places, states, shape, acc, "lasp1 fwd",
+    prefixes, carried = _prefix_chain(chain, places, states, shape, acc, "lasp1 fwd",
                                       intra if causal else None)
-    total = None if causal else _total_chain(chain, xp, carried, shape, acc, "lasp1 fwd total")
-    out = outputs(ops, q, segs, [local[i] for i in range(len(segs))] if causal else None,
+    total = None if causal else _total_chain(chain, carried, shape, acc, "lasp1 fwd total")
+    out = outputs(ops, q, causal, segs, [local[i] for i in range(len(segs))] if causal else None,
                   prefixes, total, acc)
     if trace is not None:
         trace.add("forward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)
@@ -142,7 +144,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
 def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-    xp, acc = ops.xp, accum_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     size, rank, hkv = transport.size, transport.rank, k.shape[2]
     segs, places, _ = runs(layout, rank, size, q.shape[1])
     owner = owners(layout, size, q.shape[1])
@@ -161,12 +163,12 @@ def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool
             local[i] = ops.linear_backward_run(rows(dout, s), rows(q, s), rows(k, s),
                                            rows(v, s), None, None, acc)
 
-        prefixes, _ = _prefix_chain(chain, xp, places, kv, shape, acc, "lasp1 bwd", intra)
+        prefixes, _ = _prefix_chain(chain, places, kv, shape, acc, "lasp1 bwd", intra)
         # the reverse chain: chunk order reversed, so its "prefix" is the suffix of dM
         rev = _Chain(ops, transport, owner[::-1])
         last = len(owner) - 1
         order = sorted(range(len(segs)), key=lambda i: -places[i])
-        suffixes, _ = _prefix_chain(rev, xp, [last - places[i] for i in order],
+        suffixes, _ = _prefix_chain(rev, [last - places[i] for i in order],
                                     [grads[i] for i in order], shape, acc, "lasp1 bwd rev")
         chain.wait_s += rev.wait_s
         suffix_of = {i: sfx for i, sfx in zip(order, suffixes)}
@@ -176,9 +178,9 @@ def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool
             sl = slice(s.local, s.local + s.length)
             dq[:, sl], dk[:, sl], dv[:, sl] = local[i][0] + cq, local[i][1] + ck, local[i][2] + cv
     else:
-        both = [xp.stack([m, g]) for m, g in zip(kv, grads)]
-        _, carried = _prefix_chain(chain, xp, places, both, (2,) + shape, acc, "lasp1 bwd")
-        total = _total_chain(chain, xp, carried, (2,) + shape, acc, "lasp1 bwd total")
+        both = [stacked(ops, [m, g], acc) for m, g in zip(kv, grads)]
+        _, carried = _prefix_chain(chain, places, both, (2,) + shape, acc, "lasp1 bwd")
+        total = _total_chain(chain, carried, (2,) + shape, acc, "lasp1 bwd total")
         dq[...], dk[...], dv[...] = ops.linear_backward_full(dout, k, v, total[0], total[1], acc)
     if trace is not None:
         trace.add("backward", 0, rank, len(segs), now() - t0 - chain.wait_s, chain.wait_s)

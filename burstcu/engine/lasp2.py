@@ -46,17 +46,25 @@ def rows(x, seg):
     return x[:, seg.local:seg.local + seg.length]
 
 
-def outputs(ops: LocalOps, q, segs, local, prefixes, total, acc):
-    """out (B,S,H,D) in acc from this rank's runs: causal (total None), each run's own part
-    `local[i]` plus its queries against `prefixes[i]`, the state of every earlier chunk;
-    non-causal, every row's queries against `total`, the state of the whole sequence."""
+def outputs(ops: LocalOps, q, causal: bool, segs, local, prefixes, total, acc):
+    """out (B,S,H,D) in acc from this rank's runs: causal, each run's own part `local[i]` plus
+    its queries against `prefixes[i]`, the state of every earlier chunk; non-causal, every
+    row's queries against `total`, the state of the whole sequence."""
     out = ops.zeros(q.shape, acc)
-    if total is None:
+    if causal:
         for seg, part, prefix in zip(segs, local, prefixes):
             out[:, seg.local:seg.local + seg.length] = part + ops.linear_forward_full(
                 rows(q, seg), prefix, acc)
     else:
         out[...] = ops.linear_forward_full(q, total, acc)
+    return out
+
+
+def stacked(ops: LocalOps, arrays: list, acc):
+    """A new contiguous (len(arrays), *shape) array in acc holding `arrays` (one shape)."""
+    out = ops.zeros((len(arrays),) + tuple(arrays[0].shape), acc)
+    for i, x in enumerate(arrays):
+        ops.copy_(out[i], x)
     return out
 
 
@@ -87,10 +95,10 @@ def _chunk_states(gathered, place, size: int, nruns: int):
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
-    xp, acc = ops.xp, accum_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     size, rank = transport.size, transport.rank
     mine_runs, places, place = runs(layout, rank, size, q.shape[1])
-    states = xp.stack([ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in mine_runs])
+    states = stacked(ops, [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in mine_runs], acc)
     gathered, posted = _gather(ops, transport, states, "lasp2 fwd all-gather states")
     t0 = now()
     local = ([ops.linear_forward_run(rows(q, s), rows(k, s), rows(v, s), None, acc)
@@ -99,9 +107,9 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
     wait_s = timed_wait(ops, transport, "lasp2 fwd wait") if posted else 0.0
     ordered = _chunk_states(gathered, place, size, len(mine_runs))
     d = q.shape[-1]
-    prefixes = [_total(xp, ordered[:n], acc, k.shape, d) for n in places] if causal else None
-    out = outputs(ops, q, mine_runs, local, prefixes,
-                  None if causal else _total(xp, ordered, acc, k.shape, d), acc)
+    prefixes = [_total(ops, ordered[:n], acc, k.shape, d) for n in places] if causal else None
+    out = outputs(ops, q, causal, mine_runs, local, prefixes,
+                  None if causal else _total(ops, ordered, acc, k.shape, d), acc)
     if trace is not None:
         trace.add("forward", 0, rank, len(mine_runs), compute_s, wait_s)
     return out.astype(q.dtype)
@@ -110,12 +118,12 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
 def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-    xp, acc = ops.xp, accum_dtype(q.dtype)
+    acc = accum_dtype(q.dtype)
     size, rank, hkv = transport.size, transport.rank, k.shape[2]
     mine_runs, places, place = runs(layout, rank, size, q.shape[1])
-    states = xp.stack([xp.stack([ops.linear_kv_state(rows(k, s), rows(v, s), acc),
-                                 ops.linear_grad_state(rows(q, s), rows(dout, s), hkv, acc)])
-                       for s in mine_runs])                      # (nruns, 2, B, Hkv, D, D)
+    states = stacked(ops, [stacked(ops, [ops.linear_kv_state(rows(k, s), rows(v, s), acc),
+                                         ops.linear_grad_state(rows(q, s), rows(dout, s), hkv, acc)],
+                                   acc) for s in mine_runs], acc)   # (nruns, 2, B, Hkv, D, D)
     gathered, posted = _gather(ops, transport, states, "lasp2 bwd all-gather states")
     t0 = now()
     local = ([ops.linear_backward_run(rows(dout, s), rows(q, s), rows(k, s), rows(v, s),
@@ -128,26 +136,26 @@ def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool
     d = q.shape[-1]
     if causal:
         for seg, n, (dq_t, dk_t, dv_t) in zip(mine_runs, places, local):
-            prefix = _total(xp, kv_states[:n], acc, k.shape, d)
-            suffix = _total(xp, grad_states[n + 1:], acc, k.shape, d)
+            prefix = _total(ops, kv_states[:n], acc, k.shape, d)
+            suffix = _total(ops, grad_states[n + 1:], acc, k.shape, d)
             cq, ck, cv = ops.linear_backward_full(rows(dout, seg), rows(k, seg), rows(v, seg),
                                               prefix, suffix, acc)
             sl = slice(seg.local, seg.local + seg.length)
             dq[:, sl], dk[:, sl], dv[:, sl] = dq_t + cq, dk_t + ck, dv_t + cv
     else:
-        total, grad_total = (_total(xp, kv_states, acc, k.shape, d),
-                             _total(xp, grad_states, acc, k.shape, d))
+        total, grad_total = (_total(ops, kv_states, acc, k.shape, d),
+                             _total(ops, grad_states, acc, k.shape, d))
         dq[...], dk[...], dv[...] = ops.linear_backward_full(dout, k, v, total, grad_total, acc)
     if trace is not None:
         trace.add("backward", 0, rank, len(mine_runs), compute_s, wait_s)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _total(xp, states, acc, k_shape, d: int):
+def _total(ops: LocalOps, states, acc, k_shape, d: int):
     """The sum of `states` (each (B, Hkv, D, D)) in list order; zeros when there are none."""
-    out = xp.zeros((k_shape[0], k_shape[2], d, d), dtype=acc)
+    out = ops.zeros((k_shape[0], k_shape[2], d, d), acc)
     for s in states:
-        out += s
+        ops.add_(out, s)
     return out
 
 

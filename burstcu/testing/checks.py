@@ -344,7 +344,7 @@ def _pool_growth(group, q, k, v, dout) -> dict:
 
 def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_local: int, d: int,
                   seed: int, n: int | None = None, doc_lengths=None) -> tuple[bool, dict]:
-    """A world of `size` ranks in threads (`loopback.run_ranks`): shard, attention forward and
+    """A world of `size` ranks in threads (`world.run_ranks`): shard, attention forward and
     backward, unshard, against float64 over the whole sequence, and each rank's bytes against
     the burst formulas. n: the global length (default seqlen_local * size; any n gives shards
     that differ by a row); doc_lengths: documents of these lengths, cycled (cu_seqlens; with

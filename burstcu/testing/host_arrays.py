@@ -24,7 +24,7 @@ class HostArrays:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ops, name)
 
-    def device(self, x):
+    def to_device(self, x):
         """x on the op's device (x itself when it is already there or the op is NumPy)."""
         if isinstance(x, np.ndarray) and self.ops.xp is not np:
             return self.ops.xp.asarray(x)
@@ -36,25 +36,25 @@ class HostArrays:
 
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale: float | None = None):
-        return self.ops.forward_init(self.device(q), softmax_scale)
+        return self.ops.forward_init(self.to_device(q), softmax_scale)
 
     def forward_step(self, state, k, v, blocks: Sequence) -> None:
-        self.ops.forward_step(state, self.device(k), self.device(v), blocks)
+        self.ops.forward_step(state, self.to_device(k), self.to_device(v), blocks)
 
     def forward_finalize(self, state, out_dtype) -> tuple:
         return tuple(self.host(x) for x in self.ops.forward_finalize(state, out_dtype))
 
     # -- backward ----------------------------------------------------------------------------------
     def backward_delta(self, dout, out):
-        return self.host(self.ops.backward_delta(self.device(dout), self.device(out)))
+        return self.host(self.ops.backward_delta(self.to_device(dout), self.to_device(out)))
 
     def backward_init(self, k, v, softmax_scale: float):
-        return self.ops.backward_init(self.device(k), self.device(v), softmax_scale)
+        return self.ops.backward_init(self.to_device(k), self.to_device(v), softmax_scale)
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence, psum=None) -> None:
-        dq_device = self.device(dq)
-        psum_device = None if psum is None else self.device(psum)
-        self.ops.backward_step(ctx, *(self.device(x) for x in (q, dout, lse, delta)), dq_device,
+        dq_device = self.to_device(dq)
+        psum_device = None if psum is None else self.to_device(psum)
+        self.ops.backward_step(ctx, *(self.to_device(x) for x in (q, dout, lse, delta)), dq_device,
                                blocks, psum_device)
         if dq_device is not dq:
             dq[...] = self.host(dq_device)

@@ -277,7 +277,7 @@ def test_nonfinite_flag_finds_every_poison(shape, dtype):
     x = rng.standard_normal(shape).astype(FLAG_DTYPES[dtype])
 
     def flag(a, view=lambda d: d):
-        return int(ops.host(ops.ops.nonfinite_flag(view(ops.device(a))))[0])
+        return int(ops.host(ops.ops.nonfinite_flag(view(ops.to_device(a))))[0])
 
     assert flag(x) == 0
     if dtype == "bfloat16":
@@ -298,8 +298,8 @@ def test_nonfinite_flag_of_row_statistics():
     """(B, H, S) float32 statistics (delta, lse) go through a transposed view: a NaN anywhere."""
     ops = kernel_ops()
     d = np.zeros((2, 3, 40), np.float32)
-    assert int(ops.host(ops.ops.nonfinite_flag(ops.device(d)))[0]) == 0
+    assert int(ops.host(ops.ops.nonfinite_flag(ops.to_device(d)))[0]) == 0
     for pos in [(0, 0, 0), (1, 2, 39), (0, 1, 17)]:
         e = d.copy()
         e[pos] = np.nan
-        assert int(ops.host(ops.ops.nonfinite_flag(ops.device(e)))[0]) == 1, pos
+        assert int(ops.host(ops.ops.nonfinite_flag(ops.to_device(e)))[0]) == 1, pos

@@ -85,3 +85,33 @@ def test_allgather_is_event_ordered():
         ("compute", "wait")]
     assert t.stats.bytes_sent == 4 and t.stats.bytes_received == 4
     assert t.stats.messages == 1   # its piece to the one other rank
+
+
+def test_a_sub_group_is_connected_by_the_function_bootstrap_gave(monkeypatch):
+    """`split` makes a sub-group's NCCL communicator with the transport's `connect` (bootstrap's
+    closure over this rank's device) on the MPI sub-communicator, and hands `connect` on, so a
+    sub-group of the sub-group connects the same way; without one it refuses clearly."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    connected = []
+
+    def connect(sub_comm):
+        connected.append(sub_comm.Get_size())
+        return f"nccl communicator {len(connected)}"
+
+    made = []
+    monkeypatch.setattr(nccl, "CupyDevice", lambda comm: made.append(comm) or RecordingDevice())
+    top = nccl.NCCLTransport(0, 1, RecordingDevice(), MPI.COMM_SELF, 5.0, connect)
+    try:
+        sub = top.split(0, 0, "heads")
+        inner = sub.split(0, 0, "inner")
+        assert connected == [1, 1] and made == ["nccl communicator 1", "nccl communicator 2"]
+        assert sub.connect is connect and inner.connect is connect and sub.size == inner.size == 1
+        assert top.split(0, 0, "heads") is sub and connected == [1, 1]   # made once per name
+    finally:
+        top.close()
+    plain = nccl.NCCLTransport(0, 1, RecordingDevice(), MPI.COMM_SELF, 5.0)
+    try:
+        with pytest.raises(RuntimeError, match="cannot make sub-groups"):
+            plain.split(0, 0, "heads")
+    finally:
+        plain.close()

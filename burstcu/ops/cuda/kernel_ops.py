@@ -37,8 +37,7 @@ from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps
-from . import backward as kernel_bwd
-from . import decode as kernel_decode
+from . import backward, decode
 from .params import (I32_MAX, MAX_POSITION, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
                      fwd_step_sm90_params, nonfinite_params, vector_ready)
 from .tensor_map import tensor_map_4d_rows
@@ -92,7 +91,7 @@ class KernelOps(LocalOps):
         family (head dims 64, 128, 256; kernels/flash_fwd_sm90.cu); kernels are compiled for the
         device's own arch, the Hopper ones for sm_90a. `arch="sm_80"` forces the mma.sync
         kernels on any GPU.
-    deterministic: backward without atomics (see kernel_bwd).  randomize: the emulator shuffles
+    deterministic: backward without atomics (see ops/cuda/backward.py).  randomize: the emulator shuffles
         thread order between barriers (finds races; slower).
     """
 
@@ -425,24 +424,24 @@ class KernelOps(LocalOps):
             out = out.astype(out_dtype)
         return out, lse
 
-    # -- backward (kernel_bwd) ---------------------------------------------------------------------
+    # -- backward (backward.py) ---------------------------------------------------------------------
     def backward_delta(self, dout, out):
-        return kernel_bwd.backward_delta(self, dout, out)
+        return backward.backward_delta(self, dout, out)
 
     def backward_init(self, k, v, softmax_scale: float):
-        return kernel_bwd.backward_init(self, k, v, softmax_scale)
+        return backward.backward_init(self, k, v, softmax_scale)
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks: Sequence[Block], psum=None) -> None:
-        kernel_bwd.backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum)
+        backward.backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum)
 
     def backward_finalize(self, ctx, out_dtype):
-        return kernel_bwd.backward_finalize(self, ctx, out_dtype)
+        return backward.backward_finalize(self, ctx, out_dtype)
 
     # -- decode (kernels/flash_decode.cu; other dtypes: the array-module default) ---------------------
     def decode_partial(self, q, k_cache, v_cache, lengths, scale):
-        if _dtype_name(q) not in kernel_decode.KERNEL_DTYPES:
+        if _dtype_name(q) not in decode.KERNEL_DTYPES:
             return super().decode_partial(q, k_cache, v_cache, lengths, scale)
-        return kernel_decode.partial(self, q, k_cache, v_cache, lengths, scale)
+        return decode.partial(self, q, k_cache, v_cache, lengths, scale)
 
     # -- argument checks and layout ----------------------------------------------------------------
     def _check_dtype(self, x, what: str) -> str:

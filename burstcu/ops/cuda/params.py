@@ -1,4 +1,4 @@
-"""What the CUDA kernels' launchers (`kernel_ops`, `kernel_bwd`) share: the kernels' parameter
+"""What the CUDA kernels' launchers (`kernel_ops`, `backward`, `decode`) share: the kernels' parameter
 structs, mirrored from kernels/params.cuh, and argument helpers.
 
 Every kernel takes one struct by value. Each struct is declared here once, as a `CStruct` with
