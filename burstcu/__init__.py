@@ -4,8 +4,10 @@ Public API (see `burstcu.api` for shapes and semantics)::
 
     group = burstcu.init()                        # MPI.COMM_WORLD, backend "auto"
     group = burstcu.init(link=burstcu.Link(gbps=10, latency_us=5))   # MPI paced as that network
-    q, k, v = (burstcu.shard(x, group) for x in (Q, K, V))
-    out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
+    sh = burstcu.Sharding(group, layout="zigzag")  # the split, carried to every call
+    q, k, v = (sh.shard(x) for x in (Q, K, V))
+    out, lse = burstcu.attention(q, k, v, sh, causal=True, return_lse=True)
+    OUT = sh.unshard(out)                         # the global output on every rank
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
     print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
     out = burstcu.linear_attention(q, k, v, group, causal=True)   # LASP-2 (linear attention)
@@ -24,11 +26,12 @@ from .api import (attention, attention_backward, decode, linear_attention,
 from .kvcache import KVCache
 from .group import Group, init
 from .plan import plan
+from .sharding import Sharding
 from .transport.base import CommTimeoutError, PeerFailedError
 from .transport.link import Link
 from .validate import SameShardsWarning
 
-__all__ = ["init", "Group", "attention", "attention_backward", "linear_attention",
+__all__ = ["init", "Group", "Sharding", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
            "CommTimeoutError", "PeerFailedError", "Link", "SameShardsWarning"]
 __version__ = "0.1.0"

@@ -101,14 +101,20 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
 
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
-             layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None):
+             layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None,
+             problem: str | None = None, sharding_lengths: tuple | None = None):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
-    document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`)."""
+    document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`).
+    problem: what is wrong with the call before its arrays are looked at (a keyword that
+    disagrees with the Sharding passed, packed and batched arrays mixed), for an error on every
+    rank; sharding_lengths: the rows each rank holds by the Sharding, checked against the
+    ranks' shards."""
     def local(native):
+        conflict = None if problem is None else InputError(ValueError, problem)
         err, scale, meta, docs = check_attention_call(
             group.ops, native, backward=backward, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options, flags=flags,
-            options_problem=_check_options(strategy, options),
+            options_problem=conflict or _check_options(strategy, options),
             strategy_problem=lambda q_shape, k_shape: _strategy_problem(
                 strategy, options, q_shape, k_shape, group.size),
             window_size=window_size, cu_seqlens=cu_seqlens)
@@ -122,12 +128,61 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
                                  group.ops.max_positions)
         if err is not None:
             raise err.kind(err.message)
+        if sharding_lengths is not None and part.lengths != tuple(sharding_lengths):
+            raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
+                             f"{list(sharding_lengths)}: cut the shards with sharding.shard(x)")
         warn_if_all_the_same([rows for _, rows in reports], "q")
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
     arrays, export, (scale, docs, part) = _agreed(call, group, arrays, what, local, finish)
     return arrays, export, scale, docs, part
+
+
+def group_of(group):
+    """The Group of `group`: a Group, None, or a `burstcu.Sharding` (its group)."""
+    arguments = getattr(group, "sharding_arguments", None)
+    return arguments()[0] if callable(arguments) else group
+
+
+def _unpacked(group, layout, cu_seqlens, uneven) -> tuple:
+    """(group, layout, cu_seqlens, uneven, lengths, conflict) of a call given `group` (a Group,
+    None, or a `burstcu.Sharding`) and its keywords (None: left out). A Sharding fills the
+    keywords left out; `conflict` says which given keyword disagrees with it (else None), for
+    an error on every rank."""
+    arguments = getattr(group, "sharding_arguments", None)
+    if not callable(arguments):
+        return (group, "contiguous" if layout is None else layout, cu_seqlens,
+                False if uneven is None else uneven, None, None)
+    group, sh_layout, sh_docs, lengths = arguments()
+    conflict = None
+    if layout is not None and layout != sh_layout:
+        conflict = f"layout={layout!r} but the Sharding's layout is {sh_layout!r}"
+    if cu_seqlens is not None:
+        err, docs = parse_cu_seqlens(cu_seqlens)
+        if err is None and docs != sh_docs:
+            conflict = f"cu_seqlens={list(docs)} but the Sharding's is {sh_docs and list(sh_docs)}"
+    if uneven is not None and bool(uneven) != (lengths is not None):
+        conflict = (f"uneven={uneven!r} but the Sharding's shards are "
+                    f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
+    if conflict is not None:
+        conflict += "; pass the Sharding alone: it carries layout, cu_seqlens and lengths"
+    return group, sh_layout, sh_docs, lengths is not None, lengths, conflict
+
+
+def _packed_problem(names: tuple, arrays: tuple, ndims: tuple) -> str | None:
+    """Why packed (batch-less) and batched arrays are mixed in one call, or None: arrays[i]
+    must have ndims[i] axes when q is packed."""
+    wrong = [f"{n} has {getattr(x, 'ndim', '?')} axes" for n, x, want in zip(names, arrays, ndims)
+             if getattr(x, "ndim", None) != want]
+    return None if not wrong else ("q is packed (T, H, D: no batch axis), so every array must be: "
+                                   + ", ".join(wrong))
+
+
+def _batched(x, ndim: int):
+    """x with a batch axis of 1 put in front when it has `ndim` - 1 axes (packed varlen inputs,
+    flash-attn's (T, H, D) convention), else x as it is (validation judges it)."""
+    return x[None] if getattr(x, "ndim", None) == ndim - 1 else x
 
 
 def _check_options(strategy: str, options: dict):
@@ -152,14 +207,19 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
     return None if problem is None else InputError(ValueError, problem)
 
 
-def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-              softmax_scale: float | None = None, layout: str = "contiguous",
+def attention(q, k, v, group=None, *, causal: bool = False,
+              softmax_scale: float | None = None, layout: str | None = None,
               return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
-              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool = False):
+              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool | None = None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`);
-        S may differ between ranks (module docstring), every other extent may not.
+        S may differ between ranks (module docstring), every other extent may not. Packed
+        (flash-attn's varlen convention, no batch axis): q (T, H, D), k, v (T, Hkv, D) with
+        documents packed back to back (cu_seqlens); out (T, H, D), lse (H, T).
+    group: a group from `burstcu.init()`, or a `burstcu.Sharding` (a group and the split of the
+        sequence), which then supplies layout, cu_seqlens and uneven: a keyword given beside it
+        that disagrees is a ValueError on every rank.
     softmax_scale: defaults to 1/sqrt(D). causal: over global positions (module docstring).
     group: from `burstcu.init()`; None means one process (S is then the whole sequence), on
         the inputs' device: CUDA arrays (CuPy, or DLPack ones such as torch/JAX on a GPU) run
@@ -199,6 +259,11 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
+    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens, uneven)
+    packed = getattr(q, "ndim", None) == 3
+    if packed:
+        conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
+        q, k, v = (_batched(x, 4) for x in (q, k, v))
     group = group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention forward") as call:
@@ -206,22 +271,24 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window_size=window_size,
-            cu_seqlens=cu_seqlens)
+            cu_seqlens=cu_seqlens, problem=conflict, sharding_lengths=lengths)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs)
         out, lse = returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=part, trace=group.trace,
             window_size=_window(window_size), cu_seqlens=docs))
+    if packed:
+        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
+def attention_backward(dout, q, k, v, out, lse, group=None, *,
                        causal: bool = False, softmax_scale: float | None = None,
-                       layout: str = "contiguous", strategy: str = "burst",
+                       layout: str | None = None, strategy: str = "burst",
                        ulysses_degree: int | None = None, check: bool = False,
                        window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
-                       uneven: bool = False):
+                       uneven: bool | None = None):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -234,6 +301,13 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
+    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens, uneven)
+    packed = getattr(q, "ndim", None) == 3
+    if packed:
+        conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
+                                               (dout, k, v, out, lse), (3, 3, 3, 3, 2))
+        dout, q, k, v, out = (_batched(x, 4) for x in (dout, q, k, v, out))
+        lse = _batched(lse, 3)
     group = group_for(group, q)
     options = {"ulysses_degree": ulysses_degree}
     with Call(group, "attention backward") as call:
@@ -241,7 +315,7 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check, "uneven": uneven}, window_size=window_size,
-            cu_seqlens=cu_seqlens)
+            cu_seqlens=cu_seqlens, problem=conflict, sharding_lengths=lengths)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs)
@@ -258,7 +332,8 @@ def attention_backward(dout, q, k, v, out, lse, group: Group | None = None, *,
                                                  f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
                 agree(group.transport, verdict, None, "attention_backward check")
-        return returned(export, grads)
+        grads = returned(export, grads)
+    return tuple(g[0] for g in grads) if packed else grads
 
 
 # the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
@@ -281,10 +356,23 @@ def adapter_options(options: dict) -> tuple[dict, dict]:
 LINEAR_STRATEGIES = engine.LINEAR_NAMES
 
 
+def _linear_unpacked(group, layout) -> tuple:
+    """(group, layout, conflict) of a linear-attention call: `_unpacked`, and a Sharding with
+    documents or uneven lengths is a conflict (linear attention takes neither)."""
+    group, layout, docs, _, lengths, conflict = _unpacked(group, layout, None, None)
+    if conflict is None and (docs is not None or lengths is not None):
+        conflict = ("linear attention takes neither documents (cu_seqlens) nor uneven lengths: "
+                    "pass a Sharding of layout only")
+    return group, layout, conflict
+
+
 def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
-                    strategy):
-    """`_agreed` for linear attention: (native arrays, exporter)."""
+                    strategy, sharding_conflict: str | None = None):
+    """`_agreed` for linear attention: (native arrays, exporter). sharding_conflict: what the
+    Sharding passed says that linear attention cannot take, or a keyword disagreeing with it."""
     def local(native):
+        if sharding_conflict is not None:
+            return InputError(ValueError, sharding_conflict), None, None, None
         err, meta = check_linear_call(group.ops, native, backward=backward, causal=causal,
                                       layout=layout, strategy=strategy, strategies=LINEAR_STRATEGIES)
         return err, meta, None, None
@@ -294,8 +382,8 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
     return arrays, export
 
 
-def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-                     layout: str = "contiguous", strategy: str = "lasp2"):
+def linear_attention(q, k, v, group=None, *, causal: bool = False,
+                     layout: str | None = None, strategy: str = "lasp2"):
     """Basic linear attention (unnormalised, phi = identity, as LASP-2 defines it) of this
     rank's queries over every rank's keys: per head, with query head h using kv head
     h // (H // Hkv),
@@ -308,24 +396,28 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
         one hop at a time; `burstcu.engine.lasp1`). Both give the same result up to rounding.
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
+    group, layout, conflict = _linear_unpacked(group, layout)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
-                                            layout=layout, strategy=strategy)
+                                            layout=layout, strategy=strategy,
+                                            sharding_conflict=conflict)
         out = engine.get_linear(strategy).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             layout=layout, trace=group.trace)
     return returned(export, (out,))[0]
 
 
-def linear_attention_backward(dout, q, k, v, group: Group | None = None, *, causal: bool = False,
-                              layout: str = "contiguous", strategy: str = "lasp2"):
+def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False,
+                              layout: str | None = None, strategy: str = "lasp2"):
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
+    group, layout, conflict = _linear_unpacked(group, layout)
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
-                                                  causal=causal, layout=layout, strategy=strategy)
+                                                  causal=causal, layout=layout, strategy=strategy,
+                                                  sharding_conflict=conflict)
         grads = engine.get_linear(strategy).backward(
             dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), layout=layout, trace=group.trace)
@@ -351,7 +443,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     row anywhere gets out 0 and lse -inf. Validation and agreement as `attention`: a bad input
     or ranks disagreeing raise on every rank before the gather.
     """
-    agreed = {}
+    agreed, group = {}, group_of(group)
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
         if v_cache is not None or cache_seqlens is not None:

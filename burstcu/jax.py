@@ -66,7 +66,7 @@ def _host(fn, group: Group | None, *args, **kwargs):
     the GPU and the results come back (XLA takes NumPy results)."""
     def run(*arrays):
         arrays = tuple(np.asarray(x) for x in arrays)
-        if group is not None and group.ops.device == "cuda":
+        if group is not None and api.group_of(group).ops.device == "cuda":
             import cupy
             result = fn(*(cupy.asarray(x) for x in arrays), group, *args, **kwargs)
             as_host = cupy.asnumpy
@@ -120,7 +120,7 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     if not _is_traced(arrays):
         return _eager(fn, arrays, group, *args, **kwargs)
     group = _callback_group(group)
-    if (buffer_callback is not None and group is not None and group.ops.device == "cuda"
+    if (buffer_callback is not None and group is not None and api.group_of(group).ops.device == "cuda"
             and jax.default_backend() == "gpu"):
         return _in_program_order(_device_buffers(fn, group, *args, **kwargs), arrays, results)
     return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
@@ -171,7 +171,7 @@ def _static(options: dict) -> dict:
 
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-              softmax_scale: float | None = None, layout: str = "contiguous",
+              softmax_scale: float | None = None, layout: str | None = None,
               strategy: str = "burst", **mask_kwargs):
     """`burstcu.attention` for jax arrays, differentiable and jit-able: out (B, S, H, D) in q's
     dtype.
@@ -205,7 +205,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 
 
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-                     layout: str = "contiguous", strategy: str = "lasp2"):
+                     layout: str | None = None, strategy: str = "lasp2"):
     """`burstcu.linear_attention` for jax arrays, differentiable and jit-able: out (B, S, H, D)."""
     options = dict(causal=causal, layout=layout, strategy=strategy)
 

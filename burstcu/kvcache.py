@@ -29,6 +29,7 @@ class KVCache:
 
     def __init__(self, group: Group | None, batch: int, capacity_per_rank: int, kv_heads: int,
                  headdim: int, dtype):
+        group = api.group_of(group)             # a Group, or a Sharding's
         self.group = group if group is not None else local_group("numpy")
         for name, n in (("batch", batch), ("capacity_per_rank", capacity_per_rank),
                         ("kv_heads", kv_heads), ("headdim", headdim)):

@@ -373,14 +373,26 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     each rank's shard — on `group` (None: one rank), and the predictions it was chosen from.
     The mask (causal, window_size, cu_seqlens: document boundaries) counts exactly what each
     rank computes at each step and what burst's ring skips; layout may be a
-    `burstcu.layout.Partition` (uneven shards).
+    `burstcu.layout.Partition` (uneven shards). group may be a `burstcu.Sharding`, which then
+    supplies layout, cu_seqlens and uneven lengths. Packed shapes (T, H, D) count as batch 1.
 
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
     "cpu" otherwise). Deterministic in its arguments, so every rank makes the same choice.
     """
+    q_shape, k_shape = ((1,) + tuple(x) if len(x) == 3 else tuple(x) for x in (q_shape, k_shape))
+    arguments = getattr(group, "sharding_arguments", None)
+    if callable(arguments):                       # a burstcu.Sharding: its group and its split
+        group, sh_layout, sh_docs, lengths = arguments()
+        given = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
+        if layout not in ("contiguous", sh_layout) or given not in (None, sh_docs):
+            raise ValueError("plan(..., sharding) takes its layout and cu_seqlens from the "
+                             "Sharding: pass them only through it")
+        layout, cu_seqlens = sh_layout, sh_docs if cu_seqlens is None else cu_seqlens
+        if lengths is not None:
+            layout = partition("contiguous", group.size, sum(lengths), lengths=lengths)
     size = 1 if group is None else group.size
     if machine is None:
-        machine = "h100" if group is not None and getattr(group.ops, "backend", "") == "cupy" else "cpu"
+        machine = "h100" if group is not None and group.ops.device == "cuda" else "cpu"
     if isinstance(machine, str):
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)

@@ -99,7 +99,7 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-              softmax_scale: float | None = None, layout: str = "contiguous",
+              softmax_scale: float | None = None, layout: str | None = None,
               strategy: str = "burst", **mask_kwargs) -> torch.Tensor:
     """`burstcu.attention` for tensors, differentiable: out (B, S, H, D), q's dtype and device.
 
@@ -130,7 +130,7 @@ class _LinearAttention(torch.autograd.Function):
 
 
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
-                     layout: str = "contiguous", strategy: str = "lasp2") -> torch.Tensor:
+                     layout: str | None = None, strategy: str = "lasp2") -> torch.Tensor:
     """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D)."""
     return _LinearAttention.apply(q, k, v, group,
                                   dict(causal=causal, layout=layout, strategy=strategy))

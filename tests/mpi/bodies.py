@@ -260,6 +260,8 @@ BAD_INPUTS = {
     # on, where no rank may raise; expected error type; text in the message). SPOIL below says
     # how each kind spoils the call.
     "ndim": ("all", "ValueError", "must have 4 dimensions"),
+    # q packed (T, H, D: flash-attn's varlen form) beside batched k, v
+    "packed_q_beside_batched_kv": ("all", "ValueError", "q is packed"),
     "heads_not_multiple": ("all", "ValueError", "multiple of nheads_kv"),
     "headdim_differs": ("all", "ValueError", "head dim"),
     "dtype_differs": ("all", "TypeError", "dtypes differ"),
@@ -267,7 +269,7 @@ BAD_INPUTS = {
     "lengths_differ": ("all", "ValueError", "lengths must match"),
     "not_an_array": ("all", "TypeError", "must be a numpy.ndarray"),
     "bad_layout": ("all", "ValueError", "layout must be one of"),
-    "one_rank_wrong_ndim": ("last", "ValueError", "must have 4 dimensions"),
+    "one_rank_wrong_ndim": ("last", "ValueError", "q is packed"),
     # contiguous shards may differ in length; zigzag ones must be the ones shard() cuts
     "ranks_disagree_seqlen": ("last", "ValueError", "layout='zigzag' over"),
     # the global array on one rank: refused (contiguous shards differ by one row at most
@@ -325,6 +327,11 @@ class BadCall:
 def _drop_the_batch_axis(call: BadCall, singled_out: bool, size: int) -> None:
     if singled_out:
         call.q = call.q[0]
+
+
+def _two_axes_only(call: BadCall, singled_out: bool, size: int) -> None:
+    if singled_out:
+        call.q = call.q[0, :, 0]
 
 
 def _three_query_heads_over_two_kv_heads(call: BadCall, singled_out: bool, size: int) -> None:
@@ -412,7 +419,8 @@ def _the_default_scale_given(call: BadCall, singled_out: bool, size: int) -> Non
 
 
 SPOIL = {
-    "ndim": _drop_the_batch_axis,
+    "ndim": _two_axes_only,
+    "packed_q_beside_batched_kv": _drop_the_batch_axis,
     "heads_not_multiple": _three_query_heads_over_two_kv_heads,
     "headdim_differs": _halve_the_kv_head_dim,
     "dtype_differs": _k_in_float64,

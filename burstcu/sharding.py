@@ -1,0 +1,110 @@
+"""`Sharding`: how a sequence is split across a group's ranks, carried as one object so the calls
+that cut the sequence (`shard`), attend over it (`attention`, its backward, `plan`, the
+adapters) and join it again (`unshard`) cannot disagree.
+
+    sh = burstcu.Sharding(group, layout="zigzag", cu_seqlens=cu)   # cu: global document bounds
+    q, k, v = (sh.shard(x) for x in (Q, K, V))                      # (B, S_local, H, D) each
+    out, lse = burstcu.attention(q, k, v, sh, causal=True, return_lse=True)
+    OUT, LSE = sh.unshard(out), sh.unshard_lse(lse)                 # (B, N, H, D), (B, H, N)
+
+Passed where a group goes, a Sharding supplies `layout`, `cu_seqlens` and (with `lengths`)
+`uneven=True`; a keyword that disagrees with it is an error on every rank.
+
+layout: "contiguous" or "zigzag" (`burstcu.layout`). cu_seqlens: global document boundaries
+0 = b_0 <= ... <= b_n = N (host ints, the same on every rank), or None. lengths: rows each rank
+holds, for contiguous shards of other than near-equal lengths (rank r holds the run after the
+rows of ranks 0..r-1), or None. Packed inputs (flash-attn's varlen convention, no batch axis:
+q (T, H, D)) have their sequence on axis 0: `sh.shard(x, axis=0)`, and their lse (H, T) on
+axis 1: `sh.unshard_lse(lse)` finds it from lse's rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import api
+from .arrays import joined
+from .group import Group
+from .layout import LAYOUTS, Partition, partition
+from .validate import host_ints, masked_array_problem, parse_cu_seqlens
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A group and the split of the sequence across its ranks (module docstring)."""
+
+    group: Group
+    layout: str = "contiguous"
+    cu_seqlens: tuple | None = None
+    lengths: tuple | None = None
+
+    def __init__(self, group: Group, layout: str = "contiguous", cu_seqlens=None, lengths=None):
+        if not isinstance(group, Group):
+            raise TypeError(f"Sharding needs a burstcu group (burstcu.init()), got {type(group).__name__}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        err, docs = parse_cu_seqlens(cu_seqlens)
+        if err is not None:
+            raise err.exception()
+        if lengths is not None:
+            if layout != "contiguous":
+                raise ValueError("lengths (rows per rank) describe contiguous shards; the zigzag "
+                                 "layout cuts its own")
+            counts = host_ints(lengths)
+            if counts.shape != (group.size,) or not np.issubdtype(counts.dtype, np.integer) \
+                    or (counts < 1).any():
+                raise ValueError(f"lengths must be {group.size} positive ints (rows each rank holds), "
+                                 f"got {lengths!r}")
+            lengths = tuple(int(n) for n in counts)
+            if docs is not None and docs[-1] != sum(lengths):
+                raise ValueError(f"cu_seqlens ends at {docs[-1]} but the lengths add up to "
+                                 f"{sum(lengths)}")
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "cu_seqlens", docs)
+        object.__setattr__(self, "lengths", lengths)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the shards are of other than near-equal lengths on purpose (`lengths`)."""
+        return self.lengths is not None
+
+    def sharding_arguments(self) -> tuple:
+        """(group, layout, cu_seqlens, lengths): what the public calls take from a Sharding
+        passed where a group goes."""
+        return self.group, self.layout, self.cu_seqlens, self.lengths
+
+    def partition(self, seqlen_global: int) -> Partition:
+        """Which global rows each rank holds, for a sequence of `seqlen_global` rows."""
+        if self.lengths is not None:
+            if seqlen_global != sum(self.lengths):
+                raise ValueError(f"a sequence of {seqlen_global} rows, but the lengths add up to "
+                                 f"{sum(self.lengths)}")
+            return partition("contiguous", self.group.size, seqlen_global, lengths=self.lengths)
+        docs = self.cu_seqlens if self.layout == "zigzag" else None
+        return partition(self.layout, self.group.size, seqlen_global, docs)
+
+    def shard(self, x, axis: int = 1):
+        """This rank's rows of the global array `x` along `axis` (the sequence axis: 1 for
+        (B, N, H, D), 0 for packed (N, H, D)). No communication."""
+        if self.lengths is None:
+            return api.shard(x, self.group, self.layout, axis, self.cu_seqlens)
+        masked = masked_array_problem("x", x)
+        if masked is not None:
+            raise masked.exception()
+        axis = axis % x.ndim
+        part = self.partition(x.shape[axis])
+        return joined(x, [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
+                          for seg in part.runs[self.group.rank]], axis)
+
+    def unshard(self, x_local, axis: int = 1):
+        """The global array on every rank from each rank's `x_local` (collective)."""
+        return api.unshard(x_local, self.group, self.layout, axis, self.cu_seqlens, self.uneven)
+
+    def unshard_lse(self, lse_local):
+        """The global lse on every rank: (B, H, N) from (B, H, S_local), or (H, N) from packed
+        inputs' (H, T_local) — the sequence is lse's last axis (collective)."""
+        return self.unshard(lse_local, axis=-1)
+

@@ -1,0 +1,94 @@
+"""Bodies for tests/test_sharding.py: `burstcu.Sharding` carried through shard, attention, its
+backward and unshard, in the 4-D (B, S, H, D) and the packed (T, H, D) form, against a float64
+reference over a dense mask written here (tests/mpi/bodies.py's `dense_keep`), within
+FlashAttention's tolerance rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import burstcu
+from burstcu.testing.reference import attention_backward_ref, attention_ref
+from tests.mpi.bodies import NAIVE, _check, dense_keep, make_inputs
+
+
+def _lengths_for(size: int, n: int) -> list[int]:
+    """Uneven contiguous lengths adding up to n: rank 0 holds three times the others' share."""
+    rest = n // (size + 2)
+    return [n - rest * (size - 1)] + [rest] * (size - 1)
+
+
+def sharding_matches_reference(layout="zigzag", docs=(0, 5, 17, 30, 48), uneven=False,
+                               packed=False, dtype="float32", strategy="burst"):
+    """A Sharding(group, layout, cu_seqlens, lengths) cuts Q, K, V, dO; attention and its
+    backward take it in place of the group (no layout=, cu_seqlens=, uneven= given); out, lse and
+    dq, dk, dv, joined by sh.unshard / sh.unshard_lse on every rank, match the float64 reference
+    of the whole sequence with causal masking inside each document. packed: flash-attn's varlen
+    form, (T, H, D) arrays and lse (H, T)."""
+    group = burstcu.init(backend="numpy")
+    n = docs[-1] if docs else 48
+    lengths = _lengths_for(group.size, n) if uneven else None
+    sh = burstcu.Sharding(group, layout=layout, cu_seqlens=None if docs is None else list(docs),
+                          lengths=lengths)
+    q, k, v, dout = make_inputs(7, 1, n, 4, 2, 8, dtype)
+    axis = 0 if packed else 1
+    whole = [x[0] if packed else x for x in (q, k, v, dout)]
+    ql, kl, vl, dol = (sh.shard(x, axis=axis) for x in whole)
+    out, lse = burstcu.attention(ql, kl, vl, sh, causal=True, return_lse=True, strategy=strategy)
+    dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, sh, causal=True,
+                                            strategy=strategy)
+    assert out.shape == ql.shape and lse.shape == ((4,) if packed else (1, 4)) + ql.shape[axis:axis + 1]
+    joined = [sh.unshard(x, axis=axis) for x in (out, dq, dk, dv)]
+    joined_lse = sh.unshard_lse(lse)
+    if packed:
+        joined, joined_lse = [x[None] for x in joined], joined_lse[None]
+    keep = dense_keep(np.arange(n), np.arange(n), True, (-1, -1), docs)
+    ref_out, ref_lse = attention_ref(q, k, v, keep=keep)
+    naive_out, naive_lse = attention_ref(q, k, v, keep=keep, dtype=NAIVE[dtype])
+    errors = {"out": _check("out", joined[0].astype(np.float64), ref_out, naive_out, dtype),
+              "lse": _check("lse", joined_lse, ref_lse, naive_lse, dtype)}
+    refs = attention_backward_ref(dout, q, k, v, keep=keep)
+    naives = attention_backward_ref(dout, q, k, v, keep=keep, dtype=NAIVE[dtype])
+    for name, got, ref, naive in zip(("dq", "dk", "dv"), joined[1:], refs, naives):
+        errors[name] = _check(name, got.astype(np.float64), ref, naive, dtype)
+    lengths_held = group.transport.allgather_object(int(ql.shape[axis]), "lengths")
+    group.close()
+    return {"errors": errors, "lengths": lengths_held}
+
+
+def disagreeing_keywords_are_refused():
+    """A keyword beside a Sharding that disagrees with it: the same ValueError on every rank,
+    for attention, its backward and linear attention; the group still works afterwards. Shards
+    cut otherwise than the Sharding's lengths say are refused too."""
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    sh = burstcu.Sharding(group, layout="zigzag")
+    q, k, v, dout = make_inputs(3, 1, n, 2, 2, 8, "float32")
+    ql, kl, vl, dol = (sh.shard(x) for x in (q, k, v, dout))
+    messages = {}
+    calls = {
+        "layout": lambda: burstcu.attention(ql, kl, vl, sh, layout="contiguous"),
+        "cu_seqlens": lambda: burstcu.attention(ql, kl, vl, sh, cu_seqlens=[0, n]),
+        "uneven": lambda: burstcu.attention(ql, kl, vl, sh, uneven=True),
+        "backward": lambda: burstcu.attention_backward(dol, ql, kl, vl, ql, np.zeros((1, 2, ql.shape[1]), np.float32),
+                                                       sh, layout="contiguous"),
+        "linear documents": lambda: burstcu.linear_attention(
+            ql, kl, vl, burstcu.Sharding(group, cu_seqlens=[0, n])),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            messages[name] = str(exc)
+    if group.size > 1:
+        uneven = burstcu.Sharding(group, lengths=[n - group.size + 1] + [1] * (group.size - 1))
+        near_equal = burstcu.shard(q, group)            # not the lengths the Sharding says
+        try:
+            burstcu.attention(near_equal, near_equal, near_equal, uneven)
+        except ValueError as exc:
+            messages["lengths"] = str(exc)
+    same = burstcu.attention(ql, kl, vl, sh, layout="zigzag")   # agreeing keywords are fine
+    assert same.shape == ql.shape
+    group.barrier()
+    group.close()
+    return {"messages": messages}

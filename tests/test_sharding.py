@@ -1,0 +1,121 @@
+"""`burstcu.Sharding` and packed (T, H, D) inputs: the split of the sequence carried from `shard`
+through `attention`, its backward and `plan` to `unshard`, under mpiexec -n 1..4 against a
+float64 reference (tests/mpi/sharding_bodies.py); disagreeing keywords refused on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import burstcu
+from tests.mpi_run import run_mpi
+
+CASES = {   # name: keywords of sharding_matches_reference
+    "zigzag documents": dict(layout="zigzag"),
+    "zigzag documents packed": dict(layout="zigzag", packed=True),
+    "contiguous packed no documents": dict(layout="contiguous", docs=None, packed=True),
+    "uneven contiguous documents": dict(layout="contiguous", uneven=True),
+    "uneven packed ring": dict(layout="contiguous", uneven=True, packed=True, strategy="ring"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharding_matches_the_float64_reference(world, case):
+    if world == 1 and CASES[case].get("uneven"):
+        pytest.skip("one rank holds the whole sequence: nothing is uneven")
+    results = run_mpi(world, "sharding_bodies:sharding_matches_reference", **CASES[case])
+    lengths = results[0]["lengths"]
+    assert all(r["lengths"] == lengths for r in results) and sum(lengths) == 48
+    if CASES[case].get("uneven"):
+        assert lengths[0] > lengths[-1]            # the Sharding's lengths, not near-equal ones
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (2, 3))
+def test_disagreeing_keywords_are_refused_on_every_rank(world):
+    results = run_mpi(world, "sharding_bodies:disagreeing_keywords_are_refused")
+    messages = results[0]["messages"]
+    assert set(messages) == {"layout", "cu_seqlens", "uneven", "backward", "linear documents",
+                             "lengths"}, messages
+    assert all(r["messages"] == messages for r in results)
+    assert "the Sharding's layout is 'zigzag'" in messages["layout"]
+    assert "pass the Sharding alone" in messages["cu_seqlens"]
+    assert "Sharding says" in messages["lengths"]
+
+
+def test_a_sharding_is_checked_when_made():
+    group = burstcu.init(backend="numpy")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        burstcu.Sharding(group, layout="striped")
+    with pytest.raises(ValueError, match="contiguous shards"):
+        burstcu.Sharding(group, layout="zigzag", lengths=[4])
+    with pytest.raises(ValueError, match="positive ints"):
+        burstcu.Sharding(group, lengths=[0])
+    with pytest.raises(ValueError, match="add up"):
+        burstcu.Sharding(group, cu_seqlens=[0, 3, 9], lengths=[8])
+    with pytest.raises(TypeError, match="burstcu group"):
+        burstcu.Sharding("contiguous")
+
+
+def test_plan_takes_a_sharding_and_packed_shapes():
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag", cu_seqlens=[0, 30, 64])
+    by_sharding = burstcu.plan((64, 4, 16), (64, 2, 16), sh, causal=True)
+    by_keywords = burstcu.plan((1, 64, 4, 16), (1, 64, 2, 16), group, causal=True, layout="zigzag",
+                               cu_seqlens=[0, 30, 64])
+    assert [(c.label, c.forward_s) for c in by_sharding.candidates] == \
+        [(c.label, c.forward_s) for c in by_keywords.candidates]
+    with pytest.raises(ValueError, match="only through it"):
+        burstcu.plan((64, 4, 16), (64, 2, 16), sh, layout="contiguous", cu_seqlens=[0, 64])
+
+
+def test_packed_inputs_on_one_process_equal_the_batched_form():
+    """(T, H, D) inputs give bitwise the (1, T, H, D) results with the batch axis dropped, lse
+    (H, T); the backward too."""
+    rng = np.random.default_rng(5)
+    q, dout = (rng.standard_normal((40, 4, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((40, 2, 8)).astype(np.float32) for _ in range(2))
+    docs = [0, 9, 40]
+    out, lse = burstcu.attention(q, k, v, causal=True, cu_seqlens=docs, return_lse=True)
+    out4, lse4 = burstcu.attention(q[None], k[None], v[None], causal=True, cu_seqlens=docs,
+                                   return_lse=True)
+    assert out.shape == (40, 4, 8) and lse.shape == (4, 40)
+    assert np.array_equal(out, out4[0]) and np.array_equal(lse, lse4[0])
+    grads = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=docs)
+    grads4 = burstcu.attention_backward(dout[None], q[None], k[None], v[None], out4, lse4,
+                                        causal=True, cu_seqlens=docs)
+    assert [g.shape for g in grads] == [(40, 4, 8), (40, 2, 8), (40, 2, 8)]
+    assert all(np.array_equal(a, b[0]) for a, b in zip(grads, grads4))
+    with pytest.raises(ValueError, match="q is packed .* k has 4 axes, v has 4 axes"):
+        burstcu.attention(q, k[None], v[None])       # packed q beside batched k, v
+
+
+def test_the_adapters_take_a_sharding():
+    """burstcu.torch and burstcu.jax pass a Sharding on as a group: the same outputs as the
+    keywords it stands for, and gradients."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, cu_seqlens=[0, 11, 32])
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 32, 2, 8)).astype(np.float32) for _ in range(3))
+    want = burstcu.attention(q, k, v, group, causal=True, cu_seqlens=[0, 11, 32])
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    out = burstcu.torch.attention(tq, tk, tv, sh, causal=True)
+    out.sum().backward()
+    assert np.array_equal(out.detach().numpy(), want) and tq.grad.shape == tq.shape
+    got = burstcu.jax.attention(*(jax.numpy.asarray(x) for x in (q, k, v)), sh, causal=True)
+    assert np.array_equal(np.asarray(got), want)
+
+
+def test_decode_and_the_kv_cache_take_a_sharding():
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 20, 1, 8)).astype(np.float32) for _ in range(2))
+    assert np.array_equal(burstcu.decode(q, k, v, sh), burstcu.decode(q, k, v, group))
+    cache = burstcu.KVCache(sh, 1, 32, 1, 8, np.float32)
+    assert cache.group is group
