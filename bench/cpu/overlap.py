@@ -2,11 +2,16 @@
 
     mpiexec -bind-to core -n G python bench/cpu/overlap.py [--seqlen N ...] [--heads H] [--headdim D]
         [--causal] [--strategies burst ring allgather ulysses usp] [--repeats R] [--json FILE]
-        [--plot FILE] [--link-gbps X [--link-latency-us Y]]
+        [--plot FILE] [--link-gbps X [--link-latency-us Y]] [--allow-unbound]
 
-Bind each rank to a core (MPICH: -bind-to core; Open MPI: --bind-to core): unbound, the
-scheduler moves the ranks about and a step's compute varied by up to 40% between repeats here
-(2 ranks on 2 cores, N = 2048: 106-167 ms unbound, 102-109 ms bound).
+Each rank runs on a core of its own: unbound, the scheduler moves the ranks about and a step's
+compute varied by up to 40% between repeats here (2 ranks on 2 cores, N = 2048: 106-167 ms
+unbound, 102-109 ms bound). Launched bound (MPICH: -bind-to core; Open MPI: --bind-to core), the
+launcher's binding stands; launched unbound, the script binds every thread of each rank to the
+node-local-rank-th core (os.sched_setaffinity; the node-local rank from a shared-memory split of
+the communicator) with BLAS limited to that core, when the node has at least as many cores as
+ranks. Where it can do neither it refuses to time, saying how to launch (--allow-unbound times
+anyway). The header line and the JSON's environment.binding say which it was.
 
 For every configuration (global seqlen x strategy) the real engine runs three times per repeat:
 
@@ -31,13 +36,18 @@ the step's exchange, measured by a pass-through transport wrapper):
                  for cores or memory bandwidth); undefined (null) without an exchange.
 
 Per pass (forward, backward), the same formula over the sums of the steps. Per-step figures are
-medians over repeats. A pass efficiency is reported only when it is a measurement: its jitter
-(the interquartile ranges over repeats of the pass sums of t_compute, t_comm and t_overlapped,
-added; compute dominates it) must be smaller than t_comm, else the line says "not measurable
-here (compute jitter ±X ms > exchange Y ms)" and the JSON holds efficiency null (the raw figure
-as efficiency_raw); a negative one is printed with what it means. On a CPU the exchange through
-shared memory takes about a millisecond, less than compute jitter: emulate a link (below). End-to-end forward and forward+backward wall times (overlapped run) are the max over
-ranks, median over repeats. For "allgather" the blocking gather is step 0's wait and the
+medians over repeats. Every efficiency carries its uncertainty: the spreads over repeats
+(interquartile range, half the range with 2 or 3 repeats) of t_compute, t_comm and t_overlapped
+(per step, or of the pass sums) carried through the formula to first order,
+
+  uncertainty  = (s_compute + s_overlapped + |t_compute - t_overlapped| / t_comm * s_comm) / t_comm
+
+and it is reported only when that is below 0.15 (MEASURABLE): else the line says "not measurable
+here (±X from the spread over R repeats, ...)" and the JSON holds efficiency null beside
+efficiency_raw and efficiency_uncertainty; a negative one is printed with what it means. On a CPU
+the exchange through shared memory takes about a millisecond, less than compute jitter: emulate
+a link (below). End-to-end forward and forward+backward wall times (overlapped run) are the max
+over ranks, median over repeats. For "allgather" the blocking gather is step 0's wait and the
 reduce-scatter hops are steps G.. of the backward pass: its efficiency is the no-overlap baseline.
 
 --link-gbps X [--link-latency-us Y] runs over `burstcu.Link(gbps=X, latency_us=Y)`: the MPI
@@ -52,15 +62,16 @@ blocking exchange: allgather's gather and hops).
 Rank 0 prints one line per configuration, then a table of every pass (--json: every figure of
 every rank, gathered to rank 0); --plot draws a per-rank timeline of compute and communication
 (overlapped run, largest seqlen, first strategy; forward and backward marked) and efficiency
-against seqlen with its jitter as error bars (with a link: the prediction beside it, and measured
-against predicted). On the CPU backend these are CPU + MPI figures (BLAS on the main thread,
-transfers on the transport's progress thread), never GPU ones.
+against seqlen with its uncertainty as error bars (with a link: the prediction beside it, and
+measured against predicted). On the CPU backend these are CPU + MPI figures (BLAS on the main
+thread, transfers on the transport's progress thread), never GPU ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -76,12 +87,20 @@ from burstcu.ops.base import DelegatingOps, LocalOps  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
 from burstcu.transport.link import Link  # noqa: E402
 
+try:
+    from threadpoolctl import threadpool_limits
+except ImportError:  # optional: BLAS then keeps its own thread count after binding
+    threadpool_limits = None
+
 MODES = ("compute", "comm", "overlapped")
 PASSES = ("forward", "backward")
 # strategies whose exchange completes before the compute that follows it (burstcu.engine.allgather:
 # "No overlap: the gather is blocking, by design of the baseline"): the model hides nothing there
 BLOCKING = {"allgather"}
 TRAFFIC = ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
+TIMES = ("t_compute", "t_comm", "t_overlapped")   # what MODES measure, in that order
+# the largest uncertainty (from the spread over repeats) at which an efficiency is printed
+MEASURABLE = 0.15
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +273,138 @@ class StepRecorder(Trace):
 
 
 # ----------------------------------------------------------------------------------------------
+# binding: each rank on a core of its own, or no timings
+
+
+def physical_cores(cpus) -> list[tuple[int, ...]]:
+    """The logical CPUs in `cpus` grouped by physical core (hyperthreads of one core together,
+    from /sys/devices/system/cpu/cpuN/topology/thread_siblings_list; each CPU alone where that
+    is unreadable), ordered by their first CPU."""
+    cpus, cores = set(cpus), set()
+    for cpu in cpus:
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+            siblings = _cpu_list(text) & cpus
+        except (OSError, ValueError):
+            siblings = {cpu}
+        cores.add(tuple(sorted(siblings or {cpu})))
+    return sorted(cores)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a Linux CPU list such as "0-3,8,10-11"."""
+    out = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def core_for_rank(cores: list, local_rank: int, local_size: int):
+    """The core node-local rank `local_rank` of `local_size` binds to: the local_rank-th of the
+    `cores` the ranks share (as `physical_cores` lists them), or None when there are fewer cores
+    than ranks on the node (ranks would share a core: binding cannot help)."""
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"local rank {local_rank} is not one of {local_size} ranks")
+    return cores[local_rank] if len(cores) >= local_size else None
+
+
+def bound_by_launcher(affinities: list) -> bool:
+    """Whether the node-local ranks, whose CPU sets are `affinities` (one per rank), already run
+    on CPUs of their own: more than one rank and no CPU in two sets (`mpiexec -bind-to core`,
+    `taskset` per rank)."""
+    sets = [set(a) for a in affinities]
+    return len(sets) > 1 and sum(map(len, sets)) == len(set().union(*sets))
+
+
+def bind_ranks(comm, allow_unbound: bool) -> dict:
+    """Bind every thread of this rank to a core of its own unless the launcher has; collective.
+
+    The node-local rank comes from a shared-memory split of `comm`; the ranks of a node that
+    share one CPU set bind to its cores in local-rank order (`core_for_rank`), with BLAS limited
+    to that core's hardware threads, as `-bind-to core` leaves it. Returns the run's binding
+    (`binding_summary` of every rank's bound, how, cpus, local_rank, local_size, why). When some
+    rank is left unbound, every rank raises SystemExit with how to launch instead, unless
+    `allow_unbound`."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    local_rank, affinities = 0, [mine]
+    if comm is not None:
+        # imported here, as bench._common.world does: importing mpi4py initialises MPI, which a
+        # module import (the tests', the plot's) must not; `comm` proves it loads
+        from mpi4py import MPI
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            local_rank, affinities = local.Get_rank(), local.allgather(mine)
+        finally:
+            local.Free()
+    record = {"bound": False, "how": None, "cpus": mine, "local_rank": local_rank,
+              "local_size": len(affinities), "why": None}
+    cores = None if mine is None else physical_cores(mine)
+    core = None if cores is None else core_for_rank(cores, local_rank, len(affinities))
+    if mine is None or not hasattr(os, "sched_setaffinity"):
+        record["why"] = "this platform has no os.sched_setaffinity"
+    elif bound_by_launcher(affinities):
+        record.update(bound=True, how="by the launcher")
+    elif any(a != mine for a in affinities):
+        record["why"] = "the ranks on this node have different, overlapping CPU sets"
+    elif core is None:
+        record["why"] = f"{len(affinities)} ranks on this node share {len(cores)} core(s)"
+    else:
+        _set_affinity(core)
+        record.update(bound=True, cpus=list(core),
+                      how=f"by this script (os.sched_setaffinity, BLAS threads {_limit_blas(len(core))})")
+    every = [record] if comm is None else comm.allgather(record)
+    unbound = [(rank, r["why"]) for rank, r in enumerate(every) if not r["bound"]]
+    if unbound and not allow_unbound:  # every rank leaves; rank 0 says why for all of them
+        if comm is not None and comm.Get_rank() != 0:
+            raise SystemExit(2)
+        why = "; ".join(f"rank {rank}: {text}" for rank, text in unbound)
+        raise SystemExit(f"overlap.py: cannot bind every rank to a core of its own ({why}). Unbound, "
+                         f"the scheduler moves ranks between cores and the repeats disagree. Launch "
+                         f"bound, e.g. mpiexec -bind-to core -n G python bench/cpu/overlap.py ... "
+                         f"(Open MPI: --bind-to core), with at least as many cores as ranks per node; "
+                         f"or pass --allow-unbound to time anyway.")
+    return binding_summary(every)
+
+
+def _set_affinity(cpus) -> None:
+    """Confine every thread of this process (BLAS workers, MPI's) to `cpus`; threads started
+    later inherit it."""
+    tasks = Path("/proc/self/task")
+    for tid in sorted(int(t.name) for t in tasks.iterdir()) if tasks.is_dir() else [0]:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def _limit_blas(threads: int) -> str:
+    """Limit BLAS/OpenMP pools to `threads` (threadpoolctl); what was done, as text."""
+    if threadpool_limits is None:
+        return "unchanged: threadpoolctl is not installed"
+    threadpool_limits(limits=threads)
+    return f"limited to {threads}"
+
+
+def binding_summary(every: list) -> dict:
+    """The run's binding from the records of `bind_ranks` of every rank: bound (all of them), how
+    (the distinct ways, or why not) and per_rank."""
+    return {"bound": all(r["bound"] for r in every),
+            "how": "; ".join(dict.fromkeys(r["how"] or r["why"] for r in every)),
+            "per_rank": every}
+
+
+def binding_line(binding: dict) -> str:
+    """One header line: which CPUs each rank runs on and who bound it."""
+    cpus = ", ".join(f"rank {rank} -> CPU {','.join(map(str, r['cpus'] or ['?']))}"
+                     for rank, r in enumerate(binding["per_rank"]))
+    if binding["bound"]:
+        return f"# ranks bound to a core each {binding['how']}: {cpus}"
+    return (f"# WARNING: ranks NOT bound ({binding['how']}): {cpus}; the scheduler moves them "
+            f"and most efficiencies read 'not measurable here'")
+
+
+# ----------------------------------------------------------------------------------------------
 # one configuration
 
 
@@ -292,25 +443,23 @@ def _step_time(mode: str):
 
 
 def _step_metrics(runs: dict, link: Link | None, blocking: bool) -> dict:
-    """Per pass: per-step t_compute, t_comm, t_overlapped, efficiency (medians over repeats),
-    and the pass figures (`pass_figures`)."""
+    """Per pass: per-step t_compute, t_comm, t_overlapped (medians over repeats) and efficiency
+    with its uncertainty (`efficiency_from_repeats`), and the pass figures (`pass_figures`)."""
     out = {}
     for pass_ in PASSES:
         ovl_steps = [s for s in runs["overlapped"][0]["steps"] if s["pass"] == pass_]
         steps = []
         for i, ovl in enumerate(ovl_steps):
-            def pick(mode):
+            def repeats(mode):
                 f = _step_time(mode)
-                return C.median([f([s for s in run["steps"] if s["pass"] == pass_][i])
-                                 for run in runs[mode]])
-            tc, tm, to = pick("compute"), pick("comm"), pick("overlapped")
+                return [f([s for s in run["steps"] if s["pass"] == pass_][i]) for run in runs[mode]]
             steps.append({"step": ovl["step"], "source": ovl["source"], "blocks": ovl["blocks"],
-                          "t_compute": tc, "t_comm": tm, "t_overlapped": to,
-                          "efficiency": C.overlap_efficiency(tc, tm, to),
+                          **efficiency_from_repeats(*(repeats(mode) for mode in MODES)),
                           **{k: ovl[k] for k in TRAFFIC}})
-        tc, tm, to = (sum(s[k] for s in steps) for k in ("t_compute", "t_comm", "t_overlapped"))
+        tc, tm, to = (sum(s[k] for s in steps) for k in TIMES)
         sums = _pass_sums(runs, pass_)
-        out[pass_] = {"steps": steps, **pass_figures(tc, tm, to, _jitter(sums), len(runs["overlapped"])),
+        spreads = {k: spread(xs) for k, xs in sums.items()}
+        out[pass_] = {"steps": steps, **pass_figures(tc, tm, to, spreads, len(runs["overlapped"])),
                       "repeats_s": sums, **_predicted(steps, link, blocking)}
     return out
 
@@ -328,48 +477,74 @@ def _predicted(steps: list, link: Link | None, blocking: bool) -> dict:
 
 def _pass_sums(runs: dict, pass_: str) -> dict:
     """Per repeat, the pass sums of t_compute, t_comm and t_overlapped (seconds)."""
-    names = dict(zip(MODES, ("t_compute", "t_comm", "t_overlapped")))
-    return {names[mode]: [sum(_step_time(mode)(s) for s in run["steps"] if s["pass"] == pass_)
-                          for run in runs[mode]] for mode in MODES}
+    return {name: [sum(_step_time(mode)(s) for s in run["steps"] if s["pass"] == pass_)
+                   for run in runs[mode]] for mode, name in zip(MODES, TIMES)}
 
 
-def _jitter(sums: dict) -> float | None:
-    """Seconds the pass's three times spread over repeats: the interquartile ranges of the pass
-    sums of t_compute, t_comm and t_overlapped, added (half the range with 2 or 3 repeats).
-    Like the medians it qualifies, it ignores one repeat slowed by another process; None with
-    one repeat."""
-    if len(sums["t_overlapped"]) < 2:
+# ----------------------------------------------------------------------------------------------
+# uncertainty: a figure is printed only when the spread over repeats pins it to within 0.15
+
+
+def spread(xs: list) -> float | None:
+    """How far one repeat strays: the interquartile range of the repeat times (half the range
+    with 2 or 3 repeats; like the medians it qualifies, it ignores one repeat slowed by another
+    process among 5 or more); None with fewer than 2 repeats."""
+    if len(xs) < 2:
         return None
-    spread = 0.0
-    for xs in sums.values():
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-        spread += q3 - q1
-    return spread
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q3 - q1
 
 
-def pass_figures(tc: float, tm: float, to: float, jitter: float | None, repeats: int) -> dict:
-    """A pass's times, its efficiency when it is a measurement, and what to say otherwise.
+def efficiency_uncertainty(tc: float, tm: float, to: float, spreads: dict) -> float | None:
+    """The spreads of t_compute, t_comm and t_overlapped (`spreads`, keyed as TIMES) carried
+    through `C.overlap_efficiency` = 1 + (tc - to) / tm to first order, their magnitudes added
+    (the three come from separate runs; the sum bounds them together):
 
-    efficiency_raw: (tc + tm - to) / tm, whatever the noise; efficiency: the same, or None when
-    there is no exchange or the jitter is at least t_comm (the efficiency could then be anything
-    between its bounds); efficiency_uncertainty: jitter / t_comm (the ± printed); note: why the
-    efficiency is missing or what a negative one means."""
+        (s_compute + s_overlapped + |tc - to| / tm * s_comm) / tm
+
+    An exchange mostly hidden (to near tc) is insensitive to the spread of t_comm; one that hides
+    nothing is as uncertain as all three. None without an exchange or without a spread."""
+    if not tm > 0 or any(spreads.get(k) is None for k in TIMES):
+        return None
+    s_c, s_m, s_o = (spreads[k] for k in TIMES)
+    return (s_c + s_o + abs(tc - to) / tm * s_m) / tm
+
+
+def pass_figures(tc: float, tm: float, to: float, spreads: dict, repeats: int) -> dict:
+    """A pass's (or step's) times, its efficiency when it is a measurement, and what to say
+    otherwise.
+
+    efficiency_raw: `C.overlap_efficiency(tc, tm, to)`, whatever the noise;
+    efficiency_uncertainty: `efficiency_uncertainty` from `spreads` (the ± printed);
+    efficiency: efficiency_raw when that uncertainty is below MEASURABLE, else None (no exchange,
+    one repeat, or a figure the repeats do not pin down); note: why it is missing or what a
+    negative one means."""
     raw = C.overlap_efficiency(tc, tm, to)
-    out = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "jitter_s": jitter, "repeats": repeats,
-           "efficiency_raw": raw, "efficiency": raw,
-           "efficiency_uncertainty": None if jitter is None or raw is None else jitter / tm,
-           "note": None}
+    unc = efficiency_uncertainty(tc, tm, to, spreads)
+    out = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "spread_s": dict(spreads),
+           "repeats": repeats, "efficiency_raw": raw, "efficiency": None,
+           "efficiency_uncertainty": unc, "note": None}
     if raw is None:
-        out["note"] = "no exchange in this pass"
-    elif jitter is not None and jitter >= tm:
-        out["efficiency"] = None
-        out["note"] = (f"not measurable here (compute jitter ±{jitter * 1e3:.2f} ms > exchange "
-                       f"{tm * 1e3:.2f} ms)")
-    elif raw < 0:
-        out["note"] = "negative: together slower than one after the other, cores contended"
-    elif jitter is None:
-        out["note"] = "one repeat: spread unknown"
+        out["note"] = "no exchange"
+    elif unc is None:
+        out["note"] = f"not measurable here ({repeats} repeat: no spread to judge it by)"
+    elif unc >= MEASURABLE:
+        out["note"] = (f"not measurable here (±{unc:.2f} from the spread over {repeats} repeats, "
+                       f"a measurement needs < {MEASURABLE}; exchange {tm * 1e3:.2f} ms)")
+    else:
+        out["efficiency"] = raw
+        if raw < 0:
+            out["note"] = "negative: together slower than one after the other, cores contended"
     return out
+
+
+def efficiency_from_repeats(compute_s: list, comm_s: list, overlapped_s: list) -> dict:
+    """`pass_figures` of the medians of the repeat times of t_compute, t_comm and t_overlapped,
+    judged by their spreads: the efficiency when the repeats pin it to within MEASURABLE, else
+    None with "not measurable here (...)" as the note."""
+    times = dict(zip(TIMES, (compute_s, comm_s, overlapped_s)))
+    medians = [C.median(times[k]) for k in TIMES]
+    return pass_figures(*medians, {k: spread(xs) for k, xs in times.items()}, len(overlapped_s))
 
 
 def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
@@ -399,15 +574,17 @@ def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
 
 
 def summarize(ranks: list, link: Link | None = None, blocking: bool = False) -> dict:
-    """Across ranks: pass times averaged, efficiency of the averages (measurable when the mean
-    jitter is below the mean t_comm); e2e: slowest rank."""
+    """Across ranks: pass times and their spreads averaged, efficiency of the averages with the
+    uncertainty of the averages (`pass_figures`); e2e: slowest rank."""
     out = {}
     for pass_ in PASSES:
-        tc, tm, to = (sum(r[pass_][k] for r in ranks) / len(ranks) for k in ("t_compute", "t_comm", "t_overlapped"))
-        jit = [r[pass_]["jitter_s"] for r in ranks]
-        jitter = None if None in jit else sum(jit) / len(jit)
-        out[pass_] = {**pass_figures(tc, tm, to, jitter, ranks[0][pass_]["repeats"]),
-                      "efficiency_per_rank": [r[pass_]["efficiency"] for r in ranks]}
+        tc, tm, to = (sum(r[pass_][k] for r in ranks) / len(ranks) for k in TIMES)
+        per_rank = [r[pass_]["spread_s"] for r in ranks]
+        spreads = {k: None if any(s[k] is None for s in per_rank) else sum(s[k] for s in per_rank) / len(ranks)
+                   for k in TIMES}
+        out[pass_] = {**pass_figures(tc, tm, to, spreads, ranks[0][pass_]["repeats"]),
+                      "efficiency_per_rank": [r[pass_]["efficiency"] for r in ranks],
+                      "efficiency_uncertainty_per_rank": [r[pass_]["efficiency_uncertainty"] for r in ranks]}
         if link is not None:
             pred = [r[pass_] for r in ranks]
             ptm, pto, phid = (sum(p[k] for p in pred) / len(pred) for k in
@@ -486,7 +663,7 @@ TABLE_COLUMNS = ["strategy", "seqlen", "pass", "t_compute", "t_comm", "t_overlap
 def plot(result: dict, path: str) -> None:
     """Top: per-rank timeline (compute and comm lanes) of one configuration's overlapped run,
     forward and backward marked; then pass efficiency against seqlen per strategy, with the
-    jitter as error bars (and, over an emulated link, the prediction dashed); with a link,
+    uncertainty as error bars (and, over an emulated link, the prediction dashed); with a link,
     measured against predicted with the +-0.15 band."""
     import matplotlib
     matplotlib.use("Agg")
@@ -557,11 +734,13 @@ def _plot_efficiency(ax, configs: list, link) -> None:
     ax.set_xlabel("global seqlen")
     ax.set_ylabel("overlap efficiency")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    title = "(t_compute + t_comm - t_overlapped) / t_comm, mean over ranks; bars: jitter over repeats"
+    title = ("(t_compute + t_comm - t_overlapped) / t_comm, mean over ranks; bars: uncertainty from "
+             "the spread over repeats")
     if link:
         title += f"; {link}"
     if skipped:
-        title += f"\n{skipped} pass(es) not shown: jitter >= exchange (not measurable) or no exchange"
+        title += (f"\n{skipped} pass(es) not shown: uncertainty >= {MEASURABLE} (not measurable) "
+                  f"or no exchange")
     ax.set_title(title, fontsize=9)
 
 
@@ -613,6 +792,8 @@ def parse(argv=None):
                    help="emulate a link of this many Gb/s (burstcu.Link; MPI transport only)")
     p.add_argument("--link-latency-us", type=float, default=0.0,
                    help="with --link-gbps: microseconds per message")
+    p.add_argument("--allow-unbound", action="store_true",
+                   help="time even where the ranks cannot each be bound to a core of their own")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
@@ -624,10 +805,13 @@ def parse(argv=None):
 def main(argv=None) -> dict | None:
     args = parse(argv)
     link = None if args.link_gbps is None else Link(gbps=args.link_gbps, latency_us=args.link_latency_us)
+    binding = bind_ranks(C.world()[0], args.allow_unbound)   # before init starts the progress thread
     group = burstcu.init(backend=args.backend, progress=args.progress, link=link)
-    env = C.environment(group, link=None if link is None else {"describe": str(link), **link.as_dict()})
+    env = C.environment(group, link=None if link is None else {"describe": str(link), **link.as_dict()},
+                        binding=binding)
     if group.rank == 0:
         print(C.measured_on(env))
+        print(binding_line(binding))
         if link is not None:
             print(f"# {link}: every message paced to it (burstcu.Link); t_comm, efficiency and "
                   f"efficiency_predicted depend on it")
@@ -670,13 +854,17 @@ def _definitions() -> dict:
         "t_comm": "post to completion of the step's exchanges with ops that compute nothing (0: no exchange)",
         "t_overlapped": "post + compute + wait of the step with both real",
         "efficiency": "(t_compute + t_comm - t_overlapped) / t_comm: the fraction of the exchange hidden; "
-                      "null without an exchange or when jitter_s >= t_comm (not measurable: see note)",
-        "efficiency_raw": "the same formula whatever the jitter",
+                      f"null without an exchange or when efficiency_uncertainty is not below {MEASURABLE} "
+                      "(not measurable: see note)",
+        "efficiency_raw": "the same formula whatever the uncertainty",
+        "efficiency_uncertainty": "(s_compute + s_overlapped + |t_compute - t_overlapped| / t_comm * s_comm) "
+                                  "/ t_comm: spread_s carried through the formula to first order (the ± printed)",
+        "spread_s": "per t_compute, t_comm, t_overlapped: the interquartile range over repeats (half the "
+                    "range with 2 or 3) of the step's times, or of the pass sums (repeats_s); summary: "
+                    "mean over ranks",
         "pass": "sums over the pass's steps; summary: mean over ranks, efficiency of the means",
-        "jitter_s": "sum over t_compute, t_comm, t_overlapped of the interquartile range over repeats "
-                    "of the pass sums (repeats_s)",
         "repeats_s": "per rank and pass: the pass sums of t_compute, t_comm, t_overlapped of every repeat",
-        "efficiency_uncertainty": "jitter_s / t_comm (the ± printed)",
+        "binding": "environment.binding: whether each rank was bound to a core of its own, and by whom",
         "efficiency_predicted": "with a link: bench/model/predict.py overlap_prediction from the measured "
                                 "per-step t_compute and the step's messages and bytes on the link",
         "link_gbps, link_latency_us": "the emulated link (burstcu.Link), Gb/s and us per message",
