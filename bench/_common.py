@@ -14,9 +14,13 @@ one timing helper, tables, JSON and progress lines.
     clean(obj), write_json(path, obj), print_and_write(env, rows, columns, args)
     blas_threads_env(threads)      -> os.environ copy with that many BLAS/OpenMP threads
     add_problem_args(parser, ...)  -> the shared --seqlen/--batch/--heads/.../--json options
+    plotting_problem()             -> why --plot cannot draw here (no matplotlib), or None
+    refuse_plot_without_matplotlib(argv) -> exit at once, saying what to install, if it is so
 
 Scripts run as files (`python bench/cpu/overlap.py`) put the repository root on sys.path before
-importing this module as `bench._common`.
+importing this module as `bench._common`. Imported by a script of bench/ run with --plot where
+matplotlib is missing, it ends the run at once with the line that says what to install
+(`refuse_plot_without_matplotlib`), before anything is measured.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# where mpiexec tells a process its rank before MPI starts (MPICH's Hydra, Open MPI, PMIx)
+LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+BENCH_EXTRA_INSTALL = "pip install 'burstcu[bench]'"   # matplotlib, mpi4py and the mpich wheel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,3 +347,40 @@ def print_and_write(env: dict, rows: list, columns: list, args) -> None:
         Path(args.table).write_text(text + "\n")
     if getattr(args, "json", None):
         write_json(args.json, {"environment": env, "args": clean(vars(args)), "rows": rows})
+
+
+# ----------------------------------------------------------------------------------------------
+# plots
+
+
+def plotting_problem() -> str | None:
+    """Why --plot cannot draw here, as one line that names the extra to install, or None."""
+    try:
+        import matplotlib  # noqa: F401 - optional: only --plot needs it
+    except ImportError as exc:
+        return f"--plot needs matplotlib ({exc}): {BENCH_EXTRA_INSTALL}"
+    return None
+
+
+def refuse_plot_without_matplotlib(argv) -> None:
+    """SystemExit(2) when the command line `argv` asks for --plot and matplotlib is missing, on
+    every rank, with `plotting_problem`'s line on stderr (from the first rank only): at the start
+    of the run, not after the measurements."""
+    if not any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
+        return
+    problem = plotting_problem()
+    if problem:
+        if all(os.environ.get(var, "0") == "0" for var in LAUNCHER_RANK_VARS):
+            sys.stderr.write(f"{Path(sys.argv[0]).name}: {problem}\n")
+        raise SystemExit(2)
+
+
+def _running_a_bench_script() -> bool:
+    """Whether this process's main program is a file of bench/ (run as a file, with -m, or under
+    `python -m mpi4py`), whose command line is sys.argv."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is not None and Path(main_file).resolve().is_relative_to(ROOT / "bench")
+
+
+if _running_a_bench_script():
+    refuse_plot_without_matplotlib(sys.argv[1:])

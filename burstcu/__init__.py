@@ -18,7 +18,8 @@ Public API (see `burstcu.api` for shapes and semantics)::
 The house (README, "Layout of the repository"): api.py is the public face; engine/ holds one
 module a strategy, written against two interfaces, ops/base.py's LocalOps (numpy/, cuda/) and
 transport/base.py's Transport (mpi, nccl, loopback); group.py alone picks them; build/ compiles
-the kernels of kernels/; testing/ verifies and is never imported at run time.
+the kernels of kernels/; testing/ verifies, imported only by the checking entry points
+(demo.py, selftest.py).
 """
 
 from .api import (attention, attention_backward, decode, linear_attention,

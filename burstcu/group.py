@@ -12,6 +12,7 @@ backend        local op                            transport
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import threading
 import warnings
@@ -291,8 +292,14 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         of that speed would (`burstcu.transport.link`): to measure overlap on one machine, whose
         shared memory is far faster than any network. The same on every rank. MPI transport
         only: refused with the "cupy" backend (and "auto" when it picks "cupy").
-    options: passed to the local op (e.g. tile sizes for "numpy", deterministic=True for the
-        kernel backends).
+    deterministic (an option, on every backend): True makes two runs of the backward give the
+        same bits. The CUDA kernels ("cupy", "emulated") then launch dK/dV and dQ kernels
+        without atomics instead of adding dQ with fp32 atomics (`KernelOps(deterministic=True)`;
+        ~7/5 of the backward's flops); the NumPy op is deterministic at any thread count
+        already and ignores it.
+    options: passed to the local op: deterministic on every backend; tile_q, tile_k, threads
+        for "numpy" (`NumpyOps`); arch, randomize for "cupy" and "emulated" (`KernelOps`). An
+        option the backend's op does not take is a TypeError that names those it does.
     Collective over `comm`: every rank must call it. MPI is initialised first, so that under
     `python -m mpi4py` anything init raises on one rank ends the job; then every rank checks
     its arguments and environment, and one bounded agreement raises the same error on every
@@ -327,7 +334,7 @@ def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
     everywhere, with the transport closed)."""
     ops = error = None
     try:
-        ops = NumpyOps(**options) if backend == "numpy" else KernelOps(backend, **options)
+        ops = _local_op(backend, options)
     except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
         error = InputError(type(exc), f"burstcu.init: the {backend!r} local op: {exc}")
     try:
@@ -338,6 +345,18 @@ def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
         transport.close()
         raise
     return ops
+
+
+def _local_op(backend: str, options: dict) -> LocalOps:
+    """The local op of `backend` ("numpy", "emulated", "cupy") made with `options`; TypeError
+    naming the options it takes for any other (not the constructor's own message)."""
+    op_class = NumpyOps if backend == "numpy" else KernelOps
+    takes = [name for name in inspect.signature(op_class).parameters if name != "backend"]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))}: it takes {', '.join(takes)}")
+    return NumpyOps(**options) if backend == "numpy" else KernelOps(backend, **options)
 
 
 def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:

@@ -1,6 +1,6 @@
 """Prefill a prompt over G ranks, then decode greedily against the sharded KV cache.
 
-    mpiexec -n 2 python examples/decode_numpy.py [--prompt 37] [--new 12] [--json F]
+    mpiexec -n N python -m mpi4py examples/decode_numpy.py [--prompt 37] [--new 12] [--json F]
     python examples/decode_numpy.py                      # one process: the same tokens
 
 A one-layer attention model with random weights (NumPy, float64): token embedding plus
@@ -12,6 +12,12 @@ Decode: the next token's q, k, v are the same on every rank; `KVCache.append` st
 on one rank (balanced) and `KVCache.decode` attends over every rank's rows; the greedy next token
 is the argmax of the logits. Prints the tokens (and writes them with --json); they equal a
 one-process run's and `reference_generate`'s (plain NumPy, no burstcu).
+
+It checks itself against that float64 reference: every attention output that chose a token
+(the prefill's last row, then each decode) against `reference_attention` over the same tokens,
+within TOLERANCE, and the tokens against `reference_generate`'s. On a mismatch it prints the
+error and the tolerance and exits 1 (on every rank). `python -m mpi4py` makes an exception on
+one rank end the whole job instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import numpy as np
 import burstcu
 
 VOCAB, MODEL, HEADS, KV_HEADS, HEADDIM = 97, 32, 4, 2, 8
+# max |attention output - float64 reference|: both are float64 (rounding ~1e-15 at these
+# sizes), while a lost or misplaced cache row moves the output by ~0.1
+TOLERANCE = 1e-10
 
 
 def weights(seed: int = 0) -> dict:
@@ -61,28 +70,46 @@ def next_token(p: dict, x_last: np.ndarray, attended: np.ndarray) -> int:
     return int(np.argmax(h @ p["unembed"]))
 
 
+def reference_attention(p: dict, tokens, keep=None):
+    """(x of the last token (MODEL,), its attention output (H, D)) over every token of `tokens`,
+    in plain NumPy without burstcu: softmax over q . k / sqrt(D), kv head h // (H / Hkv).
+    keep(n) -> the key positions to use of n (default: all)."""
+    x, q, k, v = project(p, np.array(tokens))
+    rows = np.arange(len(tokens)) if keep is None else keep(len(tokens))
+    g = HEADS // KV_HEADS
+    ke, ve = np.repeat(k[0, rows], g, axis=1), np.repeat(v[0, rows], g, axis=1)   # (n, H, D)
+    s = np.einsum("hd,nhd->hn", q[0, -1], ke) / np.sqrt(HEADDIM)
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    return x[-1], np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), ve)
+
+
 def reference_generate(prompt: np.ndarray, new: int, keep=None) -> list[int]:
     """The same greedy generation in plain NumPy, without burstcu: each step recomputes the
-    last token's attention over every token so far (softmax over q . k / sqrt(D), kv head
-    h // (H / Hkv)). keep(n) -> the key positions to use of n (default: all), for tests that
-    show a wrong cache changes the tokens."""
+    last token's attention over every token so far (`reference_attention`). keep(n) -> the
+    key positions to use of n (default: all), for tests that show a wrong cache changes the
+    tokens."""
     p = weights()
     tokens = list(prompt)
     out = []
     for _ in range(new):
-        x, q, k, v = project(p, np.array(tokens))
-        rows = np.arange(len(tokens)) if keep is None else keep(len(tokens))
-        g = HEADS // KV_HEADS
-        ke, ve = np.repeat(k[0, rows], g, axis=1), np.repeat(v[0, rows], g, axis=1)   # (n, H, D)
-        s = np.einsum("hd,nhd->hn", q[0, -1], ke) / np.sqrt(HEADDIM)
-        w = np.exp(s - s.max(axis=1, keepdims=True))
-        attended = np.einsum("hn,nhd->hd", w / w.sum(axis=1, keepdims=True), ve)
-        out.append(next_token(p, x[-1], attended))
+        out.append(next_token(p, *reference_attention(p, tokens, keep)))
         tokens.append(out[-1])
     return out
 
 
-def generate(group, prompt: np.ndarray, new: int, capacity: int) -> list[int]:
+def reference_error(prompt: np.ndarray, tokens: list[int], attended: list) -> float:
+    """max |attended[i] - the reference's attention output over prompt + tokens[:i]|: each
+    output that chose tokens[i], against the float64 reference fed the same tokens."""
+    p = weights()
+    history = list(prompt) + list(tokens)
+    errors = [np.abs(out - reference_attention(p, history[:len(prompt) + i])[1]).max()
+              for i, out in enumerate(attended)]
+    return float(max(errors))
+
+
+def generate(group, prompt: np.ndarray, new: int, capacity: int) -> tuple[list[int], list]:
+    """(the `new` greedy tokens after `prompt`, the attention output (H, D) that chose each):
+    a causal zigzag prefill over the group's ranks, then decode against the sharded cache."""
     p = weights()
     x, q, k, v = project(p, prompt)
     local = [burstcu.shard(a, group, layout="zigzag") for a in (q, k, v)]
@@ -90,13 +117,28 @@ def generate(group, prompt: np.ndarray, new: int, capacity: int) -> list[int]:
     whole = burstcu.unshard(out, group, layout="zigzag")        # (1, N, H, D) on every rank
     cache = burstcu.KVCache(group, 1, capacity, KV_HEADS, HEADDIM, np.float64)
     cache.from_prefill(local[1], local[2])
-    tokens = [next_token(p, x[-1], whole[0, -1])]
+    attended = [whole[0, -1]]
+    tokens = [next_token(p, x[-1], attended[-1])]
     for i in range(new - 1):
         x_new, q_new, k_new, v_new = project(p, np.array(tokens[-1:]), len(prompt) + i)
         cache.append(k_new, v_new)
-        attended = cache.decode(q_new)                           # (1, 1, H, D), every rank
-        tokens.append(next_token(p, x_new[-1], attended[0, 0]))
-    return tokens
+        attended.append(cache.decode(q_new)[0, 0])               # (1, 1, H, D), every rank
+        tokens.append(next_token(p, x_new[-1], attended[-1]))
+    return tokens, attended
+
+
+def check(prompt: np.ndarray, tokens: list[int], attended: list) -> tuple[float, str | None]:
+    """(the attention outputs' `reference_error`, what differs from the float64 reference: the
+    outputs beyond TOLERANCE, or the tokens; None when nothing does)."""
+    error = reference_error(prompt, tokens, attended)
+    if not error <= TOLERANCE:   # NaN fails too
+        return error, (f"max |attention - float64 reference| = {error:.3g} over "
+                       f"{len(attended)} steps, tolerance {TOLERANCE:g}")
+    want = reference_generate(prompt, len(tokens))
+    if tokens != want:
+        return error, (f"tokens {tokens} differ from the reference's {want} (max |attention "
+                       f"error| {error:.3g}, tolerance {TOLERANCE:g})")
+    return error, None
 
 
 def main(argv=None) -> int:
@@ -108,16 +150,22 @@ def main(argv=None) -> int:
     group = burstcu.init(backend="numpy")
     prompt = np.random.default_rng(1).integers(0, VOCAB, args.prompt)
     capacity = -(-args.prompt // group.size) + 1 + args.new     # a shard plus every new token
-    tokens = generate(group, prompt, args.new, capacity)
+    tokens, attended = generate(group, prompt, args.new, capacity)
     every = group.transport.allgather_object(tokens, "tokens")
     assert all(t == tokens for t in every), "ranks generated different tokens"
+    error, mismatch = check(prompt, tokens, attended)   # every rank: the same inputs, the same answer
     if group.rank == 0:
         print(f"{group.size} rank(s), prompt {args.prompt} tokens: generated {tokens}")
+        if mismatch:
+            print(f"MISMATCH against the float64 reference: {mismatch}", file=sys.stderr)
+        else:
+            print(f"matches the float64 reference: max |attention error| {error:.3g} "
+                  f"<= tolerance {TOLERANCE:g}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": group.size, "tokens": tokens}, f)
     group.close()
-    return 0
+    return 1 if mismatch else 0
 
 
 if __name__ == "__main__":

@@ -47,17 +47,24 @@ def _eff(tc, tm, to):
     return None if not tm > 0 else (tc + tm - to) / tm
 
 
+def _bindable() -> bool:
+    """Whether this machine lets bench/cpu/overlap.py give 2 ranks a core each."""
+    from bench.cpu import overlap
+    return hasattr(os, "sched_setaffinity") and len(overlap.physical_cores(os.sched_getaffinity(0))) >= 2
+
+
 @pytest.mark.mpi
 def test_overlap_smoke(tmp_path):
     js, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
     out = run_bench("cpu/overlap.py", ["--seqlen", 64, 128, "--heads", 2, "--headdim", 16, "--repeats", 2,
-                                   "--warmup", 0, "--causal", "--json", js, "--plot", png])
+                                   "--warmup", 0, "--causal", "--allow-unbound", "--json", js, "--plot", png])
     lines = [ln for ln in out.splitlines() if " | " in ln]
     assert len(lines) == 2 * 3, out                       # one line per configuration
     assert "NOT GPU figures" in out and "progress=thread" in out
     assert png.stat().st_size > 10_000
     result = json.loads(js.read_text())
     assert result["environment"]["device"] == "CPU"
+    _check_binding(result["environment"]["binding"], out)
     assert {c["strategy"] for c in result["configs"]} == {"burst", "ring", "allgather"}
     from burstcu import engine
     for cfg in result["configs"]:
@@ -68,11 +75,8 @@ def test_overlap_smoke(tmp_path):
             for p in (fwd, bwd):
                 for s in p["steps"]:
                     assert all(s[k] >= 0 for k in ("t_compute", "t_comm", "t_overlapped"))
-                    want = _eff(s["t_compute"], s["t_comm"], s["t_overlapped"])
-                    assert (s["efficiency"] is None) == (want is None)
-                    if want is not None:
-                        assert math.isclose(s["efficiency"], want, rel_tol=1e-9, abs_tol=1e-12)
-                _check_pass(p)
+                    _check_figure(s)
+                _check_figure(p)
             assert rank["timeline"] and all(b >= a for _, a, b in rank["timeline"])
             assert 0 < rank["forward_end_s"] < max(b for _, _, b in rank["timeline"])
             # bytes moved in the overlapped run == the strategy's formulas
@@ -81,7 +85,7 @@ def test_overlap_smoke(tmp_path):
             impl = engine.get(cfg["strategy"])
             assert rank["bytes_sent_fwd_bwd"] == impl.forward_bytes(2, q, q, q) + impl.backward_bytes(2, q, q, q)
         for pass_ in ("forward", "backward"):
-            _check_pass(cfg["summary"][pass_])
+            _check_figure(cfg["summary"][pass_])
         # burst's forward exchanges on step 0 only (G=2): its t_comm is positive there, 0 after
         burst_like = cfg["strategy"] != "allgather"
         steps = cfg["ranks"][0]["forward"]["steps"]
@@ -89,20 +93,41 @@ def test_overlap_smoke(tmp_path):
     _no_bare_negative(lines)
 
 
-def _check_pass(p: dict) -> None:
-    """A pass's efficiency is the formula's when its jitter is below t_comm, else absent with
-    the reason; a negative one carries its meaning."""
+def _check_binding(binding: dict, out: str) -> None:
+    """Where the machine has a core per rank, every rank ran on a core of its own (bound by the
+    launcher or by the script), and the header says so."""
+    if not _bindable():
+        assert not binding["bound"] and "# WARNING: ranks NOT bound" in out
+        return
+    assert binding["bound"] and "# ranks bound to a core each " in out, out
+    cpus = [set(r["cpus"]) for r in binding["per_rank"]]
+    assert len(cpus) == 2 and not cpus[0] & cpus[1]
+    assert [r["local_rank"] for r in binding["per_rank"]] == [0, 1]
+
+
+def _check_figure(p: dict) -> None:
+    """An efficiency (a step's or a pass's) is the formula's when its uncertainty, the spreads
+    over repeats carried through the formula, is below 0.15; else absent with the reason; a
+    negative one carries its meaning."""
     want = _eff(p["t_compute"], p["t_comm"], p["t_overlapped"])
-    assert math.isclose(p["efficiency_raw"], want, rel_tol=1e-9, abs_tol=1e-12)
-    assert p["jitter_s"] is not None and p["jitter_s"] >= 0
+    assert (p["efficiency_raw"] is None) == (want is None)
+    spreads = p["spread_s"]
+    assert all(spreads[k] >= 0 for k in ("t_compute", "t_comm", "t_overlapped"))
     if "repeats_s" in p:   # a rank's pass: 2 repeats, whose interquartile range is half the range
-        half_ranges = sum((max(x) - min(x)) / 2 for x in p["repeats_s"].values())
-        assert math.isclose(p["jitter_s"], half_ranges, rel_tol=1e-9, abs_tol=1e-12)
-    if p["jitter_s"] >= p["t_comm"]:
-        assert p["efficiency"] is None and p["note"].startswith("not measurable here (compute jitter ±")
+        for k, xs in p["repeats_s"].items():
+            assert math.isclose(spreads[k], (max(xs) - min(xs)) / 2, rel_tol=1e-9, abs_tol=1e-12)
+    if want is None:
+        assert p["efficiency"] is None and p["efficiency_uncertainty"] is None
+        return
+    assert math.isclose(p["efficiency_raw"], want, rel_tol=1e-9, abs_tol=1e-12)
+    # d eff / d t_compute = 1/tm, d eff / d t_overlapped = -1/tm, d eff / d t_comm = (to - tc)/tm^2
+    tc, tm, to = p["t_compute"], p["t_comm"], p["t_overlapped"]
+    unc = (spreads["t_compute"] + spreads["t_overlapped"] + abs(to - tc) / tm * spreads["t_comm"]) / tm
+    assert math.isclose(p["efficiency_uncertainty"], unc, rel_tol=1e-9, abs_tol=1e-12)
+    if unc >= 0.15:
+        assert p["efficiency"] is None and p["note"].startswith("not measurable here (±")
     else:
         assert p["efficiency"] == p["efficiency_raw"]
-        assert math.isclose(p["efficiency_uncertainty"], p["jitter_s"] / p["t_comm"])
         assert (p["efficiency"] < 0) == (p["note"] is not None and p["note"].startswith("negative"))
 
 
@@ -123,7 +148,7 @@ def test_overlap_over_an_emulated_link(tmp_path):
     gbps, lat = 0.01, 100.0
     out = run_bench("cpu/overlap.py", ["--seqlen", 128, "--heads", 2, "--headdim", 16, "--repeats", 2,
                                    "--warmup", 0, "--link-gbps", gbps, "--link-latency-us", lat,
-                                   "--json", js, "--plot", png])
+                                   "--allow-unbound", "--json", js, "--plot", png])
     label = "emulated link 0.01 Gb/s, 100 us"
     lines = [ln for ln in out.splitlines() if " | " in ln]
     assert len(lines) == 3 and all(ln.endswith(label) for ln in lines), out
@@ -137,7 +162,7 @@ def test_overlap_over_an_emulated_link(tmp_path):
             assert (p["link_gbps"], p["link_latency_us"]) == (gbps, lat)
             assert p["efficiency_predicted"] is not None and p["t_comm_predicted"] > 0
             assert p["t_comm"] >= 0.99 * p["t_comm_predicted"], (cfg["strategy"], pass_, p)
-            _check_pass(p)
+            _check_figure(p)
             if cfg["strategy"] == "allgather":
                 assert p["efficiency_predicted"] == 0 and not p["comm_hidden_predicted"]
         if cfg["strategy"] == "burst":      # forward: K, V in one message, one hop (G = 2)
@@ -146,18 +171,94 @@ def test_overlap_over_an_emulated_link(tmp_path):
     _no_bare_negative(lines)
 
 
-def test_overlap_never_prints_a_bare_figure():
-    """Unit: what the line says for a measurement, a negative one, and noise."""
+@pytest.mark.mpi
+def test_overlap_refuses_to_time_unbound():
+    """With more ranks on the node than cores it cannot bind them: it exits before timing,
+    saying how to launch."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) > 4:
+        pytest.skip("needs a machine of at most 4 CPUs to start more ranks than cores cheaply")
+    ranks = len(os.sched_getaffinity(0)) + 1
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(BENCH / "cpu/overlap.py"), "--seqlen", "64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode != 0 and " | " not in proc.stdout, proc.stdout
+    assert "cannot bind every rank to a core of its own" in proc.stderr
+    assert "mpiexec -bind-to core" in proc.stderr and "--allow-unbound" in proc.stderr
+
+
+@pytest.mark.parametrize("cores, local_rank, local_size, want", [
+    ([(0,), (1,)], 0, 2, (0,)),
+    ([(0,), (1,)], 1, 2, (1,)),
+    ([(0, 4), (1, 5), (2, 6), (3, 7)], 2, 3, (2, 6)),     # a core with its hyperthreads
+    ([(0,), (1,)], 2, 3, None),                           # more ranks than cores: no binding
+    ([(7,)], 0, 1, (7,)),
+])
+def test_overlap_binds_one_core_per_local_rank(cores, local_rank, local_size, want):
+    """Unit: the node-local rank takes the core of its index when every local rank has one."""
     from bench.cpu import overlap
-    ok = overlap.pass_figures(0.010, 0.004, 0.011, 0.001, 3)
-    assert ok["efficiency"] == pytest.approx(0.75) and overlap.efficiency_text(ok) == "+0.75±0.25"
-    neg = overlap.pass_figures(0.010, 0.004, 0.015, 0.001, 3)
+    assert overlap.core_for_rank(cores, local_rank, local_size) == want
+
+
+def test_overlap_recognises_a_launcher_binding():
+    """Unit: ranks on disjoint CPU sets were bound already; one set shared, or one rank, not."""
+    from bench.cpu import overlap
+    assert overlap.bound_by_launcher([[0], [1]]) and overlap.bound_by_launcher([[0, 2], [1, 3]])
+    assert not overlap.bound_by_launcher([[0, 1], [0, 1]])
+    assert not overlap.bound_by_launcher([[0, 1], [1, 2]])
+    assert not overlap.bound_by_launcher([[0, 1]])
+    with pytest.raises(ValueError, match="local rank 2 is not one of 2"):
+        overlap.core_for_rank([(0,), (1,)], 2, 2)
+
+
+def test_overlap_physical_cores_cover_the_cpus():
+    """physical_cores partitions the CPUs this process may run on."""
+    from bench.cpu import overlap
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpus = os.sched_getaffinity(0)
+    cores = overlap.physical_cores(cpus)
+    assert sorted(c for core in cores for c in core) == sorted(cpus) and cores == sorted(cores)
+
+
+@pytest.mark.parametrize("compute_s, comm_s, overlapped_s, want, uncertainty", [
+    # tight repeats: 10 ms compute, 4 ms exchange, 11 ms together: 0.75 hidden, ±(0.1 + 0.1 + 0) / 4
+    ([0.0100, 0.0101, 0.0099], [0.0040] * 3, [0.0110, 0.0111, 0.0109], 0.75, 0.05),
+    # the same medians, compute spread over ±1 ms: ±(1 + 0.1 + 0) / 4 ms
+    ([0.009, 0.010, 0.011], [0.0040] * 3, [0.0110, 0.0111, 0.0109], None, 0.275),
+    # an exchange that hides nothing is as uncertain as t_comm's spread too: ±(0 + 0 + 0.2) / 4
+    ([0.010] * 3, [0.0038, 0.0040, 0.0042], [0.014] * 3, 0.0, 0.05),
+    # one repeat: no spread, no figure
+    ([0.010], [0.004], [0.011], None, None),
+])
+def test_overlap_prints_an_efficiency_only_when_the_repeats_pin_it(compute_s, comm_s, overlapped_s, want,
+                                                                     uncertainty):
+    """Unit: the gate from repeat times to a figure or "not measurable here"."""
+    from bench.cpu import overlap
+    fig = overlap.efficiency_from_repeats(compute_s, comm_s, overlapped_s)
+    assert fig["efficiency_uncertainty"] == pytest.approx(uncertainty)
+    if want is None:
+        assert fig["efficiency"] is None and fig["note"].startswith("not measurable here (")
+        assert overlap.efficiency_text(fig) == fig["note"]
+    else:
+        assert fig["efficiency"] == pytest.approx(want, abs=1e-9)
+        assert overlap.efficiency_text(fig) == f"{want:+.2f}±{uncertainty:.2f}"
+
+
+def test_overlap_never_prints_a_bare_figure():
+    """Unit: what the line says for a measurement, a negative one, noise and no exchange."""
+    from bench.cpu import overlap
+    quiet = {"t_compute": 0.0001, "t_comm": 0.0001, "t_overlapped": 0.0001}
+    ok = overlap.pass_figures(0.010, 0.004, 0.011, quiet, 3)
+    assert ok["efficiency"] == pytest.approx(0.75) and overlap.efficiency_text(ok) == "+0.75±0.06"
+    neg = overlap.pass_figures(0.010, 0.004, 0.015, quiet, 3)
     assert neg["efficiency"] == pytest.approx(-0.25)
-    assert overlap.efficiency_text(neg).startswith("-0.25±0.25 (negative: together slower")
-    noise = overlap.pass_figures(0.010, 0.001, 0.0095, 0.020, 3)
+    assert overlap.efficiency_text(neg).startswith("-0.25±0.08 (negative: together slower")
+    noisy = {"t_compute": 0.020, "t_comm": 0.0, "t_overlapped": 0.0}
+    noise = overlap.pass_figures(0.010, 0.001, 0.0095, noisy, 3)
     assert noise["efficiency"] is None and noise["efficiency_raw"] == pytest.approx(1.5)
-    assert overlap.efficiency_text(noise) == "not measurable here (compute jitter ±20.00 ms > exchange 1.00 ms)"
-    assert overlap.pass_figures(0.01, 0.0, 0.01, 0.0, 3)["efficiency"] is None
+    assert overlap.efficiency_text(noise) == ("not measurable here (±20.00 from the spread over 3 repeats, "
+                                              "a measurement needs < 0.15; exchange 1.00 ms)")
+    none = overlap.pass_figures(0.01, 0.0, 0.01, quiet, 3)
+    assert none["efficiency"] is None and none["note"] == "no exchange"
 
 
 def test_model_smoke(tmp_path, capsys):

@@ -1,24 +1,95 @@
-"""The README's main job (burstcu.demo) runs under mpiexec and reports small errors and the
-formula's byte counts on every rank; the times it reports are of a warmed-up pass."""
+"""The README's main job (burstcu.demo) runs under mpiexec, reports small errors and the
+formula's byte counts on every rank, and ends with one verdict line per rank that every rank
+agrees on: PASSED and exit code 0, or FAILED (a wrong row planted in a result) and non-zero.
+The times it reports are of a warmed-up pass."""
 
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import burstcu
 from burstcu import demo
 from tests.mpi_run import ROOT, mpiexec
 
+SMALL_JOB = ["--seqlen", "384", "--heads", "4", "--kv-heads", "2", "--headdim", "32", "--causal",
+             "--backend", "numpy"]
+
+# The demo with one result corrupted on some ranks: burstcu.attention (out) or
+# burstcu.attention_backward (dq, dk) wrapped to add 1 to one local row, every head and batch row.
+PLANTED_WRONG_ROW = """
+import json
+import sys
+
+from mpi4py import MPI
+
+import burstcu
+from burstcu import demo
+
+plan = json.loads(sys.argv[1])
+honest_forward, honest_backward = burstcu.attention, burstcu.attention_backward
+
+
+def plant(x, group, quantity):
+    if plan["quantity"] == quantity and group.rank in plan["ranks"]:
+        x[:, plan["row"]] += 1.0
+
+
+def forward(q, k, v, group, **options):
+    out, lse = honest_forward(q, k, v, group, **options)
+    plant(out, group, "out")
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, group, **options):
+    dq, dk, dv = honest_backward(dout, q, k, v, out, lse, group, **options)
+    plant(dq, group, "dq")
+    plant(dk, group, "dk")
+    return dq, dk, dv
+
+
+burstcu.attention, burstcu.attention_backward = forward, backward
+code = demo.main(plan["argv"])
+codes = MPI.COMM_WORLD.gather(code)  # printed by rank 0 alone: lines of two ranks can interleave
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(f"exit codes of the ranks: {json.dumps(codes)}", flush=True)
+sys.exit(code)
+"""
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _run_planted(world: int, quantity, row: int = 0, ranks=()):
+    """The small job on `world` ranks with a wrong `quantity` row planted on `ranks`
+    (quantity None: nothing planted)."""
+    plan = {"quantity": quantity, "row": row, "ranks": list(ranks), "argv": SMALL_JOB}
+    cmd = [mpiexec(), "-n", str(world), sys.executable, "-c", PLANTED_WRONG_ROW, json.dumps(plan)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+
+
+def _verdicts(stdout: str) -> dict:
+    """{rank: "PASSED" | "FAILED"} from the verdict lines, which end the report."""
+    lines = [l for l in stdout.splitlines() if l.startswith("rank ") and ":" in l.split()[1]]
+    return {int(l.split()[1].rstrip(":")): l.split()[2] for l in lines}
+
+
+def _exit_codes(stdout: str) -> list:
+    """What demo.main returned on each rank, in rank order."""
+    prefix = "exit codes of the ranks: "
+    return json.loads(next(l for l in stdout.splitlines() if l.startswith(prefix))[len(prefix):])
+
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", [1, 3])
 def test_demo_reports_every_rank(world):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "burstcu.demo", "--seqlen", "384",
-           "--heads", "4", "--kv-heads", "2", "--headdim", "32", "--causal", "--backend", "numpy"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "burstcu.demo", *SMALL_JOB]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     header = next(i for i, l in enumerate(lines) if l.split()[:1] == ["rank"])
@@ -35,22 +106,68 @@ def test_demo_reports_every_rank(world):
         assert int(r[7].replace(",", "")) == fwd_formula[int(r[0])]
         assert int(r[9].replace(",", "")) == bwd_formula[int(r[0])]
     assert "checking against a float64 reference" in proc.stderr   # not silent meanwhile
+    assert "FlashAttention's rule" in proc.stdout                   # says what it holds them to
+    assert _verdicts(proc.stdout) == {r: "PASSED" for r in range(world)}
+    assert lines[-world:] == [l for l in lines if l.startswith("rank ") and "PASSED" in l]
+
+
+@pytest.mark.mpi
+def test_demo_passes_on_every_rank_and_exits_zero():
+    proc = _run_planted(2, None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _verdicts(proc.stdout) == {0: "PASSED", 1: "PASSED"}, proc.stdout
+    assert _exit_codes(proc.stdout) == [0, 0], proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("quantity, row", [("out", 101), ("dk", 0)])
+def test_a_wrong_row_fails_every_rank(quantity, row):
+    """A wrong row on every rank: out at a row inside the shard (every row of the checked heads
+    is compared), dk at the shard's first row (a shard edge: always sampled)."""
+    proc = _run_planted(2, quantity, row, ranks=(0, 1))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert _verdicts(proc.stdout) == {0: "FAILED", 1: "FAILED"}, output
+    assert all(f"worst {quantity}: max |{quantity} - ref|" in l
+               for l in proc.stdout.splitlines() if "FAILED" in l), output
+    assert _exit_codes(proc.stdout) == [1, 1], output
+
+
+@pytest.mark.mpi
+def test_every_rank_exits_non_zero_when_one_rank_fails():
+    """The verdict is agreed: rank 0's results are right, yet it exits 1 beside rank 1, whose
+    dq is wrong at its last row (a shard edge; a wrong out would spoil every rank's dk, dv)."""
+    proc = _run_planted(2, "dq", 191, ranks=(1,))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert _verdicts(proc.stdout) == {0: "PASSED", 1: "FAILED"}, output
+    assert _exit_codes(proc.stdout) == [1, 1], output
+
+
+def test_sampled_rows_take_every_shard_edge_and_one_row_per_stride():
+    positions = np.r_[0:10, 30:40]           # a zigzag shard: two runs of ten rows
+    rows = demo.sampled_rows(positions, stride=4, rank=1)
+    assert {0, 9, 10, 19} <= set(rows.tolist())
+    for start in range(0, 20, 4):
+        assert any(start <= r < start + 4 for r in rows), (start, rows)
+    assert list(rows) == sorted(set(rows.tolist()))
+    assert list(demo.sampled_rows(positions, stride=1, rank=1)) == list(range(20))
 
 
 @pytest.mark.mpi
 @pytest.mark.emulated
 def test_demo_on_the_kernel_backend():
     """The same job on the CUDA kernels (CPU emulator): float16 by default, errors of fp16."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "burstcu.demo", "--seqlen", "128",
            "--heads", "2", "--headdim", "32", "--causal", "--backend", "emulated"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "float16" in proc.stdout
     lines = proc.stdout.splitlines()
     header = next(i for i, l in enumerate(lines) if l.split()[:1] == ["rank"])
     for row in (l.split() for l in lines[header + 1:header + 3]):
         assert max(float(x) for x in row[1:5]) < 1e-2, row
+    assert _verdicts(proc.stdout) == {0: "PASSED", 1: "PASSED"}, proc.stdout
 
 
 def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
@@ -65,3 +182,4 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
     header = out.splitlines().index(next(l for l in out.splitlines() if l.split()[:1] == ["rank"]))
     row = out.splitlines()[header + 1].split()
     assert max(float(x) for x in row[1:5]) < 1e-4
+    assert out.splitlines()[-1].startswith("rank 0: PASSED")

@@ -1,8 +1,9 @@
 """Which way imports run: the library's run path never imports its verification package.
 
 `burstcu.testing` (references, the loopback runner, the schedule checker, the self-test checks)
-sits above the library like `numpy.testing`; only the verification entry point
-`burstcu.selftest` may import it. Read from the sources (every import statement, relative or
+sits above the library like `numpy.testing`; only the checking entry points users run
+(`burstcu.selftest`, and `burstcu.demo`, which checks its result against the float64
+reference) may import it. Read from the sources (every import statement, relative or
 absolute, at any depth), so a lazy import inside a function counts too.
 """
 
@@ -14,7 +15,8 @@ from pathlib import Path
 import burstcu
 
 PACKAGE = Path(burstcu.__file__).resolve().parent
-VERIFICATION = {"testing", "selftest.py"}  # may import burstcu.testing
+VERIFICATION = {"testing", "selftest.py", "demo.py"}  # may import burstcu.testing: the checking
+#                                                      entry points users run
 
 
 def imported_modules(path: Path) -> list[str]:

@@ -8,8 +8,9 @@ variant and writes the records (see `compile.gate_variant`) as a JSON list. It e
 variant fails to compile, spills (careful variants excepted: their spills are recorded), uses
 more than 255 registers or more shared memory than the arch allows per block, or, compiled for
 sm_90a, when its SASS cannot be read (nvdisasm, from the nvidia-cuda-nvdisasm wheel, missing) or,
-for a Hopper family (name containing "sm90"), holds no HGMMA or uses local memory; and 2 if there
-is nothing to check. No GPU is needed.
+for a Hopper family (name containing "sm90"), holds no HGMMA or uses local memory; 2 if there
+is nothing to check; and 3, with one line naming the extra to install (`compiler_problem`), when
+NVRTC cannot run here (cuda-python missing: ``pip install 'burstcu[cuda13]'``). No GPU is needed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from .compile import gate_variant
+from .compile import compiler_problem, gate_variant
 from . import all_variants
 from .variants import ARCHS
 
@@ -30,6 +31,7 @@ COLUMNS = (("arch", 6), ("family", 16), ("dtype", 8), ("headdim", 4), ("threads"
 HEADERS = {"headdim": "d", "threads": "thr", "registers": "regs", "spill_stores": "spSt",
            "spill_loads": "spLd", "stack_bytes": "stack", "smem_bytes": "smem", "local_bytes": "local",
            "sass_hgmma": "hgmma", "compile_seconds": "sec"}
+NO_COMPILER = 3  # the exit status when NVRTC cannot run here (`compiler_problem`)
 
 
 def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout,
@@ -77,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
+    problem = compiler_problem()
+    if problem:
+        print(f"{parser.prog} check: {problem}", file=sys.stderr)
+        return NO_COMPILER
     records = run_check(archs, families)
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -171,6 +171,31 @@ def nvrtc_options(arch: str, kdir: Path | None = None, extra: Sequence[str] = ()
 # ------------------------------------------------------------------------------------------------
 # NVRTC
 
+# what installs NVRTC, its headers and nvdisasm (the cuda13 extra; cuda12 for a CUDA 12 driver)
+CUDA_EXTRA_INSTALL = "pip install 'burstcu[cuda13]'"
+
+
+def compiler_problem() -> str | None:
+    """Why NVRTC cannot compile here, as one line that names the extra to install, or None.
+
+    Asked by the compile gate before it starts its worker processes, whose tracebacks would
+    bury the reason: cuda-python's ``cuda.bindings.nvrtc`` or ``cuda.pathfinder`` not importable,
+    the NVRTC library not loadable, or the CUDA runtime headers not found.
+    """
+    try:
+        from cuda import pathfinder  # noqa: F401 - only compiling needs cuda-python
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        return (f"cuda-python is not importable ({exc}); the kernel compiler comes with the CUDA "
+                f"extra: {CUDA_EXTRA_INSTALL} (or 'burstcu[cuda12]' for a CUDA 12 driver)")
+    try:
+        _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        cuda_include_dir()
+    except Exception as exc:  # noqa: BLE001 - a missing library surfaces as several kinds
+        return f"NVRTC cannot compile here ({exc}); {CUDA_EXTRA_INSTALL} installs it"
+    return None
+
+
 def _check(result, what: str):
     """Unpack a cuda.bindings return tuple, raising on an NVRTC error."""
     from cuda.bindings import nvrtc

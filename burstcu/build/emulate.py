@@ -10,9 +10,11 @@ How it works: `build_module` writes a small C++ file that includes the emulator,
 expressions), compiles it with ``g++ -O2 -shared`` (with a precompiled header of the emulator, built once) and
 loads the ``.so`` with ctypes. The ``.so`` is
 cached on disk under a hash of everything that decides its contents (the sources, every header under
-``kernels/``, name expressions, options, compiler version), so the first build costs about a
-second and later ones nothing; a file lock plus an atomic rename make concurrent builds by many
-ranks safe. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.build.compile.cache_dir`),
+``kernels/``, name expressions, options, compiler version), so each module is built once and
+later loads cost nothing; a file lock plus an atomic rename make concurrent builds by many ranks
+safe. On a cold cache the precompiled header comes first: the first build takes ~15 s in all,
+each further kernel a few seconds. The first time a process runs g++ it says so on stderr, and
+then how long that build took (`_FirstCompileNotice`); cache hits print nothing. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.build.compile.cache_dir`),
 under the same rules as the rest of it (the module docstring of `burstcu.build.compile`): a
 folder only this user can change, a ``.so`` loaded only when its sha256 matches its manifest
 (else rebuilt, with a warning), and every g++ run and lock wait bounded by $BURSTCU_BUILD_TIMEOUT.
@@ -37,6 +39,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -86,6 +89,45 @@ def cache_dir() -> Path:
     return trusted_dir(kernel_cache_dir() / "emu")
 
 
+class _FirstCompileNotice:
+    """Two lines on stderr, once per process: before the first g++ run, that the emulator is
+    compiling the kernels for the CPU and that it takes a while; when the build that needed it
+    is done, how long it took. A process whose builds all come from the cache prints nothing.
+
+    `starting()` runs before each g++ run (the precompiled header's, a module's); `finished()`
+    after each build, and speaks only on the thread that announced, once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: float | None = None
+        self._thread: int | None = None
+        self._done = False
+
+    def starting(self) -> None:
+        with self._lock:
+            if self._started is not None:
+                return
+            self._started, self._thread = time.perf_counter(), threading.get_ident()
+        _say(f"burstcu: compiling the CUDA kernels for the CPU (the emulator, with {_CXX}): the "
+             f"first compile takes a while (~15 s), each further kernel a few seconds; later "
+             f"runs load them from {cache_dir()}")
+
+    def finished(self, what: str) -> None:
+        with self._lock:
+            if self._done or self._thread != threading.get_ident():
+                return
+            self._done = True
+            seconds = time.perf_counter() - self._started
+        _say(f"burstcu: compiled {what} for the CPU in {seconds:.1f} s")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+_FIRST_COMPILE = _FirstCompileNotice()
 
 
 @lru_cache(maxsize=None)
@@ -163,6 +205,7 @@ def _build_pch(kdir: Path, folder: Path) -> None:
     """Write the stub header and its .gch into `folder` (each atomically); CalledProcessError
     when g++ fails."""
     stub, gch = (folder / name for name in _PCH_FILES)
+    _FIRST_COMPILE.starting()
     atomic_write(stub, f'#include "{kdir / "emu" / "cuda_emu.h"}"\n'.encode())
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{gch.name}.", suffix=".tmp")
     os.close(fd)
@@ -198,6 +241,7 @@ def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
 def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path, pch: Path | None) -> None:
     """Build `text` into the shared library `target` (atomically), with the precompiled header
     `pch` when there is one; g++'s message on failure (RuntimeError)."""
+    _FIRST_COMPILE.starting()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         cpp = Path(tmp) / "module.cpp"
         cpp.write_text(text)
@@ -233,9 +277,11 @@ def _source_paths(sources: Sequence[str | Path], kdir: Path) -> list[Path]:
     return paths
 
 
-def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path) -> tuple[str, Path]:
+def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path,
+           what: str) -> tuple[str, Path]:
     """(cache key, path) of the shared library built from `text`: built at most once, and
-    returned only once its sha256 matches its manifest (see `compile.verified_entry`)."""
+    returned only once its sha256 matches its manifest (see `compile.verified_entry`). what:
+    the library's contents in words, for the first-compile notice."""
     build_timeout()  # a bad $BURSTCU_BUILD_TIMEOUT is an error on every call, cached or not
     key = _cache_key(paths, text, flags, kdir)
     folder = cache_dir()
@@ -243,6 +289,7 @@ def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path) -
     pch: list = []   # made before the entry's lock is taken: the PCH has a lock of its own
     verified_entry(folder, key, [target.name], lambda: _compile(text, flags, kdir, target, pch[0]),
                    before_lock=lambda: pch.append(_precompiled_header(kdir)))
+    _FIRST_COMPILE.finished(what)
     return key, target
 
 
@@ -265,7 +312,7 @@ def build_module(
     flags = _translate_options(options)
     text = _generated_source(paths, name_expressions)
     with _LOADED_LOCK:
-        key, target = _built(paths, text, flags, kdir)
+        key, target = _built(paths, text, flags, kdir, ", ".join(name_expressions))
         if key not in _LOADED:
             _LOADED[key] = EmuModule(target, list(name_expressions))
     mod = _LOADED[key]
@@ -320,7 +367,7 @@ def struct_layout(source: str | Path, type_name: str, members: Sequence[str]) ->
                   f"  out[{4 + 3 * i}] = sizeof{member};",
                   f"  out[{5 + 3 * i}] = ::emu::kind_of<decltype{member}>();"]
     text = "\n".join(lines + ["}"]) + "\n"
-    _, target = _built(paths, text, [], kdir)
+    _, target = _built(paths, text, [], kdir, f"the layout probe of {type_name}")
     lib = ctypes.CDLL(str(target))
     out = (ctypes.c_ulonglong * (3 + 3 * len(members)))()
     lib.burstcu_struct_layout(out)

@@ -231,6 +231,20 @@ def test_an_unknown_family_is_refused_with_the_families(capsys):
     assert "unknown family ['fwd']" in err and "forward" in err and "nonfinite_flag" in err
 
 
+def test_the_gate_finds_its_compiler_here():
+    """Where cuda-python imports (this module's condition), `compiler_problem` lets the gate
+    run; without it, tests/test_frictions.py checks the line that names the extra."""
+    assert compile.compiler_problem() is None
+
+
+def test_a_compiler_problem_ends_the_gate_with_one_line(monkeypatch, capsys):
+    from burstcu.build import __main__ as gate
+    monkeypatch.setattr(gate, "compiler_problem", lambda: "no NVRTC: pip install 'burstcu[cuda13]'")
+    assert gate.main(["check", "--arch", "sm_80"]) == gate.NO_COMPILER != 0
+    err = capsys.readouterr().err
+    assert err == "python -m burstcu.build check: no NVRTC: pip install 'burstcu[cuda13]'\n"
+
+
 # ------------------------------------------------------------------------------------------------
 # sm_90a compiles, and the SASS reader (nvdisasm) on probe kernels
 

@@ -56,7 +56,10 @@ class BackwardContext:
 
 class NumpyOps(LocalOps):
     """The CPU local op. tile_q: score rows per tile (query positions x g); tile_k: keys per
-    tile; threads: work items run in parallel (default: as many as BLAS uses).
+    tile; threads: work items run in parallel (default: as many as BLAS uses); deterministic:
+    accepted for `burstcu.init(deterministic=True)` on every backend, and ignored: this op is
+    deterministic already, bitwise the same for any `threads` (see the module docstring), so its
+    `deterministic` attribute is always True.
     Between calls it keeps its per-thread scratch for the next call; `release_buffers()`
     frees it. scratch_bytes: the most bytes
     of per-thread scratch (tiles, dq partials) held at once, all threads together — what the op
@@ -68,10 +71,12 @@ class NumpyOps(LocalOps):
 
     masks_windows = True  # sliding windows (Block.left / Block.right) are masked per element
 
-    def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None):
+    def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None,
+                 deterministic: bool = False):
         if tile_q < 1 or tile_k < 1:
             raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
         self.tile_q, self.tile_k = tile_q, tile_k
+        self.deterministic = True   # whatever was asked: see the class docstring
         self.threads = threads or default_threads()
         self._workers = WorkPool(self.threads)
         self._scratch = {}
