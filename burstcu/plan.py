@@ -32,6 +32,7 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from . import engine
 from .engine import burst, steps, ulysses
+from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, partition
 from .ops.base import accum_dtype
 
@@ -48,7 +50,8 @@ class Machine:
     """What the model assumes of the hardware. flops: attention flop/s the local op sustains;
     intra_bw / inter_bw: bytes/s one way per rank inside / across nodes; latency: seconds per
     exchange; ranks_per_node: ranks that share the fast links; step_overhead: seconds of fixed
-    cost per call of the local op (forward or backward step)."""
+    cost per call of the local op (forward or backward step); memory_bw: bytes/s the local op
+    reads from its memory (decode's bound)."""
 
     name: str
     flops: float
@@ -58,18 +61,20 @@ class Machine:
     ranks_per_node: int
     source: str
     step_overhead: float = 0.0
+    memory_bw: float = 0.0
 
 
 MACHINES = {
     # ASSUMED round figures for the NumPy backend on a few cores with shared-memory MPI; measure
     # them for a real choice (bench/model/plan_check.py does)
     "cpu": Machine("cpu", 2e10, 2e9, 2e9, 2e-4, 1 << 30, "ASSUMED: NumPy/BLAS on a few cores, "
-                   "MPI over shared memory", step_overhead=8e-4),
+                   "MPI over shared memory", step_overhead=8e-4, memory_bw=2e10),
     # vendor peaks (H100 SXM5: 989 TF dense BF16; NVLink 4: 450 GB/s each way; NDR InfiniBand:
     # 50 GB/s each way a GPU) times ASSUMED efficiencies: 40% of peak, 80% of the links
     "h100": Machine("h100", 989e12 * 0.4, 450e9 * 0.8, 50e9 * 0.8, 1e-5, 8,
                     "H100 SXM5 + NVLink 4 + NDR InfiniBand datasheets; ASSUMED 40% MFU, 80% links, "
-                    "10 us a message, 20 us a step", step_overhead=2e-5),
+                    "10 us a message, 20 us a step; HBM3 3.35 TB/s at 80%", step_overhead=2e-5,
+                    memory_bw=3350e9 * 0.8),
 }
 
 
@@ -409,4 +414,56 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     return Plan([preds[i] for i in order], machine, backward, (size, b, s, h, int(k_shape[2]), d))
 
 
-__all__ = ["Machine", "MACHINES", "Candidate", "Plan", "plan", "predict", "candidates"]
+# -- linear attention and decode ----------------------------------------------------------------
+
+def linear_flops(b: int, c: int, h: int, hkv: int, d: int, tile: int = 128) -> tuple[float, float]:
+    """(intra, inter) flops of one causal chunkwise linear-attention forward of c rows: the
+    masked tile products (2 matmuls of c x tile x d, half of each kept) and the state products
+    (Q M, K^T V)."""
+    t = min(tile, c)
+    intra = 2 * 2 * b * h * c * t * d * 0.5
+    inter = 2 * b * h * c * d * d + 2 * b * hkv * c * d * d
+    return intra, inter
+
+
+def predict_linear(machine: Machine, size: int, seqlen: int, b: int, h: int, hkv: int, d: int,
+                   itemsize: int) -> dict:
+    """PREDICTED seconds of one causal linear-attention layer, forward + backward, per rank, on
+    `size` ranks of `machine` for a global `seqlen`: LASP-2 (one all-gather of the D x D states a
+    pass, overlapping the intra-chunk work), LASP-1 (the states passed rank to rank) and a ring
+    of K, V as the baseline. The backward's compute counts twice the forward's; fp32 states."""
+    bw = machine.inter_bw if size > machine.ranks_per_node else machine.intra_bw
+    c = seqlen // size
+    intra, inter = linear_flops(b, c, h, hkv, d)
+    intra_s = intra / machine.flops
+    compute = 3 * (intra + inter) / machine.flops
+    state = b * hkv * d * d * 4
+    rounds = machine.latency * max(1, (size - 1).bit_length())   # ceil(log2 G) latencies
+
+    def gather(states: int) -> float:
+        return rounds + (size - 1) * states * state / bw
+
+    lasp2 = (compute + max(0.0, gather(1) - intra_s) + max(0.0, gather(2) - 2 * intra_s)
+             + machine.step_overhead * 2)
+    lasp1 = compute + 3 * (size - 1) * (machine.latency + state / bw) + machine.step_overhead * 2
+    kv = 2 * b * hkv * c * d * itemsize
+    per_step = compute / size
+    ring = sum(max(per_step, machine.latency + kv / bw) for _ in range(size - 1)) * 2 + per_step * 2
+    return {"lasp2_s": lasp2, "lasp1_s": lasp1, "ring_s": ring}
+
+
+def predict_decode(machine: Machine, size: int, cache_len: int, b: int, h: int, hkv: int, d: int,
+                   itemsize: int) -> dict:
+    """PREDICTED seconds of one decode token on `size` ranks of `machine` over a cache of
+    `cache_len` rows in all: each rank reads its K, V share at memory_bw, then the partials'
+    all-gather (`engine.decode.decode_bytes`, ceil(log2 G) latencies). read_s, gather_s,
+    token_s; bytes: what one rank sends."""
+    bw = machine.inter_bw if size > machine.ranks_per_node else machine.intra_bw
+    read = 2 * b * math.ceil(cache_len / size) * hkv * d * itemsize / machine.memory_bw
+    sent = decode_bytes(size, np.empty((b, 1, h, d), np.float16))
+    gather = 0.0 if size == 1 else machine.latency * math.ceil(math.log2(size)) + sent / bw
+    return {"read_s": read, "gather_s": gather, "token_s": read + gather, "bytes": sent}
+
+
+__all__ = ["Machine", "MACHINES", "Candidate", "Plan", "plan", "predict", "candidates",
+           "predict_linear", "predict_decode"]

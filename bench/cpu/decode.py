@@ -16,13 +16,13 @@ First token (prefill): causal attention over the prompt sharded zigzag over G ra
 rank: the time to the first token's attention output.
 Model (--predict): per token, a rank reads its K/V shard once (memory-bound: 2*B*S/G*Hkv*D*itemsize
 bytes at 80% of the GPU's HBM bandwidth) and the all-gather costs latency*ceil(log2 G) + bytes /
-bandwidth, latency and bandwidth those of bench/model/predict.py's presets (`burstcu.plan.Machine`).
+bandwidth, latency and bandwidth those of bench/model/predict.py's presets: the library's model,
+`burstcu.plan.predict_decode` on a `burstcu.plan.Machine` (memory_bw).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -34,15 +34,11 @@ from bench.model.predict import PRESETS  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu.engine.decode import decode_bytes  # noqa: E402
-
-# HBM bandwidth of the presets' GPUs, GB/s (H100 SXM5 datasheet), for the memory-bound decode step
-HBM_GBPS = {"h100": 3350}
+from burstcu.plan import predict_decode  # noqa: E402
 
 
 def _sync(group) -> None:
-    if group.backend == "cupy":
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
+    group.ops.sync()
 
 
 def measure_decode(group, args, cache_len: int) -> list[dict]:
@@ -117,22 +113,17 @@ def measure_prefill(group, args, n: int) -> list[dict]:
 
 
 def predict(args) -> dict:
-    """PREDICTIONS of the per-token latency for every preset (module docstring)."""
+    """PREDICTIONS of the per-token latency for every preset (`burstcu.plan.predict_decode`)."""
     b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
     itemsize = np.dtype(C.array_dtype(args.dtype)).itemsize
     rows = []
     for name, machine in sorted(PRESETS.items()):
-        hbm = HBM_GBPS[name.split("-")[0]] * 1e9 * 0.8
         for g in args.ranks:
-            bandwidth = machine.intra_bw if g <= machine.ranks_per_node else machine.inter_bw
             for n in args.cache:
-                read = 2 * b * math.ceil(n / g) * hkv * d * itemsize / hbm
-                q = np.empty((b, 1, h, d), np.float16)
-                sent = decode_bytes(g, q)
-                comm = 0.0 if g == 1 else machine.latency * math.ceil(math.log2(g)) + sent / bandwidth
+                t = predict_decode(machine, g, n, b, h, hkv, d, itemsize)
                 rows.append({"kind": "PREDICTION", "preset": name, "ranks": g, "cache": n,
-                             "token_ms": (read + comm) * 1e3, "read_ms": read * 1e3,
-                             "gather_ms": comm * 1e3, "bytes_per_rank": sent})
+                             "token_ms": t["token_s"] * 1e3, "read_ms": t["read_s"] * 1e3,
+                             "gather_ms": t["gather_s"] * 1e3, "bytes_per_rank": t["bytes"]})
     return {"benchmark": "decode", "kind": "PREDICTION", "args": C.clean(vars(args)), "rows": rows}
 
 

@@ -14,7 +14,8 @@ second of forward + backward, and the bytes and messages one rank sends per pass
 over ranks, from group.stats). burst is softmax attention (causal like the others): the point of
 LASP is that its messages do not grow with the sequence while the ring's K/V do.
 
---predict (no MPI, no measurement; every figure labelled PREDICTION): a cost model on a preset of
+--predict (no MPI, no measurement; every figure labelled PREDICTION): the library's cost model
+(`burstcu.plan.predict_linear`) on a preset of
 `burstcu.plan.MACHINES` for one layer, forward + backward, per rank:
     lasp2   compute + for each pass max(0, all-gather - intra-chunk work): one collective of
             latency * ceil(log2 G) + (G-1) * its bytes / bandwidth (forward: one state of
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu.plan import MACHINES  # noqa: E402
+from burstcu.plan import MACHINES, predict_linear  # noqa: E402
 
 LINEAR = ("lasp2", "lasp1")
 
@@ -117,43 +118,16 @@ COLUMNS = ["ranks", "seqlen", "strategy", "forward_s", "backward_s", "tokens_per
            "forward_bytes", "forward_messages", "backward_bytes", "backward_messages"]
 
 
-# -- the model ---------------------------------------------------------------------------------
-
-def linear_flops(b, c, h, hkv, d, tile=128) -> tuple[float, float]:
-    """(intra, inter) flops of one causal chunkwise forward of c rows: the masked tile products
-    (2 matmuls of c x tile x d, half of each kept) and the state products (Q M, K^T V)."""
-    t = min(tile, c)
-    intra = 2 * 2 * b * h * c * t * d * 0.5
-    inter = 2 * b * h * c * d * d + 2 * b * hkv * c * d * d
-    return intra, inter
-
+# -- the model: the library's (burstcu.plan.predict_linear) ----------------------------------
 
 def predict(preset: str, ranks: int, seqlen: int, b: int, h: int, hkv: int, d: int,
             itemsize: int) -> dict:
-    """Predicted seconds of one causal layer's forward + backward per rank (see the module
-    docstring); the backward's compute counted as twice the forward's."""
-    m = MACHINES[preset]
-    bw = m.inter_bw if ranks > m.ranks_per_node else m.intra_bw
-    c = seqlen // ranks
-    intra, inter = linear_flops(b, c, h, hkv, d)
-    intra_s = intra / m.flops
-    compute = 3 * (intra + inter) / m.flops                      # forward + backward (2x)
-    state = b * hkv * d * d * 4                                   # fp32 states
-    rounds = m.latency * max(1, (ranks - 1).bit_length())         # ceil(log2 G) latencies
-
-    def gather(states: int) -> float:
-        return rounds + (ranks - 1) * states * state / bw
-
-    lasp2 = (compute + max(0.0, gather(1) - intra_s) + max(0.0, gather(2) - 2 * intra_s)
-             + m.step_overhead * 2)
-    hop = m.latency + state / bw
-    lasp1 = compute + 3 * (ranks - 1) * hop + m.step_overhead * 2
-    kv = 2 * b * hkv * c * d * itemsize
-    per_step = compute / ranks
-    ring = sum(max(per_step, m.latency + kv / bw) for _ in range(ranks - 1)) * 2 + per_step * 2
-    return {"preset": preset, "ranks": ranks, "seqlen": seqlen, "lasp2_s": lasp2,
-            "lasp1_s": lasp1, "ring_s": ring,
-            "lasp2_over_ring": ring / lasp2 - 1, "lasp2_over_lasp1": lasp1 / lasp2 - 1}
+    """PREDICTED seconds of one causal layer's forward + backward per rank on `preset`
+    (`burstcu.plan.predict_linear`), with the ratios the table prints."""
+    seconds = predict_linear(MACHINES[preset], ranks, seqlen, b, h, hkv, d, itemsize)
+    return {"preset": preset, "ranks": ranks, "seqlen": seqlen, **seconds,
+            "lasp2_over_ring": seconds["ring_s"] / seconds["lasp2_s"] - 1,
+            "lasp2_over_lasp1": seconds["lasp1_s"] / seconds["lasp2_s"] - 1}
 
 
 def main(argv=None) -> int:
@@ -181,7 +155,7 @@ def main(argv=None) -> int:
                         2 if args.dtype == "float16" else 4) for s in args.seqlens]
         cols = ["preset", "ranks", "seqlen", "lasp2_s", "lasp1_s", "ring_s", "lasp2_over_ring",
                 "lasp2_over_lasp1"]
-        text = ("# PREDICTION (bench/cpu/linear.py cost model, preset "
+        text = ("# PREDICTION (burstcu.plan.predict_linear, preset "
                 f"{args.preset}: {MACHINES[args.preset].source}); LASP-2 paper, 64 A100s, 2048K: "
                 "+36.6% over Ring Attention, +15.2% over LASP-1 (whole-model throughput; this "
                 "prices the attention layer alone: compare directions, not magnitudes)\n"
