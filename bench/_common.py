@@ -37,6 +37,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from burstcu.ops.base import DelegatingOps
+
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # where mpiexec tells a process its rank before MPI starts (MPICH's Hydra, Open MPI, PMIx)
@@ -325,14 +327,20 @@ def write_json(path, obj) -> None:
         f.write("\n")
 
 
+def add_shape_args(p, *, heads: int = 4, headdim: int = 64, dtype: str = "float32",
+                   dtypes=("float16", "bfloat16", "float32", "float64")) -> None:
+    """--batch, --heads, --kv-heads, --headdim, --dtype: the arrays' shape and dtype options."""
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--headdim", type=int, default=headdim)
+    p.add_argument("--dtype", default=dtype, choices=list(dtypes))
+
+
 def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
     """The problem-shape options every per-strategy benchmark takes."""
     p.add_argument("--seqlen", type=int, default=seqlen, help="global sequence length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--dtype", default=dtype, choices=["float16", "bfloat16", "float32", "float64"])
+    add_shape_args(p, dtype=dtype)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"])
     p.add_argument("--json", default=None)
@@ -384,3 +392,27 @@ def _running_a_bench_script() -> bool:
 
 if _running_a_bench_script():
     refuse_plot_without_matplotlib(sys.argv[1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# steps timed inside the engine
+
+
+class StepTimingOps(DelegatingOps):
+    """Delegates to `inner`, running each forward and backward step through `timed(fn, *args)`
+    (a subclass's clock: host time, CUDA events), which notes an interval in `intervals`; with
+    compute=False a step gets no blocks (what is left is the exchange alone)."""
+
+    def __init__(self, inner, compute: bool):
+        super().__init__(inner)
+        self.compute, self.intervals = compute, []
+
+    def timed(self, fn, *args) -> None:
+        raise NotImplementedError
+
+    def forward_step(self, state, k, v, blocks):
+        self.timed(self.inner.forward_step, state, k, v, blocks if self.compute else [])
+
+    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
+        self.timed(self.inner.backward_step, ctx, q, dout, lse, delta, dq,
+                   blocks if self.compute else [], psum)

@@ -133,11 +133,7 @@ def predict(preset: str, ranks: int, seqlen: int, b: int, h: int, hkv: int, d: i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384, 65536])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
+    C.add_shape_args(p, heads=8, dtypes=("float16", "float32", "float64"))
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--strategies", nargs="+", default=["lasp2", "lasp1", "burst"])
     p.add_argument("--repeats", type=int, default=3)

@@ -83,7 +83,6 @@ from bench.model.predict import overlap_prediction  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu.engine import Trace  # noqa: E402
-from burstcu.ops.base import DelegatingOps, LocalOps  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
 from burstcu.transport.link import Link  # noqa: E402
 
@@ -237,25 +236,13 @@ def _covered(intervals: list) -> float:
     return total
 
 
-class TimedOps(DelegatingOps):
-    """Delegates to `inner`; timestamps each step; with compute=False a step gets no blocks."""
+class TimedOps(C.StepTimingOps):
+    """`StepTimingOps` on the host clock: ["compute", start, stop] a step."""
 
-    def __init__(self, inner: LocalOps, compute: bool):
-        super().__init__(inner)
-        self.compute = compute
-        self.intervals: list = []
-
-    def _run(self, fn, *args):
+    def timed(self, fn, *args):
         t0 = time.perf_counter()
         fn(*args)
         self.intervals.append(["compute", t0, time.perf_counter()])
-
-    def forward_step(self, state, k, v, blocks):
-        self._run(self.inner.forward_step, state, k, v, blocks if self.compute else [])
-
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
-        self._run(self.inner.backward_step, ctx, q, dout, lse, delta, dq,
-                  blocks if self.compute else [], psum)
 
 
 class StepRecorder(Trace):

@@ -47,26 +47,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu.ops.base import DelegatingOps  # noqa: E402
 from burstcu.transport.loopback import CupyCopyDevice  # noqa: E402
 
 MODES = ("compute", "comm", "overlapped")
 
 
-class EventOps(DelegatingOps):
-    """Records CUDA events around every step kernel on the current (compute) stream, labelled
-    with the engine's annotation of the step ("fwd 2 compute"); with compute=False each step gets
-    no blocks. `where` is the engine's latest annotation (the copy device reads it too)."""
+class EventOps(C.StepTimingOps):
+    """`StepTimingOps` on CUDA events around every step kernel on the current (compute) stream,
+    labelled with the engine's annotation of the step ("fwd 2 compute"). `where` is the
+    engine's latest annotation (the copy device reads it too)."""
 
     def __init__(self, inner, compute: bool):
-        super().__init__(inner)
-        self.compute, self.intervals, self.where = compute, [], "start"
+        super().__init__(inner, compute)
+        self.where = "start"
 
     def annotate(self, label: str):
         self.where = label
         return self.inner.annotate(label)
 
-    def _recorded(self, fn, *args):
+    def timed(self, fn, *args):
         import cupy
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         label = self.where
@@ -74,13 +73,6 @@ class EventOps(DelegatingOps):
         fn(*args)
         stop.record()
         self.intervals.append(("compute", label, start, stop))
-
-    def forward_step(self, state, k, v, blocks):
-        self._recorded(self.inner.forward_step, state, k, v, blocks if self.compute else [])
-
-    def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
-        self._recorded(self.inner.backward_step, ctx, q, dout, lse, delta, dq,
-                    blocks if self.compute else [], psum)
 
 
 class EventCopyDevice(CupyCopyDevice):

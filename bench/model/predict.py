@@ -221,11 +221,8 @@ def parse(argv=None):
     p.add_argument("--link-gbs", type=float, help="override both links' one-way bandwidth (GB/s)")
     p.add_argument("--latency-us", type=float, help="override the per-exchange latency")
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    C.add_shape_args(p, heads=32, headdim=128, dtype="bfloat16",
+                     dtypes=("float16", "bfloat16", "float32"))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategy", default="burst", choices=["burst", "ring"])
     p.add_argument("--strategies", action="store_true",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .lasp2 import outputs, rows, runs, stacked, state_bytes
+from .lasp2 import my_runs, outputs, rows, runs, stacked, state_bytes
 from .steps import Trace, now, timed_wait
 
 
@@ -120,8 +120,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
     acc = accum_dtype(q.dtype)
-    size, rank = transport.size, transport.rank
-    segs, places, _ = runs(layout, rank, size, q.shape[1])
+    size, rank, segs, places, _ = my_runs(layout, transport, q)
     chain = _Chain(ops, transport, owners(layout, size, q.shape[1]))
     shape = (k.shape[0], k.shape[2], q.shape[-1], q.shape[-1])
     states = [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in segs]
@@ -144,9 +143,8 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
 def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-    acc = accum_dtype(q.dtype)
-    size, rank, hkv = transport.size, transport.rank, k.shape[2]
-    segs, places, _ = runs(layout, rank, size, q.shape[1])
+    acc, hkv = accum_dtype(q.dtype), k.shape[2]
+    size, rank, segs, places, _ = my_runs(layout, transport, q)
     owner = owners(layout, size, q.shape[1])
     chain = _Chain(ops, transport, owner)
     d = q.shape[-1]

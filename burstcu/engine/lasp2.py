@@ -42,6 +42,12 @@ def runs(layout: str, rank: int, size: int, seqlen_local: int):
     return mine, [place[(rank, i)] for i in range(len(mine))], place
 
 
+def my_runs(layout: str, transport: Transport, q) -> tuple:
+    """(size, rank, this rank's runs, their places, every chunk's place) of q's rows (`runs`)."""
+    size, rank = transport.size, transport.rank
+    return (size, rank) + runs(layout, rank, size, q.shape[1])
+
+
 def rows(x, seg):
     return x[:, seg.local:seg.local + seg.length]
 
@@ -96,8 +102,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
     acc = accum_dtype(q.dtype)
-    size, rank = transport.size, transport.rank
-    mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+    size, rank, mine_runs, places, place = my_runs(layout, transport, q)
     states = stacked(ops, [ops.linear_kv_state(rows(k, s), rows(v, s), acc) for s in mine_runs], acc)
     gathered, posted = _gather(ops, transport, states, "lasp2 fwd all-gather states")
     t0 = now()
@@ -118,9 +123,8 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
 def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
-    acc = accum_dtype(q.dtype)
-    size, rank, hkv = transport.size, transport.rank, k.shape[2]
-    mine_runs, places, place = runs(layout, rank, size, q.shape[1])
+    acc, hkv = accum_dtype(q.dtype), k.shape[2]
+    size, rank, mine_runs, places, place = my_runs(layout, transport, q)
     states = stacked(ops, [stacked(ops, [ops.linear_kv_state(rows(k, s), rows(v, s), acc),
                                          ops.linear_grad_state(rows(q, s), rows(dout, s), hkv, acc)],
                                    acc) for s in mine_runs], acc)   # (nruns, 2, B, Hkv, D, D)
