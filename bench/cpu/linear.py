@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
@@ -72,23 +71,17 @@ def measure(group, args, seqlen: int, strategy: str) -> dict:
         return burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal,
                                           strategy=strategy)
 
-    def timed(fn, *a):
-        group.barrier()
-        t0 = time.perf_counter()
-        r = fn(*a)
-        group.ops.sync()
-        return r, time.perf_counter() - t0
+    def once(fn) -> float:
+        """Seconds of one fn() started together on every rank (stats counted from its start)."""
+        return C.call_seconds(fn, 1, warmup=0, before=lambda: (group.stats.reset(), group.barrier()),
+                              after=group.ops.sync)[0]
 
     bwd(fwd())                                           # warm-up: compiles, buffers
-    f_times, b_times = [], []
+    f_times, b_times, saved = [], [], {}
     for _ in range(args.repeats):
-        group.stats.reset()
-        saved, tf = timed(fwd)
+        f_times.append(once(lambda: saved.update(forward=fwd())))
         fwd_bytes, fwd_msgs = group.stats.bytes_sent, group.stats.messages
-        group.stats.reset()
-        _, tb = timed(bwd, saved)
-        f_times.append(tf)
-        b_times.append(tb)
+        b_times.append(once(lambda: bwd(saved["forward"])))
     return {"forward_s": C.median(f_times), "backward_s": C.median(b_times),
             "forward_bytes": fwd_bytes, "forward_messages": fwd_msgs,
             "backward_bytes": group.stats.bytes_sent, "backward_messages": group.stats.messages}
