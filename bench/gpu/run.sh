@@ -43,6 +43,10 @@ steps=("$@")
                                  memcheck racecheck demo mpi linear linearbench varlen uneven decode)
 failed=()
 
+plot() {  # plot FILE: "--plot FILE" where matplotlib imports, else nothing (a measurement never waits on a picture)
+  if [ $DRY_RUN = 1 ] || $PY -c 'import matplotlib' 2>/dev/null; then echo --plot "$1"; fi
+}
+
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   if [ $DRY_RUN = 1 ]; then echo "=== $name (limit ${limit}s): $*"; return; fi
@@ -69,7 +73,7 @@ for s in "${steps[@]}"; do
              tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
     hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
              --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
-             --table "$OUT/kernels_sm90.txt" --plot "$OUT/kernels_sm90.png" ${KBENCH_ARGS:-} ;;
+             --table "$OUT/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
              BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --error-exitcode 9 \
              --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
@@ -85,13 +89,13 @@ for s in "${steps[@]}"; do
              tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/kernels/test_decode_emulated.py ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
-             --plot "$OUT/kernels.png" ${KBENCH_ARGS:-} ;;
+             $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
-             --plot "$OUT/overlap_gpu.png" ${OVERLAP_ARGS:-} ;;
+             $(plot "$OUT/overlap_gpu.png") ${OVERLAP_ARGS:-} ;;
     tiles) step tiles 240 $PY bench/gpu/tiles.py --candidates bench/results/h100/tile_candidates.json \
              --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
     overlap_causal) step overlap_causal 300 $PY bench/gpu/overlap_gpu.py --causal --layout zigzag \
-             --json "$OUT/overlap_gpu_causal.json" --plot "$LOGS/overlap_gpu_causal.png" ${OVERLAP_ARGS:-} ;;
+             --json "$OUT/overlap_gpu_causal.json" $(plot "$LOGS/overlap_gpu_causal.png") ${OVERLAP_ARGS:-} ;;
     memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
              compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
              $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
