@@ -363,13 +363,10 @@ def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
     """Rank `rank` of a loopback world: ranks as threads of one process sharing one device
     (`burstcu.transport.loopback`). Call on the rank's own thread; on "cupy", with that thread's
     own compute stream current. `burstcu.testing.world.run_ranks` starts such a world."""
-    if backend == "numpy":
-        ops: LocalOps = NumpyOps(**options)
-    elif backend in ("cupy", "emulated"):
-        ops = KernelOps(backend, **options)
-    else:
+    if backend not in DEVICE_OF:
         raise ValueError(f"backend must be 'numpy', 'emulated' or 'cupy', not {backend!r}")
-    device = CupyCopyDevice() if backend == "cupy" else HostDevice()
+    ops = _local_op(backend, options)
+    device = CupyCopyDevice() if on_gpu(backend) else HostDevice()
     transport = LoopbackTransport(rank, hub, device)
     return Group(rank, hub.size, backend, transport, ops)
 

@@ -39,3 +39,11 @@ def test_auto_with_a_gpu_on_some_ranks_only_is_told(monkeypatch):
     assert group._resolve_backend("auto", [mine, mine]) == ("cupy", True)
     with pytest.warns(UserWarning, match="runs the NumPy CPU backend"):
         group._warn_cpu_fallback(TwoRanks(), "some ranks have a usable GPU, not every rank")
+
+
+def test_a_loopback_world_names_an_unknown_op_option():
+    """run_ranks' groups are made like init's: a misspelt option is refused by name."""
+    from burstcu.testing.world import RankFailed, run_ranks
+    with pytest.raises(RankFailed, match="unknown option 'determinstic': it takes"):
+        run_ranks(2, lambda group: None, backend="numpy", determinstic=True)
+    assert run_ranks(2, lambda group: group.ops.deterministic, deterministic=True) == [True, True]
