@@ -111,9 +111,11 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
     ranks' shards."""
     def local(native):
         conflict = None if problem is None else InputError(ValueError, problem)
+        agreed = options if sharding_lengths is None else {
+            **options, "sharding_lengths": tuple(sharding_lengths)}   # the ranks' Shardings agree
         err, scale, meta, docs = check_attention_call(
             group.ops, native, backward=backward, causal=causal, softmax_scale=softmax_scale,
-            layout=layout, strategy=strategy, options=options, flags=flags,
+            layout=layout, strategy=strategy, options=agreed, flags=flags,
             options_problem=conflict or _check_options(strategy, options),
             strategy_problem=lambda q_shape, k_shape: _strategy_problem(
                 strategy, options, q_shape, k_shape, group.size),
@@ -156,15 +158,20 @@ def _unpacked(group, layout, cu_seqlens, uneven) -> tuple:
                 False if uneven is None else uneven, None, None)
     group, sh_layout, sh_docs, lengths = arguments()
     conflict = None
-    if layout is not None and layout != sh_layout:
+    if layout is not None and not (isinstance(layout, str) and layout == sh_layout):
         conflict = f"layout={layout!r} but the Sharding's layout is {sh_layout!r}"
     if cu_seqlens is not None:
         err, docs = parse_cu_seqlens(cu_seqlens)
-        if err is None and docs != sh_docs:
+        if err is not None:
+            conflict = f"cu_seqlens beside the Sharding: {err.message}"
+        elif docs != sh_docs:
             conflict = f"cu_seqlens={list(docs)} but the Sharding's is {sh_docs and list(sh_docs)}"
-    if uneven is not None and bool(uneven) != (lengths is not None):
-        conflict = (f"uneven={uneven!r} but the Sharding's shards are "
-                    f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
+    if uneven is not None:
+        if not isinstance(uneven, (bool, np.bool_)):
+            conflict = f"uneven must be True or False, got {uneven!r}"
+        elif bool(uneven) != (lengths is not None):
+            conflict = (f"uneven={uneven!r} but the Sharding's shards are "
+                        f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
     if conflict is not None:
         conflict += "; pass the Sharding alone: it carries layout, cu_seqlens and lengths"
     return group, sh_layout, sh_docs, lengths is not None, lengths, conflict
@@ -217,9 +224,9 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         S may differ between ranks (module docstring), every other extent may not. Packed
         (flash-attn's varlen convention, no batch axis): q (T, H, D), k, v (T, Hkv, D) with
         documents packed back to back (cu_seqlens); out (T, H, D), lse (H, T).
-    group: a group from `burstcu.init()`, or a `burstcu.Sharding` (a group and the split of the
-        sequence), which then supplies layout, cu_seqlens and uneven: a keyword given beside it
-        that disagrees is a ValueError on every rank.
+    A `burstcu.Sharding` in place of the group (a group and the split of the sequence)
+        supplies layout, cu_seqlens and uneven: a keyword given beside it that disagrees is a
+        ValueError on every rank.
     softmax_scale: defaults to 1/sqrt(D). causal: over global positions (module docstring).
     group: from `burstcu.init()`; None means one process (S is then the whole sequence), on
         the inputs' device: CUDA arrays (CuPy, or DLPack ones such as torch/JAX on a GPU) run
@@ -250,8 +257,9 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
         once no rank it would reach shares a document with it.
     uneven: contiguous shards of other than near-equal lengths are what the ranks mean to
-        hold (default False: lengths differing by more than one row are refused on every rank,
-        which catches a rank passing the global array instead of its shard).
+        hold (left out: False, or the Sharding's; with False, lengths differing by more than
+        one row are refused on every rank, which catches a rank passing the global array
+        instead of its shard).
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results
@@ -292,7 +300,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
-    `attention(..., return_lse=True)`; the other arguments as given to `attention`.
+    `attention(..., return_lse=True)`; the other arguments as given to `attention`. Packed
+    (no batch axis): dout, q, out (T, H, D), k, v (T, Hkv, D), lse (H, T), gradients 3-D.
     Returns (dq, dk, dv) with q's, k's and v's shapes, dtype and array type.
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
     lse must have exactly the dtype and shape `attention` returns. check=True also verifies
@@ -471,7 +480,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     return results if return_lse else results[0]
 
 
-def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_seqlens=None):
+def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
     """This rank's piece of the global array `x` along `axis` (the sequence axis), N long.
 
     "contiguous": run `rank` of `size` near-equal runs (the first N % size ranks hold one row
@@ -480,39 +489,57 @@ def shard(x, group: Group | None, layout: str = "contiguous", axis: int = 1, cu_
     2*size, document by document (`burstcu.layout.partition`). Any N >= size works. No
     communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
     will be given, checked against N (with "contiguous" they do not move any row). A
-    numpy.ma.MaskedArray is refused (TypeError): its mask would be lost.
+    numpy.ma.MaskedArray is refused (TypeError): its mask would be lost. group: a group, None
+    (one rank), or a `burstcu.Sharding` (its layout, documents and lengths; a keyword that
+    disagrees raises ValueError). No communication, so an error is this rank's alone.
     """
+    group, layout, cu_seqlens, _, lengths, conflict = _unpacked(group, layout, cu_seqlens, None)
+    if conflict is not None:
+        raise ValueError(conflict)
     check_layout(layout)
     masked = masked_array_problem("x", x)
     if masked is not None:
         raise masked.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = axis % x.ndim
-    part = _shard_partition(layout, size, x.shape[axis], cu_seqlens)
+    part = _shard_partition(layout, size, x.shape[axis], cu_seqlens, lengths)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
     return joined(x, pieces, axis)
 
 
-def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens) -> Partition:
-    """`shard`'s partition of a global sequence of `seqlen_global` rows (raises on bad input)."""
+def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens,
+                     lengths: tuple | None = None) -> Partition:
+    """`shard`'s partition of a global sequence of `seqlen_global` rows (raises on bad input);
+    lengths: each rank's rows (contiguous shards of those lengths)."""
     err, docs = check_cu_seqlens(cu_seqlens, seqlen_global, layout)
     if err is not None:
         raise err.kind(err.message)
+    if lengths is not None:
+        if size > 1 and sum(lengths) != seqlen_global:
+            raise ValueError(f"a sequence of {seqlen_global} rows, but the Sharding's lengths "
+                             f"add up to {sum(lengths)}")
+        return partition("contiguous", size, seqlen_global, lengths=tuple(lengths) if size > 1 else None)
     return partition(layout, size, seqlen_global, docs if layout == "zigzag" else None)
 
 
-def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int = 1,
-            cu_seqlens=None, uneven: bool = False):
+def unshard(x_local, group, layout: str | None = None, axis: int = 1,
+            cu_seqlens=None, uneven: bool | None = None):
     """The global array on every rank, from each rank's `x_local` (the inverse of `shard`; with
     "contiguous", of any split the ranks' shards make in rank order).
 
     Collective: every rank calls it with the same dtype, axis and cu_seqlens and shapes equal
     but along `axis`, where shards may differ (zigzag: as `shard` cuts them; contiguous: by at
     most one row, or any lengths with uneven=True, as `attention` takes them). Traffic is
-    counted in `group.stats` (uneven shards travel padded to the longest).
+    counted in `group.stats` (uneven shards travel padded to the longest). group may be a
+    `burstcu.Sharding`: its layout, documents and lengths; a keyword that disagrees raises
+    ValueError on every rank.
     """
+    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens,
+                                                                      uneven)
     if group is None or group.size == 1:
+        if conflict is not None:
+            raise ValueError(conflict)
         check_layout(layout)
         masked = masked_array_problem("x_local", x_local)
         if masked is not None:
@@ -523,6 +550,8 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
         with call.raising_together():
             free = length = export = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
+                if conflict is not None:
+                    raise ValueError(conflict)
                 if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
                     (x_local,), export = native(group.ops, x_local)  # torch, JAX, ... : DLPack
                 check_layout(layout)
@@ -535,7 +564,8 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
             except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...) or a bad axis
                 taken = untakeable(exc, (x_local,))
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
-            mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs), uneven, length)
+            mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs),
+                                            (uneven, lengths), length)
             reports = group.transport.allgather_object((*mine, err.plain() if err else None), "unshard")
             failed = [(r, InputError.from_plain(e)) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
@@ -547,6 +577,9 @@ def unshard(x_local, group: Group | None, layout: str = "contiguous", axis: int 
             err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))
             if err is not None:
                 raise err.kind(err.message)
+            if lengths is not None and part.lengths != tuple(lengths):
+                raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
+                                 f"{list(lengths)}: cut the shards with sharding.shard(x)")
         return returned(export, (_gathered(x_local, group, part, axis),))[0]
 
 

@@ -153,9 +153,9 @@ def _like(x):
 
 
 def _lse_struct(q) -> jax.ShapeDtypeStruct:
-    """lse (B, H, S): float32, float64 for float64 q."""
-    b, s, h, _ = q.shape
-    return jax.ShapeDtypeStruct((b, h, s), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    """lse (B, H, S), or (H, T) for packed q (T, H, D): float32, float64 for float64 q."""
+    shape = (q.shape[1], q.shape[0]) if q.ndim == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    return jax.ShapeDtypeStruct(shape, jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
 
 
 def _static(options: dict) -> dict:

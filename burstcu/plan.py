@@ -43,6 +43,7 @@ from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, partition
 from .ops.base import accum_dtype
+from .validate import parse_cu_seqlens
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,7 @@ def candidates(q_shape, k_shape, size: int) -> list[tuple[str, dict]]:
 
 
 def plan(q_shape, k_shape, group=None, *, causal: bool = False,
-         layout: str | Partition = "contiguous", dtype="float16", backward: bool = True,
+         layout: str | Partition | None = None, dtype="float16", backward: bool = True,
          machine: Machine | str | None = None, window_size=(-1, -1), cu_seqlens=None) -> Plan:
     """The PREDICTED best strategy for attention of q (B, S, H, D) over k, v (B, S, Hkv, D) —
     each rank's shard — on `group` (None: one rank), and the predictions it was chosen from.
@@ -388,13 +389,15 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     arguments = getattr(group, "sharding_arguments", None)
     if callable(arguments):                       # a burstcu.Sharding: its group and its split
         group, sh_layout, sh_docs, lengths = arguments()
-        given = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-        if layout not in ("contiguous", sh_layout) or given not in (None, sh_docs):
+        given = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens)
+        if (layout is not None and (not isinstance(layout, str) or layout != sh_layout)) or \
+                (given is not None and (given[0] is not None or given[1] != sh_docs)):
             raise ValueError("plan(..., sharding) takes its layout and cu_seqlens from the "
                              "Sharding: pass them only through it")
-        layout, cu_seqlens = sh_layout, sh_docs if cu_seqlens is None else cu_seqlens
+        layout, cu_seqlens = sh_layout, sh_docs
         if lengths is not None:
             layout = partition("contiguous", group.size, sum(lengths), lengths=lengths)
+    layout = "contiguous" if layout is None else layout
     size = 1 if group is None else group.size
     if machine is None:
         machine = "h100" if group is not None and group.ops.device == "cuda" else "cpu"

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import api
-from .arrays import joined
 from .group import Group
 from .layout import LAYOUTS, Partition, partition
-from .validate import host_ints, masked_array_problem, parse_cu_seqlens
+from .validate import host_ints, parse_cu_seqlens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # identity: hashable (a jit static argument, a cache key)
 class Sharding:
     """A group and the split of the sequence across its ranks (module docstring)."""
 
@@ -86,25 +85,24 @@ class Sharding:
         docs = self.cu_seqlens if self.layout == "zigzag" else None
         return partition(self.layout, self.group.size, seqlen_global, docs)
 
-    def shard(self, x, axis: int = 1):
-        """This rank's rows of the global array `x` along `axis` (the sequence axis: 1 for
-        (B, N, H, D), 0 for packed (N, H, D)). No communication."""
-        if self.lengths is None:
-            return api.shard(x, self.group, self.layout, axis, self.cu_seqlens)
-        masked = masked_array_problem("x", x)
-        if masked is not None:
-            raise masked.exception()
-        axis = axis % x.ndim
-        part = self.partition(x.shape[axis])
-        return joined(x, [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
-                          for seg in part.runs[self.group.rank]], axis)
+    def shard(self, x, axis: int | None = None):
+        """This rank's rows of the global array `x` along `axis` (the sequence axis; None: 0 for
+        packed (N, H, D) arrays, 1 otherwise, as (B, N, H, D)). No communication."""
+        return api.shard(x, self, axis=_sequence_axis(x, axis))
 
-    def unshard(self, x_local, axis: int = 1):
-        """The global array on every rank from each rank's `x_local` (collective)."""
-        return api.unshard(x_local, self.group, self.layout, axis, self.cu_seqlens, self.uneven)
+    def unshard(self, x_local, axis: int | None = None):
+        """The global array on every rank from each rank's `x_local` (collective; axis as in
+        `shard`)."""
+        return api.unshard(x_local, self, axis=_sequence_axis(x_local, axis))
 
     def unshard_lse(self, lse_local):
         """The global lse on every rank: (B, H, N) from (B, H, S_local), or (H, N) from packed
         inputs' (H, T_local) — the sequence is lse's last axis (collective)."""
         return self.unshard(lse_local, axis=-1)
 
+
+def _sequence_axis(x, axis: int | None) -> int:
+    """`axis`, or where the sequence is when None: 0 for packed (T, H, D), else 1."""
+    if axis is not None:
+        return axis
+    return 0 if getattr(x, "ndim", None) == 3 else 1

@@ -38,11 +38,14 @@ def test_disagreeing_keywords_are_refused_on_every_rank(world):
     results = run_mpi(world, "sharding_bodies:disagreeing_keywords_are_refused")
     messages = results[0]["messages"]
     assert set(messages) == {"layout", "cu_seqlens", "uneven", "backward", "linear documents",
-                             "lengths"}, messages
+                             "uneven not a bool", "bad cu_seqlens", "unshard layout", "lengths",
+                             "ranks' lengths differ"}, messages
     assert all(r["messages"] == messages for r in results)
     assert "the Sharding's layout is 'zigzag'" in messages["layout"]
     assert "pass the Sharding alone" in messages["cu_seqlens"]
     assert "Sharding says" in messages["lengths"]
+    assert "uneven must be True or False" in messages["uneven not a bool"]
+    assert "sharding_lengths" in messages["ranks' lengths differ"]
 
 
 def test_a_sharding_is_checked_when_made():
@@ -67,8 +70,11 @@ def test_plan_takes_a_sharding_and_packed_shapes():
                                cu_seqlens=[0, 30, 64])
     assert [(c.label, c.forward_s) for c in by_sharding.candidates] == \
         [(c.label, c.forward_s) for c in by_keywords.candidates]
-    with pytest.raises(ValueError, match="only through it"):
-        burstcu.plan((64, 4, 16), (64, 2, 16), sh, layout="contiguous", cu_seqlens=[0, 64])
+    for given in (dict(layout="contiguous"), dict(cu_seqlens=[0, 64]), dict(cu_seqlens="x")):
+        with pytest.raises(ValueError, match="only through it"):
+            burstcu.plan((64, 4, 16), (64, 2, 16), sh, **given)
+    assert burstcu.plan((64, 4, 16), (64, 2, 16), sh, cu_seqlens=[0, 30, 30, 64]).strategy
+    assert hash(sh) == hash(sh) and sh != burstcu.Sharding(group, layout="zigzag", cu_seqlens=[0, 30, 64])
 
 
 def test_packed_inputs_on_one_process_equal_the_batched_form():
@@ -108,6 +114,9 @@ def test_the_adapters_take_a_sharding():
     assert np.array_equal(out.detach().numpy(), want) and tq.grad.shape == tq.shape
     got = burstcu.jax.attention(*(jax.numpy.asarray(x) for x in (q, k, v)), sh, causal=True)
     assert np.array_equal(np.asarray(got), want)
+    packed = jax.jit(lambda q, k, v: burstcu.jax.attention(q, k, v, sh, causal=True))(
+        *(jax.numpy.asarray(x[0]) for x in (q, k, v)))      # (T, H, D), lse (H, T) inside
+    assert np.array_equal(np.asarray(packed), want[0])
 
 
 def test_decode_and_the_kv_cache_take_a_sharding():

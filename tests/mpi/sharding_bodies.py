@@ -33,12 +33,12 @@ def sharding_matches_reference(layout="zigzag", docs=(0, 5, 17, 30, 48), uneven=
     q, k, v, dout = make_inputs(7, 1, n, 4, 2, 8, dtype)
     axis = 0 if packed else 1
     whole = [x[0] if packed else x for x in (q, k, v, dout)]
-    ql, kl, vl, dol = (sh.shard(x, axis=axis) for x in whole)
+    ql, kl, vl, dol = (sh.shard(x) for x in whole)     # the sequence axis: 0 packed, 1 else
     out, lse = burstcu.attention(ql, kl, vl, sh, causal=True, return_lse=True, strategy=strategy)
     dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, sh, causal=True,
                                             strategy=strategy)
     assert out.shape == ql.shape and lse.shape == ((4,) if packed else (1, 4)) + ql.shape[axis:axis + 1]
-    joined = [sh.unshard(x, axis=axis) for x in (out, dq, dk, dv)]
+    joined = [sh.unshard(x) for x in (out, dq, dk, dv)]
     joined_lse = sh.unshard_lse(lse)
     if packed:
         joined, joined_lse = [x[None] for x in joined], joined_lse[None]
@@ -65,30 +65,39 @@ def disagreeing_keywords_are_refused():
     sh = burstcu.Sharding(group, layout="zigzag")
     q, k, v, dout = make_inputs(3, 1, n, 2, 2, 8, "float32")
     ql, kl, vl, dol = (sh.shard(x) for x in (q, k, v, dout))
-    messages = {}
-    calls = {
+    lse = np.zeros((1, 2, ql.shape[1]), np.float32)
+    calls = {   # name: a call that must raise ValueError on every rank
         "layout": lambda: burstcu.attention(ql, kl, vl, sh, layout="contiguous"),
         "cu_seqlens": lambda: burstcu.attention(ql, kl, vl, sh, cu_seqlens=[0, n]),
         "uneven": lambda: burstcu.attention(ql, kl, vl, sh, uneven=True),
-        "backward": lambda: burstcu.attention_backward(dol, ql, kl, vl, ql, np.zeros((1, 2, ql.shape[1]), np.float32),
-                                                       sh, layout="contiguous"),
+        "backward": lambda: burstcu.attention_backward(dol, ql, kl, vl, ql, lse, sh,
+                                                       layout="contiguous"),
         "linear documents": lambda: burstcu.linear_attention(
             ql, kl, vl, burstcu.Sharding(group, cu_seqlens=[0, n])),
+        "uneven not a bool": lambda: burstcu.attention(ql, kl, vl, sh, uneven=np.array([1, 0])),
+        "bad cu_seqlens": lambda: burstcu.attention(ql, kl, vl, sh, cu_seqlens=[0.5, n]),
+        "unshard layout": lambda: burstcu.unshard(ql, sh, layout="contiguous"),
     }
+    if group.size > 1:
+        lengths = [n - group.size + 1] + [1] * (group.size - 1)
+        near_equal = burstcu.shard(q, group)            # not the lengths the Sharding says
+        calls["lengths"] = lambda: burstcu.attention(near_equal, near_equal, near_equal,
+                                                     burstcu.Sharding(group, lengths=lengths))
+        # ranks whose Shardings say different lengths: refused on every rank, not a hang
+        mine = lengths if group.rank == 0 else [n - group.size, 2] + [1] * (group.size - 2)
+        x = burstcu.Sharding(group, lengths=lengths).shard(q)
+        calls["ranks' lengths differ"] = lambda: burstcu.attention(
+            x, x, x, burstcu.Sharding(group, lengths=mine))
+    messages = {}
     for name, call in calls.items():
         try:
             call()
         except ValueError as exc:
             messages[name] = str(exc)
-    if group.size > 1:
-        uneven = burstcu.Sharding(group, lengths=[n - group.size + 1] + [1] * (group.size - 1))
-        near_equal = burstcu.shard(q, group)            # not the lengths the Sharding says
-        try:
-            burstcu.attention(near_equal, near_equal, near_equal, uneven)
-        except ValueError as exc:
-            messages["lengths"] = str(exc)
     same = burstcu.attention(ql, kl, vl, sh, layout="zigzag")   # agreeing keywords are fine
     assert same.shape == ql.shape
+    assert np.array_equal(burstcu.shard(q, sh), ql)             # shard/unshard take it too
+    assert np.array_equal(burstcu.unshard(ql, sh), q)
     group.barrier()
     group.close()
     return {"messages": messages}
