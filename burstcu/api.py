@@ -31,7 +31,7 @@ from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        docs_digest, first_rows_digest, masked_array_problem, parse_cu_seqlens,
-                       partition_of, warn_if_all_the_same)
+                       partition_of, sharding_keywords, warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -147,36 +147,6 @@ def group_of(group):
     return arguments()[0] if callable(arguments) else group
 
 
-def _unpacked(group, layout, cu_seqlens, uneven) -> tuple:
-    """(group, layout, cu_seqlens, uneven, lengths, conflict) of a call given `group` (a Group,
-    None, or a `burstcu.Sharding`) and its keywords (None: left out). A Sharding fills the
-    keywords left out; `conflict` says which given keyword disagrees with it (else None), for
-    an error on every rank."""
-    arguments = getattr(group, "sharding_arguments", None)
-    if not callable(arguments):
-        return (group, "contiguous" if layout is None else layout, cu_seqlens,
-                False if uneven is None else uneven, None, None)
-    group, sh_layout, sh_docs, lengths = arguments()
-    conflict = None
-    if layout is not None and not (isinstance(layout, str) and layout == sh_layout):
-        conflict = f"layout={layout!r} but the Sharding's layout is {sh_layout!r}"
-    if cu_seqlens is not None:
-        err, docs = parse_cu_seqlens(cu_seqlens)
-        if err is not None:
-            conflict = f"cu_seqlens beside the Sharding: {err.message}"
-        elif docs != sh_docs:
-            conflict = f"cu_seqlens={list(docs)} but the Sharding's is {sh_docs and list(sh_docs)}"
-    if uneven is not None:
-        if not isinstance(uneven, (bool, np.bool_)):
-            conflict = f"uneven must be True or False, got {uneven!r}"
-        elif bool(uneven) != (lengths is not None):
-            conflict = (f"uneven={uneven!r} but the Sharding's shards are "
-                        f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
-    if conflict is not None:
-        conflict += "; pass the Sharding alone: it carries layout, cu_seqlens and lengths"
-    return group, sh_layout, sh_docs, lengths is not None, lengths, conflict
-
-
 def _packed_problem(names: tuple, arrays: tuple, ndims: tuple) -> str | None:
     """Why packed (batch-less) and batched arrays are mixed in one call, or None: arrays[i]
     must have ndims[i] axes when q is packed."""
@@ -267,7 +237,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens, uneven)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
@@ -310,7 +280,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens, uneven)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
@@ -365,10 +335,10 @@ def adapter_options(options: dict) -> tuple[dict, dict]:
 LINEAR_STRATEGIES = engine.LINEAR_NAMES
 
 
-def _linear_unpacked(group, layout) -> tuple:
-    """(group, layout, conflict) of a linear-attention call: `_unpacked`, and a Sharding with
+def _linearsharding_keywords(group, layout) -> tuple:
+    """(group, layout, conflict) of a linear-attention call: `validate.sharding_keywords`, and a Sharding with
     documents or uneven lengths is a conflict (linear attention takes neither)."""
-    group, layout, docs, _, lengths, conflict = _unpacked(group, layout, None, None)
+    group, layout, docs, _, lengths, conflict = sharding_keywords(group, layout, None, None)
     if conflict is None and (docs is not None or lengths is not None):
         conflict = ("linear attention takes neither documents (cu_seqlens) nor uneven lengths: "
                     "pass a Sharding of layout only")
@@ -405,7 +375,7 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
         one hop at a time; `burstcu.engine.lasp1`). Both give the same result up to rounding.
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
-    group, layout, conflict = _linear_unpacked(group, layout)
+    group, layout, conflict = _linearsharding_keywords(group, layout)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
@@ -421,7 +391,7 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
                               layout: str | None = None, strategy: str = "lasp2"):
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
-    group, layout, conflict = _linear_unpacked(group, layout)
+    group, layout, conflict = _linearsharding_keywords(group, layout)
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
@@ -455,14 +425,11 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     agreed, group = {}, group_of(group)
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
-        if v_cache is not None or cache_seqlens is not None:
+        from_cache = cache_arguments()
+        if v_cache is not None or cache_seqlens is not None or group not in (None, from_cache[2]):
             raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
                             "pass no v_cache, group or cache_seqlens with a KVCache")
-        k_cache, v_cache, cache_group, cache_seqlens, agreed = cache_arguments()
-        if group not in (None, cache_group):
-            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
-                            "pass no v_cache, group or cache_seqlens with a KVCache")
-        group = cache_group
+        k_cache, v_cache, group, cache_seqlens, agreed = from_cache
     elif v_cache is None:
         raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
     group = group_for(group, q)
@@ -493,7 +460,7 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
     (one rank), or a `burstcu.Sharding` (its layout, documents and lengths; a keyword that
     disagrees raises ValueError). No communication, so an error is this rank's alone.
     """
-    group, layout, cu_seqlens, _, lengths, conflict = _unpacked(group, layout, cu_seqlens, None)
+    group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, None)
     if conflict is not None:
         raise ValueError(conflict)
     check_layout(layout)
@@ -535,7 +502,7 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     `burstcu.Sharding`: its layout, documents and lengths; a keyword that disagrees raises
     ValueError on every rank.
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = _unpacked(group, layout, cu_seqlens,
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                       uneven)
     if group is None or group.size == 1:
         if conflict is not None:

@@ -43,7 +43,7 @@ from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, partition
 from .ops.base import accum_dtype
-from .validate import parse_cu_seqlens
+from .validate import sharding_keywords
 
 
 @dataclass(frozen=True)
@@ -386,18 +386,13 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     "cpu" otherwise). Deterministic in its arguments, so every rank makes the same choice.
     """
     q_shape, k_shape = ((1,) + tuple(x) if len(x) == 3 else tuple(x) for x in (q_shape, k_shape))
-    arguments = getattr(group, "sharding_arguments", None)
-    if callable(arguments):                       # a burstcu.Sharding: its group and its split
-        group, sh_layout, sh_docs, lengths = arguments()
-        given = None if cu_seqlens is None else parse_cu_seqlens(cu_seqlens)
-        if (layout is not None and (not isinstance(layout, str) or layout != sh_layout)) or \
-                (given is not None and (given[0] is not None or given[1] != sh_docs)):
-            raise ValueError("plan(..., sharding) takes its layout and cu_seqlens from the "
-                             "Sharding: pass them only through it")
-        layout, cu_seqlens = sh_layout, sh_docs
-        if lengths is not None:
-            layout = partition("contiguous", group.size, sum(lengths), lengths=lengths)
-    layout = "contiguous" if layout is None else layout
+    group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
+                                                                        None)
+    if conflict is not None:
+        raise ValueError(f"plan(..., sharding) takes its layout and cu_seqlens from the Sharding: "
+                         f"pass them only through it ({conflict})")
+    if lengths is not None:
+        layout = partition("contiguous", group.size, sum(lengths), lengths=lengths)
     size = 1 if group is None else group.size
     if machine is None:
         machine = "h100" if group is not None and group.ops.device == "cuda" else "cpu"

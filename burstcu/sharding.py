@@ -26,7 +26,7 @@ import numpy as np
 
 from . import api
 from .group import Group
-from .layout import LAYOUTS, Partition, partition
+from .layout import LAYOUTS
 from .validate import host_ints, parse_cu_seqlens
 
 
@@ -74,16 +74,6 @@ class Sharding:
         """(group, layout, cu_seqlens, lengths): what the public calls take from a Sharding
         passed where a group goes."""
         return self.group, self.layout, self.cu_seqlens, self.lengths
-
-    def partition(self, seqlen_global: int) -> Partition:
-        """Which global rows each rank holds, for a sequence of `seqlen_global` rows."""
-        if self.lengths is not None:
-            if seqlen_global != sum(self.lengths):
-                raise ValueError(f"a sequence of {seqlen_global} rows, but the lengths add up to "
-                                 f"{sum(self.lengths)}")
-            return partition("contiguous", self.group.size, seqlen_global, lengths=self.lengths)
-        docs = self.cu_seqlens if self.layout == "zigzag" else None
-        return partition(self.layout, self.group.size, seqlen_global, docs)
 
     def shard(self, x, axis: int | None = None):
         """This rank's rows of the global array `x` along `axis` (the sequence axis; None: 0 for

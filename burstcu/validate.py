@@ -422,6 +422,37 @@ def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
     return "; ".join(items or ["their calls differ"]) + hint
 
 
+def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
+    """(group, layout, cu_seqlens, uneven, lengths, conflict) of a call given `group` (a Group,
+    None, or a `burstcu.Sharding`) and its keywords (None: left out). A Sharding fills the
+    keywords left out; `conflict` says which given keyword disagrees with it (else None), for
+    an error on every rank (the public calls defer it through their agreement round; `plan`,
+    which sends nothing, raises it)."""
+    arguments = getattr(group, "sharding_arguments", None)
+    if not callable(arguments):
+        return (group, "contiguous" if layout is None else layout, cu_seqlens,
+                False if uneven is None else uneven, None, None)
+    group, sh_layout, sh_docs, lengths = arguments()
+    conflict = None
+    if layout is not None and not (isinstance(layout, str) and layout == sh_layout):
+        conflict = f"layout={layout!r} but the Sharding's layout is {sh_layout!r}"
+    if cu_seqlens is not None:
+        err, docs = parse_cu_seqlens(cu_seqlens)
+        if err is not None:
+            conflict = f"cu_seqlens beside the Sharding: {err.message}"
+        elif docs != sh_docs:
+            conflict = f"cu_seqlens={list(docs)} but the Sharding's is {sh_docs and list(sh_docs)}"
+    if uneven is not None:
+        if not isinstance(uneven, (bool, np.bool_)):
+            conflict = f"uneven must be True or False, got {uneven!r}"
+        elif bool(uneven) != (lengths is not None):
+            conflict = (f"uneven={uneven!r} but the Sharding's shards are "
+                        f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
+    if conflict is not None:
+        conflict += "; pass the Sharding alone: it carries layout, cu_seqlens and lengths"
+    return group, sh_layout, sh_docs, lengths is not None, lengths, conflict
+
+
 # -- the checks of each public call (what one rank checks alone, before the agreement) ------------
 
 def check_attention_call(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
