@@ -531,6 +531,13 @@ def test_varlen_smoke(tmp_path):
     pred = json.loads(pj.read_text())
     assert pred["kind"] == "PREDICTION" and all(r["kind"] == "PREDICTION" for r in pred["rows"])
     assert {r["config"] for r in pred["rows"]} == {"zigzag", "contiguous", "no-skip"}
+    sj = tmp_path / "schedule.json"
+    out = run_bench("cpu/varlen.py", ["--schedule", "--ranks", 3, "--docs", 50, "--repeats", 2,
+                                      "--json", sj], nprocs=None)
+    sched = json.loads(sj.read_text())
+    assert sched["documents"] == 50 and sched["ranks"] == 3 and "one step's rectangle array" in out
+    assert 0 < sched["step_ms_median"] <= sched["step_ms_max"] <= sched["rank_steps_ms_max"]
+    assert sched["rectangles_per_step_median"] >= 50   # a rectangle or more a document and step
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

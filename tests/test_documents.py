@@ -13,7 +13,7 @@ import pytest
 
 import burstcu
 from burstcu.engine.burst import forward_sends
-from burstcu.layout import global_positions, partition, step_blocks
+from burstcu.layout import RECTANGLE, blocks, global_positions, partition, rectangles, step_blocks
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
 
@@ -49,6 +49,52 @@ def test_blocks_cover_exactly_the_dense_mask_once():
                 want = dense_keep(global_positions(layout, qr, size, per),
                                   global_positions(layout, kr, size, per), causal, window, docs)
                 assert (covered == want).all(), (layout, size, per, docs, causal, window, qr, kr)
+
+
+def test_rectangles_of_any_partition_cover_the_dense_mask_once():
+    """`layout.rectangles` (one array a step) over the partitions the strategies take: per-document
+    zigzag pieces and uneven contiguous runs as well as the even layouts, random documents,
+    causal or not, windows: every kept (query, key) pair in exactly one row, no masked pair in
+    any, no empty row, and `blocks` the same rows as Blocks."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        size = int(rng.integers(1, 6))
+        n = size + int(rng.integers(0, 60))
+        cuts = sorted(rng.choice(np.arange(0, n + 1), size=int(rng.integers(0, 9))).tolist())
+        docs = None if rng.integers(4) == 0 else tuple([0, *cuts, n])
+        causal = bool(rng.integers(2))
+        window = (int(rng.choice([-1, 0, 1, 4, 20])), 0 if causal else int(rng.choice([-1, 0, 3])))
+        kind = str(rng.choice(["contiguous", "uneven", "zigzag", "zigzag per document"]))
+        if kind == "uneven":
+            cut = np.sort(rng.choice(np.arange(1, n), size=size - 1, replace=False)) if size > 1 else []
+            lengths = tuple(int(x) for x in np.diff([0, *cut, n]))
+            part = partition("contiguous", size, n, None, lengths)
+        else:
+            per_document = kind == "zigzag per document" and docs is not None
+            part = partition(kind.split()[0], size, n, docs if per_document else None)
+        for qr in range(size):
+            for kr in range(size):
+                rows = rectangles(part, qr, kr, causal, window, docs)
+                assert rows.dtype == RECTANGLE and not rows.flags.writeable
+                assert [tuple(r) for r in rows.tolist()] == \
+                    [tuple(vars(b).values()) for b in blocks(part, qr, kr, causal, window, docs)]
+                sq, sk = part.lengths[qr], part.lengths[kr]
+                covered = np.zeros((sq, sk), int)
+                for r in rows:
+                    assert r["q_len"] > 0 and r["k_len"] > 0
+                    i = np.arange(r["q_len"])[:, None] + r["q_pos"]
+                    j = np.arange(r["k_len"])[None, :] + r["k_pos"]
+                    ok = np.ones((r["q_len"], r["k_len"]), bool)
+                    if r["causal"]:
+                        ok &= j <= i
+                    if r["left"] >= 0:
+                        ok &= j >= i - r["left"]
+                    if r["right"] >= 0:
+                        ok &= j <= i + r["right"]
+                    covered[r["q_start"]:r["q_start"] + r["q_len"],
+                            r["k_start"]:r["k_start"] + r["k_len"]] += ok
+                want = dense_keep(part.positions(qr), part.positions(kr), causal, window, docs)
+                assert (covered == want).all(), (kind, size, n, docs, causal, window, qr, kr)
 
 
 def test_a_document_inside_one_shard_computes_and_sends_nothing_across():

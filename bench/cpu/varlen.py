@@ -5,6 +5,12 @@ plus a PREDICTION of the same three on the GPU presets of bench/model/predict.py
     mpiexec -n G python bench/cpu/varlen.py [--seqlen 16384] [--heads 4] [--headdim 64]
         [--repeats 3] [--quick] [--json F] [--table F] [--plot F]
     python bench/cpu/varlen.py --predict [--ranks 8] [--seqlen 131072] [--heads 32] [--headdim 128]
+    python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F]
+
+--schedule times the host side alone (one process, no MPI): building the per-document zigzag
+partition of --docs documents over --ranks ranks, and each ring step's rectangle array
+(`burstcu.layout.rectangles`, uncached) for causal attention: per step (median and worst over
+every rank and step), one rank's G steps, and all G x G arrays (what the schedule reads).
 
 The documents: lengths drawn from a log-normal (median --doc-median, shape --doc-sigma, clipped to
 [8, N/2]; seeded by --seed) until they fill N tokens, the last one cut to fit: many short
@@ -335,6 +341,54 @@ def predict(args) -> dict:
             "presets": {n: dataclasses.asdict(PRESETS[n]) for n in names}}
 
 
+def schedule(args) -> dict:
+    """Host time of the rectangle arrays (module docstring, --schedule): medians over --repeats."""
+    from burstcu.layout import partition, rectangles
+
+    g = args.ranks
+    cu = C.document_mix(64 * args.docs * 8, args.seed, args.doc_median, args.doc_sigma)
+    cu = cu[:args.docs + 1]
+    n = cu[-1]
+
+    def ms(f) -> float:
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            f()
+            times.append((time.perf_counter() - t) * 1e3)
+        return float(np.median(times))
+
+    part_ms = ms(lambda: partition.__wrapped__("zigzag", g, n, cu))
+    part = partition("zigzag", g, n, cu)
+    build = rectangles.__wrapped__
+    steps = {(r, s): ms(lambda r=r, s=s: build(part, r, (r - s) % g, True, (-1, -1), cu))
+             for r in range(g) for s in range(g)}
+    rows = [build(part, r, (r - s) % g, True, (-1, -1), cu).size for r, s in steps]
+    return {"benchmark": "varlen schedule", "args": C.clean(vars(args)), "ranks": g,
+            "documents": len(cu) - 1, "tokens": n, "partition_ms": part_ms,
+            "step_ms_median": float(np.median(list(steps.values()))),
+            "step_ms_max": max(steps.values()),
+            "rank_steps_ms_max": max(sum(steps[r, s] for s in range(g)) for r in range(g)),
+            "all_steps_ms": sum(steps.values()),
+            "rectangles_per_step_median": float(np.median(rows)), "rectangles_max": max(rows),
+            "environment": C.environment(None)}
+
+
+def render_schedule(result: dict) -> str:
+    r = result
+    return "\n".join([
+        f"host schedule: {r['documents']} documents, {r['tokens']} tokens, per-document zigzag "
+        f"over {r['ranks']} ranks, causal (medians of {r['args']['repeats']} builds; CPU)",
+        C.table([{"built": what, "ms": f"{r[key]:.3f}"} for what, key in (
+            ("partition (every rank's pieces)", "partition_ms"),
+            ("one step's rectangle array, median", "step_ms_median"),
+            ("one step's rectangle array, worst", "step_ms_max"),
+            (f"one rank's {r['ranks']} steps, worst rank", "rank_steps_ms_max"),
+            (f"all {r['ranks']}x{r['ranks']} arrays", "all_steps_ms"))], ["built", "ms"]),
+        f"rectangles a step: median {r['rectangles_per_step_median']:.0f}, most "
+        f"{r['rectangles_max']}"])
+
+
 def render_prediction(result: dict) -> str:
     a, mix = result["args"], result["mix"]
     show = [{"": "PREDICTION", "preset": r["preset"], "config": r["config"],
@@ -373,6 +427,8 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="default 1 (--quick 0)")
     p.add_argument("--quick", action="store_true", help="a small smoke-test size (well under 30 s)")
     p.add_argument("--predict", action="store_true", help="the GPU model only (PREDICTION, no MPI)")
+    p.add_argument("--schedule", action="store_true", help="the host schedule's build time only")
+    p.add_argument("--docs", type=int, default=1000, help="--schedule: documents")
     p.add_argument("--ranks", type=int, default=8, help="--predict: ranks")
     p.add_argument("--itemsize", type=int, default=2, choices=[2, 4], help="--predict: input bytes")
     p.add_argument("--presets", nargs="+", default=None, help="--predict: default every preset of bench/model/predict.py")
@@ -380,8 +436,10 @@ def parse(argv=None):
     p.add_argument("--table", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    mode = "predict" if args.predict else ("quick" if args.quick else "full")
+    mode = ("schedule" if args.schedule else "predict" if args.predict else
+            "quick" if args.quick else "full")
     defaults = {"full": dict(seqlen=16384, heads=4, headdim=64, repeats=3, warmup=1),
+                "schedule": dict(seqlen=0, heads=0, headdim=0, repeats=20, warmup=0),
                 "quick": dict(seqlen=2048, heads=2, headdim=32, repeats=1, warmup=0),
                 "predict": dict(seqlen=131072, heads=32, headdim=128, repeats=0, warmup=0)}[mode]
     for key, value in defaults.items():
@@ -392,7 +450,10 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    if args.predict:
+    if args.schedule:
+        result = schedule(args)
+        text = render_schedule(result)
+    elif args.predict:
         result = predict(args)
         text = render_prediction(result)
     else:

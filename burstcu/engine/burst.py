@@ -70,7 +70,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..layout import Partition, as_partition, blocks as mask_blocks
+from ..layout import Partition, as_partition, blocks as mask_blocks, rectangles
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .steps import (Trace, cast_copy, kv_row_bytes, laid_out, mask_key, post_exchange,
@@ -367,7 +367,7 @@ def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] |
 def needs(part: Partition, q_rank: int, kv_rank: int, causal: bool, window_size=(-1, -1),
           cu_seqlens=None) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
-    return bool(mask_blocks(part, q_rank, kv_rank, causal, window_size, cu_seqlens))
+    return rectangles(part, q_rank, kv_rank, causal, tuple(window_size), cu_seqlens).size > 0
 
 
 def travels(holder: int, step: int, part: Partition, causal: bool, window_size=(-1, -1),
