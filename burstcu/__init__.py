@@ -15,10 +15,10 @@ Public API (see `burstcu.api` for shapes and semantics)::
     out = burstcu.jax.attention(q, k, v, group, causal=True)     # jax.grad / jax.jit (extra "jax")
     out = burstcu.torch.attention(q, k, v, group, causal=True)   # torch autograd (extra "torch")
 
-The house (README, "Layout of the repository"): api.py is the public face; engine/ holds one
-module a strategy, written against two interfaces, ops/base.py's LocalOps (numpy/, cuda/) and
-transport/base.py's Transport (mpi, nccl, loopback); group.py alone picks them; build/ compiles
-the kernels of kernels/; testing/ verifies, imported only by the checking entry points
+The house (docs/repository.md): api.py is the public face; engine/ holds one module a
+strategy, written against two interfaces, ops/base.py's LocalOps (numpy/, cuda/) and
+transport/base.py's Transport (mpi, nccl, torch_dist, loopback); group.py alone picks them;
+build/ compiles the kernels of kernels/; testing/ verifies, imported only by the checking entry points
 (demo.py, selftest.py).
 """
 

@@ -30,8 +30,9 @@ from .ops.base import DelegatingOps
 from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
-                       docs_digest, first_rows_digest, masked_array_problem, parse_cu_seqlens,
-                       partition_of, sharding_keywords, warn_if_all_the_same)
+                       cut_problem, docs_digest, first_rows_digest, masked_array_problem,
+                       parse_cu_seqlens, partition_of, remember_cut, rows_cut, sharding_keywords,
+                       warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -238,6 +239,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
+    cut = _rows_of_call(layout, cu_seqlens, group)
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
@@ -258,6 +261,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
             window_size=_window(window_size), cu_seqlens=docs))
     if packed:
         out, lse = out[0], lse[0]
+    remember_cut(out, cut)          # unshard(out) with another layout is refused
+    remember_cut(lse, ("lse", 1 if packed else 2))
     return (out, lse) if return_lse else out
 
 
@@ -281,6 +286,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
+    cut = _rows_of_call(layout, cu_seqlens, group)
+    conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
@@ -312,7 +319,18 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
             with call.raising_together():
                 agree(group.transport, verdict, None, "attention_backward check")
         grads = returned(export, grads)
-    return tuple(g[0] for g in grads) if packed else grads
+    grads = tuple(g[0] for g in grads) if packed else grads
+    for g in grads:
+        remember_cut(g, cut)
+    return grads
+
+
+def _rows_of_call(layout, cu_seqlens, group) -> tuple:
+    """How a call's layout and documents place the rows on `group`'s ranks (a Group or None:
+    one; `validate.rows_cut`); documents it cannot read count as none (the call refuses them on
+    every rank)."""
+    err, docs = parse_cu_seqlens(cu_seqlens)
+    return rows_cut(layout, None if err is not None else docs, getattr(group, "size", 1))
 
 
 # the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
@@ -376,6 +394,8 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
     group, layout, conflict = _linearsharding_keywords(group, layout)
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v),
+                                       rows_cut(layout, None, getattr(group, "size", 1)))
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
@@ -384,7 +404,9 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
         out = engine.get_linear(strategy).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             layout=layout, trace=group.trace)
-    return returned(export, (out,))[0]
+    out = returned(export, (out,))[0]
+    remember_cut(out, rows_cut(layout, None, group.size))
+    return out
 
 
 def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False,
@@ -392,6 +414,8 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
     group, layout, conflict = _linearsharding_keywords(group, layout)
+    conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v),
+                                       rows_cut(layout, None, getattr(group, "size", 1)))
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
@@ -472,7 +496,9 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens, lengths)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
-    return joined(x, pieces, axis)
+    piece = joined(x, pieces, axis)
+    remember_cut(piece, _rows_of_call(layout, cu_seqlens, group))   # another layout is refused
+    return piece
 
 
 def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens,
@@ -517,6 +543,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
         with call.raising_together():
             free = length = export = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
+                conflict = conflict or cut_problem(
+                    ("x_local",), (x_local,), _rows_of_call(layout, cu_seqlens, group),
+                    axis=axis % x_local.ndim)
                 if conflict is not None:
                     raise ValueError(conflict)
                 if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):

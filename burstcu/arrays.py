@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from .group import Group, local_group
+from .transport.torch_dist import torch_process_group
 from .validate import InputError
 
 _DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
@@ -48,6 +49,9 @@ def group_for(group: Group | None, q) -> Group:
     on a CUDA device (torch, JAX, ...) -> "cupy"; everything else -> "numpy". Raises ValueError
     when q is on a GPU that CuPy cannot use in this process."""
     if group is not None:
+        if torch_process_group(group):
+            raise TypeError("group is a torch.distributed ProcessGroup: make burstcu's group of "
+                            "its ranks once with burstcu.init(comm=that_group) and pass that")
         return group  # a closed group is refused by `Call`
     device_id = cuda_device(q)
     if device_id is None:

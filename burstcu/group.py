@@ -7,6 +7,10 @@ backend        local op                            transport
 "cupy"         KernelOps: CUDA kernels via RawModule NCCL on a dedicated stream, bootstrapped
                                                      over MPI
 "auto"         "cupy" when a GPU is usable, else "numpy"
+
+`init(comm=<a torch.distributed ProcessGroup>)` puts torch.distributed where MPI stands above
+(`burstcu.transport.torch_dist`): gloo carries the CPU backends' data and every backend's
+agreement rounds and NCCL bootstrap.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from .ops.numpy import NumpyOps
 from .transport.base import DEFAULT_TIMEOUT, CommStats, SelfTransport, Transport, resolve_timeout
 from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
-from .transport.mpi import PROGRESS, MPITransport, gather_plain
-from .transport.bootstrap import BackendUnavailable, bootstrap, gpu_usable, world_comm
+from .transport.mpi import PROGRESS, MPITransport
+from .transport.bootstrap import (BackendUnavailable, bootstrap, gpu_usable, host_gather,
+                                  host_rank_size, world_comm)
+from .transport.torch_dist import TorchDistTransport, torch_process_group
 from .validate import InputError, agree
 
 BACKENDS = ("auto", "numpy", "cupy", "emulated")
@@ -152,7 +158,7 @@ def _counted(group: Group) -> Group:
 
 class Call:
     """One public call on one rank (attention, unshard, barrier, ...), and what happens when it
-    fails (README, "When things go wrong"). Any exception leaving the call ends the whole group
+    fails (docs/troubleshooting.md). Any exception leaving the call ends the whole group
     (`Transport.fail`: print the rank, the call, the step and the cause; abort every rank), since
     peers may be waiting for this rank; except errors raised inside `raising_together()`, which
     every rank raises alike (the agreement on the inputs). In a group of one the exception just
@@ -190,7 +196,12 @@ class Call:
         return False
 
 
-def _mpi_transport(comm, progress: str, timeout: float | None, link: Link | None) -> Transport:
+def _host_transport(comm, progress: str, timeout: float | None, link: Link | None) -> Transport:
+    """The data transport of the CPU backends over the host `comm`: itself when it is a
+    transport (torch.distributed), else MPI (none for one process)."""
+    if isinstance(comm, Transport):
+        comm.timeout = timeout
+        return comm
     if comm is None or comm.Get_size() == 1:
         transport = SelfTransport(timeout)
         transport.link = link  # nothing is sent, so nothing to pace; kept for the labels
@@ -198,14 +209,18 @@ def _mpi_transport(comm, progress: str, timeout: float | None, link: Link | None
     return MPITransport(comm, progress=progress, timeout=timeout, link=link)
 
 
-def _check_link(link, backend: str) -> None:
+def _check_link(link, backend: str, comm=None) -> None:
     """TypeError unless `link` is a Link or None; ValueError when `backend` (given, or picked
-    by "auto" alike on every rank) does not run over MPI."""
+    by "auto" alike on every rank) or the host `comm` (torch.distributed) does not run over MPI."""
     if link is None:
         return
     if not isinstance(link, Link):
         raise TypeError(f"link must be a burstcu.Link(gbps=..., latency_us=...) or None, not "
                         f"{type(link).__name__}")
+    if isinstance(comm, TorchDistTransport):
+        raise ValueError(f"link={link!r} emulates a network on the MPI transport; a group over "
+                         f"torch.distributed moves data over gloo: leave link out, or start the "
+                         f"job under mpiexec")
     if backend == "cupy":
         raise ValueError(f"link={link!r} emulates a network on the MPI transport (backends "
                          f"'numpy' and 'emulated'); backend {backend!r} moves data over NCCL, "
@@ -237,16 +252,12 @@ def _agreed_settings(comm, backend: str, timeout, progress: str, link) -> tuple[
         mine, error = _settings(backend, timeout, progress, link), None
     except Exception as exc:  # noqa: BLE001 - every rank hears of it in the round below
         mine, error = None, InputError(type(exc), f"burstcu.init: {exc}")
-    if comm is None or comm.Get_size() == 1:
+    if host_rank_size(comm)[1] == 1:
         if error:
             raise error.exception()
         return mine, [mine]
-    try:
-        wait = resolve_timeout(timeout)
-    except Exception:  # noqa: BLE001 - reported with the rest of this rank's settings
-        wait = DEFAULT_TIMEOUT
-    reports = gather_plain(comm, (error.plain() if error else None, mine), wait,
-                           "burstcu.init (every rank must call it)")
+    reports = host_gather(comm, (error.plain() if error else None, mine), _wait_for_init(timeout),
+                          "burstcu.init (every rank must call it)")
     failed = [(r, InputError.from_plain(e)) for r, (e, _) in enumerate(reports) if e is not None]
     if failed:
         rank, first = failed[0]
@@ -271,8 +282,17 @@ def _resolve_backend(backend: str, every: list) -> tuple[str, bool]:
     return ("cupy" if all(usable) else "numpy"), any(usable)
 
 
+def _wait_for_init(timeout) -> float:
+    """The bound on init's own waits: `timeout` when valid (else the default: a bad timeout is
+    reported in the agreement, not raised on one rank)."""
+    try:
+        return resolve_timeout(timeout)
+    except Exception:  # noqa: BLE001 - reported with the rest of this rank's settings
+        return DEFAULT_TIMEOUT
+
+
 def _warn_cpu_fallback(comm, why: str) -> None:
-    if comm is None or comm.Get_rank() == 0:
+    if host_rank_size(comm)[0] == 0:
         warnings.warn(f"burstcu: backend 'auto' runs the NumPy CPU backend ({why})", stacklevel=3)
 
 
@@ -280,6 +300,15 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
          progress: str = "thread", link: Link | None = None, **options) -> Group:
     """Create the group of all ranks of `comm` (default `MPI.COMM_WORLD`; without mpi4py, a
     group of one process).
+
+    comm: an mpi4py communicator, or a torch.distributed ProcessGroup (e.g.
+        `torch.distributed.group.WORLD` after `init_process_group`, under torchrun): its ranks
+        are the group's, in its order. burstcu makes a private gloo group of them that carries
+        the "numpy"/"emulated" backends' messages and, for "cupy", the NCCL bootstrap (unique id,
+        agreement; the GPU is cuda:LOCAL_RANK) and metadata; any torch backend will do for
+        `comm` itself ("nccl" too). No `link` there, and `progress` changes nothing (gloo moves
+        messages on its own threads). A failure on one rank ends that process (torchrun stops
+        the others).
 
     backend: "numpy", "emulated", "cupy" or "auto" (see the module docstring).
     timeout: seconds a rank may wait for a peer inside any burstcu call (agreement, exchange,
@@ -306,12 +335,25 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     rank if any rank's are bad or the ranks' differ. Close the group when done (`close()`, or
     use it as a context manager).
     """
-    comm = world_comm(comm)
+    users_comm = comm = world_comm(comm)
+    if torch_process_group(comm):
+        comm = TorchDistTransport(comm, _wait_for_init(timeout))
+        comm.call, comm.where = "burstcu.init", "the agreement on its arguments"
+    try:
+        return _init_over(comm, users_comm, backend, timeout, progress, link, options)
+    except BaseException:
+        if isinstance(comm, TorchDistTransport):
+            comm.close()   # idempotent: a transport that took it over may have closed it
+        raise
+
+
+def _init_over(comm, users_comm, backend: str, timeout, progress: str, link, options) -> Group:
+    """`init` over the host `comm` (an mpi4py communicator, a TorchDistTransport, or None)."""
     mine, every = _agreed_settings(comm, backend, timeout, progress, link)
     timeout = mine["timeout"]
     asked = backend
     backend, some_gpu = _resolve_backend(backend, every)
-    _check_link(link, backend)
+    _check_link(link, backend, comm)
     if asked == "auto" and backend == "numpy" and some_gpu:   # a CPU-only machine is no surprise
         _warn_cpu_fallback(comm, "some ranks have a usable GPU, not every rank")
     if backend == "cupy":
@@ -323,9 +365,11 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
             _warn_cpu_fallback(comm, str(exc))
             backend = "numpy"
     if backend != "cupy":
-        transport = _mpi_transport(comm, progress, timeout, link)
+        transport = _host_transport(comm, progress, timeout, link)
+    if isinstance(comm, Transport):
+        comm.call, comm.where = None, "between calls"
     ops = _agreed_ops(transport, backend, options)
-    return _counted(Group(transport.rank, transport.size, backend, transport, ops, comm))
+    return _counted(Group(transport.rank, transport.size, backend, transport, ops, users_comm))
 
 
 def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:

@@ -322,7 +322,7 @@ def docs_digest(docs) -> str | None:
 
 # attention_backward(check=True): a row's sum of P is 1 within ROW_SUM_TOL plus
 # ROW_SUM_ULPS ulps (of the accumulation dtype) times max(1, |lse|) (P = exp(score - lse) moves by
-# a few ulps of the score and of lse, which grow with them; see README, numerics at large logits)
+# a few ulps of the score and of lse, which grow with them; docs/numerics.md, "Very large logits")
 ROW_SUM_TOL = 1e-3
 ROW_SUM_ULPS = 64
 
@@ -420,6 +420,71 @@ def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
         if o0.get(key) != o1.get(key):
             items.append(f"{key}: rank 0 {o0.get(key)!r}, rank {rank} {o1.get(key)!r}")
     return "; ".join(items or ["their calls differ"]) + hint
+
+
+# -- how an array was cut: `shard` and `attention` remember it for the array objects they return --
+
+_CUTS: dict[int, tuple[Any, tuple]] = {}   # id(array) -> (weak reference, cut)
+
+
+def remember_cut(x, cut: tuple) -> None:
+    """Remember that the array object `x` is a piece cut as `cut`: ("rows", layout, documents)
+    (a shard, or a result whose rows are those of a shard) or ("lse", sequence axis). Kept while
+    `x` lives; arrays that take no weak reference are not remembered."""
+    import weakref
+
+    key = id(x)
+    try:
+        ref = weakref.ref(x, lambda _, key=key: _CUTS.pop(key, None))
+    except TypeError:
+        return
+    _CUTS[key] = (ref, cut)
+
+
+def cut_of(x) -> tuple | None:
+    """The cut `remember_cut` holds for this very array object, or None."""
+    held = _CUTS.get(id(x))
+    return held[1] if held is not None and held[0]() is x else None
+
+
+def rows_cut(layout, docs, size: int) -> tuple:
+    """A call's rows on `size` ranks as `remember_cut` records them, written so that two cuts
+    that place the rows alike are equal: contiguous shards are the same with or without
+    documents (they move no row), zigzag ones are not (unless the documents are one); one rank
+    holds every row in order whatever the layout."""
+    if size == 1 or layout != "zigzag" or docs is None or len(docs) <= 2:
+        docs = None
+    return ("rows", "contiguous" if size == 1 else layout, docs)
+
+
+def _said(cut: tuple) -> str:
+    _, layout, docs = cut
+    return f"layout={layout!r}" + (f" with cu_seqlens={list(docs)}" if docs is not None else "")
+
+
+def cut_problem(names: tuple, arrays: tuple, want: tuple, axis: int | None = None) -> str | None:
+    """What contradicts how `shard` (or `attention`) cut these arrays, or None: a call with
+    another layout or other documents than the pieces were cut with (the rows would be taken for
+    other positions: a wrong answer), or an lse joined along another axis than its sequence's.
+    want: the call's own cut (`rows_cut`); `axis`: the axis `unshard` joins along (None: an
+    attention call). Only arrays this process remembers are looked at (`remember_cut`)."""
+    if not isinstance(want[1], str):
+        return None
+    for name, x in zip(names, arrays):
+        cut = cut_of(x)
+        if cut is None:
+            continue
+        if cut[0] == "lse":
+            if axis is not None and axis != cut[1]:
+                return (f"{name} is an lse {'(H, T)' if cut[1] == 1 else '(B, H, S)'} whose "
+                        f"sequence axis is {cut[1]}, not axis={axis}: pass axis={cut[1]}, or use "
+                        f"Sharding.unshard_lse")
+            continue
+        if cut != want:
+            return (f"{name} was cut with {_said(cut)} but this call has {_said(want)}: its rows "
+                    f"would be taken for other positions. Pass the same layout and cu_seqlens "
+                    f"as shard (or one burstcu.Sharding, which carries them to every call)")
+    return None
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:

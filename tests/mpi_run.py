@@ -15,15 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "mpi" / "runner.py"
 
 
-def mpiexec() -> str:
-    """The venv's mpiexec (the mpich wheel's), else one on PATH."""
-    candidate = Path(sys.executable).parent / "mpiexec"
+def _tool(name: str, extra: str) -> str:
+    """The venv's `name` (beside this Python), else one on PATH; skip the test without one."""
+    candidate = Path(sys.executable).parent / name
     if candidate.exists():
         return str(candidate)
-    found = shutil.which("mpiexec")
+    found = shutil.which(name)
     if not found:
-        pytest.skip("no mpiexec: install the 'mpi' extra")
+        pytest.skip(f"no {name}: install the '{extra}' extra")
     return found
+
+
+def mpiexec() -> str:
+    """The venv's mpiexec (the mpich wheel's), else one on PATH."""
+    return _tool("mpiexec", "mpi")
 
 
 def run_mpi(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = False, **kwargs):
@@ -40,11 +45,39 @@ def run_mpi(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = Fa
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"mpiexec -n {nprocs} {body} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}")
+    return _results(proc, nprocs, f"mpiexec -n {nprocs} {body}", expect_fail)
+
+
+def torchrun() -> str:
+    """The venv's torchrun (the torch extra's), else one on PATH."""
+    return _tool("torchrun", "torch")
+
+
+def run_torchrun(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = False,
+                 **kwargs):
+    """Run `body` ("module:function" of tests/mpi/) on `nprocs` processes started by
+    `torchrun --standalone --nproc_per_node nprocs`, each joined to torch.distributed over gloo
+    (tests/mpi/torchrun_runner.py); the per-rank results, or with expect_fail the combined
+    output of a run that must exit non-zero (as `run_mpi`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [torchrun(), "--standalone", "--nproc_per_node", str(nprocs),
+           str(ROOT / "tests" / "mpi" / "torchrun_runner.py"), body, json.dumps(kwargs)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun --nproc_per_node {nprocs} {body} hung for {timeout}s:\n"
+                    f"{exc.stdout}\n{exc.stderr}")
+    return _results(proc, nprocs, f"torchrun --nproc_per_node {nprocs} {body}", expect_fail)
+
+
+def _results(proc, nprocs: int, what: str, expect_fail: bool):
+    """Every rank's BURSTCU-RESULT from a finished run (or its output, with expect_fail)."""
     output = proc.stdout + proc.stderr
     if expect_fail:
-        assert proc.returncode != 0, f"{body} should have failed:\n{output}"
+        assert proc.returncode != 0, f"{what} should have failed:\n{output}"
         return output
-    assert proc.returncode == 0, f"mpiexec -n {nprocs} {body} failed ({proc.returncode}):\n{output}"
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{output}"
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("BURSTCU-RESULT "):

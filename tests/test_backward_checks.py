@@ -8,7 +8,7 @@ import burstcu
 from burstcu.validate import InputError, check_backward_inputs, check_flags
 from tests.mpi.bodies import DTYPES, make_inputs
 
-# the lse dtype attention returns, written out from the README's API table
+# the lse dtype attention returns, written out from docs/api.md (attention)
 LSE_DTYPE = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
 
 

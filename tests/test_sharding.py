@@ -48,6 +48,30 @@ def test_disagreeing_keywords_are_refused_on_every_rank(world):
     assert "sharding_lengths" in messages["ranks' lengths differ"]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (2, 3))
+def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
+    """Without a Sharding: zigzag shards passed without layout=, documents given to shard or to
+    attention only, unshard(lse) along axis 1, unshard(out) without the layout: ValueError on
+    every rank, naming the cut and the call's."""
+    results = run_mpi(world, "sharding_bodies:bare_keyword_mistakes")
+    messages = results[0]["messages"]
+    assert set(messages) == {"zigzag shards, no layout", "documents at shard only",
+                             "documents at attention only", "backward without layout",
+                             "lse along axis 1", "out without layout", "linear without layout"}
+    for r in results:   # the same error everywhere, named by the rank that saw it first
+        assert set(r["messages"]) == set(messages)
+        assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
+    said = {name: m.split(": ", 1)[-1] if m.startswith("rank ") else m for name, m in messages.items()}
+    assert "q was cut with layout='zigzag' but this call has layout='contiguous'" in \
+        said["zigzag shards, no layout"]
+    assert "with cu_seqlens=[0, 5," in said["documents at shard only"]
+    assert "this call has layout='zigzag' with cu_seqlens" in said["documents at attention only"]
+    assert "x_local is an lse (B, H, S) whose sequence axis is 2, not axis=1" in \
+        said["lse along axis 1"]
+    assert "x_local was cut with layout='zigzag'" in said["out without layout"]
+
+
 def test_a_sharding_is_checked_when_made():
     group = burstcu.init(backend="numpy")
     with pytest.raises(ValueError, match="layout must be one of"):

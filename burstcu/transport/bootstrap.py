@@ -6,18 +6,24 @@ communicator over every rank.
 * `select_device` / `device_count` / `gpu_usable`: the GPU this rank owns (node-local rank, or
   device 0 under launch/bind-gpu's per-rank CUDA_VISIBLE_DEVICES);
 * `bootstrap`: every rank checks it can start, the ranks agree (a `BackendUnavailable` on every
-  rank otherwise), rank 0's NCCL unique id is sent over MPI, each rank creates its communicator.
+  rank otherwise), rank 0's NCCL unique id is sent to every rank, each rank creates its
+  communicator.
+
+The host side of a bootstrap (the "host": agreement rounds, the unique id, aborting) is an
+mpi4py communicator, or a transport that agrees by itself (`TorchDistTransport`, when the
+program joins torch.distributed), or None for one process: `host_gather`, `host_rank_size`.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from typing import Any
 
 from ..build.compile import compute_capability
 from ..build.variants import MIN_COMPUTE_CAPABILITY
-from .base import resolve_timeout
+from .base import Transport, resolve_timeout
 from .mpi import gather_plain
 from .nccl import CupyDevice, NCCLTransport
 
@@ -93,7 +99,9 @@ def _refuse_a_world_of_another_size(size: int) -> None:
     if var == "WORLD_SIZE":
         why = "torchrun starts processes that MPI does not join"
         remedy = ("Start the job with `mpiexec -n N python -m mpi4py program.py` (or "
-                  "launch/burstcu-run)")
+                  "launch/burstcu-run), or join torch.distributed: "
+                  "`torch.distributed.init_process_group()` then "
+                  "`burstcu.init(comm=torch.distributed.group.WORLD)`")
     else:
         why = "the launcher's MPI is not the one mpi4py loaded"
         remedy = ("Use the mpiexec of the 'mpi' extra (beside this Python), or point "
@@ -163,10 +171,43 @@ def _nccl_problem() -> str | None:
     return None
 
 
+def host_rank_size(host: Any) -> tuple[int, int]:
+    """(this rank, ranks) of a host: an mpi4py communicator, a transport, or None (0, 1)."""
+    if host is None:
+        return 0, 1
+    if isinstance(host, Transport):
+        return host.rank, host.size
+    return host.Get_rank(), host.Get_size()
+
+
+def host_gather(host: Any, obj: Any, timeout: float, what: str) -> list:
+    """Every rank's `obj` (plain values, `wire`) in rank order, over a host (see the module
+    docstring) before any data transport exists, each wait bounded by `timeout` seconds;
+    `what` names the round (ranks in different rounds raise ValueError on every rank)."""
+    if host is None:
+        return [obj]
+    if isinstance(host, Transport):
+        kept, host.timeout = host.timeout, timeout
+        try:
+            return host.allgather_object(obj, what)
+        finally:
+            host.timeout = kept
+    return gather_plain(host, obj, timeout, what)
+
+
 def _local_rank(comm: Any) -> tuple[int, int]:
-    """(node-local rank, ranks on this node), from a shared-memory split of `comm`."""
+    """(node-local rank, ranks on this node): from a shared-memory split of an mpi4py `comm`;
+    over a transport (torch.distributed), torch's own LOCAL_RANK and LOCAL_WORLD_SIZE where the
+    launcher set them (torch's tensors live on cuda:LOCAL_RANK), else the ranks' host names."""
     if comm is None:
         return 0, 1
+    local = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if isinstance(comm, Transport) and all(v.isdigit() for v in local):
+        return int(local[0]), int(local[1])
+    if isinstance(comm, Transport):
+        names = host_gather(comm, socket.gethostname(), comm.timeout, "the node-local ranks")
+        mine = [r for r, name in enumerate(names) if name == names[comm.rank]]
+        return mine.index(comm.rank), len(mine)
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
@@ -208,8 +249,7 @@ def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None)
     """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
     rank has one, so no rank enters a collective alone. Bounded by `timeout` (default
     `resolve_timeout(None)`)."""
-    problems = [problem] if comm is None else gather_plain(
-        comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
+    problems = host_gather(comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:
         ranks = ", ".join(str(r) for r, _ in bad)
@@ -217,34 +257,35 @@ def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None)
 
 
 def unique_id(comm: Any, timeout: float | None = None) -> bytes:
-    """The NCCL unique id made on rank 0 and sent to every rank over MPI (128 bytes on every
-    rank), bounded by `timeout` (default `resolve_timeout(None)`)."""
+    """The NCCL unique id made on rank 0 and sent to every rank over the host `comm` (128 bytes
+    on every rank), bounded by `timeout` (default `resolve_timeout(None)`)."""
     from cupy.cuda import nccl
-    uid = nccl.get_unique_id() if comm is None or comm.Get_rank() == 0 else None
-    return uid if comm is None else gather_plain(comm, uid, resolve_timeout(timeout),
-                                                 "the NCCL unique id's broadcast")[0]
+    uid = nccl.get_unique_id() if host_rank_size(comm)[0] == 0 else None
+    return host_gather(comm, uid, resolve_timeout(timeout), "the NCCL unique id's broadcast")[0]
 
 
 def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, int]:
     """(NCCLTransport over all ranks of `comm`, this rank's device id). Collective over `comm`.
 
-    comm: an mpi4py communicator, or None for a single process. The node-local rank picks the
-    GPU; every rank checks it can start, the ranks agree, then rank 0's NCCL unique id is
-    broadcast and each rank creates its communicator. Raises BackendUnavailable on every rank
-    when any rank lacks a GPU, has to share one, or lacks NCCL.
+    comm: the host (module docstring): an mpi4py communicator (duplicated for the transport's
+    metadata), a transport that agrees by itself (the transport then owns it), or None for a
+    single process. The node-local rank picks the GPU; every rank checks it can start, the
+    ranks agree, then rank 0's NCCL unique id is broadcast and each rank creates its
+    communicator. Raises BackendUnavailable on every rank when any rank lacks a GPU, has to
+    share one, or lacks NCCL.
     """
     device_id, problem = _local_problem(comm)
     agree_or_raise(comm, problem, timeout)
     uid = unique_id(comm, timeout)
-    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    rank, size = host_rank_size(comm)
     nccl_comm = create_communicator(comm, size, uid, rank, device_id)
 
-    def connect(sub_comm):
-        """The NCCL communicator of a sub-group (`Transport.split`), bootstrapped over its MPI
-        communicator on this rank's device (collective over `sub_comm`)."""
-        return create_communicator(sub_comm, sub_comm.Get_size(), unique_id(sub_comm, timeout),
-                                   sub_comm.Get_rank(), device_id)
-    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout, connect)  # dups comm
+    def connect(sub_host: Transport):
+        """The NCCL communicator of a sub-group (`Transport.split`), bootstrapped over its host
+        transport on this rank's device (collective over `sub_host`)."""
+        return create_communicator(sub_host, sub_host.size, unique_id(sub_host, timeout),
+                                   sub_host.rank, device_id)
+    transport = NCCLTransport(rank, size, CupyDevice(nccl_comm), comm, timeout, connect)
     return transport, device_id
 
 
@@ -261,8 +302,12 @@ def create_communicator(comm: Any, size: int, uid: bytes, rank: int, device_id: 
         if comm is None or size == 1:
             raise BackendUnavailable(f"NCCL initialisation failed on device {device_id}: {exc}") from exc
         import sys
-        sys.stderr.write(f"burstcu: rank {rank}: NCCL initialisation failed on device {device_id}: "
-                         f"{exc}; aborting the world (the other ranks are blocked in the same init)\n")
+        reason = (f"rank {rank}: NCCL initialisation failed on device {device_id}: {exc}; "
+                  f"aborting the world (the other ranks are blocked in the same init)")
+        sys.stderr.write(f"burstcu: {reason}\n")
         sys.stderr.flush()
-        comm.Abort(1)
+        if isinstance(comm, Transport):
+            comm._abort(reason)
+        else:
+            comm.Abort(1)
         raise  # not reached

@@ -201,22 +201,27 @@ class NCCLTransport(Transport):
     """Ring exchange over NCCL on a dedicated communication stream (see the module docstring).
 
     device: a CupyDevice (or a recorder with the same methods).
-    mpi_comm: the MPI communicator of the same ranks (duplicated here), for `allgather_object`,
-        `barrier` and aborting
-        (metadata only; no payload goes through MPI). None for a recorder or a group of one.
+    host: the host side of the same ranks, for `allgather_object`, `barrier`, sub-groups and
+        aborting (metadata only; no payload goes through it): an mpi4py communicator
+        (duplicated here), or a transport that agrees by itself (`TorchDistTransport`; this
+        transport then owns it). None for a recorder or a group of one.
+    connect: connect(host transport of a sub-group) -> its NCCL communicator (`split`).
     """
 
     name = "nccl"
 
-    def __init__(self, rank: int, size: int, device: Any, mpi_comm: Any = None,
+    def __init__(self, rank: int, size: int, device: Any, host: Any = None,
                  timeout: float | None = None, connect=None):
         super().__init__(rank, size, timeout)
         self.device = device
-        self.connect = connect   # connect(mpi sub-communicator) -> its NCCL communicator (`split`)
-        # metadata (agreement, barrier) and aborts go through MPI, with the same deadlines
-        self.meta = None
-        if mpi_comm is not None:
-            self.meta = MPITransport(mpi_comm, progress="inline", timeout=self.timeout)
+        self.connect = connect
+        # metadata (agreement, barrier) and aborts go through the host, with the same deadlines
+        self.meta: Transport | None = None
+        if isinstance(host, Transport):
+            self.meta = host
+            host.timeout = self.timeout
+        elif host is not None:
+            self.meta = MPITransport(host, progress="inline", timeout=self.timeout)
         self.stream = device.new_stream()
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
         self._arrived = device.new_event()   # comm -> compute: the exchange has completed
@@ -282,7 +287,8 @@ class NCCLTransport(Transport):
         if self.meta is None:
             if self.size == 1:
                 return [wire.decode(wire.encode(obj))]   # what a peer would get: plain values only
-            raise RuntimeError("NCCLTransport without an MPI communicator cannot agree on metadata")
+            raise RuntimeError("NCCLTransport without an MPI communicator (or another host) "
+                               "cannot agree on metadata")
         self.meta.call, self.meta.where = self.call, self.where
         return self.meta.allgather_object(obj, what)
 
@@ -298,18 +304,18 @@ class NCCLTransport(Transport):
             self.meta._abort(reason)
 
     def _split(self, color, key, members, name):
-        """A sub-group with its own NCCL communicator, bootstrapped over an MPI split of the
-        metadata communicator (collective over this group)."""
+        """A sub-group with its own NCCL communicator, bootstrapped over the same split of the
+        host (collective over this group); the sub-group owns its host's split."""
         if self.meta is None or self.connect is None:
             raise RuntimeError("an NCCLTransport without an MPI communicator (or a way to connect "
                                "one) cannot make sub-groups")
-        sub_comm = self.meta.comm.Split(color, key)
+        sub_host = self.meta._split(color, key, members, name)
         try:
-            return NCCLTransport(sub_comm.Get_rank(), sub_comm.Get_size(),
-                                 CupyDevice(self.connect(sub_comm)), sub_comm, self.timeout,
-                                 self.connect)
-        finally:
-            sub_comm.Free()
+            return NCCLTransport(sub_host.rank, sub_host.size, CupyDevice(self.connect(sub_host)),
+                                 sub_host, self.timeout, self.connect)
+        except BaseException:
+            sub_host.close()
+            raise
 
     def close(self) -> None:
         self._close_subgroups()

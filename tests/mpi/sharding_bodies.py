@@ -25,7 +25,13 @@ def sharding_matches_reference(layout="zigzag", docs=(0, 5, 17, 30, 48), uneven=
     dq, dk, dv, joined by sh.unshard / sh.unshard_lse on every rank, match the float64 reference
     of the whole sequence with causal masking inside each document. packed: flash-attn's varlen
     form, (T, H, D) arrays and lse (H, T)."""
-    group = burstcu.init(backend="numpy")
+    return check_sharding(burstcu.init(backend="numpy"), layout, docs, uneven, packed, dtype,
+                          strategy)
+
+
+def check_sharding(group, layout, docs, uneven, packed, dtype, strategy) -> dict:
+    """`sharding_matches_reference` on `group` (closed here): the errors of out, lse, dq, dk,
+    dv against float64 and the shard length every rank held."""
     n = docs[-1] if docs else 48
     lengths = _lengths_for(group.size, n) if uneven else None
     sh = burstcu.Sharding(group, layout=layout, cu_seqlens=None if docs is None else list(docs),
@@ -54,6 +60,17 @@ def sharding_matches_reference(layout="zigzag", docs=(0, 5, 17, 30, 48), uneven=
     lengths_held = group.transport.allgather_object(int(ql.shape[axis]), "lengths")
     group.close()
     return {"errors": errors, "lengths": lengths_held}
+
+
+def _value_errors(calls: dict) -> dict:
+    """{name: message} of the calls that raised ValueError (the others are left out)."""
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
 
 
 def disagreeing_keywords_are_refused():
@@ -88,12 +105,7 @@ def disagreeing_keywords_are_refused():
         x = burstcu.Sharding(group, lengths=lengths).shard(q)
         calls["ranks' lengths differ"] = lambda: burstcu.attention(
             x, x, x, burstcu.Sharding(group, lengths=mine))
-    messages = {}
-    for name, call in calls.items():
-        try:
-            call()
-        except ValueError as exc:
-            messages[name] = str(exc)
+    messages = _value_errors(calls)
     same = burstcu.attention(ql, kl, vl, sh, layout="zigzag")   # agreeing keywords are fine
     assert same.shape == ql.shape
     assert np.array_equal(burstcu.shard(q, sh), ql)             # shard/unshard take it too
@@ -101,3 +113,38 @@ def disagreeing_keywords_are_refused():
     group.barrier()
     group.close()
     return {"messages": messages}
+
+
+def bare_keyword_mistakes():
+    """The mistakes a Sharding prevents, made with bare keywords instead: arrays that `shard` cut
+    (and the results of calls on them) remember how, so a call with another layout, other
+    documents, or an lse joined along the wrong axis is the same ValueError on every rank (not
+    a wrong answer); the calls that agree with the cut still run."""
+    group = burstcu.init(backend="numpy")
+    n = 12 * group.size
+    docs = [0, 5, n - 7, n]
+    q, k, v, dout = make_inputs(4, 1, n, 2, 2, 8, "float32")
+    zq, zk, zv = (burstcu.shard(x, group, "zigzag") for x in (q, k, v))
+    dq_, dk_, dv_ = (burstcu.shard(x, group, "zigzag", cu_seqlens=docs) for x in (q, k, v))
+    out, lse = burstcu.attention(zq, zk, zv, group, causal=True, layout="zigzag", return_lse=True)
+    cq, ck, cv = (burstcu.shard(x, group) for x in (q, k, v))
+    calls = {   # name: a call that must raise ValueError on every rank
+        "zigzag shards, no layout": lambda: burstcu.attention(zq, zk, zv, group, causal=True),
+        "documents at shard only": lambda: burstcu.attention(dq_, dk_, dv_, group, causal=True,
+                                                             layout="zigzag"),
+        "documents at attention only": lambda: burstcu.attention(zq, zk, zv, group, causal=True,
+                                                                 layout="zigzag", cu_seqlens=docs),
+        "backward without layout": lambda: burstcu.attention_backward(
+            burstcu.shard(dout, group, "zigzag"), zq, zk, zv, out, lse, group, causal=True),
+        "lse along axis 1": lambda: burstcu.unshard(lse, group, layout="zigzag"),
+        "out without layout": lambda: burstcu.unshard(out, group),
+        "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
+    }
+    messages = _value_errors(calls)
+    # what agrees with the cut runs: contiguous shards with documents given at attention only
+    # (documents move no contiguous row), the lse along its sequence axis
+    ok = burstcu.attention(cq, ck, cv, group, causal=True, cu_seqlens=docs)
+    whole_lse = burstcu.unshard(lse, group, layout="zigzag", axis=2)
+    group.barrier()
+    group.close()
+    return {"messages": messages, "ok": list(ok.shape), "lse": list(whole_lse.shape)}

@@ -191,6 +191,7 @@ def test_torchrun_processes_are_refused_on_every_process(tmp_path):
     assert proc.returncode != 0 and "ran as rank" not in out, out
     said = "this process is one of 2 ranks (WORLD_SIZE=2) but MPI's world has 1 rank(s): torchrun"
     assert out.count(said) >= 2 and "mpiexec -n N python -m mpi4py" in out, out
+    assert "burstcu.init(comm=torch.distributed.group.WORLD)" in out, out   # or join torch
 
 
 def test_a_launcher_of_another_mpi_is_refused(tmp_path):

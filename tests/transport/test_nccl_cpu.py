@@ -89,13 +89,15 @@ def test_allgather_is_event_ordered():
 
 def test_a_sub_group_is_connected_by_the_function_bootstrap_gave(monkeypatch):
     """`split` makes a sub-group's NCCL communicator with the transport's `connect` (bootstrap's
-    closure over this rank's device) on the MPI sub-communicator, and hands `connect` on, so a
-    sub-group of the sub-group connects the same way; without one it refuses clearly."""
+    closure over this rank's device) on the host's split (an MPI transport of the
+    sub-communicator), and hands `connect` on, so a sub-group of the sub-group connects the
+    same way; without one it refuses clearly."""
     MPI = pytest.importorskip("mpi4py.MPI")
     connected = []
 
-    def connect(sub_comm):
-        connected.append(sub_comm.Get_size())
+    def connect(sub_host):
+        assert sub_host.name == "mpi"
+        connected.append(sub_host.size)
         return f"nccl communicator {len(connected)}"
 
     made = []

@@ -1,0 +1,169 @@
+"""Bodies for tests/transport/test_torch_dist.py, run by torchrun (`tests.mpi_run.run_torchrun`):
+`burstcu.init(comm=<torch.distributed ProcessGroup>)` on processes that joined torch.distributed
+over gloo and never import MPI."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import burstcu
+from tests.mpi.sharding_bodies import check_sharding
+
+
+def _world():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def _torch_group(**options):
+    """burstcu's group over torch's world, checked to be torch's ranks and transport."""
+    group = burstcu.init(comm=_world(), **options)
+    assert (group.rank, group.size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    assert group.transport.name == "torch.distributed" and group.comm is _world()
+    return group
+
+
+def attention_over_torch(strategy="burst", layout="zigzag", docs=(0, 5, 17, 30, 48),
+                         packed=False):
+    """A Sharding over the torch group: forward and backward against float64 (tests/mpi/
+    sharding_bodies.py), the payload counted on the way."""
+    group = _torch_group(backend="numpy")
+    sent = {}
+    real_close = group.close
+
+    def close():
+        sent["bytes"], sent["messages"] = group.stats.bytes_sent, group.stats.messages
+        real_close()
+    group.close = close
+    result = check_sharding(group, layout, list(docs), False, packed, "float32", strategy)
+    return dict(result, sent=sent)
+
+
+def groups_the_program_makes():
+    """What programs do around init: groups of their own made before burstcu's (a pair of ranks
+    the others are not in), init, close and init again, a group in its own rank order (not
+    sorted) and a sub-group as comm; each group's attention (allgather and burst) and unshard
+    against a one-process run, usp where four ranks make both of its sub-groups real."""
+    import torch.distributed as dist
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.new_group([0, 1])                       # the program's own groups, made before burstcu's
+    rng = np.random.default_rng(3)
+    Q, K, V = (rng.standard_normal((1, 24 * size, 4, 8)).astype(np.float32) for _ in range(3))
+    one = burstcu.attention(Q, K, V, None, causal=True)
+    report = {}
+
+    def check(comm, label, strategies=("allgather", "burst")):
+        for round_ in range(2):                  # init, close, init again over the same group
+            with burstcu.init(comm=comm, backend="numpy", timeout=60) as group:
+                sh = burstcu.Sharding(group, layout="zigzag")
+                for strategy in strategies:
+                    out = burstcu.attention(*(sh.shard(x) for x in (Q, K, V)), sh, causal=True,
+                                            strategy=strategy)
+                    err = float(np.abs(sh.unshard(out) - one).max())
+                    report[f"{label} {strategy} {round_}"] = [group.rank, group.size, err]
+
+    check(_world(), "world", ("allgather", "burst", "usp") if size % 2 == 0 else
+          ("allgather", "burst"))
+    backwards = dist.new_group(list(range(size))[::-1], sort_ranks=False)
+    check(backwards, "reversed")                 # torch's own order: rank r is rank size-1-r
+    pair = dist.new_group([0, 1])                # every rank makes it; two are in it
+    if rank < 2:
+        check(pair, "pair")
+    return {"rank": rank, "report": report}
+
+
+def a_torch_group_is_not_a_burstcu_group():
+    """Passing torch's ProcessGroup where a burstcu group goes: a TypeError saying what to do."""
+    x = np.ones((1, 4, 2, 8), np.float32)
+    try:
+        burstcu.attention(x, x, x, _world())
+        return {"said": None}
+    except TypeError as exc:
+        return {"said": str(exc)}
+
+
+def errors_reach_every_rank():
+    """Over torch.distributed as over MPI: one rank's bad input is the same ValueError on every
+    rank, before any data moves; afterwards the group still works (a barrier)."""
+    group = _torch_group(backend="numpy")
+    rng = np.random.default_rng(0)
+    d = 16 if group.rank == group.size - 1 else 8   # the last rank's head dim differs
+    q, k, v = (rng.standard_normal((1, 8, 2, dim)).astype(np.float32) for dim in (8, d, 8))
+    try:
+        burstcu.attention(q, k, v, group)
+        said = None
+    except ValueError as exc:
+        said = str(exc)
+    group.barrier()
+    group.close()
+    return {"said": said}
+
+
+def init_disagreement():
+    """Ranks passing different backends: init's agreement raises the same ValueError on each."""
+    backend = "emulated" if int(os.environ["RANK"]) == 1 else "numpy"
+    try:
+        burstcu.init(comm=_world(), backend=backend).close()
+        return {"said": None}
+    except ValueError as exc:
+        return {"said": str(exc)}
+
+
+def a_missing_rank_is_named():
+    """The last rank never calls attention: rank 0 waits `timeout` (2 s) in the agreement, names
+    it, and its process ends (torchrun then stops the rest) long before the last rank would
+    have woken up."""
+    group = _torch_group(backend="numpy", timeout=2)
+    if group.rank == group.size - 1:
+        time.sleep(60)
+        return {"woke": True}
+    x = np.ones((1, 4, 2, 8), np.float32)
+    burstcu.attention(x, x, x, group)
+    return {"returned": True}
+
+
+class _Communicator:
+    """A stand-in for NCCL's communicator that records what it was made with."""
+    made: list = []
+
+    def __init__(self, size, uid, rank):
+        self.made.append((size, bytes(uid).hex(), rank))
+
+    def destroy(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+def cupy_bootstrap_over_torch():
+    """The "cupy" backend's NCCL bootstrap with torch.distributed as its host, on a stand-in
+    CuPy (tests/fake_cupy.py; no GPU here): the device is the node-local rank, every rank makes
+    its communicator with rank 0's unique id, metadata agrees over torch, and a sub-group
+    (USP's split) connects with its own first rank's id."""
+    from burstcu.transport import bootstrap
+    from burstcu.transport.torch_dist import TorchDistTransport
+    from tests.fake_cupy import FakeCupy
+
+    rank = int(os.environ["RANK"])
+    fake = FakeCupy(cc=(9, 0), n_devices=8)
+    fake.module.cuda.nccl.get_unique_id = lambda: bytes([17 + len(_Communicator.made), rank]) * 64
+    fake.module.cuda.nccl.NcclCommunicator = _Communicator
+    for name, module in (("cupy", fake.module), ("cupy.cuda", fake.module.cuda),
+                         ("cupy.cuda.nccl", fake.module.cuda.nccl)):
+        sys.modules[name] = module
+    os.environ.pop(bootstrap.BOUND_ENV, None)
+    transport, device_id = bootstrap.bootstrap(TorchDistTransport(_world(), 60), 60)
+    agreed = transport.allgather_object(rank * 10, "a check")
+    sub = transport.split(0, -rank, "reversed")      # one sub-group of every rank, order reversed
+    sub_agreed = sub.allgather_object(rank, "a check")
+    transport.close()
+    return {"device": device_id, "local_rank": int(os.environ["LOCAL_RANK"]),
+            "made": _Communicator.made, "agreed": agreed, "sub": [sub.rank, sub.size],
+            "sub_agreed": sub_agreed}
