@@ -30,9 +30,9 @@ from .ops.base import DelegatingOps
 from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
-                       cut_problem, docs_digest, first_rows_digest, masked_array_problem,
-                       parse_cu_seqlens, partition_of, remember_cut, rows_cut, sharding_keywords,
-                       warn_if_all_the_same)
+                       cut_problem, docs_digest, first_rows_digest, inherited_cut,
+                       masked_array_problem, parse_cu_seqlens, partition_of, remember_cut, rows_cut,
+                       sharding_keywords, warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -240,7 +240,9 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     cut = _rows_of_call(layout, cu_seqlens, group)
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut)
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
+                                       positional=_positional(causal, window_size, cu_seqlens))
+    cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
@@ -261,8 +263,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
             window_size=_window(window_size), cu_seqlens=docs))
     if packed:
         out, lse = out[0], lse[0]
-    remember_cut(out, cut)          # unshard(out) with another layout is refused
-    remember_cut(lse, ("lse", 1 if packed else 2))
+    remember_cut(out, cut, 0 if packed else 1)      # unshard(out) with another layout is refused
+    remember_cut(lse, ("lse",), 1 if packed else 2)
     return (out, lse) if return_lse else out
 
 
@@ -287,7 +289,9 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     cut = _rows_of_call(layout, cu_seqlens, group)
-    conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut)
+    conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
+                                       positional=_positional(causal, window_size, cu_seqlens))
+    cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
@@ -321,8 +325,18 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
         grads = returned(export, grads)
     grads = tuple(g[0] for g in grads) if packed else grads
     for g in grads:
-        remember_cut(g, cut)
+        remember_cut(g, cut, 0 if packed else 1)
     return grads
+
+
+def _positional(causal, window_size, cu_seqlens) -> bool:
+    """Whether an attention call's result depends on where its rows sit (`cut_problem`):
+    causal, a window or documents (anything unreadable counts as yes)."""
+    try:
+        return bool(causal) or cu_seqlens is not None or \
+            [int(w) for w in window_size] != [-1, -1]
+    except Exception:  # noqa: BLE001 - the call itself refuses it on every rank
+        return True
 
 
 def _rows_of_call(layout, cu_seqlens, group) -> tuple:
@@ -394,8 +408,9 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
     group, layout, conflict = _linearsharding_keywords(group, layout)
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v),
-                                       rows_cut(layout, None, getattr(group, "size", 1)))
+    cut = rows_cut(layout, None, getattr(group, "size", 1))
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
+    cut = inherited_cut((q,), cut)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
@@ -405,7 +420,7 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             layout=layout, trace=group.trace)
     out = returned(export, (out,))[0]
-    remember_cut(out, rows_cut(layout, None, group.size))
+    remember_cut(out, cut, 1)
     return out
 
 
@@ -415,7 +430,8 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
     group, layout, conflict = _linearsharding_keywords(group, layout)
     conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v),
-                                       rows_cut(layout, None, getattr(group, "size", 1)))
+                                       rows_cut(layout, None, getattr(group, "size", 1)),
+                                       positional=bool(causal))
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
@@ -497,7 +513,7 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
     piece = joined(x, pieces, axis)
-    remember_cut(piece, _rows_of_call(layout, cu_seqlens, group))   # another layout is refused
+    remember_cut(piece, _rows_of_call(layout, cu_seqlens, group), axis)   # another layout: refused
     return piece
 
 

@@ -17,9 +17,8 @@ local order); the strategies take one, so any split works alike. For one ring st
 `rectangles` pairs this rank's query segments with the segments of the rank whose K/V it holds
 (cut at document boundaries), drops pairs that lie wholly outside the mask, and marks the pairs
 that straddle the diagonal or a window's edge, which need the per-element tests: one array of
-`RECTANGLE` rows, built with whole-array operations (about 1 ms a step for 1000 documents on 8
-ranks; `bench/cpu/varlen.py --schedule`), cached, ready to be uploaded whole; `blocks` gives
-the same rows as `Block`s.
+`RECTANGLE` rows, built with whole-array operations, cached, ready to be uploaded whole;
+`blocks` gives the same rows as `Block`s (`bench/cpu/varlen.py --schedule` times both).
 """
 
 from __future__ import annotations
@@ -92,10 +91,18 @@ class Partition:
     def __hash__(self) -> int:   # computed once: a partition of many documents has many segments
         return self._hash
 
+    def __reduce__(self):         # pickled without what it computed (a hash is per process)
+        return Partition, (self.layout, self.runs)
+
     @cached_property
     def arrays(self) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-        """Every rank's segments as arrays (first positions, lengths, first local rows)."""
-        return tuple(tuple(np.array(column, np.int64).reshape(-1) for column in
+        """Every rank's segments as read-only arrays (first positions, lengths, first local
+        rows)."""
+        def column(values) -> np.ndarray:
+            out = np.array(values, np.int64).reshape(-1)
+            out.flags.writeable = False
+            return out
+        return tuple(tuple(column(values) for values in
                            zip(*((seg.pos, seg.length, seg.local) for seg in mine)))
                      for mine in self.runs)
 
@@ -243,12 +250,14 @@ def blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool,
            window_size: tuple[int, int] = (-1, -1),
            cu_seqlens: tuple[int, ...] | None = None) -> list[Block]:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step),
-    as `Block`s: `rectangles`, one Block a row."""
-    return [Block(*row) for row in rectangles(part, q_rank, kv_rank, causal, tuple(window_size),
-                                              cu_seqlens).tolist()]
+    as `Block`s: `rectangles`, one Block a row (cu_seqlens: any sequence of ints)."""
+    docs = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+    window = tuple(int(w) for w in window_size)
+    return [Block(*row) for row in rectangles(part, q_rank, kv_rank, bool(causal), window,
+                                              docs).tolist()]
 
 
-@lru_cache(maxsize=256)   # G^2 arrays a partition (`burst.needs`); varlen batches bring new ones
+@lru_cache(maxsize=128)   # G^2 arrays a partition (`burst.needs`); varlen batches bring new ones
 def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
                window_size: tuple[int, int] = (-1, -1),
                cu_seqlens: tuple[int, ...] | None = None) -> np.ndarray:

@@ -422,36 +422,52 @@ def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
     return "; ".join(items or ["their calls differ"]) + hint
 
 
-# -- how an array was cut: `shard` and `attention` remember it for the array objects they return --
+# -- how an array was cut: `shard` and `attention` remember it for the host arrays they return ----
 
-_CUTS: dict[int, tuple[Any, tuple]] = {}   # id(array) -> (weak reference, cut)
+_CUTS: dict[int, tuple] = {}   # id(array) -> (weak reference, cut, axis, fingerprint)
 
 
-def remember_cut(x, cut: tuple) -> None:
-    """Remember that the array object `x` is a piece cut as `cut`: ("rows", layout, documents)
-    (a shard, or a result whose rows are those of a shard) or ("lse", sequence axis). Kept while
-    `x` lives; arrays that take no weak reference are not remembered."""
+def _fingerprint(x, axis: int) -> bytes:
+    """A digest of x's first and last two rows along `axis`: what tells a buffer refilled in
+    place (a new batch) from the piece it was when remembered."""
+    rows = x.shape[axis]
+    ends = np.take(x, [i for i in (0, 1, rows - 2, rows - 1) if 0 <= i < rows], axis=axis)
+    return hashlib.blake2b(np.ascontiguousarray(ends).tobytes(), digest_size=16).digest()
+
+
+def remember_cut(x, cut: tuple, axis: int) -> None:
+    """Remember that the host array object `x` is a piece cut as `cut` along `axis`: ("rows",
+    layout, documents) (a shard, or a result whose rows are a shard's) or ("lse",) (its sequence
+    axis `axis`). Kept while `x` lives and holds the same end rows; device arrays (whose rows
+    cannot be read without a sync) and arrays that take no weak reference are not remembered."""
     import weakref
 
+    if not isinstance(x, np.ndarray) or x.ndim == 0:
+        return
     key = id(x)
     try:
         ref = weakref.ref(x, lambda _, key=key: _CUTS.pop(key, None))
     except TypeError:
         return
-    _CUTS[key] = (ref, cut)
+    _CUTS[key] = (ref, cut, axis, _fingerprint(x, axis))
 
 
 def cut_of(x) -> tuple | None:
-    """The cut `remember_cut` holds for this very array object, or None."""
+    """(cut, axis) that `remember_cut` holds for this very array object, unless its end rows
+    changed since (refilled in place), or None."""
     held = _CUTS.get(id(x))
-    return held[1] if held is not None and held[0]() is x else None
+    if held is None or held[0]() is not x:
+        return None
+    ref, cut, axis, fingerprint = held
+    return (cut, axis) if _fingerprint(x, axis) == fingerprint else None
 
 
 def rows_cut(layout, docs, size: int) -> tuple:
     """A call's rows on `size` ranks as `remember_cut` records them, written so that two cuts
     that place the rows alike are equal: contiguous shards are the same with or without
     documents (they move no row), zigzag ones are not (unless the documents are one); one rank
-    holds every row in order whatever the layout."""
+    holds every row in order whatever the layout. (Lengths are not part of it: uneven shards
+    are checked by the calls themselves.)"""
     if size == 1 or layout != "zigzag" or docs is None or len(docs) <= 2:
         docs = None
     return ("rows", "contiguous" if size == 1 else layout, docs)
@@ -462,29 +478,45 @@ def _said(cut: tuple) -> str:
     return f"layout={layout!r}" + (f" with cu_seqlens={list(docs)}" if docs is not None else "")
 
 
-def cut_problem(names: tuple, arrays: tuple, want: tuple, axis: int | None = None) -> str | None:
-    """What contradicts how `shard` (or `attention`) cut these arrays, or None: a call with
-    another layout or other documents than the pieces were cut with (the rows would be taken for
-    other positions: a wrong answer), or an lse joined along another axis than its sequence's.
-    want: the call's own cut (`rows_cut`); `axis`: the axis `unshard` joins along (None: an
-    attention call). Only arrays this process remembers are looked at (`remember_cut`)."""
+def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = None,
+                positional: bool = True) -> str | None:
+    """What contradicts how `shard` (or `attention`) cut these arrays, or None: a call that
+    takes their rows for other positions than they hold (another layout or other documents:
+    a wrong answer), or an lse joined along another axis than its sequence's.
+    want: the call's own cut (`rows_cut`); axis: the axis `unshard` joins along (None: an
+    attention call, along the sequence); positional: whether the call's result depends on
+    where the rows sit (causal, a window, documents; a plain softmax or linear attention over
+    every key does not). Only arrays this process remembers are looked at (`remember_cut`)."""
     if not isinstance(want[1], str):
         return None
     for name, x in zip(names, arrays):
-        cut = cut_of(x)
-        if cut is None:
+        held = cut_of(x)
+        if held is None:
             continue
-        if cut[0] == "lse":
-            if axis is not None and axis != cut[1]:
-                return (f"{name} is an lse {'(H, T)' if cut[1] == 1 else '(B, H, S)'} whose "
-                        f"sequence axis is {cut[1]}, not axis={axis}: pass axis={cut[1]}, or use "
-                        f"Sharding.unshard_lse")
+        cut, cut_axis = held
+        if axis is not None and axis != cut_axis:
+            if cut[0] == "lse":
+                return (f"{name} is an lse {'(H, T)' if cut_axis == 1 else '(B, H, S)'} whose "
+                        f"sequence axis is {cut_axis}, not axis={axis}: pass axis={cut_axis}, "
+                        f"or use Sharding.unshard_lse")
+            continue                 # joined along another axis than the one it was cut on
+        if cut[0] == "lse" or cut == want or not (positional or axis is not None):
             continue
-        if cut != want:
-            return (f"{name} was cut with {_said(cut)} but this call has {_said(want)}: its rows "
-                    f"would be taken for other positions. Pass the same layout and cu_seqlens "
-                    f"as shard (or one burstcu.Sharding, which carries them to every call)")
+        return (f"{name} was cut with {_said(cut)} but this call has {_said(want)}: its rows "
+                f"would be taken for other positions. Pass the same layout and cu_seqlens as "
+                f"shard (or one burstcu.Sharding, which carries them to every call); if the rows "
+                f"are right, pass a view ({name}.view()): the memory is of this array object")
     return None
+
+
+def inherited_cut(arrays: tuple, want: tuple) -> tuple:
+    """The cut a call's results get: its inputs' remembered one (the first that has one), else
+    the call's own `want`."""
+    for x in arrays:
+        held = cut_of(x)
+        if held is not None and held[0][0] == "rows":
+            return held[0]
+    return want
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:

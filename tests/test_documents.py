@@ -168,3 +168,16 @@ def test_ranks_disagreeing_on_documents_fail_on_every_rank():
 @pytest.mark.mpi
 def test_bad_documents_on_one_rank_fail_on_every_rank():
     run_mpi(3, "strategy_bodies:documents_bad_on_one_rank", timeout=120)
+
+
+def test_a_partition_pickles_without_what_it_computed():
+    """A partition's hash and segment arrays are computed once and kept; a pickle carries only
+    its rows (a hash differs between processes), and the copy is equal, hashes alike here."""
+    import pickle
+
+    part = partition("zigzag", 3, 40, (0, 7, 40))
+    hash(part), part.arrays
+    copy = pickle.loads(pickle.dumps(part))
+    assert "_hash" not in vars(copy) and "arrays" not in vars(copy)
+    assert copy == part and hash(copy) == hash(part) and len({part, copy}) == 1
+    assert not part.arrays[0][0].flags.writeable

@@ -53,7 +53,8 @@ def test_disagreeing_keywords_are_refused_on_every_rank(world):
 def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     """Without a Sharding: zigzag shards passed without layout=, documents given to shard or to
     attention only, unshard(lse) along axis 1, unshard(out) without the layout: ValueError on
-    every rank, naming the cut and the call's."""
+    every rank, naming the cut and the call's. Correct programs still run: no mask (the answer
+    does not depend on positions), a gather along the heads, buffers refilled in place."""
     results = run_mpi(world, "sharding_bodies:bare_keyword_mistakes")
     messages = results[0]["messages"]
     assert set(messages) == {"zigzag shards, no layout", "documents at shard only",
@@ -62,6 +63,7 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     for r in results:   # the same error everywhere, named by the rank that saw it first
         assert set(r["messages"]) == set(messages)
         assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
+        assert r["heads"] == [1, 12, 2 * world, 8] and r["refilled"][1] in (11, 12, 13)
     said = {name: m.split(": ", 1)[-1] if m.startswith("rank ") else m for name, m in messages.items()}
     assert "q was cut with layout='zigzag' but this call has layout='contiguous'" in \
         said["zigzag shards, no layout"]

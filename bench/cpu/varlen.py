@@ -8,9 +8,11 @@ plus a PREDICTION of the same three on the GPU presets of bench/model/predict.py
     python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F]
 
 --schedule times the host side alone (one process, no MPI): building the per-document zigzag
-partition of --docs documents over --ranks ranks, and each ring step's rectangle array
-(`burstcu.layout.rectangles`, uncached) for causal attention: per step (median and worst over
-every rank and step), one rank's G steps, and all G x G arrays (what the schedule reads).
+partition of --docs documents over --ranks ranks (and, once a partition, its segment arrays and
+hash), each ring step's rectangle array (`burstcu.layout.rectangles`, uncached) for causal
+attention: per step (median and worst over every rank and step), one rank's G steps, all G x G
+arrays (what the schedule reads), and one step's array turned into `Block`s (what the engines
+take today, one local-op call a Block).
 
 The documents: lengths drawn from a log-normal (median --doc-median, shape --doc-sigma, clipped to
 [8, N/2]; seeded by --seed) until they fill N tokens, the last one cut to fit: many short
@@ -343,7 +345,7 @@ def predict(args) -> dict:
 
 def schedule(args) -> dict:
     """Host time of the rectangle arrays (module docstring, --schedule): medians over --repeats."""
-    from burstcu.layout import partition, rectangles
+    from burstcu.layout import Block, Partition, partition, rectangles
 
     g = args.ranks
     cu = C.document_mix(64 * args.docs * 8, args.seed, args.doc_median, args.doc_sigma)
@@ -360,12 +362,18 @@ def schedule(args) -> dict:
 
     part_ms = ms(lambda: partition.__wrapped__("zigzag", g, n, cu))
     part = partition("zigzag", g, n, cu)
+    fresh = lambda: Partition(part.layout, part.runs)                   # nothing computed yet
+    arrays_ms = ms(lambda: fresh().arrays)              # once a partition: its segments as arrays
+    hash_ms = ms(lambda: hash(fresh()))                 # once a partition: its cache key
     build = rectangles.__wrapped__
+    as_blocks_ms = ms(lambda: [Block(*row) for row in build(part, 0, g - 1, True, (-1, -1),
+                                                             cu).tolist()])
     steps = {(r, s): ms(lambda r=r, s=s: build(part, r, (r - s) % g, True, (-1, -1), cu))
              for r in range(g) for s in range(g)}
     rows = [build(part, r, (r - s) % g, True, (-1, -1), cu).size for r, s in steps]
     return {"benchmark": "varlen schedule", "args": C.clean(vars(args)), "ranks": g,
             "documents": len(cu) - 1, "tokens": n, "partition_ms": part_ms,
+            "arrays_ms": arrays_ms, "hash_ms": hash_ms, "step_as_blocks_ms": as_blocks_ms,
             "step_ms_median": float(np.median(list(steps.values()))),
             "step_ms_max": max(steps.values()),
             "rank_steps_ms_max": max(sum(steps[r, s] for s in range(g)) for r in range(g)),
@@ -381,10 +389,14 @@ def render_schedule(result: dict) -> str:
         f"over {r['ranks']} ranks, causal (medians of {r['args']['repeats']} builds; CPU)",
         C.table([{"built": what, "ms": f"{r[key]:.3f}"} for what, key in (
             ("partition (every rank's pieces)", "partition_ms"),
+            ("its segments as arrays (once a partition)", "arrays_ms"),
+            ("its hash, the cache key (once a partition)", "hash_ms"),
             ("one step's rectangle array, median", "step_ms_median"),
             ("one step's rectangle array, worst", "step_ms_max"),
             (f"one rank's {r['ranks']} steps, worst rank", "rank_steps_ms_max"),
-            (f"all {r['ranks']}x{r['ranks']} arrays", "all_steps_ms"))], ["built", "ms"]),
+            (f"all {r['ranks']}x{r['ranks']} arrays", "all_steps_ms"),
+            ("one step's array as Blocks (what the engines take)", "step_as_blocks_ms"))],
+            ["built", "ms"]),
         f"rectangles a step: median {r['rectangles_per_step_median']:.0f}, most "
         f"{r['rectangles_max']}"])
 

@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .base import (MAX_WAIT_S, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
-                   nbytes)
+from .base import MAX_WAIT_S, PeerFailedError, Transport, agreed, answer_of, nbytes
 
 _TAG_RING = 7          # a ring step's exchange
 _TAG_LENGTH = 8        # an agreement message's length (int64), then
@@ -74,7 +73,10 @@ def _seconds(seconds: float) -> datetime.timedelta:
 
 def _gloo(prefix: str, rank: int, size: int, timeout: float):
     """A gloo process group of `size` processes over torch's default store, under `prefix`
-    (collective over them: each waits for the others to connect, at most `timeout` s)."""
+    (collective over them: each waits for the others to connect, at most `timeout` s). A rank
+    that cannot connect ends its process, as the MPI transport aborts the world then: the
+    processes that did arrive are blocked in the same connection, and a retry could not agree
+    on the prefix (each process numbers the groups it made)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -82,10 +84,14 @@ def _gloo(prefix: str, rank: int, size: int, timeout: float):
     try:
         return dist.ProcessGroupGloo(store, rank, size, _seconds(timeout))
     except Exception as exc:  # noqa: BLE001 - torch's store timeout, or a missing gloo
-        raise CommTimeoutError(
-            f"rank {rank}: connecting burstcu's gloo group {prefix!r} of {size} processes failed "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); every "
-            f"process of the group must make it (burstcu.init, or the same burstcu call)") from None
+        sys.stderr.write(
+            f"burstcu: rank {rank}: connecting burstcu's gloo group {prefix!r} of {size} "
+            f"processes failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+            f"within {timeout:g} s: every process of the group must make it (burstcu.init, or "
+            f"the same burstcu call); a rank may have failed or exited before it\n"
+            f"burstcu: rank {rank} ends its process\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class TorchDistTransport(Transport):

@@ -142,9 +142,21 @@ def bare_keyword_mistakes():
     }
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only
-    # (documents move no contiguous row), the lse along its sequence axis
+    # (documents move no contiguous row), the lse along its sequence axis, ...
     ok = burstcu.attention(cq, ck, cv, group, causal=True, cu_seqlens=docs)
     whole_lse = burstcu.unshard(lse, group, layout="zigzag", axis=2)
+    # ... a call whose answer no position changes (no mask) on zigzag shards, equal to the
+    # zigzag call's; a gather along another axis (heads) than the one the rows were cut on
+    plain = burstcu.attention(zq, zk, zv, group)
+    assert np.array_equal(plain, burstcu.attention(zq, zk, zv, group, layout="zigzag"))
+    heads = burstcu.unshard(out, group, axis=2)
+    # ... and buffers refilled in place with pieces of a new batch cut another way
+    buffers = [burstcu.shard(x, group, "zigzag", cu_seqlens=docs) for x in (q, k, v)]
+    other = [0, 9, n]
+    for buffer, x in zip(buffers, make_inputs(5, 1, n, 2, 2, 8, "float32")):
+        buffer[...] = burstcu.shard(x, group, "zigzag", cu_seqlens=other)
+    refilled = burstcu.attention(*buffers, group, causal=True, layout="zigzag", cu_seqlens=other)
     group.barrier()
     group.close()
-    return {"messages": messages, "ok": list(ok.shape), "lse": list(whole_lse.shape)}
+    return {"messages": messages, "ok": list(ok.shape), "lse": list(whole_lse.shape),
+            "heads": list(heads.shape), "refilled": list(refilled.shape)}

@@ -78,7 +78,16 @@ def test_a_rank_that_never_arrives_is_named_and_the_job_ends():
                           expect_fail=True)
     assert time.monotonic() - start < 45, "the job outlived the 60 s sleep's purpose"
     assert "rank 0 waited 2 s for rank(s) [1] to reach the agreement round" in output, output
-    assert "woke" not in output and "returned" not in output
+    assert "BURSTCU-RESULT" not in output          # neither rank returned
+
+
+def test_init_without_a_peer_ends_the_job_with_why():
+    start = time.monotonic()
+    output = run_torchrun(2, "torch_dist_bodies:init_without_a_peer", timeout=120, expect_fail=True)
+    assert time.monotonic() - start < 45
+    assert "rank 0: connecting burstcu's gloo group '0/1' of 2 processes failed" in output, output
+    assert "every process of the group must make it" in output
+    assert "BURSTCU-RESULT" not in output          # neither rank returned
 
 
 def test_the_cupy_bootstrap_runs_over_torch():
