@@ -121,7 +121,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             strategy_problem=lambda q_shape, k_shape: _strategy_problem(
                 strategy, options, q_shape, k_shape, group.size),
             window_size=window_size, cu_seqlens=cu_seqlens)
-        q = native[2 if backward else 0]
+        q = native[1 if backward else 0]          # (dout, q, k, v, out, lse) backward
         return err, meta, (scale, docs), None if err else (int(q.shape[1]), first_rows_digest(q))
 
     def finish(reports, extra):

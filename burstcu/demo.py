@@ -364,7 +364,7 @@ def _report(args, size, rows, ql, kl):
     for r in rows:
         print(f"{r['rank']:>4} " + "".join(f"{r['checks'][e][1]:>11.2e}" for e in errs)
               + f"{r['fwd_s']:>8.3f}{r['bwd_s']:>8.3f}{r['fwd_bytes']:>13,}{r['fwd_msgs']:>5}{r['bwd_bytes']:>13,}{r['bwd_msgs']:>5}")
-    mask = dict(layout=args.layout, causal=args.causal)
+    mask = dict(layout=partition(args.layout, size, args.seqlen), causal=args.causal)  # any N
     fwd = [burst.forward_bytes(size, ql, kl, kl, rank=r, **mask) for r in range(size)]
     bwd = [burst.backward_bytes(size, ql, kl, kl, rank=r, **mask) for r in range(size)]
     print(f"formula per rank: forward sends*(|K|+|V|) = "

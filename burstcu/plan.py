@@ -42,7 +42,6 @@ from . import engine
 from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, partition
-from .ops.base import accum_dtype
 from .validate import sharding_keywords
 
 
@@ -321,15 +320,12 @@ def _ulysses_model(problem: _Problem, run, part: Partition) -> tuple[float, floa
 def _usp_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
     """usp(u): the all-to-alls inside groups of u (intra-node when a group fits a node) around
     burst's ring over the G/u groups."""
-    b, s, h, d = problem.q.shape
-    hkv = problem.k.shape[2]
-    it, acc = problem.q.dtype.itemsize, accum_dtype(problem.q.dtype).itemsize
+    h, hkv = problem.q.shape[2], problem.k.shape[2]
     u = run.degree(problem.size, h, hkv)
     hg, hk = h // u, ulysses.kv_heads(0, u, h, hkv)[1]
     a2a_f = ulysses.forward_bytes(u, problem.q, problem.k, problem.k)
-    # lse, delta, q, dO, k, v in; dq, dk, dv back, counted at the input itemsize here
-    a2a_b = (u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
-                               + (hg + 2 * hk) * d * it)
+    # lse, delta, q, dO, k, v in; dq, dk, dv back in the accumulation dtype, as the engine sends
+    a2a_b = ulysses.backward_bytes(u, problem.q, problem.k, problem.k)
     ring_f, ring_b = _burst_seconds(problem, grouped(part, u), hg, hk, problem.node)
     within = u <= problem.machine.ranks_per_node
     fwd = 2 * problem.transfer(a2a_f / 2, within) + ring_f

@@ -86,9 +86,12 @@ def _exit_codes(stdout: str) -> list:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("world", [1, 3])
-def test_demo_reports_every_rank(world):
-    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "burstcu.demo", *SMALL_JOB]
+@pytest.mark.parametrize("world, extra", [(1, []), (3, []),
+                                          (2, ["--layout", "zigzag", "--seqlen", "1003"])])
+def test_demo_reports_every_rank(world, extra):
+    """The table, the byte formula equal to the measured bytes, one verdict a rank; any length
+    in either layout (zigzag on 1003 rows: shards of 502 and 501, odd)."""
+    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "burstcu.demo", *SMALL_JOB, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

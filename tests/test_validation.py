@@ -63,4 +63,5 @@ def test_the_global_array_on_every_rank(world):
         assert f"{world} copies of the sequence" in r["message"], (rank, r)
         assert "burstcu.SameShardsWarning" in r["message"], (rank, r)
         assert r["docs_error"] and "each holds the whole sequence" in r["docs_error"], (rank, r)
+        assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
 

@@ -738,5 +738,14 @@ def global_array_on_every_rank():
         result["docs_error"] = None
     except ValueError as exc:
         result["docs_error"] = str(exc)
+    # the backward looks at q (its second array), not at k: shards of q, the same global k
+    mine = burstcu.shard(np.random.default_rng(1).standard_normal((1, 16 * group.size, 2, 8))
+                         .astype(np.float32), group)
+    lse = np.zeros((1, 2, 16), np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.attention_backward(mine, mine, q, q, mine, lse, group)
+    result["backward_warned"] = sum(issubclass(w.category, burstcu.SameShardsWarning)
+                                    for w in caught)
     return result
 
