@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
-@dataclass(frozen=True)
-class Segment:
-    """`length` local rows starting at local row `local`, holding global positions from `pos`."""
+class Segment(NamedTuple):
+    """`length` local rows starting at local row `local`, holding global positions from `pos`
+    (a named tuple: a partition of many documents holds thousands)."""
 
     local: int
     pos: int
@@ -183,17 +184,28 @@ def partition(layout: str, size: int, seqlen_global: int,
         if tuple(lengths) != fixed:
             raise ValueError(f"zigzag fixes every rank's length ({seqlen_global} positions over "
                              f"{size} ranks: {fixed}); got {tuple(lengths)}")
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-    first = 0
-    spans = [(0, seqlen_global)] if cu_seqlens is None else zip(cu_seqlens[:-1], cu_seqlens[1:])
-    for start, stop in spans:                      # each document [start, stop) in 2G pieces
-        cut = near_equal(stop - start, 2 * size, first)
-        first = (first + (stop - start)) % (2 * size)
-        bounds = [start + sum(cut[:c]) for c in range(2 * size + 1)]
-        for r in range(size):
-            for c in (r, 2 * size - 1 - r):
-                pieces[r].append((bounds[c], bounds[c + 1] - bounds[c]))
-    return Partition(layout, tuple(_runs(mine) for mine in pieces))
+    spans = np.array([0, seqlen_global] if cu_seqlens is None else cu_seqlens, np.int64)
+    lengths_of = np.diff(spans)                      # each document [start, stop) in 2G pieces
+    first = np.concatenate([[0], np.cumsum(lengths_of)[:-1]]) % (2 * size)
+    base, extra = np.divmod(lengths_of, 2 * size)    # near_equal, the longer ones from `first`
+    cut = base[:, None] + ((np.arange(2 * size)[None, :] - first[:, None]) % (2 * size)
+                           < extra[:, None])
+    bounds = spans[:-1, None] + np.concatenate([np.zeros((cut.shape[0], 1), np.int64),
+                                                np.cumsum(cut, axis=1)], axis=1)
+    runs, arrays = [], []
+    for r in range(size):                            # pieces r and 2G-1-r of every document
+        chunks = np.stack([r, 2 * size - 1 - r])
+        pos, length = bounds[:, chunks].reshape(-1), cut[:, chunks].reshape(-1)
+        keep = length > 0
+        pos, length = pos[keep], length[keep]
+        local = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+        runs.append(tuple(map(Segment, local.tolist(), pos.tolist(), length.tolist())))
+        for column in (pos, length, local):
+            column.flags.writeable = False
+        arrays.append((pos, length, local))
+    part = Partition(layout, tuple(runs))
+    object.__setattr__(part, "arrays", tuple(arrays))   # `Partition.arrays`, already at hand
+    return part
 
 
 @lru_cache(maxsize=256)

@@ -13,7 +13,8 @@ import pytest
 
 import burstcu
 from burstcu.engine.burst import forward_sends
-from burstcu.layout import RECTANGLE, blocks, global_positions, partition, rectangles, step_blocks
+from burstcu.layout import (RECTANGLE, Partition, blocks, global_positions, partition, rectangles,
+                            step_blocks)
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
 
@@ -181,3 +182,6 @@ def test_a_partition_pickles_without_what_it_computed():
     assert "_hash" not in vars(copy) and "arrays" not in vars(copy)
     assert copy == part and hash(copy) == hash(part) and len({part, copy}) == 1
     assert not part.arrays[0][0].flags.writeable
+    # the arrays the zigzag split hands over at once are those its segments give
+    for made, given in zip(Partition(part.layout, part.runs).arrays, part.arrays):
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(made, given))
