@@ -8,7 +8,9 @@ running online-softmax state of every row in fp32:
     m   (B, H, S)     running max of the scaled scores s_ij = (q_i . k_j) * scale * log2(e)
     l   (B, H, S)     running sum_j exp2(s_ij - m_i)
 One launch of `flash_fwd_step` folds one K/V rectangle (a `burstcu.layout.Block`) into that
-state: each block of threads reads the state of its BLOCK_M query rows, streams the K/V rows in
+state, and one launch of `flash_fwd_steps` every rectangle of a ring step (grouped by query
+range, so that no two blocks of threads hold the same rows; the groups' rectangles fold in
+order, as one launch each would). In both, each block of threads reads the state of its BLOCK_M query rows, streams the K/V rows in
 BLOCK_N-row tiles through shared memory, updates (acc, m, l) in registers with the usual FA2
 rescaling, and writes the state back. The merge of ring steps is therefore fused into the kernel:
 no partial output and no partial lse ever reach global memory, and the ring engine never runs a
@@ -37,6 +39,8 @@ VARIANTS (burstcu/build/fwd_variants.py lists them; each is one template instant
         native one with q/k/v zero-padded (zeros add nothing to q.k nor to the padded output
         columns, which are dropped; the softmax scale stays 1/sqrt(real d)).
     flash_fwd_step<..., CAREFUL = true>   the same with gemm_rs_masked for P V
+    flash_fwd_steps<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS[, true]>   the same tiles over a ring
+        step's rectangle list (one launch a step when it has several rectangles)
     flash_fwd_finalize<T>   T in {__half, __nv_bfloat16, float}
     flash_any_nonfinite<T>  T in {__half, __nv_bfloat16, float}
 
@@ -156,18 +160,52 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
 // ------------------------------------------------------------------------------------------------
 // forward step
 
+namespace fwd {
+
+// One rectangle as a block of query rows sees it: its key rows, their bounds, and which K/V
+// tiles hold a key some row of the block may see (none: `live` false, nothing is loaded).
+struct RectView {
+  int k_start, k_len, k_pos, hi, lo;
+  int n_keys, tile_begin, n_tiles;
+  bool live;
+};
+
+// Keys that some row of the block (query rows q0 .. q_last, relative to q_start, at global
+// positions from q_pos) may see: key j is visible to the last row iff k_pos + j <= q_pos + q_last
+// + hi, and to the first iff k_pos + j >= q_pos + q0 - lo; tiles outside [tile_begin, n_tiles)
+// are never loaded. (int arithmetic: positions stay below 2^30, the bounds at most NO_BOUND.)
+template <int BLOCK_N>
+__device__ __forceinline__ RectView rect_view(const BlockRect& r, int q_pos, int q0, int q_last) {
+  RectView v;
+  v.k_start = r.k_start; v.k_len = r.k_len; v.k_pos = r.k_pos; v.hi = r.hi; v.lo = r.lo;
+  v.n_keys = max(0, min(r.k_len, q_pos + q_last + r.hi - r.k_pos + 1));
+  const int first_key = q_pos + q0 - r.lo - r.k_pos;
+  v.tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;
+  v.n_tiles = (v.n_keys + BLOCK_N - 1) / BLOCK_N;
+  v.live = v.tile_begin < v.n_tiles;
+  return v;
+}
+
+}  // namespace fwd
+
 /* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
-   (p.blk) into the running state (p.acc, p.m, p.l) of those query rows; shapes, strides and the
-   key bounds hi, lo are FwdStepParams' (kernels/params.cuh). NO_BOUND keeps every sum of
-   positions below 2^31 for positions below 2^30.
+   into the running state (p.acc, p.m, p.l) of those query rows; shapes, strides and the key
+   bounds hi, lo are FwdStepParams' (kernels/params.cuh). NO_BOUND keeps every sum of positions
+   below 2^31 for positions below 2^30.
+   LIST = false (flash_fwd_step): the one rectangle p.blk; grid (ceil(q_len / BLOCK_M), H, B).
+   LIST = true (flash_fwd_steps): every rectangle of a ring step in one launch, grouped by query
+     range (p.rects, p.groups, p.n_groups): block x finds its group by a binary search of the
+     groups' first tiles, reads the state of its query rows once, folds the group's rectangles
+     in order (each streams its own K/V tiles through the same smem stages) and writes the state
+     once; grid (the groups' query tiles together, H, B). The result is what one flash_fwd_step
+     launch a rectangle, in that order, computes, bit for bit: the state stays in fp32 registers
+     between rectangles as it would in fp32 memory.
    p.nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
      stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
-   grid (ceil(q_len / BLOCK_M), H, B), block NWARPS * 32 threads,
-   dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
-__global__ void __launch_bounds__(NWARPS * 32)
-flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
+   block NWARPS * 32 threads, dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL, bool LIST>
+__device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
   static_assert(HEADDIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-chunks are 16 wide");
@@ -191,27 +229,44 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   const long long kv_sb = p.kv_stride.b, kv_sr = p.kv_stride.s, kv_sh = p.kv_stride.h;
   const long long acc_sb = p.acc_stride.b, acc_sr = p.acc_stride.s, acc_sh = p.acc_stride.h;
   const long long ml_sb = p.ml_stride.b, ml_sh = p.ml_stride.h;
-  const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
-  const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
   const int H = p.H, Hkv = p.Hkv;
   const float scale_log2 = p.scale_log2;
+
+  // this block's rectangles: p.blk alone, or its group's (LIST)
+  const BlockRect* rects = nullptr;
+  int r_first = 0, r_end = 1, q_tile = blockIdx.x;
+  int q_start = p.blk.q_start, q_len = p.blk.q_len, q_pos = p.blk.q_pos;
+  if constexpr (LIST) {
+    const int* groups = p.groups;
+    const int n_groups = p.n_groups;
+    const int* tile_first = groups + n_groups + 1;
+    int lo_g = 0, hi_g = n_groups - 1;   // the last group whose first tile is <= blockIdx.x
+    while (lo_g < hi_g) {
+      const int mid = (lo_g + hi_g + 1) / 2;
+      if (tile_first[mid] <= (int)blockIdx.x) lo_g = mid; else hi_g = mid - 1;
+    }
+    rects = p.rects;
+    r_first = groups[lo_g];
+    r_end = groups[lo_g + 1];
+    q_tile = blockIdx.x - tile_first[lo_g];
+    q_start = rects[r_first].q_start;
+    q_len = rects[r_first].q_len;
+    q_pos = rects[r_first].q_pos;
+  }
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group, thread in group
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv);
-  const int q0 = blockIdx.x * BLOCK_M;   // first query row of this block, relative to q_start
+  const int q0 = q_tile * BLOCK_M;       // first query row of this block, relative to q_start
   const int w0 = q0 + warp * 16;         // first query row of this warp
-
-  // Keys that some row of this block may see: key j is visible to the last valid row iff
-  // k_pos + j <= q_pos + last + hi, and to the first iff k_pos + j >= q_pos + q0 - lo; tiles
-  // outside [tile_begin, n_tiles) are never loaded.
   const int q_last = min(q0 + BLOCK_M, q_len) - 1;
-  // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
-  const int n_keys = max(0, min(k_len, q_pos + q_last + hi - k_pos + 1));
-  const int first_key = q_pos + q0 - lo - k_pos;
-  const int tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;
-  const int n_tiles = (n_keys + BLOCK_N - 1) / BLOCK_N;
-  if (q_last < q0 || tile_begin >= n_tiles) return;  // every key masked: state unchanged
+
+  // the first rectangle with a key some row of this block sees (none: state unchanged)
+  int r = r_first;
+  fwd::RectView cur = fwd::rect_view<BLOCK_N>(LIST ? rects[r] : p.blk, q_pos, q0, q_last);
+  if constexpr (LIST)
+    while (!cur.live && ++r < r_end) cur = fwd::rect_view<BLOCK_N>(rects[r], q_pos, q0, q_last);
+  if (q_last < q0 || !cur.live) return;
 
   BURSTCU_DYNAMIC_SMEM(T, smem);
   // layout: Q | K0 V0 | K1 V1; stage s of K starts at sK0 + s * kStage (plain arithmetic, not a
@@ -222,16 +277,16 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   T* sV0 = sK0 + BLOCK_N * kStride;
 
   const T* gQ = q + b * q_sb + (long long)(q_start + q0) * q_sr + h * q_sh;
-  const T* gK = k + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
-  const T* gV = v + b * kv_sb + (long long)k_start * kv_sr + hk * kv_sh;
+  const T* gK = k + b * kv_sb + (long long)cur.k_start * kv_sr + hk * kv_sh;
+  const T* gV = v + b * kv_sb + (long long)cur.k_start * kv_sr + hk * kv_sh;
 
-  // ---- prologue: Q tile and K/V tile tile_begin in flight
+  // ---- prologue: Q tile and the first rectangle's K/V tile tile_begin in flight
   fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
   cp_async_commit();
   {
-    const int nb = tile_begin * BLOCK_N;
-    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, n_keys - nb, tid);
-    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, n_keys - nb, tid);
+    const int nb = cur.tile_begin * BLOCK_N;
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
   }
   cp_async_commit();
 
@@ -244,15 +299,15 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   float* ml_base_l = l + b * ml_sb + h * ml_sh + q_start;
   float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    m_i[r] = row_ok[r] ? ml_base_m[row[r]] : fwd::neg_inf();
-    l_i[r] = (row_ok[r] && t == 0) ? ml_base_l[row[r]] : 0.f;
+  for (int r2 = 0; r2 < 2; ++r2) {
+    m_i[r2] = row_ok[r2] ? ml_base_m[row[r2]] : fwd::neg_inf();
+    l_i[r2] = (row_ok[r2] && t == 0) ? ml_base_l[row[r2]] : 0.f;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) {
       float2 a = make_float2(0.f, 0.f);
-      if (row_ok[r]) a = *reinterpret_cast<const float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t);
-      o[j][2 * r] = a.x;
-      o[j][2 * r + 1] = a.y;
+      if (row_ok[r2]) a = *reinterpret_cast<const float2*>(acc_base + row[r2] * acc_sr + 8 * j + 2 * t);
+      o[j][2 * r2] = a.x;
+      o[j][2 * r2 + 1] = a.y;
     }
   }
 
@@ -260,121 +315,167 @@ flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   // ldmatrix.x4 row addresses for an A fragment: lanes 0-15 rows 0-15 at col 0, lanes 16-31 the
   // same rows at col 8 (matrices: rows 0-7|8-15 x cols 0-7|8-15 = a0, a1, a2, a3).
   const T* q_frag_row = sQ + (warp * 16 + lane % 16) * kStride + (lane / 16) * 8;
+  if constexpr (LIST && kQInRegs) {  // the group's Q fragments once, before its rectangles
+    cp_async_wait<1>();              // Q has landed (the first K/V tile may still fly)
+    __syncthreads();
+#pragma unroll
+    for (int kc = 0; kc < kKChunks; ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
+  }
   // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
 
-  for (int tile = tile_begin; tile < n_tiles; ++tile) {
-    const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
-    if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
-      const int nn = n0 + BLOCK_N;
-      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, gK + nn * kv_sr, kv_sr, n_keys - nn, tid);
-      fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0 + (stage ^ 1) * kStage, gV + nn * kv_sr, kv_sr, n_keys - nn, tid);
-      cp_async_commit();
-      cp_async_wait<1>();  // everything but the prefetch: Q and this tile
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (kQInRegs && tile == tile_begin) {
+  while (true) {  // one pass a live rectangle (once for flash_fwd_step)
+    const int k_len = cur.k_len, k_pos = cur.k_pos, hi = cur.hi, lo = cur.lo;
+    const int n_keys = cur.n_keys, tile_begin = cur.tile_begin, n_tiles = cur.n_tiles;
+    for (int tile = tile_begin; tile < n_tiles; ++tile) {
+      const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
+      if (tile + 1 < n_tiles) {  // prefetch the next tile into the other stage
+        const int nn = n0 + BLOCK_N;
+        fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0 + (stage ^ 1) * kStage, gK + nn * kv_sr, kv_sr, n_keys - nn, tid);
+        fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0 + (stage ^ 1) * kStage, gV + nn * kv_sr, kv_sr, n_keys - nn, tid);
+        cp_async_commit();
+        cp_async_wait<1>();  // everything but the prefetch: Q and this tile
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      if (!LIST && kQInRegs && tile == tile_begin) {
 #pragma unroll
-      for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
-    }
-
-    // A warp whose rows all precede every key of the tile, or that has no valid row, adds
-    // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
-    const bool warp_live = w0 < q_len && q_pos + w0 + 15 + hi >= k_pos + n0 &&
-                           q_pos + w0 - lo <= k_pos + n0 + BLOCK_N - 1;
-    if (warp_live) {
-      // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
-      float s[kNTiles][4];
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      const T* kt = sK0 + stage * kStage;
-#pragma unroll
-      for (int kc = 0; kc < kKChunks; ++kc) {
-        u32 a_smem[4];
-        const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
-        if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
-#pragma unroll
-        for (int jp = 0; jp < kNTiles / 2; ++jp) {
-          u32 kb[4];
-          ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
-          mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
-          mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
-        }
+        for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
       }
 
-      // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
-      const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
-                             k_pos + n0 < q_pos + w0 + 15 - lo;
+      // A warp whose rows all precede every key of the tile, or that has no valid row, adds
+      // nothing (P would be 0 and the rescale 1): it skips the math but not the barriers.
+      const bool warp_live = w0 < q_len && q_pos + w0 + 15 + hi >= k_pos + n0 &&
+                             q_pos + w0 - lo <= k_pos + n0 + BLOCK_N - 1;
+      if (warp_live) {
+        // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
+        float s[kNTiles][4];
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
+        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const T* kt = sK0 + stage * kStage;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[j][e] * scale_log2;
-          if (need_mask) {
-            const int key = n0 + 8 * j + 2 * t + (e & 1);
-            const int qr = row[e / 2];
-            const bool keep = key < k_len && k_pos + key <= q_pos + qr + hi &&
-                              k_pos + key >= q_pos + qr - lo;
-            x = keep ? x : fwd::neg_inf();
+        for (int kc = 0; kc < kKChunks; ++kc) {
+          u32 a_smem[4];
+          const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
+          if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
+#pragma unroll
+          for (int jp = 0; jp < kNTiles / 2; ++jp) {
+            u32 kb[4];
+            ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
+            mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
+            mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
           }
-          s[j][e] = x;
         }
-      }
 
-      // ---- online softmax: new max, rescale factor, P = exp2(S - m)
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = m_i[r];
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
-        // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
-        // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
-        const float ref = mx == fwd::neg_inf() ? 0.f : mx;
-        alpha[r] = exp2f(m_i[r] - ref);
-        m_i[r] = mx;
-        float sum = 0.f;
+        // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
+        const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
+                               k_pos + n0 < q_pos + w0 + 15 - lo;
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
-          s[j][2 * r] = exp2f(s[j][2 * r] - ref);
-          s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - ref);
-          sum += s[j][2 * r] + s[j][2 * r + 1];
-        }
-        l_i[r] = l_i[r] * alpha[r] + sum;  // partial: reduced over the row group at the end
-      }
 #pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-      }
+          for (int e = 0; e < 4; ++e) {
+            float x = s[j][e] * scale_log2;
+            if (need_mask) {
+              const int key = n0 + 8 * j + 2 * t + (e & 1);
+              const int qr = row[e / 2];
+              const bool keep = key < k_len && k_pos + key <= q_pos + qr + hi &&
+                                k_pos + key >= q_pos + qr - lo;
+              x = keep ? x : fwd::neg_inf();
+            }
+            s[j][e] = x;
+          }
+        }
 
-      // ---- acc += P V: the S accumulator fragments are P's A fragments (gemm_rs). In a tile
-      // with masked pairs P is exactly 0 there, and a non-finite V at such a key must not reach
-      // the row (0 x Inf = NaN on the tensor cores): the CAREFUL variant takes care of it.
-      if constexpr (CAREFUL)
-        gemm_rs_masked<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0, need_mask);
-      else
-        gemm_rs<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0);
+        // ---- online softmax: new max, rescale factor, P = exp2(S - m)
+        float alpha[2];
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+          float mx = m_i[r2];
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r2], s[j][2 * r2 + 1]));
+          mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
+          // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
+          // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+          const float ref = mx == fwd::neg_inf() ? 0.f : mx;
+          alpha[r2] = exp2f(m_i[r2] - ref);
+          m_i[r2] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+            s[j][2 * r2] = exp2f(s[j][2 * r2] - ref);
+            s[j][2 * r2 + 1] = exp2f(s[j][2 * r2 + 1] - ref);
+            sum += s[j][2 * r2] + s[j][2 * r2 + 1];
+          }
+          l_i[r2] = l_i[r2] * alpha[r2] + sum;  // partial: reduced over the row group at the end
+        }
+#pragma unroll
+        for (int j = 0; j < kDTiles; ++j) {
+          o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+          o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+        }
+
+        // ---- acc += P V: the S accumulator fragments are P's A fragments (gemm_rs). In a tile
+        // with masked pairs P is exactly 0 there, and a non-finite V at such a key must not reach
+        // the row (0 x Inf = NaN on the tensor cores): the CAREFUL variant takes care of it.
+        if constexpr (CAREFUL)
+          gemm_rs_masked<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0, need_mask);
+        else
+          gemm_rs<T, BLOCK_N, HEADDIM>(o, s, sV0 + stage * kStage, kStride, 0);
+      }
+      __syncthreads();  // the next iteration's prefetch overwrites this stage
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
+    if constexpr (!LIST) break;
+    // ---- the group's next live rectangle: its first K/V tile into stage 0 (both stages free).
+    // The row sums are reduced over the row group here, as writing and re-reading the state
+    // between two launches would (thread t == 0 holds the sum): the same bits as a launch each.
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const float lsum = warp_sum<4>(l_i[r2]);
+      l_i[r2] = t == 0 ? lsum : 0.f;
+    }
+    do {
+      ++r;
+    } while (r < r_end && !(cur = fwd::rect_view<BLOCK_N>(rects[r], q_pos, q0, q_last)).live);
+    if (r >= r_end) break;
+    gK = k + b * kv_sb + (long long)cur.k_start * kv_sr + hk * kv_sh;
+    gV = v + b * kv_sb + (long long)cur.k_start * kv_sr + hk * kv_sh;
+    const int nb = cur.tile_begin * BLOCK_N;
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
+    fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
+    cp_async_commit();
   }
 
   // ---- write the state back (rows past q_len were never read and are not written)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lsum = warp_sum<4>(l_i[r]);
-    if (!row_ok[r]) continue;
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float lsum = warp_sum<4>(l_i[r2]);
+    if (!row_ok[r2]) continue;
     if (t == 0) {
-      ml_base_m[row[r]] = m_i[r];
-      ml_base_l[row[r]] = lsum;
+      ml_base_m[row[r2]] = m_i[r2];
+      ml_base_l[row[r2]] = lsum;
     }
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j)
-      *reinterpret_cast<float2*>(acc_base + row[r] * acc_sr + 8 * j + 2 * t) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+      *reinterpret_cast<float2*>(acc_base + row[r2] * acc_sr + 8 * j + 2 * t) = make_float2(o[j][2 * r2], o[j][2 * r2 + 1]);
   }
+}
+
+// One rectangle a launch (p.blk): grid (ceil(q_len / BLOCK_M), H, B).
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
+  flash_fwd_fold<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAREFUL, false>(p);
+}
+
+// A ring step's rectangles in one launch (p.rects, p.groups): grid (the groups' query tiles, H, B).
+// The rectangle loop keeps a few more values live than one rectangle does; where ptxas would
+// rather spill than give up a third 4-warp block a SM (d = 128 on sm_80, d = 96 on sm_90: 168
+// registers), the bound of two blocks (8 warps) a SM lets it keep them in registers.
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
+__global__ void __launch_bounds__(NWARPS * 32, (8 + NWARPS - 1) / NWARPS)
+flash_fwd_steps(const __grid_constant__ FwdStepParams<T> p) {
+  flash_fwd_fold<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAREFUL, true>(p);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -474,5 +575,6 @@ flash_fwd_finalize(const __grid_constant__ FwdFinalizeParams<T> p) {
 // nvcc cross-check only: explicit instantiations (NVRTC and the emulator use name expressions).
 template __global__ void flash_fwd_step<__half, 64, 128, 64, 8>(const FwdStepParams<__half>);
 template __global__ void flash_fwd_step<__nv_bfloat16, 128, 64, 32, 4>(const FwdStepParams<__nv_bfloat16>);
+template __global__ void flash_fwd_steps<__half, 64, 128, 64, 8>(const FwdStepParams<__half>);
 template __global__ void flash_fwd_finalize<__half>(const FwdFinalizeParams<__half>);
 #endif

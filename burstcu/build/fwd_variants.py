@@ -7,6 +7,8 @@ Two families live in flash_fwd.cu:
   comment that opens flash_fwd.cu; the register/smem figures come from the compile gate).
 * ``"forward_careful"``: the same steps with CAREFUL = true (`variants.careful_variant`), run
   instead of ``"forward"`` for a block with masked pairs when V holds Inf/NaN.
+* ``"forward_list"`` (and ``"forward_list_careful"``): ``flash_fwd_steps``, the same tiles over a
+  ring step's whole rectangle list in one launch (`burstcu.ops.cuda.params.step_groups`).
 * ``"forward_sm90"`` (tile table "sm_90a" only): ``flash_fwd_step_sm90<T, HEADDIM, BLOCK_N, STAGES>``
   of kernels/flash_fwd_sm90.cu for head dims 64, 128 and 256, compiled for sm_90a (wgmma, TMA,
   setmaxnreg): a producer warpgroup and two consumer warpgroups of 64 query rows each, on a
@@ -51,14 +53,25 @@ def step_smem_bytes(headdim: int, block_m: int, block_n: int) -> int:
     return (block_m + 4 * block_n) * (headdim + 8) * 2
 
 
-def step_variant(arch: str, dtype: str, headdim: int) -> KernelVariant:
-    """The forward-step variant for (arch, dtype, native head dim)."""
+LIST_FAMILY = "forward_list"
+
+
+def step_variant(arch: str, dtype: str, headdim: int, listed: bool = False) -> KernelVariant:
+    """The forward-step variant for (arch, dtype, native head dim): flash_fwd_step (one
+    rectangle a launch), or with `listed` flash_fwd_steps (a ring step's rectangle list in one
+    launch, family "forward_list"), on the same tiles."""
     nwarps, block_n = _TILES[base_table(arch)][headdim]
+    return _tiled_variant(dtype, headdim, nwarps, block_n, listed)
+
+
+def _tiled_variant(dtype: str, headdim: int, nwarps: int, block_n: int,
+                   listed: bool = False) -> KernelVariant:
     block_m = 16 * nwarps
-    name = f"flash_fwd_step<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
+    kernel = "flash_fwd_steps" if listed else "flash_fwd_step"
+    name = f"{kernel}<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
     launch = LaunchConfig(threads=32 * nwarps, block_m=block_m, block_n=block_n,
                           smem_bytes=step_smem_bytes(headdim, block_m, block_n))
-    return KernelVariant("forward", SOURCE, name, dtype, headdim, launch)
+    return KernelVariant(LIST_FAMILY if listed else "forward", SOURCE, name, dtype, headdim, launch)
 
 
 SM90_SOURCE = "flash_fwd_sm90.cu"
@@ -112,7 +125,8 @@ def forward_variants(arch: str) -> list[KernelVariant]:
     NATIVE_HEADDIMS, on "sm_90a" the Hopper steps too, finalizes, non-finite flags."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    steps = [step_variant(arch, dt, d) for dt in DTYPES for d in NATIVE_HEADDIMS]
+    steps = [step_variant(arch, dt, d, listed) for listed in (False, True) for dt in DTYPES
+             for d in NATIVE_HEADDIMS]
     hopper = ([sm90_step_variant(dt, d, careful) for careful in (False, True) for dt in DTYPES
                for d in SM90_HEADDIMS] if arch == "sm_90a" else [])
     return (steps + [careful_variant(v) for v in steps] + hopper
@@ -129,8 +143,4 @@ def step_variant_for_tiles(dtype: str, headdim: int, nwarps: int, block_n: int) 
     """
     if headdim % 16 or block_n % 16 or nwarps < 1:
         raise ValueError(f"illegal forward tiles: d={headdim}, NWARPS={nwarps}, BLOCK_N={block_n}")
-    block_m = 16 * nwarps
-    name = f"flash_fwd_step<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
-    launch = LaunchConfig(threads=32 * nwarps, block_m=block_m, block_n=block_n,
-                          smem_bytes=step_smem_bytes(headdim, block_m, block_n))
-    return KernelVariant("forward", SOURCE, name, dtype, headdim, launch)
+    return _tiled_variant(dtype, headdim, nwarps, block_n)

@@ -238,3 +238,69 @@ def test_windows(ops, dtype, block):
     over the explicit mask keep_from_blocks builds."""
     q, k, v = make(dtype, 1, block.q_len, block.k_len, 2, 1, 64, seed=7)
     check(ops, dtype, q, k, v, [block])
+
+
+# ------------------------------------------------------------------------------------------------
+# a ring step's rectangles in one launch (flash_fwd_steps)
+
+def _counting(ops):
+    """Count the kernel launches of `ops` (a KernelOps, or HostArrays around one) by kernel name
+    (the template's name before '<'): every launch looks its kernel up through `function`."""
+    counts: dict = {}
+    inner = getattr(ops, "ops", ops)
+    function = inner.function
+
+    def counted(name):
+        kernel = name.split("<")[0]
+        counts[kernel] = counts.get(kernel, 0) + 1
+        return function(name)
+    inner.function = counted
+    return counts
+
+
+STEP_CASES = {   # name: (dtype, d, G, N, documents, causal, window, H, Hkv)
+    "per-document zigzag, causal": ("float16", 64, 3, 150, (0, 17, 40, 41, 90, 150), True, (-1, -1), 4, 2),
+    "zigzag, window, bf16, d 80": ("bfloat16", 80, 2, 100, None, False, (20, 5), 2, 2),
+    "per-document zigzag, causal window, d 128": ("float16", 128, 2, 96, (0, 30, 96), True, (24, 0), 2, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
+    """Every step of a G-rank ring with several rectangles: forward_step over the whole list is
+    one flash_fwd_steps launch (its careful twin beside it where pairs are masked) and gives the
+    same bits, out and lse, as one flash_fwd_step launch a rectangle in the list's order; the
+    list path against float64 too (the FlashAttention rule, `check`)."""
+    from burstcu import layout
+
+    dtype, d, size, n, docs, causal, window, h, hkv = STEP_CASES[case]
+    ops = kernel_ops(randomize=True)   # shuffled thread order: a race on smem between rectangles shows
+    counts = _counting(ops)
+    part = layout.partition("zigzag", size, n, docs)
+    rng = np.random.default_rng(3)
+    listed_steps = 0
+    for qr in range(size):
+        q = rng.standard_normal((1, part.lengths[qr], h, d)).astype(DTYPES[dtype])
+        for kr in range(size):
+            k, v = (rng.standard_normal((1, part.lengths[kr], hkv, d)).astype(DTYPES[dtype])
+                    for _ in range(2))
+            blocks = layout.blocks(part, qr, kr, causal, window, docs)
+            if len(blocks) < 2:
+                continue
+            counts.clear()
+            whole = ops.forward_init(q)
+            ops.forward_step(whole, k, v, blocks)
+            masked = any(b.masked for b in blocks)
+            assert counts.get("flash_fwd_steps") == (2 if masked else 1), counts
+            assert "flash_fwd_step" not in counts, counts
+            one_by_one = ops.forward_init(q)
+            for blk in blocks:
+                ops.forward_step(one_by_one, k, v, [blk])
+            (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype)
+                                              for s in (whole, one_by_one))
+            assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
+            assert np.array_equal(lse_a.view(np.uint32), lse_b.view(np.uint32))
+            if listed_steps == 0:
+                check(ops, dtype, q, k, v, blocks)
+            listed_steps += 1
+    assert listed_steps >= 2

@@ -132,12 +132,34 @@ def test_fwd_step_params_fields():
     flag = np.zeros(1, np.int32)
     blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
     p = params.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
-    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 192
+    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 216
     assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
     assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
     assert tuple(p["ml_stride"]) == (4 * 16, 16)
     assert tuple(p["blk"]) == (3, 5, 4, 6, 103, 104, 0, NO_BOUND)
     assert (int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (4, 2, 0.5)
+    assert (int(p["rects"]), int(p["groups"]), int(p["n_groups"])) == (0, 0, 0)   # one rectangle
+
+
+def test_step_groups_group_by_query_range_in_folding_order():
+    """flash_fwd_steps' lists: rectangles grouped by (q_start, q_len) in the order of each
+    group's first block, blocks in order within a group; each group's first rectangle and first
+    query tile as prefix sums; one buffer, both pointers into it."""
+    blocks = [Block(0, 40, 0, 10, 0, 0, False), Block(40, 20, 0, 10, 90, 0, False),
+              Block(0, 40, 10, 5, 0, 50, True), Block(40, 20, 10, 5, 90, 50, False)]
+    groups = params.step_groups(np, blocks, 16)
+    rects = groups.rects.reshape(-1, 8)
+    assert [tuple(r[:4]) for r in rects] == [(0, 40, 0, 10), (0, 40, 10, 5), (40, 20, 0, 10),
+                                            (40, 20, 10, 5)]
+    assert tuple(rects[1][6:]) == (0, NO_BOUND)                       # causal: hi 0, no lower bound
+    assert groups.n_groups == 2 and list(groups.offsets) == [0, 2, 4, 0, 3, 5]
+    assert groups.tiles == 5                                          # ceil(40/16) + ceil(20/16)
+    assert groups.offsets.ctypes.data == groups.rects.ctypes.data + 4 * 8 * 4
+    p = params.fwd_step_params(np.zeros((1, 60, 2, 64), np.float16), *(np.zeros((1, 15, 2, 64), np.float16),) * 2,
+                               np.zeros((1, 60, 2, 64), np.float32), *(np.zeros((1, 2, 60), np.float32),) * 2,
+                               np.zeros(1, np.int32), None, 0.5, groups)
+    assert int(p["rects"]) == groups.rects.ctypes.data and int(p["n_groups"]) == 2
+    assert tuple(p["blk"]) == (0,) * 8
 
 
 def test_bwd_step_params_take_64bit_strides_and_check_shared_ones():

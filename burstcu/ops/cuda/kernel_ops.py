@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.fwd_variants import SM90_FAMILY, nonfinite_flag_variant
+from ...build.fwd_variants import LIST_FAMILY, SM90_FAMILY, nonfinite_flag_variant
 from ...build import all_variants
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
@@ -39,7 +39,7 @@ from ...transport.streams import nvtx_range
 from ..base import LocalOps
 from . import backward, decode
 from .params import (I32_MAX, MAX_POSITION, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
-                     fwd_step_sm90_params, nonfinite_params, vector_ready)
+                     fwd_step_sm90_params, nonfinite_params, step_groups, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -64,7 +64,8 @@ class ForwardState:
 
     q: (B, S, H, Dp) input dtype, padded, contiguous.  acc: (B, S, H, Dp) float32.
     m, l: (B, H, S) float32 (base-2 running max / sum).  scale: softmax scale.
-    headdim: the caller's D.  dtype: "float16" or "bfloat16".
+    headdim: the caller's D.  dtype: "float16" or "bfloat16".  keep: what a launch still reads
+    (the rectangle lists of flash_fwd_steps), kept with the state until it is finalized.
     """
 
     q: Any
@@ -74,6 +75,7 @@ class ForwardState:
     scale: float
     headdim: int
     dtype: str
+    keep: list = field(default_factory=list)
 
 
 def _dtype_name(x) -> str:
@@ -356,8 +358,11 @@ class KernelOps(LocalOps):
                             scale=scale, headdim=D, dtype=dtype)
 
     def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
-        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`, one launch per
-        Block (launches on one stream run in order, so blocks sharing query rows compose)."""
+        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`: one launch
+        for the whole step (flash_fwd_steps over the rectangle list, grouped by query range,
+        each group's blocks folding in order) or, for one Block, flash_fwd_step; the Hopper
+        kernel (forward_sm90) takes one launch a Block (launches on one stream run in order,
+        so blocks sharing query rows compose)."""
         blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
         if not blocks:
             return
@@ -382,6 +387,16 @@ class KernelOps(LocalOps):
         if variant.family == SM90_FAMILY:
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
+            return
+        if len(blocks) > 1:   # the whole step in one launch, the same tiles over the list
+            listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
+            groups = step_groups(self.xp, blocks, listed.launch.block_m)
+            state.keep.append(groups)   # the rectangles stay until the step has run
+            masked = any(blk.masked for blk in blocks)
+            params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
+                                     self.step_flag(masked, flag), None, state.scale * _LOG2E,
+                                     groups)
+            self.launch_step(listed, (groups.tiles, H, B), params, masked)
             return
         for blk in blocks:
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,

@@ -21,7 +21,8 @@ order, after the kernels already queued on that stream.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -184,7 +185,8 @@ FWD_STEP = CStruct("FwdStepParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"),
     ("nonfinite", "ptr"), ("q_stride", ROW_STRIDES), ("kv_stride", ROW_STRIDES),
     ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
-    ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32")], templated=True)
+    ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("rects", "ptr"), ("groups", "ptr"),
+    ("n_groups", "i32")], templated=True)
 FWD_FINALIZE = CStruct("FwdFinalizeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
@@ -231,14 +233,51 @@ def block_rect(block: Block) -> tuple:
             *key_bounds(block))
 
 
-def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block, scale_log2: float) -> np.void:
+def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_log2: float,
+                    groups: "StepGroups | None" = None) -> np.void:
     """FwdStepParams: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) sharing strides; acc (B, Sq, H, D)
-    float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32."""
+    float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32. flash_fwd_step
+    takes one `block`; flash_fwd_steps takes a whole step's `groups` (block None)."""
     return FWD_STEP.pack(
         q=q, k=k, v=v, acc=acc, m=m, l=l, nonfinite=nonfinite,
         q_stride=_shared_strides(3, q), kv_stride=_shared_strides(3, k, v),
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
-        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale_log2=scale_log2)
+        blk=(0,) * 8 if block is None else block_rect(block), H=q.shape[2], Hkv=k.shape[2],
+        scale_log2=scale_log2, rects=None if groups is None else groups.rects,
+        groups=None if groups is None else groups.offsets,
+        n_groups=0 if groups is None else groups.n_groups)
+
+
+@dataclass(frozen=True)
+class StepGroups:
+    """A ring step's rectangles for one flash_fwd_steps launch (FwdStepParams' rects, groups):
+    rects (n, 8) int32 BlockRects grouped by query range, in folding order; offsets
+    (2 n_groups + 2,) int32: each group's first rectangle, then its first query tile; tiles: the
+    launch's grid.x (every group's query tiles). Both arrays are views of one buffer (one upload)."""
+
+    rects: Any
+    offsets: Any
+    n_groups: int
+    tiles: int
+
+
+def step_groups(xp, blocks: Sequence[Block], block_m: int) -> StepGroups:
+    """`blocks` grouped by query range (q_start, q_len), groups in the order of their first
+    block and blocks in theirs within a group, as xp arrays (see StepGroups): what one
+    flash_fwd_steps launch folds exactly as one flash_fwd_step launch a block would, in order."""
+    order: dict[tuple[int, int], list[Block]] = {}
+    for blk in blocks:
+        order.setdefault((blk.q_start, blk.q_len), []).append(blk)
+    grouped = [blk for members in order.values() for blk in members]
+    sizes = [len(members) for members in order.values()]
+    tiles = [cdiv(q_len, block_m) for _, q_len in order]
+    n = len(order)
+    host = np.empty(8 * len(grouped) + 2 * n + 2, np.int32)
+    host[:8 * len(grouped)] = np.array([block_rect(blk) for blk in grouped], np.int32).reshape(-1)
+    host[8 * len(grouped):8 * len(grouped) + n + 1] = np.concatenate([[0], np.cumsum(sizes)])
+    host[8 * len(grouped) + n + 1:] = np.concatenate([[0], np.cumsum(tiles)])
+    buffer = xp.asarray(host)
+    return StepGroups(buffer[:8 * len(grouped)], buffer[8 * len(grouped):], n, int(sum(tiles)))
 
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
