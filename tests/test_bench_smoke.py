@@ -404,7 +404,7 @@ def test_gpu_run_dry_run_lists_every_step():
     steps, out = dry()
     assert steps == ["env", "isa", "gate", "full", "tests", "gputests", "kbench", "overlap", "overlap_causal",
                      "tiles", "memcheck", "racecheck", "demo", "mpi", "linear", "linearbench", "varlen",
-                     "uneven", "decode"]
+                     "steplists", "uneven", "decode"]
     assert "bench/gpu/kernel_speed.py" in out and "bench/gpu/tiles.py" in out and "unknown" not in out
     assert dry("hopper-session")[0] == ["env", "isa", "hopper", "hopper_bench"]
     steps, out = dry("hopper_memcheck", "hopper_racecheck", "basic")
@@ -425,6 +425,23 @@ def test_gpu_benchmarks_plan_without_a_gpu():
                                        "--layout", "zigzag", "--docs", "0", "--strategies", "burst"],
                     nprocs=None)   # any length; documents from bench/_common.py's document_mix
     assert "global seqlen 65537" in out and " documents, " in out and "no documents" not in out
+
+
+@pytest.mark.emulated
+def test_step_lists_on_the_emulator(tmp_path):
+    """bench/gpu/step_lists.py through the emulator (its smoke test; GPU figures come from a
+    GPU): per-document zigzag steps take fewer launches as lists than one a rectangle, the kept
+    pairs are the layouts' own, contiguous is its own reference."""
+    js = tmp_path / "sl.json"
+    out = run_bench("gpu/step_lists.py", ["--backend", "emulated", "--ranks", "2", "--seqlen", "256",
+                                          "--docs", "5", "--heads", "2", "--headdim", "32",
+                                          "--repeats", "1", "--json", js], nprocs=None, timeout=300)
+    assert "NOT GPU figures" in out
+    zigzag, contiguous = json.loads(js.read_text())["rows"]
+    assert zigzag["layout"] == "zigzag" and zigzag["docs"] == 5
+    assert zigzag["launches_list"] < zigzag["launches_per_rect"] and zigzag["rectangles"] > 4
+    assert contiguous["kept_pairs"] == 256 * 257 // 2            # causal over the 256 tokens
+    assert 0 < zigzag["kept_pairs"] < contiguous["kept_pairs"]    # within documents only
 
 
 def test_overlap_gpu_interval_arithmetic():

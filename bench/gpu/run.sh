@@ -13,7 +13,8 @@
 # (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
 # attention: tests/gpu/test_linear_gpu.py; bench/cpu/linear.py on one GPU, LASP-2/LASP-1 to 1M
 # tokens beside softmax burst), varlen (bench/gpu/overlap_gpu.py --docs: causal documents on 4 ranks,
-# zigzag per document vs contiguous), uneven (a global length 3 ranks do not divide) and decode
+# zigzag per document vs contiguous), steplists (bench/gpu/step_lists.py: a ring step's forward
+# rectangles in one launch against one launch a rectangle, the same steps), uneven (a global length 3 ranks do not divide) and decode
 # (bench/cpu/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
 # The Hopper forward kernel (kernels/flash_fwd_sm90.cu, compute capability 9.0 only) has its own
 # steps, not in the default list: hopper (its kernel tests on the GPU and the 4-rank loopback
@@ -40,7 +41,8 @@ fi
 steps=("$@")
 [ "${steps[0]:-}" = hopper-session ] && steps=(env isa hopper hopper_bench)
 [ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
-                                 memcheck racecheck demo mpi linear linearbench varlen uneven decode)
+                                 memcheck racecheck demo mpi linear linearbench varlen steplists uneven
+                                 decode)
 failed=()
 
 plot() {  # plot FILE: "--plot FILE" where matplotlib imports, else nothing (a measurement never waits on a picture)
@@ -88,6 +90,8 @@ for s in "${steps[@]}"; do
              -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
              tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/kernels/test_decode_emulated.py ;;
+    steplists) step steplists 300 $PY bench/gpu/step_lists.py --json "$OUT/step_lists.json" \
+             --table "$LOGS/step_lists.txt" ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \

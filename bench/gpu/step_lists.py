@@ -1,0 +1,143 @@
+"""A ring step's rectangles in one launch against one launch a rectangle: the forward step kernels
+alone, on one device, the same steps timed both ways in the same run.
+
+    python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--heads 16]
+        [--headdim 128] [--repeats 10] [--json F] [--table F]
+    python bench/gpu/step_lists.py --backend emulated --seqlen 256 --docs 5 --heads 2 --headdim 32 --repeats 1
+
+The steps are those of the burst ring under per-document zigzag (`burstcu.layout.rectangles`:
+--docs documents of a seeded long-tailed mix over --seqlen tokens, causal), for every query rank
+and ring step; beside them, the contiguous split of the same tokens without documents (one
+rectangle a step, or two: the one-rectangle kernel's own figure). Per layout, summed over every
+(rank, step): ``list_ms`` (`KernelOps.forward_step` over the step's list: flash_fwd_steps, one
+launch, plus its careful twin where pairs are masked), ``per_rect_ms`` (one flash_fwd_step launch
+a rectangle, in the same order), ``rectangles``, ``launches_list`` / ``launches_per_rect``
+(kernel launches, the non-finite flag's included), ``kept_pairs`` (the (query, key) pairs the mask
+keeps) and ``list_ns_per_pair``; ``vs_contiguous_per_pair`` is zigzag's time per kept pair over
+contiguous's. On a GPU (--backend cupy, the default) times are CUDA events around each
+forward_step call (median of --repeats after one warm-up); on the emulator (--backend emulated)
+host seconds, for a smoke test only: they say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
+from bench._common import (array_dtype, call_seconds, clean, document_mix, progress, table,  # noqa: E402
+                           write_json)
+
+
+def kept_pairs(blocks) -> int:
+    """(query, key) pairs the rectangles keep, counted element by element from their bounds."""
+    total = 0
+    for b in blocks:
+        i = np.arange(b.q_len)[:, None] + b.q_pos
+        j = np.arange(b.k_len)[None, :] + b.k_pos
+        keep = np.ones((b.q_len, b.k_len), bool)
+        if b.causal:
+            keep &= j <= i
+        if b.left >= 0:
+            keep &= j >= i - b.left
+        if b.right >= 0:
+            keep &= j <= i + b.right
+        total += int(keep.sum())
+    return total
+
+
+def measure(args, ops, layout_name: str, docs) -> dict:
+    """Both ways of launching every (rank, step) of one layout (module docstring)."""
+    from burstcu import layout
+
+    xp, cuda = ops.xp, ops.device == "cuda"
+    part = layout.partition(layout_name, args.ranks, args.seqlen, docs)
+    rng = np.random.default_rng(0)
+    dtype = array_dtype(args.dtype)
+    row = {"layout": layout_name, "docs": 0 if docs is None else len(docs) - 1, "list_ms": 0.0,
+           "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0, "launches_per_rect": 0,
+           "kept_pairs": 0}
+    counts = {"n": 0}
+    function = ops.function
+
+    def counted(name):
+        counts["n"] += 1
+        return function(name)
+    ops.function = counted
+    try:
+        for qr in range(args.ranks):
+            shape = (1, part.lengths[qr], args.heads, args.headdim)
+            q = xp.asarray(rng.standard_normal(shape).astype(dtype))
+            for step in range(args.ranks):
+                kr = (qr - step) % args.ranks
+                blocks = layout.blocks(part, qr, kr, True, (-1, -1), docs)
+                if not blocks:
+                    continue
+                kv = (1, part.lengths[kr], args.heads, args.headdim)
+                k, v = (xp.asarray(rng.standard_normal(kv).astype(dtype)) for _ in range(2))
+                state = ops.forward_init(q)
+                ways = {"list": lambda: ops.forward_step(state, k, v, blocks),
+                        "per_rect": lambda: [ops.forward_step(state, k, v, [b]) for b in blocks]}
+                for way, fn in ways.items():
+                    fn()                                   # compiles, and a warm-up
+                    counts["n"] = 0
+                    fn()
+                    row[f"launches_{way}"] += counts["n"]
+                    seconds = call_seconds(fn, args.repeats, warmup=0, cuda=cuda,
+                                           after=None if cuda else ops.sync)
+                    row[f"{way}_ms"] += float(np.median(seconds)) * 1e3
+                row["rectangles"] += len(blocks)
+                row["kept_pairs"] += kept_pairs(blocks)
+            progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
+    finally:
+        ops.function = function
+    row["list_ns_per_pair"] = row["list_ms"] * 1e6 / max(row["kept_pairs"], 1)
+    row["per_rect_ns_per_pair"] = row["per_rect_ms"] * 1e6 / max(row["kept_pairs"], 1)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="cupy", choices=["cupy", "emulated"])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=65536)
+    p.add_argument("--docs", type=int, default=241, help="documents (a seeded long-tailed mix)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=["float16"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None)
+    args = p.parse_args(argv)
+    from burstcu.ops.cuda import KernelOps
+
+    ops = KernelOps(args.backend)
+    mix = document_mix(args.seqlen, seed=0, median=args.seqlen / max(args.docs, 1) / 4)
+    docs = tuple(mix[:args.docs] + (args.seqlen,)) if len(mix) > args.docs + 1 else mix
+    rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
+    rows[0]["vs_contiguous_per_pair"] = rows[0]["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
+    rows[1]["vs_contiguous_per_pair"] = 1.0
+    where = ("GPU (CUDA events around each forward_step)" if ops.device == "cuda"
+             else "the CPU emulator (host seconds: NOT GPU figures)")
+    text = "\n".join([
+        f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
+        f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)",
+        table(rows, ["layout", "docs", "rectangles", "launches_list", "launches_per_rect",
+                     "list_ms", "per_rect_ms", "kept_pairs", "list_ns_per_pair",
+                     "vs_contiguous_per_pair"])])
+    print(text)
+    if args.table:
+        Path(args.table).write_text(text + "\n")
+    result = {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
+              "rows": rows}
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
