@@ -425,6 +425,8 @@ def test_gpu_benchmarks_plan_without_a_gpu():
                                        "--layout", "zigzag", "--docs", "0", "--strategies", "burst"],
                     nprocs=None)   # any length; documents from bench/_common.py's document_mix
     assert "global seqlen 65537" in out and " documents, " in out and "no documents" not in out
+    out = run_bench("gpu/step_lists.py", ["--dry-run", "--seqlen", "65536", "--docs", "241"], nprocs=None)
+    assert "plan: zigzag, 241 documents over 65536 tokens on 4 ranks" in out and "plan: contiguous, 0" in out
 
 
 @pytest.mark.emulated

@@ -4,6 +4,7 @@ alone, on one device, the same steps timed both ways in the same run.
     python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--heads 16]
         [--headdim 128] [--repeats 10] [--json F] [--table F]
     python bench/gpu/step_lists.py --backend emulated --seqlen 256 --docs 5 --heads 2 --headdim 32 --repeats 1
+    python bench/gpu/step_lists.py --dry-run           # the plan only, anywhere
 
 The steps are those of the burst ring under per-document zigzag (`burstcu.layout.rectangles`:
 --docs documents of a seeded long-tailed mix over --seqlen tokens, causal), for every query rank
@@ -47,6 +48,15 @@ def kept_pairs(blocks) -> int:
             keep &= j <= i + b.right
         total += int(keep.sum())
     return total
+
+
+def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
+    """cu_seqlens of exactly `documents` documents over `tokens`: `document_mix`'s long-tailed
+    lengths (its median lowered until it draws enough), the last document running to the end."""
+    median = tokens / documents
+    while len(mix := document_mix(tokens, seed=0, median=median)) <= documents:
+        median /= 1.5
+    return mix[:documents] + (tokens,)
 
 
 def measure(args, ops, layout_name: str, docs) -> dict:
@@ -112,12 +122,23 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None)
+    p.add_argument("--dry-run", action="store_true", help="print the plan; no kernel runs")
     args = p.parse_args(argv)
+    docs = exact_mix(args.seqlen, args.docs)
+    if args.dry_run:
+        from burstcu import layout
+
+        for name, cut in (("zigzag", docs), ("contiguous", None)):
+            part = layout.partition(name, args.ranks, args.seqlen, cut)
+            n = sum(len(layout.blocks(part, qr, kr, True, (-1, -1), cut))
+                    for qr in range(args.ranks) for kr in range(args.ranks))
+            print(f"plan: {name}, {0 if cut is None else len(cut) - 1} documents over "
+                  f"{args.seqlen} tokens on {args.ranks} ranks: {n} rectangles in "
+                  f"{args.ranks * args.ranks} (rank, step) pairs, each timed both ways")
+        return None
     from burstcu.ops.cuda import KernelOps
 
     ops = KernelOps(args.backend)
-    mix = document_mix(args.seqlen, seed=0, median=args.seqlen / max(args.docs, 1) / 4)
-    docs = tuple(mix[:args.docs] + (args.seqlen,)) if len(mix) > args.docs + 1 else mix
     rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
     rows[0]["vs_contiguous_per_pair"] = rows[0]["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
     rows[1]["vs_contiguous_per_pair"] = 1.0
