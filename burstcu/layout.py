@@ -252,6 +252,22 @@ def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, s
                   cu_seqlens)
 
 
+def kept_pairs(block: Block) -> int:
+    """(query, key) pairs of a `burstcu.layout.Block` that its mask keeps, counted exactly."""
+    if not block.masked:
+        return block.q_len * block.k_len
+    q = block.q_pos + np.arange(block.q_len, dtype=np.int64)
+    upper = np.full(q.shape, block.k_pos + block.k_len - 1, np.int64)
+    lower = np.full(q.shape, block.k_pos, np.int64)
+    if block.causal:
+        upper = np.minimum(upper, q)
+    if block.right >= 0:
+        upper = np.minimum(upper, q + block.right)
+    if block.left >= 0:
+        lower = np.maximum(lower, q - block.left)
+    return int(np.maximum(upper - lower + 1, 0).sum())
+
+
 # one rectangle a row: `Block`'s fields, for arrays of a step's rectangles (`rectangles`)
 RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np.int64),
                       ("k_len", np.int64), ("q_pos", np.int64), ("k_pos", np.int64),

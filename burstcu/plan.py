@@ -41,7 +41,7 @@ import numpy as np
 from . import engine
 from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
-from .layout import Partition, as_partition, blocks, grouped, partition
+from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partition
 from .validate import sharding_keywords
 
 
@@ -137,22 +137,6 @@ class _Spec:
         self.nbytes = self.size * self.dtype.itemsize
 
 
-def _kept_pairs(block) -> int:
-    """(query, key) pairs of a `burstcu.layout.Block` that its mask keeps, counted exactly."""
-    if not block.masked:
-        return block.q_len * block.k_len
-    q = block.q_pos + np.arange(block.q_len, dtype=np.int64)
-    upper = np.full(q.shape, block.k_pos + block.k_len - 1, np.int64)
-    lower = np.full(q.shape, block.k_pos, np.int64)
-    if block.causal:
-        upper = np.minimum(upper, q)
-    if block.right >= 0:
-        upper = np.minimum(upper, q + block.right)
-    if block.left >= 0:
-        lower = np.maximum(lower, q - block.left)
-    return int(np.maximum(upper - lower + 1, 0).sum())
-
-
 @lru_cache(maxsize=64)
 def _work(part: Partition, causal: bool, window_size, cu_seqlens) -> tuple[np.ndarray, np.ndarray]:
     """(pairs, calls), each (G, G): kept (query, key) pairs of rank i's queries over rank j's
@@ -162,7 +146,7 @@ def _work(part: Partition, causal: bool, window_size, cu_seqlens) -> tuple[np.nd
     for i in range(g):
         for j in range(g):
             rects = blocks(part, i, j, causal, window_size, cu_seqlens)
-            pairs[i, j] = sum(_kept_pairs(r) for r in rects)
+            pairs[i, j] = sum(kept_pairs(r) for r in rects)
             calls[i, j] = len(rects)
     return pairs, calls
 

@@ -33,23 +33,6 @@ from bench._common import (array_dtype, call_seconds, clean, document_mix, progr
                            write_json)
 
 
-def kept_pairs(blocks) -> int:
-    """(query, key) pairs the rectangles keep, counted element by element from their bounds."""
-    total = 0
-    for b in blocks:
-        i = np.arange(b.q_len)[:, None] + b.q_pos
-        j = np.arange(b.k_len)[None, :] + b.k_pos
-        keep = np.ones((b.q_len, b.k_len), bool)
-        if b.causal:
-            keep &= j <= i
-        if b.left >= 0:
-            keep &= j >= i - b.left
-        if b.right >= 0:
-            keep &= j <= i + b.right
-        total += int(keep.sum())
-    return total
-
-
 def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
     """cu_seqlens of exactly `documents` documents over `tokens`: `document_mix`'s long-tailed
     lengths (its median lowered until it draws enough), the last document running to the end."""
@@ -100,7 +83,7 @@ def measure(args, ops, layout_name: str, docs) -> dict:
                                            after=None if cuda else ops.sync)
                     row[f"{way}_ms"] += float(np.median(seconds)) * 1e3
                 row["rectangles"] += len(blocks)
-                row["kept_pairs"] += kept_pairs(blocks)
+                row["kept_pairs"] += sum(layout.kept_pairs(b) for b in blocks)
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
     finally:
         ops.function = function
