@@ -201,10 +201,10 @@ def _local_rank(comm: Any) -> tuple[int, int]:
     launcher set them (torch's tensors live on cuda:LOCAL_RANK), else the ranks' host names."""
     if comm is None:
         return 0, 1
-    local = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-    if isinstance(comm, Transport) and all(v.isdigit() for v in local):
-        return int(local[0]), int(local[1])
     if isinstance(comm, Transport):
+        local = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+        if all(v.isdigit() for v in local):
+            return int(local[0]), int(local[1])
         names = host_gather(comm, socket.gethostname(), comm.timeout, "the node-local ranks")
         mine = [r for r, name in enumerate(names) if name == names[comm.rank]]
         return mine.index(comm.rank), len(mine)

@@ -383,7 +383,8 @@ class KernelOps(LocalOps):
             self._check_block(blk, S, k.shape[1])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
-        flag = self.nonfinite_flag(vp) if any(blk.masked for blk in blocks) else None
+        masked = any(blk.masked for blk in blocks)
+        flag = self.nonfinite_flag(vp) if masked else None
         if variant.family == SM90_FAMILY:
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
@@ -392,7 +393,6 @@ class KernelOps(LocalOps):
             listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
             groups = step_groups(self.xp, blocks, listed.launch.block_m)
             state.keep.append(groups)   # the rectangles stay until the step has run
-            masked = any(blk.masked for blk in blocks)
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
                                      self.step_flag(masked, flag), None, state.scale * _LOG2E,
                                      groups)
