@@ -73,9 +73,25 @@ template <> __device__ __forceinline__ u32 bits16<__half>(__half x) { return __h
 template <> __device__ __forceinline__ u32 bits16<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 
 // Two T's in one register, lo in bits 0-15: the element order of an mma .f16x2/.bf16x2 operand.
+// On the GPU one cvt.rn.{f16x2,bf16x2}.f32 (its first source lands in the upper half); it rounds
+// each element as cvt.rn.{f16,bf16}.f32 does, so the bits are those of the two conversions.
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+#if defined(__CUDA_ARCH__)
+template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#else
 template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return bits16<T>(from_float<T>(lo)) | (bits16<T>(from_float<T>(hi)) << 16);
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Shared-window address for PTX operands (.shared state space takes 32-bit addresses).

@@ -70,18 +70,34 @@ BUILD
     setmaxnreg need the "a" target; the gate reads the SASS for HGMMA and local memory)
     CPU emulator: burstcu.init(backend="emulated", arch="sm_90a") (kernels/emu/emu_hopper.h,
     emu_wgmma.h implement every primitive of hopper.cuh)
-    NOTHING HERE HAS RUN ON A GPU YET: the tile table is a starting point, not a measurement.
 
-TWO NUMBERS AND A PREDICTION (H100 SXM; PREDICTION, not measured)
-Forward, non-causal, S = 16384, d = 128, B x H = 16: 4 S^2 d B H = 2.25e12 FLOP; at the ~800
-TFLOP/s a large bf16 GEMM reaches on an H100 (NO-GPU.md) the floor is 2.8 ms. Bytes: Q, K, V in
-and the fp32 state (acc read and written, m, l) = 0.34 GB, 0.1 ms at 3.35 TB/s: matrix-bound,
-as FA3 is. PREDICTION: 450-600 TFLOP/s at S >= 4K, d = 128 (FA3, with this structure plus
-tuned 176-key tiles and other register tricks, reaches ~650; the mma.sync family measured 163-252),
-so >= 1.4x torch's flash backend (~330); d = 64 lower (softmax-bound: half the FLOPs per exp).
-If a GPU run lands below 400, look first at: ptxas serializing wgmma (the gate fails on it),
-the producer waiting (a third stage at d = 128 still fits: 1024 + (128 + 768) x 256 + 256 =
-230656 of 232448 B), the ping-pong barriers, and descriptor arithmetic between HGMMAs (R2UR).
+TWO NUMBERS
+Forward, non-causal, S = 16384, d = 128, B x H = 16: 4 S^2 d B H = 2.25e12 FLOP; at the ~790
+TFLOP/s a large bf16 GEMM reaches on an H100/H200 (the device notes) the floor is 2.8 ms. Bytes:
+Q, K, V in and the fp32 state (acc read and written, m, l) = 0.34 GB, 0.1 ms: matrix-bound.
+
+MEASURED (one H200, 2026-11-27, bench/results/h200/, bench/gpu/kernel_speed.py: init + one step +
+finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
+    first run (the tile table above as planned, untuned): d = 128 S = 16K 303-306 TFLOP/s
+      (0.87-0.90x torch flash, 0.46-0.49x cuDNN). Nsight Compute (run2's logs): tensor pipe
+      35% busy, 9 of 12 warps active, 0.38 eligible a scheduler; 1.97e9 instructions, ~15 an
+      attention score: the mask test sat inside the element loop (a branch region an element,
+      masked or not) and the scale was a separate FMUL; the f32 -> f16 packing took two cvt and
+      a PRMT (SASS of the sources at 2e1e255).
+    now (the mask in a loop of its own for the tiles that cross a bound, the scale folded into
+      one FFMA with the max taken over raw scores, one cvt.rn.f16x2.f32 a pair):
+      d      S=4K fp16/bf16   S=16K fp16/bf16   vs torch flash (16K)   vs cuDNN (16K)
+      64     265 / 293        379 / 424         1.29 / 1.39x           0.81 / 0.87x
+      128    291 / 349        435 / 470         1.28 / 1.39x           0.69 / 0.72x
+      256    338 / 355        471 / 465         1.50 / 1.45x           0.66 / 0.64x
+    causal at 16K: 322-386 TFLOP/s (1.14-1.33x torch flash). S <= 2K is slower than torch flash
+    (0.3-0.9x), not yet broken down: each call also runs the state init, the non-finite flag and
+    the finalize kernels with their host code, and a query tile with 8-16 key tiles spends more of
+    its time in the pipeline's prologue and epilogue. Target: 1.6x torch flash at d = 128 (~540
+    TFLOP/s against that run's torch flash, 339 bf16): not met.
+NEXT (in order of the expected gain): a profile of this version; a third K/V stage at d = 128
+(fits: 1024 + (128 + 768) x 256 + 256 = 230656 of 232448 B); the O rescale only when a row's
+max moved (FA3's trick); BLOCK_N = 176 at d = 128; intra-warpgroup overlap of the two GEMMs.
 */
 
 #include "hopper.cuh"
@@ -375,42 +391,47 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     // rows of this warpgroup, for the per-tile mask test
     const int wg_row0 = mb * kBlockM + wg * kWgRows;
 
-    // ---- softmax of S (key tile j) in place: scale, mask, new max, P = exp2(S - m), row sums;
-    // returns the rescale factors of O in alpha
+    // ---- softmax of S (key tile j) in place: mask, new max, P = exp2(S * scale - m), row sums;
+    // returns the rescale factors of O in alpha. m is in scaled units (the state's); the max is
+    // taken over the raw scores (max(S) * scale = max(S * scale): rounding is monotonic) so that
+    // the scale folds into one FFMA an element. Only tiles that cross a bound run the mask, in a
+    // loop of their own: a test inside the element loop costs a branch region an element.
     auto softmax = [&](int j, float alpha[2]) {
       const int n0 = j * BLOCK_N;
       const bool need_mask = n0 + BLOCK_N > rect.k_len ||
                              rect.k_pos + n0 + BLOCK_N - 1 > rect.q_pos + wg_row0 + rect.hi ||
                              rect.k_pos + n0 < rect.q_pos + wg_row0 + kWgRows - 1 - rect.lo;
+      if (need_mask) {
+        // row r keeps the keys first[r] .. last[r] of this tile (flash_fwd_step's bounds)
+        int first[2], last[2];
 #pragma unroll
-      for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[4 * jj + e] * scale_log2;
-          if (need_mask) {
-            const int key = n0 + 8 * jj + 2 * tq + (e & 1);
-            const int qr = row[e / 2];
-            const bool keep = key < rect.k_len && rect.k_pos + key <= rect.q_pos + qr + rect.hi &&
-                              rect.k_pos + key >= rect.q_pos + qr - rect.lo;
-            x = keep ? x : neg_inf();
-          }
-          s[4 * jj + e] = x;
+        for (int r = 0; r < 2; ++r) {
+          first[r] = rect.q_pos + row[r] - rect.lo - rect.k_pos - n0;
+          last[r] = min(rect.k_len - 1, rect.q_pos + row[r] + rect.hi - rect.k_pos) - n0;
         }
+#pragma unroll
+        for (int jj = 0; jj < BLOCK_N / 8; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = 8 * jj + 2 * tq + (e & 1);
+            const bool keep = key >= first[e / 2] && key <= last[e / 2];
+            s[4 * jj + e] = keep ? s[4 * jj + e] : neg_inf();
+          }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_i[r];
+        float mx = neg_inf();
 #pragma unroll
         for (int jj = 0; jj < BLOCK_N / 8; ++jj) mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * r], s[4 * jj + 2 * r + 1]));
-        mx = warp_max<4>(mx);
+        mx = fmaxf(m_i[r], warp_max<4>(mx) * scale_log2);
         const float ref = mx == neg_inf() ? 0.f : mx;  // the finite -inf guard (flash_fwd.cu)
         alpha[r] = exp2f(m_i[r] - ref);
         m_i[r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
-          s[4 * jj + 2 * r] = exp2f(s[4 * jj + 2 * r] - ref);
-          s[4 * jj + 2 * r + 1] = exp2f(s[4 * jj + 2 * r + 1] - ref);
+          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], scale_log2, -ref));
+          s[4 * jj + 2 * r + 1] = exp2f(fmaf(s[4 * jj + 2 * r + 1], scale_log2, -ref));
           sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
         }
         l_i[r] = l_i[r] * alpha[r] + sum;

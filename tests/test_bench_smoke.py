@@ -409,8 +409,31 @@ def test_gpu_run_dry_run_lists_every_step():
     assert dry("hopper-session")[0] == ["env", "isa", "hopper", "hopper_bench"]
     steps, out = dry("hopper_memcheck", "hopper_racecheck", "basic")
     assert steps == ["hopper_memcheck", "hopper_racecheck", "basic"] and "compute-sanitizer" in out
+    assert "--tool memcheck --report-api-errors no" in out   # cuda-bindings' probes are no memory errors
+    steps, out = dry("lists", "bwd", "steplists_mma", "hopper_profile")
+    assert steps == ["lists", "bwd", "steplists_mma", "hopper_profile"] and "unknown" not in out
+    assert "BURSTCU_KERNEL_TEST_ARCH=sm_90 " in out and "step_lists.py --arch sm_90 " in out and "ncu " in out
     for path in {w for ln in out.splitlines() for w in ln.split() if w.startswith("bench/") and w.endswith((".py", ".sh", ".json"))}:
         assert (ROOT / path).exists(), path
+
+
+def test_gpu_report_merges_a_committed_run(tmp_path):
+    """bench/gpu/report.py over the H200 run in bench/results/h200: a row per kernel family, each
+    cell the TFLOP/s and its ratios to torch's flash and cuDNN backends, copied from the run."""
+    runs = ROOT / "bench" / "results" / "h200"
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu" / "report.py"), "--selftest",
+                           str(runs / "run2" / "selftest_full.json"), "--kernels",
+                           str(runs / "run3" / "kernels_sm90.json"), "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "r.md").read_text()
+    rows = json.loads((runs / "run3" / "kernels_sm90.json").read_text())["rows"]
+    r = next(x for x in rows if x.get("family") == "sm90" and x["dtype"] == "bfloat16"
+             and x["headdim"] == 128 and x["seqlen"] == 16384 and not x["causal"])
+    cell = f"{r['tflops']:.0f} TF ({r['vs_torch']:.2f}x / {r['tflops'] / r['cudnn_tflops']:.2f}x)"
+    line = next(ln for ln in md.splitlines() if ln.startswith("| fwd | sm90 | bfloat16 | 128 | False |"))
+    assert line.endswith(cell + " |"), (line, cell)
+    assert "| fwd | sm80 | bfloat16 | 128 | False |" in md and "84 passed" in md
 
 
 def test_gpu_benchmarks_plan_without_a_gpu():

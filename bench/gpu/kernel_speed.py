@@ -287,14 +287,15 @@ def main(argv=None) -> int:
             rows.append({**cfg, "impl": "error", "error": f"{exc.__class__.__name__}: {exc}"})
         for ops in ops_by_arch.values():
             ops.release_buffers()
+        if args.json:  # rewritten after every configuration: a run cut short keeps what it timed
+            write_json(args.json, {"versions": env, "args": clean(vars(args)), "rows": rows,
+                                   "complete": i + 1 == len(configs)})
     text = table(rows, COLUMNS)
     print(text, flush=True)
     if args.table:
         with open(args.table, "w") as fh:
             fh.write(f"# {env.get('device')}: measured, CUDA events, median of {args.repeats}\n"
                      + text + "\n")
-    if args.json:
-        write_json(args.json, {"versions": env, "args": clean(vars(args)), "rows": rows})
     if args.plot:
         plot([r for r in rows if r.get("tflops") and r.get("window") is None], args.plot)
     return 0

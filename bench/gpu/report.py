@@ -43,18 +43,23 @@ def speed_table(rows: list[dict]) -> list[str]:
     at each seqlen."""
     ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("window") is None]
     seqlens = sorted({r["seqlen"] for r in ours})
-    lines = ["| pass | dtype | d | causal | " + " | ".join(f"S={s}" for s in seqlens) + " |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
-    keys = sorted({(r["pass"], r["dtype"], r["headdim"], r["causal"]) for r in ours})
-    for key in keys:
-        cells = []
-        for s in seqlens:
-            r = next((x for x in ours if (x["pass"], x["dtype"], x["headdim"], x["causal"]) == key
-                      and x["seqlen"] == s), None)
-            ratio = r.get("vs_torch") if r else None
-            cells.append("-" if r is None else f"{r['tflops']:.0f} TF ({ratio:.2f}x)" if ratio
-                         else f"{r['tflops']:.0f} TF")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    lines = ["| pass | family | dtype | d | causal | " + " | ".join(f"S={s}" for s in seqlens) + " |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
+
+    def key_of(r):
+        return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r["causal"])
+
+    def cell(r) -> str:
+        if r is None:
+            return "-"
+        flash = f"{r['vs_torch']:.2f}x" if r.get("vs_torch") else "-"
+        if not r.get("cudnn_tflops"):
+            return f"{r['tflops']:.0f} TF" + (f" ({flash})" if r.get("vs_torch") else "")
+        return f"{r['tflops']:.0f} TF ({flash} / {r['tflops'] / r['cudnn_tflops']:.2f}x)"
+
+    for key in sorted({key_of(r) for r in ours}):
+        cells = [cell(next((x for x in ours if key_of(x) == key and x["seqlen"] == s), None)) for s in seqlens]
+        lines.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -65,11 +70,15 @@ def window_table(rows: list[dict]) -> list[str]:
     windows = sorted({r["window"] for r in ours if r.get("window") is not None})
     if not windows:
         return []
-    lines = ["| pass | dtype | d | S | causal ms | " + " | ".join(f"window {w} ms (TFLOP/s)" for w in windows)
-             + " |", "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in windows) + " |"]
-    keys = sorted({(r["pass"], r["dtype"], r["headdim"], r["seqlen"]) for r in ours})
-    for key in keys:
-        at = {r.get("window"): r for r in ours if (r["pass"], r["dtype"], r["headdim"], r["seqlen"]) == key}
+    lines = ["| pass | family | dtype | d | S | causal ms | "
+             + " | ".join(f"window {w} ms (TFLOP/s)" for w in windows)
+             + " |", "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in windows) + " |"]
+
+    def key_of(r):
+        return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r["seqlen"])
+
+    for key in sorted({key_of(r) for r in ours}):
+        at = {r.get("window"): r for r in ours if key_of(r) == key}
         if None not in at:
             continue
         cells = [f"{at[w]['ms']:.2f} ({at[w]['tflops']:.0f})" if w in at else "-" for w in windows]
@@ -152,8 +161,9 @@ def main(argv=None) -> int:
           f"## `python -m burstcu.selftest --full`: {selftest['summary']}", "",
           *checks_table(selftest["checks"]), "",
           "## Speed, one GPU, one rank (`bench/gpu/kernel_speed.py`): burstcu's step kernels, TFLOP/s and "
-          "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, CUDA "
-          "events, same run", "", *speed_table(kernels["rows"]), ""]
+          "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, then to its "
+          "cuDNN backend where the run timed it; family: sm90 = the Hopper kernel "
+          "(kernels/flash_fwd_sm90.cu), sm80 = the mma.sync one; CUDA events, same run", "", *speed_table(kernels["rows"]), ""]
     windowed = window_table(kernels["rows"])
     if windowed:
         md += ["## Causal sliding windows (`bench/gpu/kernel_speed.py --windows`): the same kernels skip the "

@@ -14,13 +14,22 @@
 # attention: tests/gpu/test_linear_gpu.py; bench/cpu/linear.py on one GPU, LASP-2/LASP-1 to 1M
 # tokens beside softmax burst), varlen (bench/gpu/overlap_gpu.py --docs: causal documents on 4 ranks,
 # zigzag per document vs contiguous), steplists (bench/gpu/step_lists.py: a ring step's forward
-# rectangles in one launch against one launch a rectangle, the same steps), uneven (a global length 3 ranks do not divide) and decode
-# (bench/cpu/decode.py on the GPU: per-token latency against the cache length, torch's SDPA beside it).
-# The Hopper forward kernel (kernels/flash_fwd_sm90.cu, compute capability 9.0 only) has its own
-# steps, not in the default list: hopper (its kernel tests on the GPU and the 4-rank loopback
-# ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families, torch flash and cuDNN in one
-# run), hopper_memcheck, hopper_racecheck. `bash bench/gpu/run.sh hopper-session` runs
-# env isa hopper hopper_bench (about 6 minutes), then `hopper_memcheck hopper_racecheck`.
+# rectangles in one launch against one launch a rectangle, the same steps), uneven (a global length
+# 3 ranks do not divide) and decode (bench/cpu/decode.py on the GPU: per-token latency against the
+# cache length, torch's SDPA beside it).
+# Not in the default list: steplists_mma (steplists on the sm_90 table, the mma.sync family, on a
+# Hopper GPU), lists (the forward kernel tests, the rectangle-list kernel's among them, on that
+# table), bwd (the backward kernel tests alone), and the Hopper forward kernel's own steps
+# (kernels/flash_fwd_sm90.cu, compute capability 9.0 only): hopper (its kernel tests on the GPU and
+# the 4-rank loopback ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families,
+# torch flash and cuDNN in one run), hopper_memcheck, hopper_racecheck, hopper_profile (Nsight
+# Compute, --set full, over the Hopper kernel at d = 128, S = 16K, fp16, causal and not:
+# $OUT/sm90_profile.ncu-rep, 19 MB: fetch it in the same call or read the CSV in logs.tgz),
+# tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
+# CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
+# env isa hopper hopper_bench (about 2 minutes on an H200 with a warm kernel cache).
+# The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
+# encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
 # step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
 # what it did. The script never stops early (one failure does not hide the next) and exits 1 if
@@ -77,7 +86,7 @@ for s in "${steps[@]}"; do
              --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
              --table "$OUT/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
-             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --error-exitcode 9 \
+             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
              --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
              tests/kernels/test_masked_inert_kernels.py -k "ragged or causal_offsets or headdims or poisoned_v" ;;
     hopper_racecheck) step hopper_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
@@ -91,17 +100,32 @@ for s in "${steps[@]}"; do
              tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/kernels/test_decode_emulated.py ;;
     steplists) step steplists 300 $PY bench/gpu/step_lists.py --json "$OUT/step_lists.json" \
-             --table "$LOGS/step_lists.txt" ;;
+             --table "$LOGS/step_lists.txt" ${STEPLISTS_ARGS:-} ;;
+    lists) step lists 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=${LISTS_ARCH:-sm_90} \
+             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
+             tests/kernels/test_masked_inert_kernels.py ;;
+    bwd) step bwd 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 -p no:cacheprovider \
+             tests/kernels/test_flash_bwd_emulated.py ;;
+    steplists_mma) step steplists_mma 300 $PY bench/gpu/step_lists.py --arch sm_90 \
+             --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
+    hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
+             -k regex:flash_fwd_step_sm90 -c 8 -f -o $OUT/sm90_profile $PY bench/gpu/kernel_speed.py \
+             --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 --seqlens 16384 \
+             --warmup 0 --repeats 1 && ncu -i $OUT/sm90_profile.ncu-rep --page details --csv \
+             > $LOGS/sm90_profile_details.csv" ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
              $(plot "$OUT/overlap_gpu.png") ${OVERLAP_ARGS:-} ;;
     tiles) step tiles 240 $PY bench/gpu/tiles.py --candidates bench/results/h100/tile_candidates.json \
              --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
+    tiles_sm90) step tiles_sm90 300 $PY bench/gpu/tiles.py --tile-table sm_90a --dtypes float16 bfloat16 \
+             --candidates bench/results/h200/tile_candidates_sm90a.json --json "$OUT/tiles_sm90.json" \
+             --table "$LOGS/tiles_sm90.txt" ;;
     overlap_causal) step overlap_causal 300 $PY bench/gpu/overlap_gpu.py --causal --layout zigzag \
              --json "$OUT/overlap_gpu_causal.json" $(plot "$LOGS/overlap_gpu_causal.png") ${OVERLAP_ARGS:-} ;;
     memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
-             compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+             compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 --print-limit 20 \
              $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
              tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              -k "ragged or causal_offsets or gqa or masked_rows or small_ or window or poisoned or flag" ;;

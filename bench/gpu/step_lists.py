@@ -15,7 +15,9 @@ launch, plus its careful twin where pairs are masked), ``per_rect_ms`` (one flas
 a rectangle, in the same order), ``rectangles``, ``launches_list`` / ``launches_per_rect``
 (kernel launches, the non-finite flag's included), ``kept_pairs`` (the (query, key) pairs the mask
 keeps) and ``list_ns_per_pair``; ``vs_contiguous_per_pair`` is zigzag's time per kept pair over
-contiguous's. On a GPU (--backend cupy, the default) times are CUDA events around each
+contiguous's; ``list_kernels`` / ``per_rect_kernels`` name the step kernels each way launched (on
+the sm_90a table the Hopper kernel, flash_fwd_step_sm90, runs the short lists and single
+rectangles: `KernelOps.forward_step`). ``--arch`` picks the kernel table. On a GPU (--backend cupy, the default) times are CUDA events around each
 forward_step call (median of --repeats after one warm-up); on the emulator (--backend emulated)
 host seconds, for a smoke test only: they say nothing about a GPU.
 """
@@ -54,10 +56,14 @@ def measure(args, ops, layout_name: str, docs) -> dict:
            "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0, "launches_per_rect": 0,
            "kept_pairs": 0}
     counts = {"n": 0}
+    kernels: dict[str, set] = {"list": set(), "per_rect": set()}   # the step kernels each way ran
+    way_now = ["list"]
     function = ops.function
 
     def counted(name):
         counts["n"] += 1
+        if name.startswith("flash_fwd_step"):
+            kernels[way_now[0]].add(name.split("<")[0])
         return function(name)
     ops.function = counted
     try:
@@ -75,6 +81,7 @@ def measure(args, ops, layout_name: str, docs) -> dict:
                 ways = {"list": lambda: ops.forward_step(state, k, v, blocks),
                         "per_rect": lambda: [ops.forward_step(state, k, v, [b]) for b in blocks]}
                 for way, fn in ways.items():
+                    way_now[0] = way
                     fn()                                   # compiles, and a warm-up
                     counts["n"] = 0
                     fn()
@@ -87,6 +94,8 @@ def measure(args, ops, layout_name: str, docs) -> dict:
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
     finally:
         ops.function = function
+    for way, names in kernels.items():
+        row[f"{way}_kernels"] = " + ".join(sorted(names))
     row["list_ns_per_pair"] = row["list_ms"] * 1e6 / max(row["kept_pairs"], 1)
     row["per_rect_ns_per_pair"] = row["per_rect_ms"] * 1e6 / max(row["kept_pairs"], 1)
     return row
@@ -103,6 +112,10 @@ def main(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16"])
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--arch", default=None,
+                   help="the kernel table (e.g. sm_90 for the mma.sync family on an H100, whose "
+                        "own table sm_90a folds a rectangle a launch with the Hopper kernel); "
+                        "default: the device's own")
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None)
     p.add_argument("--dry-run", action="store_true", help="print the plan; no kernel runs")
@@ -121,8 +134,10 @@ def main(argv=None):
         return None
     from burstcu.ops.cuda import KernelOps
 
-    ops = KernelOps(args.backend)
+    ops = KernelOps(args.backend, arch=args.arch)
     rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
+    for row in rows:
+        row["arch"] = ops.arch
     rows[0]["vs_contiguous_per_pair"] = rows[0]["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
     rows[1]["vs_contiguous_per_pair"] = 1.0
     where = ("GPU (CUDA events around each forward_step)" if ops.device == "cuda"
@@ -130,7 +145,7 @@ def main(argv=None):
     text = "\n".join([
         f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
         f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)",
-        table(rows, ["layout", "docs", "rectangles", "launches_list", "launches_per_rect",
+        table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles", "launches_list", "launches_per_rect",
                      "list_ms", "per_rect_ms", "kept_pairs", "list_ns_per_pair",
                      "vs_contiguous_per_pair"])])
     print(text)

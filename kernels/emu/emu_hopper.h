@@ -130,7 +130,8 @@ namespace emu {
 //   u64 strides[5]   56   bytes between consecutive indices of dim i; strides[0] = elem_bytes; the
 //                         others multiples of 16 below 2^40; unused dims ignored
 //   u32 box[5]       96   box size along dim i, in elements, 1 .. 256; unused dims 1;
-//                         box[0] * elem_bytes a multiple of 16 (and <= the swizzle span)
+//                         box[0] * elem_bytes a multiple of 16 (and <= the swizzle span; a
+//                         narrower row still takes a whole span in shared memory: `row_pitch`)
 //   u32 rank         116  1..5
 //   u32 elem_bytes   120  2 for f16 / bf16 (1, 2, 4, 8 accepted)
 //   u32 swizzle      124  the DRIVER's CUtensorMapSwizzle values: 0 none, 1 32B, 2 64B, 3 128B
@@ -471,9 +472,20 @@ inline std::string check_map(const EmuTensorMap& m) {
   return "";
 }
 
-// The shared bytes a box may touch from its (aligned) destination: its size rounded up to the
-// swizzle span, since the XOR moves 16-byte chunks within a span-sized segment.
-inline u32 box_extent(u32 bytes, u32 span) { return span ? (bytes + span - 1) / span * span : bytes; }
+// The shared bytes between consecutive rows (dim 0) of a landed box: the row itself without
+// swizzle; under a swizzle, at least the span, since the copy engine gives a row narrower than the
+// span a span of its own (seen on an H200: a 64-byte row under the 128-byte swizzle lands in the
+// first 64 bytes' chunks of a 128-byte line, XORed by that line's index, the rest untouched).
+inline u32 row_pitch(u32 row_bytes, u32 span) { return span ? std::max(row_bytes, span) : row_bytes; }
+
+// The shared bytes a box may touch from its (aligned) destination: rows at `row_pitch`, rounded up
+// to the swizzle span, since the XOR moves 16-byte chunks within a span-sized segment.
+inline u32 box_extent(const EmuTensorMap& m) {
+  const u32 span = swizzle_span(m.swizzle);
+  u64 bytes = row_pitch(m.box[0] * m.elem_bytes, span);
+  for (u32 i = 1; i < m.rank; ++i) bytes *= m.box[i];
+  return span ? u32((bytes + span - 1) / span * span) : u32(bytes);
+}
 
 inline void tma_load(void* dst, const void* map, void* bar, const int* coords, int rank) {
   Thread* self = g_cur;
@@ -502,10 +514,10 @@ inline void tma_load(void* dst, const void* map, void* bar, const int* coords, i
                     where(self).c_str(), bytes);
   c.dst = off;
   c.bytes = u32(bytes);
-  c.extent = box_extent(c.bytes, span);
+  c.extent = box_extent(m);
   BURSTCU_EMU_CHECK(u64(off) + c.extent <= r.dyn_size,
-                    "%s: tma_load: the box (%u bytes at shared offset 0x%x) ends past the %zu bytes of dynamic shared "
-                    "memory", where(self).c_str(), c.bytes, off, r.dyn_size);
+                    "%s: tma_load: the box (%u bytes, %u of shared memory at offset 0x%x) ends past the %zu bytes of "
+                    "dynamic shared memory", where(self).c_str(), c.bytes, c.extent, off, r.dyn_size);
   if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
     fail(fmt("%s: tma_load: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
              "aligned (PTX ISA, Tensors: the bounding box's address must be 16-byte aligned)",
@@ -536,7 +548,7 @@ inline void tma_load(void* dst, const void* map, void* bar, const int* coords, i
 inline void land_bytes(const PendingCopy& c) {
   const EmuTensorMap& m = c.map;
   const u32 eb = m.elem_bytes, span = swizzle_span(m.swizzle);
-  const u32 row_bytes = m.box[0] * eb;
+  const u32 row_bytes = m.box[0] * eb, pitch = row_pitch(row_bytes, span);
   const u64 rows = u64(m.box[1]) * m.box[2] * m.box[3] * m.box[4];
   unsigned char row[256 * 8];
   const unsigned char* base = reinterpret_cast<const unsigned char*>(uintptr_t(m.base));
@@ -555,7 +567,7 @@ inline void land_bytes(const PendingCopy& c) {
       src += u64(g) * m.strides[k];
     }
     if (inside) memcpy(row + lo * eb, base + src + u64(c0 + lo) * eb, size_t(hi - lo) * eb);
-    const u64 at = c.dst + r * row_bytes;
+    const u64 at = c.dst + r * pitch;
     for (u32 j = 0; j < row_bytes; j += 16) memcpy(g_run->dyn_smem + swizzle_address(at + j, span), row + j, 16);
   }
 }

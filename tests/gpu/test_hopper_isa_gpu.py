@@ -254,7 +254,10 @@ def tma_model(case: Case) -> dict:
     box_bytes, out_bytes = tma_bytes(case)
     img = np.full(out_bytes, 0xA5, np.uint8)
     chunks = np.arange(0, box_bytes, 16)
-    dest = swizzle_addr(TMA_DST + chunks, span) - TMA_DST  # the swizzle acts on the address
+    row_bytes = 2 * box[0]
+    pitch = max(row_bytes, span) if span else row_bytes  # a row narrower than the span takes a span
+    at = chunks // row_bytes * pitch + chunks % row_bytes
+    dest = swizzle_addr(TMA_DST + at, span) - TMA_DST  # the swizzle acts on the address
     for o, p in zip(chunks, dest):
         img[p:p + 16] = raw[o:o + 16]
     return {"status": np.zeros(1, np.int32), "smem": img}
@@ -573,7 +576,8 @@ ASKS = {
           "scale-d of the first wgmma false or true",
     "tma": "where one cp.async.bulk.tensor.4d box lands in shared memory: element order (dim 0 innermost), "
            "zero fill outside the tensor (element-granular in dim 0), the swizzle of 16-byte chunks by the "
-           "address bits (rows narrower than the span: packed, XOR from the 128-byte line), nothing written past "
+           "address bits (a row narrower than the span still starts a span of its own, the rest of it untouched), "
+           "nothing written past "
            "the box, the whole box's bytes credited to the mbarrier",
     "attn_tma": "the kernel's data path: Q, K, V by TMA with tensor_map_4d_rows' maps (rows past q_len / k_len "
                 "zero), S = Q K^T (ss), S packed into A fragments as pack_p does, O = init + P V (rs)",

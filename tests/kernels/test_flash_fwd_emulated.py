@@ -17,6 +17,8 @@ import math
 import numpy as np
 import pytest
 
+from burstcu.build.fwd_variants import SM90_FAMILY
+from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
 from burstcu.layout import Block
 from tests.kernels.backend import kernel_ops
 from burstcu.testing.reference import attention_ref, keep_from_blocks
@@ -270,12 +272,18 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     """Every step of a G-rank ring with several rectangles: forward_step over the whole list is
     one flash_fwd_steps launch (its careful twin beside it where pairs are masked) and gives the
     same bits, out and lse, as one flash_fwd_step launch a rectangle in the list's order; the
-    list path against float64 too (the FlashAttention rule, `check`)."""
+    list path against float64 too (the FlashAttention rule, `check`). On the sm_90a table a step
+    of at most SM90_MAX_RECTS rectangles is the Hopper kernel a launch a rectangle both ways; a
+    longer one is the list kernel, the same bits as the sm_90 table's kernel a rectangle."""
     from burstcu import layout
 
     dtype, d, size, n, docs, causal, window, h, hkv = STEP_CASES[case]
     ops = kernel_ops(randomize=True)   # shuffled thread order: a race on smem between rectangles shows
     counts = _counting(ops)
+    hopper = ops.forward_variant(DTYPES[dtype], d).family == SM90_FAMILY
+    # on the sm_90a table a single rectangle runs the Hopper kernel: the list's per-rectangle
+    # twin is flash_fwd_step of the sm_90 table (the same mma.sync tiles)
+    mma_sync = kernel_ops(randomize=True, arch="sm_90") if hopper else ops
     part = layout.partition("zigzag", size, n, docs)
     rng = np.random.default_rng(3)
     listed_steps = 0
@@ -291,11 +299,18 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
             whole = ops.forward_init(q)
             ops.forward_step(whole, k, v, blocks)
             masked = any(b.masked for b in blocks)
-            assert counts.get("flash_fwd_steps") == (2 if masked else 1), counts
-            assert "flash_fwd_step" not in counts, counts
-            one_by_one = ops.forward_init(q)
+            per_rect = ops  # what runs one rectangle a launch with the kernels of the whole step
+            if hopper and len(blocks) <= SM90_MAX_RECTS:
+                # the Hopper kernel folds a rectangle a launch (plain + careful where masked)
+                assert counts.get("flash_fwd_step_sm90") == len(blocks) + sum(b.masked for b in blocks), counts
+                assert "flash_fwd_steps" not in counts, counts
+            else:
+                assert counts.get("flash_fwd_steps") == (2 if masked else 1), counts
+                assert "flash_fwd_step" not in counts and "flash_fwd_step_sm90" not in counts, counts
+                per_rect = mma_sync
+            one_by_one = per_rect.forward_init(q)
             for blk in blocks:
-                ops.forward_step(one_by_one, k, v, [blk])
+                per_rect.forward_step(one_by_one, k, v, [blk])
             (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype)
                                               for s in (whole, one_by_one))
             assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))

@@ -20,7 +20,8 @@ import pytest
 from burstcu.build.variants import kernel_dir
 from burstcu.layout import Block
 from tests.kernels.backend import BACKEND, kernel_ops
-from tests.kernels.test_flash_fwd_emulated import DTYPES, check, full, make
+from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
+from tests.kernels.test_flash_fwd_emulated import DTYPES, _counting, check, full, make
 
 pytestmark = pytest.mark.emulated
 
@@ -51,6 +52,35 @@ def test_causal_offsets(ops, dtype, q_pos, k_pos):
     masked, query blocks taken longest first."""
     q, k, v = make(dtype, 1, 260, 190, 2, 1, 64, seed=q_pos + k_pos)
     check(ops, dtype, q, k, v, [Block(0, 260, 0, 190, q_pos, k_pos, True)])
+
+
+@pytest.mark.parametrize("n_rects,min_flop,scale", [
+    (2, None, None), (SM90_MAX_RECTS, None, None),
+    (SM90_MAX_RECTS + 1, None, None),    # many small Blocks: the list kernel
+    (SM90_MAX_RECTS + 1, 4 * 40 * 40 * 64 * 2, None),   # ... unless each is large enough
+    (2, None, 0.0), (2, None, -0.125)])  # a scale <= 0: the mma.sync kernels (they scale first)
+def test_which_kernel_runs_a_step(monkeypatch, n_rects, min_flop, scale):
+    """On the sm_90a table a step of at most SM90_MAX_RECTS Blocks, or of Blocks of at least
+    SM90_MIN_FLOP_PER_RECT each (lowered here to the test's Blocks: 40 x 40 pairs, d 64, 2 heads),
+    runs the Hopper kernel a launch a Block; a step of more, smaller Blocks (packed documents) the
+    rectangle-list kernel in one launch; a softmax scale <= 0 the mma.sync kernels. All against
+    float64."""
+    from burstcu.ops.cuda import kernel_ops as kernel_ops_module
+
+    if min_flop is not None:
+        monkeypatch.setattr(kernel_ops_module, "SM90_MIN_FLOP_PER_RECT", min_flop)
+    ops = kernel_ops(arch="sm_90a")
+    counts = _counting(ops)
+    n = 40 * n_rects
+    q, k, v = make("float16", 1, n, n, 2, 1, 64, seed=n_rects)
+    # documents of 40 tokens each, causal: one Block a document
+    blocks = [Block(40 * i, 40, 40 * i, 40, 40 * i, 40 * i, True) for i in range(n_rects)]
+    check(ops, "float16", q, k, v, blocks, scale=scale)
+    hopper = scale is None and (n_rects <= SM90_MAX_RECTS or min_flop is not None)
+    if hopper:
+        assert counts.get("flash_fwd_step_sm90") == 2 * n_rects and "flash_fwd_steps" not in counts, counts
+    elif n_rects > 1:
+        assert counts.get("flash_fwd_steps") == 2 and "flash_fwd_step_sm90" not in counts, counts
 
 
 def test_fully_future_block(ops):
@@ -160,9 +190,9 @@ def test_the_good_kernel_passes_the_same_check():
 
 
 FIRST_USE_SEEDS = {
-    # scores scaled by half: a silently wrong result, as a misread layout would give on hardware
-    "wrong_result": ("          float x = s[4 * jj + e] * scale_log2;\n",
-                     "          float x = s[4 * jj + e] * scale_log2 * 0.5f;\n",
+    # the even keys' scores at half scale: a silently wrong result, as a misread layout would give
+    "wrong_result": ("          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], scale_log2, -ref));\n",
+                     "          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], 0.5f * scale_log2, -ref));\n",
                      "differs from the mma.sync kernel"),
     # a launch that fails (here the emulator's report of a copy never waited for)
     "launch_fails": (*SEEDS["missing_wait"][:2], "RuntimeError: emulated kernel flash_fwd_step_sm90"),

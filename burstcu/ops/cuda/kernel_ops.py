@@ -52,10 +52,22 @@ DEVICE_OF = {"cupy": "cuda", "emulated": "cpu"}   # where each backend's arrays 
 # runs several tiles and the pipelines carry their phases from tile to tile, as on a GPU.
 _EMULATED_SM_COUNT = 3
 # (device, Hopper variant name) -> whether it passed its first-use check on that device
-# (`KernelOps._sm90_checked`): until the Hopper kernels have a record of GPU runs, a wrong
-# result must fall back to the mma.sync kernels with a warning, never reach a model
+# (`KernelOps._sm90_checked`): while the Hopper kernels have run on one GPU model only (an H200),
+# a wrong result must fall back to the mma.sync kernels with a warning, never reach a model
 _SM90_FIRST_USE: dict[tuple[int, str], bool] = {}
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+# Which kernel runs a ring step's Blocks on the sm_90a table (`KernelOps._sm90_runs`): the Hopper
+# kernel, a launch a Block, when the step has at most SM90_MAX_RECTS Blocks (a step without
+# documents has 1 or 2) or when its Blocks are large, at least SM90_MIN_FLOP_PER_RECT of work each
+# on average (4 x q_len x k_len x D x H x B, masked pairs included); else the rectangle-list
+# kernel, one launch. Measured on an H200 (bench/results/h200/run2, step_lists*.json): 241
+# documents over 4 ranks, 8676 rectangles, 1.32 s through the Hopper kernel (host-bound: 0.13 ms a
+# launch, three tensor maps encoded each time) against 30 ms through the list kernel. The work
+# threshold is where, at the measured rates (Hopper ~435, list ~165 TFLOP/s at d = 128) a launch's
+# host cost is won back (W x (1/165 - 1/435) / 1e12 s = 0.13 ms at W = 3.5e10 FLOP), lowered to 2e10: a
+# launch's host work overlaps the previous kernel (a PREDICTION: no step of large documents timed).
+SM90_MAX_RECTS = 4
+SM90_MIN_FLOP_PER_RECT = 2e10
 
 
 @dataclass
@@ -360,17 +372,33 @@ class KernelOps(LocalOps):
     def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`: one launch
         for the whole step (flash_fwd_steps over the rectangle list, grouped by query range,
-        each group's blocks folding in order) or, for one Block, flash_fwd_step; the Hopper
-        kernel (forward_sm90) takes one launch a Block (launches on one stream run in order,
-        so blocks sharing query rows compose)."""
+        each group's blocks folding in order) or, for one Block, flash_fwd_step. On the sm_90a
+        table the Hopper kernel (forward_sm90) runs the step a launch a Block (launches on one
+        stream run in order, so blocks sharing query rows compose) when `_sm90_runs` says so;
+        a list of many small Blocks (documents) runs flash_fwd_steps, whose one launch beats the
+        Hopper launches' host cost there (bench/results/h200/README.md)."""
         blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
         if not blocks:
             return
         self._check_kv(state, k, v)
         variant = self.forward_variant(state.dtype, state.headdim)
-        if variant.family == SM90_FAMILY and not self._sm90_checked(variant, state.q.dtype):
+        if variant.family == SM90_FAMILY and not (self._sm90_runs(state, blocks)
+                                                  and self._sm90_checked(variant, state.q.dtype)):
             variant = self.variant("forward", state.dtype, state.headdim)
         self._fold(variant, state, k, v, blocks)
+
+    @staticmethod
+    def _sm90_runs(state: ForwardState, blocks: Sequence[Block]) -> bool:
+        """Whether the Hopper kernel takes this step (SM90_MAX_RECTS, SM90_MIN_FLOP_PER_RECT): it
+        folds the scale into its exponent after a max over raw scores, which needs a softmax
+        scale > 0 (0 or below: the mma.sync kernels, which scale first)."""
+        if not state.scale > 0:
+            return False
+        if len(blocks) <= SM90_MAX_RECTS:
+            return True
+        B, _, H, D = state.q.shape
+        area = sum(blk.q_len * blk.k_len for blk in blocks)
+        return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
