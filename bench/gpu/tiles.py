@@ -5,16 +5,20 @@ around the current table run fastest on this GPU, measured against the table's o
     python bench/gpu/tiles.py --gate --candidates F          # CPU: compile, drop failures, write F
     python bench/gpu/tiles.py --candidates F [--json F]      # one CUDA GPU: check and time each one
 
-    options: [--families forward bwd_dkdv bwd_dq] [--dtypes float16 [bfloat16]]
+    options: [--families forward bwd_dkdv bwd_dq | forward_sm90] [--dtypes float16 [bfloat16]]
              [--headdims 64 128 256] [--seqlens 4096 16384] [--tokens 16384] [--width 2048]
-             [--tile-table sm_90] [--max-candidates N] [--warmup 2] [--repeats 10]
+             [--tile-table sm_90 | sm_90a] [--max-candidates N] [--warmup 2] [--repeats 10]
              [--budget 200] [--jobs N] [--table F]
 
 Families: ``forward`` is ``flash_fwd_step<T, D, BLOCK_M, BLOCK_N, NWARPS>`` (BLOCK_M = 16 NWARPS);
 ``bwd_dkdv`` is ``flash_bwd_dkdv<T, D, BM, BN, WARPS_D, true>`` (dK, dV and atomic dQ: the default
 backward); ``bwd_dq`` is ``flash_bwd_dq<T, D, BM, BN, WARPS_D>`` (the deterministic mode's dQ
 kernel). Tiles are written BLOCK_M x BLOCK_N x warps, warps being NWARPS in the forward and
-WARPS_D in the backward.
+WARPS_D in the backward. ``forward_sm90`` (``--tile-table sm_90a``, its default family there) is
+the Hopper kernel ``flash_fwd_step_sm90<T, D, BLOCK_N, STAGES>``: its warps are fixed (a producer
+and two consumer warpgroups, BLOCK_M = 128), so its tiles are written 128 x BLOCK_N x STAGES, with
+BLOCK_N in {64, 128} and STAGES (K/V tiles in flight) in {2, 3, 4}; the gate also reads its SASS
+(HGMMA present, no local memory).
 
 Candidates, per family, dtype and head dim: forward NWARPS in {4, 8} x BLOCK_N in {32, 64, 128};
 backward BM in {16, 32, 64, 128} x BN in {32, 64, 128} x WARPS_D in {1, 2}; those the kernels'
@@ -64,23 +68,28 @@ from bench.gpu.ptxas_report import occupancy  # noqa: E402
 
 T_START = time.monotonic()
 
-FAMILIES = ("forward", "bwd_dkdv", "bwd_dq")
-SOURCES = ("flash_fwd.cu", "flash_bwd.cu")
+FAMILIES = ("forward", "bwd_dkdv", "bwd_dq", "forward_sm90")
+MMA_SYNC_FAMILIES = FAMILIES[:3]    # the default run: the mma.sync tables' families
+SOURCES = ("flash_fwd.cu", "flash_bwd.cu", "flash_fwd_sm90.cu")
 FWD_NWARPS = (4, 8)
 FWD_BLOCK_N = (32, 64, 128)
+SM90_BLOCK_N = (64, 128)            # 256 keys: S alone would take 128 registers a thread
+SM90_STAGES = (2, 3, 4)
 BWD_BM = (16, 32, 64, 128)
 BWD_BN = (32, 64, 128)
 BWD_WARPS_D = (1, 2)
 MAX_THREADS = 1024
 MIN_THREADS = 64  # one-warp blocks (bwd_dq with BM = 16, WARPS_D = 1) are left out
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2}
-FLOP_FACTOR = {"forward": 1.0, "bwd_dkdv": 2.5, "bwd_dq": 1.5}
-CHECKED = {"forward": ("out",), "bwd_dkdv": ("dq", "dk", "dv"), "bwd_dq": ("dq",)}
+FLOP_FACTOR = {"forward": 1.0, "bwd_dkdv": 2.5, "bwd_dq": 1.5, "forward_sm90": 1.0}
+CHECKED = {"forward": ("out",), "bwd_dkdv": ("dq", "dk", "dv"), "bwd_dq": ("dq",),
+           "forward_sm90": ("out",)}
+FORWARD_FAMILIES = ("forward", "forward_sm90")
 
 # The runtime estimate: TFLOP/s assumed for a typical candidate, below what the current tables
 # measured on an H100 (forward 140-220, backward step ~95-140 TFLOP/s at S >= 4096), times a
 # slack for the slow candidates; seconds to compile one kernel on one core; fixed overheads.
-EST_TFLOPS = {"forward": 110.0, "bwd_dkdv": 80.0, "bwd_dq": 70.0}
+EST_TFLOPS = {"forward": 110.0, "bwd_dkdv": 80.0, "bwd_dq": 70.0, "forward_sm90": 300.0}
 EST_SLACK = 1.3
 EST_COMPILE_S = 0.8
 EST_STARTUP_S = 15.0
@@ -90,10 +99,13 @@ EST_GPU_JOBS = 16  # CPU cores of the GPU machine, for the parallel compile
 
 
 def default_candidates_path(tile_table: str = "sm_90") -> str:
-    """Where --gate writes by default: the H100 result folder for the sm_90 table."""
+    """Where --gate writes by default: the H100 result folder for the sm_90 table, the H200 one
+    for the Hopper kernel's (sm_90a)."""
     bench = Path(__file__).resolve().parents[1]
     if tile_table == "sm_90":
         return str(bench / "results" / "h100" / "tile_candidates.json")
+    if tile_table == "sm_90a":
+        return str(bench / "results" / "h200" / "tile_candidates_sm90a.json")
     return str(bench / "out" / f"tile_candidates_{tile_table}.json")
 
 
@@ -101,10 +113,16 @@ def default_candidates_path(tile_table: str = "sm_90") -> str:
 # variants and candidates
 
 def make_variant(family: str, dtype: str, d: int, tiles):
-    """The KernelVariant of `family` with tiles (BLOCK_M, BLOCK_N, warps)."""
+    """The KernelVariant of `family` with tiles (BLOCK_M, BLOCK_N, warps); forward_sm90's are
+    (BLOCK_M = 128, BLOCK_N, STAGES): its warps are fixed (a producer and two consumer
+    warpgroups), its K/V pipeline depth is what varies."""
     from burstcu.build import bwd_variants, fwd_variants
 
     bm, bn, w = (int(x) for x in tiles)
+    if family == "forward_sm90":
+        if bm != fwd_variants.SM90_BLOCK_M:
+            raise ValueError(f"forward_sm90 tiles {tiles}: BLOCK_M is {fwd_variants.SM90_BLOCK_M}")
+        return fwd_variants.sm90_variant_for_tiles(dtype, d, bn, w)
     if family == "forward":
         if bm != 16 * w:
             raise ValueError(f"forward tiles {tiles}: BLOCK_M must be 16 * NWARPS")
@@ -128,8 +146,11 @@ def table_variant(tile_table: str, family: str, dtype: str, d: int):
 
 
 def tiles_of(variant) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) of a forward / bwd_dkdv / bwd_dq variant."""
+    """(BLOCK_M, BLOCK_N, warps) of a forward / bwd_dkdv / bwd_dq variant; (BLOCK_M, BLOCK_N,
+    STAGES) of a forward_sm90 one."""
     cfg, warps = variant.launch, variant.launch.threads // 32
+    if variant.family.startswith("forward_sm90"):   # its careful twin too
+        return cfg.block_m, cfg.block_n, cfg.stages
     if variant.family == "forward":
         return cfg.block_m, cfg.block_n, warps
     if variant.family in ("bwd_dkdv", "bwd_dkdv_nodq"):
@@ -144,6 +165,8 @@ def tiles_str(tiles) -> str:
 
 
 def _grid(family: str, d: int):
+    if family == "forward_sm90":
+        return [(128, bn, st) for bn in SM90_BLOCK_N for st in SM90_STAGES]
     if family == "forward":
         return [(16 * nw, bn, nw) for nw in FWD_NWARPS for bn in FWD_BLOCK_N]
     return [(bm, bn, wd) for wd in BWD_WARPS_D for bm in BWD_BM for bn in BWD_BN]
@@ -407,6 +430,9 @@ def make_ops(tile_table: str, backend: str = "cupy"):
     class TileOps(KernelOps):
         def __init__(self):
             super().__init__(backend, arch=tile_table)
+            # a candidate that fails the Hopper first-use check must not be timed as its fallback:
+            # the run's own check against the table's choice judges it
+            self.first_use_check = False
             self.pinned: dict[tuple, object] = {}
             self.skip: set[str] = set()
             self.extra: dict[str, object] = {}      # candidates that are not in the table
@@ -437,7 +463,8 @@ def make_ops(tile_table: str, backend: str = "cupy"):
                 if self.backend == "cupy":
                     from burstcu.build.compile import get_function
 
-                    fn = get_function(v.source, name_expression, smem_bytes=v.launch.smem_bytes)
+                    fn = get_function(v.source, name_expression, smem_bytes=v.launch.smem_bytes,
+                                      target=v.target)
                 else:
                     from burstcu.build import emulate
                     from burstcu.build.variants import kernel_dir
@@ -476,7 +503,7 @@ def precompile(variants, arch: str, jobs: int) -> dict[str, str]:
     t = time.monotonic()
     try:
         with _pool(jobs) as ex:
-            futures = [ex.submit(_compile_one, v.source, v.name, arch) for v in todo.values()]
+            futures = [ex.submit(_compile_one, v.source, v.name, v.target or arch) for v in todo.values()]
             for i, fut in enumerate(as_completed(futures)):
                 name, sec, err = fut.result()
                 if err:
@@ -557,14 +584,14 @@ def set_mode(ops, family: str) -> None:
 
 def run_family(ops, family: str, inp: Inputs) -> dict:
     set_mode(ops, family)
-    result = forward_once(ops, inp) if family == "forward" else backward_once(ops, inp, family)
+    result = forward_once(ops, inp) if family in FORWARD_FAMILIES else backward_once(ops, inp, family)
     ops.sync()
     return result
 
 
 def timer_for(ops, family: str, inp: Inputs):
     set_mode(ops, family)
-    return forward_timer(ops, inp) if family == "forward" else backward_timer(ops, inp)
+    return forward_timer(ops, inp) if family in FORWARD_FAMILIES else backward_timer(ops, inp)
 
 
 def rel_diffs(xp, result: dict, ref: dict) -> dict:
@@ -908,14 +935,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", action="store_true", help="compile-check on the CPU, write --candidates")
     p.add_argument("--candidates", help="candidate JSON: written by --gate, read by a GPU run "
                    f"(default for --gate: {default_candidates_path()})")
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--families", nargs="+", default=None, choices=FAMILIES,
+                   help=f"default: {' '.join(MMA_SYNC_FAMILIES)}; forward_sm90 with --tile-table "
+                        f"sm_90a (its default there)")
     p.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
     p.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256],
                    choices=[32, 64, 96, 128, 256])
     p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--tokens", type=int, default=16384, help="B x S per configuration")
     p.add_argument("--width", type=int, default=2048, help="H x d per configuration")
-    p.add_argument("--tile-table", default="sm_90", choices=["sm_80", "sm_86", "sm_90"],
+    p.add_argument("--tile-table", default="sm_90", choices=["sm_80", "sm_86", "sm_90", "sm_90a"],
                    help="the table compared against; also the gate's arch and smem limit")
     p.add_argument("--max-candidates", type=int, default=0, help="per group; 0: all")
     p.add_argument("--warmup", type=int, default=2)
@@ -932,8 +961,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments, --families resolved for the tile table (forward_sm90 needs sm_90a)."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.families is None:
+        args.families = ["forward_sm90"] if args.tile_table == "sm_90a" else list(MMA_SYNC_FAMILIES)
+    if "forward_sm90" in args.families and args.tile_table != "sm_90a":
+        p.error("--families forward_sm90 (the Hopper kernel) needs --tile-table sm_90a")
+    return args
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
 
     enumerated = enumerate_candidates(args.tile_table, args.families, args.dtypes, args.headdims,
                                       args.max_candidates)

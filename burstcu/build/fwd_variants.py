@@ -80,8 +80,10 @@ SM90_BLOCK_M = 128  # two consumer warpgroups of 64 rows (one wgmma m64 each)
 SM90_THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # head dim -> (BLOCK_N, STAGES): keys a K/V tile and K/V stages in flight. Q tile + STAGES x (K, V)
 # tiles fill up to ~190 KB of the 227 KB; d = 256 takes 64-key tiles (the S accumulator is then 32
-# registers a thread, next to 128 of O). Not yet timed on a GPU.
+# registers a thread, next to 128 of O). Timed on an H200 (bench/results/h200/) but not yet
+# searched: bench/gpu/tiles.py --tile-table sm_90a --families forward_sm90 times the others.
 _SM90_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+SM90_BLOCK_NS = (64, 128, 256)  # the kernel's static_assert: wgmma N of S = Q K^T
 SM90_HEADDIMS = tuple(_SM90_TILES)
 
 
@@ -96,11 +98,23 @@ def sm90_smem_bytes(headdim: int, block_n: int, stages: int, careful: bool = Fal
 
 def sm90_step_variant(dtype: str, headdim: int, careful: bool = False) -> KernelVariant:
     """The Hopper forward step for (dtype, head dim in SM90_HEADDIMS), or its CAREFUL twin."""
-    block_n, stages = _SM90_TILES[headdim]
+    return sm90_variant_for_tiles(dtype, headdim, *_SM90_TILES[headdim], careful=careful)
+
+
+def sm90_variant_for_tiles(dtype: str, headdim: int, block_n: int, stages: int,
+                           careful: bool = False) -> KernelVariant:
+    """A Hopper forward step with explicit tiles, in the table or not (bench/gpu/tiles.py):
+    BLOCK_N keys a K/V tile (64, 128 or 256), STAGES K/V tiles in flight (>= 2); head dim 64, 128
+    or 256. Whether it fits shared memory and the registers is the compile gate's to say."""
+    if headdim not in SM90_HEADDIMS or block_n not in SM90_BLOCK_NS or stages < 2:
+        raise ValueError(f"no Hopper forward tiles for d={headdim}, BLOCK_N={block_n}, "
+                         f"STAGES={stages} (d in {SM90_HEADDIMS}, BLOCK_N in {SM90_BLOCK_NS}, "
+                         f"STAGES >= 2)")
     name = (f"flash_fwd_step_sm90<{CXX_TYPE[dtype]}, {headdim}, {block_n}, {stages}"
             + (", true>" if careful else ">"))
     launch = LaunchConfig(threads=SM90_THREADS, block_m=SM90_BLOCK_M, block_n=block_n,
-                          smem_bytes=sm90_smem_bytes(headdim, block_n, stages, careful))
+                          smem_bytes=sm90_smem_bytes(headdim, block_n, stages, careful),
+                          stages=stages)
     family = SM90_FAMILY + (CAREFUL_SUFFIX if careful else "")
     return KernelVariant(family, SM90_SOURCE, name, dtype, headdim, launch, target="sm_90a")
 

@@ -32,12 +32,14 @@ CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How a variant is launched: threads per block, tile rows, dynamic shared memory."""
+    """How a variant is launched: threads per block, tile rows, dynamic shared memory, and (a
+    pipelined kernel: the Hopper forward) the K/V tiles in flight."""
 
     threads: int
     block_m: int = 0
     block_n: int = 0
     smem_bytes: int = 0
+    stages: int = 0
 
 
 @dataclass(frozen=True)
