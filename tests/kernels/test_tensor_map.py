@@ -114,6 +114,30 @@ def test_emulated_rank_one_and_five():
     assert five["box"] == (8, 2, 1, 2, 1) and five["rank"] == 5
 
 
+def test_encoded_maps_are_memoized_and_read_only(monkeypatch):
+    """The same arguments give the same read-only bytes without encoding again; another address or
+    geometry is another map; bad arguments are refused every time, cached or not."""
+    from burstcu.ops.cuda import tensor_map as tm
+
+    calls = []
+    encode = tm._emulated
+    monkeypatch.setattr(tm, "_emulated", lambda *a: calls.append(a) or encode(*a))
+    tm._encoded.cache_clear()
+    args = dict(GOOD, ptr=BASE + 4096)
+    first = tensor_map("emulated", **args)
+    again = tensor_map("emulated", **args)
+    assert again is first and len(calls) == 1 and not first.flags.writeable
+    with pytest.raises(ValueError):
+        first[0] = 1
+    other = tensor_map("emulated", **dict(args, ptr=BASE + 8192))
+    assert len(calls) == 2 and emu_fields(other)["base"] == BASE + 8192 != emu_fields(first)["base"]
+    taller = tensor_map("emulated", **dict(args, box=(64, 64, 1, 1)))
+    assert len(calls) == 3 and emu_fields(taller)["box"][1] == 64
+    for _ in range(2):
+        with pytest.raises(ValueError, match="16"):
+            tensor_map("emulated", **dict(args, ptr=BASE + 8))
+
+
 # ------------------------------------------------------------------------------------------------
 # row maps of (B, S, H, D) arrays
 
