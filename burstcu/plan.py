@@ -14,7 +14,9 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               local op forward (2.5 times the flops backward: S^2 recomputed, dV, dP, dQ, dK),
               where pairs are the (query, key) pairs the mask keeps and calls the rectangles
               (`burstcu.layout.blocks`, counted exactly per rank and step: causal, windows,
-              documents and uneven shards all show), the overhead being host work and launches.
+              documents and uneven shards all show), the overhead being host work and launches;
+              on a machine whose forward takes a step's rectangles in one call (forward_lists:
+              the GPU presets, the CUDA backends' list kernel) the forward counts one call a step.
     messages  t(bytes) = latency + bytes / bandwidth for each ring exchange and for each
               all-to-all (its messages go out together; one latency more for each further
               message of an exchange), with the intra-node bandwidth when the ranks that talk
@@ -45,13 +47,18 @@ from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partit
 from .validate import sharding_keywords
 
 
+BACKWARD_FLOPS = 2.5  # the backward's flops over the forward's: S recomputed, dV, dP, dQ, dK
+
+
 @dataclass(frozen=True)
 class Machine:
     """What the model assumes of the hardware. flops: attention flop/s the local op sustains;
     intra_bw / inter_bw: bytes/s one way per rank inside / across nodes; latency: seconds per
     exchange; ranks_per_node: ranks that share the fast links; step_overhead: seconds of fixed
     cost per call of the local op (forward or backward step); memory_bw: bytes/s the local op
-    reads from its memory (decode's bound)."""
+    reads from its memory (decode's bound); forward_lists: the forward takes all of a step's
+    rectangles in one call (the CUDA backends' rectangle-list kernel), so a step costs one
+    step_overhead forward however many documents cut it (the backward: one a rectangle)."""
 
     name: str
     flops: float
@@ -62,6 +69,7 @@ class Machine:
     source: str
     step_overhead: float = 0.0
     memory_bw: float = 0.0
+    forward_lists: bool = False
 
 
 MACHINES = {
@@ -74,7 +82,7 @@ MACHINES = {
     "h100": Machine("h100", 989e12 * 0.4, 450e9 * 0.8, 50e9 * 0.8, 1e-5, 8,
                     "H100 SXM5 + NVLink 4 + NDR InfiniBand datasheets; ASSUMED 40% MFU, 80% links, "
                     "10 us a message, 20 us a step; HBM3 3.35 TB/s at 80%", step_overhead=2e-5,
-                    memory_bw=3350e9 * 0.8),
+                    memory_bw=3350e9 * 0.8, forward_lists=True),
 }
 
 
@@ -180,12 +188,16 @@ class _Problem:
         return dict(rank=self.rank, layout=layout, causal=causal, window_size=window_size,
                     cu_seqlens=cu_seqlens)
 
-    def compute(self, pairs, calls, heads: int, factor: float = 1.0):
-        """Seconds of the local op for these kept pairs and calls of `heads` query heads (0
-        where there is nothing): a fixed cost a call, and 4 B D flops a pair and head forward
-        (`factor` 2.5 backward)."""
+    def compute(self, pairs, calls, heads: int, backward: bool = False):
+        """Seconds of the local op for these kept pairs and calls (rectangles) of `heads` query
+        heads (0 where there is nothing): a fixed cost a call (forward on a machine with
+        forward_lists: one a step), and 4 B D flops a pair and head forward (2.5 times that
+        backward)."""
         b, _, _, d = self.q.shape
         flop_s = 4 * b * d / self.machine.flops      # seconds per kept pair and query head
+        if self.machine.forward_lists and not backward:
+            calls = np.minimum(calls, 1)
+        factor = BACKWARD_FLOPS if backward else 1.0
         return np.where(calls > 0, self.machine.step_overhead * calls
                         + factor * flop_s * heads * pairs, 0.0)
 
@@ -236,7 +248,7 @@ def _burst_seconds(problem: _Problem, part: Partition, heads: int, kv_heads: int
         step = backward_steps[r][t]
         j = step.bundle
         sent = problem.transfer(lengths[j] * bundle_row, local) if step.passes_on else 0.0
-        work = problem.compute(pairs[j, r], calls[j, r], heads, 2.5) if step.held else 0.0
+        work = problem.compute(pairs[j, r], calls[j, r], heads, backward=True) if step.held else 0.0
         return max(float(work), sent)
 
     home = max(lengths) * burst.dq_row_bytes(q)
@@ -265,7 +277,7 @@ def _ring_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
         src = (r - t) % g
         sent = (problem.transfer(lengths[src] * (kv_row + grad_row), problem.node, 4)
                 if t < g - 1 else 0.0)
-        return max(float(problem.compute(pairs[r, src], calls[r, src], h, 2.5)), sent)
+        return max(float(problem.compute(pairs[r, src], calls[r, src], h, backward=True)), sent)
 
     home = max(lengths) * grad_row
     return _ring_seconds(problem, part, forward_step, backward_step, home, problem.node)
@@ -280,7 +292,7 @@ def _allgather_model(problem: _Problem, run, part: Partition) -> tuple[float, fl
     gather = (size - 1) * problem.transfer(longest * steps.kv_row_bytes(k, k), problem.node)
     scatter = (size - 1) * problem.transfer(longest * steps.grad_row_bytes(k, k), problem.node)
     fwd = gather + float(problem.compute(pairs, calls, h).sum(axis=1).max())
-    bwd = gather + float(problem.compute(pairs, calls, h, 2.5).sum(axis=1).max()) + scatter
+    bwd = gather + float(problem.compute(pairs, calls, h, backward=True).sum(axis=1).max()) + scatter
     return fwd, bwd
 
 
@@ -297,7 +309,7 @@ def _ulysses_model(problem: _Problem, run, part: Partition) -> tuple[float, floa
     fwd = (2 * problem.transfer(most_f / 2, problem.node)
            + float(problem.compute(pairs, calls, hg)[0, 0]))
     bwd = (2 * problem.transfer(most_b / 2, problem.node)
-           + float(problem.compute(pairs, calls, hg, 2.5)[0, 0]))
+           + float(problem.compute(pairs, calls, hg, backward=True)[0, 0]))
     return fwd, bwd
 
 
