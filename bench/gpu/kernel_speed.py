@@ -19,17 +19,19 @@ Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, widt
   on the same memory viewed through DLPack as (B, H, S, D) (no copy).
 
 Timing: CUDA events around each call on the current stream, after --warmup calls (compiles,
-autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x
-the forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
+autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x the
+forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
 ``dtype``, ``headdim``, ``seqlen``, ``causal``, ``window``, ``arch``, ``family``, ``ms``,
-``tflops``, plus ``torch_ms``, ``torch_tflops`` (the flash backend's, for the ratio ``vs_torch``)
-and ``cudnn_tflops`` (cuDNN's) on burstcu's rows. Progress on stderr.
-``--dry-run`` prints the plan and needs no GPU.
+``host_ms`` (the host's seconds of a call alone: started on an idle device, its launches not waited
+for; near ``ms``, the call is bound by its host work, not by its kernels), ``tflops``, plus
+``torch_ms``, ``torch_tflops`` (the flash backend's, for the ratio ``vs_torch``) and
+``cudnn_tflops`` (cuDNN's) on burstcu's rows. Progress on stderr. ``--dry-run`` prints the plan and
+needs no GPU.
 
-``--windows W ...`` adds causal sliding-window rows, window_size = (W, 0), for burstcu only
-(SDPA has no sliding window): their FLOPs count the visible (query, key) pairs exactly, so a
-kernel that skips the key tiles outside the window keeps its TFLOP/s while its time falls with
-W / S; ``ms`` against the plain causal row's is the saving.
+``--windows W ...`` adds causal sliding-window rows, window_size = (W, 0), for burstcu only (SDPA
+has no sliding window): their FLOPs count the visible (query, key) pairs exactly, so a kernel that
+skips the key tiles outside the window keeps its TFLOP/s while its time falls with W / S; ``ms``
+against the plain causal row's is the saving.
 """
 
 from __future__ import annotations
@@ -163,6 +165,13 @@ def inputs(cfg, seed: int = 0):
     return [rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(dt) for _ in range(4)]
 
 
+def device_synchronize() -> None:
+    """Wait for every stream of the current device (CuPy's and torch's alike)."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+
+
 def family(ops, dtype: str, headdim: int) -> str:
     """Which forward family `ops` runs for (dtype, head dim): "sm90" or "sm80"."""
     return "sm90" if ops.forward_variant(dtype, headdim).family.startswith("forward_sm90") else "sm80"
@@ -190,9 +199,14 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         # synchronized inside the timed region
         ms = None if fn is None else 1e3 * float(np.median(
             call_seconds(fn, args.repeats, args.warmup, cuda=True, sync_inside=True)))
+        # the host's part: a call's own seconds, the device idle at its start, nothing waited for
+        host_ms = None if fn is None else 1e3 * float(np.median(
+            call_seconds(fn, args.repeats, 0, before=device_synchronize)))
+        device_synchronize()
         rows.append({**{key: cfg[key] for key in ("pass", "dtype", "headdim", "seqlen", "causal",
                                                   "window", "batch", "heads")},
-                     "impl": impl, **tags, "ms": ms, "tflops": None if ms is None else gflop / ms})
+                     "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
+                     "tflops": None if ms is None else gflop / ms})
     torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)    # None if windowed
     cudnn_row = next((r for r in rows if r["impl"] == "torch-cudnn"), None)
     for r in rows:
@@ -211,7 +225,7 @@ def versions() -> dict:
 
 
 COLUMNS = ["impl", "family", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
-           "heads", "ms", "tflops", "vs_torch", "cudnn_tflops"]
+           "heads", "ms", "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plot(rows, path) -> None:
