@@ -24,10 +24,11 @@
 # the 4-rank loopback ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families,
 # torch flash and cuDNN in one run), hopper_memcheck, hopper_racecheck, hopper_profile (Nsight
 # Compute, --set full, over the Hopper kernel at d = 128, S = 16K, fp16, causal and not:
-# $OUT/sm90_profile.ncu-rep, 19 MB: fetch it in the same call or read the CSV in logs.tgz),
+# its details page as CSV in logs.tgz; the 19 MB report stays in /tmp/burstcu-sm90_profile.ncu-rep),
 # tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
 # CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
-# env isa hopper hopper_bench (about 2 minutes on an H200 with a warm kernel cache).
+# env isa hopper hopper_bench tiles_sm90 hopper_profile (about 90 s for the first four on an H200
+# with a warm kernel cache; the tile search is estimated at 50 s, the profile took 33 s).
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
@@ -48,7 +49,7 @@ if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ "${steps[0]:-}" = hopper-session ] && steps=(env isa hopper hopper_bench)
+[ "${steps[0]:-}" = hopper-session ] && steps=(env isa hopper hopper_bench tiles_sm90 hopper_profile)
 [ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
                                  memcheck racecheck demo mpi linear linearbench varlen steplists uneven
                                  decode)
@@ -109,9 +110,9 @@ for s in "${steps[@]}"; do
     steplists_mma) step steplists_mma 300 $PY bench/gpu/step_lists.py --arch sm_90 \
              --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
     hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
-             -k regex:flash_fwd_step_sm90 -c 8 -f -o $OUT/sm90_profile $PY bench/gpu/kernel_speed.py \
+             -k regex:flash_fwd_step_sm90 -c 8 -f -o /tmp/burstcu-sm90_profile $PY bench/gpu/kernel_speed.py \
              --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 --seqlens 16384 \
-             --warmup 0 --repeats 1 && ncu -i $OUT/sm90_profile.ncu-rep --page details --csv \
+             --warmup 0 --repeats 1 && ncu -i /tmp/burstcu-sm90_profile.ncu-rep --page details --csv \
              > $LOGS/sm90_profile_details.csv" ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
