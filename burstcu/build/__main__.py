@@ -1,6 +1,7 @@
 """Command line of the kernel package.
 
     python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--family forward,...]
+    python -m burstcu.build warm --device sm_90 [--family forward,...] [--jobs N]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
@@ -11,6 +12,14 @@ sm_90a, when its SASS cannot be read (nvdisasm, from the nvidia-cuda-nvdisasm wh
 for a Hopper family (name containing "sm90"), holds no HGMMA or uses local memory; 2 if there
 is nothing to check; and 3, with one line naming the extra to install (`compiler_problem`), when
 NVRTC cannot run here (cuda-python missing: ``pip install 'burstcu[cuda13]'``). No GPU is needed.
+
+`warm` fills the kernel cache (`compile.cache_dir`: $BURSTCU_CACHE_DIR) with every kernel a GPU of
+that arch will load: the variants of its tile table (`table_arch_for`), each compiled for the
+device's arch or its own target (sm_90a), as the first launch on that GPU would compile it. Run it
+on a machine without a GPU (a login node, a build step) with the NVRTC the GPU machines have (the
+cache key holds NVRTC's version), then point $BURSTCU_CACHE_DIR there (or copy the folder): no rank
+compiles at its first call. Prints one line a kernel compiled, skips those already cached; exit 3
+as `check` when NVRTC cannot run here.
 """
 
 from __future__ import annotations
@@ -57,6 +66,44 @@ def _gate(job) -> dict:
     return gate_variant(*job)
 
 
+def warm_jobs(device: str, families: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """(source, name expression, compile arch) of every kernel a GPU of arch `device` ("sm_90")
+    loads: its tile table's variants (of `families` only, when given)."""
+    from ..ops.cuda.kernel_ops import table_arch_for
+
+    table = table_arch_for(int(device.removeprefix("sm_")))
+    return [(v.source, v.name, v.target or device) for v in all_variants(table)
+            if not families or v.family in families]
+
+
+def _warm(job) -> tuple[str, float, bool]:
+    """Compile one job into the cache: (name, seconds, whether it was compiled now)."""
+    import time
+
+    from .compile import cache_dir, cache_key, cached_cubin
+
+    source, name, arch = job
+    key = cache_key(source, [name], arch)
+    was = (cache_dir() / f"{key}.manifest").exists()
+    t0 = time.perf_counter()
+    cached_cubin(source, [name], arch)
+    return name, time.perf_counter() - t0, not was
+
+
+def run_warm(device: str, families: list[str] | None = None, out=sys.stdout,
+             jobs: int | None = None) -> tuple[int, int]:
+    """Fill the kernel cache for a GPU of arch `device`; (kernels compiled, kernels already there)."""
+    todo = warm_jobs(device, families)
+    jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo) or 1))
+    compiled = 0
+    with ProcessPoolExecutor(jobs) as pool:
+        for (_, name, arch), (_, seconds, fresh) in zip(todo, pool.map(_warm, todo)):
+            if fresh:
+                compiled += 1
+                print(f"{arch:7} {seconds:6.2f} s  {name}", file=out, flush=True)
+    return compiled, len(todo) - compiled
+
+
 def _row(record: dict) -> str:
     return " ".join(str(record.get(col, "-")).rjust(width) for col, width in COLUMNS)
 
@@ -68,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")
     check.add_argument("--family", default="", help="only these families (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
+    warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
+    warm.add_argument("--device", required=True, help="the GPU's arch, e.g. sm_80, sm_86, sm_90")
+    warm.add_argument("--family", default="", help="only these families (comma-separated)")
+    warm.add_argument("--jobs", type=int, default=None, help="compile processes (default: one a CPU)")
     args = parser.parse_args(argv)
+    if args.command == "warm":
+        return _main_warm(parser, args)
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in ARCHS]
@@ -94,6 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     if not records:
         return 2
     return 1 if failed else 0
+
+
+def _main_warm(parser, args) -> int:
+    import re
+
+    from .compile import cache_dir
+    from .variants import MIN_COMPUTE_CAPABILITY
+
+    m = re.fullmatch(r"sm_(\d+)", args.device)
+    if m is None or int(m.group(1)) < MIN_COMPUTE_CAPABILITY:
+        parser.error(f"--device {args.device!r}: a GPU arch sm_XY of compute capability 8.0 or newer "
+                     f"(e.g. sm_80, sm_86, sm_90; the Hopper kernels' sm_90a comes with sm_90)")
+    families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    problem = compiler_problem()
+    if problem:
+        print(f"{parser.prog} warm: {problem}", file=sys.stderr)
+        return NO_COMPILER
+    compiled, cached = run_warm(args.device, families, jobs=args.jobs)
+    print(f"{compiled} kernels compiled, {cached} already cached, for {args.device} in {cache_dir()}",
+          flush=True)
+    return 0 if compiled + cached else 2
 
 
 if __name__ == "__main__":

@@ -379,3 +379,33 @@ def test_build_timeout_reads_the_variable(monkeypatch):
     assert compile.build_timeout() == 2.5
     monkeypatch.delenv("BURSTCU_BUILD_TIMEOUT")
     assert compile.build_timeout() == compile.DEFAULT_BUILD_TIMEOUT_S == 600
+
+
+# ------------------------------------------------------------------------------------------------
+# warming the cache ahead of a GPU run (python -m burstcu.build warm)
+
+def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
+    """`warm --device sm_90` compiles what a compute capability 9.0 GPU loads (its table, sm_90a,
+    each kernel for sm_90 or its own sm_90a target), skips what is cached, and afterwards the run
+    time's lookup (`cached_cubin` with the same arguments) compiles nothing."""
+    needs_nvrtc()
+    from burstcu.build import __main__ as cli
+    from burstcu.build import all_variants
+
+    jobs = cli.warm_jobs("sm_90")
+    assert {name for _, name, _ in jobs} == {v.name for v in all_variants("sm_90a")}
+    assert {arch for _, name, arch in jobs if "sm90" in name} == {"sm_90a"}
+    assert {arch for _, name, arch in jobs if "sm90" not in name} == {"sm_90"}
+    assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
+    assert "3 kernels compiled, 0 already cached" in capsys.readouterr().out
+    assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
+    assert "0 kernels compiled, 3 already cached" in capsys.readouterr().out
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(compile, "nvrtc_compile", no_compile)
+    for source, name, arch in cli.warm_jobs("sm_90", ["forward_finalize"]):
+        path, lowered = compile.cached_cubin(source, [name], arch)
+        assert path.exists() and name in lowered
+    with pytest.raises(SystemExit):
+        cli.main(["warm", "--device", "sm_75"])
