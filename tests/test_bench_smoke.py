@@ -406,7 +406,9 @@ def test_gpu_run_dry_run_lists_every_step():
                      "tiles", "memcheck", "racecheck", "demo", "mpi", "linear", "linearbench", "varlen",
                      "steplists", "uneven", "decode"]
     assert "bench/gpu/kernel_speed.py" in out and "bench/gpu/tiles.py" in out and "unknown" not in out
-    assert dry("hopper-session")[0] == ["env", "isa", "hopper", "hopper_bench", "tiles_sm90", "hopper_profile"]
+    steps, out = dry("hopper-session")
+    assert steps == ["env", "warm", "isa", "hopper", "hopper_bench", "tiles_sm90", "hopper_profile"]
+    assert "-m burstcu.build warm --device" in out
     steps, out = dry("hopper_memcheck", "hopper_racecheck", "basic")
     assert steps == ["hopper_memcheck", "hopper_racecheck", "basic"] and "compute-sanitizer" in out
     assert "--tool memcheck --report-api-errors no" in out   # cuda-bindings' probes are no memory errors

@@ -27,8 +27,9 @@
 # its details page as CSV in logs.tgz; the 19 MB report stays in /tmp/burstcu-sm90_profile.ncu-rep),
 # tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
 # CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
-# env isa hopper hopper_bench tiles_sm90 hopper_profile (about 90 s for the first four on an H200
-# with a warm kernel cache; the tile search is estimated at 50 s, the profile took 33 s).
+# env warm isa hopper hopper_bench tiles_sm90 hopper_profile (warm: python -m burstcu.build warm for
+# this GPU, every kernel compiled in parallel first; then about 90 s to hopper_bench on an H200, the
+# tile search estimated at 50 s, the profile 33 s).
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
@@ -49,7 +50,7 @@ if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
-[ "${steps[0]:-}" = hopper-session ] && steps=(env isa hopper hopper_bench tiles_sm90 hopper_profile)
+[ "${steps[0]:-}" = hopper-session ] && steps=(env warm isa hopper hopper_bench tiles_sm90 hopper_profile)
 [ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
                                  memcheck racecheck demo mpi linear linearbench varlen steplists uneven
                                  decode)
@@ -78,6 +79,7 @@ for s in "${steps[@]}"; do
            $PY -m pip list 2>/dev/null | grep -i -E 'cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'" ;;
     isa) step isa 120 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" \
              $PY -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_isa_gpu.py ;;
+    warm) step warm 240 bash -c "$PY -m burstcu.build warm --device \$($PY -c 'from burstcu.build.compile import device_arch; print(device_arch())')" ;;
     gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
     hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
              $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
