@@ -16,7 +16,8 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               (`burstcu.layout.blocks`, counted exactly per rank and step: causal, windows,
               documents and uneven shards all show), the overhead being host work and launches;
               on a machine whose forward takes a step's rectangles in one call (forward_lists:
-              the GPU presets, the CUDA backends' list kernel) the forward counts one call a step.
+              the GPU presets, the CUDA backends' list kernel) the forward counts one call a step
+              of more than LISTED_ABOVE rectangles.
     messages  t(bytes) = latency + bytes / bandwidth for each ring exchange and for each
               all-to-all (its messages go out together; one latency more for each further
               message of an exchange), with the intra-node bandwidth when the ranks that talk
@@ -48,6 +49,9 @@ from .validate import sharding_keywords
 
 
 BACKWARD_FLOPS = 2.5  # the backward's flops over the forward's: S recomputed, dV, dP, dQ, dK
+# a forward step of at most this many rectangles runs them a launch each on an H100/H200 (the
+# Hopper kernel: burstcu.ops.cuda.kernel_ops.SM90_MAX_RECTS), a longer one as one list
+LISTED_ABOVE = 4
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,10 @@ class Machine:
     intra_bw / inter_bw: bytes/s one way per rank inside / across nodes; latency: seconds per
     exchange; ranks_per_node: ranks that share the fast links; step_overhead: seconds of fixed
     cost per call of the local op (forward or backward step); memory_bw: bytes/s the local op
-    reads from its memory (decode's bound); forward_lists: the forward takes all of a step's
-    rectangles in one call (the CUDA backends' rectangle-list kernel), so a step costs one
-    step_overhead forward however many documents cut it (the backward: one a rectangle)."""
+    reads from its memory (decode's bound); forward_lists: the forward takes a step of more than
+    LISTED_ABOVE rectangles in one call (the CUDA backends' rectangle-list kernel), so such a step
+    costs one step_overhead forward however many documents cut it (the backward: one a rectangle;
+    a step of fewer: one a rectangle, as the Hopper kernel runs them)."""
 
     name: str
     flops: float
@@ -196,7 +201,7 @@ class _Problem:
         b, _, _, d = self.q.shape
         flop_s = 4 * b * d / self.machine.flops      # seconds per kept pair and query head
         if self.machine.forward_lists and not backward:
-            calls = np.minimum(calls, 1)
+            calls = np.where(calls > LISTED_ABOVE, 1, calls)
         factor = BACKWARD_FLOPS if backward else 1.0
         return np.where(calls > 0, self.machine.step_overhead * calls
                         + factor * flop_s * heads * pairs, 0.0)

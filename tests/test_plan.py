@@ -122,6 +122,12 @@ def test_the_mask_is_counted_per_rank_and_step():
     lists = predict("burst", {}, q, k, 4, machine=listed, cu_seqlens=short, **kw)
     assert lists.forward_s < 2e-3 and abs(lists.backward_s - many.backward_s) < 1e-12
     assert MACHINES["h100"].forward_lists and not MACHINES["cpu"].forward_lists
+    from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
+    from burstcu.plan import LISTED_ABOVE
+    assert LISTED_ABOVE == SM90_MAX_RECTS   # the model counts what the GPU backend launches
+    few_docs = tuple(range(0, 4097, 256))                      # 4 documents a shard: 4 calls
+    four = predict("burst", {}, q, k, 4, machine=listed, cu_seqlens=few_docs, **kw)
+    assert four.forward_s >= 4 * 1e-3
     # uneven shards: the longest shard's rank sets the pace
     part = partition("contiguous", 4, 4096, lengths=(256, 256, 256, 3328))
     uneven = predict("burst", {}, q, k, 4, machine=free, causal=False, layout=part, dtype="float16")

@@ -28,7 +28,7 @@
 # tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
 # CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
 # env warm isa hopper hopper_bench tiles_sm90 hopper_profile (warm: python -m burstcu.build warm for
-# this GPU, every kernel compiled in parallel first; then about 90 s to hopper_bench on an H200, the
+# this GPU, every kernel of its own table compiled in parallel first; then about 90 s to hopper_bench on an H200, the
 # tile search estimated at 50 s, the profile 33 s).
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.

@@ -70,7 +70,9 @@ T_START = time.monotonic()
 
 FAMILIES = ("forward", "bwd_dkdv", "bwd_dq", "forward_sm90")
 MMA_SYNC_FAMILIES = FAMILIES[:3]    # the default run: the mma.sync tables' families
-SOURCES = ("flash_fwd.cu", "flash_bwd.cu", "flash_fwd_sm90.cu")
+FAMILY_SOURCE = {"forward": "flash_fwd.cu", "bwd_dkdv": "flash_bwd.cu", "bwd_dq": "flash_bwd.cu",
+                 "forward_sm90": "flash_fwd_sm90.cu"}
+SOURCES = tuple(dict.fromkeys(FAMILY_SOURCE.values()))
 FWD_NWARPS = (4, 8)
 FWD_BLOCK_N = (32, 64, 128)
 SM90_BLOCK_N = (64, 128)            # 256 keys: S alone would take 128 registers a thread
@@ -218,10 +220,12 @@ def group_key(c: dict) -> tuple:
     return (c["family"], c["dtype"], int(c["headdim"]))
 
 
-def source_digests() -> dict:
+def source_digests(families=FAMILIES) -> dict:
+    """{kernel source: digest (its headers included)} of the sources `families` compile: what a
+    candidate file records, so that an edit elsewhere leaves it fresh."""
     from burstcu.build.compile import source_digest
 
-    return {s: source_digest(s) for s in SOURCES}
+    return {s: source_digest(s) for s in sorted({FAMILY_SOURCE[f] for f in families})}
 
 
 def nvrtc_version() -> str | None:
@@ -332,7 +336,7 @@ def write_candidates(path: str, records: list[dict], args, seconds: float) -> No
         "note": ("tile candidates that compile for the arch without spills and fit its smem "
                  "(bench/gpu/tiles.py --gate; registers from ptxas, occupancy computed, not measured)"),
         "tile_table": args.tile_table, "arch": args.tile_table, "nvrtc": nvrtc_version(),
-        "source_digests": source_digests(), "gate_seconds": round(seconds, 1),
+        "source_digests": source_digests({r["family"] for r in records}), "gate_seconds": round(seconds, 1),
         "jobs": args.jobs, "host_cpus": os.cpu_count(),
         "enumeration": {"forward": {"nwarps": FWD_NWARPS, "block_n": FWD_BLOCK_N},
                         "backward": {"bm": BWD_BM, "bn": BWD_BN, "warps_d": BWD_WARPS_D}},
@@ -989,7 +993,8 @@ def main(argv=None) -> int:
     cands, missing, stale = [], list(enumerated), False
     if args.candidates and Path(args.candidates).exists():
         data = load_candidates(args.candidates)
-        stale = data.get("source_digests") != source_digests() or data.get("tile_table") != args.tile_table
+        gated = {c["family"] for c in (*data["candidates"], *data.get("dropped", []))}
+        stale = data.get("source_digests") != source_digests(gated) or data.get("tile_table") != args.tile_table
         if stale:
             progress(f"{args.candidates} was gated for other kernel sources or another table: "
                      f"gating again")

@@ -18,8 +18,8 @@ that arch will load: the variants of its tile table (`table_arch_for`), each com
 device's arch or its own target (sm_90a), as the first launch on that GPU would compile it. Run it
 on a machine without a GPU (a login node, a build step) with the NVRTC the GPU machines have (the
 cache key holds NVRTC's version), then point $BURSTCU_CACHE_DIR there (or copy the folder): no rank
-compiles at its first call. Prints one line a kernel compiled, skips those already cached; exit 3
-as `check` when NVRTC cannot run here.
+compiles at its first call. Prints one line a kernel compiled or failed, skips those already
+cached; exit 1 if any failed, 3 as `check` when NVRTC cannot run here.
 """
 
 from __future__ import annotations
@@ -76,32 +76,39 @@ def warm_jobs(device: str, families: list[str] | None = None) -> list[tuple[str,
             if not families or v.family in families]
 
 
-def _warm(job) -> tuple[str, float, bool]:
-    """Compile one job into the cache: (name, seconds, whether it was compiled now)."""
+def _warm(job) -> tuple[float, bool, str | None]:
+    """Compile one job into the cache: (seconds, whether it was compiled now, the error or None).
+    Never raises: one kernel that fails to build is reported, the others still build."""
     import time
 
     from .compile import cache_dir, cache_key, cached_cubin
 
     source, name, arch = job
-    key = cache_key(source, [name], arch)
-    was = (cache_dir() / f"{key}.manifest").exists()
     t0 = time.perf_counter()
-    cached_cubin(source, [name], arch)
-    return name, time.perf_counter() - t0, not was
+    try:
+        was = (cache_dir() / f"{cache_key(source, [name], arch)}.manifest").exists()
+        cached_cubin(source, [name], arch)
+    except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+        return time.perf_counter() - t0, False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return time.perf_counter() - t0, not was, None
 
 
 def run_warm(device: str, families: list[str] | None = None, out=sys.stdout,
-             jobs: int | None = None) -> tuple[int, int]:
-    """Fill the kernel cache for a GPU of arch `device`; (kernels compiled, kernels already there)."""
+             jobs: int | None = None) -> tuple[int, int, int]:
+    """Fill the kernel cache for a GPU of arch `device`; (kernels compiled, kernels already there,
+    kernels that failed to build)."""
     todo = warm_jobs(device, families)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo) or 1))
-    compiled = 0
+    compiled = failed = 0
     with ProcessPoolExecutor(jobs) as pool:
-        for (_, name, arch), (_, seconds, fresh) in zip(todo, pool.map(_warm, todo)):
-            if fresh:
+        for (_, name, arch), (seconds, fresh, error) in zip(todo, pool.map(_warm, todo)):
+            if error:
+                failed += 1
+                print(f"{arch:7} FAILED  {name}: {error}", file=out, flush=True)
+            elif fresh:
                 compiled += 1
                 print(f"{arch:7} {seconds:6.2f} s  {name}", file=out, flush=True)
-    return compiled, len(todo) - compiled
+    return compiled, len(todo) - compiled - failed, failed
 
 
 def _row(record: dict) -> str:
@@ -164,10 +171,10 @@ def _main_warm(parser, args) -> int:
     if problem:
         print(f"{parser.prog} warm: {problem}", file=sys.stderr)
         return NO_COMPILER
-    compiled, cached = run_warm(args.device, families, jobs=args.jobs)
-    print(f"{compiled} kernels compiled, {cached} already cached, for {args.device} in {cache_dir()}",
-          flush=True)
-    return 0 if compiled + cached else 2
+    compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs)
+    print(f"{compiled} kernels compiled, {cached} already cached, {failed} failed, for {args.device} "
+          f"in {cache_dir()}", flush=True)
+    return 1 if failed else 0 if compiled + cached else 2
 
 
 if __name__ == "__main__":

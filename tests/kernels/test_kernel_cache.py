@@ -397,9 +397,9 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
     assert {arch for _, name, arch in jobs if "sm90" in name} == {"sm_90a"}
     assert {arch for _, name, arch in jobs if "sm90" not in name} == {"sm_90"}
     assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
-    assert "3 kernels compiled, 0 already cached" in capsys.readouterr().out
+    assert "3 kernels compiled, 0 already cached, 0 failed" in capsys.readouterr().out
     assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
-    assert "0 kernels compiled, 3 already cached" in capsys.readouterr().out
+    assert "0 kernels compiled, 3 already cached, 0 failed" in capsys.readouterr().out
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled again")
@@ -409,3 +409,8 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
         assert path.exists() and name in lowered
     with pytest.raises(SystemExit):
         cli.main(["warm", "--device", "sm_75"])
+    # a kernel that fails to build is named, the others still build, and the exit status says so
+    monkeypatch.setattr(compile, "cached_cubin", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("nope")))
+    assert cli.main(["warm", "--device", "sm_90", "--family", "nonfinite_flag", "--jobs", "1"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAILED") == 3 and "RuntimeError: nope" in out and "3 failed" in out
