@@ -43,10 +43,12 @@ HEADERS = {"headdim": "d", "threads": "thr", "registers": "regs", "spill_stores"
 NO_COMPILER = 3  # the exit status when NVRTC cannot run here (`compiler_problem`)
 
 
-def run_check(archs: list[str], families: list[str] | None = None, out=sys.stdout,
+def run_check(archs: list[str], families: list[str] | None = None, out=None,
               jobs: int | None = None) -> list[dict]:
     """Compile every variant of every arch (`jobs` processes at once, default one per CPU this
-    process may run on); print a row per variant in table order; return the records in order."""
+    process may run on); print a row per variant in table order to `out` (default: sys.stdout as
+    it is at the call); return the records in order."""
+    out = out or sys.stdout
     # the "sm_90a" table's other variants are the sm_90 table's, compiled for the device's own
     # arch at run time: the sm_90 rows gate them
     todo = [(variant, arch) for arch in archs for variant in all_variants(arch)
@@ -93,10 +95,12 @@ def _warm(job) -> tuple[float, bool, str | None]:
     return time.perf_counter() - t0, not was, None
 
 
-def run_warm(device: str, families: list[str] | None = None, out=sys.stdout,
+def run_warm(device: str, families: list[str] | None = None, out=None,
              jobs: int | None = None) -> tuple[int, int, int]:
-    """Fill the kernel cache for a GPU of arch `device`; (kernels compiled, kernels already there,
-    kernels that failed to build)."""
+    """Fill the kernel cache for a GPU of arch `device`, a line a kernel to `out` (default:
+    sys.stdout as it is at the call); (kernels compiled, kernels already there, kernels that
+    failed to build)."""
+    out = out or sys.stdout
     todo = warm_jobs(device, families)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo) or 1))
     compiled = failed = 0
