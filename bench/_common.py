@@ -322,12 +322,11 @@ def finish(result: dict, json_path) -> dict:
 def write_json(path, obj) -> None:
     """Write `obj` as strict JSON (see `clean`), creating the folder; atomically (a temporary
     file renamed over `path`), so a run killed while it rewrites its JSON leaves the last whole one."""
+    from burstcu.build.compile import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(clean(obj), indent=1, allow_nan=False) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(clean(obj), indent=1, allow_nan=False) + "\n").encode())
 
 
 def add_shape_args(p, *, heads: int = 4, headdim: int = 64, dtype: str = "float32",

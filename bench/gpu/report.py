@@ -38,6 +38,12 @@ def checks_table(checks: list[dict]) -> list[str]:
     return lines
 
 
+def row_key(r: dict, last: str) -> tuple:
+    """A kernels row's table key: pass, family ("-" where the run had none), dtype, head dim, and
+    `last` ("causal" for the speed table, "seqlen" for the window table)."""
+    return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r[last])
+
+
 def speed_table(rows: list[dict]) -> list[str]:
     """Per (pass, dtype, head dim, causal): burstcu kernels' TFLOP/s and ratio to torch flash
     at each seqlen."""
@@ -45,9 +51,6 @@ def speed_table(rows: list[dict]) -> list[str]:
     seqlens = sorted({r["seqlen"] for r in ours})
     lines = ["| pass | family | dtype | d | causal | " + " | ".join(f"S={s}" for s in seqlens) + " |",
              "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
-
-    def key_of(r):
-        return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r["causal"])
 
     def cell(r) -> str:
         if r is None:
@@ -57,8 +60,8 @@ def speed_table(rows: list[dict]) -> list[str]:
             return f"{r['tflops']:.0f} TF" + (f" ({flash})" if r.get("vs_torch") else "")
         return f"{r['tflops']:.0f} TF ({flash} / {r['tflops'] / r['cudnn_tflops']:.2f}x)"
 
-    for key in sorted({key_of(r) for r in ours}):
-        cells = [cell(next((x for x in ours if key_of(x) == key and x["seqlen"] == s), None)) for s in seqlens]
+    for key in sorted({row_key(r, "causal") for r in ours}):
+        cells = [cell(next((x for x in ours if row_key(x, "causal") == key and x["seqlen"] == s), None)) for s in seqlens]
         lines.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(cells) + " |")
     return lines
 
@@ -74,11 +77,8 @@ def window_table(rows: list[dict]) -> list[str]:
              + " | ".join(f"window {w} ms (TFLOP/s)" for w in windows)
              + " |", "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in windows) + " |"]
 
-    def key_of(r):
-        return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r["seqlen"])
-
-    for key in sorted({key_of(r) for r in ours}):
-        at = {r.get("window"): r for r in ours if key_of(r) == key}
+    for key in sorted({row_key(r, "seqlen") for r in ours}):
+        at = {r.get("window"): r for r in ours if row_key(r, "seqlen") == key}
         if None not in at:
             continue
         cells = [f"{at[w]['ms']:.2f} ({at[w]['tflops']:.0f})" if w in at else "-" for w in windows]
