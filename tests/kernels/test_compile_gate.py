@@ -54,6 +54,21 @@ def test_gate_passes(gate):
     assert not [r for r in records if r["error"]], log[-4000:]
 
 
+def test_the_older_command_name_runs_the_same_gate(tmp_path):
+    """`python -m burstcu.kernels check` (the older name of `python -m burstcu.build check`) gates
+    the Hopper variants the same way: each sm_90a row carries sass_hgmma > 0, local_bytes 0 and
+    its registers."""
+    path = tmp_path / "gate.json"
+    proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", "sm_90a",
+                           "--family", "forward_sm90", "--json", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = json.loads(path.read_text())
+    assert len(records) == 6 and {r["family"] for r in records} == {"forward_sm90"}
+    for r in records:
+        assert r["sass_hgmma"] > 0 and r["local_bytes"] == 0 and 0 < r["registers"] <= MAX_REGISTERS, r
+
+
 def test_every_variant_compiled(gate):
     _, records, _ = gate
     # the sm_90a table's variants without a target of their own are the sm_90 table's (compiled
