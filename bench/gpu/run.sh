@@ -30,6 +30,8 @@
 # env warm isa hopper hopper_bench tiles_sm90 hopper_profile (warm: python -m burstcu.build warm for
 # this GPU, every kernel of its own table compiled in parallel first; then about 90 s to hopper_bench on an H200, the
 # tile search estimated at 50 s, the profile 33 s).
+# small_parts: every kernel's own duration (Nsight Compute, serialised) of one call at S = 1K, 2K and
+# 16K, d = 128, ours against torch's flash and cuDNN: where the time of a short call goes.
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
@@ -87,7 +89,7 @@ for s in "${steps[@]}"; do
              tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
     hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
              --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
-             --table "$OUT/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
+             --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
              BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
              --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
@@ -116,6 +118,10 @@ for s in "${steps[@]}"; do
              --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 --seqlens 16384 \
              --warmup 0 --repeats 1 && ncu -i /tmp/burstcu-sm90_profile.ncu-rep --page details --csv \
              > $LOGS/sm90_profile_details.csv" ;;
+    small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+             --print-units base --log-file "$LOGS/small_parts.csv" $PY bench/gpu/kernel_speed.py \
+             --archs sm_90a --passes fwd --impls kernels torch-flash torch-cudnn --dtypes float16 \
+             --headdims 128 --seqlens 1024 2048 16384 --warmup 1 --repeats 2 ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
