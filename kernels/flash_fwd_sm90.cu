@@ -45,8 +45,10 @@ SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel
     marks, then the mbarriers.
     D     BLOCK_N  STAGES   smem (bytes, burstcu/build/fwd_variants.py: sm90_smem_bytes)
     64    128      3        1024 + (128 + 768) x 128 + 256   = 115968
-    128   128      2        1024 + (128 + 512) x 256 + 256   = 165120
+    128   128      3        1024 + (128 + 768) x 256 + 256   = 230656   (of 232448)
     256   64       2        1024 + (128 + 256) x 512 + 256   = 197888
+    The CAREFUL twin's marks (STAGES x D x BLOCK_N bits) do not fit beside a third stage at d = 128:
+    it runs 2 (fwd_variants.careful_twin); the stages change when copies land, not the arithmetic.
     Registers: __launch_bounds__(384, 1) gives 168 a thread at launch (the gate checks it); the
     producer keeps 24, the consumers 240 each (128 x 24 + 256 x 240 = 64512 = 384 x 168; CAREFUL:
     40 and 232). A consumer thread holds O (D/2 fp32), S (BLOCK_N/2
@@ -90,14 +92,16 @@ finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
       64     265 / 293        379 / 424         1.29 / 1.39x           0.81 / 0.87x
       128    291 / 349        435 / 470         1.28 / 1.39x           0.69 / 0.72x
       256    338 / 355        471 / 465         1.50 / 1.45x           0.66 / 0.64x
-    causal at 16K: 322-386 TFLOP/s (1.14-1.33x torch flash). S <= 2K is slower than torch flash
-    (0.3-0.9x), not yet broken down: each call also runs the state init, the non-finite flag and
-    the finalize kernels with their host code, and a query tile with 8-16 key tiles spends more of
-    its time in the pipeline's prologue and epilogue. Target: 1.6x torch flash at d = 128 (~540
-    TFLOP/s against that run's torch flash, 339 bf16): not met.
-NEXT (in order of the expected gain): a profile of this version; a third K/V stage at d = 128
-(fits: 1024 + (128 + 768) x 256 + 256 = 230656 of 232448 B); the O rescale only when a row's
-max moved (FA3's trick); BLOCK_N = 176 at d = 128; intra-warpgroup overlap of the two GEMMs.
+    causal at 16K: 322-386 TFLOP/s (1.14-1.33x torch flash). Target: 1.6x torch flash at d = 128
+      (~540 TFLOP/s against that run's torch flash, 339 bf16): not met.
+    run4 (bench/results/h200/run4): the tile search put a third K/V stage at d = 128 ahead, the
+      step alone 1.12x (fp16, 16K: 524 against 467 TFLOP/s) to 1.19x (4K); the table now has it.
+      Nsight Compute: tensor pipe 54% busy (35% in the first version), 1.22e9 instructions. At
+      S = 1K (B = 16, d = 128) the step took 401 us (torch flash 417, cuDNN 233) and the finalize
+      183 us, one thread an element at 1.1 TB/s (a quarter of the call): in a short call the step
+      kernel is near torch flash, and the finalize now moves 8 elements a thread (flash_fwd.cu).
+NEXT (in order of the expected gain): skip reading and zeroing acc on a state's first fold (a
+fresh state is all zeros); BLOCK_N = 176 at d = 128; the O rescale only when a row's max moved.
 */
 
 #include "hopper.cuh"

@@ -124,6 +124,7 @@ struct FwdFinalizeParams {
   StatStrides ml_stride;    // of m and l
   StatStrides lse_stride;   // of lse
   int S, D;                 // rows a (batch, head) and head dim (acc's last dim)
+  int vec;                  // elements a thread: 8 (D % 8 == 0, rows on 16 bytes) or 1
 };
 
 // flash_any_nonfinite: set *flag when x holds a value that could poison a masked pair.

@@ -32,6 +32,8 @@
 # tile search estimated at 50 s, the profile 33 s).
 # small_parts: every kernel's own duration (Nsight Compute, serialised) of one call at S = 1K, 2K and
 # 16K, d = 128, ours against torch's flash and cuDNN: where the time of a short call goes.
+# host_profile: cProfile over kernel_speed's calls of the Hopper kernel (d = 128 fp16, S = 1K and
+# 16K), the functions by own time and burstcu's by cumulative time: where a call's host time goes.
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
@@ -122,6 +124,12 @@ for s in "${steps[@]}"; do
              --print-units base --log-file "$LOGS/small_parts.csv" $PY bench/gpu/kernel_speed.py \
              --archs sm_90a --passes fwd --impls kernels torch-flash torch-cudnn --dtypes float16 \
              --headdims 128 --seqlens 1024 2048 16384 --warmup 1 --repeats 2 ;;
+    host_profile) step host_profile 120 bash -c "$PY -m cProfile -o /tmp/burstcu-host.prof \
+             bench/gpu/kernel_speed.py --archs sm_90a --passes fwd --impls kernels --dtypes float16 \
+             --headdims 128 --seqlens 1024 16384 --repeats 100 && $PY -c 'import pstats, sys
+s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
+s.sort_stats(\"tottime\").print_stats(40)
+s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \

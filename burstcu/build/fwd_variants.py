@@ -24,11 +24,14 @@ Two families live in flash_fwd.cu:
 
 from __future__ import annotations
 
+import functools
+
 from .variants import (ARCHS, CAREFUL_SUFFIX, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant,
                        LaunchConfig, base_table, careful_variant)
 
 SOURCE = "flash_fwd.cu"
 FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
+FINALIZE_VEC = 8        # elements a flash_fwd_finalize thread where rows allow (two float4 of acc)
 FLAG_THREADS = 256  # flash_any_nonfinite's __launch_bounds__
 
 # (arch, head dim) -> (NWARPS, BLOCK_N); BLOCK_M = 16 * NWARPS (each warp owns 16 query rows).
@@ -79,10 +82,12 @@ SM90_FAMILY = "forward_sm90"
 SM90_BLOCK_M = 128  # two consumer warpgroups of 64 rows (one wgmma m64 each)
 SM90_THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # head dim -> (BLOCK_N, STAGES): keys a K/V tile and K/V stages in flight. Q tile + STAGES x (K, V)
-# tiles fill up to ~190 KB of the 227 KB; d = 256 takes 64-key tiles (the S accumulator is then 32
-# registers a thread, next to 128 of O). Timed on an H200 (bench/results/h200/) but not yet
-# searched: bench/gpu/tiles.py --tile-table sm_90a --families forward_sm90 times the others.
-_SM90_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# tiles in the 227 KB; d = 256 takes 64-key tiles (the S accumulator is then 32 registers a
+# thread, next to 128 of O). Searched on an H200 (bench/gpu/tiles.py --tile-table sm_90a,
+# bench/results/h200/run4/tiles_sm90.json): at d = 128 a third stage (225 KB) runs the step 1.12x
+# (fp16, S = 16K) to 1.19x (S = 4K) faster than two; at d = 64 and 256 these tiles were best.
+_SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
+SM90_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
 SM90_BLOCK_NS = (64, 128, 256)  # the kernel's static_assert: wgmma N of S = Q K^T
 SM90_HEADDIMS = tuple(_SM90_TILES)
 
@@ -105,11 +110,15 @@ def sm90_variant_for_tiles(dtype: str, headdim: int, block_n: int, stages: int,
                            careful: bool = False) -> KernelVariant:
     """A Hopper forward step with explicit tiles, in the table or not (bench/gpu/tiles.py):
     BLOCK_N keys a K/V tile (64, 128 or 256), STAGES K/V tiles in flight (>= 2); head dim 64, 128
-    or 256. Whether it fits shared memory and the registers is the compile gate's to say."""
+    or 256. Whether it fits shared memory and the registers is the compile gate's to say. The
+    CAREFUL twin keeps the tiles but drops stages (to 2 at least) where its non-finite marks would
+    not fit beside them: the stages change when copies land, not what the kernel computes."""
     if headdim not in SM90_HEADDIMS or block_n not in SM90_BLOCK_NS or stages < 2:
         raise ValueError(f"no Hopper forward tiles for d={headdim}, BLOCK_N={block_n}, "
                          f"STAGES={stages} (d in {SM90_HEADDIMS}, BLOCK_N in {SM90_BLOCK_NS}, "
                          f"STAGES >= 2)")
+    while careful and stages > 2 and sm90_smem_bytes(headdim, block_n, stages, True) > SM90_SMEM_LIMIT:
+        stages -= 1
     name = (f"flash_fwd_step_sm90<{CXX_TYPE[dtype]}, {headdim}, {block_n}, {stages}"
             + (", true>" if careful else ">"))
     launch = LaunchConfig(threads=SM90_THREADS, block_m=SM90_BLOCK_M, block_n=block_n,
@@ -117,6 +126,17 @@ def sm90_variant_for_tiles(dtype: str, headdim: int, block_n: int, stages: int,
                           stages=stages)
     family = SM90_FAMILY + (CAREFUL_SUFFIX if careful else "")
     return KernelVariant(family, SM90_SOURCE, name, dtype, headdim, launch, target="sm_90a")
+
+
+@functools.lru_cache(maxsize=None)
+def careful_twin(variant: KernelVariant) -> KernelVariant:
+    """The CAREFUL twin that a step variant of any family launches beside (KernelOps.launch_step):
+    a forward_sm90 variant's keeps its tiles with the stages its marks leave room for
+    (sm90_variant_for_tiles); every other family's is `variants.careful_variant`'s."""
+    if variant.family == SM90_FAMILY:
+        return sm90_variant_for_tiles(variant.dtype, variant.headdim, variant.launch.block_n,
+                                      variant.launch.stages, careful=True)
+    return careful_variant(variant)
 
 
 def finalize_variant(out_dtype: str) -> KernelVariant:

@@ -217,6 +217,47 @@ def test_scale_and_float32_out(ops):
     assert np.abs(lse - ref_lse).max() < 1e-4
 
 
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("rows_aligned", [True, False], ids=["8-wide", "1-wide"])
+def test_finalize_divides_every_row(ops, out_dtype, rows_aligned):
+    """flash_fwd_finalize on a state written here: out = acc / l rounded once to out_dtype, lse =
+    (m + log2 l) ln 2; a row with l = 0 gives 0 and -inf, a row with l NaN gives NaN. Rows on 16
+    bytes take the 8-elements-a-thread path, acc shifted by one float the 1-wide one."""
+    B, S, H, D = 2, 37, 3, 64
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((B, S, H, D)).astype(np.float16)
+    state = ops.forward_init(q)
+    acc = (rng.standard_normal((B, S, H, D)) * 3).astype(np.float32)
+    m = rng.standard_normal((B, H, S)).astype(np.float32)
+    l = rng.uniform(0.5, 40.0, (B, H, S)).astype(np.float32)
+    l[0, 1, 5] = 0.0
+    l[1, 2, 7] = np.nan
+    buf = np.zeros(acc.size + 1, np.float32)
+    shifted = buf[1:].reshape(acc.shape) if not rows_aligned else buf[:-1].reshape(acc.shape)
+    shifted[...] = acc
+    state.acc, state.m, state.l = (ops.to_device(x) for x in (shifted, m, l))
+    out, lse = ops.forward_finalize(state, out_dtype)
+    assert out.shape == (B, S, H, D) and lse.shape == (B, H, S)
+    l_rows = l.astype(np.float64).transpose(0, 2, 1)[..., None]      # (B, S, H, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref = np.where(l_rows == 0, 0.0, acc.astype(np.float64) / l_rows)
+        ref_lse = np.where(l == 0, -np.inf, (m.astype(np.float64) + np.log2(l.astype(np.float64))) * math.log(2))
+    got = out.astype(np.float64)
+    nan_rows = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan_rows)
+    assert np.isnan(lse[1, 2, 7]) and lse[0, 1, 5] == -np.inf
+    assert np.all(got[0, 5, 1] == 0.0)
+    # one rounding to out_dtype: half an ulp, or half the smallest subnormal step of float16,
+    # on top of fp32's division (a few ulp of 2^-24)
+    eps, tiny = {"float16": (2.0 ** -11, 2.0 ** -25), "bfloat16": (2.0 ** -8, 2.0 ** -134),
+                 "float32": (2.0 ** -22, 2.0 ** -149)}[out_dtype]
+    ok = ~nan_rows
+    err = np.abs(got[ok] - ref[ok])
+    assert np.all(err <= (eps + 2.0 ** -21) * np.abs(ref[ok]) + tiny), err.max()
+    fin = np.isfinite(ref_lse)
+    assert np.abs(lse[fin] - ref_lse[fin]).max() < 1e-5 * np.abs(ref_lse[fin]).max() + 1e-6
+
+
 def test_rejects_bad_input(ops):
     q, k, v = make("float16", 1, 16, 16, 3, 2, 64)
     with pytest.raises(ValueError, match="multiple of Hkv"):

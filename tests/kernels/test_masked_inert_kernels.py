@@ -109,6 +109,30 @@ def test_forward_poisoned_v(dtype, value, arch):
     assert_reach("lse", lse, lse0, np.zeros((1, 1, S), bool), exact=True)
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_forward_poisoned_v_hopper_twin_with_its_own_stages(d):
+    """At d = 128 the Hopper careful twin runs 2 K/V stages where the plain kernel runs 3 (its
+    marks would not fit beside a third): over 3 key tiles and more it still gives the plain
+    kernel's bits wherever the poison cannot reach."""
+    from burstcu.build.fwd_variants import SM90_SMEM_LIMIT, careful_twin, sm90_step_variant
+
+    plain = sm90_step_variant("float16", d)
+    twin = careful_twin(plain)
+    assert twin.launch.smem_bytes <= SM90_SMEM_LIMIT
+    assert (plain.launch.stages, twin.launch.stages) == ((3, 2) if d == 128 else (2, 2))
+    ops = kernel_ops(arch="sm_90a")
+    s = 400
+    rng = np.random.default_rng(4)
+    x = {n: rng.standard_normal((1, s, h, d)).astype(np.float16)
+         for n, h in (("q", H), ("k", HKV), ("v", HKV))}
+    blocks = [Block(0, s, 0, s, 0, 0, True)]
+    out0, _ = forward(ops, x, blocks)
+    out, _ = forward(ops, poisoned(x, "v", 300, np.nan, col=7), blocks)
+    seen = np.zeros((1, s, 1, d), bool)
+    seen[0, 300:, 0, 7] = True
+    assert_reach("out", out, out0, seen, exact=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_forward_poisoned_k(dtype, arch):

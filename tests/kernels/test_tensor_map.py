@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from burstcu.ops.cuda.tensor_map import (EMU_MAGIC, SWIZZLES, data_pointer, tensor_map, tensor_map_4d_rows,
+from burstcu.ops.cuda.params import data_ptr
+from burstcu.ops.cuda.tensor_map import (EMU_MAGIC, SWIZZLES, tensor_map, tensor_map_4d_rows,
                                     validate_tiled)
 
 BASE = 0x7F00_0000_1000  # 16-aligned
@@ -145,7 +146,7 @@ def test_encoded_maps_are_memoized_and_read_only(monkeypatch):
 def test_rows_map_of_a_bshd_array(dtype):
     x = np.zeros((2, 300, 4, 128), dtype=dtype)
     f = emu_fields(tensor_map_4d_rows("emulated", x, 100, 150, 64))
-    assert f["base"] == data_pointer(x) + 100 * 4 * 128 * 2
+    assert f["base"] == data_ptr(x) + 100 * 4 * 128 * 2
     assert f["dims"] == (128, 150, 4, 2, 1)
     assert f["strides"] == (2, 4 * 128 * 2, 128 * 2, 300 * 4 * 128 * 2, 0)
     assert f["box"] == (64, 64, 1, 1, 1)

@@ -24,8 +24,8 @@ import numpy as np
 
 from ...build.bwd_variants import delta_variant
 from ...layout import Block
-from .params import (bwd_delta_params, bwd_step_params, cdiv, element_strides, rows_contiguous,
-                     same_strides, vector_ready)
+from .params import (bwd_delta_params, bwd_step_params, cdiv, dtype_name, element_strides,
+                     rows_contiguous, same_strides, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -51,8 +51,8 @@ class BackwardContext:
 # ------------------------------------------------------------------------------------------------
 # helpers
 
-def _dtype_name(x) -> str:
-    name = np.dtype(x.dtype).name
+def _kernel_dtype(x) -> str:
+    name = dtype_name(x)
     if name not in _KERNEL_DTYPES:
         raise ValueError(f"the backward kernels take float16 or bfloat16 input, not {name}")
     return name
@@ -61,7 +61,7 @@ def _dtype_name(x) -> str:
 def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
     """ValueError unless q, dout, lse, delta, dq and blocks fit each other and ctx."""
     for name, x in (("q", q), ("dout", dout)):
-        if _dtype_name(x) != ctx.dtype:
+        if _kernel_dtype(x) != ctx.dtype:
             raise ValueError(f"{name} is {np.dtype(x.dtype).name}, k was {ctx.dtype}")
     B, Sq, H, D = q.shape
     _, Sk, Hkv, _ = ctx.k.shape
@@ -85,7 +85,7 @@ def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
 def backward_delta(ops, dout, out):
     """delta[b, h, s] = sum_d dout[b, s, h, d] * out[b, s, h, d] in float32: (B,H,S)."""
     xp = ops.xp
-    dtype = _dtype_name(dout)
+    dtype = _kernel_dtype(dout)
     if out.shape != dout.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, dout {tuple(dout.shape)}")
     B, S, H, D = dout.shape
@@ -106,7 +106,7 @@ def backward_delta(ops, dout, out):
 def backward_init(ops, k, v, softmax_scale: float) -> BackwardContext:
     """Resident k, v (padded to the native head dim) and zeroed float32 dk, dv."""
     xp = ops.xp
-    dtype = _dtype_name(k)
+    dtype = _kernel_dtype(k)
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} differ")
     d = int(k.shape[-1])

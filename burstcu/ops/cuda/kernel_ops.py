@@ -28,18 +28,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.fwd_variants import LIST_FAMILY, SM90_FAMILY, nonfinite_flag_variant
+from ...build.fwd_variants import FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, careful_twin, nonfinite_flag_variant
 from ...build import all_variants
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
-from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, careful_variant, kernel_dir
+from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps
 from . import backward, decode
-from .params import (I32_MAX, MAX_POSITION, cdiv, data_ptr, element_strides, fwd_finalize_params, fwd_step_params,
-                     fwd_step_sm90_params, nonfinite_params, step_groups, vector_ready)
+from .params import (I32_MAX, MAX_POSITION, cdiv, dtype_name, fwd_finalize_params, fwd_step_params,
+                     fwd_step_sm90_params, nonfinite_params, rows_on_16_bytes, step_groups,
+                     vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -90,10 +91,6 @@ class ForwardState:
     keep: list = field(default_factory=list)
 
 
-def _dtype_name(x) -> str:
-    return np.dtype(x.dtype).name
-
-
 class KernelOps(LocalOps):
     """LocalOps whose steps are the CUDA kernels (see the module docstring).
 
@@ -137,6 +134,7 @@ class KernelOps(LocalOps):
             self.array_dtypes = ("float16", "float32", "float64")
         self.first_use_check = self.device == "cuda"  # see _sm90_checked
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
+        self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
         self._zero_flag = None
 
@@ -206,13 +204,17 @@ class KernelOps(LocalOps):
         """The variant of `family` for `dtype` that runs head dim `headdim`: the smallest native
         head dim >= headdim (head-dim-agnostic families, headdim 0, match any)."""
         dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        found = self._variant_of.get((family, dtype, headdim))
+        if found is not None:
+            return found
         if not 0 < headdim <= _MAX_HEADDIM:
             raise ValueError(f"head dim {headdim} is not supported: the kernels run 1..{_MAX_HEADDIM}")
         fits = [v for v in self._variants.values() if v.family == family and v.dtype == dtype
                 and (v.headdim == 0 or v.headdim >= headdim)]
         if not fits:
             raise ValueError(f"no {family!r} kernel for {dtype} on {self.arch}")
-        return min(fits, key=lambda v: v.headdim)
+        found = self._variant_of[(family, dtype, headdim)] = min(fits, key=lambda v: v.headdim)
+        return found
 
     def forward_variant(self, dtype, headdim: int) -> KernelVariant:
         """The forward step that runs head dim `headdim`: on the "sm_90a" table the Hopper one
@@ -293,12 +295,11 @@ class KernelOps(LocalOps):
             if x.size == 0:
                 continue
             x4 = x.transpose(0, 2, 1)[..., None] if x.ndim == 3 else x    # (B, S, H, D)
-            variant = nonfinite_flag_variant(_dtype_name(x))
+            variant = nonfinite_flag_variant(dtype_name(x))
             threads = variant.launch.threads
             B, S, H, D = x4.shape
-            strides = element_strides(x4)[:3]
             vec = 16 // x4.itemsize
-            if D % vec or data_ptr(x4) % 16 or any(st % vec for st in strides):
+            if D % vec or not rows_on_16_bytes(x4):
                 vec = 1
             if S * D // vec > I32_MAX:
                 raise ValueError(f"{S} x {D} elements a head: beyond the flag kernel's int32 index")
@@ -326,9 +327,11 @@ class KernelOps(LocalOps):
         careful, of which exactly one runs (the careful one when the flag is set: a NaN where a
         row cannot see must not reach it); any other block the plain kernel alone. Each runs
         with its own launch configuration (the Hopper careful twin needs more shared memory)."""
-        twin = careful_variant(variant)  # the table's own entry when it has one (its launch)
-        pair = (variant, self._variants.get(twin.name, twin))
-        for v in pair if masked else pair[:1]:
+        runs = [variant]
+        if masked:
+            twin = careful_twin(variant)
+            runs.append(self._variants.get(twin.name, twin))  # the table's own entry when it has one
+        for v in runs:
             self.function(v.name)(grid, (v.launch.threads,), (params,), shared_mem=v.launch.smem_bytes)
 
     def _ready(self, x):
@@ -460,8 +463,11 @@ class KernelOps(LocalOps):
         if out.size:
             variant = self.variant("forward_finalize", run_name, dp)
             threads = variant.launch.threads
-            params = fwd_finalize_params(state.acc, state.m, state.l, out, lse)
-            self.function(variant.name)((cdiv(S * dp, threads), H, B), (threads,), (params,))
+            vec = FINALIZE_VEC if dp % FINALIZE_VEC == 0 and rows_on_16_bytes(state.acc, out) else 1
+            if S * dp // vec > I32_MAX:
+                raise ValueError(f"{S} x {dp} elements a head: beyond the finalize's int32 index")
+            params = fwd_finalize_params(state.acc, state.m, state.l, out, lse, vec)
+            self.function(variant.name)((cdiv(S * dp // vec, threads), H, B), (threads,), (params,))
         out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))
         if run_name != out_name:
             out = out.astype(out_dtype)
@@ -482,13 +488,13 @@ class KernelOps(LocalOps):
 
     # -- decode (kernels/flash_decode.cu; other dtypes: the array-module default) ---------------------
     def decode_partial(self, q, k_cache, v_cache, lengths, scale):
-        if _dtype_name(q) not in decode.KERNEL_DTYPES:
+        if dtype_name(q) not in decode.KERNEL_DTYPES:
             return super().decode_partial(q, k_cache, v_cache, lengths, scale)
         return decode.partial(self, q, k_cache, v_cache, lengths, scale)
 
     # -- argument checks and layout ----------------------------------------------------------------
     def _check_dtype(self, x, what: str) -> str:
-        name = _dtype_name(x)
+        name = dtype_name(x)
         if name not in _KERNEL_DTYPES:
             raise ValueError(f"{what} is {name}: the CUDA kernels take float16 or bfloat16 "
                              f"(use the NumPy ops for float32/float64)")
@@ -497,7 +503,7 @@ class KernelOps(LocalOps):
     def _check_kv(self, state: ForwardState, k, v) -> None:
         for name, x in (("k", k), ("v", v)):
             if self._check_dtype(x, name) != state.dtype:
-                raise ValueError(f"{name} is {_dtype_name(x)}, q is {state.dtype}")
+                raise ValueError(f"{name} is {dtype_name(x)}, q is {state.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"k has shape {tuple(k.shape)}, v {tuple(v.shape)}")
         B, _, H, _ = state.q.shape

@@ -48,10 +48,28 @@ def data_ptr(x) -> int:
     return int(ptr) if ptr is not None else int(x.__cuda_array_interface__["data"][0])
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(x) -> str:
+    """The name of x's dtype ("float16", "bfloat16", ...); memoized, as NumPy builds the string
+    anew on every `.name`."""
+    name = _DTYPE_NAMES.get(x.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
+    return name
+
+
 def element_strides(x) -> tuple[int, ...]:
     """Strides in elements."""
     itemsize = x.itemsize
     return tuple([s // itemsize for s in x.strides])
+
+
+def rows_on_16_bytes(*xs) -> bool:
+    """Whether every row (last dim) of each x starts on 16 bytes: an aligned first element and
+    other strides of whole 16-byte units (the kernels' uint4 / float4 accesses)."""
+    return all(data_ptr(x) % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1]) for x in xs)
 
 
 def vector_ready(xp, x):
@@ -190,7 +208,7 @@ FWD_STEP = CStruct("FwdStepParams", [
 FWD_FINALIZE = CStruct("FwdFinalizeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
-    ("lse_stride", STAT_STRIDES), ("S", "i32"), ("D", "i32")], templated=True)
+    ("lse_stride", STAT_STRIDES), ("S", "i32"), ("D", "i32"), ("vec", "i32")], templated=True)
 NONFINITE = CStruct("NonfiniteParams", [
     ("x", "ptr"), ("flag", "ptr"), ("x_stride", ROW_STRIDES), ("S", "i32"), ("D", "i32"),
     ("vec", "i32")], templated=True)
@@ -291,13 +309,13 @@ def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block
         blk=block_rect(block), H=heads, Hkv=kv_heads, scale_log2=scale_log2, n_tiles=n_tiles)
 
 
-def fwd_finalize_params(acc, m, l, out, lse) -> np.void:
+def fwd_finalize_params(acc, m, l, out, lse, vec: int) -> np.void:
     """FwdFinalizeParams: acc (B, S, H, D) float32, m, l (B, H, S) float32 sharing strides,
-    out (B, S, H, D), lse (B, H, S) float32."""
+    out (B, S, H, D), lse (B, H, S) float32; vec elements a thread (8 or 1)."""
     return FWD_FINALIZE.pack(
         acc=acc, m=m, l=l, out=out, lse=lse, acc_stride=_shared_strides(3, acc),
         out_stride=_shared_strides(3, out), ml_stride=_shared_strides(2, m, l),
-        lse_stride=_shared_strides(2, lse), S=acc.shape[1], D=acc.shape[3])
+        lse_stride=_shared_strides(2, lse), S=acc.shape[1], D=acc.shape[3], vec=vec)
 
 
 def nonfinite_params(x, flag, vec: int) -> np.void:

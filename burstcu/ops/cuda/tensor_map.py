@@ -44,6 +44,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .params import data_ptr, dtype_name
+
 BACKENDS = ("cupy", "emulated")
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 # swizzle name -> (CUtensorMapSwizzle value, bytes of the swizzle span; 0: none)
@@ -188,14 +190,6 @@ def _driver(ptr: int, dtype: str, dims: list[int], strides: list[int], box: list
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
-def data_pointer(x) -> int:
-    """The address of x's first element: a CuPy (any __cuda_array_interface__) or NumPy array."""
-    iface = getattr(x, "__cuda_array_interface__", None) or getattr(x, "__array_interface__", None)
-    if iface is None:
-        raise ValueError(f"{type(x).__name__} is not a CuPy or NumPy array")
-    return int(iface["data"][0])
-
-
 def tensor_map_4d_rows(backend: str, x, row_start: int, row_count: int, box_rows: int,
                        box_cols: int = 64, swizzle: str = "128B") -> np.ndarray:
     """The tensor map of rows [row_start, row_start + row_count) of a (B, S, H, D) array `x`.
@@ -205,18 +199,26 @@ def tensor_map_4d_rows(backend: str, x, row_start: int, row_count: int, box_rows
     (box_cols, box_rows, 1, 1): one load brings box_rows rows x box_cols columns of one (batch,
     head) at coordinates (column, row - row_start, head, batch); rows at or past row_count read as
     zeros. Raises ValueError for any other shape or layout, a row range outside x, or a map the
-    driver's rules refuse.
+    driver's rules refuse. Memoized with its checks by x's address, dtype, shape and strides (a
+    launch asks for three maps, mostly of buffers it met before).
     """
     if getattr(x, "ndim", None) != 4:
         raise ValueError(f"x must be a (B, S, H, D) array, not shape {getattr(x, 'shape', None)}")
-    B, S, H, D = (int(n) for n in x.shape)
-    dtype = np.dtype(x.dtype).name
+    return _rows_map(backend, data_ptr(x), dtype_name(x), tuple(x.shape), tuple(x.strides),
+                     operator.index(row_start), operator.index(row_count), box_rows, box_cols, swizzle)
+
+
+@functools.lru_cache(maxsize=ENCODED_MAPS)
+def _rows_map(backend: str, ptr: int, dtype: str, shape: tuple, strides_bytes: tuple, row_start: int,
+              row_count: int, box_rows: int, box_cols: int, swizzle: str) -> np.ndarray:
+    """tensor_map_4d_rows of the (B, S, H, D) array at `ptr` with these dtype, shape and byte
+    strides."""
+    B, S, H, D = (int(n) for n in shape)
     if dtype not in ELEM_BYTES:
         raise ValueError(f"x has dtype {dtype}: tensor maps here are for {', '.join(ELEM_BYTES)}")
     itemsize = ELEM_BYTES[dtype]
-    if x.strides[3] != itemsize and D > 1:
-        raise ValueError(f"x's last dim must be contiguous (stride {x.strides[3]} B, element {itemsize} B)")
-    row_start, row_count = operator.index(row_start), operator.index(row_count)
+    if strides_bytes[3] != itemsize and D > 1:
+        raise ValueError(f"x's last dim must be contiguous (stride {strides_bytes[3]} B, element {itemsize} B)")
     if row_start < 0 or row_count < 1 or row_start + row_count > S:
         raise ValueError(f"rows [{row_start}, {row_start + row_count}) are not a non-empty range of "
                          f"x's {S} rows")
@@ -225,13 +227,13 @@ def tensor_map_4d_rows(backend: str, x, row_start: int, row_count: int, box_rows
     # the 16 bytes the driver requires
     contiguous = (S * H * D * itemsize, H * D * itemsize, D * itemsize)
     strides = [-(-c // STRIDE_ALIGN) * STRIDE_ALIGN if n == 1 else int(s)
-               for n, s, c in zip((B, row_count, H), x.strides[:3], contiguous)]
+               for n, s, c in zip((B, row_count, H), strides_bytes[:3], contiguous)]
     if min(strides) < 0:
-        raise ValueError(f"x has a negative stride ({x.strides}): tensor maps need positive strides")
-    base = data_pointer(x) + row_start * int(x.strides[1])
+        raise ValueError(f"x has a negative stride ({strides_bytes}): tensor maps need positive strides")
+    base = ptr + row_start * int(strides_bytes[1])
     return tensor_map(backend, base, dtype, (D, row_count, H, B), (strides[1], strides[2], strides[0]),
                       (box_cols, box_rows, 1, 1), swizzle)
 
 
-__all__ = ["BACKENDS", "EMU_LAYOUT", "EMU_MAGIC", "SWIZZLES", "data_pointer", "tensor_map",
+__all__ = ["BACKENDS", "EMU_LAYOUT", "EMU_MAGIC", "SWIZZLES", "tensor_map",
            "tensor_map_4d_rows", "validate_tiled"]
