@@ -23,7 +23,7 @@
 # (kernels/flash_fwd_sm90.cu, compute capability 9.0 only): hopper (its kernel tests on the GPU and
 # the 4-rank loopback ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families,
 # torch flash and cuDNN in one run), hopper_memcheck, hopper_racecheck, hopper_profile (Nsight
-# Compute, --set full, over the Hopper kernel at d = 128, S = 16K, fp16, causal and not:
+# Compute, --set full, over the Hopper kernel at d = 128, S = $PROFILE_SEQLEN (16K), fp16, causal and not:
 # its details page as CSV in logs.tgz; the 19 MB report stays in /tmp/burstcu-sm90_profile.ncu-rep),
 # tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
 # CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
@@ -117,13 +117,13 @@ for s in "${steps[@]}"; do
              --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
     hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
              -k regex:flash_fwd_step_sm90 -c 8 -f -o /tmp/burstcu-sm90_profile $PY bench/gpu/kernel_speed.py \
-             --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 --seqlens 16384 \
-             --warmup 0 --repeats 1 && ncu -i /tmp/burstcu-sm90_profile.ncu-rep --page details --csv \
+             --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 \
+             --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 && ncu -i /tmp/burstcu-sm90_profile.ncu-rep --page details --csv \
              > $LOGS/sm90_profile_details.csv" ;;
     small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
              --print-units base --log-file "$LOGS/small_parts.csv" $PY bench/gpu/kernel_speed.py \
              --archs sm_90a --passes fwd --impls kernels torch-flash torch-cudnn --dtypes float16 \
-             --headdims 128 --seqlens 1024 2048 16384 --warmup 1 --repeats 2 ;;
+             --headdims 128 --seqlens 1024 2048 4096 16384 --warmup 1 --repeats 2 ;;
     host_profile) step host_profile 120 bash -c "$PY -m cProfile -o /tmp/burstcu-host.prof \
              bench/gpu/kernel_speed.py --archs sm_90a --passes fwd --impls kernels --dtypes float16 \
              --headdims 128 --seqlens 1024 16384 --repeats 100 && $PY -c 'import pstats, sys
