@@ -97,11 +97,19 @@ finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
     run4 (bench/results/h200/run4): the tile search put a third K/V stage at d = 128 ahead, the
       step alone 1.12x (fp16, 16K: 524 against 467 TFLOP/s) to 1.19x (4K); the table now has it.
       Nsight Compute: tensor pipe 54% busy (35% in the first version), 1.22e9 instructions. At
-      S = 1K (B = 16, d = 128) the step took 401 us (torch flash 417, cuDNN 233) and the finalize
-      183 us, one thread an element at 1.1 TB/s (a quarter of the call): in a short call the step
-      kernel is near torch flash, and the finalize now moves 8 elements a thread (flash_fwd.cu).
-NEXT (in order of the expected gain): skip reading and zeroing acc on a state's first fold (a
-fresh state is all zeros); BLOCK_N = 176 at d = 128; the O rescale only when a row's max moved.
+      S = 1K (B = 16, d = 128) the finalize took 183 us beside the step's 401 (one thread an
+      element at 1.1 TB/s); it now moves 8 elements a thread (flash_fwd.cu): 47 us.
+    run6 (3 stages at d = 128, the finalize 8-wide, less host work a call), d = 128 fp16 / bf16:
+      S      whole call TFLOP/s   vs torch flash   vs cuDNN      step kernel alone (ncu, fp16)
+      4K     462 / 485            1.34 / 1.43x     0.76 / 0.77x  1008 us: 1.54x flash, 0.84x cuDNN
+      8K     544 / 571            1.60 / 1.62x     0.86 / 0.86x
+      16K    591 / 611            1.74 / 1.71x     0.94 / 0.91x  3521 us: 1.73x flash, 0.94x cuDNN
+      causal 16K 468 / 521 (1.47 / 1.63x flash); the step alone 1.83x flash, 0.96x cuDNN.
+    The target (1.6x torch flash at S >= 4K) holds from 8K up; at 4K the step kernel reaches
+    1.54x but a call spends ~0.18 ms beside it (the finalize, zeroing the state, host gaps).
+NEXT (in order of the expected gain): a call that is one fold writes out and lse itself (no fp32
+state zeroed, read, written and finalized: ~0.15 ms at 4K); BLOCK_N = 176 at d = 128; S <= 2K
+(the step alone 0.6-0.7x cuDNN: per-tile prologue and epilogue over 8-16 key tiles).
 */
 
 #include "hopper.cuh"
