@@ -541,9 +541,9 @@ flash_any_nonfinite(const __grid_constant__ NonfiniteParams<T> p) {
    grid (ceil(S * D / vec / 256), H, B), block 256: `vec` consecutive elements of one row a thread
    (memory bound: 4 + sizeof(T) bytes an element). vec = 8 where D % 8 == 0 and every row of acc
    and out starts on 16 bytes: two float4 loads of acc and 16 bytes of out a thread (one uint4 of
-   16-bit T, two float4 of float); else 1. The row comes from one 32-bit division (S * D / vec <
-   2^31). One thread an element ran 183 us over 2^25 elements on an H200 (1.1 TB/s,
-   bench/results/h200/run4: small_parts). */
+   16-bit T, two float4 of float); else 1. The row comes from one 32-bit division where S * D /
+   vec < 2^31, a 64-bit one beyond. One thread an element ran 183 us over 2^25 elements on an
+   H200 (1.1 TB/s, bench/results/h200/run4: small_parts), 8 a thread 47 us (run5). */
 template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float (&v)[8]) {
   if constexpr (sizeof(T) == 4) {
@@ -572,9 +572,17 @@ flash_fwd_finalize(const __grid_constant__ FwdFinalizeParams<T> p) {
 
   const int h = blockIdx.y, b = blockIdx.z;
   const int chunks = D / vec;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= S * chunks) return;
-  const int s = i / chunks, d = (i - s * chunks) * vec;
+  const long long n = (long long)S * chunks;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int s, d;
+  if (n <= 0x7fffffffLL) {  // the usual case, one 32-bit division (the branch is uniform)
+    s = (int)i / chunks;
+    d = ((int)i - s * chunks) * vec;
+  } else {
+    s = (int)(i / chunks);
+    d = (int)(i - (long long)s * chunks) * vec;
+  }
   const float lv = l[b * ml_sb + h * ml_sh + s];
   const float* src = acc + b * acc_sb + s * acc_sr + h * acc_sh + d;
   T* dst = out + b * out_sb + s * out_sr + h * out_sh + d;

@@ -219,10 +219,17 @@ def test_scale_and_float32_out(ops):
 
 @pytest.mark.parametrize("out_dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("rows_aligned", [True, False], ids=["8-wide", "1-wide"])
-def test_finalize_divides_every_row(ops, out_dtype, rows_aligned):
+def test_finalize_divides_every_row(ops, out_dtype, rows_aligned, monkeypatch):
     """flash_fwd_finalize on a state written here: out = acc / l rounded once to out_dtype, lse =
     (m + log2 l) ln 2; a row with l = 0 gives 0 and -inf, a row with l NaN gives NaN. Rows on 16
-    bytes take the 8-elements-a-thread path, acc shifted by one float the 1-wide one."""
+    bytes take the 8-elements-a-thread path, acc shifted by one float (on the device) the 1-wide
+    one."""
+    from burstcu.ops.cuda import kernel_ops as kernel_ops_module
+
+    widths = []
+    packer = kernel_ops_module.fwd_finalize_params
+    monkeypatch.setattr(kernel_ops_module, "fwd_finalize_params",
+                        lambda *a: widths.append(a[-1]) or packer(*a))
     B, S, H, D = 2, 37, 3, 64
     rng = np.random.default_rng(21)
     q = rng.standard_normal((B, S, H, D)).astype(np.float16)
@@ -232,11 +239,12 @@ def test_finalize_divides_every_row(ops, out_dtype, rows_aligned):
     l = rng.uniform(0.5, 40.0, (B, H, S)).astype(np.float32)
     l[0, 1, 5] = 0.0
     l[1, 2, 7] = np.nan
-    buf = np.zeros(acc.size + 1, np.float32)
-    shifted = buf[1:].reshape(acc.shape) if not rows_aligned else buf[:-1].reshape(acc.shape)
-    shifted[...] = acc
-    state.acc, state.m, state.l = (ops.to_device(x) for x in (shifted, m, l))
+    buf = ops.to_device(np.zeros(acc.size + 1, np.float32))   # the shift made where acc lives
+    shifted = (buf[:-1] if rows_aligned else buf[1:]).reshape(acc.shape)
+    shifted[...] = ops.to_device(acc)
+    state.acc, state.m, state.l = shifted, ops.to_device(m), ops.to_device(l)
     out, lse = ops.forward_finalize(state, out_dtype)
+    assert widths == [8 if rows_aligned else 1]
     assert out.shape == (B, S, H, D) and lse.shape == (B, H, S)
     l_rows = l.astype(np.float64).transpose(0, 2, 1)[..., None]      # (B, S, H, 1)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -121,12 +121,14 @@ def test_windows(ops, block):
     check(ops, "bfloat16", q, k, v, [block])
 
 
-def test_many_tiles_per_block_and_randomized_order():
+@pytest.mark.parametrize("d", [64, 128])
+def test_many_tiles_per_block_and_randomized_order(d):
     """More tiles than persistent blocks (each block runs several, its barrier phases carrying
     over), with the emulator's shuffled thread and block order and copies landing at random
-    points: a missing barrier or a phase error shows as a wrong result or a reported error."""
+    points: a missing barrier or a phase error shows as a wrong result or a reported error.
+    Up to 4 key tiles a query tile: the ring of 3 K/V stages (d = 64 and 128) wraps."""
     ops = kernel_ops(arch="sm_90a", randomize=True)
-    q, k, v = make("float16", 2, 300, 400, 3, 1, 64, seed=11)
+    q, k, v = make("float16", 2, 300, 400, 3, 1, d, seed=11)
     check(ops, "float16", q, k, v, [Block(0, 300, 0, 400, 100, 0, True)])
 
 

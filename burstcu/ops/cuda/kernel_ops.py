@@ -464,8 +464,6 @@ class KernelOps(LocalOps):
             variant = self.variant("forward_finalize", run_name, dp)
             threads = variant.launch.threads
             vec = FINALIZE_VEC if dp % FINALIZE_VEC == 0 and rows_on_16_bytes(state.acc, out) else 1
-            if S * dp // vec > I32_MAX:
-                raise ValueError(f"{S} x {dp} elements a head: beyond the finalize's int32 index")
             params = fwd_finalize_params(state.acc, state.m, state.l, out, lse, vec)
             self.function(variant.name)((cdiv(S * dp // vec, threads), H, B), (threads,), (params,))
         out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))

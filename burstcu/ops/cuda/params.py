@@ -67,9 +67,11 @@ def element_strides(x) -> tuple[int, ...]:
 
 
 def rows_on_16_bytes(*xs) -> bool:
-    """Whether every row (last dim) of each x starts on 16 bytes: an aligned first element and
-    other strides of whole 16-byte units (the kernels' uint4 / float4 accesses)."""
-    return all(data_ptr(x) % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1]) for x in xs)
+    """Whether every row (last dim) of each x is contiguous and starts on 16 bytes: a unit last
+    stride, an aligned first element and other strides of whole 16-byte units (the kernels'
+    uint4 / float4 accesses)."""
+    return all(x.strides[-1] == x.itemsize and data_ptr(x) % 16 == 0
+               and all(st % 16 == 0 for st in x.strides[:-1]) for x in xs)
 
 
 def vector_ready(xp, x):
