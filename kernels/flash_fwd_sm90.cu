@@ -24,7 +24,9 @@ the tensor cores, following FlashAttention-3:
   * the two consumers take turns issuing their GEMMs (named barriers 1 and 2, "ping-pong"), so
     that one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores;
   * tiles (query block, head, batch) are handed out round-robin over the persistent grid, query
-    blocks with the most keys first when the rectangle has a causal or window bound.
+    blocks with the most keys first when the rectangle has a causal or window bound, a group of
+    p.hb_group (batch, head) pairs at a time (tile_coord; KernelOps.sm90_head_group, all pairs
+    unless set).
 
 PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
     producer:  Q -> [q_full]      K_j -> [k_full[s]]  V_j -> [v_full[s]]   waits [kv_empty[s]]
@@ -107,9 +109,14 @@ finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
       causal 16K 468 / 521 (1.47 / 1.63x flash); the step alone 1.83x flash, 0.96x cuDNN.
     The target (1.6x torch flash at S >= 4K) holds from 8K up; at 4K the step kernel reaches
     1.54x but a call spends ~0.18 ms beside it (the finalize, zeroing the state, host gaps).
-NEXT (in order of the expected gain): a call that is one fold writes out and lse itself (no fp32
-state zeroed, read, written and finalized: ~0.15 ms at 4K); BLOCK_N = 176 at d = 128; S <= 2K
-(the step alone 0.6-0.7x cuDNN: per-tile prologue and epilogue over 8-16 key tiles).
+    run6's profile at S = 4K (B = 4, H = 16): 38% L2 hits and 51% of DRAM's bandwidth, about 2.4
+      GB moved for ~0.37 GB of inputs and state: with every (batch, head) pair's first query
+      blocks running at once, 132 tiles read the K/V of 64 pairs (128 MB, beyond the 50 MB L2),
+      two tiles of each. PREDICTION: taking the tiles a few pairs at a time (hb_group 2-8, run.sh
+      head_groups) keeps a pair's K/V in L2 for its 32 query blocks.
+NEXT (in order of the expected gain): the head groups above, measured; a call that is one fold
+writes out and lse itself (no fp32 state zeroed, read, written and finalized: ~0.15 ms at 4K);
+BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN).
 */
 
 #include "hopper.cuh"
@@ -228,7 +235,14 @@ __device__ __forceinline__ void clean_v_tile(unsigned char* tile, u32* nf, int p
 __device__ __forceinline__ void tile_coord(const FwdStepSm90Params& p, int t, int& mb, int& h, int& b) {
   const int n_mb = (p.blk.q_len + kBlockM - 1) / kBlockM;
   const int hb_count = p.n_tiles / max(1, n_mb);
-  const int i = t / hb_count, hb = t - i * hb_count;
+  // groups of p.hb_group (batch, head) pairs one after another (the last may be smaller); within
+  // a group the query blocks slowest and the pairs fastest. One group (hb_group = H x B): all
+  // pairs' first query blocks, then all pairs' second ones, ...
+  const int group_tiles = p.hb_group * n_mb;
+  const int g = t / group_tiles;
+  const int in_group = min(p.hb_group, hb_count - g * p.hb_group);
+  const int u = t - g * group_tiles;
+  const int i = u / in_group, hb = g * p.hb_group + (u - i * in_group);
   mb = p.blk.hi < (1 << 29) ? n_mb - 1 - i : i;
   h = hb % p.H;
   b = hb / p.H;

@@ -109,6 +109,7 @@ struct FwdStepSm90Params {
   int H, Hkv;             // query heads, kv heads (GQA)
   float scale_log2;       // softmax_scale * log2(e)
   int n_tiles;            // (query tiles of BLOCK_M rows) x H x B: the persistent grid's work
+  int hb_group;           // (batch, head) pairs whose tiles go out together (H x B: one group)
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.

@@ -274,6 +274,9 @@ def main(argv=None) -> int:
                    help="also causal sliding windows (W, 0), burstcu only")
     p.add_argument("--archs", nargs="*", default=[],
                    help="kernel tables for the kernels rows (e.g. sm_90a sm_80); default: the device's")
+    p.add_argument("--sm90-head-group", type=int, default=None,
+                   help="(batch, head) pairs whose tiles the Hopper kernel's grid takes together "
+                        "(KernelOps.sm90_head_group; default: all)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
 
@@ -288,6 +291,8 @@ def main(argv=None) -> int:
     from burstcu.ops.cuda.kernel_ops import KernelOps
     ops_by_arch = {arch: KernelOps("cupy", arch=arch) for arch in args.archs} or {None: KernelOps("cupy")}
     ops_by_arch = {ops.arch: ops for ops in ops_by_arch.values()}
+    for ops in ops_by_arch.values():
+        ops.sm90_head_group = args.sm90_head_group
     env = versions()
     progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")
     rows = []

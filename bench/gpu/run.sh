@@ -34,6 +34,9 @@
 # 16K, d = 128, ours against torch's flash and cuDNN: where the time of a short call goes.
 # host_profile: cProfile over kernel_speed's calls of the Hopper kernel (d = 128 fp16, S = 1K and
 # 16K), the functions by own time and burstcu's by cumulative time: where a call's host time goes.
+# head_groups: the Hopper kernel at d = 128 with its tiles taken a group of (batch, head) pairs at a
+# time (KernelOps.sm90_head_group: 2, 4, 8, 16, against 0 = all pairs at once, the default): at
+# S = 4K run6's profile read 38% L2 hits and 51% of DRAM's bandwidth with all pairs at once.
 # The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
 # encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
 # Reports (JSON, PNG) go to $OUT; each
@@ -130,6 +133,10 @@ for s in "${steps[@]}"; do
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
+    head_groups) step head_groups 240 bash -c "for g in 0 2 4 8 16; do $PY bench/gpu/kernel_speed.py \
+             --archs sm_90a --passes fwd --impls kernels --headdims 128 --seqlens 2048 4096 16384 \
+             \$( [ \$g = 0 ] || echo --sm90-head-group \$g ) --json $LOGS/head_group_\$g.json \
+             --table $LOGS/head_group_\$g.txt || exit 1; done; tail -n 13 $LOGS/head_group_*.txt" ;;
     kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 
+import numpy as np
 import pytest
 
 from burstcu.build.variants import kernel_dir
@@ -97,6 +98,24 @@ def test_ragged_and_gqa(ops, causal):
     q, k, v = make("bfloat16", 2, 200, 333, 4, 2, 128, seed=3)
     blocks = [Block(7, 150, 5, 301, 100, 90, causal), Block(170, 30, 0, 333, 500, 0, causal)]
     check(ops, "bfloat16", q, k, v, blocks)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_tiles_a_group_of_heads_at_a_time(group):
+    """KernelOps.sm90_head_group: the grid takes the tiles of `group` (batch, head) pairs before
+    the next pairs' (2 x 3 = 6 pairs: groups of 1, or of 4 then 2). Every tile runs exactly once,
+    and gives the bits it gives in the default order (all pairs at once), under a causal bound
+    (longest query blocks first within each group)."""
+    from tests.kernels.test_flash_fwd_emulated import run_kernel
+
+    ops = kernel_ops(arch="sm_90a")
+    q, k, v = make("float16", 2, 300, 260, 3, 1, 64, seed=12)
+    blocks = [Block(0, 300, 0, 260, 40, 0, True)]
+    default = run_kernel(ops, q, k, v, [(k, v, blocks)])
+    ops.ops.sm90_head_group = group
+    check(ops, "float16", q, k, v, blocks)
+    grouped = run_kernel(ops, q, k, v, [(k, v, blocks)])
+    assert all(np.array_equal(a, b) for a, b in zip(default, grouped))
 
 
 def test_state_across_calls_and_two_blocks_one_step(ops):

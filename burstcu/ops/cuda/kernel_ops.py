@@ -133,6 +133,10 @@ class KernelOps(LocalOps):
         if self.device == "cuda":                  # CuPy arrays have no bfloat16
             self.array_dtypes = ("float16", "float32", "float64")
         self.first_use_check = self.device == "cuda"  # see _sm90_checked
+        # (batch, head) pairs whose query tiles the Hopper kernel's grid takes together before the
+        # next pairs' (fewer pairs at once share their K/V tiles in L2); None: all of them (the
+        # order measured in bench/results/h200). bench/gpu/kernel_speed.py --sm90-head-group.
+        self.sm90_head_group: int | None = None
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
@@ -447,9 +451,10 @@ class KernelOps(LocalOps):
         k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)
         v_map = tensor_map_4d_rows(self.backend, vp, blk.k_start, blk.k_len, cfg.block_n)
         n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
+        hb_group = min(self.sm90_head_group or H * B, H * B)
         params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
-                                      state.scale * _LOG2E, n_tiles)
+                                      state.scale * _LOG2E, n_tiles, hb_group)
         self.launch_step(variant, (min(n_tiles, self.sm_count),), params, blk.masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:

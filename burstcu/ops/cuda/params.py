@@ -227,7 +227,8 @@ BWD_STEP = CStruct("BwdStepParams", [
 FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("q_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
-    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32")])
+    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32"),
+    ("hb_group", "i32")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
                  BWD_DELTA, BWD_STEP, FWD_STEP_SM90)
@@ -301,14 +302,16 @@ def step_groups(xp, blocks: Sequence[Block], block_m: int) -> StepGroups:
 
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
-                         kv_heads: int, scale_log2: float, n_tiles: int) -> np.void:
+                         kv_heads: int, scale_log2: float, n_tiles: int, hb_group: int) -> np.void:
     """FwdStepSm90Params: the tensor maps of q's and k's, v's rows in the block (128 uint8 each,
     `burstcu.ops.cuda.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
-    strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch."""
+    strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch; hb_group
+    the (batch, head) pairs whose tiles the grid takes together (1 .. H x B)."""
     return FWD_STEP_SM90.pack(
         q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
-        blk=block_rect(block), H=heads, Hkv=kv_heads, scale_log2=scale_log2, n_tiles=n_tiles)
+        blk=block_rect(block), H=heads, Hkv=kv_heads, scale_log2=scale_log2, n_tiles=n_tiles,
+        hb_group=hb_group)
 
 
 def fwd_finalize_params(acc, m, l, out, lse, vec: int) -> np.void:
