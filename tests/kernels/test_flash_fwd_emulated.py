@@ -249,7 +249,8 @@ def test_finalize_divides_every_row(ops, out_dtype, rows_aligned, monkeypatch):
     l_rows = l.astype(np.float64).transpose(0, 2, 1)[..., None]      # (B, S, H, 1)
     with np.errstate(invalid="ignore", divide="ignore"):
         ref = np.where(l_rows == 0, 0.0, acc.astype(np.float64) / l_rows)
-        ref_lse = np.where(l == 0, -np.inf, (m.astype(np.float64) + np.log2(l.astype(np.float64))) * math.log(2))
+        ref_lse = np.where(l == 0, -np.inf,
+                           (m.astype(np.float64) + np.log2(l.astype(np.float64))) * math.log(2))
     got = out.astype(np.float64)
     nan_rows = np.isnan(ref)
     assert np.array_equal(np.isnan(got), nan_rows)

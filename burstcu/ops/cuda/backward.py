@@ -62,7 +62,7 @@ def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
     """ValueError unless q, dout, lse, delta, dq and blocks fit each other and ctx."""
     for name, x in (("q", q), ("dout", dout)):
         if _kernel_dtype(x) != ctx.dtype:
-            raise ValueError(f"{name} is {np.dtype(x.dtype).name}, k was {ctx.dtype}")
+            raise ValueError(f"{name} is {dtype_name(x)}, k was {ctx.dtype}")
     B, Sq, H, D = q.shape
     _, Sk, Hkv, _ = ctx.k.shape
     if D != ctx.headdim or H % Hkv or tuple(dout.shape) != tuple(q.shape):

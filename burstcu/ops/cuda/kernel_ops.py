@@ -28,7 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.fwd_variants import FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, careful_twin, nonfinite_flag_variant
+from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, careful_twin,
+                                  nonfinite_flag_variant)
 from ...build import all_variants
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
@@ -451,7 +452,7 @@ class KernelOps(LocalOps):
         k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)
         v_map = tensor_map_4d_rows(self.backend, vp, blk.k_start, blk.k_len, cfg.block_n)
         n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
-        hb_group = min(self.sm90_head_group or H * B, H * B)
+        hb_group = max(1, min(self.sm90_head_group or H * B, H * B))
         params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
                                       state.scale * _LOG2E, n_tiles, hb_group)

@@ -218,7 +218,8 @@ def _rows_map(backend: str, ptr: int, dtype: str, shape: tuple, strides_bytes: t
         raise ValueError(f"x has dtype {dtype}: tensor maps here are for {', '.join(ELEM_BYTES)}")
     itemsize = ELEM_BYTES[dtype]
     if strides_bytes[3] != itemsize and D > 1:
-        raise ValueError(f"x's last dim must be contiguous (stride {strides_bytes[3]} B, element {itemsize} B)")
+        raise ValueError(f"x's last dim must be contiguous (stride {strides_bytes[3]} B, element "
+                         f"{itemsize} B)")
     if row_start < 0 or row_count < 1 or row_start + row_count > S:
         raise ValueError(f"rows [{row_start}, {row_start + row_count}) are not a non-empty range of "
                          f"x's {S} rows")
