@@ -1,29 +1,13 @@
-"""One-rank CPU attention, forward and backward: burstcu's NumPy op against PyTorch's CPU
-`scaled_dot_product_attention` (and a naive NumPy forward) — same shapes, threads and run.
+"""Where one rank's time goes on the CPU: burstcu's NumPy op, forward and backward, against
+PyTorch's CPU scaled_dot_product_attention (and a naive NumPy forward), same shapes and threads.
+For each (threads, seqlen, mask) burstcu and torch run interleaved, one repetition of each in
+turn after a warm-up, so a slow spell hits both alike (medians; the naive run comes after, its
+BLAS threads spin on). BLAS and torch are held to the same thread count. The header names the
+BLAS kernels NumPy's OpenBLAS runs and prints `blas_advice()` when faster ones would run; per
+row: seconds, GFLOP/s (4BHS^2D forward, 2.5x backward, halved when causal) and time / torch's.
 
     python bench/cpu/local_op.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
-                                 [--heads 8] [--headdim 64] [--batch 1] [--repeats 5]
-                                 [--no-backward] [--naive-max 1024] [--score-std 1]
-                                 [--json FILE] [--plot FILE]
-
-For each (threads, seqlen, mask) burstcu and torch run interleaved — one repetition of each in
-turn, --repeats times, after one warm-up each — so a slow spell of the machine hits them alike;
-times are medians. The naive forward runs after them: OpenBLAS's threads spin on for a while
-after it and would slow whatever came next. BLAS and torch are held to the same thread count
-(threadpoolctl, torch.set_num_threads) and burstcu runs a group of one process, as `group=None`
-gives, with its NumPy op on that many threads. Inputs q, k, v, dout: (batch, seqlen, heads,
-headdim) float32, converted to torch's (batch, heads, seqlen, headdim) outside the timed region.
-Backward: burstcu.attention_backward against SDPA's backward alone (torch.autograd.grad of the
-SDPA output for the same dout, graph kept between repetitions). Inputs are standard normal, so
-the scores (softmax_scale * q.k) have std 1; --score-std X scales q to make it X (a trained
-model's attention is more peaked).
-
-Most of burstcu's time is BLAS matmuls, so the header names the kernels NumPy's OpenBLAS runs
-(OPENBLAS_CORETYPE, set in the environment, overrides its choice) and prints
-`burstcu.ops.numpy.blas_advice()` when faster ones would run. Per row: seconds, GFLOP/s
-(4*B*H*S^2*D forward, 2.5 times that backward, halved when causal) and `time_vs_torch`
-(burstcu's or the naive time over torch's). Progress on stderr; --plot draws burstcu's time over
-torch's per configuration.
+        [--repeats 5] [--score-std 1] [--naive-max 1024] [--json F] [--plot F]
 """
 
 from __future__ import annotations
@@ -33,10 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-# torch's OpenMP threads (libgomp) otherwise spin for a while after each call and take a core
-# from whatever runs next — here the other implementation, interleaved. Passive waiting leaves
-# torch's own times as they are (within 2%, each configuration measured both ways) and must be
-# set before libgomp loads. An explicit setting is kept.
+# torch's OpenMP threads otherwise spin after each call and take a core from the next (the
+# other implementation, interleaved); must be set before libgomp loads
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
@@ -51,51 +33,19 @@ from burstcu.transport.base import SelfTransport  # noqa: E402
 
 
 def naive_numpy(q, k, v, causal: bool):
-    """Full score matrix, explicit softmax: (B, S, H, D) in, (B, S, H, D) out, O(S^2) memory."""
+    """Full score matrix, explicit softmax: (B, S, H, D) in and out, O(S^2) memory."""
     s = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(q.shape[-1])
     if causal:
-        n = q.shape[1]
-        s = np.where(np.tri(n, dtype=bool), s, -np.inf)
+        s = np.where(np.tri(q.shape[1], dtype=bool), s, -np.inf)
     s = np.exp(s - s.max(axis=-1, keepdims=True))
-    s /= s.sum(axis=-1, keepdims=True)
-    return np.einsum("bhij,bjhd->bihd", s, v)
-
-
-def torch_runs(torch, q, k, v, dout, causal: bool, backward: bool) -> dict:
-    """{(pass, "torch sdpa"): callable} on (B, H, S, D) copies of the inputs; {} without torch."""
-    if torch is None:
-        return {}
-    import torch.nn.functional as F
-    tq, tk, tv, tdo = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
-                       for x in (q, k, v, dout))
-
-    def forward():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-    runs = {("forward", "torch sdpa"): forward}
-    if backward:
-        leaves = [x.clone().requires_grad_() for x in (tq, tk, tv)]
-        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-        runs[("backward", "torch sdpa")] = lambda: torch.autograd.grad(out, leaves, tdo, retain_graph=True)
-    return runs
-
-
-def interleaved(runs: dict, repeats: int) -> dict:
-    """{key: [seconds, ...]}: one warm-up of each run, then `repeats` rounds timing each once."""
-    for fn in runs.values():
-        fn()   # first-touch allocations, thread pools, BLAS buffers
-    times = {key: [] for key in runs}
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            times[key] += C.call_seconds(fn, 1, warmup=0)
-    return times
+    return np.einsum("bhij,bjhd->bihd", s / s.sum(axis=-1, keepdims=True), v)
 
 
 def bench_config(args, torch, threads: int, seqlen: int, causal: bool) -> list[dict]:
     """The rows of one (threads, seqlen, mask): each implementation and pass, median seconds."""
     rng = np.random.default_rng(0)
-    shape = (args.batch, seqlen, args.heads, args.headdim)
-    q, k, v, dout = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    q, k, v, dout = (rng.standard_normal((args.batch, seqlen, args.heads, args.headdim),
+                                         dtype=np.float32) for _ in range(4))
     q *= np.float32(args.score_std)
     group = burstcu.Group(0, 1, "numpy", SelfTransport(), NumpyOps(threads=threads))
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
@@ -103,11 +53,27 @@ def bench_config(args, torch, threads: int, seqlen: int, causal: bool) -> list[d
     if not args.no_backward:
         runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
             dout, q, k, v, out, lse, group, causal=causal)
-    runs.update(torch_runs(torch, q, k, v, dout, causal, not args.no_backward))
-    times = interleaved(runs, args.repeats)
-    if seqlen <= args.naive_max:   # after, not among them: its BLAS threads spin on after it
-        times.update(interleaved({("forward", "naive numpy"): lambda: naive_numpy(q, k, v, causal)},
-                                 args.repeats))
+    if torch is not None:   # (B, H, S, D) copies; backward: autograd.grad of the kept graph
+        F = torch.nn.functional
+        tq, tk, tv, tdo = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+                           for x in (q, k, v, dout))
+        sdpa = torch.no_grad()(F.scaled_dot_product_attention)
+        runs[("forward", "torch sdpa")] = lambda: sdpa(tq, tk, tv, is_causal=causal)
+        if not args.no_backward:
+            leaves = [x.clone().requires_grad_() for x in (tq, tk, tv)]
+            tout = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+            runs[("backward", "torch sdpa")] = lambda: torch.autograd.grad(tout, leaves, tdo,
+                                                                           retain_graph=True)
+    if seqlen <= args.naive_max:
+        runs[("forward", "naive numpy")] = lambda: naive_numpy(q, k, v, causal)
+    times = {key: [] for key in runs}
+    naive = [k for k in runs if k[1] == "naive numpy"]   # after the others: its BLAS threads spin on
+    for group_keys in ([k for k in runs if k not in naive], naive):
+        for key in group_keys:
+            runs[key]()   # warm-up: first-touch allocations, thread pools, BLAS buffers
+        for _ in range(args.repeats):
+            for key in group_keys:
+                times[key] += C.call_seconds(runs[key], 1, warmup=0)
     group.close()
     flops = 4 * args.batch * args.heads * seqlen * seqlen * args.headdim * (0.5 if causal else 1)
     rows = []
@@ -122,15 +88,13 @@ def bench_config(args, torch, threads: int, seqlen: int, causal: bool) -> list[d
 
 def plot(rows: list, path: str) -> None:
     """burstcu's time over torch's per configuration, forward and backward, with the 1.0 line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = C.pyplot()
     mine = [r for r in rows if r["impl"] == "burstcu" and r["time_vs_torch"] is not None]
     labels = sorted({(r["threads"], r["seqlen"], r["mask"]) for r in mine})
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)) + 1.5, 4))
     for i, pass_ in enumerate(("forward", "backward")):
-        ratio = {(r["threads"], r["seqlen"], r["mask"]): r["time_vs_torch"] for r in mine if r["pass"] == pass_}
+        ratio = {(r["threads"], r["seqlen"], r["mask"]): r["time_vs_torch"]
+                 for r in mine if r["pass"] == pass_}
         shown = [(j + (i - 0.5) * 0.4, key) for j, key in enumerate(labels) if key in ratio]
         ax.bar([x for x, _ in shown], [ratio[key] for _, key in shown], 0.4, label=pass_)
     ax.axhline(1.0, color="k", linewidth=0.8)
@@ -138,15 +102,13 @@ def plot(rows: list, path: str) -> None:
     ax.set_ylabel("burstcu time / torch SDPA time")
     ax.set_title("one rank on the CPU, float32: below 1 is faster than torch")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    C.save(fig, path, dpi=120)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="one-rank CPU attention forward and backward: burstcu vs torch SDPA")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="BLAS, torch and burstcu threads (default: 1 and all cores)")
+    p.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all cores")
     p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"])
     p.add_argument("--causal", action="store_true", help="the same as --masks causal")
     p.add_argument("--heads", type=int, default=8)
@@ -159,7 +121,6 @@ def main(argv=None):
     p.add_argument("--json", default="bench/out/local_op.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    masks = ["causal"] if args.causal else args.masks
     threads_list = args.threads or sorted({1, os.cpu_count() or 1})
     try:
         import torch
@@ -167,15 +128,14 @@ def main(argv=None):
         torch = None
     env = C.environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
-    rows = []
-    torch_threads = None if torch is None else torch.get_num_threads()
+    rows, torch_threads = [], None if torch is None else torch.get_num_threads()
     try:
         for threads in threads_list:
             if torch is not None:
                 torch.set_num_threads(threads)
             with threadpool_limits(limits=threads):
                 for seqlen in args.seqlen:
-                    for mask in masks:
+                    for mask in ["causal"] if args.causal else args.masks:
                         C.progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
                         rows += bench_config(args, torch, threads, seqlen, mask == "causal")
     finally:
@@ -184,12 +144,11 @@ def main(argv=None):
     cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
     coretype = os.environ.get("OPENBLAS_CORETYPE")
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "
-          f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on the CPU "
-          f"(NumPy's OpenBLAS: {'/'.join(cores) or 'not found'} kernels"
+          f"score std {args.score_std:g}, median of {args.repeats} interleaved repetitions, measured on "
+          f"the CPU (NumPy's OpenBLAS: {'/'.join(cores) or 'not found'} kernels"
           f"{', OPENBLAS_CORETYPE=' + coretype if coretype else ''})")
-    advice = blas_advice()
-    if advice:
-        print(f"note: {advice}")
+    if blas_advice():
+        print(f"note: {blas_advice()}")
     print(C.table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
     C.write_json(args.json, {"config": vars(args), "environment": env, "results": rows})
     print(f"wrote {args.json}")

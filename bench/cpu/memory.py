@@ -1,27 +1,9 @@
-"""Activation memory per rank: the peak bytes a forward and a backward pass allocate on top of
-what was live before the call, per strategy, beside the paper's formula.
+"""Activation memory per rank: the peak bytes a forward and a backward pass allocate above what was
+live before the call, per strategy, beside the paper's formula (bench/README.md explains the terms).
+Measured with tracemalloc on the CPU (MPI's own buffers are not counted), the CuPy pool's high
+water mark with --backend cupy.
 
-    mpiexec -n G python bench/cpu/memory.py [--seqlen N] [--heads H] [--headdim D] [--json FILE]
-
-Measured: on the CPU, `tracemalloc` (NumPy reports its data buffers to it) — peak traced bytes
-during the call minus traced bytes before it; inputs, and for the backward pass out and lse, are
-live before and so not counted. MPI's own buffers (MPICH shared memory) are not Python
-allocations and are not counted. On a GPU (backend cupy), the CuPy memory pool's total bytes
-after the call with the pool emptied before (the pool keeps freed blocks, so this is its high
-water mark); guarded, never imported on the CPU.
-
-The paper's activation memory per device (BurstAttention, Table "memory overhead") is
-
-    4 B Z N d / G  +  B Z N^2 / ((M/4d)^2 G^2)  +  B N H / G          (elements)
-
-Q, K, V, O of the local shard; one SRAM tile of scores per head (tile side M/4d); the rest of
-the layer's hidden activations (H = hidden size, outside attention: not part of this call, left
-out). Here the tile is the NumPy backend's (tile_q x tile_k) score tile in the accumulation dtype,
-so the second term is B H tile_q tile_k. The paper's table has no term for the double buffers
-(its text notes they double the K/V memory during the ring) nor for the all-gather's whole-
-sequence K, V; they are listed as the strategy's buffer term, and the sum of the three is the
-"formula" column. Measured exceeds it by the implementation's working copies (heads-major K/V in
-fp32, a scaled copy of Q, the fp32 output accumulator, dQ/dK/dV accumulators), each O(S d).
+    mpiexec -n G python bench/cpu/memory.py [--seqlen N] [--heads H] [--causal] [--json F]
 """
 
 from __future__ import annotations
@@ -42,10 +24,11 @@ class PeakMeter:
     """Context manager: `.peak` = bytes allocated at the high-water mark above the start."""
 
     def __init__(self, backend: str):
-        self.backend, self.peak = backend, 0
+        self.cupy = backend == "cupy"
+        self.peak = 0
 
     def __enter__(self):
-        if self.backend == "cupy":
+        if self.cupy:
             import cupy
             self.pool = cupy.get_default_memory_pool()
             cupy.cuda.Device().synchronize()
@@ -59,7 +42,7 @@ class PeakMeter:
         return self
 
     def __exit__(self, *exc):
-        if self.backend == "cupy":
+        if self.cupy:
             import cupy
             cupy.cuda.Device().synchronize()
             self.peak = self.pool.total_bytes() - self.base
@@ -69,51 +52,40 @@ class PeakMeter:
 
 
 def formula(strategy: str, *, G, B, S, H, Hkv, D, it, acc, tile_q, tile_k) -> dict:
-    """The paper's terms in bytes for this rank (see the module docstring)."""
+    """The paper's terms in bytes for this rank: Q, K, V, O of the shard, one score tile per head
+    (the NumPy backend's tile for the paper's (M/4d)^2), and the strategy's K/V buffers (the
+    double buffer; every rank's K, V for allgather), which the paper's table leaves out."""
     qkvo = (2 * B * S * H * D + 2 * B * S * Hkv * D) * it
     tile = B * H * min(tile_q, S) * min(tile_k, S) * acc
-    kv = 2 * B * S * Hkv * D * it
-    if strategy == "allgather":
-        buffers = G * kv                  # every rank's K and V at once
-    else:
-        buffers = 2 * kv                  # double buffer: the block in use + the one arriving
+    buffers = (G if strategy == "allgather" else 2) * 2 * B * S * Hkv * D * it
     return {"qkvo_4BZNd/G": qkvo, "tile_BZ(M/4d)^2": tile, "buffers": buffers,
             "total": qkvo + tile + buffers}
 
 
 def measure(group, strategy: str, inputs, causal: bool) -> dict:
-    """Transient peaks of one forward and one backward call, and the totals with the call's
-    live arguments added (forward: q, k, v; backward: also dout, out, lse), which is what the
-    paper's formula counts (its 4BZNd/G term is Q, K, V, O)."""
+    """Peaks of one forward and one backward call, and the totals with the call's live arguments
+    added (forward: q, k, v; backward: also dout, out, lse), what the paper's 4BZNd/G counts."""
     q, k, v, dout = inputs
+    kw = dict(causal=causal, strategy=strategy)
     group.release_buffers()   # buffers kept from earlier calls count as this call's
     with PeakMeter(group.backend) as fwd:
-        out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True, strategy=strategy)
+        out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
     group.release_buffers()
     with PeakMeter(group.backend) as bwd:
-        burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=causal, strategy=strategy)
+        burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw)
     live_fwd = q.nbytes + k.nbytes + v.nbytes
     live_bwd = live_fwd + dout.nbytes + out.nbytes + lse.nbytes
     return {"forward_peak": fwd.peak, "backward_peak": bwd.peak,
             "forward_total": live_fwd + fwd.peak, "backward_total": live_bwd + bwd.peak}
 
 
-def parse(argv=None):
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_problem_args(p, seqlen=2048, dtype="float32")
     p.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse(argv)
+    args = p.parse_args(argv)
     group = burstcu.init(backend=args.backend)
-    inputs = C.make_local_inputs(group.rank, group.size, batch=args.batch, seqlen=args.seqlen,
-                                 heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                                 headdim=args.headdim, dtype=args.dtype)
-    if args.backend == "cupy":
-        import cupy
-        inputs = [cupy.asarray(x) for x in inputs]
+    inputs = C.local_inputs(group, args)
     q, k = inputs[0], inputs[1]
     B, S, H, D = q.shape
     dims = dict(G=group.size, B=B, S=S, H=H, Hkv=k.shape[2], D=D, it=q.dtype.itemsize,
@@ -123,39 +95,31 @@ def main(argv=None):
     for strategy in args.strategies:
         C.progress(f"memory: {strategy}", group.rank)
         measure(group, strategy, inputs, args.causal)  # warm-up: first-call caches are not activations
-        got = measure(group, strategy, inputs, args.causal)
-        f = formula(strategy, **dims)
+        got, f = measure(group, strategy, inputs, args.causal), formula(strategy, **dims)
         rows.append({"strategy": strategy, **got, "formula": f,
                      "forward_over_formula": got["forward_total"] / f["total"],
                      "backward_over_formula": got["backward_total"] / f["total"]})
     tracemalloc.stop()
-    per_rank = group.comm.gather(rows, root=0) if group.comm is not None and group.size > 1 else [rows]
-    env = C.environment(group, meter="cupy pool" if args.backend == "cupy" else "tracemalloc")
-    group.close()
-    if group.rank != 0:
+    per_rank = C.gather(group, rows)
+    meter = "cupy pool" if args.backend == "cupy" else "tracemalloc"
+    env = C.environment_on_rank0(group, meter=meter)
+    if env is None:
         return None
     print(C.measured_on(env))
     print(f"# per rank: *_peak = peak bytes allocated during the call above what was live before it; "
           f"*_total = peak + the call's live arguments; G={group.size} N={args.seqlen} B={B} H={H} "
-          f"Hkv={dims['Hkv']} D={D} {args.dtype}; meter: {env['meter']}\n"
-          f"# formula = 4BZNd/G (QKVO) + one score tile per head + strategy buffers (paper, see --help); "
-          f"ratios are *_total / formula")
-    show = []
-    for i, rows_ in enumerate(per_rank):
-        for r in rows_:
-            show.append({"rank": i, "strategy": r["strategy"], "fwd_peak": C.fmt_bytes(r["forward_peak"]),
-                         "fwd_total": C.fmt_bytes(r["forward_total"]),
-                         "bwd_peak": C.fmt_bytes(r["backward_peak"]),
-                         "bwd_total": C.fmt_bytes(r["backward_total"]),
-                         "QKVO": C.fmt_bytes(r["formula"]["qkvo_4BZNd/G"]),
-                         "tile": C.fmt_bytes(r["formula"]["tile_BZ(M/4d)^2"]),
-                         "buffers": C.fmt_bytes(r["formula"]["buffers"]),
-                         "formula": C.fmt_bytes(r["formula"]["total"]),
-                         "fwd/formula": r["forward_over_formula"], "bwd/formula": r["backward_over_formula"]})
-    print(C.table(show, list(show[0])))
-    result = {"benchmark": "memory", "environment": env, "args": vars(args), "dims": dims,
-              "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}
-    return C.finish(result, args.json)
+          f"Hkv={dims['Hkv']} D={D} {args.dtype}; meter: {meter}\n# formula = 4BZNd/G (QKVO) + one "
+          f"score tile per head + strategy buffers (paper); ratios are *_total / formula")
+    b = C.fmt_bytes
+    show = [{"rank": i, "strategy": r["strategy"], "fwd_peak": b(r["forward_peak"]),
+             "fwd_total": b(r["forward_total"]), "bwd_peak": b(r["backward_peak"]),
+             "bwd_total": b(r["backward_total"]), "QKVO": b(r["formula"]["qkvo_4BZNd/G"]),
+             "tile": b(r["formula"]["tile_BZ(M/4d)^2"]), "buffers": b(r["formula"]["buffers"]),
+             "formula": b(r["formula"]["total"]), "fwd/formula": r["forward_over_formula"],
+             "bwd/formula": r["backward_over_formula"]} for i, rows_ in enumerate(per_rank) for r in rows_]
+    return C.emit(C.table(show, list(show[0])), {
+        "benchmark": "memory", "environment": env, "args": vars(args), "dims": dims,
+        "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}, args)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,16 @@
-"""One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
-same device, in the same run.
+"""One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on
+the same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels`
+(the step kernels alone through KernelOps, one step over every key: what a ring step costs; once
+per kernel table of --archs, each row naming the forward family that ran, sm90 or sm80), `api`
+(burstcu.attention / attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S,
+H, D) = (tokens/S, S, width/D, D); CUDA events around each call, median of --repeats after
+--warmup; FLOPs 4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host
+seconds alone. --windows W adds causal sliding-window rows (burstcu only, FLOPs of the visible
+pairs). --dry-run prints the plan without a GPU.
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
-                            [--seqlens 1024 2048 4096 8192 16384] [--passes fwd fwd+bwd]
-                            [--tokens 16384] [--width 2048] [--repeats 10] [--windows 512 ...]
-                            [--archs sm_90a sm_80] [--json F] [--table F] [--plot F] [--dry-run]
-
-Implementations, each timed on the same inputs (B, S, H, D) = (tokens/S, S, width/D, D):
-
-* ``kernels``: the step kernels alone through `KernelOps` (forward: init, one step over the whole
-  key range, finalize; backward: delta, init, one step, finalize) — what one ring step costs;
-  once per kernel table of ``--archs`` (default: the device's own), each row saying which
-  forward family ran (``family``: "sm90", the Hopper kernel of kernels/flash_fwd_sm90.cu, or
-  "sm80", the mma.sync one), so ``--archs sm_90a sm_80`` puts both on one H100 in one run;
-* ``api``: `burstcu.attention` / `burstcu.attention_backward` with CuPy arrays and group=None
-  (validation, layout and the engine around the same kernels);
-* ``torch-flash`` and ``torch-cudnn``: `scaled_dot_product_attention` restricted to one backend,
-  on the same memory viewed through DLPack as (B, H, S, D) (no copy).
-
-Timing: CUDA events around each call on the current stream, after --warmup calls (compiles,
-autotuning, allocator growth), median of --repeats. FLOPs: forward 4*B*H*S^2*D, backward 2.5x the
-forward, both halved when causal; a ``fwd+bwd`` row counts both. Rows: ``impl``, ``pass``,
-``dtype``, ``headdim``, ``seqlen``, ``causal``, ``window``, ``arch``, ``family``, ``ms``,
-``host_ms`` (the host's seconds of a call alone: started on an idle device, its launches not waited
-for; near ``ms``, the call is bound by its host work, not by its kernels), ``tflops``, plus
-``torch_ms``, ``torch_tflops`` (the flash backend's, for the ratio ``vs_torch``) and
-``cudnn_tflops`` (cuDNN's) on burstcu's rows. Progress on stderr. ``--dry-run`` prints the plan and
-needs no GPU.
-
-``--windows W ...`` adds causal sliding-window rows, window_size = (W, 0), for burstcu only (SDPA
-has no sliding window): their FLOPs count the visible (query, key) pairs exactly, so a kernel that
-skips the key tiles outside the window keeps its TFLOP/s while its time falls with W / S; ``ms``
-against the plain causal row's is the saving.
+        [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
+        [--windows 512 ...] [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
 """
 
 from __future__ import annotations
@@ -45,15 +24,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import array_dtype, call_seconds, clean, progress, table, write_json  # noqa: E402
+from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, normal,  # noqa: E402
+                           progress, pyplot, save, table, write_json)
 
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
-
-
-def shape(args, seqlen: int, headdim: int) -> tuple[int, int, int, int]:
-    """(B, S, H, D): a fixed number of tokens and a fixed model width per configuration."""
-    return max(1, args.tokens // seqlen), seqlen, max(1, args.width // headdim), headdim
 
 
 def visible_pairs(s: int, left: int) -> int:
@@ -80,7 +55,7 @@ def plan(args) -> list[dict]:
                 masks = [(False, None), (True, None)] + [(True, w) for w in args.windows if w < s]
                 for causal, window in masks:
                     for pass_ in args.passes:
-                        b, _, h, _ = shape(args, s, d)
+                        b, _, h, _ = gpu_shape(args.tokens, args.width, s, d)
                         rows.append({"dtype": dtype, "headdim": d, "seqlen": s, "causal": causal,
                                      "window": window, "pass": pass_, "batch": b, "heads": h,
                                      "gflop": flops(b, s, h, d, causal, pass_, window) / 1e9})
@@ -156,29 +131,16 @@ def torch_sdpa(backend: str, q, k, v, dout, causal: bool, pass_: str):
 
 # ------------------------------------------------------------------------------------------------
 
-def inputs(cfg, seed: int = 0):
-    import cupy
-
-    b, s, h, d = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["headdim"]
-    rng = cupy.random.default_rng(seed)
-    dt = array_dtype(cfg["dtype"])
-    return [rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(dt) for _ in range(4)]
-
-
-def device_synchronize() -> None:
-    """Wait for every stream of the current device (CuPy's and torch's alike)."""
-    import cupy
-
-    cupy.cuda.runtime.deviceSynchronize()
-
-
 def family(ops, dtype: str, headdim: int) -> str:
     """Which forward family `ops` runs for (dtype, head dim): "sm90" or "sm80"."""
     return "sm90" if ops.forward_variant(dtype, headdim).family.startswith("forward_sm90") else "sm80"
 
 
 def run_config(cfg, args, ops_by_arch) -> list[dict]:
-    q, k, v, dout = inputs(cfg)
+    import cupy
+    device_synchronize = cupy.cuda.runtime.deviceSynchronize   # every stream: CuPy's and torch's
+    q, k, v, dout = normal(cupy, [tuple(cfg[k] for k in ("batch", "seqlen", "heads", "headdim"))] * 4,
+                           cfg["dtype"], 0)
     gflop = cfg["gflop"]
     rows = []
     runs = [(impl, arch) for impl in args.impls
@@ -219,20 +181,12 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
     return rows
 
 
-def versions() -> dict:
-    from burstcu.testing.checks import device_name, versions as package_versions
-    return {**package_versions(), "device": device_name("cupy")}
-
-
 COLUMNS = ["impl", "family", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
            "heads", "ms", "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plot(rows, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = sorted({(r["pass"], r["dtype"], r["headdim"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
     for ax, (pass_, dtype, d) in zip(axes[0], keys):
@@ -252,8 +206,7 @@ def plot(rows, path) -> None:
         ax.set_xlabel("seqlen")
         ax.set_ylabel("TFLOP/s")
     axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -293,7 +246,7 @@ def main(argv=None) -> int:
     ops_by_arch = {ops.arch: ops for ops in ops_by_arch.values()}
     for ops in ops_by_arch.values():
         ops.sm90_head_group = args.sm90_head_group
-    env = versions()
+    env = gpu_versions()
     progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")
     rows = []
     for i, cfg in enumerate(configs):

@@ -8,7 +8,8 @@
 #                                                          within the time limit (no hang)
 set -u
 PY=${PY:-python3}
-rm -rf /tmp/mpich && mkdir -p /tmp/mpich && (cd /tmp/mpich && $PY -m zipfile -e "$OLDPWD"/.whl/mpich-*.whl .) || exit 1
+rm -rf /tmp/mpich && mkdir -p /tmp/mpich || exit 1
+(cd /tmp/mpich && $PY -m zipfile -e "$OLDPWD"/.whl/mpich-*.whl .) || exit 1
 bin=$(dirname "$(find /tmp/mpich -name mpiexec.hydra | head -1)")  # the wheel's data/bin
 lib=$(dirname "$(find /tmp/mpich -name 'libmpi.so.12' | head -1)")
 chmod +x "$bin"/*

@@ -1,40 +1,15 @@
-"""Overlap of communication and compute on real GPU hardware: G ranks of the real engine sharing
-ONE GPU through the loopback transport (burstcu.transport.loopback), timed with CUDA events.
+"""G ranks of the real engine sharing ONE GPU (the loopback transport: a message is a
+device-to-device copy on the receiver's communication stream, ordered by events as NCCL's
+send/recv), timed with CUDA events: compute-only (copies skipped), comm-only (steps get no
+blocks) and overlapped pass times, the efficiency (t_compute + t_comm - t_overlapped) /
+min(t_compute, t_comm), and `hidden`: the fraction of each rank's incoming-copy time during which
+one of its own step kernels ran, per pass and per ring step. The ranks share one GPU's SMs and
+HBM: schedule behaviour, not multi-GPU figures; the comm-only run keeps all work but the step
+kernels, so the efficiency sits near 1 by construction here: read `hidden` and `copy_ms`.
 
-    python bench/gpu/overlap_gpu.py [--ranks 2 4] [--seqlen 8192 32768] [--heads 16] [--headdim 128]
-        [--causal] [--layout zigzag] [--window LEFT RIGHT] [--strategies burst ring] [--repeats 5]
-        [--json F] [--plot F] [--dry-run]
-
-What one GPU can and cannot show. Each rank is a thread with its own compute stream and its own
-communication stream; a message is a device-to-device copy on the receiver's communication
-stream, ordered by events exactly like the NCCL transport's send/recv. So the schedule - double
-buffers, event ordering, copies running while kernels run - executes on hardware. But the G ranks'
-kernels share one GPU's SMs and the copies move through the same HBM (~3 TB/s, not NVLink or
-InfiniBand): the times are NOT those of G GPUs, and a copy is far cheaper relative to compute
-than a network transfer. Read them as "does the engine hide its exchanges", not as scaling.
-
-Per configuration (ranks x global seqlen x strategy), three runs per repeat, as in overlap.py:
-
-  compute     the copies are skipped (the loopback device copies nothing)
-  comm        the steps get no blocks (no attention math; the layout copies around them remain)
-  overlapped  both real
-
-From CUDA events on each rank's streams (one reference event shared by all ranks):
-  pass ms     forward and backward per rank, events around each call on its compute stream
-  efficiency  (t_compute + t_comm - t_overlapped) / min(t_compute, t_comm) over the pass times
-              (max over ranks, median over repeats): 1 = the shorter fully hidden
-  hidden      in the overlapped run, the fraction of each rank's incoming-copy time during which
-              one of its own step kernels was running (interval intersection of event times)
-  copy_ms     the device time of one rank's incoming copies in the overlapped run (both passes)
-  steps       per ring step of the overlapped run (labels from the engine's annotations, e.g.
-              "fwd 2"): compute ms, copy ms and the hidden fraction of its copies, median over
-              ranks; printed per configuration
-Caveat on `efficiency`: the "comm" run keeps all the work but the step kernels (state init,
-finalize, layout copies), so t_comm is mostly not communication; when copies are cheap, as on one
-GPU, the efficiency sits near 1 by construction and its spread (values above 1) is noise. Read
-`hidden`, `copy_ms` and t_overlapped - t_compute for what the copies cost.
-Rank 0 of the world prints one line per configuration; --json keeps every interval of the last
-overlapped repeat; --plot draws that timeline for the largest configuration and hidden vs seqlen.
+    python bench/gpu/overlap_gpu.py [--ranks 2 4] [--seqlen 8192 32768] [--causal] [--layout zigzag]
+        [--window L R] [--docs SEED] [--strategies burst ring] [--repeats 5] [--json F] [--plot F]
+    python bench/gpu/overlap_gpu.py --dry-run ...   # the plan, anywhere
 """
 
 from __future__ import annotations
@@ -208,12 +183,9 @@ def _inputs(group, seqlen: int, args):
     docs = args.docs_by_seqlen.get(seqlen)
     s = partition(args.layout, group.size, seqlen, docs if args.layout == "zigzag" else None
                   ).lengths[group.rank]
-    rng = cupy.random.default_rng(group.rank)
     hkv = args.kv_heads or args.heads
-    shapes = [(args.batch, s, args.heads, args.headdim), (args.batch, s, hkv, args.headdim),
-              (args.batch, s, hkv, args.headdim), (args.batch, s, args.heads, args.headdim)]
-    dtype = C.array_dtype(args.dtype)
-    return [rng.standard_normal(shp, dtype=cupy.float32).astype(dtype) for shp in shapes]
+    return C.normal(cupy, [(args.batch, s, h, args.headdim) for h in (args.heads, hkv, hkv, args.heads)],
+                    args.dtype, group.rank)
 
 
 def _summarize(size, seqlen, strategy, results) -> dict:
@@ -232,7 +204,8 @@ def _summarize(size, seqlen, strategy, results) -> dict:
         hidden.append(_hidden(compute, comm))
         copy_ms.append(sum(b - a for a, b in comm))
     row["copy_ms"] = C.median(copy_ms)  # device time of one rank's incoming copies, both passes
-    row["hidden"] = C.median([h for h in hidden if h is not None]) if any(h is not None for h in hidden) else None
+    known = [h for h in hidden if h is not None]
+    row["hidden"] = C.median(known) if known else None
     row["steps"] = per_step([timeline for _, timeline in results])
     row["hidden_per_rank"] = hidden
     row["timeline"] = [timeline for _, timeline in results]
@@ -245,53 +218,43 @@ COLUMNS = ["ranks", "seqlen", "strategy", "forward_compute_ms", "forward_comm_ms
 
 
 def plot(rows, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The largest configuration's timeline (compute blue, incoming copies orange), and the
+    hidden fraction against seqlen."""
+    plt = C.pyplot()
     big = max(rows, key=lambda r: (r["ranks"], r["seqlen"]))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
     t0 = min(a for tl in big["timeline"] for _, _, a, _ in tl)
     for rank, tl in enumerate(big["timeline"]):
         for kind, _, a, b in tl:
-            y = rank + (0.2 if kind == "compute" else -0.2)
-            ax.barh(y, b - a, left=a - t0, height=0.35,
+            ax.barh(rank + (0.2 if kind == "compute" else -0.2), b - a, left=a - t0, height=0.35,
                     color="tab:blue" if kind == "compute" else "tab:orange")
-    ax.set_yticks(range(len(big["timeline"])))
     ax.set_xlabel("ms (CUDA events)")
     ax.set_ylabel("rank")
-    ax.set_title(f"{big['ranks']} ranks on one GPU, S={big['seqlen']}, {big['strategy']}: "
-                 "compute (blue), incoming copies (orange)", fontsize=8)
-    for strategy in sorted({r["strategy"] for r in rows}):
-        for size in sorted({r["ranks"] for r in rows}):
-            pts = sorted((r["seqlen"], r["hidden"]) for r in rows
-                         if r["strategy"] == strategy and r["ranks"] == size and r["hidden"] is not None)
-            if pts:
-                ax2.plot(*zip(*pts), marker="o", label=f"{strategy}, {size} ranks")
+    ax.set_title(f"{big['ranks']} ranks on one GPU, S={big['seqlen']}, {big['strategy']}", fontsize=8)
+    for key in sorted({(r["strategy"], r["ranks"]) for r in rows}):
+        pts = sorted((r["seqlen"], r["hidden"]) for r in rows
+                     if (r["strategy"], r["ranks"]) == key and r["hidden"] is not None)
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=f"{key[0]}, {key[1]} ranks")
     ax2.set_xscale("log", base=2)
     ax2.set_ylim(0, 1.05)
     ax2.set_xlabel("global seqlen")
     ax2.set_ylabel("hidden fraction of copy time")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    C.save(fig, path)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--seqlen", nargs="+", type=int, default=[8192, 32768])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    C.add_shape_args(p, heads=16, headdim=128, dtype="float16", dtypes=("float16", "bfloat16"))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     p.add_argument("--window", nargs=2, type=int, default=[-1, -1], metavar=("LEFT", "RIGHT"),
                    help="sliding window (flash-attn's window_size; -1 unbounded)")
     p.add_argument("--docs", type=int, default=None, metavar="SEED",
-                   help="documents (cu_seqlens): the long-tailed mix of bench/_common.py's document_mix, this seed "
+                   help="documents (cu_seqlens): bench/_common.py's document_mix of this seed "
                         "(with --layout zigzag each document is cut into 2G pieces)")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring"])
     p.add_argument("--repeats", type=int, default=5)

@@ -1,48 +1,23 @@
 #!/usr/bin/env bash
-# Everything one GPU can show, in one command, each step under its own time limit; logs land in
-# $OUT (default bench/out/gpu). Run from the repository root on a machine with one CUDA GPU:
+# Everything one GPU can show, each step under its own time limit; run from the repository root:
 #
-#     bash bench/gpu/run.sh [steps...]            # default: every step below, in order
+#     bash bench/gpu/run.sh [steps...]            # default: the list below, in order
 #     bash bench/gpu/run.sh --dry-run [steps...]  # print each step's command, run nothing (any machine)
+#     bash bench/gpu/run.sh hopper-session        # env warm isa hopper hopper_bench tiles_sm90 hopper_profile
 #
-# Steps (default: all, in this order): env, isa (tests/gpu/test_hopper_isa_gpu.py: the Hopper ISA
-# probes, report $OUT/hopper_isa.json), gate (compile gate with this machine's NVRTC), full
-# (selftest --full), tests (the kernel tests on the GPU), gputests (tests/gpu, interop, bring-up
-# fixes), kbench (bench/gpu/kernel_speed.py), overlap and overlap_causal (bench/gpu/overlap_gpu.py),
-# tiles (bench/gpu/tiles.py), memcheck and racecheck (compute-sanitizer over kernel tests), demo, mpi
-# (bench/gpu/mpi_checks.sh: needs the mpich wheel in .whl/), linear and linearbench (linear
-# attention: tests/gpu/test_linear_gpu.py; bench/cpu/linear.py on one GPU, LASP-2/LASP-1 to 1M
-# tokens beside softmax burst), varlen (bench/gpu/overlap_gpu.py --docs: causal documents on 4 ranks,
-# zigzag per document vs contiguous), steplists (bench/gpu/step_lists.py: a ring step's forward
-# rectangles in one launch against one launch a rectangle, the same steps), uneven (a global length
-# 3 ranks do not divide) and decode (bench/cpu/decode.py on the GPU: per-token latency against the
-# cache length, torch's SDPA beside it).
-# Not in the default list: steplists_mma (steplists on the sm_90 table, the mma.sync family, on a
-# Hopper GPU), lists (the forward kernel tests, the rectangle-list kernel's among them, on that
-# table), bwd (the backward kernel tests alone), and the Hopper forward kernel's own steps
-# (kernels/flash_fwd_sm90.cu, compute capability 9.0 only): hopper (its kernel tests on the GPU and
-# the 4-rank loopback ring), hopper_bench (bench/gpu/kernel_speed.py with both kernel families,
-# torch flash and cuDNN in one run), hopper_memcheck, hopper_racecheck, hopper_profile (Nsight
-# Compute, --set full, over the Hopper kernel at d = 128, S = $PROFILE_SEQLEN (16K), fp16, causal and not:
-# its details page as CSV in logs.tgz; the 19 MB report stays in /tmp/burstcu-sm90_profile.ncu-rep),
-# tiles_sm90 (bench/gpu/tiles.py over the Hopper kernel's BLOCK_N x STAGES, candidates gated on the
-# CPU: bench/results/h200/tile_candidates_sm90a.json). `bash bench/gpu/run.sh hopper-session` runs
-# env warm isa hopper hopper_bench tiles_sm90 hopper_profile (warm: python -m burstcu.build warm for
-# this GPU, every kernel of its own table compiled in parallel first; then about 90 s to hopper_bench on an H200, the
-# tile search estimated at 50 s, the profile 33 s).
-# small_parts: every kernel's own duration (Nsight Compute, serialised) of one call at S = 1K, 2K and
-# 16K, d = 128, ours against torch's flash and cuDNN: where the time of a short call goes.
-# host_profile: cProfile over kernel_speed's calls of the Hopper kernel (d = 128 fp16, S = 1K and
-# 16K), the functions by own time and burstcu's by cumulative time: where a call's host time goes.
-# head_groups: the Hopper kernel at d = 128 with its tiles taken a group of (batch, head) pairs at a
-# time (KernelOps.sm90_head_group: 2, 4, 8, 16, against 0 = all pairs at once, the default): at
-# S = 4K run6's profile read 38% L2 hits and 51% of DRAM's bandwidth with all pairs at once.
-# The memcheck steps pass --report-api-errors no: cuda-bindings probes driver entry points while it
-# encodes tensor maps, and the driver's "invalid argument" answers are no memory errors.
-# Reports (JSON, PNG) go to $OUT; each
-# step's log goes to $OUT/logs.tgz, rewritten after every step so a run cut short still returns
-# what it did. The script never stops early (one failure does not hide the next) and exits 1 if
-# any step failed. Wheels in .whl/ are installed into /tmp/site first.
+# Default steps: env, isa (the Hopper ISA probes), gate (the compile gate with this NVRTC), full
+# (selftest --full), tests and gputests (kernel and GPU tests), kbench (kernel_speed.py), overlap
+# and overlap_causal (overlap_gpu.py), tiles (tiles.py), memcheck and racecheck
+# (compute-sanitizer; --report-api-errors no: cuda-bindings' driver probes are no memory errors),
+# demo, mpi (mpi_checks.sh, the mpich wheel in .whl/), linear and linearbench (LASP on one GPU),
+# varlen (documents, 4 ranks), steplists (step_lists.py), uneven (3 ranks), decode (decode.py).
+# Others: steplists_mma and lists (the sm_90 table on a Hopper GPU), bwd, the Hopper kernel's
+# hopper, hopper_bench, hopper_memcheck, hopper_racecheck, hopper_profile (Nsight Compute at
+# S = $PROFILE_SEQLEN, its CSV in logs.tgz), tiles_sm90; small_parts (every kernel's duration in
+# a short call), host_profile (cProfile of kernel_speed's calls), head_groups (the Hopper kernel's
+# tiles a group of (batch, head) pairs at a time). Reports go to $OUT (default bench/out/gpu),
+# each step's log to $OUT/logs.tgz, rewritten after every step; no step stops the others; exit 1
+# if any failed. Wheels in .whl/ are installed into /tmp/site first.
 set -u
 DRY_RUN=0
 [ "${1:-}" = --dry-run ] && { DRY_RUN=1; shift; }
@@ -52,8 +27,13 @@ LOGS=${LOGS:-/tmp/burstcu-gpu-logs}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export BURSTCU_CACHE_DIR=${BURSTCU_CACHE_DIR:-/tmp/burstcu-cache}
 PY=${PY:-python3}
+ARCH="$PY -c 'from burstcu.build.compile import device_arch; print(device_arch())'"   # this GPU's sm_XY
+PKGS='cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'   # the env step's packages
+PROFILE=/tmp/burstcu-sm90_profile   # hopper_profile's Nsight Compute report (19 MB: left in /tmp)
+DETAILS="ncu -i $PROFILE.ncu-rep --page details --csv"   # its details page as CSV
 if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 steps=("$@")
@@ -63,7 +43,7 @@ steps=("$@")
                                  decode)
 failed=()
 
-plot() {  # plot FILE: "--plot FILE" where matplotlib imports, else nothing (a measurement never waits on a picture)
+plot() {  # plot FILE: "--plot FILE" where matplotlib imports, else nothing (never waits on a picture)
   if [ $DRY_RUN = 1 ] || $PY -c 'import matplotlib' 2>/dev/null; then echo --plot "$1"; fi
 }
 
@@ -83,25 +63,28 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nproc; $PY -c 'import sys; print(sys.version)';
-           $PY -m pip list 2>/dev/null | grep -i -E 'cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'" ;;
+           $PY -m pip list 2>/dev/null | grep -i -E '$PKGS'" ;;
     isa) step isa 120 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" \
              $PY -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_isa_gpu.py ;;
-    warm) step warm 240 bash -c "$PY -m burstcu.build warm --device \$($PY -c 'from burstcu.build.compile import device_arch; print(device_arch())')" ;;
+    warm) step warm 240 bash -c "$PY -m burstcu.build warm --device \$($ARCH)" ;;
     gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
     hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
-             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
+             $PY -m pytest -q --timeout 120 -p no:cacheprovider \
+             tests/kernels/test_flash_fwd_sm90_emulated.py \
              tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
     hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
              --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
              --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
-             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-             --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
-             tests/kernels/test_masked_inert_kernels.py -k "ragged or causal_offsets or headdims or poisoned_v" ;;
+             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no \
+             --error-exitcode 9 --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_flash_fwd_sm90_emulated.py tests/kernels/test_masked_inert_kernels.py \
+             -k "ragged or causal_offsets or headdims or poisoned_v" ;;
     hopper_racecheck) step hopper_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
              BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool racecheck --error-exitcode 9 \
-             --print-limit 20 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_sm90_emulated.py \
+             --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_flash_fwd_sm90_emulated.py \
              -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
@@ -114,14 +97,15 @@ for s in "${steps[@]}"; do
     lists) step lists 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=${LISTS_ARCH:-sm_90} \
              $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
              tests/kernels/test_masked_inert_kernels.py ;;
-    bwd) step bwd 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 -p no:cacheprovider \
+    bwd) step bwd 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
+             -p no:cacheprovider \
              tests/kernels/test_flash_bwd_emulated.py ;;
     steplists_mma) step steplists_mma 300 $PY bench/gpu/step_lists.py --arch sm_90 \
              --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
     hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
-             -k regex:flash_fwd_step_sm90 -c 8 -f -o /tmp/burstcu-sm90_profile $PY bench/gpu/kernel_speed.py \
+             -k regex:flash_fwd_step_sm90 -c 8 -f -o $PROFILE $PY bench/gpu/kernel_speed.py \
              --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 \
-             --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 && ncu -i /tmp/burstcu-sm90_profile.ncu-rep --page details --csv \
+             --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 && $DETAILS \
              > $LOGS/sm90_profile_details.csv" ;;
     small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
              --print-units base --log-file "$LOGS/small_parts.csv" $PY bench/gpu/kernel_speed.py \
@@ -137,7 +121,8 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
              --archs sm_90a --passes fwd --impls kernels --headdims 128 --seqlens 2048 4096 16384 \
              \$( [ \$g = 0 ] || echo --sm90-head-group \$g ) --json $LOGS/head_group_\$g.json \
              --table $LOGS/head_group_\$g.txt || exit 1; done; tail -n 13 $LOGS/head_group_*.txt" ;;
-    kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
+    kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" \
+             --table "$LOGS/kernels.txt" \
              $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
              $(plot "$OUT/overlap_gpu.png") ${OVERLAP_ARGS:-} ;;

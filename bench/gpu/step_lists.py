@@ -1,25 +1,13 @@
-"""A ring step's rectangles in one launch against one launch a rectangle: the forward step kernels
-alone, on one device, the same steps timed both ways in the same run.
+"""A ring step's rectangles in one launch against one launch a rectangle: the forward step
+kernels of every (rank, step) of the burst ring under per-document zigzag (--docs documents of a
+seeded long-tailed mix, causal), timed both ways in the same run, with the contiguous split of
+the same tokens beside it. Per layout, summed over (rank, step): list_ms, per_rect_ms,
+rectangles, kernel launches each way, the kept (query, key) pairs, ns per kept pair and its
+ratio to contiguous's, and the step kernels each way launched. CUDA events on a GPU (median of
+--repeats after a warm-up); --backend emulated: host seconds, a smoke test, never GPU figures.
 
-    python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--heads 16]
-        [--headdim 128] [--repeats 10] [--json F] [--table F]
-    python bench/gpu/step_lists.py --backend emulated --seqlen 256 --docs 5 --heads 2 --headdim 32 --repeats 1
+    python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90] [--json F]
     python bench/gpu/step_lists.py --dry-run           # the plan only, anywhere
-
-The steps are those of the burst ring under per-document zigzag (`burstcu.layout.rectangles`:
---docs documents of a seeded long-tailed mix over --seqlen tokens, causal), for every query rank
-and ring step; beside them, the contiguous split of the same tokens without documents (one
-rectangle a step, or two: the one-rectangle kernel's own figure). Per layout, summed over every
-(rank, step): ``list_ms`` (`KernelOps.forward_step` over the step's list: flash_fwd_steps, one
-launch, plus its careful twin where pairs are masked), ``per_rect_ms`` (one flash_fwd_step launch
-a rectangle, in the same order), ``rectangles``, ``launches_list`` / ``launches_per_rect``
-(kernel launches, the non-finite flag's included), ``kept_pairs`` (the (query, key) pairs the mask
-keeps) and ``list_ns_per_pair``; ``vs_contiguous_per_pair`` is zigzag's time per kept pair over
-contiguous's; ``list_kernels`` / ``per_rect_kernels`` name the step kernels each way launched (on
-the sm_90a table the Hopper kernel, flash_fwd_step_sm90, runs the short lists and single
-rectangles: `KernelOps.forward_step`). ``--arch`` picks the kernel table. On a GPU (--backend cupy, the default) times are CUDA events around each
-forward_step call (median of --repeats after one warm-up); on the emulator (--backend emulated)
-host seconds, for a smoke test only: they say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -31,8 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import (array_dtype, call_seconds, clean, document_mix, progress, table,  # noqa: E402
-                           write_json)
+from bench._common import array_dtype, call_seconds, clean, document_mix, emit, progress, table  # noqa: E402
 
 
 def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
@@ -145,17 +132,12 @@ def main(argv=None):
     text = "\n".join([
         f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
         f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)",
-        table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles", "launches_list", "launches_per_rect",
+        table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
+                     "launches_list", "launches_per_rect",
                      "list_ms", "per_rect_ms", "kept_pairs", "list_ns_per_pair",
                      "vs_contiguous_per_pair"])])
-    print(text)
-    if args.table:
-        Path(args.table).write_text(text + "\n")
-    result = {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
-              "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    return result
+    return emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
+                       "rows": rows}, args)
 
 
 if __name__ == "__main__":

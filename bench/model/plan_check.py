@@ -1,16 +1,11 @@
-"""The planner's pick (`burstcu.plan`, what strategy="auto" runs) against the measured best, on
-the CPU, over a grid of shapes.
+"""The planner's pick (`burstcu.plan`, what strategy="auto" runs) against the measured best on CPU
+ranks, over a grid of shapes. It first measures the machine the model needs with every rank busy
+(the local op's flop/s less the fixed cost of a call, the ring's bandwidth and latency), then
+times every candidate (forward + backward, the slowest rank, median of --repeats) and prints the
+pick's regret: its time over the best's (1.00: the pick was the fastest). CPU figures, not GPU ones.
 
     mpiexec -n G python bench/model/plan_check.py [--seqlen 512 1024] [--heads 8] [--kv-heads 8 2]
-        [--headdim 32] [--causal] [--layout zigzag] [--repeats 3] [--json FILE]
-
-First it measures what the model needs, with every rank busy at once as in a real run: the flop/s
-of the local op (one forward + backward of one rank's block, 14 B H S^2 D flops, less the fixed
-cost of a call, timed at a tiny size) and the link's bandwidth and latency (timed ring exchanges
-of 4 MiB and of 8 bytes), into a `Machine`. Then for
-each shape it times every candidate strategy (forward + backward, the slowest rank's time, median
-of repeats) and prints the model's pick, the measured best, and the pick's regret: its measured
-time over the best's (1.00 = the pick was the fastest). CPU figures, not GPU ones.
+        [--headdim 32] [--causal] [--layout zigzag] [--repeats 3] [--json F]
 """
 
 from __future__ import annotations
@@ -30,20 +25,25 @@ import burstcu  # noqa: E402
 from burstcu.plan import Machine, candidates, plan  # noqa: E402
 
 
+def fwd_bwd_seconds(group, inputs, repeats: int, on=None, **how) -> float:
+    """Median over repeats of the slowest rank's forward + backward seconds, across the ranks of
+    `on` (None: each rank alone)."""
+    q, k, v, dout = inputs
+
+    def run():
+        out, lse = burstcu.attention(q, k, v, on, return_lse=True, **how)
+        burstcu.attention_backward(dout, q, k, v, out, lse, on, **how)
+    return C.slowest_rank_seconds(group, run, repeats, warmup=1)
+
+
 def measure_machine(group, headdim: int, repeats: int) -> Machine:
-    """flop/s of the local op and the ring's bandwidth and latency, every rank busy at once."""
-    rng = np.random.default_rng(group.rank)
+    """flop/s of the local op (14 B H S^2 D a forward + backward) and the ring's bandwidth and
+    latency (exchanges of 4 MiB and of 8 bytes), every rank busy at once."""
     b, s, h, d = 1, 512, 4, headdim
-    q, k, v, dout = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
-
-    def forward_backward(q, k, v, dout):                   # one process: local only
-        out, lse = burstcu.attention(q, k, v, return_lse=True)
-        burstcu.attention_backward(dout, q, k, v, out, lse)
-
-    full = C.slowest_rank_seconds(group, lambda: forward_backward(q, k, v, dout), repeats, warmup=1)
-    tiny = [a[:, :8, :1, :8].copy() for a in (q, k, v, dout)]      # the fixed cost of a call
-    step_overhead = C.slowest_rank_seconds(group, lambda: forward_backward(*tiny), repeats, warmup=1) / 2
-    flops = 14 * b * h * s * s * d / max(full - 2 * step_overhead, 1e-9)
+    full = C.normal(np, [(b, s, h, d)] * 4, "float32", group.rank)
+    tiny = [a[:, :8, :1, :8].copy() for a in full]          # the fixed cost of a call
+    step_overhead = fwd_bwd_seconds(group, tiny, repeats) / 2
+    flops = 14 * b * h * s * s * d / max(fwd_bwd_seconds(group, full, repeats) - 2 * step_overhead, 1e-9)
     t = group.transport
 
     def exchange(nbytes: int, rounds: int) -> float:
@@ -54,32 +54,19 @@ def measure_machine(group, headdim: int, repeats: int) -> Machine:
             t.send_recv(send, recv, t.next_rank, t.prev_rank)
             t.commit()
             t.wait()
-        return max(group.transport.allgather_object((time.perf_counter() - t0) / rounds, "bench timing"))
+        return max(t.allgather_object((time.perf_counter() - t0) / rounds, "bench timing"))
 
+    latency, bandwidth = 1e-6, 1e12
     if group.size > 1:
         latency = exchange(8, 20)
         bandwidth = (4 << 20) / max(exchange(4 << 20, 5) - latency, 1e-9)
-    else:
-        latency, bandwidth = 1e-6, 1e12
     return Machine("measured", flops, bandwidth, bandwidth, latency, group.size,
                    f"MEASURED here: {flops / 1e9:.1f} GFLOP/s a rank, {bandwidth / 1e9:.2f} GB/s, "
                    f"{latency * 1e6:.0f} us an exchange, {step_overhead * 1e3:.2f} ms a step",
                    step_overhead)
 
 
-def time_strategy(group, inputs, strategy: str, options: dict, causal: bool, layout: str,
-                  repeats: int) -> float:
-    """Median over repeats of the slowest rank's forward + backward seconds."""
-    q, k, v, dout = inputs
-    kw = dict(causal=causal, layout=layout, strategy=strategy, **options)
-
-    def forward_backward():
-        out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
-        burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw)
-    return C.slowest_rank_seconds(group, forward_backward, repeats, warmup=1)
-
-
-def parse(argv=None):
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024], help="global lengths")
     p.add_argument("--heads", type=int, nargs="+", default=[8])
@@ -89,34 +76,29 @@ def parse(argv=None):
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse(argv)
+    args = p.parse_args(argv)
     group = burstcu.init(backend="numpy")
     machine = measure_machine(group, args.headdim, args.repeats)
-    rows = []
     grid = [(n, h, hkv) for n, h, hkv in itertools.product(args.seqlen, args.heads, args.kv_heads)
             if h % hkv == 0]
+    rows = []
     for index, (n, h, hkv) in enumerate(grid):
         C.progress(f"plan_check [{index + 1}/{len(grid)}] N={n} H={h}/{hkv}", group.rank)
-        inputs = C.make_local_inputs(group.rank, group.size, batch=1, seqlen=n, heads=h,
-                                     kv_heads=hkv, headdim=args.headdim, dtype="float32",
-                                     layout=args.layout)
+        inputs = C.local_inputs(group, batch=1, seqlen=n, heads=h, kv_heads=hkv, headdim=args.headdim,
+                                dtype="float32", layout=args.layout)
         q, k = inputs[0], inputs[1]
-        chosen = plan(q.shape, k.shape, group, causal=args.causal, layout=args.layout,
-                      dtype=q.dtype, machine=machine)
+        chosen = plan(q.shape, k.shape, group, causal=args.causal, layout=args.layout, dtype=q.dtype,
+                      machine=machine)
         measured = {}
         for strategy, options in candidates(q.shape, k.shape, group.size):
-            label = strategy + "".join(f" {k_}={v_}" for k_, v_ in options.items())
-            measured[label] = time_strategy(group, inputs, strategy, options, args.causal,
-                                            args.layout, args.repeats)
+            label = strategy + "".join(f" {key}={value}" for key, value in options.items())
+            measured[label] = fwd_bwd_seconds(group, inputs, args.repeats, group, causal=args.causal,
+                                              layout=args.layout, strategy=strategy, **options)
         best = min(measured, key=measured.get)
-        predicted = {c.label: c.forward_s + c.backward_s for c in chosen.candidates}
         rows.append({"seqlen": n, "heads": h, "kv_heads": hkv, "pick": chosen.choice.label,
                      "measured_best": best, "regret": measured[chosen.choice.label] / measured[best],
-                     "measured_s": measured, "predicted_s": predicted})
+                     "measured_s": measured,
+                     "predicted_s": {c.label: c.forward_s + c.backward_s for c in chosen.candidates}})
     env = C.environment_on_rank0(group, print_header=True)
     if env is None:
         return None
@@ -126,10 +108,9 @@ def main(argv=None):
              "measured best": r["measured_best"], "regret": f"{r['regret']:.2f}",
              "pick measured": C.fmt_s(r["measured_s"][r["pick"]]),
              "best measured": C.fmt_s(r["measured_s"][r["measured_best"]])} for r in rows]
-    print(C.table(show, list(show[0])) if show else "(no shape in the grid)")
-    result = {"benchmark": "plan_check", "environment": env, "args": vars(args),
-              "machine": machine.__dict__, "rows": rows}
-    return C.finish(result, args.json)
+    return C.emit(C.table(show, list(show[0])) if show else "(no shape in the grid)",
+                  {"benchmark": "plan_check", "environment": env, "args": vars(args),
+                   "machine": machine.__dict__, "rows": rows}, args)
 
 
 if __name__ == "__main__":
