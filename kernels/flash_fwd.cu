@@ -173,13 +173,16 @@ struct RectView {
 // Keys that some row of the block (query rows q0 .. q_last, relative to q_start, at global
 // positions from q_pos) may see: key j is visible to the last row iff k_pos + j <= q_pos + q_last
 // + hi, and to the first iff k_pos + j >= q_pos + q0 - lo; tiles outside [tile_begin, n_tiles)
-// are never loaded. (int arithmetic: positions stay below 2^30, the bounds at most NO_BOUND.)
+// are never loaded. k_pos is the rectangle's first key position in the group's coordinates
+// (q_pos, the first rectangle's): only k_pos - q_pos counts, and the rectangles of one query
+// range may carry positions shifted apart (a block mask's diagonals, burstcu/layout.py).
+// (int arithmetic: positions stay below 2^30, the bounds at most NO_BOUND.)
 template <int BLOCK_N>
 __device__ __forceinline__ RectView rect_view(const BlockRect& r, int q_pos, int q0, int q_last) {
   RectView v;
-  v.k_start = r.k_start; v.k_len = r.k_len; v.k_pos = r.k_pos; v.hi = r.hi; v.lo = r.lo;
-  v.n_keys = max(0, min(r.k_len, q_pos + q_last + r.hi - r.k_pos + 1));
-  const int first_key = q_pos + q0 - r.lo - r.k_pos;
+  v.k_start = r.k_start; v.k_len = r.k_len; v.k_pos = r.k_pos + q_pos - r.q_pos; v.hi = r.hi; v.lo = r.lo;
+  v.n_keys = max(0, min(r.k_len, q_pos + q_last + r.hi - v.k_pos + 1));
+  const int first_key = q_pos + q0 - r.lo - v.k_pos;
   v.tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;
   v.n_tiles = (v.n_keys + BLOCK_N - 1) / BLOCK_N;
   v.live = v.tile_begin < v.n_tiles;
@@ -239,16 +242,11 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   if constexpr (LIST) {
     const int* groups = p.groups;
     const int n_groups = p.n_groups;
-    const int* tile_first = groups + n_groups + 1;
-    int lo_g = 0, hi_g = n_groups - 1;   // the last group whose first tile is <= blockIdx.x
-    while (lo_g < hi_g) {
-      const int mid = (lo_g + hi_g + 1) / 2;
-      if (tile_first[mid] <= (int)blockIdx.x) lo_g = mid; else hi_g = mid - 1;
-    }
+    const int group = step_group_of(groups, n_groups, blockIdx.x);
     rects = p.rects;
-    r_first = groups[lo_g];
-    r_end = groups[lo_g + 1];
-    q_tile = blockIdx.x - tile_first[lo_g];
+    r_first = groups[group];
+    r_end = groups[group + 1];
+    q_tile = blockIdx.x - groups[n_groups + 1 + group];
     q_start = rects[r_first].q_start;
     q_len = rects[r_first].q_len;
     q_pos = rects[r_first].q_pos;
