@@ -7,6 +7,8 @@ Public API (see `burstcu.api` for shapes and semantics)::
     sh = burstcu.Sharding(group, layout="zigzag")  # the split, carried to every call
     q, k, v = (sh.shard(x) for x in (Q, K, V))
     out, lse = burstcu.attention(q, k, v, sh, causal=True, return_lse=True)
+    mask = burstcu.BlockMask([[0, 64], [64, 128]], [[0, 64], [0, 128]], ["causal", "causal"])
+    out = burstcu.attention(q, k, v, sh, block_mask=mask)   # any mask as rectangles
     OUT = sh.unshard(out)                         # the global output on every rank
     dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)
     print(burstcu.plan(q.shape, k.shape, group, causal=True))   # which strategy "auto" would pick
@@ -24,6 +26,7 @@ build/ compiles the kernels of kernels/; testing/ verifies, imported only by the
 
 from .api import (attention, attention_backward, decode, linear_attention,
                   linear_attention_backward, shard, unshard)
+from .blockmask import BlockMask
 from .kvcache import KVCache
 from .group import Group, init
 from .plan import plan
@@ -32,7 +35,7 @@ from .transport.base import CommTimeoutError, PeerFailedError
 from .transport.link import Link
 from .validate import SameShardsWarning
 
-__all__ = ["init", "Group", "Sharding", "attention", "attention_backward", "linear_attention",
+__all__ = ["init", "Group", "Sharding", "BlockMask", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
            "CommTimeoutError", "PeerFailedError", "Link", "SameShardsWarning"]
 __version__ = "0.1.0"

@@ -28,7 +28,8 @@ from .group import Call, Group
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_cu_seqlens,
+from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_block_mask,
+                       check_block_mask_extent, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        masked_array_problem, parse_cu_seqlens, partition_of, remember_cut, rows_cut,
@@ -38,7 +39,8 @@ STRATEGIES = engine.NAMES + ("auto",)
 
 
 def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: str,
-              part: Partition, window_size=(-1, -1), docs=None) -> tuple[str, dict]:
+              part: Partition, window_size=(-1, -1), docs=None,
+              block_mask=None) -> tuple[str, dict]:
     """strategy="auto" replaced by the choice of `burstcu.plan` for a training step (forward +
     backward), so attention and attention_backward pick alike; the same on every rank (it
     depends only on agreed shapes and options: the sequence extent is the mean shard's, since
@@ -48,7 +50,7 @@ def _resolved(strategy: str, options: dict, group: Group, q, k, causal, layout: 
     seqlen = -(-part.total // part.size)
     q_shape, k_shape = ((x.shape[0], seqlen) + tuple(x.shape[2:]) for x in (q, k))
     choice = plan(q_shape, k_shape, group, causal=bool(causal), layout=part, dtype=q.dtype,
-                  window_size=window_size, cu_seqlens=docs)
+                  window_size=window_size, cu_seqlens=docs, block_mask=block_mask)
     return choice.strategy, choice.options
 
 
@@ -103,7 +105,7 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
              layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None,
-             problem: str | None = None, sharding_lengths: tuple | None = None):
+             block_mask=None, problem: str | None = None, sharding_lengths: tuple | None = None):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
     document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`).
     problem: what is wrong with the call before its arrays are looked at (a keyword that
@@ -120,7 +122,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             options_problem=conflict or _check_options(strategy, options),
             strategy_problem=lambda q_shape, k_shape: _strategy_problem(
                 strategy, options, q_shape, k_shape, group.size),
-            window_size=window_size, cu_seqlens=cu_seqlens)
+            window_size=window_size, cu_seqlens=cu_seqlens, block_mask=block_mask)
         q = native[1 if backward else 0]          # (dout, q, k, v, out, lse) backward
         return err, meta, (scale, docs), None if err else (int(q.shape[1]), first_rows_digest(q))
 
@@ -129,6 +131,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
         lengths = [length for length, _ in reports]
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
                                  group.ops.max_positions)
+        err = err or check_block_mask_extent(block_mask, part.total, group.ops.max_positions)
         if err is not None:
             raise err.kind(err.message)
         if sharding_lengths is not None and part.lengths != tuple(sharding_lengths):
@@ -188,7 +191,8 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
 def attention(q, k, v, group=None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
               return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
-              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool | None = None):
+              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool | None = None,
+              block_mask=None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`);
@@ -227,6 +231,12 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         (`burstcu.layout.blocks`): steps without a shared document compute nothing, and
         burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
         once no rank it would reach shares a document with it.
+    block_mask: any mask as rectangles over global positions, `burstcu.BlockMask(q_ranges,
+        k_ranges, kinds)` (MagiAttention's q_ranges, k_ranges and its four kinds "full",
+        "causal", "inverse_causal", "bidir_causal"; `burstcu.blockmask`), the same on every
+        rank and given alone (no causal, window_size or cu_seqlens beside it); every strategy
+        and layout takes it, and burst's ring stops a block once no rank it would reach has a
+        rectangle needing it. Rows that see no key get out 0 and lse -inf.
     uneven: contiguous shards of other than near-equal lengths are what the ranks mean to
         hold (left out: False, or the Sharding's; with False, lengths differing by more than
         one row are refused on every rank, which catches a rank passing the global array
@@ -241,7 +251,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
-                                       positional=_positional(causal, window_size, cu_seqlens))
+                                       positional=_positional(causal, window_size, cu_seqlens,
+                                                              block_mask))
     cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
@@ -254,13 +265,14 @@ def attention(q, k, v, group=None, *, causal: bool = False,
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
             layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window_size=window_size,
-            cu_seqlens=cu_seqlens, problem=conflict, sharding_lengths=lengths)
+            cu_seqlens=cu_seqlens, block_mask=block_mask, problem=conflict,
+            sharding_lengths=lengths)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
-                                       _window(window_size), docs)
+                                       _window(window_size), docs, block_mask)
         out, lse = returned(export, _engine(strategy, options).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             softmax_scale=scale, layout=part, trace=group.trace,
-            window_size=_window(window_size), cu_seqlens=docs))
+            window_size=_window(window_size), cu_seqlens=docs, block_mask=block_mask))
     if packed:
         out, lse = out[0], lse[0]
     remember_cut(out, cut, 0 if packed else 1)      # unshard(out) with another layout is refused
@@ -273,7 +285,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                        layout: str | None = None, strategy: str = "burst",
                        ulysses_degree: int | None = None, check: bool = False,
                        window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
-                       uneven: bool | None = None):
+                       uneven: bool | None = None, block_mask=None):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) as returned by
@@ -290,7 +302,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
-                                       positional=_positional(causal, window_size, cu_seqlens))
+                                       positional=_positional(causal, window_size, cu_seqlens,
+                                                              block_mask))
     cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:
@@ -305,14 +318,15 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
             softmax_scale=softmax_scale, layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "check": check, "uneven": uneven}, window_size=window_size,
-            cu_seqlens=cu_seqlens, problem=conflict, sharding_lengths=lengths)
+            cu_seqlens=cu_seqlens, block_mask=block_mask, problem=conflict,
+            sharding_lengths=lengths)
         row_sums = {"row_sums": group.ops.zeros(lse.shape, lse.dtype)} if check else {}
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
-                                       _window(window_size), docs)
+                                       _window(window_size), docs, block_mask)
         grads = _engine(strategy, options).backward(
             dout, q, k, v, out, lse, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), softmax_scale=scale, layout=part, trace=group.trace,
-            window_size=_window(window_size), cu_seqlens=docs, **row_sums)
+            window_size=_window(window_size), cu_seqlens=docs, block_mask=block_mask, **row_sums)
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)
@@ -329,11 +343,11 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     return grads
 
 
-def _positional(causal, window_size, cu_seqlens) -> bool:
+def _positional(causal, window_size, cu_seqlens, block_mask=None) -> bool:
     """Whether an attention call's result depends on where its rows sit (`cut_problem`):
-    causal, a window or documents (anything unreadable counts as yes)."""
+    causal, a window, documents or a block mask (anything unreadable counts as yes)."""
     try:
-        return bool(causal) or cu_seqlens is not None or \
+        return bool(causal) or cu_seqlens is not None or block_mask is not None or \
             [int(w) for w in window_size] != [-1, -1]
     except Exception:  # noqa: BLE001 - the call itself refuses it on every rank
         return True
@@ -349,7 +363,7 @@ def _rows_of_call(layout, cu_seqlens, group) -> tuple:
 
 # the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
 # through besides causal, softmax_scale, layout and strategy
-ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "check")
+ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "check", "block_mask")
 
 
 def adapter_options(options: dict) -> tuple[dict, dict]:
@@ -487,7 +501,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     return results if return_lse else results[0]
 
 
-def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
+def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, block_mask=None):
     """This rank's piece of the global array `x` along `axis` (the sequence axis), N long.
 
     "contiguous": run `rank` of `size` near-equal runs (the first N % size ranks hold one row
@@ -499,10 +513,22 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None):
     numpy.ma.MaskedArray is refused (TypeError): its mask would be lost. group: a group, None
     (one rank), or a `burstcu.Sharding` (its layout, documents and lengths; a keyword that
     disagrees raises ValueError). No communication, so an error is this rank's alone.
+    block_mask: a `burstcu.BlockMask`: contiguous shards whose queries keep about the same number
+    of pairs (`BlockMask.balanced_lengths`), for `attention(..., block_mask=..., uneven=True)`
+    (or build a `Sharding(group, lengths=mask.balanced_lengths(size, N))` once).
     """
     group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, None)
     if conflict is not None:
         raise ValueError(conflict)
+    if block_mask is not None:
+        err = check_block_mask(block_mask, False, (-1, -1), None, True)
+        if err is not None:
+            raise err.exception()
+        if layout != "contiguous" or cu_seqlens is not None or lengths is not None:
+            raise ValueError("shard(..., block_mask=...) cuts contiguous shards balanced for the "
+                             "mask: give it without zigzag, cu_seqlens or a Sharding's lengths")
+        lengths = block_mask.balanced_lengths(1 if group is None else group.size,
+                                              x.shape[axis % x.ndim])
     check_layout(layout)
     masked = masked_array_problem("x", x)
     if masked is not None:

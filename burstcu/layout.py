@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:   # blockmask builds on this module (`ragged`)
+    from .blockmask import BlockMask
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -47,7 +50,9 @@ class Block:
 
     q_start, q_len: local query rows [q_start, q_start + q_len).
     k_start, k_len: rows of the K/V block being visited [k_start, k_start + k_len).
-    q_pos, k_pos: global positions of rows q_start and k_start.
+    q_pos, k_pos: global positions of rows q_start and k_start (under a block mask both are
+        shifted alike so that the tests below say its diagonals: only k_pos - q_pos counts;
+        `_block_mask_rectangles`).
     causal: True when the rectangle straddles the diagonal, so element (i, j) is kept only if
         q_pos + i >= k_pos + j. False means every element is kept.
     left, right: a sliding window's bounds that cut through the rectangle (-1: they do not):
@@ -246,10 +251,11 @@ def global_positions(layout: str | Partition, rank: int, size: int, seqlen_local
 
 def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
                 causal: bool, window_size: tuple[int, int] = (-1, -1),
-                cu_seqlens: tuple[int, ...] | None = None) -> list[Block]:
+                cu_seqlens: tuple[int, ...] | None = None,
+                block_mask: BlockMask | None = None) -> list[Block]:
     """`blocks` of `as_partition(layout, size, seqlen_local)`."""
     return blocks(as_partition(layout, size, seqlen_local), q_rank, kv_rank, causal, window_size,
-                  cu_seqlens)
+                  cu_seqlens, block_mask)
 
 
 def kept_pairs(block: Block) -> int:
@@ -276,19 +282,21 @@ RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np
 
 def blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool,
            window_size: tuple[int, int] = (-1, -1),
-           cu_seqlens: tuple[int, ...] | None = None) -> list[Block]:
+           cu_seqlens: tuple[int, ...] | None = None,
+           block_mask: BlockMask | None = None) -> list[Block]:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step),
     as `Block`s: `rectangles`, one Block a row (cu_seqlens: any sequence of ints)."""
     docs = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
     window = tuple(int(w) for w in window_size)
     return [Block(*row) for row in rectangles(part, q_rank, kv_rank, bool(causal), window,
-                                              docs).tolist()]
+                                              docs, block_mask).tolist()]
 
 
 @lru_cache(maxsize=128)   # G^2 arrays a partition (`burst.needs`); varlen batches bring new ones
 def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
                window_size: tuple[int, int] = (-1, -1),
-               cu_seqlens: tuple[int, ...] | None = None) -> np.ndarray:
+               cu_seqlens: tuple[int, ...] | None = None,
+               block_mask: BlockMask | None = None) -> np.ndarray:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys, one `RECTANGLE` row
     each (a read-only array, cached; empty: skip the step). Built with whole-array operations,
     in time linear in the number of segment pieces.
@@ -301,7 +309,13 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
     boundaries into one rectangle per document both touch, so a document is a set of rectangles
     and no kernel needs to know about it. Rows are ordered by query segment (local order), then
     key segment (by position), then document.
+    block_mask: a `burstcu.BlockMask` instead (without causal, window or documents):
+    `_block_mask_rectangles`.
     """
+    if block_mask is not None:
+        assert not causal and tuple(window_size) == (-1, -1) and cu_seqlens is None, \
+            "a block mask comes alone"
+        return _block_mask_rectangles(part, q_rank, kv_rank, block_mask)
     left, right = window_size
     hi = 0 if causal else (right if right >= 0 else None)   # keys up to q + hi
     lo = left if left >= 0 else None                          # keys from q - lo
@@ -317,8 +331,8 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
     order = np.argsort(k_doc, kind="stable")
     first = np.searchsorted(k_doc[order], q_doc, "left")
     counts = np.searchsorted(k_doc[order], q_doc, "right") - first
-    qi = np.repeat(np.arange(q_doc.size), counts)
-    ki = order[np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())]
+    qi, ki = ragged(first, counts)
+    ki = order[ki]
     q0, q1 = q_pos[qi], q_pos[qi] + q_len[qi] - 1      # first and last query position
     k0, k1 = k_pos[ki], k_pos[ki] + k_len[ki] - 1      # first and last key position
     kept = np.ones(qi.size, bool)
@@ -344,6 +358,76 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
     return out
 
 
+def _block_mask_rectangles(part: Partition, q_rank: int, kv_rank: int,
+                           mask: BlockMask) -> np.ndarray:
+    """`rectangles` of a block mask: every piece of the mask (`BlockMask.pieces`) cut by
+    `q_rank`'s query segments and `kv_rank`'s key segments, pieces that keep nothing dropped,
+    rows ordered by first local query row, then key position.
+
+    A piece keeps (i, j) iff lower <= j - i <= upper (global positions); a `Block` says the same
+    with its positions shifted: q_pos = i0 + c for the first query position i0, so that its
+    causal test (k_pos + j' <= q_pos + i') is j - i <= upper (c = upper) and its left bound is
+    lower (left = upper - lower), or with only a lower bound c = lower and left = 0. Both
+    positions then move together so that the smaller is 0 (only differences count; a Block no
+    bound cuts gets 0 for both): a bound
+    cuts the Block only where it lies within the offsets the Block holds, so its positions stay
+    below twice its longer side and `left` below the sum of its sides."""
+    pieces = mask.pieces
+    q_piece, q0, q_len, q_local = _overlaps(pieces["q_start"], pieces["q_stop"], *part.arrays[q_rank])
+    k_piece, k0, k_len, k_local = _overlaps(pieces["k_start"], pieces["k_stop"], *part.arrays[kv_rank])
+    # every query overlap with every key overlap of the same piece (k_piece is ascending)
+    first = np.searchsorted(k_piece, q_piece, "left")
+    counts = np.searchsorted(k_piece, q_piece, "right") - first
+    qi, ki = ragged(first, counts)
+    lower, upper = pieces["lower"][q_piece[qi]], pieces["upper"][q_piece[qi]]
+    qa, qb = q0[qi], q0[qi] + q_len[qi] - 1          # first and last query position
+    ka, kb = k0[ki], k0[ki] + k_len[ki] - 1          # first and last key position
+    kept = np.maximum(lower, ka - qb) <= np.minimum(upper, kb - qa)
+    cut_upper, cut_lower = kb - qa > upper, ka - qb < lower
+    rows = np.flatnonzero(kept)
+    rows = rows[np.lexsort((ka[rows], q_local[qi[rows]]))]
+    qi, ki, cut_upper, cut_lower = qi[rows], ki[rows], cut_upper[rows], cut_lower[rows]
+    lower, upper = lower[rows], upper[rows]
+    shift = np.where(cut_upper, upper, np.where(cut_lower, lower, 0))
+    q_pos = q0[qi] + shift
+    k_pos = np.where(cut_upper | cut_lower, k0[ki], q_pos)    # no bound: both 0 below
+    base = np.minimum(q_pos, k_pos)
+    out = np.empty(rows.size, RECTANGLE)
+    out["q_start"], out["q_len"], out["q_pos"] = q_local[qi], q_len[qi], q_pos - base
+    out["k_start"], out["k_len"], out["k_pos"] = k_local[ki], k_len[ki], k_pos - base
+    out["causal"] = cut_upper
+    out["left"] = np.where(cut_lower, np.where(cut_upper, upper - lower, 0), -1)
+    out["right"] = -1
+    out.flags.writeable = False
+    return out
+
+
+def _overlaps(start: np.ndarray, stop: np.ndarray, seg_pos: np.ndarray, seg_len: np.ndarray,
+              seg_local: np.ndarray):
+    """(range index, first position, length, first local row) of every non-empty overlap of the
+    ranges [start, stop) with a rank's segments (`Partition.arrays`), ascending in the range
+    index."""
+    order = np.argsort(seg_pos, kind="stable")
+    pos, end, local = seg_pos[order], seg_pos[order] + seg_len[order], seg_local[order]
+    first = np.searchsorted(end, start, "right")     # the first segment ending after start
+    counts = np.maximum(np.searchsorted(pos, stop, "left") - first, 0)
+    idx, seg = ragged(first, counts)
+    a = np.maximum(start[idx], pos[seg])
+    b = np.minimum(stop[idx], end[seg])
+    return idx, a, b - a, local[seg] + a - pos[seg]
+
+
+def ragged(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, value) of the runs first[i], first[i] + 1, ..., first[i] + counts[i] - 1 laid end
+    to end: owner[t] the run element t belongs to, value[t] the element (whole-array
+    operations; counts >= 0)."""
+    counts = np.asarray(counts, np.int64)
+    owner = np.repeat(np.arange(counts.size), counts)
+    value = np.repeat(np.asarray(first, np.int64) - np.cumsum(counts) + counts, counts) \
+        + np.arange(counts.sum())
+    return owner, value
+
+
 def _pieces(seg_pos: np.ndarray, seg_len: np.ndarray, seg_local: np.ndarray,
             bounds: np.ndarray | None):
     """(segment index, document, first position, length, first local row) of every piece the
@@ -355,8 +439,7 @@ def _pieces(seg_pos: np.ndarray, seg_len: np.ndarray, seg_local: np.ndarray,
     d0 = np.searchsorted(bounds, seg_pos, "right") - 1                  # document of the first row
     d1 = np.searchsorted(bounds, seg_pos + seg_len - 1, "right") - 1    # ... and of the last
     counts = d1 - d0 + 1
-    seg = np.repeat(index, counts)
-    doc = np.repeat(d0 - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    seg, doc = ragged(d0, counts)
     start = np.maximum(seg_pos[seg], bounds[doc])
     stop = np.minimum(seg_pos[seg] + seg_len[seg], bounds[np.minimum(doc + 1, bounds.size - 1)])
     keep = start < stop

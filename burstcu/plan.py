@@ -15,9 +15,9 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               where pairs are the (query, key) pairs the mask keeps and calls the rectangles
               (`burstcu.layout.blocks`, counted exactly per rank and step: causal, windows,
               documents and uneven shards all show), the overhead being host work and launches;
-              on a machine whose forward takes a step's rectangles in one call (forward_lists:
-              the GPU presets, the CUDA backends' list kernel) the forward counts one call a step
-              of more than LISTED_ABOVE rectangles.
+              on a machine whose kernels take a step's rectangles in one call (step_lists: the
+              GPU presets, the CUDA backends' list kernels) the forward counts one call a step
+              of more than LISTED_ABOVE rectangles, the backward one a step of more than one.
     messages  t(bytes) = latency + bytes / bandwidth for each ring exchange and for each
               all-to-all (its messages go out together; one latency more for each further
               message of an exchange), with the intra-node bandwidth when the ranks that talk
@@ -45,7 +45,7 @@ from . import engine
 from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partition
-from .validate import sharding_keywords
+from .validate import check_block_mask, check_block_mask_extent, sharding_keywords
 
 
 BACKWARD_FLOPS = 2.5  # the backward's flops over the forward's: S recomputed, dV, dP, dQ, dK
@@ -60,10 +60,11 @@ class Machine:
     intra_bw / inter_bw: bytes/s one way per rank inside / across nodes; latency: seconds per
     exchange; ranks_per_node: ranks that share the fast links; step_overhead: seconds of fixed
     cost per call of the local op (forward or backward step); memory_bw: bytes/s the local op
-    reads from its memory (decode's bound); forward_lists: the forward takes a step of more than
+    reads from its memory (decode's bound); step_lists: the forward takes a step of more than
     LISTED_ABOVE rectangles in one call (the CUDA backends' rectangle-list kernel), so such a step
-    costs one step_overhead forward however many documents cut it (the backward: one a rectangle;
-    a step of fewer: one a rectangle, as the Hopper kernel runs them)."""
+    costs one step_overhead forward however many documents cut it (a step of fewer: one a
+    rectangle, as the Hopper kernel runs them), and the backward any step of more than one
+    rectangle (flash_bwd_dkdv_steps / flash_bwd_dq_steps)."""
 
     name: str
     flops: float
@@ -74,7 +75,7 @@ class Machine:
     source: str
     step_overhead: float = 0.0
     memory_bw: float = 0.0
-    forward_lists: bool = False
+    step_lists: bool = False
 
 
 MACHINES = {
@@ -87,7 +88,7 @@ MACHINES = {
     "h100": Machine("h100", 989e12 * 0.4, 450e9 * 0.8, 50e9 * 0.8, 1e-5, 8,
                     "H100 SXM5 + NVLink 4 + NDR InfiniBand datasheets; ASSUMED 40% MFU, 80% links, "
                     "10 us a message, 20 us a step; HBM3 3.35 TB/s at 80%", step_overhead=2e-5,
-                    memory_bw=3350e9 * 0.8, forward_lists=True),
+                    memory_bw=3350e9 * 0.8, step_lists=True),
 }
 
 
@@ -151,14 +152,15 @@ class _Spec:
 
 
 @lru_cache(maxsize=64)
-def _work(part: Partition, causal: bool, window_size, cu_seqlens) -> tuple[np.ndarray, np.ndarray]:
+def _work(part: Partition, causal: bool, window_size, cu_seqlens,
+          block_mask=None) -> tuple[np.ndarray, np.ndarray]:
     """(pairs, calls), each (G, G): kept (query, key) pairs of rank i's queries over rank j's
     keys, and the rectangles (local-op calls) they take."""
     g = part.size
     pairs, calls = np.zeros((g, g), np.int64), np.zeros((g, g), np.int64)
     for i in range(g):
         for j in range(g):
-            rects = blocks(part, i, j, causal, window_size, cu_seqlens)
+            rects = blocks(part, i, j, causal, window_size, cu_seqlens, block_mask)
             pairs[i, j] = sum(kept_pairs(r) for r in rects)
             calls[i, j] = len(rects)
     return pairs, calls
@@ -167,7 +169,7 @@ def _work(part: Partition, causal: bool, window_size, cu_seqlens) -> tuple[np.nd
 @dataclass(frozen=True)
 class _Problem:
     """What one prediction is for: this rank's q and k (`_Spec`s, (B, S, H, D) and
-    (B, S, Hkv, D)) on `size` ranks, the mask (causal, window_size, cu_seqlens as
+    (B, S, Hkv, D)) on `size` ranks, the mask (causal, window_size, cu_seqlens, block_mask as
     `engine.steps.mask_key` gives it), the machine; and what a step of it costs there."""
 
     q: _Spec
@@ -189,19 +191,19 @@ class _Problem:
 
     def formula(self, layout) -> dict:
         """The keywords of the strategies' byte and message counts for this rank and mask."""
-        causal, window_size, cu_seqlens = self.mask
+        causal, window_size, cu_seqlens, block_mask = self.mask
         return dict(rank=self.rank, layout=layout, causal=causal, window_size=window_size,
-                    cu_seqlens=cu_seqlens)
+                    cu_seqlens=cu_seqlens, block_mask=block_mask)
 
     def compute(self, pairs, calls, heads: int, backward: bool = False):
         """Seconds of the local op for these kept pairs and calls (rectangles) of `heads` query
-        heads (0 where there is nothing): a fixed cost a call (forward on a machine with
-        forward_lists: one a step), and 4 B D flops a pair and head forward (2.5 times that
-        backward)."""
+        heads (0 where there is nothing): a fixed cost a call (on a machine with step_lists:
+        one a step of more than LISTED_ABOVE forward, of more than one backward), and 4 B D
+        flops a pair and head forward (2.5 times that backward)."""
         b, _, _, d = self.q.shape
         flop_s = 4 * b * d / self.machine.flops      # seconds per kept pair and query head
-        if self.machine.forward_lists and not backward:
-            calls = np.where(calls > LISTED_ABOVE, 1, calls)
+        if self.machine.step_lists:
+            calls = np.where(calls > (1 if backward else LISTED_ABOVE), 1, calls)
         factor = BACKWARD_FLOPS if backward else 1.0
         return np.where(calls > 0, self.machine.step_overhead * calls
                         + factor * flop_s * heads * pairs, 0.0)
@@ -340,16 +342,17 @@ _MODELS = {"burst": _burst_model, "ring": _ring_model, "allgather": _allgather_m
 
 def predict(strategy: str, options: dict, q_shape, k_shape, size: int, *, causal: bool,
             layout: str | Partition, dtype, machine: Machine, rank: int = 0,
-            window_size=(-1, -1), cu_seqlens=None) -> Candidate:
+            window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> Candidate:
     """PREDICTED forward and backward seconds of `strategy` (see the module docstring); bytes
     are those `rank` sends (burst and usp skip hops under some masks). layout: a name (every
-    rank holding q_shape's S rows) or a `burstcu.layout.Partition`; window_size and cu_seqlens
-    (document boundaries) as `burstcu.attention` takes them."""
+    rank holding q_shape's S rows) or a `burstcu.layout.Partition`; window_size, cu_seqlens
+    (document boundaries) and block_mask as `burstcu.attention` takes them."""
     run = engine.get(strategy, **options)
     if strategy not in _MODELS:
         raise ValueError(f"no model for strategy {strategy!r}")
     q, k = _Spec(q_shape, dtype), _Spec(k_shape, dtype)
-    problem = _Problem(q, k, size, rank, steps.mask_key(causal, window_size, cu_seqlens), machine)
+    problem = _Problem(q, k, size, rank,
+                       steps.mask_key(causal, window_size, cu_seqlens, block_mask), machine)
     part = as_partition(layout, size, q.shape[1])
     formula = problem.formula(part)
     fwd, bwd = _MODELS[strategy](problem, run, part)
@@ -371,10 +374,12 @@ def candidates(q_shape, k_shape, size: int) -> list[tuple[str, dict]]:
 
 def plan(q_shape, k_shape, group=None, *, causal: bool = False,
          layout: str | Partition | None = None, dtype="float16", backward: bool = True,
-         machine: Machine | str | None = None, window_size=(-1, -1), cu_seqlens=None) -> Plan:
+         machine: Machine | str | None = None, window_size=(-1, -1), cu_seqlens=None,
+         block_mask=None) -> Plan:
     """The PREDICTED best strategy for attention of q (B, S, H, D) over k, v (B, S, Hkv, D) —
     each rank's shard — on `group` (None: one rank), and the predictions it was chosen from.
-    The mask (causal, window_size, cu_seqlens: document boundaries) counts exactly what each
+    The mask (causal, window_size, cu_seqlens: document boundaries; or a `burstcu.BlockMask`,
+    block_mask) counts exactly what each
     rank computes at each step and what burst's ring skips; layout may be a
     `burstcu.layout.Partition` (uneven shards). group may be a `burstcu.Sharding`, which then
     supplies layout, cu_seqlens and uneven lengths. Packed shapes (T, H, D) count as batch 1.
@@ -399,9 +404,14 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     cu_seqlens = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
     if layout == "zigzag" and cu_seqlens is not None:  # every document in 2G pieces, as shard cuts
         layout = partition("zigzag", size, cu_seqlens[-1], cu_seqlens)
+    total = layout.total if isinstance(layout, Partition) else size * int(q_shape[1])
+    err = (check_block_mask(block_mask, causal, window_size, cu_seqlens, True)
+           or check_block_mask_extent(block_mask, total))
+    if err is not None:
+        raise err.exception()
     preds = [predict(name, opts, q_shape, k_shape, size, causal=causal, layout=layout,
                      dtype=dtype, machine=machine, rank=rank, window_size=window_size,
-                     cu_seqlens=cu_seqlens)
+                     cu_seqlens=cu_seqlens, block_mask=block_mask)
              for name, opts in candidates(q_shape, k_shape, size)]
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))

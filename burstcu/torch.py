@@ -104,8 +104,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     """`burstcu.attention` for tensors, differentiable: out (B, S, H, D), q's dtype and device.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
-    cu_seqlens, uneven, ulysses_degree (as `burstcu.attention`) and check (verify lse in the
-    backward). Every rank must call it, and later run its backward, collectively.
+    cu_seqlens, block_mask, uneven, ulysses_degree (as `burstcu.attention`) and check (verify lse
+    in the backward). Every rank must call it, and later run its backward, collectively.
     """
     fwd, bwd = api.adapter_options(mask_kwargs)
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .blockmask import BlockMask
 from .layout import LAYOUTS, Partition, partition
 from .ops.base import accum_dtype
 
@@ -198,6 +199,42 @@ def check_window(window_size, causal: bool, supported: bool) -> InputError | Non
     return None
 
 
+def check_block_mask(block_mask, causal: bool, window_size, docs,
+                     supported: bool) -> InputError | None:
+    """A block mask must be a `burstcu.BlockMask`, given alone (it says the whole mask: no
+    causal, window or documents beside it), to a local op that honours window bounds."""
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        return InputError(TypeError, f"block_mask must be a burstcu.BlockMask(q_ranges, k_ranges, "
+                                     f"kinds), got {type(block_mask).__name__}")
+    if causal or docs is not None or [int(w) for w in window_size] != [-1, -1]:
+        return InputError(ValueError, "block_mask is the whole mask: give it without causal, "
+                                      "window_size or cu_seqlens (a rectangle's kind says causal; "
+                                      "documents are rectangles of their own)")
+    if not supported:
+        return InputError(ValueError, "this backend's local op cannot take block masks")
+    return None
+
+
+def check_block_mask_extent(block_mask, seqlen_global: int,
+                            max_positions: int | None = None) -> InputError | None:
+    """Every range of a block mask must lie inside the global sequence [0, N); on a local op
+    addressing max_positions, N at most a quarter of them (a block mask's Blocks carry positions
+    up to twice their longer side and left bounds up to the sum of their sides:
+    `burstcu.layout.rectangles`)."""
+    if block_mask is None:
+        return None
+    if block_mask.extent > seqlen_global:
+        return InputError(ValueError, f"block_mask reaches position {block_mask.extent - 1} but "
+                                      f"the ranks hold {seqlen_global} positions in all")
+    if max_positions is not None and 4 * seqlen_global > max_positions:
+        return InputError(ValueError, f"a block mask over {seqlen_global} positions: this "
+                                      f"backend's kernels take block masks over at most "
+                                      f"{max_positions // 4} positions")
+    return None
+
+
 def host_ints(x) -> np.ndarray:
     """x (a list, NumPy, CuPy, PyTorch or JAX array of ints) as a NumPy array on the host."""
     if type(x).__module__.split(".")[0] == "cupy":
@@ -300,7 +337,8 @@ def partition_of(layout: str, lengths, docs, uneven: bool = False,
     if layout == "contiguous":
         if not uneven and max(lengths) - min(lengths) > 1:
             return InputError(ValueError, f"contiguous shards of {lengths} rows differ by more "
-                                          f"than one row (burstcu.shard cuts near-equal ones); "
+                                          f"than one row (burstcu.shard cuts near-equal ones, "
+                                          f"or with block_mask ones balanced for it); "
                                           f"pass uneven=True if the ranks hold these lengths on "
                                           f"purpose{hint}"), None
         return None, partition(layout, size, total, lengths=lengths)
@@ -554,7 +592,8 @@ def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
 
 def check_attention_call(ops, arrays: tuple, *, backward: bool, causal, softmax_scale, layout,
                          strategy: str, options: dict, flags: dict, options_problem=None,
-                         strategy_problem=None, window_size=(-1, -1), cu_seqlens=None):
+                         strategy_problem=None, window_size=(-1, -1), cu_seqlens=None,
+                         block_mask=None):
     """(InputError or None, resolved softmax scale, metadata, document boundaries or None) of
     this rank's native arrays for `attention` (q, k, v) or `attention_backward` (dout, q, k, v,
     out, lse). options_problem: the strategy options' InputError (checked first);
@@ -572,6 +611,8 @@ def check_attention_call(ops, arrays: tuple, *, backward: bool, causal, softmax_
     docs = None
     if err is None:
         err, docs = parse_cu_seqlens(cu_seqlens)
+    if err is None:
+        err = check_block_mask(block_mask, bool(causal), window_size, docs, ops.masks_windows)
     if err is None and backward:
         dout, _, _, _, out, lse = arrays
         err = check_backward_inputs(dout, out, lse, q, array_types=ops.array_types)
@@ -582,7 +623,9 @@ def check_attention_call(ops, arrays: tuple, *, backward: bool, causal, softmax_
     # every flag is agreed on too (check=True changes what the backward ring sends)
     return None, scale, metadata(*arrays, seq_axes=seq_axes, layout=layout, strategy=strategy,
                                  softmax_scale=scale, window=tuple(int(w) for w in window_size),
-                                 cu_seqlens=docs_digest(docs), **options,
+                                 cu_seqlens=docs_digest(docs),
+                                 block_mask=None if block_mask is None else block_mask.digest,
+                                 **options,
                                  **{name: bool(value) for name, value in flags.items()}), docs
 
 

@@ -1,4 +1,5 @@
-"""Sliding windows, documents and uneven shards (the three kinds of mask) on every strategy under
+"""Sliding windows, documents, uneven shards and block masks (the four kinds of mask) on every
+strategy under
 real `mpiexec -n 1..4`: out, lse, dq, dk, dv against a float64 reference over an explicit dense
 mask within FlashAttention's tolerance rule, bytes per rank against counts written out in the
 body, and unshard giving the global array back
@@ -72,6 +73,16 @@ UNEVEN = [
     {"causal": True, "layout": "zigzag", "n": 43, "doc_lengths": [29, 1], "window": (6, 0)},
 ]
 
+# block masks (burstcu.BlockMask, tests/mpi/strategy_bodies.py::mask_rects): rectangles of all
+# four kinds over global positions, on even, uneven and zigzag shards
+BLOCKS = [
+    {"causal": False, "layout": "contiguous", "block_mask": "question_answers"},
+    {"causal": False, "layout": "zigzag", "block_mask": "question_answers"},
+    {"causal": False, "layout": "contiguous", "n": 37, "block_mask": "four_kinds"},
+    {"causal": False, "layout": "zigzag", "block_mask": "four_kinds"},
+    {"causal": False, "layout": "contiguous", "lengths": LENGTHS, "block_mask": "sparse"},
+]
+
 MASK_KINDS = {
     # the kernels' key bounds on a real ring
     "windows": MaskKind(cases=WINDOWS, in_other_dtypes=WINDOWS[:3],
@@ -86,6 +97,10 @@ MASK_KINDS = {
     "uneven": MaskKind(cases=UNEVEN, in_other_dtypes=UNEVEN[2:4] + UNEVEN[6:7],
                        emulated=[(3, "float16")], emulated_cases=[UNEVEN[0], UNEVEN[3], UNEVEN[6]],
                        auto_worlds=(3, 4)),
+    # rectangles of every kind reach the kernels as Blocks with shifted diagonals
+    "block masks": MaskKind(cases=BLOCKS, in_other_dtypes=BLOCKS[2:4],
+                            emulated=[(3, "float16")], emulated_cases=BLOCKS[1:4],
+                            emulated_options={"seqlen_local": 16}, auto_worlds=(4,)),
 }
 
 EMULATED_RUNS = [(kind, world, dtype) for kind, spec in MASK_KINDS.items()

@@ -17,15 +17,17 @@ never attention kernels.
 option) a `usp.USPAttention`. Either way it has
 
     forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace=None,
-            window_size=(-1, -1), cu_seqlens=None) -> (out, lse)
+            window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, ops, transport, *, causal, softmax_scale, layout,
-             trace=None, row_sums=None, window_size=(-1, -1), cu_seqlens=None) -> (dq, dk, dv)
+             trace=None, row_sums=None, window_size=(-1, -1), cu_seqlens=None,
+             block_mask=None) -> (dq, dk, dv)
     input_problem(q_shape, k_shape, size) -> str | None   (what this strategy cannot take;
                                                           only strategies with limits have it)
 
 layout: a layout name (every rank holding S rows) or a `burstcu.layout.Partition`; window_size
-(left, right) and cu_seqlens (document boundaries, a tuple of ints or None) as
-`burstcu.attention` takes them, passed on to `burstcu.layout.blocks`.
+(left, right), cu_seqlens (document boundaries, a tuple of ints or None) and block_mask (a
+`burstcu.BlockMask` or None; alone, without causal, window or documents) as `burstcu.attention`
+takes them, passed on to `burstcu.layout.blocks`.
 
 Linear attention (`get_linear(name)`, `burstcu.linear_attention`), modules both:
     lasp2      LASP-2 (`lasp2`): one all-gather of the D x D states a pass
@@ -41,7 +43,7 @@ Decode against a sequence-sharded KV cache (`burstcu.decode`), a module of its o
 Every strategy, linear ones included, also counts what one rank sends, with one signature:
 
     forward_bytes(size, q, k, v, *, rank=0, layout="contiguous", causal=False,
-                  window_size=(-1, -1), cu_seqlens=None) -> int
+                  window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int
     backward_bytes(...), forward_messages(...), backward_messages(...)   the same arguments
 
 size: G; q, k, v: this rank's arrays, or anything with their `shape`, `dtype`, `size` and

@@ -26,9 +26,9 @@ from .steps import (cast_copy, grad_row_bytes, kv_row_bytes, laid_out, now, part
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None):
+            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
-    window_size, cu_seqlens: the mask (`layout.blocks`)."""
+    window_size, cu_seqlens, block_mask: the mask (`layout.blocks`)."""
     size, rank = transport.size, transport.rank
     part = as_partition(layout, size, q.shape[1])
     kv, gather_s = _gather_kv(ops, transport, k, v, part.lengths)
@@ -36,7 +36,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     # visit the shards in the ring's order so traces line up with the other strategies
     for s in range(size):
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens)
+        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
@@ -48,7 +48,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str | Partition, trace=None, row_sums=None,
-             window_size=(-1, -1), cu_seqlens=None):
+             window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
     row_sums: as for `burstcu.engine.ring.backward`."""
     size, rank = transport.size, transport.rank
@@ -65,7 +65,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     partial = [ops.message(fields(part.lengths[j])) for j in range(size)]
     for s in range(size):
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens)
+        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
         ops.copy_(partial[source].flat, 0)
         compute_s = 0.0
         if blocks:
@@ -150,14 +150,14 @@ def _reduce_scatter(ops, transport, partial, fields, lengths, trace):
 # sends each owner's rows); allgather skips nothing
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """This rank's K, V, padded to the longest shard, to each of the G-1 others."""
     longest = max(as_partition(layout, size, q.shape[1]).lengths)
     return (size - 1) * longest * kv_row_bytes(k, v)
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The all-gather again, then every other owner's dK, dV sums passing by (N - S_r rows)."""
     part = as_partition(layout, size, q.shape[1])
     rows = part.total - part.lengths[rank]              # every other owner's sum passes by
@@ -166,13 +166,13 @@ def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0,
                      layout: str | Partition = "contiguous", causal: bool = False,
-                     window_size=(-1, -1), cu_seqlens=None) -> int:
+                     window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The all-gather: this rank's K, V to each other rank."""
     return size - 1
 
 
 def backward_messages(size: int, q, k, v, *, rank: int = 0,
                       layout: str | Partition = "contiguous", causal: bool = False,
-                      window_size=(-1, -1), cu_seqlens=None) -> int:
+                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The all-gather again, then G-1 reduce-scatter hops."""
     return 2 * (size - 1)

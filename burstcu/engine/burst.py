@@ -56,7 +56,7 @@ visiting row's sum of P into a (B, H, S) accumulator that rides right behind dQ,
 does (one step behind, home with it as a second message); the check is that every row's total
 is 1. Byte counts above are without it.
 
-Masks (causal, window_size, cu_seqlens: document boundaries) change what a step computes
+Masks (causal, window_size, cu_seqlens: document boundaries; or a block mask) change what a step computes
 (`layout.blocks`) and how far each K/V block (forward) and each bundle (backward) travels. All
 accumulation state stays in the accumulation dtype. The strategy is `forward` and `backward`;
 then come the schedule's queries and the byte and message counts of the strategy interface
@@ -87,20 +87,21 @@ def _kv_fields(k, v, rows: int):
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
             layout: str | Partition, trace: Trace | None = None, window_size=(-1, -1),
-            cu_seqlens=None):
+            cu_seqlens=None, block_mask=None):
     """Exact attention of this rank's queries over every rank's keys.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout` (a layout name:
     every rank holds S rows; or a `burstcu.layout.Partition`: rank j holds S_j rows, and the
     buffers, sized for the longest shard, hold each block at its own length).
-    window_size, cu_seqlens: the mask's window and document boundaries (`layout.blocks`).
+    window_size, cu_seqlens, block_mask: the mask's window and document boundaries, or a
+    `burstcu.BlockMask` alone (`layout.blocks`).
     Returns out (B, S, H, D) in q's dtype and lse (B, H, S) in the accumulation dtype.
     """
     size, rank = transport.size, transport.rank
     part = as_partition(layout, size, q.shape[1])
     lengths = part.lengths
     assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
-    causal, window_size, cu_seqlens = mask_key(causal, window_size, cu_seqlens)
+    causal, window_size, cu_seqlens, block_mask = mask_key(causal, window_size, cu_seqlens, block_mask)
     if size == 1:   # nothing travels: the one step reads K and V where they are (strided or not)
         own = {"k": k, "v": v}
 
@@ -117,7 +118,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         ops.copy_(first["v"], v)
     state = ops.forward_init(q, softmax_scale)
 
-    mask = (part, causal, window_size, cu_seqlens)
+    mask = (part, causal, window_size, cu_seqlens, block_mask)
     for s in range(size):
         cur, nxt = holding(s), holding(s + 1)
         # a block goes on only while some later holder still needs it (sender and receiver
@@ -130,7 +131,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
                           [(cur.span("k", "v") if sending else None,
                             nxt.span("k", "v") if receiving else None)])
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens)
+        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
@@ -161,11 +162,12 @@ def _bundle_fields(q, acc, dq_rows: int, rows: int, row_sums: bool = False):
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str | Partition, trace: Trace | None = None,
-             row_sums=None, delta=None, grad_dtype=None, window_size=(-1, -1), cu_seqlens=None):
+             row_sums=None, delta=None, grad_dtype=None, window_size=(-1, -1), cu_seqlens=None,
+             block_mask=None):
     """Gradients of `forward` for this rank's shard.
 
     dout, q, out: (B, S, H, D); k, v: (B, S, Hkv, D); lse: (B, H, S) from `forward`; layout,
-    window_size and cu_seqlens as in `forward` (with uneven shards each bundle and dQ travel at
+    window_size, cu_seqlens and block_mask as in `forward` (with uneven shards each bundle and dQ travel at
     their owner's length).
     Returns dq (B, S, H, D) and dk, dv (B, S, Hkv, D), in the inputs' dtype.
     row_sums: None, or (B, H, S) in the accumulation dtype, contiguous: receives each of this
@@ -180,13 +182,13 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     part = as_partition(layout, size, q.shape[1])
     assert part.lengths[rank] == q.shape[1], \
         f"rank {rank} holds {q.shape[1]} rows, not {part.lengths[rank]}"
-    causal, window_size, cu_seqlens = mask_key(causal, window_size, cu_seqlens)
+    causal, window_size, cu_seqlens, block_mask = mask_key(causal, window_size, cu_seqlens, block_mask)
     if size == 1:
         return _backward_alone(dout, q, k, v, out, lse, ops, part, causal=causal,
                                softmax_scale=softmax_scale, trace=trace, row_sums=row_sums,
                                delta=delta, grad_dtype=grad_dtype, window_size=window_size,
-                               cu_seqlens=cu_seqlens)
-    ring = _BundleRing(q, ops, transport, (part, causal, window_size, cu_seqlens), row_sums)
+                               cu_seqlens=cu_seqlens, block_mask=block_mask)
+    ring = _BundleRing(q, ops, transport, (part, causal, window_size, cu_seqlens, block_mask), row_sums)
     ring.load(dout, out, lse, delta)
     ctx = ops.backward_init(k, v, softmax_scale)
     ring.allocate_dq()
@@ -207,7 +209,7 @@ class _BundleRing:
 
     def __init__(self, q, ops: LocalOps, transport: Transport, mask: tuple, row_sums):
         """q: this rank's queries (B, S, H, D); mask: (partition, causal, window_size,
-        cu_seqlens); row_sums: as in `backward`. Allocates the two message buffers."""
+        cu_seqlens, block_mask); row_sums: as in `backward`. Allocates the two message buffers."""
         self.q, self.ops, self.transport, self.mask = q, ops, transport, mask
         self.part, self.rank, self.size = mask[0], transport.rank, transport.size
         self.acc, self.sums, self.row_sums = accum_dtype(q.dtype), row_sums is not None, row_sums
@@ -295,13 +297,13 @@ class _BundleRing:
         """Step s: post its messages; if this rank holds a bundle whose queries see its keys,
         accumulate dK, dV (in ctx) and the bundle's dQ part meanwhile; wait; add the part to the
         dQ that arrived with the bundle (nothing at step 0) in the next step's buffer."""
-        ops, part, (_, causal, window_size, cu_seqlens) = self.ops, self.part, self.mask
+        ops, part, (_, causal, window_size, cu_seqlens, block_mask) = self.ops, self.part, self.mask
         cur, nxt = self.holding(s), self.holding(s + 1)
         messages, label = self.messages(s, cur, nxt)
         if messages:
             post_messages(ops, self.transport, label, messages)
         held = s < self.size and s <= self.hops(self.bundle(s))
-        blocks = (mask_blocks(part, self.bundle(s), self.rank, causal, window_size, cu_seqlens)
+        blocks = (mask_blocks(part, self.bundle(s), self.rank, causal, window_size, cu_seqlens, block_mask)
                   if held else [])
         adds = held and (bool(blocks) or s == 0)    # a bundle passing through adds nothing
         compute_s, parts = 0.0, []
@@ -324,7 +326,7 @@ class _BundleRing:
 
 def _backward_alone(dout, q, k, v, out, lse, ops: LocalOps, part: Partition, *, causal: bool,
                     softmax_scale: float, trace: Trace | None, row_sums, delta, grad_dtype,
-                    window_size, cu_seqlens):
+                    window_size, cu_seqlens, block_mask):
     """`backward` on a group of one rank: the one step reads Q, dO, lse and delta where they
     are and adds into the dQ it returns — no bundle buffers, and no copies of Q and dO into
     them, of dQ out of them, or of dQ into a second array in the inputs' dtype when that is
@@ -336,7 +338,7 @@ def _backward_alone(dout, q, k, v, out, lse, ops: LocalOps, part: Partition, *, 
     dq = ops.zeros(q.shape, acc)
     if row_sums is not None:
         ops.copy_(row_sums, 0)
-    blocks = mask_blocks(part, 0, 0, causal, window_size, cu_seqlens)
+    blocks = mask_blocks(part, 0, 0, causal, window_size, cu_seqlens, block_mask)
     compute_s = 0.0
     if blocks:
         compute_s = timed(ops, "bwd 0 compute", ops.backward_step, ctx, q, dout, lse, delta, dq,
@@ -361,49 +363,50 @@ def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] |
 
 # ----------------------------------------------------------------------------------------------
 # the schedule: which block and which bundle each rank holds and sends at each step. The mask
-# arguments (causal, window_size, cu_seqlens) are hashable: `steps.mask_key` makes them so.
+# arguments (causal, window_size, cu_seqlens, block_mask) are hashable: `steps.mask_key` makes them so.
 
 @lru_cache(maxsize=4096)  # varlen batches bring new documents each call: keep only recent ones
 def needs(part: Partition, q_rank: int, kv_rank: int, causal: bool, window_size=(-1, -1),
-          cu_seqlens=None) -> bool:
+          cu_seqlens=None, block_mask=None) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
-    return rectangles(part, q_rank, kv_rank, causal, tuple(window_size), cu_seqlens).size > 0
+    return rectangles(part, q_rank, kv_rank, causal, tuple(window_size), cu_seqlens, block_mask).size > 0
 
 
 def travels(holder: int, step: int, part: Partition, causal: bool, window_size=(-1, -1),
-            cu_seqlens=None) -> bool:
+            cu_seqlens=None, block_mask=None) -> bool:
     """Whether the K/V block `holder` has at forward step `step` (that of rank holder - step)
     goes on to holder + 1: some rank it would still reach, holder + 1 .. holder + G-1-step,
     needs it."""
     size = part.size
     block = (holder - step) % size
-    return any(needs(part, (holder + t) % size, block, causal, window_size, cu_seqlens)
+    return any(needs(part, (holder + t) % size, block, causal, window_size, cu_seqlens, block_mask)
                for t in range(1, size - step))
 
 
-def _hops(d: int, owner: int, part: Partition, causal: bool, window_size, cu_seqlens) -> int:
+def _hops(d: int, owner: int, part: Partition, causal: bool, window_size, cu_seqlens, block_mask) -> int:
     """The last step at which a rank on `owner`'s way in direction d needs its bundle (0: none)."""
     size = part.size
-    mask = (causal, window_size, cu_seqlens)
+    mask = (causal, window_size, cu_seqlens, block_mask)
     return max([0] + [t for t in range(1, size)
                       if needs(part, owner, (owner + d * t) % size, *mask)])
 
 
-@lru_cache(maxsize=4096)
-def _direction(part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None) -> int:
+# one entry a mask: a new mask each call (varlen batches, block masks) is kept only while recent
+@lru_cache(maxsize=64)
+def _direction(part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """`backward_direction` of a partition."""
-    mask = (part, causal, window_size, cu_seqlens)
+    mask = (part, causal, window_size, cu_seqlens, block_mask)
     forwards, backwards = (sum(_hops(d, j, *mask) for j in range(part.size)) for d in (1, -1))
     if forwards != backwards:
         return 1 if forwards < backwards else -1
     return -1 if causal else 1
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1024)   # G entries a mask
 def _bundle_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1),
-                 cu_seqlens=None) -> int:
+                 cu_seqlens=None, block_mask=None) -> int:
     """`bundle_hops` of a partition."""
-    mask = (part, causal, window_size, cu_seqlens)
+    mask = (part, causal, window_size, cu_seqlens, block_mask)
     return _hops(_direction(*mask), owner, *mask)
 
 
@@ -429,73 +432,74 @@ class BackwardStep:
 
 
 def forward_steps(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                  cu_seqlens=None) -> list[ForwardStep]:
+                  cu_seqlens=None, block_mask=None) -> list[ForwardStep]:
     """What `rank` does at each of the G steps of `forward` under the mask."""
     size = part.size
     return [ForwardStep((rank - s) % size,
-                        s < size - 1 and travels(rank, s, part, causal, window_size, cu_seqlens))
+                        s < size - 1 and travels(rank, s, part, causal, window_size, cu_seqlens, block_mask))
             for s in range(size)]
 
 
 def backward_steps(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                   cu_seqlens=None) -> list[BackwardStep]:
+                   cu_seqlens=None, block_mask=None) -> list[BackwardStep]:
     """What `rank` does at each of the steps 0..G-1 of `backward` under the mask (step G only
     brings the last dQ home)."""
     size = part.size
-    d = _direction(part, causal, window_size, cu_seqlens)
+    d = _direction(part, causal, window_size, cu_seqlens, block_mask)
     out = []
     for s in range(size):
         j = (rank - d * s) % size
-        hops = _bundle_hops(j, part, causal, window_size, cu_seqlens)
+        hops = _bundle_hops(j, part, causal, window_size, cu_seqlens, block_mask)
         out.append(BackwardStep(j, s <= hops, s < hops, s < hops or s == hops >= 1))
     return out
 
 
 def forward_sends(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """How many of the G-1 forward steps `rank` sends its K, V on: G-1 without a mask; with
     causal over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last
     rank none, G(G-1)/2 in all; zigzag needs every hop; documents each inside one rank's shard:
     none."""
     part = as_partition(layout, size, seqlen_local)
-    mask = mask_key(causal, window_size, cu_seqlens)
+    mask = mask_key(causal, window_size, cu_seqlens, block_mask)
     return sum(step.sends for step in forward_steps(rank, part, *mask))
 
 
 def forward_rows(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                 cu_seqlens=None) -> int:
+                 cu_seqlens=None, block_mask=None) -> int:
     """Rows of the K/V blocks `rank` sends in `forward` (each block at its owner's length):
     (G-1) * S for equal shards without a mask."""
     return sum(part.lengths[step.source]
-               for step in forward_steps(rank, part, causal, window_size, cu_seqlens) if step.sends)
+               for step in forward_steps(rank, part, causal, window_size, cu_seqlens, block_mask)
+               if step.sends)
 
 
 def backward_direction(layout: str | Partition, size: int, seqlen_local: int, causal: bool,
-                       window_size=(-1, -1), cu_seqlens=None) -> int:
+                       window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """Which way the backward bundles go: +1 to the next rank, -1 to the previous one — the way
     with fewer bundle hops in all under this mask (the same on every rank); on a tie, back under
     causal (causal queries see earlier keys, which contiguous shards put on earlier ranks)."""
     return _direction(as_partition(layout, size, seqlen_local),
-                      *mask_key(causal, window_size, cu_seqlens))
+                      *mask_key(causal, window_size, cu_seqlens, block_mask))
 
 
 def bundle_hops(owner: int, layout: str | Partition, size: int, seqlen_local: int, causal: bool,
-                window_size=(-1, -1), cu_seqlens=None) -> int:
+                window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """How far `owner`'s backward bundle travels: the last step at which a rank it visits (in
     `backward_direction`) needs it, 0 when no other rank does."""
     return _bundle_hops(owner, as_partition(layout, size, seqlen_local),
-                        *mask_key(causal, window_size, cu_seqlens))
+                        *mask_key(causal, window_size, cu_seqlens, block_mask))
 
 
 def backward_counts(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
                     causal: bool = False, window_size=(-1, -1),
-                    cu_seqlens=None) -> tuple[int, int, int]:
+                    cu_seqlens=None, block_mask=None) -> tuple[int, int, int]:
     """(bundles, dqs, messages) `rank` sends in `backward`: bundles it passes on, dQ
     accumulators it passes on or sends home, messages in all. Without a mask every bundle goes
     G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r passes on r bundles (the
     bundles of r..G-1 visit it on their way down to 0) and so on: half the ring's bundles."""
     steps = backward_steps(rank, as_partition(layout, size, seqlen_local),
-                           *mask_key(causal, window_size, cu_seqlens))
+                           *mask_key(causal, window_size, cu_seqlens, block_mask))
     bundles = sum(step.passes_on for step in steps)
     dqs = sum(step.sends_dq for step in steps)
     returns = dqs - bundles
@@ -505,10 +509,10 @@ def backward_counts(rank: int, size: int, seqlen_local: int, layout: str | Parti
 
 
 def backward_rows(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                  cu_seqlens=None) -> tuple[int, int]:
+                  cu_seqlens=None, block_mask=None) -> tuple[int, int]:
     """(bundle rows, dQ rows) `rank` sends in `backward`, each bundle at its owner's length:
     (G-1) * S and G * S for equal shards without a mask."""
-    steps = backward_steps(rank, part, causal, window_size, cu_seqlens)
+    steps = backward_steps(rank, part, causal, window_size, cu_seqlens, block_mask)
     return (sum(part.lengths[step.bundle] for step in steps if step.passes_on),
             sum(part.lengths[step.bundle] for step in steps if step.sends_dq))
 
@@ -531,30 +535,30 @@ def dq_row_bytes(q) -> int:
 # needs, so every figure depends on the rank and the mask
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The rows of the K/V blocks `rank` passes on (`forward_rows`) x a row of K and V."""
     part = as_partition(layout, size, q.shape[1])
-    return (forward_rows(rank, part, *mask_key(causal, window_size, cu_seqlens))
+    return (forward_rows(rank, part, *mask_key(causal, window_size, cu_seqlens, block_mask))
             * kv_row_bytes(k, v))
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The bundle rows and dQ rows `rank` sends (`backward_rows`) x their row bytes."""
     part = as_partition(layout, size, q.shape[1])
-    bundle_rows, dq_rows = backward_rows(rank, part, *mask_key(causal, window_size, cu_seqlens))
+    bundle_rows, dq_rows = backward_rows(rank, part, *mask_key(causal, window_size, cu_seqlens, block_mask))
     return bundle_rows * bundle_row_bytes(q) + dq_rows * dq_row_bytes(q)
 
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0,
                      layout: str | Partition = "contiguous", causal: bool = False,
-                     window_size=(-1, -1), cu_seqlens=None) -> int:
+                     window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One message a block `rank` passes on (`forward_sends`)."""
-    return forward_sends(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens)
+    return forward_sends(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens, block_mask)
 
 
 def backward_messages(size: int, q, k, v, *, rank: int = 0,
                       layout: str | Partition = "contiguous", causal: bool = False,
-                      window_size=(-1, -1), cu_seqlens=None) -> int:
+                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The messages of `backward_counts`: G + 1 a rank without a mask (G > 1)."""
-    return backward_counts(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens)[2]
+    return backward_counts(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens, block_mask)[2]

@@ -215,25 +215,25 @@ def backward_sends(rank: int, size: int, seqlen_local: int, layout: str = "conti
 # keywords are there for the one signature)
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One chunk state a message (`forward_sends`)."""
     return forward_sends(rank, size, q.shape[1], layout, causal) * state_bytes(q, k)
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One chunk state a message (`backward_sends`), two (M and dM) when not causal."""
     per = state_bytes(q, k) * (1 if causal else 2)
     return backward_sends(rank, size, q.shape[1], layout, causal) * per
 
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """`forward_sends`."""
     return forward_sends(rank, size, q.shape[1], layout, causal)
 
 
 def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """`backward_sends`."""
     return backward_sends(rank, size, q.shape[1], layout, causal)

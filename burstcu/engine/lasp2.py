@@ -169,24 +169,24 @@ def _total(ops: LocalOps, states, acc, k_shape, d: int):
 # layout matters (how many runs, so states, a rank holds)
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """This rank's chunk states to each of the G-1 others."""
     return (size - 1) * len(segments(layout, 0, size, q.shape[1])) * state_bytes(q, k)
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The forward's states again, beside the gradient states: twice the forward."""
     return 2 * forward_bytes(size, q, k, v, layout=layout)
 
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                     causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One all-gather: a message to each other rank."""
     return size - 1
 
 
 def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
-                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One all-gather: a message to each other rank."""
     return size - 1

@@ -25,10 +25,10 @@ from .steps import (cast_copy, grad_row_bytes, kv_row_bytes, now, partial_kv_gra
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None):
+            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
     layout: a name, or a Partition (uneven shards: buffers of the longest, each block at its
-    owner's length); window_size, cu_seqlens: the mask (`layout.blocks`)."""
+    owner's length); window_size, cu_seqlens, block_mask: the mask (`layout.blocks`)."""
     size, rank = transport.size, transport.rank
     part = as_partition(layout, size, q.shape[1])
     lengths = part.lengths
@@ -50,7 +50,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         if exchanging:
             post_exchange(ops, transport, f"ring fwd {s} send/recv k, v", [(kc, kn), (vc, vn)])
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens)
+        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state, kc, vc,
@@ -63,7 +63,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str | Partition, trace=None, row_sums=None,
-             window_size=(-1, -1), cu_seqlens=None):
+             window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """Gradients of `forward`. Returns dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the input dtype.
     row_sums: None, or (B,H,S) in the accumulation dtype, zeroed: receives each of this
     rank's rows' sum of the recomputed P over every rank's keys (Q stays, so it stays too)."""
@@ -100,7 +100,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
         if pairs:
             post_exchange(ops, transport, f"ring bwd {s} send/recv", pairs)
         source = (rank - s) % size  # the keys are source's; the queries are ours
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens)
+        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
         compute_s, parts = 0.0, None
         if blocks:
             t0 = now()
@@ -149,7 +149,7 @@ def _return_home(ops, transport, dk_last, dv_last, shape, trace):
 # ring skips nothing
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The blocks of ranks r, r-1, .., r-G+2 at their owners' lengths x a row of K and V."""
     lengths = as_partition(layout, size, q.shape[1]).lengths
     rows = sum(lengths[(rank - s) % size] for s in range(size - 1))
@@ -157,7 +157,7 @@ def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition 
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The forward's K, V again, and every dK, dV (N rows in all) in the accumulation dtype."""
     if size == 1:
         return 0
@@ -167,13 +167,13 @@ def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0,
                      layout: str | Partition = "contiguous", causal: bool = False,
-                     window_size=(-1, -1), cu_seqlens=None) -> int:
+                     window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """K and V, two messages a step but the last."""
     return 2 * (size - 1)
 
 
 def backward_messages(size: int, q, k, v, *, rank: int = 0,
                       layout: str | Partition = "contiguous", causal: bool = False,
-                      window_size=(-1, -1), cu_seqlens=None) -> int:
+                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """K, V ahead (G-1 steps) and dK, dV behind (G steps, the last one home)."""
     return 0 if size == 1 else 2 * (size - 1) + 2 * size

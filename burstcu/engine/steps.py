@@ -132,11 +132,12 @@ def grad_row_bytes(k, v) -> int:
     return (k.size // k.shape[1] + v.size // v.shape[1]) * acc
 
 
-def mask_key(causal, window_size=(-1, -1), cu_seqlens=None) -> tuple:
-    """(causal, window_size, cu_seqlens) as a bool, a pair of ints and a tuple of ints (or None):
-    the hashable form the cached schedule queries (`burst.needs`, ...) take."""
+def mask_key(causal, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> tuple:
+    """(causal, window_size, cu_seqlens, block_mask) as a bool, a pair of ints, a tuple of ints
+    (or None) and a `burstcu.BlockMask` (or None): the hashable form the cached schedule
+    queries (`burst.needs`, ...) take."""
     return (bool(causal), (int(window_size[0]), int(window_size[1])),
-            None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens))
+            None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens), block_mask)
 
 
 def seq_view(flat, x, rows: int):

@@ -186,9 +186,9 @@ def input_problem(q_shape, k_shape, size: int) -> str | None:
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
-            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None):
+            layout: str | Partition, trace=None, window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
-    window_size, cu_seqlens: the mask over global positions (`layout.blocks`)."""
+    window_size, cu_seqlens, block_mask: the mask over global positions (`layout.blocks`)."""
     x = HeadExchange(transport, range(transport.size),
                      as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
     (q_all, k_all, v_all), wait_in = x.to_heads(
@@ -196,7 +196,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     state = ops.forward_init(q_all, softmax_scale)
     compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
                       step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
-                                  cu_seqlens))
+                                  cu_seqlens, block_mask))
     out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
     out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
                                                       lse_all.dtype)
@@ -208,7 +208,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
 
 def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, causal: bool,
              softmax_scale: float, layout: str | Partition, trace=None, row_sums=None,
-             window_size=(-1, -1), cu_seqlens=None):
+             window_size=(-1, -1), cu_seqlens=None, block_mask=None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
     row_sums: None, or (B,H,S) in the accumulation dtype: receives each of this rank's rows'
     sum of the recomputed P over the whole sequence (computed where the heads are)."""
@@ -225,7 +225,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     compute_s = timed(ops, "ulysses bwd compute", ops.backward_step, ctx, q_all, do_all,
                       lse_all, delta_all, dq_all,
                       step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
-                                  cu_seqlens),
+                                  cu_seqlens, block_mask),
                       *sums)
     dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
     dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
@@ -250,7 +250,7 @@ def _head_split(size: int, q, k) -> tuple:
 
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """q, k, v of my rows for each other member's heads; out, lse of their rows for mine."""
     b, s, d, hg, hk, it, acc = _head_split(size, q, k)
     others = as_partition(layout, size, s).total - s
@@ -258,7 +258,7 @@ def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition 
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
-                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None) -> int:
+                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """lse, delta, q, dO, k, v of my rows out; dq, dk, dv of their rows back, in the
     accumulation dtype."""
     b, s, d, hg, hk, it, acc = _head_split(size, q, k)
@@ -270,7 +270,7 @@ def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition
 
 def forward_messages(size: int, q, k, v, *, rank: int = 0,
                      layout: str | Partition = "contiguous", causal: bool = False,
-                     window_size=(-1, -1), cu_seqlens=None) -> int:
+                     window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """Two all-to-alls, one message to each other member each."""
     return 2 * (size - 1)
 

@@ -85,15 +85,15 @@ class USPAttention:
 
     def forward(self, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool,
                 softmax_scale: float, layout: str | Partition, trace=None, window_size=(-1, -1),
-                cu_seqlens=None):
+                cu_seqlens=None, block_mask=None):
         """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype, lse (B,H,S).
-        window_size, cu_seqlens: the mask over global positions (`layout.blocks`)."""
+        window_size, cu_seqlens, block_mask: the mask over global positions (`layout.blocks`)."""
         x, ring, groups = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
                                      softmax_scale=softmax_scale, layout=groups, trace=trace,
-                                     window_size=window_size, cu_seqlens=cu_seqlens)
+                                     window_size=window_size, cu_seqlens=cu_seqlens, block_mask=block_mask)
         out = ops.zeros(q.shape, q.dtype)
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
         wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
@@ -104,7 +104,7 @@ class USPAttention:
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
                  causal: bool, softmax_scale: float, layout: str | Partition, trace=None,
-                 row_sums=None, window_size=(-1, -1), cu_seqlens=None):
+                 row_sums=None, window_size=(-1, -1), cu_seqlens=None, block_mask=None):
         """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype.
         row_sums: None, or (B,H,S) in the accumulation dtype (see burst.backward)."""
         acc = accum_dtype(q.dtype)
@@ -118,7 +118,7 @@ class USPAttention:
                                           causal=causal, softmax_scale=softmax_scale,
                                           layout=groups, trace=trace, row_sums=sums, delta=delta_g,
                                           grad_dtype=acc, window_size=window_size,
-                                          cu_seqlens=cu_seqlens)
+                                          cu_seqlens=cu_seqlens, block_mask=block_mask)
         dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
@@ -139,21 +139,21 @@ class USPAttention:
 
     def forward_bytes(self, size: int, q, k, v, *, rank: int = 0,
                       layout: str | Partition = "contiguous", causal: bool = False,
-                      window_size=(-1, -1), cu_seqlens=None) -> int:
+                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
         """The group's all-to-alls (Ulysses in, out + lse back), then the ring across the
         groups, which skips hops as `burst.forward_rows` says for the group's super-rank."""
         b, s, h, d = q.shape
         u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
         hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
-        ring_rows = burst.forward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens))
+        ring_rows = burst.forward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens, block_mask))
         return ((u - 1) * b * s * (hg + 2 * hk) * d * it
                 + (groups.lengths[i] - s) * b * hg * (acc + d * it)
                 + ring_rows * 2 * b * hk * d * it)
 
     def backward_bytes(self, size: int, q, k, v, *, rank: int = 0,
                        layout: str | Partition = "contiguous", causal: bool = False,
-                       window_size=(-1, -1), cu_seqlens=None) -> int:
+                       window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
         """The group's all-to-alls (lse, delta, q, dO, k, v in; dq, dk, dv back), then the ring
         across the groups, whose bundles stop as `burst.backward_rows` says for the group's
         super-rank."""
@@ -162,7 +162,7 @@ class USPAttention:
         hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
         bundle_rows, dq_rows = (0, 0) if groups.size == 1 else \
-            burst.backward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens))
+            burst.backward_rows(i, groups, *mask_key(causal, window_size, cu_seqlens, block_mask))
         ring_bytes = bundle_rows * b * hg * (2 * d * it + 2 * acc) + dq_rows * b * hg * d * acc
         back = (hg + 2 * hk) * d * acc
         return ((u - 1) * b * s * (hg * (2 * acc + 2 * d * it) + 2 * hk * d * it) + ring_bytes
@@ -170,16 +170,16 @@ class USPAttention:
 
     def forward_messages(self, size: int, q, k, v, *, rank: int = 0,
                          layout: str | Partition = "contiguous", causal: bool = False,
-                         window_size=(-1, -1), cu_seqlens=None) -> int:
+                         window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
         """Two all-to-alls in the group, then one message a block the ring passes on."""
         u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
         return 2 * (u - 1) + burst.forward_sends(i, groups.size, 0, groups, causal, window_size,
-                                                 cu_seqlens)
+                                                 cu_seqlens, block_mask)
 
     def backward_messages(self, size: int, q, k, v, *, rank: int = 0,
                           layout: str | Partition = "contiguous", causal: bool = False,
-                          window_size=(-1, -1), cu_seqlens=None) -> int:
+                          window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
         """Two all-to-alls in the group, then the ring's `burst.backward_counts` messages."""
         u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
         return 2 * (u - 1) + burst.backward_counts(i, groups.size, 0, groups, causal, window_size,
-                                                   cu_seqlens)[2]
+                                                   cu_seqlens, block_mask)[2]

@@ -362,11 +362,11 @@ SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does 
 def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
            shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
            options: dict | None = None, window_size: tuple = (-1, -1), cu_seqlens=None,
-           row_sums: bool = False) -> Schedule:
+           row_sums: bool = False, block_mask=None) -> Schedule:
     """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
     `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
     need `record_loopback`: a recording NCCL rank has no MPI to split over. window_size,
-    cu_seqlens: the mask, as the strategies take it; row_sums: the backward of
+    cu_seqlens, block_mask: the mask, as the strategies take it; row_sums: the backward of
     attention_backward(check=True)."""
     run = engine.get(strategy, **(options or {}))
 
@@ -385,7 +385,7 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
                  "lse": ops.new("lse", (b, h, s), acc)}
     device.sentinel("begin")
     kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window_size=window_size,
-              cu_seqlens=cu_seqlens)
+              cu_seqlens=cu_seqlens, block_mask=block_mask)
     if pass_ == "forward":
         run.forward(q, k, v, ops, transport, **kw)
     else:

@@ -56,7 +56,7 @@ COUNTS = ("forward_bytes", "backward_bytes", "forward_messages", "backward_messa
 def test_every_strategy_counts_with_one_signature(name):
     """`engine.get` / `get_linear` give forward, backward and the four counts of what a rank
     sends, every count taking (size, q, k, v, *, rank, layout, causal, window_size,
-    cu_seqlens) (the signature documented in burstcu.engine)."""
+    cu_seqlens, block_mask) (the signature documented in burstcu.engine)."""
     import inspect
 
     linear = name in engine.LINEAR_NAMES
@@ -67,7 +67,7 @@ def test_every_strategy_counts_with_one_signature(name):
         params = inspect.signature(count).parameters.values()
         assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == ["size", "q", "k", "v"]
         assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == \
-            ["rank", "layout", "causal", "window_size", "cu_seqlens"]
+            ["rank", "layout", "causal", "window_size", "cu_seqlens", "block_mask"]
         assert count(4, q, k, k, rank=1, layout="zigzag", causal=True) > 0
         assert count(1, q, k, k) == 0
 

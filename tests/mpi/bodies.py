@@ -63,11 +63,24 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
-def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None) -> np.ndarray:
+def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None, rects=None) -> np.ndarray:
     """(len(qpos), len(kpos)) bool: key position k visible to query position q, spelled out:
     (not causal or k <= q) and q - left <= k <= q + right (-1: unbounded) and, with document
-    boundaries docs = (0, b_1, ..., n), q and k in the same document."""
+    boundaries docs = (0, b_1, ..., n), q and k in the same document. rects: a block mask's
+    rectangles (qs, qe, ks, ke, kind) instead: q in [qs, qe), k in [ks, ke) and for "causal"
+    k - ks <= q - qs + (ke - ks) - (qe - qs), for "inverse_causal" k - ks >= q - qs, for
+    "bidir_causal" both, in any of them."""
     qpos, kpos = np.asarray(qpos)[:, None], np.asarray(kpos)[None, :]
+    if rects is not None:
+        keep = np.zeros((qpos.size, kpos.size), bool)
+        for qs, qe, ks, ke, kind in rects:
+            inside = (qpos >= qs) & (qpos < qe) & (kpos >= ks) & (kpos < ke)
+            if kind in ("causal", "bidir_causal"):
+                inside &= kpos - ks <= qpos - qs + (ke - ks) - (qe - qs)
+            if kind in ("inverse_causal", "bidir_causal"):
+                inside &= kpos - ks >= qpos - qs
+            keep |= inside
+        return keep
     left, right = window
     keep = np.ones((qpos.size, kpos.size), bool)
     if docs is not None:
@@ -83,32 +96,34 @@ def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None) -> np.ndarr
 
 
 def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
-               rows: bool = False) -> int:
+               rows: bool = False, rects=None) -> int:
     """Forward hops ring member `index` sends K, V on when a block goes on only while a member
     it would still reach sees one of its keys. groups: each member's global positions.
-    rows: count the rows of the blocks sent instead (uneven shards)."""
+    rows: count the rows of the blocks sent instead (uneven shards). rects: a block mask
+    (`dense_keep`)."""
     g = len(groups)
 
     def sees(x, j):  # do member x's queries see any of member j's keys?
-        return bool(dense_keep(groups[x], groups[j], causal, window, docs).any())
+        return bool(dense_keep(groups[x], groups[j], causal, window, docs, rects).any())
 
     return sum((len(groups[(index - step) % g]) if rows else 1) for step in range(g - 1)
                if any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step)))
 
 
 def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
-                  received: bool = False, rows: bool = False):
+                  received: bool = False, rows: bool = False, rects=None):
     """(bundles, dqs, messages) ring member `index` sends in the burst backward when a bundle
     goes round backwards under causal (forwards otherwise) only as far as the last member that
     sees one of its queries, its dQ one step behind it and then straight home.
     groups: each member's global positions. received: (bundles, dqs) it receives instead.
     rows: bundles and dqs counted in rows (each at its owner's length; uneven shards).
+    rects: a block mask (`dense_keep`).
     The direction: the one with fewer bundle hops in all; on a tie back under causal."""
     g = len(groups)
 
     def last_in(d, j):   # the last step at which member j's bundle is held going way d
         return max([0] + [t for t in range(1, g) if dense_keep(
-            groups[j], groups[(j + d * t) % g], causal, window, docs).any()])
+            groups[j], groups[(j + d * t) % g], causal, window, docs, rects).any()])
 
     forwards, backwards = (sum(last_in(d, j) for j in range(g)) for d in (1, -1))
     d = (1 if forwards < backwards else -1) if forwards != backwards else (-1 if causal else 1)

@@ -163,6 +163,26 @@ def case_rows(case: dict, size: int, n: int, docs, group) -> list:
             for r in range(size)]
 
 
+def mask_rects(name: str, n: int) -> list:
+    """The rectangles (qs, qe, ks, ke, kind) of a named block mask over n positions:
+    "question_answers": a question of n/3 rows (causal) and two answers, each seeing the whole
+        question and itself causally but not the other answer;
+    "four_kinds": causal, full, inverse_causal and bidir_causal rectangles of unequal sides,
+        two of them sharing their query rows;
+    "sparse": three small rectangles that leave most rows seeing no key (out 0, lse -inf)."""
+    a, b = n // 3, (2 * n) // 3
+    if name == "question_answers":
+        return [(0, a, 0, a, "causal"), (a, b, 0, a, "full"), (a, b, a, b, "causal"),
+                (b, n, 0, a, "full"), (b, n, b, n, "causal")]
+    if name == "four_kinds":
+        return [(0, b, 0, a + 1, "causal"), (0, b, a + 1, n, "inverse_causal"),
+                (b, n, 0, b - 2, "full"), (b, n, b - 2, n, "bidir_causal")]
+    if name == "sparse":
+        return [(1, 3, n - 4, n, "full"), (n // 2, n // 2 + 2, 0, 5, "causal"),
+                (n - 2, n, n - 2, n, "inverse_causal")]
+    raise ValueError(f"no block mask named {name!r}")
+
+
 def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
                                        ulysses_degree=None, backend="numpy"):
     """Sliding windows, documents and uneven shards (tests/test_mask_kinds.py's cases):
@@ -171,8 +191,10 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
     unbounded, for a case's "window" (left, right)), within FlashAttention's tolerance rule;
     check=True passes. A case with "doc_lengths" also passes cu_seqlens: documents of those
     lengths, cycled until the sequence is full (the last one cut short), and the reference keeps
-    only same-document pairs. A case with "n" has that global length (any: shards differ by a
-    row), one with "lengths" (per world size) contiguous shards of those lengths. Bytes sent are
+    only same-document pairs; one with "block_mask" (a name of `mask_rects`) passes that
+    `burstcu.BlockMask`, the reference spelling out its rectangles. A case with "n" has that
+    global length (any: shards differ by a row), one with "lengths" (per world size) contiguous
+    shards of those lengths. Bytes sent are
     asserted for burst (rows of the blocks and bundles it passes on, each at its owner's
     length), ring and allgather; unshard gives the global output back."""
     group = burstcu.init(backend=backend)
@@ -185,14 +207,17 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         lengths = case.get("lengths", {}).get(str(size))
         n = sum(lengths) if lengths else case.get("n", seqlen_local * size)
         docs = doc_boundaries(case.get("doc_lengths"), n)
-        keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right), docs)
+        rects = mask_rects(case["block_mask"], n) if "block_mask" in case else None
+        keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right), docs, rects)
         q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
         groups = case_rows(case, size, n, docs, group)
         rows = groups[rank]
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
         kw = dict(causal=causal, layout=layout, window_size=(left, right), **how,
                   **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}),
-                  **({"uneven": True} if "lengths" in case else {}))
+                  **({"uneven": True} if "lengths" in case else {}),
+                  **({} if rects is None else {"block_mask": burstcu.BlockMask(
+                      [r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])}))
         group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
         kv_row = (kl.nbytes + vl.nbytes) // kl.shape[1]          # one row of K and V
@@ -201,14 +226,14 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         lengths = [len(g) for g in groups]
         fwd_want = {   # bytes sent, from each strategy's definition
             # K, V go on only while a rank they reach needs them, at their owner's length
-            "burst": ring_sends(groups, rank, causal, (left, right), docs, rows=True) * kv_row,
+            "burst": ring_sends(groups, rank, causal, (left, right), docs, True, rects) * kv_row,
             "ring": sum(lengths[(rank - s) % size] for s in range(size - 1)) * kv_row,
             "allgather": (size - 1) * max(lengths) * kv_row,   # padded to the longest shard
         }.get(strategy)
         if fwd_want is not None:
             assert group.stats.bytes_sent == fwd_want, (case, fwd_want, group.stats)
         if strategy == "burst":
-            sends = ring_sends(groups, rank, causal, (left, right), docs)
+            sends = ring_sends(groups, rank, causal, (left, right), docs, rects=rects)
             assert group.stats.messages == sends
         if strategy == "allgather":   # one all-gather: my K, V to each of the G-1 others
             assert group.stats.messages == size - 1, (case, group.stats)
@@ -216,8 +241,9 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, **kw)
         b, _, h, d = ql.shape
         if strategy == "burst":  # bundles go only as far as the last rank that needs them
-            bundle_rows, dq_rows = bundle_counts(groups, rank, causal, (left, right), docs, rows=True)
-            messages = bundle_counts(groups, rank, causal, (left, right), docs)[2]
+            bundle_rows, dq_rows = bundle_counts(groups, rank, causal, (left, right), docs,
+                                                 rows=True, rects=rects)
+            messages = bundle_counts(groups, rank, causal, (left, right), docs, rects=rects)[2]
             want = bundle_rows * b * h * (2 * d * ql.itemsize + 2 * acc) + dq_rows * b * h * d * acc
             assert (group.stats.bytes_sent, group.stats.messages) == \
                 ((want, messages) if size > 1 else (0, 0)), (case, group.stats, bundle_rows, dq_rows)
@@ -293,6 +319,72 @@ def documents_bad_on_one_rank():
             raise AssertionError("a bad input on one rank was accepted")
     group.close()
     return {"rank": group.rank, "raised": len(raised)}
+
+
+def block_masks_disagree():
+    """The last rank passes another block mask, a block mask beside causal, or a tuple in place
+    of a BlockMask, or every rank a mask past the sequence: attention and attention_backward
+    raise on every rank, the message naming what is wrong (no hang, no abort)."""
+    group = burstcu.init(backend="numpy")
+    q = np.zeros((1, 4, 2, 8))
+    n = 4 * group.size
+    last = group.rank == group.size - 1
+    mine = burstcu.BlockMask([[0, n]], [[0, n]], ["causal"])
+    other = burstcu.BlockMask([[0, n]], [[0, n]], ["full"])
+    calls = {
+        "disagree": lambda: burstcu.attention(q, q, q, group, block_mask=other if last else mine),
+        "without causal": lambda: burstcu.attention(q, q, q, group, causal=last, block_mask=mine),
+        "BlockMask": lambda: burstcu.attention(q, q, q, group,
+                                               block_mask=(0, n) if last else mine),
+        "reaches position": lambda: burstcu.attention(   # the same mask, past N on every rank
+            q, q, q, group, block_mask=burstcu.BlockMask([[0, n + 1]], [[0, 1]], ["full"])),
+        "disagree ": lambda: burstcu.attention_backward(
+            q, q, q, q, q, np.zeros((1, 2, 4)), group, block_mask=other if last else mine),
+    }
+    for words, call in calls.items():
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            said = str(exc)
+            assert words.strip() in said and ("block_mask" in said or "BlockMask" in said), said
+        else:
+            raise AssertionError(f"a bad block mask on one rank was accepted ({words})")
+    group.close()
+    return {"rank": group.rank}
+
+
+def block_mask_balanced_shards(strategy="burst"):
+    """shard(..., block_mask=...) cuts contiguous shards whose queries keep pairs within 10% of
+    the mean (many causal documents of random lengths and one shared prefix); attention and its
+    backward on them (uneven=True) give the one-process results on this rank's rows."""
+    group = burstcu.init(backend="numpy")
+    rng = np.random.default_rng(21)
+    n = 600 * group.size
+    bounds = np.unique(np.concatenate([[0, 40, n], rng.integers(40, n, 12 * group.size)]))
+    docs = np.stack([bounds[:-1], bounds[1:]], axis=1)
+    mask = burstcu.BlockMask(np.concatenate([docs, docs[1:]]),           # each document causal,
+                             np.concatenate([docs, np.tile([[0, 40]], (len(docs) - 1, 1))]),
+                             ["causal"] * len(docs) + ["full"] * (len(docs) - 1))  # + the prefix
+    q, k, v, dout = make_inputs(31, 1, n, 2, 1, 8, "float64")
+    ql, kl, vl, dol = (burstcu.shard(x, group, block_mask=mask) for x in (q, k, v, dout))
+    lengths = mask.balanced_lengths(group.size, n)
+    assert ql.shape[1] == lengths[group.rank]
+    starts = np.cumsum([0, *lengths])
+    work = mask.row_pairs(n)
+    per_rank = [work[starts[r]:starts[r + 1]].sum() for r in range(group.size)]
+    assert max(per_rank) <= 1.1 * np.mean(per_rank) and min(per_rank) >= 0.9 * np.mean(per_rank)
+    out, lse = burstcu.attention(ql, kl, vl, group, block_mask=mask, uneven=True, return_lse=True,
+                                 strategy=strategy)
+    grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, block_mask=mask,
+                                       uneven=True, strategy=strategy)
+    whole_out, whole_lse = burstcu.attention(q, k, v, block_mask=mask, return_lse=True)
+    whole = burstcu.attention_backward(dout, q, k, v, whole_out, whole_lse, block_mask=mask)
+    mine = slice(starts[group.rank], starts[group.rank + 1])
+    np.testing.assert_allclose(out, whole_out[:, mine], atol=1e-12)
+    for got, ref in zip(grads, whole):
+        np.testing.assert_allclose(got, ref[:, mine], atol=1e-12)
+    group.close()
+    return {"rows": int(ql.shape[1])}
 
 
 def linear_matches_reference(strategy="lasp2", dtype="float32", seqlen_local=40, cases=(),

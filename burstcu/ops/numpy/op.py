@@ -185,9 +185,15 @@ class NumpyOps(LocalOps):
 
     def forward_finalize(self, st, out_dtype):
         """out = acc / l in (B, S, H, D); lse = m + log l (B, H, S), from the running shift m;
-        rows that saw no key get out 0 and lse -inf."""
+        rows that saw no key get out 0 and lse -inf (all of them when no step ran: a block mask
+        can leave a rank's queries without a key)."""
+        if st.q is None and st.q_in is not None:
+            b, s, h, d = st.q_in.shape
+            acc_t = accum_dtype(st.q_in.dtype)
+            st.q_in = None
+            return np.zeros((b, s, h, d), out_dtype), np.full((b, h, s), -np.inf, acc_t)
         if st.q is None:
-            raise RuntimeError("forward_finalize before any forward_step, or twice")
+            raise RuntimeError("forward_finalize twice")
         b, hkv, sg, d = st.acc.shape[0], st.acc.shape[1], st.acc.shape[2], st.acc.shape[3] - 1
         g, acc_t = st.g, st.acc.dtype
         s = sg // g
