@@ -180,7 +180,7 @@ struct RectView {
 template <int BLOCK_N>
 __device__ __forceinline__ RectView rect_view(const BlockRect& r, int q_pos, int q0, int q_last) {
   RectView v;
-  v.k_start = r.k_start; v.k_len = r.k_len; v.k_pos = r.k_pos + q_pos - r.q_pos; v.hi = r.hi; v.lo = r.lo;
+  v.k_start = r.k_start; v.k_len = r.k_len; v.k_pos = r.k_pos - r.q_pos + q_pos; v.hi = r.hi; v.lo = r.lo;
   v.n_keys = max(0, min(r.k_len, q_pos + q_last + r.hi - v.k_pos + 1));
   const int first_key = q_pos + q0 - r.lo - v.k_pos;
   v.tile_begin = first_key > 0 ? first_key / BLOCK_N : 0;

@@ -75,8 +75,8 @@ struct FwdStepParams {
   int H, Hkv;             // query heads, kv heads (GQA: query head h reads kv head h / (H / Hkv))
   float scale_log2;       // softmax_scale * log2(e)
   // flash_fwd_steps only (flash_fwd_step leaves them 0 and reads blk): every rectangle of a ring
-  // step in one launch, grouped by query range (the rectangles of a group share q_start, q_len
-  // and q_pos; groups share no query row)
+  // step in one launch, grouped by query range (the rectangles of a group share q_start and
+  // q_len, each its own k_pos - q_pos; groups share no query row)
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): group g's rectangles are rects[groups[g] ..
                           // groups[g + 1]), its query tiles blockIdx.x in [groups[n_groups + 1 + g],

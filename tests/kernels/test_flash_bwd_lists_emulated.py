@@ -28,6 +28,7 @@ from burstcu import layout
 from burstcu.build.variants import careful_variant
 from burstcu.layout import Block
 from burstcu.ops.cuda import backward
+from burstcu.ops.cuda.params import step_group_lists
 from burstcu.testing.reference import (document_mask, keep_from_blocks, softmax_stats_ref,
                                        step_backward_ref)
 from tests.kernels.backend import kernel_ops
@@ -191,12 +192,21 @@ def test_a_skipped_rectangle_is_caught(monkeypatch):
         check_float64("one rectangle skipped", got, x, keep, "float16")
 
 
-def test_key_ranges_that_overlap_unequal_are_refused():
-    ops = kernel_ops()
+def test_key_ranges_that_overlap_unequal_run_a_launch_a_rectangle():
+    """Blocks whose key ranges overlap without being equal cannot share a list launch (two
+    blocks of threads would add into the same dK/dV rows): the step runs the per-rectangle
+    kernels, bit for bit what a step a Block gives, and one list launch refuses them."""
+    ops = kernel_ops(deterministic=True)
+    counts = _counting(ops)
     x = step_inputs("documents by zigzag, causal, GQA", 40, 40, np.ones((40, 40), bool), seed=1)
     blocks = [Block(0, 20, 0, 20, 0, 0, False), Block(20, 20, 10, 20, 20, 10, False)]
-    with pytest.raises(ValueError, match="key rows .* overlap"):
-        run_backward(ops, x, [blocks], with_psum=False)
+    whole = run_backward(ops, x, [blocks], with_psum=False)
+    assert counts == {"flash_bwd_dkdv": 2, "flash_bwd_dq": 2}, counts
+    apart = run_backward(ops, x, [[blk] for blk in blocks], with_psum=False)
+    for name, a, b in zip(("dq", "dk", "dv"), whole, apart):
+        same_bits(name, a, b)
+    with pytest.raises(ValueError, match="key ranges .* overlap"):
+        step_group_lists(np, blocks, [("key", 64)])
 
 
 def test_poisoned_masked_key_runs_the_careful_list_twins():

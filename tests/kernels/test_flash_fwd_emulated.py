@@ -369,3 +369,25 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
                 check(ops, dtype, q, k, v, blocks)
             listed_steps += 1
     assert listed_steps >= 2
+
+
+def test_query_ranges_that_overlap_unequal_run_a_launch_a_rectangle():
+    """Blocks whose query ranges overlap without being equal cannot share a list launch (two
+    blocks of threads would hold the same rows' state): forward_step runs flash_fwd_step a
+    Block, the same bits as a step a Block."""
+    from burstcu.layout import Block
+    ops = kernel_ops(arch="sm_90")
+    counts = _counting(ops)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 40, 2, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 40, 2, 64)).astype(np.float16) for _ in range(2))
+    blocks = [Block(0, 24, 0, 20, 0, 0, False), Block(16, 24, 20, 20, 16, 20, False)]
+    whole = ops.forward_init(q)
+    ops.forward_step(whole, k, v, blocks)
+    assert counts == {"flash_fwd_step": 2}, counts
+    apart = ops.forward_init(q)
+    for blk in blocks:
+        ops.forward_step(apart, k, v, [blk])
+    (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype) for s in (whole, apart))
+    assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
+    assert np.array_equal(lse_a.view(np.uint32), lse_b.view(np.uint32))

@@ -19,9 +19,11 @@ and flash_bwd_dq when deterministic) over it; a step of several launches each ke
 the whole list (flash_bwd_dkdv_steps over the Blocks grouped by key range, flash_bwd_dq_steps
 grouped by query range; `params.step_group_lists`, one device buffer a step, kept with the
 context until it is finalized). The list kernels run each group's Blocks in order exactly as
-one launch a Block would, so a deterministic step gives the same bits either way. Within a step
-two Blocks' key ranges (and query ranges) are equal or disjoint, as `burstcu.layout.blocks`
-makes them; other lists raise ValueError.
+one launch a Block would, so a deterministic step gives the same bits either way (for finite
+inputs: the list runs the careful twins for all its Blocks when one is masked and an operand
+holds a NaN/Inf). Within a step two Blocks' key ranges (and query ranges) are equal or
+disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Block
+(`params.listable`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 from ...build.bwd_variants import LIST_SUFFIX, delta_variant
 from ...layout import Block
 from .params import (bwd_delta_params, bwd_step_params, cdiv, dtype_name, element_strides,
-                     rows_contiguous, same_strides, step_group_lists, vector_ready)
+                     listable, rows_contiguous, same_strides, step_group_lists, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -174,29 +176,45 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
-    operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run,
-                ops.step_flag(masked, flag))
-    heads = {"key": Hkv, "query": H}
-    if len(blocks) == 1:  # one struct serves both kernels of a deterministic step
-        blk = blocks[0]
-        params = bwd_step_params(*operands, blk, ctx.scale)
-        for family, tiled in families:
-            variant = ops.variant(family, ctx.dtype, D)
-            rows = blk.k_len if tiled == "key" else blk.q_len
-            grid = (cdiv(rows, _tile_rows(variant, tiled)), heads[tiled], B)
-            ops.launch_step(variant, grid, params, blk.masked)
-    else:  # the whole step in one launch a kernel: the same tiles over the rectangle list
-        variants = [ops.variant(family + LIST_SUFFIX, ctx.dtype, D) for family, _ in families]
-        lists = step_group_lists(xp, blocks, [(tiled, _tile_rows(variant, tiled))
-                                              for variant, (_, tiled) in zip(variants, families)])
-        ctx.keep.append(lists)  # the rectangles stay until the step has run
-        for variant, (_, tiled), groups in zip(variants, families, lists):
-            params = bwd_step_params(*operands, None, ctx.scale, groups)
-            ops.launch_step(variant, (groups.tiles, heads[tiled], B), params, masked)
+    operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run)
+    if len(blocks) > 1 and listable(blocks, [tiled for _, tiled in families]):
+        _launch_list(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
+    else:
+        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:
         psum += psum_run
+
+
+def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
+                 families: list, flag, heads: tuple) -> None:
+    """`backward_step`'s launches a Block: each family's kernel over each Block in turn
+    (operands: the step's arrays for `bwd_step_params`; heads: (H, Hkv, B))."""
+    H, Hkv, B = heads
+    D = ctx.headdim
+    for blk in blocks:  # one struct serves both kernels of a deterministic step
+        params = bwd_step_params(*operands, ops.step_flag(blk.masked, flag), blk, ctx.scale)
+        for family, tiled in families:
+            variant = ops.variant(family, ctx.dtype, D)
+            rows = blk.k_len if tiled == "key" else blk.q_len
+            grid = (cdiv(rows, _tile_rows(variant, tiled)), Hkv if tiled == "key" else H, B)
+            ops.launch_step(variant, grid, params, blk.masked)
+
+
+def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
+                 families: list, flag, heads: tuple) -> None:
+    """`backward_step`'s launches for a whole step: each family's list kernel once over the
+    Blocks grouped by its range, the same tiles (arguments as in `_launch_each`)."""
+    H, Hkv, B = heads
+    masked = any(blk.masked for blk in blocks)
+    variants = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
+    lists = step_group_lists(ops.xp, blocks, [(tiled, _tile_rows(variant, tiled))
+                                              for variant, (_, tiled) in zip(variants, families)])
+    ctx.keep.append(lists)  # the rectangles stay until the step has run
+    for variant, (_, tiled), groups in zip(variants, families, lists):
+        params = bwd_step_params(*operands, ops.step_flag(masked, flag), None, ctx.scale, groups)
+        ops.launch_step(variant, (groups.tiles, Hkv if tiled == "key" else H, B), params, masked)
 
 
 def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:

@@ -40,7 +40,7 @@ from ...transport.streams import nvtx_range
 from ..base import LocalOps
 from . import backward, decode
 from .params import (I32_MAX, MAX_POSITION, cdiv, dtype_name, fwd_finalize_params, fwd_step_params,
-                     fwd_step_sm90_params, nonfinite_params, rows_on_16_bytes, step_groups,
+                     fwd_step_sm90_params, listable, nonfinite_params, rows_on_16_bytes, step_groups,
                      vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
@@ -425,7 +425,7 @@ class KernelOps(LocalOps):
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
             return
-        if len(blocks) > 1:   # the whole step in one launch, the same tiles over the list
+        if len(blocks) > 1 and listable(blocks, ["query"]):   # the whole step in one launch
             listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
             groups = step_groups(self.xp, blocks, listed.launch.block_m)
             state.keep.append(groups)   # the rectangles stay until the step has run

@@ -300,8 +300,8 @@ def step_group_lists(xp, blocks: Sequence[Block],
     """`blocks` as one StepGroups per (range, tile rows) of `groupings`, range "query" (grouped
     by (q_start, q_len), tiles of that many query rows) or "key" (by (k_start, k_len), tiles of
     keys); groups in the order of their first block, blocks in theirs within a group. Every
-    grouping lies in one buffer, uploaded once. ValueError when two blocks' ranges overlap
-    without being equal: the launch's groups would then write the same rows."""
+    grouping lies in one buffer, uploaded once. The blocks must be `listable` by every grouping
+    (else ValueError: the launch's groups would write the same rows)."""
     # per grouping 8 ints a block and 2 n_groups + 2 offsets (n_groups <= blocks); cut below
     host = np.empty(len(groupings) * (10 * len(blocks) + 2), np.int32)
     views, at = [], 0
@@ -310,7 +310,9 @@ def step_group_lists(xp, blocks: Sequence[Block],
         order: dict[tuple[int, int], list[Block]] = {}
         for blk in blocks:
             order.setdefault((getattr(blk, start), getattr(blk, length)), []).append(blk)
-        _check_disjoint(by, order)
+        if not _equal_or_disjoint(order):
+            raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
+                             f"rectangle-list launch needs every two equal or disjoint")
         grouped = [blk for members in order.values() for blk in members]
         n, m = len(order), 8 * len(grouped)
         tiles = [cdiv(rows, tile_rows) for _, rows in order]
@@ -324,14 +326,19 @@ def step_group_lists(xp, blocks: Sequence[Block],
                  for a, m, n, tiles in views)
 
 
-def _check_disjoint(by: str, ranges) -> None:
-    """ValueError unless the (start, length) `ranges` are pairwise disjoint."""
+def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
+    """Whether one list launch can take `blocks` grouped by each of `groupings` ("query",
+    "key"): every two blocks' ranges equal or disjoint (`burstcu.layout.blocks` makes them so;
+    other lists run a launch a block)."""
+    return all(_equal_or_disjoint({(getattr(blk, GROUP_RANGES[by][0]),
+                                    getattr(blk, GROUP_RANGES[by][1])) for blk in blocks})
+               for by in groupings)
+
+
+def _equal_or_disjoint(ranges) -> bool:
+    """Whether the distinct (start, length) `ranges` are pairwise disjoint."""
     spans = sorted((start, start + length) for start, length in ranges)
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-        if b0 < a1:
-            raise ValueError(f"{by} rows [{a0}, {a1}) and [{b0}, {b1}) of one ring step overlap "
-                             f"without being equal: a rectangle-list launch needs every two "
-                             f"{by} ranges equal or disjoint")
+    return all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
 
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
