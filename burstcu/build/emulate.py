@@ -73,6 +73,10 @@ _PASSED_PREFIXES = ("-D", "-U", "-I", "-O", "-g")
 
 # One launch at a time in this process: the emulator's fault handlers are process-wide.
 _LAUNCH_LOCK = threading.Lock()
+# The module whose fibers (two memory mappings each, hundreds a module) are mapped: released
+# (emu_release) when a launch goes to another, so that a process loading many modules stays far
+# below the kernel's limit on mappings (vm.max_map_count) instead of failing an mmap somewhere.
+_POOL_HOLDER: list = [None]
 _LOADED: dict[str, "EmuModule"] = {}
 _LOADED_LOCK = threading.Lock()
 
@@ -415,6 +419,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.emu_kernel_names.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.emu_switch_count.restype = ctypes.c_ulonglong
     lib.emu_switch_count.argtypes = []
+    lib.emu_release.restype = None
+    lib.emu_release.argtypes = []
     return lib
 
 
@@ -488,6 +494,10 @@ class EmuFunction:
         flags = (1 if rnd else 0) | (2 if allow_exit_before_barrier else 0)
         err = ctypes.create_string_buffer(4096)
         with _LAUNCH_LOCK:
+            holder = _POOL_HOLDER[0]
+            if holder is not None and holder is not self.module._lib:
+                holder.emu_release()
+            _POOL_HOLDER[0] = self.module._lib
             rc = self.module._lib.emu_launch(
                 self.name.encode(), *g, *b, int(shared_mem), ptrs, c_sizes, kinds, n,
                 int(sd) & (2**64 - 1), flags, err, len(err),

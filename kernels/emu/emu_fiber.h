@@ -119,6 +119,12 @@ inline bool stack_map(Stack* s, size_t size, size_t guard) {
   return true;
 }
 
+// Gives a stack_map'd stack back (both of its memory mappings); a stack never mapped is a no-op.
+inline void stack_unmap(Stack* s) {
+  if (s->base) munmap(s->base, s->guard + s->size);
+  *s = Stack{};
+}
+
 #if defined(BURSTCU_EMU_USE_UCONTEXT)
 // makecontext passes int arguments only: split the pointers into halves.
 template <typename Arg>

@@ -4,6 +4,7 @@
 //   BURSTCU_EMU_REGISTER("name<args>", (name<args>));   // at namespace scope, after the kernel
 //   int emu_launch(name, gx, gy, gz, bx, by, bz, dynamic_smem, args, arg_sizes, arg_kinds, nargs,
 //                  seed, flags, err, errlen)
+//   void emu_release()   // unmaps the fibers and shared memory the module keeps across launches
 // `args` is like cuLaunchKernel's kernelParams: args[i] points at the value of parameter i (any
 // alignment: each is copied out with memcpy). `arg_sizes[i]` and `arg_kinds[i]` ('p' pointer,
 // 'i' signed integer, 'u' unsigned integer, 'f' floating point, 'b' bool, 's' a struct passed by
@@ -102,11 +103,34 @@ inline bool ensure_pool(int n, std::string* err) {
   return true;
 }
 
+struct DynSmem;
+inline void release_dyn_smem();
+
+// Unmaps the fibers and the dynamic shared memory kept across launches. Each fiber holds two
+// memory mappings (its stack and the guard below it) and every loaded module keeps its own pool,
+// so a process that loads many modules (a test suite: one a kernel variant) would reach the
+// kernel's limit on mappings (vm.max_map_count, 65530 by default) and see mmap fail, in the
+// emulator or anywhere else in the process. burstcu/build/emulate.py releases a module's pool
+// when a launch goes to another module.
+inline void release_pool() {
+  for (Thread* t : g_pool) {
+    stack_unmap(&t->stack);
+    delete t;
+  }
+  g_pool.clear();
+  release_dyn_smem();
+}
+
 struct DynSmem {
   char* map = nullptr;
   size_t map_size = 0, capacity = 0;  // capacity: usable bytes before the guard page
 };
 inline DynSmem g_dyn;
+
+inline void release_dyn_smem() {
+  if (g_dyn.map) munmap(g_dyn.map, g_dyn.map_size);
+  g_dyn = DynSmem{};
+}
 
 // The bytes mapped for `size` bytes of dynamic shared memory: rounded up to 1024 so that the start
 // is 1024-byte aligned (the sm_90 swizzle patterns, TMA's and wgmma's, are functions of the shared
@@ -120,7 +144,7 @@ inline unsigned char* dyn_smem_buffer(size_t size) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t need = dyn_smem_span(size);
   if (!g_dyn.map || need > g_dyn.capacity) {
-    if (g_dyn.map) munmap(g_dyn.map, g_dyn.map_size);
+    release_dyn_smem();
     g_dyn.capacity = (need + page - 1) / page * page;
     g_dyn.map_size = g_dyn.capacity + page;
     void* m = mmap(nullptr, g_dyn.map_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -469,6 +493,13 @@ extern "C" __attribute__((weak, visibility("default"))) size_t emu_kernel_names(
   for (const emu::Kernel& k : emu::registry()) all += k.name + "\n";
   if (buf && len) snprintf(buf, len, "%s", all.c_str());
   return all.size() + 1;
+}
+
+// Gives back this module's fibers and dynamic shared memory (release_pool); the next launch maps
+// them again.
+extern "C" __attribute__((weak, visibility("default"))) void emu_release() {
+  std::lock_guard<std::mutex> lock(emu::launch_mutex());
+  emu::release_pool();
 }
 
 extern "C" __attribute__((weak, visibility("default"))) unsigned long long emu_switch_count() {

@@ -289,6 +289,33 @@ def test_exit_before_barrier_allowed_on_request(mod):
     mod.get_function("probe_errors")((1,), (64,), (np.int32(1), out), allow_exit_before_barrier=True)
 
 
+def memory_mappings() -> int:
+    """The memory mappings this process holds (lines of /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_modules_run_in_turn_keep_one_pool_of_fibers():
+    """Every fiber holds two memory mappings (its stack, its guard) and each module keeps a pool:
+    launching 1024 threads from one module after another must give the previous module's pool
+    back, or a process loading a few hundred modules reaches vm.max_map_count (65530) and mmap
+    fails, in the emulator or anywhere else in the process. Three copies of the probe module
+    (a -D each: three .so files) take turns; the process's mappings stay within one pool's."""
+    threads = 1024
+    modules = [build_module([PROBES], ["bench_syncwarp"], options=(f"-DBURSTCU_PROBE_COPY={i}",))
+               for i in range(3)]
+    assert len({id(m._lib) for m in modules}) == 3
+    counts = []
+    for m in modules + modules:
+        out = np.zeros(threads, np.int32)
+        m.get_function("bench_syncwarp")((1,), (threads,), (np.int32(3), out))
+        assert (out == 3).all()
+        counts.append(memory_mappings())
+    # a module kept its pool: each launch after the first three would add 2 * threads mappings
+    assert max(counts) - min(counts) < threads, counts
+
+
 def test_argument_checks(mod):
     fn = mod.get_function("probe_race<true>")
     out = np.zeros(32, np.int32)
