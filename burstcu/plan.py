@@ -26,6 +26,9 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               the step's compute), summed over the steps (+ dQ's hop home in the backward);
               blocks and bundles that stop early send nothing (the strategy's own schedule,
               `burst.forward_steps` / `backward_steps`, says which rank sends what at each step);
+              burst bidirectional=True (its K/V blocks split both ways round where the
+              cheapest trips tie: `burst.kv_hops`; fewer steps, two messages a step through
+              the one port) is a candidate only where it is predicted faster forward than burst;
               ring: the same with its messages and no skipping; allgather: gather, then the
               busiest rank's compute (no overlap; backward adds the reduce-scatter); ulysses:
               all-to-all in + compute over the whole sequence for H/G heads + all-to-all out;
@@ -232,23 +235,28 @@ def _ring_seconds(problem: _Problem, part: Partition, forward_step, backward_ste
 
 
 def _burst_seconds(problem: _Problem, part: Partition, heads: int, kv_heads: int,
-                   local: bool) -> tuple[float, float]:
-    """burst's ring over part's ranks with these heads: each step's K/V block and backward
-    bundle (with its dQ) sent only where the schedule (`burst.forward_steps`, `backward_steps`)
-    passes it on."""
+                   local: bool, bidirectional: bool = False) -> tuple[float, float]:
+    """burst's ring over part's ranks with these heads: each step's K/V blocks (the one that
+    came forwards, the one that came backwards: `burst.kv_hops` under this tie rule) and
+    backward bundle (with its dQ) sent only where the schedule (`burst.forward_steps`,
+    `backward_steps`) passes them on; a step's messages leave through one port, one after the
+    other (as the emulated link paces them)."""
     pairs, calls = _work(part, *problem.mask)
     q, k = problem.spec(heads), problem.spec(kv_heads)
     lengths = part.lengths
     kv_row = steps.kv_row_bytes(k, k)
     bundle_row = burst.bundle_row_bytes(q) + burst.dq_row_bytes(q)
-    forward_steps = [burst.forward_steps(r, part, *problem.mask) for r in range(part.size)]
+    forward_steps = [burst.forward_steps(r, part, *problem.mask, bidirectional=bidirectional)
+                     for r in range(part.size)]
     backward_steps = [burst.backward_steps(r, part, *problem.mask) for r in range(part.size)]
 
     def forward_step(r: int, t: int) -> float:
         step = forward_steps[r][t]
-        sent = problem.transfer(lengths[step.source] * kv_row, local) if step.sends else 0.0
-        return max(float(problem.compute(pairs[r, step.source], calls[r, step.source], heads)),
-                   sent)
+        held = [j for j, h in ((step.source, step.held), (step.back_source, step.back_held)) if h]
+        sent = [j for j, s in ((step.source, step.sends), (step.back_source, step.sends_back)) if s]
+        work = sum(float(problem.compute(pairs[r, j], calls[r, j], heads)) for j in held)
+        rows = sum(lengths[j] for j in sent)
+        return max(work, problem.transfer(rows * kv_row, local, len(sent)) if sent else 0.0)
 
     def backward_step(r: int, t: int) -> float:
         step = backward_steps[r][t]
@@ -262,8 +270,10 @@ def _burst_seconds(problem: _Problem, part: Partition, heads: int, kv_heads: int
 
 
 def _burst_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
-    """burst: the ring over every rank, all heads."""
-    return _burst_seconds(problem, part, problem.q.shape[2], problem.k.shape[2], problem.node)
+    """burst: the ring over every rank, all heads (its K/V both ways round when `run` is
+    bidirectional)."""
+    return _burst_seconds(problem, part, problem.q.shape[2], problem.k.shape[2], problem.node,
+                          getattr(run, "bidirectional", False))
 
 
 def _ring_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
@@ -408,10 +418,14 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
            or check_block_mask_extent(block_mask, total))
     if err is not None:
         raise err.exception()
-    preds = [predict(name, opts, q_shape, k_shape, size, causal=causal, layout=layout,
-                     dtype=dtype, machine=machine, rank=rank, window_size=window_size,
-                     cu_seqlens=cu_seqlens, block_mask=block_mask)
+    how = dict(causal=causal, layout=layout, dtype=dtype, machine=machine, rank=rank,
+               window_size=window_size, cu_seqlens=cu_seqlens, block_mask=block_mask)
+    preds = [predict(name, opts, q_shape, k_shape, size, **how)
              for name, opts in candidates(q_shape, k_shape, size)]
+    if size > 2:   # burst's K/V split both ways round: offered where the model says it wins
+        both = predict("burst", {"bidirectional": True}, q_shape, k_shape, size, **how)
+        if both.forward_s < preds[0].forward_s:
+            preds.insert(1, both)
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))
     b, s, h, d = (int(n) for n in q_shape)

@@ -149,3 +149,25 @@ def test_every_rank_picks_alike_with_uneven_shards_and_documents():
         choices.add((p.strategy, tuple(sorted(p.options.items())),
                      tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates)))
     assert len(choices) == 1
+
+
+def test_burst_both_ways_is_offered_only_where_it_is_predicted_faster():
+    """A non-causal window of half a shard on 3 ranks: the neighbour behind is one hop back, not
+    two forwards, and the model predicts burst with its K/V both ways round (bidirectional=True)
+    faster than one way, so it is among the candidates (and `auto` may pick it); without a mask
+    both cost the same on one port and on 2 ranks the two ways are one, so it is not offered."""
+    s = 512
+    q, k = (1, s, 16, 128), (1, s, 4, 128)
+    labels = lambda p: [(c.strategy, c.options) for c in p.candidates]   # noqa: E731
+    kw = dict(layout="contiguous", dtype="float32", backward=False, machine="cpu")
+    window = plan(q, k, _Group(3), window_size=(s // 2, s // 2), **kw)
+    both = [c for c in window.candidates if c.options == {"bidirectional": True}]
+    assert len(both) == 1 and both[0].strategy == "burst", labels(window)
+    one_way = next(c for c in window.candidates if c.strategy == "burst" and not c.options)
+    assert both[0].forward_s < one_way.forward_s
+    # rank 1's block reaches rank 0 one hop back instead of two forwards through rank 2: the
+    # same blocks on the wire (rank 0 sends its own to rank 1 either way), one step fewer
+    assert both[0].forward_bytes == one_way.forward_bytes
+    for size, window_size in ((3, (-1, -1)), (2, (s // 2, s // 2))):
+        p = plan(q, k, _Group(size), window_size=window_size, **kw)
+        assert all(c.options != {"bidirectional": True} for c in p.candidates), labels(p)

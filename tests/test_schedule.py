@@ -279,3 +279,84 @@ def test_block_mask_schedules_are_race_free(size, layout, pass_):
         sends = [sum(1 for a in sch.actions if a.kind == "send") for sch in schedules]
         assert sends == [burst.forward_sends(r, size, schedule.SHAPE[1], layout, block_mask=mask)
                          for r in range(size)]
+
+
+# -- following the bytes: every block a rank needs, read once, from the right place ------------
+
+TWO_WAY_MASKS = [dict(causal=False), dict(causal=True), dict(causal=False, window_size=(2, 2)),
+                 dict(causal=False, window_size=(-1, 1)), dict(causal=False, window_size=(5, 0)),
+                 dict(causal=True, window_size=(3, 0)), dict(causal=False, options={"bidirectional": True}),
+                 dict(causal=False, window_size=(2, 2), options={"bidirectional": True})]
+
+
+@pytest.mark.parametrize("size", range(1, 7))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mask", TWO_WAY_MASKS, ids=str)
+def test_forward_reads_each_needed_block_once_and_sends_what_it_counts(size, layout, mask):
+    """Replaying the recorded NCCL schedules of every rank, with each rank's K and V bytes
+    labelled and the labels carried by copies and messages (`schedule.forward_blocks_read`):
+    each rank's steps read exactly the blocks whose keys its queries see (written out here
+    over positions, `bodies.dense_keep`), each once and as one block's K and V; the bytes and
+    messages it sends are what the strategy counts."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    mask = dict(mask)
+    options = mask.pop("options", None)
+    schedules = schedule.prove("forward", size, layout=layout, options=options, **mask)
+    read = schedule.forward_blocks_read(schedules)
+    b, s, h, hkv, d = schedule.SHAPE
+    rows = [my_rows(layout, r, size, s * size) for r in range(size)]
+    window = mask.get("window_size", (-1, -1))
+    for r in range(size):
+        needed = [j for j in range(size) if dense_keep(rows[r], rows[j], mask["causal"], window).any()]
+        assert sorted(read[r]) == needed, (r, read[r], needed)
+    q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
+    run = burst.BurstAttention(**(options or {}))
+    for r, recorded in enumerate(schedules):
+        sends = [a.nbytes for a in recorded.actions if a.kind == "send"]
+        kw = dict(rank=r, layout=layout, **mask)
+        assert sum(sends) == run.forward_bytes(size, q, k, k, **kw)
+        assert len(sends) == run.forward_messages(size, q, k, k, **kw)
+
+
+def test_a_window_of_half_a_shard_sends_one_block_to_each_neighbour():
+    """Non-causal, half a shard each side, contiguous shards, 4 ranks: each block is needed by
+    its neighbours only and goes one hop each way, so a middle rank sends 2x its K+V and an end
+    rank 1x (one way round, the end ranks sent 3x: a left neighbour is G-1 hops away)."""
+    b, s, h, hkv, d = schedule.SHAPE
+    kv = 2 * b * s * hkv * d * np.dtype(np.float16).itemsize      # one rank's K and V
+    schedules = schedule.prove("forward", 4, causal=False, layout="contiguous",
+                               window_size=(s // 2, s // 2))
+    sent = [[(a.peer, a.nbytes) for a in recorded.actions if a.kind == "send"] for recorded in schedules]
+    assert sent == [[(1, kv)], [(2, kv), (0, kv)], [(3, kv), (1, kv)], [(2, kv)]]
+    q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
+    assert [burst.forward_bytes(4, q, k, k, rank=r, window_size=(s // 2, s // 2)) for r in range(4)] == \
+        [kv, 2 * kv, 2 * kv, kv]
+    assert schedule.forward_blocks_read(schedules) == [[0, 1], [1, 0, 2], [2, 1, 3], [3, 2]]
+
+
+def test_full_attention_both_ways_halves_the_exchanges():
+    """bidirectional=True without a mask: block j goes ceil((G-1)/2) hops forwards and
+    floor((G-1)/2) backwards; a rank sends G-1 blocks in ceil((G-1)/2) exchanges."""
+    from burstcu.layout import as_partition
+    for size in range(1, 9):
+        part = as_partition("contiguous", size, 4)
+        assert {burst.kv_hops(j, part, False, bidirectional=True) for j in range(size)} == \
+            {(size // 2, (size - 1) // 2)}
+        schedules = schedule.prove("forward", size, causal=False, layout="zigzag",
+                                   options={"bidirectional": True})
+        for recorded in schedules:
+            groups = {a.group for a in recorded.actions if a.kind in ("send", "recv")}
+            assert len(groups) == size // 2
+            assert sum(a.kind == "send" for a in recorded.actions) == size - 1
+
+
+def test_the_replay_catches_a_block_that_never_arrives():
+    """A receive dropped from one rank's recorded schedule: the step after it reads bytes of no
+    block (or the replay stops), which `forward_blocks_read` reports."""
+    schedules = schedule.record_world("forward", 4, causal=False, layout="contiguous",
+                                      window_size=(2, 2))
+    for recv in [a for a in schedules[1].actions if a.kind == "recv"]:
+        edited = list(schedules)
+        edited[1] = schedule.drop_action(schedules[1], recv.index)
+        with pytest.raises(schedule.ScheduleError, match="not one block's K and V|stuck"):
+            schedule.forward_blocks_read(edited)

@@ -14,7 +14,8 @@ never attention kernels.
                ring across the G/u groups (`USPAttention(ulysses_degree=u)`)
 
 `get(name, **options)` returns the strategy: the module itself, or for "usp" (which has an
-option) a `usp.USPAttention`. Either way it has
+option) a `usp.USPAttention`, or for "burst" with its option (bidirectional) a
+`burst.BurstAttention`. Either way it has
 
     forward(q, k, v, ops, transport, *, causal, softmax_scale, layout, trace=None,
             window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> (out, lse)
@@ -75,15 +76,19 @@ LINEAR_NAMES = tuple(_LINEAR)
 
 
 def get(name: str, **options):
-    """The strategy called `name` (one of NAMES): its module, or a USPAttention made with
-    `options` (only "usp" has one: ulysses_degree)."""
+    """The strategy called `name` (one of NAMES): its module, or one made with `options`
+    ("usp": ulysses_degree; "burst": bidirectional)."""
     if name not in _STRATEGIES:
         raise ValueError(f"strategy must be one of {NAMES}, not {name!r}")
     strategy = _STRATEGIES[name]
     if isinstance(strategy, type):
         return strategy(**options)
     if options:
-        raise TypeError(f"strategy {name!r} takes no options, got {sorted(options)}")
+        unknown = sorted(set(options) - set(getattr(strategy, "OPTIONS", ())))
+        if unknown:
+            raise TypeError(f"strategy {name!r} takes no options {unknown} (its options: "
+                            f"{list(getattr(strategy, 'OPTIONS', ()))})")
+        return strategy.with_options(**options)
     return strategy
 
 

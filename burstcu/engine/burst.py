@@ -6,22 +6,34 @@ bytes, and a `LocalOps` (burstcu.ops.base) that computes one step. The same loop
 NumPy tiles over MPI, CUDA kernels over NCCL, or the emulated kernels over MPI.
 
 G ranks; rank r's neighbours are next = (r+1) % G and prev = (r-1) % G. At step s (0 <= s < G)
-rank r works on the data that originated at rank (r - s) % G.
+rank r works on the data that originated at rank (r - s) % G (and, when blocks go both ways
+round, at rank (r + s) % G).
 
 Forward (Algorithm 1 of the paper): K and V travel *together* as one message per step.
-    buffers A, B each hold (k, v) in one contiguous byte buffer
+    buffers A, B each hold (k, v) in one contiguous byte buffer (and (kb, vb), the block that
+    came the other way, when some block comes back to this rank)
     for s in 0..G-1:
-        if s < G-1: send cur -> next, receive nxt <- prev          (posted, not waited)
-        fold attention(q, cur.k, cur.v) into the running state     (overlaps the transfer)
+        post: cur.(k, v) -> next, nxt.(k, v) <- prev; cur.(kb, vb) -> prev, nxt.(kb, vb) <- next
+            (each only where the schedule has it; at step 0 our own block goes both ways)
+        fold attention(q, cur.k, cur.v), then attention(q, cur.kb, cur.vb), into the running
+            state                                                  (overlaps the transfer)
         wait; swap
-    A block goes on only while a rank it would still reach needs it (`travels`: causal or a
-    window can end its trip early; the receiver skips the same receive; `forward_steps` lists
-    each step's block and whether it goes on), so
-    Bytes sent per rank = sends * 2*B*S*Hkv*D*itemsize, messages = sends, with sends
-    (`forward_sends`) = G-1 without a mask; under causal over contiguous shards r+1 for rank
-    r < G-1 and 0 for the last (G(G-1)/2 block-hops in all, half the ring's); G-1 under causal
-    zigzag (every rank needs every block); for a narrow window only the hops to ranks it reaches;
-    for documents (cu_seqlens) only the hops to ranks holding part of a document the block holds.
+    Block j goes f_j hops forwards and b_j backwards (`kv_hops`): the fewest hops in all that
+    reach every rank needing it (`needs`), one way forwards where that is among the cheapest
+    (the one-way ring's trip: causal or a window ends it early), both ways where a mask needs
+    keys from both sides of the block (a block needed by its two neighbours: one hop each way,
+    not G-1 round the ring). The trips reach different ranks, so each rank folds each block it
+    needs once; a receiver posts the same receives as the sender's sends (`forward_steps` lists
+    each step's blocks and whether they go on). So
+    Bytes sent per rank = rows * 2*B*Hkv*D*itemsize (`forward_rows`: the blocks passed on either
+    way at their owners' lengths), messages = sends (`forward_sends`) = G-1 without a mask;
+    under causal over contiguous shards r+1 for rank r < G-1 and 0 for the last (G(G-1)/2
+    block-hops in all, half the ring's); G-1 under causal zigzag (every rank needs every block);
+    for a window only the hops to the ranks it reaches, each way (non-causal, half a shard each
+    side over contiguous shards on 4 ranks: 1, 2, 2, 1 blocks); for documents (cu_seqlens) only
+    the hops to ranks holding part of a document the block holds. With bidirectional=True
+    (`BurstAttention`) ties go to the most even split: without a mask ceil((G-1)/2) hops
+    forwards and floor((G-1)/2) back, G-1 sends in ceil((G-1)/2) exchanges.
 
 Backward (Algorithms 2-3): K and V stay; the bundle (Q, dO, delta, lse) travels with a dQ
 accumulator. The dQ that rank r adds at step s is needed by the bundle's next holder only
@@ -73,21 +85,24 @@ import numpy as np
 from ..layout import Partition, as_partition, blocks as mask_blocks, rectangles
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import (Trace, cast_copy, kv_row_bytes, laid_out, mask_key, post_exchange,
+from .steps import (Trace, cast_copy, kv_row_bytes, laid_out, mask_key,
                     post_messages, prefix, timed, timed_wait)
 
 # ----------------------------------------------------------------------------------------------
 # forward
 
-def _kv_fields(k, v, rows: int):
-    """The fields of a forward message holding a K/V block of `rows` rows."""
+def _kv_fields(k, v, rows: int, back_rows: int | None = None):
+    """The fields of a forward message holding a K/V block of `rows` rows, then (back_rows not
+    None) the K/V block of `back_rows` rows that came the other way round ("kb", "vb")."""
     b, _, hkv, d = k.shape
-    return [("k", (b, rows, hkv, d), k.dtype), ("v", (b, rows, hkv, d), v.dtype)]
+    back = [] if back_rows is None else [("kb", (b, back_rows, hkv, d), k.dtype),
+                                         ("vb", (b, back_rows, hkv, d), v.dtype)]
+    return [("k", (b, rows, hkv, d), k.dtype), ("v", (b, rows, hkv, d), v.dtype), *back]
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
             layout: str | Partition, trace: Trace | None = None, window_size=(-1, -1),
-            cu_seqlens=None, block_mask=None):
+            cu_seqlens=None, block_mask=None, bidirectional: bool = False):
     """Exact attention of this rank's queries over every rank's keys.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D) — this rank's shard under `layout` (a layout name:
@@ -95,50 +110,103 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     buffers, sized for the longest shard, hold each block at its own length).
     window_size, cu_seqlens, block_mask: the mask's window and document boundaries, or a
     `burstcu.BlockMask` alone (`layout.blocks`).
+    bidirectional: where a block's cheapest trips tie, split them as evenly as the two ways
+    allow (`kv_hops`; without a mask: half the hops each way, half the steps).
     Returns out (B, S, H, D) in q's dtype and lse (B, H, S) in the accumulation dtype.
     """
     size, rank = transport.size, transport.rank
     part = as_partition(layout, size, q.shape[1])
-    lengths = part.lengths
-    assert lengths[rank] == q.shape[1], f"rank {rank} holds {q.shape[1]} rows, not {lengths[rank]}"
-    causal, window_size, cu_seqlens, block_mask = mask_key(causal, window_size, cu_seqlens, block_mask)
-    if size == 1:   # nothing travels: the one step reads K and V where they are (strided or not)
-        own = {"k": k, "v": v}
+    assert part.lengths[rank] == q.shape[1], \
+        f"rank {rank} holds {q.shape[1]} rows, not {part.lengths[rank]}"
+    mask = (part, *mask_key(causal, window_size, cu_seqlens, block_mask))
+    ring = _KVRing(k, v, ops, transport, mask, bool(bidirectional))
+    state = ops.forward_init(q, softmax_scale)
+    for s in range(size):
+        ring.step(s, state, trace)
+    return ops.forward_finalize(state, q.dtype)
 
-        def holding(step: int):
-            return own
-    else:
-        buffers = ops.double_buffer(_kv_fields(k, v, max(lengths)))
 
-        def holding(step: int):  # the buffer of `step`, laid out for the block it holds then
-            return laid_out(buffers[step % 2], _kv_fields(k, v, lengths[(rank - step) % size]))
+class _KVRing:
+    """The K/V blocks of one `forward` call: the message buffers of each way round, which
+    block this rank holds at each step and what it sends and receives then.
 
-        first = holding(0)
+    Rank r holds at step s the block that came forwards, (r - s) % G, while s <= its forward
+    hops, and from s = 1 the block that came backwards, (r + s) % G, while s <= its backward
+    hops (`kv_hops`). The two message buffers hold both (k, v; then kb, vb only when some block
+    comes back to this rank), the buffer of step s those of step s. On one rank the one step
+    reads K and V where they are (strided or not): no buffers.
+    """
+
+    def __init__(self, k, v, ops: LocalOps, transport: Transport, mask: tuple, bidirectional: bool):
+        """k, v: this rank's block (B, S, Hkv, D); mask: (partition, causal, window_size,
+        cu_seqlens, block_mask). Allocates the buffers and copies the block into the first."""
+        self.k, self.v, self.ops, self.transport, self.mask = k, v, ops, transport, mask
+        self.part, self.rank, self.size = mask[0], transport.rank, transport.size
+        plan = [forward_steps(r % self.size, *mask, bidirectional=bidirectional)
+                for r in (self.rank - 1, self.rank, self.rank + 1)]
+        self.from_prev, self.steps, self.from_next = plan
+        if self.size == 1:
+            self.own = {"k": k, "v": v}
+            return
+        longest = max(self.part.lengths)
+        self.two_ways = any(t.back_held for t in self.steps)
+        self.buffers = ops.double_buffer(_kv_fields(k, v, longest, longest if self.two_ways else None))
+        first = self.holding(0)
         ops.copy_(first["k"], k)
         ops.copy_(first["v"], v)
-    state = ops.forward_init(q, softmax_scale)
 
-    mask = (part, causal, window_size, cu_seqlens, block_mask)
-    for s in range(size):
-        cur, nxt = holding(s), holding(s + 1)
-        # a block goes on only while some later holder still needs it (sender and receiver
-        # decide alike); a rank never has to send what it did not receive (`travels`)
-        sending = s < size - 1 and travels(rank, s, *mask)
-        receiving = s < size - 1 and travels(transport.prev_rank, s, *mask)
-        exchanging = sending or receiving
-        if exchanging:
-            post_exchange(ops, transport, f"fwd {s} send/recv kv",
-                          [(cur.span("k", "v") if sending else None,
-                            nxt.span("k", "v") if receiving else None)])
-        source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
-        compute_s = 0.0
-        if blocks:
-            compute_s = timed(ops, f"fwd {s} compute", ops.forward_step, state, cur["k"], cur["v"], blocks)
-        wait_s = timed_wait(ops, transport, f"fwd {s} wait") if exchanging else 0.0
+    def holding(self, step: int):
+        """The buffer of `step`, laid out for the blocks held then: the one that came forwards
+        (k, v) and the one that came backwards (kb, vb; at step 0 our own block is in k, v)."""
+        if self.size == 1:
+            return self.own
+        lengths, size = self.part.lengths, self.size
+        back = lengths[(self.rank + step) % size] if self.two_ways else None
+        return laid_out(self.buffers[step % 2],
+                        _kv_fields(self.k, self.v, lengths[(self.rank - step) % size], back))
+
+    @staticmethod
+    def block(back: bool, step: int) -> tuple[str, str]:
+        """The fields of a step's buffer (`holding`) holding the block that came forwards, or
+        backwards (our own block at step 0)."""
+        return ("kb", "vb") if back and step > 0 else ("k", "v")
+
+    def messages(self, s: int) -> list:
+        """The (send, recv, dst, src) exchanges of step s, posted in one commit: the block that
+        came forwards on to the next rank and the one from the previous rank, then the block
+        that came backwards on to the previous rank and the one from the next rank (two ranks:
+        every block goes forwards, so the two ways never share a peer)."""
+        nxt, prv = self.transport.next_rank, self.transport.prev_rank
+        cur, new = self.holding(s), self.holding(s + 1)
+        here, out = self.steps[s], []
+        if here.sends or self.from_prev[s].sends:
+            out.append((cur.span("k", "v") if here.sends else None,
+                        new.span("k", "v") if self.from_prev[s].sends else None, nxt, prv))
+        if here.sends_back or self.from_next[s].sends_back:
+            out.append((cur.span(*self.block(True, s)) if here.sends_back else None,
+                        new.span("kb", "vb") if self.from_next[s].sends_back else None, prv, nxt))
+        return out
+
+    def step(self, s: int, state, trace: Trace | None) -> None:
+        """Step s: post its exchanges; fold the block that came forwards, then the one that came
+        backwards, into the running state meanwhile (those whose keys our queries see); wait."""
+        ops, (part, *flags), here = self.ops, self.mask, self.steps[s]
+        messages = self.messages(s) if s < self.size - 1 else []
+        if messages:
+            post_messages(ops, self.transport, f"fwd {s} send/recv kv", messages)
+        compute_s, count = 0.0, 0
+        for back, source, held in ((False, here.source, here.held),
+                                   (True, here.back_source, here.back_held)):
+            blocks = mask_blocks(part, self.rank, source, *flags) if held else []
+            if blocks:
+                cur = self.holding(s)
+                k, v = (cur[name] for name in self.block(back, s))
+                compute_s += timed(ops, f"fwd {s} compute" + (" back" if back else ""),
+                                   ops.forward_step, state, k, v, blocks)
+                count += len(blocks)
+        wait_s = timed_wait(ops, self.transport, f"fwd {s} wait") if messages else 0.0
         if trace is not None:
-            trace.add("forward", s, source, len(blocks), compute_s, wait_s)
-    return ops.forward_finalize(state, q.dtype)
+            trace.add("forward", s, here.source, count, compute_s, wait_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,15 +440,25 @@ def needs(part: Partition, q_rank: int, kv_rank: int, causal: bool, window_size=
     return rectangles(part, q_rank, kv_rank, causal, tuple(window_size), cu_seqlens, block_mask).size > 0
 
 
-def travels(holder: int, step: int, part: Partition, causal: bool, window_size=(-1, -1),
-            cu_seqlens=None, block_mask=None) -> bool:
-    """Whether the K/V block `holder` has at forward step `step` (that of rank holder - step)
-    goes on to holder + 1: some rank it would still reach, holder + 1 .. holder + G-1-step,
-    needs it."""
+@lru_cache(maxsize=1024)   # G entries a mask and tie rule
+def kv_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None,
+            block_mask=None, bidirectional: bool = False) -> tuple[int, int]:
+    """(forwards, backwards): how many hops `owner`'s K/V block goes to the next ranks and to
+    the previous ones in `forward` — the fewest in all that bring it to every rank that needs
+    it (`needs`). Write D for the distances t (1..G-1) forwards from `owner` of the ranks that
+    do; the trips are (a, G - b) for two neighbours a < b of 0, D..., G: every needed rank lies
+    within a hops forwards or G - b backwards, and the widest gap b - a costs least. Among the
+    cheapest: one way forwards when that is one of them (the one-way ring's trip, so a mask
+    whose blocks need one direction sends what it always did), then the most even split, then
+    more forwards; with `bidirectional`, the most even split first (without a mask: ceil and
+    floor of (G-1)/2). The two trips reach different ranks, as a + (G - b) < G."""
     size = part.size
-    block = (holder - step) % size
-    return any(needs(part, (holder + t) % size, block, causal, window_size, cu_seqlens, block_mask)
-               for t in range(1, size - step))
+    mask = (causal, window_size, cu_seqlens, block_mask)
+    ends = [0] + [t for t in range(1, size) if needs(part, (owner + t) % size, owner, *mask)] + [size]
+    trips = [(a, size - b) for a, b in zip(ends, ends[1:])]
+    if bidirectional:
+        return min(trips, key=lambda fb: (sum(fb), max(fb), -fb[0]))
+    return min(trips, key=lambda fb: (sum(fb), fb[1] > 0, max(fb), -fb[0]))
 
 
 def _hops(d: int, owner: int, part: Partition, causal: bool, window_size, cu_seqlens, block_mask) -> int:
@@ -412,11 +490,18 @@ def _bundle_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1)
 
 @dataclass(frozen=True)
 class ForwardStep:
-    """Forward step s on one rank: it attends to the K/V block of rank `source`, then passes
-    that block on to the next rank if `sends`."""
+    """Forward step s on one rank: the block that came forwards, that of rank `source`
+    (= rank - s), which it attends to while it `held` it and passes on to the next rank if
+    `sends`; and the block that came backwards, that of rank `back_source` (= rank + s), held
+    from step 1 while `back_held`, passed on to the previous rank if `sends_back` (at step 0
+    that is the rank's own block, held as `source`)."""
 
     source: int
     sends: bool
+    held: bool = True
+    back_source: int = 0
+    back_held: bool = False
+    sends_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -432,11 +517,18 @@ class BackwardStep:
 
 
 def forward_steps(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                  cu_seqlens=None, block_mask=None) -> list[ForwardStep]:
-    """What `rank` does at each of the G steps of `forward` under the mask."""
+                  cu_seqlens=None, block_mask=None, *, bidirectional: bool = False) -> list[ForwardStep]:
+    """What `rank` does at each of the G steps of `forward` under the mask: the block of rank
+    rank - s is held at step s while s <= its forward hops and goes on while s < them; the
+    block of rank rank + s likewise with its backward hops (`kv_hops`)."""
     size = part.size
-    return [ForwardStep((rank - s) % size,
-                        s < size - 1 and travels(rank, s, part, causal, window_size, cu_seqlens, block_mask))
+    mask = (part, causal, window_size, cu_seqlens, block_mask, bidirectional)
+
+    def hops(owner: int) -> tuple[int, int]:
+        return kv_hops(owner % size, *mask)
+
+    return [ForwardStep((rank - s) % size, s < hops(rank - s)[0], s <= hops(rank - s)[0],
+                        (rank + s) % size, 1 <= s <= hops(rank + s)[1], s < hops(rank + s)[1])
             for s in range(size)]
 
 
@@ -455,23 +547,29 @@ def backward_steps(rank: int, part: Partition, causal: bool = False, window_size
 
 
 def forward_sends(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
-                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
-    """How many of the G-1 forward steps `rank` sends its K, V on: G-1 without a mask; with
-    causal over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last
-    rank none, G(G-1)/2 in all; zigzag needs every hop; documents each inside one rank's shard:
+                  causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None,
+                  *, bidirectional: bool = False) -> int:
+    """How many K/V blocks `rank` passes on in `forward`, one message each, either way: G-1
+    without a mask (bidirectional too: ceil((G-1)/2) forwards, floor backwards); with causal
+    over contiguous shards rank r < G-1 sends r+1 (the blocks of ranks 0..r) and the last rank
+    none, G(G-1)/2 in all; zigzag needs every hop; a window that needs keys from both sides only
+    the hops to the ranks it reaches, each way (a window of at most a shard each side over
+    contiguous shards: one block to each neighbour); documents each inside one rank's shard:
     none."""
     part = as_partition(layout, size, seqlen_local)
     mask = mask_key(causal, window_size, cu_seqlens, block_mask)
-    return sum(step.sends for step in forward_steps(rank, part, *mask))
+    return sum(step.sends + step.sends_back
+               for step in forward_steps(rank, part, *mask, bidirectional=bidirectional))
 
 
 def forward_rows(rank: int, part: Partition, causal: bool = False, window_size=(-1, -1),
-                 cu_seqlens=None, block_mask=None) -> int:
-    """Rows of the K/V blocks `rank` sends in `forward` (each block at its owner's length):
-    (G-1) * S for equal shards without a mask."""
-    return sum(part.lengths[step.source]
-               for step in forward_steps(rank, part, causal, window_size, cu_seqlens, block_mask)
-               if step.sends)
+                 cu_seqlens=None, block_mask=None, *, bidirectional: bool = False) -> int:
+    """Rows of the K/V blocks `rank` passes on in `forward`, either way (each block at its
+    owner's length): (G-1) * S for equal shards without a mask."""
+    steps = forward_steps(rank, part, causal, window_size, cu_seqlens, block_mask,
+                          bidirectional=bidirectional)
+    return sum(part.lengths[step.source] * step.sends + part.lengths[step.back_source] * step.sends_back
+               for step in steps)
 
 
 def backward_direction(layout: str | Partition, size: int, seqlen_local: int, causal: bool,
@@ -536,10 +634,16 @@ def dq_row_bytes(q) -> int:
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
-    """The rows of the K/V blocks `rank` passes on (`forward_rows`) x a row of K and V."""
+    """The rows of the K/V blocks `rank` passes on either way (`forward_rows`) x a row of K
+    and V."""
+    return _forward_bytes(size, q, k, v, rank, layout, (causal, window_size, cu_seqlens, block_mask))
+
+
+def _forward_bytes(size: int, q, k, v, rank: int, layout, mask: tuple, bidirectional: bool = False) -> int:
+    """`forward_bytes` under this tie rule (`kv_hops`); mask: (causal, window_size, cu_seqlens,
+    block_mask)."""
     part = as_partition(layout, size, q.shape[1])
-    return (forward_rows(rank, part, *mask_key(causal, window_size, cu_seqlens, block_mask))
-            * kv_row_bytes(k, v))
+    return forward_rows(rank, part, *mask_key(*mask), bidirectional=bidirectional) * kv_row_bytes(k, v)
 
 
 def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
@@ -553,7 +657,7 @@ def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition
 def forward_messages(size: int, q, k, v, *, rank: int = 0,
                      layout: str | Partition = "contiguous", causal: bool = False,
                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
-    """One message a block `rank` passes on (`forward_sends`)."""
+    """One message a block `rank` passes on, either way (`forward_sends`)."""
     return forward_sends(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens, block_mask)
 
 
@@ -562,3 +666,39 @@ def backward_messages(size: int, q, k, v, *, rank: int = 0,
                       window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The messages of `backward_counts`: G + 1 a rank without a mask (G > 1)."""
     return backward_counts(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens, block_mask)[2]
+
+
+class BurstAttention:
+    """burst with its option bound: `bidirectional` (see `kv_hops`) passed to `forward` and the
+    forward counts; the backward is the module's. `burstcu.engine.get("burst", bidirectional=
+    True)` makes one (`with_options`); the same interface as the module."""
+
+    def __init__(self, bidirectional: bool = False):
+        if not isinstance(bidirectional, (bool, np.bool_)):
+            raise TypeError(f"bidirectional must be True or False, not {bidirectional!r}")
+        self.bidirectional = bool(bidirectional)
+
+    def forward(self, *args, **kw):
+        return forward(*args, bidirectional=self.bidirectional, **kw)
+
+    def forward_bytes(self, size: int, q, k, v, *, rank: int = 0,
+                      layout: str | Partition = "contiguous", causal: bool = False,
+                      window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
+        """`forward_bytes` of this schedule."""
+        return _forward_bytes(size, q, k, v, rank, layout, (causal, window_size, cu_seqlens, block_mask),
+                              self.bidirectional)
+
+    def forward_messages(self, size: int, q, k, v, *, rank: int = 0,
+                         layout: str | Partition = "contiguous", causal: bool = False,
+                         window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
+        """`forward_messages` of this schedule."""
+        return forward_sends(rank, size, q.shape[1], layout, causal, window_size, cu_seqlens,
+                             block_mask, bidirectional=self.bidirectional)
+
+    backward = staticmethod(backward)
+    backward_bytes = staticmethod(backward_bytes)
+    backward_messages = staticmethod(backward_messages)
+
+
+OPTIONS = ("bidirectional",)   # `burstcu.engine.get`: the options it takes,
+with_options = BurstAttention   # and what makes the strategy with them

@@ -750,6 +750,101 @@ def _cycle(edges: dict) -> set:
 
 
 # ----------------------------------------------------------------------------------------------
+# following the bytes: which K/V block each forward step reads
+
+def _kernel_name(action: Action) -> str:
+    """The op a compute-stream kernel action ran ("copy_", "forward_step", ...)."""
+    return action.label.split(" / ")[-1].split(", after ")[0]
+
+
+class _Bytes:
+    """What each byte of one rank's buffers holds, as labels: ("k", owner) or ("v", owner) for
+    the bytes of a rank's K and V inputs wherever they were copied or sent, None otherwise."""
+
+    def __init__(self, schedule: Schedule):
+        self.rank, self.held = schedule.rank, {}
+        self.names = schedule.buffers
+
+    def write(self, region: Region, labels: list | None = None) -> None:
+        if region.hi - region.lo > (1 << 40):   # a sentinel: the caller may write anything
+            return
+        held = self.held.setdefault(region.buffer, [])
+        if len(held) < region.hi:
+            held.extend([None] * (region.hi - len(held)))
+        held[region.lo:region.hi] = labels if labels is not None else [None] * (region.hi - region.lo)
+
+    def read(self, region: Region) -> list:
+        held = self.held.get(region.buffer, [])
+        return (held[region.lo:region.hi] + [None] * region.hi)[:region.hi - region.lo]
+
+    def apply(self, action: Action) -> None:
+        """An action of the compute stream (or an alloc) on this rank, in issue order."""
+        if action.kind == "alloc":
+            name = self.names[action.writes[0].buffer]
+            size = action.writes[0].hi
+            self.write(action.writes[0], [(name, self.rank)] * size if name in ("k", "v") else None)
+        elif action.kind == "kernel" and _kernel_name(action) == "copy_" and action.reads:
+            self.write(action.writes[0], self.read(action.reads[0]))
+        else:
+            for region in action.writes:
+                self.write(region)
+
+
+def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
+    """For each rank, the owner of the K/V block each of its forward_step kernels reads, in
+    issue order, found by following the bytes: each rank's k and v inputs are labelled with its
+    rank, copies carry labels, and the i-th send from one rank to another delivers its bytes'
+    labels to the i-th receive there (the ranks are replayed together, an NCCL group's sends
+    before its receives). ScheduleError when a step reads bytes of no block, of two blocks, or
+    K of one block beside V of another, or when the replay cannot go on (a receive whose send
+    never comes)."""
+    held = [_Bytes(s) for s in schedules]
+    at = [0] * len(schedules)
+    sent: dict[tuple[int, int], list] = {}
+    taken: dict[tuple[int, int], int] = {}
+    reads: list[list[int]] = [[] for _ in schedules]
+    sent_groups: set = set()
+    while any(at[r] < len(s.actions) for r, s in enumerate(schedules)):
+        moved = False
+        for r, s in enumerate(schedules):
+            while at[r] < len(s.actions):
+                a = s.actions[at[r]]
+                if a.group is not None and (r, a.group) not in sent_groups:
+                    sent_groups.add((r, a.group))
+                    for b in s.actions[at[r]:]:
+                        if b.group == a.group and b.kind == "send":
+                            sent.setdefault((r, b.peer), []).append(held[r].read(b.reads[0]))
+                if a.kind == "recv":
+                    key = (a.peer, r)
+                    i = taken.get(key, 0)
+                    if i >= len(sent.get(key, [])):
+                        break
+                    taken[key] = i + 1
+                    held[r].write(a.writes[0], sent[key][i])
+                elif a.kind not in ("send", "record", "wait"):
+                    if a.kind == "kernel" and _kernel_name(a) == "forward_step":
+                        reads[r].append(_block_read(held[r], a))
+                    held[r].apply(a)
+                at[r] += 1
+                moved = True
+        if not moved:
+            stuck = [f"rank {r}: {s.actions[at[r]].describe()}" for r, s in enumerate(schedules)
+                     if at[r] < len(s.actions)]
+            raise ScheduleError("the replay is stuck, receives without sends: " + "; ".join(stuck))
+    return reads
+
+
+def _block_read(held: _Bytes, action: Action) -> int:
+    """The owner of the K/V block a forward_step (reads: state, k, v) reads."""
+    k, v = (set(held.read(region)) for region in action.reads[1:3])
+    owners = {label[1] for label in k | v if label is not None}
+    if k != {("k", min(owners, default=-1))} or v != {("v", min(owners, default=-1))}:
+        raise ScheduleError(f"rank {held.rank}: {action.describe()} reads k as {sorted(k, key=str)} "
+                            f"and v as {sorted(v, key=str)}, not one block's K and V")
+    return owners.pop()
+
+
+# ----------------------------------------------------------------------------------------------
 # proving, and the seeded mistakes the tests use to show the checker catches them
 
 class ScheduleError(AssertionError):
@@ -792,4 +887,4 @@ def receive_into_current(schedule: Schedule, group: int) -> Schedule:
 __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "RecordingOps",
            "record", "record_world", "happens_before", "check", "check_world", "prove",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
-           "RankRecordingDevice", "record_loopback", "prove_loopback"]
+           "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read"]

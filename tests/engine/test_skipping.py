@@ -1,5 +1,5 @@
 """The forward ring stops a K/V block once no rank it would still reach needs it
-(`burstcu.engine.burst.travels`): causal over contiguous shards moves half the ring's block-hops,
+(`burstcu.engine.burst.kv_hops`): causal over contiguous shards moves half the ring's block-hops,
 a narrow window talks to the next rank only, zigzag needs every hop. Counted here against a
 brute force over positions written out in tests/mpi/bodies.py::ring_sends; the bytes a real ring
 sends are asserted by tests/test_mask_kinds.py and tests/test_strategies.py."""

@@ -95,19 +95,36 @@ def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None, rects=None)
     return keep
 
 
-def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
-               rows: bool = False, rects=None) -> int:
-    """Forward hops ring member `index` sends K, V on when a block goes on only while a member
-    it would still reach sees one of its keys. groups: each member's global positions.
-    rows: count the rows of the blocks sent instead (uneven shards). rects: a block mask
-    (`dense_keep`)."""
+def kv_trips(groups: list, owner: int, causal: bool, window=(-1, -1), docs=None, rects=None,
+             bidirectional: bool = False) -> tuple[int, int]:
+    """(forwards, backwards): the hops member `owner`'s K/V block goes each way round the ring,
+    by trying every pair (f, b), 0 <= f, b < g: those that bring it to every member that sees
+    one of its keys (within f hops forwards or b backwards), the fewest hops in all first; then
+    one way forwards (f, 0) when it is among them, the most even split, more forwards.
+    bidirectional: the most even split before one way."""
     g = len(groups)
+    seen_by = [t for t in range(1, g)
+               if dense_keep(groups[(owner + t) % g], groups[owner], causal, window, docs, rects).any()]
+    trips = [(f, b) for f in range(g) for b in range(g) if all(t <= f or t >= g - b for t in seen_by)]
+    if bidirectional:
+        return min(trips, key=lambda fb: (fb[0] + fb[1], max(fb), -fb[0]))
+    return min(trips, key=lambda fb: (fb[0] + fb[1], fb[1] != 0, max(fb), -fb[0]))
 
-    def sees(x, j):  # do member x's queries see any of member j's keys?
-        return bool(dense_keep(groups[x], groups[j], causal, window, docs, rects).any())
 
-    return sum((len(groups[(index - step) % g]) if rows else 1) for step in range(g - 1)
-               if any(sees((index + t) % g, (index - step) % g) for t in range(1, g - step)))
+def ring_sends(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,
+               rows: bool = False, rects=None, bidirectional: bool = False) -> int:
+    """K/V blocks ring member `index` passes on in the burst forward, either way, when each
+    block goes as far each way as `kv_trips` says: the block of member j is sent on by members
+    j, j+1, .., j+f-1 forwards and j, j-1, .., j-b+1 backwards. groups: each member's global
+    positions. rows: count the rows of the blocks sent instead (uneven shards). rects: a block
+    mask (`dense_keep`)."""
+    g = len(groups)
+    total = 0
+    for j in range(g):
+        f, b = kv_trips(groups, j, causal, window, docs, rects, bidirectional)
+        senders = [(j + t) % g for t in range(f)] + [(j - t) % g for t in range(b)]
+        total += senders.count(index) * (len(groups[j]) if rows else 1)
+    return total
 
 
 def bundle_counts(groups: list, index: int, causal: bool, window=(-1, -1), docs=None,

@@ -18,7 +18,8 @@ import burstcu
 from burstcu.engine import lasp1
 from burstcu.testing.reference import attention_backward_ref, attention_ref, linear_attention_ref
 from tests.mpi.bodies import (DTYPES, EPS, NAIVE, TRUTH, _check, attention_matches_reference,
-                              bundle_counts, dense_keep, make_inputs, my_rows, ring_sends)
+                              bundle_counts, dense_keep, make_inputs, my_rows,
+                              on_rank0_then_bcast, ring_sends)
 
 
 def strategy_matches_reference(strategy="ring", dtype="float32", cases=(), seqlen_local=24,
@@ -475,3 +476,62 @@ def prime_length_matches_one_process(n=3001):
         assert np.allclose(whole_lse, want_lse, rtol=1e-10, atol=1e-12), layout
     group.close()
     return {"lengths": lengths}
+
+
+def kv_both_ways_matches_reference(seqlen_local=16, dtype="float32"):
+    """burst's K/V going both ways round the ring, on every rank against float64 (out, lse, dq,
+    dk, dv within FlashAttention's tolerance rule), with its bytes and messages:
+
+    - a non-causal window of half a shard each side over contiguous shards: a block is needed
+      by its neighbours only, so it goes one hop each way: 2 (G-1) block-hops in all, and on 4
+      ranks the middle ranks send twice their K+V, the end ranks once (one way round it would
+      be 3x on the end ranks: the left neighbour is G-1 hops away); every rank's count as
+      `bodies.ring_sends` spells it out;
+    - full attention with bidirectional=True (through `burstcu.engine.get`): every block goes
+      ceil((G-1)/2) hops forwards and floor((G-1)/2) backwards, so each rank still sends G-1
+      blocks, G-1 messages, but in ceil((G-1)/2) exchanges instead of G-1."""
+    from burstcu.engine import get as strategy
+    group = burstcu.init(backend="numpy")
+    size, rank = group.size, group.rank
+    n, half = seqlen_local * size, seqlen_local // 2
+    q, k, v, dout = make_inputs(4100, 1, n, 4, 2, 8, dtype)
+    groups = [my_rows("contiguous", r, size, n) for r in range(size)]
+    rows = groups[rank]
+    ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+    block = kl.nbytes + vl.nbytes                      # this rank's K and V
+    sent = {}
+    for name, window in (("window", (half, half)), ("bidirectional", (-1, -1))):
+        keep = dense_keep(np.arange(n), np.arange(n), False, window)
+        group.stats.reset()
+        if name == "window":
+            out, lse = burstcu.attention(ql, kl, vl, group, window_size=window, return_lse=True)
+        else:
+            out, lse = strategy("burst", bidirectional=True).forward(
+                ql, kl, vl, group.ops, group.transport, causal=False, softmax_scale=8 ** -0.5,
+                layout="contiguous")
+        fwd = group.stats.as_dict()
+        sent[name] = fwd["bytes_sent"] // block
+        assert fwd["bytes_sent"] % block == 0 and fwd["messages"] == sent[name], (name, fwd)
+        if name == "window":
+            assert sent[name] == ring_sends(groups, rank, False, window), (sent, rank)
+            if size == 4:
+                assert sent[name] == (1 if rank in (0, 3) else 2), (sent, rank)
+        else:
+            assert sent[name] == size - 1, (sent, rank)
+            assert fwd["steps"] == size // 2, fwd         # ceil((G-1)/2) exchanges
+        refs = on_rank0_then_bcast(lambda: (attention_ref(q, k, v, keep=keep),
+                                            attention_ref(q, k, v, keep=keep, dtype=NAIVE[dtype]),
+                                            attention_backward_ref(dout, q, k, v, keep=keep),
+                                            attention_backward_ref(dout, q, k, v, keep=keep,
+                                                                   dtype=NAIVE[dtype])))
+        (ref_out, ref_lse), (naive_out, naive_lse), ref_grads, naive_grads = refs
+        _check(f"{name} out", out, ref_out[:, rows], naive_out[:, rows], dtype)
+        _check(f"{name} lse", lse, ref_lse[:, :, rows], naive_lse[:, :, rows], dtype)
+        grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, window_size=window,
+                                           check=True)
+        for label, got, ref, naive in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+            _check(f"{name} {label}", got, ref[:, rows], naive[:, rows], dtype, factor=3.0)
+    every = group.transport.allgather_object(sent["window"], "test: window sends")
+    assert sum(every) == 2 * (size - 1), every          # one hop to each neighbour a block
+    group.close()
+    return sent
