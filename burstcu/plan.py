@@ -15,9 +15,9 @@ itemsizes; bytes are the engines' exact formulas, `burstcu.engine`):
               where pairs are the (query, key) pairs the mask keeps and calls the rectangles
               (`burstcu.layout.blocks`, counted exactly per rank and step: causal, windows,
               documents and uneven shards all show), the overhead being host work and launches;
-              on a machine whose forward takes a step's rectangles in one call (forward_lists:
-              the GPU presets, the CUDA backends' list kernel) the forward counts one call a step
-              of more than LISTED_ABOVE rectangles.
+              on a machine whose kernels take a step's rectangles in one call (step_lists: the
+              GPU presets, the CUDA backends' list kernels) the forward counts one call a step
+              of more than LISTED_ABOVE rectangles, the backward one a step of more than one.
     messages  t(bytes) = latency + bytes / bandwidth for each ring exchange and for each
               all-to-all (its messages go out together; one latency more for each further
               message of an exchange), with the intra-node bandwidth when the ranks that talk
@@ -63,10 +63,11 @@ class Machine:
     intra_bw / inter_bw: bytes/s one way per rank inside / across nodes; latency: seconds per
     exchange; ranks_per_node: ranks that share the fast links; step_overhead: seconds of fixed
     cost per call of the local op (forward or backward step); memory_bw: bytes/s the local op
-    reads from its memory (decode's bound); forward_lists: the forward takes a step of more than
+    reads from its memory (decode's bound); step_lists: the forward takes a step of more than
     LISTED_ABOVE rectangles in one call (the CUDA backends' rectangle-list kernel), so such a step
-    costs one step_overhead forward however many documents cut it (the backward: one a rectangle;
-    a step of fewer: one a rectangle, as the Hopper kernel runs them)."""
+    costs one step_overhead forward however many documents cut it (a step of fewer: one a
+    rectangle, as the Hopper kernel runs them), and the backward any step of more than one
+    rectangle (flash_bwd_dkdv_steps / flash_bwd_dq_steps)."""
 
     name: str
     flops: float
@@ -77,7 +78,7 @@ class Machine:
     source: str
     step_overhead: float = 0.0
     memory_bw: float = 0.0
-    forward_lists: bool = False
+    step_lists: bool = False
 
 
 MACHINES = {
@@ -90,7 +91,7 @@ MACHINES = {
     "h100": Machine("h100", 989e12 * 0.4, 450e9 * 0.8, 50e9 * 0.8, 1e-5, 8,
                     "H100 SXM5 + NVLink 4 + NDR InfiniBand datasheets; ASSUMED 40% MFU, 80% links, "
                     "10 us a message, 20 us a step; HBM3 3.35 TB/s at 80%", step_overhead=2e-5,
-                    memory_bw=3350e9 * 0.8, forward_lists=True),
+                    memory_bw=3350e9 * 0.8, step_lists=True),
 }
 
 
@@ -199,13 +200,13 @@ class _Problem:
 
     def compute(self, pairs, calls, heads: int, backward: bool = False):
         """Seconds of the local op for these kept pairs and calls (rectangles) of `heads` query
-        heads (0 where there is nothing): a fixed cost a call (forward on a machine with
-        forward_lists: one a step), and 4 B D flops a pair and head forward (2.5 times that
-        backward)."""
+        heads (0 where there is nothing): a fixed cost a call (on a machine with step_lists:
+        one a step of more than LISTED_ABOVE forward, of more than one backward), and 4 B D
+        flops a pair and head forward (2.5 times that backward)."""
         b, _, _, d = self.q.shape
         flop_s = 4 * b * d / self.machine.flops      # seconds per kept pair and query head
-        if self.machine.forward_lists and not backward:
-            calls = np.where(calls > LISTED_ABOVE, 1, calls)
+        if self.machine.step_lists:
+            calls = np.where(calls > (1 if backward else LISTED_ABOVE), 1, calls)
         factor = BACKWARD_FLOPS if backward else 1.0
         return np.where(calls > 0, self.machine.step_overhead * calls
                         + factor * flop_s * heads * pairs, 0.0)

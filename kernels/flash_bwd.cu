@@ -4,10 +4,12 @@
 // Algorithm
 // ---------------------------------------------------------------------------------------------
 // In the backward ring each rank keeps K, V and fp32 dK, dV resident; the bundle (Q, dO, lse,
-// delta) travels with an fp32 dQ accumulator. One step covers one rectangle (Block): visiting
-// query rows [q_start, q_start + q_len) x resident key rows [k_start, k_start + k_len), global
-// positions q_pos / k_pos; (i, j) is kept iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi
-// (causal: hi = 0; a sliding window: lo, hi = left, right; no bound: NO_BOUND). Per tile pair:
+// delta) travels with an fp32 dQ accumulator. A ring step covers one or more rectangles
+// (Blocks): visiting query rows [q_start, q_start + q_len) x resident key rows [k_start, k_start
+// + k_len), global positions q_pos / k_pos; (i, j) is kept iff q_pos + i - lo <= k_pos + j <=
+// q_pos + i + hi (causal: hi = 0; a sliding window: lo, hi = left, right; no bound: NO_BOUND).
+// A step of one rectangle launches the kernels below over it; a step of several (documents,
+// windows, zigzag chunks) launches their _steps twins once over the whole list. Per tile pair:
 //
 //     S  = Q K^T                      (scale folded into the exponent)
 //     P  = exp2(S * scale * log2e - lse * log2e)        recomputed from lse, never stored
@@ -35,6 +37,18 @@
 //       dQ += scale * dS K into its own rows of dQ. Used with flash_bwd_dkdv<..., false>. Every
 //       output element is written by one thread in a fixed order, so two runs are bit-identical
 //       (the atomic mode is not: the order of the fp32 atomicAdds varies).
+//   flash_bwd_dkdv_steps, flash_bwd_dq_steps (same template arguments, same tiles): a ring
+//       step's rectangle list in one launch (BwdStepParams.rects, .groups; host side
+//       burstcu.ops.cuda.params.step_group_lists). dK/dV groups the rectangles by key range
+//       (k_start, k_len), dQ by query range (q_start, q_len); within a step two ranges are equal
+//       or disjoint (the host checks), so every output row still has one CTA writing it. Grid x
+//       runs over the groups' tiles together; a CTA finds its group by a binary search of the
+//       groups' first tiles (step_group_of, params.cuh), loads its resident tile once (K/V; for
+//       dQ: Q, dO, lse, delta) and runs the group's rectangles in list order, each exactly as its
+//       own launch would: accumulators from 0, its own Q (K/V) tiles, then dk[off] += scale *
+//       acc_dk (dq, psum alike) at the end of the rectangle. So a step gives the bits of one
+//       launch a rectangle in that order (the atomic dQ adds stay atomic). One fold function per
+//       kernel serves both (LIST false / true), the one-rectangle kernels unchanged.
 //
 // Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the
 // diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
@@ -88,16 +102,26 @@
 // registers allow (sm_90: 128). Atomic dQ adds the same count of fp32 values (BM x D per tile
 // pair, ~270 MB) as L2 reductions. No GPU was available while writing this: estimates only.
 //
-// Arguments: each kernel takes one struct by value (kernels/params.cuh): flash_bwd_delta a
-// BwdDeltaParams, flash_bwd_dkdv and flash_bwd_dq the same BwdStepParams (burstcu/ops/cuda/params.py
-// fills them). Strides are 64-bit element counts, as in the forward, and every global index is
-// formed in 64-bit arithmetic, so a tensor may hold more than 2^31 elements.
+// The list kernels hold a few values more than one rectangle does (its bounds come from global
+// memory, not the parameter space): at D = 128 and 256, where flash_bwd_dkdv already takes
+// 243-255 registers, ptxas spilled 4-28 B until flash_bwd_dkdv_steps kept its rectangle in
+// shared memory (ListCursor), read where used: now 254-255 registers, no spill (the gate).
+// flash_bwd_dq_steps keeps its rectangle in registers (no spill; up to 237 registers at D = 128
+// where flash_bwd_dq takes 168: one CTA a SM either way on sm_80, whose 104 KB of smem binds).
 //
-// Build: NVRTC, one name expression per variant of burstcu/build/bwd_variants.py; the gate
+// Arguments: each kernel takes one struct by value (kernels/params.cuh): flash_bwd_delta a
+// BwdDeltaParams, the step kernels the same BwdStepParams (burstcu/ops/cuda/params.py fills
+// them; a list step one a kernel, each with its own grouping). Strides are 64-bit element counts,
+// as in the forward, and every global index is formed in 64-bit arithmetic, so a tensor may hold
+// more than 2^31 elements.
+//
+// Build: NVRTC, one name expression per variant of burstcu/build/bwd_variants.py (families
+// bwd_delta, bwd_dkdv, bwd_dkdv_nodq, bwd_dq, their _list twins and the _careful twin of each
+// step family); the gate
 //   python -m burstcu.build check --arch sm_80,sm_86,sm_90
-//       --family bwd_delta,bwd_dkdv,bwd_dkdv_nodq,bwd_dq,bwd_dkdv_careful,bwd_dkdv_nodq_careful,bwd_dq_careful
 // compiles each with -Xptxas=-v and fails on any spill. On the CPU: burstcu.build.emulate
-// (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py does.
+// (g++ + emu/cuda_emu.h), as tests/kernels/test_flash_bwd_emulated.py and
+// test_flash_bwd_lists_emulated.py do.
 // ---------------------------------------------------------------------------------------------
 
 #include "common.cuh"
@@ -275,19 +299,99 @@ flash_bwd_delta(const __grid_constant__ BwdDeltaParams<T> p) {
 // The step kernels take one BwdStepParams (kernels/params.cuh; pointers at element (0,0,0,0)).
 // p.nonfinite: device int, nonzero when q, dout, k, v or delta may make a masked pair non-finite
 // (flash_any_nonfinite); the launcher issues <..., false> and <..., true> (CAREFUL) on one
-// stream, exactly one runs.
+// stream, exactly one runs. Each kernel has a twin over a ring step's rectangle list (_steps):
+// both instantiate one fold (LIST false / true) that runs a block of threads' rectangles in order.
 // ---------------------------------------------------------------------------------------------
+
+namespace bwd {
+
+/// The rectangles a block of threads runs: p.blk alone (rects null), or (LIST) rects[first ..
+/// end), its group's, with `tile` its tile counted from the group's first (params.cuh).
+struct LaunchRects {
+    const BlockRect* rects;
+    int first, end, tile;
+};
+
+template <bool LIST, typename T>
+__device__ __forceinline__ LaunchRects launch_rects(const BwdStepParams<T>& p) {
+    if constexpr (!LIST) {
+        return {nullptr, 0, 1, (int)blockIdx.x};
+    } else {
+        const int* groups = p.groups;
+        const int n_groups = p.n_groups;
+        const int g = step_group_of(groups, n_groups, blockIdx.x);
+        return {p.rects, groups[g], groups[g + 1], (int)blockIdx.x - groups[n_groups + 1 + g]};
+    }
+}
+
+/// One rectangle as the dK/dV block of keys [n0, n0 + BN) sees it: the Q tiles [m_begin,
+/// m_begin + m_tiles * BM) holding a query that sees one of its keys (none: `live` false).
+/// Query i sees key j iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi (int arithmetic:
+/// positions stay below 2^30 and the bounds at most NO_BOUND = 2^29).
+struct QueryTiles {
+    BlockRect r;
+    int m_begin, m_tiles;
+    bool live;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ QueryTiles query_tiles(const BlockRect& r, int n0) {
+    QueryTiles v;
+    v.r = r;
+    const int n_last = min(n0 + BN, r.k_len) - 1;
+    const int first_q = r.k_pos + n0 - r.hi - r.q_pos;
+    v.m_begin = first_q > 0 ? first_q / BM * BM : 0;
+    const int m_end = min(r.q_len, r.k_pos + n_last + r.lo - r.q_pos + 1);
+    v.live = n0 < r.k_len && v.m_begin < m_end;
+    v.m_tiles = (m_end - v.m_begin + BM - 1) / BM;
+    return v;
+}
+
+/// One rectangle as the dQ block of query rows [m0, m_last] sees it: the key tiles [it_begin,
+/// n_it) holding a key some row sees (none: `live` false): keys k_pos + j <= q_pos + m_last + hi
+/// (the last row) and k_pos + j >= q_pos + m0 - lo (the first).
+struct KeyTiles {
+    BlockRect r;
+    int it_begin, n_it;
+    bool live;
+};
+
+/// Where a list kernel stands in its group: the rectangle being run (`rect`, a QueryTiles or
+/// KeyTiles) and its index r in rects[.. end). flash_bwd_dkdv_steps keeps it in shared memory,
+/// written by thread 0 between two barriers and read where used: held in registers for the
+/// whole tile loop (where the one-rectangle kernel reads p.blk from the parameter space, no
+/// register at all) these values made ptxas spill at D = 128 and 256 (255 registers).
+template <typename View>
+struct ListCursor {
+    View rect;
+    const BlockRect* rects;
+    int r, end;
+};
+
+template <int BN>
+__device__ __forceinline__ KeyTiles key_tiles(const BlockRect& r, int m0, int m_last) {
+    KeyTiles v;
+    v.r = r;
+    const int n_end = max(0, min(r.k_len, r.q_pos + m_last + r.hi - r.k_pos + 1));
+    const int first_key = r.q_pos + m0 - r.lo - r.k_pos;
+    v.it_begin = first_key > 0 ? first_key / BN : 0;
+    v.n_it = (n_end + BN - 1) / BN;
+    v.live = v.it_begin < v.n_it;
+    return v;
+}
+
+}  // namespace bwd
 
 // ---------------------------------------------------------------------------------------------
 // dK, dV (and with DQ, atomic dQ): a CTA owns (batch, kv head, BN-key tile)
 // ---------------------------------------------------------------------------------------------
 
-/// Grid (ceil(k_len / BN), Hkv, B); block (BN/16) * WARPS_D warps; dynamic smem
-/// bwd_dkdv_smem_bytes (see bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta,
-/// and with DQ a BN x BM tile of dS.
-template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
-__global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
-flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
+/// The body of flash_bwd_dkdv (LIST false: the rectangle p.blk) and flash_bwd_dkdv_steps (LIST
+/// true: the rectangles of the block's key-range group, in order). The K/V tile is loaded once;
+/// each rectangle then starts its dK/dV accumulators at 0, loops over its query heads and Q
+/// tiles and adds them into global dK/dV, as a launch of its own would: the same bits.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL, bool LIST>
+__device__ __forceinline__ void flash_bwd_dkdv_fold(const BwdStepParams<T>& p) {
     using namespace bwd;
     if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
     // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
@@ -305,25 +409,33 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
     const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
     const long long dk_sb = p.dk_stride.b, dk_ss = p.dk_stride.s, dk_sh = p.dk_stride.h;
     const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
-    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
-    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
     const int H = p.H, Hkv = p.Hkv;
     const float scale = p.scale;
+    const LaunchRects mine = launch_rects<LIST>(p);
     constexpr int WN = BN / 16, NW = WN * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8, LDS = BM + 8;  // padded smem row strides (elements)
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
 
-    const int n0 = blockIdx.x * BN, hkv = blockIdx.y, b = blockIdx.z;
+    const int n0 = mine.tile * BN, hkv = blockIdx.y, b = blockIdx.z;
     const int group = H / Hkv;
-    // The Q tiles that see some key of this tile: query i sees key j iff
-    // q_pos + i - lo <= k_pos + j <= q_pos + i + hi.
-    const int n_last = min(n0 + BN, k_len) - 1;
-    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
-    const int first_q = k_pos + n0 - hi - q_pos;
-    const int m_begin = first_q > 0 ? first_q / BM * BM : 0;
-    const int m_end = min(q_len, k_pos + n_last + lo - q_pos + 1);
-    if (n0 >= k_len || m_begin >= m_end) return;  // uniform over the CTA: nothing to add
-    const int m_tiles = (m_end - m_begin + BM - 1) / BM, n_it = group * m_tiles;
+    // the first rectangle with a Q tile that sees some key of this tile (none: nothing to add;
+    // the test is uniform over the CTA)
+    int r = mine.first;
+    QueryTiles cur = query_tiles<BM, BN>(LIST ? mine.rects[r] : p.blk, n0);
+    if constexpr (LIST)
+        while (!cur.live && ++r < mine.end) cur = query_tiles<BM, BN>(mine.rects[r], n0);
+    if (!cur.live) return;
+    ListCursor<QueryTiles>* list = nullptr;  // LIST: where the group stands (ListCursor)
+    if constexpr (LIST) {
+        __shared__ ListCursor<QueryTiles> s_list;
+        list = &s_list;
+        if (threadIdx.x == 0) s_list = {cur, mine.rects, r, mine.end};
+        __syncthreads();
+    }
+    // the rectangle being run (LIST: each value read from shared memory where it is used) and
+    // the group's key range
+    const QueryTiles& rect = LIST ? list->rect : cur;
+    const int &k_start = rect.r.k_start, &k_len = rect.r.k_len;
 
     BURSTCU_DYNAMIC_SMEM(T, sK);
     T* sV = sK + BN * LD;
@@ -337,158 +449,199 @@ flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
     const int wn = warp % WN, wd = warp / WN;
     const float scale_log2 = scale * kLog2e;
 
-    {  // resident K, V tile: one cp.async group
+    {  // resident K, V tile: one cp.async group, shared by the group's rectangles
         const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
                               (long long)hkv * k_sh;
         load_tile_async<T, BN, D, NT>(sK, LD, k + off, k_ss, k_len - n0);
         load_tile_async<T, BN, D, NT>(sV, LD, v + off, k_ss, k_len - n0);
         cp_async_commit();
     }
-    // Iteration it visits query head hkv*group + it / m_tiles, Q tile m_begin + (it % m_tiles)*BM.
-    auto prefetch = [&](int it, int stage) {
-        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
-        const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
-                              (long long)h * q_sh;
-        load_tile_async<T, BM, D, NT>(sQ + stage * BM * LD, LD, q + off, q_ss, q_len - m0);
-        load_tile_async<T, BM, D, NT>(sdO + stage * BM * LD, LD, dout + off, q_ss, q_len - m0);
-        cp_async_commit();
-        const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + m0;
-        load_row_stats<BM, NT>(sLse2 + stage * BM, sDelta + stage * BM, lse + st, delta + st,
-                               q_len - m0);
-    };
 
-    float acc_dk[DW / 8][4], acc_dv[DW / 8][4];
-#pragma unroll
-    for (int j = 0; j < DW / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
-
-    prefetch(0, 0);
-    for (int it = 0; it < n_it; ++it) {
-        const int stage = it & 1;
-        if (it + 1 < n_it) {  // overlap the next tile's copy with this tile's math
-            prefetch(it + 1, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-
-        const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
-        const T* q_s = sQ + stage * BM * LD;
-        const T* do_s = sdO + stage * BM * LD;
-        const float* lse2_s = sLse2 + stage * BM;
-        const float* delta_s = sDelta + stage * BM;
-
-        // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
-        float s[BM / 8][4];
-        gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
-        // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
-        // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
-        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
-                            (CAREFUL && m0 + BM > q_len);
-        // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
-        auto scores_to_p = [&](auto mask) {
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
-                    float pv = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
-                    // kept iff -lo <= offset <= hi, offset = key position - query position
-                    const int offset = k_pos + key - q_pos - m0 - qi;
-                    if (decltype(mask)::value && (key >= k_len || offset > hi || offset < -lo ||
-                                                  (CAREFUL && m0 + qi >= q_len)))
-                        pv = 0.f;
-                    s[j][e] = pv;
-                }
+    while (true) {  // one pass a live rectangle (once for flash_bwd_dkdv)
+        const int &q_start = rect.r.q_start, &q_len = rect.r.q_len, &q_pos = rect.r.q_pos;
+        const int &k_pos = rect.r.k_pos, &hi = rect.r.hi, &lo = rect.r.lo;
+        const int &m_begin = rect.m_begin, &m_tiles = rect.m_tiles;
+        const int n_it = group * m_tiles;  // a register: the loop tests it after its last barrier
+        // Iteration it visits query head hkv*group + it / m_tiles, Q tile
+        // m_begin + (it % m_tiles) * BM.
+        auto prefetch = [&](int it, int stage) {
+            const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+            const long long off = (long long)b * q_sb + (long long)(q_start + m0) * q_ss +
+                                  (long long)h * q_sh;
+            load_tile_async<T, BM, D, NT>(sQ + stage * BM * LD, LD, q + off, q_ss, q_len - m0);
+            load_tile_async<T, BM, D, NT>(sdO + stage * BM * LD, LD, dout + off, q_ss, q_len - m0);
+            cp_async_commit();
+            const long long st = (long long)b * st_sb + (long long)h * st_sh + q_start + m0;
+            load_row_stats<BM, NT>(sLse2 + stage * BM, sDelta + stage * BM, lse + st, delta + st,
+                                   q_len - m0);
         };
-        if (masked)
-            scores_to_p(Case<true>{});
-        else
-            scores_to_p(Case<false>{});
-        if constexpr (CAREFUL)  // dV += P^T dO
-            gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
-        else
-            gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);
 
-        // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
-        float ds[BM / 8][4];
-        gemm_nt<T, BM, D>(ds, sV, wn * 16, do_s, LD);
+        float acc_dk[DW / 8][4], acc_dv[DW / 8][4];
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
+        for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
-                const float d_s = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
-                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+
+        prefetch(0, 0);
+        for (int it = 0; it < n_it; ++it) {
+            const int stage = it & 1;
+            if (it + 1 < n_it) {  // overlap the next tile's copy with this tile's math
+                prefetch(it + 1, stage ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
             }
-        if constexpr (CAREFUL)  // dK += dS^T Q (scaled at the end)
-            gemm_rs_masked<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW, masked);
-        else
-            gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);
+            __syncthreads();
 
-        if constexpr (DQ) {
-            if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
+            const int h = hkv * group + it / m_tiles, m0 = m_begin + (it % m_tiles) * BM;
+            const T* q_s = sQ + stage * BM * LD;
+            const T* do_s = sdO + stage * BM * LD;
+            const float* lse2_s = sLse2 + stage * BM;
+            const float* delta_s = sDelta + stage * BM;
+
+            // P^T (16 keys x BM queries per warp) = exp2(S^T * scale*log2e - lse2[query]).
+            float s[BM / 8][4];
+            gemm_nt<T, BM, D>(s, sK, wn * 16, q_s, LD);
+            // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
+            // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
+            const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
+                                (CAREFUL && m0 + BM > q_len);
+            // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
+            auto scores_to_p = [&](auto mask) {
 #pragma unroll
                 for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = wn * 16 + g + hf * 8, col = j * 8 + 2 * t;
-                        *reinterpret_cast<u32*>(sdS + row * LDS + col) =
-                            pack2<T>(ds[j][2 * hf], ds[j][2 * hf + 1]);
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = n0 + wn * 16 + g + (e >> 1) * 8, qi = j * 8 + 2 * t + (e & 1);
+                        float pv = exp2f(s[j][e] * scale_log2 - lse2_s[qi]);
+                        // kept iff -lo <= offset <= hi, offset = key position - query position
+                        const int offset = k_pos + key - q_pos - m0 - qi;
+                        if (decltype(mask)::value && (key >= k_len || offset > hi || offset < -lo ||
+                                                      (CAREFUL && m0 + qi >= q_len)))
+                            pv = 0.f;
+                        s[j][e] = pv;
                     }
-            }
-            __syncthreads();
-            // dQ (BM x D) += scale * dS (BM x BN) . K (BN x D): units of 16 rows x 32 columns.
-            constexpr int MB = BM / 16, NCH = D / 32;
-            for (int u = warp; u < MB * NCH; u += NW) {
-                const int mb = u % MB, c0 = (u / MB) * 32;
-                float acc[4][4] = {};
-                // a zero dS must add nothing even against an Inf/NaN key (gemm_rs_masked's rule)
-                if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD))
-                    ds_k_unit<T, BN, true>(acc, sdS, LDS, sK, LD, mb, c0);
-                else
-                    ds_k_unit<T, BN, false>(acc, sdS, LDS, sK, LD, mb, c0);
+            };
+            if (masked)
+                scores_to_p(Case<true>{});
+            else
+                scores_to_p(Case<false>{});
+            if constexpr (CAREFUL)  // dV += P^T dO
+                gemm_rs_masked<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW, masked);
+            else
+                gemm_rs<T, BM, DW>(acc_dv, s, do_s, LD, wd * DW);
+
+            // dS^T = P^T o (dP^T - delta[query]),  dP^T = V dO^T.
+            float ds[BM / 8][4];
+            gemm_nt<T, BM, D>(ds, sV, wn * 16, do_s, LD);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = m0 + mb * 16 + g + (e >> 1) * 8;
-                    if (row >= q_len) continue;
-                    float* dst = dq + (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
-                                 (long long)h * dq_sh + c0 + 2 * t + (e & 1);
+            for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) atomicAdd(dst + j * 8, scale * acc[j][e]);
+                for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                    const float d_s = s[j][e] * (ds[j][e] - delta_s[j * 8 + 2 * t + (e & 1)]);
+                    ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+                }
+            if constexpr (CAREFUL)  // dK += dS^T Q (scaled at the end)
+                gemm_rs_masked<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW, masked);
+            else
+                gemm_rs<T, BM, DW>(acc_dk, ds, q_s, LD, wd * DW);
+
+            if constexpr (DQ) {
+                if (wd == 0) {  // warps sharing keys hold the same dS: one of them stores it
+#pragma unroll
+                    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const int row = wn * 16 + g + hf * 8, col = j * 8 + 2 * t;
+                            *reinterpret_cast<u32*>(sdS + row * LDS + col) =
+                                pack2<T>(ds[j][2 * hf], ds[j][2 * hf + 1]);
+                        }
+                }
+                __syncthreads();
+                // dQ (BM x D) += scale * dS (BM x BN) . K (BN x D): units of 16 rows x 32 columns.
+                constexpr int MB = BM / 16, NCH = D / 32;
+                for (int u = warp; u < MB * NCH; u += NW) {
+                    const int mb = u % MB, c0 = (u / MB) * 32;
+                    float acc[4][4] = {};
+                    // a zero dS must add nothing even against an Inf/NaN key (gemm_rs_masked's rule)
+                    if (CAREFUL && masked && warp_any_nonfinite<T, BN, 32>(sK + c0, LD))
+                        ds_k_unit<T, BN, true>(acc, sdS, LDS, sK, LD, mb, c0);
+                    else
+                        ds_k_unit<T, BN, false>(acc, sdS, LDS, sK, LD, mb, c0);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + mb * 16 + g + (e >> 1) * 8;
+                        if (row >= q_len) continue;
+                        float* dst = dq + (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
+                                     (long long)h * dq_sh + c0 + 2 * t + (e & 1);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) atomicAdd(dst + j * 8, scale * acc[j][e]);
+                    }
                 }
             }
+            __syncthreads();  // stage `stage` (and sdS) is overwritten by the next prefetch
         }
-        __syncthreads();  // stage `stage` (and sdS) is overwritten by the next prefetch
-    }
 
-    // This CTA is the only writer of its dK/dV rows: plain read-add-write, no atomics.
+        // This CTA is the only writer of its dK/dV rows in this launch: plain read-add-write,
+        // no atomics (a rectangle at a time, as its own launch would add them).
 #pragma unroll
-    for (int j = 0; j < DW / 8; ++j)
+        for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int row = n0 + wn * 16 + g + (e >> 1) * 8;
-            if (row >= k_len) continue;
-            const long long off = (long long)b * dk_sb + (long long)(k_start + row) * dk_ss +
-                                  (long long)hkv * dk_sh + wd * DW + j * 8 + 2 * t + (e & 1);
-            dk[off] += scale * acc_dk[j][e];
-            dv[off] += acc_dv[j][e];
+            for (int e = 0; e < 4; ++e) {
+                const int row = n0 + wn * 16 + g + (e >> 1) * 8;
+                if (row >= k_len) continue;
+                const long long off = (long long)b * dk_sb + (long long)(k_start + row) * dk_ss +
+                                      (long long)hkv * dk_sh + wd * DW + j * 8 + 2 * t + (e & 1);
+                dk[off] += scale * acc_dk[j][e];
+                dv[off] += acc_dv[j][e];
+            }
+        if constexpr (!LIST) {
+            break;
+        } else {  // the group's next live rectangle, once every thread is done with this one
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int next = list->r;
+                QueryTiles view;
+                do {
+                    ++next;
+                } while (next < list->end && !(view = query_tiles<BM, BN>(list->rects[next], n0)).live);
+                list->r = next;
+                list->rect = view;
+            }
+            __syncthreads();  // (stages and sdS are free: the tile loop ended on a barrier)
+            if (list->r >= list->end) break;
         }
+    }
+}
+
+/// Grid (ceil(k_len / BN), Hkv, B); block (BN/16) * WARPS_D warps; dynamic smem
+/// bwd_dkdv_smem_bytes (see bwd_variants.py): K, V tiles, two stages of Q, dO, lse2, delta,
+/// and with DQ a BN x BM tile of dS.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
+__global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
+flash_bwd_dkdv(const __grid_constant__ BwdStepParams<T> p) {
+    flash_bwd_dkdv_fold<T, D, BM, BN, WARPS_D, DQ, CAREFUL, false>(p);
+}
+
+/// A ring step's rectangles in one launch (p.rects, p.groups grouped by key range): grid (the
+/// groups' key tiles together, Hkv, B); block and smem as flash_bwd_dkdv's.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL = false>
+__global__ void __launch_bounds__((BN / 16) * WARPS_D * 32)
+flash_bwd_dkdv_steps(const __grid_constant__ BwdStepParams<T> p) {
+    flash_bwd_dkdv_fold<T, D, BM, BN, WARPS_D, DQ, CAREFUL, true>(p);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic dQ: a CTA owns (batch, head, BM-row Q tile)
 // ---------------------------------------------------------------------------------------------
 
-/// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
-/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. The same struct as flash_bwd_dkdv
-/// (dk, dv unused); with p.psum non-null each row's sum of the recomputed P over this step's
-/// keys is added to psum (attention_backward(check=True) checks that they add up to 1 over the
-/// ring). Each dQ and psum element is read, added to and written by one thread.
-template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
-__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
-flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
+/// The body of flash_bwd_dq (LIST false: the rectangle p.blk) and flash_bwd_dq_steps (LIST
+/// true: the rectangles of the block's query-range group, in order). The Q, dO tile and the
+/// rows' lse, delta are read once; each rectangle then starts its dQ accumulator (and row sums
+/// of P) at 0, streams its own K/V tiles and adds them into global dQ (and psum), as a launch
+/// of its own would: the same bits.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL, bool LIST>
+__device__ __forceinline__ void flash_bwd_dq_fold(const BwdStepParams<T>& p) {
     using namespace bwd;
     if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
     // the fields, read once here (kernels/params.cuh, "Reading a parameter struct")
@@ -505,26 +658,26 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
     const long long k_sb = p.k_stride.b, k_ss = p.k_stride.s, k_sh = p.k_stride.h;
     const long long dq_sb = p.dq_stride.b, dq_ss = p.dq_stride.s, dq_sh = p.dq_stride.h;
     const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
-    const int q_start = p.blk.q_start, q_len = p.blk.q_len, k_start = p.blk.k_start, k_len = p.blk.k_len;
-    const int q_pos = p.blk.q_pos, k_pos = p.blk.k_pos, hi = p.blk.hi, lo = p.blk.lo;
     const int H = p.H, Hkv = p.Hkv;
     const float scale = p.scale;
+    const LaunchRects mine = launch_rects<LIST>(p);
     constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8;
     static_assert(D % 32 == 0 && DW % 16 == 0 && BM % 16 == 0 && BN % 16 == 0, "tile shape");
 
-    const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+    const int m0 = mine.tile * BM, h = blockIdx.y, b = blockIdx.z;
     const int hkv = h / (H / Hkv);
+    // the query rows: one range a group
+    const BlockRect& rows = LIST ? mine.rects[mine.first] : p.blk;
+    const int q_start = rows.q_start, q_len = rows.q_len;
     if (m0 >= q_len) return;
-    // Keys some row of the tile sees: k_pos + j <= q_pos + m_last + hi (the last row) and
-    // k_pos + j >= q_pos + m0 - lo (the first).
     const int m_last = min(m0 + BM, q_len) - 1;
-    // (int arithmetic: positions stay below 2^30 and the bounds at most NO_BOUND = 2^29)
-    const int n_end = max(0, min(k_len, q_pos + m_last + hi - k_pos + 1));
-    const int first_key = q_pos + m0 - lo - k_pos;
-    const int it_begin = first_key > 0 ? first_key / BN : 0;
-    const int n_it = (n_end + BN - 1) / BN;
-    if (it_begin >= n_it) return;
+    // the first rectangle with a key some row of the tile sees (none: nothing to add)
+    int r = mine.first;
+    KeyTiles cur = key_tiles<BN>(LIST ? mine.rects[r] : p.blk, m0, m_last);
+    if constexpr (LIST)
+        while (!cur.live && ++r < mine.end) cur = key_tiles<BN>(mine.rects[r], m0, m_last);
+    if (!cur.live) return;
 
     BURSTCU_DYNAMIC_SMEM(T, sQ);
     T* sdO = sQ + BM * LD;
@@ -542,14 +695,6 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
         load_tile_async<T, BM, D, NT>(sdO, LD, dout + off, q_ss, q_len - m0);
         cp_async_commit();
     }
-    auto prefetch = [&](int it, int stage) {
-        const int n0 = it * BN;
-        const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
-                              (long long)hkv * k_sh;
-        load_tile_async<T, BN, D, NT>(sK + stage * BN * LD, LD, k + off, k_ss, k_len - n0);
-        load_tile_async<T, BN, D, NT>(sV + stage * BN * LD, LD, v + off, k_ss, k_len - n0);
-        cp_async_commit();
-    };
 
     // This thread's two query rows (g and g + 8 of the warp's 16): lse2 and delta in registers.
     float lse2[2], dlt[2];
@@ -562,90 +707,130 @@ flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
         dlt[hf] = row < q_len ? delta[st] : 0.f;
     }
 
-    float acc[DW / 8][4];
-#pragma unroll
-    for (int j = 0; j < DW / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-    float p_sum[2] = {0.f, 0.f};  // this lane's part of its two rows' sum of P (with_psum)
+    while (true) {  // one pass a live rectangle (once for flash_bwd_dq)
+        const int k_start = cur.r.k_start, k_len = cur.r.k_len, q_pos = cur.r.q_pos;
+        const int k_pos = cur.r.k_pos, hi = cur.r.hi, lo = cur.r.lo;
+        const int it_begin = cur.it_begin, n_it = cur.n_it;
+        auto prefetch = [&](int it, int stage) {
+            const int n0 = it * BN;
+            const long long off = (long long)b * k_sb + (long long)(k_start + n0) * k_ss +
+                                  (long long)hkv * k_sh;
+            load_tile_async<T, BN, D, NT>(sK + stage * BN * LD, LD, k + off, k_ss, k_len - n0);
+            load_tile_async<T, BN, D, NT>(sV + stage * BN * LD, LD, v + off, k_ss, k_len - n0);
+            cp_async_commit();
+        };
 
-    prefetch(it_begin, 0);
-    for (int it = it_begin; it < n_it; ++it) {
-        const int stage = (it - it_begin) & 1, n0 = it * BN;
-        if (it + 1 < n_it) {
-            prefetch(it + 1, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const T* k_s = sK + stage * BN * LD;
-        const T* v_s = sV + stage * BN * LD;
+        float acc[DW / 8][4];
+#pragma unroll
+        for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        float p_sum[2] = {0.f, 0.f};  // this lane's part of its two rows' sum of P (with_psum)
 
-        float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
-        gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
-        const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
-        // One copy of this loop per case, so that the tiles without masked pairs (all but the
-        // diagonal and the ragged ends) run without the test. As one loop testing a run-time
-        // `masked`, the split was left to the compiler's heuristics, which stopped making it
-        // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
-        // sm_80).
-        auto scores_to_p = [&](auto mask) {
+        prefetch(it_begin, 0);
+        for (int it = it_begin; it < n_it; ++it) {
+            const int stage = (it - it_begin) & 1, n0 = it * BN;
+            if (it + 1 < n_it) {
+                prefetch(it + 1, stage ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const T* k_s = sK + stage * BN * LD;
+            const T* v_s = sV + stage * BN * LD;
+
+            float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
+            gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
+            const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
+            // One copy of this loop per case, so that the tiles without masked pairs (all but the
+            // diagonal and the ragged ends) run without the test. As one loop testing a run-time
+            // `masked`, the split was left to the compiler's heuristics, which stopped making it
+            // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
+            // sm_80).
+            auto scores_to_p = [&](auto mask) {
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
+                        float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
+                        if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
+                                                      k_pos + key < q_pos + qi - lo))
+                            pv = 0.f;
+                        s[j][e] = pv;
+                    }
+            };
+            if (masked)
+                scores_to_p(Case<true>{});
+            else
+                scores_to_p(Case<false>{});
+            if (with_psum) {
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) p_sum[e >> 1] += s[j][e];
+            }
+            float ds[BN / 8][4];  // dP = dO V^T, then dS
+            gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
-                    float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
-                    if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
-                                                  k_pos + key < q_pos + qi - lo))
-                        pv = 0.f;
-                    s[j][e] = pv;
+                for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
+                    const float d_s = s[j][e] * (ds[j][e] - dlt[e >> 1]);
+                    ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
                 }
-        };
-        if (masked)
-            scores_to_p(Case<true>{});
-        else
-            scores_to_p(Case<false>{});
+            if constexpr (CAREFUL)  // dQ += dS K (scaled at the end)
+                gemm_rs_masked<T, BN, DW>(acc, ds, k_s, LD, wd * DW, masked);
+            else
+                gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);
+            __syncthreads();
+        }
+
+#pragma unroll
+        for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + wm * 16 + g + (e >> 1) * 8;
+                if (row >= q_len) continue;
+                const long long off = (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
+                                      (long long)h * dq_sh + wd * DW + j * 8 + 2 * t + (e & 1);
+                dq[off] += scale * acc[j][e];
+            }
         if (with_psum) {
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) p_sum[e >> 1] += s[j][e];
-        }
-        float ds[BN / 8][4];  // dP = dO V^T, then dS
-        gemm_nt<T, BN, D>(ds, sdO, wm * 16, v_s, LD);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // CAREFUL: P = 0 gives dS = 0 whatever dP is
-                const float d_s = s[j][e] * (ds[j][e] - dlt[e >> 1]);
-                ds[j][e] = CAREFUL && s[j][e] == 0.f ? 0.f : d_s;
+            for (int hf = 0; hf < 2; ++hf) {
+                const float total = warp_sum<4>(p_sum[hf]);  // the 4 lanes of a row group
+                const int row = m0 + wm * 16 + g + hf * 8;
+                if (t == 0 && wd == 0 && row < q_len)
+                    psum[(long long)b * st_sb + (long long)h * st_sh + q_start + row] += total;
             }
-        if constexpr (CAREFUL)  // dQ += dS K (scaled at the end)
-            gemm_rs_masked<T, BN, DW>(acc, ds, k_s, LD, wd * DW, masked);
-        else
-            gemm_rs<T, BN, DW>(acc, ds, k_s, LD, wd * DW);
-        __syncthreads();
+        }
+        if constexpr (!LIST) break;
+        // the group's next live rectangle (both K/V stages are free: the last iteration ended
+        // on a barrier)
+        do {
+            ++r;
+        } while (r < mine.end && !(cur = key_tiles<BN>(mine.rects[r], m0, m_last)).live);
+        if (r >= mine.end) break;
     }
+}
 
-#pragma unroll
-    for (int j = 0; j < DW / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int row = m0 + wm * 16 + g + (e >> 1) * 8;
-            if (row >= q_len) continue;
-            const long long off = (long long)b * dq_sb + (long long)(q_start + row) * dq_ss +
-                                  (long long)h * dq_sh + wd * DW + j * 8 + 2 * t + (e & 1);
-            dq[off] += scale * acc[j][e];
-        }
-    if (with_psum) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const float total = warp_sum<4>(p_sum[hf]);  // the 4 lanes of a row group
-            const int row = m0 + wm * 16 + g + hf * 8;
-            if (t == 0 && wd == 0 && row < q_len)
-                psum[(long long)b * st_sb + (long long)h * st_sh + q_start + row] += total;
-        }
-    }
+/// Grid (ceil(q_len / BM), H, B); block (BM/16) * WARPS_D warps; dynamic smem
+/// bwd_dq_smem_bytes: Q, dO tiles and two stages of K, V. The same struct as flash_bwd_dkdv
+/// (dk, dv unused); with p.psum non-null each row's sum of the recomputed P over this step's
+/// keys is added to psum (attention_backward(check=True) checks that they add up to 1 over the
+/// ring). Each dQ and psum element is read, added to and written by one thread.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
+__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
+flash_bwd_dq(const __grid_constant__ BwdStepParams<T> p) {
+    flash_bwd_dq_fold<T, D, BM, BN, WARPS_D, CAREFUL, false>(p);
+}
+
+/// A ring step's rectangles in one launch (p.rects, p.groups grouped by query range): grid
+/// (the groups' query tiles together, H, B); block and smem as flash_bwd_dq's.
+template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL = false>
+__global__ void __launch_bounds__((BM / 16) * WARPS_D * 32)
+flash_bwd_dq_steps(const __grid_constant__ BwdStepParams<T> p) {
+    flash_bwd_dq_fold<T, D, BM, BN, WARPS_D, CAREFUL, true>(p);
 }

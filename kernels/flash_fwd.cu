@@ -242,16 +242,11 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   if constexpr (LIST) {
     const int* groups = p.groups;
     const int n_groups = p.n_groups;
-    const int* tile_first = groups + n_groups + 1;
-    int lo_g = 0, hi_g = n_groups - 1;   // the last group whose first tile is <= blockIdx.x
-    while (lo_g < hi_g) {
-      const int mid = (lo_g + hi_g + 1) / 2;
-      if (tile_first[mid] <= (int)blockIdx.x) lo_g = mid; else hi_g = mid - 1;
-    }
+    const int group = step_group_of(groups, n_groups, blockIdx.x);
     rects = p.rects;
-    r_first = groups[lo_g];
-    r_end = groups[lo_g + 1];
-    q_tile = blockIdx.x - tile_first[lo_g];
+    r_first = groups[group];
+    r_end = groups[group + 1];
+    q_tile = blockIdx.x - groups[n_groups + 1 + group];
     q_start = rects[r_first].q_start;
     q_len = rects[r_first].q_len;
     q_pos = rects[r_first].q_pos;

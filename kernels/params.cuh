@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here takes 248 bytes.
+// here, FwdStepSm90Params, takes 512 bytes (BwdStepParams 272).
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is
@@ -75,8 +75,8 @@ struct FwdStepParams {
   int H, Hkv;             // query heads, kv heads (GQA: query head h reads kv head h / (H / Hkv))
   float scale_log2;       // softmax_scale * log2(e)
   // flash_fwd_steps only (flash_fwd_step leaves them 0 and reads blk): every rectangle of a ring
-  // step in one launch, grouped by query range (the rectangles of a group share q_start, q_len
-  // and q_pos; groups share no query row)
+  // step in one launch, grouped by query range (the rectangles of a group share q_start and
+  // q_len, each its own k_pos - q_pos; groups share no query row)
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): group g's rectangles are rects[groups[g] ..
                           // groups[g + 1]), its query tiles blockIdx.x in [groups[n_groups + 1 + g],
@@ -149,8 +149,9 @@ struct BwdDeltaParams {
   int B, S, H, D;             // sizes of out
 };
 
-// flash_bwd_dkdv and flash_bwd_dq: one backward ring step over one BlockRect. The two kernels of
-// a deterministic step take the same struct (psum is read by flash_bwd_dq only).
+// flash_bwd_dkdv and flash_bwd_dq: one backward ring step over one BlockRect (or, the _steps
+// kernels, over a step's list of them). The two kernels of a deterministic step take the same
+// struct (psum is read by the dQ kernels only), a list step one struct each (its own grouping).
 template <typename T>
 struct BwdStepParams {
   const T* q;               // (B, Sq, H, D) visiting queries, strides q_stride
@@ -173,4 +174,25 @@ struct BwdStepParams {
   BlockRect blk;            // the rectangle and its key bounds
   int H, Hkv;               // query heads, kv heads (GQA as in the forward)
   float scale;              // softmax scale (natural units; the kernels fold in log2(e))
+  // flash_bwd_dkdv_steps / flash_bwd_dq_steps only (the one-rectangle kernels leave them 0 and
+  // read blk): every rectangle of a ring step in one launch, laid out as FwdStepParams' lists,
+  // grouped by key range (k_start, k_len) for dK/dV and by query range (q_start, q_len) for dQ;
+  // within a step two ranges are equal or disjoint, so no two blocks of threads share an output row
+  const BlockRect* rects;   // the rectangles, group by group, each group in the step's order
+  const int* groups;        // (2 n_groups + 2): as FwdStepParams.groups, tiles of BN keys
+                            // (dK/dV) or of BM queries (dQ)
+  int n_groups;
 };
+
+// The group of a rectangle-list launch (FwdStepParams / BwdStepParams: rects, groups, n_groups)
+// whose tiles hold `tile` (blockIdx.x): the last group whose first tile is <= tile, found by a
+// binary search of the groups' first tiles (groups[n_groups + 1 ..], a prefix sum).
+__device__ __forceinline__ int step_group_of(const int* groups, int n_groups, int tile) {
+  const int* tile_first = groups + n_groups + 1;
+  int lo = 0, hi = n_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_first[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}

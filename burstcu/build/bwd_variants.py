@@ -8,9 +8,14 @@ Families (every one compiled for float16 and bfloat16):
 * ``bwd_dkdv_nodq``  the same kernel with ``DQ=false``: dK, dV only (deterministic mode).
 * ``bwd_dq``         ``flash_bwd_dq<T, D, BM, BN, WARPS_D>``: dQ without atomics (deterministic
   mode); it also adds each row's sum of P when asked (attention_backward(check=True)).
-* ``<family>_careful`` for the three step families: CAREFUL = true (`variants.careful_variant`),
-  run instead of the plain kernel for a block with masked pairs when q, dO, K, V or delta could
-  make a product there non-finite.
+* ``<family>_list`` for the three step families (``bwd_dkdv_list``, ``bwd_dkdv_nodq_list``,
+  ``bwd_dq_list``): ``flash_bwd_dkdv_steps`` / ``flash_bwd_dq_steps``, the same tiles over a ring
+  step's whole rectangle list in one launch (`burstcu.ops.cuda.params.step_group_lists`: grouped
+  by key range for dK/dV, by query range for dQ), bit for bit what one launch a rectangle gives.
+  A step of one rectangle keeps the per-rectangle kernel.
+* ``<family>_careful`` for the six step families: CAREFUL = true (`variants.careful_variant`),
+  run instead of the plain kernel for a block (a list: a step) with masked pairs when q, dO, K,
+  V or delta could make a product there non-finite.
 
 Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
 zero padding (done by the caller). The tile table and the reasoning behind it are in the opening
@@ -56,6 +61,8 @@ _DQ_TILES = {
 }
 
 _PAD = 8  # elements of padding per shared-memory row (bank-conflict-free ldmatrix)
+# a step family's rectangle-list twin: family + LIST_SUFFIX (bwd_dkdv_list, bwd_dq_list, ...)
+LIST_SUFFIX = "_list"
 
 
 def dkdv_smem_bytes(d: int, bm: int, bn: int, with_dq: bool, itemsize: int = 2) -> int:
@@ -70,31 +77,12 @@ def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
     return (2 * bm + 4 * bn) * (d + _PAD) * itemsize
 
 
-def _dkdv(arch: str, dtype: str, d: int, with_dq: bool) -> KernelVariant:
-    bm, bn, wd = _DKDV_TILES[base_table(arch)][d]
-    flag = "true" if with_dq else "false"
-    return KernelVariant(
-        family="bwd_dkdv" if with_dq else "bwd_dkdv_nodq",
-        source=SOURCE,
-        name=f"flash_bwd_dkdv<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {wd}, {flag}>",
-        dtype=dtype,
-        headdim=d,
-        launch=LaunchConfig(threads=(bn // 16) * wd * 32, block_m=bm, block_n=bn,
-                            smem_bytes=dkdv_smem_bytes(d, bm, bn, with_dq)),
-    )
+def _dkdv(arch: str, dtype: str, d: int, with_dq: bool, listed: bool = False) -> KernelVariant:
+    return dkdv_variant_for_tiles(dtype, d, *_DKDV_TILES[base_table(arch)][d], with_dq, listed)
 
 
-def _dq(arch: str, dtype: str, d: int) -> KernelVariant:
-    bm, bn, wd = _DQ_TILES[base_table(arch)][d]
-    return KernelVariant(
-        family="bwd_dq",
-        source=SOURCE,
-        name=f"flash_bwd_dq<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {wd}>",
-        dtype=dtype,
-        headdim=d,
-        launch=LaunchConfig(threads=(bm // 16) * wd * 32, block_m=bm, block_n=bn,
-                            smem_bytes=dq_smem_bytes(d, bm, bn)),
-    )
+def _dq(arch: str, dtype: str, d: int, listed: bool = False) -> KernelVariant:
+    return dq_variant_for_tiles(dtype, d, *_DQ_TILES[base_table(arch)][d], listed)
 
 
 def delta_variant(dtype: str) -> KernelVariant:
@@ -113,7 +101,9 @@ def backward_variants(arch: str) -> list[KernelVariant]:
     for dtype in DTYPES:
         out.append(delta_variant(dtype))
         for d in NATIVE_HEADDIMS:
-            steps = [_dkdv(arch, dtype, d, True), _dkdv(arch, dtype, d, False), _dq(arch, dtype, d)]
+            steps = [step for listed in (False, True)
+                     for step in (_dkdv(arch, dtype, d, True, listed),
+                                  _dkdv(arch, dtype, d, False, listed), _dq(arch, dtype, d, listed))]
             out += steps + [careful_variant(v) for v in steps]
     return out
 
@@ -126,25 +116,31 @@ def _check_tiles(d: int, bm: int, bn: int, warps_d: int) -> None:
 
 
 def dkdv_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int,
-                           with_dq: bool = True) -> KernelVariant:
+                           with_dq: bool = True, listed: bool = False) -> KernelVariant:
     """A dK/dV variant with explicit tiles, outside any table (for tile searches such as
-    bench/gpu/tiles.py); with a table's tiles this equals that table's variant."""
+    bench/gpu/tiles.py); with a table's tiles this equals that table's variant. `listed`: the
+    rectangle-list kernel flash_bwd_dkdv_steps (family ``<family>_list``) on the same tiles."""
     _check_tiles(d, bm, bn, warps_d)
     flag = "true" if with_dq else "false"
+    family = "bwd_dkdv" if with_dq else "bwd_dkdv_nodq"
+    kernel = "flash_bwd_dkdv_steps" if listed else "flash_bwd_dkdv"
     return KernelVariant(
-        family="bwd_dkdv" if with_dq else "bwd_dkdv_nodq", source=SOURCE,
-        name=f"flash_bwd_dkdv<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}, {flag}>",
+        family=family + (LIST_SUFFIX if listed else ""), source=SOURCE,
+        name=f"{kernel}<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}, {flag}>",
         dtype=dtype, headdim=d,
         launch=LaunchConfig(threads=(bn // 16) * warps_d * 32, block_m=bm, block_n=bn,
                             smem_bytes=dkdv_smem_bytes(d, bm, bn, with_dq)))
 
 
-def dq_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int) -> KernelVariant:
+def dq_variant_for_tiles(dtype: str, d: int, bm: int, bn: int, warps_d: int,
+                         listed: bool = False) -> KernelVariant:
     """A deterministic-dQ variant with explicit tiles, outside any table (see
-    `dkdv_variant_for_tiles`)."""
+    `dkdv_variant_for_tiles`); `listed`: flash_bwd_dq_steps (family ``bwd_dq_list``)."""
     _check_tiles(d, bm, bn, warps_d)
+    kernel = "flash_bwd_dq_steps" if listed else "flash_bwd_dq"
     return KernelVariant(
-        family="bwd_dq", source=SOURCE, name=f"flash_bwd_dq<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}>",
+        family="bwd_dq" + (LIST_SUFFIX if listed else ""), source=SOURCE,
+        name=f"{kernel}<{CXX_TYPE[dtype]}, {d}, {bm}, {bn}, {warps_d}>",
         dtype=dtype, headdim=d,
         launch=LaunchConfig(threads=(bm // 16) * warps_d * 32, block_m=bm, block_n=bn,
                             smem_bytes=dq_smem_bytes(d, bm, bn)))

@@ -10,22 +10,33 @@ float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate i
 `burstcu.ops.cuda.params`), the non-finite flags and step launches (`ops.nonfinite_flag`,
 `ops.step_flag`, `ops.launch_step`), the variant table
 (`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
-and the `ops.deterministic` switch: False launches one kernel per block that adds dQ with fp32
-atomics (run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two
-runs give bit-identical results (a second recomputation of S and dP: ~7/5 of the flops).
+and the `ops.deterministic` switch: False launches one kernel that adds dQ with fp32 atomics
+(run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two runs give
+bit-identical results (a second recomputation of S and dP: ~7/5 of the flops).
+
+Launches a ring step: a step of one Block launches the per-rectangle kernels (flash_bwd_dkdv,
+and flash_bwd_dq when deterministic) over it; a step of several launches each kernel once over
+the whole list (flash_bwd_dkdv_steps over the Blocks grouped by key range, flash_bwd_dq_steps
+grouped by query range; `params.step_group_lists`, one device buffer a step, kept with the
+context until it is finalized). The list kernels run each group's Blocks in order exactly as
+one launch a Block would, so a deterministic step gives the same bits either way (for finite
+inputs: the list runs the careful twins for all its Blocks when one is masked and an operand
+holds a NaN/Inf). Within a step two Blocks' key ranges (and query ranges) are equal or
+disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Block
+(`params.listable`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.bwd_variants import delta_variant
+from ...build.bwd_variants import LIST_SUFFIX, delta_variant
 from ...layout import Block
 from .params import (bwd_delta_params, bwd_step_params, cdiv, dtype_name, element_strides,
-                     rows_contiguous, same_strides, vector_ready)
+                     listable, rows_contiguous, same_strides, step_group_lists, vector_ready)
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -36,7 +47,8 @@ class BackwardContext:
 
     k, v: (B,Sk,Hkv,Dp) in the input dtype, padded to the native head dim Dp, 16-byte aligned.
     dk, dv: (B,Sk,Hkv,Dp) float32 accumulators. headdim: the caller's D. dtype: "float16" or
-    "bfloat16". scale: the softmax scale.
+    "bfloat16". scale: the softmax scale. keep: what a launch still reads (the rectangle
+    lists of the _steps kernels), kept until the context is finalized.
     """
 
     k: Any
@@ -46,6 +58,7 @@ class BackwardContext:
     scale: float
     headdim: int
     dtype: str
+    keep: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -56,6 +69,11 @@ def _kernel_dtype(x) -> str:
     if name not in _KERNEL_DTYPES:
         raise ValueError(f"the backward kernels take float16 or bfloat16 input, not {name}")
     return name
+
+
+def _tile_rows(variant, tiled: str) -> int:
+    """Rows a block of threads of `variant` owns: BN keys ("key") or BM queries ("query")."""
+    return variant.launch.block_n if tiled == "key" else variant.launch.block_m
 
 
 def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
@@ -149,27 +167,54 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         lse, delta = xp.ascontiguousarray(lse), xp.ascontiguousarray(delta)
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
+    # (family, what its blocks of threads tile: "key" rows of k or "query" rows of q)
     if ops.deterministic or psum is not None:
-        launches = [(ops.variant("bwd_dkdv_nodq", ctx.dtype, D), "k"),
-                    (ops.variant("bwd_dq", ctx.dtype, D), "q")]
+        families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")]
     else:
-        launches = [(ops.variant("bwd_dkdv", ctx.dtype, D), "k")]
+        families = [("bwd_dkdv", "key")]
+    masked = any(blk.masked for blk in blocks)
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
-    flag = (ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta)
-            if any(blk.masked for blk in blocks) else None)
-    for blk in blocks:  # one struct serves both kernels of a deterministic step
-        params = bwd_step_params(qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv,
-                                 psum_run, ops.step_flag(blk.masked, flag), blk, ctx.scale)
-        for variant, tiled in launches:
-            cfg = variant.launch
-            grid = ((cdiv(blk.k_len, cfg.block_n), Hkv, B) if tiled == "k"
-                    else (cdiv(blk.q_len, cfg.block_m), H, B))
-            ops.launch_step(variant, grid, params, blk.masked)
+    flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
+    operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run)
+    if len(blocks) > 1 and listable(blocks, [tiled for _, tiled in families]):
+        _launch_list(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
+    else:
+        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:
         psum += psum_run
+
+
+def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
+                 families: list, flag, heads: tuple) -> None:
+    """`backward_step`'s launches a Block: each family's kernel over each Block in turn
+    (operands: the step's arrays for `bwd_step_params`; heads: (H, Hkv, B))."""
+    H, Hkv, B = heads
+    D = ctx.headdim
+    for blk in blocks:  # one struct serves both kernels of a deterministic step
+        params = bwd_step_params(*operands, ops.step_flag(blk.masked, flag), blk, ctx.scale)
+        for family, tiled in families:
+            variant = ops.variant(family, ctx.dtype, D)
+            rows = blk.k_len if tiled == "key" else blk.q_len
+            grid = (cdiv(rows, _tile_rows(variant, tiled)), Hkv if tiled == "key" else H, B)
+            ops.launch_step(variant, grid, params, blk.masked)
+
+
+def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
+                 families: list, flag, heads: tuple) -> None:
+    """`backward_step`'s launches for a whole step: each family's list kernel once over the
+    Blocks grouped by its range, the same tiles (arguments as in `_launch_each`)."""
+    H, Hkv, B = heads
+    masked = any(blk.masked for blk in blocks)
+    variants = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
+    lists = step_group_lists(ops.xp, blocks, [(tiled, _tile_rows(variant, tiled))
+                                              for variant, (_, tiled) in zip(variants, families)])
+    ctx.keep.append(lists)  # the rectangles stay until the step has run
+    for variant, (_, tiled), groups in zip(variants, families, lists):
+        params = bwd_step_params(*operands, ops.step_flag(masked, flag), None, ctx.scale, groups)
+        ops.launch_step(variant, (groups.tiles, Hkv if tiled == "key" else H, B), params, masked)
 
 
 def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:

@@ -425,7 +425,7 @@ class KernelOps(LocalOps):
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
             return
-        if len(blocks) > 1 and listable(blocks):   # the whole step in one launch
+        if len(blocks) > 1 and listable(blocks, ["query"]):   # the whole step in one launch
             listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
             groups = step_groups(self.xp, blocks, listed.launch.block_m)
             state.keep.append(groups)   # the rectangles stay until the step has run

@@ -223,7 +223,8 @@ BWD_STEP = CStruct("BwdStepParams", [
     ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("psum", "ptr"), ("nonfinite", "ptr"),
     ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES), ("dq_stride", ROW_STRIDES),
     ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
-    ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")], templated=True)
+    ("H", "i32"), ("Hkv", "i32"), ("scale", "f32"), ("rects", "ptr"), ("groups", "ptr"),
+    ("n_groups", "i32")], templated=True)
 FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("q_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
@@ -271,10 +272,11 @@ def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_lo
 
 @dataclass(frozen=True)
 class StepGroups:
-    """A ring step's rectangles for one flash_fwd_steps launch (FwdStepParams' rects, groups):
-    rects (n, 8) int32 BlockRects grouped by query range, in folding order; offsets
-    (2 n_groups + 2,) int32: each group's first rectangle, then its first query tile; tiles: the
-    launch's grid.x (every group's query tiles). Both arrays are views of one buffer (one upload)."""
+    """A ring step's rectangles for one rectangle-list launch (FwdStepParams' / BwdStepParams'
+    rects, groups): rects (n, 8) int32 BlockRects grouped by query range (flash_fwd_steps,
+    flash_bwd_dq_steps) or by key range (flash_bwd_dkdv_steps), each group's in the step's order;
+    offsets (2 n_groups + 2,) int32: each group's first rectangle, then its first tile; tiles: the
+    launch's grid.x (every group's tiles). The arrays are views of one buffer (one upload)."""
 
     rects: Any
     offsets: Any
@@ -282,30 +284,60 @@ class StepGroups:
     tiles: int
 
 
+# what a rectangle list is grouped by: the Block fields of a group's range (start, length)
+GROUP_RANGES = {"query": ("q_start", "q_len"), "key": ("k_start", "k_len")}
+
+
 def step_groups(xp, blocks: Sequence[Block], block_m: int) -> StepGroups:
     """`blocks` grouped by query range (q_start, q_len), groups in the order of their first
     block and blocks in theirs within a group, as xp arrays (see StepGroups): what one
     flash_fwd_steps launch folds exactly as one flash_fwd_step launch a block would, in order."""
-    order: dict[tuple[int, int], list[Block]] = {}
-    for blk in blocks:
-        order.setdefault((blk.q_start, blk.q_len), []).append(blk)
-    grouped = [blk for members in order.values() for blk in members]
-    sizes = [len(members) for members in order.values()]
-    tiles = [cdiv(q_len, block_m) for _, q_len in order]
-    n = len(order)
-    host = np.empty(8 * len(grouped) + 2 * n + 2, np.int32)
-    host[:8 * len(grouped)] = np.array([block_rect(blk) for blk in grouped], np.int32).reshape(-1)
-    host[8 * len(grouped):8 * len(grouped) + n + 1] = np.concatenate([[0], np.cumsum(sizes)])
-    host[8 * len(grouped) + n + 1:] = np.concatenate([[0], np.cumsum(tiles)])
-    buffer = xp.asarray(host)
-    return StepGroups(buffer[:8 * len(grouped)], buffer[8 * len(grouped):], n, int(sum(tiles)))
+    return step_group_lists(xp, blocks, [("query", block_m)])[0]
 
 
-def listable(blocks: Sequence[Block]) -> bool:
-    """Whether one flash_fwd_steps launch can take `blocks`: every two blocks' query ranges
-    equal or disjoint (`burstcu.layout.blocks` makes them so; other lists run a launch a
-    block, since two blocks of threads would otherwise hold the same rows' state)."""
-    spans = sorted({(blk.q_start, blk.q_start + blk.q_len) for blk in blocks})
+def step_group_lists(xp, blocks: Sequence[Block],
+                     groupings: Sequence[tuple[str, int]]) -> tuple[StepGroups, ...]:
+    """`blocks` as one StepGroups per (range, tile rows) of `groupings`, range "query" (grouped
+    by (q_start, q_len), tiles of that many query rows) or "key" (by (k_start, k_len), tiles of
+    keys); groups in the order of their first block, blocks in theirs within a group. Every
+    grouping lies in one buffer, uploaded once. The blocks must be `listable` by every grouping
+    (else ValueError: the launch's groups would write the same rows)."""
+    # per grouping 8 ints a block and 2 n_groups + 2 offsets (n_groups <= blocks); cut below
+    host = np.empty(len(groupings) * (10 * len(blocks) + 2), np.int32)
+    views, at = [], 0
+    for by, tile_rows in groupings:
+        start, length = GROUP_RANGES[by]
+        order: dict[tuple[int, int], list[Block]] = {}
+        for blk in blocks:
+            order.setdefault((getattr(blk, start), getattr(blk, length)), []).append(blk)
+        if not _equal_or_disjoint(order):
+            raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
+                             f"rectangle-list launch needs every two equal or disjoint")
+        grouped = [blk for members in order.values() for blk in members]
+        n, m = len(order), 8 * len(grouped)
+        tiles = [cdiv(rows, tile_rows) for _, rows in order]
+        host[at:at + m] = np.array([block_rect(blk) for blk in grouped], np.int32).reshape(-1)
+        host[at + m:at + m + n + 1] = np.cumsum([0] + [len(g) for g in order.values()])
+        host[at + m + n + 1:at + m + 2 * n + 2] = np.cumsum([0] + tiles)
+        views.append((at, m, n, int(sum(tiles))))
+        at += m + 2 * n + 2
+    buffer = xp.asarray(host[:at])
+    return tuple(StepGroups(buffer[a:a + m], buffer[a + m:a + m + 2 * n + 2], n, tiles)
+                 for a, m, n, tiles in views)
+
+
+def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
+    """Whether one list launch can take `blocks` grouped by each of `groupings` ("query",
+    "key"): every two blocks' ranges equal or disjoint (`burstcu.layout.blocks` makes them so;
+    other lists run a launch a block)."""
+    return all(_equal_or_disjoint({(getattr(blk, GROUP_RANGES[by][0]),
+                                    getattr(blk, GROUP_RANGES[by][1])) for blk in blocks})
+               for by in groupings)
+
+
+def _equal_or_disjoint(ranges) -> bool:
+    """Whether the distinct (start, length) `ranges` are pairwise disjoint."""
+    spans = sorted((start, start + length) for start, length in ranges)
     return all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
 
 
@@ -345,15 +377,20 @@ def bwd_delta_params(out, dout, delta) -> np.void:
                           delta_stride=_shared_strides(2, delta), B=B, S=S, H=H, D=D)
 
 
-def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, block: Block,
-                    scale: float) -> np.void:
+def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, block: Block | None,
+                    scale: float, groups: StepGroups | None = None) -> np.void:
     """BwdStepParams: q, dout (B, Sq, H, D) sharing strides; k, v (B, Sk, Hkv, D) sharing
     strides; lse, delta (and psum unless None) (B, H, Sq) float32 sharing strides; dq (B, Sq, H,
-    D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides; nonfinite a device int32."""
+    D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides; nonfinite a device int32.
+    flash_bwd_dkdv / flash_bwd_dq take one `block`; their _steps twins a whole step's `groups`
+    (`step_group_lists`: by key range for dK/dV, by query range for dQ; block None)."""
     stats = (lse, delta) if psum is None else (lse, delta, psum)
     return BWD_STEP.pack(
         q=q, dout=dout, k=k, v=v, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, psum=psum,
         nonfinite=nonfinite, q_stride=_shared_strides(3, q, dout),
         k_stride=_shared_strides(3, k, v), dq_stride=_shared_strides(3, dq),
         dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, *stats),
-        blk=block_rect(block), H=q.shape[2], Hkv=k.shape[2], scale=scale)
+        blk=(0,) * 8 if block is None else block_rect(block), H=q.shape[2], Hkv=k.shape[2],
+        scale=scale, rects=None if groups is None else groups.rects,
+        groups=None if groups is None else groups.offsets,
+        n_groups=0 if groups is None else groups.n_groups)
