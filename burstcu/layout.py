@@ -324,9 +324,8 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
                        RECTANGLE)
         out.flags.writeable = False
         return out
-    bounds = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int64)
-    q_seg, q_doc, q_pos, q_len, q_local = _pieces(*part.arrays[q_rank], bounds)
-    k_seg, k_doc, k_pos, k_len, k_local = _pieces(*part.arrays[kv_rank], bounds)
+    q_seg, q_doc, q_pos, q_len, q_local, _ = _rank_pieces(part, q_rank, cu_seqlens)
+    k_seg, k_doc, k_pos, k_len, k_local, k_rank = _rank_pieces(part, kv_rank, cu_seqlens)
     # pair every query piece with the key pieces of its document (key pieces sorted by document)
     order = np.argsort(k_doc, kind="stable")
     first = np.searchsorted(k_doc[order], q_doc, "left")
@@ -344,7 +343,6 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
         kept &= k1 >= q0 - lo            # else every key is before every query's left bound
         cut_left = k0 < q1 - lo
     # query segment, then key segment by position, then document: the order of a plain loop
-    k_rank = np.argsort(np.argsort(part.arrays[kv_rank][0], kind="stable"))
     rows = np.flatnonzero(kept)
     rows = rows[np.lexsort((q_doc[qi[rows]], k_rank[k_seg[ki[rows]]], q_seg[qi[rows]]))]
     qi, ki = qi[rows], ki[rows]
@@ -426,6 +424,19 @@ def ragged(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarra
     value = np.repeat(np.asarray(first, np.int64) - np.cumsum(counts) + counts, counts) \
         + np.arange(counts.sum())
     return owner, value
+
+
+@lru_cache(maxsize=64)   # the G ranks of a few partitions: each rank's pieces serve 2G arrays
+def _rank_pieces(part: Partition, rank: int, cu_seqlens: tuple[int, ...] | None) -> tuple:
+    """`_pieces` of `rank`'s segments under the document boundaries cu_seqlens (None: one
+    document), then each segment's rank by position (the order `rectangles` lists keys in)."""
+    bounds = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int64)
+    seg_pos = part.arrays[rank][0]
+    by_position = np.argsort(np.argsort(seg_pos, kind="stable"))
+    out = (*_pieces(*part.arrays[rank], bounds), by_position)
+    for x in out:
+        x.flags.writeable = False
+    return out
 
 
 def _pieces(seg_pos: np.ndarray, seg_len: np.ndarray, seg_local: np.ndarray,
