@@ -476,14 +476,16 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     row anywhere gets out 0 and lse -inf. Validation and agreement as `attention`: a bad input
     or ranks disagreeing raise on every rank before the gather.
     """
-    agreed, group = {}, group_of(group)
+    agreed, group, rows = {}, group_of(group), None
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
         from_cache = cache_arguments()
         if v_cache is not None or cache_seqlens is not None or group not in (None, from_cache[2]):
             raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
                             "pass no v_cache, group or cache_seqlens with a KVCache")
-        k_cache, v_cache, group, cache_seqlens, agreed = from_cache
+        # rows: what the kernels read (a paged cache's pages and table); k_cache, v_cache: what
+        # the checks see, (B, S_cache, Hkv, D)
+        k_cache, v_cache, group, cache_seqlens, agreed, rows = from_cache
     elif v_cache is None:
         raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
     group = group_for(group, q)
@@ -495,7 +497,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
 
         (q, k_cache, v_cache), export, (lengths, scale) = _agreed(
             call, group, (q, k_cache, v_cache), "decode", check)
-        out, lse = decode_strategy.decode(q, k_cache, v_cache, lengths, scale,
+        out, lse = decode_strategy.decode(q, *(rows or (k_cache, v_cache)), lengths, scale,
                                           _Tracking(group.ops, group.transport), group.transport)
     results = returned(export, (out, lse))
     return results if return_lse else results[0]

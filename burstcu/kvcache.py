@@ -5,17 +5,34 @@ Shapes (B batch, capacity rows a rank can hold, Hkv kv heads, D head dim):
     k, v (B, capacity, Hkv, D) of the group's backend; seqlens (B,) int32: this rank's valid rows
     of each batch row; counts (G, B): every rank's, kept alike on every rank.
 `cache.decode(q)` is `burstcu.decode(q, cache)`, with the ranks also agreeing on the counts.
+
+Paged (`page_size=P`, vLLM's and FlashInfer's convention): k, v are a pool of pages
+(num_pages, P, Hkv, D) on each rank and `page_table` (B, ceil(capacity / P)) int32 names, for
+each batch row, the page holding its rows [i * P, (i + 1) * P) on this rank (-1: none yet). A
+batch row takes a page from the rank's free pages when its rows there reach a new multiple of
+P, so the sequences of a batch grow independently without copying; `clear(rows)` gives a
+finished sequence's pages back. The decode kernel reads through the table. How many pages a
+rank uses follows from the counts, so every rank knows when any rank's pool is full.
 """
 
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 
 import numpy as np
 
 from . import api
 from .group import Call, Group, local_group
+from .ops.decode import PagedRows
 from .validate import InputError, agree
+
+
+def _real(dtype) -> bool:
+    """Whether arrays of `dtype` hold real numbers a float cache stores (bool, ints, floats,
+    bfloat16 and the other ml_dtypes floats), not complex, strings or objects."""
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biuf" or np.can_cast(dtype, np.float64, "safe")
 
 
 class KVCache:
@@ -25,10 +42,15 @@ class KVCache:
     `dtype`; `seqlens` (batch,) int32: this rank's valid rows per batch row. Every rank keeps
     every rank's counts (`counts`, (G, batch)), updated alike on every rank, so each new row goes
     to the rank holding fewest rows of its batch row (ties: the lowest rank) without any message.
+
+    page_size: None (k, v as above) or the rows of a page: k, v are then (num_pages, page_size,
+    kv_heads, headdim) and `page_table` (batch, ceil(capacity_per_rank / page_size)) int32 (module
+    docstring); num_pages: the pool a rank holds, by default enough for every batch row to reach
+    capacity_per_rank (fewer: batch rows share a smaller pool).
     """
 
     def __init__(self, group: Group | None, batch: int, capacity_per_rank: int, kv_heads: int,
-                 headdim: int, dtype):
+                 headdim: int, dtype, *, page_size: int | None = None, num_pages: int | None = None):
         group = api.group_of(group)             # a Group, or a Sharding's
         self.group = group if group is not None else local_group("numpy")
         for name, n in (("batch", batch), ("capacity_per_rank", capacity_per_rank),
@@ -36,14 +58,112 @@ class KVCache:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
         xp = self.group.ops.xp
-        shape = (batch, capacity_per_rank, kv_heads, headdim)
         self.dtype = np.dtype(dtype)
+        self.batch, self._capacity, self.page_size = batch, capacity_per_rank, page_size
+        shape = (batch, capacity_per_rank, kv_heads, headdim)
+        if page_size is not None:
+            for name, n in (("page_size", page_size), ("num_pages", num_pages)):
+                if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+                    raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
+            per_row = -(-capacity_per_rank // page_size)
+            self.num_pages = batch * per_row if num_pages is None else int(num_pages)
+            shape = (self.num_pages, page_size, kv_heads, headdim)
+            self.page_table = np.full((batch, per_row), -1, np.int32)
+            self._free = list(range(self.num_pages))        # this rank's free pages, lowest first
+            self._table_dev = None                           # the table on the device, when current
+            # stand-ins of (batch, capacity, kv_heads, headdim) for the shape checks: no memory
+            self._views = tuple(xp.broadcast_to(xp.zeros((), self.dtype), (batch, capacity_per_rank,
+                                                                          kv_heads, headdim)) for _ in "kv")
+        elif num_pages is not None:
+            raise ValueError("KVCache num_pages needs page_size")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
 
     @property
     def capacity(self) -> int:
-        return int(self.k.shape[1])
+        """Rows a rank can hold of each batch row."""
+        return int(self._capacity)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    def _pages_used(self, counts) -> np.ndarray:
+        """(G,): the pages each rank's rows take at `counts` (G, batch)."""
+        return (-(-np.asarray(counts) // self.page_size)).sum(axis=1)
+
+    def _page_of(self, b: int, row: int) -> int:
+        """The page holding row `row` of batch row b on this rank, taken from the free pages
+        when the row starts a page."""
+        i = row // self.page_size
+        if self.page_table[b, i] < 0:
+            self.page_table[b, i] = self._free.pop(0)
+            self._table_dev = None
+        return int(self.page_table[b, i])
+
+    def _store(self, b: int, row: int, k_row, v_row) -> None:
+        """Row `row` of batch row b on this rank (in its page when paged)."""
+        if self.paged:
+            page = self._page_of(b, row)
+            self.k[page, row % self.page_size] = k_row
+            self.v[page, row % self.page_size] = v_row
+        else:
+            self.k[b, row] = k_row
+            self.v[b, row] = v_row
+
+    @contextmanager
+    def _pages_restored_on_error(self):
+        """Around stores: if one raises, the page table and the free pages are put back as they
+        were, so no page stays taken by rows the counts do not hold (a later append on this
+        rank alone would otherwise find the free pages short)."""
+        saved = (self.page_table.copy(), list(self._free)) if self.paged else None
+        try:
+            yield
+        except BaseException:
+            if saved is not None:
+                self.page_table[...], self._free, self._table_dev = saved[0], saved[1], None
+            raise
+
+    def _full(self, counts) -> str | None:
+        """Why `counts` (G, batch) do not fit (the same text on every rank), or None."""
+        over = np.argwhere(counts > self.capacity)
+        if len(over):
+            _, b = over[0]
+            return (f"KVCache is full: batch row {b} holds {int(counts[:, b].sum())} rows "
+                    f"on {self.group.size} ranks of {self.capacity} each")
+        if self.paged and (self._pages_used(counts) > self.num_pages).any():
+            return (f"KVCache is full: rank {int(np.argmax(self._pages_used(counts)))} needs more "
+                    f"than its {self.num_pages} pages of {self.page_size} rows")
+        return None
+
+    def clear(self, rows) -> None:
+        """Forget every rank's rows of the batch rows `rows` (an int or a sequence of ints in
+        [0, batch); not bools, no negative indices), the same on every rank: a finished
+        sequence's slot starts empty again; a paged cache's pages go back to the free pages.
+        Bad rows raise TypeError/ValueError on every rank (each is given the same rows) before
+        anything is cleared. No communication."""
+        with Call(self.group, "KVCache.clear") as call:
+            with call.raising_together():    # every rank checks the same rows alike
+                index = self._batch_rows(rows)
+            for b in index:
+                if self.paged:
+                    taken = self.page_table[b][self.page_table[b] >= 0]
+                    self._free = sorted(self._free + taken.tolist())
+                    self.page_table[b] = -1
+                    self._table_dev = None
+                self.counts[:, b] = 0
+
+    def _batch_rows(self, rows) -> list[int]:
+        """`rows` (an int or a 1-d sequence of them) as a list of batch rows, each checked."""
+        items = [rows] if np.ndim(rows) == 0 else list(rows)
+        for x in items:
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise TypeError(f"KVCache.clear takes batch rows as ints, got {x!r} "
+                                f"({type(x).__name__}) in {rows!r}")
+            if not 0 <= x < self.batch:
+                raise ValueError(f"KVCache.clear: batch row {int(x)} is not in [0, {self.batch}) "
+                                 f"(batch={self.batch}; negative indices are not taken)")
+        return [int(x) for x in items]
 
     @property
     def seqlens(self) -> np.ndarray:
@@ -51,19 +171,27 @@ class KVCache:
         return self.counts[self.group.rank].astype(np.int32)
 
     def _check_rows(self, what: str, k_new, v_new) -> tuple:
-        b, _, hkv, d = self.k.shape
+        """k_new, v_new as arrays of the group's backend: (batch, rows, kv_heads, headdim) of
+        real numbers (stored in the cache's dtype), else ValueError/TypeError, the same on every
+        rank given the same rows."""
+        b, (hkv, d) = self.batch, self.k.shape[2:]
         xp = self.group.ops.xp
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):
             raise ValueError(f"KVCache.{what} takes k, v of shape (batch={b}, rows, kv_heads={hkv}, "
                              f"headdim={d}); got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+        for name, x in (("k", k_new), ("v", v_new)):
+            if not _real(x.dtype):
+                raise TypeError(f"KVCache.{what} takes k, v of real numbers to store as {self.dtype}; "
+                                f"{name} is {x.dtype}")
         return k_new, v_new
 
     def append(self, k_new, v_new) -> None:
         """Add rows (batch, T, kv_heads, headdim), the same on every rank: row t of batch row b
-        lands on the rank holding fewest rows of b then. A cache with no room for them raises
-        ValueError on every rank (before anything is stored). No communication."""
+        lands on the rank holding fewest rows of b then. Rows of another shape or not of real
+        numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
+        on every rank before anything is stored. No communication."""
         with Call(self.group, "KVCache.append") as call:
             with call.raising_together():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)
@@ -72,16 +200,15 @@ class KVCache:
                 for t in range(k_new.shape[1]):
                     for b in range(counts.shape[1]):
                         owner = int(np.argmin(counts[:, b]))
-                        if counts[owner, b] >= self.capacity:
-                            raise ValueError(
-                                f"KVCache is full: batch row {b} holds {int(counts[:, b].sum())} rows "
-                                f"on {self.group.size} ranks of {self.capacity} each")
                         owners.append((t, b, owner, int(counts[owner, b])))
                         counts[owner, b] += 1
-            for t, b, owner, row in owners:
-                if owner == self.group.rank:
-                    self.k[b, row] = k_new[b, t]
-                    self.v[b, row] = v_new[b, t]
+                full = self._full(counts)
+                if full:
+                    raise ValueError(full)
+            with self._pages_restored_on_error():
+                for t, b, owner, row in owners:
+                    if owner == self.group.rank:
+                        self._store(b, row, k_new[b, t], v_new[b, t])
             self.counts = counts
 
     def from_prefill(self, k_local, v_local) -> None:
@@ -95,6 +222,10 @@ class KVCache:
                 if k_local.shape[1] > self.capacity:
                     err = InputError(ValueError, f"KVCache.from_prefill: {k_local.shape[1]} rows "
                                                  f"exceed the capacity {self.capacity} a rank")
+                elif self.paged and self.batch * -(-k_local.shape[1] // self.page_size) > self.num_pages:
+                    err = InputError(ValueError, f"KVCache.from_prefill: {k_local.shape[1]} rows a "
+                                                 f"batch row exceed the {self.num_pages} pages of "
+                                                 f"{self.page_size} rows a rank")
             except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
                 err = InputError(exc.__class__, f"KVCache.from_prefill cannot take these rows: "
                                        f"{exc.__class__.__name__}: {exc}")
@@ -102,9 +233,38 @@ class KVCache:
                 lengths = agree(self.group.transport, err, None, "KVCache.from_prefill",
                                 None if err else int(k_local.shape[1]))
             n = int(k_local.shape[1])
-            self.k[:, :n] = k_local
-            self.v[:, :n] = v_local
-            self.counts = np.repeat(np.asarray(lengths, np.int64)[:, None], self.k.shape[0], axis=1)
+            if self.paged:
+                with self._pages_restored_on_error():
+                    self._prefill_pages(k_local, v_local)
+            else:
+                self.k[:, :n] = k_local
+                self.v[:, :n] = v_local
+            self.counts = np.repeat(np.asarray(lengths, np.int64)[:, None], self.batch, axis=1)
+
+    def _prefill_pages(self, k_local, v_local) -> None:
+        """Rows (B, n, Hkv, D) into fresh pages: batch row b takes pages b * ceil(n / P) on."""
+        b, n = k_local.shape[:2]
+        per_row, ps = -(-n // self.page_size), self.page_size
+        self.page_table[:] = -1
+        self.page_table[:, :per_row] = np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
+        self._free = list(range(b * per_row, self.num_pages))
+        self._table_dev = None
+        xp = self.group.ops.xp
+        flat_k = self.k.reshape((-1,) + tuple(self.k.shape[2:]))
+        flat_v = self.v.reshape((-1,) + tuple(self.v.shape[2:]))
+        j = np.arange(n)
+        for bi in range(b):
+            index = xp.asarray(self.page_table[bi, j // ps].astype(np.int64) * ps + j % ps)
+            flat_k[index] = k_local[bi]
+            flat_v[index] = v_local[bi]
+
+    def rows(self) -> tuple:
+        """(k, v) as the decode kernels read them: the arrays, or PagedRows of a paged cache."""
+        if not self.paged:
+            return self.k, self.v
+        if self._table_dev is None:
+            self._table_dev = self.group.ops.xp.asarray(self.page_table)
+        return tuple(PagedRows(x, self._table_dev, self.page_table) for x in (self.k, self.v))
 
     def decode(self, q, *, softmax_scale: float | None = None, return_lse: bool = False):
         """`burstcu.decode(q, self.k, self.v, self.group, cache_seqlens=self.seqlens, ...)`, with
@@ -113,7 +273,9 @@ class KVCache:
         return api.decode(q, self, softmax_scale=softmax_scale, return_lse=return_lse)
 
     def decode_arguments(self) -> tuple:
-        """(k, v, group, this rank's seqlens, {values every rank must hold alike}) that
-        `burstcu.decode` takes from a cache."""
+        """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows) that
+        `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
+        (stand-ins without memory when paged), rows: `rows()`, what the kernels read."""
         digest = hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]
-        return self.k, self.v, self.group, self.seqlens, {"kv_cache_counts": digest}
+        k, v = self._views if self.paged else (self.k, self.v)
+        return k, v, self.group, self.seqlens, {"kv_cache_counts": digest}, self.rows()

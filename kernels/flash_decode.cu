@@ -3,55 +3,83 @@ flash_decode.cu — decode: a few new query rows against one rank's KV cache row
 decoding": the keys are split, every split reduced on its own, the splits merged).
 
 ALGORITHM
-Shapes: q (B, T, H, D) the new tokens; k, v (B, S, Hkv, D) the cache rows this rank holds, of
-which the first n_b are valid for batch row b (lengths, int32 (B,)); rows past n_b are never
-read. Query head h uses kv head h / (H / Hkv), so the R = (H / Hkv) * T query rows of one kv head
-(its G query heads x T tokens) share every key load.
+Shapes: q (B, T, H, D) the new tokens; the cache rows this rank holds, either contiguous, k, v
+(B, S, Hkv, D), or paged, k, v (P, page_size, Hkv, D) with a page table (B, max_pages) int32 whose
+entry i names the page holding rows [i * page_size, (i + 1) * page_size) of batch row b (vLLM's
+and FlashInfer's convention). The first n_b rows are valid for batch row b (lengths, int32 (B,));
+rows past n_b are never read. Query head h uses kv head h / (H / Hkv), so the R = (H / Hkv) * T
+query rows of one kv head (its G query heads x T tokens) are the rows of one tile and share every
+K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in the usual cases).
     flash_decode_split   grid (splits, Hkv * row_groups, B), NWARPS warps a block
-        split s covers keys [s * chunk, min((s + 1) * chunk, n_b)) of kv head hk;
-        the block's query rows (at most ROWS of the R; row_groups = ceil(R / ROWS)) go to
-        shared memory in fp32, scaled by scale * log2(e);
-        warp w walks keys j = start + w, start + w + NWARPS, ... : lane l holds elements
-        l, l + 32, ... (DPL = D / 32 of them, rounded up) of k_j and v_j;
-            for each query row r: s = warp_sum(q_r . k_j) (every lane holds it)
-                m' = max(m_r, s); l_r = l_r * exp2(m_r - m') + exp2(s - m');
-                acc_r = acc_r * exp2(m_r - m') + exp2(s - m') * v_j;  m_r = m'
-        the warps' states merge through shared memory into the split's (m, l, acc), written to
-        the workspace: m, l (B, H, T, splits) and acc (B, H, T, splits, D), fp32, base 2.
+        split s covers keys [s * chunk, min((s + 1) * chunk, n_b)) of kv head hk, in tiles of
+        BK = 32 keys; chunk is a multiple of BK;
+        the block's query rows go to shared memory in fp32, scaled by scale * log2(e);
+        K and V tiles stream through a ring of STAGES shared-memory buffers filled by cp.async
+        (16 bytes a copy, L1 bypassed); the loads of tile i + STAGES - 1 are in flight while tile
+        i is consumed; key rows past n_b and columns past D are zeros stored without a read;
+        warp w owns query rows w, w + NWARPS, ... (RW = ROWS / NWARPS of them), so it needs no
+        merge with the other warps. For each tile:
+            scores: lane j holds key j of the tile (one 16-byte shared load a VEC elements) and
+                computes s_r = q_r . k_j for its rows (q read as broadcast float4s); s_r = -inf
+                for a key past the split's end
+            m' = max(m_r, warp max of s_r);  p_rj = exp2(s_r - m');  the lane's l_r and every
+                acc_r rescale by exp2(m_r - m');  p goes to shared memory (the warp's own rows)
+            values: lane l owns columns [l * DPL, (l + 1) * DPL) and adds p_rj * v_j over the
+                tile's 32 keys, four at a time (one float4 of p a row, one vector load of v)
+        at the end l_r = warp sum of the lanes' l_r, and the split's (m, l, acc) go to the
+        workspace: m, l (B, H, T, splits) and acc (B, H, T, splits, D), fp32, base 2.
     flash_decode_combine  grid (T * H, B), DECODE_COMBINE_THREADS threads over D
         M = max_s m_s; w_s = exp2(m_s - M); l = sum_s w_s l_s; acc = sum_s w_s acc_s
         written as the rank's partial in natural-log units: acc (B, T, H, D) (un-normalised,
         relative to m), m (B, H, T) = M * ln 2, l (B, H, T) — what burstcu.ops.decode.partial
         returns on the CPU, so the ranks' partials merge alike (burstcu.ops.decode.merge).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
-maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows.
-The kernel is memory-bound (each K/V byte is read once per row group); no tensor cores.
+maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. A
+zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
+zero V row: nothing past n_b reaches the output, whatever the memory there holds.
+
+WHY THESE TILES (napkin math, H100: 3.35 TB/s HBM, 132 SMs, ~25 GB/s = 12.7 B/clk an SM)
+The kernel is memory-bound while the FMAs a key (2 * R * D) cost fewer issue slots than its
+bytes (2 * D * 2 at fp16) take at the SM's share of HBM: a 32-key fp16 tile at D = 128 is 16 KB,
+~1300 SM clocks of HBM time, against ~R * 300 warp instructions spread over the block's warps.
+Little's law: ~3 MB must be in flight (1 us latency), ~25 KB an SM: STAGES - 1 tiles ahead of
+the 2-3 resident blocks an SM covers that. The split count fills the SMs (burstcu.ops.cuda.decode,
+FlashAttention's efficiency heuristic). Rows padded by 16 bytes in shared memory, so the eight
+lanes of a 16-byte access phase read rows four banks apart (no conflict). No tensor cores: at
+R <= 32 rows a tile the CUDA cores keep up with HBM (see above).
 
 VARIANTS (burstcu/build/decode_variants.py)
-    flash_decode_split<T, DPL, ROWS, NWARPS>   T in {__half, __nv_bfloat16, float}; DPL in
-        {1, 2, 4, 8} (D <= 32 * DPL), ROWS = 16 (DPL <= 4) or 8 (DPL = 8): DPL * ROWS <= 64
-        fp32 accumulators a lane
+    flash_decode_split<T, DPL, ROWS, NWARPS, STAGES>   T in {__half, __nv_bfloat16, float}; DPL
+        in {1, 2, 4, 8} (D <= 32 * DPL); ROWS = 32 (DPL <= 4) or 16 (DPL = 8): RW * DPL <= 32
+        fp32 accumulators a lane; NWARPS = 4; STAGES from the stage size (2..4, about 64 KB of
+        K/V in flight a block); dynamic shared memory (decode_variants.smem_bytes); vec = 0 (D
+        or a stride not a multiple of 16 bytes, an unaligned pointer) loads element by element
+        into the same ring
     flash_decode_combine   one kernel for every dtype (fp32 in, fp32 out)
 */
 #pragma once
 
 #include "common.cuh"
 
-// Everything the split kernel reads; element strides (64-bit) of q (B, T, H, D) and k, v
-// (B, S, Hkv, D) along their first three axes (the last is contiguous).
+// Everything the split kernel reads; element strides (64-bit) of q (B, T, H, D) and of the
+// cache along its first three axes (the last is contiguous).
 template <typename T>
 struct DecodeSplitParams {
   const T* q;               // (B, T, H, D)
-  const T* k;               // (B, S, Hkv, D)
-  const T* v;               // (B, S, Hkv, D), k's strides
+  const T* k;               // (B, S, Hkv, D), or paged (P, page_size, Hkv, D)
+  const T* v;               // k's shape and strides
   const int* lengths;       // (B,): valid cache rows of each batch row
+  const int* page_table;    // (B, max_pages): the page of each page_size rows; null: not paged
   float* ws_m;              // (B, H, T, splits) running max, base 2
   float* ws_l;              // (B, H, T, splits) running sum
   float* ws_acc;            // (B, H, T, splits, D) un-normalised output
   long long q_sb, q_st, q_sh;
-  long long k_sb, k_ss, k_sh;
+  long long k_sb, k_ss, k_sh;   // paged: k_sb is the stride between pages
+  long long pt_sb;          // page_table's row stride
   int T_, H, Hkv, D;        // new tokens, query heads, kv heads, head dim
-  int chunk, splits;        // keys a split, splits a row
+  int chunk, splits;        // keys a split (a multiple of decode::BK), splits a row
+  int page_size;            // rows a page (paged), else 0
+  int vec;                  // 1: every K/V row chunk is 16-byte aligned (cp.async); 0: elements
   float scale_log2;         // softmax scale * log2(e)
 };
 
@@ -68,21 +96,121 @@ struct DecodeCombineParams {
 
 namespace decode {
 
-template <int ROWS, int NWARPS>
-struct Smem {
-  float q[ROWS * 256];                  // the block's query rows, scaled (D <= 256)
-  float m[NWARPS][ROWS];                // each warp's state, for the merge
-  float l[NWARPS][ROWS];
+constexpr int BK = 32;   // keys a tile: one a lane in the scores
+
+// The dynamic shared memory of one block, in this order (decode_variants.smem_bytes mirrors it):
+//   kv  [STAGES][2][BK][LD] T   K then V of each stage, rows padded to LD = DN + 16 B
+//   q   [ROWS][DN] float        the block's query rows, scaled; zero past D and past R
+//   p   [NWARPS][RW][BK] float  each warp's probabilities of the tile
+template <typename T, int DN, int ROWS, int NWARPS, int STAGES>
+struct Layout {
+  static constexpr int LD = DN + 16 / (int)sizeof(T);
+  static constexpr int TILE = BK * LD;                  // elements of one K or V tile
+  static constexpr int RW = ROWS / NWARPS;
+  static constexpr int KV_BYTES = STAGES * 2 * TILE * (int)sizeof(T);
+  static constexpr int BYTES = KV_BYTES + ROWS * DN * 4 + NWARPS * RW * BK * 4;
 };
+
+// Element offset of cache row j of one batch row: contiguous (pages == null) or through the
+// batch row's page table.
+struct CacheRows {
+  const int* pages;
+  long long base, sb, ss;
+  int page_size;
+  __device__ __forceinline__ long long operator()(int j) const {
+    if (pages == nullptr) return base + j * ss;
+    const int page = j / page_size;
+    return base + pages[page] * sb + (j - page * page_size) * ss;
+  }
+};
+
+// The float of a 16-bit T given as its bits (the low 16 of b).
+template <typename T> __device__ __forceinline__ float bits_to_float(u32 b);
+template <> __device__ __forceinline__ float bits_to_float<__half>(u32 b) {
+  return __half2float(__ushort_as_half((unsigned short)b));
+}
+template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(u32 b) {
+  return __uint_as_float(b << 16);
+}
+
+// N consecutive elements of T at src (shared memory, N * sizeof(T) bytes aligned) as floats,
+// through the widest loads that fit: 16-byte words, else 8, 4, 2.
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* src, float* out) {
+  constexpr int BYTES = N * (int)sizeof(T);
+  if constexpr (sizeof(T) == 4 && N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 w = *reinterpret_cast<const float4*>(src + i);
+      out[i] = w.x; out[i + 1] = w.y; out[i + 2] = w.z; out[i + 3] = w.w;
+    }
+  } else if constexpr (sizeof(T) == 2 && BYTES >= 4) {
+    constexpr int WORDS = BYTES / 4, STEP = WORDS >= 4 ? 4 : WORDS;
+#pragma unroll
+    for (int w0 = 0; w0 < WORDS; w0 += STEP) {
+      u32 words[STEP];
+      if constexpr (STEP == 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src + 2 * w0);
+        words[0] = x.x; words[1] = x.y; words[2] = x.z; words[3] = x.w;
+      } else if constexpr (STEP == 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(src + 2 * w0);
+        words[0] = x.x; words[1] = x.y;
+      } else {
+        words[0] = *reinterpret_cast<const u32*>(src + 2 * w0);
+      }
+#pragma unroll
+      for (int e = 0; e < STEP; ++e) {
+        out[2 * (w0 + e)] = bits_to_float<T>(words[e] & 0xffffu);
+        out[2 * (w0 + e) + 1] = bits_to_float<T>(words[e] >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = to_float(src[e]);
+  }
+}
+
+// Stage one tile of BK cache rows, [j0, j0 + BK), into dst ([BK][LD]): rows past n (the
+// split's valid keys from j0) and columns past D become zeros without a read. vec: 16-byte
+// cp.async copies; else the elements through registers (visible after the next barrier).
+template <typename T, int DN, int LD, int NT>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, const CacheRows& rows, int j0,
+                                          int n, int D, bool vec) {
+  constexpr int VEC = 16 / (int)sizeof(T), CPR = DN / VEC, CHUNKS = BK * CPR;
+#pragma unroll
+  for (int it = 0; it < (CHUNKS + NT - 1) / NT; ++it) {
+    const int c = threadIdx.x + it * NT;
+    if (CHUNKS % NT != 0 && c >= CHUNKS) break;
+    const int r = c / CPR, col = (c % CPR) * VEC;
+    T* d = dst + r * LD + col;
+    if (r >= n || col >= D) {
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    } else if (vec) {
+      cp_async_16(d, src + rows(j0 + r) + col, true);
+    } else {
+      const T* s = src + rows(j0 + r) + col;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) d[e] = col + e < D ? s[e] : from_float<T>(0.f);
+    }
+  }
+}
 
 }  // namespace decode
 
-template <typename T, int DPL, int ROWS, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32)
+// min blocks 2: with the default bound ptxas capped the registers at 96 and spilled at DPL = 4;
+// 2 blocks of 128 threads leave it up to 255 (shared memory then decides how many blocks an SM
+// holds: burstcu.ops.cuda.decode.blocks_per_sm, 1 to 7 by dtype, head dim and GPU)
+template <typename T, int DPL, int ROWS, int NWARPS, int STAGES>
+__global__ void __launch_bounds__(NWARPS * 32, 2)
 flash_decode_split(const __grid_constant__ DecodeSplitParams<T> p) {
+  constexpr int DN = 32 * DPL, BK = decode::BK;
+  using L = decode::Layout<T, DN, ROWS, NWARPS, STAGES>;
+  constexpr int RW = L::RW, LD = L::LD;
+  static_assert(STAGES >= 2 && ROWS % NWARPS == 0, "a ring of two stages at least");
   // fields used below, read once (see params.cuh on reading parameter structs)
   const int T_ = p.T_, H = p.H, Hkv = p.Hkv, D = p.D, chunk = p.chunk, splits = p.splits;
   const float scale_log2 = p.scale_log2;
+  const bool vec = p.vec != 0;
   const int G = H / Hkv, R = G * T_;
   const int groups = (R + ROWS - 1) / ROWS;
   const int split = blockIdx.x, hk = blockIdx.y / groups, group = blockIdx.y % groups;
@@ -91,99 +219,141 @@ flash_decode_split(const __grid_constant__ DecodeSplitParams<T> p) {
   const int row0 = group * ROWS, rows = min(ROWS, R - row0);
   const int n = p.lengths[b];
   const int start = split * chunk, stop = min(start + chunk, n);
-  const long long k_ss = p.k_ss;
+  const int tiles = stop > start ? (stop - start + BK - 1) / BK : 0;
+  const decode::CacheRows cache{
+      p.page_table == nullptr ? nullptr : p.page_table + b * p.pt_sb,
+      (p.page_table == nullptr ? b * p.k_sb : 0) + (long long)hk * p.k_sh, p.k_sb, p.k_ss,
+      p.page_size};
+  const T* __restrict__ kg = p.k;
+  const T* __restrict__ vg = p.v;
 
-  __shared__ decode::Smem<ROWS, NWARPS> smem;
-  // query row r of the block is (query head hk * G + g, token t) with row0 + r = g * T + t
-  for (int i = threadIdx.x; i < rows * D; i += NWARPS * 32) {
-    const int r = i / D, d = i % D;
-    const int g = (row0 + r) / T_, t = (row0 + r) % T_;
-    const T* src = p.q + b * p.q_sb + t * p.q_st + (long long)(hk * G + g) * p.q_sh;
-    smem.q[r * D + d] = to_float(src[d]) * scale_log2;
-  }
-  __syncthreads();
+  BURSTCU_DYNAMIC_SMEM(unsigned char, smem);
+  T* kv = reinterpret_cast<T*>(smem);
+  float* qs = reinterpret_cast<float*>(smem + L::KV_BYTES);
+  float* ps = qs + ROWS * DN + warp * RW * BK;          // this warp's probabilities
 
-  float m[ROWS], l[ROWS], acc[ROWS][DPL];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) acc[r][e] = 0.f;
-  }
-  const T* kb = p.k + b * p.k_sb + (long long)hk * p.k_sh;
-  const T* vb = p.v + b * p.k_sb + (long long)hk * p.k_sh;
-  for (int j = start + warp; j < stop; j += NWARPS) {
-    float kj[DPL], vj[DPL];
-#pragma unroll
-    for (int e = 0; e < DPL; ++e) {
-      const int d = lane + 32 * e;
-      kj[e] = d < D ? to_float(kb[j * k_ss + d]) : 0.f;
-      vj[e] = d < D ? to_float(vb[j * k_ss + d]) : 0.f;
+  // query row r of the block is (query head hk * G + g, token t) with row0 + r = g * T + t;
+  // zeros past D and past the block's rows, so the score loop runs over DN columns unmasked
+  for (int i = threadIdx.x; i < ROWS * DN; i += NWARPS * 32) {
+    const int r = i / DN, d = i % DN;
+    float x = 0.f;
+    if (r < rows && d < D) {
+      const int g = (row0 + r) / T_, t = (row0 + r) % T_;
+      x = to_float(p.q[b * p.q_sb + t * p.q_st + (long long)(hk * G + g) * p.q_sh + d]) * scale_log2;
     }
+    qs[i] = x;
+  }
+  // the prologue: tiles 0 .. STAGES-2 in flight, one commit group each (empty past the end)
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (r >= rows) break;
-      float part = 0.f;
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < tiles) {
+      const int j0 = start + i * BK;
+      T* stage = kv + i * 2 * L::TILE;
+      decode::load_tile<T, DN, LD, NWARPS * 32>(stage, kg, cache, j0, stop - j0, D, vec);
+      decode::load_tile<T, DN, LD, NWARPS * 32>(stage + L::TILE, vg, cache, j0, stop - j0, D, vec);
+    }
+    cp_async_commit();
+  }
+
+  float m[RW], l[RW], acc[RW][DPL];
 #pragma unroll
-      for (int e = 0; e < DPL; ++e) {
-        const int d = lane + 32 * e;
-        part += d < D ? smem.q[r * D + d] * kj[e] : 0.f;
+  for (int i = 0; i < RW; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[i][e] = 0.f;
+  }
+  const int mine = rows > warp ? (rows - warp + NWARPS - 1) / NWARPS : 0;   // rows this warp owns
+  for (int tile = 0; tile < tiles; ++tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();   // tile `tile` landed for every thread; every warp is done with tile - 1
+    {
+      const int next = tile + STAGES - 1;
+      if (next < tiles) {
+        const int j0 = start + next * BK;
+        T* stage = kv + (next % STAGES) * 2 * L::TILE;
+        decode::load_tile<T, DN, LD, NWARPS * 32>(stage, kg, cache, j0, stop - j0, D, vec);
+        decode::load_tile<T, DN, LD, NWARPS * 32>(stage + L::TILE, vg, cache, j0, stop - j0, D, vec);
       }
-      const float s = warp_sum<32>(part);
-      const float m_new = fmaxf(m[r], s);
-      const float base = m_new == -INFINITY ? 0.f : m_new;      // finite -inf guard
-      const float keep = exp2f(m[r] - base), w = exp2f(s - base);
-      l[r] = l[r] * keep + w;
-#pragma unroll
-      for (int e = 0; e < DPL; ++e) acc[r][e] = acc[r][e] * keep + w * vj[e];
-      m[r] = m_new;
+      cp_async_commit();
     }
-  }
+    if (mine == 0) continue;                      // a warp without rows only loads
+    const T* ks = kv + (tile % STAGES) * 2 * L::TILE;
+    const T* vs = ks + L::TILE;
+    const int valid = min(BK, stop - (start + tile * BK));
 
-  // merge the warps: every warp rescales to the block's max, then the sums go through smem
-  if (lane == 0) {
+    // scores: lane = key; q_r read as broadcast float4s
+    float s[RW];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      smem.m[warp][r] = m[r];
-      smem.l[warp][r] = l[r];
-    }
-  }
-  __syncthreads();
-  const long long row_stride = (long long)splits;   // ws_m/ws_l: (B, H, T, splits)
-  // unrolled with a uniform exit, so m[r] and acc[r][.] stay in registers (a loop indexing them
-  // with a run-time r would put them in local memory)
+    for (int i = 0; i < RW; ++i) s[i] = 0.f;
+    constexpr int VEC = 16 / (int)sizeof(T);
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if (r >= rows) break;
-    float top = -INFINITY;
+    for (int c = 0; c < DN; c += VEC) {
+      float kf[VEC];
+      decode::load_floats<T, VEC>(ks + lane * LD + c, kf);
 #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) top = fmaxf(top, smem.m[w][r]);
-    const float base = top == -INFINITY ? 0.f : top;
-    const float mine = exp2f(m[r] - base);
-    const int g = (row0 + r) / T_, t = (row0 + r) % T_, h = hk * G + g;
-    const long long row = (((long long)b * H + h) * T_ + t) * row_stride + split;
-    if (warp == 0 && lane == 0) {
-      float sum = 0.f;
+      for (int i = 0; i < RW; ++i) {
+        if (i >= mine) break;
+        const float* qr = qs + (warp + NWARPS * i) * DN + c;
 #pragma unroll
-      for (int w = 0; w < NWARPS; ++w) sum += smem.l[w][r] * exp2f(smem.m[w][r] - base);
-      p.ws_m[row] = top;
-      p.ws_l[row] = sum;
-    }
-    // acc: the warps add their rescaled columns one after another (smem.q is free now)
-    __syncthreads();
-    for (int w = 0; w < NWARPS; ++w) {
-      if (warp == w) {
-#pragma unroll
-        for (int e = 0; e < DPL; ++e) {
-          const int d = lane + 32 * e;
-          if (d < D) smem.q[d] = (w == 0 ? 0.f : smem.q[d]) + acc[r][e] * mine;
+        for (int e = 0; e < VEC; e += 4) {
+          const float4 q4 = *reinterpret_cast<const float4*>(qr + e);
+          s[i] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
         }
       }
-      __syncthreads();
     }
-    for (int d = threadIdx.x; d < D; d += NWARPS * 32) p.ws_acc[row * D + d] = smem.q[d];
-    __syncthreads();
+    // online softmax, one row at a time; the lane keeps its own share of l
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      if (i >= mine) break;
+      const float si = lane < valid ? s[i] : -INFINITY;
+      const float m_new = fmaxf(m[i], warp_max<32>(si));
+      const float base = m_new == -INFINITY ? 0.f : m_new;      // finite -inf guard
+      const float keep = exp2f(m[i] - base), w = exp2f(si - base);
+      l[i] = l[i] * keep + w;
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) acc[i][e] *= keep;
+      m[i] = m_new;
+      ps[i * BK + lane] = w;
+    }
+    __syncwarp();
+    // values: four keys at a time; keys past `valid` have p = 0 and zero-filled V rows
+#pragma unroll 2
+    for (int j = 0; j < BK; j += 4) {
+      float vf[4][DPL];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) decode::load_floats<T, DPL>(vs + (j + jj) * LD + lane * DPL, vf[jj]);
+#pragma unroll
+      for (int i = 0; i < RW; ++i) {
+        if (i >= mine) break;
+        const float4 p4 = *reinterpret_cast<const float4*>(ps + i * BK + j);
+#pragma unroll
+        for (int e = 0; e < DPL; ++e)
+          acc[i][e] += p4.x * vf[0][e] + p4.y * vf[1][e] + p4.z * vf[2][e] + p4.w * vf[3][e];
+      }
+    }
+    __syncwarp();      // ps is rewritten by the next tile
+  }
+  cp_async_wait<0>();  // nothing outstanding when the block ends
+
+  // the warp's rows: l summed over the lanes, then (m, l, acc) of the split to the workspace
+  const long long row_stride = (long long)splits;   // ws_m/ws_l: (B, H, T, splits)
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    if (i >= mine) break;
+    const float total = warp_sum<32>(l[i]);
+    const int r = row0 + warp + NWARPS * i;
+    const int g = r / T_, t = r % T_, h = hk * G + g;
+    const long long row = (((long long)b * H + h) * T_ + t) * row_stride + split;
+    if (lane == 0) {
+      p.ws_m[row] = m[i];
+      p.ws_l[row] = total;
+    }
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) {
+      const int d = lane * DPL + e;
+      if (d < D) p.ws_acc[row * D + d] = acc[i][e];
+    }
   }
 }
 

@@ -529,19 +529,28 @@ def test_varlen_schedule_smoke(tmp_path):
 
 
 def test_decode_bench_smoke(tmp_path):
-    """bench/cpu/decode.py on 2 ranks at toy sizes: every row measured, bytes per rank the same at
-    every cache length (decode_bytes; the script asserts it against group.stats), prefill rows
-    for burst, allgather and one rank; --predict labels every row PREDICTION."""
+    """bench/decode.py on 2 ranks at toy sizes: a row a cache length with every decode column,
+    bytes per rank the same at every length (decode_bytes; the script asserts it against
+    group.stats), prefill rows for burst, allgather and one rank; --paged on the emulated backend
+    (no copy bandwidth, no torch on the CPU); --predict labels every row PREDICTION."""
     out = tmp_path / "decode.json"
-    run_bench("cpu/decode.py", ["--cache", "64", "512", "--prefill", "64", "--heads", "4",
+    run_bench("decode.py", ["--cache", "64", "512", "--prefill", "64", "--heads", "4",
                             "--kv-heads", "2", "--headdim", "16", "--repeats", "2", "--json", out])
     rows = json.loads(out.read_text())["rows"]
-    tokens = [r for r in rows if r.get("token_ms") is not None]
-    assert [r["cache"] for r in tokens] == [64, 512] and all(r["token_ms"] > 0 for r in tokens)
+    tokens = [r for r in rows if r.get("ms_per_token") is not None]
+    assert [r["cache_rows"] for r in tokens] == [64, 512] and all(r["ms_per_token"] > 0 for r in tokens)
+    assert all(r["gbps"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None for r in tokens)
+    assert [r["cache_rows_per_rank"] for r in tokens] == [32, 256]
     assert len({r["bytes_per_rank"] for r in tokens}) == 1 and tokens[0]["bytes_per_rank"] > 0
     assert {r["strategy"] for r in rows if r.get("first_token_ms")} == {"burst", "allgather", "one rank"}
+    paged = tmp_path / "paged.json"
+    run_bench("decode.py", ["--backend", "emulated", "--cache", "64", "--paged", "16", "--heads", "4",
+                            "--kv-heads", "2", "--headdim", "32", "--repeats", "2", "--json", paged],
+              nprocs=None)
+    (row,) = json.loads(paged.read_text())["rows"]
+    assert row["cache_rows"] == 64 and row["ms_per_token"] > 0 and row["torch_ms"] is None
     pred = tmp_path / "pred.json"
-    run_bench("cpu/decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
+    run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
               nprocs=None)
     assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])
 

@@ -2,7 +2,11 @@
 float64 at G = 1..4 under real mpiexec (GQA, uneven cache rows across ranks and batch rows, NaN
 past cache_seqlens, a batch row with no row anywhere), bytes per rank independent of the cache
 length, bad input and disagreeing ranks refused on every rank, the cache's balanced appends and
-capacity error, and prefill + greedy decode giving the tokens of one process."""
+capacity error, a paged cache (pages taken as rows arrive, read through the page table, given
+back by clear) on the NumPy and emulated-kernel backends, and prefill + greedy decode giving
+the tokens of one process. Bad cache input changes nothing: rows that are not real numbers,
+a store that fails (its pages given back), clear of rows that are not batch rows (on every
+rank), page table entries under the valid rows that name no page."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import pytest
 
 import burstcu
 from burstcu.engine.decode import decode_bytes
+from burstcu.ops import decode as decode_xp
+from burstcu.ops.decode import PagedRows
 from burstcu.testing.reference import attention_ref
 from tests.mpi_run import ROOT, mpiexec, run_mpi
 
@@ -49,6 +55,38 @@ def test_bytes_do_not_grow_with_the_cache():
 def test_kv_cache_balances_and_refuses_when_full(world):
     for result in run_mpi(world, "decode_bodies:kv_cache_appends_balance_and_decode"):
         assert "KVCache is full" in result["full"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world,page_size", [(1, 4), (3, 1), (3, 4)])
+def test_paged_kv_cache(world, page_size):
+    for result in run_mpi(world, "decode_bodies:kv_cache_appends_balance_and_decode",
+                          page_size=page_size):
+        assert "KVCache is full" in result["full"]
+
+
+@pytest.mark.mpi
+@pytest.mark.emulated
+def test_paged_kv_cache_on_the_emulated_backend():
+    run_mpi(2, "decode_bodies:kv_cache_appends_balance_and_decode", page_size=2,
+            backend="emulated", dtype="float16")
+
+
+def test_a_paged_pool_smaller_than_the_batch_needs_is_full_in_time():
+    """num_pages below batch x pages a row: the append that needs one page too many raises
+    (before storing anything); clear gives a sequence's pages back for the next one."""
+    cache = burstcu.KVCache(None, 2, 8, 1, 4, np.float64, page_size=4, num_pages=3)
+    rows = np.ones((2, 4, 1, 4))
+    cache.append(rows, rows)                                  # a page each
+    with pytest.raises(ValueError, match="KVCache is full"):
+        cache.append(rows[:, :1], rows[:, :1])                # would take four pages
+    assert cache.seqlens.tolist() == [4, 4]
+    cache.clear([0])                                          # batch row 0 ends
+    cache.append(2 * rows[:, :1], 3 * rows[:, :1])            # row 0 anew, row 1 a second page
+    assert cache.seqlens.tolist() == [1, 5] and sorted(cache.page_table[cache.page_table >= 0]) == [0, 1, 2]
+    out = cache.decode(np.ones((2, 1, 2, 4)))
+    w = np.exp(np.array([2.0] * 4 + [4.0]))                   # scores 1.0.k / sqrt(4) of row 1
+    assert np.allclose(out[0], 3) and np.allclose(out[1], (w[:4].sum() + 3 * w[4]) / w.sum())
 
 
 @pytest.mark.mpi
@@ -108,3 +146,112 @@ def test_prefill_then_greedy_decode_gives_the_reference_tokens(tmp_path):
             assert ex.reference_generate(tokens, 10, keep=drop) != want
         for world in (1, 2, 3):
             assert _generate(world, prompt, tmp_path) == want, (prompt, world)
+
+
+def _paged_cache(pool=None):
+    """A one-process paged cache, batch 2, 8 rows a batch row in pages of 2, 2 rows appended."""
+    cache = burstcu.KVCache(None, 2, 8, 1, 4, np.float64, page_size=2, num_pages=pool)
+    rows = np.arange(16.0).reshape(2, 2, 1, 4)
+    cache.append(rows, rows)
+    return cache
+
+
+def _state(cache):
+    return cache.page_table.copy(), list(cache._free), cache.counts.copy()
+
+
+def _same_state(cache, state):
+    table, free, counts = state
+    return (np.array_equal(cache.page_table, table) and cache._free == free
+            and np.array_equal(cache.counts, counts))
+
+
+@pytest.mark.parametrize("bad", [np.full((2, 3, 1, 4), "x"), np.ones((2, 3, 1, 4), np.complex128),
+                                 np.ones((2, 3, 1, 4), object)], ids=["str", "complex", "object"])
+def test_append_of_rows_the_cache_cannot_hold_changes_nothing(bad):
+    """Strings, complex numbers, objects: refused before any page is taken (three rows a batch
+    row would take a page more each), and the cache takes real rows after."""
+    cache = _paged_cache()
+    state = _state(cache)
+    with pytest.raises(TypeError, match="real numbers"):
+        cache.append(bad, np.ones((2, 3, 1, 4)))
+    assert _same_state(cache, state)
+    cache.append(np.ones((2, 3, 1, 4), np.float16), np.ones((2, 3, 1, 4), np.int32))
+    assert cache.seqlens.tolist() == [5, 5] and (cache.page_table >= 0).sum() == 6
+
+
+def test_a_store_that_raises_gives_its_pages_back(monkeypatch):
+    """The third row's store fails (after two rows took a page each): the page table and the
+    free pages are as before the append, so the pool fills exactly when the counts say."""
+    cache = _paged_cache(pool=4)
+    state = _state(cache)
+    store, calls = cache._store, []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("store failed")
+        store(*args)
+
+    monkeypatch.setattr(cache, "_store", failing)
+    with pytest.raises(RuntimeError, match="store failed"):
+        cache.append(np.ones((2, 2, 1, 4)), np.ones((2, 2, 1, 4)))
+    assert _same_state(cache, state)
+    monkeypatch.undo()
+    cache.append(np.ones((2, 2, 1, 4)), np.ones((2, 2, 1, 4)))     # the last two pages
+    assert not cache._free and cache.seqlens.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("rows,error,text", [
+    ([0, 2], ValueError, "batch row 2 is not in"), (-1, ValueError, "batch row -1"),
+    ([1, -2], ValueError, "batch row -2"), (True, TypeError, "ints"),
+    ([np.bool_(False)], TypeError, "ints"), (np.array([True, False]), TypeError, "ints"),
+    ([0, 1.0], TypeError, "ints"), ("0", TypeError, "ints"),
+])
+def test_clear_refuses_rows_that_are_not_batch_rows(rows, error, text):
+    """Every row is checked before any is cleared: the valid rows before a bad one stay."""
+    cache = _paged_cache()
+    state = _state(cache)
+    with pytest.raises(error, match=text):
+        cache.clear(rows)
+    assert _same_state(cache, state)
+    cache.clear(np.array([1]))
+    cache.clear(np.int64(0))
+    assert (cache.page_table < 0).all() and not cache.counts.any() and len(cache._free) == 8
+
+
+def _paged_rows(table, pages):
+    return PagedRows(pages, table, table)
+
+
+@pytest.mark.parametrize("entry,text", [(-1, "names no page"), (6, "names no page")])
+def test_a_table_entry_under_the_valid_rows_must_name_a_page(entry, text):
+    """Batch row 1's second page (rows 2..3 of 3 valid) named -1 (NumPy would take the last
+    page) or past the pool: refused; the same entry past the valid rows is never read."""
+    rng = np.random.default_rng(3)
+    q, pages = rng.standard_normal((2, 1, 2, 4)), rng.standard_normal((6, 2, 1, 4))
+    table = np.array([[0, 1, -1], [2, entry, 4]], np.int32)
+    kv = _paged_rows(table, pages)
+    with pytest.raises(ValueError, match=text):
+        decode_xp.partial(np, q, kv, kv, [2, 3], 0.5, np.dtype(np.float64))
+    acc, m, l = decode_xp.partial(np, q, kv, kv, [2, 2], 0.5, np.dtype(np.float64))
+    for b in range(2):                      # two valid rows each: page table[b, 0]
+        ref = attention_ref(q[b:b + 1], pages[table[b, 0]][None], pages[table[b, 0]][None],
+                            softmax_scale=0.5)[0]
+        assert np.abs(acc[b] / l[b].T[..., None] - ref[0]).max() < 1e-12
+
+
+@pytest.mark.parametrize("table,error", [(np.zeros((2, 3), np.int64), TypeError),
+                                         ([[0, 1, 2], [3, 4, 5]], TypeError)])
+def test_the_array_path_takes_an_int32_host_table(table, error):
+    q, pages = np.ones((2, 1, 2, 4)), np.ones((6, 2, 1, 4))
+    kv = _paged_rows(table, pages)
+    with pytest.raises(error, match="int32"):
+        decode_xp.partial(np, q, kv, kv, [2, 2], 0.5, np.dtype(np.float64))
+
+
+@pytest.mark.mpi
+def test_bad_cache_rows_raise_on_every_rank():
+    for rank, result in enumerate(run_mpi(2, "decode_bodies:kv_cache_bad_rows_raise_everywhere")):
+        assert result["clear"] and "not in [0, 2)" in result["clear"], (rank, result)
+        assert result["append"] and "real numbers" in result["append"], (rank, result)

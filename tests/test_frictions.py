@@ -137,7 +137,7 @@ def test_plot_without_matplotlib_stops_before_measuring(tmp_path):
     """A bench script given --plot where matplotlib is missing ends at once, saying what to
     install: no table (nothing measured), no traceback, no picture."""
     picture = tmp_path / "decode.png"
-    proc = run_without(("matplotlib",), "file", "bench/cpu/decode.py",
+    proc = run_without(("matplotlib",), "file", "bench/decode.py",
                        ["--cache", "64", "--prefill", "64", "--heads", "2", "--kv-heads", "1",
                         "--headdim", "16", "--repeats", "1", "--plot", picture])
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -148,7 +148,7 @@ def test_plot_without_matplotlib_stops_before_measuring(tmp_path):
 
 def test_without_plot_a_bench_script_runs_without_matplotlib(tmp_path):
     """Only --plot needs matplotlib: the same script without it runs (its model-only mode)."""
-    proc = run_without(("matplotlib",), "file", "bench/cpu/decode.py",
+    proc = run_without(("matplotlib",), "file", "bench/decode.py",
                        ["--predict", "--ranks", "1", "2", "--cache", "1024"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PREDICTION" in proc.stdout

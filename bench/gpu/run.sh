@@ -10,7 +10,7 @@
 # and overlap_causal (overlap_gpu.py), tiles (tiles.py), memcheck and racecheck
 # (compute-sanitizer; --report-api-errors no: cuda-bindings' driver probes are no memory errors),
 # demo, mpi (mpi_checks.sh, the mpich wheel in .whl/), linear and linearbench (LASP on one GPU),
-# varlen (documents, 4 ranks), steplists (step_lists.py), uneven (3 ranks), decode (decode.py).
+# varlen (documents, 4 ranks), steplists (step_lists.py), uneven (3 ranks), decode (bench/decode.py).
 # Others: steplists_mma and lists (the sm_90 table on a Hopper GPU), bwd, the Hopper kernel's
 # hopper, hopper_bench, hopper_memcheck, hopper_racecheck, hopper_profile (Nsight Compute at
 # S = $PROFILE_SEQLEN, its CSV in logs.tgz), tiles_sm90; small_parts (every kernel's duration in
@@ -156,7 +156,7 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
              --repeats 3 --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
     uneven) step uneven 300 $PY bench/gpu/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
              --layout contiguous --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
-    decode) step decode 240 $PY bench/cpu/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
+    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
              262144 1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider tests/gpu tests/test_interop.py tests/transport/test_bootstrap.py \

@@ -1,33 +1,60 @@
 """The decode kernel family (kernels/flash_decode.cu): which instantiations exist.
 
-* ``"decode"``: ``flash_decode_split<T, DPL, ROWS, NWARPS>`` for T in {__half, __nv_bfloat16,
-  float}, DPL in {1, 2, 4, 8} head-dim elements a lane (head dim <= 32 * DPL, the variant's
-  `headdim`), ROWS query rows a block (16, or 8 at DPL = 8: at most 64 fp32 accumulators a lane),
-  NWARPS = 4. The same tiles on every arch (no tensor cores, no dynamic shared memory).
+* ``"decode"``: ``flash_decode_split<T, DPL, ROWS, NWARPS, STAGES>`` for T in {__half,
+  __nv_bfloat16, float}, DPL in {1, 2, 4, 8} head-dim columns a lane (head dim <= 32 * DPL, the
+  variant's `headdim`), ROWS query rows a block (32, or 16 at DPL = 8: at most 32 fp32
+  accumulators a lane, ROWS / NWARPS rows a warp), NWARPS = 4, STAGES K/V tiles of BK = 32 keys
+  in the cp.async ring: as many as fit KV_IN_FLIGHT bytes, 2 to 4. Dynamic shared memory
+  (`smem_bytes`, the kernel's `decode::Layout`); a variant that does not fit the table's budget
+  is left out (float32 at head dim 256 on sm_86: the launcher falls back to the array path).
 * ``"decode_combine"``: ``flash_decode_combine`` (fp32 in and out; `headdim` 0, dtype float32).
 """
 
 from __future__ import annotations
 
-from .variants import ARCHS, KernelVariant, LaunchConfig
+from .variants import ARCHS, KernelVariant, LaunchConfig, base_table
 
 SOURCE = "flash_decode.cu"
 NWARPS = 4
+BK = 32                 # decode::BK: keys a tile
 COMBINE_THREADS = 128   # DECODE_COMBINE_THREADS in flash_decode.cu
+KV_IN_FLIGHT = 65536    # bytes of K/V tiles a block's ring holds at most (STAGES from it)
 _CXX = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DPLS = (1, 2, 4, 8)
+# opt-in dynamic shared memory a block may take, by tile table (see variants.py)
+SMEM_BUDGET = {"sm_80": 166912, "sm_86": 101376, "sm_90": 232448}
 
 
 def rows_per_block(dpl: int) -> int:
-    """Query rows a split block holds (ROWS): 64 fp32 accumulators a lane at most."""
-    return 16 if dpl <= 4 else 8
+    """Query rows a split block holds (ROWS): 32 fp32 accumulators a lane at most."""
+    return 32 if dpl <= 4 else 16
+
+
+def stage_bytes(dtype: str, dpl: int) -> int:
+    """Bytes of one ring stage: a K and a V tile of BK rows padded by 16 bytes (decode::Layout)."""
+    size = _ITEMSIZE[dtype]
+    return 2 * BK * (32 * dpl * size + 16)
+
+
+def stages_for(dtype: str, dpl: int) -> int:
+    """STAGES: as many tiles as KV_IN_FLIGHT bytes hold, 2 to 4."""
+    return max(2, min(4, KV_IN_FLIGHT // stage_bytes(dtype, dpl)))
+
+
+def smem_bytes(dtype: str, dpl: int) -> int:
+    """Dynamic shared memory of a split block (decode::Layout::BYTES): the ring, the fp32 query
+    rows (ROWS x 32*DPL) and each warp's probabilities (ROWS x BK fp32 in all)."""
+    rows = rows_per_block(dpl)
+    return stages_for(dtype, dpl) * stage_bytes(dtype, dpl) + rows * 32 * dpl * 4 + rows * BK * 4
 
 
 def split_variant(dtype: str, dpl: int) -> KernelVariant:
-    rows = rows_per_block(dpl)
-    name = f"flash_decode_split<{_CXX[dtype]}, {dpl}, {rows}, {NWARPS}>"
+    rows, stages = rows_per_block(dpl), stages_for(dtype, dpl)
+    name = f"flash_decode_split<{_CXX[dtype]}, {dpl}, {rows}, {NWARPS}, {stages}>"
     return KernelVariant("decode", SOURCE, name, dtype, 32 * dpl,
-                         LaunchConfig(threads=32 * NWARPS, block_m=rows))
+                         LaunchConfig(threads=32 * NWARPS, block_m=rows, block_n=BK,
+                                      smem_bytes=smem_bytes(dtype, dpl), stages=stages))
 
 
 def combine_variant() -> KernelVariant:
@@ -36,7 +63,9 @@ def combine_variant() -> KernelVariant:
 
 
 def decode_variants(arch: str) -> list[KernelVariant]:
-    """Every decode-family variant (the same on every arch)."""
+    """Every decode-family variant of the tile table `arch` that fits its shared memory."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    return [split_variant(dt, dpl) for dt in _CXX for dpl in DPLS] + [combine_variant()]
+    budget = SMEM_BUDGET[base_table(arch)]
+    return [split_variant(dt, dpl) for dt in _CXX for dpl in DPLS
+            if smem_bytes(dt, dpl) <= budget] + [combine_variant()]

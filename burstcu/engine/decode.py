@@ -4,7 +4,8 @@ the partials, the same merge on every rank ("flash decoding" with the keys split
 Shapes (B batch, T new tokens, H query heads, Hkv kv heads, D head dim, S_cache rows a rank
 holds, G ranks):
     q (B, T, H, D): the same on every rank;  k_cache, v_cache (B, S_cache, Hkv, D): this rank's
-    shard, rows in any order;  lengths (B,) host ints: valid rows of each batch row on this rank
+    shard, rows in any order, or a paged cache (`burstcu.ops.decode.PagedRows`);  lengths (B,)
+    host ints: valid rows of each batch row on this rank
     partial (`LocalOps.decode_partial`): acc (B, T, H, D), row max m and row sum l (B, H, T), in
         the accumulation dtype
     out (B, T, H, D) in q's dtype, lse (B, H, T) in the accumulation dtype: identical on every
@@ -30,23 +31,32 @@ def decode(q, k_cache, v_cache, lengths, softmax_scale: float, ops: LocalOps,
     return ops.decode_merge(gathered_partials(mine, ops, transport), q.dtype)
 
 
-def _fields(acc_shape, stat_shape, dtype) -> list:
-    return [("acc", acc_shape, dtype), ("m", stat_shape, dtype), ("l", stat_shape, dtype)]
+def _fields(acc_shape, stat_shape, dtype, size: int, nbytes: int) -> list:
+    """This rank's packed partial (acc, m, l; `nbytes` bytes) and room for all `size` of them."""
+    return [("acc", acc_shape, dtype), ("m", stat_shape, dtype), ("l", stat_shape, dtype),
+            ("gathered", (size, nbytes), "uint8")]
 
 
 def gathered_partials(mine: tuple, ops: LocalOps, transport: Transport) -> list[tuple]:
-    """Every rank's (acc, m, l), in rank order, after one all-gather of the packed partials."""
+    """Every rank's (acc, m, l), in rank order, after one all-gather of the packed partials
+    (through the op's kept buffers: no allocation after the first call of a shape)."""
     if transport.size == 1:
         return [mine]
     acc, m, _ = mine
-    fields = _fields(acc.shape, m.shape, acc.dtype)
-    packed = ops.message(fields)
+    nbytes = (acc.size + 2 * m.size) * acc.dtype.itemsize
+    # One buffer is enough (the merge reads the gathered views before the call returns), but
+    # the op keeps buffers only as double_buffer's pairs (`message` allocates at every call):
+    # the other one of the pair stays idle: (G + 1) * B*T*H*(D+2) * 4 bytes, the partials' size
+    # and not the cache's (9 MiB at B = 64, T = 1, H = 32, D = 128, G = 8), rather than an
+    # allocation and a free at every token.
+    packed = ops.double_buffer(_fields(acc.shape, m.shape, acc.dtype, transport.size, nbytes))[0]
     for name, x in zip(("acc", "m", "l"), mine):
         ops.copy_(packed[name], x)
     flat = packed.span("acc", "l")
-    gathered = ops.zeros((transport.size,) + tuple(flat.shape), flat.dtype)
+    gathered = packed["gathered"]
     transport.where = "decode all-gather of the partials"
     transport.allgather(flat, gathered)
+    fields = _fields(acc.shape, m.shape, acc.dtype, 0, 0)[:3]
     parts = []
     for r in range(transport.size):
         theirs = Message(ops.xp, fields, flat=gathered[r])

@@ -215,7 +215,14 @@ class LocalOps(ABC):
     def decode_partial(self, q, k_cache, v_cache, lengths, scale: float) -> tuple[Any, Any, Any]:
         """(acc (B,T,H,D), m (B,H,T), l (B,H,T)) in the accumulation dtype: this rank's share of
         decode for q (B,T,H,D) over the first lengths[b] rows of k_cache, v_cache (B,S,Hkv,D)
-        (`burstcu.ops.decode`: unnormalised accumulator, row max of the scaled scores, row sum)."""
+        (`burstcu.ops.decode`: unnormalised accumulator, row max of the scaled scores, row sum).
+        k_cache, v_cache may instead be `burstcu.ops.decode.PagedRows` of a paged cache.
+
+        Lifetime: the arrays returned may be buffers the op keeps and reuses (the kernel ops:
+        `double_buffer` pairs, whose two buffers calls of one layout take in turn). They stay
+        valid through the op's next decode_partial call, whatever its shapes or arguments; a
+        later call may overwrite them. Copy them to keep them longer; `release_buffers` drops
+        the op's hold (arrays already returned stay readable). This default returns new arrays."""
         return decode_xp.partial(self.xp, q, k_cache, v_cache, lengths, scale, accum_dtype(q.dtype))
 
     def decode_merge(self, parts: Sequence[tuple[Any, Any, Any]], out_dtype) -> tuple[Any, Any]:

@@ -11,13 +11,18 @@ holds, n_b <= S the valid rows of batch row b on this rank):
         M = max_r m_r;  w_r = exp(m_r - M) (0 where m_r = -inf);  L = sum_r w_r l_r
         out = sum_r w_r acc_r / L (0 where L = 0);  lse = M + log L (-inf where L = 0)
 GQA: query head h uses kv head h // (H // Hkv); K and V are never replicated. Rows past n_b are
-never read, so whatever they hold (garbage, NaN) is inert. The keys are taken in chunks of
+never read, so whatever they hold (garbage, NaN) is inert.
+A paged cache (`PagedRows`, in place of k_cache and v_cache): pages (P, page_size, Hkv, D) and a
+page table (B, max_pages) int32 whose entry i names the page holding rows [i * page_size,
+(i + 1) * page_size) of batch row b (vLLM's and FlashInfer's convention); row j of batch row b
+is pages[table[b, j // page_size], j % page_size]. The keys are taken in chunks of
 CHUNK rows with the same online-softmax update, so a long cache costs O(T H CHUNK) scratch.
 Written against the array module `xp` (NumPy or CuPy).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,8 +30,79 @@ import numpy as np
 CHUNK = 4096   # keys per chunk of the local reduction
 
 
+@dataclass(frozen=True, eq=False)
+class PagedRows:
+    """One of K or V of a paged cache (module docstring).
+
+    pages: (P, page_size, Hkv, D) of the op's array type; table: (B, max_pages) int32 on the
+    op's device; host_table: the same on the host (NumPy), for the array path. The entries
+    covering a batch row's valid rows (the first ceil(n_b / page_size)) must name pages in
+    [0, P) (`check`: the array path refuses others; the kernels trust them); entries past them
+    may name any page (or none, -1: they are never read)."""
+
+    pages: Any
+    table: Any
+    host_table: np.ndarray
+
+    @property
+    def page_size(self) -> int:
+        return int(self.pages.shape[1])
+
+    @property
+    def shape(self) -> tuple:
+        """(B, max_pages * page_size, Hkv, D): the contiguous cache it stands for."""
+        p = self.pages.shape
+        return (self.host_table.shape[0], self.host_table.shape[1] * p[1], p[2], p[3])
+
+    @property
+    def dtype(self):
+        return self.pages.dtype
+
+    def check(self, lengths) -> None:
+        """TypeError unless host_table is an int32 NumPy (B, max_pages) array; ValueError when
+        an entry covering one of the first lengths[b] rows of batch row b lies outside [0, P)
+        (-1 would wrap to the last page) or the rows need more entries than a row has."""
+        t = self.host_table
+        if not isinstance(t, np.ndarray) or t.dtype != np.int32 or t.ndim != 2:
+            raise TypeError(f"a paged cache's host_table must be a (B, max_pages) int32 NumPy array, "
+                            f"not {type(t).__name__} {getattr(t, 'dtype', '')}")
+        need = -(-np.asarray(lengths, np.int64) // self.page_size)            # (B,) entries read
+        if len(need) != t.shape[0] or (need > t.shape[1]).any():
+            raise ValueError(f"lengths {np.asarray(lengths).tolist()} need more than the page table's "
+                             f"{t.shape[0]} rows of {t.shape[1]} pages of {self.page_size} rows")
+        read = np.arange(t.shape[1]) < need[:, None]
+        bad = np.argwhere(read & ((t < 0) | (t >= self.pages.shape[0])))
+        if len(bad):
+            b, i = (int(x) for x in bad[0])
+            raise ValueError(f"page table entry [{b}, {i}] = {int(t[b, i])} covers valid rows of batch "
+                             f"row {b} but names no page of the {self.pages.shape[0]}")
+
+    def rows(self, xp: Any, b: int, start: int, stop: int):
+        """Rows [start, stop) of batch row b, (stop - start, Hkv, D) (gathered: a copy); the
+        table entries they take must name pages (`check`)."""
+        j = np.arange(start, stop)
+        ps = self.page_size
+        pages = self.host_table[b, j // ps].astype(np.int64)
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.pages.shape[0]):
+            raise ValueError(f"rows [{start}, {stop}) of batch row {b}: the page table names pages "
+                             f"{int(pages.min())}..{int(pages.max())}, outside [0, {self.pages.shape[0]})")
+        flat = self.pages.reshape((-1,) + tuple(self.pages.shape[2:]))
+        return flat[xp.asarray(pages * ps + j % ps)]
+
+
+def _rows(xp: Any, cache, b: int, start: int, stop: int):
+    """Rows [start, stop) of batch row b of a contiguous cache (B, S, Hkv, D) or PagedRows."""
+    if isinstance(cache, PagedRows):
+        return cache.rows(xp, b, start, stop)
+    return cache[b, start:stop]
+
+
 def partial(xp: Any, q, k_cache, v_cache, lengths, scale: float, acc_dtype):
-    """(acc, m, l) of this rank's valid keys (module docstring)."""
+    """(acc, m, l) of this rank's valid keys (module docstring); k_cache, v_cache: (B, S, Hkv, D)
+    arrays or PagedRows (their tables checked first: `PagedRows.check`)."""
+    for cache in (k_cache, v_cache):
+        if isinstance(cache, PagedRows):
+            cache.check(lengths)
     b, t, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -42,8 +118,8 @@ def partial(xp: Any, q, k_cache, v_cache, lengths, scale: float, acc_dtype):
         ab = xp.zeros((hkv, g * t, d), dtype=acc_dtype)
         for start in range(0, int(lengths[bi]), CHUNK):
             stop = min(start + CHUNK, int(lengths[bi]))
-            kc = k_cache[bi, start:stop].astype(acc_dtype).transpose(1, 2, 0)   # (Hkv, D, n)
-            vc = v_cache[bi, start:stop].astype(acc_dtype).transpose(1, 0, 2)   # (Hkv, n, D)
+            kc = _rows(xp, k_cache, bi, start, stop).astype(acc_dtype).transpose(1, 2, 0)   # (Hkv, D, n)
+            vc = _rows(xp, v_cache, bi, start, stop).astype(acc_dtype).transpose(1, 0, 2)   # (Hkv, n, D)
             s = qg @ kc                                                          # (Hkv, G*T, n)
             m_new = xp.maximum(mb, s.max(axis=-1))
             # rows whose max is still -inf saw no finite score: keep them at zero weight

@@ -1,9 +1,14 @@
 """The decode kernels (kernels/flash_decode.cu, `burstcu.ops.cuda.decode`) against float64
 attention over each batch row's valid cache rows: float16, bfloat16 and float32; head dims that
 are and are not multiples of 32; more query rows than a block holds (row groups); many splits;
-batch rows with no valid row; NaN/Inf past the valid rows (never read). On the CPU emulator by
-default, on a GPU with BURSTCU_KERNEL_TEST_BACKEND=cupy. Also the host mirrors of the decode
-parameter structs against g++'s layout."""
+batch rows with no valid row; NaN/Inf past the valid rows (never read); T = 1..8 new tokens at
+GQA ratios 1..8; many splits (a device of many SMs); a paged cache read through a shuffled page
+table (pages no batch row holds are NaN); head dims whose rows are not 16-byte units (the
+element-wise loads). On the CPU emulator by default, on a GPU with
+BURSTCU_KERNEL_TEST_BACKEND=cupy. Also the split heuristic and the blocks an SM holds, the kept
+buffers (a partial outlives the next call of any plan; the workspace holds the splits a shape
+can take, one at a large batch), the page table and lengths the kernels refuse, and the host
+mirrors of the decode parameter structs against g++'s layout."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import numpy as np
 import pytest
 
 from burstcu.ops.cuda import decode as kernel_decode
+from burstcu.ops.cuda.params import data_ptr
+from burstcu.ops.decode import PagedRows
 from burstcu.testing.reference import attention_ref, within_fa_rule
 from tests.kernels.backend import BACKEND
 
@@ -30,34 +37,25 @@ def _ops():
     return KernelOps(backend=BACKEND)
 
 
-def _run(ops, q, k, v, lengths, scale):
+def _run(ops, q, k, v, lengths, scale, page_table=None):
     xp = ops.xp
-    acc, m, l = kernel_decode.partial(ops, xp.asarray(q), xp.asarray(k), xp.asarray(v),
-                                      np.asarray(lengths), scale)
-    host = (lambda x: x.get()) if BACKEND == "cupy" else np.asarray
-    return host(acc), host(m), host(l)
+    k, v = xp.asarray(k), xp.asarray(v)
+    if page_table is not None:
+        table = xp.asarray(page_table)
+        k, v = PagedRows(k, table, page_table), PagedRows(v, table, page_table)
+    acc, m, l = kernel_decode.partial(ops, xp.asarray(q), k, v, np.asarray(lengths), scale)
+    return _host(acc), _host(m), _host(l)
 
 
-CASES = [  # (B, T, H, Hkv, D, cache rows, lengths)
-    (2, 1, 8, 2, 64, 300, (300, 0)),        # GQA 4, a batch row with nothing
-    (1, 3, 16, 2, 128, 1500, (1500,)),      # 24 query rows a kv head: two row groups; many splits
-    (2, 2, 4, 4, 40, 97, (97, 13)),         # head dim 40 (not a multiple of 32)
-    (1, 1, 2, 1, 256, 700, (650,)),         # the largest head dim, rows past 650 hold NaN/Inf
-    (3, 1, 4, 2, 32, 5, (5, 1, 3)),         # fewer keys than warps
-]
+def _host(x):
+    """A NumPy copy of x."""
+    return x.get() if BACKEND == "cupy" else np.array(x)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}T{c[1]}H{c[2]}/{c[3]}d{c[4]}" for c in CASES])
-def test_decode_kernels_match_float64(case, dtype):
-    b, t, h, hkv, d, s, lengths = case
-    rng = np.random.default_rng(10 * CASES.index(case) + list(DTYPES).index(dtype))
-    q = rng.standard_normal((b, t, h, d)).astype(DTYPES[dtype])
-    k, v = (rng.standard_normal((b, s, hkv, d)).astype(DTYPES[dtype]) for _ in range(2))
-    for bi, n in enumerate(lengths):        # what lies past the valid rows must never be read
-        k[bi, n:], v[bi, n:] = np.nan, np.inf
-    scale = 1.0 / np.sqrt(d)
-    acc, m, l = _run(_ops(), q, k, v, lengths, scale)
+def _check(q, k, v, lengths, scale, dtype, acc, m, l):
+    """acc, m, l (the kernel's partial) against float64 attention over each batch row's first
+    lengths[b] rows of the contiguous k, v (B, S, Hkv, D), by FlashAttention's rule."""
+    b, t, h, d = q.shape
     assert acc.shape == (b, t, h, d) and m.shape == l.shape == (b, h, t)
     for bi, n in enumerate(lengths):
         if n == 0:
@@ -74,12 +72,125 @@ def test_decode_kernels_match_float64(case, dtype):
             assert ok, f"{name}: {err:.3e} > {bound:.3e}"
 
 
-def test_splits_fill_the_device_and_keep_a_minimum():
-    chunk, splits = kernel_decode.splits_for(1 << 20, 16)
-    assert splits * 16 >= kernel_decode.TARGET_BLOCKS // 2 and chunk * splits >= 1 << 20
-    chunk, splits = kernel_decode.splits_for(100, 1)
-    assert chunk >= kernel_decode.MIN_CHUNK and splits == 2
-    assert kernel_decode.splits_for(0, 4) == (kernel_decode.MIN_CHUNK, 1)
+def _inputs(seed, b, t, h, hkv, d, s, lengths, dtype):
+    """q (B,T,H,D), k, v (B,S,Hkv,D) standard normal in dtype, NaN/Inf past each valid length."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, d)).astype(DTYPES[dtype])
+    k, v = (rng.standard_normal((b, s, hkv, d)).astype(DTYPES[dtype]) for _ in range(2))
+    for bi, n in enumerate(lengths):        # what lies past the valid rows must never be read
+        k[bi, n:], v[bi, n:] = np.nan, np.inf
+    return q, k, v
+
+
+CASES = [  # (B, T, H, Hkv, D, cache rows, lengths)
+    (2, 1, 8, 2, 64, 300, (300, 0)),        # GQA 4, a batch row with nothing
+    (1, 3, 16, 2, 128, 1500, (1500,)),      # 24 query rows a kv head: two row groups; many splits
+    (2, 2, 4, 4, 40, 97, (97, 13)),         # head dim 40 (not a multiple of 32)
+    (1, 1, 2, 1, 256, 700, (650,)),         # the largest head dim, rows past 650 hold NaN/Inf
+    (3, 1, 4, 2, 32, 5, (5, 1, 3)),         # fewer keys than warps
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}T{c[1]}H{c[2]}/{c[3]}d{c[4]}" for c in CASES])
+def test_decode_kernels_match_float64(case, dtype):
+    b, t, h, hkv, d, s, lengths = case
+    q, k, v = _inputs(10 * CASES.index(case) + list(DTYPES).index(dtype), *case[:6], lengths, dtype)
+    scale = 1.0 / np.sqrt(d)
+    _check(q, k, v, lengths, scale, dtype, *_run(_ops(), q, k, v, lengths, scale))
+
+
+@pytest.mark.parametrize("t,ratio", [(1, 1), (2, 8), (5, 3), (8, 4), (8, 8)])
+def test_new_tokens_and_gqa_ratios(t, ratio):
+    """T new tokens x GQA ratio rows a kv head: 1 to 64 (two row groups at 64), a whole key
+    tile and a partial one."""
+    lengths = (45, 7)
+    q, k, v = _inputs(t * 10 + ratio, 2, t, 2 * ratio, 2, 64, 50, lengths, "float16")
+    _check(q, k, v, lengths, 0.125, "float16", *_run(_ops(), q, k, v, lengths, 0.125))
+
+
+def test_many_splits():
+    """A device of 200 SMs: the heuristic cuts 1000 keys into many splits of whole tiles, one
+    of them partial and most past the shorter batch row's end."""
+    ops = _ops()
+    ops.sm_count = 200
+    lengths = (1000, 70)
+    chunk, splits = kernel_decode.splits_for(1000, 2 * 2, 200)   # 200 block slots at least
+    assert splits >= 7 and chunk % kernel_decode.BK == 0, (chunk, splits)
+    q, k, v = _inputs(3, 2, 1, 4, 2, 32, 1001, lengths, "bfloat16")
+    _check(q, k, v, lengths, 0.3, "bfloat16", *_run(ops, q, k, v, lengths, 0.3))
+
+
+@pytest.mark.parametrize("page_size,d,dtype", [(16, 64, "float16"), (7, 40, "bfloat16"),
+                                               (32, 128, "float32")])
+def test_paged_cache(page_size, d, dtype):
+    """The rows live in pages named by a shuffled table; pages no batch row holds and the rows
+    of a page past a batch row's length are NaN, table entries past it -1: never read."""
+    b, t, h, hkv = 3, 2, 4, 2
+    lengths = (100, 0, 33)
+    q, k, v = _inputs(page_size, b, t, h, hkv, d, 100, lengths, dtype)
+    per_row = -(-100 // page_size)
+    rng = np.random.default_rng(7)
+    table = rng.permutation(b * per_row + 3)[:b * per_row].reshape(b, per_row).astype(np.int32)
+    pages_k = np.full((b * per_row + 3, page_size, hkv, d), np.nan, DTYPES[dtype])
+    pages_v = pages_k.copy()
+    for bi, n in enumerate(lengths):
+        for i in range(-(-n // page_size)):
+            rows = slice(i * page_size, min((i + 1) * page_size, n))
+            pages_k[table[bi, i], :rows.stop - rows.start] = k[bi, rows]
+            pages_v[table[bi, i], :rows.stop - rows.start] = v[bi, rows]
+        table[bi, -(-n // page_size):] = -1
+    scale = 1.0 / np.sqrt(d)
+    _check(q, k, v, lengths, scale, dtype, *_run(_ops(), q, pages_k, pages_v, lengths, scale, table))
+
+
+def test_rows_not_on_16_bytes():
+    """Head dim 20 in float16 (40-byte rows): the element-wise loads give the same answer."""
+    lengths = (37,)
+    q, k, v = _inputs(4, 1, 3, 4, 1, 20, 40, lengths, "float16")
+    _check(q, k, v, lengths, 0.2, "float16", *_run(_ops(), q, k, v, lengths, 0.2))
+
+
+def test_the_kept_buffers_hold_a_partial_through_the_next_call():
+    """Calls of one shape reuse the op's two buffers in turn: a partial stays valid through the
+    next call, the call after reuses its memory, and release_buffers frees them."""
+    ops = _ops()
+    xp = ops.xp
+    lengths = np.array([9])
+    q, k, v = (xp.asarray(x) for x in _inputs(5, 1, 1, 2, 1, 32, 9, lengths, "float16"))
+    first = kernel_decode.partial(ops, q, k, v, lengths, 0.5)
+    kept = [_host(x) for x in first]
+    second = kernel_decode.partial(ops, q * 2, k, v, lengths, 0.5)
+    assert all(np.array_equal(_host(x), y) for x, y in zip(first, kept))
+    assert not np.array_equal(_host(second[0]), kept[0])
+    third = kernel_decode.partial(ops, q, k, v, lengths, 0.5)
+    assert data_ptr(third[0]) == data_ptr(first[0]) != data_ptr(second[0])
+    assert len(ops.__dict__["_double_buffers"]) == 1
+    ops.release_buffers()
+    assert "_double_buffers" not in ops.__dict__
+
+
+def test_split_heuristic():
+    """FlashAttention's rule: one split when the blocks fill the device; else whole-ish waves,
+    each split at least MIN_KEYS keys in whole tiles, never over MAX_SPLITS."""
+    assert kernel_decode.splits_for(1 << 20, 132 * 2, 264) == (1 << 20, 1)   # 264 slots
+    chunk, splits = kernel_decode.splits_for(1 << 20, 8, 264)       # H100, B = 1, Hkv = 8
+    assert 0.85 <= 8 * splits / 264 <= 1 and chunk % kernel_decode.BK == 0      # 264 slots
+    assert chunk * splits >= 1 << 20
+    chunk, splits = kernel_decode.splits_for(4096, 8, 264)          # 32 key blocks at most
+    assert splits <= 32 and chunk >= kernel_decode.MIN_KEYS
+    assert kernel_decode.splits_for(100, 1, 6)[1] == 1               # under MIN_KEYS: one split
+    assert kernel_decode.splits_for(0, 4, 6) == (kernel_decode.BK, 1)
+    splits = kernel_decode.splits_for(1 << 24, 1, 2000)[1]          # one block, 2000 slots
+    assert 0.85 * kernel_decode.MAX_SPLITS <= splits <= kernel_decode.MAX_SPLITS
+    # the workspace's bound: no length up to a cache's rows takes more splits than most_splits
+    for rows, blocks, slots in ((3000, 1, 12), (3000, 5, 12), (50000, 3, 264), (1 << 20, 8, 400)):
+        taken = max(kernel_decode.splits_for(n, blocks, slots)[1]
+                    for n in range(0, rows + 1, max(1, rows // 997)))
+        assert taken <= kernel_decode.most_splits(rows, blocks, slots), (rows, blocks, slots)
+    assert kernel_decode.most_splits(1 << 20, 96, 108) == 1          # 96 blocks fill 108 slots
+    assert kernel_decode.most_splits(1000, 1, 12) == 8               # 1000 keys: 8 key blocks
+    assert kernel_decode.most_splits(1 << 20, 1, 2000) == kernel_decode.MAX_SPLITS
 
 
 @pytest.mark.parametrize("st", kernel_decode.DECODE_STRUCTS, ids=lambda st: st.name)
@@ -94,3 +205,90 @@ def test_decode_struct_layout_matches_gxx(st):
         assert got["count"] == len(st.fields), cxx
         for path, offset, size, typ in members:
             assert got["members"][path] == (offset, size, kind[typ]), f"{cxx}.{path}"
+
+
+def test_partials_of_plans_sharing_a_buffer_layout_stay_distinct():
+    """Calls that differ only in the scale (other plans, one buffer layout), more of them than
+    the op keeps plans: each partial stays as it was through the next call, and each is the
+    attention at its own scale."""
+    ops = _ops()
+    xp = ops.xp
+    lengths = np.array([9, 4])
+    q, k, v = _inputs(6, 2, 1, 2, 1, 32, 9, lengths, "float16")
+    qd, kd, vd = (xp.asarray(x) for x in (q, k, v))
+    scales = [0.5 / (i + 1) for i in range(kernel_decode.PLANS_KEPT + 2)]
+    before = kernel_decode.partial(ops, qd, kd, vd, lengths, scales[0])
+    kept = [_host(x) for x in before]
+    for scale in scales[1:]:
+        now = kernel_decode.partial(ops, qd, kd, vd, lengths, scale)
+        assert all(np.array_equal(_host(x), y) for x, y in zip(before, kept)), scale
+        _check(q, k, v, lengths, scale, "float16", *(_host(x) for x in now))
+        before, kept = now, [_host(x) for x in now]
+
+
+# The emulated device: sm_80's tile table, so an A100's 164 KB of shared memory an SM; float16 at
+# head dim 64 takes 4 stages x 2 x 32 x (128 + 16) + 32 x 64 x 4 + 32 x 32 x 4 = 49152 bytes
+# a block, + 1 KB reserved: 3 blocks an SM. With 4 SMs: 12 block slots.
+@pytest.mark.parametrize("b,s,lengths,splits", [
+    (16, 300, (5,) * 16, 1),      # 16 blocks a split >= 80% of 12 slots: one split, whatever the rows
+    (1, 2000, (1500,), 12),       # 1 block: min(128 splits, 12 slots, 2000 rows / 128 = 16 key blocks)
+])
+def test_workspace_holds_the_splits_the_shape_can_take(b, s, lengths, splits):
+    if BACKEND == "cupy":
+        pytest.skip("the block slots of the emulated device")
+    ops = _ops()
+    ops.sm_count = 4
+    h, d = 2, 64
+    q, k, v = _inputs(8, b, 1, h, 1, d, s, lengths, "float16")
+    _check(q, k, v, lengths, 0.125, "float16", *_run(ops, q, k, v, lengths, 0.125))
+    (pair,) = ops.__dict__["_double_buffers"].values()
+    rows = b * h                  # B x H x T query rows, fp32 (m, l, acc) of D + 2 values each
+    want = (rows * splits + rows) * (d + 2) * 4     # the workspace's splits, then the partial
+    assert [m.flat.nbytes for m in pair] == [want, want]
+
+
+def test_lengths_past_the_cache_rows_are_refused():
+    ops = _ops()
+    q, k, v = _inputs(9, 1, 1, 2, 1, 32, 40, (40,), "float16")
+    with pytest.raises(ValueError, match="over a cache of 40 rows"):
+        _run(ops, q, k, v, np.array([41]), 0.2)
+
+
+@pytest.mark.parametrize("table,error,text", [
+    (lambda t: t.astype(np.int64), TypeError, "int32"),
+    (lambda t: t.tolist(), TypeError, "array"),
+    (lambda t: t[:1], ValueError, "batch=2"),
+])
+def test_the_kernels_take_an_int32_table_of_the_ops_module(table, error, text):
+    """What the kernel would read wrongly (int64 entries as int32 pairs), could not read (a
+    list) or read past (too few batch rows): refused before the launch."""
+    ops = _ops()
+    xp = ops.xp
+    q, k, v = _inputs(11, 2, 1, 2, 1, 32, 8, (8, 8), "float16")
+    host = np.array([[0, 1], [2, 3]], np.int32)
+    pages = [xp.asarray(x.reshape(4, 4, 1, 32)) for x in (k, v)]
+    bad = table(xp.asarray(host))
+    k_rows, v_rows = (PagedRows(p, bad, host) for p in pages)
+    with pytest.raises(error, match=text):
+        kernel_decode.partial(ops, xp.asarray(q), k_rows, v_rows, np.array([8, 8]), 0.2)
+    good = [PagedRows(p, xp.asarray(host), host) for p in pages]        # the same, well formed
+    _check(q, k, v, (8, 8), 0.2, "float16",
+           *(_host(x) for x in kernel_decode.partial(ops, xp.asarray(q), *good, np.array([8, 8]), 0.2)))
+
+
+def test_blocks_an_sm_holds():
+    """Shared memory (each block + 1 KB reserved), then registers (a warp's in units of 256),
+    against values worked by hand; and the split count follows the slots they give."""
+    bps = kernel_decode.blocks_per_sm
+    assert bps(86016, 167936) == 1            # fp16 D = 256 on an A100: 167936 // 87040
+    assert bps(86016, 233472) == 2            # ... on an H100
+    assert bps(72704, 167936) == 2            # fp16 D = 128: 167936 // 73728
+    assert bps(72704, 233472) == 3            # ... on an H100: 233472 // 73728
+    assert bps(28672, 233472) == 7            # fp16 D = 32: 233472 // 29696
+    assert bps(28672, 233472, 128, 111) == 4  # 111 regs: 3584 a warp, 14336 a block
+    assert bps(72704, 233472, 128, 255) == 2  # 255 regs: 8192 a warp, 32768 a block
+    assert bps(200000, 167936) == 1           # never under one
+    # B x Hkv = 96 blocks a split at D = 256 on an A100 (108 SMs): 108 slots, 96 >= 86.4, one
+    # split; counting 2 blocks an SM (216 slots) would cut the keys in 2 (96 x 2 / 216 = 0.89)
+    assert kernel_decode.splits_for(65536, 96, 108) == (65536, 1)
+    assert kernel_decode.splits_for(65536, 96, 216) == (32768, 2)

@@ -58,30 +58,37 @@ def decode_matches_reference(dtype="float32", backend="numpy", b=3, t=2, h=4, hk
     return {"bytes": group.stats.bytes_sent}
 
 
-def kv_cache_appends_balance_and_decode(capacity=6):
+def kv_cache_appends_balance_and_decode(capacity=6, page_size=None, backend="numpy",
+                                        dtype="float64"):
     """KVCache: rows appended on every rank land on one rank each, balanced (counts differ by
     at most one), decode over them equals attention over everything appended; a full cache
-    raises on every rank and changes nothing; then from_prefill adopts uneven shards."""
-    group = burstcu.init(backend="numpy")
+    raises on every rank and changes nothing; then from_prefill adopts uneven shards. With
+    page_size, the rows live in pages (the kernels read them through the page table)."""
+    group = burstcu.init(backend=backend)
     rank, size = group.rank, group.size
     rng = np.random.default_rng(2)
     b, h, hkv, d = 2, 4, 2, 8
-    cache = burstcu.KVCache(group, b, capacity, hkv, d, np.float64)
+    cache = burstcu.KVCache(group, b, capacity, hkv, d, DTYPES[dtype], page_size=page_size)
+    tol = 1e-12 if dtype == "float64" else 2e-2
     rows_k, rows_v = [], []
     for step in range(3):
         t = 1 + step % 2
-        kn, vn = rng.standard_normal((b, t, hkv, d)), rng.standard_normal((b, t, hkv, d))
+        kn, vn = (rng.standard_normal((b, t, hkv, d)).astype(DTYPES[dtype]) for _ in "kv")
         cache.append(kn, vn)
         rows_k.append(kn)
         rows_v.append(vn)
     total = sum(x.shape[1] for x in rows_k)
     assert cache.counts.sum(axis=0).tolist() == [total] * b
     assert (cache.counts.max(axis=0) - cache.counts.min(axis=0) <= 1).all(), cache.counts
-    q = rng.standard_normal((b, 1, h, d))
+    if page_size is not None:       # this rank's rows take whole pages of their own
+        used = cache.page_table >= 0
+        assert used.sum(axis=1).tolist() == (-(-cache.seqlens // page_size)).tolist()
+        assert len(set(cache.page_table[used].tolist())) == used.sum()
+    q = rng.standard_normal((b, 1, h, d)).astype(DTYPES[dtype])
     got = cache.decode(q)
     assert np.array_equal(burstcu.decode(q, cache), got)          # the same call
     want = attention_ref(q, np.concatenate(rows_k, axis=1), np.concatenate(rows_v, axis=1))[0]
-    assert np.abs(got - want).max() < 1e-12, np.abs(got - want).max()
+    assert np.abs(got - want).max() < tol, np.abs(got - want).max()
     room = capacity * size - total
     try:
         cache.append(np.zeros((b, room + 1, hkv, d)), np.zeros((b, room + 1, hkv, d)))
@@ -93,14 +100,19 @@ def kv_cache_appends_balance_and_decode(capacity=6):
     assert cache.counts.sum(axis=0).tolist() == [total] * b          # nothing stored
     # prefill shards of different lengths (as uneven contiguous shards are)
     mine = 1 + rank % 3
-    kp, vp = rng.standard_normal((b, mine, hkv, d)), rng.standard_normal((b, mine, hkv, d))
+    kp, vp = (rng.standard_normal((b, mine, hkv, d)).astype(DTYPES[dtype]) for _ in "kv")
     cache.from_prefill(kp, vp)
-    every = group.transport.allgather_object((kp.tolist(), vp.tolist()), "prefill")
+    every = group.transport.allgather_object((kp.astype(np.float64).tolist(),
+                                              vp.astype(np.float64).tolist()), "prefill")
     all_k = np.concatenate([np.asarray(e[0]) for e in every], axis=1)
     all_v = np.concatenate([np.asarray(e[1]) for e in every], axis=1)
     got = cache.decode(q)
     want = attention_ref(q, all_k, all_v)[0]
-    assert np.abs(got - want).max() < 1e-12
+    assert np.abs(got - want).max() < tol
+    if page_size is not None:       # a finished sequence gives its pages back
+        cache.clear([0])
+        assert (cache.page_table[0] < 0).all() and cache.counts[:, 0].sum() == 0
+        assert not cache.decode(q)[0].any()
     group.close()
     return {"full": full}
 
@@ -139,3 +151,29 @@ def decode_bad_input_raises_everywhere(kind: str):
     assert np.isfinite(burstcu.decode(ok, np.ones((2, 3, 2, 8)), np.ones((2, 3, 2, 8)), group)).all()
     group.close()
     return {"raised": raised}
+
+
+def kv_cache_bad_rows_raise_everywhere():
+    """A paged cache given a batch row out of range to clear, then rows of complex numbers to
+    append: every rank raises alike, nothing changes, and the cache and the group keep working."""
+    group = burstcu.init(backend="numpy")
+    cache = burstcu.KVCache(group, 2, 4, 1, 4, np.float64, page_size=2)
+    rows = np.ones((2, 3, 1, 4))
+    cache.append(rows, rows)
+    before = (cache.page_table.copy(), list(cache._free), cache.counts.copy())
+    raised = {}
+    for name, call in (("clear", lambda: cache.clear([1, 2])),
+                       ("append", lambda: cache.append(rows * 1j, rows))):
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            raised[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            raised[name] = None
+    assert np.array_equal(cache.page_table, before[0]) and cache._free == before[1]
+    assert np.array_equal(cache.counts, before[2])
+    cache.append(rows[:, :1], rows[:, :1])
+    assert cache.counts.sum(axis=0).tolist() == [4, 4]
+    assert np.allclose(cache.decode(np.ones((2, 1, 2, 4))), 1.0)
+    group.close()
+    return raised

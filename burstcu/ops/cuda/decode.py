@@ -1,77 +1,308 @@
 """Launcher of the decode kernels (kernels/flash_decode.cu) on the kernel backends (CuPy, or the
 CPU emulator): this rank's partial attention of the new tokens over its valid cache rows, in
 the format of `burstcu.ops.decode.partial` (acc (B,T,H,D), m (B,H,T) natural log, l (B,H,T),
-float32), so the ranks' partials merge alike.
+float32), so the ranks' partials merge alike. The cache is contiguous (B, S, Hkv, D) or paged
+(`burstcu.ops.decode.PagedRows`: the kernel reads through the page table, int32 on the op's
+device; only the entries covering each batch row's valid rows are read, and trusted).
 
-Splits: each batch row's keys are cut into `splits` chunks of `chunk` rows (chunk a multiple of
-the block's warps), enough blocks to fill the device (TARGET_BLOCKS) but at least MIN_CHUNK keys
-a block; the split kernel writes every split's (m, l, acc) to a workspace that the combine kernel
-reduces.
+Splits (`num_splits`, FlashAttention's heuristic): a launch has B x Hkv x row groups blocks a
+split; when they fill less than 80% of the device's block slots (SMs x `blocks_per_sm`: as many
+split blocks as an SM's shared memory, and on a GPU its registers, hold; the emulator reports a
+fixed SM count and the shared memory of its tile table's GPU), the longest batch row's keys are
+cut into the split count, up to MAX_SPLITS, whose waves of blocks come closest to whole (within
+85% of the best), each split at least MIN_KEYS keys, a multiple of the kernel's tile (BK). The
+split kernel writes every split's (m, l, acc) to a workspace that the combine kernel reduces;
+the workspace holds `most_splits` splits of the shape, the most the heuristic can give for any
+lengths up to the cache's rows (1 when the blocks of one split fill the device: a large batch
+pays nothing for splits it never takes).
+
+Host path: a `_Plan` per shape (variants, grid, block slots, the parameter structs packed once
+with every field that does not change between calls) is kept on the op; a call writes only the
+pointers, the lengths' address and the split count into the packed structs. The workspace and
+the outputs live in the op's kept buffers (`LocalOps.double_buffer`, freed by
+`release_buffers`); the two buffers of a layout are taken in turn, the turn kept with the pair
+itself (not with a plan: plans of other scales, strides or a paged cache may share a layout), so
+a call's partial stays valid through the op's next call. On a GPU the lengths travel through a
+ring of pinned host buffers, copied asynchronously on the current stream (an event guards a
+slot's reuse): no allocation and no host synchronisation.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
 import numpy as np
 
-from ...build.decode_variants import NWARPS
-from .params import CStruct, element_strides
+from ...build.compile import ARCH_LIMITS, device_attribute
+from ...build.decode_variants import BK
+from ..decode import PagedRows
+from ..decode import partial as array_partial
+from .params import CStruct, data_ptr, element_strides, rows_on_16_bytes
 
 DECODE_SPLIT = CStruct("DecodeSplitParams", [
-    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lengths", "ptr"), ("ws_m", "ptr"),
-    ("ws_l", "ptr"), ("ws_acc", "ptr"), ("q_sb", "i64"), ("q_st", "i64"), ("q_sh", "i64"),
-    ("k_sb", "i64"), ("k_ss", "i64"), ("k_sh", "i64"), ("T_", "i32"), ("H", "i32"),
-    ("Hkv", "i32"), ("D", "i32"), ("chunk", "i32"), ("splits", "i32"), ("scale_log2", "f32")],
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lengths", "ptr"), ("page_table", "ptr"),
+    ("ws_m", "ptr"), ("ws_l", "ptr"), ("ws_acc", "ptr"), ("q_sb", "i64"), ("q_st", "i64"),
+    ("q_sh", "i64"), ("k_sb", "i64"), ("k_ss", "i64"), ("k_sh", "i64"), ("pt_sb", "i64"),
+    ("T_", "i32"), ("H", "i32"), ("Hkv", "i32"), ("D", "i32"), ("chunk", "i32"),
+    ("splits", "i32"), ("page_size", "i32"), ("vec", "i32"), ("scale_log2", "f32")],
     templated=True)
 DECODE_COMBINE = CStruct("DecodeCombineParams", [
     ("ws_m", "ptr"), ("ws_l", "ptr"), ("ws_acc", "ptr"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("splits", "i32")])
 DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE)
 
-TARGET_BLOCKS = 512   # split blocks a launch aims at (a few waves on a large GPU)
-MIN_CHUNK = 64        # keys a split reads at least
+MAX_SPLITS = 128      # splits a batch row at most
+MIN_KEYS = 128        # keys a split reads at least (4 tiles: the ring's fill pays off)
 KERNEL_DTYPES = ("float16", "bfloat16", "float32")
+PLANS_KEPT = 8        # shapes whose launch plans an op keeps
+PINNED_SLOTS = 8      # pinned host buffers of the lengths (GPU), taken in turn
+# Occupancy (CUDA occupancy calculator, cc 8.0 - 9.0): the driver reserves 1 KB of shared memory
+# a block; registers go to warps in units of 256.
+RESERVED_SMEM = 1024
+REG_UNIT = 256
+ATTR_SMEM_PER_SM = 81   # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+ATTR_REGS_PER_SM = 82   # cudaDevAttrMaxRegistersPerMultiprocessor
 
 
-def splits_for(longest: int, blocks_per_split: int) -> tuple[int, int]:
+def blocks_per_sm(smem_bytes: int, smem_per_sm: int, threads: int = 128, regs_per_thread: int = 0,
+                  regs_per_sm: int = 65536) -> int:
+    """Blocks of `threads` threads and `smem_bytes` dynamic shared memory an SM holds at once:
+    as many as its `smem_per_sm` bytes fit (each block also takes RESERVED_SMEM), and, when
+    `regs_per_thread` is known (> 0), as many as its registers fit (a warp's rounded up to
+    REG_UNIT); at least 1. E.g. 86016 B (fp16, D = 256) on an A100's 167936 B: 1; 72704 B
+    (fp16, D = 128) on an H100's 233472 B: 3."""
+    fits = smem_per_sm // (smem_bytes + RESERVED_SMEM)
+    if regs_per_thread > 0:
+        warp_regs = -(-regs_per_thread * 32 // REG_UNIT) * REG_UNIT
+        fits = min(fits, regs_per_sm // (warp_regs * -(-threads // 32)))
+    return max(1, int(fits))
+
+
+def _block_slots(ops, split_fn, launch) -> int:
+    """Split blocks the op's device holds at once: SMs x `blocks_per_sm` of the split variant
+    (on a GPU the device's shared memory and registers an SM and the compiled kernel's
+    registers; under the emulator its SM count and the shared memory of its table's GPU)."""
+    if ops.device == "cuda":
+        per_sm = blocks_per_sm(launch.smem_bytes, device_attribute(ATTR_SMEM_PER_SM), launch.threads,
+                               int(getattr(split_fn, "num_regs", 0)), device_attribute(ATTR_REGS_PER_SM))
+    else:
+        per_sm = blocks_per_sm(launch.smem_bytes, ARCH_LIMITS[ops.arch]["smem_per_sm"], launch.threads)
+    return int(ops.sm_count) * per_sm
+
+
+@lru_cache(maxsize=4096)
+def num_splits(blocks: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """FlashAttention's split heuristic: 1 when `blocks` (blocks a split) fill 80% of the
+    device's `slots`; else the smallest split count (at most max_splits, slots and key_blocks,
+    the longest row's keys in units of MIN_KEYS) whose wave efficiency (blocks * splits / slots
+    over its ceiling) is within 85% of the best, among counts that change the keys a split."""
+    if blocks >= 0.8 * slots:
+        return 1
+    top = max(1, min(max_splits, slots, key_blocks))
+
+    def eligible(s: int) -> bool:
+        return s == 1 or -(-key_blocks // s) != -(-key_blocks // (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = blocks * s / slots
+        return waves / np.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, top + 1) if eligible(s))
+    return next(s for s in range(1, top + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
+
+
+def splits_for(longest: int, blocks_per_split: int, slots: int) -> tuple[int, int]:
     """(chunk, splits) for a longest batch row of `longest` valid keys when each split makes
-    `blocks_per_split` blocks (Hkv x row groups x B)."""
-    want = max(1, TARGET_BLOCKS // max(1, blocks_per_split))
-    chunk = max(MIN_CHUNK, -(-max(longest, 1) // want))
-    chunk = -(-chunk // NWARPS) * NWARPS
+    `blocks_per_split` blocks (B x Hkv x row groups) on a device of `slots` block slots (SMs x
+    blocks_per_sm): chunk a multiple of BK, splits * chunk >= longest, splits <= MAX_SPLITS."""
+    key_blocks = max(1, -(-longest // MIN_KEYS))
+    splits = num_splits(blocks_per_split, slots, key_blocks)
+    chunk = -(-max(-(-max(longest, 1) // splits), 1) // BK) * BK
     return chunk, max(1, -(-longest // chunk))
+
+
+def most_splits(rows: int, blocks_per_split: int, slots: int) -> int:
+    """The most splits `splits_for` gives for any longest row of at most `rows` keys: 1 when
+    the blocks of one split fill 80% of the slots, else min(MAX_SPLITS, slots, rows in units of
+    MIN_KEYS) (`num_splits` never goes past it, and the chunk it rounds up never adds one)."""
+    if blocks_per_split >= 0.8 * slots:
+        return 1
+    return max(1, min(MAX_SPLITS, slots, -(-rows // MIN_KEYS)))
+
+
+@dataclass
+class _Plan:
+    """What one shape's launches share: variants, grid, block slots, packed structs, buffer
+    layout (the workspace for `max_splits` splits of `rows` cache rows)."""
+
+    split_fn: Any
+    combine_fn: Any
+    split_grid: tuple
+    combine_grid: tuple
+    threads: tuple
+    combine_threads: tuple
+    smem: int
+    groups: int
+    slots: int
+    rows: int                               # cache rows a batch row: lengths[b] <= rows
+    max_splits: int
+    fields: list
+    split: np.ndarray                       # (1,) DECODE_SPLIT, static fields filled
+    combine: np.ndarray                     # (1,) DECODE_COMBINE
+    calls: int = 0                          # GPU: which pinned slot the next call takes
+    pinned: Any = None                      # GPU: (PINNED_SLOTS, B) int32 pinned host memory
+    device_lengths: Any = None              # GPU: (PINNED_SLOTS, B) int32, their copies
+    events: list = field(default_factory=list)
+
+
+def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _Plan | None:
+    """The launch plan of q (B,T,H,D) over k (B,S,Hkv,D) or paged k (P,page,Hkv,D), or None
+    when no split variant of this table runs the head dim (the array path runs it)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    try:
+        split = ops.variant("decode", kernel_dtype, d)
+    except ValueError:
+        return None
+    combine = ops.variant("decode_combine", "float32", d)
+    split_fn = ops.function(split.name)
+    groups = -(-(h // hkv * t) // split.launch.block_m)
+    slots = _block_slots(ops, split_fn, split.launch)
+    rows = k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
+    ms = most_splits(rows, hkv * groups * b, slots)
+    qs, ks = element_strides(q), element_strides(k)
+    ws = b * h * t * ms
+    fields = [("decode_m", (ws,), np.float32), ("decode_l", (ws,), np.float32),
+              ("decode_acc", (ws * d,), np.float32), ("decode_out_acc", (b, t, h, d), np.float32),
+              ("decode_out_m", (b, h, t), np.float32), ("decode_out_l", (b, h, t), np.float32)]
+    packed = np.zeros(1, DECODE_SPLIT.dtype)
+    for name, value in (("q_sb", qs[0]), ("q_st", qs[1]), ("q_sh", qs[2]), ("k_sb", ks[0]),
+                        ("k_ss", ks[1]), ("k_sh", ks[2]), ("T_", t), ("H", h), ("Hkv", hkv),
+                        ("D", d), ("vec", vec), ("scale_log2", scale * np.log2(np.e))):
+        packed[name] = value
+    if page_table is not None:
+        packed["pt_sb"] = element_strides(page_table)[0]
+        packed["page_size"] = k.shape[1]
+    combine_packed = np.zeros(1, DECODE_COMBINE.dtype)
+    for name, value in (("T_", t), ("H", h), ("D", d)):
+        combine_packed[name] = value
+    plan = _Plan(split_fn, ops.function(combine.name), (1, hkv * groups, b), (t * h, b),
+                 (split.launch.threads,), (combine.launch.threads,), split.launch.smem_bytes,
+                 groups, slots, rows, ms, fields, packed, combine_packed)
+    if ops.device == "cuda":
+        import cupyx
+        import cupy
+        plan.pinned = cupyx.empty_pinned((PINNED_SLOTS, b), np.int32)
+        plan.events = [cupy.cuda.Event(disable_timing=True) for _ in range(PINNED_SLOTS)]
+        plan.device_lengths = cupy.empty((PINNED_SLOTS, b), np.int32)
+    return plan
+
+
+def _device_lengths(ops, plan: _Plan, lengths):
+    """The lengths (B,) int32 where the kernel reads them: on a GPU copied from the next pinned
+    slot, asynchronously on the current stream (named: `set` would otherwise use its own
+    default)."""
+    host = np.asarray(lengths, np.int32)
+    if ops.device != "cuda":
+        return host
+    slot = plan.calls % PINNED_SLOTS
+    plan.calls += 1
+    stream = ops.xp.cuda.get_current_stream()
+    plan.events[slot].synchronize()          # returns at once unless the GPU is far behind
+    plan.pinned[slot] = host
+    plan.device_lengths[slot].set(plan.pinned[slot], stream=stream)
+    plan.events[slot].record(stream)
+    return plan.device_lengths[slot]
+
+
+def _plan_for(ops, q, k, v, page_table, scale: float) -> tuple[_Plan | None, int]:
+    """The op's kept plan of this call's shape (made on first use) and the vec flag."""
+    dtype = np.dtype(q.dtype).name
+    vec = int(rows_on_16_bytes(k, v) and (q.shape[3] * k.itemsize) % 16 == 0)
+    key = (ops.stream_key(), ops.sm_count, dtype, tuple(q.shape), element_strides(q),
+           tuple(k.shape), element_strides(k), page_table is not None and tuple(page_table.shape),
+           page_table is not None and element_strides(page_table), vec, float(scale))
+    plans = ops.__dict__.setdefault("_decode_plans", OrderedDict())
+    plan = plans.pop(key, None)
+    if plan is None:
+        plan = _plan(ops, q, k, page_table, vec, float(scale), dtype)
+    plans[key] = plan
+    while len(plans) > PLANS_KEPT:
+        plans.popitem(last=False)
+    return plan, vec
+
+
+def _kernel_table(ops, table, b: int):
+    """A paged cache's table as the kernel reads it: an int32 (B, max_pages) array of the op's
+    module (on its device), entries of a row adjacent. Its entries are not read here (that
+    would cost a copy to the host a call): KVCache fills the ones covering the valid rows."""
+    xp = ops.xp
+    if not isinstance(table, xp.ndarray):
+        raise TypeError(f"a paged cache's table must be a {xp.__name__} array (the op's device), "
+                        f"not {type(table).__module__}.{type(table).__name__}")
+    if table.dtype != np.int32:
+        raise TypeError(f"a paged cache's table must be int32, not {table.dtype}")
+    if table.ndim != 2 or table.shape[0] != b:
+        raise ValueError(f"a paged cache's table must be (batch={b}, max_pages), not {table.shape}")
+    if ops.device == "cuda" and table.device.id != ops.current_device():
+        raise ValueError(f"a paged cache's table is on device {table.device.id}; the op runs on "
+                         f"device {ops.current_device()}")
+    return table if element_strides(table)[1] == 1 else xp.ascontiguousarray(table)
+
+
+def _turn(ops, pair) -> int:
+    """Which buffer of the kept `pair` this call takes (0, 1, 0, ...): counted per pair, so
+    every plan sharing the layout alternates with the others; a pair made anew starts at 0."""
+    turns = ops.__dict__.setdefault("_decode_turns", weakref.WeakKeyDictionary())
+    turn = turns.get(pair[0], 0)
+    turns[pair[0]] = turn + 1
+    return turn % 2
 
 
 def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     """(acc, m, l) of this rank's valid cache rows (module docstring); q (B,T,H,D), k_cache,
-    v_cache (B,S,Hkv,D) of one dtype in KERNEL_DTYPES with contiguous last dims; lengths: host
-    ints (B,)."""
+    v_cache (B,S,Hkv,D) or PagedRows of one dtype in KERNEL_DTYPES; lengths: host ints (B,),
+    each at most the cache's rows a batch row. The arrays returned are the op's kept buffers:
+    valid through the op's next call, overwritten by a later one (copy them to keep them)."""
     xp = ops.xp
-    b, t, h, d = q.shape
-    hkv = k_cache.shape[2]
-    dtype = np.dtype(q.dtype).name
+    page_table, paged = None, (k_cache, v_cache)
+    if isinstance(k_cache, PagedRows):
+        page_table = _kernel_table(ops, k_cache.table, q.shape[0])
+        k_cache, v_cache = k_cache.pages, v_cache.pages
     if element_strides(q)[-1] != 1:
         q = xp.ascontiguousarray(q)
     if element_strides(k_cache)[-1] != 1 or element_strides(k_cache) != element_strides(v_cache):
+        if page_table is not None:
+            raise ValueError("paged k and v must share strides with a contiguous last dim")
         k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
-    split = ops.variant("decode", dtype, d)
-    rows = split.launch.block_m
-    groups = -(-(h // hkv * t) // rows)
-    chunk, splits = splits_for(int(np.max(lengths)) if len(lengths) else 0, hkv * groups * b)
-    ws_m = xp.empty((b, h, t, splits), np.float32)
-    ws_l = xp.empty((b, h, t, splits), np.float32)
-    ws_acc = xp.empty((b, h, t, splits, d), np.float32)
-    lengths_dev = xp.asarray(np.asarray(lengths, np.int32))
-    qs, ks = element_strides(q), element_strides(k_cache)
-    params = DECODE_SPLIT.pack(
-        q=q, k=k_cache, v=v_cache, lengths=lengths_dev, ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc,
-        q_sb=qs[0], q_st=qs[1], q_sh=qs[2], k_sb=ks[0], k_ss=ks[1], k_sh=ks[2], T_=t, H=h,
-        Hkv=hkv, D=d, chunk=chunk, splits=splits, scale_log2=float(scale) * float(np.log2(np.e)))
-    ops.function(split.name)((splits, hkv * groups, b), (split.launch.threads,), (params,))
-    acc = xp.empty((b, t, h, d), np.float32)
-    m = xp.empty((b, h, t), np.float32)
-    l = xp.empty((b, h, t), np.float32)
-    combine = ops.variant("decode_combine", "float32", d)
-    ops.function(combine.name)((t * h, b), (combine.launch.threads,),
-                               (DECODE_COMBINE.pack(ws_m=ws_m, ws_l=ws_l, ws_acc=ws_acc, acc=acc,
-                                                    m=m, l=l, T_=t, H=h, D=d, splits=splits),))
-    return acc, m, l
+    plan, _ = _plan_for(ops, q, k_cache, v_cache, page_table, scale)
+    if plan is None:     # a head dim this table has no split variant for
+        if page_table is None:
+            paged = (k_cache, v_cache)
+        return array_partial(xp, q, *paged, lengths, scale, np.dtype(np.float32))
+    longest = int(max(lengths)) if len(lengths) else 0
+    if longest > plan.rows:   # the workspace holds the splits of plan.rows keys at most
+        raise ValueError(f"lengths up to {longest} rows over a cache of {plan.rows} rows a batch row")
+    chunk, splits = splits_for(longest, plan.split_grid[1] * q.shape[0], plan.slots)
+    pair = ops.double_buffer(plan.fields)
+    buffers = pair[_turn(ops, pair)]
+    device_lengths = _device_lengths(ops, plan, lengths)
+    ws = [buffers[f"decode_{n}"] for n in ("m", "l", "acc")]
+    out = [buffers[f"decode_out_{n}"] for n in ("acc", "m", "l")]
+    sp = plan.split
+    for name, x in (("q", q), ("k", k_cache), ("v", v_cache), ("lengths", device_lengths),
+                    ("ws_m", ws[0]), ("ws_l", ws[1]), ("ws_acc", ws[2])):
+        sp[name] = data_ptr(x)
+    sp["page_table"] = 0 if page_table is None else data_ptr(page_table)
+    sp["chunk"], sp["splits"] = chunk, splits
+    plan.split_fn((splits,) + plan.split_grid[1:], plan.threads, (sp[0],), shared_mem=plan.smem)
+    cp = plan.combine
+    for name, x in zip(("ws_m", "ws_l", "ws_acc", "acc", "m", "l"), ws + out):
+        cp[name] = data_ptr(x)
+    cp["splits"] = splits
+    plan.combine_fn(plan.combine_grid, plan.combine_threads, (cp[0],))
+    return tuple(out)

@@ -1,0 +1,208 @@
+"""Decode against a KV cache (`burstcu.KVCache`) sharded over the ranks it runs on, by cache length.
+A row per length: ms per token of one `KVCache.decode` (each rank's partial attention, one
+all-gather of the partials, the merge; the slowest rank, median over repeats), the bandwidth it
+reaches (gbps: bytes of the valid cache rows read / time) and on a GPU its fraction of the
+devices' measured copy bandwidth (hbm_fraction), the host ms a call takes (rank 0; calls issued
+back to back, no sync between them), torch's SDPA over the same rows in the same run on one GPU
+(torch_ms; GQA without replicating K/V where torch has it), and the bytes a rank sends, asserted
+equal to `decode_bytes` at every length. --paged PAGE: the cache in pages of PAGE rows. On the
+numpy backend also the first token's causal prefill time for burst, allgather and the whole prompt
+on one rank. --predict: per-token latency on bench/model/predict.py's presets from
+`burstcu.plan.predict_decode` (HBM read of the shard + the all-gather), labelled PREDICTION.
+
+    mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096] [--plot P]
+    python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
+    python bench/decode.py --predict [--ranks 1 2 4 8] [--cache ...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a file
+from bench import _common as C  # noqa: E402
+from bench.model.predict import PRESETS  # noqa: E402
+
+import burstcu  # noqa: E402
+from burstcu.engine.decode import decode_bytes  # noqa: E402
+from burstcu.plan import predict_decode  # noqa: E402
+
+DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "host_ms", "torch_ms",
+                  "bytes_per_rank", "cache_rows_per_rank"]
+PREFILL_COLUMNS = ["prompt", "strategy", "first_token_ms"]
+# defaults where an option is not given: a GPU's sizes, or what CPU ranks finish in minutes
+DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repeats": 20},
+            "cpu": {"cache": [4096, 65536, 262144], "dtype": "float32", "repeats": 5}}
+
+
+def copy_gbps(xp, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The device's copy bandwidth (read + write bytes / time) of a device-to-device copy."""
+    a, b = xp.empty(nbytes, np.uint8), xp.empty(nbytes, np.uint8)
+    seconds = C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), repeats, cuda=True))
+    return 2 * nbytes / seconds / 1e9
+
+
+def host_ms(fn, sync, calls: int = 20) -> float:
+    """Host milliseconds a call of fn takes when calls are issued back to back."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - t0
+    sync()
+    return spent / calls * 1e3
+
+
+def torch_ms(q, cache, n: int, repeats: int) -> float | None:
+    """SDPA over the first n rows of a contiguous cache, or None without torch (optional)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    tq = torch.from_dlpack(q).transpose(1, 2)
+    tk, tv = (torch.from_dlpack(x[:, :n]).transpose(1, 2) for x in (cache.k, cache.v))
+    try:
+        def run():
+            return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        run()
+    except TypeError:                      # torch < 2.5: replicated kv heads, outside the timing
+        g = tq.shape[1] // tk.shape[1]
+        tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
+
+        def run():
+            return F.scaled_dot_product_attention(tq, tk, tv)
+    return C.median(C.call_seconds(run, repeats, cuda=True, sync_inside=True)) * 1e3
+
+
+def measure_decode(group, args, n: int, copy_bw: float | None) -> dict:
+    """The row of n cache rows in all: ceil(n / G) on each rank, one fewer past the first n % G."""
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    ops, per_rank, extra = group.ops, -(-n // group.size), n % group.size
+    mine = per_rank if group.rank < extra or extra == 0 else per_rank - 1
+    cache = burstcu.KVCache(group, b, per_rank, hkv, d, C.array_dtype(args.dtype), page_size=args.paged)
+    kv = ops.xp.asarray(C.normal(np, [(2, b, mine, hkv, d)], args.dtype, [1, group.rank])[0])
+    cache.from_prefill(kv[0], kv[1])
+    del kv
+    q = ops.xp.asarray(C.normal(np, [(b, 1, h, d)], args.dtype, 2)[0])
+    events = group.backend == "cupy" and group.size == 1     # one GPU: CUDA events, no barrier
+
+    def step():
+        cache.decode(q)
+        ops.sync()
+
+    step()                                                   # warm-up (compiles on a GPU)
+    group.stats.reset()
+    if events:
+        seconds = C.median(C.call_seconds(lambda: cache.decode(q), args.repeats, 0, cuda=True))
+    else:
+        seconds = C.slowest_rank_seconds(group, step, args.repeats)
+    sent = group.stats.bytes_sent // args.repeats
+    assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
+    gbps = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
+    return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
+            "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_bw) if copy_bw else None,
+            "host_ms": host_ms(lambda: cache.decode(q), ops.sync, args.host_calls),
+            "torch_ms": torch_ms(q, cache, n, args.repeats) if events and not args.paged else None,
+            "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max())}
+
+
+def measure_prefill(group, args, n: int) -> list[dict]:
+    """The first token of an n-token prompt: burst, allgather (zigzag, causal) and rank 0 alone."""
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
+    q, k, v = C.normal(np, [(b, n, x, d) for x in (h, hkv, hkv)], args.dtype, 3)
+    local = [burstcu.shard(x, group, "zigzag") for x in (q, k, v)]
+    rows = []
+    for strategy in ("burst", "allgather"):
+        def run():
+            burstcu.attention(*local, group, causal=True, layout="zigzag", strategy=strategy)
+        run()
+        rows.append({"kind": "measured", "ranks": group.size, "prompt": n, "strategy": strategy,
+                     "first_token_ms": C.slowest_rank_seconds(group, run, args.repeats) * 1e3})
+    one = None
+    if group.rank == 0:
+        one = C.median(C.call_seconds(lambda: burstcu.attention(q, k, v, causal=True), args.repeats))
+    one = group.transport.allgather_object(one, "one rank")[0]
+    return rows + [{"kind": "measured", "ranks": 1, "prompt": n, "strategy": "one rank",
+                    "first_token_ms": one * 1e3}]
+
+
+def predict(args) -> dict:
+    """PREDICTIONS of the per-token latency for every preset (`burstcu.plan.predict_decode`)."""
+    hkv, itemsize = args.kv_heads or args.heads, np.dtype(C.array_dtype(args.dtype)).itemsize
+    rows = []
+    for name, machine in sorted(PRESETS.items()):
+        for g in args.ranks:
+            for n in args.cache:
+                t = predict_decode(machine, g, n, args.batch, args.heads, hkv, args.headdim, itemsize)
+                rows.append({"kind": "PREDICTION", "preset": name, "ranks": g, "cache_rows": n,
+                             "ms_per_token": t["token_s"] * 1e3, "read_ms": t["read_s"] * 1e3,
+                             "gather_ms": t["gather_s"] * 1e3, "bytes_per_rank": t["bytes"]})
+    return {"benchmark": "decode", "kind": "PREDICTION", "args": C.clean(vars(args)), "rows": rows}
+
+
+def plot(rows: list, path: str) -> None:
+    plt = C.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tokens = [r for r in rows if r.get("ms_per_token") is not None]
+    ranks = tokens[0]["ranks"]
+    for key, label in (("ms_per_token", f"burstcu, {ranks} rank(s)"), ("torch_ms", "torch SDPA")):
+        points = [(r["cache_rows"], r[key]) for r in tokens if r[key] is not None]
+        if points:
+            ax.plot(*zip(*points), "o-", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="cache rows (all ranks)", ylabel="ms per token",
+           title="decode against a sharded KV cache")
+    ax.legend()
+    C.save(fig, path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cache", nargs="+", type=int, help="cache rows, all ranks together")
+    p.add_argument("--prefill", nargs="*", type=int, default=[4096], help="prompt lengths (numpy)")
+    C.add_shape_args(p, heads=32, headdim=128, dtype=None)
+    p.set_defaults(kv_heads=8)
+    p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--host-calls", type=int, default=20)
+    p.add_argument("--backend", default="numpy", choices=["numpy", "emulated", "cupy"])
+    p.add_argument("--predict", action="store_true", help="the GPU presets' model only (PREDICTION)")
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
+    C.add_output_args(p)
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS["cupy" if args.backend == "cupy" else "cpu"].items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    if args.predict:
+        result = predict(args)
+        C.emit("# PREDICTION (bench/model/predict.py presets; HBM-bound read of the cache shard + "
+               "the all-gather); not a measurement\n" + C.table(result["rows"], list(result["rows"][0])),
+               result, args)
+        return 0
+    group = burstcu.init(backend=args.backend)
+    copy_bw = copy_gbps(group.ops.xp) if group.backend == "cupy" else None
+    rows = []
+    for n in args.cache:
+        C.progress(f"decode, cache {n}", group.rank)
+        rows.append(measure_decode(group, args, n, copy_bw))
+    for n in args.prefill if group.backend == "numpy" else []:
+        C.progress(f"prefill, prompt {n}", group.rank)
+        rows += measure_prefill(group, args, n)
+    if group.rank == 0:
+        timing = "CUDA events" if group.backend == "cupy" and group.size == 1 else "slowest rank, synced"
+        columns = DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else [])
+        C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_bw),
+                          rows, columns, args)
+        if args.plot:
+            plot(rows, args.plot)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
