@@ -28,6 +28,27 @@ the tensor cores, following FlashAttention-3:
     p.hb_group (batch, head) pairs at a time (tile_coord; KernelOps.sm90_head_group, all pairs
     unless set).
 
+RECTANGLE LISTS (flash_fwd_steps_sm90, LIST = true; flash_fwd_step_sm90 is the same body with LIST
+false, its SASS of the same length)
+A ring step of many rectangles (packed documents) runs in one launch, on the StepGroups that
+flash_fwd.cu's flash_fwd_steps takes (rects grouped by query range, each group's in order; the
+groups' first rectangles and first query tiles, step_group_of in params.cuh). The tensor maps
+cover the whole q, k and v arrays, built once a launch; a rectangle's rows are reached through
+the copies' row coordinates (q_start + 128 mb, k_start + BLOCK_N j). A work item is a query tile
+of a group x head x batch (tiles of all groups taken last to first: under a causal bound the
+longest first); the producer and the consumers walk the same key tiles (next_key_tile): those of
+the group's first live rectangle, then of the next one's, ..., so the stages and phases run on
+across rectangles, and a consumer issues the next rectangle's first Q K^T together with the last
+P V of the one before, the software pipeline unbroken. Each rectangle's masks are its own (its
+k_pos - q_pos, lo, hi, k_len). At a rectangle's first tile the consumers reduce their partial row
+sums over the row group (thread tq == 0 keeps the sum) as writing and re-reading the state
+between two launches would, so a list gives the state of one launch a rectangle bit for bit. The
+Q tile is freed after the last live rectangle's last Q K^T. Rows past a rectangle's k_len are
+now the arrays' next rows, not zeros: their scores are masked (-inf whatever K holds), and a
+non-finite V there would reach a row as 0 x Inf, so a list with a key count off BLOCK_N launches
+the careful pair as a list with masked pairs does (KernelOps._fold). Rows past q_len are another
+group's: they are computed and never written.
+
 PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
     producer:  Q -> [q_full]      K_j -> [k_full[s]]  V_j -> [v_full[s]]   waits [kv_empty[s]]
     consumer:  wait q_full, k_full[s0];  S = Q K_0^T;  softmax -> P_0
@@ -114,7 +135,9 @@ finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
       blocks running at once, 132 tiles read the K/V of 64 pairs (128 MB, beyond the 50 MB L2),
       two tiles of each. PREDICTION: taking the tiles a few pairs at a time (hb_group 2-8, run.sh
       head_groups) keeps a pair's K/V in L2 for its 32 query blocks.
-NEXT (in order of the expected gain): the head groups above, measured; a call that is one fold
+NEXT (in order of the expected gain): the rectangle lists above, measured against the mma.sync
+list kernel (KernelOps.sm90_lists = False) on a step of documents;
+the head groups above, measured; a call that is one fold
 writes out and lse itself (no fp32 state zeroed, read, written and finalized: ~0.15 ms at 4K);
 BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN).
 */
@@ -172,6 +195,7 @@ struct Barriers {
 template <int BLOCK_N>
 struct KeyRange {
   int begin, end;
+  __device__ __forceinline__ KeyRange() : begin(0), end(0) {}
   __device__ __forceinline__ KeyRange(const BlockRect& r, int mb) {
     const int q0 = mb * kBlockM;
     const int q_last = min(q0 + kBlockM, r.q_len) - 1;
@@ -232,33 +256,88 @@ __device__ __forceinline__ void clean_v_tile(unsigned char* tile, u32* nf, int p
 // under a causal mask is longest first.
 // Computed from the parameters at each tile (constant-bank operands, no registers held across
 // the tile loop, where the d = 256 consumers have none to spare).
-__device__ __forceinline__ void tile_coord(const FwdStepSm90Params& p, int t, int& mb, int& h, int& b) {
-  const int n_mb = (p.blk.q_len + kBlockM - 1) / kBlockM;
+// Tile t of n_mb query blocks x the (batch, head) pairs -> the i-th query block in the order
+// they run, head h, batch b: groups of p.hb_group (batch, head) pairs one after another (the last
+// may be smaller); within a group the query blocks slowest and the pairs fastest. One group
+// (hb_group = H x B): all pairs' first query blocks, then all pairs' second ones, ...
+__device__ __forceinline__ void tile_order(const FwdStepSm90Params& p, int n_mb, int t, int& i, int& h,
+                                           int& b) {
   const int hb_count = p.n_tiles / max(1, n_mb);
-  // groups of p.hb_group (batch, head) pairs one after another (the last may be smaller); within
-  // a group the query blocks slowest and the pairs fastest. One group (hb_group = H x B): all
-  // pairs' first query blocks, then all pairs' second ones, ...
   const int group_tiles = p.hb_group * n_mb;
   const int g = t / group_tiles;
   const int in_group = min(p.hb_group, hb_count - g * p.hb_group);
   const int u = t - g * group_tiles;
-  const int i = u / in_group, hb = g * p.hb_group + (u - i * in_group);
-  mb = p.blk.hi < (1 << 29) ? n_mb - 1 - i : i;
+  i = u / in_group;
+  const int hb = g * p.hb_group + (u - i * in_group);
   h = hb % p.H;
   b = hb / p.H;
 }
 
-}  // namespace fwd90
+__device__ __forceinline__ void tile_coord(const FwdStepSm90Params& p, int t, int& mb, int& h, int& b) {
+  const int n_mb = (p.blk.q_len + kBlockM - 1) / kBlockM;
+  int i;
+  tile_order(p, n_mb, t, i, h, b);
+  mb = p.blk.hi < (1 << 29) ? n_mb - 1 - i : i;
+}
 
-/* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
-   (p.blk) into the running state (p.acc, p.m, p.l): FwdStepSm90Params (kernels/params.cuh).
-   grid (min(p.n_tiles, SMs), 1, 1), block 384 threads, dynamic smem fwd90::Smem<...>::kBytes;
-   p.n_tiles = ceil(q_len / 128) x H x B. Returns at once when *p.nonfinite is set (the careful
-   twin of the launch pair runs instead). */
-template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL = false>
-__global__ void __launch_bounds__(fwd90::kThreads, 1)
-flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
-  using namespace fwd90;
+// LIST: work item t -> a query tile of a group (the groups' tiles, groups[2 n_groups + 1] in all,
+// taken last to first: under a causal bound a group's last query tiles see the most keys), head
+// h, batch b; mb is the tile within its group, rects[r .. r_end) the group's rectangles.
+__device__ __forceinline__ void list_tile_coord(const FwdStepSm90Params& p, int t, int& mb, int& h, int& b,
+                                                int& r, int& r_end) {
+  const int* groups = p.groups;
+  const int n_groups = p.n_groups;
+  const int n_mb = groups[2 * n_groups + 1];
+  int i;
+  tile_order(p, n_mb, t, i, h, b);
+  const int gt = n_mb - 1 - i;
+  const int g = step_group_of(groups, n_groups, gt);
+  mb = gt - groups[n_groups + 1 + g];
+  r = groups[g];
+  r_end = groups[g + 1];
+}
+
+// LIST: the first rectangle of rects[r .. r_end) from r on with a key tile for query block mb,
+// copied into rect (r its index); an empty range and r = r_end when there is none.
+template <int BLOCK_N>
+__device__ __forceinline__ KeyRange<BLOCK_N> live_rect(const BlockRect* rects, int& r, int r_end, int mb,
+                                                       BlockRect& rect) {
+  for (; r < r_end; ++r) {
+    rect = rects[r];
+    const KeyRange<BLOCK_N> keys(rect, mb);
+    if (!keys.empty()) return keys;
+  }
+  return KeyRange<BLOCK_N>();
+}
+
+// LIST: whether a rectangle of rects(r .. r_end) after r has a key tile for query block mb.
+template <int BLOCK_N>
+__device__ __forceinline__ bool live_after(const BlockRect* rects, int r, int r_end, int mb) {
+  while (++r < r_end)
+    if (!KeyRange<BLOCK_N>(rects[r], mb).empty()) return true;
+  return false;
+}
+
+// The walk over a work item's key tiles, shared by the producer and the consumers: the next key
+// tile after j of the rectangle, else (LIST) the first of the group's next live rectangle (r,
+// rect and keys move there); false past the last. The pipeline stages simply continue.
+template <bool LIST, int BLOCK_N>
+__device__ __forceinline__ bool next_key_tile(int& j, KeyRange<BLOCK_N>& keys, const BlockRect* rects, int& r,
+                                              int r_end, int mb, BlockRect& rect) {
+  if (++j < keys.end) return true;
+  if constexpr (LIST) {
+    ++r;
+    keys = live_rect<BLOCK_N>(rects, r, r_end, mb, rect);
+    j = keys.begin;
+    return !keys.empty();
+  }
+  return false;
+}
+
+/* The body of flash_fwd_step_sm90 (LIST false: the rectangle p.blk) and flash_fwd_steps_sm90
+   (LIST true: the groups' rectangles p.rects, each group's in order, maps of the whole arrays). */
+template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL, bool LIST>
+__device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
   using S = Smem<HEADDIM, BLOCK_N, STAGES, CAREFUL>;
   static_assert(HEADDIM % kColBlock == 0, "head dims 64, 128, 256");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "wgmma N of S = Q K^T");
@@ -284,7 +363,9 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     // one thread issues every copy; CAREFUL keeps the whole warpgroup to clean the V tiles
     const bool leader = tid / 32 == 0 && elect_one();
     if (!CAREFUL && !leader) return;
-    const BlockRect& rect = p.blk;  // read in place: constant-bank operands
+    BlockRect cur;  // LIST: the rectangle being run
+    const BlockRect& rect = LIST ? cur : p.blk;  // else read in place: constant-bank operands
+    const BlockRect* rects = LIST ? p.rects : nullptr;
     const int H = p.H, Hkv = p.Hkv, n_tiles = p.n_tiles;
     if (leader) {
       tma_prefetch_map(&p.q_map);
@@ -296,28 +377,38 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     int stage = 0;
     u32 phase = 0, q_phase = 0;
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-      int mb, h, b;
-      tile_coord(p, t, mb, h, b);
-      const KeyRange<BLOCK_N> keys(rect, mb);
+      int mb, h, b, r = 0, r_end = 1;
+      KeyRange<BLOCK_N> keys;
+      if constexpr (LIST) {
+        list_tile_coord(p, t, mb, h, b, r, r_end);
+        keys = live_rect<BLOCK_N>(rects, r, r_end, mb, cur);
+      } else {
+        tile_coord(p, t, mb, h, b);
+        keys = KeyRange<BLOCK_N>(rect, mb);
+      }
       if (keys.empty()) continue;
       const int hk = h / (H / Hkv);
-      if (leader) {
+      if (leader) {  // LIST: the maps cover the whole arrays, rows from the group's q_start
         mbar_wait(bar.q_empty, q_phase ^ 1);
         mbar_arrive_expect_tx(bar.q_full, S::kQBytes);
+        const int q_row = (LIST ? rect.q_start : 0) + mb * kBlockM;
         for (int c = 0; c < kColBlocks; ++c)
-          tma_load_4d(smem + S::kQ + c * kBlockM * 128, &p.q_map, bar.q_full, c * kColBlock, mb * kBlockM, h, b);
+          tma_load_4d(smem + S::kQ + c * kBlockM * 128, &p.q_map, bar.q_full, c * kColBlock, q_row, h, b);
       }
-      for (int j = keys.begin; j < keys.end; ++j) {
+      int j = keys.begin;
+      do {
         unsigned char* v_tile = smem + S::kV + stage * S::kTileBytes;
         if (leader) {
           mbar_wait(bar.kv_empty + stage, phase ^ 1);
+          const int k_row = (LIST ? rect.k_start : 0) + j * BLOCK_N;
           mbar_arrive_expect_tx(bar.k_full + stage, S::kTileBytes);
           for (int c = 0; c < kColBlocks; ++c)
             tma_load_4d(smem + S::kK + stage * S::kTileBytes + c * BLOCK_N * 128, &p.k_map,
-                        bar.k_full + stage, c * kColBlock, j * BLOCK_N, hk, b);
+                        bar.k_full + stage, c * kColBlock, k_row, hk, b);
           mbar_arrive_expect_tx(bar.v_full + stage, S::kTileBytes);
           for (int c = 0; c < kColBlocks; ++c)
-            tma_load_4d(v_tile + c * BLOCK_N * 128, &p.v_map, bar.v_full + stage, c * kColBlock, j * BLOCK_N, hk, b);
+            tma_load_4d(v_tile + c * BLOCK_N * 128, &p.v_map, bar.v_full + stage, c * kColBlock, k_row, hk,
+                        b);
         }
         if constexpr (CAREFUL) {
           // the tile's non-finite values out (the consumers wait for v_clean, not v_full): the
@@ -333,7 +424,7 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
           stage = 0;
           phase ^= 1;
         }
-      }
+      } while (next_key_tile<LIST>(j, keys, rects, r, r_end, mb, cur));
       q_phase ^= 1;
     }
     return;
@@ -341,7 +432,9 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
 
   // ============================== consumers ==============================
   setmaxnreg_inc<Regs<CAREFUL>::kConsumer>();
-  const BlockRect& rect = p.blk;  // read in place: constant-bank operands
+  BlockRect cur;  // LIST: the rectangle being run (its group's q_start, q_len are every one's)
+  const BlockRect& rect = LIST ? cur : p.blk;  // else read in place: constant-bank operands
+  const BlockRect* rects = LIST ? p.rects : nullptr;
   const int n_tiles = p.n_tiles;
   unsigned char* smem = aligned_smem();
   const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
@@ -391,10 +484,19 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
   u32 pm[2][CAREFUL ? S::kMaskWords : 1];
 
   for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-    int mb, h, b;
-    tile_coord(p, t, mb, h, b);
-    const KeyRange<BLOCK_N> keys(rect, mb);
+    int mb, h, b, r = 0, r_end = 1;
+    KeyRange<BLOCK_N> keys;
+    if constexpr (LIST) {
+      list_tile_coord(p, t, mb, h, b, r, r_end);
+      keys = live_rect<BLOCK_N>(rects, r, r_end, mb, cur);
+    } else {
+      tile_coord(p, t, mb, h, b);
+      keys = KeyRange<BLOCK_N>(rect, mb);
+    }
     if (keys.empty()) continue;
+    // LIST: whether a later rectangle of the group follows this one (the last frees the Q tile)
+    bool more = false;
+    if constexpr (LIST) more = live_after<BLOCK_N>(rects, r, r_end, mb);
 
     // ---- this thread's rows (relative to q_start) and their running state
     const int w0 = mb * kBlockM + wg * kWgRows + warp * 16;  // first row of this warp
@@ -547,7 +649,7 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     named_bar_arrive(their_turn, 2 * 128);
     wgmma_wait<0>();
     wgmma_fence_operand(s);
-    if (keys.end - keys.begin == 1) mbar_arrive(q_empty);  // the tile's last use of Q
+    if (keys.end - keys.begin == 1 && !more) mbar_arrive(q_empty);  // the tile's last use of Q
     {
       float alpha[2];
       softmax(keys.begin, alpha);
@@ -558,8 +660,18 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
     u32 prev_phase = phase;
     advance(stage, phase);
 
-    // ---- steady state
-    for (int j = keys.begin + 1; j < keys.end; ++j) {
+    // ---- steady state (LIST: on through the group's live rectangles, the pipeline unbroken)
+    for (int j = keys.begin; next_key_tile<LIST>(j, keys, rects, r, r_end, mb, cur);) {
+      if (LIST && j == keys.begin) {
+        // a new rectangle: the row sums reduced over the row group (thread tq == 0 holds them),
+        // as writing the state and reading it back between two launches would: the same bits
+        more = live_after<BLOCK_N>(rects, r, r_end, mb);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float lsum = warp_sum<4>(l_i[i]);
+          l_i[i] = tq == 0 ? lsum : 0.f;
+        }
+      }
       mbar_wait(k_full + stage, phase);
       mbar_wait(v_ready + prev, prev_phase);
       named_bar_sync(my_turn, 2 * 128);
@@ -575,7 +687,7 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
       named_bar_arrive(their_turn, 2 * 128);
       wgmma_wait<1>();  // S ready; P V still in flight
       wgmma_fence_operand(s);
-      if (j == keys.end - 1) mbar_arrive(q_empty);
+      if (j == keys.end - 1 && !more) mbar_arrive(q_empty);
       float alpha[2];
       softmax(j, alpha);
       wgmma_wait<0>();  // P_{j-1} V_{j-1} done: its stage is free, O may be rescaled
@@ -624,6 +736,33 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
   if (wg == 0) named_bar_sync(my_turn, 2 * 128);
 }
 
+}  // namespace fwd90
+
+/* Fold attention of query rows [q_start, q_start + q_len) over key rows [k_start, k_start + k_len)
+   (p.blk) into the running state (p.acc, p.m, p.l): FwdStepSm90Params (kernels/params.cuh).
+   grid (min(p.n_tiles, SMs), 1, 1), block 384 threads, dynamic smem fwd90::Smem<...>::kBytes;
+   p.n_tiles = ceil(q_len / 128) x H x B. Returns at once when *p.nonfinite is set (the careful
+   twin of the launch pair runs instead). */
+template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL = false>
+__global__ void __launch_bounds__(fwd90::kThreads, 1)
+flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
+  fwd90::fold<T, HEADDIM, BLOCK_N, STAGES, CAREFUL, false>(p);
+}
+
+/* Every rectangle of a ring step in one launch: p.rects grouped by query range (p.groups,
+   p.n_groups; burstcu.ops.cuda.params.step_groups with tiles of 128 rows), q_map, k_map, v_map
+   over the whole q, k, v arrays. Work item t (a group's query tile, head, batch; p.n_tiles =
+   the groups' tiles x H x B) folds its group's rectangles in order, as one flash_fwd_step_sm90
+   launch each would, bit for bit. Launched as flash_fwd_step_sm90 (the same smem, block, grid
+   min(p.n_tiles, SMs)) and with its careful twin where the list has masked pairs or a key
+   count off the tiles (rows past k_len are the next rows of the arrays, not zeros). */
+template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL = false>
+__global__ void __launch_bounds__(fwd90::kThreads, 1)
+flash_fwd_steps_sm90(const __grid_constant__ FwdStepSm90Params p) {
+  fwd90::fold<T, HEADDIM, BLOCK_N, STAGES, CAREFUL, true>(p);
+}
+
 #if defined(BURSTCU_NVCC_CHECK)
 template __global__ void flash_fwd_step_sm90<__half, 128, 128, 2>(const FwdStepSm90Params);
+template __global__ void flash_fwd_steps_sm90<__half, 128, 128, 2>(const FwdStepSm90Params);
 #endif

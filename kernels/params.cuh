@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here, FwdStepSm90Params, takes 512 bytes (BwdStepParams 272).
+// here, FwdStepSm90Params, takes 576 bytes (BwdStepParams 272).
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is
@@ -110,6 +110,13 @@ struct FwdStepSm90Params {
   float scale_log2;       // softmax_scale * log2(e)
   int n_tiles;            // (query tiles of BLOCK_M rows) x H x B: the persistent grid's work
   int hb_group;           // (batch, head) pairs whose tiles go out together (H x B: one group)
+  // flash_fwd_steps_sm90 only (flash_fwd_step_sm90 leaves them 0 and reads blk): a ring step's
+  // rectangles as FwdStepParams' lists (query tiles of BLOCK_M rows); the maps then cover the
+  // whole arrays (dims (D, Sq or Sk, heads, B)) and each rectangle's rows are reached through
+  // the copies' row coordinates (q_start, k_start). n_groups first: no padding before the pointers.
+  int n_groups;
+  const BlockRect* rects; // the rectangles, group by group, in the order they fold
+  const int* groups;      // (2 n_groups + 2): as FwdStepParams.groups
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.

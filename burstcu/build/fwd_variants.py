@@ -15,6 +15,9 @@ Two families live in flash_fwd.cu:
   persistent grid; ``"forward_sm90_careful"`` is its CAREFUL twin (the producer warpgroup zeroes
   each V tile's non-finite values and records where they were; the consumers turn the outputs
   they reach into NaN). The other head dims keep ``"forward"``.
+* ``"forward_sm90_list"`` (and ``"forward_sm90_list_careful"``): ``flash_fwd_steps_sm90``, the
+  Hopper step over a ring step's whole rectangle list in one launch (the same StepGroups as
+  ``"forward_list"``, query tiles of 128 rows), on the same tiles as ``"forward_sm90"``.
 * ``"forward_finalize"``: ``flash_fwd_finalize<T>`` for T in {__half, __nv_bfloat16, float}
   (`headdim` 0: it serves every head dim).
 * ``"nonfinite_flag"``: ``flash_any_nonfinite<T>`` for T in {__half, __nv_bfloat16, float}: sets a
@@ -56,7 +59,9 @@ def step_smem_bytes(headdim: int, block_m: int, block_n: int) -> int:
     return (block_m + 4 * block_n) * (headdim + 8) * 2
 
 
-LIST_FAMILY = "forward_list"
+# a step family's rectangle-list twin: family + LIST_SUFFIX (bwd_variants.LIST_SUFFIX's convention)
+LIST_SUFFIX = "_list"
+LIST_FAMILY = "forward" + LIST_SUFFIX
 
 
 def step_variant(arch: str, dtype: str, headdim: int, listed: bool = False) -> KernelVariant:
@@ -79,6 +84,7 @@ def _tiled_variant(dtype: str, headdim: int, nwarps: int, block_n: int,
 
 SM90_SOURCE = "flash_fwd_sm90.cu"
 SM90_FAMILY = "forward_sm90"
+SM90_LIST_FAMILY = SM90_FAMILY + LIST_SUFFIX   # flash_fwd_steps_sm90
 SM90_BLOCK_M = 128  # two consumer warpgroups of 64 rows (one wgmma m64 each)
 SM90_THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # head dim -> (BLOCK_N, STAGES): keys a K/V tile and K/V stages in flight. Q tile + STAGES x (K, V)
@@ -101,13 +107,16 @@ def sm90_smem_bytes(headdim: int, block_n: int, stages: int, careful: bool = Fal
     return 1024 + (SM90_BLOCK_M + 2 * stages * block_n) * headdim * 2 + marks + 256
 
 
-def sm90_step_variant(dtype: str, headdim: int, careful: bool = False) -> KernelVariant:
-    """The Hopper forward step for (dtype, head dim in SM90_HEADDIMS), or its CAREFUL twin."""
-    return sm90_variant_for_tiles(dtype, headdim, *_SM90_TILES[headdim], careful=careful)
+def sm90_step_variant(dtype: str, headdim: int, careful: bool = False,
+                      listed: bool = False) -> KernelVariant:
+    """The Hopper forward step for (dtype, head dim in SM90_HEADDIMS), or its CAREFUL twin;
+    `listed`: its rectangle-list twin flash_fwd_steps_sm90 (family forward_sm90_list)."""
+    return sm90_variant_for_tiles(dtype, headdim, *_SM90_TILES[headdim], careful=careful,
+                                  listed=listed)
 
 
 def sm90_variant_for_tiles(dtype: str, headdim: int, block_n: int, stages: int,
-                           careful: bool = False) -> KernelVariant:
+                           careful: bool = False, listed: bool = False) -> KernelVariant:
     """A Hopper forward step with explicit tiles, in the table or not (bench/gpu/tiles.py):
     BLOCK_N keys a K/V tile (64, 128 or 256), STAGES K/V tiles in flight (>= 2); head dim 64, 128
     or 256. Whether it fits shared memory and the registers is the compile gate's to say. The
@@ -119,12 +128,13 @@ def sm90_variant_for_tiles(dtype: str, headdim: int, block_n: int, stages: int,
                          f"STAGES >= 2)")
     while careful and stages > 2 and sm90_smem_bytes(headdim, block_n, stages, True) > SM90_SMEM_LIMIT:
         stages -= 1
-    name = (f"flash_fwd_step_sm90<{CXX_TYPE[dtype]}, {headdim}, {block_n}, {stages}"
+    kernel = "flash_fwd_steps_sm90" if listed else "flash_fwd_step_sm90"
+    name = (f"{kernel}<{CXX_TYPE[dtype]}, {headdim}, {block_n}, {stages}"
             + (", true>" if careful else ">"))
     launch = LaunchConfig(threads=SM90_THREADS, block_m=SM90_BLOCK_M, block_n=block_n,
                           smem_bytes=sm90_smem_bytes(headdim, block_n, stages, careful),
                           stages=stages)
-    family = SM90_FAMILY + (CAREFUL_SUFFIX if careful else "")
+    family = (SM90_LIST_FAMILY if listed else SM90_FAMILY) + (CAREFUL_SUFFIX if careful else "")
     return KernelVariant(family, SM90_SOURCE, name, dtype, headdim, launch, target="sm_90a")
 
 
@@ -133,9 +143,10 @@ def careful_twin(variant: KernelVariant) -> KernelVariant:
     """The CAREFUL twin that a step variant of any family launches beside (KernelOps.launch_step):
     a forward_sm90 variant's keeps its tiles with the stages its marks leave room for
     (sm90_variant_for_tiles); every other family's is `variants.careful_variant`'s."""
-    if variant.family == SM90_FAMILY:
+    if variant.family in (SM90_FAMILY, SM90_LIST_FAMILY):
         return sm90_variant_for_tiles(variant.dtype, variant.headdim, variant.launch.block_n,
-                                      variant.launch.stages, careful=True)
+                                      variant.launch.stages, careful=True,
+                                      listed=variant.family == SM90_LIST_FAMILY)
     return careful_variant(variant)
 
 
@@ -156,13 +167,15 @@ def nonfinite_flag_variant(dtype: str) -> KernelVariant:
 
 def forward_variants(arch: str) -> list[KernelVariant]:
     """Every forward-family variant on `arch`: steps (plain and careful) for DTYPES x
-    NATIVE_HEADDIMS, on "sm_90a" the Hopper steps too, finalizes, non-finite flags."""
+    NATIVE_HEADDIMS, on "sm_90a" the Hopper steps (one rectangle a launch and lists) too,
+    finalizes, non-finite flags."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     steps = [step_variant(arch, dt, d, listed) for listed in (False, True) for dt in DTYPES
              for d in NATIVE_HEADDIMS]
-    hopper = ([sm90_step_variant(dt, d, careful) for careful in (False, True) for dt in DTYPES
-               for d in SM90_HEADDIMS] if arch == "sm_90a" else [])
+    hopper = ([sm90_step_variant(dt, d, careful, listed) for listed in (False, True)
+               for careful in (False, True) for dt in DTYPES for d in SM90_HEADDIMS]
+              if arch == "sm_90a" else [])
     return (steps + [careful_variant(v) for v in steps] + hopper
             + [finalize_variant(dt) for dt in (*DTYPES, "float32")]
             + [nonfinite_flag_variant(dt) for dt in (*DTYPES, "float32")])

@@ -331,6 +331,8 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     ops = kernel_ops(randomize=True)   # shuffled thread order: a race on smem between rectangles shows
     counts = _counting(ops)
     hopper = ops.forward_variant(DTYPES[dtype], d).family == SM90_FAMILY
+    if hopper:   # the sm_80 list here; the Hopper list's own: test_flash_fwd_sm90_lists_emulated.py
+        getattr(ops, "ops", ops).sm90_lists = False
     # on the sm_90a table a single rectangle runs the Hopper kernel: the list's per-rectangle
     # twin is flash_fwd_step of the sm_90 table (the same mma.sync tiles)
     mma_sync = kernel_ops(randomize=True, arch="sm_90") if hopper else ops

@@ -63,9 +63,9 @@ def test_causal_offsets(ops, dtype, q_pos, k_pos):
 def test_which_kernel_runs_a_step(monkeypatch, n_rects, min_flop, scale):
     """On the sm_90a table a step of at most SM90_MAX_RECTS Blocks, or of Blocks of at least
     SM90_MIN_FLOP_PER_RECT each (lowered here to the test's Blocks: 40 x 40 pairs, d 64, 2 heads),
-    runs the Hopper kernel a launch a Block; a step of more, smaller Blocks (packed documents) the
-    rectangle-list kernel in one launch; a softmax scale <= 0 the mma.sync kernels. All against
-    float64."""
+    runs the Hopper kernel a launch a Block; a step of more, smaller Blocks (packed documents) its
+    rectangle-list twin in one launch; a softmax scale <= 0 the mma.sync kernels (the sm_80 list
+    kernel for several Blocks). All against float64."""
     from burstcu.ops.cuda import kernel_ops as kernel_ops_module
 
     if min_flop is not None:
@@ -80,6 +80,9 @@ def test_which_kernel_runs_a_step(monkeypatch, n_rects, min_flop, scale):
     hopper = scale is None and (n_rects <= SM90_MAX_RECTS or min_flop is not None)
     if hopper:
         assert counts.get("flash_fwd_step_sm90") == 2 * n_rects and "flash_fwd_steps" not in counts, counts
+    elif scale is None:   # the plain and careful launch of the Hopper list kernel
+        assert counts.get("flash_fwd_steps_sm90") == 2 and "flash_fwd_step_sm90" not in counts, counts
+        assert "flash_fwd_steps" not in counts, counts
     elif n_rects > 1:
         assert counts.get("flash_fwd_steps") == 2 and "flash_fwd_step_sm90" not in counts, counts
 

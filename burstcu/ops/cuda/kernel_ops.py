@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, careful_twin,
-                                  nonfinite_flag_variant)
+from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_LIST_FAMILY,
+                                  careful_twin, nonfinite_flag_variant)
 from ...build import all_variants
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
@@ -61,8 +61,10 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # Which kernel runs a ring step's Blocks on the sm_90a table (`KernelOps._sm90_runs`): the Hopper
 # kernel, a launch a Block, when the step has at most SM90_MAX_RECTS Blocks (a step without
 # documents has 1 or 2) or when its Blocks are large, at least SM90_MIN_FLOP_PER_RECT of work each
-# on average (4 x q_len x k_len x D x H x B, masked pairs included); else the rectangle-list
-# kernel, one launch. Measured on an H200 (bench/results/h200/run2, step_lists*.json): 241
+# on average (4 x q_len x k_len x D x H x B, masked pairs included); else a rectangle-list
+# kernel, one launch: the Hopper one (flash_fwd_steps_sm90, `KernelOps.sm90_lists`), or the
+# mma.sync one (flash_fwd_steps) with sm90_lists False, the choice the numbers below measured.
+# Measured on an H200 (bench/results/h200/run2, step_lists*.json): 241
 # documents over 4 ranks, 8676 rectangles, 1.32 s through the Hopper kernel (host-bound: 0.13 ms a
 # launch, three tensor maps encoded each time) against 30 ms through the list kernel. The work
 # threshold is where, at the measured rates (Hopper ~435, list ~165 TFLOP/s at d = 128) a launch's
@@ -138,6 +140,9 @@ class KernelOps(LocalOps):
         # next pairs' (fewer pairs at once share their K/V tiles in L2); None: all of them (the
         # order measured in bench/results/h200). bench/gpu/kernel_speed.py --sm90-head-group.
         self.sm90_head_group: int | None = None
+        # a step of many small Blocks on the sm_90a table: the Hopper list kernel (True) or the
+        # mma.sync one (False, for comparison; see SM90_MAX_RECTS)
+        self.sm90_lists = True
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
@@ -383,17 +388,31 @@ class KernelOps(LocalOps):
         each group's blocks folding in order) or, for one Block, flash_fwd_step. On the sm_90a
         table the Hopper kernel (forward_sm90) runs the step a launch a Block (launches on one
         stream run in order, so blocks sharing query rows compose) when `_sm90_runs` says so;
-        a list of many small Blocks (documents) runs flash_fwd_steps, whose one launch beats the
-        Hopper launches' host cost there (bench/results/h200/README.md)."""
+        a list of many small Blocks (documents) runs in one launch, whose cost beats the Hopper
+        launches' host cost there (bench/results/h200/README.md): flash_fwd_steps_sm90 (the
+        Hopper list kernel), or flash_fwd_steps with `sm90_lists` False (`_sm90_choice`)."""
         blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
         if not blocks:
             return
         self._check_kv(state, k, v)
         variant = self.forward_variant(state.dtype, state.headdim)
-        if variant.family == SM90_FAMILY and not (self._sm90_runs(state, blocks)
-                                                  and self._sm90_checked(variant, state.q.dtype)):
-            variant = self.variant("forward", state.dtype, state.headdim)
+        if variant.family == SM90_FAMILY:
+            variant = self._sm90_choice(variant, state, blocks)
         self._fold(variant, state, k, v, blocks)
+
+    def _sm90_choice(self, hopper: KernelVariant, state: ForwardState,
+                     blocks: Sequence[Block]) -> KernelVariant:
+        """The kernel of a step on the sm_90a table: `hopper` a launch a Block where `_sm90_runs`;
+        a longer list of small Blocks whose query ranges are equal or disjoint the Hopper list
+        kernel (forward_sm90_list, with `sm90_lists`); else the mma.sync kernels."""
+        plain = self.variant("forward", state.dtype, state.headdim)
+        if not (state.scale > 0 and self._sm90_checked(hopper, state.q.dtype)):
+            return plain
+        if self._sm90_runs(state, blocks):
+            return hopper
+        if self.sm90_lists and listable(blocks, ["query"]):
+            return self.variant(SM90_LIST_FAMILY, state.dtype, state.headdim)
+        return plain
 
     @staticmethod
     def _sm90_runs(state: ForwardState, blocks: Sequence[Block]) -> bool:
@@ -420,10 +439,18 @@ class KernelOps(LocalOps):
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
         masked = any(blk.masked for blk in blocks)
+        if variant.family == SM90_LIST_FAMILY:
+            # its maps cover the whole arrays: a key tile that runs past a rectangle's k_len holds
+            # the next rows of v (masked out of P, but 0 x Inf = NaN), not the zeros of a map of
+            # the rectangle alone, so such a list takes the careful pair as masked pairs do
+            masked = masked or any(blk.k_len % variant.launch.block_n for blk in blocks)
         flag = self.nonfinite_flag(vp) if masked else None
         if variant.family == SM90_FAMILY:
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
+            return
+        if variant.family == SM90_LIST_FAMILY:
+            self._forward_steps_sm90(variant, state, kp, vp, blocks, masked, flag)
             return
         if len(blocks) > 1 and listable(blocks, ["query"]):   # the whole step in one launch
             listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
@@ -457,6 +484,25 @@ class KernelOps(LocalOps):
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
                                       state.scale * _LOG2E, n_tiles, hb_group)
         self.launch_step(variant, (min(n_tiles, self.sm_count),), params, blk.masked)
+
+    def _forward_steps_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp,
+                            blocks: Sequence[Block], masked: bool, flag) -> None:
+        """A step's Blocks in one launch of the Hopper list kernel (flash_fwd_steps_sm90): tensor
+        maps of the whole q, k and v, the Blocks grouped by query range (step_groups, tiles of
+        128 rows), a persistent grid over the groups' query tiles x H x B."""
+        B, S, H, dp = state.q.shape
+        cfg = variant.launch
+        groups = step_groups(self.xp, blocks, cfg.block_m)
+        state.keep.append(groups)   # the rectangles stay until the step has run
+        q_map = tensor_map_4d_rows(self.backend, state.q, 0, S, cfg.block_m)
+        k_map = tensor_map_4d_rows(self.backend, kp, 0, kp.shape[1], cfg.block_n)
+        v_map = tensor_map_4d_rows(self.backend, vp, 0, vp.shape[1], cfg.block_n)
+        n_tiles = groups.tiles * H * B
+        hb_group = max(1, min(self.sm90_head_group or H * B, H * B))
+        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
+                                      self.step_flag(masked, flag), None, H, kp.shape[2],
+                                      state.scale * _LOG2E, n_tiles, hb_group, groups)
+        self.launch_step(variant, (min(n_tiles, self.sm_count),), params, masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""

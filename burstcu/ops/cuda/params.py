@@ -229,7 +229,7 @@ FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("q_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32"),
-    ("hb_group", "i32")])
+    ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
                  BWD_DELTA, BWD_STEP, FWD_STEP_SM90)
@@ -341,17 +341,22 @@ def _equal_or_disjoint(ranges) -> bool:
     return all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
 
 
-def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block, heads: int,
-                         kv_heads: int, scale_log2: float, n_tiles: int, hb_group: int) -> np.void:
+def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block | None, heads: int,
+                         kv_heads: int, scale_log2: float, n_tiles: int, hb_group: int,
+                         groups: StepGroups | None = None) -> np.void:
     """FwdStepSm90Params: the tensor maps of q's and k's, v's rows in the block (128 uint8 each,
     `burstcu.ops.cuda.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
     strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch; hb_group
-    the (batch, head) pairs whose tiles the grid takes together (1 .. H x B)."""
+    the (batch, head) pairs whose tiles the grid takes together (1 .. H x B).
+    flash_fwd_steps_sm90 takes a whole step's `groups` (block None) and maps of whole arrays."""
     return FWD_STEP_SM90.pack(
         q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
-        blk=block_rect(block), H=heads, Hkv=kv_heads, scale_log2=scale_log2, n_tiles=n_tiles,
-        hb_group=hb_group)
+        blk=(0,) * 8 if block is None else block_rect(block), H=heads, Hkv=kv_heads,
+        scale_log2=scale_log2, n_tiles=n_tiles, hb_group=hb_group,
+        n_groups=0 if groups is None else groups.n_groups,
+        rects=None if groups is None else groups.rects,
+        groups=None if groups is None else groups.offsets)
 
 
 def fwd_finalize_params(acc, m, l, out, lse, vec: int) -> np.void:
