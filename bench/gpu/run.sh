@@ -11,7 +11,8 @@
 # (compute-sanitizer; --report-api-errors no: cuda-bindings' driver probes are no memory errors),
 # demo, mpi (mpi_checks.sh, the mpich wheel in .whl/), linear and linearbench (LASP on one GPU),
 # varlen (documents, 4 ranks), steplists (step_lists.py), uneven (3 ranks), decode (bench/decode.py).
-# Others: steplists_mma and lists (the sm_90 table on a Hopper GPU), bwd, the Hopper kernel's
+# Others: steplists_mma and lists (the sm_90 table on a Hopper GPU), steplists_mmalist (the
+# sm_90a table with the mma.sync list kernel, against steplists' Hopper list), bwd, the Hopper kernel's
 # hopper, hopper_bench, hopper_memcheck, hopper_racecheck, hopper_profile (Nsight Compute at
 # S = $PROFILE_SEQLEN, its CSV in logs.tgz), tiles_sm90; small_parts (every kernel's duration in
 # a short call), host_profile (cProfile of kernel_speed's calls), head_groups (the Hopper kernel's
@@ -70,7 +71,7 @@ for s in "${steps[@]}"; do
     gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
     hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
              $PY -m pytest -q --timeout 120 -p no:cacheprovider \
-             tests/kernels/test_flash_fwd_sm90_emulated.py \
+             tests/kernels/test_flash_fwd_sm90_emulated.py tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
              tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
              tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
     hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
@@ -80,7 +81,8 @@ for s in "${steps[@]}"; do
              BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no \
              --error-exitcode 9 --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
              tests/kernels/test_flash_fwd_sm90_emulated.py tests/kernels/test_masked_inert_kernels.py \
-             -k "ragged or causal_offsets or headdims or poisoned_v" ;;
+             tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
+             -k "ragged or causal_offsets or headdims or poisoned_v or documents" ;;
     hopper_racecheck) step hopper_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
              BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool racecheck --error-exitcode 9 \
              --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
@@ -100,6 +102,8 @@ for s in "${steps[@]}"; do
     bwd) step bwd 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
              -p no:cacheprovider \
              tests/kernels/test_flash_bwd_emulated.py ;;
+    steplists_mmalist) step steplists_mmalist 300 $PY bench/gpu/step_lists.py --mma-list \
+             --json "$OUT/step_lists_mmalist.json" --table "$LOGS/step_lists_mmalist.txt" ${STEPLISTS_ARGS:-} ;;
     steplists_mma) step steplists_mma 300 $PY bench/gpu/step_lists.py --arch sm_90 \
              --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
     hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \

@@ -103,6 +103,9 @@ def main(argv=None):
                    help="the kernel table (e.g. sm_90 for the mma.sync family on an H100, whose "
                         "own table sm_90a folds a rectangle a launch with the Hopper kernel); "
                         "default: the device's own")
+    p.add_argument("--mma-list", action="store_true",
+                   help="on the sm_90a table, the mma.sync list kernel (flash_fwd_steps) rather "
+                        "than the Hopper one (flash_fwd_steps_sm90): KernelOps.sm90_lists False")
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None)
     p.add_argument("--dry-run", action="store_true", help="print the plan; no kernel runs")
@@ -122,6 +125,7 @@ def main(argv=None):
     from burstcu.ops.cuda import KernelOps
 
     ops = KernelOps(args.backend, arch=args.arch)
+    ops.sm90_lists = not args.mma_list
     rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
     for row in rows:
         row["arch"] = ops.arch
