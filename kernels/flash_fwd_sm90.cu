@@ -318,6 +318,22 @@ __device__ __forceinline__ bool live_after(const BlockRect* rects, int r, int r_
   return false;
 }
 
+// Work item t, shared by the producer and the consumers: its query tile mb, head h, batch b and
+// the key tiles of its first rectangle with any (empty: nothing to fold); LIST: rects[r .. r_end)
+// its group's, r that rectangle's index, copied into cur.
+template <bool LIST, int BLOCK_N>
+__device__ __forceinline__ KeyRange<BLOCK_N> first_key_range(const FwdStepSm90Params& p, int t, int& mb,
+                                                             int& h, int& b, int& r, int& r_end,
+                                                             BlockRect& cur) {
+  if constexpr (LIST) {
+    list_tile_coord(p, t, mb, h, b, r, r_end);
+    return live_rect<BLOCK_N>(p.rects, r, r_end, mb, cur);
+  } else {
+    tile_coord(p, t, mb, h, b);
+    return KeyRange<BLOCK_N>(p.blk, mb);
+  }
+}
+
 // The walk over a work item's key tiles, shared by the producer and the consumers: the next key
 // tile after j of the rectangle, else (LIST) the first of the group's next live rectangle (r,
 // rect and keys move there); false past the last. The pipeline stages simply continue.
@@ -378,14 +394,7 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
     u32 phase = 0, q_phase = 0;
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
       int mb, h, b, r = 0, r_end = 1;
-      KeyRange<BLOCK_N> keys;
-      if constexpr (LIST) {
-        list_tile_coord(p, t, mb, h, b, r, r_end);
-        keys = live_rect<BLOCK_N>(rects, r, r_end, mb, cur);
-      } else {
-        tile_coord(p, t, mb, h, b);
-        keys = KeyRange<BLOCK_N>(rect, mb);
-      }
+      KeyRange<BLOCK_N> keys = first_key_range<LIST, BLOCK_N>(p, t, mb, h, b, r, r_end, cur);
       if (keys.empty()) continue;
       const int hk = h / (H / Hkv);
       if (leader) {  // LIST: the maps cover the whole arrays, rows from the group's q_start
@@ -485,14 +494,7 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
 
   for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     int mb, h, b, r = 0, r_end = 1;
-    KeyRange<BLOCK_N> keys;
-    if constexpr (LIST) {
-      list_tile_coord(p, t, mb, h, b, r, r_end);
-      keys = live_rect<BLOCK_N>(rects, r, r_end, mb, cur);
-    } else {
-      tile_coord(p, t, mb, h, b);
-      keys = KeyRange<BLOCK_N>(rect, mb);
-    }
+    KeyRange<BLOCK_N> keys = first_key_range<LIST, BLOCK_N>(p, t, mb, h, b, r, r_end, cur);
     if (keys.empty()) continue;
     // LIST: whether a later rectangle of the group follows this one (the last frees the Q tile)
     bool more = false;

@@ -317,6 +317,24 @@ STEP_CASES = {   # name: (dtype, d, G, N, documents, causal, window, H, Hkv)
 }
 
 
+def ring_steps(cases: dict, case: str, rng):
+    """(q, k, v, blocks) of every step of cases[case]'s G-rank zigzag ring (cases as STEP_CASES)
+    whose mask cuts it into several rectangles, q (1, Sq, H, D), k, v (1, Sk, Hkv, D) drawn from
+    rng for every (q rank, kv rank) in order, listed or not."""
+    from burstcu import layout
+
+    dtype, d, size, n, docs, causal, window, h, hkv = cases[case]
+    part = layout.partition("zigzag", size, n, docs)
+    for qr in range(size):
+        q = rng.standard_normal((1, part.lengths[qr], h, d)).astype(DTYPES[dtype])
+        for kr in range(size):
+            k, v = (rng.standard_normal((1, part.lengths[kr], hkv, d)).astype(DTYPES[dtype])
+                    for _ in range(2))
+            blocks = layout.blocks(part, qr, kr, causal, window, docs)
+            if len(blocks) >= 2:
+                yield q, k, v, blocks
+
+
 @pytest.mark.parametrize("case", sorted(STEP_CASES))
 def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     """Every step of a G-rank ring with several rectangles: forward_step over the whole list is
@@ -325,9 +343,7 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     list path against float64 too (the FlashAttention rule, `check`). On the sm_90a table a step
     of at most SM90_MAX_RECTS rectangles is the Hopper kernel a launch a rectangle both ways; a
     longer one is the list kernel, the same bits as the sm_90 table's kernel a rectangle."""
-    from burstcu import layout
-
-    dtype, d, size, n, docs, causal, window, h, hkv = STEP_CASES[case]
+    dtype, d = STEP_CASES[case][:2]
     ops = kernel_ops(randomize=True)   # shuffled thread order: a race on smem between rectangles shows
     counts = _counting(ops)
     hopper = ops.forward_variant(DTYPES[dtype], d).family == SM90_FAMILY
@@ -336,40 +352,31 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     # on the sm_90a table a single rectangle runs the Hopper kernel: the list's per-rectangle
     # twin is flash_fwd_step of the sm_90 table (the same mma.sync tiles)
     mma_sync = kernel_ops(randomize=True, arch="sm_90") if hopper else ops
-    part = layout.partition("zigzag", size, n, docs)
-    rng = np.random.default_rng(3)
     listed_steps = 0
-    for qr in range(size):
-        q = rng.standard_normal((1, part.lengths[qr], h, d)).astype(DTYPES[dtype])
-        for kr in range(size):
-            k, v = (rng.standard_normal((1, part.lengths[kr], hkv, d)).astype(DTYPES[dtype])
-                    for _ in range(2))
-            blocks = layout.blocks(part, qr, kr, causal, window, docs)
-            if len(blocks) < 2:
-                continue
-            counts.clear()
-            whole = ops.forward_init(q)
-            ops.forward_step(whole, k, v, blocks)
-            masked = any(b.masked for b in blocks)
-            per_rect = ops  # what runs one rectangle a launch with the kernels of the whole step
-            if hopper and len(blocks) <= SM90_MAX_RECTS:
-                # the Hopper kernel folds a rectangle a launch (plain + careful where masked)
-                assert counts.get("flash_fwd_step_sm90") == len(blocks) + sum(b.masked for b in blocks), counts
-                assert "flash_fwd_steps" not in counts, counts
-            else:
-                assert counts.get("flash_fwd_steps") == (2 if masked else 1), counts
-                assert "flash_fwd_step" not in counts and "flash_fwd_step_sm90" not in counts, counts
-                per_rect = mma_sync
-            one_by_one = per_rect.forward_init(q)
-            for blk in blocks:
-                per_rect.forward_step(one_by_one, k, v, [blk])
-            (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype)
-                                              for s in (whole, one_by_one))
-            assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
-            assert np.array_equal(lse_a.view(np.uint32), lse_b.view(np.uint32))
-            if listed_steps == 0:
-                check(ops, dtype, q, k, v, blocks)
-            listed_steps += 1
+    for q, k, v, blocks in ring_steps(STEP_CASES, case, np.random.default_rng(3)):
+        counts.clear()
+        whole = ops.forward_init(q)
+        ops.forward_step(whole, k, v, blocks)
+        masked = any(b.masked for b in blocks)
+        per_rect = ops  # what runs one rectangle a launch with the kernels of the whole step
+        if hopper and len(blocks) <= SM90_MAX_RECTS:
+            # the Hopper kernel folds a rectangle a launch (plain + careful where masked)
+            assert counts.get("flash_fwd_step_sm90") == len(blocks) + sum(b.masked for b in blocks), counts
+            assert "flash_fwd_steps" not in counts, counts
+        else:
+            assert counts.get("flash_fwd_steps") == (2 if masked else 1), counts
+            assert "flash_fwd_step" not in counts and "flash_fwd_step_sm90" not in counts, counts
+            per_rect = mma_sync
+        one_by_one = per_rect.forward_init(q)
+        for blk in blocks:
+            per_rect.forward_step(one_by_one, k, v, [blk])
+        (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype)
+                                          for s in (whole, one_by_one))
+        assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
+        assert np.array_equal(lse_a.view(np.uint32), lse_b.view(np.uint32))
+        if listed_steps == 0:
+            check(ops, dtype, q, k, v, blocks)
+        listed_steps += 1
     assert listed_steps >= 2
 
 

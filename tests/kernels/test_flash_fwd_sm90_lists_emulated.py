@@ -17,12 +17,12 @@ import math
 import numpy as np
 import pytest
 
-from burstcu import layout
 from burstcu.build.fwd_variants import SM90_FAMILY, SM90_LIST_FAMILY
 from burstcu.layout import Block
 from burstcu.ops.cuda import kernel_ops as kernel_ops_module
 from tests.kernels.backend import BACKEND, kernel_ops
-from tests.kernels.test_flash_fwd_emulated import DTYPES, _counting, check, make, run_kernel
+from tests.kernels.test_flash_fwd_emulated import (DTYPES, _counting, check, make, ring_steps,
+                                                    run_kernel)
 
 pytestmark = [pytest.mark.emulated,
               pytest.mark.skipif(BACKEND != "emulated", reason="compares device state on the host")]
@@ -69,32 +69,25 @@ def test_a_step_in_one_hopper_launch_is_a_launch_a_rectangle_bit_for_bit(lists_a
     """The ring's steps of 2 or more rectangles (the first two of them): one list launch gives
     the state of one Hopper launch a rectangle, bit for bit, and the FlashAttention rule holds
     against float64."""
-    dtype, d, size, n, docs, causal, window, h, hkv = STEP_CASES[case]
+    dtype, d = STEP_CASES[case][:2]
     ops = kernel_ops(arch="sm_90a")
     inner = ops.ops
     counts = _counting(ops)
-    part = layout.partition("zigzag", size, n, docs)
-    rng = np.random.default_rng(3)
     listed = 0
-    for qr in range(size):
-        q = rng.standard_normal((1, part.lengths[qr], h, d)).astype(DTYPES[dtype])
-        for kr in range(size):
-            k, v = (rng.standard_normal((1, part.lengths[kr], hkv, d)).astype(DTYPES[dtype])
-                    for _ in range(2))
-            blocks = layout.blocks(part, qr, kr, causal, window, docs)
-            if len(blocks) < 2 or listed == 2:
-                continue
-            variant = inner.variant(SM90_LIST_FAMILY, dtype, d)
-            counts.clear()
-            whole = inner.forward_init(q)
-            inner.forward_step(whole, k, v, blocks)
-            _assert_one_launch(counts, blocks, variant.launch.block_n)
-            apart = _one_launch_a_rect(inner, q, k, v, blocks)
-            for a, b in zip(_state_bits(whole), _state_bits(apart)):
-                assert np.array_equal(a, b)
-            if listed == 0:
-                check(ops, dtype, q, k, v, blocks)
-            listed += 1
+    for q, k, v, blocks in ring_steps(STEP_CASES, case, np.random.default_rng(3)):
+        variant = inner.variant(SM90_LIST_FAMILY, dtype, d)
+        counts.clear()
+        whole = inner.forward_init(q)
+        inner.forward_step(whole, k, v, blocks)
+        _assert_one_launch(counts, blocks, variant.launch.block_n)
+        apart = _one_launch_a_rect(inner, q, k, v, blocks)
+        for a, b in zip(_state_bits(whole), _state_bits(apart)):
+            assert np.array_equal(a, b)
+        if listed == 0:
+            check(ops, dtype, q, k, v, blocks)
+        listed += 1
+        if listed == 2:
+            break
     assert listed == 2
 
 
