@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,10 +74,13 @@ _PASSED_PREFIXES = ("-D", "-U", "-I", "-O", "-g")
 
 # One launch at a time in this process: the emulator's fault handlers are process-wide.
 _LAUNCH_LOCK = threading.Lock()
-# The module whose fibers (two memory mappings each, hundreds a module) are mapped: released
-# (emu_release) when a launch goes to another, so that a process loading many modules stays far
-# below the kernel's limit on mappings (vm.max_map_count) instead of failing an mmap somewhere.
-_POOL_HOLDER: list = [None]
+# The modules whose fibers (two memory mappings each, up to 2048 a module) stay mapped, least
+# recently launched first: past POOLS_KEPT the oldest gives them back (emu_release; mapping them
+# again costs it a few ms at its next launch), so that a process loading many modules stays far
+# below the kernel's limit on mappings (vm.max_map_count, 65530) instead of failing an mmap
+# somewhere, and launches that take turns among a few modules map nothing.
+POOLS_KEPT = 4
+_POOL_HOLDERS: "OrderedDict[int, ctypes.CDLL]" = OrderedDict()
 _LOADED: dict[str, "EmuModule"] = {}
 _LOADED_LOCK = threading.Lock()
 
@@ -494,16 +498,23 @@ class EmuFunction:
         flags = (1 if rnd else 0) | (2 if allow_exit_before_barrier else 0)
         err = ctypes.create_string_buffer(4096)
         with _LAUNCH_LOCK:
-            holder = _POOL_HOLDER[0]
-            if holder is not None and holder is not self.module._lib:
-                holder.emu_release()
-            _POOL_HOLDER[0] = self.module._lib
+            _keep_pool(self.module._lib)
             rc = self.module._lib.emu_launch(
                 self.name.encode(), *g, *b, int(shared_mem), ptrs, c_sizes, kinds, n,
                 int(sd) & (2**64 - 1), flags, err, len(err),
             )
         if rc != 0:
             raise RuntimeError(f"emulated kernel {self.name}: {err.value.decode(errors='replace')}")
+
+
+def _keep_pool(lib: ctypes.CDLL) -> None:
+    """`lib` launches now: it becomes the most recent of _POOL_HOLDERS, and the oldest past
+    POOLS_KEPT give their fibers back (under _LAUNCH_LOCK)."""
+    _POOL_HOLDERS[id(lib)] = lib
+    _POOL_HOLDERS.move_to_end(id(lib))
+    while len(_POOL_HOLDERS) > max(1, POOLS_KEPT):
+        _, oldest = _POOL_HOLDERS.popitem(last=False)
+        oldest.emu_release()
 
 
 def clear_cache() -> None:
