@@ -425,7 +425,8 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
              for name, opts in candidates(q_shape, k_shape, size)]
     if size > 2:   # burst's K/V split both ways round: offered where the model says it wins
         both = predict("burst", {"bidirectional": True}, q_shape, k_shape, size, **how)
-        if both.forward_s < preds[0].forward_s:
+        one_way = next(p for p in preds if p.strategy == "burst" and not p.options)
+        if both.forward_s < one_way.forward_s:
             preds.insert(1, both)
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))
