@@ -50,6 +50,10 @@
 //       launch a rectangle in that order (the atomic dQ adds stay atomic). One fold function per
 //       kernel serves both (LIST false / true), the one-rectangle kernels unchanged.
 //
+// On Hopper (the "sm_90a" table) flash_bwd_sm90.cu's flash_bwd_dkdv_sm90 (wgmma, TMA) takes the
+// place of flash_bwd_dkdv for head dims 64 and 128; the deterministic dQ kernel, the lists and
+// the careful twins stay here.
+//
 // Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the
 // diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are
 // zero-filled by cp.async. Rows that saw no key in the forward pass have lse = -inf: we load
@@ -322,29 +326,6 @@ __device__ __forceinline__ LaunchRects launch_rects(const BwdStepParams<T>& p) {
         const int g = step_group_of(groups, n_groups, blockIdx.x);
         return {p.rects, groups[g], groups[g + 1], (int)blockIdx.x - groups[n_groups + 1 + g]};
     }
-}
-
-/// One rectangle as the dK/dV block of keys [n0, n0 + BN) sees it: the Q tiles [m_begin,
-/// m_begin + m_tiles * BM) holding a query that sees one of its keys (none: `live` false).
-/// Query i sees key j iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi (int arithmetic:
-/// positions stay below 2^30 and the bounds at most NO_BOUND = 2^29).
-struct QueryTiles {
-    BlockRect r;
-    int m_begin, m_tiles;
-    bool live;
-};
-
-template <int BM, int BN>
-__device__ __forceinline__ QueryTiles query_tiles(const BlockRect& r, int n0) {
-    QueryTiles v;
-    v.r = r;
-    const int n_last = min(n0 + BN, r.k_len) - 1;
-    const int first_q = r.k_pos + n0 - r.hi - r.q_pos;
-    v.m_begin = first_q > 0 ? first_q / BM * BM : 0;
-    const int m_end = min(r.q_len, r.k_pos + n_last + r.lo - r.q_pos + 1);
-    v.live = n0 < r.k_len && v.m_begin < m_end;
-    v.m_tiles = (m_end - v.m_begin + BM - 1) / BM;
-    return v;
 }
 
 /// One rectangle as the dQ block of query rows [m0, m_last] sees it: the key tiles [it_begin,

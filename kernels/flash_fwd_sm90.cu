@@ -207,13 +207,6 @@ struct KeyRange {
   __device__ __forceinline__ bool empty() const { return begin >= end; }
 };
 
-// The block's dynamic shared memory, aligned to 1024 bytes in the shared window (the 128-byte
-// swizzle of TMA and wgmma is a function of the address bits): Smem's offsets count from here.
-__device__ __forceinline__ unsigned char* aligned_smem() {
-  BURSTCU_DYNAMIC_SMEM(unsigned char, raw);
-  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
-}
-
 // Arrivals that complete a phase of barrier i (Smem's order): the full barriers one (the
 // producer's arrive.expect_tx; the copies complete the bytes), the empty ones every consumer
 // thread, v_clean one (the producer thread that saw its warpgroup finish cleaning V).

@@ -1,13 +1,15 @@
-// hopper.cuh — the sm_90a primitives of the Hopper kernels (flash_fwd_sm90.cu), each with its CPU
-// emulation beside it, as common.cuh does for the sm_80 ones.
+// hopper.cuh — the sm_90a primitives of the Hopper kernels (flash_fwd_sm90.cu, flash_bwd_sm90.cu),
+// each with its CPU emulation beside it, as common.cuh does for the sm_80 ones.
 //
 // Three compilers read this file (see common.cuh): NVRTC/nvcc with __CUDA_ARCH__ (inline PTX;
 // wgmma and setmaxnreg need the sm_90a target, --gpu-architecture=sm_90a), g++ with the emulator
 // (BURSTCU_EMU: the calls into namespace emu, kernels/emu/emu_hopper.h and emu_wgmma.h), and
 // nvcc's host pass (declarations only).
 //
-// Primitives (names are a contract with flash_fwd_sm90.cu; every one is the PTX ISA's instruction
+// Primitives (names are a contract with the sm90 kernels; every one is the PTX ISA's instruction
 // of the same name, and the emulation implements the ISA's definition):
+//   aligned_smem()                      the dynamic shared memory from its first 1024-byte
+//                                       aligned byte (the 128-byte swizzle's period)
 //   smem_addr(p)                        shared-window address of a pointer into shared memory;
 //                                       in the emulator the offset from the dynamic smem base
 //   mbar_init(bar, count)               mbarrier.init.shared::cta.b64
@@ -204,6 +206,14 @@ __device__ __forceinline__ void named_bar_arrive(int id, int n) {
 #elif defined(BURSTCU_EMU)
   ::emu::named_barrier(id, n, false);
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The block's dynamic shared memory, aligned to 1024 bytes in the shared window (the 128-byte
+// swizzle of TMA and wgmma is a function of the address bits): Smem's offsets count from here.
+__device__ __forceinline__ unsigned char* aligned_smem() {
+  BURSTCU_DYNAMIC_SMEM(unsigned char, raw);
+  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
 }
 
 // ---------------------------------------------------------------------------------------------

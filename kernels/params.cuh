@@ -119,6 +119,27 @@ struct FwdStepSm90Params {
   const int* groups;      // (2 n_groups + 2): as FwdStepParams.groups
 };
 
+// flash_bwd_dkdv_sm90: BwdStepParams' dK/dV fold (with atomic dQ) with Q, dO, K and V read
+// through tensor maps, each covering only the rectangle's rows (rows past q_len / k_len read as
+// zeros):
+//   q_map, do_map  dims (D, q_len, H, B) from row q_start, box (64, BLOCK_M, 1, 1), 128-byte swizzle
+//   k_map, v_map   dims (D, k_len, Hkv, B) from row k_start, box (64, 128, 1, 1), 128-byte swizzle
+struct BwdStepSm90Params {
+  TensorMap q_map, do_map, k_map, v_map;
+  const float* lse;       // (B, H, Sq) fp32 natural-log sum of exp of the forward, stat_stride
+  const float* delta;     // (B, H, Sq) fp32 rowsum(dO o O), stat_stride (lse's)
+  float* dq;              // (B, Sq, H, D) fp32, strides dq_stride: += scale dS K (atomics)
+  float* dk;              // (B, Sk, Hkv, D) fp32, strides dk_stride: += scale dS^T Q
+  float* dv;              // (B, Sk, Hkv, D) fp32, strides dk_stride (dk's): += P^T dO
+  const int* nonfinite;   // device int: nonzero runs the careful twin instead (flash_bwd.cu's)
+  RowStrides dq_stride;   // of dq
+  RowStrides dk_stride;   // of dk and dv
+  StatStrides stat_stride;  // of lse and delta (rows contiguous)
+  BlockRect blk;          // the rectangle and its key bounds
+  int H, Hkv;             // query heads, kv heads (GQA)
+  float scale;            // softmax scale
+};
+
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.
 template <typename T>
 struct FwdFinalizeParams {
@@ -202,4 +223,28 @@ __device__ __forceinline__ int step_group_of(const int* groups, int n_groups, in
     if (tile_first[mid] <= tile) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// One rectangle as a dK/dV block of keys [n0, n0 + BN) sees it (flash_bwd.cu, flash_bwd_sm90.cu):
+// the Q tiles [m_begin, m_begin + m_tiles * BM) holding a query that sees one of its keys (none:
+// `live` false).
+// Query i sees key j iff q_pos + i - lo <= k_pos + j <= q_pos + i + hi (int arithmetic:
+// positions stay below 2^30 and the bounds at most NO_BOUND = 2^29).
+struct QueryTiles {
+  BlockRect r;
+  int m_begin, m_tiles;
+  bool live;
+};
+
+template <int BM, int BN>
+__device__ __forceinline__ QueryTiles query_tiles(const BlockRect& r, int n0) {
+  QueryTiles v;
+  v.r = r;
+  const int n_last = min(n0 + BN, r.k_len) - 1;
+  const int first_q = r.k_pos + n0 - r.hi - r.q_pos;
+  v.m_begin = first_q > 0 ? first_q / BM * BM : 0;
+  const int m_end = min(r.q_len, r.k_pos + n_last + r.lo - r.q_pos + 1);
+  v.live = n0 < r.k_len && v.m_begin < m_end;
+  v.m_tiles = (m_end - v.m_begin + BM - 1) / BM;
+  return v;
 }

@@ -16,7 +16,10 @@
 # hopper, hopper_bench, hopper_memcheck, hopper_racecheck, hopper_profile (Nsight Compute at
 # S = $PROFILE_SEQLEN, its CSV in logs.tgz), tiles_sm90; small_parts (every kernel's duration in
 # a short call), host_profile (cProfile of kernel_speed's calls), head_groups (the Hopper kernel's
-# tiles a group of (batch, head) pairs at a time). Reports go to $OUT (default bench/out/gpu),
+# tiles a group of (batch, head) pairs at a time); the Hopper backward's hopper_bwd (its tests and
+# the backward tests on the sm_90a table), hopper_bwd_memcheck, hopper_bwd_racecheck and
+# hopper_bwd_bench (fwd+bwd rows, sm_90a against sm_80, torch flash and cuDNN; run all four with
+# `bash bench/gpu/run.sh hopper-bwd-session`). Reports go to $OUT (default bench/out/gpu),
 # each step's log to $OUT/logs.tgz, rewritten after every step; no step stops the others; exit 1
 # if any failed. Wheels in .whl/ are installed into /tmp/site first.
 set -u
@@ -39,6 +42,7 @@ if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 steps=("$@")
 [ "${steps[0]:-}" = hopper-session ] && steps=(env warm isa hopper hopper_bench tiles_sm90 hopper_profile)
+[ "${steps[0]:-}" = hopper-bwd-session ] && steps=(env warm hopper_bwd hopper_bwd_memcheck hopper_bwd_racecheck hopper_bwd_bench)
 [ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
                                  memcheck racecheck demo mpi linear linearbench varlen steplists uneven
                                  decode)
@@ -88,6 +92,21 @@ for s in "${steps[@]}"; do
              --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
              tests/kernels/test_flash_fwd_sm90_emulated.py \
              -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
+    hopper_bwd) step hopper_bwd 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
+             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_bwd_sm90_emulated.py \
+             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py -k "not sm86" ;;
+    hopper_bwd_memcheck) step hopper_bwd_memcheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
+             BURSTCU_CUPY_NO_POOL=1 compute-sanitizer --tool memcheck --report-api-errors no \
+             --error-exitcode 9 --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
+             tests/kernels/test_flash_bwd_sm90_emulated.py -k "step_matches or outside" ;;
+    hopper_bwd_racecheck) step hopper_bwd_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
+             compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 $PY -m pytest -q \
+             -p no:cacheprovider tests/kernels/test_flash_bwd_sm90_emulated.py \
+             -k "causal_offsets or small_ragged" ;;
+    hopper_bwd_bench) step hopper_bwd_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 \
+             --passes fwd+bwd --impls kernels torch-flash torch-cudnn --headdims 64 128 \
+             --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
+             --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \

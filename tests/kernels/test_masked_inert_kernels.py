@@ -250,8 +250,10 @@ def test_careful_kernels_match_the_plain_ones_on_finite_tiles(deterministic, arc
     with np.errstate(invalid="ignore"):
         g = backward(ops, bad, out0, lse0, blocks)
     assert [int(ops.host(f)[0]) for f in flags[2:]] == [0, 1]
+    # on "sm_90a" the backward's plain kernel is the Hopper one (flash_bwd_sm90.cu), its careful
+    # twin the mma.sync one: two summation orders (bit-equal only under the emulator)
     for name, a, b in zip(("dq", "dk", "dv"), g0, g):
-        if deterministic:
+        if deterministic and arch is None:
             assert np.array_equal(a, b), name
         else:
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)

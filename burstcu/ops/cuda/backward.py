@@ -24,6 +24,12 @@ inputs: the list runs the careful twins for all its Blocks when one is masked an
 holds a NaN/Inf). Within a step two Blocks' key ranges (and query ranges) are equal or
 disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Block
 (`params.listable`).
+
+On the "sm_90a" table the Hopper dK/dV kernel (kernels/flash_bwd_sm90.cu: wgmma, TMA, warp
+specialisation) takes a step a launch a Block where `KernelOps.hopper_backward` allows it (head
+dims 64 and 128, a step of few or large Blocks, a softmax scale > 0, its first-use check passed
+on a GPU): with atomic dQ, or beside the mma.sync dQ kernel in the deterministic mode. A Block
+with masked pairs pairs it with the mma.sync careful twin, of which the nonfinite flag runs one.
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...build.bwd_variants import LIST_SUFFIX, delta_variant
+from ...build.variants import CAREFUL_SUFFIX
 from ...layout import Block
-from .params import (bwd_delta_params, bwd_step_params, cdiv, dtype_name, element_strides,
-                     listable, rows_contiguous, same_strides, step_group_lists, vector_ready)
+from .params import (bwd_delta_params, bwd_step_params, bwd_step_sm90_params, cdiv, dtype_name,
+                     element_strides, listable, rows_contiguous, same_strides, step_group_lists,
+                     vector_ready)
+from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
 
@@ -177,7 +186,10 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
     operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run)
-    if len(blocks) > 1 and listable(blocks, [tiled for _, tiled in families]):
+    hopper = ops.hopper_backward(families[0][0], ctx.dtype, ctx.headdim, blocks, qp.shape, ctx.scale)
+    if hopper is not None:
+        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B), hopper)
+    elif len(blocks) > 1 and listable(blocks, [tiled for _, tiled in families]):
         _launch_list(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
     else:
         _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
@@ -188,18 +200,45 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
 
 
 def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
-                 families: list, flag, heads: tuple) -> None:
+                 families: list, flag, heads: tuple, hopper=None) -> None:
     """`backward_step`'s launches a Block: each family's kernel over each Block in turn
-    (operands: the step's arrays for `bwd_step_params`; heads: (H, Hkv, B))."""
+    (operands: the step's arrays for `bwd_step_params`; heads: (H, Hkv, B)). `hopper`: the
+    Hopper dK/dV variant (`KernelOps.hopper_backward`) that runs in place of the first family's
+    kernel, paired where a Block has masked pairs with that family's mma.sync careful twin (the
+    nonfinite flag runs exactly one of the two)."""
     H, Hkv, B = heads
     D = ctx.headdim
     for blk in blocks:  # one struct serves both kernels of a deterministic step
         params = bwd_step_params(*operands, ops.step_flag(blk.masked, flag), blk, ctx.scale)
-        for family, tiled in families:
+        for i, (family, tiled) in enumerate(families):
             variant = ops.variant(family, ctx.dtype, D)
             rows = blk.k_len if tiled == "key" else blk.q_len
             grid = (cdiv(rows, _tile_rows(variant, tiled)), Hkv if tiled == "key" else H, B)
-            ops.launch_step(variant, grid, params, blk.masked)
+            if i > 0 or hopper is None:
+                ops.launch_step(variant, grid, params, blk.masked)
+                continue
+            _launch_hopper(ops, hopper, operands, blk, ops.step_flag(blk.masked, flag), ctx.scale,
+                           heads)
+            if blk.masked:
+                careful = ops.variant(family + CAREFUL_SUFFIX, ctx.dtype, D)
+                ops.function(careful.name)(grid, (careful.launch.threads,), (params,),
+                                           shared_mem=careful.launch.smem_bytes)
+
+
+def _launch_hopper(ops, hopper, operands: tuple, blk: Block, flag, scale: float,
+                   heads: tuple) -> None:
+    """One Block through flash_bwd_dkdv_sm90: tensor maps of the Block's q, dO, k and v rows,
+    grid (ceil(k_len / 128), Hkv, B); it returns at once when `flag` is set."""
+    H, Hkv, B = heads
+    qp, dop, k, v, lse, delta, dq, dk, dv, _ = operands
+    cfg = hopper.launch
+    maps = (tensor_map_4d_rows(ops.backend, qp, blk.q_start, blk.q_len, cfg.block_m),
+            tensor_map_4d_rows(ops.backend, dop, blk.q_start, blk.q_len, cfg.block_m),
+            tensor_map_4d_rows(ops.backend, k, blk.k_start, blk.k_len, cfg.block_n),
+            tensor_map_4d_rows(ops.backend, v, blk.k_start, blk.k_len, cfg.block_n))
+    params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale)
+    ops.function(hopper.name)((cdiv(blk.k_len, cfg.block_n), Hkv, B), (cfg.threads,), (params,),
+                              shared_mem=cfg.smem_bytes)
 
 
 def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],

@@ -31,6 +31,7 @@ import numpy as np
 from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_LIST_FAMILY,
                                   careful_twin, nonfinite_flag_variant)
 from ...build import all_variants
+from ...build.bwd_variants import SM90_DKDV_FAMILIES, SM90_DKDV_HEADDIMS
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
@@ -143,6 +144,9 @@ class KernelOps(LocalOps):
         # a step of many small Blocks on the sm_90a table: the Hopper list kernel (True) or the
         # mma.sync one (False, for comparison; see SM90_MAX_RECTS)
         self.sm90_lists = True
+        # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
+        # allows it (True), or the mma.sync one (False, for comparison)
+        self.sm90_backward = True
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
@@ -408,24 +412,88 @@ class KernelOps(LocalOps):
         plain = self.variant("forward", state.dtype, state.headdim)
         if not (state.scale > 0 and self._sm90_checked(hopper, state.q.dtype)):
             return plain
-        if self._sm90_runs(state, blocks):
+        if self._sm90_runs(blocks, state.q.shape, state.scale):
             return hopper
         if self.sm90_lists and listable(blocks, ["query"]):
             return self.variant(SM90_LIST_FAMILY, state.dtype, state.headdim)
         return plain
 
     @staticmethod
-    def _sm90_runs(state: ForwardState, blocks: Sequence[Block]) -> bool:
-        """Whether the Hopper kernel takes this step (SM90_MAX_RECTS, SM90_MIN_FLOP_PER_RECT): it
-        folds the scale into its exponent after a max over raw scores, which needs a softmax
-        scale > 0 (0 or below: the mma.sync kernels, which scale first)."""
-        if not state.scale > 0:
+    def _sm90_runs(blocks: Sequence[Block], q_shape: tuple, scale: float) -> bool:
+        """Whether a Hopper kernel takes a step of `blocks` over queries of `q_shape` (B, S, H, D)
+        (SM90_MAX_RECTS, SM90_MIN_FLOP_PER_RECT): the forward folds the scale into its exponent
+        after a max over raw scores, the backward masks scores to -inf before scaling, which both
+        need a softmax scale > 0 (0 or below: the mma.sync kernels, which scale first)."""
+        if not scale > 0:
             return False
         if len(blocks) <= SM90_MAX_RECTS:
             return True
-        B, _, H, D = state.q.shape
+        B, _, H, D = q_shape
         area = sum(blk.q_len * blk.k_len for blk in blocks)
         return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
+
+    def hopper_backward(self, family: str, dtype: str, headdim: int, blocks: Sequence[Block],
+                        q_shape: tuple, scale: float) -> KernelVariant | None:
+        """The Hopper dK/dV step (kernels/flash_bwd_sm90.cu) that takes the place of `family`
+        ("bwd_dkdv" or "bwd_dkdv_nodq") for a step of `blocks`, a launch a Block; None where the
+        mma.sync kernels run it: another tile table than "sm_90a", `sm90_backward` off, a head
+        dim the Hopper family does not run natively (it runs 64 and 128; the mma.sync family's
+        native head dim decides, as `forward_variant` does), or a step `_sm90_runs` refuses."""
+        if self.arch != "sm_90a" or not self.sm90_backward:
+            return None
+        hopper_family = SM90_DKDV_FAMILIES[family == "bwd_dkdv"]
+        plain = self.variant(family, dtype, headdim)
+        if plain.headdim not in SM90_DKDV_HEADDIMS or not self._sm90_runs(blocks, q_shape, scale):
+            return None
+        hopper = self.variant(hopper_family, dtype, headdim)
+        return hopper if self._sm90_backward_checked(hopper) else None
+
+    def _sm90_backward_checked(self, hopper: KernelVariant) -> bool:
+        """`_sm90_checked` for the Hopper backward: the first use of `hopper` on a device runs a
+        backward step with it and with the mma.sync kernels (B = 2, H = 4 on Hkv = 2, a causal
+        block of 320 rows from q row 32 and k row 64, lse drawn near the scores' log-sum-exp);
+        dq, dk and dv must agree within 8 eps of each one's magnitude, else it warns and this
+        process keeps the mma.sync kernels for that variant."""
+        key = self._first_use_key(hopper)
+        if not self.first_use_check or key in _SM90_FIRST_USE:
+            return _SM90_FIRST_USE.get(key, True)
+        xp, d, n = self.xp, hopper.headdim, 320
+        rng = np.random.default_rng(0)
+
+        def rand(*shape, dtype=hopper.dtype):
+            return xp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+        q, dout = rand(2, n + 32, 4, d), rand(2, n + 32, 4, d)
+        k, v = rand(2, n + 64, 2, d), rand(2, n + 64, 2, d)
+        lse = xp.abs(rand(2, 4, n + 32, dtype=np.float32)) + np.float32(4)
+        delta = rand(2, 4, n + 32, dtype=np.float32)
+        blocks = [Block(32, n, 64, n, 0, 0, True)]
+        saved, error, worst, grads = self.sm90_backward, "", 0.0, []
+        _SM90_FIRST_USE[key] = True   # the check's own step takes the Hopper kernel
+        try:
+            for hopper_on in (True, False):
+                self.sm90_backward = hopper_on
+                ctx = self.backward_init(k, v, 1.0 / math.sqrt(d))
+                dq = xp.zeros(q.shape, dtype=np.float32)
+                self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+                grads.append([np.asarray(xp.asnumpy(x) if xp is not np else x, np.float64)
+                              for x in (dq, *self.backward_finalize(ctx, np.float32))])
+            for got, want in zip(*grads):
+                err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+                worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.sm90_backward = saved
+        ok = not error and worst <= 1.0
+        _SM90_FIRST_USE[key] = ok
+        if not ok:
+            why = error or f"differs from the mma.sync kernels by {worst:.3g} x the tolerance"
+            warnings.warn(f"burstcu: the Hopper backward kernel {hopper.name} failed its first-use "
+                          f"check on this GPU ({why}); this process runs the mma.sync kernels for "
+                          f"it instead (please report it, with `python -m burstcu.selftest "
+                          f"--full`)", RuntimeWarning, stacklevel=4)
+        return ok
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""

@@ -230,9 +230,14 @@ FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32"),
     ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr")])
+BWD_STEP_SM90 = CStruct("BwdStepSm90Params", [
+    ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("lse", "ptr"),
+    ("delta", "ptr"), ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("nonfinite", "ptr"),
+    ("dq_stride", ROW_STRIDES), ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES),
+    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
-                 BWD_DELTA, BWD_STEP, FWD_STEP_SM90)
+                 BWD_DELTA, BWD_STEP, FWD_STEP_SM90, BWD_STEP_SM90)
 
 
 def _shared_strides(n: int, x, *others) -> tuple[int, ...]:
@@ -399,3 +404,17 @@ def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, bloc
         scale=scale, rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
         n_groups=0 if groups is None else groups.n_groups)
+
+
+def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: Block,
+                         heads: int, kv_heads: int, scale: float) -> np.void:
+    """BwdStepSm90Params: `maps` the tensor maps (q, dO, k, v) of the block's rows (128 uint8
+    each, `burstcu.ops.cuda.tensor_map`); lse, delta (B, H, Sq) float32 sharing strides, rows
+    contiguous; dq (B, Sq, H, D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides;
+    nonfinite a device int32."""
+    q_map, do_map, k_map, v_map = maps
+    return BWD_STEP_SM90.pack(
+        q_map=q_map, do_map=do_map, k_map=k_map, v_map=v_map, lse=lse, delta=delta, dq=dq, dk=dk,
+        dv=dv, nonfinite=nonfinite, dq_stride=_shared_strides(3, dq),
+        dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, lse, delta),
+        blk=block_rect(block), H=heads, Hkv=kv_heads, scale=scale)

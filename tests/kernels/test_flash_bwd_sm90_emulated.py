@@ -1,0 +1,170 @@
+"""The Hopper backward (kernels/flash_bwd_sm90.cu: wgmma, TMA, mbarriers) on the CPU emulator, or
+a GPU with BURSTCU_KERNEL_TEST_BACKEND=cupy, against float64.
+
+On the "sm_90a" table `KernelOps.backward_step` runs flash_bwd_dkdv_sm90 in place of the mma.sync
+dK/dV kernel (with atomic dQ, or without it beside the mma.sync dQ kernel in the deterministic
+mode) for head dims whose native size is 64 or 128. The cases and the tolerance (FlashAttention's
+rule against float64) are test_flash_bwd_emulated.py's; each test also counts the launches, so a
+silent fall back to the mma.sync kernels fails it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from burstcu.layout import Block
+from tests.kernels.backend import BACKEND, kernel_ops
+from tests.kernels.test_flash_bwd_emulated import assert_fa_rule, make_inputs, run_case, CASES
+from tests.kernels.test_flash_fwd_emulated import _counting
+
+pytestmark = pytest.mark.emulated
+
+HOPPER = "flash_bwd_dkdv_sm90"
+
+
+def hopper_ops(deterministic: bool = False, randomize: bool = False):
+    return kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a")
+
+
+def assert_launches(counts: dict, case: str, deterministic: bool) -> None:
+    """One Hopper launch a Block; the mma.sync dK/dV kernel only as the careful twin of a Block
+    with masked pairs (it returns at once: the flag is not set), the dQ kernel (deterministic)
+    a launch a Block plus its twin."""
+    blocks = [blk for call in CASES[case][5] for blk in call]
+    masked = sum(blk.masked for blk in blocks)
+    assert counts.get(HOPPER) == len(blocks), counts
+    assert counts.get("flash_bwd_dkdv", 0) == masked, counts
+    assert counts.get("flash_bwd_dq", 0) == ((len(blocks) + masked) if deterministic else 0), counts
+    assert "flash_bwd_dkdv_steps" not in counts and "flash_bwd_dq_steps" not in counts, counts
+
+
+# every case, head dim (64: 128-row query tiles; 128: 64-row ones), dtype and mode at least once
+@pytest.mark.parametrize("case,d,dtype,deterministic", [
+    ("full_ragged", 128, "bfloat16", False),
+    ("causal_offsets", 128, "float16", False),
+    ("masked_rows", 64, "bfloat16", False),
+    ("window_causal", 128, "float16", False),
+    ("window_both", 64, "float16", True),
+    ("window_left", 64, "float16", False),
+    ("small_ragged", 64, "bfloat16", True),
+    ("zigzag_two_calls", 128, "bfloat16", True),
+])
+def test_step_matches_reference(case, d, dtype, deterministic):
+    ops = hopper_ops(deterministic)
+    counts = _counting(ops)
+    got, ref, naive = run_case(ops, dtype, d, case)
+    assert_launches(counts, case, deterministic)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(name, g, r, n)
+
+
+def test_head_dims_padded_to_64_and_128():
+    """d = 40 and 100 run the Hopper kernel at 64 and 128 (zero-padded columns)."""
+    for d in (40, 100):
+        ops = hopper_ops()
+        counts = _counting(ops)
+        got, ref, naive = run_case(ops, "float16", d, "small_ragged")
+        assert counts.get(HOPPER) == 1, (d, counts)
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_fa_rule(f"{name}, d {d}", g, r, n)
+
+
+@pytest.mark.parametrize("arch,d,scale,n_blocks,hopper", [
+    ("sm_90a", 64, 0.125, 1, True),
+    ("sm_90a", 128, 0.125, 4, True),
+    ("sm_90a", 100, 0.125, 1, True),     # runs at 128
+    ("sm_90a", 32, 0.125, 1, False),     # native 32: the mma.sync kernel, not a padded 64
+    ("sm_90a", 80, 0.125, 1, False),     # native 96
+    ("sm_90a", 256, 0.125, 1, False),    # dK + dV of 256 columns exceed the registers
+    ("sm_90a", 64, 0.0, 1, False),       # scale <= 0: the kernel masks before scaling
+    ("sm_90a", 64, 0.125, 5, False),     # many small Blocks: the mma.sync list kernel
+    (None, 64, 0.125, 1, False),         # another table
+])
+def test_which_kernel_runs_the_step(arch, d, scale, n_blocks, hopper):
+    ops = kernel_ops(arch=arch).ops
+    blocks = [Block(40 * i, 40, 40 * i, 40, 0, 0, False) for i in range(n_blocks)]
+    for family in ("bwd_dkdv", "bwd_dkdv_nodq"):
+        got = ops.hopper_backward(family, "float16", d, blocks, (1, 40 * n_blocks, 2, d), scale)
+        assert (got is not None) == hopper, (family, got)
+        if hopper:
+            assert got.family == family + "_sm90", got
+    ops.sm90_backward = False
+    assert ops.hopper_backward("bwd_dkdv", "float16", 64, blocks[:1], (1, 40, 2, 64), 0.125) is None
+
+
+def test_deterministic_mode_is_bitwise_repeatable():
+    """dK, dV from the Hopper kernel (one writer a row, a fixed order) and dQ from the mma.sync dQ
+    kernel: two runs give the same bits, also with the emulator's shuffled thread order."""
+    runs = [run_case(hopper_ops(True, randomize=randomize), "bfloat16", 128, "causal_offsets")[0]
+            for randomize in (False, True)]
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert np.array_equal(a, b), name
+
+
+def test_rows_outside_the_block_are_never_read():
+    """Inf/NaN in q, dO, k and v rows past a Block without masked pairs (the nonfinite flag is not
+    even computed): the tensor maps cover the Block's rows only, so every gradient equals the run
+    on the same inputs with those rows zeroed; the rows past the Block get no dk, dv."""
+    B, S, H, HKV, D, n = 1, 200, 2, 1, 64, 150
+    blocks = [Block(0, n, 0, n, 0, 0, False)]
+    x = dict(zip(("q", "k", "v", "dout"), make_inputs("float16", B, S, S, H, HKV, D, seed=5)))
+    bad = {name: a.copy() for name, a in x.items()}
+    for name, value in (("q", np.nan), ("k", np.inf), ("v", np.nan), ("dout", -np.inf)):
+        bad[name][:, n:] = value
+        x[name][:, n:] = 0
+    rng = np.random.default_rng(6)
+    lse = rng.standard_normal((B, H, S)).astype(np.float32) + 6
+    delta = rng.standard_normal((B, H, S)).astype(np.float32)
+    grads = []
+    for inputs in (x, bad):
+        ops = hopper_ops()
+        counts = _counting(ops)
+        ctx = ops.backward_init(inputs["k"], inputs["v"], 0.125)
+        dq = np.zeros((B, S, H, D), np.float32)
+        ops.backward_step(ctx, inputs["q"], inputs["dout"], lse, delta, dq, blocks)
+        assert counts == {HOPPER: 1}, counts
+        grads.append((dq, *ops.backward_finalize(ctx, np.float32)))
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert np.isfinite(b).all(), name
+        assert np.array_equal(a, b), name
+    assert not grads[1][1][:, n:].any() and not grads[1][2][:, n:].any()
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="the check's own path, on the emulator")
+@pytest.mark.parametrize("broken", [False, True])
+def test_first_use_check(monkeypatch, broken):
+    """On a GPU the first use of a Hopper backward variant runs a step with it and with the
+    mma.sync kernels (`KernelOps._sm90_backward_checked`). A correct kernel passes silently and
+    is used; one whose results differ (here: launched with twice the softmax scale) warns, and
+    the process keeps the mma.sync kernels for that variant, so the caller's gradients are right."""
+    from burstcu.ops.cuda import backward as backward_module
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    ops = hopper_ops()
+    ops.ops.first_use_check = True  # as on a GPU
+    hopper = ops.ops.variant("bwd_dkdv_sm90", "bfloat16", 64)
+    key = ops.ops._first_use_key(hopper)
+    kops._SM90_FIRST_USE.pop(key, None)
+    if broken:
+        launch = backward_module._launch_hopper
+        monkeypatch.setattr(backward_module, "_launch_hopper",
+                            lambda o, v, operands, blk, flag, scale, heads:
+                            launch(o, v, operands, blk, flag, 2 * scale, heads))
+    try:
+        counts = _counting(ops)
+        if broken:
+            with pytest.warns(RuntimeWarning, match="Hopper backward kernel .* failed its first-use"):
+                got, ref, naive = run_case(ops, "bfloat16", 64, "small_causal")
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning: it passes
+                got, ref, naive = run_case(ops, "bfloat16", 64, "small_causal")
+        assert kops._SM90_FIRST_USE[key] is not broken
+        assert counts.get(HOPPER) == (1 if broken else 2), counts   # the check's, then the step's
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_fa_rule(name, g, r, n)
+    finally:
+        kops._SM90_FIRST_USE.pop(key, None)
