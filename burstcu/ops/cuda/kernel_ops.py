@@ -95,6 +95,27 @@ class ForwardState:
     keep: list = field(default_factory=list)
 
 
+def _first_use_verdict(key: tuple, hopper: KernelVariant, what: str, pairs: Sequence[tuple],
+                       error: str) -> bool:
+    """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passed its first-use check
+    (`KernelOps._sm90_checked`, `_sm90_backward_checked`): no `error` from its run, and each (got,
+    want) pair of float64 results (Hopper, mma.sync) within 8 eps of want's magnitude. Recorded
+    in _SM90_FIRST_USE under `key`; a failure warns."""
+    worst = 0.0
+    for got, want in pairs:
+        err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+        worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
+    ok = not error and worst <= 1.0
+    _SM90_FIRST_USE[key] = ok
+    if not ok:
+        why = error or f"differs from the mma.sync kernels by {worst:.3g} x the tolerance"
+        warnings.warn(f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use "
+                      f"check on this GPU ({why}); this process runs the mma.sync kernels for "
+                      f"it instead (please report it, with `python -m burstcu.selftest "
+                      f"--full`)", RuntimeWarning, stacklevel=5)
+    return ok
+
+
 class KernelOps(LocalOps):
     """LocalOps whose steps are the CUDA kernels (see the module docstring).
 
@@ -271,7 +292,7 @@ class KernelOps(LocalOps):
         poisoned[:, :64] = float("nan")
         blocks = [Block(32, n, 64, n, 0, 0, True)]
         plain = self.variant("forward", hopper.dtype, d)
-        saved, error, worst = self.sm_count, "", 0.0
+        saved, error, pairs = self.sm_count, "", []
         try:
             self.sm_count = 2
             for values in (v, poisoned):
@@ -281,22 +302,12 @@ class KernelOps(LocalOps):
                     self._fold(variant, state, k, values, blocks)
                     out = self.forward_finalize(state, np.float32)[0]
                     outs.append(np.asarray(xp.asnumpy(out) if xp is not np else out, np.float64))
-                got, want = outs
-                err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
-                worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
+                pairs.append(tuple(outs))
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.sm_count = saved
-        ok = not error and worst <= 1.0
-        _SM90_FIRST_USE[key] = ok
-        if not ok:
-            why = error or f"differs from the mma.sync kernel by {worst:.3g} x the tolerance"
-            warnings.warn(f"burstcu: the Hopper forward kernel {hopper.name} failed its first-use "
-                          f"check on this GPU ({why}); this process runs the mma.sync kernel for "
-                          f"it instead (please report it, with `python -m burstcu.selftest "
-                          f"--full`)", RuntimeWarning, stacklevel=3)
-        return ok
+        return _first_use_verdict(key, hopper, "forward", pairs, error)
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -468,7 +479,7 @@ class KernelOps(LocalOps):
         lse = xp.abs(rand(2, 4, n + 32, dtype=np.float32)) + np.float32(4)
         delta = rand(2, 4, n + 32, dtype=np.float32)
         blocks = [Block(32, n, 64, n, 0, 0, True)]
-        saved, error, worst, grads = self.sm90_backward, "", 0.0, []
+        saved, error, grads = self.sm90_backward, "", []
         _SM90_FIRST_USE[key] = True   # the check's own step takes the Hopper kernel
         try:
             for hopper_on in (True, False):
@@ -478,22 +489,12 @@ class KernelOps(LocalOps):
                 self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
                 grads.append([np.asarray(xp.asnumpy(x) if xp is not np else x, np.float64)
                               for x in (dq, *self.backward_finalize(ctx, np.float32))])
-            for got, want in zip(*grads):
-                err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
-                worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.sm90_backward = saved
-        ok = not error and worst <= 1.0
-        _SM90_FIRST_USE[key] = ok
-        if not ok:
-            why = error or f"differs from the mma.sync kernels by {worst:.3g} x the tolerance"
-            warnings.warn(f"burstcu: the Hopper backward kernel {hopper.name} failed its first-use "
-                          f"check on this GPU ({why}); this process runs the mma.sync kernels for "
-                          f"it instead (please report it, with `python -m burstcu.selftest "
-                          f"--full`)", RuntimeWarning, stacklevel=4)
-        return ok
+        return _first_use_verdict(key, hopper, "backward", list(zip(*grads)) if not error else [],
+                                  error)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
