@@ -38,9 +38,9 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
     consumer:  wait kv_full; for each query tile i (stage s):
                    wait full[s]; S^T = K Q_i^T, dP^T = V dO_i^T; wait_group 0
                    mask, P^T, dS^T -> A fragments
-                   issue dV += P^T dO_i, dK += dS^T Q_i
-                   (DQ, while they run) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
-                   wait_group 0; arrive empty[s]
+                   issue dV += P^T dO_i
+                   (DQ, while it runs) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
+                   issue dK += dS^T Q_i; wait_group 0; arrive empty[s]
                    (DQ) dQ_blk = dS K; wait_group 0; atomicAdd dQ_blk
     No overlap yet between one tile's softmax and the next tile's products (FlashAttention-3 runs
     two query tiles in flight and a separate dQ writer warp): the first Hopper backward is the
@@ -302,7 +302,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     accumulator_as_a<T, BM>(st, pa);
     accumulator_as_a<T, BM>(dpt, dsa);
 
-    // ---- dV += P^T dO, dK += dS^T Q (A from registers); meanwhile (DQ) dS^T into shared memory
+    // ---- dV += P^T dO (A from registers); meanwhile (DQ) dS^T into shared memory; dK += dS^T Q
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);
     wgmma_fence_operand(pa);
@@ -311,17 +311,15 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
 #pragma unroll
     for (int kc = 0; kc < BM / 16; ++kc)
       wgmma_rs<T, D, 1>(dv, pa[kc], wgmma_desc_at(dot_base, q_off + kc * 2048), true);
-#pragma unroll
-    for (int kc = 0; kc < BM / 16; ++kc)
-      wgmma_rs<T, D, 1>(dk, dsa[kc], wgmma_desc_at(qt_base, q_off + kc * 2048), true);
     wgmma_commit();
     if constexpr (DQ) {
-      // dS^T (rounded as dsa holds it: reading a register operand in flight is allowed, writing
-      // it is not) into the shared dS tile, query rows x keys, K-major. The thread's key kl = 64 wg
-      // + 16 warp + g (+8) sits in column block wg, 16-byte chunk 2 warp (+1) of its row; query qi
-      // = 8j + 2tq (+1) is the row, whose chunks the 128-byte swizzle permutes by qi % 8 = 2tq
-      // (+1). So an element's byte is one of four per-thread bases (+8 key, +1 query) plus 1024 j:
-      // held as four values, not one address an element (ptxas hoisted those: 124-256 B spilled).
+      // dS^T (rounded as dsa holds it) into the shared dS tile, before dK += dS^T Q is issued:
+      // the A registers of a wgmma in flight may not even be read (PTX ISA, wgmma.wait_group).
+      // Query rows x keys, K-major: the thread's key kl = 64 wg + 16 warp + g (+8) sits in column
+      // block wg, 16-byte chunk 2 warp (+1) of its row; query qi = 8j + 2tq (+1) is the row, whose
+      // chunks the 128-byte swizzle permutes by qi % 8 = 2tq (+1). So an element's byte is one of
+      // four per-thread offsets (+8 key, +1 query) plus 1024 j: four values held, not one address
+      // an element (ptxas hoisted those out of the tile loop and spilled 124-256 bytes).
       named_bar_sync(kDsFreeBar, kConsumers);
       int ds_at[2][2];  // [key +8][query +1]: byte offsets in shared memory
 #pragma unroll
@@ -339,7 +337,12 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
         }
       fence_proxy_async();
       named_bar_sync(kDsReadyBar, kConsumers);
+      wgmma_fence();
     }
+#pragma unroll
+    for (int kc = 0; kc < BM / 16; ++kc)
+      wgmma_rs<T, D, 1>(dk, dsa[kc], wgmma_desc_at(qt_base, q_off + kc * 2048), true);
+    wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);

@@ -67,9 +67,10 @@ def test_emulated_kernels_on_the_ring(world, dtype):
 @pytest.mark.emulated
 @pytest.mark.parametrize("world", [2, 4])
 def test_emulated_hopper_kernels_on_the_ring(world):
-    """The ring with the Hopper forward kernel (kernels/flash_fwd_sm90.cu, arch="sm_90a": wgmma,
-    TMA, mbarriers in the emulator) as the forward LAO of every step, zigzag causal (steps with
-    and without masked pairs) and a full contiguous case, forward and backward vs float64; 288
+    """The ring with the Hopper kernels (kernels/flash_fwd_sm90.cu and flash_bwd_sm90.cu,
+    arch="sm_90a": wgmma, TMA, mbarriers in the emulator) as the local op of every step, zigzag
+    causal (steps with and without masked pairs) and a full contiguous case, forward and backward
+    (dK/dV with atomic dQ) vs float64; 288
     rows a rank, so blocks span several 128-key tiles and the pipelines run their steady state."""
     cases = [dict(b=1, h=4, hkv=2, d=64, causal=True, layout="zigzag"),
              dict(b=1, h=2, hkv=2, d=128, causal=False, layout="contiguous")]

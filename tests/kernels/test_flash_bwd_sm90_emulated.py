@@ -168,3 +168,27 @@ def test_first_use_check(monkeypatch, broken):
             assert_fa_rule(name, g, r, n)
     finally:
         kops._SM90_FIRST_USE.pop(key, None)
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="the check's own path, on the emulator")
+def test_first_use_check_runs_the_variant_it_judges():
+    """The deterministic mode's variant (no dQ) is checked by a step that runs it, not by one
+    through the atomic-dQ variant: only its verdict is recorded."""
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    ops = hopper_ops(deterministic=True)
+    ops.ops.first_use_check = True
+    keys = {with_dq: ops.ops._first_use_key(ops.ops.variant(family, "float16", 128))
+            for with_dq, family in ((True, "bwd_dkdv_sm90"), (False, "bwd_dkdv_nodq_sm90"))}
+    for key in keys.values():
+        kops._SM90_FIRST_USE.pop(key, None)
+    try:
+        counts = _counting(ops)
+        got, ref, naive = run_case(ops, "float16", 128, "small_causal")
+        assert kops._SM90_FIRST_USE.get(keys[False]) is True and keys[True] not in kops._SM90_FIRST_USE
+        assert counts.get(HOPPER) == 2 and not ops.ops._sm90_checking, counts
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_fa_rule(name, g, r, n)
+    finally:
+        for key in keys.values():
+            kops._SM90_FIRST_USE.pop(key, None)

@@ -96,11 +96,11 @@ class ForwardState:
 
 
 def _first_use_verdict(key: tuple, hopper: KernelVariant, what: str, pairs: Sequence[tuple],
-                       error: str) -> bool:
+                       error: str, stacklevel: int) -> bool:
     """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passed its first-use check
     (`KernelOps._sm90_checked`, `_sm90_backward_checked`): no `error` from its run, and each (got,
     want) pair of float64 results (Hopper, mma.sync) within 8 eps of want's magnitude. Recorded
-    in _SM90_FIRST_USE under `key`; a failure warns."""
+    in _SM90_FIRST_USE under `key`; a failure warns (at the caller `stacklevel` frames up)."""
     worst = 0.0
     for got, want in pairs:
         err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
@@ -112,7 +112,7 @@ def _first_use_verdict(key: tuple, hopper: KernelVariant, what: str, pairs: Sequ
         warnings.warn(f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use "
                       f"check on this GPU ({why}); this process runs the mma.sync kernels for "
                       f"it instead (please report it, with `python -m burstcu.selftest "
-                      f"--full`)", RuntimeWarning, stacklevel=5)
+                      f"--full`)", RuntimeWarning, stacklevel=stacklevel)
     return ok
 
 
@@ -168,6 +168,7 @@ class KernelOps(LocalOps):
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
+        self._sm90_checking: set = set()   # Hopper backward variants whose first-use check runs
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
@@ -307,7 +308,7 @@ class KernelOps(LocalOps):
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.sm_count = saved
-        return _first_use_verdict(key, hopper, "forward", pairs, error)
+        return _first_use_verdict(key, hopper, "forward", pairs, error, stacklevel=4)
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -466,6 +467,8 @@ class KernelOps(LocalOps):
         dq, dk and dv must agree within 8 eps of each one's magnitude, else it warns and this
         process keeps the mma.sync kernels for that variant."""
         key = self._first_use_key(hopper)
+        if key in self._sm90_checking:
+            return True   # the check's own step
         if not self.first_use_check or key in _SM90_FIRST_USE:
             return _SM90_FIRST_USE.get(key, True)
         xp, d, n = self.xp, hopper.headdim, 320
@@ -479,11 +482,16 @@ class KernelOps(LocalOps):
         lse = xp.abs(rand(2, 4, n + 32, dtype=np.float32)) + np.float32(4)
         delta = rand(2, 4, n + 32, dtype=np.float32)
         blocks = [Block(32, n, 64, n, 0, 0, True)]
-        saved, error, grads = self.sm90_backward, "", []
-        _SM90_FIRST_USE[key] = True   # the check's own step takes the Hopper kernel
+        # the check's own step runs `hopper` (with dQ or without, as its family says), the
+        # verdict False until it has passed
+        saved = (self.sm90_backward, self.deterministic)
+        error, grads = "", []
+        _SM90_FIRST_USE[key] = False
+        self._sm90_checking.add(key)
         try:
             for hopper_on in (True, False):
                 self.sm90_backward = hopper_on
+                self.deterministic = hopper.family == SM90_DKDV_FAMILIES[False]
                 ctx = self.backward_init(k, v, 1.0 / math.sqrt(d))
                 dq = xp.zeros(q.shape, dtype=np.float32)
                 self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
@@ -492,9 +500,10 @@ class KernelOps(LocalOps):
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            self.sm90_backward = saved
+            self.sm90_backward, self.deterministic = saved
+            self._sm90_checking.discard(key)
         return _first_use_verdict(key, hopper, "backward", list(zip(*grads)) if not error else [],
-                                  error)
+                                  error, stacklevel=5)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
