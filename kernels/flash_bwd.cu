@@ -51,7 +51,7 @@
 //       kernel serves both (LIST false / true), the one-rectangle kernels unchanged.
 //
 // On Hopper (the "sm_90a" table) flash_bwd_sm90.cu's flash_bwd_dkdv_sm90 (wgmma, TMA) takes the
-// place of flash_bwd_dkdv for head dims 64 and 128; the deterministic dQ kernel, the lists and
+// place of flash_bwd_dkdv for head dims 64, 128 and 256; the deterministic dQ kernel, the lists and
 // the careful twins stay here.
 //
 // Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the

@@ -17,9 +17,9 @@ Families (every one compiled for float16 and bfloat16):
   run instead of the plain kernel for a block (a list: a step) with masked pairs when q, dO, K,
   V or delta could make a product there non-finite.
 * ``bwd_dkdv_sm90`` / ``bwd_dkdv_nodq_sm90`` (tile table "sm_90a" only, compiled for sm_90a):
-  ``flash_bwd_dkdv_sm90<T, D, BM, STAGES, DQ>`` of kernels/flash_bwd_sm90.cu, head dims 64 and
-  128: ``bwd_dkdv`` / ``bwd_dkdv_nodq`` on wgmma and TMA, 128 keys a block of threads (a producer
-  warpgroup, two consumers). A block with masked pairs pairs it with the mma.sync
+  ``flash_bwd_dkdv_sm90<T, D, BM, STAGES, DQ>`` of kernels/flash_bwd_sm90.cu, head dims 64, 128
+  and 256: ``bwd_dkdv`` / ``bwd_dkdv_nodq`` on wgmma and TMA, 128 keys a block of threads (64 at
+  d = 256; a producer warpgroup, two consumers). A block with masked pairs pairs it with the mma.sync
   ``bwd_dkdv_careful`` (or ``_nodq_careful``) twin, which runs when the inputs may hold Inf/NaN.
 
 Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
@@ -38,11 +38,11 @@ SOURCE = "flash_bwd.cu"
 SM90_SOURCE = "flash_bwd_sm90.cu"
 SM90_DKDV_FAMILIES = {True: "bwd_dkdv_sm90", False: "bwd_dkdv_nodq_sm90"}  # by with_dq
 SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
-SM90_BLOCK_N = 128   # keys a block of threads: 64 a consumer (one wgmma m64)
-# (BM query rows a tile, STAGES of Q/dO) per head dim: S^T and dP^T take BM/2 registers a
-# consumer thread each, dK and dV D/2 each; BM x D = 8192 keeps the dQ block of a consumer 64 x 64.
+# (BM query rows a tile, BN keys a block of threads, STAGES of Q/dO) per head dim: S^T and dP^T
+# take BM/2 registers a consumer thread each, dK and dV D/2 each (at D = 256 the two consumers
+# split the head dims: 64 each, over 64 keys); a consumer's dQ block is 64 x 64 (64 x 128 at 256).
 # Not measured on a GPU yet: the first table.
-_SM90_DKDV_TILES = {64: (128, 2), 128: (64, 2)}
+_SM90_DKDV_TILES = {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
 SM90_DKDV_HEADDIMS = tuple(_SM90_DKDV_TILES)
 DELTA_THREADS = 128  # four warps, one (b, s, h) row each
 DELTA_ROWS_PER_BLOCK = DELTA_THREADS // 32
@@ -91,12 +91,12 @@ def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
     return (2 * bm + 4 * bn) * (d + _PAD) * itemsize
 
 
-def sm90_dkdv_smem_bytes(d: int, bm: int, stages: int, with_dq: bool) -> int:
+def sm90_dkdv_smem_bytes(d: int, bm: int, bn: int, stages: int, with_dq: bool) -> int:
     """Dynamic smem of flash_bwd_dkdv_sm90 (bwd90::Smem in flash_bwd_sm90.cu): 1024 B of alignment
-    slack, K and V (128 x D), STAGES x (Q, dO: BM x D), dS (BM x 128) with dQ, STAGES x (lse2,
+    slack, K and V (BN x D), STAGES x (Q, dO: BM x D), dS (BM x BN) with dQ, STAGES x (lse2,
     delta: BM fp32 each), 128 B of mbarriers."""
-    return (1024 + 2 * SM90_BLOCK_N * d * 2 + stages * 2 * bm * d * 2
-            + (bm * SM90_BLOCK_N * 2 if with_dq else 0) + stages * 2 * bm * 4 + 128)
+    return (1024 + 2 * bn * d * 2 + stages * 2 * bm * d * 2 + (bm * bn * 2 if with_dq else 0)
+            + stages * 2 * bm * 4 + 128)
 
 
 def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool) -> KernelVariant:
@@ -104,14 +104,14 @@ def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool) -> KernelVariant:
     (dtype, head dim in SM90_DKDV_HEADDIMS)."""
     if d not in _SM90_DKDV_TILES:
         raise ValueError(f"the Hopper backward runs head dims {SM90_DKDV_HEADDIMS}, not {d}")
-    bm, stages = _SM90_DKDV_TILES[d]
+    bm, bn, stages = _SM90_DKDV_TILES[d]
     flag = "true" if with_dq else "false"
     return KernelVariant(
         family=SM90_DKDV_FAMILIES[with_dq], source=SM90_SOURCE,
         name=f"flash_bwd_dkdv_sm90<{CXX_TYPE[dtype]}, {d}, {bm}, {stages}, {flag}>",
         dtype=dtype, headdim=d,
-        launch=LaunchConfig(threads=SM90_THREADS, block_m=bm, block_n=SM90_BLOCK_N,
-                            smem_bytes=sm90_dkdv_smem_bytes(d, bm, stages, with_dq), stages=stages),
+        launch=LaunchConfig(threads=SM90_THREADS, block_m=bm, block_n=bn,
+                            smem_bytes=sm90_dkdv_smem_bytes(d, bm, bn, stages, with_dq), stages=stages),
         target="sm_90a")
 
 

@@ -3,7 +3,7 @@ a GPU with BURSTCU_KERNEL_TEST_BACKEND=cupy, against float64.
 
 On the "sm_90a" table `KernelOps.backward_step` runs flash_bwd_dkdv_sm90 in place of the mma.sync
 dK/dV kernel (with atomic dQ, or without it beside the mma.sync dQ kernel in the deterministic
-mode) for head dims whose native size is 64 or 128. The cases and the tolerance (FlashAttention's
+mode) for head dims whose native size is 64, 128 or 256. The cases and the tolerance (FlashAttention's
 rule against float64) are test_flash_bwd_emulated.py's; each test also counts the launches, so a
 silent fall back to the mma.sync kernels fails it.
 """
@@ -41,7 +41,8 @@ def assert_launches(counts: dict, case: str, deterministic: bool) -> None:
     assert "flash_bwd_dkdv_steps" not in counts and "flash_bwd_dq_steps" not in counts, counts
 
 
-# every case, head dim (64: 128-row query tiles; 128: 64-row ones), dtype and mode at least once
+# every case, head dim (64: 128-row query tiles; 128: 64-row ones; 256: 64-row tiles of 64 keys,
+# the consumers splitting the head dims), dtype and mode at least once
 @pytest.mark.parametrize("case,d,dtype,deterministic", [
     ("full_ragged", 128, "bfloat16", False),
     ("causal_offsets", 128, "float16", False),
@@ -51,6 +52,8 @@ def assert_launches(counts: dict, case: str, deterministic: bool) -> None:
     ("window_left", 64, "float16", False),
     ("small_ragged", 64, "bfloat16", True),
     ("zigzag_two_calls", 128, "bfloat16", True),
+    ("small_causal", 256, "bfloat16", False),   # 256: 64-key blocks, head dims split
+    ("causal_offsets", 256, "float16", True),
 ])
 def test_step_matches_reference(case, d, dtype, deterministic):
     ops = hopper_ops(deterministic)
@@ -78,7 +81,8 @@ def test_head_dims_padded_to_64_and_128():
     ("sm_90a", 100, 0.125, 1, True),     # runs at 128
     ("sm_90a", 32, 0.125, 1, False),     # native 32: the mma.sync kernel, not a padded 64
     ("sm_90a", 80, 0.125, 1, False),     # native 96
-    ("sm_90a", 256, 0.125, 1, False),    # dK + dV of 256 columns exceed the registers
+    ("sm_90a", 256, 0.125, 1, True),     # the consumers split the head dims, not the keys
+    ("sm_90a", 200, 0.125, 1, True),     # runs at 256
     ("sm_90a", 64, 0.0, 1, False),       # scale <= 0: the kernel masks before scaling
     ("sm_90a", 64, 0.125, 5, False),     # many small Blocks: the mma.sync list kernel
     (None, 64, 0.125, 1, False),         # another table

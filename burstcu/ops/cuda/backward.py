@@ -27,7 +27,7 @@ disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Bloc
 
 On the "sm_90a" table the Hopper dK/dV kernel (kernels/flash_bwd_sm90.cu: wgmma, TMA, warp
 specialisation) takes a step a launch a Block where `KernelOps.hopper_backward` allows it (head
-dims 64 and 128, a step of few or large Blocks, a softmax scale > 0, its first-use check passed
+dims 64, 128 and 256, a step of few or large Blocks, a softmax scale > 0, its first-use check passed
 on a GPU): with atomic dQ, or beside the mma.sync dQ kernel in the deterministic mode. A Block
 with masked pairs pairs it with the mma.sync careful twin, of which the nonfinite flag runs one.
 """

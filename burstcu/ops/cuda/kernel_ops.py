@@ -449,7 +449,7 @@ class KernelOps(LocalOps):
         """The Hopper dK/dV step (kernels/flash_bwd_sm90.cu) that takes the place of `family`
         ("bwd_dkdv" or "bwd_dkdv_nodq") for a step of `blocks`, a launch a Block; None where the
         mma.sync kernels run it: another tile table than "sm_90a", `sm90_backward` off, a head
-        dim the Hopper family does not run natively (it runs 64 and 128; the mma.sync family's
+        dim the Hopper family does not run natively (it runs 64, 128 and 256; the mma.sync family's
         native head dim decides, as `forward_variant` does), or a step `_sm90_runs` refuses."""
         if self.arch != "sm_90a" or not self.sm90_backward:
             return None
