@@ -1,7 +1,8 @@
 """One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on
 the same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels`
 (the step kernels alone through KernelOps, one step over every key: what a ring step costs; once
-per kernel table of --archs, each row naming the forward family that ran, sm90 or sm80), `api`
+per kernel table of --archs and dQ mode of --dq-modes, each row naming the forward and backward
+families that ran, sm90 or sm80), `api`
 (burstcu.attention / attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S,
 H, D) = (tokens/S, S, width/D, D); CUDA events around each call, median of --repeats after
 --warmup; FLOPs 4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host
@@ -10,7 +11,8 @@ pairs). --dry-run prints the plan without a GPU.
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
-        [--windows 512 ...] [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
+        [--windows 512 ...] [--dq-modes atomic deterministic] [--repeats 10] [--json F] [--table F]
+        [--plot F] [--dry-run]
 """
 
 from __future__ import annotations
@@ -136,6 +138,19 @@ def family(ops, dtype: str, headdim: int) -> str:
     return "sm90" if ops.forward_variant(dtype, headdim).family.startswith("forward_sm90") else "sm80"
 
 
+def bwd_family(ops, cfg: dict) -> str:
+    """Which dK/dV family `ops` runs for the configuration's one Block: "sm90" (the Hopper
+    kernel, KernelOps.hopper_backward) or "sm80"."""
+    from burstcu.layout import Block
+
+    s, d = cfg["seqlen"], cfg["headdim"]
+    blocks = [Block(0, s, 0, s, 0, 0, cfg["causal"])]
+    dkdv = "bwd_dkdv_nodq" if ops.deterministic else "bwd_dkdv"
+    shape = (cfg["batch"], s, cfg["heads"], d)
+    hopper = ops.hopper_backward(dkdv, cfg["dtype"], d, blocks, shape, 1.0 / math.sqrt(d))
+    return "sm80" if hopper is None else "sm90"
+
+
 def run_config(cfg, args, ops_by_arch) -> list[dict]:
     import cupy
     device_synchronize = cupy.cuda.runtime.deviceSynchronize   # every stream: CuPy's and torch's
@@ -143,13 +158,15 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
                            cfg["dtype"], 0)
     gflop = cfg["gflop"]
     rows = []
-    runs = [(impl, arch) for impl in args.impls
-            for arch in (ops_by_arch if impl == "kernels" else [None])]
-    for impl, arch in runs:
+    runs = [(impl, key) for impl in args.impls
+            for key in (ops_by_arch if impl == "kernels" else [None])]
+    for impl, key in runs:
         tags = {}
         if impl == "kernels":
-            ops = ops_by_arch[arch]
-            tags = {"arch": arch, "family": family(ops, cfg["dtype"], cfg["headdim"])}
+            ops = ops_by_arch[key]
+            tags = {"arch": key[0], "dq": key[1], "family": family(ops, cfg["dtype"], cfg["headdim"])}
+            if cfg["pass"] == "fwd+bwd":
+                tags["bwd_family"] = bwd_family(ops, cfg)
             fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
         elif impl == "api":
             fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
@@ -181,8 +198,8 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
     return rows
 
 
-COLUMNS = ["impl", "family", "pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
-           "heads", "ms", "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
+COLUMNS = ["impl", "family", "bwd_family", "dq", "pass", "dtype", "headdim", "seqlen", "causal",
+           "window", "batch", "heads", "ms", "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plot(rows, path) -> None:
@@ -190,15 +207,17 @@ def plot(rows, path) -> None:
     keys = sorted({(r["pass"], r["dtype"], r["headdim"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
     for ax, (pass_, dtype, d) in zip(axes[0], keys):
-        lines = sorted({(r["impl"], r.get("family")) for r in rows})
-        for impl, fam in lines:
+        lines = sorted({(r["impl"], r.get("family") or "", r.get("dq") or "") for r in rows})
+        for impl, fam, dq in lines:
             for causal, style in ((False, "-"), (True, "--")):
                 pts = [(r["seqlen"], r["tflops"]) for r in rows
-                       if (r["impl"], r.get("family")) == (impl, fam) and r["tflops"] and
+                       if (r["impl"], r.get("family") or "", r.get("dq") or "") == (impl, fam, dq)
+                       and r["tflops"] and
                        (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)]
                 if pts:
                     xs, ys = zip(*sorted(pts))
-                    name = f"{impl} {fam}" if fam else impl
+                    name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "")
+                                    if part)
                     ax.plot(xs, ys, style, marker="o", ms=3,
                             label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
@@ -230,6 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--sm90-head-group", type=int, default=None,
                    help="(batch, head) pairs whose tiles the Hopper kernel's grid takes together "
                         "(KernelOps.sm90_head_group; default: all)")
+    p.add_argument("--dq-modes", nargs="+", default=["atomic"], choices=["atomic", "deterministic"],
+                   help="the backward's dQ in the kernels rows: fp32 atomics, and/or the "
+                        "deterministic kernels (KernelOps(deterministic=True))")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
 
@@ -242,8 +264,10 @@ def main(argv=None) -> int:
         return 0
 
     from burstcu.ops.cuda.kernel_ops import KernelOps
-    ops_by_arch = {arch: KernelOps("cupy", arch=arch) for arch in args.archs} or {None: KernelOps("cupy")}
-    ops_by_arch = {ops.arch: ops for ops in ops_by_arch.values()}
+    # (the table the kernels run, dQ mode) -> KernelOps
+    ops_by_arch = {(ops.arch, dq): ops for dq in args.dq_modes
+                   for ops in [KernelOps("cupy", arch=arch, deterministic=dq == "deterministic")
+                               for arch in args.archs or [None]]}
     for ops in ops_by_arch.values():
         ops.sm90_head_group = args.sm90_head_group
     env = gpu_versions()

@@ -105,6 +105,7 @@ for s in "${steps[@]}"; do
              -k "causal_offsets or small_ragged" ;;
     hopper_bwd_bench) step hopper_bwd_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 \
              --passes fwd+bwd --impls kernels torch-flash torch-cudnn --headdims 64 128 256 \
+             --dq-modes atomic deterministic \
              --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
              --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
