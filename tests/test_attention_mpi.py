@@ -16,9 +16,11 @@ CASES = [dict(b=2, h=h, hkv=hkv, d=d, causal=causal, layout=layout)
          for (h, hkv, d), causal, layout in itertools.product(HEADS, (False, True), ("contiguous", "zigzag"))]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world,dtype", [
+    pytest.param(w, dt, marks=[pytest.mark.slow] if (w > 2 and dt == "float64") else [])
+    for dt in ("float32", "float64") for w in (1, 2, 3, 4)])
 def test_forward_backward_match_reference(world, dtype):
+    """Every world size in float32; float64 on 1 and 2 ranks (on 3 and 4 only with -m slow)."""
     # 38 local rows with 16 x 32 tiles: ragged last tiles, and zigzag halves of 19 rows
     results = run_mpi(world, "attention_matches_reference", dtype=dtype, cases=CASES,
                       seqlen_local=38, options={"tile_q": 16, "tile_k": 32})
@@ -77,6 +79,19 @@ def test_emulated_hopper_kernels_on_the_ring(world):
     run_mpi(world, "attention_matches_reference", backend="emulated", dtype="bfloat16",
             cases=cases, seqlen_local=288, options={"arch": "sm_90a"}, timeout=600)
 
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("strategy,world", [("ring", 2), ("usp", 4)])
+def test_emulated_hopper_kernels_under_ring_and_usp(strategy, world):
+    """The Hopper kernels (arch="sm_90a": flash_fwd_sm90.cu, flash_bwd_sm90.cu) as the local op of
+    the ring strategy (K/V and their gradients travel) and of USP (Ulysses inside pairs of ranks,
+    the ring across them), zigzag causal and contiguous full, forward and backward vs float64."""
+    cases = [dict(b=1, h=4, hkv=2, d=64, causal=True, layout="zigzag"),
+             dict(b=1, h=2, hkv=2, d=128, causal=False, layout="contiguous")]
+    run_mpi(world, "attention_matches_reference", backend="emulated", dtype="bfloat16",
+            cases=cases, seqlen_local=160, options={"arch": "sm_90a"}, strategy=strategy,
+            ulysses_degree=2 if strategy == "usp" else None, timeout=600)
 
 def test_unshard_rejects_mismatched_shapes():
     for rank, result in enumerate(run_mpi(3, "unshard_rejects_mismatched_shapes")):

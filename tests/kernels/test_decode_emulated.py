@@ -91,8 +91,16 @@ CASES = [  # (B, T, H, Hkv, D, cache rows, lengths)
 ]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}T{c[1]}H{c[2]}/{c[3]}d{c[4]}" for c in CASES])
+# (head dim, dtype) of the runs only -m slow takes: each builds a kernel of its own, and the
+# default run has every case (d 128 in float32, d 256 in float16, d 32 in float16 and bfloat16)
+# and every dtype in four cases or more
+SLOW_DECODE = {(128, "float16"), (128, "bfloat16"), (256, "bfloat16"), (256, "float32"), (32, "float32")}
+
+
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, dtype, id=f"B{c[0]}T{c[1]}H{c[2]}/{c[3]}d{c[4]}-{dtype}",
+                 marks=[pytest.mark.slow] if (c[4], dtype) in SLOW_DECODE else [])
+    for dtype in DTYPES for c in CASES])
 def test_decode_kernels_match_float64(case, dtype):
     b, t, h, hkv, d, s, lengths = case
     q, k, v = _inputs(10 * CASES.index(case) + list(DTYPES).index(dtype), *case[:6], lengths, dtype)

@@ -132,7 +132,17 @@ STEP_PARAMS = (
 )
 
 
-@pytest.mark.parametrize("dtype,d,case,mode", STEP_PARAMS)
+def slow_step(dtype, d, case, mode) -> bool:
+    """The parameters run only with -m slow: each compiles kernels of its own (a dtype x head dim
+    x mode whose kernels nothing else in the default run builds) that the default run covers in
+    the other dtype, or in the other mode: d 128 in bfloat16 (float16 takes every case in both
+    modes), d 80 deterministic (d 80 runs atomic in both dtypes, the deterministic kernels run
+    at d 32, 64, 128 and 256). The default run keeps every head dim, dtype, case and mode."""
+    return (dtype == "bfloat16" and d == 128) or (d == 80 and mode == "deterministic")
+
+
+@pytest.mark.parametrize("dtype,d,case,mode", [
+    pytest.param(*p, marks=pytest.mark.slow) if slow_step(*p) else p for p in STEP_PARAMS])
 def test_step_matches_reference(dtype, d, case, mode):
     ops = emulated_ops(deterministic=(mode == "deterministic"))
     got, ref, naive = run_case(ops, dtype, d, case)
@@ -140,9 +150,10 @@ def test_step_matches_reference(dtype, d, case, mode):
         assert_fa_rule(f"{case}/{dtype}/d{d}/{mode} {name}", g, r, n)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_head_dim_256(dtype):
-    """The 8-warp dK/dV variant (head dim split over two warps) and the 256-wide dQ kernel."""
+    """The 8-warp dK/dV variant (head dim split over two warps) and the 256-wide dQ kernel
+    (bfloat16: six kernels of its own to build, only with -m slow)."""
     for mode in ("atomic", "deterministic"):
         ops = emulated_ops(deterministic=(mode == "deterministic"))
         got, ref, naive = run_case(ops, dtype, 256, "small_causal")
@@ -164,16 +175,21 @@ def test_sm90_tiles():
         assert_fa_rule(f"sm_90 deterministic d256 {name}", g, r, n)
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("dtype,d,case,mode", [
     ("float16", 128, "causal_offsets", "deterministic"),   # dQ 64 x 32 (sm_80: 64 x 64)
-    ("bfloat16", 128, "small_ragged", "deterministic"),
+    pytest.param("bfloat16", 128, "small_ragged", "deterministic", marks=SLOW),
     ("float16", 256, "small_causal", "atomic"),            # dK/dV 16 x 48 x 2 (sm_80: 32 x 64 x 2)
     ("bfloat16", 256, "small_ragged", "atomic"),
     ("bfloat16", 256, "small_causal", "deterministic"),    # dQ 64 x 16 (sm_80: 64 x 32)
-    ("float16", 256, "small_ragged", "deterministic"),
+    pytest.param("float16", 256, "small_ragged", "deterministic", marks=SLOW),
 ])
 def test_sm86_tiles(dtype, d, case, mode):
-    """The 99 KB table (sm_86/89/12x) where its tiles differ from sm_80's."""
+    """The 99 KB table (sm_86/89/12x) where its tiles differ from sm_80's. The default run
+    takes each of those tiles once (both dtypes, both modes, masked and unmasked blocks); the
+    slow rows (-m slow) run the same tiles again in the other dtype, kernels of their own."""
     ops = emulated_ops(deterministic=(mode == "deterministic"), arch="sm_86")
     family = "bwd_dq" if mode == "deterministic" else "bwd_dkdv"
     assert ops.variant(family, dtype, d).name not in emulated_ops()._variants
