@@ -26,7 +26,8 @@ with the products on wgmma and the operands copied by TMA:
     straight from registers (Q and dO read N-major from shared memory: transposed by the
     instruction), and the dK, dV accumulators never leave registers until the end;
   * DQ: each consumer writes its dS^T into a shared BLOCK_M x keys tile of dS (K-major, 128-byte
-    swizzle: the A operand of dQ = dS K), fence.proxy.async, named barrier 2 over both consumers;
+    swizzle: the A operand of dQ = dS K; at D = 256, where both hold the same dS^T, consumer 0
+    writes it), fence.proxy.async, named barrier 2 over both consumers;
     then each computes one block of dQ (query rows x head dims: for D = 128 and 256 the two halves
     of the head dim, for D = 64 the two halves of the 128 query rows) over all the keys, K read
     N-major, and adds it into global dQ with fp32 atomicAdd. Named barrier 1 keeps the next
@@ -49,9 +50,9 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
     plain schedule, measured before it is made clever.
 
 SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
-    K, V (128 x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x 128, then
+    K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, then
     STAGES x (lse2, delta: BLOCK_M fp32 each), then the mbarriers; every matrix stored as D/64
-    (dS: 2) column blocks of rows x 64 elements with the 128-byte swizzle (what a TMA box of
+    (dS: keys/64) column blocks of rows x 64 elements with the 128-byte swizzle (what a TMA box of
     (64, rows) writes and a wgmma descriptor with that swizzle reads; kernels/emu/emu_wgmma.h).
     D     BLOCK_M  keys  STAGES  smem (bytes, burstcu/build/bwd_variants.py: sm90_dkdv_smem_bytes)
     64    128      128   2       1024 + 2x16384 + 2x2x16384 + 32768 + 2x1024 + 128  = 134272 (DQ)

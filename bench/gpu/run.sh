@@ -102,7 +102,7 @@ for s in "${steps[@]}"; do
     hopper_bwd_racecheck) step hopper_bwd_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
              compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 $PY -m pytest -q \
              -p no:cacheprovider tests/kernels/test_flash_bwd_sm90_emulated.py \
-             -k "causal_offsets or small_ragged" ;;
+             -k "causal_offsets or small_ragged or small_causal" ;;
     hopper_bwd_bench) step hopper_bwd_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 \
              --passes fwd+bwd --impls kernels torch-flash torch-cudnn --headdims 64 128 256 \
              --dq-modes atomic deterministic \

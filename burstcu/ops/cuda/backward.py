@@ -228,7 +228,8 @@ def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Bl
 def _launch_hopper(ops, hopper, operands: tuple, blk: Block, flag, scale: float,
                    heads: tuple) -> None:
     """One Block through flash_bwd_dkdv_sm90: tensor maps of the Block's q, dO, k and v rows,
-    grid (ceil(k_len / 128), Hkv, B); it returns at once when `flag` is set."""
+    grid (ceil(k_len / block_n), Hkv, B) (block_n 128, 64 at head dim 256); it returns at once
+    when `flag` is set."""
     H, Hkv, B = heads
     qp, dop, k, v, lse, delta, dq, dk, dv, _ = operands
     cfg = hopper.launch

@@ -306,9 +306,12 @@ class KernelOps(LocalOps):
                 pairs.append(tuple(outs))
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
             error = f"{type(exc).__name__}: {exc}"
+        except BaseException:   # interrupted: no verdict, the next use checks again
+            _SM90_FIRST_USE.pop(key, None)
+            raise
         finally:
             self.sm_count = saved
-        return _first_use_verdict(key, hopper, "forward", pairs, error, stacklevel=4)
+        return _first_use_verdict(key, hopper, "forward", pairs, error, stacklevel=5)
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -499,11 +502,14 @@ class KernelOps(LocalOps):
                               for x in (dq, *self.backward_finalize(ctx, np.float32))])
         except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
             error = f"{type(exc).__name__}: {exc}"
+        except BaseException:   # interrupted: no verdict, the next use checks again
+            _SM90_FIRST_USE.pop(key, None)
+            raise
         finally:
             self.sm90_backward, self.deterministic = saved
             self._sm90_checking.discard(key)
         return _first_use_verdict(key, hopper, "backward", list(zip(*grads)) if not error else [],
-                                  error, stacklevel=5)
+                                  error, stacklevel=6)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
