@@ -95,16 +95,25 @@ class ForwardState:
     keep: list = field(default_factory=list)
 
 
-def _first_use_verdict(key: tuple, hopper: KernelVariant, what: str, pairs: Sequence[tuple],
-                       error: str, stacklevel: int) -> bool:
-    """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passed its first-use check
-    (`KernelOps._sm90_checked`, `_sm90_backward_checked`): no `error` from its run, and each (got,
-    want) pair of float64 results (Hopper, mma.sync) within 8 eps of want's magnitude. Recorded
-    in _SM90_FIRST_USE under `key`; a failure warns (at the caller `stacklevel` frames up)."""
-    worst = 0.0
-    for got, want in pairs:
-        err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
-        worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
+def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklevel: int) -> bool:
+    """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passes its first-use check
+    (`KernelOps._sm90_checked`, `_sm90_backward_checked`): `run()` runs it and the mma.sync
+    kernels and returns (got, want) pairs of their results; each pair must agree within 8 eps of
+    want's magnitude, and run() must not raise. The verdict is False while run() runs and is
+    recorded in _SM90_FIRST_USE under `key` (none when run() is interrupted: the next use checks
+    again); a failure warns (at the caller `stacklevel` frames up)."""
+    _SM90_FIRST_USE[key] = False  # until it has passed
+    error, worst = "", 0.0
+    try:
+        for got, want in run():
+            got, want = _host64(got), _host64(want)
+            err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
+            worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
+        error = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        _SM90_FIRST_USE.pop(key, None)
+        raise
     ok = not error and worst <= 1.0
     _SM90_FIRST_USE[key] = ok
     if not ok:
@@ -114,6 +123,11 @@ def _first_use_verdict(key: tuple, hopper: KernelVariant, what: str, pairs: Sequ
                       f"it instead (please report it, with `python -m burstcu.selftest "
                       f"--full`)", RuntimeWarning, stacklevel=stacklevel)
     return ok
+
+
+def _host64(x) -> np.ndarray:
+    """A NumPy or CuPy array as a float64 NumPy array."""
+    return np.asarray(x.get() if hasattr(x, "get") else x, np.float64)
 
 
 class KernelOps(LocalOps):
@@ -280,7 +294,6 @@ class KernelOps(LocalOps):
         key = self._first_use_key(hopper)
         if not self.first_use_check or key in _SM90_FIRST_USE:
             return _SM90_FIRST_USE.get(key, True)
-        _SM90_FIRST_USE[key] = False  # until it has passed
         xp, d, n = self.xp, hopper.headdim, 320
         rng = np.random.default_rng(0)
 
@@ -293,25 +306,22 @@ class KernelOps(LocalOps):
         poisoned[:, :64] = float("nan")
         blocks = [Block(32, n, 64, n, 0, 0, True)]
         plain = self.variant("forward", hopper.dtype, d)
-        saved, error, pairs = self.sm_count, "", []
-        try:
-            self.sm_count = 2
-            for values in (v, poisoned):
-                outs = []
-                for variant in (hopper, plain):
-                    state = self.forward_init(q)
-                    self._fold(variant, state, k, values, blocks)
-                    out = self.forward_finalize(state, np.float32)[0]
-                    outs.append(np.asarray(xp.asnumpy(out) if xp is not np else out, np.float64))
-                pairs.append(tuple(outs))
-        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
-            error = f"{type(exc).__name__}: {exc}"
-        except BaseException:   # interrupted: no verdict, the next use checks again
-            _SM90_FIRST_USE.pop(key, None)
-            raise
-        finally:
-            self.sm_count = saved
-        return _first_use_verdict(key, hopper, "forward", pairs, error, stacklevel=5)
+
+        def run():
+            saved, pairs = self.sm_count, []
+            try:
+                self.sm_count = 2
+                for values in (v, poisoned):
+                    outs = []
+                    for variant in (hopper, plain):
+                        state = self.forward_init(q)
+                        self._fold(variant, state, k, values, blocks)
+                        outs.append(self.forward_finalize(state, np.float32)[0])
+                    pairs.append(tuple(outs))
+            finally:
+                self.sm_count = saved
+            return pairs
+        return _first_use_check(key, hopper, "forward", run, stacklevel=5)
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -485,31 +495,23 @@ class KernelOps(LocalOps):
         lse = xp.abs(rand(2, 4, n + 32, dtype=np.float32)) + np.float32(4)
         delta = rand(2, 4, n + 32, dtype=np.float32)
         blocks = [Block(32, n, 64, n, 0, 0, True)]
-        # the check's own step runs `hopper` (with dQ or without, as its family says), the
-        # verdict False until it has passed
-        saved = (self.sm90_backward, self.deterministic)
-        error, grads = "", []
-        _SM90_FIRST_USE[key] = False
-        self._sm90_checking.add(key)
-        try:
-            for hopper_on in (True, False):
-                self.sm90_backward = hopper_on
-                self.deterministic = hopper.family == SM90_DKDV_FAMILIES[False]
-                ctx = self.backward_init(k, v, 1.0 / math.sqrt(d))
-                dq = xp.zeros(q.shape, dtype=np.float32)
-                self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
-                grads.append([np.asarray(xp.asnumpy(x) if xp is not np else x, np.float64)
-                              for x in (dq, *self.backward_finalize(ctx, np.float32))])
-        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
-            error = f"{type(exc).__name__}: {exc}"
-        except BaseException:   # interrupted: no verdict, the next use checks again
-            _SM90_FIRST_USE.pop(key, None)
-            raise
-        finally:
-            self.sm90_backward, self.deterministic = saved
-            self._sm90_checking.discard(key)
-        return _first_use_verdict(key, hopper, "backward", list(zip(*grads)) if not error else [],
-                                  error, stacklevel=6)
+
+        def run():   # the check's own step runs `hopper` (with dQ or without, as its family says)
+            saved, grads = (self.sm90_backward, self.deterministic), []
+            self._sm90_checking.add(key)
+            try:
+                for hopper_on in (True, False):
+                    self.sm90_backward = hopper_on
+                    self.deterministic = hopper.family == SM90_DKDV_FAMILIES[False]
+                    ctx = self.backward_init(k, v, 1.0 / math.sqrt(d))
+                    dq = xp.zeros(q.shape, dtype=np.float32)
+                    self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+                    grads.append((dq, *self.backward_finalize(ctx, np.float32)))
+            finally:
+                self.sm90_backward, self.deterministic = saved
+                self._sm90_checking.discard(key)
+            return list(zip(*grads))
+        return _first_use_check(key, hopper, "backward", run, stacklevel=6)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
