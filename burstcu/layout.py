@@ -18,11 +18,13 @@ local order); the strategies take one, so any split works alike. For one ring st
 (cut at document boundaries), drops pairs that lie wholly outside the mask, and marks the pairs
 that straddle the diagonal or a window's edge, which need the per-element tests: one array of
 `RECTANGLE` rows, built with whole-array operations, cached, ready to be uploaded whole;
-`blocks` gives the same rows as `Block`s (`bench/cpu/varlen.py --schedule` times both).
+`blocks` gives the same rows as a cached `StepBlocks`: the array seen as a sequence of `Block`s,
+which the local ops read whole (`bench/cpu/varlen.py --schedule` times both).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, NamedTuple
@@ -44,9 +46,9 @@ class Segment(NamedTuple):
     length: int
 
 
-@dataclass(frozen=True)
-class Block:
-    """One rectangle of a ring step's attention: local query rows x local key rows.
+class Block(NamedTuple):
+    """One rectangle of a ring step's attention: local query rows x local key rows (a named
+    tuple: a step of many documents holds thousands, built at 0.8 us each).
 
     q_start, q_len: local query rows [q_start, q_start + q_len).
     k_start, k_len: rows of the K/V block being visited [k_start, k_start + k_len).
@@ -74,6 +76,36 @@ class Block:
     def masked(self) -> bool:
         """Whether some element of the rectangle is masked (needs the per-element tests)."""
         return self.causal or self.left >= 0 or self.right >= 0
+
+
+class StepBlocks(Sequence):
+    """A ring step's rectangles, what `blocks` returns: one read-only `RECTANGLE` array (`array`)
+    seen as a sequence of `Block`s, made as they are read (none are kept: a local op that reads
+    the step whole, `burstcu.ops.cuda.params.block_column`, never makes them). Immutable and
+    cached by `blocks` per (partition, ranks, mask), so a model's layers meet the same object
+    again: `memo` keeps what a local op derives from the rectangles alone (the kernels'
+    rectangle lists), and a local op may keep device copies while the object lives (weakly)."""
+
+    __slots__ = ("array", "memo", "__weakref__")
+
+    def __init__(self, array: np.ndarray):
+        self.array = array.view()
+        self.array.flags.writeable = False
+        self.memo: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(map(Block._make, self.array[index].tolist()))
+        return Block._make(self.array[index].tolist())
+
+    def __iter__(self):
+        return map(Block._make, self.array.tolist())
+
+    def __repr__(self) -> str:
+        return f"StepBlocks({list(self)!r})"
 
 
 def check_layout(layout: str) -> None:
@@ -252,7 +284,7 @@ def global_positions(layout: str | Partition, rank: int, size: int, seqlen_local
 def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, seqlen_local: int,
                 causal: bool, window_size: tuple[int, int] = (-1, -1),
                 cu_seqlens: tuple[int, ...] | None = None,
-                block_mask: BlockMask | None = None) -> list[Block]:
+                block_mask: BlockMask | None = None) -> StepBlocks:
     """`blocks` of `as_partition(layout, size, seqlen_local)`."""
     return blocks(as_partition(layout, size, seqlen_local), q_rank, kv_rank, causal, window_size,
                   cu_seqlens, block_mask)
@@ -283,13 +315,19 @@ RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np
 def blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool,
            window_size: tuple[int, int] = (-1, -1),
            cu_seqlens: tuple[int, ...] | None = None,
-           block_mask: BlockMask | None = None) -> list[Block]:
+           block_mask: BlockMask | None = None) -> StepBlocks:
     """The rectangles `q_rank`'s queries must attend to in `kv_rank`'s keys (empty: skip step),
-    as `Block`s: `rectangles`, one Block a row (cu_seqlens: any sequence of ints)."""
+    as one cached `StepBlocks`: `rectangles`, one Block a row (cu_seqlens: any sequence of
+    ints)."""
     docs = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
     window = tuple(int(w) for w in window_size)
-    return [Block(*row) for row in rectangles(part, q_rank, kv_rank, bool(causal), window,
-                                              docs, block_mask).tolist()]
+    return _step_blocks(part, q_rank, kv_rank, bool(causal), window, docs, block_mask)
+
+
+@lru_cache(maxsize=128)   # as `rectangles`
+def _step_blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool, window_size: tuple,
+                 cu_seqlens: tuple | None, block_mask: BlockMask | None) -> StepBlocks:
+    return StepBlocks(rectangles(part, q_rank, kv_rank, causal, window_size, cu_seqlens, block_mask))
 
 
 @lru_cache(maxsize=128)   # G^2 arrays a partition (`burst.needs`); varlen batches bring new ones

@@ -78,7 +78,7 @@ def test_rectangles_of_any_partition_cover_the_dense_mask_once():
                 rows = rectangles(part, qr, kr, causal, window, docs)
                 assert rows.dtype == RECTANGLE and not rows.flags.writeable
                 assert [tuple(r) for r in rows.tolist()] == \
-                    [tuple(vars(b).values()) for b in blocks(part, qr, kr, causal, window, docs)]
+                    [tuple(b) for b in blocks(part, qr, kr, causal, window, docs)]
                 sq, sk = part.lengths[qr], part.lengths[kr]
                 covered = np.zeros((sq, sk), int)
                 for r in rows:

@@ -27,7 +27,7 @@ import pytest
 from burstcu import layout
 from burstcu.build.variants import careful_variant
 from burstcu.layout import Block
-from burstcu.ops.cuda import backward
+from burstcu.ops.cuda import kernel_ops as kernel_ops_module
 from burstcu.ops.cuda.params import step_group_lists
 from burstcu.testing.reference import (document_mask, keep_from_blocks, softmax_stats_ref,
                                        step_backward_ref)
@@ -183,8 +183,8 @@ def test_a_skipped_rectangle_is_caught(monkeypatch):
     x = step_inputs(case, sq, sk, keep, seed=3)
     check_float64("whole list", run_backward(kernel_ops(), x, [blocks], False), x, keep, "float16")
     largest = max(blocks, key=lambda blk: blk.q_len * blk.k_len)
-    real = backward.step_group_lists
-    monkeypatch.setattr(backward, "step_group_lists",
+    real = kernel_ops_module.step_group_lists   # what KernelOps.step_lists builds with
+    monkeypatch.setattr(kernel_ops_module, "step_group_lists",
                         lambda xp, blks, groupings: real(xp, [b for b in blks if b != largest],
                                                          groupings))
     got = run_backward(kernel_ops(), x, [blocks], with_psum=False)

@@ -400,3 +400,39 @@ def test_query_ranges_that_overlap_unequal_run_a_launch_a_rectangle():
     (out_a, lse_a), (out_b, lse_b) = (ops.forward_finalize(s, q.dtype) for s in (whole, apart))
     assert np.array_equal(out_a.view(np.uint16), out_b.view(np.uint16))
     assert np.array_equal(lse_a.view(np.uint32), lse_b.view(np.uint32))
+
+
+def test_a_steps_rectangle_list_is_built_once_and_kept(monkeypatch):
+    """The rectangle list of a ring step given whole (a StepBlocks, as `layout.blocks` caches
+    them) is built and uploaded on its first forward_step and reused by the next call (a model's
+    next layer); `release_buffers` frees it, and so does the StepBlocks' end. A plain list of the
+    same Blocks is built every call and gives the same bits."""
+    import gc
+
+    from burstcu.layout import StepBlocks
+    from burstcu.ops.cuda import kernel_ops as kernel_ops_module
+
+    builds = []
+    build = kernel_ops_module.step_group_lists
+    monkeypatch.setattr(kernel_ops_module, "step_group_lists",
+                        lambda *args: builds.append(args[1]) or build(*args))
+    ops = kernel_ops(arch="sm_80")
+    q, k, v, blocks = next(ring_steps(STEP_CASES, "per-document zigzag, causal", np.random.default_rng(5)))
+    step = StepBlocks(blocks.array)   # not in layout's cache: only this test holds it
+    outs = []
+    for given, want in ((step, 1), (step, 1), (list(blocks), 2)):
+        state = ops.forward_init(q)
+        ops.forward_step(state, k, v, given)
+        outs.append(ops.forward_finalize(state, q.dtype))
+        assert len(builds) == want
+    ops.release_buffers()
+    ops.forward_step(ops.forward_init(q), k, v, step)
+    assert len(builds) == 3 and builds[0] is step and builds[2] is step
+    kept = getattr(ops, "ops", ops).__dict__["_step_lists"]
+    assert len(kept) == 1
+    del step, builds[:], state
+    gc.collect()
+    assert len(kept) == 0
+    for out, lse in outs[1:]:
+        assert np.array_equal(out.view(np.uint16), outs[0][0].view(np.uint16))
+        assert np.array_equal(lse.view(np.uint32), outs[0][1].view(np.uint32))

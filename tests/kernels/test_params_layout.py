@@ -183,3 +183,73 @@ def test_strides_of_length_one_dims_need_not_agree():
     a = np.zeros((1, 24, 2, 32), np.float16)
     b = np.lib.stride_tricks.as_strided(np.zeros(24 * 2 * 32, np.float16), a.shape, (64, 128, 64, 2))
     assert params._shared_strides(3, a, b) == (24 * 2 * 32, 64, 32)
+
+
+def _groups_block_by_block(blocks, by: str, tile_rows: int):
+    """(rects (n, 8), offsets, tiles) of `blocks` grouped by hand: a dict of ranges in the order
+    of first appearance, blocks in order within each (what flash_*_steps launches read)."""
+    start, length = {"query": ("q_start", "q_len"), "key": ("k_start", "k_len")}[by]
+    groups: dict = {}
+    for blk in blocks:
+        groups.setdefault((getattr(blk, start), getattr(blk, length)), []).append(blk)
+    rects = [params.block_rect(blk) for members in groups.values() for blk in members]
+    tiles = [-(-rows // tile_rows) for _, rows in groups]
+    offsets = list(np.cumsum([0] + [len(m) for m in groups.values()])) + list(np.cumsum([0] + tiles))
+    return np.array(rects, np.int64).reshape(-1, 8), offsets, sum(tiles)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_step_lists_of_a_step_array_are_the_blocks_grouped_by_hand(seed):
+    """step_group_lists of a ring step as `layout.blocks` gives it (a StepBlocks: whole-array
+    grouping from its RECTANGLE array) and of the same Blocks in a plain list (read block by
+    block) both equal the grouping done by hand, by query and by key range, for random documents,
+    windows and causal masks over 2-4 zigzag ranks; every such step is listable."""
+    from burstcu import layout
+
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 5))
+    n = int(rng.integers(4 * size, 300))
+    cuts = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(1, 12)), replace=False))
+    docs = (0, *map(int, cuts), n)
+    part = layout.partition("zigzag", size, n, docs)
+    steps = 0
+    for causal, window in ((True, (-1, -1)), (True, (9, 0)), (False, (5, 3))):
+        for qr in range(size):
+            for kr in range(size):
+                blocks = layout.blocks(part, qr, kr, causal, window, docs)
+                if not blocks:
+                    continue
+                assert blocks is layout.blocks(part, qr, kr, causal, list(window), list(docs))
+                assert params.listable(blocks, ["query", "key"])
+                groupings = [("query", 16), ("key", 64)]
+                for given in (blocks, list(blocks)):
+                    for (by, rows), got in zip(groupings, params.step_group_lists(np, given, groupings)):
+                        rects, offsets, tiles = _groups_block_by_block(blocks, by, rows)
+                        assert np.array_equal(got.rects.reshape(-1, 8), rects)
+                        assert list(got.offsets) == offsets and got.tiles == tiles
+                        assert got.n_groups == len(offsets) // 2 - 1
+                steps += 1
+    assert steps >= 3
+
+
+def test_overlapping_ranges_are_not_listable_either_way():
+    """Two query ranges that overlap without being equal ([0, 40) and [20, 50)): not listable,
+    and step_group_lists refuses them, from Blocks and from a step's array alike."""
+    from burstcu.layout import RECTANGLE, StepBlocks
+
+    rows = [(0, 40, 0, 10, 0, 0, False, -1, -1), (20, 30, 10, 10, 20, 10, True, -1, -1)]
+    for blocks in ([Block(*r) for r in rows], StepBlocks(np.array(rows, RECTANGLE))):
+        assert params.listable(blocks, ["key"]) and not params.listable(blocks, ["query"])
+        with pytest.raises(ValueError, match="overlap without being equal"):
+            params.step_group_lists(np, blocks, [("query", 16)])
+        assert params.any_masked(blocks)
+        with pytest.raises(ValueError, match="lies outside q rows"):
+            params.check_rows(blocks, 49, 20)
+
+
+def test_a_rectangle_list_beyond_int32_is_refused():
+    """A bound the kernels' int32 rectangles cannot hold (left = 2^31 + 5) raises instead of
+    wrapping into another bound."""
+    blocks = [Block(0, 8, 0, 8, 0, 0, False, left=2**31 + 5), Block(8, 8, 0, 8, 8, 0, False)]
+    with pytest.raises(ValueError, match="beyond int32"):
+        params.step_group_lists(np, blocks, [("query", 16)])

@@ -18,7 +18,8 @@ Launches a ring step: a step of one Block launches the per-rectangle kernels (fl
 and flash_bwd_dq when deterministic) over it; a step of several launches each kernel once over
 the whole list (flash_bwd_dkdv_steps over the Blocks grouped by key range, flash_bwd_dq_steps
 grouped by query range; `params.step_group_lists`, one device buffer a step, kept with the
-context until it is finalized). The list kernels run each group's Blocks in order exactly as
+context until it is finalized, and by the op while the step's `layout.StepBlocks` lives:
+`KernelOps.step_lists`). The list kernels run each group's Blocks in order exactly as
 one launch a Block would, so a deterministic step gives the same bits either way (for finite
 inputs: the list runs the careful twins for all its Blocks when one is masked and an operand
 holds a NaN/Inf). Within a step two Blocks' key ranges (and query ranges) are equal or
@@ -42,9 +43,9 @@ import numpy as np
 from ...build.bwd_variants import LIST_SUFFIX, delta_variant
 from ...build.variants import CAREFUL_SUFFIX
 from ...layout import Block
-from .params import (bwd_delta_params, bwd_step_params, bwd_step_sm90_params, cdiv, dtype_name,
-                     element_strides, listable, rows_contiguous, same_strides, step_group_lists,
-                     vector_ready)
+from .params import (any_masked, bwd_delta_params, bwd_step_params, bwd_step_sm90_params, cdiv,
+                     check_rows, dtype_name, element_strides, listable, nonempty, rows_contiguous,
+                     same_strides, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -100,10 +101,7 @@ def _check_step(ctx: BackwardContext, q, dout, lse, delta, dq, blocks) -> None:
     if {tuple(lse.shape), tuple(delta.shape)} != {(B, H, Sq)}:
         raise ValueError(f"lse {tuple(lse.shape)} / delta {tuple(delta.shape)} must be "
                          f"{(B, H, Sq)}")
-    for blk in blocks:
-        if (blk.q_start < 0 or blk.q_start + blk.q_len > Sq or blk.k_start < 0
-                or blk.k_start + blk.k_len > Sk):
-            raise ValueError(f"{blk} lies outside q rows [0, {Sq}) / k rows [0, {Sk})")
+    check_rows(blocks, Sq, Sk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,7 +154,7 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
     deterministic kernels' dQ pass, so with psum they run whatever `ops.deterministic` says.
     """
     xp = ops.xp
-    blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
+    blocks = nonempty(blocks)
     if not blocks:
         return
     _check_step(ctx, q, dout, lse, delta, dq, blocks)
@@ -181,7 +179,7 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")]
     else:
         families = [("bwd_dkdv", "key")]
-    masked = any(blk.masked for blk in blocks)
+    masked = any_masked(blocks)
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
@@ -247,10 +245,10 @@ def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Bl
     """`backward_step`'s launches for a whole step: each family's list kernel once over the
     Blocks grouped by its range, the same tiles (arguments as in `_launch_each`)."""
     H, Hkv, B = heads
-    masked = any(blk.masked for blk in blocks)
+    masked = any_masked(blocks)
     variants = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
-    lists = step_group_lists(ops.xp, blocks, [(tiled, _tile_rows(variant, tiled))
-                                              for variant, (_, tiled) in zip(variants, families)])
+    lists = ops.step_lists(blocks, [(tiled, _tile_rows(variant, tiled))
+                                    for variant, (_, tiled) in zip(variants, families)])
     ctx.keep.append(lists)  # the rectangles stay until the step has run
     for variant, (_, tiled), groups in zip(variants, families, lists):
         params = bwd_step_params(*operands, ops.step_flag(masked, flag), None, ctx.scale, groups)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -40,9 +41,9 @@ from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps
 from . import backward, decode
-from .params import (I32_MAX, MAX_POSITION, cdiv, dtype_name, fwd_finalize_params, fwd_step_params,
-                     fwd_step_sm90_params, listable, nonfinite_params, rows_on_16_bytes, step_groups,
-                     vector_ready)
+from .params import (I32_MAX, MAX_POSITION, any_masked, block_area, block_column, cdiv, check_rows,
+                     dtype_name, fwd_finalize_params, fwd_step_params, fwd_step_sm90_params, listable,
+                     nonempty, nonfinite_params, rows_on_16_bytes, step_group_lists, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -420,7 +421,7 @@ class KernelOps(LocalOps):
         a list of many small Blocks (documents) runs in one launch, whose cost beats the Hopper
         launches' host cost there (bench/results/h200/README.md): flash_fwd_steps_sm90 (the
         Hopper list kernel), or flash_fwd_steps with `sm90_lists` False (`_sm90_choice`)."""
-        blocks = [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
+        blocks = nonempty(blocks)
         if not blocks:
             return
         self._check_kv(state, k, v)
@@ -454,7 +455,7 @@ class KernelOps(LocalOps):
         if len(blocks) <= SM90_MAX_RECTS:
             return True
         B, _, H, D = q_shape
-        area = sum(blk.q_len * blk.k_len for blk in blocks)
+        area = block_area(blocks)
         return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
 
     def hopper_backward(self, family: str, dtype: str, headdim: int, blocks: Sequence[Block],
@@ -520,16 +521,15 @@ class KernelOps(LocalOps):
         vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
             kp, vp = self.xp.ascontiguousarray(kp), self.xp.ascontiguousarray(vp)
-        for blk in blocks:
-            self._check_block(blk, S, k.shape[1])
+        check_rows(blocks, S, k.shape[1])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
         # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
-        masked = any(blk.masked for blk in blocks)
+        masked = any_masked(blocks)
         if variant.family == SM90_LIST_FAMILY:
             # its maps cover the whole arrays: a key tile that runs past a rectangle's k_len holds
             # the next rows of v (masked out of P, but 0 x Inf = NaN), not the zeros of a map of
             # the rectangle alone, so such a list takes the careful pair as masked pairs do
-            masked = masked or any(blk.k_len % variant.launch.block_n for blk in blocks)
+            masked = masked or bool(np.any(block_column(blocks, "k_len") % variant.launch.block_n))
         flag = self.nonfinite_flag(vp) if masked else None
         if variant.family == SM90_FAMILY:
             for blk in blocks:
@@ -540,7 +540,7 @@ class KernelOps(LocalOps):
             return
         if len(blocks) > 1 and listable(blocks, ["query"]):   # the whole step in one launch
             listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
-            groups = step_groups(self.xp, blocks, listed.launch.block_m)
+            (groups,) = self.step_lists(blocks, [("query", listed.launch.block_m)])
             state.keep.append(groups)   # the rectangles stay until the step has run
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
                                      self.step_flag(masked, flag), None, state.scale * _LOG2E,
@@ -574,11 +574,11 @@ class KernelOps(LocalOps):
     def _forward_steps_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp,
                             blocks: Sequence[Block], masked: bool, flag) -> None:
         """A step's Blocks in one launch of the Hopper list kernel (flash_fwd_steps_sm90): tensor
-        maps of the whole q, k and v, the Blocks grouped by query range (step_groups, tiles of
+        maps of the whole q, k and v, the Blocks grouped by query range (step_lists, tiles of
         128 rows), a persistent grid over the groups' query tiles x H x B."""
         B, S, H, dp = state.q.shape
         cfg = variant.launch
-        groups = step_groups(self.xp, blocks, cfg.block_m)
+        (groups,) = self.step_lists(blocks, [("query", cfg.block_m)])
         state.keep.append(groups)   # the rectangles stay until the step has run
         q_map = tensor_map_4d_rows(self.backend, state.q, 0, S, cfg.block_m)
         k_map = tensor_map_4d_rows(self.backend, kp, 0, kp.shape[1], cfg.block_n)
@@ -647,10 +647,24 @@ class KernelOps(LocalOps):
             raise ValueError(f"k/v of shape {tuple(k.shape)} do not fit q (B={B}, H={H}, "
                              f"D={state.headdim}): need (B, Sk, Hkv, D) with H a multiple of Hkv")
 
-    @staticmethod
-    def _check_block(blk: Block, sq: int, sk: int) -> None:
-        if blk.q_start < 0 or blk.q_start + blk.q_len > sq or blk.k_start < 0 or blk.k_start + blk.k_len > sk:
-            raise ValueError(f"{blk} lies outside q rows [0, {sq}) / k rows [0, {sk})")
+    def step_lists(self, blocks: Sequence[Block], groupings: list[tuple[str, int]]) -> tuple:
+        """`step_group_lists` of `blocks` on this device. A `burstcu.layout.StepBlocks` (cached
+        by `layout.blocks`, so every layer of a model meets a step's object again) has its lists
+        kept while it lives, per (groupings, device, current stream): built and uploaded once,
+        read by launches on the stream they were uploaded on (`release_buffers` frees them)."""
+        if not hasattr(blocks, "memo"):
+            return step_group_lists(self.xp, blocks, groupings)
+        kept = self.__dict__.setdefault("_step_lists", weakref.WeakKeyDictionary())
+        per_step = kept.setdefault(blocks, {})
+        key = (tuple(groupings), self.current_device(), self.stream_key())
+        if key not in per_step:
+            per_step[key] = step_group_lists(self.xp, blocks, groupings)
+        return per_step[key]
+
+    def release_buffers(self) -> None:
+        """Free the message buffers and the kept rectangle lists (`step_lists`)."""
+        super().release_buffers()
+        self.__dict__.pop("_step_lists", None)
 
 
 def _device_table_arch() -> str:

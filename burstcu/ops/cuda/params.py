@@ -106,11 +106,14 @@ def key_bounds(block: Block) -> tuple[int, int]:
     if block.right >= 0:
         hi = min(hi, block.right)
     lo = block.left if block.left >= 0 else NO_BOUND
-    if max(block.q_pos + block.q_len, block.k_pos + block.k_len) > MAX_POSITION:
-        raise ValueError(f"global positions up to {MAX_POSITION} only (the kernels add bounds of "
-                         f"up to 2^29 to them in int32); this block reaches "
-                         f"{max(block.q_pos + block.q_len, block.k_pos + block.k_len)}")
+    _check_reach(max(block.q_pos + block.q_len, block.k_pos + block.k_len))
     return hi, lo
+
+
+def _check_reach(reach: int) -> None:
+    if reach > MAX_POSITION:
+        raise ValueError(f"global positions up to {MAX_POSITION} only (the kernels add bounds of "
+                         f"up to 2^29 to them in int32); this block reaches {reach}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -260,6 +263,87 @@ def block_rect(block: Block) -> tuple:
             *key_bounds(block))
 
 
+def block_column(blocks: Sequence[Block], field: str) -> np.ndarray:
+    """(n,) one `Block` field of every block: a column of a `burstcu.layout.StepBlocks`' array,
+    else gathered block by block."""
+    array = getattr(blocks, "array", None)
+    if array is not None:
+        return array[field]
+    return np.array([getattr(blk, field) for blk in blocks], np.int64)
+
+
+def nonempty(blocks: Sequence[Block]) -> Sequence[Block]:
+    """`blocks` less those without rows on both sides (a `burstcu.layout.StepBlocks` with none:
+    itself, so what its memo keeps serves)."""
+    facts = _step_facts(blocks)
+    if facts is not None and not facts["empty"]:
+        return blocks
+    return [blk for blk in blocks if blk.q_len > 0 and blk.k_len > 0]
+
+
+def any_masked(blocks: Sequence[Block]) -> bool:
+    """Whether some block has a masked pair (`Block.masked`)."""
+    facts = _step_facts(blocks)
+    return facts["masked"] if facts is not None else any(blk.masked for blk in blocks)
+
+
+def block_area(blocks: Sequence[Block]) -> int:
+    """The (query, key) pairs of all blocks, masked ones included."""
+    facts = _step_facts(blocks)
+    return facts["area"] if facts is not None else sum(blk.q_len * blk.k_len for blk in blocks)
+
+
+def check_rows(blocks: Sequence[Block], sq: int, sk: int) -> None:
+    """ValueError naming the first block whose rows leave q rows [0, sq) or k rows [0, sk)."""
+    facts = _step_facts(blocks)
+    if facts is not None:
+        q_first, q_end, k_first, k_end = facts["rows"]
+        if q_first >= 0 and q_end <= sq and k_first >= 0 and k_end <= sk:
+            return
+    for blk in blocks:
+        if blk.q_start < 0 or blk.q_start + blk.q_len > sq or blk.k_start < 0 or blk.k_start + blk.k_len > sk:
+            raise ValueError(f"{blk} lies outside q rows [0, {sq}) / k rows [0, {sk})")
+
+
+def _step_facts(blocks: Sequence[Block]) -> dict | None:
+    """What `nonempty`, `any_masked`, `block_area` and `check_rows` ask of a
+    `burstcu.layout.StepBlocks`, computed once whole-array (kept in its memo); None for another
+    sequence of Blocks (a few, read one by one)."""
+    memo = getattr(blocks, "memo", None)
+    if memo is None:
+        return None
+    if "facts" not in memo:
+        a = blocks.array
+        ends = (a["q_start"] + a["q_len"], a["k_start"] + a["k_len"])
+        memo["facts"] = {
+            "empty": bool(np.any((a["q_len"] <= 0) | (a["k_len"] <= 0))),
+            "masked": bool(np.any(a["causal"] | (a["left"] >= 0) | (a["right"] >= 0))),
+            "area": int(np.sum(a["q_len"] * a["k_len"])),
+            "rows": ((int(a["q_start"].min()), int(ends[0].max()), int(a["k_start"].min()),
+                      int(ends[1].max())) if a.size else (0, 0, 0, 0))}
+    return memo["facts"]
+
+
+def block_rects(blocks: Sequence[Block]) -> np.ndarray:
+    """(n, 8) int64: the BlockRect of each of `blocks` (`block_rect`), whole-array from a
+    `burstcu.layout.StepBlocks` (its `array`), once per StepBlocks (kept in its `memo`)."""
+    array = getattr(blocks, "array", None)
+    if array is None:
+        return np.array([block_rect(blk) for blk in blocks], np.int64).reshape(-1, 8)
+    if "rects" not in blocks.memo:
+        hi = np.where(array["causal"], 0, NO_BOUND)
+        hi = np.where(array["right"] >= 0, np.minimum(hi, array["right"]), hi)
+        lo = np.where(array["left"] >= 0, array["left"], NO_BOUND)
+        if array.size:
+            _check_reach(int(max((array["q_pos"] + array["q_len"]).max(),
+                                 (array["k_pos"] + array["k_len"]).max())))
+        fields = ("q_start", "q_len", "k_start", "k_len", "q_pos", "k_pos")
+        rects = np.stack([array[f] for f in fields] + [hi, lo], axis=1).astype(np.int64)
+        rects.flags.writeable = False
+        blocks.memo["rects"] = rects
+    return blocks.memo["rects"]
+
+
 def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_log2: float,
                     groups: "StepGroups | None" = None) -> np.void:
     """FwdStepParams: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) sharing strides; acc (B, Sq, H, D)
@@ -305,28 +389,27 @@ def step_group_lists(xp, blocks: Sequence[Block],
     """`blocks` as one StepGroups per (range, tile rows) of `groupings`, range "query" (grouped
     by (q_start, q_len), tiles of that many query rows) or "key" (by (k_start, k_len), tiles of
     keys); groups in the order of their first block, blocks in theirs within a group. Every
-    grouping lies in one buffer, uploaded once. The blocks must be `listable` by every grouping
-    (else ValueError: the launch's groups would write the same rows)."""
-    # per grouping 8 ints a block and 2 n_groups + 2 offsets (n_groups <= blocks); cut below
-    host = np.empty(len(groupings) * (10 * len(blocks) + 2), np.int32)
-    views, at = [], 0
+    grouping lies in one buffer, uploaded once; its host side is built with whole-array
+    operations. The blocks must be `listable` by every grouping (else ValueError: the launch's
+    groups would write the same rows)."""
+    rects = block_rects(blocks)
+    parts, views, at = [], [], 0
     for by, tile_rows in groupings:
-        start, length = GROUP_RANGES[by]
-        order: dict[tuple[int, int], list[Block]] = {}
-        for blk in blocks:
-            order.setdefault((getattr(blk, start), getattr(blk, length)), []).append(blk)
-        if not _equal_or_disjoint(order):
+        grouped = _grouped(blocks, by)
+        if grouped is None:
             raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
                              f"rectangle-list launch needs every two equal or disjoint")
-        grouped = [blk for members in order.values() for blk in members]
-        n, m = len(order), 8 * len(grouped)
-        tiles = [cdiv(rows, tile_rows) for _, rows in order]
-        host[at:at + m] = np.array([block_rect(blk) for blk in grouped], np.int32).reshape(-1)
-        host[at + m:at + m + n + 1] = np.cumsum([0] + [len(g) for g in order.values()])
-        host[at + m + n + 1:at + m + 2 * n + 2] = np.cumsum([0] + tiles)
-        views.append((at, m, n, int(sum(tiles))))
+        order, counts, rows = grouped
+        tiles = -(-rows // tile_rows)
+        n, m = counts.size, 8 * order.size
+        parts += [rects[order].reshape(-1), [0], np.cumsum(counts), [0], np.cumsum(tiles)]
+        views.append((at, m, n, int(tiles.sum())))
         at += m + 2 * n + 2
-    buffer = xp.asarray(host[:at])
+    host = np.concatenate([np.asarray(part, np.int64) for part in parts])
+    if host.size and (host.min() < -I32_MAX - 1 or host.max() > I32_MAX):
+        raise ValueError("a rectangle list holds values beyond int32 (the kernels' rectangles)")
+    host = host.astype(np.int32)
+    buffer = xp.asarray(host)
     return tuple(StepGroups(buffer[a:a + m], buffer[a + m:a + m + 2 * n + 2], n, tiles)
                  for a, m, n, tiles in views)
 
@@ -335,15 +418,38 @@ def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
     """Whether one list launch can take `blocks` grouped by each of `groupings` ("query",
     "key"): every two blocks' ranges equal or disjoint (`burstcu.layout.blocks` makes them so;
     other lists run a launch a block)."""
-    return all(_equal_or_disjoint({(getattr(blk, GROUP_RANGES[by][0]),
-                                    getattr(blk, GROUP_RANGES[by][1])) for blk in blocks})
-               for by in groupings)
+    return all(_grouped(blocks, by) is not None for by in groupings)
 
 
-def _equal_or_disjoint(ranges) -> bool:
-    """Whether the distinct (start, length) `ranges` are pairwise disjoint."""
-    spans = sorted((start, start + length) for start, length in ranges)
-    return all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`blocks` grouped by their `by` range ("query": (q_start, q_len), "key": (k_start,
+    k_len)), groups in the order of their first block: (order (n,) the block indices group by
+    group, each group's in the blocks' order; counts (g,) blocks a group; rows (g,) a group's
+    range length), or None where two distinct ranges overlap. Kept in a StepBlocks' memo."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and ("grouped", by) in memo:
+        return memo[("grouped", by)]
+    start, length = (block_column(blocks, field).astype(np.int64) for field in GROUP_RANGES[by])
+    by_range = np.lexsort((length, start))               # by (start, length)
+    start_sorted, length_sorted = start[by_range], length[by_range]
+    new = np.ones(start.size, bool)                      # the first block of each distinct range
+    new[1:] = (start_sorted[1:] != start_sorted[:-1]) | (length_sorted[1:] != length_sorted[:-1])
+    range_start, range_rows = start_sorted[new], length_sorted[new]
+    grouped = None
+    if not np.any(range_start[1:] < range_start[:-1] + range_rows[:-1]):   # equal or disjoint
+        range_of = np.empty(start.size, np.int64)
+        range_of[by_range] = np.cumsum(new) - 1
+        first = np.full(range_start.size, start.size, np.int64)
+        np.minimum.at(first, range_of, np.arange(start.size))
+        in_order = np.argsort(first, kind="stable")        # ranges by their first block
+        rank = np.empty_like(in_order)
+        rank[in_order] = np.arange(in_order.size)
+        group = rank[range_of]
+        grouped = (np.argsort(group, kind="stable"), np.bincount(group, minlength=in_order.size),
+                   range_rows[in_order])
+    if memo is not None:
+        memo[("grouped", by)] = grouped
+    return grouped
 
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block | None, heads: int,

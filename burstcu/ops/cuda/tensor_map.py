@@ -144,16 +144,16 @@ def _encoded(backend: str, ptr: int, dtype: str, elem: int, dims: tuple, strides
     """The encoded map of validated arguments, read-only. Memoized: a map is a function of its
     arguments alone (an address and a geometry, no tensor contents); a Hopper launch encodes three,
     and a ring's steps and a model's layers meet the same buffers again and again."""
-    if backend == "cupy":
-        raw = _driver(ptr, dtype, list(dims), list(strides), list(box), swizzle)
-    else:
-        raw = _emulated(ptr, elem, list(dims), list(strides), list(box), SWIZZLES[swizzle][0])
+    encode = {"cupy": _driver, "emulated": _emulated}[backend]
+    raw = encode(ptr, dtype, elem, list(dims), list(strides), list(box), swizzle)
     raw.setflags(write=False)
     return raw
 
 
-def _emulated(ptr: int, elem: int, dims: list[int], strides: list[int], box: list[int],
-              swizzle_value: int) -> np.ndarray:
+def _emulated(ptr: int, dtype: str, elem: int, dims: list[int], strides: list[int], box: list[int],
+              swizzle: str) -> np.ndarray:
+    """The emulator's map (emu_hopper.h reads EMU_LAYOUT)."""
+    swizzle_value = SWIZZLES[swizzle][0]
     rank = len(dims)
     pad = MAX_RANK - rank
     raw = EMU_LAYOUT.pack(EMU_MAGIC, ptr, *dims, *([1] * pad), elem, *strides, *([0] * pad),
@@ -161,7 +161,7 @@ def _emulated(ptr: int, elem: int, dims: list[int], strides: list[int], box: lis
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
-def _driver(ptr: int, dtype: str, dims: list[int], strides: list[int], box: list[int],
+def _driver(ptr: int, dtype: str, elem: int, dims: list[int], strides: list[int], box: list[int],
             swizzle: str) -> np.ndarray:
     import ctypes
 

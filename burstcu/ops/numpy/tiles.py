@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import threading
 from bisect import bisect_right
-from dataclasses import replace
 from functools import lru_cache
 from itertools import product
 from typing import NamedTuple
@@ -101,7 +100,7 @@ def _clip_q(block: Block, lo: int, hi: int) -> Block | None:
     a, b = max(block.q_start, lo), min(block.q_start + block.q_len, hi)
     if a >= b:
         return None
-    return replace(block, q_start=a, q_len=b - a, q_pos=block.q_pos + a - block.q_start)
+    return block._replace(q_start=a, q_len=b - a, q_pos=block.q_pos + a - block.q_start)
 
 
 def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
@@ -109,7 +108,7 @@ def _clip_k(block: Block, lo: int, hi: int) -> Block | None:
     a, b = max(block.k_start, lo), min(block.k_start + block.k_len, hi)
     if a >= b:
         return None
-    return replace(block, k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
+    return block._replace(k_start=a, k_len=b - a, k_pos=block.k_pos + a - block.k_start)
 
 
 def _parts_by_span(blocks, spans, clip, first) -> list[list[Block]]:
