@@ -430,7 +430,7 @@ def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, 
     if memo is not None and ("grouped", by) in memo:
         return memo[("grouped", by)]
     start, length = (block_column(blocks, field).astype(np.int64) for field in GROUP_RANGES[by])
-    by_range = np.lexsort((length, start))               # by (start, length)
+    by_range = np.lexsort((length, start))   # by (start, length), then index: lexsort is stable
     start_sorted, length_sorted = start[by_range], length[by_range]
     new = np.ones(start.size, bool)                      # the first block of each distinct range
     new[1:] = (start_sorted[1:] != start_sorted[:-1]) | (length_sorted[1:] != length_sorted[:-1])
@@ -439,9 +439,7 @@ def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, 
     if not np.any(range_start[1:] < range_start[:-1] + range_rows[:-1]):   # equal or disjoint
         range_of = np.empty(start.size, np.int64)
         range_of[by_range] = np.cumsum(new) - 1
-        first = np.full(range_start.size, start.size, np.int64)
-        np.minimum.at(first, range_of, np.arange(start.size))
-        in_order = np.argsort(first, kind="stable")        # ranges by their first block
+        in_order = np.argsort(by_range[new], kind="stable")   # ranges by their first block
         rank = np.empty_like(in_order)
         rank[in_order] = np.arange(in_order.size)
         group = rank[range_of]
