@@ -1,8 +1,7 @@
 """Helpers every benchmark in bench/ shares, each once: the MPI world and what a run measured on,
-inputs, the one timing helper (`call_seconds`), tables, JSON, plots and the command-line options
-several scripts take. Scripts run as files put the repository root on sys.path and import this as
-`bench._common`; imported by a bench script given --plot where matplotlib is missing, it ends the
-run at once with the line that says what to install, before anything is measured."""
+inputs, the one timing helper (`call_seconds`), tables, JSON, plots and shared options. Scripts
+run as files import this as `bench._common`; a bench script given --plot where matplotlib is
+missing ends here, before measuring anything, with the line that says what to install."""
 
 from __future__ import annotations
 
@@ -21,13 +20,6 @@ import numpy as np
 from burstcu.ops.base import DelegatingOps
 
 ROOT = Path(__file__).resolve().parents[1]
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# where mpiexec tells a process its rank before MPI starts (MPICH's Hydra, Open MPI, PMIx)
-LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-BENCH_EXTRA_INSTALL = "pip install 'burstcu[bench]'"   # matplotlib, mpi4py and the mpich wheel
-
-# ----------------------------------------------------------------------------------------------
-# the world and what it is
 
 
 def world():
@@ -37,39 +29,32 @@ def world():
     return (None, 0, 1) if comm is None else (comm, comm.Get_rank(), comm.Get_size())
 
 
-def _blas_info() -> list:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return []
-    keep = ("internal_api", "version", "num_threads", "architecture")
-    return [{k: info.get(k) for k in keep} for info in threadpool_info()]
-
-
-def _mpi_info() -> str | None:
-    try:
-        from mpi4py import MPI
-        return MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:
-        return None
-
-
 def environment(group=None, synchronized: bool = False, **extra) -> dict:
     """What the figures were measured on; a GPU only where the backend ran on one (synchronized:
     the script syncs the device inside its timings)."""
+    try:
+        from threadpoolctl import threadpool_info
+        keep = ("internal_api", "version", "num_threads", "architecture")
+        blas = [{k: info.get(k) for k in keep} for info in threadpool_info()]
+    except ImportError:
+        blas = []
+    try:
+        from mpi4py import MPI
+        mpi = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception:
+        mpi = None
     on_gpu = getattr(getattr(group, "ops", None), "device", "cpu") == "cuda"
     transport = getattr(group, "transport", None)
     gpu = ("GPU (wall time around each call, device synchronized)" if synchronized
            else "GPU (host-side enqueue timings)")
-    env = {"device": gpu if on_gpu else "CPU", "backend": getattr(group, "backend", "numpy"),
-           "host": socket.gethostname(), "cpus": os.cpu_count(),
-           "python": platform.python_version(), "numpy": np.__version__, "blas": _blas_info(),
-           "thread_env": {v: os.environ.get(v) for v in THREAD_VARS}, "mpi": _mpi_info(),
-           "transport": getattr(transport, "name", None),
-           "progress": getattr(transport, "progress", None), "ranks": getattr(group, "size", 1),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    env.update(extra)
-    return env
+    threads = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    return {"device": gpu if on_gpu else "CPU", "backend": getattr(group, "backend", "numpy"),
+            "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__, "blas": blas,
+            "thread_env": {v: os.environ.get(v) for v in threads}, "mpi": mpi,
+            "transport": getattr(transport, "name", None),
+            "progress": getattr(transport, "progress", None), "ranks": getattr(group, "size", 1),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
 
 
 def gather(group, obj) -> list | None:
@@ -81,11 +66,9 @@ def environment_on_rank0(group, print_header: bool = False, **extra) -> dict | N
     """`environment`, then `group` closed: the environment on rank 0, None elsewhere."""
     env = environment(group, **extra)
     group.close()
-    if group.rank != 0:
-        return None
-    if print_header:
+    if group.rank == 0 and print_header:
         print(measured_on(env).splitlines()[0])
-    return env
+    return env if group.rank == 0 else None
 
 
 def measured_on(env: dict) -> str:
@@ -94,9 +77,8 @@ def measured_on(env: dict) -> str:
     line = (f"# measured on {env['device']}: backend={env['backend']}, {env['ranks']} rank(s) on "
             f"{env['cpus']} cores, BLAS threads={threads}, transport={env['transport']}"
             f" (progress={env['progress']}), MPI={env['mpi']}")
-    if env["device"] == "CPU":
-        line += "\n# these are CPU + MPI figures of the schedule, NOT GPU figures"
-    return line
+    cpu = "\n# these are CPU + MPI figures of the schedule, NOT GPU figures"
+    return line + cpu if env["device"] == "CPU" else line
 
 
 def gpu_versions(backend: str = "cupy") -> dict:
@@ -104,10 +86,6 @@ def gpu_versions(backend: str = "cupy") -> dict:
     from burstcu.testing.checks import device_name, versions
     device = device_name(backend) if backend == "cupy" else "CPU (kernel emulator): NOT GPU figures"
     return {**versions(), "backend": backend, "device": device}
-
-
-# ----------------------------------------------------------------------------------------------
-# inputs
 
 
 def array_dtype(name: str):
@@ -124,8 +102,7 @@ def local_inputs(group, args=None, **shape) -> list:
     keys = ("batch", "seqlen", "heads", "kv_heads", "headdim", "dtype")
     s = {"layout": "contiguous", **{k: getattr(args, k) for k in keys if hasattr(args, k)}, **shape}
     shard_slices(s["layout"], group.rank, group.size, s["seqlen"])  # a clear error if it does not divide
-    kv = s["kv_heads"] or s["heads"]
-    n = s["seqlen"] // group.size
+    kv, n = s["kv_heads"] or s["heads"], s["seqlen"] // group.size
     shapes = [(s["batch"], n, h, s["headdim"]) for h in (s["heads"], kv, kv, s["heads"])]
     return [getattr(group.ops, "xp", np).asarray(x) for x in normal(np, shapes, s["dtype"], [0, group.rank])]
 
@@ -151,10 +128,6 @@ def document_mix(total: int, seed: int = 0, median: float = 64, sigma: float = 1
 def gpu_shape(tokens: int, width: int, seqlen: int, d: int) -> tuple[int, int, int, int]:
     """(B, S, H, D) with B * S = tokens and H * D = width."""
     return max(1, tokens // seqlen), seqlen, max(1, width // d), d
-
-
-# ----------------------------------------------------------------------------------------------
-# timing
 
 
 def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
@@ -231,10 +204,6 @@ class StepTimingOps(DelegatingOps):
                    blocks if self.compute else [], psum)
 
 
-# ----------------------------------------------------------------------------------------------
-# output
-
-
 def fmt_s(seconds) -> str:
     """Seconds as "1.23s", "4.56ms" or "78us"; "-" for None or NaN."""
     if seconds is None or seconds != seconds:
@@ -254,13 +223,11 @@ def fmt_bytes(n) -> str:
     return f"{n:.2f}GiB"
 
 
-def _cell(v) -> str:
-    return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
-
-
 def table(rows: list, columns: list) -> str:
     """Aligned text table of `rows` (dicts) with the given column keys, header first."""
-    cells = [[str(c) for c in columns]] + [[_cell(r.get(c)) for c in columns] for r in rows]
+    def cell(v) -> str:
+        return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+    cells = [[str(c) for c in columns]] + [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
@@ -282,18 +249,15 @@ def clean(x):
         return clean(x.tolist())
     if isinstance(x, (np.floating, np.integer, np.bool_)):
         x = x.item()
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-        return None
-    return x
+    return None if isinstance(x, float) and (x != x or abs(x) == float("inf")) else x
 
 
 def write_json(path, obj) -> None:
     """`obj` as strict JSON (`clean`), atomically: a run killed mid-write leaves the last one."""
     from burstcu.build.compile import atomic_write
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, (json.dumps(clean(obj), indent=1, allow_nan=False) + "\n").encode())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(path), (json.dumps(clean(obj), indent=1, allow_nan=False) + "\n").encode())
 
 
 def emit(text: str | None, result, args):
@@ -339,10 +303,6 @@ def add_output_args(p) -> None:
         p.add_argument(name, default=None)
 
 
-# ----------------------------------------------------------------------------------------------
-# plots
-
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend (files only)."""
     import matplotlib
@@ -359,15 +319,15 @@ def save(fig, path: str, dpi: int = 110) -> None:
 
 def refuse_plot_without_matplotlib(argv) -> None:
     """SystemExit(2) on every rank for --plot without matplotlib (optional: only --plot needs
-    it), saying what to install on the first."""
+    it), saying what to install on the first (the rank mpiexec's Hydra, Open MPI or PMIx names)."""
     if not any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
         return
     try:
         __import__("matplotlib")
     except ImportError as exc:
-        if all(os.environ.get(var, "0") == "0" for var in LAUNCHER_RANK_VARS):
+        if all(os.environ.get(var, "0") == "0" for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
             sys.stderr.write(f"{Path(sys.argv[0]).name}: --plot needs matplotlib ({exc}): "
-                             f"{BENCH_EXTRA_INSTALL}\n")
+                             "pip install 'burstcu[bench]'\n")
         raise SystemExit(2) from None
 
 

@@ -1,14 +1,11 @@
-"""Decode against a KV cache (`burstcu.KVCache`) sharded over the ranks it runs on, by cache length.
-A row per length: ms per token of one `KVCache.decode` (each rank's partial attention, one
-all-gather of the partials, the merge; the slowest rank, median over repeats), the bandwidth it
-reaches (gbps: bytes of the valid cache rows read / time) and on a GPU its fraction of the
-devices' measured copy bandwidth (hbm_fraction), the host ms a call takes (rank 0; calls issued
-back to back, no sync between them), torch's SDPA over the same rows in the same run on one GPU
-(torch_ms; GQA without replicating K/V where torch has it), and the bytes a rank sends, asserted
-equal to `decode_bytes` at every length. --paged PAGE: the cache in pages of PAGE rows. On the
-numpy backend also the first token's causal prefill time for burst, allgather and the whole prompt
-on one rank. --predict: per-token latency on bench/model/predict.py's presets from
-`burstcu.plan.predict_decode` (HBM read of the shard + the all-gather), labelled PREDICTION.
+"""Decode against a KV cache (`burstcu.KVCache`) sharded over the ranks it runs on, a row per cache
+length (columns: bench/README.md): ms per token of one `KVCache.decode` (the slowest rank, median
+over repeats), the bandwidth it reaches and on a GPU its fraction of the device's measured copy
+bandwidth, the host ms of calls issued back to back, torch's SDPA over the same rows in the same
+run on one GPU, and the bytes a rank sends, asserted equal to `decode_bytes`. --paged PAGE: the
+cache in pages of PAGE rows. On the numpy backend also the first token's causal prefill time for
+burst, allgather and the whole prompt on one rank. --predict: per-token latency on
+bench/model/predict.py's presets from `burstcu.plan.predict_decode`, labelled PREDICTION.
 
     mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096] [--plot P]
     python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
@@ -40,25 +37,6 @@ DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repe
             "cpu": {"cache": [4096, 65536, 262144], "dtype": "float32", "repeats": 5}}
 
 
-def copy_gbps(xp, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """The device's copy bandwidth (read + write bytes / time) of a device-to-device copy."""
-    a, b = xp.empty(nbytes, np.uint8), xp.empty(nbytes, np.uint8)
-    seconds = C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), repeats, cuda=True))
-    return 2 * nbytes / seconds / 1e9
-
-
-def host_ms(fn, sync, calls: int = 20) -> float:
-    """Host milliseconds a call of fn takes when calls are issued back to back."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = time.perf_counter() - t0
-    sync()
-    return spent / calls * 1e3
-
-
 def torch_ms(q, cache, n: int, repeats: int) -> float | None:
     """SDPA over the first n rows of a contiguous cache, or None without torch (optional)."""
     try:
@@ -68,20 +46,18 @@ def torch_ms(q, cache, n: int, repeats: int) -> float | None:
         return None
     tq = torch.from_dlpack(q).transpose(1, 2)
     tk, tv = (torch.from_dlpack(x[:, :n]).transpose(1, 2) for x in (cache.k, cache.v))
+    gqa = {"enable_gqa": True}
     try:
-        def run():
-            return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-        run()
+        F.scaled_dot_product_attention(tq, tk, tv, **gqa)
     except TypeError:                      # torch < 2.5: replicated kv heads, outside the timing
-        g = tq.shape[1] // tk.shape[1]
+        g, gqa = tq.shape[1] // tk.shape[1], {}
         tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
+    seconds = C.call_seconds(lambda: F.scaled_dot_product_attention(tq, tk, tv, **gqa), repeats, cuda=True,
+                             sync_inside=True)
+    return C.median(seconds) * 1e3
 
-        def run():
-            return F.scaled_dot_product_attention(tq, tk, tv)
-    return C.median(C.call_seconds(run, repeats, cuda=True, sync_inside=True)) * 1e3
 
-
-def measure_decode(group, args, n: int, copy_bw: float | None) -> dict:
+def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     """The row of n cache rows in all: ceil(n / G) on each rank, one fewer past the first n % G."""
     b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
     ops, per_rank, extra = group.ops, -(-n // group.size), n % group.size
@@ -105,10 +81,17 @@ def measure_decode(group, args, n: int, copy_bw: float | None) -> dict:
         seconds = C.slowest_rank_seconds(group, step, args.repeats)
     sent = group.stats.bytes_sent // args.repeats
     assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
+    # host ms: calls issued back to back, no sync between them, after one synced call
+    step()
+    t0 = time.perf_counter()
+    for _ in range(args.host_calls):
+        cache.decode(q)
+    host = (time.perf_counter() - t0) / args.host_calls * 1e3
+    ops.sync()
     gbps = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
     return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
-            "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_bw) if copy_bw else None,
-            "host_ms": host_ms(lambda: cache.decode(q), ops.sync, args.host_calls),
+            "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
+            "host_ms": host,
             "torch_ms": torch_ms(q, cache, n, args.repeats) if events and not args.paged else None,
             "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max())}
 
@@ -151,8 +134,8 @@ def plot(rows: list, path: str) -> None:
     plt = C.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     tokens = [r for r in rows if r.get("ms_per_token") is not None]
-    ranks = tokens[0]["ranks"]
-    for key, label in (("ms_per_token", f"burstcu, {ranks} rank(s)"), ("torch_ms", "torch SDPA")):
+    for key, label in (("ms_per_token", f"burstcu, {tokens[0]['ranks']} rank(s)"),
+                       ("torch_ms", "torch SDPA")):
         points = [(r["cache_rows"], r[key]) for r in tokens if r[key] is not None]
         if points:
             ax.plot(*zip(*points), "o-", label=label)
@@ -185,18 +168,23 @@ def main(argv=None) -> int:
                result, args)
         return 0
     group = burstcu.init(backend=args.backend)
-    copy_bw = copy_gbps(group.ops.xp) if group.backend == "cupy" else None
+    copy_gbps = None
+    if group.backend == "cupy":     # the device's copy bandwidth: read + write bytes of a 1 GiB copy / time
+        a, b = group.ops.xp.empty(1 << 30, np.uint8), group.ops.xp.empty(1 << 30, np.uint8)
+        copy_gbps = 2 * (1 << 30) / C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), 5,
+                                                            cuda=True)) / 1e9
+        del a, b
     rows = []
     for n in args.cache:
         C.progress(f"decode, cache {n}", group.rank)
-        rows.append(measure_decode(group, args, n, copy_bw))
+        rows.append(measure_decode(group, args, n, copy_gbps))
     for n in args.prefill if group.backend == "numpy" else []:
         C.progress(f"prefill, prompt {n}", group.rank)
         rows += measure_prefill(group, args, n)
     if group.rank == 0:
         timing = "CUDA events" if group.backend == "cupy" and group.size == 1 else "slowest rank, synced"
         columns = DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else [])
-        C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_bw),
+        C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_gbps),
                           rows, columns, args)
         if args.plot:
             plot(rows, args.plot)

@@ -524,7 +524,8 @@ def test_varlen_schedule_smoke(tmp_path):
                                       "--json", sj], nprocs=None)
     sched = json.loads(sj.read_text())
     assert sched["documents"] == 50 and sched["ranks"] == 3 and "one step's rectangle array" in out
-    assert 0 < sched["step_ms_median"] <= sched["step_ms_max"] <= sched["rank_steps_ms_max"]
+    assert 0 < sched["step_ms_median"] <= sched["step_ms_max"]   # a median and the most of one set
+    assert sched["rank_steps_ms_max"] > 0 and sched["rank_steps_lists_ms_max"] > 0
     assert sched["rectangles_per_step_median"] >= 50   # a rectangle or more a document and step
 
 

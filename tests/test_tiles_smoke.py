@@ -155,7 +155,7 @@ def test_hopper_measure_path_on_the_emulator(tmp_path):
     ops.function = lambda name: asked.append(name) or function(name)
     candidate = tiles.make_variant("forward_sm90", "float16", 64, (128, 64, 2))
     ops.pin(candidate)
-    tiles.forward_once(ops, tiles.Inputs(ops, "float16", 1, 130, 1, 64))
+    tiles.Inputs(ops, "float16", 1, 130, 1, 64).step("forward_sm90")[0]()
     assert candidate.name in asked and "flash_fwd_step_sm90<__half, 64, 128, 3>" not in asked, asked
 
 

@@ -1,9 +1,8 @@
-"""Linear attention across ranks: LASP-2 (one all-gather of the D x D states a pass) and the
-LASP-1 chain against softmax attention's burst ring: per (global seqlen, strategy) the forward
-and backward time (the slowest rank's median over --repeats after a warm-up), tokens per second
-and the bytes and messages a rank sends per pass (the most over ranks), measured in one run.
---predict: the library's model (`burstcu.plan.predict_linear`) of one causal layer on a preset,
-beside the LASP-2 paper's whole-model figures, every figure a PREDICTION.
+"""Causal linear attention across ranks, LASP-2 (one all-gather of the D x D states a pass) and the
+LASP-1 chain against softmax attention's burst ring in one run: per (global seqlen, strategy) the
+slowest rank's forward and backward time, tokens per second and the most bytes and messages a rank
+sends per pass. --predict: `burstcu.plan.predict_linear`'s PREDICTION of one causal layer on a
+preset, beside the LASP-2 paper's whole-model figures.
 
     mpiexec -n G python bench/cpu/linear.py [--seqlens 4096 16384 65536] [--strategies lasp2 lasp1 burst]
         [--backend auto] [--repeats 3] [--json F] [--table F] [--plot F]
@@ -22,25 +21,20 @@ from bench import _common as C  # noqa: E402
 import burstcu  # noqa: E402
 from burstcu.plan import MACHINES, predict_linear  # noqa: E402
 
-LINEAR = ("lasp2", "lasp1")
 COLUMNS = ["ranks", "seqlen", "strategy", "forward_s", "backward_s", "tokens_per_s",
            "forward_bytes", "forward_messages", "backward_bytes", "backward_messages"]
 
 
 def measure(group, args, seqlen: int, strategy: str) -> dict:
-    """Times and bytes of one (seqlen, strategy) on this rank."""
+    """This rank's median forward and backward seconds of one (seqlen, strategy), every rank
+    started together, and the bytes and messages it sent in each pass (`group.stats`)."""
     q, k, v, dout = C.local_inputs(group, args, seqlen=seqlen)
-    kw = dict(causal=not args.no_causal, strategy=strategy)
-
-    def fwd():
-        if strategy in LINEAR:
-            return burstcu.linear_attention(q, k, v, group, **kw)
-        return burstcu.attention(q, k, v, group, return_lse=True, **kw)
-
-    def bwd(saved):
-        if strategy in LINEAR:
-            return burstcu.linear_attention_backward(dout, q, k, v, group, **kw)
-        return burstcu.attention_backward(dout, q, k, v, *saved, group, **kw)
+    kw = dict(causal=True, strategy=strategy)
+    fwd, bwd = ((lambda: burstcu.linear_attention(q, k, v, group, **kw),
+                 lambda saved: burstcu.linear_attention_backward(dout, q, k, v, group, **kw))
+                if strategy in ("lasp2", "lasp1") else
+                (lambda: burstcu.attention(q, k, v, group, return_lse=True, **kw),
+                 lambda saved: burstcu.attention_backward(dout, q, k, v, *saved, group, **kw)))
 
     def once(fn) -> float:   # every rank starts together, stats counted from the start
         return C.call_seconds(fn, 1, warmup=0, before=lambda: (group.stats.reset(), group.barrier()),
@@ -58,6 +52,7 @@ def measure(group, args, seqlen: int, strategy: str) -> dict:
 
 
 def plot(rows, path) -> None:
+    """Forward + backward seconds and bytes a rank sends against the seqlen, a line a strategy."""
     plt = C.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for strategy in sorted({r["strategy"] for r in rows}):
@@ -67,8 +62,7 @@ def plot(rows, path) -> None:
         axes[1].plot([x[0] for x in pts], [max(x[2], 1) for x in pts], marker="o", label=strategy)
     for ax, title in zip(axes, ("forward + backward s (slowest rank)", "bytes sent a rank, fwd + bwd")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("global seqlen")
+        ax.set(yscale="log", xlabel="global seqlen")
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=7)
     C.save(fig, path)
@@ -78,7 +72,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384, 65536])
     C.add_shape_args(p, heads=8, dtypes=("float16", "float32", "float64"))
-    p.add_argument("--no-causal", action="store_true")
     p.add_argument("--strategies", nargs="+", default=["lasp2", "lasp1", "burst"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="auto")

@@ -1,10 +1,8 @@
 """Where one rank's time goes on the CPU: burstcu's NumPy op, forward and backward, against
-PyTorch's CPU scaled_dot_product_attention (and a naive NumPy forward), same shapes and threads.
-For each (threads, seqlen, mask) burstcu and torch run interleaved, one repetition of each in
-turn after a warm-up, so a slow spell hits both alike (medians; the naive run comes after, its
-BLAS threads spin on). BLAS and torch are held to the same thread count. The header names the
-BLAS kernels NumPy's OpenBLAS runs and prints `blas_advice()` when faster ones would run; per
-row: seconds, GFLOP/s (4BHS^2D forward, 2.5x backward, halved when causal) and time / torch's.
+PyTorch's CPU scaled_dot_product_attention (and a naive NumPy forward), same shapes, BLAS and torch
+held to the same thread count, burstcu and torch interleaved a repetition at a time after a warm-up
+so a slow spell hits both alike (medians). The header names the BLAS kernels NumPy's OpenBLAS runs
+and says when faster ones would run (`blas_advice`).
 
     python bench/cpu/local_op.py [--seqlen 1024 4096] [--threads 1 2] [--masks full causal]
         [--repeats 5] [--score-std 1] [--naive-max 1024] [--json F] [--plot F]
@@ -17,8 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-# torch's OpenMP threads otherwise spin after each call and take a core from the next (the
-# other implementation, interleaved); must be set before libgomp loads
+# before libgomp loads: torch's OpenMP threads would spin after each call, taking a core from the next
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
@@ -43,37 +40,30 @@ def naive_numpy(q, k, v, causal: bool):
 
 def bench_config(args, torch, threads: int, seqlen: int, causal: bool) -> list[dict]:
     """The rows of one (threads, seqlen, mask): each implementation and pass, median seconds."""
-    rng = np.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((args.batch, seqlen, args.heads, args.headdim),
-                                         dtype=np.float32) for _ in range(4))
+    q, k, v, dout = C.normal(np, [(args.batch, seqlen, args.heads, args.headdim)] * 4, "float32", 0)
     q *= np.float32(args.score_std)
     group = burstcu.Group(0, 1, "numpy", SelfTransport(), NumpyOps(threads=threads))
     out, lse = burstcu.attention(q, k, v, group, causal=causal, return_lse=True)
-    runs = {("forward", "burstcu"): lambda: burstcu.attention(q, k, v, group, causal=causal)}
-    if not args.no_backward:
-        runs[("backward", "burstcu")] = lambda: burstcu.attention_backward(
-            dout, q, k, v, out, lse, group, causal=causal)
+    runs = {("forward", "burstcu"): lambda: burstcu.attention(q, k, v, group, causal=causal),
+            ("backward", "burstcu"): lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group,
+                                                                        causal=causal)}
     if torch is not None:   # (B, H, S, D) copies; backward: autograd.grad of the kept graph
         F = torch.nn.functional
         tq, tk, tv, tdo = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
                            for x in (q, k, v, dout))
         sdpa = torch.no_grad()(F.scaled_dot_product_attention)
         runs[("forward", "torch sdpa")] = lambda: sdpa(tq, tk, tv, is_causal=causal)
-        if not args.no_backward:
-            leaves = [x.clone().requires_grad_() for x in (tq, tk, tv)]
-            tout = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-            runs[("backward", "torch sdpa")] = lambda: torch.autograd.grad(tout, leaves, tdo,
-                                                                           retain_graph=True)
-    if seqlen <= args.naive_max:
-        runs[("forward", "naive numpy")] = lambda: naive_numpy(q, k, v, causal)
+        leaves = [x.clone().requires_grad_() for x in (tq, tk, tv)]
+        tout = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        runs[("backward", "torch sdpa")] = lambda: torch.autograd.grad(tout, leaves, tdo, retain_graph=True)
+    for fn in runs.values():
+        fn()   # warm-up: first-touch allocations, thread pools, BLAS buffers
     times = {key: [] for key in runs}
-    naive = [k for k in runs if k[1] == "naive numpy"]   # after the others: its BLAS threads spin on
-    for group_keys in ([k for k in runs if k not in naive], naive):
-        for key in group_keys:
-            runs[key]()   # warm-up: first-touch allocations, thread pools, BLAS buffers
-        for _ in range(args.repeats):
-            for key in group_keys:
-                times[key] += C.call_seconds(runs[key], 1, warmup=0)
+    for _ in range(args.repeats):
+        for key, fn in runs.items():
+            times[key] += C.call_seconds(fn, 1, warmup=0)
+    if seqlen <= args.naive_max:   # after the others: its BLAS threads spin on
+        times[("forward", "naive numpy")] = C.call_seconds(lambda: naive_numpy(q, k, v, causal), args.repeats)
     group.close()
     flops = 4 * args.batch * args.heads * seqlen * seqlen * args.headdim * (0.5 if causal else 1)
     rows = []
@@ -99,8 +89,8 @@ def plot(rows: list, path: str) -> None:
         ax.bar([x for x, _ in shown], [ratio[key] for _, key in shown], 0.4, label=pass_)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_xticks(range(len(labels)), [f"{s} {m}\n{t} thr" for t, s, m in labels], fontsize=8)
-    ax.set_ylabel("burstcu time / torch SDPA time")
-    ax.set_title("one rank on the CPU, float32: below 1 is faster than torch")
+    ax.set(ylabel="burstcu time / torch SDPA time",
+           title="one rank on the CPU, float32: below 1 is faster than torch")
     ax.legend(fontsize=8)
     C.save(fig, path, dpi=120)
 
@@ -110,12 +100,8 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all cores")
     p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"])
-    p.add_argument("--causal", action="store_true", help="the same as --masks causal")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-backward", action="store_true")
+    for name, default in (("--heads", 8), ("--headdim", 64), ("--batch", 1), ("--repeats", 5)):
+        p.add_argument(name, type=int, default=default)
     p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
     p.add_argument("--score-std", type=float, default=1.0, help="std of the scores (q is scaled to it)")
     p.add_argument("--json", default="bench/out/local_op.json")
@@ -128,19 +114,15 @@ def main(argv=None):
         torch = None
     env = C.environment(None, threads=threads_list, torch=None if torch is None else torch.__version__,
                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
-    rows, torch_threads = [], None if torch is None else torch.get_num_threads()
-    try:
-        for threads in threads_list:
-            if torch is not None:
-                torch.set_num_threads(threads)
-            with threadpool_limits(limits=threads):
-                for seqlen in args.seqlen:
-                    for mask in ["causal"] if args.causal else args.masks:
-                        C.progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
-                        rows += bench_config(args, torch, threads, seqlen, mask == "causal")
-    finally:
+    rows = []
+    for threads in threads_list:
         if torch is not None:
-            torch.set_num_threads(torch_threads)
+            torch.set_num_threads(threads)
+        with threadpool_limits(limits=threads):
+            for seqlen in args.seqlen:
+                for mask in args.masks:
+                    C.progress(f"{threads} thread(s), seqlen {seqlen}, {mask}")
+                    rows += bench_config(args, torch, threads, seqlen, mask == "causal")
     cores = sorted({str(b.get("architecture")) for b in env["blas"] if b.get("internal_api") == "openblas"})
     coretype = os.environ.get("OPENBLAS_CORETYPE")
     print(f"one rank, float32, batch {args.batch}, heads {args.heads}, headdim {args.headdim}, "

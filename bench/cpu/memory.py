@@ -1,7 +1,6 @@
 """Activation memory per rank: the peak bytes a forward and a backward pass allocate above what was
-live before the call, per strategy, beside the paper's formula (bench/README.md explains the terms).
-Measured with tracemalloc on the CPU (MPI's own buffers are not counted), the CuPy pool's high
-water mark with --backend cupy.
+live before the call, per strategy, beside the paper's formula; tracemalloc on the CPU (MPI's own
+buffers not counted), the CuPy pool's high-water mark with --backend cupy.
 
     mpiexec -n G python bench/cpu/memory.py [--seqlen N] [--heads H] [--causal] [--json F]
 """
@@ -20,35 +19,24 @@ import burstcu  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
 
 
-class PeakMeter:
-    """Context manager: `.peak` = bytes allocated at the high-water mark above the start."""
-
-    def __init__(self, backend: str):
-        self.cupy = backend == "cupy"
-        self.peak = 0
-
-    def __enter__(self):
-        if self.cupy:
-            import cupy
-            self.pool = cupy.get_default_memory_pool()
-            cupy.cuda.Device().synchronize()
-            self.pool.free_all_blocks()
-            self.base = self.pool.total_bytes()
-        else:
-            if not tracemalloc.is_tracing():
-                tracemalloc.start()
-            tracemalloc.reset_peak()
-            self.base = tracemalloc.get_traced_memory()[0]
-        return self
-
-    def __exit__(self, *exc):
-        if self.cupy:
-            import cupy
-            cupy.cuda.Device().synchronize()
-            self.peak = self.pool.total_bytes() - self.base
-        else:
-            self.peak = tracemalloc.get_traced_memory()[1] - self.base
-        return False
+def peak_bytes(backend: str, fn):
+    """(fn(), the bytes allocated at its high-water mark above what was live before it): the CuPy
+    pool's (cupy: emptied first, the device synchronized around fn) or tracemalloc's."""
+    if backend == "cupy":
+        import cupy
+        pool = cupy.get_default_memory_pool()
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        base = pool.total_bytes()
+        result = fn()
+        cupy.cuda.Device().synchronize()
+        return result, pool.total_bytes() - base
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    result = fn()
+    return result, tracemalloc.get_traced_memory()[1] - base
 
 
 def formula(strategy: str, *, G, B, S, H, Hkv, D, it, acc, tile_q, tile_k) -> dict:
@@ -68,15 +56,15 @@ def measure(group, strategy: str, inputs, causal: bool) -> dict:
     q, k, v, dout = inputs
     kw = dict(causal=causal, strategy=strategy)
     group.release_buffers()   # buffers kept from earlier calls count as this call's
-    with PeakMeter(group.backend) as fwd:
-        out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
+    (out, lse), fwd = peak_bytes(group.backend,
+                                 lambda: burstcu.attention(q, k, v, group, return_lse=True, **kw))
     group.release_buffers()
-    with PeakMeter(group.backend) as bwd:
-        burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw)
+    _, bwd = peak_bytes(group.backend, lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group,
+                                                                           **kw))
     live_fwd = q.nbytes + k.nbytes + v.nbytes
     live_bwd = live_fwd + dout.nbytes + out.nbytes + lse.nbytes
-    return {"forward_peak": fwd.peak, "backward_peak": bwd.peak,
-            "forward_total": live_fwd + fwd.peak, "backward_total": live_bwd + bwd.peak}
+    return {"forward_peak": fwd, "backward_peak": bwd,
+            "forward_total": live_fwd + fwd, "backward_total": live_bwd + bwd}
 
 
 def main(argv=None):
@@ -86,11 +74,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     group = burstcu.init(backend=args.backend)
     inputs = C.local_inputs(group, args)
-    q, k = inputs[0], inputs[1]
-    B, S, H, D = q.shape
-    dims = dict(G=group.size, B=B, S=S, H=H, Hkv=k.shape[2], D=D, it=q.dtype.itemsize,
-                acc=accum_dtype(q.dtype).itemsize, tile_q=getattr(group.ops, "tile_q", 128),
-                tile_k=getattr(group.ops, "tile_k", 128))
+    (B, S, H, D), Hkv, dtype = inputs[0].shape, inputs[1].shape[2], inputs[0].dtype
+    dims = dict(G=group.size, B=B, S=S, H=H, Hkv=Hkv, D=D, it=dtype.itemsize, acc=accum_dtype(dtype).itemsize,
+                tile_q=getattr(group.ops, "tile_q", 128), tile_k=getattr(group.ops, "tile_k", 128))
     rows = []
     for strategy in args.strategies:
         C.progress(f"memory: {strategy}", group.rank)
@@ -108,7 +94,7 @@ def main(argv=None):
     print(C.measured_on(env))
     print(f"# per rank: *_peak = peak bytes allocated during the call above what was live before it; "
           f"*_total = peak + the call's live arguments; G={group.size} N={args.seqlen} B={B} H={H} "
-          f"Hkv={dims['Hkv']} D={D} {args.dtype}; meter: {meter}\n# formula = 4BZNd/G (QKVO) + one "
+          f"Hkv={Hkv} D={D} {args.dtype}; meter: {meter}\n# formula = 4BZNd/G (QKVO) + one "
           f"score tile per head + strategy buffers (paper); ratios are *_total / formula")
     b = C.fmt_bytes
     show = [{"rank": i, "strategy": r["strategy"], "fwd_peak": b(r["forward_peak"]),

@@ -1,9 +1,7 @@
 """Forward error against the ring size: one bf16/fp16 problem split over G = 1, 2, 4, ... ranks
-(threads on the loopback transport, one process, one BLAS thread), every method's out against one
-float64 reference: burstcu's burst ring (contiguous; zigzag too under causal), two simulated ring
-schedules on the same split (rfa: ring-flash-attention's merge, block outs in the input dtype and
-a float32 running out; dtype-merge: the running out kept in the input dtype) and the floor (the
-reference rounded once). docs/numerics.md says how each is made and how to read the table.
+(threads on the loopback transport, one BLAS thread), every method's out against one float64
+reference: burstcu's burst ring (contiguous; zigzag too under causal), the simulated rfa and
+dtype-merge rings on the same split, and the floor (docs/numerics.md: how each is made, how to read).
 
     python bench/cpu/numerics.py [--seqlen 16384] [--ranks 1 2 4 8 16 32 64] [--dtypes bfloat16 float16]
         [--masks full causal] [--score-std 1] [--no-zigzag] [--json F] [--table F] [--plot F]
@@ -34,7 +32,6 @@ from burstcu.layout import shard_slices  # noqa: E402
 from burstcu.testing.world import run_ranks  # noqa: E402
 
 METHODS = ("burstcu", "burstcu-zz", "rfa", "dtype-merge", "floor")
-SIMULATED = ("rfa", "dtype-merge")
 FLAT = 1.2   # the goal: burstcu's error at the largest G within this factor of its G = 1 error
 ROWS = 256   # query rows per reference block
 LABELS = {"burstcu": "burstcu: float32 state across hops (measured)",
@@ -44,16 +41,18 @@ LABELS = {"burstcu": "burstcu: float32 state across hops (measured)",
           "dtype-merge": "dtype-merge: running out kept in the input dtype,\n"
                          "rounded at every merge (simulated)",
           "floor": "floor: float64, rounded once"}
-
-
-# ----------------------------------------------------------------------------------------------
-# the problem, its reference and the floor
+# burstcu wide and underneath; the floor and zigzag thin and on top, visible where they coincide
+STYLE = {"burstcu": dict(color="C0", lw=3.2, zorder=2, marker="o", markersize=3.5),
+         "burstcu-zz": dict(color="C1", lw=1.2, zorder=4, marker="x", markersize=6),
+         "rfa": dict(color="C2", lw=1.5, zorder=3, marker="o", markersize=3.5),
+         "dtype-merge": dict(color="C3", lw=1.5, zorder=3, marker="o", markersize=3.5),
+         "floor": dict(color="k", lw=1.2, zorder=5, dashes=(1, 1.5))}
 
 
 def problem(seqlen: int, batch: int, heads: int, headdim: int, dtype: str, seed: int = 0,
             score_std: float = 1.0):
-    """q, k, v (batch, seqlen, heads, headdim) in `dtype`: N(0, 1) float32 draws (q times
-    score_std), seeded, rounded to `dtype`: the same draws for every dtype."""
+    """q, k, v (batch, seqlen, heads, headdim): N(0, 1) float32 draws (q times score_std), seeded,
+    rounded to `dtype`: the same draws for every dtype."""
     q, k, v = C.normal(np, [(batch, seqlen, heads, headdim)] * 3, "float32", seed)
     dt = C.array_dtype(dtype)
     return (q * np.float32(score_std)).astype(dt), k.astype(dt), v.astype(dt)
@@ -62,14 +61,14 @@ def problem(seqlen: int, batch: int, heads: int, headdim: int, dtype: str, seed:
 def reference(q, k, v, causal: bool, rows: int = ROWS) -> np.ndarray:
     """out (B, S, H, D) in float64: full softmax of q k^T / sqrt(D) over every key (causal: key
     position <= query position), `rows` query rows at a time; it calls nothing of burstcu."""
-    d = q.shape[-1]
     k64 = k.astype(np.float64).transpose(0, 2, 3, 1)        # (B, H, D, S)
     v64 = v.astype(np.float64).transpose(0, 2, 1, 3)        # (B, H, S, D)
     out = np.empty(q.shape, np.float64)
     for lo in range(0, q.shape[1], rows):
         hi = min(lo + rows, q.shape[1])
         keys = hi if causal else q.shape[1]                  # later keys are all masked
-        scores = (q[:, lo:hi].astype(np.float64).transpose(0, 2, 1, 3) @ k64[..., :keys]) / math.sqrt(d)
+        q64 = q[:, lo:hi].astype(np.float64).transpose(0, 2, 1, 3)
+        scores = (q64 @ k64[..., :keys]) / math.sqrt(q.shape[-1])
         if causal:
             scores[..., np.arange(lo, hi)[:, None] < np.arange(keys)[None, :]] = -np.inf
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -91,12 +90,6 @@ def rounded(x, dtype) -> np.ndarray:
     return (f.view(np.uint32) | sticky).view(np.float32).astype(dtype)
 
 
-def errors(got, ref) -> tuple[float, float]:
-    """(max, mean) of |got - ref| over every element, in float64."""
-    diff = np.abs(got.astype(np.float64) - ref)
-    return float(diff.max()), float(diff.mean())
-
-
 def burstcu_out(q, k, v, ranks: int, causal: bool, layout: str = "contiguous"):
     """(out (B, S, H, D) in q's dtype, the ranks' NumPy op scratch bytes together): the burst
     strategy on `ranks` threads of this process, each rank's op on one thread."""
@@ -105,78 +98,20 @@ def burstcu_out(q, k, v, ranks: int, causal: bool, layout: str = "contiguous"):
         out = burstcu.attention(*local, group, causal=causal, layout=layout, strategy="burst")
         return out, group.ops.scratch_bytes
 
-    results = run_ranks(ranks, body, threads=1, timeout=600.0)
-    out = np.empty_like(q)
+    results, out = run_ranks(ranks, body, threads=1, timeout=600.0), np.empty_like(q)
     for rank, (local, _) in enumerate(results):
         assert local.dtype == q.dtype, (local.dtype, q.dtype)
-        at = 0
-        for piece in shard_slices(layout, rank, ranks, q.shape[1]):
-            out[:, piece] = local[:, at:at + piece.stop - piece.start]
-            at += piece.stop - piece.start
+        out[:, np.r_[tuple(shard_slices(layout, rank, ranks, q.shape[1]))]] = local
     return out, sum(scratch for _, scratch in results)
-
-
-# ----------------------------------------------------------------------------------------------
-# the simulated ring schedules
-
-
-def _fine_partials(q64, k64, v64, lo: int, hi: int, causal: bool, blocks: int):
-    """Query rows [lo, hi) against each of `blocks` key blocks, in float64: the block's shift m
-    (row max, -inf where it sees no key), row sums l and unnormalized P @ V o. q64 (B, H, S, D);
-    k64 (B, H, blocks, D, W); v64 (B, H, blocks, W, D). m, l (B, H, blocks, R); o (..., R, D)."""
-    b, h, _, d = q64.shape
-    width = k64.shape[-1]
-    seen = -(-hi // width) if causal else blocks             # blocks with a key <= hi - 1
-    scores = (q64[:, :, None, lo:hi] @ k64[:, :, :seen]) / math.sqrt(d)   # (B, H, seen, R, W)
-    if causal:
-        scores[..., np.arange(lo, hi)[:, None] < np.arange(seen * width).reshape(seen, 1, width)] = -np.inf
-    m = np.full((b, h, blocks, hi - lo), -np.inf)
-    l = np.zeros((b, h, blocks, hi - lo))
-    o = np.zeros((b, h, blocks, hi - lo, d))
-    m[:, :, :seen] = scores.max(axis=-1)
-    shift = np.where(np.isfinite(m[:, :, :seen]), m[:, :, :seen], 0.0)
-    p = np.exp(scores - shift[..., None])                    # masked keys: exp(-inf) = 0
-    l[:, :, :seen] = p.sum(axis=-1)
-    o[:, :, :seen] = p @ v64[:, :, :seen]
-    return m, l, o
-
-
-def _block_partials(m, l, o, ranks: int, dtype):
-    """The fine partials joined, in float64, into the `ranks` blocks of a G-way split, returned as
-    a flash-attn forward returns a block's partial: out_j (B, H, G, R, D) rounded to `dtype`,
-    lse_j (B, H, G, R) in float32 (-inf: a block the rows do not see)."""
-    b, h, blocks, r = m.shape
-    m = m.reshape(b, h, ranks, blocks // ranks, r)
-    top = m.max(axis=3)
-    top_safe = np.where(np.isfinite(top), top, 0.0)
-    w = np.exp(m - top_safe[:, :, :, None])                  # 0 for fine blocks seeing no key
-    l_j = (w * l.reshape(m.shape)).sum(axis=3)
-    o_j = (w[..., None] * o.reshape(*m.shape, -1)).sum(axis=3)
-    seen = l_j > 0
-    out_j = rounded(o_j / np.where(seen, l_j, 1.0)[..., None], dtype)
-    lse_j = np.where(seen, top_safe + np.log(np.where(seen, l_j, 1.0)), -np.inf).astype(np.float32)
-    return out_j, lse_j
-
-
-def merge(out, lse, block_out, block_lse, dtype=None):
-    """One step of ring-flash-attention's merge (`_update_out_and_lse`), in float32:
-    out -= sigmoid(block_lse - lse) * (out - block_out); lse -= logsigmoid(lse - block_lse).
-    With `dtype` the running out is kept in that dtype, rounded to it again after the merge."""
-    f32, one = out.astype(np.float32), np.float32(1)
-    new = f32 - (one / (one + np.exp(lse - block_lse)))[..., None] * (f32 - block_out.astype(np.float32))
-    lse = lse + np.logaddexp(np.float32(0), block_lse - lse)
-    return (new if dtype is None else new.astype(dtype)), lse
-
-
-def ring_order(rank: int, ranks: int, causal: bool) -> list[int]:
-    """The K/V blocks rank `rank` computes, in the order its ring delivers them: its own, then
-    rank - 1, rank - 2, ... (mod G); causal: only blocks <= rank (the others are all future)."""
-    return [j for j in ((rank - step) % ranks for step in range(ranks)) if not causal or j <= rank]
 
 
 def simulated_outs(q, k, v, causal: bool, ranks_list, rows: int = ROWS) -> dict:
     """{G: {"rfa": out, "dtype-merge": out}}, each (B, S, H, D) in q's dtype, over a contiguous
-    G-way split for every G at once (each split's blocks joined from partials over the finest)."""
+    G-way split for every G at once. Per chunk of query rows: m (row max, -inf where a block sees
+    no key), l (row sum) and o (unnormalized P @ V) against each of the finest split's key blocks,
+    in float64, (B, H, blocks, R) and (B, H, blocks, R, D); joined into each G's blocks as a
+    flash-attn forward returns them (out_j (B, H, G, R, D) in q's dtype, lse_j float32); merged by
+    each rank in ring order (its own, then rank - 1, rank - 2, ... mod G; causal: blocks <= rank)."""
     b, s, h, d = q.shape
     blocks = math.lcm(*ranks_list)
     width = s // blocks
@@ -184,23 +119,39 @@ def simulated_outs(q, k, v, causal: bool, ranks_list, rows: int = ROWS) -> dict:
     q64 = q.astype(np.float64).transpose(0, 2, 1, 3)
     k64 = k.astype(np.float64).transpose(0, 2, 3, 1).reshape(b, h, d, blocks, width).transpose(0, 1, 3, 2, 4)
     v64 = v.astype(np.float64).transpose(0, 2, 1, 3).reshape(b, h, blocks, width, d)
-    outs = {g: {name: np.empty_like(q) for name in SIMULATED} for g in ranks_list}
+    outs = {g: {"rfa": np.empty_like(q), "dtype-merge": np.empty_like(q)} for g in ranks_list}
     for lo in range(0, s, rows):
-        m, l, o = _fine_partials(q64, k64, v64, lo, lo + rows, causal, blocks)
+        hi = lo + rows
+        seen = -(-hi // width) if causal else blocks             # blocks with a key <= hi - 1
+        scores = (q64[:, :, None, lo:hi] @ k64[:, :, :seen]) / math.sqrt(d)   # (B, H, seen, R, W)
+        if causal:
+            scores[..., np.arange(lo, hi)[:, None] < np.arange(seen * width).reshape(seen, 1, -1)] = -np.inf
+        m, l = np.full((b, h, blocks, rows), -np.inf), np.zeros((b, h, blocks, rows))
+        o = np.zeros((b, h, blocks, rows, d))
+        m[:, :, :seen] = scores.max(axis=-1)
+        p = np.exp(scores - np.where(np.isfinite(m[:, :, :seen]), m[:, :, :seen], 0.0)[..., None])
+        l[:, :, :seen], o[:, :, :seen] = p.sum(axis=-1), p @ v64[:, :, :seen]
         for g in ranks_list:
-            out_j, lse_j = _block_partials(m, l, o, g, q.dtype)
-            order = ring_order(lo // (s // g), g, causal)
-            for name, dtype in (("rfa", None), ("dtype-merge", q.dtype)):
-                run, lse = out_j[:, :, order[0]], lse_j[:, :, order[0]]
-                run = run.astype(np.float32) if dtype is None else run
-                for j in order[1:]:
-                    run, lse = merge(run, lse, out_j[:, :, j], lse_j[:, :, j], dtype)
-                outs[g][name][:, lo:lo + rows] = run.astype(q.dtype).transpose(0, 2, 1, 3)
+            m_g = m.reshape(b, h, g, blocks // g, rows)
+            top = m_g.max(axis=3)
+            top = np.where(np.isfinite(top), top, 0.0)
+            w = np.exp(m_g - top[:, :, :, None])                 # 0 for fine blocks seeing no key
+            l_j = (w * l.reshape(m_g.shape)).sum(axis=3)
+            o_j = (w[..., None] * o.reshape(*m_g.shape, -1)).sum(axis=3)
+            seen_j = l_j > 0
+            out_j = rounded(o_j / np.where(seen_j, l_j, 1.0)[..., None], q.dtype)
+            lse_j = np.where(seen_j, top + np.log(np.where(seen_j, l_j, 1.0)), -np.inf).astype(np.float32)
+            rank = lo // (s // g)
+            order = [j for j in ((rank - step) % g for step in range(g)) if not causal or j <= rank]
+            for name, dtype in (("rfa", np.float32), ("dtype-merge", q.dtype)):
+                run, lse = out_j[:, :, order[0]].astype(dtype), lse_j[:, :, order[0]]
+                for j in order[1:]:   # ring-flash-attention's _update_out_and_lse, in float32
+                    f32, one = run.astype(np.float32), np.float32(1)
+                    weight = (one / (one + np.exp(lse - lse_j[:, :, j])))[..., None]
+                    run = (f32 - weight * (f32 - out_j[:, :, j].astype(np.float32))).astype(dtype)
+                    lse = lse + np.logaddexp(np.float32(0), lse_j[:, :, j] - lse)
+                outs[g][name][:, lo:hi] = run.astype(q.dtype).transpose(0, 2, 1, 3)
     return outs
-
-
-# ----------------------------------------------------------------------------------------------
-# the sweep and its report
 
 
 def measure(q, k, v, causal: bool, ranks_list, zigzag: bool) -> list:
@@ -217,10 +168,11 @@ def measure(q, k, v, causal: bool, ranks_list, zigzag: bool) -> list:
         row["burstcu_s"] = time.perf_counter() - t0
         if zigzag and causal:
             outs["burstcu-zz"] = burstcu_out(q, k, v, g, causal, "zigzag")[0]
-        for name, out in outs.items():
-            row[f"{name}_max"], row[f"{name}_mean"] = errors(out, ref)
-            row[f"{name}_off_floor"] = float(np.mean(out != nearest))
-        row["floor_max"], row["floor_mean"] = errors(nearest, ref)
+        for name, out in {**outs, "floor": nearest}.items():
+            diff = np.abs(out.astype(np.float64) - ref)
+            row[f"{name}_max"], row[f"{name}_mean"] = float(diff.max()), float(diff.mean())
+            if name != "floor":
+                row[f"{name}_off_floor"] = float(np.mean(out != nearest))
         rows.append(row)
         C.progress(f"  G={g}: burstcu mean {row['burstcu_mean']:.3g}, rfa {row['rfa_mean']:.3g}, "
                    f"dtype-merge {row['dtype-merge_mean']:.3g} ({time.perf_counter() - t0:.1f} s)")
@@ -230,9 +182,10 @@ def measure(q, k, v, causal: bool, ranks_list, zigzag: bool) -> list:
     return rows
 
 
-def verdicts(rows: list) -> list[dict]:
-    """Per (dtype, mask): each method's ratio to G = 1 at the largest G; burstcu flat: within FLAT."""
-    out = []
+def verdicts(rows: list) -> tuple[list[dict], list[str]]:
+    """Per (dtype, mask): each method's ratio to G = 1 at the largest G and its mean error over the
+    floor's, burstcu flat where within FLAT; and the line that says so."""
+    found, lines = [], []
     for key in dict.fromkeys((r["dtype"], r["mask"]) for r in rows):   # in table order
         last = max((r for r in rows if (r["dtype"], r["mask"]) == key), key=lambda r: r["ranks"])
         v = {"dtype": key[0], "mask": key[1], "ranks": last["ranks"]}
@@ -242,46 +195,32 @@ def verdicts(rows: list) -> list[dict]:
                            "mean_over_floor": last[f"{name}_mean"] / last["floor_mean"]}
         v["burstcu_flat"] = all(v[n][s] <= FLAT for n in ("burstcu", "burstcu-zz") if n in v
                                 for s in ("max_x1", "mean_x1"))
-        out.append(v)
-    return out
-
-
-def verdict_line(v: dict) -> str:
-    b, r, m = v["burstcu"], v["rfa"], v["dtype-merge"]
-    zz = v.get("burstcu-zz")
-    zz = f"; zigzag {zz['max_x1']:.2f}x / {zz['mean_x1']:.2f}x" if zz else ""
-    return (f"# {v['dtype']} {v['mask']}: burstcu at G={v['ranks']} is {b['max_x1']:.2f}x (max) / "
-            f"{b['mean_x1']:.2f}x (mean) its G=1 error{zz}: "
-            f"{'flat (within ' + str(FLAT) + 'x)' if v['burstcu_flat'] else 'NOT flat'}; "
-            f"rfa {r['max_x1']:.2f}x / {r['mean_x1']:.2f}x, dtype-merge {m['max_x1']:.2f}x / "
-            f"{m['mean_x1']:.2f}x; mean error over the floor: burstcu {b['mean_over_floor']:.2f}, "
-            f"rfa {r['mean_over_floor']:.2f}, dtype-merge {m['mean_over_floor']:.2f}")
+        found.append(v)
+        b, r, m, zz = v["burstcu"], v["rfa"], v["dtype-merge"], v.get("burstcu-zz")
+        zz = f"; zigzag {zz['max_x1']:.2f}x / {zz['mean_x1']:.2f}x" if zz else ""
+        lines.append(f"# {key[0]} {key[1]}: burstcu at G={v['ranks']} is {b['max_x1']:.2f}x (max) / "
+                     f"{b['mean_x1']:.2f}x (mean) its G=1 error{zz}: "
+                     f"{f'flat (within {FLAT}x)' if v['burstcu_flat'] else 'NOT flat'}; "
+                     f"rfa {r['max_x1']:.2f}x / {r['mean_x1']:.2f}x, dtype-merge {m['max_x1']:.2f}x / "
+                     f"{m['mean_x1']:.2f}x; mean error over the floor: burstcu {b['mean_over_floor']:.2f}, "
+                     f"rfa {r['mean_over_floor']:.2f}, dtype-merge {m['mean_over_floor']:.2f}")
+    return found, lines
 
 
 def shown(rows: list) -> str:
     """The table as printed: errors, ratios to G = 1 as "max/mean", burstcu's share off the floor."""
-    heads = [("dtype", "dtype"), ("mask", "mask"), ("G", "ranks"), ("floor max", "floor_max"),
-             ("floor mean", "floor_mean"), ("burstcu max", "burstcu_max"),
-             ("burstcu mean", "burstcu_mean"), ("burstcu xG1", None), ("!= floor", None),
-             ("zigzag max", "burstcu-zz_max"), ("zigzag mean", "burstcu-zz_mean"), ("rfa max", "rfa_max"),
-             ("rfa mean", "rfa_mean"), ("rfa xG1", None), ("dtype-merge max", "dtype-merge_max"),
-             ("dtype-merge mean", "dtype-merge_mean"), ("dtype-merge xG1", None)]
-    out = []
+    cells = []
     for r in rows:
-        cells = {head: r.get(key) for head, key in heads}
-        for name in ("burstcu", "rfa", "dtype-merge"):
-            cells[f"{name} xG1"] = f"{r[name + '_max_x1']:.2f}/{r[name + '_mean_x1']:.2f}"
-        cells["!= floor"] = f"{100 * r['burstcu_off_floor']:.2f}%"
-        out.append(cells)
-    return C.table(out, [head for head, _ in heads])
-
-
-# burstcu wide and underneath; the floor and zigzag thin and on top, visible where they coincide
-STYLE = {"burstcu": dict(color="C0", lw=3.2, zorder=2, marker="o", markersize=3.5),
-         "burstcu-zz": dict(color="C1", lw=1.2, zorder=4, marker="x", markersize=6),
-         "rfa": dict(color="C2", lw=1.5, zorder=3, marker="o", markersize=3.5),
-         "dtype-merge": dict(color="C3", lw=1.5, zorder=3, marker="o", markersize=3.5),
-         "floor": dict(color="k", lw=1.2, zorder=5, dashes=(1, 1.5))}
+        c = {"dtype": r["dtype"], "mask": r["mask"], "G": r["ranks"]}
+        for name, head in (("floor", "floor"), ("burstcu", "burstcu"), ("burstcu-zz", "zigzag"),
+                           ("rfa", "rfa"), ("dtype-merge", "dtype-merge")):
+            c[f"{head} max"], c[f"{head} mean"] = r.get(f"{name}_max"), r.get(f"{name}_mean")
+            if name in ("burstcu", "rfa", "dtype-merge"):
+                c[f"{head} xG1"] = f"{r[name + '_max_x1']:.2f}/{r[name + '_mean_x1']:.2f}"
+            if name == "burstcu":
+                c["!= floor"] = f"{100 * r['burstcu_off_floor']:.2f}%"
+        cells.append(c)
+    return C.table(cells, list(cells[0]))
 
 
 def plot(rows: list, path: str, title: str) -> None:
@@ -302,15 +241,14 @@ def plot(rows: list, path: str, title: str) -> None:
             ax.plot(xs, [r[f"{name}_max"] for r in sel], **{**STYLE[name], **dashed, "marker": None,
                                                              "alpha": 0.75})
         ax.set_title(f"{dtype}, {mask}", fontsize=10)
+        ax.set(yscale="log", ylabel="|out - float64 reference|" if j == 0 else "",
+               xlabel="ranks G (the same global problem)" if i == len(dtypes) - 1 else "")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.grid(True, which="major", alpha=0.3)
         if mask == "causal":
             ax.text(0.02, 0.9, "max: the first rows' (one block for every method)", fontsize=7,
                     transform=ax.transAxes, va="top", color="0.3")
-        ax.set_ylabel("|out - float64 reference|" if j == 0 else "")
-        ax.set_xlabel("ranks G (the same global problem)" if i == len(dtypes) - 1 else "")
     legend = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
     legend["mean |error| (solid)"] = Line2D([], [], color="k", ls="-")
     legend["max |error| (dashed; the floor's dotted)"] = Line2D([], [], color="k", ls="--")
@@ -323,11 +261,11 @@ def plot(rows: list, path: str, title: str) -> None:
 
 
 def main(argv=None) -> dict:
+    """Every (dtype, mask) in turn, then the table, JSON and plot; the JSON's content."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=int, default=16384, help="global sequence length S")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--headdim", type=int, default=64)
+    for name, default in (("--batch", 1), ("--heads", 2), ("--headdim", 64)):
+        p.add_argument(name, type=int, default=default)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     p.add_argument("--masks", nargs="+", default=["full", "causal"], choices=["full", "causal"])
@@ -340,40 +278,32 @@ def main(argv=None) -> dict:
         p.error("--ranks must include 1: every ratio is to the G = 1 error")
     if args.seqlen % (2 * math.lcm(*args.ranks)):
         p.error(f"--seqlen must be a multiple of {2 * math.lcm(*args.ranks)} (2 x the lcm of --ranks)")
+    start, rows, scratch = time.perf_counter(), [], {}
     with threadpool_limits(limits=1):   # also where NumPy was loaded before (one BLAS thread)
-        return run(args)
-
-
-def run(args) -> dict:
-    """Every (dtype, mask) in turn, then the table, JSON and plot."""
-    start = time.perf_counter()
-    rows, scratch = [], {}
-    for dtype, mask in [(dt, mask) for dt in args.dtypes for mask in args.masks]:
-        C.progress(f"{dtype} {mask}: S={args.seqlen}, G in {args.ranks} "
-                   f"({time.perf_counter() - start:.0f} s so far)")
-        q, k, v = problem(args.seqlen, args.batch, args.heads, args.headdim, dtype, 0, args.score_std)
-        for row in measure(q, k, v, mask == "causal", args.ranks, not args.no_zigzag):
-            scratch[row["ranks"]] = max(scratch.get(row["ranks"], 0), row["ranks_scratch_bytes"])
-            rows.append({"dtype": dtype, "mask": mask, **row})
-    elapsed = time.perf_counter() - start
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    env = C.environment(None, transport="loopback", progress="threads: one per rank",
-                        ranks=args.ranks, peak_rss_bytes=peak_rss, elapsed_s=elapsed)
-    found = verdicts(rows)
+        for dtype, mask in [(dt, mask) for dt in args.dtypes for mask in args.masks]:
+            C.progress(f"{dtype} {mask}: S={args.seqlen}, G in {args.ranks} "
+                       f"({time.perf_counter() - start:.0f} s so far)")
+            q, k, v = problem(args.seqlen, args.batch, args.heads, args.headdim, dtype, 0, args.score_std)
+            for row in measure(q, k, v, mask == "causal", args.ranks, not args.no_zigzag):
+                scratch[row["ranks"]] = max(scratch.get(row["ranks"], 0), row["ranks_scratch_bytes"])
+                rows.append({"dtype": dtype, "mask": mask, **row})
+        elapsed = time.perf_counter() - start   # the environment as measured: one BLAS thread
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        env = C.environment(None, transport="loopback", progress="threads: one per rank",
+                            ranks=args.ranks, peak_rss_bytes=peak_rss, elapsed_s=elapsed)
+    found, lines = verdicts(rows)
     text = "\n".join([
         f"# forward error vs ring size G: S={args.seqlen}, B={args.batch}, H={args.heads}, "
         f"D={args.headdim}, q k v ~ N(0,1) (q x {args.score_std:g}) rounded to the dtype, seed 0; "
         f"|out - float64 reference|, max and mean over every element",
-        "# burstcu: measured (NumPy backend, strategy burst, G ranks as threads on the loopback "
-        "transport); simulated (docs/numerics.md): rfa = ring-flash-attention's forward (block outs "
-        "rounded to the dtype, running out float32), dtype-merge = a running out kept in the dtype "
-        "(rounded at every merge); floor: the reference rounded once; xG1: max/mean error over the "
-        "same method's at G=1; != floor: the share of burstcu's elements not equal to the "
-        "correctly rounded result",
+        "# burstcu: measured (NumPy backend, strategy burst, G ranks as threads on the loopback transport); "
+        "simulated (docs/numerics.md): rfa = ring-flash-attention's forward (block outs rounded to the "
+        "dtype, running out float32), dtype-merge = a running out kept in the dtype (rounded at every "
+        "merge); floor: the reference rounded once; xG1: max/mean error over the same method's at G=1; "
+        "!= floor: the share of burstcu's elements not equal to the correctly rounded result",
         f"# measured on {env['device']} ({env['cpus']} cores, numpy {env['numpy']}), {elapsed:.0f} s "
         f"in all, peak RSS {C.fmt_bytes(peak_rss)}; the ranks' op scratch at G={args.ranks[-1]}: "
-        f"{C.fmt_bytes(scratch[args.ranks[-1]])} together",
-        shown(rows), *map(verdict_line, found)])
+        f"{C.fmt_bytes(scratch[args.ranks[-1]])} together", shown(rows), *lines])
     result = C.emit(text, {"environment": env, "args": C.clean(vars(args)), "methods": LABELS,
                            "goal": f"burstcu's error at the largest G within {FLAT}x of its G=1 error "
                                    f"(max and mean)", "verdicts": found, "rows": rows,

@@ -16,6 +16,7 @@ on a core of its own (the launcher's binding, or this script's), or nothing is t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -28,7 +29,6 @@ from bench import _common as C  # noqa: E402
 from bench.model.predict import overlap_prediction  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu.engine import Trace  # noqa: E402
 from burstcu.transport.base import Transport  # noqa: E402
 from burstcu.transport.link import Link  # noqa: E402
 
@@ -40,50 +40,43 @@ TRAFFIC = ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
 MEASURABLE = 0.15           # the largest uncertainty at which an efficiency is printed
 
 
-# ----------------------------------------------------------------------------------------------
-# the engine runs through these in every mode
-
-
 class TimedTransport(Transport):
-    """Pass-through (null=False) or do-nothing (null=True: the receive buffer gets a local copy
-    of the send buffer) transport that records, per commit, [post, completion] (completion: when
-    the MPI progress thread finished it, else the end of `wait`), posting time and traffic."""
+    """The transport of one of MODES: pass-through, or for "compute" do-nothing (the receive
+    buffer gets a local copy of the send buffer). It and its sub-groups record in `root`
+    ["comm", post, completion] per commit (completion: the MPI progress thread's, else the end
+    of `wait`), posting time and traffic; as the engine's `Trace`, `root` keeps `steps`: per
+    step pass, step, source, blocks, traffic and `time` (what it adds to the mode's time)."""
 
-    def __init__(self, inner: Transport, null: bool):
+    def __init__(self, inner: Transport, mode: str, root: TimedTransport | None = None):
         super().__init__(inner.rank, inner.size)
-        self.inner, self.null, self.root = inner, null, self   # sub-groups record in the root
-        self.name = f"{'null' if null else 'timed'}({inner.name})"
-        if not null:
-            self.stats = inner.stats
-        self.intervals, self._open, self._step = [], [], []
-        self._post_s, self._posts, self._traffic = 0.0, 0, dict.fromkeys(TRAFFIC, 0)
+        self.inner, self.mode, self.null = inner, mode, mode == "compute"
+        self.root = self if root is None else root
+        self.name = f"{'null' if self.null else 'timed'}({inner.name})"
+        self.intervals, self._open, self.steps = [], [], []
+        self._step, self._post_s, self._posts, self._traffic = [], 0.0, 0, dict.fromkeys(TRAFFIC, 0)
 
     def send_recv(self, send_buf, recv_buf, dst, src):
         (super() if self.null else self.inner).send_recv(send_buf, recv_buf, dst, src)
 
-    def _count(self, sent: list, received: list) -> None:
-        t = self.root._traffic
-        t["sent_messages"] += len(sent)
-        t["sent_bytes"] += sum(sent)
-        t["received_messages"] += len(received)
-        t["received_bytes"] += sum(received)
-
-    def _record(self, iv, post: bool) -> None:
+    def _record(self, iv: list, post: bool, sent: list, received: list) -> None:
+        """Note an exchange: its interval (one of the step's posts when `post`), its messages' sizes."""
         root = self.root
         root.intervals.append(iv)
         root._posts += post
-        if post:
-            root._step.append(iv)
+        root._step += [iv] * post
+        for side, sizes in (("sent", sent), ("received", received)):
+            root._traffic[f"{side}_messages"] += len(sizes)
+            root._traffic[f"{side}_bytes"] += sum(sizes)
 
     def commit(self):
         queued = self._queued if self.null else self.inner._queued
-        self._count([x.nbytes for x, _, _, _ in queued if x is not None],
-                    [y.nbytes for _, y, _, _ in queued if y is not None])
+        sizes = ([x.nbytes for x, _, _, _ in queued if x is not None],
+                 [y.nbytes for _, y, _, _ in queued if y is not None])
         t0 = time.perf_counter()
         (super() if self.null else self.inner).commit()
         self.root._post_s += time.perf_counter() - t0
         iv = ["comm", t0, None]
-        self._record(iv, True)
+        self._record(iv, True, *sizes)
         self.root._open.append(iv)
         pending = getattr(self.inner, "_pending", None)   # a peek at the MPI thread's futures
         if not self.null and pending:
@@ -104,27 +97,27 @@ class TimedTransport(Transport):
     def _wait(self):
         pass
 
-    def take_post(self) -> tuple[float, int, dict]:
-        """(host seconds posting, posts, traffic with comm_s = the time the step's exchanges
-        covered from post to completion) since the last call, made after the step's wait."""
+    def add(self, pass_: str, step: int, source: int, blocks: int, compute_s: float, wait_s: float):
+        """`Trace.add`, after the step's wait; its comm time: what its exchanges covered from post
+        to completion."""
         comm_s, reach = 0.0, float("-inf")
         for a, b in sorted((a, b) for _, a, b in self._step if b is not None):
             if b > reach:
                 comm_s, reach = comm_s + b - max(a, reach), b
-        out = (self._post_s, self._posts, {**self._traffic, "comm_s": comm_s})
-        self._post_s, self._posts, self._traffic, self._step = 0.0, 0, dict.fromkeys(TRAFFIC, 0), []
-        return out
+        times = {"compute": compute_s, "comm": comm_s if self._posts else 0.0,
+                 "overlapped": self._post_s + compute_s + wait_s}
+        self.steps.append({"pass": pass_, "step": step, "source": source, "blocks": blocks,
+                           "time": times[self.mode], **self._traffic})
+        self._step, self._post_s, self._posts, self._traffic = [], 0.0, 0, dict.fromkeys(TRAFFIC, 0)
 
     def allgather(self, send_buf, recv_buf):
         t0 = time.perf_counter()
         if self.null:
-            for j in range(self.size):
-                recv_buf[j] = send_buf
+            recv_buf[...] = send_buf   # every rank's piece: this one
         else:
             self.inner.allgather(send_buf, recv_buf)
-        self._record(["comm", t0, time.perf_counter()], self.size > 1)   # one rank: a local copy
         pieces = [send_buf.nbytes] * (self.size - 1)
-        self._count(pieces, pieces)
+        self._record(["comm", t0, time.perf_counter()], self.size > 1, pieces, pieces)   # 1 rank: no post
 
     def allgather_object(self, obj, what="metadata"):
         self.inner.call, self.inner.where = self.call, self.where
@@ -137,32 +130,37 @@ class TimedTransport(Transport):
         self.inner.barrier()
 
     def _split(self, color, key, members, name):
-        sub = TimedTransport(self.inner.split(color, key, name), self.null)
-        sub.root = self.root
-        return sub
+        return TimedTransport(self.inner.split(color, key, name), self.mode, self.root)
 
 
 class TimedOps(C.StepTimingOps):
+    """`StepTimingOps` noting ("compute", label, clock() before, clock() after) per step: host
+    seconds, or (bench/gpu/overlap_gpu.py) recorded CUDA events. The label is `where`, the
+    engine's latest annotation ("fwd 2 compute")."""
+
+    def __init__(self, inner, compute: bool, clock=time.perf_counter):
+        super().__init__(inner, compute)
+        self.clock, self.where = clock, "start"
+
+    def annotate(self, label: str):
+        self.where = label
+        return self.inner.annotate(label)
+
     def timed(self, fn, *args):
-        t0 = time.perf_counter()
+        label, start = self.where, self.clock()
         fn(*args)
-        self.intervals.append(["compute", t0, time.perf_counter()])
+        self.intervals.append(("compute", label, start, self.clock()))
 
 
-class StepRecorder(Trace):
-    """A `Trace` that also notes, per step, the transport's `take_post`."""
-
-    def __init__(self, transport: TimedTransport):
-        super().__init__()
-        self.transport, self.extra = transport, []
-
-    def add(self, *args) -> None:
-        super().add(*args)
-        self.extra.append(self.transport.take_post())
-
-
-# ----------------------------------------------------------------------------------------------
-# binding: each rank on a core of its own, or no timings
+def forward_backward(group, inputs: list, clock, **kw) -> tuple:
+    """One forward then backward pass of `group` on this rank's q, k, v, dout (`inputs`):
+    clock() before, between and after."""
+    q, k, v, dout = inputs
+    t0 = clock()
+    out, lse = burstcu.attention(q, k, v, group, return_lse=True, **kw)
+    t1 = clock()
+    burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw)
+    return t0, t1, clock()
 
 
 def physical_cores(cpus) -> list[tuple[int, ...]]:
@@ -171,13 +169,10 @@ def physical_cores(cpus) -> list[tuple[int, ...]]:
     cpus, cores = set(cpus), set()
     for cpu in cpus:
         siblings = {cpu}
-        try:
+        with contextlib.suppress(OSError, ValueError):
             text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
-            for part in text.strip().split(","):
-                first, _, last = part.partition("-")
+            for first, _, last in (part.partition("-") for part in text.strip().split(",")):
                 siblings.update(range(int(first), int(last or first) + 1))
-        except (OSError, ValueError):
-            pass
         cores.add(tuple(sorted(siblings & cpus)))
     return sorted(cores)
 
@@ -221,10 +216,8 @@ def bind_ranks(comm, allow_unbound: bool) -> dict:
         rec["why"] = f"{len(affinities)} ranks on this node share {len(cores)} core(s)"
     else:
         for tid in [int(t.name) for t in Path("/proc/self/task").iterdir()]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, core)   # BLAS and MPI threads; later ones inherit
-            except ProcessLookupError:
-                pass
         try:
             from threadpoolctl import threadpool_limits
             threadpool_limits(limits=len(core))
@@ -247,19 +240,6 @@ def bind_ranks(comm, allow_unbound: bool) -> dict:
             "how": "; ".join(dict.fromkeys(r["how"] or r["why"] for r in every)), "per_rank": every}
 
 
-def binding_line(binding: dict) -> str:
-    cpus = ", ".join(f"rank {i} -> CPU {','.join(map(str, r['cpus'] or ['?']))}"
-                     for i, r in enumerate(binding["per_rank"]))
-    if binding["bound"]:
-        return f"# ranks bound to a core each {binding['how']}: {cpus}"
-    return (f"# WARNING: ranks NOT bound ({binding['how']}): {cpus}; the scheduler moves them "
-            f"and most efficiencies read 'not measurable here'")
-
-
-# ----------------------------------------------------------------------------------------------
-# the figures and their uncertainty
-
-
 def spread(xs: list) -> float | None:
     """The interquartile range of the repeat times (half the range with 2 or 3 repeats); None
     with fewer than 2."""
@@ -273,8 +253,7 @@ def pass_figures(tc: float, tm: float, to: float, spreads: dict, repeats: int) -
     """A pass's (or step's) times and its efficiency when it is a measurement: the uncertainty
     (s_compute + s_overlapped + |tc - to| / tm * s_comm) / tm below MEASURABLE; else None and a
     note why (or what a negative one means)."""
-    raw = C.overlap_efficiency(tc, tm, to)
-    unc = None
+    raw, unc = C.overlap_efficiency(tc, tm, to), None
     if tm > 0 and all(spreads.get(k) is not None for k in TIMES):
         unc = (spreads["t_compute"] + spreads["t_overlapped"] + abs(tc - to) / tm * spreads["t_comm"]) / tm
     out = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "spread_s": dict(spreads),
@@ -297,7 +276,7 @@ def pass_figures(tc: float, tm: float, to: float, spreads: dict, repeats: int) -
 def efficiency_from_repeats(compute_s: list, comm_s: list, overlapped_s: list) -> dict:
     """`pass_figures` of the medians of the repeat times, judged by their spreads."""
     times = dict(zip(TIMES, (compute_s, comm_s, overlapped_s)))
-    return pass_figures(*(C.median(times[k]) for k in TIMES),
+    return pass_figures(*(C.median(xs) for xs in times.values()),
                         {k: spread(xs) for k, xs in times.items()}, len(overlapped_s))
 
 
@@ -315,77 +294,40 @@ def efficiency_text(p: dict) -> str:
     return text
 
 
-# ----------------------------------------------------------------------------------------------
-# one configuration
-
-
-def step_time(mode: str, s: dict) -> float:
-    """What a step's record contributes to t_compute, t_comm or t_overlapped."""
-    if mode == "compute":
-        return s["compute_s"]
-    if mode == "comm":
-        return s["comm_s"] if s["exchanged"] else 0.0
-    return s["post_s"] + s["compute_s"] + s["wait_s"]
-
-
-def run_mode(group, mode: str, strategy: str, inputs, causal: bool, layout: str) -> dict:
-    """One forward + backward pass in `mode`: this rank's step records and pass times."""
-    transport = TimedTransport(group.transport, null=(mode == "compute"))
-    ops = TimedOps(group.ops, compute=(mode != "comm"))
-    rec = StepRecorder(transport)
-    g = dataclasses.replace(group, transport=transport, ops=ops, trace=rec)
-    q, k, v, dout = inputs
-    kw = dict(causal=causal, layout=layout, strategy=strategy)
-    group.barrier()
-    t0 = time.perf_counter()
-    out, lse = burstcu.attention(q, k, v, g, return_lse=True, **kw)
-    t1 = time.perf_counter()
-    burstcu.attention_backward(dout, q, k, v, out, lse, g, **kw)
-    t2 = time.perf_counter()
-    steps = [{"pass": st.pass_, "step": st.step, "source": st.source_rank, "blocks": st.blocks,
-              "compute_s": st.compute_s, "wait_s": st.wait_s, "post_s": post_s,
-              "exchanged": posts > 0, **traffic}
-             for st, (post_s, posts, traffic) in zip(rec.steps, rec.extra)]
-    timeline = [[kind, a - t0, (b if b is not None else t2) - t0]
-                for kind, a, b in ops.intervals + transport.intervals]
-    return {"steps": steps, "forward_s": t1 - t0, "fwd_bwd_s": t2 - t0, "timeline": timeline}
-
-
-def predicted(steps: list, link, blocking: bool) -> dict:
-    if link is None:
-        return {}
-    pred = overlap_prediction(steps, link, blocking)
-    return {"efficiency_predicted": pred["efficiency"], "t_comm_predicted": pred["t_comm"],
-            "t_overlapped_predicted": pred["t_overlapped"], "t_hidden_predicted": pred["t_hidden"],
-            "comm_hidden_predicted": pred["hidden"], **link.as_dict()}
-
-
 def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
     """Measure one (seqlen, strategy): this rank's record."""
     inputs = C.local_inputs(group, args, seqlen=seqlen, layout=args.layout)
-    runs = {m: [] for m in MODES}
-    for r in range(args.warmup + args.repeats):
+    runs, total = {m: [] for m in MODES}, args.warmup + args.repeats
+    for r in range(total):
         for mode in MODES:
             C.progress(f"{index} seqlen={seqlen} {strategy}: {'warmup' if r < args.warmup else 'repeat'}"
-                       f" {r + 1}/{args.warmup + args.repeats} {mode}", group.rank)
+                       f" {r + 1}/{total} {mode}", group.rank)
             group.stats.reset()
-            result = run_mode(group, mode, strategy, inputs, args.causal, args.layout)
-            result["bytes_sent"] = group.stats.bytes_sent
+            transport, ops = TimedTransport(group.transport, mode), TimedOps(group.ops, mode != "comm")
+            g = dataclasses.replace(group, transport=transport, ops=ops, trace=transport)
+            group.barrier()
+            t0, t1, t2 = forward_backward(g, inputs, time.perf_counter, strategy=strategy,
+                                          causal=args.causal, layout=args.layout)
             if r >= args.warmup:
-                runs[mode].append(result)
-    record = {"rank": group.rank}
+                runs[mode].append({"steps": transport.steps, "forward_s": t1 - t0, "fwd_bwd_s": t2 - t0,
+                                   "bytes_sent": group.stats.bytes_sent,
+                                   "timeline": [[kind, a - t0, (b if b is not None else t2) - t0]
+                                                for kind, *_, a, b in ops.intervals + transport.intervals]})
+    record, link = {"rank": group.rank}, group.link
     for pass_ in PASSES:
         per_mode = {m: [[s for s in run["steps"] if s["pass"] == pass_] for run in runs[m]] for m in MODES}
-        steps = []
-        for i, ovl in enumerate(per_mode["overlapped"][0]):
-            figures = efficiency_from_repeats(*([step_time(m, run[i]) for run in per_mode[m]] for m in MODES))
-            steps.append({"step": ovl["step"], "source": ovl["source"], "blocks": ovl["blocks"],
-                          **figures, **{k: ovl[k] for k in TRAFFIC}})
-        sums = {t: [sum(step_time(m, s) for s in run) for run in per_mode[m]] for m, t in zip(MODES, TIMES)}
+        steps = [{"step": ovl["step"], "source": ovl["source"], "blocks": ovl["blocks"],
+                  **efficiency_from_repeats(*([run[i]["time"] for run in per_mode[m]] for m in MODES)),
+                  **{k: ovl[k] for k in TRAFFIC}} for i, ovl in enumerate(per_mode["overlapped"][0])]
+        sums = {t: [sum(s["time"] for s in run) for run in per_mode[m]] for m, t in zip(MODES, TIMES)}
         record[pass_] = {"steps": steps, "repeats_s": sums,
                          **pass_figures(*(sum(s[k] for s in steps) for k in TIMES),
-                                        {k: spread(xs) for k, xs in sums.items()}, args.repeats),
-                         **predicted(steps, group.link, strategy in BLOCKING)}
+                                        {k: spread(xs) for k, xs in sums.items()}, args.repeats)}
+        if link is not None:
+            pred = overlap_prediction(steps, link, strategy in BLOCKING)
+            record[pass_].update({f"{k}_predicted": pred[k] for k in ("efficiency", "t_comm", "t_overlapped",
+                                                                      "t_hidden")},
+                                 comm_hidden_predicted=pred["hidden"], **link.as_dict())
     ovl = runs["overlapped"]
     record.update(e2e_repeats={key: [x[key] for x in ovl] for key in ("forward_s", "fwd_bwd_s")},
                   bytes_sent_fwd_bwd=ovl[-1]["bytes_sent"], timeline=ovl[-1]["timeline"],
@@ -406,16 +348,15 @@ def summarize(ranks: list, link) -> dict:
                       "efficiency_per_rank": [p["efficiency"] for p in per],
                       "efficiency_uncertainty_per_rank": [p["efficiency_uncertainty"] for p in per]}
         if link is not None:
-            ptm, pto, phid = (sum(p[k] for p in per) / n for k in
-                              ("t_comm_predicted", "t_overlapped_predicted", "t_hidden_predicted"))
+            ptm, pto, phid = (sum(p[f"t_{k}_predicted"] for p in per) / n
+                              for k in ("comm", "overlapped", "hidden"))
             out[pass_].update(efficiency_predicted=phid / ptm if ptm > 0 else None,
                               t_comm_predicted=ptm, t_overlapped_predicted=pto,
                               comm_hidden_predicted=all(p["comm_hidden_predicted"] for p in per),
                               efficiency_predicted_per_rank=[p["efficiency_predicted"] for p in per],
                               **link.as_dict())
     for key in ("forward_s", "fwd_bwd_s"):
-        reps = zip(*(r["e2e_repeats"][key] for r in ranks))
-        out[f"e2e_{key}"] = C.median([max(x) for x in reps])
+        out[f"e2e_{key}"] = C.median([max(x) for x in zip(*(r["e2e_repeats"][key] for r in ranks))])
     return out
 
 
@@ -430,50 +371,59 @@ def line(cfg: dict) -> str:
     return " | ".join(parts + ([cfg["link"]] if cfg.get("link") else []))
 
 
+def overlap_figure(timelines: list, title: str, xlabel: str, curves: list, ylabel: str):
+    """(figure, timeline axes, curve axes). Top: per rank a compute lane (blue) and a comm lane
+    (orange) of `timelines` (per rank [(kind, start ms, stop ms)]); below: `curves`
+    [(label, line style, [(global seqlen, y, error bar or None)])], the empty ones left out."""
+    fig, (ax, ax2) = C.pyplot().subplots(2, 1, figsize=(13, 7.5), gridspec_kw={"height_ratios": [3, 2.5]})
+    for rank, timeline in enumerate(timelines):
+        for kind, a, b in timeline:
+            ax.broken_barh([(a, max(b - a, 1e-4))], (2 * rank + (kind != "compute") + 0.1, 0.8),
+                           color="tab:blue" if kind == "compute" else "tab:orange", edgecolor="black", lw=0.3)
+    ax.set_yticks([2 * r + o + 0.5 for r in range(len(timelines)) for o in (0, 1)],
+                  [f"rank {r} {k}" for r in range(len(timelines)) for k in ("compute", "comm")])
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    for label, style, points in filter(lambda curve: curve[2], curves):
+        xs, ys, errors = zip(*points)
+        ax2.errorbar(xs, ys, yerr=None if None in errors else errors, capsize=3, label=label, **style)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("global seqlen")
+    ax2.set_ylabel(ylabel)
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig, ax, ax2
+
+
 def plot(result: dict, path: str) -> None:
     """Top: per-rank timeline of the largest seqlen of the first strategy (overlapped run,
     forward and backward split); below: pass efficiency against seqlen with its uncertainty
     (dashed: the prediction over an emulated link)."""
-    plt = C.pyplot()
-    configs = result["configs"]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 7.5), gridspec_kw={"height_ratios": [3, 2.5]})
+    configs, curves = result["configs"], []
     chosen = max((c for c in configs if c["strategy"] == configs[0]["strategy"]), key=lambda c: c["seqlen"])
-    for r in chosen["ranks"]:
-        for kind, a, b in r["timeline"]:
-            y = 2 * r["rank"] + (kind != "compute") + 0.1
-            ax.broken_barh([(a * 1e3, max(b - a, 1e-7) * 1e3)], (y, 0.8),
-                           color="tab:blue" if kind == "compute" else "tab:orange", edgecolor="black", lw=0.3)
-    size = len(chosen["ranks"])
-    ax.axvline(max(r["forward_end_s"] for r in chosen["ranks"]) * 1e3, color="black", lw=1, ls="--")
-    ax.set_yticks([2 * r + o + 0.5 for r in range(size) for o in (0, 1)],
-                  [f"rank {r} {k}" for r in range(size) for k in ("compute", "comm")])
-    ax.set_xlabel("ms since the forward pass started (dashed: forward ends on the slowest rank)")
-    ax.set_title(f"{chosen['strategy']} N={chosen['seqlen']}: overlapped run, "
-                 f"{result['environment']['device']} {result.get('link') or ''}")
     for i, strategy in enumerate(dict.fromkeys(c["strategy"] for c in configs)):
-        rows = sorted((c for c in configs if c["strategy"] == strategy), key=lambda c: c["seqlen"])
         for pass_, marker, ls in (("forward", "o", "-"), ("backward", "s", ":")):
-            got = [(c["seqlen"], c["summary"][pass_]) for c in rows]
-            shown = [(n, p) for n, p in got if p["efficiency"] is not None]
-            if shown:
-                ax2.errorbar([n for n, _ in shown], [p["efficiency"] for _, p in shown],
-                             yerr=[p["efficiency_uncertainty"] or 0 for _, p in shown], color=f"C{i}",
-                             marker=marker, ls=ls, capsize=3, label=f"{strategy} {pass_}")
-            pred = [(n, p["efficiency_predicted"]) for n, p in got
-                    if p.get("efficiency_predicted") is not None]
-            if pred:
-                ax2.plot(*zip(*pred), color=f"C{i}", ls="--", marker=marker, mfc="none", alpha=0.6,
-                         label=f"{strategy} {pass_} predicted")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("global seqlen")
-    ax2.set_ylabel("overlap efficiency")
-    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+            got = sorted(((c["seqlen"], c["summary"][pass_]) for c in configs if c["strategy"] == strategy),
+                         key=lambda x: x[0])
+            style = dict(color=f"C{i}", marker=marker)
+            curves += [(f"{strategy} {pass_}", {**style, "ls": ls},
+                        [(n, p["efficiency"], p["efficiency_uncertainty"] or 0) for n, p in got
+                         if p["efficiency"] is not None]),
+                       (f"{strategy} {pass_} predicted", {**style, "ls": "--", "mfc": "none", "alpha": 0.6},
+                        [(n, p["efficiency_predicted"], None) for n, p in got
+                         if p.get("efficiency_predicted") is not None])]
+    fig, ax, ax2 = overlap_figure(
+        [[(kind, a * 1e3, b * 1e3) for kind, a, b in r["timeline"]] for r in chosen["ranks"]],
+        f"{chosen['strategy']} N={chosen['seqlen']}: overlapped run, "
+        f"{result['environment']['device']} {result.get('link') or ''}",
+        "ms since the forward pass started (dashed: forward ends on the slowest rank)", curves,
+        "overlap efficiency")
+    ax.axvline(max(r["forward_end_s"] for r in chosen["ranks"]) * 1e3, color="black", lw=1, ls="--")
     ax2.set_title(f"(t_compute + t_comm - t_overlapped) / t_comm, mean over ranks; bars: uncertainty; "
                   f"passes with uncertainty >= {MEASURABLE} not shown", fontsize=9)
     C.save(fig, path)
 
 
-def parse(argv=None):
+def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096], help="global lengths")
     C.add_shape_args(p)
@@ -490,25 +440,24 @@ def parse(argv=None):
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     args.layout = args.layout or ("zigzag" if args.causal else "contiguous")
-    return args
-
-
-def main(argv=None) -> dict | None:
-    args = parse(argv)
     link = None if args.link_gbps is None else Link(gbps=args.link_gbps, latency_us=args.link_latency_us)
     binding = bind_ranks(C.world()[0], args.allow_unbound)   # before the progress thread starts
     group = burstcu.init(backend="numpy", link=link)
     env = C.environment(group, link=None if link is None else {"describe": str(link), **link.as_dict()},
                         binding=binding)
     if group.rank == 0:
-        print(C.measured_on(env) + "\n" + binding_line(binding))
+        cpus = ", ".join(f"rank {i} -> CPU {','.join(map(str, r['cpus'] or ['?']))}"
+                         for i, r in enumerate(binding["per_rank"]))
+        print(C.measured_on(env) + "\n" + (
+            f"# ranks bound to a core each {binding['how']}: {cpus}" if binding["bound"] else
+            f"# WARNING: ranks NOT bound ({binding['how']}): {cpus}; the scheduler moves them "
+            f"and most efficiencies read 'not measurable here'"))
         if link is not None:
             print(f"# {link}: every message paced to it (burstcu.Link); t_comm, efficiency and "
                   f"efficiency_predicted depend on it")
-    configs, total = [], len(args.seqlen) * len(args.strategies)
-    for i, (seqlen, strategy) in enumerate((n, s) for n in args.seqlen for s in args.strategies):
-        record = run_config(group, args, seqlen, strategy, f"[{i + 1}/{total}]")
-        ranks = C.gather(group, record)
+    configs, plan = [], [(n, s) for n in args.seqlen for s in args.strategies]
+    for i, (seqlen, strategy) in enumerate(plan):
+        ranks = C.gather(group, run_config(group, args, seqlen, strategy, f"[{i + 1}/{len(plan)}]"))
         if group.rank == 0:
             configs.append({"strategy": strategy, "seqlen": seqlen, "seqlen_local": seqlen // group.size,
                             "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,

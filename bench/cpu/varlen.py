@@ -1,11 +1,9 @@
-"""The host side of a varlen ring schedule, one process: the time to build the per-document
-zigzag partition of --docs documents (a seeded long-tailed mix) over --ranks ranks (and, once a
-partition, its segment arrays and hash), and each causal ring step's rectangle array
-(`burstcu.layout.rectangles`, uncached, each timing from a partition nothing was computed for:
-the ranks' document pieces cleared too): per step (median and worst over every rank and step),
-one rank's G steps, all G x G arrays, and one step's array as `Block`s (what the engines take);
-medians over --repeats builds. (The CPU measurement of packed documents over MPI ranks that
-bench/results/varlen_cpu_* holds was retired at this commit.)
+"""The host side of a varlen ring schedule, one process: the time to build the per-document zigzag
+partition of --docs documents (a seeded long-tailed mix) over --ranks ranks (once a partition, its
+segment arrays and hash too) and each causal ring step's rectangle array (`burstcu.layout.rectangles`,
+uncached, nothing of the partition computed before) with, per step, the host side of the kernels'
+rectangle lists (`burstcu.ops.cuda.params.step_group_lists`: the forward's grouping by query range
+and the backward's by key and query range, not uploaded), medians over --repeats builds.
 
     python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F] [--table F]
 """
@@ -19,33 +17,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench import _common as C  # noqa: E402
 
-from burstcu.layout import Block, Partition, _rank_pieces, partition, rectangles  # noqa: E402
+import numpy as np  # noqa: E402
+
+from burstcu.layout import Partition, StepBlocks, _rank_pieces, partition, rectangles  # noqa: E402
+from burstcu.ops.cuda.params import step_group_lists  # noqa: E402
+
+LISTS = ([("query", 64)], [("key", 64), ("query", 64)])   # a step's forward and backward lists
 
 
-def schedule(args) -> tuple[dict, str]:
-    """Host time of the partition and the rectangle arrays (--schedule): medians in ms."""
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedule", action="store_true", help="(the only mode; kept for the command lines)")
+    for name, default in (("--ranks", 8), ("--docs", 1000), ("--repeats", 20)):
+        p.add_argument(name, type=int, default=default)
+    p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None)
+    args = p.parse_args(argv)
     g = args.ranks
-    cu = C.document_mix(64 * args.docs * 8, args.seed, args.doc_median, args.doc_sigma)[:args.docs + 1]
+    cu = C.document_mix(64 * args.docs * 8)[:args.docs + 1]
     n, build = cu[-1], rectangles.__wrapped__
 
-    def ms(f) -> float:
+    def ms(f) -> float:   # median milliseconds of a call
         return 1e3 * C.median(C.call_seconds(f, args.repeats, warmup=0))
+
+    def cold(q: int, steps, lists: bool = False) -> None:   # rank q's steps, nothing of this
+        _rank_pieces.cache_clear()                           # partition computed before
+        for s in steps:
+            step = StepBlocks(build(part, q, (q - s) % g, True, (-1, -1), cu))
+            for groupings in LISTS if lists else ():   # both from the one step, as the ops do
+                step_group_lists(np, step, groupings)
 
     part = partition("zigzag", g, n, cu)
     fresh = lambda: Partition(part.layout, part.runs)   # noqa: E731 - nothing computed yet
     r = {"partition_ms": ms(lambda: partition.__wrapped__("zigzag", g, n, cu)),
          "arrays_ms": ms(lambda: fresh().arrays), "hash_ms": ms(lambda: hash(fresh())),
-         "step_as_blocks_ms": ms(lambda: [Block(*row) for row in
-                                          build(part, 0, g - 1, True, (-1, -1), cu).tolist()])}
-    def cold(q: int, steps) -> None:   # nothing of this partition computed before
-        _rank_pieces.cache_clear()
-        for s in steps:
-            build(part, q, (q - s) % g, True, (-1, -1), cu)
-
+         "step_as_blocks_ms": ms(lambda: list(StepBlocks(build(part, 0, g - 1, True, (-1, -1), cu))))}
     steps = {(q, s): ms(lambda q=q, s=s: cold(q, [s])) for q in range(g) for s in range(g)}
     rects = [build(part, q, (q - s) % g, True, (-1, -1), cu).size for q, s in steps]
     r.update(step_ms_median=C.median(steps.values()), step_ms_max=max(steps.values()),
              rank_steps_ms_max=max(ms(lambda q=q: cold(q, range(g))) for q in range(g)),
+             rank_steps_lists_ms_max=max(ms(lambda q=q: cold(q, range(g), True)) for q in range(g)),
              all_steps_ms=ms(lambda: [cold(q, range(g)) for q in range(g)]),
              rectangles_per_step_median=C.median(rects), rectangles_max=max(rects))
     shown = [("partition (every rank's pieces)", "partition_ms"),
@@ -54,31 +65,17 @@ def schedule(args) -> tuple[dict, str]:
              ("one step's rectangle array, median", "step_ms_median"),
              ("one step's rectangle array, worst", "step_ms_max"),
              (f"one rank's {g} steps, worst rank", "rank_steps_ms_max"),
+             (f"one rank's {g} steps with the kernels' lists, worst rank", "rank_steps_lists_ms_max"),
              (f"all {g}x{g} arrays", "all_steps_ms"),
-             ("one step's array as Blocks (what the engines take)", "step_as_blocks_ms")]
+             ("one step's array as Blocks (what the NumPy op iterates)", "step_as_blocks_ms")]
     text = "\n".join([f"host schedule: {len(cu) - 1} documents, {n} tokens, per-document zigzag over {g} "
                       f"ranks, causal (medians of {args.repeats} builds; CPU)",
                       C.table([{"built": w, "ms": f"{r[k]:.3f}"} for w, k in shown], ["built", "ms"]),
                       f"rectangles a step: median {r['rectangles_per_step_median']:.0f}, most "
                       f"{r['rectangles_max']}"])
-    return {"benchmark": "varlen schedule", "args": C.clean(vars(args)), "ranks": g,
-            "documents": len(cu) - 1, "tokens": n, **r, "environment": C.environment(None)}, text
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", action="store_true", help="(the only mode; kept for the command lines)")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--docs", type=int, default=1000)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0, help="seeds the documents")
-    p.add_argument("--doc-median", type=float, default=64, help="median document length")
-    p.add_argument("--doc-sigma", type=float, default=1.75, help="log-normal shape (tail weight)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--table", default=None)
-    args = p.parse_args(argv)
-    result, text = schedule(args)
-    return C.emit(text, result, args)
+    return C.emit(text, {"benchmark": "varlen schedule", "args": C.clean(vars(args)), "ranks": g,
+                         "documents": len(cu) - 1, "tokens": n, **r,
+                         "environment": C.environment(None)}, args)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,23 @@
-"""One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on
-the same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels`
-(the step kernels alone through KernelOps, one step over every key: what a ring step costs; once
-per kernel table of --archs and dQ mode of --dq-modes, each row naming the forward and backward
-families that ran, sm90 or sm80), `api`
-(burstcu.attention / attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S,
-H, D) = (tokens/S, S, width/D, D); CUDA events around each call, median of --repeats after
---warmup; FLOPs 4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host
-seconds alone. --windows W adds causal sliding-window rows (burstcu only, FLOPs of the visible
-pairs). --dry-run prints the plan without a GPU.
+"""One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
+same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
+step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
+kernel table of --archs and dQ mode of --dq-modes, each row naming the forward and backward
+families that ran, sm90 or sm80), `api` (burstcu.attention / attention_backward, group=None),
+`torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S, S, --width/D, D); CUDA events
+around each call, median of --repeats after --warmup; FLOPs 4BHS^2D forward, 2.5x that backward,
+halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
+rows (burstcu only, FLOPs of the visible pairs). --dry-run prints the plan without a GPU.
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
-        [--windows 512 ...] [--dq-modes atomic deterministic] [--repeats 10] [--json F] [--table F]
-        [--plot F] [--dry-run]
+        [--windows 512 ...] [--dq-modes atomic deterministic] [--sm90-head-group G]
+        [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from contextlib import nullcontext
@@ -31,199 +31,159 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, normal,
 
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
-
-
-def visible_pairs(s: int, left: int) -> int:
-    """(query, key) pairs a causal window (left, 0) keeps over S positions: query i sees keys
-    max(0, i - left) .. i."""
-    if left < 0 or left >= s - 1:
-        return s * (s + 1) // 2
-    return (left + 1) * s - left * (left + 1) // 2
-
-
-def flops(b, s, h, d, causal: bool, pass_: str, window: int | None = None) -> float:
-    if window is None:
-        fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
-    else:
-        fwd = 4.0 * b * h * visible_pairs(s, window) * d
-    return fwd * (3.5 if pass_ == "fwd+bwd" else 1.0)
+SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
+COLUMNS = ["impl", "family", "bwd_family", "dq", *SHAPE, "ms", "host_ms", "tflops", "vs_torch",
+           "cudnn_tflops"]
 
 
 def plan(args) -> list[dict]:
+    """A configuration a (dtype, head dim, seqlen, mask, pass): its shape and GFLOP, 4 B H D a
+    (query, key) pair forward and 3.5x that forward + backward, the pairs S^2 (half causal) or
+    under a causal window (W, 0) query i's keys max(0, i - W) .. i."""
     rows = []
-    for dtype in args.dtypes:
-        for d in args.headdims:
-            for s in args.seqlens:
-                masks = [(False, None), (True, None)] + [(True, w) for w in args.windows if w < s]
-                for causal, window in masks:
-                    for pass_ in args.passes:
-                        b, _, h, _ = gpu_shape(args.tokens, args.width, s, d)
-                        rows.append({"dtype": dtype, "headdim": d, "seqlen": s, "causal": causal,
-                                     "window": window, "pass": pass_, "batch": b, "heads": h,
-                                     "gflop": flops(b, s, h, d, causal, pass_, window) / 1e9})
+    for dtype, d, s in itertools.product(args.dtypes, args.headdims, args.seqlens):
+        masks = [(False, None), (True, None)] + [(True, w) for w in args.windows if w < s]
+        for (causal, window), pass_ in itertools.product(masks, args.passes):
+            b, _, h, _ = gpu_shape(args.tokens, args.width, s, d)
+            if window is None:
+                fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+            else:
+                pairs = (s * (s + 1) // 2 if window < 0 or window >= s - 1
+                         else (window + 1) * s - window * (window + 1) // 2)
+                fwd = 4.0 * b * h * pairs * d
+            rows.append({"dtype": dtype, "headdim": d, "seqlen": s, "causal": causal, "window": window,
+                         "pass": pass_, "batch": b, "heads": h,
+                         "gflop": fwd * (3.5 if pass_ == "fwd+bwd" else 1.0) / 1e9})
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# the timed callables
+def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
+    """fn() running `impl` once (forward, or forward + backward) on q, k, v, dout (B, S, H, D)
+    under the configuration's mask: `kernels` the step kernels alone, one block over every key;
+    `api` burstcu.attention; torch's SDPA on the same memory as (B, H, S, D) views, None when
+    torch is missing or the backend refuses the shape."""
+    causal, window, bwd = cfg["causal"], cfg["window"], cfg["pass"] == "fwd+bwd"
+    if impl == "kernels":
+        from burstcu.layout import Block
 
-def burstcu_kernels(ops, q, k, v, dout, causal: bool, pass_: str, window: int | None = None):
-    """The step kernels alone: one full (or causal, or causal-windowed) block over every key."""
-    from burstcu.layout import Block
+        s, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        blocks = [Block(0, s, 0, s, 0, 0, causal, left=-1 if window is None else window)]
 
-    s = q.shape[1]
-    blocks = [Block(0, s, 0, s, 0, 0, causal, left=-1 if window is None else window)]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+        def run():
+            state = ops.forward_init(q, scale)
+            ops.forward_step(state, k, v, blocks)
+            out, lse = ops.forward_finalize(state, q.dtype)
+            if bwd:
+                delta, ctx = ops.backward_delta(dout, out), ops.backward_init(k, v, scale)
+                dq = ops.xp.zeros(q.shape, dtype=np.float32)
+                ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
+                ops.backward_finalize(ctx, q.dtype)
+                dq.astype(q.dtype)
+        return run
+    if impl == "api":
+        import burstcu
 
-    def run():
-        state = ops.forward_init(q, scale)
-        ops.forward_step(state, k, v, blocks)
-        out, lse = ops.forward_finalize(state, q.dtype)
-        if pass_ == "fwd":
-            return
-        delta = ops.backward_delta(dout, out)
-        ctx = ops.backward_init(k, v, scale)
-        dq = ops.xp.zeros(q.shape, dtype=np.float32)
-        ops.backward_step(ctx, q, dout, lse, delta, dq, blocks)
-        ops.backward_finalize(ctx, q.dtype)
-        dq.astype(q.dtype)
-    return run
+        mask = {"causal": causal, "window_size": (-1 if window is None else window, -1 if not causal else 0)}
 
-
-def burstcu_api(q, k, v, dout, causal: bool, pass_: str, window: int | None = None):
-    import burstcu
-
-    mask = {"causal": causal, "window_size": (-1 if window is None else window, -1 if not causal else 0)}
-
-    def run():
-        out, lse = burstcu.attention(q, k, v, return_lse=True, **mask)
-        if pass_ == "fwd+bwd":
-            burstcu.attention_backward(dout, q, k, v, out, lse, **mask)
-    return run
-
-
-def torch_sdpa(backend: str, q, k, v, dout, causal: bool, pass_: str):
-    """SDPA on the same memory as (B, H, S, D) views; None when torch is missing or the backend
-    refuses the shape."""
+        def run():
+            out, lse = burstcu.attention(q, k, v, return_lse=True, **mask)
+            if bwd:
+                burstcu.attention_backward(dout, q, k, v, out, lse, **mask)
+        return run
     try:
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as exc:
-        progress(f"  {backend} skipped: {exc}")
+        progress(f"  {impl} skipped: {exc}")
         return None
-
-    which = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    which = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
     tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
-    if pass_ == "fwd+bwd":
+    if bwd:
         tq, tk, tv = (t.detach().requires_grad_(True) for t in (tq, tk, tv))
 
     def run():
-        with sdpa_kernel([which]), (torch.no_grad() if pass_ == "fwd" else nullcontext()):
+        with sdpa_kernel([which]), (nullcontext() if bwd else torch.no_grad()):
             out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-            if pass_ == "fwd+bwd":
+            if bwd:
                 torch.autograd.grad(out, (tq, tk, tv), tdo)
     try:
         run()
     except RuntimeError as exc:  # e.g. the flash backend has no kernel for this head dim
-        progress(f"  {backend} refused: {str(exc).splitlines()[0][:120]}")
+        progress(f"  {impl} refused: {str(exc).splitlines()[0][:120]}")
         return None
     return run
 
 
-# ------------------------------------------------------------------------------------------------
-
-def family(ops, dtype: str, headdim: int) -> str:
-    """Which forward family `ops` runs for (dtype, head dim): "sm90" or "sm80"."""
-    return "sm90" if ops.forward_variant(dtype, headdim).family.startswith("forward_sm90") else "sm80"
-
-
-def bwd_family(ops, cfg: dict) -> str:
-    """Which dK/dV family `ops` runs for the configuration's one Block: "sm90" (the Hopper
-    kernel, KernelOps.hopper_backward) or "sm80"."""
+def families(ops, cfg: dict) -> dict:
+    """The families `ops` runs for the configuration's one Block, "sm90" (the Hopper kernels) or
+    "sm80": {"family": the forward's} and, fwd+bwd, {"bwd_family": dK/dV's (KernelOps.hopper_backward)}."""
     from burstcu.layout import Block
 
     s, d = cfg["seqlen"], cfg["headdim"]
-    blocks = [Block(0, s, 0, s, 0, 0, cfg["causal"])]
-    dkdv = "bwd_dkdv_nodq" if ops.deterministic else "bwd_dkdv"
-    shape = (cfg["batch"], s, cfg["heads"], d)
-    hopper = ops.hopper_backward(dkdv, cfg["dtype"], d, blocks, shape, 1.0 / math.sqrt(d))
-    return "sm80" if hopper is None else "sm90"
+    fwd = ops.forward_variant(cfg["dtype"], d).family.startswith("forward_sm90")
+    tags = {"family": "sm90" if fwd else "sm80"}
+    if cfg["pass"] == "fwd+bwd":
+        dkdv = "bwd_dkdv_nodq" if ops.deterministic else "bwd_dkdv"
+        hopper = ops.hopper_backward(dkdv, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
+                                     (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
+        tags["bwd_family"] = "sm80" if hopper is None else "sm90"
+    return tags
 
 
 def run_config(cfg, args, ops_by_arch) -> list[dict]:
+    """A row an implementation (and kernel table x dQ mode) of one configuration."""
     import cupy
     device_synchronize = cupy.cuda.runtime.deviceSynchronize   # every stream: CuPy's and torch's
     q, k, v, dout = normal(cupy, [tuple(cfg[k] for k in ("batch", "seqlen", "heads", "headdim"))] * 4,
                            cfg["dtype"], 0)
-    gflop = cfg["gflop"]
     rows = []
-    runs = [(impl, key) for impl in args.impls
-            for key in (ops_by_arch if impl == "kernels" else [None])]
-    for impl, key in runs:
-        tags = {}
-        if impl == "kernels":
-            ops = ops_by_arch[key]
-            tags = {"arch": key[0], "dq": key[1], "family": family(ops, cfg["dtype"], cfg["headdim"])}
-            if cfg["pass"] == "fwd+bwd":
-                tags["bwd_family"] = bwd_family(ops, cfg)
-            fn = burstcu_kernels(ops, q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
-        elif impl == "api":
-            fn = burstcu_api(q, k, v, dout, cfg["causal"], cfg["pass"], cfg["window"])
-        elif cfg["window"] is not None:
+    for impl, key in ((i, key) for i in args.impls for key in (ops_by_arch if i == "kernels" else [None])):
+        if impl.startswith("torch") and cfg["window"] is not None:
             continue                                    # SDPA has no sliding window
-        else:
-            fn = torch_sdpa(impl, q, k, v, dout, cfg["causal"], cfg["pass"])
-        # torch issues on its own stream: for every implementation alike the device is
-        # synchronized inside the timed region
+        ops = ops_by_arch.get(key)
+        tags = {"arch": key[0], "dq": key[1], **families(ops, cfg)} if impl == "kernels" else {}
+        fn = attention_call(impl, ops, cfg, q, k, v, dout)
+        # torch issues on its own stream: for every implementation alike the device is synchronized
+        # inside the timed region; host_ms: a call's own seconds, the device idle at its start
         ms = None if fn is None else 1e3 * float(np.median(
             call_seconds(fn, args.repeats, args.warmup, cuda=True, sync_inside=True)))
-        # the host's part: a call's own seconds, the device idle at its start, nothing waited for
         host_ms = None if fn is None else 1e3 * float(np.median(
             call_seconds(fn, args.repeats, 0, before=device_synchronize)))
         device_synchronize()
-        rows.append({**{key: cfg[key] for key in ("pass", "dtype", "headdim", "seqlen", "causal",
-                                                  "window", "batch", "heads")},
-                     "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
-                     "tflops": None if ms is None else gflop / ms})
-    torch_row = next((r for r in rows if r["impl"] == "torch-flash"), None)    # None if windowed
-    cudnn_row = next((r for r in rows if r["impl"] == "torch-cudnn"), None)
-    for r in rows:
-        if torch_row and r["impl"] in ("kernels", "api"):
-            r["torch_ms"], r["torch_tflops"] = torch_row["ms"], torch_row["tflops"]
-            if r["ms"] and torch_row["ms"]:
-                r["vs_torch"] = torch_row["ms"] / r["ms"]
-        if cudnn_row and r["impl"] in ("kernels", "api"):
-            r["cudnn_tflops"] = cudnn_row["tflops"]
+        rows.append({**{f: cfg[f] for f in SHAPE}, "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
+                     "tflops": None if ms is None else cfg["gflop"] / ms})
+    flash, cudnn = (next((r for r in rows if r["impl"] == n), None) for n in ("torch-flash", "torch-cudnn"))
+    for r in (r for r in rows if r["impl"] in ("kernels", "api")):
+        if flash:                                       # None if windowed
+            r["torch_ms"], r["torch_tflops"] = flash["ms"], flash["tflops"]
+            if r["ms"] and flash["ms"]:
+                r["vs_torch"] = flash["ms"] / r["ms"]
+        if cudnn:
+            r["cudnn_tflops"] = cudnn["tflops"]
     return rows
 
 
-COLUMNS = ["impl", "family", "bwd_family", "dq", "pass", "dtype", "headdim", "seqlen", "causal",
-           "window", "batch", "heads", "ms", "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
-
-
 def plot(rows, path) -> None:
+    """TFLOP/s against seqlen, a panel a (pass, dtype, head dim), a line an implementation and mask."""
     plt = pyplot()
     keys = sorted({(r["pass"], r["dtype"], r["headdim"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
+
+    def line(r):
+        return r["impl"], r.get("family") or "", r.get("dq") or ""
     for ax, (pass_, dtype, d) in zip(axes[0], keys):
-        lines = sorted({(r["impl"], r.get("family") or "", r.get("dq") or "") for r in rows})
-        for impl, fam, dq in lines:
-            for causal, style in ((False, "-"), (True, "--")):
-                pts = [(r["seqlen"], r["tflops"]) for r in rows
-                       if (r["impl"], r.get("family") or "", r.get("dq") or "") == (impl, fam, dq)
-                       and r["tflops"] and
-                       (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)]
-                if pts:
-                    xs, ys = zip(*sorted(pts))
-                    name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "")
-                                    if part)
-                    ax.plot(xs, ys, style, marker="o", ms=3,
-                            label=f"{name}{' causal' if causal else ''}")
+        for (impl, fam, dq), (causal, style) in itertools.product(sorted({line(r) for r in rows}),
+                                                                  ((False, "-"), (True, "--"))):
+            pts = [(r["seqlen"], r["tflops"]) for r in rows if line(r) == (impl, fam, dq) and r["tflops"]
+                   and (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)]
+            if pts:
+                name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "") if part)
+                ax.plot(*zip(*sorted(pts)), style, marker="o", ms=3,
+                        label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{pass_} {dtype} d={d}", fontsize=9)
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
+        ax.set(xlabel="seqlen", ylabel="TFLOP/s")
     axes[0][0].legend(fontsize=6)
     save(fig, path)
 
@@ -235,37 +195,30 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen per configuration")
-    p.add_argument("--width", type=int, default=2048, help="heads x headdim")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json")
-    p.add_argument("--table", help="also write the text table here")
-    p.add_argument("--plot")
-    p.add_argument("--windows", nargs="*", type=int, default=[],
-                   help="also causal sliding windows (W, 0), burstcu only")
-    p.add_argument("--archs", nargs="*", default=[],
-                   help="kernel tables for the kernels rows (e.g. sm_90a sm_80); default: the device's")
+    for flag, default, text in (("--tokens", 16384, "batch x seqlen per configuration"),
+                                ("--width", 2048, "heads x headdim"), ("--warmup", 2, None),
+                                ("--repeats", 10, None)):
+        p.add_argument(flag, type=int, default=default, help=text)
+    for flag, text in (("--json", None), ("--table", "also write the text table here"), ("--plot", None)):
+        p.add_argument(flag, help=text)
+    p.add_argument("--windows", nargs="*", type=int, default=[], help="causal sliding windows (W, 0)")
+    p.add_argument("--archs", nargs="*", default=[], help="kernel tables (default: the device's)")
     p.add_argument("--sm90-head-group", type=int, default=None,
                    help="(batch, head) pairs whose tiles the Hopper kernel's grid takes together "
                         "(KernelOps.sm90_head_group; default: all)")
     p.add_argument("--dq-modes", nargs="+", default=["atomic"], choices=["atomic", "deterministic"],
-                   help="the backward's dQ in the kernels rows: fp32 atomics, and/or the "
-                        "deterministic kernels (KernelOps(deterministic=True))")
+                   help="the backward's dQ: fp32 atomics, and/or KernelOps(deterministic=True)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
-
     configs = plan(args)
     if args.dry_run:
-        print(table(configs, ["pass", "dtype", "headdim", "seqlen", "causal", "window", "batch",
-                              "heads", "gflop"]))
+        print(table(configs, [*SHAPE, "gflop"]))
         print(f"# {len(configs)} configurations x {len(args.impls)} implementations "
               f"({', '.join(args.impls)}); dry run: nothing timed")
         return 0
 
     from burstcu.ops.cuda.kernel_ops import KernelOps
-    # (the table the kernels run, dQ mode) -> KernelOps
-    ops_by_arch = {(ops.arch, dq): ops for dq in args.dq_modes
+    ops_by_arch = {(ops.arch, dq): ops for dq in args.dq_modes       # (kernel table, dQ mode) -> KernelOps
                    for ops in [KernelOps("cupy", arch=arch, deterministic=dq == "deterministic")
                                for arch in args.archs or [None]]}
     for ops in ops_by_arch.values():
@@ -289,9 +242,8 @@ def main(argv=None) -> int:
     text = table(rows, COLUMNS)
     print(text, flush=True)
     if args.table:
-        with open(args.table, "w") as fh:
-            fh.write(f"# {env.get('device')}: measured, CUDA events, median of {args.repeats}\n"
-                     + text + "\n")
+        Path(args.table).write_text(f"# {env.get('device')}: measured, CUDA events, median of "
+                                    f"{args.repeats}\n{text}\n")
     if args.plot:
         plot([r for r in rows if r.get("tflops") and r.get("window") is None], args.plot)
     return 0

@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
-# The MPI launch path on a machine with one GPU and no system MPI: installs the carried mpich
-# wheel (.whl/mpich-*.whl) by unpacking it into /tmp/mpich (a wheel's data files are not placed
-# by `pip install --target`), then
-#   1. mpiexec -n 1 python -m burstcu.demo --causal       NCCL world of one, bootstrapped over MPI
-#   2. mpiexec -n 2 python -m burstcu.demo --backend cupy  two ranks, one GPU: must fail on both
-#                                                          ranks with the bootstrap's message,
-#                                                          within the time limit (no hang)
+# The MPI launch path on a machine with one GPU and no system MPI, from the carried mpich wheel
+# (.whl/mpich-*.whl, unpacked into /tmp/mpich: `pip install --target` places no data files):
+# `mpiexec -n 1` demo over NCCL must pass; `mpiexec -n 2` on one GPU must fail on both ranks with
+# the bootstrap's message, within the time limit (no hang).
 set -u
 PY=${PY:-python3}
 rm -rf /tmp/mpich && mkdir -p /tmp/mpich || exit 1

@@ -27,12 +27,9 @@ def md_table(head: list, rows: list) -> list[str]:
     return ["| " + " | ".join(map(str, r)) + " |" for r in [head, ["---"] * len(head), *rows]]
 
 
-def checks_table(checks: list[dict]) -> list[str]:
-    groups: dict[str, list] = defaultdict(list)
-    for c in checks:
-        groups[c["name"].split("/")[0]].append(c["passed"])
-    return md_table(["check", "passed", "failed", "skipped"],
-                    [[name, r.count(True), r.count(False), r.count(None)] for name, r in groups.items()])
+def cell(v) -> str:
+    """A table cell: `v` to two decimal places, "-" for None."""
+    return "-" if v is None else f"{v:.2f}"
 
 
 def row_key(r: dict, last: str) -> tuple:
@@ -50,27 +47,25 @@ def speed_cell(r) -> str:
     return f"{r['tflops']:.0f} TF ({flash} / {r['tflops'] / r['cudnn_tflops']:.2f}x)"
 
 
-def speed_table(rows: list[dict]) -> list[str]:
-    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("window") is None]
-    seqlens = sorted({r["seqlen"] for r in ours})
-    at = {(row_key(r, "causal"), r["seqlen"]): r for r in reversed(ours)}   # the first row wins
-    return md_table(["pass", "family", "dtype", "d", "causal", *(f"S={s}" for s in seqlens)],
-                    [[*key, *(speed_cell(at.get((key, s))) for s in seqlens)]
-                     for key in sorted({row_key(r, "causal") for r in ours})])
-
-
-def window_table(rows: list[dict]) -> list[str]:
-    """Per (pass, dtype, d, S): the kernels' ms under plain causal and each causal window (W, 0)."""
-    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms") and r.get("causal")]
-    windows = sorted({r["window"] for r in ours if r.get("window") is not None})
-    lines = []
-    for key in sorted({row_key(r, "seqlen") for r in ours}) if windows else []:
-        at = {r.get("window"): r for r in ours if row_key(r, "seqlen") == key}
+def speed_tables(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """The kernels' cells per (pass, family, dtype, d, causal) and seqlen; per (pass, family,
+    dtype, d, S) their ms under plain causal and each causal window (W, 0) (none: no lines)."""
+    ours = [r for r in rows if r.get("impl") == "kernels" and r.get("ms")]
+    plain = [r for r in ours if r.get("window") is None]
+    seqlens = sorted({r["seqlen"] for r in plain})
+    at = {(row_key(r, "causal"), r["seqlen"]): r for r in reversed(plain)}   # the first row wins
+    speed = md_table(["pass", "family", "dtype", "d", "causal", *(f"S={s}" for s in seqlens)],
+                     [[*key, *(speed_cell(at.get((key, s))) for s in seqlens)]
+                      for key in sorted({row_key(r, "causal") for r in plain})])
+    causal = [r for r in ours if r.get("causal")]
+    windows, lines = sorted({r["window"] for r in causal if r.get("window") is not None}), []
+    for key in sorted({row_key(r, "seqlen") for r in causal}) if windows else []:
+        at = {r.get("window"): r for r in causal if row_key(r, "seqlen") == key}
         if None in at:
-            lines.append([*key, f"{at[None]['ms']:.2f}", *(f"{at[w]['ms']:.2f} ({at[w]['tflops']:.0f})"
-                                                          if w in at else "-" for w in windows)])
-    return md_table(["pass", "family", "dtype", "d", "S", "causal ms",
-                     *(f"window {w} ms (TFLOP/s)" for w in windows)], lines) if windows else []
+            lines.append([*key, cell(at[None]["ms"]), *(f"{at[w]['ms']:.2f} ({at[w]['tflops']:.0f})"
+                                                      if w in at else "-" for w in windows)])
+    return speed, md_table(["pass", "family", "dtype", "d", "S", "causal ms",
+                            *(f"window {w} ms (TFLOP/s)" for w in windows)], lines) if windows else []
 
 
 def mask_text(args: dict) -> str:
@@ -80,45 +75,39 @@ def mask_text(args: dict) -> str:
     return text if window in (None, "[-1, -1]") else f"{text}, window {window}"
 
 
-def overlap_table(runs: list[dict]) -> list[str]:
-    def eff(v):
-        return "-" if v is None else f"{v:.2f}"
-
-    lines = []
+def overlap_tables(runs: list[dict]) -> list[str]:
+    """A row a configuration of every run, then per ring step of each run's largest burst
+    configuration (overlap_gpu.py's `per_step`)."""
+    lines, steps = [], []
     for run in runs:
+        mask = mask_text(run.get("args", {}))
         for r in run["rows"]:
-            times = {p: " / ".join(f"{r[f'{p}_{m}_ms']:.2f}" for m in ("compute", "comm", "overlapped"))
+            times = {p: " / ".join(cell(r[f"{p}_{m}_ms"]) for m in ("compute", "comm", "overlapped"))
                      for p in ("forward", "backward")}
             extra = sum(r[f"{p}_overlapped_ms"] - r[f"{p}_compute_ms"] for p in ("forward", "backward"))
             base = r["forward_compute_ms"] + r["backward_compute_ms"]
-            copies = r.get("copy_ms")
-            if copies is None and r.get("timeline"):  # older runs: from the recorded intervals
-                copies = sorted(sum(x[-1] - x[-2] for x in tl if x[0] == "comm")
-                                for tl in r["timeline"])[len(r["timeline"]) // 2]
-            lines.append([mask_text(run.get("args", {})), r["ranks"], r["seqlen"], r["strategy"],
-                          times["forward"], eff(r["forward_efficiency"]), times["backward"],
-                          eff(r["backward_efficiency"]), f"{extra:+.2f} ({100 * extra / base:+.0f}%)",
-                          eff(copies), eff(r["hidden"])])
+            lines.append([mask, r["ranks"], r["seqlen"], r["strategy"], times["forward"],
+                          cell(r["forward_efficiency"]), times["backward"], cell(r["backward_efficiency"]),
+                          f"{extra:+.2f} ({100 * extra / base:+.0f}%)", cell(r["copy_ms"]),
+                          cell(r["hidden"])])
+        burst = [r for r in run["rows"] if r["strategy"] == "burst" and r.get("timeline")]
+        if burst:
+            big = max(burst, key=lambda r: (r["ranks"], r["seqlen"]))
+            by_step = [[s["step"], cell(s["compute_ms"]), cell(s["copy_ms"]), cell(s["hidden"])]
+                       for s in per_step(big["timeline"])]
+            title = f"Per step, burst, {big['ranks']} ranks, S = {big['seqlen']}, {mask} (median over ranks):"
+            steps += [title, "", *md_table(["step", "compute ms", "copy ms", "hidden"], by_step), ""]
     return md_table(["mask", "ranks", "seqlen", "strategy", "fwd ms (compute / comm / both)", "fwd eff",
                      "bwd ms (compute / comm / both)", "bwd eff", "both - compute, fwd+bwd",
-                     "copies ms", "hidden"], lines)
+                     "copies ms", "hidden"], lines) + ["", *steps]
 
 
-def step_tables(runs: list[dict]) -> list[str]:
-    """Per ring step of each run's largest burst configuration (overlap_gpu.py's `per_step`)."""
-    lines = []
-    for run in runs:
-        burst = [r for r in run["rows"] if r["strategy"] == "burst" and r.get("timeline")]
-        if not burst or len(burst[0]["timeline"][0][0]) != 4:  # older runs carry no labels
-            continue
-        big = max(burst, key=lambda r: (r["ranks"], r["seqlen"]))
-        lines += [f"Per step, burst, {big['ranks']} ranks, S = {big['seqlen']}, "
-                  f"{mask_text(run.get('args', {}))} (median over ranks):", "",
-                  *md_table(["step", "compute ms", "copy ms", "hidden"],
-                            [[s["step"], f"{s['compute_ms']:.2f}", f"{s['copy_ms']:.2f}",
-                              "-" if s["hidden"] is None else f"{s['hidden']:.2f}"]
-                             for s in per_step(big["timeline"])]), ""]
-    return lines
+def checks_table(checks: list[dict]) -> list[str]:
+    groups: dict[str, list] = defaultdict(list)
+    for c in checks:
+        groups[c["name"].split("/")[0]].append(c["passed"])
+    return md_table(["check", "passed", "failed", "skipped"],
+                    [[name, r.count(True), r.count(False), r.count(None)] for name, r in groups.items()])
 
 
 def main(argv=None) -> int:
@@ -137,6 +126,7 @@ def main(argv=None) -> int:
         "device": selftest["device"], "versions": v, "summary": selftest["summary"],
         "checks": selftest["checks"], "speed": kernels["rows"], "speed_args": kernels.get("args"),
         "overlap": runs}, indent=1) + "\n")
+    speed, windowed = speed_tables(kernels["rows"])
     md = [f"# burstcu on {selftest['device']} (measured)", "",
           f"CuPy {v.get('cupy')}, NVRTC {v.get('nvrtc')}, NCCL {v.get('nccl')}, driver "
           f"{v.get('driver')}, CUDA runtime {v.get('cuda_runtime')}, PyTorch {v.get('torch')}.", "",
@@ -145,9 +135,7 @@ def main(argv=None) -> int:
           "## Speed, one GPU, one rank (`bench/gpu/kernel_speed.py`): burstcu's step kernels, TFLOP/s and "
           "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, then to its "
           "cuDNN backend where the run timed it; family: sm90 = the Hopper kernel "
-          "(kernels/flash_fwd_sm90.cu), sm80 = the mma.sync one; CUDA events, same run", "",
-          *speed_table(kernels["rows"]), ""]
-    windowed = window_table(kernels["rows"])
+          "(kernels/flash_fwd_sm90.cu), sm80 = the mma.sync one; CUDA events, same run", "", *speed, ""]
     if windowed:
         md += ["## Causal sliding windows (`bench/gpu/kernel_speed.py --windows`): the same kernels skip the "
                "key tiles outside the window; TFLOP/s counts the visible pairs only", "", *windowed, ""]
@@ -157,7 +145,7 @@ def main(argv=None) -> int:
                "", "`eff` is near 1 by construction when copies are cheap (see overlap_gpu.py); "
                "`both - compute` is what running the copies added to the compute-only passes, "
                "`copies ms` their device time, `hidden` the fraction of it during which the same "
-               "rank's kernels ran.", "", *overlap_table(overlap), "", *step_tables(overlap)]
+               "rank's kernels ran.", "", *overlap_tables(overlap)]
     Path(args.out + ".md").write_text("\n".join(md))
     print("\n".join(md))
     return 0

@@ -1,27 +1,18 @@
 #!/usr/bin/env bash
-# Everything one GPU can show, each step under its own time limit; run from the repository root:
+# Every GPU step of bench/README.md and docs/gpu.md, each under its own time limit (seconds, after
+# the step's name); run from the repository root:
 #
 #     bash bench/gpu/run.sh [steps...]            # default: the list below, in order
 #     bash bench/gpu/run.sh --dry-run [steps...]  # print each step's command, run nothing (any machine)
 #     bash bench/gpu/run.sh hopper-session        # env warm isa hopper hopper_bench tiles_sm90 hopper_profile
+#     bash bench/gpu/run.sh hopper-bwd-session    # env warm and the four hopper_bwd* steps
 #
-# Default steps: env, isa (the Hopper ISA probes), gate (the compile gate with this NVRTC), full
-# (selftest --full), tests and gputests (kernel and GPU tests), kbench (kernel_speed.py), overlap
-# and overlap_causal (overlap_gpu.py), tiles (tiles.py), memcheck and racecheck
-# (compute-sanitizer; --report-api-errors no: cuda-bindings' driver probes are no memory errors),
-# demo, mpi (mpi_checks.sh, the mpich wheel in .whl/), linear and linearbench (LASP on one GPU),
-# varlen (documents, 4 ranks), steplists (step_lists.py), uneven (3 ranks), decode (bench/decode.py).
-# Others: steplists_mma and lists (the sm_90 table on a Hopper GPU), steplists_mmalist (the
-# sm_90a table with the mma.sync list kernel, against steplists' Hopper list), bwd, the Hopper kernel's
-# hopper, hopper_bench, hopper_memcheck, hopper_racecheck, hopper_profile (Nsight Compute at
-# S = $PROFILE_SEQLEN, its CSV in logs.tgz), tiles_sm90; small_parts (every kernel's duration in
-# a short call), host_profile (cProfile of kernel_speed's calls), head_groups (the Hopper kernel's
-# tiles a group of (batch, head) pairs at a time); the Hopper backward's hopper_bwd (its tests and
-# the backward tests on the sm_90a table), hopper_bwd_memcheck, hopper_bwd_racecheck and
-# hopper_bwd_bench (fwd+bwd rows, sm_90a against sm_80, torch flash and cuDNN; run all four with
-# `bash bench/gpu/run.sh hopper-bwd-session`). Reports go to $OUT (default bench/out/gpu),
-# each step's log to $OUT/logs.tgz, rewritten after every step; no step stops the others; exit 1
-# if any failed. Wheels in .whl/ are installed into /tmp/site first.
+# Beyond the default steps: basic, bwd, lists and steplists_mma (the sm_90 table on a Hopper GPU),
+# steplists_mmalist (the sm_90a table's mma.sync list kernel), the Hopper kernels' hopper* steps
+# (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN), small_parts (every kernel's duration in a
+# short call), host_profile (cProfile of kernel_speed's calls), head_groups (--sm90-head-group).
+# Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
+# every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
 set -u
 DRY_RUN=0
 [ "${1:-}" = --dry-run ] && { DRY_RUN=1; shift; }
@@ -35,6 +26,19 @@ ARCH="$PY -c 'from burstcu.build.compile import device_arch; print(device_arch()
 PKGS='cupy|nvrtc|nccl|cuda|mpi|torch|ml.dtypes|numpy|filelock|pytest'   # the env step's packages
 PROFILE=/tmp/burstcu-sm90_profile   # hopper_profile's Nsight Compute report (19 MB: left in /tmp)
 DETAILS="ncu -i $PROFILE.ncu-rep --page details --csv"   # its details page as CSV
+# the steps' common words (--report-api-errors no: cuda-bindings' driver probes are no memory errors)
+KTEST="env BURSTCU_KERNEL_TEST_BACKEND=cupy"
+PYTEST="$PY -m pytest -q -p no:cacheprovider"
+PYTEST120="$PY -m pytest -q --timeout 120 -p no:cacheprovider"
+MEMCHECK="compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 --print-limit 20"
+RACECHECK="compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20"
+KSPEED="$PY bench/gpu/kernel_speed.py"
+STEPLISTS="$PY bench/gpu/step_lists.py"
+OVERLAP="$PY bench/gpu/overlap_gpu.py"
+SM90_FWD=tests/kernels/test_flash_fwd_sm90_emulated.py
+FWD=tests/kernels/test_flash_fwd_emulated.py
+BWD=tests/kernels/test_flash_bwd_emulated.py
+INERT=tests/kernels/test_masked_inert_kernels.py
 if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl \
@@ -42,7 +46,8 @@ if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 steps=("$@")
 [ "${steps[0]:-}" = hopper-session ] && steps=(env warm isa hopper hopper_bench tiles_sm90 hopper_profile)
-[ "${steps[0]:-}" = hopper-bwd-session ] && steps=(env warm hopper_bwd hopper_bwd_memcheck hopper_bwd_racecheck hopper_bwd_bench)
+[ "${steps[0]:-}" = hopper-bwd-session ] \
+  && steps=(env warm hopper_bwd hopper_bwd_memcheck hopper_bwd_racecheck hopper_bwd_bench)
 [ ${#steps[@]} -eq 0 ] && steps=(env isa gate full tests gputests kbench overlap overlap_causal tiles
                                  memcheck racecheck demo mpi linear linearbench varlen steplists uneven
                                  decode)
@@ -69,123 +74,94 @@ for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nproc; $PY -c 'import sys; print(sys.version)';
            $PY -m pip list 2>/dev/null | grep -i -E '$PKGS'" ;;
-    isa) step isa 120 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" \
-             $PY -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_isa_gpu.py ;;
+    isa) step isa 120 $KTEST BURSTCU_ISA_REPORT="$OUT/hopper_isa.json" $PYTEST \
+      tests/gpu/test_hopper_isa_gpu.py ;;
     warm) step warm 240 bash -c "$PY -m burstcu.build warm --device \$($ARCH)" ;;
     gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
-    hopper) step hopper 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
-             $PY -m pytest -q --timeout 120 -p no:cacheprovider \
-             tests/kernels/test_flash_fwd_sm90_emulated.py tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
-             tests/kernels/test_flash_fwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
-             tests/gpu/test_hopper_ring_gpu.py -k "not seeded" ;;
-    hopper_bench) step hopper_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 --passes fwd \
-             --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
-             --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
-    hopper_memcheck) step hopper_memcheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
-             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool memcheck --report-api-errors no \
-             --error-exitcode 9 --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_flash_fwd_sm90_emulated.py tests/kernels/test_masked_inert_kernels.py \
-             tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
-             -k "ragged or causal_offsets or headdims or poisoned_v or documents" ;;
-    hopper_racecheck) step hopper_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
-             BURSTCU_KERNEL_TEST_ARCH=sm_90a compute-sanitizer --tool racecheck --error-exitcode 9 \
-             --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_flash_fwd_sm90_emulated.py \
-             -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
-    hopper_bwd) step hopper_bwd 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=sm_90a \
-             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_bwd_sm90_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py -k "not sm86" ;;
-    hopper_bwd_memcheck) step hopper_bwd_memcheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
-             BURSTCU_CUPY_NO_POOL=1 compute-sanitizer --tool memcheck --report-api-errors no \
-             --error-exitcode 9 --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
-             tests/kernels/test_flash_bwd_sm90_emulated.py -k "step_matches or outside" ;;
-    hopper_bwd_racecheck) step hopper_bwd_racecheck 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
-             compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 $PY -m pytest -q \
-             -p no:cacheprovider tests/kernels/test_flash_bwd_sm90_emulated.py \
-             -k "causal_offsets or small_ragged or small_causal" ;;
-    hopper_bwd_bench) step hopper_bwd_bench 300 $PY bench/gpu/kernel_speed.py --archs sm_90a sm_80 \
-             --passes fwd+bwd --impls kernels torch-flash torch-cudnn --headdims 64 128 256 \
-             --dq-modes atomic deterministic \
-             --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
-             --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
+    hopper) step hopper 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 $SM90_FWD \
+      tests/kernels/test_flash_fwd_sm90_lists_emulated.py $FWD $INERT tests/gpu/test_hopper_ring_gpu.py \
+      -k "not seeded" ;;
+    hopper_bench) step hopper_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd \
+      --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
+      --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
+    hopper_memcheck) step hopper_memcheck 240 $KTEST BURSTCU_CUPY_NO_POOL=1 BURSTCU_KERNEL_TEST_ARCH=sm_90a \
+      $MEMCHECK $PYTEST $SM90_FWD $INERT tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
+      -k "ragged or causal_offsets or headdims or poisoned_v or documents" ;;
+    hopper_racecheck) step hopper_racecheck 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $RACECHECK $PYTEST \
+      $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
+    hopper_bwd) step hopper_bwd 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 \
+      tests/kernels/test_flash_bwd_sm90_emulated.py $BWD $INERT -k "not sm86" ;;
+    hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
+      tests/kernels/test_flash_bwd_sm90_emulated.py -k "step_matches or outside" ;;
+    hopper_bwd_racecheck) step hopper_bwd_racecheck 180 $KTEST $RACECHECK $PYTEST \
+      tests/kernels/test_flash_bwd_sm90_emulated.py -k "causal_offsets or small_ragged or small_causal" ;;
+    hopper_bwd_bench) step hopper_bwd_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd+bwd \
+      --impls kernels torch-flash torch-cudnn --headdims 64 128 256 --dq-modes atomic deterministic \
+      --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
+      --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
-    tests) step tests 420 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
-             -p no:cacheprovider tests/gpu tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
-             tests/kernels/test_decode_emulated.py ;;
-    steplists) step steplists 300 $PY bench/gpu/step_lists.py --json "$OUT/step_lists.json" \
-             --table "$LOGS/step_lists.txt" ${STEPLISTS_ARGS:-} ;;
-    lists) step lists 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_KERNEL_TEST_ARCH=${LISTS_ARCH:-sm_90} \
-             $PY -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_masked_inert_kernels.py ;;
-    bwd) step bwd 180 env BURSTCU_KERNEL_TEST_BACKEND=cupy $PY -m pytest -q --timeout 120 \
-             -p no:cacheprovider \
-             tests/kernels/test_flash_bwd_emulated.py ;;
-    steplists_mmalist) step steplists_mmalist 300 $PY bench/gpu/step_lists.py --mma-list \
-             --json "$OUT/step_lists_mmalist.json" --table "$LOGS/step_lists_mmalist.txt" ${STEPLISTS_ARGS:-} ;;
-    steplists_mma) step steplists_mma 300 $PY bench/gpu/step_lists.py --arch sm_90 \
-             --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
+    tests) step tests 420 $KTEST $PYTEST120 tests/gpu $FWD $BWD $INERT \
+      tests/kernels/test_decode_emulated.py ;;
+    steplists) step steplists 300 $STEPLISTS --json "$OUT/step_lists.json" \
+      --table "$LOGS/step_lists.txt" ${STEPLISTS_ARGS:-} ;;
+    lists) step lists 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=${LISTS_ARCH:-sm_90} $PYTEST120 $FWD $INERT ;;
+    bwd) step bwd 180 $KTEST $PYTEST120 $BWD ;;
+    steplists_mmalist) step steplists_mmalist 300 $STEPLISTS --mma-list \
+      --json "$OUT/step_lists_mmalist.json" --table "$LOGS/step_lists_mmalist.txt" ${STEPLISTS_ARGS:-} ;;
+    steplists_mma) step steplists_mma 300 $STEPLISTS --arch sm_90 \
+      --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
     hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
-             -k regex:flash_fwd_step_sm90 -c 8 -f -o $PROFILE $PY bench/gpu/kernel_speed.py \
-             --archs sm_90a --passes fwd --impls kernels --dtypes float16 --headdims 128 \
-             --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 && $DETAILS \
-             > $LOGS/sm90_profile_details.csv" ;;
+      -k regex:flash_fwd_step_sm90 -c 8 -f -o $PROFILE $KSPEED --archs sm_90a --passes fwd --impls kernels \
+      --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 \
+      && $DETAILS > $LOGS/sm90_profile_details.csv" ;;
     small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-             --print-units base --log-file "$LOGS/small_parts.csv" $PY bench/gpu/kernel_speed.py \
-             --archs sm_90a --passes fwd --impls kernels torch-flash torch-cudnn --dtypes float16 \
-             --headdims 128 --seqlens 1024 2048 4096 16384 --warmup 1 --repeats 2 ;;
+      --print-units base --log-file "$LOGS/small_parts.csv" $KSPEED --archs sm_90a --passes fwd \
+      --impls kernels torch-flash torch-cudnn --dtypes float16 --headdims 128 --seqlens 1024 2048 4096 16384 \
+      --warmup 1 --repeats 2 ;;
     host_profile) step host_profile 120 bash -c "$PY -m cProfile -o /tmp/burstcu-host.prof \
-             bench/gpu/kernel_speed.py --archs sm_90a --passes fwd --impls kernels --dtypes float16 \
-             --headdims 128 --seqlens 1024 16384 --repeats 100 && $PY -c 'import pstats, sys
+      bench/gpu/kernel_speed.py --archs sm_90a --passes fwd --impls kernels --dtypes float16 \
+      --headdims 128 --seqlens 1024 16384 --repeats 100 && $PY -c 'import pstats, sys
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
-    head_groups) step head_groups 240 bash -c "for g in 0 2 4 8 16; do $PY bench/gpu/kernel_speed.py \
-             --archs sm_90a --passes fwd --impls kernels --headdims 128 --seqlens 2048 4096 16384 \
-             \$( [ \$g = 0 ] || echo --sm90-head-group \$g ) --json $LOGS/head_group_\$g.json \
-             --table $LOGS/head_group_\$g.txt || exit 1; done; tail -n 13 $LOGS/head_group_*.txt" ;;
-    kbench) step kbench 420 $PY bench/gpu/kernel_speed.py --json "$OUT/kernels.json" \
-             --table "$LOGS/kernels.txt" \
-             $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
-    overlap) step overlap 300 $PY bench/gpu/overlap_gpu.py --json "$OUT/overlap_gpu.json" \
-             $(plot "$OUT/overlap_gpu.png") ${OVERLAP_ARGS:-} ;;
+    head_groups) step head_groups 240 bash -c "for g in 0 2 4 8 16; do $KSPEED --archs sm_90a --passes fwd \
+      --impls kernels --headdims 128 --seqlens 2048 4096 16384 \
+      \$( [ \$g = 0 ] || echo --sm90-head-group \$g ) --json $LOGS/head_group_\$g.json \
+      --table $LOGS/head_group_\$g.txt || exit 1; done; tail -n 13 $LOGS/head_group_*.txt" ;;
+    kbench) step kbench 420 $KSPEED --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
+      $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
+    overlap) step overlap 300 $OVERLAP --json "$OUT/overlap_gpu.json" $(plot "$OUT/overlap_gpu.png") \
+      ${OVERLAP_ARGS:-} ;;
     tiles) step tiles 240 $PY bench/gpu/tiles.py --candidates bench/results/h100/tile_candidates.json \
-             --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
+      --json "$OUT/tiles.json" --table "$LOGS/tiles.txt" ;;
     tiles_sm90) step tiles_sm90 300 $PY bench/gpu/tiles.py --tile-table sm_90a --dtypes float16 bfloat16 \
-             --candidates bench/results/h200/tile_candidates_sm90a.json --json "$OUT/tiles_sm90.json" \
-             --table "$LOGS/tiles_sm90.txt" ;;
-    overlap_causal) step overlap_causal 300 $PY bench/gpu/overlap_gpu.py --causal --layout zigzag \
-             --json "$OUT/overlap_gpu_causal.json" $(plot "$LOGS/overlap_gpu_causal.png") ${OVERLAP_ARGS:-} ;;
-    memcheck) step memcheck 300 env BURSTCU_KERNEL_TEST_BACKEND=cupy BURSTCU_CUPY_NO_POOL=1 \
-             compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 --print-limit 20 \
-             $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py tests/kernels/test_masked_inert_kernels.py \
-             -k "ragged or causal_offsets or gqa or masked_rows or small_ or window or poisoned or flag" ;;
-    racecheck) step racecheck 240 env BURSTCU_KERNEL_TEST_BACKEND=cupy \
-             compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
-             $PY -m pytest -q -p no:cacheprovider tests/kernels/test_flash_fwd_emulated.py \
-             tests/kernels/test_flash_bwd_emulated.py -k "test_ragged or (full_ragged and float16 and 64)" ;;
+      --candidates bench/results/h200/tile_candidates_sm90a.json --json "$OUT/tiles_sm90.json" \
+      --table "$LOGS/tiles_sm90.txt" ;;
+    overlap_causal) step overlap_causal 300 $OVERLAP --causal --layout zigzag \
+      --json "$OUT/overlap_gpu_causal.json" $(plot "$LOGS/overlap_gpu_causal.png") ${OVERLAP_ARGS:-} ;;
+    memcheck) step memcheck 300 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST $FWD $BWD $INERT \
+      -k "ragged or causal_offsets or gqa or masked_rows or small_ or window or poisoned or flag" ;;
+    racecheck) step racecheck 240 $KTEST $RACECHECK $PYTEST $FWD $BWD \
+      -k "test_ragged or (full_ragged and float16 and 64)" ;;
     demo) step demo 120 $PY -m burstcu.demo --causal ;;
     mpi) step mpi 240 bash bench/gpu/mpi_checks.sh ;;
-    linear) step linear 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
-             -p no:cacheprovider tests/gpu/test_linear_gpu.py ;;
+    linear) step linear 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PYTEST120 tests/gpu/test_linear_gpu.py ;;
     linearbench) step linearbench 300 bash -c "$PY bench/cpu/linear.py --backend cupy --dtype float16 \
-             --strategies lasp2 lasp1 --seqlens 16384 65536 262144 1048576 --json $OUT/linear_gpu.json \
-             --table $LOGS/linear_gpu.txt && $PY bench/cpu/linear.py --backend cupy --dtype float16 \
-             --strategies burst --seqlens 16384 65536 --json $OUT/linear_gpu_burst.json \
-             --table $LOGS/linear_gpu_burst.txt" ;;
-    varlen) step varlen 420 bash -c "for layout in zigzag contiguous; do $PY bench/gpu/overlap_gpu.py \
-             --ranks 4 --seqlen 65536 --causal --docs 0 --layout \$layout --strategies burst ring \
-             --repeats 3 --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
-    uneven) step uneven 300 $PY bench/gpu/overlap_gpu.py --ranks 3 --seqlen 98305 --causal \
-             --layout contiguous --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
-    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 \
-             262144 1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
-    gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q --timeout 120 \
-             -p no:cacheprovider tests/gpu tests/test_interop.py tests/transport/test_bootstrap.py \
-             tests/kernels/test_device_properties.py tests/test_device_routing.py tests/test_group.py \
-             tests/kernels/test_kernel_cache.py ;;
+      --strategies lasp2 lasp1 --seqlens 16384 65536 262144 1048576 --json $OUT/linear_gpu.json \
+      --table $LOGS/linear_gpu.txt && $PY bench/cpu/linear.py --backend cupy --dtype float16 \
+      --strategies burst --seqlens 16384 65536 --json $OUT/linear_gpu_burst.json \
+      --table $LOGS/linear_gpu_burst.txt" ;;
+    varlen) step varlen 420 bash -c "for layout in zigzag contiguous; do $OVERLAP --ranks 4 --seqlen 65536 \
+      --causal --docs 0 --layout \$layout --strategies burst ring --repeats 3 \
+      --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
+    uneven) step uneven 300 $OVERLAP --ranks 3 --seqlen 98305 --causal --layout contiguous \
+      --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
+    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 262144 \
+      1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
+    gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PYTEST120 tests/gpu \
+      tests/test_interop.py tests/transport/test_bootstrap.py tests/kernels/test_device_properties.py \
+      tests/test_device_routing.py tests/test_group.py tests/kernels/test_kernel_cache.py ;;
     *) echo "unknown step $s"; failed+=("$s") ;;
   esac
 done

@@ -1,10 +1,9 @@
-"""A ring step's rectangles in one launch against one launch a rectangle: the forward step
-kernels of every (rank, step) of the burst ring under per-document zigzag (--docs documents of a
-seeded long-tailed mix, causal), timed both ways in the same run, with the contiguous split of
-the same tokens beside it. Per layout, summed over (rank, step): list_ms, per_rect_ms,
-rectangles, kernel launches each way, the kept (query, key) pairs, ns per kept pair and its
-ratio to contiguous's, and the step kernels each way launched. CUDA events on a GPU (median of
---repeats after a warm-up); --backend emulated: host seconds, a smoke test, never GPU figures.
+"""A ring step's rectangles in one launch against one launch a rectangle: the forward step kernels
+of every (rank, step) of the burst ring under per-document zigzag (--docs documents of a seeded
+long-tailed mix, causal), timed both ways in the same run, with the contiguous split of the same
+tokens beside it; per layout, sums over (rank, step) of the time, rectangles, launches, kept
+(query, key) pairs and ns a kept pair each way, and the step kernels each way launched. CUDA events
+on a GPU (median of --repeats after a warm-up); --backend emulated: host seconds, never GPU figures.
 
     python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90] [--json F]
     python bench/gpu/step_lists.py --dry-run           # the plan only, anywhere
@@ -21,6 +20,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench._common import array_dtype, call_seconds, clean, document_mix, emit, progress, table  # noqa: E402
 
+WAYS = ("list", "per_rect")   # a step's rectangles in one forward_step, or a forward_step each
+
 
 def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
     """cu_seqlens of exactly `documents` documents over `tokens`: `document_mix`'s long-tailed
@@ -35,28 +36,23 @@ def measure(args, ops, layout_name: str, docs) -> dict:
     """Both ways of launching every (rank, step) of one layout (module docstring)."""
     from burstcu import layout
 
-    xp, cuda = ops.xp, ops.device == "cuda"
+    xp, cuda, function = ops.xp, ops.device == "cuda", ops.function
     part = layout.partition(layout_name, args.ranks, args.seqlen, docs)
-    rng = np.random.default_rng(0)
-    dtype = array_dtype(args.dtype)
+    rng, dtype = np.random.default_rng(0), array_dtype(args.dtype)
     row = {"layout": layout_name, "docs": 0 if docs is None else len(docs) - 1, "list_ms": 0.0,
-           "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0, "launches_per_rect": 0,
-           "kept_pairs": 0}
-    counts = {"n": 0}
-    kernels: dict[str, set] = {"list": set(), "per_rect": set()}   # the step kernels each way ran
-    way_now = ["list"]
-    function = ops.function
+           "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0, "launches_per_rect": 0, "kept_pairs": 0}
+    now = {"way": "list", "launches": 0}
+    kernels: dict[str, set] = {way: set() for way in WAYS}   # the step kernels each way ran
 
     def counted(name):
-        counts["n"] += 1
+        now["launches"] += 1
         if name.startswith("flash_fwd_step"):
-            kernels[way_now[0]].add(name.split("<")[0])
+            kernels[now["way"]].add(name.split("<")[0])
         return function(name)
     ops.function = counted
     try:
         for qr in range(args.ranks):
-            shape = (1, part.lengths[qr], args.heads, args.headdim)
-            q = xp.asarray(rng.standard_normal(shape).astype(dtype))
+            q = xp.asarray(rng.standard_normal((1, part.lengths[qr], args.heads, args.headdim)).astype(dtype))
             for step in range(args.ranks):
                 kr = (qr - step) % args.ranks
                 blocks = layout.blocks(part, qr, kr, True, (-1, -1), docs)
@@ -68,35 +64,29 @@ def measure(args, ops, layout_name: str, docs) -> dict:
                 ways = {"list": lambda: ops.forward_step(state, k, v, blocks),
                         "per_rect": lambda: [ops.forward_step(state, k, v, [b]) for b in blocks]}
                 for way, fn in ways.items():
-                    way_now[0] = way
+                    now["way"] = way
                     fn()                                   # compiles, and a warm-up
-                    counts["n"] = 0
+                    now["launches"] = 0
                     fn()
-                    row[f"launches_{way}"] += counts["n"]
-                    seconds = call_seconds(fn, args.repeats, warmup=0, cuda=cuda,
-                                           after=None if cuda else ops.sync)
+                    row[f"launches_{way}"] += now["launches"]
+                    seconds = call_seconds(fn, args.repeats, 0, cuda=cuda, after=None if cuda else ops.sync)
                     row[f"{way}_ms"] += float(np.median(seconds)) * 1e3
                 row["rectangles"] += len(blocks)
                 row["kept_pairs"] += sum(layout.kept_pairs(b) for b in blocks)
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
     finally:
         ops.function = function
-    for way, names in kernels.items():
-        row[f"{way}_kernels"] = " + ".join(sorted(names))
-    row["list_ns_per_pair"] = row["list_ms"] * 1e6 / max(row["kept_pairs"], 1)
-    row["per_rect_ns_per_pair"] = row["per_rect_ms"] * 1e6 / max(row["kept_pairs"], 1)
-    return row
+    row.update({f"{way}_kernels": " + ".join(sorted(kernels[way])) for way in WAYS})
+    return row | {f"{way}_ns_per_pair": row[f"{way}_ms"] * 1e6 / max(row["kept_pairs"], 1) for way in WAYS}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cupy", choices=["cupy", "emulated"])
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--seqlen", type=int, default=65536)
-    p.add_argument("--docs", type=int, default=241, help="documents (a seeded long-tailed mix)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--headdim", type=int, default=128)
+    for flag, default in (("--ranks", 4), ("--seqlen", 65536), ("--docs", 241), ("--heads", 16),
+                          ("--headdim", 128)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="float16", choices=["float16"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--arch", default=None,
@@ -129,17 +119,14 @@ def main(argv=None):
     rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
     for row in rows:
         row["arch"] = ops.arch
-    rows[0]["vs_contiguous_per_pair"] = rows[0]["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
-    rows[1]["vs_contiguous_per_pair"] = 1.0
+        row["vs_contiguous_per_pair"] = row["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
     where = ("GPU (CUDA events around each forward_step)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
-    text = "\n".join([
-        f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
-        f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)",
-        table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
-                     "launches_list", "launches_per_rect",
-                     "list_ms", "per_rect_ms", "kept_pairs", "list_ns_per_pair",
-                     "vs_contiguous_per_pair"])])
+    text = (f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
+            f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)\n"
+            + table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
+                           "launches_list", "launches_per_rect", "list_ms", "per_rect_ms", "kept_pairs",
+                           "list_ns_per_pair", "vs_contiguous_per_pair"]))
     return emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
                        "rows": rows}, args)
 

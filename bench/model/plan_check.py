@@ -62,8 +62,7 @@ def measure_machine(group, headdim: int, repeats: int) -> Machine:
         bandwidth = (4 << 20) / max(exchange(4 << 20, 5) - latency, 1e-9)
     return Machine("measured", flops, bandwidth, bandwidth, latency, group.size,
                    f"MEASURED here: {flops / 1e9:.1f} GFLOP/s a rank, {bandwidth / 1e9:.2f} GB/s, "
-                   f"{latency * 1e6:.0f} us an exchange, {step_overhead * 1e3:.2f} ms a step",
-                   step_overhead)
+                   f"{latency * 1e6:.0f} us an exchange, {step_overhead * 1e3:.2f} ms a step", step_overhead)
 
 
 def main(argv=None):

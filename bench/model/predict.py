@@ -1,9 +1,9 @@
 """PREDICTED pass times of the ring strategies on GPUs from the library's one cost model,
-`burstcu.plan` (never a measurement): per pass the time with free communication (t_compute),
-with free compute (t_comm) and on the preset itself (t_overlapped), the efficiency as
-bench/cpu/overlap.py measures it, and the global seqlen above which compute outlasts
-communication. Presets: "h100" (`burstcu.plan.MACHINES`: NVLink within 8 ranks, InfiniBand
-across) and "h100-ib" (every rank over InfiniBand); causal runs zigzag, full contiguous.
+`burstcu.plan` (never a measurement): per pass the time with free communication (t_compute), with
+free compute (t_comm) and on the preset itself (t_overlapped), the efficiency as bench/cpu/overlap.py
+measures it, and the global seqlen above which compute outlasts communication. Presets: "h100"
+(`burstcu.plan.MACHINES`: NVLink within 8 ranks, InfiniBand across) and "h100-ib" (every rank over
+InfiniBand); causal runs zigzag, full contiguous.
 
     python bench/model/predict.py [--preset h100] [--ranks 8] [--seqlen N ...] [--causal]
         [--strategy burst|ring] [--tflops X] [--link-gbs X] [--latency-us X] [--all-presets]
@@ -32,26 +32,20 @@ PRESETS = {"h100": H100,
 MAX_SEQLEN = 1 << 23   # hidden_above_seqlen searches up to this global length
 
 
-def pass_times(machine: Machine, strategy: str, q_shape, k_shape, size: int, *, causal: bool,
-               layout="contiguous", dtype="bfloat16", rank: int = 0, cu_seqlens=None) -> dict:
-    """PREDICTED {pass: {t_compute, t_comm, t_overlapped, bytes `rank` sends}} of `strategy`
-    for this rank's q (B, S, H, D) and k (B, S, Hkv, D): `burstcu.plan.predict` on `machine`
-    with free communication, with free compute, and as it is."""
+def pass_times(args, machine: Machine, strategy: str, seqlen: int) -> dict:
+    """PREDICTED {pass: {t_compute, t_comm, t_overlapped, bytes rank 0 sends}} of `strategy` at
+    global `seqlen` on the shape of `args`: `burstcu.plan.predict` on `machine` with free
+    communication, with free compute, and as it is."""
+    s, hkv = seqlen // args.ranks, args.kv_heads or args.heads
     machines = {"t_compute": dataclasses.replace(machine, intra_bw=INF, inter_bw=INF, latency=0.0),
                 "t_comm": dataclasses.replace(machine, flops=INF, step_overhead=0.0),
                 "t_overlapped": machine}
-    got = {name: predict(strategy, {}, q_shape, k_shape, size, causal=causal, layout=layout,
-                         dtype=dtype, machine=m, rank=rank, cu_seqlens=cu_seqlens)
+    got = {name: predict(strategy, {}, (args.batch, s, args.heads, args.headdim),
+                         (args.batch, s, hkv, args.headdim), args.ranks, causal=args.causal,
+                         layout="zigzag" if args.causal else "contiguous", dtype=args.dtype, machine=m)
            for name, m in machines.items()}
     return {p: {**{name: getattr(c, f"{p}_s") for name, c in got.items()},
                 "bytes": getattr(got["t_overlapped"], f"{p}_bytes")} for p in PASSES}
-
-
-def _times(args, machine: Machine, strategy: str, seqlen: int) -> dict:
-    s, hkv = seqlen // args.ranks, args.kv_heads or args.heads
-    return pass_times(machine, strategy, (args.batch, s, args.heads, args.headdim),
-                      (args.batch, s, hkv, args.headdim), args.ranks, causal=args.causal,
-                      layout="zigzag" if args.causal else "contiguous", dtype=args.dtype)
 
 
 def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | None:
@@ -61,7 +55,7 @@ def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | No
     unit = 2 * args.ranks
 
     def hidden(units: int) -> bool:
-        t = _times(args, machine, strategy, units * unit)[pass_]
+        t = pass_times(args, machine, strategy, units * unit)[pass_]
         return t["t_compute"] >= t["t_comm"]
 
     hi = MAX_SEQLEN // unit
@@ -81,7 +75,7 @@ def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | No
 def report(args, machine: Machine) -> dict:
     rows = []
     for n in args.seqlen:
-        for p, t in _times(args, machine, args.strategy, n).items():
+        for p, t in pass_times(args, machine, args.strategy, n).items():
             tc, tm, to = t["t_compute"], t["t_comm"], t["t_overlapped"]
             rows.append({"kind": "PREDICTION", "pass": p, "t_compute": tc, "t_comm": tm,
                          "t_overlapped": to, "efficiency": C.overlap_efficiency(tc, tm, to),
@@ -98,15 +92,12 @@ def overlap_prediction(steps, link, blocking: bool = False) -> dict:
     are dicts of t_compute and sent/received messages and bytes. Per step t_comm = the longer
     direction's messages * latency + bytes / rate; t_overlapped = max(t_compute, t_comm) as in
     burstcu.plan, or their sum for a blocking exchange. hidden: the pass takes only its compute."""
-    def seconds(messages: int, nbytes: int) -> float:
-        latency = link.seconds(0)
-        return messages * latency + link.seconds(nbytes) - latency
-
+    latency = link.seconds(0)
     tc = tm = to = hidden = 0.0
     for st in steps:
         c = st["t_compute"]
-        m = max(seconds(st["sent_messages"], st["sent_bytes"]),
-                seconds(st["received_messages"], st["received_bytes"]))
+        m = max(st[f"{way}_messages"] * latency + link.seconds(st[f"{way}_bytes"]) - latency
+                for way in ("sent", "received"))
         o = c + m if blocking else max(c, m)
         tc, tm, to, hidden = tc + c, tm + m, to + o, hidden + (c + m - o)
     return {"kind": "PREDICTION", "t_compute": tc, "t_comm": tm, "t_overlapped": to,
@@ -146,7 +137,7 @@ def machine(args, name: str) -> Machine:
     return dataclasses.replace(PRESETS[name], **{k: v for k, v in over.items() if v is not None})
 
 
-def parse(argv=None):
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="h100", choices=sorted(PRESETS))
     p.add_argument("--all-presets", action="store_true", help="only the hidden-above seqlen of every preset")
@@ -161,11 +152,7 @@ def parse(argv=None):
                    help="every strategy's predicted pass times (burstcu.plan) instead of one strategy's")
     p.add_argument("--seqlen", type=int, nargs="+", default=[2**k for k in range(12, 21, 2)])
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse(argv)
+    args = p.parse_args(argv)
     names = sorted(PRESETS) if args.all_presets else [args.preset]
     if args.strategies:   # every strategy (burstcu.plan.plan) and the one strategy="auto" picks
         tables, group = [], SimpleNamespace(size=args.ranks, rank=0, ops=None)
