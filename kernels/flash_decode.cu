@@ -33,6 +33,12 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         written as the rank's partial in natural-log units: acc (B, T, H, D) (un-normalised,
         relative to m), m (B, H, T) = M * ln 2, l (B, H, T) — what burstcu.ops.decode.partial
         returns on the CPU, so the ranks' partials merge alike (burstcu.ops.decode.merge).
+    flash_decode_merge    grid (T * H, B), DECODE_COMBINE_THREADS threads over D: the G ranks'
+        partials (acc, m, l; rank r's at the addresses of rank 0's + r * rank_stride floats, as
+        one all-gather lays them) merged in rank order into the call's result, one launch:
+        M = max_r m_r; w_r = exp(m_r - M); L = sum_r w_r l_r; out = (sum_r w_r acc_r) / L in
+        the output dtype, lse = M + ln L (burstcu.ops.decode.merge, the same steps and order);
+        a row no rank saw (L = 0) gets out 0 and lse -inf.
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
 maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. A
 zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
@@ -56,6 +62,7 @@ VARIANTS (burstcu/build/decode_variants.py)
         or a stride not a multiple of 16 bytes, an unaligned pointer) loads element by element
         into the same ring
     flash_decode_combine   one kernel for every dtype (fp32 in, fp32 out)
+    flash_decode_merge<TOut>   TOut in {__half, __nv_bfloat16, float} (fp32 partials in)
 */
 #pragma once
 
@@ -92,6 +99,19 @@ struct DecodeCombineParams {
   float* m;                 // (B, H, T) contiguous, natural log units
   float* l;                 // (B, H, T) contiguous
   int T_, H, D, splits;
+};
+
+// Everything the merge kernel reads: the ranks' partials as the combine kernel writes them
+// (acc (B, T, H, D), m (B, H, T) natural log, l (B, H, T), contiguous fp32), rank r's at rank 0's
+// addresses + r * rank_stride floats.
+struct DecodeMergeParams {
+  const float* acc;
+  const float* m;
+  const float* l;
+  void* out;                // (B, T, H, D) contiguous, the kernel's TOut
+  float* lse;               // (B, H, T) contiguous
+  long long rank_stride;    // floats from one rank's partial to the next (0 with one rank)
+  int T_, H, D, ranks;
 };
 
 namespace decode {
@@ -381,4 +401,28 @@ flash_decode_combine(const __grid_constant__ DecodeCombineParams p) {
     p.m[row] = top == -INFINITY ? -INFINITY : top * 0.6931471805599453f;    // ln 2
     p.l[row] = total;
   }
+}
+
+template <typename TOut>
+__global__ void __launch_bounds__(DECODE_COMBINE_THREADS)
+flash_decode_merge(const __grid_constant__ DecodeMergeParams p) {
+  const int T_ = p.T_, H = p.H, D = p.D, ranks = p.ranks;
+  const long long stride = p.rank_stride;
+  const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
+  const long long row = ((long long)b * H + h) * T_ + t;          // in (B, H, T)
+  const long long at = (((long long)b * T_ + t) * H + h) * D;     // in (B, T, H, D)
+  float top = -INFINITY;
+  for (int r = 0; r < ranks; ++r) top = fmaxf(top, p.m[r * stride + row]);
+  const float shift = top == -INFINITY ? 0.f : top;               // exp(-inf - 0) = 0, no NaN
+  float total = 0.f;
+  for (int r = 0; r < ranks; ++r) total += expf(p.m[r * stride + row] - shift) * p.l[r * stride + row];
+  const bool seen = total > 0.f;
+  TOut* out = (TOut*)p.out + at;
+  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
+    float sum = 0.f;
+    for (int r = 0; r < ranks; ++r)
+      sum += expf(p.m[r * stride + row] - shift) * p.acc[r * stride + at + d];
+    out[d] = from_float<TOut>(seen ? sum / total : 0.f);
+  }
+  if (threadIdx.x == 0) p.lse[row] = seen ? shift + logf(total) : -INFINITY;
 }

@@ -8,6 +8,8 @@
   (`smem_bytes`, the kernel's `decode::Layout`); a variant that does not fit the table's budget
   is left out (float32 at head dim 256 on sm_86: the launcher falls back to the array path).
 * ``"decode_combine"``: ``flash_decode_combine`` (fp32 in and out; `headdim` 0, dtype float32).
+* ``"decode_merge"``: ``flash_decode_merge<TOut>``, the ranks' partials merged (fp32 in; its
+  dtype the output's, `headdim` 0).
 """
 
 from __future__ import annotations
@@ -62,10 +64,15 @@ def combine_variant() -> KernelVariant:
                          LaunchConfig(threads=COMBINE_THREADS))
 
 
+def merge_variant(out_dtype: str) -> KernelVariant:
+    return KernelVariant("decode_merge", SOURCE, f"flash_decode_merge<{_CXX[out_dtype]}>", out_dtype,
+                         0, LaunchConfig(threads=COMBINE_THREADS))
+
+
 def decode_variants(arch: str) -> list[KernelVariant]:
     """Every decode-family variant of the tile table `arch` that fits its shared memory."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     budget = SMEM_BUDGET[base_table(arch)]
     return [split_variant(dt, dpl) for dt in _CXX for dpl in DPLS
-            if smem_bytes(dt, dpl) <= budget] + [combine_variant()]
+            if smem_bytes(dt, dpl) <= budget] + [combine_variant()] + [merge_variant(dt) for dt in _CXX]

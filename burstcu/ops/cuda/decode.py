@@ -40,6 +40,7 @@ import numpy as np
 from ...build.compile import ARCH_LIMITS, device_attribute
 from ...build.decode_variants import BK
 from ..decode import PagedRows
+from ..decode import merge as array_merge
 from ..decode import partial as array_partial
 from .params import CStruct, data_ptr, element_strides, rows_on_16_bytes
 
@@ -53,7 +54,10 @@ DECODE_SPLIT = CStruct("DecodeSplitParams", [
 DECODE_COMBINE = CStruct("DecodeCombineParams", [
     ("ws_m", "ptr"), ("ws_l", "ptr"), ("ws_acc", "ptr"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("splits", "i32")])
-DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE)
+DECODE_MERGE = CStruct("DecodeMergeParams", [
+    ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
+    ("rank_stride", "i64"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("ranks", "i32")])
+DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE, DECODE_MERGE)
 
 MAX_SPLITS = 128      # splits a batch row at most
 MIN_KEYS = 128        # keys a split reads at least (4 tiles: the ring's fill pays off)
@@ -306,3 +310,52 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     cp["splits"] = splits
     plan.combine_fn(plan.combine_grid, plan.combine_threads, (cp[0],))
     return tuple(out)
+
+
+def merge(ops, parts, out_dtype):
+    """(out (B,T,H,D) in out_dtype, lse (B,H,T) float32) of the ranks' partials [(acc, m, l) in
+    rank order, as `partial` makes them] in one flash_decode_merge launch, when they lie as one
+    all-gather lays them: contiguous float32, each rank's at rank 0's addresses plus one stride
+    (or a single rank's); else, or for an output dtype the kernels lack, the array merge
+    (`burstcu.ops.decode.merge`). The same steps in the same order on every rank: the ranks
+    that merge the same partials get the same bits."""
+    acc0, m0, l0 = parts[0]
+    out_name = np.dtype(out_dtype).name
+    stride = _rank_stride(parts)
+    if out_name not in KERNEL_DTYPES or stride is None:
+        return array_merge(ops.xp, parts, out_dtype)
+    b, t, h, d = acc0.shape
+    out = ops.xp.empty((b, t, h, d), dtype=out_name)
+    lse = ops.xp.empty((b, h, t), dtype=np.float32)
+    packed = np.zeros(1, DECODE_MERGE.dtype)
+    for name, value in (("acc", data_ptr(acc0)), ("m", data_ptr(m0)), ("l", data_ptr(l0)),
+                        ("out", data_ptr(out)), ("lse", data_ptr(lse)), ("rank_stride", stride),
+                        ("T_", t), ("H", h), ("D", d), ("ranks", len(parts))):
+        packed[name] = value
+    variant = ops.variant("decode_merge", out_name, d)
+    ops.function(variant.name)((t * h, b), (variant.launch.threads,), (packed[0],))
+    return out, lse
+
+
+def _rank_stride(parts) -> int | None:
+    """Floats from one rank's partial to the next when every (acc, m, l) is contiguous float32
+    of the shapes (B,T,H,D), (B,H,T), (B,H,T) and rank r's three arrays lie r strides past rank
+    0's (0 for one rank); None otherwise."""
+    acc0, m0, _ = parts[0]
+    if acc0.ndim != 4:
+        return None
+    b, t, h, _ = acc0.shape
+    for acc, m, l in parts:
+        if (acc.shape != acc0.shape or m.shape != (b, h, t) or l.shape != (b, h, t)
+                or any(x.dtype != np.float32 or not x.flags.c_contiguous for x in (acc, m, l))):
+            return None
+    if len(parts) == 1:
+        return 0
+    step = data_ptr(parts[1][0]) - data_ptr(acc0)
+    if step <= 0 or step % 4:
+        return None
+    for r, part in enumerate(parts):
+        for x, x0 in zip(part, parts[0]):
+            if data_ptr(x) - data_ptr(x0) != r * step:
+                return None
+    return step // 4

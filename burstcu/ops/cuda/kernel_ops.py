@@ -628,6 +628,9 @@ class KernelOps(LocalOps):
             return super().decode_partial(q, k_cache, v_cache, lengths, scale)
         return decode.partial(self, q, k_cache, v_cache, lengths, scale)
 
+    def decode_merge(self, parts, out_dtype):
+        return decode.merge(self, parts, out_dtype)
+
     # -- argument checks and layout ----------------------------------------------------------------
     def _check_dtype(self, x, what: str) -> str:
         name = dtype_name(x)
