@@ -20,7 +20,7 @@ import numpy as np
 
 from .blockmask import BlockMask
 from .layout import LAYOUTS, Partition, partition
-from .ops.base import accum_dtype
+from .ops.base import accum_dtype, dtype_name
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -63,10 +63,6 @@ def masked_array_problem(name: str, x: Any) -> InputError | None:
                                      f"np.ma.getdata({name})) and say which keys a query may see "
                                      f"with causal, window_size or cu_seqlens")
     return None
-
-
-def dtype_name(x: Any) -> str:
-    return np.dtype(x.dtype).name
 
 
 def _check_array(name: str, x: Any, ndim: int, array_types: tuple,

@@ -42,6 +42,18 @@ from . import decode as decode_xp
 from . import linear as linear_xp
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(x) -> str:
+    """The name of x's dtype ("float16", "bfloat16", ...); memoized, as NumPy builds the string
+    anew on every `.name`."""
+    name = _DTYPE_NAMES.get(x.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
+    return name
+
+
 def accum_dtype(dtype) -> np.dtype:
     """float64 for float64 input, float32 for everything narrower."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)

@@ -43,8 +43,9 @@ import numpy as np
 from ...build.bwd_variants import LIST_SUFFIX, delta_variant
 from ...build.variants import CAREFUL_SUFFIX
 from ...layout import Block
+from ..base import dtype_name
 from .params import (any_masked, bwd_delta_params, bwd_step_params, bwd_step_sm90_params, cdiv,
-                     check_rows, dtype_name, element_strides, listable, nonempty, rows_contiguous,
+                     check_rows, element_strides, listable, nonempty, rows_contiguous,
                      same_strides, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 

@@ -39,10 +39,10 @@ from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
-from ..base import LocalOps
+from ..base import LocalOps, dtype_name
 from . import backward, decode
 from .params import (I32_MAX, MAX_POSITION, any_masked, block_area, block_column, cdiv, check_rows,
-                     dtype_name, fwd_finalize_params, fwd_step_params, fwd_step_sm90_params, listable,
+                     fwd_finalize_params, fwd_step_params, fwd_step_sm90_params, listable,
                      nonempty, nonfinite_params, rows_on_16_bytes, step_group_lists, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 

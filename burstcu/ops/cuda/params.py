@@ -48,16 +48,6 @@ def data_ptr(x) -> int:
     return int(ptr) if ptr is not None else int(x.__cuda_array_interface__["data"][0])
 
 
-_DTYPE_NAMES: dict = {}
-
-
-def dtype_name(x) -> str:
-    """The name of x's dtype ("float16", "bfloat16", ...); memoized, as NumPy builds the string
-    anew on every `.name`."""
-    name = _DTYPE_NAMES.get(x.dtype)
-    if name is None:
-        name = _DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
-    return name
 
 
 def element_strides(x) -> tuple[int, ...]:

@@ -44,7 +44,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .params import data_ptr, dtype_name
+from ..base import dtype_name
+from .params import data_ptr
 
 BACKENDS = ("cupy", "emulated")
 ELEM_BYTES = {"float16": 2, "bfloat16": 2}
