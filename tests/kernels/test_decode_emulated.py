@@ -302,31 +302,24 @@ def test_blocks_an_sm_holds():
     assert kernel_decode.splits_for(65536, 96, 216) == (32768, 2)
 
 
-def _gathered_partials(q, k, v, rank_lengths, scale, laid_out: bool):
+def _gathered_partials(xp, q, k, v, rank_lengths, scale, laid_out: bool):
     """Every rank's partial (`burstcu.ops.decode.partial`, float32) of the cache k, v (B, S, Hkv,
     D) cut into len(rank_lengths) contiguous shards of S / G rows, rank r's batch row b valid
-    for its first rank_lengths[r][b] rows; laid_out: in one (G, bytes) buffer as the all-gather
-    of burstcu.engine.decode lays them (rank r's acc, m, l at rank 0's + r strides), else as
-    separate arrays."""
+    for its first rank_lengths[r][b] rows, as xp arrays; laid_out: in one (G, floats) buffer as
+    the all-gather of burstcu.engine.decode lays them (rank r's acc, m, l at rank 0's + r
+    strides), else as separate arrays."""
     from burstcu.ops.decode import partial
 
     size, s = len(rank_lengths), k.shape[1] // len(rank_lengths)
     parts = [partial(np, q, k[:, r * s:(r + 1) * s], v[:, r * s:(r + 1) * s], n, scale,
                      np.dtype(np.float32)) for r, n in enumerate(rank_lengths)]
     if not laid_out:
-        return parts
-    acc0, m0, _ = parts[0]
-    sizes = (acc0.size, m0.size, m0.size)
-    gathered = np.empty((size, sum(sizes)), np.float32)
-    views = []
-    for r, part in enumerate(parts):
-        at, mine = 0, []
-        for x, n in zip(part, sizes):
-            gathered[r, at:at + n] = x.reshape(-1)
-            mine.append(gathered[r, at:at + n].reshape(x.shape))
-            at += n
-        views.append(tuple(mine))
-    return views
+        return [tuple(xp.asarray(x) for x in part) for part in parts]
+    gathered = xp.asarray(np.stack([np.concatenate([x.reshape(-1) for x in part]) for part in parts]))
+    sizes = [x.size for x in parts[0]]
+    return [tuple(gathered[r, at:at + n].reshape(x.shape)
+                  for x, n, at in zip(parts[0], sizes, np.cumsum([0] + sizes[:-1])))
+            for r in range(size)]
 
 
 @pytest.mark.parametrize("size,out_dtype", [(1, "float16"), (2, "bfloat16"), (3, "float32"),
@@ -339,6 +332,8 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype):
     take the array merge, the same steps: equal within an output rounding, no kernel launched."""
     from burstcu.ops.decode import merge as array_merge
 
+    if BACKEND == "cupy" and out_dtype == "bfloat16":
+        pytest.skip("CuPy has no bfloat16 arrays")
     ops = _ops()
     launched = []
     function = ops.function
@@ -349,11 +344,10 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype):
     k, v = (rng.standard_normal((b, s, hkv, d)).astype(np.float16) for _ in range(2))
     rank_lengths = [[int(rng.integers(1, 25)), 0 if r == size - 1 else 24, 0] for r in range(size)]
     scale = d ** -0.5
-    parts = _gathered_partials(q, k, v, rank_lengths, scale, laid_out=True)
-    out, lse = (_host(x) for x in ops.decode_merge([tuple(ops.xp.asarray(x) for x in p) for p in parts],
-                                                   DTYPES[out_dtype]))
+    parts = _gathered_partials(ops.xp, q, k, v, rank_lengths, scale, laid_out=True)
+    out, lse = (_host(x) for x in ops.decode_merge(parts, DTYPES[out_dtype]))
     assert [n.split("<")[0] for n in launched] == ["flash_decode_merge"] and out.dtype == DTYPES[out_dtype]
-    naive_out, naive_lse = array_merge(np, parts, DTYPES[out_dtype])
+    naive_out, naive_lse = array_merge(np, [tuple(_host(x) for x in p) for p in parts], DTYPES[out_dtype])
     for bi in range(b):
         rows = np.concatenate([np.arange(r * 24, r * 24 + n[bi]) for r, n in enumerate(rank_lengths)])
         if rows.size == 0:
@@ -367,8 +361,7 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype):
             ok, err, bound = within_fa_rule(got.astype(np.float64), ref, naive.astype(np.float64), eps)
             assert ok, f"{name}, batch row {bi}: {err:.3e} > {bound:.3e}"
     launched.clear()
-    apart = [tuple(ops.xp.asarray(x) for x in p)
-             for p in _gathered_partials(q, k, v, rank_lengths, scale, laid_out=False)]
+    apart = _gathered_partials(ops.xp, q, k, v, rank_lengths, scale, laid_out=False)
     if size > 1:   # one rank's arrays are always "laid out"
         out2, lse2 = (_host(x) for x in ops.decode_merge(apart, DTYPES[out_dtype]))
         assert launched == []
