@@ -65,8 +65,8 @@ def combine_variant() -> KernelVariant:
 
 
 def merge_variant(out_dtype: str) -> KernelVariant:
-    return KernelVariant("decode_merge", SOURCE, f"flash_decode_merge<{_CXX[out_dtype]}>", out_dtype,
-                         0, LaunchConfig(threads=COMBINE_THREADS))
+    name = f"flash_decode_merge<{_CXX[out_dtype]}>"
+    return KernelVariant("decode_merge", SOURCE, name, out_dtype, 0, LaunchConfig(threads=COMBINE_THREADS))
 
 
 def decode_variants(arch: str) -> list[KernelVariant]:
@@ -75,4 +75,5 @@ def decode_variants(arch: str) -> list[KernelVariant]:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     budget = SMEM_BUDGET[base_table(arch)]
     return [split_variant(dt, dpl) for dt in _CXX for dpl in DPLS
-            if smem_bytes(dt, dpl) <= budget] + [combine_variant()] + [merge_variant(dt) for dt in _CXX]
+            if smem_bytes(dt, dpl) <= budget] + [combine_variant()] + [merge_variant(dt)
+                                                                         for dt in _CXX]

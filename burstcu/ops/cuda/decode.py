@@ -64,6 +64,7 @@ MIN_KEYS = 128        # keys a split reads at least (4 tiles: the ring's fill pa
 KERNEL_DTYPES = ("float16", "bfloat16", "float32")
 PLANS_KEPT = 8        # shapes whose launch plans an op keeps
 PINNED_SLOTS = 8      # pinned host buffers of the lengths (GPU), taken in turn
+MAX_GRID_Y = 65535    # batch rows a merge launch takes (its grid's y)
 # Occupancy (CUDA occupancy calculator, cc 8.0 - 9.0): the driver reserves 1 KB of shared memory
 # a block; registers go to warps in units of 256.
 RESERVED_SMEM = 1024
@@ -314,15 +315,18 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
 
 def merge(ops, parts, out_dtype):
     """(out (B,T,H,D) in out_dtype, lse (B,H,T) float32) of the ranks' partials [(acc, m, l) in
-    rank order, as `partial` makes them] in one flash_decode_merge launch, when they lie as one
-    all-gather lays them: contiguous float32, each rank's at rank 0's addresses plus one stride
-    (or a single rank's); else, or for an output dtype the kernels lack, the array merge
-    (`burstcu.ops.decode.merge`). The same steps in the same order on every rank: the ranks
-    that merge the same partials get the same bits."""
+    rank order, as `partial` makes them] in one flash_decode_merge launch (any head dim), when
+    they lie as one all-gather lays them: contiguous float32 on 4-byte addresses, each rank's
+    at rank 0's plus one stride (or a single rank's); else, for an output dtype the kernel
+    lacks, or past the grid's MAX_GRID_Y batch rows, the array merge (`burstcu.ops.decode.merge`,
+    whose steps the kernel follows in the same rank order). Every rank that merges the same
+    partials makes the same choice and gets the same bits."""
     acc0, m0, l0 = parts[0]
     out_name = np.dtype(out_dtype).name
+    if out_name not in KERNEL_DTYPES or acc0.ndim != 4 or acc0.shape[0] > MAX_GRID_Y:
+        return array_merge(ops.xp, parts, out_dtype)
     stride = _rank_stride(parts)
-    if out_name not in KERNEL_DTYPES or stride is None:
+    if stride is None:
         return array_merge(ops.xp, parts, out_dtype)
     b, t, h, d = acc0.shape
     out = ops.xp.empty((b, t, h, d), dtype=out_name)
@@ -332,22 +336,21 @@ def merge(ops, parts, out_dtype):
                         ("out", data_ptr(out)), ("lse", data_ptr(lse)), ("rank_stride", stride),
                         ("T_", t), ("H", h), ("D", d), ("ranks", len(parts))):
         packed[name] = value
-    variant = ops.variant("decode_merge", out_name, d)
+    variant = ops.variant("decode_merge", out_name, 0)
     ops.function(variant.name)((t * h, b), (variant.launch.threads,), (packed[0],))
     return out, lse
 
 
 def _rank_stride(parts) -> int | None:
     """Floats from one rank's partial to the next when every (acc, m, l) is contiguous float32
-    of the shapes (B,T,H,D), (B,H,T), (B,H,T) and rank r's three arrays lie r strides past rank
-    0's (0 for one rank); None otherwise."""
-    acc0, m0, _ = parts[0]
-    if acc0.ndim != 4:
-        return None
+    on a 4-byte address, of the shapes (B,T,H,D), (B,H,T), (B,H,T), and rank r's three arrays
+    lie r strides past rank 0's (0 for one rank); None otherwise."""
+    acc0 = parts[0][0]
     b, t, h, _ = acc0.shape
     for acc, m, l in parts:
         if (acc.shape != acc0.shape or m.shape != (b, h, t) or l.shape != (b, h, t)
-                or any(x.dtype != np.float32 or not x.flags.c_contiguous for x in (acc, m, l))):
+                or any(x.dtype != np.float32 or not x.flags.c_contiguous or data_ptr(x) % 4
+                       for x in (acc, m, l))):
             return None
     if len(parts) == 1:
         return 0

@@ -253,15 +253,20 @@ class KernelOps(LocalOps):
 
     def variant(self, family: str, dtype, headdim: int) -> KernelVariant:
         """The variant of `family` for `dtype` that runs head dim `headdim`: the smallest native
-        head dim >= headdim (head-dim-agnostic families, headdim 0, match any)."""
+        head dim >= headdim (head-dim-agnostic variants, headdim 0, match any); headdim 0 asks
+        for a head-dim-agnostic variant alone."""
         dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
         found = self._variant_of.get((family, dtype, headdim))
         if found is not None:
             return found
-        if not 0 < headdim <= _MAX_HEADDIM:
+        if headdim == 0:   # a head-dim-agnostic family's variant (decode_merge: any head dim)
+            fits = [v for v in self._variants.values() if v.family == family and v.dtype == dtype
+                    and v.headdim == 0]
+        elif not 0 < headdim <= _MAX_HEADDIM:
             raise ValueError(f"head dim {headdim} is not supported: the kernels run 1..{_MAX_HEADDIM}")
-        fits = [v for v in self._variants.values() if v.family == family and v.dtype == dtype
-                and (v.headdim == 0 or v.headdim >= headdim)]
+        else:
+            fits = [v for v in self._variants.values() if v.family == family and v.dtype == dtype
+                    and (v.headdim == 0 or v.headdim >= headdim)]
         if not fits:
             raise ValueError(f"no {family!r} kernel for {dtype} on {self.arch}")
         found = self._variant_of[(family, dtype, headdim)] = min(fits, key=lambda v: v.headdim)

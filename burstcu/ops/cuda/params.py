@@ -48,8 +48,6 @@ def data_ptr(x) -> int:
     return int(ptr) if ptr is not None else int(x.__cuda_array_interface__["data"][0])
 
 
-
-
 def element_strides(x) -> tuple[int, ...]:
     """Strides in elements."""
     itemsize = x.itemsize
