@@ -290,20 +290,30 @@ def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, s
                   cu_seqlens, block_mask)
 
 
-def kept_pairs(block: Block) -> int:
-    """(query, key) pairs of a `burstcu.layout.Block` that its mask keeps, counted exactly."""
-    if not block.masked:
-        return block.q_len * block.k_len
-    q = block.q_pos + np.arange(block.q_len, dtype=np.int64)
-    upper = np.full(q.shape, block.k_pos + block.k_len - 1, np.int64)
-    lower = np.full(q.shape, block.k_pos, np.int64)
-    if block.causal:
-        upper = np.minimum(upper, q)
-    if block.right >= 0:
-        upper = np.minimum(upper, q + block.right)
-    if block.left >= 0:
-        lower = np.maximum(lower, q - block.left)
-    return int(np.maximum(upper - lower + 1, 0).sum())
+def kept_pairs(blocks: Block | Sequence[Block]) -> int:
+    """(query, key) pairs that one `Block`, or all Blocks of a sequence (a `StepBlocks` read
+    whole), keeps, counted exactly: q_len x k_len where no bound cuts a Block, else per query
+    row the keys between its lower and upper bound (whole-array over the cut Blocks' rows)."""
+    if isinstance(blocks, Block):
+        rows = np.array([blocks], RECTANGLE)
+    else:
+        rows = getattr(blocks, "array", None)
+        if rows is None:
+            rows = np.array([tuple(blk) for blk in blocks], RECTANGLE)
+    cut = rows["causal"] | (rows["left"] >= 0) | (rows["right"] >= 0)
+    whole = rows[~cut]
+    total = int(np.sum(whole["q_len"] * whole["k_len"]))
+    rows = rows[cut]
+    if rows.size == 0:
+        return total
+    owner, i = ragged(np.zeros(rows.size, np.int64), rows["q_len"].astype(np.int64))
+    rows = rows[owner]
+    q = rows["q_pos"] + i                                   # each query row's position
+    upper = rows["k_pos"] + rows["k_len"] - 1
+    upper = np.where(rows["causal"], np.minimum(upper, q), upper)
+    upper = np.where(rows["right"] >= 0, np.minimum(upper, q + rows["right"]), upper)
+    lower = np.where(rows["left"] >= 0, np.maximum(rows["k_pos"], q - rows["left"]), rows["k_pos"])
+    return total + int(np.maximum(upper - lower + 1, 0).sum())
 
 
 # one rectangle a row: `Block`'s fields, for arrays of a step's rectangles (`rectangles`)

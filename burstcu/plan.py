@@ -164,7 +164,7 @@ def _work(part: Partition, causal: bool, window_size, cu_seqlens,
     for i in range(g):
         for j in range(g):
             rects = blocks(part, i, j, causal, window_size, cu_seqlens, block_mask)
-            pairs[i, j] = sum(kept_pairs(r) for r in rects)
+            pairs[i, j] = kept_pairs(rects)
             calls[i, j] = len(rects)
     return pairs, calls
 

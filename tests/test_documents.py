@@ -13,8 +13,8 @@ import pytest
 
 import burstcu
 from burstcu.engine.burst import forward_sends
-from burstcu.layout import (RECTANGLE, Partition, blocks, global_positions, partition, rectangles,
-                            step_blocks)
+from burstcu.layout import (RECTANGLE, Partition, blocks, global_positions, kept_pairs, partition,
+                            rectangles, step_blocks)
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
 
@@ -56,7 +56,8 @@ def test_rectangles_of_any_partition_cover_the_dense_mask_once():
     """`layout.rectangles` (one array a step) over the partitions the strategies take: per-document
     zigzag pieces and uneven contiguous runs as well as the even layouts, random documents,
     causal or not, windows: every kept (query, key) pair in exactly one row, no masked pair in
-    any, no empty row, and `blocks` the same rows as Blocks."""
+    any, no empty row, and `blocks` the same rows as Blocks; `kept_pairs` of the step (read
+    whole, or as a list) and of each Block counts the dense mask's pairs."""
     rng = np.random.default_rng(11)
     for _ in range(200):
         size = int(rng.integers(1, 6))
@@ -96,6 +97,9 @@ def test_rectangles_of_any_partition_cover_the_dense_mask_once():
                             r["k_start"]:r["k_start"] + r["k_len"]] += ok
                 want = dense_keep(part.positions(qr), part.positions(kr), causal, window, docs)
                 assert (covered == want).all(), (kind, size, n, docs, causal, window, qr, kr)
+                step = blocks(part, qr, kr, causal, window, docs)   # kept pairs, whole and a Block
+                assert kept_pairs(step) == kept_pairs(list(step)) == int(want.sum())
+                assert sum(kept_pairs(blk) for blk in step) == int(want.sum())
 
 
 def test_a_document_inside_one_shard_computes_and_sends_nothing_across():

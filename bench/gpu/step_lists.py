@@ -72,7 +72,7 @@ def measure(args, ops, layout_name: str, docs) -> dict:
                     seconds = call_seconds(fn, args.repeats, 0, cuda=cuda, after=None if cuda else ops.sync)
                     row[f"{way}_ms"] += float(np.median(seconds)) * 1e3
                 row["rectangles"] += len(blocks)
-                row["kept_pairs"] += sum(layout.kept_pairs(b) for b in blocks)
+                row["kept_pairs"] += layout.kept_pairs(blocks)
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
     finally:
         ops.function = function
