@@ -290,23 +290,38 @@ def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, s
                   cu_seqlens, block_mask)
 
 
+# one rectangle a row: `Block`'s fields, for arrays of a step's rectangles (`rectangles`)
+RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np.int64),
+                      ("k_len", np.int64), ("q_pos", np.int64), ("k_pos", np.int64),
+                      ("causal", np.bool_), ("left", np.int64), ("right", np.int64)])
+
+
+def rectangle_rows(blocks: Block | Sequence[Block]) -> np.ndarray:
+    """The `RECTANGLE` rows of one `Block`, of a `StepBlocks` (its array) or of any sequence of
+    Blocks."""
+    if isinstance(blocks, Block):
+        return np.array([blocks], RECTANGLE)
+    rows = getattr(blocks, "array", None)
+    return np.array([tuple(blk) for blk in blocks], RECTANGLE) if rows is None else rows
+
+
+def masked_rows(rows: np.ndarray) -> np.ndarray:
+    """(n,) bool: which `RECTANGLE` rows some bound cuts (`Block.masked`, row by row)."""
+    return rows["causal"] | (rows["left"] >= 0) | (rows["right"] >= 0)
+
+
 def kept_pairs(blocks: Block | Sequence[Block]) -> int:
     """(query, key) pairs that one `Block`, or all Blocks of a sequence (a `StepBlocks` read
     whole), keeps, counted exactly: q_len x k_len where no bound cuts a Block, else per query
     row the keys between its lower and upper bound (whole-array over the cut Blocks' rows)."""
-    if isinstance(blocks, Block):
-        rows = np.array([blocks], RECTANGLE)
-    else:
-        rows = getattr(blocks, "array", None)
-        if rows is None:
-            rows = np.array([tuple(blk) for blk in blocks], RECTANGLE)
-    cut = rows["causal"] | (rows["left"] >= 0) | (rows["right"] >= 0)
+    rows = rectangle_rows(blocks)
+    cut = masked_rows(rows)
     whole = rows[~cut]
     total = int(np.sum(whole["q_len"] * whole["k_len"]))
     rows = rows[cut]
     if rows.size == 0:
         return total
-    owner, i = ragged(np.zeros(rows.size, np.int64), rows["q_len"].astype(np.int64))
+    owner, i = ragged(np.zeros(rows.size, np.int64), rows["q_len"])
     rows = rows[owner]
     q = rows["q_pos"] + i                                   # each query row's position
     upper = rows["k_pos"] + rows["k_len"] - 1
@@ -314,12 +329,6 @@ def kept_pairs(blocks: Block | Sequence[Block]) -> int:
     upper = np.where(rows["right"] >= 0, np.minimum(upper, q + rows["right"]), upper)
     lower = np.where(rows["left"] >= 0, np.maximum(rows["k_pos"], q - rows["left"]), rows["k_pos"])
     return total + int(np.maximum(upper - lower + 1, 0).sum())
-
-
-# one rectangle a row: `Block`'s fields, for arrays of a step's rectangles (`rectangles`)
-RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np.int64),
-                      ("k_len", np.int64), ("q_pos", np.int64), ("k_pos", np.int64),
-                      ("causal", np.bool_), ("left", np.int64), ("right", np.int64)])
 
 
 def blocks(part: Partition, q_rank: int, kv_rank: int, causal: bool,

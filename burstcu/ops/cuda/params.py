@@ -26,7 +26,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ...layout import Block
+from ...layout import Block, masked_rows, rectangle_rows
 
 I32_MAX = 2**31 - 1
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
@@ -252,12 +252,8 @@ def block_rect(block: Block) -> tuple:
 
 
 def block_column(blocks: Sequence[Block], field: str) -> np.ndarray:
-    """(n,) one `Block` field of every block: a column of a `burstcu.layout.StepBlocks`' array,
-    else gathered block by block."""
-    array = getattr(blocks, "array", None)
-    if array is not None:
-        return array[field]
-    return np.array([getattr(blk, field) for blk in blocks], np.int64)
+    """(n,) one `Block` field of every block (`burstcu.layout.rectangle_rows`)."""
+    return rectangle_rows(blocks)[field]
 
 
 def nonempty(blocks: Sequence[Block]) -> Sequence[Block]:
@@ -305,7 +301,7 @@ def _step_facts(blocks: Sequence[Block]) -> dict | None:
         ends = (a["q_start"] + a["q_len"], a["k_start"] + a["k_len"])
         memo["facts"] = {
             "empty": bool(np.any((a["q_len"] <= 0) | (a["k_len"] <= 0))),
-            "masked": bool(np.any(a["causal"] | (a["left"] >= 0) | (a["right"] >= 0))),
+            "masked": bool(np.any(masked_rows(a))),
             "area": int(np.sum(a["q_len"] * a["k_len"])),
             "rows": ((int(a["q_start"].min()), int(ends[0].max()), int(a["k_start"].min()),
                       int(ends[1].max())) if a.size else (0, 0, 0, 0))}
@@ -313,23 +309,23 @@ def _step_facts(blocks: Sequence[Block]) -> dict | None:
 
 
 def block_rects(blocks: Sequence[Block]) -> np.ndarray:
-    """(n, 8) int64: the BlockRect of each of `blocks` (`block_rect`), whole-array from a
-    `burstcu.layout.StepBlocks` (its `array`), once per StepBlocks (kept in its `memo`)."""
-    array = getattr(blocks, "array", None)
-    if array is None:
-        return np.array([block_rect(blk) for blk in blocks], np.int64).reshape(-1, 8)
-    if "rects" not in blocks.memo:
-        hi = np.where(array["causal"], 0, NO_BOUND)
-        hi = np.where(array["right"] >= 0, np.minimum(hi, array["right"]), hi)
-        lo = np.where(array["left"] >= 0, array["left"], NO_BOUND)
-        if array.size:
-            _check_reach(int(max((array["q_pos"] + array["q_len"]).max(),
-                                 (array["k_pos"] + array["k_len"]).max())))
-        fields = ("q_start", "q_len", "k_start", "k_len", "q_pos", "k_pos")
-        rects = np.stack([array[f] for f in fields] + [hi, lo], axis=1).astype(np.int64)
-        rects.flags.writeable = False
-        blocks.memo["rects"] = rects
-    return blocks.memo["rects"]
+    """(n, 8) int64: the BlockRect of each of `blocks` (`block_rect`), whole-array; once per
+    `burstcu.layout.StepBlocks` (kept in its `memo`)."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and "rects" in memo:
+        return memo["rects"]
+    rows = rectangle_rows(blocks)
+    hi = np.where(rows["causal"], 0, NO_BOUND)
+    hi = np.where(rows["right"] >= 0, np.minimum(hi, rows["right"]), hi)
+    lo = np.where(rows["left"] >= 0, rows["left"], NO_BOUND)
+    if rows.size:
+        _check_reach(int(max((rows["q_pos"] + rows["q_len"]).max(), (rows["k_pos"] + rows["k_len"]).max())))
+    fields = ("q_start", "q_len", "k_start", "k_len", "q_pos", "k_pos")
+    rects = np.stack([rows[f] for f in fields] + [hi, lo], axis=1).astype(np.int64)
+    rects.flags.writeable = False
+    if memo is not None:
+        memo["rects"] = rects
+    return rects
 
 
 def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_log2: float,
@@ -417,7 +413,7 @@ def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, 
     memo = getattr(blocks, "memo", None)
     if memo is not None and ("grouped", by) in memo:
         return memo[("grouped", by)]
-    start, length = (block_column(blocks, field).astype(np.int64) for field in GROUP_RANGES[by])
+    start, length = (block_column(blocks, field) for field in GROUP_RANGES[by])
     by_range = np.lexsort((length, start))   # by (start, length), then index: lexsort is stable
     start_sorted, length_sorted = start[by_range], length[by_range]
     new = np.ones(start.size, bool)                      # the first block of each distinct range
