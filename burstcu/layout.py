@@ -293,7 +293,7 @@ def step_blocks(layout: str | Partition, q_rank: int, kv_rank: int, size: int, s
 # one rectangle a row: `Block`'s fields, for arrays of a step's rectangles (`rectangles`)
 RECTANGLE = np.dtype([("q_start", np.int64), ("q_len", np.int64), ("k_start", np.int64),
                       ("k_len", np.int64), ("q_pos", np.int64), ("k_pos", np.int64),
-                      ("causal", np.bool_), ("left", np.int64), ("right", np.int64)])
+                      ("causal", np.bool_), ("left", np.int64), ("right", np.int64)], align=True)
 
 
 def rectangle_rows(blocks: Block | Sequence[Block]) -> np.ndarray:
@@ -381,34 +381,33 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
                        RECTANGLE)
         out.flags.writeable = False
         return out
-    q_seg, q_doc, q_pos, q_len, q_local, _ = _rank_pieces(part, q_rank, cu_seqlens)
-    k_seg, k_doc, k_pos, k_len, k_local, k_rank = _rank_pieces(part, kv_rank, cu_seqlens)
-    # pair every query piece with the key pieces of its document (key pieces sorted by document)
-    order = np.argsort(k_doc, kind="stable")
-    first = np.searchsorted(k_doc[order], q_doc, "left")
-    counts = np.searchsorted(k_doc[order], q_doc, "right") - first
-    qi, ki = ragged(first, counts)
-    ki = order[ki]
-    q0, q1 = q_pos[qi], q_pos[qi] + q_len[qi] - 1      # first and last query position
-    k0, k1 = k_pos[ki], k_pos[ki] + k_len[ki] - 1      # first and last key position
+    q_doc, q_pos, q_len, q_local = _rank_pieces(part, q_rank, cu_seqlens)[:4]
+    _, k_pos, k_len, k_local, by_position, first, count = _rank_pieces(part, kv_rank, cu_seqlens)
+    # pair every query piece with the key pieces of its document, these by position: the query
+    # pieces come by segment, then document, so the pairs come in the rows' order
+    qi, ki = ragged(first[q_doc], count[q_doc])
+    ki = by_position[ki]
+    q0, q1 = q_pos[qi], (q_pos + q_len - 1)[qi]     # first and last query position
+    k0, k1 = k_pos[ki], (k_pos + k_len - 1)[ki]     # first and last key position
     kept = np.ones(qi.size, bool)
-    cut_right = cut_left = np.zeros(qi.size, bool)
     if hi is not None:
         kept &= k0 <= q1 + hi            # else every key is past every query's right bound
-        cut_right = k1 > q0 + hi
     if lo is not None:
         kept &= k1 >= q0 - lo            # else every key is before every query's left bound
-        cut_left = k0 < q1 - lo
-    # query segment, then key segment by position, then document: the order of a plain loop
-    rows = np.flatnonzero(kept)
-    rows = rows[np.lexsort((q_doc[qi[rows]], k_rank[k_seg[ki[rows]]], q_seg[qi[rows]]))]
+    rows = kept.nonzero()[0]
     qi, ki = qi[rows], ki[rows]
     out = np.empty(rows.size, RECTANGLE)
     out["q_start"], out["q_len"], out["q_pos"] = q_local[qi], q_len[qi], q_pos[qi]
     out["k_start"], out["k_len"], out["k_pos"] = k_local[ki], k_len[ki], k_pos[ki]
-    out["causal"] = bool(causal) & cut_right[rows]
-    out["left"] = np.where(cut_left[rows], -1 if lo is None else lo, -1)
-    out["right"] = np.where(cut_right[rows] & (not causal), -1 if hi is None else hi, -1)
+    out["causal"], out["left"], out["right"] = False, -1, -1
+    if hi is not None:                   # the right bound cuts through: causal, or a window's
+        cut = k1[rows] > q0[rows] + hi
+        if causal:
+            out["causal"] = cut
+        else:
+            out["right"] = np.where(cut, hi, -1)
+    if lo is not None:                   # the left bound cuts through
+        out["left"] = np.where(k0[rows] < q1[rows] - lo, lo, -1)
     out.flags.writeable = False
     return out
 
@@ -477,23 +476,34 @@ def ragged(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarra
     to end: owner[t] the run element t belongs to, value[t] the element (whole-array
     operations; counts >= 0)."""
     counts = np.asarray(counts, np.int64)
-    owner = np.repeat(np.arange(counts.size), counts)
-    value = np.repeat(np.asarray(first, np.int64) - np.cumsum(counts) + counts, counts) \
+    owner = np.arange(counts.size).repeat(counts)
+    value = (np.asarray(first, np.int64) - counts.cumsum() + counts).repeat(counts) \
         + np.arange(counts.sum())
     return owner, value
 
 
 @lru_cache(maxsize=64)   # the G ranks of a few partitions: each rank's pieces serve 2G arrays
 def _rank_pieces(part: Partition, rank: int, cu_seqlens: tuple[int, ...] | None) -> tuple:
-    """`_pieces` of `rank`'s segments under the document boundaries cu_seqlens (None: one
-    document), then each segment's rank by position (the order `rectangles` lists keys in)."""
-    bounds = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int64)
-    seg_pos = part.arrays[rank][0]
-    by_position = np.argsort(np.argsort(seg_pos, kind="stable"))
-    out = (*_pieces(*part.arrays[rank], bounds), by_position)
+    """`rank`'s segments cut at the document boundaries cu_seqlens (None: one document), as
+    read-only arrays: (doc, pos, length, local) of each piece (`_pieces`: (n,) each, by segment
+    in local order, then document); by_position (n,) the pieces in position order, so by
+    document; first, count (documents,) each document's first piece in by_position and its
+    number of pieces."""
+    bounds = None if cu_seqlens is None else _document_bounds(cu_seqlens)
+    _, doc, pos, length, local = _pieces(*part.arrays[rank], bounds)
+    count = np.bincount(doc, minlength=1 if bounds is None else bounds.size - 1)
+    out = (doc, pos, length, local, pos.argsort(kind="stable"), count.cumsum() - count, count)
     for x in out:
         x.flags.writeable = False
     return out
+
+
+@lru_cache(maxsize=16)   # once for every rank's pieces (`_rank_pieces`)
+def _document_bounds(cu_seqlens: tuple[int, ...]) -> np.ndarray:
+    """cu_seqlens as a read-only int64 array."""
+    bounds = np.array(cu_seqlens, np.int64)
+    bounds.flags.writeable = False
+    return bounds
 
 
 def _pieces(seg_pos: np.ndarray, seg_len: np.ndarray, seg_local: np.ndarray,
@@ -504,7 +514,10 @@ def _pieces(seg_pos: np.ndarray, seg_len: np.ndarray, seg_local: np.ndarray,
     index = np.arange(seg_pos.size)
     if bounds is None:
         return index, np.zeros(seg_pos.size, np.int64), seg_pos, seg_len, seg_local
-    d0 = np.searchsorted(bounds, seg_pos, "right") - 1                  # document of the first row
+    d0 = bounds.searchsorted(seg_pos, "right") - 1                      # document of the first row
+    doc_end = bounds[np.minimum(d0 + 1, bounds.size - 1)]
+    if ((d0 >= 0) & (seg_len > 0) & (seg_pos + seg_len <= doc_end)).all():
+        return index, d0, seg_pos, seg_len, seg_local   # each segment within one document: whole
     d1 = np.searchsorted(bounds, seg_pos + seg_len - 1, "right") - 1    # ... and of the last
     counts = d1 - d0 + 1
     seg, doc = ragged(d0, counts)

@@ -102,6 +102,37 @@ def test_rectangles_of_any_partition_cover_the_dense_mask_once():
                 assert sum(kept_pairs(blk) for blk in step) == int(want.sum())
 
 
+def test_rectangles_come_by_query_segment_then_key_segment_by_position_then_document():
+    """`layout.rectangles` lists its rows in the order it states (the order the kernels' lists
+    fold a group in): by query segment (local order), then key segment (by position), then
+    document, for per-document zigzag pieces, contiguous runs across documents, the Ulysses
+    super-ranks' merged runs and rows held out of position order, causal or not, windows."""
+    from burstcu.layout import _runs, grouped
+
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        size = 2 * int(rng.integers(1, 4))
+        n = 4 * size + int(rng.integers(0, 200))
+        docs = tuple([0, *sorted(rng.choice(np.arange(1, n), size=int(rng.integers(1, 12))).tolist()), n])
+        causal = bool(rng.integers(2))
+        window = (int(rng.choice([-1, 3, 30])), 0 if causal else int(rng.choice([-1, 5])))
+        zigzag = partition("zigzag", size, n, docs)
+        backwards = Partition("zigzag", tuple(_runs([(seg.pos, seg.length) for seg in mine[::-1]])
+                                              for mine in zigzag.runs))
+        for part in (zigzag, partition("contiguous", size, n), grouped(partition("zigzag", size, n), 2),
+                     backwards):
+            for qr in range(part.size):
+                for kr in range(part.size):
+                    rows = rectangles(part, qr, kr, causal, window, docs)
+                    q_local, (k_pos, _, k_local) = part.arrays[qr][2], part.arrays[kr]
+                    q_seg = np.searchsorted(q_local, rows["q_start"], "right") - 1
+                    k_seg = np.searchsorted(k_local, rows["k_start"], "right") - 1
+                    k_rank = np.argsort(np.argsort(k_pos))[k_seg]
+                    doc = np.searchsorted(docs, rows["q_pos"], "right") - 1
+                    keys = list(zip(q_seg.tolist(), k_rank.tolist(), doc.tolist()))
+                    assert keys == sorted(set(keys)), (part, qr, kr, causal, window, docs)
+
+
 def test_a_document_inside_one_shard_computes_and_sends_nothing_across():
     """Contiguous shards of 8 rows and documents aligned with them: every rank sees only its own
     keys (one step), and the forward ring sends nothing."""

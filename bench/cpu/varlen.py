@@ -19,7 +19,8 @@ from bench import _common as C  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from burstcu.layout import Partition, StepBlocks, _rank_pieces, partition, rectangles  # noqa: E402
+from burstcu.layout import (Partition, StepBlocks, _document_bounds, _rank_pieces, partition,  # noqa: E402
+                            rectangles)
 from burstcu.ops.cuda.params import step_group_lists  # noqa: E402
 
 LISTS = ([("query", 64)], [("key", 64), ("query", 64)])   # a step's forward and backward lists
@@ -42,6 +43,7 @@ def main(argv=None):
 
     def cold(q: int, steps, lists: bool = False) -> None:   # rank q's steps, nothing of this
         _rank_pieces.cache_clear()                           # partition computed before
+        _document_bounds.cache_clear()
         for s in steps:
             step = StepBlocks(build(part, q, (q - s) % g, True, (-1, -1), cu))
             for groupings in LISTS if lists else ():   # both from the one step, as the ops do

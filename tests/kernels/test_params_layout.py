@@ -253,3 +253,64 @@ def test_a_rectangle_list_beyond_int32_is_refused():
     blocks = [Block(0, 8, 0, 8, 0, 0, False, left=2**31 + 5), Block(8, 8, 0, 8, 8, 0, False)]
     with pytest.raises(ValueError, match="beyond int32"):
         params.step_group_lists(np, blocks, [("query", 16)])
+
+
+def _listable_rows(rng) -> list[tuple]:
+    """Up to 40 random RECTANGLE rows whose query ranges cut [0, 200) and key ranges [0, 150)
+    into runs (every two equal or disjoint), some of them empty at a run's start."""
+    def runs(total: int) -> list[tuple[int, int]]:
+        cuts = np.sort(rng.choice(np.arange(1, total), size=int(rng.integers(1, 9)), replace=False))
+        bounds = [0, *cuts.tolist(), total]
+        out = list(zip(bounds[:-1], np.diff(bounds).tolist()))
+        return out + [(out[int(rng.integers(len(out)))][0], 0)] * int(rng.integers(2))
+    q_runs, k_runs = runs(200), runs(150)
+    rows = []
+    for _ in range(int(rng.integers(1, 41))):
+        (qs, ql), (ks, kl) = q_runs[rng.integers(len(q_runs))], k_runs[rng.integers(len(k_runs))]
+        rows.append((qs, ql, ks, kl, int(rng.integers(0, 500)), int(rng.integers(0, 500)),
+                     bool(rng.integers(2)), int(rng.choice([-1, 0, 9])), int(rng.choice([-1, 3]))))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranges_in_order_are_grouped_without_a_sort_as_with_one(seed, monkeypatch):
+    """Blocks whose ranges already ascend are grouped without a sort (`params._range_order`
+    None): the same StepGroups, bit for bit, as the sorting path gives them (forced), for random
+    listable sets in query-range order, key-range order or shuffled, from Blocks and from a
+    step's array, and the grouping by hand; a set with two query ranges that overlap without
+    being equal, in ascending order or not, is refused either way."""
+    from burstcu.layout import RECTANGLE, StepBlocks
+
+    rng = np.random.default_rng(seed)
+    groupings = [("query", 16), ("key", 64)]
+    real, unsorted = params._range_order, []
+    spy = lambda key: unsorted.append(real(key) is None) or real(key)   # noqa: E731
+    for trial in range(60):
+        rows = _listable_rows(rng)
+        overlapping = trial % 5 == 4
+        if overlapping:   # query rows [10, 30) and [15, 35)
+            rows += [(10, 20, *rows[0][2:]), (15, 20, *rows[-1][2:])]
+        if trial % 3 < 2:
+            rows.sort(key=lambda r: r[2 * (trial % 3):2 * (trial % 3) + 2])
+        results = []
+        for order in (spy, lambda key: key.argsort(kind="stable")):
+            monkeypatch.setattr(params, "_range_order", order)
+            for blocks in ([Block(*r) for r in rows], StepBlocks(np.array(rows, RECTANGLE))):
+                try:
+                    got = params.step_group_lists(np, blocks, groupings)
+                except ValueError as e:
+                    results.append(str(e))
+                    continue
+                results.append([(g.rects.dtype, g.rects.tobytes(), g.offsets.dtype,
+                                 g.offsets.tobytes(), g.n_groups, g.tiles) for g in got])
+        assert all(r == results[0] for r in results), rows
+        if overlapping:
+            assert "overlap without being equal" in results[0]
+            continue
+        blocks = [Block(*r) for r in rows]
+        for (by, tile_rows), (_, rects, _, offsets, n_groups, tiles) in zip(groupings, results[0]):
+            want_rects, want_offsets, want_tiles = _groups_block_by_block(blocks, by, tile_rows)
+            assert np.frombuffer(rects, np.int32).reshape(-1, 8).tolist() == want_rects.tolist()
+            assert np.frombuffer(offsets, np.int32).tolist() == want_offsets
+            assert (n_groups, tiles) == (len(want_offsets) // 2 - 1, want_tiles)
+    assert sum(unsorted) >= 40 and not all(unsorted)   # both paths taken

@@ -26,7 +26,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ...layout import Block, masked_rows, rectangle_rows
+from ...layout import Block, masked_rows, ragged, rectangle_rows
 
 I32_MAX = 2**31 - 1
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
@@ -309,23 +309,43 @@ def _step_facts(blocks: Sequence[Block]) -> dict | None:
 
 
 def block_rects(blocks: Sequence[Block]) -> np.ndarray:
-    """(n, 8) int64: the BlockRect of each of `blocks` (`block_rect`), whole-array; once per
-    `burstcu.layout.StepBlocks` (kept in its `memo`)."""
+    """(n, 8) int32: the BlockRect of each of `blocks` (`block_rect`; `_rect_columns`
+    transposed), whole-array; once per `burstcu.layout.StepBlocks` (kept in its `memo`)."""
     memo = getattr(blocks, "memo", None)
     if memo is not None and "rects" in memo:
         return memo["rects"]
-    rows = rectangle_rows(blocks)
-    hi = np.where(rows["causal"], 0, NO_BOUND)
-    hi = np.where(rows["right"] >= 0, np.minimum(hi, rows["right"]), hi)
-    lo = np.where(rows["left"] >= 0, rows["left"], NO_BOUND)
-    if rows.size:
-        _check_reach(int(max((rows["q_pos"] + rows["q_len"]).max(), (rows["k_pos"] + rows["k_len"]).max())))
-    fields = ("q_start", "q_len", "k_start", "k_len", "q_pos", "k_pos")
-    rects = np.stack([rows[f] for f in fields] + [hi, lo], axis=1).astype(np.int64)
+    rects = np.ascontiguousarray(_rect_columns(blocks).T, dtype=np.int32)
     rects.flags.writeable = False
     if memo is not None:
         memo["rects"] = rects
     return rects
+
+
+def _rect_columns(blocks: Sequence[Block]) -> np.ndarray:
+    """(8, n) int64: the BlockRect fields (`BLOCK_RECT.names`) of `blocks`, one row a field;
+    once per `burstcu.layout.StepBlocks` (kept in its `memo`). ValueError for a position beyond
+    `MAX_POSITION` (`key_bounds`) or a value beyond int32 (what the kernels' rectangles hold)."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and "rect columns" in memo:
+        return memo["rect columns"]
+    rows = rectangle_rows(blocks)
+    cols = np.empty((8, rows.size), np.int64)
+    for i, field in enumerate(BLOCK_RECT.names[:6]):            # q_start .. k_pos
+        cols[i] = rows[field]
+    right, left, hi, lo = rows["right"], rows["left"], cols[6], cols[7]   # as `key_bounds`
+    np.minimum(right, NO_BOUND, out=hi)
+    hi[right < 0] = NO_BOUND
+    hi[rows["causal"]] = 0
+    lo[:] = left
+    lo[left < 0] = NO_BOUND
+    if rows.size:
+        _check_reach(int((cols[4:6] + cols[1:4:2]).max()))       # (q_pos, k_pos) + (q_len, k_len)
+        if cols.min() < -I32_MAX - 1 or cols.max() > I32_MAX:
+            raise ValueError("a rectangle list holds values beyond int32 (the kernels' rectangles)")
+    cols.flags.writeable = False
+    if memo is not None:
+        memo["rect columns"] = cols
+    return cols
 
 
 def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_log2: float,
@@ -375,63 +395,91 @@ def step_group_lists(xp, blocks: Sequence[Block],
     keys); groups in the order of their first block, blocks in theirs within a group. Every
     grouping lies in one buffer, uploaded once; its host side is built with whole-array
     operations. The blocks must be `listable` by every grouping (else ValueError: the launch's
-    groups would write the same rows)."""
-    rects = block_rects(blocks)
-    parts, views, at = [], [], 0
-    for by, tile_rows in groupings:
-        grouped = _grouped(blocks, by)
-        if grouped is None:
-            raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
-                             f"rectangle-list launch needs every two equal or disjoint")
-        order, counts, rows = grouped
-        tiles = -(-rows // tile_rows)
-        n, m = counts.size, 8 * order.size
-        parts += [rects[order].reshape(-1), [0], np.cumsum(counts), [0], np.cumsum(tiles)]
-        views.append((at, m, n, int(tiles.sum())))
-        at += m + 2 * n + 2
-    host = np.concatenate([np.asarray(part, np.int64) for part in parts])
-    if host.size and (host.min() < -I32_MAX - 1 or host.max() > I32_MAX):
+    groups would write the same rows) and their values fit in int32 (`_rect_columns`)."""
+    lists = [_group_list(blocks, by, tile_rows) for by, tile_rows in groupings]
+    buffer = xp.asarray(np.concatenate([host for host, _, _ in lists]))
+    out, at = [], 0
+    for host, n_groups, tiles in lists:
+        rects_end = at + host.size - 2 * n_groups - 2
+        out.append(StepGroups(buffer[at:rects_end], buffer[rects_end:at + host.size], n_groups, tiles))
+        at += host.size
+    return tuple(out)
+
+
+def _group_list(blocks: Sequence[Block], by: str, tile_rows: int) -> tuple[np.ndarray, int, int]:
+    """One grouping's part of a `step_group_lists` buffer: (host (8 n + 2 g + 2,) int32: the n
+    BlockRects (`block_rects`) group by group (`_grouped`), then each of the g groups' first
+    rectangle and n, then each group's first tile (of `tile_rows` rows) and the tiles; g; the
+    tiles). Kept in a StepBlocks' memo."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and ("list", by, tile_rows) in memo:
+        return memo[("list", by, tile_rows)]
+    grouped = _grouped(blocks, by)
+    if grouped is None:
+        raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
+                         f"rectangle-list launch needs every two equal or disjoint")
+    order, bounds, rows = grouped
+    g, m = rows.size, 8 * order.size
+    tiles = ((rows + tile_rows - 1) // tile_rows).cumsum()
+    total = int(tiles[-1]) if g else 0
+    if total > I32_MAX:
         raise ValueError("a rectangle list holds values beyond int32 (the kernels' rectangles)")
-    host = host.astype(np.int32)
-    buffer = xp.asarray(host)
-    return tuple(StepGroups(buffer[a:a + m], buffer[a + m:a + m + 2 * n + 2], n, tiles)
-                 for a, m, n, tiles in views)
+    host = np.empty(m + 2 * g + 2, np.int32)
+    block_rects(blocks).take(order, axis=0, out=host[:m].reshape(-1, 8), mode="clip")   # in range
+    host[m:m + g + 1], host[m + g + 1], host[m + g + 2:] = bounds, 0, tiles
+    host.flags.writeable = False
+    listed = (host, g, total)
+    if memo is not None:
+        memo[("list", by, tile_rows)] = listed
+    return listed
 
 
 def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
     """Whether one list launch can take `blocks` grouped by each of `groupings` ("query",
     "key"): every two blocks' ranges equal or disjoint (`burstcu.layout.blocks` makes them so;
-    other lists run a launch a block)."""
+    other lists run a launch a block). ValueError as `_rect_columns`."""
     return all(_grouped(blocks, by) is not None for by in groupings)
 
 
 def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """`blocks` grouped by their `by` range ("query": (q_start, q_len), "key": (k_start,
     k_len)), groups in the order of their first block: (order (n,) the block indices group by
-    group, each group's in the blocks' order; counts (g,) blocks a group; rows (g,) a group's
-    range length), or None where two distinct ranges overlap. Kept in a StepBlocks' memo."""
+    group, each group's in the blocks' order; bounds (g + 1,) each group's first index into
+    order, then n; rows (g,) int64 a group's range length), or None where two distinct ranges
+    overlap. Kept in a StepBlocks' memo. Blocks whose ranges already come in ascending order (as
+    `burstcu.layout.rectangles` lists a causal step's, by query and by key range) need no sort."""
     memo = getattr(blocks, "memo", None)
     if memo is not None and ("grouped", by) in memo:
         return memo[("grouped", by)]
-    start, length = (block_column(blocks, field) for field in GROUP_RANGES[by])
-    by_range = np.lexsort((length, start))   # by (start, length), then index: lexsort is stable
-    start_sorted, length_sorted = start[by_range], length[by_range]
-    new = np.ones(start.size, bool)                      # the first block of each distinct range
-    new[1:] = (start_sorted[1:] != start_sorted[:-1]) | (length_sorted[1:] != length_sorted[:-1])
-    range_start, range_rows = start_sorted[new], length_sorted[new]
+    cols = _rect_columns(blocks)
+    column = BLOCK_RECT.names.index(GROUP_RANGES[by][0])
+    start, length = cols[column], cols[column + 1]
+    key = (start << 32) + length + 2**31        # ordered as (start, length) are (both int32)
+    by_range = _range_order(key)                # the blocks by (start, length), then index
+    if by_range is not None:
+        key = key[by_range]
+    new = np.ones(key.size + 1, bool)           # where a range starts, and the end
+    np.not_equal(key[1:], key[:-1], out=new[1:-1])
+    bounds = new.nonzero()[0]
+    first = bounds[:-1] if by_range is None else by_range[bounds[:-1]]   # each range's first block
+    range_start, range_rows = start[first], length[first]
     grouped = None
-    if not np.any(range_start[1:] < range_start[:-1] + range_rows[:-1]):   # equal or disjoint
-        range_of = np.empty(start.size, np.int64)
-        range_of[by_range] = np.cumsum(new) - 1
-        in_order = np.argsort(by_range[new], kind="stable")   # ranges by their first block
-        rank = np.empty_like(in_order)
-        rank[in_order] = np.arange(in_order.size)
-        group = rank[range_of]
-        grouped = (np.argsort(group, kind="stable"), np.bincount(group, minlength=in_order.size),
-                   range_rows[in_order])
+    if not (range_start[1:] < range_start[:-1] + range_rows[:-1]).any():   # equal or disjoint
+        if by_range is None:
+            grouped = (np.arange(key.size), bounds, range_rows)
+        else:                                   # the ranges in the order of their first block
+            in_order = first.argsort()
+            counts = np.diff(bounds)[in_order]
+            order = by_range[ragged(bounds[:-1][in_order], counts)[1]]
+            grouped = (order, np.concatenate([[0], np.cumsum(counts)]), range_rows[in_order])
     if memo is not None:
         memo[("grouped", by)] = grouped
     return grouped
+
+
+def _range_order(key: np.ndarray) -> np.ndarray | None:
+    """The stable order that sorts `key` (n,), or None where it is sorted already: no sort."""
+    return key.argsort(kind="stable") if (key[1:] < key[:-1]).any() else None
 
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block | None, heads: int,
