@@ -51,8 +51,8 @@
 //       kernel serves both (LIST false / true), the one-rectangle kernels unchanged.
 //
 // On Hopper (the "sm_90a" table) flash_bwd_sm90.cu's flash_bwd_dkdv_sm90 (wgmma, TMA) takes the
-// place of flash_bwd_dkdv for head dims 64, 128 and 256; the deterministic dQ kernel, the lists and
-// the careful twins stay here.
+// place of flash_bwd_dkdv for head dims 64, 128 and 256, and its list twin flash_bwd_dkdv_steps_sm90
+// that of flash_bwd_dkdv_steps; the deterministic dQ kernels and the careful twins stay here.
 //
 // Masking: K/Q tile pairs wholly in the future are skipped (loop bounds); tiles straddling the
 // diagonal or the ragged ends (q_len, k_len) get an element mask; loads past the ends are

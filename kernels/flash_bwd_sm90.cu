@@ -15,16 +15,21 @@ computes
     dQ  += scale * dS K                  (DQ: fp32 atomics into the travelling accumulator)
 
 with the products on wgmma and the operands copied by TMA:
-  * one block = 3 warpgroups of 128 threads: warpgroup 0 is the producer (setmaxnreg.dec): one
-    elected thread of warp 0 copies K and V once, then Q and dO of each query tile into a ring of
-    STAGES buffers (cp.async.bulk.tensor, 128-byte swizzle, completing on full[s]); warp 1 copies
-    the tile's lse (as lse * log2e, +inf where a row saw no key or lies past q_len, so P = 0
-    there) and delta into the stage and arrives on full[s] too (1 + 32 arrivals a phase);
+  * one block = 3 warpgroups of 128 threads: warpgroup 0 is the producer (setmaxnreg.dec). One
+    thread of warp 2 walks the query tiles (the rectangles in order, each one's query heads and
+    tiles) and describes each in a free stage (TileMeta: rectangle, first row, head, whether it
+    ends its rectangle), arriving on described[s] and full[s]; after the last tile one more stage
+    says the walk is over. Warps 0 and 1 follow the descriptions, so none of the walk sits in
+    their 24 registers: one elected thread of warp 0 copies K and V once, then Q and dO of each
+    tile into the stage (cp.async.bulk.tensor, 128-byte swizzle, completing on full[s]); warp 1
+    copies the tile's lse (as lse * log2e, +inf where a row saw no key or lies past q_len, so P
+    = 0 there) and delta into the stage and arrives on full[s] too (1 + 32 + 1 arrivals a phase);
   * warpgroups 1 and 2 are consumers, 64 keys each (one wgmma m64; at D = 256 the same 64 keys
     and half of the head dims each, Split below): keys are the rows of S^T and dP^T, so P^T and
     dS^T, re-packed as A fragments (accumulator_as_a), feed dV += P^T dO and dK += dS^T Q
     straight from registers (Q and dO read N-major from shared memory: transposed by the
-    instruction), and the dK, dV accumulators never leave registers until the end;
+    instruction), and the dK, dV accumulators never leave registers until the rectangle ends
+    (a rectangle's first products overwrite them: wgmma's scale-d predicate off);
   * DQ: each consumer writes its dS^T into a shared BLOCK_M x keys tile of dS (K-major, 128-byte
     swizzle: the A operand of dQ = dS K; at D = 256, where both hold the same dS^T, consumer 0
     writes it), fence.proxy.async, named barrier 2 over both consumers;
@@ -34,10 +39,27 @@ with the products on wgmma and the operands copied by TMA:
     tile's dS from overwriting one the other consumer still reads;
   * the consumers free a stage (arrive on empty[s], 256 arrivals) once its last product is done.
 The CTA is the only writer of its dK/dV rows in a launch: dk += scale * acc, dv += acc, plain
-read-add-write after the last tile, as flash_bwd_dkdv does.
+read-add-write after a rectangle's last tile, as flash_bwd_dkdv does.
+
+RECTANGLE LISTS (flash_bwd_dkdv_steps_sm90, LIST = true; flash_bwd_dkdv_sm90 is the same body with
+LIST false, p.blk its one rectangle)
+A ring step of many rectangles (packed documents) runs in one launch, on the lists flash_bwd.cu's
+flash_bwd_dkdv_steps takes (rects grouped by key range, each group's in the step's order; a block
+of threads finds its group and key tile with step_group_of, params.cuh). The tensor maps cover
+the whole q, dO, k and v arrays, built once a launch; a rectangle's rows are reached through the
+copies' row coordinates (q_start + m0, k_start + n0). The rectangles of a group share their keys,
+so K and V are copied once; the walk runs on from one rectangle to the next through the same
+stages, and at each rectangle's end the consumers add dK and dV into global memory, as a launch
+of its own would: a list gives the bits of one launch a rectangle in its order (dQ's atomic adds
+aside, whose order varies anyway). Rows past a rectangle's q_len or k_len are now the arrays'
+next rows, not zeros: P = 0 there (lse2 = +inf, keys masked), but a non-finite Q, dO, K or V
+there would reach a gradient as 0 x Inf on the tensor cores, so a list with a row count off the
+tiles launches the careful pair, as a list with masked pairs does (burstcu/ops/cuda/backward.py).
 
 PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
-    producer:  K, V -> [kv_full]      Q_i, dO_i, lse2_i, delta_i -> [full[s]]    waits [empty[s]]
+    producer:  warp 2: waits [empty[s]]; TileMeta_i -> [described[s]], [full[s]]
+               warp 0: K, V -> [kv_full]; wait [described[s]]; Q_i, dO_i -> [full[s]]
+               warp 1: wait [described[s]]; lse2_i, delta_i -> [full[s]]
     consumer:  wait kv_full; for each query tile i (stage s):
                    wait full[s]; S^T = K Q_i^T, dP^T = V dO_i^T; wait_group 0
                    mask, P^T, dS^T -> A fragments
@@ -45,37 +67,46 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
                    (DQ, while it runs) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
                    issue dK += dS^T Q_i; wait_group 0; arrive empty[s]
                    (DQ) dQ_blk = dS K; wait_group 0; atomicAdd dQ_blk
+                   (the rectangle's last tile) dK, dV += the accumulators
     No overlap yet between one tile's softmax and the next tile's products (FlashAttention-3 runs
     two query tiles in flight and a separate dQ writer warp): the first Hopper backward is the
     plain schedule, measured before it is made clever.
 
 SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, then
-    STAGES x (lse2, delta: BLOCK_M fp32 each), then the mbarriers; every matrix stored as D/64
+    STAGES x (lse2, delta: BLOCK_M fp32 each; the TileMeta, 16 bytes), then the mbarriers (kv_full,
+    full, empty, described: 1 + 3 x STAGES); every matrix stored as D/64
     (dS: keys/64) column blocks of rows x 64 elements with the 128-byte swizzle (what a TMA box of
     (64, rows) writes and a wgmma descriptor with that swizzle reads; kernels/emu/emu_wgmma.h).
     D     BLOCK_M  keys  STAGES  smem (bytes, burstcu/build/bwd_variants.py: sm90_dkdv_smem_bytes)
-    64    128      128   2       1024 + 2x16384 + 2x2x16384 + 32768 + 2x1024 + 128  = 134272 (DQ)
-    128   64       128   2       1024 + 2x32768 + 2x2x16384 + 16384 + 2x512 + 128   = 149632 (DQ)
-    256   64       64    2       1024 + 2x32768 + 2x2x32768 + 8192 + 2x512 + 128    = 206976 (DQ)
+    64    128      128   2       1024 + 2x16384 + 2x2x16384 + 32768 + 2x1040 + 128  = 134304 (DQ)
+    128   64       128   2       1024 + 2x32768 + 2x2x16384 + 16384 + 2x528 + 128   = 149664 (DQ)
+    256   64       64    2       1024 + 2x32768 + 2x2x32768 + 8192 + 2x528 + 128    = 207008 (DQ)
     Registers: 24 for the producer, 240 for a consumer thread, which holds dK and dV (D/2 fp32
     each; D = 256: 64 each, half the dims), S^T and dP^T (BLOCK_M/2 each), their A fragments
     (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64): at most 192 of them live at once for
     every head dim, as the dQ product waits for dV and dK (issued together with them, the A
     fragments and dQ block were ~40 too many: ptxas spilled 156-236 bytes). The deterministic
-    mode's dQ kernel stays flash_bwd.cu's.
+    mode's dQ kernel stays flash_bwd.cu's. What the list kernel needed to stay at 0 bytes of local
+    memory (the gate): one walker (warp 2) instead of three, no value computed before setmaxnreg
+    kept after it (each role finds its key block again), a tile's mask bounds formed from one
+    corner offset, a rectangle's dK, dV started by the products rather than zeroed, and (LIST
+    false) the one rectangle's dK, dV written after the loop, at the end of the walk.
 
 MASKS AND NON-FINITE INPUTS
-Masks are flash_bwd_dkdv's: P = 0 at masked pairs and at keys past k_len (TMA's zeros there give S
-= 0, masked by the element test); rows past q_len read zeros and lse2 = +inf, so P = dS = 0. Only
-the tiles a bound or a ragged end cuts run the element test. A step with masked pairs whose
-inputs may hold Inf/NaN runs flash_bwd.cu's CAREFUL twin instead (the nonfinite flag: this kernel
-returns at once when it is set), the launch pair of KernelOps.
+Masks are flash_bwd_dkdv's: P = 0 at masked pairs and at keys past k_len (the element test; LIST
+false: TMA's zeros there give S = 0); rows past q_len get lse2 = +inf (LIST false: they also read
+zeros), so P = dS = 0. Only the tiles a bound or a ragged end cuts run the element test. A step
+with masked pairs (LIST: or rows that end inside a tile, whose neighbours the whole-array maps
+read) whose inputs may hold Inf/NaN runs flash_bwd.cu's CAREFUL twin instead (the nonfinite flag:
+this kernel returns at once when it is set), the launch pair of burstcu/ops/cuda/backward.py.
 
 BUILD
-    python -m burstcu.build check --arch sm_90a --family bwd_dkdv_sm90,bwd_dkdv_nodq_sm90
+    python -m burstcu.build check --arch sm_90a --family bwd_dkdv_sm90,bwd_dkdv_nodq_sm90,\
+        bwd_dkdv_sm90_list,bwd_dkdv_nodq_sm90_list
     CPU emulator: burstcu.init(backend="emulated", arch="sm_90a"); tests in
-    tests/kernels/test_flash_bwd_sm90_emulated.py. No GPU has run this file yet.
+    tests/kernels/test_flash_bwd_sm90_emulated.py and test_flash_bwd_sm90_lists_emulated.py. No GPU
+    has run this file yet.
 */
 
 #include "hopper.cuh"
@@ -87,6 +118,7 @@ constexpr int kThreads = 384;    // producer warpgroup + two consumers
 constexpr int kColBlock = 64;    // elements of a 128-byte swizzled column block
 constexpr int kConsumers = 256;  // threads that arrive on the empty barriers
 constexpr int kStatLanes = 32;   // producer warp 1: lse2 and delta, one arrival a lane
+constexpr int kFullArrivals = 1 + kStatLanes + 1;  // a stage's: warp 0 (with the bytes), warp 1, warp 2
 // registers a thread after setmaxnreg (128 x 24 + 256 x 240 = 384 x 168)
 constexpr int kRegsProducer = 24, kRegsConsumer = 240;
 constexpr int kDsFreeBar = 1;    // named barrier 1: both consumers are done with the last dS
@@ -121,20 +153,31 @@ struct Smem {
   static constexpr int kDo = kQ + STAGES * kQBytes;       // stage s: kDo + s * kQBytes
   static constexpr int kDs = kDo + STAGES * kQBytes;      // BM x kBlockN (DQ)
   static constexpr int kDsBytes = DQ ? BM * kBlockN * 2 : 0;
-  static constexpr int kStats = kDs + kDsBytes;           // stage s: lse2[BM] then delta[BM]
-  static constexpr int kStatBytes = 2 * BM * 4;
+  static constexpr int kStats = kDs + kDsBytes;           // stage s: lse2[BM], delta[BM], TileMeta
+  static constexpr int kMeta = 2 * BM * 4;                // the TileMeta within a stage's stats
+  static constexpr int kStatBytes = kMeta + 16;
   static constexpr int kBars = kStats + STAGES * kStatBytes;
-  static constexpr int kNumBars = 1 + 2 * STAGES;         // kv_full, full[STAGES], empty[STAGES]
+  static constexpr int kNumBars = 1 + 3 * STAGES;         // kv_full, full, empty, described [STAGES]
   static constexpr int kBytes = 1024 + kBars + 128;       // = bwd_variants.sm90_dkdv_smem_bytes
   static_assert(kNumBars * 8 <= 128, "barriers fit their 128 bytes");
   static_assert(kKvBytes % 1024 == 0 && kQBytes % 1024 == 0, "tiles keep 1024-byte alignment");
 };
 
+// A query tile as the producer's warp 2 describes it in its stage, for the other producer warps
+// and the consumers: its rectangle r (rect_at), first row m0 (counted from the rectangle's
+// q_start) and query head h, and whether it ends its rectangle (the consumers then add dK and dV
+// into global memory; the next tile's products start them again). After the last tile one more
+// stage says kEndsWork and holds no tile.
+struct TileMeta {
+  int r, m0, h, ends;  // ends: 0, kEndsRect or kEndsWork
+};
+constexpr int kEndsRect = 1, kEndsWork = 2;
+
 template <int STAGES>
 struct Barriers {
-  u64 *kv_full, *full, *empty;
+  u64 *kv_full, *full, *empty, *described;
   __device__ __forceinline__ explicit Barriers(u64* bars)
-      : kv_full(bars), full(bars + 1), empty(bars + 1 + STAGES) {}
+      : kv_full(bars), full(bars + 1), empty(bars + 1 + STAGES), described(bars + 1 + 2 * STAGES) {}
 };
 
 template <int STAGES>
@@ -145,9 +188,45 @@ __device__ __forceinline__ void advance(int& stage, u32& phase) {
   }
 }
 
-/* The body of flash_bwd_dkdv_sm90: the block of threads owns keys [n0, n0 + kBlockN) of kv head
-   hkv, batch b (blockIdx x, y, z) of the rectangle p.blk. */
-template <typename T, int D, int BM, int STAGES, bool DQ>
+// The block of threads' keys [n0, n0 + BN) and its rectangles rects[r_first .. r_end): LIST false,
+// p.blk alone (r 0) and blockIdx.x the key tile; LIST, blockIdx.x is a key tile of a group of the
+// step's list (step_group_of), whose rectangles share k_start and k_len.
+template <bool LIST, int BN>
+__device__ __forceinline__ void key_block(const BwdStepSm90Params& p, int& n0, int& r_first, int& r_end) {
+  if constexpr (LIST) {
+    const int g = step_group_of(p.groups, p.n_groups, blockIdx.x);
+    n0 = (blockIdx.x - p.groups[p.n_groups + 1 + g]) * BN;
+    r_first = p.groups[g];
+    r_end = p.groups[g + 1];
+  } else {
+    n0 = blockIdx.x * BN;
+    r_first = 0;
+    r_end = 1;
+  }
+}
+
+// Rectangle r of key_block's range, read in place: p.blk (LIST false: constant-bank operands),
+// else p.rects[r] (global memory, read where used: a copy in registers spills the consumers).
+template <bool LIST>
+__device__ __forceinline__ const BlockRect& rect_at(const BwdStepSm90Params& p, int r) {
+  if constexpr (LIST) return p.rects[r];
+  else return p.blk;
+}
+
+// Row coordinates of a rectangle's first query and first key in the tensor maps: 0 where the maps
+// cover the rectangle's rows alone (LIST false), its q_start / k_start where they cover the arrays.
+template <bool LIST>
+__device__ __forceinline__ int map_q_row(const BlockRect& r) { return LIST ? r.q_start : 0; }
+template <bool LIST>
+__device__ __forceinline__ int map_k_row(const BlockRect& r) { return LIST ? r.k_start : 0; }
+
+/* The body of flash_bwd_dkdv_sm90 (LIST false) and flash_bwd_dkdv_steps_sm90 (LIST true): the block
+   of threads owns keys [n0, n0 + kBlockN) of kv head hkv, batch b (blockIdx y, z) of each of its
+   rectangles (key_block) and runs them in order, each as its own launch would: its query heads
+   and tiles through the one pipeline (the stages and phases run on across rectangles), then dK
+   and dV added into global memory (the next rectangle's first products overwrite the
+   accumulators). */
+template <typename T, int D, int BM, int STAGES, bool DQ, bool LIST>
 __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   using S = Smem<D, BM, STAGES, DQ>;
   using W = Split<D, BM>;
@@ -156,16 +235,23 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   static_assert(BM == 64 || BM == 128, "wgmma N of S^T = K Q^T");
   constexpr int kColBlocks = D / kColBlock;
   if (*p.nonfinite != 0) return;  // flash_bwd.cu's careful twin of this launch pair runs
-  const int n0 = blockIdx.x * kBlockN, hkv = blockIdx.y, b = blockIdx.z;
-  if (!query_tiles<BM, kBlockN>(p.blk, n0).live) return;  // no query sees these keys
+  {
+    int n0, r_first, r_end;
+    key_block<LIST, kBlockN>(p, n0, r_first, r_end);
+    bool live = false;
+    for (int r = r_first; r < r_end && !live; ++r)
+      live = query_tiles<BM, kBlockN>(rect_at<LIST>(p, r), n0).live;
+    if (!live) return;  // no query sees these keys
+  }
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     u64* bars = reinterpret_cast<u64*>(aligned_smem() + S::kBars);
     mbar_init(bars, 1);
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 1 + s, 1 + kStatLanes);
+      mbar_init(bars + 1 + s, kFullArrivals);
       mbar_init(bars + 1 + STAGES + s, kConsumers);
+      mbar_init(bars + 1 + 2 * STAGES + s, 1);
     }
     fence_mbarrier_init();
   }
@@ -177,52 +263,86 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   if (warpgroup == 0) {
     // ============================== producer ==============================
     setmaxnreg_dec<kRegsProducer>();
+    const int hkv = blockIdx.y, b = blockIdx.z;
+    int n0, r_first, r_end;
+    key_block<LIST, kBlockN>(p, n0, r_first, r_end);
     const int warp = tid / 32;
-    if (warp > 1) return;
+    if (warp > 2) return;
     unsigned char* smem = aligned_smem();
     const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
-    const QueryTiles tiles = query_tiles<BM, kBlockN>(p.blk, n0);
-    const int group = p.H / p.Hkv, n_it = group * tiles.m_tiles;
     int stage = 0;
     u32 phase = 0;
-    if (warp == 0) {
+    if (warp == 2) {  // the walk over the tiles: each one's TileMeta into its stage
       if (!elect_one()) return;
+      const int group = p.H / p.Hkv, h_end = (hkv + 1) * group;
+      for (int r = r_first; r < r_end; ++r) {
+        const QueryTiles tiles = query_tiles<BM, kBlockN>(rect_at<LIST>(p, r), n0);
+        if (!tiles.live) continue;
+        const int m_end = tiles.m_begin + tiles.m_tiles * BM;
+        for (int h = hkv * group; h < h_end; ++h)
+          for (int m0 = tiles.m_begin; m0 < m_end; m0 += BM) {
+            mbar_wait(bar.empty + stage, phase ^ 1);
+            TileMeta* meta = reinterpret_cast<TileMeta*>(smem + S::kStats + stage * S::kStatBytes + S::kMeta);
+            meta->r = r;
+            meta->m0 = m0;
+            meta->h = h;
+            meta->ends = h + 1 < h_end || m0 + BM < m_end ? 0 : kEndsRect;
+            mbar_arrive(bar.described + stage);
+            mbar_arrive(bar.full + stage);
+            advance<STAGES>(stage, phase);
+          }
+      }
+      mbar_wait(bar.empty + stage, phase ^ 1);  // the end of the walk
+      reinterpret_cast<TileMeta*>(smem + S::kStats + stage * S::kStatBytes + S::kMeta)->ends = kEndsWork;
+      mbar_arrive(bar.described + stage);
+      mbar_arrive(bar.full + stage);
+      return;
+    }
+    // warps 0 and 1 follow the descriptions: nothing of the walk in their 24 registers
+    const bool copies = warp == 0;
+    if (copies && !elect_one()) return;
+    if (copies) {  // K and V once
       tma_prefetch_map(&p.q_map);
       tma_prefetch_map(&p.do_map);
+      const int k_row = map_k_row<LIST>(rect_at<LIST>(p, r_first)) + n0;  // the group's keys
       mbar_arrive_expect_tx(bar.kv_full, 2 * S::kKvBytes);
       for (int c = 0; c < kColBlocks; ++c) {
-        tma_load_4d(smem + S::kK + c * kBlockN * 128, &p.k_map, bar.kv_full, c * kColBlock, n0, hkv, b);
-        tma_load_4d(smem + S::kV + c * kBlockN * 128, &p.v_map, bar.kv_full, c * kColBlock, n0, hkv, b);
+        tma_load_4d(smem + S::kK + c * kBlockN * 128, &p.k_map, bar.kv_full, c * kColBlock, k_row, hkv, b);
+        tma_load_4d(smem + S::kV + c * kBlockN * 128, &p.v_map, bar.kv_full, c * kColBlock, k_row, hkv, b);
       }
-      for (int it = 0; it < n_it; ++it) {
-        const int h = hkv * group + it / tiles.m_tiles, m0 = tiles.m_begin + (it % tiles.m_tiles) * BM;
-        mbar_wait(bar.empty + stage, phase ^ 1);
+    }
+    for (;; advance<STAGES>(stage, phase)) {
+      mbar_wait(bar.described + stage, phase);
+      unsigned char* stats = smem + S::kStats + stage * S::kStatBytes;
+      const TileMeta& tile = *reinterpret_cast<const TileMeta*>(stats + S::kMeta);
+      if (tile.ends == kEndsWork) {  // no tile: the stage completes for the consumers to read it
+        mbar_arrive(bar.full + stage);
+        return;
+      }
+      const int h = tile.h, m0 = tile.m0;
+      const BlockRect& rect = rect_at<LIST>(p, tile.r);
+      if (copies) {  // warp 0: the tile's Q and dO
+        const int q_row = map_q_row<LIST>(rect) + m0;
         mbar_arrive_expect_tx(bar.full + stage, 2 * S::kQBytes);
         for (int c = 0; c < kColBlocks; ++c) {
           tma_load_4d(smem + S::kQ + stage * S::kQBytes + c * BM * 128, &p.q_map, bar.full + stage,
-                      c * kColBlock, m0, h, b);
+                      c * kColBlock, q_row, h, b);
           tma_load_4d(smem + S::kDo + stage * S::kQBytes + c * BM * 128, &p.do_map, bar.full + stage,
-                      c * kColBlock, m0, h, b);
+                      c * kColBlock, q_row, h, b);
         }
-        advance<STAGES>(stage, phase);
-      }
-    } else {  // warp 1: each tile's lse2 and delta (flash_bwd.cu's load_row_stats)
-      const int lane = tid % 32;
-      for (int it = 0; it < n_it; ++it) {
-        const int h = hkv * group + it / tiles.m_tiles, m0 = tiles.m_begin + (it % tiles.m_tiles) * BM;
-        const long long row0 = b * p.stat_stride.b + h * p.stat_stride.h + p.blk.q_start + m0;
-        const int rows = p.blk.q_len - m0;  // rows of the tile inside the rectangle
-        mbar_wait(bar.empty + stage, phase ^ 1);
-        float* lse2 = reinterpret_cast<float*>(smem + S::kStats + stage * S::kStatBytes) + lane;
+      } else {  // warp 1: its lse2 and delta (flash_bwd.cu's load_row_stats)
+        const int lane = tid % 32;
+        const long long row0 = b * p.stat_stride.b + h * p.stat_stride.h + rect.q_start + m0;
+        const int rows = rect.q_len - m0;  // rows of the tile inside the rectangle
+        float* lse2 = reinterpret_cast<float*>(stats) + lane;
 #pragma unroll
-        for (int r = 0; r < BM; r += 32) {
-          const bool valid = lane + r < rows;
-          const float l = valid ? p.lse[row0 + lane + r] : -INFINITY;
-          lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
-          lse2[BM + r] = valid ? p.delta[row0 + lane + r] : 0.f;
+        for (int i = 0; i < BM; i += 32) {
+          const bool valid = lane + i < rows;
+          const float l = valid ? p.lse[row0 + lane + i] : -INFINITY;
+          lse2[i] = l == -INFINITY ? INFINITY : l * kLog2e;
+          lse2[BM + i] = valid ? p.delta[row0 + lane + i] : 0.f;
         }
         mbar_arrive(bar.full + stage);
-        advance<STAGES>(stage, phase);
       }
     }
     return;
@@ -230,11 +350,11 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
 
   // ============================== consumers ==============================
   setmaxnreg_inc<kRegsConsumer>();
+  const int hkv = blockIdx.y, b = blockIdx.z;
+  int n0, r_first, r_end;
+  key_block<LIST, kBlockN>(p, n0, r_first, r_end);
   unsigned char* smem = aligned_smem();
   const Barriers<STAGES> bar(reinterpret_cast<u64*>(smem + S::kBars));
-  const BlockRect& rect = p.blk;  // read in place: constant-bank operands
-  const QueryTiles tiles = query_tiles<BM, kBlockN>(rect, n0);
-  const int group = p.H / p.Hkv, n_it = group * tiles.m_tiles;
   const int wg = warpgroup - 1;           // 0 or 1: its keys (D <= 128) or head dims (D = 256)
   const int ct = tid - 128 * warpgroup;   // thread within the warpgroup
   const int warp = ct / 32, lane = ct % 32;
@@ -266,20 +386,49 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   const u32 k_dims = (dq_col0 / kColBlock) * kBlockN * 128;  // the dQ block's head dims of K
   const u64 kt_base = DQ ? wgmma_desc(smem + S::kK + k_dims, SWIZZLE_128B, kBlockN * 128, 1024) : 0;
 
-  float dk[W::kDims / 2], dv[W::kDims / 2];  // rows: this warpgroup's keys, columns: its head dims
+  // rows: this warpgroup's keys, columns: its head dims; a rectangle's first products overwrite
+  // them (the scale-d predicate off) rather than the accumulators being zeroed at its end: a zeroing
+  // on one branch of the loop made ptxas copy them all there, and spill
+  float dk[W::kDims / 2], dv[W::kDims / 2];
+
+  // ---- a rectangle's dK, dV: this block of threads is their only writer in the launch. LIST
+  // false: after the loop (a write inside it kept its addresses in registers through the loop)
+  auto add_dkdv = [&]() {
+    int r = r_first;
+    asm volatile("" : "+r"(r));  // its address is formed here, not held through the loop
+    const BlockRect& keys = rect_at<LIST>(p, r);  // every rectangle's k_start and k_len
+    const float scale = p.scale;
 #pragma unroll
-  for (int i = 0; i < W::kDims / 2; ++i) dk[i] = dv[i] = 0.f;
-  float st[BM / 2], dpt[BM / 2];  // S^T, dP^T: rows keys, columns the tile's queries
-  u32 pa[BM / 16][4], dsa[BM / 16][4];  // P^T, dS^T as A fragments (k16 steps over queries)
-  float dqb[DQ ? W::kDqCols / 2 : 1];   // the dQ block (64 x kDqCols)
+    for (int i = 0; i < 4; ++i) {
+      const int key = key0 + (i >= 2 ? 8 : 0);
+      if (key >= keys.k_len) continue;
+      const long long row = b * p.dk_stride.b + (long long)(keys.k_start + key) * p.dk_stride.s +
+                            hkv * p.dk_stride.h + dim0;
+#pragma unroll
+      for (int j = 0; j < W::kDims / 8; ++j) {
+        const long long at = row + 8 * j + 2 * tq + (i & 1);
+        p.dk[at] += scale * dk[4 * j + i];
+        p.dv[at] += dv[4 * j + i];
+      }
+    }
+  };
 
   mbar_wait(bar.kv_full, 0);
   int stage = 0;
   u32 phase = 0;
-  for (int it = 0; it < n_it; ++it) {
-    const int h = hkv * group + it / tiles.m_tiles, m0 = tiles.m_begin + (it % tiles.m_tiles) * BM;
+  // the query tiles as the producer's warp 2 describes them (TileMeta), in its order
+  for (bool fresh = true;; advance<STAGES>(stage, phase)) {  // fresh: the tile starts a rectangle
     const u32 q_off = stage * S::kQBytes;
     mbar_wait(bar.full + stage, phase);
+    const unsigned char* stats = smem + S::kStats + stage * S::kStatBytes;
+    const TileMeta& tile = *reinterpret_cast<const TileMeta*>(stats + S::kMeta);
+    if (tile.ends == kEndsWork) {  // the walk's end
+      if constexpr (!LIST) add_dkdv();
+      return;
+    }
+    float st[BM / 2], dpt[BM / 2];  // S^T, dP^T: rows keys, columns the tile's queries
+    u32 pa[BM / 16][4], dsa[BM / 16][4];  // P^T, dS^T as A fragments (k16 steps over queries)
+    float dqb[DQ ? W::kDqCols / 2 : 1];   // the dQ block (64 x kDqCols)
     wgmma_fence_operand(st);
     wgmma_fence_operand(dpt);
     wgmma_fence();
@@ -297,18 +446,22 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     wgmma_fence_operand(dpt);
 
     // ---- P^T and dS^T in place; only a tile that a bound or a ragged end cuts runs the test
-    const float* lse2 = reinterpret_cast<const float*>(smem + S::kStats + stage * S::kStatBytes);
+    const float* lse2 = reinterpret_cast<const float*>(stats);
     const float* dlt = lse2 + BM;
-    const bool need_mask = n0_wg + kWgKeys > rect.k_len ||
-                           rect.k_pos + n0_wg + kWgKeys - 1 > rect.q_pos + m0 + rect.hi ||
-                           rect.k_pos + n0_wg < rect.q_pos + m0 + BM - 1 - rect.lo;
+    const BlockRect& rect = rect_at<LIST>(p, tile.r);
+    const int m0 = tile.m0;
+    // key - query position at the warpgroup's first key and the tile's first row: every offset
+    // of the tile is this + (key - n0_wg) - qi
+    const int corner = rect.k_pos - rect.q_pos + n0_wg - m0;
+    const bool need_mask = n0_wg + kWgKeys > rect.k_len || corner + kWgKeys - 1 > rect.hi ||
+                           corner - (BM - 1) < -rect.lo;
     if (need_mask) {
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = key0 + (i >= 2 ? 8 : 0), qi = 8 * j + 2 * tq + (i & 1);
-          const int offset = rect.k_pos + key - rect.q_pos - m0 - qi;  // key - query position
+          const int offset = corner + key - n0_wg - qi;  // key - query position
           if (key >= rect.k_len || offset > rect.hi || offset < -rect.lo) st[4 * j + i] = -INFINITY;
         }
     }
@@ -332,7 +485,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < BM / 16; ++kc)
-      wgmma_rs<T, W::kDims, 1>(dv, pa[kc], wgmma_desc_at(dot_base, q_off + kc * 2048), true);
+      wgmma_rs<T, W::kDims, 1>(dv, pa[kc], wgmma_desc_at(dot_base, q_off + kc * 2048), kc > 0 || !fresh);
     wgmma_commit();
     if constexpr (DQ) {
       // dS^T (rounded as dsa holds it) into the shared dS tile, before dK += dS^T Q is issued:
@@ -367,13 +520,16 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     }
 #pragma unroll
     for (int kc = 0; kc < BM / 16; ++kc)
-      wgmma_rs<T, W::kDims, 1>(dk, dsa[kc], wgmma_desc_at(qt_base, q_off + kc * 2048), true);
+      wgmma_rs<T, W::kDims, 1>(dk, dsa[kc], wgmma_desc_at(qt_base, q_off + kc * 2048), kc > 0 || !fresh);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);
     wgmma_fence_operand(pa);
     wgmma_fence_operand(dsa);
+    // what the dQ block and the rectangle's end need of the stage, before it is handed back
+    const int h = tile.h, q_start = rect.q_start, q_len = rect.q_len;
+    const bool ends = tile.ends == kEndsRect;
     mbar_arrive(bar.empty + stage);  // Q, dO and the stats of this stage are read
 
     if constexpr (DQ) {
@@ -392,30 +548,16 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = m0 + rb * 64 + warp * 16 + g + (i >= 2 ? 8 : 0);
-        if (row >= rect.q_len) continue;
-        float* dst = p.dq + b * p.dq_stride.b + (long long)(rect.q_start + row) * p.dq_stride.s +
+        if (row >= q_len) continue;
+        float* dst = p.dq + b * p.dq_stride.b + (long long)(q_start + row) * p.dq_stride.s +
                      h * p.dq_stride.h + dq_col0 + 2 * tq + (i & 1);
 #pragma unroll
         for (int j = 0; j < W::kDqCols / 8; ++j) atomicAdd(dst + 8 * j, scale * dqb[4 * j + i]);
       }
     }
-    advance<STAGES>(stage, phase);
-  }
-
-  // ---- dK, dV: this block of threads is their only writer in the launch
-  const float scale = p.scale;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int key = key0 + (i >= 2 ? 8 : 0);
-    if (key >= rect.k_len) continue;
-    const long long row = b * p.dk_stride.b + (long long)(rect.k_start + key) * p.dk_stride.s +
-                          hkv * p.dk_stride.h + dim0;
-#pragma unroll
-    for (int j = 0; j < W::kDims / 8; ++j) {
-      const long long at = row + 8 * j + 2 * tq + (i & 1);
-      p.dk[at] += scale * dk[4 * j + i];
-      p.dv[at] += dv[4 * j + i];
-    }
+    fresh = ends;
+    if constexpr (LIST)
+      if (ends) add_dkdv();
   }
 }
 
@@ -428,5 +570,15 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
 template <typename T, int D, int BM, int STAGES, bool DQ>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
 flash_bwd_dkdv_sm90(const __grid_constant__ BwdStepSm90Params p) {
-  bwd90::dkdv_fold<T, D, BM, STAGES, DQ>(p);
+  bwd90::dkdv_fold<T, D, BM, STAGES, DQ, false>(p);
+}
+
+/* flash_bwd_dkdv_sm90 over a ring step's rectangle list in one launch: p.rects, p.groups, p.n_groups
+   grouped by key range (burstcu.ops.cuda.params.step_group_lists, tiles of kBlockN keys), tensor
+   maps of the whole q, dO, k and v arrays (box rows as flash_bwd_dkdv_sm90's); grid (the groups'
+   key tiles, Hkv, B); the rest as flash_bwd_dkdv_sm90. */
+template <typename T, int D, int BM, int STAGES, bool DQ>
+__global__ void __launch_bounds__(bwd90::kThreads, 1)
+flash_bwd_dkdv_steps_sm90(const __grid_constant__ BwdStepSm90Params p) {
+  bwd90::dkdv_fold<T, D, BM, STAGES, DQ, true>(p);
 }

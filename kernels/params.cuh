@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here, FwdStepSm90Params, takes 576 bytes (BwdStepParams 272).
+// here, BwdStepSm90Params, takes 704 bytes (BwdStepParams 272).
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is
@@ -121,9 +121,10 @@ struct FwdStepSm90Params {
 
 // flash_bwd_dkdv_sm90: BwdStepParams' dK/dV fold (with atomic dQ) with Q, dO, K and V read
 // through tensor maps, each covering only the rectangle's rows (rows past q_len / k_len read as
-// zeros):
+// zeros; flash_bwd_dkdv_steps_sm90: the whole arrays, below):
 //   q_map, do_map  dims (D, q_len, H, B) from row q_start, box (64, BLOCK_M, 1, 1), 128-byte swizzle
-//   k_map, v_map   dims (D, k_len, Hkv, B) from row k_start, box (64, 128, 1, 1), 128-byte swizzle
+//   k_map, v_map   dims (D, k_len, Hkv, B) from row k_start, box (64, keys a block of threads: 128,
+//                  64 at D = 256, 1, 1), 128-byte swizzle
 struct BwdStepSm90Params {
   TensorMap q_map, do_map, k_map, v_map;
   const float* lse;       // (B, H, Sq) fp32 natural-log sum of exp of the forward, stat_stride
@@ -138,6 +139,14 @@ struct BwdStepSm90Params {
   BlockRect blk;          // the rectangle and its key bounds
   int H, Hkv;             // query heads, kv heads (GQA)
   float scale;            // softmax scale
+  // flash_bwd_dkdv_steps_sm90 only (flash_bwd_dkdv_sm90 leaves them 0 and reads blk): a ring
+  // step's rectangles as BwdStepParams' dK/dV lists (grouped by key range, tiles of the kernel's
+  // keys a block of threads); the maps then cover the whole arrays (dims (D, Sq or Sk, heads,
+  // B)) and a rectangle's rows are reached through the copies' row coordinates. n_groups first:
+  // no padding before the pointers.
+  int n_groups;
+  const BlockRect* rects; // the rectangles, group by group, in the order they fold
+  const int* groups;      // (2 n_groups + 2): as BwdStepParams.groups
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.

@@ -439,24 +439,31 @@ def test_gpu_benchmarks_plan_without_a_gpu():
                     nprocs=None)   # any length; documents from bench/_common.py's document_mix
     assert "global seqlen 65537" in out and " documents, " in out and "no documents" not in out
     out = run_bench("gpu/step_lists.py", ["--dry-run", "--seqlen", "65536", "--docs", "241"], nprocs=None)
-    assert "plan: zigzag, 241 documents over 65536 tokens on 4 ranks" in out and "plan: contiguous, 0" in out
+    assert "plan: fwd and bwd, zigzag, 241 documents over 65536 tokens on 4 ranks" in out
+    assert "plan: fwd and bwd, contiguous, 0" in out
 
 
 @pytest.mark.emulated
 def test_step_lists_on_the_emulator(tmp_path):
     """bench/gpu/step_lists.py through the emulator (its smoke test; GPU figures come from a
-    GPU): per-document zigzag steps take fewer launches as lists than one a rectangle, the kept
-    pairs are the layouts' own, contiguous is its own reference."""
+    GPU): per-document zigzag steps take fewer launches as lists than one a rectangle, forward
+    and backward, on the Hopper table's list kernels; the kept pairs are the layouts' own,
+    contiguous is its own reference."""
     js = tmp_path / "sl.json"
     out = run_bench("gpu/step_lists.py", ["--backend", "emulated", "--ranks", "2", "--seqlen", "256",
-                                          "--docs", "5", "--heads", "2", "--headdim", "32",
-                                          "--repeats", "1", "--json", js], nprocs=None, timeout=300)
+                                          "--docs", "5", "--heads", "2", "--headdim", "64",
+                                          "--arch", "sm_90a", "--repeats", "1", "--json", js],
+                    nprocs=None, timeout=300)
     assert "NOT GPU figures" in out
-    zigzag, contiguous = json.loads(js.read_text())["rows"]
-    assert zigzag["layout"] == "zigzag" and zigzag["docs"] == 5
-    assert zigzag["launches_list"] < zigzag["launches_per_rect"] and zigzag["rectangles"] > 4
-    assert contiguous["kept_pairs"] == 256 * 257 // 2            # causal over the 256 tokens
-    assert 0 < zigzag["kept_pairs"] < contiguous["kept_pairs"]    # within documents only
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["pass"], r["layout"]) for r in rows] == [
+        ("fwd", "zigzag"), ("fwd", "contiguous"), ("bwd", "zigzag"), ("bwd", "contiguous")]
+    for (zigzag, contiguous), kernel in zip((rows[:2], rows[2:]),
+                                            ("flash_fwd_steps_sm90", "flash_bwd_dkdv_steps_sm90")):
+        assert zigzag["docs"] == 5 and kernel in zigzag["list_kernels"], zigzag
+        assert zigzag["launches_list"] < zigzag["launches_per_rect"] and zigzag["rectangles"] > 4
+        assert contiguous["kept_pairs"] == 256 * 257 // 2            # causal over the 256 tokens
+        assert 0 < zigzag["kept_pairs"] < contiguous["kept_pairs"]    # within documents only
 
 
 def test_overlap_gpu_interval_arithmetic():

@@ -38,6 +38,7 @@ OVERLAP="$PY bench/gpu/overlap_gpu.py"
 SM90_FWD=tests/kernels/test_flash_fwd_sm90_emulated.py
 FWD=tests/kernels/test_flash_fwd_emulated.py
 BWD=tests/kernels/test_flash_bwd_emulated.py
+SM90_BWD_LISTS=tests/kernels/test_flash_bwd_sm90_lists_emulated.py
 INERT=tests/kernels/test_masked_inert_kernels.py
 if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -90,11 +91,13 @@ for s in "${steps[@]}"; do
     hopper_racecheck) step hopper_racecheck 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $RACECHECK $PYTEST \
       $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
     hopper_bwd) step hopper_bwd 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 \
-      tests/kernels/test_flash_bwd_sm90_emulated.py $BWD $INERT -k "not sm86" ;;
+      tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86" ;;
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
-      tests/kernels/test_flash_bwd_sm90_emulated.py -k "step_matches or outside" ;;
+      tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
+      -k "step_matches or outside or group_of or nan_in" ;;
     hopper_bwd_racecheck) step hopper_bwd_racecheck 180 $KTEST $RACECHECK $PYTEST \
-      tests/kernels/test_flash_bwd_sm90_emulated.py -k "causal_offsets or small_ragged or small_causal" ;;
+      tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
+      -k "causal_offsets or small_ragged or small_causal or group_of" ;;
     hopper_bwd_bench) step hopper_bwd_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd+bwd \
       --impls kernels torch-flash torch-cudnn --headdims 64 128 256 --dq-modes atomic deterministic \
       --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \

@@ -1,11 +1,13 @@
-"""A ring step's rectangles in one launch against one launch a rectangle: the forward step kernels
-of every (rank, step) of the burst ring under per-document zigzag (--docs documents of a seeded
-long-tailed mix, causal), timed both ways in the same run, with the contiguous split of the same
-tokens beside it; per layout, sums over (rank, step) of the time, rectangles, launches, kept
-(query, key) pairs and ns a kept pair each way, and the step kernels each way launched. CUDA events
-on a GPU (median of --repeats after a warm-up); --backend emulated: host seconds, never GPU figures.
+"""A ring step's rectangles in one launch against one launch a rectangle: the step kernels of
+every (rank, step) of the burst ring under per-document zigzag (--docs documents of a seeded
+long-tailed mix, causal), forward (forward_step) and backward (backward_step: dK, dV and atomic
+dQ), timed both ways in the same run, with the contiguous split of the same tokens beside it; per
+pass and layout, sums over (rank, step) of the time, rectangles, launches, kept (query, key) pairs
+and ns a kept pair each way, and the step kernels each way launched. CUDA events on a GPU (median
+of --repeats after a warm-up); --backend emulated: host seconds, never GPU figures.
 
-    python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90] [--json F]
+    python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90]
+                                   [--passes fwd bwd] [--json F]
     python bench/gpu/step_lists.py --dry-run           # the plan only, anywhere
 """
 
@@ -20,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench._common import array_dtype, call_seconds, clean, document_mix, emit, progress, table  # noqa: E402
 
-WAYS = ("list", "per_rect")   # a step's rectangles in one forward_step, or a forward_step each
+WAYS = ("list", "per_rect")   # a step's rectangles in one step call, or a step call each
+STEP_KERNELS = {"fwd": ("flash_fwd_step",), "bwd": ("flash_bwd_dkdv", "flash_bwd_dq")}
 
 
 def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
@@ -32,27 +35,34 @@ def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
     return mix[:documents] + (tokens,)
 
 
-def measure(args, ops, layout_name: str, docs) -> dict:
-    """Both ways of launching every (rank, step) of one layout (module docstring)."""
+def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
+    """Both ways of launching every (rank, step) of one layout, forward ("fwd") or backward
+    ("bwd") steps (module docstring)."""
     from burstcu import layout
 
     xp, cuda, function = ops.xp, ops.device == "cuda", ops.function
     part = layout.partition(layout_name, args.ranks, args.seqlen, docs)
     rng, dtype = np.random.default_rng(0), array_dtype(args.dtype)
-    row = {"layout": layout_name, "docs": 0 if docs is None else len(docs) - 1, "list_ms": 0.0,
-           "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0, "launches_per_rect": 0, "kept_pairs": 0}
+    row = {"pass": passes, "layout": layout_name, "docs": 0 if docs is None else len(docs) - 1,
+           "list_ms": 0.0, "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0,
+           "launches_per_rect": 0, "kept_pairs": 0}
     now = {"way": "list", "launches": 0}
     kernels: dict[str, set] = {way: set() for way in WAYS}   # the step kernels each way ran
 
     def counted(name):
         now["launches"] += 1
-        if name.startswith("flash_fwd_step"):
+        if name.startswith(STEP_KERNELS[passes]):
             kernels[now["way"]].add(name.split("<")[0])
         return function(name)
     ops.function = counted
     try:
         for qr in range(args.ranks):
-            q = xp.asarray(rng.standard_normal((1, part.lengths[qr], args.heads, args.headdim)).astype(dtype))
+            shape = (1, part.lengths[qr], args.heads, args.headdim)
+            q, dout = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2))
+            # the forward's row statistics as a backward step reads them (lse of the scores' order)
+            stats = (1, args.heads, part.lengths[qr])
+            lse = xp.asarray((rng.standard_normal(stats) + 4).astype(np.float32))
+            delta = xp.asarray(rng.standard_normal(stats).astype(np.float32))
             for step in range(args.ranks):
                 kr = (qr - step) % args.ranks
                 blocks = layout.blocks(part, qr, kr, True, (-1, -1), docs)
@@ -60,9 +70,18 @@ def measure(args, ops, layout_name: str, docs) -> dict:
                     continue
                 kv = (1, part.lengths[kr], args.heads, args.headdim)
                 k, v = (xp.asarray(rng.standard_normal(kv).astype(dtype)) for _ in range(2))
-                state = ops.forward_init(q)
-                ways = {"list": lambda: ops.forward_step(state, k, v, blocks),
-                        "per_rect": lambda: [ops.forward_step(state, k, v, [b]) for b in blocks]}
+                if passes == "fwd":
+                    state = ops.forward_init(q)
+
+                    def run(rects, state=state, k=k, v=v):
+                        ops.forward_step(state, k, v, rects)
+                else:
+                    ctx = ops.backward_init(k, v, args.headdim ** -0.5)
+                    dq = xp.zeros(q.shape, np.float32)
+
+                    def run(rects, ctx=ctx, q=q, dout=dout, dq=dq):
+                        ops.backward_step(ctx, q, dout, lse, delta, dq, rects)
+                ways = {"list": lambda: run(blocks), "per_rect": lambda: [run([b]) for b in blocks]}
                 for way, fn in ways.items():
                     now["way"] = way
                     fn()                                   # compiles, and a warm-up
@@ -88,14 +107,16 @@ def main(argv=None):
                           ("--headdim", 128)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="float16", choices=["float16"])
+    p.add_argument("--passes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--arch", default=None,
                    help="the kernel table (e.g. sm_90 for the mma.sync family on an H100, whose "
                         "own table sm_90a folds a rectangle a launch with the Hopper kernel); "
                         "default: the device's own")
     p.add_argument("--mma-list", action="store_true",
-                   help="on the sm_90a table, the mma.sync list kernel (flash_fwd_steps) rather "
-                        "than the Hopper one (flash_fwd_steps_sm90): KernelOps.sm90_lists False")
+                   help="on the sm_90a table, the mma.sync list kernels (flash_fwd_steps, "
+                        "flash_bwd_dkdv_steps) rather than the Hopper ones (flash_fwd_steps_sm90, "
+                        "flash_bwd_dkdv_steps_sm90): KernelOps.sm90_lists False")
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None)
     p.add_argument("--dry-run", action="store_true", help="print the plan; no kernel runs")
@@ -108,23 +129,27 @@ def main(argv=None):
             part = layout.partition(name, args.ranks, args.seqlen, cut)
             n = sum(len(layout.blocks(part, qr, kr, True, (-1, -1), cut))
                     for qr in range(args.ranks) for kr in range(args.ranks))
-            print(f"plan: {name}, {0 if cut is None else len(cut) - 1} documents over "
-                  f"{args.seqlen} tokens on {args.ranks} ranks: {n} rectangles in "
+            print(f"plan: {' and '.join(args.passes)}, {name}, {0 if cut is None else len(cut) - 1} "
+                  f"documents over {args.seqlen} tokens on {args.ranks} ranks: {n} rectangles in "
                   f"{args.ranks * args.ranks} (rank, step) pairs, each timed both ways")
         return None
     from burstcu.ops.cuda import KernelOps
 
     ops = KernelOps(args.backend, arch=args.arch)
     ops.sm90_lists = not args.mma_list
-    rows = [measure(args, ops, "zigzag", docs), measure(args, ops, "contiguous", None)]
-    for row in rows:
-        row["arch"] = ops.arch
-        row["vs_contiguous_per_pair"] = row["list_ns_per_pair"] / rows[1]["list_ns_per_pair"]
-    where = ("GPU (CUDA events around each forward_step)" if ops.device == "cuda"
+    rows = []
+    for passes in args.passes:
+        zigzag, contiguous = (measure(args, ops, "zigzag", docs, passes),
+                              measure(args, ops, "contiguous", None, passes))
+        for row in (zigzag, contiguous):
+            row["arch"] = ops.arch
+            row["vs_contiguous_per_pair"] = row["list_ns_per_pair"] / contiguous["list_ns_per_pair"]
+        rows += [zigzag, contiguous]
+    where = ("GPU (CUDA events around each step call)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
-    text = (f"forward steps of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
+    text = (f"step calls of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
             f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)\n"
-            + table(rows, ["arch", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
+            + table(rows, ["arch", "pass", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
                            "launches_list", "launches_per_rect", "list_ms", "per_rect_ms", "kept_pairs",
                            "list_ns_per_pair", "vs_contiguous_per_pair"]))
     return emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),

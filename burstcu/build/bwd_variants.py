@@ -21,6 +21,10 @@ Families (every one compiled for float16 and bfloat16):
   and 256: ``bwd_dkdv`` / ``bwd_dkdv_nodq`` on wgmma and TMA, 128 keys a block of threads (64 at
   d = 256; a producer warpgroup, two consumers). A block with masked pairs pairs it with the mma.sync
   ``bwd_dkdv_careful`` (or ``_nodq_careful``) twin, which runs when the inputs may hold Inf/NaN.
+* ``bwd_dkdv_sm90_list`` / ``bwd_dkdv_nodq_sm90_list``: ``flash_bwd_dkdv_steps_sm90``, the same
+  kernel over a ring step's rectangle list in one launch (grouped by key range, tiles of its keys a
+  block of threads), paired as a list with masked pairs is with ``bwd_dkdv_list_careful`` (or
+  ``_nodq_list_careful``).
 
 Native head dims are 32, 64, 96, 128 and 256; other multiples of 8 run the next native one with
 zero padding (done by the caller). The tile table and the reasoning behind it are in the opening
@@ -94,21 +98,23 @@ def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
 def sm90_dkdv_smem_bytes(d: int, bm: int, bn: int, stages: int, with_dq: bool) -> int:
     """Dynamic smem of flash_bwd_dkdv_sm90 (bwd90::Smem in flash_bwd_sm90.cu): 1024 B of alignment
     slack, K and V (BN x D), STAGES x (Q, dO: BM x D), dS (BM x BN) with dQ, STAGES x (lse2,
-    delta: BM fp32 each), 128 B of mbarriers."""
+    delta: BM fp32 each, and the tile's 16-byte TileMeta), 128 B of mbarriers."""
     return (1024 + 2 * bn * d * 2 + stages * 2 * bm * d * 2 + (bm * bn * 2 if with_dq else 0)
-            + stages * 2 * bm * 4 + 128)
+            + stages * (2 * bm * 4 + 16) + 128)
 
 
-def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool) -> KernelVariant:
+def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool, listed: bool = False) -> KernelVariant:
     """The Hopper dK/dV step (family bwd_dkdv_sm90, or bwd_dkdv_nodq_sm90 without dQ) for
-    (dtype, head dim in SM90_DKDV_HEADDIMS)."""
+    (dtype, head dim in SM90_DKDV_HEADDIMS); `listed`: its rectangle-list twin
+    flash_bwd_dkdv_steps_sm90 (family + LIST_SUFFIX) on the same tiles."""
     if d not in _SM90_DKDV_TILES:
         raise ValueError(f"the Hopper backward runs head dims {SM90_DKDV_HEADDIMS}, not {d}")
     bm, bn, stages = _SM90_DKDV_TILES[d]
     flag = "true" if with_dq else "false"
+    kernel = "flash_bwd_dkdv_steps_sm90" if listed else "flash_bwd_dkdv_sm90"
     return KernelVariant(
-        family=SM90_DKDV_FAMILIES[with_dq], source=SM90_SOURCE,
-        name=f"flash_bwd_dkdv_sm90<{CXX_TYPE[dtype]}, {d}, {bm}, {stages}, {flag}>",
+        family=SM90_DKDV_FAMILIES[with_dq] + (LIST_SUFFIX if listed else ""), source=SM90_SOURCE,
+        name=f"{kernel}<{CXX_TYPE[dtype]}, {d}, {bm}, {stages}, {flag}>",
         dtype=dtype, headdim=d,
         launch=LaunchConfig(threads=SM90_THREADS, block_m=bm, block_n=bn,
                             smem_bytes=sm90_dkdv_smem_bytes(d, bm, bn, stages, with_dq), stages=stages),
@@ -145,8 +151,8 @@ def backward_variants(arch: str) -> list[KernelVariant]:
                                   _dkdv(arch, dtype, d, False, listed), _dq(arch, dtype, d, listed))]
             out += steps + [careful_variant(v) for v in steps]
         if arch == "sm_90a":
-            out += [sm90_dkdv_variant(dtype, d, with_dq) for d in SM90_DKDV_HEADDIMS
-                    for with_dq in (True, False)]
+            out += [sm90_dkdv_variant(dtype, d, with_dq, listed) for d in SM90_DKDV_HEADDIMS
+                    for with_dq in (True, False) for listed in (False, True)]
     return out
 
 

@@ -76,25 +76,28 @@ def test_head_dims_padded_to_64_and_128():
 
 
 @pytest.mark.parametrize("arch,d,scale,n_blocks,hopper", [
-    ("sm_90a", 64, 0.125, 1, True),
-    ("sm_90a", 128, 0.125, 4, True),
-    ("sm_90a", 100, 0.125, 1, True),     # runs at 128
-    ("sm_90a", 32, 0.125, 1, False),     # native 32: the mma.sync kernel, not a padded 64
-    ("sm_90a", 80, 0.125, 1, False),     # native 96
-    ("sm_90a", 256, 0.125, 1, True),     # the consumers split the head dims, not the keys
-    ("sm_90a", 200, 0.125, 1, True),     # runs at 256
-    ("sm_90a", 64, 0.0, 1, False),       # scale <= 0: the kernel masks before scaling
-    ("sm_90a", 64, 0.125, 5, False),     # many small Blocks: the mma.sync list kernel
-    (None, 64, 0.125, 1, False),         # another table
+    ("sm_90a", 64, 0.125, 1, "one"),
+    ("sm_90a", 128, 0.125, 4, "one"),
+    ("sm_90a", 100, 0.125, 1, "one"),    # runs at 128
+    ("sm_90a", 32, 0.125, 1, None),      # native 32: the mma.sync kernel, not a padded 64
+    ("sm_90a", 80, 0.125, 1, None),      # native 96
+    ("sm_90a", 256, 0.125, 1, "one"),    # the consumers split the head dims, not the keys
+    ("sm_90a", 200, 0.125, 1, "one"),    # runs at 256
+    ("sm_90a", 64, 0.0, 1, None),        # scale <= 0: the kernel masks before scaling
+    ("sm_90a", 64, 0.125, 5, "list"),    # many small Blocks: the Hopper list kernel
+    ("sm_90a", 64, 0.0, 5, None),        # ... not at a scale <= 0
+    (None, 64, 0.125, 1, None),          # another table
 ])
 def test_which_kernel_runs_the_step(arch, d, scale, n_blocks, hopper):
     ops = kernel_ops(arch=arch).ops
     blocks = [Block(40 * i, 40, 40 * i, 40, 0, 0, False) for i in range(n_blocks)]
     for family in ("bwd_dkdv", "bwd_dkdv_nodq"):
         got = ops.hopper_backward(family, "float16", d, blocks, (1, 40 * n_blocks, 2, d), scale)
-        assert (got is not None) == hopper, (family, got)
-        if hopper:
-            assert got.family == family + "_sm90", got
+        want = {None: None, "one": family + "_sm90", "list": family + "_sm90_list"}[hopper]
+        assert (got and got.family) == want, (family, got)
+    ops.sm90_lists = False   # the mma.sync list kernels for a list
+    assert ops.hopper_backward("bwd_dkdv", "float16", d, blocks, (1, 40 * n_blocks, 2, d), scale) is (
+        None if hopper in (None, "list") else ops.variant("bwd_dkdv_sm90", "float16", d))
     ops.sm90_backward = False
     assert ops.hopper_backward("bwd_dkdv", "float16", 64, blocks[:1], (1, 40, 2, 64), 0.125) is None
 

@@ -165,3 +165,40 @@ def test_many_documents_take_the_list_by_default_and_the_old_choice_stays():
         check(ops, "float16", q, k, v, blocks, scale=scale)
         steps = {name for name in counts if name.startswith("flash_fwd_step")}
         assert counts.get(kernel) == 2 and steps == {kernel}, counts   # the pair, one launch
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="seeds a broken kernel")
+def test_a_list_kernel_that_fails_its_first_use_check_is_not_used(lists_always, monkeypatch):
+    """On a GPU the first use of the list variant runs a step of several rectangles with it and
+    with the mma.sync list kernel (`KernelOps._sm90_checked`, after the one-Block variant's own
+    check). A list kernel whose output differs (here: run with twice the softmax scale) warns,
+    and the process keeps the mma.sync list kernel: the caller's output is right."""
+    ops = kernel_ops(arch="sm_90a")
+    ops.ops.first_use_check = True   # as on a GPU
+    keys = [ops.ops._first_use_key(ops.ops.variant(family, "float16", 64))
+            for family in (SM90_FAMILY, SM90_LIST_FAMILY)]
+    for key in keys:
+        kernel_ops_module._SM90_FIRST_USE.pop(key, None)
+    real = kernel_ops_module.KernelOps._forward_steps_sm90
+
+    def broken(self, variant, state, *rest):
+        state.scale *= 2
+        try:
+            real(self, variant, state, *rest)
+        finally:
+            state.scale /= 2
+    monkeypatch.setattr(kernel_ops_module.KernelOps, "_forward_steps_sm90", broken)
+    q, k, v = make("float16", 1, 240, 240, 2, 1, 64, seed=6)
+    blocks = [Block(40 * i, 40, 40 * i, 40, 40 * i, 40 * i, True) for i in range(6)]
+    try:
+        counts = _counting(ops)
+        with pytest.warns(RuntimeWarning, match="failed its first-use check"):
+            check(ops, "float16", q, k, v, blocks)
+        assert kernel_ops_module._SM90_FIRST_USE[keys[0]] is True, "the one-Block kernel passed"
+        assert kernel_ops_module._SM90_FIRST_USE[keys[1]] is False, "the list kernel failed"
+        counts.clear()
+        check(ops, "float16", q, k, v, blocks)   # no second check, no warning
+        assert "flash_fwd_steps_sm90" not in counts and counts.get("flash_fwd_steps") == 2, counts
+    finally:
+        for key in keys:
+            kernel_ops_module._SM90_FIRST_USE.pop(key, None)

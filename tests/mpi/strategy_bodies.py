@@ -185,7 +185,8 @@ def mask_rects(name: str, n: int) -> list:
 
 
 def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen_local=12, cases=(),
-                                       ulysses_degree=None, backend="numpy"):
+                                       ulysses_degree=None, backend="numpy", options=None,
+                                       headdim=8):
     """Sliding windows, documents and uneven shards (tests/test_mask_kinds.py's cases):
     out, lse, dq, dk, dv against a float64 reference over an explicit dense mask written here
     (key j visible to query i iff (not causal or j <= i) and i - left <= j <= i + right, -1
@@ -197,8 +198,14 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
     global length (any: shards differ by a row), one with "lengths" (per world size) contiguous
     shards of those lengths. Bytes sent are
     asserted for burst (rows of the blocks and bundles it passes on, each at its owner's
-    length), ring and allgather; unshard gives the global output back."""
-    group = burstcu.init(backend=backend)
+    length), ring and allgather; unshard gives the global output back. options: burstcu.init's
+    keywords (e.g. the kernel table); headdim: of the inputs (4 query heads on 2 kv heads).
+    Returns the number of cases and the step kernels the op launched (a kernel backend's)."""
+    group = burstcu.init(backend=backend, **(options or {}))
+    launched: set = set()
+    if hasattr(group.ops, "function"):   # the step kernels that ran, by name
+        function = group.ops.function
+        group.ops.function = lambda name: launched.add(name.split("<")[0]) or function(name)
     rank, size = group.rank, group.size
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
     half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
@@ -210,7 +217,7 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         docs = doc_boundaries(case.get("doc_lengths"), n)
         rects = mask_rects(case["block_mask"], n) if "block_mask" in case else None
         keep = dense_keep(np.arange(n), np.arange(n), causal, (left, right), docs, rects)
-        q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, 8, dtype)
+        q, k, v, dout = make_inputs(300 + index, 1, n, 4, 2, headdim, dtype)
         groups = case_rows(case, size, n, docs, group)
         rows = groups[rank]
         ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
@@ -278,7 +285,7 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
                                 uneven=kw.get("uneven", False))
         assert whole.shape[1] == n and np.array_equal(whole[:, rows], out)
     group.close()
-    return {"cases": len(cases)}
+    return {"cases": len(cases), "kernels": sorted(launched)}
 
 
 def documents_disagree():

@@ -27,10 +27,13 @@ disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Bloc
 (`params.listable`).
 
 On the "sm_90a" table the Hopper dK/dV kernel (kernels/flash_bwd_sm90.cu: wgmma, TMA, warp
-specialisation) takes a step a launch a Block where `KernelOps.hopper_backward` allows it (head
-dims 64, 128 and 256, a step of few or large Blocks, a softmax scale > 0, its first-use check passed
-on a GPU): with atomic dQ, or beside the mma.sync dQ kernel in the deterministic mode. A Block
-with masked pairs pairs it with the mma.sync careful twin, of which the nonfinite flag runs one.
+specialisation) takes the place of the mma.sync one where `KernelOps.hopper_backward` allows it
+(head dims 64, 128 and 256, a softmax scale > 0, its first-use check passed on a GPU): a launch a
+Block for a step of few or large Blocks, its list twin (flash_bwd_dkdv_steps_sm90) for a step of
+many small ones; with atomic dQ, or beside the mma.sync dQ kernels in the deterministic mode. A
+Block with masked pairs (a list: one with masked pairs, or rows ending inside a tile, whose
+neighbours its whole-array tensor maps read) pairs it with the mma.sync careful twin, of which the
+nonfinite flag runs one.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from ...build.bwd_variants import LIST_SUFFIX, delta_variant
 from ...build.variants import CAREFUL_SUFFIX
 from ...layout import Block
 from ..base import dtype_name
-from .params import (any_masked, bwd_delta_params, bwd_step_params, bwd_step_sm90_params, cdiv,
-                     check_rows, element_strides, listable, nonempty, rows_contiguous,
-                     same_strides, vector_ready)
+from .params import (any_masked, block_column, bwd_delta_params, bwd_step_params,
+                     bwd_step_sm90_params, cdiv, check_rows, element_strides, listable, nonempty,
+                     rows_contiguous, same_strides, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -180,18 +183,19 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")]
     else:
         families = [("bwd_dkdv", "key")]
-    masked = any_masked(blocks)
+    tiled = [tiled for _, tiled in families]
+    hopper = ops.hopper_backward(families[0][0], ctx.dtype, ctx.headdim, blocks, qp.shape, ctx.scale,
+                                 tiled)
+    hopper_list = hopper is not None and hopper.family.endswith(LIST_SUFFIX)
+    masked = any_masked(blocks) or (hopper_list and _ragged(blocks, hopper))
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
     # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
     flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
     operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run)
-    hopper = ops.hopper_backward(families[0][0], ctx.dtype, ctx.headdim, blocks, qp.shape, ctx.scale)
-    if hopper is not None:
-        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B), hopper)
-    elif len(blocks) > 1 and listable(blocks, [tiled for _, tiled in families]):
-        _launch_list(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
+    if hopper_list or (hopper is None and len(blocks) > 1 and listable(blocks, tiled)):
+        _launch_list(ops, ctx, operands, blocks, families, flag, masked, (H, Hkv, B), hopper)
     else:
-        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B))
+        _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B), hopper)
     if dq_run is not dq:
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:
@@ -224,36 +228,69 @@ def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Bl
                                            shared_mem=careful.launch.smem_bytes)
 
 
-def _launch_hopper(ops, hopper, operands: tuple, blk: Block, flag, scale: float,
-                   heads: tuple) -> None:
+def _launch_hopper(ops, hopper, operands: tuple, blk: Block | None, flag, scale: float,
+                   heads: tuple, groups=None) -> None:
     """One Block through flash_bwd_dkdv_sm90: tensor maps of the Block's q, dO, k and v rows,
-    grid (ceil(k_len / block_n), Hkv, B) (block_n 128, 64 at head dim 256); it returns at once
-    when `flag` is set."""
+    grid (ceil(k_len / block_n), Hkv, B) (block_n 128, 64 at head dim 256); or (blk None) a
+    step's `groups` (`step_lists`, by key range, tiles of block_n keys) through
+    flash_bwd_dkdv_steps_sm90: maps of the whole arrays, grid (groups.tiles, Hkv, B). It returns
+    at once when `flag` is set."""
     H, Hkv, B = heads
     qp, dop, k, v, lse, delta, dq, dk, dv, _ = operands
     cfg = hopper.launch
-    maps = (tensor_map_4d_rows(ops.backend, qp, blk.q_start, blk.q_len, cfg.block_m),
-            tensor_map_4d_rows(ops.backend, dop, blk.q_start, blk.q_len, cfg.block_m),
-            tensor_map_4d_rows(ops.backend, k, blk.k_start, blk.k_len, cfg.block_n),
-            tensor_map_4d_rows(ops.backend, v, blk.k_start, blk.k_len, cfg.block_n))
-    params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale)
-    ops.function(hopper.name)((cdiv(blk.k_len, cfg.block_n), Hkv, B), (cfg.threads,), (params,),
-                              shared_mem=cfg.smem_bytes)
+    q_rows = (0, qp.shape[1]) if blk is None else (blk.q_start, blk.q_len)
+    k_rows = (0, k.shape[1]) if blk is None else (blk.k_start, blk.k_len)
+    maps = (tensor_map_4d_rows(ops.backend, qp, *q_rows, cfg.block_m),
+            tensor_map_4d_rows(ops.backend, dop, *q_rows, cfg.block_m),
+            tensor_map_4d_rows(ops.backend, k, *k_rows, cfg.block_n),
+            tensor_map_4d_rows(ops.backend, v, *k_rows, cfg.block_n))
+    params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale, groups)
+    grid = (groups.tiles if blk is None else cdiv(blk.k_len, cfg.block_n), Hkv, B)
+    ops.function(hopper.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
+
+
+def _ragged(blocks: Sequence[Block], hopper) -> bool:
+    """Whether a Block's rows end inside a tile of the Hopper list kernel `hopper`: its maps cover
+    the whole arrays, so such a tile reads the next rows (P = 0 there, but 0 x Inf = NaN), and
+    the step takes the careful pair as one with masked pairs does."""
+    return bool(np.any(block_column(blocks, "q_len") % hopper.launch.block_m)
+                or np.any(block_column(blocks, "k_len") % hopper.launch.block_n))
 
 
 def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
-                 families: list, flag, heads: tuple) -> None:
+                 families: list, flag, masked: bool, heads: tuple, hopper=None) -> None:
     """`backward_step`'s launches for a whole step: each family's list kernel once over the
-    Blocks grouped by its range, the same tiles (arguments as in `_launch_each`)."""
+    Blocks grouped by its range, the same tiles (arguments as in `_launch_each`; masked: whether
+    the step's careful pairs run, `flag` set where it is). `hopper`: the Hopper list kernel
+    (flash_bwd_dkdv_steps_sm90) in place of the first family's, with tensor maps of the whole
+    arrays, paired where `masked` (masked pairs, or rows ending inside its tiles) with that
+    family's mma.sync careful list twin; the other families pair where pairs are masked."""
     H, Hkv, B = heads
-    masked = any_masked(blocks)
-    variants = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
-    lists = ops.step_lists(blocks, [(tiled, _tile_rows(variant, tiled))
-                                    for variant, (_, tiled) in zip(variants, families)])
+    listed = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
+    runs = [hopper or listed[0], *listed[1:]]   # what runs (and, masked, the twins of `listed`)
+    groupings = [(tiled, _tile_rows(variant, tiled)) for variant, (_, tiled) in zip(runs, families)]
+    twin_grouping = ("key", _tile_rows(listed[0], "key"))   # the Hopper kernel's careful twin's
+    if hopper is not None and masked and twin_grouping not in groupings:
+        groupings.append(twin_grouping)
+    lists = ops.step_lists(blocks, groupings)
     ctx.keep.append(lists)  # the rectangles stay until the step has run
-    for variant, (_, tiled), groups in zip(variants, families, lists):
-        params = bwd_step_params(*operands, ops.step_flag(masked, flag), None, ctx.scale, groups)
-        ops.launch_step(variant, (groups.tiles, Hkv if tiled == "key" else H, B), params, masked)
+    pairs_masked = any_masked(blocks)
+    for i, (variant, (_, tiled), groups) in enumerate(zip(runs, families, lists)):
+        grid = (groups.tiles, Hkv if tiled == "key" else H, B)
+        if i == 0 and hopper is not None:
+            _launch_hopper(ops, hopper, operands, None, ops.step_flag(masked, flag), ctx.scale,
+                           heads, groups)
+            if masked:   # the mma.sync careful list twin on its own tiles: the flag runs one
+                careful = ops.variant(families[0][0] + LIST_SUFFIX + CAREFUL_SUFFIX, ctx.dtype,
+                                      ctx.headdim)
+                twin = lists[groupings.index(twin_grouping)]
+                params = bwd_step_params(*operands, flag, None, ctx.scale, twin)
+                ops.function(careful.name)((twin.tiles, Hkv, B), (careful.launch.threads,),
+                                           (params,), shared_mem=careful.launch.smem_bytes)
+            continue
+        params = bwd_step_params(*operands, ops.step_flag(pairs_masked, flag), None, ctx.scale,
+                                 groups)
+        ops.launch_step(variant, grid, params, pairs_masked)
 
 
 def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:

@@ -32,7 +32,7 @@ import numpy as np
 from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_LIST_FAMILY,
                                   careful_twin, nonfinite_flag_variant)
 from ...build import all_variants
-from ...build.bwd_variants import SM90_DKDV_FAMILIES, SM90_DKDV_HEADDIMS
+from ...build.bwd_variants import LIST_SUFFIX, SM90_DKDV_FAMILIES, SM90_DKDV_HEADDIMS
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
@@ -64,8 +64,10 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # kernel, a launch a Block, when the step has at most SM90_MAX_RECTS Blocks (a step without
 # documents has 1 or 2) or when its Blocks are large, at least SM90_MIN_FLOP_PER_RECT of work each
 # on average (4 x q_len x k_len x D x H x B, masked pairs included); else a rectangle-list
-# kernel, one launch: the Hopper one (flash_fwd_steps_sm90, `KernelOps.sm90_lists`), or the
-# mma.sync one (flash_fwd_steps) with sm90_lists False, the choice the numbers below measured.
+# kernel, one launch: the Hopper one (flash_fwd_steps_sm90; dK/dV: flash_bwd_dkdv_steps_sm90,
+# `KernelOps.sm90_lists`), or the mma.sync one (flash_fwd_steps, flash_bwd_dkdv_steps) with
+# sm90_lists False, the choice the numbers below measured (for the forward; the backward's
+# lists are not yet timed on a GPU: bench/gpu/step_lists.py --passes bwd).
 # Measured on an H200 (bench/results/h200/run2, step_lists*.json): 241
 # documents over 4 ranks, 8676 rectangles, 1.32 s through the Hopper kernel (host-bound: 0.13 ms a
 # launch, three tensor maps encoded each time) against 30 ms through the list kernel. The work
@@ -94,6 +96,19 @@ class ForwardState:
     headdim: int
     dtype: str
     keep: list = field(default_factory=list)
+
+
+def _first_use_blocks(listed: bool) -> list[Block]:
+    """The Blocks of a first-use check's step (`KernelOps._sm90_checked`, `_sm90_backward_checked`)
+    over q rows [32, 352) and k rows [64, 384) (the tensor maps' base offsets): one causal Block
+    of 320 rows, or, for a rectangle-list variant (`listed`), six small ones that take the list
+    kernels: three key ranges and four query ranges, several shared in each grouping, causal and
+    full, every range ending inside a tile."""
+    if not listed:
+        return [Block(32, 320, 64, 320, 0, 0, True)]
+    return [Block(32, 90, 64, 100, 0, 0, True), Block(122, 70, 64, 100, 90, 0, False),
+            Block(192, 100, 164, 130, 0, 0, True), Block(292, 60, 294, 90, 0, 0, False),
+            Block(32, 90, 294, 90, 200, 0, False), Block(122, 70, 164, 130, 500, 0, True)]
 
 
 def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklevel: int) -> bool:
@@ -177,8 +192,8 @@ class KernelOps(LocalOps):
         # next pairs' (fewer pairs at once share their K/V tiles in L2); None: all of them (the
         # order measured in bench/results/h200). bench/gpu/kernel_speed.py --sm90-head-group.
         self.sm90_head_group: int | None = None
-        # a step of many small Blocks on the sm_90a table: the Hopper list kernel (True) or the
-        # mma.sync one (False, for comparison; see SM90_MAX_RECTS)
+        # a step of many small Blocks on the sm_90a table: the Hopper list kernels, forward and
+        # dK/dV (True), or the mma.sync ones (False, for comparison; see SM90_MAX_RECTS)
         self.sm90_lists = True
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
@@ -292,11 +307,11 @@ class KernelOps(LocalOps):
         kernel of the same head dim; if they differ by more than two correct kernels do (8 eps
         of the output's magnitude), or the Hopper launch raises, it warns and this process keeps
         the mma.sync kernel for that variant (`forward_variant`). The case: B = 2, H = 4 on
-        Hkv = 2, a causal block of 320 rows starting at q row 32 and k row 64 (the tensor maps'
-        base offsets), on a grid of 2 blocks (12 tiles each: the pipelines' phases carried from
-        tile to tile), once clean and once with NaN in V outside the block (the careful twins
-        run). `first_use_check` (True on a GPU, False under the emulator, whose runs the tests
-        check) turns it on or off. A kernel that hangs is not caught here."""
+        Hkv = 2, `_first_use_blocks` (a causal block of 320 rows; for the list variant six small
+        ones against the mma.sync list kernel), on a grid of 2 blocks (the pipelines' phases
+        carried from tile to tile), once clean and once with NaN in V before the blocks (the
+        careful twins run). `first_use_check` (True on a GPU, False under the emulator, whose
+        runs the tests check) turns it on or off. A kernel that hangs is not caught here."""
         key = self._first_use_key(hopper)
         if not self.first_use_check or key in _SM90_FIRST_USE:
             return _SM90_FIRST_USE.get(key, True)
@@ -310,7 +325,7 @@ class KernelOps(LocalOps):
         q, k, v = rand(n + 32, 4), rand(n + 64, 2), rand(n + 64, 2)
         poisoned = v.copy()
         poisoned[:, :64] = float("nan")
-        blocks = [Block(32, n, 64, n, 0, 0, True)]
+        blocks = _first_use_blocks(hopper.family == SM90_LIST_FAMILY)
         plain = self.variant("forward", hopper.dtype, d)
 
         def run():
@@ -446,7 +461,8 @@ class KernelOps(LocalOps):
         if self._sm90_runs(blocks, state.q.shape, state.scale):
             return hopper
         if self.sm90_lists and listable(blocks, ["query"]):
-            return self.variant(SM90_LIST_FAMILY, state.dtype, state.headdim)
+            listed = self.variant(SM90_LIST_FAMILY, state.dtype, state.headdim)
+            return listed if self._sm90_checked(listed, state.q.dtype) else plain
         return plain
 
     @staticmethod
@@ -464,27 +480,38 @@ class KernelOps(LocalOps):
         return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
 
     def hopper_backward(self, family: str, dtype: str, headdim: int, blocks: Sequence[Block],
-                        q_shape: tuple, scale: float) -> KernelVariant | None:
+                        q_shape: tuple, scale: float,
+                        tiled: Sequence[str] = ("key",)) -> KernelVariant | None:
         """The Hopper dK/dV step (kernels/flash_bwd_sm90.cu) that takes the place of `family`
-        ("bwd_dkdv" or "bwd_dkdv_nodq") for a step of `blocks`, a launch a Block; None where the
-        mma.sync kernels run it: another tile table than "sm_90a", `sm90_backward` off, a head
-        dim the Hopper family does not run natively (it runs 64, 128 and 256; the mma.sync family's
-        native head dim decides, as `forward_variant` does), or a step `_sm90_runs` refuses."""
+        ("bwd_dkdv" or "bwd_dkdv_nodq") for a step of `blocks`: a launch a Block where
+        `_sm90_runs`, else, with `sm90_lists`, its rectangle-list kernel (family + LIST_SUFFIX) for
+        a step whose Blocks are `listable` by every range of `tiled` (the step's kernels: "key",
+        and "query" where the mma.sync dQ list kernel runs beside it). None where the mma.sync
+        kernels run the step: another tile table than "sm_90a", `sm90_backward` off, a head dim the
+        Hopper family does not run natively (it runs 64, 128 and 256; the mma.sync family's native
+        head dim decides, as `forward_variant` does), a scale <= 0, or neither case above."""
         if self.arch != "sm_90a" or not self.sm90_backward:
             return None
         hopper_family = SM90_DKDV_FAMILIES[family == "bwd_dkdv"]
         plain = self.variant(family, dtype, headdim)
-        if plain.headdim not in SM90_DKDV_HEADDIMS or not self._sm90_runs(blocks, q_shape, scale):
+        if plain.headdim not in SM90_DKDV_HEADDIMS or not scale > 0:
             return None
-        hopper = self.variant(hopper_family, dtype, headdim)
-        return hopper if self._sm90_backward_checked(hopper) else None
+        if not self._sm90_runs(blocks, q_shape, scale):
+            if not (self.sm90_lists and len(blocks) > 1 and listable(blocks, tiled)):
+                return None
+            hopper_family += LIST_SUFFIX
+        for name in dict.fromkeys((SM90_DKDV_FAMILIES[family == "bwd_dkdv"], hopper_family)):
+            hopper = self.variant(name, dtype, headdim)   # the one-Block kernel, then the list's
+            if not self._sm90_backward_checked(hopper):
+                return None
+        return hopper
 
     def _sm90_backward_checked(self, hopper: KernelVariant) -> bool:
         """`_sm90_checked` for the Hopper backward: the first use of `hopper` on a device runs a
-        backward step with it and with the mma.sync kernels (B = 2, H = 4 on Hkv = 2, a causal
-        block of 320 rows from q row 32 and k row 64, lse drawn near the scores' log-sum-exp);
-        dq, dk and dv must agree within 8 eps of each one's magnitude, else it warns and this
-        process keeps the mma.sync kernels for that variant."""
+        backward step with it and with the mma.sync kernels (B = 2, H = 4 on Hkv = 2,
+        `_first_use_blocks`: a causal block of 320 rows, six small ones for a list variant; lse
+        drawn near the scores' log-sum-exp); dq, dk and dv must agree within 8 eps of each one's
+        magnitude, else it warns and this process keeps the mma.sync kernels for that variant."""
         key = self._first_use_key(hopper)
         if key in self._sm90_checking:
             return True   # the check's own step
@@ -500,7 +527,7 @@ class KernelOps(LocalOps):
         k, v = rand(2, n + 64, 2, d), rand(2, n + 64, 2, d)
         lse = xp.abs(rand(2, 4, n + 32, dtype=np.float32)) + np.float32(4)
         delta = rand(2, 4, n + 32, dtype=np.float32)
-        blocks = [Block(32, n, 64, n, 0, 0, True)]
+        blocks = _first_use_blocks(hopper.family.endswith(LIST_SUFFIX))
 
         def run():   # the check's own step runs `hopper` (with dQ or without, as its family says)
             saved, grads = (self.sm90_backward, self.deterministic), []
@@ -508,7 +535,7 @@ class KernelOps(LocalOps):
             try:
                 for hopper_on in (True, False):
                     self.sm90_backward = hopper_on
-                    self.deterministic = hopper.family == SM90_DKDV_FAMILIES[False]
+                    self.deterministic = hopper.family.startswith(SM90_DKDV_FAMILIES[False])
                     ctx = self.backward_init(k, v, 1.0 / math.sqrt(d))
                     dq = xp.zeros(q.shape, dtype=np.float32)
                     self.backward_step(ctx, q, dout, lse, delta, dq, blocks)

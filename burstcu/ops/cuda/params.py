@@ -225,7 +225,8 @@ BWD_STEP_SM90 = CStruct("BwdStepSm90Params", [
     ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("lse", "ptr"),
     ("delta", "ptr"), ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("nonfinite", "ptr"),
     ("dq_stride", ROW_STRIDES), ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES),
-    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32")])
+    ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32"), ("n_groups", "i32"),
+    ("rects", "ptr"), ("groups", "ptr")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
                  BWD_DELTA, BWD_STEP, FWD_STEP_SM90, BWD_STEP_SM90)
@@ -542,15 +543,20 @@ def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, bloc
         n_groups=0 if groups is None else groups.n_groups)
 
 
-def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: Block,
-                         heads: int, kv_heads: int, scale: float) -> np.void:
+def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: Block | None,
+                         heads: int, kv_heads: int, scale: float,
+                         groups: StepGroups | None = None) -> np.void:
     """BwdStepSm90Params: `maps` the tensor maps (q, dO, k, v) of the block's rows (128 uint8
     each, `burstcu.ops.cuda.tensor_map`); lse, delta (B, H, Sq) float32 sharing strides, rows
     contiguous; dq (B, Sq, H, D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides;
-    nonfinite a device int32."""
+    nonfinite a device int32. flash_bwd_dkdv_steps_sm90 takes a whole step's `groups` (grouped
+    by key range; block None) and maps of the whole arrays."""
     q_map, do_map, k_map, v_map = maps
     return BWD_STEP_SM90.pack(
         q_map=q_map, do_map=do_map, k_map=k_map, v_map=v_map, lse=lse, delta=delta, dq=dq, dk=dk,
         dv=dv, nonfinite=nonfinite, dq_stride=_shared_strides(3, dq),
         dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, lse, delta),
-        blk=block_rect(block), H=heads, Hkv=kv_heads, scale=scale)
+        blk=(0,) * 8 if block is None else block_rect(block), H=heads, Hkv=kv_heads, scale=scale,
+        n_groups=0 if groups is None else groups.n_groups,
+        rects=None if groups is None else groups.rects,
+        groups=None if groups is None else groups.offsets)
