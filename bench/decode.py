@@ -2,13 +2,17 @@
 length (columns: bench/README.md): ms per token of one `KVCache.decode` (the slowest rank, median
 over repeats), the bandwidth it reaches and on a GPU its fraction of the device's measured copy
 bandwidth, the host ms of calls issued back to back, torch's SDPA over the same rows in the same
-run on one GPU, and the bytes a rank sends, asserted equal to `decode_bytes`. --paged PAGE: the
-cache in pages of PAGE rows. On the numpy backend also the first token's causal prefill time for
-burst, allgather and the whole prompt on one rank. --predict: per-token latency on
+run on one GPU, the bytes a rank sends, asserted equal to `decode_bytes`, and on the kernel
+backends which split kernel ran (`split_kernel`: flash_decode_split on the CUDA cores, or its
+tensor-core twin flash_decode_split_mma where H / Hkv x T >= 16 in float16/bfloat16). --tokens T:
+T new tokens a call, each seeing every valid cache row (default 1; ms_per_token is then ms a call). --paged
+PAGE: the cache in pages of PAGE rows. On the numpy backend also the first token's causal
+prefill time for burst, allgather and the whole prompt on one rank. --predict: per-token latency on
 bench/model/predict.py's presets from `burstcu.plan.predict_decode`, labelled PREDICTION.
 
     mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096] [--plot P]
     python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
+    python bench/decode.py --backend cupy --tokens 8       # 4 x 8 = 32 rows a kv head: the twin
     python bench/decode.py --predict [--ranks 1 2 4 8] [--cache ...] [--json F]
 """
 
@@ -27,10 +31,11 @@ from bench.model.predict import PRESETS  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu.engine.decode import decode_bytes  # noqa: E402
+from burstcu.ops.cuda.decode import split_kernel  # noqa: E402
 from burstcu.plan import predict_decode  # noqa: E402
 
 DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "host_ms", "torch_ms",
-                  "bytes_per_rank", "cache_rows_per_rank"]
+                  "bytes_per_rank", "cache_rows_per_rank", "split_kernel"]
 PREFILL_COLUMNS = ["prompt", "strategy", "first_token_ms"]
 # defaults where an option is not given: a GPU's sizes, or what CPU ranks finish in minutes
 DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repeats": 20},
@@ -66,7 +71,7 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     kv = ops.xp.asarray(C.normal(np, [(2, b, mine, hkv, d)], args.dtype, [1, group.rank])[0])
     cache.from_prefill(kv[0], kv[1])
     del kv
-    q = ops.xp.asarray(C.normal(np, [(b, 1, h, d)], args.dtype, 2)[0])
+    q = ops.xp.asarray(C.normal(np, [(b, args.tokens, h, d)], args.dtype, 2)[0])
     events = group.backend == "cupy" and group.size == 1     # one GPU: CUDA events, no barrier
 
     def step():
@@ -93,7 +98,14 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
             "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
             "host_ms": host,
             "torch_ms": torch_ms(q, cache, n, args.repeats) if events and not args.paged else None,
-            "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max())}
+            "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max()),
+            "split_kernel": _split_kernel(ops)}
+
+
+def _split_kernel(ops) -> str | None:
+    """The template name of the split kernel the last decode ran (None: array operations)."""
+    name = split_kernel(ops)
+    return name.split("<")[0] if name else None
 
 
 def measure_prefill(group, args, n: int) -> list[dict]:
@@ -152,6 +164,7 @@ def main(argv=None) -> int:
     C.add_shape_args(p, heads=32, headdim=128, dtype=None)
     p.set_defaults(kv_heads=8)
     p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
+    p.add_argument("--tokens", type=int, default=1, metavar="T", help="new tokens a call (q's T)")
     p.add_argument("--repeats", type=int)
     p.add_argument("--host-calls", type=int, default=20)
     p.add_argument("--backend", default="numpy", choices=["numpy", "emulated", "cupy"])

@@ -304,6 +304,62 @@ __device__ __forceinline__ void gemm_rs(float acc[NW / 8][4], const float x[KDIM
   }
 }
 
+/// s (16 x 8 NT fp32 C fragments) = Q K^T over KC k16 chunks of the head dim (flash_fwd.cu's
+/// and flash_decode.cu's scores): the warp's 16 query rows as A fragments, qf[kc] from registers
+/// (QR) or ldmatrix'ed a chunk at a time from q_row + 16 kc (the lane's row of the warp's Q tile
+/// in shared memory: row lane % 16, columns 8 (lane / 16) on); the 8 NT keys' rows from kt
+/// (row-major, stride ld) as the B fragments of two n8 tiles a ldmatrix.x4, the lane's row and
+/// column of that load at k_row = (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8
+/// (matrix i = keys 8 (i / 2), columns 8 (i % 2); formed once by the caller, outside its loops).
+template <typename T, int NT, int KC, bool QR>
+__device__ __forceinline__ void gemm_qk(float (&s)[NT][4], const u32 (&qf)[QR ? KC : 1][4],
+                                        const T* q_row, const T* kt, int ld, int k_row, int k_col) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    u32 a_smem[4];
+    const u32* a = QR ? qf[QR ? kc : 0] : a_smem;
+    if (!QR) ldmatrix_x4(a_smem, q_row + kc * 16);
+#pragma unroll
+    for (int jp = 0; jp < NT / 2; ++jp) {
+      u32 kb[4];
+      ldmatrix_x4(kb, kt + (jp * 16 + k_row) * ld + kc * 16 + k_col);
+      mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
+      mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
+    }
+  }
+}
+
+/// The online softmax of a tile's scores in base 2 (flash_fwd.cu's, flash_decode.cu's), for a
+/// lane's two rows (r2 = 0: row g, 1: row g + 8) of s (16 x 8 NT, C fragments): m = max(m, the
+/// row's max over the quad that shares it), alpha = exp2(m_old - m), s = P = exp2(s - m), l = l
+/// alpha + the lane's part of the row sum (summed over the quad at the end). A row with no visible
+/// key yet keeps m = -inf, and 0 stands in for it as the reference (exp2(-inf - 0) = 0, not
+/// exp2(-inf + inf) = NaN): the finite -inf guard.
+template <int NT>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2]) {
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    float mx = m[r2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r2], s[j][2 * r2 + 1]));
+    mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
+    const float ref = mx == -INFINITY ? 0.f : mx;
+    alpha[r2] = exp2f(m[r2] - ref);
+    m[r2] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j][2 * r2] = exp2f(s[j][2 * r2] - ref);
+      s[j][2 * r2 + 1] = exp2f(s[j][2 * r2 + 1] - ref);
+      sum += s[j][2 * r2] + s[j][2 * r2 + 1];
+    }
+    l[r2] = l[r2] * alpha[r2] + sum;
+  }
+}
+
 /// For the products of a tile with masked pairs (gemm_rs_masked): 1.0 in each half of an A
 /// operand register whose value is non-zero, 0 elsewhere.
 template <typename T> __device__ __forceinline__ u32 nonzero_ones(u32 a) {

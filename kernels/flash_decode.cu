@@ -28,6 +28,32 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
                 tile's 32 keys, four at a time (one float4 of p a row, one vector load of v)
         at the end l_r = warp sum of the lanes' l_r, and the split's (m, l, acc) go to the
         workspace: m, l (B, H, T, splits) and acc (B, H, T, splits, D), fp32, base 2.
+    flash_decode_split_mma   the tensor-core twin (T in {__half, __nv_bfloat16}; the launcher
+        takes it where D is a multiple of 16 up to 256 and R >= 16): the same grid with ROWS in
+        {16, 32, 64} (R rounded up to 16, at most 64; more row groups past 64), the same
+        workspace, so combine and merge are unchanged. NWARPS = 4 warps as MT = ROWS / 16 row
+        tiles of 16 query rows x KS = NWARPS / MT key slices: warp w takes row tile w % MT and
+        keys [s * KW, (s + 1) * KW) of every tile, s = w / MT, KW = BKM / KS (16, 32 or 64):
+        each warp a FlashAttention-2 row block of its own over its slice of the split's keys.
+        The block's query rows go to shared memory as T, unscaled, zero past D and past R; at
+        DN <= 128 their A fragments (ldmatrix.x4) stay in registers for the whole split and
+        their shared memory is the ring's last stage (first filled after the loop's first
+        barrier), at DN = 256 they are re-read a tile (flash_fwd.cu's register budget);
+        K and V tiles of BKM keys (64; 32 at DN = 256 and ROWS >= 32, sm_86's shared memory)
+        stream through the same cp.async ring as above (decode::load_tile: 16-byte copies, key
+        rows past the split's end zero-filled without a read, the page table when paged).
+        For each tile, a warp whose slice holds a key of the split (else it only loads):
+            S = Q K^T       mma.m16n8k16, A = Q fragments, B = K from ldmatrix.x4 (16 x KW)
+            s = S * scale * log2(e); s = -inf past the split's end (a select: the zero-filled
+                rows gave S = 0, never a product with what the memory there holds)
+            m' = max(m, rowmax s) (a quad's warp_max); P = exp2(s - m'); l = l exp2(m - m')
+                + rowsum P (the lane's part); acc *= exp2(m - m')   (flash_fwd.cu's, base 2)
+            acc += P V      P's accumulator fragments re-packed as A fragments (gemm_rs), V
+                from ldmatrix.x4.trans; a key past the end has P = 0 against a zero V row
+        then the KS slices of a row tile merge (KS > 1) through the drained ring: slices 1..KS-1
+        store their fragments lane-major (m, the lane's l, acc), slice 0 takes M = max_s m_s,
+        l = sum_s exp2(m_s - M) l_s, acc likewise (an -inf M counts as 0), sums l over its quad
+        and writes the rows < R of its tile; padding rows (past R) are never written.
     flash_decode_combine  grid (T * H, B), DECODE_COMBINE_THREADS threads over D
         M = max_s m_s; w_s = exp2(m_s - M); l = sum_s w_s l_s; acc = sum_s w_s acc_s
         written as the rank's partial in natural-log units: acc (B, T, H, D) (un-normalised,
@@ -51,8 +77,21 @@ bytes (2 * D * 2 at fp16) take at the SM's share of HBM: a 32-key fp16 tile at D
 Little's law: ~3 MB must be in flight (1 us latency), ~25 KB an SM: STAGES - 1 tiles ahead of
 the 2-3 resident blocks an SM covers that. The split count fills the SMs (burstcu.ops.cuda.decode,
 FlashAttention's efficiency heuristic). Rows padded by 16 bytes in shared memory, so the eight
-lanes of a 16-byte access phase read rows four banks apart (no conflict). No tensor cores: at
-R <= 32 rows a tile the CUDA cores keep up with HBM (see above).
+lanes of a 16-byte access phase read rows four banks apart (no conflict). The CUDA-core kernel
+keeps up with HBM at a few rows a tile; the FMAs a K/V byte grow with R (R / 2 at fp16: 2 R D
+FMAs for 4 D bytes of K and V), so with GQA and several new tokens a call (T up to 8, G up to 8:
+R = 16 to 64) it stops doing so: at R = 64, 12.7 B/clk an SM (H100's HBM) asks ~400 FMA/clk of an
+SM's 128 fp32 FMA lanes. The twin puts both products on the tensor cores (mma.sync m16n8k16:
+~1000 fp16 FMA/clk an SM at an A100's datasheet rate, more on an H100: ~2.5x the need at R = 64
+with H100's HBM, ~3x with A100's), where the rows allow (R >= 16: one m16 tile). All of this
+is a PREDICTION from datasheet rates: no GPU has run the twin (nor the CUDA-core kernel since the
+ring).
+Twin tiles: 64 keys a tile so that a key slice of each of the 4 warps is a whole k16 step at
+ROWS = 16 (32 at DN = 256 with ROWS >= 32, for sm_86's shared memory); stages as above (2 to 4:
+40 KB at DN = 32 up to 132 KB at DN = 256, ROWS = 16, where two stages are the least); the key
+slices of a row tile, rather than idle warps, keep all four warps on the tensor cores at R = 16
+and 32, at the price of one merge through shared memory a block. Rows padded by 16 bytes: the 8
+row addresses of an ldmatrix fall in 8 different bank groups (flash_fwd.cu).
 
 VARIANTS (burstcu/build/decode_variants.py)
     flash_decode_split<T, DPL, ROWS, NWARPS, STAGES>   T in {__half, __nv_bfloat16, float}; DPL
@@ -61,6 +100,22 @@ VARIANTS (burstcu/build/decode_variants.py)
         K/V in flight a block); dynamic shared memory (decode_variants.smem_bytes); vec = 0 (D
         or a stride not a multiple of 16 bytes, an unaligned pointer) loads element by element
         into the same ring
+    flash_decode_split_mma<T, DN, ROWS, BKM, NWARPS, STAGES>   T in {__half, __nv_bfloat16};
+        DN in {32, 64, 128, 256} (D <= DN; columns past D zero-filled like the other kernels'
+        padding); ROWS in {16, 32, 64} (families decode_mma16/32/64); NWARPS = 4; BKM and
+        STAGES as above (decode_variants.mma_keys, mma_stages); dynamic shared memory
+        decode_variants.mma_smem_bytes (decode::MmaLayout); vec = 0 as above. A variant over a
+        table's shared memory is left out (DN = 256 at ROWS = 16 on sm_86: ROWS = 32 runs).
+        From the compile gate (NVRTC 13, no spills; registers fp16 = bf16, sm_80 / sm_86 / sm_90):
+            DN  ROWS  BKM  STAGES  smem B   registers       DN  ROWS  BKM  STAGES  smem B   registers
+            32   16    64    4     40960   103/103/109     128   16    64    2     69632   183/183/187
+            32   32    64    4     40960   109/109/112     128   32    64    2     69632   201/201/208
+            32   64    64    4     40960   115/117/124     128   64    64    2     69632   223/225/223
+            64   16    64    3     55296   150/150/160     256   16    64    2    143616   254/ - /247
+            64   32    64    3     55296   154/154/159     256   32    32    2     84480   255/255/255
+            64   64    64    3     55296   169/171/171     256   64    32    2    101376   246/244/244
+        (ptxas takes what __launch_bounds__(128, 2) leaves, up to 255, for the loads it hoists;
+        blocks an SM: the registers allow 2 to 4, the shared memory 1 to 5, by DN and GPU)
     flash_decode_combine   one kernel for every dtype (fp32 in, fp32 out)
     flash_decode_merge<TOut>   TOut in {__half, __nv_bfloat16, float} (fp32 partials in)
 */
@@ -144,6 +199,32 @@ struct CacheRows {
   }
 };
 
+// What a block of the split kernels (flash_decode_split, flash_decode_split_mma) works on, grid
+// (splits, Hkv x row groups, B): kv head hk and its G = H / Hkv query heads, the block's first
+// query row row0 and its rows (at most ROWS) of the R = G x T rows of that head, batch row b, the
+// keys [start, stop) of split `split` (chunk keys a split, the row's valid keys at most) in
+// `tiles` tiles of KEYS, and where the cache rows of (b, hk) lie.
+template <typename T, int ROWS, int KEYS>
+struct SplitBlock {
+  int G, split, hk, b, row0, rows, start, stop, tiles;
+  CacheRows cache;
+  __device__ __forceinline__ SplitBlock(const DecodeSplitParams<T>& p, int chunk) {
+    G = p.H / p.Hkv;
+    const int R = G * p.T_, groups = (R + ROWS - 1) / ROWS;
+    split = blockIdx.x;
+    hk = blockIdx.y / groups;
+    b = blockIdx.z;
+    row0 = (blockIdx.y % groups) * ROWS;
+    rows = min(ROWS, R - row0);
+    start = split * chunk;
+    stop = min(start + chunk, p.lengths[b]);
+    tiles = stop > start ? (stop - start + KEYS - 1) / KEYS : 0;
+    cache = CacheRows{p.page_table == nullptr ? nullptr : p.page_table + b * p.pt_sb,
+                      (p.page_table == nullptr ? b * p.k_sb : 0) + (long long)hk * p.k_sh, p.k_sb,
+                      p.k_ss, p.page_size};
+  }
+};
+
 // The float of a 16-bit T given as its bits (the low 16 of b).
 template <typename T> __device__ __forceinline__ float bits_to_float(u32 b);
 template <> __device__ __forceinline__ float bits_to_float<__half>(u32 b) {
@@ -190,13 +271,13 @@ __device__ __forceinline__ void load_floats(const T* src, float* out) {
   }
 }
 
-// Stage one tile of BK cache rows, [j0, j0 + BK), into dst ([BK][LD]): rows past n (the
+// Stage one tile of KEYS cache rows, [j0, j0 + KEYS), into dst ([KEYS][LD]): rows past n (the
 // split's valid keys from j0) and columns past D become zeros without a read. vec: 16-byte
 // cp.async copies; else the elements through registers (visible after the next barrier).
-template <typename T, int DN, int LD, int NT>
+template <typename T, int DN, int LD, int NT, int KEYS = BK>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, const CacheRows& rows, int j0,
                                           int n, int D, bool vec) {
-  constexpr int VEC = 16 / (int)sizeof(T), CPR = DN / VEC, CHUNKS = BK * CPR;
+  constexpr int VEC = 16 / (int)sizeof(T), CPR = DN / VEC, CHUNKS = KEYS * CPR;
 #pragma unroll
   for (int it = 0; it < (CHUNKS + NT - 1) / NT; ++it) {
     const int c = threadIdx.x + it * NT;
@@ -215,6 +296,31 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, const CacheRows&
   }
 }
 
+// The tensor-core twin's dynamic shared memory (decode_variants.mma_smem_bytes mirrors it):
+//   kv  [STAGES][2][BKM][LD] T   K then V of each stage, rows padded to LD = DN + 8 (16 B)
+//   q   [ROWS][LD] T             the block's query rows, unscaled; zero past D and past R. At
+//                                DN <= 128 it lies in the last stage (its fragments go to
+//                                registers before the ring first fills that stage), else after
+// and, once the ring is drained, the key slices' merge scratch at the start of kv: slice s > 0
+// of row tile r at floats ((s - 1) * MT + r) * SLOT, its fragments lane-major (no conflict).
+template <typename T, int DN, int ROWS, int BKM, int NWARPS, int STAGES>
+struct MmaLayout {
+  static constexpr int LD = DN + 8;
+  static constexpr int TILE = BKM * LD;                 // elements of one K or V tile
+  static constexpr int MT = ROWS / 16;                  // row tiles, 16 query rows each
+  static constexpr int KS = NWARPS / MT;                // key slices: the warps of a row tile
+  static constexpr int KW = BKM / KS;                   // keys of a tile a warp takes
+  static constexpr bool Q_IN_RING = DN <= 128;
+  static constexpr int KV_BYTES = STAGES * 2 * TILE * 2;
+  static constexpr int Q_BYTES = ROWS * LD * 2;
+  static constexpr int BYTES = KV_BYTES + (Q_IN_RING ? 0 : Q_BYTES);
+  static constexpr int SLOT = 32 * (DN / 2 + 4);        // a warp's o fragments, m[2], l[2]
+  static constexpr int MERGE_BYTES = (KS - 1) * MT * SLOT * 4;
+  static_assert(NWARPS % MT == 0 && KW % 16 == 0 && KS * KW == BKM, "whole k16 slices a warp");
+  static_assert(!Q_IN_RING || Q_BYTES <= 2 * TILE * 2, "q fits one stage");
+  static_assert(MERGE_BYTES <= KV_BYTES, "the merge scratch fits the ring");
+};
+
 }  // namespace decode
 
 // min blocks 2: with the default bound ptxas capped the registers at 96 and spilled at DPL = 4;
@@ -228,22 +334,14 @@ flash_decode_split(const __grid_constant__ DecodeSplitParams<T> p) {
   constexpr int RW = L::RW, LD = L::LD;
   static_assert(STAGES >= 2 && ROWS % NWARPS == 0, "a ring of two stages at least");
   // fields used below, read once (see params.cuh on reading parameter structs)
-  const int T_ = p.T_, H = p.H, Hkv = p.Hkv, D = p.D, chunk = p.chunk, splits = p.splits;
+  const int T_ = p.T_, H = p.H, D = p.D, chunk = p.chunk, splits = p.splits;
   const float scale_log2 = p.scale_log2;
   const bool vec = p.vec != 0;
-  const int G = H / Hkv, R = G * T_;
-  const int groups = (R + ROWS - 1) / ROWS;
-  const int split = blockIdx.x, hk = blockIdx.y / groups, group = blockIdx.y % groups;
-  const int b = blockIdx.z;
+  const decode::SplitBlock<T, ROWS, BK> blk(p, chunk);
+  const int G = blk.G, split = blk.split, hk = blk.hk, b = blk.b, row0 = blk.row0, rows = blk.rows;
+  const int start = blk.start, stop = blk.stop, tiles = blk.tiles;
+  const decode::CacheRows& cache = blk.cache;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row0 = group * ROWS, rows = min(ROWS, R - row0);
-  const int n = p.lengths[b];
-  const int start = split * chunk, stop = min(start + chunk, n);
-  const int tiles = stop > start ? (stop - start + BK - 1) / BK : 0;
-  const decode::CacheRows cache{
-      p.page_table == nullptr ? nullptr : p.page_table + b * p.pt_sb,
-      (p.page_table == nullptr ? b * p.k_sb : 0) + (long long)hk * p.k_sh, p.k_sb, p.k_ss,
-      p.page_size};
   const T* __restrict__ kg = p.k;
   const T* __restrict__ vg = p.v;
 
@@ -373,6 +471,209 @@ flash_decode_split(const __grid_constant__ DecodeSplitParams<T> p) {
     for (int e = 0; e < DPL; ++e) {
       const int d = lane * DPL + e;
       if (d < D) p.ws_acc[row * D + d] = acc[i][e];
+    }
+  }
+}
+
+// The tensor-core twin (ALGORITHM, flash_decode_split_mma): the same (m, l, acc) of every
+// split, S = Q K^T and acc += P V as mma.m16n8k16 (fragments as flash_fwd.cu's).
+// min blocks 2, as the CUDA-core kernel's (no register cap below 255 at 128 threads)
+template <typename T, int DN, int ROWS, int BKM, int NWARPS, int STAGES>
+__global__ void __launch_bounds__(NWARPS * 32, 2)
+flash_decode_split_mma(const __grid_constant__ DecodeSplitParams<T> p) {
+  using L = decode::MmaLayout<T, DN, ROWS, BKM, NWARPS, STAGES>;
+  constexpr int LD = L::LD, MT = L::MT, KS = L::KS, KW = L::KW, NT = NWARPS * 32;
+  constexpr int kDTiles = DN / 8;        // n-tiles of P V (8 columns each)
+  constexpr int kNTiles = KW / 8;        // n-tiles of Q K^T (8 keys each)
+  constexpr int kKChunks = DN / 16;      // k-chunks of Q K^T
+  constexpr bool kQInRegs = L::Q_IN_RING;
+  static_assert(sizeof(T) == 2 && STAGES >= 2 && DN % 32 == 0, "16-bit T, a ring of two stages");
+  // fields used below, read once (see params.cuh on reading parameter structs)
+  const int T_ = p.T_, H = p.H, D = p.D, chunk = p.chunk, splits = p.splits;
+  const float scale_log2 = p.scale_log2;
+  const bool vec = p.vec != 0;
+  const decode::SplitBlock<T, ROWS, BKM> blk(p, chunk);
+  const int G = blk.G, split = blk.split, hk = blk.hk, b = blk.b, row0 = blk.row0, rows = blk.rows;
+  const int start = blk.start, stop = blk.stop, tiles = blk.tiles;
+  const decode::CacheRows& cache = blk.cache;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row in the tile, thread in the quad
+  const int rt = warp % MT, ks = warp / MT;          // the warp's row tile and key slice
+  const bool has_rows = rt * 16 < rows;              // warp-uniform: padding tiles only load
+  const T* __restrict__ kg = p.k;
+  const T* __restrict__ vg = p.v;
+
+  BURSTCU_DYNAMIC_SMEM(unsigned char, smem);
+  T* kv = reinterpret_cast<T*>(smem);
+  T* sQ = kv + (kQInRegs ? STAGES - 1 : STAGES) * 2 * L::TILE;
+
+  // query row r of the block is (query head hk * G + g, token t) with row0 + r = g * T + t;
+  // a warp a row, two elements a lane at a time; zeros past D and past the block's rows
+  for (int r = warp; r < ROWS; r += NWARPS) {
+    const T* src = nullptr;
+    if (r < rows) {
+      const int gq = (row0 + r) / T_, tq = (row0 + r) % T_;
+      src = p.q + b * p.q_sb + tq * p.q_st + (long long)(hk * G + gq) * p.q_sh;
+    }
+    for (int d = 2 * lane; d < DN; d += 64) {
+      u32 x = 0u;
+      if (src != nullptr && d < D) x = bits16<T>(src[d]) | (d + 1 < D ? bits16<T>(src[d + 1]) << 16 : 0u);
+      *reinterpret_cast<u32*>(sQ + r * LD + d) = x;
+    }
+  }
+  // the prologue: tiles 0 .. STAGES-2 in flight, one commit group each (empty past the end);
+  // the last stage (where q may lie) is first filled after the loop's first barrier
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < tiles) {
+      const int j0 = start + i * BKM;
+      T* stage = kv + i * 2 * L::TILE;
+      decode::load_tile<T, DN, LD, NT, BKM>(stage, kg, cache, j0, stop - j0, D, vec);
+      decode::load_tile<T, DN, LD, NT, BKM>(stage + L::TILE, vg, cache, j0, stop - j0, D, vec);
+    }
+    cp_async_commit();
+  }
+  __syncthreads();   // q stored
+
+  // ldmatrix.x4 row addresses of an A fragment: lanes 0-15 rows 0-15 at column 0, lanes 16-31
+  // the same rows at column 8; K's B fragments two n-tiles at once (gemm_qk, common.cuh)
+  const T* q_frag_row = sQ + (rt * 16 + lane % 16) * LD + (lane / 16) * 8;
+  const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
+  u32 qf[kQInRegs ? kKChunks : 1][4];
+  if (kQInRegs && has_rows) {
+#pragma unroll
+    for (int kc = 0; kc < (kQInRegs ? kKChunks : 0); ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
+  }
+
+  float o[kDTiles][4];   // acc fragments: o[j][0..1] row g, columns 8j+2t..+1; o[j][2..3] row g+8
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};   // l_i: this lane's part of the row sum
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();   // tile `tile` landed for every thread; every warp is done with tile - 1
+    {
+      const int next = tile + STAGES - 1;
+      if (next < tiles) {
+        const int j0 = start + next * BKM;
+        T* stage = kv + (next % STAGES) * 2 * L::TILE;
+        decode::load_tile<T, DN, LD, NT, BKM>(stage, kg, cache, j0, stop - j0, D, vec);
+        decode::load_tile<T, DN, LD, NT, BKM>(stage + L::TILE, vg, cache, j0, stop - j0, D, vec);
+      }
+      cp_async_commit();
+    }
+    // the split's keys left from the warp's first key of this tile (warp-uniform): none, or no
+    // row in the warp's tile, and it only loads
+    const int valid = stop - start - (tile * BKM + ks * KW);
+    if (!has_rows || valid <= 0) continue;
+    const T* kt = kv + (tile % STAGES) * 2 * L::TILE + ks * KW * LD;
+    const T* vt = kt + L::TILE;
+
+    // ---- S = Q K^T: the warp's 16 rows x KW keys
+    float s[kNTiles][4];
+    gemm_qk<T, kNTiles, kKChunks, kQInRegs>(s, qf, q_frag_row, kt, LD, k_frag_row, k_frag_col);
+    // ---- base-2 units; a key past the split's end gets -inf by a select (its zero-filled row
+    // gave s = 0: never a product with what the memory there holds)
+    const bool need_mask = valid < KW;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = s[j][e] * scale_log2;
+        s[j][e] = need_mask && 8 * j + 2 * t + (e & 1) >= valid ? -INFINITY : x;
+      }
+    }
+    // ---- online softmax (common.cuh, flash_fwd.cu's, with its finite -inf guard)
+    float alpha[2];
+    online_softmax(s, m_i, l_i, alpha);
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    }
+    // ---- acc += P V: S's accumulator fragments re-packed as A fragments, V by ldmatrix .trans;
+    // a key past the end has p = 0 against a zero-filled V row
+    gemm_rs<T, KW, DN>(o, s, vt, LD, 0);
+  }
+  cp_async_wait<0>();  // nothing outstanding when the ring is reused or the block ends
+
+  // ---- the key slices of a row tile merged into slice 0's registers, through the drained ring
+  if constexpr (KS > 1) {
+    __syncthreads();   // every warp is done with the ring
+    float* scratch = reinterpret_cast<float*>(smem);
+    if (ks > 0 && has_rows) {
+      float* mine = scratch + ((ks - 1) * MT + rt) * L::SLOT + lane;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[(4 * j + e) * 32] = o[j][e];
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        mine[(4 * kDTiles + r2) * 32] = m_i[r2];
+        mine[(4 * kDTiles + 2 + r2) * 32] = l_i[r2];
+      }
+    }
+    __syncthreads();
+    if (ks == 0 && has_rows) {
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        float top = m_i[r2];
+#pragma unroll
+        for (int sl = 1; sl < KS; ++sl)
+          top = fmaxf(top, scratch[((sl - 1) * MT + rt) * L::SLOT + (4 * kDTiles + r2) * 32 + lane]);
+        const float ref = top == -INFINITY ? 0.f : top;
+        const float w0 = exp2f(m_i[r2] - ref);
+        l_i[r2] *= w0;
+#pragma unroll
+        for (int j = 0; j < kDTiles; ++j) {
+          o[j][2 * r2] *= w0;
+          o[j][2 * r2 + 1] *= w0;
+        }
+#pragma unroll
+        for (int sl = 1; sl < KS; ++sl) {
+          const float* other = scratch + ((sl - 1) * MT + rt) * L::SLOT + lane;
+          const float w = exp2f(other[(4 * kDTiles + r2) * 32] - ref);
+          l_i[r2] += w * other[(4 * kDTiles + 2 + r2) * 32];
+#pragma unroll
+          for (int j = 0; j < kDTiles; ++j) {
+            o[j][2 * r2] += w * other[(4 * j + 2 * r2) * 32];
+            o[j][2 * r2 + 1] += w * other[(4 * j + 2 * r2 + 1) * 32];
+          }
+        }
+        m_i[r2] = top;
+      }
+    }
+  }
+
+  // ---- the rows of the warp's tile (slice 0): l summed over the quad, then the split's (m, l,
+  // acc) to the workspace; padding rows (past R) are never written
+  if (ks == 0 && has_rows) {
+    const long long row_stride = (long long)splits;   // ws_m/ws_l: (B, H, T, splits)
+    // float2 stores where every row's pairs lie on 8 bytes (D even, ws_acc on 8 bytes)
+    const bool pairs = (D & 1) == 0 && (reinterpret_cast<unsigned long long>(p.ws_acc) & 7u) == 0;
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const float total = warp_sum<4>(l_i[r2]);
+      const int rr = rt * 16 + g + 8 * r2;
+      if (rr >= rows) continue;
+      const int gq = (row0 + rr) / T_, tq = (row0 + rr) % T_, h = hk * G + gq;
+      const long long row = (((long long)b * H + h) * T_ + tq) * row_stride + split;
+      if (t == 0) {
+        p.ws_m[row] = m_i[r2];
+        p.ws_l[row] = total;
+      }
+      float* out = p.ws_acc + row * D;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        const int d = 8 * j + 2 * t;
+        if (pairs && d + 1 < D) {
+          *reinterpret_cast<float2*>(out + d) = make_float2(o[j][2 * r2], o[j][2 * r2 + 1]);
+        } else {
+          if (d < D) out[d] = o[j][2 * r2];
+          if (d + 1 < D) out[d + 1] = o[j][2 * r2 + 1];
+        }
+      }
     }
   }
 }

@@ -319,7 +319,7 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
 #pragma unroll
     for (int kc = 0; kc < kKChunks; ++kc) ldmatrix_x4(qf[kc], q_frag_row + kc * 16);
   }
-  // K B-fragments for two n-tiles at once: matrix i = keys 8*(i/2).., dims 8*(i%2)..
+  // K B-fragments for two n-tiles at once (gemm_qk)
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
 
   while (true) {  // one pass a live rectangle (once for flash_fwd_step)
@@ -349,22 +349,8 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
       if (warp_live) {
         // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys
         float s[kNTiles][4];
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         const T* kt = sK0 + stage * kStage;
-#pragma unroll
-        for (int kc = 0; kc < kKChunks; ++kc) {
-          u32 a_smem[4];
-          const u32* a = kQInRegs ? qf[kQInRegs ? kc : 0] : a_smem;
-          if (!kQInRegs) ldmatrix_x4(a_smem, q_frag_row + kc * 16);
-#pragma unroll
-          for (int jp = 0; jp < kNTiles / 2; ++jp) {
-            u32 kb[4];
-            ldmatrix_x4(kb, kt + (jp * 16 + k_frag_row) * kStride + kc * 16 + k_frag_col);
-            mma_m16n8k16<T>(s[2 * jp], a, kb, s[2 * jp]);
-            mma_m16n8k16<T>(s[2 * jp + 1], a, kb + 2, s[2 * jp + 1]);
-          }
-        }
+        gemm_qk<T, kNTiles, kKChunks, kQInRegs>(s, qf, q_frag_row, kt, kStride, k_frag_row, k_frag_col);
 
         // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
         const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
@@ -387,26 +373,7 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
 
         // ---- online softmax: new max, rescale factor, P = exp2(S - m)
         float alpha[2];
-#pragma unroll
-        for (int r2 = 0; r2 < 2; ++r2) {
-          float mx = m_i[r2];
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r2], s[j][2 * r2 + 1]));
-          mx = warp_max<4>(mx);  // the 4 threads of a row group share the row
-          // finite -inf guard: a row with no visible key yet keeps m = -inf; use 0 as the
-          // reference so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
-          const float ref = mx == fwd::neg_inf() ? 0.f : mx;
-          alpha[r2] = exp2f(m_i[r2] - ref);
-          m_i[r2] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
-            s[j][2 * r2] = exp2f(s[j][2 * r2] - ref);
-            s[j][2 * r2 + 1] = exp2f(s[j][2 * r2 + 1] - ref);
-            sum += s[j][2 * r2] + s[j][2 * r2 + 1];
-          }
-          l_i[r2] = l_i[r2] * alpha[r2] + sum;  // partial: reduced over the row group at the end
-        }
+        online_softmax(s, m_i, l_i, alpha);   // l_i partial: reduced over the row group at the end
 #pragma unroll
         for (int j = 0; j < kDTiles; ++j) {
           o[j][0] *= alpha[0]; o[j][1] *= alpha[0];

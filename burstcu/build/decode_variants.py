@@ -7,6 +7,15 @@
   in the cp.async ring: as many as fit KV_IN_FLIGHT bytes, 2 to 4. Dynamic shared memory
   (`smem_bytes`, the kernel's `decode::Layout`); a variant that does not fit the table's budget
   is left out (float32 at head dim 256 on sm_86: the launcher falls back to the array path).
+* ``"decode_mma16"``, ``"decode_mma32"``, ``"decode_mma64"``: the tensor-core twin
+  ``flash_decode_split_mma<T, DN, ROWS, BKM, NWARPS, STAGES>`` for T in {__half,
+  __nv_bfloat16}, DN in {32, 64, 128, 256} (the variant's `headdim`), ROWS = 16, 32 or 64 query
+  rows a block (the family's number: ROWS / 16 row tiles of 16, NWARPS / (ROWS / 16) warps of
+  one key slice each a tile), NWARPS = 4, tiles of BKM = 64 keys (32 where 64-key tiles would
+  pass sm_86's budget and a warp's slice of 32 is still a k16 multiple: DN = 256 at ROWS >= 32),
+  STAGES from KV_IN_FLIGHT as above (`mma_smem_bytes`, the kernel's `decode::MmaLayout`). A
+  variant over the table's budget is left out (DN = 256 at ROWS = 16 on sm_86: the launcher
+  takes the next ROWS).
 * ``"decode_combine"``: ``flash_decode_combine`` (fp32 in and out; `headdim` 0, dtype float32).
 * ``"decode_merge"``: ``flash_decode_merge<TOut>``, the ranks' partials merged (fp32 in; its
   dtype the output's, `headdim` 0).
@@ -59,6 +68,50 @@ def split_variant(dtype: str, dpl: int) -> KernelVariant:
                                       smem_bytes=smem_bytes(dtype, dpl), stages=stages))
 
 
+MMA_DTYPES = ("float16", "bfloat16")
+MMA_HEADDIMS = (32, 64, 128, 256)      # DN: the native head dims of the tensor-core twin
+MMA_ROWS = (16, 32, 64)                # ROWS: query rows a block (families decode_mma<ROWS>)
+MMA_FAMILY = "decode_mma"              # + ROWS
+
+
+def mma_family(rows: int) -> str:
+    return f"{MMA_FAMILY}{rows}"
+
+
+def _mma_bytes(dn: int, rows: int, keys: int) -> int:
+    """decode::MmaLayout::BYTES of a 16-bit T: the ring (+ the query rows past DN = 128)."""
+    stage = 2 * keys * (dn + 8) * 2
+    stages = max(2, min(4, KV_IN_FLIGHT // stage))
+    return stages * stage + (rows * (dn + 8) * 2 if dn > 128 else 0)
+
+
+def mma_keys(dn: int, rows: int) -> int:
+    """BKM: keys a tile of the tensor-core twin, 64, or 32 where the 64-key tiles would not fit
+    sm_86's budget and each of the NWARPS / (ROWS / 16) key slices still takes whole k16 steps."""
+    slices = NWARPS // (rows // 16)
+    if _mma_bytes(dn, rows, 64) > SMEM_BUDGET["sm_86"] and (32 // slices) % 16 == 0:
+        return 32
+    return 64
+
+
+def mma_stages(dn: int, rows: int) -> int:
+    """STAGES of the tensor-core twin: as many tiles as KV_IN_FLIGHT bytes hold, 2 to 4."""
+    return max(2, min(4, KV_IN_FLIGHT // (2 * mma_keys(dn, rows) * (dn + 8) * 2)))
+
+
+def mma_smem_bytes(dn: int, rows: int) -> int:
+    """Dynamic shared memory of a tensor-core twin's block (decode::MmaLayout::BYTES)."""
+    return _mma_bytes(dn, rows, mma_keys(dn, rows))
+
+
+def mma_variant(dtype: str, dn: int, rows: int) -> KernelVariant:
+    keys, stages = mma_keys(dn, rows), mma_stages(dn, rows)
+    name = f"flash_decode_split_mma<{_CXX[dtype]}, {dn}, {rows}, {keys}, {NWARPS}, {stages}>"
+    return KernelVariant(mma_family(rows), SOURCE, name, dtype, dn,
+                         LaunchConfig(threads=32 * NWARPS, block_m=rows, block_n=keys,
+                                      smem_bytes=mma_smem_bytes(dn, rows), stages=stages))
+
+
 def combine_variant() -> KernelVariant:
     return KernelVariant("decode_combine", SOURCE, "flash_decode_combine", "float32", 0,
                          LaunchConfig(threads=COMBINE_THREADS))
@@ -74,6 +127,7 @@ def decode_variants(arch: str) -> list[KernelVariant]:
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
     budget = SMEM_BUDGET[base_table(arch)]
-    return [split_variant(dt, dpl) for dt in _CXX for dpl in DPLS
-            if smem_bytes(dt, dpl) <= budget] + [combine_variant()] + [merge_variant(dt)
-                                                                         for dt in _CXX]
+    mma = [mma_variant(dt, dn, rows) for dt in MMA_DTYPES for rows in MMA_ROWS for dn in MMA_HEADDIMS
+           if mma_smem_bytes(dn, rows) <= budget]
+    return ([split_variant(dt, dpl) for dt in _CXX for dpl in DPLS if smem_bytes(dt, dpl) <= budget]
+            + mma + [combine_variant()] + [merge_variant(dt) for dt in _CXX])

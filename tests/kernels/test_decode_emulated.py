@@ -4,7 +4,10 @@ are and are not multiples of 32; more query rows than a block holds (row groups)
 batch rows with no valid row; NaN/Inf past the valid rows (never read); T = 1..8 new tokens at
 GQA ratios 1..8; many splits (a device of many SMs); a paged cache read through a shuffled page
 table (pages no batch row holds are NaN); head dims whose rows are not 16-byte units (the
-element-wise loads). On the CPU emulator by default, on a GPU with
+element-wise loads). The tensor-core twin (flash_decode_split_mma) where G x T >= 16 rows share
+a kv head in fp16/bf16 (16, 32, 64 and two row groups; contiguous, paged and unaligned caches;
+NaN in K and V past the lengths; no padding row written), the CUDA-core kernel elsewhere, and the
+rule that chooses between them. On the CPU emulator by default, on a GPU with
 BURSTCU_KERNEL_TEST_BACKEND=cupy. Also the split heuristic and the blocks an SM holds, the kept
 buffers (a partial outlives the next call of any plan; the workspace holds the splits a shape
 can take, one at a large batch), the page table and lengths the kernels refuse, and the host
@@ -110,8 +113,8 @@ def test_decode_kernels_match_float64(case, dtype):
 
 @pytest.mark.parametrize("t,ratio", [(1, 1), (2, 8), (5, 3), (8, 4), (8, 8)])
 def test_new_tokens_and_gqa_ratios(t, ratio):
-    """T new tokens x GQA ratio rows a kv head: 1 to 64 (two row groups at 64), a whole key
-    tile and a partial one."""
+    """T new tokens x GQA ratio rows a kv head: 1 to 64 (the CUDA-core kernel under 16, the
+    tensor-core twin from 16: blocks of 16, 32 and 64 rows), a whole key tile and a partial one."""
     lengths = (45, 7)
     q, k, v = _inputs(t * 10 + ratio, 2, t, 2 * ratio, 2, 64, 50, lengths, "float16")
     _check(q, k, v, lengths, 0.125, "float16", *_run(_ops(), q, k, v, lengths, 0.125))
@@ -129,6 +132,24 @@ def test_many_splits():
     _check(q, k, v, lengths, 0.3, "bfloat16", *_run(ops, q, k, v, lengths, 0.3))
 
 
+def _paged(k, v, lengths, page_size, seed):
+    """k, v (B, S, Hkv, D) as pages of page_size rows in a shuffled table: pages no batch row
+    holds and rows past a batch row's length are NaN, table entries past it -1."""
+    b, s = k.shape[:2]
+    per_row = -(-s // page_size)
+    table = np.random.default_rng(seed).permutation(b * per_row + 3)[:b * per_row]
+    table = table.reshape(b, per_row).astype(np.int32)
+    pages_k = np.full((b * per_row + 3, page_size) + k.shape[2:], np.nan, k.dtype)
+    pages_v = pages_k.copy()
+    for bi, n in enumerate(lengths):
+        for i in range(-(-n // page_size)):
+            rows = slice(i * page_size, min((i + 1) * page_size, n))
+            pages_k[table[bi, i], :rows.stop - rows.start] = k[bi, rows]
+            pages_v[table[bi, i], :rows.stop - rows.start] = v[bi, rows]
+        table[bi, -(-n // page_size):] = -1
+    return pages_k, pages_v, table
+
+
 @pytest.mark.parametrize("page_size,d,dtype", [(16, 64, "float16"), (7, 40, "bfloat16"),
                                                (32, 128, "float32")])
 def test_paged_cache(page_size, d, dtype):
@@ -137,17 +158,7 @@ def test_paged_cache(page_size, d, dtype):
     b, t, h, hkv = 3, 2, 4, 2
     lengths = (100, 0, 33)
     q, k, v = _inputs(page_size, b, t, h, hkv, d, 100, lengths, dtype)
-    per_row = -(-100 // page_size)
-    rng = np.random.default_rng(7)
-    table = rng.permutation(b * per_row + 3)[:b * per_row].reshape(b, per_row).astype(np.int32)
-    pages_k = np.full((b * per_row + 3, page_size, hkv, d), np.nan, DTYPES[dtype])
-    pages_v = pages_k.copy()
-    for bi, n in enumerate(lengths):
-        for i in range(-(-n // page_size)):
-            rows = slice(i * page_size, min((i + 1) * page_size, n))
-            pages_k[table[bi, i], :rows.stop - rows.start] = k[bi, rows]
-            pages_v[table[bi, i], :rows.stop - rows.start] = v[bi, rows]
-        table[bi, -(-n // page_size):] = -1
+    pages_k, pages_v, table = _paged(k, v, lengths, page_size, 7)
     scale = 1.0 / np.sqrt(d)
     _check(q, k, v, lengths, scale, dtype, *_run(_ops(), q, pages_k, pages_v, lengths, scale, table))
 
@@ -376,3 +387,167 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
         assert launched == []
         assert np.allclose(out2.astype(np.float32), out.astype(np.float32), rtol=EPS[out_dtype], atol=1e-6)
         assert np.allclose(lse2, lse, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tensor-core twin (flash_decode_split_mma): fp16/bf16, head dims multiple of 16, R >= 16
+
+def _ops_randomized():
+    """_ops with the emulator's shuffled block and thread order (a race on the ring, the merge
+    scratch or the workspace shows); plain _ops on a GPU."""
+    if BACKEND == "cupy":
+        return _ops()
+    from burstcu.ops.cuda.kernel_ops import KernelOps
+    return KernelOps(backend=BACKEND, randomize=True)
+
+
+def _launches(ops):
+    """Count the kernel launches of `ops` by kernel name (the template's name before '<'): a
+    decode plan looks its kernels up once, so the functions `function` returns are wrapped."""
+    counts: dict = {}
+    function = ops.function
+
+    def counted(name):
+        fn, kernel = function(name), name.split("<")[0]
+
+        def launch(*args, **kwargs):
+            counts[kernel] = counts.get(kernel, 0) + 1
+            return fn(*args, **kwargs)
+        launch.num_regs = getattr(fn, "num_regs", 0)     # what the GPU's block slots read
+        return launch
+    ops.function = counted
+    return counts
+
+
+MMA_CASES = {  # name: (B, T, H, Hkv, D, cache rows, lengths, dtype, cache layout, SMs)
+    "R16 fp16 d64 contiguous": (3, 2, 16, 2, 64, 1000, (1000, 0, 77), "float16", "contiguous", 200),
+    "R32 bf16 d128 paged": (3, 4, 16, 2, 128, 260, (260, 0, 33), "bfloat16", "paged", 64),
+    "R64 fp16 d128 paged": (2, 8, 16, 2, 128, 200, (0, 200), "float16", "paged", 64),
+    "R80 bf16 d64 strided": (2, 8, 10, 1, 64, 400, (400, 129), "bfloat16", "strided", 64),
+    "R16 bf16 d256 contiguous": (1, 2, 8, 1, 256, 300, (300,), "bfloat16", "contiguous", 64),
+    "R32 fp16 d256 paged": (2, 8, 8, 2, 256, 160, (160, 0), "float16", "paged", 64),
+}
+SLOW_MMA = {"R16 bf16 d256 contiguous"}   # the default run has d 256 (q fragments from smem) once
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_MMA else [])
+                                  for c in MMA_CASES])
+def test_tensor_core_twin_matches_float64(case):
+    """G x T = R >= 16 query rows a kv head (16, 32, 64, and 80: two row groups of 64) in
+    fp16/bf16 run flash_decode_split_mma, once, in place of the CUDA-core kernel, within
+    FlashAttention's rule of float64 attention: batch rows of different lengths (one of 0), NaN
+    in K and V past each length (never read: inert), a contiguous cache, a paged one (a shuffled
+    table, odd page sizes) and one whose rows are not 16-byte units (the element-wise loads),
+    many splits (a device of many SMs: the key tiles of 64 cut into splits whole)."""
+    b, t, h, hkv, d, s, lengths, dtype, layout, sms = MMA_CASES[case]
+    if BACKEND == "cupy" and dtype == "bfloat16":
+        pytest.skip("CuPy has no bfloat16 arrays")
+    q, k, v = _inputs(list(MMA_CASES).index(case), b, t, h, hkv, d, s, lengths, dtype)
+    for bi, n in enumerate(lengths):
+        v[bi, n:] = np.nan
+    ops = _ops_randomized()
+    ops.sm_count = sms
+    counts = _launches(ops)
+    scale = 1.0 / np.sqrt(d)
+    if layout == "paged":
+        pages_k, pages_v, table = _paged(k, v, lengths, 7 if d == 128 else 16, len(case))
+        got = _run(ops, q, pages_k, pages_v, lengths, scale, table)
+    elif layout == "strided":     # rows d + 1 elements apart (views on the op's device): not on 16 bytes
+        wide_k, wide_v = (np.full(x.shape[:3] + (d + 1,), np.nan, x.dtype) for x in (k, v))
+        wide_k[..., :d], wide_v[..., :d] = k, v
+        got = _run(ops, q, ops.xp.asarray(wide_k)[..., :d], ops.xp.asarray(wide_v)[..., :d], lengths, scale)
+    else:
+        got = _run(ops, q, k, v, lengths, scale)
+    _check(q, k, v, lengths, scale, dtype, *got)
+    assert counts == {"flash_decode_split_mma": 1, "flash_decode_combine": 1}, counts
+    (plan,) = ops.__dict__["_decode_plans"].values()
+    rows = h // hkv * t
+    _, _, block_rows, block_keys, _, _ = plan.name.split("<")[1].rstrip(">").split(", ")
+    assert int(block_rows) == min(-(-rows // 16) * 16, 64) and plan.groups == -(-rows // 64)
+    assert int(block_keys) == plan.tile in (32, 64)
+    assert (layout == "strided") == (plan.split["vec"][0] == 0)
+    assert plan.split["chunk"][0] % plan.tile == 0              # what the kernel was given
+    if case == "R16 fp16 d64 contiguous":
+        assert plan.split["splits"][0] >= 6, plan.split         # many, the 0-length row's all empty
+
+
+@pytest.mark.parametrize("t,h,hkv,d,dtype", [
+    (2, 8, 2, 64, "float16"),      # R = 8 < 16
+    (2, 8, 1, 64, "float32"),      # R = 16 in float32: the CUDA cores
+    (4, 8, 2, 40, "float16"),      # head dim 40: not a multiple of 16
+    (8, 8, 1, 40, "float16"),      # ... at R = 64: two row groups of the CUDA-core kernel's 32
+])
+def test_the_cuda_core_kernel_runs_where_the_twin_does_not(t, h, hkv, d, dtype):
+    """Under 16 rows a kv head, float32, or a head dim not a multiple of 16 (one of them with more
+    rows than a block of the CUDA-core kernel holds): flash_decode_split."""
+    lengths = (90, 3)
+    q, k, v = _inputs(t + d, 2, t, h, hkv, d, 90, lengths, dtype)
+    ops = _ops()
+    counts = _launches(ops)
+    _check(q, k, v, lengths, 0.2, dtype, *_run(ops, q, k, v, lengths, 0.2))
+    assert counts == {"flash_decode_split": 1, "flash_decode_combine": 1}, counts
+
+
+@pytest.mark.parametrize("arch,t,h,hkv,d", [
+    pytest.param("sm_80", 4, 10, 1, 48, id="R40-d48"),
+    pytest.param("sm_86", 2, 8, 1, 256, id="sm86-R16-d256", marks=pytest.mark.slow),
+])
+def test_tensor_core_twin_with_idle_row_tiles_and_a_narrower_head_dim(arch, t, h, hkv, d):
+    """Blocks whose row tiles are not all used (R = 40 in a block of 64 rows; on the sm_86 table R
+    = 16 at head dim 256 in a block of 32, whose key slices still merge) and a head dim under the
+    kernel's (48 run at 64: zero columns, none written), shuffled order: float64 within
+    FlashAttention's rule, one launch of the twin."""
+    from burstcu.ops.cuda.kernel_ops import KernelOps
+
+    lengths = (150, 0, 41)
+    q, k, v = _inputs(t * h + d, 3, t, h, hkv, d, 150, lengths, "float16")
+    ops = KernelOps(backend=BACKEND, arch=arch, **({"randomize": True} if BACKEND == "emulated" else {}))
+    counts = _launches(ops)
+    scale = 1.0 / np.sqrt(d)
+    _check(q, k, v, lengths, scale, "float16", *_run(ops, q, k, v, lengths, scale))
+    assert counts == {"flash_decode_split_mma": 1, "flash_decode_combine": 1}, counts
+
+
+def test_the_split_kernel_choice():
+    """The dispatch rule, table by table (no kernel is built): the twin with the fewest rows a
+    block >= min(R rounded up to 16, 64) that the table has, else the CUDA-core kernel."""
+    from burstcu.ops.cuda.kernel_ops import KernelOps
+
+    def choice(arch, dtype, rows, d):
+        v = kernel_decode.choose_split_variant(KernelOps(backend="emulated", arch=arch), dtype, rows, d)
+        return v.family, v.headdim
+    assert choice("sm_80", "float16", 15, 64) == ("decode", 64)
+    assert choice("sm_80", "float16", 16, 64) == ("decode_mma16", 64)
+    assert choice("sm_80", "bfloat16", 17, 48) == ("decode_mma32", 64)      # d 48: padded to 64
+    assert choice("sm_80", "float16", 64, 128) == ("decode_mma64", 128)
+    assert choice("sm_80", "float16", 200, 128) == ("decode_mma64", 128)    # 4 row groups
+    assert choice("sm_80", "float16", 16, 256) == ("decode_mma16", 256)
+    assert choice("sm_86", "float16", 16, 256) == ("decode_mma32", 256)     # over sm_86's smem
+    assert choice("sm_90", "bfloat16", 40, 16) == ("decode_mma64", 32)
+    assert choice("sm_80", "float32", 64, 128) == ("decode", 128)
+    assert choice("sm_80", "float16", 64, 72) == ("decode", 128)            # not a multiple of 16
+
+
+def test_the_twin_writes_no_padding_row():
+    """R = 24 (a block of 32 rows, 8 of them padding) and R = 72 (a second row group of 8 rows
+    and three tiles of padding): the workspace past the B x H x T x splits entries the kernel
+    owns (the tail the padding rows of the last kv head would reach) keeps what it held."""
+    ops = _ops_randomized()
+    ops.sm_count = 16
+    for t, h in ((3, 16), (9, 16)):
+        b, hkv, d, lengths = 1, 2, 64, (70,)
+        q, k, v = _inputs(t, b, t, h, hkv, d, 2000, lengths, "float16")
+        _run(ops, q, k, v, lengths, 0.125)            # makes the plan and its buffers
+        plan = next(reversed(ops.__dict__["_decode_plans"].values()))
+        assert "split_mma" in plan.name and plan.max_splits > 1
+        pair = ops.__dict__["_double_buffers"][next(reversed(ops.__dict__["_double_buffers"]))]
+        for message in pair:
+            for name in ("decode_m", "decode_l", "decode_acc"):
+                message[name][...] = 7.0
+        _check(q, k, v, lengths, 0.125, "float16", *_run(ops, q, k, v, lengths, 0.125))
+        used = b * h * t * kernel_decode.splits_for(max(lengths), plan.split_grid[1] * b, plan.slots,
+                                                    plan.tile)[1]
+        for message in pair:
+            for name, width in (("decode_m", 1), ("decode_l", 1), ("decode_acc", d)):
+                assert used * width < message[name].size, (t, name)   # a tail to watch
+                assert (_host(message[name])[used * width:] == 7.0).all(), (t, name)

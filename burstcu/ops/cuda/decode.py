@@ -5,26 +5,32 @@ float32), so the ranks' partials merge alike. The cache is contiguous (B, S, Hkv
 (`burstcu.ops.decode.PagedRows`: the kernel reads through the page table, int32 on the op's
 device; only the entries covering each batch row's valid rows are read, and trusted).
 
+The split kernel (`choose_split_variant`): the tensor-core twin `flash_decode_split_mma` where the
+dtype is float16 or bfloat16, the head dim a multiple of 16 up to 256 and the H / Hkv x T query rows
+of a kv head are 16 or more (GQA with several new tokens a call), else the
+CUDA-core `flash_decode_split`; both write the same workspace. `split_kernel(ops)` names the one
+the op's latest call ran.
+
 Splits (`num_splits`, FlashAttention's heuristic): a launch has B x Hkv x row groups blocks a
 split; when they fill less than 80% of the device's block slots (SMs x `blocks_per_sm`: as many
 split blocks as an SM's shared memory, and on a GPU its registers, hold; the emulator reports a
 fixed SM count and the shared memory of its tile table's GPU), the longest batch row's keys are
 cut into the split count, up to MAX_SPLITS, whose waves of blocks come closest to whole (within
-85% of the best), each split at least MIN_KEYS keys, a multiple of the kernel's tile (BK). The
-split kernel writes every split's (m, l, acc) to a workspace that the combine kernel reduces;
-the workspace holds `most_splits` splits of the shape, the most the heuristic can give for any
-lengths up to the cache's rows (1 when the blocks of one split fill the device: a large batch
-pays nothing for splits it never takes).
+85% of the best), each split at least MIN_KEYS keys, a multiple of the kernel's tile (BK, or the
+twin's 32 or 64 keys). The split kernel writes every split's (m, l, acc) to a workspace that the
+combine kernel reduces; the workspace holds `most_splits` splits of the shape, the most the
+heuristic can give for any lengths up to the cache's rows (1 when the blocks of one split fill
+the device: a large batch pays nothing for splits it never takes).
 
-Host path: a `_Plan` per shape (variants, grid, block slots, the parameter structs packed once
-with every field that does not change between calls) is kept on the op; a call writes only the
-pointers, the lengths' address and the split count into the packed structs. The workspace and
-the outputs live in the op's kept buffers (`LocalOps.double_buffer`, freed by
-`release_buffers`); the two buffers of a layout are taken in turn, the turn kept with the pair
-itself (not with a plan: plans of other scales, strides or a paged cache may share a layout), so
-a call's partial stays valid through the op's next call. On a GPU the lengths travel through a
-ring of pinned host buffers, copied asynchronously on the current stream (an event guards a
-slot's reuse): no allocation and no host synchronisation.
+Host path: a `_Plan` per shape (the split kernel chosen, variants, grid, block slots, the
+parameter structs packed once with every field that does not change between calls) is kept on
+the op; a call writes only the pointers, the lengths' address and the split count into the
+packed structs. The workspace and the outputs live in the op's kept buffers
+(`LocalOps.double_buffer`, freed by `release_buffers`); the two buffers of a layout are taken in
+turn, the turn kept with the pair itself (not with a plan: plans of other scales, strides or a
+paged cache may share a layout), so a call's partial stays valid through the op's next call. On
+a GPU the lengths travel through a ring of pinned host buffers, copied asynchronously on the
+current stream (an event guards a slot's reuse): no allocation and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ...build.compile import ARCH_LIMITS, device_attribute
-from ...build.decode_variants import BK
+from ...build.decode_variants import BK, MMA_DTYPES, MMA_HEADDIMS, MMA_ROWS, mma_family
 from ..decode import PagedRows
 from ..decode import merge as array_merge
 from ..decode import partial as array_partial
@@ -60,7 +66,7 @@ DECODE_MERGE = CStruct("DecodeMergeParams", [
 DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE, DECODE_MERGE)
 
 MAX_SPLITS = 128      # splits a batch row at most
-MIN_KEYS = 128        # keys a split reads at least (4 tiles: the ring's fill pays off)
+MIN_KEYS = 128        # keys a split reads at least (2 to 4 tiles: the ring's fill pays off)
 KERNEL_DTYPES = ("float16", "bfloat16", "float32")
 PLANS_KEPT = 8        # shapes whose launch plans an op keeps
 PINNED_SLOTS = 8      # pinned host buffers of the lengths (GPU), taken in turn
@@ -120,13 +126,14 @@ def num_splits(blocks: int, slots: int, key_blocks: int, max_splits: int = MAX_S
     return next(s for s in range(1, top + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
 
 
-def splits_for(longest: int, blocks_per_split: int, slots: int) -> tuple[int, int]:
+def splits_for(longest: int, blocks_per_split: int, slots: int, tile: int = BK) -> tuple[int, int]:
     """(chunk, splits) for a longest batch row of `longest` valid keys when each split makes
     `blocks_per_split` blocks (B x Hkv x row groups) on a device of `slots` block slots (SMs x
-    blocks_per_sm): chunk a multiple of BK, splits * chunk >= longest, splits <= MAX_SPLITS."""
+    blocks_per_sm): chunk a multiple of `tile` (the split kernel's keys a tile, BK or the tensor-
+    core twin's), splits * chunk >= longest, splits <= MAX_SPLITS."""
     key_blocks = max(1, -(-longest // MIN_KEYS))
     splits = num_splits(blocks_per_split, slots, key_blocks)
-    chunk = -(-max(-(-max(longest, 1) // splits), 1) // BK) * BK
+    chunk = -(-max(-(-max(longest, 1) // splits), 1) // tile) * tile
     return chunk, max(1, -(-longest // chunk))
 
 
@@ -137,6 +144,32 @@ def most_splits(rows: int, blocks_per_split: int, slots: int) -> int:
     if blocks_per_split >= 0.8 * slots:
         return 1
     return max(1, min(MAX_SPLITS, slots, -(-rows // MIN_KEYS)))
+
+
+def choose_split_variant(ops, dtype: str, rows: int, headdim: int):
+    """The split kernel's variant for `rows` (= H / Hkv x T) query rows a kv head at `headdim`:
+    the tensor-core twin (families decode_mma16/32/64) where dtype is float16 or bfloat16, the
+    head dim a multiple of 16 up to 256 and rows >= 16, with the fewest rows a block of at least
+    min(rows rounded up to 16, 64) that the table has (more row groups past 64); else the
+    CUDA-core kernel ("decode"). Raises ValueError when the table has neither."""
+    if dtype in MMA_DTYPES and rows >= 16 and headdim % 16 == 0 and headdim <= MMA_HEADDIMS[-1]:
+        want = min(-(-rows // 16) * 16, MMA_ROWS[-1])
+        for block in MMA_ROWS:
+            if block >= want:
+                try:
+                    return ops.variant(mma_family(block), dtype, headdim)
+                except ValueError:      # not in this table (over its shared memory)
+                    continue
+    return ops.variant("decode", dtype, headdim)
+
+
+def split_kernel(ops) -> str | None:
+    """The split kernel's name expression of the op's latest decode call through the kernels
+    (its plan is the last one used), or None when it has made none; a later call on the array
+    path (float64) leaves it as it was."""
+    plans = ops.__dict__.get("_decode_plans")
+    plan = next(reversed(plans.values()), None) if plans else None
+    return plan.name if plan is not None else None
 
 
 @dataclass
@@ -154,6 +187,8 @@ class _Plan:
     groups: int
     slots: int
     rows: int                               # cache rows a batch row: lengths[b] <= rows
+    tile: int                               # keys a tile of the split kernel (chunk's unit)
+    name: str                               # the split kernel's name expression
     max_splits: int
     fields: list
     split: np.ndarray                       # (1,) DECODE_SPLIT, static fields filled
@@ -170,7 +205,7 @@ def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _
     b, t, h, d = q.shape
     hkv = k.shape[2]
     try:
-        split = ops.variant("decode", kernel_dtype, d)
+        split = choose_split_variant(ops, kernel_dtype, h // hkv * t, d)
     except ValueError:
         return None
     combine = ops.variant("decode_combine", "float32", d)
@@ -197,7 +232,8 @@ def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _
         combine_packed[name] = value
     plan = _Plan(split_fn, ops.function(combine.name), (1, hkv * groups, b), (t * h, b),
                  (split.launch.threads,), (combine.launch.threads,), split.launch.smem_bytes,
-                 groups, slots, rows, ms, fields, packed, combine_packed)
+                 groups, slots, rows, split.launch.block_n, split.name, ms, fields, packed,
+                 combine_packed)
     if ops.device == "cuda":
         import cupyx
         import cupy
@@ -292,7 +328,7 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     longest = int(max(lengths)) if len(lengths) else 0
     if longest > plan.rows:   # the workspace holds the splits of plan.rows keys at most
         raise ValueError(f"lengths up to {longest} rows over a cache of {plan.rows} rows a batch row")
-    chunk, splits = splits_for(longest, plan.split_grid[1] * q.shape[0], plan.slots)
+    chunk, splits = splits_for(longest, plan.split_grid[1] * q.shape[0], plan.slots, plan.tile)
     pair = ops.double_buffer(plan.fields)
     buffers = pair[_turn(ops, pair)]
     device_lengths = _device_lengths(ops, plan, lengths)
