@@ -492,16 +492,16 @@ class KernelOps(LocalOps):
         head dim decides, as `forward_variant` does), a scale <= 0, or neither case above."""
         if self.arch != "sm_90a" or not self.sm90_backward:
             return None
-        hopper_family = SM90_DKDV_FAMILIES[family == "bwd_dkdv"]
+        one_block = SM90_DKDV_FAMILIES[family == "bwd_dkdv"]
         plain = self.variant(family, dtype, headdim)
         if plain.headdim not in SM90_DKDV_HEADDIMS or not scale > 0:
             return None
-        if not self._sm90_runs(blocks, q_shape, scale):
-            if not (self.sm90_lists and len(blocks) > 1 and listable(blocks, tiled)):
-                return None
-            hopper_family += LIST_SUFFIX
-        for name in dict.fromkeys((SM90_DKDV_FAMILIES[family == "bwd_dkdv"], hopper_family)):
-            hopper = self.variant(name, dtype, headdim)   # the one-Block kernel, then the list's
+        listed = not self._sm90_runs(blocks, q_shape, scale)
+        if listed and not (self.sm90_lists and len(blocks) > 1 and listable(blocks, tiled)):
+            return None
+        # the one-Block kernel's first-use check, then (a list) the list kernel's own
+        for name in [one_block] + ([one_block + LIST_SUFFIX] if listed else []):
+            hopper = self.variant(name, dtype, headdim)
             if not self._sm90_backward_checked(hopper):
                 return None
         return hopper
