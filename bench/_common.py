@@ -1,7 +1,5 @@
-"""Helpers every benchmark in bench/ shares, each once: the MPI world and what a run measured on,
-inputs, the one timing helper (`call_seconds`), tables, JSON, plots and shared options. Scripts
-run as files import this as `bench._common`; a bench script given --plot where matplotlib is
-missing ends here, before measuring anything, with the line that says what to install."""
+"""Helpers every benchmark in bench/ shares, each once (bench/README.md), imported as `bench._common`;
+a bench script given --plot where matplotlib is missing ends here, before measuring anything."""
 
 from __future__ import annotations
 
@@ -32,12 +30,9 @@ def world():
 def environment(group=None, synchronized: bool = False, **extra) -> dict:
     """What the figures were measured on; a GPU only where the backend ran on one (synchronized:
     the script syncs the device inside its timings)."""
-    try:
-        from threadpoolctl import threadpool_info
-        keep = ("internal_api", "version", "num_threads", "architecture")
-        blas = [{k: info.get(k) for k in keep} for info in threadpool_info()]
-    except ImportError:
-        blas = []
+    from threadpoolctl import threadpool_info    # a core dependency
+    keep = ("internal_api", "version", "num_threads", "architecture")
+    blas = [{k: info.get(k) for k in keep} for info in threadpool_info()]
     try:
         from mpi4py import MPI
         mpi = MPI.Get_library_version().splitlines()[0].strip()

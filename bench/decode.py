@@ -1,14 +1,6 @@
 """Decode against a KV cache (`burstcu.KVCache`) sharded over the ranks it runs on, a row per cache
-length (columns: bench/README.md): ms per token of one `KVCache.decode` (the slowest rank, median
-over repeats), the bandwidth it reaches and on a GPU its fraction of the device's measured copy
-bandwidth, the host ms of calls issued back to back, torch's SDPA over the same rows in the same
-run on one GPU, the bytes a rank sends, asserted equal to `decode_bytes`, and on the kernel
-backends which split kernel ran (`split_kernel`: flash_decode_split on the CUDA cores, or its
-tensor-core twin flash_decode_split_mma where H / Hkv x T >= 16 in float16/bfloat16). --tokens T:
-T new tokens a call, each seeing every valid cache row (default 1; ms_per_token is then ms a call). --paged
-PAGE: the cache in pages of PAGE rows. On the numpy backend also the first token's causal
-prefill time for burst, allgather and the whole prompt on one rank. --predict: per-token latency on
-bench/model/predict.py's presets from `burstcu.plan.predict_decode`, labelled PREDICTION.
+length; its columns, --tokens, --paged, the numpy backend's prefill rows and --predict (per-token
+latency on bench/model/predict.py's presets, labelled PREDICTION): bench/README.md.
 
     mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096] [--plot P]
     python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
@@ -20,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +40,7 @@ def torch_ms(q, cache, n: int, repeats: int) -> float | None:
         import torch.nn.functional as F
     except ImportError:
         return None
-    tq = torch.from_dlpack(q).transpose(1, 2)
-    tk, tv = (torch.from_dlpack(x[:, :n]).transpose(1, 2) for x in (cache.k, cache.v))
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, cache.k[:, :n], cache.v[:, :n]))
     gqa = {"enable_gqa": True}
     try:
         F.scaled_dot_product_attention(tq, tk, tv, **gqa)
@@ -86,26 +76,17 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
         seconds = C.slowest_rank_seconds(group, step, args.repeats)
     sent = group.stats.bytes_sent // args.repeats
     assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
-    # host ms: calls issued back to back, no sync between them, after one synced call
-    step()
-    t0 = time.perf_counter()
-    for _ in range(args.host_calls):
-        cache.decode(q)
-    host = (time.perf_counter() - t0) / args.host_calls * 1e3
+    step()                # host ms: calls issued back to back after one synced call, no sync between them
+    host = sum(C.call_seconds(lambda: cache.decode(q), args.host_calls, 0)) / args.host_calls * 1e3
     ops.sync()
     gbps = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
+    kernel = split_kernel(ops)         # the split kernel the last decode ran (None: array operations)
     return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
             "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
             "host_ms": host,
             "torch_ms": torch_ms(q, cache, n, args.repeats) if events and not args.paged else None,
             "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max()),
-            "split_kernel": _split_kernel(ops)}
-
-
-def _split_kernel(ops) -> str | None:
-    """The template name of the split kernel the last decode ran (None: array operations)."""
-    name = split_kernel(ops)
-    return name.split("<")[0] if name else None
+            "split_kernel": kernel.split("<")[0] if kernel else None}
 
 
 def measure_prefill(group, args, n: int) -> list[dict]:

@@ -396,7 +396,7 @@ def rectangles(part: Partition, q_rank: int, kv_rank: int, causal: bool,
         kept &= k1 >= q0 - lo            # else every key is before every query's left bound
     rows = kept.nonzero()[0]
     qi, ki = qi[rows], ki[rows]
-    out = np.empty(rows.size, RECTANGLE)
+    out = np.zeros(rows.size, RECTANGLE)   # zeros: the padding bytes too
     out["q_start"], out["q_len"], out["q_pos"] = q_local[qi], q_len[qi], q_pos[qi]
     out["k_start"], out["k_len"], out["k_pos"] = k_local[ki], k_len[ki], k_pos[ki]
     out["causal"], out["left"], out["right"] = False, -1, -1
@@ -446,7 +446,7 @@ def _block_mask_rectangles(part: Partition, q_rank: int, kv_rank: int,
     q_pos = q0[qi] + shift
     k_pos = np.where(cut_upper | cut_lower, k0[ki], q_pos)    # no bound: both 0 below
     base = np.minimum(q_pos, k_pos)
-    out = np.empty(rows.size, RECTANGLE)
+    out = np.zeros(rows.size, RECTANGLE)   # zeros: the padding bytes too
     out["q_start"], out["q_len"], out["q_pos"] = q_local[qi], q_len[qi], q_pos - base
     out["k_start"], out["k_len"], out["k_pos"] = k_local[ki], k_len[ki], k_pos - base
     out["causal"] = cut_upper

@@ -133,6 +133,20 @@ def test_rectangles_come_by_query_segment_then_key_segment_by_position_then_docu
                     assert keys == sorted(set(keys)), (part, qr, kr, causal, window, docs)
 
 
+def test_rectangle_rows_are_the_same_bytes_whatever_memory_they_reuse():
+    """`RECTANGLE` is aligned (7 bytes of padding after `causal`): `rectangles` zeroes them, so
+    a step's array has the same bytes on every build and rank, even in reused dirty memory."""
+    pad = slice(RECTANGLE.fields["causal"][1] + 1, RECTANGLE.fields["left"][1])
+    assert pad.stop - pad.start == 7
+    part, docs = partition("zigzag", 2, 64, (0, 5, 30, 64)), (0, 5, 30, 64)
+    for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (False, (4, 2))):
+        for _ in range(20):
+            dirty = np.full(1 << 12, 0xFF, np.uint8)   # freed memory full of ones, for reuse
+            del dirty
+            rows = rectangles(part, 0, 1, causal, window, docs)
+            assert rows.size and not rows.view(np.uint8).reshape(rows.size, -1)[:, pad].any()
+
+
 def test_a_document_inside_one_shard_computes_and_sends_nothing_across():
     """Contiguous shards of 8 rows and documents aligned with them: every rank sees only its own
     keys (one step), and the forward ring sends nothing."""

@@ -1,8 +1,5 @@
-"""Causal linear attention across ranks, LASP-2 (one all-gather of the D x D states a pass) and the
-LASP-1 chain against softmax attention's burst ring in one run: per (global seqlen, strategy) the
-slowest rank's forward and backward time, tokens per second and the most bytes and messages a rank
-sends per pass. --predict: `burstcu.plan.predict_linear`'s PREDICTION of one causal layer on a
-preset, beside the LASP-2 paper's whole-model figures.
+"""Causal linear attention across ranks, lasp2 and lasp1 against softmax attention's burst ring.
+Time, tokens/s, bytes and messages a rank sends; --predict: a PREDICTION (bench/README.md).
 
     mpiexec -n G python bench/cpu/linear.py [--seqlens 4096 16384 65536] [--strategies lasp2 lasp1 burst]
         [--backend auto] [--repeats 3] [--json F] [--table F] [--plot F]
@@ -108,9 +105,8 @@ def main(argv=None) -> int:
             rows.append(row)
             if group.rank == 0:
                 print(C.table([row], COLUMNS).splitlines()[-1], flush=True)
-    env = C.environment(group, synchronized=True)
-    group.close()
-    if group.rank == 0:
+    env = C.environment_on_rank0(group, synchronized=True)
+    if env is not None:
         C.print_and_write(env, rows, COLUMNS, args)
         if args.plot:
             plot(rows, args.plot)

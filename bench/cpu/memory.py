@@ -1,6 +1,5 @@
-"""Activation memory per rank: the peak bytes a forward and a backward pass allocate above what was
-live before the call, per strategy, beside the paper's formula; tracemalloc on the CPU (MPI's own
-buffers not counted), the CuPy pool's high-water mark with --backend cupy.
+"""Activation memory per rank and strategy: the peak bytes a forward and a backward call allocate
+beside the paper's formula (bench/README.md); tracemalloc (MPI's buffers not counted) or CuPy's pool.
 
     mpiexec -n G python bench/cpu/memory.py [--seqlen N] [--heads H] [--causal] [--json F]
 """
@@ -19,10 +18,11 @@ import burstcu  # noqa: E402
 from burstcu.ops.base import accum_dtype  # noqa: E402
 
 
-def peak_bytes(backend: str, fn):
-    """(fn(), the bytes allocated at its high-water mark above what was live before it): the CuPy
-    pool's (cupy: emptied first, the device synchronized around fn) or tracemalloc's."""
-    if backend == "cupy":
+def peak_bytes(group, fn):
+    """(fn(), the bytes allocated at its high-water mark above what was live before it, `group`'s
+    kept buffers released first): the CuPy pool's (emptied, the device synchronized) or tracemalloc's."""
+    group.release_buffers()   # buffers kept from earlier calls would count as this call's
+    if group.backend == "cupy":
         import cupy
         pool = cupy.get_default_memory_pool()
         cupy.cuda.Device().synchronize()
@@ -40,14 +40,12 @@ def peak_bytes(backend: str, fn):
 
 
 def formula(strategy: str, *, G, B, S, H, Hkv, D, it, acc, tile_q, tile_k) -> dict:
-    """The paper's terms in bytes for this rank: Q, K, V, O of the shard, one score tile per head
-    (the NumPy backend's tile for the paper's (M/4d)^2), and the strategy's K/V buffers (the
-    double buffer; every rank's K, V for allgather), which the paper's table leaves out."""
+    """The paper's terms in bytes for this rank (bench/README.md, "cpu/memory.py"): Q, K, V, O of
+    the shard, one score tile per head and the strategy's K/V buffers (G blocks for allgather)."""
     qkvo = (2 * B * S * H * D + 2 * B * S * Hkv * D) * it
     tile = B * H * min(tile_q, S) * min(tile_k, S) * acc
     buffers = (G if strategy == "allgather" else 2) * 2 * B * S * Hkv * D * it
-    return {"qkvo_4BZNd/G": qkvo, "tile_BZ(M/4d)^2": tile, "buffers": buffers,
-            "total": qkvo + tile + buffers}
+    return {"qkvo_4BZNd/G": qkvo, "tile_BZ(M/4d)^2": tile, "buffers": buffers, "total": qkvo + tile + buffers}
 
 
 def measure(group, strategy: str, inputs, causal: bool) -> dict:
@@ -55,12 +53,8 @@ def measure(group, strategy: str, inputs, causal: bool) -> dict:
     added (forward: q, k, v; backward: also dout, out, lse), what the paper's 4BZNd/G counts."""
     q, k, v, dout = inputs
     kw = dict(causal=causal, strategy=strategy)
-    group.release_buffers()   # buffers kept from earlier calls count as this call's
-    (out, lse), fwd = peak_bytes(group.backend,
-                                 lambda: burstcu.attention(q, k, v, group, return_lse=True, **kw))
-    group.release_buffers()
-    _, bwd = peak_bytes(group.backend, lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group,
-                                                                           **kw))
+    (out, lse), fwd = peak_bytes(group, lambda: burstcu.attention(q, k, v, group, return_lse=True, **kw))
+    _, bwd = peak_bytes(group, lambda: burstcu.attention_backward(dout, q, k, v, out, lse, group, **kw))
     live_fwd = q.nbytes + k.nbytes + v.nbytes
     live_bwd = live_fwd + dout.nbytes + out.nbytes + lse.nbytes
     return {"forward_peak": fwd, "backward_peak": bwd,

@@ -1,7 +1,5 @@
-"""Forward error against the ring size: one bf16/fp16 problem split over G = 1, 2, 4, ... ranks
-(threads on the loopback transport, one BLAS thread), every method's out against one float64
-reference: burstcu's burst ring (contiguous; zigzag too under causal), the simulated rfa and
-dtype-merge rings on the same split, and the floor (docs/numerics.md: how each is made, how to read).
+"""Forward error against the ring size G, one process: burstcu's burst ring, simulated rfa and
+dtype-merge rings and the floor against one float64 reference (docs/numerics.md: how each is made).
 
     python bench/cpu/numerics.py [--seqlen 16384] [--ranks 1 2 4 8 16 32 64] [--dtypes bfloat16 float16]
         [--masks full causal] [--score-std 1] [--no-zigzag] [--json F] [--table F] [--plot F]
@@ -304,10 +302,9 @@ def main(argv=None) -> dict:
         f"# measured on {env['device']} ({env['cpus']} cores, numpy {env['numpy']}), {elapsed:.0f} s "
         f"in all, peak RSS {C.fmt_bytes(peak_rss)}; the ranks' op scratch at G={args.ranks[-1]}: "
         f"{C.fmt_bytes(scratch[args.ranks[-1]])} together", shown(rows), *lines])
-    result = C.emit(text, {"environment": env, "args": C.clean(vars(args)), "methods": LABELS,
-                           "goal": f"burstcu's error at the largest G within {FLAT}x of its G=1 error "
-                                   f"(max and mean)", "verdicts": found, "rows": rows,
-                           "elapsed_s": elapsed, "peak_rss_bytes": peak_rss,
+    goal = f"burstcu's error at the largest G within {FLAT}x of its G=1 error (max and mean)"
+    result = C.emit(text, {"environment": env, "args": C.clean(vars(args)), "methods": LABELS, "goal": goal,
+                           "verdicts": found, "rows": rows, "elapsed_s": elapsed, "peak_rss_bytes": peak_rss,
                            "ranks_scratch_bytes": scratch}, args)
     if args.plot:
         plot(rows, args.plot, f"forward |error| vs ring size: S={args.seqlen}, H={args.heads}, "

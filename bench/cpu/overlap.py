@@ -5,12 +5,6 @@ hidden behind compute (bench/README.md says how each time is obtained and read).
     mpiexec -bind-to core -n G python bench/cpu/overlap.py [--seqlen N ...] [--causal]
         [--strategies burst ring allgather ...] [--repeats R] [--json F] [--plot F]
         [--link-gbps X [--link-latency-us Y]] [--allow-unbound]
-
-efficiency = (t_compute + t_comm - t_overlapped) / t_comm, printed with its uncertainty (the
-spreads over repeats carried through the formula) only when that is below 0.15. Each rank runs
-on a core of its own (the launcher's binding, or this script's), or nothing is timed.
---link-gbps runs over an emulated link (`burstcu.Link`) and adds bench/model/predict.py's
-`overlap_prediction` to every pass. CPU + MPI figures of the schedule, never GPU ones.
 """
 
 from __future__ import annotations
@@ -41,11 +35,10 @@ MEASURABLE = 0.15           # the largest uncertainty at which an efficiency is 
 
 
 class TimedTransport(Transport):
-    """The transport of one of MODES: pass-through, or for "compute" do-nothing (the receive
-    buffer gets a local copy of the send buffer). It and its sub-groups record in `root`
-    ["comm", post, completion] per commit (completion: the MPI progress thread's, else the end
-    of `wait`), posting time and traffic; as the engine's `Trace`, `root` keeps `steps`: per
-    step pass, step, source, blocks, traffic and `time` (what it adds to the mode's time)."""
+    """The transport of one of MODES: pass-through, or for "compute" do-nothing. It and its
+    sub-groups record in `root` ["comm", post, completion] per commit (completion: the MPI progress
+    thread's, else the end of `wait`), posting time and traffic; as the engine's `Trace`, `root`
+    keeps `steps`: per step pass, step, source, blocks, traffic and `time` (its share of the mode's)."""
 
     def __init__(self, inner: Transport, mode: str, root: TimedTransport | None = None):
         super().__init__(inner.rank, inner.size)
@@ -53,7 +46,7 @@ class TimedTransport(Transport):
         self.root = self if root is None else root
         self.name = f"{'null' if self.null else 'timed'}({inner.name})"
         self.intervals, self._open, self.steps = [], [], []
-        self._step, self._post_s, self._posts, self._traffic = [], 0.0, 0, dict.fromkeys(TRAFFIC, 0)
+        self._step, self._post_s, self._traffic = [], 0.0, dict.fromkeys(TRAFFIC, 0)
 
     def send_recv(self, send_buf, recv_buf, dst, src):
         (super() if self.null else self.inner).send_recv(send_buf, recv_buf, dst, src)
@@ -62,7 +55,6 @@ class TimedTransport(Transport):
         """Note an exchange: its interval (one of the step's posts when `post`), its messages' sizes."""
         root = self.root
         root.intervals.append(iv)
-        root._posts += post
         root._step += [iv] * post
         for side, sizes in (("sent", sent), ("received", received)):
             root._traffic[f"{side}_messages"] += len(sizes)
@@ -98,17 +90,15 @@ class TimedTransport(Transport):
         pass
 
     def add(self, pass_: str, step: int, source: int, blocks: int, compute_s: float, wait_s: float):
-        """`Trace.add`, after the step's wait; its comm time: what its exchanges covered from post
-        to completion."""
+        """`Trace.add`, after the step's wait; comm: what its exchanges covered, post to completion."""
         comm_s, reach = 0.0, float("-inf")
         for a, b in sorted((a, b) for _, a, b in self._step if b is not None):
             if b > reach:
                 comm_s, reach = comm_s + b - max(a, reach), b
-        times = {"compute": compute_s, "comm": comm_s if self._posts else 0.0,
-                 "overlapped": self._post_s + compute_s + wait_s}
+        times = {"compute": compute_s, "comm": comm_s, "overlapped": self._post_s + compute_s + wait_s}
         self.steps.append({"pass": pass_, "step": step, "source": source, "blocks": blocks,
                            "time": times[self.mode], **self._traffic})
-        self._step, self._post_s, self._posts, self._traffic = [], 0.0, 0, dict.fromkeys(TRAFFIC, 0)
+        self._step, self._post_s, self._traffic = [], 0.0, dict.fromkeys(TRAFFIC, 0)
 
     def allgather(self, send_buf, recv_buf):
         t0 = time.perf_counter()
@@ -284,9 +274,7 @@ def efficiency_text(p: dict) -> str:
     """The efficiency as printed: a number with its ± (and the prediction), or why there is none."""
     text = p["note"]
     if p["efficiency"] is not None:
-        text = f"{p['efficiency']:+.2f}"
-        if p["efficiency_uncertainty"] is not None:
-            text += f"±{p['efficiency_uncertainty']:.2f}"
+        text = f"{p['efficiency']:+.2f}±{p['efficiency_uncertainty']:.2f}"   # a measurement has both
         if p["note"]:
             text += f" ({p['note']})"
     if p.get("efficiency_predicted") is not None:
@@ -440,10 +428,12 @@ def main(argv=None) -> dict | None:
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     args.layout = args.layout or ("zigzag" if args.causal else "contiguous")
+    args.kv_heads = args.kv_heads or args.heads
     link = None if args.link_gbps is None else Link(gbps=args.link_gbps, latency_us=args.link_latency_us)
+    label = None if link is None else str(link)
     binding = bind_ranks(C.world()[0], args.allow_unbound)   # before the progress thread starts
     group = burstcu.init(backend="numpy", link=link)
-    env = C.environment(group, link=None if link is None else {"describe": str(link), **link.as_dict()},
+    env = C.environment(group, link=None if link is None else {"describe": label, **link.as_dict()},
                         binding=binding)
     if group.rank == 0:
         cpus = ", ".join(f"rank {i} -> CPU {','.join(map(str, r['cpus'] or ['?']))}"
@@ -459,18 +449,15 @@ def main(argv=None) -> dict | None:
     for i, (seqlen, strategy) in enumerate(plan):
         ranks = C.gather(group, run_config(group, args, seqlen, strategy, f"[{i + 1}/{len(plan)}]"))
         if group.rank == 0:
+            shape = ("batch", "heads", "kv_heads", "headdim", "causal", "layout", "dtype", "repeats")
             configs.append({"strategy": strategy, "seqlen": seqlen, "seqlen_local": seqlen // group.size,
-                            "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
-                            "headdim": args.headdim, "causal": args.causal, "layout": args.layout,
-                            "dtype": args.dtype, "repeats": args.repeats,
-                            "link": None if link is None else str(link),
+                            **{k: getattr(args, k) for k in shape}, "link": label,
                             "summary": summarize(ranks, link), "ranks": ranks})
             print(line(configs[-1]), flush=True)
     group.close()
     if group.rank != 0:
         return None
-    result = {"benchmark": "overlap", "environment": env, "link": None if link is None else str(link),
-              "configs": configs}
+    result = {"benchmark": "overlap", "environment": env, "link": label, "configs": configs}
     C.emit(None, result, args)
     if args.plot:
         plot(C.clean(result), args.plot)

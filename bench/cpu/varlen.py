@@ -1,9 +1,6 @@
-"""The host side of a varlen ring schedule, one process: the time to build the per-document zigzag
-partition of --docs documents (a seeded long-tailed mix) over --ranks ranks (once a partition, its
-segment arrays and hash too) and each causal ring step's rectangle array (`burstcu.layout.rectangles`,
-uncached, nothing of the partition computed before) with, per step, the host side of the kernels'
-rectangle lists (`burstcu.ops.cuda.params.step_group_lists`: the forward's grouping by query range
-and the backward's by key and query range, not uploaded), medians over --repeats builds.
+"""The host side of a varlen ring schedule, one process: medians over --repeats builds of the
+per-document zigzag partition of --docs documents (a seeded long-tailed mix) over --ranks ranks
+and of each causal ring step's rectangles, with the kernels' lists too (bench/README.md).
 
     python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F] [--table F]
 """

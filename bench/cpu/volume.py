@@ -1,6 +1,5 @@
-"""Communication volume per rank, per pass and strategy: the bytes and messages each rank sends
-(`group.stats`) against the implementation's exact formula and the paper's element counts
-converted to per-rank bytes, the difference explained term by term (bench/README.md).
+"""Bytes and messages each rank sends per pass and strategy (`group.stats`) against the exact
+formulas and the paper's counts, the difference explained term by term (bench/README.md).
 
     mpiexec -n G python bench/cpu/volume.py [--seqlen N] [--heads H] [--kv-heads Hkv] [--dtype float16]
 """
@@ -22,12 +21,11 @@ from burstcu.ops.base import accum_dtype  # noqa: E402
 
 def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=None,
             counts=None) -> tuple[dict, str, int]:
-    """(terms, why, paper): the implementation's bytes this rank sends as named terms, why they
-    differ from the paper's count, and that count as the bytes one rank sends, all at input
-    itemsize `it` (H heads for query-side tensors, Hkv for K/V-side ones; 0 without one: usp).
-    sends: the forward hops this rank sends K, V on (burst; usp: its ring of groups); counts: the
-    backward's (bundles, dqs, messages) it sends (the same); fewer than G-1 and (G-1, G, G+1)
-    where a mask ends a block's or a bundle's trip early."""
+    """(terms, why, paper): the bytes this rank sends as named terms, why they differ from the
+    paper's count, and that count as one rank's bytes (0 without one: usp), at input itemsize `it`,
+    H heads query-side and Hkv K/V-side. sends: the forward hops this rank sends K, V on (burst;
+    usp: its ring of groups); counts: the backward's (bundles, dqs, messages) it sends (the same);
+    fewer than G-1 and (G-1, G, G+1) where a mask ends a block's or a bundle's trip early."""
     if G == 1:
         return {}, "one rank: nothing moves", 0
     hops = G - 1
@@ -116,11 +114,10 @@ def rows_for(group, strategy: str, inputs, causal: bool) -> list:
         if G // impl.ulysses_degree > 1:     # the burst ring across the groups, for my group's super-rank
             _, groups, i = impl.ring_of_groups(G, q, k, rank=rank, layout="contiguous")
             counts = backward_counts(i, G // impl.ulysses_degree, 0, groups, causal)
-    dims = dict(G=G, B=B, S=S, H=H, Hkv=Hkv, D=D, it=q.dtype.itemsize)
+    dims = dict(G=G, B=B, S=S, H=H, Hkv=Hkv, D=D, it=q.dtype.itemsize, acc=accum_dtype(q.dtype).itemsize)
     rows = []
     for pass_, (bytes_, messages) in formula.items():
-        terms, why, paper = explain(strategy, pass_, acc=accum_dtype(q.dtype).itemsize, sends=sends,
-                                    counts=counts, **dims)
+        terms, why, paper = explain(strategy, pass_, sends=sends, counts=counts, **dims)
         sent = measured[pass_]["bytes_sent"]
         rows.append({"strategy": strategy, "pass": pass_, "measured_bytes": sent, "formula_bytes": bytes_,
                      "match": sent == bytes_ and sum(terms.values()) == bytes_,

@@ -1,12 +1,5 @@
 """One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
-same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
-step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
-kernel table of --archs and dQ mode of --dq-modes, each row naming the forward and backward
-families that ran, sm90 or sm80), `api` (burstcu.attention / attention_backward, group=None),
-`torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S, S, --width/D, D); CUDA events
-around each call, median of --repeats after --warmup; FLOPs 4BHS^2D forward, 2.5x that backward,
-halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
-rows (burstcu only, FLOPs of the visible pairs). --dry-run prints the plan without a GPU.
+same device and memory, in the same run: bench/README.md (the FLOPs: `plan`; the options: --help).
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
@@ -20,14 +13,13 @@ import argparse
 import itertools
 import math
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, normal,  # noqa: E402
-                           progress, pyplot, save, table, write_json)
+from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,  # noqa: E402
+                           normal, progress, pyplot, save, table, write_json)
 
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
@@ -103,7 +95,7 @@ def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
         tq, tk, tv = (t.detach().requires_grad_(True) for t in (tq, tk, tv))
 
     def run():
-        with sdpa_kernel([which]), (nullcontext() if bwd else torch.no_grad()):
+        with sdpa_kernel([which]), torch.set_grad_enabled(bwd):
             out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
             if bwd:
                 torch.autograd.grad(out, (tq, tk, tv), tdo)
@@ -146,10 +138,10 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         fn = attention_call(impl, ops, cfg, q, k, v, dout)
         # torch issues on its own stream: for every implementation alike the device is synchronized
         # inside the timed region; host_ms: a call's own seconds, the device idle at its start
-        ms = None if fn is None else 1e3 * float(np.median(
-            call_seconds(fn, args.repeats, args.warmup, cuda=True, sync_inside=True)))
-        host_ms = None if fn is None else 1e3 * float(np.median(
-            call_seconds(fn, args.repeats, 0, before=device_synchronize)))
+        ms = host_ms = None
+        if fn is not None:
+            ms = 1e3 * median(call_seconds(fn, args.repeats, args.warmup, cuda=True, sync_inside=True))
+            host_ms = 1e3 * median(call_seconds(fn, args.repeats, 0, before=device_synchronize))
         device_synchronize()
         rows.append({**{f: cfg[f] for f in SHAPE}, "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
                      "tflops": None if ms is None else cfg["gflop"] / ms})

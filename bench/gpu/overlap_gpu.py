@@ -1,11 +1,10 @@
-"""G ranks of the real engine sharing ONE GPU (the loopback transport: a message is a
-device-to-device copy on the receiver's communication stream, ordered by events as NCCL's
-send/recv), timed with CUDA events: compute-only (copies skipped), comm-only (steps get no
-blocks) and overlapped pass times, the efficiency (t_compute + t_comm - t_overlapped) /
-min(t_compute, t_comm), and `hidden`: the fraction of each rank's incoming-copy time during which
-one of its own step kernels ran, per pass and per ring step. The ranks share one GPU's SMs and
-HBM: schedule behaviour, not multi-GPU figures; the comm-only run keeps all work but the step
-kernels, so the efficiency sits near 1 by construction here: read `hidden` and `copy_ms`.
+"""G ranks of the real engine sharing ONE GPU (loopback transport: a message is a device-to-device
+copy on the receiver's communication stream, ordered by events as NCCL's send/recv), timed with
+CUDA events: compute-only (copies skipped), comm-only (steps get no blocks) and overlapped pass
+times, efficiency (t_compute + t_comm - t_overlapped) / min(t_compute, t_comm), and `hidden`: the
+fraction of a rank's incoming-copy time its own step kernels ran through, per pass and ring step.
+Schedule behaviour, not multi-GPU figures (the ranks share one GPU's SMs and HBM); the comm-only
+run keeps all work but the step kernels: its efficiency is near 1 by construction; read `hidden`, `copy_ms`.
 
     python bench/gpu/overlap_gpu.py [--ranks 2 4] [--seqlen 8192 32768] [--causal] [--layout zigzag]
         [--window L R] [--docs SEED] [--strategies burst ring] [--repeats 5] [--json F] [--plot F]
@@ -56,9 +55,8 @@ def _hidden(compute, comm) -> float | None:
 
 
 def _step_key(label: str) -> str:
-    """The step an annotation names: its words up to the step number ("fwd 2 compute" and
-    "fwd 2 send/recv kv" -> "fwd 2"; "ring bwd 1 compute" -> "ring bwd 1"), else its first two
-    words ("bwd return dq" -> "bwd return")."""
+    """The step an annotation names: its words up to the step number ("fwd 2 send/recv kv" -> "fwd 2",
+    "ring bwd 1 compute" -> "ring bwd 1"), else its first two words ("bwd return dq" -> "bwd return")."""
     words = label.split()
     return " ".join(next((words[:i + 1] for i, w in enumerate(words) if w.isdigit()), words[:2]))
 
@@ -157,8 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
     plan = [(g, s, st) for g in args.ranks for s in args.seqlen for st in args.strategies]
-    args.docs_by_seqlen = {} if args.docs is None else {
-        s: tuple(int(b) for b in C.document_mix(s, seed=args.docs)) for s in args.seqlen}
+    args.docs_by_seqlen = {} if args.docs is None else {s: C.document_mix(s, args.docs) for s in args.seqlen}
     for g, s, _ in plan:
         partition(args.layout, g, s)   # a clear error when s cannot split over g ranks
     if args.dry_run:

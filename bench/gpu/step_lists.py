@@ -1,10 +1,6 @@
-"""A ring step's rectangles in one launch against one launch a rectangle: the step kernels of
-every (rank, step) of the burst ring under per-document zigzag (--docs documents of a seeded
-long-tailed mix, causal), forward (forward_step) and backward (backward_step: dK, dV and atomic
-dQ), timed both ways in the same run, with the contiguous split of the same tokens beside it; per
-pass and layout, sums over (rank, step) of the time, rectangles, launches, kept (query, key) pairs
-and ns a kept pair each way, and the step kernels each way launched. CUDA events on a GPU (median
-of --repeats after a warm-up); --backend emulated: host seconds, never GPU figures.
+"""A ring step's rectangles in one launch against one launch a rectangle, every (rank, step) of a
+causal ring under per-document zigzag and under contiguous (bench/README.md); CUDA events on a GPU,
+median of --repeats; --backend emulated: host seconds, never GPU figures.
 
     python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90]
                                    [--passes fwd bwd] [--json F]
@@ -15,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import array_dtype, call_seconds, clean, document_mix, emit, progress, table  # noqa: E402
+from bench._common import (array_dtype, call_seconds, clean, document_mix, emit, median,  # noqa: E402
+                           progress, table)
 
 WAYS = ("list", "per_rect")   # a step's rectangles in one step call, or a step call each
 STEP_KERNELS = {"fwd": ("flash_fwd_step",), "bwd": ("flash_bwd_dkdv", "flash_bwd_dq")}
@@ -36,8 +34,7 @@ def exact_mix(tokens: int, documents: int) -> tuple[int, ...]:
 
 
 def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
-    """Both ways of launching every (rank, step) of one layout, forward ("fwd") or backward
-    ("bwd") steps (module docstring)."""
+    """The row of one layout's (rank, step)s launched both ways, forward ("fwd") or backward ("bwd")."""
     from burstcu import layout
 
     xp, cuda, function = ops.xp, ops.device == "cuda", ops.function
@@ -70,17 +67,11 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
                     continue
                 kv = (1, part.lengths[kr], args.heads, args.headdim)
                 k, v = (xp.asarray(rng.standard_normal(kv).astype(dtype)) for _ in range(2))
-                if passes == "fwd":
-                    state = ops.forward_init(q)
-
-                    def run(rects, state=state, k=k, v=v):
-                        ops.forward_step(state, k, v, rects)
+                if passes == "fwd":             # run(rects): the step over those rectangles
+                    run = partial(ops.forward_step, ops.forward_init(q), k, v)
                 else:
                     ctx = ops.backward_init(k, v, args.headdim ** -0.5)
-                    dq = xp.zeros(q.shape, np.float32)
-
-                    def run(rects, ctx=ctx, q=q, dout=dout, dq=dq):
-                        ops.backward_step(ctx, q, dout, lse, delta, dq, rects)
+                    run = partial(ops.backward_step, ctx, q, dout, lse, delta, xp.zeros(q.shape, np.float32))
                 ways = {"list": lambda: run(blocks), "per_rect": lambda: [run([b]) for b in blocks]}
                 for way, fn in ways.items():
                     now["way"] = way
@@ -89,7 +80,7 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
                     fn()
                     row[f"launches_{way}"] += now["launches"]
                     seconds = call_seconds(fn, args.repeats, 0, cuda=cuda, after=None if cuda else ops.sync)
-                    row[f"{way}_ms"] += float(np.median(seconds)) * 1e3
+                    row[f"{way}_ms"] += median(seconds) * 1e3
                 row["rectangles"] += len(blocks)
                 row["kept_pairs"] += layout.kept_pairs(blocks)
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")

@@ -19,17 +19,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from itertools import product
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench import _common as C  # noqa: E402
-from bench.gpu.ptxas_report import occupancy  # noqa: E402
+from burstcu.build import all_variants, bwd_variants, fwd_variants  # noqa: E402
+from burstcu.build.compile import (ARCH_LIMITS, cached_cubin, device_arch, gate_variant,  # noqa: E402
+                                   source_digest)
+from burstcu.layout import Block  # noqa: E402
+from burstcu.ops.cuda.kernel_ops import KernelOps  # noqa: E402
+from burstcu.transport.bootstrap import device_count  # noqa: E402
 
 T_START = time.monotonic()
 FAMILIES = ("forward", "bwd_dkdv", "bwd_dq", "forward_sm90")
@@ -57,8 +65,6 @@ GATE_KEYS = ("registers", "spill_stores", "spill_loads", "stack_bytes", "static_
 def make_variant(family: str, dtype: str, d: int, tiles):
     """The KernelVariant of `family` with tiles (BLOCK_M, BLOCK_N, warps); forward_sm90's are
     (128, BLOCK_N, STAGES). ValueError for tiles the kernel does not take."""
-    from burstcu.build import bwd_variants, fwd_variants
-
     bm, bn, w = (int(x) for x in tiles)
     if family == "forward_sm90" and bm == fwd_variants.SM90_BLOCK_M:
         return fwd_variants.sm90_variant_for_tiles(dtype, d, bn, w)
@@ -75,8 +81,6 @@ def make_variant(family: str, dtype: str, d: int, tiles):
 
 def table_variant(tile_table: str, family: str, dtype: str, d: int):
     """The variant the table `tile_table` launches for (family, dtype, native head dim d)."""
-    from burstcu.build import all_variants
-
     found = [v for v in all_variants(tile_table) if (v.family, v.dtype, v.headdim) == (family, dtype, d)]
     if len(found) != 1:
         raise ValueError(f"table {tile_table} has {len(found)} {family} variants for {dtype} d={d}")
@@ -104,6 +108,14 @@ def group_key(c: dict) -> tuple:
     return (c["family"], c["dtype"], int(c["headdim"]))
 
 
+def by_group(records: list[dict]) -> dict:
+    """{(family, dtype, headdim): [its records]}, the groups in the order they first appear."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(group_key(r), []).append(r)
+    return groups
+
+
 def cells(r: dict, **extra) -> dict:
     """A candidate or timing record as a table row: tiles as text, * the table's, smem KB, occupancy %."""
     return {**r, "tiles": r["tiles"] if isinstance(r["tiles"], str) else tiles_str(r["tiles"]),
@@ -121,10 +133,8 @@ def candidate_record(variant, tiles, current: bool) -> dict:
 def enumerate_candidates(tile_table: str, families, dtypes, headdims, max_per_group: int = 0) -> list[dict]:
     """Legal candidates per (family, dtype, d), the table's tiles first; `max_per_group` > 0
     keeps the first that many of each group."""
-    from burstcu.build.compile import ARCH_LIMITS
-
     out = []
-    for family, dtype, d in [(f, dt, d) for f in families for dt in dtypes for d in headdims]:
+    for family, dtype, d in product(families, dtypes, headdims):
         current, group = tiles_of(table_variant(tile_table, family, dtype, d)), []
         for tiles in dict.fromkeys([current, *TILE_GRID[family]]):
             try:
@@ -140,8 +150,6 @@ def enumerate_candidates(tile_table: str, families, dtypes, headdims, max_per_gr
 
 def source_digests(families=FAMILIES) -> dict:
     """{kernel source: digest (headers included)} of the sources `families` compile."""
-    from burstcu.build.compile import source_digest
-
     return {s: source_digest(s) for s in sorted({FAMILY_SOURCE[f] for f in families})}
 
 
@@ -155,7 +163,6 @@ def _compile(variant, arch: str, gate: bool) -> dict:
     """In a worker: the gate record of `variant` for the table `arch` (gate), or {} once its CUBIN for
     `arch` is in the kernel cache; never raises: {"error": ...}."""
     try:
-        from burstcu.build.compile import cached_cubin, gate_variant
         if gate:
             return gate_variant(variant, arch)
         cached_cubin(variant.source, [variant.name], arch)
@@ -170,7 +177,6 @@ def in_processes(fn, args: list, jobs: int, label) -> list:
     results, jobs = {}, min(jobs, len(args))
     if jobs > 1:
         try:
-            import multiprocessing
             with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
                 futures = {ex.submit(fn, *a): i for i, a in enumerate(args)}
                 for fut in as_completed(futures):
@@ -191,15 +197,15 @@ def run_gate(cands: list[dict], args) -> list[dict]:
     jobs = [(make_variant(*group_key(c), c["tiles"]), args.tile_table, True) for c in cands]
     results = in_processes(_compile, jobs, args.jobs, lambda i, r: C.progress(
         f"gate {cands[i]['name']}: {'FAIL' if r.get('error') else 'ok'}"))
-    records = [{**c, **{k: r.get(k) for k in GATE_KEYS}, "arch": args.tile_table}
-               for c, r in zip(cands, results)]
-    for rec in records:
+    records = []
+    for c, r in zip(cands, results):
+        rec = {**c, **{k: r.get(k) for k in GATE_KEYS}, "arch": args.tile_table}
         if rec["error"] is not None:
             rec["error"] = first_line(rec["error"])
-        else:
-            occ = occupancy(rec)
-            rec.update(blocks_per_sm=occ["blocks_per_sm"], warps_per_sm=occ["warps_per_sm"],
-                       occupancy=round(occ["occupancy"], 4), limited_by=occ["limited_by"])
+        else:   # the gate's occupancy (`compile.occupancy`)
+            rec.update(blocks_per_sm=r["blocks_per_sm"], warps_per_sm=r["warps_per_sm"],
+                       occupancy=round(r["occupancy"], 4), limited_by=r["limited_by"])
+        records.append(rec)
     args.gate_seconds = time.monotonic() - t
     shown = [cells(r, spill=None if r.get("spill_stores") is None else r["spill_stores"] + r["spill_loads"],
                    status="ok" if r["error"] is None else "DROP: " + r["error"][:70]) for r in records]
@@ -218,11 +224,10 @@ def gflop(family: str, b: int, s: int, h: int, d: int) -> float:
 def plan(cands: list[dict], args) -> list[dict]:
     """One row per (seqlen, candidate), in the order they run (smaller seqlens first)."""
     rows = []
-    for s in args.seqlens:
-        for key in [(f, dt, d) for f in args.families for dt in args.dtypes for d in args.headdims]:
-            b, _, h, _ = C.gpu_shape(args.tokens, args.width, s, key[2])
-            rows += [{**c, "seqlen": s, "batch": b, "heads": h, "gflop": gflop(key[0], b, s, h, key[2])}
-                     for c in cands if group_key(c) == key]
+    for s, family, dtype, d in product(args.seqlens, args.families, args.dtypes, args.headdims):
+        b, _, h, _ = C.gpu_shape(args.tokens, args.width, s, d)
+        rows += [{**c, "seqlen": s, "batch": b, "heads": h, "gflop": gflop(family, b, s, h, d)}
+                 for c in cands if group_key(c) == (family, dtype, d)]
     return rows
 
 
@@ -250,7 +255,6 @@ def estimate_seconds(rows: list[dict], args, gate_count: int = 0) -> dict:
 def make_ops(tile_table: str, backend: str = "cupy"):
     """A KernelOps (CuPy, or the CPU emulator to test this script) whose variant lookup returns
     the candidate `pin`ned for its (family, dtype, headdim), whose `skip` families' kernels do nothing."""
-    from burstcu.ops.cuda.kernel_ops import KernelOps
 
     class TileOps(KernelOps):
         def __init__(self):
@@ -278,8 +282,6 @@ class Inputs:
     delta (B, S, H) of the backward made once by the forward."""
 
     def __init__(self, ops, dtype: str, b: int, s: int, h: int, d: int, seed: int = 0):
-        from burstcu.layout import Block
-
         self.q, self.k, self.v, self.dout = C.normal(ops.xp, [(b, s, h, d)] * 4, dtype, seed)
         self.scale, self.ops, self._bwd = 1.0 / math.sqrt(d), ops, None
         self.blocks = [Block(0, s, 0, s, 0, 0, False)]
@@ -322,7 +324,6 @@ def measure_group(ops, key, seqlen: int, cands: list[dict], inp: Inputs | None, 
     ref, ref_error = None, "no inputs"
     if inp is not None and time.monotonic() <= deadline:
         try:   # the table's own tiles, no pin: the reference every candidate is compared with
-            ops.pinned.clear()
             ref = run()
         except Exception as exc:  # noqa: BLE001
             ref_error = f"{exc.__class__.__name__}: {first_line(exc)}"
@@ -359,26 +360,24 @@ def measure_group(ops, key, seqlen: int, cands: list[dict], inp: Inputs | None, 
             row["status"] = f"error: {exc.__class__.__name__}: {first_line(exc, 160)}"
         finally:
             ops.pinned.clear()
-            ops.deterministic, ops.skip = False, set()
         C.progress(f"  {family} {dtype} d={d} S={s} {row['tiles']:>10}{' *' if c['current'] else ''}"
                    f" {row['ms'] or 0:.3g} ms {row['check'] or ''} {row['status']}")
-    cur = next((r for r in rows if r["current"] and r["ms"]), None)
-    for r in rows if cur else []:
-        if r["ms"]:
-            r["vs_current"] = cur["ms"] / r["ms"]
+    cur = next((r["ms"] for r in rows if r["current"] and r["ms"]), None)
+    for r in rows:
+        if cur and r["ms"]:
+            r["vs_current"] = cur / r["ms"]
     return rows
 
 
 def best_summary(rows: list[dict], seqlens) -> list[dict]:
     """Per (family, dtype, d): the candidate with the best geometric-mean speedup over the
     current tiles across the seqlens where both were measured and it passed the check."""
-    out = []
-    for key in sorted({group_key(r) for r in rows}, key=lambda k: (FAMILIES.index(k[0]), k[1:])):
-        grp = [r for r in rows if group_key(r) == key]
+    out, groups = [], by_group(rows)
+    for key in sorted(groups, key=lambda k: (FAMILIES.index(k[0]), k[1:])):
         rec = {"family": key[0], "dtype": key[1], "headdim": key[2], "best": None,
-               "current": next((r["tiles"] for r in grp if r["current"]), None)}
+               "current": next((r["tiles"] for r in groups[key] if r["current"]), None)}
         per_tiles: dict[str, dict] = {}   # tiles: {seqlen: speedup}
-        for r in grp:
+        for r in groups[key]:
             if r.get("vs_current") and r["check"] == "ok":
                 per_tiles.setdefault(r["tiles"], {})[r["seqlen"]] = r["vs_current"]
         score = {t: math.exp(sum(map(math.log, p.values())) / len(p)) for t, p in per_tiles.items()}
@@ -396,8 +395,6 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
     env = C.gpu_versions(args.backend)
     ops = make_ops(args.tile_table, args.backend)
     if args.backend == "cupy":   # every kernel the run launches, compiled in parallel first
-        from burstcu.build.bwd_variants import delta_variant
-        from burstcu.build.compile import device_arch
         arch = device_arch()
         C.progress(f"device {env['device']} ({arch}), cupy {env.get('cupy')}, nvrtc {env.get('nvrtc')}")
         variants = {}
@@ -406,7 +403,7 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
                 *(table_variant(args.tile_table, f, dtype, d) for d in args.headdims
                   for f in dict.fromkeys(("forward", *args.families))),
                 *(v for v in ops._variants.values() if v.family == "forward_finalize" and v.dtype == dtype),
-                delta_variant(dtype)])
+                bwd_variants.delta_variant(dtype)])
         for c in cands:
             try:
                 v = make_variant(*group_key(c), c["tiles"])
@@ -418,7 +415,7 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
                               lambda i, r: r and C.progress(f"  compile FAILED {todo[i].name}: "
                                                             f"{first_line(r['error'])}"))
         C.progress(f"compiled {len(todo)} kernels, {sum(map(bool, failed))} failed")
-    deadline = T_START + args.budget
+    deadline, groups = T_START + args.budget, by_group(cands)
     rows, texts = [], []
     head = {"versions": env, "args": C.clean(vars(args)), "estimate": meta.get("estimate"),
             "candidates_file": meta.get("candidates_file"), "tile_table": args.tile_table,
@@ -435,9 +432,8 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
     # seqlens outermost (a run cut short by --budget loses the longest), inputs shared by families
     for s in args.seqlens:
         inputs = {}
-        for key in [(f, dt, d) for f in args.families for dt in args.dtypes for d in args.headdims]:
-            grp = [c for c in cands if group_key(c) == key]
-            if not grp:
+        for key in product(args.families, args.dtypes, args.headdims):
+            if not (grp := groups.get(key)):
                 continue
             b, _, h, _ = C.gpu_shape(args.tokens, args.width, s, key[2])
             C.progress(f"{key[0]} {key[1]} d={key[2]} S={s}: B={b} H={h}, {len(grp)} candidates "
@@ -448,8 +444,7 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
                 except Exception as exc:  # noqa: BLE001
                     C.progress(f"  inputs FAILED: {exc.__class__.__name__}: {exc}")
             rows += (grp_rows := measure_group(ops, key, s, grp, inputs.get(key[1:]), args, deadline))
-            ranked = sorted((r for r in grp_rows if r["ms"]), key=lambda r: r["ms"])
-            ranked += [r for r in grp_rows if not r["ms"]]
+            ranked = sorted(grp_rows, key=lambda r: (not r["ms"], r["ms"] or 0))   # unmeasured last
             texts.append(f"## {key[0]} {key[1]} d={key[2]} S={s} (B={b}, H={h}; tiles BLOCK_M x BLOCK_N x "
                          f"{'NWARPS' if key[0] == 'forward' else 'WARPS_D'}; * = current table)\n" + C.table(
                              [cells(r, rank=i + 1 if r["ms"] else "-", check=r["check"] or "-",
@@ -487,13 +482,9 @@ def run_measure(cands: list[dict], args, meta: dict) -> int:
 
 
 def refresh_current(cands: list[dict], args) -> list[dict]:
-    """Mark the tiles the table holds now and make sure each group has them (ungated if need be:
-    the table's own tiles pass the project's compile gate)."""
-    groups = {}
-    for c in cands:
-        groups.setdefault(group_key(c), []).append(c)
+    """The table's tiles now marked current, added ungated where missing (the project gates them)."""
     out = []
-    for key, grp in groups.items():
+    for key, grp in by_group(cands).items():
         try:
             v = table_variant(args.tile_table, *key)
         except Exception:  # noqa: BLE001 - a family/head dim the table does not have
@@ -506,18 +497,13 @@ def refresh_current(cands: list[dict], args) -> list[dict]:
 
 
 def select(cands: list[dict], args) -> list[dict]:
-    """Candidates of the requested families, dtypes and head dims; --max-candidates per group
-    (the table's tiles first), in the order of their groups in `cands`."""
-    out, per_group = [], {}
-    keep = [c for c in cands if c["family"] in args.families and c["dtype"] in args.dtypes
-            and int(c["headdim"]) in args.headdims]
-    for c in sorted(keep, key=lambda c: not c["current"]):   # stable: current tiles lead
-        n = per_group.get(group_key(c), 0)
-        if not args.max_candidates or n < args.max_candidates:
-            per_group[group_key(c)] = n + 1
-            out.append(c)
-    order = {k: i for i, k in enumerate(dict.fromkeys(group_key(c) for c in cands))}
-    return sorted(out, key=lambda c: order[group_key(c)])
+    """The requested groups' candidates in their order, the table's tiles first, --max-candidates each."""
+    out, n = [], args.max_candidates
+    for (family, dtype, d), grp in by_group(cands).items():
+        if family in args.families and dtype in args.dtypes and d in args.headdims:
+            grp = sorted(grp, key=lambda c: not c["current"])   # stable: current tiles lead
+            out += grp[:max(n, 0)] if n else grp
+    return out
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -591,8 +577,7 @@ def main(argv=None) -> int:
             missing = [c for c in enumerated if group_key(c) not in have]
     elif args.candidates:
         C.progress(f"{args.candidates} does not exist: gating here")
-    cands = select(refresh_current(cands, args), args) if cands else []
-    missing = select(missing, args) if missing else []
+    cands, missing = select(refresh_current(cands, args), args), select(missing, args)
     rows = plan(cands + missing, args)
     est = estimate_seconds(rows, args, gate_count=len(missing))
     if args.dry_run:
@@ -605,17 +590,13 @@ def main(argv=None) -> int:
           f"{EST_GPU_JOBS} processes) + measure {est['measure_s']:.0f} ({est['measurements']} "
           f"measurements x {1 + args.warmup + args.repeats} calls); budget {args.budget:.0f} s")
     cols = ["seqlen", "family", "dtype", "headdim", "batch", "heads", "gflop"]
-    counts: dict[tuple, int] = {}   # candidates per (seqlen, group)
-    for r in rows:
-        key = tuple(round(r[c], 1) if c == "gflop" else r[c] for c in cols)
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(tuple(round(r[c], 1) if c == "gflop" else r[c] for c in cols) for r in rows)
     print(C.table([dict(zip(cols + ["candidates"], (*k, n))) for k, n in counts.items()],
                   cols + ["candidates"]), flush=True)
     if args.dry_run:
         print("# dry run: nothing compiled, nothing timed")
         return 0
     if args.backend == "cupy":
-        from burstcu.transport.bootstrap import device_count
         if (found := device_count())[0] < 1:
             print(f"# no GPU here ({found[1] or 'no CUDA device'}): use --dry-run, --gate, or --backend "
                   f"emulated at tiny sizes", flush=True)

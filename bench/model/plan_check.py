@@ -1,8 +1,5 @@
 """The planner's pick (`burstcu.plan`, what strategy="auto" runs) against the measured best on CPU
-ranks, over a grid of shapes. It first measures the machine the model needs with every rank busy
-(the local op's flop/s less the fixed cost of a call, the ring's bandwidth and latency), then
-times every candidate (forward + backward, the slowest rank, median of --repeats) and prints the
-pick's regret: its time over the best's (1.00: the pick was the fastest). CPU figures, not GPU ones.
+ranks over a grid of shapes, the machine measured first; regret: the pick's time over the best's.
 
     mpiexec -n G python bench/model/plan_check.py [--seqlen 512 1024] [--heads 8] [--kv-heads 8 2]
         [--headdim 32] [--causal] [--layout zigzag] [--repeats 3] [--json F]
@@ -22,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench import _common as C  # noqa: E402
 
 import burstcu  # noqa: E402
-from burstcu.plan import Machine, candidates, plan  # noqa: E402
+from burstcu.plan import Machine, plan  # noqa: E402
 
 
 def fwd_bwd_seconds(group, inputs, repeats: int, on=None, **how) -> float:
@@ -80,19 +77,17 @@ def main(argv=None):
     machine = measure_machine(group, args.headdim, args.repeats)
     grid = [(n, h, hkv) for n, h, hkv in itertools.product(args.seqlen, args.heads, args.kv_heads)
             if h % hkv == 0]
-    rows = []
+    rows, how = [], dict(causal=args.causal, layout=args.layout)
     for index, (n, h, hkv) in enumerate(grid):
         C.progress(f"plan_check [{index + 1}/{len(grid)}] N={n} H={h}/{hkv}", group.rank)
         inputs = C.local_inputs(group, batch=1, seqlen=n, heads=h, kv_heads=hkv, headdim=args.headdim,
                                 dtype="float32", layout=args.layout)
         q, k = inputs[0], inputs[1]
-        chosen = plan(q.shape, k.shape, group, causal=args.causal, layout=args.layout, dtype=q.dtype,
-                      machine=machine)
+        chosen = plan(q.shape, k.shape, group, dtype=q.dtype, machine=machine, **how)
         measured = {}
-        for strategy, options in candidates(q.shape, k.shape, group.size):
-            label = strategy + "".join(f" {key}={value}" for key, value in options.items())
-            measured[label] = fwd_bwd_seconds(group, inputs, args.repeats, group, causal=args.causal,
-                                              layout=args.layout, strategy=strategy, **options)
+        for c in chosen.candidates:   # every one the planner weighed, its pick among them
+            measured[c.label] = fwd_bwd_seconds(group, inputs, args.repeats, group, strategy=c.strategy,
+                                                **how, **c.options)
         best = min(measured, key=measured.get)
         rows.append({"seqlen": n, "heads": h, "kv_heads": hkv, "pick": chosen.choice.label,
                      "measured_best": best, "regret": measured[chosen.choice.label] / measured[best],

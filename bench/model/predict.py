@@ -1,11 +1,8 @@
-"""PREDICTED pass times of the ring strategies on GPUs from the library's one cost model,
-`burstcu.plan` (never a measurement): per pass the time with free communication (t_compute), with
-free compute (t_comm) and on the preset itself (t_overlapped), the efficiency as bench/cpu/overlap.py
-measures it, and the global seqlen above which compute outlasts communication. Presets: "h100"
-(`burstcu.plan.MACHINES`: NVLink within 8 ranks, InfiniBand across) and "h100-ib" (every rank over
-InfiniBand); causal runs zigzag, full contiguous.
+"""PREDICTED pass times of burst or ring on GPUs from `burstcu.plan`'s cost model, never measured:
+t_compute, t_comm, t_overlapped (bench/README.md), the efficiency and the global seqlen above which
+compute outlasts communication. Causal runs zigzag, full contiguous.
 
-    python bench/model/predict.py [--preset h100] [--ranks 8] [--seqlen N ...] [--causal]
+    python bench/model/predict.py [--preset h100|h100-ib] [--ranks 8] [--seqlen N ...] [--causal]
         [--strategy burst|ring] [--tflops X] [--link-gbs X] [--latency-us X] [--all-presets]
     python bench/model/predict.py --strategies ...   every strategy and the one "auto" picks
 """
@@ -33,9 +30,8 @@ MAX_SEQLEN = 1 << 23   # hidden_above_seqlen searches up to this global length
 
 
 def pass_times(args, machine: Machine, strategy: str, seqlen: int) -> dict:
-    """PREDICTED {pass: {t_compute, t_comm, t_overlapped, bytes rank 0 sends}} of `strategy` at
-    global `seqlen` on the shape of `args`: `burstcu.plan.predict` on `machine` with free
-    communication, with free compute, and as it is."""
+    """PREDICTED {pass: {t_compute, t_comm, t_overlapped, bytes rank 0 sends}} of `strategy` at global
+    `seqlen`, shape `args`: `burstcu.plan.predict` with free communication, free compute, and as is."""
     s, hkv = seqlen // args.ranks, args.kv_heads or args.heads
     machines = {"t_compute": dataclasses.replace(machine, intra_bw=INF, inter_bw=INF, latency=0.0),
                 "t_comm": dataclasses.replace(machine, flops=INF, step_overhead=0.0),
@@ -50,8 +46,8 @@ def pass_times(args, machine: Machine, strategy: str, seqlen: int) -> dict:
 
 def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | None:
     """PREDICTED global seqlen (a multiple of 2G) above which t_compute >= t_comm, up to
-    MAX_SEQLEN (None: not even there). The difference can dip below 0 between two roots: walk
-    down by halves from MAX_SEQLEN to the first exposed length, then bisect above it."""
+    MAX_SEQLEN (None: not even there; 2G: at every length). The difference can dip below 0 between
+    two roots: walk down by halves from MAX_SEQLEN to the first exposed length, bisect above it."""
     unit = 2 * args.ranks
 
     def hidden(units: int) -> bool:
@@ -64,8 +60,6 @@ def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | No
     lo = hi // 2
     while lo >= 1 and hidden(lo):
         lo, hi = lo // 2, lo
-    if lo < 1:
-        return unit                    # hidden at every length tried
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
@@ -80,18 +74,16 @@ def report(args, machine: Machine) -> dict:
             rows.append({"kind": "PREDICTION", "pass": p, "t_compute": tc, "t_comm": tm,
                          "t_overlapped": to, "efficiency": C.overlap_efficiency(tc, tm, to),
                          "exposed_comm": to - tc, "hidden": tc >= tm, "bytes": t["bytes"], "seqlen": n})
-    shape = {k: getattr(args, k)
-             for k in ("ranks", "batch", "heads", "kv_heads", "headdim", "dtype", "causal")}
+    keys = ("ranks", "batch", "heads", "kv_heads", "headdim", "dtype", "causal")
     return {"kind": "PREDICTION", "machine": dataclasses.asdict(machine), "strategy": args.strategy,
-            "shape": shape, "rows": rows,
+            "shape": {k: getattr(args, k) for k in keys}, "rows": rows,
             "hidden_above_seqlen": {p: hidden_seqlen(args, machine, args.strategy, p) for p in PASSES}}
 
 
 def overlap_prediction(steps, link, blocking: bool = False) -> dict:
-    """PREDICTED pass over an emulated `link` (`burstcu.Link`) from measured compute: `steps`
-    are dicts of t_compute and sent/received messages and bytes. Per step t_comm = the longer
-    direction's messages * latency + bytes / rate; t_overlapped = max(t_compute, t_comm) as in
-    burstcu.plan, or their sum for a blocking exchange. hidden: the pass takes only its compute."""
+    """PREDICTED pass over an emulated `link` (`burstcu.Link`) from `steps`, dicts of the measured
+    t_compute and sent/received messages and bytes (bench/README.md, "cpu/overlap.py --link-gbps");
+    blocking: t_overlapped is their sum, not the max. hidden: the pass takes only its compute."""
     latency = link.seconds(0)
     tc = tm = to = hidden = 0.0
     for st in steps:
@@ -125,8 +117,6 @@ def print_report(rep: dict) -> None:
              "efficiency": f"{r['efficiency']:.2f}", "exposed": C.fmt_s(r["exposed_comm"]),
              "comm hidden": r["hidden"]} for r in rep["rows"]]
     print(C.table(show, list(show[0])))
-    for pass_, n in rep["hidden_above_seqlen"].items():
-        print(f"PREDICTION {m['name']} {rep['strategy']} {pass_}: {_hidden_text(n, sh['ranks'])}")
 
 
 def machine(args, name: str) -> Machine:
@@ -167,12 +157,12 @@ def main(argv=None) -> dict:
                                "candidates": [c.__dict__ for c in p.candidates]})
         return C.emit(None, {"benchmark": "model", "kind": "PREDICTION", "strategies": tables}, args)
     reports = [report(args, machine(args, n)) for n in names]
-    if not args.all_presets:
-        print_report(reports[0])
-    for rep in reports if args.all_presets else []:
+    for rep in reports:
+        if not args.all_presets:   # --all-presets: only the hidden-above seqlen of each
+            print_report(rep)
         for pass_, n in rep["hidden_above_seqlen"].items():
             print(f"PREDICTION {rep['machine']['name']:12s} {args.strategy} {pass_:8s}: "
-                  f"{_hidden_text(n, args.ranks)} (G={args.ranks})")
+                  f"{_hidden_text(n, args.ranks)}" + (f" (G={args.ranks})" if args.all_presets else ""))
     return C.emit(None, {"benchmark": "model", "kind": "PREDICTION", "reports": reports}, args)
 
 

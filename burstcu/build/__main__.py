@@ -1,11 +1,14 @@
 """Command line of the kernel package.
 
-    python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--family forward,...]
+    python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--md FILE]
+        [--family forward,...]
     python -m burstcu.build warm --device sm_90 [--family forward,...] [--jobs N]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
-variant and writes the records (see `compile.gate_variant`) as a JSON list. It exits 1 if any
+variant and writes the records (see `compile.gate_variant`) as a JSON list, and with --md the
+occupancy table: registers, shared memory and the blocks and warps per SM they allow (COMPUTED by
+the CUDA occupancy rules, `compile.occupancy`, not measured). It exits 1 if any
 variant fails to compile, spills (careful variants excepted: their spills are recorded), uses
 more than 255 registers or more shared memory than the arch allows per block, or, compiled for
 sm_90a, when its SASS cannot be read (nvdisasm, from the nvidia-cuda-nvdisasm wheel, missing) or,
@@ -30,7 +33,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from .compile import compiler_problem, gate_variant
+from .compile import ARCH_LIMITS, compiler_problem, gate_variant
 from . import all_variants
 from .variants import ARCHS
 
@@ -115,6 +118,19 @@ def run_warm(device: str, families: list[str] | None = None, out=None,
     return compiled, len(todo) - compiled - failed, failed
 
 
+def occupancy_table(records: list[dict]) -> str:
+    """The records that compiled as a markdown table of their resources and occupancy."""
+    head = ("arch", "GPU", "family", "dtype", "d", "threads", "regs", "smem KB", "blocks/SM", "warps/SM",
+            "occupancy", "limited by", "variant")
+    rows = [(r["arch"], ARCH_LIMITS[r["arch"]]["gpu"], r["family"], r["dtype"], r["headdim"], r["threads"],
+             r["registers"], f"{r['smem_bytes'] / 1024:.1f}", r["blocks_per_sm"], r["warps_per_sm"],
+             f"{r['occupancy']:.0%}", r["limited_by"], f"`{r['name']}`") for r in records if "occupancy" in r]
+    lines = [head, ("---",) * len(head), *rows]
+    return ("".join(f"| {' | '.join(map(str, cells))} |\n" for cells in lines)
+            + "\nTheoretical occupancy computed from the ptxas resource report (registers, smem) with "
+              "the CUDA occupancy rules; not measured on a GPU.\n")
+
+
 def _row(record: dict) -> str:
     return " ".join(str(record.get(col, "-")).rjust(width) for col, width in COLUMNS)
 
@@ -126,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")
     check.add_argument("--family", default="", help="only these families (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
+    check.add_argument("--md", dest="md_path", help="write the occupancy table (markdown) to this file")
     warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
     warm.add_argument("--device", required=True, help="the GPU's arch, e.g. sm_80, sm_86, sm_90")
     warm.add_argument("--family", default="", help="only these families (comma-separated)")
@@ -151,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(records, f, indent=1)
+    if args.md_path:
+        with open(args.md_path, "w") as f:
+            f.write(occupancy_table(records))
     failed = [r for r in records if r["error"] is not None]
     print(f"{len(records)} variants, {len(failed)} failed", flush=True)
     for r in failed:

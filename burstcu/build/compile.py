@@ -802,8 +802,8 @@ def get_function(source: str, name_expression: str, smem_bytes: int = 0,
 # ------------------------------------------------------------------------------------------------
 # the compile gate
 
-# Per-arch limits the gate checks and bench/gpu/ptxas_report.py computes occupancy from (CUDA
-# programming guide, "Technical Specifications per Compute Capability").
+# Per-arch limits the gate checks and computes occupancy from (CUDA programming guide, "Technical
+# Specifications per Compute Capability").
 ARCH_LIMITS = {
     "sm_80": {"regs_per_sm": 65536, "smem_per_sm": 164 * 1024, "smem_per_block": 163 * 1024,
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "A100"},
@@ -820,6 +820,22 @@ ARCH_LIMITS = {
 MAX_REGISTERS = 255
 
 
+def occupancy(record: dict) -> dict:
+    """Blocks per SM each resource allows a gate record (registers, threads, smem_bytes) on its arch
+    (`ARCH_LIMITS`: registers allocated per warp in units of 256, 1 KB of shared memory reserved a
+    block): {blocks_per_sm, limited_by (the binding resource), warps_per_sm, occupancy (warps over
+    the SM's most), by_resource}. COMPUTED from the ptxas report by the CUDA occupancy rules, not
+    measured."""
+    lim, warps = ARCH_LIMITS[record["arch"]], -(-record["threads"] // 32)
+    regs_per_warp = -(-record["registers"] * 32 // 256) * 256
+    by = {"regs": (lim["regs_per_sm"] // regs_per_warp) // warps if regs_per_warp else lim["blocks_per_sm"],
+          "smem": lim["smem_per_sm"] // (record["smem_bytes"] + 1024),
+          "threads": lim["threads_per_sm"] // record["threads"], "blocks": lim["blocks_per_sm"]}
+    blocks = min(by.values())
+    return {"blocks_per_sm": blocks, "limited_by": min(by, key=by.get), "warps_per_sm": blocks * warps,
+            "occupancy": blocks * warps / (lim["threads_per_sm"] // 32), "by_resource": by}
+
+
 # families that must run on the tensor cores of sm_90a (wgmma) with no local memory: the gate
 # checks their SASS (`gate_failure`)
 HOPPER_FAMILY_MARK = "sm90"
@@ -831,8 +847,9 @@ def gate_variant(variant, arch: str) -> dict:
     The variant compiles for its `target` when it names one, else for `arch`. Keys: name,
     family, arch (the table), target (the arch compiled for), dtype, headdim, threads, registers,
     spill_stores, spill_loads, stack_bytes, static_smem_bytes, dynamic_smem_bytes, smem_bytes
-    (static + dynamic), local_bytes (`Sass.local_bytes`, from the CUBIN), compile_seconds, error
-    (None, or the reason the variant fails the gate). A record compiled for an arch of
+    (static + dynamic), local_bytes (`Sass.local_bytes`, from the CUBIN), compile_seconds, the
+    keys of `occupancy` (computed, not measured), error (None, or the reason the variant fails the
+    gate). A record compiled for an arch of
     `SASS_ARCHS` (sm_90a) adds sass_hgmma, sass_ldl, sass_stl (instruction counts of the kernel's
     SASS, `sass_summary`), or None in each and sass_error saying why the SASS could not be read
     (no nvdisasm: the record fails).
@@ -873,6 +890,7 @@ def gate_variant(variant, arch: str) -> dict:
                 record["sass_error"] = f"nvdisasm listed no code for {lowered}"
             else:
                 record.update(sass_hgmma=sass.hgmma, sass_ldl=sass.ldl, sass_stl=sass.stl)
+    record.update(occupancy(record))
     record["error"] = gate_failure(record)
     return record
 

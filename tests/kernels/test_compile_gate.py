@@ -75,14 +75,35 @@ def test_the_older_command_name_runs_the_same_gate(tmp_path):
     the Hopper variants the same way: each sm_90a row carries sass_hgmma > 0, local_bytes 0 and
     its registers."""
     path = tmp_path / "gate.json"
+    md = tmp_path / "occupancy.md"
     proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", "sm_90a",
-                           "--family", "forward_sm90", "--json", str(path)], cwd=REPO,
+                           "--family", "forward_sm90", "--json", str(path), "--md", str(md)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = json.loads(path.read_text())
     assert len(records) == 6 and {r["family"] for r in records} == {"forward_sm90"}
     for r in records:
         assert r["sass_hgmma"] > 0 and r["local_bytes"] == 0 and 0 < r["registers"] <= MAX_REGISTERS, r
+        assert r["blocks_per_sm"] >= 1 and 0 < r["occupancy"] <= 1, r
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| sm_90a | H100 |")]
+    assert len(rows) == 6 and all(f"`{r['name']}`" in md.read_text() for r in records)
+
+
+def test_occupancy_by_the_cuda_rules():
+    """Blocks per SM from a record's registers, threads and shared memory, worked by hand: 128
+    registers x 256 threads = 32K a block of A100's 64K; 54 KB + 1 KB reserved fits twice in
+    164 KB; so 2 blocks, 16 warps of 64 (registers bind first, smem ties)."""
+    from burstcu.build.compile import occupancy
+
+    occ = occupancy({"arch": "sm_80", "threads": 256, "registers": 128, "smem_bytes": 54 * 1024})
+    assert occ["by_resource"] == {"regs": 2, "smem": 2, "threads": 8, "blocks": 32}
+    assert (occ["blocks_per_sm"], occ["warps_per_sm"], occ["limited_by"]) == (2, 16, "regs")
+    assert occ["occupancy"] == 0.25
+    # 255 registers round up to 256 a thread: 8K a warp, 8 warps an SM, one 4-warp block on
+    # sm_86's 100 KB when it takes 60 KB
+    occ = occupancy({"arch": "sm_86", "threads": 128, "registers": 255, "smem_bytes": 60 * 1024})
+    assert occ["by_resource"]["regs"] == 2 and occ["by_resource"]["smem"] == 1
+    assert (occ["blocks_per_sm"], occ["limited_by"], occ["occupancy"]) == (1, "smem", 4 / 48)
 
 
 def test_every_variant_compiled(gate):

@@ -41,6 +41,8 @@ def _ops():
 
 
 def _run(ops, q, k, v, lengths, scale, page_table=None):
+    if BACKEND == "cupy" and q.dtype == ml_dtypes.bfloat16:
+        pytest.skip("CuPy has no bfloat16 arrays")
     xp = ops.xp
     k, v = xp.asarray(k), xp.asarray(v)
     if page_table is not None:
