@@ -689,7 +689,7 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
         if not np.issubdtype(lengths.dtype, np.integer) or lengths.shape != (b,):
             return InputError(ValueError, f"cache_seqlens must be {b} integers (one a batch row), "
                                           f"got {lengths.dtype} {tuple(lengths.shape)}"), None, None
-        if (lengths < 0).any() or (lengths > s).any():
+        if lengths.size and (lengths.min() < 0 or lengths.max() > s):
             return InputError(ValueError, f"cache_seqlens must lie in [0, {s}] (this rank's "
                                           f"cache rows), got {lengths.tolist()}"), None, None
         lengths = lengths.astype(np.int64)

@@ -46,12 +46,20 @@ _DTYPE_NAMES: dict = {}
 
 
 def dtype_name(x) -> str:
-    """The name of x's dtype ("float16", "bfloat16", ...); memoized, as NumPy builds the string
-    anew on every `.name`."""
-    name = _DTYPE_NAMES.get(x.dtype)
+    """The name of x's dtype, or of x when it is a dtype ("float16", "bfloat16", ...); memoized,
+    as NumPy builds the string anew on every `.name`."""
+    dtype = x if isinstance(x, np.dtype) else x.dtype
+    name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
     return name
+
+
+def buffer_layout(fields: Sequence[tuple[str, tuple, Any]]) -> tuple:
+    """The hashable layout of a message's `fields` [(name, shape, dtype)], dtypes spelled one way:
+    what `LocalOps.double_buffer` keeps its buffers by (a caller that keeps its fields can make
+    it once and pass it)."""
+    return tuple((name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
 
 
 def accum_dtype(dtype) -> np.dtype:
@@ -138,17 +146,18 @@ class LocalOps(ABC):
     def message(self, fields: Sequence[tuple[str, tuple, Any]]) -> Message:
         return Message(self.xp, fields)
 
-    def double_buffer(self, fields: Sequence[tuple[str, tuple, Any]]) -> tuple[Message, Message]:
-        """The ring's two message buffers for `fields`, allocated once per layout and reused by
-        later calls, so neither a call nor a step allocates them. The last BUFFER_LAYOUTS_KEPT
-        layouts stay allocated between calls (2 messages each); `release_buffers()` frees them.
+    def double_buffer(self, fields: Sequence[tuple[str, tuple, Any]],
+                      layout: tuple | None = None) -> tuple[Message, Message]:
+        """The ring's two message buffers for `fields` (layout: `buffer_layout(fields)`, when the
+        caller has it), allocated once per layout and reused by later calls, so neither a call
+        nor a step allocates them. The last BUFFER_LAYOUTS_KEPT layouts stay allocated between
+        calls (2 messages each); `release_buffers()` frees them.
         Safe because every exchange is waited on before a call returns, and on a GPU that wait
         orders the communication stream before later work on the same compute stream; buffers
         are kept per compute stream (`stream_key`), since a call on another stream is not
         ordered after the last kernels that read them.
         """
-        key = (self.stream_key(),) + tuple(
-            (name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
+        key = (self.stream_key(),) + (buffer_layout(fields) if layout is None else layout)
         cache = self.__dict__.setdefault("_double_buffers", OrderedDict())
         pair = cache.pop(key, None)
         if pair is None:
@@ -290,8 +299,8 @@ class DelegatingOps(LocalOps):
     def headdim_problem(self, headdim: int, backward: bool = False):
         return self.inner.headdim_problem(headdim, backward)
 
-    def double_buffer(self, fields):
-        return self.inner.double_buffer(fields)
+    def double_buffer(self, fields, layout=None):
+        return self.inner.double_buffer(fields, layout)
 
     def release_buffers(self) -> None:
         self.inner.release_buffers()

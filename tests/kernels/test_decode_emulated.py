@@ -391,6 +391,31 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
         assert np.allclose(lse2, lse, rtol=1e-6, atol=0)
 
 
+def test_a_merge_shape_launches_from_its_kept_struct():
+    """The merge keeps one shape's kernel and static fields after its first call and writes each
+    call's addresses: three calls on two sets of partials (the second set in other buffers, then
+    the first again) each equal the array merge of their own partials, one kernel lookup."""
+    from burstcu.ops.decode import merge as array_merge
+
+    ops = _ops()
+    looked_up = []
+    function = ops.function
+    ops.function = lambda name: looked_up.append(name) or function(name)
+    rng = np.random.default_rng(7)
+    b, t, h, hkv, d, size = 2, 1, 4, 2, 64, 2
+    q = rng.standard_normal((b, t, h, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, 24 * size, hkv, d)).astype(np.float16) for _ in range(2))
+    sets = [_gathered_partials(ops.xp, q, k, v, lengths, 0.125, laid_out=True)
+            for lengths in ([[5, 24, 0], [24, 3, 0]], [[17, 1, 9], [2, 24, 24]])]
+    for parts in (sets[0], sets[1], sets[0]):
+        out, lse = (_host(x) for x in ops.decode_merge(parts, np.float16))
+        want_out, want_lse = array_merge(np, [tuple(_host(x) for x in p) for p in parts], np.float16)
+        assert np.allclose(out.astype(np.float32), want_out.astype(np.float32), rtol=EPS["float16"],
+                           atol=1e-6)
+        assert np.allclose(lse, want_lse, rtol=1e-6, atol=0)
+    assert [n.split("<")[0] for n in looked_up] == ["flash_decode_merge"]
+
+
 # ------------------------------------------------------------------------------------------------
 # the tensor-core twin (flash_decode_split_mma): fp16/bf16, head dims multiple of 16, R >= 16
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from ...build.compile import ARCH_LIMITS, device_attribute
 from ...build.decode_variants import BK, MMA_DTYPES, MMA_HEADDIMS, MMA_ROWS, mma_family
+from ..base import buffer_layout, dtype_name
 from ..decode import PagedRows
 from ..decode import merge as array_merge
 from ..decode import partial as array_partial
@@ -191,6 +192,7 @@ class _Plan:
     name: str                               # the split kernel's name expression
     max_splits: int
     fields: list
+    layout: tuple                           # buffer_layout(fields), made once
     split: np.ndarray                       # (1,) DECODE_SPLIT, static fields filled
     combine: np.ndarray                     # (1,) DECODE_COMBINE
     calls: int = 0                          # GPU: which pinned slot the next call takes
@@ -232,8 +234,8 @@ def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _
         combine_packed[name] = value
     plan = _Plan(split_fn, ops.function(combine.name), (1, hkv * groups, b), (t * h, b),
                  (split.launch.threads,), (combine.launch.threads,), split.launch.smem_bytes,
-                 groups, slots, rows, split.launch.block_n, split.name, ms, fields, packed,
-                 combine_packed)
+                 groups, slots, rows, split.launch.block_n, split.name, ms, fields,
+                 buffer_layout(fields), packed, combine_packed)
     if ops.device == "cuda":
         import cupyx
         import cupy
@@ -262,7 +264,7 @@ def _device_lengths(ops, plan: _Plan, lengths):
 
 def _plan_for(ops, q, k, v, page_table, scale: float) -> tuple[_Plan | None, int]:
     """The op's kept plan of this call's shape (made on first use) and the vec flag."""
-    dtype = np.dtype(q.dtype).name
+    dtype = dtype_name(q)
     vec = int(rows_on_16_bytes(k, v) and (q.shape[3] * k.itemsize) % 16 == 0)
     key = (ops.stream_key(), ops.sm_count, dtype, tuple(q.shape), element_strides(q),
            tuple(k.shape), element_strides(k), page_table is not None and tuple(page_table.shape),
@@ -329,7 +331,7 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     if longest > plan.rows:   # the workspace holds the splits of plan.rows keys at most
         raise ValueError(f"lengths up to {longest} rows over a cache of {plan.rows} rows a batch row")
     chunk, splits = splits_for(longest, plan.split_grid[1] * q.shape[0], plan.slots, plan.tile)
-    pair = ops.double_buffer(plan.fields)
+    pair = ops.double_buffer(plan.fields, plan.layout)
     buffers = pair[_turn(ops, pair)]
     device_lengths = _device_lengths(ops, plan, lengths)
     ws = [buffers[f"decode_{n}"] for n in ("m", "l", "acc")]
@@ -358,23 +360,39 @@ def merge(ops, parts, out_dtype):
     whose steps the kernel follows in the same rank order). Every rank that merges the same
     partials makes the same choice and gets the same bits."""
     acc0, m0, l0 = parts[0]
-    out_name = np.dtype(out_dtype).name
+    out_name = dtype_name(np.dtype(out_dtype))
     if out_name not in KERNEL_DTYPES or acc0.ndim != 4 or acc0.shape[0] > MAX_GRID_Y:
         return array_merge(ops.xp, parts, out_dtype)
     stride = _rank_stride(parts)
     if stride is None:
         return array_merge(ops.xp, parts, out_dtype)
     b, t, h, d = acc0.shape
+    fn, threads, packed = _merge_launch(ops, out_name, acc0.shape, len(parts), stride)
     out = ops.xp.empty((b, t, h, d), dtype=out_name)
     lse = ops.xp.empty((b, h, t), dtype=np.float32)
-    packed = np.zeros(1, DECODE_MERGE.dtype)
-    for name, value in (("acc", data_ptr(acc0)), ("m", data_ptr(m0)), ("l", data_ptr(l0)),
-                        ("out", data_ptr(out)), ("lse", data_ptr(lse)), ("rank_stride", stride),
-                        ("T_", t), ("H", h), ("D", d), ("ranks", len(parts))):
-        packed[name] = value
-    variant = ops.variant("decode_merge", out_name, 0)
-    ops.function(variant.name)((t * h, b), (variant.launch.threads,), (packed[0],))
+    for name, x in (("acc", acc0), ("m", m0), ("l", l0), ("out", out), ("lse", lse)):
+        packed[name] = data_ptr(x)
+    fn((t * h, b), threads, (packed[0],))
     return out, lse
+
+
+def _merge_launch(ops, out_name: str, shape: tuple, ranks: int, stride: int) -> tuple:
+    """(kernel, threads, (1,) DECODE_MERGE with its static fields filled) of one merge shape,
+    kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
+    key = (ops.stream_key(), out_name, tuple(shape), ranks, stride)
+    kept = ops.__dict__.setdefault("_decode_merges", OrderedDict())
+    launch = kept.pop(key, None)
+    if launch is None:
+        b, t, h, d = shape
+        packed = np.zeros(1, DECODE_MERGE.dtype)
+        for name, value in (("rank_stride", stride), ("T_", t), ("H", h), ("D", d), ("ranks", ranks)):
+            packed[name] = value
+        variant = ops.variant("decode_merge", out_name, 0)
+        launch = (ops.function(variant.name), (variant.launch.threads,), packed)
+    kept[key] = launch
+    while len(kept) > PLANS_KEPT:
+        kept.popitem(last=False)
+    return launch
 
 
 def _rank_stride(parts) -> int | None:
