@@ -81,7 +81,7 @@ bound (3 or 4 blocks) made ptxas spill, which the gate forbids. sm_90 gets 64-ke
 where its extra smem still leaves 3 blocks per SM. On compute capability 9.0 the forward steps of
 head dims 64, 128 and 256 run flash_fwd_sm90.cu instead (wgmma, TMA, warp specialisation: the
 "sm_90a" table); the sm_90 column above serves the other head dims there, and cc 10.x.
-`python -m burstcu.build check --md F` prints the registers, smem and the occupancy they allow (computed
+`python -m burstcu.build check --md F` writes the registers, smem and the occupancy they allow (computed
 from ptxas, not measured).
 
 NAPKIN MATH (A100: 312 TFLOP/s fp16 tensor, 1.55 TB/s HBM; a model: no A100 has run this code,

@@ -497,7 +497,30 @@ def test_plan_check_smoke(tmp_path):
     assert len(result["rows"]) == 2
     for row in result["rows"]:
         assert row["regret"] >= 1.0 and row["pick"] in row["measured_s"]
-        assert set(row["predicted_s"]) == set(row["measured_s"])  # every candidate timed
+        # every candidate timed but those attention cannot run
+        assert set(row["predicted_s"]) == set(row["measured_s"]) | set(row["not_timed"])
+
+
+def test_plan_check_times_what_attention_runs():
+    """plan_check times the candidates `burstcu.attention` can run, each with its own options, and
+    lists the rest: at 4 ranks the planner may offer burst both ways round, an option only its own
+    choice sets, which attention(strategy="burst", bidirectional=True) would refuse."""
+    from types import SimpleNamespace
+
+    from bench.model.plan_check import time_candidates
+    from burstcu.plan import Machine, plan
+
+    machine = Machine("test", 5e11, 1e9, 1e9, 1e-5, 4, "a machine that offers it", 2e-4)
+    chosen = plan((1, 512, 4, 8), (1, 512, 4, 8), SimpleNamespace(size=4, rank=0), causal=True,
+                  layout="zigzag", dtype="float32", machine=machine)
+    offered = [c.label for c in chosen.candidates]
+    assert "burst bidirectional=True" in offered and "usp ulysses_degree=2" in offered
+    calls = []
+    measured, not_timed = time_candidates(chosen.candidates,
+                                          lambda strategy, options: calls.append((strategy, options)) or 1.0)
+    assert not_timed == ["burst bidirectional=True"]
+    assert set(measured) == set(offered) - {"burst bidirectional=True"}
+    assert ("usp", {"ulysses_degree": 2}) in calls and ("burst", {}) in calls
 
 
 def test_model_strategies_smoke(tmp_path):

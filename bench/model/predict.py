@@ -117,6 +117,8 @@ def print_report(rep: dict) -> None:
              "efficiency": f"{r['efficiency']:.2f}", "exposed": C.fmt_s(r["exposed_comm"]),
              "comm hidden": r["hidden"]} for r in rep["rows"]]
     print(C.table(show, list(show[0])))
+    for pass_, n in rep["hidden_above_seqlen"].items():
+        print(f"PREDICTION {m['name']} {rep['strategy']} {pass_}: {_hidden_text(n, sh['ranks'])}")
 
 
 def machine(args, name: str) -> Machine:
@@ -157,12 +159,12 @@ def main(argv=None) -> dict:
                                "candidates": [c.__dict__ for c in p.candidates]})
         return C.emit(None, {"benchmark": "model", "kind": "PREDICTION", "strategies": tables}, args)
     reports = [report(args, machine(args, n)) for n in names]
-    for rep in reports:
-        if not args.all_presets:   # --all-presets: only the hidden-above seqlen of each
-            print_report(rep)
+    if not args.all_presets:
+        print_report(reports[0])
+    for rep in reports if args.all_presets else []:
         for pass_, n in rep["hidden_above_seqlen"].items():
             print(f"PREDICTION {rep['machine']['name']:12s} {args.strategy} {pass_:8s}: "
-                  f"{_hidden_text(n, args.ranks)}" + (f" (G={args.ranks})" if args.all_presets else ""))
+                  f"{_hidden_text(n, args.ranks)} (G={args.ranks})")
     return C.emit(None, {"benchmark": "model", "kind": "PREDICTION", "reports": reports}, args)
 
 

@@ -119,12 +119,14 @@ def run_warm(device: str, families: list[str] | None = None, out=None,
 
 
 def occupancy_table(records: list[dict]) -> str:
-    """The records that compiled as a markdown table of their resources and occupancy."""
+    """The records that compiled as a markdown table of their resources and occupancy, and
+    whether each passes the gate."""
     head = ("arch", "GPU", "family", "dtype", "d", "threads", "regs", "smem KB", "blocks/SM", "warps/SM",
-            "occupancy", "limited by", "variant")
+            "occupancy", "limited by", "gate", "variant")
     rows = [(r["arch"], ARCH_LIMITS[r["arch"]]["gpu"], r["family"], r["dtype"], r["headdim"], r["threads"],
              r["registers"], f"{r['smem_bytes'] / 1024:.1f}", r["blocks_per_sm"], r["warps_per_sm"],
-             f"{r['occupancy']:.0%}", r["limited_by"], f"`{r['name']}`") for r in records if "occupancy" in r]
+             f"{r['occupancy']:.0%}", r["limited_by"], "ok" if r["error"] is None else "FAILS",
+             f"`{r['name']}`") for r in records if "occupancy" in r]
     lines = [head, ("---",) * len(head), *rows]
     return ("".join(f"| {' | '.join(map(str, cells))} |\n" for cells in lines)
             + "\nTheoretical occupancy computed from the ptxas resource report (registers, smem) with "

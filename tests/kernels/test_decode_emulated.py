@@ -352,9 +352,7 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
     if BACKEND == "cupy" and out_dtype == "bfloat16":
         pytest.skip("CuPy has no bfloat16 arrays")
     ops = _ops()
-    launched = []
-    function = ops.function
-    ops.function = lambda name: launched.append(name) or function(name)
+    launched = _launches(ops)
     rng = np.random.default_rng(size)
     b, t, h, hkv, s = 3, 2, 4, 2, 24 * size
     q = (q_scale * rng.standard_normal((b, t, h, d))).astype(np.float16)
@@ -365,7 +363,7 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
     if q_scale > 1:
         assert max(float(_host(m).max()) for _, m, _ in parts) > 89   # exp(89) > float32's max
     out, lse = (_host(x) for x in ops.decode_merge(parts, DTYPES[out_dtype]))
-    assert [n.split("<")[0] for n in launched] == ["flash_decode_merge"] and out.dtype == DTYPES[out_dtype]
+    assert launched == {"flash_decode_merge": 1} and out.dtype == DTYPES[out_dtype]
     naive_out, naive_lse = array_merge(np, [tuple(_host(x) for x in p) for p in parts], DTYPES[out_dtype])
     for bi in range(b):
         rows = np.concatenate([np.arange(r * 24, r * 24 + n[bi]) for r, n in enumerate(rank_lengths)])
@@ -386,15 +384,16 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
         assert all(np.array_equal(_host(x), _host(y)) for p, r in zip(apart, reversed_rows)
                    for x, y in zip(p, r))
         out2, lse2 = (_host(x) for x in ops.decode_merge(reversed_rows, DTYPES[out_dtype]))
-        assert launched == []
+        assert launched == {}     # the array merge: no kernel ran
         assert np.allclose(out2.astype(np.float32), out.astype(np.float32), rtol=EPS[out_dtype], atol=1e-6)
         assert np.allclose(lse2, lse, rtol=1e-6, atol=0)
 
 
 def test_a_merge_shape_launches_from_its_kept_struct():
-    """The merge keeps one shape's kernel and static fields after its first call and writes each
-    call's addresses: three calls on two sets of partials (the second set in other buffers, then
-    the first again) each equal the array merge of their own partials, one kernel lookup."""
+    """The merge keeps a shape's kernel and static fields after its first call and writes each
+    call's addresses: calls on partials in other buffers, of 2 and 3 ranks, 1 and 2 new tokens,
+    float16 and float32 out, on one op, then the first again, each equal the array merge of
+    their own partials; one kernel lookup a shape."""
     from burstcu.ops.decode import merge as array_merge
 
     ops = _ops()
@@ -402,18 +401,22 @@ def test_a_merge_shape_launches_from_its_kept_struct():
     function = ops.function
     ops.function = lambda name: looked_up.append(name) or function(name)
     rng = np.random.default_rng(7)
-    b, t, h, hkv, d, size = 2, 1, 4, 2, 64, 2
-    q = rng.standard_normal((b, t, h, d)).astype(np.float16)
-    k, v = (rng.standard_normal((b, 24 * size, hkv, d)).astype(np.float16) for _ in range(2))
-    sets = [_gathered_partials(ops.xp, q, k, v, lengths, 0.125, laid_out=True)
-            for lengths in ([[5, 24, 0], [24, 3, 0]], [[17, 1, 9], [2, 24, 24]])]
-    for parts in (sets[0], sets[1], sets[0]):
-        out, lse = (_host(x) for x in ops.decode_merge(parts, np.float16))
-        want_out, want_lse = array_merge(np, [tuple(_host(x) for x in p) for p in parts], np.float16)
+    b, h, hkv, d = 2, 4, 2, 64
+    q1, q2 = (rng.standard_normal((b, t, h, d)).astype(np.float16) for t in (1, 2))
+    k, v = (rng.standard_normal((b, 72, hkv, d)).astype(np.float16) for _ in range(2))
+    calls = [(q1, [[5, 24, 0], [24, 3, 0]], np.float16), (q1, [[17, 1, 9], [2, 24, 24]], np.float16),
+             (q1, [[3, 0, 24], [1, 2, 3], [24, 24, 0]], np.float32),
+             (q2, [[9, 9, 9], [0, 1, 24]], np.float16)]
+    sets = [(_gathered_partials(ops.xp, q, k, v, lengths, 0.125, laid_out=True), dtype)
+            for q, lengths, dtype in calls]
+    for parts, dtype in sets + sets[:1]:
+        out, lse = (_host(x) for x in ops.decode_merge(parts, dtype))
+        want_out, want_lse = array_merge(np, [tuple(_host(x) for x in p) for p in parts], dtype)
         assert np.allclose(out.astype(np.float32), want_out.astype(np.float32), rtol=EPS["float16"],
                            atol=1e-6)
         assert np.allclose(lse, want_lse, rtol=1e-6, atol=0)
-    assert [n.split("<")[0] for n in looked_up] == ["flash_decode_merge"]
+    # three shapes (the first two calls share one): a lookup each, none for a later call
+    assert len(looked_up) == len(ops.__dict__["_decode_merges"]) == 3, looked_up
 
 
 # ------------------------------------------------------------------------------------------------

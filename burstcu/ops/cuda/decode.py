@@ -30,7 +30,9 @@ packed structs. The workspace and the outputs live in the op's kept buffers
 turn, the turn kept with the pair itself (not with a plan: plans of other scales, strides or a
 paged cache may share a layout), so a call's partial stays valid through the op's next call. On
 a GPU the lengths travel through a ring of pinned host buffers, copied asynchronously on the
-current stream (an event guards a slot's reuse): no allocation and no host synchronisation.
+current stream (an event guards a slot's reuse): no allocation and no host synchronisation. The
+merge keeps its kernel and a struct template per shape (`_merge_launch`); a call copies the
+template and writes the five addresses.
 """
 
 from __future__ import annotations
@@ -367,7 +369,8 @@ def merge(ops, parts, out_dtype):
     if stride is None:
         return array_merge(ops.xp, parts, out_dtype)
     b, t, h, d = acc0.shape
-    fn, threads, packed = _merge_launch(ops, out_name, acc0.shape, len(parts), stride)
+    fn, threads, template = _merge_launch(ops, out_name, acc0.shape, len(parts), stride)
+    packed = template.copy()     # a struct of this call's own: calls from other threads may interleave
     out = ops.xp.empty((b, t, h, d), dtype=out_name)
     lse = ops.xp.empty((b, h, t), dtype=np.float32)
     for name, x in (("acc", acc0), ("m", m0), ("l", l0), ("out", out), ("lse", lse)):
@@ -377,9 +380,9 @@ def merge(ops, parts, out_dtype):
 
 
 def _merge_launch(ops, out_name: str, shape: tuple, ranks: int, stride: int) -> tuple:
-    """(kernel, threads, (1,) DECODE_MERGE with its static fields filled) of one merge shape,
-    kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
-    key = (ops.stream_key(), out_name, tuple(shape), ranks, stride)
+    """(kernel, threads, (1,) DECODE_MERGE template with its static fields filled) of one merge
+    shape, kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
+    key = (ops.current_device(), ops.stream_key(), out_name, tuple(shape), ranks, stride)
     kept = ops.__dict__.setdefault("_decode_merges", OrderedDict())
     launch = kept.pop(key, None)
     if launch is None:
