@@ -577,6 +577,10 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     if group is None or group.size == 1:
         if conflict is not None:
             raise ValueError(conflict)
+        conflict = cut_problem(("x_local",), (x_local,), _rows_of_call(layout, cu_seqlens, None),
+                               axis=axis % x_local.ndim)
+        if conflict is not None:
+            raise ValueError(conflict)
         check_layout(layout)
         masked = masked_array_problem("x_local", x_local)
         if masked is not None:

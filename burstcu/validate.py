@@ -471,7 +471,7 @@ def _fingerprint(x, axis: int) -> bytes:
 
 def remember_cut(x, cut: tuple, axis: int) -> None:
     """Remember that the host array object `x` is a piece cut as `cut` along `axis`: ("rows",
-    layout, documents) (a shard, or a result whose rows are a shard's) or ("lse",) (its sequence
+    layout, documents, ranks) (a shard, or a result whose rows are a shard's) or ("lse",) (its sequence
     axis `axis`). Kept while `x` lives and holds the same end rows; device arrays (whose rows
     cannot be read without a sync) and arrays that take no weak reference are not remembered."""
     import weakref
@@ -500,16 +500,31 @@ def rows_cut(layout, docs, size: int) -> tuple:
     """A call's rows on `size` ranks as `remember_cut` records them, written so that two cuts
     that place the rows alike are equal: contiguous shards are the same with or without
     documents (they move no row), zigzag ones are not (unless the documents are one); one rank
-    holds every row in order whatever the layout. (Lengths are not part of it: uneven shards
-    are checked by the calls themselves.)"""
+    holds every row in order whatever the layout; shards of another number of ranks never
+    place them alike. (Lengths are not part of it: uneven shards are checked by the calls
+    themselves.)"""
     if size == 1 or layout != "zigzag" or docs is None or len(docs) <= 2:
         docs = None
-    return ("rows", "contiguous" if size == 1 else layout, docs)
+    return ("rows", "contiguous" if size == 1 else layout, docs, size)
 
 
 def _said(cut: tuple) -> str:
-    _, layout, docs = cut
+    _, layout, docs, _ = cut
     return f"layout={layout!r}" + (f" with cu_seqlens={list(docs)}" if docs is not None else "")
+
+
+def _ranks_problem(name: str, cut_for: int, size: int) -> str:
+    """Why a call on `size` ranks refuses `name`, rows cut for `cut_for` ranks."""
+    if cut_for == 1:
+        said = (f"{name} holds every row (cut for one process) but this call runs on {size} ranks: "
+                f"pass each rank's shard (burstcu.shard(x, group))")
+    elif size == 1:
+        said = (f"{name} is one rank's shard of {cut_for} but this call has no group (one process): "
+                f"pass the group it was cut for (without it each rank works on its own rows alone)")
+    else:
+        said = f"{name} is one rank's shard of {cut_for} but this call runs on {size} ranks"
+    return (f"{said}. If the rows are right, pass a view ({name}.view()): the memory is of this "
+            f"array object")
 
 
 def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = None,
@@ -520,7 +535,9 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     want: the call's own cut (`rows_cut`); axis: the axis `unshard` joins along (None: an
     attention call, along the sequence); positional: whether the call's result depends on
     where the rows sit (causal, a window, documents; a plain softmax or linear attention over
-    every key does not). Only arrays this process remembers are looked at (`remember_cut`)."""
+    every key does not). Only arrays this process remembers are looked at (`remember_cut`).
+    Rows cut for another number of ranks than the call's are refused whatever the call: its
+    keys, or the rows it joins, would be this rank's alone (a group left out, most often)."""
     if not isinstance(want[1], str):
         return None
     for name, x in zip(names, arrays):
@@ -534,6 +551,8 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
                         f"sequence axis is {cut_axis}, not axis={axis}: pass axis={cut_axis}, "
                         f"or use Sharding.unshard_lse")
             continue                 # joined along another axis than the one it was cut on
+        if cut[0] == "rows" and cut[3] != want[3]:
+            return _ranks_problem(name, cut[3], want[3])
         if cut[0] == "lse" or cut == want or not (positional or axis is not None):
             continue
         return (f"{name} was cut with {_said(cut)} but this call has {_said(want)}: its rows "

@@ -74,6 +74,25 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (2, 3))
+def test_a_group_left_out_is_refused_on_every_rank(world):
+    """The shards of a group passed without it: each rank would attend over its own rows alone,
+    a wrong answer with no error before; now a ValueError on every rank that says so, for the
+    forward, the backward, linear attention and unshard; whole arrays passed as shards too. A
+    view of the shards (local attention meant) runs."""
+    results = run_mpi(world, "sharding_bodies:group_left_out")
+    for r in results:
+        assert set(r["messages"]) == {"attention", "causal attention", "backward", "unshard", "linear",
+                                      "whole arrays as shards"}, r["messages"]
+        for name in ("attention", "causal attention", "backward", "linear"):
+            assert f"is one rank's shard of {world} but this call has no group" in r["messages"][name]
+        assert "x_local is one rank's shard of" in r["messages"]["unshard"]
+        assert f"holds every row (cut for one process) but this call runs on {world} ranks" in \
+            r["messages"]["whole arrays as shards"]
+        assert r["view_error"] < 1e-5
+
+
 def test_a_sharding_is_checked_when_made():
     group = burstcu.init(backend="numpy")
     with pytest.raises(ValueError, match="layout must be one of"):

@@ -160,3 +160,30 @@ def bare_keyword_mistakes():
     group.close()
     return {"messages": messages, "ok": list(ok.shape), "lse": list(whole_lse.shape),
             "heads": list(heads.shape), "refilled": list(refilled.shape)}
+
+
+def group_left_out():
+    """Shards of this group passed to a call without it (one process), the results joined
+    without it, and whole arrays (cut for one process) passed as a rank's shard: ValueError on
+    every rank, naming the ranks; a view (the rows meant as they are) still runs, as each
+    rank's own attention over its own rows."""
+    group = burstcu.init(backend="numpy")
+    n = 6 * group.size
+    q, k, v, dout = make_inputs(7, 1, n, 2, 2, 8, "float32")
+    cq, ck, cv, cdo = (burstcu.shard(x, group) for x in (q, k, v, dout))
+    out, lse = burstcu.attention(cq, ck, cv, group, causal=True, return_lse=True)
+    whole = [burstcu.shard(x, None) for x in (q, k, v)]
+    calls = {
+        "attention": lambda: burstcu.attention(cq, ck, cv),
+        "causal attention": lambda: burstcu.attention(cq, ck, cv, causal=True),
+        "backward": lambda: burstcu.attention_backward(cdo, cq, ck, cv, out, lse, causal=True),
+        "unshard": lambda: burstcu.unshard(out, None),
+        "linear": lambda: burstcu.linear_attention(cq, ck, cv),
+        "whole arrays as shards": lambda: burstcu.attention(*whole, group),
+    }
+    messages = _value_errors(calls)
+    mine = burstcu.attention(cq.view(), ck.view(), cv.view(), causal=True)
+    want = attention_ref(cq, ck, cv, causal=True)[0]
+    group.barrier()
+    group.close()
+    return {"messages": messages, "view_error": float(np.abs(mine - want).max())}
