@@ -32,8 +32,8 @@ from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, che
                        check_block_mask_extent, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_problem, docs_digest, first_rows_digest, inherited_cut,
-                       masked_array_problem, parse_cu_seqlens, partition_of, remember_cut, rows_cut,
-                       sharding_keywords, warn_if_all_the_same)
+                       lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
+                       partition_of, remember_cut, rows_cut, sharding_keywords, warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -276,7 +276,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     if packed:
         out, lse = out[0], lse[0]
     remember_cut(out, cut, 0 if packed else 1)      # unshard(out) with another layout is refused
-    remember_cut(lse, ("lse",), 1 if packed else 2)
+    remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q.shape[-1],
+                                           block_mask)), 1 if packed else 2)
     return (out, lse) if return_lse else out
 
 
@@ -304,6 +305,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
                                        positional=_positional(causal, window_size, cu_seqlens,
                                                               block_mask))
+    conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
+                                                         getattr(q, "shape", (0,))[-1], block_mask))
     cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
     if packed:

@@ -562,6 +562,53 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     return None
 
 
+def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_mask) -> dict | None:
+    """What of an attention call's options its lse depends on, as the forward remembers them with
+    lse (`remember_cut(lse, ("lse", options))`) and its backward compares them (`lse_problem`):
+    {causal, window_size, cu_seqlens, softmax_scale (resolved), block_mask}, or None where one
+    cannot be read (the call itself refuses it on every rank)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        return None
+    try:
+        err, docs = parse_cu_seqlens(cu_seqlens)
+        return None if err is not None else {
+            "causal": bool(causal), "window_size": tuple(int(w) for w in window_size),
+            "cu_seqlens": docs, "softmax_scale": resolve_scale(softmax_scale, int(headdim)),
+            "block_mask": block_mask}
+    except Exception:  # noqa: BLE001 - the call refuses it on every rank
+        return None
+
+
+def lse_problem(lse, options: dict | None) -> str | None:
+    """What contradicts the options `attention` returned this very lse with (`mask_options`), or
+    None: gradients under another mask or scale than the forward's would be silently wrong."""
+    held = cut_of(lse)
+    if options is None or held is None or len(held[0]) < 2 or held[0][1] is None:
+        return None
+    forward = held[0][1]
+    differ = [name for name in options if not _same(forward[name], options[name])]
+    if not differ:
+        return None
+    said = ", ".join(f"{name}: {_shown(forward[name])} in the forward, {_shown(options[name])} here"
+                     for name in differ)
+    return (f"lse comes from an attention call with other options than this backward's ({said}): "
+            f"the gradients would be those of another attention. Pass the forward's options (one "
+            f"burstcu.Sharding carries layout and cu_seqlens to both); if this is meant, pass a "
+            f"view (lse.view()): the memory is of this array object")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):   # a scale: 8 ** -0.5 is 1 / sqrt(8)
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a is b or (a is not None and b is not None and bool(a == b))
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple) and len(value) > 6:
+        return docs_digest(value)
+    return "a BlockMask" if value.__class__.__name__ == "BlockMask" else repr(value)
+
+
 def inherited_cut(arrays: tuple, want: tuple) -> tuple:
     """The cut a call's results get: its inputs' remembered one (the first that has one), else
     the call's own `want`."""

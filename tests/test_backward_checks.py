@@ -127,6 +127,7 @@ def test_check_rejects_an_lse_of_the_right_dtype_and_shape_from_elsewhere(dtype)
     shifted = lse.copy()
     shifted[0, 1, 7] += 0.01
     for bad, causal in ((lse_full, True), (lse_other, True), (shifted, True), (lse, False)):
+        bad = bad.view()   # without the forward's options remembered (a device array has none)
         with pytest.raises(ValueError, match=r"probabilities recomputed from lse sum to .* not 1"):
             burstcu.attention_backward(dout, q, k, v, out, bad, causal=causal, check=True)
         # without check the same call returns plausible, wrong gradients: what check is for
@@ -176,3 +177,36 @@ def test_check_on_the_ring_emulated_kernels(world):
     results = run_mpi(world, "backward_check_catches_wrong_lse", backend="emulated", dtype="float16",
                       seqlen_local=32, timeout=600)
     assert all(len(r["raised"]) == 4 for r in results)
+
+
+@pytest.mark.parametrize("forward,backward,named", [
+    (dict(causal=True), dict(), "causal: True in the forward, False here"),
+    (dict(causal=True), dict(causal=True, window_size=(3, 0)),
+     "window_size: (-1, -1) in the forward, (3, 0) here"),
+    (dict(causal=True, cu_seqlens=[0, 5, 16]), dict(causal=True),
+     "cu_seqlens: (0, 5, 16) in the forward, None here"),
+    (dict(), dict(softmax_scale=0.5), "softmax_scale: 0.35355"),
+    (dict(block_mask=burstcu.BlockMask([[0, 16]], [[0, 16]], ["causal"])), dict(causal=True),
+     "block_mask: a BlockMask in the forward, None here"),
+])
+def test_the_backward_refuses_an_lse_of_other_options(forward, backward, named):
+    """The lse attention returned remembers the options it depends on (mask and scale): a
+    backward given others would silently compute the gradients of another attention. It is a
+    ValueError naming them; the forward's own options, one spelled otherwise (the default scale
+    given as a number) and a view of lse (other options meant) run."""
+    q, k, v, dout = make_inputs(12, 1, 16, 2, 1, 8, "float32")
+    out, lse = burstcu.attention(q, k, v, return_lse=True, **forward)
+    with pytest.raises(ValueError, match="lse comes from an attention call with other options") as caught:
+        burstcu.attention_backward(dout, q, k, v, out, lse, **backward)
+    assert named in str(caught.value)
+    burstcu.attention_backward(dout, q, k, v, out, lse, **forward)
+    burstcu.attention_backward(dout, q, k, v, out, lse, softmax_scale=8 ** -0.5, **forward)
+    burstcu.attention_backward(dout, q, k, v, out, lse.view(), **backward)
+
+
+def test_a_packed_lse_remembers_its_documents():
+    q, k, v, dout = (x[0] for x in make_inputs(13, 1, 16, 2, 1, 8, "float32"))
+    out, lse = burstcu.attention(q, k, v, causal=True, cu_seqlens=[0, 9, 16], return_lse=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens: \(0, 9, 16\) in the forward, \(0, 16\) here"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 16])
+    burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 9, 16])
