@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy: dtype="bfloat16" is a name here
 import numpy as np
 
 from . import engine
@@ -382,6 +383,18 @@ def candidates(q_shape, k_shape, size: int) -> list[tuple[str, dict]]:
     return out
 
 
+def _shapes_problem(q_shape, k_shape) -> str | None:
+    """What `attention` would refuse of q (B, S, H, D) and k (B, S, Hkv, D) shapes, or None."""
+    (b, s, h, d), (bk, sk, hkv, dk) = q_shape, k_shape
+    if min(b, s, h, d, bk, sk, hkv, dk) < 1:
+        return f"empty dimension in q {q_shape} or k {k_shape}"
+    if (bk, sk, dk) != (b, s, d):
+        return f"q {q_shape} and k {k_shape} differ in batch, length or head dim"
+    if h % hkv:
+        return f"q has {h} heads, k has {hkv}: nheads must be a multiple of nheads_kv"
+    return None
+
+
 def plan(q_shape, k_shape, group=None, *, causal: bool = False,
          layout: str | Partition | None = None, dtype="float16", backward: bool = True,
          machine: Machine | str | None = None, window_size=(-1, -1), cu_seqlens=None,
@@ -397,7 +410,18 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
     "cpu" otherwise). Deterministic in its arguments, so every rank makes the same choice.
     """
+    problem = (None if len(q_shape) == len(k_shape) in (3, 4) else
+               f"q and k shapes must both be (B, S, H, D) or packed (T, H, D), got {tuple(q_shape)} "
+               f"and {tuple(k_shape)}")
     q_shape, k_shape = ((1,) + tuple(x) if len(x) == 3 else tuple(x) for x in (q_shape, k_shape))
+    problem = problem or _shapes_problem(q_shape, k_shape)
+    if problem is not None:
+        raise ValueError(f"plan: {problem}")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"plan: dtype must name a NumPy dtype such as 'float16', 'bfloat16' or "
+                        f"'float32', got {dtype!r}") from None
     group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                         None)
     if conflict is not None:

@@ -513,6 +513,15 @@ def _said(cut: tuple) -> str:
     return f"layout={layout!r}" + (f" with cu_seqlens={list(docs)}" if docs is not None else "")
 
 
+def _axis_problem(name: str, ndim: int, cut_axis: int) -> str:
+    """Why an attention call on a group refuses `name`, cut along `cut_axis`."""
+    seq, shape = (0, "packed (T, H, D)") if ndim == 3 else (1, "(B, S, H, D)")
+    return (f"{name} was cut along axis {cut_axis}, but the sequence axis of a {shape} array is {seq}: "
+            f"its rows would be taken for a shard of the sequence. Cut it with "
+            f"burstcu.shard(x, group, axis={seq}) (whose default is axis 1), or with a "
+            f"burstcu.Sharding, which cuts packed arrays along axis 0")
+
+
 def _ranks_problem(name: str, cut_for: int, size: int) -> str:
     """Why a call on `size` ranks refuses `name`, rows cut for `cut_for` ranks."""
     if cut_for == 1:
@@ -537,7 +546,10 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     where the rows sit (causal, a window, documents; a plain softmax or linear attention over
     every key does not). Only arrays this process remembers are looked at (`remember_cut`).
     Rows cut for another number of ranks than the call's are refused whatever the call: its
-    keys, or the rows it joins, would be this rank's alone (a group left out, most often)."""
+    keys, or the rows it joins, would be this rank's alone (a group left out, most often). An
+    attention call on a group refuses arrays cut along another axis than their sequence's (axis 0
+    of packed (T, H, D), else 1): heads taken for a shard; without a group (heads split over the
+    ranks, each attending over the whole sequence) they run."""
     if not isinstance(want[1], str):
         return None
     for name, x in zip(names, arrays):
@@ -551,6 +563,10 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
                         f"sequence axis is {cut_axis}, not axis={axis}: pass axis={cut_axis}, "
                         f"or use Sharding.unshard_lse")
             continue                 # joined along another axis than the one it was cut on
+        if cut[0] == "rows" and axis is None and cut_axis != (0 if x.ndim == 3 else 1):
+            if cut[3] > 1 and want[3] > 1:
+                return _axis_problem(name, x.ndim, cut_axis)
+            continue                 # heads cut, the whole sequence in each: a local call
         if cut[0] == "rows" and cut[3] != want[3]:
             return _ranks_problem(name, cut[3], want[3])
         if cut[0] == "lse" or cut == want or not (positional or axis is not None):

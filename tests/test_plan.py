@@ -170,3 +170,34 @@ def test_burst_both_ways_is_offered_only_where_it_is_predicted_faster():
     for size, window_size in ((3, (-1, -1)), (2, (s // 2, s // 2))):
         p = plan(q, k, _Group(size), window_size=window_size, **kw)
         assert all(c.options != {"bidirectional": True} for c in p.candidates), labels(p)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,said", [
+    ((1, 64, 6, 16), (1, 64, 4, 16), "q has 6 heads, k has 4: nheads must be a multiple of nheads_kv"),
+    ((1, 64, 4, 16), (1, 32, 4, 16), "differ in batch, length or head dim"),
+    ((1, 64, 4, 16), (1, 64, 4, 8), "differ in batch, length or head dim"),
+    ((64, 4, 16), (1, 64, 4, 16), "must both be (B, S, H, D) or packed (T, H, D)"),
+    ((1, 0, 4, 16), (1, 0, 4, 16), "empty dimension"),
+])
+def test_plan_refuses_shapes_attention_refuses(q_shape, k_shape, said):
+    """What attention would refuse is a ValueError from plan too, not a plan (it chose ulysses
+    for 6 query heads over 4 kv heads)."""
+    with pytest.raises(ValueError, match=f"plan: .*{said.replace('(', r'[(]').replace(')', r'[)]')}"):
+        plan(q_shape, k_shape)
+
+
+def test_plan_takes_dtype_names_and_refuses_others():
+    """"bfloat16" is a name plan knows in a fresh process (NumPy knows it once ml_dtypes is
+    imported); an unknown name is a TypeError that names the dtypes, not NumPy's own words."""
+    import subprocess
+    import sys
+
+    code = ("import burstcu; p = burstcu.plan((1, 64, 4, 16), (1, 64, 4, 16), dtype='bfloat16'); "
+            "print(p.choice.label)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.raises(TypeError, match="plan: dtype must name a NumPy dtype such as 'float16'.*'fp16'"):
+        plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="fp16")
+    halves = plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="bfloat16")
+    assert [c.forward_s for c in halves.candidates] == \
+        [c.forward_s for c in plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="float16").candidates]

@@ -79,18 +79,26 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
 def test_a_group_left_out_is_refused_on_every_rank(world):
     """The shards of a group passed without it: each rank would attend over its own rows alone,
     a wrong answer with no error before; now a ValueError on every rank that says so, for the
-    forward, the backward, linear attention and unshard; whole arrays passed as shards too. A
-    view of the shards (local attention meant) runs."""
+    forward, the backward, linear attention and unshard; whole arrays passed as shards, and
+    heads (packed arrays cut by shard's default axis 1 among them) passed as shards of the
+    sequence, too. A view of the shards (local attention meant) runs, and so do heads split
+    over the ranks attending locally."""
     results = run_mpi(world, "sharding_bodies:group_left_out")
     for r in results:
         assert set(r["messages"]) == {"attention", "causal attention", "backward", "unshard", "linear",
-                                      "whole arrays as shards"}, r["messages"]
+                                      "whole arrays as shards", "packed, cut along axis 1",
+                                      "heads on the group"}, r["messages"]
         for name in ("attention", "causal attention", "backward", "linear"):
             assert f"is one rank's shard of {world} but this call has no group" in r["messages"][name]
         assert "x_local is one rank's shard of" in r["messages"]["unshard"]
         assert f"holds every row (cut for one process) but this call runs on {world} ranks" in \
             r["messages"]["whole arrays as shards"]
-        assert r["view_error"] < 1e-5
+        assert "q was cut along axis 1, but the sequence axis of a packed (T, H, D) array is 0" in \
+            r["messages"]["packed, cut along axis 1"]
+        assert "q was cut along axis 2, but the sequence axis of a (B, S, H, D) array is 1" in \
+            r["messages"]["heads on the group"]
+        assert r["view_error"] < 1e-5 and r["heads_error"] < 1e-5   # heads split, each local
+        assert r["heads_shape"] == [1, 6 * world, 6 // world, 8]
 
 
 def test_a_sharding_is_checked_when_made():

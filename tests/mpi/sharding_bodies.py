@@ -164,12 +164,14 @@ def bare_keyword_mistakes():
 
 def group_left_out():
     """Shards of this group passed to a call without it (one process), the results joined
-    without it, and whole arrays (cut for one process) passed as a rank's shard: ValueError on
-    every rank, naming the ranks; a view (the rows meant as they are) still runs, as each
-    rank's own attention over its own rows."""
+    without it, whole arrays (cut for one process) passed as a rank's shard, and arrays cut
+    along another axis than their sequence's (packed arrays cut by shard's default axis 1,
+    heads) passed to a call on the group: ValueError on every rank, naming the ranks or the
+    axis; a view (the rows meant as they are) still runs, as each rank's own attention over its
+    own rows, and heads split over the ranks run locally, each over the whole sequence."""
     group = burstcu.init(backend="numpy")
     n = 6 * group.size
-    q, k, v, dout = make_inputs(7, 1, n, 2, 2, 8, "float32")
+    q, k, v, dout = make_inputs(7, 1, n, 6, 6, 8, "float32")
     cq, ck, cv, cdo = (burstcu.shard(x, group) for x in (q, k, v, dout))
     out, lse = burstcu.attention(cq, ck, cv, group, causal=True, return_lse=True)
     whole = [burstcu.shard(x, None) for x in (q, k, v)]
@@ -180,10 +182,17 @@ def group_left_out():
         "unshard": lambda: burstcu.unshard(out, None),
         "linear": lambda: burstcu.linear_attention(cq, ck, cv),
         "whole arrays as shards": lambda: burstcu.attention(*whole, group),
+        "packed, cut along axis 1": lambda: burstcu.attention(
+            *(burstcu.shard(x[0], group) for x in (q, k, v)), group),
+        "heads on the group": lambda: burstcu.attention(*heads, group, causal=True),
     }
+    heads = [burstcu.shard(x, group, axis=2) for x in (q, k, v)]
     messages = _value_errors(calls)
     mine = burstcu.attention(cq.view(), ck.view(), cv.view(), causal=True)
     want = attention_ref(cq, ck, cv, causal=True)[0]
+    my_heads = burstcu.attention(*heads, causal=True)
+    heads_want = attention_ref(*heads, causal=True)[0]
     group.barrier()
     group.close()
-    return {"messages": messages, "view_error": float(np.abs(mine - want).max())}
+    return {"messages": messages, "view_error": float(np.abs(mine - want).max()),
+            "heads_error": float(np.abs(my_heads - heads_want).max()), "heads_shape": list(my_heads.shape)}
