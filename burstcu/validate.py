@@ -739,7 +739,8 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
 def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict):
     """(InputError or None, metadata, (valid rows per batch row (B,) int64, scale)) of this
     rank's q (B,T,H,D), k_cache, v_cache (B,S_cache,Hkv,D) for `decode`; agreed: more values
-    every rank must hold alike (a KVCache's counts)."""
+    every rank must hold alike (a KVCache's counts). A NumPy q's values are agreed too (a digest):
+    ranks decoding different tokens would each get a wrong answer."""
     q, k, v = arrays
     for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
         err = _check_array(name, x, 4, ops.array_types, ops.array_dtypes)
@@ -776,6 +777,9 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
                                           f"cache rows), got {lengths.tolist()}"), None, None
         lengths = lengths.astype(np.int64)
     scale = resolve_scale(softmax_scale, d)
+    if isinstance(q, np.ndarray):   # in host memory (read without a device sync): its values too
+        agreed = {**agreed, "q values (the same on every rank)":
+                  hashlib.blake2b(np.ascontiguousarray(q).tobytes(), digest_size=8).hexdigest()}
     meta = metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
                     return_lse=bool(return_lse), **agreed)
     return None, meta, (lengths, scale)

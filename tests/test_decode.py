@@ -92,7 +92,8 @@ def test_a_paged_pool_smaller_than_the_batch_needs_is_full_in_time():
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind,text", [("q_shape", "q shape"), ("seqlens_range", "lie in [0, 5]"),
                                        ("seqlens_dtype", "integers"), ("heads", "does not fit"),
-                                       ("cache_counts", "kv_cache_counts")])
+                                       ("cache_counts", "kv_cache_counts"),
+                                       ("q_values", "q values (the same on every rank)")])
 def test_bad_decode_input_raises_on_every_rank(kind, text):
     for rank, result in enumerate(run_mpi(3, "decode_bodies:decode_bad_input_raises_everywhere",
                                           kind=kind)):

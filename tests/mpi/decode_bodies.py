@@ -135,6 +135,8 @@ def decode_bad_input_raises_everywhere(kind: str):
         seqlens = np.array([1.5, 3.0])
     elif last and kind == "heads":
         k = np.zeros((2, 5, 3, 8))
+    elif last and kind == "q_values":             # the same shape, another token
+        q = np.full((2, 1, 4, 8), 0.5)
     elif kind == "cache_counts":               # a rank whose appends went elsewhere
         cache.append(np.zeros((2, 1, 2, 8)), np.zeros((2, 1, 2, 8)))
         if last:
