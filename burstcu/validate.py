@@ -508,9 +508,12 @@ def rows_cut(layout, docs, size: int) -> tuple:
     return ("rows", "contiguous" if size == 1 else layout, docs, size)
 
 
-def _said(cut: tuple) -> str:
+def _said(cut: tuple, other: tuple | None = None) -> str:
+    """A cut's layout and documents in words; "without cu_seqlens" where only `other` has them."""
     _, layout, docs, _ = cut
-    return f"layout={layout!r}" + (f" with cu_seqlens={list(docs)}" if docs is not None else "")
+    if docs is None:
+        return f"layout={layout!r}" + (" without cu_seqlens" if other is not None and other[2] else "")
+    return f"layout={layout!r} with cu_seqlens={list(docs)}"
 
 
 def _axis_problem(name: str, ndim: int, cut_axis: int) -> str:
@@ -571,7 +574,7 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
             return _ranks_problem(name, cut[3], want[3])
         if cut[0] == "lse" or cut == want or not (positional or axis is not None):
             continue
-        return (f"{name} was cut with {_said(cut)} but this call has {_said(want)}: its rows "
+        return (f"{name} was cut with {_said(cut, want)} but this call has {_said(want, cut)}: its rows "
                 f"would be taken for other positions. Pass the same layout and cu_seqlens as "
                 f"shard (or one burstcu.Sharding, which carries them to every call); if the rows "
                 f"are right, pass a view ({name}.view()): the memory is of this array object")

@@ -68,7 +68,8 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     assert "q was cut with layout='zigzag' but this call has layout='contiguous'" in \
         said["zigzag shards, no layout"]
     assert "with cu_seqlens=[0, 5," in said["documents at shard only"]
-    assert "this call has layout='zigzag' with cu_seqlens" in said["documents at attention only"]
+    assert "q was cut with layout='zigzag' without cu_seqlens but this call has layout='zigzag' with " \
+        "cu_seqlens" in said["documents at attention only"]
     assert "x_local is an lse (B, H, S) whose sequence axis is 2, not axis=1" in \
         said["lse along axis 1"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
