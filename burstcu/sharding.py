@@ -77,7 +77,19 @@ class Sharding:
 
     def shard(self, x, axis: int | None = None):
         """This rank's rows of the global array `x` along `axis` (the sequence axis; None: 0 for
-        packed (N, H, D) arrays, 1 otherwise, as (B, N, H, D)). No communication."""
+        packed (N, H, D) arrays, 1 otherwise, as (B, N, H, D)). No communication. A 3-D `x`
+        whose axis 0 cannot be the sequence (fewer rows than ranks, or other than the N this
+        Sharding's documents or lengths say while axis 1 has N) asks for `axis` (ValueError):
+        (B, N, d_model) hidden states are 3-D too."""
+        if axis is None and getattr(x, "ndim", None) == 3:
+            total = (self.cu_seqlens[-1] if self.cu_seqlens is not None else
+                     sum(self.lengths) if self.lengths is not None else None)
+            n0, n1 = x.shape[:2]
+            if n0 < self.group.size or (total is not None and n0 != total and n1 == total):
+                raise ValueError(f"Sharding.shard takes a 3-D array as packed (T, H, D), cut along axis "
+                                 f"0, but x {tuple(x.shape)} has {n0} rows there"
+                                 + (f" and the sequence's {total} along axis 1" if n1 == total else "")
+                                 + ": pass axis= (axis=1 for (B, N, ...) arrays such as hidden states)")
         return api.shard(x, self, axis=_sequence_axis(x, axis))
 
     def unshard(self, x_local, axis: int | None = None):

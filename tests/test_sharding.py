@@ -102,6 +102,20 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
         assert r["heads_shape"] == [1, 6 * world, 6 // world, 8]
 
 
+def test_a_sharding_asks_for_the_axis_of_hidden_states():
+    """A 3-D array is packed (T, H, D) to a Sharding, cut along axis 0; hidden states (B, N,
+    d_model) are 3-D too: where the Sharding knows N (documents or lengths) and axis 1 has it,
+    it asks for axis= instead of cutting the batch; given axis=1 it cuts the sequence."""
+    group = burstcu.init(backend="numpy")
+    for sh in (burstcu.Sharding(group, lengths=[64]), burstcu.Sharding(group, cu_seqlens=[0, 20, 64])):
+        hidden = np.zeros((4, 64, 32), np.float32)
+        with pytest.raises(ValueError, match=r"x \(4, 64, 32\) has 4 rows there and the sequence's 64 "
+                                             r"along axis 1: pass axis="):
+            sh.shard(hidden)
+        assert sh.shard(hidden, axis=1).shape == (4, 64, 32)
+        assert sh.shard(np.zeros((64, 4, 16), np.float32)).shape == (64, 4, 16)   # packed
+
+
 def test_a_sharding_is_checked_when_made():
     group = burstcu.init(backend="numpy")
     with pytest.raises(ValueError, match="layout must be one of"):
