@@ -31,7 +31,7 @@ from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_block_mask,
                        check_block_mask_extent, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
-                       cut_problem, docs_digest, first_rows_digest, inherited_cut,
+                       cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
                        partition_of, remember_cut, rows_cut, sharding_keywords, warn_if_all_the_same)
 
@@ -253,8 +253,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
                                        positional=_positional(causal, window_size, cu_seqlens,
                                                               block_mask))
-    cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
+    cut = inherited_cut((q,), cut, 0 if packed else 1)
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
         q, k, v = (_batched(x, 4) for x in (q, k, v))
@@ -275,7 +275,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
             window_size=_window(window_size), cu_seqlens=docs, block_mask=block_mask))
     if packed:
         out, lse = out[0], lse[0]
-    remember_cut(out, cut, 0 if packed else 1)      # unshard(out) with another layout is refused
+    if cut is not None:
+        remember_cut(out, *cut)                     # unshard(out) with another layout is refused
     remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q.shape[-1],
                                            block_mask)), 1 if packed else 2)
     return (out, lse) if return_lse else out
@@ -307,8 +308,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                                                               block_mask))
     conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
                                                          getattr(q, "shape", (0,))[-1], block_mask))
-    cut = inherited_cut((q,), cut)
     packed = getattr(q, "ndim", None) == 3
+    cut = inherited_cut((q,), cut, 0 if packed else 1)
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
                                                (dout, k, v, out, lse), (3, 3, 3, 3, 2))
@@ -341,8 +342,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                 agree(group.transport, verdict, None, "attention_backward check")
         grads = returned(export, grads)
     grads = tuple(g[0] for g in grads) if packed else grads
-    for g in grads:
-        remember_cut(g, cut, 0 if packed else 1)
+    for g in grads if cut is not None else ():
+        remember_cut(g, *cut)
     return grads
 
 
@@ -427,7 +428,7 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
-    cut = inherited_cut((q,), cut)
+    cut = inherited_cut((q,), cut, 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
@@ -437,7 +438,8 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
             layout=layout, trace=group.trace)
     out = returned(export, (out,))[0]
-    remember_cut(out, cut, 1)
+    if cut is not None:
+        remember_cut(out, *cut)
     return out
 
 
@@ -544,7 +546,11 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
     piece = joined(x, pieces, axis)
-    remember_cut(piece, _rows_of_call(layout, cu_seqlens, group), axis)   # another layout: refused
+    held, seq = cut_of(x), 0 if x.ndim == 3 else 1
+    if axis != seq and held is not None and held[0][0] == "rows" and held[1] == seq:
+        remember_cut(piece, *held)      # heads (or a batch) cut from a shard: its rows as they were
+    else:
+        remember_cut(piece, _rows_of_call(layout, cu_seqlens, group), axis)   # another layout: refused
     return piece
 
 

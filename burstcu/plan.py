@@ -417,11 +417,14 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     problem = problem or _shapes_problem(q_shape, k_shape)
     if problem is not None:
         raise ValueError(f"plan: {problem}")
+    given = dtype
     try:
-        dtype = np.dtype(dtype)
+        dtype = None if dtype is None else np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"plan: dtype must name a NumPy dtype such as 'float16', 'bfloat16' or "
-                        f"'float32', got {dtype!r}") from None
+        dtype = None
+    if dtype is None or dtype.name not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"plan: dtype must be float16, bfloat16, float32 or float64 (a name or a "
+                        f"NumPy dtype), got {given!r}")
     group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                         None)
     if conflict is not None:

@@ -512,7 +512,8 @@ def _said(cut: tuple, other: tuple | None = None) -> str:
     """A cut's layout and documents in words; "without cu_seqlens" where only `other` has them."""
     _, layout, docs, _ = cut
     if docs is None:
-        return f"layout={layout!r}" + (" without cu_seqlens" if other is not None and other[2] else "")
+        bare = other is not None and other[2] and layout == other[1] == "zigzag"
+        return f"layout={layout!r}" + (" without documents (cu_seqlens)" if bare else "")
     return f"layout={layout!r} with cu_seqlens={list(docs)}"
 
 
@@ -584,16 +585,19 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
 def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_mask) -> dict | None:
     """What of an attention call's options its lse depends on, as the forward remembers them with
     lse (`remember_cut(lse, ("lse", options))`) and its backward compares them (`lse_problem`):
-    {causal, window_size, cu_seqlens, softmax_scale (resolved), block_mask}, or None where one
-    cannot be read (the call itself refuses it on every rank)."""
+    {causal, window_size, cu_seqlens, softmax_scale (resolved), block_mask}, spelled one way
+    where spellings mean the same mask (a causal right bound 0 or -1, one document or none), or
+    None where one cannot be read (the call itself refuses it on every rank)."""
     if not isinstance(causal, (bool, np.bool_)):
         return None
     try:
         err, docs = parse_cu_seqlens(cu_seqlens)
-        return None if err is not None else {
-            "causal": bool(causal), "window_size": tuple(int(w) for w in window_size),
-            "cu_seqlens": docs, "softmax_scale": resolve_scale(softmax_scale, int(headdim)),
-            "block_mask": block_mask}
+        left, right = (int(w) for w in window_size)
+        if err is not None:
+            return None
+        return {"causal": bool(causal), "window_size": (left, 0 if causal and right in (0, -1) else right),
+                "cu_seqlens": None if docs is None or len(docs) <= 2 else docs,   # one document: none
+                "softmax_scale": resolve_scale(softmax_scale, int(headdim)), "block_mask": block_mask}
     except Exception:  # noqa: BLE001 - the call refuses it on every rank
         return None
 
@@ -611,14 +615,14 @@ def lse_problem(lse, options: dict | None) -> str | None:
     said = ", ".join(f"{name}: {_shown(forward[name])} in the forward, {_shown(options[name])} here"
                      for name in differ)
     return (f"lse comes from an attention call with other options than this backward's ({said}): "
-            f"the gradients would be those of another attention. Pass the forward's options (one "
-            f"burstcu.Sharding carries layout and cu_seqlens to both); if this is meant, pass a "
-            f"view (lse.view()): the memory is of this array object")
+            f"the gradients would be those of another attention. Pass the backward the forward's "
+            f"causal, window_size, cu_seqlens, softmax_scale and block_mask; if this is meant, pass "
+            f"a view (lse.view()): the memory is of this array object")
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):   # a scale: 8 ** -0.5 is 1 / sqrt(8)
-        return math.isclose(a, b, rel_tol=1e-9)
+    if isinstance(a, float) and isinstance(b, float):   # a scale, as float32 holds it
+        return math.isclose(a, b, rel_tol=2.0**-22)
     return a is b or (a is not None and b is not None and bool(a == b))
 
 
@@ -628,14 +632,16 @@ def _shown(value) -> str:
     return "a BlockMask" if value.__class__.__name__ == "BlockMask" else repr(value)
 
 
-def inherited_cut(arrays: tuple, want: tuple) -> tuple:
-    """The cut a call's results get: its inputs' remembered one (the first that has one), else
-    the call's own `want`."""
+def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
+    """(cut, axis) a call's results get (`remember_cut`): their inputs' remembered one (the first
+    that has one: a result lies as its input, rows or heads), else the call's own `want` along
+    the sequence axis; None for a call without a group on inputs it remembers nothing of (a
+    view, a rank's own rows: what each rank computed alone says nothing of a cut)."""
     for x in arrays:
         held = cut_of(x)
         if held is not None and held[0][0] == "rows":
-            return held[0]
-    return want
+            return held
+    return (want, seq_axis) if want[3] > 1 else None
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
@@ -781,8 +787,8 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
         lengths = lengths.astype(np.int64)
     scale = resolve_scale(softmax_scale, d)
     if isinstance(q, np.ndarray):   # in host memory (read without a device sync): its values too
-        agreed = {**agreed, "q values (the same on every rank)":
-                  hashlib.blake2b(np.ascontiguousarray(q).tobytes(), digest_size=8).hexdigest()}
+        agreed = {**agreed, "q values (the same on every rank)":   # + 0: -0.0 is 0.0
+                  hashlib.blake2b(np.ascontiguousarray(q + 0).tobytes(), digest_size=8).hexdigest()}
     meta = metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
                     return_lse=bool(return_lse), **agreed)
     return None, meta, (lengths, scale)

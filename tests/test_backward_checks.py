@@ -182,7 +182,7 @@ def test_check_on_the_ring_emulated_kernels(world):
 @pytest.mark.parametrize("forward,backward,named", [
     (dict(causal=True), dict(), "causal: True in the forward, False here"),
     (dict(causal=True), dict(causal=True, window_size=(3, 0)),
-     "window_size: (-1, -1) in the forward, (3, 0) here"),
+     "window_size: (-1, 0) in the forward, (3, 0) here"),
     (dict(causal=True, cu_seqlens=[0, 5, 16]), dict(causal=True),
      "cu_seqlens: (0, 5, 16) in the forward, None here"),
     (dict(), dict(softmax_scale=0.5), "softmax_scale: 0.35355"),
@@ -204,9 +204,23 @@ def test_the_backward_refuses_an_lse_of_other_options(forward, backward, named):
     burstcu.attention_backward(dout, q, k, v, out, lse.view(), **backward)
 
 
+def test_options_spelled_otherwise_for_the_same_mask_are_the_forwards():
+    """A causal right bound of 0 or -1, one document or none, a float32 scale or its float64
+    value: the same attention, so the backward takes the forward's lse."""
+    q, k, v, dout = make_inputs(14, 1, 16, 2, 1, 8, "float32")
+    for forward, backward in ((dict(causal=True, window_size=(-1, 0)), dict(causal=True)),
+                              (dict(causal=True, window_size=(4, -1)), dict(causal=True, window_size=[4, 0])),
+                              (dict(cu_seqlens=[0, 16]), dict()),
+                              (dict(softmax_scale=np.float32(0.1)), dict(softmax_scale=0.1))):
+        out, lse = burstcu.attention(q, k, v, return_lse=True, **forward)
+        got = burstcu.attention_backward(dout, q, k, v, out, lse, **backward)
+        want = burstcu.attention_backward(dout, q, k, v, out, lse, **forward)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), (forward, backward)
+
+
 def test_a_packed_lse_remembers_its_documents():
     q, k, v, dout = (x[0] for x in make_inputs(13, 1, 16, 2, 1, 8, "float32"))
     out, lse = burstcu.attention(q, k, v, causal=True, cu_seqlens=[0, 9, 16], return_lse=True)
-    with pytest.raises(ValueError, match=r"cu_seqlens: \(0, 9, 16\) in the forward, \(0, 16\) here"):
+    with pytest.raises(ValueError, match=r"cu_seqlens: \(0, 9, 16\) in the forward, None here"):
         burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 16])
     burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 9, 16])

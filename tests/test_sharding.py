@@ -68,8 +68,8 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     assert "q was cut with layout='zigzag' but this call has layout='contiguous'" in \
         said["zigzag shards, no layout"]
     assert "with cu_seqlens=[0, 5," in said["documents at shard only"]
-    assert "q was cut with layout='zigzag' without cu_seqlens but this call has layout='zigzag' with " \
-        "cu_seqlens" in said["documents at attention only"]
+    assert "q was cut with layout='zigzag' without documents (cu_seqlens) but this call has " \
+        "layout='zigzag' with cu_seqlens" in said["documents at attention only"]
     assert "x_local is an lse (B, H, S) whose sequence axis is 2, not axis=1" in \
         said["lse along axis 1"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
@@ -100,6 +100,21 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
             r["messages"]["heads on the group"]
         assert r["view_error"] < 1e-5 and r["heads_error"] < 1e-5   # heads split, each local
         assert r["heads_shape"] == [1, 6 * world, 6 // world, 8]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (2, 4))
+def test_cuts_that_are_right_still_run(world):
+    """The checks of a cut refuse no right program: heads or a batch split and attended locally
+    (forward, backward, next layer), a local call on a view joined and fed to the group, and on
+    4 ranks sequence x heads parallelism on two sub-groups, cut in either order."""
+    for r in run_mpi(world, "sharding_bodies:cuts_that_are_right_still_run"):
+        assert all(e < 1e-4 for e in r["errors"].values()), r["errors"]
+        assert set(r["errors"]) == {"heads", "heads next layer", "batch", "batch next layer"}
+        assert r["joined"] == [2 * world, 8 * world, 2 * world, 8]
+        assert r["on_group"] == [2 * world, 8, 2 * world, 8]
+        if world == 4:
+            assert r["orders"] == {"heads then sequence": [8, 16, 4, 8], "sequence then heads": [8, 16, 4, 8]}
 
 
 def test_a_sharding_asks_for_the_axis_of_hidden_states():

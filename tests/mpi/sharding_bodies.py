@@ -196,3 +196,45 @@ def group_left_out():
     group.close()
     return {"messages": messages, "view_error": float(np.abs(mine - want).max()),
             "heads_error": float(np.abs(my_heads - heads_want).max()), "heads_shape": list(my_heads.shape)}
+
+
+def cuts_that_are_right_still_run():
+    """What the checks of a cut must let through, against float64 where it computes: heads and
+    a batch split over the ranks, attended locally (no group) forward, backward and as the next
+    layer; a local call on a view (its result remembered as nothing) joined by unshard and fed to
+    a call on the group; on 4 ranks, sequence x heads parallelism on two sub-groups, the cuts
+    made in either order."""
+    from mpi4py import MPI
+
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    q, k, v, dout = make_inputs(8, 2 * group.size, n, 2 * group.size, 2 * group.size, 8, "float32")
+    errors = {}
+    for name, axis in (("heads", 2), ("batch", 0)):
+        hq, hk, hv, hdo = (burstcu.shard(x, group, axis=axis) for x in (q, k, v, dout))
+        out, lse = burstcu.attention(hq, hk, hv, causal=True, return_lse=True)
+        grads = burstcu.attention_backward(hdo, hq, hk, hv, out, lse, causal=True)
+        want = attention_backward_ref(hdo, hq, hk, hv, causal=True)
+        nxt = burstcu.attention(out, hk, hv)
+        errors[name] = max(float(np.abs(g - w).max()) for g, w in zip(grads, want))
+        errors[name + " next layer"] = float(np.abs(nxt - attention_ref(out, hk, hv)[0]).max())
+    cq, ck, cv = (burstcu.shard(x, group) for x in (q, k, v))
+    local = burstcu.attention(cq.view(), ck.view(), cv.view(), causal=True)
+    joined = burstcu.unshard(local, group)
+    on_group = burstcu.attention(local, ck, cv, group)
+    orders = {}
+    if group.size == 4:
+        world, r = MPI.COMM_WORLD, group.rank
+        sp = burstcu.init(comm=world.Split(r // 2, r), backend="numpy")
+        tp = burstcu.init(comm=world.Split(r % 2, r), backend="numpy")
+        for order, cut in (("heads then sequence",
+                            lambda x: burstcu.shard(burstcu.shard(x, tp, axis=2), sp)),
+                           ("sequence then heads",
+                            lambda x: burstcu.shard(burstcu.shard(x, sp), tp, axis=2))):
+            orders[order] = list(burstcu.attention(*(cut(x) for x in (q, k, v)), sp, causal=True).shape)
+        sp.close()
+        tp.close()
+    group.barrier()
+    group.close()
+    return {"errors": errors, "joined": list(joined.shape), "on_group": list(on_group.shape),
+            "orders": orders}
