@@ -33,7 +33,8 @@ from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, che
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
-                       partition_of, remember_cut, rows_cut, sharding_keywords, warn_if_all_the_same)
+                       partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
+                       sharding_keywords, warn_if_all_the_same)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -277,8 +278,9 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         out, lse = out[0], lse[0]
     if cut is not None:
         remember_cut(out, *cut)                     # unshard(out) with another layout is refused
+    sharded = cut is not None and cut[1] == (0 if packed else 1) and cut[0][3] > 1   # its sequence
     remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q.shape[-1],
-                                           block_mask)), 1 if packed else 2)
+                                           block_mask), sharded), 1 if packed else 2)
     return (out, lse) if return_lse else out
 
 
@@ -498,10 +500,16 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
         def check(native_arrays):
             err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
                                                  softmax_scale, return_lse, agreed)
-            return err, meta, extra, None
+            return err, meta, extra, q_summary(native_arrays[0]) if group.size > 1 else None
+
+        def same_tokens(summaries, extra):   # every rank holds every summary: raises alike
+            problem = q_values_problem(summaries)
+            if problem is not None:
+                raise ValueError(problem)
+            return extra
 
         (q, k_cache, v_cache), export, (lengths, scale) = _agreed(
-            call, group, (q, k_cache, v_cache), "decode", check)
+            call, group, (q, k_cache, v_cache), "decode", check, same_tokens)
         out, lse = decode_strategy.decode(q, *(rows or (k_cache, v_cache)), lengths, scale,
                                           _Tracking(group.ops, group.transport), group.transport)
     results = returned(export, (out, lse))

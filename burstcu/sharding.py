@@ -27,7 +27,7 @@ import numpy as np
 from . import api
 from .group import Group
 from .layout import LAYOUTS
-from .validate import host_ints, parse_cu_seqlens
+from .validate import cut_of, host_ints, parse_cu_seqlens
 
 
 @dataclass(frozen=True, eq=False)   # identity: hashable (a jit static argument, a cache key)
@@ -94,7 +94,11 @@ class Sharding:
 
     def unshard(self, x_local, axis: int | None = None):
         """The global array on every rank from each rank's `x_local` (collective; axis as in
-        `shard`)."""
+        `shard`, or where `shard` cut this very array when it remembers: hidden states cut
+        along axis 1 join along axis 1)."""
+        held = cut_of(x_local) if axis is None else None
+        if held is not None and held[0][0] == "rows":
+            axis = held[1]
         return api.unshard(x_local, self, axis=_sequence_axis(x_local, axis))
 
     def unshard_lse(self, lse_local):

@@ -16,6 +16,7 @@ import sys
 import warnings
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .blockmask import BlockMask
@@ -471,7 +472,8 @@ def _fingerprint(x, axis: int) -> bytes:
 
 def remember_cut(x, cut: tuple, axis: int) -> None:
     """Remember that the host array object `x` is a piece cut as `cut` along `axis`: ("rows",
-    layout, documents, ranks) (a shard, or a result whose rows are a shard's) or ("lse",) (its sequence
+    layout, documents, ranks) (a shard, or a result whose rows are a shard's) or ("lse", the
+    call's `mask_options`, whether its sequence is sharded over ranks) (its sequence
     axis `axis`). Kept while `x` lives and holds the same end rows; device arrays (whose rows
     cannot be read without a sync) and arrays that take no weak reference are not remembered."""
     import weakref
@@ -562,7 +564,7 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
             continue
         cut, cut_axis = held
         if axis is not None and axis != cut_axis:
-            if cut[0] == "lse":
+            if cut[0] == "lse" and cut[2]:   # a sharded sequence's lse (not heads split locally)
                 return (f"{name} is an lse {'(H, T)' if cut_axis == 1 else '(B, H, S)'} whose "
                         f"sequence axis is {cut_axis}, not axis={axis}: pass axis={cut_axis}, "
                         f"or use Sharding.unshard_lse")
@@ -586,7 +588,8 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_
     """What of an attention call's options its lse depends on, as the forward remembers them with
     lse (`remember_cut(lse, ("lse", options))`) and its backward compares them (`lse_problem`):
     {causal, window_size, cu_seqlens, softmax_scale (resolved), block_mask}, spelled one way
-    where spellings mean the same mask (a causal right bound 0 or -1, one document or none), or
+    where spellings mean the same mask (a causal right bound 0 or -1, a right bound 0 without
+    causal, one document or none), or
     None where one cannot be read (the call itself refuses it on every rank)."""
     if not isinstance(causal, (bool, np.bool_)):
         return None
@@ -595,7 +598,8 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_
         left, right = (int(w) for w in window_size)
         if err is not None:
             return None
-        return {"causal": bool(causal), "window_size": (left, 0 if causal and right in (0, -1) else right),
+        causal = bool(causal) or right == 0          # keys up to the query's own: causal
+        return {"causal": causal, "window_size": (left, 0 if causal else right),
                 "cu_seqlens": None if docs is None or len(docs) <= 2 else docs,   # one document: none
                 "softmax_scale": resolve_scale(softmax_scale, int(headdim)), "block_mask": block_mask}
     except Exception:  # noqa: BLE001 - the call refuses it on every rank
@@ -606,8 +610,8 @@ def lse_problem(lse, options: dict | None) -> str | None:
     """What contradicts the options `attention` returned this very lse with (`mask_options`), or
     None: gradients under another mask or scale than the forward's would be silently wrong."""
     held = cut_of(lse)
-    if options is None or held is None or len(held[0]) < 2 or held[0][1] is None:
-        return None
+    if options is None or held is None or held[0][0] != "lse" or held[0][1] is None:
+        return None     # no memory, or rows `shard` cut (a reference's lse): nothing to compare
     forward = held[0][1]
     differ = [name for name in options if not _same(forward[name], options[name])]
     if not differ:
@@ -748,8 +752,8 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
 def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict):
     """(InputError or None, metadata, (valid rows per batch row (B,) int64, scale)) of this
     rank's q (B,T,H,D), k_cache, v_cache (B,S_cache,Hkv,D) for `decode`; agreed: more values
-    every rank must hold alike (a KVCache's counts). A NumPy q's values are agreed too (a digest):
-    ranks decoding different tokens would each get a wrong answer."""
+    every rank must hold alike (a KVCache's counts). (A NumPy q's values are compared after the
+    agreement: `q_summary`, `q_values_problem`.)"""
     q, k, v = arrays
     for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
         err = _check_array(name, x, 4, ops.array_types, ops.array_dtypes)
@@ -786,12 +790,42 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
                                           f"cache rows), got {lengths.tolist()}"), None, None
         lengths = lengths.astype(np.int64)
     scale = resolve_scale(softmax_scale, d)
-    if isinstance(q, np.ndarray):   # in host memory (read without a device sync): its values too
-        agreed = {**agreed, "q values (the same on every rank)":   # + 0: -0.0 is 0.0
-                  hashlib.blake2b(np.ascontiguousarray(q + 0).tobytes(), digest_size=8).hexdigest()}
     meta = metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
                     return_lse=bool(return_lse), **agreed)
     return None, meta, (lengths, scale)
+
+
+Q_PROJECTIONS = 8      # random ±1 projections of each of q's (b, t) rows that `q_summary` keeps
+Q_ULPS = 4             # the rounding `q_values_problem` forgives: each element off by this many ulps
+
+
+def q_summary(q) -> list | None:
+    """(2, B*T, Q_PROJECTIONS) floats (nested lists: the agreement's wire takes plain values) of a
+    NumPy q (B, T, H, D): its rows' projections on fixed random ±1 vectors, and what rounding of
+    Q_ULPS ulps an element could move each by; None for a device array (reading it would
+    synchronise)."""
+    if not isinstance(q, np.ndarray) or q.ndim != 4:
+        return None
+    x = q.reshape(q.shape[0] * q.shape[1], -1).astype(np.float64)
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, x.shape[1]))
+    eps = float(ml_dtypes.finfo(q.dtype).eps)
+    rounding = Q_ULPS * eps * np.abs(x).sum(axis=1, keepdims=True)
+    return np.stack([x @ signs.T, np.broadcast_to(rounding, (x.shape[0], Q_PROJECTIONS))]).tolist()
+
+
+def q_values_problem(summaries: list) -> str | None:
+    """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None. Every
+    rank gets the same list, so each says the same."""
+    first = None if summaries[0] is None else np.asarray(summaries[0], np.float64)
+    for rank, mine in enumerate(summaries[1:], 1):
+        mine = None if mine is None else np.asarray(mine, np.float64)
+        if first is None or mine is None or mine.shape != first.shape:
+            continue
+        if (np.abs(mine[0] - first[0]) > np.maximum(mine[1], first[1]) + 1e-300).any():
+            return (f"ranks disagree in decode: q's values on rank {rank} differ from rank 0's by more "
+                    f"than rounding: every rank must decode the same new tokens (q the same on every "
+                    f"rank)")
+    return None
 
 
 # -- shards that are all the same (the global array passed on every rank) ----------------------

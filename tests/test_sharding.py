@@ -106,11 +106,15 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
 @pytest.mark.parametrize("world", (2, 4))
 def test_cuts_that_are_right_still_run(world):
     """The checks of a cut refuse no right program: heads or a batch split and attended locally
-    (forward, backward, next layer), a local call on a view joined and fed to the group, and on
-    4 ranks sequence x heads parallelism on two sub-groups, cut in either order."""
+    (forward, backward, next layer, the lse joined along the cut axis), a local call on a view
+    joined and fed to the group, a one-process reference's lse cut by shard given to the
+    backward, hidden states a Sharding cut along axis 1 joined back, and on 4 ranks sequence x
+    heads parallelism on two sub-groups, cut in either order."""
     for r in run_mpi(world, "sharding_bodies:cuts_that_are_right_still_run"):
         assert all(e < 1e-4 for e in r["errors"].values()), r["errors"]
-        assert set(r["errors"]) == {"heads", "heads next layer", "batch", "batch next layer"}
+        assert set(r["errors"]) == {"heads", "heads next layer", "heads lse joined", "batch",
+                                    "batch next layer", "batch lse joined", "reference lse cut",
+                                    "hidden states joined"}
         assert r["joined"] == [2 * world, 8 * world, 2 * world, 8]
         assert r["on_group"] == [2 * world, 8, 2 * world, 8]
         if world == 4:

@@ -137,6 +137,10 @@ def decode_bad_input_raises_everywhere(kind: str):
         k = np.zeros((2, 5, 3, 8))
     elif last and kind == "q_values":             # the same shape, another token
         q = np.full((2, 1, 4, 8), 0.5)
+    elif kind == "q_rounding":                    # every rank's token, off by rounding on the last
+        q = np.random.default_rng(3).standard_normal((2, 1, 4, 8))
+        if last:
+            q = np.nextafter(q, np.inf) * (1 + 2 * np.finfo(np.float64).eps)
     elif kind == "cache_counts":               # a rank whose appends went elsewhere
         cache.append(np.zeros((2, 1, 2, 8)), np.zeros((2, 1, 2, 8)))
         if last:

@@ -218,6 +218,18 @@ def cuts_that_are_right_still_run():
         nxt = burstcu.attention(out, hk, hv)
         errors[name] = max(float(np.abs(g - w).max()) for g, w in zip(grads, want))
         errors[name + " next layer"] = float(np.abs(nxt - attention_ref(out, hk, hv)[0]).max())
+        whole_lse = burstcu.unshard(lse, group, axis=0 if axis == 0 else 1)   # an lse joined as cut
+        errors[name + " lse joined"] = float(np.abs(whole_lse - attention_ref(q, k, v, causal=True)[1]).max())
+    # a one-process reference's out and lse cut by shard, given to the backward on the group
+    ref_out, ref_lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    pieces = [burstcu.shard(x, group) for x in (dout, q, k, v, ref_out)]
+    grads = burstcu.attention_backward(*pieces, burstcu.shard(ref_lse, group, axis=2), group, causal=True)
+    want = [burstcu.shard(w, group) for w in attention_backward_ref(dout, q, k, v, causal=True)]
+    errors["reference lse cut"] = max(float(np.abs(g - w).max()) for g, w in zip(grads, want))
+    # hidden states (B, N, d) cut along axis 1 by a Sharding join along axis 1
+    sh = burstcu.Sharding(group)
+    hidden = np.arange(4 * n * 8, dtype=np.float32).reshape(4, n, 8)
+    errors["hidden states joined"] = float(np.abs(sh.unshard(sh.shard(hidden, axis=1)) - hidden).max())
     cq, ck, cv = (burstcu.shard(x, group) for x in (q, k, v))
     local = burstcu.attention(cq.view(), ck.view(), cv.view(), causal=True)
     joined = burstcu.unshard(local, group)
