@@ -505,9 +505,11 @@ def rows_cut(layout, docs, size: int) -> tuple:
     holds every row in order whatever the layout; shards of another number of ranks never
     place them alike. (Lengths are not part of it: uneven shards are checked by the calls
     themselves.)"""
+    if not isinstance(size, (int, np.integer)):
+        return ("rows", None, None, None)   # not a group (the call says so on every rank): no cut
     if size == 1 or layout != "zigzag" or docs is None or len(docs) <= 2:
         docs = None
-    return ("rows", "contiguous" if size == 1 else layout, docs, size)
+    return ("rows", "contiguous" if size == 1 else layout, docs, int(size))
 
 
 def _said(cut: tuple, other: tuple | None = None) -> str:
@@ -645,7 +647,7 @@ def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
         held = cut_of(x)
         if held is not None and held[0][0] == "rows":
             return held
-    return (want, seq_axis) if want[3] > 1 else None
+    return (want, seq_axis) if want[3] is not None and want[3] > 1 else None
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
