@@ -271,14 +271,21 @@ def _plan_for(ops, q, k, v, page_table, scale: float) -> tuple[_Plan | None, int
     key = (ops.stream_key(), ops.sm_count, dtype, tuple(q.shape), element_strides(q),
            tuple(k.shape), element_strides(k), page_table is not None and tuple(page_table.shape),
            page_table is not None and element_strides(page_table), vec, float(scale))
-    plans = ops.__dict__.setdefault("_decode_plans", OrderedDict())
-    plan = plans.pop(key, None)
-    if plan is None:
-        plan = _plan(ops, q, k, page_table, vec, float(scale), dtype)
-    plans[key] = plan
-    while len(plans) > PLANS_KEPT:
-        plans.popitem(last=False)
+    plan = _kept(ops, "_decode_plans", key, lambda: _plan(ops, q, k, page_table, vec, float(scale), dtype))
     return plan, vec
+
+
+def _kept(ops, store: str, key, make):
+    """The value the op keeps under `key` in its `store` (an OrderedDict of the last PLANS_KEPT
+    keys used), made by make() where it has none."""
+    kept = ops.__dict__.setdefault(store, OrderedDict())
+    value = kept.pop(key, None)
+    if value is None:
+        value = make()
+    kept[key] = value
+    while len(kept) > PLANS_KEPT:
+        kept.popitem(last=False)
+    return value
 
 
 def _kernel_table(ops, table, b: int):
@@ -382,20 +389,16 @@ def merge(ops, parts, out_dtype):
 def _merge_launch(ops, out_name: str, shape: tuple, ranks: int, stride: int) -> tuple:
     """(kernel, threads, (1,) DECODE_MERGE template with its static fields filled) of one merge
     shape, kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
-    key = (ops.current_device(), ops.stream_key(), out_name, tuple(shape), ranks, stride)
-    kept = ops.__dict__.setdefault("_decode_merges", OrderedDict())
-    launch = kept.pop(key, None)
-    if launch is None:
-        b, t, h, d = shape
+    def make():
+        _, t, h, d = shape
         packed = np.zeros(1, DECODE_MERGE.dtype)
         for name, value in (("rank_stride", stride), ("T_", t), ("H", h), ("D", d), ("ranks", ranks)):
             packed[name] = value
         variant = ops.variant("decode_merge", out_name, 0)
-        launch = (ops.function(variant.name), (variant.launch.threads,), packed)
-    kept[key] = launch
-    while len(kept) > PLANS_KEPT:
-        kept.popitem(last=False)
-    return launch
+        return ops.function(variant.name), (variant.launch.threads,), packed
+
+    key = (ops.current_device(), ops.stream_key(), out_name, tuple(shape), ranks, stride)
+    return _kept(ops, "_decode_merges", key, make)
 
 
 def _rank_stride(parts) -> int | None:
