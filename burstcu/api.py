@@ -499,7 +499,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     with Call(group, "decode") as call:
         def check(native_arrays):
             err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
-                                                 softmax_scale, return_lse, agreed)
+                                                 softmax_scale, return_lse, agreed, group.size)
             return err, meta, extra, q_summary(native_arrays[0]) if group.size > 1 else None
 
         def same_tokens(summaries, extra):   # every rank holds every summary: raises alike

@@ -276,6 +276,7 @@ class KVCache:
         """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows) that
         `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
         (stand-ins without memory when paged), rows: `rows()`, what the kernels read."""
-        digest = hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]
+        agreed = {} if self.group.size == 1 else {
+            "kv_cache_counts": hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]}
         k, v = self._views if self.paged else (self.k, self.v)
-        return k, v, self.group, self.seqlens, {"kv_cache_counts": digest}, self.rows()
+        return k, v, self.group, self.seqlens, agreed, self.rows()

@@ -751,17 +751,19 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
     return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
 
 
-def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict):
+def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict,
+                      ranks: int):
     """(InputError or None, metadata, (valid rows per batch row (B,) int64, scale)) of this
     rank's q (B,T,H,D), k_cache, v_cache (B,S_cache,Hkv,D) for `decode`; agreed: more values
-    every rank must hold alike (a KVCache's counts). (A NumPy q's values are compared after the
+    every rank must hold alike (a KVCache's counts); ranks: the group's size (at one rank there
+    is nothing to agree on: metadata None). (A NumPy q's values are compared after the
     agreement: `q_summary`, `q_values_problem`.)"""
     q, k, v = arrays
     for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
         err = _check_array(name, x, 4, ops.array_types, ops.array_dtypes)
         if err:
             return err, None, None
-    if not dtype_name(q) == dtype_name(k) == dtype_name(v):
+    if not q.dtype == k.dtype == v.dtype:
         return InputError(TypeError, f"q, k_cache, v_cache dtypes differ: {dtype_name(q)}, "
                                      f"{dtype_name(k)}, {dtype_name(v)}"), None, None
     if tuple(k.shape) != tuple(v.shape):
@@ -784,7 +786,7 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
         lengths = np.full(b, s, np.int64)
     else:
         lengths = host_ints(cache_seqlens)
-        if not np.issubdtype(lengths.dtype, np.integer) or lengths.shape != (b,):
+        if lengths.dtype.kind not in "iu" or lengths.shape != (b,):
             return InputError(ValueError, f"cache_seqlens must be {b} integers (one a batch row), "
                                           f"got {lengths.dtype} {tuple(lengths.shape)}"), None, None
         if lengths.size and (lengths.min() < 0 or lengths.max() > s):
@@ -792,8 +794,8 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
                                           f"cache rows), got {lengths.tolist()}"), None, None
         lengths = lengths.astype(np.int64)
     scale = resolve_scale(softmax_scale, d)
-    meta = metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
-                    return_lse=bool(return_lse), **agreed)
+    meta = None if ranks == 1 else metadata(q, k, v, seq_axes=(None, 1, 1), softmax_scale=scale,
+                                            return_lse=bool(return_lse), **agreed)
     return None, meta, (lengths, scale)
 
 

@@ -431,9 +431,10 @@ def _ops_randomized():
     return KernelOps(backend=BACKEND, randomize=True)
 
 
-def _launches(ops):
+def _launches(ops, given: dict | None = None):
     """Count the kernel launches of `ops` by kernel name (the template's name before '<'): a
-    decode plan looks its kernels up once, so the functions `function` returns are wrapped."""
+    decode plan looks its kernels up once, so the functions `function` returns are wrapped.
+    given: filled with each kernel's latest parameter struct (its one argument)."""
     counts: dict = {}
     function = ops.function
 
@@ -442,6 +443,8 @@ def _launches(ops):
 
         def launch(*args, **kwargs):
             counts[kernel] = counts.get(kernel, 0) + 1
+            if given is not None:
+                given[kernel] = args[2][0]
             return fn(*args, **kwargs)
         launch.num_regs = getattr(fn, "num_regs", 0)     # what the GPU's block slots read
         return launch
@@ -477,7 +480,8 @@ def test_tensor_core_twin_matches_float64(case):
         v[bi, n:] = np.nan
     ops = _ops_randomized()
     ops.sm_count = sms
-    counts = _launches(ops)
+    given: dict = {}
+    counts = _launches(ops, given)
     scale = 1.0 / np.sqrt(d)
     if layout == "paged":
         pages_k, pages_v, table = _paged(k, v, lengths, 7 if d == 128 else 16, len(case))
@@ -495,10 +499,11 @@ def test_tensor_core_twin_matches_float64(case):
     _, _, block_rows, block_keys, _, _ = plan.name.split("<")[1].rstrip(">").split(", ")
     assert int(block_rows) == min(-(-rows // 16) * 16, 64) and plan.groups == -(-rows // 64)
     assert int(block_keys) == plan.tile in (32, 64)
-    assert (layout == "strided") == (plan.split["vec"][0] == 0)
-    assert plan.split["chunk"][0] % plan.tile == 0              # what the kernel was given
+    split = given["flash_decode_split_mma"]                      # what the kernel was given
+    assert (layout == "strided") == (split["vec"] == 0)
+    assert split["chunk"] % plan.tile == 0 and split["chunk"] * split["splits"] >= max(lengths)
     if case == "R16 fp16 d64 contiguous":
-        assert plan.split["splits"][0] >= 6, plan.split         # many, the 0-length row's all empty
+        assert split["splits"] >= 6, split                        # many, the 0-length row's all empty
 
 
 @pytest.mark.parametrize("t,h,hkv,d,dtype", [

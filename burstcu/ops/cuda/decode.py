@@ -24,15 +24,15 @@ the device: a large batch pays nothing for splits it never takes).
 
 Host path: a `_Plan` per shape (the split kernel chosen, variants, grid, block slots, the
 parameter structs packed once with every field that does not change between calls) is kept on
-the op; a call writes only the pointers, the lengths' address and the split count into the
-packed structs. The workspace and the outputs live in the op's kept buffers
+the op; a call writes only the pointers, the lengths' address and the split count into its
+copy of the packed structs (`CStruct.setter`). The workspace and the outputs live in the op's kept buffers
 (`LocalOps.double_buffer`, freed by `release_buffers`); the two buffers of a layout are taken in
 turn, the turn kept with the pair itself (not with a plan: plans of other scales, strides or a
 paged cache may share a layout), so a call's partial stays valid through the op's next call. On
 a GPU the lengths travel through a ring of pinned host buffers, copied asynchronously on the
 current stream (an event guards a slot's reuse): no allocation and no host synchronisation. The
 merge keeps its kernel and a struct template per shape (`_merge_launch`); a call copies the
-template and writes the five addresses.
+template with its five addresses.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ DECODE_MERGE = CStruct("DecodeMergeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("rank_stride", "i64"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("ranks", "i32")])
 DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE, DECODE_MERGE)
+# what a call writes into its copy of a plan's struct templates (`CStruct.setter`)
+_fill_split = DECODE_SPLIT.setter(("q", "k", "v", "lengths", "page_table", "ws_m", "ws_l", "ws_acc",
+                                   "chunk", "splits"))
+_fill_combine = DECODE_COMBINE.setter(("ws_m", "ws_l", "ws_acc", "acc", "m", "l", "splits"))
+_fill_merge = DECODE_MERGE.setter(("acc", "m", "l", "out", "lse"))
 
 MAX_SPLITS = 128      # splits a batch row at most
 MIN_KEYS = 128        # keys a split reads at least (2 to 4 tiles: the ring's fill pays off)
@@ -195,8 +200,8 @@ class _Plan:
     max_splits: int
     fields: list
     layout: tuple                           # buffer_layout(fields), made once
-    split: np.ndarray                       # (1,) DECODE_SPLIT, static fields filled
-    combine: np.ndarray                     # (1,) DECODE_COMBINE
+    split: bytes                            # DECODE_SPLIT with its static fields set
+    combine: bytes                          # DECODE_COMBINE
     calls: int = 0                          # GPU: which pinned slot the next call takes
     pinned: Any = None                      # GPU: (PINNED_SLOTS, B) int32 pinned host memory
     device_lengths: Any = None              # GPU: (PINNED_SLOTS, B) int32, their copies
@@ -237,7 +242,7 @@ def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _
     plan = _Plan(split_fn, ops.function(combine.name), (1, hkv * groups, b), (t * h, b),
                  (split.launch.threads,), (combine.launch.threads,), split.launch.smem_bytes,
                  groups, slots, rows, split.launch.block_n, split.name, ms, fields,
-                 buffer_layout(fields), packed, combine_packed)
+                 buffer_layout(fields), packed.tobytes(), combine_packed.tobytes())
     if ops.device == "cuda":
         import cupyx
         import cupy
@@ -268,9 +273,8 @@ def _plan_for(ops, q, k, v, page_table, scale: float) -> tuple[_Plan | None, int
     """The op's kept plan of this call's shape (made on first use) and the vec flag."""
     dtype = dtype_name(q)
     vec = int(rows_on_16_bytes(k, v) and (q.shape[3] * k.itemsize) % 16 == 0)
-    key = (ops.stream_key(), ops.sm_count, dtype, tuple(q.shape), element_strides(q),
-           tuple(k.shape), element_strides(k), page_table is not None and tuple(page_table.shape),
-           page_table is not None and element_strides(page_table), vec, float(scale))
+    key = (ops.stream_key(), ops.sm_count, dtype, q.shape, q.strides, k.shape, k.strides,   # bytes
+           page_table is not None and (page_table.shape, page_table.strides), vec, float(scale))
     plan = _kept(ops, "_decode_plans", key, lambda: _plan(ops, q, k, page_table, vec, float(scale), dtype))
     return plan, vec
 
@@ -325,9 +329,9 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     if isinstance(k_cache, PagedRows):
         page_table = _kernel_table(ops, k_cache.table, q.shape[0])
         k_cache, v_cache = k_cache.pages, v_cache.pages
-    if element_strides(q)[-1] != 1:
+    if q.strides[-1] != q.itemsize:
         q = xp.ascontiguousarray(q)
-    if element_strides(k_cache)[-1] != 1 or element_strides(k_cache) != element_strides(v_cache):
+    if k_cache.strides[-1] != k_cache.itemsize or k_cache.strides != v_cache.strides:
         if page_table is not None:
             raise ValueError("paged k and v must share strides with a contiguous last dim")
         k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
@@ -343,21 +347,15 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     pair = ops.double_buffer(plan.fields, plan.layout)
     buffers = pair[_turn(ops, pair)]
     device_lengths = _device_lengths(ops, plan, lengths)
-    ws = [buffers[f"decode_{n}"] for n in ("m", "l", "acc")]
-    out = [buffers[f"decode_out_{n}"] for n in ("acc", "m", "l")]
-    sp = plan.split
-    for name, x in (("q", q), ("k", k_cache), ("v", v_cache), ("lengths", device_lengths),
-                    ("ws_m", ws[0]), ("ws_l", ws[1]), ("ws_acc", ws[2])):
-        sp[name] = data_ptr(x)
-    sp["page_table"] = 0 if page_table is None else data_ptr(page_table)
-    sp["chunk"], sp["splits"] = chunk, splits
-    plan.split_fn((splits,) + plan.split_grid[1:], plan.threads, (sp[0],), shared_mem=plan.smem)
-    cp = plan.combine
-    for name, x in zip(("ws_m", "ws_l", "ws_acc", "acc", "m", "l"), ws + out):
-        cp[name] = data_ptr(x)
-    cp["splits"] = splits
-    plan.combine_fn(plan.combine_grid, plan.combine_threads, (cp[0],))
-    return tuple(out)
+    out = (buffers["decode_out_acc"], buffers["decode_out_m"], buffers["decode_out_l"])
+    ws = (data_ptr(buffers["decode_m"]), data_ptr(buffers["decode_l"]), data_ptr(buffers["decode_acc"]))
+    args = _fill_split(plan.split, data_ptr(q), data_ptr(k_cache), data_ptr(v_cache),
+                       data_ptr(device_lengths), 0 if page_table is None else data_ptr(page_table),
+                       *ws, chunk, splits)
+    plan.split_fn((splits,) + plan.split_grid[1:], plan.threads, (args,), shared_mem=plan.smem)
+    args = _fill_combine(plan.combine, *ws, *(data_ptr(x) for x in out), splits)
+    plan.combine_fn(plan.combine_grid, plan.combine_threads, (args,))
+    return out
 
 
 def merge(ops, parts, out_dtype):
@@ -377,25 +375,22 @@ def merge(ops, parts, out_dtype):
         return array_merge(ops.xp, parts, out_dtype)
     b, t, h, d = acc0.shape
     fn, threads, template = _merge_launch(ops, out_name, acc0.shape, len(parts), stride)
-    packed = template.copy()     # a struct of this call's own: calls from other threads may interleave
     out = ops.xp.empty((b, t, h, d), dtype=out_name)
     lse = ops.xp.empty((b, h, t), dtype=np.float32)
-    for name, x in (("acc", acc0), ("m", m0), ("l", l0), ("out", out), ("lse", lse)):
-        packed[name] = data_ptr(x)
-    fn((t * h, b), threads, (packed[0],))
+    fn((t * h, b), threads, (_fill_merge(template, *(data_ptr(x) for x in (acc0, m0, l0, out, lse))),))
     return out, lse
 
 
 def _merge_launch(ops, out_name: str, shape: tuple, ranks: int, stride: int) -> tuple:
-    """(kernel, threads, (1,) DECODE_MERGE template with its static fields filled) of one merge
-    shape, kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
+    """(kernel, threads, DECODE_MERGE's bytes with its static fields set) of one merge shape,
+    kept by the op (the last PLANS_KEPT shapes) for the calls after the first."""
     def make():
         _, t, h, d = shape
         packed = np.zeros(1, DECODE_MERGE.dtype)
         for name, value in (("rank_stride", stride), ("T_", t), ("H", h), ("D", d), ("ranks", ranks)):
             packed[name] = value
         variant = ops.variant("decode_merge", out_name, 0)
-        return ops.function(variant.name), (variant.launch.threads,), packed
+        return ops.function(variant.name), (variant.launch.threads,), packed.tobytes()
 
     key = (ops.current_device(), ops.stream_key(), out_name, tuple(shape), ranks, stride)
     return _kept(ops, "_decode_merges", key, make)

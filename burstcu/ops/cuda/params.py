@@ -21,8 +21,9 @@ order, after the kernels already queued on that stream.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -113,6 +114,7 @@ _CTYPES = {"ptr": "pointer", "i64": "long long", "i32": "int", "f32": "float",
            "tmap": "TensorMap"}
 # C alignment of each field type (a TensorMap is 64-byte aligned; NumPy cannot say so itself)
 _ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 64}
+_PACK_CODES = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}     # `struct` codes, little-endian
 
 
 class CStruct:
@@ -185,6 +187,36 @@ class CStruct:
         buf = np.empty(1, self.dtype)
         buf[0] = self.values(given)
         return buf[0]
+
+    def setter(self, names: Sequence[str]) -> Callable[..., np.void]:
+        """fill(template, *values) -> numpy.void: a copy of `template` (this struct's bytes, its
+        other fields set once) with the scalar fields `names` set to `values`, in that order
+        (pointers as int addresses). For launches that change a few fields a call (decode's
+        addresses and counts): one copy and a few `struct.pack_into`, where assigning the fields
+        of a structured array costs a microsecond or more apiece."""
+        fields = sorted((self.dtype.fields[n][1], i, self.fields[self.names.index(n)][1])
+                        for i, n in enumerate(names))
+        runs: list[list] = []         # [offset, end, codes, value indices] of adjacent fields
+        for offset, i, typ in fields:
+            if typ not in _PACK_CODES:
+                raise TypeError(f"{self.name}.{names[i]} is not a scalar field")
+            if runs and runs[-1][1] == offset:
+                runs[-1][1] += _SCALARS[typ].itemsize
+                runs[-1][2] += _PACK_CODES[typ]
+                runs[-1][3].append(i)
+            else:
+                runs.append([offset, offset + _SCALARS[typ].itemsize, _PACK_CODES[typ], [i]])
+        plan = [(struct.Struct("<" + codes).pack_into, offset, order)
+                for offset, _, codes, order in runs]
+        dtype, size = self.dtype, self.dtype.itemsize
+
+        def fill(template: bytes, *values) -> np.void:
+            assert len(template) == size and len(values) == len(names)
+            raw = bytearray(template)
+            for pack_into, offset, order in plan:
+                pack_into(raw, offset, *[values[i] for i in order])
+            return np.frombuffer(raw, dtype)[0]
+        return fill
 
 
 ROW_STRIDES = CStruct("RowStrides", [("b", "i64"), ("s", "i64"), ("h", "i64")])
