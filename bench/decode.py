@@ -6,6 +6,7 @@ latency on bench/model/predict.py's presets, labelled PREDICTION): bench/README.
     python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
     python bench/decode.py --backend cupy --tokens 8       # 4 x 8 = 32 rows a kv head: the twin
     python bench/decode.py --predict [--ranks 1 2 4 8] [--cache ...] [--json F]
+    python bench/decode.py --backend emulated --host-only [--cache 4096] [--dtype float16]
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
             "split_kernel": kernel.split("<")[0] if kernel else None}
 
 
+def measure_host(group, args, n: int) -> dict:
+    """host_ms of n cache rows with every kernel launch a no-op (emulated backend, nothing to wait
+    for): the Python host path of a call alone, best of 9 x host_calls calls. A NumPy array's
+    address costs ~2 µs more to read than a CuPy array's, ~16 of them a call."""
+    group.ops.function = lambda name: (lambda *launch, **options: None)
+    cache = burstcu.KVCache(group, args.batch, -(-n // group.size), args.kv_heads or args.heads,
+                            args.headdim, C.array_dtype(args.dtype), page_size=args.paged)
+    q = C.normal(np, [(args.batch, args.tokens, args.heads, args.headdim)], args.dtype, 2)[0]
+    rows = np.zeros((args.batch, cache.capacity, args.kv_heads or args.heads, args.headdim), q.dtype)
+    cache.from_prefill(rows, rows)
+    best = min(sum(C.call_seconds(lambda: cache.decode(q), args.host_calls, 1)) for _ in range(9))
+    return {"kind": "measured", "ranks": group.size, "cache_rows": n,
+            "host_ms": best / args.host_calls * 1e3}
+
+
 def measure_prefill(group, args, n: int) -> list[dict]:
     """The first token of an n-token prompt: burst, allgather (zigzag, causal) and rank 0 alone."""
     b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
@@ -147,12 +163,17 @@ def main(argv=None) -> int:
     p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
     p.add_argument("--tokens", type=int, default=1, metavar="T", help="new tokens a call (q's T)")
     p.add_argument("--repeats", type=int)
-    p.add_argument("--host-calls", type=int, default=20)
+    p.add_argument("--host-calls", type=int, help="calls timed back to back (20; --host-only 1000)")
+    p.add_argument("--host-only", action="store_true",
+                   help="emulated backend: host_ms alone, every kernel launch a no-op")
     p.add_argument("--backend", default="numpy", choices=["numpy", "emulated", "cupy"])
     p.add_argument("--predict", action="store_true", help="the GPU presets' model only (PREDICTION)")
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
     C.add_output_args(p)
     args = p.parse_args(argv)
+    if args.host_only:
+        args.cache, args.host_calls = args.cache or [4096], args.host_calls or 1000
+    args.host_calls = args.host_calls or 20
     for key, value in DEFAULTS["cupy" if args.backend == "cupy" else "cpu"].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.predict:
@@ -168,16 +189,20 @@ def main(argv=None) -> int:
         copy_gbps = 2 * (1 << 30) / C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), 5,
                                                             cuda=True)) / 1e9
         del a, b
+    if args.host_only and group.backend != "emulated":
+        p.error("--host-only needs --backend emulated")
     rows = []
     for n in args.cache:
         C.progress(f"decode, cache {n}", group.rank)
-        rows.append(measure_decode(group, args, n, copy_gbps))
+        rows.append(measure_host(group, args, n) if args.host_only else
+                    measure_decode(group, args, n, copy_gbps))
     for n in args.prefill if group.backend == "numpy" else []:
         C.progress(f"prefill, prompt {n}", group.rank)
         rows += measure_prefill(group, args, n)
     if group.rank == 0:
         timing = "CUDA events" if group.backend == "cupy" and group.size == 1 else "slowest rank, synced"
         columns = DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else [])
+        columns = ["ranks", "cache_rows", "host_ms"] if args.host_only else columns
         C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_gbps),
                           rows, columns, args)
         if args.plot:

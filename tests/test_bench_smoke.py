@@ -563,7 +563,8 @@ def test_decode_bench_smoke(tmp_path):
     """bench/decode.py on 2 ranks at toy sizes: a row a cache length with every decode column,
     bytes per rank the same at every length (decode_bytes; the script asserts it against
     group.stats), prefill rows for burst, allgather and one rank; --paged on the emulated backend
-    (no copy bandwidth, no torch on the CPU); --predict labels every row PREDICTION."""
+    (no copy bandwidth, no torch on the CPU); --host-only a host_ms row; --predict labels every row
+    PREDICTION."""
     out = tmp_path / "decode.json"
     run_bench("decode.py", ["--cache", "64", "512", "--prefill", "64", "--heads", "4",
                             "--kv-heads", "2", "--headdim", "16", "--repeats", "2", "--json", out])
@@ -580,6 +581,12 @@ def test_decode_bench_smoke(tmp_path):
               nprocs=None)
     (row,) = json.loads(paged.read_text())["rows"]
     assert row["cache_rows"] == 64 and row["ms_per_token"] > 0 and row["torch_ms"] is None
+    host = tmp_path / "host.json"
+    run_bench("decode.py", ["--backend", "emulated", "--host-only", "--cache", "64", "--paged", "16",
+                            "--heads", "4", "--kv-heads", "2", "--headdim", "32", "--host-calls", "5",
+                            "--json", host], nprocs=None)
+    (row,) = json.loads(host.read_text())["rows"]
+    assert row["cache_rows"] == 64 and row["host_ms"] > 0 and "ms_per_token" not in row
     pred = tmp_path / "pred.json"
     run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
               nprocs=None)

@@ -206,15 +206,17 @@ class CStruct:
                 runs[-1][3].append(i)
             else:
                 runs.append([offset, offset + _SCALARS[typ].itemsize, _PACK_CODES[typ], [i]])
-        plan = [(struct.Struct("<" + codes).pack_into, offset, order)
+        # each run's values: a slice of the call's where `names` list them in the run's order
+        plan = [(struct.Struct("<" + codes).pack_into, offset,
+                 slice(order[0], order[-1] + 1) if order == list(range(order[0], order[-1] + 1)) else order)
                 for offset, _, codes, order in runs]
         dtype, size = self.dtype, self.dtype.itemsize
 
         def fill(template: bytes, *values) -> np.void:
             assert len(template) == size and len(values) == len(names)
             raw = bytearray(template)
-            for pack_into, offset, order in plan:
-                pack_into(raw, offset, *[values[i] for i in order])
+            for pack_into, offset, which in plan:
+                pack_into(raw, offset, *(values[which] if type(which) is slice else [values[i] for i in which]))
             return np.frombuffer(raw, dtype)[0]
         return fill
 
