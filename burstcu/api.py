@@ -34,7 +34,7 @@ from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, che
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
-                       sharding_keywords, warn_if_all_the_same)
+                       sharding_keywords, warn_if_all_the_same, warn_if_heads_look_like_rows)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -125,11 +125,12 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
                 strategy, options, q_shape, k_shape, group.size),
             window_size=window_size, cu_seqlens=cu_seqlens, block_mask=block_mask)
         q = native[1 if backward else 0]          # (dout, q, k, v, out, lse) backward
-        return err, meta, (scale, docs), None if err else (int(q.shape[1]), first_rows_digest(q))
+        return err, meta, (scale, docs), None if err else (int(q.shape[1]), first_rows_digest(q),
+                                                           int(q.shape[2]))
 
     def finish(reports, extra):
         scale, docs = extra
-        lengths = [length for length, _ in reports]
+        lengths = [length for length, _, _ in reports]
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
                                  group.ops.max_positions)
         err = err or check_block_mask_extent(block_mask, part.total, group.ops.max_positions)
@@ -138,7 +139,8 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
         if sharding_lengths is not None and part.lengths != tuple(sharding_lengths):
             raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
                              f"{list(sharding_lengths)}: cut the shards with sharding.shard(x)")
-        warn_if_all_the_same([rows for _, rows in reports], "q")
+        warn_if_all_the_same([rows for _, rows, _ in reports], "q")
+        warn_if_heads_look_like_rows(reports[0][2], lengths)     # heads: agreed (metadata)
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
@@ -406,10 +408,15 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
             return InputError(ValueError, sharding_conflict), None, None, None
         err, meta = check_linear_call(group.ops, native, backward=backward, causal=causal,
                                       layout=layout, strategy=strategy, strategies=LINEAR_STRATEGIES)
-        return err, meta, None, None
+        q = native[1 if backward else 0]          # (dout, q, k, v) backward
+        return err, meta, None, None if err else (int(q.shape[1]), int(q.shape[2]))
+
+    def finish(reports, extra):
+        warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
+        return extra
 
     what = "linear_attention_backward" if backward else "linear_attention"
-    arrays, export, _ = _agreed(call, group, arrays, what, local)
+    arrays, export, _ = _agreed(call, group, arrays, what, local, finish)
     return arrays, export
 
 

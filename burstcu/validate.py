@@ -103,7 +103,9 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
     if bk != b:
         return InputError(ValueError, f"q has batch {b}, k and v have batch {bk}")
     if sk != s:
-        return InputError(ValueError, f"q has local seqlen {s}, k and v have {sk}: lengths must match")
+        swapped = f"; {SWAPPED_AXES}" if h == hkv and s % sk == 0 else ""   # (B, H, S, D) with GQA
+        return InputError(ValueError, f"q has local seqlen {s}, k and v have {sk}: lengths must "
+                                      f"match{swapped}")
     if dk != d:
         return InputError(ValueError, f"q has head dim {d}, k and v have {dk}")
     if min(b, s, h, d, hkv) < 1:
@@ -772,9 +774,11 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
     b, t, h, d = q.shape
     bk, s, hkv, dk = k.shape
     if bk != b or dk != d or min(b, t, h, d, hkv) < 1 or h % hkv:
+        swapped = ("; q's axis 1 is a multiple of Hkv: is it (batch, heads, tokens, headdim)? "
+                   "Pass q.transpose(1, 2)" if h % hkv and t % hkv == 0 else "")
         return InputError(ValueError, f"q {tuple(q.shape)} does not fit the cache {tuple(k.shape)}: "
                                       f"(B, T, H, D) against (B, S_cache, Hkv, D), H a multiple "
-                                      f"of Hkv"), None, None
+                                      f"of Hkv{swapped}"), None, None
     if not isinstance(return_lse, (bool, np.bool_)):
         return InputError(TypeError, f"return_lse must be True or False, got {return_lse!r}"), None, None
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float, np.floating))
@@ -830,6 +834,34 @@ def q_values_problem(summaries: list) -> str | None:
                     f"than rounding: every rank must decode the same new tokens (q the same on every "
                     f"rank)")
     return None
+
+
+# -- q, k, v in torch SDPA's (batch, heads, seqlen, headdim) order ------------------------------
+
+SWAPPED_AXES = ("are these (batch, heads, seqlen, headdim), torch SDPA's order? burstcu takes "
+                "(batch, seqlen, heads, headdim): pass x.transpose(1, 2) for each (out comes back "
+                "in burstcu's order)")
+MANY_HEADS = 512      # query heads past any model's (the largest have 128): axes 1 and 2 swapped
+
+
+class HeadsAxisWarning(RuntimeWarning):
+    """q has MANY_HEADS or more heads (its axis 2), more than any rank's rows (axis 1): most
+    likely arrays in torch SDPA's (batch, heads, seqlen, headdim) order, which burstcu reads as
+    (batch, seqlen, heads, headdim), attending across heads. Many heads can be meant; then
+    ``warnings.filterwarnings("ignore", category=burstcu.HeadsAxisWarning)`` silences it."""
+
+
+def warn_if_heads_look_like_rows(heads: int, lengths: list) -> None:
+    """A HeadsAxisWarning on every rank (heads: q's axis 2, agreed; lengths: every rank's rows)
+    when q has MANY_HEADS or more heads and more heads than any rank has rows, pointing at the
+    caller's line. A warning, not an error: with multi-head q, k, v of one shape nothing else
+    tells the orders apart (with fewer kv heads than query heads, the lengths differ: an error
+    that says so)."""
+    if heads >= MANY_HEADS and heads > max(lengths):
+        warnings.warn(f"q has {heads} heads and its ranks at most {max(lengths)} rows: {SWAPPED_AXES} "
+                      f"(many heads meant? warnings.filterwarnings('ignore', "
+                      f"category=burstcu.HeadsAxisWarning))",
+                      HeadsAxisWarning, stacklevel=caller_stacklevel())
 
 
 # -- shards that are all the same (the global array passed on every rank) ----------------------

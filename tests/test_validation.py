@@ -1,6 +1,8 @@
 """Bad input gets a clear ValueError/TypeError on every rank, before any communication that could
 hang; and the group keeps working afterwards."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,41 @@ def test_messages_are_specific():
 def test_init_rejects_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         burstcu.init(backend="tpu")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shards_in_sdpa_order_are_named_on_every_rank(world):
+    """(batch, heads, seqlen, headdim) shards: a warning at the caller's line where nothing else
+    tells the orders apart (512 heads, 4 rows a rank), the GQA length error and decode's shape
+    error say transpose(1, 2); many heads that are meant stay quiet."""
+    for rank, r in enumerate(run_mpi(world, "sdpa_order_on_every_rank", timeout=120)):
+        assert r["warned"] == 1 and r["line_ok"], (rank, r)
+        assert "q has 512 heads and its ranks at most 4 rows" in r["message"], (rank, r)
+        assert "transpose(1, 2)" in r["message"] and "burstcu.HeadsAxisWarning" in r["message"], (rank, r)
+        assert "lengths must match" in r["gqa_error"] and "transpose(1, 2)" in r["gqa_error"], (rank, r)
+        assert r["meant_warned"] == 0 and r["linear_warned"] == 1, (rank, r)
+        assert "does not fit the cache" in r["decode_error"], (rank, r)
+        assert "q.transpose(1, 2)" in r["decode_error"], (rank, r)
+
+
+def test_the_heads_warning_needs_many_heads_and_more_heads_than_rows():
+    from burstcu.validate import MANY_HEADS, warn_if_heads_look_like_rows
+    for heads, lengths, warns in [(MANY_HEADS, [MANY_HEADS - 1, 3], True),
+                                  (MANY_HEADS, [MANY_HEADS, 3], False),      # a rank has as many rows
+                                  (MANY_HEADS - 1, [4, 4], False), (4096, [32, 32], True)]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_if_heads_look_like_rows(heads, lengths)
+        assert [w.category for w in caught] == [burstcu.HeadsAxisWarning] * warns, (heads, lengths)
+
+
+def test_kv_cache_rows_in_sdpa_order_are_named():
+    cache = burstcu.KVCache(None, 1, 32, 2, 8, np.float32)
+    rows = np.zeros((1, 2, 5, 8), np.float32)     # (batch, kv_heads, rows, headdim)
+    with pytest.raises(ValueError, match=r"k\.transpose\(1, 2\), v\.transpose\(1, 2\)"):
+        cache.append(rows, rows)
+    with pytest.raises(ValueError, match=r"got \(1, 5, 3, 8\) and \(1, 5, 3, 8\)$"):  # not swapped
+        cache.append(np.zeros((1, 5, 3, 8)), np.zeros((1, 5, 3, 8)))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -747,6 +747,52 @@ def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend=
     return {"raised": sorted(raised), "same_as_unchecked": same}
 
 
+def sdpa_order_on_every_rank():
+    """Shards in torch SDPA's (batch, heads, seqlen, headdim) order: multi-head q, k, v of one
+    shape (each rank's rows taken for heads, 512 of them): a HeadsAxisWarning naming this file's
+    line (linear attention's too); with fewer kv heads, the lengths error saying so; the same rows
+    in burstcu's order: no warning; q of decode in that order: the error says so."""
+    import inspect
+    import os
+    import warnings
+
+    group = burstcu.init(backend="numpy")
+    rng = np.random.default_rng(group.rank)
+    heads, rows = 4, 512                                   # what the caller means: (1, 4, 512, 8)
+    q = rng.standard_normal((1, heads, rows, 8)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        burstcu.attention(q, q, q, group, causal=True)
+    warned = [w for w in caught if issubclass(w.category, burstcu.HeadsAxisWarning)]
+    result = {"warned": len(warned), "line_ok": bool(warned) and warned[0].lineno == line
+              and os.path.basename(warned[0].filename) == "bodies.py",
+              "message": str(warned[0].message) if warned else None}
+    try:
+        burstcu.attention(q, q[:, :2], q[:, :2], group)
+        result["gqa_error"] = None
+    except ValueError as exc:
+        result["gqa_error"] = str(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.linear_attention(q, q, q, group, causal=True)
+    result["linear_warned"] = sum(issubclass(w.category, burstcu.HeadsAxisWarning) for w in caught)
+    meant = q.transpose(0, 2, 1, 3)                         # the same rows in burstcu's order
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.attention(meant, meant, meant, group, causal=True)
+    result["meant_warned"] = sum(issubclass(w.category, burstcu.HeadsAxisWarning) for w in caught)
+    cache = burstcu.KVCache(group, 1, 32, 2, 8, np.float32)
+    cache.append(*rng.standard_normal((2, 1, 3, 2, 8)).astype(np.float32))
+    try:
+        cache.decode(np.ones((1, 4, 1, 8), np.float32))   # (batch, heads, tokens, headdim)
+        result["decode_error"] = None
+    except ValueError as exc:
+        result["decode_error"] = str(exc)
+    group.close()
+    return result
+
+
 def global_array_on_every_rank():
     """Every rank passes the same global array: a SameShardsWarning that names this file's line
     (not burstcu's) and says how to silence it; with documents that cover one copy of the rows
