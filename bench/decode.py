@@ -172,8 +172,9 @@ def main(argv=None) -> int:
     C.add_output_args(p)
     args = p.parse_args(argv)
     if args.host_only:
-        args.cache, args.host_calls = args.cache or [4096], args.host_calls or 1000
-    args.host_calls = args.host_calls or 20
+        args.cache = args.cache or [4096]
+    if args.host_calls is None:
+        args.host_calls = 1000 if args.host_only else 20
     for key, value in DEFAULTS["cupy" if args.backend == "cupy" else "cpu"].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.predict:

@@ -179,10 +179,12 @@ class KVCache:
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):
-            swapped = ("; are they (batch, kv_heads, rows, headdim)? Pass k.transpose(1, 2), v.transpose(1, 2)"
-                       if k_new.ndim == 4 and k_new.shape[1] == hkv != k_new.shape[2] else "")
+            swapped = k_new.ndim == 4 and (k_new.shape[0], k_new.shape[1], k_new.shape[3]) == (b, hkv, d) \
+                and k_new.shape[2] != hkv
             raise ValueError(f"KVCache.{what} takes k, v of shape (batch={b}, rows, kv_heads={hkv}, "
-                             f"headdim={d}); got {tuple(k_new.shape)} and {tuple(v_new.shape)}{swapped}")
+                             f"headdim={d}); got {tuple(k_new.shape)} and {tuple(v_new.shape)}" +
+                             ("; are they (batch, kv_heads, rows, headdim)? Pass k.transpose(1, 2), "
+                              "v.transpose(1, 2)" if swapped else ""))
         for name, x in (("k", k_new), ("v", v_new)):
             if not _real(x.dtype):
                 raise TypeError(f"KVCache.{what} takes k, v of real numbers to store as {self.dtype}; "

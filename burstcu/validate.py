@@ -103,7 +103,7 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
     if bk != b:
         return InputError(ValueError, f"q has batch {b}, k and v have batch {bk}")
     if sk != s:
-        swapped = f"; {SWAPPED_AXES}" if h == hkv and s % sk == 0 else ""   # (B, H, S, D) with GQA
+        swapped = f"; {SWAPPED_AXES}" if sk > 0 and h == hkv and s % sk == 0 else ""   # GQA (B, H, S, D)
         return InputError(ValueError, f"q has local seqlen {s}, k and v have {sk}: lengths must "
                                       f"match{swapped}")
     if dk != d:
@@ -765,7 +765,7 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
         err = _check_array(name, x, 4, ops.array_types, ops.array_dtypes)
         if err:
             return err, None, None
-    if not q.dtype == k.dtype == v.dtype:
+    if not dtype_name(q) == dtype_name(k) == dtype_name(v):
         return InputError(TypeError, f"q, k_cache, v_cache dtypes differ: {dtype_name(q)}, "
                                      f"{dtype_name(k)}, {dtype_name(v)}"), None, None
     if tuple(k.shape) != tuple(v.shape):
@@ -775,7 +775,7 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
     bk, s, hkv, dk = k.shape
     if bk != b or dk != d or min(b, t, h, d, hkv) < 1 or h % hkv:
         swapped = ("; q's axis 1 is a multiple of Hkv: is it (batch, heads, tokens, headdim)? "
-                   "Pass q.transpose(1, 2)" if h % hkv and t % hkv == 0 else "")
+                   "Pass q.transpose(1, 2)" if hkv > 0 and h % hkv and t % hkv == 0 else "")
         return InputError(ValueError, f"q {tuple(q.shape)} does not fit the cache {tuple(k.shape)}: "
                                       f"(B, T, H, D) against (B, S_cache, Hkv, D), H a multiple "
                                       f"of Hkv{swapped}"), None, None

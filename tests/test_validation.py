@@ -1,6 +1,7 @@
 """Bad input gets a clear ValueError/TypeError on every rank, before any communication that could
 hang; and the group keeps working afterwards."""
 
+import re
 import warnings
 
 import numpy as np
@@ -60,7 +61,8 @@ def test_init_rejects_unknown_backend():
 def test_shards_in_sdpa_order_are_named_on_every_rank(world):
     """(batch, heads, seqlen, headdim) shards: a warning at the caller's line where nothing else
     tells the orders apart (512 heads, 4 rows a rank), the GQA length error and decode's shape
-    error say transpose(1, 2); many heads that are meant stay quiet."""
+    error say transpose(1, 2); the same rows in burstcu's order stay quiet (more heads than rows
+    but fewer than MANY_HEADS, or many heads that are meant: the unit test below)."""
     for rank, r in enumerate(run_mpi(world, "sdpa_order_on_every_rank", timeout=120)):
         assert r["warned"] == 1 and r["line_ok"], (rank, r)
         assert "q has 512 heads and its ranks at most 4 rows" in r["message"], (rank, r)
@@ -87,8 +89,17 @@ def test_kv_cache_rows_in_sdpa_order_are_named():
     rows = np.zeros((1, 2, 5, 8), np.float32)     # (batch, kv_heads, rows, headdim)
     with pytest.raises(ValueError, match=r"k\.transpose\(1, 2\), v\.transpose\(1, 2\)"):
         cache.append(rows, rows)
-    with pytest.raises(ValueError, match=r"got \(1, 5, 3, 8\) and \(1, 5, 3, 8\)$"):  # not swapped
-        cache.append(np.zeros((1, 5, 3, 8)), np.zeros((1, 5, 3, 8)))
+    for wrong in [(1, 5, 3, 8), (1, 2, 5, 4)]:      # kv heads wrong; head dim wrong: no hint
+        with pytest.raises(ValueError, match=re.escape(f"got {wrong} and {wrong}") + "$"):
+            cache.append(np.zeros(wrong), np.zeros(wrong))
+
+
+def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
+    q, k = np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 0, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="k and v have 0: lengths must match$"):
+        burstcu.attention(q, k, k)
+    with pytest.raises(ValueError, match="does not fit the cache .*of Hkv$"):
+        burstcu.decode(np.zeros((1, 1, 4, 8), np.float32), *(np.zeros((1, 16, 0, 8), np.float32),) * 2)
 
 
 @pytest.mark.parametrize("world", [2, 3])

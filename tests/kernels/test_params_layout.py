@@ -133,20 +133,22 @@ def test_a_setter_writes_its_fields_and_keeps_the_template(seed):
     for st in PARAM_STRUCTS:
         scalars = [n for n, t in st.fields if t in ("ptr", "i64", "i32", "f32")]
         template = np.frombuffer(rng.integers(0, 256, st.dtype.itemsize, np.uint8).tobytes(), st.dtype).copy()
-        names = list(rng.permutation(scalars)[:rng.integers(1, len(scalars) + 1)])
-        values = []
-        for n in names:
-            kind = st.dtype.fields[n][0]
-            values.append(float(np.float32(rng.normal())) if kind.kind == "f" else
-                          int(rng.integers(np.iinfo(kind).min, np.iinfo(kind).max, dtype=kind, endpoint=True)))
-        want = np.frombuffer(bytearray(template.tobytes()), st.dtype)   # padding bytes kept
-        for n, value in zip(names, values):
-            want[n] = value
-        got = st.setter(names)(template.tobytes(), *values)
-        assert isinstance(got, np.void) and got.dtype == st.dtype
-        assert got.tobytes() == want.tobytes(), (st.name, names)
+        some = list(rng.permutation(scalars)[:rng.integers(1, len(scalars) + 1)])
+        for names in (some, scalars):       # any order (values by index); declaration order (slices)
+            values = []
+            for n in names:
+                kind = st.dtype.fields[n][0]
+                values.append(float(np.float32(rng.normal())) if kind.kind == "f" else int(
+                    rng.integers(np.iinfo(kind).min, np.iinfo(kind).max, dtype=kind, endpoint=True)))
+            want = np.frombuffer(bytearray(template.tobytes()), st.dtype)   # padding bytes kept
+            for n, value in zip(names, values):
+                want[n] = value
+            got = st.setter(names)(template.tobytes(), *values)
+            assert isinstance(got, np.void) and got.dtype == st.dtype
+            assert got.tobytes() == want.tobytes(), (st.name, names)
     with pytest.raises(TypeError, match="not a scalar field"):
         params.FWD_STEP.setter(["q_stride"])
+
 
 def test_fwd_step_params_fields():
     q = np.zeros((2, 16, 4, 64), np.float16)

@@ -114,7 +114,7 @@ _CTYPES = {"ptr": "pointer", "i64": "long long", "i32": "int", "f32": "float",
            "tmap": "TensorMap"}
 # C alignment of each field type (a TensorMap is 64-byte aligned; NumPy cannot say so itself)
 _ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 64}
-_PACK_CODES = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}     # `struct` codes, little-endian
+_PACK_CODES = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}     # `struct` codes, native order
 
 
 class CStruct:
@@ -207,16 +207,17 @@ class CStruct:
             else:
                 runs.append([offset, offset + _SCALARS[typ].itemsize, _PACK_CODES[typ], [i]])
         # each run's values: a slice of the call's where `names` list them in the run's order
-        plan = [(struct.Struct("<" + codes).pack_into, offset,
-                 slice(order[0], order[-1] + 1) if order == list(range(order[0], order[-1] + 1)) else order)
-                for offset, _, codes, order in runs]
+        plan = [(struct.Struct("=" + codes).pack_into, offset,      # the dtypes' native byte order
+                 slice(order[0], order[-1] + 1) if order == list(range(order[0], order[-1] + 1))
+                 else order) for offset, _, codes, order in runs]
         dtype, size = self.dtype, self.dtype.itemsize
 
         def fill(template: bytes, *values) -> np.void:
             assert len(template) == size and len(values) == len(names)
             raw = bytearray(template)
             for pack_into, offset, which in plan:
-                pack_into(raw, offset, *(values[which] if type(which) is slice else [values[i] for i in which]))
+                pack_into(raw, offset,
+                          *(values[which] if type(which) is slice else [values[i] for i in which]))
             return np.frombuffer(raw, dtype)[0]
         return fill
 
