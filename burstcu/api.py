@@ -140,7 +140,8 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
             raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
                              f"{list(sharding_lengths)}: cut the shards with sharding.shard(x)")
         warn_if_all_the_same([rows for _, rows, _ in reports], "q")
-        warn_if_heads_look_like_rows(reports[0][2], lengths)     # heads: agreed (metadata)
+        if not backward:   # the forward of the same arrays warned already
+            warn_if_heads_look_like_rows(reports[0][2], lengths)     # heads: agreed (metadata)
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
@@ -412,7 +413,8 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
         return err, meta, None, None if err else (int(q.shape[1]), int(q.shape[2]))
 
     def finish(reports, extra):
-        warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
+        if not backward:   # the forward of the same arrays warned already
+            warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
         return extra
 
     what = "linear_attention_backward" if backward else "linear_attention"

@@ -750,7 +750,7 @@ def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend=
 def sdpa_order_on_every_rank():
     """Shards in torch SDPA's (batch, heads, seqlen, headdim) order: multi-head q, k, v of one
     shape (each rank's rows taken for heads, 512 of them): a HeadsAxisWarning naming this file's
-    line (linear attention's too); with fewer kv heads, the lengths error saying so; the same rows
+    line, once for the forward and its backward (linear attention's too); with fewer kv heads, the lengths error saying so; the same rows
     in burstcu's order: no warning; q of decode in that order: the error says so."""
     import inspect
     import os
@@ -763,7 +763,8 @@ def sdpa_order_on_every_rank():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
-        burstcu.attention(q, q, q, group, causal=True)
+        out, lse = burstcu.attention(q, q, q, group, causal=True, return_lse=True)
+        burstcu.attention_backward(q, q, q, q, out, lse, group, causal=True)   # warned already
     warned = [w for w in caught if issubclass(w.category, burstcu.HeadsAxisWarning)]
     result = {"warned": len(warned), "line_ok": bool(warned) and warned[0].lineno == line
               and os.path.basename(warned[0].filename) == "bodies.py",
