@@ -99,11 +99,12 @@ def measure_host(group, args, n: int) -> dict:
     """host_ms of n cache rows with every kernel launch a no-op (emulated backend, nothing to wait
     for): the Python host path of a call alone, best of 9 x host_calls calls. A NumPy array's
     address costs ~2 µs more to read than a CuPy array's, ~16 of them a call."""
+    b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
     group.ops.function = lambda name: (lambda *launch, **options: None)
-    cache = burstcu.KVCache(group, args.batch, -(-n // group.size), args.kv_heads or args.heads,
-                            args.headdim, C.array_dtype(args.dtype), page_size=args.paged)
-    q = C.normal(np, [(args.batch, args.tokens, args.heads, args.headdim)], args.dtype, 2)[0]
-    rows = np.zeros((args.batch, cache.capacity, args.kv_heads or args.heads, args.headdim), q.dtype)
+    cache = burstcu.KVCache(group, b, -(-n // group.size), hkv, d, C.array_dtype(args.dtype),
+                            page_size=args.paged)
+    q = C.normal(np, [(b, args.tokens, h, d)], args.dtype, 2)[0]
+    rows = np.zeros((b, cache.capacity, hkv, d), q.dtype)
     cache.from_prefill(rows, rows)
     best = min(sum(C.call_seconds(lambda: cache.decode(q), args.host_calls, 1)) for _ in range(9))
     return {"kind": "measured", "ranks": group.size, "cache_rows": n,
@@ -207,8 +208,8 @@ def main(argv=None) -> int:
         rows += measure_prefill(group, args, n)
     if group.rank == 0:
         timing = "CUDA events" if group.backend == "cupy" and group.size == 1 else "slowest rank, synced"
-        columns = DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else [])
-        columns = ["ranks", "cache_rows", "host_ms"] if args.host_only else columns
+        columns = (["ranks", "cache_rows", "host_ms"] if args.host_only else
+                   DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else []))
         C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_gbps),
                           rows, columns, args)
         if args.plot:

@@ -269,14 +269,13 @@ def _device_lengths(ops, plan: _Plan, lengths):
     return plan.device_lengths[slot]
 
 
-def _plan_for(ops, q, k, v, page_table, scale: float) -> tuple[_Plan | None, int]:
-    """The op's kept plan of this call's shape (made on first use) and the vec flag."""
+def _plan_for(ops, q, k, v, page_table, scale: float) -> _Plan | None:
+    """The op's kept plan of this call's shape (made on first use)."""
     dtype = dtype_name(q)
     vec = int(rows_on_16_bytes(k, v) and (q.shape[3] * k.itemsize) % 16 == 0)
     key = (ops.stream_key(), ops.sm_count, dtype, q.shape, q.strides, k.shape, k.strides,   # bytes
            page_table is not None and (page_table.shape, page_table.strides), vec, float(scale))
-    plan = _kept(ops, "_decode_plans", key, lambda: _plan(ops, q, k, page_table, vec, float(scale), dtype))
-    return plan, vec
+    return _kept(ops, "_decode_plans", key, lambda: _plan(ops, q, k, page_table, vec, float(scale), dtype))
 
 
 def _kept(ops, store: str, key, make):
@@ -335,7 +334,7 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
         if page_table is not None:
             raise ValueError("paged k and v must share strides with a contiguous last dim")
         k_cache, v_cache = xp.ascontiguousarray(k_cache), xp.ascontiguousarray(v_cache)
-    plan, _ = _plan_for(ops, q, k_cache, v_cache, page_table, scale)
+    plan = _plan_for(ops, q, k_cache, v_cache, page_table, scale)
     if plan is None:     # a head dim this table has no split variant for
         if page_table is None:
             paged = (k_cache, v_cache)
