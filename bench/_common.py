@@ -29,7 +29,7 @@ def world():
 
 def environment(group=None, synchronized: bool = False, **extra) -> dict:
     """What the figures were measured on; a GPU only where the backend ran on one (synchronized:
-    the script syncs the device inside its timings)."""
+    the script syncs the device inside its timings; a `timing` among `extra` names how instead)."""
     from threadpoolctl import threadpool_info    # a core dependency
     keep = ("internal_api", "version", "num_threads", "architecture")
     blas = [{k: info.get(k) for k in keep} for info in threadpool_info()]
@@ -42,6 +42,8 @@ def environment(group=None, synchronized: bool = False, **extra) -> dict:
     transport = getattr(group, "transport", None)
     gpu = ("GPU (wall time around each call, device synchronized)" if synchronized
            else "GPU (host-side enqueue timings)")
+    if "timing" in extra:
+        gpu = f"GPU ({extra['timing']})"
     threads = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     return {"device": gpu if on_gpu else "CPU", "backend": getattr(group, "backend", "numpy"),
             "host": socket.gethostname(), "cpus": os.cpu_count(),

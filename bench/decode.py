@@ -59,7 +59,7 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     ops, per_rank, extra = group.ops, -(-n // group.size), n % group.size
     mine = per_rank if group.rank < extra or extra == 0 else per_rank - 1
     cache = burstcu.KVCache(group, b, per_rank, hkv, d, C.array_dtype(args.dtype), page_size=args.paged)
-    kv = ops.xp.asarray(C.normal(np, [(2, b, mine, hkv, d)], args.dtype, [1, group.rank])[0])
+    kv = C.normal(ops.xp, [(2, b, mine, hkv, d)], args.dtype, 1 + group.rank)[0]   # drawn on the device
     cache.from_prefill(kv[0], kv[1])
     del kv
     q = ops.xp.asarray(C.normal(np, [(b, args.tokens, h, d)], args.dtype, 2)[0])

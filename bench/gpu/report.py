@@ -3,10 +3,11 @@ selftest's checks by group, the kernels' speed against PyTorch's flash (and cuDN
 (pass, family, dtype, head dim, causal), causal sliding windows, and the overlap runs with their
 per-step tables. Every figure is copied from the inputs: nothing is estimated here.
 
-    python bench/gpu/report.py --selftest S.json --kernels K.json [--overlap O.json ...]
+    python bench/gpu/report.py --selftest S.json --kernels K.json [K2.json ...] [--overlap O.json ...]
                                --out bench/results/gpu_h100
 
-S.json: `python -m burstcu.selftest --full --json`; K.json: `bench/gpu/kernel_speed.py --json`;
+S.json: `python -m burstcu.selftest --full --json`; K.json: `bench/gpu/kernel_speed.py --json` (several:
+their rows together, e.g. a forward run and a fwd+bwd run);
 O.json: `bench/gpu/overlap_gpu.py --json`. Writes OUT.json and OUT.md.
 """
 
@@ -33,8 +34,12 @@ def cell(v) -> str:
 
 
 def row_key(r: dict, last: str) -> tuple:
-    """A kernels row's key: pass, family ("-" where the run had none), dtype, head dim, `last`."""
-    return (r["pass"], r.get("family") or "-", r["dtype"], r["headdim"], r[last])
+    """A kernels row's key: pass, family ("-" where the run had none; a backward row's dQ mode
+    beside it, "sm90 deterministic"), dtype, head dim, `last`."""
+    family = r.get("family") or "-"
+    if "bwd" in r["pass"] and r.get("dq"):
+        family += f" {r['dq']}"
+    return (r["pass"], family, r["dtype"], r["headdim"], r[last])
 
 
 def speed_cell(r) -> str:
@@ -113,11 +118,15 @@ def checks_table(checks: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--selftest", required=True)
-    p.add_argument("--kernels", required=True)
+    p.add_argument("--kernels", required=True, nargs="+")
     p.add_argument("--overlap", nargs="*", default=[])
     p.add_argument("--out", required=True, help="path without suffix: writes OUT.json and OUT.md")
     args = p.parse_args(argv)
-    selftest, kernels = (json.loads(Path(f).read_text()) for f in (args.selftest, args.kernels))
+    selftest = json.loads(Path(args.selftest).read_text())
+    runs_of_kernels = [json.loads(Path(f).read_text()) for f in args.kernels]
+    kernels = {"versions": {k: x for run in runs_of_kernels for k, x in run.get("versions", {}).items()},
+               "rows": [r for run in runs_of_kernels for r in run["rows"]],
+               "args": [run.get("args") for run in runs_of_kernels]}
     overlap = [json.loads(Path(f).read_text()) for f in args.overlap]
     v = {**kernels.get("versions", {}), **{k: x for k, x in selftest["versions"].items() if x is not None}}
     runs = [{"args": o.get("args"), "rows": [{k: x for k, x in r.items() if k != "timeline"}
@@ -135,7 +144,8 @@ def main(argv=None) -> int:
           "## Speed, one GPU, one rank (`bench/gpu/kernel_speed.py`): burstcu's step kernels, TFLOP/s and "
           "(in brackets) speed relative to `scaled_dot_product_attention`'s flash backend, then to its "
           "cuDNN backend where the run timed it; family: sm90 = the Hopper kernel "
-          "(kernels/flash_fwd_sm90.cu), sm80 = the mma.sync one; CUDA events, same run", "", *speed, ""]
+          "(kernels/flash_fwd_sm90.cu; in fwd+bwd rows also kernels/flash_bwd_sm90.cu's dK/dV, beside the "
+          "dQ mode), sm80 = the mma.sync one; CUDA events, same run", "", *speed, ""]
     if windowed:
         md += ["## Causal sliding windows (`bench/gpu/kernel_speed.py --windows`): the same kernels skip the "
                "key tiles outside the window; TFLOP/s counts the visible pairs only", "", *windowed, ""]
