@@ -31,7 +31,7 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
-COLUMNS = ["impl", "family", "bwd_family", "dq", *SHAPE, "ms", "host_ms", "tflops", "vs_torch",
+COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", *SHAPE, "ms", "host_ms", "tflops", "vs_torch",
            "cudnn_tflops"]
 
 
@@ -116,17 +116,20 @@ def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
 
 def families(ops, cfg: dict) -> dict:
     """The families `ops` runs for the configuration's one Block, "sm90" (the Hopper kernels) or
-    "sm80": {"family": the forward's} and, fwd+bwd, {"bwd_family": dK/dV's (KernelOps.hopper_backward)}."""
+    "sm80": {"family": the forward's} and, fwd+bwd, {"bwd_family": dK/dV's (KernelOps.hopper_backward),
+    "dq_pass": "atomic" (dQ added inside the dK/dV kernel) or "own" (flash_bwd_dq after it,
+    KernelOps.dq_own_pass: the deterministic mode, and the Hopper backward at head dim 256)}."""
     from burstcu.layout import Block
 
     s, d = cfg["seqlen"], cfg["headdim"]
     fwd = ops.forward_variant(cfg["dtype"], d).family.startswith("forward_sm90")
     tags = {"family": "sm90" if fwd else "sm80"}
     if cfg["pass"] == "fwd+bwd":
-        dkdv = "bwd_dkdv_nodq" if ops.deterministic else "bwd_dkdv"
+        own = ops.dq_own_pass(d)
+        dkdv = "bwd_dkdv_nodq" if own else "bwd_dkdv"
         hopper = ops.hopper_backward(dkdv, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
                                      (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
-        tags["bwd_family"] = "sm80" if hopper is None else "sm90"
+        tags.update(bwd_family="sm80" if hopper is None else "sm90", dq_pass="own" if own else "atomic")
     return tags
 
 

@@ -26,7 +26,11 @@ HOPPER = "flash_bwd_dkdv_sm90"
 
 
 def hopper_ops(deterministic: bool = False, randomize: bool = False):
-    return kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a")
+    """The sm_90a table, whose dQ is the Hopper kernel's atomic one at every head dim (at 256 the
+    backward adds it in a pass of its own unless told: `KernelOps.dq_own_pass`)."""
+    wrapper = kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a")
+    wrapper.ops.dq_own_pass_headdims = ()
+    return wrapper
 
 
 def assert_launches(counts: dict, case: str, deterministic: bool) -> None:
@@ -62,6 +66,25 @@ def test_step_matches_reference(case, d, dtype, deterministic):
     assert_launches(counts, case, deterministic)
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         assert_fa_rule(name, g, r, n)
+
+
+def test_head_dim_256_adds_dq_in_its_own_pass():
+    """At a native head dim of 256 the sm_90a table's backward runs the Hopper dK/dV kernel without
+    dQ, then flash_bwd_dq, in the atomic mode too (`KernelOps.dq_own_pass`: faster there): its
+    launches say so, its gradients meet FlashAttention's rule and equal the deterministic mode's
+    bit for bit. At 128 the atomic mode keeps the Hopper kernel's atomic dQ."""
+    grads = {}
+    for d, deterministic in ((256, False), (256, True), (128, False)):
+        ops = kernel_ops(deterministic=deterministic, arch="sm_90a")
+        assert ops.ops.dq_own_pass(d) is (d == 256 or deterministic)
+        counts = _counting(ops)
+        got, ref, naive = run_case(ops, "float16", d, "small_causal")
+        assert_launches(counts, "small_causal", deterministic=d == 256)
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            assert_fa_rule(f"{name}, d {d}", g, r, n)
+        grads[d, deterministic] = got
+    for name, a, b in zip(("dq", "dk", "dv"), grads[256, False], grads[256, True]):
+        assert np.array_equal(a, b), name
 
 
 def test_head_dims_padded_to_64_and_128():

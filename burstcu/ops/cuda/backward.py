@@ -10,12 +10,13 @@ float32; dq (B,Sq,H,D) float32 (the travelling accumulator); dk, dv accumulate i
 `burstcu.ops.cuda.params`), the non-finite flags and step launches (`ops.nonfinite_flag`,
 `ops.step_flag`, `ops.launch_step`), the variant table
 (`ops.variant(family, dtype, headdim)`), head-dim padding (`ops.pad_headdim`, `ops.unpad_headdim`)
-and the `ops.deterministic` switch: False launches one kernel that adds dQ with fp32 atomics
-(run-to-run order varies); True launches dK/dV and dQ kernels without atomics, so two runs give
-bit-identical results (a second recomputation of S and dP: ~7/5 of the flops).
+and `ops.dq_own_pass(D)`: False launches one kernel that adds dQ with fp32 atomics (run-to-run
+order varies); True (the deterministic mode, and the Hopper backward at head dim 256, where it
+is faster) launches dK/dV and dQ kernels without atomics, so two runs give bit-identical results
+(a second recomputation of S and dP: ~7/5 of the flops).
 
 Launches a ring step: a step of one Block launches the per-rectangle kernels (flash_bwd_dkdv,
-and flash_bwd_dq when deterministic) over it; a step of several launches each kernel once over
+and flash_bwd_dq where dQ has its own pass) over it; a step of several launches each kernel once over
 the whole list (flash_bwd_dkdv_steps over the Blocks grouped by key range, flash_bwd_dq_steps
 grouped by query range; `params.step_group_lists`, one device buffer a step, kept with the
 context until it is finalized, and by the op while the step's `layout.StepBlocks` lives:
@@ -30,7 +31,7 @@ On the "sm_90a" table the Hopper dK/dV kernel (kernels/flash_bwd_sm90.cu: wgmma,
 specialisation) takes the place of the mma.sync one where `KernelOps.hopper_backward` allows it
 (head dims 64, 128 and 256, a softmax scale > 0, its first-use check passed on a GPU): a launch a
 Block for a step of few or large Blocks, its list twin (flash_bwd_dkdv_steps_sm90) for a step of
-many small ones; with atomic dQ, or beside the mma.sync dQ kernels in the deterministic mode. A
+many small ones; with atomic dQ, or beside the mma.sync dQ kernels where dQ has its own pass. A
 Block with masked pairs (a list: one with masked pairs, or rows ending inside a tile, whose
 neighbours its whole-array tensor maps read) pairs it with the mma.sync careful twin, of which the
 nonfinite flag runs one.
@@ -179,7 +180,7 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
     # (family, what its blocks of threads tile: "key" rows of k or "query" rows of q)
-    if ops.deterministic or psum is not None:
+    if ops.dq_own_pass(ctx.headdim) or psum is not None:
         families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")]
     else:
         families = [("bwd_dkdv", "key")]

@@ -66,8 +66,8 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # on average (4 x q_len x k_len x D x H x B, masked pairs included); else a rectangle-list
 # kernel, one launch: the Hopper one (flash_fwd_steps_sm90; dK/dV: flash_bwd_dkdv_steps_sm90,
 # `KernelOps.sm90_lists`), or the mma.sync one (flash_fwd_steps, flash_bwd_dkdv_steps) with
-# sm90_lists False, the choice the numbers below measured (for the forward; the backward's
-# lists are not yet timed on a GPU: bench/gpu/step_lists.py --passes bwd).
+# sm90_lists False, the choice the numbers below measured (the backward's lists on the Hopper
+# kernel in run7: 47.6 ms a list against 1.71 s a launch a rectangle, step_lists.json).
 # Measured on an H200 (bench/results/h200/run2, step_lists*.json): 241
 # documents over 4 ranks, 8676 rectangles, 1.32 s through the Hopper kernel (host-bound: 0.13 ms a
 # launch, three tensor maps encoded each time) against 30 ms through the list kernel. The work
@@ -76,6 +76,11 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # launch's host work overlaps the previous kernel (a PREDICTION: no step of large documents timed).
 SM90_MAX_RECTS = 4
 SM90_MIN_FLOP_PER_RECT = 2e10
+# Native head dims at which the backward on the sm_90a table runs dQ in its own pass (the Hopper
+# dK/dV kernel without dQ, then flash_bwd_dq) even where atomics are allowed: at 256 that pair ran
+# fwd+bwd 1.2-1.45x faster than the Hopper kernel's atomic dQ, at 64 and 128 0.9-1.05x of it
+# (bench/results/h200/run7, kernels_bwd_sm90.json: its deterministic rows against the atomic ones).
+SM90_DQ_OWN_PASS_HEADDIMS = (256,)
 
 
 @dataclass
@@ -198,6 +203,8 @@ class KernelOps(LocalOps):
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
+        # see `dq_own_pass` (() for comparison: the Hopper kernel's atomic dQ at every head dim)
+        self.dq_own_pass_headdims: tuple[int, ...] = SM90_DQ_OWN_PASS_HEADDIMS
         self._sm90_checking: set = set()   # Hopper backward variants whose first-use check runs
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
@@ -224,7 +231,7 @@ class KernelOps(LocalOps):
         # but a table chosen by hand (arch=...) or an unlisted GPU may allow less
         families = ("forward", SM90_FAMILY) if self.arch == "sm_90a" else ("forward",)
         if backward:
-            families = ("bwd_dkdv_nodq", "bwd_dq") if self.deterministic else ("bwd_dkdv",)
+            families = ("bwd_dkdv_nodq", "bwd_dq") if self.dq_own_pass(headdim) else ("bwd_dkdv",)
         for family in families:
             if family == SM90_FAMILY and self.forward_variant("float16", headdim).family != family:
                 continue
@@ -479,6 +486,16 @@ class KernelOps(LocalOps):
         area = block_area(blocks)
         return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
 
+    def dq_own_pass(self, headdim: int) -> bool:
+        """Whether the backward adds dQ in a pass of its own (flash_bwd_dq after the dK/dV kernel
+        without dQ) rather than with fp32 atomics inside the dK/dV kernel: in the deterministic
+        mode, and on the sm_90a table with the Hopper backward on where the head dim runs natively
+        at one of `dq_own_pass_headdims` (SM90_DQ_OWN_PASS_HEADDIMS: where that is faster)."""
+        if self.deterministic:
+            return True
+        return (self.arch == "sm_90a" and self.sm90_backward
+                and self.variant("bwd_dkdv", "float16", headdim).headdim in self.dq_own_pass_headdims)
+
     def hopper_backward(self, family: str, dtype: str, headdim: int, blocks: Sequence[Block],
                         q_shape: tuple, scale: float,
                         tiled: Sequence[str] = ("key",)) -> KernelVariant | None:
@@ -530,9 +547,10 @@ class KernelOps(LocalOps):
         blocks = _first_use_blocks(hopper.family.endswith(LIST_SUFFIX))
 
         def run():   # the check's own step runs `hopper` (with dQ or without, as its family says)
-            saved, grads = (self.sm90_backward, self.deterministic), []
+            saved, grads = (self.sm90_backward, self.deterministic, self.dq_own_pass_headdims), []
             self._sm90_checking.add(key)
             try:
+                self.dq_own_pass_headdims = ()   # the variant's own dQ mode, at any head dim
                 for hopper_on in (True, False):
                     self.sm90_backward = hopper_on
                     self.deterministic = hopper.family.startswith(SM90_DKDV_FAMILIES[False])
@@ -541,7 +559,7 @@ class KernelOps(LocalOps):
                     self.backward_step(ctx, q, dout, lse, delta, dq, blocks)
                     grads.append((dq, *self.backward_finalize(ctx, np.float32)))
             finally:
-                self.sm90_backward, self.deterministic = saved
+                self.sm90_backward, self.deterministic, self.dq_own_pass_headdims = saved
                 self._sm90_checking.discard(key)
             return list(zip(*grads))
         return _first_use_check(key, hopper, "backward", run, stacklevel=6)
