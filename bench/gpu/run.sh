@@ -9,8 +9,10 @@
 #
 # Beyond the default steps: basic, bwd, lists and steplists_mma (the sm_90 table on a Hopper GPU),
 # steplists_mmalist (the sm_90a table's mma.sync list kernel), the Hopper kernels' hopper* steps
-# (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN), small_parts (every kernel's duration in a
-# short call), host_profile (cProfile of kernel_speed's calls), head_groups (--sm90-head-group).
+# (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN; hopper_bwd_profile: the same over the
+# Hopper dK/dV kernel; hopper_ring: the 4-rank ring on the Hopper kernels), small_parts and
+# bwd_small_parts (every kernel's duration in a short forward / fwd+bwd call), host_profile
+# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), decode_tests.
 # Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
 # every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
 set -u
@@ -35,6 +37,7 @@ RACECHECK="compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 2
 KSPEED="$PY bench/gpu/kernel_speed.py"
 STEPLISTS="$PY bench/gpu/step_lists.py"
 OVERLAP="$PY bench/gpu/overlap_gpu.py"
+DECODE="$PY bench/decode.py --backend cupy --dtype float16 --repeats 20"
 SM90_FWD=tests/kernels/test_flash_fwd_sm90_emulated.py
 FWD=tests/kernels/test_flash_fwd_emulated.py
 BWD=tests/kernels/test_flash_bwd_emulated.py
@@ -118,6 +121,15 @@ for s in "${steps[@]}"; do
       -k regex:flash_fwd_step_sm90 -c 8 -f -o $PROFILE $KSPEED --archs sm_90a --passes fwd --impls kernels \
       --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 \
       && $DETAILS > $LOGS/sm90_profile_details.csv" ;;
+    hopper_ring) step hopper_ring 180 $PYTEST120 tests/gpu/test_hopper_ring_gpu.py ;;
+    hopper_bwd_profile) step hopper_bwd_profile 180 bash -c "ncu --clock-control none --set full \
+      -k regex:flash_bwd_dkdv_sm90 -c 4 -f -o $PROFILE-bwd $KSPEED --archs sm_90a --passes fwd+bwd \
+      --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 \
+      --repeats 1 && ncu -i $PROFILE-bwd.ncu-rep --page details --csv > $LOGS/sm90_bwd_profile_details.csv" ;;
+    bwd_small_parts) step bwd_small_parts 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --csv --print-units base --log-file "$LOGS/bwd_small_parts.csv" $KSPEED --archs sm_90a \
+      --passes fwd+bwd --impls kernels torch-flash torch-cudnn --dtypes float16 --headdims 128 \
+      --seqlens 4096 16384 --warmup 1 --repeats 2 ;;
     small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --print-units base --log-file "$LOGS/small_parts.csv" $KSPEED --archs sm_90a --passes fwd \
       --impls kernels torch-flash torch-cudnn --dtypes float16 --headdims 128 --seqlens 1024 2048 4096 16384 \
@@ -160,8 +172,12 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
       --json $LOGS/varlen_\${layout}_gpu.json || exit 1; done" ;;
     uneven) step uneven 300 $OVERLAP --ranks 3 --seqlen 98305 --causal --layout contiguous \
       --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
-    decode) step decode 240 $PY bench/decode.py --backend cupy --dtype float16 --cache 4096 65536 262144 \
-      1048576 --repeats 20 --json "$LOGS/decode_gpu.json" --table "$LOGS/decode_gpu.txt" ;;
+    decode) step decode 240 bash -c "$DECODE --cache 4096 65536 262144 1048576 --json $LOGS/decode_gpu.json \
+      --table $LOGS/decode_gpu.txt && $DECODE --batch 16 --cache 4096 65536 --json $LOGS/decode_gpu_b16.json \
+      --table $LOGS/decode_gpu_b16.txt && $DECODE --paged 16 --cache 65536 1048576 \
+      --json $LOGS/decode_gpu_paged.json --table $LOGS/decode_gpu_paged.txt && $DECODE --tokens 8 \
+      --cache 65536 1048576 --json $LOGS/decode_gpu_t8.json --table $LOGS/decode_gpu_t8.txt" ;;
+    decode_tests) step decode_tests 180 $KTEST $PYTEST120 tests/kernels/test_decode_emulated.py ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PYTEST120 tests/gpu \
       tests/test_interop.py tests/transport/test_bootstrap.py tests/kernels/test_device_properties.py \
       tests/test_device_routing.py tests/test_group.py tests/kernels/test_kernel_cache.py ;;
