@@ -5,6 +5,7 @@ latency on bench/model/predict.py's presets, labelled PREDICTION): bench/README.
     mpiexec -n G python bench/decode.py [--cache 4096 65536 262144] [--prefill 4096] [--plot P]
     python bench/decode.py --backend cupy [--cache 4096 262144 1048576] [--paged 16] [--json F]
     python bench/decode.py --backend cupy --tokens 8       # 4 x 8 = 32 rows a kv head: the twin
+    python bench/decode.py --backend cupy --mma-min-rows 16  # the CUDA-core kernel on 4 rows
     python bench/decode.py --predict [--ranks 1 2 4 8] [--cache ...] [--json F]
     python bench/decode.py --backend emulated --host-only [--cache 4096] [--dtype float16]
 """
@@ -168,6 +169,9 @@ def main(argv=None) -> int:
     p.set_defaults(kv_heads=8)
     p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
     p.add_argument("--tokens", type=int, default=1, metavar="T", help="new tokens a call (q's T)")
+    p.add_argument("--mma-min-rows", type=int, default=None, metavar="R",
+                   help="kernels: the tensor-core twin from R query rows a kv head (KernelOps."
+                        "decode_mma_min_rows; 16: the CUDA-core kernel under 16)")
     p.add_argument("--repeats", type=int)
     p.add_argument("--host-calls", type=int, help="calls timed (20; --host-only 1000)")
     p.add_argument("--host-only", action="store_true",
@@ -190,6 +194,8 @@ def main(argv=None) -> int:
                result, args)
         return 0
     group = burstcu.init(backend=args.backend)
+    if args.mma_min_rows is not None:
+        group.ops.decode_mma_min_rows = args.mma_min_rows
     copy_gbps = None
     if group.backend == "cupy":     # the device's copy bandwidth: read + write bytes of a 1 GiB copy / time
         a, b = group.ops.xp.empty(1 << 30, np.uint8), group.ops.xp.empty(1 << 30, np.uint8)

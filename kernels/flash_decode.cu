@@ -29,7 +29,7 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         at the end l_r = warp sum of the lanes' l_r, and the split's (m, l, acc) go to the
         workspace: m, l (B, H, T, splits) and acc (B, H, T, splits, D), fp32, base 2.
     flash_decode_split_mma   the tensor-core twin (T in {__half, __nv_bfloat16}; the launcher
-        takes it where D is a multiple of 16 up to 256 and R >= 16): the same grid with ROWS in
+        takes it where D is a multiple of 16 up to 256, any R): the same grid with ROWS in
         {16, 32, 64} (R rounded up to 16, at most 64; more row groups past 64), the same
         workspace, so combine and merge are unchanged. NWARPS = 4 warps as MT = ROWS / 16 row
         tiles of 16 query rows x KS = NWARPS / MT key slices: warp w takes row tile w % MT and
@@ -83,9 +83,11 @@ FMAs for 4 D bytes of K and V), so with GQA and several new tokens a call (T up 
 R = 16 to 64) it stops doing so: at R = 64, 12.7 B/clk an SM (H100's HBM) asks ~400 FMA/clk of an
 SM's 128 fp32 FMA lanes. The twin puts both products on the tensor cores (mma.sync m16n8k16:
 ~1000 fp16 FMA/clk an SM at an A100's datasheet rate, more on an H100: ~2.5x the need at R = 64
-with H100's HBM, ~3x with A100's), where the rows allow (R >= 16: one m16 tile). All of this
-is a PREDICTION from datasheet rates: no GPU has run the twin (nor the CUDA-core kernel since the
-ring).
+with H100's HBM, ~3x with A100's); under 16 rows it runs one m16 tile with zero rows
+(burstcu.ops.cuda.decode.MMA_MIN_ROWS). The rates above are datasheet leads. Measured on an H200
+(bench/results/gpu_decode.md, 32/8 heads, d = 128, fp16, 1M cache rows): the CUDA-core kernel
+on R = 4 read 0.38 of the copy bandwidth, the twin on R = 32 read 0.55: the CUDA-core kernel's
+gap is not its FMAs.
 Twin tiles: 64 keys a tile so that a key slice of each of the 4 warps is a whole k16 step at
 ROWS = 16 (32 at DN = 256 with ROWS >= 32, for sm_86's shared memory); stages as above (2 to 4:
 40 KB at DN = 32 up to 132 KB at DN = 256, ROWS = 16, where two stages are the least); the key

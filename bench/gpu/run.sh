@@ -176,7 +176,9 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
       --table $LOGS/decode_gpu.txt && $DECODE --batch 16 --cache 4096 65536 --json $LOGS/decode_gpu_b16.json \
       --table $LOGS/decode_gpu_b16.txt && $DECODE --paged 16 --cache 65536 1048576 \
       --json $LOGS/decode_gpu_paged.json --table $LOGS/decode_gpu_paged.txt && $DECODE --tokens 8 \
-      --cache 65536 1048576 --json $LOGS/decode_gpu_t8.json --table $LOGS/decode_gpu_t8.txt" ;;
+      --cache 65536 1048576 --json $LOGS/decode_gpu_t8.json --table $LOGS/decode_gpu_t8.txt \
+      && $DECODE --mma-min-rows 16 --cache 4096 65536 1048576 --json $LOGS/decode_gpu_cudacore.json \
+      --table $LOGS/decode_gpu_cudacore.txt" ;;
     decode_tests) step decode_tests 180 $KTEST $PYTEST120 tests/kernels/test_decode_emulated.py ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PYTEST120 tests/gpu \
       tests/test_interop.py tests/transport/test_bootstrap.py tests/kernels/test_device_properties.py \

@@ -4,10 +4,11 @@ are and are not multiples of 32; more query rows than a block holds (row groups)
 batch rows with no valid row; NaN/Inf past the valid rows (never read); T = 1..8 new tokens at
 GQA ratios 1..8; many splits (a device of many SMs); a paged cache read through a shuffled page
 table (pages no batch row holds are NaN); head dims whose rows are not 16-byte units (the
-element-wise loads). The tensor-core twin (flash_decode_split_mma) where G x T >= 16 rows share
-a kv head in fp16/bf16 (16, 32, 64 and two row groups; contiguous, paged and unaligned caches;
-NaN in K and V past the lengths; no padding row written), the CUDA-core kernel elsewhere, and the
-rule that chooses between them. On the CPU emulator by default, on a GPU with
+element-wise loads). The tensor-core twin (flash_decode_split_mma) in fp16/bf16 at head dims
+that are multiples of 16, any G x T rows a kv head (1 and 4 in a block of 16, 16, 32, 64 and two
+row groups; contiguous, paged and unaligned caches; NaN in K and V past the lengths; no padding
+row written), the CUDA-core kernel elsewhere and under `decode_mma_min_rows`, and the rule that
+chooses between them. On the CPU emulator by default, on a GPU with
 BURSTCU_KERNEL_TEST_BACKEND=cupy. Also the split heuristic and the blocks an SM holds, the kept
 buffers (a partial outlives the next call of any plan; the workspace holds the splits a shape
 can take, one at a large batch), the page table and lengths the kernels refuse, and the host
@@ -115,8 +116,8 @@ def test_decode_kernels_match_float64(case, dtype):
 
 @pytest.mark.parametrize("t,ratio", [(1, 1), (2, 8), (5, 3), (8, 4), (8, 8)])
 def test_new_tokens_and_gqa_ratios(t, ratio):
-    """T new tokens x GQA ratio rows a kv head: 1 to 64 (the CUDA-core kernel under 16, the
-    tensor-core twin from 16: blocks of 16, 32 and 64 rows), a whole key tile and a partial one."""
+    """T new tokens x GQA ratio rows a kv head: 1 to 64 (the tensor-core twin: blocks of 16, 32 and
+    64 rows, zero rows under 16), a whole key tile and a partial one."""
     lengths = (45, 7)
     q, k, v = _inputs(t * 10 + ratio, 2, t, 2 * ratio, 2, 64, 50, lengths, "float16")
     _check(q, k, v, lengths, 0.125, "float16", *_run(_ops(), q, k, v, lengths, 0.125))
@@ -259,6 +260,7 @@ def test_workspace_holds_the_splits_the_shape_can_take(b, s, lengths, splits):
         pytest.skip("the block slots of the emulated device")
     ops = _ops()
     ops.sm_count = 4
+    ops.decode_mma_min_rows = 16    # the CUDA-core kernel, whose block slots are counted above
     h, d = 2, 64
     q, k, v = _inputs(8, b, 1, h, 1, d, s, lengths, "float16")
     _check(q, k, v, lengths, 0.125, "float16", *_run(ops, q, k, v, lengths, 0.125))
@@ -420,7 +422,7 @@ def test_a_merge_shape_launches_from_its_kept_struct():
 
 
 # ------------------------------------------------------------------------------------------------
-# the tensor-core twin (flash_decode_split_mma): fp16/bf16, head dims multiple of 16, R >= 16
+# the tensor-core twin (flash_decode_split_mma): fp16/bf16, head dims multiple of 16
 
 def _ops_randomized():
     """_ops with the emulator's shuffled block and thread order (a race on the ring, the merge
@@ -453,6 +455,8 @@ def _launches(ops, given: dict | None = None):
 
 
 MMA_CASES = {  # name: (B, T, H, Hkv, D, cache rows, lengths, dtype, cache layout, SMs)
+    "R1 bf16 d64 paged": (2, 1, 2, 2, 64, 300, (300, 0), "bfloat16", "paged", 64),
+    "R4 fp16 d128 contiguous": (2, 1, 8, 2, 128, 500, (500, 37), "float16", "contiguous", 64),
     "R16 fp16 d64 contiguous": (3, 2, 16, 2, 64, 1000, (1000, 0, 77), "float16", "contiguous", 200),
     "R32 bf16 d128 paged": (3, 4, 16, 2, 128, 260, (260, 0, 33), "bfloat16", "paged", 64),
     "R64 fp16 d128 paged": (2, 8, 16, 2, 128, 200, (0, 200), "float16", "paged", 64),
@@ -466,8 +470,8 @@ SLOW_MMA = {"R16 bf16 d256 contiguous"}   # the default run has d 256 (q fragmen
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_MMA else [])
                                   for c in MMA_CASES])
 def test_tensor_core_twin_matches_float64(case):
-    """G x T = R >= 16 query rows a kv head (16, 32, 64, and 80: two row groups of 64) in
-    fp16/bf16 run flash_decode_split_mma, once, in place of the CUDA-core kernel, within
+    """G x T = R query rows a kv head (1 and 4: a block of 16 with zero rows; 16, 32, 64, and 80:
+    two row groups of 64) in fp16/bf16 run flash_decode_split_mma, once, within
     FlashAttention's rule of float64 attention: batch rows of different lengths (one of 0), NaN
     in K and V past each length (never read: inert), a contiguous cache, a paged one (a shuffled
     table, odd page sizes) and one whose rows are not 16-byte units (the element-wise loads),
@@ -506,18 +510,21 @@ def test_tensor_core_twin_matches_float64(case):
         assert split["splits"] >= 6, split                        # many, the 0-length row's all empty
 
 
-@pytest.mark.parametrize("t,h,hkv,d,dtype", [
-    (2, 8, 2, 64, "float16"),      # R = 8 < 16
-    (2, 8, 1, 64, "float32"),      # R = 16 in float32: the CUDA cores
-    (4, 8, 2, 40, "float16"),      # head dim 40: not a multiple of 16
-    (8, 8, 1, 40, "float16"),      # ... at R = 64: two row groups of the CUDA-core kernel's 32
+@pytest.mark.parametrize("t,h,hkv,d,dtype,min_rows", [
+    (2, 8, 2, 64, "float16", 16),     # R = 8 under decode_mma_min_rows = 16
+    (2, 8, 1, 64, "float32", None),   # R = 16 in float32: the CUDA cores
+    (4, 8, 2, 40, "float16", None),   # head dim 40: not a multiple of 16
+    (8, 8, 1, 40, "float16", None),   # ... at R = 64: two row groups of the CUDA-core kernel's 32
 ])
-def test_the_cuda_core_kernel_runs_where_the_twin_does_not(t, h, hkv, d, dtype):
-    """Under 16 rows a kv head, float32, or a head dim not a multiple of 16 (one of them with more
-    rows than a block of the CUDA-core kernel holds): flash_decode_split."""
+def test_the_cuda_core_kernel_runs_where_the_twin_does_not(t, h, hkv, d, dtype, min_rows):
+    """Float32, a head dim not a multiple of 16 (one of them with more rows than a block of the
+    CUDA-core kernel holds), or fewer rows a kv head than the op's decode_mma_min_rows:
+    flash_decode_split."""
     lengths = (90, 3)
     q, k, v = _inputs(t + d, 2, t, h, hkv, d, 90, lengths, dtype)
     ops = _ops()
+    if min_rows is not None:
+        ops.decode_mma_min_rows = min_rows
     counts = _launches(ops)
     _check(q, k, v, lengths, 0.2, dtype, *_run(ops, q, k, v, lengths, 0.2))
     assert counts == {"flash_decode_split": 1, "flash_decode_combine": 1}, counts
@@ -548,10 +555,16 @@ def test_the_split_kernel_choice():
     block >= min(R rounded up to 16, 64) that the table has, else the CUDA-core kernel."""
     from burstcu.ops.cuda.kernel_ops import KernelOps
 
-    def choice(arch, dtype, rows, d):
-        v = kernel_decode.choose_split_variant(KernelOps(backend="emulated", arch=arch), dtype, rows, d)
+    def choice(arch, dtype, rows, d, min_rows=None):
+        ops = KernelOps(backend="emulated", arch=arch)
+        if min_rows is not None:
+            ops.decode_mma_min_rows = min_rows
+        v = kernel_decode.choose_split_variant(ops, dtype, rows, d)
         return v.family, v.headdim
-    assert choice("sm_80", "float16", 15, 64) == ("decode", 64)
+    assert choice("sm_80", "float16", 1, 64) == ("decode_mma16", 64)
+    assert choice("sm_80", "float16", 4, 128) == ("decode_mma16", 128)
+    assert choice("sm_80", "float16", 15, 64, min_rows=16) == ("decode", 64)
+    assert choice("sm_80", "float16", 16, 64, min_rows=16) == ("decode_mma16", 64)
     assert choice("sm_80", "float16", 16, 64) == ("decode_mma16", 64)
     assert choice("sm_80", "bfloat16", 17, 48) == ("decode_mma32", 64)      # d 48: padded to 64
     assert choice("sm_80", "float16", 64, 128) == ("decode_mma64", 128)

@@ -6,9 +6,9 @@ float32), so the ranks' partials merge alike. The cache is contiguous (B, S, Hkv
 device; only the entries covering each batch row's valid rows are read, and trusted).
 
 The split kernel (`choose_split_variant`): the tensor-core twin `flash_decode_split_mma` where the
-dtype is float16 or bfloat16, the head dim a multiple of 16 up to 256 and the H / Hkv x T query rows
-of a kv head are 16 or more (GQA with several new tokens a call), else the
-CUDA-core `flash_decode_split`; both write the same workspace. `split_kernel(ops)` names the one
+dtype is float16 or bfloat16 and the head dim a multiple of 16 up to 256 (query rows of a kv head,
+H / Hkv x T, under 16 fill a block of 16 with zero rows; `KernelOps.decode_mma_min_rows`, see
+MMA_MIN_ROWS), else the CUDA-core `flash_decode_split`; both write the same workspace. `split_kernel(ops)` names the one
 the op's latest call ran.
 
 Splits (`num_splits`, FlashAttention's heuristic): a launch has B x Hkv x row groups blocks a
@@ -79,6 +79,14 @@ KERNEL_DTYPES = ("float16", "bfloat16", "float32")
 PLANS_KEPT = 8        # shapes whose launch plans an op keeps
 PINNED_SLOTS = 8      # pinned host buffers of the lengths (GPU), taken in turn
 MAX_GRID_Y = 65535    # batch rows a merge launch takes (its grid's y)
+# The fewest query rows a kv head (H / Hkv x T) that take the tensor-core twin (`KernelOps.
+# decode_mma_min_rows`; 16 keeps the CUDA-core kernel under one m16 tile, as before). On an H200
+# (bench/results/h200/run7, 32/8 heads, d = 128, fp16) the twin on 32 rows (T = 8) took 0.226 /
+# 1.85 ms a call at 64K / 1M cache rows, the CUDA-core kernel on 4 rows (T = 1) 0.283 / 2.73 ms:
+# the same bytes, an eighth of the rows. That the twin on 4 rows is at least as fast as on 32 is
+# a PREDICTION (memory-bound at either), not yet timed (bench/decode.py --mma-min-rows 16 times
+# the CUDA-core kernel beside it).
+MMA_MIN_ROWS = 1
 # Occupancy (CUDA occupancy calculator, cc 8.0 - 9.0): the driver reserves 1 KB of shared memory
 # a block; registers go to warps in units of 256.
 RESERVED_SMEM = 1024
@@ -157,10 +165,11 @@ def most_splits(rows: int, blocks_per_split: int, slots: int) -> int:
 def choose_split_variant(ops, dtype: str, rows: int, headdim: int):
     """The split kernel's variant for `rows` (= H / Hkv x T) query rows a kv head at `headdim`:
     the tensor-core twin (families decode_mma16/32/64) where dtype is float16 or bfloat16, the
-    head dim a multiple of 16 up to 256 and rows >= 16, with the fewest rows a block of at least
-    min(rows rounded up to 16, 64) that the table has (more row groups past 64); else the
-    CUDA-core kernel ("decode"). Raises ValueError when the table has neither."""
-    if dtype in MMA_DTYPES and rows >= 16 and headdim % 16 == 0 and headdim <= MMA_HEADDIMS[-1]:
+    head dim a multiple of 16 up to 256 and rows >= `ops.decode_mma_min_rows`, with the fewest
+    rows a block of at least min(rows rounded up to 16, 64) that the table has (more row groups
+    past 64); else the CUDA-core kernel ("decode"). Raises ValueError when the table has neither."""
+    if (dtype in MMA_DTYPES and rows >= ops.decode_mma_min_rows and headdim % 16 == 0
+            and headdim <= MMA_HEADDIMS[-1]):
         want = min(-(-rows // 16) * 16, MMA_ROWS[-1])
         for block in MMA_ROWS:
             if block >= want:
@@ -273,8 +282,9 @@ def _plan_for(ops, q, k, v, page_table, scale: float) -> _Plan | None:
     """The op's kept plan of this call's shape (made on first use)."""
     dtype = dtype_name(q)
     vec = int(rows_on_16_bytes(k, v) and (q.shape[3] * k.itemsize) % 16 == 0)
-    key = (ops.stream_key(), ops.sm_count, dtype, q.shape, q.strides, k.shape, k.strides,   # bytes
-           page_table is not None and (page_table.shape, page_table.strides), vec, float(scale))
+    key = (ops.stream_key(), ops.sm_count, ops.decode_mma_min_rows, dtype, q.shape, q.strides,
+           k.shape, k.strides, page_table is not None and (page_table.shape, page_table.strides),
+           vec, float(scale))   # strides in bytes
     return _kept(ops, "_decode_plans", key, lambda: _plan(ops, q, k, page_table, vec, float(scale), dtype))
 
 

@@ -205,6 +205,9 @@ class KernelOps(LocalOps):
         self.sm90_backward = True
         # see `dq_own_pass` (() for comparison: the Hopper kernel's atomic dQ at every head dim)
         self.dq_own_pass_headdims: tuple[int, ...] = SM90_DQ_OWN_PASS_HEADDIMS
+        # decode's split kernel: the tensor-core twin from this many query rows a kv head
+        # (decode.MMA_MIN_ROWS; 16 for comparison: the CUDA-core kernel under 16)
+        self.decode_mma_min_rows = decode.MMA_MIN_ROWS
         self._sm90_checking: set = set()   # Hopper backward variants whose first-use check runs
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
