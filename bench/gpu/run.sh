@@ -140,10 +140,9 @@ for s in "${steps[@]}"; do
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
-    head_groups) step head_groups 240 bash -c "for g in 0 2 4 8 16; do $KSPEED --archs sm_90a --passes fwd \
-      --impls kernels --headdims 128 --seqlens 2048 4096 16384 \
-      \$( [ \$g = 0 ] || echo --sm90-head-group \$g ) --json $LOGS/head_group_\$g.json \
-      --table $LOGS/head_group_\$g.txt || exit 1; done; tail -n 13 $LOGS/head_group_*.txt" ;;
+    head_groups) step head_groups 240 $KSPEED --archs sm_90a --passes fwd --impls kernels torch-flash \
+      --headdims 128 --seqlens 2048 4096 8192 16384 --sm90-head-group 0 2 8 16 --repeats 20 \
+      --json "$LOGS/head_groups.json" --table "$LOGS/head_groups.txt" ;;
     kbench) step kbench 420 $KSPEED --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
       $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
     overlap) step overlap 300 $OVERLAP --json "$OUT/overlap_gpu.json" $(plot "$OUT/overlap_gpu.png") \
