@@ -35,7 +35,7 @@ def environment(group=None, synchronized: bool = False, **extra) -> dict:
     blas = [{k: info.get(k) for k in keep} for info in threadpool_info()]
     try:
         from mpi4py import MPI
-        mpi = MPI.Get_library_version().splitlines()[0].strip()
+        mpi = MPI.Get_library_version().splitlines()[0].replace("\x00", "").strip()
     except Exception:
         mpi = None
     on_gpu = getattr(getattr(group, "ops", None), "device", "cpu") == "cuda"

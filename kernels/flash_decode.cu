@@ -77,8 +77,9 @@ bytes (2 * D * 2 at fp16) take at the SM's share of HBM: a 32-key fp16 tile at D
 Little's law: ~3 MB must be in flight (1 us latency), ~25 KB an SM: STAGES - 1 tiles ahead of
 the 2-3 resident blocks an SM covers that. The split count fills the SMs (burstcu.ops.cuda.decode,
 FlashAttention's efficiency heuristic). Rows padded by 16 bytes in shared memory, so the eight
-lanes of a 16-byte access phase read rows four banks apart (no conflict). The CUDA-core kernel
-keeps up with HBM at a few rows a tile; the FMAs a K/V byte grow with R (R / 2 at fp16: 2 R D
+lanes of a 16-byte access phase read rows four banks apart (no conflict). By this count the
+CUDA-core kernel would keep up with HBM at a few rows a tile (measured: it did not, below); the
+FMAs a K/V byte grow with R (R / 2 at fp16: 2 R D
 FMAs for 4 D bytes of K and V), so with GQA and several new tokens a call (T up to 8, G up to 8:
 R = 16 to 64) it stops doing so: at R = 64, 12.7 B/clk an SM (H100's HBM) asks ~400 FMA/clk of an
 SM's 128 fp32 FMA lanes. The twin puts both products on the tensor cores (mma.sync m16n8k16:

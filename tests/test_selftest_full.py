@@ -73,3 +73,45 @@ def test_ranks_agree_on_the_gpu_backend():
                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ran the CPU checks only" in proc.stdout and "cupy" not in proc.stdout
+
+
+@pytest.mark.parametrize("cc,failing", [(90, {"sm_90", "sm_90a"}), (86, {"sm_86"}), (89, {"sm_86"})])
+def test_local_memory_fails_the_devices_own_tables_only(monkeypatch, cc, failing):
+    """`check_variants` on a GPU of compute capability `cc` (mocked: no kernel is built): a kernel
+    with local memory fails the tables the device runs as its own (`table_arch_for(cc)`, and
+    sm_XY for its cc) and is only listed in the others, which compile for an arch they were not
+    sized on; careful twins may use local memory anywhere."""
+    import burstcu.build as build
+    import burstcu.build.compile as compile_module
+    import burstcu.ops.cuda as cuda_ops
+    from burstcu.build.variants import CAREFUL_SUFFIX, LaunchConfig
+    from burstcu.testing import checks
+
+    class Variant:
+        def __init__(self, name, family):
+            self.name, self.family, self.headdim = name, family, 64
+            self.launch = LaunchConfig(threads=128, block_m=64, block_n=64, smem_bytes=0, stages=2)
+
+    class Ops:
+        smem_limit = None
+
+        def __init__(self, backend, arch):
+            pass
+
+        def function(self, name):
+            return type("Fn", (), {"num_regs": 128, "local_size_bytes": 8 if "spills" in name else 0,
+                                   "shared_size_bytes": 0})()
+
+    monkeypatch.setattr(checks, "on_gpu", lambda backend: True)
+    monkeypatch.setattr(compile_module, "compute_capability", lambda: cc)
+    monkeypatch.setattr(cuda_ops, "KernelOps", Ops)
+    monkeypatch.setattr(checks, "_compile_in_parallel", lambda variants: None)
+    monkeypatch.setattr(build, "all_variants", lambda arch: [
+        Variant(f"plain_{arch}", "forward"), Variant(f"spills_{arch}", "forward_list"),
+        Variant(f"spills_careful_{arch}", "forward" + CAREFUL_SUFFIX)])
+    records = {r["name"].split("/")[1]: r for r in checks.check_variants("cupy", quick=False)}
+    assert ("sm_90a" in records) == (cc == 90)       # sm_90a code runs on cc 9.0 only
+    for arch, r in records.items():
+        assert r["detail"]["local_memory"] == [f"spills_{arch}"], r["detail"]
+        assert bool(r["passed"]) is (arch not in failing), (arch, r["passed"])
+        assert r["detail"]["own_arch"] is (arch in failing)

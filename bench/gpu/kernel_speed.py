@@ -2,8 +2,8 @@
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
 step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
 kernel table of --archs, dQ mode of --dq-modes and head group of --sm90-head-group, each row
-naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention / attention_backward, group=None),
-`torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S, S, --width/D, D); CUDA events
+naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
+attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S, S, --width/D, D); CUDA events
 around each call, median of --repeats after --warmup; FLOPs 4BHS^2D forward, 2.5x that backward,
 halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
 rows (burstcu only, FLOPs of the visible pairs). --dry-run prints the plan without a GPU.
@@ -31,8 +31,8 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
-COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "head_group", *SHAPE, "ms", "host_ms", "tflops", "vs_torch",
-           "cudnn_tflops"]
+COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "head_group", *SHAPE, "ms", "host_ms", "tflops",
+           "vs_torch", "cudnn_tflops"]
 
 
 def plan(args) -> list[dict]:
@@ -120,16 +120,16 @@ def families(ops, cfg: dict) -> dict:
     "dq_pass": "atomic" (dQ added inside the dK/dV kernel) or "own" (flash_bwd_dq after it,
     KernelOps.dq_own_pass: the deterministic mode, and the Hopper backward at head dim 256)}."""
     from burstcu.layout import Block
+    from burstcu.ops.cuda.backward import step_kernels
 
     s, d = cfg["seqlen"], cfg["headdim"]
     fwd = ops.forward_variant(cfg["dtype"], d).family.startswith("forward_sm90")
     tags = {"family": "sm90" if fwd else "sm80"}
     if cfg["pass"] == "fwd+bwd":
-        own = ops.dq_own_pass(d)
-        dkdv = "bwd_dkdv_nodq" if own else "bwd_dkdv"
-        hopper = ops.hopper_backward(dkdv, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
-                                     (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
-        tags.update(bwd_family="sm80" if hopper is None else "sm90", dq_pass="own" if own else "atomic")
+        families, hopper = step_kernels(ops, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
+                                        (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
+        tags.update(bwd_family="sm80" if hopper is None else "sm90",
+                    dq_pass="own" if len(families) > 1 else "atomic")
     return tags
 
 

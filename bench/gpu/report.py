@@ -35,10 +35,12 @@ def cell(v) -> str:
 
 def row_key(r: dict, last: str) -> tuple:
     """A kernels row's key: pass, family ("-" where the run had none; a backward row's dQ mode
-    beside it, "sm90 deterministic"), dtype, head dim, `last`."""
+    beside it, "sm90 deterministic", and "(own dQ pass)" where the atomic mode ran one), dtype,
+    head dim, `last`."""
     family = r.get("family") or "-"
     if "bwd" in r["pass"] and r.get("dq"):
-        family += f" {r['dq']}"
+        own = r["dq"] == "atomic" and r.get("dq_pass") == "own"
+        family += f" {r['dq']}" + (" (own dQ pass)" if own else "")
     return (r["pass"], family, r["dtype"], r["headdim"], r[last])
 
 

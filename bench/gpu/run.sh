@@ -123,8 +123,8 @@ for s in "${steps[@]}"; do
       && $DETAILS > $LOGS/sm90_profile_details.csv" ;;
     hopper_ring) step hopper_ring 180 $PYTEST120 tests/gpu/test_hopper_ring_gpu.py ;;
     hopper_bwd_profile) step hopper_bwd_profile 180 bash -c "ncu --clock-control none --set full \
-      -k regex:flash_bwd_dkdv_sm90 -c 4 -f -o $PROFILE-bwd $KSPEED --archs sm_90a --passes fwd+bwd \
-      --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 \
+      -k regex:flash_bwd_dkdv_sm90 --launch-skip 1 -c 3 -f -o $PROFILE-bwd $KSPEED --archs sm_90a \
+      --passes fwd+bwd --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 \
       --repeats 1 && ncu -i $PROFILE-bwd.ncu-rep --page details --csv > $LOGS/sm90_bwd_profile_details.csv" ;;
     bwd_small_parts) step bwd_small_parts 120 ncu --clock-control none --metrics gpu__time_duration.sum \
       --csv --print-units base --log-file "$LOGS/bwd_small_parts.csv" $KSPEED --archs sm_90a \

@@ -5,9 +5,10 @@ Families (every one compiled for float16 and bfloat16):
 * ``bwd_delta``      ``flash_bwd_delta<T>``: delta = rowsum(dO * O); any head dim (headdim 0 here).
 * ``bwd_dkdv``       ``flash_bwd_dkdv<T, D, BM, BN, WARPS_D, true>``: dK, dV and dQ by fp32
   atomicAdd (the default, FlashAttention-2's scheme).
-* ``bwd_dkdv_nodq``  the same kernel with ``DQ=false``: dK, dV only (deterministic mode).
-* ``bwd_dq``         ``flash_bwd_dq<T, D, BM, BN, WARPS_D>``: dQ without atomics (deterministic
-  mode); it also adds each row's sum of P when asked (attention_backward(check=True)).
+* ``bwd_dkdv_nodq``  the same kernel with ``DQ=false``: dK, dV only (dQ in a pass of its own:
+  the deterministic mode, check=True, and the Hopper backward at head dim 256).
+* ``bwd_dq``         ``flash_bwd_dq<T, D, BM, BN, WARPS_D>``: dQ without atomics (that pass); it
+  also adds each row's sum of P when asked (attention_backward(check=True)).
 * ``<family>_list`` for the three step families (``bwd_dkdv_list``, ``bwd_dkdv_nodq_list``,
   ``bwd_dq_list``): ``flash_bwd_dkdv_steps`` / ``flash_bwd_dq_steps``, the same tiles over a ring
   step's whole rectangle list in one launch (`burstcu.ops.cuda.params.step_group_lists`: grouped

@@ -75,18 +75,21 @@ def _rule(got, ref, naive, factor: float) -> tuple[bool, str]:
 
 def check_variants(backend: str, quick: bool) -> list[dict]:
     """Compile and load every variant (emulated/quick: the head-dim-64 and any-head-dim variants
-    of the sm_80 table only, which the emulator builds in seconds). Local memory fails the tables
-    of this device's own compute capability; another table's kernels compile for this device's
-    arch, not the one their tiles were sized on (an sm_80 table on an H100 holds kernels at 254
-    registers that spill a few bytes there), so their local memory is listed, not failed."""
+    of the sm_80 table only, which the emulator builds in seconds). Local memory fails the
+    device's own tables (the one it runs by default, `table_arch_for`, and the one named after
+    its compute capability); another table's kernels compile for this device's arch, not the one
+    their tiles were sized on (an sm_80 table on an H100 holds kernels at 254 registers that
+    spill a few bytes there), so their local memory is listed, not failed."""
     from ..build import all_variants
     from ..build.compile import compute_capability
     from ..build.variants import ARCHS, CAREFUL_SUFFIX
     from ..ops.cuda import KernelOps
+    from ..ops.cuda.kernel_ops import table_arch_for
 
     out = []
     archs = ARCHS if on_gpu(backend) and not quick else ("sm_80",)
     cc = compute_capability() if on_gpu(backend) else None
+    own_tables = None if cc is None else {table_arch_for(cc), f"sm_{cc}"}
     if on_gpu(backend) and cc != 90:
         archs = tuple(a for a in archs if a != "sm_90a")  # sm_90a code runs on cc 9.0 only
     for arch in archs:
@@ -107,7 +110,7 @@ def check_variants(backend: str, quick: bool) -> list[dict]:
         # careful variants run only where Inf/NaN meets masked pairs: local memory allowed there
         careful = {v.name for v in fits if v.family.endswith(CAREFUL_SUFFIX)}
         spills = [r["name"] for r in rows if r.get("local_bytes") and r["name"] not in careful]
-        own = cc is None or arch.removeprefix("sm_").removesuffix("a") == str(cc)
+        own = own_tables is None or arch in own_tables
         out.append(record(f"variants/{arch}", not failures and not (own and spills) and rows,
                           {"loaded": len(rows), "skipped_smem": len(chosen) - len(fits),
                            "failures": failures, "local_memory": spills, "own_arch": own,

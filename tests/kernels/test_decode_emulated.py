@@ -456,6 +456,7 @@ def _launches(ops, given: dict | None = None):
 
 MMA_CASES = {  # name: (B, T, H, Hkv, D, cache rows, lengths, dtype, cache layout, SMs)
     "R1 bf16 d64 paged": (2, 1, 2, 2, 64, 300, (300, 0), "bfloat16", "paged", 64),
+    "R1 fp16 d128 contiguous": (1, 1, 4, 4, 128, 400, (400,), "float16", "contiguous", 64),
     "R4 fp16 d128 contiguous": (2, 1, 8, 2, 128, 500, (500, 37), "float16", "contiguous", 64),
     "R16 fp16 d64 contiguous": (3, 2, 16, 2, 64, 1000, (1000, 0, 77), "float16", "contiguous", 200),
     "R32 bf16 d128 paged": (3, 4, 16, 2, 128, 260, (260, 0, 33), "bfloat16", "paged", 64),

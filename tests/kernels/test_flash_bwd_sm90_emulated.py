@@ -87,6 +87,33 @@ def test_head_dim_256_adds_dq_in_its_own_pass():
         assert np.array_equal(a, b), name
 
 
+def test_the_own_dq_pass_at_256_needs_the_hopper_kernel(monkeypatch):
+    """`backward.step_kernels` (no kernel runs): at head dim 256 the atomic mode takes the pass of
+    its own only where the Hopper kernel without dQ runs the step; where it cannot (a scale <= 0,
+    the Hopper backward off, a list its dQ kernel cannot take by query range) dQ stays atomic, on
+    the Hopper kernel where that one takes the step. The deterministic mode always has its pass."""
+    from burstcu.ops.cuda import kernel_ops as kops
+    from burstcu.ops.cuda.backward import step_kernels
+
+    monkeypatch.setattr(kops, "SM90_MAX_RECTS", 1)                 # two Blocks: a list
+    monkeypatch.setattr(kops, "SM90_MIN_FLOP_PER_RECT", float("inf"))
+    one = [Block(0, 64, 0, 64, 0, 0, False)]
+    # equal key ranges, query ranges that overlap unequally: a list by key, not by query
+    by_key_only = [Block(0, 100, 0, 60, 0, 0, False), Block(50, 100, 0, 60, 0, 0, False)]
+
+    def choice(blocks, scale=0.125, deterministic=False, hopper_on=True):
+        ops = kernel_ops(deterministic=deterministic, arch="sm_90a").ops
+        ops.sm90_backward = hopper_on
+        families, hopper = step_kernels(ops, "float16", 256, blocks, (1, 150, 2, 256), scale)
+        return [f for f, _ in families], hopper and hopper.family
+    assert choice(one) == (["bwd_dkdv_nodq", "bwd_dq"], "bwd_dkdv_nodq_sm90")
+    assert choice(one, scale=0.0) == (["bwd_dkdv"], None)
+    assert choice(one, hopper_on=False) == (["bwd_dkdv"], None)
+    assert choice(by_key_only) == (["bwd_dkdv"], "bwd_dkdv_sm90_list")
+    assert choice(by_key_only, deterministic=True) == (["bwd_dkdv_nodq", "bwd_dq"], None)
+    assert choice(one, scale=0.0, deterministic=True) == (["bwd_dkdv_nodq", "bwd_dq"], None)
+
+
 def test_head_dims_padded_to_64_and_128():
     """d = 40 and 100 run the Hopper kernel at 64 and 128 (zero-padded columns)."""
     for d in (40, 100):
@@ -109,7 +136,7 @@ def test_head_dims_padded_to_64_and_128():
     ("sm_90a", 64, 0.0, 1, None),        # scale <= 0: the kernel masks before scaling
     ("sm_90a", 64, 0.125, 5, "list"),    # many small Blocks: the Hopper list kernel
     ("sm_90a", 64, 0.0, 5, None),        # ... not at a scale <= 0
-    (None, 64, 0.125, 1, None),          # another table
+    ("sm_80", 64, 0.125, 1, None),       # another table
 ])
 def test_which_kernel_runs_the_step(arch, d, scale, n_blocks, hopper):
     ops = kernel_ops(arch=arch).ops

@@ -179,14 +179,9 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         lse, delta = xp.ascontiguousarray(lse), xp.ascontiguousarray(delta)
         psum_run = psum if psum.flags.c_contiguous else xp.zeros((B, H, Sq), dtype=np.float32)
 
-    # (family, what its blocks of threads tile: "key" rows of k or "query" rows of q)
-    if ops.dq_own_pass(ctx.headdim) or psum is not None:
-        families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")]
-    else:
-        families = [("bwd_dkdv", "key")]
+    families, hopper = step_kernels(ops, ctx.dtype, ctx.headdim, blocks, qp.shape, ctx.scale,
+                                    psum is not None)
     tiled = [tiled for _, tiled in families]
-    hopper = ops.hopper_backward(families[0][0], ctx.dtype, ctx.headdim, blocks, qp.shape, ctx.scale,
-                                 tiled)
     hopper_list = hopper is not None and hopper.family.endswith(LIST_SUFFIX)
     masked = any_masked(blocks) or (hopper_list and _ragged(blocks, hopper))
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
@@ -201,6 +196,26 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
         dq[...] = ops.unpad_headdim(dq_run, D)
     if psum is not None and psum_run is not psum:
         psum += psum_run
+
+
+def step_kernels(ops, dtype: str, headdim: int, blocks: Sequence[Block], q_shape: tuple, scale: float,
+                 psum: bool = False) -> tuple[list[tuple[str, str]], Any]:
+    """A backward step's kernel families, each with what its blocks of threads tile ("key" rows
+    of k or "query" rows of q), and the Hopper dK/dV variant that takes the first family's place
+    (`KernelOps.hopper_backward`; None: the mma.sync kernels run it). dQ has a pass of its own
+    (flash_bwd_dq after the dK/dV kernel without dQ) in the deterministic mode and with psum;
+    where `ops.dq_own_pass` prefers one (the sm_90a table at head dim 256) only if the Hopper
+    kernel without dQ takes the step, since it was measured faster beside that kernel alone;
+    else the dK/dV kernel adds dQ with fp32 atomics. q_shape: (B, Sq, H, Dp)."""
+    required = ops.deterministic or psum
+    choices = [True] if required else [True, False] if ops.dq_own_pass(headdim) else [False]
+    for n, own in enumerate(choices):
+        families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")] if own else [("bwd_dkdv", "key")]
+        hopper = ops.hopper_backward(families[0][0], dtype, headdim, blocks, q_shape, scale,
+                                     [tiled for _, tiled in families])
+        if hopper is not None or n == len(choices) - 1:
+            return families, hopper
+    raise AssertionError("unreachable: the last choice returns")
 
 
 def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],

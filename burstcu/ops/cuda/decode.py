@@ -8,8 +8,8 @@ device; only the entries covering each batch row's valid rows are read, and trus
 The split kernel (`choose_split_variant`): the tensor-core twin `flash_decode_split_mma` where the
 dtype is float16 or bfloat16 and the head dim a multiple of 16 up to 256 (query rows of a kv head,
 H / Hkv x T, under 16 fill a block of 16 with zero rows; `KernelOps.decode_mma_min_rows`, see
-MMA_MIN_ROWS), else the CUDA-core `flash_decode_split`; both write the same workspace. `split_kernel(ops)` names the one
-the op's latest call ran.
+MMA_MIN_ROWS), else the CUDA-core `flash_decode_split`; both write the same workspace.
+`split_kernel(ops)` names the one the op's latest call ran.
 
 Splits (`num_splits`, FlashAttention's heuristic): a launch has B x Hkv x row groups blocks a
 split; when they fill less than 80% of the device's block slots (SMs x `blocks_per_sm`: as many

@@ -78,7 +78,7 @@ SM90_MAX_RECTS = 4
 SM90_MIN_FLOP_PER_RECT = 2e10
 # Native head dims at which the backward on the sm_90a table runs dQ in its own pass (the Hopper
 # dK/dV kernel without dQ, then flash_bwd_dq) even where atomics are allowed: at 256 that pair ran
-# fwd+bwd 1.2-1.45x faster than the Hopper kernel's atomic dQ, at 64 and 128 0.9-1.05x of it
+# fwd+bwd 1.2-1.45x faster than the Hopper kernel's atomic dQ, at 64 and 128 0.90-1.03x of it
 # (bench/results/h200/run7, kernels_bwd_sm90.json: its deterministic rows against the atomic ones).
 SM90_DQ_OWN_PASS_HEADDIMS = (256,)
 
@@ -233,8 +233,10 @@ class KernelOps(LocalOps):
         # the last guard: every table's variants fit the GPUs `_device_table_arch` maps to it,
         # but a table chosen by hand (arch=...) or an unlisted GPU may allow less
         families = ("forward", SM90_FAMILY) if self.arch == "sm_90a" else ("forward",)
-        if backward:
-            families = ("bwd_dkdv_nodq", "bwd_dq") if self.dq_own_pass(headdim) else ("bwd_dkdv",)
+        if backward:   # dQ in a pass of its own, or atomic; both where dq_own_pass prefers one
+            own = ("bwd_dkdv_nodq", "bwd_dq")
+            families = (own if self.deterministic else
+                        ("bwd_dkdv",) + (own if self.dq_own_pass(headdim) else ()))
         for family in families:
             if family == SM90_FAMILY and self.forward_variant("float16", headdim).family != family:
                 continue
@@ -490,10 +492,11 @@ class KernelOps(LocalOps):
         return 4.0 * D * H * B * area / len(blocks) >= SM90_MIN_FLOP_PER_RECT
 
     def dq_own_pass(self, headdim: int) -> bool:
-        """Whether the backward adds dQ in a pass of its own (flash_bwd_dq after the dK/dV kernel
-        without dQ) rather than with fp32 atomics inside the dK/dV kernel: in the deterministic
-        mode, and on the sm_90a table with the Hopper backward on where the head dim runs natively
-        at one of `dq_own_pass_headdims` (SM90_DQ_OWN_PASS_HEADDIMS: where that is faster)."""
+        """Whether the backward prefers dQ in a pass of its own (flash_bwd_dq after the dK/dV
+        kernel without dQ) to fp32 atomics inside the dK/dV kernel: in the deterministic mode, and
+        on the sm_90a table with the Hopper backward on where the head dim runs natively at one of
+        `dq_own_pass_headdims` (SM90_DQ_OWN_PASS_HEADDIMS: where that is faster), which a step
+        takes where the Hopper kernel without dQ runs it (`backward.step_kernels`)."""
         if self.deterministic:
             return True
         return (self.arch == "sm_90a" and self.sm90_backward
