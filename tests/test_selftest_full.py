@@ -75,7 +75,8 @@ def test_ranks_agree_on_the_gpu_backend():
     assert "ran the CPU checks only" in proc.stdout and "cupy" not in proc.stdout
 
 
-@pytest.mark.parametrize("cc,failing", [(90, {"sm_90", "sm_90a"}), (86, {"sm_86"}), (89, {"sm_86"})])
+@pytest.mark.parametrize("cc,failing", [(80, {"sm_80"}), (86, {"sm_86"}), (89, {"sm_86"}),
+                                        (90, {"sm_90", "sm_90a"}), (100, {"sm_90"}), (120, {"sm_86"})])
 def test_local_memory_fails_the_devices_own_tables_only(monkeypatch, cc, failing):
     """`check_variants` on a GPU of compute capability `cc` (mocked: no kernel is built): a kernel
     with local memory fails the tables the device runs as its own (`table_arch_for(cc)`, and

@@ -3,9 +3,9 @@ same device and memory (DLPack views, no copy), in the same run. Implementations
 step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
 kernel table of --archs, dQ mode of --dq-modes and head group of --sm90-head-group, each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
-attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S, S, --width/D, D); CUDA events
-around each call, median of --repeats after --warmup; FLOPs 4BHS^2D forward, 2.5x that backward,
-halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
+attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,
+S, --width/D, D); CUDA events around each call, median of --repeats after --warmup; FLOPs
+4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
 rows (burstcu only, FLOPs of the visible pairs). --dry-run prints the plan without a GPU.
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]

@@ -112,6 +112,12 @@ def test_the_own_dq_pass_at_256_needs_the_hopper_kernel(monkeypatch):
     assert choice(by_key_only) == (["bwd_dkdv"], "bwd_dkdv_sm90_list")
     assert choice(by_key_only, deterministic=True) == (["bwd_dkdv_nodq", "bwd_dq"], None)
     assert choice(one, scale=0.0, deterministic=True) == (["bwd_dkdv_nodq", "bwd_dq"], None)
+    ops = kernel_ops(arch="sm_90a").ops
+    assert [f for f, _ in step_kernels(ops, "float16", 128, one, (1, 64, 2, 128), 0.125, psum=True)[0]] \
+        == ["bwd_dkdv_nodq", "bwd_dq"]                              # check=True's row sums need it
+    nodq = ops.variant("bwd_dkdv_nodq_sm90", "float16", 256)
+    monkeypatch.setitem(kops._SM90_FIRST_USE, ops._first_use_key(nodq), False)   # failed its check
+    assert choice(one) == (["bwd_dkdv"], "bwd_dkdv_sm90")
 
 
 def test_head_dims_padded_to_64_and_128():
@@ -213,8 +219,10 @@ def test_first_use_check(monkeypatch, broken):
     try:
         counts = _counting(ops)
         if broken:
-            with pytest.warns(RuntimeWarning, match="Hopper backward kernel .* failed its first-use"):
+            with pytest.warns(RuntimeWarning, match="Hopper backward kernel .* failed its first-use") as seen:
                 got, ref, naive = run_case(ops, "bfloat16", 64, "small_causal")
+            # at the line that called the op's backward step, not inside burstcu/ops
+            assert all("burstcu/ops" not in w.filename for w in seen), [w.filename for w in seen]
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no warning: it passes

@@ -78,8 +78,9 @@ SM90_MAX_RECTS = 4
 SM90_MIN_FLOP_PER_RECT = 2e10
 # Native head dims at which the backward on the sm_90a table runs dQ in its own pass (the Hopper
 # dK/dV kernel without dQ, then flash_bwd_dq) even where atomics are allowed: at 256 that pair ran
-# fwd+bwd 1.2-1.45x faster than the Hopper kernel's atomic dQ, at 64 and 128 0.90-1.03x of it
-# (bench/results/h200/run7, kernels_bwd_sm90.json: its deterministic rows against the atomic ones).
+# fwd+bwd 1.2-1.45x faster than the Hopper kernel's atomic dQ at S = 4K and 16K (1.01-1.19x at 1K),
+# at 64 and 128 0.90-1.03x of it (bench/results/h200/run7, kernels_bwd_sm90.json: its
+# deterministic rows against the atomic ones).
 SM90_DQ_OWN_PASS_HEADDIMS = (256,)
 
 
@@ -568,7 +569,7 @@ class KernelOps(LocalOps):
                 self.sm90_backward, self.deterministic, self.dq_own_pass_headdims = saved
                 self._sm90_checking.discard(key)
             return list(zip(*grads))
-        return _first_use_check(key, hopper, "backward", run, stacklevel=6)
+        return _first_use_check(key, hopper, "backward", run, stacklevel=7)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
         """forward_step's launches with the step kernel `variant`."""
