@@ -5,8 +5,9 @@ kernel table of --archs, dQ mode of --dq-modes and head group of --sm90-head-gro
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
 attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,
 S, --width/D, D); CUDA events around each call, median of --repeats after --warmup; FLOPs
-4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host seconds alone. --windows W adds causal sliding-window
-rows (burstcu only, FLOPs of the visible pairs). --dry-run prints the plan without a GPU.
+4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host seconds alone.
+--windows W adds causal sliding-window rows (burstcu only, FLOPs of the visible pairs). --dry-run
+prints the plan without a GPU.
 
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
@@ -31,8 +32,8 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
-COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "head_group", *SHAPE, "ms", "host_ms", "tflops",
-           "vs_torch", "cudnn_tflops"]
+COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "head_group", *SHAPE, "ms", "host_ms",
+           "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plan(args) -> list[dict]:

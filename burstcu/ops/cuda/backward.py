@@ -207,15 +207,14 @@ def step_kernels(ops, dtype: str, headdim: int, blocks: Sequence[Block], q_shape
     where `ops.dq_own_pass` prefers one (the sm_90a table at head dim 256) only if the Hopper
     kernel without dQ takes the step, since it was measured faster beside that kernel alone;
     else the dK/dV kernel adds dQ with fp32 atomics. q_shape: (B, Sq, H, Dp)."""
-    required = ops.deterministic or psum
-    choices = [True] if required else [True, False] if ops.dq_own_pass(headdim) else [False]
-    for n, own in enumerate(choices):
-        families = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")] if own else [("bwd_dkdv", "key")]
-        hopper = ops.hopper_backward(families[0][0], dtype, headdim, blocks, q_shape, scale,
-                                     [tiled for _, tiled in families])
-        if hopper is not None or n == len(choices) - 1:
-            return families, hopper
-    raise AssertionError("unreachable: the last choice returns")
+    own_pass, atomic = [("bwd_dkdv_nodq", "key"), ("bwd_dq", "query")], [("bwd_dkdv", "key")]
+    families = own_pass if ops.deterministic or psum or ops.dq_own_pass(headdim) else atomic
+    hopper = ops.hopper_backward(families[0][0], dtype, headdim, blocks, q_shape, scale,
+                                 [tiled for _, tiled in families])
+    if hopper is None and families is own_pass and not (ops.deterministic or psum):
+        families = atomic   # the own pass paid off beside the Hopper kernel only
+        hopper = ops.hopper_backward(families[0][0], dtype, headdim, blocks, q_shape, scale, ["key"])
+    return families, hopper
 
 
 def _launch_each(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
