@@ -346,6 +346,7 @@ template <typename View>
 struct ListCursor {
     View rect;
     const BlockRect* rects;
+    const int2* key_rows;  // a packed list's runs of query rows a key (params.cuh), or null
     int r, end;
 };
 
@@ -370,7 +371,8 @@ __device__ __forceinline__ KeyTiles key_tiles(const BlockRect& r, int m0, int m_
 /// The body of flash_bwd_dkdv (LIST false: the rectangle p.blk) and flash_bwd_dkdv_steps (LIST
 /// true: the rectangles of the block's key-range group, in order). The K/V tile is loaded once;
 /// each rectangle then starts its dK/dV accumulators at 0, loops over its query heads and Q
-/// tiles and adds them into global dK/dV, as a launch of its own would: the same bits.
+/// tiles and adds them into global dK/dV, as a launch of its own would: the same bits (a packed
+/// list, p.key_rows set: the same pairs in other tiles, equal within rounding).
 template <typename T, int D, int BM, int BN, int WARPS_D, bool DQ, bool CAREFUL, bool LIST>
 __device__ __forceinline__ void flash_bwd_dkdv_fold(const BwdStepParams<T>& p) {
     using namespace bwd;
@@ -410,7 +412,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_fold(const BwdStepParams<T>& p) {
     if constexpr (LIST) {
         __shared__ ListCursor<QueryTiles> s_list;
         list = &s_list;
-        if (threadIdx.x == 0) s_list = {cur, mine.rects, r, mine.end};
+        if (threadIdx.x == 0) s_list = {cur, mine.rects, p.key_rows, r, mine.end};
         __syncthreads();
     }
     // the rectangle being run (LIST: each value read from shared memory where it is used) and
@@ -486,7 +488,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_fold(const BwdStepParams<T>& p) {
             // CAREFUL also masks the zero-filled query rows past q_len: lse2 = +inf gives them P = 0
             // only while S is finite, and a NaN key makes their S = 0 . NaN = NaN
             const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
-                                (CAREFUL && m0 + BM > q_len);
+                                (CAREFUL && m0 + BM > q_len) || (LIST && list->key_rows != nullptr);
             // One copy of this loop per case (see flash_bwd_dq): tiles without masked pairs skip the test.
             auto scores_to_p = [&](auto mask) {
 #pragma unroll
@@ -502,6 +504,25 @@ __device__ __forceinline__ void flash_bwd_dkdv_fold(const BwdStepParams<T>& p) {
                             pv = 0.f;
                         s[j][e] = pv;
                     }
+                // a packed list (params.cuh): P = 0 too where the query row lies outside the run of
+                // rows that see this thread's key, after the exponentials, reading the run (and the
+                // pointer, from the cursor) where each element is tested: a run held in registers
+                // through the loop took the d = 256 kernel on the sm_90 table past 255 registers
+                if constexpr (LIST && decltype(mask)::value) {
+                    const int2* __restrict__ key_rows = list->key_rows;
+                    if (key_rows != nullptr) {
+#pragma unroll
+                        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int key = n0 + wn * 16 + g + (e >> 1) * 8;
+                                const int qi = q_start + m0 + j * 8 + 2 * t + (e & 1);
+                                const volatile int* run = reinterpret_cast<const volatile int*>(
+                                    key_rows + k_start + min(key, k_len - 1));
+                                if (key >= k_len || qi < run[0] || qi >= run[1]) s[j][e] = 0.f;
+                            }
+                    }
+                }
             };
             if (masked)
                 scores_to_p(Case<true>{});
@@ -620,7 +641,8 @@ flash_bwd_dkdv_steps(const __grid_constant__ BwdStepParams<T> p) {
 /// true: the rectangles of the block's query-range group, in order). The Q, dO tile and the
 /// rows' lse, delta are read once; each rectangle then starts its dQ accumulator (and row sums
 /// of P) at 0, streams its own K/V tiles and adds them into global dQ (and psum), as a launch
-/// of its own would: the same bits.
+/// of its own would: the same bits (a packed list, p.row_keys set: the same pairs in other
+/// tiles, equal within rounding).
 template <typename T, int D, int BM, int BN, int WARPS_D, bool CAREFUL, bool LIST>
 __device__ __forceinline__ void flash_bwd_dq_fold(const BwdStepParams<T>& p) {
     using namespace bwd;
@@ -641,6 +663,8 @@ __device__ __forceinline__ void flash_bwd_dq_fold(const BwdStepParams<T>& p) {
     const long long st_sb = p.stat_stride.b, st_sh = p.stat_stride.h;
     const int H = p.H, Hkv = p.Hkv;
     const float scale = p.scale;
+    // a packed list (params.cuh): each query row's run of keys masks too, in every tile
+    const int2* __restrict__ row_keys = LIST ? p.row_keys : nullptr;
     const LaunchRects mine = launch_rects<LIST>(p);
     constexpr int WM = BM / 16, NW = WM * WARPS_D, NT = NW * 32, DW = D / WARPS_D;
     constexpr int LD = D + 8;
@@ -723,22 +747,44 @@ __device__ __forceinline__ void flash_bwd_dq_fold(const BwdStepParams<T>& p) {
 
             float s[BN / 8][4];  // S, then P (16 queries x BN keys per warp)
             gemm_nt<T, BN, D>(s, sQ, wm * 16, k_s, LD);
-            const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo);
+            const bool masked = tile_needs_mask(m0, BM, n0, BN, k_len, q_pos, k_pos, hi, lo) ||
+                                row_keys != nullptr;
             // One copy of this loop per case, so that the tiles without masked pairs (all but the
             // diagonal and the ragged ends) run without the test. As one loop testing a run-time
             // `masked`, the split was left to the compiler's heuristics, which stopped making it
             // when the arguments became a struct: about 40 more registers at D = 128 (NVRTC 13.0,
             // sm_80).
             auto scores_to_p = [&](auto mask) {
+                // LIST: the keys key_first[hf] .. key_last[hf] of the rectangle this thread's row hf may
+                // see: its bounds, k_len and (packed) its run of keys (a row past q_len: none)
+                int key_first[2] = {0, 0}, key_last[2] = {0, 0};
+                if constexpr (LIST && decltype(mask)::value) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int qi = m0 + wm * 16 + g + hf * 8;
+                        key_first[hf] = q_pos + qi - lo - k_pos;
+                        key_last[hf] = min(k_len - 1, q_pos + qi + hi - k_pos);
+                        if (row_keys != nullptr) {
+                            const int2 run = qi < q_len ? row_keys[q_start + qi] : make_int2(0, 0);
+                            key_first[hf] = max(key_first[hf], run.x - k_start);
+                            key_last[hf] = min(key_last[hf], run.y - 1 - k_start);
+                        }
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int qi = m0 + wm * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
                         float pv = exp2f(s[j][e] * scale_log2 - lse2[e >> 1]);
-                        if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
-                                                      k_pos + key < q_pos + qi - lo))
-                            pv = 0.f;
+                        if constexpr (LIST) {
+                            if (decltype(mask)::value && (key < key_first[e >> 1] || key > key_last[e >> 1]))
+                                pv = 0.f;
+                        } else {
+                            if (decltype(mask)::value && (key >= k_len || k_pos + key > q_pos + qi + hi ||
+                                                          k_pos + key < q_pos + qi - lo))
+                                pv = 0.f;
+                        }
                         s[j][e] = pv;
                     }
             };

@@ -97,10 +97,13 @@ SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
 MASKS AND NON-FINITE INPUTS
 Masks are flash_bwd_dkdv's: P = 0 at masked pairs and at keys past k_len (the element test; LIST
 false: TMA's zeros there give S = 0); rows past q_len get lse2 = +inf (LIST false: they also read
-zeros), so P = dS = 0. Only the tiles a bound or a ragged end cuts run the element test. A step
-with masked pairs (LIST: or rows that end inside a tile, whose neighbours the whole-array maps
-read) whose inputs may hold Inf/NaN runs flash_bwd.cu's CAREFUL twin instead (the nonfinite flag:
-this kernel returns at once when it is set), the launch pair of burstcu/ops/cuda/backward.py.
+zeros), so P = dS = 0. Only the tiles a bound or a ragged end cuts run the element test. A packed
+list (LIST, p.key_rows set: params.cuh; one rectangle a group, no key bound) runs it in every
+tile, each key kept only for the query rows of its run: dK, dV within rounding of the rectangles'
+launches, not their bits. A step with masked pairs (LIST: or rows that end inside a tile, whose
+neighbours the whole-array maps read, or a packed list) whose inputs may hold Inf/NaN runs
+flash_bwd.cu's CAREFUL twin instead (the nonfinite flag: this kernel returns at once when it is
+set), the launch pair of burstcu/ops/cuda/backward.py.
 
 BUILD
     python -m burstcu.build check --arch sm_90a --family bwd_dkdv_sm90,bwd_dkdv_nodq_sm90,\
@@ -456,16 +459,32 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     // key - query position at the warpgroup's first key and the tile's first row: every offset
     // of the tile is this + (key - n0_wg) - qi
     const int corner = rect.k_pos - rect.q_pos + n0_wg - m0;
+    const int2* key_rows = LIST ? p.key_rows : nullptr;  // a packed list's (params.cuh): every tile
     const bool need_mask = n0_wg + kWgKeys > rect.k_len || corner + kWgKeys - 1 > rect.hi ||
-                           corner - (BM - 1) < -rect.lo;
+                           corner - (BM - 1) < -rect.lo || key_rows != nullptr;
     if (need_mask) {
+      // LIST: key key0 (+8) is seen by the tile's query rows [q_first, q_end) (all of them, or,
+      // packed, its run's; a key past k_len by none), loaded here: no registers held across tiles
+      int q_first[2] = {0, 0}, q_end[2] = {BM, BM};
+      if (key_rows != nullptr) {
+#pragma unroll
+        for (int hk = 0; hk < 2; ++hk) {
+          const int key = key0 + 8 * hk;
+          const int2 run = key < rect.k_len ? key_rows[rect.k_start + key] : make_int2(0, 0);
+          const int q0 = rect.q_start + m0;
+          q_first[hk] = run.x - q0;
+          q_end[hk] = run.y - q0;
+        }
+      }
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int key = key0 + (i >= 2 ? 8 : 0), qi = 8 * j + 2 * tq + (i & 1);
           const int offset = corner + key - n0_wg - qi;  // key - query position
-          if (key >= rect.k_len || offset > rect.hi || offset < -rect.lo) st[4 * j + i] = -INFINITY;
+          if (key >= rect.k_len || offset > rect.hi || offset < -rect.lo ||
+              (LIST && (qi < q_first[i / 2] || qi >= q_end[i / 2])))
+            st[4 * j + i] = -INFINITY;
         }
     }
 #pragma unroll
@@ -579,7 +598,8 @@ flash_bwd_dkdv_sm90(const __grid_constant__ BwdStepSm90Params p) {
 /* flash_bwd_dkdv_sm90 over a ring step's rectangle list in one launch: p.rects, p.groups, p.n_groups
    grouped by key range (burstcu.ops.cuda.params.step_group_lists, tiles of kBlockN keys), tensor
    maps of the whole q, dO, k and v arrays (box rows as flash_bwd_dkdv_sm90's); grid (the groups'
-   key tiles, Hkv, B); the rest as flash_bwd_dkdv_sm90. */
+   key tiles, Hkv, B); the rest as flash_bwd_dkdv_sm90. p.key_rows set (a packed list): each key is
+   seen by its run of query rows only. */
 template <typename T, int D, int BM, int STAGES, bool DQ>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
 flash_bwd_dkdv_steps_sm90(const __grid_constant__ BwdStepSm90Params p) {

@@ -202,7 +202,8 @@ __device__ __forceinline__ RectView rect_view(const BlockRect& r, int q_pos, int
      in order (each streams its own K/V tiles through the same smem stages) and writes the state
      once; grid (the groups' query tiles together, H, B). The result is what one flash_fwd_step
      launch a rectangle, in that order, computes, bit for bit: the state stays in fp32 registers
-     between rectangles as it would in fp32 memory.
+     between rectangles as it would in fp32 memory. A packed list (p.row_keys set, params.cuh)
+     folds the same pairs in other tiles: the same result within rounding, not bit for bit.
    p.nonfinite: device int, nonzero when an operand of a tile with masked pairs may hold Inf/NaN
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
      stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
@@ -234,6 +235,8 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   const long long ml_sb = p.ml_stride.b, ml_sh = p.ml_stride.h;
   const int H = p.H, Hkv = p.Hkv;
   const float scale_log2 = p.scale_log2;
+  // a packed list (params.cuh): each query row's run of keys masks too, in every tile
+  const int2* __restrict__ row_keys = LIST ? p.row_keys : nullptr;
 
   // this block's rectangles: p.blk alone, or its group's (LIST)
   const BlockRect* rects = nullptr;
@@ -323,7 +326,7 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
 
   while (true) {  // one pass a live rectangle (once for flash_fwd_step)
-    const int k_len = cur.k_len, k_pos = cur.k_pos, hi = cur.hi, lo = cur.lo;
+    const int k_start = cur.k_start, k_len = cur.k_len, k_pos = cur.k_pos, hi = cur.hi, lo = cur.lo;
     const int n_keys = cur.n_keys, tile_begin = cur.tile_begin, n_tiles = cur.n_tiles;
     for (int tile = tile_begin; tile < n_tiles; ++tile) {
       const int stage = (tile - tile_begin) % 2, n0 = tile * BLOCK_N;
@@ -352,9 +355,27 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
         const T* kt = sK0 + stage * kStage;
         gemm_qk<T, kNTiles, kKChunks, kQInRegs>(s, qf, q_frag_row, kt, kStride, k_frag_row, k_frag_col);
 
-        // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal
+        // ---- scale into base-2 units; mask only tiles that straddle k_len or the diagonal (a
+        // packed list: every tile)
         const bool need_mask = n0 + BLOCK_N > n_keys || k_pos + n0 + BLOCK_N - 1 > q_pos + w0 + hi ||
-                               k_pos + n0 < q_pos + w0 + 15 - lo;
+                               k_pos + n0 < q_pos + w0 + 15 - lo || row_keys != nullptr;
+        // LIST: row r2 keeps the keys first[r2] .. last[r2] of the rectangle: its bounds and
+        // k_len, and (packed) its run of keys (a row past q_len: none). The one-rectangle kernel
+        // keeps the test of the bounds an element: as per-row values it took more registers
+        // (138 against 128 at d = 64 on sm_80, one block a SM instead of two).
+        int first[2] = {0, 0}, last[2] = {0, 0};
+        if (LIST && need_mask) {
+#pragma unroll
+          for (int r2 = 0; r2 < 2; ++r2) {
+            first[r2] = q_pos + row[r2] - lo - k_pos;
+            last[r2] = min(k_len - 1, q_pos + row[r2] + hi - k_pos);
+            if (row_keys != nullptr) {
+              const int2 run = row_ok[r2] ? row_keys[q_start + row[r2]] : make_int2(0, 0);
+              first[r2] = max(first[r2], run.x - k_start);
+              last[r2] = min(last[r2], run.y - 1 - k_start);
+            }
+          }
+        }
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
@@ -363,8 +384,9 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
             if (need_mask) {
               const int key = n0 + 8 * j + 2 * t + (e & 1);
               const int qr = row[e / 2];
-              const bool keep = key < k_len && k_pos + key <= q_pos + qr + hi &&
-                                k_pos + key >= q_pos + qr - lo;
+              const bool keep = LIST ? key >= first[e / 2] && key <= last[e / 2]
+                                     : key < k_len && k_pos + key <= q_pos + qr + hi &&
+                                           k_pos + key >= q_pos + qr - lo;
               x = keep ? x : fwd::neg_inf();
             }
             s[j][e] = x;

@@ -42,12 +42,12 @@ across rectangles, and a consumer issues the next rectangle's first Q K^T togeth
 P V of the one before, the software pipeline unbroken. Each rectangle's masks are its own (its
 k_pos - q_pos, lo, hi, k_len). At a rectangle's first tile the consumers reduce their partial row
 sums over the row group (thread tq == 0 keeps the sum) as writing and re-reading the state
-between two launches would, so a list gives the state of one launch a rectangle bit for bit. The
-Q tile is freed after the last live rectangle's last Q K^T. Rows past a rectangle's k_len are
-now the arrays' next rows, not zeros: their scores are masked (-inf whatever K holds), and a
-non-finite V there would reach a row as 0 x Inf, so a list with a key count off BLOCK_N launches
-the careful pair as a list with masked pairs does (KernelOps._fold). Rows past q_len are another
-group's: they are computed and never written.
+between two launches would, so a list gives the state of one launch a rectangle bit for bit (a
+packed list within rounding: MASKS below). The Q tile is freed after the last live rectangle's
+last Q K^T. Rows past a rectangle's k_len are now the arrays' next rows, not zeros: their scores
+are masked (-inf whatever K holds), and a non-finite V there would reach a row as 0 x Inf, so a
+list with a key count off BLOCK_N launches the careful pair as a list with masked pairs does
+(KernelOps._fold). Rows past q_len are another group's: they are computed and never written.
 
 PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
     producer:  Q -> [q_full]      K_j -> [k_full[s]]  V_j -> [v_full[s]]   waits [kv_empty[s]]
@@ -80,8 +80,11 @@ SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel
 MASKS AND THE CAREFUL TWIN
 Masks are flash_fwd_step's: scores of masked pairs are -inf whatever K holds, rows and keys past
 q_len / k_len read zeros (the tensor maps cover only the rectangle, and TMA fills outside them with
-zeros). A non-finite V at a masked key would still reach a row through 0 x Inf in P V: blocks with
-masked pairs launch the pair <..., false> and <..., true> (CAREFUL), and the nonfinite flag runs
+zeros). A packed list (LIST, p.row_keys set: params.cuh; one rectangle a group, no key bound)
+masks each query row to its run of keys too, in every tile; its tiles cut the keys otherwise than
+the rectangles' launches, so its state is theirs within rounding, not bit for bit. A non-finite V
+at a masked key would still reach a row through 0 x Inf in P V: blocks with masked pairs (and
+packed lists) launch the pair <..., false> and <..., true> (CAREFUL), and the nonfinite flag runs
 exactly one. In the CAREFUL twin the whole producer warpgroup waits for each V tile, replaces its
 Inf/NaN values by 0 and records, per head dim, the keys where they were (BLOCK_N bits each, after
 the V stages in shared memory), then fences the generic-proxy writes (fence.proxy.async), meets at
@@ -518,19 +521,28 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
     // returns the rescale factors of O in alpha. m is in scaled units (the state's); the max is
     // taken over the raw scores (max(S) * scale = max(S * scale): rounding is monotonic) so that
     // the scale folds into one FFMA an element. Only tiles that cross a bound run the mask, in a
-    // loop of their own: a test inside the element loop costs a branch region an element.
+    // loop of their own: a test inside the element loop costs a branch region an element. A packed
+    // list (params.cuh) runs it in every tile.
     auto softmax = [&](int j, float alpha[2]) {
       const int n0 = j * BLOCK_N;
+      const int2* row_keys = LIST ? p.row_keys : nullptr;  // a constant-bank operand, none held
       const bool need_mask = n0 + BLOCK_N > rect.k_len ||
                              rect.k_pos + n0 + BLOCK_N - 1 > rect.q_pos + wg_row0 + rect.hi ||
-                             rect.k_pos + n0 < rect.q_pos + wg_row0 + kWgRows - 1 - rect.lo;
+                             rect.k_pos + n0 < rect.q_pos + wg_row0 + kWgRows - 1 - rect.lo ||
+                             row_keys != nullptr;
       if (need_mask) {
-        // row r keeps the keys first[r] .. last[r] of this tile (flash_fwd_step's bounds)
+        // row r keeps the keys first[r] .. last[r] of this tile (flash_fwd_step's bounds; packed,
+        // within the row's run of keys too, loaded here: L1 hits, no registers held across tiles)
         int first[2], last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           first[r] = rect.q_pos + row[r] - rect.lo - rect.k_pos - n0;
           last[r] = min(rect.k_len - 1, rect.q_pos + row[r] + rect.hi - rect.k_pos) - n0;
+          if (row_keys != nullptr) {  // a row past q_len (another group's) sees no key
+            const int2 run = row_ok[r] ? row_keys[rect.q_start + row[r]] : make_int2(0, 0);
+            first[r] = max(first[r], run.x - rect.k_start - n0);
+            last[r] = min(last[r], run.y - rect.k_start - 1 - n0);
+          }
         }
 #pragma unroll
         for (int jj = 0; jj < BLOCK_N / 8; ++jj)
@@ -748,9 +760,10 @@ flash_fwd_step_sm90(const __grid_constant__ FwdStepSm90Params p) {
    p.n_groups; burstcu.ops.cuda.params.step_groups with tiles of 128 rows), q_map, k_map, v_map
    over the whole q, k, v arrays. Work item t (a group's query tile, head, batch; p.n_tiles =
    the groups' tiles x H x B) folds its group's rectangles in order, as one flash_fwd_step_sm90
-   launch each would, bit for bit. Launched as flash_fwd_step_sm90 (the same smem, block, grid
-   min(p.n_tiles, SMs)) and with its careful twin where the list has masked pairs or a key
-   count off the tiles (rows past k_len are the next rows of the arrays, not zeros). */
+   launch each would, bit for bit (p.row_keys set, a packed list: each row within its run of keys
+   too, the same pairs in other tiles, equal within rounding). Launched as flash_fwd_step_sm90 (the same smem, block, grid min(p.n_tiles, SMs)) and
+   with its careful twin where the list has masked pairs, a key count off the tiles (rows past
+   k_len are the next rows of the arrays, not zeros) or is packed. */
 template <typename T, int HEADDIM, int BLOCK_N, int STAGES, bool CAREFUL = false>
 __global__ void __launch_bounds__(fwd90::kThreads, 1)
 flash_fwd_steps_sm90(const __grid_constant__ FwdStepSm90Params p) {

@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here, BwdStepSm90Params, takes 704 bytes (BwdStepParams 272).
+// here, BwdStepSm90Params, takes 704 bytes (BwdStepParams 288).
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is
@@ -81,6 +81,8 @@ struct FwdStepParams {
   const int* groups;      // (2 n_groups + 2): group g's rectangles are rects[groups[g] ..
                           // groups[g + 1]), its query tiles blockIdx.x in [groups[n_groups + 1 + g],
                           // groups[n_groups + 2 + g])
+  const int2* row_keys;   // null, or (a packed list, below) query row i sees only the key rows
+                          // [row_keys[i].x, row_keys[i].y) besides its rectangle's bounds
   int n_groups;
 };
 
@@ -117,6 +119,7 @@ struct FwdStepSm90Params {
   int n_groups;
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as FwdStepParams.groups
+  const int2* row_keys;   // null, or a packed list's key rows of each query row (FwdStepParams')
 };
 
 // flash_bwd_dkdv_sm90: BwdStepParams' dK/dV fold (with atomic dQ) with Q, dO, K and V read
@@ -147,6 +150,7 @@ struct BwdStepSm90Params {
   int n_groups;
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as BwdStepParams.groups
+  const int2* key_rows;   // null, or a packed list's query rows of each key row (BwdStepParams')
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.
@@ -218,8 +222,23 @@ struct BwdStepParams {
   const BlockRect* rects;   // the rectangles, group by group, each group in the step's order
   const int* groups;        // (2 n_groups + 2): as FwdStepParams.groups, tiles of BN keys
                             // (dK/dV) or of BM queries (dQ)
+  const int2* row_keys;     // null, or a packed list's key rows of each query row (the dQ
+                            // kernels read it; FwdStepParams')
+  const int2* key_rows;     // null, or a packed list's query rows of each key row: key row j is
+                            // seen only by query rows [key_rows[j].x, key_rows[j].y) (dK/dV)
   int n_groups;
 };
+
+// A PACKED list (burstcu/ops/cuda/packing.py) is a step of many small rectangles (the documents
+// of a packed sequence) re-cut into tiles: each group is one tile of rows (query rows for
+// FwdStepParams and the dQ kernels, key rows for dK/dV) with one rectangle over every row and
+// key the tile's rows see and no key bound (hi = lo = NO_BOUND); which pairs are kept comes from
+// per-row intervals instead. Every query row i of a step sees one run of key rows,
+// [row_keys[i].x, row_keys[i].y) (empty: x == y), and both ends never decrease with i; so every
+// key row j is seen by one run of query rows, [key_rows[j].x, key_rows[j].y). A tile of a packed
+// list holds pieces of several documents, where the rectangles would run one mostly empty tile
+// each. Rows and keys are absolute (indices into the S dim of q and of k); a kernel tests the
+// interval of the rows it holds in every tile (its mask path), a pair kept iff both tests pass.
 
 // The group of a rectangle-list launch (FwdStepParams / BwdStepParams: rects, groups, n_groups)
 // whose tiles hold `tile` (blockIdx.x): the last group whose first tile is <= tile, found by a

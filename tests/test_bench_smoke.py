@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -441,14 +442,18 @@ def test_gpu_benchmarks_plan_without_a_gpu():
     out = run_bench("gpu/step_lists.py", ["--dry-run", "--seqlen", "65536", "--docs", "241"], nprocs=None)
     assert "plan: fwd and bwd, zigzag, 241 documents over 65536 tokens on 4 ranks" in out
     assert "plan: fwd and bwd, contiguous, 0" in out
+    # the packing model's tiles: fewer packed for the documents, the same for one sequence
+    tiles = [tuple(map(int, re.findall(r"(\d+) a rectangle each, (\d+) packed", line)[0]))
+             for line in out.splitlines() if line.startswith("plan:")]
+    assert tiles[0][1] < tiles[0][0] and tiles[1][1] == tiles[1][0], tiles
 
 
 @pytest.mark.emulated
 def test_step_lists_on_the_emulator(tmp_path):
     """bench/gpu/step_lists.py through the emulator (its smoke test; GPU figures come from a
-    GPU): per-document zigzag steps take fewer launches as lists than one a rectangle, forward
-    and backward, on the Hopper table's list kernels; the kept pairs are the layouts' own,
-    contiguous is its own reference."""
+    GPU): per-document zigzag steps take fewer launches as lists (packed or a tile a rectangle)
+    than one a rectangle, forward and backward, on the Hopper table's list kernels; the kept
+    pairs are the layouts' own, contiguous is its own reference."""
     js = tmp_path / "sl.json"
     out = run_bench("gpu/step_lists.py", ["--backend", "emulated", "--ranks", "2", "--seqlen", "256",
                                           "--docs", "5", "--heads", "2", "--headdim", "64",
@@ -460,8 +465,10 @@ def test_step_lists_on_the_emulator(tmp_path):
         ("fwd", "zigzag"), ("fwd", "contiguous"), ("bwd", "zigzag"), ("bwd", "contiguous")]
     for (zigzag, contiguous), kernel in zip((rows[:2], rows[2:]),
                                             ("flash_fwd_steps_sm90", "flash_bwd_dkdv_steps_sm90")):
-        assert zigzag["docs"] == 5 and kernel in zigzag["list_kernels"], zigzag
+        assert zigzag["docs"] == 5 and kernel in zigzag["kernels_packed"], zigzag
+        assert kernel in zigzag["kernels_list"], zigzag
         assert zigzag["launches_list"] < zigzag["launches_per_rect"] and zigzag["rectangles"] > 4
+        assert zigzag["launches_packed"] < zigzag["launches_per_rect"]
         assert contiguous["kept_pairs"] == 256 * 257 // 2            # causal over the 256 tokens
         assert 0 < zigzag["kept_pairs"] < contiguous["kept_pairs"]    # within documents only
 

@@ -168,7 +168,8 @@ def test_packed_documents_run_the_hopper_list_kernels_on_the_ring(world):
     """Packed documents (per-document zigzag and contiguous shards, causal and not) on the
     Hopper kernel table (arch="sm_90a", head dim 64): a step's many rectangles go to the Hopper
     list kernels in one launch, forward (flash_fwd_steps_sm90) and dK/dV (flash_bwd_dkdv_steps_sm90,
-    with atomic dQ), and out, lse, dq, dk, dv match float64 on every rank."""
+    with atomic dQ), packed into the kernels' tiles where they are small (ops/cuda/packing.py),
+    and out, lse, dq, dk, dv match float64 on every rank."""
     cases = [{"causal": True, "layout": "zigzag", "doc_lengths": MIX},
              {"causal": False, "layout": "contiguous", "doc_lengths": MIX}]
     for rank, result in enumerate(run_mpi(world, BODY, timeout=600, backend="emulated",
@@ -176,3 +177,4 @@ def test_packed_documents_run_the_hopper_list_kernels_on_the_ring(world):
                                           options={"arch": "sm_90a"})):
         assert {"flash_fwd_steps_sm90", "flash_bwd_dkdv_steps_sm90"} <= set(result["kernels"]), \
             (rank, result)
+        assert result["packed"] > 0, (rank, result)

@@ -1,6 +1,7 @@
 """The host side of a varlen ring schedule, one process: medians over --repeats builds of the
 per-document zigzag partition of --docs documents (a seeded long-tailed mix) over --ranks ranks
-and of each causal ring step's rectangles, with the kernels' lists too (bench/README.md).
+and of each causal ring step's rectangles, with the kernels' lists too, packed where that pays
+(burstcu/ops/cuda/packing.py) and not (bench/README.md).
 
     python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F] [--table F]
 """
@@ -38,13 +39,13 @@ def main(argv=None):
     def ms(f) -> float:   # median milliseconds of a call
         return 1e3 * C.median(C.call_seconds(f, args.repeats, warmup=0))
 
-    def cold(q: int, steps, lists: bool = False) -> None:   # rank q's steps, nothing of this
-        _rank_pieces.cache_clear()                           # partition computed before
+    def cold(q: int, steps, lists: bool = False, pack: bool = False) -> None:
+        _rank_pieces.cache_clear()   # rank q's steps, nothing of this partition computed before
         _document_bounds.cache_clear()
         for s in steps:
             step = StepBlocks(build(part, q, (q - s) % g, True, (-1, -1), cu))
             for groupings in LISTS if lists else ():   # both from the one step, as the ops do
-                step_group_lists(np, step, groupings)
+                step_group_lists(np, step, groupings, pack)
 
     part = partition("zigzag", g, n, cu)
     fresh = lambda: Partition(part.layout, part.runs)   # noqa: E731 - nothing computed yet
@@ -56,6 +57,8 @@ def main(argv=None):
     r.update(step_ms_median=C.median(steps.values()), step_ms_max=max(steps.values()),
              rank_steps_ms_max=max(ms(lambda q=q: cold(q, range(g))) for q in range(g)),
              rank_steps_lists_ms_max=max(ms(lambda q=q: cold(q, range(g), True)) for q in range(g)),
+             rank_steps_packed_ms_max=max(ms(lambda q=q: cold(q, range(g), True, True))
+                                          for q in range(g)),
              all_steps_ms=ms(lambda: [cold(q, range(g)) for q in range(g)]),
              rectangles_per_step_median=C.median(rects), rectangles_max=max(rects))
     shown = [("partition (every rank's pieces)", "partition_ms"),
@@ -65,6 +68,7 @@ def main(argv=None):
              ("one step's rectangle array, worst", "step_ms_max"),
              (f"one rank's {g} steps, worst rank", "rank_steps_ms_max"),
              (f"one rank's {g} steps with the kernels' lists, worst rank", "rank_steps_lists_ms_max"),
+             ("the same, packed where that pays", "rank_steps_packed_ms_max"),
              (f"all {g}x{g} arrays", "all_steps_ms"),
              ("one step's array as Blocks (what the NumPy op iterates)", "step_as_blocks_ms")]
     text = "\n".join([f"host schedule: {len(cu) - 1} documents, {n} tokens, per-document zigzag over {g} "

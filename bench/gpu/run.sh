@@ -12,7 +12,8 @@
 # (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN; hopper_bwd_profile: the same over the
 # Hopper dK/dV kernel; hopper_ring: the 4-rank ring on the Hopper kernels), small_parts and
 # bwd_small_parts (every kernel's duration in a short forward / fwd+bwd call), host_profile
-# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), decode_tests.
+# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), decode_tests, packed (the
+# packed rectangle lists' kernel tests on the GPU).
 # Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
 # every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
 set -u
@@ -112,6 +113,7 @@ for s in "${steps[@]}"; do
     steplists) step steplists 300 $STEPLISTS --json "$OUT/step_lists.json" \
       --table "$LOGS/step_lists.txt" ${STEPLISTS_ARGS:-} ;;
     lists) step lists 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=${LISTS_ARCH:-sm_90} $PYTEST120 $FWD $INERT ;;
+    packed) step packed 180 $KTEST $PYTEST120 tests/kernels/test_packed_lists_emulated.py ;;
     bwd) step bwd 180 $KTEST $PYTEST120 $BWD ;;
     steplists_mmalist) step steplists_mmalist 300 $STEPLISTS --mma-list \
       --json "$OUT/step_lists_mmalist.json" --table "$LOGS/step_lists_mmalist.txt" ${STEPLISTS_ARGS:-} ;;

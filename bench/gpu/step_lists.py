@@ -1,6 +1,8 @@
-"""A ring step's rectangles in one launch against one launch a rectangle, every (rank, step) of a
-causal ring under per-document zigzag and under contiguous (bench/README.md); CUDA events on a GPU,
-median of --repeats; --backend emulated: host seconds, never GPU figures.
+"""A ring step's rectangles in one launch, packed into the kernels' tiles (burstcu/ops/cuda/packing.py)
+and a tile a rectangle, against one launch a rectangle, every (rank, step) of a causal ring under
+per-document zigzag and under contiguous (bench/README.md); CUDA events on a GPU, median of
+--repeats; --backend emulated: host seconds, never GPU figures. --dry-run also counts the tiles
+each way would run (the packing model's count, no kernel runs).
 
     python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90]
                                    [--passes fwd bwd] [--json F]
@@ -20,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench._common import (array_dtype, call_seconds, clean, document_mix, emit, median,  # noqa: E402
                            progress, table)
 
-WAYS = ("list", "per_rect")   # a step's rectangles in one step call, or a step call each
+# a step's rectangles in one step call (packed where that pays, or a tile a rectangle), or a step
+# call each
+WAYS = ("packed", "list", "per_rect")
 STEP_KERNELS = {"fwd": ("flash_fwd_step",), "bwd": ("flash_bwd_dkdv", "flash_bwd_dq")}
 
 
@@ -41,8 +45,8 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
     part = layout.partition(layout_name, args.ranks, args.seqlen, docs)
     rng, dtype = np.random.default_rng(0), array_dtype(args.dtype)
     row = {"pass": passes, "layout": layout_name, "docs": 0 if docs is None else len(docs) - 1,
-           "list_ms": 0.0, "per_rect_ms": 0.0, "rectangles": 0, "launches_list": 0,
-           "launches_per_rect": 0, "kept_pairs": 0}
+           "rectangles": 0, "kept_pairs": 0} | {f"{key}_{way}": 0 for way in WAYS
+                                                 for key in ("ms", "launches")}
     now = {"way": "list", "launches": 0}
     kernels: dict[str, set] = {way: set() for way in WAYS}   # the step kernels each way ran
 
@@ -72,22 +76,25 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
                 else:
                     ctx = ops.backward_init(k, v, args.headdim ** -0.5)
                     run = partial(ops.backward_step, ctx, q, dout, lse, delta, xp.zeros(q.shape, np.float32))
-                ways = {"list": lambda: run(blocks), "per_rect": lambda: [run([b]) for b in blocks]}
+                ways = {"packed": lambda: run(blocks), "list": lambda: run(blocks),
+                        "per_rect": lambda: [run([b]) for b in blocks]}
                 for way, fn in ways.items():
                     now["way"] = way
+                    ops.pack_lists = way == "packed"
                     fn()                                   # compiles, and a warm-up
                     now["launches"] = 0
                     fn()
                     row[f"launches_{way}"] += now["launches"]
                     seconds = call_seconds(fn, args.repeats, 0, cuda=cuda, after=None if cuda else ops.sync)
-                    row[f"{way}_ms"] += median(seconds) * 1e3
+                    row[f"ms_{way}"] += median(seconds) * 1e3
                 row["rectangles"] += len(blocks)
                 row["kept_pairs"] += layout.kept_pairs(blocks)
             progress(f"{layout_name}: rank {qr + 1}/{args.ranks}")
     finally:
         ops.function = function
-    row.update({f"{way}_kernels": " + ".join(sorted(kernels[way])) for way in WAYS})
-    return row | {f"{way}_ns_per_pair": row[f"{way}_ms"] * 1e6 / max(row["kept_pairs"], 1) for way in WAYS}
+        ops.pack_lists = True
+    row.update({f"kernels_{way}": " + ".join(sorted(kernels[way])) for way in WAYS})
+    return row | {f"ns_per_pair_{way}": row[f"ms_{way}"] * 1e6 / max(row["kept_pairs"], 1) for way in WAYS}
 
 
 def main(argv=None):
@@ -115,14 +122,21 @@ def main(argv=None):
     docs = exact_mix(args.seqlen, args.docs)
     if args.dry_run:
         from burstcu import layout
+        from burstcu.ops.cuda import packing
+        from burstcu.ops.cuda.params import _rect_columns, packed_list
 
         for name, cut in (("zigzag", docs), ("contiguous", None)):
             part = layout.partition(name, args.ranks, args.seqlen, cut)
-            n = sum(len(layout.blocks(part, qr, kr, True, (-1, -1), cut))
-                    for qr in range(args.ranks) for kr in range(args.ranks))
+            steps = [layout.blocks(part, qr, kr, True, (-1, -1), cut)
+                     for qr in range(args.ranks) for kr in range(args.ranks)]
+            listed = sum(packing.list_tiles(_rect_columns(b), 128) for b in steps if b)
+            packed = sum(p.work if (p := packed_list(b, "query", 128)) else
+                         packing.list_tiles(_rect_columns(b), 128) for b in steps if b)
             print(f"plan: {' and '.join(args.passes)}, {name}, {0 if cut is None else len(cut) - 1} "
-                  f"documents over {args.seqlen} tokens on {args.ranks} ranks: {n} rectangles in "
-                  f"{args.ranks * args.ranks} (rank, step) pairs, each timed both ways")
+                  f"documents over {args.seqlen} tokens on {args.ranks} ranks: "
+                  f"{sum(map(len, steps))} rectangles in {len(steps)} (rank, step) pairs, each timed "
+                  f"{len(WAYS)} ways; query tiles of 128 x 128 keys (model): {listed} a rectangle "
+                  f"each, {packed} packed where that pays")
         return None
     from burstcu.ops.cuda import KernelOps
 
@@ -134,15 +148,15 @@ def main(argv=None):
                               measure(args, ops, "contiguous", None, passes))
         for row in (zigzag, contiguous):
             row["arch"] = ops.arch
-            row["vs_contiguous_per_pair"] = row["list_ns_per_pair"] / contiguous["list_ns_per_pair"]
+            row["vs_contiguous_per_pair"] = row["ns_per_pair_packed"] / contiguous["ns_per_pair_packed"]
         rows += [zigzag, contiguous]
     where = ("GPU (CUDA events around each step call)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
     text = (f"step calls of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
             f"D={args.headdim} {args.dtype}, on {where}; sums over every (rank, step)\n"
-            + table(rows, ["arch", "pass", "layout", "list_kernels", "per_rect_kernels", "docs", "rectangles",
-                           "launches_list", "launches_per_rect", "list_ms", "per_rect_ms", "kept_pairs",
-                           "list_ns_per_pair", "vs_contiguous_per_pair"]))
+            + table(rows, ["arch", "pass", "layout", "kernels_packed", "docs", "rectangles",
+                           *(f"launches_{way}" for way in WAYS), *(f"ms_{way}" for way in WAYS),
+                           "kept_pairs", "ns_per_pair_packed", "vs_contiguous_per_pair"]))
     return emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
                        "rows": rows}, args)
 

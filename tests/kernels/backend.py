@@ -22,9 +22,12 @@ if BACKEND == "cupy" and os.environ.get("BURSTCU_CUPY_NO_POOL") == "1":
     cupy.cuda.set_allocator(None)
 
 
-def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = None):
+def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str | None = None,
+               pack_lists: bool = True):
     """KernelOps on the chosen backend with the tile table of `arch` (None: the device's own on
-    a GPU, sm_80's on the emulator), seen through NumPy arrays."""
+    a GPU, sm_80's on the emulator), seen through NumPy arrays. pack_lists False keeps every
+    list step a tile a rectangle (what a test comparing it with a launch a rectangle bit for bit
+    needs: a packed list rounds in another order)."""
     from burstcu.ops.cuda.kernel_ops import KernelOps
     from burstcu.testing.host_arrays import HostArrays
 
@@ -37,4 +40,5 @@ def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str |
     # the tests check the kernels themselves: no first-use fallback to the mma.sync kernels
     # (kernel_ops._sm90_checked, tested on its own) may hide a wrong Hopper kernel on a GPU
     ops.first_use_check = False
+    ops.pack_lists = pack_lists
     return HostArrays(ops)

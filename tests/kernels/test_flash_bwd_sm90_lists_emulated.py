@@ -44,10 +44,12 @@ def lists_always(monkeypatch):
     monkeypatch.setattr(kernel_ops_module, "SM90_MIN_FLOP_PER_RECT", math.inf)
 
 
-def hopper_ops(deterministic: bool = False, randomize: bool = False):
+def hopper_ops(deterministic: bool = False, randomize: bool = False, pack_lists: bool = True):
     """The sm_90a table, whose dQ is the Hopper kernel's atomic one at every head dim (at 256 the
-    backward adds it in a pass of its own unless told: `KernelOps.dq_own_pass`)."""
-    wrapper = kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a")
+    backward adds it in a pass of its own unless told: `KernelOps.dq_own_pass`); pack_lists as
+    `kernel_ops`."""
+    wrapper = kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a",
+                         pack_lists=pack_lists)
     wrapper.ops.dq_own_pass_headdims = ()
     return wrapper
 
@@ -81,7 +83,7 @@ def assert_list_launches(counts: dict, blocks, d: int, deterministic: bool) -> N
 @pytest.mark.parametrize("case", list(CASES))
 def test_deterministic_list_is_a_hopper_launch_a_rectangle_bit_for_bit(lists_always, case):
     # shuffled thread order: a race between the walker, the copies and the consumers shows
-    ops = hopper_ops(deterministic=True, randomize=True)
+    ops = hopper_ops(deterministic=True, randomize=True, pack_lists=False)
     d = CASES[case][1]
     counts = _counting(ops)
     for n, (qr, kr, sq, sk, blocks, keep) in enumerate(ring_steps(case)):
@@ -100,7 +102,7 @@ def test_deterministic_list_is_a_hopper_launch_a_rectangle_bit_for_bit(lists_alw
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_atomic_list_matches_float64(lists_always, case):
-    ops = hopper_ops(randomize=True)
+    ops = hopper_ops(randomize=True, pack_lists=False)
     d = CASES[case][1]
     counts = _counting(ops)
     for n, (qr, kr, sq, sk, blocks, keep) in enumerate(ring_steps(case)):
@@ -122,7 +124,7 @@ def test_head_dim_256(lists_always, deterministic):
     blocks = [Block(0, 40, 0, 40, 0, 0, True), Block(40, 70, 40, 70, 40, 40, True),
               Block(110, 40, 110, 40, 110, 110, True)]
     x, keep = block_inputs(blocks, 150, 150, 4, 2, 256, seed=9)
-    ops = hopper_ops(deterministic)
+    ops = hopper_ops(deterministic, pack_lists=False)
     counts = _counting(ops)
     whole = run_backward(ops, x, [blocks], with_psum=False)
     assert_list_launches(counts, blocks, 256, deterministic)
@@ -140,7 +142,7 @@ def test_a_group_of_several_rectangles_and_gqa(lists_always):
     blocks = [Block(0, 100, 0, 130, 200, 0, False), Block(100, 90, 0, 130, 300, 190, True),
               Block(190, 70, 0, 130, 400, 300, False, 60, 20), Block(0, 100, 130, 70, 200, 330, False)]
     x, keep = block_inputs(blocks, 260, 200, 4, 2, 64, seed=21)
-    ops = hopper_ops(deterministic=True, randomize=True)
+    ops = hopper_ops(deterministic=True, randomize=True, pack_lists=False)
     counts = _counting(ops)
     whole = run_backward(ops, x, [blocks], with_psum=True)
     assert_list_launches(counts, blocks, 64, deterministic=True)

@@ -344,14 +344,15 @@ def test_a_step_in_one_launch_is_a_launch_a_rectangle_bit_for_bit(case):
     of at most SM90_MAX_RECTS rectangles is the Hopper kernel a launch a rectangle both ways; a
     longer one is the list kernel, the same bits as the sm_90 table's kernel a rectangle."""
     dtype, d = STEP_CASES[case][:2]
-    ops = kernel_ops(randomize=True)   # shuffled thread order: a race on smem between rectangles shows
+    # shuffled thread order: a race on smem between rectangles shows
+    ops = kernel_ops(randomize=True, pack_lists=False)
     counts = _counting(ops)
     hopper = ops.forward_variant(DTYPES[dtype], d).family == SM90_FAMILY
     if hopper:   # the sm_80 list here; the Hopper list's own: test_flash_fwd_sm90_lists_emulated.py
         getattr(ops, "ops", ops).sm90_lists = False
     # on the sm_90a table a single rectangle runs the Hopper kernel: the list's per-rectangle
     # twin is flash_fwd_step of the sm_90 table (the same mma.sync tiles)
-    mma_sync = kernel_ops(randomize=True, arch="sm_90") if hopper else ops
+    mma_sync = kernel_ops(randomize=True, arch="sm_90", pack_lists=False) if hopper else ops
     listed_steps = 0
     for q, k, v, blocks in ring_steps(STEP_CASES, case, np.random.default_rng(3)):
         counts.clear()

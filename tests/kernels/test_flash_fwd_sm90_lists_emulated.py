@@ -70,7 +70,7 @@ def test_a_step_in_one_hopper_launch_is_a_launch_a_rectangle_bit_for_bit(lists_a
     the state of one Hopper launch a rectangle, bit for bit, and the FlashAttention rule holds
     against float64."""
     dtype, d = STEP_CASES[case][:2]
-    ops = kernel_ops(arch="sm_90a")
+    ops = kernel_ops(arch="sm_90a", pack_lists=False)
     inner = ops.ops
     counts = _counting(ops)
     listed = 0
@@ -95,7 +95,7 @@ def test_a_step_in_one_hopper_launch_is_a_launch_a_rectangle_bit_for_bit(lists_a
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_head_dim_256(lists_always, dtype):
     """d = 256 (64-key tiles, 2 stages): three documents, causal, against one launch a Block."""
-    ops = kernel_ops(arch="sm_90a")
+    ops = kernel_ops(arch="sm_90a", pack_lists=False)
     q, k, v = make(dtype, 1, 150, 150, 2, 1, 256, seed=9)
     blocks = [Block(0, 40, 0, 40, 0, 0, True), Block(40, 70, 40, 70, 40, 40, True),
               Block(110, 40, 110, 40, 110, 110, True)]
@@ -112,7 +112,7 @@ def test_a_group_of_several_rectangles_and_gqa(lists_always):
     diagonal, a full block, a window), a second query range of one, GQA (4 heads on 2), a batch
     of 2, several work items a persistent block (the emulator's grid is 3 blocks): the pipeline
     and the row sums carry across rectangles."""
-    ops = kernel_ops(arch="sm_90a", randomize=True)
+    ops = kernel_ops(arch="sm_90a", randomize=True, pack_lists=False)
     q, k, v = make("float16", 2, 300, 330, 4, 2, 64, seed=21)
     blocks = [Block(0, 200, 0, 130, 200, 0, False), Block(0, 200, 130, 150, 200, 190, True),
               Block(0, 200, 280, 50, 200, 300, False, 60, 20), Block(200, 100, 0, 330, 400, 0, True)]
@@ -132,7 +132,7 @@ def test_nan_where_no_row_looks_is_inert(lists_always, dtype):
     rectangles that a key tile past k_len reads (the maps cover the whole array). The careful
     twin runs; the output has the bits of the same step with zeros there, and of one Hopper
     launch a rectangle with the NaN."""
-    ops = kernel_ops(arch="sm_90a")
+    ops = kernel_ops(arch="sm_90a", pack_lists=False)
     q, k, v = make(dtype, 1, 200, 260, 2, 1, 64, seed=5)
     blocks = [Block(0, 100, 0, 90, 0, 0, True), Block(100, 100, 150, 110, 100, 100, True)]
     poisoned, clean = v.copy(), v.copy()

@@ -159,13 +159,14 @@ def test_fwd_step_params_fields():
     flag = np.zeros(1, np.int32)
     blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
     p = params.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
-    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 216
+    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 224
     assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
     assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
     assert tuple(p["ml_stride"]) == (4 * 16, 16)
     assert tuple(p["blk"]) == (3, 5, 4, 6, 103, 104, 0, NO_BOUND)
     assert (int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (4, 2, 0.5)
     assert (int(p["rects"]), int(p["groups"]), int(p["n_groups"])) == (0, 0, 0)   # one rectangle
+    assert int(p["row_keys"]) == 0                                                   # not packed
 
 
 def test_step_groups_group_by_query_range_in_folding_order():

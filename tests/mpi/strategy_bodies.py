@@ -200,12 +200,20 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
     asserted for burst (rows of the blocks and bundles it passes on, each at its owner's
     length), ring and allgather; unshard gives the global output back. options: burstcu.init's
     keywords (e.g. the kernel table); headdim: of the inputs (4 query heads on 2 kv heads).
-    Returns the number of cases and the step kernels the op launched (a kernel backend's)."""
+    Returns the number of cases, the step kernels the op launched (a kernel backend's) and how
+    many of its list launches' groupings were packed and not."""
     group = burstcu.init(backend=backend, **(options or {}))
     launched: set = set()
+    packed = []   # a kernel backend's list steps: whether each was packed (ops/cuda/packing.py)
     if hasattr(group.ops, "function"):   # the step kernels that ran, by name
-        function = group.ops.function
+        function, step_lists = group.ops.function, group.ops.step_lists
         group.ops.function = lambda name: launched.add(name.split("<")[0]) or function(name)
+
+        def recorded(blocks, groupings):
+            lists = step_lists(blocks, groupings)
+            packed.extend(groups.packed for groups in lists)
+            return lists
+        group.ops.step_lists = recorded
     rank, size = group.rank, group.size
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
     half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
@@ -285,7 +293,8 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
                                 uneven=kw.get("uneven", False))
         assert whole.shape[1] == n and np.array_equal(whole[:, rows], out)
     group.close()
-    return {"cases": len(cases), "kernels": sorted(launched)}
+    return {"cases": len(cases), "kernels": sorted(launched), "packed": sum(packed),
+            "unpacked": len(packed) - sum(packed)}
 
 
 def documents_disagree():

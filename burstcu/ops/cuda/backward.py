@@ -183,13 +183,17 @@ def backward_step(ops, ctx: BackwardContext, q, dout, lse, delta, dq,
                                     psum is not None)
     tiled = [tiled for _, tiled in families]
     hopper_list = hopper is not None and hopper.family.endswith(LIST_SUFFIX)
-    masked = any_masked(blocks) or (hopper_list and _ragged(blocks, hopper))
+    listing = hopper_list or (hopper is None and len(blocks) > 1 and listable(blocks, tiled))
+    lists = _step_lists(ops, ctx, blocks, families, hopper) if listing else None
     # at masked pairs P and dS are 0; the careful kernels keep a NaN/Inf in q, dout, k, v or
-    # delta (or a dO . v that overflows) from making 0 x Inf = NaN there
+    # delta (or a dO . v that overflows) from making 0 x Inf = NaN there. A packed list masks
+    # pairs by its rows' runs whatever the blocks say.
+    masked = (any_masked(blocks) or (hopper_list and _ragged(blocks, hopper))
+              or (lists is not None and any(groups.packed for groups in lists[:len(families)])))
     flag = ops.nonfinite_flag(qp, dop, ctx.k, ctx.v, delta) if masked else None
     operands = (qp, dop, ctx.k, ctx.v, lse, delta, dq_run, ctx.dk, ctx.dv, psum_run)
-    if hopper_list or (hopper is None and len(blocks) > 1 and listable(blocks, tiled)):
-        _launch_list(ops, ctx, operands, blocks, families, flag, masked, (H, Hkv, B), hopper)
+    if listing:
+        _launch_list(ops, ctx, operands, blocks, families, lists, flag, masked, (H, Hkv, B), hopper)
     else:
         _launch_each(ops, ctx, operands, blocks, families, flag, (H, Hkv, B), hopper)
     if dq_run is not dq:
@@ -272,40 +276,52 @@ def _ragged(blocks: Sequence[Block], hopper) -> bool:
                 or np.any(block_column(blocks, "k_len") % hopper.launch.block_n))
 
 
-def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
-                 families: list, flag, masked: bool, heads: tuple, hopper=None) -> None:
-    """`backward_step`'s launches for a whole step: each family's list kernel once over the
-    Blocks grouped by its range, the same tiles (arguments as in `_launch_each`; masked: whether
-    the step's careful pairs run, `flag` set where it is). `hopper`: the Hopper list kernel
-    (flash_bwd_dkdv_steps_sm90) in place of the first family's, with tensor maps of the whole
-    arrays, paired where `masked` (masked pairs, or rows ending inside its tiles) with that
-    family's mma.sync careful list twin; the other families pair where pairs are masked."""
-    H, Hkv, B = heads
+def _step_lists(ops, ctx: BackwardContext, blocks: Sequence[Block], families: list,
+                hopper=None) -> tuple:
+    """The StepGroups of a list step (`ops.step_lists`, kept with the context until the step
+    has run): one a family, by its range in its kernel's tiles (the first family's: `hopper`'s
+    where the Hopper list kernel takes its place), then, with `hopper`, the first family's own
+    key tiles for its mma.sync careful twin."""
     listed = [ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim) for family, _ in families]
-    runs = [hopper or listed[0], *listed[1:]]   # what runs (and, masked, the twins of `listed`)
+    runs = [hopper or listed[0], *listed[1:]]
     groupings = [(tiled, _tile_rows(variant, tiled)) for variant, (_, tiled) in zip(runs, families)]
-    twin_grouping = ("key", _tile_rows(listed[0], "key"))   # the Hopper kernel's careful twin's
-    if hopper is not None and masked and twin_grouping not in groupings:
-        groupings.append(twin_grouping)
+    if hopper is not None:
+        groupings.append(("key", _tile_rows(listed[0], "key")))
     lists = ops.step_lists(blocks, groupings)
-    ctx.keep.append(lists)  # the rectangles stay until the step has run
+    ctx.keep.append(lists)
+    return lists
+
+
+def _launch_list(ops, ctx: BackwardContext, operands: tuple, blocks: Sequence[Block],
+                 families: list, lists: tuple, flag, masked: bool, heads: tuple,
+                 hopper=None) -> None:
+    """`backward_step`'s launches for a whole step: each family's list kernel once over its
+    `lists` entry (`_step_lists`; arguments as in `_launch_each`; masked: whether the step's
+    careful pairs run, `flag` set where it is). `hopper`: the Hopper list kernel
+    (flash_bwd_dkdv_steps_sm90) in place of the first family's, with tensor maps of the whole
+    arrays, paired where `masked` (masked pairs, rows ending inside its tiles, or a packed list)
+    with that family's mma.sync careful list twin on the last entry of `lists`; the other
+    families pair where pairs are masked (in the blocks, or by a packed list's runs)."""
+    H, Hkv, B = heads
     pairs_masked = any_masked(blocks)
-    for i, (variant, (_, tiled), groups) in enumerate(zip(runs, families, lists)):
+    for i, ((family, tiled), groups) in enumerate(zip(families, lists)):
         grid = (groups.tiles, Hkv if tiled == "key" else H, B)
         if i == 0 and hopper is not None:
             _launch_hopper(ops, hopper, operands, None, ops.step_flag(masked, flag), ctx.scale,
                            heads, groups)
             if masked:   # the mma.sync careful list twin on its own tiles: the flag runs one
-                careful = ops.variant(families[0][0] + LIST_SUFFIX + CAREFUL_SUFFIX, ctx.dtype,
+                careful = ops.variant(family + LIST_SUFFIX + CAREFUL_SUFFIX, ctx.dtype,
                                       ctx.headdim)
-                twin = lists[groupings.index(twin_grouping)]
+                twin = lists[-1]
                 params = bwd_step_params(*operands, flag, None, ctx.scale, twin)
                 ops.function(careful.name)((twin.tiles, Hkv, B), (careful.launch.threads,),
                                            (params,), shared_mem=careful.launch.smem_bytes)
             continue
-        params = bwd_step_params(*operands, ops.step_flag(pairs_masked, flag), None, ctx.scale,
+        variant = ops.variant(family + LIST_SUFFIX, ctx.dtype, ctx.headdim)
+        these_masked = pairs_masked or groups.packed
+        params = bwd_step_params(*operands, ops.step_flag(these_masked, flag), None, ctx.scale,
                                  groups)
-        ops.launch_step(variant, grid, params, pairs_masked)
+        ops.launch_step(variant, grid, params, these_masked)
 
 
 def backward_finalize(ops, ctx: BackwardContext, out_dtype) -> tuple[Any, Any]:

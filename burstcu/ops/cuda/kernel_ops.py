@@ -41,9 +41,10 @@ from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps, dtype_name
 from . import backward, decode
-from .params import (I32_MAX, MAX_POSITION, any_masked, block_area, block_column, cdiv, check_rows,
-                     fwd_finalize_params, fwd_step_params, fwd_step_sm90_params, listable,
-                     nonempty, nonfinite_params, rows_on_16_bytes, step_group_lists, vector_ready)
+from .params import (I32_MAX, MAX_POSITION, StepGroups, any_masked, block_area, block_column, cdiv,
+                     check_rows, fwd_finalize_params, fwd_step_params, fwd_step_sm90_params,
+                     listable, nonempty, nonfinite_params, rows_on_16_bytes, step_group_lists,
+                     vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -201,6 +202,10 @@ class KernelOps(LocalOps):
         # a step of many small Blocks on the sm_90a table: the Hopper list kernels, forward and
         # dK/dV (True), or the mma.sync ones (False, for comparison; see SM90_MAX_RECTS)
         self.sm90_lists = True
+        # a list step whose rectangles are many and small (documents): packed into the kernels'
+        # tiles with per-row key runs where that runs fewer tiles (True; burstcu.ops.cuda.packing),
+        # or a tile a rectangle (False, for comparison: one launch a rectangle's bits)
+        self.pack_lists = True
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
@@ -579,9 +584,16 @@ class KernelOps(LocalOps):
         if kp.strides != vp.strides:
             kp, vp = self.xp.ascontiguousarray(kp), self.xp.ascontiguousarray(vp)
         check_rows(blocks, S, k.shape[1])
+        groups = None   # a list launch's rectangles: the Hopper list kernel's, or flash_fwd_steps'
+        if variant.family == SM90_LIST_FAMILY:
+            (groups,) = self.step_lists(blocks, [("query", variant.launch.block_m)])
+        elif variant.family != SM90_FAMILY and len(blocks) > 1 and listable(blocks, ["query"]):
+            variant = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
+            (groups,) = self.step_lists(blocks, [("query", variant.launch.block_m)])
         # a NaN/Inf in V at a key some row of a tile cannot see would reach that row through
-        # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant
-        masked = any_masked(blocks)
+        # 0 x Inf in the tensor cores; K's are masked out of the scores in every variant. A
+        # packed list masks pairs by its rows' key runs, whatever the blocks say.
+        masked = any_masked(blocks) or (groups is not None and groups.packed)
         if variant.family == SM90_LIST_FAMILY:
             # its maps cover the whole arrays: a key tile that runs past a rectangle's k_len holds
             # the next rows of v (masked out of P, but 0 x Inf = NaN), not the zeros of a map of
@@ -592,17 +604,16 @@ class KernelOps(LocalOps):
             for blk in blocks:
                 self._forward_step_sm90(variant, state, kp, vp, blk, flag)
             return
-        if variant.family == SM90_LIST_FAMILY:
-            self._forward_steps_sm90(variant, state, kp, vp, blocks, masked, flag)
-            return
-        if len(blocks) > 1 and listable(blocks, ["query"]):   # the whole step in one launch
-            listed = self.variant(LIST_FAMILY, state.dtype, variant.headdim)
-            (groups,) = self.step_lists(blocks, [("query", listed.launch.block_m)])
+        if groups is not None:
             state.keep.append(groups)   # the rectangles stay until the step has run
+        if variant.family == SM90_LIST_FAMILY:
+            self._forward_steps_sm90(variant, state, kp, vp, groups, masked, flag)
+            return
+        if groups is not None:   # the whole step in one launch
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
                                      self.step_flag(masked, flag), None, state.scale * _LOG2E,
                                      groups)
-            self.launch_step(listed, (groups.tiles, H, B), params, masked)
+            self.launch_step(variant, (groups.tiles, H, B), params, masked)
             return
         for blk in blocks:
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
@@ -629,14 +640,12 @@ class KernelOps(LocalOps):
         self.launch_step(variant, (min(n_tiles, self.sm_count),), params, blk.masked)
 
     def _forward_steps_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp,
-                            blocks: Sequence[Block], masked: bool, flag) -> None:
+                            groups: StepGroups, masked: bool, flag) -> None:
         """A step's Blocks in one launch of the Hopper list kernel (flash_fwd_steps_sm90): tensor
-        maps of the whole q, k and v, the Blocks grouped by query range (step_lists, tiles of
-        128 rows), a persistent grid over the groups' query tiles x H x B."""
+        maps of the whole q, k and v, the Blocks as `groups` (`step_lists`: by query range or
+        packed, tiles of 128 rows), a persistent grid over the groups' query tiles x H x B."""
         B, S, H, dp = state.q.shape
         cfg = variant.launch
-        (groups,) = self.step_lists(blocks, [("query", cfg.block_m)])
-        state.keep.append(groups)   # the rectangles stay until the step has run
         q_map = tensor_map_4d_rows(self.backend, state.q, 0, S, cfg.block_m)
         k_map = tensor_map_4d_rows(self.backend, kp, 0, kp.shape[1], cfg.block_n)
         v_map = tensor_map_4d_rows(self.backend, vp, 0, vp.shape[1], cfg.block_n)
@@ -708,17 +717,18 @@ class KernelOps(LocalOps):
                              f"D={state.headdim}): need (B, Sk, Hkv, D) with H a multiple of Hkv")
 
     def step_lists(self, blocks: Sequence[Block], groupings: list[tuple[str, int]]) -> tuple:
-        """`step_group_lists` of `blocks` on this device. A `burstcu.layout.StepBlocks` (cached
-        by `layout.blocks`, so every layer of a model meets a step's object again) has its lists
-        kept while it lives, per (groupings, device, current stream): built and uploaded once,
+        """`step_group_lists` of `blocks` on this device (packed where `pack_lists` and packing
+        pays). A `burstcu.layout.StepBlocks` (cached by `layout.blocks`, so every layer of a model
+        meets a step's object again) has its lists kept while it lives, per (groupings,
+        `pack_lists`, device, current stream): built and uploaded once,
         read by launches on the stream they were uploaded on (`release_buffers` frees them)."""
         if not hasattr(blocks, "memo"):
-            return step_group_lists(self.xp, blocks, groupings)
+            return step_group_lists(self.xp, blocks, groupings, self.pack_lists)
         kept = self.__dict__.setdefault("_step_lists", weakref.WeakKeyDictionary())
         per_step = kept.setdefault(blocks, {})
-        key = (tuple(groupings), self.current_device(), self.stream_key())
+        key = (tuple(groupings), self.pack_lists, self.current_device(), self.stream_key())
         if key not in per_step:
-            per_step[key] = step_group_lists(self.xp, blocks, groupings)
+            per_step[key] = step_group_lists(self.xp, blocks, groupings, self.pack_lists)
         return per_step[key]
 
     def release_buffers(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 
 from ...layout import Block, masked_rows, ragged, rectangle_rows
+from . import packing
 
 I32_MAX = 2**31 - 1
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
@@ -232,7 +233,7 @@ FWD_STEP = CStruct("FwdStepParams", [
     ("nonfinite", "ptr"), ("q_stride", ROW_STRIDES), ("kv_stride", ROW_STRIDES),
     ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
     ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("rects", "ptr"), ("groups", "ptr"),
-    ("n_groups", "i32")], templated=True)
+    ("row_keys", "ptr"), ("n_groups", "i32")], templated=True)
 FWD_FINALIZE = CStruct("FwdFinalizeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
@@ -250,18 +251,19 @@ BWD_STEP = CStruct("BwdStepParams", [
     ("q_stride", ROW_STRIDES), ("k_stride", ROW_STRIDES), ("dq_stride", ROW_STRIDES),
     ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
     ("H", "i32"), ("Hkv", "i32"), ("scale", "f32"), ("rects", "ptr"), ("groups", "ptr"),
-    ("n_groups", "i32")], templated=True)
+    ("row_keys", "ptr"), ("key_rows", "ptr"), ("n_groups", "i32")], templated=True)
 FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("q_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32"),
-    ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr")])
+    ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr"),
+    ("row_keys", "ptr")])
 BWD_STEP_SM90 = CStruct("BwdStepSm90Params", [
     ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("lse", "ptr"),
     ("delta", "ptr"), ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("nonfinite", "ptr"),
     ("dq_stride", ROW_STRIDES), ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32"), ("n_groups", "i32"),
-    ("rects", "ptr"), ("groups", "ptr")])
+    ("rects", "ptr"), ("groups", "ptr"), ("key_rows", "ptr")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
                  BWD_DELTA, BWD_STEP, FWD_STEP_SM90, BWD_STEP_SM90)
@@ -396,6 +398,7 @@ def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_lo
         blk=(0,) * 8 if block is None else block_rect(block), H=q.shape[2], Hkv=k.shape[2],
         scale_log2=scale_log2, rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
+        row_keys=None if groups is None else groups.row_keys,
         n_groups=0 if groups is None else groups.n_groups)
 
 
@@ -405,12 +408,22 @@ class StepGroups:
     rects, groups): rects (n, 8) int32 BlockRects grouped by query range (flash_fwd_steps,
     flash_bwd_dq_steps) or by key range (flash_bwd_dkdv_steps), each group's in the step's order;
     offsets (2 n_groups + 2,) int32: each group's first rectangle, then its first tile; tiles: the
-    launch's grid.x (every group's tiles). The arrays are views of one buffer (one upload)."""
+    launch's grid.x (every group's tiles). A packed list (`burstcu.ops.cuda.packing`) has one
+    rectangle a tile and row_keys (q_end, 2), key_rows (k_end, 2) int32 say which pairs are kept;
+    else both are None. The arrays are views of one buffer (one upload)."""
 
     rects: Any
     offsets: Any
     n_groups: int
     tiles: int
+    row_keys: Any = None
+    key_rows: Any = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the list is packed: its tiles mask pairs by row_keys / key_rows (so a step
+        with no masked pair has some here, and runs the careful pairs where they are asked)."""
+        return self.row_keys is not None
 
 
 # what a rectangle list is grouped by: the Block fields of a group's range (start, length)
@@ -424,22 +437,68 @@ def step_groups(xp, blocks: Sequence[Block], block_m: int) -> StepGroups:
     return step_group_lists(xp, blocks, [("query", block_m)])[0]
 
 
-def step_group_lists(xp, blocks: Sequence[Block],
-                     groupings: Sequence[tuple[str, int]]) -> tuple[StepGroups, ...]:
+def step_group_lists(xp, blocks: Sequence[Block], groupings: Sequence[tuple[str, int]],
+                     pack: bool = False) -> tuple[StepGroups, ...]:
     """`blocks` as one StepGroups per (range, tile rows) of `groupings`, range "query" (grouped
     by (q_start, q_len), tiles of that many query rows) or "key" (by (k_start, k_len), tiles of
-    keys); groups in the order of their first block, blocks in theirs within a group. Every
-    grouping lies in one buffer, uploaded once; its host side is built with whole-array
-    operations. The blocks must be `listable` by every grouping (else ValueError: the launch's
-    groups would write the same rows) and their values fit in int32 (`_rect_columns`)."""
-    lists = [_group_list(blocks, by, tile_rows) for by, tile_rows in groupings]
-    buffer = xp.asarray(np.concatenate([host for host, _, _ in lists]))
-    out, at = [], 0
-    for host, n_groups, tiles in lists:
+    keys); groups in the order of their first block, blocks in theirs within a group. With
+    `pack`, a grouping that `packing.worth_packing` favours is packed instead (`packed_list`).
+    Every grouping lies in one buffer, uploaded once (a packed one's row_keys and key_rows first,
+    on 8 bytes); its host side is built with whole-array operations. Unpacked, the blocks must be
+    `listable` by every grouping (else ValueError: the launch's groups would write the same
+    rows); their values fit in int32 (`_rect_columns`)."""
+    lists = []
+    for by, tile_rows in groupings:
+        packed = packed_list(blocks, by, tile_rows) if pack else None
+        lists.append((packed.host, packed.n_groups, packed.tiles, True) if packed is not None
+                     else (*_group_list(blocks, by, tile_rows), False))
+    runs = _row_intervals(blocks) if any(listed[3] for listed in lists) else None
+    parts = [] if runs is None else [runs[0].reshape(-1), runs[1].reshape(-1)]
+    buffer = xp.asarray(np.concatenate(parts + [listed[0] for listed in lists]))
+    at = sum(part.size for part in parts)
+    row_keys = key_rows = None
+    if runs is not None:
+        row_keys, key_rows = buffer[:runs[0].size].reshape(-1, 2), buffer[runs[0].size:at].reshape(-1, 2)
+    out = []
+    for host, n_groups, tiles, is_packed in lists:
         rects_end = at + host.size - 2 * n_groups - 2
-        out.append(StepGroups(buffer[at:rects_end], buffer[rects_end:at + host.size], n_groups, tiles))
+        out.append(StepGroups(buffer[at:rects_end], buffer[rects_end:at + host.size], n_groups,
+                              tiles, *((row_keys, key_rows) if is_packed else ())))
         at += host.size
     return tuple(out)
+
+
+def packed_list(blocks: Sequence[Block], by: str, tile_rows: int) -> packing.PackedGroups | None:
+    """A packed grouping of `blocks` (`packing.packed_groups`), or None where they cannot be
+    packed (`_row_intervals`), keep no pair (a grid of 0 tiles; the rectangle list's tiles do
+    nothing) or packing does not pay (`packing.worth_packing`, against the rectangle list's
+    tiles). Kept in a StepBlocks' memo (so a change of `packing.PACK_GAIN` holds for steps made
+    after it)."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and ("packed", by, tile_rows) in memo:
+        return memo[("packed", by, tile_rows)]
+    runs = _row_intervals(blocks)
+    listed = None
+    if runs is not None:
+        listed = packing.packed_groups(runs[by == "key"], by, tile_rows, NO_BOUND)
+        listed_tiles = packing.list_tiles(_rect_columns(blocks), tile_rows)
+        if listed.n_groups == 0 or not packing.worth_packing(listed_tiles, listed.work):
+            listed = None
+    if memo is not None:
+        memo[("packed", by, tile_rows)] = listed
+    return listed
+
+
+def _row_intervals(blocks: Sequence[Block]) -> tuple[np.ndarray, np.ndarray] | None:
+    """`packing.row_intervals` of a list of 2 or more `blocks` (None for one), kept in a
+    StepBlocks' memo."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and "row intervals" in memo:
+        return memo["row intervals"]
+    runs = packing.row_intervals(_rect_columns(blocks)) if len(blocks) > 1 else None
+    if memo is not None:
+        memo["row intervals"] = runs
+    return runs
 
 
 def _group_list(blocks: Sequence[Block], by: str, tile_rows: int) -> tuple[np.ndarray, int, int]:
@@ -533,7 +592,8 @@ def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block
         scale_log2=scale_log2, n_tiles=n_tiles, hb_group=hb_group,
         n_groups=0 if groups is None else groups.n_groups,
         rects=None if groups is None else groups.rects,
-        groups=None if groups is None else groups.offsets)
+        groups=None if groups is None else groups.offsets,
+        row_keys=None if groups is None else groups.row_keys)
 
 
 def fwd_finalize_params(acc, m, l, out, lse, vec: int) -> np.void:
@@ -575,6 +635,8 @@ def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, bloc
         blk=(0,) * 8 if block is None else block_rect(block), H=q.shape[2], Hkv=k.shape[2],
         scale=scale, rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
+        row_keys=None if groups is None else groups.row_keys,
+        key_rows=None if groups is None else groups.key_rows,
         n_groups=0 if groups is None else groups.n_groups)
 
 
@@ -594,4 +656,5 @@ def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: 
         blk=(0,) * 8 if block is None else block_rect(block), H=heads, Hkv=kv_heads, scale=scale,
         n_groups=0 if groups is None else groups.n_groups,
         rects=None if groups is None else groups.rects,
-        groups=None if groups is None else groups.offsets)
+        groups=None if groups is None else groups.offsets,
+        key_rows=None if groups is None else groups.key_rows)

@@ -1,0 +1,195 @@
+"""Packed rectangle lists on the host (burstcu/ops/cuda/packing.py): a step of many small
+rectangles cut into the kernels' tiles, the kept pairs given by one run of keys a query row
+(row_keys) and one run of query rows a key (key_rows).
+
+The runs say exactly the pairs the rectangles keep, pair by pair against the dense mask of
+`keep_from_blocks`, over random documents, windows and both layouts; a list that is not one run
+a row (or whose runs go back) is not packed; a packed grouping covers every row that sees a key
+once, in one tile whose rectangle spans its rows' runs; packing is chosen where it runs fewer
+tiles and not for a causal step of one sequence. The kernels that read the runs:
+tests/kernels/test_packed_lists_emulated.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from burstcu import layout
+from burstcu.layout import Block
+from burstcu.ops.cuda import packing
+from burstcu.ops.cuda.params import NO_BOUND, _rect_columns, packed_list, step_group_lists
+from burstcu.testing.reference import keep_from_blocks
+
+# ------------------------------------------------------------------------------------------------
+# host side
+
+
+def _random_steps(rng, trials: int):
+    """(blocks, Sq, Sk) of every step with 2 or more rectangles of `trials` random rings."""
+    for trial in range(trials):
+        size, n_docs, n = int(rng.integers(1, 5)), int(rng.integers(1, 12)), 600
+        cuts = sorted(rng.choice(np.arange(1, n), n_docs - 1, replace=False).tolist())
+        docs = tuple([0, *cuts, n])
+        causal = bool(rng.integers(2))
+        left = int(rng.integers(-1, 60))
+        right = (0 if left >= 0 else -1) if causal else int(rng.integers(-1, 60))
+        part = layout.partition(("zigzag", "contiguous")[trial % 2], size, n, docs)
+        for qr in range(size):
+            for kr in range(size):
+                blocks = layout.blocks(part, qr, kr, causal, (left, right), docs)
+                if len(blocks) >= 2:
+                    yield blocks, part.lengths[qr], part.lengths[kr]
+
+
+def _runs_mask(runs: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) bool: row i holds [runs[i, 0], runs[i, 1]) (rows past runs: none)."""
+    out = np.zeros((rows, cols), bool)
+    j = np.arange(cols)[None, :]
+    out[:runs.shape[0]] = (j >= runs[:, :1]) & (j < runs[:, 1:])
+    return out
+
+
+def test_runs_keep_exactly_the_rectangles_pairs():
+    """row_keys and key_rows of random steps (documents, causal or not, windows, zigzag and
+    contiguous) give the dense mask of the rectangles pair by pair, and both ends of row_keys
+    never decrease."""
+    steps = 0
+    for blocks, sq, sk in _random_steps(np.random.default_rng(0), 30):
+        runs = packing.row_intervals(_rect_columns(blocks))
+        assert runs is not None, list(blocks)
+        row_keys, key_rows = runs
+        keep = keep_from_blocks(blocks, sq, sk)
+        assert np.array_equal(_runs_mask(row_keys, sq, sk), keep)
+        assert np.array_equal(_runs_mask(key_rows, sk, sq).T, keep)
+        assert (np.diff(row_keys, axis=0) >= 0).all()
+        steps += 1
+    assert steps >= 20
+
+
+def test_a_row_of_two_runs_or_runs_going_back_is_not_packed():
+    """A row that sees two runs of keys, or a later row whose run starts before an earlier
+    row's, has no packed form: the step keeps its rectangle list."""
+    two_runs = [Block(0, 8, 0, 4, 0, 0, False), Block(0, 8, 10, 4, 0, 10, False)]
+    going_back = [Block(0, 8, 10, 4, 0, 10, False), Block(8, 8, 0, 4, 8, 0, False)]
+    for blocks in (two_runs, going_back):
+        assert packing.row_intervals(_rect_columns(blocks)) is None
+        assert packed_list(blocks, "query", 64) is None
+        (groups,) = step_group_lists(np, blocks, [("query", 64)], pack=True)
+        assert not groups.packed
+
+
+def _doc_step(n: int = 4096, size: int = 4, n_docs: int = 30, seed: int = 1, kr: int = 1):
+    rng = np.random.default_rng(seed)
+    cuts = sorted(rng.choice(np.arange(1, n), n_docs - 1, replace=False).tolist())
+    docs = tuple([0, *cuts, n])
+    part = layout.partition("zigzag", size, n, docs)
+    return layout.blocks(part, 0, kr, True, (-1, -1), docs), part
+
+
+@pytest.mark.parametrize("by", ["query", "key"])
+def test_a_packed_grouping_covers_every_seen_row_once(by):
+    """Each row that sees a key lies in exactly one group, a tile of 64 rows, whose one
+    rectangle (no key bound) spans the runs of its rows; a row that sees nothing may be in none."""
+    blocks, _ = _doc_step()
+    row_keys, key_rows = packing.row_intervals(_rect_columns(blocks))
+    runs = row_keys if by == "query" else key_rows
+    host, g, tiles, _ = packing.packed_groups(runs, by, 64, NO_BOUND)
+    rects = host[:8 * g].reshape(g, 8)
+    assert tiles == g and np.array_equal(host[8 * g:9 * g + 1], np.arange(g + 1))
+    own, other = (0, 2) if by == "query" else (2, 0)
+    covered = np.zeros(runs.shape[0], int)
+    for r in rects:
+        assert r[own] % 64 == 0 and 0 < r[own + 1] <= 64
+        assert tuple(r[4:]) == (0, 0, NO_BOUND, NO_BOUND)
+        rows = runs[r[own]:r[own] + r[own + 1]]
+        seen = rows[:, 0] < rows[:, 1]
+        assert (rows[seen, 0] >= r[other]).all() and (rows[seen, 1] <= r[other] + r[other + 1]).all()
+        covered[r[own]:r[own] + r[own + 1]] += 1
+    seen = runs[:, 0] < runs[:, 1]
+    assert (covered[seen] == 1).all() and (covered <= 1).all()
+
+
+def test_packing_is_chosen_where_it_runs_fewer_tiles():
+    """Small documents under per-document zigzag pack (fewer tiles than a tile a rectangle); a
+    causal step of one sequence (few large rectangles) does not."""
+    blocks, _ = _doc_step()
+    cols = _rect_columns(blocks)
+    for by in ("query", "key"):
+        listed = packed_list(blocks, by, 128)
+        assert listed is not None
+        assert listed.work <= packing.PACK_GAIN * packing.list_tiles(cols, 128)
+    part = layout.partition("zigzag", 2, 4096)
+    one_sequence = layout.blocks(part, 0, 0, True, (-1, -1), None)
+    assert len(one_sequence) >= 2
+    assert packed_list(one_sequence, "query", 128) is None
+    (groups,) = step_group_lists(np, one_sequence, [("query", 128)], pack=True)
+    assert not groups.packed
+
+
+
+
+def _kernel_tiles(blocks, t: int) -> int:
+    """The (query tile, key tile) pairs the list kernels visit for `blocks` with square tiles of
+    t, counted tile by tile from the rectangles' bounds as the kernels' `rect_view` walks them."""
+    total = 0
+    for b in blocks:
+        hi = 0 if b.causal else (b.right if b.right >= 0 else NO_BOUND)
+        lo = b.left if b.left >= 0 else NO_BOUND
+        for q0 in range(0, b.q_len, t):
+            q_last = min(q0 + t, b.q_len) - 1
+            n_keys = max(0, min(b.k_len, b.q_pos + q_last + hi - b.k_pos + 1))
+            first = b.q_pos + q0 - lo - b.k_pos
+            begin = first // t if first > 0 else 0
+            total += max(0, -(-n_keys // t) - begin)
+    return total
+
+
+def test_list_tiles_counts_the_tiles_the_list_kernels_visit():
+    """`packing.list_tiles` (whole-array) against a walk over every rectangle's query tiles."""
+    for blocks, _, _ in _random_steps(np.random.default_rng(3), 12):
+        for t in (32, 64, 128):
+            assert packing.list_tiles(_rect_columns(blocks), t) == _kernel_tiles(blocks, t)
+
+
+def test_a_step_with_packed_and_unpacked_groupings_shares_one_buffer():
+    """Groupings packed and not in one step_group_lists call: the runs first (8-byte aligned
+    int2 views), then each grouping's rectangles and offsets; an unpacked grouping has no runs."""
+    blocks, _ = _doc_step()
+    grouped = step_group_lists(np, blocks, [("query", 128), ("key", 16)], pack=True)
+    packed, plain = grouped
+    assert packed.packed and not plain.packed and plain.row_keys is None
+    row_keys, key_rows = packing.row_intervals(_rect_columns(blocks))
+    assert np.array_equal(packed.row_keys, row_keys) and np.array_equal(packed.key_rows, key_rows)
+    assert packed.row_keys.ctypes.data % 8 == 0 and packed.key_rows.ctypes.data % 8 == 0
+    base = packed.row_keys.base if packed.row_keys.base is not None else packed.row_keys
+    for groups in grouped:   # every array a view of the one uploaded buffer
+        for x in (groups.rects, groups.offsets):
+            assert np.shares_memory(x, base)
+    unpacked = step_group_lists(np, blocks, [("key", 16)])[0]
+    assert np.array_equal(plain.rects, unpacked.rects) and np.array_equal(plain.offsets, unpacked.offsets)
+
+
+def test_a_step_that_keeps_no_pair_is_not_packed():
+    """Causal rectangles whose keys all lie after their queries keep no pair: no packed grouping
+    (it would launch a grid of 0 tiles); the rectangle list's launch, whose tiles do nothing."""
+    blocks = [Block(0, 16, 0, 16, 0, 100, True), Block(16, 16, 16, 16, 0, 100, True)]
+    assert packed_list(blocks, "query", 64) is None
+    (groups,) = step_group_lists(np, blocks, [("query", 64)], pack=True)
+    assert not groups.packed and groups.tiles == 2
+
+
+def test_the_ops_keep_a_packed_and_an_unpacked_list_apart():
+    """KernelOps.step_lists caches a step's lists per pack_lists: packed with it on, a tile a
+    rectangle with it off, each built once."""
+    pytest.importorskip("ml_dtypes")
+    from burstcu.ops.cuda import KernelOps
+
+    ops = KernelOps("emulated")
+    blocks, _ = _doc_step()
+    first = ops.step_lists(blocks, [("query", 64)])
+    assert first[0].packed and ops.step_lists(blocks, [("query", 64)]) is first
+    ops.pack_lists = False
+    assert not ops.step_lists(blocks, [("query", 64)])[0].packed
+    ops.pack_lists = True
+    assert ops.step_lists(blocks, [("query", 64)]) is first
