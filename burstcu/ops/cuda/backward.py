@@ -25,7 +25,10 @@ one launch a Block would, so a deterministic step gives the same bits either way
 inputs: the list runs the careful twins for all its Blocks when one is masked and an operand
 holds a NaN/Inf). Within a step two Blocks' key ranges (and query ranges) are equal or
 disjoint, as `burstcu.layout.blocks` makes them; other lists run a launch a Block
-(`params.listable`).
+(`params.listable`). A list of many small Blocks may be packed instead (`ops.pack_lists`,
+burstcu/ops/cuda/packing.py): tiles holding several Blocks' rows, each key's run of query rows
+(dK/dV) or each row's run of keys (dQ) masking them; the same pairs, equal within rounding (not
+bit for bit) to a launch a Block, and the step runs the careful pairs.
 
 On the "sm_90a" table the Hopper dK/dV kernel (kernels/flash_bwd_sm90.cu: wgmma, TMA, warp
 specialisation) takes the place of the mma.sync one where `KernelOps.hopper_backward` allows it
