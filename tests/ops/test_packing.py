@@ -67,6 +67,56 @@ def test_runs_keep_exactly_the_rectangles_pairs():
     assert steps >= 20
 
 
+def _random_rectangles(rng, trials: int):
+    """(cols (8, n) int64, keep (q_end, k_end) bool) of `trials` random sets of BlockRects:
+    rows and keys overlapping anyhow, bands of any width or none, spelled out pair by pair from
+    their definition; sets that keep a pair twice (which no caller makes) skipped."""
+    for _ in range(trials):
+        m, rows, keys = int(rng.integers(1, 10)), *rng.integers(1, int(rng.choice([12, 120])), 2)
+        q_start, k_start = rng.integers(0, rows, m), rng.integers(0, keys, m)
+        q_len, k_len = rng.integers(0, rows - q_start + 1), rng.integers(0, keys - k_start + 1)
+        q_pos, k_pos = rng.integers(0, 2 * rows, m), rng.integers(0, 2 * keys, m)
+        hi, lo = (np.where(rng.random(m) < 0.4, NO_BOUND, rng.integers(-4, rows, m)) for _ in "hl")
+        cols = np.stack([q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo]).astype(np.int64)
+        if not (q_len.any() and k_len.any()):
+            continue
+        i = np.arange((q_start + q_len).max())[:, None, None]
+        j = np.arange((k_start + k_len).max())[None, :, None]
+        offset = (k_pos + j - k_start) - (q_pos + i - q_start)
+        kept = (i >= q_start) & (i < q_start + q_len) & (j >= k_start) & (j < k_start + k_len) \
+            & (offset >= -lo) & (offset <= hi)
+        if kept.sum(axis=2).max() <= 1:
+            yield cols, kept.any(axis=2)
+
+
+def test_runs_of_any_rectangles_exactly_where_every_row_sees_one_run_going_forward():
+    """Over random rectangles (not only the steps burstcu.layout makes): where every row's kept
+    keys form one run and, an empty row taking the largest end before it, neither end of the
+    runs decreases, row_keys and key_rows give the dense mask pair by pair; elsewhere, None."""
+    packed = refused = 0
+    for cols, keep in _random_rectangles(np.random.default_rng(3), 1500):
+        sq, sk = keep.shape
+        sees = keep.any(axis=1)
+        start = np.where(sees, keep.argmax(axis=1), 0)
+        end = np.where(sees, sk - keep[:, ::-1].argmax(axis=1), 0)
+        one_run = (end - start == keep.sum(axis=1))
+        reach = np.maximum.accumulate(end)                # an empty row's end is 0 here
+        start, end = np.where(sees, start, reach), np.where(sees, end, reach)
+        expect = one_run.all() and (np.diff(start) >= 0).all() and (np.diff(end) >= 0).all() \
+            and cols[1].sum() <= packing.MAX_ROW_REPEATS * sq
+        runs = packing.row_intervals(cols)
+        assert (runs is not None) == expect, cols.T
+        if runs is None:
+            refused += 1
+            continue
+        packed += 1
+        row_keys, key_rows = runs
+        assert np.array_equal(row_keys, np.stack([start, end], axis=1))
+        assert np.array_equal(_runs_mask(key_rows, sk, sq).T, keep)
+        assert (np.diff(key_rows, axis=0) >= 0).all()
+    assert packed >= 200 and refused >= 200, (packed, refused)
+
+
 def test_a_row_of_two_runs_or_runs_going_back_is_not_packed():
     """A row that sees two runs of keys, or a later row whose run starts before an earlier
     row's, has no packed form: the step keeps its rectangle list."""

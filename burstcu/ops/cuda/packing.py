@@ -54,47 +54,89 @@ def row_intervals(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     k_pos + j <= q_pos + i + hi), or None where a row's keys are not one run, the runs' ends
     decrease somewhere, or rows repeat more than MAX_ROW_REPEATS times over. A row that sees no
     key gets the empty run [x, x), x the largest end of the rows before it (0 at first); so does
-    a key no row sees (x where its rows would start)."""
+    a key no row sees (x where its rows would start).
+
+    Work in pieces of rows, not row by row: in step rows x, a rectangle's row x sees the keys
+    [max(k_start, x + a), min(k_stop, x + b)), each end constant or rising one a row, and cutting
+    the rows wherever some rectangle starts or stops seeing keys or an end of its turns from
+    constant to rising (or back) leaves pieces on which every end is one line. On a piece, the
+    runs of its rectangles keep their order (two disjoint runs that rise at most one a row cannot
+    pass each other), so the union's first key is the leftmost run's, its end the rightmost's,
+    and the union is one run iff its length equals the runs' lengths summed (pairs never repeat,
+    by contract), which, both sides being lines, holds on the piece iff it holds at its first
+    row with equal slopes (on a piece of two rows or more). The rows' arrays are then written
+    from the pieces by cumulative sums."""
     if cols.shape[1] == 0:
         return None
-    # int32 throughout (half the memory traffic): positions stay below 2^30 and the bounds at
-    # most NO_BOUND = 2^29, so every sum below fits
-    q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols.astype(np.int32)
+    q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols.astype(np.int64)
     q_end, k_end = int((q_start + q_len).max()), int((k_start + k_len).max())
     total = int(q_len.sum())
     if total > MAX_ROW_REPEATS * q_end or total >= 2**31:
         return None
-    first_of = (q_len.cumsum() - q_len).astype(np.int32)   # each rectangle's first expanded row
-    row = np.arange(total, dtype=np.int32) + np.repeat(q_start - first_of, q_len)
-    offset = row + np.repeat(q_pos - k_pos - q_start, q_len)   # q_pos + i - k_pos
-    first = np.maximum(0, offset - np.repeat(lo, q_len))
-    end = np.minimum(np.repeat(k_len, q_len), offset + np.repeat(hi, q_len) + 1)
-    base = np.repeat(k_start, q_len)
-    seen = first < end
-    run_lo = np.full(q_end, np.iinfo(np.int32).max, np.int32)
-    run_hi = np.zeros(q_end, np.int32)
-    keys = np.zeros(q_end, np.int32)
-    np.minimum.at(run_lo, row, np.where(seen, base + first, run_lo[0]))
-    np.maximum.at(run_hi, row, np.where(seen, base + end, 0))
-    np.add.at(keys, row, np.maximum(end - first, 0))
-    sees = keys > 0
-    if np.any(run_hi[sees] - run_lo[sees] != keys[sees]):
-        return None   # not one run (pairs never repeat, by contract: a repeat hidden by a gap
-                      # of its size would pass this test; `layout.blocks` and BlockMask make none)
-    before = np.maximum.accumulate(np.where(sees, run_hi, 0))
-    run_lo = np.where(sees, run_lo, before)
-    run_hi = np.where(sees, run_hi, before)
-    if np.any(run_lo[1:] < run_lo[:-1]) or np.any(run_hi[1:] < run_hi[:-1]):
+    k_stop = k_start + k_len
+    a = k_start + q_pos - k_pos - lo - q_start
+    b = a + lo + hi + 1
+    x0 = np.maximum(q_start, k_start - b + 1)          # its rows that see a key: [x0, x1)
+    x1 = np.minimum(q_start + q_len, k_stop - a)
+    live = (x0 < x1) & (k_len > 0) & (a < b)
+    a, b, k_start, k_stop, x0, x1 = (v[live] for v in (a, b, k_start, k_stop, x0, x1))
+    rises = np.clip(k_start - a + 1, x0, x1)           # from here its first key is x + a
+    stops = np.clip(k_stop - b + 1, x0, x1)            # from here its end is k_stop
+    marks = np.zeros(q_end + 1, bool)
+    for x in (x0, x1, rises, stops, [0, q_end]):
+        marks[x] = True
+    cuts = np.flatnonzero(marks)                       # piece p: rows [cuts[p], cuts[p + 1])
+    p0 = np.searchsorted(cuts, x0)
+    owner, piece = ragged(p0, np.searchsorted(cuts, x1) - p0)   # each rectangle's pieces
+    at = cuts[piece]
+    lo_rise = (at >= rises[owner]).astype(np.int64)
+    hi_rise = (at < stops[owner]).astype(np.int64)
+    first = np.where(lo_rise == 1, at + a[owner], k_start[owner])   # at the piece's first row
+    end = np.where(hi_rise == 1, at + b[owner], k_stop[owner])
+    n = cuts.size - 1
+    lo_key, hi_key = np.full(n, np.iinfo(np.int64).max), np.full(n, -1, np.int64)
+    count, count_rise = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    np.minimum.at(lo_key, piece, 2 * first + lo_rise)  # the leftmost run, with its slope
+    np.maximum.at(hi_key, piece, 2 * end + hi_rise)    # the rightmost
+    np.add.at(count, piece, end - first)
+    np.add.at(count_rise, piece, hi_rise - lo_rise)
+    seen = hi_key >= 0
+    lo_v, lo_s, hi_v, hi_s = lo_key >> 1, lo_key & 1, hi_key >> 1, hi_key & 1
+    length = np.diff(cuts)
+    if np.any(((hi_v - lo_v != count) | ((hi_s - lo_s != count_rise) & (length > 1)))[seen]):
         return None
-    # the rows that see key j: from the first whose run ends past j (the rows whose run ends at
-    # or before j, counted) to the last whose run starts at or before j (both ends sorted)
-    seen_from = np.bincount(run_hi, minlength=k_end + 1).cumsum()[:k_end]
-    seen_to = np.maximum(np.bincount(run_lo, minlength=k_end + 1).cumsum()[:k_end], seen_from)
-    row_keys = np.stack([run_lo, run_hi], axis=1).astype(np.int32)
-    key_rows = np.stack([seen_from, seen_to], axis=1).astype(np.int32)
+    # a piece that sees nothing: the run [x, x), x the largest end before it
+    reach = np.maximum.accumulate(np.where(seen, hi_v + hi_s * (length - 1), 0))
+    value = np.stack([np.where(seen, lo_v, reach), np.where(seen, hi_v, reach)], axis=1)
+    rise = np.stack([lo_s, hi_s], axis=1) * seen[:, None]
+    last = value + rise * (length - 1)[:, None]        # at the piece's last row
+    if np.any(value[1:] < last[:-1]):
+        return None                                    # an end goes back
+    row_keys = np.repeat(rise.astype(np.int32), length, axis=0)   # the step from the row before
+    row_keys[cuts[:-1]] = value - np.concatenate([np.zeros((1, 2), np.int64), last[:-1]])
+    np.cumsum(row_keys, axis=0, out=row_keys)
+    # key j: seen from the rows whose run ends at or before j, counted, up to those that start
+    # at or before it (a row's run never ending before it starts, the second count is the larger)
+    key_rows = _rows_at_or_below(value[:, ::-1], rise[:, ::-1], length, k_end)
     for x in (row_keys, key_rows):
         x.flags.writeable = False
     return row_keys, key_rows
+
+
+def _rows_at_or_below(value: np.ndarray, rise: np.ndarray, length: np.ndarray, n: int) -> np.ndarray:
+    """(n, c) int32: for each j < n and column c, how many rows hold a value <= j in that column
+    (values in [0, n]), the rows in pieces: in piece p's length[p] rows, column c holds
+    value[p, c] each (rise[p, c] 0) or value[p, c], value[p, c] + 1, ... (rise 1)."""
+    c = value.shape[1]
+    d = np.zeros((n + 2, c), np.int32)
+    weight = np.where(rise == 1, 1, length[:, None]).astype(np.int32)   # rows a value
+    stop = np.minimum(value + np.where(rise == 1, length[:, None], 1), n + 1)
+    flat, column = d.reshape(-1), np.arange(c)         # (add.at: flat, weights of d's dtype)
+    np.add.at(flat, (value * c + column).reshape(-1), weight.reshape(-1))
+    np.add.at(flat, (stop * c + column).reshape(-1), -weight.reshape(-1))
+    np.cumsum(d, axis=0, out=d)                        # rows holding j
+    np.cumsum(d, axis=0, out=d)                        # rows holding j or less
+    return d[:n]
 
 
 def list_tiles(cols: np.ndarray, tile_rows: int) -> int:
@@ -124,21 +166,22 @@ class PackedGroups(NamedTuple):
 
 
 def packed_groups(runs: np.ndarray, by: str, tile_rows: int, no_bound: int) -> PackedGroups:
-    """A packed grouping of `runs` (row_keys for by "query", key_rows for "key"). Group t: the
-    rows [t T, t T + T) (the last cut at the runs' end) that see anything, against the run of the
-    other side's rows they see together; positions 0 and key bounds `no_bound`, so that only the
-    runs mask."""
+    """A packed grouping of `runs` (row_keys for by "query", key_rows for "key"; both ends never
+    decrease, as `row_intervals` makes them). Group t: the rows [t T, t T + T) (the last cut at
+    the runs' end) that see anything, against the run of the other side's rows they see together
+    (from its first seeing row's start to its last one's end, the ends never decreasing);
+    positions 0 and key bounds `no_bound`, so that only the runs mask."""
     t = tile_rows
     rows = runs.shape[0]
     starts = np.arange(0, rows, t)
-    seen = runs[:, 0] < runs[:, 1]
-    lo = np.minimum.reduceat(np.where(seen, runs[:, 0], np.iinfo(np.int32).max), starts)
-    hi = np.maximum.reduceat(np.where(seen, runs[:, 1], -1), starts)
-    live = (hi > lo).nonzero()[0]
+    seeing = np.flatnonzero(runs[:, 0] < runs[:, 1])
+    first, stop = np.searchsorted(seeing, starts), np.searchsorted(seeing, starts + t)
+    live = np.flatnonzero(stop > first)
     g = live.size
     own_start = starts[live]
     own_len = np.minimum(t, rows - own_start)
-    other_start, other_len = lo[live], hi[live] - lo[live]
+    other_start = runs[seeing[first[live]], 0].astype(np.int64)
+    other_len = runs[seeing[stop[live] - 1], 1] - other_start
     zero = np.zeros(g, np.int64)
     bound = np.full(g, no_bound, np.int64)
     if by == "query":
