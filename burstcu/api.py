@@ -10,9 +10,10 @@ key/value heads, D head dim):
 
 `layout` says which global positions a rank's S rows hold (see `burstcu.layout`):
 "contiguous" (rank r: one run of rows after those of ranks 0..r-1; ranks may hold any
-lengths, S_r >= 1) or "zigzag" (rank r: chunks r and 2G-1-r of 2G near-equal chunks; with
-cu_seqlens, pieces r and 2G-1-r of every document, as `shard` cuts them). The global length
-N is the ranks' lengths added up; nothing needs to divide by G.
+lengths, S_r >= 1), "zigzag" (rank r: chunks r and 2G-1-r of 2G near-equal chunks; with
+cu_seqlens, pieces r and 2G-1-r of every document, as `shard` cuts them) or "documents" (zigzag
+with the short documents held whole by one rank each). The global length N is the ranks'
+lengths added up; nothing needs to divide by G.
 `causal` masks over *global* positions: query position i attends to key position j iff j <= i,
 whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -inf.
 """
@@ -231,7 +232,9 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         every layout and strategy; with layout="zigzag" the shards are each document's 2G
         pieces (`shard(..., cu_seqlens=...)` cuts them: give shard the same cu_seqlens, since
         plain zigzag shards of the same lengths cannot be told apart), which balances causal
-        work whatever the mix of lengths. A document is a set of rectangles of the steps
+        work whatever the mix of lengths; with layout="documents" the short documents stay
+        whole on one rank each, which computes them in its local step alone (many short
+        documents: fewer, larger rectangles). A document is a set of rectangles of the steps
         (`burstcu.layout.blocks`): steps without a shared document compute nothing, and
         burst's (and usp's) ring stops a K/V block (forward) or a query bundle (backward)
         once no rank it would reach shares a document with it.
@@ -531,7 +534,9 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     "contiguous": run `rank` of `size` near-equal runs (the first N % size ranks hold one row
     more). "zigzag": chunks `rank` and `2*size-1-rank` of 2*size near-equal chunks, in that
     order; with cu_seqlens, pieces `rank` and `2*size-1-rank` of *every document* cut into
-    2*size, document by document (`burstcu.layout.partition`). Any N >= size works. No
+    2*size, document by document (`burstcu.layout.partition`). "documents": as "zigzag", but a
+    short document goes whole to one rank, dealt out so that every rank's rows and causal pairs
+    stay within 5% of a share of zigzag's (`burstcu.layout`). Any N >= size works. No
     communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
     will be given, checked against N (with "contiguous" they do not move any row). A
     numpy.ma.MaskedArray is refused (TypeError): its mask would be lost. group: a group, None
@@ -583,7 +588,7 @@ def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens,
             raise ValueError(f"a sequence of {seqlen_global} rows, but the Sharding's lengths "
                              f"add up to {sum(lengths)}")
         return partition("contiguous", size, seqlen_global, lengths=tuple(lengths) if size > 1 else None)
-    return partition(layout, size, seqlen_global, docs if layout == "zigzag" else None)
+    return partition(layout, size, seqlen_global, None if layout == "contiguous" else docs)
 
 
 def unshard(x_local, group, layout: str | None = None, axis: int = 1,

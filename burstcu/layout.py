@@ -11,6 +11,13 @@ Layouts (G ranks, global sequence length N, any N >= G; rank r holds S_r rows):
   busiest). With documents (cu_seqlens) *each document* is cut into 2G near-equal pieces and
   rank r holds pieces r and 2G-1-r of every document, document by document, so causal work
   stays balanced whatever the mix of lengths (no document needs to divide by anything).
+* ``"documents"``: per-document zigzag, except that a document short enough is held whole by
+  one rank (`_whole_documents`): the short documents are dealt out longest first, each to the
+  rank it leaves least loaded in rows and causal pairs, so that no rank holds more than
+  DOCUMENT_SLACK of a rank's share more rows or causal pairs than per-document zigzag's fullest
+  rank; the longer documents are cut as zigzag cuts them. A short document then runs in the
+  ring's local step alone (its rows' state is read and written once, not in every step, and its
+  rectangles are not 2G pieces a few dozen rows long). Without documents it is zigzag.
 
 A `Partition` lists every rank's rows as `Segment`s (runs of consecutive global positions, in
 local order); the strategies take one, so any split works alike. For one ring step,
@@ -34,7 +41,10 @@ import numpy as np
 if TYPE_CHECKING:   # blockmask builds on this module (`ragged`)
     from .blockmask import BlockMask
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "documents")
+# "documents": a rank may hold this fraction of a rank's share of the rows (and of the causal
+# pairs) more than per-document zigzag's fullest rank does
+DOCUMENT_SLACK = 0.05
 
 
 class Segment(NamedTuple):
@@ -201,8 +211,9 @@ def partition(layout: str, size: int, seqlen_global: int,
     lengths: each rank's S_r (contiguous only; default near-equal). cu_seqlens: document
     boundaries (a tuple of ints); with "zigzag" each document is cut into 2G pieces, the longer
     pieces of a document going on where the previous document's stopped, so the ranks' lengths
-    differ by at most 2. Raises ValueError for a split it cannot make (lengths that do not add up
-    to N, lengths with zigzag, N < G).
+    differ by at most 2; with "documents" the short ones are held whole (`_whole_documents`).
+    Raises ValueError for a split it cannot make (lengths that do not add up to N, lengths with
+    zigzag or documents, N < G).
     """
     check_layout(layout)
     if size < 1 or seqlen_global < size:
@@ -219,20 +230,22 @@ def partition(layout: str, size: int, seqlen_global: int,
     if lengths is not None:
         fixed = partition(layout, size, seqlen_global, cu_seqlens).lengths
         if tuple(lengths) != fixed:
-            raise ValueError(f"zigzag fixes every rank's length ({seqlen_global} positions over "
+            raise ValueError(f"{layout} fixes every rank's length ({seqlen_global} positions over "
                              f"{size} ranks: {fixed}); got {tuple(lengths)}")
     spans = np.array([0, seqlen_global] if cu_seqlens is None else cu_seqlens, np.int64)
-    lengths_of = np.diff(spans)                      # each document [start, stop) in 2G pieces
-    first = np.concatenate([[0], np.cumsum(lengths_of)[:-1]]) % (2 * size)
-    base, extra = np.divmod(lengths_of, 2 * size)    # near_equal, the longer ones from `first`
-    cut = base[:, None] + ((np.arange(2 * size)[None, :] - first[:, None]) % (2 * size)
-                           < extra[:, None])
-    bounds = spans[:-1, None] + np.concatenate([np.zeros((cut.shape[0], 1), np.int64),
-                                                np.cumsum(cut, axis=1)], axis=1)
+    bounds, cut = _zigzag_pieces(spans, size)
+    owner = _whole_documents(np.diff(spans), cut) if layout == "documents" else None
     runs, arrays = [], []
     for r in range(size):                            # pieces r and 2G-1-r of every document
         chunks = np.stack([r, 2 * size - 1 - r])
-        pos, length = bounds[:, chunks].reshape(-1), cut[:, chunks].reshape(-1)
+        pos, length = bounds[:, chunks], cut[:, chunks]
+        if owner is not None:                        # ... cut, and the documents r holds whole
+            mine = owner == r
+            pos = np.concatenate([pos[owner < 0].reshape(-1), spans[:-1][mine]])
+            length = np.concatenate([length[owner < 0].reshape(-1), np.diff(spans)[mine]])
+            order = np.argsort(pos, kind="stable")
+            pos, length = pos[order], length[order]
+        pos, length = pos.reshape(-1), length.reshape(-1)
         keep = length > 0
         pos, length = pos[keep], length[keep]
         local = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
@@ -243,6 +256,53 @@ def partition(layout: str, size: int, seqlen_global: int,
     part = Partition(layout, tuple(runs))
     object.__setattr__(part, "arrays", tuple(arrays))   # `Partition.arrays`, already at hand
     return part
+
+
+def _zigzag_pieces(spans: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first positions (D, 2G), lengths (D, 2G)) of the 2G near-equal pieces of each of the D
+    documents between `spans` (D + 1 boundaries), the longer pieces of a document going on where
+    the previous document's stopped."""
+    lengths_of = np.diff(spans)
+    first = np.concatenate([[0], np.cumsum(lengths_of)[:-1]]) % (2 * size)
+    base, extra = np.divmod(lengths_of, 2 * size)
+    cut = base[:, None] + ((np.arange(2 * size)[None, :] - first[:, None]) % (2 * size)
+                           < extra[:, None])
+    return spans[:-1, None] + np.cumsum(cut, axis=1) - cut, cut
+
+
+def _whole_documents(lengths_of: np.ndarray, cut: np.ndarray) -> np.ndarray:
+    """(D,) the rank that holds each document whole under "documents", -1 where it is cut in the
+    2G zigzag pieces `cut` (D, 2G). The candidates are the documents of at most a quarter of a
+    rank's share of the rows and of the causal pairs; they are dealt out by most pairs first
+    (ties: the first document), each to the rank whose larger load (rows or pairs, as a fraction
+    of a rank's share) it leaves lowest (ties: the lowest rank), the other documents' zigzag
+    pieces counted first; where that leaves a rank more than DOCUMENT_SLACK of a share above
+    zigzag's fullest rank, the candidates are halved (an eighth, ...), down to none."""
+    size = cut.shape[1] // 2
+    pairs = lengths_of * (lengths_of + 1) // 2
+    piece_pairs = cut * (np.cumsum(cut, axis=1) - cut) + cut * (cut + 1) // 2
+    ranks = np.minimum(np.arange(2 * size), 2 * size - 1 - np.arange(2 * size))
+    rows_cut = np.stack([cut[:, ranks == r].sum(axis=1) for r in range(size)], axis=1)
+    pairs_cut = np.stack([piece_pairs[:, ranks == r].sum(axis=1) for r in range(size)], axis=1)
+    share_rows, share_pairs = lengths_of.sum() / size, pairs.sum() / size
+    most_rows = rows_cut.sum(axis=0).max() + DOCUMENT_SLACK * share_rows
+    most_pairs = pairs_cut.sum(axis=0).max() + DOCUMENT_SLACK * share_pairs
+    owner = np.full(lengths_of.size, -1)
+    fraction = 0.25
+    while fraction * share_rows >= 1:
+        whole = (lengths_of <= fraction * share_rows) & (pairs <= fraction * share_pairs)
+        rows, held = rows_cut[~whole].sum(axis=0).tolist(), pairs_cut[~whole].sum(axis=0).tolist()
+        owner[:] = -1
+        for d in np.flatnonzero(whole)[np.argsort(-pairs[whole], kind="stable")].tolist():
+            n, p = int(lengths_of[d]), int(pairs[d])
+            r = min(range(size), key=lambda r: max((rows[r] + n) / share_rows,
+                                                   (held[r] + p) / share_pairs))
+            owner[d], rows[r], held[r] = r, rows[r] + n, held[r] + p
+        if max(rows) <= most_rows and max(held) <= most_pairs:
+            return owner
+        fraction /= 2
+    owner[:] = -1
+    return owner
 
 
 @lru_cache(maxsize=256)
@@ -266,8 +326,8 @@ def as_partition(layout: str | Partition, size: int, seqlen_local: int) -> Parti
         assert layout.size == size, f"a partition of {layout.size} ranks used by {size}"
         return layout
     check_layout(layout)
-    if layout == "zigzag" and seqlen_local % 2:
-        raise ValueError(f"zigzag layout needs an even local sequence length, got {seqlen_local}")
+    if layout != "contiguous" and seqlen_local % 2:
+        raise ValueError(f"{layout} layout needs an even local sequence length, got {seqlen_local}")
     return partition(layout, size, seqlen_local * size)
 
 

@@ -439,8 +439,8 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)
     cu_seqlens = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    if layout == "zigzag" and cu_seqlens is not None:  # every document in 2G pieces, as shard cuts
-        layout = partition("zigzag", size, cu_seqlens[-1], cu_seqlens)
+    if layout in ("zigzag", "documents") and cu_seqlens is not None:  # as shard cuts them
+        layout = partition(layout, size, cu_seqlens[-1], cu_seqlens)
     total = layout.total if isinstance(layout, Partition) else size * int(q_shape[1])
     err = (check_block_mask(block_mask, causal, window_size, cu_seqlens, True)
            or check_block_mask_extent(block_mask, total))

@@ -10,7 +10,7 @@ adapters) and join it again (`unshard`) cannot disagree.
 Passed where a group goes, a Sharding supplies `layout`, `cu_seqlens` and (with `lengths`)
 `uneven=True`; a keyword that disagrees with it is an error on every rank.
 
-layout: "contiguous" or "zigzag" (`burstcu.layout`). cu_seqlens: global document boundaries
+layout: "contiguous", "zigzag" or "documents" (`burstcu.layout`). cu_seqlens: global document boundaries
 0 = b_0 <= ... <= b_n = N (host ints, the same on every rank), or None. lengths: rows each rank
 holds, for contiguous shards of other than near-equal lengths (rank r holds the run after the
 rows of ranks 0..r-1), or None. Packed inputs (flash-attn's varlen convention, no batch axis:
@@ -49,8 +49,8 @@ class Sharding:
             raise err.exception()
         if lengths is not None:
             if layout != "contiguous":
-                raise ValueError("lengths (rows per rank) describe contiguous shards; the zigzag "
-                                 "layout cuts its own")
+                raise ValueError(f"lengths (rows per rank) describe contiguous shards; the "
+                                 f"{layout} layout cuts its own")
             counts = host_ints(lengths)
             if counts.shape != (group.size,) or not np.issubdtype(counts.dtype, np.integer) \
                     or (counts < 1).any():

@@ -318,8 +318,8 @@ def partition_of(layout: str, lengths, docs, uneven: bool = False,
     know the lengths after the agreement round. Contiguous shards are near-equal (lengths
     differing by at most one, as `burstcu.shard` cuts them) unless `uneven` says the ranks hold
     other lengths on purpose (so one rank passing the global array is an error, not a silently
-    other sequence); zigzag ones must be the ones `burstcu.shard` cuts (each document in 2G
-    pieces). max_positions: the most positions the local op can address (the kernels: 2^30)."""
+    other sequence); zigzag and "documents" ones must be the ones `burstcu.shard` cuts (each
+    document in 2G pieces, or the short ones whole). max_positions: the most positions the local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
     err = check_docs_total(docs, total, size)
@@ -503,14 +503,15 @@ def cut_of(x) -> tuple | None:
 def rows_cut(layout, docs, size: int) -> tuple:
     """A call's rows on `size` ranks as `remember_cut` records them, written so that two cuts
     that place the rows alike are equal: contiguous shards are the same with or without
-    documents (they move no row), zigzag ones are not (unless the documents are one); one rank
-    holds every row in order whatever the layout; shards of another number of ranks never
-    place them alike. (Lengths are not part of it: uneven shards are checked by the calls
-    themselves.)"""
+    documents (they move no row), zigzag and "documents" ones are not (unless the documents are
+    one, where "documents" is zigzag); one rank holds every row in order whatever the layout;
+    shards of another number of ranks never place them alike. (Lengths are not part of it:
+    uneven shards are checked by the calls themselves.)"""
     if not isinstance(size, (int, np.integer)):
         return ("rows", None, None, None)   # not a group (the call says so on every rank): no cut
-    if size == 1 or layout != "zigzag" or docs is None or len(docs) <= 2:
+    if size == 1 or layout == "contiguous" or docs is None or len(docs) <= 2:
         docs = None
+        layout = "zigzag" if layout == "documents" else layout
     return ("rows", "contiguous" if size == 1 else layout, docs, int(size))
 
 
@@ -518,7 +519,7 @@ def _said(cut: tuple, other: tuple | None = None) -> str:
     """A cut's layout and documents in words; "without cu_seqlens" where only `other` has them."""
     _, layout, docs, _ = cut
     if docs is None:
-        bare = other is not None and other[2] and layout == other[1] == "zigzag"
+        bare = other is not None and other[2] and layout == other[1] != "contiguous"
         return f"layout={layout!r}" + (" without documents (cu_seqlens)" if bare else "")
     return f"layout={layout!r} with cu_seqlens={list(docs)}"
 
@@ -735,8 +736,8 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
     err = err or check_flags(causal=causal) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.array_dtypes, layout=layout,
         softmax_scale=None)
-    if err is None and layout == "zigzag" and q.shape[1] % 2:
-        err = InputError(ValueError, f"linear attention's zigzag layout needs an even local "
+    if err is None and layout != "contiguous" and q.shape[1] % 2:
+        err = InputError(ValueError, f"linear attention's {layout} layout needs an even local "
                                      f"seqlen, got {q.shape[1]}")
     if err is None and backward:
         dout = arrays[0]

@@ -2,7 +2,8 @@
 of each ring step cover exactly the dense mask, composed with causal and sliding windows, at
 random boundaries; a document inside one shard sends nothing; zigzag cuts every document in 2G
 pieces; empty documents change nothing; bad boundaries and disagreeing ranks refused on every
-rank. Documents on every strategy against the float64 reference: tests/test_mask_kinds.py."""
+rank; layout="documents" holds the short documents whole within zigzag's balance. Documents on
+every strategy against the float64 reference: tests/test_mask_kinds.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 
 import burstcu
 from burstcu.engine.burst import forward_sends
-from burstcu.layout import (RECTANGLE, Partition, blocks, global_positions, kept_pairs, partition,
-                            rectangles, step_blocks)
+from burstcu.layout import (DOCUMENT_SLACK, RECTANGLE, Partition, blocks, global_positions,
+                            kept_pairs, partition, rectangles, step_blocks)
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
 
@@ -66,13 +67,14 @@ def test_rectangles_of_any_partition_cover_the_dense_mask_once():
         docs = None if rng.integers(4) == 0 else tuple([0, *cuts, n])
         causal = bool(rng.integers(2))
         window = (int(rng.choice([-1, 0, 1, 4, 20])), 0 if causal else int(rng.choice([-1, 0, 3])))
-        kind = str(rng.choice(["contiguous", "uneven", "zigzag", "zigzag per document"]))
+        kind = str(rng.choice(["contiguous", "uneven", "zigzag", "zigzag per document",
+                               "documents"]))
         if kind == "uneven":
             cut = np.sort(rng.choice(np.arange(1, n), size=size - 1, replace=False)) if size > 1 else []
             lengths = tuple(int(x) for x in np.diff([0, *cut, n]))
             part = partition("contiguous", size, n, None, lengths)
         else:
-            per_document = kind == "zigzag per document" and docs is not None
+            per_document = kind in ("zigzag per document", "documents") and docs is not None
             part = partition(kind.split()[0], size, n, docs if per_document else None)
         for qr in range(size):
             for kr in range(size):
@@ -199,6 +201,66 @@ def test_zigzag_with_documents_cuts_every_document_in_2g_pieces():
             for r in range(size):   # two pieces of n // 2G or one more rows each
                 held = int((owner[start:stop] == r).sum())
                 assert n // (2 * size) * 2 <= held <= n // (2 * size) * 2 + 2, (size, r, start, held)
+
+
+def _causal_pairs(positions: np.ndarray, docs: np.ndarray) -> int:
+    """Causal pairs the rows at `positions` keep within their documents (`docs` boundaries)."""
+    start = docs[np.searchsorted(docs, positions, "right") - 1]
+    return int(np.sum(positions - start + 1))
+
+
+def test_documents_layout_holds_short_documents_whole_within_the_balance_of_zigzag():
+    """layout="documents" over long-tailed mixes of documents on 1 to 8 ranks: every position
+    held once, each rank's in position order; every document either whole on one rank or cut
+    exactly as zigzag cuts it; no rank holds more rows, or keeps more causal pairs, than
+    zigzag's fullest rank plus DOCUMENT_SLACK of a share; short documents are held whole; and
+    without documents it is zigzag."""
+    rng = np.random.default_rng(5)
+    whole_somewhere = 0
+    for trial in range(60):
+        size = int(rng.integers(1, 9))
+        lengths_of = np.maximum(1, rng.lognormal(3.5, 1.3, int(rng.integers(1, 300)))).astype(int)
+        docs = np.concatenate([[0], np.cumsum(lengths_of)])
+        n = int(docs[-1])
+        if n < size:
+            continue
+        part = partition("documents", size, n, tuple(docs.tolist()))
+        zig = partition("zigzag", size, n, tuple(docs.tolist()))
+        owner = np.full(n, -1)
+        for r in range(size):
+            held = np.array(part.positions(r))
+            assert (np.diff(held) > 0).all() and (owner[held] == -1).all()
+            owner[held] = r
+        assert (owner >= 0).all()
+        zig_owner = np.empty(n, int)
+        for r in range(size):
+            zig_owner[zig.positions(r)] = r
+        for start, stop in zip(docs[:-1], docs[1:]):
+            mine = owner[start:stop]
+            if not (mine == mine[0]).all():
+                assert (mine == zig_owner[start:stop]).all(), (trial, start, stop)
+            whole_somewhere += size > 1 and (mine == mine[0]).all() and \
+                not (zig_owner[start:stop] == mine[0]).all()
+        share_rows, share_pairs = n / size, _causal_pairs(np.arange(n), docs) / size
+        zig_pairs = max(_causal_pairs(np.array(zig.positions(r)), docs) for r in range(size))
+        for r in range(size):
+            assert part.lengths[r] <= max(zig.lengths) + DOCUMENT_SLACK * share_rows, trial
+            assert _causal_pairs(np.array(part.positions(r)), docs) <= \
+                zig_pairs + DOCUMENT_SLACK * share_pairs, trial
+    assert whole_somewhere >= 500, whole_somewhere
+    # many short documents (250, median ~90 rows, 38K rows) on 4 ranks: nearly all whole
+    lengths_of = np.maximum(1, np.random.default_rng(1).lognormal(4.5, 1.2, 250)).astype(int)
+    docs = tuple(np.concatenate([[0], np.cumsum(lengths_of)]).tolist())
+    part = partition("documents", 4, docs[-1], docs)
+    whole = {(s.pos, s.pos + s.length) for r in range(4) for s in part.runs[r]} & set(zip(docs, docs[1:]))
+    assert len(whole) >= 240, len(whole)
+    # three documents of a quarter share on 2 ranks: held whole, one rank would hold two of them,
+    # beyond the slack; at an eighth of a share none is short enough: all three are cut
+    docs = (0, 500, 600, 700, 800)
+    assert partition("documents", 2, 800, docs).runs == partition("zigzag", 2, 800, docs).runs
+    assert partition("documents", 4, 1000).runs == partition("zigzag", 4, 1000).runs
+    with pytest.raises(ValueError, match="documents fixes every rank's length"):
+        partition("documents", 2, 10, (0, 4, 10), (3, 7))
 
 
 def test_empty_documents_are_dropped_and_lists_accepted():

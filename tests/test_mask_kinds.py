@@ -59,8 +59,8 @@ DOCUMENTS = [
     {"causal": True, "layout": "contiguous", "doc_lengths": [1]},          # every row alone
     {"causal": True, "layout": "contiguous", "doc_lengths": [1000]},       # one document
 ]
-# any global length with either layout, contiguous shards of any lengths the ranks hold, zigzag
-# with documents (each document cut into 2G near-equal pieces)
+# any global length with any layout, contiguous shards of any lengths the ranks hold, zigzag
+# with documents (each document cut into 2G near-equal pieces), "documents" (the short ones whole)
 UNEVEN = [
     {"causal": True, "layout": "contiguous", "n": 37},
     {"causal": False, "layout": "zigzag", "n": 37},
@@ -71,6 +71,9 @@ UNEVEN = [
     {"causal": True, "layout": "zigzag", "n": 45, "doc_lengths": MIX},
     {"causal": False, "layout": "zigzag", "n": 40, "doc_lengths": [17, 3, 20], "window": (4, 1)},
     {"causal": True, "layout": "zigzag", "n": 43, "doc_lengths": [29, 1], "window": (6, 0)},
+    # zigzag with the short documents whole (some are, on 1 to 4 ranks)
+    {"causal": True, "layout": "documents", "n": 37, "doc_lengths": MIX},
+    {"causal": False, "layout": "documents", "n": 45, "doc_lengths": MIX, "window": (4, 1)},
 ]
 
 # block masks (burstcu.BlockMask, tests/mpi/strategy_bodies.py::mask_rects): rectangles of all

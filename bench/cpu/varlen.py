@@ -1,9 +1,11 @@
 """The host side of a varlen ring schedule, one process: medians over --repeats builds of the
-per-document zigzag partition of --docs documents (a seeded long-tailed mix) over --ranks ranks
-and of each causal ring step's rectangles, with the kernels' lists too, packed where that pays
-(burstcu/ops/cuda/packing.py) and not (bench/README.md).
+per-document zigzag partition (or --layout documents: the short documents whole) of --docs
+documents (a seeded long-tailed mix) over --ranks ranks and of each causal ring step's
+rectangles, with the kernels' lists too, packed where that pays (burstcu/ops/cuda/packing.py)
+and not (bench/README.md).
 
-    python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--repeats 20] [--json F] [--table F]
+    python bench/cpu/varlen.py --schedule [--ranks 8] [--docs 1000] [--layout zigzag] [--repeats 20]
+                               [--json F] [--table F]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main(argv=None):
     p.add_argument("--schedule", action="store_true", help="(the only mode; kept for the command lines)")
     for name, default in (("--ranks", 8), ("--docs", 1000), ("--repeats", 20)):
         p.add_argument(name, type=int, default=default)
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "documents"])
     p.add_argument("--json", default=None)
     p.add_argument("--table", default=None)
     args = p.parse_args(argv)
@@ -47,9 +50,9 @@ def main(argv=None):
             for groupings in LISTS if lists else ():   # both from the one step, as the ops do
                 step_group_lists(np, step, groupings, pack)
 
-    part = partition("zigzag", g, n, cu)
+    part = partition(args.layout, g, n, cu)
     fresh = lambda: Partition(part.layout, part.runs)   # noqa: E731 - nothing computed yet
-    r = {"partition_ms": ms(lambda: partition.__wrapped__("zigzag", g, n, cu)),
+    r = {"partition_ms": ms(lambda: partition.__wrapped__(args.layout, g, n, cu)),
          "arrays_ms": ms(lambda: fresh().arrays), "hash_ms": ms(lambda: hash(fresh())),
          "step_as_blocks_ms": ms(lambda: list(StepBlocks(build(part, 0, g - 1, True, (-1, -1), cu))))}
     steps = {(q, s): ms(lambda q=q, s=s: cold(q, [s])) for q in range(g) for s in range(g)}
@@ -71,7 +74,8 @@ def main(argv=None):
              ("the same, packed where that pays", "rank_steps_packed_ms_max"),
              (f"all {g}x{g} arrays", "all_steps_ms"),
              ("one step's array as Blocks (what the NumPy op iterates)", "step_as_blocks_ms")]
-    text = "\n".join([f"host schedule: {len(cu) - 1} documents, {n} tokens, per-document zigzag over {g} "
+    what = "per-document zigzag" if args.layout == "zigzag" else "documents (short ones whole)"
+    text = "\n".join([f"host schedule: {len(cu) - 1} documents, {n} tokens, {what} over {g} "
                       f"ranks, causal (medians of {args.repeats} builds; CPU)",
                       C.table([{"built": w, "ms": f"{r[k]:.3f}"} for w, k in shown], ["built", "ms"]),
                       f"rectangles a step: median {r['rectangles_per_step_median']:.0f}, most "

@@ -1,8 +1,8 @@
 """A ring step's rectangles in one launch, packed into the kernels' tiles (burstcu/ops/cuda/packing.py)
 and a tile a rectangle, against one launch a rectangle, every (rank, step) of a causal ring under
-per-document zigzag and under contiguous (bench/README.md); CUDA events on a GPU, median of
---repeats; --backend emulated: host seconds, never GPU figures. --dry-run also counts the tiles
-each way would run (the packing model's count, no kernel runs).
+per-document zigzag, "documents" (the short ones whole) and contiguous (bench/README.md); CUDA
+events on a GPU, median of --repeats; --backend emulated: host seconds, never GPU figures.
+--dry-run also counts the tiles each way would run (the packing model's count, no kernel runs).
 
     python bench/gpu/step_lists.py [--ranks 4] [--seqlen 65536] [--docs 241] [--arch sm_90]
                                    [--passes fwd bwd] [--json F]
@@ -123,20 +123,22 @@ def main(argv=None):
     if args.dry_run:
         from burstcu import layout
         from burstcu.ops.cuda import packing
-        from burstcu.ops.cuda.params import _rect_columns, packed_list
+        from burstcu.ops.cuda.params import _group_list, _rect_columns, packed_list
 
-        for name, cut in (("zigzag", docs), ("contiguous", None)):
+        for name, cut in (("zigzag", docs), ("documents", docs), ("contiguous", None)):
             part = layout.partition(name, args.ranks, args.seqlen, cut)
             steps = [layout.blocks(part, qr, kr, True, (-1, -1), cut)
                      for qr in range(args.ranks) for kr in range(args.ranks)]
             listed = sum(packing.list_tiles(_rect_columns(b), 128) for b in steps if b)
-            packed = sum(p.work if (p := packed_list(b, "query", 128)) else
-                         packing.list_tiles(_rect_columns(b), 128) for b in steps if b)
+            packs = [(b, packed_list(b, "query", 128)) for b in steps if b]
+            packed = sum(p.work if p else packing.list_tiles(_rect_columns(b), 128) for b, p in packs)
+            states = sum(p.tiles if p else _group_list(b, "query", 128)[2] for b, p in packs)
             print(f"plan: {' and '.join(args.passes)}, {name}, {0 if cut is None else len(cut) - 1} "
                   f"documents over {args.seqlen} tokens on {args.ranks} ranks: "
                   f"{sum(map(len, steps))} rectangles in {len(steps)} (rank, step) pairs, each timed "
                   f"{len(WAYS)} ways; query tiles of 128 x 128 keys (model): {listed} a rectangle "
-                  f"each, {packed} packed where that pays")
+                  f"each, {packed} packed where that pays, from {states} tiles of 128 query rows "
+                  f"(each a read and a write of its rows' running state)")
         return None
     from burstcu.ops.cuda import KernelOps
 
@@ -144,12 +146,12 @@ def main(argv=None):
     ops.sm90_lists = not args.mma_list
     rows = []
     for passes in args.passes:
-        zigzag, contiguous = (measure(args, ops, "zigzag", docs, passes),
-                              measure(args, ops, "contiguous", None, passes))
-        for row in (zigzag, contiguous):
+        measured = [measure(args, ops, name, cut, passes)
+                    for name, cut in (("zigzag", docs), ("documents", docs), ("contiguous", None))]
+        for row in measured:
             row["arch"] = ops.arch
-            row["vs_contiguous_per_pair"] = row["ns_per_pair_packed"] / contiguous["ns_per_pair_packed"]
-        rows += [zigzag, contiguous]
+            row["vs_contiguous_per_pair"] = row["ns_per_pair_packed"] / measured[-1]["ns_per_pair_packed"]
+        rows += measured
     where = ("GPU (CUDA events around each step call)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
     text = (f"step calls of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "

@@ -146,10 +146,11 @@ def doc_boundaries(lengths, n: int):
 
 def case_rows(case: dict, size: int, n: int, docs, group) -> list:
     """Every rank's global positions under a case: "lengths" (contiguous shards of those
-    lengths, a list per world size) or a near-equal split of n, written out here; zigzag with
-    documents as burstcu.shard cuts them (its pieces are checked in tests/test_documents.py)."""
+    lengths, a list per world size) or a near-equal split of n, written out here; zigzag and
+    "documents" with documents as burstcu.shard cuts them (their pieces are checked in
+    tests/test_documents.py; without documents "documents" is zigzag)."""
     layout = case["layout"]
-    if layout == "zigzag" and docs is not None:
+    if layout != "contiguous" and docs is not None:
         whole = np.arange(n)[None, :, None]
         return [burstcu.shard(whole, SimpleNamespace(rank=r, size=size), layout,
                               cu_seqlens=list(docs))[0, :, 0] for r in range(size)]
