@@ -67,10 +67,23 @@ def test_runs_keep_exactly_the_rectangles_pairs():
     assert steps >= 20
 
 
+def _spelled_out(cols: np.ndarray) -> np.ndarray | None:
+    """(q_end, k_end) bool: the pairs the BlockRects `cols` (8, n) keep, from their definition;
+    None where a pair is kept twice (which no caller makes)."""
+    q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols
+    i = np.arange((q_start + q_len).max())[:, None, None]
+    j = np.arange((k_start + k_len).max())[None, :, None]
+    offset = (k_pos + j - k_start) - (q_pos + i - q_start)
+    kept = (i >= q_start) & (i < q_start + q_len) & (j >= k_start) & (j < k_start + k_len) \
+        & (offset >= -lo) & (offset <= hi)
+    return kept.any(axis=2) if kept.sum(axis=2).max() <= 1 else None
+
+
 def _random_rectangles(rng, trials: int):
-    """(cols (8, n) int64, keep (q_end, k_end) bool) of `trials` random sets of BlockRects:
-    rows and keys overlapping anyhow, bands of any width or none, spelled out pair by pair from
-    their definition; sets that keep a pair twice (which no caller makes) skipped."""
+    """(cols (8, n) int64, keep) of `trials` random sets of BlockRects (rows and keys overlapping
+    anyhow, bands of any width or none; sets keeping a pair twice, or with no row or no key,
+    skipped), then two fixed sets that only a piece's slopes (a row of two runs) and its last row
+    (an end going back) refuse; keep as `_spelled_out`."""
     for _ in range(trials):
         m, rows, keys = int(rng.integers(1, 10)), *rng.integers(1, int(rng.choice([12, 120])), 2)
         q_start, k_start = rng.integers(0, rows, m), rng.integers(0, keys, m)
@@ -78,15 +91,12 @@ def _random_rectangles(rng, trials: int):
         q_pos, k_pos = rng.integers(0, 2 * rows, m), rng.integers(0, 2 * keys, m)
         hi, lo = (np.where(rng.random(m) < 0.4, NO_BOUND, rng.integers(-4, rows, m)) for _ in "hl")
         cols = np.stack([q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo]).astype(np.int64)
-        if not (q_len.any() and k_len.any()):
-            continue
-        i = np.arange((q_start + q_len).max())[:, None, None]
-        j = np.arange((k_start + k_len).max())[None, :, None]
-        offset = (k_pos + j - k_start) - (q_pos + i - q_start)
-        kept = (i >= q_start) & (i < q_start + q_len) & (j >= k_start) & (j < k_start + k_len) \
-            & (offset >= -lo) & (offset <= hi)
-        if kept.sum(axis=2).max() <= 1:
-            yield cols, kept.any(axis=2)
+        if q_len.any() and k_len.any() and (keep := _spelled_out(cols)) is not None:
+            yield cols, keep
+    for rows in ([[0, 4, 0, 10, 0, 0, NO_BOUND, NO_BOUND], [2, 2, 5, 15, 0, 0, NO_BOUND, -5]],
+                 [[0, 3, 0, 10, 0, 0, 4, NO_BOUND], [3, 2, 0, 6, 0, 0, NO_BOUND, NO_BOUND]]):
+        cols = np.array(rows, np.int64).T
+        yield cols, _spelled_out(cols)
 
 
 def test_runs_of_any_rectangles_exactly_where_every_row_sees_one_run_going_forward():
@@ -111,6 +121,7 @@ def test_runs_of_any_rectangles_exactly_where_every_row_sees_one_run_going_forwa
             continue
         packed += 1
         row_keys, key_rows = runs
+        assert row_keys.dtype == key_rows.dtype == np.int32
         assert np.array_equal(row_keys, np.stack([start, end], axis=1))
         assert np.array_equal(_runs_mask(key_rows, sk, sq).T, keep)
         assert (np.diff(key_rows, axis=0) >= 0).all()

@@ -71,7 +71,7 @@ def row_intervals(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols.astype(np.int64)
     q_end, k_end = int((q_start + q_len).max()), int((k_start + k_len).max())
     total = int(q_len.sum())
-    if total > MAX_ROW_REPEATS * q_end or total >= 2**31:
+    if total > MAX_ROW_REPEATS * q_end:
         return None
     k_stop = k_start + k_len
     a = k_start + q_pos - k_pos - lo - q_start
@@ -80,7 +80,7 @@ def row_intervals(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     x1 = np.minimum(q_start + q_len, k_stop - a)
     live = (x0 < x1) & (k_len > 0) & (a < b)
     a, b, k_start, k_stop, x0, x1 = (v[live] for v in (a, b, k_start, k_stop, x0, x1))
-    rises = np.clip(k_start - a + 1, x0, x1)           # from here its first key is x + a
+    rises = np.clip(k_start - a + 1, x0, x1)           # from here its first key rises
     stops = np.clip(k_stop - b + 1, x0, x1)            # from here its end is k_stop
     marks = np.zeros(q_end + 1, bool)
     for x in (x0, x1, rises, stops, [0, q_end]):
