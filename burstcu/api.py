@@ -535,8 +535,9 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     more). "zigzag": chunks `rank` and `2*size-1-rank` of 2*size near-equal chunks, in that
     order; with cu_seqlens, pieces `rank` and `2*size-1-rank` of *every document* cut into
     2*size, document by document (`burstcu.layout.partition`). "documents": as "zigzag", but a
-    short document goes whole to one rank, dealt out so that every rank's rows and causal pairs
-    stay within 5% of a share of zigzag's (`burstcu.layout`). Any N >= size works. No
+    short document goes whole to one rank, dealt out so that no rank holds more than 5% of a
+    share more rows or causal pairs than zigzag's fullest rank (`burstcu.layout`; a rank may
+    hold fewer rows). Any N >= size works. No
     communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
     will be given, checked against N (with "contiguous" they do not move any row). A
     numpy.ma.MaskedArray is refused (TypeError): its mask would be lost. group: a group, None
@@ -555,7 +556,8 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
             raise err.exception()
         if layout != "contiguous" or cu_seqlens is not None or lengths is not None:
             raise ValueError("shard(..., block_mask=...) cuts contiguous shards balanced for the "
-                             "mask: give it without zigzag, cu_seqlens or a Sharding's lengths")
+                             "mask: give it with the contiguous layout, without cu_seqlens or a "
+                             "Sharding's lengths")
         lengths = block_mask.balanced_lengths(1 if group is None else group.size,
                                               x.shape[axis % x.ndim])
     check_layout(layout)

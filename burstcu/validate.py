@@ -502,16 +502,17 @@ def cut_of(x) -> tuple | None:
 
 def rows_cut(layout, docs, size: int) -> tuple:
     """A call's rows on `size` ranks as `remember_cut` records them, written so that two cuts
-    that place the rows alike are equal: contiguous shards are the same with or without
-    documents (they move no row), zigzag and "documents" ones are not (unless the documents are
-    one, where "documents" is zigzag); one rank holds every row in order whatever the layout;
-    shards of another number of ranks never place them alike. (Lengths are not part of it:
-    uneven shards are checked by the calls themselves.)"""
+    that place the rows alike by construction are equal: contiguous shards are the same with or
+    without documents (they move no row), zigzag and "documents" ones are not (unless the
+    documents are one); one rank holds every row in order whatever the layout; shards of another
+    number of ranks never place them alike. Zigzag and "documents" stay apart even where they
+    happen to place the rows alike (no document, or none short enough): a call naming the other
+    is refused. (Lengths are not part of it: uneven shards are checked by the calls
+    themselves.)"""
     if not isinstance(size, (int, np.integer)):
         return ("rows", None, None, None)   # not a group (the call says so on every rank): no cut
     if size == 1 or layout == "contiguous" or docs is None or len(docs) <= 2:
         docs = None
-        layout = "zigzag" if layout == "documents" else layout
     return ("rows", "contiguous" if size == 1 else layout, docs, int(size))
 
 

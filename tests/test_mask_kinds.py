@@ -71,9 +71,9 @@ UNEVEN = [
     {"causal": True, "layout": "zigzag", "n": 45, "doc_lengths": MIX},
     {"causal": False, "layout": "zigzag", "n": 40, "doc_lengths": [17, 3, 20], "window": (4, 1)},
     {"causal": True, "layout": "zigzag", "n": 43, "doc_lengths": [29, 1], "window": (6, 0)},
-    # zigzag with the short documents whole (some are, on 1 to 4 ranks)
-    {"causal": True, "layout": "documents", "n": 37, "doc_lengths": MIX},
-    {"causal": False, "layout": "documents", "n": 45, "doc_lengths": MIX, "window": (4, 1)},
+    # zigzag with the short documents whole (documents of 2-7 rows are, on 2 to 4 ranks)
+    {"causal": True, "layout": "documents", "n": 96, "doc_lengths": MIX},
+    {"causal": False, "layout": "documents", "n": 120, "doc_lengths": MIX, "window": (4, 1)},
 ]
 
 # block masks (burstcu.BlockMask, tests/mpi/strategy_bodies.py::mask_rects): rectangles of all
@@ -97,7 +97,7 @@ MASK_KINDS = {
                           emulated_options={"seqlen_local": 32}),
     # blocks of other lengths than this rank's reach the kernels; "auto" plans from the agreed
     # partition and mask, so every rank must pick the same strategy (else the job hangs)
-    "uneven": MaskKind(cases=UNEVEN, in_other_dtypes=UNEVEN[2:4] + UNEVEN[6:7],
+    "uneven": MaskKind(cases=UNEVEN, in_other_dtypes=UNEVEN[2:4] + UNEVEN[6:7] + UNEVEN[9:10],
                        emulated=[(3, "float16")], emulated_cases=[UNEVEN[0], UNEVEN[3], UNEVEN[6]],
                        auto_worlds=(3, 4)),
     # rectangles of every kind reach the kernels as Blocks with shifted diagonals

@@ -2,8 +2,9 @@
 D x D states per pass, posted before and waited after the local work so the two overlap.
 
 Linear attention, chunkwise local compute and shapes: `burstcu.ops.linear`. A rank's rows are
-one or two runs of global positions (`burstcu.layout.segments`: contiguous, zigzag); each run is
-a chunk t with state M_t = K_t^T V_t (B, Hkv, D, D) in the accumulation dtype.
+one or two runs of global positions (`burstcu.layout.segments`: contiguous, zigzag, or
+"documents", which without documents is zigzag); each run is a chunk t with state
+M_t = K_t^T V_t (B, Hkv, D, D) in the accumulation dtype.
 
 Forward:
     states = [M_t for my runs]                      (nruns, B, Hkv, D, D), nruns = 1 or 2
