@@ -441,19 +441,19 @@ def test_gpu_benchmarks_plan_without_a_gpu():
     assert "global seqlen 65537" in out and " documents, " in out and "no documents" not in out
     out = run_bench("gpu/step_lists.py", ["--dry-run", "--seqlen", "65536", "--docs", "241"], nprocs=None)
     assert "plan: fwd and bwd, zigzag, 241 documents over 65536 tokens on 4 ranks" in out
-    assert "plan: fwd and bwd, contiguous, 0" in out
+    assert "plan: fwd and bwd, contiguous, 0" in out and "plan: fwd and bwd, documents, 241" in out
     # the packing model's tiles: fewer packed for the documents, the same for one sequence
     tiles = [tuple(map(int, re.findall(r"(\d+) a rectangle each, (\d+) packed", line)[0]))
              for line in out.splitlines() if line.startswith("plan:")]
-    assert tiles[0][1] < tiles[0][0] and tiles[1][1] == tiles[1][0], tiles
+    assert tiles[0][1] < tiles[0][0] and tiles[2][1] == tiles[2][0], tiles
 
 
 @pytest.mark.emulated
 def test_step_lists_on_the_emulator(tmp_path):
     """bench/gpu/step_lists.py through the emulator (its smoke test; GPU figures come from a
     GPU): per-document zigzag steps take fewer launches as lists (packed or a tile a rectangle)
-    than one a rectangle, forward and backward, on the Hopper table's list kernels; the kept
-    pairs are the layouts' own, contiguous is its own reference."""
+    than one a rectangle, forward and backward, on the Hopper table's list kernels; "documents"
+    keeps the same pairs in fewer rectangles; contiguous is its own reference."""
     js = tmp_path / "sl.json"
     out = run_bench("gpu/step_lists.py", ["--backend", "emulated", "--ranks", "2", "--seqlen", "256",
                                           "--docs", "5", "--heads", "2", "--headdim", "64",
@@ -462,15 +462,16 @@ def test_step_lists_on_the_emulator(tmp_path):
     assert "NOT GPU figures" in out
     rows = json.loads(js.read_text())["rows"]
     assert [(r["pass"], r["layout"]) for r in rows] == [
-        ("fwd", "zigzag"), ("fwd", "contiguous"), ("bwd", "zigzag"), ("bwd", "contiguous")]
-    for (zigzag, contiguous), kernel in zip((rows[:2], rows[2:]),
-                                            ("flash_fwd_steps_sm90", "flash_bwd_dkdv_steps_sm90")):
-        assert zigzag["docs"] == 5 and kernel in zigzag["kernels_packed"], zigzag
+        (p, layout) for p in ("fwd", "bwd") for layout in ("zigzag", "documents", "contiguous")]
+    for (zigzag, documents, contiguous), kernel in zip(
+            (rows[:3], rows[3:]), ("flash_fwd_steps_sm90", "flash_bwd_dkdv_steps_sm90")):
+        assert zigzag["docs"] == documents["docs"] == 5 and kernel in zigzag["kernels_packed"], zigzag
         assert kernel in zigzag["kernels_list"], zigzag
         assert zigzag["launches_list"] < zigzag["launches_per_rect"] and zigzag["rectangles"] > 4
         assert zigzag["launches_packed"] < zigzag["launches_per_rect"]
+        assert documents["rectangles"] <= zigzag["rectangles"]       # short documents whole
         assert contiguous["kept_pairs"] == 256 * 257 // 2            # causal over the 256 tokens
-        assert 0 < zigzag["kept_pairs"] < contiguous["kept_pairs"]    # within documents only
+        assert 0 < zigzag["kept_pairs"] == documents["kept_pairs"] < contiguous["kept_pairs"]
 
 
 def test_overlap_gpu_interval_arithmetic():

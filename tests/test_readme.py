@@ -108,6 +108,10 @@ EXPECTED = {
         "rank 0: q (1, 501, 4, 32), out (1, 501, 4, 32), matches one process: True",
         "rank 1: q (1, 500, 4, 32), out (1, 500, 4, 32), matches one process: True",
     ],
+    ("docs/layouts.md", 3): [
+        "rank 0: q (1, 505, 4, 32), matches one process: True",
+        "rank 1: q (1, 495, 4, 32), matches one process: True",
+    ],
     ("docs/launching.md", 0): [
         "rank {rank} of 2: out (1, 2048, 8, 64) over torch.distributed, sent ... bytes",
     ],
