@@ -168,13 +168,14 @@ def test_auto_picks_the_same_strategy_on_every_rank(kind, world):
 @pytest.mark.emulated
 @pytest.mark.parametrize("world", [2, 3])
 def test_packed_documents_run_the_hopper_list_kernels_on_the_ring(world):
-    """Packed documents (per-document zigzag and contiguous shards, causal and not) on the
+    """Packed documents (per-document zigzag, "documents" and contiguous shards, causal and not) on the
     Hopper kernel table (arch="sm_90a", head dim 64): a step's many rectangles go to the Hopper
     list kernels in one launch, forward (flash_fwd_steps_sm90) and dK/dV (flash_bwd_dkdv_steps_sm90,
     with atomic dQ), packed into the kernels' tiles where they are small (ops/cuda/packing.py),
     and out, lse, dq, dk, dv match float64 on every rank."""
     cases = [{"causal": True, "layout": "zigzag", "doc_lengths": MIX},
-             {"causal": False, "layout": "contiguous", "doc_lengths": MIX}]
+             {"causal": False, "layout": "contiguous", "doc_lengths": MIX},
+             {"causal": True, "layout": "documents", "doc_lengths": MIX}]
     for rank, result in enumerate(run_mpi(world, BODY, timeout=600, backend="emulated",
                                           dtype="bfloat16", cases=cases, seqlen_local=48, headdim=64,
                                           options={"arch": "sm_90a"})):

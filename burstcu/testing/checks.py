@@ -357,7 +357,7 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
     backward, unshard, against float64 over the whole sequence, and each rank's bytes against
     the burst formulas. n: the global length (default seqlen_local * size; any n gives shards
     that differ by a row); doc_lengths: documents of these lengths, cycled (cu_seqlens; with
-    zigzag each document is cut into 2G pieces)."""
+    zigzag each document is cut into 2G pieces, with "documents" the short ones held whole)."""
     import burstcu
     from ..engine import burst
     from ..layout import partition
@@ -412,7 +412,8 @@ def loopback_case(backend: str, size: int, layout: str, causal: bool, seqlen_loc
 # uneven shards and documents: (size, layout, causal, n, document lengths)
 UNEVEN = [(3, "contiguous", True, 3 * 256 + 1, None), (3, "zigzag", True, 3 * 256 + 5, None),
           (4, "zigzag", True, 4 * 256 - 3, (1, 200, 37, 513, 64)),
-          (2, "contiguous", False, 2 * 256 + 1, (300, 7, 90))]
+          (2, "contiguous", False, 2 * 256 + 1, (300, 7, 90)),
+          (4, "documents", True, 4 * 256 - 3, (1, 200, 37, 513, 64))]   # the short ones whole
 
 
 def check_loopback(backend: str, quick: bool) -> list[dict]:
