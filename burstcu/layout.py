@@ -235,14 +235,15 @@ def partition(layout: str, size: int, seqlen_global: int,
     spans = np.array([0, seqlen_global] if cu_seqlens is None else cu_seqlens, np.int64)
     bounds, cut = _zigzag_pieces(spans, size)
     owner = _whole_documents(np.diff(spans), cut) if layout == "documents" else None
+    cut_docs = None if owner is None else owner < 0
     runs, arrays = [], []
     for r in range(size):                            # pieces r and 2G-1-r of every document
         chunks = np.stack([r, 2 * size - 1 - r])
         pos, length = bounds[:, chunks], cut[:, chunks]
         if owner is not None:                        # ... cut, and the documents r holds whole
             mine = owner == r
-            pos = np.concatenate([pos[owner < 0].reshape(-1), spans[:-1][mine]])
-            length = np.concatenate([length[owner < 0].reshape(-1), np.diff(spans)[mine]])
+            pos = np.concatenate([pos[cut_docs].reshape(-1), spans[:-1][mine]])
+            length = np.concatenate([length[cut_docs].reshape(-1), (spans[1:] - spans[:-1])[mine]])
             order = np.argsort(pos, kind="stable")
             pos, length = pos[order], length[order]
         pos, length = pos.reshape(-1), length.reshape(-1)
@@ -287,12 +288,11 @@ def _whole_documents(lengths_of: np.ndarray, cut: np.ndarray) -> np.ndarray:
     share_rows, share_pairs = lengths_of.sum() / size, pairs.sum() / size
     most_rows = rows_cut.sum(axis=0).max() + DOCUMENT_SLACK * share_rows
     most_pairs = pairs_cut.sum(axis=0).max() + DOCUMENT_SLACK * share_pairs
-    owner = np.full(lengths_of.size, -1)
     fraction = 0.25
     while fraction * share_rows >= 1:
         whole = (lengths_of <= fraction * share_rows) & (pairs <= fraction * share_pairs)
         rows, held = rows_cut[~whole].sum(axis=0).tolist(), pairs_cut[~whole].sum(axis=0).tolist()
-        owner[:] = -1
+        owner = np.full(lengths_of.size, -1)
         for d in np.flatnonzero(whole)[np.argsort(-pairs[whole], kind="stable")].tolist():
             n, p = int(lengths_of[d]), int(pairs[d])
             r = min(range(size), key=lambda r: max((rows[r] + n) / share_rows,
@@ -301,8 +301,7 @@ def _whole_documents(lengths_of: np.ndarray, cut: np.ndarray) -> np.ndarray:
         if max(rows) <= most_rows and max(held) <= most_pairs:
             return owner
         fraction /= 2
-    owner[:] = -1
-    return owner
+    return np.full(lengths_of.size, -1)
 
 
 @lru_cache(maxsize=256)
