@@ -35,7 +35,9 @@ with the products on wgmma and the operands copied by TMA:
     writes it), fence.proxy.async, named barrier 2 over both consumers;
     then each computes one block of dQ (query rows x head dims: for D = 128 and 256 the two halves
     of the head dim, for D = 64 the two halves of the 128 query rows) over all the keys, K read
-    N-major, and adds it into global dQ with fp32 atomicAdd. Named barrier 1 keeps the next
+    N-major, and adds it into global dQ with fp32 atomics: two floats an instruction
+    (red.global.add.v2.f32) where dq's rows sit on 16 bytes (p.dq_vec = 2) and D <= 128, else one
+    (atomicAdd; KernelOps.sm90_dq_vector = False asks for that, for comparison). Named barrier 1 keeps the next
     tile's dS from overwriting one the other consumer still reads;
   * the consumers free a stage (arrive on empty[s], 256 arrivals) once its last product is done.
 The CTA is the only writer of its dK/dV rows in a launch: dk += scale * acc, dv += acc, plain
@@ -66,7 +68,7 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
                    issue dV += P^T dO_i
                    (DQ, while it runs) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
                    issue dK += dS^T Q_i; wait_group 0; arrive empty[s]
-                   (DQ) dQ_blk = dS K; wait_group 0; atomicAdd dQ_blk
+                   (DQ) dQ_blk = dS K; wait_group 0; atomic adds of dQ_blk (pairs or singles)
                    (the rectangle's last tile) dK, dV += the accumulators
     No overlap yet between one tile's softmax and the next tile's products (FlashAttention-3 runs
     two query tiles in flight and a separate dQ writer warp): the first Hopper backward is the
@@ -237,6 +239,9 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   using S = Smem<D, BM, STAGES, DQ>;
   using W = Split<D, BM>;
   constexpr int kBlockN = W::kBlockN;
+  // dQ added two floats at a time where dq_vec allows: up to D = 128 (at 256 the list kernel's 64
+  // dQ values a thread leave no room for it: 32 bytes spilled; dQ takes its own pass there)
+  constexpr bool kDqPairs = D <= 128;
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   static_assert(BM == 64 || BM == 128, "wgmma N of S^T = K Q^T");
   constexpr int kColBlocks = D / kColBlock;
@@ -567,14 +572,32 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
       wgmma_wait<0>();
       wgmma_fence_operand(dqb);
       const float scale = p.scale;
+      const long long dq_at = b * p.dq_stride.b + (long long)q_start * p.dq_stride.s + h * p.dq_stride.h;
+      if (kDqPairs && p.dq_vec == 2) {
+        // two floats an add (red.global.add.v2.f32): a thread holds head dims 8j + 2tq and + 1 of
+        // rows g and g + 8, 8-byte aligned (the host sets dq_vec = 2 only for rows on 16 bytes).
+        // Four an add would need a swap between lanes tq and tq ^ 1 and four consecutive
+        // registers: the list kernel then spilled 40-48 bytes at D = 64 and 256.
+        int lane_row = rb * 64 + warp * 16 + g, lane_col = dq_col0 + 2 * tq;
+        asm volatile("" : "+r"(lane_row), "+r"(lane_col));  // formed here, not held through the loop
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = m0 + rb * 64 + warp * 16 + g + (i >= 2 ? 8 : 0);
-        if (row >= q_len) continue;
-        float* dst = p.dq + b * p.dq_stride.b + (long long)(q_start + row) * p.dq_stride.s +
-                     h * p.dq_stride.h + dq_col0 + 2 * tq + (i & 1);
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = m0 + lane_row + 8 * hr;
+          if (row >= q_len) continue;
+          float* dst = p.dq + dq_at + (long long)row * p.dq_stride.s + lane_col;
 #pragma unroll
-        for (int j = 0; j < W::kDqCols / 8; ++j) atomicAdd(dst + 8 * j, scale * dqb[4 * j + i]);
+          for (int j = 0; j < W::kDqCols / 8; ++j)
+            red_add_v2(dst + 8 * j, scale * dqb[4 * j + 2 * hr], scale * dqb[4 * j + 2 * hr + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = m0 + rb * 64 + warp * 16 + g + (i >= 2 ? 8 : 0);
+          if (row >= q_len) continue;
+          float* dst = p.dq + dq_at + (long long)row * p.dq_stride.s + dq_col0 + 2 * tq + (i & 1);
+#pragma unroll
+          for (int j = 0; j < W::kDqCols / 8; ++j) atomicAdd(dst + 8 * j, scale * dqb[4 * j + i]);
+        }
       }
     }
     fresh = ends;

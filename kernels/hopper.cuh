@@ -29,6 +29,8 @@
 //   setmaxnreg_inc<N>/dec<N>()          setmaxnreg.{inc,dec}.sync.aligned.u32 N (no effect in the
 //                                       emulator)
 //   named_bar_sync(id, n)/arrive(id, n) bar.sync / bar.arrive with barrier id and thread count n
+//   red_add_v2(dst, a, b)               red.global.add.v2.f32 (sm_90): a and b added to the two floats
+//                                       at dst (8-byte aligned), each element atomically
 //   wgmma_desc(p, swizzle, lbo, sbo)    the 64-bit shared-memory matrix descriptor of the PTX ISA
 //                                       ("Matrix Descriptor Format"): start address >> 4 in bits
 //                                       0-13, leading byte offset >> 4 in 16-29, stride byte offset
@@ -205,6 +207,18 @@ __device__ __forceinline__ void named_bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 #elif defined(BURSTCU_EMU)
   ::emu::named_barrier(id, n, false);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// global reductions
+__device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#elif defined(BURSTCU_EMU)
+  ::emu::red_add_v2(dst, a, b);
+#else
+  (void)dst, (void)a, (void)b;
 #endif
 }
 

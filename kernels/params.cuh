@@ -151,6 +151,8 @@ struct BwdStepSm90Params {
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as BwdStepParams.groups
   const int2* key_rows;   // null, or a packed list's query rows of each key row (BwdStepParams')
+  int dq_vec;             // 2: dq's rows on 16 bytes (rows_on_16_bytes), dQ added two floats an
+                          // atomic add (red.global.add.v2.f32, D <= 128); 1: one float an add
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.

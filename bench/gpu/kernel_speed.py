@@ -1,7 +1,8 @@
 """One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
 step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
-kernel table of --archs, dQ mode of --dq-modes and head group of --sm90-head-group, each row
+kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
+of --dq-adds (the Hopper backward's: two floats an add or one), each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
 attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,
 S, --width/D, D); CUDA events around each call, median of --repeats after --warmup; FLOPs
@@ -12,6 +13,7 @@ prints the plan without a GPU.
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
         [--windows 512 ...] [--dq-modes atomic deterministic] [--sm90-head-group 0 8 ...]
+        [--dq-adds pairs singles]
         [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
 """
 
@@ -32,7 +34,7 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
-COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "head_group", *SHAPE, "ms", "host_ms",
+COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "dq_adds", "head_group", *SHAPE, "ms", "host_ms",
            "tflops", "vs_torch", "cudnn_tflops"]
 
 
@@ -145,7 +147,7 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         if impl.startswith("torch") and cfg["window"] is not None:
             continue                                    # SDPA has no sliding window
         ops = ops_by_arch.get(key)
-        tags = ({"arch": key[0], "dq": key[1], "head_group": key[2], **families(ops, cfg)}
+        tags = ({"arch": key[0], "dq": key[1], "head_group": key[2], "dq_adds": key[3], **families(ops, cfg)}
                 if impl == "kernels" else {})
         fn = attention_call(impl, ops, cfg, q, k, v, dout)
         # torch issues on its own stream: for every implementation alike the device is synchronized
@@ -175,16 +177,18 @@ def plot(rows, path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
 
     def line(r):
-        return r["impl"], r.get("family") or "", r.get("dq") or "", r.get("head_group") or 0
+        return (r["impl"], r.get("family") or "", r.get("dq") or "", r.get("head_group") or 0,
+                r.get("dq_adds") or "")
     for ax, (pass_, dtype, d) in zip(axes[0], keys):
-        for (impl, fam, dq, group), (causal, style) in itertools.product(sorted({line(r) for r in rows}),
-                                                                         ((False, "-"), (True, "--"))):
-            pts = [(r["seqlen"], r["tflops"]) for r in rows if line(r) == (impl, fam, dq, group)
+        for (impl, fam, dq, group, adds), (causal, style) in itertools.product(
+                sorted({line(r) for r in rows}), ((False, "-"), (True, "--"))):
+            pts = [(r["seqlen"], r["tflops"]) for r in rows if line(r) == (impl, fam, dq, group, adds)
                    and r["tflops"]
                    and (r["pass"], r["dtype"], r["headdim"], r["causal"]) == (pass_, dtype, d, causal)]
             if pts:
                 name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "",
-                                                  f"G={group}" if group else "") if part)
+                                                  f"G={group}" if group else "",
+                                                  "dQ singles" if adds == "singles" else "") if part)
                 ax.plot(*zip(*sorted(pts)), style, marker="o", ms=3,
                         label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
@@ -215,6 +219,9 @@ def main(argv=None) -> int:
                         "each, timed one after another in the same run")
     p.add_argument("--dq-modes", nargs="+", default=["atomic"], choices=["atomic", "deterministic"],
                    help="the backward's dQ: fp32 atomics, and/or KernelOps(deterministic=True)")
+    p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=["pairs", "singles"],
+                   help="the Hopper backward's atomic dQ: two floats an add where dq's rows sit on 16 "
+                        "bytes, or one (KernelOps.sm90_dq_vector); several: a kernels row each")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
     configs = plan(args)
@@ -225,11 +232,12 @@ def main(argv=None) -> int:
         return 0
 
     from burstcu.ops.cuda.kernel_ops import KernelOps
-    ops_by_arch = {}   # (kernel table, dQ mode, head group) -> KernelOps
-    for dq, arch, group in itertools.product(args.dq_modes, args.archs or [None], args.sm90_head_group):
+    ops_by_arch = {}   # (kernel table, dQ mode, head group, dQ adds) -> KernelOps
+    for dq, arch, group, adds in itertools.product(args.dq_modes, args.archs or [None],
+                                                   args.sm90_head_group, args.dq_adds):
         ops = KernelOps("cupy", arch=arch, deterministic=dq == "deterministic")
-        ops.sm90_head_group = group or None
-        ops_by_arch[ops.arch, dq, group] = ops
+        ops.sm90_head_group, ops.sm90_dq_vector = group or None, adds == "pairs"
+        ops_by_arch[ops.arch, dq, group, adds] = ops
     env = gpu_versions()
     progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")
     rows = []

@@ -12,8 +12,9 @@
 # (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN; hopper_bwd_profile: the same over the
 # Hopper dK/dV kernel; hopper_ring: the 4-rank ring on the Hopper kernels), small_parts and
 # bwd_small_parts (every kernel's duration in a short forward / fwd+bwd call), host_profile
-# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), decode_tests, packed (the
-# packed rectangle lists' kernel tests on the GPU).
+# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), dq_adds (the Hopper
+# backward's atomic dQ two floats an add against one), decode_tests, packed (the packed rectangle
+# lists' kernel tests on the GPU).
 # Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
 # every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
 set -u
@@ -106,6 +107,9 @@ for s in "${steps[@]}"; do
       --impls kernels torch-flash torch-cudnn --headdims 64 128 256 --dq-modes atomic deterministic \
       --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
       --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
+    dq_adds) step dq_adds 150 $KSPEED --archs sm_90a --passes fwd+bwd --impls kernels torch-flash \
+      --dtypes float16 --headdims 64 128 --seqlens 4096 16384 --dq-adds pairs singles \
+      --json "$LOGS/dq_adds.json" --table "$LOGS/dq_adds.txt" ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
     tests) step tests 420 $KTEST $PYTEST120 tests/gpu $FWD $BWD $INERT \

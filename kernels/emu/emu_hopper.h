@@ -1,6 +1,7 @@
 // emu_hopper.h — the sm_90 asynchronous machinery of the emulator: shared-window offsets,
-// mbarriers, bulk tensor copies (TMA), named barriers, elect.sync, setmaxnreg, and the warpgroup
-// side of wgmma (fence / issue / commit / wait). kernels/hopper.cuh calls these; what one wgmma
+// mbarriers, bulk tensor copies (TMA), named barriers, elect.sync, setmaxnreg, vector reductions
+// to global memory (red.global.add.v2.f32), and the warpgroup side of wgmma (fence / issue /
+// commit / wait). kernels/hopper.cuh calls these; what one wgmma
 // computes is emu_wgmma.h's wgmma_compute. Sources: the PTX ISA (mbarrier, cp.async.bulk.tensor,
 // "Tensors" and "Swizzling Modes", bar.sync / bar.arrive, elect.sync, setmaxnreg, the wgmma
 // fence / commit_group / wait_group) and the CUDA driver API (cuTensorMapEncodeTiled).
@@ -591,6 +592,16 @@ inline void land_for_barrier(u32 off) {
 }
 
 inline void fence_proxy_async() {}  // one memory, one proxy: nothing to order
+
+// red.global.add.v2.f32: two floats added to the 8 bytes at dst, each element atomically; the ISA
+// requires the address aligned to the vector's 8 bytes, so a misaligned one fails here.
+inline void red_add_v2(float* dst, float a, float b) {
+  BURSTCU_EMU_CHECK((reinterpret_cast<uintptr_t>(dst) & 7) == 0,
+                    "%s: red.global.add.v2.f32 address %p is not 8-byte aligned", where(g_cur).c_str(),
+                    static_cast<void*>(dst));
+  dst[0] += a;  // fibers switch only at synchronisation points: each add is atomic
+  dst[1] += b;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Waiting on mbarriers

@@ -1,6 +1,6 @@
 """Tests of the emulator's sm_90 machinery (kernels/emu/emu_hopper.h) through kernels/hopper.cuh:
-mbarriers, bulk tensor copies (TMA) and when they land, named barriers, elect.sync, setmaxnreg, the
-warpgroup side of wgmma, and the deadlock report.
+mbarriers, bulk tensor copies (TMA) and when they land, named barriers, elect.sync, the vector
+reduction red.global.add.v2.f32, setmaxnreg, the warpgroup side of wgmma, and the deadlock report.
 
 The probe kernels are in tests/kernels/emu_src/hopper_probes.cu. The expected shared-memory image
 of a TMA box is rebuilt here from the definitions (PTX ISA "Tensors" / "Swizzling Modes", CUDA
@@ -24,7 +24,8 @@ from tests.kernels.tma_model import box_values
 pytestmark = pytest.mark.emulated
 
 PROBES = Path(__file__).parent / "emu_src" / "hopper_probes.cu"
-NAMES = ["probe_mbar", "probe_pipeline", "probe_named", "probe_elect", "probe_maxnreg", "probe_wgmma"]
+NAMES = ["probe_mbar", "probe_pipeline", "probe_named", "probe_elect", "probe_red", "probe_maxnreg",
+         "probe_wgmma"]
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +296,20 @@ def test_elect_one(mod):
     np.testing.assert_array_equal(out, (np.arange(64) % 32 == 0).astype(np.int32))
     with pytest.raises(RuntimeError, match="elect.sync"):
         mod.get_function("probe_elect")((1,), (64,), (i32(1), out))
+
+
+def test_red_add_v2(mod):
+    """Every add lands (64 threads on 8 pairs, 3 times each: no add lost between threads), each
+    element of its pair; an address off 8 bytes is refused, as the ISA requires."""
+    out = aligned_buffer(4 * 18).view(np.float32)
+    mod.get_function("probe_red")((1,), (64,), (out, i32(8), i32(0), i32(3)))
+    tid = np.arange(64)
+    sums = np.array([3 * tid[tid % 8 == p].sum() for p in range(8)], np.float32)
+    np.testing.assert_array_equal(out[:16:2], sums)
+    np.testing.assert_array_equal(out[1:16:2], -sums)
+    assert not out[16:].any()
+    with pytest.raises(RuntimeError, match="red.global.add.v2.f32 address .* is not 8-byte aligned"):
+        mod.get_function("probe_red")((1,), (64,), (out, i32(8), i32(1), i32(1)))
 
 
 MAXNREG = {

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from burstcu.layout import Block
+from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
 from tests.kernels.backend import BACKEND, kernel_ops
-from tests.kernels.test_flash_bwd_emulated import assert_fa_rule, make_inputs, run_case, CASES
+from tests.kernels.test_flash_bwd_emulated import CASES, DTYPES, assert_fa_rule, make_inputs, run_case
 from tests.kernels.test_flash_fwd_emulated import _counting
 
 pytestmark = pytest.mark.emulated
@@ -118,6 +119,54 @@ def test_the_own_dq_pass_at_256_needs_the_hopper_kernel(monkeypatch):
     nodq = ops.variant("bwd_dkdv_nodq_sm90", "float16", 256)
     monkeypatch.setitem(kops._SM90_FIRST_USE, ops._first_use_key(nodq), False)   # failed its check
     assert choice(one) == (["bwd_dkdv"], "bwd_dkdv_sm90")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_added_in_pairs_singles_or_unaligned_rows(monkeypatch, d):
+    """The Hopper kernel's atomic dQ: two floats an add (red.global.add.v2.f32) where dq's rows sit
+    on 16 bytes, one an add with `KernelOps.sm90_dq_vector` off, and one an add for a dq whose rows
+    do not (a view one float into its buffer: on the emulator, whose red_add_v2 fails on a
+    misaligned address). Each meets FlashAttention's rule; on the emulator, which adds in one
+    order, all three agree bit for bit."""
+    from burstcu.ops.cuda import backward
+
+    seen = []
+
+    def recorded(*args, **kw):
+        params = pack(*args, **kw)
+        seen.append(int(params["dq_vec"]))
+        return params
+    pack = backward.bwd_step_sm90_params
+    monkeypatch.setattr(backward, "bwd_step_sm90_params", recorded)
+    b, sq, sk, h, hkv, calls = CASES["causal_offsets"]
+    q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, 3)
+    blocks = [blk for call in calls for blk in call]
+    mask = keep_from_blocks(blocks, sq, sk)
+    lse, delta = (x.astype(np.float32) for x in softmax_stats_ref(q, k, v, dout, mask, 1 / np.sqrt(d)))
+    ref = step_backward_ref(q, k, v, dout, lse, delta, mask, 1 / np.sqrt(d))
+    naive = step_backward_ref(q, k, v, dout, lse, delta, mask, 1 / np.sqrt(d), dtype=np.float32,
+                              round_to=DTYPES["float16"])
+    modes = [("pairs", True, 0, 2), ("singles", False, 0, 1)]
+    if BACKEND == "emulated":   # a GPU run's HostArrays copies dq into an aligned device array
+        modes.append(("unaligned", True, 1, 1))
+    grads = {}
+    for name, vector, offset, dq_vec in modes:
+        ops = hopper_ops()
+        ops.ops.sm90_dq_vector = vector
+        counts = _counting(ops)
+        ctx = ops.backward_init(k, v, 1 / np.sqrt(d))
+        size = b * sq * h * d
+        dq = np.zeros(size + 4, np.float32)[offset:offset + size].reshape(b, sq, h, d)
+        del seen[:]
+        for call in calls:
+            ops.backward_step(ctx, q, dout, lse, delta, dq, call)
+        assert counts.get(HOPPER) == len(blocks) and set(seen) == {dq_vec}, (name, counts, seen)
+        grads[name] = (dq.copy(), *ops.backward_finalize(ctx, np.float32))
+        for what, g, r, n in zip(("dq", "dk", "dv"), grads[name], ref, naive):
+            assert_fa_rule(f"{what}, {name}", g, r, n)
+    if BACKEND == "emulated":
+        for name in grads:
+            assert np.array_equal(grads[name][0], grads["pairs"][0]), name
 
 
 def test_head_dims_padded_to_64_and_128():

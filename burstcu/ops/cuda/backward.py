@@ -266,7 +266,8 @@ def _launch_hopper(ops, hopper, operands: tuple, blk: Block | None, flag, scale:
             tensor_map_4d_rows(ops.backend, dop, *q_rows, cfg.block_m),
             tensor_map_4d_rows(ops.backend, k, *k_rows, cfg.block_n),
             tensor_map_4d_rows(ops.backend, v, *k_rows, cfg.block_n))
-    params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale, groups)
+    params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale, groups,
+                                  ops.sm90_dq_vector)
     grid = (groups.tiles if blk is None else cdiv(blk.k_len, cfg.block_n), Hkv, B)
     ops.function(hopper.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
 

@@ -209,6 +209,9 @@ class KernelOps(LocalOps):
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
+        # the Hopper dK/dV kernel's atomic dQ: two floats an add where dq's rows sit on 16 bytes
+        # (True), or one float an add (False, for comparison; bench/gpu/kernel_speed.py --dq-adds)
+        self.sm90_dq_vector = True
         # see `dq_own_pass` (() for comparison: the Hopper kernel's atomic dQ at every head dim)
         self.dq_own_pass_headdims: tuple[int, ...] = SM90_DQ_OWN_PASS_HEADDIMS
         # decode's split kernel: the tensor-core twin from this many query rows a kv head

@@ -261,6 +261,13 @@ __global__ void probe_elect(int mode, int* out) {
   out[tid] = elect_one() ? 1 : 0;
 }
 
+// ---- red.global.add.v2.f32: thread t adds (t, -t) to the pair at out + 2 * (t % pairs) + offset,
+// every thread reps times (offset 1: a misaligned address, an error).
+__global__ void probe_red(float* out, int pairs, int offset, int reps) {
+  const int tid = threadIdx.x;
+  for (int r = 0; r < reps; ++r) red_add_v2(out + 2 * (tid % pairs) + offset, float(tid), float(-tid));
+}
+
 // ---- setmaxnreg. mode 0: fine (warpgroup 0 dec, warpgroup 1 inc); 1: an invalid count;
 // 2: warps of one warpgroup disagree; 3: warp 3 of warpgroup 0 skips it.
 __global__ void probe_maxnreg(int mode, int* out) {
