@@ -35,9 +35,12 @@ with the products on wgmma and the operands copied by TMA:
     writes it), fence.proxy.async, named barrier 2 over both consumers;
     then each computes one block of dQ (query rows x head dims: for D = 128 and 256 the two halves
     of the head dim, for D = 64 the two halves of the 128 query rows) over all the keys, K read
-    N-major, and adds it into global dQ with fp32 atomics: two floats an instruction
-    (red.global.add.v2.f32) where dq's rows sit on 16 bytes (p.dq_vec = 2) and D <= 128, else one
-    (atomicAdd; KernelOps.sm90_dq_vector = False asks for that, for comparison). Named barrier 1 keeps the next
+    N-major, and adds it into global dQ (p.dq_adds, set by the host): DQ = kDqAtomic with fp32
+    atomics, two floats an instruction (red.global.add.v2.f32, dq_adds 2) where dq's rows sit on
+    16 bytes and D <= 128, else one (atomicAdd, 1); DQ = kDqBulk (D <= 128) through a shared
+    staging tile and bulk tensor reductions (cp.reduce.async.bulk.tensor .add, dq_adds 3: one
+    thread a consumer issues them, the others go on), or one float an atomic add where dq's rows
+    do not sit on 16 bytes. KernelOps.sm90_dq_adds chooses ("pairs", "singles", "bulk"). Named barrier 1 keeps the next
     tile's dS from overwriting one the other consumer still reads;
   * the consumers free a stage (arrive on empty[s], 256 arrivals) once its last product is done.
 The CTA is the only writer of its dK/dV rows in a launch: dk += scale * acc, dv += acc, plain
@@ -68,14 +71,16 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
                    issue dV += P^T dO_i
                    (DQ, while it runs) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
                    issue dK += dS^T Q_i; wait_group 0; arrive empty[s]
-                   (DQ) dQ_blk = dS K; wait_group 0; atomic adds of dQ_blk (pairs or singles)
+                   (DQ) dQ_blk = dS K; wait_group 0; atomic adds of dQ_blk (pairs or singles),
+                        or (bulk) wait_group.read; bar; dQ_blk -> staging; fence; bar; reductions
                    (the rectangle's last tile) dK, dV += the accumulators
     No overlap yet between one tile's softmax and the next tile's products (FlashAttention-3 runs
-    two query tiles in flight and a separate dQ writer warp): the first Hopper backward is the
-    plain schedule, measured before it is made clever.
+    two query tiles in flight and adds dQ by bulk reductions): the first Hopper backward is the
+    plain schedule, measured before it is made clever; bulk dQ is the first step, an A/B.
 
 SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
-    K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, then
+    K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, (bulk
+    dQ) the fp32 staging BLOCK_M x D (two 64 x 64 blocks, each two swizzled boxes of 64 x 32), then
     STAGES x (lse2, delta: BLOCK_M fp32 each; the TileMeta, 16 bytes), then the mbarriers (kv_full,
     full, empty, described: 1 + 3 x STAGES); every matrix stored as D/64
     (dS: keys/64) column blocks of rows x 64 elements with the 128-byte swizzle (what a TMA box of
@@ -84,6 +89,7 @@ SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     64    128      128   2       1024 + 2x16384 + 2x2x16384 + 32768 + 2x1040 + 128  = 134304 (DQ)
     128   64       128   2       1024 + 2x32768 + 2x2x16384 + 16384 + 2x528 + 128   = 149664 (DQ)
     256   64       64    2       1024 + 2x32768 + 2x2x32768 + 8192 + 2x528 + 128    = 207008 (DQ)
+    bulk dQ (D 64 and 128): + 32768 for the staging, 167072 and 182432
     Registers: 24 for the producer, 240 for a consumer thread, which holds dK and dV (D/2 fp32
     each; D = 256: 64 each, half the dims), S^T and dP^T (BLOCK_M/2 each), their A fragments
     (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64): at most 192 of them live at once for
@@ -131,6 +137,10 @@ constexpr int kFullArrivals = 1 + kStatLanes + 1;  // a stage's: warp 0 (with th
 constexpr int kRegsProducer = 24, kRegsConsumer = 240;
 constexpr int kDsFreeBar = 1;    // named barrier 1: both consumers are done with the last dS
 constexpr int kDsReadyBar = 2;   // named barrier 2: both consumers wrote this tile's dS
+constexpr int kDqBar = 3;        // named barriers 3, 4: consumer 0's, 1's threads around its dQ staging
+// dQ of the kernel's DQ parameter: none (dK, dV only), fp32 atomic adds, or bulk tensor reductions
+enum : int { kDqNone = 0, kDqAtomic = 1, kDqBulk = 2 };
+constexpr int kDqBoxCols = 32;   // fp32 head dims of a dQ reduction box: 128 bytes, the swizzle span
 constexpr float kLog2e = 1.4426950408889634f;
 
 // How the two consumers share a block of threads' work. D <= 128: by keys, 64 each (kBlockN =
@@ -150,7 +160,7 @@ struct Split {
 };
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory.
-template <int D, int BM, int STAGES, bool DQ>
+template <int D, int BM, int STAGES, int DQ>
 struct Smem {
   static constexpr int kBlockN = Split<D, BM>::kBlockN;
   static constexpr int kKvBytes = kBlockN * D * 2;        // the K or the V tile
@@ -161,7 +171,9 @@ struct Smem {
   static constexpr int kDo = kQ + STAGES * kQBytes;       // stage s: kDo + s * kQBytes
   static constexpr int kDs = kDo + STAGES * kQBytes;      // BM x kBlockN (DQ)
   static constexpr int kDsBytes = DQ ? BM * kBlockN * 2 : 0;
-  static constexpr int kStats = kDs + kDsBytes;           // stage s: lse2[BM], delta[BM], TileMeta
+  static constexpr int kDq = kDs + kDsBytes;              // (kDqBulk) fp32 dQ staging, BM x D
+  static constexpr int kDqBytes = DQ == kDqBulk ? BM * D * 4 : 0;
+  static constexpr int kStats = kDq + kDqBytes;           // stage s: lse2[BM], delta[BM], TileMeta
   static constexpr int kMeta = 2 * BM * 4;                // the TileMeta within a stage's stats
   static constexpr int kStatBytes = kMeta + 16;
   static constexpr int kBars = kStats + STAGES * kStatBytes;
@@ -234,16 +246,17 @@ __device__ __forceinline__ int map_k_row(const BlockRect& r) { return LIST ? r.k
    and tiles through the one pipeline (the stages and phases run on across rectangles), then dK
    and dV added into global memory (the next rectangle's first products overwrite the
    accumulators). */
-template <typename T, int D, int BM, int STAGES, bool DQ, bool LIST>
+template <typename T, int D, int BM, int STAGES, int DQ, bool LIST>
 __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   using S = Smem<D, BM, STAGES, DQ>;
   using W = Split<D, BM>;
   constexpr int kBlockN = W::kBlockN;
-  // dQ added two floats at a time where dq_vec allows: up to D = 128 (at 256 the list kernel's 64
+  // dQ added two floats at a time where dq_adds allows: up to D = 128 (at 256 the list kernel's 64
   // dQ values a thread leave no room for it: 32 bytes spilled; dQ takes its own pass there)
   constexpr bool kDqPairs = D <= 128;
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   static_assert(BM == 64 || BM == 128, "wgmma N of S^T = K Q^T");
+  static_assert(DQ != kDqBulk || W::kDqCols == 64, "bulk dQ: a consumer's block is 64 x 64 (D <= 128)");
   constexpr int kColBlocks = D / kColBlock;
   if (*p.nonfinite != 0) return;  // flash_bwd.cu's careful twin of this launch pair runs
   {
@@ -435,6 +448,8 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     const TileMeta& tile = *reinterpret_cast<const TileMeta*>(stats + S::kMeta);
     if (tile.ends == kEndsWork) {  // the walk's end
       if constexpr (!LIST) add_dkdv();
+      if constexpr (DQ == kDqBulk)
+        if (ct == 0) bulk_wait_group<0>();  // the last reductions done before the block ends
       return;
     }
     float st[BM / 2], dpt[BM / 2];  // S^T, dP^T: rows keys, columns the tile's queries
@@ -556,6 +571,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     wgmma_fence_operand(dsa);
     // what the dQ block and the rectangle's end need of the stage, before it is handed back
     const int h = tile.h, q_start = rect.q_start, q_len = rect.q_len;
+    const int q_row = map_q_row<LIST>(rect) + m0;  // the tile's first row in the maps (bulk dQ)
     const bool ends = tile.ends == kEndsRect;
     mbar_arrive(bar.empty + stage);  // Q, dO and the stats of this stage are read
 
@@ -573,9 +589,37 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
       wgmma_fence_operand(dqb);
       const float scale = p.scale;
       const long long dq_at = b * p.dq_stride.b + (long long)q_start * p.dq_stride.s + h * p.dq_stride.h;
-      if (kDqPairs && p.dq_vec == 2) {
+      if (DQ == kDqBulk && p.dq_adds == 3) {
+        // bulk tensor reductions: the block (64 rows x 64 head dims) into this consumer's staging
+        // as two boxes of 64 rows x 32 floats, each laid out as a bulk copy with the 128-byte
+        // swizzle would land it (row r at r x 128 bytes, its 16-byte chunks XORed by r % 8 = g),
+        // then one thread adds both boxes into dq (dq_map: rows past the tensor are not written;
+        // rows past q_len inside it get zeros, P being 0 there). The reductions read the staging
+        // asynchronously: the next block waits for that (wait_group.read) before writing it.
+        unsigned char* staging = smem + S::kDq + wg * (64 * 64 * 4);
+        if (ct == 0) bulk_wait_group_read<0>();
+        named_bar_sync(kDqBar + wg, 128);
+        const int row_at = (warp * 16 + g) * 128 + 8 * (tq & 1), x = (tq >> 1) ^ g;
+#pragma unroll
+        for (int j = 0; j < W::kDqCols / 8; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int at = (j / 4) * (64 * 128) + hr * 1024 + row_at + ((2 * (j % 4)) ^ x) * 16;
+            *reinterpret_cast<float2*>(staging + at) =
+                make_float2(scale * dqb[4 * j + 2 * hr], scale * dqb[4 * j + 2 * hr + 1]);
+          }
+        fence_proxy_async();
+        named_bar_sync(kDqBar + wg, 128);
+        if (ct == 0) {
+#pragma unroll
+          for (int bx = 0; bx < 2; ++bx)
+            tma_reduce_add_4d(&p.dq_map, staging + bx * (64 * 128), dq_col0 + bx * kDqBoxCols,
+                              q_row + rb * 64, h, b);
+          bulk_commit_group();
+        }
+      } else if (DQ == kDqAtomic && kDqPairs && p.dq_adds == 2) {
         // two floats an add (red.global.add.v2.f32): a thread holds head dims 8j + 2tq and + 1 of
-        // rows g and g + 8, 8-byte aligned (the host sets dq_vec = 2 only for rows on 16 bytes).
+        // rows g and g + 8, 8-byte aligned (the host sets dq_adds = 2 only for rows on 16 bytes).
         // Four an add would need a swap between lanes tq and tq ^ 1 and four consecutive
         // registers: the list kernel then spilled 40-48 bytes at D = 64 and 256.
         int lane_row = rb * 64 + warp * 16 + g, lane_col = dq_col0 + 2 * tq;
@@ -612,7 +656,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
    grid (ceil(k_len / kBlockN), Hkv, B) (kBlockN 128, at D = 256 64), block 384 threads, dynamic
    smem bwd90::Smem<...>::kBytes.
    Returns at once when *p.nonfinite is set (flash_bwd.cu's careful twin runs instead). */
-template <typename T, int D, int BM, int STAGES, bool DQ>
+template <typename T, int D, int BM, int STAGES, int DQ>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
 flash_bwd_dkdv_sm90(const __grid_constant__ BwdStepSm90Params p) {
   bwd90::dkdv_fold<T, D, BM, STAGES, DQ, false>(p);
@@ -623,7 +667,7 @@ flash_bwd_dkdv_sm90(const __grid_constant__ BwdStepSm90Params p) {
    maps of the whole q, dO, k and v arrays (box rows as flash_bwd_dkdv_sm90's); grid (the groups'
    key tiles, Hkv, B); the rest as flash_bwd_dkdv_sm90. p.key_rows set (a packed list): each key is
    seen by its run of query rows only. */
-template <typename T, int D, int BM, int STAGES, bool DQ>
+template <typename T, int D, int BM, int STAGES, int DQ>
 __global__ void __launch_bounds__(bwd90::kThreads, 1)
 flash_bwd_dkdv_steps_sm90(const __grid_constant__ BwdStepSm90Params p) {
   bwd90::dkdv_fold<T, D, BM, STAGES, DQ, true>(p);

@@ -23,6 +23,11 @@
 //   tma_load_4d(dst, map, bar, c0..c3)  cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::
 //                                       complete_tx::bytes: one box of `map` at coordinates
 //                                       (c0 innermost) into dst, completing its bytes on bar
+//   tma_reduce_add_4d(map, src, c0..c3) cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.
+//                                       bulk_group: the box of `map` at the coordinates += the
+//                                       shared image at src (tma_load_4d's layout), atomically an element
+//   bulk_commit_group()                 cp.async.bulk.commit_group
+//   bulk_wait_group_read<N>() / bulk_wait_group<N>()   cp.async.bulk.wait_group.read N / wait_group N
 //   tma_prefetch_map(map)               prefetch.tensormap
 //   fence_proxy_async()                 fence.proxy.async.shared::cta
 //   elect_one()                         elect.sync over the full warp: true in exactly one lane
@@ -138,6 +143,54 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64
 #elif defined(BURSTCU_EMU)
   const int coords[4] = {c0, c1, c2, c3};
   ::emu::tma_load(dst, map, bar, coords, 4);
+#endif
+}
+
+// cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group: the box of `map` at
+// (c0..c3) in global memory += the box's image in shared memory at src (laid out as tma_load_4d
+// writes it, swizzle included), element by element and each element atomically; elements outside
+// the tensor are not written. Asynchronous: src may be rewritten only after bulk_wait_group_read,
+// and it must be made visible to the async proxy first (fence_proxy_async, then a barrier).
+__device__ __forceinline__ void tma_reduce_add_4d(const TensorMap* map, const void* src, int c0, int c1, int c2,
+                                                  int c3) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(reinterpret_cast<u64>(map)), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#elif defined(BURSTCU_EMU)
+  const int coords[4] = {c0, c1, c2, c3};
+  ::emu::tma_reduce_add(map, src, coords, 4);
+#endif
+}
+
+// cp.async.bulk.commit_group: this thread's bulk operations issued since the last commit form a
+// bulk async-group.
+__device__ __forceinline__ void bulk_commit_group() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#elif defined(BURSTCU_EMU)
+  ::emu::bulk_commit_group();
+#endif
+}
+
+// cp.async.bulk.wait_group.read N: until at most N of this thread's most recent bulk async-groups
+// still read their shared source (the older ones' sources may be rewritten).
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#elif defined(BURSTCU_EMU)
+  ::emu::bulk_wait_group(N);
+#endif
+}
+
+// cp.async.bulk.wait_group N: until at most N of this thread's most recent bulk async-groups are
+// pending at all (the older ones' writes are done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#elif defined(BURSTCU_EMU)
+  ::emu::bulk_wait_group(N);
 #endif
 }
 

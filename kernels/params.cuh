@@ -130,6 +130,7 @@ struct FwdStepSm90Params {
 //                  64 at D = 256, 1, 1), 128-byte swizzle
 struct BwdStepSm90Params {
   TensorMap q_map, do_map, k_map, v_map;
+  TensorMap dq_map;       // dq (fp32) as q_map's rows, boxes of 64 rows x 32 floats (bulk dQ only)
   const float* lse;       // (B, H, Sq) fp32 natural-log sum of exp of the forward, stat_stride
   const float* delta;     // (B, H, Sq) fp32 rowsum(dO o O), stat_stride (lse's)
   float* dq;              // (B, Sq, H, D) fp32, strides dq_stride: += scale dS K (atomics)
@@ -151,8 +152,9 @@ struct BwdStepSm90Params {
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as BwdStepParams.groups
   const int2* key_rows;   // null, or a packed list's query rows of each key row (BwdStepParams')
-  int dq_vec;             // 2: dq's rows on 16 bytes (rows_on_16_bytes), dQ added two floats an
-                          // atomic add (red.global.add.v2.f32, D <= 128); 1: one float an add
+  int dq_adds;            // how dQ is added (dq's rows on 16 bytes for 2 and 3: rows_on_16_bytes):
+                          // 1 one float an atomic add, 2 two (red.global.add.v2.f32, D <= 128),
+                          // 3 bulk tensor reductions through dq_map (the kernel's DQ = kDqBulk)
 };
 
 // flash_fwd_finalize: out = acc / l, lse = (m + log2 l) * ln 2 over the whole (B, S, H) state.

@@ -405,7 +405,7 @@ def test_gpu_run_dry_run_lists_every_step():
     assert steps == ["lists", "bwd", "steplists_mma", "hopper_profile"] and "unknown" not in out
     assert "BURSTCU_KERNEL_TEST_ARCH=sm_90 " in out and "step_lists.py --arch sm_90 " in out and "ncu " in out
     steps, out = dry("dq_adds")
-    assert steps == ["dq_adds"] and "--dq-adds pairs singles" in out
+    assert steps == ["dq_adds"] and "--dq-adds pairs singles bulk" in out
     for path in {w for ln in out.splitlines() for w in ln.split() if w.startswith("bench/") and w.endswith((".py", ".sh", ".json"))}:
         assert (ROOT / path).exists(), path
 

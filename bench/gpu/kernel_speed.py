@@ -2,7 +2,7 @@
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
 step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
 kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
-of --dq-adds (the Hopper backward's: two floats an add or one), each row
+of --dq-adds (the Hopper backward's: two floats an atomic add, one, or bulk reductions), each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
 attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,
 S, --width/D, D); CUDA events around each call, median of --repeats after --warmup; FLOPs
@@ -13,7 +13,7 @@ prints the plan without a GPU.
     python bench/gpu/kernel_speed.py [--dtypes float16 bfloat16] [--headdims 64 128 256]
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
         [--windows 512 ...] [--dq-modes atomic deterministic] [--sm90-head-group 0 8 ...]
-        [--dq-adds pairs singles]
+        [--dq-adds pairs singles bulk]
         [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
 """
 
@@ -188,7 +188,7 @@ def plot(rows, path) -> None:
             if pts:
                 name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "",
                                                   f"G={group}" if group else "",
-                                                  "dQ singles" if adds == "singles" else "") if part)
+                                                  f"dQ {adds}" if adds != "pairs" else "") if part)
                 ax.plot(*zip(*sorted(pts)), style, marker="o", ms=3,
                         label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)
@@ -219,9 +219,9 @@ def main(argv=None) -> int:
                         "each, timed one after another in the same run")
     p.add_argument("--dq-modes", nargs="+", default=["atomic"], choices=["atomic", "deterministic"],
                    help="the backward's dQ: fp32 atomics, and/or KernelOps(deterministic=True)")
-    p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=["pairs", "singles"],
-                   help="the Hopper backward's atomic dQ: two floats an add where dq's rows sit on 16 "
-                        "bytes, or one (KernelOps.sm90_dq_vector); several: a kernels row each")
+    p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=["pairs", "singles", "bulk"],
+                   help="how the Hopper backward adds dQ (KernelOps.sm90_dq_adds): two floats an "
+                        "atomic add, one, or bulk tensor reductions; several: a kernels row each")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
     configs = plan(args)
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     for dq, arch, group, adds in itertools.product(args.dq_modes, args.archs or [None],
                                                    args.sm90_head_group, args.dq_adds):
         ops = KernelOps("cupy", arch=arch, deterministic=dq == "deterministic")
-        ops.sm90_head_group, ops.sm90_dq_vector = group or None, adds == "pairs"
+        ops.sm90_head_group, ops.sm90_dq_adds = group or None, adds
         ops_by_arch[ops.arch, dq, group, adds] = ops
     env = gpu_versions()
     progress(f"device {env.get('device')}, cupy {env.get('cupy')}, torch {env.get('torch')}")

@@ -13,7 +13,7 @@
 # Hopper dK/dV kernel; hopper_ring: the 4-rank ring on the Hopper kernels), small_parts and
 # bwd_small_parts (every kernel's duration in a short forward / fwd+bwd call), host_profile
 # (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), dq_adds (the Hopper
-# backward's atomic dQ two floats an add against one), decode_tests, packed (the packed rectangle
+# backward's dQ: two floats an atomic add, one, or bulk tensor reductions), decode_tests, packed (the
 # lists' kernel tests on the GPU).
 # Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
 # every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
@@ -99,16 +99,16 @@ for s in "${steps[@]}"; do
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86" ;;
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
-      -k "step_matches or outside or group_of or nan_in" ;;
+      -k "step_matches or outside or group_of or nan_in or dq_added" ;;
     hopper_bwd_racecheck) step hopper_bwd_racecheck 180 $KTEST $RACECHECK $PYTEST \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
-      -k "causal_offsets or small_ragged or small_causal or group_of" ;;
+      -k "causal_offsets or small_ragged or small_causal or group_of or dq_added" ;;
     hopper_bwd_bench) step hopper_bwd_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd+bwd \
       --impls kernels torch-flash torch-cudnn --headdims 64 128 256 --dq-modes atomic deterministic \
       --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
       --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
     dq_adds) step dq_adds 150 $KSPEED --archs sm_90a --passes fwd+bwd --impls kernels torch-flash \
-      --dtypes float16 --headdims 64 128 --seqlens 4096 16384 --dq-adds pairs singles \
+      --dtypes float16 --headdims 64 128 --seqlens 4096 16384 --dq-adds pairs singles bulk \
       --json "$LOGS/dq_adds.json" --table "$LOGS/dq_adds.txt" ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;

@@ -18,11 +18,15 @@ Families (every one compiled for float16 and bfloat16):
   run instead of the plain kernel for a block (a list: a step) with masked pairs when q, dO, K,
   V or delta could make a product there non-finite.
 * ``bwd_dkdv_sm90`` / ``bwd_dkdv_nodq_sm90`` (tile table "sm_90a" only, compiled for sm_90a):
-  ``flash_bwd_dkdv_sm90<T, D, BM, STAGES, DQ>`` of kernels/flash_bwd_sm90.cu, head dims 64, 128
+  ``flash_bwd_dkdv_sm90<T, D, BM, STAGES, DQ>`` of kernels/flash_bwd_sm90.cu (DQ 1: atomic dQ, 0:
+  none), head dims 64, 128
   and 256: ``bwd_dkdv`` / ``bwd_dkdv_nodq`` on wgmma and TMA, 128 keys a block of threads (64 at
   d = 256; a producer warpgroup, two consumers). A block with masked pairs pairs it with the mma.sync
   ``bwd_dkdv_careful`` (or ``_nodq_careful``) twin, which runs when the inputs may hold Inf/NaN.
-* ``bwd_dkdv_sm90_list`` / ``bwd_dkdv_nodq_sm90_list``: ``flash_bwd_dkdv_steps_sm90``, the same
+* ``bwd_dkdv_bulk_sm90`` (head dims 64 and 128): the same kernel with DQ 2, dQ added by bulk tensor
+  reductions from a shared staging tile instead of atomics (``KernelOps.sm90_dq_adds = "bulk"``).
+* ``bwd_dkdv_sm90_list`` / ``bwd_dkdv_nodq_sm90_list`` / ``bwd_dkdv_bulk_sm90_list``:
+  ``flash_bwd_dkdv_steps_sm90``, the same
   kernel over a ring step's rectangle list in one launch (grouped by key range, tiles of its keys a
   block of threads), paired as a list with masked pairs is with ``bwd_dkdv_list_careful`` (or
   ``_nodq_list_careful``).
@@ -42,6 +46,9 @@ from .variants import (ARCHS, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant, 
 SOURCE = "flash_bwd.cu"
 SM90_SOURCE = "flash_bwd_sm90.cu"
 SM90_DKDV_FAMILIES = {True: "bwd_dkdv_sm90", False: "bwd_dkdv_nodq_sm90"}  # by with_dq
+SM90_DKDV_BULK = "bwd_dkdv_bulk_sm90"   # dQ by bulk tensor reductions (the kernel's DQ = 2)
+SM90_BULK_HEADDIMS = (64, 128)          # its staging: a 64 x 64 fp32 block a consumer
+SM90_DQ_BOX = (64, 32)                  # a reduction's box: 64 query rows x 32 fp32 head dims
 SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
 # (BM query rows a tile, BN keys a block of threads, STAGES of Q/dO) per head dim: S^T and dP^T
 # take BM/2 registers a consumer thread each, dK and dV D/2 each (at D = 256 the two consumers
@@ -96,29 +103,35 @@ def dq_smem_bytes(d: int, bm: int, bn: int, itemsize: int = 2) -> int:
     return (2 * bm + 4 * bn) * (d + _PAD) * itemsize
 
 
-def sm90_dkdv_smem_bytes(d: int, bm: int, bn: int, stages: int, with_dq: bool) -> int:
+def sm90_dkdv_smem_bytes(d: int, bm: int, bn: int, stages: int, with_dq: bool, bulk: bool = False) -> int:
     """Dynamic smem of flash_bwd_dkdv_sm90 (bwd90::Smem in flash_bwd_sm90.cu): 1024 B of alignment
-    slack, K and V (BN x D), STAGES x (Q, dO: BM x D), dS (BM x BN) with dQ, STAGES x (lse2,
-    delta: BM fp32 each, and the tile's 16-byte TileMeta), 128 B of mbarriers."""
+    slack, K and V (BN x D), STAGES x (Q, dO: BM x D), dS (BM x BN) with dQ, the fp32 dQ staging
+    (BM x D) with bulk dQ, STAGES x (lse2, delta: BM fp32 each, and the tile's 16-byte TileMeta),
+    128 B of mbarriers."""
     return (1024 + 2 * bn * d * 2 + stages * 2 * bm * d * 2 + (bm * bn * 2 if with_dq else 0)
-            + stages * (2 * bm * 4 + 16) + 128)
+            + (bm * d * 4 if bulk else 0) + stages * (2 * bm * 4 + 16) + 128)
 
 
-def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool, listed: bool = False) -> KernelVariant:
-    """The Hopper dK/dV step (family bwd_dkdv_sm90, or bwd_dkdv_nodq_sm90 without dQ) for
-    (dtype, head dim in SM90_DKDV_HEADDIMS); `listed`: its rectangle-list twin
-    flash_bwd_dkdv_steps_sm90 (family + LIST_SUFFIX) on the same tiles."""
-    if d not in _SM90_DKDV_TILES:
-        raise ValueError(f"the Hopper backward runs head dims {SM90_DKDV_HEADDIMS}, not {d}")
+def sm90_dkdv_variant(dtype: str, d: int, with_dq: bool, listed: bool = False,
+                      bulk: bool = False) -> KernelVariant:
+    """The Hopper dK/dV step (family bwd_dkdv_sm90, bwd_dkdv_nodq_sm90 without dQ, or
+    bwd_dkdv_bulk_sm90 with `bulk` dQ: head dims SM90_BULK_HEADDIMS) for (dtype, head dim in
+    SM90_DKDV_HEADDIMS); `listed`: its rectangle-list twin flash_bwd_dkdv_steps_sm90 (family +
+    LIST_SUFFIX) on the same tiles."""
+    if d not in _SM90_DKDV_TILES or (bulk and d not in SM90_BULK_HEADDIMS):
+        raise ValueError(f"the Hopper backward runs head dims {SM90_BULK_HEADDIMS if bulk else SM90_DKDV_HEADDIMS}"
+                         f"{' with bulk dQ' if bulk else ''}, not {d}")
     bm, bn, stages = _SM90_DKDV_TILES[d]
-    flag = "true" if with_dq else "false"
+    dq = 2 if bulk else int(with_dq)   # bwd90::kDqNone, kDqAtomic, kDqBulk
     kernel = "flash_bwd_dkdv_steps_sm90" if listed else "flash_bwd_dkdv_sm90"
+    family = SM90_DKDV_BULK if bulk else SM90_DKDV_FAMILIES[with_dq]
     return KernelVariant(
-        family=SM90_DKDV_FAMILIES[with_dq] + (LIST_SUFFIX if listed else ""), source=SM90_SOURCE,
-        name=f"{kernel}<{CXX_TYPE[dtype]}, {d}, {bm}, {stages}, {flag}>",
+        family=family + (LIST_SUFFIX if listed else ""), source=SM90_SOURCE,
+        name=f"{kernel}<{CXX_TYPE[dtype]}, {d}, {bm}, {stages}, {dq}>",
         dtype=dtype, headdim=d,
         launch=LaunchConfig(threads=SM90_THREADS, block_m=bm, block_n=bn,
-                            smem_bytes=sm90_dkdv_smem_bytes(d, bm, bn, stages, with_dq), stages=stages),
+                            smem_bytes=sm90_dkdv_smem_bytes(d, bm, bn, stages, with_dq or bulk, bulk),
+                            stages=stages),
         target="sm_90a")
 
 
@@ -154,6 +167,8 @@ def backward_variants(arch: str) -> list[KernelVariant]:
         if arch == "sm_90a":
             out += [sm90_dkdv_variant(dtype, d, with_dq, listed) for d in SM90_DKDV_HEADDIMS
                     for with_dq in (True, False) for listed in (False, True)]
+            out += [sm90_dkdv_variant(dtype, d, True, listed, bulk=True) for d in SM90_BULK_HEADDIMS
+                    for listed in (False, True)]
     return out
 
 

@@ -1,7 +1,7 @@
 // emu_hopper.h — the sm_90 asynchronous machinery of the emulator: shared-window offsets,
-// mbarriers, bulk tensor copies (TMA), named barriers, elect.sync, setmaxnreg, vector reductions
-// to global memory (red.global.add.v2.f32), and the warpgroup side of wgmma (fence / issue /
-// commit / wait). kernels/hopper.cuh calls these; what one wgmma
+// mbarriers, bulk tensor copies (TMA) and bulk tensor reductions with their bulk async-groups,
+// named barriers, elect.sync, setmaxnreg, vector reductions to global memory
+// (red.global.add.v2.f32), and the warpgroup side of wgmma (fence / issue / commit / wait). kernels/hopper.cuh calls these; what one wgmma
 // computes is emu_wgmma.h's wgmma_compute. Sources: the PTX ISA (mbarrier, cp.async.bulk.tensor,
 // "Tensors" and "Swizzling Modes", bar.sync / bar.arrive, elect.sync, setmaxnreg, the wgmma
 // fence / commit_group / wait_group) and the CUDA driver API (cuTensorMapEncodeTiled).
@@ -189,6 +189,13 @@ struct PendingCopy {
   EmuTensorMap map;
 };
 
+struct PendingReduce {  // a bulk tensor reduction (tma_reduce_add) not yet waited for
+  u32 src = 0, extent = 0;  // shared offset and the bytes the swizzled box may span from it
+  long group = -1;          // its bulk async-group (-1: not committed yet)
+  int coords[5] = {0, 0, 0, 0, 0};
+  EmuTensorMap map;
+};
+
 struct NamedBar {
   int expected = 0, arrived = 0;  // threads (32 per warp)
   u32 warps = 0;                  // warps that arrived in this phase
@@ -236,6 +243,9 @@ struct HThread {  // per thread, by linear index
   WgmmaOp op{};
   // named barrier
   int nbar = -1;
+  // bulk async-groups (cp.async.bulk): the thread's reductions in issue order, groups committed
+  std::vector<PendingReduce> bulk;
+  long bulk_committed = 0;
 };
 
 using WgmmaComputeFn = std::string (*)(const WgmmaOp&, const u32 (*)[4], float* const*, const unsigned char*,
@@ -592,6 +602,99 @@ inline void land_for_barrier(u32 off) {
 }
 
 inline void fence_proxy_async() {}  // one memory, one proxy: nothing to order
+
+// ---------------------------------------------------------------------------------------------
+// Bulk tensor reductions (cp.reduce.async.bulk.tensor ... .add, bulk_group)
+//
+// tma_reduce_add checks the map and the shared source as tma_load checks a copy, then records the
+// reduction in the issuing thread's open bulk async-group; bulk_commit_group closes that group;
+// bulk_wait_group(N) (wait_group and wait_group.read alike) performs, in issue order, every
+// reduction of the thread's committed groups but the N most recent: it reads the shared source
+// NOW, the latest moment the ISA allows, so a source rewritten before its wait shows up in the
+// result, and adds each float of the box into global memory (elements outside the tensor are
+// skipped). A thread that exits with reductions not waited for is an error.
+
+inline void tma_reduce_add(const void* map, const void* src, const int* coords, int rank) {
+  Thread* self = g_cur;
+  const Run& r = *g_run;
+  BURSTCU_EMU_CHECK((reinterpret_cast<uintptr_t>(map) & 63) == 0,
+                    "%s: tma_reduce_add: the tensor map at %p is not 64-byte aligned", where(self).c_str(), map);
+  PendingReduce p;
+  memcpy(&p.map, map, sizeof(EmuTensorMap));
+  const EmuTensorMap& m = p.map;
+  const std::string bad = check_map(m);
+  if (!bad.empty())
+    fail(fmt("%s: tma_reduce_add: the tensor map at %p is invalid: %s", where(self).c_str(), map, bad.c_str()));
+  BURSTCU_EMU_CHECK(int(m.rank) == rank, "%s: tma_reduce_add: a %d-d reduction with a tensor map of rank %u",
+                    where(self).c_str(), rank, m.rank);
+  BURSTCU_EMU_CHECK(m.elem_bytes == 4, "%s: tma_reduce_add: elements of %u bytes: the emulator adds float32 only",
+                    where(self).c_str(), m.elem_bytes);
+  const u32 off = smem_offset(src), span = swizzle_span(m.swizzle);
+  const u32 align = span ? span * 8 : 128;
+  BURSTCU_EMU_CHECK(off % align == 0,
+                    "%s: tma_reduce_add: source shared offset 0x%x is not %u-byte aligned (a bulk tensor "
+                    "operation's shared side is 128-byte aligned, a swizzled one at its pattern's boundary)",
+                    where(self).c_str(), off, align);
+  p.src = off;
+  p.extent = box_extent(m);
+  BURSTCU_EMU_CHECK(u64(off) + p.extent <= r.dyn_size,
+                    "%s: tma_reduce_add: the box (%u bytes of shared memory at offset 0x%x) ends past the %zu bytes "
+                    "of dynamic shared memory", where(self).c_str(), p.extent, off, r.dyn_size);
+  if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
+    fail(fmt("%s: tma_reduce_add: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
+             "aligned", where(self).c_str(), coords[0]));
+  for (int i = 0; i < 5; ++i) p.coords[i] = i < rank ? coords[i] : 0;
+  hth(self).bulk.push_back(p);
+}
+
+// Global += the shared image of reduction p (land_bytes in the other direction, adding floats).
+inline void reduce_bytes(const PendingReduce& p) {
+  const EmuTensorMap& m = p.map;
+  const u32 span = swizzle_span(m.swizzle);
+  const u32 row_bytes = m.box[0] * 4, pitch = row_pitch(row_bytes, span);
+  const u64 rows = u64(m.box[1]) * m.box[2] * m.box[3] * m.box[4];
+  float row[256];
+  unsigned char* base = reinterpret_cast<unsigned char*>(uintptr_t(m.base));
+  const long long c0 = p.coords[0];
+  const long long lo = std::max(0ll, -c0), hi = std::min((long long)m.box[0], (long long)m.dims[0] - c0);
+  for (u64 r = 0; r < rows; ++r) {
+    bool inside = lo < hi;
+    u64 dst = 0, rest = r;
+    for (int k = 1; k < 5 && inside; ++k) {
+      const long long i = (long long)(rest % m.box[k]);
+      rest /= m.box[k];
+      const long long g = (long long)p.coords[k] + i;
+      if (g < 0 || g >= (long long)m.dims[k]) inside = false;
+      dst += u64(g) * m.strides[k];
+    }
+    if (!inside) continue;
+    const u64 at = p.src + r * pitch;
+    for (u32 j = 0; j < row_bytes; j += 16)
+      memcpy(reinterpret_cast<unsigned char*>(row) + j, g_run->dyn_smem + swizzle_address(at + j, span), 16);
+    float* out = reinterpret_cast<float*>(base + dst) + c0;
+    for (long long e = lo; e < hi; ++e) out[e] += row[e];
+  }
+}
+
+inline void bulk_commit_group() {
+  HThread& h = hth(g_cur);
+  bool any = false;
+  for (PendingReduce& p : h.bulk)
+    if (p.group < 0) p.group = h.bulk_committed + 1, any = true;
+  h.bulk_committed += any;  // an empty group is never waited for: it needs no number
+}
+
+inline void bulk_wait_group(int n) {
+  HThread& h = hth(g_cur);
+  std::vector<PendingReduce> keep;
+  for (const PendingReduce& p : h.bulk) {
+    if (p.group >= 0 && p.group <= h.bulk_committed - n)
+      reduce_bytes(p);
+    else
+      keep.push_back(p);
+  }
+  h.bulk.swap(keep);
+}
 
 // red.global.add.v2.f32: two floats added to the 8 bytes at dst, each element atomically; the ISA
 // requires the address aligned to the vector's 8 bytes, so a misaligned one fails here.
@@ -982,6 +1085,9 @@ inline void hopper_block_begin() {
 }
 
 inline void hopper_thread_exit(Thread* self) {
+  if (size_t(self->linear) < g_hop.th.size() && !hth(self).bulk.empty())
+    fail(fmt("%s exited with %zu bulk tensor reduction(s) not waited for (bulk_wait_group / _read): their shared "
+             "source may be gone before they read it", where(self).c_str(), hth(self).bulk.size()));
   const int g = self->linear / 128;
   if (size_t(g) >= g_hop.wg.size()) return;
   const WgState& W = g_hop.wg[g];

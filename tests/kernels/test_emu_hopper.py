@@ -1,6 +1,6 @@
 """Tests of the emulator's sm_90 machinery (kernels/emu/emu_hopper.h) through kernels/hopper.cuh:
-mbarriers, bulk tensor copies (TMA) and when they land, named barriers, elect.sync, the vector
-reduction red.global.add.v2.f32, setmaxnreg, the warpgroup side of wgmma, and the deadlock report.
+mbarriers, bulk tensor copies (TMA) and when they land, bulk tensor reductions and their
+bulk async-groups, named barriers, elect.sync, the vector reduction red.global.add.v2.f32, setmaxnreg, the warpgroup side of wgmma, and the deadlock report.
 
 The probe kernels are in tests/kernels/emu_src/hopper_probes.cu. The expected shared-memory image
 of a TMA box is rebuilt here from the definitions (PTX ISA "Tensors" / "Swizzling Modes", CUDA
@@ -24,8 +24,8 @@ from tests.kernels.tma_model import box_values
 pytestmark = pytest.mark.emulated
 
 PROBES = Path(__file__).parent / "emu_src" / "hopper_probes.cu"
-NAMES = ["probe_mbar", "probe_pipeline", "probe_named", "probe_elect", "probe_red", "probe_maxnreg",
-         "probe_wgmma"]
+NAMES = ["probe_mbar", "probe_pipeline", "probe_named", "probe_elect", "probe_red", "probe_reduce",
+         "probe_maxnreg", "probe_wgmma"]
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +310,30 @@ def test_red_add_v2(mod):
     assert not out[16:].any()
     with pytest.raises(RuntimeError, match="red.global.add.v2.f32 address .* is not 8-byte aligned"):
         mod.get_function("probe_red")((1,), (64,), (out, i32(8), i32(1), i32(1)))
+
+
+@pytest.mark.parametrize("swizzle", [0, 3])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_bulk_tensor_reduction(mod, swizzle, mode):
+    """A box of float32 added into a (20, 40) tensor at (16, 12), past both of its ends: the shared
+    image is the box swizzled as a bulk copy lands it (the model above), the elements inside the
+    tensor gain the box's values once (mode 1: the second reduction reads the image after it was
+    zeroed, since the wait is the latest point a reduction may read it), the rest stay as they were."""
+    rng = np.random.default_rng(swizzle)
+    g = rng.standard_normal((20, 40)).astype(np.float32)
+    before = g.copy()
+    box = rng.standard_normal((16, 32)).astype(np.float32)   # rows x 32 floats = 128 bytes a row
+    image = swizzled(box.tobytes(), SPAN[swizzle])
+    m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), swizzle,
+                              elem=4))
+    mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(16), i32(12), i32(mode)),
+                                     shared_mem=4096)
+    want = before.copy()
+    want[12:, 16:] += box[:8, :24]
+    np.testing.assert_array_equal(g, want)
+    with pytest.raises(RuntimeError, match=r"exited with 1 bulk tensor reduction\(s\) not waited for"):
+        mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(16), i32(12), i32(2)),
+                                         shared_mem=4096)
 
 
 MAXNREG = {

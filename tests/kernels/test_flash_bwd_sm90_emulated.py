@@ -121,23 +121,30 @@ def test_the_own_dq_pass_at_256_needs_the_hopper_kernel(monkeypatch):
     assert choice(one) == (["bwd_dkdv"], "bwd_dkdv_sm90")
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_dq_added_in_pairs_singles_or_unaligned_rows(monkeypatch, d):
-    """The Hopper kernel's atomic dQ: two floats an add (red.global.add.v2.f32) where dq's rows sit
-    on 16 bytes, one an add with `KernelOps.sm90_dq_vector` off, and one an add for a dq whose rows
-    do not (a view one float into its buffer: on the emulator, whose red_add_v2 fails on a
-    misaligned address). Each meets FlashAttention's rule; on the emulator, which adds in one
-    order, all three agree bit for bit."""
+def record_dq_adds(monkeypatch) -> list:
+    """The dq_adds of every Hopper dK/dV launch from now on (BwdStepSm90Params: 1 one float an
+    atomic add, 2 two, 3 bulk reductions), in order."""
     from burstcu.ops.cuda import backward
 
-    seen = []
+    seen, pack = [], backward.bwd_step_sm90_params
 
     def recorded(*args, **kw):
         params = pack(*args, **kw)
-        seen.append(int(params["dq_vec"]))
+        seen.append(int(params["dq_adds"]))
         return params
-    pack = backward.bwd_step_sm90_params
     monkeypatch.setattr(backward, "bwd_step_sm90_params", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_added_in_pairs_singles_bulk_or_unaligned_rows(monkeypatch, d):
+    """How the Hopper kernel adds dQ (`KernelOps.sm90_dq_adds`) where dq's rows sit on 16 bytes:
+    two floats an atomic add (red.global.add.v2.f32), one, or bulk tensor reductions from a
+    staging tile (the bulk family); for a dq whose rows do not (a view one float into its buffer:
+    on the emulator, whose red_add_v2 fails on a misaligned address), one float an add in both
+    families. Each meets FlashAttention's rule; on the emulator, which runs the blocks one after
+    another and adds in one order, all agree bit for bit."""
+    seen = record_dq_adds(monkeypatch)
     b, sq, sk, h, hkv, calls = CASES["causal_offsets"]
     q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, 3)
     blocks = [blk for call in calls for blk in call]
@@ -146,13 +153,13 @@ def test_dq_added_in_pairs_singles_or_unaligned_rows(monkeypatch, d):
     ref = step_backward_ref(q, k, v, dout, lse, delta, mask, 1 / np.sqrt(d))
     naive = step_backward_ref(q, k, v, dout, lse, delta, mask, 1 / np.sqrt(d), dtype=np.float32,
                               round_to=DTYPES["float16"])
-    modes = [("pairs", True, 0, 2), ("singles", False, 0, 1)]
+    modes = [("pairs", "pairs", 0, 2), ("singles", "singles", 0, 1), ("bulk", "bulk", 0, 3)]
     if BACKEND == "emulated":   # a GPU run's HostArrays copies dq into an aligned device array
-        modes.append(("unaligned", True, 1, 1))
+        modes += [("unaligned", "pairs", 1, 1), ("bulk, unaligned", "bulk", 1, 1)]
     grads = {}
-    for name, vector, offset, dq_vec in modes:
+    for name, adds, offset, dq_adds in modes:
         ops = hopper_ops()
-        ops.ops.sm90_dq_vector = vector
+        ops.ops.sm90_dq_adds = adds
         counts = _counting(ops)
         ctx = ops.backward_init(k, v, 1 / np.sqrt(d))
         size = b * sq * h * d
@@ -160,7 +167,7 @@ def test_dq_added_in_pairs_singles_or_unaligned_rows(monkeypatch, d):
         del seen[:]
         for call in calls:
             ops.backward_step(ctx, q, dout, lse, delta, dq, call)
-        assert counts.get(HOPPER) == len(blocks) and set(seen) == {dq_vec}, (name, counts, seen)
+        assert counts.get(HOPPER) == len(blocks) and set(seen) == {dq_adds}, (name, counts, seen)
         grads[name] = (dq.copy(), *ops.backward_finalize(ctx, np.float32))
         for what, g, r, n in zip(("dq", "dk", "dv"), grads[name], ref, naive):
             assert_fa_rule(f"{what}, {name}", g, r, n)

@@ -30,6 +30,7 @@ from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref
 from tests.kernels.backend import BACKEND, kernel_ops
 from tests.kernels.test_flash_bwd_lists_emulated import (CASES, check_float64, ring_steps, run_backward,
                                                           same_bits, step_inputs)
+from tests.kernels.test_flash_bwd_sm90_emulated import record_dq_adds
 from tests.kernels.test_flash_fwd_emulated import _counting
 
 pytestmark = pytest.mark.emulated
@@ -44,13 +45,15 @@ def lists_always(monkeypatch):
     monkeypatch.setattr(kernel_ops_module, "SM90_MIN_FLOP_PER_RECT", math.inf)
 
 
-def hopper_ops(deterministic: bool = False, randomize: bool = False, pack_lists: bool = True):
+def hopper_ops(deterministic: bool = False, randomize: bool = False, pack_lists: bool = True,
+               dq_adds: str = "pairs"):
     """The sm_90a table, whose dQ is the Hopper kernel's atomic one at every head dim (at 256 the
-    backward adds it in a pass of its own unless told: `KernelOps.dq_own_pass`); pack_lists as
-    `kernel_ops`."""
+    backward adds it in a pass of its own unless told: `KernelOps.dq_own_pass`), added as
+    `dq_adds` says (`KernelOps.sm90_dq_adds`); pack_lists as `kernel_ops`."""
     wrapper = kernel_ops(deterministic=deterministic, randomize=randomize, arch="sm_90a",
                          pack_lists=pack_lists)
     wrapper.ops.dq_own_pass_headdims = ()
+    wrapper.ops.sm90_dq_adds = dq_adds
     return wrapper
 
 
@@ -100,9 +103,14 @@ def test_deterministic_list_is_a_hopper_launch_a_rectangle_bit_for_bit(lists_alw
             check_float64(f"{case} deterministic", whole[:3], x, keep, CASES[case][0])
 
 
+@pytest.mark.parametrize("dq_adds", ["pairs", "bulk"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_atomic_list_matches_float64(lists_always, case):
-    ops = hopper_ops(randomize=True, pack_lists=False)
+def test_atomic_list_matches_float64(monkeypatch, lists_always, case, dq_adds):
+    """dq, dk, dv within FlashAttention's rule of float64, dk and dv with a launch a rectangle's
+    bits, dQ added by atomics or by bulk reductions (whose boxes add zeros to the rows past a
+    rectangle: another rectangle's, in the list's whole-array maps)."""
+    ops = hopper_ops(randomize=True, pack_lists=False, dq_adds=dq_adds)
+    seen = record_dq_adds(monkeypatch)
     d = CASES[case][1]
     counts = _counting(ops)
     for n, (qr, kr, sq, sk, blocks, keep) in enumerate(ring_steps(case)):
@@ -114,6 +122,7 @@ def test_atomic_list_matches_float64(lists_always, case):
         apart = run_backward(ops, x, [[blk] for blk in blocks], with_psum=False)
         for grad, a, b in zip(("dk", "dv"), got[1:], apart[1:]):
             same_bits(f"{case} step {qr}<-{kr} {grad}", a, b)
+    assert seen and set(seen) == {3 if dq_adds == "bulk" else 2}, seen   # every launch added dQ so
 
 
 @pytest.mark.slow
@@ -165,9 +174,9 @@ POISONED_GAPS = {
 }
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("deterministic,dq_adds", [(False, "pairs"), (True, "pairs"), (False, "bulk")])
 @pytest.mark.parametrize("gaps", list(POISONED_GAPS))
-def test_nan_in_rows_no_rectangle_holds_is_inert(lists_always, deterministic, gaps):
+def test_nan_in_rows_no_rectangle_holds_is_inert(lists_always, deterministic, dq_adds, gaps):
     """NaN and Inf in q, dO, k and v rows that no rectangle of the step holds, but that a tile of
     the list kernel reads (the rows between two documents, past a ragged end): the careful twins
     run though no pair is masked (full documents), and every gradient is finite and within
@@ -177,7 +186,7 @@ def test_nan_in_rows_no_rectangle_holds_is_inert(lists_always, deterministic, ga
     poisoned = [a.copy() for a in clean]
     for i, rows, value in poison:
         poisoned[i][:, rows] = value
-    ops = hopper_ops(deterministic)
+    ops = hopper_ops(deterministic, dq_adds=dq_adds)
     counts = _counting(ops)
     got = run_backward(ops, poisoned, [blocks], with_psum=False)
     assert_list_launches(counts, blocks, 64, deterministic)

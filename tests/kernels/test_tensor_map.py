@@ -35,7 +35,7 @@ def emu_fields(raw: np.ndarray) -> dict:
 # the driver's rules, on both backends
 
 BAD = [  # (what changes, the words the error must contain)
-    (dict(dtype="float32"), "dtype"),
+    (dict(dtype="float64"), "dtype"),
     (dict(swizzle="16B"), "swizzle"),
     (dict(dims=(), strides_bytes=(), box=()), "tensorRank must be 1..5"),
     (dict(dims=(64, 2, 2, 2, 2, 2), strides_bytes=(128,) * 5, box=(64, 1, 1, 1, 1, 1)), "tensorRank must be 1..5"),
@@ -153,6 +153,18 @@ def test_rows_map_of_a_bshd_array(dtype):
     assert (f["rank"], f["elem_bytes"], f["swizzle"]) == (4, 2, 3)
 
 
+def test_rows_map_of_float32_rows():
+    """The Hopper backward's bulk dQ map: float32 (B, S, H, D) rows, boxes of 64 rows x 32 floats
+    (128 bytes, the 128-byte swizzle's span); 48 floats a row would pass the span."""
+    x = np.zeros((2, 300, 4, 128), np.float32)
+    f = emu_fields(tensor_map_4d_rows("emulated", x, 100, 150, 64, box_cols=32))
+    assert f["base"] == data_ptr(x) + 100 * 4 * 128 * 4
+    assert f["strides"] == (4, 4 * 128 * 4, 128 * 4, 300 * 4 * 128 * 4, 0)
+    assert f["box"] == (32, 64, 1, 1, 1) and (f["elem_bytes"], f["swizzle"]) == (4, 3)
+    with pytest.raises(ValueError, match="swizzle span"):
+        tensor_map_4d_rows("emulated", x, 100, 150, 64, box_cols=48)
+
+
 def test_rows_map_of_a_strided_view():
     """A view (every other head of a larger array) keeps its own strides."""
     big = np.zeros((2, 64, 8, 64), np.float16)
@@ -182,8 +194,8 @@ def test_rows_map_refusals():
         tensor_map_4d_rows("emulated", x, 30, 4, 16)
     with pytest.raises(ValueError, match="rows"):
         tensor_map_4d_rows("emulated", x, 0, 0, 16)
-    with pytest.raises(ValueError, match="dtype float32"):
-        tensor_map_4d_rows("emulated", x.astype(np.float32), 0, 32, 16)
+    with pytest.raises(ValueError, match="dtype float64"):
+        tensor_map_4d_rows("emulated", x.astype(np.float64), 0, 32, 16)
     with pytest.raises(ValueError, match="contiguous"):
         tensor_map_4d_rows("emulated", np.zeros((1, 32, 2, 128), np.float16)[..., ::2], 0, 32, 16)
     with pytest.raises(ValueError, match=r"\(B, S, H, D\)"):

@@ -47,13 +47,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...build.bwd_variants import LIST_SUFFIX, delta_variant
+from ...build.bwd_variants import LIST_SUFFIX, SM90_DKDV_BULK, SM90_DQ_BOX, delta_variant
 from ...build.variants import CAREFUL_SUFFIX
 from ...layout import Block
 from ..base import dtype_name
 from .params import (any_masked, block_column, bwd_delta_params, bwd_step_params,
                      bwd_step_sm90_params, cdiv, check_rows, element_strides, listable, nonempty,
-                     rows_contiguous, same_strides, vector_ready)
+                     rows_contiguous, rows_on_16_bytes, same_strides, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -262,14 +262,28 @@ def _launch_hopper(ops, hopper, operands: tuple, blk: Block | None, flag, scale:
     cfg = hopper.launch
     q_rows = (0, qp.shape[1]) if blk is None else (blk.q_start, blk.q_len)
     k_rows = (0, k.shape[1]) if blk is None else (blk.k_start, blk.k_len)
+    dq_adds = _dq_adds(ops, hopper, dq)
     maps = (tensor_map_4d_rows(ops.backend, qp, *q_rows, cfg.block_m),
             tensor_map_4d_rows(ops.backend, dop, *q_rows, cfg.block_m),
             tensor_map_4d_rows(ops.backend, k, *k_rows, cfg.block_n),
-            tensor_map_4d_rows(ops.backend, v, *k_rows, cfg.block_n))
+            tensor_map_4d_rows(ops.backend, v, *k_rows, cfg.block_n),
+            tensor_map_4d_rows(ops.backend, dq, *q_rows, SM90_DQ_BOX[0], SM90_DQ_BOX[1])
+            if dq_adds == 3 else None)
     params = bwd_step_sm90_params(maps, lse, delta, dq, dk, dv, flag, blk, H, Hkv, scale, groups,
-                                  ops.sm90_dq_vector)
+                                  dq_adds)
     grid = (groups.tiles if blk is None else cdiv(blk.k_len, cfg.block_n), Hkv, B)
     ops.function(hopper.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
+
+
+def _dq_adds(ops, hopper, dq) -> int:
+    """How the Hopper kernel `hopper` adds dQ into `dq` (BwdStepSm90Params.dq_adds): by bulk
+    tensor reductions (3) in the bulk family, two floats an atomic add (2) where
+    `ops.sm90_dq_adds` is "pairs", where dq's rows sit on 16 bytes; else one float an add (1)."""
+    if not rows_on_16_bytes(dq):
+        return 1
+    if hopper.family.startswith(SM90_DKDV_BULK):
+        return 3
+    return 2 if ops.sm90_dq_adds == "pairs" else 1
 
 
 def _ragged(blocks: Sequence[Block], hopper) -> bool:

@@ -32,7 +32,8 @@ import numpy as np
 from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_LIST_FAMILY,
                                   careful_twin, nonfinite_flag_variant)
 from ...build import all_variants
-from ...build.bwd_variants import LIST_SUFFIX, SM90_DKDV_FAMILIES, SM90_DKDV_HEADDIMS
+from ...build.bwd_variants import (LIST_SUFFIX, SM90_BULK_HEADDIMS, SM90_DKDV_BULK, SM90_DKDV_FAMILIES,
+                                   SM90_DKDV_HEADDIMS)
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
@@ -209,9 +210,11 @@ class KernelOps(LocalOps):
         # the backward's dK/dV on the sm_90a table: the Hopper kernel where `hopper_backward`
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
-        # the Hopper dK/dV kernel's atomic dQ: two floats an add where dq's rows sit on 16 bytes
-        # (True), or one float an add (False, for comparison; bench/gpu/kernel_speed.py --dq-adds)
-        self.sm90_dq_vector = True
+        # how the Hopper dK/dV kernel adds dQ where dq's rows sit on 16 bytes (one float an atomic
+        # add elsewhere): "pairs", two floats an atomic add; "singles", one; "bulk", the bulk
+        # family's tensor reductions through a shared staging tile (head dims up to 128, pairs at
+        # 256). bench/gpu/kernel_speed.py --dq-adds compares them.
+        self.sm90_dq_adds = "pairs"
         # see `dq_own_pass` (() for comparison: the Hopper kernel's atomic dQ at every head dim)
         self.dq_own_pass_headdims: tuple[int, ...] = SM90_DQ_OWN_PASS_HEADDIMS
         # decode's split kernel: the tensor-core twin from this many query rows a kv head
@@ -528,6 +531,8 @@ class KernelOps(LocalOps):
         plain = self.variant(family, dtype, headdim)
         if plain.headdim not in SM90_DKDV_HEADDIMS or not scale > 0:
             return None
+        if family == "bwd_dkdv" and self.sm90_dq_adds == "bulk" and plain.headdim in SM90_BULK_HEADDIMS:
+            one_block = SM90_DKDV_BULK
         listed = not self._sm90_runs(blocks, q_shape, scale)
         if listed and not (self.sm90_lists and len(blocks) > 1 and listable(blocks, tiled)):
             return None

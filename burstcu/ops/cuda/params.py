@@ -259,11 +259,12 @@ FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr"),
     ("row_keys", "ptr")])
 BWD_STEP_SM90 = CStruct("BwdStepSm90Params", [
-    ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("lse", "ptr"),
+    ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("dq_map", "tmap"),
+    ("lse", "ptr"),
     ("delta", "ptr"), ("dq", "ptr"), ("dk", "ptr"), ("dv", "ptr"), ("nonfinite", "ptr"),
     ("dq_stride", ROW_STRIDES), ("dk_stride", ROW_STRIDES), ("stat_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale", "f32"), ("n_groups", "i32"),
-    ("rects", "ptr"), ("groups", "ptr"), ("key_rows", "ptr"), ("dq_vec", "i32")])
+    ("rects", "ptr"), ("groups", "ptr"), ("key_rows", "ptr"), ("dq_adds", "i32")])
 # every struct of kernels/params.cuh (the layout test walks this list)
 PARAM_STRUCTS = (ROW_STRIDES, STAT_STRIDES, BLOCK_RECT, FWD_STEP, FWD_FINALIZE, NONFINITE,
                  BWD_DELTA, BWD_STEP, FWD_STEP_SM90, BWD_STEP_SM90)
@@ -642,16 +643,18 @@ def bwd_step_params(q, dout, k, v, lse, delta, dq, dk, dv, psum, nonfinite, bloc
 
 def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: Block | None,
                          heads: int, kv_heads: int, scale: float,
-                         groups: StepGroups | None = None, dq_vector: bool = True) -> np.void:
-    """BwdStepSm90Params: `maps` the tensor maps (q, dO, k, v) of the block's rows (128 uint8
-    each, `burstcu.ops.cuda.tensor_map`); lse, delta (B, H, Sq) float32 sharing strides, rows
-    contiguous; dq (B, Sq, H, D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing strides;
-    nonfinite a device int32. flash_bwd_dkdv_steps_sm90 takes a whole step's `groups` (grouped
-    by key range; block None) and maps of the whole arrays. dQ is added two floats an atomic add
-    when `dq_vector` and dq's rows sit on 16 bytes (`rows_on_16_bytes`), else one at a time."""
-    q_map, do_map, k_map, v_map = maps
+                         groups: StepGroups | None = None, dq_adds: int = 1) -> np.void:
+    """BwdStepSm90Params: `maps` the tensor maps (q, dO, k, v, and dq or None) of the block's rows
+    (128 uint8 each, `burstcu.ops.cuda.tensor_map`); lse, delta (B, H, Sq) float32 sharing
+    strides, rows contiguous; dq (B, Sq, H, D) float32; dk, dv (B, Sk, Hkv, D) float32 sharing
+    strides; nonfinite a device int32. flash_bwd_dkdv_steps_sm90 takes a whole step's `groups`
+    (grouped by key range; block None) and maps of the whole arrays. `dq_adds`: how the kernel
+    adds dQ (kernels/params.cuh: 1 one float an atomic add, 2 two, 3 bulk reductions through the
+    dq map); 2 and 3 need dq's rows on 16 bytes (`rows_on_16_bytes`)."""
+    q_map, do_map, k_map, v_map, dq_map = maps
     return BWD_STEP_SM90.pack(
-        q_map=q_map, do_map=do_map, k_map=k_map, v_map=v_map, lse=lse, delta=delta, dq=dq, dk=dk,
+        q_map=q_map, do_map=do_map, k_map=k_map, v_map=v_map,
+        dq_map=np.zeros(128, np.uint8) if dq_map is None else dq_map, lse=lse, delta=delta, dq=dq, dk=dk,
         dv=dv, nonfinite=nonfinite, dq_stride=_shared_strides(3, dq),
         dk_stride=_shared_strides(3, dk, dv), stat_stride=_shared_strides(2, lse, delta),
         blk=(0,) * 8 if block is None else block_rect(block), H=heads, Hkv=kv_heads, scale=scale,
@@ -659,4 +662,4 @@ def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: 
         rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
         key_rows=None if groups is None else groups.key_rows,
-        dq_vec=2 if dq_vector and rows_on_16_bytes(dq) else 1)
+        dq_adds=dq_adds)

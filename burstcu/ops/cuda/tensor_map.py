@@ -16,7 +16,7 @@ struct holds, `burstcu.ops.cuda.params` field kind "tmap"), on both backends:
                             unused dims 0
       u32 box[5]       96   box size along dim i, in elements; unused dims 1
       u32 rank         116  1..5
-      u32 elem_bytes   120  2 for float16 / bfloat16
+      u32 elem_bytes   120  2 for float16 / bfloat16, 4 for float32
       u32 swizzle      124  0 none, 1 32B, 2 64B, 3 128B (the driver's CUtensorMapSwizzle values)
 
 Both validate first with the rules the CUDA driver documents for cuTensorMapEncodeTiled
@@ -48,7 +48,7 @@ from ..base import dtype_name
 from .params import data_ptr
 
 BACKENDS = ("cupy", "emulated")
-ELEM_BYTES = {"float16": 2, "bfloat16": 2}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # swizzle name -> (CUtensorMapSwizzle value, bytes of the swizzle span; 0: none)
 SWIZZLES = {"none": (0, 0), "32B": (1, 32), "64B": (2, 64), "128B": (3, 128)}
 MAX_RANK = 5
@@ -169,7 +169,8 @@ def _driver(ptr: int, dtype: str, elem: int, dims: list[int], strides: list[int]
     from cuda.bindings import driver
 
     data_type = {"float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                 "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+                 "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                 "float32": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
     swizzle_enum = {"none": driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
                     "32B": driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
                     "64B": driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
@@ -195,7 +196,7 @@ def tensor_map_4d_rows(backend: str, x, row_start: int, row_count: int, box_rows
                        box_cols: int = 64, swizzle: str = "128B") -> np.ndarray:
     """The tensor map of rows [row_start, row_start + row_count) of a (B, S, H, D) array `x`.
 
-    `x`: NumPy or CuPy, float16 or bfloat16, last dim contiguous. The map has dims (D, row_count,
+    `x`: NumPy or CuPy, float16, bfloat16 or float32, last dim contiguous. The map has dims (D, row_count,
     H, B), byte strides x's (S, H, B) strides, base the address of x[0, row_start, 0, 0], and box
     (box_cols, box_rows, 1, 1): one load brings box_rows rows x box_cols columns of one (batch,
     head) at coordinates (column, row - row_start, head, batch); rows at or past row_count read as

@@ -268,6 +268,29 @@ __global__ void probe_red(float* out, int pairs, int offset, int reps) {
   for (int r = 0; r < reps; ++r) red_add_v2(out + 2 * (tid % pairs) + offset, float(tid), float(-tid));
 }
 
+// ---- bulk tensor reductions: the block copies `image` (bytes) into its dynamic shared memory,
+// fences and syncs; thread 0 adds the box at (c0, c1, 0, 0) of `map` from it. mode 0: one
+// reduction, waited for (wait_group.read 0). 1: two, in two groups; wait_group 1 (the first lands),
+// then thread 0 zeroes the image and waits for the rest (the second reads the zeros: nothing
+// added). 2: thread 0 exits without waiting (an error).
+__global__ void probe_reduce(const TensorMap* map, const unsigned char* image, int bytes, int c0, int c1, int mode) {
+  unsigned char* smem = aligned_smem();
+  for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
+  fence_proxy_async();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
+  bulk_commit_group();
+  if (mode == 2) return;
+  if (mode == 1) {
+    tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
+    bulk_commit_group();
+    bulk_wait_group_read<1>();
+    for (int i = 0; i < bytes; ++i) smem[i] = 0;
+  }
+  bulk_wait_group<0>();
+}
+
 // ---- setmaxnreg. mode 0: fine (warpgroup 0 dec, warpgroup 1 inc); 1: an invalid count;
 // 2: warps of one warpgroup disagree; 3: warp 3 of warpgroup 0 skips it.
 __global__ void probe_maxnreg(int mode, int* out) {
