@@ -555,6 +555,27 @@ inline void tma_load(void* dst, const void* map, void* bar, const int* coords, i
   bump();
 }
 
+// Dim 0 of a box at coordinate c0: its elements inside the tensor are [lo, hi) (lo >= hi: none).
+inline void inner_range(const EmuTensorMap& m, long long c0, long long* lo, long long* hi) {
+  *lo = std::max(0ll, -c0);
+  *hi = std::min((long long)m.box[0], (long long)m.dims[0] - c0);
+}
+
+// Row r of a box at `coords` (its dims 1..4, dim 1 fastest): whether it lies inside the tensor,
+// and then the byte offset of its element 0 of dim 0 in global memory (at *offset).
+inline bool box_row_at(const EmuTensorMap& m, const int* coords, u64 r, u64* offset) {
+  u64 at = 0, rest = r;
+  for (int k = 1; k < 5; ++k) {
+    const long long i = (long long)(rest % m.box[k]);
+    rest /= m.box[k];
+    const long long g = (long long)coords[k] + i;
+    if (g < 0 || g >= (long long)m.dims[k]) return false;
+    at += u64(g) * m.strides[k];
+  }
+  *offset = at;
+  return true;
+}
+
 // Write the box of copy `c` into shared memory (reading global memory now).
 inline void land_bytes(const PendingCopy& c) {
   const EmuTensorMap& m = c.map;
@@ -563,21 +584,14 @@ inline void land_bytes(const PendingCopy& c) {
   const u64 rows = u64(m.box[1]) * m.box[2] * m.box[3] * m.box[4];
   unsigned char row[256 * 8];
   const unsigned char* base = reinterpret_cast<const unsigned char*>(uintptr_t(m.base));
-  // dim 0: the in-bounds elements of a row are [lo, hi)
   const long long c0 = c.coords[0];
-  const long long lo = std::max(0ll, -c0), hi = std::min((long long)m.box[0], (long long)m.dims[0] - c0);
+  long long lo, hi;
+  inner_range(m, c0, &lo, &hi);
   for (u64 r = 0; r < rows; ++r) {
     memset(row, 0, row_bytes);
-    bool inside = lo < hi;
-    u64 src = 0, rest = r;
-    for (int k = 1; k < 5 && inside; ++k) {
-      const long long i = (long long)(rest % m.box[k]);
-      rest /= m.box[k];
-      const long long g = (long long)c.coords[k] + i;
-      if (g < 0 || g >= (long long)m.dims[k]) inside = false;
-      src += u64(g) * m.strides[k];
-    }
-    if (inside) memcpy(row + lo * eb, base + src + u64(c0 + lo) * eb, size_t(hi - lo) * eb);
+    u64 src = 0;
+    if (lo < hi && box_row_at(m, c.coords, r, &src))
+      memcpy(row + lo * eb, base + src + u64(c0 + lo) * eb, size_t(hi - lo) * eb);
     const u64 at = c.dst + r * pitch;
     for (u32 j = 0; j < row_bytes; j += 16) memcpy(g_run->dyn_smem + swizzle_address(at + j, span), row + j, 16);
   }
@@ -656,18 +670,11 @@ inline void reduce_bytes(const PendingReduce& p) {
   float row[256];
   unsigned char* base = reinterpret_cast<unsigned char*>(uintptr_t(m.base));
   const long long c0 = p.coords[0];
-  const long long lo = std::max(0ll, -c0), hi = std::min((long long)m.box[0], (long long)m.dims[0] - c0);
+  long long lo, hi;
+  inner_range(m, c0, &lo, &hi);
   for (u64 r = 0; r < rows; ++r) {
-    bool inside = lo < hi;
-    u64 dst = 0, rest = r;
-    for (int k = 1; k < 5 && inside; ++k) {
-      const long long i = (long long)(rest % m.box[k]);
-      rest /= m.box[k];
-      const long long g = (long long)p.coords[k] + i;
-      if (g < 0 || g >= (long long)m.dims[k]) inside = false;
-      dst += u64(g) * m.strides[k];
-    }
-    if (!inside) continue;
+    u64 dst = 0;
+    if (lo >= hi || !box_row_at(m, p.coords, r, &dst)) continue;
     const u64 at = p.src + r * pitch;
     for (u32 j = 0; j < row_bytes; j += 16)
       memcpy(reinterpret_cast<unsigned char*>(row) + j, g_run->dyn_smem + swizzle_address(at + j, span), 16);
