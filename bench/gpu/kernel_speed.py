@@ -120,8 +120,9 @@ def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
 def families(ops, cfg: dict) -> dict:
     """The families `ops` runs for the configuration's one Block, "sm90" (the Hopper kernels) or
     "sm80": {"family": the forward's} and, fwd+bwd, {"bwd_family": dK/dV's (KernelOps.hopper_backward),
-    "dq_pass": "atomic" (dQ added inside the dK/dV kernel) or "own" (flash_bwd_dq after it,
-    KernelOps.dq_own_pass: the deterministic mode, and the Hopper backward at head dim 256)}."""
+    "dq_pass": "atomic" (dQ added inside the dK/dV kernel), "bulk" (the same by the Hopper bulk
+    family's tensor reductions) or "own" (flash_bwd_dq after it, KernelOps.dq_own_pass: the
+    deterministic mode, and the Hopper backward at head dim 256)}."""
     from burstcu.layout import Block
     from burstcu.ops.cuda.backward import step_kernels
 
@@ -132,7 +133,8 @@ def families(ops, cfg: dict) -> dict:
         families, hopper = step_kernels(ops, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
                                         (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
         tags.update(bwd_family="sm80" if hopper is None else "sm90",
-                    dq_pass="own" if len(families) > 1 else "atomic")
+                    dq_pass="own" if len(families) > 1 else
+                    "bulk" if hopper is not None and "bulk" in hopper.family else "atomic")
     return tags
 
 
