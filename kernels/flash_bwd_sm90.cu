@@ -115,7 +115,7 @@ set), the launch pair of burstcu/ops/cuda/backward.py.
 
 BUILD
     python -m burstcu.build check --arch sm_90a --family bwd_dkdv_sm90,bwd_dkdv_nodq_sm90,\
-        bwd_dkdv_sm90_list,bwd_dkdv_nodq_sm90_list
+        bwd_dkdv_bulk_sm90,bwd_dkdv_sm90_list,bwd_dkdv_nodq_sm90_list,bwd_dkdv_bulk_sm90_list
     CPU emulator: burstcu.init(backend="emulated", arch="sm_90a"); tests in
     tests/kernels/test_flash_bwd_sm90_emulated.py and test_flash_bwd_sm90_lists_emulated.py. First
     run on an H200 in bench/results/h200/run7: 153 of 154 kernel tests passed (the failure a test's
@@ -438,6 +438,8 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   };
 
   mbar_wait(bar.kv_full, 0);
+  if constexpr (DQ == kDqBulk)
+    if (ct == 0 && p.dq_adds == 3) tma_prefetch_map(&p.dq_map);
   int stage = 0;
   u32 phase = 0;
   // the query tiles as the producer's warp 2 describes them (TileMeta), in its order
@@ -589,6 +591,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
       wgmma_fence_operand(dqb);
       const float scale = p.scale;
       const long long dq_at = b * p.dq_stride.b + (long long)q_start * p.dq_stride.s + h * p.dq_stride.h;
+      // (the branches of another DQ are constant false: the compiler drops them)
       if (DQ == kDqBulk && p.dq_adds == 3) {
         // bulk tensor reductions: the block (64 rows x 64 head dims) into this consumer's staging
         // as two boxes of 64 rows x 32 floats, each laid out as a bulk copy with the 128-byte
@@ -610,7 +613,7 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
           }
         fence_proxy_async();
         named_bar_sync(kDqBar + wg, 128);
-        if (ct == 0) {
+        if (ct == 0 && m0 + rb * 64 < q_len) {  // a block wholly past q_len adds nothing
 #pragma unroll
           for (int bx = 0; bx < 2; ++bx)
             tma_reduce_add_4d(&p.dq_map, staging + bx * (64 * 128), dq_col0 + bx * kDqBoxCols,

@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,  # noqa: E402
                            normal, progress, pyplot, save, table, write_json)
+from burstcu.build.bwd_variants import SM90_DQ_ADDS  # noqa: E402
 
 IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
 PASSES = ("fwd", "fwd+bwd")
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
                         "each, timed one after another in the same run")
     p.add_argument("--dq-modes", nargs="+", default=["atomic"], choices=["atomic", "deterministic"],
                    help="the backward's dQ: fp32 atomics, and/or KernelOps(deterministic=True)")
-    p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=["pairs", "singles", "bulk"],
+    p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=SM90_DQ_ADDS,
                    help="how the Hopper backward adds dQ (KernelOps.sm90_dq_adds): two floats an "
                         "atomic add, one, or bulk tensor reductions; several: a kernels row each")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")

@@ -49,6 +49,7 @@ SM90_DKDV_FAMILIES = {True: "bwd_dkdv_sm90", False: "bwd_dkdv_nodq_sm90"}  # by 
 SM90_DKDV_BULK = "bwd_dkdv_bulk_sm90"   # dQ by bulk tensor reductions (the kernel's DQ = 2)
 SM90_BULK_HEADDIMS = (64, 128)          # its staging: a 64 x 64 fp32 block a consumer
 SM90_DQ_BOX = (64, 32)                  # a reduction's box: 64 query rows x 32 fp32 head dims
+SM90_DQ_ADDS = ("pairs", "singles", "bulk")   # KernelOps.sm90_dq_adds: how the Hopper kernel adds dQ
 SM90_THREADS = 384   # a producer warpgroup and two consumer warpgroups
 # (BM query rows a tile, BN keys a block of threads, STAGES of Q/dO) per head dim: S^T and dP^T
 # take BM/2 registers a consumer thread each, dK and dV D/2 each (at D = 256 the two consumers

@@ -410,6 +410,14 @@ class EmuModule:
         """Fiber context switches performed by this module's emulator so far (for benchmarks)."""
         return int(self._lib.emu_switch_count())
 
+    def global_adds(self) -> dict:
+        """Adds into global memory by this module's kernels so far (tests): {"atomic_add": atomicAdd
+        calls, "red_add_v2": red.global.add.v2.f32 instructions, "bulk_reduce": bulk tensor
+        reductions}."""
+        out = (ctypes.c_ulonglong * 3)()
+        self._lib.emu_global_adds(out)
+        return dict(zip(("atomic_add", "red_add_v2", "bulk_reduce"), (int(x) for x in out)))
+
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
@@ -423,6 +431,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.emu_kernel_names.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.emu_switch_count.restype = ctypes.c_ulonglong
     lib.emu_switch_count.argtypes = []
+    lib.emu_global_adds.restype = None
+    lib.emu_global_adds.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
     lib.emu_release.restype = None
     lib.emu_release.argtypes = []
     return lib

@@ -246,6 +246,7 @@ template <typename T> struct same { using type = T; };
 }
 
 template <typename T> inline T atomicAdd(T* p, typename ::emu::same<T>::type v) {
+  ++::emu::g_global_adds[0];
   T old = *p;
   *p = old + v;
   return old;

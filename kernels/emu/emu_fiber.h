@@ -81,6 +81,8 @@ struct Context {
 };
 
 inline unsigned long long g_switches = 0;  // context switches since load (for benchmarks)
+// adds into global memory since load: atomicAdd calls, red.global.add.v2.f32, bulk tensor reductions
+inline unsigned long long g_global_adds[3] = {0, 0, 0};
 
 inline void context_switch(Context* from, Context* to) {
   ++g_switches;

@@ -194,10 +194,13 @@ struct PendingReduce {  // a bulk tensor reduction (tma_reduce_add) not yet wait
   long group = -1;          // its bulk async-group (-1: not committed yet)
   int coords[5] = {0, 0, 0, 0, 0};
   EmuTensorMap map;
+  std::vector<unsigned char> source;  // the shared bytes at issue: they must not change before the wait
 };
 
 struct NamedBar {
   int expected = 0, arrived = 0;  // threads (32 per warp)
+  int unfenced = 0, last_unfenced = 0;  // arrivals without fence_proxy_async since their last barrier:
+                                        // in this phase, and in the phase completed last
   u32 warps = 0;                  // warps that arrived in this phase
   u64 gen = 0;
   std::vector<Thread*> waiters;   // threads in bar.sync
@@ -246,6 +249,9 @@ struct HThread {  // per thread, by linear index
   // bulk async-groups (cp.async.bulk): the thread's reductions in issue order, groups committed
   std::vector<PendingReduce> bulk;
   long bulk_committed = 0;
+  // fence.proxy.async since this thread's last named barrier; and whether its last named barrier
+  // was passed by threads of which some had not fenced (then it may not issue a bulk reduction)
+  bool fenced = false, after_unfenced_bar = false;
 };
 
 using WgmmaComputeFn = std::string (*)(const WgmmaOp&, const u32 (*)[4], float* const*, const unsigned char*,
@@ -615,7 +621,8 @@ inline void land_for_barrier(u32 off) {
   }
 }
 
-inline void fence_proxy_async() {}  // one memory, one proxy: nothing to order
+// One memory, one proxy: nothing to order; the fence is recorded for tma_reduce_add's check.
+inline void fence_proxy_async() { hth(g_cur).fenced = true; }
 
 // ---------------------------------------------------------------------------------------------
 // Bulk tensor reductions (cp.reduce.async.bulk.tensor ... .add, bulk_group)
@@ -626,7 +633,11 @@ inline void fence_proxy_async() {}  // one memory, one proxy: nothing to order
 // reduction of the thread's committed groups but the N most recent: it reads the shared source
 // NOW, the latest moment the ISA allows, so a source rewritten before its wait shows up in the
 // result, and adds each float of the box into global memory (elements outside the tensor are
-// skipped). A thread that exits with reductions not waited for is an error.
+// skipped). A thread that exits with reductions not waited for is an error, and so is (checked at
+// the wait, deterministically) a source rewritten before its wait: the hardware may read it at any
+// time up to then. The issue must follow a named barrier that every arriving thread passed after a
+// fence_proxy_async (its generic writes ordered before the async proxy's reads): a barrier whose
+// arrivals did not all fence makes the next tma_reduce_add of a thread that passed it an error.
 
 inline void tma_reduce_add(const void* map, const void* src, const int* coords, int rank) {
   Thread* self = g_cur;
@@ -657,8 +668,14 @@ inline void tma_reduce_add(const void* map, const void* src, const int* coords, 
   if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
     fail(fmt("%s: tma_reduce_add: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
              "aligned", where(self).c_str(), coords[0]));
+  BURSTCU_EMU_CHECK(!hth(self).after_unfenced_bar,
+                    "%s: tma_reduce_add after a named barrier that threads passed without fence_proxy_async "
+                    "since their barrier before: the generic-proxy writes of its source are not ordered before "
+                    "the bulk operation's async-proxy reads (PTX ISA: fence.proxy.async)", where(self).c_str());
   for (int i = 0; i < 5; ++i) p.coords[i] = i < rank ? coords[i] : 0;
+  p.source.assign(r.dyn_smem + off, r.dyn_smem + off + p.extent);
   hth(self).bulk.push_back(p);
+  ++g_global_adds[2];
 }
 
 // Global += the shared image of reduction p (land_bytes in the other direction, adding floats).
@@ -695,10 +712,15 @@ inline void bulk_wait_group(int n) {
   HThread& h = hth(g_cur);
   std::vector<PendingReduce> keep;
   for (const PendingReduce& p : h.bulk) {
-    if (p.group >= 0 && p.group <= h.bulk_committed - n)
+    if (p.group >= 0 && p.group <= h.bulk_committed - n) {
+      if (memcmp(p.source.data(), g_run->dyn_smem + p.src, p.extent) != 0)
+        fail(fmt("%s: the shared source of a bulk tensor reduction (offsets 0x%x..0x%x) changed between its issue "
+                 "and the bulk_wait_group_read that lets it be rewritten", where(g_cur).c_str(), p.src,
+                 p.src + p.extent - 1));
       reduce_bytes(p);
-    else
+    } else {
       keep.push_back(p);
+    }
   }
   h.bulk.swap(keep);
 }
@@ -711,6 +733,7 @@ inline void red_add_v2(float* dst, float a, float b) {
                     static_cast<void*>(dst));
   dst[0] += a;  // fibers switch only at synchronisation points: each add is atomic
   dst[1] += b;
+  ++g_global_adds[1];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -805,6 +828,8 @@ inline void named_barrier(int id, int nthreads, bool sync) {
   BURSTCU_EMU_CHECK(!(id == 0 && r.bar_waiting > 0), "%s: %s on barrier 0 while %d thread(s) wait at __syncthreads "
                     "(also barrier 0)", where(self).c_str(), op, r.bar_waiting);
   self->arg = nbar_arg(id, nthreads, sync);
+  g_hop.nb[id].unfenced += !hth(self).fenced;
+  hth(self).fenced = false;
   const Warp& w = r.warps[self->warp];
   collective(K_NAMED_BAR, w.exist & ~w.exited);
   if (!sync) return;
@@ -817,6 +842,8 @@ inline void named_barrier(int id, int nthreads, bool sync) {
     yield_to_next();
   }
   hth(self).nbar = -1;
+  // the phase it passed is the last completed one: the next cannot complete before it arrives again
+  hth(self).after_unfenced_bar = b.last_unfenced > 0;
 }
 
 inline void setmaxnreg(int n) {
@@ -888,6 +915,8 @@ inline void compute_hopper_collective(int warp, const Group& grp) {
     ++b.gen;
     b.arrived = 0;
     b.warps = 0;
+    b.last_unfenced = b.unfenced;
+    b.unfenced = 0;
     std::vector<Thread*> released;
     released.swap(b.waiters);
     enqueue_all(released.data(), int(released.size()));

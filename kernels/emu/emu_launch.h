@@ -506,5 +506,10 @@ extern "C" __attribute__((weak, visibility("default"))) unsigned long long emu_s
   return emu::g_switches;
 }
 
+// out[3]: atomicAdd calls, red.global.add.v2.f32 and bulk tensor reductions since load (tests).
+extern "C" __attribute__((weak, visibility("default"))) void emu_global_adds(unsigned long long* out) {
+  for (int i = 0; i < 3; ++i) out[i] = emu::g_global_adds[i];
+}
+
 // The sm_90 machinery: fills in the g_hopper hooks that the scheduler above calls.
 #include "emu_hopper.h"

@@ -313,12 +313,12 @@ def test_red_add_v2(mod):
 
 
 @pytest.mark.parametrize("swizzle", [0, 3])
-@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("mode", [0, 1, 5])
 def test_bulk_tensor_reduction(mod, swizzle, mode):
     """A box of float32 added into a (20, 40) tensor at (16, 12), past both of its ends: the shared
-    image is the box swizzled as a bulk copy lands it (the model above), the elements inside the
-    tensor gain the box's values once (mode 1: the second reduction reads the image after it was
-    zeroed, since the wait is the latest point a reduction may read it), the rest stay as they were."""
+    image is the box swizzled as a bulk copy lands it (the model above); the elements inside the
+    tensor gain the box's values once a reduction (mode 1: two, the first waited for alone), the
+    rest stay as they were, and the emulator counts each reduction."""
     rng = np.random.default_rng(swizzle)
     g = rng.standard_normal((20, 40)).astype(np.float32)
     before = g.copy()
@@ -326,13 +326,32 @@ def test_bulk_tensor_reduction(mod, swizzle, mode):
     image = swizzled(box.tobytes(), SPAN[swizzle])
     m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), swizzle,
                               elem=4))
+    counted = mod.global_adds()["bulk_reduce"]
     mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(16), i32(12), i32(mode)),
                                      shared_mem=4096)
+    reductions = 2 if mode == 1 else 1
+    assert mod.global_adds()["bulk_reduce"] - counted == reductions
     want = before.copy()
     want[12:, 16:] += box[:8, :24]
+    if mode == 1:
+        want[12:, 16:] += box[:8, :24]
     np.testing.assert_array_equal(g, want)
-    with pytest.raises(RuntimeError, match=r"exited with 1 bulk tensor reduction\(s\) not waited for"):
-        mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(16), i32(12), i32(2)),
+
+
+BULK_ERRORS = {
+    2: r"exited with 1 bulk tensor reduction\(s\) not waited for",
+    3: r"the shared source of a bulk tensor reduction \(offsets 0x0\.\.0x7ff\) changed between its issue",
+    4: r"tma_reduce_add after a named barrier that threads passed without fence_proxy_async",
+}
+
+
+@pytest.mark.parametrize("mode", list(BULK_ERRORS))
+def test_bulk_tensor_reduction_errors(mod, mode):
+    g = np.zeros((20, 40), np.float32)
+    image = np.zeros(2048, np.uint8)
+    m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), 3, elem=4))
+    with pytest.raises(RuntimeError, match=BULK_ERRORS[mode]):
+        mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(0), i32(0), i32(mode)),
                                          shared_mem=4096)
 
 

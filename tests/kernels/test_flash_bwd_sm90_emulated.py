@@ -121,6 +121,24 @@ def test_the_own_dq_pass_at_256_needs_the_hopper_kernel(monkeypatch):
     assert choice(one) == (["bwd_dkdv"], "bwd_dkdv_sm90")
 
 
+def hopper_global_adds(ops, dq_adds: str, dtype: str, d: int, listed: bool = False) -> dict | None:
+    """The emulator's counts of adds into global memory so far (atomicAdd calls, red.global.add.
+    v2.f32, bulk tensor reductions) by the Hopper dK/dV kernel that `dq_adds` selects (each
+    kernel is a module of its own); None on a GPU."""
+    if BACKEND != "emulated":
+        return None
+    family = ("bwd_dkdv_bulk_sm90" if dq_adds == "bulk" else "bwd_dkdv_sm90") + ("_list" if listed else "")
+    return ops.ops.function(ops.ops.variant(family, dtype, d).name).module.global_adds()
+
+
+def adds_since(ops, before: dict | None, dq_adds: str, dtype: str, d: int, listed: bool = False) -> dict:
+    """hopper_global_adds now minus `before` ({} on a GPU)."""
+    if before is None:
+        return {}
+    now = hopper_global_adds(ops, dq_adds, dtype, d, listed)
+    return {k: now[k] - before[k] for k in now}
+
+
 def record_dq_adds(monkeypatch) -> list:
     """The dq_adds of every Hopper dK/dV launch from now on (BwdStepSm90Params: 1 one float an
     atomic add, 2 two, 3 bulk reductions), in order."""
@@ -143,7 +161,9 @@ def test_dq_added_in_pairs_singles_bulk_or_unaligned_rows(monkeypatch, d):
     staging tile (the bulk family); for a dq whose rows do not (a view one float into its buffer:
     on the emulator, whose red_add_v2 fails on a misaligned address), one float an add in both
     families. Each meets FlashAttention's rule; on the emulator, which runs the blocks one after
-    another and adds in one order, all agree bit for bit."""
+    another and adds in one order, all agree bit for bit, and its counts show the device path
+    that ran: red.global.add.v2.f32 alone for pairs (half as many as the singles' atomicAdds),
+    bulk reductions alone for bulk, atomicAdd alone where the rows are not aligned."""
     seen = record_dq_adds(monkeypatch)
     b, sq, sk, h, hkv, calls = CASES["causal_offsets"]
     q, k, v, dout = make_inputs("float16", b, sq, sk, h, hkv, d, 3)
@@ -156,10 +176,11 @@ def test_dq_added_in_pairs_singles_bulk_or_unaligned_rows(monkeypatch, d):
     modes = [("pairs", "pairs", 0, 2), ("singles", "singles", 0, 1), ("bulk", "bulk", 0, 3)]
     if BACKEND == "emulated":   # a GPU run's HostArrays copies dq into an aligned device array
         modes += [("unaligned", "pairs", 1, 1), ("bulk, unaligned", "bulk", 1, 1)]
-    grads = {}
+    grads, device = {}, {}
     for name, adds, offset, dq_adds in modes:
         ops = hopper_ops()
         ops.ops.sm90_dq_adds = adds
+        before = hopper_global_adds(ops, adds, "float16", d)
         counts = _counting(ops)
         ctx = ops.backward_init(k, v, 1 / np.sqrt(d))
         size = b * sq * h * d
@@ -169,11 +190,37 @@ def test_dq_added_in_pairs_singles_bulk_or_unaligned_rows(monkeypatch, d):
             ops.backward_step(ctx, q, dout, lse, delta, dq, call)
         assert counts.get(HOPPER) == len(blocks) and set(seen) == {dq_adds}, (name, counts, seen)
         grads[name] = (dq.copy(), *ops.backward_finalize(ctx, np.float32))
+        device[name] = adds_since(ops, before, adds, "float16", d)
         for what, g, r, n in zip(("dq", "dk", "dv"), grads[name], ref, naive):
             assert_fa_rule(f"{what}, {name}", g, r, n)
     if BACKEND == "emulated":
         for name in grads:
             assert np.array_equal(grads[name][0], grads["pairs"][0]), name
+        pairs = device["pairs"]["red_add_v2"]
+        assert pairs > 0 and device["pairs"] == {"atomic_add": 0, "red_add_v2": pairs, "bulk_reduce": 0}
+        singles = {"atomic_add": 2 * pairs, "red_add_v2": 0, "bulk_reduce": 0}
+        assert device["singles"] == device["unaligned"] == device["bulk, unaligned"] == singles, device
+        assert device["bulk"]["bulk_reduce"] > 0 and device["bulk"]["atomic_add"] == 0, device
+
+
+def test_how_dq_is_added_follows_the_rows_and_the_head_dim():
+    """backward._dq_adds: bulk reductions or pairs only where dq's rows sit on 16 bytes at
+    non-negative strides (the bulk family's tensor map refuses negative ones), pairs only up to head
+    dim 128 (the kernel's own limit); an unknown KernelOps.sm90_dq_adds is an error."""
+    from burstcu.ops.cuda.backward import _dq_adds
+
+    ops = hopper_ops().ops
+    dq = np.zeros((1, 64, 2, 128), np.float32)
+    for adds, family, d, want in (("pairs", "bwd_dkdv_sm90", 128, 2), ("singles", "bwd_dkdv_sm90", 128, 1),
+                                  ("bulk", "bwd_dkdv_bulk_sm90", 128, 3), ("pairs", "bwd_dkdv_sm90", 256, 1)):
+        ops.sm90_dq_adds = adds
+        hopper = ops.variant(family, "float16", d)
+        x = np.zeros((1, 64, 2, d), np.float32)
+        assert _dq_adds(ops, hopper, x) == want, (adds, d)
+        assert _dq_adds(ops, hopper, x[:, ::-1]) == 1 and _dq_adds(ops, hopper, x[..., 1:]) == 1
+    ops.sm90_dq_adds = "bulky"
+    with pytest.raises(ValueError, match="sm90_dq_adds is 'bulky'"):
+        ops.hopper_backward("bwd_dkdv", "float16", 128, [Block(0, 64, 0, 64, 0, 0, False)], dq.shape, 0.1)
 
 
 def test_head_dims_padded_to_64_and_128():

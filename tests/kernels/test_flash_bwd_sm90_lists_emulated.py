@@ -30,7 +30,7 @@ from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref
 from tests.kernels.backend import BACKEND, kernel_ops
 from tests.kernels.test_flash_bwd_lists_emulated import (CASES, check_float64, ring_steps, run_backward,
                                                           same_bits, step_inputs)
-from tests.kernels.test_flash_bwd_sm90_emulated import record_dq_adds
+from tests.kernels.test_flash_bwd_sm90_emulated import adds_since, hopper_global_adds, record_dq_adds
 from tests.kernels.test_flash_fwd_emulated import _counting
 
 pytestmark = pytest.mark.emulated
@@ -103,15 +103,23 @@ def test_deterministic_list_is_a_hopper_launch_a_rectangle_bit_for_bit(lists_alw
             check_float64(f"{case} deterministic", whole[:3], x, keep, CASES[case][0])
 
 
+# d = 64 takes query tiles of 128 rows, two 64-row dQ blocks a tile: with more than 128 rows a
+# rank, the second consumer's block holds rows too
+WIDE_D64 = ("float16", 64, 2, 600, (0, 150, 330, 600), True, (-1, -1), 2, 1)
+
+
 @pytest.mark.parametrize("dq_adds", ["pairs", "bulk"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + ["documents, d 64, 300 rows a rank"])
 def test_atomic_list_matches_float64(monkeypatch, lists_always, case, dq_adds):
     """dq, dk, dv within FlashAttention's rule of float64, dk and dv with a launch a rectangle's
-    bits, dQ added by atomics or by bulk reductions (whose boxes add zeros to the rows past a
-    rectangle: another rectangle's, in the list's whole-array maps)."""
+    bits, dQ added by atomics (two floats an add) or by bulk reductions (whose boxes add zeros to
+    the rows past a rectangle: another rectangle's, in the list's whole-array maps); on the
+    emulator its counts show that path ran."""
+    monkeypatch.setitem(CASES, "documents, d 64, 300 rows a rank", WIDE_D64)
     ops = hopper_ops(randomize=True, pack_lists=False, dq_adds=dq_adds)
     seen = record_dq_adds(monkeypatch)
     d = CASES[case][1]
+    before = hopper_global_adds(ops, dq_adds, CASES[case][0], d, listed=True)
     counts = _counting(ops)
     for n, (qr, kr, sq, sk, blocks, keep) in enumerate(ring_steps(case)):
         x = step_inputs(case, sq, sk, keep, seed=10 + n)
@@ -123,6 +131,10 @@ def test_atomic_list_matches_float64(monkeypatch, lists_always, case, dq_adds):
         for grad, a, b in zip(("dk", "dv"), got[1:], apart[1:]):
             same_bits(f"{case} step {qr}<-{kr} {grad}", a, b)
     assert seen and set(seen) == {3 if dq_adds == "bulk" else 2}, seen   # every launch added dQ so
+    device = adds_since(ops, before, dq_adds, CASES[case][0], d, listed=True)
+    if device:
+        used = "bulk_reduce" if dq_adds == "bulk" else "red_add_v2"
+        assert device[used] > 0 and sum(device.values()) == device[used], device
 
 
 @pytest.mark.slow

@@ -276,14 +276,16 @@ def _launch_hopper(ops, hopper, operands: tuple, blk: Block | None, flag, scale:
 
 
 def _dq_adds(ops, hopper, dq) -> int:
-    """How the Hopper kernel `hopper` adds dQ into `dq` (BwdStepSm90Params.dq_adds): by bulk
-    tensor reductions (3) in the bulk family, two floats an atomic add (2) where
-    `ops.sm90_dq_adds` is "pairs", where dq's rows sit on 16 bytes; else one float an add (1)."""
-    if not rows_on_16_bytes(dq):
+    """How the Hopper kernel `hopper` adds dQ into `dq` (BwdStepSm90Params.dq_adds): where dq's
+    rows sit on 16 bytes at non-negative strides (what the bulk family's tensor map needs), by
+    bulk tensor reductions (3) in the bulk family, or two floats an atomic add (2) where
+    `ops.sm90_dq_adds` is "pairs" and the head dim at most 128 (the kernel's kDqPairs); else one
+    float an add (1)."""
+    if not rows_on_16_bytes(dq) or min(dq.strides) < 0:
         return 1
     if hopper.family.startswith(SM90_DKDV_BULK):
         return 3
-    return 2 if ops.sm90_dq_adds == "pairs" else 1
+    return 2 if ops.sm90_dq_adds == "pairs" and hopper.headdim <= 128 else 1
 
 
 def _ragged(blocks: Sequence[Block], hopper) -> bool:

@@ -33,7 +33,7 @@ from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_
                                   careful_twin, nonfinite_flag_variant)
 from ...build import all_variants
 from ...build.bwd_variants import (LIST_SUFFIX, SM90_BULK_HEADDIMS, SM90_DKDV_BULK, SM90_DKDV_FAMILIES,
-                                   SM90_DKDV_HEADDIMS)
+                                   SM90_DKDV_HEADDIMS, SM90_DQ_ADDS)
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
                                device_attribute, get_function)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
@@ -211,9 +211,9 @@ class KernelOps(LocalOps):
         # allows it (True), or the mma.sync one (False, for comparison)
         self.sm90_backward = True
         # how the Hopper dK/dV kernel adds dQ where dq's rows sit on 16 bytes (one float an atomic
-        # add elsewhere): "pairs", two floats an atomic add; "singles", one; "bulk", the bulk
-        # family's tensor reductions through a shared staging tile (head dims up to 128, pairs at
-        # 256). bench/gpu/kernel_speed.py --dq-adds compares them.
+        # add elsewhere, and at head dim 256): "pairs", two floats an atomic add; "singles", one;
+        # "bulk", the bulk family's tensor reductions through a shared staging tile (head dims 64
+        # and 128). One of SM90_DQ_ADDS; bench/gpu/kernel_speed.py --dq-adds compares them.
         self.sm90_dq_adds = "pairs"
         # see `dq_own_pass` (() for comparison: the Hopper kernel's atomic dQ at every head dim)
         self.dq_own_pass_headdims: tuple[int, ...] = SM90_DQ_OWN_PASS_HEADDIMS
@@ -527,6 +527,8 @@ class KernelOps(LocalOps):
         head dim decides, as `forward_variant` does), a scale <= 0, or neither case above."""
         if self.arch != "sm_90a" or not self.sm90_backward:
             return None
+        if self.sm90_dq_adds not in SM90_DQ_ADDS:
+            raise ValueError(f"KernelOps.sm90_dq_adds is {self.sm90_dq_adds!r}: choose from {SM90_DQ_ADDS}")
         one_block = SM90_DKDV_FAMILIES[family == "bwd_dkdv"]
         plain = self.variant(family, dtype, headdim)
         if plain.headdim not in SM90_DKDV_HEADDIMS or not scale > 0:

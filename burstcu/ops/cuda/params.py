@@ -652,6 +652,8 @@ def bwd_step_sm90_params(maps: tuple, lse, delta, dq, dk, dv, nonfinite, block: 
     adds dQ (kernels/params.cuh: 1 one float an atomic add, 2 two, 3 bulk reductions through the
     dq map); 2 and 3 need dq's rows on 16 bytes (`rows_on_16_bytes`)."""
     q_map, do_map, k_map, v_map, dq_map = maps
+    if dq_adds == 3 and dq_map is None:
+        raise ValueError("dq_adds 3 (bulk reductions) needs dq's tensor map")
     return BWD_STEP_SM90.pack(
         q_map=q_map, do_map=do_map, k_map=k_map, v_map=v_map,
         dq_map=np.zeros(128, np.uint8) if dq_map is None else dq_map, lse=lse, delta=delta, dq=dq, dk=dk,

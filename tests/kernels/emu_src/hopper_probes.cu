@@ -269,15 +269,19 @@ __global__ void probe_red(float* out, int pairs, int offset, int reps) {
 }
 
 // ---- bulk tensor reductions: the block copies `image` (bytes) into its dynamic shared memory,
-// fences and syncs; thread 0 adds the box at (c0, c1, 0, 0) of `map` from it. mode 0: one
-// reduction, waited for (wait_group.read 0). 1: two, in two groups; wait_group 1 (the first lands),
-// then thread 0 zeroes the image and waits for the rest (the second reads the zeros: nothing
-// added). 2: thread 0 exits without waiting (an error).
+// fences and meets (__syncthreads; modes 4 and 5: named barrier 1); thread 0 adds the box at
+// (c0, c1, 0, 0) of `map` from it. mode 0: one reduction, waited for (wait_group 0). 1: two, in
+// two groups, waited for by wait_group.read 1, then 0. 2: thread 0 exits without waiting (an
+// error). 3: thread 0 rewrites the image after the issue, before the wait (an error). 4: warp 0
+// skips its fence before the named barrier (an error at the issue). 5: as 4 with every fence.
 __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, int bytes, int c0, int c1, int mode) {
   unsigned char* smem = aligned_smem();
   for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
-  fence_proxy_async();
-  __syncthreads();
+  if (mode != 4 || threadIdx.x >= 32) fence_proxy_async();
+  if (mode >= 4)
+    named_bar_sync(1, blockDim.x);
+  else
+    __syncthreads();
   if (threadIdx.x != 0) return;
   tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
   bulk_commit_group();
@@ -286,8 +290,8 @@ __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, i
     tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
     bulk_commit_group();
     bulk_wait_group_read<1>();
-    for (int i = 0; i < bytes; ++i) smem[i] = 0;
   }
+  if (mode == 3) smem[5] ^= 1;
   bulk_wait_group<0>();
 }
 
