@@ -180,7 +180,7 @@ template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 #elif defined(BURSTCU_EMU)
-  ::emu::bulk_wait_group(N);
+  ::emu::bulk_wait_group(N, true);
 #endif
 }
 
@@ -190,7 +190,7 @@ template <int N> __device__ __forceinline__ void bulk_wait_group() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 #elif defined(BURSTCU_EMU)
-  ::emu::bulk_wait_group(N);
+  ::emu::bulk_wait_group(N, false);
 #endif
 }
 

@@ -195,6 +195,7 @@ struct PendingReduce {  // a bulk tensor reduction (tma_reduce_add) not yet wait
   int coords[5] = {0, 0, 0, 0, 0};
   EmuTensorMap map;
   std::vector<unsigned char> source;  // the shared bytes at issue: they must not change before the wait
+  bool read = false;                  // a wait_group.read has passed it: source read, global not yet written
 };
 
 struct NamedBar {
@@ -629,11 +630,11 @@ inline void fence_proxy_async() { hth(g_cur).fenced = true; }
 //
 // tma_reduce_add checks the map and the shared source as tma_load checks a copy, then records the
 // reduction in the issuing thread's open bulk async-group; bulk_commit_group closes that group;
-// bulk_wait_group(N) (wait_group and wait_group.read alike) performs, in issue order, every
-// reduction of the thread's committed groups but the N most recent: it reads the shared source
-// NOW, the latest moment the ISA allows, so a source rewritten before its wait shows up in the
-// result, and adds each float of the box into global memory (elements outside the tensor are
-// skipped). A thread that exits with reductions not waited for is an error, and so is (checked at
+// bulk_wait_group(N) takes, in issue order, every reduction of the thread's committed groups but
+// the N most recent: it checks the shared source against the bytes it held at the issue (the
+// hardware may read it at any time up to this wait) and, for wait_group (not .read), adds each
+// float of the box into global memory (elements outside the tensor are skipped); reductions only
+// read by a .read wait are written at a later full wait or at the thread's exit. A thread that exits with reductions not waited for is an error, and so is (checked at
 // the wait, deterministically) a source rewritten before its wait: the hardware may read it at any
 // time up to then. The issue must follow a named barrier that every arriving thread passed after a
 // fence_proxy_async (its generic writes ordered before the async proxy's reads): a barrier whose
@@ -668,6 +669,19 @@ inline void tma_reduce_add(const void* map, const void* src, const int* coords, 
   if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
     fail(fmt("%s: tma_reduce_add: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
              "aligned", where(self).c_str(), coords[0]));
+  for (int i = 0; i < rank; ++i)
+    BURSTCU_EMU_CHECK(coords[i] >= 0, "%s: tma_reduce_add: coordinate %d along dim %d is negative (PTX ISA: a "
+                      "shared-to-global tensor operation starts at non-negative coordinates)", where(self).c_str(),
+                      coords[i], i);
+  for (const auto& kv : g_hop.bars)
+    BURSTCU_EMU_CHECK(kv.first + 8 <= off || kv.first >= off + p.extent,
+                      "%s: tma_reduce_add: its source (shared offsets 0x%x..0x%x) holds the mbarrier at 0x%x",
+                      where(self).c_str(), off, off + p.extent - 1, kv.first);
+  for (const PendingCopy& o : g_hop.copies)
+    BURSTCU_EMU_CHECK(o.dst + o.extent <= off || o.dst >= off + p.extent,
+                      "%s: tma_reduce_add from shared offsets 0x%x..0x%x while a bulk copy into 0x%x..0x%x is in "
+                      "flight (nobody has waited on its barrier)", where(self).c_str(), off, off + p.extent - 1,
+                      o.dst, o.dst + o.extent - 1);
   BURSTCU_EMU_CHECK(!hth(self).after_unfenced_bar,
                     "%s: tma_reduce_add after a named barrier that threads passed without fence_proxy_async "
                     "since their barrier before: the generic-proxy writes of its source are not ordered before "
@@ -678,7 +692,8 @@ inline void tma_reduce_add(const void* map, const void* src, const int* coords, 
   ++g_global_adds[2];
 }
 
-// Global += the shared image of reduction p (land_bytes in the other direction, adding floats).
+// Global += the shared image of reduction p as it was at its issue (p.source; land_bytes in the
+// other direction, adding floats).
 inline void reduce_bytes(const PendingReduce& p) {
   const EmuTensorMap& m = p.map;
   const u32 span = swizzle_span(m.swizzle);
@@ -692,9 +707,9 @@ inline void reduce_bytes(const PendingReduce& p) {
   for (u64 r = 0; r < rows; ++r) {
     u64 dst = 0;
     if (lo >= hi || !box_row_at(m, p.coords, r, &dst)) continue;
-    const u64 at = p.src + r * pitch;
+    const u64 at = p.src + r * pitch;  // the source as issued (p.source), swizzled from p.src
     for (u32 j = 0; j < row_bytes; j += 16)
-      memcpy(reinterpret_cast<unsigned char*>(row) + j, g_run->dyn_smem + swizzle_address(at + j, span), 16);
+      memcpy(reinterpret_cast<unsigned char*>(row) + j, p.source.data() + (swizzle_address(at + j, span) - p.src), 16);
     float* out = reinterpret_cast<float*>(base + dst) + c0;
     for (long long e = lo; e < hi; ++e) out[e] += row[e];
   }
@@ -708,19 +723,26 @@ inline void bulk_commit_group() {
   h.bulk_committed += any;  // an empty group is never waited for: it needs no number
 }
 
-inline void bulk_wait_group(int n) {
+// wait_group (read_only false) / wait_group.read (true) N: the thread's committed groups but the N
+// most recent are read (their source compared with the issue's: a change is an error) and, unless
+// read_only, their adds are written too; a read one is written at a later full wait or the exit.
+inline void bulk_wait_group(int n, bool read_only) {
   HThread& h = hth(g_cur);
   std::vector<PendingReduce> keep;
-  for (const PendingReduce& p : h.bulk) {
-    if (p.group >= 0 && p.group <= h.bulk_committed - n) {
-      if (memcmp(p.source.data(), g_run->dyn_smem + p.src, p.extent) != 0)
-        fail(fmt("%s: the shared source of a bulk tensor reduction (offsets 0x%x..0x%x) changed between its issue "
-                 "and the bulk_wait_group_read that lets it be rewritten", where(g_cur).c_str(), p.src,
-                 p.src + p.extent - 1));
-      reduce_bytes(p);
-    } else {
-      keep.push_back(p);
+  for (PendingReduce& p : h.bulk) {
+    if (p.group < 0 || p.group > h.bulk_committed - n) {
+      keep.push_back(std::move(p));
+      continue;
     }
+    if (!p.read && memcmp(p.source.data(), g_run->dyn_smem + p.src, p.extent) != 0)
+      fail(fmt("%s: the shared source of a bulk tensor reduction (offsets 0x%x..0x%x) changed between its issue "
+               "and the bulk_wait_group_read that lets it be rewritten", where(g_cur).c_str(), p.src,
+               p.src + p.extent - 1));
+    p.read = true;
+    if (read_only)
+      keep.push_back(std::move(p));
+    else
+      reduce_bytes(p);
   }
   h.bulk.swap(keep);
 }
@@ -1121,9 +1143,15 @@ inline void hopper_block_begin() {
 }
 
 inline void hopper_thread_exit(Thread* self) {
-  if (size_t(self->linear) < g_hop.th.size() && !hth(self).bulk.empty())
-    fail(fmt("%s exited with %zu bulk tensor reduction(s) not waited for (bulk_wait_group / _read): their shared "
-             "source may be gone before they read it", where(self).c_str(), hth(self).bulk.size()));
+  if (size_t(self->linear) < g_hop.th.size()) {
+    size_t unread = 0;
+    for (const PendingReduce& p : hth(self).bulk) unread += !p.read;
+    if (unread)
+      fail(fmt("%s exited with %zu bulk tensor reduction(s) not waited for (bulk_wait_group / _read): their shared "
+               "source may be gone before they read it", where(self).c_str(), unread));
+    for (const PendingReduce& p : hth(self).bulk) reduce_bytes(p);  // read: their writes complete anyway
+    hth(self).bulk.clear();
+  }
   const int g = self->linear / 128;
   if (size_t(g) >= g_hop.wg.size()) return;
   const WgState& W = g_hop.wg[g];

@@ -338,20 +338,23 @@ def test_bulk_tensor_reduction(mod, swizzle, mode):
     np.testing.assert_array_equal(g, want)
 
 
-BULK_ERRORS = {
-    2: r"exited with 1 bulk tensor reduction\(s\) not waited for",
-    3: r"the shared source of a bulk tensor reduction \(offsets 0x0\.\.0x7ff\) changed between its issue",
-    4: r"tma_reduce_add after a named barrier that threads passed without fence_proxy_async",
-}
+BULK_ERRORS = [  # (mode, c0, c1, the error)
+    (2, 0, 0, r"exited with 1 bulk tensor reduction\(s\) not waited for"),
+    (3, 0, 0, r"the shared source of a bulk tensor reduction \(offsets 0x0\.\.0x7ff\) changed between its issue"),
+    (4, 0, 0, r"tma_reduce_add after a named barrier that threads passed without fence_proxy_async"),
+    (0, 0, -4, r"coordinate -4 along dim 1 is negative"),
+]
 
 
-@pytest.mark.parametrize("mode", list(BULK_ERRORS))
-def test_bulk_tensor_reduction_errors(mod, mode):
+@pytest.mark.parametrize("mode,c0,c1,error", BULK_ERRORS)
+def test_bulk_tensor_reduction_errors(mod, mode, c0, c1, error):
+    """Exiting before the wait, rewriting the source before it, issuing after a barrier that a
+    writer passed without fence.proxy.async, and a negative coordinate are errors."""
     g = np.zeros((20, 40), np.float32)
     image = np.zeros(2048, np.uint8)
     m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), 3, elem=4))
-    with pytest.raises(RuntimeError, match=BULK_ERRORS[mode]):
-        mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(0), i32(0), i32(mode)),
+    with pytest.raises(RuntimeError, match=error):
+        mod.get_function("probe_reduce")((1,), (64,), (m, image, i32(image.size), i32(c0), i32(c1), i32(mode)),
                                          shared_mem=4096)
 
 
