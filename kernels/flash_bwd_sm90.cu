@@ -37,10 +37,10 @@ with the products on wgmma and the operands copied by TMA:
     of the head dim, for D = 64 the two halves of the 128 query rows) over all the keys, K read
     N-major, and adds it into global dQ (p.dq_adds, set by the host): DQ = kDqAtomic with fp32
     atomics, two floats an instruction (red.global.add.v2.f32, dq_adds 2) where dq's rows sit on
-    16 bytes and D <= 128, else one (atomicAdd, 1); DQ = kDqBulk (D <= 128) through a shared
-    staging tile and bulk tensor reductions (cp.reduce.async.bulk.tensor .add, dq_adds 3: one
-    thread a consumer issues them, the others go on), or one float an atomic add where dq's rows
-    do not sit on 16 bytes. KernelOps.sm90_dq_adds chooses ("pairs", "singles", "bulk"). Named barrier 1 keeps the next
+    16 bytes at non-negative strides and D <= 128, else one (atomicAdd, 1); DQ = kDqBulk (D <=
+    128) through a shared staging tile and bulk tensor reductions (cp.reduce.async.bulk.tensor
+    .add, dq_adds 3: one thread a consumer issues them, the others go on), or one float an
+    atomic add where dq's rows are not so. KernelOps.sm90_dq_adds chooses ("pairs", "singles", "bulk"). Named barrier 1 keeps the next
     tile's dS from overwriting one the other consumer still reads;
   * the consumers free a stage (arrive on empty[s], 256 arrivals) once its last product is done.
 The CTA is the only writer of its dK/dV rows in a launch: dk += scale * acc, dv += acc, plain

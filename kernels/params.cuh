@@ -152,7 +152,7 @@ struct BwdStepSm90Params {
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as BwdStepParams.groups
   const int2* key_rows;   // null, or a packed list's query rows of each key row (BwdStepParams')
-  int dq_adds;            // how dQ is added (dq's rows on 16 bytes for 2 and 3: rows_on_16_bytes):
+  int dq_adds;            // how dQ is added (2 and 3: dq's rows on 16 bytes, non-negative strides):
                           // 1 one float an atomic add, 2 two (red.global.add.v2.f32, D <= 128),
                           // 3 bulk tensor reductions through dq_map (the kernel's DQ = kDqBulk)
 };

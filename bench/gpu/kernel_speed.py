@@ -123,19 +123,24 @@ def families(ops, cfg: dict) -> dict:
     "sm80": {"family": the forward's} and, fwd+bwd, {"bwd_family": dK/dV's (KernelOps.hopper_backward),
     "dq_pass": "atomic" (dQ added inside the dK/dV kernel), "bulk" (the same by the Hopper bulk
     family's tensor reductions) or "own" (flash_bwd_dq after it, KernelOps.dq_own_pass: the
-    deterministic mode, and the Hopper backward at head dim 256)}."""
+    deterministic mode, and the Hopper backward at head dim 256), "dq_adds": how the Hopper
+    kernel added dQ ("pairs", "singles" or "bulk"; None where it did not: the forward, the
+    mma.sync kernels, dQ in its own pass)}."""
     from burstcu.layout import Block
     from burstcu.ops.cuda.backward import step_kernels
 
     s, d = cfg["seqlen"], cfg["headdim"]
     fwd = ops.forward_variant(cfg["dtype"], d).family.startswith("forward_sm90")
-    tags = {"family": "sm90" if fwd else "sm80"}
+    tags = {"family": "sm90" if fwd else "sm80", "dq_adds": None}
     if cfg["pass"] == "fwd+bwd":
         families, hopper = step_kernels(ops, cfg["dtype"], d, [Block(0, s, 0, s, 0, 0, cfg["causal"])],
                                         (cfg["batch"], s, cfg["heads"], d), 1.0 / math.sqrt(d))
         tags.update(bwd_family="sm80" if hopper is None else "sm90",
                     dq_pass="own" if len(families) > 1 else
                     "bulk" if hopper is not None and "bulk" in hopper.family else "atomic")
+        if hopper is not None and len(families) == 1:   # the arrays here sit on 16 bytes
+            tags["dq_adds"] = ("bulk" if "bulk" in hopper.family else
+                               "pairs" if ops.sm90_dq_adds == "pairs" and hopper.headdim <= 128 else "singles")
     return tags
 
 
@@ -191,7 +196,7 @@ def plot(rows, path) -> None:
             if pts:
                 name = " ".join(part for part in (impl, fam, dq if dq == "deterministic" else "",
                                                   f"G={group}" if group else "",
-                                                  f"dQ {adds}" if adds != "pairs" else "") if part)
+                                                  f"dQ {adds}" if adds not in ("", "pairs") else "") if part)
                 ax.plot(*zip(*sorted(pts)), style, marker="o", ms=3,
                         label=f"{name}{' causal' if causal else ''}")
         ax.set_xscale("log", base=2)

@@ -99,10 +99,10 @@ for s in "${steps[@]}"; do
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86" ;;
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
-      -k "step_matches or outside or group_of or nan_in or dq_added" ;;
+      -k "step_matches or outside or group_of or nan_in or dq_added or (atomic_list and 300)" ;;
     hopper_bwd_racecheck) step hopper_bwd_racecheck 180 $KTEST $RACECHECK $PYTEST \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
-      -k "causal_offsets or small_ragged or small_causal or group_of or dq_added" ;;
+      -k "causal_offsets or small_ragged or small_causal or group_of or dq_added or (atomic_list and 300)" ;;
     hopper_bwd_bench) step hopper_bwd_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd+bwd \
       --impls kernels torch-flash torch-cudnn --headdims 64 128 256 --dq-modes atomic deterministic \
       --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \

@@ -78,8 +78,12 @@
 // live lanes of the warp (.sync); all four warps of the warpgroup must execute the same sequence of
 // setmaxnreg values (.aligned) — checked as each warp executes it and at the end of the block, not
 // by a warpgroup rendezvous (the ISA's .sync waits only for the warp). fence_proxy_async: nothing
-// to do: the emulator has one memory, so generic-proxy writes are always visible to the "async
-// proxy" (TMA and wgmma read shared memory when they execute).
+// to order: the emulator has one memory, so generic-proxy writes are always visible to the "async
+// proxy" (TMA and wgmma read shared memory when they execute); it is recorded for the bulk
+// reductions' check (below), which is a proxy for the ISA's rule, not the rule: it sees that every
+// thread arriving at the named barrier before the issue fenced since its barrier before (stricter
+// than the ISA, which asks it of the writers only), not that a fence followed the thread's writes,
+// nor fences before a __syncthreads or the issuer's own writes after the barrier.
 //
 // ---- wgmma (the warpgroup side) ------------------------------------------------------------------
 // wgmma_fence / wgmma_issue (mma_async) / wgmma_commit / wgmma_wait(N) are rendezvous of the 128
@@ -200,8 +204,8 @@ struct PendingReduce {  // a bulk tensor reduction (tma_reduce_add) not yet wait
 
 struct NamedBar {
   int expected = 0, arrived = 0;  // threads (32 per warp)
-  int unfenced = 0, last_unfenced = 0;  // arrivals without fence_proxy_async since their last barrier:
-                                        // in this phase, and in the phase completed last
+  int unfenced = 0;  // this phase's arrivals without fence_proxy_async since their barrier before
+  std::unordered_map<u64, int> unfenced_at;  // the same of every completed phase (by gen)
   u32 warps = 0;                  // warps that arrived in this phase
   u64 gen = 0;
   std::vector<Thread*> waiters;   // threads in bar.sync
@@ -555,6 +559,11 @@ inline void tma_load(void* dst, const void* map, void* bar, const int* coords, i
                       "wait?)",
                       where(self).c_str(), off, off + c.extent - 1, o.dst, o.dst + o.extent - 1,
                       thread_name(o.issuer).c_str(), o.bar);
+  for (const HThread& h : g_hop.th)
+    for (const PendingReduce& p : h.bulk)
+      BURSTCU_EMU_CHECK(p.read || p.src + p.extent <= off || p.src >= off + c.extent,
+                        "%s: tma_load into shared offsets 0x%x..0x%x, the source of a bulk tensor reduction not yet "
+                        "waited for (bulk_wait_group_read)", where(self).c_str(), off, off + c.extent - 1);
   for (int i = 0; i < 5; ++i) c.coords[i] = i < rank ? coords[i] : 0;
   c.issuer = self->linear;
   c.seq = ++g_hop.copy_seq;
@@ -629,16 +638,17 @@ inline void fence_proxy_async() { hth(g_cur).fenced = true; }
 // Bulk tensor reductions (cp.reduce.async.bulk.tensor ... .add, bulk_group)
 //
 // tma_reduce_add checks the map and the shared source as tma_load checks a copy, then records the
-// reduction in the issuing thread's open bulk async-group; bulk_commit_group closes that group;
-// bulk_wait_group(N) takes, in issue order, every reduction of the thread's committed groups but
-// the N most recent: it checks the shared source against the bytes it held at the issue (the
-// hardware may read it at any time up to this wait) and, for wait_group (not .read), adds each
-// float of the box into global memory (elements outside the tensor are skipped); reductions only
-// read by a .read wait are written at a later full wait or at the thread's exit. A thread that exits with reductions not waited for is an error, and so is (checked at
-// the wait, deterministically) a source rewritten before its wait: the hardware may read it at any
-// time up to then. The issue must follow a named barrier that every arriving thread passed after a
-// fence_proxy_async (its generic writes ordered before the async proxy's reads): a barrier whose
-// arrivals did not all fence makes the next tma_reduce_add of a thread that passed it an error.
+// reduction (and a copy of its source) in the issuing thread's open bulk async-group;
+// bulk_commit_group closes that group; bulk_wait_group(N) takes, in issue order, every reduction of
+// the thread's committed groups but the N most recent: the bytes of the source it reads must be
+// those of its issue (the hardware may read them at any time up to this wait: a source rewritten
+// before it is an error), and for wait_group (not .read) it adds each float of the box, as issued,
+// into global memory (elements outside the tensor are skipped); reductions only read by a .read
+// wait are written at a later full wait or at the thread's exit. A thread that exits with
+// reductions not waited for is an error. A named barrier whose arrivals did not all
+// fence_proxy_async since their barrier before makes the next tma_reduce_add of a thread that
+// passed it an error (a proxy for the ISA's rule that the writes be fenced before the issue: see
+// fence_proxy_async above). A tma_load into the source of a reduction not yet read is an error.
 
 inline void tma_reduce_add(const void* map, const void* src, const int* coords, int rank) {
   Thread* self = g_cur;
@@ -692,6 +702,21 @@ inline void tma_reduce_add(const void* map, const void* src, const int* coords, 
   ++g_global_adds[2];
 }
 
+// Whether a byte that reduction p reads (its box's rows, swizzled; not the rest of its extent)
+// differs from the same byte at its issue.
+inline bool source_changed(const PendingReduce& p) {
+  const EmuTensorMap& m = p.map;
+  const u32 span = swizzle_span(m.swizzle), row_bytes = m.box[0] * m.elem_bytes;
+  const u32 pitch = row_pitch(row_bytes, span);
+  const u64 rows = u64(m.box[1]) * m.box[2] * m.box[3] * m.box[4];
+  for (u64 r = 0; r < rows; ++r)
+    for (u32 j = 0; j < row_bytes; j += 16) {
+      const u64 at = swizzle_address(p.src + r * pitch + j, span);
+      if (memcmp(p.source.data() + (at - p.src), g_run->dyn_smem + at, 16) != 0) return true;
+    }
+  return false;
+}
+
 // Global += the shared image of reduction p as it was at its issue (p.source; land_bytes in the
 // other direction, adding floats).
 inline void reduce_bytes(const PendingReduce& p) {
@@ -734,10 +759,9 @@ inline void bulk_wait_group(int n, bool read_only) {
       keep.push_back(std::move(p));
       continue;
     }
-    if (!p.read && memcmp(p.source.data(), g_run->dyn_smem + p.src, p.extent) != 0)
+    if (!p.read && source_changed(p))
       fail(fmt("%s: the shared source of a bulk tensor reduction (offsets 0x%x..0x%x) changed between its issue "
-               "and the bulk_wait_group_read that lets it be rewritten", where(g_cur).c_str(), p.src,
-               p.src + p.extent - 1));
+               "and the bulk_wait_group(_read) that retires it", where(g_cur).c_str(), p.src, p.src + p.extent - 1));
     p.read = true;
     if (read_only)
       keep.push_back(std::move(p));
@@ -864,8 +888,7 @@ inline void named_barrier(int id, int nthreads, bool sync) {
     yield_to_next();
   }
   hth(self).nbar = -1;
-  // the phase it passed is the last completed one: the next cannot complete before it arrives again
-  hth(self).after_unfenced_bar = b.last_unfenced > 0;
+  hth(self).after_unfenced_bar = b.unfenced_at[gen] > 0;  // the phase it passed (gen: its number)
 }
 
 inline void setmaxnreg(int n) {
@@ -934,10 +957,10 @@ inline void compute_hopper_collective(int warp, const Group& grp) {
   for (int l = 0; l < 32; ++l)
     if (grp.mask >> l & 1u) lane_thread(warp, l)->outv = b.gen;
   if (b.arrived >= b.expected) {
+    b.unfenced_at[b.gen] = b.unfenced;
     ++b.gen;
     b.arrived = 0;
     b.warps = 0;
-    b.last_unfenced = b.unfenced;
     b.unfenced = 0;
     std::vector<Thread*> released;
     released.swap(b.waiters);

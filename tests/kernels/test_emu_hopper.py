@@ -313,12 +313,13 @@ def test_red_add_v2(mod):
 
 
 @pytest.mark.parametrize("swizzle", [0, 3])
-@pytest.mark.parametrize("mode", [0, 1, 5])
+@pytest.mark.parametrize("mode", [0, 1, 5, 6])
 def test_bulk_tensor_reduction(mod, swizzle, mode):
     """A box of float32 added into a (20, 40) tensor at (16, 12), past both of its ends: the shared
     image is the box swizzled as a bulk copy lands it (the model above); the elements inside the
-    tensor gain the box's values once a reduction (mode 1: two, the first waited for alone), the
-    rest stay as they were, and the emulator counts each reduction."""
+    tensor gain the box's values once a reduction (mode 1: two, the first waited for alone; 6: only
+    read before the thread exits, its writes landing then), the rest stay as they were, and the
+    emulator counts each reduction."""
     rng = np.random.default_rng(swizzle)
     g = rng.standard_normal((20, 40)).astype(np.float32)
     before = g.copy()

@@ -221,6 +221,12 @@ def test_how_dq_is_added_follows_the_rows_and_the_head_dim():
     ops.sm90_dq_adds = "bulky"
     with pytest.raises(ValueError, match="sm90_dq_adds is 'bulky'"):
         ops.hopper_backward("bwd_dkdv", "float16", 128, [Block(0, 64, 0, 64, 0, 0, False)], dq.shape, 0.1)
+    from burstcu.ops.cuda.params import bwd_step_sm90_params
+    maps = (np.zeros(128, np.uint8),) * 4 + (None,)
+    stats = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="needs dq's tensor map"):
+        bwd_step_sm90_params(maps, stats, stats, dq, dq, dq, np.zeros(1, np.int32), None, 2, 2, 0.1,
+                             dq_adds=3)
 
 
 def test_head_dims_padded_to_64_and_128():

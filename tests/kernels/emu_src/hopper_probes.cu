@@ -274,6 +274,7 @@ __global__ void probe_red(float* out, int pairs, int offset, int reps) {
 // two groups, waited for by wait_group.read 1, then 0. 2: thread 0 exits without waiting (an
 // error). 3: thread 0 rewrites the image after the issue, before the wait (an error). 4: warp 0
 // skips its fence before the named barrier (an error at the issue). 5: as 4 with every fence.
+// 6: only wait_group.read 0, then exit (the adds land at the exit).
 __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, int bytes, int c0, int c1, int mode) {
   unsigned char* smem = aligned_smem();
   for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
@@ -292,6 +293,10 @@ __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, i
     bulk_wait_group_read<1>();
   }
   if (mode == 3) smem[5] ^= 1;
+  if (mode == 6) {
+    bulk_wait_group_read<0>();
+    return;
+  }
   bulk_wait_group<0>();
 }
 
