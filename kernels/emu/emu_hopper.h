@@ -740,12 +740,11 @@ inline void reduce_bytes(const PendingReduce& p) {
   }
 }
 
-inline void bulk_commit_group() {
+inline void bulk_commit_group() {  // an empty group is a group too (PTX ISA), counted by the waits
   HThread& h = hth(g_cur);
-  bool any = false;
+  ++h.bulk_committed;
   for (PendingReduce& p : h.bulk)
-    if (p.group < 0) p.group = h.bulk_committed + 1, any = true;
-  h.bulk_committed += any;  // an empty group is never waited for: it needs no number
+    if (p.group < 0) p.group = h.bulk_committed;
 }
 
 // wait_group (read_only false) / wait_group.read (true) N: the thread's committed groups but the N

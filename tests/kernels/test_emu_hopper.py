@@ -313,13 +313,14 @@ def test_red_add_v2(mod):
 
 
 @pytest.mark.parametrize("swizzle", [0, 3])
-@pytest.mark.parametrize("mode", [0, 1, 5, 6])
+@pytest.mark.parametrize("mode", [0, 1, 5, 6, 7])
 def test_bulk_tensor_reduction(mod, swizzle, mode):
     """A box of float32 added into a (20, 40) tensor at (16, 12), past both of its ends: the shared
     image is the box swizzled as a bulk copy lands it (the model above); the elements inside the
     tensor gain the box's values once a reduction (mode 1: two, the first waited for alone; 6: only
-    read before the thread exits, its writes landing then), the rest stay as they were, and the
-    emulator counts each reduction."""
+    read before the thread exits, its writes landing then; 7: read by a wait_group.read 1 that an
+    empty group committed after it leaves pending: empty groups count), the rest stay as they
+    were, and the emulator counts each reduction."""
     rng = np.random.default_rng(swizzle)
     g = rng.standard_normal((20, 40)).astype(np.float32)
     before = g.copy()
@@ -344,13 +345,15 @@ BULK_ERRORS = [  # (mode, c0, c1, the error)
     (3, 0, 0, r"the shared source of a bulk tensor reduction \(offsets 0x0\.\.0x7ff\) changed between its issue"),
     (4, 0, 0, r"tma_reduce_add after a named barrier that threads passed without fence_proxy_async"),
     (0, 0, -4, r"coordinate -4 along dim 1 is negative"),
+    (8, 0, 0, r"its source \(shared offsets 0x0\.\.0x7ff\) holds the mbarrier at 0x100"),
 ]
 
 
 @pytest.mark.parametrize("mode,c0,c1,error", BULK_ERRORS)
 def test_bulk_tensor_reduction_errors(mod, mode, c0, c1, error):
     """Exiting before the wait, rewriting the source before it, issuing after a barrier that a
-    writer passed without fence.proxy.async, and a negative coordinate are errors."""
+    writer passed without fence.proxy.async, a negative coordinate, and a source over an mbarrier
+    are errors."""
     g = np.zeros((20, 40), np.float32)
     image = np.zeros(2048, np.uint8)
     m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), 3, elem=4))

@@ -274,7 +274,10 @@ __global__ void probe_red(float* out, int pairs, int offset, int reps) {
 // two groups, waited for by wait_group.read 1, then 0. 2: thread 0 exits without waiting (an
 // error). 3: thread 0 rewrites the image after the issue, before the wait (an error). 4: warp 0
 // skips its fence before the named barrier (an error at the issue). 5: as 4 with every fence.
-// 6: only wait_group.read 0, then exit (the adds land at the exit).
+// 6: only wait_group.read 0, then exit (the adds land at the exit). 7: an empty group committed
+// after the reduction's, then wait_group.read 1: the empty group is the one left pending, so the
+// reduction is read (and lands at the exit). 8: an mbarrier initialised inside the source before
+// the issue (an error).
 __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, int bytes, int c0, int c1, int mode) {
   unsigned char* smem = aligned_smem();
   for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
@@ -284,9 +287,15 @@ __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, i
   else
     __syncthreads();
   if (threadIdx.x != 0) return;
+  if (mode == 8) mbar_init(reinterpret_cast<u64*>(smem + 256), 1);
   tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
   bulk_commit_group();
   if (mode == 2) return;
+  if (mode == 7) {
+    bulk_commit_group();
+    bulk_wait_group_read<1>();
+    return;
+  }
   if (mode == 1) {
     tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
     bulk_commit_group();
