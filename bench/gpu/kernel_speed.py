@@ -127,7 +127,7 @@ def families(ops, cfg: dict) -> dict:
     kernel added dQ ("pairs", "singles" or "bulk"; None where it did not: the forward, the
     mma.sync kernels, dQ in its own pass)}."""
     from burstcu.layout import Block
-    from burstcu.ops.cuda.backward import step_kernels
+    from burstcu.ops.cuda.backward import DQ_ADDS_NAMES, dq_adds_of, step_kernels
 
     s, d = cfg["seqlen"], cfg["headdim"]
     fwd = ops.forward_variant(cfg["dtype"], d).family.startswith("forward_sm90")
@@ -139,8 +139,7 @@ def families(ops, cfg: dict) -> dict:
                     dq_pass="own" if len(families) > 1 else
                     "bulk" if hopper is not None and "bulk" in hopper.family else "atomic")
         if hopper is not None and len(families) == 1:   # the arrays here sit on 16 bytes
-            tags["dq_adds"] = ("bulk" if "bulk" in hopper.family else
-                               "pairs" if ops.sm90_dq_adds == "pairs" and hopper.headdim <= 128 else "singles")
+            tags["dq_adds"] = DQ_ADDS_NAMES[dq_adds_of(ops, hopper, aligned=True)]
     return tags
 
 

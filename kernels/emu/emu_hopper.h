@@ -509,26 +509,43 @@ inline u32 box_extent(const EmuTensorMap& m) {
   return span ? u32((bytes + span - 1) / span * span) : u32(bytes);
 }
 
-inline void tma_load(void* dst, const void* map, void* bar, const int* coords, int rank) {
+// The checks every bulk tensor operation `op` makes ("tma_load", "tma_reduce_add"): its tensor map
+// (64-byte aligned, valid, of `rank`; copied to *m), its shared side `smem` ("destination" or
+// "source": aligned to where the swizzle pattern repeats, the box's *extent bytes inside dynamic
+// shared memory) and coordinate 0 on 16 bytes of global memory. Returns the shared offset.
+inline u32 checked_box(const char* op, const char* side, const void* map, const void* smem, const int* coords,
+                       int rank, EmuTensorMap* m, u32* extent) {
   Thread* self = g_cur;
-  const Run& r = *g_run;
   BURSTCU_EMU_CHECK((reinterpret_cast<uintptr_t>(map) & 63) == 0,
-                    "%s: tma_load: the tensor map at %p is not 64-byte aligned (cuTensorMapEncodeTiled requires it)",
-                    where(self).c_str(), map);
-  PendingCopy c;
-  memcpy(&c.map, map, sizeof(EmuTensorMap));
-  const EmuTensorMap& m = c.map;
-  const std::string bad = check_map(m);
-  if (!bad.empty()) fail(fmt("%s: tma_load: the tensor map at %p is invalid: %s", where(self).c_str(), map, bad.c_str()));
-  BURSTCU_EMU_CHECK(int(m.rank) == rank, "%s: tma_load: a %d-d copy with a tensor map of rank %u", where(self).c_str(),
-                    rank, m.rank);
-  const u32 off = smem_offset(dst), span = swizzle_span(m.swizzle);
+                    "%s: %s: the tensor map at %p is not 64-byte aligned (cuTensorMapEncodeTiled requires it)",
+                    where(self).c_str(), op, map);
+  memcpy(m, map, sizeof(EmuTensorMap));
+  const std::string bad = check_map(*m);
+  if (!bad.empty()) fail(fmt("%s: %s: the tensor map at %p is invalid: %s", where(self).c_str(), op, map, bad.c_str()));
+  BURSTCU_EMU_CHECK(int(m->rank) == rank, "%s: %s: a %d-d operation with a tensor map of rank %u", where(self).c_str(),
+                    op, rank, m->rank);
+  const u32 off = smem_offset(smem), span = swizzle_span(m->swizzle);
   const u32 align = span ? span * 8 : 128;  // 256, 512, 1024: where the swizzle pattern repeats
   BURSTCU_EMU_CHECK(off % align == 0,
-                    "%s: tma_load: destination shared offset 0x%x is not %u-byte aligned (a bulk tensor copy's "
-                    "destination is 128-byte aligned, and a swizzled one starts at its pattern's 256 / 512 / "
-                    "1024-byte boundary, which the wgmma descriptors' base offset 0 assumes)",
-                    where(self).c_str(), off, align);
+                    "%s: %s: %s shared offset 0x%x is not %u-byte aligned (a bulk tensor operation's shared side is "
+                    "128-byte aligned, and a swizzled one starts at its pattern's 256 / 512 / 1024-byte boundary, "
+                    "which the wgmma descriptors' base offset 0 assumes)",
+                    where(self).c_str(), op, side, off, align);
+  *extent = box_extent(*m);
+  BURSTCU_EMU_CHECK(u64(off) + *extent <= g_run->dyn_size,
+                    "%s: %s: the box (%u bytes of shared memory at offset 0x%x) ends past the %zu bytes of dynamic "
+                    "shared memory", where(self).c_str(), op, *extent, off, g_run->dyn_size);
+  if ((coords[0] * (long long)m->elem_bytes) % 16 != 0)
+    fail(fmt("%s: %s: coordinate %d along dim 0 puts the box at a global address that is not 16-byte aligned (PTX "
+             "ISA, Tensors: the bounding box's address must be 16-byte aligned)", where(self).c_str(), op, coords[0]));
+  return off;
+}
+
+inline void tma_load(void* dst, const void* map, void* bar, const int* coords, int rank) {
+  Thread* self = g_cur;
+  PendingCopy c;
+  const u32 off = checked_box("tma_load", "destination", map, dst, coords, rank, &c.map, &c.extent);
+  const EmuTensorMap& m = c.map;
   u64 bytes = m.elem_bytes;
   for (u32 i = 0; i < m.rank; ++i) bytes *= m.box[i];
   BURSTCU_EMU_CHECK(bytes <= u64(kTxMax),
@@ -536,14 +553,6 @@ inline void tma_load(void* dst, const void* map, void* bar, const int* coords, i
                     where(self).c_str(), bytes);
   c.dst = off;
   c.bytes = u32(bytes);
-  c.extent = box_extent(m);
-  BURSTCU_EMU_CHECK(u64(off) + c.extent <= r.dyn_size,
-                    "%s: tma_load: the box (%u bytes, %u of shared memory at offset 0x%x) ends past the %zu bytes of "
-                    "dynamic shared memory", where(self).c_str(), c.bytes, c.extent, off, r.dyn_size);
-  if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
-    fail(fmt("%s: tma_load: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
-             "aligned (PTX ISA, Tensors: the bounding box's address must be 16-byte aligned)",
-             where(self).c_str(), coords[0]));
   u32 bar_off;
   mbar_get(bar, "tma_load", &bar_off);
   c.bar = bar_off;
@@ -653,32 +662,11 @@ inline void fence_proxy_async() { hth(g_cur).fenced = true; }
 inline void tma_reduce_add(const void* map, const void* src, const int* coords, int rank) {
   Thread* self = g_cur;
   const Run& r = *g_run;
-  BURSTCU_EMU_CHECK((reinterpret_cast<uintptr_t>(map) & 63) == 0,
-                    "%s: tma_reduce_add: the tensor map at %p is not 64-byte aligned", where(self).c_str(), map);
   PendingReduce p;
-  memcpy(&p.map, map, sizeof(EmuTensorMap));
-  const EmuTensorMap& m = p.map;
-  const std::string bad = check_map(m);
-  if (!bad.empty())
-    fail(fmt("%s: tma_reduce_add: the tensor map at %p is invalid: %s", where(self).c_str(), map, bad.c_str()));
-  BURSTCU_EMU_CHECK(int(m.rank) == rank, "%s: tma_reduce_add: a %d-d reduction with a tensor map of rank %u",
-                    where(self).c_str(), rank, m.rank);
-  BURSTCU_EMU_CHECK(m.elem_bytes == 4, "%s: tma_reduce_add: elements of %u bytes: the emulator adds float32 only",
-                    where(self).c_str(), m.elem_bytes);
-  const u32 off = smem_offset(src), span = swizzle_span(m.swizzle);
-  const u32 align = span ? span * 8 : 128;
-  BURSTCU_EMU_CHECK(off % align == 0,
-                    "%s: tma_reduce_add: source shared offset 0x%x is not %u-byte aligned (a bulk tensor "
-                    "operation's shared side is 128-byte aligned, a swizzled one at its pattern's boundary)",
-                    where(self).c_str(), off, align);
+  const u32 off = checked_box("tma_reduce_add", "source", map, src, coords, rank, &p.map, &p.extent);
+  BURSTCU_EMU_CHECK(p.map.elem_bytes == 4, "%s: tma_reduce_add: elements of %u bytes: the emulator adds float32 only",
+                    where(self).c_str(), p.map.elem_bytes);
   p.src = off;
-  p.extent = box_extent(m);
-  BURSTCU_EMU_CHECK(u64(off) + p.extent <= r.dyn_size,
-                    "%s: tma_reduce_add: the box (%u bytes of shared memory at offset 0x%x) ends past the %zu bytes "
-                    "of dynamic shared memory", where(self).c_str(), p.extent, off, r.dyn_size);
-  if ((coords[0] * (long long)m.elem_bytes) % 16 != 0)
-    fail(fmt("%s: tma_reduce_add: coordinate %d along dim 0 puts the box at a global address that is not 16-byte "
-             "aligned", where(self).c_str(), coords[0]));
   for (int i = 0; i < rank; ++i)
     BURSTCU_EMU_CHECK(coords[i] >= 0, "%s: tma_reduce_add: coordinate %d along dim %d is negative (PTX ISA: a "
                       "shared-to-global tensor operation starts at non-negative coordinates)", where(self).c_str(),

@@ -275,17 +275,25 @@ def _launch_hopper(ops, hopper, operands: tuple, blk: Block | None, flag, scale:
     ops.function(hopper.name)(grid, (cfg.threads,), (params,), shared_mem=cfg.smem_bytes)
 
 
-def _dq_adds(ops, hopper, dq) -> int:
-    """How the Hopper kernel `hopper` adds dQ into `dq` (BwdStepSm90Params.dq_adds): where dq's
-    rows sit on 16 bytes at non-negative strides (what the bulk family's tensor map needs), by
-    bulk tensor reductions (3) in the bulk family, or two floats an atomic add (2) where
-    `ops.sm90_dq_adds` is "pairs" and the head dim at most 128 (the kernel's kDqPairs); else one
-    float an add (1)."""
-    if not rows_on_16_bytes(dq) or min(dq.strides) < 0:
+DQ_ADDS_NAMES = {1: "singles", 2: "pairs", 3: "bulk"}   # BwdStepSm90Params.dq_adds
+
+
+def dq_adds_of(ops, hopper, aligned: bool) -> int:
+    """How the Hopper kernel `hopper` adds dQ (BwdStepSm90Params.dq_adds) into a dq whose rows
+    sit on 16 bytes at non-negative strides (`aligned`; what the bulk family's tensor map needs):
+    by bulk tensor reductions (3) in the bulk family, or two floats an atomic add (2) where
+    `ops.sm90_dq_adds` is "pairs" and the head dim at most 128 (the kernel's kDqPairs); else,
+    and for any dq not so, one float an add (1)."""
+    if not aligned:
         return 1
     if hopper.family.startswith(SM90_DKDV_BULK):
         return 3
     return 2 if ops.sm90_dq_adds == "pairs" and hopper.headdim <= 128 else 1
+
+
+def _dq_adds(ops, hopper, dq) -> int:
+    """dq_adds_of for the array `dq`."""
+    return dq_adds_of(ops, hopper, rows_on_16_bytes(dq) and min(dq.strides) >= 0)
 
 
 def _ragged(blocks: Sequence[Block], hopper) -> bool:
