@@ -193,8 +193,8 @@ class StepTimingOps(DelegatingOps):
     def timed(self, fn, *args) -> None:
         raise NotImplementedError
 
-    def forward_step(self, state, k, v, blocks):
-        self.timed(self.inner.forward_step, state, k, v, blocks if self.compute else [])
+    def forward_step(self, state, k, v, blocks, last=False):
+        self.timed(self.inner.forward_step, state, k, v, blocks if self.compute else [], last)
 
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None):
         self.timed(self.inner.backward_step, ctx, q, dout, lse, delta, dq,

@@ -6,8 +6,12 @@ ALGORITHM
 The same fold as flash_fwd.cu's flash_fwd_step (read its opening comment first): the fp32 running
 state (acc, m, l) of the local query rows is read, one K/V rectangle (a burstcu.layout.Block) is
 folded into it with the online softmax in base 2, and the state is written back; the ring's merge
-is fused, flash_fwd_finalize (flash_fwd.cu) ends the pass. What changes is how the work is fed to
-the tensor cores, following FlashAttention-3:
+is fused, flash_fwd_finalize (flash_fwd.cu) ends the pass. A rectangle over every query row of the
+state may also start and end the pass (p.fresh: the state is not read, acc 0, m -inf, l 0 in
+registers; p.finalize: out and lse are written with flash_fwd_finalize's arithmetic instead of the
+state; with both, a pass of one fold, one rank's call or Ulysses', is this one kernel where it was
+three zeroings, the fold and the finalize; a tile without keys then writes its rows all the same).
+What changes is how the work is fed to the tensor cores, following FlashAttention-3:
   * one block = 3 warpgroups of 128 threads on a persistent grid: warpgroup 0 is the producer
     (one elected thread of its warp 0 issues every copy; its registers are given away with
     setmaxnreg.dec), warpgroups 1 and 2 are consumers, 64 query rows each (BLOCK_M = 128 a tile);
@@ -140,8 +144,9 @@ finalize, CUDA events, torch 2.11's flash and cuDNN backends in the same run)
       head_groups) keeps a pair's K/V in L2 for its 32 query blocks.
 NEXT (in order of the expected gain): the rectangle lists above, measured against the mma.sync
 list kernel (KernelOps.sm90_lists = False) on a step of documents;
-the head groups above, measured; a call that is one fold
-writes out and lse itself (no fp32 state zeroed, read, written and finalized: ~0.15 ms at 4K);
+the head groups above, measured; the pass of one fold (p.fresh and p.finalize, not yet run on a
+GPU: PREDICTION ~0.15 ms less a call at 4K, the fp32 state neither zeroed, read, written nor
+finalized; run.sh whole_pass times it against sm90_whole_pass off);
 BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN).
 */
 
@@ -488,10 +493,14 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
   // CAREFUL: the keys of the pending P whose rounded weight is not 0, per row of the thread
   u32 pm[2][CAREFUL ? S::kMaskWords : 1];
 
+  // FRESH and FINALIZE (flash_fwd_step_sm90 only; the list kernel's are 0): every tile's rows are
+  // written, keys or not, from a state that is not read (fresh: acc 0, m -inf, l 0), as the output
+  // and lse (finalize) rather than the state
+  const bool fresh = !LIST && p.fresh != 0, finalize = !LIST && p.finalize != 0;
   for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     int mb, h, b, r = 0, r_end = 1;
     KeyRange<BLOCK_N> keys = first_key_range<LIST, BLOCK_N>(p, t, mb, h, b, r, r_end, cur);
-    if (keys.empty()) continue;
+    if (keys.empty() && !fresh && !finalize) continue;
     // LIST: whether a later rectangle of the group follows this one (the last frees the Q tile)
     bool more = false;
     if constexpr (LIST) more = live_after<BLOCK_N>(rects, r, r_end, mb);
@@ -503,12 +512,13 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
     float m_i[2], l_i[2];  // l_i: this thread's partial row sum (tq == 0 starts from l)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      m_i[r] = row_ok[r] ? m_row0(b, h)[row[r]] : neg_inf();
-      l_i[r] = (row_ok[r] && tq == 0) ? l_row0(b, h)[row[r]] : 0.f;
+      const bool read = row_ok[r] && !fresh;
+      m_i[r] = read ? m_row0(b, h)[row[r]] : neg_inf();
+      l_i[r] = (read && tq == 0) ? l_row0(b, h)[row[r]] : 0.f;
 #pragma unroll
       for (int j = 0; j < HEADDIM / 8; ++j) {
         float2 a = make_float2(0.f, 0.f);
-        if (row_ok[r])
+        if (read)
           a = *reinterpret_cast<const float2*>(acc_row0(b, h) + row[r] * p.acc_stride.s + 8 * j + 2 * tq);
         o[4 * j + 2 * r] = a.x;
         o[4 * j + 2 * r + 1] = a.y;
@@ -645,90 +655,108 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
       }
     };
 
-    // ---- prologue: S = Q K_begin^T
-    mbar_wait(q_full, q_phase);
-    mbar_wait(k_full + stage, phase);
-    named_bar_sync(my_turn, 2 * 128);
-    wgmma_fence_operand(s);
-    wgmma_fence();
-    issue_qk(stage);
-    wgmma_commit();
-    named_bar_arrive(their_turn, 2 * 128);
-    wgmma_wait<0>();
-    wgmma_fence_operand(s);
-    if (keys.end - keys.begin == 1 && !more) mbar_arrive(q_empty);  // the tile's last use of Q
-    {
-      float alpha[2];
-      softmax(keys.begin, alpha);
-      rescale_o(alpha);
-      pack_p();
-    }
-    int prev = stage;          // the stage whose P V is pending, and its phase
-    u32 prev_phase = phase;
-    advance(stage, phase);
-
-    // ---- steady state (LIST: on through the group's live rectangles, the pipeline unbroken)
-    for (int j = keys.begin; next_key_tile<LIST>(j, keys, rects, r, r_end, mb, cur);) {
-      if (LIST && j == keys.begin) {
-        // a new rectangle: the row sums reduced over the row group (thread tq == 0 holds them),
-        // as writing the state and reading it back between two launches would: the same bits
-        more = live_after<BLOCK_N>(rects, r, r_end, mb);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float lsum = warp_sum<4>(l_i[i]);
-          l_i[i] = tq == 0 ? lsum : 0.f;
-        }
-      }
+    if (!keys.empty()) {  // (no key: fresh or finalize writes the rows below all the same)
+      // ---- prologue: S = Q K_begin^T
+      mbar_wait(q_full, q_phase);
       mbar_wait(k_full + stage, phase);
-      mbar_wait(v_ready + prev, prev_phase);
       named_bar_sync(my_turn, 2 * 128);
       wgmma_fence_operand(s);
-      wgmma_fence_operand(o);
-      wgmma_fence_operand(pa);
       wgmma_fence();
       issue_qk(stage);
       wgmma_commit();
+      named_bar_arrive(their_turn, 2 * 128);
+      wgmma_wait<0>();
+      wgmma_fence_operand(s);
+      if (keys.end - keys.begin == 1 && !more) mbar_arrive(q_empty);  // the tile's last use of Q
+      {
+        float alpha[2];
+        softmax(keys.begin, alpha);
+        rescale_o(alpha);
+        pack_p();
+      }
+      int prev = stage;          // the stage whose P V is pending, and its phase
+      u32 prev_phase = phase;
+      advance(stage, phase);
+
+      // ---- steady state (LIST: on through the group's live rectangles, the pipeline unbroken)
+      for (int j = keys.begin; next_key_tile<LIST>(j, keys, rects, r, r_end, mb, cur);) {
+        if (LIST && j == keys.begin) {
+          // a new rectangle: the row sums reduced over the row group (thread tq == 0 holds them),
+          // as writing the state and reading it back between two launches would: the same bits
+          more = live_after<BLOCK_N>(rects, r, r_end, mb);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float lsum = warp_sum<4>(l_i[i]);
+            l_i[i] = tq == 0 ? lsum : 0.f;
+          }
+        }
+        mbar_wait(k_full + stage, phase);
+        mbar_wait(v_ready + prev, prev_phase);
+        named_bar_sync(my_turn, 2 * 128);
+        wgmma_fence_operand(s);
+        wgmma_fence_operand(o);
+        wgmma_fence_operand(pa);
+        wgmma_fence();
+        issue_qk(stage);
+        wgmma_commit();
+        issue_pv(prev);
+        wgmma_commit();
+        wgmma_fence_operand(pa);
+        named_bar_arrive(their_turn, 2 * 128);
+        wgmma_wait<1>();  // S ready; P V still in flight
+        wgmma_fence_operand(s);
+        if (j == keys.end - 1 && !more) mbar_arrive(q_empty);
+        float alpha[2];
+        softmax(j, alpha);
+        wgmma_wait<0>();  // P_{j-1} V_{j-1} done: its stage is free, O may be rescaled
+        wgmma_fence_operand(o);
+        taint(prev);
+        mbar_arrive(kv_empty + prev);
+        rescale_o(alpha);
+        pack_p();
+        prev = stage;
+        prev_phase = phase;
+        advance(stage, phase);
+      }
+
+      // ---- epilogue: O += P_last V_last
+      mbar_wait(v_ready + prev, prev_phase);
+      named_bar_sync(my_turn, 2 * 128);
+      wgmma_fence_operand(o);
+      wgmma_fence_operand(pa);
+      wgmma_fence();
       issue_pv(prev);
       wgmma_commit();
       wgmma_fence_operand(pa);
       named_bar_arrive(their_turn, 2 * 128);
-      wgmma_wait<1>();  // S ready; P V still in flight
-      wgmma_fence_operand(s);
-      if (j == keys.end - 1 && !more) mbar_arrive(q_empty);
-      float alpha[2];
-      softmax(j, alpha);
-      wgmma_wait<0>();  // P_{j-1} V_{j-1} done: its stage is free, O may be rescaled
+      wgmma_wait<0>();
       wgmma_fence_operand(o);
       taint(prev);
       mbar_arrive(kv_empty + prev);
-      rescale_o(alpha);
-      pack_p();
-      prev = stage;
-      prev_phase = phase;
-      advance(stage, phase);
+      q_phase ^= 1;
     }
-
-    // ---- epilogue: O += P_last V_last
-    mbar_wait(v_ready + prev, prev_phase);
-    named_bar_sync(my_turn, 2 * 128);
-    wgmma_fence_operand(o);
-    wgmma_fence_operand(pa);
-    wgmma_fence();
-    issue_pv(prev);
-    wgmma_commit();
-    wgmma_fence_operand(pa);
-    named_bar_arrive(their_turn, 2 * 128);
-    wgmma_wait<0>();
-    wgmma_fence_operand(o);
-    taint(prev);
-    mbar_arrive(kv_empty + prev);
-    q_phase ^= 1;
 
     // ---- write the state back (rows past q_len were never read and are not written)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float lsum = warp_sum<4>(l_i[r]);
       if (!row_ok[r]) continue;
+      if (finalize) {
+        // flash_fwd_finalize's arithmetic: out = acc / l, lse = (m + log2 l) ln 2; a row that saw
+        // no key (l == 0; not l > 0: a NaN the row saw stays NaN) gets out 0 and lse -inf
+        const long long at = (long long)(rect.q_start + row[r]);
+        T* out_row = static_cast<T*>(p.out) + b * p.out_stride.b + at * p.out_stride.s + h * p.out_stride.h;
+#pragma unroll
+        for (int j = 0; j < HEADDIM / 8; ++j) {
+          const float x = lsum == 0.f ? 0.f : o[4 * j + 2 * r] / lsum;
+          const float y = lsum == 0.f ? 0.f : o[4 * j + 2 * r + 1] / lsum;
+          *reinterpret_cast<u32*>(out_row + 8 * j + 2 * tq) = pack2<T>(x, y);
+        }
+        if (tq == 0)
+          p.lse[b * p.lse_stride.b + h * p.lse_stride.h + at] =
+              lsum == 0.f ? neg_inf() : (m_i[r] + log2f(lsum)) * 0.6931471805599453f;
+        continue;
+      }
       if (tq == 0) {
         m_row0(b, h)[row[r]] = m_i[r];
         l_row0(b, h)[row[r]] = lsum;

@@ -120,6 +120,14 @@ struct FwdStepSm90Params {
   const BlockRect* rects; // the rectangles, group by group, in the order they fold
   const int* groups;      // (2 n_groups + 2): as FwdStepParams.groups
   const int2* row_keys;   // null, or a packed list's key rows of each query row (FwdStepParams')
+  // flash_fwd_step_sm90 only (the list kernel's are 0), for a rectangle over every query row of the
+  // state: fresh, the state holds nothing yet (not read: acc 0, m -inf, l 0); finalize, the step
+  // ends the pass: out and lse are written (flash_fwd_finalize's), the state is not
+  void* out;              // finalize: (B, Sq, H, D) in the kernel's T, strides out_stride
+  float* lse;             // finalize: (B, H, Sq) fp32 natural log, strides lse_stride
+  RowStrides out_stride;  // of out
+  StatStrides lse_stride; // of lse
+  int fresh, finalize;
 };
 
 // flash_bwd_dkdv_sm90: BwdStepParams' dK/dV fold (with atomic dQ) with Q, dO, K and V read

@@ -433,7 +433,7 @@ def test_gpu_benchmarks_plan_without_a_gpu():
     """bench/gpu/kernel_speed.py and bench/gpu/overlap_gpu.py print their plan (--dry-run) on a CPU."""
     out = run_bench("gpu/kernel_speed.py", ["--dry-run", "--headdims", "64", "128", "--seqlens", "4096"],
                     nprocs=None)
-    assert "16 configurations x 4 implementations" in out and "fwd+bwd" in out
+    assert "16 configurations x 5 implementations" in out and "fwd+bwd" in out
     out = run_bench("gpu/overlap_gpu.py", ["--dry-run", "--ranks", "2", "3", "--seqlen", "12288"],
                     nprocs=None)
     assert out.count("on one GPU") == 4 and "3 ranks on one GPU, global seqlen 12288 (4096 a rank)" in out

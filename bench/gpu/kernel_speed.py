@@ -1,6 +1,10 @@
 """One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
-step kernels alone through KernelOps, one step over every key: what a ring step costs; once per
+step kernels alone through KernelOps, one step over every key said to be the pass's last: what
+one rank's call runs, on the Hopper forward one kernel that neither reads the state nor leaves
+the finalize to its own kernel; `step` the same with KernelOps.sm90_whole_pass False: the state
+zeroed, read, written and finalized, what a ring's middle step costs beside init and finalize),
+each once per
 kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
 of --dq-adds (the Hopper backward's: two floats an atomic add, one, or bulk reductions), each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
@@ -32,7 +36,8 @@ from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,
                            normal, progress, pyplot, save, table, write_json)
 from burstcu.build.bwd_variants import SM90_DQ_ADDS  # noqa: E402
 
-IMPLS = ("kernels", "api", "torch-flash", "torch-cudnn")
+IMPLS = ("kernels", "step", "api", "torch-flash", "torch-cudnn")
+KERNEL_IMPLS = ("kernels", "step")   # through KernelOps: a row a kernel table x dQ mode x ...
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
 COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "dq_adds", "head_group", *SHAPE, "ms", "host_ms",
@@ -62,19 +67,20 @@ def plan(args) -> list[dict]:
 
 def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
     """fn() running `impl` once (forward, or forward + backward) on q, k, v, dout (B, S, H, D)
-    under the configuration's mask: `kernels` the step kernels alone, one block over every key;
-    `api` burstcu.attention; torch's SDPA on the same memory as (B, H, S, D) views, None when
+    under the configuration's mask: `kernels` and `step` the step kernels alone, one block over
+    every key (`step`: KernelOps.sm90_whole_pass off); `api` burstcu.attention; torch's SDPA on the same memory as (B, H, S, D) views, None when
     torch is missing or the backend refuses the shape."""
     causal, window, bwd = cfg["causal"], cfg["window"], cfg["pass"] == "fwd+bwd"
-    if impl == "kernels":
+    if impl in KERNEL_IMPLS:
         from burstcu.layout import Block
 
         s, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
         blocks = [Block(0, s, 0, s, 0, 0, causal, left=-1 if window is None else window)]
 
         def run():
+            ops.sm90_whole_pass = impl == "kernels"
             state = ops.forward_init(q, scale)
-            ops.forward_step(state, k, v, blocks)
+            ops.forward_step(state, k, v, blocks, True)
             out, lse = ops.forward_finalize(state, q.dtype)
             if bwd:
                 delta, ctx = ops.backward_delta(dout, out), ops.backward_init(k, v, scale)
@@ -150,12 +156,12 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
     q, k, v, dout = normal(cupy, [tuple(cfg[k] for k in ("batch", "seqlen", "heads", "headdim"))] * 4,
                            cfg["dtype"], 0)
     rows = []
-    for impl, key in ((i, key) for i in args.impls for key in (ops_by_arch if i == "kernels" else [None])):
+    for impl, key in ((i, key) for i in args.impls for key in (ops_by_arch if i in KERNEL_IMPLS else [None])):
         if impl.startswith("torch") and cfg["window"] is not None:
             continue                                    # SDPA has no sliding window
         ops = ops_by_arch.get(key)
         tags = ({"arch": key[0], "dq": key[1], "head_group": key[2], "dq_adds": key[3], **families(ops, cfg)}
-                if impl == "kernels" else {})
+                if impl in KERNEL_IMPLS else {})
         fn = attention_call(impl, ops, cfg, q, k, v, dout)
         # torch issues on its own stream: for every implementation alike the device is synchronized
         # inside the timed region; host_ms: a call's own seconds, the device idle at its start
@@ -167,7 +173,7 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         rows.append({**{f: cfg[f] for f in SHAPE}, "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
                      "tflops": None if ms is None else cfg["gflop"] / ms})
     flash, cudnn = (next((r for r in rows if r["impl"] == n), None) for n in ("torch-flash", "torch-cudnn"))
-    for r in (r for r in rows if r["impl"] in ("kernels", "api")):
+    for r in (r for r in rows if r["impl"] in (*KERNEL_IMPLS, "api")):
         if flash:                                       # None if windowed
             r["torch_ms"], r["torch_tflops"] = flash["ms"], flash["tflops"]
             if r["ms"] and flash["ms"]:

@@ -12,9 +12,10 @@
 # (hopper_profile: Nsight Compute at S = $PROFILE_SEQLEN; hopper_bwd_profile: the same over the
 # Hopper dK/dV kernel; hopper_ring: the 4-rank ring on the Hopper kernels), small_parts and
 # bwd_small_parts (every kernel's duration in a short forward / fwd+bwd call), host_profile
-# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), dq_adds (the Hopper
-# backward's dQ: two floats an atomic add, one, or bulk tensor reductions), decode_tests, packed (the
-# lists' kernel tests on the GPU).
+# (cProfile of kernel_speed's calls), head_groups (--sm90-head-group), whole_pass (the Hopper
+# forward's pass of one fold against the ring step's zeroed, read, written and finalized state),
+# dq_adds (the Hopper backward's dQ: two floats an atomic add, one, or bulk tensor reductions),
+# decode_tests, packed (the lists' kernel tests on the GPU).
 # Reports go to $OUT (default bench/out/gpu), each step's log to $OUT/logs.tgz, rewritten after
 # every step; no step stops the others; exit 1 if any failed. Wheels in .whl/ go to /tmp/site first.
 set -u
@@ -92,9 +93,9 @@ for s in "${steps[@]}"; do
       --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
     hopper_memcheck) step hopper_memcheck 240 $KTEST BURSTCU_CUPY_NO_POOL=1 BURSTCU_KERNEL_TEST_ARCH=sm_90a \
       $MEMCHECK $PYTEST $SM90_FWD $INERT tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
-      -k "ragged or causal_offsets or headdims or poisoned_v or documents" ;;
+      -k "ragged or causal_offsets or headdims or poisoned_v or documents or whole_pass or ring_starts" ;;
     hopper_racecheck) step hopper_racecheck 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $RACECHECK $PYTEST \
-      $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128)" ;;
+      $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128) or (whole_pass and float16)" ;;
     hopper_bwd) step hopper_bwd 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86" ;;
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
@@ -146,6 +147,9 @@ for s in "${steps[@]}"; do
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
+    whole_pass) step whole_pass 150 $KSPEED --archs sm_90a --passes fwd --impls kernels step torch-flash \
+      torch-cudnn --headdims 64 128 --seqlens 1024 2048 4096 16384 --json "$LOGS/whole_pass.json" \
+      --table "$LOGS/whole_pass.txt" ;;
     head_groups) step head_groups 240 $KSPEED --archs sm_90a --passes fwd --impls kernels torch-flash \
       --headdims 128 --seqlens 2048 4096 8192 16384 --sm90-head-group 0 2 8 16 --repeats 20 \
       --json "$LOGS/head_groups.json" --table "$LOGS/head_groups.txt" ;;

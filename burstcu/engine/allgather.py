@@ -40,7 +40,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
-                              kv[source][0], kv[source][1], blocks)
+                              kv[source][0], kv[source][1], blocks, s == size - 1)
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, gather_s if s == 0 else 0.0)
     return ops.forward_finalize(state, q.dtype)

@@ -195,15 +195,16 @@ class _KVRing:
         if messages:
             post_messages(ops, self.transport, f"fwd {s} send/recv kv", messages)
         compute_s, count = 0.0, 0
-        for back, source, held in ((False, here.source, here.held),
-                                   (True, here.back_source, here.back_held)):
-            blocks = mask_blocks(part, self.rank, source, *flags) if held else []
-            if blocks:
-                cur = self.holding(s)
-                k, v = (cur[name] for name in self.block(back, s))
-                compute_s += timed(ops, f"fwd {s} compute" + (" back" if back else ""),
-                                   ops.forward_step, state, k, v, blocks)
-                count += len(blocks)
+        folds = [(back, blocks) for back, source, held in ((False, here.source, here.held),
+                                                           (True, here.back_source, here.back_held))
+                 if held and (blocks := mask_blocks(part, self.rank, source, *flags))]
+        for i, (back, blocks) in enumerate(folds):
+            cur = self.holding(s)
+            k, v = (cur[name] for name in self.block(back, s))
+            last = s == self.size - 1 and i == len(folds) - 1   # the pass's last fold
+            compute_s += timed(ops, f"fwd {s} compute" + (" back" if back else ""),
+                               ops.forward_step, state, k, v, blocks, last)
+            count += len(blocks)
         wait_s = timed_wait(ops, self.transport, f"fwd {s} wait") if messages else 0.0
         if trace is not None:
             trace.add("forward", s, here.source, count, compute_s, wait_s)

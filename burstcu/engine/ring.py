@@ -54,7 +54,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state, kc, vc,
-                              blocks)
+                              blocks, s == size - 1)
         wait_s = timed_wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, wait_s)

@@ -196,7 +196,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     state = ops.forward_init(q_all, softmax_scale)
     compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
                       step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
-                                  cu_seqlens, block_mask))
+                                  cu_seqlens, block_mask), True)
     out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
     out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
                                                       lse_all.dtype)

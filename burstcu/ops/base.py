@@ -203,8 +203,9 @@ class LocalOps(ABC):
         """A fresh running state for queries q: zero accumulator, row max -inf, row sum 0."""
 
     @abstractmethod
-    def forward_step(self, state: Any, k, v, blocks: Sequence[Block]) -> None:
-        """Fold attention of the state's queries over (k, v) rows in `blocks` into the state."""
+    def forward_step(self, state: Any, k, v, blocks: Sequence[Block], last: bool = False) -> None:
+        """Fold attention of the state's queries over (k, v) rows in `blocks` into the state.
+        last: no step follows before `forward_finalize` (an op may end the pass here)."""
 
     @abstractmethod
     def forward_finalize(self, state: Any, out_dtype) -> tuple[Any, Any]:
@@ -332,8 +333,8 @@ class DelegatingOps(LocalOps):
     def forward_init(self, q, softmax_scale):
         return self.inner.forward_init(q, softmax_scale)
 
-    def forward_step(self, state, k, v, blocks) -> None:
-        self.inner.forward_step(state, k, v, blocks)
+    def forward_step(self, state, k, v, blocks, last: bool = False) -> None:
+        self.inner.forward_step(state, k, v, blocks, last)
 
     def forward_finalize(self, state, out_dtype):
         return self.inner.forward_finalize(state, out_dtype)

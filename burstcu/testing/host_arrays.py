@@ -38,8 +38,8 @@ class HostArrays:
     def forward_init(self, q, softmax_scale: float | None = None):
         return self.ops.forward_init(self.to_device(q), softmax_scale)
 
-    def forward_step(self, state, k, v, blocks: Sequence) -> None:
-        self.ops.forward_step(state, self.to_device(k), self.to_device(v), blocks)
+    def forward_step(self, state, k, v, blocks: Sequence, last: bool = False) -> None:
+        self.ops.forward_step(state, self.to_device(k), self.to_device(v), blocks, last)
 
     def forward_finalize(self, state, out_dtype) -> tuple:
         return tuple(self.host(x) for x in self.ops.forward_finalize(state, out_dtype))

@@ -319,7 +319,7 @@ class RecordingOps(LocalOps):
         self.device.kernel("forward_init", reads=[q], writes=[state])
         return state
 
-    def forward_step(self, state, k, v, blocks) -> None:
+    def forward_step(self, state, k, v, blocks, last=False) -> None:
         self.device.kernel("forward_step", reads=[state, k, v], writes=[state])
 
     def forward_finalize(self, state, out_dtype):

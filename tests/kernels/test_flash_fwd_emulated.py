@@ -45,20 +45,21 @@ def make(dtype, b, sq, sk, h, hkv, d, seed=0):
     return q, k, v
 
 
-def run_kernel(ops, q, k, v, steps, scale=None):
-    """steps: list of (k, v, blocks) folded in order. Returns (out float64, lse)."""
+def run_kernel(ops, q, k, v, steps, scale=None, last=False):
+    """steps: list of (k, v, blocks) folded in order, the last one said to be so with `last`.
+    Returns (out float64, lse)."""
     state = ops.forward_init(q, scale)
-    for kk, vv, blocks in steps:
-        ops.forward_step(state, kk, vv, blocks)
+    for i, (kk, vv, blocks) in enumerate(steps):
+        ops.forward_step(state, kk, vv, blocks, last and i == len(steps) - 1)
     out, lse = ops.forward_finalize(state, q.dtype)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == np.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     return out.astype(np.float64), lse.astype(np.float64)
 
 
-def check(ops, dtype, q, k, v, blocks, steps=None, scale=None):
-    """Run the kernel and assert the FlashAttention tolerance rule on out and lse. Returns the
-    (kernel error, naive error) of out for reporting."""
+def check(ops, dtype, q, k, v, blocks, steps=None, scale=None, last=False):
+    """Run the kernel (`run_kernel`) and assert the FlashAttention tolerance rule on out and lse.
+    Returns the (kernel error, naive error) of out for reporting."""
     d = q.shape[-1]
     scale = 1 / math.sqrt(d) if scale is None else scale
     keep = keep_from_blocks(blocks, q.shape[1], k.shape[1])
@@ -66,7 +67,7 @@ def check(ops, dtype, q, k, v, blocks, steps=None, scale=None):
     naive, naive_lse = attention_ref(q, k, v, softmax_scale=scale, keep=keep, dtype=np.float32,
                                      round_to=DTYPES[dtype], unnormalized_p=True)
     naive = naive.astype(np.float64)  # already rounded to the dtype
-    out, lse = run_kernel(ops, q, k, v, steps or [(k, v, blocks)], scale)
+    out, lse = run_kernel(ops, q, k, v, steps or [(k, v, blocks)], scale, last)
 
     assert np.isfinite(out).all(), "NaN/inf in out"
     empty = ~keep.any(axis=1)  # query rows that saw no key
@@ -243,6 +244,7 @@ def test_finalize_divides_every_row(ops, out_dtype, rows_aligned, monkeypatch):
     shifted = (buf[:-1] if rows_aligned else buf[1:]).reshape(acc.shape)
     shifted[...] = ops.to_device(acc)
     state.acc, state.m, state.l = shifted, ops.to_device(m), ops.to_device(l)
+    state.fresh = False   # the state written here
     out, lse = ops.forward_finalize(state, out_dtype)
     assert widths == [8 if rows_aligned else 1]
     assert out.shape == (B, S, H, D) and lse.shape == (B, H, S)

@@ -161,18 +161,18 @@ SEEDS = {
     # (anchor, replacement, what the emulator says)
     # the steady state issues S = Q K^T without waiting for the K tile to land: the tile is read
     # before its bytes arrive, and the copy is still in flight when the block ends
-    "missing_wait": ("      mbar_wait(k_full + stage, phase);\n", "",
+    "missing_wait": ("        mbar_wait(k_full + stage, phase);\n", "",
                      "TMA copies in flight"),
     # ... or waits on the phase of the other parity, which a fresh barrier reports complete
-    "wrong_phase": ("      mbar_wait(k_full + stage, phase);\n",
-                    "      mbar_wait(k_full + stage, phase ^ 1);\n", "TMA copies in flight"),
+    "wrong_phase": ("        mbar_wait(k_full + stage, phase);\n",
+                    "        mbar_wait(k_full + stage, phase ^ 1);\n", "TMA copies in flight"),
     # the producer waits for a free stage on the wrong parity: it waits for a phase no one
     # completes while the consumers wait for its copies
     "wrong_empty_phase": ("          mbar_wait(bar.kv_empty + stage, phase ^ 1);\n",
                           "          mbar_wait(bar.kv_empty + stage, phase);\n", "deadlock"),
     # the consumers never free a stage
-    "missing_release": ("      taint(prev);\n      mbar_arrive(kv_empty + prev);\n",
-                        "      taint(prev);\n", "deadlock"),
+    "missing_release": ("        taint(prev);\n        mbar_arrive(kv_empty + prev);\n",
+                        "        taint(prev);\n", "deadlock"),
     # P V's registers are overwritten while it is in flight (no wait before the next P)
     "missing_wgmma_wait": ("      wgmma_wait<0>();  // P_{j-1} V_{j-1} done", "      // (no wait)",
                            "A-fragment registers"),
@@ -218,6 +218,10 @@ FIRST_USE_SEEDS = {
     "wrong_result": ("          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], scale_log2, -ref));\n",
                      "          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], 0.5f * scale_log2, -ref));\n",
                      "differs from the mma.sync kernel"),
+    # the pass of one fold writes out at twice its value: only the check's whole pass shows it
+    "wrong_whole_pass": ("          const float x = lsum == 0.f ? 0.f : o[4 * j + 2 * r] / lsum;\n",
+                         "          const float x = lsum == 0.f ? 0.f : 2.f * o[4 * j + 2 * r] / lsum;\n",
+                         "differs from the mma.sync kernel"),
     # a launch that fails (here the emulator's report of a copy never waited for)
     "launch_fails": (*SEEDS["missing_wait"][:2], "RuntimeError: emulated kernel flash_fwd_step_sm90"),
 }
@@ -265,3 +269,94 @@ def test_a_correct_hopper_kernel_passes_its_first_use_check():
         assert ops.forward_variant("bfloat16", 128).family == "forward_sm90"
     finally:
         kops._SM90_FIRST_USE.pop(key, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# a pass that starts from a fresh state or ends in its step (FwdStepSm90Params.fresh / finalize)
+
+def _unfused(ops, q, k, v, steps):
+    """(out, lse) of `steps` as (k, v, blocks) folded from a zeroed state and finalized by
+    flash_fwd_finalize: every fold reads and writes the state."""
+    inner = ops.ops
+    state = ops.forward_init(q)
+    inner._materialize(state)
+    for kk, vv, blocks in steps:
+        ops.forward_step(state, kk, vv, blocks)
+    return ops.forward_finalize(state, q.dtype)
+
+
+def _fused(ops, q, k, v, steps):
+    state = ops.forward_init(q)
+    for i, (kk, vv, blocks) in enumerate(steps):
+        ops.forward_step(state, kk, vv, blocks, i == len(steps) - 1)
+    return ops.forward_finalize(state, q.dtype)
+
+
+def _same(got, want, dtype):
+    """out and lse alike: bit for bit on the emulator, whose arithmetic is one IEEE operation a
+    step in both paths; on a GPU within a rounding of out's dtype (the two kernels' fast-math
+    divisions and logarithms are the same instructions, which the test does not presume)."""
+    if BACKEND == "emulated":
+        return all(np.array_equal(a, b) for a, b in zip(got, want))
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    return all(np.array_equal(np.isfinite(a), np.isfinite(b)) and
+               np.allclose(a[np.isfinite(b)].astype(np.float64), b[np.isfinite(b)].astype(np.float64),
+                           rtol=eps, atol=eps)
+               for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d,block", [
+    (64, Block(0, 300, 0, 260, 0, 0, True)),
+    (128, Block(0, 200, 0, 333, 0, 140, True)),    # rows 0..139 see no key: whole tiles empty
+    (256, Block(0, 150, 0, 200, 0, 0, False)),
+    (64, Block(0, 130, 0, 100, 0, 500, True)),      # no row sees a key
+    (128, Block(0, 96, 0, 256, 180, 0, True, 37)),  # a causal window
+])
+def test_one_fold_is_a_whole_pass(ops, dtype, d, block):
+    """A pass of one Block over every query row with `last` runs one kernel: the Hopper step
+    starts from a state it does not read and writes out and lse itself (no zeroing, no
+    flash_fwd_finalize), within FlashAttention's rule of float64 and bit for bit what the
+    zeroed state, the fold and the finalize give (`_same`).
+    Rows that see no key (whole tiles of them, which the fold skips) get out 0 and lse -inf."""
+    q, k, v = make(dtype, 2, block.q_len, block.k_len, 4, 2, d, seed=d + block.k_pos)
+    steps = [(k, v, [block])]
+    want = _unfused(ops, q, k, v, steps)
+    counts = _counting(ops)
+    got = _fused(ops, q, k, v, steps)
+    scan = {"flash_any_nonfinite": 1} if block.masked else {}   # V's scan, for the launch pair
+    assert counts == {"flash_fwd_step_sm90": 2 if block.masked else 1, **scan}, counts
+    assert _same(got, want, dtype)
+    check(ops, dtype, q, k, v, [block], last=True)
+
+
+def test_a_ring_starts_fresh_and_ends_in_its_last_fold(ops):
+    """A ring of three folds: the first (every row) writes the fresh state without reading it,
+    the second (half the rows) reads and writes it, the last (every row) reads it and writes out
+    and lse. Bit for bit the unfused pass (`_same`); a step after the last is refused."""
+    q, k, v = make("float16", 1, 192, 384, 2, 1, 128, seed=5)
+    k1, k2, k3 = k[:, :128], k[:, 128:256], k[:, 256:]
+    v1, v2, v3 = v[:, :128], v[:, 128:256], v[:, 256:]
+    steps = [(k1, v1, [Block(0, 192, 0, 128, 256, 0, True)]),
+             (k2, v2, [Block(0, 96, 0, 128, 256, 128, True)]),
+             (k3, v3, [Block(0, 192, 0, 128, 256, 256, True)])]
+    want = _unfused(ops, q, k, v, steps)
+    counts = _counting(ops)
+    got = _fused(ops, q, k, v, steps)
+    assert counts == {"flash_fwd_step_sm90": 6, "flash_any_nonfinite": 3}, counts   # launch pairs
+    assert _same(got, want, "float16")
+    state = ops.forward_init(q)
+    ops.forward_step(state, k3, v3, steps[2][2], True)
+    with pytest.raises(RuntimeError, match="last"):
+        ops.forward_step(state, k3, v3, steps[2][2])
+
+
+def test_a_fold_over_some_rows_zeroes_a_fresh_state_first(ops):
+    """A first fold over part of the rows (or of several Blocks) zeroes the fresh state first:
+    the rows it does not cover come out empty (out 0, lse -inf), the others within the rule, and
+    a last fold over part of the rows leaves the finalize to flash_fwd_finalize."""
+    q, k, v = make("bfloat16", 1, 200, 150, 2, 2, 64, seed=9)
+    blocks = [Block(40, 100, 0, 150, 0, 0, False)]
+    counts = _counting(ops)
+    check(ops, "bfloat16", q, k, v, blocks, last=True)
+    assert counts == {"flash_fwd_step_sm90": 1, "flash_fwd_finalize": 1}, counts

@@ -21,6 +21,7 @@ The backward entry points delegate to `burstcu.ops.cuda.backward` with this obje
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 import weakref
@@ -94,6 +95,9 @@ class ForwardState:
     m, l: (B, H, S) float32 (base-2 running max / sum).  scale: softmax scale.
     headdim: the caller's D.  dtype: "float16" or "bfloat16".  keep: what a launch still reads
     (the rectangle lists of flash_fwd_steps), kept with the state until it is finalized.
+    fresh: nothing folded yet, and acc, m, l not written (`KernelOps._materialize` zeroes them;
+    a Hopper fold over every row writes them without reading).  result: (out, lse) where the
+    pass's last fold wrote them itself (`KernelOps._fold`), else None.
     """
 
     q: Any
@@ -104,6 +108,8 @@ class ForwardState:
     headdim: int
     dtype: str
     keep: list = field(default_factory=list)
+    fresh: bool = True
+    result: tuple | None = None
 
 
 def _first_use_blocks(listed: bool) -> list[Block]:
@@ -203,6 +209,11 @@ class KernelOps(LocalOps):
         # a step of many small Blocks on the sm_90a table: the Hopper list kernels, forward and
         # dK/dV (True), or the mma.sync ones (False, for comparison; see SM90_MAX_RECTS)
         self.sm90_lists = True
+        # a Hopper fold over every query row starts from a fresh state without reading it and,
+        # the pass's last, writes out and lse itself (True; `_fold`), or reads a zeroed state and
+        # leaves the pass's end to flash_fwd_finalize (False, for comparison: a ring's middle
+        # step; bench/gpu/kernel_speed.py --impls step)
+        self.sm90_whole_pass = True
         # a list step whose rectangles are many and small (documents): packed into the kernels'
         # tiles with per-row key runs where that runs fewer tiles (True; burstcu.ops.cuda.packing),
         # or a tile a rectangle (False, for comparison: one launch a rectangle's bits)
@@ -349,20 +360,28 @@ class KernelOps(LocalOps):
         q, k, v = rand(n + 32, 4), rand(n + 64, 2), rand(n + 64, 2)
         poisoned = v.copy()
         poisoned[:, :64] = float("nan")
-        blocks = _first_use_blocks(hopper.family == SM90_LIST_FAMILY)
+        listed = hopper.family == SM90_LIST_FAMILY
+        # (Blocks, last): the step's, and (not listed) a pass of one fold over every query row
+        # (`_fold`: a fresh state not read, out and lse written by the step), keys past the NaNs
+        cases = [(_first_use_blocks(listed), False)]
+        if not listed:
+            cases.append(([Block(0, n + 32, 64, n, 0, 0, True)], True))
         plain = self.variant("forward", hopper.dtype, d)
 
         def run():
             saved, pairs = self.sm_count, []
             try:
                 self.sm_count = 2
-                for values in (v, poisoned):
-                    outs = []
+                for values, (blocks, last) in itertools.product((v, poisoned), cases):
+                    results = []
                     for variant in (hopper, plain):
                         state = self.forward_init(q)
-                        self._fold(variant, state, k, values, blocks)
-                        outs.append(self.forward_finalize(state, np.float32)[0])
-                    pairs.append(tuple(outs))
+                        self._fold(variant, state, k, values, blocks, last)
+                        results.append(self.forward_finalize(state, np.float32))
+                    (out, lse), (want, want_lse) = results
+                    pairs.append((out, want))
+                    if last:   # every row sees a key: lse finite
+                        pairs.append((lse, want_lse))
             finally:
                 self.sm_count = saved
             return pairs
@@ -444,20 +463,37 @@ class KernelOps(LocalOps):
 
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale: float | None = None) -> ForwardState:
-        """Fresh state for q (B, S, H, D): acc 0, m -inf, l 0; scale defaults to 1/sqrt(D)."""
+        """Fresh state for q (B, S, H, D), acc 0, m -inf, l 0 once a fold reads it (until then
+        not written: `ForwardState.fresh`; the emulator fills it with NaN, so that a kernel
+        reading it unwritten shows); scale defaults to 1/sqrt(D)."""
         dtype = self._check_dtype(q, "q")
         B, S, H, D = q.shape
         dp = self.variant("forward", dtype, D).headdim
         scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
         xp = self.xp
-        return ForwardState(q=self._ready(self.pad_headdim(q, dp)),
-                            acc=xp.zeros((B, S, H, dp), dtype=np.float32),
-                            m=xp.full((B, H, S), -np.inf, dtype=np.float32),
-                            l=xp.zeros((B, H, S), dtype=np.float32),
-                            scale=scale, headdim=D, dtype=dtype)
+        state = ForwardState(q=self._ready(self.pad_headdim(q, dp)),
+                             acc=xp.empty((B, S, H, dp), dtype=np.float32),
+                             m=xp.empty((B, H, S), dtype=np.float32),
+                             l=xp.empty((B, H, S), dtype=np.float32),
+                             scale=scale, headdim=D, dtype=dtype)
+        if self.backend == "emulated":
+            for x in (state.acc, state.m, state.l):
+                x.fill(np.nan)
+        return state
 
-    def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
-        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state`: one launch
+    @staticmethod
+    def _materialize(state: ForwardState) -> None:
+        """A fresh state's acc 0, m -inf, l 0 written, for a fold that reads them."""
+        if state.fresh:
+            state.acc.fill(0)
+            state.m.fill(-np.inf)
+            state.l.fill(0)
+            state.fresh = False
+
+    def forward_step(self, state: ForwardState, k, v, blocks: Sequence[Block], last: bool = False) -> None:
+        """Fold attention over (k, v) (B, Sk, Hkv, D) rows in `blocks` into `state` (`last`: no
+        step follows before forward_finalize; see `_fold` for what the Hopper kernel does with
+        it and with a fresh state): one launch
         for the whole step (flash_fwd_steps over the rectangle list, grouped by query range,
         each group's blocks folding in order) or, for one Block, flash_fwd_step. On the sm_90a
         table the Hopper kernel (forward_sm90) runs the step a launch a Block (launches on one
@@ -465,6 +501,8 @@ class KernelOps(LocalOps):
         a list of many small Blocks (documents) runs in one launch, whose cost beats the Hopper
         launches' host cost there (bench/results/h200/README.md): flash_fwd_steps_sm90 (the
         Hopper list kernel), or flash_fwd_steps with `sm90_lists` False (`_sm90_choice`)."""
+        if state.result is not None:
+            raise RuntimeError("forward_step after the step its caller said was the last")
         blocks = nonempty(blocks)
         if not blocks:
             return
@@ -472,7 +510,7 @@ class KernelOps(LocalOps):
         variant = self.forward_variant(state.dtype, state.headdim)
         if variant.family == SM90_FAMILY:
             variant = self._sm90_choice(variant, state, blocks)
-        self._fold(variant, state, k, v, blocks)
+        self._fold(variant, state, k, v, blocks, last)
 
     def _sm90_choice(self, hopper: KernelVariant, state: ForwardState,
                      blocks: Sequence[Block]) -> KernelVariant:
@@ -586,9 +624,19 @@ class KernelOps(LocalOps):
             return list(zip(*grads))
         return _first_use_check(key, hopper, "backward", run, stacklevel=7)
 
-    def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block]) -> None:
-        """forward_step's launches with the step kernel `variant`."""
+    def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block],
+              last: bool = False) -> None:
+        """forward_step's launches with the step kernel `variant`. One Block over every query row
+        on the Hopper kernel neither reads a fresh state (it starts from acc 0, m -inf, l 0) nor,
+        when `last`, writes the state: it writes out and lse as flash_fwd_finalize would
+        (state.result), so that a pass of one fold (one rank, Ulysses) runs one kernel where it
+        ran five (three zeroings, the fold, the finalize), and a ring's first and last folds skip
+        a read and a write of the fp32 state. Anything else zeroes a fresh state first."""
         B, S, H, dp = state.q.shape
+        whole = self.sm90_whole_pass and variant.family == SM90_FAMILY and len(blocks) == 1 and \
+            blocks[0].q_start == 0 and blocks[0].q_len == S
+        if not whole:
+            self._materialize(state)
         kp = self._ready(self.pad_headdim(k, dp))
         vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
@@ -612,7 +660,7 @@ class KernelOps(LocalOps):
         flag = self.nonfinite_flag(vp) if masked else None
         if variant.family == SM90_FAMILY:
             for blk in blocks:
-                self._forward_step_sm90(variant, state, kp, vp, blk, flag)
+                self._forward_step_sm90(variant, state, kp, vp, blk, flag, whole and last)
             return
         if groups is not None:
             state.keep.append(groups)   # the rectangles stay until the step has run
@@ -633,11 +681,17 @@ class KernelOps(LocalOps):
                              blk.masked)
 
     def _forward_step_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp, blk: Block,
-                           flag) -> None:
+                           flag, finalize: bool = False) -> None:
         """One Block through the Hopper kernel: tensor maps of the block's q, k and v rows, a
         persistent grid of min(tiles, SMs) blocks; a block with masked pairs issues the pair
-        plain + careful (forward_sm90_careful), of which the nonfinite flag runs exactly one."""
+        plain + careful (forward_sm90_careful), of which the nonfinite flag runs exactly one.
+        A fresh state is not read (the Block covers every row: `_fold`); with `finalize` the
+        kernel writes out (state.dtype) and lse into state.result instead of the state."""
         B, S, H, dp = state.q.shape
+        out = lse = None
+        if finalize:
+            out = self.xp.empty((B, S, H, dp), dtype=state.dtype)
+            lse = self.xp.empty((B, H, S), dtype=np.float32)
         cfg = variant.launch
         q_map = tensor_map_4d_rows(self.backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
         k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)
@@ -646,8 +700,12 @@ class KernelOps(LocalOps):
         hb_group = max(1, min(self.sm90_head_group or H * B, H * B))
         params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
-                                      state.scale * _LOG2E, n_tiles, hb_group)
+                                      state.scale * _LOG2E, n_tiles, hb_group,
+                                      fresh=state.fresh, out=out, lse=lse)
         self.launch_step(variant, (min(n_tiles, self.sm_count),), params, blk.masked)
+        state.fresh = False
+        if finalize:
+            state.result = (out, lse)
 
     def _forward_steps_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp,
                             groups: StepGroups, masked: bool, flag) -> None:
@@ -667,8 +725,15 @@ class KernelOps(LocalOps):
         self.launch_step(variant, (min(n_tiles, self.sm_count),), params, masked)
 
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
-        """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf."""
+        """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf.
+        Where the last fold wrote them (state.result, in the state's dtype), those, converted to
+        out_dtype if it differs (the engines ask for q's dtype: no conversion)."""
         xp = self.xp
+        if state.result is not None:
+            out, lse = state.result
+            out = xp.ascontiguousarray(self.unpad_headdim(out, state.headdim))
+            return (out if out.dtype == np.dtype(out_dtype) else out.astype(out_dtype)), lse
+        self._materialize(state)
         out_name = np.dtype(out_dtype).name
         run_name = out_name if out_name in _OUT_DTYPES else "float32"
         B, S, H, dp = state.acc.shape

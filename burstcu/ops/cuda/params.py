@@ -257,7 +257,8 @@ FWD_STEP_SM90 = CStruct("FwdStepSm90Params", [
     ("l", "ptr"), ("nonfinite", "ptr"), ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
     ("blk", BLOCK_RECT), ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("n_tiles", "i32"),
     ("hb_group", "i32"), ("n_groups", "i32"), ("rects", "ptr"), ("groups", "ptr"),
-    ("row_keys", "ptr")])
+    ("row_keys", "ptr"), ("out", "ptr"), ("lse", "ptr"), ("out_stride", ROW_STRIDES),
+    ("lse_stride", STAT_STRIDES), ("fresh", "i32"), ("finalize", "i32")])
 BWD_STEP_SM90 = CStruct("BwdStepSm90Params", [
     ("q_map", "tmap"), ("do_map", "tmap"), ("k_map", "tmap"), ("v_map", "tmap"), ("dq_map", "tmap"),
     ("lse", "ptr"),
@@ -580,12 +581,17 @@ def _range_order(key: np.ndarray) -> np.ndarray | None:
 
 def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block | None, heads: int,
                          kv_heads: int, scale_log2: float, n_tiles: int, hb_group: int,
-                         groups: StepGroups | None = None) -> np.void:
+                         groups: StepGroups | None = None, *, fresh: bool = False, out=None,
+                         lse=None) -> np.void:
     """FwdStepSm90Params: the tensor maps of q's and k's, v's rows in the block (128 uint8 each,
     `burstcu.ops.cuda.tensor_map`); acc (B, Sq, H, D) float32; m, l (B, H, Sq) float32 sharing
     strides; nonfinite a device int32; n_tiles the query tiles x H x B of the launch; hb_group
     the (batch, head) pairs whose tiles the grid takes together (1 .. H x B).
-    flash_fwd_steps_sm90 takes a whole step's `groups` (block None) and maps of whole arrays."""
+    flash_fwd_steps_sm90 takes a whole step's `groups` (block None) and maps of whole arrays.
+    A block over every query row may start from a `fresh` state (not read) and, given out
+    (B, Sq, H, D) in q's dtype and lse (B, H, Sq) float32, end the pass (finalize: those are
+    written, the state is not)."""
+    finalize = out is not None
     return FWD_STEP_SM90.pack(
         q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,
         acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
@@ -594,7 +600,10 @@ def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block
         n_groups=0 if groups is None else groups.n_groups,
         rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
-        row_keys=None if groups is None else groups.row_keys)
+        row_keys=None if groups is None else groups.row_keys,
+        out=out, lse=lse, out_stride=_shared_strides(3, out) if finalize else (0, 0, 0),
+        lse_stride=_shared_strides(2, lse) if finalize else (0, 0), fresh=int(fresh),
+        finalize=int(finalize))
 
 
 def fwd_finalize_params(acc, m, l, out, lse, vec: int) -> np.void:

@@ -116,7 +116,7 @@ class NumpyOps(LocalOps):
     def forward_init(self, q, softmax_scale):
         return ForwardState(q_in=q, scale=softmax_scale)
 
-    def forward_step(self, st, k, v, blocks):
+    def forward_step(self, st, k, v, blocks, last=False):
         b, sk, hkv, d = k.shape
         first = st.q is None   # grouping needs Hkv, known from the first step's k
         if first:
