@@ -95,7 +95,7 @@ for s in "${steps[@]}"; do
       $MEMCHECK $PYTEST $SM90_FWD $INERT tests/kernels/test_flash_fwd_sm90_lists_emulated.py \
       -k "ragged or causal_offsets or headdims or poisoned_v or documents or whole_pass or ring_starts" ;;
     hopper_racecheck) step hopper_racecheck 180 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $RACECHECK $PYTEST \
-      $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128) or (whole_pass and float16)" ;;
+      $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and 128) or (whole_pass and float16) or tiles_without_keys" ;;
     hopper_bwd) step hopper_bwd 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86" ;;
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \

@@ -34,13 +34,16 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     kv, gather_s = _gather_kv(ops, transport, k, v, part.lengths)
     state = ops.forward_init(q, softmax_scale)
     # visit the shards in the ring's order so traces line up with the other strategies
+    blocks_of = [mask_blocks(part, rank, (rank - s) % size, causal, window_size, cu_seqlens,
+                             block_mask) for s in range(size)]
+    last = max((s for s, blocks in enumerate(blocks_of) if blocks), default=-1)
     for s in range(size):
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
+        blocks = blocks_of[s]
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"allgather fwd {s} compute", ops.forward_step, state,
-                              kv[source][0], kv[source][1], blocks, s == size - 1)
+                              kv[source][0], kv[source][1], blocks, s == last)
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, gather_s if s == 0 else 0.0)
     return ops.forward_finalize(state, q.dtype)

@@ -145,6 +145,8 @@ class _KVRing:
         plan = [forward_steps(r % self.size, *mask, bidirectional=bidirectional)
                 for r in (self.rank - 1, self.rank, self.rank + 1)]
         self.from_prev, self.steps, self.from_next = plan
+        # the last step holding a block: its last fold ends the pass (`LocalOps.forward_step`)
+        self.last_step = max((s for s, t in enumerate(self.steps) if t.held or t.back_held), default=-1)
         if self.size == 1:
             self.own = {"k": k, "v": v}
             return
@@ -201,7 +203,7 @@ class _KVRing:
         for i, (back, blocks) in enumerate(folds):
             cur = self.holding(s)
             k, v = (cur[name] for name in self.block(back, s))
-            last = s == self.size - 1 and i == len(folds) - 1   # the pass's last fold
+            last = s == self.last_step and i == len(folds) - 1   # the pass's last fold
             compute_s += timed(ops, f"fwd {s} compute" + (" back" if back else ""),
                                ops.forward_step, state, k, v, blocks, last)
             count += len(blocks)

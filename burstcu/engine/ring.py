@@ -44,17 +44,20 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     ops.copy_(k0, k)
     ops.copy_(v0, v)
     state = ops.forward_init(q, softmax_scale)
+    blocks_of = [mask_blocks(part, rank, (rank - s) % size, causal, window_size, cu_seqlens,
+                             block_mask) for s in range(size)]
+    last = max((s for s, blocks in enumerate(blocks_of) if blocks), default=-1)
     for s in range(size):
         (kc, vc), (kn, vn) = kv(s), kv(s + 1)
         exchanging = s < size - 1
         if exchanging:
             post_exchange(ops, transport, f"ring fwd {s} send/recv k, v", [(kc, kn), (vc, vn)])
         source = (rank - s) % size
-        blocks = mask_blocks(part, rank, source, causal, window_size, cu_seqlens, block_mask)
+        blocks = blocks_of[s]
         compute_s = 0.0
         if blocks:
             compute_s = timed(ops, f"ring fwd {s} compute", ops.forward_step, state, kc, vc,
-                              blocks, s == size - 1)
+                              blocks, s == last)
         wait_s = timed_wait(ops, transport, f"ring fwd {s} wait") if exchanging else 0.0
         if trace is not None:
             trace.add("forward", s, source, len(blocks), compute_s, wait_s)

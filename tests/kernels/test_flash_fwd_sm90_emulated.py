@@ -345,14 +345,32 @@ def test_a_ring_starts_fresh_and_ends_in_its_last_fold(ops):
     got = _fused(ops, q, k, v, steps)
     assert counts == {"flash_fwd_step_sm90": 6, "flash_any_nonfinite": 3}, counts   # launch pairs
     assert _same(got, want, "float16")
+    seen = [Block(0, 192, 0, 128, 256, 0, True), Block(0, 96, 128, 128, 256, 128, True),
+            Block(0, 192, 256, 128, 256, 256, True)]   # the three folds' pairs, over all of k
+    check(ops, "float16", q, k, v, seen, steps=steps, last=True)
     state = ops.forward_init(q)
     ops.forward_step(state, k3, v3, steps[2][2], True)
     with pytest.raises(RuntimeError, match="last"):
         ops.forward_step(state, k3, v3, steps[2][2])
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_ring_starts_fresh_and_ends_over_tiles_without_keys(ops, dtype):
+    """Two folds over every row, whole query tiles of whose rows see no key in either (rows
+    0..139 against keys from position 140 on): the first writes the fresh state there, the last
+    reads it and writes out 0 and lse -inf there, the unfused pass's bits (`_same`) and within
+    FlashAttention's rule of float64 elsewhere."""
+    q, k, v = make(dtype, 1, 330, 256, 2, 1, 64, seed=13)
+    steps = [(k[:, :128], v[:, :128], [Block(0, 330, 0, 128, 0, 140, True)]),
+             (k[:, 128:], v[:, 128:], [Block(0, 330, 0, 128, 0, 268, True)])]
+    want = _unfused(ops, q, k, v, steps)
+    got = _fused(ops, q, k, v, steps)
+    assert _same(got, want, dtype)
+    check(ops, dtype, q, k, v, [Block(0, 330, 0, 256, 0, 140, True)], steps=steps, last=True)
+
+
 def test_a_fold_over_some_rows_zeroes_a_fresh_state_first(ops):
-    """A first fold over part of the rows (or of several Blocks) zeroes the fresh state first:
+    """A first fold over part of the rows zeroes the fresh state first:
     the rows it does not cover come out empty (out 0, lse -inf), the others within the rule, and
     a last fold over part of the rows leaves the finalize to flash_fwd_finalize."""
     q, k, v = make("bfloat16", 1, 200, 150, 2, 2, 64, seed=9)

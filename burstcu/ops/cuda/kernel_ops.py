@@ -369,9 +369,9 @@ class KernelOps(LocalOps):
         plain = self.variant("forward", hopper.dtype, d)
 
         def run():
-            saved, pairs = self.sm_count, []
+            saved, pairs = (self.sm_count, self.sm90_whole_pass), []
             try:
-                self.sm_count = 2
+                self.sm_count, self.sm90_whole_pass = 2, True   # the whole pass checked, always
                 for values, (blocks, last) in itertools.product((v, poisoned), cases):
                     results = []
                     for variant in (hopper, plain):
@@ -383,7 +383,7 @@ class KernelOps(LocalOps):
                     if last:   # every row sees a key: lse finite
                         pairs.append((lse, want_lse))
             finally:
-                self.sm_count = saved
+                self.sm_count, self.sm90_whole_pass = saved
             return pairs
         return _first_use_check(key, hopper, "forward", run, stacklevel=5)
 
@@ -692,6 +692,9 @@ class KernelOps(LocalOps):
         if finalize:
             out = self.xp.empty((B, S, H, dp), dtype=state.dtype)
             lse = self.xp.empty((B, H, S), dtype=np.float32)
+            if self.backend == "emulated":   # as forward_init's state: a row not written shows
+                out.fill(np.nan)
+                lse.fill(np.nan)
         cfg = variant.launch
         q_map = tensor_map_4d_rows(self.backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
         k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)
@@ -727,7 +730,8 @@ class KernelOps(LocalOps):
     def forward_finalize(self, state: ForwardState, out_dtype) -> tuple[Any, Any]:
         """(out (B, S, H, D) in out_dtype, lse (B, H, S) float32); rows that saw no key: 0, -inf.
         Where the last fold wrote them (state.result, in the state's dtype), those, converted to
-        out_dtype if it differs (the engines ask for q's dtype: no conversion)."""
+        out_dtype if it differs (the engines ask for q's dtype: no conversion; another dtype gets
+        the values rounded to q's dtype first)."""
         xp = self.xp
         if state.result is not None:
             out, lse = state.result
