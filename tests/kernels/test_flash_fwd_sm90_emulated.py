@@ -317,7 +317,7 @@ def test_one_fold_is_a_whole_pass(ops, dtype, d, block):
     """A pass of one Block over every query row with `last` runs one kernel: the Hopper step
     starts from a state it does not read and writes out and lse itself (no zeroing, no
     flash_fwd_finalize), within FlashAttention's rule of float64 and bit for bit what the
-    zeroed state, the fold and the finalize give (`_same`).
+    zeroed state, the fold and the finalize give (`_same`), with no fp32 state allocated.
     Rows that see no key (whole tiles of them, which the fold skips) get out 0 and lse -inf."""
     q, k, v = make(dtype, 2, block.q_len, block.k_len, 4, 2, d, seed=d + block.k_pos)
     steps = [(k, v, [block])]
@@ -328,6 +328,9 @@ def test_one_fold_is_a_whole_pass(ops, dtype, d, block):
     assert counts == {"flash_fwd_step_sm90": 2 if block.masked else 1, **scan}, counts
     assert _same(got, want, dtype)
     check(ops, dtype, q, k, v, [block], last=True)
+    state = ops.forward_init(q)
+    ops.forward_step(state, k, v, [block], True)
+    assert state.acc is None and state.m is None and state.l is None
 
 
 def test_a_ring_starts_fresh_and_ends_in_its_last_fold(ops):

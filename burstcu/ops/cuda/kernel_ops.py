@@ -92,7 +92,8 @@ class ForwardState:
     """Running forward state of one rank's queries.
 
     q: (B, S, H, Dp) input dtype, padded, contiguous.  acc: (B, S, H, Dp) float32.
-    m, l: (B, H, S) float32 (base-2 running max / sum).  scale: softmax scale.
+    m, l: (B, H, S) float32 (base-2 running max / sum); all three None until a fold writes them
+    (`KernelOps._state_buffers`: a pass of one fold never allocates them).  scale: softmax scale.
     headdim: the caller's D.  dtype: "float16" or "bfloat16".  keep: what a launch still reads
     (the rectangle lists of flash_fwd_steps), kept with the state until it is finalized.
     fresh: nothing folded yet, and acc, m, l not written (`KernelOps._materialize` zeroes them;
@@ -101,12 +102,12 @@ class ForwardState:
     """
 
     q: Any
-    acc: Any
-    m: Any
-    l: Any
     scale: float
     headdim: int
     dtype: str
+    acc: Any = None
+    m: Any = None
+    l: Any = None
     keep: list = field(default_factory=list)
     fresh: bool = True
     result: tuple | None = None
@@ -464,26 +465,30 @@ class KernelOps(LocalOps):
     # -- forward -----------------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale: float | None = None) -> ForwardState:
         """Fresh state for q (B, S, H, D), acc 0, m -inf, l 0 once a fold reads it (until then
-        not written: `ForwardState.fresh`; the emulator fills it with NaN, so that a kernel
-        reading it unwritten shows); scale defaults to 1/sqrt(D)."""
+        neither allocated nor written: `ForwardState.fresh`, `_state_buffers`); scale defaults
+        to 1/sqrt(D)."""
         dtype = self._check_dtype(q, "q")
-        B, S, H, D = q.shape
+        D = q.shape[3]
         dp = self.variant("forward", dtype, D).headdim
         scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-        xp = self.xp
-        state = ForwardState(q=self._ready(self.pad_headdim(q, dp)),
-                             acc=xp.empty((B, S, H, dp), dtype=np.float32),
-                             m=xp.empty((B, H, S), dtype=np.float32),
-                             l=xp.empty((B, H, S), dtype=np.float32),
-                             scale=scale, headdim=D, dtype=dtype)
-        if self.backend == "emulated":
-            for x in (state.acc, state.m, state.l):
-                x.fill(np.nan)
-        return state
+        return ForwardState(q=self._ready(self.pad_headdim(q, dp)), scale=scale, headdim=D,
+                            dtype=dtype)
 
-    @staticmethod
-    def _materialize(state: ForwardState) -> None:
+    def _state_buffers(self, state: ForwardState) -> None:
+        """state.acc (B, S, H, Dp), m, l (B, H, S) float32 allocated, unwritten (the emulator
+        fills them with NaN, so that a kernel reading them unwritten shows)."""
+        if state.acc is None:
+            B, S, H, dp = state.q.shape
+            xp = self.xp
+            state.acc = xp.empty((B, S, H, dp), dtype=np.float32)
+            state.m, state.l = (xp.empty((B, H, S), dtype=np.float32) for _ in range(2))
+            if self.backend == "emulated":
+                for x in (state.acc, state.m, state.l):
+                    x.fill(np.nan)
+
+    def _materialize(self, state: ForwardState) -> None:
         """A fresh state's acc 0, m -inf, l 0 written, for a fold that reads them."""
+        self._state_buffers(state)
         if state.fresh:
             state.acc.fill(0)
             state.m.fill(-np.inf)
@@ -637,6 +642,8 @@ class KernelOps(LocalOps):
             blocks[0].q_start == 0 and blocks[0].q_len == S
         if not whole:
             self._materialize(state)
+        elif not (state.fresh and last):
+            self._state_buffers(state)   # written (fresh), or read and written
         kp = self._ready(self.pad_headdim(k, dp))
         vp = self._ready(self.pad_headdim(v, dp))
         if kp.strides != vp.strides:
@@ -701,7 +708,10 @@ class KernelOps(LocalOps):
         v_map = tensor_map_4d_rows(self.backend, vp, blk.k_start, blk.k_len, cfg.block_n)
         n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
         hb_group = max(1, min(self.sm90_head_group or H * B, H * B))
-        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
+        # a pass of one fold neither reads nor writes the state, which has no buffers: out and
+        # lse stand in for acc and m, l (their pointers and strides are never followed)
+        acc, m, l = (out, lse, lse) if state.acc is None else (state.acc, state.m, state.l)
+        params = fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l,
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
                                       state.scale * _LOG2E, n_tiles, hb_group,
                                       fresh=state.fresh, out=out, lse=lse)
