@@ -145,8 +145,13 @@ class _KVRing:
         plan = [forward_steps(r % self.size, *mask, bidirectional=bidirectional)
                 for r in (self.rank - 1, self.rank, self.rank + 1)]
         self.from_prev, self.steps, self.from_next = plan
-        # the last step holding a block: its last fold ends the pass (`LocalOps.forward_step`)
-        self.last_step = max((s for s, t in enumerate(self.steps) if t.held or t.back_held), default=-1)
+        # the last step with a fold (a block held whose pairs some query here sees: a block mask
+        # may have a rank hold a block only to pass it on): its last fold ends the pass
+        # (`LocalOps.forward_step`)
+        def folds(t: ForwardStep) -> bool:
+            return any(held and mask_blocks(self.part, self.rank, source, *mask[1:])
+                       for held, source in ((t.held, t.source), (t.back_held, t.back_source)))
+        self.last_step = max((s for s, t in enumerate(self.steps) if folds(t)), default=-1)
         if self.size == 1:
             self.own = {"k": k, "v": v}
             return

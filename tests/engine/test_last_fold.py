@@ -6,6 +6,8 @@ full, causal, windowed and document masks over both layouts and both ways round 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -72,4 +74,47 @@ def test_the_last_fold_is_said_to_be_last(size, strategy, layout, mask):
     for rank, passes in enumerate(run_ranks(size, body, timeout=60)):
         assert passes, rank
         for flags in passes:   # a pass without folds (a rank whose rows see no key) says nothing
+            assert flags == [False] * (len(flags) - 1) + [True] or not flags, (rank, flags)
+
+
+def _random_block_mask(rng, n: int) -> burstcu.BlockMask:
+    """Rectangles over disjoint query ranges (no pair twice), each a random key range and kind."""
+    cuts = np.sort(rng.choice(np.arange(1, n), 3, replace=False))
+    q = np.stack([np.r_[0, cuts], np.r_[cuts, n]], axis=1)
+    k0 = rng.integers(0, n - 1, len(q))
+    k = np.stack([k0, k0 + 1 + rng.integers(0, n - k0)], axis=1)
+    return burstcu.BlockMask(q, k, rng.integers(0, 4, len(q)).tolist())
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 6])
+@pytest.mark.parametrize("strategy", ["burst", "burst both ways", "ring", "allgather"])
+def test_the_last_fold_under_block_masks_and_uneven_shards(size, strategy):
+    """The same under block masks (a rank may hold a block only to pass it on: six ranks of 24
+    rows, queries [0, 72) and [72, 144) seeing keys [91, 135) and [121, 136)) and random ones,
+    over contiguous shards of uneven lengths."""
+    rng = np.random.default_rng(size)
+    n = 24 * size
+    lengths = [int(x) for x in np.diff(np.r_[0, np.sort(rng.choice(np.arange(1, n), size - 1,
+                                                                      replace=False)), n])]
+    masks = [_random_block_mask(rng, n) for _ in range(3)]
+    if size == 6:
+        masks.append(burstcu.BlockMask([(0, 72), (72, 144)], [(91, 135), (121, 136)], ["full", "full"]))
+    q, k, v = (rng.standard_normal((1, n, 2, 8)) for _ in range(3))
+
+    def body(group):
+        ops = group.ops = _LastFolds(group.ops)
+        for mask, split in itertools.product(masks, (None, lengths)):
+            sharding = burstcu.Sharding(group, lengths=split)
+            shards = [sharding.shard(x) for x in (q, k, v)]
+            if strategy == "burst both ways":
+                engine.get("burst", bidirectional=True).forward(
+                    *shards, ops, group.transport, causal=False, softmax_scale=0.3, block_mask=mask,
+                    layout=partition("contiguous", size, n, lengths=None if split is None else tuple(split)))
+            else:
+                burstcu.attention(*shards, sharding, strategy=strategy, block_mask=mask)
+        return ops.passes
+
+    for rank, passes in enumerate(run_ranks(size, body, timeout=60)):
+        assert len(passes) == 2 * len(masks), rank
+        for flags in passes:
             assert flags == [False] * (len(flags) - 1) + [True] or not flags, (rank, flags)

@@ -708,10 +708,9 @@ class KernelOps(LocalOps):
         v_map = tensor_map_4d_rows(self.backend, vp, blk.k_start, blk.k_len, cfg.block_n)
         n_tiles = cdiv(blk.q_len, cfg.block_m) * H * B
         hb_group = max(1, min(self.sm90_head_group or H * B, H * B))
-        # a pass of one fold neither reads nor writes the state, which has no buffers: out and
-        # lse stand in for acc and m, l (their pointers and strides are never followed)
-        acc, m, l = (out, lse, lse) if state.acc is None else (state.acc, state.m, state.l)
-        params = fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l,
+        # a pass of one fold neither reads nor writes the state, which has no buffers: null
+        # pointers (a kernel that followed one would fault at once)
+        params = fwd_step_sm90_params(q_map, k_map, v_map, state.acc, state.m, state.l,
                                       self.step_flag(blk.masked, flag), blk, H, kp.shape[2],
                                       state.scale * _LOG2E, n_tiles, hb_group,
                                       fresh=state.fresh, out=out, lse=lse)

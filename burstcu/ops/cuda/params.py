@@ -590,11 +590,13 @@ def fwd_step_sm90_params(q_map, k_map, v_map, acc, m, l, nonfinite, block: Block
     flash_fwd_steps_sm90 takes a whole step's `groups` (block None) and maps of whole arrays.
     A block over every query row may start from a `fresh` state (not read) and, given out
     (B, Sq, H, D) in q's dtype and lse (B, H, Sq) float32, end the pass (finalize: those are
-    written, the state is not)."""
+    written, the state is not); with both, acc, m and l may be None (null pointers)."""
     finalize = out is not None
+    assert acc is not None or (fresh and finalize), "a fold that reads or writes the state needs it"
     return FWD_STEP_SM90.pack(
         q_map=q_map, k_map=k_map, v_map=v_map, acc=acc, m=m, l=l, nonfinite=nonfinite,
-        acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
+        acc_stride=(0, 0, 0) if acc is None else _shared_strides(3, acc),
+        ml_stride=(0, 0) if acc is None else _shared_strides(2, m, l),
         blk=(0,) * 8 if block is None else block_rect(block), H=heads, Hkv=kv_heads,
         scale_log2=scale_log2, n_tiles=n_tiles, hb_group=hb_group,
         n_groups=0 if groups is None else groups.n_groups,
