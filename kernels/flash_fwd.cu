@@ -41,6 +41,9 @@ VARIANTS (burstcu/build/fwd_variants.py lists them; each is one template instant
     flash_fwd_step<..., CAREFUL = true>   the same with gemm_rs_masked for P V
     flash_fwd_steps<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS[, true]>   the same tiles over a ring
         step's rectangle list (one launch a step when it has several rectangles)
+    flash_fwd_pass<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS[, true]>   the same tiles for a pass of one
+        fold over every query row (one rank, Ulysses): the state neither read nor written, out
+        and lse written as flash_fwd_finalize would (KernelOps._fold; no fp32 state allocated)
     flash_fwd_finalize<T>   T in {__half, __nv_bfloat16, float}
     flash_any_nonfinite<T>  T in {__half, __nv_bfloat16, float}
 
@@ -208,7 +211,8 @@ __device__ __forceinline__ RectView rect_view(const BlockRect& r, int q_pos, int
      (flash_any_nonfinite); the launcher issues the pair <..., false> and <..., true> on one
      stream and exactly one of them runs: the plain one when it is 0, the CAREFUL one otherwise
    block NWARPS * 32 threads, dynamic smem fwd::SmemBytes<HEADDIM, BLOCK_M, BLOCK_N>::kValue bytes. */
-template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL, bool LIST>
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL, bool LIST,
+          bool PASS = false>
 __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   if ((*p.nonfinite != 0) != CAREFUL) return;  // the other variant of this launch pair runs
   static_assert(BLOCK_M == 16 * NWARPS, "each warp owns 16 query rows");
@@ -267,7 +271,8 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   fwd::RectView cur = fwd::rect_view<BLOCK_N>(LIST ? rects[r] : p.blk, q_pos, q0, q_last);
   if constexpr (LIST)
     while (!cur.live && ++r < r_end) cur = fwd::rect_view<BLOCK_N>(rects[r], q_pos, q0, q_last);
-  if (q_last < q0 || !cur.live) return;
+  // PASS (flash_fwd_pass): every row is written, whether the block's rows see a key or not
+  if (q_last < q0 || (!PASS && !cur.live)) return;
 
   BURSTCU_DYNAMIC_SMEM(T, smem);
   // layout: Q | K0 V0 | K1 V1; stage s of K starts at sK0 + s * kStage (plain arithmetic, not a
@@ -282,16 +287,17 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   const T* gV = v + b * kv_sb + (long long)cur.k_start * kv_sr + hk * kv_sh;
 
   // ---- prologue: Q tile and the first rectangle's K/V tile tile_begin in flight
-  fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
-  cp_async_commit();
-  {
+  if (!PASS || cur.live) {
+    fwd::load_tile<T, HEADDIM, BLOCK_M, kThreads>(sQ, gQ, q_sr, q_len - q0, tid);
+    cp_async_commit();
     const int nb = cur.tile_begin * BLOCK_N;
     fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sK0, gK + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
     fwd::load_tile<T, HEADDIM, BLOCK_N, kThreads>(sV0, gV + nb * kv_sr, kv_sr, cur.n_keys - nb, tid);
+    cp_async_commit();
   }
-  cp_async_commit();
 
   // ---- running state of this thread's two rows (w0 + g, w0 + g + 8), read while loads fly
+  // (PASS: not read, acc 0, m -inf, l 0)
   const int row[2] = {w0 + g, w0 + g + 8};
   const bool row_ok[2] = {row[0] < q_len, row[1] < q_len};
   float o[kDTiles][4];  // acc fragment: o[j][0..1] row 0, dims 8j+2t..+1; o[j][2..3] row 1
@@ -301,12 +307,13 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   float* acc_base = acc + b * acc_sb + (long long)q_start * acc_sr + h * acc_sh;
 #pragma unroll
   for (int r2 = 0; r2 < 2; ++r2) {
-    m_i[r2] = row_ok[r2] ? ml_base_m[row[r2]] : fwd::neg_inf();
-    l_i[r2] = (row_ok[r2] && t == 0) ? ml_base_l[row[r2]] : 0.f;
+    const bool read = !PASS && row_ok[r2];
+    m_i[r2] = read ? ml_base_m[row[r2]] : fwd::neg_inf();
+    l_i[r2] = (read && t == 0) ? ml_base_l[row[r2]] : 0.f;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) {
       float2 a = make_float2(0.f, 0.f);
-      if (row_ok[r2]) a = *reinterpret_cast<const float2*>(acc_base + row[r2] * acc_sr + 8 * j + 2 * t);
+      if (read) a = *reinterpret_cast<const float2*>(acc_base + row[r2] * acc_sr + 8 * j + 2 * t);
       o[j][2 * r2] = a.x;
       o[j][2 * r2 + 1] = a.y;
     }
@@ -325,7 +332,7 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
   // K B-fragments for two n-tiles at once (gemm_qk)
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_col = ((lane / 8) % 2) * 8;
 
-  while (true) {  // one pass a live rectangle (once for flash_fwd_step)
+  while (!PASS || cur.live) {  // one pass a live rectangle (once for flash_fwd_step)
     const int k_start = cur.k_start, k_len = cur.k_len, k_pos = cur.k_pos, hi = cur.hi, lo = cur.lo;
     const int n_keys = cur.n_keys, tile_begin = cur.tile_begin, n_tiles = cur.n_tiles;
     for (int tile = tile_begin; tile < n_tiles; ++tile) {
@@ -433,11 +440,26 @@ __device__ __forceinline__ void flash_fwd_fold(const FwdStepParams<T>& p) {
     cp_async_commit();
   }
 
-  // ---- write the state back (rows past q_len were never read and are not written)
+  // ---- write the state back (rows past q_len were never read and are not written); PASS: out
+  // and lse instead, flash_fwd_finalize's out = acc / l, lse = (m + log2 l) ln 2 (l == 0: 0, -inf)
 #pragma unroll
   for (int r2 = 0; r2 < 2; ++r2) {
     const float lsum = warp_sum<4>(l_i[r2]);
     if (!row_ok[r2]) continue;
+    if constexpr (PASS) {
+      const long long at = q_start + row[r2];
+      T* out_row = p.out + b * p.out_stride.b + at * p.out_stride.s + h * p.out_stride.h;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        const float x = lsum == 0.f ? 0.f : o[j][2 * r2] / lsum;
+        const float y = lsum == 0.f ? 0.f : o[j][2 * r2 + 1] / lsum;
+        *reinterpret_cast<u32*>(out_row + 8 * j + 2 * t) = pack2<T>(x, y);
+      }
+      if (t == 0)
+        p.lse[b * p.lse_stride.b + h * p.lse_stride.h + at] =
+            lsum == 0.f ? fwd::neg_inf() : (m_i[r2] + log2f(lsum)) * 0.6931471805599453f;
+      continue;
+    }
     if (t == 0) {
       ml_base_m[row[r2]] = m_i[r2];
       ml_base_l[row[r2]] = lsum;
@@ -453,6 +475,15 @@ template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CA
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_fwd_step(const __grid_constant__ FwdStepParams<T> p) {
   flash_fwd_fold<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAREFUL, false>(p);
+}
+
+// A pass of one fold (p.blk over every query row of the pass): the state neither read nor written,
+// out and lse written as flash_fwd_finalize would (p.out, p.lse); grid as flash_fwd_step's. The
+// sm_80 and sm_86 tables have none at d = 64 (burstcu/build/fwd_variants.py, PASS_HEADDIMS).
+template <typename T, int HEADDIM, int BLOCK_M, int BLOCK_N, int NWARPS, bool CAREFUL = false>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_fwd_pass(const __grid_constant__ FwdStepParams<T> p) {
+  flash_fwd_fold<T, HEADDIM, BLOCK_M, BLOCK_N, NWARPS, CAREFUL, false, true>(p);
 }
 
 // A ring step's rectangles in one launch (p.rects, p.groups): grid (the groups' query tiles, H, B).

@@ -146,7 +146,7 @@ NEXT (in order of the expected gain): the rectangle lists above, measured agains
 list kernel (KernelOps.sm90_lists = False) on a step of documents;
 the head groups above, measured; the pass of one fold (p.fresh and p.finalize, not yet run on a
 GPU: PREDICTION ~0.15 ms less a call at 4K, the fp32 state neither zeroed, read, written nor
-finalized; run.sh whole_pass times it against sm90_whole_pass off);
+finalized; run.sh whole_pass times it against whole_pass off);
 BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN).
 */
 

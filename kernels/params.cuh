@@ -84,6 +84,11 @@ struct FwdStepParams {
   const int2* row_keys;   // null, or (a packed list, below) query row i sees only the key rows
                           // [row_keys[i].x, row_keys[i].y) besides its rectangle's bounds
   int n_groups;
+  // flash_fwd_pass only (a pass of one fold: acc, m, l then null): the output and its lse
+  T* out;                 // (B, Sq, H, D) output, strides out_stride
+  float* lse;             // (B, H, Sq) fp32 natural log, strides lse_stride
+  RowStrides out_stride;  // of out
+  StatStrides lse_stride; // of lse
 };
 
 // A CUtensorMap (128 bytes, 64-byte aligned): how a bulk tensor copy (TMA) reads a global

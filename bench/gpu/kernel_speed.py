@@ -2,7 +2,7 @@
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
 step kernels alone through KernelOps, one step over every key said to be the pass's last: what
 one rank's call runs, on the Hopper forward one kernel that neither reads the state nor leaves
-the finalize to its own kernel; `step` the same with KernelOps.sm90_whole_pass False: the state
+the finalize to its own kernel; `step` the same with KernelOps.whole_pass False: the state
 zeroed, read, written and finalized, what a ring's middle step costs beside init and finalize),
 each once per
 kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
@@ -68,7 +68,7 @@ def plan(args) -> list[dict]:
 def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
     """fn() running `impl` once (forward, or forward + backward) on q, k, v, dout (B, S, H, D)
     under the configuration's mask: `kernels` and `step` the step kernels alone, one block over
-    every key (`step`: KernelOps.sm90_whole_pass off); `api` burstcu.attention; torch's SDPA on the same memory as (B, H, S, D) views, None when
+    every key (`step`: KernelOps.whole_pass off); `api` burstcu.attention; torch's SDPA on the same memory as (B, H, S, D) views, None when
     torch is missing or the backend refuses the shape."""
     causal, window, bwd = cfg["causal"], cfg["window"], cfg["pass"] == "fwd+bwd"
     if impl in KERNEL_IMPLS:
@@ -78,7 +78,7 @@ def attention_call(impl: str, ops, cfg: dict, q, k, v, dout):
         blocks = [Block(0, s, 0, s, 0, 0, causal, left=-1 if window is None else window)]
 
         def run():
-            ops.sm90_whole_pass = impl == "kernels"
+            ops.whole_pass = impl == "kernels"
             state = ops.forward_init(q, scale)
             ops.forward_step(state, k, v, blocks, True)
             out, lse = ops.forward_finalize(state, q.dtype)

@@ -9,6 +9,9 @@ Two families live in flash_fwd.cu:
   instead of ``"forward"`` for a block with masked pairs when V holds Inf/NaN.
 * ``"forward_list"`` (and ``"forward_list_careful"``): ``flash_fwd_steps``, the same tiles over a
   ring step's whole rectangle list in one launch (`burstcu.ops.cuda.params.step_groups`).
+* ``"forward_pass"`` (and ``"forward_pass_careful"``): ``flash_fwd_pass``, the same tiles for a
+  pass of one fold over every query row: the state neither read nor written, out and lse written
+  as the finalize would (`KernelOps._fold`).
 * ``"forward_sm90"`` (tile table "sm_90a" only): ``flash_fwd_step_sm90<T, HEADDIM, BLOCK_N, STAGES>``
   of kernels/flash_fwd_sm90.cu for head dims 64, 128 and 256, compiled for sm_90a (wgmma, TMA,
   setmaxnreg): a producer warpgroup and two consumer warpgroups of 64 query rows each, on a
@@ -62,24 +65,31 @@ def step_smem_bytes(headdim: int, block_m: int, block_n: int) -> int:
 # a step family's rectangle-list twin: family + LIST_SUFFIX (bwd_variants.LIST_SUFFIX's convention)
 LIST_SUFFIX = "_list"
 LIST_FAMILY = "forward" + LIST_SUFFIX
+PASS_FAMILY = "forward_pass"   # flash_fwd_pass: a pass of one fold
+# (table, head dims) with a flash_fwd_pass: where it keeps flash_fwd_step's blocks a SM (the gate's
+# registers: at d = 64 on the sm_80 and sm_86 tiles it took 148 where the step takes 128, one
+# block a SM instead of two, and bounded to two blocks it spilled; KernelOps runs the step and
+# the finalize there)
+PASS_HEADDIMS = {"sm_80": (32, 96, 128, 256), "sm_86": (32, 96, 128, 256), "sm_90": NATIVE_HEADDIMS}
+_KERNELS = {"forward": "flash_fwd_step", LIST_FAMILY: "flash_fwd_steps", PASS_FAMILY: "flash_fwd_pass"}
 
 
-def step_variant(arch: str, dtype: str, headdim: int, listed: bool = False) -> KernelVariant:
+def step_variant(arch: str, dtype: str, headdim: int, listed: bool = False,
+                 family: str | None = None) -> KernelVariant:
     """The forward-step variant for (arch, dtype, native head dim): flash_fwd_step (one
     rectangle a launch), or with `listed` flash_fwd_steps (a ring step's rectangle list in one
-    launch, family "forward_list"), on the same tiles."""
+    launch, family "forward_list"), or `family` PASS_FAMILY's flash_fwd_pass, on the same tiles."""
     nwarps, block_n = _TILES[base_table(arch)][headdim]
-    return _tiled_variant(dtype, headdim, nwarps, block_n, listed)
+    return _tiled_variant(dtype, headdim, nwarps, block_n, family or (LIST_FAMILY if listed else "forward"))
 
 
 def _tiled_variant(dtype: str, headdim: int, nwarps: int, block_n: int,
-                   listed: bool = False) -> KernelVariant:
+                   family: str = "forward") -> KernelVariant:
     block_m = 16 * nwarps
-    kernel = "flash_fwd_steps" if listed else "flash_fwd_step"
-    name = f"{kernel}<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
+    name = f"{_KERNELS[family]}<{CXX_TYPE[dtype]}, {headdim}, {block_m}, {block_n}, {nwarps}>"
     launch = LaunchConfig(threads=32 * nwarps, block_m=block_m, block_n=block_n,
                           smem_bytes=step_smem_bytes(headdim, block_m, block_n))
-    return KernelVariant(LIST_FAMILY if listed else "forward", SOURCE, name, dtype, headdim, launch)
+    return KernelVariant(family, SOURCE, name, dtype, headdim, launch)
 
 
 SM90_SOURCE = "flash_fwd_sm90.cu"
@@ -171,8 +181,9 @@ def forward_variants(arch: str) -> list[KernelVariant]:
     finalizes, non-finite flags."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    steps = [step_variant(arch, dt, d, listed) for listed in (False, True) for dt in DTYPES
-             for d in NATIVE_HEADDIMS]
+    steps = [step_variant(arch, dt, d, family=family) for family in ("forward", LIST_FAMILY, PASS_FAMILY)
+             for dt in DTYPES for d in NATIVE_HEADDIMS
+             if family != PASS_FAMILY or d in PASS_HEADDIMS[base_table(arch)]]
     hopper = ([sm90_step_variant(dt, d, careful, listed) for listed in (False, True)
                for careful in (False, True) for dt in DTYPES for d in SM90_HEADDIMS]
               if arch == "sm_90a" else [])

@@ -20,7 +20,7 @@ import pytest
 from burstcu.build.fwd_variants import SM90_FAMILY
 from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
 from burstcu.layout import Block
-from tests.kernels.backend import kernel_ops
+from tests.kernels.backend import BACKEND, kernel_ops
 from burstcu.testing.reference import attention_ref, keep_from_blocks
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -439,3 +439,50 @@ def test_a_steps_rectangle_list_is_built_once_and_kept(monkeypatch):
     for out, lse in outs[1:]:
         assert np.array_equal(out.view(np.uint16), outs[0][0].view(np.uint16))
         assert np.array_equal(lse.view(np.uint32), outs[0][1].view(np.uint32))
+
+
+# ------------------------------------------------------------------------------------------------
+# a pass of one fold: flash_fwd_pass (KernelOps.whole_pass)
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d,block", [
+    (32, Block(0, 200, 0, 150, 0, 0, True)),
+    (80, Block(0, 150, 0, 200, 0, 0, False)),      # runs the 96 tiles, zero-padded
+    (96, Block(0, 130, 0, 160, 0, 90, True)),      # rows 0..89 see no key: whole blocks of them
+    (128, Block(0, 100, 0, 256, 180, 0, True, 37)),  # a causal window
+])
+def test_a_pass_of_one_fold_runs_flash_fwd_pass(ops, dtype, d, block):
+    """A fold over every query row said to be the pass's last, from a fresh state, on the
+    mma.sync tiles: flash_fwd_pass alone (its careful twin beside it under masks), no state
+    allocated, no finalize; bit for bit the zeroed state, flash_fwd_step and flash_fwd_finalize
+    on the emulator; FlashAttention's rule against float64."""
+    inner = getattr(ops, "ops", ops)
+    if inner.forward_variant(dtype, d).family != "forward":
+        pytest.skip("this table runs the Hopper kernel at this head dim")
+    q, k, v = make(dtype, 2, block.q_len, block.k_len, 4, 2, d, seed=d)
+    counts = _counting(ops)
+    state = ops.forward_init(q, None)
+    ops.forward_step(state, k, v, [block], True)
+    got = ops.forward_finalize(state, q.dtype)
+    scan = {"flash_any_nonfinite": 1} if block.masked else {}
+    assert counts == {"flash_fwd_pass": 2 if block.masked else 1, **scan}, counts
+    assert state.acc is None
+    counts.clear()
+    state = ops.forward_init(q, None)
+    inner._materialize(state)   # as every fold but such a pass runs
+    ops.forward_step(state, k, v, [block], True)
+    want = ops.forward_finalize(state, q.dtype)
+    assert counts == {"flash_fwd_step": 2 if block.masked else 1, "flash_fwd_finalize": 1, **scan}, counts
+    if BACKEND == "emulated":
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    check(ops, dtype, q, k, v, [block], last=True)
+
+
+def test_the_sm80_table_has_no_pass_at_d64():
+    """At d = 64 the sm_80 tiles keep flash_fwd_step and the finalize: flash_fwd_pass took one
+    block a SM there where the step keeps two (fwd_variants.PASS_HEADDIMS)."""
+    ops = kernel_ops(arch="sm_80")
+    q, k, v = make("float16", 1, 96, 96, 2, 1, 64)
+    counts = _counting(ops)
+    check(ops, "float16", q, k, v, full(96, 96), last=True)
+    assert counts == {"flash_fwd_step": 1, "flash_fwd_finalize": 1}, counts

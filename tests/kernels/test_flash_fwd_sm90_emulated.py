@@ -238,7 +238,7 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, se
     anchor, replacement, message = FIRST_USE_SEEDS[seed]
     ops = kernel_ops(arch="sm_90a")
     ops.ops.first_use_check = True  # as on a GPU
-    ops.ops.sm90_whole_pass = False  # the check runs the whole pass all the same
+    ops.ops.whole_pass = False  # the check runs the whole pass all the same
     hopper = seed_kernel(ops, tmp_path, anchor, replacement)
     key = ops.ops._first_use_key(hopper)
     kops._SM90_FIRST_USE.pop(key, None)
@@ -247,7 +247,7 @@ def test_a_hopper_kernel_that_fails_its_first_use_check_is_not_used(tmp_path, se
         with pytest.warns(RuntimeWarning, match="failed its first-use check.*" + message):
             check(ops, "float16", q, k, v, full(100, 140))
         assert ops.forward_variant("float16", 64).family == "forward"
-        assert ops.ops.sm90_whole_pass is False
+        assert ops.ops.whole_pass is False
         check(ops, "float16", q, k, v, full(100, 140))  # no second check, no warning
     finally:
         kops._SM90_FIRST_USE.pop(key, None)

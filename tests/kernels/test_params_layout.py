@@ -159,7 +159,7 @@ def test_fwd_step_params_fields():
     flag = np.zeros(1, np.int32)
     blk = Block(q_start=3, q_len=5, k_start=4, k_len=6, q_pos=103, k_pos=104, causal=True)
     p = params.fwd_step_params(q, k, v, acc, m, l, flag, blk, 0.5)
-    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 224
+    assert p.dtype == params.FWD_STEP.dtype and p.dtype.itemsize == 280
     assert int(p["q"]) == q.ctypes.data and int(p["nonfinite"]) == flag.ctypes.data
     assert tuple(p["kv_stride"]) == (24 * 2 * 64, 2 * 64, 64)
     assert tuple(p["ml_stride"]) == (4 * 16, 16)
@@ -167,6 +167,14 @@ def test_fwd_step_params_fields():
     assert (int(p["H"]), int(p["Hkv"]), float(p["scale_log2"])) == (4, 2, 0.5)
     assert (int(p["rects"]), int(p["groups"]), int(p["n_groups"])) == (0, 0, 0)   # one rectangle
     assert int(p["row_keys"]) == 0                                                   # not packed
+    assert (int(p["out"]), int(p["lse"])) == (0, 0)                                  # not a pass
+    # flash_fwd_pass: no state, out and lse with their strides
+    out, lse = np.zeros((2, 16, 4, 64), np.float16), np.zeros((2, 4, 20), np.float32)[..., 2:18]
+    p = params.fwd_step_params(q, k, v, None, None, None, flag, blk, 0.5, out=out, lse=lse)
+    assert (int(p["acc"]), int(p["m"]), int(p["l"])) == (0, 0, 0)
+    assert tuple(p["acc_stride"]) == (0, 0, 0) and tuple(p["ml_stride"]) == (0, 0)
+    assert (int(p["out"]), int(p["lse"])) == (out.ctypes.data, lse.ctypes.data)
+    assert tuple(p["out_stride"]) == (16 * 4 * 64, 4 * 64, 64) and tuple(p["lse_stride"]) == (4 * 20, 20)
 
 
 def test_step_groups_group_by_query_range_in_folding_order():

@@ -210,11 +210,12 @@ class KernelOps(LocalOps):
         # a step of many small Blocks on the sm_90a table: the Hopper list kernels, forward and
         # dK/dV (True), or the mma.sync ones (False, for comparison; see SM90_MAX_RECTS)
         self.sm90_lists = True
-        # a Hopper fold over every query row starts from a fresh state without reading it and,
-        # the pass's last, writes out and lse itself (True; `_fold`), or reads a zeroed state and
-        # leaves the pass's end to flash_fwd_finalize (False, for comparison: a ring's middle
-        # step; bench/gpu/kernel_speed.py --impls step)
-        self.sm90_whole_pass = True
+        # a fold over every query row that is a pass's first or last: on the Hopper kernel it
+        # starts from a fresh state without reading it and, the last, writes out and lse itself;
+        # a pass of one fold on the mma.sync kernels runs flash_fwd_pass (True; `_fold`); or
+        # every fold reads a zeroed state and flash_fwd_finalize ends the pass (False, for
+        # comparison: a ring's middle step; bench/gpu/kernel_speed.py --impls step)
+        self.whole_pass = True
         # a list step whose rectangles are many and small (documents): packed into the kernels'
         # tiles with per-row key runs where that runs fewer tiles (True; burstcu.ops.cuda.packing),
         # or a tile a rectangle (False, for comparison: one launch a rectangle's bits)
@@ -370,9 +371,9 @@ class KernelOps(LocalOps):
         plain = self.variant("forward", hopper.dtype, d)
 
         def run():
-            saved, pairs = (self.sm_count, self.sm90_whole_pass), []
+            saved, pairs = (self.sm_count, self.whole_pass), []
             try:
-                self.sm_count, self.sm90_whole_pass = 2, True   # the whole pass checked, always
+                self.sm_count, self.whole_pass = 2, True   # the whole pass checked, always
                 for values, (blocks, last) in itertools.product((v, poisoned), cases):
                     results = []
                     for variant in (hopper, plain):
@@ -384,7 +385,7 @@ class KernelOps(LocalOps):
                     if last:   # every row sees a key: lse finite
                         pairs.append((lse, want_lse))
             finally:
-                self.sm_count, self.sm90_whole_pass = saved
+                self.sm_count, self.whole_pass = saved
             return pairs
         return _first_use_check(key, hopper, "forward", run, stacklevel=5)
 
@@ -638,9 +639,12 @@ class KernelOps(LocalOps):
         ran five (three zeroings, the fold, the finalize), and a ring's first and last folds skip
         a read and a write of the fp32 state. Anything else zeroes a fresh state first."""
         B, S, H, dp = state.q.shape
-        whole = self.sm90_whole_pass and variant.family == SM90_FAMILY and len(blocks) == 1 and \
-            blocks[0].q_start == 0 and blocks[0].q_len == S
-        if not whole:
+        covers = self.whole_pass and len(blocks) == 1 and blocks[0].q_start == 0 and \
+            blocks[0].q_len == S
+        whole = covers and variant.family == SM90_FAMILY
+        one_pass = (covers and variant.family == "forward" and state.fresh and last
+                    and self._pass_variant(variant) is not None)   # flash_fwd_pass
+        if not (whole or one_pass):
             self._materialize(state)
         elif not (state.fresh and last):
             self._state_buffers(state)   # written (fresh), or read and written
@@ -680,12 +684,39 @@ class KernelOps(LocalOps):
                                      groups)
             self.launch_step(variant, (groups.tiles, H, B), params, masked)
             return
+        if one_pass:
+            (blk,) = blocks
+            out, lse = self._pass_outputs(state)
+            params = fwd_step_params(state.q, kp, vp, None, None, None,
+                                     self.step_flag(blk.masked, flag), blk, state.scale * _LOG2E,
+                                     out=out, lse=lse)
+            self.launch_step(self._pass_variant(variant), (cdiv(blk.q_len, variant.launch.block_m), H, B),
+                             params, blk.masked)
+            state.fresh, state.result = False, (out, lse)
+            return
         for blk in blocks:
             params = fwd_step_params(state.q, kp, vp, state.acc, state.m, state.l,
                                      self.step_flag(blk.masked, flag), blk,
                                      state.scale * _LOG2E)
             self.launch_step(variant, (cdiv(blk.q_len, variant.launch.block_m), H, B), params,
                              blk.masked)
+
+    def _pass_variant(self, step: KernelVariant) -> KernelVariant | None:
+        """flash_fwd_pass on the tiles of the forward step `step`, None where the table has none
+        (fwd_variants.PASS_HEADDIMS)."""
+        name = step.name.replace("flash_fwd_step<", "flash_fwd_pass<", 1)
+        return self._variants.get(name)
+
+    def _pass_outputs(self, state: ForwardState) -> tuple[Any, Any]:
+        """(out (B, S, H, Dp) in state.dtype, lse (B, H, S) float32) for a fold that ends the pass
+        (the emulator fills them with NaN, so that a row a kernel leaves unwritten shows)."""
+        B, S, H, dp = state.q.shape
+        out = self.xp.empty((B, S, H, dp), dtype=state.dtype)
+        lse = self.xp.empty((B, H, S), dtype=np.float32)
+        if self.backend == "emulated":
+            out.fill(np.nan)
+            lse.fill(np.nan)
+        return out, lse
 
     def _forward_step_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp, blk: Block,
                            flag, finalize: bool = False) -> None:
@@ -695,13 +726,7 @@ class KernelOps(LocalOps):
         A fresh state is not read (the Block covers every row: `_fold`); with `finalize` the
         kernel writes out (state.dtype) and lse into state.result instead of the state."""
         B, S, H, dp = state.q.shape
-        out = lse = None
-        if finalize:
-            out = self.xp.empty((B, S, H, dp), dtype=state.dtype)
-            lse = self.xp.empty((B, H, S), dtype=np.float32)
-            if self.backend == "emulated":   # as forward_init's state: a row not written shows
-                out.fill(np.nan)
-                lse.fill(np.nan)
+        out, lse = self._pass_outputs(state) if finalize else (None, None)
         cfg = variant.launch
         q_map = tensor_map_4d_rows(self.backend, state.q, blk.q_start, blk.q_len, cfg.block_m)
         k_map = tensor_map_4d_rows(self.backend, kp, blk.k_start, blk.k_len, cfg.block_n)

@@ -233,7 +233,8 @@ FWD_STEP = CStruct("FwdStepParams", [
     ("nonfinite", "ptr"), ("q_stride", ROW_STRIDES), ("kv_stride", ROW_STRIDES),
     ("acc_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES), ("blk", BLOCK_RECT),
     ("H", "i32"), ("Hkv", "i32"), ("scale_log2", "f32"), ("rects", "ptr"), ("groups", "ptr"),
-    ("row_keys", "ptr"), ("n_groups", "i32")], templated=True)
+    ("row_keys", "ptr"), ("n_groups", "i32"), ("out", "ptr"), ("lse", "ptr"),
+    ("out_stride", ROW_STRIDES), ("lse_stride", STAT_STRIDES)], templated=True)
 FWD_FINALIZE = CStruct("FwdFinalizeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("acc_stride", ROW_STRIDES), ("out_stride", ROW_STRIDES), ("ml_stride", STAT_STRIDES),
@@ -389,19 +390,24 @@ def _rect_columns(blocks: Sequence[Block]) -> np.ndarray:
 
 
 def fwd_step_params(q, k, v, acc, m, l, nonfinite, block: Block | None, scale_log2: float,
-                    groups: "StepGroups | None" = None) -> np.void:
+                    groups: "StepGroups | None" = None, *, out=None, lse=None) -> np.void:
     """FwdStepParams: q (B, Sq, H, D); k, v (B, Sk, Hkv, D) sharing strides; acc (B, Sq, H, D)
     float32; m, l (B, H, Sq) float32 sharing strides; nonfinite a device int32. flash_fwd_step
-    takes one `block`; flash_fwd_steps takes a whole step's `groups` (block None)."""
+    takes one `block`; flash_fwd_steps takes a whole step's `groups` (block None); flash_fwd_pass
+    one block, acc, m, l None and out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32."""
+    passes = out is not None
     return FWD_STEP.pack(
         q=q, k=k, v=v, acc=acc, m=m, l=l, nonfinite=nonfinite,
         q_stride=_shared_strides(3, q), kv_stride=_shared_strides(3, k, v),
-        acc_stride=_shared_strides(3, acc), ml_stride=_shared_strides(2, m, l),
+        acc_stride=(0, 0, 0) if acc is None else _shared_strides(3, acc),
+        ml_stride=(0, 0) if acc is None else _shared_strides(2, m, l),
         blk=(0,) * 8 if block is None else block_rect(block), H=q.shape[2], Hkv=k.shape[2],
         scale_log2=scale_log2, rects=None if groups is None else groups.rects,
         groups=None if groups is None else groups.offsets,
         row_keys=None if groups is None else groups.row_keys,
-        n_groups=0 if groups is None else groups.n_groups)
+        n_groups=0 if groups is None else groups.n_groups, out=out, lse=lse,
+        out_stride=_shared_strides(3, out) if passes else (0, 0, 0),
+        lse_stride=_shared_strides(2, lse) if passes else (0, 0))
 
 
 @dataclass(frozen=True)
