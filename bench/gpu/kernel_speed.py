@@ -1,11 +1,10 @@
 """One GPU, one rank: burstcu's CUDA kernels against PyTorch's scaled_dot_product_attention on the
 same device and memory (DLPack views, no copy), in the same run. Implementations: `kernels` (the
 step kernels alone through KernelOps, one step over every key said to be the pass's last: what
-one rank's call runs, on the Hopper forward one kernel that neither reads the state nor leaves
-the finalize to its own kernel; `step` the same with KernelOps.whole_pass False: the state
-zeroed, read, written and finalized, what a ring's middle step costs beside init and finalize),
-each once per
-kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
+one rank's call runs, one kernel that neither reads the state nor leaves the finalize to its own
+kernel, the Hopper step or flash_fwd_pass; `step` the same with KernelOps.whole_pass False: the
+state zeroed, read, written and finalized, what a ring's middle step costs beside init and
+finalize), each once per kernel table of --archs, dQ mode of --dq-modes, head group of --sm90-head-group and atomic dQ adds
 of --dq-adds (the Hopper backward's: two floats an atomic add, one, or bulk reductions), each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
 attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,

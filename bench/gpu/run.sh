@@ -147,7 +147,7 @@ for s in "${steps[@]}"; do
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
-    whole_pass) step whole_pass 150 $KSPEED --archs sm_90a --passes fwd --impls kernels step torch-flash \
+    whole_pass) step whole_pass 150 $KSPEED --archs sm_90a sm_90 --passes fwd --impls kernels step torch-flash \
       torch-cudnn --headdims 64 128 --seqlens 1024 2048 4096 16384 --json "$LOGS/whole_pass.json" \
       --table "$LOGS/whole_pass.txt" ;;
     head_groups) step head_groups 240 $KSPEED --archs sm_90a --passes fwd --impls kernels torch-flash \
