@@ -486,3 +486,45 @@ def test_the_sm80_table_has_no_pass_at_d64():
     counts = _counting(ops)
     check(ops, "float16", q, k, v, full(96, 96), last=True)
     assert counts == {"flash_fwd_step": 1, "flash_fwd_finalize": 1}, counts
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="bit for bit, on the emulator")
+@pytest.mark.parametrize("arch,d", [("sm_80", 96), ("sm_90", 96), ("sm_90a", 128)])
+@pytest.mark.parametrize("poison", ["v unseen", "k seen", "none, two folds"])
+def test_a_pass_of_one_fold_keeps_the_unfused_bits(arch, d, poison):
+    """A pass of one fold (flash_fwd_pass; sm_90a: the Hopper step's fresh and finalize) against
+    the zeroed state, the step and flash_fwd_finalize, bit for bit (NaN where NaN): a NaN and an
+    Inf in V at keys some rows cannot see (causal: the careful twin runs, those rows stay
+    finite), a NaN in K at a key rows see (their out and lse NaN), and a first fold over every
+    row that is not the last (no pass: the state written, then read)."""
+    ops = kernel_ops(arch=arch)
+    inner = getattr(ops, "ops", ops)
+    q, k, v = make("float16", 1, 150, 150, 2, 1, d, seed=3)
+    block = Block(0, 150, 0, 150, 0, 0, True)
+    if poison == "v unseen":
+        v[:, 100], v[:, 120] = np.nan, np.inf   # rows before 100 (120) cannot see them
+    elif poison == "k seen":
+        k[:, 30] = np.nan                       # seen by rows 30 on
+    steps = ([(k, v, [block])] if poison != "none, two folds" else
+             [(k[:, :64], v[:, :64], [Block(0, 150, 0, 64, 0, 0, True)]),
+              (k[:, 64:], v[:, 64:], [Block(0, 150, 0, 86, 0, 64, True)])])
+    counts = _counting(ops)
+    state = ops.forward_init(q, None)
+    for i, (kk, vv, blocks) in enumerate(steps):
+        ops.forward_step(state, kk, vv, blocks, i == len(steps) - 1)
+    got = ops.forward_finalize(state, q.dtype)
+    hopper = inner.forward_variant("float16", d).family != "forward"
+    assert ("flash_fwd_pass" in counts) == (len(steps) == 1 and not hopper), counts
+    assert ("flash_fwd_finalize" in counts) == (len(steps) > 1 and not hopper), counts
+    state = ops.forward_init(q, None)
+    inner._materialize(state)
+    for kk, vv, blocks in steps:
+        ops.forward_step(state, kk, vv, blocks)
+    want = ops.forward_finalize(state, q.dtype)
+    for a, b in zip(got, want):
+        assert np.array_equal(a.astype(np.float32), b.astype(np.float32), equal_nan=True)
+    out, lse = got
+    if poison == "v unseen":
+        assert np.isfinite(out[:, :100].astype(np.float32)).all() and np.isnan(out[:, 100:]).any()
+    if poison == "k seen":
+        assert np.isnan(lse[:, :, 30:]).all() and np.isfinite(lse[:, :, :30]).all()

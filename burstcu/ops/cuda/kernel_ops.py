@@ -364,7 +364,8 @@ class KernelOps(LocalOps):
         poisoned[:, :64] = float("nan")
         listed = hopper.family == SM90_LIST_FAMILY
         # (Blocks, last): the step's, and (not listed) a pass of one fold over every query row
-        # (`_fold`: a fresh state not read, out and lse written by the step), keys past the NaNs
+        # (`_fold`: a fresh state not read, out and lse written by the step; the mma.sync side
+        # runs flash_fwd_pass where its table has one), keys past the NaNs
         cases = [(_first_use_blocks(listed), False)]
         if not listed:
             cases.append(([Block(0, n + 32, 64, n, 0, 0, True)], True))
@@ -705,7 +706,7 @@ class KernelOps(LocalOps):
         """flash_fwd_pass on the tiles of the forward step `step`, None where the table has none
         (fwd_variants.PASS_HEADDIMS)."""
         name = step.name.replace("flash_fwd_step<", "flash_fwd_pass<", 1)
-        return self._variants.get(name)
+        return self._variants.get(name) if name != step.name else None
 
     def _pass_outputs(self, state: ForwardState) -> tuple[Any, Any]:
         """(out (B, S, H, Dp) in state.dtype, lse (B, H, S) float32) for a fold that ends the pass
