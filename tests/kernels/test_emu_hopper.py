@@ -346,14 +346,16 @@ BULK_ERRORS = [  # (mode, c0, c1, the error)
     (4, 0, 0, r"tma_reduce_add after a named barrier that threads passed without fence_proxy_async"),
     (0, 0, -4, r"coordinate -4 along dim 1 is negative"),
     (8, 0, 0, r"its source \(shared offsets 0x0\.\.0x7ff\) holds the mbarrier at 0x100"),
+    (9, 0, 0, r"tma_reduce_add from shared offsets 0x0\.\.0x7ff while a bulk copy into 0x0\.\.0x7ff is in flight"),
+    (10, 0, 0, r"tma_load into shared offsets 0x0\.\.0x7ff, the source of a bulk tensor reduction not yet waited"),
 ]
 
 
 @pytest.mark.parametrize("mode,c0,c1,error", BULK_ERRORS)
 def test_bulk_tensor_reduction_errors(mod, mode, c0, c1, error):
     """Exiting before the wait, rewriting the source before it, issuing after a barrier that a
-    writer passed without fence.proxy.async, a negative coordinate, and a source over an mbarrier
-    are errors."""
+    writer passed without fence.proxy.async, a negative coordinate, a source over an mbarrier, a
+    source a bulk copy is still writing, and a bulk copy into a source not yet read are errors."""
     g = np.zeros((20, 40), np.float32)
     image = np.zeros(2048, np.uint8)
     m = maps_buffer(pack_map(g.ctypes.data, (40, 20, 1, 1), (4, 160, 3200, 3200), (32, 16, 1, 1), 3, elem=4))

@@ -277,7 +277,9 @@ __global__ void probe_red(float* out, int pairs, int offset, int reps) {
 // 6: only wait_group.read 0, then exit (the adds land at the exit). 7: an empty group committed
 // after the reduction's, then wait_group.read 1: the empty group is the one left pending, so the
 // reduction is read (and lands at the exit). 8: an mbarrier initialised inside the source before
-// the issue (an error).
+// the issue (an error). 9: a bulk copy of the box into the source, not waited for, then the
+// reduction (an error). 10: the reduction, then a bulk copy into its source before
+// wait_group.read (an error). The mbarrier of 9 and 10 sits at shared offset 3072.
 __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, int bytes, int c0, int c1, int mode) {
   unsigned char* smem = aligned_smem();
   for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = image[i];
@@ -288,8 +290,17 @@ __global__ void probe_reduce(const TensorMap* map, const unsigned char* image, i
     __syncthreads();
   if (threadIdx.x != 0) return;
   if (mode == 8) mbar_init(reinterpret_cast<u64*>(smem + 256), 1);
+  u64* bar = reinterpret_cast<u64*>(smem + 3072);
+  auto load_box = [&]() {
+    mbar_init(bar, 1);
+    fence_mbarrier_init();
+    mbar_arrive_expect_tx(bar, bytes);
+    tma_load_4d(smem, map, bar, c0, c1, 0, 0);
+  };
+  if (mode == 9) load_box();
   tma_reduce_add_4d(map, smem, c0, c1, 0, 0);
   bulk_commit_group();
+  if (mode == 10) load_box();
   if (mode == 2) return;
   if (mode == 7) {
     bulk_commit_group();
