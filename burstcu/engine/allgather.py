@@ -22,7 +22,7 @@ from ..layout import Partition, as_partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .steps import (cast_copy, grad_row_bytes, kv_row_bytes, laid_out, now, partial_kv_grads,
-                    post_exchange, timed, timed_wait)
+                    post_exchange, ring_folds, timed, timed_wait)
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
@@ -34,9 +34,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     kv, gather_s = _gather_kv(ops, transport, k, v, part.lengths)
     state = ops.forward_init(q, softmax_scale)
     # visit the shards in the ring's order so traces line up with the other strategies
-    blocks_of = [mask_blocks(part, rank, (rank - s) % size, causal, window_size, cu_seqlens,
-                             block_mask) for s in range(size)]
-    last = max((s for s, blocks in enumerate(blocks_of) if blocks), default=-1)
+    blocks_of, last = ring_folds(part, rank, causal, window_size, cu_seqlens, block_mask)
     for s in range(size):
         source = (rank - s) % size
         blocks = blocks_of[s]

@@ -20,8 +20,8 @@ from __future__ import annotations
 from ..layout import Partition, as_partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
-from .steps import (cast_copy, grad_row_bytes, kv_row_bytes, now, partial_kv_grads,
-                    post_exchange, seq_view, timed, timed_wait)
+from .steps import (cast_copy, grad_row_bytes, kv_row_bytes, now, partial_kv_grads, post_exchange,
+                    ring_folds, seq_view, timed, timed_wait)
 
 
 def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softmax_scale: float,
@@ -44,9 +44,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
     ops.copy_(k0, k)
     ops.copy_(v0, v)
     state = ops.forward_init(q, softmax_scale)
-    blocks_of = [mask_blocks(part, rank, (rank - s) % size, causal, window_size, cu_seqlens,
-                             block_mask) for s in range(size)]
-    last = max((s for s, blocks in enumerate(blocks_of) if blocks), default=-1)
+    blocks_of, last = ring_folds(part, rank, causal, window_size, cu_seqlens, block_mask)
     for s in range(size):
         (kc, vc), (kn, vn) = kv(s), kv(s + 1)
         exchanging = s < size - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..layout import Partition, blocks as mask_blocks
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 
@@ -36,6 +37,17 @@ class Trace:
 
     def add(self, *args) -> None:
         self.steps.append(StepTrace(*args))
+
+
+def ring_folds(part: Partition, rank: int, causal: bool, window_size, cu_seqlens,
+               block_mask) -> tuple[list, int]:
+    """The Blocks `rank` folds at each step s of a forward that visits the keys of rank - s in
+    turn (empty: no fold), and the last step with a fold (-1: none), whose fold ends the pass
+    (`LocalOps.forward_step`'s last)."""
+    size = part.size
+    folds = [mask_blocks(part, rank, (rank - s) % size, causal, window_size, cu_seqlens, block_mask)
+             for s in range(size)]
+    return folds, max((s for s, blocks in enumerate(folds) if blocks), default=-1)
 
 
 def timed(ops: LocalOps, label: str, fn, *args) -> float:

@@ -476,17 +476,21 @@ class KernelOps(LocalOps):
         return ForwardState(q=self._ready(self.pad_headdim(q, dp)), scale=scale, headdim=D,
                             dtype=dtype)
 
+    def _unwritten(self, *shapes_dtypes) -> list:
+        """Fresh arrays of (shape, dtype), not written (the emulator fills them with NaN, so that
+        a kernel that reads one before writing it, or leaves a row of it unwritten, shows)."""
+        arrays = [self.xp.empty(shape, dtype=dtype) for shape, dtype in shapes_dtypes]
+        if self.backend == "emulated":
+            for x in arrays:
+                x.fill(np.nan)
+        return arrays
+
     def _state_buffers(self, state: ForwardState) -> None:
-        """state.acc (B, S, H, Dp), m, l (B, H, S) float32 allocated, unwritten (the emulator
-        fills them with NaN, so that a kernel reading them unwritten shows)."""
+        """state.acc (B, S, H, Dp), m, l (B, H, S) float32 allocated, unwritten (`_unwritten`)."""
         if state.acc is None:
             B, S, H, dp = state.q.shape
-            xp = self.xp
-            state.acc = xp.empty((B, S, H, dp), dtype=np.float32)
-            state.m, state.l = (xp.empty((B, H, S), dtype=np.float32) for _ in range(2))
-            if self.backend == "emulated":
-                for x in (state.acc, state.m, state.l):
-                    x.fill(np.nan)
+            state.acc, state.m, state.l = self._unwritten(((B, S, H, dp), np.float32),
+                                                          *[((B, H, S), np.float32)] * 2)
 
     def _materialize(self, state: ForwardState) -> None:
         """A fresh state's acc 0, m -inf, l 0 written, for a fold that reads them."""
@@ -638,7 +642,9 @@ class KernelOps(LocalOps):
         when `last`, writes the state: it writes out and lse as flash_fwd_finalize would
         (state.result), so that a pass of one fold (one rank, Ulysses) runs one kernel where it
         ran five (three zeroings, the fold, the finalize), and a ring's first and last folds skip
-        a read and a write of the fp32 state. Anything else zeroes a fresh state first."""
+        a read and a write of the fp32 state. On the mma.sync tiles such a pass of one fold runs
+        flash_fwd_pass (where the table has one: `_pass_variant`). Anything else zeroes a fresh
+        state first (`_materialize`)."""
         B, S, H, dp = state.q.shape
         covers = self.whole_pass and len(blocks) == 1 and blocks[0].q_start == 0 and \
             blocks[0].q_len == S
@@ -710,13 +716,9 @@ class KernelOps(LocalOps):
 
     def _pass_outputs(self, state: ForwardState) -> tuple[Any, Any]:
         """(out (B, S, H, Dp) in state.dtype, lse (B, H, S) float32) for a fold that ends the pass
-        (the emulator fills them with NaN, so that a row a kernel leaves unwritten shows)."""
+        (`_unwritten`)."""
         B, S, H, dp = state.q.shape
-        out = self.xp.empty((B, S, H, dp), dtype=state.dtype)
-        lse = self.xp.empty((B, H, S), dtype=np.float32)
-        if self.backend == "emulated":
-            out.fill(np.nan)
-            lse.fill(np.nan)
+        out, lse = self._unwritten(((B, S, H, dp), state.dtype), ((B, H, S), np.float32))
         return out, lse
 
     def _forward_step_sm90(self, variant: KernelVariant, state: ForwardState, kp, vp, blk: Block,
