@@ -66,17 +66,23 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
                warp 0: K, V -> [kv_full]; wait [described[s]]; Q_i, dO_i -> [full[s]]
                warp 1: wait [described[s]]; lse2_i, delta_i -> [full[s]]
     consumer:  wait kv_full; for each query tile i (stage s):
-                   wait full[s]; S^T = K Q_i^T, dP^T = V dO_i^T; wait_group 0
-                   mask, P^T, dS^T -> A fragments
-                   issue dV += P^T dO_i
-                   (DQ, while it runs) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
-                   issue dK += dS^T Q_i; wait_group 0; arrive empty[s]
-                   (DQ) dQ_blk = dS K; wait_group 0; atomic adds of dQ_blk (pairs or singles),
+                   wait full[s]; issue S^T = K Q_i^T; issue dP^T = V dO_i^T
+                   wait_group 1 (S^T); mask, P^T -> A fragments, while dP^T runs
+                   issue dV += P^T dO_i; wait_group 1 (dP^T); dS^T -> A fragments, while dV runs
+                   (DQ) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
+                   issue dK += dS^T Q_i
+                   (DQ) wait_group 1 (dV); issue dQ_blk = dS K, while dK runs
+                   wait_group 1 (dK; no DQ: 0); arrive empty[s]
+                   (DQ) wait_group 0; atomic adds of dQ_blk (pairs or singles),
                         or (bulk) wait_group.read; bar; dQ_blk -> staging; fence; bar; reductions
                    (the rectangle's last tile) dK, dV += the accumulators
-    No overlap yet between one tile's softmax and the next tile's products (FlashAttention-3 runs
-    two query tiles in flight and adds dQ by bulk reductions): the first Hopper backward is the
-    plain schedule, measured before it is made clever; bulk dQ is the first step, an A/B.
+    So a warpgroup's tensor cores wait only for the mask and exp2 of S^T's first elements, for
+    dS^T (beside dV's products) and for the dQ adds. Where the registers do not allow it (the
+    kernel's kDvEarly and kDqUnderDk: D = 64, whose 128 query rows double S^T, dP^T and their
+    fragments, and D = 256 in the list kernel with dQ), S^T and dP^T are awaited together and P^T,
+    dS^T formed together before dV is issued, or dQ waits for dK. Not yet: one tile's dQ adds
+    under the next tile's products, and the two consumers out of step (they meet at bars 1 and 2
+    every tile; FlashAttention-3's backward keeps the same meeting).
 
 SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, (bulk
@@ -92,8 +98,9 @@ SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     bulk dQ (D 64 and 128): + 32768 for the staging, 167072 and 182432
     Registers: 24 for the producer, 240 for a consumer thread, which holds dK and dV (D/2 fp32
     each; D = 256: 64 each, half the dims), S^T and dP^T (BLOCK_M/2 each), their A fragments
-    (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64): at most 192 of them live at once for
-    every head dim, as the dQ product waits for dV and dK (issued together with them, the A
+    (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64). Live at once: at D = 128, 208 (S^T,
+    dP^T in flight, P^T's fragments and dK, dV: kDvEarly), 176 under dK (dS^T's fragments, the dQ
+    block, dK, dV: kDqUnderDk); the dQ block waits for dV (issued together with dV and dK, the A
     fragments and dQ block were ~40 too many: ptxas spilled 156-236 bytes). dQ in a pass of its
     own (the deterministic mode; head dim 256, where it was faster) is flash_bwd.cu's kernel.
     What the list kernel needed to stay at 0 bytes of local memory (the gate): one walker (warp
@@ -254,6 +261,12 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   // dQ added two floats at a time where dq_adds allows: up to D = 128 (at 256 the list kernel's 64
   // dQ values a thread leave no room for it: 32 bytes spilled; dQ takes its own pass there)
   constexpr bool kDqPairs = D <= 128;
+  // S^T and dP^T awaited one at a time, dV's products issued before dP^T is awaited (the
+  // consumer loop), where the registers allow: at D = 64 (128 query rows) they spilled 48 bytes,
+  // at D = 256 in the list kernel with dQ 4 (and 4 with the waits alone split)
+  constexpr bool kDvEarly = D != 64 && !(D == 256 && LIST && DQ);
+  // (DQ) the dQ block's products issued under dK's rather than after them, where the registers allow
+  constexpr bool kDqUnderDk = DQ && !(D == 256 && LIST);
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   static_assert(BM == 64 || BM == 128, "wgmma N of S^T = K Q^T");
   static_assert(DQ != kDqBulk || W::kDqCols == 64, "bulk dQ: a consumer's block is 64 x 64 (D <= 128)");
@@ -464,16 +477,21 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     for (int kk = 0; kk < D / 16; ++kk)
       wgmma_ss<T, BM, 0, 0>(st, wgmma_desc_at(k_base, kmajor(kBlockN, kk)),
                             wgmma_desc_at(q_base, q_off + kmajor(BM, kk)), kk > 0);
+    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
       wgmma_ss<T, BM, 0, 0>(dpt, wgmma_desc_at(v_base, kmajor(kBlockN, kk)),
                             wgmma_desc_at(do_base, q_off + kmajor(BM, kk)), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    if constexpr (kDvEarly) {
+      wgmma_wait<1>();  // S^T ready; dP^T still in flight while P^T is computed
+    } else {
+      wgmma_wait<0>();
+      wgmma_fence_operand(dpt);
+    }
     wgmma_fence_operand(st);
-    wgmma_fence_operand(dpt);
 
-    // ---- P^T and dS^T in place; only a tile that a bound or a ragged end cuts runs the test
+    // ---- P^T, then dS^T, in place; only a tile that a bound or a ragged end cuts runs the test
     const float* lse2 = reinterpret_cast<const float*>(stats);
     const float* dlt = lse2 + BM;
     const BlockRect& rect = rect_at<LIST>(p, tile.r);
@@ -509,28 +527,57 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
             st[4 * j + i] = -INFINITY;
         }
     }
+    // ---- dV += P^T dO (A from registers). kDvEarly: issued before dP^T is awaited. ptxas moves
+    // ALU work across a wgmma.wait_group freely (it sank two thirds of P^T's exp2 below the wait
+    // for dP^T), not across a product that reads it; dV's products then run on under dS^T and
+    // its trip through shared memory. Else after both, as P^T and dS^T are formed together.
+    auto issue_dv = [&]() {
+      wgmma_fence_operand(dv);
+      wgmma_fence_operand(pa);
+      wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+      for (int kc = 0; kc < BM / 16; ++kc)
+        wgmma_rs<T, W::kDims, 1>(dv, pa[kc], wgmma_desc_at(dot_base, q_off + kc * 2048), kc > 0 || !fresh);
+      wgmma_commit();
+    };
+    if constexpr (kDvEarly) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int qi = 8 * j + 2 * tq + (i & 1);
-        const float pv = exp2f(fmaf(st[4 * j + i], scale_log2, -lse2[qi]));
-        st[4 * j + i] = pv;
-        dpt[4 * j + i] = pv * (dpt[4 * j + i] - dlt[qi]);
-      }
-    accumulator_as_a<T, BM>(st, pa);
-    accumulator_as_a<T, BM>(dpt, dsa);
+      for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int qi = 8 * j + 2 * tq + (i & 1);
+          st[4 * j + i] = exp2f(fmaf(st[4 * j + i], scale_log2, -lse2[qi]));
+        }
+      accumulator_as_a<T, BM>(st, pa);
+      issue_dv();
+      wgmma_wait<1>();  // dP^T ready, dV in flight
+      wgmma_fence_operand(dpt);
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int qi = 8 * j + 2 * tq + (i & 1);
+          dpt[4 * j + i] = st[4 * j + i] * (dpt[4 * j + i] - dlt[qi]);
+        }
+      accumulator_as_a<T, BM>(dpt, dsa);
+    } else {
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int qi = 8 * j + 2 * tq + (i & 1);
+          const float pv = exp2f(fmaf(st[4 * j + i], scale_log2, -lse2[qi]));
+          st[4 * j + i] = pv;
+          dpt[4 * j + i] = pv * (dpt[4 * j + i] - dlt[qi]);
+        }
+      accumulator_as_a<T, BM>(st, pa);
+      accumulator_as_a<T, BM>(dpt, dsa);
+      wgmma_fence_operand(dk);
+      wgmma_fence_operand(dsa);
+      issue_dv();
+    }
 
-    // ---- dV += P^T dO (A from registers); meanwhile (DQ) dS^T into shared memory; dK += dS^T Q
-    wgmma_fence_operand(dv);
-    wgmma_fence_operand(dk);
-    wgmma_fence_operand(pa);
-    wgmma_fence_operand(dsa);
-    wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < BM / 16; ++kc)
-      wgmma_rs<T, W::kDims, 1>(dv, pa[kc], wgmma_desc_at(dot_base, q_off + kc * 2048), kc > 0 || !fresh);
-    wgmma_commit();
+    // ---- (DQ) dS^T into shared memory; dK += dS^T Q
     if constexpr (DQ) {
       // dS^T (rounded as dsa holds it) into the shared dS tile, before dK += dS^T Q is issued:
       // the A registers of a wgmma in flight may not even be read (PTX ISA, wgmma.wait_group).
@@ -560,13 +607,35 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
       }
       fence_proxy_async();
       named_bar_sync(kDsReadyBar, kConsumers);
-      wgmma_fence();
     }
+    wgmma_fence_operand(dk);
+    wgmma_fence_operand(dsa);
+    wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < BM / 16; ++kc)
       wgmma_rs<T, W::kDims, 1>(dk, dsa[kc], wgmma_desc_at(qt_base, q_off + kc * 2048), kc > 0 || !fresh);
     wgmma_commit();
-    wgmma_wait<0>();
+    // (DQ) the dQ block = dS K over the tile's kBlockN keys (dS from shared memory)
+    auto issue_dq = [&]() {
+      if constexpr (DQ) {
+        wgmma_fence_operand(dqb);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          wgmma_ss<T, W::kDqCols, 0, 1>(dqb, wgmma_desc_at(ds_base, kmajor(BM, kk)),
+                                        wgmma_desc_at(kt_base, kk * 2048), kk > 0);
+        wgmma_commit();
+      }
+    };
+    if constexpr (kDqUnderDk) {  // issued while dK's products run: the tensor pipe stays fed
+      wgmma_wait<1>();  // dV retired: its A fragments are free for the dQ block
+      wgmma_fence_operand(dv);
+      wgmma_fence_operand(pa);
+      issue_dq();
+      wgmma_wait<1>();  // dK retired: Q and dO are read
+    } else {
+      wgmma_wait<0>();
+    }
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);
     wgmma_fence_operand(pa);
@@ -578,15 +647,10 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
     mbar_arrive(bar.empty + stage);  // Q, dO and the stats of this stage are read
 
     if constexpr (DQ) {
-      // ---- the dQ block = dS K over the tile's kBlockN keys, added with fp32 atomics (dK and dV
-      // alone stay live beside it: 2 x kDims/2 + kDqCols/2 registers)
-      wgmma_fence_operand(dqb);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_ss<T, W::kDqCols, 0, 1>(dqb, wgmma_desc_at(ds_base, kmajor(BM, kk)),
-                              wgmma_desc_at(kt_base, kk * 2048), kk > 0);
-      wgmma_commit();
+      // ---- the dQ block, added with fp32 atomics or bulk reductions (dK and dV alone stay live
+      // beside it: 2 x kDims/2 + kDqCols/2 registers; kDqUnderDk: dS^T's A fragments too, until
+      // dK retires)
+      if constexpr (!kDqUnderDk) issue_dq();
       wgmma_wait<0>();
       wgmma_fence_operand(dqb);
       const float scale = p.scale;
