@@ -16,8 +16,10 @@ Each variant compiles in 0.1-1.5 s; one compiled for sm_90a adds an nvdisasm run
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -447,3 +449,44 @@ def test_get_function_refuses_sm90a_off_hopper(monkeypatch):
     monkeypatch.setattr(compile, "compute_capability", lambda device_id=None: 120)
     with pytest.raises(RuntimeError, match=r"sm_90a kernels run only on compute capability 9\.0 .*12\.0"):
         compile.get_function("flash_fwd_sm90.cu", "k", device_id=0, target="sm_90a")
+
+
+def _sass_listing(source: str, name: str) -> list[str]:
+    """The instructions (opcode and operands) of kernel `name` of kernels/`source` compiled for
+    sm_90a, in program order (nvdisasm)."""
+    compiled = compile.nvrtc_compile(source, [name], "sm_90a")
+    tool = compile.find_nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not found (the cuda13 extra installs it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(compiled.cubin)
+        text = compile.run_bounded([tool, "--print-code", "--no-dataflow", str(path)]).stdout
+    return [line.split("*/", 1)[1].strip(" ;{}") for line in text.splitlines()
+            if compile._INSTR_RE.match(line)]
+
+
+@pytest.mark.skipif(not HOPPER, reason=NO_HOPPER)
+@pytest.mark.parametrize("dq", [0, 1])
+def test_hopper_backward_keeps_its_tensor_cores_fed_within_a_tile(dq):
+    """The Hopper dK/dV kernel at head dim 128 (flash_bwd_sm90.cu's PIPELINE), read in its SASS:
+    every exp2 of P^T precedes dV's products (the first HGMMA with an A operand in registers),
+    which precede the wait for dP^T (a WARPGROUP.DEPBAR after them, none between S^T's and
+    dP^T's products and dV's but the one for S^T); with dQ, the dQ block's products are issued
+    before the consumers' arrival on the stage's empty barrier (under dK's)."""
+    sass = _sass_listing("flash_bwd_sm90.cu", f"flash_bwd_dkdv_sm90<__half, 128, 64, 2, {dq}>")
+    at = lambda pred, start=0: next(i for i in range(start, len(sass)) if pred(sass[i]))  # noqa: E731
+    first_product = at(lambda s: s.startswith("HGMMA"))
+    dv = at(lambda s: re.match(r"HGMMA\.\S+ R\d+, R\d+,", s) is not None)
+    exps = [i for i, s in enumerate(sass) if s.startswith("MUFU.EX2")]
+    assert exps and max(exps) < dv, (len(exps), exps[-1], dv)
+    waits_before_dv = [s for s in sass[first_product:dv] if s.startswith("WARPGROUP.DEPBAR")]
+    assert waits_before_dv == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"], waits_before_dv
+    dp_wait = at(lambda s: s.startswith("WARPGROUP.DEPBAR"), dv)
+    assert sass[dp_wait] == "WARPGROUP.DEPBAR.LE gsb0, 0x1" and not any(
+        s.startswith("BAR.SYNC") for s in sass[dv:dp_wait]), sass[dv:dp_wait + 1]
+    if dq:
+        dk = at(lambda s: re.match(r"HGMMA\.\S+ R\d+, R\d+,", s) is not None, dp_wait)
+        dq_product = at(lambda s: re.match(r"HGMMA\.\S+ R\d+, gdesc", s) is not None, dk)
+        empty_arrival = at(lambda s: s.startswith("SYNCS.ARRIVE"), dk)
+        assert dq_product < empty_arrival, (dk, dq_product, empty_arrival)
