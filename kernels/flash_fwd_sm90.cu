@@ -63,6 +63,13 @@ PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
                    wait_group 0 (O ready)  -> arrive kv_empty[s_j-1]; O *= alpha_j
                wait v_full; O += P_{n-1} V_{n-1}; arrive kv_empty; write acc, m, l
     q_empty is arrived once a tile's last Q K^T has completed, letting the producer load the next Q.
+    In the SASS (NVRTC 13.0) only the mask and the row max sit between the two waits: ptxas moves
+    the exp2 and the row sums below wait_group 0, so a warpgroup's softmax overlaps the other
+    warpgroup's products (the two take turns issuing: named barriers my_turn / their_turn), not
+    its own P V. ptxas moves independent ALU work across a wait freely, but not below a product
+    that reads it (the backward's dV, flash_bwd_sm90.cu). Tried without effect: a wgmma.fence or
+    the operands' register fence before the wait, O's rescale moved before the next P V's issue;
+    a wait predicated on the row sums made ptxas serialize every wgmma.
 
 SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel itself)
     Q tile  BLOCK_M x D, K and V tiles BLOCK_N x D per stage, each stored as D/64 column blocks of
