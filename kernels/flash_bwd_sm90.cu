@@ -72,17 +72,19 @@ PIPELINE (per consumer; the producer runs STAGES query tiles ahead)
                    (DQ) bar 1; dS^T -> shared dS; fence.proxy.async; bar 2
                    issue dK += dS^T Q_i
                    (DQ) wait_group 1 (dV); issue dQ_blk = dS K, while dK runs
-                   wait_group 1 (dK; no DQ: 0); arrive empty[s]
-                   (DQ) wait_group 0; atomic adds of dQ_blk (pairs or singles),
-                        or (bulk) wait_group.read; bar; dQ_blk -> staging; fence; bar; reductions
+                   wait_group 1 (dK; dQ after dK or no DQ: 0); arrive empty[s]
+                   (DQ) (dQ after dK: issue dQ_blk = dS K) wait_group 0; atomic adds of dQ_blk
+                        (pairs or singles), or (bulk) wait_group.read; bar; dQ_blk -> staging;
+                        fence; bar; reductions
                    (the rectangle's last tile) dK, dV += the accumulators
-    So a warpgroup's tensor cores wait only for the mask and exp2 of S^T's first elements, for
-    dS^T (beside dV's products) and for the dQ adds. Where the registers do not allow it (the
-    kernel's kDvEarly and kDqUnderDk: D = 64, whose 128 query rows double S^T, dP^T and their
-    fragments, and D = 256 in the list kernel with dQ), S^T and dP^T are awaited together and P^T,
-    dS^T formed together before dV is issued, or dQ waits for dK. Not yet: one tile's dQ adds
-    under the next tile's products, and the two consumers out of step (they meet at bars 1 and 2
-    every tile; FlashAttention-3's backward keeps the same meeting).
+    So a warpgroup's tensor cores wait for the part of P^T's mask and exp2 that outlasts dP^T's
+    products, for dS^T beyond dV's, and for the dQ adds. Where the registers do not allow it
+    (the kernel's kDvEarly and kDqUnderDk), S^T and dP^T are awaited together and P^T, dS^T
+    formed together before dV is issued (D = 64, whose 128 query rows double S^T, dP^T and their
+    fragments: 48 bytes spilled; D = 256 in the list kernel with dQ), or dQ is issued after dK
+    has retired (D = 256, whose dQ block is 64 registers: ptxas serialized every wgmma). Not yet:
+    one tile's dQ adds under the next tile's products, and the two consumers out of step (they
+    meet at bars 1 and 2 every tile; FlashAttention-3's backward keeps the same meeting).
 
 SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     K, V (keys x D each), then STAGES x (Q, dO: BLOCK_M x D each), (DQ) dS BLOCK_M x keys, (bulk
@@ -98,10 +100,12 @@ SHARED MEMORY (dynamic, 1024-aligned by aligned_smem)
     bulk dQ (D 64 and 128): + 32768 for the staging, 167072 and 182432
     Registers: 24 for the producer, 240 for a consumer thread, which holds dK and dV (D/2 fp32
     each; D = 256: 64 each, half the dims), S^T and dP^T (BLOCK_M/2 each), their A fragments
-    (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64). Live at once: at D = 128, 208 (S^T,
+    (BLOCK_M/4 u32 each) and a dQ block (32; D = 256: 64). Live at once at D = 128: 208 (S^T,
     dP^T in flight, P^T's fragments and dK, dV: kDvEarly), 176 under dK (dS^T's fragments, the dQ
     block, dK, dV: kDqUnderDk); the dQ block waits for dV (issued together with dV and dK, the A
-    fragments and dQ block were ~40 too many: ptxas spilled 156-236 bytes). dQ in a pass of its
+    fragments and dQ block were ~40 too many: ptxas spilled 156-236 bytes). At D = 256 the same
+    two phases need 208 and 208 (a dQ block of 64): ptxas fit the first, not the second (it
+    serialized every wgmma, C7512, which the gate fails). dQ in a pass of its
     own (the deterministic mode; head dim 256, where it was faster) is flash_bwd.cu's kernel.
     What the list kernel needed to stay at 0 bytes of local memory (the gate): one walker (warp
     2) instead of three, no value computed before setmaxnreg kept after it (each role finds its
@@ -263,10 +267,11 @@ __device__ __forceinline__ void dkdv_fold(const BwdStepSm90Params& p) {
   constexpr bool kDqPairs = D <= 128;
   // S^T and dP^T awaited one at a time, dV's products issued before dP^T is awaited (the
   // consumer loop), where the registers allow: at D = 64 (128 query rows) they spilled 48 bytes,
-  // at D = 256 in the list kernel with dQ 4 (and 4 with the waits alone split)
+  // at D = 256 in the list kernel with dQ 4 bytes (and 4 with the waits alone split)
   constexpr bool kDvEarly = D != 64 && !(D == 256 && LIST && DQ);
-  // (DQ) the dQ block's products issued under dK's rather than after them, where the registers allow
-  constexpr bool kDqUnderDk = DQ && !(D == 256 && LIST);
+  // (DQ) the dQ block's products issued under dK's rather than after them, where the registers
+  // allow: at D = 256 (a dQ block of 64 registers) ptxas serialized every wgmma (C7512)
+  constexpr bool kDqUnderDk = DQ && D != 256;
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   static_assert(BM == 64 || BM == 128, "wgmma N of S^T = K Q^T");
   static_assert(DQ != kDqBulk || W::kDqCols == 64, "bulk dQ: a consumer's block is 64 x 64 (D <= 128)");
