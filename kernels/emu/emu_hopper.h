@@ -44,7 +44,8 @@
 //   (b) when every live thread is blocked or spinning and nothing changed since each spinner last
 //       looked: the oldest pending copy (a random one when randomising) lands, then all look again;
 //   (c) when randomising (EMU_RANDOMIZE), at each scheduling point (every fiber switch) with
-//       probability 1/4, a randomly chosen pending copy.
+//       probability 1/4, a randomly chosen pending copy. Randomising, an arriving thread also
+//       yields half the time (after its arrival), so that what the arrival releases may run first.
 // So a consumer that reads a stage without waiting on its full barrier reads the 0xFF poison (NaN)
 // or the previous tile, and a wrong parity either passes early (stale data) or deadlocks. Two copies
 // in flight into overlapping bytes, a copy over an initialised mbarrier, and a block that ends with
@@ -104,8 +105,10 @@
 // covered by the fence before the Q K^T, as the ISA says). Accumulators that changed between issue
 // and execution, A registers that changed (keep the A fragment array alive and unmodified until the
 // wait: the emulator reads it back to check), and a thread that exits with ops not retired by a wait
-// (committed or not) are errors. A thread reading its accumulators before the wait sees the old
-// values, as the ISA allows.
+// (committed or not) are errors. So is shared memory an op reads (its A or B operand) that changed
+// between the issue and the execution: a copy landed there, or a thread wrote it, while the op was
+// in flight (the op's elements are recorded at the issue). A thread reading its accumulators before
+// the wait sees the old values, as the ISA allows.
 //
 // Randomised order (EMU_RANDOMIZE) also shuffles the threads released by named barriers and wgmma
 // rendezvous, and lands copies early (rule c). Everything here runs inside fibers except
@@ -227,6 +230,10 @@ struct WgOp {
   u32 a[128][4];
   bool has_snap[128];
   std::vector<float> snap;  // 128 x n/2: the accumulators when the snapshot was taken
+  // the shared-memory operands as issued: each element's offset and bits (A's first, a_elems of them)
+  std::vector<u32> smem_at;
+  std::vector<unsigned short> smem_bits;
+  size_t a_elems = 0;
 };
 
 struct WgState {
@@ -436,6 +443,13 @@ inline void mbar_arrive(void* bar, u32 expect_tx_bytes) {
   mbar_maybe_complete(off, b);
   mbar_store(off, b);
   bump();
+  if ((g_run->flags & EMU_RANDOMIZE) && next_random() % 2 == 0) {
+    // randomising: half the time the others run before the arriving thread goes on (what the
+    // arrival released, e.g. a producer's copy into a stage the arriving thread's products still
+    // read, may happen first)
+    enqueue(self);
+    yield_to_next();
+  }
 }
 
 inline void mbar_complete_tx(const PendingCopy& c) {
@@ -985,6 +999,24 @@ inline void wg_snap(WgOp& o, int t) {
   o.has_snap[t] = true;
 }
 
+// Record the shared-memory operand `desc` (rows x 16 elements) of op `o` as it is now: each element's
+// offset and bits. A descriptor that does not decode, or an element past shared memory, records
+// nothing there (wgmma_compute reports it when the op executes).
+inline void wg_record_operand(WgOp& o, u64 desc, bool mn_major, int rows) {
+  using namespace wgmma_detail;
+  Desc d;
+  if (!decode(desc, "", &d).empty()) return;
+  for (int mn = 0; mn < rows; ++mn)
+    for (int k = 0; k < 16; ++k) {
+      const u64 addr = swizzle(element_address(d, mn_major, mn, k), d.swizzle);
+      if (addr + 2 > g_run->dyn_size) continue;
+      unsigned short bits;
+      memcpy(&bits, g_run->dyn_smem + addr, 2);
+      o.smem_at.push_back(u32(addr));
+      o.smem_bits.push_back(bits);
+    }
+}
+
 inline void wg_issue_op(int g, WgState& W) {
   if (!W.fenced)
     fail(fmt("warpgroup %d (%s) issued wgmma without a wgmma_fence since its last wgmma_wait (or its start): the PTX "
@@ -1003,6 +1035,9 @@ inline void wg_issue_op(int g, WgState& W) {
     memcpy(o.a[t], h.a, sizeof o.a[t]);
     o.has_snap[t] = false;
   }
+  if (!o.op.a_in_regs) wg_record_operand(o, o.op.desc_a, o.op.trans_a == 1, 64);
+  o.a_elems = o.smem_at.size();
+  wg_record_operand(o, o.op.desc_b, o.op.trans_b == 1, o.op.n);
   for (int t = 0; t < 128; ++t) {
     bool earlier = false;
     for (size_t k = 0; k + 1 < W.ops.size() && !earlier; ++k) earlier = W.ops[k].d[t] == o.d[t];
@@ -1029,6 +1064,17 @@ inline void wg_execute_front(int g, WgState& W) {
                "unmodified (and alive) until the wgmma_wait that retires the op",
                thread_name(128 * g + t).c_str(), o.seq, g, o.a[t][0], o.a[t][1], o.a[t][2], o.a[t][3],
                o.a_src[t][0], o.a_src[t][1], o.a_src[t][2], o.a_src[t][3]));
+  }
+  for (size_t i = 0; i < o.smem_at.size(); ++i) {
+    unsigned short now;
+    memcpy(&now, g_run->dyn_smem + o.smem_at[i], 2);
+    if (now != o.smem_bits[i])
+      fail(fmt("the shared memory a wgmma (op %llu of warpgroup %d, %s) reads as its %s operand changed while the op "
+               "was in flight: offset 0x%x held 0x%04x at the mma_async and 0x%04x at the wgmma_wait that retires it. "
+               "A bulk copy landed there, or a thread wrote it, before the op was retired (or the operand's copy had "
+               "not landed when the op was issued: a wait on its mbarrier missing). The tensor core reads its shared "
+               "operands at some time between the two (PTX ISA: they must not be modified before the wait_group)",
+               o.seq, g, wg_threads(g).c_str(), i < o.a_elems ? "A" : "B", o.smem_at[i], o.smem_bits[i], now));
   }
   const WgmmaComputeFn fn = g_hop.compute_override ? g_hop.compute_override : &wgmma_compute;
   const std::string err = fn(o.op, o.op.a_in_regs ? o.a : nullptr, o.d, g_run->dyn_smem, g_run->dyn_size);

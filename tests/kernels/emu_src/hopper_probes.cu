@@ -359,12 +359,13 @@ static std::string standin_wgmma(const ::emu::WgmmaOp& op, const u32 (*a)[4], fl
 #endif
 
 // out: (blockDim.x, 4) floats per thread: [acc[0] before the wait, acc[0] after, ...].
-// modes: 0 fine (two ops, commit, smem changed before the wait); 1 no fence; 2 accumulator written
+// modes: 0 fine (two ops, commit, accumulators read before the wait); 1 no fence; 2 accumulator written
 // while in flight; 3 exit with a committed op not waited for; 4 exit with an uncommitted op;
 // 5 divergent (warp 1 commits while the others fence); 6 descriptors differ between threads;
 // 7 A registers changed while in flight (rs form); 8 wait<1> retires only the older group;
 // 9 the real wgmma_compute on zero tiles (real = 1); 10 issue from an incomplete warpgroup;
-// 11 P V after Q K^T without a second fence (flash_fwd_sm90.cu's order): fine; 12 a deadlock.
+// 11 P V after Q K^T without a second fence (flash_fwd_sm90.cu's order): fine; 12 a deadlock;
+// 13 B's shared memory written while its op is in flight.
 __global__ void probe_wgmma(int mode, int real, float* out) {
   BURSTCU_DYNAMIC_SMEM(unsigned char, smem);  // 8 KiB
 #if defined(BURSTCU_EMU)
@@ -387,9 +388,15 @@ __global__ void probe_wgmma(int mode, int real, float* out) {
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, true);
       wgmma_commit();
       o[0] = acc[0];  // still 100: the ops have not executed
-      if (tid == 5) *fb = 5.f;  // read when the wait executes them
       wgmma_wait<0>();
-      o[1] = acc[0];  // 10
+      o[1] = acc[0];  // 2
+      break;
+    case 13:  // an operand in shared memory written while its op is in flight
+      wgmma_fence();
+      wgmma_ss<__half, 64, 0, 0>(acc, da, db, false);
+      wgmma_commit();
+      if (tid == 5) *fb = 5.f;
+      wgmma_wait<0>();
       break;
     case 1:
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, false);
