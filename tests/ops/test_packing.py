@@ -213,20 +213,26 @@ def test_list_tiles_counts_the_tiles_the_list_kernels_visit():
             assert packing.list_tiles(_rect_columns(blocks), t) == _kernel_tiles(blocks, t)
 
 
-def test_a_step_with_packed_and_unpacked_groupings_shares_one_buffer():
-    """Groupings packed and not in one step_group_lists call: the runs first (8-byte aligned
-    int2 views), then each grouping's rectangles and offsets; an unpacked grouping has no runs."""
+def test_a_step_with_packed_and_unpacked_groupings():
+    """Groupings packed and not in one step_group_lists call: every grouping's rectangles and
+    offsets in one buffer; a packed grouping's runs the step's own (8-byte aligned int2 arrays;
+    with NumPy the very arrays its memo keeps, not copied, and the next call's too); an unpacked
+    grouping has no runs."""
     blocks, _ = _doc_step()
+    assert hasattr(blocks, "memo")            # a layout.StepBlocks, as the ops get it
     grouped = step_group_lists(np, blocks, [("query", 128), ("key", 16)], pack=True)
     packed, plain = grouped
     assert packed.packed and not plain.packed and plain.row_keys is None
     row_keys, key_rows = packing.row_intervals(_rect_columns(blocks))
     assert np.array_equal(packed.row_keys, row_keys) and np.array_equal(packed.key_rows, key_rows)
     assert packed.row_keys.ctypes.data % 8 == 0 and packed.key_rows.ctypes.data % 8 == 0
-    base = packed.row_keys.base if packed.row_keys.base is not None else packed.row_keys
-    for groups in grouped:   # every array a view of the one uploaded buffer
+    base = packed.rects.base if packed.rects.base is not None else packed.rects
+    for groups in grouped:   # the rectangles and offsets: views of one uploaded buffer
         for x in (groups.rects, groups.offsets):
             assert np.shares_memory(x, base)
+    assert not np.shares_memory(packed.row_keys, base)
+    (again,) = step_group_lists(np, blocks, [("key", 64)], pack=True)
+    assert again.packed and again.row_keys is packed.row_keys and again.key_rows is packed.key_rows
     unpacked = step_group_lists(np, blocks, [("key", 16)])[0]
     assert np.array_equal(plain.rects, unpacked.rects) and np.array_equal(plain.offsets, unpacked.offsets)
 
@@ -254,3 +260,66 @@ def test_the_ops_keep_a_packed_and_an_unpacked_list_apart():
     assert not ops.step_lists(blocks, [("query", 64)])[0].packed
     ops.pack_lists = True
     assert ops.step_lists(blocks, [("query", 64)]) is first
+
+
+def _whole_rectangles(rng, trials: int):
+    """cols (8, n) int64 of `trials` random sets of rectangles that keep every pair: runs of rows
+    (gaps between them or none), each seeing a run of keys that moves forward (overlapping the
+    run before where no row lies between), some split into rectangles of the same rows and keys
+    one after another, a few rectangles with no row or no key, bands wide enough to cut nothing
+    or none, in any order; a fifth of them then disturbed (keys shifted, rows moved) so that some
+    no longer have a packed form or no longer keep every pair."""
+    for _ in range(trials):
+        rects, row, key_start, key_stop = [], 0, 0, 0
+        for _ in range(int(rng.integers(1, 8))):
+            gap = int(rng.integers(0, 3))
+            row += gap
+            start = int(rng.integers(key_stop if gap else key_start, key_stop + 3))
+            stop = max(start + 1, key_stop, int(rng.integers(start + 1, start + 8)))
+            rows = int(rng.integers(1, 6))
+            cuts = np.unique(np.r_[start, rng.integers(start, stop, int(rng.integers(0, 3))), stop])
+            rects += [[row, rows, a, b - a] for a, b in zip(cuts[:-1], cuts[1:])]
+            row, key_start, key_stop = row + rows, start, stop
+        rects += [[int(rng.integers(0, row + 1)), 0, 0, 3]] * int(rng.random() < 0.2)
+        cols = np.array(rects, np.int64).T
+        m = cols.shape[1]
+        offset = rng.integers(-50, 50, m)                  # k_pos - q_pos
+        q_pos = rng.integers(0, 100, m)
+        wide = np.where(rng.random(m) < 0.5, NO_BOUND, 0)
+        hi = np.maximum(wide, offset + cols[3] - 1 + rng.integers(0, 3, m))
+        lo = np.maximum(wide, cols[1] - 1 - offset + rng.integers(0, 3, m))
+        cols = np.concatenate([cols, [q_pos, q_pos + offset, hi, lo]])[:, rng.permutation(m)]
+        if rng.random() < 0.2:
+            i = int(rng.integers(0, m))
+            cols[int(rng.choice([0, 2, 6, 7])), i] += int(rng.integers(-3, 4))
+            cols[6:, i] = np.maximum(cols[6:, i], -4)
+            cols[[0, 2], i] = np.maximum(cols[[0, 2], i], 0)
+        yield cols
+
+
+def test_rectangles_keeping_every_pair_take_the_shortcut_with_the_same_runs():
+    """`_whole_row_intervals`, the shortcut for rectangles that keep every pair, gives the
+    pieces' arrays bit for bit (row_keys, and key_rows with the empty runs' positions too) where
+    it answers, and leaves to the pieces the sets it refuses; the pieces themselves are checked
+    against the dense mask above."""
+    taken = refused = 0
+    for cols in _whole_rectangles(np.random.default_rng(5), 3000):
+        q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols
+        q_end, k_end = int((q_start + q_len).max()), int((k_start + k_len).max())
+        pieces = packing._pieces_row_intervals(q_start, q_len, k_start, k_start + k_len, q_pos,
+                                               k_pos, hi, lo, q_end, k_end)
+        live = (q_len > 0) & (k_len > 0)
+        whole = live & (k_pos - q_pos >= q_len - 1 - lo) & (k_pos - q_pos + k_len - 1 <= hi)
+        if not np.array_equal(whole, live):
+            continue
+        shortcut = packing._whole_row_intervals(q_start[live], q_len[live], k_start[live],
+                                                (k_start + k_len)[live], q_end, k_end)
+        if shortcut is None:
+            refused += 1
+            continue
+        taken += 1
+        assert pieces is not None, cols.T
+        for a, b in zip(shortcut, pieces):
+            assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b), cols.T
+        assert all(np.array_equal(a, b) for a, b in zip(packing.row_intervals(cols), pieces))
+    assert taken >= 1500 and refused >= 100, (taken, refused)

@@ -56,8 +56,10 @@ def row_intervals(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     key gets the empty run [x, x), x the largest end of the rows before it (0 at first); so does
     a key no row sees (x where its rows would start).
 
-    Work in pieces of rows, not row by row: in step rows x, a rectangle's row x sees the keys
-    [max(k_start, x + a), min(k_stop, x + b)), each end constant or rising one a row, and cutting
+    Steps whose rectangles keep every pair take a shortcut (`_whole_row_intervals`). Others
+    work in pieces of rows, not row by row (`_pieces_row_intervals`): in step rows x, a
+    rectangle's row x sees the keys [max(k_start, x + a), min(k_stop, x + b)), each end constant
+    or rising one a row, and cutting
     the rows wherever some rectangle starts or stops seeing keys or an end of its turns from
     constant to rising (or back) leaves pieces on which every end is one line. On a piece, the
     runs of its rectangles keep their order (two disjoint runs that rise at most one a row cannot
@@ -74,6 +76,59 @@ def row_intervals(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if total > MAX_ROW_REPEATS * q_end:
         return None
     k_stop = k_start + k_len
+    live = (q_len > 0) & (k_len > 0)
+    whole = live & (k_pos - q_pos >= q_len - 1 - lo) & (k_pos - q_pos + k_len - 1 <= hi)
+    if live.any() and np.array_equal(whole, live):
+        runs = _whole_row_intervals(q_start[live], q_len[live], k_start[live], k_stop[live], q_end, k_end)
+        if runs is not None:
+            return runs
+    return _pieces_row_intervals(q_start, q_len, k_start, k_stop, q_pos, k_pos, hi, lo, q_end, k_end)
+
+
+def _whole_row_intervals(q_start, q_len, k_start, k_stop, q_end: int, k_end: int):
+    """`row_intervals` of rectangles that keep every pair (no key bound cuts one; the steps of
+    documents away from the diagonal) where a row's rectangles are one or several with the same
+    rows whose keys follow one another, and the rows' runs do not go back: then every row sees
+    the keys of its rectangles (one run), and the rows fall into segments of one run each. Else
+    None (`_pieces_row_intervals` decides). int64 arrays of the rectangles with a row and a key."""
+    order = np.lexsort((k_start, q_start))
+    q_start, q_stop = q_start[order], (q_start + q_len)[order]
+    k_start, k_stop = k_start[order], k_stop[order]
+    same = (q_start[1:] == q_start[:-1]) & (q_stop[1:] == q_stop[:-1])
+    if same.any():                                     # the same rows: keys one after another
+        if np.any(same & (k_start[1:] != k_stop[:-1])):
+            return None
+        first, last = np.append(True, ~same), np.append(~same, True)
+        q_start, q_stop, k_start, k_stop = q_start[first], q_stop[first], k_start[first], k_stop[last]
+    gap = q_start[1:] > q_stop[:-1]                     # rows between two rectangles see no key
+    if (np.any(q_start[1:] < q_stop[:-1]) or np.any(k_stop[1:] < k_stop[:-1])
+            or np.any(k_start[1:] < np.where(gap, k_stop[:-1], k_start[:-1]))):
+        return None
+    # segments of rows: before the first rectangle, then each rectangle and the rows after it
+    n = q_start.size
+    start, end, length = (np.empty(2 * n + 1, np.int64) for _ in range(3))
+    start[0] = end[0] = 0
+    length[0] = q_start[0]
+    start[1::2], end[1::2], length[1::2] = k_start, k_stop, q_stop - q_start
+    start[2::2] = end[2::2] = k_stop
+    length[2::2] = np.append(q_start[1:], q_end) - q_stop
+    row_keys = np.repeat(np.stack([start, end], axis=1).astype(np.int32), length, axis=0)
+    # key j: seen from the rows whose run ends at or before it, up to those that start at or
+    # before it: each segment's rows counted at its end (start), then summed over the keys
+    key_rows = np.zeros((k_end + 1, 2), np.int32)
+    rows = length.astype(np.int32)
+    np.add.at(key_rows[:, 0], end, rows)
+    np.add.at(key_rows[:, 1], start, rows)
+    np.cumsum(key_rows, axis=0, out=key_rows)
+    key_rows = key_rows[:k_end]
+    for x in (row_keys, key_rows):
+        x.flags.writeable = False
+    return row_keys, key_rows
+
+
+def _pieces_row_intervals(q_start, q_len, k_start, k_stop, q_pos, k_pos, hi, lo, q_end: int, k_end: int):
+    """`row_intervals` of any rectangles (its docstring's pieces); int64 fields."""
+    k_len = k_stop - k_start
     a = k_start + q_pos - k_pos - lo - q_start
     b = a + lo + hi + 1
     x0 = np.maximum(q_start, k_start - b + 1)          # its rows that see a key: [x0, x1)

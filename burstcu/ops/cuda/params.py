@@ -418,7 +418,8 @@ class StepGroups:
     offsets (2 n_groups + 2,) int32: each group's first rectangle, then its first tile; tiles: the
     launch's grid.x (every group's tiles). A packed list (`burstcu.ops.cuda.packing`) has one
     rectangle a tile and row_keys (q_end, 2), key_rows (k_end, 2) int32 say which pairs are kept;
-    else both are None. The arrays are views of one buffer (one upload)."""
+    else both are None. rects and offsets are views of one buffer (one upload a call); row_keys
+    and key_rows the step's, shared by a call's packed groupings (`step_group_lists`)."""
 
     rects: Any
     offsets: Any
@@ -451,8 +452,10 @@ def step_group_lists(xp, blocks: Sequence[Block], groupings: Sequence[tuple[str,
     by (q_start, q_len), tiles of that many query rows) or "key" (by (k_start, k_len), tiles of
     keys); groups in the order of their first block, blocks in theirs within a group. With
     `pack`, a grouping that `packing.worth_packing` favours is packed instead (`packed_list`).
-    Every grouping lies in one buffer, uploaded once (a packed one's row_keys and key_rows first,
-    on 8 bytes); its host side is built with whole-array operations. Unpacked, the blocks must be
+    The groupings' rectangles and offsets lie in one buffer, uploaded once; a packed grouping's
+    row_keys and key_rows are the step's (`_row_intervals`, kept in its memo), uploaded as they
+    are (with NumPy, not copied) and shared by the call's packed groupings; the host side is
+    built with whole-array operations. Unpacked, the blocks must be
     `listable` by every grouping (else ValueError: the launch's groups would write the same
     rows); their values fit in int32 (`_rect_columns`)."""
     lists = []
@@ -461,12 +464,9 @@ def step_group_lists(xp, blocks: Sequence[Block], groupings: Sequence[tuple[str,
         lists.append((packed.host, packed.n_groups, packed.tiles, True) if packed is not None
                      else (*_group_list(blocks, by, tile_rows), False))
     runs = _row_intervals(blocks) if any(listed[3] for listed in lists) else None
-    parts = [] if runs is None else [runs[0].reshape(-1), runs[1].reshape(-1)]
-    buffer = xp.asarray(np.concatenate(parts + [listed[0] for listed in lists]))
-    at = sum(part.size for part in parts)
-    row_keys = key_rows = None
-    if runs is not None:
-        row_keys, key_rows = buffer[:runs[0].size].reshape(-1, 2), buffer[runs[0].size:at].reshape(-1, 2)
+    row_keys, key_rows = (None, None) if runs is None else (xp.asarray(runs[0]), xp.asarray(runs[1]))
+    buffer = xp.asarray(np.concatenate([listed[0] for listed in lists]))
+    at = 0
     out = []
     for host, n_groups, tiles, is_packed in lists:
         rects_end = at + host.size - 2 * n_groups - 2
@@ -489,12 +489,23 @@ def packed_list(blocks: Sequence[Block], by: str, tile_rows: int) -> packing.Pac
     listed = None
     if runs is not None:
         listed = packing.packed_groups(runs[by == "key"], by, tile_rows, NO_BOUND)
-        listed_tiles = packing.list_tiles(_rect_columns(blocks), tile_rows)
-        if listed.n_groups == 0 or not packing.worth_packing(listed_tiles, listed.work):
+        if listed.n_groups == 0 or not packing.worth_packing(_list_tiles(blocks, tile_rows), listed.work):
             listed = None
     if memo is not None:
         memo[("packed", by, tile_rows)] = listed
     return listed
+
+
+def _list_tiles(blocks: Sequence[Block], tile_rows: int) -> int:
+    """`packing.list_tiles` of `blocks` (a grouping by either range counts the same tiles), kept
+    in a StepBlocks' memo."""
+    memo = getattr(blocks, "memo", None)
+    if memo is not None and ("list tiles", tile_rows) in memo:
+        return memo[("list tiles", tile_rows)]
+    tiles = packing.list_tiles(_rect_columns(blocks), tile_rows)
+    if memo is not None:
+        memo[("list tiles", tile_rows)] = tiles
+    return tiles
 
 
 def _row_intervals(blocks: Sequence[Block]) -> tuple[np.ndarray, np.ndarray] | None:
