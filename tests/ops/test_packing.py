@@ -280,7 +280,9 @@ def _whole_rectangles(rng, trials: int):
             cuts = np.unique(np.r_[start, rng.integers(start, stop, int(rng.integers(0, 3))), stop])
             rects += [[row, rows, a, b - a] for a, b in zip(cuts[:-1], cuts[1:])]
             row, key_start, key_stop = row + rows, start, stop
-        rects += [[int(rng.integers(0, row + 1)), 0, 0, 3]] * int(rng.random() < 0.2)
+        dead = [[int(rng.integers(0, row + 1)), 0, 0, 3], [row + int(rng.integers(0, 4)), 2, 0, 0],
+                [0, 0, key_stop + int(rng.integers(0, 4)), 2]]   # no row or no key: anywhere
+        rects += [d for d in dead if rng.random() < 0.2]
         cols = np.array(rects, np.int64).T
         m = cols.shape[1]
         offset = rng.integers(-50, 50, m)                  # k_pos - q_pos
@@ -308,6 +310,10 @@ def test_rectangles_keeping_every_pair_take_the_shortcut_with_the_same_runs():
         q_end, k_end = int((q_start + q_len).max()), int((k_start + k_len).max())
         pieces = packing._pieces_row_intervals(q_start, q_len, k_start, k_start + k_len, q_pos,
                                                k_pos, hi, lo, q_end, k_end)
+        runs = packing.row_intervals(cols)      # whichever way it took: the pieces' arrays
+        assert (runs is None) == (pieces is None) or cols[1].sum() > packing.MAX_ROW_REPEATS * q_end
+        if runs is not None:
+            assert all(np.array_equal(a, b) for a, b in zip(runs, pieces)), cols.T
         live = (q_len > 0) & (k_len > 0)
         whole = live & (k_pos - q_pos >= q_len - 1 - lo) & (k_pos - q_pos + k_len - 1 <= hi)
         if not np.array_equal(whole, live):
@@ -321,5 +327,4 @@ def test_rectangles_keeping_every_pair_take_the_shortcut_with_the_same_runs():
         assert pieces is not None, cols.T
         for a, b in zip(shortcut, pieces):
             assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b), cols.T
-        assert all(np.array_equal(a, b) for a, b in zip(packing.row_intervals(cols), pieces))
     assert taken >= 1500 and refused >= 100, (taken, refused)

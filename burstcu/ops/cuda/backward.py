@@ -18,7 +18,8 @@ is faster) launches dK/dV and dQ kernels without atomics, so two runs give bit-i
 Launches a ring step: a step of one Block launches the per-rectangle kernels (flash_bwd_dkdv,
 and flash_bwd_dq where dQ has its own pass) over it; a step of several launches each kernel once over
 the whole list (flash_bwd_dkdv_steps over the Blocks grouped by key range, flash_bwd_dq_steps
-grouped by query range; `params.step_group_lists`, one device buffer a step, kept with the
+grouped by query range; `params.step_group_lists`, one device buffer of rectangles a step (a
+packed list's runs in arrays of their own), kept with the
 context until it is finalized, and by the op while the step's `layout.StepBlocks` lives:
 `KernelOps.step_lists`). The list kernels run each group's Blocks in order exactly as
 one launch a Block would, so a deterministic step gives the same bits either way (for finite
