@@ -154,7 +154,11 @@ list kernel (KernelOps.sm90_lists = False) on a step of documents;
 the head groups above, measured; the pass of one fold (p.fresh and p.finalize, not yet run on a
 GPU: PREDICTION ~0.15 ms less a call at 4K, the fp32 state neither zeroed, read, written nor
 finalized; run.sh whole_pass times it against whole_pass off);
-BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN).
+BLOCK_N = 176 at d = 128; S <= 2K (the step alone 0.6-0.7x cuDNN); the softmax's exp2 under the
+warpgroup's own P V (PIPELINE above): where no row of the warpgroup raised its max (alpha = 1
+exactly, a warpgroup vote), P_j V_j could be issued before P_{j-1} V_{j-1} retires (P's A
+fragments double-buffered), so that a product reads the exp2 before the wait, as the
+backward's dV does; to be weighed against the two warpgroups' turns, which cover it today.
 */
 
 #include "hopper.cuh"
