@@ -455,9 +455,9 @@ def step_group_lists(xp, blocks: Sequence[Block], groupings: Sequence[tuple[str,
     The groupings' rectangles and offsets lie in one buffer, uploaded once; a packed grouping's
     row_keys and key_rows are the step's (`_row_intervals`, kept in its memo), uploaded as they
     are (with NumPy, not copied) and shared by the call's packed groupings; the host side is
-    built with whole-array operations. Unpacked, the blocks must be
-    `listable` by every grouping (else ValueError: the launch's groups would write the same
-    rows); their values fit in int32 (`_rect_columns`)."""
+    built with whole-array operations. Unpacked, the blocks must be `listable` by every grouping
+    (else ValueError: the launch's groups would write the same rows); their values fit in int32
+    (`_rect_columns`)."""
     lists = []
     for by, tile_rows in groupings:
         packed = packed_list(blocks, by, tile_rows) if pack else None
