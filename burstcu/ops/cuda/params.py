@@ -21,6 +21,7 @@ order, after the kernels already queued on that stream.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
@@ -349,26 +350,38 @@ def _step_facts(blocks: Sequence[Block]) -> dict | None:
     return memo["facts"]
 
 
+def _per_step(name: str):
+    """Decorator: f(blocks, *args) computed once per `burstcu.layout.StepBlocks` (kept in its
+    memo under (name, *args), or name alone), every call for any other sequence of blocks; an
+    exception keeps nothing."""
+    def wrap(f):
+        @functools.wraps(f)
+        def kept(blocks, *args):
+            memo = getattr(blocks, "memo", None)
+            if memo is None:
+                return f(blocks, *args)
+            key = (name, *args) if args else name
+            if key not in memo:
+                memo[key] = f(blocks, *args)
+            return memo[key]
+        return kept
+    return wrap
+
+
+@_per_step("rects")
 def block_rects(blocks: Sequence[Block]) -> np.ndarray:
     """(n, 8) int32: the BlockRect of each of `blocks` (`block_rect`; `_rect_columns`
     transposed), whole-array; once per `burstcu.layout.StepBlocks` (kept in its `memo`)."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and "rects" in memo:
-        return memo["rects"]
     rects = np.ascontiguousarray(_rect_columns(blocks).T, dtype=np.int32)
     rects.flags.writeable = False
-    if memo is not None:
-        memo["rects"] = rects
     return rects
 
 
+@_per_step("rect columns")
 def _rect_columns(blocks: Sequence[Block]) -> np.ndarray:
     """(8, n) int64: the BlockRect fields (`BLOCK_RECT.names`) of `blocks`, one row a field;
     once per `burstcu.layout.StepBlocks` (kept in its `memo`). ValueError for a position beyond
     `MAX_POSITION` (`key_bounds`) or a value beyond int32 (what the kernels' rectangles hold)."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and "rect columns" in memo:
-        return memo["rect columns"]
     rows = rectangle_rows(blocks)
     cols = np.empty((8, rows.size), np.int64)
     for i, field in enumerate(BLOCK_RECT.names[:6]):            # q_start .. k_pos
@@ -384,8 +397,6 @@ def _rect_columns(blocks: Sequence[Block]) -> np.ndarray:
         if cols.min() < -I32_MAX - 1 or cols.max() > I32_MAX:
             raise ValueError("a rectangle list holds values beyond int32 (the kernels' rectangles)")
     cols.flags.writeable = False
-    if memo is not None:
-        memo["rect columns"] = cols
     return cols
 
 
@@ -476,58 +487,42 @@ def step_group_lists(xp, blocks: Sequence[Block], groupings: Sequence[tuple[str,
     return tuple(out)
 
 
+@_per_step("packed")
 def packed_list(blocks: Sequence[Block], by: str, tile_rows: int) -> packing.PackedGroups | None:
     """A packed grouping of `blocks` (`packing.packed_groups`), or None where they cannot be
     packed (`_row_intervals`), keep no pair (a grid of 0 tiles; the rectangle list's tiles do
     nothing) or packing does not pay (`packing.worth_packing`, against the rectangle list's
     tiles). Kept in a StepBlocks' memo (so a change of `packing.PACK_GAIN` holds for steps made
     after it)."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and ("packed", by, tile_rows) in memo:
-        return memo[("packed", by, tile_rows)]
     runs = _row_intervals(blocks)
     listed = None
     if runs is not None:
         listed = packing.packed_groups(runs[by == "key"], by, tile_rows, NO_BOUND)
         if listed.n_groups == 0 or not packing.worth_packing(_list_tiles(blocks, tile_rows), listed.work):
             listed = None
-    if memo is not None:
-        memo[("packed", by, tile_rows)] = listed
     return listed
 
 
+@_per_step("list tiles")
 def _list_tiles(blocks: Sequence[Block], tile_rows: int) -> int:
     """`packing.list_tiles` of `blocks` (a grouping by either range counts the same tiles), kept
     in a StepBlocks' memo."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and ("list tiles", tile_rows) in memo:
-        return memo[("list tiles", tile_rows)]
-    tiles = packing.list_tiles(_rect_columns(blocks), tile_rows)
-    if memo is not None:
-        memo[("list tiles", tile_rows)] = tiles
-    return tiles
+    return packing.list_tiles(_rect_columns(blocks), tile_rows)
 
 
+@_per_step("row intervals")
 def _row_intervals(blocks: Sequence[Block]) -> tuple[np.ndarray, np.ndarray] | None:
     """`packing.row_intervals` of a list of 2 or more `blocks` (None for one), kept in a
     StepBlocks' memo."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and "row intervals" in memo:
-        return memo["row intervals"]
-    runs = packing.row_intervals(_rect_columns(blocks)) if len(blocks) > 1 else None
-    if memo is not None:
-        memo["row intervals"] = runs
-    return runs
+    return packing.row_intervals(_rect_columns(blocks)) if len(blocks) > 1 else None
 
 
+@_per_step("list")
 def _group_list(blocks: Sequence[Block], by: str, tile_rows: int) -> tuple[np.ndarray, int, int]:
     """One grouping's part of a `step_group_lists` buffer: (host (8 n + 2 g + 2,) int32: the n
     BlockRects (`block_rects`) group by group (`_grouped`), then each of the g groups' first
     rectangle and n, then each group's first tile (of `tile_rows` rows) and the tiles; g; the
     tiles). Kept in a StepBlocks' memo."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and ("list", by, tile_rows) in memo:
-        return memo[("list", by, tile_rows)]
     grouped = _grouped(blocks, by)
     if grouped is None:
         raise ValueError(f"two {by} ranges of one ring step overlap without being equal: a "
@@ -542,10 +537,7 @@ def _group_list(blocks: Sequence[Block], by: str, tile_rows: int) -> tuple[np.nd
     block_rects(blocks).take(order, axis=0, out=host[:m].reshape(-1, 8), mode="clip")   # in range
     host[m:m + g + 1], host[m + g + 1], host[m + g + 2:] = bounds, 0, tiles
     host.flags.writeable = False
-    listed = (host, g, total)
-    if memo is not None:
-        memo[("list", by, tile_rows)] = listed
-    return listed
+    return host, g, total
 
 
 def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
@@ -555,6 +547,7 @@ def listable(blocks: Sequence[Block], groupings: Sequence[str]) -> bool:
     return all(_grouped(blocks, by) is not None for by in groupings)
 
 
+@_per_step("grouped")
 def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """`blocks` grouped by their `by` range ("query": (q_start, q_len), "key": (k_start,
     k_len)), groups in the order of their first block: (order (n,) the block indices group by
@@ -562,9 +555,6 @@ def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, 
     order, then n; rows (g,) int64 a group's range length), or None where two distinct ranges
     overlap. Kept in a StepBlocks' memo. Blocks whose ranges already come in ascending order (as
     `burstcu.layout.rectangles` lists a causal step's, by query and by key range) need no sort."""
-    memo = getattr(blocks, "memo", None)
-    if memo is not None and ("grouped", by) in memo:
-        return memo[("grouped", by)]
     cols = _rect_columns(blocks)
     column = BLOCK_RECT.names.index(GROUP_RANGES[by][0])
     start, length = cols[column], cols[column + 1]
@@ -586,8 +576,6 @@ def _grouped(blocks: Sequence[Block], by: str) -> tuple[np.ndarray, np.ndarray, 
             counts = np.diff(bounds)[in_order]
             order = by_range[ragged(bounds[:-1][in_order], counts)[1]]
             grouped = (order, np.concatenate([[0], np.cumsum(counts)]), range_rows[in_order])
-    if memo is not None:
-        memo[("grouped", by)] = grouped
     return grouped
 
 
