@@ -197,15 +197,24 @@ def _rows_at_or_below(value: np.ndarray, rise: np.ndarray, length: np.ndarray, n
 def list_tiles(cols: np.ndarray, tile_rows: int) -> int:
     """Tiles of tile_rows x tile_rows pairs a rectangle list of `cols` (as `row_intervals`) runs:
     for each query tile of each rectangle, the key tiles from the one holding its first row's
-    first key to the one holding its last row's last key (the list kernels skip the others)."""
+    first key to the one holding its last row's last key (the list kernels skip the others). A
+    rectangle that keeps every pair runs all its tiles, ceil(q_len / T) ceil(k_len / T); the
+    others are counted query tile by query tile."""
     t = tile_rows
     q_start, q_len, k_start, k_len, q_pos, k_pos, hi, lo = cols
+    live = (q_len > 0) & (k_len > 0)
+    whole = live & (k_pos - q_pos >= q_len - 1 - lo) & (k_pos - q_pos + k_len - 1 <= hi)
+    total = int(np.sum(-(-q_len[whole] // t) * -(-k_len[whole] // t)))
+    bounded = live & ~whole
+    if not bounded.any():
+        return total
+    q_len, k_len, q_pos, k_pos, hi, lo = (x[bounded] for x in (q_len, k_len, q_pos, k_pos, hi, lo))
     owner, m0 = ragged(np.zeros_like(q_len), -(-q_len // t))
     m0 = m0 * t
     offset = (q_pos - k_pos)[owner] + m0                   # q_pos + m0 - k_pos
     first = np.maximum(0, offset - lo[owner])
     end = np.minimum(k_len[owner], offset + np.minimum(t, q_len[owner] - m0) - 1 + hi[owner] + 1)
-    return int(np.sum(np.maximum(0, -(-end // t) - first // t)))
+    return total + int(np.sum(np.maximum(0, -(-end // t) - first // t)))
 
 
 class PackedGroups(NamedTuple):
@@ -228,15 +237,17 @@ def packed_groups(runs: np.ndarray, by: str, tile_rows: int, no_bound: int) -> P
     positions 0 and key bounds `no_bound`, so that only the runs mask."""
     t = tile_rows
     rows = runs.shape[0]
-    starts = np.arange(0, rows, t)
-    seeing = np.flatnonzero(runs[:, 0] < runs[:, 1])
-    first, stop = np.searchsorted(seeing, starts), np.searchsorted(seeing, starts + t)
-    live = np.flatnonzero(stop > first)
+    tiles = -(-rows // t)
+    seeing = np.zeros(tiles * t, bool)                 # rows cut into tiles, the last padded
+    np.less(runs[:, 0], runs[:, 1], out=seeing[:rows])
+    seeing = seeing.reshape(tiles, t)
+    live = np.flatnonzero(seeing.any(axis=1))
+    seeing = seeing[live]
     g = live.size
-    own_start = starts[live]
+    own_start = live * t
     own_len = np.minimum(t, rows - own_start)
-    other_start = runs[seeing[first[live]], 0].astype(np.int64)
-    other_len = runs[seeing[stop[live] - 1], 1] - other_start
+    other_start = runs[own_start + seeing.argmax(axis=1), 0].astype(np.int64)   # first seeing row
+    other_len = runs[own_start + (t - 1 - seeing[:, ::-1].argmax(axis=1)), 1] - other_start
     zero = np.zeros(g, np.int64)
     bound = np.full(g, no_bound, np.int64)
     if by == "query":
