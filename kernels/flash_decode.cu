@@ -65,6 +65,13 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         M = max_r m_r; w_r = exp(m_r - M); L = sum_r w_r l_r; out = (sum_r w_r acc_r) / L in
         the output dtype, lse = M + ln L (burstcu.ops.decode.merge, the same steps and order);
         a row no rank saw (L = 0) gets out 0 and lse -inf.
+    flash_decode_finish   grid (T * H, B), DECODE_COMBINE_THREADS threads over D: a decode whose
+        cache rows all lie on this rank (one rank) in place of combine + merge, one launch less
+        a token: the combine's sums (the same helpers, so the same order and roundings), then
+        out = acc / l in the output dtype and lse = M ln 2 + ln l. The merge of one rank
+        weighs its partial by exp(0) = 1, so the two launches give these bits: on the emulator
+        bit for bit (tests/kernels/test_decode_emulated.py), on a GPU within a rounding of the
+        output (the compiler may fold the division otherwise in two kernels).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
 maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. A
 zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
@@ -121,6 +128,7 @@ VARIANTS (burstcu/build/decode_variants.py)
         blocks an SM: the registers allow 2 to 4, the shared memory 1 to 5, by DN and GPU)
     flash_decode_combine   one kernel for every dtype (fp32 in, fp32 out)
     flash_decode_merge<TOut>   TOut in {__half, __nv_bfloat16, float} (fp32 partials in)
+    flash_decode_finish<TOut>  TOut as the merge's (the fp32 workspace in)
 */
 #pragma once
 
@@ -156,6 +164,16 @@ struct DecodeCombineParams {
   float* acc;               // (B, T, H, D) contiguous
   float* m;                 // (B, H, T) contiguous, natural log units
   float* l;                 // (B, H, T) contiguous
+  int T_, H, D, splits;
+};
+
+// Everything the finish kernel reads: the workspace as above, the call's result as the merge's.
+struct DecodeFinishParams {
+  const float* ws_m;
+  const float* ws_l;
+  const float* ws_acc;
+  void* out;                // (B, T, H, D) contiguous, the kernel's TOut
+  float* lse;               // (B, H, T) contiguous
   int T_, H, D, splits;
 };
 
@@ -683,28 +701,56 @@ flash_decode_split_mma(const __grid_constant__ DecodeSplitParams<T> p) {
 
 #define DECODE_COMBINE_THREADS 128
 
+// One row's splits (m, l: splits floats; acc: splits x D) reduced, shared by the combine and the
+// finish so that both sum in one order with one rounding each: the largest m (base 2), then
+// sums weighted by exp2(m_s - base), base = that maximum or 0 where it is -inf (no NaN).
+__device__ __forceinline__ float splits_max(const float* m, int splits) {
+  float top = -INFINITY;
+  for (int s = 0; s < splits; ++s) top = fmaxf(top, m[s]);
+  return top;
+}
+__device__ __forceinline__ float splits_sum(const float* m, const float* x, long long stride,
+                                            int splits, float base) {
+  float sum = 0.f;
+  for (int s = 0; s < splits; ++s) sum += exp2f(m[s] - base) * x[s * stride];
+  return sum;
+}
+
 __global__ void __launch_bounds__(DECODE_COMBINE_THREADS)
 flash_decode_combine(const __grid_constant__ DecodeCombineParams p) {
   const int T_ = p.T_, H = p.H, D = p.D, splits = p.splits;
   const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
   const long long row = ((long long)b * H + h) * T_ + t;          // in (B, H, T)
   const float* m = p.ws_m + row * splits;
-  const float* l = p.ws_l + row * splits;
-  float top = -INFINITY;
-  for (int s = 0; s < splits; ++s) top = fmaxf(top, m[s]);
+  const float top = splits_max(m, splits);
   const float base = top == -INFINITY ? 0.f : top;
   float* out = p.acc + (((long long)b * T_ + t) * H + h) * D;      // (B, T, H, D)
-  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
-    float sum = 0.f;
-    for (int s = 0; s < splits; ++s) sum += exp2f(m[s] - base) * p.ws_acc[(row * splits + s) * D + d];
-    out[d] = sum;
-  }
+  const float* acc = p.ws_acc + row * splits * D;
+  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) out[d] = splits_sum(m, acc + d, D, splits, base);
   if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += exp2f(m[s] - base) * l[s];
-    p.m[row] = top == -INFINITY ? -INFINITY : top * 0.6931471805599453f;    // ln 2
-    p.l[row] = total;
+    p.m[row] = top == -INFINITY ? -INFINITY : __fmul_rn(top, 0.6931471805599453f);    // ln 2
+    p.l[row] = splits_sum(m, p.ws_l + row * splits, 1, splits, base);
   }
+}
+
+template <typename TOut>
+__global__ void __launch_bounds__(DECODE_COMBINE_THREADS)
+flash_decode_finish(const __grid_constant__ DecodeFinishParams p) {
+  const int T_ = p.T_, H = p.H, D = p.D, splits = p.splits;
+  const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
+  const long long row = ((long long)b * H + h) * T_ + t;          // in (B, H, T)
+  const float* m = p.ws_m + row * splits;
+  const float top = splits_max(m, splits);
+  const float base = top == -INFINITY ? 0.f : top;
+  const float total = splits_sum(m, p.ws_l + row * splits, 1, splits, base);   // every thread's
+  const bool seen = total > 0.f;
+  TOut* out = (TOut*)p.out + (((long long)b * T_ + t) * H + h) * D;
+  const float* acc = p.ws_acc + row * splits * D;
+  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
+    const float sum = splits_sum(m, acc + d, D, splits, base);
+    out[d] = from_float<TOut>(seen ? sum / total : 0.f);
+  }
+  if (threadIdx.x == 0) p.lse[row] = seen ? __fmul_rn(top, 0.6931471805599453f) + logf(total) : -INFINITY;
 }
 
 template <typename TOut>

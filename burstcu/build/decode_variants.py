@@ -19,6 +19,8 @@
 * ``"decode_combine"``: ``flash_decode_combine`` (fp32 in and out; `headdim` 0, dtype float32).
 * ``"decode_merge"``: ``flash_decode_merge<TOut>``, the ranks' partials merged (fp32 in; its
   dtype the output's, `headdim` 0).
+* ``"decode_finish"``: ``flash_decode_finish<TOut>``, one rank's decode ended in place of combine
+  and merge (fp32 workspace in; its dtype the output's, `headdim` 0).
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ def merge_variant(out_dtype: str) -> KernelVariant:
     return KernelVariant("decode_merge", SOURCE, name, out_dtype, 0, LaunchConfig(threads=COMBINE_THREADS))
 
 
+def finish_variant(out_dtype: str) -> KernelVariant:
+    name = f"flash_decode_finish<{_CXX[out_dtype]}>"
+    return KernelVariant("decode_finish", SOURCE, name, out_dtype, 0, LaunchConfig(threads=COMBINE_THREADS))
+
+
 def decode_variants(arch: str) -> list[KernelVariant]:
     """Every decode-family variant of the tile table `arch` that fits its shared memory."""
     if arch not in ARCHS:
@@ -130,4 +137,5 @@ def decode_variants(arch: str) -> list[KernelVariant]:
     mma = [mma_variant(dt, dn, rows) for dt in MMA_DTYPES for rows in MMA_ROWS for dn in MMA_HEADDIMS
            if mma_smem_bytes(dn, rows) <= budget]
     return ([split_variant(dt, dpl) for dt in _CXX for dpl in DPLS if smem_bytes(dt, dpl) <= budget]
-            + mma + [combine_variant()] + [merge_variant(dt) for dt in _CXX])
+            + mma + [combine_variant()] + [merge_variant(dt) for dt in _CXX]
+            + [finish_variant(dt) for dt in _CXX])

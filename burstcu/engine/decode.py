@@ -9,7 +9,8 @@ holds, G ranks):
     partial (`LocalOps.decode_partial`): acc (B, T, H, D), row max m and row sum l (B, H, T), in
         the accumulation dtype
     out (B, T, H, D) in q's dtype, lse (B, H, T) in the accumulation dtype: identical on every
-        rank, since every rank merges the same partials in rank order (`LocalOps.decode_merge`)
+        rank, since every rank merges the same partials in rank order (`LocalOps.decode_merge`;
+        one rank: `LocalOps.decode_whole`, the merge of its partial alone)
 
 Bytes one rank sends (`decode_bytes`), independent of the cache length:
     (G - 1) * B*T*H*(D + 2) * accumulation itemsize
@@ -27,6 +28,8 @@ def decode(q, k_cache, v_cache, lengths, softmax_scale: float, ops: LocalOps,
     """(out (B,T,H,D) in q's dtype, lse (B,H,T)): attention of q over every rank's first
     lengths[b] cache rows (module docstring). Collective over `transport`."""
     transport.where = "decode partial attention"
+    if transport.size == 1:     # nothing to gather: the op may end the decode in fewer launches
+        return ops.decode_whole(q, k_cache, v_cache, lengths, softmax_scale, q.dtype)
     mine = ops.decode_partial(q, k_cache, v_cache, lengths, softmax_scale)
     return ops.decode_merge(gathered_partials(mine, ops, transport), q.dtype)
 

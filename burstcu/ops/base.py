@@ -19,9 +19,9 @@ steps (output accumulator, row max, row sum, lse, delta, dq, dk, dv) is held in
 `accum_dtype(input dtype)`: float32, or float64 for float64 input; nothing is rounded to the input
 dtype until the end of the pass.
 
-Decode (`decode_partial`, `decode_merge`) and linear attention (`linear_*`) have array-module
-defaults here (`burstcu.ops.decode`, `burstcu.ops.linear`: any xp), which an op overrides with
-kernels where it has them.
+Decode (`decode_partial`, `decode_merge`; `decode_whole` where one rank holds every cache row)
+and linear attention (`linear_*`) have array-module defaults here (`burstcu.ops.decode`,
+`burstcu.ops.linear`: any xp), which an op overrides with kernels where it has them.
 
 Masking is described by `burstcu.layout.Block`s: each step is given the rectangles to compute
 (wholly-masked rectangles are never passed), each either full or straddling the causal diagonal.
@@ -252,6 +252,12 @@ class LocalOps(ABC):
         so every rank that merges the same parts gets the same bits."""
         return decode_xp.merge(self.xp, parts, out_dtype)
 
+    def decode_whole(self, q, k_cache, v_cache, lengths, scale: float, out_dtype) -> tuple[Any, Any]:
+        """(out (B,T,H,D) in out_dtype, lse (B,H,T)): decode_partial's arguments where these
+        cache rows are all there are (one rank): `decode_merge` of this partial alone, which an op
+        may end in fewer steps; new arrays."""
+        return self.decode_merge([self.decode_partial(q, k_cache, v_cache, lengths, scale)], out_dtype)
+
     # -- linear attention (chunkwise products; burstcu.ops.linear states the algebra) -----------------
     def linear_kv_state(self, k, v, acc):
         """M = K^T V (B,Hkv,D,D) in acc of k, v (B,C,Hkv,D)."""
@@ -356,6 +362,9 @@ class DelegatingOps(LocalOps):
 
     def decode_merge(self, parts, out_dtype):
         return self.inner.decode_merge(parts, out_dtype)
+
+    def decode_whole(self, q, k_cache, v_cache, lengths, scale, out_dtype):
+        return self.inner.decode_whole(q, k_cache, v_cache, lengths, scale, out_dtype)
 
     def linear_kv_state(self, k, v, acc):
         return self.inner.linear_kv_state(k, v, acc)

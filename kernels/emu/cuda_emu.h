@@ -163,6 +163,7 @@ inline float __log2f(float x) { return log2f(x); }
 inline float __exp10f(float x) { return powf(10.0f, x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fmul_rn(float a, float b) { return a * b; }   // a product never fused into an add
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }

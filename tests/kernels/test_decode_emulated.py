@@ -600,3 +600,96 @@ def test_the_twin_writes_no_padding_row():
             for name, width in (("decode_m", 1), ("decode_l", 1), ("decode_acc", d)):
                 assert used * width < message[name].size, (t, name)   # a tail to watch
                 assert (_host(message[name])[used * width:] == 7.0).all(), (t, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# one rank's decode (`KernelOps.decode_whole`): the split kernel and flash_decode_finish
+
+WHOLE_CASES = {  # name: (B, T, H, Hkv, D, cache rows, lengths, dtype, out dtype, layout, SMs)
+    "twin R4 fp16, a row with nothing": (2, 1, 8, 2, 64, 300, (300, 0), "float16", "float16",
+                                         "contiguous", 64),
+    "twin R32 bf16 paged, many splits": (2, 2, 16, 1, 128, 900, (900, 77), "bfloat16", "bfloat16",
+                                         "paged", 200),
+    "CUDA cores fp32 d40, fp32 out": (2, 2, 4, 4, 40, 97, (97, 13), "float32", "float32",
+                                      "contiguous", 64),
+}
+
+
+def _same_bits_or_rounding(got, want, eps: float) -> bool:
+    """Bit for bit on the emulator; on a GPU within a rounding of the dtype (the compiler may
+    fold a division otherwise in two kernels)."""
+    if BACKEND != "cupy":
+        return got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    return np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=eps, atol=0)
+
+
+@pytest.mark.parametrize("case", list(WHOLE_CASES))
+def test_one_ranks_decode_ends_in_the_finish_kernel(case):
+    """A decode whose cache rows all lie on one rank runs two kernels, the split kernel and
+    flash_decode_finish, where decode_partial + decode_merge run three (split, combine, merge),
+    and gives their out and lse; within FlashAttention's rule of float64 attention over each
+    batch row's valid rows (NaN past them: inert), a row with no valid row out 0, lse -inf. The
+    tensor-core twin and the CUDA-core kernel, contiguous and paged, one and many splits, every
+    output dtype."""
+    b, t, h, hkv, d, s, lengths, dtype, out_dtype, layout, sms = WHOLE_CASES[case]
+    if BACKEND == "cupy" and "bfloat16" in (dtype, out_dtype):
+        pytest.skip("CuPy has no bfloat16 arrays")
+    q, k, v = _inputs(list(WHOLE_CASES).index(case), b, t, h, hkv, d, s, lengths, dtype)
+    ops = _ops_randomized()
+    ops.sm_count = sms
+    given: dict = {}
+    counts = _launches(ops, given)
+    xp, scale = ops.xp, 1.0 / np.sqrt(d)
+    if layout == "paged":
+        pages_k, pages_v, table = _paged(k, v, lengths, 16, 3)
+        device_table = xp.asarray(table)
+        cache = (PagedRows(xp.asarray(pages_k), device_table, table),
+                 PagedRows(xp.asarray(pages_v), device_table, table))
+    else:
+        cache = (xp.asarray(k), xp.asarray(v))
+    call = (xp.asarray(q), *cache, np.asarray(lengths), scale)
+    out, lse = (_host(x) for x in ops.decode_whole(*call, DTYPES[out_dtype]))
+    split = "flash_decode_split_mma" if dtype != "float32" else "flash_decode_split"
+    assert counts == {split: 1, "flash_decode_finish": 1}, counts
+    if case.endswith("many splits"):
+        assert given[split]["splits"] >= 4, given[split]["splits"]
+    counts.clear()
+    partial = tuple(x.copy() for x in ops.decode_partial(*call))   # the op's kept buffers
+    want_out, want_lse = (_host(x) for x in ops.decode_merge([partial], DTYPES[out_dtype]))
+    assert counts == {split: 1, "flash_decode_combine": 1, "flash_decode_merge": 1}, counts
+    assert out.dtype == DTYPES[out_dtype] and out.shape == q.shape and lse.shape == (b, h, t)
+    assert _same_bits_or_rounding(out, want_out, EPS[out_dtype])
+    assert _same_bits_or_rounding(lse, want_lse, 2.0**-23)
+    for bi, n in enumerate(lengths):
+        if n == 0:
+            assert not out[bi].astype(np.float32).any() and np.isneginf(lse[bi]).all()
+            continue
+        kb, vb = k[bi:bi + 1, :n], v[bi:bi + 1, :n]
+        ref_out, ref_lse = attention_ref(q[bi:bi + 1], kb, vb, softmax_scale=scale)
+        naive_out, naive_lse = attention_ref(q[bi:bi + 1], kb, vb, softmax_scale=scale,
+                                             dtype=np.float32, round_to=DTYPES[dtype])
+        for name, got, ref, naive, eps in (
+                ("out", out[bi:bi + 1], ref_out, naive_out.astype(DTYPES[out_dtype]), EPS[out_dtype]),
+                ("lse", lse[bi:bi + 1], ref_lse, naive_lse, 2.0**-23)):
+            ok, err, bound = within_fa_rule(got.astype(np.float64), ref, naive.astype(np.float64), eps)
+            assert ok, f"{name}, batch row {bi}: {err:.3e} > {bound:.3e}"
+
+
+def test_one_ranks_decode_without_the_finish_kernel():
+    """Where the finish cannot run, decode_whole is decode_merge of decode_partial: an output
+    dtype the kernels lack (float64: split and combine, then the array merge) and a head dim no
+    split variant runs (288: the array partial, then the merge kernel); the same bits as those
+    two calls."""
+    ops = _ops()
+    counts = _launches(ops)
+    for d, out_dtype, launched in ((64, np.float64, {"flash_decode_split_mma": 1, "flash_decode_combine": 1}),
+                                   (288, np.float16, {"flash_decode_merge": 1})):
+        q, k, v = _inputs(d, 2, 1, 4, 2, d, 40, (40, 9), "float16")
+        call = (ops.xp.asarray(q), ops.xp.asarray(k), ops.xp.asarray(v), np.asarray((40, 9)), d ** -0.5)
+        counts.clear()
+        out, lse = (_host(x) for x in ops.decode_whole(*call, out_dtype))
+        assert counts == launched, (d, counts)
+        partial = tuple(x.copy() for x in ops.decode_partial(*call))
+        want_out, want_lse = (_host(x) for x in ops.decode_merge([partial], out_dtype))
+        assert out.dtype == want_out.dtype == out_dtype
+        assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse), d

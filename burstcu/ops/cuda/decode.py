@@ -18,9 +18,10 @@ fixed SM count and the shared memory of its tile table's GPU), the longest batch
 cut into the split count, up to MAX_SPLITS, whose waves of blocks come closest to whole (within
 85% of the best), each split at least MIN_KEYS keys, a multiple of the kernel's tile (BK, or the
 twin's 32 or 64 keys). The split kernel writes every split's (m, l, acc) to a workspace that the
-combine kernel reduces; the workspace holds `most_splits` splits of the shape, the most the
-heuristic can give for any lengths up to the cache's rows (1 when the blocks of one split fill
-the device: a large batch pays nothing for splits it never takes).
+combine kernel reduces (a decode of one rank, `whole`: the finish kernel, which ends the decode
+there); the workspace holds `most_splits` splits of the shape, the most the heuristic can give for
+any lengths up to the cache's rows (1 when the blocks of one split fill the device: a large batch
+pays nothing for splits it never takes).
 
 Host path: a `_Plan` per shape (the split kernel chosen, variants, grid, block slots, the
 parameter structs packed once with every field that does not change between calls) is kept on
@@ -63,14 +64,18 @@ DECODE_SPLIT = CStruct("DecodeSplitParams", [
 DECODE_COMBINE = CStruct("DecodeCombineParams", [
     ("ws_m", "ptr"), ("ws_l", "ptr"), ("ws_acc", "ptr"), ("acc", "ptr"), ("m", "ptr"),
     ("l", "ptr"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("splits", "i32")])
+DECODE_FINISH = CStruct("DecodeFinishParams", [
+    ("ws_m", "ptr"), ("ws_l", "ptr"), ("ws_acc", "ptr"), ("out", "ptr"), ("lse", "ptr"),
+    ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("splits", "i32")])
 DECODE_MERGE = CStruct("DecodeMergeParams", [
     ("acc", "ptr"), ("m", "ptr"), ("l", "ptr"), ("out", "ptr"), ("lse", "ptr"),
     ("rank_stride", "i64"), ("T_", "i32"), ("H", "i32"), ("D", "i32"), ("ranks", "i32")])
-DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE, DECODE_MERGE)
+DECODE_STRUCTS = (DECODE_SPLIT, DECODE_COMBINE, DECODE_FINISH, DECODE_MERGE)
 # what a call writes into its copy of a plan's struct templates (`CStruct.setter`)
 _fill_split = DECODE_SPLIT.setter(("q", "k", "v", "lengths", "page_table", "ws_m", "ws_l", "ws_acc",
                                    "chunk", "splits"))
 _fill_combine = DECODE_COMBINE.setter(("ws_m", "ws_l", "ws_acc", "acc", "m", "l", "splits"))
+_fill_finish = DECODE_FINISH.setter(("ws_m", "ws_l", "ws_acc", "out", "lse", "splits"))
 _fill_merge = DECODE_MERGE.setter(("acc", "m", "l", "out", "lse"))
 
 MAX_SPLITS = 128      # splits a batch row at most
@@ -215,6 +220,7 @@ class _Plan:
     pinned: Any = None                      # GPU: (PINNED_SLOTS, B) int32 pinned host memory
     device_lengths: Any = None              # GPU: (PINNED_SLOTS, B) int32, their copies
     events: list = field(default_factory=list)
+    finishes: dict = field(default_factory=dict)   # out dtype: `_finish_launch`
 
 
 def _plan(ops, q, k, page_table, vec: int, scale: float, kernel_dtype: str) -> _Plan | None:
@@ -333,6 +339,54 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     v_cache (B,S,Hkv,D) or PagedRows of one dtype in KERNEL_DTYPES; lengths: host ints (B,),
     each at most the cache's rows a batch row. The arrays returned are the op's kept buffers:
     valid through the op's next call, overwritten by a later one (copy them to keep them)."""
+    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale)
+    if plan is None:
+        return split
+    buffers, ws, splits = split
+    out = (buffers["decode_out_acc"], buffers["decode_out_m"], buffers["decode_out_l"])
+    args = _fill_combine(plan.combine, *ws, *(data_ptr(x) for x in out), splits)
+    plan.combine_fn(plan.combine_grid, plan.combine_threads, (args,))
+    return out
+
+
+def whole(ops, q, k_cache, v_cache, lengths, scale: float, out_dtype):
+    """(out (B,T,H,D) in out_dtype, lse (B,H,T) float32, new arrays): `merge` of `partial`'s
+    partial alone, for a decode whose cache rows all lie here (one rank), in two launches: the
+    split kernel, then flash_decode_finish (the combine's sums ended as the merge of one rank
+    ends them) in place of combine and merge. Where the kernels lack out_dtype, the batch is past
+    MAX_GRID_Y or no split variant runs the head dim, `merge` of `partial`."""
+    out_name = dtype_name(np.dtype(out_dtype))
+    if out_name not in KERNEL_DTYPES or q.shape[0] > MAX_GRID_Y:
+        return merge(ops, [partial(ops, q, k_cache, v_cache, lengths, scale)], out_dtype)
+    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale)
+    if plan is None:
+        return merge(ops, [split], out_dtype)
+    _, ws, splits = split
+    fn, template = plan.finishes.get(out_name) or _finish_launch(ops, plan, q.shape, out_name)
+    b, t, h, d = q.shape
+    out = ops.xp.empty((b, t, h, d), dtype=out_name)
+    lse = ops.xp.empty((b, h, t), dtype=np.float32)
+    args = _fill_finish(template, *ws, data_ptr(out), data_ptr(lse), splits)
+    fn(plan.combine_grid, plan.combine_threads, (args,))
+    return out, lse
+
+
+def _finish_launch(ops, plan: _Plan, shape: tuple, out_name: str) -> tuple:
+    """(kernel, DECODE_FINISH's bytes with T_, H, D set) of the plan's finish into out_name,
+    kept in the plan for the calls after the first."""
+    _, t, h, d = shape
+    packed = np.zeros(1, DECODE_FINISH.dtype)
+    for name, value in (("T_", t), ("H", h), ("D", d)):
+        packed[name] = value
+    launch = plan.finishes[out_name] = (ops.function(ops.variant("decode_finish", out_name, 0).name),
+                                        packed.tobytes())
+    return launch
+
+
+def _split(ops, q, k_cache, v_cache, lengths, scale: float) -> tuple:
+    """The split kernel of `partial`'s arguments launched: (plan, (buffers, the workspace's
+    three addresses, splits)), the workspace for a combine or a finish to reduce; or (None, the
+    array path's partial) where no split variant of this table runs the head dim."""
     xp = ops.xp
     page_table, paged = None, (k_cache, v_cache)
     if isinstance(k_cache, PagedRows):
@@ -348,7 +402,7 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     if plan is None:     # a head dim this table has no split variant for
         if page_table is None:
             paged = (k_cache, v_cache)
-        return array_partial(xp, q, *paged, lengths, scale, np.dtype(np.float32))
+        return None, array_partial(xp, q, *paged, lengths, scale, np.dtype(np.float32))
     longest = int(max(lengths)) if len(lengths) else 0
     if longest > plan.rows:   # the workspace holds the splits of plan.rows keys at most
         raise ValueError(f"lengths up to {longest} rows over a cache of {plan.rows} rows a batch row")
@@ -356,15 +410,12 @@ def partial(ops, q, k_cache, v_cache, lengths, scale: float):
     pair = ops.double_buffer(plan.fields, plan.layout)
     buffers = pair[_turn(ops, pair)]
     device_lengths = _device_lengths(ops, plan, lengths)
-    out = (buffers["decode_out_acc"], buffers["decode_out_m"], buffers["decode_out_l"])
     ws = (data_ptr(buffers["decode_m"]), data_ptr(buffers["decode_l"]), data_ptr(buffers["decode_acc"]))
     args = _fill_split(plan.split, data_ptr(q), data_ptr(k_cache), data_ptr(v_cache),
                        data_ptr(device_lengths), 0 if page_table is None else data_ptr(page_table),
                        *ws, chunk, splits)
     plan.split_fn((splits,) + plan.split_grid[1:], plan.threads, (args,), shared_mem=plan.smem)
-    args = _fill_combine(plan.combine, *ws, *(data_ptr(x) for x in out), splits)
-    plan.combine_fn(plan.combine_grid, plan.combine_threads, (args,))
-    return out
+    return plan, (buffers, ws, splits)
 
 
 def merge(ops, parts, out_dtype):

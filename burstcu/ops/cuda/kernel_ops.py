@@ -813,6 +813,11 @@ class KernelOps(LocalOps):
     def decode_merge(self, parts, out_dtype):
         return decode.merge(self, parts, out_dtype)
 
+    def decode_whole(self, q, k_cache, v_cache, lengths, scale, out_dtype):
+        if dtype_name(q) not in decode.KERNEL_DTYPES:
+            return super().decode_whole(q, k_cache, v_cache, lengths, scale, out_dtype)
+        return decode.whole(self, q, k_cache, v_cache, lengths, scale, out_dtype)
+
     # -- argument checks and layout ----------------------------------------------------------------
     def _check_dtype(self, x, what: str) -> str:
         name = dtype_name(x)
