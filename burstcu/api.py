@@ -481,7 +481,8 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
 def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """Attention of the new tokens q over every rank's KV cache rows (`burstcu.engine.decode`:
-    one partial a rank, one all-gather of the partials, the same merge on every rank).
+    one partial a rank, one all-gather of the partials, the same merge on every rank; at one
+    rank the op ends its partial itself).
 
     `decode(q, cache)` with a `burstcu.KVCache` is `cache.decode(q, ...)` (its arrays, group and
     row counts).

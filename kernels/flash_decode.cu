@@ -68,10 +68,11 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
     flash_decode_finish   grid (T * H, B), DECODE_COMBINE_THREADS threads over D: a decode whose
         cache rows all lie on this rank (one rank) in place of combine + merge, one launch less
         a token: the combine's sums (the same helpers, so the same order and roundings), then
-        out = acc / l in the output dtype and lse = M ln 2 + ln l. The merge of one rank
-        weighs its partial by exp(0) = 1, so the two launches give these bits: on the emulator
-        bit for bit (tests/kernels/test_decode_emulated.py), on a GPU within a rounding of the
-        output (the compiler may fold the division otherwise in two kernels).
+        out = acc / l in the output dtype and lse = M ln 2 + ln l (M ln 2 rounded first, as the
+        combine stores it: __fmul_rn keeps it out of an FMA). The merge of one rank weighs its
+        partial by exp(0) = 1, so the two launches give the same bits: on the emulator
+        (tests/kernels/test_decode_emulated.py), and on a GPU by the SASS (NVRTC 13, sm_90: both
+        kernels write out as acc times MUFU.RCP(l) and lse as FFMA(LG2(l), ln 2, M ln 2)).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
 maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. A
 zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
@@ -726,7 +727,8 @@ flash_decode_combine(const __grid_constant__ DecodeCombineParams p) {
   const float base = top == -INFINITY ? 0.f : top;
   float* out = p.acc + (((long long)b * T_ + t) * H + h) * D;      // (B, T, H, D)
   const float* acc = p.ws_acc + row * splits * D;
-  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) out[d] = splits_sum(m, acc + d, D, splits, base);
+  for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS)
+    out[d] = splits_sum(m, acc + d, D, splits, base);
   if (threadIdx.x == 0) {
     p.m[row] = top == -INFINITY ? -INFINITY : __fmul_rn(top, 0.6931471805599453f);    // ln 2
     p.l[row] = splits_sum(m, p.ws_l + row * splits, 1, splits, base);

@@ -14,7 +14,9 @@ holds, G ranks):
 
 Bytes one rank sends (`decode_bytes`), independent of the cache length:
     (G - 1) * B*T*H*(D + 2) * accumulation itemsize
-(the transport's all-gather sends this rank's packed (acc, m, l) to each other rank).
+(the transport's all-gather sends this rank's packed (acc, m, l) to each other rank; the op writes
+the partial there, `packed_partials`). At one rank there is nothing to gather: the op ends its
+partial itself (`LocalOps.decode_whole`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def decode(q, k_cache, v_cache, lengths, softmax_scale: float, ops: LocalOps,
     transport.where = "decode partial attention"
     if transport.size == 1:     # nothing to gather: the op may end the decode in fewer launches
         return ops.decode_whole(q, k_cache, v_cache, lengths, softmax_scale, q.dtype)
-    mine = ops.decode_partial(q, k_cache, v_cache, lengths, softmax_scale)
-    return ops.decode_merge(gathered_partials(mine, ops, transport), q.dtype)
+    packed = packed_partials(q, ops, transport.size)
+    ops.decode_partial(q, k_cache, v_cache, lengths, softmax_scale,
+                       out=(packed["acc"], packed["m"], packed["l"]))
+    return ops.decode_merge(gathered_partials(packed, ops, transport), q.dtype)
 
 
 def _fields(acc_shape, stat_shape, dtype, size: int, nbytes: int) -> list:
@@ -40,25 +44,29 @@ def _fields(acc_shape, stat_shape, dtype, size: int, nbytes: int) -> list:
             ("gathered", (size, nbytes), "uint8")]
 
 
-def gathered_partials(mine: tuple, ops: LocalOps, transport: Transport) -> list[tuple]:
-    """Every rank's (acc, m, l), in rank order, after one all-gather of the packed partials
-    (through the op's kept buffers: no allocation after the first call of a shape)."""
-    if transport.size == 1:
-        return [mine]
-    acc, m, _ = mine
-    nbytes = (acc.size + 2 * m.size) * acc.dtype.itemsize
+def packed_partials(q, ops: LocalOps, size: int) -> Message:
+    """The op's kept message of decode's all-gather for q (B,T,H,D) over `size` ranks: this
+    rank's partial, acc (B,T,H,D), m and l (B,H,T) in the accumulation dtype, one span that
+    `LocalOps.decode_partial(..., out=...)` writes in place, and "gathered" (size, its bytes):
+    no allocation after the first call of a shape, no copy of the partial."""
+    b, t, h, d = q.shape
+    dtype = accum_dtype(q.dtype)
     # One buffer is enough (the merge reads the gathered views before the call returns), but
     # the op keeps buffers only as double_buffer's pairs (`message` allocates at every call):
     # the other one of the pair stays idle: (G + 1) * B*T*H*(D+2) * 4 bytes, the partials' size
     # and not the cache's (9 MiB at B = 64, T = 1, H = 32, D = 128, G = 8), rather than an
     # allocation and a free at every token.
-    packed = ops.double_buffer(_fields(acc.shape, m.shape, acc.dtype, transport.size, nbytes))[0]
-    for name, x in zip(("acc", "m", "l"), mine):
-        ops.copy_(packed[name], x)
-    flat = packed.span("acc", "l")
+    nbytes = b * t * h * (d + 2) * dtype.itemsize
+    return ops.double_buffer(_fields((b, t, h, d), (b, h, t), dtype, size, nbytes))[0]
+
+
+def gathered_partials(packed: Message, ops: LocalOps, transport: Transport) -> list[tuple]:
+    """Every rank's (acc, m, l), in rank order, after one all-gather of the partial in `packed`
+    (`packed_partials`)."""
+    acc, m = packed["acc"], packed["m"]
     gathered = packed["gathered"]
     transport.where = "decode all-gather of the partials"
-    transport.allgather(flat, gathered)
+    transport.allgather(packed.span("acc", "l"), gathered)
     fields = _fields(acc.shape, m.shape, acc.dtype, 0, 0)[:3]
     parts = []
     for r in range(transport.size):

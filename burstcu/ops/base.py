@@ -234,18 +234,27 @@ class LocalOps(ABC):
         """(dk, dv) in out_dtype."""
 
     # -- decode (a sequence-sharded KV cache) ---------------------------------------------------------
-    def decode_partial(self, q, k_cache, v_cache, lengths, scale: float) -> tuple[Any, Any, Any]:
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale: float, out=None) -> tuple[Any, Any, Any]:
         """(acc (B,T,H,D), m (B,H,T), l (B,H,T)) in the accumulation dtype: this rank's share of
         decode for q (B,T,H,D) over the first lengths[b] rows of k_cache, v_cache (B,S,Hkv,D)
         (`burstcu.ops.decode`: unnormalised accumulator, row max of the scaled scores, row sum).
-        k_cache, v_cache may instead be `burstcu.ops.decode.PagedRows` of a paged cache.
+        k_cache, v_cache may instead be `burstcu.ops.decode.PagedRows` of a paged cache. out:
+        None, or (acc, m, l) C-contiguous arrays of those shapes and dtype on the op's device,
+        written and returned (the kernel ops' combine writes them directly: a partial made where
+        the all-gather sends it, with no copy).
 
-        Lifetime: the arrays returned may be buffers the op keeps and reuses (the kernel ops:
-        `double_buffer` pairs, whose two buffers calls of one layout take in turn). They stay
-        valid through the op's next decode_partial call, whatever its shapes or arguments; a
-        later call may overwrite them. Copy them to keep them longer; `release_buffers` drops
-        the op's hold (arrays already returned stay readable). This default returns new arrays."""
-        return decode_xp.partial(self.xp, q, k_cache, v_cache, lengths, scale, accum_dtype(q.dtype))
+        Lifetime (out None): the arrays returned may be buffers the op keeps and reuses (the
+        kernel ops: `double_buffer` pairs, whose two buffers calls of one layout take in turn).
+        They stay valid through the op's next decode_partial or decode_whole call, whatever its
+        shapes or arguments; a later call may overwrite them. Copy them to keep them longer;
+        `release_buffers` drops the op's hold (arrays already returned stay readable). This
+        default returns new arrays."""
+        parts = decode_xp.partial(self.xp, q, k_cache, v_cache, lengths, scale, accum_dtype(q.dtype))
+        if out is None:
+            return parts
+        for dst, src in zip(out, parts):
+            self.copy_(dst, src)
+        return out
 
     def decode_merge(self, parts: Sequence[tuple[Any, Any, Any]], out_dtype) -> tuple[Any, Any]:
         """(out (B,T,H,D) in out_dtype, lse (B,H,T)) from every rank's (acc, m, l), in rank order,
@@ -357,8 +366,8 @@ class DelegatingOps(LocalOps):
     def backward_finalize(self, ctx, out_dtype):
         return self.inner.backward_finalize(ctx, out_dtype)
 
-    def decode_partial(self, q, k_cache, v_cache, lengths, scale):
-        return self.inner.decode_partial(q, k_cache, v_cache, lengths, scale)
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale, out=None):
+        return self.inner.decode_partial(q, k_cache, v_cache, lengths, scale, out)
 
     def decode_merge(self, parts, out_dtype):
         return self.inner.decode_merge(parts, out_dtype)

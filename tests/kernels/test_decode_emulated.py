@@ -615,19 +615,16 @@ WHOLE_CASES = {  # name: (B, T, H, Hkv, D, cache rows, lengths, dtype, out dtype
 }
 
 
-def _same_bits_or_rounding(got, want, eps: float) -> bool:
-    """Bit for bit on the emulator; on a GPU within a rounding of the dtype (the compiler may
-    fold a division otherwise in two kernels)."""
-    if BACKEND != "cupy":
-        return got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
-    return np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=eps, atol=0)
+def _same_bits(got, want) -> bool:
+    return got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 @pytest.mark.parametrize("case", list(WHOLE_CASES))
 def test_one_ranks_decode_ends_in_the_finish_kernel(case):
     """A decode whose cache rows all lie on one rank runs two kernels, the split kernel and
     flash_decode_finish, where decode_partial + decode_merge run three (split, combine, merge),
-    and gives their out and lse; within FlashAttention's rule of float64 attention over each
+    and gives their out and lse bit for bit (on a GPU too: the SASS of both ends in the same
+    instructions); within FlashAttention's rule of float64 attention over each
     batch row's valid rows (NaN past them: inert), a row with no valid row out 0, lse -inf. The
     tensor-core twin and the CUDA-core kernel, contiguous and paged, one and many splits, every
     output dtype."""
@@ -658,8 +655,7 @@ def test_one_ranks_decode_ends_in_the_finish_kernel(case):
     want_out, want_lse = (_host(x) for x in ops.decode_merge([partial], DTYPES[out_dtype]))
     assert counts == {split: 1, "flash_decode_combine": 1, "flash_decode_merge": 1}, counts
     assert out.dtype == DTYPES[out_dtype] and out.shape == q.shape and lse.shape == (b, h, t)
-    assert _same_bits_or_rounding(out, want_out, EPS[out_dtype])
-    assert _same_bits_or_rounding(lse, want_lse, 2.0**-23)
+    assert _same_bits(out, want_out) and _same_bits(lse, want_lse)
     for bi, n in enumerate(lengths):
         if n == 0:
             assert not out[bi].astype(np.float32).any() and np.isneginf(lse[bi]).all()
@@ -693,3 +689,67 @@ def test_one_ranks_decode_without_the_finish_kernel():
         want_out, want_lse = (_host(x) for x in ops.decode_merge([partial], out_dtype))
         assert out.dtype == want_out.dtype == out_dtype
         assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse), d
+
+
+def test_a_partial_stays_valid_through_a_whole_decode_and_the_next_partial():
+    """decode_whole and a decode_partial into given arrays write only the workspace, in the kept
+    buffer the next call takes: a partial the op returned before is unchanged by them and by the
+    next decode_partial."""
+    ops = _ops()
+    xp = ops.xp
+    q, k, v = _inputs(11, 2, 1, 4, 2, 64, 90, (90, 31), "float16")
+    call = (xp.asarray(q), xp.asarray(k), xp.asarray(v), np.asarray((90, 31)), 0.125)
+    kept = ops.decode_partial(*call)
+    before = [_host(x).copy() for x in kept]
+    other = (xp.asarray(q[:, :, ::-1].copy()), *call[1:])
+    ops.decode_whole(*other, np.float16)
+    ops.decode_partial(*other, out=tuple(xp.empty(x.shape, np.float32) for x in kept))
+    ops.decode_partial(*other)
+    assert all(_same_bits(_host(x), y) for x, y in zip(kept, before))
+
+
+def test_a_partial_written_where_it_is_sent():
+    """decode_partial(..., out=(acc, m, l)) has the combine kernel write the given arrays (the
+    engine's all-gather buffer: no copy) and returns them, with the bits of a partial in the
+    op's kept buffers; arrays the kernel cannot write are refused; the array path (a head dim
+    without a split variant) copies into them."""
+    ops = _ops()
+    counts = _launches(ops)
+    xp = ops.xp
+    for d, launched in ((64, {"flash_decode_split_mma": 1, "flash_decode_combine": 1}), (288, {})):
+        q, k, v = _inputs(d, 2, 2, 4, 2, d, 50, (50, 0), "float16")
+        call = (xp.asarray(q), xp.asarray(k), xp.asarray(v), np.asarray((50, 0)), d ** -0.5)
+        want = [_host(x).copy() for x in ops.decode_partial(*call)]
+        out = (xp.full((2, 2, 4, d), np.nan, np.float32), xp.full((2, 4, 2), np.nan, np.float32),
+               xp.full((2, 4, 2), np.nan, np.float32))
+        counts.clear()
+        got = ops.decode_partial(*call, out=out)
+        assert counts == launched, (d, counts)
+        assert all(x is y for x, y in zip(got, out))
+        assert all(_same_bits(_host(x), y) for x, y in zip(out, want)), d
+    q, k, v = _inputs(3, 1, 1, 4, 2, 64, 20, (20,), "float16")
+    call = (xp.asarray(q), xp.asarray(k), xp.asarray(v), np.asarray((20,)), 0.125)
+    good = [xp.zeros(shape, np.float32) for shape in ((1, 1, 4, 64), (1, 4, 1), (1, 4, 1))]
+    for bad in ([xp.zeros((1, 1, 4, 64), np.float64)] + good[1:],                 # not float32
+                [xp.zeros((1, 1, 4, 128), np.float32)[..., ::2]] + good[1:],      # not contiguous
+                good[:2] + [xp.zeros((1, 1, 4), np.float32)]):                     # l of q's order
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            ops.decode_partial(*call, out=tuple(bad))
+
+
+def test_decode_at_one_rank_runs_the_split_kernel_and_the_finish():
+    """burstcu.decode on a group of one rank launches two kernels a call (no combine, no merge)
+    and allocates no partial: out and lse equal the op's decode_whole of the same call."""
+    import burstcu
+
+    if BACKEND == "cupy":
+        pytest.skip("the group's op here is the emulator's")
+    with burstcu.init(backend="emulated") as group:
+        assert group.size == 1
+        counts = _launches(group.ops)
+        q, k, v = _inputs(5, 2, 1, 8, 2, 64, 70, (70, 12), "float16")
+        lengths = np.asarray((70, 12), np.int32)
+        out, lse = burstcu.decode(q, k, v, group, cache_seqlens=lengths, return_lse=True)
+        assert counts == {"flash_decode_split_mma": 1, "flash_decode_finish": 1}, counts
+        want = group.ops.decode_whole(q, k, v, lengths, 64 ** -0.5, q.dtype)
+        assert _same_bits(np.asarray(out), _host(want[0])) and _same_bits(np.asarray(lse), _host(want[1]))

@@ -325,40 +325,64 @@ def _kernel_table(ops, table, b: int):
     return table if element_strides(table)[1] == 1 else xp.ascontiguousarray(table)
 
 
-def _turn(ops, pair) -> int:
+def _turn(ops, pair, advance: bool) -> int:
     """Which buffer of the kept `pair` this call takes (0, 1, 0, ...): counted per pair, so
-    every plan sharing the layout alternates with the others; a pair made anew starts at 0."""
+    every plan sharing the layout alternates with the others; a pair made anew starts at 0. A
+    call that writes only the workspace (not advance) takes the buffer the next call will, so
+    the partial in the other stays valid."""
     turns = ops.__dict__.setdefault("_decode_turns", weakref.WeakKeyDictionary())
     turn = turns.get(pair[0], 0)
-    turns[pair[0]] = turn + 1
+    if advance:
+        turns[pair[0]] = turn + 1
     return turn % 2
 
 
-def partial(ops, q, k_cache, v_cache, lengths, scale: float):
+def partial(ops, q, k_cache, v_cache, lengths, scale: float, out=None):
     """(acc, m, l) of this rank's valid cache rows (module docstring); q (B,T,H,D), k_cache,
     v_cache (B,S,Hkv,D) or PagedRows of one dtype in KERNEL_DTYPES; lengths: host ints (B,),
-    each at most the cache's rows a batch row. The arrays returned are the op's kept buffers:
-    valid through the op's next call, overwritten by a later one (copy them to keep them)."""
-    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale)
+    each at most the cache's rows a batch row. out: None, or (acc, m, l) C-contiguous float32
+    arrays of those shapes on the op's device, which the combine kernel writes (returned; no
+    copy). Else the arrays returned are the op's kept buffers: valid through the op's next
+    `partial` or `whole` call, overwritten by a later one (copy them to keep them)."""
+    if out is not None:
+        _check_partial_out(out, q.shape)
+    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale, advance=out is None)
     if plan is None:
-        return split
+        if out is None:
+            return split
+        for dst, src in zip(out, split):
+            ops.copy_(dst, src)
+        return out
     buffers, ws, splits = split
-    out = (buffers["decode_out_acc"], buffers["decode_out_m"], buffers["decode_out_l"])
+    if out is None:
+        out = (buffers["decode_out_acc"], buffers["decode_out_m"], buffers["decode_out_l"])
     args = _fill_combine(plan.combine, *ws, *(data_ptr(x) for x in out), splits)
     plan.combine_fn(plan.combine_grid, plan.combine_threads, (args,))
     return out
+
+
+def _check_partial_out(out, q_shape: tuple) -> None:
+    """ValueError unless out is (acc (B,T,H,D), m (B,H,T), l (B,H,T)) C-contiguous float32 for
+    q of q_shape (what the combine kernel writes)."""
+    b, t, h, d = q_shape
+    shapes = ((b, t, h, d), (b, h, t), (b, h, t))
+    if len(out) != 3 or any(tuple(x.shape) != shape or dtype_name(x) != "float32" or not x.flags.c_contiguous
+                            for x, shape in zip(out, shapes)):
+        raise ValueError(f"a decode partial's out must be C-contiguous float32 arrays of the shapes "
+                         f"{shapes}, not {[(tuple(x.shape), dtype_name(x)) for x in out]}")
 
 
 def whole(ops, q, k_cache, v_cache, lengths, scale: float, out_dtype):
     """(out (B,T,H,D) in out_dtype, lse (B,H,T) float32, new arrays): `merge` of `partial`'s
     partial alone, for a decode whose cache rows all lie here (one rank), in two launches: the
     split kernel, then flash_decode_finish (the combine's sums ended as the merge of one rank
-    ends them) in place of combine and merge. Where the kernels lack out_dtype, the batch is past
-    MAX_GRID_Y or no split variant runs the head dim, `merge` of `partial`."""
+    ends them) in place of combine and merge; the workspace only is written, so a partial the op
+    returned before stays valid. Where the kernels lack out_dtype or no split variant runs the head
+    dim, `merge` of `partial`."""
     out_name = dtype_name(np.dtype(out_dtype))
-    if out_name not in KERNEL_DTYPES or q.shape[0] > MAX_GRID_Y:
+    if out_name not in KERNEL_DTYPES:
         return merge(ops, [partial(ops, q, k_cache, v_cache, lengths, scale)], out_dtype)
-    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale)
+    plan, split = _split(ops, q, k_cache, v_cache, lengths, scale, advance=False)
     if plan is None:
         return merge(ops, [split], out_dtype)
     _, ws, splits = split
@@ -383,10 +407,11 @@ def _finish_launch(ops, plan: _Plan, shape: tuple, out_name: str) -> tuple:
     return launch
 
 
-def _split(ops, q, k_cache, v_cache, lengths, scale: float) -> tuple:
+def _split(ops, q, k_cache, v_cache, lengths, scale: float, advance: bool) -> tuple:
     """The split kernel of `partial`'s arguments launched: (plan, (buffers, the workspace's
-    three addresses, splits)), the workspace for a combine or a finish to reduce; or (None, the
-    array path's partial) where no split variant of this table runs the head dim."""
+    three addresses, splits)), the workspace for a combine or a finish to reduce, in the kept
+    buffer `_turn` gives (advance: the call takes its turn); or (None, the array path's
+    partial) where no split variant of this table runs the head dim."""
     xp = ops.xp
     page_table, paged = None, (k_cache, v_cache)
     if isinstance(k_cache, PagedRows):
@@ -408,7 +433,7 @@ def _split(ops, q, k_cache, v_cache, lengths, scale: float) -> tuple:
         raise ValueError(f"lengths up to {longest} rows over a cache of {plan.rows} rows a batch row")
     chunk, splits = splits_for(longest, plan.split_grid[1] * q.shape[0], plan.slots, plan.tile)
     pair = ops.double_buffer(plan.fields, plan.layout)
-    buffers = pair[_turn(ops, pair)]
+    buffers = pair[_turn(ops, pair, advance)]
     device_lengths = _device_lengths(ops, plan, lengths)
     ws = (data_ptr(buffers["decode_m"]), data_ptr(buffers["decode_l"]), data_ptr(buffers["decode_acc"]))
     args = _fill_split(plan.split, data_ptr(q), data_ptr(k_cache), data_ptr(v_cache),

@@ -805,10 +805,10 @@ class KernelOps(LocalOps):
         return backward.backward_finalize(self, ctx, out_dtype)
 
     # -- decode (kernels/flash_decode.cu; other dtypes: the array-module default) ---------------------
-    def decode_partial(self, q, k_cache, v_cache, lengths, scale):
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale, out=None):
         if dtype_name(q) not in decode.KERNEL_DTYPES:
-            return super().decode_partial(q, k_cache, v_cache, lengths, scale)
-        return decode.partial(self, q, k_cache, v_cache, lengths, scale)
+            return super().decode_partial(q, k_cache, v_cache, lengths, scale, out)
+        return decode.partial(self, q, k_cache, v_cache, lengths, scale, out)
 
     def decode_merge(self, parts, out_dtype):
         return decode.merge(self, parts, out_dtype)
