@@ -68,8 +68,9 @@ def test_paged_kv_cache(world, page_size):
 
 @pytest.mark.mpi
 @pytest.mark.emulated
-def test_paged_kv_cache_on_the_emulated_backend():
-    run_mpi(2, "decode_bodies:kv_cache_appends_balance_and_decode", page_size=2,
+@pytest.mark.parametrize("world", [1, 2])
+def test_paged_kv_cache_on_the_emulated_backend(world):
+    run_mpi(world, "decode_bodies:kv_cache_appends_balance_and_decode", page_size=2,
             backend="emulated", dtype="float16")
 
 
