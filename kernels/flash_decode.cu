@@ -705,54 +705,57 @@ flash_decode_split_mma(const __grid_constant__ DecodeSplitParams<T> p) {
 // One row's splits (m, l: splits floats; acc: splits x D) reduced, shared by the combine and the
 // finish so that both sum in one order with one rounding each: the largest m (base 2), then
 // sums weighted by exp2(m_s - base), base = that maximum or 0 where it is -inf (no NaN).
-__device__ __forceinline__ float splits_max(const float* m, int splits) {
-  float top = -INFINITY;
-  for (int s = 0; s < splits; ++s) top = fmaxf(top, m[s]);
-  return top;
+struct SplitRow {
+  long long row;      // the block's (b, h, t) in (B, H, T)
+  long long at;       // its first element in (B, T, H, D)
+  const float* m;     // its splits' m (l and acc at the same row of ws_l, ws_acc)
+  float top, base;    // the largest m, and the weights' base
+};
+__device__ __forceinline__ SplitRow split_row(const float* ws_m, int T_, int H, int D, int splits) {
+  const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
+  SplitRow r;
+  r.row = ((long long)b * H + h) * T_ + t;
+  r.at = (((long long)b * T_ + t) * H + h) * D;
+  r.m = ws_m + r.row * splits;
+  r.top = -INFINITY;
+  for (int s = 0; s < splits; ++s) r.top = fmaxf(r.top, r.m[s]);
+  r.base = r.top == -INFINITY ? 0.f : r.top;
+  return r;
 }
-__device__ __forceinline__ float splits_sum(const float* m, const float* x, long long stride,
-                                            int splits, float base) {
+__device__ __forceinline__ float splits_sum(const SplitRow& r, const float* x, long long stride,
+                                            int splits) {
   float sum = 0.f;
-  for (int s = 0; s < splits; ++s) sum += exp2f(m[s] - base) * x[s * stride];
+  for (int s = 0; s < splits; ++s) sum += exp2f(r.m[s] - r.base) * x[s * stride];
   return sum;
 }
 
 __global__ void __launch_bounds__(DECODE_COMBINE_THREADS)
 flash_decode_combine(const __grid_constant__ DecodeCombineParams p) {
-  const int T_ = p.T_, H = p.H, D = p.D, splits = p.splits;
-  const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
-  const long long row = ((long long)b * H + h) * T_ + t;          // in (B, H, T)
-  const float* m = p.ws_m + row * splits;
-  const float top = splits_max(m, splits);
-  const float base = top == -INFINITY ? 0.f : top;
-  float* out = p.acc + (((long long)b * T_ + t) * H + h) * D;      // (B, T, H, D)
-  const float* acc = p.ws_acc + row * splits * D;
+  const int D = p.D, splits = p.splits;
+  const SplitRow r = split_row(p.ws_m, p.T_, p.H, D, splits);
+  const float* acc = p.ws_acc + r.row * splits * D;
   for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS)
-    out[d] = splits_sum(m, acc + d, D, splits, base);
+    p.acc[r.at + d] = splits_sum(r, acc + d, D, splits);
   if (threadIdx.x == 0) {
-    p.m[row] = top == -INFINITY ? -INFINITY : __fmul_rn(top, 0.6931471805599453f);    // ln 2
-    p.l[row] = splits_sum(m, p.ws_l + row * splits, 1, splits, base);
+    p.m[r.row] = r.top == -INFINITY ? -INFINITY : __fmul_rn(r.top, 0.6931471805599453f);    // ln 2
+    p.l[r.row] = splits_sum(r, p.ws_l + r.row * splits, 1, splits);
   }
 }
 
 template <typename TOut>
 __global__ void __launch_bounds__(DECODE_COMBINE_THREADS)
 flash_decode_finish(const __grid_constant__ DecodeFinishParams p) {
-  const int T_ = p.T_, H = p.H, D = p.D, splits = p.splits;
-  const int h = blockIdx.x / T_, t = blockIdx.x % T_, b = blockIdx.y;
-  const long long row = ((long long)b * H + h) * T_ + t;          // in (B, H, T)
-  const float* m = p.ws_m + row * splits;
-  const float top = splits_max(m, splits);
-  const float base = top == -INFINITY ? 0.f : top;
-  const float total = splits_sum(m, p.ws_l + row * splits, 1, splits, base);   // every thread's
+  const int D = p.D, splits = p.splits;
+  const SplitRow r = split_row(p.ws_m, p.T_, p.H, D, splits);
+  const float total = splits_sum(r, p.ws_l + r.row * splits, 1, splits);   // every thread's divisor
   const bool seen = total > 0.f;
-  TOut* out = (TOut*)p.out + (((long long)b * T_ + t) * H + h) * D;
-  const float* acc = p.ws_acc + row * splits * D;
+  const float* acc = p.ws_acc + r.row * splits * D;
   for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
-    const float sum = splits_sum(m, acc + d, D, splits, base);
-    out[d] = from_float<TOut>(seen ? sum / total : 0.f);
+    const float sum = splits_sum(r, acc + d, D, splits);
+    static_cast<TOut*>(p.out)[r.at + d] = from_float<TOut>(seen ? sum / total : 0.f);
   }
-  if (threadIdx.x == 0) p.lse[row] = seen ? __fmul_rn(top, 0.6931471805599453f) + logf(total) : -INFINITY;
+  if (threadIdx.x == 0)
+    p.lse[r.row] = seen ? __fmul_rn(r.top, 0.6931471805599453f) + logf(total) : -INFINITY;
 }
 
 template <typename TOut>
