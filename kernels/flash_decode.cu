@@ -67,10 +67,11 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         a row no rank saw (L = 0) gets out 0 and lse -inf.
     flash_decode_finish   grid (T * H, B), DECODE_COMBINE_THREADS threads over D: a decode whose
         cache rows all lie on this rank (one rank) in place of combine + merge, one launch less
-        a token: the combine's sums (the same helpers, so the same order and roundings), then
-        out = acc / l in the output dtype and lse = M ln 2 + ln l (M ln 2 rounded first, as the
-        combine stores it: __fmul_rn keeps it out of an FMA). The merge of one rank weighs its
-        partial by exp(0) = 1, so the two launches give the same bits: on the emulator
+        a token: the combine's sums (the same helpers, split_row and splits_sum, so the same
+        order and roundings), then out = acc / l in the output dtype and lse = M ln 2 + ln l
+        (M ln 2 rounded first, as the combine stores it: __fmul_rn keeps it out of an FMA). The
+        merge of one rank weighs its partial by exp(0) = 1, so the finish gives the bits of
+        combine + merge: on the emulator
         (tests/kernels/test_decode_emulated.py), and on a GPU by the SASS (NVRTC 13, sm_90: both
         kernels write out as acc times MUFU.RCP(l) and lse as FFMA(LG2(l), ln 2, M ln 2)).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
