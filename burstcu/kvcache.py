@@ -59,6 +59,9 @@ class KVCache:
                 raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
         xp = self.group.ops.xp
         self.dtype = np.dtype(dtype)
+        if self.dtype.name not in self.group.ops.array_dtypes:
+            raise TypeError(f"KVCache dtype must be one of {', '.join(self.group.ops.array_dtypes)} "
+                            f"(what decode takes on this group's backend), got {self.dtype.name}")
         self.batch, self._capacity, self.page_size = batch, capacity_per_rank, page_size
         shape = (batch, capacity_per_rank, kv_heads, headdim)
         if page_size is not None:

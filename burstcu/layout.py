@@ -320,14 +320,16 @@ def grouped(part: Partition, u: int) -> Partition:
 
 def as_partition(layout: str | Partition, size: int, seqlen_local: int) -> Partition:
     """`layout` itself when it is a Partition (of `size` ranks), else the split of a layout name
-    that gives every rank `seqlen_local` rows (N = G * seqlen_local)."""
+    that gives every rank `seqlen_local` rows (N = G * seqlen_local; zigzag's 2G pieces then
+    differ by at most one row, rank r's two adding up to seqlen_local, odd or even)."""
     if isinstance(layout, Partition):
         assert layout.size == size, f"a partition of {layout.size} ranks used by {size}"
         return layout
-    check_layout(layout)
-    if layout != "contiguous" and seqlen_local % 2:
-        raise ValueError(f"{layout} layout needs an even local sequence length, got {seqlen_local}")
-    return partition(layout, size, seqlen_local * size)
+    part = partition(layout, size, seqlen_local * size)
+    if part.lengths != (seqlen_local,) * size:
+        raise ValueError(f"the {layout} layout of {seqlen_local * size} positions does not give each "
+                         f"of {size} ranks {seqlen_local} rows: {part.lengths}")
+    return part
 
 
 def segments(layout: str | Partition, rank: int, size: int, seqlen_local: int) -> tuple[Segment, ...]:

@@ -398,7 +398,7 @@ def _shapes_problem(q_shape, k_shape) -> str | None:
 def plan(q_shape, k_shape, group=None, *, causal: bool = False,
          layout: str | Partition | None = None, dtype="float16", backward: bool = True,
          machine: Machine | str | None = None, window_size=(-1, -1), cu_seqlens=None,
-         block_mask=None) -> Plan:
+         block_mask=None, seqlen: int | None = None) -> Plan:
     """The PREDICTED best strategy for attention of q (B, S, H, D) over k, v (B, S, Hkv, D) —
     each rank's shard — on `group` (None: one rank), and the predictions it was chosen from.
     The mask (causal, window_size, cu_seqlens: document boundaries; or a `burstcu.BlockMask`,
@@ -407,8 +407,16 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     `burstcu.layout.Partition` (uneven shards). group may be a `burstcu.Sharding`, which then
     supplies layout, cu_seqlens and uneven lengths. Packed shapes (T, H, D) count as batch 1.
 
+    seqlen: the global number of positions N, for a layout name whose shards differ in length
+    (N not a multiple of G: near-equal shards); this rank's S must be what the layout gives it.
+    Without it (and without documents, lengths or a Partition, which give N) each rank models
+    the block mask's extent where the layout's split of it gives this rank S rows (a mask that
+    reaches the last position: N itself), else G x its own S; nothing is sent, so ranks holding
+    different S may then predict a little differently.
+
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
-    "cpu" otherwise). Deterministic in its arguments, so every rank makes the same choice.
+    "cpu" otherwise). Deterministic in its arguments, so every rank given the same arguments
+    and the same split makes the same choice.
     """
     problem = (None if len(q_shape) == len(k_shape) in (3, 4) else
                f"q and k shapes must both be (B, S, H, D) or packed (T, H, D), got {tuple(q_shape)} "
@@ -441,9 +449,16 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     cu_seqlens = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
     if layout in ("zigzag", "documents") and cu_seqlens is not None:  # as shard cuts them
         layout = partition(layout, size, cu_seqlens[-1], cu_seqlens)
-    total = layout.total if isinstance(layout, Partition) else size * int(q_shape[1])
-    err = (check_block_mask(block_mask, causal, window_size, cu_seqlens, True)
-           or check_block_mask_extent(block_mask, total))
+    err = check_block_mask(block_mask, causal, window_size, cu_seqlens, True)
+    if err is not None:
+        raise err.exception()
+    if seqlen is not None and (isinstance(seqlen, bool) or not isinstance(seqlen, (int, np.integer))):
+        raise TypeError(f"plan: seqlen must be an int (the global number of positions), got {seqlen!r}")
+    if not isinstance(layout, Partition):
+        layout = _modelled_split(layout, size, rank, int(q_shape[1]), seqlen, block_mask)
+    elif seqlen is not None and seqlen != layout.total:
+        raise ValueError(f"plan: seqlen={seqlen} but the split holds {layout.total} positions")
+    err = check_block_mask_extent(block_mask, layout.total)
     if err is not None:
         raise err.exception()
     how = dict(causal=causal, layout=layout, dtype=dtype, machine=machine, rank=rank,
@@ -459,6 +474,29 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
                                                       + (preds[i].backward_s if backward else 0.0), i))
     b, s, h, d = (int(n) for n in q_shape)
     return Plan([preds[i] for i in order], machine, backward, (size, b, s, h, int(k_shape[2]), d))
+
+
+def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | None,
+                    block_mask) -> Partition:
+    """The Partition `plan` models for a layout name and this rank's S rows: of `seqlen` when
+    given (ValueError unless it gives this rank S rows), else of the block mask's extent where
+    its split gives this rank S rows, else of G x S (near-equal shards of an N that G does not
+    divide: no rank can tell N from its S alone, and the ranks of shorter shards would model
+    fewer positions than the mask reaches)."""
+    if seqlen is not None:
+        if seqlen < size:
+            raise ValueError(f"plan: seqlen={seqlen} positions cannot be split over {size} ranks")
+        part = partition(layout, size, int(seqlen))
+        if part.lengths[rank] != s:
+            raise ValueError(f"plan: the {layout} split of seqlen={seqlen} over {size} ranks gives "
+                             f"rank {rank} {part.lengths[rank]} rows, but q has {s}")
+        return part
+    extent = 0 if block_mask is None else block_mask.extent
+    if extent >= size and extent != size * s:
+        part = partition(layout, size, extent)
+        if part.lengths[rank] == s:
+            return part
+    return as_partition(layout, size, s)
 
 
 # -- linear attention and decode ----------------------------------------------------------------

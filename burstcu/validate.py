@@ -775,6 +775,10 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
                                       f"{tuple(v.shape)}"), None, None
     b, t, h, d = q.shape
     bk, s, hkv, dk = k.shape
+    if min(b, t, h, d) < 1:
+        return InputError(ValueError, f"q {tuple(q.shape)} has an empty axis: decode takes (B, T, H, D) "
+                                      f"with at least one batch row, new token (T), head and head "
+                                      f"dim"), None, None
     if bk != b or dk != d or min(b, t, h, d, hkv) < 1 or h % hkv:
         swapped = ("; q's axis 1 is a multiple of Hkv: is it (batch, heads, tokens, headdim)? "
                    "Pass q.transpose(1, 2)" if hkv > 0 and h % hkv and t % hkv == 0 else "")
@@ -813,8 +817,8 @@ def q_summary(q) -> list | None:
     """(2, B*T, Q_PROJECTIONS) floats (nested lists: the agreement's wire takes plain values) of a
     NumPy q (B, T, H, D): its rows' projections on fixed random ±1 vectors, and what rounding of
     Q_ULPS ulps an element could move each by; None for a device array (reading it would
-    synchronise)."""
-    if not isinstance(q, np.ndarray) or q.ndim != 4:
+    synchronise) or an empty one (refused by `check_decode_call`)."""
+    if not isinstance(q, np.ndarray) or q.ndim != 4 or q.size == 0:
         return None
     x = q.reshape(q.shape[0] * q.shape[1], -1).astype(np.float64)
     signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, x.shape[1]))
@@ -869,27 +873,31 @@ def warn_if_heads_look_like_rows(heads: int, lengths: list) -> None:
 # -- shards that are all the same (the global array passed on every rank) ----------------------
 
 class SameShardsWarning(RuntimeWarning):
-    """Every rank's shard starts with the same rows: most likely each rank passed the global
-    array instead of its shard (`burstcu.shard` cuts them). Identical shards can be meant; then
-    ``warnings.filterwarnings("ignore", category=burstcu.SameShardsWarning)`` silences it."""
+    """Every rank's shard starts and ends with the same rows: most likely each rank passed the
+    global array instead of its shard (`burstcu.shard` cuts them). Identical shards can be meant;
+    then ``warnings.filterwarnings("ignore", category=burstcu.SameShardsWarning)`` silences it."""
 
 
 def first_rows_digest(x) -> bytes | None:
-    """A digest of x's first two rows along the sequence axis (axis 1) when x is in host memory
-    (NumPy), else None (reading device memory would synchronise the host)."""
+    """A digest of x's first two rows and its last row along the sequence axis (axis 1) when x
+    is in host memory (NumPy), else None (reading device memory would synchronise the host).
+    The last row keeps shards that only begin alike (padding at the sequence's start) apart."""
     if not isinstance(x, np.ndarray) or x.ndim < 2:
         return None
-    return hashlib.blake2b(np.ascontiguousarray(x[:, :2]).tobytes(), digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(x[:, :2]).tobytes())
+    digest.update(np.ascontiguousarray(x[:, -1:]).tobytes())
+    return digest.digest()
 
 
 def warn_if_all_the_same(digests: list, name: str) -> None:
     """A SameShardsWarning on every rank (each sees every digest) when G > 1 ranks hold the same
-    first rows, pointing at the caller's line (the first frame outside burstcu): most likely
+    first and last rows, pointing at the caller's line (the first frame outside burstcu): most likely
     each passed the global array instead of its shard, which attends over G copies of the
     sequence. A warning, not an error: identical shards can be meant. (Where the shapes make it
     certain, documents that cover one copy of the rows, `check_docs_total` raises.)"""
     if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
-        warnings.warn(f"every rank's {name} starts with the same rows: if each rank passed the "
+        warnings.warn(f"every rank's {name} starts and ends with the same rows: if each rank passed the "
                       f"global array instead of its shard, this attends over {len(digests)} "
                       f"copies of the sequence; cut shards with burstcu.shard(x, group, layout) "
                       f"(identical shards meant? warnings.filterwarnings('ignore', "

@@ -94,6 +94,7 @@ def test_a_paged_pool_smaller_than_the_batch_needs_is_full_in_time():
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind,text", [("q_shape", "q shape"), ("seqlens_range", "lie in [0, 5]"),
                                        ("seqlens_dtype", "integers"), ("heads", "does not fit"),
+                                       ("no_token", "has an empty axis"),
                                        ("cache_counts", "kv_cache_counts"),
                                        ("q_values", "q's values on rank 2 differ from rank 0's by more "
                                                     "than rounding")])
@@ -266,3 +267,9 @@ def test_bad_cache_rows_raise_on_every_rank():
     for rank, result in enumerate(run_mpi(2, "decode_bodies:kv_cache_bad_rows_raise_everywhere")):
         assert result["clear"] and "not in [0, 2)" in result["clear"], (rank, result)
         assert result["append"] and "real numbers" in result["append"], (rank, result)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.complex64, np.bool_])
+def test_a_cache_of_a_dtype_decode_cannot_take_is_refused_when_made(dtype):
+    with pytest.raises(TypeError, match="KVCache dtype must be one of float16, bfloat16, float32"):
+        burstcu.KVCache(None, 1, 4, 1, 8, dtype)

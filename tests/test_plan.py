@@ -150,6 +150,51 @@ def test_every_rank_picks_alike_with_uneven_shards_and_documents():
     assert len(choices) == 1
 
 
+def _ranks_plan(size: int, lengths, **kw) -> list:
+    """plan on each rank r of a `size`-rank _Group, its q and k holding lengths[r] rows, as
+    (strategy, options, the candidates' predictions), or the ValueError's text."""
+    out = []
+    for rank in range(size):
+        group = _Group(size)
+        group.rank = rank
+        shape = (1, lengths[rank], 4, 64)
+        try:
+            p = plan(shape, shape, group, dtype="float32", machine="h100", **kw)
+            out.append((p.strategy, tuple(sorted(p.options.items())),
+                        tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates)))
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_near_equal_shards_of_an_n_the_ranks_do_not_divide(layout):
+    """N = 200 over 3 ranks (67, 67, 66 rows): a block mask over all 200 positions is planned
+    alike on every rank (the mask's extent gives N where a rank's S cannot), as is any mask
+    given seqlen=200; a seqlen that does not give a rank its rows is refused, naming both."""
+    from burstcu.layout import partition
+
+    lengths = partition(layout, 3, 200).lengths
+    assert sorted(lengths) == [66, 67, 67]
+    mask = burstcu.BlockMask([[0, 200]], [[0, 200]], ["causal"])
+    for kw in ({"block_mask": mask}, {"block_mask": mask, "seqlen": 200},
+               {"causal": True, "seqlen": 200}):
+        results = _ranks_plan(3, lengths, layout=layout, **kw)
+        assert all(not isinstance(r, str) for r in results), results
+        assert len(set(results)) == 1, kw
+    wrong = _ranks_plan(3, lengths, layout=layout, causal=True, seqlen=201)
+    assert any("seqlen=201" in r and "rows, but q has" in r for r in wrong if isinstance(r, str)), wrong
+    with pytest.raises(TypeError, match="seqlen must be an int"):
+        plan((1, 67, 4, 64), (1, 67, 4, 64), _Group(3), machine="h100", seqlen=200.0)
+
+
+def test_zigzag_shards_of_an_odd_length_are_planned():
+    """Zigzag gives every rank an odd S where N = G S is odd a piece (N = 202 over 2 ranks: 101
+    each): plan models that split, as attention runs it."""
+    results = _ranks_plan(2, (101, 101), layout="zigzag", causal=True)
+    assert all(not isinstance(r, str) for r in results) and len(set(results)) == 1, results
+
+
 def test_burst_both_ways_is_offered_only_where_it_is_predicted_faster():
     """A non-causal window of half a shard on 3 ranks: the neighbour behind is one hop back, not
     two forwards, and the model predicts burst with its K/V both ways round (bidirectional=True)

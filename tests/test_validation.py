@@ -112,4 +112,5 @@ def test_the_global_array_on_every_rank(world):
         assert "burstcu.SameShardsWarning" in r["message"], (rank, r)
         assert r["docs_error"] and "each holds the whole sequence" in r["docs_error"], (rank, r)
         assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
+        assert r["padded_warned"] == 0, (rank, r)     # shards that only begin alike
 

@@ -827,5 +827,13 @@ def global_array_on_every_rank():
         burstcu.attention_backward(mine, mine, q, q, mine, lse, group)
     result["backward_warned"] = sum(issubclass(w.category, burstcu.SameShardsWarning)
                                     for w in caught)
+    # shards that only begin alike (the sequence padded at its start): no warning
+    padded = np.zeros((1, 16 * group.size, 2, 8), np.float32)
+    padded[:, -4 * group.size:] = np.random.default_rng(2).standard_normal((1, 4 * group.size, 2, 8))
+    mine = burstcu.shard(padded, group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.attention(mine, mine, mine, group, causal=True)
+    result["padded_warned"] = sum(issubclass(w.category, burstcu.SameShardsWarning) for w in caught)
     return result
 
