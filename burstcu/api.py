@@ -513,7 +513,8 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
         def check(native_arrays):
             err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
                                                  softmax_scale, return_lse, agreed, group.size)
-            return err, meta, extra, q_summary(native_arrays[0]) if group.size > 1 else None
+            summary = q_summary(native_arrays[0]) if err is None and group.size > 1 else None
+            return err, meta, extra, summary
 
         def same_tokens(summaries, extra):   # every rank holds every summary: raises alike
             problem = q_values_problem(summaries)

@@ -24,8 +24,9 @@ rectangles): `pieces` trims every rectangle to the rows and keys its band keeps,
 every range boundary of the trimmed mask (once, when the mask is made). Two rectangles keep a
 common pair only if two of their pieces have the same box and overlapping bands, which is how
 the constructor checks it. `burstcu.layout.rectangles` intersects the pieces with the ranks'
-segments at each step. The cut is linear in the rectangles where ranges do not nest (documents,
-blocks) and quadratic where they do: n query ranges [s_i, N) give n^2 / 2 pieces.
+segments at each step. The cut is linear in the rectangles where ranges do not nest (documents)
+and quadratic where query or key ranges do: n query ranges [s_i, N), or n key ranges [0, s_i),
+give n^2 / 2 pieces.
 """
 
 from __future__ import annotations

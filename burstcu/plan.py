@@ -410,9 +410,10 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     seqlen: the global number of positions N, for a layout name whose shards differ in length
     (N not a multiple of G: near-equal shards); this rank's S must be what the layout gives it.
     Without it (and without documents, lengths or a Partition, which give N) each rank models
-    the block mask's extent where the layout's split of it gives this rank S rows (a mask that
-    reaches the last position: N itself), else G x its own S; nothing is sent, so ranks holding
-    different S may then predict a little differently.
+    G x its own S, or, where that cannot hold the block mask, the mask's extent if the layout's
+    split of it gives this rank S rows. Nothing is sent: ranks holding different S may then
+    predict a little differently (pass seqlen), and a mask or seqlen that no split of N allows
+    may be refused on some ranks only (the ranks whose S shows it).
 
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
     "cpu" otherwise). Deterministic in its arguments, so every rank given the same arguments
@@ -454,8 +455,11 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         raise err.exception()
     if seqlen is not None and (isinstance(seqlen, bool) or not isinstance(seqlen, (int, np.integer))):
         raise TypeError(f"plan: seqlen must be an int (the global number of positions), got {seqlen!r}")
+    if seqlen is not None and cu_seqlens is not None and seqlen != cu_seqlens[-1]:
+        raise ValueError(f"plan: seqlen={seqlen} but cu_seqlens ends at {cu_seqlens[-1]}")
     if not isinstance(layout, Partition):
-        layout = _modelled_split(layout, size, rank, int(q_shape[1]), seqlen, block_mask)
+        layout = _modelled_split(layout, size, rank, int(q_shape[1]), seqlen,
+                                 None if cu_seqlens is None else cu_seqlens[-1], block_mask)
     elif seqlen is not None and seqlen != layout.total:
         raise ValueError(f"plan: seqlen={seqlen} but the split holds {layout.total} positions")
     err = check_block_mask_extent(block_mask, layout.total)
@@ -477,12 +481,13 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
 
 
 def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | None,
-                    block_mask) -> Partition:
+                    documents_end: int | None, block_mask) -> Partition:
     """The Partition `plan` models for a layout name and this rank's S rows: of `seqlen` when
-    given (ValueError unless it gives this rank S rows), else of the block mask's extent where
-    its split gives this rank S rows, else of G x S (near-equal shards of an N that G does not
-    divide: no rank can tell N from its S alone, and the ranks of shorter shards would model
-    fewer positions than the mask reaches)."""
+    given (ValueError unless it gives this rank S rows); else of the documents' end (N itself)
+    or, where G x S cannot hold the block mask, of the mask's extent, when that split gives this
+    rank S rows; else of G x S. (Near-equal shards of an N that G does not divide: no rank can
+    tell N from its S alone, and one of the shorter shards would model fewer positions than the
+    mask reaches.)"""
     if seqlen is not None:
         if seqlen < size:
             raise ValueError(f"plan: seqlen={seqlen} positions cannot be split over {size} ranks")
@@ -492,8 +497,9 @@ def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | Non
                              f"rank {rank} {part.lengths[rank]} rows, but q has {s}")
         return part
     extent = 0 if block_mask is None else block_mask.extent
-    if extent >= size and extent != size * s:
-        part = partition(layout, size, extent)
+    n = documents_end if documents_end is not None else extent if extent > size * s else None
+    if n is not None and n >= size:
+        part = partition(layout, size, n)
         if part.lengths[rank] == s:
             return part
     return as_partition(layout, size, s)

@@ -95,6 +95,7 @@ def test_a_paged_pool_smaller_than_the_batch_needs_is_full_in_time():
 @pytest.mark.parametrize("kind,text", [("q_shape", "q shape"), ("seqlens_range", "lie in [0, 5]"),
                                        ("seqlens_dtype", "integers"), ("heads", "does not fit"),
                                        ("no_token", "has an empty axis"),
+                                       ("q_dtype", "q has dtype int32"),
                                        ("cache_counts", "kv_cache_counts"),
                                        ("q_values", "q's values on rank 2 differ from rank 0's by more "
                                                     "than rounding")])

@@ -169,23 +169,40 @@ def _ranks_plan(size: int, lengths, **kw) -> list:
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_near_equal_shards_of_an_n_the_ranks_do_not_divide(layout):
-    """N = 200 over 3 ranks (67, 67, 66 rows): a block mask over all 200 positions is planned
-    alike on every rank (the mask's extent gives N where a rank's S cannot), as is any mask
-    given seqlen=200; a seqlen that does not give a rank its rows is refused, naming both."""
+    """N = 200 over 3 ranks (67, 67, 66 rows): a block mask over all 200 positions is planned on
+    every rank (the rank of 66 rows models the mask's extent), and alike on every rank given
+    seqlen=200, or documents ending at 200; a seqlen that does not give a rank its rows is
+    refused, naming both, and one that is not an int on every rank."""
     from burstcu.layout import partition
 
     lengths = partition(layout, 3, 200).lengths
     assert sorted(lengths) == [66, 67, 67]
     mask = burstcu.BlockMask([[0, 200]], [[0, 200]], ["causal"])
-    for kw in ({"block_mask": mask}, {"block_mask": mask, "seqlen": 200},
-               {"causal": True, "seqlen": 200}):
+    results = _ranks_plan(3, lengths, layout=layout, block_mask=mask)
+    assert all(not isinstance(r, str) for r in results), results
+    alike = [{"block_mask": mask, "seqlen": 200}, {"causal": True, "seqlen": 200}]
+    if layout == "contiguous":    # (zigzag's documents are cut per document: another split)
+        alike.append({"causal": True, "cu_seqlens": (0, 90, 200)})
+    for kw in alike:
         results = _ranks_plan(3, lengths, layout=layout, **kw)
         assert all(not isinstance(r, str) for r in results), results
         assert len(set(results)) == 1, kw
     wrong = _ranks_plan(3, lengths, layout=layout, causal=True, seqlen=201)
     assert any("seqlen=201" in r and "rows, but q has" in r for r in wrong if isinstance(r, str)), wrong
+    docs = _ranks_plan(3, lengths, layout=layout, causal=True, seqlen=201, cu_seqlens=(0, 90, 200))
+    assert all(isinstance(r, str) and "cu_seqlens ends at 200" in r for r in docs), docs
     with pytest.raises(TypeError, match="seqlen must be an int"):
         plan((1, 67, 4, 64), (1, 67, 4, 64), _Group(3), machine="h100", seqlen=200.0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_equal_shards_and_a_mask_short_of_the_end_plan_alike(layout):
+    """S = 100 on 3 ranks (N = 300 divides), masks that stop short of the last positions: every
+    rank models the same 300 positions and picks alike."""
+    for stop in (299, 298, 290, 200):
+        mask = burstcu.BlockMask([[0, stop]], [[0, stop]], ["full"])
+        results = _ranks_plan(3, (100, 100, 100), layout=layout, block_mask=mask)
+        assert all(not isinstance(r, str) for r in results) and len(set(results)) == 1, stop
 
 
 def test_zigzag_shards_of_an_odd_length_are_planned():

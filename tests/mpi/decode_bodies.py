@@ -137,6 +137,8 @@ def decode_bad_input_raises_everywhere(kind: str):
         k = np.zeros((2, 5, 3, 8))
     elif last and kind == "no_token":             # T = 0 new tokens
         q = np.zeros((2, 0, 4, 8))
+    elif last and kind == "q_dtype":
+        q = np.zeros((2, 1, 4, 8), np.int32)
     elif last and kind == "q_values":             # the same shape, another token
         q = np.full((2, 1, 4, 8), 0.5)
     elif kind == "q_rounding":                    # every rank's token, off by rounding on the last
