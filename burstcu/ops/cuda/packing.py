@@ -112,15 +112,13 @@ def _whole_row_intervals(q_start, q_len, k_start, k_stop, q_end: int, k_end: int
     start[1::2], end[1::2], length[1::2] = k_start, k_stop, q_stop - q_start
     start[2::2] = end[2::2] = k_stop
     length[2::2] = np.append(q_start[1:], q_end) - q_stop
-    row_keys = np.repeat(np.stack([start, end], axis=1).astype(np.int32), length, axis=0)
+    row_keys = _columns(np.repeat(start + (end << 32), length))
     # key j: seen from the rows whose run ends at or before it, up to those that start at or
     # before it: each segment's rows counted at its end (start), then summed over the keys
-    key_rows = np.zeros((k_end + 1, 2), np.int32)
-    rows = length.astype(np.int32)
-    np.add.at(key_rows[:, 0], end, rows)
-    np.add.at(key_rows[:, 1], start, rows)
-    np.cumsum(key_rows, axis=0, out=key_rows)
-    key_rows = key_rows[:k_end]
+    counts = np.zeros(k_end + 1, np.int64)
+    np.add.at(counts, end, length)
+    np.add.at(counts, start, length << 32)
+    key_rows = _columns(np.cumsum(counts, out=counts))[:k_end]
     for x in (row_keys, key_rows):
         x.flags.writeable = False
     return row_keys, key_rows
@@ -167,9 +165,10 @@ def _pieces_row_intervals(q_start, q_len, k_start, k_stop, q_pos, k_pos, hi, lo,
     last = value + rise * (length - 1)[:, None]        # at the piece's last row
     if np.any(value[1:] < last[:-1]):
         return None                                    # an end goes back
-    row_keys = np.repeat(rise.astype(np.int32), length, axis=0)   # the step from the row before
-    row_keys[cuts[:-1]] = value - np.concatenate([np.zeros((1, 2), np.int64), last[:-1]])
-    np.cumsum(row_keys, axis=0, out=row_keys)
+    steps = np.repeat(rise[:, 0] + (rise[:, 1] << 32), length)   # the step from the row before
+    jump = value - np.concatenate([np.zeros((1, 2), np.int64), last[:-1]])
+    steps[cuts[:-1]] = jump[:, 0] + (jump[:, 1] << 32)
+    row_keys = _columns(np.cumsum(steps, out=steps))
     # key j: seen from the rows whose run ends at or before j, counted, up to those that start
     # at or before it (a row's run never ending before it starts, the second count is the larger)
     key_rows = _rows_at_or_below(value[:, ::-1], rise[:, ::-1], length, k_end)
@@ -179,19 +178,28 @@ def _pieces_row_intervals(q_start, q_len, k_start, k_stop, q_pos, k_pos, hi, lo,
 
 
 def _rows_at_or_below(value: np.ndarray, rise: np.ndarray, length: np.ndarray, n: int) -> np.ndarray:
-    """(n, c) int32: for each j < n and column c, how many rows hold a value <= j in that column
+    """(n, 2) int32: for each j < n and column c, how many rows hold a value <= j in that column
     (values in [0, n]), the rows in pieces: in piece p's length[p] rows, column c holds
     value[p, c] each (rise[p, c] 0) or value[p, c], value[p, c] + 1, ... (rise 1)."""
-    c = value.shape[1]
-    d = np.zeros((n + 2, c), np.int32)
-    weight = np.where(rise == 1, 1, length[:, None]).astype(np.int32)   # rows a value
+    counts = np.zeros(n + 2, np.int64)                 # both columns at once (`_columns`)
+    weight = np.where(rise == 1, 1, length[:, None])   # rows a value
     stop = np.minimum(value + np.where(rise == 1, length[:, None], 1), n + 1)
-    flat, column = d.reshape(-1), np.arange(c)         # (add.at: flat, weights of d's dtype)
-    np.add.at(flat, (value * c + column).reshape(-1), weight.reshape(-1))
-    np.add.at(flat, (stop * c + column).reshape(-1), -weight.reshape(-1))
-    np.cumsum(d, axis=0, out=d)                        # rows holding j
-    np.cumsum(d, axis=0, out=d)                        # rows holding j or less
-    return d[:n]
+    for c in (0, 1):
+        np.add.at(counts, value[:, c], weight[:, c] << 32 * c)
+        np.add.at(counts, stop[:, c], -(weight[:, c] << 32 * c))
+    np.cumsum(counts, out=counts)                      # rows holding j
+    np.cumsum(counts, out=counts)                      # rows holding j or less
+    return _columns(counts)[:n]
+
+
+def _columns(pairs: np.ndarray) -> np.ndarray:
+    """(m, 2) int32 of `pairs` (m,) int64, each a + b 2^32: column 0 the a, column 1 the b (a
+    view where the low word comes first). Such numbers add both columns at once, so one pass of
+    `add.at` or `cumsum` over them does the work of two over int32 columns (or one over a
+    strided pair of them, slower), and exactly: wherever each column's sum so far lies in
+    [0, 2^31), the int64's words are the two columns' sums. Every count and key row here does."""
+    columns = pairs.view(np.int32).reshape(-1, 2)
+    return columns if np.little_endian else np.ascontiguousarray(columns[:, ::-1])
 
 
 def list_tiles(cols: np.ndarray, tile_rows: int) -> int:
