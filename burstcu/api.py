@@ -29,8 +29,8 @@ from .group import Call, Group
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, check_attention_call, check_block_mask,
-                       check_block_mask_extent, check_cu_seqlens,
+from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, check_attention_call,
+                       check_axis, check_block_mask, check_block_mask_extent, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
@@ -405,8 +405,10 @@ def _linearsharding_keywords(group, layout) -> tuple:
 
 def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
                     strategy, sharding_conflict: str | None = None):
-    """`_agreed` for linear attention: (native arrays, exporter). sharding_conflict: what the
-    Sharding passed says that linear attention cannot take, or a keyword disagreeing with it."""
+    """`_agreed` for linear attention: (native arrays, exporter, the ranks' Partition: the
+    shards `burstcu.shard` cuts under `layout`, of any length, checked on every rank alike).
+    sharding_conflict: what the Sharding passed says that linear attention cannot take, or a
+    keyword disagreeing with it."""
     def local(native):
         if sharding_conflict is not None:
             return InputError(ValueError, sharding_conflict), None, None, None
@@ -418,11 +420,17 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
     def finish(reports, extra):
         if not backward:   # the forward of the same arrays warned already
             warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
-        return extra
+        err, part = partition_of(layout, [rows for rows, _ in reports], None, uneven=None)
+        if err is None and len({len(runs) for runs in part.runs}) > 1:   # a rank short of a run
+            need = "G" if layout == "contiguous" else "2 G (two pieces a rank)"
+            err = InputError(ValueError, f"linear attention's {layout} layout needs N >= {need} "
+                                         f"rows: got N = {part.total} over G = {part.size} ranks")
+        if err is not None:
+            raise err.exception()
+        return part
 
     what = "linear_attention_backward" if backward else "linear_attention"
-    arrays, export, _ = _agreed(call, group, arrays, what, local, finish)
-    return arrays, export
+    return _agreed(call, group, arrays, what, local, finish)
 
 
 def linear_attention(q, k, v, group=None, *, causal: bool = False,
@@ -445,12 +453,12 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     cut = inherited_cut((q,), cut, 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
-        (q, k, v), export = _linear_checked(call, group, (q, k, v), backward=False, causal=causal,
-                                            layout=layout, strategy=strategy,
-                                            sharding_conflict=conflict)
+        (q, k, v), export, part = _linear_checked(call, group, (q, k, v), backward=False,
+                                                  causal=causal, layout=layout, strategy=strategy,
+                                                  sharding_conflict=conflict)
         out = engine.get_linear(strategy).forward(
             q, k, v, _Tracking(group.ops, group.transport), group.transport, causal=bool(causal),
-            layout=layout, trace=group.trace)
+            layout=part, trace=group.trace)
     out = returned(export, (out,))[0]
     if cut is not None:
         remember_cut(out, *cut)
@@ -467,12 +475,12 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
                                        positional=bool(causal))
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
-        (dout, q, k, v), export = _linear_checked(call, group, (dout, q, k, v), backward=True,
-                                                  causal=causal, layout=layout, strategy=strategy,
-                                                  sharding_conflict=conflict)
+        (dout, q, k, v), export, part = _linear_checked(
+            call, group, (dout, q, k, v), backward=True, causal=causal, layout=layout,
+            strategy=strategy, sharding_conflict=conflict)
         grads = engine.get_linear(strategy).backward(
             dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
-            causal=bool(causal), layout=layout, trace=group.trace)
+            causal=bool(causal), layout=part, trace=group.trace)
     return returned(export, grads)
 
 
@@ -561,13 +569,13 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
                              "mask: give it with the contiguous layout, without cu_seqlens or a "
                              "Sharding's lengths")
         lengths = block_mask.balanced_lengths(1 if group is None else group.size,
-                                              x.shape[axis % x.ndim])
+                                              x.shape[check_axis(axis, x.ndim, "x")])
     check_layout(layout)
     masked = masked_array_problem("x", x)
     if masked is not None:
         raise masked.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
-    axis = axis % x.ndim
+    axis = check_axis(axis, x.ndim, "x")
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens, lengths)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
@@ -595,6 +603,13 @@ def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens,
     return partition(layout, size, seqlen_global, None if layout == "contiguous" else docs)
 
 
+# unshard moves rows, never reads a value: 16-bit integers gather bfloat16's bits alike
+UNSHARD_BFLOAT16 = ("unshard their bits instead, as 16-bit integers viewed back afterwards "
+                    "(torch: x.view(torch.int16), then .view(torch.bfloat16); JAX: "
+                    "jax.lax.bitcast_convert_type(x, jnp.int16), then back to jnp.bfloat16), or "
+                    "NumPy arrays of ml_dtypes.bfloat16")
+
+
 def unshard(x_local, group, layout: str | None = None, axis: int = 1,
             cu_seqlens=None, uneven: bool | None = None):
     """The global array on every rank, from each rank's `x_local` (the inverse of `shard`; with
@@ -612,36 +627,39 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     if group is None or group.size == 1:
         if conflict is not None:
             raise ValueError(conflict)
+        axis = check_axis(axis, x_local.ndim, "x_local")
         conflict = cut_problem(("x_local",), (x_local,), _rows_of_call(layout, cu_seqlens, None),
-                               axis=axis % x_local.ndim)
+                               axis=axis)
         if conflict is not None:
             raise ValueError(conflict)
         check_layout(layout)
         masked = masked_array_problem("x_local", x_local)
         if masked is not None:
             raise masked.exception()
-        _shard_partition(layout, 1, x_local.shape[axis % x_local.ndim], cu_seqlens)
-        return joined(x_local, [x_local], axis % x_local.ndim)
+        _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
+        return joined(x_local, [x_local], axis)
     with Call(group, "unshard") as call:
         with call.raising_together():
-            free = length = export = None
+            free = length = export = docs = dtype = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
-                conflict = conflict or cut_problem(
-                    ("x_local",), (x_local,), _rows_of_call(layout, cu_seqlens, group),
-                    axis=axis % x_local.ndim)
-                if conflict is not None:
-                    raise ValueError(conflict)
-                if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
-                    (x_local,), export = native(group.ops, x_local)  # torch, JAX, ... : DLPack
-                check_layout(layout)
-                axis = axis % x_local.ndim
-                err, docs = parse_cu_seqlens(cu_seqlens)
-                err = err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
-                shape = tuple(int(n) for n in x_local.shape)
-                free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
-                dtype = str(x_local.dtype)
-            except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...) or a bad axis
-                taken = untakeable(exc, (x_local,))
+                err = (InputError(ValueError, conflict) if conflict is not None
+                       else axis_problem(axis, x_local.ndim, "x_local"))
+                if err is None:
+                    axis = int(axis) % x_local.ndim
+                    cut = cut_problem(("x_local",), (x_local,),
+                                      _rows_of_call(layout, cu_seqlens, group), axis=axis)
+                    err = None if cut is None else InputError(ValueError, cut)
+                if err is None:
+                    if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
+                        (x_local,), export = native(group.ops, x_local)  # torch, JAX, ...: DLPack
+                    check_layout(layout)
+                    err, docs = parse_cu_seqlens(cu_seqlens)
+                    err = err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
+                    shape = tuple(int(n) for n in x_local.shape)
+                    free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
+                    dtype = str(x_local.dtype)
+            except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...), a bad layout
+                taken = untakeable(exc, (x_local,), UNSHARD_BFLOAT16)
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
             mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs),
                                             (uneven, lengths), length)

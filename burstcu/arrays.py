@@ -138,11 +138,13 @@ def returned(export, results):
     return results if export is None else tuple(export(r) for r in results)
 
 
-def untakeable(exc: Exception, arrays: tuple) -> InputError:
+def untakeable(exc: Exception, arrays: tuple,
+               bfloat16_advice: str = "use burstcu.torch / burstcu.jax, or NumPy arrays of "
+                                      "ml_dtypes.bfloat16") -> InputError:
     """Why inputs could not be taken as the backend's arrays, with what to do instead: JAX
-    tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy. The
-    kind is a builtin TypeError or ValueError (a framework's own exception class may not take a
-    message: JAX's tracer errors want the tracer)."""
+    tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy (then
+    `bfloat16_advice`). The kind is a builtin TypeError or ValueError (a framework's own
+    exception class may not take a message: JAX's tracer errors want the tracer)."""
     kind = ValueError if isinstance(exc, ValueError) and not isinstance(exc, TypeError) else TypeError
     jax = sys.modules.get("jax")
     text = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
@@ -157,8 +159,7 @@ def untakeable(exc: Exception, arrays: tuple) -> InputError:
                                      f"burstcu.torch.attention for autograd, or pass .detach()")
     if "dtype" in text.lower() and any("bfloat16" in str(getattr(x, "dtype", "")) for x in arrays):
         return InputError(TypeError, f"bfloat16 arrays cannot cross DLPack into NumPy ({text}): "
-                                     f"use burstcu.torch / burstcu.jax, or NumPy arrays of "
-                                     f"ml_dtypes.bfloat16")
+                                     f"{bfloat16_advice}")
     return InputError(kind, f"cannot take these inputs: {text}")
 
 

@@ -27,7 +27,6 @@ import contextlib
 import ml_dtypes
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import api, arrays
 from .group import Group
@@ -36,15 +35,20 @@ __all__ = ["attention", "linear_attention", "decode"]
 
 def _to_burstcu(t: torch.Tensor):
     """t as burstcu takes it: a CUDA tensor as itself (DLPack to CuPy), a CPU tensor as a NumPy
-    view (bfloat16 through int16, viewed back as ml_dtypes.bfloat16). Detached and contiguous."""
+    view (bfloat16 through int16, viewed back as ml_dtypes.bfloat16). Detached and contiguous.
+    A tensor NumPy cannot view (float8, ...) is passed as it is: the call's validation refuses
+    it on every rank, where raising here would leave the other ranks waiting."""
     if not isinstance(t, torch.Tensor):
         return t  # validation names what it is
     t = t.detach().contiguous()
     if t.is_cuda:
         return t
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+    try:
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return t
 
 
 def _to_torch(x) -> torch.Tensor:
@@ -79,6 +83,16 @@ def _call(fn, tensors, *args, **kwargs):
     return tuple(_to_torch(r) for r in result) if isinstance(result, tuple) else _to_torch(result)
 
 
+def _first_order_only(what: str) -> None:
+    """The backwards compute on arrays autograd does not see, so their gradients carry no graph:
+    asked for one (create_graph=True: grad mode is on in the backward), RuntimeError rather
+    than gradients that would silently differentiate as constants."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"burstcu.torch.{what} has no double backward: its gradients are not "
+                           f"differentiable, so create_graph=True (a gradient penalty, Hessian "
+                           f"products) cannot be honoured")
+
+
 class _Attention(torch.autograd.Function):
     """out = softmax(q k^T * scale [masked]) v over every rank's keys; backward: the ring backward."""
 
@@ -90,8 +104,8 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable   # the backward is not itself differentiable: no double backward
     def backward(ctx, dout):
+        _first_order_only("attention")
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _call(api.attention_backward, (dout, q, k, v, out, lse), ctx.group,
                            **ctx.backward_kwargs)
@@ -122,8 +136,8 @@ class _LinearAttention(torch.autograd.Function):
         return _call(api.linear_attention, (q, k, v), group, **kwargs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
+        _first_order_only("linear_attention")
         q, k, v = ctx.saved_tensors
         dq, dk, dv = _call(api.linear_attention_backward, (dout, q, k, v), ctx.group, **ctx.kwargs)
         return dq, dk, dv, None, None

@@ -179,16 +179,18 @@ def check_flags(**flags) -> InputError | None:
 
 
 def check_window(window_size, causal: bool, supported: bool) -> InputError | None:
-    """A clear error unless window_size is (left, right), each an int >= -1 (-1: unbounded),
+    """A clear error unless window_size is (left, right), each an int from -1 to 2^62 (-1: unbounded),
     with right 0 or -1 under causal (flash-attn's convention), and the local op can mask it."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         return InputError(ValueError, f"window_size must be (left, right), got {window_size!r}")
     for name, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < -1:
-            return InputError(ValueError, f"window_size {name} must be an int >= -1 (-1: unbounded), "
-                                          f"got {value!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                or not -1 <= value <= MAX_POSITION):
+            return InputError(ValueError, f"window_size {name} must be an int from -1 (-1: "
+                                          f"unbounded) to 2^62 (a window past every position "
+                                          f"is unbounded too), got {value!r}")
     if causal and right not in (0, -1):
         return InputError(ValueError, f"with causal=True the window's right bound is the diagonal: "
                                       f"window_size=({left}, 0) or ({left}, -1), not {window_size!r}")
@@ -196,6 +198,24 @@ def check_window(window_size, causal: bool, supported: bool) -> InputError | Non
         return InputError(ValueError, "window_size is not supported by the CUDA kernels yet: use "
                                       "the NumPy backend, or window_size=(-1, -1)")
     return None
+
+
+def axis_problem(axis, ndim: int, name: str) -> InputError | None:
+    """Why `axis` names no axis of an array `name` of `ndim` dimensions (negative ones count
+    from the end, as NumPy's): TypeError for one not an int, ValueError for one out of range."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        return InputError(TypeError, f"axis must be an int, got {axis!r} ({type(axis).__name__})")
+    if not -ndim <= axis < ndim:
+        return InputError(ValueError, f"axis {axis} is out of range for {name} of {ndim} dimensions")
+    return None
+
+
+def check_axis(axis, ndim: int, name: str) -> int:
+    """`axis` as an index from 0, or the exception `axis_problem` names."""
+    err = axis_problem(axis, ndim, name)
+    if err is not None:
+        raise err.exception()
+    return int(axis) % ndim
 
 
 def check_block_mask(block_mask, causal: bool, window_size, docs,
@@ -260,11 +280,11 @@ def parse_cu_seqlens(cu_seqlens):
     except Exception as exc:  # noqa: BLE001 - any array type that cannot come to the host
         return InputError(TypeError, f"cu_seqlens must be an integer array, cannot read it: "
                                      f"{exc.__class__.__name__}: {exc}"), None
-    if not np.issubdtype(cu.dtype, np.integer):
-        return InputError(TypeError, f"cu_seqlens must hold integers, got {cu.dtype}"), None
-    if cu.ndim != 1 or cu.size < 2:
+    if cu.ndim != 1 or cu.size < 2:   # (first: an empty list comes as float64)
         return InputError(ValueError, f"cu_seqlens must be 1-D with at least 2 boundaries, got "
                                       f"shape {tuple(cu.shape)}"), None
+    if not np.issubdtype(cu.dtype, np.integer):
+        return InputError(TypeError, f"cu_seqlens must hold integers, got {cu.dtype}"), None
     if (cu < 0).any() or (cu > MAX_POSITION).any():
         return InputError(ValueError, "cu_seqlens must lie in [0, N] (N: the global sequence "
                                       "length, the ranks' local lengths added up)"), None
@@ -311,7 +331,7 @@ def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str = "contiguous")
     return (err, None) if err else (check_docs_total(docs, seqlen_global), docs)
 
 
-def partition_of(layout: str, lengths, docs, uneven: bool = False,
+def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
                  max_positions: int | None = None) -> tuple[InputError | None, Partition | None]:
     """(InputError or None, the Partition) of the ranks' local `lengths` under `layout` with
     documents `docs` (parsed cu_seqlens or None) — the same verdict on every rank, which all
@@ -319,7 +339,9 @@ def partition_of(layout: str, lengths, docs, uneven: bool = False,
     differing by at most one, as `burstcu.shard` cuts them) unless `uneven` says the ranks hold
     other lengths on purpose (so one rank passing the global array is an error, not a silently
     other sequence); zigzag and "documents" ones must be the ones `burstcu.shard` cuts (each
-    document in 2G pieces, or the short ones whole). max_positions: the most positions the local op can address (the kernels: 2^30)."""
+    document in 2G pieces, or the short ones whole). uneven None: the call has no such option
+    (linear attention), so the refusal does not offer it. max_positions: the most positions the
+    local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
     err = check_docs_total(docs, total, size)
@@ -335,11 +357,11 @@ def partition_of(layout: str, lengths, docs, uneven: bool = False,
                 f"burstcu.shard)")
     if layout == "contiguous":
         if not uneven and max(lengths) - min(lengths) > 1:
+            offer = ("; pass uneven=True if the ranks hold these lengths on purpose"
+                     if uneven is not None else "")
             return InputError(ValueError, f"contiguous shards of {lengths} rows differ by more "
                                           f"than one row (burstcu.shard cuts near-equal ones, "
-                                          f"or with block_mask ones balanced for it); "
-                                          f"pass uneven=True if the ranks hold these lengths on "
-                                          f"purpose{hint}"), None
+                                          f"or with block_mask ones balanced for it){offer}{hint}"), None
         return None, partition(layout, size, total, lengths=lengths)
     want = partition(layout, size, total, docs).lengths
     if lengths != want:
@@ -737,9 +759,6 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
     err = err or check_flags(causal=causal) or check_attention_inputs(
         q, k, v, array_types=ops.array_types, dtypes=ops.array_dtypes, layout=layout,
         softmax_scale=None)
-    if err is None and layout != "contiguous" and q.shape[1] % 2:
-        err = InputError(ValueError, f"linear attention's {layout} layout needs an even local "
-                                     f"seqlen, got {q.shape[1]}")
     if err is None and backward:
         dout = arrays[0]
         if not isinstance(dout, ops.array_types):
@@ -752,7 +771,8 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
                                         f"{dtype_name(dout)}")
     if err is not None:
         return err, None
-    return None, metadata(*arrays, layout=layout, strategy=strategy, causal=bool(causal))
+    return None, metadata(*arrays, seq_axes=(1,) * len(arrays), layout=layout, strategy=strategy,
+                          causal=bool(causal))
 
 
 def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_lse, agreed: dict,

@@ -90,6 +90,17 @@ def test_torch_decode_and_plain_api_errors(torch):
         burstcu.torch.attention(needs_grad, needs_grad, needs_grad, windw=(1, 1))
 
 
+def test_torch_refuses_a_double_backward(torch):
+    """create_graph=True (a gradient penalty) through either function: RuntimeError, not first
+    gradients that would silently differentiate as constants; plain backward still runs."""
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in _inputs(3)[:3])
+    for fn in (burstcu.torch.attention, burstcu.torch.linear_attention):
+        with pytest.raises(RuntimeError, match="no double backward"):
+            torch.autograd.grad(fn(q, k, v, causal=True).sum(), q, create_graph=True)
+        (dq,) = torch.autograd.grad(fn(q, k, v, causal=True).sum(), q)
+        assert dq.shape == q.shape and not dq.requires_grad
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", WORLDS)
 def test_torch_grads_on_sharded_sequences(torch, world):

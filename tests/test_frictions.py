@@ -19,6 +19,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import burstcu
@@ -194,6 +195,23 @@ def test_an_unknown_option_names_the_options_the_backend_takes(backend, takes):
         burstcu.init(backend=backend, determinstic=True)
 
 
+@pytest.mark.parametrize("backend, options, kind, message", [
+    ("numpy", {"threads": 1.5}, TypeError, "threads must be an int, got 1.5"),
+    ("numpy", {"tile_q": 2.5}, TypeError, "tile_q must be an int"),
+    ("numpy", {"threads": -1}, ValueError, "threads must be at least 1, got -1"),
+    ("numpy", {"tile_k": 0}, ValueError, "tile_k must be at least 1"),
+    ("numpy", {"deterministic": "yes"}, TypeError, "deterministic must be True or False"),
+    ("emulated", {"randomize": 1}, TypeError, "randomize must be True or False"),
+])
+def test_a_bad_option_value_is_refused_at_init(backend, options, kind, message):
+    """An option of the wrong type or range fails at init (on every rank: its agreement round),
+    not at the first call on the ranks that passed it."""
+    with pytest.raises(kind, match=message):
+        burstcu.init(backend=backend, **options)
+    with burstcu.init(backend="numpy", threads=None, tile_q=np.int64(32)) as group:
+        assert group.ops.tile_q == 32 and group.ops.threads >= 1
+
+
 def test_init_documents_deterministic():
     doc = burstcu.init.__doc__
     assert "deterministic" in doc and "every backend" in doc
@@ -203,6 +221,9 @@ def test_init_documents_deterministic():
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_unknown_option_on_one_rank_fails_on_every_rank(world):
     results = run_mpi(world, "friction_bodies:unknown_option_on_one_rank_fails_on_every_rank",
+                      timeout=120)
+    assert [r["ranks_failed"] for r in results] == [world] * world
+    results = run_mpi(world, "friction_bodies:bad_option_value_on_one_rank_fails_on_every_rank",
                       timeout=120)
     assert [r["ranks_failed"] for r in results] == [world] * world
 

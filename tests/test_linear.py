@@ -119,3 +119,70 @@ def test_bad_dout_is_refused(dout, kind, message):
     q = np.zeros((1, 8, 2, 4))
     with pytest.raises(kind, match=message):
         burstcu.linear_attention_backward(dout, q, q, q)
+
+
+def _inert_cases(strategies, layouts):
+    """Each input poisoned once, at a position inside a tile of some run (not its first row)."""
+    values = {"q": np.nan, "k": np.inf, "v": -np.inf, "dout": np.nan}
+    spots = {"q": 0.3, "k": 0.55, "v": 0.2, "dout": 0.8}
+    return [{"strategy": s, "layout": lay, "name": name, "at": spots[name], "value": values[name]}
+            for s in strategies for lay in layouts for name in values]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 3])
+def test_linear_masked_positions_are_inert(world):
+    """A NaN / Inf at one position reaches exactly the entries that depend on it, on every rank,
+    both strategies and layouts (docs/numerics.md: masked positions are inert)."""
+    run_mpi(world, "strategy_bodies:linear_masked_positions_are_inert", timeout=240,
+            cases=_inert_cases(("lasp2", "lasp1"), ("contiguous", "zigzag")))
+
+
+@pytest.mark.parametrize("tile,at_once", [(16, 2), (16, 64), (7, 3)])
+def test_chunkwise_tiles_keep_masked_positions_inert(tile, at_once, monkeypatch):
+    """burstcu.ops.linear's causal runs with a NaN / Inf at positions inside tiles, at a tile's
+    first and last row, and with a prefix and suffix state handed in: exactly the entries that
+    depend on the value are non-finite (tests/mpi/strategy_bodies.py, LINEAR_REACH), the others
+    equal the float64 quadratic form of the inputs with a 0 there."""
+    from tests.mpi.strategy_bodies import LINEAR_REACH, linear_poisoned, linear_reached
+    monkeypatch.setattr(linear, "TILES_AT_ONCE", at_once)
+    rng = np.random.default_rng(5)
+    n, c, acc = 77, 30, np.float64
+    clean = {"q": rng.standard_normal((2, n, 6, 8)), "k": rng.standard_normal((2, n, 3, 8)),
+             "v": rng.standard_normal((2, n, 3, 8)), "dout": rng.standard_normal((2, n, 6, 8))}
+    for name in LINEAR_REACH:
+        for p, value in ((40, np.nan), (c + 2 * tile - 1, np.inf), (c + tile, -np.inf), (5, np.nan)):
+            poisoned, zeroed = linear_poisoned(clean, name, p, value)
+            x, z = poisoned, zeroed
+            ref_out, ref_grads = linear_attention_ref(z["q"], z["k"], z["v"], True, dout=z["dout"])
+            # rows c.. as a run with the prefix of rows ..c; rows ..c with the suffix of rows c..
+            prefix = linear.kv_state(np, x["k"][:, :c], x["v"][:, :c], acc)
+            suffix = linear.grad_state(np, x["q"][:, c:], x["dout"][:, c:], 3, acc)
+            late = {"out": linear.forward_run(np, x["q"][:, c:], x["k"][:, c:], x["v"][:, c:],
+                                              prefix, acc, tile)}
+            early = dict(zip(("dq", "dk", "dv"), linear.backward_run(
+                np, x["dout"][:, :c], x["q"][:, :c], x["k"][:, :c], x["v"][:, :c], None, suffix,
+                acc, tile)))
+            whole = dict(zip(("dq", "dk", "dv"), linear.backward_run(
+                np, x["dout"], x["q"], x["k"], x["v"], None, None, acc, tile)))
+            whole["out"] = linear.forward_run(np, x["q"], x["k"], x["v"], None, acc, tile)
+            refs = {"out": ref_out, **dict(zip(("dq", "dk", "dv"), ref_grads))}
+            for got, rows in ((late, slice(c, n)), (early, slice(0, c)), (whole, slice(0, n))):
+                for key, value_got in got.items():
+                    reached = linear_reached(n, p, LINEAR_REACH[name][key])[rows]
+                    nonfinite = ~np.isfinite(value_got).all(axis=(0, 2, 3))
+                    assert np.array_equal(nonfinite, reached), (name, p, key, rows)
+                    np.testing.assert_allclose(value_got[:, ~reached], refs[key][:, rows][:, ~reached],
+                                               rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_linear_attention_on_lengths_the_ranks_do_not_divide(world):
+    """The shards `burstcu.shard` cuts of any N (near-equal contiguous runs, zigzag chunks whose
+    two halves differ; down to one row a rank, one a piece) run like equal ones; zigzag with N
+    under 2 G (a rank short of a piece) is a ValueError on every rank."""
+    cases = [{"causal": c, "layout": lay, "strategy": s} for c in (True, False)
+             for lay in ("contiguous", "zigzag") for s in ("lasp2", "lasp1")]
+    run_mpi(world, "strategy_bodies:linear_any_length", timeout=240,
+            lengths=(61, 6 * world + 5, 2 * world), cases=cases)

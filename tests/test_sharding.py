@@ -59,7 +59,8 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     messages = results[0]["messages"]
     assert set(messages) == {"zigzag shards, no layout", "documents at shard only",
                              "documents at attention only", "backward without layout",
-                             "lse along axis 1", "out without layout", "linear without layout"}
+                             "lse along axis 1", "out without layout", "linear without layout",
+                             "axis out of range"}
     for r in results:   # the same error everywhere, named by the rank that saw it first
         assert set(r["messages"]) == set(messages)
         assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
@@ -73,6 +74,19 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     assert "x_local is an lse (B, H, S) whose sequence axis is 2, not axis=1" in \
         said["lse along axis 1"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
+    assert "axis 4 is out of range for x_local of 4 dimensions" in said["axis out of range"]
+
+
+@pytest.mark.parametrize("axis,kind", [(4, ValueError), (-5, ValueError), (1.0, TypeError),
+                                       (True, TypeError)])
+def test_an_axis_the_array_lacks_is_refused(axis, kind):
+    """shard and unshard of one process: an axis out of range, or not an int, is an error (not
+    the axis it would wrap to); a negative one counts from the end, as NumPy's."""
+    x = np.arange(2 * 12 * 2 * 8, dtype=np.float32).reshape(2, 12, 2, 8)
+    for call in (burstcu.shard, burstcu.unshard):
+        with pytest.raises(kind, match="axis"):
+            call(x, None, axis=axis)
+    assert np.array_equal(burstcu.unshard(burstcu.shard(x, None, axis=-3), None, axis=-3), x)
 
 
 @pytest.mark.timeout(240)

@@ -43,9 +43,13 @@ def test_messages_are_specific():
         burstcu.attention(q, k, k)
     with pytest.raises(TypeError, match="int64"):
         burstcu.attention(q.astype(np.int64), k.astype(np.int64), k.astype(np.int64))
-    with pytest.raises(ValueError, match="linear attention's zigzag layout needs an even local seqlen"):
-        q3 = np.zeros((1, 7, 2, 16), np.float32)
-        burstcu.linear_attention(q3, q3, q3, layout="zigzag")
+    q3 = np.random.default_rng(0).standard_normal((1, 7, 2, 16)).astype(np.float32)
+    np.testing.assert_allclose(burstcu.linear_attention(q3, q3, q3, layout="zigzag", causal=True),
+                               burstcu.linear_attention(q3, q3, q3, causal=True), rtol=1e-5)
+    with pytest.raises(ValueError, match="window_size left must be an int from -1"):
+        burstcu.attention(q[:, :, :4], k, k, causal=True, window_size=(2**64, 0))
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D with at least 2 boundaries"):
+        burstcu.attention(q[:, :, :4], k, k, cu_seqlens=[])
     with pytest.raises(ValueError, match="strategy must be one of"):
         burstcu.attention(q[:, :, :4], k, k, strategy="psychic")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):

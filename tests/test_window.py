@@ -22,8 +22,9 @@ def test_a_narrow_window_computes_only_neighbouring_steps():
 
 
 @pytest.mark.parametrize("window,causal,message", [
-    ((3, 2), True, "right bound is the diagonal"), ((-2, 0), False, "int >= -1"),
-    ((3,), False, "must be \\(left, right\\)"), ((1.5, 0), False, "int >= -1")])
+    ((3, 2), True, "right bound is the diagonal"), ((-2, 0), False, "an int from -1"),
+    ((3,), False, "must be \\(left, right\\)"), ((1.5, 0), False, "an int from -1"),
+    ((0, 2**62 + 1), False, "to 2\\^62"), ((2**64, 0), True, "to 2\\^62")])
 def test_bad_windows_are_refused(window, causal, message):
     q = np.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match=message):

@@ -81,21 +81,27 @@ def warm_jobs(device: str, families: list[str] | None = None) -> list[tuple[str,
             if not families or v.family in families]
 
 
+def _families(device: str) -> set[str]:
+    """The families of the kernels a GPU of arch `device` loads (`warm_jobs`)."""
+    from ..ops.cuda.kernel_ops import table_arch_for
+
+    return {v.family for v in all_variants(table_arch_for(int(device.removeprefix("sm_"))))}
+
+
 def _warm(job) -> tuple[float, bool, str | None]:
     """Compile one job into the cache: (seconds, whether it was compiled now, the error or None).
     Never raises: one kernel that fails to build is reported, the others still build."""
     import time
 
-    from .compile import cache_dir, cache_key, cached_cubin
+    from .compile import cubin_entry
 
     source, name, arch = job
     t0 = time.perf_counter()
     try:
-        was = (cache_dir() / f"{cache_key(source, [name], arch)}.manifest").exists()
-        cached_cubin(source, [name], arch)
+        built = cubin_entry(source, [name], arch)[2]   # not a build another process made
     except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
         return time.perf_counter() - t0, False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    return time.perf_counter() - t0, not was, None
+    return time.perf_counter() - t0, built, None
 
 
 def run_warm(device: str, families: list[str] | None = None, out=None,
@@ -193,13 +199,22 @@ def _main_warm(parser, args) -> int:
         parser.error(f"--device {args.device!r}: a GPU arch sm_XY of compute capability 8.0 or newer "
                      f"(e.g. sm_80, sm_86, sm_90; the Hopper kernels' sm_90a comes with sm_90)")
     families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    known = sorted(_families(args.device))
+    unknown = sorted(set(families or ()) - set(known))
+    if unknown:
+        parser.error(f"unknown family {unknown} for {args.device}: choose from {', '.join(known)}")
     problem = compiler_problem()
     if problem:
         print(f"{parser.prog} warm: {problem}", file=sys.stderr)
         return NO_COMPILER
+    try:
+        folder = cache_dir()   # once, before any worker: a folder that fails the trust rule
+    except (RuntimeError, OSError) as exc:
+        print(f"{parser.prog} warm: {exc}", file=sys.stderr)
+        return 1
     compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs)
     print(f"{compiled} kernels compiled, {cached} already cached, {failed} failed, for {args.device} "
-          f"in {cache_dir()}", flush=True)
+          f"in {folder}", flush=True)
     return 1 if failed else 0 if compiled + cached else 2
 
 

@@ -620,8 +620,9 @@ def manifest_problem(folder: Path, key: str, names: Sequence[str]) -> str | None
 
 
 def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable[[], None],
-                   before_lock: Callable[[], None] | None = None) -> None:
-    """Make the cache entry `key` (the files `names` of the trusted `folder`) present and verified.
+                   before_lock: Callable[[], None] | None = None) -> bool:
+    """Make the cache entry `key` (the files `names` of the trusted `folder`) present and verified;
+    whether this call built it.
 
     Returns at once when its manifest vouches for every file. Else runs `before_lock` (work with
     a lock of its own, such as the precompiled header: locks are never nested), then, holding
@@ -630,18 +631,19 @@ def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable
     check is rebuilt, never used, with a warning naming the file.
     """
     if manifest_problem(folder, key, names) is None:
-        return
+        return False
     if before_lock is not None:   # what `build` needs that has a lock of its own (no nesting)
         before_lock()
     with build_lock(folder / f"{key}.lock"):
         problem = manifest_problem(folder, key, names)
         if problem is None:
-            return
+            return False
         stale = any((folder / name).exists() for name in (*names, f"{key}.manifest"))
         build()
         write_manifest(folder, key, names)
     if stale:
         warnings.warn(f"burstcu kernel cache: {problem}; rebuilt the entry", stacklevel=3)
+    return True
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -687,7 +689,16 @@ def cache_key(source: str, name_expressions: Sequence[str], arch: str,
 
 def cached_cubin(source: str, name_expressions: Sequence[str], arch: str,
                  extra_options: Sequence[str] = (), kdir: Path | None = None) -> tuple[Path, dict[str, str]]:
-    """(path of the CUBIN, {name expression: lowered name}), compiling at most once per key.
+    """(path of the CUBIN, {name expression: lowered name}), compiling at most once per key
+    (`cubin_entry`)."""
+    cubin_path, meta_path, _ = cubin_entry(source, name_expressions, arch, extra_options, kdir)
+    return cubin_path, json.loads(meta_path.read_text())["lowered"]
+
+
+def cubin_entry(source: str, name_expressions: Sequence[str], arch: str,
+                extra_options: Sequence[str] = (), kdir: Path | None = None) -> tuple[Path, Path, bool]:
+    """(path of the CUBIN, path of its JSON, whether this call compiled them): the cache entry of
+    the key, compiled at most once.
 
     Ranks sharing the cache folder serialize on the entry's file lock: the first compiles (within
     `build_timeout()`) and writes the entry, the others find it verified when they get the lock.
@@ -705,8 +716,8 @@ def cached_cubin(source: str, name_expressions: Sequence[str], arch: str,
         atomic_write(meta_path, json.dumps({"lowered": compiled.lowered, "arch": arch,
                                             "source": source, "log": compiled.log}).encode())
 
-    verified_entry(root, key, [cubin_path.name, meta_path.name], build)
-    return cubin_path, json.loads(meta_path.read_text())["lowered"]
+    built = verified_entry(root, key, [cubin_path.name, meta_path.name], build)
+    return cubin_path, meta_path, built
 
 
 # cudaDeviceAttr values (CUDA runtime, driver_types.h)

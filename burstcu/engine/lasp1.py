@@ -22,6 +22,7 @@ state, B*Hkv*D*D in the accumulation dtype (two of them in the non-causal backwa
 
 from __future__ import annotations
 
+from ..layout import Partition
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .lasp2 import my_runs, outputs, rows, runs, stacked, state_bytes
@@ -52,7 +53,7 @@ class _Chain:
         self.wait(label)
 
 
-def owners(layout: str, size: int, seqlen_local: int) -> list[int]:
+def owners(layout: str | Partition, size: int, seqlen_local: int) -> list[int]:
     """The rank holding each chunk, in global order."""
     _, _, place = runs(layout, 0, size, seqlen_local)
     owner = [0] * len(place)
@@ -116,7 +117,7 @@ def _total_chain(chain: _Chain, total, shape, acc, label: str):
     return have
 
 
-def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str | Partition,
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
     acc = accum_dtype(q.dtype)
@@ -140,7 +141,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
     return out.astype(q.dtype)
 
 
-def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str | Partition,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
     acc, hkv = accum_dtype(q.dtype), k.shape[2]
@@ -187,7 +188,7 @@ def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool
 # ----------------------------------------------------------------------------------------------
 # what one rank sends
 
-def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+def forward_sends(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
                   causal: bool = True) -> int:
     """Messages `rank` sends in `forward`: a hop t -> t+1 of the chain for each of its chunks
     t < T-1 whose successor another rank holds; non-causal adds the total's chain
@@ -199,7 +200,7 @@ def forward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contig
     return sends
 
 
-def backward_sends(rank: int, size: int, seqlen_local: int, layout: str = "contiguous",
+def backward_sends(rank: int, size: int, seqlen_local: int, layout: str | Partition = "contiguous",
                    causal: bool = True) -> int:
     """Messages `rank` sends in `backward`: causal, the forward chain and the same chain
     reversed; non-causal, the forward's two chains (each message twice the size)."""
@@ -214,26 +215,26 @@ def backward_sends(rank: int, size: int, seqlen_local: int, layout: str = "conti
 # the strategy interface (`burstcu.engine`): linear attention takes no window or documents (the
 # keywords are there for the one signature)
 
-def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One chunk state a message (`forward_sends`)."""
     return forward_sends(rank, size, q.shape[1], layout, causal) * state_bytes(q, k)
 
 
-def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                    causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One chunk state a message (`backward_sends`), two (M and dM) when not causal."""
     per = state_bytes(q, k) * (1 if causal else 2)
     return backward_sends(rank, size, q.shape[1], layout, causal) * per
 
 
-def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """`forward_sends`."""
     return forward_sends(rank, size, q.shape[1], layout, causal)
 
 
-def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                       causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """`backward_sends`."""
     return backward_sends(rank, size, q.shape[1], layout, causal)

@@ -27,13 +27,13 @@ independent of the sequence length.
 
 from __future__ import annotations
 
-from ..layout import segments
+from ..layout import Partition, segments
 from ..ops.base import LocalOps, accum_dtype
 from ..transport.base import Transport
 from .steps import Trace, now, post_pairwise, timed_wait
 
 
-def runs(layout: str, rank: int, size: int, seqlen_local: int):
+def runs(layout: str | Partition, rank: int, size: int, seqlen_local: int):
     """This rank's runs of rows (layout.Segment) and, for each, its chunk's place in global
     order among all G * nruns chunks."""
     order = sorted((seg.pos, r, i) for r in range(size)
@@ -43,7 +43,7 @@ def runs(layout: str, rank: int, size: int, seqlen_local: int):
     return mine, [place[(rank, i)] for i in range(len(mine))], place
 
 
-def my_runs(layout: str, transport: Transport, q) -> tuple:
+def my_runs(layout: str | Partition, transport: Transport, q) -> tuple:
     """(size, rank, this rank's runs, their places, every chunk's place) of q's rows (`runs`)."""
     size, rank = transport.size, transport.rank
     return (size, rank) + runs(layout, rank, size, q.shape[1])
@@ -99,7 +99,7 @@ def _chunk_states(gathered, place, size: int, nruns: int):
     return ordered
 
 
-def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str | Partition,
             trace: Trace | None = None):
     """q: (B,S,H,D); k, v: (B,S,Hkv,D). Returns out (B,S,H,D) in q's dtype."""
     acc = accum_dtype(q.dtype)
@@ -121,7 +121,7 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layou
     return out.astype(q.dtype)
 
 
-def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str,
+def backward(dout, q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, layout: str | Partition,
              trace: Trace | None = None):
     """Gradients of `forward`: dq (B,S,H,D), dk, dv (B,S,Hkv,D) in the inputs' dtype."""
     acc, hkv = accum_dtype(q.dtype), k.shape[2]
@@ -169,25 +169,25 @@ def _total(ops: LocalOps, states, acc, k_shape, d: int):
 # window or documents (the keywords are there for the one signature); of the mask only the
 # layout matters (how many runs, so states, a rank holds)
 
-def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """This rank's chunk states to each of the G-1 others."""
     return (size - 1) * len(segments(layout, 0, size, q.shape[1])) * state_bytes(q, k)
 
 
-def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                    causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """The forward's states again, beside the gradient states: twice the forward."""
     return 2 * forward_bytes(size, q, k, v, layout=layout)
 
 
-def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def forward_messages(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                      causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One all-gather: a message to each other rank."""
     return size - 1
 
 
-def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str = "contiguous",
+def backward_messages(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                       causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """One all-gather: a message to each other rank."""
     return size - 1

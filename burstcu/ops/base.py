@@ -55,6 +55,24 @@ def dtype_name(x) -> str:
     return name
 
 
+def checked_option(name: str, value, kind: str):
+    """A local op's constructor option, checked as `kind` says: "flag" True or False (Python's or
+    NumPy's), "count" an int >= 1, "count or default" that or None or 0 (returned as None: the
+    op's default). TypeError or ValueError naming it, so that `burstcu.init` refuses it on every
+    rank rather than a call failing later on one."""
+    if kind == "flag":
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+        return bool(value)
+    if kind == "count or default" and (value is None or (type(value) is not bool and value == 0)):
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
 def buffer_layout(fields: Sequence[tuple[str, tuple, Any]]) -> tuple:
     """The hashable layout of a message's `fields` [(name, shape, dtype)], dtypes spelled one way:
     what `LocalOps.double_buffer` keeps its buffers by (a caller that keeps its fields can make

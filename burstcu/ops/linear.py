@@ -26,9 +26,20 @@ C / (T * TILES_AT_ONCE) rounds of batched matmuls, not one a tile. Shapes: q, do
 (B, C, Hkv, D) (rows of one run); states (B, Hkv, D, D); results in the accumulation dtype `acc`
 (float32; float64 for float64 input), rows-first like the inputs. The strategies
 (burstcu/engine/lasp2.py, lasp1.py) say where P and S come from.
+
+Masked positions are inert (docs/numerics.md): a NaN or Inf reaches only the rows the causal
+order lets see it. So the tril masks select (a product times 0 would keep a NaN), the states of
+the tiles before (after) a tile are sums of those tiles alone, never a total minus the rest, and
+in a tile holding a non-finite value, where a product over the tile's rows would meet it with a
+masked weight of 0 (0 x Inf = NaN), that product is taken row by row instead, each row summing
+its own past (future) as a running state (`_running`): slower, and only in such tiles.
 """
 
 from __future__ import annotations
+
+import functools
+
+import numpy as np
 
 TILE = 128  # rows a tile: tril(Q K^T) costs T/D of the state products, small at T = 128
 TILES_AT_ONCE = 64  # tiles a batched matmul takes: B*H*64*T*T scores at a time
@@ -53,16 +64,75 @@ def _rows_first(xp, x):
     return xp.ascontiguousarray(x.transpose(0, 2, 1, 3))
 
 
-def _tril(xp, n: int, acc):
-    return xp.tril(xp.ones((n, n), dtype=acc))
+def _tril(xp, n: int):
+    """(n, n) bool: row i keeps the columns j <= i."""
+    return xp.tril(xp.ones((n, n), dtype=bool))
 
 
+def _before(xp, states):
+    """For each tile (axis 2 of `states` (B, Hkv, n, D, D)) the sum of the tiles before it."""
+    out = xp.zeros_like(states)
+    out[:, :, 1:] = xp.cumsum(states[:, :, :-1], axis=2)
+    return out
+
+
+def _after(xp, states):
+    """For each tile (axis 2) the sum of the tiles after it."""
+    return _before(xp, states[:, :, ::-1])[:, :, ::-1]
+
+
+def _finite(xp, *arrays) -> bool:
+    """Whether every value of `arrays` is finite, as far as a finite sum says (a NaN or Inf
+    makes the sum one; a sum that overflows says False of finite values, which only costs the
+    careful path): once a run, so that runs without a NaN or Inf (nearly all) look at no tile's
+    (one host synchronisation a run on CuPy)."""
+    return all(bool(xp.isfinite(x.sum())) for x in arrays)
+
+
+def _masked(xp, products, keep):
+    """products (..., T, T) with the pairs `keep` (T, T) leaves out set to 0, in place (a
+    multiplication by 0 would keep a NaN or Inf there)."""
+    xp.copyto(products, 0, where=~keep)
+    return products
+
+
+def _nonfinite_tiles(xp, *tiled) -> list[int]:
+    """The tiles (axis -3 of each of `tiled`, (..., n, T, D)) holding a NaN or Inf in any."""
+    bad = None
+    for x in tiled:
+        here = ~xp.isfinite(x).all(axis=tuple(i for i in range(x.ndim) if i != x.ndim - 3))
+        bad = here if bad is None else bad | here
+    return [int(t) for t in xp.flatnonzero(bad)]
+
+
+def _running(xp, rows_a, rows_b, past: bool, spec: str):
+    """Per row i of one tile, the sum over its rows j <= i (past) or j >= i (future) of the
+    outer product rows_a[j]^T rows_b[j], by an einsum `spec` ('...jd,...je->...jde' summing any
+    other axis) and a cumulative sum over the rows (axis -3 of the result)."""
+    outer = xp.einsum(spec, rows_a, rows_b)
+    if past:
+        return xp.cumsum(outer, axis=-3)
+    return xp.cumsum(outer[..., ::-1, :, :], axis=-3)[..., ::-1, :, :]
+
+
+def _quiet(f):
+    """f run under np.errstate(over="ignore", invalid="ignore"), as the softmax op runs: a NaN
+    or Inf of the inputs reaches the rows that see it, as the math says, without warnings."""
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return f(*args, **kwargs)
+    return run
+
+
+@_quiet
 def kv_state(xp, k, v, acc):
     """M = K^T V: (B, Hkv, D, D) in acc from k, v (B, C, Hkv, D)."""
     kh, vh = _heads(xp, k, acc), _heads(xp, v, acc)
     return kh.transpose(0, 1, 3, 2) @ vh
 
 
+@_quiet
 def grad_state(xp, q, dout, hkv: int, acc):
     """dM = sum over a kv head's query heads of Q^T dO: (B, Hkv, D, D) in acc."""
     qg, dg = _grouped(xp, q, hkv, acc), _grouped(xp, dout, hkv, acc)
@@ -95,6 +165,21 @@ def _t(x):
     return x.swapaxes(-1, -2)
 
 
+def _causal_tiles(xp, a, b, c, before, keep, careful: bool):
+    """tril(A B^T) C + A Before, tile by tile: a (B, G, R, n, T, D); b, c (B, G, n, T, D);
+    before (B, G, n, D, D) each tile's state of what lies before it; keep the tril mask (T, T).
+    The forward's O (Q, K, V, P + M_<t) and the backward's dQ (dO, V, K, (P + M_<t)^T). With
+    `careful` (C may hold a NaN or Inf), a tile whose C does takes its first term row by row
+    (row i: A_i sum_{j <= i} B_j^T C_j, `_running`), since the product with masked weights of 0
+    would spread it to every row."""
+    within = _masked(xp, a @ _t(b)[:, :, None], keep) @ c[:, :, None]
+    for t in _nonfinite_tiles(xp, c) if careful else ():
+        past = _running(xp, b[:, :, t], c[:, :, t], True, "bgjd,bgje->bgjde")
+        within[:, :, :, t] = (a[:, :, :, t, :, None, :] @ past[:, :, None])[..., 0, :]
+    return within + a @ before[:, :, None]
+
+
+@_quiet
 def forward_run(xp, q, k, v, prefix, acc, tile: int = TILE):
     """Causal linear attention of one run of rows: out (B, C, H, D) in acc, with `prefix`
     (B, Hkv, D, D) the state of every earlier row outside the run (None: none). Tiles are
@@ -103,21 +188,21 @@ def forward_run(xp, q, k, v, prefix, acc, tile: int = TILE):
     qg, kh, vh = _grouped(xp, q, hkv, acc), _heads(xp, k, acc), _heads(xp, v, acc)
     b, _, r, c, d = qg.shape
     tile = max(1, min(tile, c))
-    mask = _tril(xp, tile, acc)
+    keep = _tril(xp, tile)
     out = xp.empty_like(qg)
+    careful = not _finite(xp, vh)
     state = xp.zeros((b, hkv, d, d), dtype=acc) if prefix is None else prefix.astype(acc, copy=True)
     for r0, r1 in _spans(c, tile * TILES_AT_ONCE):
         qt = _tiled(xp, qg, r0, r1, tile)                        # (B, G, R, n, T, D)
         kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)   # (B, G, n, T, D)
         states = _t(kt) @ vt                                     # (B, G, n, D, D)
-        before = xp.cumsum(states, axis=2) - states + state[:, :, None]
-        scores = (qt @ _t(kt)[:, :, None]) * mask
-        part = scores @ vt[:, :, None] + qt @ before[:, :, None]
-        out[..., r0:r1, :] = _untiled(part, r1 - r0)
+        before = _before(xp, states) + state[:, :, None]
+        out[..., r0:r1, :] = _untiled(_causal_tiles(xp, qt, kt, vt, before, keep, careful), r1 - r0)
         state = state + states.sum(axis=2)
     return _rows_first(xp, out)
 
 
+@_quiet
 def backward_run(xp, dout, q, k, v, prefix, suffix, acc, tile: int = TILE):
     """Gradients of `forward_run` for one run: (dq (B, C, H, D), dk, dv (B, C, Hkv, D)) in acc.
     prefix: the state of every earlier row outside the run; suffix: the gradient state dM of
@@ -127,38 +212,47 @@ def backward_run(xp, dout, q, k, v, prefix, suffix, acc, tile: int = TILE):
     kh, vh = _heads(xp, k, acc), _heads(xp, v, acc)
     b, _, r, c, d = qg.shape
     tile = max(1, min(tile, c))
-    mask = _tril(xp, tile, acc)
+    keep = _tril(xp, tile)
     dq, dk, dv = xp.empty_like(qg), xp.empty_like(kh), xp.empty_like(vh)
     spans = _spans(c, tile * TILES_AT_ONCE)
+    careful_k, careful_q = not _finite(xp, kh), not _finite(xp, qg, dg)
     state = xp.zeros((b, hkv, d, d), dtype=acc) if prefix is None else prefix.astype(acc, copy=True)
     for r0, r1 in spans:                                # forwards: dQ needs the past
         dt = _tiled(xp, dg, r0, r1, tile)
         kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)
         states = _t(kt) @ vt
-        before = xp.cumsum(states, axis=2) - states + state[:, :, None]
-        dscores = (dt @ _t(vt)[:, :, None]) * mask
-        dq[..., r0:r1, :] = _untiled(dscores @ kt[:, :, None] + dt @ _t(before)[:, :, None], r1 - r0)
+        before = _before(xp, states) + state[:, :, None]
+        dq[..., r0:r1, :] = _untiled(_causal_tiles(xp, dt, vt, kt, _t(before), keep, careful_k),
+                                     r1 - r0)
         state = state + states.sum(axis=2)
     grad = xp.zeros((b, hkv, d, d), dtype=acc) if suffix is None else suffix.astype(acc, copy=True)
     for r0, r1 in reversed(spans):                      # backwards: dK, dV need the future
         qt, dt = _tiled(xp, qg, r0, r1, tile), _tiled(xp, dg, r0, r1, tile)
         kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)
         grads = (_t(qt) @ dt).sum(axis=2)                # (B, G, n, D, D), summed over heads
-        after = grads.sum(axis=2, keepdims=True) - xp.cumsum(grads, axis=2) + grad[:, :, None]
-        scores = (qt @ _t(kt)[:, :, None]) * mask
-        dscores = (dt @ _t(vt)[:, :, None]) * mask
-        dk[..., r0:r1, :] = _untiled((_t(dscores) @ qt).sum(axis=2) + vt @ _t(after), r1 - r0)
-        dv[..., r0:r1, :] = _untiled((_t(scores) @ dt).sum(axis=2) + kt @ after, r1 - r0)
+        after = _after(xp, grads) + grad[:, :, None]
+        scores = _masked(xp, qt @ _t(kt)[:, :, None], keep)
+        dscores = _masked(xp, dt @ _t(vt)[:, :, None], keep)
+        dk_within = (_t(dscores) @ qt).sum(axis=2)
+        dv_within = (_t(scores) @ dt).sum(axis=2)
+        for t in _nonfinite_tiles(xp, qt, dt) if careful_q else ():   # 0 weights x NaN in Q, dO
+            future = _running(xp, dt[:, :, :, t], qt[:, :, :, t], False, "bgrjd,bgrje->bgjde")
+            dk_within[:, :, t] = (vt[:, :, t, :, None, :] @ future)[..., 0, :]
+            dv_within[:, :, t] = (kt[:, :, t, :, None, :] @ _t(future))[..., 0, :]
+        dk[..., r0:r1, :] = _untiled(dk_within + vt @ _t(after), r1 - r0)
+        dv[..., r0:r1, :] = _untiled(dv_within + kt @ after, r1 - r0)
         grad = grad + grads.sum(axis=2)
     return _rows_first(xp, dq), _rows_first(xp, dk), _rows_first(xp, dv)
 
 
+@_quiet
 def forward_full(xp, q, total, acc):
     """Non-causal: out = Q M (B, C, H, D) in acc, M = `total` (B, Hkv, D, D), every row's."""
     qg = _grouped(xp, q, total.shape[1], acc)
     return _rows_first(xp, qg @ total[:, :, None])
 
 
+@_quiet
 def backward_full(xp, dout, k, v, total, grad_total, acc):
     """Non-causal gradients: dq = dO M^T, dk = V dM^T, dv = K dM in acc, with M = `total` and
     dM = `grad_total` (B, Hkv, D, D) summed over every row of the sequence."""

@@ -409,8 +409,34 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
         assert path.exists() and name in lowered
     with pytest.raises(SystemExit):
         cli.main(["warm", "--device", "sm_75"])
+    # a misspelled family is an error naming the families, not a run that builds nothing
+    with pytest.raises(SystemExit):
+        cli.main(["warm", "--device", "sm_90", "--family", "forward_finalise"])
+    assert "unknown family ['forward_finalise']" in capsys.readouterr().err
     # a kernel that fails to build is named, the others still build, and the exit status says so
-    monkeypatch.setattr(compile, "cached_cubin", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("nope")))
+    monkeypatch.setattr(compile, "cubin_entry", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("nope")))
     assert cli.main(["warm", "--device", "sm_90", "--family", "nonfinite_flag", "--jobs", "1"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAILED") == 3 and "RuntimeError: nope" in out and "3 failed" in out
+
+
+def test_warm_counts_what_it_built_and_refuses_an_untrusted_folder(cache, monkeypatch, capsys, tmp_path):
+    """A cached CUBIN found truncated is rebuilt and counted as compiled (not as cached); a cache
+    folder that fails the trust rule is one message and exit status 1, before any kernel."""
+    needs_nvrtc()
+    from burstcu.build import __main__ as cli
+
+    warm = ["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]
+    assert cli.main(warm) == 0
+    assert "3 kernels compiled, 0 already cached" in capsys.readouterr().out
+    cubin = sorted(compile.cache_dir().glob("*.cubin"))[0]
+    cubin.write_bytes(cubin.read_bytes()[:100])
+    assert cli.main(warm) == 0   # (the worker process warns that it rebuilt the entry)
+    assert "1 kernels compiled, 2 already cached" in capsys.readouterr().out
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o775)
+    shared.chmod(0o775)
+    monkeypatch.setenv("BURSTCU_CACHE_DIR", str(shared))
+    assert cli.main(warm) == 1
+    out, err = capsys.readouterr()
+    assert "writable by group" in err and "FAILED" not in out and "Traceback" not in err

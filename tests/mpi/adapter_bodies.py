@@ -128,9 +128,23 @@ def torch_attention_grads():
         try:
             burstcu.unshard(half[0].detach(), group)
         except TypeError as exc:
-            assert "bfloat16" in str(exc) and "burstcu.torch" in str(exc), exc
+            assert "bfloat16" in str(exc) and "x.view(torch.int16)" in str(exc), exc
         else:
             raise AssertionError("unshard took a bfloat16 tensor over DLPack")
+        bits = burstcu.unshard(half[0].detach().view(torch.int16), group).view(torch.bfloat16)
+        assert torch.equal(bits.float(), burstcu.unshard(half[0].detach().float(), group))
+    # a tensor NumPy cannot view (float8), on the last rank only: the same TypeError on every
+    # rank, from the adapter as from the plain API, and the group goes on
+    x = half[0].detach().float()
+    odd = x.to(torch.float8_e4m3fn) if group.rank == group.size - 1 else x
+    for call in (burstcu.torch.attention, burstcu.torch.linear_attention, burstcu.attention):
+        try:
+            call(odd, x, x, group)
+        except TypeError as exc:
+            assert "cannot take these inputs" in str(exc), exc
+        else:
+            raise AssertionError(f"{call.__module__}.{call.__name__} took a float8 q")
+    assert burstcu.torch.attention(x, x, x, group).shape == x.shape
     group.close()
     return errors
 

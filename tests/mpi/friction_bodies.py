@@ -29,3 +29,18 @@ def unknown_option_on_one_rank_fails_on_every_rank(backend: str = "numpy"):
         assert f"rank {last}" in message, message
     everyone = comm.allgather(message)
     return {"message": message, "ranks_failed": len(everyone)}
+
+
+def bad_option_value_on_one_rank_fails_on_every_rank():
+    """The last rank passes threads=1.5 to the NumPy op, the others threads=1: init raises the
+    same TypeError on every rank (not the first call, on that rank alone)."""
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    try:
+        burstcu.init(backend="numpy", threads=1.5 if comm.Get_rank() == last else 1)
+    except TypeError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("init accepted threads=1.5")
+    assert "threads must be an int, got 1.5" in message, message
+    return {"ranks_failed": len(comm.allgather(message))}

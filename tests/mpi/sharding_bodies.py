@@ -118,8 +118,8 @@ def disagreeing_keywords_are_refused():
 def bare_keyword_mistakes():
     """The mistakes a Sharding prevents, made with bare keywords instead: arrays that `shard` cut
     (and the results of calls on them) remember how, so a call with another layout, other
-    documents, or an lse joined along the wrong axis is the same ValueError on every rank (not
-    a wrong answer); the calls that agree with the cut still run."""
+    documents, an lse joined along the wrong axis, or an axis the array lacks is the same
+    ValueError on every rank (not a wrong answer); the calls that agree with the cut still run."""
     group = burstcu.init(backend="numpy")
     n = 12 * group.size
     docs = [0, 5, n - 7, n]
@@ -139,6 +139,7 @@ def bare_keyword_mistakes():
         "lse along axis 1": lambda: burstcu.unshard(lse, group, layout="zigzag"),
         "out without layout": lambda: burstcu.unshard(out, group),
         "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
+        "axis out of range": lambda: burstcu.unshard(out, group, layout="zigzag", axis=4),
     }
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only

@@ -552,3 +552,127 @@ def kv_both_ways_matches_reference(seqlen_local=16, dtype="float32"):
     assert sum(every) == 2 * (size - 1), every          # one hop to each neighbour a block
     group.close()
     return sent
+
+
+# which global positions of (out, dq, dk, dv) a non-finite value at position p of each input of
+# causal linear attention reaches, from out_i = sum_{j <= i} (q_i . k_j) v_j and its gradients
+# (dq_i over j <= i of dO_i, v_j, k_j; dk_j, dv_j over i >= j of dO_i, q_i, and v_j resp. k_j)
+LINEAR_REACH = {
+    "q": {"out": "at", "dq": None, "dk": "to", "dv": "to"},
+    "k": {"out": "from", "dq": "from", "dk": None, "dv": "at"},
+    "v": {"out": "from", "dq": "from", "dk": "at", "dv": None},
+    "dout": {"out": None, "dq": "at", "dk": "to", "dv": "to"},
+}
+
+
+def linear_reached(n: int, p: int, how: str | None) -> np.ndarray:
+    """(n,) bool: the positions `how` says a value at p reaches ("at": p, "from": p and after,
+    "to": up to p, None: none)."""
+    pos = np.arange(n)
+    return {"at": pos == p, "from": pos >= p, "to": pos <= p, None: np.zeros(n, bool)}[how]
+
+
+def linear_poisoned(inputs: dict, name: str, p: int, value: float) -> tuple[dict, dict]:
+    """(inputs with `value` at position p of `name` in every head, the same with 0 there: the
+    reference of every entry the value cannot reach)."""
+    poisoned, zeroed = dict(inputs), dict(inputs)
+    for out, fill in ((poisoned, value), (zeroed, 0.0)):
+        x = inputs[name].copy()
+        x[:, p] = fill
+        out[name] = x
+    return poisoned, zeroed
+
+
+def linear_masked_positions_are_inert(seqlen_local=192, cases=()):
+    """Causal linear attention with a NaN or Inf at one position of q, k, v or dout: on every
+    rank, exactly the entries of out, dq, dk, dv whose definition involves that position are
+    non-finite (`LINEAR_REACH`), and every other entry matches the float64 quadratic form of the
+    inputs with a 0 there, within FlashAttention's rule. Cases {"strategy", "layout", "name",
+    "at" (a fraction of N), "value"}; runs of 96+ rows span several of ops.linear's tiles."""
+    group = burstcu.init(backend="numpy")
+    rank, size = group.rank, group.size
+    n = seqlen_local * size
+    b, h, hkv, d = 1, 4, 2, 8
+    clean = dict(zip(("q", "k", "v", "dout"), make_inputs(900, b, n, h, hkv, d, "float32")))
+    for case in cases:
+        p = int(case["at"] * n)
+        poisoned, zeroed = linear_poisoned(clean, case["name"], p, case["value"])
+        rows = my_rows(case["layout"], rank, size, n)
+        mine = {key: np.ascontiguousarray(x[:, rows]) for key, x in poisoned.items()}
+        kw = dict(causal=True, layout=case["layout"], strategy=case["strategy"])
+        got = {"out": burstcu.linear_attention(mine["q"], mine["k"], mine["v"], group, **kw)}
+        got.update(zip(("dq", "dk", "dv"), burstcu.linear_attention_backward(
+            mine["dout"], mine["q"], mine["k"], mine["v"], group, **kw)))
+        args = (zeroed["q"], zeroed["k"], zeroed["v"], True)
+        ref_out, ref_grads = linear_attention_ref(*args, TRUTH["float32"], dout=zeroed["dout"])
+        naive_out, naive_grads = linear_attention_ref(*args, NAIVE["float32"], dout=zeroed["dout"])
+        refs = {"out": (ref_out, naive_out), **{g: (r, nv) for g, r, nv in
+                                               zip(("dq", "dk", "dv"), ref_grads, naive_grads)}}
+        for name, value in got.items():
+            reached = linear_reached(n, p, LINEAR_REACH[case["name"]][name])[rows]
+            nonfinite = ~np.isfinite(value).all(axis=(0, 2, 3))
+            assert np.array_equal(nonfinite, reached), (case, name, rank, np.flatnonzero(nonfinite),
+                                                        np.flatnonzero(reached))
+            ref, naive = (x[:, rows][:, ~reached].astype(np.float64) for x in refs[name])
+            _check(f"{case} {name}", value[:, ~reached].astype(np.float64), ref, naive, "float32",
+                   factor=3.0)
+    group.close()
+    return {"cases": len(cases)}
+
+
+def near_equal_rows(layout: str, rank: int, size: int, n: int) -> np.ndarray:
+    """Global rows of `rank` when N = n need not divide: contiguous, run `rank` of `size`
+    near-equal runs; zigzag, chunks rank and 2 size - 1 - rank of 2 size near-equal chunks (the
+    first n % chunks one row longer), written independently of burstcu.layout."""
+    chunks = size if layout == "contiguous" else 2 * size
+    sizes = [n // chunks + (i < n % chunks) for i in range(chunks)]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    mine = [rank] if layout == "contiguous" else [rank, 2 * size - 1 - rank]
+    return np.concatenate([np.arange(starts[c], starts[c + 1]) for c in mine])
+
+
+def linear_any_length(lengths=(), cases=()):
+    """linear_attention and its backward on shards of global lengths the ranks do not divide
+    (near-equal contiguous runs, zigzag chunks of unequal halves) against the float64
+    quadratic form, within FlashAttention's rule, on every rank; cases {"causal", "layout",
+    "strategy"}."""
+    group = burstcu.init(backend="numpy")
+    rank, size = group.rank, group.size
+    b, h, hkv, d = 1, 4, 2, 8
+    checked = 0
+    for n in lengths:
+        q, k, v, dout = make_inputs(700 + n, b, n, h, hkv, d, "float32")
+        for case in cases:
+            rows = near_equal_rows(case["layout"], rank, size, n)
+            ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+            out = burstcu.linear_attention(ql, kl, vl, group, **case)
+            grads = burstcu.linear_attention_backward(dol, ql, kl, vl, group, **case)
+            ref_out, ref_grads = linear_attention_ref(q, k, v, case["causal"], TRUTH["float32"], dout=dout)
+            naive_out, naive_grads = linear_attention_ref(q, k, v, case["causal"], NAIVE["float32"],
+                                                          dout=dout)
+            _check(f"{n} {case} out", out.astype(np.float64), ref_out[:, rows], naive_out[:, rows],
+                   "float32")
+            for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+                _check(f"{n} {case} {name}", got.astype(np.float64), ref[:, rows], naive[:, rows],
+                       "float32", factor=3.0)
+            checked += 1
+    if size > 1:   # zigzag with a rank short of a piece (N < 2G): the same ValueError everywhere
+        q, k, v, _ = make_inputs(7, b, 2 * size - 1, h, hkv, d, "float32")
+        rows = near_equal_rows("zigzag", rank, size, 2 * size - 1)
+        for strategy in ("lasp2", "lasp1"):
+            try:
+                burstcu.linear_attention(*(x[:, rows] for x in (q, k, v)), group, layout="zigzag",
+                                         strategy=strategy)
+            except ValueError as exc:
+                assert "needs N >= 2 G (two pieces a rank) rows" in str(exc), exc
+            else:
+                raise AssertionError(f"{strategy}: zigzag took N = {2 * size - 1} over {size} ranks")
+        mine = q[:, :1] if rank == 0 else q[:, :3]    # contiguous shards of 1 and 3 rows
+        try:
+            burstcu.linear_attention(mine, mine, mine, group)
+        except ValueError as exc:   # (linear attention has no uneven=: not offered)
+            assert "differ by more than one row" in str(exc) and "uneven" not in str(exc), exc
+        else:
+            raise AssertionError("linear attention took contiguous shards of 1 and 3 rows")
+    group.close()
+    return {"cases": checked}

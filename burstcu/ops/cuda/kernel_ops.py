@@ -41,7 +41,7 @@ from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
-from ..base import LocalOps, dtype_name
+from ..base import LocalOps, checked_option, dtype_name
 from . import backward, decode
 from .params import (I32_MAX, MAX_POSITION, StepGroups, any_masked, block_area, block_column, cdiv,
                      check_rows, fwd_finalize_params, fwd_step_params, fwd_step_sm90_params,
@@ -182,8 +182,8 @@ class KernelOps(LocalOps):
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.backend, self.device = backend, DEVICE_OF[backend]
         self.name = f"kernels-{backend}"
-        self.deterministic = bool(deterministic)
-        self.randomize = bool(randomize)
+        self.deterministic = checked_option("deterministic", deterministic, "flag")
+        self.randomize = checked_option("randomize", randomize, "flag")
         if self.device == "cuda":
             import cupy
 

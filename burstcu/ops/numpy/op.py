@@ -25,7 +25,7 @@ from itertools import product
 import numpy as np
 
 from ...layout import Block
-from ..base import LocalOps, accum_dtype
+from ..base import LocalOps, accum_dtype, checked_option
 from .threads import InOrder, WorkPool, default_threads
 from .tiles import (BACKWARD_ITEMS, BACKWARD_TILE_Q, TILE_K, TILE_Q, _clip_k, _clip_q, _Clean,
                     _fold_tile, _future, _gaps, _matmul_masked, _max_abs, _neg_lse, _parts_by_span,
@@ -56,8 +56,8 @@ class BackwardContext:
 
 class NumpyOps(LocalOps):
     """The CPU local op. tile_q: score rows per tile (query positions x g); tile_k: keys per
-    tile; threads: work items run in parallel (default: as many as BLAS uses); deterministic:
-    accepted for `burstcu.init(deterministic=True)` on every backend, and ignored: this op is
+    tile; threads: work items run in parallel (None or 0, the default: as many as BLAS uses);
+    deterministic: accepted for `burstcu.init(deterministic=True)` on every backend, and ignored: this op is
     deterministic already, bitwise the same for any `threads` (see the module docstring), so its
     `deterministic` attribute is always True.
     Between calls it keeps its per-thread scratch for the next call; `release_buffers()`
@@ -73,11 +73,11 @@ class NumpyOps(LocalOps):
 
     def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K, threads: int | None = None,
                  deterministic: bool = False):
-        if tile_q < 1 or tile_k < 1:
-            raise ValueError(f"tile sizes must be positive, got tile_q={tile_q}, tile_k={tile_k}")
-        self.tile_q, self.tile_k = tile_q, tile_k
+        self.tile_q, self.tile_k = (checked_option(name, value, "count")
+                                    for name, value in (("tile_q", tile_q), ("tile_k", tile_k)))
+        checked_option("deterministic", deterministic, "flag")
         self.deterministic = True   # whatever was asked: see the class docstring
-        self.threads = threads or default_threads()
+        self.threads = checked_option("threads", threads, "count or default") or default_threads()
         self._workers = WorkPool(self.threads)
         self._scratch = {}
         self.scratch_bytes = self.tile_scratch_bytes = 0
