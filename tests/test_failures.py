@@ -75,6 +75,9 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
     # rank 1's compiler hangs while it builds a kernel: past its build timeout it fails
     ("build_hangs", ["burstcu: rank 1 failed in attention forward at ", "BuildTimeoutError: waited 2 s "
                      "for the compiler command"]),
+    # an emulated link too slow for the timeout: the wait names the link, not only the peer
+    ("link_too_slow", [f"waited {TIMEOUT} s for rank 1's message", "(emulated link 1e-06 Gb/s, 0 us)",
+                       "CommTimeoutError"]),
     # a rank killed mid-ring: rank-guard names it before mpiexec ends the others
     ("sigkill_mid_ring", ["burstcu: rank 1 on ", "died of signal 9"]),
 ])

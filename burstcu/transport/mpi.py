@@ -131,7 +131,7 @@ class MPITransport(Transport):
         self._requests: list = []
         self.link = link
         self._port = Port(link) if link is not None else None
-        self._paced_until = 0.0  # inline progress: when the posted exchanges complete on the link
+        self._paced_until = 0.0  # when the exchanges posted so far complete on the link
         self._peers: list[str] = []  # what the pending exchanges wait for, for timeout messages
 
     def _init_timed_out(self, comm):
@@ -186,9 +186,9 @@ class MPITransport(Transport):
         step_peers = " and ".join(dict.fromkeys(peers))
         ready = self._paced([nbytes(s) for s, _, _, _ in exchanges if s is not None],
                             [nbytes(r) for _, r, _, _ in exchanges if r is not None])
+        self._paced_until = max(self._paced_until, ready)
         if self._pool is None:
             self._requests.extend(self._start(exchanges))
-            self._paced_until = max(self._paced_until, ready)
             return
         give_up = self.deadline() + _ROOT_GRACE_S  # the caller's wait times out first
 
@@ -217,7 +217,8 @@ class MPITransport(Transport):
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except (concurrent.futures.TimeoutError, TimeoutError):  # distinct types before 3.11
-                raise self.timed_out(peers) from None
+                paced = self._paced_until > deadline   # the emulated link alone ends it later
+                raise self.timed_out(f"{peers} ({self.link})" if paced else peers) from None
 
     # -- agreement and collectives -----------------------------------------------------------------
     def allgather_object(self, obj, what: str = "metadata"):

@@ -51,10 +51,10 @@ def _launched_rank() -> int:
     return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
-def _init(case: str | None, timeout: float):
-    """burstcu.init as this rank makes it in `case` (None: as the good ranks do)."""
+def _init(case: str | None, timeout: float, link=None):
+    """burstcu.init as this rank makes it in `case` (None: as the good ranks do), with `link`."""
     env, changed = BAD_INIT[case] if case and _launched_rank() == 1 else ({}, {})
-    kwargs = dict(backend="numpy", timeout=timeout)
+    kwargs = dict(backend="numpy", timeout=timeout, link=link)
     kwargs.update({k: 2 * timeout if v == "twice" else v for k, v in changed.items()})
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -181,7 +181,8 @@ def main(scenario: str, timeout: float) -> None:
     if scenario in PROGRAMS:
         return PROGRAMS[scenario](timeout)
     group = _init(scenario if scenario in BAD_INIT else None,
-                  float("inf") if scenario == "wait_forever" else timeout)
+                  float("inf") if scenario == "wait_forever" else timeout,
+                  burstcu.Link(gbps=1e-6) if scenario == "link_too_slow" else None)  # a bit/ms
     q, k, v, dout = _inputs(group)
     misbehave(scenario, group, timeout, q, k, v)
     if scenario in ENDINGS:
