@@ -49,7 +49,8 @@ from . import engine
 from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partition
-from .validate import check_block_mask, check_block_mask_extent, sharding_keywords
+from .validate import (check_block_mask, check_block_mask_extent, check_docs_total, check_window,
+                       parse_cu_seqlens, sharding_keywords)
 
 
 BACKWARD_FLOPS = 2.5  # the backward's flops over the forward's: S recomputed, dV, dP, dQ, dK
@@ -413,7 +414,8 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     G x its own S, or, where that cannot hold the block mask, the mask's extent if the layout's
     split of it gives this rank S rows. Nothing is sent: ranks holding different S may then
     predict a little differently (pass seqlen), and a mask or seqlen that no split of N allows
-    may be refused on some ranks only (the ranks whose S shows it).
+    may be refused on some ranks only (the ranks whose S shows it). Documents, a window and a
+    block mask are checked as `attention` checks them: what it refuses, plan refuses.
 
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
     "cpu" otherwise). Deterministic in its arguments, so every rank given the same arguments
@@ -447,12 +449,14 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     if isinstance(machine, str):
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)
-    cu_seqlens = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    if layout in ("zigzag", "documents") and cu_seqlens is not None:  # as shard cuts them
-        layout = partition(layout, size, cu_seqlens[-1], cu_seqlens)
-    err = check_block_mask(block_mask, causal, window_size, cu_seqlens, True)
+    err, cu_seqlens = parse_cu_seqlens(cu_seqlens)   # what attention refuses, plan refuses
+    err = (err or check_window(window_size, causal, True)
+           or check_block_mask(block_mask, causal, window_size, cu_seqlens, True))
     if err is not None:
         raise err.exception()
+    named = not isinstance(layout, Partition)   # a Partition's S is the caller's (auto: the mean)
+    if layout in ("zigzag", "documents") and cu_seqlens is not None:  # as shard cuts them
+        layout = partition(layout, size, cu_seqlens[-1], cu_seqlens)
     if seqlen is not None and (isinstance(seqlen, bool) or not isinstance(seqlen, (int, np.integer))):
         raise TypeError(f"plan: seqlen must be an int (the global number of positions), got {seqlen!r}")
     if seqlen is not None and cu_seqlens is not None and seqlen != cu_seqlens[-1]:
@@ -462,7 +466,10 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
                                  None if cu_seqlens is None else cu_seqlens[-1], block_mask)
     elif seqlen is not None and seqlen != layout.total:
         raise ValueError(f"plan: seqlen={seqlen} but the split holds {layout.total} positions")
-    err = check_block_mask_extent(block_mask, layout.total)
+    if named and layout.lengths[rank] != int(q_shape[1]):
+        raise ValueError(f"plan: the split of N = {layout.total} over {size} ranks gives rank "
+                         f"{rank} {layout.lengths[rank]} rows, but q has {int(q_shape[1])}")
+    err = check_docs_total(cu_seqlens, layout.total) or check_block_mask_extent(block_mask, layout.total)
     if err is not None:
         raise err.exception()
     how = dict(causal=causal, layout=layout, dtype=dtype, machine=machine, rank=rank,

@@ -264,3 +264,22 @@ def test_plan_takes_dtype_names_and_refuses_others():
     halves = plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="bfloat16")
     assert [c.forward_s for c in halves.candidates] == \
         [c.forward_s for c in plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="float16").candidates]
+
+
+@pytest.mark.parametrize("kwargs,said", [
+    ({"cu_seqlens": [0, 50, 100]}, "cu_seqlens must end at the global sequence length N = 40"),
+    ({"cu_seqlens": [0, 30, 20, 40]}, "cu_seqlens must not decrease"),
+    ({"cu_seqlens": [5, 20, 40]}, "cu_seqlens must start at 0"),
+    ({"causal": True, "window_size": (3, 2)}, "right bound is the diagonal"),
+    ({"window_size": (-2, 1)}, "window_size left must be an int from -1"),
+    ({"window_size": (1, 1, 1)}, r"window_size must be \(left, right\)"),
+    ({"layout": "zigzag", "cu_seqlens": [0, 20, 41]}, "gives rank 0 11 rows, but q has 10"),
+])
+def test_plan_refuses_masks_attention_refuses(kwargs, said):
+    """Documents or a window that `attention` refuses: plan refuses them too (on every rank:
+    each sees the same arguments), rather than predict a call that cannot run."""
+    group = _Group(4)
+    group.rank = 0
+    shape = (1, 10, 4, 16)
+    with pytest.raises(ValueError, match=said):
+        plan(shape, shape, group, machine="cpu", **kwargs)
