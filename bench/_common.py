@@ -250,11 +250,15 @@ def clean(x):
 
 
 def write_json(path, obj) -> None:
-    """`obj` as strict JSON (`clean`), atomically: a run killed mid-write leaves the last one."""
+    """`obj` as strict JSON (`clean`), atomically: a run killed mid-write leaves the last one;
+    readable as the tables and plots beside it are (the umask's mode, not the temp file's 0600)."""
     from burstcu.build.compile import atomic_write
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(Path(path), (json.dumps(clean(obj), indent=1, allow_nan=False) + "\n").encode())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def emit(text: str | None, result, args):
@@ -276,11 +280,13 @@ def print_and_write(env: dict, rows: list, columns: list, args) -> None:
 
 
 def add_shape_args(p, *, heads: int = 4, headdim: int = 64, dtype: str = "float32",
-                   dtypes=("float16", "bfloat16", "float32", "float64")) -> None:
-    """--batch, --heads, --kv-heads, --headdim, --dtype: the arrays' shape and dtype options."""
+                   dtypes=("float16", "bfloat16", "float32", "float64"),
+                   kv_heads_help: str = "default: --heads (MHA)") -> None:
+    """--batch, --heads, --kv-heads, --headdim, --dtype: the arrays' shape and dtype options
+    (--kv-heads None unless given: the caller's default, which kv_heads_help says)."""
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--kv-heads", type=int, default=None, help=kv_heads_help)
     p.add_argument("--headdim", type=int, default=headdim)
     p.add_argument("--dtype", default=dtype, choices=list(dtypes))
 

@@ -162,11 +162,12 @@ def plot(rows: list, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", nargs="+", type=int, help="cache rows, all ranks together")
     p.add_argument("--prefill", nargs="*", type=int, default=[4096], help="prompt lengths (numpy)")
-    C.add_shape_args(p, heads=32, headdim=128, dtype=None)
-    p.set_defaults(kv_heads=8)
+    C.add_shape_args(p, heads=32, headdim=128, dtype=None,
+                     kv_heads_help="default: a quarter of --heads (32 / 8: GQA 4), or --heads where 4 "
+                                   "does not divide it")
     p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
     p.add_argument("--tokens", type=int, default=1, metavar="T", help="new tokens a call (q's T)")
     p.add_argument("--mma-min-rows", type=int, default=None, metavar="R",
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
     C.add_output_args(p)
     args = p.parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads
     if args.host_only:
         args.cache = args.cache or [4096]
     if args.host_calls is None:

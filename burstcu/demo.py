@@ -52,23 +52,34 @@ SAMPLE_SEED = 7             # of the sampled rows and heads: the same on every r
 QUANTITIES = ("out", "dq", "dk", "dv")
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlen", type=int, default=4096, help="global sequence length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--seqlen", type=_positive, default=4096, help="global sequence length")
+    p.add_argument("--batch", type=_positive, default=1)
+    p.add_argument("--heads", type=_positive, default=8)
+    p.add_argument("--kv-heads", type=_positive, default=None, help="default: --heads (MHA)")
+    p.add_argument("--headdim", type=_positive, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     p.add_argument("--dtype", default=None, choices=["float32", "float64", "float16", "bfloat16"],
                    help="default: float32 on the NumPy backend, float16 on the CUDA-kernel backends")
     p.add_argument("--backend", default="auto", choices=["auto", "numpy", "emulated", "cupy"])
-    p.add_argument("--sample-rows", type=int, default=256,
+    p.add_argument("--sample-rows", type=_positive, default=256,
                    help="about how many rows of the sequence are checked, besides the shard edges "
                         "(the sequence length: every row)")
     p.add_argument("--no-check", action="store_true", help="skip the reference check")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (GQA)")
+    return args
 
 
 def main(argv=None) -> int:

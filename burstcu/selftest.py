@@ -28,6 +28,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -232,6 +233,10 @@ def main(argv=None) -> int:
                         help="with --full: run only these checks (variants, kernels, ring_steps, "
                              "nccl, determinism, loopback)")
     args = parser.parse_args(argv)
+    if args.only and not args.full:
+        parser.error("--only chooses among --full's checks: pass --full too")
+    if args.json and not Path(args.json).resolve().parent.is_dir():   # before the checks run
+        parser.error(f"--json {args.json}: no folder {Path(args.json).resolve().parent} to write it in")
     if args.full:
         return run_full(args)
 

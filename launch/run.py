@@ -171,6 +171,16 @@ def find_mpiexec() -> str:
     return shutil.which("mpiexec") or shutil.which("mpirun") or "mpiexec"
 
 
+def ranks_python(command: list[str], mpiexec: str) -> list[str]:
+    """The command with a bare `python` / `python3` as this Python when the mpiexec is the one
+    beside it (a venv with the mpich wheel): the ranks then run the interpreter that has mpi4py
+    and burstcu, as they would with the venv activated. A path or another name is kept."""
+    if (command and command[0] in ("python", "python3")
+            and Path(mpiexec).parent == Path(sys.executable).parent):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
 # ----------------------------------------------------------------------------------------------
 # the CLI
 
@@ -244,11 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu and args.bind == "visible":
         raise SystemExit("burstcu-run: --bind visible needs GPUs; drop it with --cpu")
     argv_ = mpi_command(mpiexec=mpiexec, flavour=flavour, nprocs=nprocs, per_node=per_node,
-                        hosts=hosts, env=env, bind=args.bind, command=args.command)
+                        hosts=hosts, env=env, bind=args.bind, command=ranks_python(args.command, mpiexec))
+    found = shutil.which(argv_[0]) is not None
     if args.dry_run:
         print(shlex.join(argv_))
+        if not found:
+            print(f"burstcu-run: (no mpiexec found: {argv_[0]!r} is not a program here)", file=sys.stderr)
         return 0
-    if not shutil.which(argv_[0]):
+    if not found:
         raise SystemExit(f"burstcu-run: no mpiexec found ({argv_[0]!r} is not a program here): "
                          f"install the 'mpi' extra into the Python that runs this (pip install -e "
                          f"'.[mpi]' puts the mpich wheel's mpiexec beside it), run burstcu-run with "

@@ -186,3 +186,30 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
     row = out.splitlines()[header + 1].split()
     assert max(float(x) for x in row[1:5]) < 1e-4
     assert out.splitlines()[-1].startswith("rank 0: PASSED")
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--heads", "0"], "--heads: must be at least 1, got 0"),
+    (["--batch", "-1"], "--batch: must be at least 1, got -1"),
+    (["--seqlen", "-64"], "--seqlen: must be at least 1"),
+    (["--kv-heads", "0"], "--kv-heads: must be at least 1"),
+    (["--kv-heads", "3"], "--kv-heads 3 must divide --heads 8"),
+    (["--sample-rows", "-5"], "--sample-rows: must be at least 1"),
+])
+def test_bad_demo_arguments_are_usage_errors(argv, said, capsys):
+    """Sizes the demo cannot make: argparse's usage error (status 2), not a library traceback."""
+    with pytest.raises(SystemExit) as exc:
+        demo.parse(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_selftest_usage_errors_come_before_any_check(capsys):
+    """--only without --full, and --json into a folder that does not exist: usage errors at once
+    (they were a silently ignored option, and a FileNotFoundError after every check)."""
+    from burstcu import selftest
+
+    for argv, said in ((["--only", "variants"], "pass --full too"),
+                       (["--quick", "--json", "/nonexistent/x.json"], "no folder /nonexistent")):
+        with pytest.raises(SystemExit) as exc:
+            selftest.main(argv)
+        assert exc.value.code == 2 and said in capsys.readouterr().err

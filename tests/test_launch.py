@@ -189,3 +189,27 @@ def test_a_missing_mpiexec_is_named_with_the_way_out():
                 "python", "x.py")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "no mpiexec found" in proc.stderr and "'mpi' extra" in proc.stderr
+
+
+def test_a_bare_python_runs_the_launchers_interpreter_beside_its_mpiexec(tmp_path):
+    """`-- python prog.py` from a venv whose mpiexec the launcher uses: the ranks run that venv's
+    Python (the one with mpi4py), as with the venv activated; a path or another mpiexec keeps
+    the command as written. The wrapper picks the repository's .venv when $PYTHON is unset."""
+    beside = str(Path(sys.executable).parent / "mpiexec")
+    assert run.ranks_python(["python", "x.py"], beside) == [sys.executable, "x.py"]
+    assert run.ranks_python(["python3", "-m", "m"], beside) == [sys.executable, "-m", "m"]
+    assert run.ranks_python(["python", "x.py"], "/usr/bin/mpiexec") == ["python", "x.py"]
+    assert run.ranks_python(["/opt/py/bin/python", "x.py"], beside) == ["/opt/py/bin/python", "x.py"]
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in the repository for the wrapper to pick")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = "/usr/bin:/bin"            # no venv on PATH: the wrapper must find it
+    proc = subprocess.run([str(LAUNCH / "burstcu-run"), "--cpu", "-n", "2", "--dry-run", "--",
+                           "python", "x.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    venv_bin = (ROOT / ".venv" / "bin").resolve()
+    words = proc.stdout.split()
+    assert Path(words[0]).resolve() == venv_bin / "mpiexec", proc.stdout
+    assert any(Path(w).parent.resolve() == venv_bin and Path(w).name.startswith("python")
+               for w in words[1:]), proc.stdout

@@ -66,7 +66,7 @@ def plot(rows, path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384, 65536])
     C.add_shape_args(p, heads=8, dtypes=("float16", "float32", "float64"))
     p.add_argument("--strategies", nargs="+", default=["lasp2", "lasp1", "burst"])

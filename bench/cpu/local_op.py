@@ -96,7 +96,7 @@ def plot(rows: list, path: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all cores")
     p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"])

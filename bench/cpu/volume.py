@@ -130,6 +130,7 @@ def rows_for(group, strategy: str, inputs, causal: bool) -> list:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_problem_args(p, seqlen=1024, dtype="float16")
+    p.set_defaults(strategies=list(engine.NAMES))   # all five
     args = p.parse_args(argv)
     group = burstcu.init(backend="numpy")
     inputs = C.local_inputs(group, args)

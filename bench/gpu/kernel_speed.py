@@ -211,7 +211,7 @@ def plot(rows, path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     p.add_argument("--headdims", nargs="+", type=int, default=[64, 128, 256])
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])

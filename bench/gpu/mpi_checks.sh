@@ -3,10 +3,18 @@
 # (.whl/mpich-*.whl, unpacked into /tmp/mpich: `pip install --target` places no data files):
 # `mpiexec -n 1` demo over NCCL must pass; `mpiexec -n 2` on one GPU must fail on both ranks with
 # the bootstrap's message, within the time limit (no hang).
+# --dry-run: print the two checks, run nothing.
 set -u
 PY=${PY:-python3}
+if [ "${1:-}" = "--dry-run" ]; then
+  echo "timeout 180 mpiexec -n 1 $PY -m burstcu.demo --causal   # must pass over NCCL"
+  echo "timeout 60 mpiexec -n 2 $PY -m burstcu.demo --backend cupy   # one GPU: must fail on both ranks"
+  exit 0
+fi
+wheel=$(ls "$PWD"/.whl/mpich-*.whl 2>/dev/null | head -1)
+if [ -z "$wheel" ]; then echo "mpi_checks.sh: no .whl/mpich-*.whl here (the carried mpich wheel)"; exit 1; fi
 rm -rf /tmp/mpich && mkdir -p /tmp/mpich || exit 1
-(cd /tmp/mpich && $PY -m zipfile -e "$OLDPWD"/.whl/mpich-*.whl .) || exit 1
+(cd /tmp/mpich && $PY -m zipfile -e "$wheel" .) || exit 1
 bin=$(dirname "$(find /tmp/mpich -name mpiexec.hydra | head -1)")  # the wheel's data/bin
 lib=$(dirname "$(find /tmp/mpich -name 'libmpi.so.12' | head -1)")
 chmod +x "$bin"/*

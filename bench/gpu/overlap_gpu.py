@@ -137,7 +137,7 @@ def run_config(size: int, seqlen: int, strategy: str, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--seqlen", nargs="+", type=int, default=[8192, 32768])
     C.add_shape_args(p, heads=16, headdim=128, dtype="float16", dtypes=("float16", "bfloat16"))

@@ -118,7 +118,7 @@ def checks_table(checks: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--selftest", required=True)
     p.add_argument("--kernels", required=True, nargs="+")
     p.add_argument("--overlap", nargs="*", default=[])

@@ -508,7 +508,7 @@ def select(cands: list[dict], args) -> list[dict]:
 
 def parse(argv=None) -> argparse.Namespace:
     """The arguments, --families resolved for the tile table (forward_sm90 needs sm_90a)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print candidates and plan; no compile")
     p.add_argument("--gate", action="store_true", help="compile-check on the CPU, write --candidates")
     p.add_argument("--candidates", help="candidate JSON: written by --gate, read by a GPU run")

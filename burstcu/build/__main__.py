@@ -52,10 +52,8 @@ def run_check(archs: list[str], families: list[str] | None = None, out=None,
     process may run on); print a row per variant in table order to `out` (default: sys.stdout as
     it is at the call); return the records in order."""
     out = out or sys.stdout
-    # the "sm_90a" table's other variants are the sm_90 table's, compiled for the device's own
-    # arch at run time: the sm_90 rows gate them
-    todo = [(variant, arch) for arch in archs for variant in all_variants(arch)
-            if (not families or variant.family in families) and (arch != "sm_90a" or variant.target)]
+    todo = [(variant, arch) for arch in archs for variant in gated_variants(arch)
+            if not families or variant.family in families]
     print(_row({c: HEADERS.get(c, c) for c, _ in COLUMNS}) + "  name", file=out)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
     records = []
@@ -65,6 +63,13 @@ def run_check(archs: list[str], families: list[str] | None = None, out=None,
             status = "" if record["error"] is None else "  FAIL: " + record["error"].splitlines()[0]
             print(_row(record) + f"  {variant.name}{status}", file=out, flush=True)
     return records
+
+
+def gated_variants(arch: str) -> list:
+    """The variants `check` gates for `arch`: its table's, but for "sm_90a" only those built for
+    that target (the table's others are the sm_90 table's, compiled for the device's own arch at
+    run time: the sm_90 rows gate them)."""
+    return [v for v in all_variants(arch) if arch != "sm_90a" or v.target]
 
 
 def _gate(job) -> dict:
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown arch {bad}: choose from {ARCHS}")
     families = [f.strip() for f in args.family.split(",") if f.strip()] or None
-    known = sorted({v.family for arch in archs for v in all_variants(arch)})
+    known = sorted({v.family for arch in archs for v in gated_variants(arch)})
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")

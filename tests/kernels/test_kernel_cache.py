@@ -440,3 +440,14 @@ def test_warm_counts_what_it_built_and_refuses_an_untrusted_folder(cache, monkey
     assert cli.main(warm) == 1
     out, err = capsys.readouterr()
     assert "writable by group" in err and "FAILED" not in out and "Traceback" not in err
+
+
+def test_check_refuses_a_family_the_arch_does_not_gate(capsys):
+    """`check --arch sm_90a` gates the Hopper families only (the table's others are sm_90's):
+    another family is an error naming those it gates, not a run of 0 variants."""
+    from burstcu.build import __main__ as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--arch", "sm_90a", "--family", "forward"])
+    err = capsys.readouterr().err
+    assert "unknown family ['forward']" in err and "forward_sm90" in err
