@@ -256,9 +256,19 @@ def write_json(path, obj) -> None:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(Path(path), (json.dumps(clean(obj), indent=1, allow_nan=False) + "\n").encode())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread);
+    0o022 where the kernel does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def emit(text: str | None, result, args):

@@ -54,7 +54,10 @@ QUANTITIES = ("out", "dq", "dk", "dv")
 
 def _positive(text: str) -> int:
     """An argparse type: an int >= 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -469,7 +469,10 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     if named and layout.lengths[rank] != int(q_shape[1]):
         raise ValueError(f"plan: the split of N = {layout.total} over {size} ranks gives rank "
                          f"{rank} {layout.lengths[rank]} rows, but q has {int(q_shape[1])}")
-    err = check_docs_total(cu_seqlens, layout.total) or check_block_mask_extent(block_mask, layout.total)
+    # documents whose N a layout name's split of it cannot give this rank S: the call's shards
+    # may be uneven on purpose (attention(..., uneven=True)), so plan models G x S and says nothing
+    err = ((check_docs_total(cu_seqlens, layout.total) if not named or seqlen is not None else None)
+           or check_block_mask_extent(block_mask, layout.total))
     if err is not None:
         raise err.exception()
     how = dict(causal=causal, layout=layout, dtype=dtype, machine=machine, rank=rank,
@@ -494,7 +497,8 @@ def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | Non
     or, where G x S cannot hold the block mask, of the mask's extent, when that split gives this
     rank S rows; else of G x S. (Near-equal shards of an N that G does not divide: no rank can
     tell N from its S alone, and one of the shorter shards would model fewer positions than the
-    mask reaches.)"""
+    mask reaches; contiguous shards of N may come in any order, so a rank whose S is another
+    near-equal shard's models that one in its place.)"""
     if seqlen is not None:
         if seqlen < size:
             raise ValueError(f"plan: seqlen={seqlen} positions cannot be split over {size} ranks")
@@ -509,6 +513,11 @@ def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | Non
         part = partition(layout, size, n)
         if part.lengths[rank] == s:
             return part
+        if layout == "contiguous" and s in part.lengths:   # near-equal, this rank a shorter one
+            lengths = list(part.lengths)                    # (or a longer one): any order runs
+            j = lengths.index(s)
+            lengths[rank], lengths[j] = lengths[j], lengths[rank]
+            return partition(layout, size, n, lengths=tuple(lengths))
     return as_partition(layout, size, s)
 
 

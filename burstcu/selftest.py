@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.only and not args.full:
         parser.error("--only chooses among --full's checks: pass --full too")
-    if args.json and not Path(args.json).resolve().parent.is_dir():   # before the checks run
-        parser.error(f"--json {args.json}: no folder {Path(args.json).resolve().parent} to write it in")
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
+        parser.error(f"--json {args.json}: not a file in an existing folder")   # before any check
     if args.full:
         return run_full(args)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -172,13 +173,17 @@ def find_mpiexec() -> str:
 
 
 def ranks_python(command: list[str], mpiexec: str) -> list[str]:
-    """The command with a bare `python` / `python3` as this Python when the mpiexec is the one
-    beside it (a venv with the mpich wheel): the ranks then run the interpreter that has mpi4py
-    and burstcu, as they would with the venv activated. A path or another name is kept."""
-    if (command and command[0] in ("python", "python3")
-            and Path(mpiexec).parent == Path(sys.executable).parent):
-        return [sys.executable, *command[1:]]
-    return list(command)
+    """The command with a bare `python`, `python3` or `python3.X` as that name beside this Python
+    when the mpiexec is the one beside it (a venv with the mpich wheel): the ranks then run the
+    interpreter that has mpi4py and burstcu, as they would with the venv activated. A path,
+    another name, or a name the venv lacks is kept."""
+    if not command or not re.fullmatch(r"python(\d+(\.\d+)?)?", command[0]):
+        return list(command)
+    venv_bin = Path(sys.executable).parent
+    found = shutil.which(mpiexec)
+    same = found is not None and Path(found).parent.resolve() == venv_bin.resolve()
+    named = venv_bin / command[0]
+    return [str(named), *command[1:]] if same and named.exists() else list(command)
 
 
 # ----------------------------------------------------------------------------------------------

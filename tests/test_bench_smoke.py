@@ -150,6 +150,7 @@ def test_overlap_computes_on_finite_values_when_it_sends_nothing():
                                  "--warmup", 1, "--allow-unbound"], python_options=("-W", "error::RuntimeWarning"))
 
 
+@pytest.mark.mpi
 def test_overlap_over_an_emulated_link(tmp_path):
     """--link-gbps: every configuration and pass carries the link and a prediction; the measured
     exchange takes at least the link's time (the pacing is a lower bound); allgather is predicted

@@ -195,6 +195,7 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
     (["--kv-heads", "0"], "--kv-heads: must be at least 1"),
     (["--kv-heads", "3"], "--kv-heads 3 must divide --heads 8"),
     (["--sample-rows", "-5"], "--sample-rows: must be at least 1"),
+    (["--heads", "x"], "--heads: must be an int, got 'x'"),
 ])
 def test_bad_demo_arguments_are_usage_errors(argv, said, capsys):
     """Sizes the demo cannot make: argparse's usage error (status 2), not a library traceback."""
@@ -209,7 +210,8 @@ def test_selftest_usage_errors_come_before_any_check(capsys):
     from burstcu import selftest
 
     for argv, said in ((["--only", "variants"], "pass --full too"),
-                       (["--quick", "--json", "/nonexistent/x.json"], "no folder /nonexistent")):
+                       (["--quick", "--json", "/nonexistent/x.json"], "not a file in an existing folder"),
+                       (["--quick", "--json", str(ROOT)], "not a file in an existing folder")):
         with pytest.raises(SystemExit) as exc:
             selftest.main(argv)
         assert exc.value.code == 2 and said in capsys.readouterr().err

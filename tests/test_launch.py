@@ -195,15 +195,24 @@ def test_a_bare_python_runs_the_launchers_interpreter_beside_its_mpiexec(tmp_pat
     """`-- python prog.py` from a venv whose mpiexec the launcher uses: the ranks run that venv's
     Python (the one with mpi4py), as with the venv activated; a path or another mpiexec keeps
     the command as written. The wrapper picks the repository's .venv when $PYTHON is unset."""
-    beside = str(Path(sys.executable).parent / "mpiexec")
-    assert run.ranks_python(["python", "x.py"], beside) == [sys.executable, "x.py"]
-    assert run.ranks_python(["python3", "-m", "m"], beside) == [sys.executable, "-m", "m"]
+    venv_bin = Path(sys.executable).parent
+    beside = str(venv_bin / "mpiexec")
+    if not Path(beside).exists():
+        pytest.skip("no mpiexec beside this Python")
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    assert run.ranks_python(["python", "x.py"], beside) == [str(venv_bin / "python"), "x.py"]
+    assert run.ranks_python(["python3", "-m", "m"], beside) == [str(venv_bin / "python3"), "-m", "m"]
+    if (venv_bin / version).exists():
+        assert run.ranks_python([version, "x.py"], beside) == [str(venv_bin / version), "x.py"]
+    relative = os.path.relpath(beside)            # the same mpiexec, written otherwise
+    assert run.ranks_python(["python", "x.py"], relative) == [str(venv_bin / "python"), "x.py"]
     assert run.ranks_python(["python", "x.py"], "/usr/bin/mpiexec") == ["python", "x.py"]
     assert run.ranks_python(["/opt/py/bin/python", "x.py"], beside) == ["/opt/py/bin/python", "x.py"]
+    assert run.ranks_python(["pythonista", "x.py"], beside) == ["pythonista", "x.py"]
     if not (ROOT / ".venv" / "bin" / "python").exists():
         pytest.skip("no .venv in the repository for the wrapper to pick")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    env["PATH"] = "/usr/bin:/bin"            # no venv on PATH: the wrapper must find it
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX")}
+    env["PATH"] = "/usr/bin:/bin"            # no venv on PATH or activated: the wrapper finds it
     proc = subprocess.run([str(LAUNCH / "burstcu-run"), "--cpu", "-n", "2", "--dry-run", "--",
                            "python", "x.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env=env)
@@ -213,3 +222,17 @@ def test_a_bare_python_runs_the_launchers_interpreter_beside_its_mpiexec(tmp_pat
     assert Path(words[0]).resolve() == venv_bin / "mpiexec", proc.stdout
     assert any(Path(w).parent.resolve() == venv_bin and Path(w).name.startswith("python")
                for w in words[1:]), proc.stdout
+
+
+def test_an_activated_environment_wins_over_the_repositorys_venv(tmp_path):
+    """With a venv or conda environment activated, the wrapper runs python3 from PATH (that
+    environment's), not the repository's .venv."""
+    if not Path("/usr/bin/python3").exists():
+        pytest.skip("no /usr/bin/python3 to stand for the activated environment's")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH="/usr/bin:/bin", VIRTUAL_ENV=str(tmp_path))
+    proc = subprocess.run([str(LAUNCH / "burstcu-run"), "--cpu", "-n", "2", "--dry-run", "--",
+                           "python", "x.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv" not in proc.stdout, proc.stdout

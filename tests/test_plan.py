@@ -267,7 +267,6 @@ def test_plan_takes_dtype_names_and_refuses_others():
 
 
 @pytest.mark.parametrize("kwargs,said", [
-    ({"cu_seqlens": [0, 50, 100]}, "cu_seqlens must end at the global sequence length N = 40"),
     ({"cu_seqlens": [0, 30, 20, 40]}, "cu_seqlens must not decrease"),
     ({"cu_seqlens": [5, 20, 40]}, "cu_seqlens must start at 0"),
     ({"causal": True, "window_size": (3, 2)}, "right bound is the diagonal"),
@@ -283,3 +282,22 @@ def test_plan_refuses_masks_attention_refuses(kwargs, said):
     shape = (1, 10, 4, 16)
     with pytest.raises(ValueError, match=said):
         plan(shape, shape, group, machine="cpu", **kwargs)
+
+
+def test_plan_takes_documents_over_shards_attention_takes():
+    """Contiguous shards of N in any near-equal order ([20, 21] and [21, 20] of 41), and shards
+    whose lengths no near-equal split gives (attention(..., uneven=True) runs them): plan models
+    them rather than refuse, the same choice on every rank of the near-equal ones."""
+    docs = [0, 7, 41]
+    for lengths in ((20, 21), (21, 20), (13, 14, 14), (14, 14, 13)):
+        picks = set()
+        for rank, s in enumerate(lengths):
+            group = _Group(len(lengths))
+            group.rank = rank
+            shape = (1, s, 4, 16)
+            p = plan(shape, shape, group, machine="cpu", causal=True, cu_seqlens=docs)
+            picks.add((p.strategy, tuple(sorted(p.options.items()))))
+        assert len(picks) == 1, (lengths, picks)
+    group = _Group(4)
+    group.rank = 0
+    plan((1, 10, 4, 16), (1, 10, 4, 16), group, machine="cpu", cu_seqlens=[0, 50, 100])   # uneven
