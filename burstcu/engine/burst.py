@@ -602,8 +602,9 @@ def backward_counts(rank: int, size: int, seqlen_local: int, layout: str | Parti
                     cu_seqlens=None, block_mask=None) -> tuple[int, int, int]:
     """(bundles, dqs, messages) `rank` sends in `backward`: bundles it passes on, dQ
     accumulators it passes on or sends home, messages in all. Without a mask every bundle goes
-    G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r passes on r bundles (the
-    bundles of r..G-1 visit it on their way down to 0) and so on: half the ring's bundles."""
+    G-1 hops: (G-1, G, G+1); causal over contiguous shards, rank r >= 1 passes on G - r
+    bundles (those of r..G-1, which visit it on their way down to 0) and rank 0 none: half the
+    ring's bundles."""
     steps = backward_steps(rank, as_partition(layout, size, seqlen_local),
                            *mask_key(causal, window_size, cu_seqlens, block_mask))
     bundles = sum(step.passes_on for step in steps)
