@@ -163,6 +163,17 @@ def untakeable(exc: Exception, arrays: tuple,
     return InputError(kind, f"cannot take these inputs: {text}")
 
 
+def host_bfloat16(x):
+    """A CPU torch tensor of bfloat16 as a NumPy view of ml_dtypes.bfloat16 (through int16: NumPy
+    cannot import bfloat16 over DLPack); anything else as it is."""
+    torch = sys.modules.get("torch")
+    if (torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"):
+        import ml_dtypes
+        return x.detach().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x
+
+
 def joined(x, pieces: list, axis: int):
     """The pieces of x joined along axis into one contiguous array of x's own framework: NumPy,
     CuPy, array-API arrays (JAX, ...) through their namespace's `concat`, torch tensors through

@@ -225,12 +225,22 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
     return attend(q, k, v)
 
 
-def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=None,
+def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """`burstcu.decode` for jax arrays (inference; jit-able, not differentiable): q (B, T, H, D)
     the same on every rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows,
-    cache_seqlens (B,) ints (concrete, or traced: it travels into the callback then). Returns
-    out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
+    cache_seqlens (B,) ints (concrete, or traced: it travels into the callback then); or
+    `decode(q, cache)` with a `burstcu.KVCache` (its arrays, group and row counts, read when the
+    call runs). Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every
+    rank."""
+    b, t, h, _ = q.shape
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
+    results = (_like(q), lse) if return_lse else _like(q)
+    if callable(getattr(k_cache, "decode_arguments", None)):   # a KVCache: q alone is an array
+        def from_cache(q, _group):
+            return api.decode(q, k_cache, v_cache, group, cache_seqlens=cache_seqlens,
+                              softmax_scale=softmax_scale, return_lse=return_lse)
+        return _run(from_cache, (q,), results, k_cache.group)
     lengths = () if cache_seqlens is None else (cache_seqlens,)
     arrays = (q, k_cache, v_cache)
     arrays += tuple(jnp.asarray(n) for n in lengths) if _is_traced(arrays + lengths) else lengths
@@ -241,7 +251,4 @@ def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=Non
                               cache_seqlens=lengths[0] if lengths else None,
                               softmax_scale=softmax_scale, return_lse=return_lse)
 
-    b, t, h, _ = q.shape
-    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
-    results = (_like(q), lse) if return_lse else _like(q)
     return _run(call, arrays, results, group)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
+from .arrays import host_bfloat16
 from .group import Call, Group, local_group
 from .ops.decode import PagedRows
 from .validate import InputError, agree
@@ -179,6 +180,8 @@ class KVCache:
         rank given the same rows."""
         b, (hkv, d) = self.batch, self.k.shape[2:]
         xp = self.group.ops.xp
+        if xp is np:   # a CPU torch tensor of bfloat16 too (torch's own conversion refuses it)
+            k_new, v_new = host_bfloat16(k_new), host_bfloat16(v_new)
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):

@@ -150,10 +150,11 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 
-def decode(q, k_cache, v_cache, group: Group | None = None, *, cache_seqlens=None,
+def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """`burstcu.decode` for tensors (inference: no autograd): q (B, T, H, D) the same on every
-    rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints.
+    rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints; or
+    `decode(q, cache)` with a `burstcu.KVCache` (its arrays, group and row counts).
     Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
     return _call(api.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
-                 softmax_scale=softmax_scale, return_lse=return_lse)
+                 softmax_scale=softmax_scale, return_lse=return_lse)   # (a KVCache or None: as is)

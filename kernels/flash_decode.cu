@@ -75,7 +75,9 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         (tests/kernels/test_decode_emulated.py), and on a GPU by the SASS (NVRTC 13, sm_90: both
         kernels write out as acc times MUFU.RCP(l) and lse as FFMA(LG2(l), ln 2, M ln 2)).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
-maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. A
+maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. Only
+l = 0 makes a row empty (out 0, lse -inf): a NaN or Inf in a valid row of q, K or V reaches the
+sums as the math says (a NaN l, never > 0, is not "no key"), on every rank after the merge. A
 zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
 zero V row: nothing past n_b reaches the output, whatever the memory there holds.
 
@@ -749,7 +751,7 @@ flash_decode_finish(const __grid_constant__ DecodeFinishParams p) {
   const int D = p.D, splits = p.splits;
   const SplitRow r = split_row(p.ws_m, p.T_, p.H, D, splits);
   const float total = splits_sum(r, p.ws_l + r.row * splits, 1, splits);   // every thread's divisor
-  const bool seen = total > 0.f;
+  const bool seen = total != 0.f;   // 0: no valid key; a NaN a key brought stays NaN
   const float* acc = p.ws_acc + r.row * splits * D;
   for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
     const float sum = splits_sum(r, acc + d, D, splits);
@@ -772,7 +774,7 @@ flash_decode_merge(const __grid_constant__ DecodeMergeParams p) {
   const float shift = top == -INFINITY ? 0.f : top;               // exp(-inf - 0) = 0, no NaN
   float total = 0.f;
   for (int r = 0; r < ranks; ++r) total += expf(p.m[r * stride + row] - shift) * p.l[r * stride + row];
-  const bool seen = total > 0.f;
+  const bool seen = total != 0.f;   // 0: no valid key anywhere; a NaN a key brought stays NaN
   TOut* out = (TOut*)p.out + at;
   for (int d = threadIdx.x; d < D; d += DECODE_COMBINE_THREADS) {
     float sum = 0.f;

@@ -182,6 +182,31 @@ def test_jax_linear_attention_and_decode_in_one_process(jax):
     assert max_err(np.asarray(out), np.concatenate([ref0, ref1])) < 1e-12
 
 
+def test_the_adapters_decode_from_a_kv_cache(torch, jax):
+    """`burstcu.torch.decode(q, cache)` and `burstcu.jax.decode(q, cache)` (eager and under
+    jax.jit) read a KVCache as `burstcu.decode(q, cache)` does, a bfloat16 cache included, whose
+    rows a CPU torch tensor of bfloat16 appends (torch's own conversion refuses bfloat16)."""
+    import ml_dtypes
+    jnp = jax.numpy
+    q, k, v, _ = _inputs(8)
+    cache = burstcu.KVCache(None, 2, 64, k.shape[2], k.shape[3], np.float64)
+    cache.append(k[:, :30], v[:, :30])
+    want = burstcu.decode(q[:, :1], cache)
+    got_torch = burstcu.torch.decode(torch.from_numpy(q[:, :1]), cache)
+    got_eager = burstcu.jax.decode(jnp.asarray(q[:, :1]), cache)
+    got_jit = jax.jit(lambda q: burstcu.jax.decode(q, cache))(jnp.asarray(q[:, :1]))
+    for got in (got_torch.numpy(), np.asarray(got_eager), np.asarray(got_jit)):
+        assert np.array_equal(got, want)
+    half = burstcu.KVCache(None, 2, 64, k.shape[2], k.shape[3], ml_dtypes.bfloat16)
+    half.append(*(torch.from_numpy(x[:, :30]).to(torch.bfloat16) for x in (k, v)))
+    out = burstcu.torch.decode(torch.from_numpy(q[:, :1]).to(torch.bfloat16), half)
+    assert out.dtype == torch.bfloat16
+    ref = attention_ref(q[:, :1], k[:, :30], v[:, :30])[0]
+    assert max_err(out.float().numpy(), ref) < 0.05
+    with pytest.raises(TypeError, match="pass no v_cache"):
+        burstcu.torch.decode(torch.from_numpy(q[:, :1]), cache, torch.from_numpy(v))
+
+
 def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
     q = jax.numpy.ones((1, 8, 2, 4))
     for transform in (jax.jit, jax.grad):

@@ -120,6 +120,24 @@ def test_nan_past_the_valid_rows_is_inert():
     assert np.abs(out - attention_ref(q, k[:, :4], v[:, :4])[0]).max() < 1e-12
 
 
+def test_a_nan_in_a_valid_row_reaches_the_rows_that_see_it():
+    """A NaN in a valid K row, or in one head of q, makes out and lse NaN where the math reads it
+    (that batch row; that head), not the out 0 / lse -inf of a row with no valid key, which stays
+    for the batch row of length 0 only (docs/numerics.md: a row that sees one gets NaN/Inf)."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((3, 1, 4, 8)), rng.standard_normal((3, 9, 2, 8)), rng.standard_normal((3, 9, 2, 8))
+    k[0, 2] = np.nan                       # valid in batch row 0 (length 5)
+    q[1, :, 0] = np.nan                    # head 0 of batch row 1
+    out, lse = burstcu.decode(q, k, v, cache_seqlens=[5, 9, 0], return_lse=True)
+    assert np.isnan(out[0]).all() and np.isnan(lse[0]).all()
+    assert np.isnan(out[1, :, 0]).all() and np.isnan(lse[1, 0]).all()
+    finite_q = np.nan_to_num(q[1:2])                                   # heads 1..3 of row 1
+    ref_out, ref_lse = attention_ref(finite_q, k[1:2], v[1:2])
+    assert np.abs(out[1:2, :, 1:] - ref_out[:, :, 1:]).max() < 1e-12
+    assert np.abs(lse[1:2, 1:] - ref_lse[:, 1:]).max() < 1e-12
+    assert not out[2].any() and np.isneginf(lse[2]).all()
+
+
 def test_a_long_cache_is_reduced_in_chunks():
     """More keys than one chunk (burstcu.ops.decode.CHUNK): the online softmax across chunks."""
     from burstcu.ops.decode import CHUNK

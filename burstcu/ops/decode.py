@@ -11,7 +11,8 @@ holds, n_b <= S the valid rows of batch row b on this rank):
         M = max_r m_r;  w_r = exp(m_r - M) (0 where m_r = -inf);  L = sum_r w_r l_r
         out = sum_r w_r acc_r / L (0 where L = 0);  lse = M + log L (-inf where L = 0)
 GQA: query head h uses kv head h // (H // Hkv); K and V are never replicated. Rows past n_b are
-never read, so whatever they hold (garbage, NaN) is inert.
+never read, so whatever they hold (garbage, NaN) is inert; a NaN or Inf in a valid row of q,
+K or V reaches out and lse as the math says (L is NaN then, not 0: not an empty row).
 A paged cache (`PagedRows`, in place of k_cache and v_cache): pages (P, page_size, Hkv, D) and a
 page table (B, max_pages) int32 whose entry i names the page holding rows [i * page_size,
 (i + 1) * page_size) of batch row b (vLLM's and FlashInfer's convention); row j of batch row b
@@ -148,7 +149,7 @@ def merge(xp: Any, parts, out_dtype):
     for (acc, _, l), w in zip(parts, weights):
         total = total + w * l
         out = out + acc * w.transpose(0, 2, 1)[..., None]
-    seen = total > 0
+    seen = total != 0       # 0: no valid key anywhere; a NaN or Inf a valid row brought stays
     norm = xp.where(seen, total, 1).transpose(0, 2, 1)[..., None]
     out = xp.where(seen.transpose(0, 2, 1)[..., None], out / norm, 0)
     lse = xp.where(seen, shift + xp.log(xp.where(seen, total, 1)), -np.inf)

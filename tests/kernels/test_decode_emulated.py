@@ -391,6 +391,29 @@ def test_the_ranks_partials_merge_in_one_launch(size, out_dtype, d, q_scale):
         assert np.allclose(lse2, lse, rtol=1e-6, atol=0)
 
 
+def test_a_nan_in_a_valid_row_is_nan_not_an_empty_row():
+    """The finish (one rank) and the merge (two ranks' partials) with a NaN in a valid K row of
+    batch row 0: out and lse NaN there, as the math reads it, not the out 0 / lse -inf of a row
+    with no valid key (which batch row 2, of length 0, still gets); batch row 1 untouched."""
+    if BACKEND == "cupy":
+        pytest.skip("the emulator's kernels (the GPU's bits are the SASS's)")
+    ops = _ops()
+    rng = np.random.default_rng(7)
+    b, t, h, hkv, d, s = 3, 1, 4, 2, 64, 32
+    q = rng.standard_normal((b, t, h, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, s, hkv, d)).astype(np.float16) for _ in range(2))
+    k[0, 3] = np.nan
+    scale = d ** -0.5
+    whole = ops.decode_whole(q, k, v, np.array([20, 32, 0], np.int32), scale, np.float16)
+    parts = _gathered_partials(ops.xp, q, k, v, [[20, 16, 0], [0, 16, 0]], scale, laid_out=True)
+    merged = ops.decode_merge(parts, np.float16)
+    for out, lse in (whole, merged):
+        out, lse = _host(out), _host(lse)
+        assert np.isnan(out[0].astype(np.float32)).all() and np.isnan(lse[0]).all()
+        assert np.isfinite(out[1].astype(np.float32)).all() and np.isfinite(lse[1]).all()
+        assert not out[2].astype(np.float32).any() and np.isneginf(lse[2]).all()
+
+
 def test_a_merge_shape_launches_from_its_kept_struct():
     """The merge keeps a shape's kernel and static fields after its first call and writes each
     call's addresses: calls on partials in other buffers, of 2 and 3 ranks, 1 and 2 new tokens,
