@@ -163,15 +163,18 @@ def untakeable(exc: Exception, arrays: tuple,
     return InputError(kind, f"cannot take these inputs: {text}")
 
 
-def host_bfloat16(x):
-    """A CPU torch tensor of bfloat16 as a NumPy view of ml_dtypes.bfloat16 (through int16: NumPy
-    cannot import bfloat16 over DLPack); anything else as it is."""
+def host_view(x):
+    """A CPU torch tensor as a NumPy view of its values, detached (bfloat16 through int16, viewed
+    back as ml_dtypes.bfloat16: NumPy cannot import bfloat16 over DLPack, nor take a tensor that
+    requires grad); anything else as it is."""
     torch = sys.modules.get("torch")
-    if (torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
-            and x.device.type == "cpu"):
+    if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        return x
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
         import ml_dtypes
-        return x.detach().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
 
 
 def joined(x, pieces: list, axis: int):

@@ -237,10 +237,17 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     lse = jax.ShapeDtypeStruct((b, h, t), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
     results = (_like(q), lse) if return_lse else _like(q)
     if callable(getattr(k_cache, "decode_arguments", None)):   # a KVCache: q alone is an array
+        mine = api.group_of(group) in (None, k_cache.group)
+        if v_cache is not None or cache_seqlens is not None or not mine:
+            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
+                            "pass no v_cache, group or cache_seqlens with a KVCache")   # (at trace time)
+
         def from_cache(q, _group):
             return api.decode(q, k_cache, v_cache, group, cache_seqlens=cache_seqlens,
                               softmax_scale=softmax_scale, return_lse=return_lse)
         return _run(from_cache, (q,), results, k_cache.group)
+    if v_cache is None:
+        raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
     lengths = () if cache_seqlens is None else (cache_seqlens,)
     arrays = (q, k_cache, v_cache)
     arrays += tuple(jnp.asarray(n) for n in lengths) if _is_traced(arrays + lengths) else lengths

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
-from .arrays import host_bfloat16
+from .arrays import host_view
 from .group import Call, Group, local_group
 from .ops.decode import PagedRows
 from .validate import InputError, agree
@@ -180,8 +180,8 @@ class KVCache:
         rank given the same rows."""
         b, (hkv, d) = self.batch, self.k.shape[2:]
         xp = self.group.ops.xp
-        if xp is np:   # a CPU torch tensor of bfloat16 too (torch's own conversion refuses it)
-            k_new, v_new = host_bfloat16(k_new), host_bfloat16(v_new)
+        if xp is np:   # CPU torch tensors of any dtype, bfloat16 and requires_grad too
+            k_new, v_new = host_view(k_new), host_view(v_new)
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):

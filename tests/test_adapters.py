@@ -205,6 +205,14 @@ def test_the_adapters_decode_from_a_kv_cache(torch, jax):
     assert max_err(out.float().numpy(), ref) < 0.05
     with pytest.raises(TypeError, match="pass no v_cache"):
         burstcu.torch.decode(torch.from_numpy(q[:, :1]), cache, torch.from_numpy(v))
+    with pytest.raises(TypeError, match="pass no v_cache"):   # at trace time, under jax.jit too
+        jax.jit(lambda q, v: burstcu.jax.decode(q, cache, v))(jnp.asarray(q[:, :1]), jnp.asarray(v))
+    with pytest.raises(TypeError, match="needs v_cache"):
+        burstcu.jax.decode(jnp.asarray(q[:, :1]), jnp.asarray(k))
+    grads_on = torch.from_numpy(k[:, 30:31]).float().requires_grad_()   # a tensor that requires grad
+    small = burstcu.KVCache(None, 2, 8, k.shape[2], k.shape[3], np.float32)
+    small.append(grads_on, grads_on)
+    assert np.array_equal(small.rows()[0][:, :1], k[:, 30:31].astype(np.float32))
 
 
 def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):

@@ -11,8 +11,9 @@ holds, n_b <= S the valid rows of batch row b on this rank):
         M = max_r m_r;  w_r = exp(m_r - M) (0 where m_r = -inf);  L = sum_r w_r l_r
         out = sum_r w_r acc_r / L (0 where L = 0);  lse = M + log L (-inf where L = 0)
 GQA: query head h uses kv head h // (H // Hkv); K and V are never replicated. Rows past n_b are
-never read, so whatever they hold (garbage, NaN) is inert; a NaN or Inf in a valid row of q,
-K or V reaches out and lse as the math says (L is NaN then, not 0: not an empty row).
+never read, so whatever they hold (garbage, NaN) is inert; a NaN in a valid row of q, K or V
+(or an Inf one: a +inf score) makes out and lse NaN where a row reads it (L is NaN then, not
+0: not an empty row).
 A paged cache (`PagedRows`, in place of k_cache and v_cache): pages (P, page_size, Hkv, D) and a
 page table (B, max_pages) int32 whose entry i names the page holding rows [i * page_size,
 (i + 1) * page_size) of batch row b (vLLM's and FlashInfer's convention); row j of batch row b
