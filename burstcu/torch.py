@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -44,9 +43,7 @@ def _to_burstcu(t: torch.Tensor):
     if t.is_cuda:
         return t
     try:
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+        return arrays.host_view(t)
     except (TypeError, RuntimeError):
         return t
 
