@@ -71,6 +71,17 @@ PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
     the operands' register fence before the wait, O's rescale moved before the next P V's issue;
     a wait predicated on the row sums made ptxas serialize every wgmma.
 
+SOFTMAX SHIFT
+P = exp2(s * scale_log2 - ref) is one FFMA an element (FlashAttention-3's form), ref the row max
+already scaled and rounded. The FFMA rounds once, after the subtraction, so the max's own P is
+exp2(e), e = its exact scaled score - ref, up to half an ulp of ref. While |ref| < 2^12,
+|e| <= 2^-13 and that P rounds to exactly 1 in the 16-bit P of P V, as the reference's does; past
+it a row with one dominant key comes out up to an output ulp off, and past 2^31 (ulps of 256) P
+under- or overflows: a row sum of 0 or inf, lse -inf or +inf and out NaN for rows that see keys.
+A row whose |ref| reaches 2^12 (kFusedShiftBelow: scores of ~2800 at scale 1) therefore scales
+first and subtracts (FMUL, FADD), as ref itself was made, so its max's P is exactly 1, as
+flash_fwd.cu's always is; the test is once a row a tile, and false on ordinary scores.
+
 SHARED MEMORY (dynamic, aligned to 1024 bytes in the shared window by the kernel itself)
     Q tile  BLOCK_M x D, K and V tiles BLOCK_N x D per stage, each stored as D/64 column blocks of
     rows x 64 elements (128 bytes a row, the 128-byte swizzle pattern repeating every 8 rows =
@@ -170,6 +181,7 @@ constexpr int kWgRows = 64;      // query rows a consumer warpgroup (one wgmma m
 constexpr int kThreads = 384;    // producer warpgroup + two consumers
 constexpr int kColBlock = 64;    // elements of a 128-byte swizzled column block
 constexpr int kConsumers = 256;  // threads that arrive on the empty barriers
+constexpr float kFusedShiftBelow = 4096.f;  // 2^12: a |scaled row max| past it scales first (SOFTMAX SHIFT)
 // registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 65536); the CAREFUL
 // producer also cleans V tiles, and gets more
 template <bool CAREFUL> struct Regs {
@@ -584,11 +596,20 @@ __device__ __forceinline__ void fold(const FwdStepSm90Params& p) {
         alpha[r] = exp2f(m_i[r] - ref);
         m_i[r] = mx;
         float sum = 0.f;
+        if (fabsf(ref) < kFusedShiftBelow) {  // scale and shift in one rounding (FFMA)
 #pragma unroll
-        for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
-          s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], scale_log2, -ref));
-          s[4 * jj + 2 * r + 1] = exp2f(fmaf(s[4 * jj + 2 * r + 1], scale_log2, -ref));
-          sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
+          for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
+            s[4 * jj + 2 * r] = exp2f(fmaf(s[4 * jj + 2 * r], scale_log2, -ref));
+            s[4 * jj + 2 * r + 1] = exp2f(fmaf(s[4 * jj + 2 * r + 1], scale_log2, -ref));
+            sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
+          }
+        } else {  // scaled first, as ref was: the max's own P is exp2(0) (SOFTMAX SHIFT above)
+#pragma unroll
+          for (int jj = 0; jj < BLOCK_N / 8; ++jj) {
+            s[4 * jj + 2 * r] = exp2f(__fmul_rn(s[4 * jj + 2 * r], scale_log2) - ref);
+            s[4 * jj + 2 * r + 1] = exp2f(__fmul_rn(s[4 * jj + 2 * r + 1], scale_log2) - ref);
+            sum += s[4 * jj + 2 * r] + s[4 * jj + 2 * r + 1];
+          }
         }
         l_i[r] = l_i[r] * alpha[r] + sum;
       }

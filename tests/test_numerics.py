@@ -79,6 +79,29 @@ def test_logits_of_magnitude_1e3_stay_exact(dtype):
         assert ok, (name, err, bound)
 
 
+@pytest.mark.parametrize("scale", [1e7, 1e9, 3e10])
+@pytest.mark.parametrize("causal", [False, True])
+def test_very_large_logits_give_the_dominant_key(scale, causal):
+    """Scores of 1e7-1e11 in float32 (finite, far past what any row's keys can tie within): each
+    row's softmax is its largest score's key alone, and lse that score. The lazy fold's shift
+    came from another product than its scores, whose rounding (ulps of hundreds) made every P of
+    a row underflow: out 0 and lse -inf, as if the row saw no key. 1100 rows: three query tiles,
+    several key tiles a row."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 1100, 2, 16)).astype(np.float32) for _ in range(3))
+    out, lse = burstcu.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    s = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale
+    if causal:
+        s = np.where(np.tril(np.ones((1100, 1100), bool)), s, -np.inf)
+    top = np.sort(s, axis=-1)
+    assert (top[..., -1] - top[..., -2] > 50).mean() > 0.99   # a dominant key, nearly everywhere
+    clear = top[..., -1] - top[..., -2] > 50                  # (B, H, S): rows it holds for
+    best = np.take_along_axis(v.transpose(0, 2, 1, 3), s.argmax(-1)[..., None], axis=2)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert np.abs(out.transpose(0, 2, 1, 3) - best)[clear].max() <= 1e-6
+    assert (np.abs(lse - top[..., -1]) <= 1e-6 * np.abs(top[..., -1]) + 1e-3)[clear].all()
+
+
 def test_softmax_scale_is_used():
     q, k, v, _ = make_inputs(4, 1, 32, 2, 2, 16, "float64")
     out = burstcu.attention(q, k, v, softmax_scale=0.05)

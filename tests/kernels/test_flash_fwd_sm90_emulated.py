@@ -46,6 +46,18 @@ def test_headdims(ops, dtype, d):
     check(ops, dtype, q, k, v, full(150, 200))
 
 
+@pytest.mark.parametrize("dtype,big,scale", [("bfloat16", 1e18, None), ("float16", 6e4, 1e5)])
+def test_very_large_scores_keep_their_keys(ops, dtype, big, scale):
+    """Rows whose scaled max reaches 2^12 scale first (SOFTMAX SHIFT in the kernel's header):
+    one key of scores ~1e18, which rows 61.. see (causal); in float16 at scale 1e5 every
+    row's scores are ~1e5 or more. In the fused form the max's own P was exp2 of up to half an
+    ulp of the scaled max: of hundreds (lse -inf or +inf, out NaN), or a 16-bit P off 1 (out an
+    ulp off where one key dominates)."""
+    q, k, v = make(dtype, 1, 64, 64, 2, 1, 64, seed=5)
+    k[:, 61] = big
+    check(ops, dtype, q, k, v, [Block(0, 64, 0, 64, 0, 0, True)], scale=scale)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("q_pos,k_pos", [(0, 0), (200, 0), (64, 100), (0, 300)])
 def test_causal_offsets(ops, dtype, q_pos, k_pos):

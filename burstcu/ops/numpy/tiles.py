@@ -340,9 +340,31 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     which its caller sets once for all its tiles (rows it overflows are redone).
     """
     shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
-    if not shifted:
-        _seed(q, acc, k, future)
-        shifted = math.isfinite(q[:, -1].sum())
+    if shifted:
+        _fold_shifted(q, k, v, acc, future, s, pv, v_max, True)
+        return
+    fresh = q[:, -1] == np.inf                # rows seeded from this tile's keys
+    _seed(q, acc, k, future)
+    _fold_shifted(q, k, v, acc, future, s, pv, v_max, math.isfinite(q[:, -1].sum()))
+    _refold_unfounded(q, k, v, acc, future, fresh, v_max)
+
+
+def _refold_unfounded(q, k, v, acc, future, fresh, v_max: float) -> None:
+    """Rows `fresh` (bool) took their shift from this tile (`_seed`), so their seed key's P is
+    about 1 and their P sums to at least about 1, unless the seed's product and the fold's round
+    the row's scores apart by more than float32's exp can span (scores past ~1e9: ulps of
+    hundreds), when every P of the row under- or overflows: out 0 and lse -inf, as if the row
+    saw no key. Those rows (P summing under 1/2) start again and are folded exactly, against a
+    max of their own product. Shapes as `_fold_tile`."""
+    rows = np.flatnonzero(fresh & (acc[:, -1] < 0.5) & np.isfinite(q[:, -1]))
+    if len(rows):
+        acc[rows] = 0
+        q[rows, -1] = np.inf
+        _fold_rows_exactly(q, k, v, acc, future, rows, v_max)
+
+
+def _fold_shifted(q, k, v, acc, future, s, pv, v_max: float, shifted: bool) -> None:
+    """`_fold_tile` after the seed: shifted, whether every row has a finite shift."""
     np.matmul(q, k.T, out=s)
     if future is not None:  # overwrites NaN/Inf scores of masked keys too
         future.fill(s, -np.inf)
