@@ -25,7 +25,7 @@ import numpy as np
 from . import engine
 from .arrays import array_module, device_problem, group_for, is_cupy, joined, native, returned, untakeable
 from .engine import decode as decode_strategy
-from .group import Call, Group
+from .group import Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
@@ -80,19 +80,21 @@ class _Tracking(DelegatingOps):
         return self.inner.annotate(label)
 
 
-def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, finish=None):
+def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, finish=None,
+            problem: InputError | None = None):
     """Everything a rank checks alone, then one agreement round, then the same outcome on every
     rank: an exception everywhere, or (native arrays, exporter, extra) where
     local_check(native arrays) -> (InputError or None, metadata, extra, local length) and, if
     given, finish(every rank's local length, extra) -> extra' runs after the agreement, on
-    what every rank knows alike (so what it raises, it raises everywhere).
+    what every rank knows alike (so what it raises, it raises everywhere). problem: what is
+    wrong with the call before its arrays are looked at, raised on every rank alike.
 
     Nothing before `agree` may raise — a rank failing alone would leave the others waiting in
     the collective — so any exception from the local work becomes a deferred InputError.
     """
     err = meta = export = extra = length = None
     try:
-        err = device_problem(group.ops, ARRAY_NAMES[what], arrays)
+        err = problem or device_problem(group.ops, ARRAY_NAMES[what], arrays)
         if err is None:
             arrays, export = native(group.ops, *arrays)
             err, meta, extra, length = local_check(arrays)
@@ -285,7 +287,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     if cut is not None:
         remember_cut(out, *cut)                     # unshard(out) with another layout is refused
     sharded = cut is not None and cut[1] == (0 if packed else 1) and cut[0][3] > 1   # its sequence
-    remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q.shape[-1],
+    remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q,
                                            block_mask), sharded), 1 if packed else 2)
     return (out, lse) if return_lse else out
 
@@ -315,7 +317,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                                        positional=_positional(causal, window_size, cu_seqlens,
                                                               block_mask))
     conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
-                                                         getattr(q, "shape", (0,))[-1], block_mask))
+                                                         q, block_mask))
     packed = getattr(q, "ndim", None) == 3
     cut = inherited_cut((q,), cut, 0 if packed else 1)
     if packed:
@@ -504,18 +506,20 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     row anywhere gets out 0 and lse -inf. Validation and agreement as `attention`: a bad input
     or ranks disagreeing raise on every rank before the gather.
     """
-    agreed, group, rows = {}, group_of(group), None
+    agreed, group, rows, problem = {}, group_of(group), None, None
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
         from_cache = cache_arguments()
         if v_cache is not None or cache_seqlens is not None or group not in (None, from_cache[2]):
-            raise TypeError("decode(q, cache) takes the cache's own arrays, group and row counts: "
-                            "pass no v_cache, group or cache_seqlens with a KVCache")
+            problem = InputError(TypeError, "decode(q, cache) takes the cache's own arrays, group and "
+                                            "row counts: pass no v_cache, group or cache_seqlens "
+                                            "with a KVCache")
         # rows: what the kernels read (a paged cache's pages and table); k_cache, v_cache: what
         # the checks see, (B, S_cache, Hkv, D)
         k_cache, v_cache, group, cache_seqlens, agreed, rows = from_cache
     elif v_cache is None:
-        raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
+        problem = InputError(TypeError, "decode(q, k_cache, v_cache, ...) needs v_cache (or pass a "
+                                        "KVCache)")
     group = group_for(group, q)
     with Call(group, "decode") as call:
         def check(native_arrays):
@@ -531,7 +535,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
             return extra
 
         (q, k_cache, v_cache), export, (lengths, scale) = _agreed(
-            call, group, (q, k_cache, v_cache), "decode", check, same_tokens)
+            call, group, (q, k_cache, v_cache), "decode", check, same_tokens, problem)
         out, lse = decode_strategy.decode(q, *(rows or (k_cache, v_cache)), lengths, scale,
                                           _Tracking(group.ops, group.transport), group.transport)
     results = returned(export, (out, lse))
@@ -560,6 +564,11 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, None)
     if conflict is not None:
         raise ValueError(conflict)
+    if group is not None and not says_ranks(group):
+        raise TypeError(f"shard: {not_a_group(group)}")
+    if not (hasattr(x, "ndim") and hasattr(x, "shape")):
+        raise TypeError(f"shard takes an array (NumPy, CuPy, torch, JAX, ...), not a "
+                        f"{type(x).__name__}: pass np.asarray(x)")
     if block_mask is not None:
         err = check_block_mask(block_mask, False, (-1, -1), None, True)
         if err is not None:
@@ -624,6 +633,8 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                       uneven)
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"unshard: {not_a_group(group)}")
     if group is None or group.size == 1:
         if conflict is not None:
             raise ValueError(conflict)
@@ -633,7 +644,7 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
         if conflict is not None:
             raise ValueError(conflict)
         check_layout(layout)
-        masked = masked_array_problem("x_local", x_local)
+        masked = masked_array_problem("x_local", x_local) or _gatherable_problem(x_local)
         if masked is not None:
             raise masked.exception()
         _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
@@ -654,7 +665,8 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                         (x_local,), export = native(group.ops, x_local)  # torch, JAX, ...: DLPack
                     check_layout(layout)
                     err, docs = parse_cu_seqlens(cu_seqlens)
-                    err = err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
+                    err = (err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
+                           or _gatherable_problem(x_local))
                     shape = tuple(int(n) for n in x_local.shape)
                     free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
                     dtype = str(x_local.dtype)
@@ -678,6 +690,15 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                 raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
                                  f"{list(lengths)}: cut the shards with sharding.shard(x)")
         return returned(export, (_gathered(x_local, group, part, axis),))[0]
+
+
+def _gatherable_problem(x_local) -> InputError | None:
+    """Why `unshard` cannot send x_local's elements as bytes (Python objects), or None."""
+    if getattr(x_local.dtype, "hasobject", False):
+        return InputError(TypeError, f"unshard sends the elements as bytes: x_local of dtype "
+                                     f"{x_local.dtype} holds Python objects; convert it to a "
+                                     f"numeric dtype first")
+    return None
 
 
 def _gathered(x_local, group: Group, part: Partition, axis: int):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import numbers
 import os
 import threading
 import warnings
@@ -165,6 +166,8 @@ class Call:
     rises."""
 
     def __init__(self, group: "Group", name: str):
+        if not isinstance(group, Group):
+            raise TypeError(not_a_group(group))
         if group.closed:
             raise ValueError("this group is closed: make a new one with burstcu.init()")
         self.transport, self.name, self.together = group.transport, name, False
@@ -194,6 +197,23 @@ class Call:
         finally:
             t.call, t.where = None, "between calls"
         return False
+
+
+def not_a_group(group) -> str:
+    """Why `group` is refused where a burstcu group goes (an mpi4py communicator, a rank
+    number, ...)."""
+    kind = f"{type(group).__module__}.{type(group).__qualname__}"
+    hint = (" (an MPI communicator: make the group of its ranks with burstcu.init(comm=...))"
+            if hasattr(group, "Get_rank") else "")
+    return (f"group must be a burstcu group from burstcu.init() (or a burstcu.Sharding); got "
+            f"{kind}{hint}")
+
+
+def says_ranks(group, names: tuple = ("rank", "size")) -> bool:
+    """Whether `group` has ints for `names` (its rank and size): what `shard` and `plan`, which
+    send nothing, take (a Group, or any such object; `plan` needs only the size)."""
+    values = [getattr(group, name, None) for name in names]
+    return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
 
 
 def _host_transport(comm, progress: str, timeout: float | None, link: Link | None) -> Transport:

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import api
 from .arrays import host_view
-from .group import Call, Group, local_group
+from .group import Call, Group, local_group, not_a_group
 from .ops.decode import PagedRows
 from .validate import InputError, agree
 
@@ -52,25 +52,30 @@ class KVCache:
 
     def __init__(self, group: Group | None, batch: int, capacity_per_rank: int, kv_heads: int,
                  headdim: int, dtype, *, page_size: int | None = None, num_pages: int | None = None):
+        """Collective: every rank of `group` makes its cache with the same arguments (the ranks
+        agree on them in one round); arguments a rank refuses, or that differ between ranks,
+        raise ValueError/TypeError on every rank."""
         group = api.group_of(group)             # a Group, or a Sharding's
+        if group is not None and not isinstance(group, Group):
+            raise TypeError(f"KVCache: {not_a_group(group)}")
         self.group = group if group is not None else local_group("numpy")
-        for name, n in (("batch", batch), ("capacity_per_rank", capacity_per_rank),
-                        ("kv_heads", kv_heads), ("headdim", headdim)):
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-                raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
-        xp = self.group.ops.xp
-        self.dtype = np.dtype(dtype)
-        if self.dtype.name not in self.group.ops.array_dtypes:
-            raise TypeError(f"KVCache dtype must be one of {', '.join(self.group.ops.array_dtypes)} "
-                            f"(what decode takes on this group's backend), got {self.dtype.name}")
+        with Call(self.group, "KVCache") as call:
+            err = arguments = None
+            try:
+                arguments = self._arguments(batch, capacity_per_rank, kv_heads, headdim, dtype,
+                                            page_size, num_pages)
+            except (ValueError, TypeError) as exc:
+                err = InputError(type(exc), str(exc))
+            with call.raising_together():
+                agree(self.group.transport, err, ((), (), arguments and tuple(arguments.items())),
+                      "KVCache")
+        self.dtype = np.dtype(arguments["dtype"])
         self.batch, self._capacity, self.page_size = batch, capacity_per_rank, page_size
+        xp = self.group.ops.xp
         shape = (batch, capacity_per_rank, kv_heads, headdim)
         if page_size is not None:
-            for name, n in (("page_size", page_size), ("num_pages", num_pages)):
-                if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-                    raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
             per_row = -(-capacity_per_rank // page_size)
-            self.num_pages = batch * per_row if num_pages is None else int(num_pages)
+            self.num_pages = arguments["num_pages"]
             shape = (self.num_pages, page_size, kv_heads, headdim)
             self.page_table = np.full((batch, per_row), -1, np.int32)
             self._free = list(range(self.num_pages))        # this rank's free pages, lowest first
@@ -78,10 +83,33 @@ class KVCache:
             # stand-ins of (batch, capacity, kv_heads, headdim) for the shape checks: no memory
             self._views = tuple(xp.broadcast_to(xp.zeros((), self.dtype), (batch, capacity_per_rank,
                                                                           kv_heads, headdim)) for _ in "kv")
-        elif num_pages is not None:
-            raise ValueError("KVCache num_pages needs page_size")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
+
+    def _arguments(self, batch, capacity_per_rank, kv_heads, headdim, dtype, page_size,
+                   num_pages) -> dict:
+        """The constructor's arguments as every rank must give them (ints, the dtype's name,
+        the pages of a rank's pool), else ValueError/TypeError."""
+        for name, n in (("batch", batch), ("capacity_per_rank", capacity_per_rank),
+                        ("kv_heads", kv_heads), ("headdim", headdim)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
+        dtype = np.dtype(dtype)
+        if dtype.name not in self.group.ops.array_dtypes:
+            raise TypeError(f"KVCache dtype must be one of {', '.join(self.group.ops.array_dtypes)} "
+                            f"(what decode takes on this group's backend), got {dtype.name}")
+        if page_size is not None:
+            for name, n in (("page_size", page_size), ("num_pages", num_pages)):
+                if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+                    raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
+            if num_pages is None:
+                num_pages = batch * -(-capacity_per_rank // page_size)
+        elif num_pages is not None:
+            raise ValueError("KVCache num_pages needs page_size")
+        return {"batch": int(batch), "capacity_per_rank": int(capacity_per_rank),
+                "kv_heads": int(kv_heads), "headdim": int(headdim), "dtype": dtype.name,
+                "page_size": None if page_size is None else int(page_size),
+                "num_pages": None if num_pages is None else int(num_pages)}
 
     @property
     def capacity(self) -> int:

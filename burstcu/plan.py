@@ -48,9 +48,10 @@ import numpy as np
 from . import engine
 from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
+from .group import not_a_group, says_ranks
 from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partition
-from .validate import (check_block_mask, check_block_mask_extent, check_docs_total, check_window,
-                       parse_cu_seqlens, sharding_keywords)
+from .validate import (check_block_mask, check_block_mask_extent, check_docs_total, check_flags,
+                       check_window, parse_cu_seqlens, sharding_keywords)
 
 
 BACKWARD_FLOPS = 2.5  # the backward's flops over the forward's: S recomputed, dV, dP, dQ, dK
@@ -441,12 +442,20 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     if conflict is not None:
         raise ValueError(f"plan(..., sharding) takes its layout and cu_seqlens from the Sharding: "
                          f"pass them only through it ({conflict})")
+    if group is not None and not says_ranks(group, ("size",)):
+        raise TypeError(f"plan: {not_a_group(group)}")
+    flags = check_flags(causal=causal, backward=backward)
+    if flags is not None:
+        raise flags.exception()
     if lengths is not None:
         layout = partition("contiguous", group.size, sum(lengths), lengths=lengths)
     size = 1 if group is None else group.size
     if machine is None:
-        machine = "h100" if group is not None and group.ops.device == "cuda" else "cpu"
+        machine = "h100" if getattr(getattr(group, "ops", None), "device", None) == "cuda" else "cpu"
     if isinstance(machine, str):
+        if machine not in MACHINES:
+            raise ValueError(f"plan: machine must be a Machine or one of {', '.join(MACHINES)}, "
+                             f"not {machine!r}")
         machine = MACHINES[machine]
     rank = getattr(group, "rank", 0)
     err, cu_seqlens = parse_cu_seqlens(cu_seqlens)   # what attention refuses, plan refuses

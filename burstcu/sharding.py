@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import api
-from .group import Group
+from .group import Group, not_a_group
 from .layout import LAYOUTS
 from .validate import cut_of, host_ints, parse_cu_seqlens
 
@@ -41,7 +41,7 @@ class Sharding:
 
     def __init__(self, group: Group, layout: str = "contiguous", cu_seqlens=None, lengths=None):
         if not isinstance(group, Group):
-            raise TypeError(f"Sharding needs a burstcu group (burstcu.init()), got {type(group).__name__}")
+            raise TypeError(f"Sharding: {not_a_group(group)}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
         err, docs = parse_cu_seqlens(cu_seqlens)

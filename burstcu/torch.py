@@ -29,6 +29,7 @@ import torch
 
 from . import api, arrays
 from .group import Group
+from .validate import carry_cut
 
 __all__ = ["attention", "linear_attention", "decode"]
 
@@ -74,10 +75,19 @@ def _on_torch_stream(tensors):
 
 def _call(fn, tensors, *args, **kwargs):
     """fn(*tensors as burstcu takes them, *args, **kwargs) on torch's stream, results as tensors
-    (a tuple stays a tuple)."""
+    (a tuple stays a tuple). What a CPU tensor remembers of its cut (`burstcu.shard` of a tensor,
+    or a result) goes with its NumPy view into the call, and back with the results: a call that
+    takes its rows for other positions is refused as it is for NumPy arrays."""
+    taken = tuple(_to_burstcu(t) for t in tensors)
+    for t, x in zip(tensors, taken):
+        carry_cut(t, x)
     with _on_torch_stream(tensors):
-        result = fn(*(_to_burstcu(t) for t in tensors), *args, **kwargs)
-    return tuple(_to_torch(r) for r in result) if isinstance(result, tuple) else _to_torch(result)
+        result = fn(*taken, *args, **kwargs)
+    results = result if isinstance(result, tuple) else (result,)
+    back = tuple(_to_torch(r) for r in results)
+    for r, t in zip(results, back):
+        carry_cut(r, t)
+    return back if isinstance(result, tuple) else back[0]
 
 
 def _first_order_only(what: str) -> None:

@@ -113,12 +113,22 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
     if h % hkv:
         return InputError(ValueError, f"q has {h} heads, k has {hkv}: nheads must be a multiple of nheads_kv")
     if softmax_scale is not None and not _finite_real(softmax_scale):
-        return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
+        return scale_problem(softmax_scale)
     if op_rule is not None:  # what this backend's local op cannot take (head dim, sizes)
         problem = op_rule(q, k)
         if problem:
             return InputError(ValueError, problem)
     return None
+
+
+def scale_problem(softmax_scale) -> InputError:
+    """Why `softmax_scale` (not a finite real number) is refused: a 0-d tensor or JAX array is
+    not a number here (the scale is a constant of the call, not differentiable)."""
+    if isinstance(softmax_scale, (bool, np.bool_)) or isinstance(softmax_scale, numbers.Real):
+        return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    return InputError(TypeError, f"softmax_scale must be a Python or NumPy number (a constant of "
+                                 f"the call, not differentiable), got {type(softmax_scale).__name__}"
+                                 f" {softmax_scale!r}: pass float(scale)")
 
 
 def _finite_real(x) -> bool:
@@ -491,25 +501,42 @@ def _fingerprint(x, axis: int) -> bytes:
     place (a new batch) from the piece it was when remembered."""
     rows = x.shape[axis]
     ends = np.take(x, [i for i in (0, 1, rows - 2, rows - 1) if 0 <= i < rows], axis=axis)
-    return hashlib.blake2b(np.ascontiguousarray(ends).tobytes(), digest_size=16).digest()
+    digest = hashlib.blake2b(np.ascontiguousarray(ends).tobytes(), digest_size=16)
+    digest.update(repr(x.shape).encode())   # reshaped in place (x.shape = ...): another array
+    return digest.digest()
+
+
+def _host(x) -> np.ndarray | None:
+    """x's values as a NumPy array, for its fingerprint: a NumPy array itself, a CPU torch tensor
+    through a view (`arrays.host_view`); None for anything else (device arrays, whose rows
+    cannot be read without a sync)."""
+    if isinstance(x, np.ndarray):
+        return x
+    from .arrays import host_view   # (arrays imports this module)
+    try:
+        view = host_view(x)
+    except Exception:  # noqa: BLE001 - a tensor NumPy cannot view: nothing to remember
+        return None
+    return view if isinstance(view, np.ndarray) else None
 
 
 def remember_cut(x, cut: tuple, axis: int) -> None:
-    """Remember that the host array object `x` is a piece cut as `cut` along `axis`: ("rows",
-    layout, documents, ranks) (a shard, or a result whose rows are a shard's) or ("lse", the
-    call's `mask_options`, whether its sequence is sharded over ranks) (its sequence
-    axis `axis`). Kept while `x` lives and holds the same end rows; device arrays (whose rows
-    cannot be read without a sync) and arrays that take no weak reference are not remembered."""
+    """Remember that the host array object `x` (NumPy, or a CPU torch tensor) is a piece cut as
+    `cut` along `axis`: ("rows", layout, documents, ranks) (a shard, or a result whose rows are
+    a shard's) or ("lse", the call's `mask_options`, whether its sequence is sharded over
+    ranks) (its sequence axis `axis`). Kept while `x` lives and holds the same end rows; device
+    arrays and arrays that take no weak reference are not remembered."""
     import weakref
 
-    if not isinstance(x, np.ndarray) or x.ndim == 0:
+    host = _host(x)
+    if host is None or host.ndim == 0:
         return
     key = id(x)
     try:
         ref = weakref.ref(x, lambda _, key=key: _CUTS.pop(key, None))
     except TypeError:
         return
-    _CUTS[key] = (ref, cut, axis, _fingerprint(x, axis))
+    _CUTS[key] = (ref, cut, axis, _fingerprint(host, axis))
 
 
 def cut_of(x) -> tuple | None:
@@ -519,7 +546,18 @@ def cut_of(x) -> tuple | None:
     if held is None or held[0]() is not x:
         return None
     ref, cut, axis, fingerprint = held
-    return (cut, axis) if _fingerprint(x, axis) == fingerprint else None
+    host = _host(x)
+    if host is None or host.ndim <= axis:      # reshaped in place to fewer axes: no cut holds
+        return None
+    return (cut, axis) if _fingerprint(host, axis) == fingerprint else None
+
+
+def carry_cut(source, target) -> None:
+    """What `source` remembers of its cut, remembered for `target` too: the same values in
+    another framework's object (a torch tensor and the NumPy view the call computes on)."""
+    held = cut_of(source)
+    if held is not None:
+        remember_cut(target, *held)
 
 
 def rows_cut(layout, docs, size: int) -> tuple:
@@ -612,10 +650,11 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     return None
 
 
-def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_mask) -> dict | None:
+def mask_options(causal, window_size, cu_seqlens, softmax_scale, q, block_mask) -> dict | None:
     """What of an attention call's options its lse depends on, as the forward remembers them with
     lse (`remember_cut(lse, ("lse", options))`) and its backward compares them (`lse_problem`):
-    {causal, window_size, cu_seqlens, softmax_scale (resolved), block_mask}, spelled one way
+    {causal, window_size, cu_seqlens, softmax_scale (resolved for q's head dim), block_mask},
+    spelled one way
     where spellings mean the same mask (a causal right bound 0 or -1, a right bound 0 without
     causal, one document or none), or
     None where one cannot be read (the call itself refuses it on every rank)."""
@@ -629,7 +668,7 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, headdim, block_
         causal = bool(causal) or right == 0          # keys up to the query's own: causal
         return {"causal": causal, "window_size": (left, 0 if causal else right),
                 "cu_seqlens": None if docs is None or len(docs) <= 2 else docs,   # one document: none
-                "softmax_scale": resolve_scale(softmax_scale, int(headdim)), "block_mask": block_mask}
+                "softmax_scale": resolve_scale(softmax_scale, int(q.shape[-1])), "block_mask": block_mask}
     except Exception:  # noqa: BLE001 - the call refuses it on every rank
         return None
 
@@ -807,11 +846,8 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
                                       f"of Hkv{swapped}"), None, None
     if not isinstance(return_lse, (bool, np.bool_)):
         return InputError(TypeError, f"return_lse must be True or False, got {return_lse!r}"), None, None
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float, np.floating))
-                                          and not isinstance(softmax_scale, bool)
-                                          and np.isfinite(float(softmax_scale))):
-        return InputError(ValueError, f"softmax_scale must be a finite number, got "
-                                      f"{softmax_scale!r}"), None, None
+    if softmax_scale is not None and not _finite_real(softmax_scale):
+        return scale_problem(softmax_scale), None, None
     if cache_seqlens is None:
         lengths = np.full(b, s, np.int64)
     else:

@@ -302,6 +302,18 @@ def test_every_rank_passing_the_global_array_is_warned_about(world):
             assert len(rank_result["whole"]) == 1 and "burstcu.shard" in rank_result["whole"][0]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_shards_remember_their_cut(world, torch):
+    for rank_result in run_mpi(world, "adapter_bodies:torch_shards_remember_their_cut", timeout=240):
+        refused = rank_result["refused"]
+        assert set(refused) == {"no layout", "packed by heads"}, refused
+        assert "layout='zigzag'" in refused["no layout"], refused
+        if world == 2:     # (3 ranks cannot split 37 rows' 4 heads evenly: refused for that)
+            assert "cut along axis 1" in refused["packed by heads"], refused
+        assert rank_result["err"] < 1e-12 and rank_result["grads"]
+
+
 def test_buffer_callbacks_are_held_in_program_order(jax):
     """burstcu.jax's GPU path (`_in_program_order`): each buffer_callback sits between an ordered
     ticket and an ordered receipt, so two calls with no data dependence still run in program

@@ -134,6 +134,30 @@ def test_bad_init_arguments_on_one_rank_raise_on_every_rank():
             assert "rank 1" in line.group(2) or rank == 1, line.group(0)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 3])
+def test_bad_arguments_on_one_rank_raise_on_every_rank(world):
+    """Arguments that raised on their own rank before the agreement (a 0-d q, an lse reshaped
+    in place, a decode's extra arguments), a KVCache capacity only the first append found to
+    differ, an object array to unshard (which aborted the job) and a communicator as the group
+    (an AttributeError): the same error on every rank, each naming its cause."""
+    results = run_mpi(world, "friction_bodies:one_rank_bad_arguments_fail_on_every_rank", timeout=180)
+    wanted = {"0-d q": "q must have 4 dimensions",
+              "lse reshaped": "lse must have 3 dimensions",
+              "cache_seqlens beside a KVCache": "pass no v_cache, group or cache_seqlens",
+              "no v_cache": "needs v_cache",
+              "KVCache capacity": "capacity_per_rank",
+              "object dtype": "holds Python objects",
+              "a communicator": "group must be a burstcu group from burstcu.init()"}
+    for r in results:
+        for case, text in wanted.items():
+            assert text in r["messages"][case], (case, r["messages"][case])
+    if world > 1:   # the rank whose argument it was is named on the others
+        assert f"rank {world - 1}" in results[0]["messages"]["0-d q"]
+        assert "rank 0" in results[0]["messages"]["KVCache capacity"] or \
+            f"rank {world - 1}" in results[0]["messages"]["KVCache capacity"]
+
+
 def test_timeout_inf_waits_without_a_deadline():
     """timeout=math.inf: the job runs as with any timeout (no overflow in any wait), rank 1
     arriving 1 s late."""

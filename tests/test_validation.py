@@ -118,3 +118,49 @@ def test_the_global_array_on_every_rank(world):
         assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
         assert r["padded_warned"] == 0, (rank, r)     # shards that only begin alike
 
+
+
+def test_odd_arguments_get_messages_not_internal_errors():
+    """What a user passes by mistake is named: a list to shard, a name of no machine or a
+    causal that is not a bool to plan, a communicator or a string as the group, an array as the
+    softmax scale (its message blamed the value); and what is
+    valid is taken: a NumPy int softmax scale in decode as in attention, an lse flattened in
+    place to (B*H, S) for unshard, a shard reshaped in place for a call without positions."""
+    from mpi4py import MPI
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 8, 2, 4)).astype(np.float32)
+    with pytest.raises(TypeError, match="shard takes an array .* not a list"):
+        burstcu.shard(x.tolist(), None)
+    with pytest.raises(TypeError, match="group must be a burstcu group"):
+        burstcu.shard(x, "world")
+    with pytest.raises(ValueError, match="machine must be a Machine or one of"):
+        burstcu.plan(x.shape, x.shape, machine="H100")
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        burstcu.plan(x.shape, x.shape, causal="no")
+    for bad in (MPI.COMM_WORLD, "world", 3):
+        with pytest.raises(TypeError, match="group must be a burstcu group from burstcu.init"):
+            burstcu.attention(x, x, x, bad)
+        with pytest.raises(TypeError, match="group must be a burstcu group from burstcu.init"):
+            burstcu.KVCache(bad, 1, 4, 2, 4, np.float32)
+    with pytest.raises(TypeError, match="make the group of its ranks with burstcu.init"):
+        burstcu.unshard(x, MPI.COMM_WORLD)
+    with pytest.raises(TypeError, match="plan: group must be a burstcu group"):
+        burstcu.plan(x.shape, x.shape, "world")
+    with pytest.raises(TypeError, match="softmax_scale must be a Python or NumPy number .* ndarray"):
+        burstcu.attention(x, x, x, softmax_scale=np.array(0.3))   # (a 0-d tensor alike)
+    cache = burstcu.KVCache(None, 1, 4, 2, 4, np.float32)
+    cache.append(x[:, :2], x[:, 2:4])
+    q = x[:, :1]
+    assert np.array_equal(burstcu.decode(q, cache, softmax_scale=np.int64(1)),
+                          burstcu.decode(q, cache, softmax_scale=1.0))
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group)
+    out, lse = burstcu.attention(x, x, x, sh, causal=True, return_lse=True)
+    flat = lse.copy()
+    flat.shape = (2, 8)                       # (B*H, S), in place
+    assert np.array_equal(sh.unshard_lse(flat), lse.reshape(2, 8))
+    q_flat = sh.shard(x)
+    q_flat.shape = (8, 8)                     # 2-D now: refused for its shape, not an IndexError
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        burstcu.linear_attention(q_flat, x, x, group)

@@ -165,3 +165,32 @@ def every_rank_passes_the_global_array():
     group.close()
     return {"whole": [str(w.message) for w in whole if issubclass(w.category, RuntimeWarning)],
             "sharded": [str(w.message) for w in sharded if issubclass(w.category, RuntimeWarning)]}
+
+
+def torch_shards_remember_their_cut():
+    """Tensors `burstcu.shard` cut remember it as NumPy shards do: zigzag shards passed to a
+    causal burstcu.torch.attention without layout="zigzag", and packed (T, H, D) tensors cut by
+    shard's default axis=1 (their heads), are refused on every rank (they ran, silently wrong);
+    with the layout they run, forward and backward."""
+    import torch
+
+    group = burstcu.init(backend="numpy")
+    q, k, v, _ = (torch.from_numpy(x) for x in _inputs(8))
+    zig = [burstcu.shard(x, group, layout="zigzag") for x in (q, k, v)]
+    refused = {}
+    for case, call in (("no layout", lambda: burstcu.torch.attention(*zig, group, causal=True)),
+                       ("packed by heads", lambda: burstcu.torch.attention(
+                           *(burstcu.shard(x[0], group) for x in (q, k, v)), group, causal=True))):
+        try:
+            call()
+        except ValueError as exc:
+            refused[case] = str(exc)
+    out = burstcu.torch.attention(*(x.requires_grad_() for x in zig), group, causal=True,
+                                  layout="zigzag")
+    out.sum().backward()
+    whole = burstcu.unshard(out.detach(), group, layout="zigzag")
+    keep = _keep(True, (-1, -1), None)
+    ref = attention_ref(*(x.detach().numpy() for x in (q, k, v)), keep=keep)[0]
+    group.close()
+    return {"refused": refused, "err": max_err(whole.numpy(), ref),
+            "grads": all(x.grad is not None for x in zig)}

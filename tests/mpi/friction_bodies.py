@@ -44,3 +44,59 @@ def bad_option_value_on_one_rank_fails_on_every_rank():
         raise AssertionError("init accepted threads=1.5")
     assert "threads must be an int, got 1.5" in message, message
     return {"ranks_failed": len(comm.allgather(message))}
+
+
+def _raised(call, kind):
+    """The message of the `kind` exception `call()` raises (an AssertionError if it returns)."""
+    try:
+        call()
+    except kind as exc:
+        return str(exc)
+    raise AssertionError(f"{call} did not raise {kind.__name__}")
+
+
+def one_rank_bad_arguments_fail_on_every_rank():
+    """The last rank passes an argument no check used to reach before the agreement round, the
+    others valid ones: every rank raises the same kind of error naming it (none waits for the
+    timeout, none sees an internal IndexError/AttributeError), and the group still works."""
+    import numpy as np
+
+    comm = MPI.COMM_WORLD
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    odd = rank == last
+    group = burstcu.init(backend="numpy", timeout=60)
+    sh = burstcu.Sharding(group)
+    rng = np.random.default_rng(0)
+    Q, K, V, dO = (rng.standard_normal((1, 4 * group.size, 2, 8)).astype(np.float32) for _ in range(4))
+    q, k, v, dout = (sh.shard(x) for x in (Q, K, V, dO))
+    out, lse = burstcu.attention(q, k, v, sh, causal=True, return_lse=True)
+    seen = {}
+    # a 0-d q to the backward (its head dim was read before the agreement)
+    seen["0-d q"] = _raised(lambda: burstcu.attention_backward(
+        dout, np.array(1, np.float32) if odd else q, k, v, out, lse, sh, causal=True), ValueError)
+    # lse reshaped in place to fewer axes (its remembered cut was read along a lost axis)
+    flat = lse.copy()
+    if odd:
+        flat.shape = (flat.shape[0] * flat.shape[1], flat.shape[2])
+    seen["lse reshaped"] = _raised(lambda: burstcu.attention_backward(
+        dout, q, k, v, out, flat, sh, causal=True), ValueError)
+    # decode: row counts beside a KVCache, or no v_cache, on one rank (raised there alone)
+    cache = burstcu.KVCache(group, 1, 4, 2, 8, np.float32)
+    cache.append(rng.standard_normal((1, 3, 2, 8)).astype(np.float32),
+                 rng.standard_normal((1, 3, 2, 8)).astype(np.float32))
+    qd = np.ones((1, 1, 2, 8), np.float32)
+    seen["cache_seqlens beside a KVCache"] = _raised(lambda: burstcu.decode(
+        qd, cache, cache_seqlens=np.array([1]) if odd else None), TypeError)
+    seen["no v_cache"] = _raised(lambda: burstcu.decode(
+        qd, cache.k, None if odd else cache.v, group), TypeError)
+    # a KVCache whose capacity differs on one rank (full there alone at the first append); on
+    # one rank, one it refuses
+    capacity = (3 if group.size > 1 else 0) if odd else 2
+    seen["KVCache capacity"] = _raised(lambda: burstcu.KVCache(group, 1, capacity, 2, 8, np.float32),
+                                       ValueError)
+    # an object array to unshard on every rank (it passed the agreement, then aborted the job)
+    seen["object dtype"] = _raised(lambda: burstcu.unshard(q.astype(object), group), TypeError)
+    # the mpi4py communicator where the group goes, on every rank
+    seen["a communicator"] = _raised(lambda: burstcu.attention(q, k, v, comm), TypeError)
+    group.barrier()                                  # still usable
+    return {"messages": seen}
