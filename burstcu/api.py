@@ -695,9 +695,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
 def _gatherable_problem(x_local) -> InputError | None:
     """Why `unshard` cannot send x_local's elements as bytes (Python objects), or None."""
     if getattr(x_local.dtype, "hasobject", False):
-        return InputError(TypeError, f"unshard sends the elements as bytes: x_local of dtype "
-                                     f"{x_local.dtype} holds Python objects; convert it to a "
-                                     f"numeric dtype first")
+        return InputError(TypeError, f"unshard takes arrays of numbers (their elements travel "
+                                     f"between ranks as bytes, at any group size alike): x_local of "
+                                     f"dtype {x_local.dtype} holds Python objects")
     return None
 
 

@@ -74,11 +74,12 @@ PIPELINE (one consumer warpgroup; the producer runs STAGES key tiles ahead)
 SOFTMAX SHIFT
 P = exp2(s * scale_log2 - ref) is one FFMA an element (FlashAttention-3's form), ref the row max
 already scaled and rounded. The FFMA rounds once, after the subtraction, so the max's own P is
-exp2(e), e = its exact scaled score - ref, up to half an ulp of ref. While |ref| < 2^12,
-|e| <= 2^-13 and that P rounds to exactly 1 in the 16-bit P of P V, as the reference's does; past
+exp2(e), e = its exact scaled score - ref, up to half an ulp of ref. While |ref| < 2^13,
+|e| <= 2^-12 and that P rounds to exactly 1 in the 16-bit P of P V, as the reference's does; past
 it a row with one dominant key comes out up to an output ulp off, and past 2^31 (ulps of 256) P
 under- or overflows: a row sum of 0 or inf, lse -inf or +inf and out NaN for rows that see keys.
-A row whose |ref| reaches 2^12 (kFusedShiftBelow: scores of ~2800 at scale 1) therefore scales
+A row whose |ref| reaches 2^12 (kFusedShiftBelow, a binade short of 2^13: scores of ~2800 at
+scale 1) therefore scales
 first and subtracts (FMUL, FADD), as ref itself was made, so its max's P is exactly 1, as
 flash_fwd.cu's always is; the test is once a row a tile, and false on ordinary scores.
 

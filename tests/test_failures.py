@@ -147,7 +147,7 @@ def test_bad_arguments_on_one_rank_raise_on_every_rank(world):
               "cache_seqlens beside a KVCache": "pass no v_cache, group or cache_seqlens",
               "no v_cache": "needs v_cache",
               "KVCache capacity": "capacity_per_rank",
-              "object dtype": "holds Python objects",
+              "object dtype": "unshard takes arrays of numbers",
               "a communicator": "group must be a burstcu group from burstcu.init()"}
     for r in results:
         for case, text in wanted.items():
