@@ -90,6 +90,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     group = burstcu.init(backend=args.backend)
     rank, size = group.rank, group.size
+    differ = _arguments_differ(group, args)
+    if differ:
+        sys.stderr.write(f"burstcu demo: rank {rank}: the ranks were given different arguments "
+                         f"({differ}); give every rank the same\n")
+        group.close()
+        return 2
     if args.dtype is None:  # the kernels take half precision; NumPy computes any float
         args.dtype = "float32" if "float32" in group.ops.dtypes else "float16"
     inputs = _inputs(args)
@@ -113,6 +119,20 @@ def main(argv=None) -> int:
     group.close()
     failed = any(not ok for r in rows_all for ok, *_ in r.get("checks", {}).values())
     return 1 if failed else 0
+
+
+def _arguments_differ(group, args) -> str:
+    """What differs between rank 0's arguments and another rank's ("--sample-rows: rank 0 8,
+    rank 1 12"), or "": every rank computes its part of one problem and of its check, so they
+    must be given the same (one round, every rank learns the same)."""
+    mine = sorted(vars(args).items())
+    every = group.transport.allgather_object(mine, "demo arguments")
+    for r, theirs in enumerate(every):
+        items = [f"--{k.replace('_', '-')}: rank 0 {a!r}, rank {r} {b!r}"
+                 for (k, a), (_, b) in zip(every[0], theirs) if a != b]
+        if items:
+            return "; ".join(items)
+    return ""
 
 
 def _inputs(args):

@@ -70,6 +70,10 @@ class Group:
     trace: Any = field(default=None, repr=False)  # a burstcu.engine.Trace to record step timings into
     closed: bool = field(default=False, repr=False)
     counted: bool = field(default=False, repr=False)  # in the rank's state (`RankState`)
+    # (thread id, call name) of the call running on this group, or None (`Call`, `close`)
+    calling: Any = field(default=None, repr=False, compare=False)
+    entry: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+    turn: Any = field(default_factory=threading.RLock, repr=False, compare=False)  # one rank's calls
 
     @property
     def stats(self) -> CommStats:
@@ -97,9 +101,14 @@ class Group:
 
     def close(self) -> None:
         """Free buffers, worker threads and the communicator. Idempotent; the group is unusable
-        afterwards."""
+        afterwards. RuntimeError while another thread is inside a call on it."""
         if self.closed:
             return
+        with self.entry:
+            running = self.calling
+        if running is not None and running[0] != threading.get_ident():
+            raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
+                               f"group: close it once its calls have returned")
         self.closed = True
         if self.counted:
             RANK_STATE.change(-1)
@@ -170,11 +179,38 @@ class Call:
             raise TypeError(not_a_group(group))
         if group.closed:
             raise ValueError("this group is closed: make a new one with burstcu.init()")
-        self.transport, self.name, self.together = group.transport, name, False
+        self.group, self.transport, self.name, self.together = group, group.transport, name, False
+        self.owner = self.turn = False
 
     def __enter__(self) -> "Call":
+        self.owner = self._enter()
         self.transport.call, self.transport.where = self.name, "agreement on the inputs"
         return self
+
+    def _enter(self) -> bool:
+        """Take the group for this call: True, or False for a call inside this thread's own.
+        On a group of several ranks a call from another thread while one runs is fatal: the
+        calls' messages would pair with other calls' on the other ranks (the same tags, one
+        communicator), and a group runs its calls one at a time, in the same order on every
+        rank, as a communicator's collectives do; nothing could tell a wrong pairing from a
+        right one. A group of one rank has no peer to pair with: its calls wait their turn."""
+        group, me = self.group, threading.get_ident()
+        if group.size == 1:
+            group.turn.acquire()
+            self.turn = True
+        with group.entry:
+            if group.calling is None:
+                group.calling = (me, self.name)
+                return True
+            thread, running = group.calling
+        if thread == me:
+            return False
+        reason = (f"rank {group.rank}: {self.name} was called from another thread while {running} "
+                  f"runs on the same group. A group runs one call at a time, in the same order on "
+                  f"every rank: give each thread its own group (burstcu.init(comm=comm.Dup())), or "
+                  f"make the calls from one thread")
+        self.transport.fail(reason)
+        raise RuntimeError(reason)
 
     @contextmanager
     def raising_together(self):
@@ -195,7 +231,12 @@ class Call:
             if exc is not None and not self.together:
                 t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
         finally:
-            t.call, t.where = None, "between calls"
+            if self.owner:
+                t.call, t.where = None, "between calls"
+                with self.group.entry:
+                    self.group.calling = None
+            if self.turn:
+                self.group.turn.release()
         return False
 
 

@@ -237,6 +237,14 @@ def main(argv=None) -> int:
         parser.error("--only chooses among --full's checks: pass --full too")
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         parser.error(f"--json {args.json}: not a file in an existing folder")   # before any check
+    # every rank runs the same checks and gathers their results: other arguments on one rank
+    # would leave the others waiting in a gather it never reaches
+    every = _gather(sorted((k, v) for k, v in vars(args).items() if k != "json"))
+    if any(theirs != every[0] for theirs in every):
+        r = next(r for r, theirs in enumerate(every) if theirs != every[0])
+        sys.stderr.write(f"burstcu selftest: the ranks were given different arguments (rank 0: "
+                         f"{dict(every[0])}, rank {r}: {dict(every[r])}); give every rank the same\n")
+        return 2
     if args.full:
         return run_full(args)
 

@@ -147,6 +147,27 @@ def test_every_rank_exits_non_zero_when_one_rank_fails():
     assert _exit_codes(proc.stdout) == [1, 1], output
 
 
+@pytest.mark.mpi
+def test_ranks_given_different_arguments_stop_on_every_rank():
+    """Rank 1 given another --sample-rows sized its reference part otherwise, and the ranks'
+    sum of parts came back garbage that passed its own check: every rank now names the
+    argument and exits 2 before any work; the self-test too."""
+    job = [sys.executable, "-m", "burstcu.demo", *SMALL_JOB]
+    cmd = [mpiexec(), "-n", "1", *job, "--sample-rows", "8", ":", "-n", "1", *job, "--sample-rows", "12"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert (f"burstcu demo: rank {rank}: the ranks were given different arguments "
+                f"(--sample-rows: rank 0 8, rank 1 12)") in proc.stderr, proc.stderr
+    assert "PASSED" not in proc.stdout
+    # the self-test alike (--quick on one rank left the others waiting until the timeout)
+    test = [sys.executable, "-m", "burstcu.selftest"]
+    cmd = [mpiexec(), "-n", "1", *test, "--quick", ":", "-n", "1", *test]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("burstcu selftest: the ranks were given different arguments") == 2
+
+
 def test_sampled_rows_take_every_shard_edge_and_one_row_per_stride():
     positions = np.r_[0:10, 30:40]           # a zigzag shard: two runs of ten rows
     rows = demo.sampled_rows(positions, stride=4, rank=1)

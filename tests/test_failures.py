@@ -158,6 +158,45 @@ def test_bad_arguments_on_one_rank_raise_on_every_rank(world):
             f"rank {world - 1}" in results[0]["messages"]["KVCache capacity"]
 
 
+@pytest.mark.mpi
+def test_two_threads_calling_on_one_group_end_the_job():
+    output = run_mpi(2, "friction_bodies:two_threads_on_one_group", timeout=120, expect_fail=True)
+    assert "was called from another thread while attention forward runs on the same group" in output
+    assert "give each thread its own group" in output
+
+
+def test_a_group_of_one_takes_calls_from_threads_in_turn():
+    """One process, no peers: calls from several threads wait their turn (the same bits as one
+    at a time); close() while another thread is inside a call is refused."""
+    import threading
+
+    import numpy as np
+
+    import burstcu
+    from burstcu.group import Call
+
+    rng = np.random.default_rng(0)
+    xs = [tuple(rng.standard_normal((1, 600, 2, 16)).astype(np.float32) for _ in range(3))
+          for _ in range(4)]
+    want = [burstcu.attention(*x, causal=True) for x in xs]
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, burstcu.attention(*xs[i], causal=True)))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(got[i], want[i]) for i in range(4))
+    group = burstcu.init(backend="numpy")
+    refused = []
+    with Call(group, "attention forward"):
+        t = threading.Thread(target=lambda: refused.append(pytest.raises(RuntimeError, group.close)))
+        t.start()
+        t.join()
+    assert refused and "while another thread is inside attention forward" in str(refused[0].value)
+    group.close()
+
+
 def test_timeout_inf_waits_without_a_deadline():
     """timeout=math.inf: the job runs as with any timeout (no overflow in any wait), rank 1
     arriving 1 s late."""

@@ -306,7 +306,10 @@ class MPITransport(Transport):
 
     # -- failures and cleanup ----------------------------------------------------------------------
     def _abort(self, reason: str):
-        self.comm.Abort(1)
+        from mpi4py import MPI
+
+        # closed meanwhile (its communicator freed): the world's abort ends the same job
+        (self.comm if self.comm is not None else MPI.COMM_WORLD).Abort(1)
 
     def close(self):
         self._close_subgroups()

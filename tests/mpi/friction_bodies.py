@@ -100,3 +100,29 @@ def one_rank_bad_arguments_fail_on_every_rank():
     seen["a communicator"] = _raised(lambda: burstcu.attention(q, k, v, comm), TypeError)
     group.barrier()                                  # still usable
     return {"messages": seen}
+
+
+def two_threads_on_one_group():
+    """Two threads of every rank call attention on one group at once: the job ends with the
+    message on the rank that saw it (before, a thread's messages could pair with the other
+    thread's call on another rank: a wrong result, status 0)."""
+    import threading
+
+    import numpy as np
+
+    group = burstcu.init(backend="numpy", timeout=30)
+    rng = np.random.default_rng(group.rank)
+    q, k, v = (rng.standard_normal((1, 256, 2, 16)) for _ in range(3))
+    inside = threading.Barrier(2)
+
+    def call(scale):
+        inside.wait()                 # both threads start together, many times over
+        for _ in range(50):
+            burstcu.attention(scale * q, k, v, group, causal=True)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in (1.0, 0.5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"finished": True}
