@@ -207,8 +207,9 @@ class Call:
             return False
         reason = (f"rank {group.rank}: {self.name} was called from another thread while {running} "
                   f"runs on the same group. A group runs one call at a time, in the same order on "
-                  f"every rank: give each thread its own group (burstcu.init(comm=comm.Dup())), or "
-                  f"make the calls from one thread")
+                  f"every rank: give each thread its own group (another burstcu.init over the "
+                  f"same ranks: comm=comm.Dup() for MPI, the same ProcessGroup for "
+                  f"torch.distributed), or make the calls from one thread")
         self.transport.fail(reason)
         raise RuntimeError(reason)
 
@@ -396,6 +397,10 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     rank if any rank's are bad or the ranks' differ. Close the group when done (`close()`, or
     use it as a context manager).
     """
+    if comm is not None and not (torch_process_group(comm) or hasattr(comm, "Get_rank")):
+        mesh = " (a DeviceMesh: pass mesh.get_group())" if hasattr(comm, "get_group") else ""
+        raise TypeError(f"burstcu.init: comm must be an mpi4py communicator or a "
+                        f"torch.distributed ProcessGroup{mesh}, not a {type(comm).__name__}")
     users_comm = comm = world_comm(comm)
     if torch_process_group(comm):
         comm = TorchDistTransport(comm, _wait_for_init(timeout))

@@ -90,6 +90,14 @@ def _call(fn, tensors, *args, **kwargs):
     return back if isinstance(result, tuple) else back[0]
 
 
+def _eager(fn):
+    """fn run eagerly under torch.compile: Dynamo would trace into the ring (NumPy, MPI or gloo
+    messages) and fail; this way the compiled program breaks its graph at the call."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(fn) if callable(disable) else fn
+
+
 def _first_order_only(what: str) -> None:
     """The backwards compute on arrays autograd does not see, so their gradients carry no graph:
     asked for one (create_graph=True: grad mode is on in the backward), RuntimeError rather
@@ -119,6 +127,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@_eager
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
               strategy: str = "burst", **mask_kwargs) -> torch.Tensor:
@@ -150,6 +159,7 @@ class _LinearAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@_eager
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
                      layout: str | None = None, strategy: str = "lasp2") -> torch.Tensor:
     """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D)."""
@@ -157,6 +167,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 
+@_eager
 def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """`burstcu.decode` for tensors (inference: no autograd): q (B, T, H, D) the same on every

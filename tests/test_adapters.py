@@ -314,6 +314,12 @@ def test_torch_shards_remember_their_cut(world, torch):
         assert rank_result["err"] < 1e-12 and rank_result["grads"]
 
 
+@pytest.mark.mpi
+def test_torch_compile_runs_the_calls_eagerly(torch):
+    for rank_result in run_mpi(2, "adapter_bodies:torch_compile_runs_the_calls_eagerly", timeout=300):
+        assert rank_result == {"loss": 0.0, "grads": 0.0}, rank_result
+
+
 def test_buffer_callbacks_are_held_in_program_order(jax):
     """burstcu.jax's GPU path (`_in_program_order`): each buffer_callback sits between an ordered
     ticket and an ordered receipt, so two calls with no data dependence still run in program

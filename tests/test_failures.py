@@ -78,6 +78,9 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
     # an emulated link too slow for the timeout: the wait names the link, not only the peer
     ("link_too_slow", [f"waited {TIMEOUT} s for rank 1's message", "(emulated link 1e-06 Gb/s, 0 us)",
                        "CommTimeoutError"]),
+    # a group of some of the world's ranks: its rank numbers come with the world's
+    ("subgroup_late", [f"rank 0 waited {TIMEOUT} s for rank(s) [1]",
+                       "(ranks 0-1 of this group are ranks [1, 2] of the job)"]),
     # a rank killed mid-ring: rank-guard names it before mpiexec ends the others
     ("sigkill_mid_ring", ["burstcu: rank 1 on ", "died of signal 9"]),
 ])

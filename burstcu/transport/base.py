@@ -229,6 +229,9 @@ class Transport(ABC):
         self.members: tuple[int, ...] = tuple(range(size))
         self.group_name = ""
         self._subgroups: dict[str, Transport] = {}
+        # the job's ranks (MPI's world, torch's default group) of this group's ranks, when the
+        # group is made of some of them or in another order; None: the same numbers
+        self.job_ranks: tuple[int, ...] | None = None
 
     # -- failures --------------------------------------------------------------------------------
     def deadline(self) -> float:
@@ -261,11 +264,19 @@ class Transport(ABC):
             self.parent.fail(reason)
             return
         if self.size > 1:
-            sys.stderr.write(f"burstcu: {reason}\nburstcu: rank {self.rank} ends all {self.size} "
-                             f"ranks of the group (its peers may be waiting for it)\n")
+            sys.stderr.write(f"burstcu: {reason}{self.job_ranks_said()}\nburstcu: rank {self.rank} "
+                             f"ends all {self.size} ranks of the group (its peers may be waiting "
+                             f"for it)\n")
             sys.stderr.flush()
             time.sleep(ABORT_GRACE_S)
             self._abort(reason)
+
+    def job_ranks_said(self) -> str:
+        """" (ranks 0-2 of this group are ranks [1, 2, 3] of the job)" where a message's rank
+        numbers are not the job's, else ""."""
+        if self.job_ranks is None or self.job_ranks == tuple(range(self.size)):
+            return ""
+        return f" (ranks 0-{self.size - 1} of this group are ranks {list(self.job_ranks)} of the job)"
 
     def _abort(self, reason: str) -> None:
         """End every rank (MPI_Abort, the communicator's abort, ...); default: nothing."""

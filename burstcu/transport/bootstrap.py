@@ -101,7 +101,8 @@ def _refuse_a_world_of_another_size(size: int) -> None:
         remedy = ("Start the job with `mpiexec -n N python -m mpi4py program.py` (or "
                   "launch/burstcu-run), or join torch.distributed: "
                   "`torch.distributed.init_process_group()` then "
-                  "`burstcu.init(comm=torch.distributed.group.WORLD)`")
+                  "`burstcu.init(comm=torch.distributed.group.WORLD)` (group.WORLD is None, "
+                  "so comm is left out, until init_process_group has run)")
     else:
         why = "the launcher's MPI is not the one mpi4py loaded"
         remedy = ("Use the mpiexec of the 'mpi' extra (beside this Python), or point "

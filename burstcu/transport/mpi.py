@@ -111,6 +111,24 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
     return agreed(answer_of([wire.unlabelled(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]))
 
 
+def _world_ranks(comm) -> tuple[int, ...] | None:
+    """The ranks in MPI's world of `comm`'s ranks (a communicator split from it), or None
+    where they cannot be told (an inter-communicator, a rank outside the world)."""
+    from mpi4py import MPI
+
+    mine = world = None
+    try:
+        mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        ranks = tuple(int(r) for r in MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world))
+    except Exception:  # noqa: BLE001 - only the messages would have used them
+        return None
+    finally:
+        for g in (mine, world):
+            if g is not None:
+                g.Free()
+    return None if MPI.UNDEFINED in ranks else ranks
+
+
 class MPITransport(Transport):
     name = "mpi"
 
@@ -121,6 +139,7 @@ class MPITransport(Transport):
         if link is not None and not isinstance(link, Link):
             raise TypeError(f"link must be a burstcu.Link or None, not {type(link).__name__}")
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
+        self.job_ranks = _world_ranks(comm)
         self.where = "creating the group (every rank must call burstcu.init)"
         self.comm, request = comm.Idup()  # a private communicator; bounded like every wait
         poll_until(request.Test, self.deadline(), lambda: self._init_timed_out(comm))

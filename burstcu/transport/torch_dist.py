@@ -117,6 +117,11 @@ class TorchDistTransport(Transport):
         else:
             rank, size = _rank, _size
         super().__init__(rank, size, timeout)
+        if group is not None and _rank is None:
+            try:   # the default group's ranks of this group's, for messages
+                self.job_ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+            except Exception:  # noqa: BLE001 - an older torch: messages say group ranks alone
+                pass
         self.prefix = _prefix
         self.group = _gloo(_prefix, rank, size, self.timeout)
         self._works: list[tuple[Any, str]] = []   # posted messages and the peer each waits on

@@ -194,3 +194,25 @@ def torch_shards_remember_their_cut():
     group.close()
     return {"refused": refused, "err": max_err(whole.numpy(), ref),
             "grads": all(x.grad is not None for x in zig)}
+
+
+def torch_compile_runs_the_calls_eagerly():
+    """A loss around burstcu.torch.attention under torch.compile (backend "eager": no code made)
+    gives the eager loss and gradients; Dynamo traced into the ring and every rank failed."""
+    import torch
+
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    q, k, v, _ = (torch.from_numpy(x) for x in _inputs(9))
+    leaves = [[sh.shard(x).requires_grad_() for x in (q, k, v)] for _ in range(2)]
+
+    def loss(q, k, v):
+        return burstcu.torch.attention(q, k, v, sh, causal=True).square().sum()
+
+    eager = loss(*leaves[0])
+    eager.backward()
+    compiled = torch.compile(loss, backend="eager")(*leaves[1])
+    compiled.backward()
+    group.close()
+    return {"loss": abs(float(eager) - float(compiled)),
+            "grads": max(float((a.grad - b.grad).abs().max()) for a, b in zip(*leaves))}

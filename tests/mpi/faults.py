@@ -172,7 +172,27 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs}   # whole ones
+def subgroup_late(timeout: float) -> None:
+    """A group over ranks 1 and 2 of the world (MPI's Split), whose rank 1 (the world's 2)
+    arrives late: the message's group ranks come with the world's ranks they are. World rank 0,
+    outside the group, waits for the job to end."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    sub = world.Split(0 if world.Get_rank() >= 1 else 1, world.Get_rank())
+    if world.Get_rank() == 0:
+        time.sleep(10 * timeout)
+        return
+    group = burstcu.init(comm=sub, backend="numpy", timeout=timeout)
+    if group.rank == 1:
+        time.sleep(10 * timeout)
+    q, k, v, _ = _inputs(group)
+    burstcu.attention(q, k, v, group)
+    _say(f"rank {group.rank} finished")
+
+
+PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs,   # whole ones
+            "subgroup_late": subgroup_late}
 ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu}
 
 
