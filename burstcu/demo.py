@@ -43,6 +43,7 @@ from burstcu.engine import burst
 from burstcu.layout import partition
 from burstcu.testing.reference import attention_ref, max_err, step_backward_ref, within_fa_rule
 from burstcu.transport.base import CommTimeoutError, deadline_after, poll_until
+from burstcu.transport.bootstrap import agreed_arguments
 
 FA_FACTOR = 2.0             # FlashAttention's tests: at most twice the naive implementation's error
 BLOCK_ELEMENTS = 1 << 22    # scores per reference row block (32 MiB in float64)
@@ -87,15 +88,11 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     """Run the job; 0 if every rank PASSED (or --no-check), 1 if any rank FAILED."""
-    args = parse(argv)
+    args, status = agreed_arguments(parse, argv, "burstcu demo")
+    if args is None:
+        return status
     group = burstcu.init(backend=args.backend)
     rank, size = group.rank, group.size
-    differ = _arguments_differ(group, args)
-    if differ:
-        sys.stderr.write(f"burstcu demo: rank {rank}: the ranks were given different arguments "
-                         f"({differ}); give every rank the same\n")
-        group.close()
-        return 2
     if args.dtype is None:  # the kernels take half precision; NumPy computes any float
         args.dtype = "float32" if "float32" in group.ops.dtypes else "float16"
     inputs = _inputs(args)
@@ -119,20 +116,6 @@ def main(argv=None) -> int:
     group.close()
     failed = any(not ok for r in rows_all for ok, *_ in r.get("checks", {}).values())
     return 1 if failed else 0
-
-
-def _arguments_differ(group, args) -> str:
-    """What differs between rank 0's arguments and another rank's ("--sample-rows: rank 0 8,
-    rank 1 12"), or "": every rank computes its part of one problem and of its check, so they
-    must be given the same (one round, every rank learns the same)."""
-    mine = sorted(vars(args).items())
-    every = group.transport.allgather_object(mine, "demo arguments")
-    for r, theirs in enumerate(every):
-        items = [f"--{k.replace('_', '-')}: rank 0 {a!r}, rank {r} {b!r}"
-                 for (k, a), (_, b) in zip(every[0], theirs) if a != b]
-        if items:
-            return "; ".join(items)
-    return ""
 
 
 def _inputs(args):

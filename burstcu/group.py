@@ -102,14 +102,14 @@ class Group:
     def close(self) -> None:
         """Free buffers, worker threads and the communicator. Idempotent; the group is unusable
         afterwards. RuntimeError while another thread is inside a call on it."""
-        if self.closed:
-            return
         with self.entry:
+            if self.closed:
+                return
             running = self.calling
-        if running is not None and running[0] != threading.get_ident():
-            raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
-                               f"group: close it once its calls have returned")
-        self.closed = True
+            if running is not None and running[0] != threading.get_ident():
+                raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
+                                   f"group: close it once its calls have returned")
+            self.closed = True
         if self.counted:
             RANK_STATE.change(-1)
         self.ops.close()
@@ -181,9 +181,11 @@ class Call:
             raise ValueError("this group is closed: make a new one with burstcu.init()")
         self.group, self.transport, self.name, self.together = group, group.transport, name, False
         self.owner = self.turn = False
+        self.outer = (None, "between calls")
 
     def __enter__(self) -> "Call":
         self.owner = self._enter()
+        self.outer = (self.transport.call, self.transport.where)   # a call inside another's
         self.transport.call, self.transport.where = self.name, "agreement on the inputs"
         return self
 
@@ -193,12 +195,21 @@ class Call:
         calls' messages would pair with other calls' on the other ranks (the same tags, one
         communicator), and a group runs its calls one at a time, in the same order on every
         rank, as a communicator's collectives do; nothing could tell a wrong pairing from a
-        right one. A group of one rank has no peer to pair with: its calls wait their turn."""
+        right one. A group of one rank has no peer to pair with: on the host its calls wait
+        their turn; on a GPU they run as they come (the device orders their work; a call
+        waiting for a turn there could wait on a jitted program whose callback holds it)."""
         group, me = self.group, threading.get_ident()
+        if group.size == 1 and group.ops.device == "cuda":
+            return False
         if group.size == 1:
             group.turn.acquire()
             self.turn = True
         with group.entry:
+            if group.closed:      # closed while this call waited for its turn
+                if self.turn:
+                    self.turn = False
+                    group.turn.release()
+                raise ValueError("this group is closed: make a new one with burstcu.init()")
             if group.calling is None:
                 group.calling = (me, self.name)
                 return True
@@ -232,8 +243,8 @@ class Call:
             if exc is not None and not self.together:
                 t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
         finally:
+            t.call, t.where = (None, "between calls") if self.owner else self.outer
             if self.owner:
-                t.call, t.where = None, "between calls"
                 with self.group.entry:
                     self.group.calling = None
             if self.turn:
@@ -482,6 +493,18 @@ def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
 
 
 _LOCAL: dict[str, Group] = {}
+
+
+def _fresh_turns_in_a_child() -> None:
+    """A forked child's cached groups of one with their locks free (a thread of the parent,
+    absent in the child, may have held one at the fork: the child's first call would wait on it
+    forever)."""
+    for group in _LOCAL.values():
+        group.entry, group.turn, group.calling = threading.Lock(), threading.RLock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_turns_in_a_child)
 
 
 def local_group(backend: str = "numpy") -> Group:

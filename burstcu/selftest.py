@@ -35,7 +35,7 @@ import numpy as np
 
 from . import api
 from .group import Group, init, on_gpu
-from .transport.bootstrap import BackendUnavailable, gpu_usable, world_comm
+from .transport.bootstrap import BackendUnavailable, agreed_arguments, gpu_usable, world_comm
 from .layout import step_blocks
 from .ops.numpy import blas_advice
 from .testing.reference import attention_backward_ref, attention_ref
@@ -221,7 +221,7 @@ def _overlap_line(head: str, ov: dict) -> str:
     return text + " (rank 0; timings, not a check: they do not decide PASSED)"
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m burstcu.selftest", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (CI smoke)")
     parser.add_argument("--json", help="write every rank's results to this file (rank 0)")
@@ -237,14 +237,14 @@ def main(argv=None) -> int:
         parser.error("--only chooses among --full's checks: pass --full too")
     if args.json and (Path(args.json).is_dir() or not Path(args.json).resolve().parent.is_dir()):
         parser.error(f"--json {args.json}: not a file in an existing folder")   # before any check
-    # every rank runs the same checks and gathers their results: other arguments on one rank
-    # would leave the others waiting in a gather it never reaches
-    every = _gather(sorted((k, v) for k, v in vars(args).items() if k != "json"))
-    if any(theirs != every[0] for theirs in every):
-        r = next(r for r, theirs in enumerate(every) if theirs != every[0])
-        sys.stderr.write(f"burstcu selftest: the ranks were given different arguments (rank 0: "
-                         f"{dict(every[0])}, rank {r}: {dict(every[r])}); give every rank the same\n")
-        return 2
+    return args
+
+
+def main(argv=None) -> int:
+    # every rank runs the same checks and gathers their results (rank 0 alone writes --json)
+    args, status = agreed_arguments(parse, argv, "burstcu selftest", ignore=("json",))
+    if args is None:
+        return status
     if args.full:
         return run_full(args)
 

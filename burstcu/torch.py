@@ -73,6 +73,19 @@ def _on_torch_stream(tensors):
     return arrays.external_stream(stream.cuda_stream)   # the inputs' device: arrays.device_problem checks it
 
 
+def _eager(fn):
+    """fn run eagerly under torch.compile: Dynamo would trace into the ring (NumPy, MPI or gloo
+    messages) and fail; this way the compiled program breaks its graph at the call (and a
+    compiled backward at the ring backward). torch.compiler.disable, torch._dynamo's before
+    torch 2.1."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if not callable(disable):
+        from torch import _dynamo
+        disable = _dynamo.disable
+    return disable(fn)
+
+
+@_eager
 def _call(fn, tensors, *args, **kwargs):
     """fn(*tensors as burstcu takes them, *args, **kwargs) on torch's stream, results as tensors
     (a tuple stays a tuple). What a CPU tensor remembers of its cut (`burstcu.shard` of a tensor,
@@ -88,14 +101,6 @@ def _call(fn, tensors, *args, **kwargs):
     for r, t in zip(results, back):
         carry_cut(r, t)
     return back if isinstance(result, tuple) else back[0]
-
-
-def _eager(fn):
-    """fn run eagerly under torch.compile: Dynamo would trace into the ring (NumPy, MPI or gloo
-    messages) and fail; this way the compiled program breaks its graph at the call."""
-    compiler = getattr(torch, "compiler", None)
-    disable = getattr(compiler, "disable", None)
-    return disable(fn) if callable(disable) else fn
 
 
 def _first_order_only(what: str) -> None:

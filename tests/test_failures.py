@@ -197,7 +197,21 @@ def test_a_group_of_one_takes_calls_from_threads_in_turn():
         t.start()
         t.join()
     assert refused and "while another thread is inside attention forward" in str(refused[0].value)
-    group.close()
+    with Call(group, "outer"):             # a call inside this thread's own: its name comes back
+        with Call(group, "inner"):
+            assert group.transport.call == "inner"
+        assert group.transport.call == "outer"
+    assert group.transport.call is None
+    # a call waiting for its turn while the group is closed under it: refused, not run
+    waited = []
+    with Call(group, "attention forward"):
+        t = threading.Thread(target=lambda: waited.append(pytest.raises(
+            ValueError, burstcu.attention, *xs[0], group)))
+        t.start()
+        t.join(0.2)
+        group.close()                      # from the thread inside the call: allowed
+    t.join()
+    assert waited and "this group is closed" in str(waited[0].value)
 
 
 def test_timeout_inf_waits_without_a_deadline():

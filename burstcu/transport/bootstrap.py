@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import warnings
 from typing import Any
 
@@ -87,6 +88,42 @@ def world_comm(comm=None):
         return None
     _refuse_a_world_of_another_size(MPI.COMM_WORLD.Get_size())
     return MPI.COMM_WORLD
+
+
+def agreed_arguments(parse, argv, what: str, ignore: tuple = ()) -> tuple:
+    """(args, None) or (None, exit status) of a command every rank runs (burstcu.demo, the
+    self-test): MPI is started first, then each rank parses its argv (`parse`, argparse's
+    usage errors and --help caught) and one bounded round compares them. A rank whose
+    arguments were refused (argparse said why there), or ranks given different arguments
+    (`ignore`: names allowed to differ), give status 2 on every rank, each printing what
+    differs; --help on every rank gives 0. Before, a rank that stopped at parsing left the
+    others blocked in MPI's start, and ranks given other arguments ran other problems."""
+    comm = world_comm()
+    try:
+        args, status = parse(argv), None
+    except SystemExit as exc:   # argparse printed its message (or the help) on this rank
+        args, status = None, exc.code if isinstance(exc.code, int) else 2
+    mine = (status, None if args is None else
+            sorted((k, v) for k, v in vars(args).items() if k not in ignore))
+    every = [mine] if comm is None or comm.Get_size() == 1 else \
+        gather_plain(comm, mine, resolve_timeout(None), what)
+    statuses = {s for s, _ in every}
+    if statuses == {0}:
+        return None, 0
+    refused = [r for r, (s, _) in enumerate(every) if s is not None]
+    if refused:
+        if status is None:
+            print(f"{what}: rank(s) {refused}'s arguments were refused (see the message there)",
+                  file=sys.stderr)
+        return None, 2
+    differ = [f"rank {r}: " + ", ".join(f"--{k.replace('_', '-')} {b!r} (rank 0: {a!r})"
+                                        for (k, a), (_, b) in zip(every[0][1], theirs) if a != b)
+              for r, (_, theirs) in enumerate(every) if theirs != every[0][1]]
+    if differ:
+        print(f"{what}: the ranks were given different arguments ({'; '.join(differ)}); give "
+              f"every rank the same", file=sys.stderr)
+        return None, 2
+    return args, None
 
 
 def _refuse_a_world_of_another_size(size: int) -> None:
