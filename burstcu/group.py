@@ -74,6 +74,8 @@ class Group:
     calling: Any = field(default=None, repr=False, compare=False)
     entry: Any = field(default_factory=threading.Lock, repr=False, compare=False)
     turn: Any = field(default_factory=threading.RLock, repr=False, compare=False)  # one rank's calls
+    # a GPU group of one, whose calls take no turn: thread id -> its calls running now
+    sharers: Any = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def stats(self) -> CommStats:
@@ -105,8 +107,11 @@ class Group:
         with self.entry:
             if self.closed:
                 return
+            me = threading.get_ident()
             running = self.calling
-            if running is not None and running[0] != threading.get_ident():
+            if running is None and any(thread != me for thread in self.sharers):
+                running = (None, "a call")
+            if running is not None and running[0] != me:
                 raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
                                    f"group: close it once its calls have returned")
             self.closed = True
@@ -180,7 +185,7 @@ class Call:
         if group.closed:
             raise ValueError("this group is closed: make a new one with burstcu.init()")
         self.group, self.transport, self.name, self.together = group, group.transport, name, False
-        self.owner = self.turn = False
+        self.owner = self.turn = self.shared = False
         self.outer = (None, "between calls")
 
     def __enter__(self) -> "Call":
@@ -200,6 +205,11 @@ class Call:
         waiting for a turn there could wait on a jitted program whose callback holds it)."""
         group, me = self.group, threading.get_ident()
         if group.size == 1 and group.ops.device == "cuda":
+            with group.entry:
+                if group.closed:
+                    raise ValueError("this group is closed: make a new one with burstcu.init()")
+                group.sharers[me] = group.sharers.get(me, 0) + 1
+            self.shared = True
             return False
         if group.size == 1:
             group.turn.acquire()
@@ -243,12 +253,22 @@ class Call:
             if exc is not None and not self.together:
                 t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
         finally:
-            t.call, t.where = (None, "between calls") if self.owner else self.outer
-            if self.owner:
-                with self.group.entry:
-                    self.group.calling = None
+            group, me = self.group, threading.get_ident()
+            with group.entry:
+                if self.owner:
+                    group.calling = None
+                if self.shared:
+                    group.sharers[me] -= 1
+                    if not group.sharers[me]:
+                        del group.sharers[me]
+                nested = (not self.owner and not self.shared) or group.sharers.get(me)
+                idle = group.calling is None and not group.sharers
+            if nested or not idle:   # inside this thread's own call (or, on a GPU group of one,
+                t.call, t.where = self.outer   # beside another thread's): its name again
+            else:
+                t.call, t.where = None, "between calls"
             if self.turn:
-                self.group.turn.release()
+                group.turn.release()
         return False
 
 
@@ -499,8 +519,12 @@ def _fresh_turns_in_a_child() -> None:
     """A forked child's cached groups of one with their locks free (a thread of the parent,
     absent in the child, may have held one at the fork: the child's first call would wait on it
     forever)."""
+    me = threading.get_ident()
     for group in _LOCAL.values():
+        if group.calling is not None and group.calling[0] == me:
+            continue   # forked inside a call: this thread, in the child too, still holds it
         group.entry, group.turn, group.calling = threading.Lock(), threading.RLock(), None
+        group.sharers = {}
 
 
 if hasattr(os, "register_at_fork"):

@@ -167,7 +167,12 @@ def test_ranks_given_different_arguments_stop_on_every_rank():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--kv-heads 3 must divide --heads 4" in proc.stderr
-    assert "burstcu demo: rank(s) [1]'s arguments were refused (see the message there)" in proc.stderr
+    assert "burstcu demo: rank(s) [1] stopped at their arguments (see the message there)" in proc.stderr
+    # so does an unreadable $BURSTCU_TIMEOUT on one rank (the others waited out their timeout)
+    cmd = [mpiexec(), "-n", "1", *job, ":", "-n", "1", "env", "BURSTCU_TIMEOUT=soon", *job]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "$BURSTCU_TIMEOUT" in proc.stderr and "stopped at their arguments" in proc.stderr
     # the self-test alike (--quick on one rank left the others waiting until the timeout)
     test = [sys.executable, "-m", "burstcu.selftest"]
     cmd = [mpiexec(), "-n", "1", *test, "--quick", ":", "-n", "1", *test]

@@ -212,6 +212,34 @@ def test_a_group_of_one_takes_calls_from_threads_in_turn():
         group.close()                      # from the thread inside the call: allowed
     t.join()
     assert waited and "this group is closed" in str(waited[0].value)
+    # a GPU group of one (an op on "cuda") takes no turn: calls from threads run side by side,
+    # and close() from another thread mid-call is still refused
+    from burstcu.group import Group
+    from burstcu.ops.numpy import NumpyOps
+    from burstcu.transport.base import SelfTransport
+
+    ops = NumpyOps()
+    ops.device = "cuda"
+    gpu = Group(0, 1, "cupy", SelfTransport(), ops)
+    both, done, refused = threading.Barrier(2, timeout=10), threading.Event(), []
+
+    def beside():
+        with Call(gpu, "decode"):
+            both.wait()                   # inside its call while the main thread is in its own
+            done.wait(10)
+
+    side = threading.Thread(target=beside)
+    side.start()
+    with Call(gpu, "attention forward"):
+        both.wait()
+    t = threading.Thread(target=lambda: refused.append(pytest.raises(RuntimeError, gpu.close)))
+    t.start()
+    t.join()
+    done.set()
+    side.join()
+    assert gpu.transport.call is None and not gpu.sharers
+    gpu.close()
+    assert refused and "while another thread is inside" in str(refused[0].value)
 
 
 def test_timeout_inf_waits_without_a_deadline():

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..build.compile import compute_capability
 from ..build.variants import MIN_COMPUTE_CAPABILITY
-from .base import Transport, resolve_timeout
+from .base import DEFAULT_TIMEOUT, Transport, resolve_timeout
 from .mpi import gather_plain
 from .nccl import CupyDevice, NCCLTransport
 
@@ -103,17 +103,25 @@ def agreed_arguments(parse, argv, what: str, ignore: tuple = ()) -> tuple:
         args, status = parse(argv), None
     except SystemExit as exc:   # argparse printed its message (or the help) on this rank
         args, status = None, exc.code if isinstance(exc.code, int) else 2
+    except Exception as exc:  # noqa: BLE001 - whatever stops this rank must reach the others
+        print(f"{what}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        args, status = None, 2
+    try:
+        timeout = resolve_timeout(None)
+    except ValueError as exc:   # $BURSTCU_TIMEOUT unreadable: refused here, agreed as the rest
+        print(f"{what}: {exc}", file=sys.stderr)
+        args, status, timeout = None, 2, DEFAULT_TIMEOUT
     mine = (status, None if args is None else
             sorted((k, v) for k, v in vars(args).items() if k not in ignore))
     every = [mine] if comm is None or comm.Get_size() == 1 else \
-        gather_plain(comm, mine, resolve_timeout(None), what)
+        gather_plain(comm, mine, timeout, what)
     statuses = {s for s, _ in every}
     if statuses == {0}:
         return None, 0
     refused = [r for r, (s, _) in enumerate(every) if s is not None]
     if refused:
         if status is None:
-            print(f"{what}: rank(s) {refused}'s arguments were refused (see the message there)",
+            print(f"{what}: rank(s) {refused} stopped at their arguments (see the message there)",
                   file=sys.stderr)
         return None, 2
     differ = [f"rank {r}: " + ", ".join(f"--{k.replace('_', '-')} {b!r} (rank 0: {a!r})"
