@@ -190,7 +190,8 @@ class Call:
 
     def __enter__(self) -> "Call":
         self.owner = self._enter()
-        self.outer = (self.transport.call, self.transport.where)   # a call inside another's
+        t = self.transport   # a call inside another's gets that one's name back on its way out
+        self.outer = (getattr(t, "call", None), getattr(t, "where", "between calls"))
         self.transport.call, self.transport.where = self.name, "agreement on the inputs"
         return self
 
