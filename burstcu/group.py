@@ -171,6 +171,9 @@ def _counted(group: Group) -> Group:
     return group
 
 
+CLOSED = "this group is closed: make a new one with burstcu.init()"   # what a call on a closed group raises
+
+
 class Call:
     """One public call on one rank (attention, unshard, barrier, ...), and what happens when it
     fails (docs/troubleshooting.md). Any exception leaving the call ends the whole group
@@ -183,7 +186,7 @@ class Call:
         if not isinstance(group, Group):
             raise TypeError(not_a_group(group))
         if group.closed:
-            raise ValueError("this group is closed: make a new one with burstcu.init()")
+            raise ValueError(CLOSED)
         self.group, self.transport, self.name, self.together = group, group.transport, name, False
         self.owner = self.turn = self.shared = False
         self.outer = (None, "between calls")
@@ -208,7 +211,7 @@ class Call:
         if group.size == 1 and group.ops.device == "cuda":
             with group.entry:
                 if group.closed:
-                    raise ValueError("this group is closed: make a new one with burstcu.init()")
+                    raise ValueError(CLOSED)
                 group.sharers[me] = group.sharers.get(me, 0) + 1
             self.shared = True
             return False
@@ -220,7 +223,7 @@ class Call:
                 if self.turn:
                     self.turn = False
                     group.turn.release()
-                raise ValueError("this group is closed: make a new one with burstcu.init()")
+                raise ValueError(CLOSED)
             if group.calling is None:
                 group.calling = (me, self.name)
                 return True

@@ -124,7 +124,7 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
 def scale_problem(softmax_scale) -> InputError:
     """Why `softmax_scale` (not a finite real number) is refused: a 0-d tensor or JAX array is
     not a number here (the scale is a constant of the call, not differentiable)."""
-    if isinstance(softmax_scale, (bool, np.bool_)) or isinstance(softmax_scale, numbers.Real):
+    if isinstance(softmax_scale, (np.bool_, numbers.Real)):
         return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return InputError(TypeError, f"softmax_scale must be a Python or NumPy number (a constant of "
                                  f"the call, not differentiable), got {type(softmax_scale).__name__}"
