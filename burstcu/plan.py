@@ -190,10 +190,11 @@ class _Problem:
         """Whether all ranks share a node (the intra-node links)."""
         return self.size <= self.machine.ranks_per_node
 
-    def spec(self, heads: int) -> _Spec:
-        """q's shape and dtype with `heads` heads (a group's heads: usp; kv heads: for k)."""
+    def spec(self, heads: int, rows: int | None = None) -> _Spec:
+        """q's shape and dtype with `heads` heads (a group's heads: usp; kv heads: for k), and
+        `rows` rows (another rank's shard) in place of this rank's."""
         b, s, _, d = self.q.shape
-        return _Spec((b, s, heads, d), self.q.dtype)
+        return _Spec((b, s if rows is None else rows, heads, d), self.q.dtype)
 
     def formula(self, layout) -> dict:
         """The keywords of the strategies' byte and message counts for this rank and mask."""
@@ -316,16 +317,28 @@ def _allgather_model(problem: _Problem, run, part: Partition) -> tuple[float, fl
     return fwd, bwd
 
 
+def _all_to_all_bytes(problem: _Problem, part: Partition, u: int) -> tuple[int, int]:
+    """The most bytes a rank sends in its group's Ulysses all-to-alls, (forward, backward): groups
+    of u consecutive ranks of `part`, each member with its own shard's rows (the same figure on
+    every rank, so every rank picks alike)."""
+    h, hkv = problem.q.shape[2], problem.k.shape[2]
+    most_f = most_b = 0
+    for first in range(0, part.size, u):
+        members = Partition(part.layout, part.runs[first:first + u])
+        for j, rows in enumerate(members.lengths):
+            q, k = problem.spec(h, rows), problem.spec(hkv, rows)
+            most_f = max(most_f, ulysses.forward_bytes(u, q, k, k, rank=j, layout=members))
+            most_b = max(most_b, ulysses.backward_bytes(u, q, k, k, rank=j, layout=members))
+    return most_f, most_b
+
+
 def _ulysses_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
     """ulysses: all-to-all in + compute over the whole sequence for H/G heads + all-to-all out,
-    at the busiest rank's bytes (the same figure on every rank, so every rank picks alike)."""
+    at the busiest rank's bytes."""
     whole = as_partition("contiguous", 1, part.total)
     pairs, calls = _work(whole, *problem.mask)
-    size, hg = problem.size, problem.q.shape[2] // problem.size
-    q, k = problem.q, problem.k
-    formula = problem.formula(part)
-    most_f, most_b = (max(count(size, q, k, k, **(formula | {"rank": r})) for r in range(size))
-                      for count in (run.forward_bytes, run.backward_bytes))
+    hg = problem.q.shape[2] // problem.size
+    most_f, most_b = _all_to_all_bytes(problem, part, problem.size)
     fwd = (2 * problem.transfer(most_f / 2, problem.node)
            + float(problem.compute(pairs, calls, hg)[0, 0]))
     bwd = (2 * problem.transfer(most_b / 2, problem.node)
@@ -339,9 +352,8 @@ def _usp_model(problem: _Problem, run, part: Partition) -> tuple[float, float]:
     h, hkv = problem.q.shape[2], problem.k.shape[2]
     u = run.degree(problem.size, h, hkv)
     hg, hk = h // u, ulysses.kv_heads(0, u, h, hkv)[1]
-    a2a_f = ulysses.forward_bytes(u, problem.q, problem.k, problem.k)
-    # lse, delta, q, dO, k, v in; dq, dk, dv back in the accumulation dtype, as the engine sends
-    a2a_b = ulysses.backward_bytes(u, problem.q, problem.k, problem.k)
+    # backward: lse, delta, q, dO, k, v in; dq, dk, dv back in the accumulation dtype
+    a2a_f, a2a_b = _all_to_all_bytes(problem, part, u)
     ring_f, ring_b = _burst_seconds(problem, grouped(part, u), hg, hk, problem.node)
     within = u <= problem.machine.ranks_per_node
     fwd = 2 * problem.transfer(a2a_f / 2, within) + ring_f
@@ -473,6 +485,9 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     if not isinstance(layout, Partition):
         layout = _modelled_split(layout, size, rank, int(q_shape[1]), seqlen,
                                  None if cu_seqlens is None else cu_seqlens[-1], block_mask)
+    elif layout.size != size:
+        raise ValueError(f"plan: the layout is a split over {layout.size} ranks, but the "
+                         f"{'group' if group is not None else 'call (group=None)'} has {size}")
     elif seqlen is not None and seqlen != layout.total:
         raise ValueError(f"plan: seqlen={seqlen} but the split holds {layout.total} positions")
     if named and layout.lengths[rank] != int(q_shape[1]):
@@ -576,7 +591,7 @@ def predict_decode(machine: Machine, size: int, cache_len: int, b: int, h: int, 
     token_s; bytes: what one rank sends."""
     bw = machine.inter_bw if size > machine.ranks_per_node else machine.intra_bw
     read = 2 * b * math.ceil(cache_len / size) * hkv * d * itemsize / machine.memory_bw
-    sent = decode_bytes(size, np.empty((b, 1, h, d), np.float16))
+    sent = decode_bytes(size, np.empty((b, 1, h, d), np.float64 if itemsize == 8 else np.float16))
     gather = 0.0 if size == 1 else machine.latency * math.ceil(math.log2(size)) + sent / bw
     return {"read_s": read, "gather_s": gather, "token_s": read + gather, "bytes": sent}
 

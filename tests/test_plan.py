@@ -301,3 +301,60 @@ def test_plan_takes_documents_over_shards_attention_takes():
     group = _Group(4)
     group.rank = 0
     plan((1, 10, 4, 16), (1, 10, 4, 16), group, machine="cpu", cu_seqlens=[0, 50, 100])   # uneven
+
+
+@pytest.mark.parametrize("lengths", [(430, 338, 81, 151), (300, 479, 250, 250)])
+def test_each_rank_with_its_own_uneven_shard_predicts_what_auto_does(lengths):
+    """Uneven shards, each rank passing its own q: every prediction (Ulysses' and USP's
+    all-to-alls at the busiest member's bytes included) depends on the split alone, so every
+    rank's plan is the same table, and the one `strategy="auto"` computes from the mean shard."""
+    from burstcu.layout import partition
+
+    part = partition("contiguous", 4, sum(lengths), lengths=lengths)
+    tables = set()
+    for rank, rows in enumerate(lengths + (-(-sum(lengths) // 4),)):   # the last: auto's view
+        group = _Group(4)
+        group.rank = min(rank, 3)
+        shape = (1, rows, 4, 64)
+        p = plan(shape, shape, group, causal=True, layout=part, dtype="float32", machine="cpu")
+        tables.add((p.strategy, tuple(sorted(p.options.items())),
+                    tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates)))
+    assert len(tables) == 1
+    (_, _, table), = tables
+    assert {"ulysses", "usp ulysses_degree=2"} <= {label for label, _, _ in table}
+
+
+def test_ulysses_bytes_are_each_ranks_own_with_uneven_shards():
+    """The strategy interface's `rank`: Ulysses' counts take rank r's rows from the split, so
+    the model can ask for any rank's (what rank r sends: its rows for the other members' heads,
+    and the others' rows of its own heads)."""
+    from burstcu.engine import ulysses
+    from burstcu.layout import partition
+    from burstcu.plan import _Spec
+
+    part = partition("contiguous", 3, 600, lengths=(100, 200, 300))
+    q, k = _Spec((2, 100, 6, 8), np.float16), _Spec((2, 100, 3, 8), np.float16)
+    for rank, rows in enumerate(part.lengths):
+        mine, others = rows, 600 - rows
+        # q, k, v rows out for 2 of the 3 members' heads (2 query, 1 kv head each); out and lse
+        # back for the others' rows of my 2 heads (out in fp16, lse in fp32)
+        assert ulysses.forward_bytes(3, q, k, k, rank=rank, layout=part) == \
+            2 * 2 * mine * (2 + 2 * 1) * 8 * 2 + others * 2 * 2 * (4 + 8 * 2)
+
+
+def test_plan_refuses_a_split_over_another_number_of_ranks():
+    from burstcu.layout import partition
+
+    part = partition("contiguous", 2, 64, lengths=(30, 34))
+    with pytest.raises(ValueError, match=r"a split over 2 ranks, but the call \(group=None\) has 1"):
+        plan((1, 30, 4, 64), (1, 30, 4, 64), None, layout=part)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_predicted_decode_bytes_follow_the_partials_dtype(itemsize):
+    """A decode sends each rank's partial (acc, m, l: D + 2 values a row and head) to the G - 1
+    others, in float32, or float64 for a float64 decode (docs/decode.md)."""
+    from burstcu.plan import predict_decode
+
+    got = predict_decode(MACHINES["cpu"], 3, 1024, 2, 8, 2, 64, itemsize)["bytes"]
+    assert got == 2 * 2 * 1 * 8 * (64 + 2) * (8 if itemsize == 8 else 4)

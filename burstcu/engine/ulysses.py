@@ -242,18 +242,21 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
 # rank matter with uneven shards (a rank sends its own rows of every other member's heads, and
 # every other member's rows of its own heads); the counts are without check=True's row sums
 
-def _head_split(size: int, q, k) -> tuple:
-    """(B, S, D, Hg, Hk, input itemsize, accumulation itemsize) of q (B,S,H,D), k (B,S,Hkv,D)."""
+def _head_split(size: int, q, k, rank: int, layout: str | Partition) -> tuple:
+    """(B, S, others' rows, D, Hg, Hk, input itemsize, accumulation itemsize) of rank `rank`
+    (its S from `layout` where that is a Partition: with uneven shards each rank's differs; else
+    q's) for q (B,S,H,D), k (B,S,Hkv,D)."""
     b, s, h, d = q.shape
-    return (b, s, d, h // size, kv_heads(0, size, h, k.shape[2])[1], q.dtype.itemsize,
-            accum_dtype(q.dtype).itemsize)
+    part = as_partition(layout, size, s)
+    s = part.lengths[rank]
+    return (b, s, part.total - s, d, h // size, kv_heads(0, size, h, k.shape[2])[1],
+            q.dtype.itemsize, accum_dtype(q.dtype).itemsize)
 
 
 def forward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition = "contiguous",
                   causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """q, k, v of my rows for each other member's heads; out, lse of their rows for mine."""
-    b, s, d, hg, hk, it, acc = _head_split(size, q, k)
-    others = as_partition(layout, size, s).total - s
+    b, s, others, d, hg, hk, it, acc = _head_split(size, q, k, rank, layout)
     return (size - 1) * b * s * (hg + 2 * hk) * d * it + others * b * hg * (acc + d * it)
 
 
@@ -261,10 +264,9 @@ def backward_bytes(size: int, q, k, v, *, rank: int = 0, layout: str | Partition
                    causal: bool = False, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
     """lse, delta, q, dO, k, v of my rows out; dq, dk, dv of their rows back, in the
     accumulation dtype."""
-    b, s, d, hg, hk, it, acc = _head_split(size, q, k)
+    b, s, others, d, hg, hk, it, acc = _head_split(size, q, k, rank, layout)
     inbound = hg * (2 * acc + 2 * d * it) + 2 * hk * d * it
     outbound = (hg + 2 * hk) * d * acc
-    others = as_partition(layout, size, s).total - s
     return (size - 1) * b * s * inbound + others * b * outbound
 
 
