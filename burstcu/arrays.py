@@ -9,6 +9,7 @@ here imports a framework that the caller has not imported.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -65,6 +66,22 @@ def group_for(group: Group | None, q) -> Group:
             f"visible, or pass CPU arrays") from exc
 
 
+def torch_stream(tensors):
+    """A context running CuPy work (kernels, copies, NCCL ordering) on torch's current stream when
+    one of `tensors` is a CUDA tensor (torch imported by the caller), so it is ordered after the
+    torch work that wrote them and before what torch runs next; a no-op otherwise (torch's
+    default stream is CUDA's legacy stream, CuPy's default too)."""
+    torch = sys.modules.get("torch")
+    tensor = getattr(torch, "Tensor", None)
+    cuda = next((t for t in tensors if tensor is not None and isinstance(t, tensor) and t.is_cuda), None)
+    if cuda is None:
+        return contextlib.nullcontext()
+    stream = torch.cuda.current_stream(cuda.device)
+    if stream.cuda_stream == 0:
+        return contextlib.nullcontext()
+    return external_stream(stream.cuda_stream)   # the inputs' device: device_problem checks it
+
+
 def external_stream(handle: int):
     """A CuPy stream object for a CUDA stream another library created (torch's current stream,
     XLA's compute stream), so CuPy work issued under it (`with ...:`) joins that stream."""
@@ -81,12 +98,19 @@ def external_stream(handle: int):
 
 
 def device_problem(ops, names: tuple, arrays: tuple) -> InputError | None:
-    """When `ops` computes on a GPU, the first input that lives on a GPU other than the one its
-    work runs on (CuPy's current device: the kernels and NCCL run there), as a deferred error;
-    else None."""
+    """When `ops` computes on a GPU: CuPy's current device other than the op's own
+    (`LocalOps.device_id`), or the first input that lives on a GPU other than the current one
+    (the kernels and NCCL run there), as a deferred error; else None."""
     current = ops.current_device()
     if current is None:
         return None
+    home = ops.device_id
+    if home is not None and current != home:
+        return InputError(ValueError, (
+            f"this group computes on CUDA device {home} (it was made there: its kernels, buffers "
+            f"and NCCL communicator live there) but the current CuPy device is {current}: call "
+            f"cupy.cuda.Device({home}).use() before the call, or make a group on device {current}"
+            f" (with group=None, burstcu keeps one a device)"))
     for name, x in zip(names, arrays):
         device_id = cuda_device(x)
         if device_id is not None and device_id != current:

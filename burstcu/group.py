@@ -516,7 +516,7 @@ def loopback_group(hub, rank: int, backend: str = "numpy", **options) -> Group:
     return Group(rank, hub.size, backend, transport, ops)
 
 
-_LOCAL: dict[str, Group] = {}
+_LOCAL: dict[tuple, Group] = {}   # (backend, CUDA device or None) -> its group of one
 
 
 def _fresh_turns_in_a_child() -> None:
@@ -536,11 +536,18 @@ if hasattr(os, "register_at_fork"):
 
 
 def local_group(backend: str = "numpy") -> Group:
-    """The cached group of one process used when `group=None`."""
-    if backend not in _LOCAL:
+    """The cached group of one process used when `group=None`; on "cupy", CuPy's current
+    device's (an op is bound to the device it was made on: `KernelOps.current_device`)."""
+    key = (backend, _current_cuda_device() if on_gpu(backend) else None)
+    if key not in _LOCAL:
         if backend == "numpy":
             ops: LocalOps = NumpyOps()
         else:
             ops = KernelOps(backend)
-        _LOCAL[backend] = Group(0, 1, backend, SelfTransport(), ops)
-    return _LOCAL[backend]
+        _LOCAL[key] = Group(0, 1, backend, SelfTransport(), ops)
+    return _LOCAL[key]
+
+
+def _current_cuda_device() -> int:
+    import cupy
+    return int(cupy.cuda.runtime.getDevice())

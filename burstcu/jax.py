@@ -28,6 +28,8 @@ JAX's runtime error carrying burstcu's message.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,9 +91,10 @@ def _callback_group(group: Group | None) -> Group | None:
 
 def _device_buffers(fn, group: Group | None, *args, **kwargs):
     """The body of a `buffer_callback` on a GPU: XLA's input buffers viewed zero-copy as CuPy
-    arrays and the work run on XLA's own stream (`ctx.stream`), the results copied into XLA's
-    output buffers on that stream (the "cupy" group then takes CuPy arrays only: a computation
-    placed on the CPU while a GPU is JAX's default is refused by it, on every rank)."""
+    arrays and the work run on their device and XLA's own stream (`ctx.stream`), the results
+    copied into XLA's output buffers on that stream (the "cupy" group then takes CuPy arrays
+    only: a computation placed on the CPU while a GPU is JAX's default is refused by it, on
+    every rank). group None: the buffers' device's group of one."""
     import cupy
 
     def view(buffer):
@@ -104,10 +107,15 @@ def _device_buffers(fn, group: Group | None, *args, **kwargs):
 
     def run(ctx, outs, *ins_and_ticket):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        with arrays.external_stream(int(ctx.stream)):
-            result = fn(*(view(b) for b in ins_and_ticket[:-1]), group, *args, **kwargs)
-            for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
-                view(out)[...] = value
+        ins = tuple(view(b) for b in ins_and_ticket[:-1])
+        where = next((x.device.id for x in ins if isinstance(x, cupy.ndarray)), None)
+        # the buffers' GPU current (a program over several local GPUs calls this once a device;
+        # with group=None the call then takes that device's group of one)
+        with cupy.cuda.Device(where) if where is not None else contextlib.nullcontext():
+            with arrays.external_stream(int(ctx.stream)):
+                result = fn(*ins, group, *args, **kwargs)
+                for out, value in zip(outs, result if isinstance(result, tuple) else (result,)):
+                    view(out)[...] = value
     return run
 
 
@@ -119,11 +127,11 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     elsewhere an ordered host callback."""
     if not _is_traced(arrays):
         return _eager(fn, arrays, group, *args, **kwargs)
-    group = _callback_group(group)
-    if (buffer_callback is not None and group is not None and api.group_of(group).ops.device == "cuda"
+    chosen = _callback_group(group)
+    if (buffer_callback is not None and chosen is not None and api.group_of(chosen).ops.device == "cuda"
             and jax.default_backend() == "gpu"):
         return _in_program_order(_device_buffers(fn, group, *args, **kwargs), arrays, results)
-    return io_callback(_host(fn, group, *args, **kwargs), results, *arrays, ordered=True)
+    return io_callback(_host(fn, chosen, *args, **kwargs), results, *arrays, ordered=True)
 
 
 def _ticket():

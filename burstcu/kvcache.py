@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
-from .arrays import host_view
+from .arrays import host_view, torch_stream
 from .group import Call, Group, local_group, not_a_group
 from .ops.decode import PagedRows
 from .validate import InputError, agree
@@ -229,8 +229,9 @@ class KVCache:
         """Add rows (batch, T, kv_heads, headdim), the same on every rank: row t of batch row b
         lands on the rank holding fewest rows of b then. Rows of another shape or not of real
         numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
-        on every rank before anything is stored. No communication."""
-        with Call(self.group, "KVCache.append") as call:
+        on every rank before anything is stored. No communication. Rows that are CUDA torch
+        tensors are copied on torch's current stream, as `burstcu.torch.decode` reads there."""
+        with Call(self.group, "KVCache.append") as call, torch_stream((k_new, v_new)):
             with call.raising_together():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)
                 counts = self.counts.copy()
@@ -253,7 +254,7 @@ class KVCache:
         """Adopt this rank's shard of a prefill (B, S_local, kv_heads, headdim), as a sharded
         `attention` holds it (any layout: decode needs no order); replaces what the cache held.
         Collective: the ranks learn each other's S_local in one round."""
-        with Call(self.group, "KVCache.from_prefill") as call:
+        with Call(self.group, "KVCache.from_prefill") as call, torch_stream((k_local, v_local)):
             err = None
             try:
                 k_local, v_local = self._check_rows("from_prefill", k_local, v_local)

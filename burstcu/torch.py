@@ -22,7 +22,6 @@ keeps q, k, v, out and lse, nothing of size S x S.
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
@@ -61,18 +60,6 @@ def _to_torch(x) -> torch.Tensor:
     return torch.from_dlpack(x)
 
 
-def _on_torch_stream(tensors):
-    """A context running CuPy (kernels, NCCL ordering) on torch's current stream when the
-    inputs are CUDA tensors; a no-op otherwise."""
-    cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    if cuda is None:
-        return contextlib.nullcontext()
-    stream = torch.cuda.current_stream(cuda.device)
-    if stream.cuda_stream == 0:   # torch's default stream is CUDA's legacy stream, CuPy's default too
-        return contextlib.nullcontext()
-    return arrays.external_stream(stream.cuda_stream)   # the inputs' device: arrays.device_problem checks it
-
-
 def _eager(fn):
     """fn run eagerly under torch.compile: Dynamo would trace into the ring (NumPy, MPI or gloo
     messages) and fail; this way the compiled program breaks its graph at the call (and a
@@ -94,7 +81,7 @@ def _call(fn, tensors, *args, **kwargs):
     taken = tuple(_to_burstcu(t) for t in tensors)
     for t, x in zip(tensors, taken):
         carry_cut(t, x)
-    with _on_torch_stream(tensors):
+    with arrays.torch_stream(tensors):
         result = fn(*taken, *args, **kwargs)
     results = result if isinstance(result, tuple) else (result,)
     back = tuple(_to_torch(r) for r in results)

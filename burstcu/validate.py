@@ -844,6 +844,9 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
         return InputError(ValueError, f"q {tuple(q.shape)} does not fit the cache {tuple(k.shape)}: "
                                       f"(B, T, H, D) against (B, S_cache, Hkv, D), H a multiple "
                                       f"of Hkv{swapped}"), None, None
+    problem = ops.decode_problem(tuple(q.shape), tuple(k.shape), dtype_name(q))
+    if problem is not None:
+        return InputError(ValueError, problem), None, None
     if not isinstance(return_lse, (bool, np.bool_)):
         return InputError(TypeError, f"return_lse must be True or False, got {return_lse!r}"), None, None
     if softmax_scale is not None and not _finite_real(softmax_scale):

@@ -18,7 +18,7 @@
 //     offsetof is defined and g++, nvcc and NVRTC all lay it out by natural alignment);
 //   * 8-byte members first, then 4-byte ones, so that no padding is needed inside.
 // Kernel parameters may take 4 KB (32 KB from CUDA 12.1 on Volta and newer): the largest struct
-// here, BwdStepSm90Params, takes 704 bytes (BwdStepParams 288).
+// here, BwdStepSm90Params, takes 832 bytes (BwdStepParams 288).
 //
 // Reading a parameter struct: a kernel copies the fields it uses into locals at its top, before
 // any loop, and uses only those. A field read where it is used (inside the tile loops) is

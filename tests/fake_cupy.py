@@ -10,19 +10,21 @@ import types
 class FakeCupy:
     """Just enough of cupy for the bootstrap, KernelOps' device queries and `arrays.device_problem`.
 
-    cc: the compute capability every device reports; n_devices: how many there are; current:
-    the device CuPy calls current. `calls` records ("attr", attribute, device), ("Device", id),
-    ("use", id), ("enter", id), ("switch", id) (a Device property that switches in real CuPy)
-    and ("NcclCommunicator",).
+    cc: the compute capability every device reports (and 132 SMs); n_devices: how many there
+    are; current: the device CuPy calls current (`select` changes it). `calls` records ("attr",
+    attribute, device), ("Device", id), ("use", id), ("enter", id), ("switch", id) (a Device
+    property that switches in real CuPy) and ("NcclCommunicator",).
     """
 
     def __init__(self, cc=(9, 0), n_devices=4, current=0):
         self.calls: list = []
-        calls, values = self.calls, {75: cc[0], 76: cc[1], 97: 232448}
+        self.current = current
+        calls, values = self.calls, {16: 132, 75: cc[0], 76: cc[1], 97: 232448}
+        fake = self
 
         class Device:
             def __init__(self, device_id=None):
-                self.id = current if device_id is None else device_id
+                self.id = fake.current if device_id is None else device_id
                 calls.append(("Device", self.id))
 
             def use(self):
@@ -57,14 +59,15 @@ class FakeCupy:
                 pass
 
         self.module = types.ModuleType("cupy")
+        self.module.ndarray = type("ndarray", (), {})   # no array of it is ever made
         cuda = self.module.cuda = types.ModuleType("cupy.cuda")
         cuda.Device = Device
         cuda.runtime = types.SimpleNamespace(deviceGetAttribute=device_attribute,
-                                             getDevice=lambda: current,
+                                             getDevice=lambda: fake.current,
                                              getDeviceCount=lambda: n_devices)
         cuda.Stream = lambda **kwargs: object()
         cuda.Event = lambda **kwargs: object()
-        cuda.get_current_stream = lambda: object()
+        cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)   # the legacy stream
         cuda.nccl = types.ModuleType("cupy.cuda.nccl")
         cuda.nccl.get_unique_id = lambda: b"\0" * 128
         cuda.nccl.NcclCommunicator = Communicator
@@ -75,6 +78,11 @@ class FakeCupy:
                              ("cupy.cuda.nccl", self.module.cuda.nccl)):
             monkeypatch.setitem(sys.modules, name, module)
         return self
+
+    def select(self, device_id: int) -> None:
+        """Make `device_id` CuPy's current device (as `cupy.cuda.Device(device_id).use()` does
+        in real CuPy; here `use` only records)."""
+        self.current = device_id
 
     def switches(self):
         """The recorded calls that make a device current."""

@@ -292,3 +292,27 @@ def test_bad_cache_rows_raise_on_every_rank():
 def test_a_cache_of_a_dtype_decode_cannot_take_is_refused_when_made(dtype):
     with pytest.raises(TypeError, match="KVCache dtype must be one of float16, bfloat16, float32"):
         burstcu.KVCache(None, 1, 4, 1, 8, dtype)
+
+
+def test_kvcache_copies_torch_rows_on_torchs_stream(monkeypatch):
+    """Rows that are torch tensors are stored under `arrays.torch_stream` of those rows (on a
+    GPU: torch's current stream, where torch wrote them and where `burstcu.torch.decode` reads
+    the cache), by append and by from_prefill alike."""
+    import contextlib
+
+    import torch
+
+    from burstcu import kvcache
+
+    entered = []
+
+    def recording(tensors):
+        entered.append(tuple(tensors))
+        return contextlib.nullcontext()
+    monkeypatch.setattr(kvcache, "torch_stream", recording)
+    cache = burstcu.KVCache(None, 1, 8, 1, 4, np.float32)
+    k, v = torch.ones(1, 2, 1, 4), torch.full((1, 2, 1, 4), 2.0)
+    cache.from_prefill(k, v)
+    cache.append(k[:, :1], v[:, :1])
+    assert [tuple(map(id, t)) for t in entered][0] == (id(k), id(v)) and len(entered) == 2
+    assert cache.seqlens.tolist() == [3] and float(np.asarray(cache.v)[0, 2, 0, 0]) == 2.0

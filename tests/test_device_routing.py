@@ -117,3 +117,48 @@ def test_inputs_on_the_current_gpu_pass_the_device_check(monkeypatch):
     group = _cupy_group(monkeypatch, peer=(None, None, None), current=1)
     inputs = tuple(_DLTensor(x, device=(2, 1)) for x in _qkv())
     assert arrays.device_problem(group.ops, ("q", "k", "v"), inputs) is None
+
+
+# ---- one op a GPU: its kernels, buffers and flags are that GPU's --------------------------------
+def _fresh_local_groups(monkeypatch):
+    from burstcu import group as group_module
+    monkeypatch.setattr(group_module, "_LOCAL", {})
+    return group_module.local_group
+
+
+def test_each_gpu_of_a_process_gets_its_own_group_of_one(monkeypatch):
+    """group=None on two GPUs of one process: an op a device, bound to it (a kernel object loaded
+    and given its shared memory on one device cannot launch on another); the op refuses a call
+    made while another device is current, through the agreement, before anything runs."""
+    fake = FakeCupy(cc=(8, 0), current=0).install(monkeypatch)
+    local_group = _fresh_local_groups(monkeypatch)
+    on_0 = local_group("cupy")
+    fake.select(1)
+    on_1 = local_group("cupy")
+    assert on_1 is not on_0 and (on_0.ops.device_id, on_1.ops.device_id) == (0, 1)
+    assert local_group("cupy") is on_1 and local_group("numpy") is local_group("numpy")
+    fake.select(0)
+    assert local_group("cupy") is on_0
+    inputs = tuple(_DLTensor(x, device=(2, 1)) for x in _qkv())
+    assert arrays.device_problem(on_1.ops, ("q", "k", "v"), inputs).message.startswith(
+        "this group computes on CUDA device 1 (it was made there")
+    fake.select(1)
+    assert arrays.device_problem(on_1.ops, ("q", "k", "v"), inputs) is None
+    assert "but the current CuPy device is 1: call cupy.cuda.Device(0).use()" in \
+        arrays.device_problem(on_0.ops, ("q", "k", "v"), inputs).message
+
+
+def test_a_gpu_op_keeps_its_buffers_per_stream_and_thread(monkeypatch):
+    """A GPU group of one runs several threads' calls as they come, all on the legacy stream by
+    default: what the op keeps between calls (message buffers, decode plans) is keyed by thread
+    too, so two threads' launches never share a workspace."""
+    import threading
+
+    FakeCupy(cc=(8, 0)).install(monkeypatch)
+    ops = _fresh_local_groups(monkeypatch)("cupy").ops
+    keys = [ops.stream_key()]
+    thread = threading.Thread(target=lambda: keys.append(ops.stream_key()))
+    thread.start()
+    thread.join()
+    assert keys[0] == ops.stream_key() and keys[0] != keys[1]
+    assert keys[0][0] == keys[1][0] == 0     # one stream, two threads

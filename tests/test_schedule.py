@@ -199,6 +199,51 @@ def test_watchdog_stays_quiet_when_exchanges_complete():
     dog.stop()
 
 
+def test_watchdog_queries_from_a_thread_on_the_ranks_gpu():
+    """A thread starts on device 0: the watchdog binds its thread to the transport's GPU before
+    its first query (else each rank would open a context on GPU 0)."""
+    import threading
+
+    seen = []
+
+    class _Bound(schedule.RecordingDevice):
+        def bind_thread(self):
+            seen.append(("bind", threading.get_ident()))
+
+        def query(self, event):
+            seen.append(("query", threading.get_ident()))
+            return super().query(event)
+
+    dog = EventWatchdog(_Bound(), 5.0, lambda what: None, poll=0.01)
+    dog.watch("event0", "step 0")
+    deadline = time.monotonic() + 5
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    assert seen[0][0] == "bind" and seen[1][0] == "query"
+    assert seen[0][1] == seen[1][1] != threading.get_ident()
+
+
+def test_watchdog_reports_a_query_that_raises():
+    """A CUDA error from the completion query (a sticky error on this GPU) ends the job with
+    that error, at once, rather than killing the watchdog's thread and leaving a hang."""
+    class _Broken(schedule.RecordingDevice):
+        def query(self, event):
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    transport = NCCLTransport(0, 2, _Broken(), timeout=60)
+    reasons = []
+    transport.fail = reasons.append
+    transport.watchdog.watch("event0", "attention forward at 'fwd 0 wait'")
+    deadline = time.monotonic() + 5
+    while not reasons and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(reasons) == 1 and transport.watchdog.fired is not None
+    assert reasons[0].startswith("rank 0: the NCCL exchange of attention forward at 'fwd 0 wait' "
+                                 "failed on this rank's GPU (RuntimeError: cudaErrorIllegalAddress")
+    transport.close()
+
+
 class _Annotating(DelegatingOps):
     """The recording op, reporting the engine's annotations to the transport (as the API does)."""
 

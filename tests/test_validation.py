@@ -164,3 +164,19 @@ def test_odd_arguments_get_messages_not_internal_errors():
     q_flat.shape = (8, 8)                     # 2-D now: refused for its shape, not an IndexError
     with pytest.raises(ValueError, match="q must have 4 dimensions"):
         burstcu.linear_attention(q_flat, x, x, group)
+
+
+def test_batches_past_the_cuda_grids_are_refused_before_any_launch():
+    """The CUDA kernels' grids hold B in z and the heads in y (at most 65535 each): attention
+    and decode on the kernel backends refuse more with ValueError before anything runs, where
+    the NumPy op takes them."""
+    from burstcu.group import local_group
+
+    kernels = local_group("emulated")
+    q = np.zeros((65536, 1, 1, 8), np.float16)
+    with pytest.raises(ValueError, match=r"batch 65536: the CUDA kernels take at most 65535 batch "
+                                         r"rows and heads a call"):
+        burstcu.attention(q, q, q, kernels)
+    with pytest.raises(ValueError, match=r"batch 65536: the CUDA decode kernels take at most 65535"):
+        burstcu.decode(q, q, q, kernels)
+    assert burstcu.decode(q, q, q).shape == (65536, 1, 1, 8)     # the NumPy op's group of one

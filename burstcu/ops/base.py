@@ -6,7 +6,8 @@ partial or a linear-attention chunk product. The NumPy op (`burstcu.ops.numpy`) 
 kernels (`burstcu.ops.cuda`, on a GPU or under the CPU emulator) implement it; wrappers (timing,
 recording, the schedule checker's recorder) derive from `DelegatingOps`. What an op can take is
 read from its capability attributes (`dtypes`, `array_dtypes`, `headdim_problem`,
-`max_positions`, `masks_windows`, `device`, `current_device()`), never from a backend's name.
+`max_positions`, `masks_windows`, `device`, `device_id`, `current_device()`), never from a
+backend's name.
 
 Shapes (B batch, S local sequence length, H query heads, Hkv key/value heads, D head dim):
 
@@ -143,9 +144,12 @@ class LocalOps(ABC):
     masks_windows: bool = False                  # Block.left / Block.right honoured (sliding windows)
     max_positions: int | None = None             # global positions it addresses (None: any)
     device: str = "cpu"                          # where its arrays live: "cpu" or "cuda"
+    device_id: int | None = None                 # the CUDA device it was made on and computes on
+    #                                              (its kernels, kept buffers and flags live there)
 
     def current_device(self) -> int | None:
-        """The CUDA device its work runs on now (device "cuda"), else None."""
+        """The CUDA device a launch would run on now (CuPy's current one; device "cuda"), else
+        None. `arrays.device_problem` refuses a call where it is not `device_id`."""
         return None
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
@@ -156,6 +160,11 @@ class LocalOps(ABC):
     def headdim_problem(self, headdim: int, backward: bool = False) -> str | None:
         """Why this op cannot run `headdim` in the forward (or backward) pass — a message for
         the user — or None when it can."""
+        return None
+
+    def decode_problem(self, q_shape: tuple, k_shape: tuple, dtype: str) -> str | None:
+        """Why this op cannot decode q (B,T,H,D) over a cache (B,S,Hkv,D) of `dtype` — a message
+        for the user — or None. Checked on every rank before any exchange."""
         return None
 
     # -- memory ------------------------------------------------------------------------------------
@@ -172,8 +181,9 @@ class LocalOps(ABC):
         calls (2 messages each); `release_buffers()` frees them.
         Safe because every exchange is waited on before a call returns, and on a GPU that wait
         orders the communication stream before later work on the same compute stream; buffers
-        are kept per compute stream (`stream_key`), since a call on another stream is not
-        ordered after the last kernels that read them.
+        are kept per compute stream and calling thread (`stream_key`), since a call on another
+        stream is not ordered after the last kernels that read them, and two threads' calls on
+        one stream (a GPU group of one runs them as they come) would interleave their launches.
         """
         key = (self.stream_key(),) + (buffer_layout(fields) if layout is None else layout)
         cache = self.__dict__.setdefault("_double_buffers", OrderedDict())
@@ -194,7 +204,8 @@ class LocalOps(ABC):
         self.release_buffers()
 
     def stream_key(self) -> Any:
-        """Identifies the stream this op's work is ordered on (None on the CPU)."""
+        """Identifies the stream this op's work is ordered on and the thread issuing it (what
+        the op keeps between calls is kept per key); None on the CPU."""
         return None
 
     def zeros(self, shape, dtype):
@@ -323,6 +334,7 @@ class DelegatingOps(LocalOps):
         self.array_types, self.dtypes = inner.array_types, inner.dtypes
         self.array_dtypes, self.masks_windows = inner.array_dtypes, inner.masks_windows
         self.max_positions, self.device = inner.max_positions, inner.device
+        self.device_id = inner.device_id
 
     def current_device(self):
         return self.inner.current_device()
@@ -332,6 +344,9 @@ class DelegatingOps(LocalOps):
 
     def headdim_problem(self, headdim: int, backward: bool = False):
         return self.inner.headdim_problem(headdim, backward)
+
+    def decode_problem(self, q_shape: tuple, k_shape: tuple, dtype: str):
+        return self.inner.decode_problem(q_shape, k_shape, dtype)
 
     def double_buffer(self, fields, layout=None):
         return self.inner.double_buffer(fields, layout)

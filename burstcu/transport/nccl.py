@@ -139,17 +139,20 @@ class EventWatchdog:
     The GPU ring never blocks the host: a peer that died leaves this rank's communication stream
     (and so its compute stream) stalled while the host queues more work. `watch(event, what)`
     replaces the watched event; if it has not completed `timeout` seconds after it was watched,
-    `on_timeout(what)` runs once, on the watchdog's thread (NCCLTransport: print, abort the NCCL
-    communicator so its kernels stop waiting, abort the MPI job). The device's `query` polls,
-    without blocking, every `poll` seconds.
+    `on_timeout(what)` runs once, or `on_error(what, exception)` where querying it raised (a CUDA
+    error; on_timeout(what) without an on_error), on the watchdog's thread
+    (NCCLTransport: print, abort the NCCL communicator so its kernels stop waiting, abort the MPI
+    job). The device's `query` polls, without blocking, every `poll` seconds, from a thread the
+    device binds to its GPU first (`bind_thread`, where it has one).
     """
 
     IDLE_EXIT_S = 1.0  # the thread ends after this long with nothing pending (re-made on demand)
 
-    def __init__(self, device: Any, timeout: float, on_timeout, poll: float = 0.01):
+    def __init__(self, device: Any, timeout: float, on_timeout, poll: float = 0.01, on_error=None):
         import threading
 
         self.device, self.timeout, self.on_timeout, self.poll = device, timeout, on_timeout, poll
+        self.on_error = on_error
         self._lock = threading.Lock()
         self._watched: tuple | None = None   # (event, deadline, what)
         self._stop = threading.Event()
@@ -170,6 +173,9 @@ class EventWatchdog:
     def _run(self) -> None:
         import time
 
+        bind = getattr(self.device, "bind_thread", None)
+        if bind is not None:   # the rank's GPU, not device 0, for this thread's queries
+            bind()
         idle_since = time.monotonic()
         while not self._stop.wait(self.poll):
             with self._lock:
@@ -180,7 +186,13 @@ class EventWatchdog:
             if watched is None:
                 continue
             event, deadline, what = watched
-            if self.device.query(event):
+            try:
+                done = self.device.query(event)
+            except Exception as exc:  # noqa: BLE001 - a CUDA error: the exchange will not complete
+                self.fired = what
+                (self.on_error or (lambda what, _: self.on_timeout(what)))(what, exc)
+                return
+            if done:
                 idle_since = time.monotonic()
                 with self._lock:
                     if self._watched is watched:
@@ -226,7 +238,8 @@ class NCCLTransport(Transport):
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
         self._arrived = device.new_event()   # comm -> compute: the exchange has completed
         self._in_flight = False
-        self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out)
+        self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out,
+                                      on_error=self._exchange_failed)
 
     def _exchange_timed_out(self, what: str) -> None:
         peers = (f"ranks {self.top_rank(self.prev_rank)} and {self.top_rank(self.next_rank)} are its "
@@ -235,6 +248,10 @@ class NCCLTransport(Transport):
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not completed "
                   f"after {self.timeout:g} s ({peers}); timeout: burstcu.init(timeout=...) or "
                   f"$BURSTCU_TIMEOUT")
+
+    def _exchange_failed(self, what: str, error: BaseException) -> None:
+        self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} failed on this "
+                  f"rank's GPU ({type(error).__name__}: {error})")
 
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None:
         for send_buf, recv_buf, _, _ in exchanges:  # fail before anything is issued

@@ -47,7 +47,8 @@ def _nvtx():
 # the device: every stream, event and NCCL action the transport issues
 
 class CupyStreams:
-    """CuPy streams and events on the current GPU: what every GPU transport's device shares.
+    """CuPy streams and events on the GPU current when it is made: what every GPU transport's
+    device shares.
 
     The transports call only these methods (and their own additions); burstcu.testing.schedule's
     recording devices implement the same ones to record the schedule. Stream and event objects
@@ -57,6 +58,12 @@ class CupyStreams:
     def __init__(self):
         import cupy
         self._cupy = cupy
+        self.device_id = int(cupy.cuda.runtime.getDevice())   # the GPU it was made on
+
+    def bind_thread(self) -> None:
+        """Make this device current on the calling thread (a thread starts on device 0: a query
+        from it would open a context there, half a GB of another rank's GPU)."""
+        self._cupy.cuda.Device(self.device_id).use()
 
     def current_stream(self) -> Any:
         """The caller's compute stream (CuPy's current stream at the time of the call)."""

@@ -16,6 +16,8 @@ mirrors of the decode parameter structs against g++'s layout."""
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -776,3 +778,75 @@ def test_decode_at_one_rank_runs_the_split_kernel_and_the_finish():
         assert counts == {"flash_decode_split_mma": 1, "flash_decode_finish": 1}, counts
         want = group.ops.decode_whole(q, k, v, lengths, 64 ** -0.5, q.dtype)
         assert _same_bits(np.asarray(out), _host(want[0])) and _same_bits(np.asarray(lse), _host(want[1]))
+
+
+def test_two_threads_decoding_on_one_op_get_their_own_results():
+    """A GPU group of one runs several threads' calls as they come: each thread's decode keeps
+    its own plan and workspace (`KernelOps.stream_key` names the thread), so a split launch of
+    one thread landing between another's split and finish does not hand it the wrong rows."""
+    import threading
+
+    ops = _ops()
+    xp = ops.xp
+    b, s = 2, 64
+    q = xp.full((b, 1, 4, 32), 0.1, np.float16)
+    k = xp.asarray(np.random.default_rng(0).standard_normal((b, s, 1, 32)).astype(np.float16))
+    values = {name: xp.full((b, s, 1, 32), value, np.float16) for name, value in (("a", 1), ("b", 2))}
+    lengths = np.full(b, s)
+    kernel_decode.whole(ops, q, k, values["a"], lengths, 0.1, np.float16)   # compiles the kernels
+    split = kernel_decode.split_kernel(ops)
+    launch, both_split = ops.function(split), threading.Barrier(2)
+
+    def split_then_wait(*args, **kwargs):
+        launch(*args, **kwargs)
+        both_split.wait(timeout=60)     # each finish comes after both threads' split launches
+    ops._functions[split] = split_then_wait
+    got = {}
+
+    def run(name):
+        out, _ = kernel_decode.whole(ops, q, k, values[name], lengths, 0.1, np.float16)
+        got[name] = _host(out)
+    threads = [threading.Thread(target=run, args=(name,)) for name in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert np.all(got["a"] == 1) and np.all(got["b"] == 2)
+
+
+def test_a_plan_dropped_waits_for_its_pinned_copies():
+    """The ninth shape drops the op's oldest plan: its pinned lengths may still be in an
+    asynchronous copy, so its events are waited on before its memory returns to the pool."""
+    ops = _ops()
+    waited = []
+
+    class _Event:
+        def __init__(self, i):
+            self.i = i
+
+        def synchronize(self):
+            waited.append(self.i)
+
+    for n in range(kernel_decode.PLANS_KEPT + 1):
+        plan = kernel_decode._kept(ops, "_test_plans", n, lambda: kernel_decode._Plan(
+            *([None] * 17), events=[_Event(n), _Event(-n)]))
+        assert plan.events[0].i == n
+    assert waited == [0, 0]
+    assert list(ops.__dict__["_test_plans"]) == list(range(1, kernel_decode.PLANS_KEPT + 1))
+
+
+@pytest.mark.parametrize("q_shape, k_shape, fits, text", [
+    ((65536, 1, 1, 32), (65536, 4, 1, 32), (65535, 1, 1, 32),
+     r"batch 65536: the CUDA decode kernels take at most 65535 batch rows"),
+    ((1, 32768, 128, 64), (1, 4, 128, 64), (1, 32704, 128, 64),
+     r"128 heads x 32768 new tokens: .* 65536 blocks in y, past CUDA's 65535"),
+])
+def test_decode_grids_past_cudas_limits_are_refused(q_shape, k_shape, fits, text):
+    """The split kernel's grid holds B in z and Hkv x row groups (of 64 query rows here) in y,
+    at most 65535 each: a decode past them is refused by the op before any launch (on every
+    rank, `check_decode_call`); a batch row or a row group less fits; the array path (float64)
+    has no such limit."""
+    ops = _ops()
+    assert ops.decode_problem(q_shape, k_shape, "float64") is None
+    assert ops.decode_problem(fits, (fits[0],) + k_shape[1:], "float16") is None
+    assert re.search(text, ops.decode_problem(q_shape, k_shape, "float16"))

@@ -344,6 +344,39 @@ def test_first_use_check(monkeypatch, broken):
         kops._SM90_FIRST_USE.pop(key, None)
 
 
+@pytest.mark.parametrize("status, falls_back", [(1, True), (700, False), (719, False)])
+def test_a_first_use_check_meeting_a_sticky_cuda_error_raises(status, falls_back):
+    """A kernel that fails its first-use check with an ordinary launch error (cudaErrorInvalid-
+    Value, 1) falls back to the mma.sync kernels with a warning; one that leaves the GPU context
+    unusable (an illegal address, 700; a launch failure, 719) cannot fall back to anything: the
+    check raises, saying so, and records no verdict."""
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status):
+            super().__init__(f"status {status}")
+            self.status = status
+
+    def run():
+        raise CUDARuntimeError(status)
+        yield  # pragma: no cover
+
+    hopper = kops.KernelOps("emulated", arch="sm_90a").variant("bwd_dkdv_sm90", "float16", 64)
+    key = ("test", status)
+    try:
+        if falls_back:
+            with pytest.warns(RuntimeWarning, match="failed its first-use check on this GPU"):
+                assert kops._first_use_check(key, hopper, "backward", run, stacklevel=2) is False
+            assert kops._SM90_FIRST_USE[key] is False
+        else:
+            with pytest.raises(RuntimeError, match=r"a CUDA error that leaves this process's GPU "
+                                                   r"context unusable \(CUDARuntimeError: status"):
+                kops._first_use_check(key, hopper, "backward", run, stacklevel=2)
+            assert key not in kops._SM90_FIRST_USE
+    finally:
+        kops._SM90_FIRST_USE.pop(key, None)
+
+
 @pytest.mark.skipif(BACKEND != "emulated", reason="the check's own path, on the emulator")
 def test_first_use_check_runs_the_variant_it_judges():
     """The deterministic mode's variant (no dQ) is checked by a step that runs it, not by one

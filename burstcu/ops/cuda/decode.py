@@ -52,7 +52,7 @@ from ..base import buffer_layout, dtype_name
 from ..decode import PagedRows
 from ..decode import merge as array_merge
 from ..decode import partial as array_partial
-from .params import CStruct, data_ptr, element_strides, rows_on_16_bytes
+from .params import MAX_GRID_YZ, CStruct, data_ptr, element_strides, rows_on_16_bytes
 
 DECODE_SPLIT = CStruct("DecodeSplitParams", [
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("lengths", "ptr"), ("page_table", "ptr"),
@@ -83,7 +83,6 @@ MIN_KEYS = 128        # keys a split reads at least (2 to 4 tiles: the ring's fi
 KERNEL_DTYPES = ("float16", "bfloat16", "float32")
 PLANS_KEPT = 8        # shapes whose launch plans an op keeps
 PINNED_SLOTS = 8      # pinned host buffers of the lengths (GPU), taken in turn
-MAX_GRID_Y = 65535    # batch rows a merge launch takes (its grid's y)
 # The fewest query rows a kv head (H / Hkv x T) that take the tensor-core twin (`KernelOps.
 # decode_mma_min_rows`; 16 keeps the CUDA-core kernel under one m16 tile, as before). On an H200
 # (bench/results/h200/run7, 32/8 heads, d = 128, fp16) the twin on 32 rows (T = 8) took 0.226 /
@@ -183,6 +182,28 @@ def choose_split_variant(ops, dtype: str, rows: int, headdim: int):
                 except ValueError:      # not in this table (over its shared memory)
                     continue
     return ops.variant("decode", dtype, headdim)
+
+
+def grid_problem(ops, q_shape: tuple, k_shape: tuple, dtype: str) -> str | None:
+    """Why the split kernel's grid (splits, Hkv x row groups, B) cannot hold q (B,T,H,D) over a
+    cache (B,S,Hkv,D) of `dtype` (CUDA's 65535 in y and z), or None (the array path, where no
+    split variant runs it, has no such limit)."""
+    b, t, h, d = q_shape
+    hkv = k_shape[2]
+    if dtype not in KERNEL_DTYPES:
+        return None
+    try:
+        split = choose_split_variant(ops, dtype, h // hkv * t, d)
+    except ValueError:
+        return None
+    blocks = hkv * -(-(h // hkv * t) // split.launch.block_m)
+    if b > MAX_GRID_YZ:
+        return (f"batch {b}: the CUDA decode kernels take at most {MAX_GRID_YZ} batch rows a call "
+                f"(their grid's z); decode the batch in parts")
+    if blocks > MAX_GRID_YZ:
+        return (f"{h} heads x {t} new tokens: the CUDA decode kernel's grid would need {blocks} "
+                f"blocks in y, past CUDA's {MAX_GRID_YZ}; decode fewer new tokens a call")
+    return None
 
 
 def split_kernel(ops) -> str | None:
@@ -296,14 +317,17 @@ def _plan_for(ops, q, k, v, page_table, scale: float) -> _Plan | None:
 
 def _kept(ops, store: str, key, make):
     """The value the op keeps under `key` in its `store` (an OrderedDict of the last PLANS_KEPT
-    keys used), made by make() where it has none."""
+    keys used), made by make() where it has none; a plan dropped waits for its pinned slots'
+    copies first."""
     kept = ops.__dict__.setdefault(store, OrderedDict())
     value = kept.pop(key, None)
     if value is None:
         value = make()
     kept[key] = value
     while len(kept) > PLANS_KEPT:
-        kept.popitem(last=False)
+        _, dropped = kept.popitem(last=False)
+        for event in getattr(dropped, "events", ()):   # a plan's pinned lengths may still be
+            event.synchronize()                         # copying: its memory returns to the pool
     return value
 
 
@@ -448,12 +472,12 @@ def merge(ops, parts, out_dtype):
     rank order, as `partial` makes them] in one flash_decode_merge launch (any head dim), when
     they lie as one all-gather lays them: contiguous float32 on 4-byte addresses, each rank's
     at rank 0's plus one stride (or a single rank's); else, for an output dtype the kernel
-    lacks, or past the grid's MAX_GRID_Y batch rows, the array merge (`burstcu.ops.decode.merge`,
+    lacks, or past the grid's MAX_GRID_YZ batch rows, the array merge (`burstcu.ops.decode.merge`,
     whose steps the kernel follows in the same rank order). Every rank that merges the same
     partials makes the same choice and gets the same bits."""
     acc0, m0, l0 = parts[0]
     out_name = dtype_name(np.dtype(out_dtype))
-    if out_name not in KERNEL_DTYPES or acc0.ndim != 4 or acc0.shape[0] > MAX_GRID_Y:
+    if out_name not in KERNEL_DTYPES or acc0.ndim != 4 or acc0.shape[0] > MAX_GRID_YZ:
         return array_merge(ops.xp, parts, out_dtype)
     stride = _rank_stride(parts)
     if stride is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -43,10 +44,10 @@ from ...build import emulate
 from ...transport.streams import nvtx_range
 from ..base import LocalOps, checked_option, dtype_name
 from . import backward, decode
-from .params import (I32_MAX, MAX_POSITION, StepGroups, any_masked, block_area, block_column, cdiv,
-                     check_rows, fwd_finalize_params, fwd_step_params, fwd_step_sm90_params,
-                     listable, nonempty, nonfinite_params, rows_on_16_bytes, step_group_lists,
-                     vector_ready)
+from .params import (I32_MAX, MAX_GRID_YZ, MAX_POSITION, StepGroups, any_masked, block_area,
+                     block_column, cdiv, check_rows, fwd_finalize_params, fwd_step_params,
+                     fwd_step_sm90_params, listable, nonempty, nonfinite_params, rows_on_16_bytes,
+                     step_group_lists, vector_ready)
 from .tensor_map import tensor_map_4d_rows
 
 _KERNEL_DTYPES = ("float16", "bfloat16")
@@ -63,6 +64,10 @@ _EMULATED_SM_COUNT = 3
 # a wrong result must fall back to the mma.sync kernels with a warning, never reach a model
 _SM90_FIRST_USE: dict[tuple[int, str], bool] = {}
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+# cudaError_t values after which a context runs nothing more (illegal address, device assert,
+# stack error, illegal instruction, misaligned address, invalid address space, invalid PC,
+# launch failure): a first-use check meeting one cannot fall back to other kernels
+STICKY_CUDA_ERRORS = frozenset({700, 710, 714, 715, 716, 717, 718, 719})
 # Which kernel runs a ring step's Blocks on the sm_90a table (`KernelOps._sm90_runs`): the Hopper
 # kernel, a launch a Block, when the step has at most SM90_MAX_RECTS Blocks (a step without
 # documents has 1 or 2) or when its Blocks are large, at least SM90_MIN_FLOP_PER_RECT of work each
@@ -132,7 +137,8 @@ def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklev
     kernels and returns (got, want) pairs of their results; each pair must agree within 8 eps of
     want's magnitude, and run() must not raise. The verdict is False while run() runs and is
     recorded in _SM90_FIRST_USE under `key` (none when run() is interrupted: the next use checks
-    again); a failure warns (at the caller `stacklevel` frames up)."""
+    again); a failure warns (at the caller `stacklevel` frames up), except a CUDA error that
+    ends the context (STICKY_CUDA_ERRORS), which raises RuntimeError saying so."""
     _SM90_FIRST_USE[key] = False  # until it has passed
     error, worst = "", 0.0
     try:
@@ -141,6 +147,13 @@ def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklev
             err = float(np.abs(got - want).max()) if np.isfinite(got).all() else float("inf")
             worst = max(worst, err / (8 * _EPS[hopper.dtype] * float(np.abs(want).max())))
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
+        if getattr(exc, "status", None) in STICKY_CUDA_ERRORS:   # no kernel runs after it
+            _SM90_FIRST_USE.pop(key, None)
+            raise RuntimeError(
+                f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use check with "
+                f"a CUDA error that leaves this process's GPU context unusable ({type(exc).__name__}"
+                f": {exc}); please report it, with `python -m burstcu.selftest --full`. "
+                f"burstcu.init(..., arch='sm_80') runs the mma.sync kernels instead") from exc
         error = f"{type(exc).__name__}: {exc}"
     except BaseException:
         _SM90_FIRST_USE.pop(key, None)
@@ -188,6 +201,7 @@ class KernelOps(LocalOps):
             import cupy
 
             self.xp = cupy
+            self.device_id = int(cupy.cuda.runtime.getDevice())   # bound: see current_device
             self.arch = arch or _device_table_arch()
             self.smem_limit = _device_smem_limit()
             self.sm_count = device_attribute(ATTR_SM_COUNT)
@@ -244,11 +258,25 @@ class KernelOps(LocalOps):
     max_positions = MAX_POSITION  # the kernels add bounds of 32-bit positions
 
     def current_device(self) -> int | None:
+        """CuPy's current device. The op is bound to `device_id`, where it was made: its kernel
+        objects (loaded and given their shared memory there), kept buffers, flags and device
+        attributes are that device's, so a call with another device current is refused
+        (`arrays.device_problem`); a process computing on several GPUs with group=None gets
+        one op a device (`group.local_group`)."""
         return int(self.xp.cuda.runtime.getDevice()) if self.device == "cuda" else None
 
     def input_problem(self, q, k, backward: bool = False) -> str | None:
-        # forward and backward kernels take 64-bit strides: no limit on the element count
+        # forward and backward kernels take 64-bit strides: no limit on the element count; their
+        # grids put H (or Hkv) in y and B in z
+        b, _, h, _ = q.shape
+        if max(b, h) > MAX_GRID_YZ:
+            what = f"batch {b}" if b > MAX_GRID_YZ else f"{h} heads"
+            return (f"{what}: the CUDA kernels take at most {MAX_GRID_YZ} batch rows and heads a "
+                    f"call (their grids' z and y); split the call")
         return self.headdim_problem(q.shape[-1], backward)
+
+    def decode_problem(self, q_shape: tuple, k_shape: tuple, dtype: str) -> str | None:
+        return decode.grid_problem(self, q_shape, k_shape, dtype)
 
     def headdim_problem(self, headdim: int, backward: bool = False) -> str | None:
         if not 0 < headdim <= _MAX_HEADDIM:
@@ -272,10 +300,12 @@ class KernelOps(LocalOps):
         return None
 
     def stream_key(self):
-        """The current CuPy stream (kernels and buffer copies are issued on it)."""
-        if self.device != "cuda":
-            return None
-        return self.xp.cuda.get_current_stream().ptr
+        """(the current CuPy stream or None under the emulator, the calling thread): kernels and
+        buffer copies are issued on the stream; a GPU group of one runs several threads' calls
+        as they come, on one stream too (CuPy's and torch's default), so what a call keeps
+        (buffers, decode plans) is its thread's."""
+        stream = self.xp.cuda.get_current_stream().ptr if self.device == "cuda" else None
+        return stream, threading.get_ident()
 
     def annotate(self, label: str):
         """An NVTX range on a GPU (visible in Nsight Systems); nothing under emulation."""
@@ -337,7 +367,7 @@ class KernelOps(LocalOps):
         return hopper
 
     def _first_use_key(self, variant: KernelVariant) -> tuple[int, str]:
-        return (self.xp.cuda.Device().id if self.device == "cuda" else -1, variant.name)
+        return (self.device_id if self.device == "cuda" else -1, variant.name)
 
     def _sm90_checked(self, hopper: KernelVariant, dtype) -> bool:
         """On a GPU, the first use of a Hopper variant on a device runs it against the mma.sync

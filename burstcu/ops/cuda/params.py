@@ -32,6 +32,7 @@ from ...layout import Block, masked_rows, ragged, rectangle_rows
 from . import packing
 
 I32_MAX = 2**31 - 1
+MAX_GRID_YZ = 65535   # a launch grid's y and z (CUDA's limit): the kernels put B and H there
 # "no bound" for the kernels' key bounds: large enough for any sequence, small enough that a
 # position (below 2^30) plus it stays within int32
 NO_BOUND = 1 << 29
