@@ -78,8 +78,11 @@ _LAUNCH_LOCK = threading.Lock()
 # recently launched first: past POOLS_KEPT the oldest gives them back (emu_release; mapping them
 # again costs it a few ms at its next launch), so that a process loading many modules stays far
 # below the kernel's limit on mappings (vm.max_map_count, 65530) instead of failing an mmap
-# somewhere, and launches that take turns among a few modules map nothing.
-POOLS_KEPT = 4
+# somewhere, and launches that take turns among a few modules map nothing: a training step
+# (forward and backward, masked, on either table) launches from 7 or 8, so 12 are kept (at most
+# 49152 mappings; a module of 256-thread blocks keeps 512). Fewer than a step's made every launch
+# of every step map and unmap its fibers anew (a thousand mmaps a backward).
+POOLS_KEPT = 12
 _POOL_HOLDERS: "OrderedDict[int, ctypes.CDLL]" = OrderedDict()
 _LOADED: dict[str, "EmuModule"] = {}
 _LOADED_LOCK = threading.Lock()

@@ -441,14 +441,70 @@ def _span(bundle: bool, dq: bool, dq_only: tuple[str, str]) -> tuple[str, str] |
 # the schedule: which block and which bundle each rank holds and sends at each step. The mask
 # arguments (causal, window_size, cu_seqlens, block_mask) are hashable: `steps.mask_key` makes them so.
 
-@lru_cache(maxsize=4096)  # varlen batches bring new documents each call: keep only recent ones
+class _Schedule:
+    """What burst's schedule derives from one partition and mask, memoized as it is asked for:
+    which ranks' queries see which ranks' keys, the K/V trips, the bundles' direction and hops.
+    Kept by `_schedule` for the last SCHEDULES_KEPT (partition, mask) pairs, so the partitions
+    and masks of a varlen job's past batches go with them."""
+
+    def __init__(self, part: Partition, mask: tuple):
+        self.part, self.mask = part, mask
+        self._needs: dict = {}
+        self._trips: dict = {}
+        self._bundles: dict = {}
+        self._direction: int | None = None
+
+    def needs(self, q_rank: int, kv_rank: int) -> bool:
+        key = (q_rank, kv_rank)
+        if key not in self._needs:
+            causal, window_size, cu_seqlens, block_mask = self.mask
+            self._needs[key] = rectangles(self.part, q_rank, kv_rank, causal, tuple(window_size),
+                                          cu_seqlens, block_mask).size > 0
+        return self._needs[key]
+
+    def kv_hops(self, owner: int, bidirectional: bool) -> tuple[int, int]:
+        key = (owner, bidirectional)
+        if key not in self._trips:
+            size = self.part.size
+            ends = [0] + [t for t in range(1, size) if self.needs((owner + t) % size, owner)] + [size]
+            trips = [(a, size - b) for a, b in zip(ends, ends[1:])]
+            self._trips[key] = (min(trips, key=lambda fb: (sum(fb), max(fb), -fb[0])) if bidirectional
+                                else min(trips, key=lambda fb: (sum(fb), fb[1] > 0, max(fb), -fb[0])))
+        return self._trips[key]
+
+    def hops(self, d: int, owner: int) -> int:
+        """The last step at which a rank on `owner`'s way in direction d needs its bundle (0: none)."""
+        size = self.part.size
+        return max([0] + [t for t in range(1, size) if self.needs(owner, (owner + d * t) % size)])
+
+    def direction(self) -> int:
+        if self._direction is None:
+            forwards, backwards = (sum(self.hops(d, j) for j in range(self.part.size)) for d in (1, -1))
+            self._direction = ((1 if forwards < backwards else -1) if forwards != backwards
+                               else (-1 if self.mask[0] else 1))
+        return self._direction
+
+    def bundle_hops(self, owner: int) -> int:
+        if owner not in self._bundles:
+            self._bundles[owner] = self.hops(self.direction(), owner)
+        return self._bundles[owner]
+
+
+SCHEDULES_KEPT = 64   # (partition, mask) pairs: varlen batches and block masks bring new ones each call
+
+
+@lru_cache(maxsize=SCHEDULES_KEPT)
+def _schedule(part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None,
+              block_mask=None) -> _Schedule:
+    return _Schedule(part, (causal, window_size, cu_seqlens, block_mask))
+
+
 def needs(part: Partition, q_rank: int, kv_rank: int, causal: bool, window_size=(-1, -1),
           cu_seqlens=None, block_mask=None) -> bool:
     """Whether `q_rank`'s queries see any key of `kv_rank`'s block."""
-    return rectangles(part, q_rank, kv_rank, causal, tuple(window_size), cu_seqlens, block_mask).size > 0
+    return _schedule(part, causal, window_size, cu_seqlens, block_mask).needs(q_rank, kv_rank)
 
 
-@lru_cache(maxsize=1024)   # G entries a mask and tie rule
 def kv_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None,
             block_mask=None, bidirectional: bool = False) -> tuple[int, int]:
     """(forwards, backwards): how many hops `owner`'s K/V block goes to the next ranks and to
@@ -460,40 +516,19 @@ def kv_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1), cu_
     whose blocks need one direction sends what it always did), then the most even split, then
     more forwards; with `bidirectional`, the most even split first (without a mask: ceil and
     floor of (G-1)/2). The two trips reach different ranks, as a + (G - b) < G."""
-    size = part.size
-    mask = (causal, window_size, cu_seqlens, block_mask)
-    ends = [0] + [t for t in range(1, size) if needs(part, (owner + t) % size, owner, *mask)] + [size]
-    trips = [(a, size - b) for a, b in zip(ends, ends[1:])]
-    if bidirectional:
-        return min(trips, key=lambda fb: (sum(fb), max(fb), -fb[0]))
-    return min(trips, key=lambda fb: (sum(fb), fb[1] > 0, max(fb), -fb[0]))
+    return _schedule(part, causal, window_size, cu_seqlens, block_mask).kv_hops(owner, bidirectional)
 
 
-def _hops(d: int, owner: int, part: Partition, causal: bool, window_size, cu_seqlens, block_mask) -> int:
-    """The last step at which a rank on `owner`'s way in direction d needs its bundle (0: none)."""
-    size = part.size
-    mask = (causal, window_size, cu_seqlens, block_mask)
-    return max([0] + [t for t in range(1, size)
-                      if needs(part, owner, (owner + d * t) % size, *mask)])
-
-
-# one entry a mask: a new mask each call (varlen batches, block masks) is kept only while recent
-@lru_cache(maxsize=64)
 def _direction(part: Partition, causal: bool, window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
-    """`backward_direction` of a partition."""
-    mask = (part, causal, window_size, cu_seqlens, block_mask)
-    forwards, backwards = (sum(_hops(d, j, *mask) for j in range(part.size)) for d in (1, -1))
-    if forwards != backwards:
-        return 1 if forwards < backwards else -1
-    return -1 if causal else 1
+    """`backward_direction` of a partition: the way round with fewer bundle hops in all (a tie:
+    backwards under a causal mask, else forwards)."""
+    return _schedule(part, causal, window_size, cu_seqlens, block_mask).direction()
 
 
-@lru_cache(maxsize=1024)   # G entries a mask
 def _bundle_hops(owner: int, part: Partition, causal: bool, window_size=(-1, -1),
                  cu_seqlens=None, block_mask=None) -> int:
     """`bundle_hops` of a partition."""
-    mask = (part, causal, window_size, cu_seqlens, block_mask)
-    return _hops(_direction(*mask), owner, *mask)
+    return _schedule(part, causal, window_size, cu_seqlens, block_mask).bundle_hops(owner)
 
 
 @dataclass(frozen=True)

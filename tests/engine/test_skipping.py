@@ -73,3 +73,27 @@ def test_the_backward_direction_follows_the_mask_not_the_flag():
     assert backward_direction("contiguous", g, 8, False, (3, 0)) == -1
     assert backward_direction("contiguous", g, 8, False, (0, 3)) == 1
     assert sum(backward_counts(r, g, 8, "contiguous", False, (0, 3))[0] for r in range(g)) == g - 1
+
+
+def test_schedules_of_past_batches_are_not_kept():
+    """A varlen job brings new documents every batch: burst keeps what it derives from a
+    partition and mask (needs, trips, bundle hops) for the last SCHEDULES_KEPT pairs only, so a
+    past batch's partition is freed once the layout's own caches let it go."""
+    import gc
+    import weakref
+
+    from burstcu.engine import burst
+    from burstcu.layout import Partition, partition, rectangles
+
+    first = None
+    for batch in range(burst.SCHEDULES_KEPT + 10):
+        docs = (0, 17 + batch, 300)
+        part = Partition("zigzag", partition("zigzag", 4, 300, docs).runs)   # not the layout's cache
+        burst.kv_hops(0, part, True, (-1, -1), docs)
+        burst._bundle_hops(1, part, True, (-1, -1), docs)
+        first = first or weakref.ref(part)
+    rectangles.cache_clear()
+    del part
+    gc.collect()
+    assert first() is None
+    assert burst._schedule.cache_info().currsize == burst.SCHEDULES_KEPT

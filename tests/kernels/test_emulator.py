@@ -321,6 +321,31 @@ def test_modules_run_in_turn_keep_a_few_pools_of_fibers(monkeypatch):
     assert max(counts) - counts[0] < 1.5 * pool, counts
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_a_training_step_launches_from_the_pools_kept(monkeypatch, arch):
+    """A forward and backward step (causal, documents, a window: the careful twins too) takes
+    its kernels from at most emulate.POOLS_KEPT modules, so a training loop launches from pools
+    already mapped: with fewer kept, every launch of every step unmapped one module's fibers and
+    mapped another's."""
+    import burstcu
+    from burstcu.build import emulate
+    from burstcu.group import Group
+    from burstcu.ops.cuda.kernel_ops import KernelOps
+    from burstcu.transport.base import SelfTransport
+
+    launched = []
+    keep = emulate._keep_pool
+    monkeypatch.setattr(emulate, "_keep_pool", lambda lib: (launched.append(id(lib)), keep(lib)))
+    group = Group(0, 1, "emulated", SelfTransport(), KernelOps("emulated", arch=arch))
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 256, 2, 64)).astype(np.float16) for _ in range(4))
+    v[0, 200, 0, 0] = np.nan   # a key only some rows see
+    mask = dict(causal=True, cu_seqlens=(0, 100, 256), window_size=(150, 0))
+    out, lse = burstcu.attention(q, k, v, group, return_lse=True, **mask)
+    burstcu.attention_backward(dout, q, k, v, out, lse, group, **mask)
+    assert 6 <= len(set(launched)) <= emulate.POOLS_KEPT, len(set(launched))
+
+
 def test_argument_checks(mod):
     fn = mod.get_function("probe_race<true>")
     out = np.zeros(32, np.int32)

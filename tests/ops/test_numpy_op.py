@@ -151,6 +151,27 @@ def test_scratch_is_tile_sized():
             assert one_thread <= tiles[0] <= tiles[1] <= 2 * one_thread < 4096 * 4096 * 4 / 16
 
 
+def test_scratch_of_threads_that_ended_is_not_counted():
+    """A server running each request on a fresh thread: the tiles a thread held leave with it,
+    so scratch_bytes (the most held at once) stays one request's, not the sum of every thread's
+    that ever ran."""
+    import threading
+
+    q, k, v, _ = make_inputs(3, 1, 512, 2, 2, 32, "float32")
+    group = _group(threads=1)
+    held = []
+
+    def request():
+        burstcu.attention(q, k, v, group, causal=True)
+        held.append(group.ops.scratch_bytes)
+    for _ in range(5):
+        thread = threading.Thread(target=request)
+        thread.start()
+        thread.join()
+    group.close()
+    assert held[0] > 0 and held == [held[0]] * 5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     """Peaked causal scores (q x 6: rows rescaled alone) with NaN and Inf in K and V at late

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from bisect import bisect_right
 from functools import lru_cache
 from itertools import product
@@ -185,12 +186,12 @@ def _mask_split(block: Block, q0: int, q1: int, k0: int, k1: int):
 class _Scratch:
     """Reusable tile buffers, one set per thread, kept by the op between steps and calls. A
     fresh tile-sized array per tile costs more than the arithmetic on it: above malloc's mmap
-    threshold every allocation page-faults anew. by_name: what all threads' buffers of each
-    name hold; nbytes: all of them."""
+    threshold every allocation page-faults anew. by_name: what the live threads' buffers of each
+    name hold (a thread's leave it when the thread ends); nbytes: all of them."""
 
     def __init__(self, dtype):
         self.dtype = dtype
-        self.local = threading.local()   # its __dict__ is the calling thread's own
+        self.local = threading.local()   # .held: the calling thread's _ThreadScratch
         self.by_name: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -199,15 +200,32 @@ class _Scratch:
         return sum(self.by_name.values())
 
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
-        flat = self.local.__dict__
-        buf = flat.get(name)
+        held = getattr(self.local, "held", None)
+        if held is None:
+            held = self.local.held = _ThreadScratch(self)
+        buf = held.buffers.get(name)
         if buf is None or buf.size < rows * cols:
-            new = np.empty(rows * cols, self.dtype)
-            grown = new.nbytes - (0 if buf is None else buf.nbytes)
+            buf = held.buffers[name] = np.empty(rows * cols, self.dtype)
             with self.lock:
-                self.by_name[name] = self.by_name.get(name, 0) + grown
-            buf = flat[name] = new
+                self.by_name[name] = self.by_name.get(name, 0) + buf.nbytes - held.sizes.get(name, 0)
+                held.sizes[name] = buf.nbytes
         return buf[:rows * cols].reshape(rows, cols)
+
+    def forget(self, sizes: dict) -> None:
+        """A thread's buffers of `sizes` (name -> bytes) are gone with it."""
+        with self.lock:
+            for name, n in sizes.items():
+                self.by_name[name] -= n
+
+
+class _ThreadScratch:
+    """One thread's buffers of a `_Scratch`, and their sizes, which leave the scratch's count
+    when the thread ends (its thread-local storage, and so this, is freed then)."""
+
+    def __init__(self, scratch: _Scratch):
+        self.buffers: dict[str, np.ndarray] = {}
+        self.sizes: dict[str, int] = {}
+        weakref.finalize(self, scratch.forget, self.sizes)
 
 
 class _Masked(NamedTuple):
