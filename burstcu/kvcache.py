@@ -17,6 +17,7 @@ rank uses follows from the counts, so every rank knows when any rank's pool is f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from contextlib import contextmanager
 
@@ -225,13 +226,18 @@ class KVCache:
                                 f"{name} is {x.dtype}")
         return k_new, v_new
 
+    def _rows_stream(self, rows):
+        """On a GPU cache, `arrays.torch_stream` of the rows (CUDA torch tensors are copied on
+        torch's current stream); a no-op on the host."""
+        return torch_stream(rows) if self.group.ops.device == "cuda" else contextlib.nullcontext()
+
     def append(self, k_new, v_new) -> None:
         """Add rows (batch, T, kv_heads, headdim), the same on every rank: row t of batch row b
         lands on the rank holding fewest rows of b then. Rows of another shape or not of real
         numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
         on every rank before anything is stored. No communication. Rows that are CUDA torch
         tensors are copied on torch's current stream, as `burstcu.torch.decode` reads there."""
-        with Call(self.group, "KVCache.append") as call, torch_stream((k_new, v_new)):
+        with Call(self.group, "KVCache.append") as call, self._rows_stream((k_new, v_new)):
             with call.raising_together():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)
                 counts = self.counts.copy()
@@ -254,7 +260,7 @@ class KVCache:
         """Adopt this rank's shard of a prefill (B, S_local, kv_heads, headdim), as a sharded
         `attention` holds it (any layout: decode needs no order); replaces what the cache held.
         Collective: the ranks learn each other's S_local in one round."""
-        with Call(self.group, "KVCache.from_prefill") as call, torch_stream((k_local, v_local)):
+        with Call(self.group, "KVCache.from_prefill") as call, self._rows_stream((k_local, v_local)):
             err = None
             try:
                 k_local, v_local = self._check_rows("from_prefill", k_local, v_local)

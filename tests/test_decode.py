@@ -295,9 +295,9 @@ def test_a_cache_of_a_dtype_decode_cannot_take_is_refused_when_made(dtype):
 
 
 def test_kvcache_copies_torch_rows_on_torchs_stream(monkeypatch):
-    """Rows that are torch tensors are stored under `arrays.torch_stream` of those rows (on a
-    GPU: torch's current stream, where torch wrote them and where `burstcu.torch.decode` reads
-    the cache), by append and by from_prefill alike."""
+    """On a GPU cache, rows are stored under `arrays.torch_stream` of those rows (torch's current
+    stream, where torch wrote them and where `burstcu.torch.decode` reads the cache), by append
+    and by from_prefill alike; a host cache never asks for it."""
     import contextlib
 
     import torch
@@ -312,6 +312,9 @@ def test_kvcache_copies_torch_rows_on_torchs_stream(monkeypatch):
     monkeypatch.setattr(kvcache, "torch_stream", recording)
     cache = burstcu.KVCache(None, 1, 8, 1, 4, np.float32)
     k, v = torch.ones(1, 2, 1, 4), torch.full((1, 2, 1, 4), 2.0)
+    cache.from_prefill(k, v)
+    assert entered == []
+    monkeypatch.setattr(cache.group.ops, "device", "cuda")   # as a CuPy cache's op says
     cache.from_prefill(k, v)
     cache.append(k[:, :1], v[:, :1])
     assert [tuple(map(id, t)) for t in entered][0] == (id(k), id(v)) and len(entered) == 2

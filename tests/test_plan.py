@@ -358,3 +358,19 @@ def test_predicted_decode_bytes_follow_the_partials_dtype(itemsize):
 
     got = predict_decode(MACHINES["cpu"], 3, 1024, 2, 8, 2, 64, itemsize)["bytes"]
     assert got == 2 * 2 * 1 * 8 * (64 + 2) * (8 if itemsize == 8 else 4)
+
+
+def test_usp_bytes_are_each_ranks_own_whatever_q_says():
+    """USP's counts, like every strategy's, take rank r's rows from the split: q's S (auto
+    plans from the mean shard's) does not change what rank r is counted to send."""
+    from burstcu import engine
+    from burstcu.layout import partition
+    from burstcu.plan import _Spec
+
+    usp = engine.get("usp", ulysses_degree=2)
+    part = partition("contiguous", 4, 1000, lengths=(430, 338, 81, 151))
+    for rank, rows in enumerate(part.lengths):
+        own, mean = (_Spec((1, s, 4, 16), np.float32) for s in (rows, 250))
+        for count in (usp.forward_bytes, usp.backward_bytes):
+            assert count(4, mean, mean, mean, rank=rank, layout=part, causal=True) == \
+                count(4, own, own, own, rank=rank, layout=part, causal=True) > 0

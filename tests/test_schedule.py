@@ -244,6 +244,24 @@ def test_watchdog_reports_a_query_that_raises():
     transport.close()
 
 
+def test_watchdog_that_cannot_bind_its_thread_says_so():
+    """A watchdog whose thread cannot select the rank's GPU could watch nothing: it ends the
+    job with that error rather than dying quietly (and leaving every exchange unwatched)."""
+    class _Unbindable(schedule.RecordingDevice):
+        def bind_thread(self):
+            raise RuntimeError("cudaErrorDevicesUnavailable")
+
+    errors = []
+    dog = EventWatchdog(_Unbindable(), 60, lambda what: None, poll=0.01,
+                        on_error=lambda what, exc: errors.append((what, str(exc))))
+    dog.watch("event0", "step 0")
+    deadline = time.monotonic() + 5
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    assert errors == [("binding the watchdog's thread to this rank's GPU", "cudaErrorDevicesUnavailable")]
+
+
 class _Annotating(DelegatingOps):
     """The recording op, reporting the engine's annotations to the transport (as the API does)."""
 

@@ -142,7 +142,8 @@ class USPAttention:
                       window_size=(-1, -1), cu_seqlens=None, block_mask=None) -> int:
         """The group's all-to-alls (Ulysses in, out + lse back), then the ring across the
         groups, which skips hops as `burst.forward_rows` says for the group's super-rank."""
-        b, s, h, d = q.shape
+        b, _, h, d = q.shape
+        s = as_partition(layout, size, q.shape[1]).lengths[rank]   # rank's rows (uneven shards)
         u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
         hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize
@@ -157,7 +158,8 @@ class USPAttention:
         """The group's all-to-alls (lse, delta, q, dO, k, v in; dq, dk, dv back), then the ring
         across the groups, whose bundles stop as `burst.backward_rows` says for the group's
         super-rank."""
-        b, s, h, d = q.shape
+        b, _, h, d = q.shape
+        s = as_partition(layout, size, q.shape[1]).lengths[rank]
         u, groups, i = self.ring_of_groups(size, q, k, rank=rank, layout=layout)
         hg, hk = h // u, kv_heads(0, u, h, k.shape[2])[1]
         it, acc = q.dtype.itemsize, accum_dtype(q.dtype).itemsize

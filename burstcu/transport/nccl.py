@@ -174,8 +174,13 @@ class EventWatchdog:
         import time
 
         bind = getattr(self.device, "bind_thread", None)
-        if bind is not None:   # the rank's GPU, not device 0, for this thread's queries
-            bind()
+        try:
+            if bind is not None:   # the rank's GPU, not device 0, for this thread's queries
+                bind()
+        except Exception as exc:  # noqa: BLE001 - no query can run: no exchange can be watched
+            self.fired = "binding the watchdog's thread to this rank's GPU"
+            (self.on_error or (lambda what, _: self.on_timeout(what)))(self.fired, exc)
+            return
         idle_since = time.monotonic()
         while not self._stop.wait(self.poll):
             with self._lock:

@@ -172,6 +172,25 @@ def test_scratch_of_threads_that_ended_is_not_counted():
     assert held[0] > 0 and held == [held[0]] * 5
 
 
+def test_released_scratch_is_freed():
+    """release_buffers frees the tiles, the calling thread's and the workers' (nothing else
+    holds them)."""
+    import gc
+    import weakref
+
+    from burstcu.ops.numpy import tiles
+
+    q, k, v, _ = make_inputs(4, 1, 512, 2, 2, 32, "float32")
+    group = _group(threads=2)
+    burstcu.attention(q, k, v, group, causal=True)
+    scratch = [weakref.ref(x) for x in group.ops._scratch.values()]
+    assert scratch and all(isinstance(x(), tiles._Scratch) for x in scratch)
+    group.ops.release_buffers()
+    gc.collect()
+    assert all(x() is None for x in scratch)
+    group.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_rescaled_rows_keep_masked_garbage_out(dtype, count_calls):
     """Peaked causal scores (q x 6: rows rescaled alone) with NaN and Inf in K and V at late

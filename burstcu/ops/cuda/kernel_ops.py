@@ -64,10 +64,10 @@ _EMULATED_SM_COUNT = 3
 # a wrong result must fall back to the mma.sync kernels with a warning, never reach a model
 _SM90_FIRST_USE: dict[tuple[int, str], bool] = {}
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-# cudaError_t values after which a context runs nothing more (illegal address, device assert,
-# stack error, illegal instruction, misaligned address, invalid address space, invalid PC,
-# launch failure): a first-use check meeting one cannot fall back to other kernels
-STICKY_CUDA_ERRORS = frozenset({700, 710, 714, 715, 716, 717, 718, 719})
+# cudaError_t values after which a context runs nothing more (illegal address, launch timeout,
+# device assert, stack error, illegal instruction, misaligned address, invalid address space,
+# invalid PC, launch failure): a first-use check meeting one cannot fall back to other kernels
+STICKY_CUDA_ERRORS = frozenset({700, 702, 710, 714, 715, 716, 717, 718, 719})
 # Which kernel runs a ring step's Blocks on the sm_90a table (`KernelOps._sm90_runs`): the Hopper
 # kernel, a launch a Block, when the step has at most SM90_MAX_RECTS Blocks (a step without
 # documents has 1 or 2) or when its Blocks are large, at least SM90_MIN_FLOP_PER_RECT of work each

@@ -187,13 +187,24 @@ class _Scratch:
     """Reusable tile buffers, one set per thread, kept by the op between steps and calls. A
     fresh tile-sized array per tile costs more than the arithmetic on it: above malloc's mmap
     threshold every allocation page-faults anew. by_name: what the live threads' buffers of each
-    name hold (a thread's leave it when the thread ends); nbytes: all of them."""
+    name hold (a thread's are gone with it: its thread-local storage is freed); nbytes: all of
+    them."""
 
     def __init__(self, dtype):
         self.dtype = dtype
-        self.local = threading.local()   # .held: the calling thread's _ThreadScratch
-        self.by_name: dict[str, int] = {}
+        self.local = threading.local()    # .held: the calling thread's _ThreadScratch
+        self.live: weakref.WeakSet = weakref.WeakSet()   # every live thread's
         self.lock = threading.Lock()
+
+    @property
+    def by_name(self) -> dict[str, int]:
+        with self.lock:
+            held = list(self.live)
+        out: dict[str, int] = {}
+        for one in held:
+            for name, buf in list(one.buffers.items()):
+                out[name] = out.get(name, 0) + buf.nbytes
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -202,30 +213,20 @@ class _Scratch:
     def get(self, name: str, rows: int, cols: int) -> np.ndarray:
         held = getattr(self.local, "held", None)
         if held is None:
-            held = self.local.held = _ThreadScratch(self)
+            held = self.local.held = _ThreadScratch()
+            with self.lock:
+                self.live.add(held)
         buf = held.buffers.get(name)
         if buf is None or buf.size < rows * cols:
             buf = held.buffers[name] = np.empty(rows * cols, self.dtype)
-            with self.lock:
-                self.by_name[name] = self.by_name.get(name, 0) + buf.nbytes - held.sizes.get(name, 0)
-                held.sizes[name] = buf.nbytes
         return buf[:rows * cols].reshape(rows, cols)
-
-    def forget(self, sizes: dict) -> None:
-        """A thread's buffers of `sizes` (name -> bytes) are gone with it."""
-        with self.lock:
-            for name, n in sizes.items():
-                self.by_name[name] -= n
 
 
 class _ThreadScratch:
-    """One thread's buffers of a `_Scratch`, and their sizes, which leave the scratch's count
-    when the thread ends (its thread-local storage, and so this, is freed then)."""
+    """One thread's buffers of a `_Scratch` (name -> flat array)."""
 
-    def __init__(self, scratch: _Scratch):
+    def __init__(self):
         self.buffers: dict[str, np.ndarray] = {}
-        self.sizes: dict[str, int] = {}
-        weakref.finalize(self, scratch.forget, self.sizes)
 
 
 class _Masked(NamedTuple):
