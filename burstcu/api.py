@@ -344,7 +344,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)
-                verdict = check_row_sums(lse, row_sums["row_sums"], group.rank)
+                verdict = check_row_sums(lse, row_sums["row_sums"], group.rank,
+                                         _rows_that_see(part, group.rank, block_mask))
             except Exception as exc:
                 verdict = InputError(ValueError, f"cannot check the row sums on rank {group.rank}: "
                                                  f"{exc.__class__.__name__}: {exc}")
@@ -355,6 +356,14 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     for g in grads if cut is not None else ():
         remember_cut(g, *cut)
     return grads
+
+
+def _rows_that_see(part: Partition, rank: int, block_mask) -> np.ndarray:
+    """(S,) bool: which of `rank`'s rows see a key under the mask. Without a block mask every
+    row does (its own position: causal, windows and documents all keep the diagonal)."""
+    if block_mask is None:
+        return np.ones(part.lengths[rank], bool)
+    return block_mask.row_pairs(part.total)[part.positions(rank)] > 0
 
 
 def _positional(causal, window_size, cu_seqlens, block_mask=None) -> bool:

@@ -396,28 +396,35 @@ ROW_SUM_TOL = 1e-3
 ROW_SUM_ULPS = 64
 
 
-def check_row_sums(lse, row_sums, rank: int) -> InputError | None:
+def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
     """A ValueError unless every row's sum of the recomputed P over the ring is 1 within
-    ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|) (exactly 0 for rows with lse = -inf, which
-    saw no key): else lse is not the forward's for these inputs and options. lse, row_sums:
-    (B, H, S), NumPy or CuPy."""
+    ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|), and exactly 0 for rows that see no key:
+    else lse is not the forward's for these inputs and options. lse, row_sums: (B, H, S), NumPy
+    or CuPy. sees: (S,) bool, whether each local row sees a key under the backward's mask (a
+    row with lse = -inf there has P = 0 by fiat, so its sum alone cannot tell); None: the rows
+    with a finite lse."""
     lse_h, sums = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (lse, row_sums))
     eps = float(np.finfo(np.asarray(row_sums.dtype.type(0)).dtype).eps)
     saw = lse_h != -np.inf
-    expect = np.where(saw, 1.0, 0.0)
+    sees = saw if sees is None else np.broadcast_to(np.asarray(sees, bool), saw.shape)
+    expect = np.where(sees, 1.0, 0.0)
     with np.errstate(invalid="ignore"):
         # a row that saw no key has P = exp(score - inf) = 0 exactly
-        tol = np.where(saw, ROW_SUM_TOL + ROW_SUM_ULPS * eps * np.maximum(1.0, np.abs(lse_h)), 0.0)
-        bad = ~(np.abs(sums - expect) <= tol)  # NaN counts as bad
+        size = np.where(np.isfinite(lse_h), np.abs(lse_h), 1.0)
+        tol = np.where(sees, ROW_SUM_TOL + ROW_SUM_ULPS * eps * np.maximum(1.0, size), 0.0)
+        bad = ~(np.abs(sums - expect) <= tol) | (saw != sees)  # NaN counts as bad
     if not bad.any():
         return None
     b, h, s = (int(i) for i in np.argwhere(bad)[0])
+    seen = ("" if saw[b, h, s] == sees[b, h, s] else
+            " (a row that sees no key under this mask)" if saw[b, h, s] else
+            " (a row that sees keys under this mask)")
     return InputError(ValueError, (
         f"attention_backward(check=True): on rank {rank} the probabilities recomputed from lse "
         f"sum to {sums[b, h, s]:.6g} over the ring in {int(bad.sum())} rows, not "
-        f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}): lse is "
-        f"not the one attention(..., return_lse=True) returned for these q, k, v and options, or "
-        f"the inputs hold NaN/Inf"))
+        f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}{seen}): "
+        f"lse is not the one attention(..., return_lse=True) returned for these q, k, v and "
+        f"options, or the inputs hold NaN/Inf"))
 
 
 FREE = "S"   # a shape's sequence extent, which ranks need not agree on

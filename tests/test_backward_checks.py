@@ -224,3 +224,32 @@ def test_a_packed_lse_remembers_its_documents():
     with pytest.raises(ValueError, match=r"cu_seqlens: \(0, 9, 16\) in the forward, None here"):
         burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 16])
     burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, cu_seqlens=[0, 9, 16])
+
+
+def test_check_refuses_an_lse_of_minus_inf_on_rows_that_see_keys():
+    """A row's lse of -inf makes the backward take P = 0 on it, so its row sum alone cannot tell
+    a row that saw no key from an lse of another mask: check=True asks the backward's mask
+    which rows see keys. An lse whose rows were dead under the forward's block mask, given to a
+    backward whose mask lets them see keys, is refused (their gradients would be dropped), as
+    is the reverse; the forward's own lse, dead rows and all, passes; without a block mask every
+    row sees its own position, so no row of a causal lse may be -inf."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 24, 2, 16)).astype(np.float32) for _ in range(4))
+    half = burstcu.BlockMask([[0, 12]], [[0, 12]], ["causal"])     # rows 12..23 see no key
+    whole = burstcu.BlockMask([[0, 24]], [[0, 24]], ["causal"])
+    out, lse = burstcu.attention(q, k, v, block_mask=half, return_lse=True)
+    assert np.isneginf(lse[:, :, 12:]).all()
+    burstcu.attention_backward(dout, q, k, v, out, lse, block_mask=half, check=True)
+    with pytest.raises(ValueError, match=r"sum to 0 over the ring in 24 rows, not 1 \(first: "
+                                         r"batch 0, head 0, row 12, lse -inf \(a row that sees "
+                                         r"keys under this mask\)\)"):
+        burstcu.attention_backward(dout, q, k, v, out.view(), lse.view(), block_mask=whole, check=True)
+    with pytest.raises(ValueError, match=r"not 0 \(first: batch 0, head 0, row 6, lse [0-9.]+ "
+                                         r"\(a row that sees no key under this mask\)\)"):
+        burstcu.attention_backward(dout, q, k, v, out.view(), lse.view(), check=True,
+                                   block_mask=burstcu.BlockMask([[0, 6]], [[0, 6]], ["causal"]))
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    dead = lse.copy()
+    dead[0, 1, 5] = -np.inf
+    with pytest.raises(ValueError, match=r"in 1 rows, not 1 \(first: batch 0, head 1, row 5"):
+        burstcu.attention_backward(dout, q, k, v, out, dead, causal=True, check=True)
