@@ -424,7 +424,7 @@ def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
         f"sum to {sums[b, h, s]:.6g} over the ring in {int(bad.sum())} rows, not "
         f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}{seen}): "
         f"lse is not the one attention(..., return_lse=True) returned for these q, k, v and "
-        f"options, or the inputs hold NaN/Inf"))
+        f"options, or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))
 
 
 FREE = "S"   # a shape's sequence extent, which ranks need not agree on
