@@ -178,8 +178,7 @@ class EventWatchdog:
             if bind is not None:   # the rank's GPU, not device 0, for this thread's queries
                 bind()
         except Exception as exc:  # noqa: BLE001 - no query can run: no exchange can be watched
-            self.fired = "binding the watchdog's thread to this rank's GPU"
-            (self.on_error or (lambda what, _: self.on_timeout(what)))(self.fired, exc)
+            self._failed("binding the watchdog's thread to this rank's GPU", exc)
             return
         idle_since = time.monotonic()
         while not self._stop.wait(self.poll):
@@ -194,8 +193,7 @@ class EventWatchdog:
             try:
                 done = self.device.query(event)
             except Exception as exc:  # noqa: BLE001 - a CUDA error: the exchange will not complete
-                self.fired = what
-                (self.on_error or (lambda what, _: self.on_timeout(what)))(what, exc)
+                self._failed(what, exc)
                 return
             if done:
                 idle_since = time.monotonic()
@@ -206,6 +204,14 @@ class EventWatchdog:
                 self.fired = what
                 self.on_timeout(what)
                 return
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        """`what` can no longer be watched (`error` raised): on_error, else on_timeout, once."""
+        self.fired = what
+        if self.on_error is not None:
+            self.on_error(what, error)
+        else:
+            self.on_timeout(what)
 
     def stop(self) -> None:
         self._stop.set()

@@ -196,10 +196,10 @@ def grid_problem(ops, q_shape: tuple, k_shape: tuple, dtype: str) -> str | None:
         split = choose_split_variant(ops, dtype, h // hkv * t, d)
     except ValueError:
         return None
-    blocks = hkv * -(-(h // hkv * t) // split.launch.block_m)
     if b > MAX_GRID_YZ:
         return (f"batch {b}: the CUDA decode kernels take at most {MAX_GRID_YZ} batch rows a call "
                 f"(their grid's z); decode the batch in parts")
+    blocks = hkv * -(-(h // hkv * t) // split.launch.block_m)
     if blocks > MAX_GRID_YZ:
         return (f"{h} heads x {t} new tokens: the CUDA decode kernel's grid would need {blocks} "
                 f"blocks in y, past CUDA's {MAX_GRID_YZ}; decode fewer new tokens a call")
