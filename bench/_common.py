@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from burstcu.demo import positive_int as positive   # the scripts' options of an int >= 1
 from burstcu.ops.base import DelegatingOps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,21 +290,34 @@ def print_and_write(env: dict, rows: list, columns: list, args) -> None:
          {"environment": env, "args": clean(vars(args)), "rows": rows}, args)
 
 
+def no_gpu(script: str) -> int | None:
+    """Exit status 2, with one line that says so, where no CUDA GPU is usable (a GPU script
+    run on a machine without one: --dry-run still works there); None where one is."""
+    from burstcu.transport.bootstrap import device_count
+
+    count, why = device_count()
+    if count >= 1:
+        return None
+    print(f"# {script}: no GPU here ({why or 'no CUDA device'}); --dry-run shows what it would run",
+          file=sys.stderr)
+    return 2
+
+
 def add_shape_args(p, *, heads: int = 4, headdim: int = 64, dtype: str = "float32",
                    dtypes=("float16", "bfloat16", "float32", "float64"),
                    kv_heads_help: str = "default: --heads (MHA)") -> None:
     """--batch, --heads, --kv-heads, --headdim, --dtype: the arrays' shape and dtype options
     (--kv-heads None unless given: the caller's default, which kv_heads_help says)."""
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--kv-heads", type=int, default=None, help=kv_heads_help)
-    p.add_argument("--headdim", type=int, default=headdim)
+    p.add_argument("--batch", type=positive, default=1)
+    p.add_argument("--heads", type=positive, default=heads)
+    p.add_argument("--kv-heads", type=positive, default=None, help=kv_heads_help)
+    p.add_argument("--headdim", type=positive, default=headdim)
     p.add_argument("--dtype", default=dtype, choices=list(dtypes))
 
 
 def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
     """The problem-shape options every per-strategy benchmark takes."""
-    p.add_argument("--seqlen", type=int, default=seqlen, help="global sequence length")
+    p.add_argument("--seqlen", type=positive, default=seqlen, help="global sequence length")
     add_shape_args(p, dtype=dtype)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"])

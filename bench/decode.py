@@ -163,23 +163,23 @@ def plot(rows: list, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache", nargs="+", type=int, help="cache rows, all ranks together")
-    p.add_argument("--prefill", nargs="*", type=int, default=[4096], help="prompt lengths (numpy)")
+    p.add_argument("--cache", nargs="+", type=C.positive, help="cache rows, all ranks together")
+    p.add_argument("--prefill", nargs="*", type=C.positive, default=[4096], help="prompt lengths (numpy)")
     C.add_shape_args(p, heads=32, headdim=128, dtype=None,
                      kv_heads_help="default: a quarter of --heads (32 / 8: GQA 4), or --heads where 4 "
                                    "does not divide it")
-    p.add_argument("--paged", type=int, default=None, metavar="PAGE", help="rows a page")
-    p.add_argument("--tokens", type=int, default=1, metavar="T", help="new tokens a call (q's T)")
+    p.add_argument("--paged", type=C.positive, default=None, metavar="PAGE", help="rows a page")
+    p.add_argument("--tokens", type=C.positive, default=1, metavar="T", help="new tokens a call (q's T)")
     p.add_argument("--mma-min-rows", type=int, default=None, metavar="R",
                    help="kernels: the tensor-core twin from R query rows a kv head (KernelOps."
                         "decode_mma_min_rows; 16: the CUDA-core kernel under 16)")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--host-calls", type=int, help="calls timed (20; --host-only 1000)")
+    p.add_argument("--repeats", type=C.positive)
+    p.add_argument("--host-calls", type=C.positive, help="calls timed (20; --host-only 1000)")
     p.add_argument("--host-only", action="store_true",
                    help="emulated backend: host_ms alone, every kernel launch a no-op")
     p.add_argument("--backend", default="numpy", choices=["numpy", "emulated", "cupy"])
     p.add_argument("--predict", action="store_true", help="the GPU presets' model only (PREDICTION)")
-    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4, 8], help="--predict: world sizes")
+    p.add_argument("--ranks", nargs="+", type=C.positive, default=[1, 2, 4, 8], help="--predict: world sizes")
     C.add_output_args(p)
     args = p.parse_args(argv)
     if args.kv_heads is None:

@@ -15,7 +15,7 @@ over NCCL) when a GPU is usable:
    (1: fully hidden; 0: back to back). Reported only when it is a measurement: when the jitter
    of the three timings (their ranges over the repeats, added) is at least the exchange's time,
    the line says it is not measurable here instead of printing a number (on one machine the
-   exchange through shared memory is often shorter than compute jitter).
+   exchange through shared memory is often shorter than the timings' jitter).
 
 Rank 0 prints one line per check; the exit status is 1 when a correctness check fails. Timings
 are what this machine measured; nothing here is a claim about other hardware.
@@ -164,8 +164,8 @@ def overlap_figures(compute_s: float, comm_s: float, both_s: float, jitter_s: fl
     out = {"overlap_raw": raw, "overlap": raw, "jitter_s": jitter_s, "overlap_note": None}
     if raw is None or jitter_s >= comm_s:
         out["overlap"] = None
-        out["overlap_note"] = (f"not measurable here (compute jitter ±{jitter_s * 1e3:.2f} ms > "
-                               f"exchange {comm_s * 1e3:.2f} ms)")
+        out["overlap_note"] = (f"not measurable here (timing jitter {jitter_s * 1e3:.2f} ms, the three "
+                               f"timings' ranges added, >= exchange {comm_s * 1e3:.2f} ms)")
     elif raw < 0:
         out["overlap_note"] = ("negative: compute and exchange together took longer than one "
                                "after the other (the exchange's thread competing for cores)")

@@ -211,6 +211,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.command:
         p.error("give the program to run after --")
+    for option, value in (("-n", args.nprocs), ("--gpus-per-node", args.gpus_per_node),
+                          ("--nodes", args.nodes)):
+        if value is not None and value < 1:
+            p.error(f"{option} {value}: at least 1")
     return args
 
 

@@ -693,3 +693,17 @@ def test_numerics_floor_is_the_nearest_value():
     assert not np.any(tie.astype(np.float32).view(np.uint32) & (1 << 16))   # even: last bit 0
     assert not np.array_equal(numerics.rounded(base + half * (1 + 2.0**-30), bf16),
                               (base + half * (1 + 2.0**-30)).astype(bf16))   # the plain cast misses
+
+
+@pytest.mark.parametrize("script", ["gpu/kernel_speed.py", "gpu/overlap_gpu.py", "gpu/step_lists.py"])
+def test_a_gpu_script_without_a_gpu_says_so_in_one_line(script):
+    """Run where no CUDA GPU is usable, a GPU script ends with status 2 and one line pointing to
+    --dry-run (it ended in a raw CUDARuntimeError traceback)."""
+    from burstcu.transport.bootstrap import device_count
+
+    if device_count()[0] >= 1:
+        pytest.skip("a GPU is usable here: the script would run")
+    proc = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True,
+                          timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 2 and "no GPU here" in proc.stderr and "--dry-run" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

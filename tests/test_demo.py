@@ -248,3 +248,29 @@ def test_selftest_usage_errors_come_before_any_check(capsys):
                        (["--quick", "--json", "/nonexistent/x.json"], "not a file in an existing folder"),
                        (["--quick", "--json", str(ROOT)], "not a file in an existing folder")):
         assert selftest.main(argv) == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_a_rank_whose_rows_have_a_result_of_zero_passes():
+    """Two rows, causal, two ranks: rank 0's one row sees one key, so its exact dq is 0 and its
+    computed dq rounding noise. Judged at its own max|ref| (~1e-22) it FAILED by luck; the noise
+    floor is the quantity's scale over every rank's rows."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "burstcu.demo", "--seqlen", "2",
+           "--causal", "--backend", "numpy"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _verdicts(proc.stdout) == {0: "PASSED", 1: "PASSED"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv, said", [
+    (["--seqlen", "1", "--backend", "numpy"], "--seqlen 1 on 2 ranks: a sequence of 1 positions"),
+    (["--backend", "emulated", "--dtype", "float32"], "--dtype float32: the emulated backend computes"),
+])
+def test_what_the_backend_or_the_ranks_cannot_take_is_one_line(argv, said):
+    """A dtype the backend does not compute, or fewer rows than ranks: status 2 on every rank and
+    one line from rank 0 that says why, not a traceback on each."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "burstcu.demo", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())
+    assert proc.returncode == 2 and proc.stderr.count(f"burstcu demo: {said}") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -114,6 +114,13 @@ def test_refuses_more_ranks_than_gpus_and_missing_gpus():
         assert proc.returncode != 0 and "--gpus-per-node" in proc.stderr
 
 
+@pytest.mark.parametrize("option", ["-n", "--gpus-per-node", "--nodes"])
+def test_a_count_below_one_is_a_usage_error(option):
+    """`--cpu -n -1` ran one rank and exited 0: a count below 1 is refused (usage error, 2)."""
+    proc = _cli("--cpu", "-n", "2", option, "-1", "--mpi", "mpich", "--dry-run", "--", "python", "x.py")
+    assert proc.returncode == 2 and f"{option} -1: at least 1" in proc.stderr, proc.stderr
+
+
 # ---- SLURM ---------------------------------------------------------------------------------------
 def test_slurm_example_is_the_rendered_template():
     rendered = run.render_sbatch(nodes=2, gpus_per_node=8, command=["python", "-m", "burstcu.selftest"])

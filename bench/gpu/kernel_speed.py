@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median,  # noqa: E402
+from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median, no_gpu,  # noqa: E402
                            normal, progress, pyplot, save, table, write_json)
 from burstcu.build.bwd_variants import SM90_DQ_ADDS  # noqa: E402
 
@@ -242,6 +242,8 @@ def main(argv=None) -> int:
         print(f"# {len(configs)} configurations x {len(args.impls)} implementations "
               f"({', '.join(args.impls)}); dry run: nothing timed")
         return 0
+    if (status := no_gpu("kernel_speed.py")) is not None:
+        return status
 
     from burstcu.ops.cuda.kernel_ops import KernelOps
     ops_by_arch = {}   # (kernel table, dQ mode, head group, dQ adds) -> KernelOps

@@ -166,6 +166,8 @@ def main(argv=None) -> int:
                   f"{'no documents' if docs is None else f'{len(docs) - 1} documents'}, "
                   f"{args.repeats} repeats x 3 modes")
         return 0
+    if (status := C.no_gpu("overlap_gpu.py")) is not None:
+        return status
     rows = []
     for i, (g, s, st) in enumerate(plan):
         C.progress(f"[{i + 1}/{len(plan)}] {g} ranks, seqlen {s}, {st}")

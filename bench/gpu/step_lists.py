@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import (array_dtype, call_seconds, clean, document_mix, emit, median,  # noqa: E402
+from bench._common import (array_dtype, call_seconds, clean, document_mix, emit, median, no_gpu,  # noqa: E402
                            progress, table)
 
 # a step's rectangles in one step call (packed where that pays, or a tile a rectangle), or a step
@@ -139,7 +139,9 @@ def main(argv=None):
                   f"{len(WAYS)} ways; query tiles of 128 x 128 keys (model): {listed} a rectangle "
                   f"each, {packed} packed where that pays, from {states} tiles of 128 query rows "
                   f"(each a read and a write of its rows' running state)")
-        return None
+        return 0
+    if args.backend == "cupy" and (status := no_gpu("step_lists.py")) is not None:
+        return status
     from burstcu.ops.cuda import KernelOps
 
     ops = KernelOps(args.backend, arch=args.arch)
@@ -159,9 +161,10 @@ def main(argv=None):
             + table(rows, ["arch", "pass", "layout", "kernels_packed", "docs", "rectangles",
                            *(f"launches_{way}" for way in WAYS), *(f"ms_{way}" for way in WAYS),
                            "kept_pairs", "ns_per_pair_packed", "vs_contiguous_per_pair"]))
-    return emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
-                       "rows": rows}, args)
+    emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
+                "rows": rows}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -105,7 +105,7 @@ def _warm(job) -> tuple[float, bool, str | None]:
     try:
         built = cubin_entry(source, [name], arch)[2]   # not a build another process made
     except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
-        return time.perf_counter() - t0, False, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return time.perf_counter() - t0, False, f"{type(exc).__name__}: {exc}"
     return time.perf_counter() - t0, built, None
 
 
@@ -120,9 +120,9 @@ def run_warm(device: str, families: list[str] | None = None, out=None,
     compiled = failed = 0
     with ProcessPoolExecutor(jobs) as pool:
         for (_, name, arch), (seconds, fresh, error) in zip(todo, pool.map(_warm, todo)):
-            if error:
+            if error:   # the whole message: NVRTC's log follows its first line
                 failed += 1
-                print(f"{arch:7} FAILED  {name}: {error}", file=out, flush=True)
+                print(f"{arch:7} FAILED  {name}: {error}".replace("\n", "\n    "), file=out, flush=True)
             elif fresh:
                 compiled += 1
                 print(f"{arch:7} {seconds:6.2f} s  {name}", file=out, flush=True)
@@ -173,10 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
+    for option, path in (("--json", args.json_path), ("--md", args.md_path)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{option} {path}: {folder} is not a folder this user can write to")
+        if path and os.path.isdir(path):
+            parser.error(f"{option} {path}: a folder, not a file")
     problem = compiler_problem()
     if problem:
         print(f"{parser.prog} check: {problem}", file=sys.stderr)
         return NO_COMPILER
+    problem = _timeout_problem()
+    if problem:
+        print(f"{parser.prog} check: {problem}", file=sys.stderr)
+        return 1
     records = run_check(archs, families)
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -193,16 +203,39 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _timeout_problem() -> str | None:
+    """$BURSTCU_BUILD_TIMEOUT's error, read once before any kernel (else one line a kernel)."""
+    from .compile import build_timeout
+
+    try:
+        build_timeout()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _nvrtc_archs() -> list[int]:
+    """The compute capabilities this NVRTC compiles for (e.g. 80, 86, 90), or [] if it cannot say."""
+    try:
+        from cuda.bindings import nvrtc
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+        return list(archs) if int(err) == 0 else []
+    except Exception:  # noqa: BLE001 - an NVRTC without the query: its compile errors say it
+        return []
+
+
 def _main_warm(parser, args) -> int:
     import re
 
     from .compile import cache_dir
     from .variants import MIN_COMPUTE_CAPABILITY
 
-    m = re.fullmatch(r"sm_(\d+)", args.device)
+    m = re.fullmatch(r"sm_([1-9]\d+)", args.device)
     if m is None or int(m.group(1)) < MIN_COMPUTE_CAPABILITY:
         parser.error(f"--device {args.device!r}: a GPU arch sm_XY of compute capability 8.0 or newer "
                      f"(e.g. sm_80, sm_86, sm_90; the Hopper kernels' sm_90a comes with sm_90)")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: at least 1 compile process")
     families = [f.strip() for f in args.family.split(",") if f.strip()] or None
     known = sorted(_families(args.device))
     unknown = sorted(set(families or ()) - set(known))
@@ -212,6 +245,14 @@ def _main_warm(parser, args) -> int:
     if problem:
         print(f"{parser.prog} warm: {problem}", file=sys.stderr)
         return NO_COMPILER
+    known_archs = _nvrtc_archs()
+    if known_archs and int(m.group(1)) not in known_archs:
+        parser.error(f"--device {args.device!r}: this NVRTC compiles for "
+                     f"{', '.join(f'sm_{a}' for a in known_archs if a >= MIN_COMPUTE_CAPABILITY)}")
+    problem = _timeout_problem()
+    if problem:
+        print(f"{parser.prog} warm: {problem}", file=sys.stderr)
+        return 1
     try:
         folder = cache_dir()   # once, before any worker: a folder that fails the trust rule
     except (RuntimeError, OSError) as exc:

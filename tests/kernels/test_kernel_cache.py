@@ -414,10 +414,43 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
         cli.main(["warm", "--device", "sm_90", "--family", "forward_finalise"])
     assert "unknown family ['forward_finalise']" in capsys.readouterr().err
     # a kernel that fails to build is named, the others still build, and the exit status says so
-    monkeypatch.setattr(compile, "cubin_entry", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("nope")))
+    # ... with the whole message: NVRTC's log comes after the first line
+    monkeypatch.setattr(compile, "cubin_entry",
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("nope:\nthe log line")))
     assert cli.main(["warm", "--device", "sm_90", "--family", "nonfinite_flag", "--jobs", "1"]) == 1
     out = capsys.readouterr().out
-    assert out.count("FAILED") == 3 and "RuntimeError: nope" in out and "3 failed" in out
+    assert out.count("FAILED") == 3 and "RuntimeError: nope:" in out and "3 failed" in out
+    assert out.count("    the log line") == 3
+
+
+def test_build_refuses_bad_options_before_compiling(cache, monkeypatch, capsys, tmp_path):
+    """An arch NVRTC does not know, a device written with a leading zero, no compile process, a
+    report path in a folder that does not exist, and a bad $BURSTCU_BUILD_TIMEOUT: each one
+    message before any kernel compiles (not one a kernel, nor a traceback after the compiling)."""
+    needs_nvrtc()
+    from burstcu.build import __main__ as cli
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled")
+    monkeypatch.setattr(compile, "cubin_entry", no_compile)
+    monkeypatch.setattr(compile, "gate_variant", no_compile)
+    for argv, says in ((["warm", "--device", "sm_999"], "this NVRTC compiles for sm_80"),
+                       (["warm", "--device", "sm_0080"], "compute capability 8.0 or newer"),
+                       (["warm", "--device", "sm_80", "--jobs", "0"], "at least 1 compile process"),
+                       (["check", "--arch", "sm_80", "--json", str(tmp_path / "no" / "x.json")],
+                        "is not a folder this user can write to"),
+                       (["check", "--arch", "sm_80", "--md", str(tmp_path / "no" / "x.md")],
+                        "is not a folder this user can write to"),
+                       (["check", "--arch", "sm_80", "--json", str(tmp_path)], "a folder, not a file")):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        assert stop.value.code == 2 and says in capsys.readouterr().err, argv
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "abc")
+    for argv in (["warm", "--device", "sm_80", "--family", "nonfinite_flag"],
+                 ["check", "--arch", "sm_80", "--family", "nonfinite_flag"]):
+        assert cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert err.count("BURSTCU_BUILD_TIMEOUT='abc'") == 1 and "FAILED" not in out, argv
 
 
 def test_warm_counts_what_it_built_and_refuses_an_untrusted_folder(cache, monkeypatch, capsys, tmp_path):
