@@ -33,7 +33,7 @@ from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, check_atten
                        check_axis, check_block_mask, check_block_mask_extent, check_cu_seqlens,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
-                       lse_problem, mask_options, masked_array_problem, parse_cu_seqlens,
+                       lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
                        sharding_keywords, warn_if_all_the_same, warn_if_heads_look_like_rows)
 
@@ -433,7 +433,7 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
             warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
         err, part = partition_of(layout, [rows for rows, _ in reports], None, uneven=None)
         if err is None and len({len(runs) for runs in part.runs}) > 1:   # a rank short of a run
-            need = "G" if layout == "contiguous" else "2 G (two pieces a rank)"
+            need = "G" if layout == "contiguous" else "2 G (two pieces a rank; or N = G, one row a rank)"
             err = InputError(ValueError, f"linear attention's {layout} layout needs N >= {need} "
                                          f"rows: got N = {part.total} over G = {part.size} ranks")
         if err is not None:
@@ -589,9 +589,9 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
         lengths = block_mask.balanced_lengths(1 if group is None else group.size,
                                               x.shape[check_axis(axis, x.ndim, "x")])
     check_layout(layout)
-    masked = masked_array_problem("x", x)
-    if masked is not None:
-        raise masked.exception()
+    misread = misread_array_problem("x", x)
+    if misread is not None:
+        raise misread.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = check_axis(axis, x.ndim, "x")
     part = _shard_partition(layout, size, x.shape[axis], cu_seqlens, lengths)
@@ -653,9 +653,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
         if conflict is not None:
             raise ValueError(conflict)
         check_layout(layout)
-        masked = masked_array_problem("x_local", x_local) or _gatherable_problem(x_local)
-        if masked is not None:
-            raise masked.exception()
+        misread = misread_array_problem("x_local", x_local) or _gatherable_problem(x_local)
+        if misread is not None:
+            raise misread.exception()
         _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
         return joined(x_local, [x_local], axis)
     with Call(group, "unshard") as call:
@@ -674,7 +674,7 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                         (x_local,), export = native(group.ops, x_local)  # torch, JAX, ...: DLPack
                     check_layout(layout)
                     err, docs = parse_cu_seqlens(cu_seqlens)
-                    err = (err or check_flags(uneven=uneven) or masked_array_problem("x_local", x_local)
+                    err = (err or check_flags(uneven=uneven) or misread_array_problem("x_local", x_local)
                            or _gatherable_problem(x_local))
                     shape = tuple(int(n) for n in x_local.shape)
                     free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]

@@ -30,6 +30,20 @@ from .ops.decode import PagedRows
 from .validate import InputError, agree
 
 
+def _cache_dtype(dtype, names: tuple) -> np.dtype:
+    """`dtype` as NumPy's: a NumPy or JAX dtype, its name, or a torch dtype (`torch.float16`, by
+    its name); None or anything else is a TypeError naming `names`, the dtypes a cache may hold
+    (not NumPy's default float64 for None)."""
+    if type(dtype).__module__ == "torch":
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        try:
+            return np.dtype(dtype)
+        except TypeError:
+            pass
+    raise TypeError(f"KVCache dtype must be one of {', '.join(names)}, got {dtype!r}")
+
+
 def _real(dtype) -> bool:
     """Whether arrays of `dtype` hold real numbers a float cache stores (bool, ints, floats,
     bfloat16 and the other ml_dtypes floats), not complex, strings or objects."""
@@ -95,7 +109,7 @@ class KVCache:
                         ("kv_heads", kv_heads), ("headdim", headdim)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"KVCache {name} must be a positive int, got {n!r}")
-        dtype = np.dtype(dtype)
+        dtype = _cache_dtype(dtype, self.group.ops.array_dtypes)
         if dtype.name not in self.group.ops.array_dtypes:
             raise TypeError(f"KVCache dtype must be one of {', '.join(self.group.ops.array_dtypes)} "
                             f"(what decode takes on this group's backend), got {dtype.name}")

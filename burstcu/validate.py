@@ -56,23 +56,29 @@ class InputError:
         return cls(next((k for k in cls.KINDS if k.__name__ == name), ValueError), str(message))
 
 
-def masked_array_problem(name: str, x: Any) -> InputError | None:
-    """A TypeError for a numpy.ma.MaskedArray: its data would be taken and its mask dropped."""
+def misread_array_problem(name: str, x: Any) -> InputError | None:
+    """A TypeError for a NumPy array burstcu would misread: a numpy.ma.MaskedArray (its data
+    would be taken and its mask dropped), or one stored in the other byte order (its dtype has
+    the same name, so the ranks' agreement, the accumulation dtype and the kernels would each
+    take it for a native array)."""
     if isinstance(x, np.ma.MaskedArray):
         return InputError(TypeError, f"{name} is a numpy.ma.MaskedArray: burstcu would read its "
                                      f"data and ignore its mask. Pass {name}.filled(0) (or "
                                      f"np.ma.getdata({name})) and say which keys a query may see "
                                      f"with causal, window_size or cu_seqlens")
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        return InputError(TypeError, f"{name} is stored in non-native byte order ({x.dtype.str}): "
+                                     f"pass {name}.astype({name}.dtype.newbyteorder('='))")
     return None
 
 
 def _check_array(name: str, x: Any, ndim: int, array_types: tuple,
                  dtypes: tuple | None = FLOAT_DTYPES) -> InputError | None:
-    """x's array type (a masked array is refused: `masked_array_problem`), number of dimensions
-    and (unless `dtypes` is None) dtype."""
-    masked = masked_array_problem(name, x)
-    if masked is not None:
-        return masked
+    """x's array type (a masked or byte-swapped array is refused: `misread_array_problem`),
+    number of dimensions and (unless `dtypes` is None) dtype."""
+    misread = misread_array_problem(name, x)
+    if misread is not None:
+        return misread
     if not isinstance(x, array_types):
         allowed = " or ".join(f"{t.__module__}.{t.__name__}" for t in array_types)
         return InputError(TypeError, f"{name} must be a {allowed}, got {type(x).__module__}.{type(x).__name__}")
@@ -809,6 +815,8 @@ def check_linear_call(ops, arrays: tuple, *, backward: bool, causal, layout, str
         dout = arrays[0]
         if not isinstance(dout, ops.array_types):
             err = InputError(TypeError, f"dout must be an array like q, got {type(dout).__name__}")
+        elif (misread := misread_array_problem("dout", dout)) is not None:
+            err = misread
         elif tuple(dout.shape) != tuple(q.shape):
             err = InputError(ValueError, f"dout must have q's shape {tuple(q.shape)}, got "
                                          f"{tuple(dout.shape)}")

@@ -294,6 +294,20 @@ def test_a_cache_of_a_dtype_decode_cannot_take_is_refused_when_made(dtype):
         burstcu.KVCache(None, 1, 4, 1, 8, dtype)
 
 
+def test_a_cache_dtype_of_none_is_refused_and_a_torch_dtype_taken_by_name():
+    """dtype=None made a float64 cache (NumPy's default); a torch dtype was NumPy's bare
+    "Cannot interpret" error."""
+    with pytest.raises(TypeError, match="KVCache dtype must be one of float16, .*got None"):
+        burstcu.KVCache(None, 1, 4, 1, 8, None)
+    torch = pytest.importorskip("torch")
+    for given, made in ((torch.float16, np.float16), (torch.bfloat16, "bfloat16"), (torch.float, np.float32),
+                        ("float32", np.float32)):
+        assert burstcu.KVCache(None, 1, 4, 1, 8, given).k.dtype == np.dtype(made)
+    for silly in ("torch.float", "np.float64", "foo.float32"):   # names only of torch's own dtypes
+        with pytest.raises(TypeError, match="KVCache dtype must be one of"):
+            burstcu.KVCache(None, 1, 4, 1, 8, silly)
+
+
 def test_kvcache_copies_torch_rows_on_torchs_stream(monkeypatch):
     """On a GPU cache, rows are stored under `arrays.torch_stream` of those rows (torch's current
     stream, where torch wrote them and where `burstcu.torch.decode` reads the cache), by append

@@ -393,6 +393,44 @@ def test_masked_arrays_are_refused(monkeypatch):
         burstcu.linear_attention(masked, q, q)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "emulated"])
+def test_arrays_in_the_other_byte_order_are_refused_on_every_rank(backend):
+    """A big-endian float64 array has the dtype name "float64": it was computed in float32 (the
+    accumulation dtype tested dtype equality), decoded to NaN by the kernels, and mixed float32
+    and float64 partials between ranks that passed different byte orders. Now one rank's
+    byte-swapped input is a TypeError on every rank, for attention, linear attention (dout of its
+    backward too) and decode."""
+    import numpy as np
+
+    import burstcu
+    from burstcu.testing.world import run_ranks
+
+    dtype = np.float64 if backend == "numpy" else np.float16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 16, 2, 16)).astype(dtype) for _ in range(3))
+    seqlens = np.full(1, 16, np.int32)
+
+    def body(group):
+        swapped = q.astype(q.dtype.newbyteorder(">" if q.dtype.byteorder != ">" else "<"))
+        mine = swapped if group.rank == 1 else q
+        said = []
+        calls = [lambda: burstcu.decode(mine[:, :1], k, v, group, cache_seqlens=seqlens)]
+        if backend == "numpy":
+            calls += [lambda: burstcu.attention(mine, k + group.rank, v, group),
+                      lambda: burstcu.linear_attention(mine, k + group.rank, v, group),
+                      lambda: burstcu.linear_attention_backward(mine, q, k + group.rank, v, group)]
+        for call in calls:
+            try:
+                call()
+                said.append(None)
+            except TypeError as exc:
+                said.append(str(exc))
+        return said
+
+    for rank, said in enumerate(run_ranks(2, body, backend=backend, timeout=60)):
+        assert all(m is not None and "non-native byte order" in m for m in said), (rank, said)
+
+
 @pytest.mark.parametrize("nprocs", [2])
 def test_resident_memory_is_flat_over_1000_calls(nprocs):
     results = run_mpi(nprocs, "resource_bodies:soak", timeout=240)
