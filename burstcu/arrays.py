@@ -128,8 +128,10 @@ _FRAMEWORK_OF = {"jaxlib": "jax"}
 
 def _exporter(x):
     """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it:
-    its array-API namespace's where it has one, else its package's; None when it cannot be
-    found (the results then stay the backend's own arrays)."""
+    its array-API namespace's where it has one, else its package's (JAX's: `to_jax`); None
+    when it cannot be found (the results then stay the backend's own arrays)."""
+    if _FRAMEWORK_OF.get(type(x).__module__.split(".")[0]) == "jax":
+        return to_jax
     namespace = getattr(x, "__array_namespace__", None)
     try:
         fn = getattr(namespace(), "from_dlpack", None) if callable(namespace) else None
@@ -145,6 +147,18 @@ def _exporter(x):
             if callable(fn):
                 return fn
     return None
+
+
+def to_jax(result):
+    """A result handed back to JAX: a host (NumPy) result copied into memory JAX owns, a device
+    result zero-copy through DLPack. Jax arrays over NumPy's memory (`jax.numpy.from_dlpack`;
+    `jax.device_put` and, on older JAX, `jnp.asarray` alias it too) made jaxlib's CPU client hang
+    now and then as Python exited (docs/troubleshooting.md)."""
+    import jax
+
+    if isinstance(result, np.ndarray):
+        return jax.numpy.array(result, copy=True)
+    return jax.numpy.from_dlpack(result)
 
 
 def native(ops, *arrays):

@@ -41,6 +41,7 @@ except ImportError:
     buffer_callback = None
 
 from . import api, arrays
+from .arrays import to_jax
 from .group import Group, local_group
 
 __all__ = ["attention", "linear_attention", "decode"]
@@ -56,11 +57,12 @@ def _on_gpu(x) -> bool:
 
 def _eager(fn, arrays, *args, **kwargs):
     """fn on concrete arrays: GPU arrays passed as they are (DLPack to CuPy; results come back
-    as jax arrays), CPU arrays as NumPy views; a result is a jax array, a tuple stays a tuple."""
+    as jax arrays), CPU arrays as NumPy views; a result is a jax array (a host one copied into
+    memory JAX owns: `arrays.to_jax`), a tuple stays a tuple."""
     if any(_on_gpu(x) for x in arrays):
         return fn(*arrays, *args, **kwargs)
-    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)
-    return tuple(jnp.asarray(r) for r in result) if isinstance(result, tuple) else jnp.asarray(result)
+    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)   # results in memory JAX owns:
+    return tuple(to_jax(r) for r in result) if isinstance(result, tuple) else to_jax(result)
 
 
 def _host(fn, group: Group | None, *args, **kwargs):

@@ -224,6 +224,34 @@ def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
         jax.jit(lambda q, docs: burstcu.jax.attention(q, q, q, cu_seqlens=docs))(q, jax.numpy.array([0, 8]))
 
 
+def test_results_handed_to_jax_own_their_memory(jax, monkeypatch):
+    """The plain API's results for JAX inputs on the CPU (attention's here; unshard's and the
+    backward's go the same way, `arrays.returned`) are jax arrays over memory JAX owns, not over
+    the NumPy buffers they were computed in: jax arrays made by `jax.numpy.from_dlpack` of NumPy
+    memory made jaxlib's CPU client hang, now and then, as Python exited
+    (docs/troubleshooting.md)."""
+    from burstcu import arrays
+
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 16, 2, 8)))
+    assert arrays._exporter(q) is arrays.to_jax
+    aligned = np.empty(4096 + 64, np.uint8)    # a 64-byte aligned buffer: DLPack would alias it
+    host = aligned[-aligned.ctypes.data % 64:][:4096].view(np.float32)
+    assert host.ctypes.data % 64 == 0
+    assert arrays.to_jax(host).unsafe_buffer_pointer() != host.ctypes.data
+    seen = []
+    real = arrays.to_jax
+    monkeypatch.setattr(arrays, "to_jax", lambda r: seen.append(r) or real(r))
+    out, lse = burstcu.attention(q, q, q, return_lse=True)
+    assert len(seen) == 2 and all(isinstance(r, np.ndarray) for r in seen)
+    for given, handed in zip(seen, (out, lse)):
+        assert isinstance(handed, jax.Array) and handed.dtype == given.dtype
+        before = np.array(handed)
+        given[...] = np.nan                 # the NumPy buffer changes; the jax array does not
+        assert np.array_equal(np.array(handed), before)
+
+
 def test_jax_errors_inside_jit_carry_burstcus_message(jax):
     q = jax.numpy.ones((1, 8, 2, 4))
     k = jax.numpy.ones((1, 8, 3, 4))

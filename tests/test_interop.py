@@ -73,14 +73,16 @@ def test_real_framework(framework):
 
 
 def test_an_array_class_defined_in_a_helper_package_returns_to_its_framework(monkeypatch):
-    """jax.Array's class lives in jaxlib, its from_dlpack in jax.numpy: results must still come
-    back as the framework's arrays (here with stand-ins for both packages)."""
+    """jax.Array's class lives in jaxlib, its array functions in jax.numpy: results must still
+    come back as the framework's arrays (here with stand-ins for both packages; host results
+    through jax.numpy.array, `arrays.to_jax`)."""
     class Array(_Tensor):
         pass
 
     Array.__module__ = "jaxlib._jax"
     jax_like = types.ModuleType("jax")
-    jax_like.numpy = types.SimpleNamespace(from_dlpack=lambda a: Array(np.from_dlpack(a)))
+    jax_like.numpy = types.SimpleNamespace(from_dlpack=lambda a: Array(np.from_dlpack(a)),
+                                           array=lambda a, copy: Array(np.array(a, copy=copy)))
     monkeypatch.setitem(sys.modules, "jax", jax_like)
     monkeypatch.setitem(sys.modules, "jaxlib", types.ModuleType("jaxlib"))
     q = np.random.default_rng(2).standard_normal((1, 16, 2, 8))

@@ -170,8 +170,13 @@ def _run(code: str, tmp_path, torchrun: bool = False) -> str:
     command = ([mpi_run.torchrun(), "--standalone", "--nproc_per_node", "2", str(program)]
                if torchrun else [mpi_run.mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
                                  str(program)])
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env=env)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                              env=env)
+    except subprocess.TimeoutExpired as exc:   # what it printed says where it stopped
+        said = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                for x in (exc.stdout, exc.stderr)]
+        pytest.fail(f"{' '.join(command)} hung for 180 s; it printed:\n{said[0]}\n{said[1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

@@ -115,7 +115,7 @@ def print_report(rep: dict) -> None:
     show = [{"": "PREDICTION", "pass": r["pass"], "seqlen": r["seqlen"],
              **{k: C.fmt_s(r[k]) for k in ("t_compute", "t_comm", "t_overlapped")},
              "efficiency": f"{r['efficiency']:.2f}", "exposed": C.fmt_s(r["exposed_comm"]),
-             "comm hidden": r["hidden"]} for r in rep["rows"]]
+             "compute >= comm": r["hidden"]} for r in rep["rows"]]
     print(C.table(show, list(show[0])))
     for pass_, n in rep["hidden_above_seqlen"].items():
         print(f"PREDICTION {m['name']} {rep['strategy']} {pass_}: {_hidden_text(n, sh['ranks'])}")
