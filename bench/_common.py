@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from burstcu import engine
 from burstcu.demo import positive_int as positive   # the scripts' options of an int >= 1
 from burstcu.ops.base import DelegatingOps
 
@@ -320,7 +321,8 @@ def add_problem_args(p, *, seqlen: int, dtype: str) -> None:
     p.add_argument("--seqlen", type=positive, default=seqlen, help="global sequence length")
     add_shape_args(p, dtype=dtype)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"])
+    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather", "ulysses"],
+                   choices=list(engine.NAMES))
     p.add_argument("--json", default=None)
 
 

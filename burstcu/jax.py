@@ -61,7 +61,7 @@ def _eager(fn, arrays, *args, **kwargs):
     memory JAX owns: `arrays.to_jax`), a tuple stays a tuple."""
     if any(_on_gpu(x) for x in arrays):
         return fn(*arrays, *args, **kwargs)
-    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)   # results in memory JAX owns:
+    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)
     return tuple(to_jax(r) for r in result) if isinstance(result, tuple) else to_jax(result)
 
 

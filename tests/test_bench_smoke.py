@@ -707,3 +707,11 @@ def test_a_gpu_script_without_a_gpu_says_so_in_one_line(script):
                           timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 2 and "no GPU here" in proc.stderr and "--dry-run" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script", ["cpu/volume.py", "cpu/memory.py"])
+def test_an_unknown_strategy_is_a_usage_error(script):
+    """`--strategies bogus` was a ValueError traceback from the engine after the setup."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--strategies", "bogus"],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 2 and "invalid choice: 'bogus'" in proc.stderr, proc.stderr
