@@ -43,7 +43,8 @@ import numpy as np
 import burstcu
 from burstcu.engine import burst
 from burstcu.layout import partition
-from burstcu.testing.reference import attention_ref, max_err, step_backward_ref, within_fa_rule
+from burstcu.testing.reference import (attention_ref, largest_finite, max_err, step_backward_ref,
+                                       within_fa_rule)
 from burstcu.transport.base import CommTimeoutError, deadline_after, poll_until
 from burstcu.transport.bootstrap import BackendUnavailable, agreed_arguments, world_comm
 
@@ -339,13 +340,9 @@ def check(group, args, inputs, got: dict, say) -> dict:
     joined = {name: [np.concatenate([np.ravel(piece[i]) for piece in pieces]) for i in range(3)]
               for name, pieces in cases.items()}
     # each quantity's scale over every rank's rows: the rounding noise of the whole result
-    scales = _allreduce(group, np.array([_largest(ref) for _, ref, _ in joined.values()]), "max")
+    scales = _allreduce(group, np.array([largest_finite(ref) or 0.0 for _, ref, _ in joined.values()]),
+                        "max")
     return {name: _fa_rule(arrays, eps, scale) for (name, arrays), scale in zip(joined.items(), scales)}
-
-
-def _largest(ref) -> float:
-    finite = np.abs(ref[np.isfinite(ref)])
-    return float(finite.max()) if finite.size else 0.0
 
 
 def _fa_rule(arrays, eps: float, scale: float) -> list:

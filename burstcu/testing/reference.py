@@ -207,14 +207,20 @@ def max_err(x, ref) -> float:
     return float(np.nan_to_num(d, nan=np.inf).max()) if d.size else 0.0  # longdouble diff, then float
 
 
+def largest_finite(ref) -> float | None:
+    """max |ref| over its finite entries, None when it has none."""
+    finite = np.abs(np.asarray(ref)[np.isfinite(ref)])
+    return float(finite.max()) if finite.size else None
+
+
 def within_fa_rule(x, ref, naive, eps, factor=2.0, scale=None) -> tuple[bool, float, float]:
     """FlashAttention's rule: err(x) <= factor * err(naive) + rounding noise (8 eps * scale).
     scale: the quantity's magnitude, max|ref| by default; a piece of a larger result (one
     rank's rows) passes the whole result's, since a row whose exact value is ~0 (a causal
     first row's dq) is still rounded at the scale of the terms that cancel in it."""
     if scale is None:
-        finite = np.asarray(ref)[np.isfinite(ref)]
-        scale = float(np.abs(finite).max()) if finite.size else 1.0
+        scale = largest_finite(ref)
+        scale = 1.0 if scale is None else scale
     noise = 8 * eps * scale
     err, naive_err = max_err(x, ref), max_err(naive, ref)
     return err <= factor * naive_err + noise, err, factor * naive_err + noise
