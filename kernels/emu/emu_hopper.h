@@ -80,11 +80,14 @@
 // setmaxnreg values (.aligned) — checked as each warp executes it and at the end of the block, not
 // by a warpgroup rendezvous (the ISA's .sync waits only for the warp). fence_proxy_async: nothing
 // to order: the emulator has one memory, so generic-proxy writes are always visible to the "async
-// proxy" (TMA and wgmma read shared memory when they execute); it is recorded for the bulk
-// reductions' check (below), which is a proxy for the ISA's rule, not the rule: it sees that every
-// thread arriving at the named barrier before the issue fenced since its barrier before (stricter
-// than the ISA, which asks it of the writers only), not that a fence followed the thread's writes,
-// nor fences before a __syncthreads or the issuer's own writes after the barrier.
+// proxy" (TMA and wgmma read shared memory when they execute); it is recorded for two checks, each
+// a proxy for the ISA's rule, not the rule. The bulk reductions' (below) sees that every thread
+// arriving at the named barrier before the issue fenced since its barrier before (stricter than
+// the ISA, which asks it of the writers only), not that a fence followed the thread's writes, nor
+// fences before a __syncthreads or the issuer's own writes after the barrier. wgmma's compares each
+// shared operand element with the async proxy's view of shared memory, refreshed at a
+// synchronisation a thread that fenced takes part in (at fence_proxy_async below): it catches
+// stores that no fence follows before the wgmma, not one thread's fence standing in for another's.
 //
 // ---- wgmma (the warpgroup side) ------------------------------------------------------------------
 // wgmma_fence / wgmma_issue (mma_async) / wgmma_commit / wgmma_wait(N) are rendezvous of the 128
@@ -208,6 +211,7 @@ struct PendingReduce {  // a bulk tensor reduction (tma_reduce_add) not yet wait
 struct NamedBar {
   int expected = 0, arrived = 0;  // threads (32 per warp)
   int unfenced = 0;  // this phase's arrivals without fence_proxy_async since their barrier before
+  bool fence_unseen = false;  // an arrival of this phase fenced since the async view's last refresh
   std::unordered_map<u64, int> unfenced_at;  // the same of every completed phase (by gen)
   u32 warps = 0;                  // warps that arrived in this phase
   u64 gen = 0;
@@ -264,6 +268,8 @@ struct HThread {  // per thread, by linear index
   // fence.proxy.async since this thread's last named barrier; and whether its last named barrier
   // was passed by threads of which some had not fenced (then it may not issue a bulk reduction)
   bool fenced = false, after_unfenced_bar = false;
+  // fence.proxy.async since the async view was last refreshed (refresh_async_view)
+  bool fence_unseen = false;
 };
 
 using WgmmaComputeFn = std::string (*)(const WgmmaOp&, const u32 (*)[4], float* const*, const unsigned char*,
@@ -277,6 +283,9 @@ struct Hopper {
   std::vector<WgState> wg;
   std::vector<HThread> th;
   std::vector<std::vector<int>> maxnreg;  // per warp: the setmaxnreg values executed
+  // shared memory as the async proxy last saw it (wgmma's operand check; see fence_proxy_async)
+  std::vector<unsigned char> async_view;
+  int fences_unseen = 0;  // threads whose fence_proxy_async the view has not taken in yet
   u64 epoch = 0;
   int n_spin_queued = 0, n_spin_looked = 0;
   WgmmaComputeFn compute_override = nullptr;  // tests: a stand-in for wgmma_compute (kept across launches)
@@ -284,6 +293,19 @@ struct Hopper {
 inline Hopper g_hop;
 
 inline HThread& hth(const Thread* t) { return g_hop.th[t->linear]; }
+
+// The async proxy's view of shared memory (the rule is stated at fence_proxy_async): taken anew
+// from shared memory, and every thread's fence marked as taken in.
+inline void refresh_async_view() {
+  memcpy(g_hop.async_view.data(), g_run->dyn_smem, g_hop.async_view.size());
+  for (HThread& h : g_hop.th) h.fence_unseen = false;
+  g_hop.fences_unseen = 0;
+}
+
+// A synchronisation the thread takes part in: the view is refreshed if it fenced since the last one.
+inline void refresh_if_fenced(const HThread& h) {
+  if (h.fence_unseen) refresh_async_view();
+}
 
 // A state change that may let a spinning thread through: every spinner must look again.
 inline void bump() {
@@ -440,6 +462,7 @@ inline void mbar_arrive(void* bar, u32 expect_tx_bytes) {
              expect_tx_bytes, mbar_state(off, b).c_str()));
   b.tx = tx;  // expect-tx first, then the arrive-on (PTX ISA, mbarrier.arrive.expect_tx)
   --b.pending;
+  refresh_if_fenced(hth(self));
   mbar_maybe_complete(off, b);
   mbar_store(off, b);
   bump();
@@ -632,7 +655,11 @@ inline void land_bytes(const PendingCopy& c) {
     if (lo < hi && box_row_at(m, c.coords, r, &src))
       memcpy(row + lo * eb, base + src + u64(c0 + lo) * eb, size_t(hi - lo) * eb);
     const u64 at = c.dst + r * pitch;
-    for (u32 j = 0; j < row_bytes; j += 16) memcpy(g_run->dyn_smem + swizzle_address(at + j, span), row + j, 16);
+    for (u32 j = 0; j < row_bytes; j += 16) {
+      const u64 to = swizzle_address(at + j, span);
+      memcpy(g_run->dyn_smem + to, row + j, 16);
+      memcpy(g_hop.async_view.data() + to, row + j, 16);  // written by the async proxy itself
+    }
   }
 }
 
@@ -654,8 +681,23 @@ inline void land_for_barrier(u32 off) {
   }
 }
 
-// One memory, one proxy: nothing to order; the fence is recorded for tma_reduce_add's check.
-inline void fence_proxy_async() { hth(g_cur).fenced = true; }
+// One memory, one proxy: nothing to order. The fence is recorded for two checks: tma_reduce_add's
+// (below) and wgmma's shared operands (wg_record_operand), which compare each element with the
+// async proxy's view of shared memory: the bytes TMA copies landed, and what generic-proxy writes
+// had made of the rest when the view was last refreshed. The view is refreshed when a
+// synchronisation completes that a thread which fenced since the last refresh takes part in: a
+// __syncthreads, a named barrier's phase, its own mbarrier arrive, or a wgmma its warpgroup issues.
+// An operand element that differs from the view was written by ordinary stores with no
+// fence.proxy.async between them and the wgmma (PTX ISA: wgmma reads shared memory through the
+// async proxy; the generic proxy's writes must be fenced first) — an error. A proxy for the rule,
+// not the rule: it does not see which thread wrote what, so a fence by any thread at the
+// synchronisation takes in every write made before it.
+inline void fence_proxy_async() {
+  HThread& h = hth(g_cur);
+  h.fenced = true;
+  g_hop.fences_unseen += !h.fence_unseen;
+  h.fence_unseen = true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Bulk tensor reductions (cp.reduce.async.bulk.tensor ... .add, bulk_group)
@@ -876,6 +918,7 @@ inline void named_barrier(int id, int nthreads, bool sync) {
                     "(also barrier 0)", where(self).c_str(), op, r.bar_waiting);
   self->arg = nbar_arg(id, nthreads, sync);
   g_hop.nb[id].unfenced += !hth(self).fenced;
+  g_hop.nb[id].fence_unseen |= hth(self).fence_unseen;
   hth(self).fenced = false;
   const Warp& w = r.warps[self->warp];
   collective(K_NAMED_BAR, w.exist & ~w.exited);
@@ -958,6 +1001,8 @@ inline void compute_hopper_collective(int warp, const Group& grp) {
   for (int l = 0; l < 32; ++l)
     if (grp.mask >> l & 1u) lane_thread(warp, l)->outv = b.gen;
   if (b.arrived >= b.expected) {
+    if (b.fence_unseen) refresh_async_view();
+    b.fence_unseen = false;
     b.unfenced_at[b.gen] = b.unfenced;
     ++b.gen;
     b.arrived = 0;
@@ -1001,8 +1046,9 @@ inline void wg_snap(WgOp& o, int t) {
 
 // Record the shared-memory operand `desc` (rows x 16 elements) of op `o` as it is now: each element's
 // offset and bits. A descriptor that does not decode, or an element past shared memory, records
-// nothing there (wgmma_compute reports it when the op executes).
-inline void wg_record_operand(WgOp& o, u64 desc, bool mn_major, int rows) {
+// nothing there (wgmma_compute reports it when the op executes). An element that differs from the
+// async proxy's view (fence_proxy_async) is an error.
+inline void wg_record_operand(WgOp& o, u64 desc, bool mn_major, int rows, int g, const char* which) {
   using namespace wgmma_detail;
   Desc d;
   if (!decode(desc, "", &d).empty()) return;
@@ -1010,8 +1056,16 @@ inline void wg_record_operand(WgOp& o, u64 desc, bool mn_major, int rows) {
     for (int k = 0; k < 16; ++k) {
       const u64 addr = swizzle(element_address(d, mn_major, mn, k), d.swizzle);
       if (addr + 2 > g_run->dyn_size) continue;
-      unsigned short bits;
+      unsigned short bits, seen;
       memcpy(&bits, g_run->dyn_smem + addr, 2);
+      memcpy(&seen, g_hop.async_view.data() + addr, 2);
+      if (bits != seen)
+        fail(fmt("warpgroup %d (%s) issued a wgmma whose %s operand in shared memory (offset 0x%llx: 0x%04x) was "
+                 "written by ordinary stores with no fence_proxy_async between them and the wgmma (the async proxy "
+                 "last saw 0x%04x there): wgmma reads shared memory through the async proxy, and the generic "
+                 "proxy's writes must be ordered before it by fence.proxy.async (PTX ISA, memory consistency: "
+                 "proxies), then a synchronisation with the issuing warpgroup",
+                 g, wg_threads(g).c_str(), which, (unsigned long long)addr, bits, seen));
       o.smem_at.push_back(u32(addr));
       o.smem_bits.push_back(bits);
     }
@@ -1035,9 +1089,10 @@ inline void wg_issue_op(int g, WgState& W) {
     memcpy(o.a[t], h.a, sizeof o.a[t]);
     o.has_snap[t] = false;
   }
-  if (!o.op.a_in_regs) wg_record_operand(o, o.op.desc_a, o.op.trans_a == 1, 64);
+  for (int t = 0; t < 128 && g_hop.fences_unseen; ++t) refresh_if_fenced(g_hop.th[128 * g + t]);
+  if (!o.op.a_in_regs) wg_record_operand(o, o.op.desc_a, o.op.trans_a == 1, 64, g, "A");
   o.a_elems = o.smem_at.size();
-  wg_record_operand(o, o.op.desc_b, o.op.trans_b == 1, o.op.n);
+  wg_record_operand(o, o.op.desc_b, o.op.trans_b == 1, o.op.n, g, "B");
   for (int t = 0; t < 128; ++t) {
     bool earlier = false;
     for (size_t k = 0; k + 1 < W.ops.size() && !earlier; ++k) earlier = W.ops[k].d[t] == o.d[t];
@@ -1194,6 +1249,8 @@ inline void hopper_block_begin() {
   g_hop.wg.assign(size_t(r.nthreads / 128), WgState{});
   g_hop.th.assign(size_t(r.nthreads), HThread{});
   g_hop.maxnreg.assign(r.warps.size(), std::vector<int>{});
+  g_hop.async_view.assign(r.dyn_smem, r.dyn_smem + (r.dyn_smem ? r.dyn_size : 0));
+  g_hop.fences_unseen = 0;
   g_hop.epoch = 0;
   g_hop.n_spin_queued = g_hop.n_spin_looked = 0;
 }
@@ -1221,6 +1278,11 @@ inline void hopper_thread_exit(Thread* self) {
              "committed): their accumulators would never be written",
              where(self).c_str(), W.ops.size(), uncommitted));
   }
+}
+
+// A __syncthreads completed: every live thread took part.
+inline void hopper_barrier_release() {
+  if (g_hop.fences_unseen) refresh_async_view();
 }
 
 inline void hopper_random_point() {
@@ -1307,6 +1369,7 @@ inline const bool g_hopper_installed = [] {
   g_hopper.block_end = &hopper_block_end;
   g_hopper.thread_exit = &hopper_thread_exit;
   g_hopper.random_point = &hopper_random_point;
+  g_hopper.barrier_release = &hopper_barrier_release;
   g_hopper.describe = &hopper_describe;
   g_hopper.collective = &compute_hopper_collective;
   return true;

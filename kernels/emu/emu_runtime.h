@@ -188,6 +188,7 @@ struct HopperHooks {
   std::string (*block_end)() = nullptr;            // checks once every thread has exited ("" = fine)
   void (*thread_exit)(Thread* self) = nullptr;     // checks when a thread exits (may fail())
   void (*random_point)() = nullptr;                // a scheduling point when randomising
+  void (*barrier_release)() = nullptr;             // a __syncthreads completed
   std::string (*describe)() = nullptr;             // the sm_90 part of a deadlock report
   void (*collective)(int warp, const Group& g) = nullptr;  // K_ELECT, K_NAMED_BAR, K_SETMAXNREG
 };
@@ -308,6 +309,7 @@ inline void release_barrier() {
     if (g_pool[i]->state == S_BARRIER) batch.push_back(g_pool[i]);
   r.bar_waiting = 0;
   r.bar_file = nullptr;
+  if (g_hopper.barrier_release) g_hopper.barrier_release();
   enqueue_all(batch.data(), int(batch.size()));
 }
 

@@ -8,6 +8,8 @@ usable GPU those tests skip. bench/gpu/run.sh runs them so, and under compute-sa
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,16 @@ def kernel_ops(deterministic: bool = False, randomize: bool = False, arch: str |
     ops.first_use_check = False
     ops.pack_lists = pack_lists
     return HostArrays(ops)
+
+
+def seeded_kernel_dir(folder: Path, source: str, anchor: str, replacement: str) -> Path:
+    """A copy of the kernel sources in `folder`/kernels with the one `anchor` of `source` (a file
+    name) replaced: a seeded mistake for the emulator to catch once BURSTCU_KERNEL_DIR names it."""
+    from burstcu.build.variants import kernel_dir
+
+    copy = Path(folder) / "kernels"
+    shutil.copytree(kernel_dir(), copy)
+    text = (copy / source).read_text()
+    assert text.count(anchor) == 1, f"the seed's anchor moved in {source}: update the seed"
+    (copy / source).write_text(text.replace(anchor, replacement))
+    return copy

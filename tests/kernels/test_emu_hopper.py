@@ -435,6 +435,23 @@ def test_wgmma_errors(mod, mode):
         wgmma(mod, mode)
 
 
+@pytest.mark.parametrize("mode", [15, 16])
+def test_wgmma_reads_what_another_warpgroup_wrote_and_fenced(mod, mode):
+    """Warpgroup 1 writes B's first float (3), fences, then meets warpgroup 0 at a named barrier
+    (15) or arrives on the mbarrier warpgroup 0 waits on (16): warpgroup 0's two ops see it."""
+    out = wgmma(mod, mode, nthreads=256)
+    assert (out[:128, 0] == 100).all() and (out[:128, 1] == 6).all()  # 0 + 3, then + 3
+
+
+def test_wgmma_reading_unfenced_stores_is_an_error(mod):
+    """The same with no fence.proxy.async after the write: the tensor cores read shared memory
+    through the async proxy, so the store is not ordered before the wgmma (PTX ISA)."""
+    with pytest.raises(RuntimeError, match=r"warpgroup 0 \(threads 0-127\) issued a wgmma whose B operand in "
+                                           r"shared memory \(offset 0x1002: 0x4040\) was written by ordinary "
+                                           r"stores with no fence_proxy_async"):
+        wgmma(mod, 14, nthreads=256)
+
+
 def test_wgmma_incomplete_warpgroup(mod):
     with pytest.raises(RuntimeError, match="warpgroup 0 .* is incomplete"):
         wgmma(mod, 10, nthreads=64)

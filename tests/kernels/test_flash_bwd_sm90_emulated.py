@@ -17,7 +17,7 @@ import pytest
 
 from burstcu.layout import Block
 from burstcu.testing.reference import keep_from_blocks, softmax_stats_ref, step_backward_ref
-from tests.kernels.backend import BACKEND, kernel_ops
+from tests.kernels.backend import BACKEND, kernel_ops, seeded_kernel_dir
 from tests.kernels.test_flash_bwd_emulated import CASES, DTYPES, assert_fa_rule, make_inputs, run_case
 from tests.kernels.test_flash_fwd_emulated import _counting
 
@@ -67,6 +67,19 @@ def test_step_matches_reference(case, d, dtype, deterministic):
     assert_launches(counts, case, deterministic)
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         assert_fa_rule(name, g, r, n)
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="seeded mistakes are the emulator's to catch")
+def test_the_emulator_catches_a_missing_proxy_fence(tmp_path, monkeypatch):
+    """dS goes to shared memory through ordinary (generic-proxy) stores and is read there by the
+    dQ = dS K wgmma (async proxy): without the fence.proxy.async between, the emulator says so."""
+    fence = "      fence_proxy_async();\n      named_bar_sync(kDsReadyBar, kConsumers);\n"
+    unfenced = fence.replace("fence_proxy_async();", "")
+    folder = seeded_kernel_dir(tmp_path, "flash_bwd_sm90.cu", fence, unfenced)
+    monkeypatch.setenv("BURSTCU_KERNEL_DIR", str(folder))
+    with pytest.raises(RuntimeError, match=f"{HOPPER}.*: warpgroup . .* issued a wgmma whose A operand .* "
+                                           "was written by ordinary stores with no fence_proxy_async"):
+        run_case(hopper_ops(), "bfloat16", 128, "full_ragged")
 
 
 def test_head_dim_256_adds_dq_in_its_own_pass():

@@ -20,7 +20,7 @@ import pytest
 
 from burstcu.build.variants import kernel_dir
 from burstcu.layout import Block
-from tests.kernels.backend import BACKEND, kernel_ops
+from tests.kernels.backend import BACKEND, kernel_ops, seeded_kernel_dir
 from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
 from tests.kernels.test_flash_fwd_emulated import DTYPES, _counting, check, full, make
 
@@ -216,6 +216,23 @@ def test_the_emulator_catches_a_seeded_pipeline_mistake(tmp_path, seed):
     q, k, v = make("float16", 1, 128, 512, 1, 1, 64, seed=1)
     with pytest.raises(RuntimeError, match=message):
         check(ops, "float16", q, k, v, full(128, 512))
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="seeded mistakes are the emulator's to catch")
+def test_the_emulator_catches_a_missing_proxy_fence(tmp_path, monkeypatch):
+    """The careful kernel zeroes V's non-finite values with ordinary (generic-proxy) stores;
+    without the fence.proxy.async after them the tensor cores' reads (async proxy) are not
+    ordered after the stores (PTX ISA): the emulator says so."""
+    fence = "                                            tid);\n          fence_proxy_async();\n"
+    unfenced = fence.replace("fence_proxy_async();", "")
+    folder = seeded_kernel_dir(tmp_path, "flash_fwd_sm90.cu", fence, unfenced)
+    monkeypatch.setenv("BURSTCU_KERNEL_DIR", str(folder))
+    q, k, v = make("float16", 1, 128, 128, 1, 1, 64, seed=1)
+    v[0, 100, 0, 5] = np.inf   # a causal block: rows 0-99 cannot see it, so the careful kernel runs
+    with pytest.raises(RuntimeError, match="flash_fwd_step_sm90.*, true>: warpgroup 1 .* issued a wgmma "
+                                           "whose B operand .* was written by ordinary stores with no "
+                                           "fence_proxy_async"):
+        check(kernel_ops(arch="sm_90a"), "float16", q, k, v, [Block(0, 128, 0, 128, 0, 0, True)])
 
 
 def test_the_good_kernel_passes_the_same_check():

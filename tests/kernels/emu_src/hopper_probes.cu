@@ -365,7 +365,10 @@ static std::string standin_wgmma(const ::emu::WgmmaOp& op, const u32 (*a)[4], fl
 // 7 A registers changed while in flight (rs form); 8 wait<1> retires only the older group;
 // 9 the real wgmma_compute on zero tiles (real = 1); 10 issue from an incomplete warpgroup;
 // 11 P V after Q K^T without a second fence (flash_fwd_sm90.cu's order): fine; 12 a deadlock;
-// 13 B's shared memory written while its op is in flight.
+// 13 B's shared memory written while its op is in flight. 256 threads (warpgroup 1 writes B's first
+// float, 3, for warpgroup 0's op): 14 with no fence before the named barrier they meet at: an error;
+// 15 fenced, then the named barrier: fine; 16 fenced, then an mbarrier arrive warpgroup 0 waits on:
+// fine.
 __global__ void probe_wgmma(int mode, int real, float* out) {
   BURSTCU_DYNAMIC_SMEM(unsigned char, smem);  // 8 KiB
 #if defined(BURSTCU_EMU)
@@ -377,12 +380,31 @@ __global__ void probe_wgmma(int mode, int real, float* out) {
   for (int i = 0; i < 32; ++i) acc[i] = 100.f;
   u32 a[4] = {3, 0, 0, 0};
   float* fb = reinterpret_cast<float*>(smem + 4096);
-  if (tid == 0) *fb = 1.f;
+  if (tid == 0) {
+    *fb = 1.f;
+    fence_proxy_async();  // a generic-proxy write, read next by the tensor cores (async proxy)
+  }
+  u64* handoff = reinterpret_cast<u64*>(smem + 7168);
+  if (tid == 0) mbar_init(handoff, 1);
   __syncthreads();
+  if (mode >= 14 && mode <= 16 && tid >= 128) {
+    if (tid == 130) {
+      *fb = 3.f;
+      if (mode != 14) fence_proxy_async();
+      if (mode == 16) mbar_arrive(handoff);
+    }
+    if (mode != 16) named_bar_sync(1, 256);
+    return;
+  }
+  if (mode == 14 || mode == 15) named_bar_sync(1, 256);
+  if (mode == 16) mbar_wait(handoff, 0);
   const u64 da = wgmma_desc(smem, SWIZZLE_NONE, 128, 256);
   const u64 db = wgmma_desc(smem + 4096, SWIZZLE_NONE, 128, 256);
   switch (mode) {
     case 0:
+    case 14:
+    case 15:
+    case 16:
       wgmma_fence();
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, false);
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, true);
@@ -455,6 +477,7 @@ __global__ void probe_wgmma(int mode, int real, float* out) {
     }
     case 9: {
       for (int i = tid; i < 1024; i += blockDim.x) reinterpret_cast<float*>(smem)[i] = 0.f;
+      fence_proxy_async();
       __syncthreads();
       wgmma_fence();
       wgmma_ss<__half, 64, 0, 0>(acc, da, wgmma_desc(smem, SWIZZLE_NONE, 128, 256), false);
