@@ -2,7 +2,9 @@
 logits, GQA, softmax_scale, memory that never grows with seqlen^2, the running state's dtype."""
 
 import tracemalloc
+import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -27,6 +29,19 @@ def test_nan_in_one_query_row_stays_in_that_row():
     lse_finite = np.ones(lse.shape, bool)
     lse_finite[0, 1, 10] = False
     assert np.isfinite(lse[lse_finite]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_garbage_inputs_raise_no_floating_point_warnings(causal):
+    """NaN and Inf in the inputs give NaN/Inf results where the math says so, quietly: neither
+    the forward nor the backward warns (numpy's "invalid value" / "overflow" RuntimeWarnings)."""
+    q, k, v, dout = make_inputs(3, 1, 64, 2, 2, 16, "float32")
+    q[0, 5, 1, 2], v[0, 40, 0, 3], dout[0, 50, 0, 1] = np.nan, np.inf, np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = burstcu.attention(q, k, v, causal=causal, return_lse=True)
+        grads = burstcu.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    assert np.isnan(out[0, 5, 1]).all() and not np.isfinite(grads[0]).all()
 
 
 def test_fully_masked_rows_give_zero_not_nan():
@@ -100,6 +115,25 @@ def test_very_large_logits_give_the_dominant_key(scale, causal):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert np.abs(out.transpose(0, 2, 1, 3) - best)[clear].max() <= 1e-6
     assert (np.abs(lse - top[..., -1]) <= 1e-6 * np.abs(top[..., -1]) + 1e-3)[clear].all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scale, value", [(0.5, 1e34), (None, 3e35)])
+def test_very_large_values_do_not_overflow(dtype, scale, value):
+    """V of one finite value c near float32's (and bfloat16's) limit, 3.4e38: out is c in every
+    row. A row whose first shift sat far below its largest scores summed P @ V over the key
+    tiles to inf, though no tile's P @ V overflowed."""
+    cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((1, 1024, 2, 32)).astype(cast) for _ in range(2))
+    v = np.full((1, 1024, 2, 32), value, np.float32).astype(cast)
+    out = burstcu.attention(q, k, v, softmax_scale=scale)
+    assert np.isfinite(out.astype(np.float32)).all()
+    ref, _ = attention_ref(q, k, v, softmax_scale=scale)
+    naive, _ = attention_ref(q, k, v, softmax_scale=scale, dtype=np.float32,
+                             round_to=cast if dtype == "bfloat16" else None)
+    ok, err, bound = within_fa_rule(out, ref, naive, EPS[dtype])
+    assert ok, (err, bound)
 
 
 def test_softmax_scale_is_used():

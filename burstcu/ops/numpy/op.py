@@ -305,9 +305,10 @@ class NumpyOps(LocalOps):
         if ci:
             target[r0:r1] = 0
         row_p = None if p_sums is None else p_sums[ci, bi, hi]
-        for part in parts:
-            self._backward_block(qs[bi, hi], do[bi, hi], ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi],
-                                 ctx.dv[bi, hi], target, part, g, scratch, clean, row_p)
+        with np.errstate(over="ignore", invalid="ignore"):   # garbage in, NaN/Inf out, quietly
+            for part in parts:
+                self._backward_block(qs[bi, hi], do[bi, hi], ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi],
+                                     ctx.dv[bi, hi], target, part, g, scratch, clean, row_p)
         turns.wait(head, ci)
         if ci:
             dq_acc[bi, hi, r0:r1] += target[r0:r1]

@@ -34,7 +34,8 @@ TILE_K = 512   # keys per tile
 BACKWARD_TILE_Q = 256   # at most: the backward holds two tiles (P, dS), together one forward tile
 LAZY_LIMIT = 2.0 ** 16       # a lazily folded row whose P sums past this is rescaled or redone
 RESCALE_LIMIT = 2.0 ** 32    # ... rescaled if its largest P is at most this, or within the scores' rounding (`_rescalable`)
-TAME_V = 2.0 ** 100          # max |V| below which P @ V cannot overflow float32 when P sums to LAZY_LIMIT
+TAME_V = 2.0 ** 64           # max |V| below which neither a tile's P @ V (P summing to LAZY_LIMIT) nor
+                             # acc, their sum over 2^48 tiles, can overflow float32 (`_fold_tile`)
 SEED_KEYS = 8                # a row's first shift: its max over 2 x this many keys of the tile (`_seed`)
 
 
@@ -356,16 +357,38 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     alone, and so does its result on each path (the tiles, not the values, pick the matmul
     shapes), so garbage in one row never changes another's bits. The common case costs four
     ufunc calls beyond the matmuls. Runs under np.errstate(over="ignore", invalid="ignore"),
-    which its caller sets once for all its tiles (rows it overflows are redone).
+    which its caller sets once for all its tiles (rows it overflows are redone). With V past
+    TAME_V (finite) a row's acc, P @ V summed over tiles against a shift far below its largest
+    scores, may overflow where no tile's P @ V does: such rows are folded again exactly
+    (`_refold_overflowed`).
     """
-    shifted = math.isfinite(q[:, -1].sum())   # else a row without a shift (+inf), or dead
-    if shifted:
+    huge_v = TAME_V <= v_max < math.inf
+    before = (acc.copy(), q[:, -1].copy()) if huge_v else None
+    if math.isfinite(q[:, -1].sum()):   # else a row without a shift (+inf), or dead
         _fold_shifted(q, k, v, acc, future, s, pv, v_max, True)
-        return
-    fresh = q[:, -1] == np.inf                # rows seeded from this tile's keys
-    _seed(q, acc, k, future)
-    _fold_shifted(q, k, v, acc, future, s, pv, v_max, math.isfinite(q[:, -1].sum()))
-    _refold_unfounded(q, k, v, acc, future, fresh, v_max)
+    else:
+        fresh = q[:, -1] == np.inf                # rows seeded from this tile's keys
+        _seed(q, acc, k, future)
+        _fold_shifted(q, k, v, acc, future, s, pv, v_max, math.isfinite(q[:, -1].sum()))
+        _refold_unfounded(q, k, v, acc, future, fresh, v_max)
+    if huge_v:
+        _refold_overflowed(q, k, v, acc, future, before, v_max)
+
+
+def _refold_overflowed(q, k, v, acc, future, before, v_max: float) -> None:
+    """Rows whose acc this tile's fold made non-finite from finite, and whose shift is not dead
+    (NaN): acc and shift back as they were (`before`: acc and q's last column before the fold),
+    then the tile folded again exactly (`_fold_rows_exactly`), which takes the row's shift up to
+    its largest score and scales acc down with it. Where acc overflows even so (the sum of
+    P @ V against the row's own max past float32's range), it stays non-finite, as an
+    unnormalised accumulator's does. Shapes as `_fold_tile`."""
+    acc_before, shift_before = before
+    rows = np.flatnonzero(~np.isfinite(acc).all(axis=1) & np.isfinite(acc_before).all(axis=1)
+                          & ~np.isnan(q[:, -1]))
+    if len(rows):
+        acc[rows] = acc_before[rows]
+        q[rows, -1] = shift_before[rows]
+        _fold_rows_exactly(q, k, v, acc, future, rows, v_max)
 
 
 def _refold_unfounded(q, k, v, acc, future, fresh, v_max: float) -> None:
