@@ -25,9 +25,11 @@ def _load_run():
 run = _load_run()
 
 
-def _cli(*args, env=None, timeout=60):
+def _cli(*args, env=None, unset=(), timeout=60):
+    """Run the launcher with os.environ plus `env`, less the variables named in `unset`."""
+    full_env = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run([str(LAUNCH / "burstcu-run"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable, **(env or {})))
+                          timeout=timeout, cwd=ROOT, env=dict(full_env, PYTHON=sys.executable, **(env or {})))
     return proc
 
 
@@ -90,7 +92,7 @@ def test_rank_env_keeps_the_users_settings():
 # ---- the CLI's dry run ------------------------------------------------------------------------
 def test_dry_run_cpu():
     proc = _cli("--cpu", "-n", "2", "--mpi", "mpich", "--mpiexec", "mpiexec", "--dry-run", "--",
-                "python", "-m", "burstcu.selftest", env={"NCCL_DEBUG": ""})
+                "python", "-m", "burstcu.selftest", env={"NCCL_DEBUG": ""}, unset=run.CPU_ENV)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("mpiexec -n 2 -genv MKL_NUM_THREADS 1 -genv OMP_NUM_THREADS 1 "
                                    f"-genv OPENBLAS_NUM_THREADS 1 {LAUNCH / 'rank-guard'} "
