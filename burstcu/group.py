@@ -413,7 +413,8 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. `math.inf` (or
         $BURSTCU_TIMEOUT=inf) waits forever. Waiting does not spin.
     progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
-        caller's thread ("inline").
+        caller's thread ("inline": the data moves only inside the engine's waits, so nothing
+        overlaps; over a `link` each exchange's link time starts at its wait).
     link: a `burstcu.Link(gbps=..., latency_us=...)` to pace every MPI message to, as a network
         of that speed would (`burstcu.transport.link`): to measure overlap on one machine, whose
         shared memory is far faster than any network. The same on every rank. MPI transport

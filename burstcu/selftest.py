@@ -12,10 +12,12 @@ over NCCL) when a GPU is usable:
    the transport, host-timed to completion (a device sync on the GPU);
 3. overlap: one ring step's compute alone, its exchange alone, and both as the engine issues them.
    overlap = (compute + comm - both) / comm: the fraction of the exchange hidden behind compute
-   (1: fully hidden; 0: back to back). Reported only when it is a measurement: when the jitter
-   of the three timings (their ranges over the repeats, added) is at least the exchange's time,
-   the line says it is not measurable here instead of printing a number (on one machine the
-   exchange through shared memory is often shorter than the timings' jitter).
+   (1: fully hidden; 0: back to back), ± its uncertainty: the jitter of the three timings (their
+   ranges over the repeats, added) over the exchange's time. Reported only when it is a
+   measurement, its uncertainty below MEASURABLE (0.15, the rule bench/cpu/overlap.py applies
+   too); otherwise the line says it is not measurable here, with the numbers, instead of
+   printing one (on one machine the exchange through shared memory is often shorter than the
+   timings' jitter). A figure below zero by more than its uncertainty says what that means.
 
 Rank 0 prints one line per check; the exit status is 1 when a correctness check fails. Timings
 are what this machine measured; nothing here is a claim about other hardware.
@@ -41,6 +43,12 @@ from .ops.numpy import blas_advice
 from .testing.reference import attention_backward_ref, attention_ref
 from .transport.base import resolve_timeout
 from .transport.mpi import gather_plain
+
+# an overlap figure (the fraction of the exchange hidden) is printed only when its uncertainty,
+# in the same unit, is below this: at 0.15 "0.5" could be anything from a third to two thirds hidden
+MEASURABLE = 0.15
+NEGATIVE = ("negative beyond its uncertainty: compute and exchange together took longer than one "
+            "after the other, cores contended")
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
 # hundred ulps; float16 (the CUDA kernels: fp16 operands, fp32 accumulation) ~10 ulps of 1
@@ -157,19 +165,34 @@ def probe_overlap(group: Group, seqlen: int = 512, heads: int = 8, headdim: int 
     return result
 
 
+def judge_overlap(raw: float | None, uncertainty: float, source: str, comm_s: float
+                  ) -> tuple[float | None, str | None]:
+    """The one rule for printing an overlap figure (here and in bench/cpu/overlap.py).
+
+    raw: (compute + comm - both) / comm, the fraction of the exchange hidden (None: no exchange);
+    uncertainty: its uncertainty, the same unit; source: where that comes from, for the note
+    ("the spread over 3 repeats"); comm_s: the exchange's seconds.
+    Returns (figure, note): the figure only when uncertainty < MEASURABLE, else None and a note
+    "not measurable here (...)" with the numbers; a figure negative beyond its uncertainty
+    (raw + uncertainty < 0) comes with NEGATIVE, one within it of zero with no note."""
+    if raw is None:
+        return None, "no exchange"
+    if not uncertainty < MEASURABLE:
+        return None, (f"not measurable here (±{uncertainty:.2f} from {source}, a measurement needs "
+                      f"< {MEASURABLE}; exchange {comm_s * 1e3:.2f} ms)")
+    return raw, NEGATIVE if raw + uncertainty < 0 else None
+
+
 def overlap_figures(compute_s: float, comm_s: float, both_s: float, jitter_s: float) -> dict:
-    """overlap = (compute + comm - both) / comm when it is a measurement, else None; the raw
-    figure, the jitter (the timings' ranges added) and a note on a missing or negative one."""
+    """overlap = (compute + comm - both) / comm (all seconds) and its uncertainty jitter_s /
+    comm_s (jitter_s: the three timings' ranges over the repeats, added), judged by
+    `judge_overlap`: the figure (None unless a measurement), the raw one, and the note."""
     raw = (compute_s + comm_s - both_s) / comm_s if comm_s > 0 else None
-    out = {"overlap_raw": raw, "overlap": raw, "jitter_s": jitter_s, "overlap_note": None}
-    if raw is None or jitter_s >= comm_s:
-        out["overlap"] = None
-        out["overlap_note"] = (f"not measurable here (timing jitter {jitter_s * 1e3:.2f} ms, the three "
-                               f"timings' ranges added, >= exchange {comm_s * 1e3:.2f} ms)")
-    elif raw < 0:
-        out["overlap_note"] = ("negative: compute and exchange together took longer than one "
-                               "after the other (the exchange's thread competing for cores)")
-    return out
+    uncertainty = jitter_s / comm_s if comm_s > 0 else math.inf
+    figure, note = judge_overlap(raw, uncertainty, f"a timing jitter of {jitter_s * 1e3:.2f} ms, the "
+                                                   f"three timings' ranges added", comm_s)
+    return {"overlap_raw": raw, "overlap": figure, "overlap_uncertainty": uncertainty,
+            "jitter_s": jitter_s, "overlap_note": note}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,15 +231,15 @@ def _lines(reports_by_rank: list[dict]) -> list[str]:
 
 
 def _overlap_line(head: str, ov: dict) -> str:
-    """The overlap check's line: a figure only when it is a measurement, a negative one with
-    what it means."""
+    """The overlap check's line: a figure only when it is a measurement (`judge_overlap`), one
+    negative beyond its uncertainty with what it means."""
     text = f"{head} one ring step: compute {ov['compute_s'] * 1e3:.2f} ms"
     if "comm_s" in ov:
         text += f", exchange {ov['comm_s'] * 1e3:.2f} ms, both {ov['both_s'] * 1e3:.2f} ms, overlap "
         if ov["overlap"] is None:
             text += ov["overlap_note"]
         else:
-            text += f"{ov['overlap']:.2f}±{ov['jitter_s'] / ov['comm_s']:.2f} (1 = exchange fully hidden"
+            text += f"{ov['overlap']:.2f}±{ov['overlap_uncertainty']:.2f} (1 = exchange fully hidden"
             text += f"; {ov['overlap_note']})" if ov["overlap_note"] else ")"
     return text + " (rank 0; timings, not a check: they do not decide PASSED)"
 
@@ -295,8 +318,9 @@ def run_full(args) -> int:
         mark = {True: "ok  ", False: "FAIL", None: "skip"}[r["passed"]]
         detail = r["detail"] if isinstance(r["detail"], str) else _short(r["detail"])
         print(f"{mark} {r['name']}: {detail}", flush=True)
-    summary = (f"selftest --full on {checks.device_name(backend)}: {len(records) - len(failed) - len(skipped)} "
-               f"passed, {len(failed)} failed, {len(skipped)} skipped in {time.perf_counter() - started:.0f} s")
+    passed, seconds = len(records) - len(failed) - len(skipped), time.perf_counter() - started
+    summary = (f"selftest --full on {checks.device_name(backend)}: {passed} passed, {len(failed)} "
+               f"failed, {len(skipped)} skipped in {seconds:.0f} s")
     print(summary + (" - PASSED" if not failed else " - FAILED"), flush=True)
     if args.json:
         with open(args.json, "w") as fh:

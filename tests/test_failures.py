@@ -23,6 +23,8 @@ pytestmark = pytest.mark.mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 4  # burstcu.init(timeout=...) in the programs: seconds a rank waits for a peer
+# a timeout inside a call names a peer's first-use kernel compile as a cause, and the cure
+COMPILING = "still compiling kernels on first use (the emulated and CUDA backends compile"
 
 
 def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
@@ -56,7 +58,7 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
                        "MemoryError: simulated: out of memory"]),
     # a rank that exits early, or sleeps past the timeout: rank 0 names the missing rank
     ("exit_early", [f"rank 0 waited {TIMEOUT} s for rank(s) [1] to reach the agreement round"]),
-    ("sleep_past_timeout", [f"rank 0 waited {TIMEOUT} s for rank(s) [1]", "CommTimeoutError"]),
+    ("sleep_past_timeout", [f"rank 0 waited {TIMEOUT} s for rank(s) [1]", "CommTimeoutError", COMPILING]),
     # Ctrl-C (any exception) while the inputs are agreed on: the others are in the agreement
     ("interrupt_in_agreement", ["burstcu: rank 1 failed in attention forward at 'agreement on the "
                                 "inputs': KeyboardInterrupt"]),
@@ -77,7 +79,7 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
                      "for the compiler command"]),
     # an emulated link too slow for the timeout: the wait names the link, not only the peer
     ("link_too_slow", [f"waited {TIMEOUT} s for rank 1's message", "(emulated link 1e-06 Gb/s, 0 us)",
-                       "CommTimeoutError"]),
+                       "CommTimeoutError", COMPILING]),
     # a group of some of the world's ranks: its rank numbers come with the world's
     ("subgroup_late", [f"rank 0 waited {TIMEOUT} s for rank(s) [1]",
                        "(ranks 0-1 of this group are ranks [1, 2] of the job)"]),
@@ -268,6 +270,26 @@ def test_waiting_for_a_late_peer_does_not_spin():
         assert found, out
         wall, cpu = float(found.group(1)), float(found.group(2))
         assert wall > 2.5 and cpu < 1.0, found.group(0)
+
+
+@pytest.mark.parametrize("call, subgroup, named", [
+    ("attention forward", False, True),
+    ("barrier", True, True),          # a sub-group's wait: the call is its parent's
+    (None, False, False),             # between calls no kernel compiles
+    ("burstcu.init", False, False),
+])
+def test_a_timeout_inside_a_call_names_a_first_use_compile(call, subgroup, named):
+    """A lowered timeout can end while a peer still compiles a kernel variant at its first call
+    (under a causal contiguous layout only some ranks need some variants): the message says so,
+    with the cure; it used to name only failed, exited or busy peers."""
+    from burstcu.transport.base import CommTimeoutError, SelfTransport
+    top = SelfTransport(timeout=2)
+    top.call = call
+    t = top.split(0, 0, "ulysses") if subgroup else top
+    said = str(t.timed_out("rank 1's message"))
+    assert isinstance(t.timed_out("x"), CommTimeoutError)
+    assert said.startswith("rank 0 waited 2 s for rank 1's message during ")
+    assert (COMPILING in said and "warm the cache with python -m burstcu.build warm" in said) == named, said
 
 
 def test_timeout_is_validated_and_reported():

@@ -23,6 +23,7 @@ from bench import _common as C  # noqa: E402
 from bench.model.predict import overlap_prediction  # noqa: E402
 
 import burstcu  # noqa: E402
+from burstcu.selftest import MEASURABLE, judge_overlap  # noqa: E402  (one rule for both)
 from burstcu.transport.base import Transport  # noqa: E402
 from burstcu.transport.link import Link  # noqa: E402
 
@@ -31,7 +32,6 @@ TIMES = ("t_compute", "t_comm", "t_overlapped")   # what MODES measure, in that 
 PASSES = ("forward", "backward")
 BLOCKING = {"allgather"}    # its exchange completes before the compute after it: hides nothing
 TRAFFIC = ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
-MEASURABLE = 0.15           # the largest uncertainty at which an efficiency is printed
 
 
 class TimedTransport(Transport):
@@ -243,26 +243,20 @@ def spread(xs: list) -> float | None:
 
 
 def pass_figures(tc: float, tm: float, to: float, spreads: dict, repeats: int) -> dict:
-    """A pass's (or step's) times and its efficiency when it is a measurement: the uncertainty
-    (s_compute + s_overlapped + |tc - to| / tm * s_comm) / tm below MEASURABLE; else None and a
-    note why (or what a negative one means)."""
+    """A pass's (or step's) times (seconds) and its efficiency when it is a measurement: the
+    uncertainty (s_compute + s_overlapped + |tc - to| / tm * s_comm) / tm below MEASURABLE, by
+    `burstcu.selftest.judge_overlap` (the selftest's rule); else None and a note why (or what
+    one negative beyond its uncertainty means)."""
     raw, unc = C.overlap_efficiency(tc, tm, to), None
     if tm > 0 and all(spreads.get(k) is not None for k in TIMES):
         unc = (spreads["t_compute"] + spreads["t_overlapped"] + abs(tc - to) / tm * spreads["t_comm"]) / tm
     out = {"t_compute": tc, "t_comm": tm, "t_overlapped": to, "spread_s": dict(spreads),
            "repeats": repeats, "efficiency_raw": raw, "efficiency": None,
            "efficiency_uncertainty": unc, "note": None}
-    if raw is None:
-        out["note"] = "no exchange"
-    elif unc is None:
+    if raw is not None and unc is None:
         out["note"] = f"not measurable here ({repeats} repeat: no spread to judge it by)"
-    elif unc >= MEASURABLE:
-        out["note"] = (f"not measurable here (±{unc:.2f} from the spread over {repeats} repeats, "
-                       f"a measurement needs < {MEASURABLE}; exchange {tm * 1e3:.2f} ms)")
     else:
-        out["efficiency"] = raw
-        if raw < 0:
-            out["note"] = "negative: together slower than one after the other, cores contended"
+        out["efficiency"], out["note"] = judge_overlap(raw, unc, f"the spread over {repeats} repeats", tm)
     return out
 
 

@@ -127,6 +127,48 @@ def rows_for(group, strategy: str, inputs, causal: bool) -> list:
     return rows
 
 
+def over_ranks(per_rank: list) -> list:
+    """Per (strategy, pass), from every rank's rows (`rows_for`, in rank order): the bytes each
+    rank sent, their mean, the paper's per-rank count and mean / paper (None without a count)."""
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        sent = [rows_[i]["measured_bytes"] for rows_ in per_rank]
+        mean, paper = sum(sent) / len(sent), first["paper_bytes"]
+        out.append({"strategy": first["strategy"], "pass": first["pass"],
+                    "measured_bytes_per_rank": sent, "measured_bytes_mean": mean, "paper_bytes": paper,
+                    "mean_over_paper": mean / paper if paper else None})
+    return out
+
+
+def report(per_rank: list) -> str:
+    """The text rank 0 prints: a row per rank, strategy and pass (its bytes over the paper's
+    per-rank count: `measured_over_paper`, this rank's); the mean over ranks against the paper; the
+    terms of each row, ranks whose terms are alike together."""
+    order = {(r["strategy"], r["pass"]): i for i, r in enumerate(per_rank[0])}   # as they ran
+    rows = sorted((dict(r, rank=rank) for rank, rows_ in enumerate(per_rank) for r in rows_),
+                  key=lambda r: (order[r["strategy"], r["pass"]], r["rank"]))
+    show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
+                 paper=C.fmt_bytes(r["paper_bytes"]),
+                 msgs=f"{r['measured_messages']}/{r['formula_messages']}",
+                 **{"this rank/paper": r["measured_over_paper"]}) for r in rows]
+    lines = [C.table(show, ["strategy", "pass", "rank", "measured", "formula", "match", "msgs", "paper",
+                            "this rank/paper"]),
+             "# over ranks: the mean of every rank's bytes against the paper's per-rank count"]
+    means = [dict(m, mean=C.fmt_bytes(m["measured_bytes_mean"]), paper=C.fmt_bytes(m["paper_bytes"]),
+                  per_rank=" ".join(C.fmt_bytes(b) for b in m["measured_bytes_per_rank"]),
+                  **{"mean/paper": m["mean_over_paper"]}) for m in over_ranks(per_rank)]
+    lines.append(C.table(means, ["strategy", "pass", "mean", "paper", "mean/paper", "per_rank"]))
+    alike: dict = {}
+    for r in rows:
+        key = (r["strategy"], r["pass"], tuple(r["terms"].items()), r["why_different"])
+        alike.setdefault(key, []).append(r)
+    for (strategy, pass_, terms, why), same in alike.items():
+        text = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in terms) or "0"
+        ranks = "every rank" if len(same) == len(per_rank) else f"rank(s) {[r['rank'] for r in same]}"
+        lines.append(f"  {strategy:9s} {pass_:8s} {ranks}: {text}\n{'':22s}vs paper: {why}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     C.add_problem_args(p, seqlen=1024, dtype="float16")
@@ -144,22 +186,17 @@ def main(argv=None):
     env = C.environment_on_rank0(group, print_header=True)
     if env is None:
         return None
-    print(f"# bytes SENT per rank per pass; G={group.size} N={args.seqlen} B={args.batch} "
-          f"H={args.heads} Hkv={args.kv_heads or args.heads} D={args.headdim} dtype={args.dtype}")
-    show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
-                 paper=C.fmt_bytes(r["paper_bytes"]),
-                 msgs=f"{r['measured_messages']}/{r['formula_messages']}") for r in per_rank[0]]
-    print(C.table(show, ["strategy", "pass", "measured", "formula", "match", "msgs", "paper",
-                         "measured_over_paper"]))
-    for r in per_rank[0]:
-        terms = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in r["terms"].items())
-        print(f"  {r['strategy']:9s} {r['pass']:8s} = {terms or '0'}\n{'':22s}vs paper: {r['why_different']}")
+    print(f"# bytes SENT by each rank per pass (every rank's row: under a causal contiguous layout ranks "
+          f"send different amounts); G={group.size} N={args.seqlen} B={args.batch} H={args.heads} "
+          f"Hkv={args.kv_heads or args.heads} D={args.headdim} dtype={args.dtype}")
+    print(report(per_rank))
     all_match = all(r["match"] and r["measured_messages"] == r["formula_messages"]
                     for rows_ in per_rank for r in rows_)
     print(f"# every rank's measured bytes and messages equal the formulas: {all_match}")
     return C.emit(None, {"benchmark": "volume", "environment": env, "args": vars(args),
                          "all_match": all_match,
-                         "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)]}, args)
+                         "ranks": [{"rank": i, "rows": rows_} for i, rows_ in enumerate(per_rank)],
+                         "over_ranks": over_ranks(per_rank)}, args)
 
 
 if __name__ == "__main__":

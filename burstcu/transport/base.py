@@ -42,6 +42,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -63,6 +64,13 @@ DEFAULT_TIMEOUT = 600.0
 # may tear the job down before it has read what an aborting rank wrote last
 ABORT_GRACE_S = 0.3
 TIMEOUT_ENV = "BURSTCU_TIMEOUT"
+# a cause of a timeout inside a call that is not a failure: a peer's first use of a kernel variant
+# (under a causal contiguous layout only some ranks need some variants, so the others wait)
+FIRST_USE_COMPILE = ("a peer may also be still compiling kernels on first use (the emulated and CUDA "
+                     "backends compile each kernel variant at its first call; a lowered timeout can "
+                     "end before that): warm the cache with python -m burstcu.build warm (CUDA; the "
+                     "emulator's cache fills on a first run with the same $BURSTCU_CACHE_DIR), or "
+                     "keep a timeout that covers the compile")
 
 
 # the longest wait a deadline stands for: `timeout=math.inf` ("wait forever") waits this long
@@ -139,7 +147,12 @@ class CommStats:
         count as one), and G-1 for each all-gather among G ranks (its piece, once to every other
         rank: the all-gather counts as if it were sent directly, as bytes_sent counts it, G-1
         times the piece, whatever route the MPI or NCCL algorithm takes).
-    wait_seconds: host time spent blocked in `wait` (exposed, not hidden, communication).
+    wait_seconds: host seconds spent blocked on communication: in `wait`, and in `allgather`
+        where the host blocks for it (MPI, gloo, loopback; loopback's `commit` too, which blocks
+        until each peer has posted the message it takes): exposed, not hidden, communication as
+        the host sees it. On NCCL the host blocks in neither (the compute stream waits on the
+        communication stream; the host returns at once), so it stays near 0 there however long
+        the device waits: time the streams (CUDA events) for that.
     steps: ring exchanges committed.
     """
 
@@ -251,9 +264,15 @@ class Transport(ABC):
         return [self.top_rank(r) for r in range(self.size)]
 
     def timed_out(self, waited_for: str) -> CommTimeoutError:
+        """The error of a wait for `waited_for` past the deadline; inside a call (where kernels
+        compile on first use) it names that cause too (`FIRST_USE_COMPILE`)."""
+        top = self
+        while top.parent is not None:
+            top = top.parent
+        hint = f"; {FIRST_USE_COMPILE}" if top.call not in (None, "burstcu.init") else ""
         return CommTimeoutError(f"rank {self.top_rank(self.rank)} waited {self.timeout:g} s for "
                                 f"{waited_for} during {self.doing()} (timeout: "
-                                f"burstcu.init(timeout=...) or ${TIMEOUT_ENV})")
+                                f"burstcu.init(timeout=...) or ${TIMEOUT_ENV}){hint}")
 
     def fail(self, reason: str) -> None:
         """After a failure on this rank inside a burstcu call: make every rank stop (see the
@@ -342,9 +361,17 @@ class Transport(ABC):
 
     def wait(self) -> None:
         """Return when everything committed so far has completed (see the module docstring)."""
+        with self._blocking():
+            self._wait()
+
+    @contextmanager
+    def _blocking(self):
+        """Count the host time inside as blocked on communication (`CommStats.wait_seconds`)."""
         t0 = time.perf_counter()
-        self._wait()
-        self.stats.wait_seconds += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - t0
 
     @abstractmethod
     def _post(self, exchanges: Sequence[tuple[Any, Any, int, int]]) -> None: ...
@@ -362,7 +389,8 @@ class Transport(ABC):
     @abstractmethod
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
         """Gather equal-sized contiguous buffers: `recv_buf` is `size` copies of send_buf's shape,
-        rank-major. Blocking for the caller's subsequent work (stream-ordered on a GPU)."""
+        rank-major. Blocking for the caller's subsequent work (stream-ordered on a GPU); where it
+        blocks the host, that time counts in `stats.wait_seconds`."""
 
     @abstractmethod
     def barrier(self) -> None: ...

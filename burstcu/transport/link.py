@@ -11,15 +11,20 @@ after another, each occupying it for `latency + n * 8 / (gbps * 1e9)` seconds (n
 messages arrive through the incoming direction the same way. A message of n bytes therefore
 completes no earlier than latency + n*8/(gbps*1e9) after it was posted, later while earlier
 messages still occupy its direction; an exchange (one commit) completes when its last message
-does. This is the cost model's (`burstcu.plan`, `bench/model/predict.py`) `t_comm = messages * latency + bytes / bandwidth` for each
-direction. The clock of each message starts when this rank posts it (the sender's and the
-receiver's posts are paced alike; a peer that posts later delays the data as well, but the
-pacing does not add that peer's lateness to the link time).
+does. This is the cost model's (`burstcu.plan`, `bench/model/predict.py`)
+`t_comm = messages * latency + bytes / bandwidth` for each direction. The clock of each message
+starts when its data can start to move on this rank: when this rank posts it with the progress
+thread (progress="thread"), at the `wait` that moves it with progress="inline" (there the data
+moves only inside the wait, so however long the compute between post and wait, the wait takes
+the link's time: nothing is hidden). The sender's and the receiver's sides are paced alike; a
+peer that posts later delays the data as well, but the pacing does not add that peer's lateness
+to the link time.
 
 Pacing is done by the transport's progress thread, which sleeps until a message's completion
 time after MPI has really moved it, so the exchange overlaps with compute exactly as it would
-on a NIC; the caller's `wait` returns only then. The all-gather is paced as G-1 messages of one
-piece each way (what it counts in `stats`), on the calling thread: it blocks anyway.
+on a NIC; the caller's `wait` returns only then (inline: the wait itself sleeps until then).
+The all-gather is paced as G-1 messages of one piece each way (what it counts in `stats`), on
+the calling thread: it blocks anyway.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import wire
-from .base import CommTimeoutError, PeerFailedError, Transport, agreed, answer_of, check_contiguous, nbytes
+from .base import (FIRST_USE_COMPILE, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
+                   check_contiguous, nbytes)
 from .streams import CupyStreams, join_stream
 
 
@@ -100,7 +101,7 @@ class LoopbackHub:
                     raise PeerFailedError(f"stopped waiting for {what}: {self._failure}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CommTimeoutError(f"waited {self.timeout:.0f} s for {what}")
+                    raise CommTimeoutError(f"waited {self.timeout:g} s for {what}; {FIRST_USE_COMPILE}")
                 self._cond.wait(min(left, 1.0))
             return self._boxes.pop(key)
 
@@ -208,11 +209,12 @@ class LoopbackTransport(Transport):
                     self.hub.put(key, (send_buf, ready))
                     self._unconfirmed.append(key)
             dev.wait_event(self.stream, ready)
-            for _, recv_buf, _, src in exchanges:
-                if recv_buf is not None:
-                    key = ("msg", src, self.rank, self._received[src])
-                    self._received[src] += 1
-                    self._receive(key, recv_buf, src)
+            with self._blocking():   # the host waits for each peer to post the message it takes
+                for _, recv_buf, _, src in exchanges:
+                    if recv_buf is not None:
+                        key = ("msg", src, self.rank, self._received[src])
+                        self._received[src] += 1
+                        self._receive(key, recv_buf, src)
         self._in_flight = True
 
     def _receive(self, key: tuple, recv_buf: Any, src: int) -> None:
@@ -245,7 +247,9 @@ class LoopbackTransport(Transport):
 
     # -- collectives ---------------------------------------------------------------------------
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
-        """Every rank's send_buf into recv_buf (rank-major), stream-ordered like a ring step."""
+        """Every rank's send_buf into recv_buf (rank-major), stream-ordered like a ring step. The
+        host blocks until every rank has posted its piece and taken this one's (the hub's
+        hand-overs): `stats.wait_seconds`."""
         check_contiguous(send_buf, "send", "loopback")
         check_contiguous(recv_buf, "receive", "loopback")
         if nbytes(recv_buf) != nbytes(send_buf) * self.size:
@@ -255,7 +259,7 @@ class LoopbackTransport(Transport):
         self._collectives += 1
         flat = recv_buf.reshape(-1).view(np.uint8)
         width = nbytes(send_buf)
-        with dev.annotate("burstcu allgather"):
+        with dev.annotate("burstcu allgather"), self._blocking():
             ready = dev.new_event()
             dev.record(ready, dev.current_stream())
             for peer in range(self.size):

@@ -18,7 +18,14 @@ inside different burstcu calls get the same error instead of matching each other
 ``link=Link(gbps, latency_us)`` paces every message as a network of that speed would
 (`burstcu.transport.link`): the progress thread sleeps until each exchange's paced completion
 after MPI has moved it, so on one machine the exchange takes as long as on that link and still
-runs behind the compute.
+runs behind the compute. With ``progress="inline"`` the data moves only inside `wait`, so the
+link's clock for an exchange starts there too (not at its post): the wait takes the link's time
+for it however long the compute in between, and nothing is hidden.
+
+A wait that times out names only the peers whose requests are still incomplete ("rank 2's
+message", "rank 1 to take this rank's message"), not those whose messages already went through;
+when MPI has moved everything and the emulated link alone is late, it names the exchange's peers
+and the link.
 
 The transport duplicates the user's communicator, so its messages can never match the user's.
 """
@@ -50,6 +57,12 @@ def _byte_view(buf: np.ndarray) -> np.ndarray:
     if not buf.flags.c_contiguous:
         raise ValueError("MPI transport needs C-contiguous buffers")
     return buf.reshape(-1).view(np.uint8)
+
+
+def _peers(pending: list) -> str:
+    """The peers of [(request, peer)] as a message names them: "rank 2's message and rank 1 to
+    take this rank's message" (each once)."""
+    return " and ".join(dict.fromkeys(peer for _, peer in pending))
 
 
 def _sleep_until(moment: float, deadline: float, on_timeout) -> None:
@@ -146,12 +159,14 @@ class MPITransport(Transport):
         self.where = "between calls"
         self.progress = progress
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="burstcu-comm") if progress == "thread" else None
-        self._pending: list[Future] = []
-        self._requests: list = []
+        self._pending: list[Future] = []   # progress="thread": one future an exchange
+        # per pending future: [(request or None, peer)] still incomplete (the progress thread
+        # replaces it as requests complete) and every peer of its exchange, for timeout messages
+        self._posted: list[tuple[list, str]] = []
+        self._requests: list[tuple[Any, str]] = []    # progress="inline": (request, peer)
+        self._unpaced: list[tuple[list, list]] = []   # progress="inline": sizes sent, received
         self.link = link
         self._port = Port(link) if link is not None else None
-        self._paced_until = 0.0  # when the exchanges posted so far complete on the link
-        self._peers: list[str] = []  # what the pending exchanges wait for, for timeout messages
 
     def _init_timed_out(self, comm):
         """Print and abort through the user's communicator (ours is not made yet): the ranks that
@@ -165,7 +180,18 @@ class MPITransport(Transport):
         return exc
 
     # -- the ring exchange -----------------------------------------------------------------------
-    def _start(self, exchanges):
+    def _waited_for(self, exchanges) -> list[str]:
+        """The peer each request of `exchanges` waits for, in `_start`'s order."""
+        peers = []
+        for send_buf, recv_buf, dst, src in exchanges:
+            if recv_buf is not None:
+                peers.append(f"rank {self.top_rank(src)}'s message")
+            if send_buf is not None:
+                peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
+        return peers
+
+    def _start(self, exchanges) -> list[tuple[Any, str]]:
+        """Post the exchanges' receives and sends: [(request, the peer it waits for)]."""
         from mpi4py import MPI
 
         reqs = []
@@ -174,7 +200,7 @@ class MPITransport(Transport):
                 reqs.append(self.comm.Irecv([_byte_view(recv_buf), MPI.BYTE], source=src, tag=_TAG_RING))
             if send_buf is not None:
                 reqs.append(self.comm.Isend([_byte_view(send_buf), MPI.BYTE], dest=dst, tag=_TAG_RING))
-        return reqs
+        return list(zip(reqs, self._waited_for(exchanges)))
 
     def _paced(self, sent, received) -> float:
         """When messages of these sizes posted now complete on the emulated link (0: no link)."""
@@ -183,7 +209,8 @@ class MPITransport(Transport):
     @contextmanager
     def _naming_peers(self, waited_for: str):
         """MPI's own error inside a wait (a peer that died mid-transfer: "See the MPI_ERROR
-        field in MPI_Status"), raised as PeerFailedError naming the peer(s) waited for."""
+        field in MPI_Status", or MPI's error stack on one line), raised as PeerFailedError naming
+        the peer(s) waited for."""
         from mpi4py import MPI
 
         try:
@@ -191,53 +218,69 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise PeerFailedError(
                 f"rank {self.top_rank(self.rank)}: MPI failed while waiting for {waited_for} "
-                f"during {self.doing()}: {exc.Get_error_string().strip()} (that rank may have "
-                f"died or exited)") from None
+                f"during {self.doing()}: {' '.join(exc.Get_error_string().split())} (that rank "
+                f"may have died or exited)") from None
+
+    def _complete(self, left: list, deadline: float, on_timeout) -> None:
+        """Test the requests of `left` [(request, peer)] until all have completed, dropping each
+        from `left` (in place: a timeout elsewhere reads it) as it does. Past `deadline` raise
+        `on_timeout(peers)` naming only the peers still incomplete; MPI's own error names the
+        peer of the request that raised it."""
+        def done() -> bool:
+            still = []
+            for request, peer in left:
+                with self._naming_peers(peer):
+                    if not request.Test():
+                        still.append((request, peer))
+            left[:] = still
+            return not still
+
+        poll_until(done, deadline, lambda: on_timeout(_peers(left)))
 
     def _post(self, exchanges):
-        peers = []
-        for send_buf, recv_buf, dst, src in exchanges:
-            if recv_buf is not None:
-                peers.append(f"rank {self.top_rank(src)}'s message")
-            if send_buf is not None:
-                peers.append(f"rank {self.top_rank(dst)} to take this rank's message")
-        self._peers += peers
-        step_peers = " and ".join(dict.fromkeys(peers))
-        ready = self._paced([nbytes(s) for s, _, _, _ in exchanges if s is not None],
-                            [nbytes(r) for _, r, _, _ in exchanges if r is not None])
-        self._paced_until = max(self._paced_until, ready)
-        if self._pool is None:
-            self._requests.extend(self._start(exchanges))
+        sent = [nbytes(s) for s, _, _, _ in exchanges if s is not None]
+        received = [nbytes(r) for _, r, _, _ in exchanges if r is not None]
+        if self._pool is None:   # inline: the data moves in `wait`, and the link's clock starts there
+            self._requests += self._start(exchanges)
+            self._unpaced.append((sent, received))
             return
+        ready = self._paced(sent, received)
         give_up = self.deadline() + _ROOT_GRACE_S  # the caller's wait times out first
+        left = [(None, peer) for peer in self._waited_for(exchanges)]   # none posted yet
+        everyone = _peers(left)
 
         def run():
-            from mpi4py import MPI
-
-            reqs = self._start(exchanges)
-            with self._naming_peers(step_peers):
-                poll_until(lambda: MPI.Request.Testall(reqs), give_up, lambda: TimeoutError())
+            left[:] = self._start(exchanges)
+            self._complete(left, give_up, lambda _: TimeoutError())
             _sleep_until(ready, give_up, TimeoutError)   # the link's pace: asleep, not polling
 
+        self._posted.append((left, everyone))
         self._pending.append(self._pool.submit(run))
 
     def _wait(self):
-        from mpi4py import MPI
-
-        peers, self._peers = " and ".join(dict.fromkeys(self._peers)), []
         deadline = self.deadline()
-        if self._requests:
-            reqs, self._requests = self._requests, []
-            with self._naming_peers(peers):
-                poll_until(lambda: MPI.Request.Testall(reqs), deadline, lambda: self.timed_out(peers))
-            _sleep_until(self._paced_until, deadline, lambda: self.timed_out(f"{peers} ({self.link})"))
+        if self._requests:   # inline: the link's clock starts now, when the data starts to move
+            ready = max(self._paced(sent, received) for sent, received in self._unpaced)
+            left, self._requests, self._unpaced = self._requests, [], []
+            everyone = _peers(left)
+            self._complete(left, deadline, self.timed_out)
+            _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
         pending, self._pending = self._pending, []
+        posted, self._posted = self._posted, []
         for fut in pending:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except (concurrent.futures.TimeoutError, TimeoutError):  # distinct types before 3.11
-                paced = self._paced_until > deadline   # the emulated link alone ends it later
-                raise self.timed_out(f"{peers} ({self.link})" if paced else peers) from None
+                raise self.timed_out(self._still_awaited(pending, posted)) from None
+
+    def _still_awaited(self, pending: list, posted: list) -> str:
+        """The peers of the exchanges not finished (`pending` futures, `posted` their requests)
+        whose requests are still incomplete; when MPI has moved all of them, their peers and the
+        emulated link that still paces them."""
+        unfinished = [p for f, p in zip(pending, posted) if not f.done() or f.exception() is not None]
+        incomplete = _peers([x for left, _ in unfinished for x in left])
+        everyone = " and ".join(dict.fromkeys(peers for _, peers in unfinished))
+        return incomplete or f"{everyone} ({self.link})"
 
     # -- agreement and collectives -----------------------------------------------------------------
     def allgather_object(self, obj, what: str = "metadata"):
@@ -296,16 +339,18 @@ class MPITransport(Transport):
 
     def allgather(self, send_buf, recv_buf):
         """Counted (and paced on an emulated link) as G-1 messages of send_buf's size each
-        way: this rank's piece to every other rank, theirs to it (`CommStats`)."""
+        way: this rank's piece to every other rank, theirs to it (`CommStats`). The host blocks
+        until it completes (on the calling thread, whatever `progress`): `stats.wait_seconds`."""
         from mpi4py import MPI
 
         pieces = [nbytes(send_buf)] * (self.size - 1)
-        ready = self._paced(pieces, pieces)
-        req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
-        deadline = self.deadline()
-        with self._naming_peers("every rank's allgather"):
-            poll_until(req.Test, deadline, lambda: self.timed_out("every rank's allgather"))
-        _sleep_until(ready, deadline, lambda: self.timed_out(f"the allgather ({self.link})"))
+        with self._blocking():
+            ready = self._paced(pieces, pieces)
+            req = self.comm.Iallgather([_byte_view(send_buf), MPI.BYTE], [_byte_view(recv_buf), MPI.BYTE])
+            deadline = self.deadline()
+            with self._naming_peers("every rank's allgather"):
+                poll_until(req.Test, deadline, lambda: self.timed_out("every rank's allgather"))
+            _sleep_until(ready, deadline, lambda: self.timed_out(f"the allgather ({self.link})"))
         self.stats.bytes_sent += sum(pieces)
         self.stats.bytes_received += sum(pieces)
         self.stats.messages += len(pieces)

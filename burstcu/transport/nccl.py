@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import Transport, check_contiguous, deadline_after, nbytes
+from .base import FIRST_USE_COMPILE, Transport, check_contiguous, deadline_after, nbytes
 from . import wire
 from .mpi import MPITransport
 from .streams import CupyStreams, join_stream
@@ -258,7 +258,7 @@ class NCCLTransport(Transport):
                  f"its {self.group_name} group is ranks {self.top_ranks()}")
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not completed "
                   f"after {self.timeout:g} s ({peers}); timeout: burstcu.init(timeout=...) or "
-                  f"$BURSTCU_TIMEOUT")
+                  f"$BURSTCU_TIMEOUT; {FIRST_USE_COMPILE}")
 
     def _exchange_failed(self, what: str, error: BaseException) -> None:
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} failed on this "
@@ -294,7 +294,8 @@ class NCCLTransport(Transport):
     # -- collectives ---------------------------------------------------------------------------
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
         """ncclAllGather on the comm stream, ordered like a ring step (stream-ordered for the
-        caller: kernels issued afterwards see recv_buf; the host does not block)."""
+        caller: kernels issued afterwards see recv_buf; the host does not block, so nothing is
+        added to `stats.wait_seconds`, as in `wait`)."""
         check_contiguous(send_buf, "send", "NCCL")
         check_contiguous(recv_buf, "receive", "NCCL")
         if nbytes(recv_buf) != nbytes(send_buf) * self.size:

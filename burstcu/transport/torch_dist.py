@@ -251,11 +251,13 @@ class TorchDistTransport(Transport):
 
     def allgather(self, send_buf, recv_buf):
         """Counted as G-1 messages of send_buf's size each way (`CommStats`); recv_buf holds the
-        ranks' pieces in this transport's rank order (the gloo group's)."""
+        ranks' pieces in this transport's rank order (the gloo group's). The host blocks until
+        it completes: `stats.wait_seconds`."""
         pieces = list(_byte_tensor(recv_buf).view(self.size, -1).unbind(0))
-        work = self._posted(lambda: self.group.allgather([pieces], [_byte_tensor(send_buf)]),
-                            "every rank's allgather")
-        self._finish([(work, "every rank's allgather")], self.deadline(), self.timed_out)
+        with self._blocking():
+            work = self._posted(lambda: self.group.allgather([pieces], [_byte_tensor(send_buf)]),
+                                "every rank's allgather")
+            self._finish([(work, "every rank's allgather")], self.deadline(), self.timed_out)
         n = nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_sent += n
         self.stats.bytes_received += n

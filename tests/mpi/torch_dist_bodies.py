@@ -12,6 +12,7 @@ import numpy as np
 
 import burstcu
 from tests.mpi.sharding_bodies import check_sharding
+from tests.mpi.transport_bodies import allgather_blocks
 
 
 def _world():
@@ -26,6 +27,13 @@ def _torch_group(**options):
     assert (group.rank, group.size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     assert group.transport.name == "torch.distributed" and group.comm is _world()
     return group
+
+
+def allgather_blocks_over_torch() -> float:
+    """`transport_bodies.allgather_blocks` over the torch group: the gloo all-gather blocks the
+    host, counted in stats.wait_seconds."""
+    with _torch_group(backend="numpy") as group:
+        return allgather_blocks(group)
 
 
 def attention_over_torch(strategy="burst", layout="zigzag", docs=(0, 5, 17, 30, 48),

@@ -12,7 +12,12 @@ from burstcu.transport.link import Link
 
 
 def _exchange(t, send, recv) -> None:
-    t.send_recv(send, recv, t.next_rank, t.prev_rank)
+    _exchange_with(t, (send, recv, t.next_rank, t.prev_rank))
+
+
+def _exchange_with(t, pair: tuple) -> None:
+    """One exchange of `pair` (send, recv, dst, src), committed and waited for."""
+    t.send_recv(*pair)
     t.commit()
     t.wait()
 
@@ -103,6 +108,130 @@ def link_paces_and_overlaps(gbps: float = 1.0, latency_us: float = 200.0, nbytes
         out["slow_s"], out["slow_cpu_s"] = time.monotonic() - t0, time.process_time() - c0
         assert out["slow_s"] >= slow and out["slow_cpu_s"] < 0.05 * slow, out
     return out
+
+
+def _wait_after_compute(group, pairs: list, compute_s: float) -> float | None:
+    """After a barrier, post `pairs` [(send, recv, dst, src)] in one commit, compute (BLAS) for
+    `compute_s`, then wait: the seconds the wait took (None: no pairs on this rank)."""
+    t = group.transport
+    a = np.random.default_rng(0).standard_normal((128, 128))
+    group.barrier()
+    if not pairs:
+        return None
+    t0 = time.monotonic()
+    for pair in pairs:
+        t.send_recv(*pair)
+    t.commit()
+    while time.monotonic() - t0 < compute_s:
+        a = np.tanh(a @ a)
+    w0 = time.monotonic()
+    t.wait()
+    return time.monotonic() - w0
+
+
+def link_time_of_a_wait(progress: str, gbps: float = 0.1, nbytes: int = 1 << 20, repeats: int = 3) -> dict:
+    """An exchange of `nbytes` each way (the ring), and one way (rank 0 to rank 1), posted before
+    1.5x its link time of compute, over Link(gbps): the shortest of `repeats` waits over that
+    link time, per case. With progress="inline" the data moves only in the wait, so the link's
+    clock starts there: at least the whole link time, on every rank that sends or receives; with
+    "thread" it ran behind the compute: little left (checked where every rank has a core)."""
+    link = Link(gbps=gbps)
+    with burstcu.init(backend="numpy", link=link, progress=progress) as group:
+        t, size, rank = group.transport, group.size, group.rank
+        if size == 1:
+            return {"size": 1}
+        need = link.seconds(nbytes)
+        send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        _exchange(t, send, recv)   # the first exchange sets MPI's connections up
+        ring = [(send, recv, t.next_rank, t.prev_rank)]
+        one_way = [(send, None, 1, 0)] if rank == 0 else [(None, recv, 1, 0)] if rank == 1 else []
+        out = {"need_s": need}
+        for case, pairs in (("ring", ring), ("one_way", one_way)):
+            waits = [_wait_after_compute(group, pairs, 1.5 * need) for _ in range(repeats)]
+            out[case] = None if not pairs else min(waits) / need
+    if progress == "inline":
+        assert out["ring"] >= 0.5 and (out["one_way"] is None or out["one_way"] >= 0.5), out
+    elif size <= (os.cpu_count() or 1):
+        assert out["ring"] < 0.5 and (out["one_way"] is None or out["one_way"] < 0.5), out
+    return out
+
+
+def only_incomplete_peers_are_named(progress: str, stuck: str, timeout: float = 2.0,
+                                    nbytes: int = 1 << 20) -> dict:
+    """On 3 ranks, rank 0 sends `nbytes` to rank 1 and receives as many from rank 2 in one
+    exchange; one side is left incomplete past `timeout`: stuck="send" (rank 1 does not take it
+    yet; rank 2's message arrives), stuck="recv" (rank 2 does not send yet; rank 1 takes rank 0's
+    message). Rank 0's CommTimeoutError must name only the peer of the incomplete request. Then
+    the late side completes, so every rank ends clean. Every rank returns what it saw."""
+    from burstcu.transport.base import CommTimeoutError
+
+    with burstcu.init(backend="numpy", timeout=timeout, progress=progress) as group:
+        t, rank = group.transport, group.rank
+        assert group.size == 3, "needs 3 ranks"
+        send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        on_time = {"send": 2, "recv": 1}[stuck]     # the peer whose side completes in time
+        out = {"said": None}
+        if rank == 0:
+            t.send_recv(send, recv, 1, 2)
+            t.commit()
+            try:
+                t.wait()
+            except CommTimeoutError as exc:
+                out["said"] = str(exc)
+            assert out["said"] is not None, "the exchange completed: no side was left waiting"
+            waited_for = out["said"].split(" for ", 1)[1].split(" during ")[0]
+            want = "rank 1 to take this rank's message" if stuck == "send" else "rank 2's message"
+            assert waited_for == want, out
+        elif rank == on_time:    # rank 2 sends to rank 0, or rank 1 takes rank 0's message
+            _exchange_with(t, (send, None, 0, 0) if rank == 2 else (None, recv, 0, 0))
+            out["completed"] = True
+        time.sleep(timeout if rank else 0.0)   # past rank 0's timeout, then the late side
+        group.barrier()
+        if rank == 3 - on_time:
+            _exchange_with(t, (send, None, 0, 0) if rank == 2 else (None, recv, 0, 0))
+            out["completed_late"] = True
+        group.barrier()
+    return out
+
+
+def allgather_blocks(group, late_s: float = 0.3) -> float:
+    """Rank 0 reaches a transport all-gather `late_s` seconds late: every other rank's host
+    blocks for it, which `stats.wait_seconds` counts (checked here, on every rank; any
+    transport whose all-gather blocks the host). This rank's wait_seconds."""
+    t, size = group.transport, group.size
+    piece, gathered = np.full(1024, group.rank, np.uint8), np.empty((size, 1024), np.uint8)
+    group.barrier()
+    if group.rank == 0:
+        time.sleep(late_s)
+    group.stats.reset()
+    t.allgather(piece, gathered)
+    assert (gathered == np.arange(size, dtype=np.uint8)[:, None]).all()
+    if group.rank != 0:
+        assert group.stats.wait_seconds >= 0.5 * late_s, (group.rank, group.stats)
+    return group.stats.wait_seconds
+
+
+def allgather_counts_as_waiting(gbps: float = 0.05) -> dict:
+    """The allgather strategy's forward over Link(gbps): its all-gathers block the host for at
+    least half their link time, counted in stats.wait_seconds on every rank (it read 0: only
+    `wait` counted); then `allgather_blocks` over MPI."""
+    link = Link(gbps=gbps)
+    with burstcu.init(backend="numpy", link=link) as group:
+        size = group.size
+        if size == 1:
+            return {"size": 1}
+        rng = np.random.default_rng(0)
+        q, k, v = (burstcu.shard(rng.standard_normal((1, 256 * size, 4, 32)).astype(np.float32), group)
+                   for _ in range(3))
+        group.barrier()
+        group.stats.reset()
+        burstcu.attention(q, k, v, group, strategy="allgather")
+        stats = group.stats.as_dict()
+        need = (size - 1) * link.seconds(stats["bytes_sent"] // (size - 1))   # no latency: one term
+        assert stats["wait_seconds"] >= 0.5 * need > 0, (stats, need)
+    with burstcu.init(backend="numpy") as group:
+        late = allgather_blocks(group)
+    return {"need_s": need, "wait_seconds": stats["wait_seconds"], "late_wait_seconds": late}
 
 
 class _RunsCode:

@@ -18,6 +18,7 @@ from burstcu.testing.world import RankFailed, run_ranks
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
 from burstcu.transport.base import CommTimeoutError
 from burstcu.transport.loopback import LoopbackHub, LoopbackTransport, PeerFailedError
+from tests.mpi.transport_bodies import allgather_blocks
 
 EPS64 = 2.0**-52
 
@@ -105,7 +106,8 @@ def test_a_missing_peer_times_out_with_its_name():
     buf = np.zeros(4)
     t.send_recv(buf, np.zeros(4), 1, 1)
     t0 = time.monotonic()
-    with pytest.raises(CommTimeoutError, match="rank 1's message #0 to rank 0"):
+    with pytest.raises(CommTimeoutError, match=r"rank 1's message #0 to rank 0 \(step 1\); a peer may "
+                                               r"also be still compiling kernels on first use"):
         t.commit()
     assert time.monotonic() - t0 < 5
     with pytest.raises(CommTimeoutError, match=r"rank\(s\) \[1\]"):
@@ -269,3 +271,28 @@ def test_a_sub_group_failure_wakes_the_whole_world():
         th.join(20)
     assert time.monotonic() - t0 < 10
     assert sorted(errors) == [1, 2, 3] and all("injected sub-group failure" in m for m in errors.values())
+
+
+def test_a_late_peer_in_the_ring_counts_as_waiting():
+    """A loopback commit blocks the host until the peer has posted the message it takes: a peer
+    0.3 s late shows in stats.wait_seconds, whether the host waited in commit or in wait."""
+    def body(group):
+        t, buf = group.transport, np.zeros(256)
+        group.barrier()
+        if group.rank == 1:
+            time.sleep(0.3)
+        group.stats.reset()
+        t.send_recv(buf.copy(), buf, t.next_rank, t.prev_rank)
+        t.commit()
+        t.wait()
+        return group.stats.wait_seconds
+
+    waits = run_ranks(2, body, timeout=30)
+    assert waits[0] >= 0.15, waits
+
+
+def test_an_all_gather_counts_as_waiting():
+    """The loopback all-gather blocks the host until every rank has posted its piece: a peer
+    0.3 s late shows in stats.wait_seconds (it read 0: only `wait` counted)."""
+    waits = run_ranks(2, allgather_blocks, timeout=30)
+    assert waits[1] >= 0.15, waits

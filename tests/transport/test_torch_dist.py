@@ -26,6 +26,12 @@ def test_attention_over_torch_matches_float64(world, strategy):
         assert r["sent"]["bytes"] > 0 and r["sent"]["messages"] > 0
 
 
+def test_an_all_gather_counts_as_waiting():
+    """gloo's all-gather blocks the host: a peer 0.3 s late shows in stats.wait_seconds."""
+    waits = run_torchrun(2, "torch_dist_bodies:allgather_blocks_over_torch", timeout=180)
+    assert waits[1] >= 0.15, waits
+
+
 def test_packed_varlen_over_torch():
     results = run_torchrun(2, "torch_dist_bodies:attention_over_torch", timeout=180, packed=True)
     assert all(r["errors"]["out"] < 1e-5 for r in results)
