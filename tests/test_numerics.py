@@ -118,21 +118,27 @@ def test_very_large_logits_give_the_dominant_key(scale, causal):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("scale, value", [(0.5, 1e34), (None, 3e35)])
-def test_very_large_values_do_not_overflow(dtype, scale, value):
+@pytest.mark.parametrize("scale, value", [(0.5, 1e34), (None, 3e35), (0.5, 3e35)])
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_very_large_values_do_not_overflow(dtype, scale, value, poisoned):
     """V of one finite value c near float32's (and bfloat16's) limit, 3.4e38: out is c in every
     row. A row whose first shift sat far below its largest scores summed P @ V over the key
-    tiles to inf, though no tile's P @ V overflowed."""
+    tiles to inf, though no tile's P @ V overflowed. poisoned: causal, with an Inf in the last
+    key's V, which only the last row sees: the other rows must not feel it."""
     cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     rng = np.random.default_rng(1)
     q, k = (rng.standard_normal((1, 1024, 2, 32)).astype(cast) for _ in range(2))
     v = np.full((1, 1024, 2, 32), value, np.float32).astype(cast)
-    out = burstcu.attention(q, k, v, softmax_scale=scale)
+    given = v.copy()
+    if poisoned:
+        given[0, 1023, :, 0] = np.inf
+    rows = slice(0, 1023 if poisoned else 1024)
+    out = burstcu.attention(q, k, given, causal=poisoned, softmax_scale=scale)[:, rows]
     assert np.isfinite(out.astype(np.float32)).all()
-    ref, _ = attention_ref(q, k, v, softmax_scale=scale)
-    naive, _ = attention_ref(q, k, v, softmax_scale=scale, dtype=np.float32,
+    ref, _ = attention_ref(q, k, v, causal=poisoned, softmax_scale=scale)
+    naive, _ = attention_ref(q, k, v, causal=poisoned, softmax_scale=scale, dtype=np.float32,
                              round_to=cast if dtype == "bfloat16" else None)
-    ok, err, bound = within_fa_rule(out, ref, naive, EPS[dtype])
+    ok, err, bound = within_fa_rule(out, ref[:, rows], naive[:, rows], EPS[dtype])
     assert ok, (err, bound)
 
 

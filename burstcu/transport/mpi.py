@@ -278,7 +278,9 @@ class MPITransport(Transport):
         whose requests are still incomplete; when MPI has moved all of them, their peers and the
         emulated link that still paces them."""
         unfinished = [p for f, p in zip(pending, posted) if not f.done() or f.exception() is not None]
-        incomplete = _peers([x for left, _ in unfinished for x in left])
+        # tuple(left): one atomic read of a list the progress thread replaces; an exchange not
+        # yet started (requests None: queued behind an earlier one) waits for no peer of its own
+        incomplete = _peers([x for left, _ in unfinished for x in tuple(left) if x[0] is not None])
         everyone = " and ".join(dict.fromkeys(peers for _, peers in unfinished))
         return incomplete or f"{everyone} ({self.link})"
 

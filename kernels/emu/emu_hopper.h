@@ -86,8 +86,9 @@
 // the ISA, which asks it of the writers only), not that a fence followed the thread's writes, nor
 // fences before a __syncthreads or the issuer's own writes after the barrier. wgmma's compares each
 // shared operand element with the async proxy's view of shared memory, refreshed at a
-// synchronisation a thread that fenced takes part in (at fence_proxy_async below): it catches
-// stores that no fence follows before the wgmma, not one thread's fence standing in for another's.
+// synchronisation a thread that fenced takes part in (at fence_proxy_async below): it catches a
+// round of stores with no fence at all before the wgmma, not a fence placed before the stores
+// nor one thread's fence standing in for another's.
 //
 // ---- wgmma (the warpgroup side) ------------------------------------------------------------------
 // wgmma_fence / wgmma_issue (mma_async) / wgmma_commit / wgmma_wait(N) are rendezvous of the 128
@@ -307,6 +308,14 @@ inline void refresh_if_fenced(const HThread& h) {
   if (h.fence_unseen) refresh_async_view();
 }
 
+// An mbarrier arrive by `self`: the view is refreshed if a thread of its warp fenced since the
+// last refresh (one lane writes and fences, __syncwarp, another lane arrives: an elected arrive).
+inline void refresh_if_warp_fenced(const Thread* self) {
+  const size_t w0 = size_t(self->warp) * 32;
+  for (size_t t = w0; t < w0 + 32 && t < g_hop.th.size() && g_hop.fences_unseen; ++t)
+    refresh_if_fenced(g_hop.th[t]);
+}
+
 // A state change that may let a spinning thread through: every spinner must look again.
 inline void bump() {
   ++g_hop.epoch;
@@ -462,7 +471,7 @@ inline void mbar_arrive(void* bar, u32 expect_tx_bytes) {
              expect_tx_bytes, mbar_state(off, b).c_str()));
   b.tx = tx;  // expect-tx first, then the arrive-on (PTX ISA, mbarrier.arrive.expect_tx)
   --b.pending;
-  refresh_if_fenced(hth(self));
+  refresh_if_warp_fenced(self);
   mbar_maybe_complete(off, b);
   mbar_store(off, b);
   bump();
@@ -684,14 +693,16 @@ inline void land_for_barrier(u32 off) {
 // One memory, one proxy: nothing to order. The fence is recorded for two checks: tma_reduce_add's
 // (below) and wgmma's shared operands (wg_record_operand), which compare each element with the
 // async proxy's view of shared memory: the bytes TMA copies landed, and what generic-proxy writes
-// had made of the rest when the view was last refreshed. The view is refreshed when a
-// synchronisation completes that a thread which fenced since the last refresh takes part in: a
-// __syncthreads, a named barrier's phase, its own mbarrier arrive, or a wgmma its warpgroup issues.
-// An operand element that differs from the view was written by ordinary stores with no
-// fence.proxy.async between them and the wgmma (PTX ISA: wgmma reads shared memory through the
-// async proxy; the generic proxy's writes must be fenced first) — an error. A proxy for the rule,
-// not the rule: it does not see which thread wrote what, so a fence by any thread at the
-// synchronisation takes in every write made before it.
+// had made of the rest when the view was last refreshed. The view is refreshed (from shared memory
+// as it is then) when a synchronisation completes that a thread which fenced since the last
+// refresh takes part in: a __syncthreads, a named barrier's phase, an mbarrier arrive by it or by
+// a thread of its warp, or a wgmma its warpgroup issues. An operand element that differs from the
+// view was written by ordinary stores with no fence.proxy.async, on a path the emulator follows,
+// between them and the wgmma (PTX ISA: wgmma reads shared memory through the async proxy; the
+// generic proxy's writes must be fenced first) — an error. A proxy for the rule, not the rule: it
+// does not see which thread wrote what, nor when: a fence by any thread taking part in the
+// synchronisation takes in every write made before the synchronisation, so a fence placed before
+// the writes of the same round is not caught; a missing fence is.
 inline void fence_proxy_async() {
   HThread& h = hth(g_cur);
   h.fenced = true;
@@ -1061,8 +1072,10 @@ inline void wg_record_operand(WgOp& o, u64 desc, bool mn_major, int rows, int g,
       memcpy(&seen, g_hop.async_view.data() + addr, 2);
       if (bits != seen)
         fail(fmt("warpgroup %d (%s) issued a wgmma whose %s operand in shared memory (offset 0x%llx: 0x%04x) was "
-                 "written by ordinary stores with no fence_proxy_async between them and the wgmma (the async proxy "
-                 "last saw 0x%04x there): wgmma reads shared memory through the async proxy, and the generic "
+                 "written by ordinary stores with no fence_proxy_async between them and the wgmma on a path the "
+                 "emulator follows (fence, then __syncthreads, a named barrier, an mbarrier arrive by the warp, or "
+                 "the wgmma of the fencing thread's warpgroup; the async proxy last saw 0x%04x there): wgmma reads "
+                 "shared memory through the async proxy, and the generic "
                  "proxy's writes must be ordered before it by fence.proxy.async (PTX ISA, memory consistency: "
                  "proxies), then a synchronisation with the issuing warpgroup",
                  g, wg_threads(g).c_str(), which, (unsigned long long)addr, bits, seen));

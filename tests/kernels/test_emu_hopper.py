@@ -435,10 +435,11 @@ def test_wgmma_errors(mod, mode):
         wgmma(mod, mode)
 
 
-@pytest.mark.parametrize("mode", [15, 16])
+@pytest.mark.parametrize("mode", [15, 16, 17])
 def test_wgmma_reads_what_another_warpgroup_wrote_and_fenced(mod, mode):
     """Warpgroup 1 writes B's first float (3), fences, then meets warpgroup 0 at a named barrier
-    (15) or arrives on the mbarrier warpgroup 0 waits on (16): warpgroup 0's two ops see it."""
+    (15) or arrives on the mbarrier warpgroup 0 waits on (16; 17: another lane of the warp
+    arrives, after a __syncwarp): warpgroup 0's two ops see it."""
     out = wgmma(mod, mode, nthreads=256)
     assert (out[:128, 0] == 100).all() and (out[:128, 1] == 6).all()  # 0 + 3, then + 3
 
@@ -448,7 +449,8 @@ def test_wgmma_reading_unfenced_stores_is_an_error(mod):
     through the async proxy, so the store is not ordered before the wgmma (PTX ISA)."""
     with pytest.raises(RuntimeError, match=r"warpgroup 0 \(threads 0-127\) issued a wgmma whose B operand in "
                                            r"shared memory \(offset 0x1002: 0x4040\) was written by ordinary "
-                                           r"stores with no fence_proxy_async"):
+                                           r"stores with no fence_proxy_async between them and the "
+                                           r"wgmma on a path the emulator follows"):
         wgmma(mod, 14, nthreads=256)
 
 

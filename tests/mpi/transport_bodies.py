@@ -194,6 +194,29 @@ def only_incomplete_peers_are_named(progress: str, stuck: str, timeout: float = 
     return out
 
 
+def a_slow_link_is_named(progress: str, timeout: float = 1.0, nbytes: int = 1 << 20) -> dict:
+    """Two ring exchanges committed, then one wait, over a link slower than the timeout (1 MiB at
+    0.004 Gb/s: ~2 s each): every peer is on time, so every rank's CommTimeoutError names the
+    link; the second exchange, queued behind the first, waits for no peer of its own. Every rank
+    returns what it saw."""
+    from burstcu.transport.base import CommTimeoutError
+
+    with burstcu.init(backend="numpy", timeout=timeout, progress=progress,
+                      link=burstcu.Link(gbps=0.004)) as group:
+        t, said = group.transport, None
+        bufs = [(np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)) for _ in range(2)]
+        for send, recv in bufs:
+            t.send_recv(send, recv, t.next_rank, t.prev_rank)
+            t.commit()
+        try:
+            t.wait()
+        except CommTimeoutError as exc:
+            said = str(exc)
+        assert said is not None and "(emulated link 0.004 Gb/s, 0 us)" in said, said
+        time.sleep(0.5)
+    return {"said": said}
+
+
 def allgather_blocks(group, late_s: float = 0.3) -> float:
     """Rank 0 reaches a transport all-gather `late_s` seconds late: every other rank's host
     blocks for it, which `stats.wait_seconds` counts (checked here, on every rank; any

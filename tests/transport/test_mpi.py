@@ -100,6 +100,16 @@ def test_a_timeout_names_only_the_peers_still_awaited(progress, stuck):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("progress", ["inline", "thread"])
+def test_a_timeout_behind_a_slow_link_names_the_link(progress):
+    """Two exchanges committed over a link slower than the timeout, every peer on time: every
+    rank's timeout names the link (with thread progress it named the peers of the second
+    exchange, queued behind the first, as if they were late)."""
+    results = run_mpi(2, "transport_bodies:a_slow_link_is_named", timeout=90, progress=progress)
+    assert all("(emulated link 0.004 Gb/s, 0 us)" in r["said"] for r in results), results
+
+
+@pytest.mark.mpi
 def test_an_all_gather_counts_as_waiting():
     """stats.wait_seconds counts the host time the all-gather blocks (the allgather strategy's
     read 0 over a slow link): at least half its link time, and a late peer's delay, on every

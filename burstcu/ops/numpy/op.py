@@ -309,9 +309,9 @@ class NumpyOps(LocalOps):
             for part in parts:
                 self._backward_block(qs[bi, hi], do[bi, hi], ctx.k[bi, hi], ctx.v[bi, hi], ctx.dk[bi, hi],
                                      ctx.dv[bi, hi], target, part, g, scratch, clean, row_p)
-        turns.wait(head, ci)
-        if ci:
-            dq_acc[bi, hi, r0:r1] += target[r0:r1]
+            turns.wait(head, ci)
+            if ci:
+                dq_acc[bi, hi, r0:r1] += target[r0:r1]
         turns.done(head)
 
     def _key_tiles_per_item(self, extents, heads: int) -> int:

@@ -35,7 +35,7 @@ BACKWARD_TILE_Q = 256   # at most: the backward holds two tiles (P, dS), togethe
 LAZY_LIMIT = 2.0 ** 16       # a lazily folded row whose P sums past this is rescaled or redone
 RESCALE_LIMIT = 2.0 ** 32    # ... rescaled if its largest P is at most this, or within the scores' rounding (`_rescalable`)
 TAME_V = 2.0 ** 64           # max |V| below which neither a tile's P @ V (P summing to LAZY_LIMIT) nor
-                             # acc, their sum over 2^48 tiles, can overflow float32 (`_fold_tile`)
+                             # acc, their sum over 2^47 tiles, can overflow float32 (`_fold_tile`)
 SEED_KEYS = 8                # a row's first shift: its max over 2 x this many keys of the tile (`_seed`)
 
 
@@ -358,11 +358,12 @@ def _fold_tile(q, k, v, acc, future, s, pv, v_max: float) -> None:
     shapes), so garbage in one row never changes another's bits. The common case costs four
     ufunc calls beyond the matmuls. Runs under np.errstate(over="ignore", invalid="ignore"),
     which its caller sets once for all its tiles (rows it overflows are redone). With V past
-    TAME_V (finite) a row's acc, P @ V summed over tiles against a shift far below its largest
-    scores, may overflow where no tile's P @ V does: such rows are folded again exactly
-    (`_refold_overflowed`).
+    TAME_V a row's acc, P @ V summed over tiles against a shift far below its largest scores,
+    may overflow where no tile's P @ V does: such rows are folded again exactly
+    (`_refold_overflowed`). So are they when V holds a NaN or Inf (v_max not finite), which the
+    rows that do not see it must not feel.
     """
-    huge_v = TAME_V <= v_max < math.inf
+    huge_v = not v_max < TAME_V
     before = (acc.copy(), q[:, -1].copy()) if huge_v else None
     if math.isfinite(q[:, -1].sum()):   # else a row without a shift (+inf), or dead
         _fold_shifted(q, k, v, acc, future, s, pv, v_max, True)

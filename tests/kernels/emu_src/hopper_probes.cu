@@ -368,7 +368,7 @@ static std::string standin_wgmma(const ::emu::WgmmaOp& op, const u32 (*a)[4], fl
 // 13 B's shared memory written while its op is in flight. 256 threads (warpgroup 1 writes B's first
 // float, 3, for warpgroup 0's op): 14 with no fence before the named barrier they meet at: an error;
 // 15 fenced, then the named barrier: fine; 16 fenced, then an mbarrier arrive warpgroup 0 waits on:
-// fine.
+// fine; 17 fenced, __syncwarp, and another lane of the warp arrives on the mbarrier: fine.
 __global__ void probe_wgmma(int mode, int real, float* out) {
   BURSTCU_DYNAMIC_SMEM(unsigned char, smem);  // 8 KiB
 #if defined(BURSTCU_EMU)
@@ -387,17 +387,21 @@ __global__ void probe_wgmma(int mode, int real, float* out) {
   u64* handoff = reinterpret_cast<u64*>(smem + 7168);
   if (tid == 0) mbar_init(handoff, 1);
   __syncthreads();
-  if (mode >= 14 && mode <= 16 && tid >= 128) {
+  if (mode >= 14 && mode <= 17 && tid >= 128) {
     if (tid == 130) {
       *fb = 3.f;
       if (mode != 14) fence_proxy_async();
       if (mode == 16) mbar_arrive(handoff);
     }
-    if (mode != 16) named_bar_sync(1, 256);
+    if (mode == 17) {
+      __syncwarp();
+      if (tid == 128) mbar_arrive(handoff);
+    }
+    if (mode == 14 || mode == 15) named_bar_sync(1, 256);
     return;
   }
   if (mode == 14 || mode == 15) named_bar_sync(1, 256);
-  if (mode == 16) mbar_wait(handoff, 0);
+  if (mode == 16 || mode == 17) mbar_wait(handoff, 0);
   const u64 da = wgmma_desc(smem, SWIZZLE_NONE, 128, 256);
   const u64 db = wgmma_desc(smem + 4096, SWIZZLE_NONE, 128, 256);
   switch (mode) {
@@ -405,6 +409,7 @@ __global__ void probe_wgmma(int mode, int real, float* out) {
     case 14:
     case 15:
     case 16:
+    case 17:
       wgmma_fence();
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, false);
       wgmma_ss<__half, 64, 0, 0>(acc, da, db, true);
