@@ -217,7 +217,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         "ring" (K and V as separate messages, the classic Ring Attention), "ulysses" (all-to-all
         to head shards: each rank attends over the whole sequence for H/G heads; needs H
         divisible by G, and Hkv dividing G or a multiple of it), "usp" (Ulysses inside groups of
-        `ulysses_degree` ranks — u divides G and H; None picks the largest u <= 8 that works —
+        `ulysses_degree` ranks — u divides G and H, and Hkv divides u or is a multiple of it;
+        None picks the largest u <= 8 that works —
         and the burst ring across the G/u groups), "allgather" (gather all K and V, then attend
         locally), or "auto": the one `burstcu.plan` predicts fastest for these shapes on this
         group (printable: `print(burstcu.plan(q.shape, k.shape, group, causal=...))`). All give

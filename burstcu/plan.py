@@ -2,7 +2,7 @@
 
 `plan(q_shape, k_shape, group, causal=..., layout=..., dtype=...)` predicts the time of one
 forward and one backward pass of every strategy that can take the shapes (burst, ring,
-allgather, ulysses, and usp for every Ulysses degree u > 1 that works and fits a node) on a
+allgather, ulysses, and usp for every Ulysses degree 1 < u < G, u <= 8 (a node's GPUs), that works) on a
 `Machine`, and picks the one with the smallest predicted forward + backward time (forward only
 with backward=False); ties go to the earlier candidate, burst first. The result prints as a table.
 Every figure is a PREDICTION of this model, not a measurement (bench/model/plan_check.py compares the

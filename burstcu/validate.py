@@ -403,7 +403,7 @@ ROW_SUM_ULPS = 64
 
 
 def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
-    """A ValueError unless every row's sum of the recomputed P over the ring is 1 within
+    """A ValueError unless every row's sum of the recomputed P over the keys is 1 within
     ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|), and exactly 0 for rows that see no key:
     else lse is not the forward's for these inputs and options. lse, row_sums: (B, H, S), NumPy
     or CuPy. sees: (S,) bool, whether each local row sees a key under the backward's mask (a
@@ -427,7 +427,7 @@ def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
             " (a row that sees keys under this mask)")
     return InputError(ValueError, (
         f"attention_backward(check=True): on rank {rank} the probabilities recomputed from lse "
-        f"sum to {sums[b, h, s]:.6g} over the ring in {int(bad.sum())} rows, not "
+        f"sum to {sums[b, h, s]:.6g} over the keys in {int(bad.sum())} rows, not "
         f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}{seen}): "
         f"lse is not the one attention(..., return_lse=True) returned for these q, k, v and "
         f"options, or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))

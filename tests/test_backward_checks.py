@@ -240,7 +240,7 @@ def test_check_refuses_an_lse_of_minus_inf_on_rows_that_see_keys():
     out, lse = burstcu.attention(q, k, v, block_mask=half, return_lse=True)
     assert np.isneginf(lse[:, :, 12:]).all()
     burstcu.attention_backward(dout, q, k, v, out, lse, block_mask=half, check=True)
-    with pytest.raises(ValueError, match=r"sum to 0 over the ring in 24 rows, not 1 \(first: "
+    with pytest.raises(ValueError, match=r"sum to 0 over the keys in 24 rows, not 1 \(first: "
                                          r"batch 0, head 0, row 12, lse -inf \(a row that sees "
                                          r"keys under this mask\)\)"):
         burstcu.attention_backward(dout, q, k, v, out.view(), lse.view(), block_mask=whole, check=True)
