@@ -18,7 +18,6 @@ import warnings
 import numpy as np
 import pytest
 
-from burstcu.build.variants import kernel_dir
 from burstcu.layout import Block
 from tests.kernels.backend import BACKEND, kernel_ops, seeded_kernel_dir
 from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
@@ -193,13 +192,10 @@ SEEDS = {
 
 def seed_kernel(ops, folder, anchor: str, replacement: str):
     """Make `ops` run, for float16 at d = 64, a copy of flash_fwd_sm90.cu with the one line
-    `anchor` replaced (built into `folder`); returns the seeded variant."""
+    `anchor` replaced (`seeded_kernel_dir` in `folder`); returns the seeded variant."""
     from burstcu.build import emulate
 
-    source = (kernel_dir() / "flash_fwd_sm90.cu").read_text()
-    assert source.count(anchor) == 1, "the seed's anchor moved: update the seeds"
-    bad = folder / "flash_fwd_sm90.cu"
-    bad.write_text(source.replace(anchor, replacement))
+    bad = seeded_kernel_dir(folder, "flash_fwd_sm90.cu", anchor, replacement) / "flash_fwd_sm90.cu"
     variant = ops.forward_variant("float16", 64)
     assert variant.family == "forward_sm90"
     module = emulate.build_module([bad], [variant.name])
