@@ -23,19 +23,21 @@ from __future__ import annotations
 import numpy as np
 
 from . import engine
-from .arrays import array_module, device_problem, group_for, is_cupy, joined, native, returned, untakeable
+from .arrays import (array_module, device_problem, group_for, host_view, is_cupy, joined, native, returned,
+                     tensor_of, untakeable)
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, check_attention_call,
-                       check_axis, check_block_mask, check_block_mask_extent, check_cu_seqlens,
+from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, calling_thread, check_attention_call,
+                       check_axis, check_block_mask, check_block_mask_extent,
                        check_decode_call, check_flags, check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
-                       sharding_keywords, warn_if_all_the_same, warn_if_heads_look_like_rows)
+                       sharding_keywords, thread_problem, warn_if_all_the_same,
+                       warn_if_heads_look_like_rows)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -595,7 +597,7 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
         raise misread.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = check_axis(axis, x.ndim, "x")
-    part = _shard_partition(layout, size, x.shape[axis], cu_seqlens, lengths)
+    part = _shard_partition(layout, size, x, axis, cu_seqlens, lengths)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
     piece = joined(x, pieces, axis)
@@ -607,22 +609,40 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     return piece
 
 
-def _shard_partition(layout: str, size: int, seqlen_global: int, cu_seqlens,
-                     lengths: tuple | None = None) -> Partition:
-    """`shard`'s partition of a global sequence of `seqlen_global` rows (raises on bad input);
-    lengths: each rank's rows (contiguous shards of those lengths)."""
-    err, docs = check_cu_seqlens(cu_seqlens, seqlen_global, layout)
+def _shard_partition(layout: str, size: int, x, axis: int, cu_seqlens, lengths: tuple | None = None,
+                     name: str = "x") -> Partition:
+    """`shard`'s partition of the global sequence, the rows of `x` along `axis` (raises on bad
+    input, calling x `name`); lengths: each rank's rows (contiguous shards of those lengths), which
+    must add up to x's rows on one rank as on several."""
+    seqlen_global = x.shape[axis]
+    err, docs = parse_cu_seqlens(cu_seqlens)
     if err is not None:
         raise err.kind(err.message)
+    ends = _docs_end_problem(name, seqlen_global, axis, x.ndim, docs)
+    if ends is not None:
+        raise ValueError(ends)
     if lengths is not None:
-        if size > 1 and sum(lengths) != seqlen_global:
+        if sum(lengths) != seqlen_global:
             raise ValueError(f"a sequence of {seqlen_global} rows, but the Sharding's lengths "
                              f"add up to {sum(lengths)}")
         return partition("contiguous", size, seqlen_global, lengths=tuple(lengths) if size > 1 else None)
     return partition(layout, size, seqlen_global, None if layout == "contiguous" else docs)
 
 
-# unshard moves rows, never reads a value: 16-bit integers gather bfloat16's bits alike
+def _docs_end_problem(name: str, rows: int, axis: int, ndim: int, docs) -> str | None:
+    """Why documents `docs` (parsed cu_seqlens or None) do not cover the `rows` an `ndim`-D array
+    `name` holds along `axis`, or None. A 3-D array cut along another axis than 0 may be packed
+    (T, H, D), whose documents lie along axis 0: the message says to pass axis=0."""
+    if docs is None or docs[-1] == rows:
+        return None
+    hint = (" (if it is a packed (T, H, D) array, its documents lie along axis 0: pass axis=0)"
+            if ndim == 3 and axis != 0 else "")
+    return f"{name} has {rows} rows along axis {axis} but cu_seqlens ends at {docs[-1]}{hint}"
+
+
+# unshard moves rows, never reads a value: integers of the same size gather any dtype's bits alike
+UNSHARD_OTHER_DTYPE = ("unshard their bits instead, as integers of the same size viewed back "
+                       "afterwards (torch: x.view(torch.uint8), then .view(the dtype))")
 UNSHARD_BFLOAT16 = ("unshard their bits instead, as 16-bit integers viewed back afterwards "
                     "(torch: x.view(torch.int16), then .view(torch.bfloat16); JAX: "
                     "jax.lax.bitcast_convert_type(x, jnp.int16), then back to jnp.bfloat16), or "
@@ -657,7 +677,10 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
         misread = misread_array_problem("x_local", x_local) or _gatherable_problem(x_local)
         if misread is not None:
             raise misread.exception()
-        _shard_partition(layout, 1, x_local.shape[axis], cu_seqlens)
+        _shard_partition(layout, 1, x_local, axis, cu_seqlens, name="x_local")
+        held = _held_problem((x_local.shape[axis],), lengths)
+        if held is not None:
+            raise ValueError(held)
         return joined(x_local, [x_local], axis)
     with Call(group, "unshard") as call:
         with call.raising_together():
@@ -672,7 +695,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                     err = None if cut is None else InputError(ValueError, cut)
                 if err is None:
                     if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
-                        (x_local,), export = native(group.ops, x_local)  # torch, JAX, ...: DLPack
+                        x_local, export = _host_tensor(x_local, group)   # CPU torch: NumPy
+                        if export is None:
+                            (x_local,), export = native(group.ops, x_local)  # torch, JAX, ...: DLPack
                     check_layout(layout)
                     err, docs = parse_cu_seqlens(cu_seqlens)
                     err = (err or check_flags(uneven=uneven) or misread_array_problem("x_local", x_local)
@@ -681,11 +706,15 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                     free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
                     dtype = str(x_local.dtype)
             except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...), a bad layout
-                taken = untakeable(exc, (x_local,), UNSHARD_BFLOAT16)
+                taken = untakeable(exc, (x_local,), UNSHARD_BFLOAT16, UNSHARD_OTHER_DTYPE)
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
             mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs),
                                             (uneven, lengths), length)
-            reports = group.transport.allgather_object((*mine, err.plain() if err else None), "unshard")
+            reports = group.transport.allgather_object(
+                (*mine, calling_thread(), err.plain() if err else None), "unshard")
+            crossed = thread_problem("unshard", [rep[7] for rep in reports])
+            if crossed is not None:
+                raise ValueError(crossed)
             failed = [(r, InputError.from_plain(e)) for r, (*_, e) in enumerate(reports) if e is not None]
             if failed:
                 raise failed[0][1].exception(rank=failed[0][0])
@@ -693,13 +722,38 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                 raise ValueError(f"unshard needs the same shape (but along axis {axis}), dtype, "
                                  f"axis, layout, cu_seqlens and uneven on every rank; got "
                                  f"{[rep[:6] for rep in reports]}")
+            rows = sum(rep[6] for rep in reports)
+            ends = (_docs_end_problem(f"x_local (the {group.size} ranks' shards together)", rows, axis,
+                                      x_local.ndim, docs) if x_local.ndim == 3 and axis != 0 else None)
+            if ends is not None:   # packed arrays joined along their heads (else partition_of says)
+                raise ValueError(ends)
             err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))
             if err is not None:
                 raise err.kind(err.message)
-            if lengths is not None and part.lengths != tuple(lengths):
-                raise ValueError(f"the ranks hold {list(part.lengths)} rows but the Sharding says "
-                                 f"{list(lengths)}: cut the shards with sharding.shard(x)")
+            held = _held_problem(part.lengths, lengths)
+            if held is not None:
+                raise ValueError(held)
         return returned(export, (_gathered(x_local, group, part, axis),))[0]
+
+
+def _held_problem(held: tuple, lengths: tuple | None) -> str | None:
+    """Why shards of `held` rows (rank by rank) are not those a Sharding of `lengths` cuts, or
+    None (no lengths, or the same)."""
+    if lengths is None or tuple(held) == tuple(lengths):
+        return None
+    return (f"the ranks hold {list(held)} rows but the Sharding says {list(lengths)}: cut the "
+            f"shards with sharding.shard(x)")
+
+
+def _host_tensor(x_local, group: Group) -> tuple:
+    """(x_local as `unshard` gathers it, how to hand the result back, or None): on a host group,
+    a CPU torch tensor not requiring grad as a NumPy view (`arrays.host_view`: bfloat16 through
+    int16, which DLPack cannot carry into NumPy), handed back as a tensor of its dtype
+    (`arrays.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
+    it, or refuses it, as a GPU group refuses host arrays)."""
+    on_host = group.ops.device != "cuda" and not getattr(x_local, "requires_grad", False)
+    view = host_view(x_local) if on_host else x_local
+    return (x_local, None) if view is x_local else (view, tensor_of)
 
 
 def _gatherable_problem(x_local) -> InputError | None:

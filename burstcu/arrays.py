@@ -16,7 +16,7 @@ import numpy as np
 
 from .group import Group, local_group
 from .transport.torch_dist import torch_process_group
-from .validate import InputError
+from .validate import FLOAT_DTYPES, InputError
 
 _DL_CUDA = 2  # DLDeviceType kDLCUDA (kDLCPU is 1)
 
@@ -178,7 +178,9 @@ def returned(export, results):
 
 def untakeable(exc: Exception, arrays: tuple,
                bfloat16_advice: str = "use burstcu.torch / burstcu.jax, or NumPy arrays of "
-                                      "ml_dtypes.bfloat16") -> InputError:
+                                      "ml_dtypes.bfloat16",
+               dtype_advice: str = f"burstcu takes {', '.join(FLOAT_DTYPES)}: cast them first"
+               ) -> InputError:
     """Why inputs could not be taken as the backend's arrays, with what to do instead: JAX
     tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy (then
     `bfloat16_advice`). The kind is a builtin TypeError or ValueError (a framework's own
@@ -198,6 +200,10 @@ def untakeable(exc: Exception, arrays: tuple,
     if "dtype" in text.lower() and any("bfloat16" in str(getattr(x, "dtype", "")) for x in arrays):
         return InputError(TypeError, f"bfloat16 arrays cannot cross DLPack into NumPy ({text}): "
                                      f"{bfloat16_advice}")
+    odd = [name for name in (str(getattr(x, "dtype", "")).replace("torch.", "") for x in arrays)
+           if name.startswith(("float", "complex")) and name not in FLOAT_DTYPES]
+    if odd:   # float8 tensors, which DLPack may not carry
+        return InputError(TypeError, f"cannot take arrays of dtype {odd[0]} ({text}): {dtype_advice}")
     return InputError(kind, f"cannot take these inputs: {text}")
 
 
@@ -213,6 +219,16 @@ def host_view(x):
         import ml_dtypes
         return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return x.numpy()
+
+
+def tensor_of(x: np.ndarray):
+    """A NumPy array as a CPU torch tensor of its dtype, zero-copy where it is contiguous
+    (bfloat16 through int16, as `host_view` takes it)."""
+    import torch
+    x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def joined(x, pieces: list, axis: int):

@@ -43,6 +43,11 @@ except ImportError:
 from . import api, arrays
 from .arrays import to_jax
 from .group import Group, local_group
+from .validate import ordered_by
+
+# the calling thread every rank compares for a callback: XLA runs them in program order, on its
+# own threads or inline, so the thread that runs one says nothing of its order
+XLA_ORDERED = "a JAX ordered callback"
 
 __all__ = ["attention", "linear_attention", "decode"]
 
@@ -68,6 +73,7 @@ def _eager(fn, arrays, *args, **kwargs):
 def _host(fn, group: Group | None, *args, **kwargs):
     """The host callback: the traced arrays arrive as host arrays; on a "cupy" group they go to
     the GPU and the results come back (XLA takes NumPy results)."""
+    @ordered_by(XLA_ORDERED)
     def run(*arrays):
         arrays = tuple(np.asarray(x) for x in arrays)
         if group is not None and api.group_of(group).ops.device == "cuda":
@@ -107,6 +113,7 @@ def _device_buffers(fn, group: Group | None, *args, **kwargs):
                 return cupy.asarray(buffer)
         return np.asarray(buffer)
 
+    @ordered_by(XLA_ORDERED)
     def run(ctx, outs, *ins_and_ticket):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         ins = tuple(view(b) for b in ins_and_ticket[:-1])

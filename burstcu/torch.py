@@ -54,9 +54,7 @@ def _to_torch(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        if x.dtype.name == "bfloat16":
-            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(x))
+        return arrays.tensor_of(x)
     return torch.from_dlpack(x)
 
 
@@ -119,6 +117,31 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _autocast(*tensors) -> tuple:
+    """The tensors as an op of torch's lower-precision list takes them under `torch.autocast`
+    (SDPA's rule): floating tensors cast to the region's dtype for their device type, where
+    autocast is on for it; otherwise as they are. The casts are recorded, so gradients come back
+    in each input's own dtype."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return tensors
+    device = first.device.type
+    try:
+        on, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    except (TypeError, AttributeError):   # torch before 2.4: one query per device type
+        old = {"cpu": ("is_autocast_cpu_enabled", "get_autocast_cpu_dtype"),
+               "cuda": ("is_autocast_enabled", "get_autocast_gpu_dtype")}.get(device)
+        if old is None:
+            return tensors
+        on, dtype = getattr(torch, old[0])(), getattr(torch, old[1])()
+    except RuntimeError:   # a device type autocast does not know
+        return tensors
+    if not on:
+        return tensors
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and
+                 t.dtype != torch.float64 else t for t in tensors)
+
+
 @_eager
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
@@ -128,10 +151,11 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
     cu_seqlens, block_mask, uneven, ulysses_degree (as `burstcu.attention`) and check (verify lse
     in the backward). Every rank must call it, and later run its backward, collectively.
+    Under `torch.autocast` q, k and v are cast to the region's dtype first, as for SDPA.
     """
     fwd, bwd = api.adapter_options(mask_kwargs)
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
-    return _Attention.apply(q, k, v, group, {**common, **fwd}, {**common, **bwd})
+    return _Attention.apply(*_autocast(q, k, v), group, {**common, **fwd}, {**common, **bwd})
 
 
 class _LinearAttention(torch.autograd.Function):
@@ -154,8 +178,9 @@ class _LinearAttention(torch.autograd.Function):
 @_eager
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
                      layout: str | None = None, strategy: str = "lasp2") -> torch.Tensor:
-    """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D)."""
-    return _LinearAttention.apply(q, k, v, group,
+    """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D). Under
+    `torch.autocast` q, k and v are cast to the region's dtype first."""
+    return _LinearAttention.apply(*_autocast(q, k, v), group,
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 

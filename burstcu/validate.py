@@ -12,8 +12,11 @@ import hashlib
 import math
 import numbers
 import os
+import re
 import sys
+import threading
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import ml_dtypes
@@ -341,12 +344,6 @@ def caller_stacklevel() -> int:
     return level
 
 
-def check_cu_seqlens(cu_seqlens, seqlen_global: int, layout: str = "contiguous"):
-    """`parse_cu_seqlens` and `check_docs_total` together, where N is known (shard)."""
-    err, docs = parse_cu_seqlens(cu_seqlens)
-    return (err, None) if err else (check_docs_total(docs, seqlen_global), docs)
-
-
 def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
                  max_positions: int | None = None) -> tuple[InputError | None, Partition | None]:
     """(InputError or None, the Partition) of the ranks' local `lengths` under `layout` with
@@ -446,16 +443,64 @@ def metadata(*arrays, seq_axes=None, **options) -> tuple:
     return (shapes, dtypes, tuple(sorted(options.items())))
 
 
+_ORIGIN = threading.local()   # .label: who orders this thread's calls, where a framework does
+
+
+def calling_thread() -> str:
+    """The name of the thread making a call, as every rank compares it: the thread's name with
+    its numbers dropped ("Thread-7 (train)" -> "Thread (train)", "ThreadPoolExecutor-1_3" ->
+    "ThreadPoolExecutor", "Dummy-3" -> "Dummy": ranks count the threads and pools they started
+    differently, and a pool's idle workers take turns), or the label of `ordered_by`."""
+    label = getattr(_ORIGIN, "label", None)
+    return label or re.sub(r"[-_]?\d+", "", threading.current_thread().name)
+
+
+def thread_problem(what: str, threads: list) -> str | None:
+    """Why calls from threads `threads` (`calling_thread`, rank by rank) cannot be one call, or
+    None where every rank's is the same."""
+    odd = next((r for r, t in enumerate(threads) if t != threads[0]), None)
+    if odd is None:
+        return None
+    return (f"ranks disagree in {what}: calling thread: rank 0 {threads[0]!r}, rank {odd} "
+            f"{threads[odd]!r}. A group's calls must reach every rank in the same order, and "
+            f"calls of two threads can reach the ranks in different orders, pairing one thread's "
+            f"data with the other's: give each thread its own group (another burstcu.init over "
+            f"the same ranks: comm=comm.Dup() for MPI), or make the calls from one thread. "
+            f"Threads are compared by name, numbers dropped: where names differ between ranks "
+            f"but the calls come in one order, make them inside burstcu.ordered_by(label)")
+
+
+@contextmanager
+def ordered_by(label: str):
+    """Calls made inside, on this thread, count as coming from `label` where every rank compares
+    its calling thread: for calls that reach every rank in the same order from threads whose
+    names differ between ranks (JAX's ordered callbacks run on XLA's threads, or inline)."""
+    outer = getattr(_ORIGIN, "label", None)
+    _ORIGIN.label = label
+    try:
+        yield
+    finally:
+        _ORIGIN.label = outer
+
+
 def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata",
           local=None) -> list:
     """One collective round; then raise on every rank if any rank failed or ranks disagree.
-    `what` names the call, so ranks inside different calls fail together too. `local`: a value
-    each rank reports without agreeing on it (its sequence length); returns every rank's."""
+    `what` names the call, so ranks inside different calls fail together too; the calling
+    thread (`calling_thread`) is compared too, so calls of two threads that reach the ranks in
+    different orders fail rather than pair wrongly. `local`: a value each rank reports without
+    agreeing on it (its sequence length); returns every rank's."""
     if transport.size == 1:
         if error:
             raise error.exception()
         return [local]
-    gathered = transport.allgather_object((error.plain() if error else None, meta, local), what)
+    thread = calling_thread()
+    gathered = transport.allgather_object(
+        (error.plain() if error else None, meta, (local, thread)), what)
+    crossed = thread_problem(what, [t for _, _, (_, t) in gathered])
+    if crossed is not None:
+        raise ValueError(crossed)
+    gathered = [(e, m, value) for e, m, (value, _) in gathered]
     if error:
         raise error.exception()
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]

@@ -101,6 +101,38 @@ def test_torch_refuses_a_double_backward(torch):
         assert dq.shape == q.shape and not dq.requires_grad
 
 
+def test_torch_autocast_casts_the_inputs_as_sdpa_does(torch):
+    """Under torch.autocast (CPU, bfloat16), bfloat16 q beside float32 k, v (a projection's
+    output beside tensors no autocast op made; a TypeError on the mixed dtypes before): the
+    floating inputs are cast to the region's dtype, as SDPA casts them, so out is the call on
+    bfloat16 inputs bit for bit, and each input's gradient comes back in its own dtype, equal
+    to the cast's. float64 stays float64 (autocast leaves it alone)."""
+    q, k, v, _ = _inputs(5)
+    for fn in (burstcu.torch.attention, burstcu.torch.linear_attention):
+        mixed = [torch.from_numpy(x).float().requires_grad_() for x in (q, k, v)]
+        cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in mixed]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(mixed[0].to(torch.bfloat16), mixed[1], mixed[2], causal=True)
+        want = fn(*cast, causal=True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want), fn
+        out.float().sum().backward()
+        want.float().sum().backward()
+        for got, ref in zip(mixed, cast):
+            assert got.grad.dtype == torch.float32 and torch.equal(got.grad, ref.grad.float()), fn
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            wide = fn(*(torch.from_numpy(x) for x in (q, k, v)), causal=True)
+        assert wide.dtype == torch.float64, fn
+
+
+def test_torch_float8_is_refused_naming_its_dtype(torch):
+    """A float8 tensor (which DLPack cannot carry into NumPy): a TypeError naming its dtype and
+    the dtypes burstcu takes, through the plain API and the adapter alike."""
+    q = torch.from_numpy(_inputs(3)[0]).to(torch.float8_e4m3fn)
+    for fn in (burstcu.attention, burstcu.torch.attention):
+        with pytest.raises(TypeError, match=r"dtype float8_e4m3fn .*float16, bfloat16, float32"):
+            fn(q, q, q)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", WORLDS)
 def test_torch_grads_on_sharded_sequences(torch, world):

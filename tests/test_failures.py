@@ -170,6 +170,23 @@ def test_two_threads_calling_on_one_group_end_the_job():
     assert "give each thread its own group" in output
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("orders_differ", [False, True])
+def test_calls_of_two_threads_in_different_orders_fail_on_every_rank(world, orders_differ):
+    """Calls of two threads one after the other: in the same order on every rank they run (and
+    thread names that differ between ranks only in their numbers, or inside burstcu.ordered_by,
+    do not matter); in different orders they would pair one thread's data with the other's on
+    a peer: the calls raise instead, on every rank."""
+    results = run_mpi(world, "friction_bodies:threads_taking_turns", timeout=120,
+                      orders_differ=orders_differ)
+    failing = orders_differ and world > 1
+    turns = [] if orders_differ else ["ordered", "unnamed"] + [f"pool {i}" for i in range(6)]
+    for r in results:
+        assert r["messages"] == (["alpha", "beta"] if failing else []), r
+        assert r["calls"] == ([] if failing else sorted(["alpha", "beta"] + turns)), r
+
+
 def test_a_group_of_one_takes_calls_from_threads_in_turn():
     """One process, no peers: calls from several threads wait their turn (the same bits as one
     at a time); close() while another thread is inside a call is refused."""

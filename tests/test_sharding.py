@@ -229,3 +229,45 @@ def test_decode_and_the_kv_cache_take_a_sharding():
     assert np.array_equal(burstcu.decode(q, k, v, sh), burstcu.decode(q, k, v, group))
     cache = burstcu.KVCache(sh, 1, 32, 1, 8, np.float32)
     assert cache.group is group
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_a_sharding_whose_lengths_miss_the_rows_is_refused(world):
+    """Lengths that add up to another N than x's rows: an error at any world size (one rank
+    accepted them before)."""
+    for r in run_mpi(world, "sharding_bodies:lengths_that_miss_the_rows"):
+        assert set(r["messages"]) == {"shard", "unshard"}, r["messages"]
+        assert f"a sequence of {8 * world} rows, but the Sharding's lengths add up to {8 * world + 1}" \
+            in r["messages"]["shard"]
+        assert f"the Sharding says {[9] + [8] * (world - 1)}" in r["messages"]["unshard"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_packed_documents_cut_along_axis_1_ask_for_axis_0(world):
+    """shard / unshard of packed (T, H, D) arrays with cu_seqlens and the default axis=1 name x's
+    rows along axis 1 and where cu_seqlens ends, and tell to pass axis=0 (not the ranks' lengths
+    added up, which shard has nothing to do with)."""
+    n = 8 * world
+    for r in run_mpi(world, "sharding_bodies:packed_documents_along_axis_1"):
+        assert set(r["messages"]) == {"shard", "unshard"} and r["joined"]
+        assert r["messages"]["shard"].startswith(f"x has 4 rows along axis 1 but cu_seqlens ends at {n}")
+        together = "" if world == 1 else f" (the {world} ranks' shards together)"
+        assert r["messages"]["unshard"].startswith(f"x_local{together} has {4 * world} rows along axis 1 "
+                                                   f"but cu_seqlens ends at {n}")
+        for message in r["messages"].values():
+            assert "ranks' local lengths" not in message and "packed (T, H, D)" in message
+            assert "pass axis=0" in message
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_unshard_joins_cpu_torch_tensors_bit_for_bit(world, dtype):
+    """CPU torch tensors of every float dtype, bfloat16 included (refused on several ranks
+    before), come back from unshard as on one rank: a tensor of their dtype, the global one."""
+    pytest.importorskip("torch")
+    for r in run_mpi(world, "sharding_bodies:torch_tensors_unshard", dtype=dtype):
+        for layout, got in r["joined"].items():
+            assert got == ["Tensor", f"torch.{dtype}", [1, 5 * world + 1, 2, 8], True], (layout, got)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ..group import Group, loopback_group, on_gpu
 from ..transport.loopback import LoopbackHub, PeerFailedError
+from ..validate import ordered_by
 
 
 class RankFailed(RuntimeError):
@@ -38,7 +39,8 @@ def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy"
 
     def main(rank: int) -> None:
         try:
-            with _own_stream(backend):
+            # each rank's calls come from its own thread, named for it: the threads are the ranks
+            with _own_stream(backend), ordered_by("a loopback world's rank thread"):
                 group = loopback_group(hub, rank, backend, **options)
                 results[rank] = body(group)
                 if on_gpu(backend):

@@ -126,3 +126,88 @@ def two_threads_on_one_group():
     for t in threads:
         t.join()
     return {"finished": True}
+
+
+def threads_taking_turns(orders_differ: bool):
+    """Threads of every rank make calls on one group one after the other (never at once): two
+    named "alpha" and "beta", an attention and an unshard each. orders_differ: the odd ranks run
+    beta first, so each call would pair one thread's rows with the other thread's on a peer
+    (silently wrong before): all four calls raise the same ValueError on every rank, and the
+    group still works. Else every rank runs them in one order, then calls from threads whose
+    names differ between ranks only in their numbers (an unnamed thread after one only rank 0
+    started; a pool's workers, after rank 0 made another pool and left more idle workers), then
+    from threads named by the rank's parity inside `burstcu.ordered_by` (refused outside it):
+    the results are those of the same calls from the main thread, bit for bit."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    group = burstcu.init(backend="numpy", timeout=60)
+    rng = np.random.default_rng(group.rank)
+    q, k, v = (rng.standard_normal((1, 64, 2, 16)) for _ in range(3))
+    got, messages = {}, {}
+
+    def call(name, scale):
+        try:
+            got[name] = (burstcu.attention(scale * q, k, v, group, causal=True)[0],
+                         burstcu.unshard(scale * q, group))
+        except ValueError as exc:
+            messages[name] = [str(exc)]
+            try:
+                burstcu.unshard(scale * q, group)
+            except ValueError as again:
+                messages[name].append(str(again))
+
+    def in_thread(name, scale, thread_name=None):
+        thread = threading.Thread(target=call, args=(name, scale), name=thread_name)
+        thread.start()
+        thread.join()
+
+    names = ["beta", "alpha"] if orders_differ and group.rank % 2 else ["alpha", "beta"]
+    if not orders_differ and group.rank == 0:
+        idle = threading.Thread(target=lambda: None)       # Python's numbers move on, here only
+        idle.start()
+        idle.join()
+        with ThreadPoolExecutor(1) as other:
+            other.submit(lambda: None).result()
+    scales = {"alpha": 1.0, "beta": 0.5, "unnamed": 0.25, "ordered": 0.125}
+    for name in names:
+        in_thread(name, scales[name], name)
+    if not orders_differ:
+        in_thread("unnamed", scales["unnamed"])
+        with ThreadPoolExecutor(4, thread_name_prefix="pool") as pool:
+            if group.rank == 0:   # idle workers take turns: rank 0's calls go to several
+                list(pool.map(lambda _: threading.Event().wait(0.05), range(4)))
+            for i in range(6):
+                scales[f"pool {i}"] = 1.0 + i
+                pool.submit(call, f"pool {i}", scales[f"pool {i}"]).result()
+        parity = "odd" if group.rank % 2 else "even"
+        in_thread("unordered", 0.125, f"worker-{parity}")
+
+        def ordered():
+            with burstcu.ordered_by("worker"):
+                call("ordered", scales["ordered"])
+        thread = threading.Thread(target=ordered, name=f"worker-{parity}")
+        thread.start()
+        thread.join()
+    if orders_differ and group.size > 1:
+        assert sorted(messages) == ["alpha", "beta"] and not got, (messages, sorted(got))
+        for texts in messages.values():
+            assert texts[0].startswith("ranks disagree in attention: calling thread: rank 0 "), texts
+            assert texts[1].startswith("ranks disagree in unshard: calling thread: rank 0 "), texts
+            assert all("give each thread its own group" in t for t in texts), texts
+    else:
+        if group.size > 1 and not orders_differ:
+            assert list(messages) == ["unordered"], messages
+            assert "rank 0 'worker-even', rank 1 'worker-odd'" in messages.pop("unordered")[0]
+        else:
+            messages.pop("unordered", None)
+            got.pop("unordered", None)
+        assert not messages, messages
+        for name, (out, whole) in got.items():
+            alone = burstcu.attention(scales[name] * q, k, v, group, causal=True)[0]
+            assert np.array_equal(out, alone), name
+            assert np.array_equal(whole, burstcu.unshard(scales[name] * q, group)), name
+    group.barrier()
+    return {"messages": sorted(messages), "calls": sorted(got)}

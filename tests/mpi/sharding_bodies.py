@@ -251,3 +251,57 @@ def cuts_that_are_right_still_run():
     group.close()
     return {"errors": errors, "joined": list(joined.shape), "on_group": list(on_group.shape),
             "orders": orders}
+
+
+def lengths_that_miss_the_rows():
+    """A Sharding whose lengths add up to one row more than the (1, N, 2, 8) array holds, N = 8G:
+    `sh.shard(x)` refuses x, and `sh.unshard` refuses shards of other lengths than it says, with
+    the same ValueError on every rank at any world size, one rank included."""
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    x = np.zeros((1, n, 2, 8), np.float32)
+    longer = burstcu.Sharding(group, lengths=[9] + [8] * (group.size - 1))
+    messages = _value_errors({"shard": lambda: longer.shard(x),
+                              "unshard": lambda: longer.unshard(burstcu.shard(x, group))})
+    group.barrier()
+    group.close()
+    return {"messages": messages}
+
+
+def packed_documents_along_axis_1():
+    """A packed (T, H, D) array, T = 8G, with cu_seqlens ending at T, given to `shard` and
+    `unshard` with their default axis=1 (its heads): a ValueError on every rank that names the
+    rows along axis 1, where cu_seqlens ends, and axis=0; with axis=0 both run."""
+    group = burstcu.init(backend="numpy")
+    n = 8 * group.size
+    packed = np.arange(n * 4 * 8, dtype=np.float32).reshape(n, 4, 8)
+    docs = [0, 5, n]
+    mine = burstcu.shard(packed, group, axis=0, cu_seqlens=docs)
+    messages = _value_errors({
+        "shard": lambda: burstcu.shard(packed, group, cu_seqlens=docs),
+        "unshard": lambda: burstcu.unshard(mine.view(), group, cu_seqlens=docs)})   # a view: no memory
+    whole = burstcu.unshard(mine, group, axis=0, cu_seqlens=docs)
+    group.barrier()
+    group.close()
+    return {"messages": messages, "joined": bool(np.array_equal(whole, packed))}
+
+
+def torch_tensors_unshard(dtype="bfloat16"):
+    """CPU torch tensors of `dtype`, (1, N, 2, 8) with N = 5G + 1, cut by `shard` (contiguous and
+    zigzag, near-equal lengths) and joined by `unshard` on every rank: what one rank returns at
+    any world size, a tensor of that dtype equal to the global one bit for bit (bfloat16
+    included, which DLPack cannot carry into NumPy)."""
+    import torch
+
+    group = burstcu.init(backend="numpy")
+    n = 5 * group.size + 1
+    rng = np.random.default_rng(11)    # the same global tensor on every rank
+    whole = torch.from_numpy(rng.standard_normal((1, n, 2, 8)).astype(np.float32)).to(getattr(torch, dtype))
+    joined = {}
+    for layout in ("contiguous", "zigzag"):
+        got = burstcu.unshard(burstcu.shard(whole, group, layout), group, layout=layout)
+        joined[layout] = [type(got).__name__, str(got.dtype), list(got.shape),
+                          bool(torch.equal(got.view(torch.uint8), whole.view(torch.uint8)))]
+    group.barrier()
+    group.close()
+    return {"joined": joined}
