@@ -4,13 +4,15 @@ checker shown to catch seeded mistakes (burstcu.testing.schedule)."""
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import numpy as np
 import pytest
 
 import burstcu
-from burstcu.engine import burst
+from burstcu import engine
+from burstcu.engine import burst, ring, steps
 from burstcu.testing import schedule
 from burstcu.ops.base import DelegatingOps
 from burstcu.transport.nccl import EventWatchdog, NCCLTransport
@@ -18,21 +20,23 @@ from burstcu.transport.nccl import EventWatchdog, NCCLTransport
 SIZES = range(1, 9)
 PASSES = ("forward", "backward")
 LAYOUTS = ("contiguous", "zigzag")
+RINGS = ("burst", "ring")   # the strategies of ring steps over point-to-point messages
 
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("pass_", PASSES)
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_engine_schedule_is_race_free(size, pass_, causal, layout):
-    schedules = schedule.prove(pass_, size, causal=causal, layout=layout)
+@pytest.mark.parametrize("strategy", RINGS)
+def test_engine_schedule_is_race_free(size, pass_, causal, layout, strategy):
+    schedules = schedule.prove(pass_, size, causal=causal, layout=layout, strategy=strategy)
     assert len(schedules) == size
-    groups = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
+    sends = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
     b, s, h, hkv, d = schedule.SHAPE
     q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
-    count = burst.forward_messages if pass_ == "forward" else burst.backward_messages
-    expected = [count(size, q, k, k, rank=r, layout=layout, causal=causal) for r in range(size)]
-    assert groups == expected  # one send per NCCL group, as many as messages
+    run = engine.get(strategy)
+    count = run.forward_messages if pass_ == "forward" else run.backward_messages
+    assert sends == [count(size, q, k, k, rank=r, layout=layout, causal=causal) for r in range(size)]
 
 
 def test_recorded_transport_counts_like_the_base_class():
@@ -60,9 +64,10 @@ NECESSARY = [("forward", False, "contiguous"), ("forward", True, "zigzag"),
 
 @pytest.mark.parametrize("size", (2, 3, 4))
 @pytest.mark.parametrize("pass_,causal,layout", NECESSARY)
-def test_removing_any_record_or_wait_is_caught(size, pass_, causal, layout):
+@pytest.mark.parametrize("strategy", RINGS)
+def test_removing_any_record_or_wait_is_caught(size, pass_, causal, layout, strategy):
     for rank in range(size):
-        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout)
+        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout, strategy=strategy)
         for action in _ordering_actions(recorded):
             problems = schedule.check(schedule.drop_action(recorded, action.index))
             assert problems, f"rank {rank}: removing {action.describe()} went unnoticed"
@@ -92,9 +97,10 @@ def test_removed_comm_wait_lets_a_receive_overwrite_what_a_kernel_reads():
 
 @pytest.mark.parametrize("pass_", PASSES)
 @pytest.mark.parametrize("size", (2, 3, 5))
-def test_buffers_swapped_one_step_early_are_caught(pass_, size):
+@pytest.mark.parametrize("strategy", RINGS)
+def test_buffers_swapped_one_step_early_are_caught(pass_, size, strategy):
     for rank, group in itertools.product(range(size), range(size - 1)):
-        recorded = schedule.record(pass_, size, rank, causal=False, layout="zigzag")
+        recorded = schedule.record(pass_, size, rank, causal=False, layout="zigzag", strategy=strategy)
         problems = schedule.check(schedule.receive_into_current(recorded, group))
         assert problems, f"rank {rank}: receiving into the current buffer at group {group} unnoticed"
         text = schedule.report(problems)
@@ -161,6 +167,114 @@ def test_group_members_are_unordered_with_each_other():
     recorded = schedule.record("forward", 2, 0, causal=False, layout="contiguous")
     text = schedule.report(schedule.check(schedule.receive_into_current(recorded, 0)))
     assert "send on the comm stream" in text and "then #" in text
+
+
+def _post_ungrouped(sends_first):
+    """A seeded mistake: NCCLTransport._post without groupStart/groupEnd, each send and recv a
+    blocking NCCL call of its own, a rank's sends before its receives where sends_first(rank),
+    else after them."""
+    def post(self, exchanges):
+        dev = self.device
+        with dev.annotate("burstcu commit"):
+            dev.record(self._ready, dev.current_stream())
+            dev.wait_event(self.stream, self._ready)
+            sends = [(dev.send, buf, dst) for buf, _, dst, _ in exchanges if buf is not None]
+            recvs = [(dev.recv, buf, src) for _, buf, _, src in exchanges if buf is not None]
+            for call, buf, peer in (sends + recvs if sends_first(self.rank) else recvs + sends):
+                call(buf, peer, self.stream)
+        self._in_flight = True
+    return post
+
+
+@pytest.mark.parametrize("strategy", RINGS)
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("size", (2, 3, 5))
+def test_ungrouped_blocking_sends_around_the_ring_are_a_deadlock(monkeypatch, strategy, pass_, size):
+    """Every rank sends to its next before receiving from its previous, outside any NCCL group:
+    each send waits for a receive its peer only posts after its own send — a deadlock."""
+    monkeypatch.setattr(NCCLTransport, "_post", _post_ungrouped(lambda rank: True))
+    cycle = re.escape(f"NCCL groups wait for each other in a cycle (ranks {list(range(size))})")
+    with pytest.raises(schedule.ScheduleError, match=cycle + ".*a deadlock"):
+        schedule.prove(pass_, size, causal=False, layout="zigzag", strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", RINGS)
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("size", (2, 3, 4, 5))
+def test_ungrouped_sends_even_ranks_first_pair_up(monkeypatch, strategy, pass_, size):
+    """The classic order without groups: even ranks send first, odd ranks receive first. The
+    cycle breaks at an odd rank, so it is proved free of deadlock (and of races)."""
+    monkeypatch.setattr(NCCLTransport, "_post", _post_ungrouped(lambda rank: rank % 2 == 0))
+    schedules = schedule.prove(pass_, size, causal=False, layout="zigzag", strategy=strategy)
+    calls = [a for a in schedules[0].actions if a.kind in ("send", "recv")]
+    assert len({a.group for a in calls}) == len(calls)  # each call a group of its own
+
+
+def _stage_sends(monkeypatch, keep_until_wait: bool) -> None:
+    """A seeded mistake in the burst forward: each step sends a staging copy of its K/V span,
+    made on the compute stream just before the commit, and keeps no reference to it after the
+    commit (keep_until_wait: the staging copies live until the step's wait instead)."""
+    kept = []
+
+    def post_staged(ops, transport, label, messages):
+        staged = [(None if send is None else steps.cast_copy(ops, send, np.uint8), recv, dst, src)
+                  for send, recv, dst, src in messages]
+        steps.post_messages(ops, transport, label, staged)
+        if keep_until_wait:
+            kept.append(staged)
+
+    def wait_and_release(ops, transport, label):
+        seconds = steps.timed_wait(ops, transport, label)
+        kept.clear()
+        return seconds
+
+    monkeypatch.setattr(burst, "post_messages", post_staged)
+    monkeypatch.setattr(burst, "timed_wait", wait_and_release)
+
+
+@pytest.mark.parametrize("size", (2, 3, 5))
+def test_a_staging_buffer_freed_while_nccl_sends_it_is_caught(monkeypatch, size):
+    """NCCL reads a send buffer through a raw pointer: the buffer's last reference dying at the
+    commit returns it to the pool, for the next allocation on the compute stream, while the comm
+    stream still reads it. Kept until the wait, the same staging copies are race-free."""
+    _stage_sends(monkeypatch, keep_until_wait=False)
+    with pytest.raises(schedule.ScheduleError) as caught:
+        schedule.prove("forward", size, causal=False, layout="contiguous")
+    text = str(caught.value)
+    assert "write-after-read race on buffer 'zeros'" in text
+    assert "send on the comm stream (fwd 0 send/recv kv / burstcu commit / send to rank 1)" in text
+    assert "free on the compute stream (free zeros, after 'fwd 0 send/recv kv')" in text
+    assert "a free hands the bytes back to the memory pool" in text
+
+    _stage_sends(monkeypatch, keep_until_wait=True)
+    schedules = schedule.prove("forward", size, causal=False, layout="contiguous")
+    assert sum(a.kind == "free" for a in schedules[0].actions) >= size - 1  # each staging copy
+
+
+def test_ring_backward_folding_before_its_wait_is_caught(monkeypatch):
+    """A seeded mistake in the ring strategy: its backward adds the step's partial dK, dV into
+    the slot the step's exchange is still receiving into, and only then waits."""
+    fold, deferred = ring._fold, []
+
+    def wait_later(ops, transport, label):
+        if not label.startswith("ring bwd ") or "return" in label:
+            return steps.timed_wait(ops, transport, label)
+        deferred.append((ops, transport, label))
+        return 0.0
+
+    def fold_then_wait(*args, **kw):
+        fold(*args, **kw)
+        while deferred:
+            steps.timed_wait(*deferred.pop())
+
+    monkeypatch.setattr(ring, "timed_wait", wait_later)
+    monkeypatch.setattr(ring, "_fold", fold_then_wait)
+    with pytest.raises(schedule.ScheduleError) as caught:
+        schedule.prove("backward", 3, causal=False, layout="contiguous", strategy="ring")
+    text = str(caught.value)
+    assert "read-after-write race on buffer 'zeros'" in text
+    assert "recv on the comm stream (ring bwd 1 send/recv / burstcu commit / recv from rank" in text
+    assert "kernel on the compute stream (add_, after 'ring bwd 1 compute') reads it" in text
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,18 +1,23 @@
 """Record the stream/event schedule of the ring engine over NCCL and prove it race-free, on a CPU.
 
-What is recorded: a strategy of `burstcu.engine` (forward / backward) driving the real
-`NCCLTransport`, whose device (streams, events, NCCL calls) is replaced by a `RecordingDevice`,
-and a `RecordingOps` whose arrays are `FakeArray`s: views = (buffer id, byte range), no data.
-Every op appends an `Action` that reads and writes byte regions on a stream:
+What is recorded (`record`): one forward or backward call of a strategy of `burstcu.engine`
+that exchanges point-to-point messages (burst, ring, ulysses) driving the real `NCCLTransport`,
+whose device (streams, events, NCCL calls) is replaced by a `RecordingDevice`, and a
+`RecordingOps` whose arrays are `FakeArray`s: views = (buffer id, byte range), no data. Every op
+appends an `Action` that reads and writes byte regions on a stream:
 
-    compute stream   alloc, copy_, add_, zeros, forward_step (reads k, v; rw state),
+    compute stream   alloc, free, copy_, add_, zeros, forward_step (reads k, v; rw state),
                      backward_step (reads q, dout, lse, delta; rw dq, ctx), ...; wait(arrived)
     comm stream      wait(ready), send (reads its span), recv (writes its span), record(arrived)
     both             record(event) on one stream, wait(event) on another
 
+`alloc` writes every byte of a new buffer (the pool may hand out memory earlier compute work
+used). Every view keeps its buffer's allocation alive; when the last one dies, a `free` that
+writes every byte of the buffer is logged on the compute stream before the next action (CuPy's
+pool may give the bytes to the next allocation there, and NCCL holds raw pointers, not views).
 Two sentinel actions on the compute stream bracket a call: `begin` writes the caller's inputs
 (the caller produced them on that stream) and `end` reads and writes every buffer (after the call
-the caller, or the memory pool, may reuse any of it).
+the caller, or the memory pool, may reuse any of it); frees after `end` are not logged.
 
 What is proved (`check`): happens-before = program order on each stream (the members of one
 NCCL group are unordered with each other) + each event wait after the event's latest record
@@ -20,16 +25,33 @@ issued before it. For every pair of actions that touch overlapping bytes, at lea
 the one the host issued first must happen-before the other: then every stream interleaving the
 GPU may choose gives the result of the host's program order, which is what the MPI transport and
 the NumPy ops compute. A wait on an event never recorded is an error (CUDA treats it as a no-op,
-so it silently orders nothing). `check_world` adds the cross-rank rules: the k-th NCCL group of
-rank r sends to r+1 exactly what the k-th group of r+1 receives from r (same bytes), so grouped
-point-to-point calls pair up and cannot deadlock.
+so it silently orders nothing).
+
+`check_world` adds the cross-rank rules. For each (source, destination) pair of ranks, the i-th
+send from source to destination must meet an i-th receive from source at destination with the
+same byte count (counts only: which bytes a message carries is followed by
+`forward_blocks_read`, for the forward). Every send and recv is in an NCCL group: the one
+between groupStart and groupEnd, or, for a call outside any, a group of its own (NCCL runs it
+alone, in stream order, until its peer's call runs). Each rank runs its groups in issue order,
+a matched pair's two groups must run together, and so must the k-th all-gather of every rank;
+a cycle of ranks each waiting in an earlier group for another's later one is reported as a
+deadlock. So grouped exchanges, and ungrouped ones ordered even ranks send first / odd ranks
+receive first, pass; blocking send-then-recv on every rank of a ring does not.
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
+`record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
+(usp, whose sub-groups need it). Not recorded: the `allgather` strategy (its FakeArray
+indexing is unsupported) and so `NCCLTransport.allgather` in an engine call (only its own
+action order is tested, tests/transport/test_nccl_cpu.py), decode, the linear strategies
+(lasp1, lasp2), and host-side agreement (`allgather_object`). `record_world` gives every rank
+one shape: uneven shards (a `Partition` layout) can be recorded rank by rank with `record`, each
+with its own length, but the tests do not.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
@@ -59,6 +81,11 @@ class Region:
         return self.buffer == other.buffer and self.lo < other.hi and other.lo < self.hi
 
 
+class _Allocation:
+    """What every view of one recorded buffer holds: it dies with the buffer's last view, and
+    the recorder then logs the buffer's free (`RecordingDevice.alloc`)."""
+
+
 class _Flags:
     def __init__(self, c_contiguous: bool = True):
         self.c_contiguous = c_contiguous
@@ -71,11 +98,13 @@ class FakeArray:
     conservative bound for the race checker.
 
     Supports what the engines and `Message` do to arrays: slicing with unit steps, `view` and
-    `reshape` of contiguous views.
+    `reshape` of contiguous views. Every view keeps the `allocation` of its buffer alive, as a
+    CuPy view keeps its memory.
     """
 
-    def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any, span: int | None = None):
-        self.buffer, self.offset = buffer, offset
+    def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any, span: int | None = None,
+                 allocation: _Allocation | None = None):
+        self.buffer, self.offset, self.allocation = buffer, offset, allocation
         self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         self.span = self.nbytes if span is None else span      # bytes from first to last element
         self.flags = _Flags(self.span == self.nbytes)
@@ -103,16 +132,17 @@ class FakeArray:
         first = sum(int(lo) * int(st) for (lo, _), st in zip(bounds, strides))
         last = sum((int(lo) + n - 1) * int(st) for (lo, _), n, st in zip(bounds, shape, strides))
         span = 0 if 0 in shape else last - first + self.dtype.itemsize
-        return FakeArray(self.buffer, self.offset + first, shape, self.dtype, span)
+        return FakeArray(self.buffer, self.offset + first, shape, self.dtype, span, self.allocation)
 
     def view(self, dtype: Any) -> "FakeArray":
         dtype = np.dtype(dtype)
         assert self.flags.c_contiguous and self.nbytes % dtype.itemsize == 0
-        return FakeArray(self.buffer, self.offset, (self.nbytes // dtype.itemsize,), dtype)
+        return FakeArray(self.buffer, self.offset, (self.nbytes // dtype.itemsize,), dtype,
+                         allocation=self.allocation)
 
     def reshape(self, shape) -> "FakeArray":
         assert self.flags.c_contiguous and int(np.prod(shape)) == self.size
-        return FakeArray(self.buffer, self.offset, shape, self.dtype)
+        return FakeArray(self.buffer, self.offset, shape, self.dtype, allocation=self.allocation)
 
     def __repr__(self) -> str:
         return f"FakeArray(buffer={self.buffer}, bytes=[{self.region.lo}, {self.region.hi}))"
@@ -125,9 +155,10 @@ class FakeArray:
 class Action:
     """One thing issued to a stream, in host issue order (`index`).
 
-    kind: alloc, kernel, send, recv, allgather, record, wait, begin, end.
+    kind: alloc, free, kernel, send, recv, allgather, record, wait, begin, end.
     label: the annotation ranges open when it was issued + what it is (e.g. "fwd 2 compute /
-        forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only).
+        forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only;
+        a call outside groupStart/groupEnd, and each all-gather, is a group of its own).
     """
 
     index: int
@@ -175,14 +206,28 @@ class RecordingDevice:
         self._events = 0
         self._groups = 0
         self._group_open: int | None = None
+        self._freed: list[tuple[Region, str]] = []   # (bytes, label) of frees not yet logged
+        self._ended = False
 
     # -- recording ---------------------------------------------------------------------------
-    def _add(self, stream: str, kind: str, what: str, **kw) -> Action:
+    def _stream(self, name: str) -> str:
+        """The recorded name of stream `name`."""
+        return name
+
+    def _label(self, what: str) -> str:
         if self._labels:
-            label = " / ".join(self._labels + [what])
-        else:
-            label = f"{what}, after '{self._last_label}'"
-        action = Action(len(self.actions), stream, kind, label, **kw)
+            return " / ".join(self._labels + [what])
+        return f"{what}, after '{self._last_label}'"
+
+    def _add(self, stream: str, kind: str, what: str, **kw) -> Action:
+        # a buffer freed since the last action was freed before this one is issued
+        while self._freed:
+            region, label = self._freed.pop(0)
+            self._append(COMPUTE, "free", label, writes=(region,))
+        return self._append(stream, kind, self._label(what), **kw)
+
+    def _append(self, stream: str, kind: str, label: str, **kw) -> Action:
+        action = Action(len(self.actions), self._stream(stream), kind, label, **kw)
         self.actions.append(action)
         return action
 
@@ -198,12 +243,27 @@ class RecordingDevice:
 
     def alloc(self, nbytes: int, name: str) -> FakeArray:
         """A new buffer from the pool: a write of all its bytes on the compute stream (the memory
-        may have been used by earlier compute work)."""
+        may have been used by earlier compute work). When its last view is gone, a `free` on the
+        compute stream writes all its bytes, logged before the next action (CuPy's pool may
+        give them to the next allocation on that stream, and NCCL holds raw pointers, not views,
+        so a buffer the comm stream still reads or writes must stay referenced until the wait);
+        frees after `end` are not logged (`end` covers them)."""
+        arr = FakeArray(self._new_buffer(name), 0, (nbytes,), np.uint8, allocation=_Allocation())
+        self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
+        weakref.finalize(arr.allocation, self._free, arr.region, name).atexit = False
+        return arr
+
+    def _new_buffer(self, name: str) -> int:
+        """The id of a new buffer called `name`."""
         buffer = len(self.buffers)
         self.buffers[buffer] = name
-        arr = FakeArray(buffer, 0, (nbytes,), np.uint8)
-        self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
-        return arr
+        return buffer
+
+    def _free(self, region: Region, name: str) -> None:
+        """The last view of a buffer died (on any thread, maybe inside `_add`: only queue it,
+        labelled where the host is now)."""
+        if not self._ended:
+            self._freed.append((region, self._label(f"free {name}")))
 
     def kernel(self, name: str, reads: Sequence[FakeArray] = (), writes: Sequence[FakeArray] = ()) -> None:
         self._add(COMPUTE, "kernel", name, reads=tuple(a.region for a in reads),
@@ -213,6 +273,7 @@ class RecordingDevice:
         """begin: the caller wrote its inputs; end: anything may be reused (see module doc)."""
         every = tuple(Region(b, 0, 1 << 62) for b in self.buffers)
         self._add(COMPUTE, kind, kind, reads=every if kind == "end" else (), writes=every)
+        self._ended = kind == "end"
 
     # -- the CupyDevice interface ------------------------------------------------------------
     def current_stream(self) -> str:
@@ -246,13 +307,21 @@ class RecordingDevice:
         assert self._group_open is not None, "groupEnd without groupStart"
         self._group_open = None
 
+    def _group(self) -> int:
+        """The group of a send/recv issued now: the open one, or, outside groupStart/groupEnd,
+        a group of its own (NCCL runs an ungrouped call by itself, in stream order)."""
+        if self._group_open is not None:
+            return self._group_open
+        self._groups += 1
+        return self._groups - 1
+
     def send(self, buf: FakeArray, peer: int, stream: str) -> None:
         self._add(stream, "send", f"send to rank {peer}", reads=(buf.region,), peer=peer,
-                  group=self._group_open, nbytes=buf.nbytes)
+                  group=self._group(), nbytes=buf.nbytes)
 
     def recv(self, buf: FakeArray, peer: int, stream: str) -> None:
         self._add(stream, "recv", f"recv from rank {peer}", writes=(buf.region,), peer=peer,
-                  group=self._group_open, nbytes=buf.nbytes)
+                  group=self._group(), nbytes=buf.nbytes)
 
     def all_gather(self, send_buf: FakeArray, recv_buf: FakeArray, stream: str) -> None:
         self._add(stream, "allgather", "allgather", reads=(send_buf.region,),
@@ -429,22 +498,24 @@ class RankRecordingDevice(RecordingDevice):
         self.actions, self.buffers = log.actions, log.buffers
         self._mine: list[int] = []
 
+    def _stream(self, name: str) -> str:
+        return f"r{self.rank}:{name}"
+
     def _add(self, stream: str, kind: str, what: str, **kw) -> Action:
         with self.log.lock:
-            return super()._add(f"r{self.rank}:{stream}", kind, what, **kw)
+            return super()._add(stream, kind, what, **kw)
 
-    def alloc(self, nbytes: int, name: str) -> FakeArray:
+    def _new_buffer(self, name: str) -> int:
         with self.log.lock:
             buffer = len(self.buffers)
             self.buffers[buffer] = f"rank {self.rank} {name}"
         self._mine.append(buffer)
-        arr = FakeArray(buffer, 0, (nbytes,), np.uint8)
-        self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
-        return arr
+        return buffer
 
     def sentinel(self, kind: str) -> None:
         every = tuple(Region(b, 0, 1 << 62) for b in self._mine)
         self._add(COMPUTE, kind, kind, reads=every if kind == "end" else (), writes=every)
+        self._ended = kind == "end"
 
     def new_event(self) -> str:
         return f"r{self.rank}:{super().new_event()}"
@@ -589,10 +660,12 @@ def _explain(schedule: Schedule, first: Action, r1: Region, w1: bool, second: Ac
     lo, hi = max(r1.lo, r2.lo), min(r1.hi, r2.hi)
     span = "every byte" if hi - lo > (1 << 61) else f"bytes [{lo}, {hi})"
     verb1, verb2 = ("writes" if w1 else "reads"), ("writes" if w2 else "reads")
+    freed = ("; a free hands the bytes back to the memory pool, which may give them to the next "
+             "allocation on its stream" if "free" in (first.kind, second.kind) else "")
     return (f"{_HAZARD[(w1, w2)]} race on buffer '{schedule.buffers[r1.buffer]}' {span}: "
             f"{first.describe()} {verb1} it, then {second.describe()} {verb2} it, but no chain of "
             f"stream order and event record -> wait makes the first finish before the second "
-            f"starts")
+            f"starts{freed}")
 
 
 def check(schedule: Schedule) -> list[Violation]:
@@ -618,12 +691,12 @@ def check(schedule: Schedule) -> list[Violation]:
 # across ranks
 
 def check_world(schedules: Sequence[Schedule]) -> list[Violation]:
-    """Cross-rank pairing, as NCCL matches point-to-point messages: between two ranks, the i-th
-    send from one to the other meets the i-th receive there, of the same size (a missing or
-    resized one is a hang or a truncated message on real hardware); and the NCCL groups that
-    hold the matched pairs of two ranks must come in the same order on both (otherwise each
-    waits in an earlier group for the other's later one: a deadlock). All-gathers, being
-    collectives, must be the same sequence on every rank. Groups are
+    """Cross-rank pairing, as NCCL matches point-to-point messages: for each (source, destination)
+    pair of ranks, the i-th send from source to destination meets the i-th receive from source
+    at destination, and the two have the same byte count (a missing one is a hang, another
+    count a truncated message or a hang on real hardware; only counts are compared, not which
+    bytes). All-gathers, being collectives, must be the same number on every rank, the k-th of
+    the same size everywhere. And the NCCL groups (an ungrouped call is a group of one) are
     proved free of deadlock: no cycle of ranks each waiting in an earlier group for another's
     later one (a pair or any longer ring of ranks, all-gathers included)."""
     gathers = [[a for a in s.actions if a.kind == "allgather"] for s in schedules]
@@ -706,10 +779,11 @@ class _Meetings:
 
 def _deadlocks(schedules: Sequence[Schedule], sends: dict, recvs: dict,
                gathers: list[list[Action]]) -> list[Violation]:
-    """Every rank's NCCL groups run in issue order; a matched send/recv pair, and the k-th
-    all-gather of every rank, must run in the same "meeting" of groups. Merge the groups that
-    meet; a cycle through the ranks' orders is then a set of ranks each waiting in an earlier
-    group for another's later one."""
+    """Every rank's NCCL groups run in issue order, each one blocking until its peers' matching
+    calls run (an ungrouped send or recv is a group of one: a blocking call); a matched
+    send/recv pair, and the k-th all-gather of every rank, must run in the same "meeting" of
+    groups. Merge the groups that meet; a cycle through the ranks' orders is then a set of ranks
+    each waiting in an earlier group for another's later one."""
     meetings = _Meetings()
     for (src, dst), ss in sends.items():
         for a, b in zip(ss, recvs.get((src, dst), [])):
