@@ -246,26 +246,18 @@ class BlockMask:
         return np.cumsum(jumps + np.cumsum(slopes))[:seqlen]
 
     def balanced_lengths(self, size: int, seqlen: int) -> tuple[int, ...]:
-        """Rows each of `size` ranks holds, in contiguous order, so that every rank's queries
-        keep about the same number of pairs: the cuts fall at the row nearest to where the
-        running count of kept pairs passes r/size of the total (at least one row a rank). That
-        balances the compute of the forward on every strategy and of the backward where it runs
-        on the queries' rank (ring, allgather, Ulysses); burst's backward computes on the rank
-        holding the keys, balanced too only where the mask keeps about as many pairs a key row
-        as a query row. Give them to `burstcu.Sharding(group, lengths=...)`, or
-        `burstcu.shard(..., block_mask=...)` cuts them itself."""
+        """Rows each of `size` ranks holds, in contiguous order, so that the rank whose queries
+        keep the most pairs keeps as few as any contiguous split allows (at least one row a
+        rank); among such splits, each cut falls as near as it may to where the running count
+        of kept pairs passes r/size of the total. That balances the compute of the forward on
+        every strategy and of the backward where it runs on the queries' rank (ring, allgather,
+        Ulysses); burst's backward computes on the rank holding the keys, balanced too only
+        where the mask keeps about as many pairs a key row as a query row. Give them to
+        `burstcu.Sharding(group, lengths=...)`, or `burstcu.shard(..., block_mask=...)` cuts
+        them itself."""
         if not 1 <= size <= seqlen:
             raise ValueError(f"{seqlen} rows cannot be split over {size} ranks")
-        running = np.cumsum(self.row_pairs(seqlen))
-        targets = running[-1] * np.arange(1, size) / size
-        after = np.searchsorted(running, targets, "left")          # the row crossing each target
-        before = np.maximum(after - 1, 0)
-        nearer = np.where(np.abs(running[before] - targets) <= np.abs(running[after] - targets),
-                          before, after)
-        cuts = (nearer + 1).tolist()
-        for r in range(size - 1):   # a row a rank at least, before and after every cut
-            cuts[r] = min(max(cuts[r], cuts[r - 1] + 1 if r else 1), seqlen - (size - 1 - r))
-        return tuple(int(n) for n in np.diff([0, *cuts, seqlen]))
+        return _balanced_split(self.row_pairs(seqlen), size)
 
     def _cut(self) -> np.ndarray:
         """The PIECE rows: each rectangle trimmed to the rows and keys its band keeps (dropped if
@@ -339,3 +331,43 @@ def _cut_at_edges(ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     count = np.searchsorted(edges, ranges[:, 1], "left") - first
     of, at = ragged(first, count)
     return np.stack([edges[at], edges[at + 1]], axis=1), of
+
+
+def _balanced_split(work: np.ndarray, size: int) -> tuple[int, ...]:
+    """Lengths of `size` contiguous non-empty parts of the rows whose costs are `work` (N,),
+    N >= size, minimising the largest part's cost: the least bound B for which the greedy
+    split (each part as long as B allows) needs at most `size` parts, found by bisection.
+    Then, rank by rank, the cut nearest the running target r/size of the total among the cuts
+    that keep every part within B and leave each later rank a row: from `first`, the earliest
+    start from which the rest splits into k parts within B (the greedy from the end)."""
+    n = work.size
+    running = np.concatenate([[0], np.cumsum(work)])       # running[i]: cost of rows [0, i)
+
+    def ends_from(start: int, bound: int) -> int:          # the greedy part's end from `start`
+        return int(np.searchsorted(running, running[start] + bound, "right")) - 1
+
+    def parts(bound: int) -> int:
+        count, start = 0, 0
+        while start < n and count <= size:
+            start, count = ends_from(start, bound), count + 1
+        return count
+
+    low, high = max(int(work.max()), -(-int(running[-1]) // size)), int(running[-1])
+    while low < high:                                       # least bound needing <= size parts
+        mid = (low + high) // 2
+        low, high = (low, mid) if parts(mid) <= size else (mid + 1, high)
+    bound = low
+    first = [n]                                             # first[k]: rows [first[k], n) in k
+    for _ in range(size - 1):                               # parts within `bound`
+        stop = first[-1]
+        first.append(int(np.searchsorted(running, running[stop] - bound, "left")))
+    cuts, start = [], 0
+    for r in range(size - 1):
+        left = size - 1 - r                                 # ranks after this one
+        lo, hi = max(start + 1, first[left]), min(ends_from(start, bound), n - left)
+        target = running[-1] * (r + 1) / size
+        at = lo + int(np.searchsorted(running[lo:hi + 1], target, "left"))
+        near = [c for c in (at - 1, at) if lo <= c <= hi]
+        start = min(near, key=lambda c: (abs(running[c] - target), c))
+        cuts.append(start)
+    return tuple(int(length) for length in np.diff([0, *cuts, n]))

@@ -44,6 +44,15 @@ def _cache_dtype(dtype, names: tuple) -> np.dtype:
     raise TypeError(f"KVCache dtype must be one of {', '.join(names)}, got {dtype!r}")
 
 
+def _dtype_max(dtype) -> float:
+    """The largest finite value of a float `dtype`, ml_dtypes' bfloat16 included."""
+    try:
+        return float(np.finfo(dtype).max)
+    except ValueError:
+        import ml_dtypes
+        return float(ml_dtypes.finfo(dtype).max)
+
+
 def _real(dtype) -> bool:
     """Whether arrays of `dtype` hold real numbers a float cache stores (bool, ints, floats,
     bfloat16 and the other ml_dtypes floats), not complex, strings or objects."""
@@ -238,7 +247,21 @@ class KVCache:
             if not _real(x.dtype):
                 raise TypeError(f"KVCache.{what} takes k, v of real numbers to store as {self.dtype}; "
                                 f"{name} is {x.dtype}")
+            if not np.can_cast(x.dtype, self.dtype, "safe"):   # only then can a finite value
+                self._check_range(what, name, x, xp)          # turn inf (one reduction more)
         return k_new, v_new
+
+    def _check_range(self, what: str, name: str, x, xp) -> None:
+        """ValueError if a finite value of `x` would be stored as inf in the cache's dtype."""
+        with np.errstate(over="ignore", invalid="ignore"):   # NumPy's warning on the cast
+            overflows = xp.isfinite(x) & ~xp.isfinite(x.astype(self.dtype))
+        if bool(overflows.any()):
+            largest = float(xp.abs(x[overflows].astype(np.float64)).max())
+            raise ValueError(f"KVCache.{what}: {name} holds values beyond {self.dtype}'s range "
+                             f"(|{name}| up to {largest:.6g}; {self.dtype} reaches "
+                             f"{float(_dtype_max(self.dtype)):.6g}): stored, they would be inf, and "
+                             f"decode would return inf or NaN: scale them, or make the "
+                             f"cache of a wider dtype (KVCache(..., dtype=...))")
 
     def _rows_stream(self, rows):
         """On a GPU cache, `arrays.torch_stream` of the rows (CUDA torch tensors are copied on

@@ -461,13 +461,19 @@ def thread_problem(what: str, threads: list) -> str | None:
     odd = next((r for r, t in enumerate(threads) if t != threads[0]), None)
     if odd is None:
         return None
-    return (f"ranks disagree in {what}: calling thread: rank 0 {threads[0]!r}, rank {odd} "
-            f"{threads[odd]!r}. A group's calls must reach every rank in the same order, and "
-            f"calls of two threads can reach the ranks in different orders, pairing one thread's "
-            f"data with the other's: give each thread its own group (another burstcu.init over "
-            f"the same ranks: comm=comm.Dup() for MPI), or make the calls from one thread. "
-            f"Threads are compared by name, numbers dropped: where names differ between ranks "
-            f"but the calls come in one order, make them inside burstcu.ordered_by(label)")
+    seen = f"ranks disagree in {what}: calling thread: rank 0 {threads[0]!r}, rank {odd} " \
+           f"{threads[odd]!r}. "
+    names = ("Threads are compared by name, numbers dropped: where names differ between ranks "
+             "but the calls come in one order, make them inside burstcu.ordered_by(label)")
+    if what.startswith("burstcu.init"):
+        return (seen + "burstcu.init makes the group whose calls every rank must make in the same "
+                "order, and the calls of two threads can reach the ranks in different orders: "
+                "call it from the same thread on every rank, the thread that will make the "
+                "group's calls. " + names)
+    return (seen + "A group's calls must reach every rank in the same order, and calls of two "
+            "threads can reach the ranks in different orders, pairing one thread's data with "
+            "the other's: give each thread its own group (another burstcu.init over the same "
+            "ranks: comm=comm.Dup() for MPI), or make the calls from one thread. " + names)
 
 
 @contextmanager

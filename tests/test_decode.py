@@ -11,6 +11,7 @@ rank), page table entries under the valid rows that name no page."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -209,6 +210,30 @@ def test_append_of_rows_the_cache_cannot_hold_changes_nothing(bad):
     assert _same_state(cache, state)
     cache.append(np.ones((2, 3, 1, 4), np.float16), np.ones((2, 3, 1, 4), np.int32))
     assert cache.seqlens.tolist() == [5, 5] and (cache.page_table >= 0).sum() == 6
+
+
+@pytest.mark.parametrize("dtype, big", [("float16", 65520.0), ("float16", np.int32(70000)),
+                                        ("bfloat16", 1e39), ("float32", 1e39)],
+                         ids=["float16", "float16-int32", "bfloat16", "float32"])
+def test_rows_beyond_the_cache_dtypes_range_are_refused(dtype, big):
+    """A finite value that would be stored as inf (65520 rounds past float16's 65504) is a
+    ValueError naming it, in append and in from_prefill, before anything is stored; the
+    largest value that fits, and inf or NaN given as such, are stored as they are."""
+    cache = burstcu.KVCache(None, 2, 8, 1, 4, dtype)
+    rows = np.zeros((2, 3, 1, 4), np.asarray(big).dtype)
+    rows[1, 2, 0, 3] = big
+    for name, call in (("append", lambda: cache.append(np.zeros_like(rows), rows)),
+                       ("from_prefill", lambda: cache.from_prefill(rows, np.zeros_like(rows)))):
+        with pytest.raises(ValueError, match=rf"KVCache.{name}.*beyond {dtype}'s range .*"
+                                             rf"up to {re.escape(f'{float(big):.6g}')}"):
+            call()
+        assert cache.counts.tolist() == [[0, 0]] and not np.asarray(cache.k, np.float64).any()
+    fits = float(np.finfo(np.float16).max) if dtype == "float16" else 3.0e38
+    special = np.array([fits, -fits, np.inf, np.nan])[None, None, None, :].repeat(2, 0)
+    cache.append(special, special)
+    stored = np.asarray(cache.k, np.float64)[:, 0, 0]
+    assert np.array_equal(stored[:, :3], np.array([[fits, -fits, np.inf]] * 2).astype(dtype)
+                          .astype(np.float64)) and np.isnan(stored[:, 3]).all()
 
 
 def test_a_store_that_raises_gives_its_pages_back(monkeypatch):

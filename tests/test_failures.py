@@ -187,6 +187,13 @@ def test_calls_of_two_threads_in_different_orders_fail_on_every_rank(world, orde
         assert r["calls"] == ([] if failing else sorted(["alpha", "beta"] + turns)), r
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2])
+def test_init_from_threads_named_per_rank_says_to_call_it_from_one(world):
+    results = run_mpi(world, "friction_bodies:init_from_threads_named_per_rank", timeout=120)
+    assert [r["errors"] for r in results] == [int(world > 1)] * world
+
+
 def test_a_group_of_one_takes_calls_from_threads_in_turn():
     """One process, no peers: calls from several threads wait their turn (the same bits as one
     at a time); close() while another thread is inside a call is refused."""

@@ -211,3 +211,38 @@ def threads_taking_turns(orders_differ: bool):
             assert np.array_equal(whole, burstcu.unshard(scales[name] * q, group)), name
     group.barrier()
     return {"messages": sorted(messages), "calls": sorted(got)}
+
+
+def init_from_threads_named_per_rank():
+    """Every rank calls burstcu.init from a thread named by its rank's parity: on two ranks or
+    more each raises a ValueError that says to call init from one thread on every rank (not to
+    make another group); then init from the main thread makes a working group."""
+    import threading
+
+    import numpy as np
+
+    errors = []
+
+    def make():
+        try:
+            burstcu.init(backend="numpy", timeout=60).close()
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    from mpi4py import MPI
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    thread = threading.Thread(target=make, name="odd" if rank % 2 else "even")
+    thread.start()
+    thread.join()
+    if size > 1:
+        assert len(errors) == 1, errors
+        assert errors[0].startswith("ranks disagree in burstcu.init (the local op): calling "
+                                    "thread: rank 0 'even', rank 1 'odd'. "), errors
+        assert "call it from the same thread on every rank" in errors[0], errors
+        assert "another burstcu.init" not in errors[0], errors
+    else:
+        assert not errors, errors
+    with burstcu.init(backend="numpy", timeout=60) as group:
+        whole = burstcu.unshard(np.full((1, 2), float(group.rank)), group)
+        assert whole.tolist() == [[float(r) for r in range(group.size) for _ in range(2)]], whole
+    return {"errors": len(errors)}
