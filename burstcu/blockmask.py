@@ -248,8 +248,8 @@ class BlockMask:
     def balanced_lengths(self, size: int, seqlen: int) -> tuple[int, ...]:
         """Rows each of `size` ranks holds, in contiguous order, so that the rank whose queries
         keep the most pairs keeps as few as any contiguous split allows (at least one row a
-        rank); among such splits, each cut falls as near as it may to where the running count
-        of kept pairs passes r/size of the total. That balances the compute of the forward on
+        rank); within that, rank by rank, each cut falls as near as the cuts before it allow to
+        where the running count of kept pairs passes r/size of the total. That balances the compute of the forward on
         every strategy and of the backward where it runs on the queries' rank (ring, allgather,
         Ulysses); burst's backward computes on the rank holding the keys, balanced too only
         where the mask keeps about as many pairs a key row as a query row. Give them to
@@ -337,14 +337,18 @@ def _balanced_split(work: np.ndarray, size: int) -> tuple[int, ...]:
     """Lengths of `size` contiguous non-empty parts of the rows whose costs are `work` (N,),
     N >= size, minimising the largest part's cost: the least bound B for which the greedy
     split (each part as long as B allows) needs at most `size` parts, found by bisection.
-    Then, rank by rank, the cut nearest the running target r/size of the total among the cuts
-    that keep every part within B and leave each later rank a row: from `first`, the earliest
-    start from which the rest splits into k parts within B (the greedy from the end)."""
+    Then, rank by rank, the cut nearest where the running cost passes r/size of the total
+    (ties: the earlier row), among the cuts that keep this part within B and leave the rest
+    splittable within B into a row a rank at least (given the cuts before it: nearest one cut
+    at a time, not jointly). `first[k]`: the earliest start from which the rest splits into k
+    parts within B (the greedy from the end). Arithmetic on the totals in Python integers."""
     n = work.size
     running = np.concatenate([[0], np.cumsum(work)])       # running[i]: cost of rows [0, i)
+    total = int(running[-1])
 
     def ends_from(start: int, bound: int) -> int:          # the greedy part's end from `start`
-        return int(np.searchsorted(running, running[start] + bound, "right")) - 1
+        reach = min(int(running[start]) + bound, total)
+        return int(np.searchsorted(running, reach, "right")) - 1
 
     def parts(bound: int) -> int:
         count, start = 0, 0
@@ -352,22 +356,22 @@ def _balanced_split(work: np.ndarray, size: int) -> tuple[int, ...]:
             start, count = ends_from(start, bound), count + 1
         return count
 
-    low, high = max(int(work.max()), -(-int(running[-1]) // size)), int(running[-1])
+    low, high = max(int(work.max()), -(-total // size)), total
     while low < high:                                       # least bound needing <= size parts
         mid = (low + high) // 2
         low, high = (low, mid) if parts(mid) <= size else (mid + 1, high)
     bound = low
     first = [n]                                             # first[k]: rows [first[k], n) in k
     for _ in range(size - 1):                               # parts within `bound`
-        stop = first[-1]
-        first.append(int(np.searchsorted(running, running[stop] - bound, "left")))
+        reach = max(int(running[first[-1]]) - bound, 0)
+        first.append(int(np.searchsorted(running, reach, "left")))
     cuts, start = [], 0
     for r in range(size - 1):
         left = size - 1 - r                                 # ranks after this one
         lo, hi = max(start + 1, first[left]), min(ends_from(start, bound), n - left)
-        target = running[-1] * (r + 1) / size
-        at = lo + int(np.searchsorted(running[lo:hi + 1], target, "left"))
+        goal = total * (r + 1)                              # size x the running target
+        at = lo + int(np.searchsorted(running[lo:hi + 1], -(-goal // size), "left"))
         near = [c for c in (at - 1, at) if lo <= c <= hi]
-        start = min(near, key=lambda c: (abs(running[c] - target), c))
+        start = min(near, key=lambda c: (abs(size * int(running[c]) - goal), c))
         cuts.append(start)
     return tuple(int(length) for length in np.diff([0, *cuts, n]))

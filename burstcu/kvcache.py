@@ -243,25 +243,32 @@ class KVCache:
                              f"headdim={d}); got {tuple(k_new.shape)} and {tuple(v_new.shape)}" +
                              ("; are they (batch, kv_heads, rows, headdim)? Pass k.transpose(1, 2), "
                               "v.transpose(1, 2)" if swapped else ""))
+        rows = []
         for name, x in (("k", k_new), ("v", v_new)):
             if not _real(x.dtype):
                 raise TypeError(f"KVCache.{what} takes k, v of real numbers to store as {self.dtype}; "
                                 f"{name} is {x.dtype}")
-            if not np.can_cast(x.dtype, self.dtype, "safe"):   # only then can a finite value
-                self._check_range(what, name, x, xp)          # turn inf (one reduction more)
-        return k_new, v_new
+            rows.append(x if np.can_cast(x.dtype, self.dtype, "safe") else
+                        self._cast_in_range(what, name, x, xp))
+        return tuple(rows)
 
-    def _check_range(self, what: str, name: str, x, xp) -> None:
-        """ValueError if a finite value of `x` would be stored as inf in the cache's dtype."""
+    def _cast_in_range(self, what: str, name: str, x, xp):
+        """`x` cast to the cache's dtype (the cast the store would make), or ValueError if a
+        finite value of `x` turns inf there. One finiteness pass over the cast rows (on a GPU
+        the host waits for it); the rows are read again only where it finds a non-finite."""
         with np.errstate(over="ignore", invalid="ignore"):   # NumPy's warning on the cast
-            overflows = xp.isfinite(x) & ~xp.isfinite(x.astype(self.dtype))
-        if bool(overflows.any()):
-            largest = float(xp.abs(x[overflows].astype(np.float64)).max())
-            raise ValueError(f"KVCache.{what}: {name} holds values beyond {self.dtype}'s range "
-                             f"(|{name}| up to {largest:.6g}; {self.dtype} reaches "
-                             f"{float(_dtype_max(self.dtype)):.6g}): stored, they would be inf, and "
-                             f"decode would return inf or NaN: scale them, or make the "
-                             f"cache of a wider dtype (KVCache(..., dtype=...))")
+            cast = x.astype(self.dtype)
+            if bool(xp.isfinite(cast).all()):
+                return cast
+            overflows = xp.isfinite(x) & ~xp.isfinite(cast)
+            if not bool(overflows.any()):                    # inf or NaN given as such
+                return cast
+            largest = xp.abs(x[overflows]).max()
+        raise ValueError(f"KVCache.{what}: {name} holds values beyond {self.dtype}'s range "
+                         f"(|{name}| up to {largest!s}; {self.dtype} reaches "
+                         f"{float(_dtype_max(self.dtype)):.9g}): stored, they would be inf, and "
+                         f"decode would return inf or NaN: scale them, or make the cache of a "
+                         f"wider dtype (KVCache(..., dtype=...))")
 
     def _rows_stream(self, rows):
         """On a GPU cache, `arrays.torch_stream` of the rows (CUDA torch tensors are copied on

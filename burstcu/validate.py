@@ -468,8 +468,8 @@ def thread_problem(what: str, threads: list) -> str | None:
     if what.startswith("burstcu.init"):
         return (seen + "burstcu.init makes the group whose calls every rank must make in the same "
                 "order, and the calls of two threads can reach the ranks in different orders: "
-                "call it from the same thread on every rank, the thread that will make the "
-                "group's calls. " + names)
+                "call it from a thread of the same name on every rank (the main thread, say). "
+                + names)
     return (seen + "A group's calls must reach every rank in the same order, and calls of two "
             "threads can reach the ranks in different orders, pairing one thread's data with "
             "the other's: give each thread its own group (another burstcu.init over the same "

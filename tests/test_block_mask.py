@@ -371,7 +371,7 @@ def test_balanced_lengths_leave_the_busiest_rank_the_least_any_split_can():
     """Random masks of up to 24 rows over 1-6 ranks: the busiest rank's kept pairs (counted on
     the dense mask) equal the least over every contiguous split of a row a rank at least,
     found by exhaustive recursion; the causal square of 64 rows over 8 ranks as well, where
-    cutting at the row nearest each r/8 of the pairs leaves the busiest rank 300 (the least
+    cutting at the row nearest each r/8 of the pairs leaves the busiest rank 290 (the least
     is 285)."""
     def busiest(work, lengths):
         starts = np.cumsum([0, *lengths])

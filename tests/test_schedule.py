@@ -52,7 +52,11 @@ def test_recorded_transport_counts_like_the_base_class():
 
 
 def _ordering_actions(recorded):
-    return [a for a in recorded.actions if a.kind in ("record", "wait")]
+    """The records and waits that order streams: a record of an event no stream waits on (the
+    watchdog's `started`, which it only queries) orders nothing and is left out."""
+    waited = {a.event for a in recorded.actions if a.kind == "wait"}
+    return [a for a in recorded.actions
+            if a.kind == "wait" or a.kind == "record" and a.event in waited]
 
 
 # Under a contiguous causal mask, steps whose blocks are all masked issue no compute; the waits
@@ -176,13 +180,11 @@ def _post_ungrouped(sends_first):
     def post(self, exchanges):
         dev = self.device
         with dev.annotate("burstcu commit"):
-            dev.record(self._ready, dev.current_stream())
-            dev.wait_event(self.stream, self._ready)
+            self._started = self._begin()
             sends = [(dev.send, buf, dst) for buf, _, dst, _ in exchanges if buf is not None]
             recvs = [(dev.recv, buf, src) for _, buf, _, src in exchanges if buf is not None]
             for call, buf, peer in (sends + recvs if sends_first(self.rank) else recvs + sends):
                 call(buf, peer, self.stream)
-        self._in_flight = True
     return post
 
 
@@ -282,7 +284,8 @@ def test_ring_backward_folding_before_its_wait_is_caught(monkeypatch):
 
 def test_watchdog_fires_when_an_exchange_never_completes():
     """A peer that never answers leaves the exchange's completion event pending: the watchdog
-    reports the call and step within its timeout (here 0.3 s), once, from its own thread."""
+    reports the call and the step that stalled (the first: the later one queued behind it never
+    starts) within its timeout (here 0.3 s), once, from its own thread."""
     device = schedule.RecordingDevice()
     device.stalled = True
     ops = schedule.RecordingOps(device)
@@ -298,8 +301,102 @@ def test_watchdog_fires_when_an_exchange_never_completes():
     while not reasons and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert len(reasons) == 1 and 0.3 <= time.monotonic() - t0 < 3
-    assert "rank 1: the NCCL exchange of attention forward at 'fwd 1 wait'" in reasons[0]
+    assert "rank 1: the NCCL exchange of attention forward at 'fwd 0 wait'" in reasons[0]
     assert "ranks 0 and 2 are its peers" in reasons[0]
+    transport.close()
+
+
+class _Timeline(schedule.RecordingDevice):
+    """Events complete when a test says: `reached` (the comm stream is at that exchange: its
+    `started` completes), `arrived` (the exchange completed), both sets of event names."""
+
+    def __init__(self):
+        super().__init__()
+        self.reached, self.arrived = set(), set()
+
+    def query(self, event):
+        return event in self.reached or event in self.arrived
+
+
+def _queue_exchanges(device, n, timeout):
+    """An NCCL transport of rank 0 of 2 on `device` that queued `n` ring steps (the host does
+    not block): (transport, reasons it failed with, [(started, arrived) events of each step])."""
+    transport = NCCLTransport(0, 2, device, timeout=timeout)
+    reasons = []
+    transport.fail = reasons.append
+    transport.call = "attention forward"
+    ops = schedule.RecordingOps(device)
+    buf, steps = ops.new("buf", (16,), np.uint8), []
+    for step in range(n):
+        transport.where = f"fwd {step} wait"
+        transport.send_recv(buf[:8], buf[8:], 1, 1)
+        transport.commit()
+        transport.wait()
+        records = [a.event for a in device.actions if a.kind == "record" and a.stream == "comm"]
+        steps.append(tuple(records[-2:]))
+    return transport, reasons, steps
+
+
+def _after(seconds, until):
+    deadline = time.monotonic() + seconds
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_watchdog_times_an_exchange_from_when_the_gpu_reaches_it():
+    """The host queues three ring steps at once; the GPU is busy with compute for 3x the
+    timeout before it reaches the first (no `started` complete): nothing fires. Each step then
+    completes within the timeout: nothing fires. Then the comm stream reaches a step whose peer
+    never answers: it fires once, within about the timeout, naming that step (not the last one
+    queued). Before, the clock started when the host queued the exchange and fired in the
+    compute."""
+    device = _Timeline()
+    transport, reasons, steps = _queue_exchanges(device, 3, timeout=0.2)
+    (s0, a0), (s1, a1), (s2, a2) = steps
+    assert len({s0, a0, s1, a1, s2, a2}) == 6, steps       # in flight together: own events
+    time.sleep(0.6)
+    assert reasons == [] and transport.watchdog.fired is None
+    device.reached.add(s0)
+    time.sleep(0.1)
+    device.arrived.add(a0)
+    device.reached.add(s1)
+    time.sleep(0.1)
+    device.arrived.add(a1)
+    device.reached.add(s2)                                 # its peer never answers
+    t0 = time.monotonic()
+    _after(3, lambda: reasons)
+    assert 0.15 <= time.monotonic() - t0 < 1.5 and len(reasons) == 1, reasons
+    assert "the NCCL exchange of attention forward at 'fwd 2 wait' has not completed after " \
+           "0.2 s" in reasons[0], reasons
+    transport.close()
+
+
+def test_watchdog_names_the_oldest_exchange_that_never_completes():
+    """Steps queued behind one whose peer never answers cannot start: the watchdog reports the
+    stalled one (step 0), not the last the host queued, and only once."""
+    device = _Timeline()
+    transport, reasons, steps = _queue_exchanges(device, 4, timeout=0.2)
+    device.reached.add(steps[0][0])
+    _after(3, lambda: reasons)
+    time.sleep(0.2)
+    assert len(reasons) == 1 and "at 'fwd 0 wait' has not completed" in reasons[0], reasons
+    transport.close()
+
+
+def test_watchdog_hands_back_the_events_of_completed_exchanges():
+    """Exchanges that completed give their events back: ten steps in turn, each seen complete
+    before the next, use the same two events, and the transport makes no more than that."""
+    device = schedule.RecordingDevice()
+    transport = NCCLTransport(0, 2, device, timeout=5)
+    ops = schedule.RecordingOps(device)
+    buf, used = ops.new("buf", (16,), np.uint8), set()
+    for _ in range(10):
+        transport.send_recv(buf[:8], buf[8:], 1, 1)
+        transport.commit()
+        transport.wait()
+        _after(3, lambda: not transport.watchdog._pending)
+        used.update(a.event for a in device.actions if a.kind == "record" and a.stream == "comm")
+    assert len(used) == 2 and device._events == 3, (used, device._events)   # + ready
     transport.close()
 
 
@@ -307,7 +404,7 @@ def test_watchdog_stays_quiet_when_exchanges_complete():
     device = schedule.RecordingDevice()
     fired = []
     dog = EventWatchdog(device, 0.1, fired.append, poll=0.01)
-    dog.watch("event0", "step 0")
+    dog.watch("event0", "event1", "step 0")
     time.sleep(0.3)
     assert fired == [] and dog.fired is None
     dog.stop()
@@ -329,7 +426,7 @@ def test_watchdog_queries_from_a_thread_on_the_ranks_gpu():
             return super().query(event)
 
     dog = EventWatchdog(_Bound(), 5.0, lambda what: None, poll=0.01)
-    dog.watch("event0", "step 0")
+    dog.watch("event0", "event1", "step 0")
     deadline = time.monotonic() + 5
     while len(seen) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -348,7 +445,7 @@ def test_watchdog_reports_a_query_that_raises():
     transport = NCCLTransport(0, 2, _Broken(), timeout=60)
     reasons = []
     transport.fail = reasons.append
-    transport.watchdog.watch("event0", "attention forward at 'fwd 0 wait'")
+    transport.watchdog.watch("event0", "event1", "attention forward at 'fwd 0 wait'")
     deadline = time.monotonic() + 5
     while not reasons and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -368,7 +465,7 @@ def test_watchdog_that_cannot_bind_its_thread_says_so():
     errors = []
     dog = EventWatchdog(_Unbindable(), 60, lambda what: None, poll=0.01,
                         on_error=lambda what, exc: errors.append((what, str(exc))))
-    dog.watch("event0", "step 0")
+    dog.watch("event0", "event1", "step 0")
     deadline = time.monotonic() + 5
     while not errors and time.monotonic() < deadline:
         time.sleep(0.01)

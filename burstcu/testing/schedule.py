@@ -294,9 +294,21 @@ class RecordingDevice:
         self._add(stream, "wait", f"wait {event}", event=event)
 
     def query(self, event: str) -> bool:
-        """Whether the event has completed: always, unless `stalled` (a test of the watchdog:
-        a peer that never answers leaves the exchange's event pending forever)."""
-        return not getattr(self, "stalled", False)
+        """Whether the event has completed: always, unless `stalled` (a test of the watchdog: a
+        peer that never answers). Then a stream stops at its first NCCL call, or at a wait on
+        an event that never completes: an event completes iff nothing before its latest record
+        on its stream stops it (an event never recorded has completed, as in CUDA)."""
+        return not getattr(self, "stalled", False) or self._completes(event, len(self.actions))
+
+    def _completes(self, event: str, before: int) -> bool:
+        """Under `stalled`: whether `event`'s latest record among actions[:before] completes."""
+        record = next((a for a in reversed(self.actions[:before])
+                       if a.kind == "record" and a.event == event), None)
+        if record is None:
+            return True
+        return not any(a.kind in ("send", "recv", "allgather")
+                       or a.kind == "wait" and not self._completes(a.event, a.index)
+                       for a in self.actions[:record.index] if a.stream == record.stream)
 
     def group_start(self) -> None:
         assert self._group_open is None, "NCCL groups do not nest here"

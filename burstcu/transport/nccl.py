@@ -3,16 +3,17 @@
 One ring step, as the engine drives it (see burstcu.transport.base)::
 
     compute stream:  ... kernels that last touched send/recv ... [record ready] ... step kernels ... [wait arrived] ...
-                                                                       |                              ^
-    comm stream:                                           [wait ready] groupStart send recv groupEnd [record arrived]
+                                                                 |                                    ^
+    comm stream:                           [wait ready] [record started] groupStart send recv groupEnd [record arrived]
 
 * `commit()` records `ready` on the compute stream (the caller's current stream) and makes the
   communication stream wait on it, so the send reads, and the receive overwrites, only after every
-  kernel issued before the commit. Then it posts the step's sends and receives inside one
-  `groupStart`/`groupEnd`.
+  kernel issued before the commit. Then it records `started` (the stream reached the exchange)
+  and posts the step's sends and receives inside one `groupStart`/`groupEnd`.
 * `wait()` records `arrived` on the communication stream and makes the compute stream wait on
   it: kernels issued after `wait()` see the received bytes, and nothing the caller issues later
-  can overwrite a buffer NCCL still reads. The host never blocks.
+  can overwrite a buffer NCCL still reads. The host never blocks; the watchdog (`EventWatchdog`)
+  times the exchange from `started` to `arrived` on a thread of its own.
 
 Why grouping is enough for any ring size: NCCL fuses the point-to-point calls of one group into
 one operation that makes progress on all of them together, so rank r's "send to r+1" and
@@ -23,6 +24,8 @@ neighbours (burstcu.testing.schedule checks that alignment).
 
 Events are reused across steps: `cudaStreamWaitEvent` captures the event's most recent record at
 the time of the call, so re-recording `ready` at the next step cannot release an earlier wait.
+Each exchange in flight has its own `started` and `arrived` (the watchdog queries them until it
+has seen the exchange complete, then hands them out again).
 
 All stream, event and NCCL actions go through a small *device* object (`CupyDevice` here). The
 schedule checker (burstcu.testing.schedule) substitutes a recorder, so the schedule it proves race-free
@@ -134,16 +137,24 @@ class CupyDevice(CupyStreams):
 # the transport
 
 class EventWatchdog:
-    """A host thread that watches the completion event of the latest exchange.
+    """A host thread that watches the exchanges the GPU has not finished, oldest first.
 
     The GPU ring never blocks the host: a peer that died leaves this rank's communication stream
-    (and so its compute stream) stalled while the host queues more work. `watch(event, what)`
-    replaces the watched event; if it has not completed `timeout` seconds after it was watched,
-    `on_timeout(what)` runs once, or `on_error(what, exception)` where querying it raised (a CUDA
-    error; on_timeout(what) without an on_error), on the watchdog's thread
+    (and so its compute stream) stalled while the host queues more work. Each exchange is
+    watched through two events of the communication stream, `watch(started, arrived, what)`:
+    `started`, recorded before its NCCL calls, completes when the stream reaches the exchange
+    (the compute it waits for and every earlier exchange are done); `arrived`, recorded after
+    them, when the exchange has completed. The oldest exchange not arrived is timed from the
+    moment its `started` is seen complete, not from when the host queued it: a host running far
+    ahead of a GPU busy with long compute is not a dead peer. If it has not arrived `timeout`
+    seconds after it started, `on_timeout(what)` runs once, or `on_error(what, exception)` where
+    a query raised (a CUDA error; on_timeout(what) without an on_error), on the watchdog's thread
     (NCCLTransport: print, abort the NCCL communicator so its kernels stop waiting, abort the MPI
     job). The device's `query` polls, without blocking, every `poll` seconds, from a thread the
-    device binds to its GPU first (`bind_thread`, where it has one).
+    device binds to its GPU first (`bind_thread`, where it has one). Events of arrived exchanges
+    go back to the pools `event(role)` hands out, one a role, so a `started` event is never one
+    a stream waits on (an event is re-recorded only once nothing queries its earlier record; a
+    stream that waited on it keeps the record it captured).
     """
 
     IDLE_EXIT_S = 1.0  # the thread ends after this long with nothing pending (re-made on demand)
@@ -154,16 +165,25 @@ class EventWatchdog:
         self.device, self.timeout, self.on_timeout, self.poll = device, timeout, on_timeout, poll
         self.on_error = on_error
         self._lock = threading.Lock()
-        self._watched: tuple | None = None   # (event, deadline, what)
+        self._pending: list[list] = []      # [started, arrived, what, deadline or None], oldest first
+        self._free: dict = {"started": [], "arrived": []}   # of arrived exchanges, by role
         self._stop = threading.Event()
         self._thread: Any = None
         self.fired: str | None = None
 
-    def watch(self, event: Any, what: str) -> None:
+    def event(self, role: str) -> Any:
+        """An event for the next exchange's `role` ("started" or "arrived"): a recycled one of
+        that role, else a new one of the device."""
+        with self._lock:
+            if self._free[role]:
+                return self._free[role].pop()
+        return self.device.new_event()
+
+    def watch(self, started: Any, arrived: Any, what: str) -> None:
         import threading
 
         with self._lock:
-            self._watched = (event, deadline_after(self.timeout), what)
+            self._pending.append([started, arrived, what, None])
             if self._stop.is_set() or self.fired is not None:
                 return
             if self._thread is None or not self._thread.is_alive():
@@ -183,23 +203,28 @@ class EventWatchdog:
         idle_since = time.monotonic()
         while not self._stop.wait(self.poll):
             with self._lock:
-                watched = self._watched
-                if watched is None and time.monotonic() - idle_since > self.IDLE_EXIT_S:
+                oldest = self._pending[0] if self._pending else None
+                if oldest is None and time.monotonic() - idle_since > self.IDLE_EXIT_S:
                     self._thread = None
                     return
-            if watched is None:
+            if oldest is None:
                 continue
-            event, deadline, what = watched
+            started, arrived, what, deadline = oldest
             try:
-                done = self.device.query(event)
+                done = self.device.query(arrived)
+                begun = done or deadline is not None or self.device.query(started)
             except Exception as exc:  # noqa: BLE001 - a CUDA error: the exchange will not complete
                 self._failed(what, exc)
                 return
             if done:
                 idle_since = time.monotonic()
                 with self._lock:
-                    if self._watched is watched:
-                        self._watched = None
+                    self._pending.pop(0)
+                    self._free["started"].append(started)
+                    self._free["arrived"].append(arrived)
+            elif deadline is None:
+                if begun:
+                    oldest[3] = deadline_after(self.timeout)
             elif time.monotonic() > deadline:
                 self.fired = what
                 self.on_timeout(what)
@@ -247,10 +272,9 @@ class NCCLTransport(Transport):
             self.meta = MPITransport(host, progress="inline", timeout=self.timeout)
         self.stream = device.new_stream()
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
-        self._arrived = device.new_event()   # comm -> compute: the exchange has completed
-        self._in_flight = False
         self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out,
                                       on_error=self._exchange_failed)
+        self._started: Any = None            # comm stream reached the exchange in flight (or None)
 
     def _exchange_timed_out(self, what: str) -> None:
         peers = (f"ranks {self.top_rank(self.prev_rank)} and {self.top_rank(self.next_rank)} are its "
@@ -270,8 +294,7 @@ class NCCLTransport(Transport):
             check_contiguous(recv_buf, "receive", "NCCL")
         dev = self.device
         with dev.annotate("burstcu commit"):
-            dev.record(self._ready, dev.current_stream())
-            dev.wait_event(self.stream, self._ready)
+            self._started = self._begin()
             dev.group_start()
             try:
                 for send_buf, recv_buf, dst, src in exchanges:
@@ -281,15 +304,28 @@ class NCCLTransport(Transport):
                         dev.recv(recv_buf, src, self.stream)
             finally:
                 dev.group_end()  # an open group would swallow every later NCCL call
-        self._in_flight = True
+
+    def _begin(self) -> Any:
+        """Order the comm stream after the compute issued so far (`ready`), then record and
+        return the event the watchdog times the exchange from (the stream reached it)."""
+        dev, started = self.device, self.watchdog.event("started")
+        dev.record(self._ready, dev.current_stream())
+        dev.wait_event(self.stream, self._ready)
+        dev.record(started, self.stream)
+        return started
+
+    def _end(self, started: Any) -> None:
+        """Order the caller's stream after the exchange begun at `started`, and watch it."""
+        arrived = self.watchdog.event("arrived")
+        join_stream(self.device, self.stream, arrived)
+        self.watchdog.watch(started, arrived, self.doing())
 
     def _wait(self) -> None:
-        if not self._in_flight:
+        if self._started is None:
             return
         with self.device.annotate("burstcu wait"):
-            join_stream(self.device, self.stream, self._arrived)
-        self.watchdog.watch(self._arrived, self.doing())
-        self._in_flight = False
+            self._end(self._started)
+        self._started = None
 
     # -- collectives ---------------------------------------------------------------------------
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
@@ -303,11 +339,9 @@ class NCCLTransport(Transport):
                              f"{self.size} x {nbytes(send_buf)}")
         dev = self.device
         with dev.annotate("burstcu allgather"):
-            dev.record(self._ready, dev.current_stream())
-            dev.wait_event(self.stream, self._ready)
+            started = self._begin()
             dev.all_gather(send_buf, recv_buf, self.stream)
-            join_stream(dev, self.stream, self._arrived)
-        self.watchdog.watch(self._arrived, self.doing())
+            self._end(started)
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
         self.stats.messages += self.size - 1   # G-1 pieces out, as `CommStats` counts

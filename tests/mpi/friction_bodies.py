@@ -215,8 +215,8 @@ def threads_taking_turns(orders_differ: bool):
 
 def init_from_threads_named_per_rank():
     """Every rank calls burstcu.init from a thread named by its rank's parity: on two ranks or
-    more each raises a ValueError that says to call init from one thread on every rank (not to
-    make another group); then init from the main thread makes a working group."""
+    more each raises a ValueError that says to call init from threads of one name (not to make
+    another group); then init from the main thread makes a working group."""
     import threading
 
     import numpy as np
@@ -238,7 +238,7 @@ def init_from_threads_named_per_rank():
         assert len(errors) == 1, errors
         assert errors[0].startswith("ranks disagree in burstcu.init (the local op): calling "
                                     "thread: rank 0 'even', rank 1 'odd'. "), errors
-        assert "call it from the same thread on every rank" in errors[0], errors
+        assert "call it from a thread of the same name on every rank" in errors[0], errors
         assert "another burstcu.init" not in errors[0], errors
     else:
         assert not errors, errors

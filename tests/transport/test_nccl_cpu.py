@@ -81,8 +81,8 @@ def test_allgather_is_event_ordered():
     t = nccl.NCCLTransport(1, 2, dev)
     t.allgather(send, recv)
     assert [(a.stream, a.kind) for a in dev.actions] == [
-        ("compute", "record"), ("comm", "wait"), ("comm", "allgather"), ("comm", "record"),
-        ("compute", "wait")]
+        ("compute", "record"), ("comm", "wait"), ("comm", "record"), ("comm", "allgather"),
+        ("comm", "record"), ("compute", "wait")]
     assert t.stats.bytes_sent == 4 and t.stats.bytes_received == 4
     assert t.stats.messages == 1   # its piece to the one other rank
 
