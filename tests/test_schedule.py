@@ -180,11 +180,12 @@ def _post_ungrouped(sends_first):
     def post(self, exchanges):
         dev = self.device
         with dev.annotate("burstcu commit"):
-            self._started = self._begin()
+            started = self._begin()
             sends = [(dev.send, buf, dst) for buf, _, dst, _ in exchanges if buf is not None]
             recvs = [(dev.recv, buf, src) for _, buf, _, src in exchanges if buf is not None]
             for call, buf, peer in (sends + recvs if sends_first(self.rank) else recvs + sends):
                 call(buf, peer, self.stream)
+            self._arrived = self._end(started)
     return post
 
 
@@ -301,7 +302,7 @@ def test_watchdog_fires_when_an_exchange_never_completes():
     while not reasons and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert len(reasons) == 1 and 0.3 <= time.monotonic() - t0 < 3
-    assert "rank 1: the NCCL exchange of attention forward at 'fwd 0 wait'" in reasons[0]
+    assert "rank 1: the NCCL exchange of attention forward at 'fwd 0 send/recv kv'" in reasons[0]
     assert "ranks 0 and 2 are its peers" in reasons[0]
     transport.close()
 
@@ -318,17 +319,19 @@ class _Timeline(schedule.RecordingDevice):
         return event in self.reached or event in self.arrived
 
 
-def _queue_exchanges(device, n, timeout):
+def _queue_exchanges(device, n, timeout, unreached_after=None):
     """An NCCL transport of rank 0 of 2 on `device` that queued `n` ring steps (the host does
     not block): (transport, reasons it failed with, [(started, arrived) events of each step])."""
     transport = NCCLTransport(0, 2, device, timeout=timeout)
+    if unreached_after is not None:
+        transport.watchdog.unreached_after = unreached_after
     reasons = []
     transport.fail = reasons.append
     transport.call = "attention forward"
     ops = schedule.RecordingOps(device)
     buf, steps = ops.new("buf", (16,), np.uint8), []
     for step in range(n):
-        transport.where = f"fwd {step} wait"
+        transport.where = f"fwd {step} send/recv"
         transport.send_recv(buf[:8], buf[8:], 1, 1)
         transport.commit()
         transport.wait()
@@ -351,10 +354,10 @@ def test_watchdog_times_an_exchange_from_when_the_gpu_reaches_it():
     queued). Before, the clock started when the host queued the exchange and fired in the
     compute."""
     device = _Timeline()
-    transport, reasons, steps = _queue_exchanges(device, 3, timeout=0.2)
+    transport, reasons, steps = _queue_exchanges(device, 3, timeout=0.5)
     (s0, a0), (s1, a1), (s2, a2) = steps
     assert len({s0, a0, s1, a1, s2, a2}) == 6, steps       # in flight together: own events
-    time.sleep(0.6)
+    time.sleep(1.5)
     assert reasons == [] and transport.watchdog.fired is None
     device.reached.add(s0)
     time.sleep(0.1)
@@ -365,9 +368,9 @@ def test_watchdog_times_an_exchange_from_when_the_gpu_reaches_it():
     device.reached.add(s2)                                 # its peer never answers
     t0 = time.monotonic()
     _after(3, lambda: reasons)
-    assert 0.15 <= time.monotonic() - t0 < 1.5 and len(reasons) == 1, reasons
-    assert "the NCCL exchange of attention forward at 'fwd 2 wait' has not completed after " \
-           "0.2 s" in reasons[0], reasons
+    assert 0.4 <= time.monotonic() - t0 < 2 and len(reasons) == 1, reasons
+    assert "the NCCL exchange of attention forward at 'fwd 2 send/recv' has not completed " \
+           "after 0.5 s" in reasons[0], reasons
     transport.close()
 
 
@@ -379,7 +382,89 @@ def test_watchdog_names_the_oldest_exchange_that_never_completes():
     device.reached.add(steps[0][0])
     _after(3, lambda: reasons)
     time.sleep(0.2)
-    assert len(reasons) == 1 and "at 'fwd 0 wait' has not completed" in reasons[0], reasons
+    assert len(reasons) == 1 and "at 'fwd 0 send/recv' has not completed" in reasons[0], reasons
+    transport.close()
+
+
+@pytest.mark.parametrize("between", ["allgather", "commit"])
+def test_watchdog_watches_exchanges_in_the_order_the_stream_runs_them(between):
+    """Two exchanges posted before one wait (an all-gather, or a second commit, between a
+    commit and its wait): the watchdog sees them in stream order, so the first stalling is
+    reported, naming it; and the wait covers both."""
+    device = _Timeline()
+    transport = NCCLTransport(0, 2, device, timeout=0.2)
+    reasons = []
+    transport.fail = reasons.append
+    transport.call = "attention forward"
+    ops = schedule.RecordingOps(device)
+    buf = ops.new("buf", (32,), np.uint8)
+    transport.where = "first"
+    transport.send_recv(buf[:8], buf[8:16], 1, 1)
+    transport.commit()
+    transport.where = "second"
+    if between == "allgather":
+        transport.allgather(buf[16:24], buf[16:32])
+    else:
+        transport.send_recv(buf[16:24], buf[24:32], 1, 1)
+        transport.commit()
+    transport.wait()
+    comm = [a for a in device.actions if a.stream == "comm" and a.kind == "record"]
+    waits = [a.event for a in device.actions if a.stream == "compute" and a.kind == "wait"]
+    assert len(comm) == 4                                   # started, arrived of each exchange
+    # the all-gather waits for itself; wait() follows the last commit
+    assert waits[-1] == (comm[1] if between == "allgather" else comm[3]).event, (comm, waits)
+    device.reached.add(comm[0].event)                       # the first one stalls
+    _after(3, lambda: reasons)
+    assert len(reasons) == 1 and "attention forward at 'first' has not completed" in reasons[0]
+    transport.close()
+
+
+def test_watchdog_retires_every_arrived_exchange_at_once():
+    """2000 ring steps queued, all complete: one pass of the watchdog retires all of them with
+    one query (one stream: the newest arrived, so did every other), and their events go back
+    to the pools; with only the first 500 arrived, one pass retires those 500 and no more."""
+    class _Counting(_Timeline):
+        queries = 0
+
+        def query(self, event):
+            self.queries += 1
+            return super().query(event)
+
+    for arrived_first in (2000, 500):
+        device = _Counting()
+        transport = NCCLTransport(0, 2, device, timeout=5)
+        dog = transport.watchdog
+        dog.stop()                                           # this test drives the passes itself
+        ops = schedule.RecordingOps(device)
+        buf = ops.new("buf", (16,), np.uint8)
+        for _ in range(2000):
+            transport.send_recv(buf[:8], buf[8:], 1, 1)
+            transport.commit()
+            transport.wait()
+        entries = list(dog._pending)
+        device.arrived.update(arrived for _, arrived, *_ in entries[:arrived_first])
+        device.queries = 0
+        assert dog._retire_arrived()
+        assert len(dog._pending) == 2000 - arrived_first
+        assert len(dog._free["started"]) == len(dog._free["arrived"]) == arrived_first
+        assert device.queries == (1 if arrived_first == 2000 else arrived_first + 2)
+        transport.close()
+
+
+def test_watchdog_reports_an_exchange_its_gpu_never_reaches():
+    """A kernel before the oldest exchange never ends (its `started` never completes): after
+    `unreached_after` seconds (max(4 x timeout, 1 h)) the watchdog reports it once, as this
+    GPU's hang, not a peer's."""
+    assert NCCLTransport(0, 2, _Timeline(), timeout=60).watchdog.unreached_after == 3600
+    assert NCCLTransport(0, 2, _Timeline(), timeout=1000).watchdog.unreached_after == 4000
+    t0 = time.monotonic()
+    transport, reasons, steps = _queue_exchanges(_Timeline(), 2, timeout=60, unreached_after=0.3)
+    _after(5, lambda: reasons)
+    time.sleep(0.1)
+    assert 0.3 <= time.monotonic() - t0 < 4 and len(reasons) == 1, reasons
+    assert reasons[0] == ("rank 0: the NCCL exchange of attention forward at 'fwd 0 send/recv' has "
+                          "not been reached by this rank's GPU after 0.3 s: a kernel queued before "
+                          "it has not ended (a hang on this GPU, not a peer's)"), reasons
     transport.close()
 
 

@@ -8,12 +8,13 @@ One ring step, as the engine drives it (see burstcu.transport.base)::
 
 * `commit()` records `ready` on the compute stream (the caller's current stream) and makes the
   communication stream wait on it, so the send reads, and the receive overwrites, only after every
-  kernel issued before the commit. Then it records `started` (the stream reached the exchange)
-  and posts the step's sends and receives inside one `groupStart`/`groupEnd`.
-* `wait()` records `arrived` on the communication stream and makes the compute stream wait on
-  it: kernels issued after `wait()` see the received bytes, and nothing the caller issues later
-  can overwrite a buffer NCCL still reads. The host never blocks; the watchdog (`EventWatchdog`)
-  times the exchange from `started` to `arrived` on a thread of its own.
+  kernel issued before the commit. Then it records `started` (the stream reached the exchange),
+  posts the step's sends and receives inside one `groupStart`/`groupEnd`, records `arrived`
+  after them, and hands both events to the watchdog (`EventWatchdog`), which times the exchange
+  on a thread of its own.
+* `wait()` makes the compute stream wait on the latest `arrived`: kernels issued after `wait()`
+  see the received bytes, and nothing the caller issues later can overwrite a buffer NCCL still
+  reads. The host never blocks.
 
 Why grouping is enough for any ring size: NCCL fuses the point-to-point calls of one group into
 one operation that makes progress on all of them together, so rank r's "send to r+1" and
@@ -44,7 +45,7 @@ import numpy as np
 from .base import FIRST_USE_COMPILE, Transport, check_contiguous, deadline_after, nbytes
 from . import wire
 from .mpi import MPITransport
-from .streams import CupyStreams, join_stream
+from .streams import CupyStreams
 
 # ----------------------------------------------------------------------------------------------
 # dtype table
@@ -141,31 +142,44 @@ class EventWatchdog:
 
     The GPU ring never blocks the host: a peer that died leaves this rank's communication stream
     (and so its compute stream) stalled while the host queues more work. Each exchange is
-    watched through two events of the communication stream, `watch(started, arrived, what)`:
-    `started`, recorded before its NCCL calls, completes when the stream reaches the exchange
-    (the compute it waits for and every earlier exchange are done); `arrived`, recorded after
-    them, when the exchange has completed. The oldest exchange not arrived is timed from the
-    moment its `started` is seen complete, not from when the host queued it: a host running far
-    ahead of a GPU busy with long compute is not a dead peer. If it has not arrived `timeout`
-    seconds after it started, `on_timeout(what)` runs once, or `on_error(what, exception)` where
-    a query raised (a CUDA error; on_timeout(what) without an on_error), on the watchdog's thread
-    (NCCLTransport: print, abort the NCCL communicator so its kernels stop waiting, abort the MPI
-    job). The device's `query` polls, without blocking, every `poll` seconds, from a thread the
-    device binds to its GPU first (`bind_thread`, where it has one). Events of arrived exchanges
-    go back to the pools `event(role)` hands out, one a role, so a `started` event is never one
-    a stream waits on (an event is re-recorded only once nothing queries its earlier record; a
-    stream that waited on it keeps the record it captured).
+    watched, from when the host posts it, through two events of the communication stream,
+    `watch(started, arrived, what)` in stream order: `started`, recorded before its NCCL calls,
+    completes when the stream reaches the exchange (the compute it waits for and every earlier
+    exchange are done); `arrived`, recorded after them, when the exchange has completed.
+
+    The oldest exchange not arrived is timed from the moment its `started` is seen complete, not
+    from when the host queued it: this rank's GPU working through a backlog of long compute is
+    not a dead peer. If it has not arrived `timeout` seconds after it started, `on_timeout(what)`
+    runs once. That time still holds the peers' own lateness (their compute or host work, a
+    first-use compile, before their matching exchange): the timeout must cover the slowest
+    peer's step. An exchange the stream has not reached `unreached_after` seconds after it
+    became the oldest (max(4 x timeout, 1 h); never with an infinite timeout: a kernel before
+    it never ends) is reported by `on_unreached(what, seconds)` (on_timeout(what) without one).
+    Where a query raises (a CUDA error), `on_error(what, exception)` runs instead
+    (on_timeout(what) without an on_error). Each once, on the watchdog's thread (NCCLTransport:
+    print, abort the NCCL communicator so its kernels stop waiting, abort the MPI job).
+
+    The device's `query` polls, without blocking, every `poll` seconds, from a thread the
+    device binds to its GPU first (`bind_thread`, where it has one); each poll retires every
+    exchange that arrived (one stream: if the newest arrived, all did). Their events go back to
+    the pools `event(role)` hands out, one a role, so a `started` event is never one a stream
+    waits on (an event is re-recorded only once nothing queries its earlier record; a stream
+    that waited on it keeps the record it captured).
     """
 
     IDLE_EXIT_S = 1.0  # the thread ends after this long with nothing pending (re-made on demand)
 
-    def __init__(self, device: Any, timeout: float, on_timeout, poll: float = 0.01, on_error=None):
+    def __init__(self, device: Any, timeout: float, on_timeout, poll: float = 0.01, on_error=None,
+                 on_unreached=None):
+        import collections
         import threading
 
         self.device, self.timeout, self.on_timeout, self.poll = device, timeout, on_timeout, poll
-        self.on_error = on_error
+        self.on_error, self.on_unreached = on_error, on_unreached
+        self.unreached_after = max(4 * timeout, 3600.0)
         self._lock = threading.Lock()
-        self._pending: list[list] = []      # [started, arrived, what, deadline or None], oldest first
+        # [started, arrived, what, deadline (from started) or None, since it is the oldest or None]
+        self._pending: Any = collections.deque()
         self._free: dict = {"started": [], "arrived": []}   # of arrived exchanges, by role
         self._stop = threading.Event()
         self._thread: Any = None
@@ -180,10 +194,11 @@ class EventWatchdog:
         return self.device.new_event()
 
     def watch(self, started: Any, arrived: Any, what: str) -> None:
+        """Watch the exchange between `started` and `arrived`, posted after every one before."""
         import threading
 
         with self._lock:
-            self._pending.append([started, arrived, what, None])
+            self._pending.append([started, arrived, what, None, None])
             if self._stop.is_set() or self.fired is not None:
                 return
             if self._thread is None or not self._thread.is_alive():
@@ -209,26 +224,53 @@ class EventWatchdog:
                     return
             if oldest is None:
                 continue
-            started, arrived, what, deadline = oldest
             try:
-                done = self.device.query(arrived)
-                begun = done or deadline is not None or self.device.query(started)
+                if self._retire_arrived():
+                    idle_since = time.monotonic()
+                    continue
+                late = self._late(oldest)
             except Exception as exc:  # noqa: BLE001 - a CUDA error: the exchange will not complete
-                self._failed(what, exc)
+                self._failed(oldest[2], exc)
                 return
-            if done:
-                idle_since = time.monotonic()
-                with self._lock:
-                    self._pending.pop(0)
-                    self._free["started"].append(started)
-                    self._free["arrived"].append(arrived)
-            elif deadline is None:
-                if begun:
-                    oldest[3] = deadline_after(self.timeout)
-            elif time.monotonic() > deadline:
-                self.fired = what
-                self.on_timeout(what)
+            if late is not None:
+                self.fired = oldest[2]
+                if late == "unreached" and self.on_unreached is not None:
+                    self.on_unreached(oldest[2], self.unreached_after)
+                else:
+                    self.on_timeout(oldest[2])
                 return
+
+    def _retire_arrived(self) -> bool:
+        """Drop every pending exchange that arrived, its events back to the pools; whether any."""
+        with self._lock:
+            pending = list(self._pending)
+        done = len(pending) if self.device.query(pending[-1][1]) else 0
+        while done < len(pending) and self.device.query(pending[done][1]):
+            done += 1
+        with self._lock:
+            for _ in range(done):
+                started, arrived = self._pending.popleft()[:2]
+                self._free["started"].append(started)
+                self._free["arrived"].append(arrived)
+        return done > 0
+
+    def _late(self, oldest: list) -> str | None:
+        """Whether the oldest pending exchange (not arrived) is "late" (past its deadline) or
+        "unreached" (not started `unreached_after` seconds after it became the oldest), or None."""
+        import time
+
+        now = time.monotonic()
+        started, _, _, deadline, since = oldest
+        if deadline is None:
+            if self.device.query(started):
+                oldest[3] = deadline_after(self.timeout)
+                return None
+            if since is None:
+                oldest[4] = now
+            elif now - since > self.unreached_after:
+                return "unreached"
+            return None
+        return "late" if now > deadline else None
 
     def _failed(self, what: str, error: BaseException) -> None:
         """`what` can no longer be watched (`error` raised): on_error, else on_timeout, once."""
@@ -273,8 +315,9 @@ class NCCLTransport(Transport):
         self.stream = device.new_stream()
         self._ready = device.new_event()     # compute -> comm: buffers may be read/overwritten
         self.watchdog = EventWatchdog(device, self.timeout, self._exchange_timed_out,
-                                      on_error=self._exchange_failed)
-        self._started: Any = None            # comm stream reached the exchange in flight (or None)
+                                      on_error=self._exchange_failed,
+                                      on_unreached=self._exchange_unreached)
+        self._arrived: Any = None            # the posted exchanges have completed (or None)
 
     def _exchange_timed_out(self, what: str) -> None:
         peers = (f"ranks {self.top_rank(self.prev_rank)} and {self.top_rank(self.next_rank)} are its "
@@ -283,6 +326,11 @@ class NCCLTransport(Transport):
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not completed "
                   f"after {self.timeout:g} s ({peers}); timeout: burstcu.init(timeout=...) or "
                   f"$BURSTCU_TIMEOUT; {FIRST_USE_COMPILE}")
+
+    def _exchange_unreached(self, what: str, seconds: float) -> None:
+        self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} has not been "
+                  f"reached by this rank's GPU after {seconds:g} s: a kernel queued before it "
+                  f"has not ended (a hang on this GPU, not a peer's)")
 
     def _exchange_failed(self, what: str, error: BaseException) -> None:
         self.fail(f"rank {self.top_rank(self.rank)}: the NCCL exchange of {what} failed on this "
@@ -294,7 +342,7 @@ class NCCLTransport(Transport):
             check_contiguous(recv_buf, "receive", "NCCL")
         dev = self.device
         with dev.annotate("burstcu commit"):
-            self._started = self._begin()
+            started = self._begin()
             dev.group_start()
             try:
                 for send_buf, recv_buf, dst, src in exchanges:
@@ -304,6 +352,7 @@ class NCCLTransport(Transport):
                         dev.recv(recv_buf, src, self.stream)
             finally:
                 dev.group_end()  # an open group would swallow every later NCCL call
+            self._arrived = self._end(started)
 
     def _begin(self) -> Any:
         """Order the comm stream after the compute issued so far (`ready`), then record and
@@ -314,18 +363,20 @@ class NCCLTransport(Transport):
         dev.record(started, self.stream)
         return started
 
-    def _end(self, started: Any) -> None:
-        """Order the caller's stream after the exchange begun at `started`, and watch it."""
+    def _end(self, started: Any) -> Any:
+        """Record and return the event of the exchange begun at `started` completing, and hand
+        both to the watchdog (in stream order: every exchange is watched from its post)."""
         arrived = self.watchdog.event("arrived")
-        join_stream(self.device, self.stream, arrived)
+        self.device.record(arrived, self.stream)
         self.watchdog.watch(started, arrived, self.doing())
+        return arrived
 
     def _wait(self) -> None:
-        if self._started is None:
+        if self._arrived is None:
             return
-        with self.device.annotate("burstcu wait"):
-            self._end(self._started)
-        self._started = None
+        with self.device.annotate("burstcu wait"):   # after every exchange posted (one stream)
+            self.device.wait_event(self.device.current_stream(), self._arrived)
+        self._arrived = None
 
     # -- collectives ---------------------------------------------------------------------------
     def allgather(self, send_buf: Any, recv_buf: Any) -> None:
@@ -341,7 +392,7 @@ class NCCLTransport(Transport):
         with dev.annotate("burstcu allgather"):
             started = self._begin()
             dev.all_gather(send_buf, recv_buf, self.stream)
-            self._end(started)
+            dev.wait_event(dev.current_stream(), self._end(started))
         self.stats.bytes_sent += nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_received += nbytes(send_buf) * (self.size - 1)
         self.stats.messages += self.size - 1   # G-1 pieces out, as `CommStats` counts
