@@ -618,7 +618,7 @@ def _shard_partition(layout: str, size: int, x, axis: int, cu_seqlens, lengths: 
     err, docs = parse_cu_seqlens(cu_seqlens)
     if err is not None:
         raise err.kind(err.message)
-    ends = _docs_end_problem(name, seqlen_global, axis, x.ndim, docs)
+    ends = _docs_end_problem(name, seqlen_global, axis, x.ndim, x.shape[0], docs)
     if ends is not None:
         raise ValueError(ends)
     if lengths is not None:
@@ -629,14 +629,15 @@ def _shard_partition(layout: str, size: int, x, axis: int, cu_seqlens, lengths: 
     return partition(layout, size, seqlen_global, None if layout == "contiguous" else docs)
 
 
-def _docs_end_problem(name: str, rows: int, axis: int, ndim: int, docs) -> str | None:
+def _docs_end_problem(name: str, rows: int, axis: int, ndim: int, rows0: int, docs) -> str | None:
     """Why documents `docs` (parsed cu_seqlens or None) do not cover the `rows` an `ndim`-D array
-    `name` holds along `axis`, or None. A 3-D array cut along another axis than 0 may be packed
-    (T, H, D), whose documents lie along axis 0: the message says to pass axis=0."""
+    `name` holds along `axis` (`rows0` along axis 0), or None. A 3-D array cut along another
+    axis whose axis 0 has the rows cu_seqlens ends at may be packed (T, H, D): the message says
+    to pass axis=0 (not for other 3-D arrays, such as an lse (B, H, S))."""
     if docs is None or docs[-1] == rows:
         return None
     hint = (" (if it is a packed (T, H, D) array, its documents lie along axis 0: pass axis=0)"
-            if ndim == 3 and axis != 0 else "")
+            if ndim == 3 and axis != 0 and rows0 == docs[-1] else "")
     return f"{name} has {rows} rows along axis {axis} but cu_seqlens ends at {docs[-1]}{hint}"
 
 
@@ -724,7 +725,8 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
                                  f"{[rep[:6] for rep in reports]}")
             rows = sum(rep[6] for rep in reports)
             ends = (_docs_end_problem(f"x_local (the {group.size} ranks' shards together)", rows, axis,
-                                      x_local.ndim, docs) if x_local.ndim == 3 and axis != 0 else None)
+                                      x_local.ndim, x_local.shape[0] * group.size, docs)
+                    if x_local.ndim == 3 and axis != 0 else None)
             if ends is not None:   # packed arrays joined along their heads (else partition_of says)
                 raise ValueError(ends)
             err, part = partition_of(layout, [rep[6] for rep in reports], docs, bool(uneven))

@@ -248,10 +248,13 @@ def test_a_sharding_whose_lengths_miss_the_rows_is_refused(world):
 def test_packed_documents_cut_along_axis_1_ask_for_axis_0(world):
     """shard / unshard of packed (T, H, D) arrays with cu_seqlens and the default axis=1 name x's
     rows along axis 1 and where cu_seqlens ends, and tell to pass axis=0 (not the ranks' lengths
-    added up, which shard has nothing to do with)."""
+    added up, which shard has nothing to do with); a 3-D lse whose axis 0 is not the rows gets
+    no such hint."""
     n = 8 * world
     for r in run_mpi(world, "sharding_bodies:packed_documents_along_axis_1"):
-        assert set(r["messages"]) == {"shard", "unshard"} and r["joined"]
+        assert set(r["messages"]) == {"shard", "unshard", "shard lse"} and r["joined"]
+        lse_message = r["messages"].pop("shard lse")
+        assert lse_message == f"x has 4 rows along axis 1 but cu_seqlens ends at {n}", lse_message
         assert r["messages"]["shard"].startswith(f"x has 4 rows along axis 1 but cu_seqlens ends at {n}")
         together = "" if world == 1 else f" (the {world} ranks' shards together)"
         assert r["messages"]["unshard"].startswith(f"x_local{together} has {4 * world} rows along axis 1 "

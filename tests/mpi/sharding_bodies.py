@@ -271,15 +271,18 @@ def lengths_that_miss_the_rows():
 def packed_documents_along_axis_1():
     """A packed (T, H, D) array, T = 8G, with cu_seqlens ending at T, given to `shard` and
     `unshard` with their default axis=1 (its heads): a ValueError on every rank that names the
-    rows along axis 1, where cu_seqlens ends, and axis=0; with axis=0 both run."""
+    rows along axis 1, where cu_seqlens ends, and axis=0; with axis=0 both run. A (B, H, S)
+    lse cut along its heads: the same error, without the packed-array hint."""
     group = burstcu.init(backend="numpy")
     n = 8 * group.size
     packed = np.arange(n * 4 * 8, dtype=np.float32).reshape(n, 4, 8)
     docs = [0, 5, n]
     mine = burstcu.shard(packed, group, axis=0, cu_seqlens=docs)
+    lse = np.zeros((1, 4, n), np.float32)              # (B, H, S): axis 0 is not the rows
     messages = _value_errors({
         "shard": lambda: burstcu.shard(packed, group, cu_seqlens=docs),
-        "unshard": lambda: burstcu.unshard(mine.view(), group, cu_seqlens=docs)})   # a view: no memory
+        "unshard": lambda: burstcu.unshard(mine.view(), group, cu_seqlens=docs),   # a view: no memory
+        "shard lse": lambda: burstcu.shard(lse, group, axis=1, cu_seqlens=docs)})
     whole = burstcu.unshard(mine, group, axis=0, cu_seqlens=docs)
     group.barrier()
     group.close()
