@@ -249,12 +249,12 @@ class BlockMask:
         """Rows each of `size` ranks holds, in contiguous order, so that the rank whose queries
         keep the most pairs keeps as few as any contiguous split allows (at least one row a
         rank); within that, rank by rank, each cut falls as near as the cuts before it allow to
-        where the running count of kept pairs passes r/size of the total. That balances the compute of the forward on
-        every strategy and of the backward where it runs on the queries' rank (ring, allgather,
-        Ulysses); burst's backward computes on the rank holding the keys, balanced too only
-        where the mask keeps about as many pairs a key row as a query row. Give them to
-        `burstcu.Sharding(group, lengths=...)`, or `burstcu.shard(..., block_mask=...)` cuts
-        them itself."""
+        where the running count of kept pairs passes r/size of the total. That balances the
+        compute of the forward on every strategy and of the backward where it runs on the
+        queries' rank (ring, allgather, Ulysses); burst's backward computes on the rank holding
+        the keys, balanced too only where the mask keeps about as many pairs a key row as a
+        query row. Give them to `burstcu.Sharding(group, lengths=...)`, or
+        `burstcu.shard(..., block_mask=...)` cuts them itself."""
         if not 1 <= size <= seqlen:
             raise ValueError(f"{seqlen} rows cannot be split over {size} ranks")
         return _balanced_split(self.row_pairs(seqlen), size)

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 from contextlib import contextmanager
 
+import ml_dtypes
 import numpy as np
 
 from . import api
@@ -42,15 +43,6 @@ def _cache_dtype(dtype, names: tuple) -> np.dtype:
         except TypeError:
             pass
     raise TypeError(f"KVCache dtype must be one of {', '.join(names)}, got {dtype!r}")
-
-
-def _dtype_max(dtype) -> float:
-    """The largest finite value of a float `dtype`, ml_dtypes' bfloat16 included."""
-    try:
-        return float(np.finfo(dtype).max)
-    except ValueError:
-        import ml_dtypes
-        return float(ml_dtypes.finfo(dtype).max)
 
 
 def _real(dtype) -> bool:
@@ -266,7 +258,7 @@ class KVCache:
             largest = xp.abs(x[overflows]).max()
         raise ValueError(f"KVCache.{what}: {name} holds values beyond {self.dtype}'s range "
                          f"(|{name}| up to {largest!s}; {self.dtype} reaches "
-                         f"{float(_dtype_max(self.dtype)):.9g}): stored, they would be inf, and "
+                         f"{float(ml_dtypes.finfo(self.dtype).max):.9g}): stored, they would be inf, and "
                          f"decode would return inf or NaN: scale them, or make the cache of a "
                          f"wider dtype (KVCache(..., dtype=...))")
 

@@ -442,7 +442,7 @@ def test_watchdog_retires_every_arrived_exchange_at_once():
             transport.commit()
             transport.wait()
         entries = list(dog._pending)
-        device.arrived.update(arrived for _, arrived, *_ in entries[:arrived_first])
+        device.arrived.update(exchange.arrived for exchange in entries[:arrived_first])
         device.queries = 0
         assert dog._retire_arrived()
         assert len(dog._pending) == 2000 - arrived_first

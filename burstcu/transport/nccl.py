@@ -38,6 +38,7 @@ node-local rank (or from the launcher's per-rank CUDA_VISIBLE_DEVICES; see launc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -137,6 +138,18 @@ class CupyDevice(CupyStreams):
 # ----------------------------------------------------------------------------------------------
 # the transport
 
+@dataclass
+class _Exchange:
+    """One exchange the watchdog waits for: its two events, what to call it, and the clocks
+    it has started (monotonic seconds; None until then)."""
+
+    started: Any
+    arrived: Any
+    what: str
+    deadline: float | None = None   # timeout after `started` was seen complete
+    oldest_since: float | None = None   # first seen the oldest, not started
+
+
 class EventWatchdog:
     """A host thread that watches the exchanges the GPU has not finished, oldest first.
 
@@ -178,8 +191,7 @@ class EventWatchdog:
         self.on_error, self.on_unreached = on_error, on_unreached
         self.unreached_after = max(4 * timeout, 3600.0)
         self._lock = threading.Lock()
-        # [started, arrived, what, deadline (from started) or None, since it is the oldest or None]
-        self._pending: Any = collections.deque()
+        self._pending: collections.deque[_Exchange] = collections.deque()   # oldest first
         self._free: dict = {"started": [], "arrived": []}   # of arrived exchanges, by role
         self._stop = threading.Event()
         self._thread: Any = None
@@ -198,7 +210,7 @@ class EventWatchdog:
         import threading
 
         with self._lock:
-            self._pending.append([started, arrived, what, None, None])
+            self._pending.append(_Exchange(started, arrived, what))
             if self._stop.is_set() or self.fired is not None:
                 return
             if self._thread is None or not self._thread.is_alive():
@@ -230,47 +242,45 @@ class EventWatchdog:
                     continue
                 late = self._late(oldest)
             except Exception as exc:  # noqa: BLE001 - a CUDA error: the exchange will not complete
-                self._failed(oldest[2], exc)
+                self._failed(oldest.what, exc)
                 return
             if late is not None:
-                self.fired = oldest[2]
+                self.fired = oldest.what
                 if late == "unreached" and self.on_unreached is not None:
-                    self.on_unreached(oldest[2], self.unreached_after)
+                    self.on_unreached(oldest.what, self.unreached_after)
                 else:
-                    self.on_timeout(oldest[2])
+                    self.on_timeout(oldest.what)
                 return
 
     def _retire_arrived(self) -> bool:
         """Drop every pending exchange that arrived, its events back to the pools; whether any."""
         with self._lock:
             pending = list(self._pending)
-        done = len(pending) if self.device.query(pending[-1][1]) else 0
-        while done < len(pending) and self.device.query(pending[done][1]):
+        done = len(pending) if self.device.query(pending[-1].arrived) else 0
+        while done < len(pending) and self.device.query(pending[done].arrived):
             done += 1
         with self._lock:
             for _ in range(done):
-                started, arrived = self._pending.popleft()[:2]
-                self._free["started"].append(started)
-                self._free["arrived"].append(arrived)
+                exchange = self._pending.popleft()
+                self._free["started"].append(exchange.started)
+                self._free["arrived"].append(exchange.arrived)
         return done > 0
 
-    def _late(self, oldest: list) -> str | None:
+    def _late(self, oldest: _Exchange) -> str | None:
         """Whether the oldest pending exchange (not arrived) is "late" (past its deadline) or
         "unreached" (not started `unreached_after` seconds after it became the oldest), or None."""
         import time
 
         now = time.monotonic()
-        started, _, _, deadline, since = oldest
-        if deadline is None:
-            if self.device.query(started):
-                oldest[3] = deadline_after(self.timeout)
-                return None
-            if since is None:
-                oldest[4] = now
-            elif now - since > self.unreached_after:
+        if oldest.deadline is None:
+            if self.device.query(oldest.started):
+                oldest.deadline = deadline_after(self.timeout)
+            elif oldest.oldest_since is None:
+                oldest.oldest_since = now
+            elif now - oldest.oldest_since > self.unreached_after:
                 return "unreached"
             return None
-        return "late" if now > deadline else None
+        return "late" if now > oldest.deadline else None
 
     def _failed(self, what: str, error: BaseException) -> None:
         """`what` can no longer be watched (`error` raised): on_error, else on_timeout, once."""
