@@ -23,20 +23,90 @@ LAYOUTS = ("contiguous", "zigzag")
 RINGS = ("burst", "ring")   # the strategies of ring steps over point-to-point messages
 
 
+def _sent(recorded) -> tuple[int, int]:
+    """(messages, bytes) one rank's recorded schedule sends, as `CommStats` counts them: each
+    send, and each all-gather's piece to every other rank."""
+    pieces = [(1, a.nbytes) if a.kind == "send" else (recorded.size - 1, a.nbytes * (recorded.size - 1))
+              for a in recorded.actions if a.kind in ("send", "allgather")]
+    return sum(n for n, _ in pieces), sum(b for _, b in pieces)
+
+
+def _counted(strategy: str, pass_: str, size: int, rank: int, shape: tuple, **kw) -> tuple[int, int]:
+    """(messages, bytes) the strategy's own formulas say `rank` sends, its arrays of `shape`."""
+    b, s, h, hkv, d = shape
+    q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
+    run = engine.get_linear(strategy) if strategy in engine.LINEAR_NAMES else engine.get(strategy)
+    messages, nbytes = ((run.forward_messages, run.forward_bytes) if pass_ == "forward" else
+                        (run.backward_messages, run.backward_bytes))
+    return messages(size, q, k, k, rank=rank, **kw), nbytes(size, q, k, k, rank=rank, **kw)
+
+
+# every strategy a rank records alone on NCCL: the rings over point-to-point messages, the
+# all-gather baseline (an all-gather, then a ring reduce-scatter), and linear attention's two
+NCCL_STRATEGIES = RINGS + ("allgather",) + engine.LINEAR_NAMES
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("pass_", PASSES)
 @pytest.mark.parametrize("causal", (False, True))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("strategy", RINGS)
+@pytest.mark.parametrize("strategy", NCCL_STRATEGIES)
 def test_engine_schedule_is_race_free(size, pass_, causal, layout, strategy):
+    """Race-free, paired without deadlock, and each rank sends the messages and bytes its
+    strategy counts."""
     schedules = schedule.prove(pass_, size, causal=causal, layout=layout, strategy=strategy)
     assert len(schedules) == size
-    sends = [sum(1 for a in s.actions if a.kind == "send") for s in schedules]
-    b, s, h, hkv, d = schedule.SHAPE
-    q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
-    run = engine.get(strategy)
-    count = run.forward_messages if pass_ == "forward" else run.backward_messages
-    assert sends == [count(size, q, k, k, rank=r, layout=layout, causal=causal) for r in range(size)]
+    for r, recorded in enumerate(schedules):
+        assert _sent(recorded) == _counted(strategy, pass_, size, r, schedule.SHAPE, layout=layout,
+                                           causal=causal)
+
+
+def _uneven_partitions(size: int) -> list:
+    """(partition, documents) pairs of `size` ranks holding different numbers of rows: contiguous
+    shards of 1-5 rows, and documents cut per-document zigzag and held whole."""
+    from burstcu.layout import partition
+    lengths = tuple(1 + (3 * r + 1) % 5 for r in range(size))
+    n = 4 * size + 3
+    docs = (0, 3, 10, n) if n > 10 else (0, 3, n)
+    return [(partition("contiguous", size, sum(lengths), lengths=lengths), None),
+            (partition("zigzag", size, n, docs), docs), (partition("documents", size, n, docs), docs)]
+
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("strategy", NCCL_STRATEGIES)
+def test_uneven_shards_schedules_are_race_free(size, pass_, causal, strategy):
+    """Shards of different lengths (a Partition layout, each rank recorded with its own S):
+    messages of different sizes pair up, in order, without races or deadlock, and each rank
+    sends what its strategy counts for its own shard. Linear attention takes no documents: its
+    uneven shards are contiguous ones."""
+    linear = strategy in engine.LINEAR_NAMES
+    cases = _uneven_partitions(size)[:1 if linear else None]
+    assert any(not part.even for part, _ in cases)
+    for part, docs in cases:
+        masks = {} if linear else {"cu_seqlens": docs}
+        schedules = schedule.prove(pass_, size, causal=causal, layout=part, strategy=strategy, **masks)
+        for r, recorded in enumerate(schedules):
+            shape = schedule.SHAPE[:1] + (part.lengths[r],) + schedule.SHAPE[2:]
+            assert _sent(recorded) == _counted(strategy, pass_, size, r, shape, layout=part,
+                                               causal=causal, **masks), (part.lengths, r)
+
+
+@pytest.mark.parametrize("size", (1, 2, 3, 5))
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("strategy", NCCL_STRATEGIES)
+def test_calls_after_the_first_reuse_kept_buffers_without_races(size, pass_, strategy):
+    """Three calls in a row on one op: the buffers an op keeps between calls (burst's message
+    pairs) are written by the next call only after everything the last one issued on them is
+    ordered before (the waits that end a call)."""
+    one = schedule.record(pass_, size, 0, causal=True, layout="zigzag", strategy=strategy)
+    schedules = schedule.proved([schedule.record(pass_, size, r, causal=True, layout="zigzag",
+                                                 strategy=strategy, calls=3) for r in range(size)])
+    assert _sent(schedules[0]) == tuple(3 * n for n in _sent(one))
+    if strategy == "burst" and size > 1:      # the same kept buffers carry every call's blocks
+        sent = {a.reads[0].buffer for a in schedules[0].actions if a.kind == "send"}
+        assert sent == {a.reads[0].buffer for a in one.actions if a.kind == "send"}
 
 
 def test_recorded_transport_counts_like_the_base_class():
@@ -591,6 +661,107 @@ def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
         for action in _ordering_actions(recorded):
             assert schedule.check(schedule.drop_action(recorded, action.index)), (
                 f"rank {rank}: removing {action.describe()} went unnoticed")
+
+
+# -- the all-gather strategies: the all-gather baseline, LASP-2, LASP-1's chains, decode --------
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("strategy", ("allgather", "lasp2"))
+def test_removing_any_record_or_wait_of_the_gathering_strategies_is_caught(size, pass_, causal,
+                                                                           layout, strategy):
+    for rank in range(size):
+        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout, strategy=strategy)
+        assert any(a.kind == "allgather" for a in recorded.actions) == (strategy == "allgather")
+        for action in _ordering_actions(recorded):
+            assert schedule.check(schedule.drop_action(recorded, action.index)), (
+                f"rank {rank}: removing {action.describe()} went unnoticed")
+
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_removing_a_wait_for_a_lasp1_state_is_caught(size, pass_, causal, layout):
+    """LASP-1 waits after each hop it sends as well (the chain is sequential anyway): those
+    waits are covered by the next one on the same comm stream, so only the waits for a received
+    state, and what orders each send after the state it sends, must each be there."""
+    for rank in range(size):
+        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout, strategy="lasp1")
+        waits = [a for a in recorded.actions if a.kind == "wait" and a.stream == "compute"
+                 and " send " not in a.label and " total " not in a.label]
+        assert len(waits) == sum(a.kind == "recv" for a in recorded.actions
+                                 if " total " not in a.label)
+        for action in waits:
+            assert schedule.check(schedule.drop_action(recorded, action.index)), (
+                f"rank {rank}: removing {action.describe()} went unnoticed")
+        for send in [a for a in recorded.actions if a.kind == "send" and " total " not in a.label]:
+            ready = max(a.index for a in recorded.actions[:send.index]
+                        if a.kind == "wait" and a.stream == send.stream)
+            assert schedule.check(schedule.drop_action(recorded, ready)), (
+                f"rank {rank}: removing the wait before {send.describe()} went unnoticed")
+
+
+@pytest.mark.parametrize("strategy", engine.LINEAR_NAMES)
+@pytest.mark.parametrize("pass_", PASSES)
+def test_linear_outputs_before_the_states_arrive_are_caught(monkeypatch, strategy, pass_):
+    """A seeded mistake in each linear strategy: it never waits for the states it receives, so
+    its outputs read them while they are still arriving."""
+    module = getattr(engine, strategy)
+    monkeypatch.setattr(module, "timed_wait", lambda ops, transport, label: 0.0)
+    with pytest.raises(schedule.ScheduleError) as caught:
+        schedule.prove(pass_, 3, causal=True, layout="zigzag", strategy=strategy)
+    text = str(caught.value)
+    assert "read-after-write race on buffer 'zeros'" in text
+    assert re.search(r"recv on the comm stream \(lasp[12] (fwd|bwd)", text), text
+
+
+@pytest.mark.parametrize("size", (1, 2, 3, 4, 5))
+@pytest.mark.parametrize("calls", (1, 3))
+def test_decode_schedule_is_race_free(size, calls):
+    """Decode's one all-gather of the partials, ordered against the partial the op writes in
+    place and the merge that reads every rank's, over calls that reuse the op's kept buffers:
+    each rank sends `decode_bytes` a call."""
+    from burstcu.engine import decode
+    schedules = schedule.proved([schedule.record_decode(size, r, calls=calls) for r in range(size)])
+    b, t, h, _, d = schedule.DECODE_SHAPE
+    q = np.empty((b, t, h, d), np.float16)
+    for recorded in schedules:
+        gathers = [a for a in recorded.actions if a.kind == "allgather"]
+        assert len(gathers) == (calls if size > 1 else 0)
+        assert _sent(recorded) == (calls * (size - 1), calls * decode.decode_bytes(size, q))
+        assert len({a.writes[0].buffer for a in gathers}) <= 1     # the kept one, every call
+
+
+@pytest.mark.parametrize("calls", (1, 2))
+def test_removing_any_record_or_wait_of_decode_is_caught(calls):
+    for rank in range(3):
+        recorded = schedule.record_decode(3, rank, calls=calls)
+        for action in _ordering_actions(recorded):
+            assert schedule.check(schedule.drop_action(recorded, action.index)), (
+                f"rank {rank}: removing {action.describe()} went unnoticed")
+
+
+def test_fake_arrays_record_the_arithmetic_they_run():
+    """The linear strategies' own arithmetic (a sum, a store into a slice, a cast, an integer
+    index) runs on the compute stream: each a kernel that reads and writes the right bytes."""
+    device = schedule.RecordingDevice()
+    ops = schedule.RecordingOps(device)
+    x = ops.new("x", (2, 3, 4), np.float32)
+    y = ops.new("y", (3, 4), np.float32)
+    assert x[1].shape == (3, 4) and x[1].region == schedule.Region(x.buffer, 48, 96)
+    assert x[-1, 2].region == schedule.Region(x.buffer, 80, 96)
+    assert x[...].region == x.region and x[0, ...].shape == (3, 4)
+    total = x[1] + y
+    x[0, 1:3] = total[:2]
+    half = y.astype(np.float16)
+    add, store, cast = [a for a in device.actions if a.kind == "kernel"]
+    assert add.reads == (x[1].region, y.region) and add.writes == (total.region,)
+    assert store.reads == (total[:2].region,) and store.writes == (schedule.Region(x.buffer, 16, 48),)
+    assert cast.reads == (y.region,) and cast.writes == (half.region,) and half.dtype == np.float16
+    assert total.buffer not in (x.buffer, y.buffer) and total.dtype == np.float32
 
 
 @pytest.mark.parametrize("size", (2, 3, 5))

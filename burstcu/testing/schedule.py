@@ -1,21 +1,24 @@
 """Record the stream/event schedule of the ring engine over NCCL and prove it race-free, on a CPU.
 
-What is recorded (`record`): one forward or backward call of a strategy of `burstcu.engine`
-that exchanges point-to-point messages (burst, ring, ulysses) driving the real `NCCLTransport`,
-whose device (streams, events, NCCL calls) is replaced by a `RecordingDevice`, and a
-`RecordingOps` whose arrays are `FakeArray`s: views = (buffer id, byte range), no data. Every op
-appends an `Action` that reads and writes byte regions on a stream:
+What is recorded (`record`): one or more forward or backward calls of a strategy of
+`burstcu.engine` (burst, ring, allgather, ulysses, and the linear ones, lasp1 and lasp2), or
+(`record_decode`) of its decode, driving the real `NCCLTransport`, whose device (streams, events,
+NCCL calls) is replaced by a `RecordingDevice`, and a `RecordingOps` whose arrays are
+`FakeArray`s: views = (buffer id, byte range), no data. Every op, and the array arithmetic the
+linear strategies write themselves (on the compute stream, as CuPy runs it), appends an `Action`
+that reads and writes byte regions on a stream:
 
     compute stream   alloc, free, copy_, add_, zeros, forward_step (reads k, v; rw state),
                      backward_step (reads q, dout, lse, delta; rw dq, ctx), ...; wait(arrived)
-    comm stream      wait(ready), send (reads its span), recv (writes its span), record(arrived)
+    comm stream      wait(ready), send (reads its span), recv (writes its span), allgather,
+                     record(arrived)
     both             record(event) on one stream, wait(event) on another
 
 `alloc` writes every byte of a new buffer (the pool may hand out memory earlier compute work
 used). Every view keeps its buffer's allocation alive; when the last one dies, a `free` that
 writes every byte of the buffer is logged on the compute stream before the next action (CuPy's
 pool may give the bytes to the next allocation there, and NCCL holds raw pointers, not views).
-Two sentinel actions on the compute stream bracket a call: `begin` writes the caller's inputs
+Two sentinel actions on the compute stream bracket the recorded calls: `begin` writes the caller's inputs
 (the caller produced them on that stream) and `end` reads and writes every buffer (after the call
 the caller, or the memory pool, may reuse any of it); frees after `end` are not logged.
 
@@ -40,12 +43,10 @@ receive first, pass; blocking send-then-recv on every rank of a ring does not.
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
 `record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
-(usp, whose sub-groups need it). Not recorded: the `allgather` strategy (its FakeArray
-indexing is unsupported) and so `NCCLTransport.allgather` in an engine call (only its own
-action order is tested, tests/transport/test_nccl_cpu.py), decode, the linear strategies
-(lasp1, lasp2), and host-side agreement (`allgather_object`). `record_world` gives every rank
-one shape: uneven shards (a `Partition` layout) can be recorded rank by rank with `record`, each
-with its own length, but the tests do not.
+(usp, whose sub-groups need it). A `Partition` layout records uneven shards, each rank with its
+own length; `calls` > 1 records calls in a row on one op, so the buffers it keeps between calls
+(burst's message pairs, decode's partials) are proved reused safely. Not recorded: host-side
+agreement (`allgather_object`) and the kernels' own work (one `kernel` action each).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .. import engine
+from ..engine import decode as decode_engine
+from ..layout import Partition
 from ..ops.base import LocalOps, Message, accum_dtype
 from ..transport.loopback import LoopbackHub, LoopbackTransport
 from ..transport.nccl import NCCLTransport
@@ -83,7 +86,11 @@ class Region:
 
 class _Allocation:
     """What every view of one recorded buffer holds: it dies with the buffer's last view, and
-    the recorder then logs the buffer's free (`RecordingDevice.alloc`)."""
+    the recorder then logs the buffer's free (`RecordingDevice.alloc`). `device`: the recorder
+    the array's arithmetic is recorded on."""
+
+    def __init__(self, device: "RecordingDevice"):
+        self.device = device
 
 
 class _Flags:
@@ -124,7 +131,13 @@ class FakeArray:
     def __getitem__(self, key) -> "FakeArray":
         assert self.flags.c_contiguous, "slicing a strided fake view is not supported"
         key = key if isinstance(key, tuple) else (key,)
+        if Ellipsis in key:
+            at = key.index(Ellipsis)
+            key = key[:at] + (slice(None),) * (len(self.shape) - len(key) + 1) + key[at + 1:]
         key = key + (slice(None),) * (len(self.shape) - len(key))
+        dropped = [isinstance(k, (int, np.integer)) for k in key]   # an integer drops its axis
+        key = tuple(slice(int(k) % n, int(k) % n + 1) if drop else k
+                    for k, n, drop in zip(key, self.shape, dropped))
         assert all(isinstance(k, slice) and k.step in (None, 1) for k in key), key
         bounds = [k.indices(n)[:2] for k, n in zip(key, self.shape)]
         shape = tuple(max(hi - lo, 0) for lo, hi in bounds)
@@ -132,7 +145,33 @@ class FakeArray:
         first = sum(int(lo) * int(st) for (lo, _), st in zip(bounds, strides))
         last = sum((int(lo) + n - 1) * int(st) for (lo, _), n, st in zip(bounds, shape, strides))
         span = 0 if 0 in shape else last - first + self.dtype.itemsize
+        shape = tuple(n for n, drop in zip(shape, dropped) if not drop)
         return FakeArray(self.buffer, self.offset + first, shape, self.dtype, span, self.allocation)
+
+    # array arithmetic as the linear strategies write it (CuPy runs it on the current stream,
+    # the compute stream): each is a kernel there, a new array where it makes one
+    def _kernel(self, name: str, reads: Sequence, writes: Sequence) -> None:
+        self.allocation.device.kernel(name, [a for a in reads if isinstance(a, FakeArray)], writes)
+
+    def _new(self, name: str, shape, dtype) -> "FakeArray":
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return self.allocation.device.alloc(nbytes, name).view(dtype).reshape(shape)
+
+    def __add__(self, other) -> "FakeArray":
+        assert not isinstance(other, FakeArray) or other.shape == self.shape, (self, other)
+        dtype = np.result_type(self.dtype, other.dtype if isinstance(other, FakeArray) else self.dtype)
+        out = self._new("sum", self.shape, dtype)
+        self._kernel("add", [self, other], [out])
+        return out
+
+    def __setitem__(self, key, value) -> None:
+        self._kernel("setitem", [value], [self[key]])
+
+    def astype(self, dtype) -> "FakeArray":
+        out = self._new("astype", self.shape, dtype)
+        self._kernel("astype", [self], [out])
+        return out
 
     def view(self, dtype: Any) -> "FakeArray":
         dtype = np.dtype(dtype)
@@ -248,7 +287,7 @@ class RecordingDevice:
         give them to the next allocation on that stream, and NCCL holds raw pointers, not views,
         so a buffer the comm stream still reads or writes must stay referenced until the wait);
         frees after `end` are not logged (`end` covers them)."""
-        arr = FakeArray(self._new_buffer(name), 0, (nbytes,), np.uint8, allocation=_Allocation())
+        arr = FakeArray(self._new_buffer(name), 0, (nbytes,), np.uint8, allocation=_Allocation(self))
         self._add(COMPUTE, "alloc", f"alloc {name}", writes=(arr.region,))
         weakref.finalize(arr.allocation, self._free, arr.region, name).atexit = False
         return arr
@@ -433,6 +472,61 @@ class RecordingOps(LocalOps):
         self.device.kernel("backward_finalize", reads=[ctx], writes=[dk, dv])
         return dk, dv
 
+    # -- decode ------------------------------------------------------------------------------
+    def decode_partial(self, q, k_cache, v_cache, lengths, scale, out=None):
+        b, t, h, d = q.shape
+        acc = accum_dtype(q.dtype)
+        if out is None:
+            out = (self.new("decode acc", (b, t, h, d), acc), self.new("decode m", (b, h, t), acc),
+                   self.new("decode l", (b, h, t), acc))
+        self.device.kernel("decode_partial", reads=[q, k_cache, v_cache], writes=list(out))
+        return out
+
+    def decode_merge(self, parts, out_dtype):
+        acc = parts[0][0]
+        b, t, h, d = acc.shape
+        out, lse = self.new("out", (b, t, h, d), out_dtype), self.new("lse", (b, h, t), acc.dtype)
+        self.device.kernel("decode_merge", reads=[x for part in parts for x in part], writes=[out, lse])
+        return out, lse
+
+    def decode_whole(self, q, k_cache, v_cache, lengths, scale, out_dtype):
+        b, t, h, d = q.shape
+        out = self.new("out", (b, t, h, d), out_dtype)
+        lse = self.new("lse", (b, h, t), accum_dtype(q.dtype))
+        self.device.kernel("decode_whole", reads=[q, k_cache, v_cache], writes=[out, lse])
+        return out, lse
+
+    # -- linear attention: each product a kernel writing a new array --------------------------
+    def _product(self, name: str, reads, *shapes, acc):
+        outs = [self.new(name, shape, acc) for shape in shapes]
+        self.device.kernel(name, reads=[x for x in reads if x is not None], writes=outs)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def _state_shape(k, d: int, hkv: int | None = None) -> tuple:
+        return (k.shape[0], k.shape[2] if hkv is None else hkv, d, d)
+
+    def linear_kv_state(self, k, v, acc):
+        return self._product("linear_kv_state", [k, v], self._state_shape(k, k.shape[-1]), acc=acc)
+
+    def linear_grad_state(self, q, dout, hkv, acc):
+        return self._product("linear_grad_state", [q, dout], self._state_shape(q, q.shape[-1], hkv),
+                             acc=acc)
+
+    def linear_forward_run(self, q, k, v, prefix, acc):
+        return self._product("linear_forward_run", [q, k, v, prefix], q.shape, acc=acc)
+
+    def linear_backward_run(self, dout, q, k, v, prefix, suffix, acc):
+        return self._product("linear_backward_run", [dout, q, k, v, prefix, suffix], q.shape,
+                             k.shape, v.shape, acc=acc)
+
+    def linear_forward_full(self, q, total, acc):
+        return self._product("linear_forward_full", [q, total], q.shape, acc=acc)
+
+    def linear_backward_full(self, dout, k, v, total, grad_total, acc):
+        return self._product("linear_backward_full", [dout, k, v, total, grad_total], dout.shape,
+                             k.shape, v.shape, acc=acc)
+
 
 # ----------------------------------------------------------------------------------------------
 # recording one engine call
@@ -440,39 +534,59 @@ class RecordingOps(LocalOps):
 SHAPE = (1, 4, 2, 1, 8)  # B, S (even: zigzag), H, Hkv, D — the schedule does not depend on values
 
 
-def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str,
+def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Partition,
            shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
            options: dict | None = None, window_size: tuple = (-1, -1), cu_seqlens=None,
-           row_sums: bool = False, block_mask=None) -> Schedule:
-    """The schedule `rank` of `size` issues for one `pass_` ("forward" or "backward") call of
-    `strategy` (burstcu.engine, made with `options`). Strategies that make sub-groups ("usp")
-    need `record_loopback`: a recording NCCL rank has no MPI to split over. window_size,
-    cu_seqlens, block_mask: the mask, as the strategies take it; row_sums: the backward of
-    attention_backward(check=True)."""
-    run = engine.get(strategy, **(options or {}))
-
-    if pass_ not in ("forward", "backward"):
-        raise ValueError(f"pass_ must be 'forward' or 'backward', not {pass_!r}")
+           row_sums: bool = False, block_mask=None, calls: int = 1) -> Schedule:
+    """The schedule `rank` of `size` issues for `calls` consecutive `pass_` ("forward" or
+    "backward") calls of `strategy` (a name of burstcu.engine, made with `options`, or of its
+    linear strategies) on the same inputs: later calls reuse the buffers the op keeps. Strategies
+    that make sub-groups ("usp") need `record_loopback`: a recording NCCL rank has no MPI to
+    split over. layout: a name, or a `Partition` (uneven shards: this rank's S is its length, not
+    shape's). window_size, cu_seqlens, block_mask: the mask, as the strategies take it; row_sums:
+    the backward of attention_backward(check=True)."""
+    linear = strategy in engine.LINEAR_NAMES
+    run = engine.get_linear(strategy) if linear else engine.get(strategy, **(options or {}))
     device = RecordingDevice()
     ops = RecordingOps(device)
     transport = NCCLTransport(rank, size, device)
-    b, s, h, hkv, d = shape
-    acc = accum_dtype(dtype)
-    q = ops.new("q", (b, s, h, d), dtype)
-    k, v = ops.new("k", (b, s, hkv, d), dtype), ops.new("v", (b, s, hkv, d), dtype)
-    extra = {}
-    if pass_ == "backward":
-        extra = {"dout": ops.new("dout", (b, s, h, d), dtype), "out": ops.new("out", (b, s, h, d), dtype),
-                 "lse": ops.new("lse", (b, h, s), acc)}
-    device.sentinel("begin")
-    kw = dict(causal=causal, softmax_scale=1.0, layout=layout, window_size=window_size,
-              cu_seqlens=cu_seqlens, block_mask=block_mask)
-    if pass_ == "forward":
-        run.forward(q, k, v, ops, transport, **kw)
+    if isinstance(layout, Partition):
+        shape = shape[:1] + (layout.lengths[rank],) + shape[2:]
+    args = _fake_inputs(ops, pass_, shape, dtype)
+    kw: dict = dict(causal=causal, layout=layout)
+    if linear:
+        args = args[:4]                   # (q, k, v), or (dout, q, k, v): no out, lse
     else:
-        sums = {"row_sums": ops.new("row_sums", (b, h, s), acc)} if row_sums else {}
-        run.backward(extra["dout"], q, k, v, extra["out"], extra["lse"], ops, transport, **kw,
-                     **sums)
+        kw.update(softmax_scale=1.0, window_size=window_size, cu_seqlens=cu_seqlens,
+                  block_mask=block_mask)
+        if row_sums and pass_ == "backward":
+            b, s, h, _, _ = shape
+            kw["row_sums"] = ops.new("row_sums", (b, h, s), accum_dtype(dtype))
+    device.sentinel("begin")
+    for _ in range(calls):
+        (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
+    device.sentinel("end")
+    return Schedule(rank, size, device.actions, device.buffers)
+
+
+DECODE_SHAPE = (1, 2, 4, 2, 8)   # B, T, H, Hkv, D
+
+
+def record_decode(size: int, rank: int, *, shape: tuple = DECODE_SHAPE, cache_rows: int = 6,
+                  dtype: Any = np.float16, calls: int = 1) -> Schedule:
+    """The schedule `rank` of `size` issues for `calls` consecutive `burstcu.engine.decode`
+    calls with q (B, T, H, D) of `shape` (B, T, H, Hkv, D) over a cache of `cache_rows` rows a
+    rank (all valid); later calls reuse the op's kept partial and all-gather buffers."""
+    device = RecordingDevice()
+    ops = RecordingOps(device)
+    transport = NCCLTransport(rank, size, device)
+    b, t, h, hkv, d = shape
+    q = ops.new("q", (b, t, h, d), dtype)
+    k_cache = ops.new("k_cache", (b, cache_rows, hkv, d), dtype)
+    v_cache = ops.new("v_cache", (b, cache_rows, hkv, d), dtype)
+    device.sentinel("begin")
+    for _ in range(calls):
+        decode_engine.decode(q, k_cache, v_cache, [cache_rows] * b, 1.0, ops, transport)
     device.sentinel("end")
     return Schedule(rank, size, device.actions, device.buffers)
 
@@ -937,9 +1051,13 @@ class ScheduleError(AssertionError):
     """The schedule has races; the message lists them, one per line."""
 
 
-def prove(pass_: str, size: int, *, causal: bool, layout: str, **kw) -> list[Schedule]:
+def prove(pass_: str, size: int, *, causal: bool, layout: str | Partition, **kw) -> list[Schedule]:
     """Record every rank and raise ScheduleError explaining each race or mismatch found."""
-    schedules = record_world(pass_, size, causal=causal, layout=layout, **kw)
+    return proved(record_world(pass_, size, causal=causal, layout=layout, **kw))
+
+
+def proved(schedules: list[Schedule]) -> list[Schedule]:
+    """`schedules` (every rank's), or ScheduleError explaining each race or mismatch found."""
     problems = check_world(schedules)
     for s in schedules:
         problems += check(s)
@@ -971,6 +1089,7 @@ def receive_into_current(schedule: Schedule, group: int) -> Schedule:
 
 
 __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "RecordingOps",
-           "record", "record_world", "happens_before", "check", "check_world", "prove",
+           "record", "record_world", "record_decode", "DECODE_SHAPE", "happens_before", "check",
+           "check_world", "prove", "proved",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
            "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read"]
