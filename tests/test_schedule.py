@@ -848,6 +848,22 @@ def test_forward_reads_each_needed_block_once_and_sends_what_it_counts(size, lay
         assert len(sends) == run.forward_messages(size, q, k, k, **kw)
 
 
+@pytest.mark.parametrize("size", range(1, 6))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mask", [m for m in TWO_WAY_MASKS if "options" not in m], ids=str)
+@pytest.mark.parametrize("strategy", ("ring", "allgather"))
+def test_the_other_strategies_forward_reads_each_needed_block_once(size, layout, mask, strategy):
+    """The same replay for ring's two messages a step and for the all-gather (its k-th call on
+    every rank delivers every rank's bytes, in rank order)."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    schedules = schedule.prove("forward", size, layout=layout, strategy=strategy, **mask)
+    rows = [my_rows(layout, r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    window = mask.get("window_size", (-1, -1))
+    for r, read in enumerate(schedule.forward_blocks_read(schedules)):
+        needed = [j for j in range(size) if dense_keep(rows[r], rows[j], mask["causal"], window).any()]
+        assert sorted(read) == needed, (r, read, needed)
+
+
 def test_a_window_of_half_a_shard_sends_one_block_to_each_neighbour():
     """Non-causal, half a shard each side, contiguous shards, 4 ranks: each block is needed by
     its neighbours only and goes one hop each way, so a middle rank sends 2x its K+V and an end
@@ -890,3 +906,100 @@ def test_the_replay_catches_a_block_that_never_arrives():
         edited[1] = schedule.drop_action(schedules[1], recv.index)
         with pytest.raises(schedule.ScheduleError, match="not one block's K and V|stuck"):
             schedule.forward_blocks_read(edited)
+
+
+# -- following the bytes of a backward: every gradient term summed once, in the right place ---
+
+BACKWARD_MASKS = [dict(causal=False), dict(causal=True), dict(causal=False, window_size=(2, 2)),
+                  dict(causal=True, window_size=(3, 0)), dict(causal=False, window_size=(-1, 1)),
+                  dict(causal=True, row_sums=True), dict(causal=False, options={"bidirectional": True}),
+                  dict(causal=False, window_size=(2, 2), options={"bidirectional": True})]
+
+
+def _expected_sums(rows: list, keep) -> list[tuple]:
+    """For each rank r, the (query rank, key rank) pairs its dq, dk and dv sum, each once:
+    dq the pairs (r, j) whose keys its queries see, dk and dv the pairs (i, r) whose queries
+    see its keys. keep(qpos, kpos): the dense mask over global positions."""
+    size = len(rows)
+    sees = [[bool(keep(rows[i], rows[j]).any()) for j in range(size)] for i in range(size)]
+    return [(tuple((r, j) for j in range(size) if sees[r][j]),) + 2 * (tuple((i, r) for i in range(size)
+                                                                              if sees[i][r]),)
+            for r in range(size)]
+
+
+@pytest.mark.parametrize("size", range(1, 6))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("strategy,mask", [(strategy, mask) for strategy in ("burst", "ring", "allgather")
+                                           for mask in BACKWARD_MASKS
+                                           if strategy == "burst" or "options" not in mask], ids=str)
+def test_backward_sums_each_needed_pair_once(size, layout, strategy, mask):
+    """Replaying the recorded NCCL backward of every rank with each rank's inputs labelled and
+    each backward_step adding its (query rank, key rank) pair to the sums it writes
+    (`schedule.backward_sums`): each rank's dq sums the pairs of the keys its queries see, its
+    dk and dv those of the queries that see its keys (written out here over positions,
+    `bodies.dense_keep`), each once, wherever the sums travelled."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    mask = dict(mask)
+    options = mask.pop("options", None)
+    schedules = schedule.prove("backward", size, layout=layout, strategy=strategy, options=options, **mask)
+    rows = [my_rows(layout, r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    window = mask.get("window_size", (-1, -1))
+    expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
+    if mask.get("row_sums"):        # a row's sums of P: over the keys its dq's are
+        expected = [e + e[:1] for e in expected]
+    assert schedule.backward_sums(schedules) == expected
+
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
+def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strategy):
+    """The same over documents (contiguous shards, cut per-document zigzag, held whole), uneven
+    contiguous shards, and a block mask."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    n = schedule.SHAPE[1] * size
+    rects = [(0, n // 2, 0, n // 2, "causal"), (n // 2, n, 1, 3, "full"), (n - 1, n, 0, 1, "inverse_causal")]
+    block_mask = burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])
+    docs = (0, 3, n // 2 + 1, n)
+    cases = [("contiguous", dict(causal=True, cu_seqlens=docs), dict(causal=True, docs=docs)),
+             ("zigzag", dict(causal=False, block_mask=block_mask), dict(causal=False, rects=rects))]
+    cases += [(part, dict(causal=True, cu_seqlens=cu), dict(causal=True, docs=cu))
+              for part, cu in _uneven_partitions(size)]
+    for layout, masks, dense in cases:
+        schedules = schedule.prove("backward", size, layout=layout, strategy=strategy, **masks)
+        rows = ([layout.positions(r) for r in range(size)] if not isinstance(layout, str) else
+                [my_rows(layout, r, size, n) for r in range(size)])
+        assert schedule.backward_sums(schedules) == _expected_sums(
+            rows, lambda qpos, kpos: dense_keep(qpos, kpos, **dense)), layout
+
+
+def test_the_backward_replay_catches_a_sum_folded_twice_or_dropped(monkeypatch):
+    """Seeded mistakes in the ring strategy's backward: each step's partial dK, dV added twice
+    into the sums that travel, or every step restarting them from zero (dropping what earlier
+    holders added)."""
+    from tests.mpi.bodies import my_rows
+    fold = ring._fold
+    rows = [my_rows("contiguous", r, 3, schedule.SHAPE[1] * 3) for r in range(3)]
+    expected = _expected_sums(rows, lambda qpos, kpos: np.ones((len(qpos), len(kpos)), bool))
+    for seeded in (lambda ops, dk, dv, parts, first: [fold(ops, dk, dv, parts, first) for _ in range(2)],
+                   lambda ops, dk, dv, parts, first: fold(ops, dk, dv, parts, True)):
+        monkeypatch.setattr(ring, "_fold", seeded)
+        schedules = schedule.prove("backward", 3, causal=False, layout="contiguous", strategy="ring")
+        sums = schedule.backward_sums(schedules)
+        assert [s[0] for s in sums] == [e[0] for e in expected]       # dq is not ring's to carry
+        assert all(s[1] != e[1] for s, e in zip(sums, expected))
+
+
+@pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
+def test_the_backward_replay_catches_a_receive_into_the_wrong_buffer(strategy):
+    """A receive landing in the buffer its step sends from (`receive_into_current`), at any
+    exchange of one rank: a kernel then reads one rank's queries beside another's, a context or
+    sum where none was written, or a returned array sums the wrong pairs."""
+    schedules = schedule.record_world("backward", 3, causal=False, layout="contiguous", strategy=strategy)
+    good = schedule.backward_sums(schedules)
+    for group in sorted({a.group for a in schedules[1].actions if a.kind == "recv"}):
+        edited = list(schedules)
+        edited[1] = schedule.receive_into_current(schedules[1], group)
+        try:
+            assert schedule.backward_sums(edited) != good, f"group {group}"
+        except schedule.ScheduleError as caught:
+            assert re.search(r"reads .* not one|together|not one sum", str(caught)), str(caught)

@@ -32,14 +32,18 @@ so it silently orders nothing).
 
 `check_world` adds the cross-rank rules. For each (source, destination) pair of ranks, the i-th
 send from source to destination must meet an i-th receive from source at destination with the
-same byte count (counts only: which bytes a message carries is followed by
-`forward_blocks_read`, for the forward). Every send and recv is in an NCCL group: the one
+same byte count (counts only: which bytes a message carries is followed by the replays below). Every send and recv is in an NCCL group: the one
 between groupStart and groupEnd, or, for a call outside any, a group of its own (NCCL runs it
 alone, in stream order, until its peer's call runs). Each rank runs its groups in issue order,
 a matched pair's two groups must run together, and so must the k-th all-gather of every rank;
 a cycle of ranks each waiting in an earlier group for another's later one is reported as a
 deadlock. So grouped exchanges, and ungrouped ones ordered even ranks send first / odd ranks
 receive first, pass; blocking send-then-recv on every rank of a ring does not.
+
+What the bytes carry (replaying every rank's schedule together, messages and all-gathers
+delivering labels): `forward_blocks_read`, the K/V block each forward step reads;
+`backward_sums`, the (query rank, key rank) pairs whose gradient terms each returned dq, dk, dv
+sums, repeats kept, so a term added twice, dropped, or sent to the wrong owner shows.
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
 `record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
@@ -54,6 +58,7 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
+from functools import lru_cache
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
@@ -217,17 +222,20 @@ class Action:
 
 @dataclass
 class Schedule:
-    """The actions one rank issued in one engine call, and the names of its buffers."""
+    """The actions one rank issued in its recorded engine calls, the names of its buffers, and
+    the bytes of the arrays the last call returned (in their order: out, lse; dq, dk, dv; then
+    the row sums a backward was given to fill)."""
 
     rank: int
     size: int
     actions: list[Action]
     buffers: dict[int, str]
+    outputs: tuple[Region, ...] = ()
 
     def renumbered(self, actions: Sequence[Action]) -> "Schedule":
         """A copy with `actions` (an edited list) in the given order, re-indexed 0..n-1."""
-        return Schedule(self.rank, self.size, [replace(a, index=i) for i, a in enumerate(actions)],
-                        dict(self.buffers))
+        return replace(self, actions=[replace(a, index=i) for i, a in enumerate(actions)],
+                       buffers=dict(self.buffers))
 
 
 class RecordingDevice:
@@ -562,11 +570,13 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
         if row_sums and pass_ == "backward":
             b, s, h, _, _ = shape
             kw["row_sums"] = ops.new("row_sums", (b, h, s), accum_dtype(dtype))
+            ops.copy_(kw["row_sums"], 0)        # zeroed, as attention_backward(check=True) passes it
     device.sentinel("begin")
     for _ in range(calls):
-        (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
+        returned = (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
     device.sentinel("end")
-    return Schedule(rank, size, device.actions, device.buffers)
+    sums = (kw["row_sums"].region,) if "row_sums" in kw else ()
+    return Schedule(rank, size, device.actions, device.buffers, _regions(returned) + sums)
 
 
 DECODE_SHAPE = (1, 2, 4, 2, 8)   # B, T, H, Hkv, D
@@ -586,9 +596,14 @@ def record_decode(size: int, rank: int, *, shape: tuple = DECODE_SHAPE, cache_ro
     v_cache = ops.new("v_cache", (b, cache_rows, hkv, d), dtype)
     device.sentinel("begin")
     for _ in range(calls):
-        decode_engine.decode(q, k_cache, v_cache, [cache_rows] * b, 1.0, ops, transport)
+        returned = decode_engine.decode(q, k_cache, v_cache, [cache_rows] * b, 1.0, ops, transport)
     device.sentinel("end")
-    return Schedule(rank, size, device.actions, device.buffers)
+    return Schedule(rank, size, device.actions, device.buffers, _regions(returned))
+
+
+def _regions(returned) -> tuple[Region, ...]:
+    """The bytes of the array, or of each array of the tuple, an engine call returned."""
+    return tuple(x.region for x in (returned if isinstance(returned, tuple) else (returned,)))
 
 
 def record_world(pass_: str, size: int, **kw) -> list[Schedule]:
@@ -950,7 +965,7 @@ def _cycle(edges: dict) -> set:
 
 
 # ----------------------------------------------------------------------------------------------
-# following the bytes: which K/V block each forward step reads
+# following the bytes: which K/V block each forward step reads; what each backward sum holds
 
 def _kernel_name(action: Action) -> str:
     """The op a compute-stream kernel action ran ("copy_", "forward_step", ...)."""
@@ -977,6 +992,14 @@ class _Bytes:
         held = self.held.get(region.buffer, [])
         return (held[region.lo:region.hi] + [None] * region.hi)[:region.hi - region.lo]
 
+    def copy(self, dst: Region, src: Region) -> None:
+        """dst = src, byte for byte; between dtypes of other sizes (a cast) one label fills dst
+        where src holds one, else nothing known."""
+        labels = self.read(src)
+        if len(labels) != dst.hi - dst.lo:
+            labels = [labels[0] if len(set(labels)) == 1 else None] * (dst.hi - dst.lo)
+        self.write(dst, labels)
+
     def apply(self, action: Action) -> None:
         """An action of the compute stream (or an alloc) on this rank, in issue order."""
         if action.kind == "alloc":
@@ -984,32 +1007,31 @@ class _Bytes:
             size = action.writes[0].hi
             self.write(action.writes[0], [(name, self.rank)] * size if name in ("k", "v") else None)
         elif action.kind == "kernel" and _kernel_name(action) == "copy_" and action.reads:
-            self.write(action.writes[0], self.read(action.reads[0]))
+            self.copy(action.writes[0], action.reads[0])
         else:
             for region in action.writes:
                 self.write(region)
 
 
-def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
-    """For each rank, the owner of the K/V block each of its forward_step kernels reads, in
-    issue order, found by following the bytes: each rank's k and v inputs are labelled with its
-    rank, copies carry labels, and the i-th send from one rank to another delivers its bytes'
-    labels to the i-th receive there (the ranks are replayed together, an NCCL group's sends
-    before its receives). ScheduleError when a step reads bytes of no block, of two blocks, or
-    K of one block beside V of another, or when the replay cannot go on (a receive whose send
-    never comes)."""
-    held = [_Bytes(s) for s in schedules]
+def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -> None:
+    """Replay every rank's schedule together, delivering messages' labels: the i-th send from
+    one rank to another delivers its bytes' labels to the i-th receive there (an NCCL group's
+    sends taken before its receives), and the k-th all-gather of every rank delivers every
+    rank's labels, in rank order. Every other action (compute, alloc, free) goes to
+    on_compute(rank, action), in issue order. ScheduleError when the replay cannot go on (a
+    receive whose send never comes)."""
     at = [0] * len(schedules)
     sent: dict[tuple[int, int], list] = {}
     taken: dict[tuple[int, int], int] = {}
-    reads: list[list[int]] = [[] for _ in schedules]
     sent_groups: set = set()
+    gathers: list[dict[int, list]] = []       # the k-th all-gather: rank -> the labels it sends
+    gathered = [0] * len(schedules)           # all-gathers each rank has completed
     while any(at[r] < len(s.actions) for r, s in enumerate(schedules)):
         moved = False
         for r, s in enumerate(schedules):
             while at[r] < len(s.actions):
                 a = s.actions[at[r]]
-                if a.group is not None and (r, a.group) not in sent_groups:
+                if a.group is not None and a.kind != "allgather" and (r, a.group) not in sent_groups:
                     sent_groups.add((r, a.group))
                     for b in s.actions[at[r]:]:
                         if b.group == a.group and b.kind == "send":
@@ -1021,16 +1043,41 @@ def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
                         break
                     taken[key] = i + 1
                     held[r].write(a.writes[0], sent[key][i])
+                elif a.kind == "allgather":
+                    k = gathered[r]
+                    if k == len(gathers):
+                        gathers.append({})
+                    gathers[k].setdefault(r, held[r].read(a.reads[0]))
+                    if len(gathers[k]) < len(schedules):
+                        break
+                    held[r].write(a.writes[0], [x for j in range(len(schedules)) for x in gathers[k][j]])
+                    gathered[r] += 1
                 elif a.kind not in ("send", "record", "wait"):
-                    if a.kind == "kernel" and _kernel_name(a) == "forward_step":
-                        reads[r].append(_block_read(held[r], a))
-                    held[r].apply(a)
+                    on_compute(r, a)
                 at[r] += 1
                 moved = True
         if not moved:
             stuck = [f"rank {r}: {s.actions[at[r]].describe()}" for r, s in enumerate(schedules)
                      if at[r] < len(s.actions)]
             raise ScheduleError("the replay is stuck, receives without sends: " + "; ".join(stuck))
+
+
+def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
+    """For each rank, the owner of the K/V block each of its forward_step kernels reads, in
+    issue order, found by following the bytes: each rank's k and v inputs are labelled with its
+    rank, copies carry labels, and messages deliver them (`_replay`, the ranks replayed
+    together). ScheduleError when a step reads bytes of no block, of two blocks, or K of one
+    block beside V of another, or when the replay cannot go on (a receive whose send never
+    comes)."""
+    held = [_Bytes(s) for s in schedules]
+    reads: list[list[int]] = [[] for _ in schedules]
+
+    def on_compute(r: int, a: Action) -> None:
+        if a.kind == "kernel" and _kernel_name(a) == "forward_step":
+            reads[r].append(_block_read(held[r], a))
+        held[r].apply(a)
+
+    _replay(schedules, held, on_compute)
     return reads
 
 
@@ -1042,6 +1089,104 @@ def _block_read(held: _Bytes, action: Action) -> int:
         raise ScheduleError(f"rank {held.rank}: {action.describe()} reads k as {sorted(k, key=str)} "
                             f"and v as {sorted(v, key=str)}, not one block's K and V")
     return owners.pop()
+
+
+@lru_cache(maxsize=None)
+def _sum(a, b):
+    """The label of the elementwise sum of two bytes labelled a and b: the union of two
+    accumulators' pairs (repeats kept), or None."""
+    if a is None or b is None or a[0] != "acc" or b[0] != "acc":
+        return None
+    return ("acc", tuple(sorted(a[1] + b[1])))
+
+
+class _Sums(_Bytes):
+    """What each byte of one rank's buffers holds in a backward, as labels: ("rows", i) for the
+    bytes of rank i's q, dout, out and lse (and the delta made of them), ("keys", j) for rank
+    j's k and v, ("ctx", j, pairs) for a backward context of rank j's keys, ("acc", pairs) for
+    an accumulator (dq, dk, dv and their partial sums; zeroed, it holds no pairs): the sum of
+    the gradient terms of `pairs`, a sorted tuple of (query rank, key rank) with repeats kept.
+    None: anything else. Labels travel by copies, messages and add_; backward_step adds the pair
+    (its queries' rank, its keys' rank) to its context and to the dq it writes."""
+
+    INPUTS = {"q": "rows", "dout": "rows", "out": "rows", "lse": "rows", "k": "keys", "v": "keys"}
+
+    def apply(self, action: Action) -> None:
+        name = _kernel_name(action) if action.kind == "kernel" else action.kind
+        writes = action.writes
+        if name == "alloc":
+            kind = self.INPUTS.get(self.names[writes[0].buffer])
+            self.write(writes[0], None if kind is None else [(kind, self.rank)] * writes[0].hi)
+        elif name == "zeros" or name == "copy_" and not action.reads:    # a fill with 0
+            self.write(writes[0], [("acc", ())] * (writes[0].hi - writes[0].lo))
+        elif name == "copy_":
+            self.copy(writes[0], action.reads[0])
+        elif name == "add_":
+            dst, src = action.reads
+            self.write(dst, [_sum(a, b) for a, b in zip(self.read(dst), self.read(src))])
+        elif name == "backward_delta":
+            self.fill(writes[0], ("rows", self.owner(action, action.reads, "rows")))
+        elif name == "backward_init":
+            self.fill(writes[0], ("ctx", self.owner(action, action.reads, "keys"), ()))
+        elif name == "backward_step":
+            ctx, q, dout, lse, delta, dq, *sums = action.reads
+            i = self.owner(action, (q, dout, lse, delta), "rows")
+            _, j, pairs = self.one(action, ctx, "ctx")
+            self.fill(ctx, ("ctx", j, tuple(sorted(pairs + ((i, j),)))))
+            for region in (dq, *sums):
+                self.fill(region, _sum(self.one(action, region, "acc"), ("acc", ((i, j),))))
+        elif name == "backward_finalize":
+            pairs = self.one(action, action.reads[0], "ctx")[2]
+            for region in writes:
+                self.fill(region, ("acc", pairs))
+        else:
+            for region in writes:
+                self.write(region)
+
+    def fill(self, region: Region, label) -> None:
+        self.write(region, [label] * (region.hi - region.lo))
+
+    def one(self, action: Action, region: Region, kind: str):
+        """The one label of kind `kind` every byte of `region` holds, or ScheduleError."""
+        labels = set(self.read(region))
+        label = next(iter(labels))
+        if len(labels) != 1 or label is None or label[0] != kind:
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads "
+                                f"'{self.names[region.buffer]}' holding {sorted(labels, key=str)[:4]}, "
+                                f"not one {kind!r}")
+        return label
+
+    def owner(self, action: Action, regions, kind: str) -> int:
+        """The one rank whose `kind` ("rows" or "keys") every byte of `regions` holds."""
+        owners = {self.one(action, region, kind)[1] for region in regions}
+        if len(owners) != 1:
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads the {kind} of ranks "
+                                f"{sorted(owners)} together")
+        return owners.pop()
+
+
+def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
+    """For each rank, what each array its backward returned (dq, dk, dv, and the row sums it
+    was given, if any) sums: a sorted tuple
+    of (query rank, key rank) pairs, one for each time that pair's gradient terms were added
+    in, found by following the bytes through copies, add_, messages and the backward kernels
+    (`_Sums`, the ranks replayed together, `_replay`). ScheduleError when a kernel reads the
+    queries of two ranks together, or anything but one context or one accumulator where it
+    needs one, or a returned array holds anything but one sum."""
+    held = [_Sums(s) for s in schedules]
+    _replay(schedules, held, lambda r, a: held[r].apply(a))
+    out = []
+    for r, s in enumerate(schedules):
+        sums = []
+        for name, region in zip(("dq", "dk", "dv", "row_sums"), s.outputs):
+            labels = set(held[r].read(region))
+            label = next(iter(labels))
+            if len(labels) != 1 or label is None or label[0] != "acc":
+                raise ScheduleError(f"rank {r}: the {name} it returns holds {sorted(labels, key=str)[:4]}, "
+                                    f"not one sum")
+            sums.append(label[1])
+        out.append(tuple(sums))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1092,4 +1237,5 @@ __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "Reco
            "record", "record_world", "record_decode", "DECODE_SHAPE", "happens_before", "check",
            "check_world", "prove", "proved",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
-           "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read"]
+           "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read",
+           "backward_sums"]
