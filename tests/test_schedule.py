@@ -129,6 +129,14 @@ def _ordering_actions(recorded):
             if a.kind == "wait" or a.kind == "record" and a.event in waited]
 
 
+def _assert_each_needed(recorded, actions=None) -> None:
+    """Removing any one of `actions` (default: every record and wait that orders streams) from
+    the recorded schedule leaves a race the checker reports."""
+    for action in _ordering_actions(recorded) if actions is None else actions:
+        assert schedule.check(schedule.drop_action(recorded, action.index)), (
+            f"rank {recorded.rank}: removing {action.describe()} went unnoticed")
+
+
 # Under a contiguous causal mask, steps whose blocks are all masked issue no compute; the waits
 # around them are then provably redundant (the in-order comm stream and the next wait cover
 # them), so "every removal is caught" holds for the configurations below.
@@ -141,10 +149,8 @@ NECESSARY = [("forward", False, "contiguous"), ("forward", True, "zigzag"),
 @pytest.mark.parametrize("strategy", RINGS)
 def test_removing_any_record_or_wait_is_caught(size, pass_, causal, layout, strategy):
     for rank in range(size):
-        recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout, strategy=strategy)
-        for action in _ordering_actions(recorded):
-            problems = schedule.check(schedule.drop_action(recorded, action.index))
-            assert problems, f"rank {rank}: removing {action.describe()} went unnoticed"
+        _assert_each_needed(schedule.record(pass_, size, rank, causal=causal, layout=layout,
+                                            strategy=strategy))
 
 
 def test_removed_compute_wait_is_explained():
@@ -656,11 +662,8 @@ def test_ulysses_schedule_is_race_free(size, pass_):
 @pytest.mark.parametrize("pass_", PASSES)
 def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
     for rank in range(3):
-        recorded = schedule.record(pass_, 3, rank, causal=True, layout="zigzag", strategy="ulysses",
-                            shape=ULYSSES_SHAPE)
-        for action in _ordering_actions(recorded):
-            assert schedule.check(schedule.drop_action(recorded, action.index)), (
-                f"rank {rank}: removing {action.describe()} went unnoticed")
+        _assert_each_needed(schedule.record(pass_, 3, rank, causal=True, layout="zigzag",
+                                            strategy="ulysses", shape=ULYSSES_SHAPE))
 
 
 # -- the all-gather strategies: the all-gather baseline, LASP-2, LASP-1's chains, decode --------
@@ -675,9 +678,7 @@ def test_removing_any_record_or_wait_of_the_gathering_strategies_is_caught(size,
     for rank in range(size):
         recorded = schedule.record(pass_, size, rank, causal=causal, layout=layout, strategy=strategy)
         assert any(a.kind == "allgather" for a in recorded.actions) == (strategy == "allgather")
-        for action in _ordering_actions(recorded):
-            assert schedule.check(schedule.drop_action(recorded, action.index)), (
-                f"rank {rank}: removing {action.describe()} went unnoticed")
+        _assert_each_needed(recorded)
 
 
 @pytest.mark.parametrize("size", (2, 3, 4))
@@ -694,14 +695,10 @@ def test_removing_a_wait_for_a_lasp1_state_is_caught(size, pass_, causal, layout
                  and " send " not in a.label and " total " not in a.label]
         assert len(waits) == sum(a.kind == "recv" for a in recorded.actions
                                  if " total " not in a.label)
-        for action in waits:
-            assert schedule.check(schedule.drop_action(recorded, action.index)), (
-                f"rank {rank}: removing {action.describe()} went unnoticed")
-        for send in [a for a in recorded.actions if a.kind == "send" and " total " not in a.label]:
-            ready = max(a.index for a in recorded.actions[:send.index]
-                        if a.kind == "wait" and a.stream == send.stream)
-            assert schedule.check(schedule.drop_action(recorded, ready)), (
-                f"rank {rank}: removing the wait before {send.describe()} went unnoticed")
+        readies = [max((a for a in recorded.actions[:send.index]
+                        if a.kind == "wait" and a.stream == send.stream), key=lambda a: a.index)
+                   for send in recorded.actions if send.kind == "send" and " total " not in send.label]
+        _assert_each_needed(recorded, waits + readies)
 
 
 @pytest.mark.parametrize("strategy", engine.LINEAR_NAMES)
@@ -738,10 +735,7 @@ def test_decode_schedule_is_race_free(size, calls):
 @pytest.mark.parametrize("calls", (1, 2))
 def test_removing_any_record_or_wait_of_decode_is_caught(calls):
     for rank in range(3):
-        recorded = schedule.record_decode(3, rank, calls=calls)
-        for action in _ordering_actions(recorded):
-            assert schedule.check(schedule.drop_action(recorded, action.index)), (
-                f"rank {rank}: removing {action.describe()} went unnoticed")
+        _assert_each_needed(schedule.record_decode(3, rank, calls=calls))
 
 
 def test_fake_arrays_record_the_arithmetic_they_run():
