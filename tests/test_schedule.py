@@ -911,14 +911,16 @@ BACKWARD_MASKS = [dict(causal=False), dict(causal=True), dict(causal=False, wind
 
 
 def _expected_sums(rows: list, keep) -> list[tuple]:
-    """For each rank r, the (query rank, key rank) pairs its dq, dk and dv sum, each once:
-    dq the pairs (r, j) whose keys its queries see, dk and dv the pairs (i, r) whose queries
-    see its keys. keep(qpos, kpos): the dense mask over global positions."""
+    """For each rank r, the gradient terms its dq, dk and dv sum, each once: a term (i, j,
+    kept) for queries of rank i over keys of rank j, kept the (local query row, local key row)
+    pairs the mask keeps; dq sums the terms (r, j) of the keys its queries see, dk and dv the
+    terms (i, r) of the queries that see its keys. rows[r]: rank r's global positions, local
+    row by row; keep(qpos, kpos): the dense mask over global positions."""
     size = len(rows)
-    sees = [[bool(keep(rows[i], rows[j]).any()) for j in range(size)] for i in range(size)]
-    return [(tuple((r, j) for j in range(size) if sees[r][j]),) + 2 * (tuple((i, r) for i in range(size)
-                                                                              if sees[i][r]),)
-            for r in range(size)]
+    kept = [[tuple(zip(*(x.tolist() for x in np.nonzero(keep(rows[i], rows[j])))))
+             for j in range(size)] for i in range(size)]
+    return [(tuple((r, j, kept[r][j]) for j in range(size) if kept[r][j]),)
+            + 2 * (tuple((i, r, kept[i][r]) for i in range(size) if kept[i][r]),) for r in range(size)]
 
 
 @pytest.mark.parametrize("size", range(1, 6))
@@ -980,7 +982,7 @@ def test_the_backward_replay_catches_a_sum_folded_twice_or_dropped(monkeypatch):
         schedules = schedule.prove("backward", 3, causal=False, layout="contiguous", strategy="ring")
         sums = schedule.backward_sums(schedules)
         assert [s[0] for s in sums] == [e[0] for e in expected]       # dq is not ring's to carry
-        assert all(s[1] != e[1] for s, e in zip(sums, expected))
+        assert all(s[1] != e[1] and s[2] != e[2] for s, e in zip(sums, expected))
 
 
 @pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
@@ -996,4 +998,124 @@ def test_the_backward_replay_catches_a_receive_into_the_wrong_buffer(strategy):
         try:
             assert schedule.backward_sums(edited) != good, f"group {group}"
         except schedule.ScheduleError as caught:
-            assert re.search(r"reads .* not one|together|not one sum", str(caught)), str(caught)
+            assert re.search(r"reads .* not one|together|not one sum|-byte message", str(caught)), str(caught)
+
+
+def _burst_step_reading_dout_as_q(monkeypatch):
+    step = schedule.RecordingOps.backward_step
+    monkeypatch.setattr(schedule.RecordingOps, "backward_step",
+                        lambda self, ctx, q, dout, *rest, **kw: step(self, ctx, dout, q, *rest, **kw))
+
+
+def _ring_folding_dv_into_dk(monkeypatch):
+    fold = ring._fold
+    monkeypatch.setattr(ring, "_fold", lambda ops, dk, dv, parts, first: fold(
+        ops, dk, dv, None if parts is None else parts[::-1], first))
+
+
+def _allgather_returning_dv_as_dk(monkeypatch):
+    from burstcu.engine import allgather
+    scatter = allgather._reduce_scatter
+
+    def swapped(*args):
+        mine = scatter(*args)
+        mine.fields["dk"], mine.fields["dv"] = mine.fields["dv"], mine.fields["dk"]
+        return mine
+    monkeypatch.setattr(allgather, "_reduce_scatter", swapped)
+
+
+def _burst_masking_keys_as_queries(monkeypatch):
+    blocks = burst.mask_blocks
+    monkeypatch.setattr(burst, "mask_blocks", lambda part, q_rank, kv_rank, *rest: blocks(part, kv_rank,
+                                                                                          q_rank, *rest))
+
+
+def _a_cast_that_broadcasts_one_row(monkeypatch):
+    def cast_copy(ops, x, dtype):
+        y = ops.zeros(x.shape, dtype)
+        ops.copy_(y, x[:, :1])
+        return y
+    for module in (burst, ring):
+        monkeypatch.setattr(module, "cast_copy", cast_copy)
+
+
+@pytest.mark.parametrize("strategy,seed", [("burst", _burst_step_reading_dout_as_q),
+                                           ("ring", _ring_folding_dv_into_dk),
+                                           ("allgather", _allgather_returning_dv_as_dk),
+                                           ("burst", _burst_masking_keys_as_queries),
+                                           ("burst", _a_cast_that_broadcasts_one_row),
+                                           ("ring", _a_cast_that_broadcasts_one_row)], ids=str)
+def test_the_backward_replay_tells_the_tensors_and_rows_apart(monkeypatch, strategy, seed):
+    """Seeded mistakes that keep every (query rank, key rank) pair in place: dout read where q
+    is, dV folded into the dK that travels, dV returned as dK, a step masked with its query and
+    key ranks swapped, a cast that copies one row to all. Each is reported, or changes a sum."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    seed(monkeypatch)
+    rows = [my_rows("zigzag", r, 3, schedule.SHAPE[1] * 3) for r in range(3)]
+    expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, True))
+    schedules = schedule.prove("backward", 3, causal=True, layout="zigzag", strategy=strategy)
+    try:
+        assert schedule.backward_sums(schedules) != expected
+    except schedule.ScheduleError as caught:
+        assert re.search(r"not one|together", str(caught)), str(caught)
+
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("calls", (1, 3))
+def test_decode_merges_every_ranks_partial_of_this_call(size, calls):
+    """Replaying decode: every rank's merge of call n reads, in rank order, the partial each
+    rank wrote in its call n, whatever its cache length."""
+    schedules = [schedule.record_decode(size, r, calls=calls, cache_rows=3 + r) for r in range(size)]
+    schedule.proved(schedules)
+    want = [[(("partial", j, n),) * 3 for j in range(size)] for n in range(calls)]
+    assert schedule.decode_parts_merged(schedules) == [want] * size
+
+
+def test_the_decode_replay_catches_a_stale_or_wrong_partial(monkeypatch):
+    """Seeded mistakes: the all-gather issued before the partial it should carry (race-free,
+    but every rank merges the last call's partials, or nothing), and a merge that reads this
+    rank's own partial for every rank."""
+    from burstcu.engine import decode
+
+    def gather_first(q, k_cache, v_cache, lengths, scale, ops, transport):
+        packed = decode.packed_partials(q, ops, transport.size)
+        parts = decode.gathered_partials(packed, ops, transport)
+        ops.decode_partial(q, k_cache, v_cache, lengths, scale, out=(packed["acc"], packed["m"], packed["l"]))
+        return ops.decode_merge(parts, q.dtype)
+
+    def own_only(packed, ops, transport):
+        parts = gathered(packed, ops, transport)
+        return [parts[transport.rank]] * transport.size
+
+    gathered = decode.gathered_partials
+    want = [[(("partial", j, n),) * 3 for j in range(3)] for n in range(2)]
+    for module, name, seeded in ((decode, "decode", gather_first), (decode, "gathered_partials", own_only)):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, seeded)
+            schedules = schedule.proved([schedule.record_decode(3, r, calls=2) for r in range(3)])
+            assert all(merged != want for merged in schedule.decode_parts_merged(schedules)), name
+
+
+@pytest.mark.parametrize("size", (2, 3, 4))
+@pytest.mark.parametrize("pass_", PASSES)
+def test_ulysses_schedule_with_uneven_shards_and_calls_in_a_row_is_race_free(size, pass_):
+    """Ulysses over shards of different lengths (its all-to-alls move pieces of other sizes),
+    three calls in a row."""
+    for part, docs in _uneven_partitions(size):
+        schedule.prove(pass_, size, causal=True, layout=part, strategy="ulysses", shape=ULYSSES_SHAPE,
+                       cu_seqlens=docs, calls=3)
+
+
+def test_fake_arrays_refuse_what_cupy_refuses_and_add_in_place():
+    device = schedule.RecordingDevice()
+    x = schedule.RecordingOps(device).new("x", (2, 3), np.float32)
+    with pytest.raises(IndexError):
+        x[2]
+    with pytest.raises(IndexError):
+        x[0, -4]
+    with pytest.raises(AssertionError):
+        x[True]
+    y = x[1]
+    y += x[0]
+    assert y.buffer == x.buffer and device.actions[-1].writes == (x[1].region,)
+    assert device.actions[-1].reads == (x[1].region, x[0].region)

@@ -42,8 +42,12 @@ receive first, pass; blocking send-then-recv on every rank of a ring does not.
 
 What the bytes carry (replaying every rank's schedule together, messages and all-gathers
 delivering labels): `forward_blocks_read`, the K/V block each forward step reads;
-`backward_sums`, the (query rank, key rank) pairs whose gradient terms each returned dq, dk, dv
-sums, repeats kept, so a term added twice, dropped, or sent to the wrong owner shows.
+`backward_sums`, the gradient terms (query rank, key rank, the (query row, key row) pairs its
+blocks keep) each returned dq, dk, dv sums, repeats kept, with every input, context and
+accumulator told apart (q from dout, dK from dV), so a term added twice, dropped, masked
+wrongly, read from the wrong tensor or sent to the wrong owner shows; `decode_parts_merged`,
+whose partial, of which call, each part of a decode merge is. The linear strategies' states
+are checked for races only (their values by the tests that run them).
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
 `record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
@@ -55,6 +59,7 @@ agreement (`allgather_object`) and the kernels' own work (one `kernel` action ea
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from contextlib import contextmanager
@@ -140,7 +145,11 @@ class FakeArray:
             at = key.index(Ellipsis)
             key = key[:at] + (slice(None),) * (len(self.shape) - len(key) + 1) + key[at + 1:]
         key = key + (slice(None),) * (len(self.shape) - len(key))
+        assert not any(isinstance(k, (bool, np.bool_)) for k in key), key
         dropped = [isinstance(k, (int, np.integer)) for k in key]   # an integer drops its axis
+        for k, n, drop in zip(key, self.shape, dropped):
+            if drop and not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for an axis of size {n}")
         key = tuple(slice(int(k) % n, int(k) % n + 1) if drop else k
                     for k, n, drop in zip(key, self.shape, dropped))
         assert all(isinstance(k, slice) and k.step in (None, 1) for k in key), key
@@ -169,6 +178,12 @@ class FakeArray:
         out = self._new("sum", self.shape, dtype)
         self._kernel("add", [self, other], [out])
         return out
+
+    def __iadd__(self, other) -> "FakeArray":
+        """In place, as CuPy's `+=` runs: `add_`."""
+        self.allocation.device.kernel("add_", [self] + ([other] if isinstance(other, FakeArray) else []),
+                                      [self], detail=("elements", self.size, getattr(other, "size", 1)))
+        return self
 
     def __setitem__(self, key, value) -> None:
         self._kernel("setitem", [value], [self[key]])
@@ -199,10 +214,13 @@ class FakeArray:
 class Action:
     """One thing issued to a stream, in host issue order (`index`).
 
-    kind: alloc, free, kernel, send, recv, allgather, record, wait, begin, end.
+    kind: alloc, free, kernel, send, recv, allgather, record, wait, begin, between, end.
     label: the annotation ranges open when it was issued + what it is (e.g. "fwd 2 compute /
         forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only;
         a call outside groupStart/groupEnd, and each all-gather, is a group of its own).
+    detail: what the replays need of a kernel beyond its bytes: for copy_ and add_ the element
+        counts ("elements", of dst, of src) or the value of a fill ("fill", value); for
+        backward_step the (query row, key row) pairs its blocks keep (`kept_rows`).
     """
 
     index: int
@@ -215,6 +233,7 @@ class Action:
     peer: int | None = None
     group: int | None = None
     nbytes: int = 0
+    detail: Any = None
 
     def describe(self) -> str:
         return f"#{self.index} {self.kind} on the {self.stream} stream ({self.label})"
@@ -312,15 +331,22 @@ class RecordingDevice:
         if not self._ended:
             self._freed.append((region, self._label(f"free {name}")))
 
-    def kernel(self, name: str, reads: Sequence[FakeArray] = (), writes: Sequence[FakeArray] = ()) -> None:
+    def kernel(self, name: str, reads: Sequence[FakeArray] = (), writes: Sequence[FakeArray] = (),
+               detail: Any = None) -> None:
         self._add(COMPUTE, "kernel", name, reads=tuple(a.region for a in reads),
-                  writes=tuple(a.region for a in writes))
+                  writes=tuple(a.region for a in writes), detail=detail)
 
     def sentinel(self, kind: str) -> None:
         """begin: the caller wrote its inputs; end: anything may be reused (see module doc)."""
         every = tuple(Region(b, 0, 1 << 62) for b in self.buffers)
         self._add(COMPUTE, kind, kind, reads=every if kind == "end" else (), writes=every)
         self._ended = kind == "end"
+
+    def between(self, returned: Sequence[FakeArray], inputs: Sequence[FakeArray]) -> None:
+        """Between two recorded calls, on the compute stream: the caller reads what the last
+        call returned and writes the next call's inputs."""
+        self._add(COMPUTE, "between", "between calls", reads=tuple(a.region for a in returned),
+                  writes=tuple(a.region for a in inputs))
 
     # -- the CupyDevice interface ------------------------------------------------------------
     def current_stream(self) -> str:
@@ -398,6 +424,19 @@ class _FakeXP:
         return self._ops.device.alloc(int(n) * np.dtype(dtype).itemsize, self._ops.take_name("buffer"))
 
 
+def kept_rows(blocks) -> tuple:
+    """The (local query row, local key row) pairs `blocks` (a step's `Block`s) keep, sorted,
+    a pair kept by two blocks twice (`burstcu.layout.Block` states the tests)."""
+    kept = []
+    for blk in blocks:
+        for i, j in itertools.product(range(blk.q_len), range(blk.k_len)):
+            q, k = blk.q_pos + i, blk.k_pos + j
+            if ((not blk.causal or q >= k) and (blk.left < 0 or k >= q - blk.left)
+                    and (blk.right < 0 or k <= q + blk.right)):
+                kept.append((blk.q_start + i, blk.k_start + j))
+    return tuple(sorted(kept))
+
+
 class RecordingOps(LocalOps):
     """A LocalOps that computes nothing and records which bytes each op reads and writes on the
     compute stream. State and context are FakeArrays of their own buffers."""
@@ -434,11 +473,13 @@ class RecordingOps(LocalOps):
         return arr
 
     def copy_(self, dst, src) -> None:
-        reads = [src] if isinstance(src, FakeArray) else []
-        self.device.kernel("copy_", reads=reads, writes=[dst])
+        if isinstance(src, FakeArray):
+            self.device.kernel("copy_", reads=[src], writes=[dst], detail=("elements", dst.size, src.size))
+        else:
+            self.device.kernel("copy_", writes=[dst], detail=("fill", src))
 
     def add_(self, dst, src) -> None:
-        self.device.kernel("add_", reads=[dst, src], writes=[dst])
+        self.device.kernel("add_", reads=[dst, src], writes=[dst], detail=("elements", dst.size, src.size))
 
     # -- forward -----------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale):
@@ -472,7 +513,7 @@ class RecordingOps(LocalOps):
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None) -> None:
         sums = [] if psum is None else [psum]
         self.device.kernel("backward_step", reads=[ctx, q, dout, lse, delta, dq, *sums],
-                           writes=[ctx, dq, *sums])
+                           writes=[ctx, dq, *sums], detail=kept_rows(blocks))
 
     def backward_finalize(self, ctx, out_dtype):
         shape = ctx.shape[1:]
@@ -572,7 +613,10 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
             kw["row_sums"] = ops.new("row_sums", (b, h, s), accum_dtype(dtype))
             ops.copy_(kw["row_sums"], 0)        # zeroed, as attention_backward(check=True) passes it
     device.sentinel("begin")
-    for _ in range(calls):
+    returned: Any = ()
+    for call in range(calls):
+        if call:
+            device.between(_arrays(returned), args)
         returned = (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
     device.sentinel("end")
     sums = (kw["row_sums"].region,) if "row_sums" in kw else ()
@@ -595,15 +639,23 @@ def record_decode(size: int, rank: int, *, shape: tuple = DECODE_SHAPE, cache_ro
     k_cache = ops.new("k_cache", (b, cache_rows, hkv, d), dtype)
     v_cache = ops.new("v_cache", (b, cache_rows, hkv, d), dtype)
     device.sentinel("begin")
-    for _ in range(calls):
+    returned: Any = ()
+    for call in range(calls):
+        if call:
+            device.between(_arrays(returned), [q])
         returned = decode_engine.decode(q, k_cache, v_cache, [cache_rows] * b, 1.0, ops, transport)
     device.sentinel("end")
     return Schedule(rank, size, device.actions, device.buffers, _regions(returned))
 
 
+def _arrays(returned) -> tuple:
+    """The array, or each array of the tuple, an engine call returned."""
+    return returned if isinstance(returned, tuple) else (returned,)
+
+
 def _regions(returned) -> tuple[Region, ...]:
-    """The bytes of the array, or of each array of the tuple, an engine call returned."""
-    return tuple(x.region for x in (returned if isinstance(returned, tuple) else (returned,)))
+    """The bytes of each array an engine call returned."""
+    return tuple(x.region for x in _arrays(returned))
 
 
 def record_world(pass_: str, size: int, **kw) -> list[Schedule]:
@@ -983,6 +1035,7 @@ class _Bytes:
     def write(self, region: Region, labels: list | None = None) -> None:
         if region.hi - region.lo > (1 << 40):   # a sentinel: the caller may write anything
             return
+        assert labels is None or len(labels) == region.hi - region.lo, (region, len(labels))
         held = self.held.setdefault(region.buffer, [])
         if len(held) < region.hi:
             held.extend([None] * (region.hi - len(held)))
@@ -992,11 +1045,18 @@ class _Bytes:
         held = self.held.get(region.buffer, [])
         return (held[region.lo:region.hi] + [None] * region.hi)[:region.hi - region.lo]
 
-    def copy(self, dst: Region, src: Region) -> None:
-        """dst = src, byte for byte; between dtypes of other sizes (a cast) one label fills dst
-        where src holds one, else nothing known."""
+    def fill(self, region: Region, label) -> None:
+        self.write(region, [label] * (region.hi - region.lo))
+
+    def copy(self, action: Action) -> None:
+        """A copy_ kernel: dst = src, byte for byte; a cast (the same elements, other sizes)
+        fills dst with src's one label where it has one; another count of elements (a
+        broadcast) leaves nothing known."""
+        (src,), (dst,) = action.reads, action.writes
         labels = self.read(src)
-        if len(labels) != dst.hi - dst.lo:
+        if action.detail[1] != action.detail[2]:
+            labels = None
+        elif len(labels) != dst.hi - dst.lo:
             labels = [labels[0] if len(set(labels)) == 1 else None] * (dst.hi - dst.lo)
         self.write(dst, labels)
 
@@ -1007,19 +1067,20 @@ class _Bytes:
             size = action.writes[0].hi
             self.write(action.writes[0], [(name, self.rank)] * size if name in ("k", "v") else None)
         elif action.kind == "kernel" and _kernel_name(action) == "copy_" and action.reads:
-            self.copy(action.writes[0], action.reads[0])
-        else:
+            self.copy(action)
+        elif action.kind != "between":   # between calls the caller writes inputs of one meaning
             for region in action.writes:
                 self.write(region)
 
 
 def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -> None:
-    """Replay every rank's schedule together, delivering messages' labels: the i-th send from
-    one rank to another delivers its bytes' labels to the i-th receive there (an NCCL group's
-    sends taken before its receives), and the k-th all-gather of every rank delivers every
-    rank's labels, in rank order. Every other action (compute, alloc, free) goes to
-    on_compute(rank, action), in issue order. ScheduleError when the replay cannot go on (a
-    receive whose send never comes)."""
+    """Replay every rank's schedule together (schedules[r] is rank r's), delivering messages'
+    labels: the i-th send from one rank to another delivers its bytes' labels to the i-th
+    receive there (an NCCL group's sends taken before its receives), and the k-th all-gather of
+    every rank delivers every rank's labels, in rank order. Every other action (compute, alloc,
+    free) goes to on_compute(rank, action), in issue order. ScheduleError when the replay
+    cannot go on (a receive whose send never comes) or a message does not fit its receive."""
+    assert [s.rank for s in schedules] == list(range(len(schedules))), [s.rank for s in schedules]
     at = [0] * len(schedules)
     sent: dict[tuple[int, int], list] = {}
     taken: dict[tuple[int, int], int] = {}
@@ -1042,7 +1103,7 @@ def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -
                     if i >= len(sent.get(key, [])):
                         break
                     taken[key] = i + 1
-                    held[r].write(a.writes[0], sent[key][i])
+                    _deliver(held[r], a, sent[key][i])
                 elif a.kind == "allgather":
                     k = gathered[r]
                     if k == len(gathers):
@@ -1050,7 +1111,7 @@ def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -
                     gathers[k].setdefault(r, held[r].read(a.reads[0]))
                     if len(gathers[k]) < len(schedules):
                         break
-                    held[r].write(a.writes[0], [x for j in range(len(schedules)) for x in gathers[k][j]])
+                    _deliver(held[r], a, [x for j in range(len(schedules)) for x in gathers[k][j]])
                     gathered[r] += 1
                 elif a.kind not in ("send", "record", "wait"):
                     on_compute(r, a)
@@ -1060,6 +1121,15 @@ def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -
             stuck = [f"rank {r}: {s.actions[at[r]].describe()}" for r, s in enumerate(schedules)
                      if at[r] < len(s.actions)]
             raise ScheduleError("the replay is stuck, receives without sends: " + "; ".join(stuck))
+
+
+def _deliver(held: _Bytes, action: Action, labels: list) -> None:
+    """A receive (or all-gather) `action` writes the message bytes labelled `labels`."""
+    region = action.writes[0]
+    if len(labels) != region.hi - region.lo:
+        raise ScheduleError(f"rank {held.rank}: {action.describe()} writes {region.hi - region.lo} "
+                            f"bytes of a {len(labels)}-byte message")
+    held.write(region, labels)
 
 
 def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
@@ -1091,60 +1161,72 @@ def _block_read(held: _Bytes, action: Action) -> int:
     return owners.pop()
 
 
+ZERO = ("acc", None, ())     # a zeroed accumulator: no terms, nothing yet
+
+
 @lru_cache(maxsize=None)
 def _sum(a, b):
-    """The label of the elementwise sum of two bytes labelled a and b: the union of two
-    accumulators' pairs (repeats kept), or None."""
+    """The label of the elementwise sum of two bytes labelled a and b: for two accumulators of
+    one kind (or one of them zeroed), the union of their terms, repeats kept; else None."""
     if a is None or b is None or a[0] != "acc" or b[0] != "acc":
         return None
-    return ("acc", tuple(sorted(a[1] + b[1])))
+    if a[1] is not None and b[1] is not None and a[1] != b[1]:
+        return None
+    return ("acc", a[1] or b[1], tuple(sorted(a[2] + b[2])))
 
 
 class _Sums(_Bytes):
-    """What each byte of one rank's buffers holds in a backward, as labels: ("rows", i) for the
-    bytes of rank i's q, dout, out and lse (and the delta made of them), ("keys", j) for rank
-    j's k and v, ("ctx", j, pairs) for a backward context of rank j's keys, ("acc", pairs) for
-    an accumulator (dq, dk, dv and their partial sums; zeroed, it holds no pairs): the sum of
-    the gradient terms of `pairs`, a sorted tuple of (query rank, key rank) with repeats kept.
-    None: anything else. Labels travel by copies, messages and add_; backward_step adds the pair
-    (its queries' rank, its keys' rank) to its context and to the dq it writes."""
-
-    INPUTS = {"q": "rows", "dout": "rows", "out": "rows", "lse": "rows", "k": "keys", "v": "keys"}
+    """What each byte of one rank's buffers holds in a backward, as labels: (name, i) for the
+    bytes of rank i's input `name` (q, dout, out, lse, k, v) and ("delta", i) for the delta
+    made of its dout and out; ("ctx", j, terms) for a backward context of rank j's keys;
+    ("acc", kind, terms) for an accumulator of `kind` (dq, dk, dv, row_sums; None: zeroed and
+    added to by nothing yet): the sum of the gradient terms `terms`, a sorted tuple of (query
+    rank, key rank, the (query row, key row) pairs kept, `kept_rows`), repeats kept. None:
+    anything else. Labels travel by copies, messages and add_ (which sums accumulators of one
+    kind); backward_step checks it reads one rank's q, dout, lse and delta, each where it
+    should, and adds its term to the context and to the dq (and row sums) it writes."""
 
     def apply(self, action: Action) -> None:
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
-        writes = action.writes
+        reads, writes = action.reads, action.writes
         if name == "alloc":
-            kind = self.INPUTS.get(self.names[writes[0].buffer])
-            self.write(writes[0], None if kind is None else [(kind, self.rank)] * writes[0].hi)
-        elif name == "zeros" or name == "copy_" and not action.reads:    # a fill with 0
-            self.write(writes[0], [("acc", ())] * (writes[0].hi - writes[0].lo))
+            what = self.names[writes[0].buffer]
+            inputs = ("q", "dout", "out", "lse", "k", "v")
+            self.write(writes[0], [(what, self.rank)] * writes[0].hi if what in inputs else None)
+        elif name == "zeros":
+            self.fill(writes[0], ZERO)
+        elif name == "copy_" and not reads:
+            self.fill(writes[0], ZERO if action.detail == ("fill", 0) else None)
         elif name == "copy_":
-            self.copy(writes[0], action.reads[0])
+            self.copy(action)
         elif name == "add_":
-            dst, src = action.reads
-            self.write(dst, [_sum(a, b) for a, b in zip(self.read(dst), self.read(src))])
+            dst, src = reads
+            a, b = self.read(dst), self.read(src)
+            if action.detail[1] != action.detail[2]:
+                a = None
+            elif len(a) != len(b):      # other dtypes: one label each, or nothing known
+                a, b = ([x[0] if len(set(x)) == 1 else None] * len(a) for x in (a, b))
+            self.write(dst, None if a is None else [_sum(x, y) for x, y in zip(a, b)])
         elif name == "backward_delta":
-            self.fill(writes[0], ("rows", self.owner(action, action.reads, "rows")))
+            i = self.owner(action, zip(reads, ("dout", "out")))
+            self.fill(writes[0], ("delta", i))
         elif name == "backward_init":
-            self.fill(writes[0], ("ctx", self.owner(action, action.reads, "keys"), ()))
+            self.fill(writes[0], ("ctx", self.owner(action, zip(reads, ("k", "v"))), ()))
         elif name == "backward_step":
-            ctx, q, dout, lse, delta, dq, *sums = action.reads
-            i = self.owner(action, (q, dout, lse, delta), "rows")
-            _, j, pairs = self.one(action, ctx, "ctx")
-            self.fill(ctx, ("ctx", j, tuple(sorted(pairs + ((i, j),)))))
-            for region in (dq, *sums):
-                self.fill(region, _sum(self.one(action, region, "acc"), ("acc", ((i, j),))))
+            ctx, q, dout, lse, delta, dq, *sums = reads
+            i = self.owner(action, zip((q, dout, lse, delta), ("q", "dout", "lse", "delta")))
+            _, j, terms = self.one(action, ctx, "ctx")
+            term = (i, j, action.detail)
+            self.fill(ctx, ("ctx", j, tuple(sorted(terms + (term,)))))
+            for region, kind in zip((dq, *sums), ("dq", "row_sums")):
+                self.fill(region, _sum(self.one(action, region, "acc"), ("acc", kind, (term,))))
         elif name == "backward_finalize":
-            pairs = self.one(action, action.reads[0], "ctx")[2]
-            for region in writes:
-                self.fill(region, ("acc", pairs))
-        else:
+            terms = self.one(action, reads[0], "ctx")[2]
+            for region, kind in zip(writes, ("dk", "dv")):
+                self.fill(region, ("acc", kind, terms))
+        elif name != "between":
             for region in writes:
                 self.write(region)
-
-    def fill(self, region: Region, label) -> None:
-        self.write(region, [label] * (region.hi - region.lo))
 
     def one(self, action: Action, region: Region, kind: str):
         """The one label of kind `kind` every byte of `region` holds, or ScheduleError."""
@@ -1156,23 +1238,23 @@ class _Sums(_Bytes):
                                 f"not one {kind!r}")
         return label
 
-    def owner(self, action: Action, regions, kind: str) -> int:
-        """The one rank whose `kind` ("rows" or "keys") every byte of `regions` holds."""
-        owners = {self.one(action, region, kind)[1] for region in regions}
+    def owner(self, action: Action, regions) -> int:
+        """The one rank whose inputs the (region, name) pairs `regions` hold, each its own."""
+        owners = {self.one(action, region, name)[1] for region, name in regions}
         if len(owners) != 1:
-            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads the {kind} of ranks "
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads the inputs of ranks "
                                 f"{sorted(owners)} together")
         return owners.pop()
 
 
 def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
     """For each rank, what each array its backward returned (dq, dk, dv, and the row sums it
-    was given, if any) sums: a sorted tuple
-    of (query rank, key rank) pairs, one for each time that pair's gradient terms were added
-    in, found by following the bytes through copies, add_, messages and the backward kernels
-    (`_Sums`, the ranks replayed together, `_replay`). ScheduleError when a kernel reads the
-    queries of two ranks together, or anything but one context or one accumulator where it
-    needs one, or a returned array holds anything but one sum."""
+    was given, if any) sums: a sorted tuple of gradient terms (query rank, key rank, the
+    (query row, key row) pairs its blocks kept), one for each time the term was added in, found
+    by following the bytes through copies, add_, messages and the backward kernels (`_Sums`,
+    the ranks replayed together, `_replay`). ScheduleError when a kernel reads the inputs of two
+    ranks together, or any but the input, context or accumulator it needs where it needs it,
+    or a returned array holds anything but one sum of its own kind."""
     held = [_Sums(s) for s in schedules]
     _replay(schedules, held, lambda r, a: held[r].apply(a))
     out = []
@@ -1181,12 +1263,46 @@ def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
         for name, region in zip(("dq", "dk", "dv", "row_sums"), s.outputs):
             labels = set(held[r].read(region))
             label = next(iter(labels))
-            if len(labels) != 1 or label is None or label[0] != "acc":
+            if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None) \
+                    or label[1] is None and label[2]:
                 raise ScheduleError(f"rank {r}: the {name} it returns holds {sorted(labels, key=str)[:4]}, "
-                                    f"not one sum")
-            sums.append(label[1])
+                                    f"not one sum of {name} terms")
+            sums.append(label[2])
         out.append(tuple(sums))
     return out
+
+
+class _Partials(_Bytes):
+    """What each byte holds in decode: ("partial", r, n) for the partial (acc, m, l) rank r's
+    n-th decode_partial wrote, wherever it was copied or gathered; None otherwise. Each
+    decode_merge's parts are noted, as the labels of their (acc, m, l), in the order read."""
+
+    def __init__(self, schedule: Schedule):
+        super().__init__(schedule)
+        self.partials, self.merged = 0, []
+
+    def apply(self, action: Action) -> None:
+        name = _kernel_name(action) if action.kind == "kernel" else action.kind
+        if name == "decode_partial":
+            for region in action.writes:
+                self.fill(region, ("partial", self.rank, self.partials))
+            self.partials += 1
+        elif name == "decode_merge":
+            reads = action.reads
+            self.merged.append([tuple(set(self.read(r)).pop() if len(set(self.read(r))) == 1 else None
+                                      for r in reads[i:i + 3]) for i in range(0, len(reads), 3)])
+            super().apply(action)
+        else:
+            super().apply(action)
+
+
+def decode_parts_merged(schedules: Sequence[Schedule]) -> list[list[list[tuple]]]:
+    """For each rank, for each decode_merge it ran, the parts it merged in the order it read
+    them: each part the labels of its (acc, m, l), ("partial", r, n) for what rank r's n-th
+    decode_partial wrote, None for bytes of anything else or of several (`_replay`)."""
+    held = [_Partials(s) for s in schedules]
+    _replay(schedules, held, lambda r, a: held[r].apply(a))
+    return [h.merged for h in held]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1238,4 +1354,4 @@ __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "Reco
            "check_world", "prove", "proved",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
            "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read",
-           "backward_sums"]
+           "backward_sums", "decode_parts_merged", "kept_rows"]
