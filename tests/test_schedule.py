@@ -968,6 +968,19 @@ def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strate
             rows, lambda qpos, kpos: dense_keep(qpos, kpos, **dense)), layout
 
 
+@pytest.mark.parametrize("size", (1, 2, 3))
+@pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
+def test_backward_sums_of_a_call_after_others_hold_that_call_alone(size, strategy):
+    """Three backward calls in a row on one op (burst reuses its kept buffers): what the last
+    returns, row sums included, sums that call's terms only, each once."""
+    from tests.mpi.bodies import dense_keep, my_rows
+    schedules = schedule.prove("backward", size, causal=True, layout="zigzag", strategy=strategy,
+                               row_sums=True, calls=3)
+    rows = [my_rows("zigzag", r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, True))
+    assert schedule.backward_sums(schedules) == [e + e[:1] for e in expected]
+
+
 def test_the_backward_replay_catches_a_sum_folded_twice_or_dropped(monkeypatch):
     """Seeded mistakes in the ring strategy's backward: each step's partial dK, dV added twice
     into the sums that travel, or every step restarting them from zero (dropping what earlier

@@ -18,9 +18,11 @@ that reads and writes byte regions on a stream:
 used). Every view keeps its buffer's allocation alive; when the last one dies, a `free` that
 writes every byte of the buffer is logged on the compute stream before the next action (CuPy's
 pool may give the bytes to the next allocation there, and NCCL holds raw pointers, not views).
-Two sentinel actions on the compute stream bracket the recorded calls: `begin` writes the caller's inputs
-(the caller produced them on that stream) and `end` reads and writes every buffer (after the call
-the caller, or the memory pool, may reuse any of it); frees after `end` are not logged.
+Two sentinel actions on the compute stream bracket the recorded calls: `begin` writes the
+caller's inputs (the caller produced them on that stream) and `end` reads and writes every
+buffer (after the call the caller, or the memory pool, may reuse any of it); frees after `end`
+are not logged. Between two calls, `between` reads what the last one returned and writes the
+inputs (the caller's work on that stream).
 
 What is proved (`check`): happens-before = program order on each stream (the members of one
 NCCL group are unordered with each other) + each event wait after the event's latest record
@@ -32,9 +34,10 @@ so it silently orders nothing).
 
 `check_world` adds the cross-rank rules. For each (source, destination) pair of ranks, the i-th
 send from source to destination must meet an i-th receive from source at destination with the
-same byte count (counts only: which bytes a message carries is followed by the replays below). Every send and recv is in an NCCL group: the one
-between groupStart and groupEnd, or, for a call outside any, a group of its own (NCCL runs it
-alone, in stream order, until its peer's call runs). Each rank runs its groups in issue order,
+same byte count (counts only: which bytes a message carries is followed by the replays
+below). Every send and recv is in an NCCL group: the one between groupStart and groupEnd, or,
+for a call outside any, a group of its own (NCCL runs it alone, in stream order, until its
+peer's call runs). Each rank runs its groups in issue order,
 a matched pair's two groups must run together, and so must the k-th all-gather of every rank;
 a cycle of ranks each waiting in an earlier group for another's later one is reported as a
 deadlock. So grouped exchanges, and ungrouped ones ordered even ranks send first / odd ranks
@@ -617,6 +620,8 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
     for call in range(calls):
         if call:
             device.between(_arrays(returned), args)
+            if "row_sums" in kw:
+                ops.copy_(kw["row_sums"], 0)
         returned = (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
     device.sentinel("end")
     sums = (kw["row_sums"].region,) if "row_sums" in kw else ()
