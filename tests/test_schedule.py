@@ -807,6 +807,13 @@ def test_block_mask_schedules_are_race_free(size, layout, pass_):
 
 # -- following the bytes: every block a rank needs, read once, from the right place ------------
 
+def _kept_pairs(rows: list, keep) -> list[list[tuple]]:
+    """kept[i][j]: the (local query row, local key row) pairs, sorted, that queries of rank i
+    keep over keys of rank j. rows[r]: rank r's global positions, local row by row;
+    keep(qpos, kpos): the dense mask over global positions."""
+    return [[tuple(zip(*(x.tolist() for x in np.nonzero(keep(qi, kj))))) for kj in rows] for qi in rows]
+
+
 TWO_WAY_MASKS = [dict(causal=False), dict(causal=True), dict(causal=False, window_size=(2, 2)),
                  dict(causal=False, window_size=(-1, 1)), dict(causal=False, window_size=(5, 0)),
                  dict(causal=True, window_size=(3, 0)), dict(causal=False, options={"bidirectional": True}),
@@ -830,8 +837,9 @@ def test_forward_reads_each_needed_block_once_and_sends_what_it_counts(size, lay
     b, s, h, hkv, d = schedule.SHAPE
     rows = [my_rows(layout, r, size, s * size) for r in range(size)]
     window = mask.get("window_size", (-1, -1))
+    kept = _kept_pairs(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
     for r in range(size):
-        needed = [j for j in range(size) if dense_keep(rows[r], rows[j], mask["causal"], window).any()]
+        needed = [(j, kept[r][j]) for j in range(size) if kept[r][j]]
         assert sorted(read[r]) == needed, (r, read[r], needed)
     q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
     run = burst.BurstAttention(**(options or {}))
@@ -853,8 +861,9 @@ def test_the_other_strategies_forward_reads_each_needed_block_once(size, layout,
     schedules = schedule.prove("forward", size, layout=layout, strategy=strategy, **mask)
     rows = [my_rows(layout, r, size, schedule.SHAPE[1] * size) for r in range(size)]
     window = mask.get("window_size", (-1, -1))
+    kept = _kept_pairs(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
     for r, read in enumerate(schedule.forward_blocks_read(schedules)):
-        needed = [j for j in range(size) if dense_keep(rows[r], rows[j], mask["causal"], window).any()]
+        needed = [(j, kept[r][j]) for j in range(size) if kept[r][j]]
         assert sorted(read) == needed, (r, read, needed)
 
 
@@ -871,7 +880,8 @@ def test_a_window_of_half_a_shard_sends_one_block_to_each_neighbour():
     q, k = np.empty((b, s, h, d), np.float16), np.empty((b, s, hkv, d), np.float16)
     assert [burst.forward_bytes(4, q, k, k, rank=r, window_size=(s // 2, s // 2)) for r in range(4)] == \
         [kv, 2 * kv, 2 * kv, kv]
-    assert schedule.forward_blocks_read(schedules) == [[0, 1], [1, 0, 2], [2, 1, 3], [3, 2]]
+    assert [[owner for owner, _ in steps] for steps in schedule.forward_blocks_read(schedules)] == \
+        [[0, 1], [1, 0, 2], [2, 1, 3], [3, 2]]
 
 
 def test_full_attention_both_ways_halves_the_exchanges():
@@ -898,7 +908,7 @@ def test_the_replay_catches_a_block_that_never_arrives():
     for recv in [a for a in schedules[1].actions if a.kind == "recv"]:
         edited = list(schedules)
         edited[1] = schedule.drop_action(schedules[1], recv.index)
-        with pytest.raises(schedule.ScheduleError, match="not one block's K and V|stuck"):
+        with pytest.raises(schedule.ScheduleError, match="whole and in order|not one block's|stuck"):
             schedule.forward_blocks_read(edited)
 
 
@@ -914,11 +924,9 @@ def _expected_sums(rows: list, keep) -> list[tuple]:
     """For each rank r, the gradient terms its dq, dk and dv sum, each once: a term (i, j,
     kept) for queries of rank i over keys of rank j, kept the (local query row, local key row)
     pairs the mask keeps; dq sums the terms (r, j) of the keys its queries see, dk and dv the
-    terms (i, r) of the queries that see its keys. rows[r]: rank r's global positions, local
-    row by row; keep(qpos, kpos): the dense mask over global positions."""
+    terms (i, r) of the queries that see its keys. rows, keep: as `_kept_pairs` takes them."""
     size = len(rows)
-    kept = [[tuple(zip(*(x.tolist() for x in np.nonzero(keep(rows[i], rows[j])))))
-             for j in range(size)] for i in range(size)]
+    kept = _kept_pairs(rows, keep)
     return [(tuple((r, j, kept[r][j]) for j in range(size) if kept[r][j]),)
             + 2 * (tuple((i, r, kept[i][r]) for i in range(size) if kept[i][r]),) for r in range(size)]
 
@@ -1080,14 +1088,15 @@ def test_decode_merges_every_ranks_partial_of_this_call(size, calls):
     rank wrote in its call n, whatever its cache length."""
     schedules = [schedule.record_decode(size, r, calls=calls, cache_rows=3 + r) for r in range(size)]
     schedule.proved(schedules)
-    want = [[(("partial", j, n),) * 3 for j in range(size)] for n in range(calls)]
+    want = [[tuple(("partial", field, j, n) for field in ("acc", "m", "l")) for j in range(size)]
+            for n in range(calls)]
     assert schedule.decode_parts_merged(schedules) == [want] * size
 
 
 def test_the_decode_replay_catches_a_stale_or_wrong_partial(monkeypatch):
     """Seeded mistakes: the all-gather issued before the partial it should carry (race-free,
-    but every rank merges the last call's partials, or nothing), and a merge that reads this
-    rank's own partial for every rank."""
+    but every rank merges the last call's partials, or nothing), a merge that reads this
+    rank's own partial for every rank, and one that reads each part's l as its m."""
     from burstcu.engine import decode
 
     def gather_first(q, k_cache, v_cache, lengths, scale, ops, transport):
@@ -1100,9 +1109,14 @@ def test_the_decode_replay_catches_a_stale_or_wrong_partial(monkeypatch):
         parts = gathered(packed, ops, transport)
         return [parts[transport.rank]] * transport.size
 
+    def m_for_l(packed, ops, transport):
+        return [(acc, l, m) for acc, m, l in gathered(packed, ops, transport)]
+
     gathered = decode.gathered_partials
-    want = [[(("partial", j, n),) * 3 for j in range(3)] for n in range(2)]
-    for module, name, seeded in ((decode, "decode", gather_first), (decode, "gathered_partials", own_only)):
+    want = [[tuple(("partial", field, j, n) for field in ("acc", "m", "l")) for j in range(3)]
+            for n in range(2)]
+    for module, name, seeded in ((decode, "decode", gather_first), (decode, "gathered_partials", own_only),
+                                 (decode, "gathered_partials", m_for_l)):
         with monkeypatch.context() as patch:
             patch.setattr(module, name, seeded)
             schedules = schedule.proved([schedule.record_decode(3, r, calls=2) for r in range(3)])
@@ -1132,3 +1146,39 @@ def test_fake_arrays_refuse_what_cupy_refuses_and_add_in_place():
     y += x[0]
     assert y.buffer == x.buffer and device.actions[-1].writes == (x[1].region,)
     assert device.actions[-1].reads == (x[1].region, x[0].region)
+
+
+def test_the_backward_replay_catches_rows_out_of_place(monkeypatch):
+    """A seeded mistake that keeps every tensor and pair in place: burst loads its queries into
+    the bundle with the two halves of the rows swapped."""
+    load = burst._BundleRing.load
+
+    def swapped_load(self, dout, out, lse, delta):
+        load(self, dout, out, lse, delta)
+        first, half = self.holding(0), self.q.shape[1] // 2
+        self.ops.copy_(first["q"][:, :half], self.q[:, half:])
+        self.ops.copy_(first["q"][:, half:], self.q[:, :half])
+
+    monkeypatch.setattr(burst._BundleRing, "load", swapped_load)
+    schedules = schedule.prove("backward", 3, causal=True, layout="zigzag")
+    with pytest.raises(schedule.ScheduleError, match="not one rank's q whole and in order"):
+        schedule.backward_sums(schedules)
+
+
+def test_between_calls_the_caller_reads_outputs_and_writes_inputs():
+    """`between` orders like the caller's work on the compute stream: a receive into an input
+    that nothing waits for before the next call is a race with it."""
+    device = schedule.RecordingDevice()
+    ops = schedule.RecordingOps(device)
+    transport = NCCLTransport(0, 2, device)
+    k, out = ops.new("k", (4,), np.float32), ops.new("out", (4,), np.float32)
+    device.sentinel("begin")
+    transport.send_recv(None, k, 1, 1)
+    transport.commit()
+    device.between([out], [k])
+    text = schedule.report(schedule.check(schedule.Schedule(0, 2, device.actions, device.buffers)))
+    assert "write-after-write race on buffer 'k'" in text and "between calls" in text
+    transport.wait()
+    device.between([out], [k])
+    recorded = schedule.Schedule(0, 2, device.actions, device.buffers)
+    assert len(schedule.check(recorded)) == 1   # the first `between` only

@@ -223,7 +223,7 @@ class Action:
         a call outside groupStart/groupEnd, and each all-gather, is a group of its own).
     detail: what the replays need of a kernel beyond its bytes: for copy_ and add_ the element
         counts ("elements", of dst, of src) or the value of a fill ("fill", value); for
-        backward_step the (query row, key row) pairs its blocks keep (`kept_rows`).
+        forward_step and backward_step the step's blocks (`kept_rows` gives the pairs they keep).
     """
 
     index: int
@@ -492,7 +492,7 @@ class RecordingOps(LocalOps):
         return state
 
     def forward_step(self, state, k, v, blocks, last=False) -> None:
-        self.device.kernel("forward_step", reads=[state, k, v], writes=[state])
+        self.device.kernel("forward_step", reads=[state, k, v], writes=[state], detail=tuple(blocks))
 
     def forward_finalize(self, state, out_dtype):
         b, h, s, d2 = state.shape
@@ -516,7 +516,7 @@ class RecordingOps(LocalOps):
     def backward_step(self, ctx, q, dout, lse, delta, dq, blocks, psum=None) -> None:
         sums = [] if psum is None else [psum]
         self.device.kernel("backward_step", reads=[ctx, q, dout, lse, delta, dq, *sums],
-                           writes=[ctx, dq, *sums], detail=kept_rows(blocks))
+                           writes=[ctx, dq, *sums], detail=tuple(blocks))
 
     def backward_finalize(self, ctx, out_dtype):
         shape = ctx.shape[1:]
@@ -617,15 +617,15 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
             ops.copy_(kw["row_sums"], 0)        # zeroed, as attention_backward(check=True) passes it
     device.sentinel("begin")
     returned: Any = ()
+    sums = [kw["row_sums"]] if "row_sums" in kw else []
     for call in range(calls):
-        if call:
-            device.between(_arrays(returned), args)
-            if "row_sums" in kw:
-                ops.copy_(kw["row_sums"], 0)
+        if call:   # the caller reads what the call returned (and the row sums), gives new inputs
+            device.between(_arrays(returned) + tuple(sums), args + sums)
+            for x in sums:
+                ops.copy_(x, 0)
         returned = (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
     device.sentinel("end")
-    sums = (kw["row_sums"].region,) if "row_sums" in kw else ()
-    return Schedule(rank, size, device.actions, device.buffers, _regions(returned) + sums)
+    return Schedule(rank, size, device.actions, device.buffers, _regions(returned) + _regions(tuple(sums)))
 
 
 DECODE_SHAPE = (1, 2, 4, 2, 8)   # B, T, H, Hkv, D
@@ -647,7 +647,7 @@ def record_decode(size: int, rank: int, *, shape: tuple = DECODE_SHAPE, cache_ro
     returned: Any = ()
     for call in range(calls):
         if call:
-            device.between(_arrays(returned), [q])
+            device.between(_arrays(returned), [q, k_cache, v_cache])
         returned = decode_engine.decode(q, k_cache, v_cache, [cache_rows] * b, 1.0, ops, transport)
     device.sentinel("end")
     return Schedule(rank, size, device.actions, device.buffers, _regions(returned))
@@ -1030,8 +1030,11 @@ def _kernel_name(action: Action) -> str:
 
 
 class _Bytes:
-    """What each byte of one rank's buffers holds, as labels: ("k", owner) or ("v", owner) for
-    the bytes of a rank's K and V inputs wherever they were copied or sent, None otherwise."""
+    """What each byte of one rank's buffers holds, as labels: (name, owner, offset) for byte
+    `offset` of rank owner's input `name` (k and v; subclasses add others) wherever it was
+    copied or sent, None otherwise."""
+
+    INPUTS: tuple = ("k", "v")
 
     def __init__(self, schedule: Schedule):
         self.rank, self.held = schedule.rank, {}
@@ -1053,6 +1056,17 @@ class _Bytes:
     def fill(self, region: Region, label) -> None:
         self.write(region, [label] * (region.hi - region.lo))
 
+    def whole(self, action: Action, region: Region, name: str) -> int:
+        """The rank whose input `name` `region` holds, whole and in order (its byte o at o), or
+        ScheduleError."""
+        labels = self.read(region)
+        first = labels[0] if labels else None
+        if first is None or first[0] != name or labels != [(name, first[1], o) for o in range(len(labels))]:
+            shown = sorted({x if x is None else x[:2] for x in labels}, key=str)[:4]
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads '{self.names[region.buffer]}' "
+                                f"holding {shown}, not one rank's {name} whole and in order")
+        return first[1]
+
     def copy(self, action: Action) -> None:
         """A copy_ kernel: dst = src, byte for byte; a cast (the same elements, other sizes)
         fills dst with src's one label where it has one; another count of elements (a
@@ -1068,9 +1082,10 @@ class _Bytes:
     def apply(self, action: Action) -> None:
         """An action of the compute stream (or an alloc) on this rank, in issue order."""
         if action.kind == "alloc":
-            name = self.names[action.writes[0].buffer]
-            size = action.writes[0].hi
-            self.write(action.writes[0], [(name, self.rank)] * size if name in ("k", "v") else None)
+            region = action.writes[0]
+            name = self.names[region.buffer]
+            self.write(region, [(name, self.rank, o) for o in range(region.hi)] if name in self.INPUTS
+                       else None)
         elif action.kind == "kernel" and _kernel_name(action) == "copy_" and action.reads:
             self.copy(action)
         elif action.kind != "between":   # between calls the caller writes inputs of one meaning
@@ -1137,15 +1152,15 @@ def _deliver(held: _Bytes, action: Action, labels: list) -> None:
     held.write(region, labels)
 
 
-def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
-    """For each rank, the owner of the K/V block each of its forward_step kernels reads, in
-    issue order, found by following the bytes: each rank's k and v inputs are labelled with its
-    rank, copies carry labels, and messages deliver them (`_replay`, the ranks replayed
-    together). ScheduleError when a step reads bytes of no block, of two blocks, or K of one
-    block beside V of another, or when the replay cannot go on (a receive whose send never
-    comes)."""
+def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[tuple[int, tuple]]]:
+    """For each rank, for each of its forward_step kernels in issue order, the owner of the K/V
+    block it reads and the (query row, key row) pairs its blocks keep (`kept_rows`), found by
+    following the bytes: each rank's k and v inputs are labelled byte by byte, copies carry
+    labels, and messages deliver them (`_replay`, the ranks replayed together). ScheduleError
+    when a step reads anything but one block's K and V, whole and in order, or when the replay
+    cannot go on (a receive whose send never comes)."""
     held = [_Bytes(s) for s in schedules]
-    reads: list[list[int]] = [[] for _ in schedules]
+    reads: list[list[tuple[int, tuple]]] = [[] for _ in schedules]
 
     def on_compute(r: int, a: Action) -> None:
         if a.kind == "kernel" and _kernel_name(a) == "forward_step":
@@ -1156,20 +1171,19 @@ def forward_blocks_read(schedules: Sequence[Schedule]) -> list[list[int]]:
     return reads
 
 
-def _block_read(held: _Bytes, action: Action) -> int:
-    """The owner of the K/V block a forward_step (reads: state, k, v) reads."""
-    k, v = (set(held.read(region)) for region in action.reads[1:3])
-    owners = {label[1] for label in k | v if label is not None}
-    if k != {("k", min(owners, default=-1))} or v != {("v", min(owners, default=-1))}:
-        raise ScheduleError(f"rank {held.rank}: {action.describe()} reads k as {sorted(k, key=str)} "
-                            f"and v as {sorted(v, key=str)}, not one block's K and V")
-    return owners.pop()
+def _block_read(held: _Bytes, action: Action) -> tuple[int, tuple]:
+    """(the owner of the K/V block a forward_step (reads: state, k, v) reads, the pairs kept)."""
+    owners = {held.whole(action, region, name) for region, name in zip(action.reads[1:3], "kv")}
+    if len(owners) != 1:
+        raise ScheduleError(f"rank {held.rank}: {action.describe()} reads K of one rank and V of "
+                            f"another ({sorted(owners)}), not one block's K and V")
+    return owners.pop(), kept_rows(action.detail)
 
 
 ZERO = ("acc", None, ())     # a zeroed accumulator: no terms, nothing yet
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=1 << 16)
 def _sum(a, b):
     """The label of the elementwise sum of two bytes labelled a and b: for two accumulators of
     one kind (or one of them zeroed), the union of their terms, repeats kept; else None."""
@@ -1181,23 +1195,24 @@ def _sum(a, b):
 
 
 class _Sums(_Bytes):
-    """What each byte of one rank's buffers holds in a backward, as labels: (name, i) for the
-    bytes of rank i's input `name` (q, dout, out, lse, k, v) and ("delta", i) for the delta
-    made of its dout and out; ("ctx", j, terms) for a backward context of rank j's keys;
+    """What each byte of one rank's buffers holds in a backward, as labels: (name, i, offset)
+    for byte `offset` of rank i's input `name` (q, dout, out, lse, k, v) and of the delta made
+    of its dout and out; ("ctx", j, terms) for a backward context of rank j's keys;
     ("acc", kind, terms) for an accumulator of `kind` (dq, dk, dv, row_sums; None: zeroed and
     added to by nothing yet): the sum of the gradient terms `terms`, a sorted tuple of (query
     rank, key rank, the (query row, key row) pairs kept, `kept_rows`), repeats kept. None:
     anything else. Labels travel by copies, messages and add_ (which sums accumulators of one
-    kind); backward_step checks it reads one rank's q, dout, lse and delta, each where it
-    should, and adds its term to the context and to the dq (and row sums) it writes."""
+    kind); backward_step checks it reads one rank's q, dout, lse and delta, each whole and in
+    order where it should, and adds its term to the context and to the dq (and row sums) it
+    writes."""
+
+    INPUTS = ("q", "dout", "out", "lse", "k", "v")
 
     def apply(self, action: Action) -> None:
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
         reads, writes = action.reads, action.writes
         if name == "alloc":
-            what = self.names[writes[0].buffer]
-            inputs = ("q", "dout", "out", "lse", "k", "v")
-            self.write(writes[0], [(what, self.rank)] * writes[0].hi if what in inputs else None)
+            super().apply(action)
         elif name == "zeros":
             self.fill(writes[0], ZERO)
         elif name == "copy_" and not reads:
@@ -1205,23 +1220,24 @@ class _Sums(_Bytes):
         elif name == "copy_":
             self.copy(action)
         elif name == "add_":
-            dst, src = reads
-            a, b = self.read(dst), self.read(src)
-            if action.detail[1] != action.detail[2]:
+            dst, src = reads if len(reads) == 2 else (reads[0], None)
+            a = self.read(dst)
+            b = a if src is None else self.read(src)
+            if src is None or action.detail[1] != action.detail[2]:    # a constant, or a broadcast
                 a = None
             elif len(a) != len(b):      # other dtypes: one label each, or nothing known
                 a, b = ([x[0] if len(set(x)) == 1 else None] * len(a) for x in (a, b))
             self.write(dst, None if a is None else [_sum(x, y) for x, y in zip(a, b)])
         elif name == "backward_delta":
             i = self.owner(action, zip(reads, ("dout", "out")))
-            self.fill(writes[0], ("delta", i))
+            self.write(writes[0], [("delta", i, o) for o in range(writes[0].hi - writes[0].lo)])
         elif name == "backward_init":
             self.fill(writes[0], ("ctx", self.owner(action, zip(reads, ("k", "v"))), ()))
         elif name == "backward_step":
             ctx, q, dout, lse, delta, dq, *sums = reads
             i = self.owner(action, zip((q, dout, lse, delta), ("q", "dout", "lse", "delta")))
             _, j, terms = self.one(action, ctx, "ctx")
-            term = (i, j, action.detail)
+            term = (i, j, kept_rows(action.detail))
             self.fill(ctx, ("ctx", j, tuple(sorted(terms + (term,)))))
             for region, kind in zip((dq, *sums), ("dq", "row_sums")):
                 self.fill(region, _sum(self.one(action, region, "acc"), ("acc", kind, (term,))))
@@ -1244,8 +1260,9 @@ class _Sums(_Bytes):
         return label
 
     def owner(self, action: Action, regions) -> int:
-        """The one rank whose inputs the (region, name) pairs `regions` hold, each its own."""
-        owners = {self.one(action, region, name)[1] for region, name in regions}
+        """The one rank whose inputs the (region, name) pairs `regions` hold, each its own,
+        whole and in order."""
+        owners = {self.whole(action, region, name) for region, name in regions}
         if len(owners) != 1:
             raise ScheduleError(f"rank {self.rank}: {action.describe()} reads the inputs of ranks "
                                 f"{sorted(owners)} together")
@@ -1264,6 +1281,7 @@ def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
     _replay(schedules, held, lambda r, a: held[r].apply(a))
     out = []
     for r, s in enumerate(schedules):
+        assert len(s.outputs) in (3, 4), f"rank {r}: not a backward's outputs: {s.outputs}"
         sums = []
         for name, region in zip(("dq", "dk", "dv", "row_sums"), s.outputs):
             labels = set(held[r].read(region))
@@ -1278,9 +1296,10 @@ def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
 
 
 class _Partials(_Bytes):
-    """What each byte holds in decode: ("partial", r, n) for the partial (acc, m, l) rank r's
-    n-th decode_partial wrote, wherever it was copied or gathered; None otherwise. Each
-    decode_merge's parts are noted, as the labels of their (acc, m, l), in the order read."""
+    """What each byte holds in decode: ("partial", field, r, n) for the field (acc, m or l) of
+    the partial rank r's n-th decode_partial wrote, wherever it was copied or gathered; None
+    otherwise. Each decode_merge's parts are noted, as the labels of the three arrays it read
+    as each part's (acc, m, l), in the order read."""
 
     def __init__(self, schedule: Schedule):
         super().__init__(schedule)
@@ -1289,8 +1308,8 @@ class _Partials(_Bytes):
     def apply(self, action: Action) -> None:
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
         if name == "decode_partial":
-            for region in action.writes:
-                self.fill(region, ("partial", self.rank, self.partials))
+            for region, field in zip(action.writes, ("acc", "m", "l")):
+                self.fill(region, ("partial", field, self.rank, self.partials))
             self.partials += 1
         elif name == "decode_merge":
             reads = action.reads
@@ -1303,8 +1322,9 @@ class _Partials(_Bytes):
 
 def decode_parts_merged(schedules: Sequence[Schedule]) -> list[list[list[tuple]]]:
     """For each rank, for each decode_merge it ran, the parts it merged in the order it read
-    them: each part the labels of its (acc, m, l), ("partial", r, n) for what rank r's n-th
-    decode_partial wrote, None for bytes of anything else or of several (`_replay`)."""
+    them: each part the labels of what it read as (acc, m, l), ("partial", field, r, n) for
+    that field of what rank r's n-th decode_partial wrote, None for bytes of anything else or of
+    several (`_replay`)."""
     held = [_Partials(s) for s in schedules]
     _replay(schedules, held, lambda r, a: held[r].apply(a))
     return [h.merged for h in held]
