@@ -970,6 +970,7 @@ def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strate
               for part, cu in _uneven_partitions(size)]
     for layout, masks, dense in cases:
         schedules = schedule.prove("backward", size, layout=layout, strategy=strategy, **masks)
+        # which rows a rank holds is the test's input here (the partition's), not what it checks
         rows = ([layout.positions(r) for r in range(size)] if not isinstance(layout, str) else
                 [my_rows(layout, r, size, n) for r in range(size)])
         assert schedule.backward_sums(schedules) == _expected_sums(
