@@ -1066,7 +1066,8 @@ def _a_cast_that_broadcasts_one_row(monkeypatch):
                                            ("allgather", _allgather_returning_dv_as_dk),
                                            ("burst", _burst_masking_keys_as_queries),
                                            ("burst", _a_cast_that_broadcasts_one_row),
-                                           ("ring", _a_cast_that_broadcasts_one_row)], ids=str)
+                                           ("ring", _a_cast_that_broadcasts_one_row)],
+                         ids=lambda x: getattr(x, "__name__", x))
 def test_the_backward_replay_tells_the_tensors_and_rows_apart(monkeypatch, strategy, seed):
     """Seeded mistakes that keep every (query rank, key rank) pair in place: dout read where q
     is, dV folded into the dK that travels, dV returned as dK, a step masked with its query and

@@ -597,13 +597,27 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
     split over. layout: a name, or a `Partition` (uneven shards: this rank's S is its length, not
     shape's). window_size, cu_seqlens, block_mask: the mask, as the strategies take it; row_sums:
     the backward of attention_backward(check=True)."""
-    linear = strategy in engine.LINEAR_NAMES
-    run = engine.get_linear(strategy) if linear else engine.get(strategy, **(options or {}))
     device = RecordingDevice()
     ops = RecordingOps(device)
-    transport = NCCLTransport(rank, size, device)
+    outputs = _record_calls(ops, NCCLTransport(rank, size, device), pass_, causal=causal, layout=layout,
+                            shape=shape, dtype=dtype, strategy=strategy, options=options,
+                            window_size=window_size, cu_seqlens=cu_seqlens, row_sums=row_sums,
+                            block_mask=block_mask, calls=calls)
+    return Schedule(rank, size, device.actions, device.buffers, outputs)
+
+
+def _record_calls(ops: "RecordingOps", transport, pass_: str, *, causal: bool, layout: str | Partition,
+                  shape: tuple = SHAPE, dtype: Any = np.float16, strategy: str = "burst",
+                  options: dict | None = None, window_size: tuple = (-1, -1), cu_seqlens=None,
+                  row_sums: bool = False, block_mask=None, calls: int = 1) -> tuple[Region, ...]:
+    """Record, on `ops`' device, the begin sentinel, `calls` calls on `transport` (`record`
+    states the arguments) and the end sentinel; the bytes of what the last call returned, then
+    of the row sums."""
+    linear = strategy in engine.LINEAR_NAMES
+    run = engine.get_linear(strategy) if linear else engine.get(strategy, **(options or {}))
+    device = ops.device
     if isinstance(layout, Partition):
-        shape = shape[:1] + (layout.lengths[rank],) + shape[2:]
+        shape = shape[:1] + (layout.lengths[transport.rank],) + shape[2:]
     args = _fake_inputs(ops, pass_, shape, dtype)
     kw: dict = dict(causal=causal, layout=layout)
     if linear:
@@ -625,7 +639,7 @@ def record(pass_: str, size: int, rank: int, *, causal: bool, layout: str | Part
                 ops.copy_(x, 0)
         returned = (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
     device.sentinel("end")
-    return Schedule(rank, size, device.actions, device.buffers, _regions(returned) + _regions(tuple(sums)))
+    return _regions(returned) + _regions(tuple(sums))
 
 
 DECODE_SHAPE = (1, 2, 4, 2, 8)   # B, T, H, Hkv, D
@@ -723,26 +737,20 @@ class RankRecordingDevice(RecordingDevice):
                   writes=(dst.region,), nbytes=src.nbytes)
 
 
-def record_loopback(pass_: str, size: int, *, causal: bool, layout: str, shape: tuple = SHAPE,
-                    dtype: Any = np.float16, transport_class: Any = None,
-                    strategy: str = "burst", options: dict | None = None) -> Schedule:
-    """The schedule of one `pass_` call of the real engine on every rank of a loopback world of
+def record_loopback(pass_: str, size: int, *, causal: bool, layout: str | Partition,
+                    transport_class: Any = None, **kw) -> Schedule:
+    """The schedule of `pass_` calls of the real engine on every rank of a loopback world of
     `size` ranks, run as threads like the real thing, recorded into one Schedule (rank -1).
-    transport_class: a LoopbackTransport subclass to record instead (the tests seed mistakes)."""
-    run = engine.get(strategy, **(options or {}))
+    transport_class: a LoopbackTransport subclass to record instead (the tests seed mistakes);
+    the other keywords as `record` takes them."""
     log, hub = _WorldLog(), LoopbackHub(size, timeout=30.0)
     errors: list = []
 
     def rank_main(rank: int) -> None:
         try:
             device = RankRecordingDevice(log, rank)
-            ops = RecordingOps(device)
             transport = (transport_class or LoopbackTransport)(rank, hub, device)
-            args = _fake_inputs(ops, pass_, shape, dtype)
-            device.sentinel("begin")
-            kw = dict(causal=causal, softmax_scale=1.0, layout=layout)
-            (run.forward if pass_ == "forward" else run.backward)(*args, ops, transport, **kw)
-            device.sentinel("end")
+            _record_calls(RecordingOps(device), transport, pass_, causal=causal, layout=layout, **kw)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append(exc)
             hub.abort(f"rank {rank}: {exc}")

@@ -236,6 +236,26 @@ def test_usp_loopback_schedule_is_race_free(pass_, size, degree):
                             options={"ulysses_degree": degree}, shape=(1, 4, 12, 12, 8))
 
 
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("size,degree", [(4, 2), (6, 3)])
+def test_usp_loopback_schedule_under_masks_uneven_shards_and_calls_in_a_row_is_race_free(pass_, size,
+                                                                                         degree):
+    """Windows and documents end the ring of groups' trips early, documents cut per-document
+    zigzag give shards of different lengths, and calls in a row reuse the buffers the ops keep:
+    the one graph over every rank's streams stays race-free."""
+    from burstcu.layout import partition
+    n = 4 * size
+    uneven = partition("zigzag", size, n + 3, (0, 5, n + 3))
+    assert not uneven.even
+    for kw in [dict(causal=True, layout="zigzag", window_size=(3, 0)),
+               dict(causal=False, layout="contiguous", window_size=(2, 2)),
+               dict(causal=True, layout="contiguous", cu_seqlens=(0, 3, n // 2 + 1, n)),
+               dict(causal=True, layout=uneven, cu_seqlens=(0, 5, n + 3)),
+               dict(causal=True, layout="zigzag", calls=3, row_sums=True)]:
+        schedule.prove_loopback(pass_, size, strategy="usp", options={"ulysses_degree": degree},
+                                shape=(1, 4, 12, 12, 8), **kw)
+
+
 @pytest.mark.parametrize("mistake", [_SkipsConfirmation, _SkipsReady])
 def test_seeded_ordering_mistakes_in_usp_are_caught(mistake):
     recorded = schedule.record_loopback("backward", 4, causal=True, layout="zigzag", strategy="usp",
