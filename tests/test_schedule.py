@@ -1184,3 +1184,106 @@ def test_between_calls_the_caller_reads_outputs_and_writes_inputs():
     device.between([out], [k])
     recorded = schedule.Schedule(0, 2, device.actions, device.buffers)
     assert len(schedule.check(recorded)) == 1   # the first `between` only
+
+
+# -- following the bytes of linear attention: every chunk's state where it belongs ---------------
+
+def _expected_linear(pass_: str, causal: bool, chunks: list[list[tuple]]) -> list[tuple]:
+    """For each rank, what each row of what linear attention returns sums (`schedule.linear_sums`
+    states the terms). chunks[r]: rank r's chunks, (first local row, rows, first global
+    position) each. Causal: a row of chunk t sums its own chunk's run ("intra"), its rows'
+    product ("rows") with the states M of every chunk before t (out, dq) or dM of every chunk
+    after t (dk, dv); not causal: the product of all its rows with every chunk's state."""
+    every = [((r, a, n), pos) for r, mine in enumerate(chunks) for a, n, pos in mine]
+    result = []
+    for r, mine in enumerate(chunks):
+        seqlen = sum(n for _, n, _ in mine)
+        kinds = ("M",) if pass_ == "forward" else ("M", "dM", "dM")
+        arrays = []
+        for kind in kinds:
+            rows = []
+            for a, n, pos in mine:
+                if causal:
+                    seen = [c for c, p in every if (p < pos if kind == "M" else p > pos)]
+                    terms = [("intra", (r, a, n)), ("rows", (r, a, n))]
+                else:
+                    seen, terms = [c for c, _ in every], [("rows", (r, 0, seqlen))]
+                rows += [tuple(sorted(terms + [(kind, c) for c in seen]))] * n
+            arrays.append(rows)
+        result.append(tuple(arrays))
+    return result
+
+
+def _linear_chunks(layout, size: int, seqlen: int) -> list[list[tuple]]:
+    """Every rank's chunks (first local row, rows, first global position), written out: one
+    contiguous run, or zigzag's two pieces r and 2G-1-r; a list of lengths: contiguous shards
+    of those lengths."""
+    if not isinstance(layout, str):
+        starts = np.cumsum([0] + list(layout))
+        return [[(0, n, int(starts[r]))] for r, n in enumerate(layout)]
+    if layout == "contiguous":
+        return [[(0, seqlen, r * seqlen)] for r in range(size)]
+    c = seqlen // 2
+    return [[(0, c, r * c), (c, c, (2 * size - 1 - r) * c)] for r in range(size)]
+
+
+@pytest.mark.parametrize("size", (1, 2, 3, 5))
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("layout", LAYOUTS + ((2, 5, 1, 4, 3),))
+@pytest.mark.parametrize("strategy", engine.LINEAR_NAMES)
+def test_linear_attention_sums_every_chunks_state_where_it_belongs(size, pass_, causal, layout, strategy):
+    """Replaying LASP-1's chains and LASP-2's all-gather on every rank: each row of what a rank
+    returns sums exactly the states of the chunks before its own (causal out, dq) or after it
+    (dk, dv), or every chunk's (not causal), through its own rows."""
+    from burstcu.layout import partition
+    if not isinstance(layout, str):
+        layout = layout[:size]
+        part = partition("contiguous", size, sum(layout), lengths=layout)
+    seqlen = schedule.SHAPE[1]
+    schedules = schedule.prove(pass_, size, causal=causal, strategy=strategy,
+                               layout=layout if isinstance(layout, str) else part)
+    chunks = _linear_chunks(layout, size, seqlen)
+    got = schedule.linear_sums(schedules, [sum(n for _, n, _ in mine) for mine in chunks])
+    assert got == _expected_linear(pass_, causal, chunks)
+
+
+def _lasp2_prefix_with_its_own_chunk(monkeypatch):
+    from burstcu.engine import lasp2
+    total = lasp2._total
+    monkeypatch.setattr(lasp2, "_total", lambda ops, states, *rest: total(
+        ops, list(states) + list(states[-1:]), *rest))
+
+
+def _lasp2_without_its_own_state(monkeypatch):
+    from burstcu.engine import lasp2
+    gather = lasp2._gather
+
+    def gathered(ops, transport, mine, label):
+        out, posted = gather(ops, transport, mine, label)
+        ops.copy_(out[transport.rank], 0)
+        return out, posted
+    monkeypatch.setattr(lasp2, "_gather", gathered)
+
+
+def _lasp1_sending_the_prefix_not_the_sum(monkeypatch):
+    from burstcu.engine import lasp1
+    send = lasp1._Chain.send
+    monkeypatch.setattr(lasp1._Chain, "send", lambda self, buf, dst, label: send(
+        self, buf, dst, label) if "total" in label else send(self, self.ops.zeros(buf.shape, buf.dtype),
+                                                            dst, label))
+
+
+@pytest.mark.parametrize("strategy,seed", [("lasp2", _lasp2_prefix_with_its_own_chunk),
+                                           ("lasp2", _lasp2_without_its_own_state),
+                                           ("lasp1", _lasp1_sending_the_prefix_not_the_sum)],
+                         ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("pass_", PASSES)
+def test_the_linear_replay_catches_a_state_too_many_or_missing(monkeypatch, strategy, seed, pass_):
+    """Seeded mistakes: LASP-2 summing a chunk's state twice (its prefixes and totals end with
+    the last state again), or leaving out its own state from the gather, and LASP-1 sending
+    zeros along its chain instead of the running sum."""
+    seed(monkeypatch)
+    schedules = schedule.prove(pass_, 3, causal=True, layout="zigzag", strategy=strategy)
+    chunks = _linear_chunks("zigzag", 3, schedule.SHAPE[1])
+    assert schedule.linear_sums(schedules, [4] * 3) != _expected_linear(pass_, True, chunks)

@@ -49,8 +49,8 @@ delivering labels): `forward_blocks_read`, the K/V block each forward step reads
 blocks keep) each returned dq, dk, dv sums, repeats kept, with every input, context and
 accumulator told apart (q from dout, dK from dV), so a term added twice, dropped, masked
 wrongly, read from the wrong tensor or sent to the wrong owner shows; `decode_parts_merged`,
-whose partial, of which call, each part of a decode merge is. The linear strategies' states
-are checked for races only (their values by the tests that run them).
+whose partial, of which call, each part of a decode merge is; `linear_sums`, which chunks'
+states (LASP's M and dM) each returned row of linear attention sums, and through which rows.
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
 `record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
@@ -167,8 +167,8 @@ class FakeArray:
 
     # array arithmetic as the linear strategies write it (CuPy runs it on the current stream,
     # the compute stream): each is a kernel there, a new array where it makes one
-    def _kernel(self, name: str, reads: Sequence, writes: Sequence) -> None:
-        self.allocation.device.kernel(name, [a for a in reads if isinstance(a, FakeArray)], writes)
+    def _kernel(self, name: str, reads: Sequence, writes: Sequence, detail: Any = None) -> None:
+        self.allocation.device.kernel(name, [a for a in reads if isinstance(a, FakeArray)], writes, detail)
 
     def _new(self, name: str, shape, dtype) -> "FakeArray":
         dtype = np.dtype(dtype)
@@ -179,7 +179,7 @@ class FakeArray:
         assert not isinstance(other, FakeArray) or other.shape == self.shape, (self, other)
         dtype = np.result_type(self.dtype, other.dtype if isinstance(other, FakeArray) else self.dtype)
         out = self._new("sum", self.shape, dtype)
-        self._kernel("add", [self, other], [out])
+        self._kernel("add", [self, other], [out], ("elements", self.size, getattr(other, "size", 1)))
         return out
 
     def __iadd__(self, other) -> "FakeArray":
@@ -189,11 +189,13 @@ class FakeArray:
         return self
 
     def __setitem__(self, key, value) -> None:
-        self._kernel("setitem", [value], [self[key]])
+        dst = self[key]
+        self._kernel("setitem", [value], [dst], ("elements", dst.size, value.size)
+                     if isinstance(value, FakeArray) else ("fill", value))
 
     def astype(self, dtype) -> "FakeArray":
         out = self._new("astype", self.shape, dtype)
-        self._kernel("astype", [self], [out])
+        self._kernel("astype", [self], [out], ("elements", self.size, self.size))
         return out
 
     def view(self, dtype: Any) -> "FakeArray":
@@ -221,9 +223,11 @@ class Action:
     label: the annotation ranges open when it was issued + what it is (e.g. "fwd 2 compute /
         forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only;
         a call outside groupStart/groupEnd, and each all-gather, is a group of its own).
-    detail: what the replays need of a kernel beyond its bytes: for copy_ and add_ the element
-        counts ("elements", of dst, of src) or the value of a fill ("fill", value); for
-        forward_step and backward_step the step's blocks (`kept_rows` gives the pairs they keep).
+    detail: what the replays need of a kernel beyond its bytes: for copies (copy_, setitem,
+        astype) and sums (add_, add) the element counts ("elements", of dst, of src) or the
+        value of a fill ("fill", value); for forward_step and backward_step the step's blocks
+        (`kept_rows` gives the pairs they keep); for the linear products the bytes of one row
+        of their first argument.
     """
 
     index: int
@@ -551,7 +555,8 @@ class RecordingOps(LocalOps):
     # -- linear attention: each product a kernel writing a new array --------------------------
     def _product(self, name: str, reads, *shapes, acc):
         outs = [self.new(name, shape, acc) for shape in shapes]
-        self.device.kernel(name, reads=[x for x in reads if x is not None], writes=outs)
+        row = int(np.prod(reads[0].shape[2:])) * reads[0].dtype.itemsize   # a row of (B, C, H, D)
+        self.device.kernel(name, reads=[x for x in reads if x is not None], writes=outs, detail=row)
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -1032,6 +1037,9 @@ def _cycle(edges: dict) -> set:
 # ----------------------------------------------------------------------------------------------
 # following the bytes: which K/V block each forward step reads; what each backward sum holds
 
+COPIES = ("copy_", "setitem", "astype")    # the kernels that copy (`_Bytes.copy`)
+
+
 def _kernel_name(action: Action) -> str:
     """The op a compute-stream kernel action ran ("copy_", "forward_step", ...)."""
     return action.label.split(" / ")[-1].split(", after ")[0]
@@ -1076,15 +1084,17 @@ class _Bytes:
         return first[1]
 
     def copy(self, action: Action) -> None:
-        """A copy_ kernel: dst = src, byte for byte; a cast (the same elements, other sizes)
-        fills dst with src's one label where it has one; another count of elements (a
-        broadcast) leaves nothing known."""
+        """A copy (copy_, setitem, astype): dst = src, byte for byte; a cast (the same elements,
+        other sizes) element by element, each dst element labelled as its src element where
+        that holds one label; another count of elements (a broadcast) leaves nothing known."""
         (src,), (dst,) = action.reads, action.writes
-        labels = self.read(src)
-        if action.detail[1] != action.detail[2]:
+        labels, (_, n, n_src) = self.read(src), action.detail
+        if n != n_src:
             labels = None
         elif len(labels) != dst.hi - dst.lo:
-            labels = [labels[0] if len(set(labels)) == 1 else None] * (dst.hi - dst.lo)
+            a, b = len(labels) // n, (dst.hi - dst.lo) // n
+            labels = [label for e in range(n) for label in
+                      [labels[e * a] if len(set(labels[e * a:(e + 1) * a])) == 1 else None] * b]
         self.write(dst, labels)
 
     def apply(self, action: Action) -> None:
@@ -1094,7 +1104,7 @@ class _Bytes:
             name = self.names[region.buffer]
             self.write(region, [(name, self.rank, o) for o in range(region.hi)] if name in self.INPUTS
                        else None)
-        elif action.kind == "kernel" and _kernel_name(action) == "copy_" and action.reads:
+        elif action.kind == "kernel" and _kernel_name(action) in COPIES and action.reads:
             self.copy(action)
         elif action.kind != "between":   # between calls the caller writes inputs of one meaning
             for region in action.writes:
@@ -1223,10 +1233,13 @@ class _Sums(_Bytes):
             super().apply(action)
         elif name == "zeros":
             self.fill(writes[0], ZERO)
-        elif name == "copy_" and not reads:
+        elif name in COPIES and not reads:
             self.fill(writes[0], ZERO if action.detail == ("fill", 0) else None)
-        elif name == "copy_":
+        elif name in COPIES:
             self.copy(action)
+        elif name == "add" and len(reads) == 2 and action.detail[1] == action.detail[2]:
+            a, b = (self.read(region) for region in reads)
+            self.write(writes[0], [_sum(x, y) for x, y in zip(a, b)] if len(a) == len(b) else None)
         elif name == "add_":
             dst, src = reads if len(reads) == 2 else (reads[0], None)
             a = self.read(dst)
@@ -1300,6 +1313,102 @@ def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
                                     f"not one sum of {name} terms")
             sums.append(label[2])
         out.append(tuple(sums))
+    return out
+
+
+class _LinearSums(_Sums):
+    """What each byte holds in linear attention, labelled as `_Sums` does, the inputs being q,
+    k, v and dout. A chunk's state M (linear_kv_state) or dM (linear_grad_state) is an
+    accumulator of kind "M" or "dM" holding the term ("M", chunk) or ("dM", chunk), chunk =
+    (rank, first local row, rows) of the rows it read; states sum as accumulators do. A run
+    product (linear_*_run) writes ("acc", kind, (("intra", chunk),)) into each output (out;
+    dq, dk, dv); a full product (linear_*_full) the terms of the states it reads (dq: M; out:
+    M; dk and dv: dM) and ("rows", chunk) of its rows. Each product checks that its row
+    arguments are the same rows of one rank's inputs, each in order."""
+
+    INPUTS = ("q", "k", "v", "dout")
+
+    def apply(self, action: Action) -> None:
+        name = _kernel_name(action) if action.kind == "kernel" else action.kind
+        reads, writes = action.reads, action.writes
+        if name == "linear_kv_state":
+            self.fill(writes[0], ("acc", "M", (("M", self.chunk(action, zip(reads, "kv"))),)))
+        elif name == "linear_grad_state":
+            self.fill(writes[0], ("acc", "dM", (("dM", self.chunk(action, zip(reads, ("q", "dout")))),)))
+        elif name in ("linear_forward_run", "linear_backward_run"):
+            names, kinds = ((("q", "k", "v"), ("out",)) if name == "linear_forward_run" else
+                            (("dout", "q", "k", "v"), ("dq", "dk", "dv")))
+            assert len(reads) == len(names), f"{action.describe()}: a run after a prefix or before a suffix"
+            chunk = self.chunk(action, zip(reads, names))
+            for region, kind in zip(writes, kinds):
+                self.fill(region, ("acc", kind, (("intra", chunk),)))
+        elif name == "linear_forward_full":
+            chunk = self.chunk(action, [(reads[0], "q")])
+            self.fill(writes[0], self.product(action, reads[1], "M", "out", chunk))
+        elif name == "linear_backward_full":
+            dout, k, v, total, grad_total = reads
+            chunk = self.chunk(action, zip((dout, k, v), ("dout", "k", "v")))
+            for region, (state, kind, what) in zip(writes, ((total, "M", "dq"), (grad_total, "dM", "dk"),
+                                                            (grad_total, "dM", "dv"))):
+                self.fill(region, self.product(action, state, kind, what, chunk))
+        else:
+            super().apply(action)
+
+    def chunk(self, action: Action, regions) -> tuple[int, int, int]:
+        """(rank, first local row, rows) that every (region, name) of `regions` holds of that
+        rank's input `name`, in order; the first's rows are action.detail bytes each."""
+        chunks, rows = set(), None
+        for region, name in regions:
+            labels = self.read(region)
+            first = labels[0] if labels else None
+            if first is None or first[0] != name or labels != [(name, first[1], first[2] + o)
+                                                                for o in range(len(labels))]:
+                shown = sorted({x if x is None else x[:2] for x in labels}, key=str)[:4]
+                raise ScheduleError(f"rank {self.rank}: {action.describe()} reads "
+                                    f"'{self.names[region.buffer]}' holding {shown}, not rows of one "
+                                    f"rank's {name} in order")
+            rows = len(labels) // action.detail if rows is None else rows
+            row = len(labels) // rows
+            chunks.add((first[1], first[2] // row, rows))
+        if len(chunks) != 1:
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads rows {sorted(chunks)} together")
+        return chunks.pop()
+
+    def product(self, action: Action, state: Region, kind: str, what: str, chunk: tuple) -> tuple:
+        """The label of a full product of `chunk`'s rows with `state` (an accumulator of `kind`),
+        written into an output of kind `what`."""
+        label = self.one(action, state, "acc")
+        if label[1] not in (kind, None):
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads a sum of {label[1]} "
+                                f"where a sum of {kind} belongs")
+        return ("acc", what, tuple(sorted(label[2] + (("rows", chunk),))))
+
+
+def linear_sums(schedules: Sequence[Schedule], seqlens: Sequence[int]) -> list[tuple[list, ...]]:
+    """For each rank, for each array its linear-attention forward (out) or backward (dq, dk,
+    dv) returned, for each of its seqlens[rank] local rows (B = 1), the terms (`_LinearSums`)
+    that row sums, sorted: which chunks' states reached it, and through which rows' products,
+    found by following the bytes (`_replay`). ScheduleError when a product reads rows out of
+    place, a state of the wrong kind, or a returned row holds anything but one sum of its
+    array's kind."""
+    held = [_LinearSums(s) for s in schedules]
+    _replay(schedules, held, lambda r, a: held[r].apply(a))
+    out = []
+    for r, s in enumerate(schedules):
+        names = {1: ("out",), 3: ("dq", "dk", "dv")}[len(s.outputs)]
+        arrays = []
+        for name, region in zip(names, s.outputs):
+            row = (region.hi - region.lo) // seqlens[r]
+            per_row = []
+            for i in range(seqlens[r]):
+                labels = set(held[r].read(Region(region.buffer, region.lo + i * row, region.lo + (i + 1) * row)))
+                label = next(iter(labels))
+                if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None):
+                    raise ScheduleError(f"rank {r}: row {i} of the {name} it returns holds "
+                                        f"{sorted(labels, key=str)[:4]}, not one sum of {name} terms")
+                per_row.append(label[2])
+            arrays.append(per_row)
+        out.append(tuple(arrays))
     return out
 
 
@@ -1387,4 +1496,4 @@ __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "Reco
            "check_world", "prove", "proved",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
            "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read",
-           "backward_sums", "decode_parts_merged", "kept_rows"]
+           "backward_sums", "decode_parts_merged", "kept_rows", "linear_sums"]
