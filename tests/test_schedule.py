@@ -1266,7 +1266,7 @@ def _lasp2_without_its_own_state(monkeypatch):
     monkeypatch.setattr(lasp2, "_gather", gathered)
 
 
-def _lasp1_sending_the_prefix_not_the_sum(monkeypatch):
+def _lasp1_sending_zeros(monkeypatch):
     from burstcu.engine import lasp1
     send = lasp1._Chain.send
     monkeypatch.setattr(lasp1._Chain, "send", lambda self, buf, dst, label: send(
@@ -1274,16 +1274,43 @@ def _lasp1_sending_the_prefix_not_the_sum(monkeypatch):
                                                             dst, label))
 
 
+def _lasp2_first_state_of_every_value_row(monkeypatch):
+    state = schedule.RecordingOps.linear_kv_state
+    monkeypatch.setattr(schedule.RecordingOps, "linear_kv_state",
+                        lambda self, k, v, acc: state(self, k, _whole_rows_of(v), acc))
+
+
+def _whole_rows_of(x):
+    """The whole (B, S, ...) array a row slice `x` of it was cut from (its buffer from byte 0)."""
+    return schedule.FakeArray(x.buffer, 0, (x.shape[0], schedule.SHAPE[1]) + x.shape[2:], x.dtype,
+                              allocation=x.allocation)
+
+
 @pytest.mark.parametrize("strategy,seed", [("lasp2", _lasp2_prefix_with_its_own_chunk),
                                            ("lasp2", _lasp2_without_its_own_state),
-                                           ("lasp1", _lasp1_sending_the_prefix_not_the_sum)],
+                                           ("lasp2", _lasp2_first_state_of_every_value_row),
+                                           ("lasp1", _lasp1_sending_zeros)],
                          ids=lambda x: getattr(x, "__name__", x))
 @pytest.mark.parametrize("pass_", PASSES)
 def test_the_linear_replay_catches_a_state_too_many_or_missing(monkeypatch, strategy, seed, pass_):
     """Seeded mistakes: LASP-2 summing a chunk's state twice (its prefixes and totals end with
-    the last state again), or leaving out its own state from the gather, and LASP-1 sending
-    zeros along its chain instead of the running sum."""
+    the last state again), leaving out its own state from the gather, or making each chunk's
+    state of its keys' rows with all of V, and LASP-1 sending zeros along its chain instead of
+    the running sum. Each is reported, or changes a sum."""
     seed(monkeypatch)
     schedules = schedule.prove(pass_, 3, causal=True, layout="zigzag", strategy=strategy)
     chunks = _linear_chunks("zigzag", 3, schedule.SHAPE[1])
-    assert schedule.linear_sums(schedules, [4] * 3) != _expected_linear(pass_, True, chunks)
+    try:
+        got = schedule.linear_sums(schedules, [schedule.SHAPE[1]] * 3)
+        assert got != _expected_linear(pass_, True, chunks)
+    except schedule.ScheduleError as caught:
+        assert "rows" in str(caught), str(caught)
+
+
+def test_the_linear_replay_refuses_strided_rows():
+    """With B > 1 a run's rows are strided: the replay knows nothing of them and says so,
+    rather than sum the wrong chunks."""
+    schedules = schedule.prove("forward", 2, causal=True, layout="zigzag", strategy="lasp2",
+                               shape=(2,) + schedule.SHAPE[1:])
+    with pytest.raises(schedule.ScheduleError, match="not rows of one rank's|not one sum"):
+        schedule.linear_sums(schedules, [schedule.SHAPE[1]] * 2)

@@ -111,6 +111,13 @@ class _Flags:
         self.c_contiguous = c_contiguous
 
 
+def elements(dst: "FakeArray", src) -> tuple:
+    """A copy's or sum's `Action.detail`: ("elements", of dst, of src (a scalar: 1), whether
+    both are contiguous: the replays follow labels only through contiguous bytes)."""
+    flat = dst.flags.c_contiguous and (not isinstance(src, FakeArray) or src.flags.c_contiguous)
+    return ("elements", dst.size, getattr(src, "size", 1), flat)
+
+
 class FakeArray:
     """A view of `shape`/`dtype` starting at byte `offset` of buffer `buffer`: C-contiguous, or
     (a slice along several axes, as the all-to-all strategies take heads and rows) strided, in
@@ -179,23 +186,23 @@ class FakeArray:
         assert not isinstance(other, FakeArray) or other.shape == self.shape, (self, other)
         dtype = np.result_type(self.dtype, other.dtype if isinstance(other, FakeArray) else self.dtype)
         out = self._new("sum", self.shape, dtype)
-        self._kernel("add", [self, other], [out], ("elements", self.size, getattr(other, "size", 1)))
+        self._kernel("add", [self, other], [out], elements(out, other))
         return out
 
     def __iadd__(self, other) -> "FakeArray":
         """In place, as CuPy's `+=` runs: `add_`."""
         self.allocation.device.kernel("add_", [self] + ([other] if isinstance(other, FakeArray) else []),
-                                      [self], detail=("elements", self.size, getattr(other, "size", 1)))
+                                      [self], detail=elements(self, other))
         return self
 
     def __setitem__(self, key, value) -> None:
         dst = self[key]
-        self._kernel("setitem", [value], [dst], ("elements", dst.size, value.size)
-                     if isinstance(value, FakeArray) else ("fill", value))
+        self._kernel("setitem", [value], [dst], elements(dst, value) if isinstance(value, FakeArray)
+                     else ("fill", value))
 
     def astype(self, dtype) -> "FakeArray":
         out = self._new("astype", self.shape, dtype)
-        self._kernel("astype", [self], [out], ("elements", self.size, self.size))
+        self._kernel("astype", [self], [out], elements(out, self))
         return out
 
     def view(self, dtype: Any) -> "FakeArray":
@@ -224,10 +231,9 @@ class Action:
         forward_step"). group: the NCCL group ordinal on this rank (send/recv/allgather only;
         a call outside groupStart/groupEnd, and each all-gather, is a group of its own).
     detail: what the replays need of a kernel beyond its bytes: for copies (copy_, setitem,
-        astype) and sums (add_, add) the element counts ("elements", of dst, of src) or the
-        value of a fill ("fill", value); for forward_step and backward_step the step's blocks
-        (`kept_rows` gives the pairs they keep); for the linear products the bytes of one row
-        of their first argument.
+        astype) and sums (add_, add) `elements`, or the value of a fill ("fill", value); for
+        forward_step and backward_step the step's blocks (`kept_rows` gives the pairs they
+        keep); for the linear products the bytes of one row of each argument.
     """
 
     index: int
@@ -481,12 +487,12 @@ class RecordingOps(LocalOps):
 
     def copy_(self, dst, src) -> None:
         if isinstance(src, FakeArray):
-            self.device.kernel("copy_", reads=[src], writes=[dst], detail=("elements", dst.size, src.size))
+            self.device.kernel("copy_", reads=[src], writes=[dst], detail=elements(dst, src))
         else:
             self.device.kernel("copy_", writes=[dst], detail=("fill", src))
 
     def add_(self, dst, src) -> None:
-        self.device.kernel("add_", reads=[dst, src], writes=[dst], detail=("elements", dst.size, src.size))
+        self.device.kernel("add_", reads=[dst, src], writes=[dst], detail=elements(dst, src))
 
     # -- forward -----------------------------------------------------------------------------
     def forward_init(self, q, softmax_scale):
@@ -555,8 +561,9 @@ class RecordingOps(LocalOps):
     # -- linear attention: each product a kernel writing a new array --------------------------
     def _product(self, name: str, reads, *shapes, acc):
         outs = [self.new(name, shape, acc) for shape in shapes]
-        row = int(np.prod(reads[0].shape[2:])) * reads[0].dtype.itemsize   # a row of (B, C, H, D)
-        self.device.kernel(name, reads=[x for x in reads if x is not None], writes=outs, detail=row)
+        reads = [x for x in reads if x is not None]
+        rows = tuple(int(np.prod(x.shape[2:])) * x.dtype.itemsize for x in reads)   # of (B, C, H, D)
+        self.device.kernel(name, reads=reads, writes=outs, detail=rows)
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -1086,10 +1093,11 @@ class _Bytes:
     def copy(self, action: Action) -> None:
         """A copy (copy_, setitem, astype): dst = src, byte for byte; a cast (the same elements,
         other sizes) element by element, each dst element labelled as its src element where
-        that holds one label; another count of elements (a broadcast) leaves nothing known."""
+        that holds one label; another count of elements (a broadcast), or a strided view,
+        leaves nothing known."""
         (src,), (dst,) = action.reads, action.writes
-        labels, (_, n, n_src) = self.read(src), action.detail
-        if n != n_src:
+        labels, (_, n, n_src, flat) = self.read(src), action.detail
+        if n != n_src or not flat:
             labels = None
         elif len(labels) != dst.hi - dst.lo:
             a, b = len(labels) // n, (dst.hi - dst.lo) // n
@@ -1237,15 +1245,15 @@ class _Sums(_Bytes):
             self.fill(writes[0], ZERO if action.detail == ("fill", 0) else None)
         elif name in COPIES:
             self.copy(action)
-        elif name == "add" and len(reads) == 2 and action.detail[1] == action.detail[2]:
+        elif name == "add" and len(reads) == 2 and action.detail[1] == action.detail[2] and action.detail[3]:
             a, b = (self.read(region) for region in reads)
             self.write(writes[0], [_sum(x, y) for x, y in zip(a, b)] if len(a) == len(b) else None)
         elif name == "add_":
             dst, src = reads if len(reads) == 2 else (reads[0], None)
             a = self.read(dst)
             b = a if src is None else self.read(src)
-            if src is None or action.detail[1] != action.detail[2]:    # a constant, or a broadcast
-                a = None
+            if src is None or action.detail[1] != action.detail[2] or not action.detail[3]:
+                a = None                         # a constant, a broadcast, or a strided view
             elif len(a) != len(b):      # other dtypes: one label each, or nothing known
                 a, b = ([x[0] if len(set(x)) == 1 else None] * len(a) for x in (a, b))
             self.write(dst, None if a is None else [_sum(x, y) for x, y in zip(a, b)])
@@ -1356,9 +1364,9 @@ class _LinearSums(_Sums):
 
     def chunk(self, action: Action, regions) -> tuple[int, int, int]:
         """(rank, first local row, rows) that every (region, name) of `regions` holds of that
-        rank's input `name`, in order; the first's rows are action.detail bytes each."""
-        chunks, rows = set(), None
-        for region, name in regions:
+        rank's input `name`, in order (action.detail: the bytes of a row of each)."""
+        chunks = set()
+        for (region, name), row in zip(regions, action.detail):
             labels = self.read(region)
             first = labels[0] if labels else None
             if first is None or first[0] != name or labels != [(name, first[1], first[2] + o)
@@ -1367,9 +1375,11 @@ class _LinearSums(_Sums):
                 raise ScheduleError(f"rank {self.rank}: {action.describe()} reads "
                                     f"'{self.names[region.buffer]}' holding {shown}, not rows of one "
                                     f"rank's {name} in order")
-            rows = len(labels) // action.detail if rows is None else rows
-            row = len(labels) // rows
-            chunks.add((first[1], first[2] // row, rows))
+            if first[2] % row or len(labels) % row:
+                raise ScheduleError(f"rank {self.rank}: {action.describe()} reads {len(labels)} bytes "
+                                    f"of '{self.names[region.buffer]}' from byte {first[2]}: not whole "
+                                    f"rows of {row}")
+            chunks.add((first[1], first[2] // row, len(labels) // row))
         if len(chunks) != 1:
             raise ScheduleError(f"rank {self.rank}: {action.describe()} reads rows {sorted(chunks)} together")
         return chunks.pop()
@@ -1386,11 +1396,11 @@ class _LinearSums(_Sums):
 
 def linear_sums(schedules: Sequence[Schedule], seqlens: Sequence[int]) -> list[tuple[list, ...]]:
     """For each rank, for each array its linear-attention forward (out) or backward (dq, dk,
-    dv) returned, for each of its seqlens[rank] local rows (B = 1), the terms (`_LinearSums`)
-    that row sums, sorted: which chunks' states reached it, and through which rows' products,
-    found by following the bytes (`_replay`). ScheduleError when a product reads rows out of
-    place, a state of the wrong kind, or a returned row holds anything but one sum of its
-    array's kind."""
+    dv) returned, for each of its seqlens[rank] local rows (B = 1: the rows are contiguous),
+    the terms (`_LinearSums`) that row sums, sorted: which chunks' states reached it, and
+    through which rows' products, found by following the bytes (`_replay`). ScheduleError when
+    a product reads rows out of place, a state of the wrong kind, or a returned row holds
+    anything but one sum of its array's kind."""
     held = [_LinearSums(s) for s in schedules]
     _replay(schedules, held, lambda r, a: held[r].apply(a))
     out = []
@@ -1398,7 +1408,8 @@ def linear_sums(schedules: Sequence[Schedule], seqlens: Sequence[int]) -> list[t
         names = {1: ("out",), 3: ("dq", "dk", "dv")}[len(s.outputs)]
         arrays = []
         for name, region in zip(names, s.outputs):
-            row = (region.hi - region.lo) // seqlens[r]
+            row, rest = divmod(region.hi - region.lo, seqlens[r])
+            assert rest == 0, f"rank {r}: {region} is not {seqlens[r]} rows"
             per_row = []
             for i in range(seqlens[r]):
                 labels = set(held[r].read(Region(region.buffer, region.lo + i * row, region.lo + (i + 1) * row)))
