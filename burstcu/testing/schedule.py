@@ -1288,6 +1288,16 @@ class _Sums(_Bytes):
                                 f"not one {kind!r}")
         return label
 
+    def returned(self, region: Region, name: str, what: str) -> tuple:
+        """The terms `region`, returned as `what`, sums: one accumulator of kind `name` (or
+        zeroed), or ScheduleError."""
+        labels = set(self.read(region))
+        label = next(iter(labels))
+        if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None):
+            raise ScheduleError(f"rank {self.rank}: {what} it returns holds {sorted(labels, key=str)[:4]}, "
+                                f"not one sum of {name} terms")
+        return label[2]
+
     def owner(self, action: Action, regions) -> int:
         """The one rank whose inputs the (region, name) pairs `regions` hold, each its own,
         whole and in order."""
@@ -1308,20 +1318,11 @@ def backward_sums(schedules: Sequence[Schedule]) -> list[tuple[tuple, ...]]:
     or a returned array holds anything but one sum of its own kind."""
     held = [_Sums(s) for s in schedules]
     _replay(schedules, held, lambda r, a: held[r].apply(a))
-    out = []
     for r, s in enumerate(schedules):
         assert len(s.outputs) in (3, 4), f"rank {r}: not a backward's outputs: {s.outputs}"
-        sums = []
-        for name, region in zip(("dq", "dk", "dv", "row_sums"), s.outputs):
-            labels = set(held[r].read(region))
-            label = next(iter(labels))
-            if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None) \
-                    or label[1] is None and label[2]:
-                raise ScheduleError(f"rank {r}: the {name} it returns holds {sorted(labels, key=str)[:4]}, "
-                                    f"not one sum of {name} terms")
-            sums.append(label[2])
-        out.append(tuple(sums))
-    return out
+    return [tuple(held[r].returned(region, name, f"the {name}")
+                  for name, region in zip(("dq", "dk", "dv", "row_sums"), s.outputs))
+            for r, s in enumerate(schedules)]
 
 
 class _LinearSums(_Sums):
@@ -1410,15 +1411,9 @@ def linear_sums(schedules: Sequence[Schedule], seqlens: Sequence[int]) -> list[t
         for name, region in zip(names, s.outputs):
             row, rest = divmod(region.hi - region.lo, seqlens[r])
             assert rest == 0, f"rank {r}: {region} is not {seqlens[r]} rows"
-            per_row = []
-            for i in range(seqlens[r]):
-                labels = set(held[r].read(Region(region.buffer, region.lo + i * row, region.lo + (i + 1) * row)))
-                label = next(iter(labels))
-                if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None):
-                    raise ScheduleError(f"rank {r}: row {i} of the {name} it returns holds "
-                                        f"{sorted(labels, key=str)[:4]}, not one sum of {name} terms")
-                per_row.append(label[2])
-            arrays.append(per_row)
+            arrays.append([held[r].returned(Region(region.buffer, region.lo + i * row,
+                                                   region.lo + (i + 1) * row), name, f"row {i} of the {name}")
+                           for i in range(seqlens[r])])
         out.append(tuple(arrays))
     return out
 
