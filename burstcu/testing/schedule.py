@@ -1079,16 +1079,36 @@ class _Bytes:
     def fill(self, region: Region, label) -> None:
         self.write(region, [label] * (region.hi - region.lo))
 
+    def label_of(self, region: Region):
+        """The one label every byte of `region` holds, or None."""
+        labels = set(self.read(region))
+        return labels.pop() if len(labels) == 1 else None
+
+    def shown(self, region: Region) -> list:
+        """Up to four of the labels `region` holds, for a message."""
+        return sorted(set(self.read(region)), key=str)[:4]
+
+    def in_order(self, action: Action, region: Region, name: str, what: str) -> tuple[int, int, int]:
+        """(rank, first byte, bytes) of the run of rank's input `name` that `region` holds, its
+        bytes in order, or ScheduleError saying it is not `what`."""
+        labels = self.read(region)
+        first = labels[0] if labels else None
+        if first is None or first[0] != name or labels != [(name, first[1], first[2] + o)
+                                                            for o in range(len(labels))]:
+            shown = sorted({x if x is None else x[:2] for x in labels}, key=str)[:4]
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads '{self.names[region.buffer]}' "
+                                f"holding {shown}, not {what}")
+        return first[1], first[2], len(labels)
+
     def whole(self, action: Action, region: Region, name: str) -> int:
         """The rank whose input `name` `region` holds, whole and in order (its byte o at o), or
         ScheduleError."""
-        labels = self.read(region)
-        first = labels[0] if labels else None
-        if first is None or first[0] != name or labels != [(name, first[1], o) for o in range(len(labels))]:
-            shown = sorted({x if x is None else x[:2] for x in labels}, key=str)[:4]
-            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads '{self.names[region.buffer]}' "
-                                f"holding {shown}, not one rank's {name} whole and in order")
-        return first[1]
+        what = f"one rank's {name} whole and in order"
+        rank, start, _ = self.in_order(action, region, name, what)
+        if start:
+            raise ScheduleError(f"rank {self.rank}: {action.describe()} reads rank {rank}'s {name} "
+                                f"from byte {start}, not {what}")
+        return rank
 
     def copy(self, action: Action) -> None:
         """A copy (copy_, setitem, astype): dst = src, byte for byte; a cast (the same elements,
@@ -1280,21 +1300,19 @@ class _Sums(_Bytes):
 
     def one(self, action: Action, region: Region, kind: str):
         """The one label of kind `kind` every byte of `region` holds, or ScheduleError."""
-        labels = set(self.read(region))
-        label = next(iter(labels))
-        if len(labels) != 1 or label is None or label[0] != kind:
+        label = self.label_of(region)
+        if label is None or label[0] != kind:
             raise ScheduleError(f"rank {self.rank}: {action.describe()} reads "
-                                f"'{self.names[region.buffer]}' holding {sorted(labels, key=str)[:4]}, "
+                                f"'{self.names[region.buffer]}' holding {self.shown(region)}, "
                                 f"not one {kind!r}")
         return label
 
     def returned(self, region: Region, name: str, what: str) -> tuple:
         """The terms `region`, returned as `what`, sums: one accumulator of kind `name` (or
         zeroed), or ScheduleError."""
-        labels = set(self.read(region))
-        label = next(iter(labels))
-        if len(labels) != 1 or label is None or label[0] != "acc" or label[1] not in (name, None):
-            raise ScheduleError(f"rank {self.rank}: {what} it returns holds {sorted(labels, key=str)[:4]}, "
+        label = self.label_of(region)
+        if label is None or label[0] != "acc" or label[1] not in (name, None):
+            raise ScheduleError(f"rank {self.rank}: {what} it returns holds {self.shown(region)}, "
                                 f"not one sum of {name} terms")
         return label[2]
 
@@ -1368,19 +1386,12 @@ class _LinearSums(_Sums):
         rank's input `name`, in order (action.detail: the bytes of a row of each)."""
         chunks = set()
         for (region, name), row in zip(regions, action.detail):
-            labels = self.read(region)
-            first = labels[0] if labels else None
-            if first is None or first[0] != name or labels != [(name, first[1], first[2] + o)
-                                                                for o in range(len(labels))]:
-                shown = sorted({x if x is None else x[:2] for x in labels}, key=str)[:4]
-                raise ScheduleError(f"rank {self.rank}: {action.describe()} reads "
-                                    f"'{self.names[region.buffer]}' holding {shown}, not rows of one "
-                                    f"rank's {name} in order")
-            if first[2] % row or len(labels) % row:
-                raise ScheduleError(f"rank {self.rank}: {action.describe()} reads {len(labels)} bytes "
-                                    f"of '{self.names[region.buffer]}' from byte {first[2]}: not whole "
+            rank, start, nbytes = self.in_order(action, region, name, f"rows of one rank's {name} in order")
+            if start % row or nbytes % row:
+                raise ScheduleError(f"rank {self.rank}: {action.describe()} reads {nbytes} bytes "
+                                    f"of '{self.names[region.buffer]}' from byte {start}: not whole "
                                     f"rows of {row}")
-            chunks.add((first[1], first[2] // row, len(labels) // row))
+            chunks.add((rank, start // row, nbytes // row))
         if len(chunks) != 1:
             raise ScheduleError(f"rank {self.rank}: {action.describe()} reads rows {sorted(chunks)} together")
         return chunks.pop()
@@ -1436,10 +1447,8 @@ class _Partials(_Bytes):
             self.partials += 1
         elif name == "decode_merge":
             reads = action.reads
-            self.merged.append([tuple(set(self.read(r)).pop() if len(set(self.read(r))) == 1 else None
-                                      for r in reads[i:i + 3]) for i in range(0, len(reads), 3)])
-            super().apply(action)
-        else:
+            self.merged.append([tuple(map(self.label_of, reads[i:i + 3])) for i in range(0, len(reads), 3)])
+        if name != "decode_partial":
             super().apply(action)
 
 
