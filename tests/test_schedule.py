@@ -666,6 +666,149 @@ def test_removing_any_record_or_wait_of_ulysses_is_caught(pass_):
                                             strategy="ulysses", shape=ULYSSES_SHAPE))
 
 
+# Ulysses' data, byte by byte (`schedule.provenance`): the expectations below are written from
+# the strategy's definition (rank j takes query heads [j*H/G, (j+1)*H/G) and the kv heads they
+# read, h // (H/Hkv), of every row, in position order), not from burstcu.engine.ulysses
+
+ULYSSES_HEADS = [(1, 4, 4), (1, 4, 1), (2, 4, 4), (2, 4, 2), (2, 4, 1), (2, 8, 2), (3, 6, 3),
+                 (3, 3, 1), (3, 6, 6), (4, 4, 4), (4, 8, 2), (4, 4, 2), (4, 4, 1)]   # G, H, Hkv
+
+
+def _ulysses_positions(layout, size: int) -> list[list[int]]:
+    """Each rank's rows' global positions, in local order: named layouts at 4 rows a rank
+    (`bodies.my_rows`), a Partition as its runs say."""
+    from tests.mpi.bodies import my_rows
+    if isinstance(layout, str):
+        return [[int(p) for p in my_rows(layout, r, size, 4 * size)] for r in range(size)]
+    return [[seg.pos + i for seg in sorted(layout.runs[r], key=lambda seg: seg.local)
+             for i in range(seg.length)] for r in range(size)]
+
+
+def _ulysses_labels(pass_: str, positions: list, batch: int, h: int, hkv: int, d: int, row_sums: bool):
+    """What `provenance` should find on each rank for Ulysses in float16 (float32 accumulation):
+    [(kernel, labels of each array it reads, None: not compared)], and the labels of each array
+    returned. Made elements carry one label on each of their bytes; a sum of several is ("+",
+    terms sorted)."""
+    it, acc, size = 2, 4, len(positions)
+    rows = sorted((p, r, l) for r, ps in enumerate(positions) for l, p in enumerate(ps))
+    rows = [(r, l) for _, r, l in rows]                      # the whole sequence, in order
+    n, hg = len(rows), h // size
+    heads = [list(range(j * hg, (j + 1) * hg)) for j in range(size)]       # query heads of j
+    kv = [sorted({x // (h // hkv) for x in heads[j]}) for j in range(size)]  # the kv heads they read
+    length = [len(ps) for ps in positions]
+
+    def made(name, r, e, nbytes):
+        return [("made", name, r, e)] * nbytes
+
+    def summed(terms):
+        return terms[0] if len(terms) == 1 else ("+",) + tuple(sorted(terms, key=str))
+
+    def assembled(name, width, picked):   # (B, N, picked, D) of input `name` (B, S, width, D)
+        return [(name, r, (((bb * length[r] + l) * width + x) * d + e) * it + b) for bb in range(batch)
+                for r, l in rows for x in picked for e in range(d) for b in range(it)]
+
+    def stats(j, name, delta):            # (B, Hg, N) of rank j's heads: lse as given, delta as made
+        return [x for bb in range(batch) for hh in heads[j] for r, l in rows
+                for x in (made("delta", r, (bb * h + hh) * length[r] + l, acc) if delta else
+                          [("lse", r, ((bb * h + hh) * length[r] + l) * acc + b) for b in range(acc)])]
+
+    reads, returned = [], []
+    for j in range(size):
+        mine = length[j]
+        at = [rows.index((j, l)) for l in range(mine)]     # my rows' places in the sequence
+        if pass_ == "forward":
+            reads.append([("forward_init", [assembled("q", h, heads[j])]),
+                          ("forward_step", [None, assembled("k", hkv, kv[j]), assembled("v", hkv, kv[j])])])
+        else:
+            whole = [[(name, j, o) for o in range(batch * mine * h * d * it)] for name in ("dout", "out")]
+            reads.append([("backward_delta", whole),
+                          ("backward_init", [assembled("k", hkv, kv[j]), assembled("v", hkv, kv[j])]),
+                          ("backward_step", [None, assembled("q", h, heads[j]), assembled("dout", h, heads[j]),
+                                             stats(j, "lse", False), stats(j, "delta", True),
+                                             [schedule.ZERO] * batch * n * hg * d * acc]
+                           + ([[schedule.ZERO] * batch * n * hg * acc] if row_sums else []))])
+
+        def query_heads(name):   # (B, S, H, D) of my rows: head x made by rank x // hg as (B, N, Hg, D)
+            return [x for bb in range(batch) for l in range(mine) for hh in range(h) for e in range(d)
+                    for x in made(name, hh // hg, ((bb * n + at[l]) * hg + hh % hg) * d + e, it)]
+
+        def kv_heads(name):      # (B, S, Hkv, D): kv head g, summed over the ranks reading it
+            return [x for bb in range(batch) for l in range(mine) for g in range(hkv) for e in range(d)
+                    for x in [summed([("made", name, i, ((bb * n + at[l]) * len(kv[i]) + kv[i].index(g)) * d + e)
+                                      for i in range(size) if g in kv[i]])] * it]
+
+        def per_row(name):       # (B, H, S) in the accumulation dtype, made as (B, Hg, N)
+            return [x for bb in range(batch) for hh in range(h) for l in range(mine)
+                    for x in made(name, hh // hg, (bb * hg + hh % hg) * n + at[l], acc)]
+
+        if pass_ == "forward":
+            returned.append([query_heads("out"), per_row("lse")])
+        else:
+            returned.append([query_heads("dq"), kv_heads("dk"), kv_heads("dv")]
+                            + ([per_row("row_sums")] if row_sums else []))
+    return reads, returned
+
+
+def _assert_ulysses_moves(schedules, pass_, positions, shape, row_sums=False, calls=1):
+    """Each rank's kernels read, and it returns, exactly the bytes `_ulysses_labels` says
+    (shape: B, S, H, Hkv, D)."""
+    batch, _, h, hkv, d = shape
+    reads, returned = _ulysses_labels(pass_, positions, batch, h, hkv, d, row_sums)
+    for r, (got_reads, got_returned) in enumerate(schedule.provenance(schedules)):
+        assert [name for name, _ in got_reads] == [name for name, _ in reads[r]] * calls, r
+        for (name, got), (_, want) in zip(got_reads, reads[r] * calls):
+            for i, (x, y) in enumerate(zip(got, want)):
+                assert y is None or x == y, f"rank {r}: {name} argument {i}"
+        assert len(got_returned) == len(returned[r])
+        for i, (x, y) in enumerate(zip(got_returned, returned[r])):
+            assert x == y, f"rank {r}: returned array {i}"
+
+
+@pytest.mark.parametrize("size,h,hkv", ULYSSES_HEADS)
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ulysses_moves_every_head_to_its_rank_and_back(size, h, hkv, pass_, layout):
+    """Following the bytes through Ulysses' all-to-alls on NCCL: each rank attends over the
+    whole sequence in position order with exactly its query heads and the kv heads they read,
+    its backward reads its heads' lse and delta, and every output element comes home from the
+    rank that owns its head; a kv head several ranks share comes home as the sum of each one's
+    dk and dv. Two batch rows: every head slice is strided."""
+    shape = (2, 4, h, hkv, 8)
+    schedules = schedule.prove(pass_, size, causal=True, layout=layout, strategy="ulysses", shape=shape)
+    _assert_ulysses_moves(schedules, pass_, _ulysses_positions(layout, size), shape)
+
+
+@pytest.mark.parametrize("size,h,hkv", [(2, 4, 2), (3, 6, 3), (4, 4, 1)])
+@pytest.mark.parametrize("pass_", PASSES)
+def test_ulysses_moves_uneven_shards_and_row_sums(size, h, hkv, pass_):
+    """The same with shards of different lengths (contiguous, and documents cut per-document
+    zigzag or held whole), with check=True's row sums, and over three calls in a row."""
+    shape = (1, 4, h, hkv, 8)
+    for part, docs in _uneven_partitions(size):
+        schedules = schedule.prove(pass_, size, causal=True, layout=part, strategy="ulysses",
+                                   shape=shape, cu_seqlens=docs, row_sums=True, calls=3)
+        _assert_ulysses_moves(schedules, pass_, _ulysses_positions(part, size), shape,
+                              row_sums=pass_ == "backward", calls=3)
+
+
+@pytest.mark.parametrize("shape,key", [((2, 5, 3, 4), (slice(None), slice(None), slice(1, 3))),
+                                       ((2, 3, 5), (slice(None), slice(1, 2), slice(2, 5))),
+                                       ((1, 4, 1, 8), (slice(None), slice(1, 3))),
+                                       ((3, 1, 4, 2), (slice(0, 2), 0, slice(1, 4))),
+                                       ((2, 3, 4), (1, slice(None), slice(0, 0))),
+                                       ((4, 6), (slice(1, 3), slice(0, 6)))],
+                         ids=str)
+def test_a_fake_view_holds_the_bytes_numpy_says(shape, key):
+    """`FakeArray.runs` (the bytes a view holds, in element order) against NumPy's own strides:
+    the byte offset of each element of the same slice of a real array."""
+    fake = schedule.FakeArray(0, 16, shape, np.float32)
+    offsets = (np.arange(int(np.prod(shape))).reshape(shape) * 4 + 16)[key].ravel()
+    held = [lo + b for lo, n in fake[key].runs() for b in range(n)]
+    assert held == [int(o) + b for o in offsets for b in range(4)]
+    region = fake[key].region
+    assert region.lo == min(held, default=region.lo) and region.hi == max(held, default=region.hi - 1) + 1
+
+
 # -- the all-gather strategies: the all-gather baseline, LASP-2, LASP-1's chains, decode --------
 
 @pytest.mark.parametrize("size", (2, 3, 4))
@@ -1308,8 +1451,9 @@ def test_the_linear_replay_catches_a_state_too_many_or_missing(monkeypatch, stra
 
 
 def test_the_linear_replay_refuses_strided_rows():
-    """With B > 1 a run's rows are strided: the replay knows nothing of them and says so,
-    rather than sum the wrong chunks."""
+    """With B > 1 a chunk's rows are one run of bytes per batch row, which the linear
+    replay's chunk (one run of rows) cannot say: it says so, rather than sum the wrong chunks
+    (the bounding span of the strided rows would read as one run of other rows)."""
     schedules = schedule.prove("forward", 2, causal=True, layout="zigzag", strategy="lasp2",
                                shape=(2,) + schedule.SHAPE[1:])
     with pytest.raises(schedule.ScheduleError, match="not rows of one rank's|not one sum"):

@@ -50,7 +50,11 @@ blocks keep) each returned dq, dk, dv sums, repeats kept, with every input, cont
 accumulator told apart (q from dout, dK from dV), so a term added twice, dropped, masked
 wrongly, read from the wrong tensor or sent to the wrong owner shows; `decode_parts_merged`,
 whose partial, of which call, each part of a decode merge is; `linear_sums`, which chunks'
-states (LASP's M and dM) each returned row of linear attention sums, and through which rows.
+states (LASP's M and dM) each returned row of linear attention sums, and through which rows;
+`provenance`, where each byte a kernel reads and each byte returned came from (which rank's
+input, or which element of which rank's kernel output), for a test to compare with what a
+strategy should move where (Ulysses' head slices). Labels follow the exact bytes of every
+view, strided ones included (`Region.runs`).
 
 Ranks are simulated one after another in this process: the transport needs no peers to record.
 `record_loopback` records the one-GPU loopback transport's ranks as threads into one schedule
@@ -67,7 +71,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from functools import lru_cache
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -87,11 +91,14 @@ COMPUTE = "compute"
 
 @dataclass(frozen=True)
 class Region:
-    """Bytes [lo, hi) of buffer `buffer`."""
+    """Bytes [lo, hi) of buffer `buffer`; of a strided view, `runs` are the bytes it holds,
+    exactly ((first byte, bytes), ... in the view's element order: `FakeArray.runs`), and
+    [lo, hi) bounds them (what the race checker compares)."""
 
     buffer: int
     lo: int
     hi: int
+    runs: tuple | None = field(default=None, compare=False)
 
     def overlaps(self, other: "Region") -> bool:
         return self.buffer == other.buffer and self.lo < other.hi and other.lo < self.hi
@@ -112,17 +119,15 @@ class _Flags:
 
 
 def elements(dst: "FakeArray", src) -> tuple:
-    """A copy's or sum's `Action.detail`: ("elements", of dst, of src (a scalar: 1), whether
-    both are contiguous: the replays follow labels only through contiguous bytes)."""
-    flat = dst.flags.c_contiguous and (not isinstance(src, FakeArray) or src.flags.c_contiguous)
-    return ("elements", dst.size, getattr(src, "size", 1), flat)
+    """A copy's or sum's `Action.detail`: ("elements", of dst, of src (a scalar: 1))."""
+    return ("elements", dst.size, getattr(src, "size", 1))
 
 
 class FakeArray:
     """A view of `shape`/`dtype` starting at byte `offset` of buffer `buffer`: C-contiguous, or
     (a slice along several axes, as the all-to-all strategies take heads and rows) strided, in
     which case its region is the whole byte range from its first to its last element, a
-    conservative bound for the race checker.
+    conservative bound for the race checker, and `runs` the bytes it holds exactly.
 
     Supports what the engines and `Message` do to arrays: slicing with unit steps, `view` and
     `reshape` of contiguous views. Every view keeps the `allocation` of its buffer alive, as a
@@ -130,11 +135,14 @@ class FakeArray:
     """
 
     def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any, span: int | None = None,
-                 allocation: _Allocation | None = None):
+                 allocation: _Allocation | None = None, strides: tuple | None = None):
         self.buffer, self.offset, self.allocation = buffer, offset, allocation
         self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
         self.span = self.nbytes if span is None else span      # bytes from first to last element
         self.flags = _Flags(self.span == self.nbytes)
+        # bytes between neighbours along each axis (C order unless a strided slice says)
+        self.strides = strides if strides is not None else tuple(
+            int(x) for x in np.cumprod((1,) + self.shape[:0:-1])[::-1] * self.dtype.itemsize)
 
     @property
     def size(self) -> int:
@@ -146,7 +154,8 @@ class FakeArray:
 
     @property
     def region(self) -> Region:
-        return Region(self.buffer, self.offset, self.offset + self.span)
+        return Region(self.buffer, self.offset, self.offset + self.span,
+                      None if self.flags.c_contiguous else self.runs())
 
     def __getitem__(self, key) -> "FakeArray":
         assert self.flags.c_contiguous, "slicing a strided fake view is not supported"
@@ -165,12 +174,33 @@ class FakeArray:
         assert all(isinstance(k, slice) and k.step in (None, 1) for k in key), key
         bounds = [k.indices(n)[:2] for k, n in zip(key, self.shape)]
         shape = tuple(max(hi - lo, 0) for lo, hi in bounds)
-        strides = np.cumprod((1,) + self.shape[:0:-1])[::-1] * self.dtype.itemsize
+        strides = self.strides
         first = sum(int(lo) * int(st) for (lo, _), st in zip(bounds, strides))
         last = sum((int(lo) + n - 1) * int(st) for (lo, _), n, st in zip(bounds, shape, strides))
         span = 0 if 0 in shape else last - first + self.dtype.itemsize
-        shape = tuple(n for n, drop in zip(shape, dropped) if not drop)
-        return FakeArray(self.buffer, self.offset + first, shape, self.dtype, span, self.allocation)
+        kept = [(n, int(st)) for n, st, drop in zip(shape, strides, dropped) if not drop]
+        return FakeArray(self.buffer, self.offset + first, tuple(n for n, _ in kept), self.dtype, span,
+                         self.allocation, tuple(st for _, st in kept))
+
+    def runs(self) -> tuple:
+        """(first byte, bytes) of each contiguous run of bytes the view holds, in C order of its
+        elements, adjacent runs merged."""
+        if self.size == 0:
+            return ()
+        if self.flags.c_contiguous:
+            return ((self.offset, self.nbytes),)
+        inner, axes = self.dtype.itemsize, len(self.shape)
+        while axes and (self.shape[axes - 1] == 1 or self.strides[axes - 1] == inner):
+            inner *= self.shape[axes - 1]          # the innermost axes that are contiguous
+            axes -= 1
+        runs: list[tuple[int, int]] = []
+        for index in itertools.product(*(range(n) for n in self.shape[:axes])):
+            first = self.offset + sum(i * st for i, st in zip(index, self.strides))
+            if runs and sum(runs[-1]) == first:
+                runs[-1] = (runs[-1][0], runs[-1][1] + inner)
+            else:
+                runs.append((first, inner))
+        return tuple(runs)
 
     # array arithmetic as the linear strategies write it (CuPy runs it on the current stream,
     # the compute stream): each is a kernel there, a new array where it makes one
@@ -234,6 +264,7 @@ class Action:
         astype) and sums (add_, add) `elements`, or the value of a fill ("fill", value); for
         forward_step and backward_step the step's blocks (`kept_rows` gives the pairs they
         keep); for the linear products the bytes of one row of each argument.
+    sizes: the itemsize of each array a kernel writes.
     """
 
     index: int
@@ -247,6 +278,7 @@ class Action:
     group: int | None = None
     nbytes: int = 0
     detail: Any = None
+    sizes: tuple = ()
 
     def describe(self) -> str:
         return f"#{self.index} {self.kind} on the {self.stream} stream ({self.label})"
@@ -347,7 +379,8 @@ class RecordingDevice:
     def kernel(self, name: str, reads: Sequence[FakeArray] = (), writes: Sequence[FakeArray] = (),
                detail: Any = None) -> None:
         self._add(COMPUTE, "kernel", name, reads=tuple(a.region for a in reads),
-                  writes=tuple(a.region for a in writes), detail=detail)
+                  writes=tuple(a.region for a in writes), detail=detail,
+                  sizes=tuple(a.dtype.itemsize for a in writes))
 
     def sentinel(self, kind: str) -> None:
         """begin: the caller wrote its inputs; end: anything may be reused (see module doc)."""
@@ -1064,7 +1097,14 @@ class _Bytes:
         self.names = schedule.buffers
 
     def write(self, region: Region, labels: list | None = None) -> None:
+        """Label the bytes `region` holds (None: nothing known), in order."""
         if region.hi - region.lo > (1 << 40):   # a sentinel: the caller may write anything
+            return
+        if region.runs is not None:             # a strided view: exactly its bytes
+            at = 0
+            for lo, n in region.runs:
+                self.write(Region(region.buffer, lo, lo + n), None if labels is None else labels[at:at + n])
+                at += n
             return
         assert labels is None or len(labels) == region.hi - region.lo, (region, len(labels))
         held = self.held.setdefault(region.buffer, [])
@@ -1073,11 +1113,14 @@ class _Bytes:
         held[region.lo:region.hi] = labels if labels is not None else [None] * (region.hi - region.lo)
 
     def read(self, region: Region) -> list:
+        """The labels of the bytes `region` holds, in order."""
+        if region.runs is not None:
+            return [x for lo, n in region.runs for x in self.read(Region(region.buffer, lo, lo + n))]
         held = self.held.get(region.buffer, [])
         return (held[region.lo:region.hi] + [None] * region.hi)[:region.hi - region.lo]
 
     def fill(self, region: Region, label) -> None:
-        self.write(region, [label] * (region.hi - region.lo))
+        self.write(region, [label] * _held(region))
 
     def label_of(self, region: Region):
         """The one label every byte of `region` holds, or None."""
@@ -1110,20 +1153,26 @@ class _Bytes:
                                 f"from byte {start}, not {what}")
         return rank
 
+    def operands(self, action: Action, src: Region | None) -> tuple[list, list | None]:
+        """The labels of a copy's or sum's destination and source (`elements`), byte for byte;
+        for a cast (the same elements, other sizes), each element of both the one label its
+        bytes hold (or None) repeated over dst's element size; a scalar, or another count of
+        elements (a broadcast), gives (dst's, None). src: the source's bytes, None for a scalar."""
+        dst, (_, n, n_src) = self.read(action.writes[0]), action.detail
+        if src is None or n != n_src:
+            return dst, None
+        src = self.read(src)
+        if len(src) != len(dst):
+            width = len(dst) // n
+            dst, src = _per_element(dst, n, width), _per_element(src, n, width)
+        return dst, src
+
     def copy(self, action: Action) -> None:
-        """A copy (copy_, setitem, astype): dst = src, byte for byte; a cast (the same elements,
-        other sizes) element by element, each dst element labelled as its src element where
-        that holds one label; another count of elements (a broadcast), or a strided view,
-        leaves nothing known."""
-        (src,), (dst,) = action.reads, action.writes
-        labels, (_, n, n_src, flat) = self.read(src), action.detail
-        if n != n_src or not flat:
-            labels = None
-        elif len(labels) != dst.hi - dst.lo:
-            a, b = len(labels) // n, (dst.hi - dst.lo) // n
-            labels = [label for e in range(n) for label in
-                      [labels[e * a] if len(set(labels[e * a:(e + 1) * a])) == 1 else None] * b]
-        self.write(dst, labels)
+        """A copy (copy_, setitem, astype): dst = src, byte for byte, through the bytes each
+        view holds; a cast element by element (`operands`); a broadcast, or a fill, leaves
+        nothing known."""
+        self.write(action.writes[0], None if action.detail[0] == "fill" else
+                   self.operands(action, action.reads[0])[1])
 
     def apply(self, action: Action) -> None:
         """An action of the compute stream (or an alloc) on this rank, in issue order."""
@@ -1132,11 +1181,24 @@ class _Bytes:
             name = self.names[region.buffer]
             self.write(region, [(name, self.rank, o) for o in range(region.hi)] if name in self.INPUTS
                        else None)
-        elif action.kind == "kernel" and _kernel_name(action) in COPIES and action.reads:
+        elif action.kind == "kernel" and _kernel_name(action) in COPIES:
             self.copy(action)
         elif action.kind != "between":   # between calls the caller writes inputs of one meaning
             for region in action.writes:
                 self.write(region)
+
+
+def _held(region: Region) -> int:
+    """How many bytes `region` holds."""
+    return region.hi - region.lo if region.runs is None else sum(n for _, n in region.runs)
+
+
+def _per_element(labels: list, n: int, width: int) -> list:
+    """The labels of n equal elements, each the one label its bytes hold (None if they differ),
+    repeated `width` times."""
+    size = len(labels) // n
+    return [label for e in range(n) for label in
+            [labels[e * size] if len(set(labels[e * size:(e + 1) * size])) == 1 else None] * width]
 
 
 def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -> None:
@@ -1192,8 +1254,8 @@ def _replay(schedules: Sequence[Schedule], held: Sequence[_Bytes], on_compute) -
 def _deliver(held: _Bytes, action: Action, labels: list) -> None:
     """A receive (or all-gather) `action` writes the message bytes labelled `labels`."""
     region = action.writes[0]
-    if len(labels) != region.hi - region.lo:
-        raise ScheduleError(f"rank {held.rank}: {action.describe()} writes {region.hi - region.lo} "
+    if len(labels) != _held(region):
+        raise ScheduleError(f"rank {held.rank}: {action.describe()} writes {_held(region)} "
                             f"bytes of a {len(labels)}-byte message")
     held.write(region, labels)
 
@@ -1265,21 +1327,17 @@ class _Sums(_Bytes):
             self.fill(writes[0], ZERO if action.detail == ("fill", 0) else None)
         elif name in COPIES:
             self.copy(action)
-        elif name == "add" and len(reads) == 2 and action.detail[1] == action.detail[2] and action.detail[3]:
+        elif name == "add" and len(reads) == 2:   # out = a + b, all three of one dtype
             a, b = (self.read(region) for region in reads)
-            self.write(writes[0], [_sum(x, y) for x, y in zip(a, b)] if len(a) == len(b) else None)
+            same = action.detail[1] == action.detail[2] and len(a) == len(b) == _held(writes[0])
+            self.write(writes[0], [_sum(x, y) for x, y in zip(a, b)] if same else None)
         elif name == "add_":
-            dst, src = reads if len(reads) == 2 else (reads[0], None)
-            a = self.read(dst)
-            b = a if src is None else self.read(src)
-            if src is None or action.detail[1] != action.detail[2] or not action.detail[3]:
-                a = None                         # a constant, a broadcast, or a strided view
-            elif len(a) != len(b):      # other dtypes: one label each, or nothing known
-                a, b = ([x[0] if len(set(x)) == 1 else None] * len(a) for x in (a, b))
-            self.write(dst, None if a is None else [_sum(x, y) for x, y in zip(a, b)])
+            # b None: a constant or a broadcast
+            a, b = self.operands(action, action.reads[1] if len(action.reads) == 2 else None)
+            self.write(writes[0], None if b is None else [_sum(x, y) for x, y in zip(a, b)])
         elif name == "backward_delta":
             i = self.owner(action, zip(reads, ("dout", "out")))
-            self.write(writes[0], [("delta", i, o) for o in range(writes[0].hi - writes[0].lo)])
+            self.write(writes[0], [("delta", i, o) for o in range(_held(writes[0]))])
         elif name == "backward_init":
             self.fill(writes[0], ("ctx", self.owner(action, zip(reads, ("k", "v"))), ()))
         elif name == "backward_step":
@@ -1442,8 +1500,8 @@ class _Partials(_Bytes):
     def apply(self, action: Action) -> None:
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
         if name == "decode_partial":
-            for region, field in zip(action.writes, ("acc", "m", "l")):
-                self.fill(region, ("partial", field, self.rank, self.partials))
+            for region, part in zip(action.writes, ("acc", "m", "l")):
+                self.fill(region, ("partial", part, self.rank, self.partials))
             self.partials += 1
         elif name == "decode_merge":
             reads = action.reads
@@ -1460,6 +1518,72 @@ def decode_parts_merged(schedules: Sequence[Schedule]) -> list[list[list[tuple]]
     held = [_Partials(s) for s in schedules]
     _replay(schedules, held, lambda r, a: held[r].apply(a))
     return [h.merged for h in held]
+
+
+def _plus(a, b):
+    """The label of the elementwise sum of bytes labelled a and b: ZERO adds nothing; two
+    others make ("+", every term), terms sorted; None if either is unknown."""
+    if a == ZERO or b == ZERO:
+        return b if a == ZERO else a
+    if a is None or b is None:
+        return None
+    terms = [t for x in (a, b) for t in (x[1:] if x[0] == "+" else (x,))]
+    return ("+",) + tuple(sorted(terms, key=str))
+
+
+class _Made(_Bytes):
+    """Where each byte came from, for following a result home: (name, r, byte) for that byte
+    of rank r's input `name`; ("made", what, r, e) for element e of the array `what` (MADE) a
+    kernel of rank r wrote, on every byte of the element (so casts carry it); ZERO for zeroed
+    bytes; ("+", terms...) for a sum; None for anything else. Copies carry labels through the
+    bytes each view holds (strided too), add_ sums them, messages deliver them."""
+
+    INPUTS = ("q", "k", "v", "dout", "out", "lse")
+    MADE = {"forward_finalize": ("out", "lse"), "backward_delta": ("delta",),
+            "backward_step": (None, "dq", "row_sums"), "backward_finalize": ("dk", "dv")}
+
+    def apply(self, action: Action) -> None:
+        name = _kernel_name(action) if action.kind == "kernel" else action.kind
+        writes = action.writes
+        if name == "zeros":
+            self.fill(writes[0], ZERO)
+        elif name in COPIES and action.detail == ("fill", 0):
+            self.fill(writes[0], ZERO)
+        elif name == "add_":
+            a, b = self.operands(action, action.reads[1] if len(action.reads) == 2 else None)
+            self.write(writes[0], None if b is None else [_plus(x, y) for x, y in zip(a, b)])
+        elif name in self.MADE:
+            for region, size, what in zip(writes, action.sizes, self.MADE[name]):
+                made = [("made", what, self.rank, e) for e in range(_held(region) // size)
+                        for _ in range(size)] if what else None
+                if made and name == "backward_step":       # it adds into dq and the row sums
+                    made = [_plus(x, y) for x, y in zip(self.read(region), made)]
+                self.write(region, made)
+        else:
+            super().apply(action)
+
+
+PROVENANCE_KERNELS = ("forward_init", "forward_step", "backward_delta", "backward_init", "backward_step")
+
+
+def provenance(schedules: Sequence[Schedule], kernels: Sequence[str] = PROVENANCE_KERNELS
+               ) -> list[tuple[list[tuple[str, tuple[list, ...]]], tuple[list, ...]]]:
+    """For each rank: (for each kernel named in `kernels`, in issue order, (its name, the
+    labels of each region it read, byte by byte)), and the labels of each array the last call
+    returned, byte by byte (`_Made` says what a label is), found by replaying every rank
+    together (`_replay`). Unlike the other replays it checks nothing itself: a test compares
+    the labels with the bytes a strategy should move where (Ulysses' all-to-alls, whose head
+    slices are strided)."""
+    held = [_Made(s) for s in schedules]
+    reads: list[list] = [[] for _ in schedules]
+
+    def on_compute(r: int, a: Action) -> None:
+        if a.kind == "kernel" and _kernel_name(a) in kernels:
+            reads[r].append((_kernel_name(a), tuple(held[r].read(region) for region in a.reads)))
+        held[r].apply(a)
+
+    _replay(schedules, held, on_compute)
+    return [(reads[r], tuple(held[r].read(region) for region in s.outputs)) for r, s in enumerate(schedules)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1511,4 +1635,4 @@ __all__ = ["FakeArray", "Region", "Action", "Schedule", "RecordingDevice", "Reco
            "check_world", "prove", "proved",
            "report", "Violation", "ScheduleError", "drop_action", "receive_into_current",
            "RankRecordingDevice", "record_loopback", "prove_loopback", "forward_blocks_read",
-           "backward_sums", "decode_parts_merged", "kept_rows", "linear_sums"]
+           "backward_sums", "decode_parts_merged", "kept_rows", "linear_sums", "provenance"]
