@@ -365,6 +365,12 @@ def test_balanced_lengths_even_out_the_kept_pairs():
     lonely = mask_of([((0, 1), (0, 1), "full")])   # all the work in row 0
     assert lonely.balanced_lengths(3, 8) == (1, 1, 6)
     assert lonely.balanced_lengths(8, 8) == (1,) * 8
+    # work per row 1, 1, 1, 1, 10, then 0s (14 in all) over 3 ranks: the busiest rank holds row 4
+    # alone at best; the first cut nearest 14/3 is after row 3 (4), the second nearest 28/3 is
+    # any of rows 5.. (14), the earliest taken
+    step = burstcu.BlockMask([[0, 4], [4, 5]], [[0, 1], [0, 10]], ["full", "full"])
+    assert step.row_pairs(10).tolist() == [1, 1, 1, 1, 10, 0, 0, 0, 0, 0]
+    assert step.balanced_lengths(3, 10) == (4, 1, 5)
 
 
 def test_balanced_lengths_leave_the_busiest_rank_the_least_any_split_can():

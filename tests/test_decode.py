@@ -139,6 +139,64 @@ def test_a_nan_in_a_valid_row_reaches_the_rows_that_see_it():
     assert not out[2].any() and np.isneginf(lse[2]).all()
 
 
+@pytest.mark.parametrize("backend,dtype", [("numpy", "float32"),
+                                           pytest.param("emulated", "float16", marks=pytest.mark.emulated)])
+@pytest.mark.parametrize("case", ["one key far above the rest", "a rank with no valid rows"])
+def test_the_merge_shifts_by_the_largest_max_of_any_rank(backend, dtype, case):
+    """Decode over 2 ranks (threads on the loopback) with logits of 100-150: the merge of the
+    ranks' partials must shift by the largest max of all ranks. Shifting by one rank's (rank 0's
+    keys score 0, or it holds no valid row) overflows: out NaN, lse inf."""
+    from burstcu.testing.reference import within_fa_rule
+    from burstcu.testing.world import run_ranks
+    dt, d = np.dtype(dtype), 8
+    if case == "one key far above the rest":     # rank 0's keys score 0, rank 1's 150: out = v1 = 1
+        q = np.zeros((1, 1, 2, d), dt)
+        q[..., 0] = 30.0
+        ks, vs = [np.zeros((1, 2, 1, d), dt) for _ in range(2)], [np.full((1, 2, 1, d), x, dt) for x in (-1, 1)]
+        ks[0][..., 1], ks[1][..., 0] = 1.0, 5.0
+        lengths = [None, None]
+    else:                                        # rank 0 holds no valid row; logits of order 100
+        rng = np.random.default_rng(3)
+        q = (rng.standard_normal((1, 1, 2, d)) * 40).astype(dt)
+        ks = [rng.standard_normal((1, 4, 1, d)).astype(dt) for _ in range(2)]
+        vs = [rng.standard_normal((1, 4, 1, d)).astype(dt) for _ in range(2)]
+        lengths = [[0], [4]]
+
+    def body(group):
+        r = group.rank
+        out, lse = burstcu.decode(q, ks[r], vs[r], group, softmax_scale=1.0, return_lse=True,
+                                  cache_seqlens=lengths[r])
+        return np.asarray(out, np.float64), np.asarray(lse, np.float64)
+
+    rows = [slice(None) if n is None else slice(0, n[0]) for n in lengths]   # each rank's valid rows
+    k_all, v_all = (np.concatenate([x[:, r] for x, r in zip(xs, rows)], axis=1) for xs in (ks, vs))
+    ref_out, ref_lse = attention_ref(q, k_all, v_all, softmax_scale=1.0)
+    naive_out, naive_lse = attention_ref(q, k_all, v_all, softmax_scale=1.0, dtype=np.float32, round_to=dt)
+    eps = float(np.finfo(dt).eps)
+    for out, lse in run_ranks(2, body, backend=backend):
+        assert np.isfinite(out).all() and np.isfinite(lse).all(), (out, lse)
+        for got, ref, naive in ((out, ref_out, naive_out), (lse, ref_lse, naive_lse)):
+            ok, err, bound = within_fa_rule(got, ref, naive, eps)
+            assert ok, (err, bound)
+
+
+def test_a_paged_prefill_leaves_its_pages_taken():
+    """A paged cache filled by from_prefill (whole pages), then appended to: the append takes a
+    free page, never one the prefill holds, and decode reads prefill and appended rows."""
+    rng = np.random.default_rng(4)
+    b, n, page = 2, 4, 4
+    cache = burstcu.KVCache(None, b, 16, 1, 8, np.float64, page_size=page)
+    k, v = rng.standard_normal((b, n, 1, 8)), rng.standard_normal((b, n, 1, 8))
+    cache.from_prefill(k, v)
+    k1, v1 = rng.standard_normal((b, 1, 1, 8)), rng.standard_normal((b, 1, 1, 8))
+    cache.append(k1, v1)
+    used = cache.page_table[:, :2]
+    assert len(set(used.ravel().tolist())) == used.size, cache.page_table
+    q = rng.standard_normal((b, 1, 2, 8))
+    ref, _ = attention_ref(q, np.concatenate([k, k1], 1), np.concatenate([v, v1], 1))
+    assert np.abs(cache.decode(q) - ref).max() < 1e-12
+
+
 def test_a_long_cache_is_reduced_in_chunks():
     """More keys than one chunk (burstcu.ops.decode.CHUNK): the online softmax across chunks."""
     from burstcu.ops.decode import CHUNK

@@ -258,6 +258,12 @@ def test_documents_layout_holds_short_documents_whole_within_the_balance_of_zigz
     # beyond the slack; at an eighth of a share none is short enough: all three are cut
     docs = (0, 500, 600, 700, 800)
     assert partition("documents", 2, 800, docs).runs == partition("zigzag", 2, 800, docs).runs
+    # one 40-row document cut in zigzag pieces of 10 (both ranks then hold 20 rows and 410
+    # causal pairs) and four of 4 rows dealt in turn, each to the rank it leaves lower, the
+    # first tie to the lowest rank
+    runs = partition("documents", 2, 56, (0, 40, 44, 48, 52, 56)).runs
+    assert [[(seg.pos, seg.length) for seg in r] for r in runs] == \
+        [[(0, 10), (30, 10), (40, 4), (48, 4)], [(10, 10), (20, 10), (44, 4), (52, 4)]]
     assert partition("documents", 4, 1000).runs == partition("zigzag", 4, 1000).runs
     with pytest.raises(ValueError, match="documents fixes every rank's length"):
         partition("documents", 2, 10, (0, 4, 10), (3, 7))
