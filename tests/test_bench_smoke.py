@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -478,6 +479,40 @@ def test_gpu_run_dry_run_lists_every_step():
     assert steps == ["dq_adds"] and "--dq-adds pairs singles bulk" in out
     for path in {w for ln in out.splitlines() for w in ln.split() if w.startswith("bench/") and w.endswith((".py", ".sh", ".json"))}:
         assert (ROOT / path).exists(), path
+
+
+def test_gpu_run_keeps_to_its_deadline_and_runs_every_decode(tmp_path):
+    """bench/gpu/run.sh with a stand-in python: DEADLINE cuts each step's limit to the time left
+    (less 15 s to pack its log) and skips a step with under 45 s left, saying so, with every log
+    packed and exit 1; the decode step runs each of its benchmarks though an earlier one fails;
+    a second call starts from empty logs."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexit ${{FAKE_RC:-0}}\n")
+    fake.chmod(0o755)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+
+    def run(*steps, **env):
+        proc = subprocess.run(["bash", str(BENCH / "gpu" / "run.sh"), *steps], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=dict(os.environ, OUT=str(out), LOGS=str(logs),
+                                                             PY=str(fake), **env))
+        with tarfile.open(out / "logs.tgz") as tar:
+            names = {Path(n).name for n in tar.getnames()} - {""}     # "." names the folder
+        return proc.returncode, (logs / "summary.txt").read_text(), names
+
+    rc, summary, names = run("dq_adds", "whole_pass", DEADLINE="100")
+    assert rc == 0 and "every step passed" in summary, summary
+    limits = [int(x) for x in re.findall(r"limit (\d+)s", summary)]
+    assert len(limits) == 2 and all(80 <= x <= 85 for x in limits), summary   # not 150
+    assert {"summary.txt", "dq_adds.log", "whole_pass.log"} <= names
+    rc, summary, names = run("dq_adds", "decode", DEADLINE="30")
+    assert rc == 1 and "dq_adds: skipped" in summary and "decode: skipped" in summary, summary
+    assert "SKIPPED steps (DEADLINE): dq_adds decode" in summary and "whole_pass" not in summary
+    assert names == {"summary.txt"} and not (out / "logs.tgz.part").exists()
+    calls.unlink()
+    rc, summary, names = run("decode", FAKE_RC="1")
+    assert rc == 1 and "FAILED steps: decode" in summary, summary
+    assert calls.read_text().count("bench/decode.py") == 5          # each run, after the first failed
 
 
 def test_gpu_report_merges_a_committed_run(tmp_path):

@@ -275,7 +275,10 @@ def main(argv=None) -> int:
                                     f"{args.repeats}\n{text}\n")
     if args.plot:
         plot([r for r in rows if r.get("tflops") and r.get("window") is None], args.plot)
-    return 0
+    failed = sum(r["impl"] == "error" for r in rows)
+    if failed:
+        progress(f"{failed} of {len(configs)} configurations raised (their rows say why)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

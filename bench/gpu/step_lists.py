@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
-from bench._common import (array_dtype, call_seconds, clean, document_mix, emit, median, no_gpu,  # noqa: E402
+from bench._common import (call_seconds, clean, document_mix, emit, median, no_gpu, normal,  # noqa: E402
                            progress, table)
 
 # a step's rectangles in one step call (packed where that pays, or a tile a rectangle), or a step
@@ -43,7 +43,7 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
 
     xp, cuda, function = ops.xp, ops.device == "cuda", ops.function
     part = layout.partition(layout_name, args.ranks, args.seqlen, docs)
-    rng, dtype = np.random.default_rng(0), array_dtype(args.dtype)
+    seeds = iter(range(1 << 30))                 # the inputs, drawn where they live (on the GPU)
     row = {"pass": passes, "layout": layout_name, "docs": 0 if docs is None else len(docs) - 1,
            "rectangles": 0, "kept_pairs": 0} | {f"{key}_{way}": 0 for way in WAYS
                                                  for key in ("ms", "launches")}
@@ -59,18 +59,18 @@ def measure(args, ops, layout_name: str, docs, passes: str) -> dict:
     try:
         for qr in range(args.ranks):
             shape = (1, part.lengths[qr], args.heads, args.headdim)
-            q, dout = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2))
+            q, dout = normal(xp, [shape] * 2, args.dtype, next(seeds))
             # the forward's row statistics as a backward step reads them (lse of the scores' order)
             stats = (1, args.heads, part.lengths[qr])
-            lse = xp.asarray((rng.standard_normal(stats) + 4).astype(np.float32))
-            delta = xp.asarray(rng.standard_normal(stats).astype(np.float32))
+            lse, delta = normal(xp, [stats] * 2, "float32", next(seeds))
+            lse += 4
             for step in range(args.ranks):
                 kr = (qr - step) % args.ranks
                 blocks = layout.blocks(part, qr, kr, True, (-1, -1), docs)
                 if not blocks:
                     continue
                 kv = (1, part.lengths[kr], args.heads, args.headdim)
-                k, v = (xp.asarray(rng.standard_normal(kv).astype(dtype)) for _ in range(2))
+                k, v = normal(xp, [kv] * 2, args.dtype, next(seeds))
                 if passes == "fwd":             # run(rects): the step over those rectangles
                     run = partial(ops.forward_step, ops.forward_init(q), k, v)
                 else:
@@ -148,12 +148,19 @@ def main(argv=None):
     ops.sm90_lists = not args.mma_list
     rows = []
     for passes in args.passes:
-        measured = [measure(args, ops, name, cut, passes)
-                    for name, cut in (("zigzag", docs), ("documents", docs), ("contiguous", None))]
+        measured = []
+        for name, cut in (("zigzag", docs), ("documents", docs), ("contiguous", None)):
+            measured.append(measure(args, ops, name, cut, passes) | {"arch": ops.arch})
+            report(args, ops, rows + measured)    # written as it goes: a step cut short keeps its rows
         for row in measured:
-            row["arch"] = ops.arch
             row["vs_contiguous_per_pair"] = row["ns_per_pair_packed"] / measured[-1]["ns_per_pair_packed"]
         rows += measured
+    report(args, ops, rows)
+    return 0
+
+
+def report(args, ops, rows: list) -> None:
+    """The table and JSON of the rows measured so far."""
     where = ("GPU (CUDA events around each step call)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
     text = (f"step calls of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
@@ -163,7 +170,6 @@ def main(argv=None):
                            "kept_pairs", "ns_per_pair_packed", "vs_contiguous_per_pair"]))
     emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
                 "rows": rows}, args)
-    return 0
 
 
 if __name__ == "__main__":
