@@ -186,6 +186,7 @@ def test_check_on_the_ring_emulated_kernels(world):
     (dict(causal=True, cu_seqlens=[0, 5, 16]), dict(causal=True),
      "cu_seqlens: (0, 5, 16) in the forward, None here"),
     (dict(), dict(softmax_scale=0.5), "softmax_scale: 0.35355"),
+    (dict(), dict(softmax_scale=1.0001 * 8 ** -0.5), "softmax_scale: 0.35355"),
     (dict(block_mask=burstcu.BlockMask([[0, 16]], [[0, 16]], ["causal"])), dict(causal=True),
      "block_mask: a BlockMask in the forward, None here"),
 ])

@@ -66,6 +66,22 @@ def test_the_model_moves_the_way_it_should():
                    machine=with_overhead).forward_s < 2.0          # one local call, not eight
 
 
+def test_on_links_that_bound_everything_time_is_bytes_over_bandwidth():
+    """Free compute, no latency, every rank sending alike (non-causal, equal shards): each
+    strategy's predicted seconds are the bytes it sends over the link's bandwidth (a message the
+    timing left out, or counted without its bytes, breaks it), and the choice is the candidate
+    that sends fewest bytes (usp over 4-way head groups here: 4 query heads, 2 kv heads, 8 ranks)."""
+    q, k = (1, 4096, 4, 128), (1, 4096, 2, 128)
+    wire = Machine("wire", 1e18, 1e9, 1e9, 0.0, 64, "test")
+    for strategy in ("burst", "ring", "allgather"):
+        c = predict(strategy, {}, q, k, 8, causal=False, layout="zigzag", dtype="float16", machine=wire)
+        assert c.forward_s == pytest.approx(c.forward_bytes / 1e9, rel=1e-4), strategy
+        assert c.backward_s == pytest.approx(c.backward_bytes / 1e9, rel=1e-4), strategy
+    p = plan(q, k, _Group(8), causal=False, layout="zigzag", machine=wire)
+    sent = {c.label: c.forward_bytes + c.backward_bytes for c in p.candidates}
+    assert p.choice.label == "usp ulysses_degree=4" == min(sent, key=sent.get)
+
+
 def test_auto_refuses_a_degree():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 8, 2, 8))

@@ -80,6 +80,13 @@ CASES = {
     "window_causal": (1, 96, 256, 4, 2, [[Block(0, 96, 0, 256, 180, 0, True, 37)]]),
     "window_both": (1, 77, 200, 2, 2, [[Block(0, 77, 0, 200, 30, 0, False, 20, 9)]]),
     "window_left": (2, 64, 96, 2, 1, [[Block(0, 64, 0, 96, 60, 0, False, 40)]]),
+    # tile edges: a dQ block's first row whose first key is the last of a key tile (63, 127),
+    # and a key block whose first key is first seen by the last row of a query tile (127: the
+    # causal diagonal, a window's right edge): that tile is visited
+    "window_tile_edge": (1, 64, 200, 2, 1, [[Block(0, 64, 0, 200, 160, 0, False, 33)]]),
+    "window_causal_tile_edge": (1, 128, 256, 2, 1, [[Block(0, 128, 0, 256, 190, 0, True, 63)]]),
+    "causal_query_tile_edge": (1, 256, 128, 2, 1, [[Block(0, 256, 0, 128, 0, 127, True)]]),
+    "window_query_tile_edge": (1, 256, 100, 2, 1, [[Block(0, 256, 0, 100, 0, 154, False, -1, 27)]]),
     "zigzag_two_calls": (1, 128, 128, 4, 2, [step_blocks("zigzag", 0, 0, 2, 128, True)[:1],
                                              step_blocks("zigzag", 0, 0, 2, 128, True)[1:]]),
 }
@@ -121,11 +128,14 @@ def test_delta(dtype, d):
 
 
 WINDOW_CASES = ("window_causal", "window_both", "window_left")
+EDGE_CASES = ("window_tile_edge", "window_causal_tile_edge", "causal_query_tile_edge",
+              "window_query_tile_edge")
 STEP_PARAMS = (
     [(dt, d, c, m) for dt in DTYPES for d in (64, 128) for c in CASES
-     if c not in ("small_causal", "small_ragged") + WINDOW_CASES
+     if c not in ("small_causal", "small_ragged") + WINDOW_CASES + EDGE_CASES
      for m in ("atomic", "deterministic")]
-    + [(dt, 64, c, m) for dt in DTYPES for c in WINDOW_CASES for m in ("atomic", "deterministic")]
+    + [(dt, 64, c, m) for dt in DTYPES for c in WINDOW_CASES + EDGE_CASES
+       for m in ("atomic", "deterministic")]
     + [(dt, d, c, "atomic") for dt in DTYPES for d in (32, 80)
        for c in ("full_ragged", "masked_rows")]
     + [(dt, d, "causal_offsets", "deterministic") for dt in DTYPES for d in (32, 80)]

@@ -55,6 +55,9 @@ def assert_launches(counts: dict, case: str, deterministic: bool) -> None:
     ("window_causal", 128, "float16", False),
     ("window_both", 64, "float16", True),
     ("window_left", 64, "float16", False),
+    ("causal_query_tile_edge", 64, "float16", False),     # a query tile's last row, 128 rows
+    ("window_query_tile_edge", 128, "bfloat16", True),    # ... 64 rows
+    ("window_causal_tile_edge", 128, "float16", False),
     ("small_ragged", 64, "bfloat16", True),
     ("zigzag_two_calls", 128, "bfloat16", True),
     ("small_causal", 256, "bfloat16", False),   # 256: 64-key blocks, head dims split

@@ -286,6 +286,10 @@ def test_rejects_bad_input(ops):
     Block(0, 77, 0, 200, 30, 0, False, 20, 9),   # both edges, no causal, ragged
     Block(0, 64, 0, 96, 60, 0, False, 40),       # left edge only; rows 0..(some) see few keys
     Block(0, 64, 0, 128, 0, 0, False, 0, 0),     # each row its own key: one visible key a row
+    # the first row's first key the last of a key tile (63, 127): that tile is loaded
+    Block(0, 64, 0, 160, 100, 0, False, 37),
+    Block(0, 64, 0, 200, 160, 0, False, 33),
+    Block(0, 128, 0, 256, 190, 0, True, 63),
 ])
 def test_windows(ops, dtype, block):
     """Sliding-window bounds (Block.left / right) as the kernels' key bounds, against float64

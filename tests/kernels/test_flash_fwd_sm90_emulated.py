@@ -148,6 +148,9 @@ def test_state_across_calls_and_two_blocks_one_step(ops):
     Block(0, 96, 0, 256, 180, 0, True, 37),      # causal window
     Block(0, 77, 0, 200, 30, 0, False, 20, 9),   # both edges, ragged
     Block(0, 128, 0, 128, 0, 0, False, 0, 0),    # one visible key a row
+    # the first row's first key the last of a key tile (63, 127): that tile is loaded
+    Block(0, 64, 0, 160, 100, 0, False, 37),
+    Block(0, 128, 0, 256, 190, 0, True, 63),
 ])
 def test_windows(ops, block):
     q, k, v = make("bfloat16", 1, block.q_len, block.k_len, 2, 1, 64, seed=7)

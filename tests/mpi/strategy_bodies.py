@@ -65,6 +65,35 @@ def strategies_agree(seqlen_local=16, causal=True, layout="zigzag"):
     return {"max_diff": worst, "strategies": names}
 
 
+def travelling_grads_keep_the_accumulator(seqlen_local=16, causal=True, layout="zigzag"):
+    """The dK, dV that ring and allgather carry from rank to rank add up in the accumulation
+    dtype and round to bfloat16 once, as burst's do: on bfloat16 inputs (MQA, 4 query heads on
+    one kv head) every gradient is within one bfloat16 ulp of burst's. Rounding each step's
+    partial to bfloat16 (or adding them in bfloat16) leaves several ulps on some element."""
+    group = burstcu.init(backend="numpy")
+    n = seqlen_local * group.size
+    q, k, v, dout = make_inputs(78, 1, n, 4, 1, 16, "bfloat16")
+    rows = my_rows(layout, group.rank, group.size, n)
+    ql, kl, vl, dol = (np.ascontiguousarray(x[:, rows]) for x in (q, k, v, dout))
+    grads = {}
+    for strategy in ("burst", "ring", "allgather"):
+        out, lse = burstcu.attention(ql, kl, vl, group, causal=causal, layout=layout,
+                                     return_lse=True, strategy=strategy)
+        grads[strategy] = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, causal=causal,
+                                                     layout=layout, strategy=strategy)
+    worst = {}
+    for strategy in ("ring", "allgather"):
+        for name, a, b in zip(("dq", "dk", "dv"), grads["burst"], grads[strategy]):
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            larger = np.maximum(np.abs(a), np.abs(b))
+            ulp = np.exp2(np.floor(np.log2(np.where(larger > 0, larger, 1.0))) - 7)  # 8-bit mantissa
+            ulps = float((np.abs(a - b) / ulp).max())
+            assert ulps <= 1.0, (strategy, name, ulps)
+            worst[f"{strategy} {name}"] = ulps
+    group.close()
+    return worst
+
+
 def ulysses_refuses_bad_head_counts(h=3, hkv=3):
     """Heads that do not split over the ranks: the same ValueError on every rank, before any
     data moves (the next call still works)."""
