@@ -152,7 +152,8 @@ def test_the_merge_shifts_by_the_largest_max_of_any_rank(backend, dtype, case):
     if case == "one key far above the rest":     # rank 0's keys score 0, rank 1's 150: out = v1 = 1
         q = np.zeros((1, 1, 2, d), dt)
         q[..., 0] = 30.0
-        ks, vs = [np.zeros((1, 2, 1, d), dt) for _ in range(2)], [np.full((1, 2, 1, d), x, dt) for x in (-1, 1)]
+        ks = [np.zeros((1, 2, 1, d), dt) for _ in range(2)]
+        vs = [np.full((1, 2, 1, d), x, dt) for x in (-1, 1)]
         ks[0][..., 1], ks[1][..., 0] = 1.0, 5.0
         lengths = [None, None]
     else:                                        # rank 0 holds no valid row; logits of order 100

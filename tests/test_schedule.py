@@ -674,16 +674,6 @@ ULYSSES_HEADS = [(1, 4, 4), (1, 4, 1), (2, 4, 4), (2, 4, 2), (2, 4, 1), (2, 8, 2
                  (3, 3, 1), (3, 6, 6), (4, 4, 4), (4, 8, 2), (4, 4, 2), (4, 4, 1)]   # G, H, Hkv
 
 
-def _ulysses_positions(layout, size: int) -> list[list[int]]:
-    """Each rank's rows' global positions, in local order: named layouts at 4 rows a rank
-    (`bodies.my_rows`), a Partition as its runs say."""
-    from tests.mpi.bodies import my_rows
-    if isinstance(layout, str):
-        return [[int(p) for p in my_rows(layout, r, size, 4 * size)] for r in range(size)]
-    return [[seg.pos + i for seg in sorted(layout.runs[r], key=lambda seg: seg.local)
-             for i in range(seg.length)] for r in range(size)]
-
-
 def _ulysses_labels(pass_: str, positions: list, batch: int, h: int, hkv: int, d: int, row_sums: bool):
     """What `provenance` should find on each rank for Ulysses in float16 (float32 accumulation):
     [(kernel, labels of each array it reads, None: not compared)], and the labels of each array
@@ -723,7 +713,8 @@ def _ulysses_labels(pass_: str, positions: list, batch: int, h: int, hkv: int, d
             whole = [[(name, j, o) for o in range(batch * mine * h * d * it)] for name in ("dout", "out")]
             reads.append([("backward_delta", whole),
                           ("backward_init", [assembled("k", hkv, kv[j]), assembled("v", hkv, kv[j])]),
-                          ("backward_step", [None, assembled("q", h, heads[j]), assembled("dout", h, heads[j]),
+                          ("backward_step", [None, assembled("q", h, heads[j]),
+                                             assembled("dout", h, heads[j]),
                                              stats(j, "lse", False), stats(j, "delta", True),
                                              [schedule.ZERO] * batch * n * hg * d * acc]
                            + ([[schedule.ZERO] * batch * n * hg * acc] if row_sums else []))])
@@ -734,7 +725,8 @@ def _ulysses_labels(pass_: str, positions: list, batch: int, h: int, hkv: int, d
 
         def kv_heads(name):      # (B, S, Hkv, D): kv head g, summed over the ranks reading it
             return [x for bb in range(batch) for l in range(mine) for g in range(hkv) for e in range(d)
-                    for x in [summed([("made", name, i, ((bb * n + at[l]) * len(kv[i]) + kv[i].index(g)) * d + e)
+                    for x in [summed([("made", name, i,
+                                       ((bb * n + at[l]) * len(kv[i]) + kv[i].index(g)) * d + e)
                                       for i in range(size) if g in kv[i]])] * it]
 
         def per_row(name):       # (B, H, S) in the accumulation dtype, made as (B, Hg, N)
@@ -757,6 +749,7 @@ def _assert_ulysses_moves(schedules, pass_, positions, shape, row_sums=False, ca
     for r, (got_reads, got_returned) in enumerate(schedule.provenance(schedules)):
         assert [name for name, _ in got_reads] == [name for name, _ in reads[r]] * calls, r
         for (name, got), (_, want) in zip(got_reads, reads[r] * calls):
+            assert len(got) == len(want), f"rank {r}: {name} reads {len(got)} arrays"
             for i, (x, y) in enumerate(zip(got, want)):
                 assert y is None or x == y, f"rank {r}: {name} argument {i}"
         assert len(got_returned) == len(returned[r])
@@ -775,7 +768,7 @@ def test_ulysses_moves_every_head_to_its_rank_and_back(size, h, hkv, pass_, layo
     dk and dv. Two batch rows: every head slice is strided."""
     shape = (2, 4, h, hkv, 8)
     schedules = schedule.prove(pass_, size, causal=True, layout=layout, strategy="ulysses", shape=shape)
-    _assert_ulysses_moves(schedules, pass_, _ulysses_positions(layout, size), shape)
+    _assert_ulysses_moves(schedules, pass_, _rows(layout, size), shape)
 
 
 @pytest.mark.parametrize("size,h,hkv", [(2, 4, 2), (3, 6, 3), (4, 4, 1)])
@@ -787,7 +780,7 @@ def test_ulysses_moves_uneven_shards_and_row_sums(size, h, hkv, pass_):
     for part, docs in _uneven_partitions(size):
         schedules = schedule.prove(pass_, size, causal=True, layout=part, strategy="ulysses",
                                    shape=shape, cu_seqlens=docs, row_sums=True, calls=3)
-        _assert_ulysses_moves(schedules, pass_, _ulysses_positions(part, size), shape,
+        _assert_ulysses_moves(schedules, pass_, _rows(part, size), shape,
                               row_sums=pass_ == "backward", calls=3)
 
 
@@ -950,6 +943,16 @@ def test_block_mask_schedules_are_race_free(size, layout, pass_):
 
 # -- following the bytes: every block a rank needs, read once, from the right place ------------
 
+def _rows(layout, size: int) -> list[list[int]]:
+    """Each rank's rows' global positions, in local order: a layout name as the tests define it
+    (`bodies.my_rows`, schedule.SHAPE's S rows a rank), a Partition as its runs say (the test's
+    input there, not what it checks)."""
+    from tests.mpi.bodies import my_rows
+    if isinstance(layout, str):
+        return [[int(p) for p in my_rows(layout, r, size, schedule.SHAPE[1] * size)] for r in range(size)]
+    return [layout.positions(r) for r in range(size)]
+
+
 def _kept_pairs(rows: list, keep) -> list[list[tuple]]:
     """kept[i][j]: the (local query row, local key row) pairs, sorted, that queries of rank i
     keep over keys of rank j. rows[r]: rank r's global positions, local row by row;
@@ -972,13 +975,13 @@ def test_forward_reads_each_needed_block_once_and_sends_what_it_counts(size, lay
     each rank's steps read exactly the blocks whose keys its queries see (written out here
     over positions, `bodies.dense_keep`), each once and as one block's K and V; the bytes and
     messages it sends are what the strategy counts."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     mask = dict(mask)
     options = mask.pop("options", None)
     schedules = schedule.prove("forward", size, layout=layout, options=options, **mask)
     read = schedule.forward_blocks_read(schedules)
     b, s, h, hkv, d = schedule.SHAPE
-    rows = [my_rows(layout, r, size, s * size) for r in range(size)]
+    rows = _rows(layout, size)
     window = mask.get("window_size", (-1, -1))
     kept = _kept_pairs(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
     for r in range(size):
@@ -1000,9 +1003,9 @@ def test_forward_reads_each_needed_block_once_and_sends_what_it_counts(size, lay
 def test_the_other_strategies_forward_reads_each_needed_block_once(size, layout, mask, strategy):
     """The same replay for ring's two messages a step and for the all-gather (its k-th call on
     every rank delivers every rank's bytes, in rank order)."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     schedules = schedule.prove("forward", size, layout=layout, strategy=strategy, **mask)
-    rows = [my_rows(layout, r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    rows = _rows(layout, size)
     window = mask.get("window_size", (-1, -1))
     kept = _kept_pairs(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
     for r, read in enumerate(schedule.forward_blocks_read(schedules)):
@@ -1085,11 +1088,11 @@ def test_backward_sums_each_needed_pair_once(size, layout, strategy, mask):
     (`schedule.backward_sums`): each rank's dq sums the pairs of the keys its queries see, its
     dk and dv those of the queries that see its keys (written out here over positions,
     `bodies.dense_keep`), each once, wherever the sums travelled."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     mask = dict(mask)
     options = mask.pop("options", None)
     schedules = schedule.prove("backward", size, layout=layout, strategy=strategy, options=options, **mask)
-    rows = [my_rows(layout, r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    rows = _rows(layout, size)
     window = mask.get("window_size", (-1, -1))
     expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, mask["causal"], window))
     if mask.get("row_sums"):        # a row's sums of P: over the keys its dq's are
@@ -1097,12 +1100,29 @@ def test_backward_sums_each_needed_pair_once(size, layout, strategy, mask):
     assert schedule.backward_sums(schedules) == expected
 
 
+@pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
+def test_two_batch_rows_read_and_sum_as_one(strategy):
+    """At B = 2 (a block's rows two runs of bytes, one a batch row) the forward's steps read,
+    and the backward's sums hold, what they do at B = 1: each needed block once, each needed
+    gradient term once, at its owner."""
+    from tests.mpi.bodies import dense_keep
+    size, shape = 3, (2,) + schedule.SHAPE[1:]
+    rows = _rows("zigzag", size)
+    kept = _kept_pairs(rows, lambda qpos, kpos: dense_keep(qpos, kpos, True, (-1, -1)))
+    forward = schedule.prove("forward", size, causal=True, layout="zigzag", strategy=strategy, shape=shape)
+    assert [sorted(read) for read in schedule.forward_blocks_read(forward)] == \
+        [[(j, kept[r][j]) for j in range(size) if kept[r][j]] for r in range(size)]
+    backward = schedule.prove("backward", size, causal=True, layout="zigzag", strategy=strategy, shape=shape)
+    assert schedule.backward_sums(backward) == _expected_sums(
+        rows, lambda qpos, kpos: dense_keep(qpos, kpos, True, (-1, -1)))
+
+
 @pytest.mark.parametrize("size", (2, 3, 4))
 @pytest.mark.parametrize("strategy", ("burst", "ring", "allgather"))
 def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strategy):
     """The same over documents (contiguous shards, cut per-document zigzag, held whole), uneven
     contiguous shards, and a block mask."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     n = schedule.SHAPE[1] * size
     rects = [(0, n // 2, 0, n // 2, "causal"), (n // 2, n, 1, 3, "full"), (n - 1, n, 0, 1, "inverse_causal")]
     block_mask = burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])
@@ -1113,9 +1133,7 @@ def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strate
               for part, cu in _uneven_partitions(size)]
     for layout, masks, dense in cases:
         schedules = schedule.prove("backward", size, layout=layout, strategy=strategy, **masks)
-        # which rows a rank holds is the test's input here (the partition's), not what it checks
-        rows = ([layout.positions(r) for r in range(size)] if not isinstance(layout, str) else
-                [my_rows(layout, r, size, n) for r in range(size)])
+        rows = _rows(layout, size)
         assert schedule.backward_sums(schedules) == _expected_sums(
             rows, lambda qpos, kpos: dense_keep(qpos, kpos, **dense)), layout
 
@@ -1125,10 +1143,10 @@ def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strate
 def test_backward_sums_of_a_call_after_others_hold_that_call_alone(size, strategy):
     """Three backward calls in a row on one op (burst reuses its kept buffers): what the last
     returns, row sums included, sums that call's terms only, each once."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     schedules = schedule.prove("backward", size, causal=True, layout="zigzag", strategy=strategy,
                                row_sums=True, calls=3)
-    rows = [my_rows("zigzag", r, size, schedule.SHAPE[1] * size) for r in range(size)]
+    rows = _rows("zigzag", size)
     expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, True))
     assert schedule.backward_sums(schedules) == [e + e[:1] for e in expected]
 
@@ -1137,9 +1155,8 @@ def test_the_backward_replay_catches_a_sum_folded_twice_or_dropped(monkeypatch):
     """Seeded mistakes in the ring strategy's backward: each step's partial dK, dV added twice
     into the sums that travel, or every step restarting them from zero (dropping what earlier
     holders added)."""
-    from tests.mpi.bodies import my_rows
     fold = ring._fold
-    rows = [my_rows("contiguous", r, 3, schedule.SHAPE[1] * 3) for r in range(3)]
+    rows = _rows("contiguous", 3)
     expected = _expected_sums(rows, lambda qpos, kpos: np.ones((len(qpos), len(kpos)), bool))
     for seeded in (lambda ops, dk, dv, parts, first: [fold(ops, dk, dv, parts, first) for _ in range(2)],
                    lambda ops, dk, dv, parts, first: fold(ops, dk, dv, parts, True)):
@@ -1215,9 +1232,9 @@ def test_the_backward_replay_tells_the_tensors_and_rows_apart(monkeypatch, strat
     """Seeded mistakes that keep every (query rank, key rank) pair in place: dout read where q
     is, dV folded into the dK that travels, dV returned as dK, a step masked with its query and
     key ranks swapped, a cast that copies one row to all. Each is reported, or changes a sum."""
-    from tests.mpi.bodies import dense_keep, my_rows
+    from tests.mpi.bodies import dense_keep
     seed(monkeypatch)
-    rows = [my_rows("zigzag", r, 3, schedule.SHAPE[1] * 3) for r in range(3)]
+    rows = _rows("zigzag", 3)
     expected = _expected_sums(rows, lambda qpos, kpos: dense_keep(qpos, kpos, True))
     schedules = schedule.prove("backward", 3, causal=True, layout="zigzag", strategy=strategy)
     try:

@@ -20,8 +20,9 @@
 # every step (and $LOGS, where the logs are kept, emptied first); no step stops the others; exit 1
 # if any failed or was skipped. Wheels in .whl/ go to /tmp/site first.
 #   DEADLINE=S     every step ends within S seconds of the start: a step's limit is cut to the time
-#                  left (less 15 s to pack its log), and a step with under 45 s left is skipped
-#                  (said in summary.txt), so a call under a hard limit still returns every log
+#                  left less 25 s (10 s for `timeout -k` to kill a step that ignores SIGTERM, 15 s
+#                  to pack its log), and a step with under 45 s left is skipped (said in
+#                  summary.txt), so a call under a hard limit still returns every log
 #   CACHE_FROM=D   the kernel cache to start from (a carried copy of `python -m burstcu.build warm`'s
 #                  folder): copied to $BURSTCU_CACHE_DIR, made this user's, mode 0700
 set -u
@@ -30,13 +31,18 @@ DRY_RUN=0
 OUT=${OUT:-bench/out/gpu}
 LOGS=${LOGS:-/tmp/burstcu-gpu-logs}
 DEADLINE=${DEADLINE:-0}
+case $(realpath -m "$LOGS") in
+  "$(realpath -m "$OUT")"|"$(realpath -m .)"|/)
+    echo "LOGS=$LOGS is emptied at the start: name a folder of its own"; exit 2 ;;
+esac
 [ $DRY_RUN = 1 ] || { rm -rf "$LOGS"; mkdir -p "$OUT" "$LOGS"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export BURSTCU_CACHE_DIR=${BURSTCU_CACHE_DIR:-/tmp/burstcu-cache}
 if [ $DRY_RUN = 0 ] && [ -n "${CACHE_FROM:-}" ]; then
   rm -rf "$BURSTCU_CACHE_DIR" && mkdir -p "$(dirname "$BURSTCU_CACHE_DIR")" \
     && cp -r "$CACHE_FROM" "$BURSTCU_CACHE_DIR" && chmod -R go-w "$BURSTCU_CACHE_DIR" \
-    && chmod 700 "$BURSTCU_CACHE_DIR" || echo "CACHE_FROM=$CACHE_FROM: not copied; kernels compile on first use"
+    && chmod 700 "$BURSTCU_CACHE_DIR" \
+    || echo "CACHE_FROM=$CACHE_FROM: not copied; kernels compile on first use"
 fi
 PY=${PY:-python3}
 ARCH="$PY -c 'from burstcu.build.compile import device_arch; print(device_arch())'"   # this GPU's sm_XY
@@ -57,7 +63,8 @@ SM90_FWD=tests/kernels/test_flash_fwd_sm90_emulated.py
 FWD=tests/kernels/test_flash_fwd_emulated.py
 BWD=tests/kernels/test_flash_bwd_emulated.py
 SM90_BWD_LISTS=tests/kernels/test_flash_bwd_sm90_lists_emulated.py
-INERT=tests/kernels/test_masked_inert_kernels.py
+INERT=tests/kernels/test_masked_inert_kernels.py   # the sanitizer, tests and lists steps
+INERT_ONCE=$INERT   # hopper and hopper_bwd: the first of them to run takes it (a call runs it once)
 if [ $DRY_RUN = 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl \
@@ -81,18 +88,20 @@ pack() {  # $OUT/logs.tgz from $LOGS, replaced whole (a call killed while packin
   tar czf "$OUT/logs.tgz.part" -C "$LOGS" . && mv -f "$OUT/logs.tgz.part" "$OUT/logs.tgz"
 }
 
-step() {  # step NAME SECONDS COMMAND...
+step() {  # step NAME SECONDS COMMAND...; ran: 1 if it ran (or would, with --dry-run), 0 if skipped
   local name=$1 limit=$2; shift 2
+  ran=1
   if [ $DRY_RUN = 1 ]; then echo "=== $name (limit ${limit}s): $*"; return; fi
   if [ "$DEADLINE" -gt 0 ]; then
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -lt 45 ]; then
       echo "=== $name: skipped, ${left}s left of DEADLINE=${DEADLINE}s" | tee -a "$LOGS/summary.txt"
       skipped+=("$name")
+      ran=0
       pack
       return
     fi
-    [ "$limit" -gt $((left - 15)) ] && limit=$((left - 15))
+    [ "$limit" -gt $((left - 25)) ] && limit=$((left - 25))
   fi
   echo "=== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOGS/summary.txt"
   local t0=$SECONDS
@@ -113,8 +122,8 @@ for s in "${steps[@]}"; do
     warm) step warm 240 bash -c "$PY -m burstcu.build warm --device \$($ARCH)" ;;
     gate) step gate 240 $PY -m burstcu.build check --arch sm_90,sm_90a --json "$OUT/gate_sm90.json" ;;
     hopper) step hopper 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 $SM90_FWD \
-      tests/kernels/test_flash_fwd_sm90_lists_emulated.py $FWD $INERT tests/gpu/test_hopper_ring_gpu.py \
-      -k "not seeded"; INERT= ;;
+      tests/kernels/test_flash_fwd_sm90_lists_emulated.py $FWD $INERT_ONCE tests/gpu/test_hopper_ring_gpu.py \
+      -k "not seeded"; [ $ran = 0 ] || INERT_ONCE= ;;
     hopper_bench) step hopper_bench 300 $KSPEED --archs sm_90a sm_80 --passes fwd \
       --impls kernels torch-flash torch-cudnn --json "$OUT/kernels_sm90.json" \
       --table "$LOGS/kernels_sm90.txt" $(plot "$OUT/kernels_sm90.png") ${KBENCH_ARGS:-} ;;
@@ -125,8 +134,8 @@ for s in "${steps[@]}"; do
       $SM90_FWD -k "ragged_and_gqa or (headdims and float16 and not bfloat16 and 128) \
       or (whole_pass and float16 and not bfloat16) or tiles_without_keys" ;;
     hopper_bwd) step hopper_bwd 240 $KTEST BURSTCU_KERNEL_TEST_ARCH=sm_90a $PYTEST120 \
-      tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT -k "not sm86"
-      INERT= ;;   # the masked-inert tests run once a call (the sm_90a table, both passes)
+      tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS $BWD $INERT_ONCE -k "not sm86"
+      [ $ran = 0 ] || INERT_ONCE= ;;   # the masked-inert tests once a call (the sm_90a table, both passes)
     hopper_bwd_memcheck) step hopper_bwd_memcheck 180 $KTEST BURSTCU_CUPY_NO_POOL=1 $MEMCHECK $PYTEST \
       tests/kernels/test_flash_bwd_sm90_emulated.py $SM90_BWD_LISTS \
       -k "step_matches or outside or group_of or nan_in or dq_added or (atomic_list and 300)" ;;
@@ -160,7 +169,8 @@ for s in "${steps[@]}"; do
     hopper_ring) step hopper_ring 180 $PYTEST120 tests/gpu/test_hopper_ring_gpu.py ;;
     hopper_bwd_profile) step hopper_bwd_profile 180 bash -c "ncu --clock-control none --set full \
       -k regex:flash_bwd_dkdv_sm90 --launch-skip 1 -c 3 -f -o $PROFILE-bwd $KSPEED --archs sm_90a \
-      --passes fwd+bwd --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 \
+      --passes fwd+bwd --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} \
+      --warmup 0 \
       --repeats 1 && ncu -i $PROFILE-bwd.ncu-rep --page details --csv > $LOGS/sm90_bwd_profile_details.csv" ;;
     bwd_small_parts) step bwd_small_parts 120 ncu --clock-control none --metrics gpu__time_duration.sum \
       --csv --print-units base --log-file "$LOGS/bwd_small_parts.csv" $KSPEED --archs sm_90a \
@@ -176,7 +186,8 @@ for s in "${steps[@]}"; do
 s = pstats.Stats(\"/tmp/burstcu-host.prof\", stream=sys.stdout)
 s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
-    whole_pass) step whole_pass 150 $KSPEED --archs sm_90a sm_90 --passes fwd --impls kernels step torch-flash \
+    whole_pass) step whole_pass 150 $KSPEED --archs sm_90a sm_90 --passes fwd \
+      --impls kernels step torch-flash \
       torch-cudnn --headdims 64 128 --seqlens 1024 2048 4096 16384 --json "$LOGS/whole_pass.json" \
       --table "$LOGS/whole_pass.txt" ;;
     head_groups) step head_groups 240 $KSPEED --archs sm_90a --passes fwd --impls kernels torch-flash \
@@ -211,11 +222,14 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
     uneven) step uneven 300 $OVERLAP --ranks 3 --seqlen 98305 --causal --layout contiguous \
       --strategies burst ring --repeats 3 --json "$LOGS/uneven_gpu.json" ;;
     decode) step decode 240 bash -c "rc=0   # every run, whatever an earlier one did
-      $DECODE --cache 4096 65536 262144 1048576 --json $LOGS/decode_gpu.json --table $LOGS/decode_gpu.txt || rc=1
-      $DECODE --batch 16 --cache 4096 65536 --json $LOGS/decode_gpu_b16.json --table $LOGS/decode_gpu_b16.txt || rc=1
+      $DECODE --cache 4096 65536 262144 1048576 --json $LOGS/decode_gpu.json \
+        --table $LOGS/decode_gpu.txt || rc=1
+      $DECODE --batch 16 --cache 4096 65536 --json $LOGS/decode_gpu_b16.json \
+        --table $LOGS/decode_gpu_b16.txt || rc=1
       $DECODE --paged 16 --cache 65536 1048576 --json $LOGS/decode_gpu_paged.json \
         --table $LOGS/decode_gpu_paged.txt || rc=1
-      $DECODE --tokens 8 --cache 65536 1048576 --json $LOGS/decode_gpu_t8.json --table $LOGS/decode_gpu_t8.txt || rc=1
+      $DECODE --tokens 8 --cache 65536 1048576 --json $LOGS/decode_gpu_t8.json \
+        --table $LOGS/decode_gpu_t8.txt || rc=1
       $DECODE --mma-min-rows 16 --cache 4096 65536 1048576 --json $LOGS/decode_gpu_cudacore.json \
         --table $LOGS/decode_gpu_cudacore.txt || rc=1
       exit \$rc" ;;

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench._common import (call_seconds, clean, document_mix, emit, median, no_gpu, normal,  # noqa: E402
-                           progress, table)
+                           progress, table, write_json)
 
 # a step's rectangles in one step call (packed where that pays, or a tile a rectangle), or a step
 # call each
@@ -151,7 +151,7 @@ def main(argv=None):
         measured = []
         for name, cut in (("zigzag", docs), ("documents", docs), ("contiguous", None)):
             measured.append(measure(args, ops, name, cut, passes) | {"arch": ops.arch})
-            report(args, ops, rows + measured)    # written as it goes: a step cut short keeps its rows
+            report(args, ops, rows + measured, final=False)   # a step cut short keeps its rows
         for row in measured:
             row["vs_contiguous_per_pair"] = row["ns_per_pair_packed"] / measured[-1]["ns_per_pair_packed"]
         rows += measured
@@ -159,8 +159,9 @@ def main(argv=None):
     return 0
 
 
-def report(args, ops, rows: list) -> None:
-    """The table and JSON of the rows measured so far."""
+def report(args, ops, rows: list, final: bool = True) -> None:
+    """The table and JSON of the rows measured so far (not final: the JSON, and the last row's
+    layout and milliseconds on one line of progress)."""
     where = ("GPU (CUDA events around each step call)" if ops.device == "cuda"
              else "the CPU emulator (host seconds: NOT GPU figures)")
     text = (f"step calls of {args.ranks} ranks, {args.seqlen} tokens, causal, H={args.heads} "
@@ -168,8 +169,15 @@ def report(args, ops, rows: list) -> None:
             + table(rows, ["arch", "pass", "layout", "kernels_packed", "docs", "rectangles",
                            *(f"launches_{way}" for way in WAYS), *(f"ms_{way}" for way in WAYS),
                            "kept_pairs", "ns_per_pair_packed", "vs_contiguous_per_pair"]))
-    emit(text, {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)),
-                "rows": rows}, args)
+    result = {"benchmark": "step lists", "backend": args.backend, "args": clean(vars(args)), "rows": rows}
+    if final:
+        emit(text, result, args)
+        return
+    if args.json:
+        write_json(args.json, result)
+    last = rows[-1]
+    print(f"measured {last['pass']} {last['layout']}: "
+          + ", ".join(f"{way} {last[f'ms_{way}']:.3f} ms" for way in WAYS), flush=True)
 
 
 if __name__ == "__main__":

@@ -1078,6 +1078,7 @@ def _cycle(edges: dict) -> set:
 # following the bytes: which K/V block each forward step reads; what each backward sum holds
 
 COPIES = ("copy_", "setitem", "astype")    # the kernels that copy (`_Bytes.copy`)
+ZERO = ("acc", None, ())     # the label of zeroed bytes (an accumulator: no terms, nothing yet)
 
 
 def _kernel_name(action: Action) -> str:
@@ -1101,6 +1102,7 @@ class _Bytes:
         if region.hi - region.lo > (1 << 40):   # a sentinel: the caller may write anything
             return
         if region.runs is not None:             # a strided view: exactly its bytes
+            assert labels is None or len(labels) == _held(region), (region, len(labels))
             at = 0
             for lo, n in region.runs:
                 self.write(Region(region.buffer, lo, lo + n), None if labels is None else labels[at:at + n])
@@ -1173,6 +1175,21 @@ class _Bytes:
         nothing known."""
         self.write(action.writes[0], None if action.detail[0] == "fill" else
                    self.operands(action, action.reads[0])[1])
+
+    def accumulate(self, action: Action, combine) -> bool:
+        """Apply `action` if it is zeroing (ZERO), a fill, a copy, or add_ (each byte's labels
+        joined by `combine`: the accumulating replays'); False, doing nothing, for any other."""
+        name = _kernel_name(action) if action.kind == "kernel" else action.kind
+        if name == "zeros" or (name in COPIES and action.detail == ("fill", 0)):
+            self.fill(action.writes[0], ZERO)
+        elif name in COPIES:                     # a fill of another value: nothing known
+            self.copy(action)
+        elif name == "add_":                     # b None: a constant or a broadcast
+            a, b = self.operands(action, action.reads[1] if len(action.reads) == 2 else None)
+            self.write(action.writes[0], None if b is None else [combine(x, y) for x, y in zip(a, b)])
+        else:
+            return False
+        return True
 
     def apply(self, action: Action) -> None:
         """An action of the compute stream (or an alloc) on this rank, in issue order."""
@@ -1288,7 +1305,6 @@ def _block_read(held: _Bytes, action: Action) -> tuple[int, tuple]:
     return owners.pop(), kept_rows(action.detail)
 
 
-ZERO = ("acc", None, ())     # a zeroed accumulator: no terms, nothing yet
 
 
 @lru_cache(maxsize=1 << 16)
@@ -1317,24 +1333,16 @@ class _Sums(_Bytes):
     INPUTS = ("q", "dout", "out", "lse", "k", "v")
 
     def apply(self, action: Action) -> None:
+        if self.accumulate(action, _sum):
+            return
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
         reads, writes = action.reads, action.writes
         if name == "alloc":
             super().apply(action)
-        elif name == "zeros":
-            self.fill(writes[0], ZERO)
-        elif name in COPIES and not reads:
-            self.fill(writes[0], ZERO if action.detail == ("fill", 0) else None)
-        elif name in COPIES:
-            self.copy(action)
         elif name == "add" and len(reads) == 2:   # out = a + b, all three of one dtype
             a, b = (self.read(region) for region in reads)
             same = action.detail[1] == action.detail[2] and len(a) == len(b) == _held(writes[0])
             self.write(writes[0], [_sum(x, y) for x, y in zip(a, b)] if same else None)
-        elif name == "add_":
-            # b None: a constant or a broadcast
-            a, b = self.operands(action, action.reads[1] if len(action.reads) == 2 else None)
-            self.write(writes[0], None if b is None else [_sum(x, y) for x, y in zip(a, b)])
         elif name == "backward_delta":
             i = self.owner(action, zip(reads, ("dout", "out")))
             self.write(writes[0], [("delta", i, o) for o in range(_held(writes[0]))])
@@ -1543,17 +1551,11 @@ class _Made(_Bytes):
             "backward_step": (None, "dq", "row_sums"), "backward_finalize": ("dk", "dv")}
 
     def apply(self, action: Action) -> None:
+        if self.accumulate(action, _plus):
+            return
         name = _kernel_name(action) if action.kind == "kernel" else action.kind
-        writes = action.writes
-        if name == "zeros":
-            self.fill(writes[0], ZERO)
-        elif name in COPIES and action.detail == ("fill", 0):
-            self.fill(writes[0], ZERO)
-        elif name == "add_":
-            a, b = self.operands(action, action.reads[1] if len(action.reads) == 2 else None)
-            self.write(writes[0], None if b is None else [_plus(x, y) for x, y in zip(a, b)])
-        elif name in self.MADE:
-            for region, size, what in zip(writes, action.sizes, self.MADE[name]):
+        if name in self.MADE:
+            for region, size, what in zip(action.writes, action.sizes, self.MADE[name]):
                 made = [("made", what, self.rank, e) for e in range(_held(region) // size)
                         for _ in range(size)] if what else None
                 if made and name == "backward_step":       # it adds into dq and the row sums
