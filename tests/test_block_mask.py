@@ -462,3 +462,32 @@ def test_the_kernels_fold_rectangles_of_shifted_diagonals(deterministic):
     _check("lse", lse, ref_lse, naive_lse, "float16")
     for name, got, ref, naive in zip(("dq", "dk", "dv"), grads, refs, naives):
         _check(name, got.astype(np.float64), ref, naive, "float16", factor=3.0)
+
+
+def test_a_mask_whose_keys_pass_the_sequence_is_refused():
+    """The mask's extent counts its key ranges too: keys past N are a ValueError naming the
+    position, not silently dropped."""
+    mask = burstcu.BlockMask([[0, 8]], [[0, 10]], ["full"])
+    assert mask.extent == 10
+    q = np.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match="reaches position 9"):
+        burstcu.attention(q, q, q, block_mask=mask)
+
+
+def test_a_range_may_stop_at_2_to_the_31():
+    """Positions run below 2^31: a range stopping at 2^31 is the largest legal one."""
+    mask = burstcu.BlockMask([[2**31 - 4, 2**31]], [[0, 4]], ["full"])
+    assert mask.extent == 2**31 and mask.kept_pairs() == 16
+
+
+def test_balanced_cuts_go_to_the_nearest_row():
+    """One pair a row, 8 rows on 3 ranks: targets 8/3 and 16/3, so cuts at rows 3 and 5."""
+    mask = burstcu.BlockMask([[0, 8]], [[0, 1]], ["full"])
+    assert mask.balanced_lengths(3, 8) == (3, 2, 3)
+
+
+def test_pieces_are_trimmed_to_the_rows_their_rectangle_keeps():
+    """Causal q [0, 8) x k [4, 8) (the diagonal through the bottom-right corner): rows 0-3 keep
+    nothing, so no piece starts before row 4."""
+    mask = burstcu.BlockMask([[0, 8]], [[4, 8]], ["causal"])
+    assert mask.pieces["q_start"].min() == 4

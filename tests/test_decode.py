@@ -417,3 +417,27 @@ def test_kvcache_copies_torch_rows_on_torchs_stream(monkeypatch):
     cache.append(k[:, :1], v[:, :1])
     assert [tuple(map(id, t)) for t in entered][0] == (id(k), id(v)) and len(entered) == 2
     assert cache.seqlens.tolist() == [3] and float(np.asarray(cache.v)[0, 2, 0, 0]) == 2.0
+
+
+def test_a_cache_fills_to_exactly_its_capacity():
+    """A cache of 4 rows takes 4; the fifth is "full"."""
+    cache = burstcu.KVCache(None, 1, 4, 1, 4, np.float64)
+    cache.append(np.ones((1, 4, 1, 4)), np.ones((1, 4, 1, 4)))
+    assert cache.seqlens.tolist() == [4]
+    with pytest.raises(ValueError, match="KVCache is full"):
+        cache.append(np.ones((1, 1, 1, 4)), np.ones((1, 1, 1, 4)))
+
+
+def test_a_prefill_may_fill_the_page_pool_exactly():
+    """Two sequences of 4 rows in 4 pages of 2: the pool holds them exactly."""
+    cache = burstcu.KVCache(None, 2, 8, 1, 4, np.float64, page_size=2, num_pages=4)
+    cache.from_prefill(np.ones((2, 4, 1, 4)), np.ones((2, 4, 1, 4)))
+    assert cache.seqlens.tolist() == [4, 4]
+
+
+def test_appends_after_a_prefill_use_every_free_page():
+    """A prefill takes pages 0 and 1; the appends after it take 2 and 3, none lost."""
+    cache = burstcu.KVCache(None, 2, 8, 1, 4, np.float64, page_size=2, num_pages=4)
+    cache.from_prefill(np.ones((2, 2, 1, 4)), np.ones((2, 2, 1, 4)))
+    cache.append(np.ones((2, 2, 1, 4)), np.ones((2, 2, 1, 4)))
+    assert sorted(cache.page_table[cache.page_table >= 0].tolist()) == [0, 1, 2, 3]

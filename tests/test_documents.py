@@ -14,7 +14,7 @@ import pytest
 
 import burstcu
 from burstcu.engine.burst import forward_sends
-from burstcu.layout import (DOCUMENT_SLACK, RECTANGLE, Partition, blocks, global_positions,
+from burstcu.layout import (DOCUMENT_SLACK, RECTANGLE, Partition, Segment, blocks, global_positions,
                             kept_pairs, partition, rectangles, step_blocks)
 from tests.mpi.bodies import dense_keep
 from tests.mpi_run import run_mpi
@@ -302,3 +302,38 @@ def test_a_partition_pickles_without_what_it_computed():
     # the arrays the zigzag split hands over at once are those its segments give
     for made, given in zip(Partition(part.layout, part.runs).arrays, part.arrays):
         assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(made, given))
+
+
+def _rows_and_pairs(part, docs):
+    """(rows, causal pairs within documents) of each rank of `part`, counted over positions."""
+    d = np.asarray(docs)
+    pos = [np.asarray(part.positions(r)) for r in range(part.size)]
+    return ([p.size for p in pos],
+            [int((p - d[np.searchsorted(d, p, "right") - 1] + 1).sum()) for p in pos])
+
+
+def test_documents_keep_rows_and_pairs_within_the_slack_of_zigzag():
+    """The "documents" layout's busiest rank holds at most DOCUMENT_SLACK of a share more rows,
+    and more causal pairs, than per-document zigzag's."""
+    docs = (0, 14, 24, 57, 89, 141, 180, 219, 250)
+    lens = np.diff(docs)
+    share_rows, share_pairs = docs[-1] / 2, (lens * (lens + 1) // 2).sum() / 2
+    rows, pairs = _rows_and_pairs(partition("documents", 2, docs[-1], docs), docs)
+    z_rows, z_pairs = _rows_and_pairs(partition("zigzag", 2, docs[-1], docs), docs)
+    assert max(rows) <= max(z_rows) + DOCUMENT_SLACK * share_rows
+    assert max(pairs) <= max(z_pairs) + DOCUMENT_SLACK * share_pairs
+
+
+def test_a_short_document_goes_to_the_rank_it_leaves_least_loaded():
+    """Documents (0, 9, 20, 31, 41, 43) on 2 ranks: the whole ones split 21 rows to 20; the last
+    two-row document goes to the rank with 20."""
+    part = partition("documents", 2, 43, (0, 9, 20, 31, 41, 43))
+    assert part.lengths == (21, 22) and Segment(20, 41, 2) in part.runs[1]
+
+
+def test_a_rectangle_wholly_below_the_diagonal_is_not_masked():
+    """Contiguous over 2 ranks with a one-row document [3, 4): its 1 x 1 rectangle keeps its one
+    pair, so it runs without the mask test."""
+    one = [b for b in blocks(partition("contiguous", 2, 8), 0, 0, True, cu_seqlens=(0, 3, 4, 8))
+           if b.q_len == 1 and b.k_len == 1]
+    assert one and not any(b.masked for b in one)

@@ -55,3 +55,9 @@ def test_partition_refuses_what_cannot_be_split():
     q = np.zeros((1, 3, 2, 8))
     with pytest.raises(ValueError, match="at least one row"):
         burstcu.shard(q, SimpleNamespace(rank=0, size=4), "contiguous")
+
+
+def test_contiguous_lengths_of_zero_are_refused():
+    """Every rank holds a row at least: a partition with an empty rank is a ValueError."""
+    with pytest.raises(ValueError, match="at least one row"):
+        partition("contiguous", 3, 10, lengths=(5, 0, 5))

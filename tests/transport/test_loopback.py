@@ -316,3 +316,62 @@ def test_an_all_gather_counts_as_waiting():
     0.3 s late shows in stats.wait_seconds (it read 0: only `wait` counted)."""
     waits = run_ranks(2, allgather_blocks, timeout=30)
     assert waits[1] >= 0.15, waits
+
+
+def test_usp_sends_the_messages_it_counts():
+    """usp with ulysses_degree 2 on 4 ranks (two all-to-alls a head group, a ring over the
+    others): each rank's messages, forward and backward, are what the strategy counts."""
+    n, size = 64, 4
+    rng = np.random.default_rng(0)
+    q, dout = (rng.standard_normal((1, n, 4, 16)) for _ in range(2))
+    k, v = (rng.standard_normal((1, n, 2, 16)) for _ in range(2))
+
+    def body(group):
+        local = [burstcu.shard(x, group, "zigzag") for x in (q, k, v, dout)]
+        kw = dict(causal=True, layout="zigzag", strategy="usp", ulysses_degree=2)
+        group.stats.reset()
+        out, lse = burstcu.attention(*local[:3], group, return_lse=True, **kw)
+        fwd = group.stats.as_dict()["messages"]
+        group.stats.reset()
+        burstcu.attention_backward(local[3], *local[:3], out, lse, group, **kw)
+        return fwd, group.stats.as_dict()["messages"], local
+
+    usp = engine.get("usp", ulysses_degree=2)
+    for rank, (fwd, bwd, (ql, kl, vl, _)) in enumerate(run_ranks(size, body)):
+        mask = dict(rank=rank, layout="zigzag", causal=True)
+        assert fwd == usp.forward_messages(size, ql, kl, vl, **mask), rank
+        assert bwd == usp.backward_messages(size, ql, kl, vl, **mask), rank
+
+
+def test_loopback_allgather_counts_what_it_receives():
+    """An all-gather of 32 bytes on 3 ranks: each sends its 32 bytes to 2 peers and receives
+    theirs."""
+    def body(group):
+        group.stats.reset()
+        group.transport.allgather(np.ones(4), np.zeros(12))
+        return group.stats.as_dict()
+
+    for stats in run_ranks(3, body):
+        assert stats["bytes_sent"] == stats["bytes_received"] == 2 * 32
+
+
+def test_a_sub_group_made_after_an_abort_is_aborted():
+    """A sub-hub made after its hub was aborted raises the abort at once, not at its timeout."""
+    hub = LoopbackHub(2, timeout=3)
+    hub.abort("rank 1 failed")
+    sub = hub.subhub("ring", (0, 1))
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailedError, match="rank 1 failed"):
+        sub.take(("msg", 1, 0, 0), "a message")
+    assert time.monotonic() - t0 < 2
+
+
+def test_loopback_agreement_rounds_are_dropped_once_read():
+    """An allgather_object round every rank has read is forgotten (no memory grows per call)."""
+    hub = LoopbackHub(2)
+    threads = [threading.Thread(target=hub.allgather_object, args=(r, r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert hub._objects == {}

@@ -117,3 +117,31 @@ def test_a_sub_group_is_connected_by_the_function_bootstrap_gave(monkeypatch):
             plain.split(0, 0, "heads")
     finally:
         plain.close()
+
+
+def test_the_watchdog_fires_once_even_when_more_exchanges_are_watched():
+    """After the watchdog reported an exchange reached but never arrived (the job is ending), an
+    exchange watched later is not reported again."""
+    import time
+
+    class Device:
+        done: set = set()
+
+        def new_event(self):
+            return object()
+
+        def query(self, event):
+            return event in self.done
+
+    device, fired = Device(), []
+    dog = nccl.EventWatchdog(device, 0.1, fired.append, poll=0.01)
+    started = dog.event("started")
+    device.done.add(started)                      # reached, never arrives
+    dog.watch(started, dog.event("arrived"), "first")
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.watch(dog.event("started"), dog.event("arrived"), "second")
+    time.sleep(0.5)
+    dog.stop()
+    assert fired == ["first"]
