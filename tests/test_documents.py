@@ -306,10 +306,8 @@ def test_a_partition_pickles_without_what_it_computed():
 
 def _rows_and_pairs(part, docs):
     """(rows, causal pairs within documents) of each rank of `part`, counted over positions."""
-    d = np.asarray(docs)
     pos = [np.asarray(part.positions(r)) for r in range(part.size)]
-    return ([p.size for p in pos],
-            [int((p - d[np.searchsorted(d, p, "right") - 1] + 1).sum()) for p in pos])
+    return [p.size for p in pos], [_causal_pairs(p, np.asarray(docs)) for p in pos]
 
 
 def test_documents_keep_rows_and_pairs_within_the_slack_of_zigzag():
