@@ -217,20 +217,6 @@ def test_split_heuristic():
     assert kernel_decode.most_splits(1 << 20, 1, 2000) == kernel_decode.MAX_SPLITS
 
 
-@pytest.mark.parametrize("st", kernel_decode.DECODE_STRUCTS, ids=lambda st: st.name)
-def test_decode_struct_layout_matches_gxx(st):
-    from burstcu.build.emulate import struct_layout
-    kind = {"ptr": "p", "i64": "i", "i32": "i", "f32": "f"}
-    names = [f"{st.name}<{t}>" for t in ("__half", "__nv_bfloat16", "float")] if st.templated else [st.name]
-    for cxx in names:
-        members = st.layout()
-        got = struct_layout("flash_decode.cu", cxx, [m for m, *_ in members])
-        assert (got["size"], got["align"]) == (st.dtype.itemsize, st.dtype.alignment), cxx
-        assert got["count"] == len(st.fields), cxx
-        for path, offset, size, typ in members:
-            assert got["members"][path] == (offset, size, kind[typ]), f"{cxx}.{path}"
-
-
 def test_partials_of_plans_sharing_a_buffer_layout_stay_distinct():
     """Calls that differ only in the scale (other plans, one buffer layout), more of them than
     the op keeps plans: each partial stays as it was through the next call, and each is the

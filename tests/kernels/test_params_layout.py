@@ -1,6 +1,7 @@
 """The host mirrors of the kernels' parameter structs (`burstcu.ops.cuda.params`) against the C structs
-of kernels/params.cuh: size, alignment, member count and every member's offset, size and kind as
-g++ lays them out (through the emulator's build), and sizes, alignments and offsets as NVRTC does
+of kernels/params.cuh (decode's: kernels/flash_decode.cu): size, alignment, member count and
+every member's offset, size and kind as g++ lays them out (through the emulator's build, one a
+source), and sizes, alignments and offsets as NVRTC does
 (read from a probe kernel's PTX; needs cuda-python, not a GPU). A field added to, dropped from or
 moved in one side only fails here.
 """
@@ -16,7 +17,8 @@ import pytest
 from burstcu.layout import Block
 from burstcu.ops.cuda import params
 from burstcu.ops.cuda.params import NO_BOUND, PARAM_STRUCTS, CStruct
-from burstcu.build.emulate import struct_layout
+from burstcu.build.emulate import struct_layout, struct_layouts
+from burstcu.ops.cuda.decode import DECODE_STRUCTS
 
 pytestmark = pytest.mark.emulated
 
@@ -29,17 +31,34 @@ def instances(st: CStruct) -> list[str]:
     return [f"{st.name}<{t}>" for t in ELEMENT_TYPES] if st.templated else [st.name]
 
 
-CASES = [(st, name) for st in PARAM_STRUCTS for name in instances(st)]
+# (kernel source, host mirror, C++ type): the parameter structs, and decode's of its own source
+CASES = ([("params.cuh", st, name) for st in PARAM_STRUCTS for name in instances(st)]
+         + [("flash_decode.cu", st, name) for st in DECODE_STRUCTS for name in instances(st)])
 
 
-@pytest.mark.parametrize("st,cxx", CASES, ids=[c for _, c in CASES])
-def test_host_layout_matches_gxx(st, cxx):
-    members = st.layout()
-    got = struct_layout("params.cuh", cxx, [m for m, *_ in members])
+@pytest.fixture(scope="module")
+def gxx_layouts() -> dict:
+    """{(source, C++ type): `struct_layout`} of every case, one g++ build a source."""
+    found = {}
+    for source in sorted({source for source, _, _ in CASES}):
+        types = {cxx: [m for m, *_ in st.layout()] for src, st, cxx in CASES if src == source}
+        found.update({(source, cxx): got for cxx, got in struct_layouts(source, types).items()})
+    return found
+
+
+@pytest.mark.parametrize("source,st,cxx", CASES, ids=[c for _, _, c in CASES])
+def test_host_layout_matches_gxx(gxx_layouts, source, st, cxx):
+    got = gxx_layouts[(source, cxx)]
     assert (got["size"], got["align"]) == (st.dtype.itemsize, st.alignment), cxx
     assert got["count"] == len(st.fields), f"{cxx} has {got['count']} members, the host {len(st.fields)}"
-    for path, offset, size, typ in members:
+    for path, offset, size, typ in st.layout():
         assert got["members"][path] == (offset, size, KIND[typ]), f"{cxx}.{path}"
+
+
+def test_one_type_alone_is_laid_out_as_among_many(gxx_layouts):
+    """`struct_layout` of one type (its own build) gives what the build of every type gave."""
+    source, st, cxx = CASES[-1]
+    assert struct_layout(source, cxx, [m for m, *_ in st.layout()]) == gxx_layouts[(source, cxx)]
 
 
 def nvrtc_ptx(source: str) -> str:
@@ -78,9 +97,10 @@ def stored_constants(ptx: str) -> dict[int, int]:
 def test_host_layout_matches_nvrtc():
     """Sizes, alignments, offsets and member sizes as NVRTC (the compiler of the GPU kernels) lays
     them out: a probe kernel stores them as constants, which the PTX shows (no GPU needed)."""
-    lines, expected = ['#include "params.cuh"',
-                       'extern "C" __global__ void layout_probe(unsigned long long* out) {'], []
-    for st, cxx in CASES:
+    sources = sorted({source for source, _, _ in CASES})
+    lines, expected = [f'#include "{source}"' for source in sources] + [
+        'extern "C" __global__ void layout_probe(unsigned long long* out) {'], []
+    for _, st, cxx in CASES:
         ptr = f"static_cast<{cxx}*>(nullptr)"
         facts = [(f"sizeof({cxx})", st.dtype.itemsize, f"sizeof {cxx}"),
                  (f"alignof({cxx})", st.alignment, f"alignof {cxx}")]
