@@ -34,13 +34,14 @@ def instances(st: CStruct) -> list[str]:
 # (kernel source, host mirror, C++ type): the parameter structs, and decode's of its own source
 CASES = ([("params.cuh", st, name) for st in PARAM_STRUCTS for name in instances(st)]
          + [("flash_decode.cu", st, name) for st in DECODE_STRUCTS for name in instances(st)])
+SOURCES = sorted({source for source, _, _ in CASES})
 
 
 @pytest.fixture(scope="module")
 def gxx_layouts() -> dict:
     """{(source, C++ type): `struct_layout`} of every case, one g++ build a source."""
     found = {}
-    for source in sorted({source for source, _, _ in CASES}):
+    for source in SOURCES:
         types = {cxx: [m for m, *_ in st.layout()] for src, st, cxx in CASES if src == source}
         found.update({(source, cxx): got for cxx, got in struct_layouts(source, types).items()})
     return found
@@ -97,8 +98,7 @@ def stored_constants(ptx: str) -> dict[int, int]:
 def test_host_layout_matches_nvrtc():
     """Sizes, alignments, offsets and member sizes as NVRTC (the compiler of the GPU kernels) lays
     them out: a probe kernel stores them as constants, which the PTX shows (no GPU needed)."""
-    sources = sorted({source for source, _, _ in CASES})
-    lines, expected = [f'#include "{source}"' for source in sources] + [
+    lines, expected = [f'#include "{source}"' for source in SOURCES] + [
         'extern "C" __global__ void layout_probe(unsigned long long* out) {'], []
     for _, st, cxx in CASES:
         ptr = f"static_cast<{cxx}*>(nullptr)"
