@@ -37,12 +37,12 @@ import math
 import sys
 import time
 
-import ml_dtypes  # registers bfloat16 with NumPy
 import numpy as np
 
 import burstcu
 from burstcu.engine import burst
 from burstcu.layout import partition
+from burstcu.ops.base import as_dtype, finfo
 from burstcu.testing.reference import (attention_ref, largest_finite, max_err, step_backward_ref,
                                        within_fa_rule)
 from burstcu.transport.base import CommTimeoutError, deadline_after, poll_until
@@ -143,7 +143,7 @@ def _refused(message: str) -> int:
 
 def _inputs(args):
     """The global q, dout (B, N, H, D) and k, v (B, N, Hkv, D), the same on every rank."""
-    dtype = np.dtype(args.dtype)
+    dtype = as_dtype(args.dtype)
     rng = np.random.default_rng(0)
     shape_q = (args.batch, args.seqlen, args.heads, args.headdim)
     shape_kv = (args.batch, args.seqlen, args.kv_heads or args.heads, args.headdim)
@@ -193,8 +193,8 @@ def _precision(dtype_name: str):
     implementation of FlashAttention's rule computes in float32 and rounds P and its results to a
     half-precision input's dtype; float64 inputs get a float64 naive one and a long double
     reference."""
-    dtype = np.dtype(dtype_name)
-    eps = float(ml_dtypes.finfo(dtype).eps)
+    dtype = as_dtype(dtype_name)
+    eps = float(finfo(dtype).eps)
     if dtype == np.float64:
         return np.longdouble, np.float64, None, eps
     return np.float64, np.float32, (dtype if dtype.itemsize < 4 else None), eps

@@ -21,12 +21,12 @@ import contextlib
 import hashlib
 from contextlib import contextmanager
 
-import ml_dtypes
 import numpy as np
 
 from . import api
 from .arrays import host_view, torch_stream
 from .group import Call, Group, local_group, not_a_group
+from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
 from .validate import InputError, agree
 
@@ -39,7 +39,7 @@ def _cache_dtype(dtype, names: tuple) -> np.dtype:
         dtype = str(dtype).removeprefix("torch.")
     if dtype is not None:
         try:
-            return np.dtype(dtype)
+            return as_dtype(dtype)
         except TypeError:
             pass
     raise TypeError(f"KVCache dtype must be one of {', '.join(names)}, got {dtype!r}")
@@ -258,7 +258,7 @@ class KVCache:
             largest = xp.abs(x[overflows]).max()
         raise ValueError(f"KVCache.{what}: {name} holds values beyond {self.dtype}'s range "
                          f"(|{name}| up to {largest!s}; {self.dtype} reaches "
-                         f"{float(ml_dtypes.finfo(self.dtype).max):.9g}): stored, they would be inf, and "
+                         f"{float(finfo(self.dtype).max):.9g}): stored, they would be inf, and "
                          f"decode would return inf or NaN: scale them, or make the cache of a "
                          f"wider dtype (KVCache(..., dtype=...))")
 

@@ -42,7 +42,6 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy: dtype="bfloat16" is a name here
 import numpy as np
 
 from . import engine
@@ -50,6 +49,7 @@ from .engine import burst, steps, ulysses
 from .engine.decode import decode_bytes
 from .group import not_a_group, says_ranks
 from .layout import Partition, as_partition, blocks, grouped, kept_pairs, partition
+from .ops.base import as_dtype
 from .validate import (check_block_mask, check_block_mask_extent, check_docs_total, check_flags,
                        check_window, parse_cu_seqlens, sharding_keywords)
 
@@ -443,7 +443,7 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         raise ValueError(f"plan: {problem}")
     given = dtype
     try:
-        dtype = None if dtype is None else np.dtype(dtype)
+        dtype = None if dtype is None else as_dtype(dtype)
     except TypeError:
         dtype = None
     if dtype is None or dtype.name not in ("float16", "bfloat16", "float32", "float64"):

@@ -19,12 +19,11 @@ import warnings
 from contextlib import contextmanager
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from .blockmask import BlockMask
 from .layout import LAYOUTS, Partition, partition
-from .ops.base import accum_dtype, dtype_name
+from .ops.base import accum_dtype, dtype_name, finfo
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -947,7 +946,7 @@ def q_summary(q) -> list | None:
         return None
     x = q.reshape(q.shape[0] * q.shape[1], -1).astype(np.float64)
     signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, x.shape[1]))
-    eps = float(ml_dtypes.finfo(q.dtype).eps)
+    eps = float(finfo(q.dtype).eps)
     rounding = Q_ULPS * eps * np.abs(x).sum(axis=1, keepdims=True)
     return np.stack([x @ signs.T, np.broadcast_to(rounding, (x.shape[0], Q_PROJECTIONS))]).tolist()
 

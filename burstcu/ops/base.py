@@ -31,6 +31,7 @@ GQA: query head h uses key/value head h // (H // Hkv).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -79,6 +80,26 @@ def buffer_layout(fields: Sequence[tuple[str, tuple, Any]]) -> tuple:
     what `LocalOps.double_buffer` keeps its buffers by (a caller that keeps its fields can make
     it once and pass it)."""
     return tuple((name, tuple(int(n) for n in shape), np.dtype(dtype).str) for name, shape, dtype in fields)
+
+
+def as_dtype(dtype) -> np.dtype:
+    """np.dtype(dtype), knowing ml_dtypes' names too ("bfloat16"): ml_dtypes, which registers
+    them with NumPy and takes most of a second to import, is imported only when a name needs it
+    (arrays of bfloat16 exist only once it is imported). TypeError for what no dtype is."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        importlib.import_module("ml_dtypes")    # registers bfloat16 and its kin by name
+        return np.dtype(dtype)
+
+
+def finfo(dtype):
+    """The machine limits (eps, max, ...) of a float dtype: NumPy's, or ml_dtypes' for bfloat16."""
+    dtype = as_dtype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        return np.finfo(dtype)
+    import ml_dtypes
+    return ml_dtypes.finfo(dtype)
 
 
 def accum_dtype(dtype) -> np.dtype:

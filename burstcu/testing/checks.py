@@ -33,6 +33,7 @@ import numpy as np
 
 from ..layout import Block, shard_slices, step_blocks
 from ..group import on_gpu
+from ..ops.base import as_dtype
 from .reference import (attention_backward_ref, attention_ref, keep_from_blocks, max_err,
                         softmax_stats_ref, step_backward_ref)
 
@@ -40,8 +41,7 @@ FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
 
 
 def _dtypes() -> dict:
-    import ml_dtypes
-    return {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+    return {name: as_dtype(name) for name in ("float16", "bfloat16")}
 
 
 def record(name: str, passed: bool | None, detail: Any) -> dict:

@@ -14,14 +14,8 @@ from typing import Any
 import numpy as np
 
 import burstcu
+from burstcu.ops.base import as_dtype
 from burstcu.testing.reference import attention_backward_ref, attention_ref, within_fa_rule
-
-try:
-    import ml_dtypes
-    DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-              "float64": np.float64}
-except ImportError:  # pragma: no cover
-    DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 # the naive same-dtype implementation of the tolerance rule: fp16/bf16 naive attention is
@@ -47,7 +41,7 @@ def make_inputs(seed, b, n, h, hkv, d, dtype, logit_scale=1.0):
     k = rng.standard_normal((b, n, hkv, d))
     v = rng.standard_normal((b, n, hkv, d))
     dout = rng.standard_normal((b, n, h, d))
-    return [x.astype(DTYPES[dtype]) for x in (q, k, v, dout)]
+    return [x.astype(as_dtype(dtype)) for x in (q, k, v, dout)]
 
 
 def on_rank0_then_bcast(compute):
@@ -249,7 +243,7 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
 
         # the kernels store P and dS in the input dtype (tensor-core operands), as a naive
         # half-precision implementation does; the NumPy backend keeps them in float32
-        round_to = DTYPES[dtype] if backend == "emulated" else None
+        round_to = as_dtype(dtype) if backend == "emulated" else None
         refs = on_rank0_then_bcast(lambda: (
             attention_ref(q, k, v, causal, dtype=TRUTH[dtype]),
             attention_ref(q, k, v, causal, dtype=NAIVE[dtype], round_to=round_to),
@@ -269,7 +263,7 @@ def attention_matches_reference(backend="numpy", dtype="float32", cases=(), seql
             # where the naive one rounds once per matmul: flash-attn's backward tests allow 3x too
             errs[name] = _check(name, got, ref[:, rows], naive[:, rows], dtype, factor=3.0)
 
-        itemsize, acc_size = np.dtype(DTYPES[dtype]).itemsize, np.dtype(acc).itemsize
+        itemsize, acc_size = np.dtype(as_dtype(dtype)).itemsize, np.dtype(acc).itemsize
         want = expected_traffic(strategy, size, b, seqlen_local, h, hkv, d, itemsize, acc_size,
                                 ulysses_degree, rank, layout, causal)
         # what I receive is what the rank before me in the ring sends (USP: in the ring of groups)
@@ -595,7 +589,7 @@ def masked_positions_are_inert(layout="zigzag", seqlen_local=24, options=None, o
     group, rank, size = _world(one_process, options, backend)
     b, h, hkv, d, n = 2, 4, 2, 16, seqlen_local * size
     q, k, v, dout = make_inputs(seed, b, n, h, hkv, d, dtype)
-    half = DTYPES[dtype] if dtype in ("float16", "bfloat16") else None
+    half = as_dtype(dtype) if dtype in ("float16", "bfloat16") else None
     naive_fwd = dict(round_to=half)
     naive_bwd = dict(round_to=half, out_dtype=half)
     sites = sorted(poison_sites(n), key=lambda site: site[2])

@@ -6,8 +6,9 @@ import numpy as np
 
 import burstcu
 from burstcu.engine.decode import decode_bytes
+from burstcu.ops.base import as_dtype
 from burstcu.testing.reference import attention_ref
-from tests.mpi.bodies import DTYPES, NAIVE, _check
+from tests.mpi.bodies import NAIVE, _check
 
 
 def _spread(rng, total: int, size: int) -> np.ndarray:
@@ -25,14 +26,14 @@ def decode_matches_reference(dtype="float32", backend="numpy", b=3, t=2, h=4, hk
     rank, size = group.rank, group.size
     rng = np.random.default_rng(5)
     totals = [37, 0, 11][:b]                       # batch row 1 has no cache row anywhere
-    q = rng.standard_normal((b, t, h, d)).astype(DTYPES[dtype])
-    whole_k = [rng.standard_normal((n, hkv, d)).astype(DTYPES[dtype]) for n in totals]
-    whole_v = [rng.standard_normal((n, hkv, d)).astype(DTYPES[dtype]) for n in totals]
+    q = rng.standard_normal((b, t, h, d)).astype(as_dtype(dtype))
+    whole_k = [rng.standard_normal((n, hkv, d)).astype(as_dtype(dtype)) for n in totals]
+    whole_v = [rng.standard_normal((n, hkv, d)).astype(as_dtype(dtype)) for n in totals]
     counts = np.stack([_spread(rng, n, size) for n in totals])          # (B, G)
     orders = [rng.permutation(n) for n in totals]                       # any order
     cap = int(counts.max()) + 3
-    k = np.full((b, cap, hkv, d), np.nan, DTYPES[dtype])
-    v = np.full((b, cap, hkv, d), np.nan, DTYPES[dtype])
+    k = np.full((b, cap, hkv, d), np.nan, as_dtype(dtype))
+    v = np.full((b, cap, hkv, d), np.nan, as_dtype(dtype))
     for bi in range(b):
         start = int(counts[bi, :rank].sum())
         mine = orders[bi][start:start + counts[bi, rank]]
@@ -68,12 +69,12 @@ def kv_cache_appends_balance_and_decode(capacity=6, page_size=None, backend="num
     rank, size = group.rank, group.size
     rng = np.random.default_rng(2)
     b, h, hkv, d = 2, 4, 2, 8
-    cache = burstcu.KVCache(group, b, capacity, hkv, d, DTYPES[dtype], page_size=page_size)
+    cache = burstcu.KVCache(group, b, capacity, hkv, d, as_dtype(dtype), page_size=page_size)
     tol = 1e-12 if dtype == "float64" else 2e-2
     rows_k, rows_v = [], []
     for step in range(3):
         t = 1 + step % 2
-        kn, vn = (rng.standard_normal((b, t, hkv, d)).astype(DTYPES[dtype]) for _ in "kv")
+        kn, vn = (rng.standard_normal((b, t, hkv, d)).astype(as_dtype(dtype)) for _ in "kv")
         cache.append(kn, vn)
         rows_k.append(kn)
         rows_v.append(vn)
@@ -84,7 +85,7 @@ def kv_cache_appends_balance_and_decode(capacity=6, page_size=None, backend="num
         used = cache.page_table >= 0
         assert used.sum(axis=1).tolist() == (-(-cache.seqlens // page_size)).tolist()
         assert len(set(cache.page_table[used].tolist())) == used.sum()
-    q = rng.standard_normal((b, 1, h, d)).astype(DTYPES[dtype])
+    q = rng.standard_normal((b, 1, h, d)).astype(as_dtype(dtype))
     got = cache.decode(q)
     assert np.array_equal(burstcu.decode(q, cache), got)          # the same call
     want = attention_ref(q, np.concatenate(rows_k, axis=1), np.concatenate(rows_v, axis=1))[0]
@@ -100,7 +101,7 @@ def kv_cache_appends_balance_and_decode(capacity=6, page_size=None, backend="num
     assert cache.counts.sum(axis=0).tolist() == [total] * b          # nothing stored
     # prefill shards of different lengths (as uneven contiguous shards are)
     mine = 1 + rank % 3
-    kp, vp = (rng.standard_normal((b, mine, hkv, d)).astype(DTYPES[dtype]) for _ in "kv")
+    kp, vp = (rng.standard_normal((b, mine, hkv, d)).astype(as_dtype(dtype)) for _ in "kv")
     cache.from_prefill(kp, vp)
     every = group.transport.allgather_object((kp.astype(np.float64).tolist(),
                                               vp.astype(np.float64).tolist()), "prefill")

@@ -16,8 +16,9 @@ import numpy as np
 
 import burstcu
 from burstcu.engine import lasp1
+from burstcu.ops.base import as_dtype
 from burstcu.testing.reference import attention_backward_ref, attention_ref, linear_attention_ref
-from tests.mpi.bodies import (DTYPES, EPS, NAIVE, TRUTH, _check, attention_matches_reference,
+from tests.mpi.bodies import (EPS, NAIVE, TRUTH, _check, attention_matches_reference,
                               bundle_counts, dense_keep, make_inputs, my_rows,
                               on_rank0_then_bcast, ring_sends)
 
@@ -246,7 +247,7 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         group.ops.step_lists = recorded
     rank, size = group.rank, group.size
     # the kernels round P and dS to the input dtype, as a naive half-precision implementation does
-    half = {"round_to": DTYPES[dtype]} if backend == "emulated" else {}
+    half = {"round_to": as_dtype(dtype)} if backend == "emulated" else {}
     how = dict(strategy=strategy) | ({"ulysses_degree": ulysses_degree} if ulysses_degree else {})
     for index, case in enumerate(cases):
         causal, layout, (left, right) = case["causal"], case["layout"], case.get("window", (-1, -1))
