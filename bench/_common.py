@@ -165,9 +165,23 @@ def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
     return times
 
 
-def slowest_rank_seconds(group, fn, repeats: int, warmup: int = 0, after=None) -> float:
-    """Median over `repeats` calls of fn(), started together, of the slowest rank's seconds."""
-    mine = call_seconds(fn, repeats, warmup, before=group.barrier, after=after)
+def l2_flush(xp):
+    """A call that reads and writes a buffer of twice the GPU's L2, then waits for the device, so
+    that a call timed after it reads its inputs from HBM, as a decode step does once every other
+    layer has run since the last (a 4K-row cache of 8 kv heads is 16 MiB, less than an H100's L2);
+    None where xp is not CuPy."""
+    if getattr(xp, "__name__", "") != "cupy":
+        return None
+    device = xp.cuda.Device()
+    scratch = xp.zeros(2 * int(device.attributes["L2CacheSize"]) // 4, xp.int32)
+    return lambda: (xp.add(scratch, 1, out=scratch), device.synchronize())
+
+
+def slowest_rank_seconds(group, fn, repeats: int, warmup: int = 0, after=None, before=None) -> float:
+    """Median over `repeats` calls of fn(), started together, of the slowest rank's seconds;
+    before() runs untimed ahead of each call's barrier."""
+    ready = group.barrier if before is None else (lambda: (before(), group.barrier()))
+    mine = call_seconds(fn, repeats, warmup, before=ready, after=after)
     every = group.transport.allgather_object(mine, "bench timing")
     return median([max(per_rank) for per_rank in zip(*every)])
 

@@ -27,7 +27,7 @@ from burstcu.engine.decode import decode_bytes  # noqa: E402
 from burstcu.ops.cuda.decode import PINNED_SLOTS, split_kernel  # noqa: E402
 from burstcu.plan import predict_decode  # noqa: E402
 
-DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "host_ms", "torch_ms",
+DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "l2", "host_ms", "torch_ms",
                   "bytes_per_rank", "cache_rows_per_rank", "split_kernel"]
 PREFILL_COLUMNS = ["prompt", "strategy", "first_token_ms"]
 # defaults where an option is not given: a GPU's sizes, or what CPU ranks finish in minutes
@@ -35,8 +35,9 @@ DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repe
             "cpu": {"cache": [4096, 65536, 262144], "dtype": "float32", "repeats": 5}}
 
 
-def torch_ms(q, cache, n: int, repeats: int) -> float | None:
-    """SDPA over the first n rows of a contiguous cache, or None without torch (optional)."""
+def torch_ms(q, cache, n: int, repeats: int, flush=None) -> float | None:
+    """SDPA over the first n rows of a contiguous cache, or None without torch (optional); flush()
+    untimed ahead of each call."""
     try:
         import torch
         import torch.nn.functional as F
@@ -50,12 +51,14 @@ def torch_ms(q, cache, n: int, repeats: int) -> float | None:
         g, gqa = tq.shape[1] // tk.shape[1], {}
         tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
     seconds = C.call_seconds(lambda: F.scaled_dot_product_attention(tq, tk, tv, **gqa), repeats, cuda=True,
-                             sync_inside=True)
+                             sync_inside=True, before=flush)
     return C.median(seconds) * 1e3
 
 
 def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
-    """The row of n cache rows in all: ceil(n / G) on each rank, one fewer past the first n % G."""
+    """The row of n cache rows in all: ceil(n / G) on each rank, one fewer past the first n % G.
+    On a GPU each timed call (and torch's) follows a flush of L2 (`C.l2_flush`) unless
+    --warm-l2: the cache is read from HBM, as between one layer's tokens."""
     b, h, hkv, d = args.batch, args.heads, args.kv_heads or args.heads, args.headdim
     ops, per_rank, extra = group.ops, -(-n // group.size), n % group.size
     mine = per_rank if group.rank < extra or extra == 0 else per_rank - 1
@@ -65,6 +68,7 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     del kv
     q = ops.xp.asarray(C.normal(np, [(b, args.tokens, h, d)], args.dtype, 2)[0])
     events = group.backend == "cupy" and group.size == 1     # one GPU: CUDA events, no barrier
+    flush = None if args.warm_l2 else C.l2_flush(ops.xp)
 
     def step():
         cache.decode(q)
@@ -73,9 +77,10 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     step()                                                   # warm-up (compiles on a GPU)
     group.stats.reset()
     if events:
-        seconds = C.median(C.call_seconds(lambda: cache.decode(q), args.repeats, 0, cuda=True))
+        seconds = C.median(C.call_seconds(lambda: cache.decode(q), args.repeats, 0, cuda=True,
+                                          before=flush))
     else:
-        seconds = C.slowest_rank_seconds(group, step, args.repeats)
+        seconds = C.slowest_rank_seconds(group, step, args.repeats, before=flush)
     sent = group.stats.bytes_sent // args.repeats
     assert sent == decode_bytes(group.size, q), (sent, decode_bytes(group.size, q))
     # host ms: the median call of runs of PINNED_SLOTS calls back to back, each run after a synced
@@ -90,8 +95,9 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
     kernel = split_kernel(ops)         # the split kernel the last decode ran (None: array operations)
     return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
             "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
+            "l2": ("warm" if args.warm_l2 else "flushed") if group.backend == "cupy" else None,
             "host_ms": C.median(host) * 1e3,
-            "torch_ms": torch_ms(q, cache, n, args.repeats) if events and not args.paged else None,
+            "torch_ms": torch_ms(q, cache, n, args.repeats, flush) if events and not args.paged else None,
             "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max()),
             "split_kernel": kernel.split("<")[0] if kernel else None}
 
@@ -174,6 +180,9 @@ def main(argv=None) -> int:
                    help="kernels: the tensor-core twin from R query rows a kv head (KernelOps."
                         "decode_mma_min_rows; 16: the CUDA-core kernel under 16)")
     p.add_argument("--repeats", type=C.positive)
+    p.add_argument("--warm-l2", action="store_true",
+                   help="GPU: time calls back to back, the cache left in L2 where it fits (default: "
+                        "L2 flushed before each timed call)")
     p.add_argument("--host-calls", type=C.positive, help="calls timed (20; --host-only 1000)")
     p.add_argument("--host-only", action="store_true",
                    help="emulated backend: host_ms alone, every kernel launch a no-op")

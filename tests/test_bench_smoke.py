@@ -514,7 +514,7 @@ def test_gpu_run_keeps_to_its_deadline_and_runs_every_decode(tmp_path):
     calls.unlink()
     rc, summary, names = run("decode", FAKE_RC="1")
     assert rc == 1 and "FAILED steps: decode" in summary, summary
-    assert calls.read_text().count("bench/decode.py") == 5          # each run, after the first failed
+    assert calls.read_text().count("bench/decode.py") == 6          # each run, after the first failed
     script = str(BENCH / "gpu" / "run.sh")
     refused = subprocess.run(["bash", script, "env"], capture_output=True, text=True, timeout=60, cwd=ROOT,
                              env=dict(os.environ, OUT=str(out), LOGS=str(out), PY=str(fake)))
@@ -699,7 +699,8 @@ def test_decode_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     tokens = [r for r in rows if r.get("ms_per_token") is not None]
     assert [r["cache_rows"] for r in tokens] == [64, 512] and all(r["ms_per_token"] > 0 for r in tokens)
-    assert all(r["gbps"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None for r in tokens)
+    assert all(r["gbps"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None and r["l2"] is None
+               for r in tokens)
     assert [r["cache_rows_per_rank"] for r in tokens] == [32, 256]
     assert len({r["bytes_per_rank"] for r in tokens}) == 1 and tokens[0]["bytes_per_rank"] > 0
     assert {r["strategy"] for r in rows if r.get("first_token_ms")} == {"burst", "allgather", "one rank"}
@@ -719,6 +720,35 @@ def test_decode_bench_smoke(tmp_path):
     run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
               nprocs=None)
     assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])
+
+
+def test_l2_flush_reads_and_writes_twice_the_l2_then_waits():
+    """decode.py's timed calls follow `l2_flush`: off CuPy there is none; on CuPy (here a stand-in
+    over NumPy) each call adds 1 to every word of one buffer of twice L2's bytes, then
+    synchronizes the device, so the flush is done before the clock starts."""
+    import types
+
+    from bench import _common as C
+
+    assert C.l2_flush(np) is None
+    made, synced = [], []
+
+    class Device:
+        attributes = {"L2CacheSize": 50 << 20}
+
+        def synchronize(self):
+            synced.append(int(made[0][-1]))
+
+    def zeros(n, dtype):
+        made.append(np.zeros(n, dtype))
+        return made[-1]
+
+    xp = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(Device=Device), add=np.add,
+                               int32=np.int32, zeros=zeros)
+    flush = C.l2_flush(xp)
+    flush()
+    flush()
+    assert len(made) == 1 and made[0].nbytes == 100 << 20 and (made[0] == 2).all() and synced == [1, 2]
 
 
 def _installed(module: str) -> bool:

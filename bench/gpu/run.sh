@@ -232,6 +232,8 @@ s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_pro
         --table $LOGS/decode_gpu_t8.txt || rc=1
       $DECODE --mma-min-rows 16 --cache 4096 65536 1048576 --json $LOGS/decode_gpu_cudacore.json \
         --table $LOGS/decode_gpu_cudacore.txt || rc=1
+      $DECODE --warm-l2 --cache 4096 65536 --json $LOGS/decode_gpu_warm_l2.json \
+        --table $LOGS/decode_gpu_warm_l2.txt || rc=1
       exit \$rc" ;;
     decode_tests) step decode_tests 180 $KTEST $PYTEST120 tests/kernels/test_decode_emulated.py ;;
     gputests) step gputests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false $PYTEST120 tests/gpu \
