@@ -166,15 +166,16 @@ def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
 
 
 def l2_flush(xp):
-    """A call that reads and writes a buffer of twice the GPU's L2, then waits for the device, so
-    that a call timed after it reads its inputs from HBM, as a decode step does once every other
-    layer has run since the last (a 4K-row cache of 8 kv heads is 16 MiB, less than an H100's L2);
-    None where xp is not CuPy."""
+    """A call that reads a buffer of twice the GPU's L2, then waits for the device, so that a call
+    timed after it reads its inputs from HBM, as a decode step does once every other layer has run
+    since the last (a 4K-row cache of 8 kv heads is 16 MiB, less than an H100's L2). It only
+    reads: lines it wrote would be written back to HBM during the timed call. None where xp is
+    not CuPy."""
     if getattr(xp, "__name__", "") != "cupy":
         return None
     device = xp.cuda.Device()
-    scratch = xp.zeros(2 * int(device.attributes["L2CacheSize"]) // 4, xp.int32)
-    return lambda: (xp.add(scratch, 1, out=scratch), device.synchronize())
+    scratch = xp.ones(2 * int(device.attributes["L2CacheSize"]) // 4, xp.int32)
+    return lambda: (xp.sum(scratch), device.synchronize())
 
 
 def slowest_rank_seconds(group, fn, repeats: int, warmup: int = 0, after=None, before=None) -> float:

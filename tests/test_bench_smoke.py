@@ -722,33 +722,70 @@ def test_decode_bench_smoke(tmp_path):
     assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])
 
 
-def test_l2_flush_reads_and_writes_twice_the_l2_then_waits():
+def test_l2_flush_reads_twice_the_l2_then_waits():
     """decode.py's timed calls follow `l2_flush`: off CuPy there is none; on CuPy (here a stand-in
-    over NumPy) each call adds 1 to every word of one buffer of twice L2's bytes, then
-    synchronizes the device, so the flush is done before the clock starts."""
+    over NumPy) each call reads all of one buffer of twice L2's bytes (reads only: written lines
+    would be written back during the timed call), then synchronizes the device."""
     import types
 
     from bench import _common as C
 
     assert C.l2_flush(np) is None
-    made, synced = [], []
+    made, events = [], []
 
     class Device:
         attributes = {"L2CacheSize": 50 << 20}
 
         def synchronize(self):
-            synced.append(int(made[0][-1]))
+            events.append("sync")
 
-    def zeros(n, dtype):
-        made.append(np.zeros(n, dtype))
+    def ones(n, dtype):
+        made.append(np.ones(n, dtype))
         return made[-1]
 
-    xp = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(Device=Device), add=np.add,
-                               int32=np.int32, zeros=zeros)
+    def total(x):
+        events.append(("read", x is made[0], x.nbytes))
+        return x.sum()
+
+    xp = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(Device=Device), sum=total,
+                               int32=np.int32, ones=ones)
     flush = C.l2_flush(xp)
     flush()
     flush()
-    assert len(made) == 1 and made[0].nbytes == 100 << 20 and (made[0] == 2).all() and synced == [1, 2]
+    assert len(made) == 1 and events == [("read", True, 100 << 20), "sync"] * 2
+
+
+def test_the_timers_leave_what_runs_before_a_call_untimed(monkeypatch):
+    """before() (decode.py's L2 flush) runs once ahead of each timed call and outside its time: in
+    call_seconds, in slowest_rank_seconds (before the barrier), and in decode.py's rows on a
+    world of one, where a flush that sleeps 0.2 s leaves a token under 0.2 s."""
+    import time
+    import types
+
+    from bench import _common as C
+    from bench import decode
+
+    calls = []
+
+    def before():
+        calls.append(time.perf_counter())
+        time.sleep(0.2)
+
+    times = C.call_seconds(lambda: None, 3, 0, before=before)
+    assert len(calls) == 3 and max(times) < 0.2
+    group = types.SimpleNamespace(barrier=lambda: calls.append("barrier"),
+                                  transport=types.SimpleNamespace(allgather_object=lambda mine, what: [mine]))
+    calls.clear()
+    assert C.slowest_rank_seconds(group, lambda: None, 2, before=before) < 0.2
+    assert [c == "barrier" for c in calls] == [False, True, False, True]
+    calls.clear()
+    monkeypatch.setattr(C, "l2_flush", lambda xp: before)
+    rows = []
+    monkeypatch.setattr(C, "print_and_write", lambda env, got, columns, args: rows.extend(got))
+    assert decode.main(["--cache", "64", "--prefill", "--heads", "4", "--kv-heads", "2", "--headdim", "16",
+                        "--repeats", "3", "--host-calls", "8"]) == 0
+    (row,) = rows
+    assert len(calls) == 3 and row["ms_per_token"] < 200 and row["l2"] is None
 
 
 def _installed(module: str) -> bool:

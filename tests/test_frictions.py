@@ -342,3 +342,26 @@ def test_the_decode_example_fails_on_a_mismatch(decode_example, monkeypatch, cap
         assert re.search(r"= 1e-06 over 4 steps", err), err
     else:
         assert "differ from the reference's" in err, err
+
+
+def test_import_leaves_ml_dtypes_out_and_dtype_names_still_work():
+    """`import burstcu` does not import ml_dtypes (most of a second, paid by every rank of a
+    job), yet every door that takes a dtype name knows "bfloat16" in a fresh process: plan,
+    KVCache, the schedule checker's recording, the reference's rounding; NumPy knows the name only
+    once ml_dtypes is imported, which the first name that needs it does."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import burstcu
+        from burstcu.testing import reference, schedule
+        assert "ml_dtypes" not in sys.modules, "imported by burstcu"
+        p = burstcu.plan((1, 64, 4, 16), (1, 64, 4, 16), dtype="bfloat16")
+        c = burstcu.KVCache(None, 1, 4, 1, 8, "bfloat16")
+        schedule.record("forward", 2, 0, causal=True, layout="zigzag", dtype="bfloat16")
+        x = np.full((1, 4, 1, 8), 1 + 2.0**-9, np.float32)
+        out = reference.attention_ref(x, x, x, dtype=np.float32, round_to="bfloat16")[0]
+        print(c.k.dtype, float(burstcu.ops.base.finfo(c.k.dtype).eps), float(out.max()))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["bfloat16", str(2.0**-7), "1.0"]    # 1 + 2^-9 rounds to 1

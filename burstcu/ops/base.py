@@ -104,7 +104,7 @@ def finfo(dtype):
 
 def accum_dtype(dtype) -> np.dtype:
     """float64 for float64 input, float32 for everything narrower."""
-    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)
+    return np.dtype(np.float64) if as_dtype(dtype).name == "float64" else np.dtype(np.float32)
 
 
 class Message:

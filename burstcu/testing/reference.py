@@ -1,7 +1,8 @@
 """Independent reference attention: the whole sequence at once, full score matrix, explicit softmax.
 
-Written plainly from the definitions; it never calls burstcu (it only reads the fields of
-`burstcu.layout.Block` records handed to `keep_from_blocks`). Shapes as in the public API:
+Written plainly from the definitions; it never calls burstcu's attention (it reads the fields of
+`burstcu.layout.Block` records handed to `keep_from_blocks`, and turns dtype names such as
+"bfloat16" into dtypes with `burstcu.ops.base.as_dtype`). Shapes as in the public API:
 q (B, N, H, D); k, v (B, N, Hkv, D); positions are global (N = whole sequence). With an explicit
 `keep` mask (Sq, Sk) the query and key lengths may differ (one ring step's local rows).
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops.base import as_dtype
+
 
 def _expand_kv(x, nheads):
     """(B, N, Hkv, D) -> (B, N, H, D): query head h reads kv head h // (H // Hkv)."""
@@ -21,12 +24,12 @@ def _expand_kv(x, nheads):
 
 
 def _cast(dtype, *xs):
-    return [np.asarray(x).astype(dtype) for x in xs]
+    return [np.asarray(x).astype(as_dtype(dtype)) for x in xs]
 
 
 def _round(x, to):
     """x rounded to the storage dtype `to` and back (what a half-precision kernel stores)."""
-    return x if to is None else x.astype(to).astype(x.dtype)
+    return x if to is None else x.astype(as_dtype(to)).astype(x.dtype)
 
 
 def keep_from_blocks(blocks, sq: int, sk: int) -> np.ndarray:

@@ -79,7 +79,7 @@ import numpy as np
 from .. import engine
 from ..engine import decode as decode_engine
 from ..layout import Partition
-from ..ops.base import LocalOps, Message, accum_dtype
+from ..ops.base import LocalOps, Message, accum_dtype, as_dtype
 from ..transport.loopback import LoopbackHub, LoopbackTransport
 from ..transport.nccl import NCCLTransport
 
@@ -137,7 +137,7 @@ class FakeArray:
     def __init__(self, buffer: int, offset: int, shape: tuple, dtype: Any, span: int | None = None,
                  allocation: _Allocation | None = None, strides: tuple | None = None):
         self.buffer, self.offset, self.allocation = buffer, offset, allocation
-        self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+        self.shape, self.dtype = tuple(int(n) for n in shape), as_dtype(dtype)
         self.span = self.nbytes if span is None else span      # bytes from first to last element
         self.flags = _Flags(self.span == self.nbytes)
         # bytes between neighbours along each axis (C order unless a strided slice says)
@@ -208,7 +208,7 @@ class FakeArray:
         self.allocation.device.kernel(name, [a for a in reads if isinstance(a, FakeArray)], writes, detail)
 
     def _new(self, name: str, shape, dtype) -> "FakeArray":
-        dtype = np.dtype(dtype)
+        dtype = as_dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self.allocation.device.alloc(nbytes, name).view(dtype).reshape(shape)
 
@@ -236,7 +236,7 @@ class FakeArray:
         return out
 
     def view(self, dtype: Any) -> "FakeArray":
-        dtype = np.dtype(dtype)
+        dtype = as_dtype(dtype)
         assert self.flags.c_contiguous and self.nbytes % dtype.itemsize == 0
         return FakeArray(self.buffer, self.offset, (self.nbytes // dtype.itemsize,), dtype,
                          allocation=self.allocation)
@@ -467,7 +467,7 @@ class _FakeXP:
         self._ops = ops
 
     def empty(self, n: int, dtype: Any = np.uint8) -> FakeArray:
-        return self._ops.device.alloc(int(n) * np.dtype(dtype).itemsize, self._ops.take_name("buffer"))
+        return self._ops.device.alloc(int(n) * as_dtype(dtype).itemsize, self._ops.take_name("buffer"))
 
 
 def kept_rows(blocks) -> tuple:
@@ -501,7 +501,7 @@ class RecordingOps(LocalOps):
         return name
 
     def new(self, name: str, shape, dtype) -> FakeArray:
-        dtype = np.dtype(dtype)
+        dtype = as_dtype(dtype)
         return self.device.alloc(int(np.prod(shape)) * dtype.itemsize, name).view(dtype).reshape(shape)
 
     def annotate(self, label: str):
