@@ -2,7 +2,7 @@
 
     python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--md FILE]
         [--family forward,...]
-    python -m burstcu.build warm --device sm_90 [--family forward,...] [--jobs N]
+    python -m burstcu.build warm --device sm_90 [--tables sm_90a,sm_90] [--family forward,...] [--jobs N]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
@@ -21,8 +21,11 @@ that arch will load: the variants of its tile table (`table_arch_for`), each com
 device's arch or its own target (sm_90a), as the first launch on that GPU would compile it. Run it
 on a machine without a GPU (a login node, a build step) with the NVRTC the GPU machines have (the
 cache key holds NVRTC's version), then point $BURSTCU_CACHE_DIR there (or copy the folder): no rank
-compiles at its first call. Prints one line a kernel compiled or failed, skips those already
-cached; exit 1 if any failed, 3 as `check` when NVRTC cannot run here.
+compiles at its first call. `--tables` names the tile tables to warm instead (a benchmark that
+times another table's kernels on that GPU, e.g. `kernel_speed.py --archs sm_90a sm_90`, loads them
+too); each kernel still compiles for the device's arch or its own target. Prints one line a
+kernel compiled or failed, skips those already cached; exit 1 if any failed, 3 as `check` when
+NVRTC cannot run here.
 """
 
 from __future__ import annotations
@@ -76,21 +79,26 @@ def _gate(job) -> dict:
     return gate_variant(*job)
 
 
-def warm_jobs(device: str, families: list[str] | None = None) -> list[tuple[str, str, str]]:
+def warm_tables(device: str, tables: list[str] | None = None) -> list[str]:
+    """The tile tables to warm for a GPU of arch `device`: `tables`, or the one it loads."""
+    from ..ops.cuda.kernel_ops import table_arch_for
+
+    return tables or [table_arch_for(int(device.removeprefix("sm_")))]
+
+
+def warm_jobs(device: str, families: list[str] | None = None,
+              tables: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(source, name expression, compile arch) of every kernel a GPU of arch `device` ("sm_90")
-    loads: its tile table's variants (of `families` only, when given)."""
-    from ..ops.cuda.kernel_ops import table_arch_for
+    loads from the tile tables `warm_tables(device, tables)`, each once (of `families` only, when
+    given)."""
+    jobs = {(v.source, v.name, v.target or device): None for table in warm_tables(device, tables)
+            for v in all_variants(table) if not families or v.family in families}
+    return list(jobs)
 
-    table = table_arch_for(int(device.removeprefix("sm_")))
-    return [(v.source, v.name, v.target or device) for v in all_variants(table)
-            if not families or v.family in families]
 
-
-def _families(device: str) -> set[str]:
-    """The families of the kernels a GPU of arch `device` loads (`warm_jobs`)."""
-    from ..ops.cuda.kernel_ops import table_arch_for
-
-    return {v.family for v in all_variants(table_arch_for(int(device.removeprefix("sm_"))))}
+def _families(device: str, tables: list[str] | None = None) -> set[str]:
+    """The families of the kernels `warm_jobs` compiles."""
+    return {v.family for table in warm_tables(device, tables) for v in all_variants(table)}
 
 
 def _warm(job) -> tuple[float, bool, str | None]:
@@ -110,12 +118,12 @@ def _warm(job) -> tuple[float, bool, str | None]:
 
 
 def run_warm(device: str, families: list[str] | None = None, out=None,
-             jobs: int | None = None) -> tuple[int, int, int]:
-    """Fill the kernel cache for a GPU of arch `device`, a line a kernel to `out` (default:
-    sys.stdout as it is at the call); (kernels compiled, kernels already there, kernels that
-    failed to build)."""
+             jobs: int | None = None, tables: list[str] | None = None) -> tuple[int, int, int]:
+    """Fill the kernel cache for a GPU of arch `device` (from `tables`, default the one it loads),
+    a line a kernel to `out` (default: sys.stdout as it is at the call); (kernels compiled,
+    kernels already there, kernels that failed to build)."""
     out = out or sys.stdout
-    todo = warm_jobs(device, families)
+    todo = warm_jobs(device, families, tables)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo) or 1))
     compiled = failed = 0
     with ProcessPoolExecutor(jobs) as pool:
@@ -158,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--md", dest="md_path", help="write the occupancy table (markdown) to this file")
     warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
     warm.add_argument("--device", required=True, help="the GPU's arch, e.g. sm_80, sm_86, sm_90")
+    warm.add_argument("--tables", default="",
+                      help="the tile tables to warm, comma-separated (default: the one the device loads)")
     warm.add_argument("--family", default="", help="only these families (comma-separated)")
     warm.add_argument("--jobs", type=int, default=None, help="compile processes (default: one a CPU)")
     args = parser.parse_args(argv)
@@ -236,8 +246,12 @@ def _main_warm(parser, args) -> int:
                      f"(e.g. sm_80, sm_86, sm_90; the Hopper kernels' sm_90a comes with sm_90)")
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: at least 1 compile process")
+    tables = [t.strip() for t in args.tables.split(",") if t.strip()] or None
+    bad = [t for t in tables or () if t not in ARCHS]
+    if bad:
+        parser.error(f"unknown tile table {bad}: choose from {', '.join(ARCHS)}")
     families = [f.strip() for f in args.family.split(",") if f.strip()] or None
-    known = sorted(_families(args.device))
+    known = sorted(_families(args.device, tables))
     unknown = sorted(set(families or ()) - set(known))
     if unknown:
         parser.error(f"unknown family {unknown} for {args.device}: choose from {', '.join(known)}")
@@ -258,9 +272,9 @@ def _main_warm(parser, args) -> int:
     except (RuntimeError, OSError) as exc:
         print(f"{parser.prog} warm: {exc}", file=sys.stderr)
         return 1
-    compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs)
+    compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs, tables=tables)
     print(f"{compiled} kernels compiled, {cached} already cached, {failed} failed, for {args.device} "
-          f"in {folder}", flush=True)
+          f"({', '.join(warm_tables(args.device, tables))} tables) in {folder}", flush=True)
     return 1 if failed else 0 if compiled + cached else 2
 
 

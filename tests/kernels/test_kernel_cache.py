@@ -396,6 +396,12 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
     assert {name for _, name, _ in jobs} == {v.name for v in all_variants("sm_90a")}
     assert {arch for _, name, arch in jobs if "sm90" in name} == {"sm_90a"}
     assert {arch for _, name, arch in jobs if "sm90" not in name} == {"sm_90"}
+    # --tables: another table's kernels too (a benchmark timing sm_80's tiles on a Hopper GPU),
+    # each job once, each compiled for the device or its own target
+    both = cli.warm_jobs("sm_90", tables=["sm_90a", "sm_80"])
+    assert len(both) == len(set(both)) and set(jobs) < set(both)
+    assert {name for _, name, _ in both} == {v.name for t in ("sm_90a", "sm_80") for v in all_variants(t)}
+    assert {arch for _, name, arch in both if "sm90" not in name} == {"sm_90"}
     assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
     assert "3 kernels compiled, 0 already cached, 0 failed" in capsys.readouterr().out
     assert cli.main(["warm", "--device", "sm_90", "--family", "forward_finalize", "--jobs", "1"]) == 0
@@ -409,10 +415,13 @@ def test_warm_fills_the_cache_a_gpu_run_reads(cache, monkeypatch, capsys):
         assert path.exists() and name in lowered
     with pytest.raises(SystemExit):
         cli.main(["warm", "--device", "sm_75"])
-    # a misspelled family is an error naming the families, not a run that builds nothing
+    # a misspelled family or table is an error naming the choices, not a run that builds nothing
     with pytest.raises(SystemExit):
         cli.main(["warm", "--device", "sm_90", "--family", "forward_finalise"])
     assert "unknown family ['forward_finalise']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["warm", "--device", "sm_90", "--tables", "sm_90a,sm_75"])
+    assert "unknown tile table ['sm_75']: choose from sm_80" in capsys.readouterr().err
     # a kernel that fails to build is named, the others still build, and the exit status says so
     # ... with the whole message: NVRTC's log comes after the first line
     monkeypatch.setattr(compile, "cubin_entry",
