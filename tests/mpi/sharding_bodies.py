@@ -289,22 +289,25 @@ def packed_documents_along_axis_1():
     return {"messages": messages, "joined": bool(np.array_equal(whole, packed))}
 
 
-def torch_tensors_unshard(dtype="bfloat16"):
-    """CPU torch tensors of `dtype`, (1, N, 2, 8) with N = 5G + 1, cut by `shard` (contiguous and
-    zigzag, near-equal lengths) and joined by `unshard` on every rank: what one rank returns at
-    any world size, a tensor of that dtype equal to the global one bit for bit (bfloat16
-    included, which DLPack cannot carry into NumPy)."""
+def torch_tensors_unshard(dtypes=("bfloat16",)):
+    """CPU torch tensors of each of `dtypes`, (1, N, 2, 8) with N = 5G + 1, cut by `shard`
+    (contiguous and zigzag, near-equal lengths) and joined by `unshard` on every rank: what one
+    rank returns at any world size ({"DTYPE LAYOUT": [type, dtype, shape, equal]}), a tensor of
+    that dtype equal to the global one bit for bit (bfloat16 included, which DLPack cannot carry
+    into NumPy)."""
     import torch
 
     group = burstcu.init(backend="numpy")
     n = 5 * group.size + 1
     rng = np.random.default_rng(11)    # the same global tensor on every rank
-    whole = torch.from_numpy(rng.standard_normal((1, n, 2, 8)).astype(np.float32)).to(getattr(torch, dtype))
+    draw = torch.from_numpy(rng.standard_normal((1, n, 2, 8)).astype(np.float32))
     joined = {}
-    for layout in ("contiguous", "zigzag"):
-        got = burstcu.unshard(burstcu.shard(whole, group, layout), group, layout=layout)
-        joined[layout] = [type(got).__name__, str(got.dtype), list(got.shape),
-                          bool(torch.equal(got.view(torch.uint8), whole.view(torch.uint8)))]
+    for dtype in dtypes:
+        whole = draw.to(getattr(torch, dtype))
+        for layout in ("contiguous", "zigzag"):
+            got = burstcu.unshard(burstcu.shard(whole, group, layout), group, layout=layout)
+            joined[f"{dtype} {layout}"] = [type(got).__name__, str(got.dtype), list(got.shape),
+                                           bool(torch.equal(got.view(torch.uint8), whole.view(torch.uint8)))]
     group.barrier()
     group.close()
     return {"joined": joined}

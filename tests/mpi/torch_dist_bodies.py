@@ -36,20 +36,24 @@ def allgather_blocks_over_torch() -> float:
         return allgather_blocks(group)
 
 
-def attention_over_torch(strategy="burst", layout="zigzag", docs=(0, 5, 17, 30, 48),
+def attention_over_torch(strategies=("burst",), layout="zigzag", docs=(0, 5, 17, 30, 48),
                          packed=False):
-    """A Sharding over the torch group: forward and backward against float64 (tests/mpi/
-    sharding_bodies.py), the payload counted on the way."""
-    group = _torch_group(backend="numpy")
-    sent = {}
-    real_close = group.close
+    """A Sharding over the torch group, a group made and closed a strategy: forward and backward
+    against float64 (tests/mpi/sharding_bodies.py), the payload counted on the way;
+    {strategy: the check's result and "sent"}."""
+    results = {}
+    for strategy in strategies:
+        group = _torch_group(backend="numpy")
+        sent = {}
+        real_close = group.close
 
-    def close():
-        sent["bytes"], sent["messages"] = group.stats.bytes_sent, group.stats.messages
-        real_close()
-    group.close = close
-    result = check_sharding(group, layout, list(docs), False, packed, "float32", strategy)
-    return dict(result, sent=sent)
+        def close(group=group, sent=sent, real_close=real_close):
+            sent["bytes"], sent["messages"] = group.stats.bytes_sent, group.stats.messages
+            real_close()
+        group.close = close
+        result = check_sharding(group, layout, list(docs), False, packed, "float32", strategy)
+        results[strategy] = dict(result, sent=sent)
+    return results
 
 
 def groups_the_program_makes():
