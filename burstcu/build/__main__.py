@@ -2,7 +2,7 @@
 
     python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--md FILE]
         [--family forward,...]
-    python -m burstcu.build warm --device sm_90 [--tables sm_90a,sm_90] [--family forward,...] [--jobs N]
+    python -m burstcu.build warm --device sm_90 [--tables sm_90a,sm_80] [--family forward,...] [--jobs N]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
 backward families; one process a CPU) with NVRTC and the ptxas report, prints one table row per
@@ -22,7 +22,7 @@ device's arch or its own target (sm_90a), as the first launch on that GPU would 
 on a machine without a GPU (a login node, a build step) with the NVRTC the GPU machines have (the
 cache key holds NVRTC's version), then point $BURSTCU_CACHE_DIR there (or copy the folder): no rank
 compiles at its first call. `--tables` names the tile tables to warm instead (a benchmark that
-times another table's kernels on that GPU, e.g. `kernel_speed.py --archs sm_90a sm_90`, loads them
+times another table's kernels on that GPU, e.g. `kernel_speed.py --archs sm_90a sm_80`, loads them
 too); each kernel still compiles for the device's arch or its own target. Prints one line a
 kernel compiled or failed, skips those already cached; exit 1 if any failed, 3 as `check` when
 NVRTC cannot run here.
@@ -274,7 +274,7 @@ def _main_warm(parser, args) -> int:
         return 1
     compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs, tables=tables)
     print(f"{compiled} kernels compiled, {cached} already cached, {failed} failed, for {args.device} "
-          f"({', '.join(warm_tables(args.device, tables))} tables) in {folder}", flush=True)
+          f"(tile tables: {', '.join(warm_tables(args.device, tables))}) in {folder}", flush=True)
     return 1 if failed else 0 if compiled + cached else 2
 
 
