@@ -3,6 +3,7 @@ a bench script given --plot where matplotlib is missing ends here, before measur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -129,19 +130,43 @@ def gpu_shape(tokens: int, width: int, seqlen: int, d: int) -> tuple[int, int, i
     return max(1, tokens // seqlen), seqlen, max(1, width // d), d
 
 
-def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
-                 sync_inside: bool = False, before=None, after=None) -> list[float]:
-    """Seconds of each of `repeats` calls of fn() after `warmup` untimed ones: the host clock
-    around fn() and after() (a sync), before() (a barrier) untimed ahead of each; or (cuda) CUDA
-    events on CuPy's stream, sync_inside syncing the device around fn() (other libraries' streams)."""
-    for _ in range(warmup):
+def warm_up(fn, calls: int = 1, seconds: float = 0.0) -> int:
+    """Call fn() at least `calls` times and on until `seconds` have passed on the host clock (a
+    GPU's clocks rise from idle and its caches fill before a timing means anything); the calls
+    made."""
+    made, t0 = 0, time.perf_counter()
+    while made < calls or time.perf_counter() - t0 < seconds:
         fn()
-    if after is not None and warmup:
+        made += 1
+    return made
+
+
+def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False, sync_inside: bool = False,
+                 pipelined: bool = False, warmup_s: float = 0.0, before=None, after=None) -> list[float]:
+    """Seconds of each of `repeats` calls of fn() after `warm_up(fn, warmup, warmup_s)`: the host
+    clock around fn() and after() (a sync), before() (a barrier) untimed ahead of each; or (cuda)
+    CUDA events on CuPy's current stream around each call, the host waiting for each call before
+    the next (a call's interval then holds its host time before its first launch), or
+    (pipelined) every call issued back to back and one wait at the end (an interval then holds
+    the device's time of its call, the host's hidden while the device is the busier, as in a
+    training loop: the calls must run on CuPy's current stream); sync_inside syncing the device
+    around fn() (work on other streams)."""
+    if warm_up(fn, warmup, warmup_s) and after is not None:
         after()
     if cuda:
         import cupy
-        device, start, stop = cupy.cuda.Device(), cupy.cuda.Event(), cupy.cuda.Event()
+        device = cupy.cuda.Device()
         device.synchronize()
+        if pipelined:
+            assert before is None and not sync_inside, "a pipelined timing waits only at its end"
+            marks = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
+            for start, stop in marks:
+                start.record()
+                fn()
+                stop.record()
+            device.synchronize()
+            return [float(cupy.cuda.get_elapsed_time(start, stop)) * 1e-3 for start, stop in marks]
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for _ in range(repeats):
         if before is not None:
@@ -163,6 +188,33 @@ def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False,
             after()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def rounds_of_calls(fns: list, rounds: int, repeats: int, warmup: int = 1, warmup_s: float = 0.0,
+                    around=contextlib.nullcontext, **timing) -> list[tuple[list, list]]:
+    """Time each of `fns` (None: skipped) in `rounds` rounds that take them in turn, so that a
+    drift of the device's clocks spreads over all of them: in a round each is warmed up
+    (`warm_up(fn, warmup, warmup_s)`), then `call_seconds(fn, repeats, 0, **timing)` runs inside
+    `around()`. Per fn: (every call's seconds, each round's median)."""
+    out = [([], []) for _ in fns]
+    for _ in range(rounds):
+        for fn, (every, medians) in zip(fns, out):
+            if fn is None:
+                continue
+            warm_up(fn, warmup, warmup_s)
+            with around():
+                times = call_seconds(fn, repeats, 0, **timing)
+            every += times
+            medians.append(median(times))
+    return out
+
+
+def torch_shares_cupy_stream() -> bool:
+    """Whether torch's current CUDA stream is CuPy's current one (by default both are the legacy
+    default stream): then CUDA events on CuPy's stream time torch's work as they time ours."""
+    import cupy
+    import torch
+    return int(torch.cuda.current_stream().cuda_stream) == int(cupy.cuda.get_current_stream().ptr)
 
 
 def l2_flush(xp):

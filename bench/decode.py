@@ -27,8 +27,8 @@ from burstcu.engine.decode import decode_bytes  # noqa: E402
 from burstcu.ops.cuda.decode import PINNED_SLOTS, split_kernel  # noqa: E402
 from burstcu.plan import predict_decode  # noqa: E402
 
-DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "l2", "host_ms", "torch_ms",
-                  "bytes_per_rank", "cache_rows_per_rank", "split_kernel"]
+DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "l2", "host_ms",
+                  "host_bound", "torch_ms", "bytes_per_rank", "cache_rows_per_rank", "split_kernel"]
 PREFILL_COLUMNS = ["prompt", "strategy", "first_token_ms"]
 # defaults where an option is not given: a GPU's sizes, or what CPU ranks finish in minutes
 DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repeats": 20},
@@ -37,7 +37,8 @@ DEFAULTS = {"cupy": {"cache": [4096, 262144, 1048576], "dtype": "float16", "repe
 
 def torch_ms(q, cache, n: int, repeats: int, flush=None) -> float | None:
     """SDPA over the first n rows of a contiguous cache, or None without torch (optional); flush()
-    untimed ahead of each call."""
+    untimed ahead of each call; timed as decode is (events on CuPy's stream, a wait after each
+    call) where torch launches on that stream, else with the device synced around each call."""
     try:
         import torch
         import torch.nn.functional as F
@@ -51,7 +52,7 @@ def torch_ms(q, cache, n: int, repeats: int, flush=None) -> float | None:
         g, gqa = tq.shape[1] // tk.shape[1], {}
         tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
     seconds = C.call_seconds(lambda: F.scaled_dot_product_attention(tq, tk, tv, **gqa), repeats, cuda=True,
-                             sync_inside=True, before=flush)
+                             sync_inside=not C.torch_shares_cupy_stream(), before=flush)
     return C.median(seconds) * 1e3
 
 
@@ -92,11 +93,13 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
         host += C.call_seconds(lambda: cache.decode(q), PINNED_SLOTS, 0)
     ops.sync()
     gbps = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
+    host_ms = C.median(host) * 1e3
     kernel = split_kernel(ops)         # the split kernel the last decode ran (None: array operations)
     return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
             "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
             "l2": ("warm" if args.warm_l2 else "flushed") if group.backend == "cupy" else None,
-            "host_ms": C.median(host) * 1e3,
+            "host_ms": host_ms,   # host_bound: a GPU call is mostly host time, its gbps not memory's
+            "host_bound": host_ms >= 0.8 * seconds * 1e3 if group.backend == "cupy" else None,
             "torch_ms": torch_ms(q, cache, n, args.repeats, flush) if events and not args.paged else None,
             "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max()),
             "split_kernel": kernel.split("<")[0] if kernel else None}
@@ -181,8 +184,8 @@ def main(argv=None) -> int:
                         "decode_mma_min_rows; 16: the CUDA-core kernel under 16)")
     p.add_argument("--repeats", type=C.positive)
     p.add_argument("--warm-l2", action="store_true",
-                   help="GPU: time calls back to back, the cache left in L2 where it fits (default: "
-                        "L2 flushed before each timed call)")
+                   help="GPU: no flush between timed calls, the cache left in L2 where it fits "
+                        "(default: L2 flushed before each timed call)")
     p.add_argument("--host-calls", type=C.positive, help="calls timed (20; --host-only 1000)")
     p.add_argument("--host-only", action="store_true",
                    help="emulated backend: host_ms alone, every kernel launch a no-op")

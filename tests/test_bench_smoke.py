@@ -700,7 +700,7 @@ def test_decode_bench_smoke(tmp_path):
     tokens = [r for r in rows if r.get("ms_per_token") is not None]
     assert [r["cache_rows"] for r in tokens] == [64, 512] and all(r["ms_per_token"] > 0 for r in tokens)
     assert all(r["gbps"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None and r["l2"] is None
-               for r in tokens)
+               and r["host_bound"] is None for r in tokens)
     assert [r["cache_rows_per_rank"] for r in tokens] == [32, 256]
     assert len({r["bytes_per_rank"] for r in tokens}) == 1 and tokens[0]["bytes_per_rank"] > 0
     assert {r["strategy"] for r in rows if r.get("first_token_ms")} == {"burst", "allgather", "one rank"}
@@ -786,6 +786,77 @@ def test_the_timers_leave_what_runs_before_a_call_untimed(monkeypatch):
                         "--repeats", "3", "--host-calls", "8"]) == 0
     (row,) = rows
     assert len(calls) == 3 and row["ms_per_token"] < 200 and row["l2"] is None
+
+
+def _fake_cupy(log: list):
+    """Just enough of CuPy for call_seconds' CUDA timing, logging each step: events (a record
+    logs its event, and elapsed times follow the log), device syncs, event waits."""
+    import types
+
+    class Event:
+        def record(self):
+            log.append(("record", self))
+
+        def synchronize(self):
+            log.append(("wait", self))
+
+    class Device:
+        def synchronize(self):
+            log.append("sync")
+
+    def elapsed(start, stop):   # milliseconds: the calls between two records
+        marks = [i for i, e in enumerate(log) if e in (("record", start), ("record", stop))]
+        return float(sum(e == "call" for e in log[marks[0]:marks[1]]))
+    cuda = types.SimpleNamespace(Device=Device, Event=Event, get_elapsed_time=elapsed)
+    return types.SimpleNamespace(cuda=cuda)
+
+
+def test_cuda_timings_wait_once_back_to_back_or_after_each_call(monkeypatch):
+    """call_seconds(cuda=True): pipelined, every call between its own two events, issued back to
+    back, one device sync at the end (the host's issue time hidden behind the device's); by
+    default a wait after each call; sync_inside a device sync on both sides of each call. The
+    warm-up runs before the first event."""
+    from bench import _common as C
+
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    fn = lambda: log.append("call")   # noqa: E731
+
+    def steps():
+        done = [e if isinstance(e, str) else e[0] for e in log]
+        log.clear()
+        return done
+    assert C.call_seconds(fn, 3, 2, cuda=True, pipelined=True) == [1e-3] * 3
+    assert len({id(e[1]) for e in log if isinstance(e, tuple)}) == 6          # an event pair a call
+    assert steps() == ["call", "call", "sync"] + ["record", "call", "record"] * 3 + ["sync"]
+    assert C.call_seconds(fn, 2, 0, cuda=True) == [1e-3] * 2
+    assert steps() == ["sync"] + ["record", "call", "record", "wait"] * 2
+    C.call_seconds(fn, 1, 0, cuda=True, sync_inside=True)
+    assert steps() == ["sync", "sync", "record", "call", "sync", "record", "wait"]
+    with pytest.raises(AssertionError, match="waits only at its end"):
+        C.call_seconds(fn, 1, 0, cuda=True, pipelined=True, before=lambda: None)
+
+
+def test_rounds_take_the_implementations_in_turn():
+    """rounds_of_calls: each round warms each implementation up, then times it inside around(),
+    in turn (a, b, a, b: not a's rounds then b's); a None is skipped; per implementation every
+    call's seconds and each round's median."""
+    import contextlib
+
+    from bench import _common as C
+
+    log = []
+
+    @contextlib.contextmanager
+    def around():
+        log.append("(")
+        yield
+        log.append(")")
+    fns = [lambda: log.append("a"), None, lambda: log.append("b")]
+    out = C.rounds_of_calls(fns, 2, 3, 1, around=around)
+    assert "".join(log) == ("a(aaa)" "b(bbb)") * 2
+    assert [len(every) for every, _ in out] == [6, 0, 6] and [len(m) for _, m in out] == [2, 0, 2]
+    assert all(t >= 0 for every, _ in out for t in every)
 
 
 def _installed(module: str) -> bool:

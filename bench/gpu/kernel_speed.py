@@ -8,7 +8,9 @@ finalize), each once per kernel table of --archs, dQ mode of --dq-modes, head gr
 of --dq-adds (the Hopper backward's: two floats an atomic add, one, or bulk reductions), each row
 naming the forward and backward families that ran, sm90 or sm80), `api` (burstcu.attention /
 attention_backward, group=None), `torch-flash`, `torch-cudnn`. Shapes (B, S, H, D) = (--tokens/S,
-S, --width/D, D); CUDA events around each call, median of --repeats after --warmup; FLOPs
+S, --width/D, D); CUDA events around each call, calls back to back (`--sync-inside`: the device
+synced around each), median of --rounds x --repeats, the rounds taking the implementations in turn
+(`spread`: how far two rounds' medians differ); FLOPs
 4BHS^2D forward, 2.5x that backward, halved when causal; host_ms: a call's host seconds alone.
 --windows W adds causal sliding-window rows (burstcu only, FLOPs of the visible pairs). --dry-run
 prints the plan without a GPU.
@@ -17,7 +19,8 @@ prints the plan without a GPU.
         [--seqlens 1024 ... 16384] [--passes fwd fwd+bwd] [--impls ...] [--archs sm_90a sm_80]
         [--windows 512 ...] [--dq-modes atomic deterministic] [--sm90-head-group 0 8 ...]
         [--dq-adds pairs singles bulk]
-        [--repeats 10] [--json F] [--table F] [--plot F] [--dry-run]
+        [--repeats 10] [--rounds 3] [--sync-inside] [--profile-timed] [--json F] [--table F] [--plot F]
+        [--dry-run]
 """
 
 from __future__ import annotations
@@ -32,15 +35,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, run as a file
 from bench._common import (call_seconds, clean, gpu_shape, gpu_versions, median, no_gpu,  # noqa: E402
-                           normal, progress, pyplot, save, table, write_json)
+                           normal, progress, pyplot, rounds_of_calls, save, table, torch_shares_cupy_stream,
+                           write_json)
 from burstcu.build.bwd_variants import SM90_DQ_ADDS  # noqa: E402
 
 IMPLS = ("kernels", "step", "api", "torch-flash", "torch-cudnn")
 KERNEL_IMPLS = ("kernels", "step")   # through KernelOps: a row a kernel table x dQ mode x ...
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
-COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "dq_adds", "head_group", *SHAPE, "ms", "host_ms",
-           "tflops", "vs_torch", "cudnn_tflops"]
+COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "dq_adds", "head_group", *SHAPE, "ms", "spread",
+           "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plan(args) -> list[dict]:
@@ -148,29 +152,56 @@ def families(ops, cfg: dict) -> dict:
     return tags
 
 
+def profiled(on: bool):
+    """A context in which the CUDA profiler runs (`ncu --profile-from-start off` profiles only
+    the kernels launched inside: the timed calls, not the first-use checks and warm-up before
+    them), or a context that does nothing."""
+    import contextlib
+
+    import cupy
+
+    @contextlib.contextmanager
+    def inside():
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.profiler.start()
+        try:
+            yield
+        finally:
+            cupy.cuda.runtime.deviceSynchronize()
+            cupy.cuda.profiler.stop()
+    return inside() if on else contextlib.nullcontext()
+
+
 def run_config(cfg, args, ops_by_arch) -> list[dict]:
-    """A row an implementation (and kernel table x dQ mode) of one configuration."""
+    """A row an implementation (and kernel table x dQ mode x ...) of one configuration, each
+    timed in --rounds rounds that take the implementations in turn (a drift of the device's
+    clocks spreads over all of them): ms is the median of every call, spread the largest
+    difference between two rounds' medians over it; each round warms a call up first (at least
+    --warmup calls and 25 ms)."""
     import cupy
     device_synchronize = cupy.cuda.runtime.deviceSynchronize   # every stream: CuPy's and torch's
     q, k, v, dout = normal(cupy, [tuple(cfg[k] for k in ("batch", "seqlen", "heads", "headdim"))] * 4,
                            cfg["dtype"], 0)
-    rows = []
+    calls = []   # (row, fn): fn None where the implementation cannot run the configuration
     for impl, key in ((i, key) for i in args.impls for key in (ops_by_arch if i in KERNEL_IMPLS else [None])):
         if impl.startswith("torch") and cfg["window"] is not None:
             continue                                    # SDPA has no sliding window
         ops = ops_by_arch.get(key)
         tags = ({"arch": key[0], "dq": key[1], "head_group": key[2], "dq_adds": key[3], **families(ops, cfg)}
                 if impl in KERNEL_IMPLS else {})
-        fn = attention_call(impl, ops, cfg, q, k, v, dout)
-        # torch issues on its own stream: for every implementation alike the device is synchronized
-        # inside the timed region; host_ms: a call's own seconds, the device idle at its start
-        ms = host_ms = None
-        if fn is not None:
-            ms = 1e3 * median(call_seconds(fn, args.repeats, args.warmup, cuda=True, sync_inside=True))
-            host_ms = 1e3 * median(call_seconds(fn, args.repeats, 0, before=device_synchronize))
+        calls.append(({**{f: cfg[f] for f in SHAPE}, "impl": impl, **tags},
+                      attention_call(impl, ops, cfg, q, k, v, dout)))
+    timed = rounds_of_calls([fn for _, fn in calls], args.rounds, args.repeats, args.warmup, 0.025,
+                            lambda: profiled(args.profile_timed), cuda=True, **timing_of(args))
+    rows = []
+    for (row, fn), (got, per_round) in zip(calls, timed):
+        ms = 1e3 * median(got) if got else None
+        # host_ms: a call's own seconds, the device idle at its start
+        host_ms = 1e3 * median(call_seconds(fn, args.repeats, 0, before=device_synchronize)) if fn else None
         device_synchronize()
-        rows.append({**{f: cfg[f] for f in SHAPE}, "impl": impl, **tags, "ms": ms, "host_ms": host_ms,
-                     "tflops": None if ms is None else cfg["gflop"] / ms})
+        rows.append({**row, "ms": ms, "host_ms": host_ms, "tflops": None if ms is None else cfg["gflop"] / ms,
+                     "round_ms": [1e3 * t for t in per_round],
+                     "spread": (max(per_round) - min(per_round)) * 1e3 / ms if ms else None})
     flash, cudnn = (next((r for r in rows if r["impl"] == n), None) for n in ("torch-flash", "torch-cudnn"))
     for r in (r for r in rows if r["impl"] in (*KERNEL_IMPLS, "api")):
         if flash:                                       # None if windowed
@@ -180,6 +211,19 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         if cudnn:
             r["cudnn_tflops"] = cudnn["tflops"]
     return rows
+
+
+def timing_of(args) -> dict:
+    """call_seconds' CUDA timing, the same for every implementation: calls back to back, an
+    event pair each ("pipelined"), where torch launches on CuPy's stream, as it does by default;
+    else, or with --sync-inside, the device synced around each call ("synced")."""
+    if args.timing is None:
+        try:
+            shared = not args.sync_inside and torch_shares_cupy_stream()
+        except ImportError:           # no torch: only our kernels, on CuPy's stream
+            shared = not args.sync_inside
+        args.timing = "pipelined" if shared else "synced"
+    return {"pipelined": True} if args.timing == "pipelined" else {"sync_inside": True}
 
 
 def plot(rows, path) -> None:
@@ -218,8 +262,10 @@ def main(argv=None) -> int:
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     for flag, default, text in (("--tokens", 16384, "batch x seqlen per configuration"),
-                                ("--width", 2048, "heads x headdim"), ("--warmup", 2, None),
-                                ("--repeats", 10, None)):
+                                ("--width", 2048, "heads x headdim"),
+                                ("--warmup", 2, "calls before each round's timing (and 25 ms at least)"),
+                                ("--repeats", 10, "calls timed a round"),
+                                ("--rounds", 3, "rounds, each timing every implementation in turn")):
         p.add_argument(flag, type=int, default=default, help=text)
     for flag, text in (("--json", None), ("--table", "also write the text table here"), ("--plot", None)):
         p.add_argument(flag, help=text)
@@ -234,8 +280,14 @@ def main(argv=None) -> int:
     p.add_argument("--dq-adds", nargs="+", default=["pairs"], choices=SM90_DQ_ADDS,
                    help="how the Hopper backward adds dQ (KernelOps.sm90_dq_adds): two floats an "
                         "atomic add, one, or bulk tensor reductions; several: a kernels row each")
+    p.add_argument("--sync-inside", action="store_true",
+                   help="sync the device around each timed call (default: calls back to back where "
+                        "torch shares CuPy's stream, each call's device time)")
+    p.add_argument("--profile-timed", action="store_true",
+                   help="run the CUDA profiler around the timed calls only (ncu --profile-from-start off)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = p.parse_args(argv)
+    args.timing = None
     configs = plan(args)
     if args.dry_run:
         print(table(configs, [*SHAPE, "gflop"]))
@@ -266,13 +318,13 @@ def main(argv=None) -> int:
         for ops in ops_by_arch.values():
             ops.release_buffers()
         if args.json:  # rewritten after every configuration: a run cut short keeps what it timed
-            write_json(args.json, {"versions": env, "args": clean(vars(args)), "rows": rows,
-                                   "complete": i + 1 == len(configs)})
+            write_json(args.json, {"versions": env, "args": clean(vars(args)), "timing": args.timing,
+                                   "rows": rows, "complete": i + 1 == len(configs)})
     text = table(rows, COLUMNS)
     print(text, flush=True)
     if args.table:
-        Path(args.table).write_text(f"# {env.get('device')}: measured, CUDA events, median of "
-                                    f"{args.repeats}\n{text}\n")
+        Path(args.table).write_text(f"# {env.get('device')}: measured, CUDA events ({args.timing}), "
+                                    f"median of {args.rounds} x {args.repeats} calls\n{text}\n")
     if args.plot:
         plot([r for r in rows if r.get("tflops") and r.get("window") is None], args.plot)
     failed = sum(r["impl"] == "error" for r in rows)

@@ -59,6 +59,10 @@ KSPEED="$PY bench/gpu/kernel_speed.py"
 STEPLISTS="$PY bench/gpu/step_lists.py"
 OVERLAP="$PY bench/gpu/overlap_gpu.py"
 DECODE="$PY bench/decode.py --backend cupy --dtype float16 --repeats 20"
+# Nsight Compute over the timed calls only (kernel_speed --profile-timed starts and stops the
+# profiler around them): not the first-use checks, nor the warm-up, nor host_ms's calls
+NCU="ncu --clock-control none --profile-from-start off"
+PROFILED="--profile-timed --rounds 1 --warmup 1 --repeats 1"
 SM90_FWD=tests/kernels/test_flash_fwd_sm90_emulated.py
 FWD=tests/kernels/test_flash_fwd_emulated.py
 BWD=tests/kernels/test_flash_bwd_emulated.py
@@ -147,7 +151,7 @@ for s in "${steps[@]}"; do
       --seqlens 1024 4096 16384 --json "$OUT/kernels_bwd_sm90.json" \
       --table "$LOGS/kernels_bwd_sm90.txt" $(plot "$OUT/kernels_bwd_sm90.png") ${KBENCH_ARGS:-} ;;
     dq_adds) step dq_adds 150 $KSPEED --archs sm_90a --passes fwd+bwd --impls kernels torch-flash \
-      --dtypes float16 --headdims 64 128 --seqlens 4096 16384 --dq-adds pairs singles bulk \
+      --dtypes float16 --headdims 64 128 --seqlens 4096 16384 --dq-adds pairs singles bulk --rounds 2 \
       --json "$LOGS/dq_adds.json" --table "$LOGS/dq_adds.txt" ;;
     full) step full 420 $PY -m burstcu.selftest --full --json "$OUT/selftest_full.json" ;;
     basic) step basic 300 $PY -m burstcu.selftest --json "$OUT/selftest_basic.json" ;;
@@ -162,24 +166,23 @@ for s in "${steps[@]}"; do
       --json "$OUT/step_lists_mmalist.json" --table "$LOGS/step_lists_mmalist.txt" ${STEPLISTS_ARGS:-} ;;
     steplists_mma) step steplists_mma 300 $STEPLISTS --arch sm_90 \
       --json "$OUT/step_lists_mma.json" --table "$LOGS/step_lists_mma.txt" ${STEPLISTS_ARGS:-} ;;
-    hopper_profile) step hopper_profile 240 bash -c "ncu --clock-control none --set full \
+    hopper_profile) step hopper_profile 240 bash -c "$NCU --set full \
       -k regex:flash_fwd_step_sm90 -c 8 -f -o $PROFILE $KSPEED --archs sm_90a --passes fwd --impls kernels \
-      --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} --warmup 0 --repeats 1 \
+      --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} $PROFILED \
       && $DETAILS > $LOGS/sm90_profile_details.csv" ;;
     hopper_ring) step hopper_ring 180 $PYTEST120 tests/gpu/test_hopper_ring_gpu.py ;;
-    hopper_bwd_profile) step hopper_bwd_profile 180 bash -c "ncu --clock-control none --set full \
-      -k regex:flash_bwd_dkdv_sm90 --launch-skip 1 -c 3 -f -o $PROFILE-bwd $KSPEED --archs sm_90a \
+    hopper_bwd_profile) step hopper_bwd_profile 180 bash -c "$NCU --set full \
+      -k regex:flash_bwd_dkdv_sm90 -c 3 -f -o $PROFILE-bwd $KSPEED --archs sm_90a \
       --passes fwd+bwd --impls kernels --dtypes float16 --headdims 128 --seqlens ${PROFILE_SEQLEN:-16384} \
-      --warmup 0 \
-      --repeats 1 && ncu -i $PROFILE-bwd.ncu-rep --page details --csv > $LOGS/sm90_bwd_profile_details.csv" ;;
-    bwd_small_parts) step bwd_small_parts 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+      $PROFILED && ncu -i $PROFILE-bwd.ncu-rep --page details --csv > $LOGS/sm90_bwd_profile_details.csv" ;;
+    bwd_small_parts) step bwd_small_parts 120 $NCU --metrics gpu__time_duration.sum \
       --csv --print-units base --log-file "$LOGS/bwd_small_parts.csv" $KSPEED --archs sm_90a \
       --passes fwd+bwd --impls kernels torch-flash torch-cudnn --dtypes float16 --headdims 128 \
-      --seqlens 4096 16384 --warmup 1 --repeats 2 ;;
-    small_parts) step small_parts 180 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --seqlens 4096 16384 $PROFILED --repeats 2 ;;
+    small_parts) step small_parts 180 $NCU --metrics gpu__time_duration.sum --csv \
       --print-units base --log-file "$LOGS/small_parts.csv" $KSPEED --archs sm_90a --passes fwd \
       --impls kernels torch-flash torch-cudnn --dtypes float16 --headdims 128 --seqlens 1024 2048 4096 16384 \
-      --warmup 1 --repeats 2 ;;
+      $PROFILED --repeats 2 ;;
     host_profile) step host_profile 120 bash -c "$PY -m cProfile -o /tmp/burstcu-host.prof \
       bench/gpu/kernel_speed.py --archs sm_90a --passes fwd --impls kernels --dtypes float16 \
       --headdims 128 --seqlens 1024 16384 --repeats 100 && $PY -c 'import pstats, sys
@@ -188,10 +191,10 @@ s.sort_stats(\"tottime\").print_stats(40)
 s.sort_stats(\"cumulative\").print_stats(\"burstcu|cupy\", 60)' > $LOGS/host_profile.txt" ;;
     whole_pass) step whole_pass 150 $KSPEED --archs sm_90a sm_90 --passes fwd \
       --impls kernels step torch-flash \
-      torch-cudnn --headdims 64 128 --seqlens 1024 2048 4096 16384 --json "$LOGS/whole_pass.json" \
+      torch-cudnn --headdims 64 128 --seqlens 1024 2048 4096 16384 --rounds 2 --json "$LOGS/whole_pass.json" \
       --table "$LOGS/whole_pass.txt" ;;
     head_groups) step head_groups 240 $KSPEED --archs sm_90a --passes fwd --impls kernels torch-flash \
-      --headdims 128 --seqlens 2048 4096 8192 16384 --sm90-head-group 0 2 8 16 --repeats 20 \
+      --headdims 128 --seqlens 2048 4096 8192 16384 --sm90-head-group 0 2 8 16 --rounds 2 \
       --json "$LOGS/head_groups.json" --table "$LOGS/head_groups.txt" ;;
     kbench) step kbench 420 $KSPEED --json "$OUT/kernels.json" --table "$LOGS/kernels.txt" \
       $(plot "$OUT/kernels.png") ${KBENCH_ARGS:-} ;;
