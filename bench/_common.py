@@ -130,32 +130,37 @@ def gpu_shape(tokens: int, width: int, seqlen: int, d: int) -> tuple[int, int, i
     return max(1, tokens // seqlen), seqlen, max(1, width // d), d
 
 
-def warm_up(fn, calls: int = 1, seconds: float = 0.0) -> int:
+def warm_up(fn, calls: int = 1, seconds: float = 0.0, wait=None) -> int:
     """Call fn() at least `calls` times and on until `seconds` have passed on the host clock (a
-    GPU's clocks rise from idle and its caches fill before a timing means anything); the calls
-    made."""
+    GPU's clocks rise from idle and its caches fill before a timing means anything), wait() after
+    each (a device sync: else the host, faster than the device, would queue seconds of calls in
+    those milliseconds); the calls made."""
     made, t0 = 0, time.perf_counter()
     while made < calls or time.perf_counter() - t0 < seconds:
         fn()
+        if wait is not None:
+            wait()
         made += 1
     return made
 
 
 def call_seconds(fn, repeats: int, warmup: int = 1, *, cuda: bool = False, sync_inside: bool = False,
                  pipelined: bool = False, warmup_s: float = 0.0, before=None, after=None) -> list[float]:
-    """Seconds of each of `repeats` calls of fn() after `warm_up(fn, warmup, warmup_s)`: the host
-    clock around fn() and after() (a sync), before() (a barrier) untimed ahead of each; or (cuda)
-    CUDA events on CuPy's current stream around each call, the host waiting for each call before
-    the next (a call's interval then holds its host time before its first launch), or
-    (pipelined) every call issued back to back and one wait at the end (an interval then holds
-    the device's time of its call, the host's hidden while the device is the busier, as in a
-    training loop: the calls must run on CuPy's current stream); sync_inside syncing the device
-    around fn() (work on other streams)."""
-    if warm_up(fn, warmup, warmup_s) and after is not None:
-        after()
+    """Seconds of each of `repeats` calls of fn() after `warm_up(fn, warmup, warmup_s)` (with cuda,
+    the device synced after each warm-up call): the host clock around fn() and after() (a sync),
+    before() (a barrier) untimed ahead of each; or (cuda) CUDA events on CuPy's current stream
+    around each call, the host waiting for each call before the next (a call's interval then
+    holds its host time before its first launch), or (pipelined) every call issued back to back
+    and one wait at the end (an interval then holds the device's time of its call where the
+    device is the busier, as in a training loop, the host's where the host is: the calls must run
+    on CuPy's current stream); sync_inside syncing the device around fn() (work on other
+    streams)."""
     if cuda:
         import cupy
         device = cupy.cuda.Device()
+    if warm_up(fn, warmup, warmup_s, device.synchronize if cuda else None) and after is not None:
+        after()
+    if cuda:
         device.synchronize()
         if pipelined:
             assert before is None and not sync_inside, "a pipelined timing waits only at its end"
@@ -194,14 +199,15 @@ def rounds_of_calls(fns: list, rounds: int, repeats: int, warmup: int = 1, warmu
                     around=contextlib.nullcontext, **timing) -> list[tuple[list, list]]:
     """Time each of `fns` (None: skipped) in `rounds` rounds that take them in turn, so that a
     drift of the device's clocks spreads over all of them: in a round each is warmed up
-    (`warm_up(fn, warmup, warmup_s)`), then `call_seconds(fn, repeats, 0, **timing)` runs inside
-    `around()`. Per fn: (every call's seconds, each round's median)."""
+    (`call_seconds(fn, 0, warmup, warmup_s=warmup_s, **timing)`), then `call_seconds(fn,
+    repeats, 0, **timing)` runs inside `around()`. Per fn: (every call's seconds, each round's
+    median)."""
     out = [([], []) for _ in fns]
     for _ in range(rounds):
         for fn, (every, medians) in zip(fns, out):
             if fn is None:
                 continue
-            warm_up(fn, warmup, warmup_s)
+            call_seconds(fn, 0, warmup, warmup_s=warmup_s, **timing)
             with around():
                 times = call_seconds(fn, repeats, 0, **timing)
             every += times

@@ -815,7 +815,7 @@ def test_cuda_timings_wait_once_back_to_back_or_after_each_call(monkeypatch):
     """call_seconds(cuda=True): pipelined, every call between its own two events, issued back to
     back, one device sync at the end (the host's issue time hidden behind the device's); by
     default a wait after each call; sync_inside a device sync on both sides of each call. The
-    warm-up runs before the first event."""
+    warm-up runs before the first event, a sync after each of its calls."""
     from bench import _common as C
 
     log = []
@@ -828,7 +828,8 @@ def test_cuda_timings_wait_once_back_to_back_or_after_each_call(monkeypatch):
         return done
     assert C.call_seconds(fn, 3, 2, cuda=True, pipelined=True) == [1e-3] * 3
     assert len({id(e[1]) for e in log if isinstance(e, tuple)}) == 6          # an event pair a call
-    assert steps() == ["call", "call", "sync"] + ["record", "call", "record"] * 3 + ["sync"]
+    # each warm-up call waited for: a host faster than the device would queue seconds of them
+    assert steps() == ["call", "sync", "call", "sync", "sync"] + ["record", "call", "record"] * 3 + ["sync"]
     assert C.call_seconds(fn, 2, 0, cuda=True) == [1e-3] * 2
     assert steps() == ["sync"] + ["record", "call", "record", "wait"] * 2
     C.call_seconds(fn, 1, 0, cuda=True, sync_inside=True)
@@ -857,6 +858,49 @@ def test_rounds_take_the_implementations_in_turn():
     assert "".join(log) == ("a(aaa)" "b(bbb)") * 2
     assert [len(every) for every, _ in out] == [6, 0, 6] and [len(m) for _, m in out] == [2, 0, 2]
     assert all(t >= 0 for every, _ in out for t in every)
+
+
+def test_kernel_speed_times_every_implementation_alike_and_profiles_only_timed_calls(monkeypatch):
+    """kernel_speed's timing_of: calls back to back ("pipelined") where torch launches on CuPy's
+    stream or no torch row is asked for; the device synced around each call where torch does not,
+    where it cannot say (a torch without CUDA), or with --sync-inside; decided once for the run.
+    profiled(True): a device sync, the profiler started, the timed calls, a sync, the profiler
+    stopped; profiled(False) touches nothing."""
+    import types
+
+    from bench.gpu import kernel_speed as K
+
+    def decide(shares, impls=("kernels", "torch-flash"), sync_inside=False):
+        monkeypatch.setattr(K, "torch_shares_cupy_stream", shares)
+        args = types.SimpleNamespace(timing=None, sync_inside=sync_inside, impls=list(impls))
+        got = K.timing_of(args)
+        monkeypatch.setattr(K, "torch_shares_cupy_stream", lambda: not shares())   # decided once
+        assert K.timing_of(args) == got
+        return args.timing, got
+
+    def unknown():
+        raise RuntimeError("no CUDA GPUs are available")
+
+    def unasked():
+        raise AssertionError("asked torch")
+    assert decide(lambda: True) == ("pipelined", {"pipelined": True})
+    assert decide(lambda: False) == ("synced", {"sync_inside": True})
+    assert decide(unknown) == ("synced", {"sync_inside": True})
+    assert decide(unasked, impls=("kernels", "api")) == ("pipelined", {"pipelined": True})
+    assert decide(unasked, sync_inside=True) == ("synced", {"sync_inside": True})
+
+    log = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(deviceSynchronize=lambda: log.append("sync")),
+        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with K.profiled(True):
+        log.append("timed")
+    assert log == ["sync", "start", "timed", "sync", "stop"]
+    log.clear()
+    with K.profiled(False):
+        log.append("timed")
+    assert log == ["timed"]
 
 
 def _installed(module: str) -> bool:

@@ -44,7 +44,7 @@ KERNEL_IMPLS = ("kernels", "step")   # through KernelOps: a row a kernel table x
 PASSES = ("fwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "headdim", "seqlen", "causal", "window", "batch", "heads")
 COLUMNS = ["impl", "family", "bwd_family", "dq", "dq_pass", "dq_adds", "head_group", *SHAPE, "ms", "spread",
-           "host_ms", "tflops", "vs_torch", "cudnn_tflops"]
+           "host_ms", "host_bound", "tflops", "vs_torch", "cudnn_tflops"]
 
 
 def plan(args) -> list[dict]:
@@ -176,8 +176,9 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
     """A row an implementation (and kernel table x dQ mode x ...) of one configuration, each
     timed in --rounds rounds that take the implementations in turn (a drift of the device's
     clocks spreads over all of them): ms is the median of every call, spread the largest
-    difference between two rounds' medians over it; each round warms a call up first (at least
-    --warmup calls and 25 ms)."""
+    difference between two rounds' medians as a fraction of ms, host_bound whether host_ms is
+    at least 0.8 of ms (then ms is the host's time, not the kernels'); each round warms a call up
+    first (at least --warmup calls and 25 ms, each call waited for)."""
     import cupy
     device_synchronize = cupy.cuda.runtime.deviceSynchronize   # every stream: CuPy's and torch's
     q, k, v, dout = normal(cupy, [tuple(cfg[k] for k in ("batch", "seqlen", "heads", "headdim"))] * 4,
@@ -201,7 +202,9 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
         device_synchronize()
         rows.append({**row, "ms": ms, "host_ms": host_ms, "tflops": None if ms is None else cfg["gflop"] / ms,
                      "round_ms": [1e3 * t for t in per_round],
-                     "spread": (max(per_round) - min(per_round)) * 1e3 / ms if ms else None})
+                     "spread": (max(per_round) - min(per_round)) * 1e3 / ms if ms else None,
+                     # calls back to back: where the host path is most of a call, ms is the host's
+                     "host_bound": host_ms >= 0.8 * ms if ms else None})
     flash, cudnn = (next((r for r in rows if r["impl"] == n), None) for n in ("torch-flash", "torch-cudnn"))
     for r in (r for r in rows if r["impl"] in (*KERNEL_IMPLS, "api")):
         if flash:                                       # None if windowed
@@ -215,13 +218,17 @@ def run_config(cfg, args, ops_by_arch) -> list[dict]:
 
 def timing_of(args) -> dict:
     """call_seconds' CUDA timing, the same for every implementation: calls back to back, an
-    event pair each ("pipelined"), where torch launches on CuPy's stream, as it does by default;
-    else, or with --sync-inside, the device synced around each call ("synced")."""
+    event pair each ("pipelined"), where every implementation launches on CuPy's stream (torch
+    does by default; without torch rows, only ours); else, or with --sync-inside, the device
+    synced around each call ("synced"). Decided once, kept in args.timing."""
     if args.timing is None:
-        try:
-            shared = not args.sync_inside and torch_shares_cupy_stream()
-        except ImportError:           # no torch: only our kernels, on CuPy's stream
-            shared = not args.sync_inside
+        shared = not args.sync_inside
+        if shared and any(impl.startswith("torch") for impl in args.impls):
+            try:
+                shared = torch_shares_cupy_stream()
+            except Exception as exc:  # noqa: BLE001 - torch without CUDA: its rows fail on their own
+                progress(f"  torch's stream unknown ({exc.__class__.__name__}: {exc}): timing synced")
+                shared = False
         args.timing = "pipelined" if shared else "synced"
     return {"pipelined": True} if args.timing == "pipelined" else {"sync_inside": True}
 
