@@ -1,4 +1,5 @@
-"""Which way imports run: the library's run path never imports its verification package.
+"""Which way imports run: the library's run path never imports its verification package; and
+only `burstcu/group.py`, which picks the backend, asks which one it is.
 
 `burstcu.testing` (references, the loopback runner, the schedule checker, the self-test checks)
 sits above the library like `numpy.testing`; only the checking entry points users run
@@ -51,3 +52,31 @@ def test_the_scan_sees_relative_imports():
     names = imported_modules(PACKAGE / "ops" / "cuda" / "kernel_ops.py")
     assert "burstcu.build.emulate" in names
     assert any(n.startswith("burstcu.testing") for n in imported_modules(PACKAGE / "selftest.py"))
+
+
+def backend_tests(path: Path) -> list[str]:
+    """Every comparison in `path` of a name or attribute called `backend` with a string
+    ("backend == 'cupy'", "self.backend != 'emulated'", "backend in ('numpy', ...)")."""
+    def is_backend(x) -> bool:
+        return (isinstance(x, ast.Name) and x.id == "backend") or (isinstance(x, ast.Attribute)
+                                                                     and x.attr == "backend")
+
+    def has_string(x) -> bool:
+        return any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in ast.walk(x))
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_backend(s) for s in sides) and any(has_string(s) for s in sides if not is_backend(s)):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_group_asks_which_backend_runs():
+    """Strategies, ops, transports and adapters act on what a backend can do (its device, array
+    module, dtypes), never on its name: only group.py compares a backend's name."""
+    offenders = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "group.py"
+                 for hit in backend_tests(path)]
+    assert not offenders, offenders
+    assert backend_tests(PACKAGE / "group.py"), "the scan finds group.py's own comparisons"

@@ -510,7 +510,7 @@ class KernelOps(LocalOps):
         """Fresh arrays of (shape, dtype), not written (the emulator fills them with NaN, so that
         a kernel that reads one before writing it, or leaves a row of it unwritten, shows)."""
         arrays = [self.xp.empty(shape, dtype=dtype) for shape, dtype in shapes_dtypes]
-        if self.backend == "emulated":
+        if self.device == "cpu":   # the emulator's arrays, on the host
             for x in arrays:
                 x.fill(np.nan)
         return arrays
