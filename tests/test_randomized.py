@@ -1,7 +1,9 @@
 """Randomized problems (hypothesis) against the float64 reference: shapes, GQA ratios, head dims,
 layouts, causal or not, float64/float32, NumPy tile sizes and thread counts, 1-4 ranks (the real
 engine on the loopback transport: ranks as threads, so each example costs milliseconds), every
-rank's out, lse and gradients, and its bytes."""
+rank's out, lse and gradients, and its bytes. Then 320 problems drawn across every strategy and
+every kind of mask at once (windows, documents with and without a window, block masks, uneven
+shards, each layout), against a dense mask spelled out in the tests."""
 
 from __future__ import annotations
 
@@ -78,5 +80,120 @@ def test_random_problems_match_the_reference(p):
             ok, err, bound = within_fa_rule(got, want, plain, eps, factor=3.0)
             if name in ("dq", "dk", "dv"):
                 bound = 3.0 * max_err(plain, want) + 8 * eps * terms
+                ok = err <= bound
+            assert ok, f"rank {rank} {name} {p}: {err:.3e} > {bound:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# every strategy under every kind of mask
+
+MASKS = ("none", "causal", "window", "documents", "documents and window", "block mask")
+KINDS = ("full", "causal", "inverse_causal", "bidir_causal")
+
+
+def masked_problem(seed: int) -> dict:
+    """A problem drawn uniformly from `seed`: a strategy (ulysses and usp with heads their degree
+    divides), a mask (causal, a window, documents of random lengths with or without a window, or
+    a block mask of disjoint rectangles of random kinds over random cuts of both axes), a layout
+    (contiguous, zigzag, documents; or contiguous shards of random positive lengths), GQA, 1-4
+    ranks. (hypothesis's draws lean to the smallest choices: one rank, the first mask.)"""
+    rng = np.random.default_rng([7, seed])
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    ranks = int(rng.integers(1, 5))
+    strategy = pick(["burst", "ring", "allgather", "ulysses", "usp", "auto"])
+    degree = pick([u for u in range(1, ranks + 1) if ranks % u == 0])
+    split = {"ulysses": ranks, "usp": degree}.get(strategy, 1)     # ranks the heads are split over
+    hkv = pick([x for x in (1, 2, 3, 4, 6, 8) if x % split == 0 or split % x == 0])
+    h = hkv * pick([g for g in (1, 2, 4) if (hkv * g) % split == 0] or [split])
+    n = int(rng.integers(2 * ranks, 12 * ranks + 1))
+    mask = pick(MASKS)
+    p = {"ranks": ranks, "strategy": strategy, "degree": degree, "h": h, "hkv": hkv, "n": n,
+         "d": pick([3, 8]), "b": int(rng.integers(1, 3)), "mask": mask,
+         "dtype": pick(["float64", "float32"]), "causal": False, "window": (-1, -1),
+         "docs": None, "rects": None, "layout": "contiguous", "lengths": None, "seed": seed}
+    if mask in ("causal", "window", "documents", "documents and window"):
+        p["causal"] = mask == "causal" or bool(rng.integers(2))
+    if "window" in mask:
+        left = pick([-1, 0, 1, 2, 5, 11])
+        right = 0 if p["causal"] else pick([-1, 0, 1, 3, 9])
+        p["window"] = (3 if left == right == -1 else left, right)
+    if "documents" in mask:
+        bounds = [0]
+        while bounds[-1] < n:
+            bounds.append(min(n, bounds[-1] + int(rng.integers(1, max(1, n // 2) + 1))))
+        p["docs"] = bounds
+        p["layout"] = pick(["contiguous", "zigzag", "documents"])
+    elif mask == "block mask":
+        cuts = [sorted({0, n, *(int(c) for c in rng.integers(1, n, size=rng.integers(0, 4)))})
+                for _ in "qk"]
+        cells = [(a, b, c, e) for a, b in zip(cuts[0], cuts[0][1:]) for c, e in zip(cuts[1], cuts[1][1:])]
+        chosen = [cell for cell in cells if rng.random() < 0.5] or [pick(cells)]
+        p["rects"] = [(*cell, pick(KINDS)) for cell in chosen]
+        p["layout"] = pick(["contiguous", "zigzag"])
+    elif rng.random() < 0.4:
+        p["layout"] = "zigzag"
+    elif ranks > 1 and rng.random() < 0.5:
+        cuts = sorted(int(c) for c in rng.choice(np.arange(1, n), size=ranks - 1, replace=False))
+        p["lengths"] = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+    return p
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_every_strategy_under_random_masks_matches_the_reference(chunk):
+    """40 problems a chunk (`masked_problem`, seeds 40 chunk ...): each rank's out, lse, dq, dk, dv against float64 (long double for float64) over a dense
+    mask spelled out in tests/mpi/bodies.py (`dense_keep`), within FlashAttention's rule; the
+    ranks' rows (found by sharding the positions) cover the sequence once."""
+    for seed in range(40 * chunk, 40 * chunk + 40):
+        check_masked_problem(masked_problem(seed))
+
+
+def check_masked_problem(p: dict) -> None:
+    from tests.mpi.bodies import dense_keep
+
+    rng = np.random.default_rng(p["seed"])
+    dt = np.dtype(p["dtype"])
+    b, n, h, hkv, d = p["b"], p["n"], p["h"], p["hkv"], p["d"]
+    q, dout = (rng.standard_normal((b, n, h, d)).astype(dt) for _ in range(2))
+    k, v = (rng.standard_normal((b, n, hkv, d)).astype(dt) for _ in range(2))
+    kw = {"strategy": p["strategy"], **({"ulysses_degree": p["degree"]} if p["strategy"] == "usp" else {})}
+    if p["rects"] is None:
+        kw.update(causal=p["causal"], window_size=p["window"])
+    else:
+        rects = p["rects"]
+        kw["block_mask"] = burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects],
+                                             [r[4] for r in rects])
+    positions = np.arange(n, dtype=np.float64)[None, :, None, None]
+
+    def body(group):
+        sh = burstcu.Sharding(group, layout=p["layout"], cu_seqlens=p["docs"], lengths=p["lengths"])
+        ql, kl, vl, dl = (sh.shard(x) for x in (q, k, v, dout))
+        out, lse = burstcu.attention(ql, kl, vl, sh, return_lse=True, **kw)
+        grads = burstcu.attention_backward(dl, ql, kl, vl, out, lse, sh, **kw)
+        return sh.shard(positions)[0, :, 0, 0].astype(int), out, lse, grads
+
+    results = run_ranks(p["ranks"], body)
+    every = np.sort(np.concatenate([rows for rows, *_ in results]))
+    assert np.array_equal(every, np.arange(n)), every
+    keep = dense_keep(np.arange(n), np.arange(n), p["causal"], p["window"], p["docs"], p["rects"])
+    exact = np.longdouble if dt == np.float64 else np.float64
+    truth = [*attention_ref(q, k, v, keep=keep, dtype=exact),
+             *attention_backward_ref(dout, q, k, v, keep=keep, dtype=exact)]
+    naive = [*attention_ref(q, k, v, keep=keep, dtype=dt.type),
+             *attention_backward_ref(dout, q, k, v, keep=keep, dtype=dt.type)]
+    eps = float(np.finfo(dt).eps)
+    # gradients: the rounding term at the magnitude of the terms they sum (the test above says why)
+    terms = 2 * d * float(np.abs(dout).max() * np.abs(v).max() * max(np.abs(q).max(), np.abs(k).max()))
+    for rank, (rows, out, lse, grads) in enumerate(results):
+        for name, got, want, plain in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                          truth, naive):
+            pick = (slice(None), slice(None), rows) if name == "lse" else (slice(None), rows)
+            want, plain = want[pick], plain[pick]
+            if name == "lse":   # -inf exactly where a row sees no key (block masks leave some)
+                seen = np.isfinite(want.astype(np.float64))
+                assert np.array_equal(np.isfinite(got), seen), f"rank {rank} lse's -inf rows {p}"
+                got, want, plain = got[seen], want[seen], plain[seen]
+            ok, err, bound = within_fa_rule(got, want, plain, eps, factor=3.0)
+            if name in ("dq", "dk", "dv"):
+                bound = 3.0 * max_err(plain, want) + 8 * eps * terms / np.sqrt(d)
                 ok = err <= bound
             assert ok, f"rank {rank} {name} {p}: {err:.3e} > {bound:.3e}"
