@@ -3,7 +3,8 @@ layouts, causal or not, float64/float32, NumPy tile sizes and thread counts, 1-4
 engine on the loopback transport: ranks as threads, so each example costs milliseconds), every
 rank's out, lse and gradients, and its bytes. Then 320 problems drawn across every strategy and
 every kind of mask at once (windows, documents with and without a window, block masks, uneven
-shards, each layout), against a dense mask spelled out in the tests."""
+shards, each layout), against a dense mask spelled out in the tests; and 12 of them, in float16
+and bfloat16, on the CUDA kernels under the CPU emulator (sm_80's and sm_90a's tables)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import burstcu  # noqa: E402
 from burstcu.engine import burst  # noqa: E402
+from burstcu.ops.base import as_dtype, finfo  # noqa: E402
 from burstcu.testing.world import run_ranks  # noqa: E402
 from burstcu.testing.reference import (attention_backward_ref, attention_ref, max_err,  # noqa: E402
                                        within_fa_rule)
@@ -91,13 +93,15 @@ MASKS = ("none", "causal", "window", "documents", "documents and window", "block
 KINDS = ("full", "causal", "inverse_causal", "bidir_causal")
 
 
-def masked_problem(seed: int) -> dict:
+def masked_problem(seed: int, kernels: bool = False) -> dict:
     """A problem drawn uniformly from `seed`: a strategy (ulysses and usp with heads their degree
     divides), a mask (causal, a window, documents of random lengths with or without a window, or
     a block mask of disjoint rectangles of random kinds over random cuts of both axes), a layout
     (contiguous, zigzag, documents; or contiguous shards of random positive lengths), GQA, 1-4
-    ranks. (hypothesis's draws lean to the smallest choices: one rank, the first mask.)"""
-    rng = np.random.default_rng([7, seed])
+    ranks. (hypothesis's draws lean to the smallest choices: one rank, the first mask.) kernels:
+    the CUDA kernels' dtypes and head dims (float16, bfloat16; 32, and 64, which the Hopper
+    kernels take natively), else NumPy's (float64, float32; 3 and 8)."""
+    rng = np.random.default_rng([7 + kernels, seed])
     pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     ranks = int(rng.integers(1, 5))
     strategy = pick(["burst", "ring", "allgather", "ulysses", "usp", "auto"])
@@ -108,8 +112,8 @@ def masked_problem(seed: int) -> dict:
     n = int(rng.integers(2 * ranks, 12 * ranks + 1))
     mask = pick(MASKS)
     p = {"ranks": ranks, "strategy": strategy, "degree": degree, "h": h, "hkv": hkv, "n": n,
-         "d": pick([3, 8]), "b": int(rng.integers(1, 3)), "mask": mask,
-         "dtype": pick(["float64", "float32"]), "causal": False, "window": (-1, -1),
+         "d": pick([32, 64] if kernels else [3, 8]), "b": int(rng.integers(1, 3)), "mask": mask,
+         "dtype": pick(["float16", "bfloat16"] if kernels else ["float64", "float32"]), "causal": False, "window": (-1, -1),
          "docs": None, "rects": None, "layout": "contiguous", "lengths": None, "seed": seed}
     if mask in ("causal", "window", "documents", "documents and window"):
         p["causal"] = mask == "causal" or bool(rng.integers(2))
@@ -147,11 +151,21 @@ def test_every_strategy_under_random_masks_matches_the_reference(chunk):
         check_masked_problem(masked_problem(seed))
 
 
-def check_masked_problem(p: dict) -> None:
+@pytest.mark.emulated
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_kernels_under_random_masks_match_the_reference(arch):
+    """12 problems (`masked_problem(seed, kernels=True)`) on the CUDA kernels run by the CPU
+    emulator, each tile table's (sm_90a: the Hopper kernels where the head dim is 64)."""
+    for seed in range(12):
+        check_masked_problem(masked_problem(seed, kernels=True), backend="emulated", arch=arch)
+
+
+def check_masked_problem(p: dict, **world) -> None:
+    """`p` on `run_ranks(p["ranks"], ..., **world)` against the float64 reference."""
     from tests.mpi.bodies import dense_keep
 
     rng = np.random.default_rng(p["seed"])
-    dt = np.dtype(p["dtype"])
+    dt = np.dtype(as_dtype(p["dtype"]))
     b, n, h, hkv, d = p["b"], p["n"], p["h"], p["hkv"], p["d"]
     q, dout = (rng.standard_normal((b, n, h, d)).astype(dt) for _ in range(2))
     k, v = (rng.standard_normal((b, n, hkv, d)).astype(dt) for _ in range(2))
@@ -171,16 +185,19 @@ def check_masked_problem(p: dict) -> None:
         grads = burstcu.attention_backward(dl, ql, kl, vl, out, lse, sh, **kw)
         return sh.shard(positions)[0, :, 0, 0].astype(int), out, lse, grads
 
-    results = run_ranks(p["ranks"], body)
+    results = run_ranks(p["ranks"], body, **world)
     every = np.sort(np.concatenate([rows for rows, *_ in results]))
     assert np.array_equal(every, np.arange(n)), every
     keep = dense_keep(np.arange(n), np.arange(n), p["causal"], p["window"], p["docs"], p["rects"])
     exact = np.longdouble if dt == np.float64 else np.float64
     truth = [*attention_ref(q, k, v, keep=keep, dtype=exact),
              *attention_backward_ref(dout, q, k, v, keep=keep, dtype=exact)]
-    naive = [*attention_ref(q, k, v, keep=keep, dtype=dt.type),
-             *attention_backward_ref(dout, q, k, v, keep=keep, dtype=dt.type)]
-    eps = float(np.finfo(dt).eps)
+    # the naive same-dtype implementation: float16/bfloat16 computed in float32 with P and dS
+    # rounded to the input dtype, as the kernels round them
+    naive_kw = {"dtype": np.float32, "round_to": dt.type} if dt.itemsize == 2 else {"dtype": dt.type}
+    naive = [*attention_ref(q, k, v, keep=keep, **naive_kw),
+             *attention_backward_ref(dout, q, k, v, keep=keep, **naive_kw)]
+    eps = float(finfo(dt).eps)
     # gradients: the rounding term at the magnitude of the terms they sum (the test above says why)
     terms = 2 * d * float(np.abs(dout).max() * np.abs(v).max() * max(np.abs(q).max(), np.abs(k).max()))
     for rank, (rows, out, lse, grads) in enumerate(results):
@@ -192,6 +209,7 @@ def check_masked_problem(p: dict) -> None:
                 seen = np.isfinite(want.astype(np.float64))
                 assert np.array_equal(np.isfinite(got), seen), f"rank {rank} lse's -inf rows {p}"
                 got, want, plain = got[seen], want[seen], plain[seen]
+            got = got.astype(np.float64)
             ok, err, bound = within_fa_rule(got, want, plain, eps, factor=3.0)
             if name in ("dq", "dk", "dv"):
                 bound = 3.0 * max_err(plain, want) + 8 * eps * terms / np.sqrt(d)
