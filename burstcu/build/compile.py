@@ -184,16 +184,23 @@ def compiler_problem() -> str | None:
     """
     try:
         from cuda import pathfinder  # noqa: F401 - only compiling needs cuda-python
-        from cuda.bindings import nvrtc
+        from cuda.bindings import nvrtc  # noqa: F401
     except ImportError as exc:
         return (f"cuda-python is not importable ({exc}); the kernel compiler comes with the CUDA "
                 f"extra: {CUDA_EXTRA_INSTALL} (or 'burstcu[cuda12]' for a CUDA 12 driver)")
     try:
-        _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        nvrtc_version()
         cuda_include_dir()
     except Exception as exc:  # noqa: BLE001 - a missing library surfaces as several kinds
         return f"NVRTC cannot compile here ({exc}); {CUDA_EXTRA_INSTALL} installs it"
     return None
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC that compiles here."""
+    from cuda.bindings import nvrtc
+
+    return tuple(_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
 
 
 def _check(result, what: str):
@@ -676,13 +683,11 @@ def cache_key(source: str, name_expressions: Sequence[str], arch: str,
               extra_options: Sequence[str] = (), kdir: Path | None = None) -> str:
     """Everything that specializes a CUBIN: sources + headers, options, arch, instantiations,
     and the NVRTC version."""
-    from cuda.bindings import nvrtc
-
     kdir = Path(kdir or kernel_dir())
     parts = {
         "source": source, "digest": source_digest(source, kdir), "arch": arch,
         "options": list((*BASE_OPTIONS, *extra_options)), "names": list(name_expressions),
-        "nvrtc": list(_check(nvrtc.nvrtcVersion(), "nvrtcVersion")),
+        "nvrtc": list(nvrtc_version()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -913,6 +918,16 @@ def ptxas_concerns(log: str) -> list[str]:
             if "warning" in line.lower() or "performance loss" in line.lower()]
 
 
+def setmaxnreg_registers(threads: int) -> int:
+    """The registers each of a block's `threads` threads must start with for the Hopper kernels'
+    setmaxnreg split: setmaxnreg moves registers between warpgroups inside the block's pool, and
+    the kernels' producer/consumer counts add up to the whole register file only if ptxas gave
+    every thread the most a one-block launch allows (168 for 384 threads); with fewer, a
+    consumer's setmaxnreg.inc waits forever for registers that are not there. The compile gate
+    checks it of NVRTC 13.0's builds, KernelOps of the build it loads."""
+    return ARCH_LIMITS["sm_90a"]["regs_per_sm"] // threads // 8 * 8
+
+
 def gate_failure(record: dict) -> str | None:
     """Why a compiled record fails the gate, or None: its SASS could not be read (sm_90a without
     nvdisasm), spills, > 255 registers, smem over the arch; for a Hopper family (name containing
@@ -938,11 +953,7 @@ def gate_failure(record: dict) -> str | None:
                   or "C7508" in w]
         if warned:
             return f"ptxas: {warned[0]}"
-        # setmaxnreg moves registers between warpgroups inside the block's pool: the kernels'
-        # producer/consumer counts add up to the whole register file only if ptxas gave every
-        # thread the most a one-block launch allows (168 for 384 threads); with fewer, a
-        # consumer's setmaxnreg.inc would wait forever for registers that are not there
-        full = ARCH_LIMITS["sm_90a"]["regs_per_sm"] // record["threads"] // 8 * 8
+        full = setmaxnreg_registers(record["threads"])
         if record["registers"] != full:
             return (f"{record['registers']} registers at launch, not {full}: the setmaxnreg "
                     f"split of {record['threads']} threads assumes the whole register file")

@@ -444,8 +444,8 @@ def versions() -> dict:
         except Exception:  # noqa: BLE001 - optional
             out[name] = None
     try:
-        from cuda.bindings import nvrtc
-        out["nvrtc"] = ".".join(str(x) for x in nvrtc.nvrtcVersion()[1:])
+        from ..build.compile import nvrtc_version
+        out["nvrtc"] = ".".join(str(x) for x in nvrtc_version())
     except Exception:  # noqa: BLE001
         out["nvrtc"] = None
     try:

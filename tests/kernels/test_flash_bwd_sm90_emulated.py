@@ -415,3 +415,25 @@ def test_first_use_check_runs_the_variant_it_judges():
     finally:
         for key in keys.values():
             kops._SM90_FIRST_USE.pop(key, None)
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
+def test_a_hopper_backward_without_its_registers_is_never_launched(monkeypatch):
+    """A Hopper backward whose loaded kernel could not run its setmaxnreg split (another
+    NVRTC's build: `KernelOps._registers_problem`) warns, is never launched (it would hang the
+    GPU), and the mma.sync kernels give the caller's gradients."""
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    ops = hopper_ops()
+    monkeypatch.setattr(kops, "_SM90_FIRST_USE", {})
+    monkeypatch.setattr(kops, "_SM90_REGISTERS_READ", set())
+    monkeypatch.setattr(kops.KernelOps, "_registers_problem",
+                        lambda self, v: f"{v.name} was built with 128 registers a thread")
+    counts = _counting(ops)
+    with pytest.warns(RuntimeWarning, match="Hopper backward kernel .* failed its first-use check "
+                                            r"on this GPU \(.*128 registers") as seen:
+        got, ref, naive = run_case(ops, "bfloat16", 64, "small_causal")
+    assert all("burstcu/ops" not in w.filename for w in seen), [w.filename for w in seen]
+    assert not any("sm90" in name for name in counts), counts
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        assert_fa_rule(name, g, r, n)

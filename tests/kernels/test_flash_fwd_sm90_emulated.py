@@ -411,3 +411,66 @@ def test_a_fold_over_some_rows_zeroes_a_fresh_state_first(ops):
     counts = _counting(ops)
     check(ops, "bfloat16", q, k, v, blocks, last=True)
     assert counts == {"flash_fwd_step_sm90": 1, "flash_fwd_finalize": 1}, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels built with fewer registers than their setmaxnreg split hands out
+
+class _Loaded:
+    """A loaded kernel as CuPy shows it: num_regs, read from the CUBIN by the driver."""
+
+    def __init__(self, num_regs: int):
+        self.num_regs = num_regs
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
+def test_registers_are_read_from_the_loaded_kernels(monkeypatch):
+    """On a GPU, `_registers_problem` reads each loaded Hopper kernel's registers a thread (the
+    step and its careful twin): 168 for 384 threads is what the setmaxnreg split hands out
+    (`setmaxnreg_registers`), fewer would make setmaxnreg.inc wait forever."""
+    from burstcu.build.compile import setmaxnreg_registers
+    from burstcu.build.fwd_variants import careful_twin
+
+    ops = kernel_ops(arch="sm_90a").ops
+    hopper = ops.forward_variant("float16", 128)
+    twin = careful_twin(hopper)
+    assert setmaxnreg_registers(hopper.launch.threads) == 168 == setmaxnreg_registers(384)
+    assert ops._registers_problem(hopper) is None   # the emulator has no register file
+    built = {hopper.name: 168, twin.name: 168}
+    monkeypatch.setattr(ops, "device", "cuda")
+    monkeypatch.setattr(ops, "function", lambda name: _Loaded(built[name]))
+    assert ops._registers_problem(hopper) is None
+    built[twin.name] = 128
+    problem = ops._registers_problem(hopper)
+    assert problem is not None and twin.name in problem and "128 registers" in problem, problem
+    assert "needs 168" in problem and "wait forever" in problem and "NVRTC" in problem
+    built[hopper.name] = 160
+    assert hopper.name in ops._registers_problem(hopper)
+
+
+@pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
+def test_a_hopper_forward_without_its_registers_is_never_launched(monkeypatch):
+    """A Hopper forward whose loaded kernels could not run their setmaxnreg split (another
+    NVRTC's build) warns once, is never launched (a launch would hang the GPU: the first-use
+    check cannot catch that), and the mma.sync kernel gives the caller's result; whether or not
+    the first-use check is on."""
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    ops = kernel_ops(arch="sm_90a")
+    monkeypatch.setattr(kops, "_SM90_FIRST_USE", {})
+    monkeypatch.setattr(kops, "_SM90_REGISTERS_READ", set())
+    hopper = ops.forward_variant("float16", 64)
+    assert hopper.family == "forward_sm90"
+    monkeypatch.setattr(kops.KernelOps, "_registers_problem",
+                        lambda self, v: f"{v.name} was built with 128 registers a thread")
+    counts = _counting(ops)
+    q, k, v = make("float16", 1, 100, 140, 2, 1, 64, seed=4)
+    with pytest.warns(RuntimeWarning, match="Hopper forward kernel .* failed its first-use check "
+                                            r"on this GPU \(.*128 registers") as seen:
+        check(ops, "float16", q, k, v, full(100, 140))
+    assert all("burstcu/ops" not in w.filename for w in seen), [w.filename for w in seen]
+    assert not any("sm90" in name for name in counts), counts
+    assert ops.forward_variant("float16", 64).family == "forward"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once
+        check(ops, "float16", q, k, v, full(100, 140))

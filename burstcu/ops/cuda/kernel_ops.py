@@ -37,7 +37,7 @@ from ...build import all_variants
 from ...build.bwd_variants import (LIST_SUFFIX, SM90_BULK_HEADDIMS, SM90_DKDV_BULK, SM90_DKDV_FAMILIES,
                                    SM90_DKDV_HEADDIMS, SM90_DQ_ADDS)
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
-                               device_attribute, get_function)
+                               device_attribute, get_function, nvrtc_version, setmaxnreg_registers)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
@@ -63,6 +63,9 @@ _EMULATED_SM_COUNT = 3
 # (`KernelOps._sm90_checked`): while the Hopper kernels have run on one GPU model only (an H200),
 # a wrong result must fall back to the mma.sync kernels with a warning, never reach a model
 _SM90_FIRST_USE: dict[tuple[int, str], bool] = {}
+# (device, Hopper variant name) whose loaded kernels start with the registers their setmaxnreg
+# split hands out (`KernelOps._registers_problem`): read once a process
+_SM90_REGISTERS_READ: set[tuple[int, str]] = set()
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # cudaError_t values after which a context runs nothing more (illegal address, launch timeout,
 # device assert, stack error, illegal instruction, misaligned address, invalid address space,
@@ -131,6 +134,17 @@ def _first_use_blocks(listed: bool) -> list[Block]:
             Block(32, 90, 294, 90, 200, 0, False), Block(122, 70, 164, 130, 500, 0, True)]
 
 
+def _refused(key: tuple, hopper: KernelVariant, what: str, why: str, stacklevel: int) -> bool:
+    """False, recorded in _SM90_FIRST_USE under `key`, with a warning that this process runs the
+    mma.sync kernels for `hopper`, at the frame `stacklevel` up from the caller (1: the caller)."""
+    _SM90_FIRST_USE[key] = False
+    warnings.warn(f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use "
+                  f"check on this GPU ({why}); this process runs the mma.sync kernels for "
+                  f"it instead (please report it, with `python -m burstcu.selftest "
+                  f"--full`)", RuntimeWarning, stacklevel=stacklevel + 1)
+    return False
+
+
 def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklevel: int) -> bool:
     """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passes its first-use check
     (`KernelOps._sm90_checked`, `_sm90_backward_checked`): `run()` runs it and the mma.sync
@@ -158,15 +172,11 @@ def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklev
     except BaseException:
         _SM90_FIRST_USE.pop(key, None)
         raise
-    ok = not error and worst <= 1.0
-    _SM90_FIRST_USE[key] = ok
-    if not ok:
+    if error or worst > 1.0:
         why = error or f"differs from the mma.sync kernels by {worst:.3g} x the tolerance"
-        warnings.warn(f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use "
-                      f"check on this GPU ({why}); this process runs the mma.sync kernels for "
-                      f"it instead (please report it, with `python -m burstcu.selftest "
-                      f"--full`)", RuntimeWarning, stacklevel=stacklevel)
-    return ok
+        return _refused(key, hopper, what, why, stacklevel)
+    _SM90_FIRST_USE[key] = True
+    return True
 
 
 def _host64(x) -> np.ndarray:
@@ -369,6 +379,40 @@ class KernelOps(LocalOps):
     def _first_use_key(self, variant: KernelVariant) -> tuple[int, str]:
         return (self.device_id if self.device == "cuda" else -1, variant.name)
 
+    def _registers_problem(self, hopper: KernelVariant) -> str | None:
+        """Why the kernels of `hopper` (with, for a forward, its careful twin) would wait forever
+        in setmaxnreg.inc, or None: on a GPU, each loaded function must start its threads with
+        `setmaxnreg_registers` of its block's (cuFuncGetAttribute, CuPy's `num_regs`). The
+        compile gate checks NVRTC 13.0's builds; an NVRTC of another version may allocate
+        fewer. Nothing to read under the emulator, which has no register file."""
+        if self.device != "cuda":
+            return None
+        variants = [hopper]
+        if hopper.family in (SM90_FAMILY, SM90_LIST_FAMILY):
+            variants.append(careful_twin(hopper))
+        for variant in variants:
+            registers = int(self.function(variant.name).num_regs)
+            want = setmaxnreg_registers(variant.launch.threads)
+            if registers != want:
+                return (f"{variant.name} was built with {registers} registers a thread where its "
+                        f"setmaxnreg split needs {want}: it would wait forever (NVRTC "
+                        f"{'.'.join(map(str, nvrtc_version()))}; the kernels are gated with 13.0)")
+        return None
+
+    def _sm90_usable(self, hopper: KernelVariant, what: str, stacklevel: int) -> bool | None:
+        """The verdict on `hopper` already reached on this device (False, or True once it passed
+        its first-use check), False now if its registers cannot run it (`_registers_problem`,
+        warned as `_refused` warns), else None: no verdict yet."""
+        key = self._first_use_key(hopper)
+        if key in _SM90_FIRST_USE:
+            return _SM90_FIRST_USE[key]
+        if key not in _SM90_REGISTERS_READ:
+            problem = self._registers_problem(hopper)
+            if problem is not None:
+                return _refused(key, hopper, what, problem, stacklevel)
+            _SM90_REGISTERS_READ.add(key)
+        return None
+
     def _sm90_checked(self, hopper: KernelVariant, dtype) -> bool:
         """On a GPU, the first use of a Hopper variant on a device runs it against the mma.sync
         kernel of the same head dim; if they differ by more than two correct kernels do (8 eps
@@ -378,10 +422,13 @@ class KernelOps(LocalOps):
         ones against the mma.sync list kernel), on a grid of 2 blocks (the pipelines' phases
         carried from tile to tile), once clean and once with NaN in V before the blocks (the
         careful twins run). `first_use_check` (True on a GPU, False under the emulator, whose
-        runs the tests check) turns it on or off. A kernel that hangs is not caught here."""
+        runs the tests check) turns it on or off. Before any of it, a kernel whose registers
+        could not run its setmaxnreg split is refused (`_sm90_usable`); a kernel that hangs
+        otherwise is not caught here."""
         key = self._first_use_key(hopper)
-        if not self.first_use_check or key in _SM90_FIRST_USE:
-            return _SM90_FIRST_USE.get(key, True)
+        known = self._sm90_usable(hopper, "forward", stacklevel=5)
+        if known is not None or not self.first_use_check:
+            return True if known is None else known
         xp, d, n = self.xp, hopper.headdim, 320
         rng = np.random.default_rng(0)
 
@@ -633,8 +680,9 @@ class KernelOps(LocalOps):
         key = self._first_use_key(hopper)
         if key in self._sm90_checking:
             return True   # the check's own step
-        if not self.first_use_check or key in _SM90_FIRST_USE:
-            return _SM90_FIRST_USE.get(key, True)
+        known = self._sm90_usable(hopper, "backward", stacklevel=7)
+        if known is not None or not self.first_use_check:
+            return True if known is None else known
         xp, d, n = self.xp, hopper.headdim, 320
         rng = np.random.default_rng(0)
 
