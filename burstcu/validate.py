@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
-import os
 import re
-import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -23,7 +21,7 @@ import numpy as np
 
 from .blockmask import BlockMask
 from .layout import LAYOUTS, Partition, partition
-from .ops.base import accum_dtype, dtype_name, finfo
+from .ops.base import accum_dtype, caller_stacklevel, dtype_name, finfo
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -331,16 +329,6 @@ def check_docs_total(docs, seqlen_global: int, size: int = 1) -> InputError | No
                                       f"N = {seqlen_global} (the ranks' local lengths added up), "
                                       f"got {docs[-1]}{hint}")
     return None
-
-
-def caller_stacklevel() -> int:
-    """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
-    warning names the first frame outside the burstcu package (the user's line)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def partition_of(layout: str, lengths, docs, uneven: bool | None = False,

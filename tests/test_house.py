@@ -75,7 +75,9 @@ def backend_tests(path: Path) -> list[str]:
 
 def test_only_group_asks_which_backend_runs():
     """Strategies, ops, transports and adapters act on what a backend can do (its device, array
-    module, dtypes), never on its name: only group.py compares a backend's name."""
+    module, dtypes): only group.py, which picks the backend, compares a backend's name with a
+    string. (The CUDA op, which serves two backends, looks its own name up in two tables, its
+    arrays' device and its tensor maps' encoder; table lookups are not what this looks for.)"""
     offenders = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "group.py"
                  for hit in backend_tests(path)]
     assert not offenders, offenders

@@ -161,7 +161,8 @@ def test_the_kernels_under_random_masks_match_the_reference(arch):
 
 
 def check_masked_problem(p: dict, **world) -> None:
-    """`p` on `run_ranks(p["ranks"], ..., **world)` against the float64 reference."""
+    """`p` on `run_ranks(p["ranks"], ..., **world)` against the float64 reference (long double
+    for float64): out and lse within FlashAttention's rule, gradients within the MPI tests' (3 x the naive error)."""
     from tests.mpi.bodies import dense_keep
 
     rng = np.random.default_rng(p["seed"])
@@ -210,8 +211,21 @@ def check_masked_problem(p: dict, **world) -> None:
                 assert np.array_equal(np.isfinite(got), seen), f"rank {rank} lse's -inf rows {p}"
                 got, want, plain = got[seen], want[seen], plain[seen]
             got = got.astype(np.float64)
-            ok, err, bound = within_fa_rule(got, want, plain, eps, factor=3.0)
-            if name in ("dq", "dk", "dv"):
-                bound = 3.0 * max_err(plain, want) + 8 * eps * terms / np.sqrt(d)
-                ok = err <= bound
+            if name in ("out", "lse"):   # FlashAttention's rule: twice the naive error + rounding
+                ok, err, bound = within_fa_rule(got, want, plain, eps)
+            else:
+                # gradients: 3 x the naive error, as the MPI tests' bodies ask of a backward
+                # (tests/mpi/strategy_bodies.py), plus rounding: float16/bfloat16 at the
+                # gradient's magnitude (8 eps max|ref|, that rule's; where the reference is 0, as
+                # a row seeing itself alone makes it, within rounding of the terms that cancel,
+                # 8 eps D |dO| |v| |k or q|, as there); float32/float64 at the magnitude of the
+                # terms that cancel in them (the test above says why)
+                if dt.itemsize == 2 and not np.any(want):
+                    err, bound = float(np.abs(got).max(initial=0.0)), 4 * eps * terms
+                    ok = err <= bound
+                elif dt.itemsize == 2:
+                    ok, err, bound = within_fa_rule(got, want, plain, eps, factor=3.0)
+                else:
+                    err, bound = max_err(got, want), 3.0 * max_err(plain, want) + 8 * eps * terms / np.sqrt(d)
+                    ok = err <= bound
             assert ok, f"rank {rank} {name} {p}: {err:.3e} > {bound:.3e}"

@@ -32,6 +32,8 @@ GQA: query head h uses key/value head h // (H // Hkv).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import nullcontext
@@ -105,6 +107,16 @@ def finfo(dtype):
 def accum_dtype(dtype) -> np.dtype:
     """float64 for float64 input, float32 for everything narrower."""
     return np.dtype(np.float64) if as_dtype(dtype).name == "float64" else np.dtype(np.float32)
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
+    warning names the first frame outside the burstcu package (the user's line)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Message:

@@ -382,12 +382,12 @@ def test_a_first_use_check_meeting_a_sticky_cuda_error_raises(status, falls_back
     try:
         if falls_back:
             with pytest.warns(RuntimeWarning, match="failed its first-use check on this GPU"):
-                assert kops._first_use_check(key, hopper, "backward", run, stacklevel=2) is False
+                assert kops._first_use_check(key, hopper, "backward", run) is False
             assert kops._SM90_FIRST_USE[key] is False
         else:
             with pytest.raises(RuntimeError, match=r"a CUDA error that leaves this process's GPU "
                                                    r"context unusable \(CUDARuntimeError: status"):
-                kops._first_use_check(key, hopper, "backward", run, stacklevel=2)
+                kops._first_use_check(key, hopper, "backward", run)
             assert key not in kops._SM90_FIRST_USE
     finally:
         kops._SM90_FIRST_USE.pop(key, None)
@@ -418,22 +418,21 @@ def test_first_use_check_runs_the_variant_it_judges():
 
 
 @pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
-def test_a_hopper_backward_without_its_registers_is_never_launched(monkeypatch):
+@pytest.mark.parametrize("first_use_check", [True, False])
+def test_a_hopper_backward_without_its_registers_is_never_launched(monkeypatch, first_use_check):
     """A Hopper backward whose loaded kernel could not run its setmaxnreg split (another
-    NVRTC's build: `KernelOps._registers_problem`) warns, is never launched (it would hang the
-    GPU), and the mma.sync kernels give the caller's gradients."""
-    from burstcu.ops.cuda import kernel_ops as kops
+    NVRTC's build: `KernelOps._registers_problem`) warns at the caller's line, is never launched
+    (it would hang the GPU), and the mma.sync kernels give the caller's gradients."""
+    from tests.kernels.test_flash_fwd_sm90_emulated import BURSTCU, _refusing
 
+    _refusing(monkeypatch, "was built with 128 registers a thread")
     ops = hopper_ops()
-    monkeypatch.setattr(kops, "_SM90_FIRST_USE", {})
-    monkeypatch.setattr(kops, "_SM90_REGISTERS_READ", set())
-    monkeypatch.setattr(kops.KernelOps, "_registers_problem",
-                        lambda self, v: f"{v.name} was built with 128 registers a thread")
+    ops.ops.first_use_check = first_use_check
     counts = _counting(ops)
     with pytest.warns(RuntimeWarning, match="Hopper backward kernel .* failed its first-use check "
                                             r"on this GPU \(.*128 registers") as seen:
         got, ref, naive = run_case(ops, "bfloat16", 64, "small_causal")
-    assert all("burstcu/ops" not in w.filename for w in seen), [w.filename for w in seen]
+    assert all(not w.filename.startswith(BURSTCU) for w in seen), [w.filename for w in seen]
     assert not any("sm90" in name for name in counts), counts
     for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
         assert_fa_rule(name, g, r, n)

@@ -13,15 +13,19 @@ catch each.
 from __future__ import annotations
 
 import warnings
-
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+import burstcu
 
 from burstcu.layout import Block
 from tests.kernels.backend import BACKEND, kernel_ops, seeded_kernel_dir
 from burstcu.ops.cuda.kernel_ops import SM90_MAX_RECTS
 from tests.kernels.test_flash_fwd_emulated import DTYPES, _counting, check, full, make
+
+BURSTCU = str(Path(burstcu.__file__).resolve().parent)   # a warning's line must be outside it
 
 pytestmark = pytest.mark.emulated
 
@@ -425,50 +429,69 @@ class _Loaded:
 
 @pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
 def test_registers_are_read_from_the_loaded_kernels(monkeypatch):
-    """On a GPU, `_registers_problem` reads each loaded Hopper kernel's registers a thread (the
-    step and its careful twin): 168 for 384 threads is what the setmaxnreg split hands out
+    """On a GPU, `_registers_problem` reads each loaded Hopper kernel's registers a thread (a
+    forward step or list kernel and its careful twin; a backward dK/dV kernel, one-block, list
+    or bulk): 168 for 384 threads is what the setmaxnreg split hands out
     (`setmaxnreg_registers`), fewer would make setmaxnreg.inc wait forever."""
     from burstcu.build.compile import setmaxnreg_registers
     from burstcu.build.fwd_variants import careful_twin
 
     ops = kernel_ops(arch="sm_90a").ops
-    hopper = ops.forward_variant("float16", 128)
-    twin = careful_twin(hopper)
-    assert setmaxnreg_registers(hopper.launch.threads) == 168 == setmaxnreg_registers(384)
-    assert ops._registers_problem(hopper) is None   # the emulator has no register file
-    built = {hopper.name: 168, twin.name: 168}
+    forward = [ops.variant(family, "float16", 128) for family in ("forward_sm90", "forward_sm90_list")]
+    backward = [ops.variant(family, "float16", 128) for family in
+                ("bwd_dkdv_sm90", "bwd_dkdv_sm90_list", "bwd_dkdv_bulk_sm90", "bwd_dkdv_nodq_sm90")]
+    assert setmaxnreg_registers(384) == 168
+    assert all(v.launch.threads == 384 for v in forward + backward)
+    assert ops._registers_problem(forward[0]) is None   # the emulator has no register file
     monkeypatch.setattr(ops, "device", "cuda")
-    monkeypatch.setattr(ops, "function", lambda name: _Loaded(built[name]))
-    assert ops._registers_problem(hopper) is None
-    built[twin.name] = 128
-    problem = ops._registers_problem(hopper)
-    assert problem is not None and twin.name in problem and "128 registers" in problem, problem
-    assert "needs 168" in problem and "wait forever" in problem and "NVRTC" in problem
-    built[hopper.name] = 160
-    assert hopper.name in ops._registers_problem(hopper)
+    for hopper in forward + backward:
+        loaded = [hopper] + ([careful_twin(hopper)] if hopper in forward else [])
+        built = {v.name: 168 for v in loaded}
+        monkeypatch.setattr(ops, "function", lambda name: _Loaded(built[name]))
+        assert ops._registers_problem(hopper) is None, hopper.name
+        for v in loaded:
+            built[v.name] = 128
+            problem = ops._registers_problem(hopper)
+            assert problem is not None and v.name in problem and "128 registers" in problem, problem
+            assert "needs 168" in problem and "wait forever" in problem and "NVRTC" in problem
+            built[v.name] = 168
+
+
+def _refusing(monkeypatch, why):
+    """KernelOps whose Hopper kernels `_registers_problem` refuses (`why`: its message, or an
+    exception it raises), with fresh verdicts."""
+    from burstcu.ops.cuda import kernel_ops as kops
+
+    monkeypatch.setattr(kops, "_SM90_FIRST_USE", {})
+    monkeypatch.setattr(kops, "_SM90_REGISTERS_READ", set())
+
+    def problem(self, v):
+        if isinstance(why, Exception):
+            raise why
+        return f"{v.name} {why}"
+    monkeypatch.setattr(kops.KernelOps, "_registers_problem", problem)
 
 
 @pytest.mark.skipif(BACKEND != "emulated", reason="stands in for a GPU's loaded kernels")
-def test_a_hopper_forward_without_its_registers_is_never_launched(monkeypatch):
+@pytest.mark.parametrize("first_use_check", [True, False])
+@pytest.mark.parametrize("why,said", [("was built with 128 registers a thread", "128 registers"),
+                                      (RuntimeError("NVRTC failed on it"), "RuntimeError: NVRTC failed")])
+def test_a_hopper_forward_without_its_registers_is_never_launched(monkeypatch, first_use_check, why,
+                                                                  said):
     """A Hopper forward whose loaded kernels could not run their setmaxnreg split (another
-    NVRTC's build) warns once, is never launched (a launch would hang the GPU: the first-use
-    check cannot catch that), and the mma.sync kernel gives the caller's result; whether or not
-    the first-use check is on."""
-    from burstcu.ops.cuda import kernel_ops as kops
-
+    NVRTC's build), or that does not compile or load, warns once at the caller's line, is never
+    launched (a launch of the first would hang the GPU: the first-use check cannot catch that,
+    and runs after this), and the mma.sync kernel gives the caller's result."""
+    _refusing(monkeypatch, why)
     ops = kernel_ops(arch="sm_90a")
-    monkeypatch.setattr(kops, "_SM90_FIRST_USE", {})
-    monkeypatch.setattr(kops, "_SM90_REGISTERS_READ", set())
-    hopper = ops.forward_variant("float16", 64)
-    assert hopper.family == "forward_sm90"
-    monkeypatch.setattr(kops.KernelOps, "_registers_problem",
-                        lambda self, v: f"{v.name} was built with 128 registers a thread")
+    ops.ops.first_use_check = first_use_check
+    assert ops.forward_variant("float16", 64).family == "forward_sm90"
     counts = _counting(ops)
     q, k, v = make("float16", 1, 100, 140, 2, 1, 64, seed=4)
     with pytest.warns(RuntimeWarning, match="Hopper forward kernel .* failed its first-use check "
-                                            r"on this GPU \(.*128 registers") as seen:
+                                            rf"on this GPU \(.*{said}") as seen:
         check(ops, "float16", q, k, v, full(100, 140))
-    assert all("burstcu/ops" not in w.filename for w in seen), [w.filename for w in seen]
+    assert all(not w.filename.startswith(BURSTCU) for w in seen), [w.filename for w in seen]
     assert not any("sm90" in name for name in counts), counts
     assert ops.forward_variant("float16", 64).family == "forward"
     with warnings.catch_warnings():

@@ -42,7 +42,7 @@ from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
-from ..base import LocalOps, checked_option, dtype_name
+from ..base import LocalOps, caller_stacklevel, checked_option, dtype_name
 from . import backward, decode
 from .params import (I32_MAX, MAX_GRID_YZ, MAX_POSITION, StepGroups, any_masked, block_area,
                      block_column, cdiv, check_rows, fwd_finalize_params, fwd_step_params,
@@ -134,24 +134,24 @@ def _first_use_blocks(listed: bool) -> list[Block]:
             Block(32, 90, 294, 90, 200, 0, False), Block(122, 70, 164, 130, 500, 0, True)]
 
 
-def _refused(key: tuple, hopper: KernelVariant, what: str, why: str, stacklevel: int) -> bool:
-    """False, recorded in _SM90_FIRST_USE under `key`, with a warning that this process runs the
-    mma.sync kernels for `hopper`, at the frame `stacklevel` up from the caller (1: the caller)."""
+def _refused(key: tuple, hopper: KernelVariant, what: str, why: str) -> bool:
+    """False, recorded in _SM90_FIRST_USE under `key`, with a warning at the user's line that
+    this process runs the mma.sync kernels for `hopper`."""
     _SM90_FIRST_USE[key] = False
     warnings.warn(f"burstcu: the Hopper {what} kernel {hopper.name} failed its first-use "
                   f"check on this GPU ({why}); this process runs the mma.sync kernels for "
                   f"it instead (please report it, with `python -m burstcu.selftest "
-                  f"--full`)", RuntimeWarning, stacklevel=stacklevel + 1)
+                  f"--full`)", RuntimeWarning, stacklevel=caller_stacklevel())
     return False
 
 
-def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklevel: int) -> bool:
+def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run) -> bool:
     """Whether the Hopper `what` ("forward", "backward") kernel `hopper` passes its first-use check
     (`KernelOps._sm90_checked`, `_sm90_backward_checked`): `run()` runs it and the mma.sync
     kernels and returns (got, want) pairs of their results; each pair must agree within 8 eps of
     want's magnitude, and run() must not raise. The verdict is False while run() runs and is
     recorded in _SM90_FIRST_USE under `key` (none when run() is interrupted: the next use checks
-    again); a failure warns (at the caller `stacklevel` frames up), except a CUDA error that
+    again); a failure warns (`_refused`), except a CUDA error that
     ends the context (STICKY_CUDA_ERRORS), which raises RuntimeError saying so."""
     _SM90_FIRST_USE[key] = False  # until it has passed
     error, worst = "", 0.0
@@ -174,7 +174,7 @@ def _first_use_check(key: tuple, hopper: KernelVariant, what: str, run, stacklev
         raise
     if error or worst > 1.0:
         why = error or f"differs from the mma.sync kernels by {worst:.3g} x the tolerance"
-        return _refused(key, hopper, what, why, stacklevel)
+        return _refused(key, hopper, what, why)
     _SM90_FIRST_USE[key] = True
     return True
 
@@ -388,8 +388,9 @@ class KernelOps(LocalOps):
         if self.device != "cuda":
             return None
         variants = [hopper]
-        if hopper.family in (SM90_FAMILY, SM90_LIST_FAMILY):
-            variants.append(careful_twin(hopper))
+        twin = careful_twin(hopper) if hopper.family in (SM90_FAMILY, SM90_LIST_FAMILY) else None
+        if twin is not None and twin.name in self._variants:   # a twin out of the table never runs
+            variants.append(twin)
         for variant in variants:
             registers = int(self.function(variant.name).num_regs)
             want = setmaxnreg_registers(variant.launch.threads)
@@ -399,17 +400,20 @@ class KernelOps(LocalOps):
                         f"{'.'.join(map(str, nvrtc_version()))}; the kernels are gated with 13.0)")
         return None
 
-    def _sm90_usable(self, hopper: KernelVariant, what: str, stacklevel: int) -> bool | None:
+    def _sm90_usable(self, hopper: KernelVariant, what: str) -> bool | None:
         """The verdict on `hopper` already reached on this device (False, or True once it passed
-        its first-use check), False now if its registers cannot run it (`_registers_problem`,
-        warned as `_refused` warns), else None: no verdict yet."""
+        its first-use check), False now if its registers cannot run it or it cannot be compiled
+        and loaded (`_registers_problem`; warned, `_refused`), else None: no verdict yet."""
         key = self._first_use_key(hopper)
         if key in _SM90_FIRST_USE:
             return _SM90_FIRST_USE[key]
         if key not in _SM90_REGISTERS_READ:
-            problem = self._registers_problem(hopper)
+            try:
+                problem = self._registers_problem(hopper)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not load is not used
+                problem = f"{type(exc).__name__}: {exc}"
             if problem is not None:
-                return _refused(key, hopper, what, problem, stacklevel)
+                return _refused(key, hopper, what, problem)
             _SM90_REGISTERS_READ.add(key)
         return None
 
@@ -426,7 +430,7 @@ class KernelOps(LocalOps):
         could not run its setmaxnreg split is refused (`_sm90_usable`); a kernel that hangs
         otherwise is not caught here."""
         key = self._first_use_key(hopper)
-        known = self._sm90_usable(hopper, "forward", stacklevel=5)
+        known = self._sm90_usable(hopper, "forward")
         if known is not None or not self.first_use_check:
             return True if known is None else known
         xp, d, n = self.xp, hopper.headdim, 320
@@ -465,7 +469,7 @@ class KernelOps(LocalOps):
             finally:
                 self.sm_count, self.whole_pass = saved
             return pairs
-        return _first_use_check(key, hopper, "forward", run, stacklevel=5)
+        return _first_use_check(key, hopper, "forward", run)
 
     # -- masked pairs and non-finite inputs --------------------------------------------------------
     def nonfinite_flag(self, *tensors):
@@ -680,7 +684,7 @@ class KernelOps(LocalOps):
         key = self._first_use_key(hopper)
         if key in self._sm90_checking:
             return True   # the check's own step
-        known = self._sm90_usable(hopper, "backward", stacklevel=7)
+        known = self._sm90_usable(hopper, "backward")
         if known is not None or not self.first_use_check:
             return True if known is None else known
         xp, d, n = self.xp, hopper.headdim, 320
@@ -711,7 +715,7 @@ class KernelOps(LocalOps):
                 self.sm90_backward, self.deterministic, self.dq_own_pass_headdims = saved
                 self._sm90_checking.discard(key)
             return list(zip(*grads))
-        return _first_use_check(key, hopper, "backward", run, stacklevel=7)
+        return _first_use_check(key, hopper, "backward", run)
 
     def _fold(self, variant: KernelVariant, state: ForwardState, k, v, blocks: Sequence[Block],
               last: bool = False) -> None:
