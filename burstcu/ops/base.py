@@ -111,10 +111,11 @@ def accum_dtype(dtype) -> np.dtype:
 
 def caller_stacklevel() -> int:
     """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
-    warning names the first frame outside the burstcu package (the user's line)."""
+    warning names the first frame outside the burstcu package (the user's line), or the
+    outermost frame where none is (a thread burstcu started)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
 

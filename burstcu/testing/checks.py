@@ -6,7 +6,8 @@ tile path; on "emulated" (the same .cu sources on the CPU emulator, as CI runs t
 so that a GPU run finds no Python mistakes.
 
 1. variants      every kernel variant of every tile table the device fits is compiled and loaded;
-                 registers, local memory (must be 0: no spills) and dynamic shared memory recorded
+                 registers, local memory (0 in the tables sized on the device's arch, listed in
+                 the others: `check_variants`) and dynamic shared memory recorded
 2. kernels       forward and backward against float64 (FlashAttention's rule: at most 2x / 3x the
                  error of a naive same-dtype implementation): fp16/bf16, head dims 32-256 (80 runs
                  the 96 kernel zero-padded), causal and not, GQA, lengths no tile divides, atomic

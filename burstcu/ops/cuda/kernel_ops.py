@@ -36,8 +36,9 @@ from ...build.fwd_variants import (FINALIZE_VEC, LIST_FAMILY, SM90_FAMILY, SM90_
 from ...build import all_variants
 from ...build.bwd_variants import (LIST_SUFFIX, SM90_BULK_HEADDIMS, SM90_DKDV_BULK, SM90_DKDV_FAMILIES,
                                    SM90_DKDV_HEADDIMS, SM90_DQ_ADDS)
-from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, compute_capability,
-                               device_attribute, get_function, nvrtc_version, setmaxnreg_registers)
+from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, BuildTimeoutError,
+                               compute_capability, device_attribute, get_function, nvrtc_version,
+                               setmaxnreg_registers)
 from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
 from ...layout import Block
 from ...build import emulate
@@ -403,14 +404,20 @@ class KernelOps(LocalOps):
     def _sm90_usable(self, hopper: KernelVariant, what: str) -> bool | None:
         """The verdict on `hopper` already reached on this device (False, or True once it passed
         its first-use check), False now if its registers cannot run it or it cannot be compiled
-        and loaded (`_registers_problem`; warned, `_refused`), else None: no verdict yet."""
+        and loaded (`_registers_problem`; warned, `_refused`), else None: no verdict yet. A
+        compile past its deadline (BuildTimeoutError) and a CUDA error that leaves the context
+        unusable (STICKY_CUDA_ERRORS: an earlier launch's, met here) raise, with no verdict."""
         key = self._first_use_key(hopper)
         if key in _SM90_FIRST_USE:
             return _SM90_FIRST_USE[key]
         if key not in _SM90_REGISTERS_READ:
             try:
                 problem = self._registers_problem(hopper)
+            except BuildTimeoutError:
+                raise   # the compile's deadline ends the process (or aborts the group) as anywhere
             except Exception as exc:  # noqa: BLE001 - a kernel that does not load is not used
+                if getattr(exc, "status", None) in STICKY_CUDA_ERRORS:
+                    raise   # an earlier launch's error, met here: no kernel runs after it
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is not None:
                 return _refused(key, hopper, what, problem)
