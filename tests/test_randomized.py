@@ -113,8 +113,9 @@ def masked_problem(seed: int, kernels: bool = False) -> dict:
     mask = pick(MASKS)
     p = {"ranks": ranks, "strategy": strategy, "degree": degree, "h": h, "hkv": hkv, "n": n,
          "d": pick([32, 64] if kernels else [3, 8]), "b": int(rng.integers(1, 3)), "mask": mask,
-         "dtype": pick(["float16", "bfloat16"] if kernels else ["float64", "float32"]), "causal": False, "window": (-1, -1),
-         "docs": None, "rects": None, "layout": "contiguous", "lengths": None, "seed": seed}
+         "dtype": pick(["float16", "bfloat16"] if kernels else ["float64", "float32"]),
+         "causal": False, "window": (-1, -1), "docs": None, "rects": None, "layout": "contiguous",
+         "lengths": None, "seed": seed}
     if mask in ("causal", "window", "documents", "documents and window"):
         p["causal"] = mask == "causal" or bool(rng.integers(2))
     if "window" in mask:
@@ -144,9 +145,10 @@ def masked_problem(seed: int, kernels: bool = False) -> dict:
 
 @pytest.mark.parametrize("chunk", range(8))
 def test_every_strategy_under_random_masks_matches_the_reference(chunk):
-    """40 problems a chunk (`masked_problem`, seeds 40 chunk ...): each rank's out, lse, dq, dk, dv against float64 (long double for float64) over a dense
-    mask spelled out in tests/mpi/bodies.py (`dense_keep`), within FlashAttention's rule; the
-    ranks' rows (found by sharding the positions) cover the sequence once."""
+    """40 problems a chunk (`masked_problem`, seeds 40 chunk ...): each rank's out, lse, dq, dk,
+    dv against float64 (long double for float64) over a dense mask spelled out in
+    tests/mpi/bodies.py (`dense_keep`), as `check_masked_problem` asks; the ranks' rows (found by
+    sharding the positions) cover the sequence once."""
     for seed in range(40 * chunk, 40 * chunk + 40):
         check_masked_problem(masked_problem(seed))
 
@@ -162,7 +164,8 @@ def test_the_kernels_under_random_masks_match_the_reference(arch):
 
 def check_masked_problem(p: dict, **world) -> None:
     """`p` on `run_ranks(p["ranks"], ..., **world)` against the float64 reference (long double
-    for float64): out and lse within FlashAttention's rule, gradients within the MPI tests' (3 x the naive error)."""
+    for float64): out and lse within FlashAttention's rule, gradients within the MPI tests' (3 x
+    the naive error)."""
     from tests.mpi.bodies import dense_keep
 
     rng = np.random.default_rng(p["seed"])

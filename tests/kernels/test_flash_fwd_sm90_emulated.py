@@ -513,7 +513,8 @@ def test_a_sticky_cuda_error_or_a_compile_deadline_at_the_register_read_is_raise
     from burstcu.build.compile import BuildTimeoutError
     from burstcu.ops.cuda import kernel_ops as kops
 
-    exc = _StickyError("an illegal address, met here") if error == "sticky" else BuildTimeoutError("past 600 s")
+    exc = (_StickyError("an illegal address, met here") if error == "sticky" else
+           BuildTimeoutError("past 600 s"))
     _refusing(monkeypatch, exc)
     ops = kernel_ops(arch="sm_90a")
     q, k, v = make("float16", 1, 100, 140, 2, 1, 64, seed=4)
