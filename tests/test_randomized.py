@@ -166,7 +166,7 @@ def check_masked_problem(p: dict, **world) -> None:
     """`p` on `run_ranks(p["ranks"], ..., **world)` against the float64 reference (long double
     for float64): out and lse within FlashAttention's rule, gradients within the MPI tests' (3 x
     the naive error)."""
-    from tests.mpi.bodies import dense_keep
+    from tests.mpi.bodies import block_mask_of, dense_keep
 
     rng = np.random.default_rng(p["seed"])
     dt = np.dtype(as_dtype(p["dtype"]))
@@ -177,9 +177,7 @@ def check_masked_problem(p: dict, **world) -> None:
     if p["rects"] is None:
         kw.update(causal=p["causal"], window_size=p["window"])
     else:
-        rects = p["rects"]
-        kw["block_mask"] = burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects],
-                                             [r[4] for r in rects])
+        kw["block_mask"] = block_mask_of(p["rects"])
     positions = np.arange(n, dtype=np.float64)[None, :, None, None]
 
     def body(group):

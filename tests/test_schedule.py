@@ -1122,10 +1122,10 @@ def test_two_batch_rows_read_and_sum_as_one(strategy):
 def test_backward_sums_with_documents_block_masks_and_uneven_shards(size, strategy):
     """The same over documents (contiguous shards, cut per-document zigzag, held whole), uneven
     contiguous shards, and a block mask."""
-    from tests.mpi.bodies import dense_keep
+    from tests.mpi.bodies import block_mask_of, dense_keep
     n = schedule.SHAPE[1] * size
     rects = [(0, n // 2, 0, n // 2, "causal"), (n // 2, n, 1, 3, "full"), (n - 1, n, 0, 1, "inverse_causal")]
-    block_mask = burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])
+    block_mask = block_mask_of(rects)
     docs = (0, 3, n // 2 + 1, n)
     cases = [("contiguous", dict(causal=True, cu_seqlens=docs), dict(causal=True, docs=docs)),
              ("zigzag", dict(causal=False, block_mask=block_mask), dict(causal=False, rects=rects))]
@@ -1485,6 +1485,7 @@ def test_random_masks_and_shards_schedules_are_race_free(chunk):
     forward and backward (with and without check=True's row sums) proved free of races and
     deadlocks, each rank sending what its strategy's formulas count."""
     from burstcu.layout import partition
+    from tests.mpi.bodies import block_mask_of
     from tests.test_randomized import masked_problem
 
     for seed in range(40 * chunk, 40 * chunk + 40):
@@ -1493,9 +1494,7 @@ def test_random_masks_and_shards_schedules_are_race_free(chunk):
         part = (partition("contiguous", size, n, lengths=tuple(p["lengths"])) if p["lengths"] else
                 partition(p["layout"], size, n, None if p["docs"] is None else tuple(p["docs"])))
         if p["rects"] is not None:
-            rects = p["rects"]
-            mask = dict(causal=False, block_mask=burstcu.BlockMask(
-                [r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects]))
+            mask = dict(causal=False, block_mask=block_mask_of(p["rects"]))
         else:
             mask = dict(causal=p["causal"], window_size=p["window"],
                         cu_seqlens=None if p["docs"] is None else tuple(p["docs"]))

@@ -57,6 +57,11 @@ def _check(name, got, ref, naive, dtype, factor=2.0):
     return err
 
 
+def block_mask_of(rects) -> burstcu.BlockMask:
+    """The `burstcu.BlockMask` of rectangles (qs, qe, ks, ke, kind), as `dense_keep` reads them."""
+    return burstcu.BlockMask([r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])
+
+
 def dense_keep(qpos, kpos, causal: bool, window=(-1, -1), docs=None, rects=None) -> np.ndarray:
     """(len(qpos), len(kpos)) bool: key position k visible to query position q, spelled out:
     (not causal or k <= q) and q - left <= k <= q + right (-1: unbounded) and, with document

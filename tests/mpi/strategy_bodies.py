@@ -18,7 +18,7 @@ import burstcu
 from burstcu.engine import lasp1
 from burstcu.ops.base import as_dtype
 from burstcu.testing.reference import attention_backward_ref, attention_ref, linear_attention_ref
-from tests.mpi.bodies import (EPS, NAIVE, TRUTH, _check, attention_matches_reference,
+from tests.mpi.bodies import (EPS, NAIVE, TRUTH, _check, attention_matches_reference, block_mask_of,
                               bundle_counts, dense_keep, make_inputs, my_rows,
                               on_rank0_then_bcast, ring_sends)
 
@@ -263,8 +263,7 @@ def masked_attention_matches_reference(strategy="burst", dtype="float32", seqlen
         kw = dict(causal=causal, layout=layout, window_size=(left, right), **how,
                   **({} if docs is None else {"cu_seqlens": np.asarray(docs, np.int32)}),
                   **({"uneven": True} if "lengths" in case else {}),
-                  **({} if rects is None else {"block_mask": burstcu.BlockMask(
-                      [r[:2] for r in rects], [r[2:4] for r in rects], [r[4] for r in rects])}))
+                  **({} if rects is None else {"block_mask": block_mask_of(rects)}))
         group.stats.reset()
         out, lse = burstcu.attention(ql, kl, vl, group, return_lse=True, **kw)
         kv_row = (kl.nbytes + vl.nbytes) // kl.shape[1]          # one row of K and V

@@ -404,7 +404,8 @@ class KernelOps(LocalOps):
     def _sm90_usable(self, hopper: KernelVariant, what: str) -> bool | None:
         """The verdict on `hopper` already reached on this device (False, or True once it passed
         its first-use check), False now if its registers cannot run it or it cannot be compiled
-        and loaded (`_registers_problem`; warned, `_refused`), else None: no verdict yet. A
+        and loaded (`_registers_problem`; warned, `_refused`), True with the first-use check off,
+        else None: its first-use check is to run. A
         compile past its deadline (BuildTimeoutError) and a CUDA error that leaves the context
         unusable (STICKY_CUDA_ERRORS: an earlier launch's, met here) raise, with no verdict."""
         key = self._first_use_key(hopper)
@@ -422,7 +423,7 @@ class KernelOps(LocalOps):
             if problem is not None:
                 return _refused(key, hopper, what, problem)
             _SM90_REGISTERS_READ.add(key)
-        return None
+        return None if self.first_use_check else True
 
     def _sm90_checked(self, hopper: KernelVariant, dtype) -> bool:
         """On a GPU, the first use of a Hopper variant on a device runs it against the mma.sync
@@ -438,8 +439,8 @@ class KernelOps(LocalOps):
         otherwise is not caught here."""
         key = self._first_use_key(hopper)
         known = self._sm90_usable(hopper, "forward")
-        if known is not None or not self.first_use_check:
-            return True if known is None else known
+        if known is not None:
+            return known
         xp, d, n = self.xp, hopper.headdim, 320
         rng = np.random.default_rng(0)
 
@@ -692,8 +693,8 @@ class KernelOps(LocalOps):
         if key in self._sm90_checking:
             return True   # the check's own step
         known = self._sm90_usable(hopper, "backward")
-        if known is not None or not self.first_use_check:
-            return True if known is None else known
+        if known is not None:
+            return known
         xp, d, n = self.xp, hopper.headdim, 320
         rng = np.random.default_rng(0)
 
