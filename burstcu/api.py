@@ -9,8 +9,9 @@ key/value heads, D head dim):
   (float64 for float64 input).
 
 `layout` says which global positions a rank's S rows hold (see `burstcu.layout`):
-"contiguous" (rank r: one run of rows after those of ranks 0..r-1; ranks may hold any
-lengths, S_r >= 1), "zigzag" (rank r: chunks r and 2G-1-r of 2G near-equal chunks; with
+"contiguous" (rank r: one run of rows after those of ranks 0..r-1; S_r >= 1 rows, the ranks'
+lengths within one row of each other, or any lengths with uneven=True or a Sharding of
+`lengths`), "zigzag" (rank r: chunks r and 2G-1-r of 2G near-equal chunks; with
 cu_seqlens, pieces r and 2G-1-r of every document, as `shard` cuts them) or "documents" (zigzag
 with the short documents held whole by one rank each). The global length N is the ranks'
 lengths added up; nothing needs to divide by G.
