@@ -1,7 +1,7 @@
 """Command line of the kernel package.
 
     python -m burstcu.build check [--arch sm_80,sm_86,sm_90,sm_90a] [--json FILE] [--md FILE]
-        [--family forward,...]
+        [--family forward,...] [--dtype float16,...]
     python -m burstcu.build warm --device sm_90 [--tables sm_90a,sm_80] [--family forward,...] [--jobs N]
 
 `check` is the compile gate: it compiles every variant of `all_variants(arch)` (forward and
@@ -50,13 +50,13 @@ NO_COMPILER = 3  # the exit status when NVRTC cannot run here (`compiler_problem
 
 
 def run_check(archs: list[str], families: list[str] | None = None, out=None,
-              jobs: int | None = None) -> list[dict]:
-    """Compile every variant of every arch (`jobs` processes at once, default one per CPU this
-    process may run on); print a row per variant in table order to `out` (default: sys.stdout as
-    it is at the call); return the records in order."""
+              jobs: int | None = None, dtypes: list[str] | None = None) -> list[dict]:
+    """Compile every variant of every arch (of `families` and `dtypes` where given; `jobs`
+    processes at once, default one per CPU this process may run on); print a row per variant in
+    table order to `out` (default: sys.stdout as it is at the call); return the records in order."""
     out = out or sys.stdout
     todo = [(variant, arch) for arch in archs for variant in gated_variants(arch)
-            if not families or variant.family in families]
+            if (not families or variant.family in families) and (not dtypes or variant.dtype in dtypes)]
     print(_row({c: HEADERS.get(c, c) for c, _ in COLUMNS}) + "  name", file=out)
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
     records = []
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="compile every kernel variant and check its resources")
     check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")
     check.add_argument("--family", default="", help="only these families (comma-separated)")
+    check.add_argument("--dtype", default="", help="only these dtypes (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
     check.add_argument("--md", dest="md_path", help="write the occupancy table (markdown) to this file")
     warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
@@ -183,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()] or None
+    known = sorted({v.dtype for arch in archs for v in gated_variants(arch)})
+    unknown = [d for d in dtypes or () if d not in known]
+    if unknown:
+        parser.error(f"unknown dtype {unknown}: choose from {', '.join(known)}")
     for option, path in (("--json", args.json_path), ("--md", args.md_path)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"{parser.prog} check: {problem}", file=sys.stderr)
         return 1
-    records = run_check(archs, families)
+    records = run_check(archs, families, dtypes=dtypes)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(records, f, indent=1)

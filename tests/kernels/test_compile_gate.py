@@ -5,11 +5,12 @@ Runs ``python -m burstcu.build check --arch ARCHS --json FILE`` as a subprocess,
 (one process pool, a process a core), and checks the records. Needs cuda-python and the pinned
 NVRTC/runtime/nvdisasm wheels, not a GPU. The `gate` fixture runs it twice, and every test of
 the records runs once a run:
-- the default run (-m "not slow"): sm_80's table and sm_90a's own variants (every variant of the
-  sm_90a table with a target of its own: each Hopper family, new ones included, with its SASS
-  check);
-- the slow run: the sm_86 and sm_90 tables (the same kernels as sm_80's with other tile tables),
-  about two thirds of the compiles.
+- the default run (-m "not slow"): sm_80's float16 and float32 variants and sm_90a's own variants
+  (every variant of the sm_90a table with a target of its own: each Hopper family, new ones
+  included, in both dtypes, with its SASS check);
+- the slow run: sm_80's bfloat16 variants (the float16 kernels' code with the other 16-bit type:
+  their registers differ by one in 2 of 227 variants) and the sm_86 and sm_90 tables (the same
+  kernels as sm_80's with other tile tables), about three quarters of the compiles.
 Each variant compiles in 0.1-1.5 s; one compiled for sm_90a adds an nvdisasm run of about 0.25 s.
 """
 
@@ -34,11 +35,12 @@ from burstcu.build import variants  # noqa: E402
 
 HOPPER = "sm_90a" in variants.ARCHS
 NO_HOPPER = "burstcu.build.variants.ARCHS has no 'sm_90a' yet: no Hopper table to gate"
-# the archs of the default run: sm_80's table, and sm_90a's own variants (the Hopper families)
-# once the tables have it; the slow run gates the other two tables, sm_86's and sm_90's
-DEFAULT_ARCHS = ("sm_80",) + (("sm_90a",) if HOPPER else ())
-SLOW_ARCHS = ("sm_86", "sm_90")
-ARCHS = DEFAULT_ARCHS + SLOW_ARCHS
+# (arch, the dtypes gated or None for all) of the default run: sm_80's float16 and float32
+# variants, and sm_90a's own variants (the Hopper families) once the tables have it; the slow run
+# gates sm_80's bfloat16 variants and the other two tables, sm_86's and sm_90's
+DEFAULT_RUN = (("sm_80", ("float16", "float32")),) + ((("sm_90a", None),) if HOPPER else ())
+SLOW_RUN = (("sm_80", ("bfloat16",)), ("sm_86", None), ("sm_90", None))
+ARCHS = tuple(dict.fromkeys(arch for arch, _ in DEFAULT_RUN + SLOW_RUN))
 SM86_SMEM_PER_BLOCK = 101376  # 99 KB opt-in: RTX 3090/4090/5090, A10, A40, L4, L40S
 FIELDS = ("name", "family", "arch", "dtype", "headdim", "threads", "registers", "spill_stores",
           "spill_loads", "stack_bytes", "static_smem_bytes", "dynamic_smem_bytes", "smem_bytes",
@@ -47,27 +49,43 @@ SASS_FIELDS = ("sass_hgmma", "sass_ldl", "sass_stl")  # in every record compiled
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(DEFAULT_ARCHS, id=",".join(DEFAULT_ARCHS)),
-                                        pytest.param(SLOW_ARCHS, id=",".join(SLOW_ARCHS),
+def _run_id(run) -> str:
+    return ",".join(arch + (f"-{'+'.join(dtypes)}" if dtypes else "") for arch, dtypes in run)
+
+
+def _gated(run, arch: str, variant) -> bool:
+    """Whether `run` gates `variant` of `arch`'s table."""
+    return any(a == arch and (dtypes is None or variant.dtype in dtypes) for a, dtypes in run)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(DEFAULT_RUN, id=_run_id(DEFAULT_RUN)),
+                                        pytest.param(SLOW_RUN, id=_run_id(SLOW_RUN),
                                                      marks=pytest.mark.slow)])
 def gate(request, tmp_path_factory):
-    """(archs, return code, records, stdout) of one run of the gate over `archs`: DEFAULT_ARCHS
-    in the default run, SLOW_ARCHS (marked slow) in the other."""
-    archs = request.param
-    path = tmp_path_factory.mktemp("gate") / "gate.json"
-    proc = subprocess.run([sys.executable, "-m", "burstcu.build", "check", "--arch", ",".join(archs),
-                           "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=900)
-    records = json.loads(path.read_text()) if path.exists() else []
-    return archs, proc.returncode, records, proc.stdout + proc.stderr
+    """(run, archs, largest return code, records, stdout) of one run of the gate, a `check` per
+    (arch, dtypes) of `run`: DEFAULT_RUN in the default run, SLOW_RUN (marked slow) in the other."""
+    run, codes, records, logs = request.param, [], [], []
+    for arch, dtypes in run:
+        path = tmp_path_factory.mktemp("gate") / "gate.json"
+        proc = subprocess.run([sys.executable, "-m", "burstcu.build", "check", "--arch", arch,
+                               *(("--dtype", ",".join(dtypes)) if dtypes else ()), "--json", str(path)],
+                              cwd=REPO, capture_output=True, text=True, timeout=900)
+        codes.append(proc.returncode)
+        records += json.loads(path.read_text()) if path.exists() else []
+        logs.append(proc.stdout + proc.stderr)
+    return run, tuple(dict.fromkeys(a for a, _ in run)), max(codes), records, "\n".join(logs)
 
 
-def test_the_two_runs_of_the_gate_cover_every_arch():
-    """The default and the slow run of the gate take every arch of the tables, each once."""
-    assert len(ARCHS) == len(set(ARCHS)) and set(ARCHS) == set(variants.ARCHS)
+def test_the_two_runs_of_the_gate_cover_every_variant_once():
+    """The default and the slow run of the gate take every variant of every table, each once."""
+    assert set(ARCHS) == set(variants.ARCHS)
+    for arch in ARCHS:
+        for v in all_variants(arch):
+            assert _gated(DEFAULT_RUN, arch, v) + _gated(SLOW_RUN, arch, v) == 1, (arch, v.name)
 
 
 def test_gate_passes(gate):
-    _, rc, records, log = gate
+    _, _, rc, records, log = gate
     assert rc == 0, log[-4000:]
     assert not [r for r in records if r["error"]], log[-4000:]
 
@@ -79,16 +97,17 @@ def test_the_older_command_name_runs_the_same_gate(tmp_path):
     path = tmp_path / "gate.json"
     md = tmp_path / "occupancy.md"
     proc = subprocess.run([sys.executable, "-m", "burstcu.kernels", "check", "--arch", "sm_90a",
-                           "--family", "forward_sm90", "--json", str(path), "--md", str(md)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                           "--family", "forward_sm90", "--dtype", "float16", "--json", str(path),
+                           "--md", str(md)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = json.loads(path.read_text())
-    assert len(records) == 6 and {r["family"] for r in records} == {"forward_sm90"}
+    assert len(records) == 3
+    assert {(r["family"], r["dtype"]) for r in records} == {("forward_sm90", "float16")}
     for r in records:
         assert r["sass_hgmma"] > 0 and r["local_bytes"] == 0 and 0 < r["registers"] <= MAX_REGISTERS, r
         assert r["blocks_per_sm"] >= 1 and 0 < r["occupancy"] <= 1, r
     rows = [line for line in md.read_text().splitlines() if line.startswith("| sm_90a | H100 |")]
-    assert len(rows) == 6 and all(f"`{r['name']}`" in md.read_text() for r in records)
+    assert len(rows) == 3 and all(f"`{r['name']}`" in md.read_text() for r in records)
 
 
 def test_occupancy_by_the_cuda_rules():
@@ -109,11 +128,11 @@ def test_occupancy_by_the_cuda_rules():
 
 
 def test_every_variant_compiled(gate):
-    archs, _, records, _ = gate
+    run, archs, _, records, _ = gate
     # the sm_90a table's variants without a target of their own are the sm_90 table's (compiled
     # for the device's own arch at run time): the sm_90 rows gate them
     expected = {(arch, v.name) for arch in archs for v in all_variants(arch)
-                if arch != "sm_90a" or v.target}
+                if (arch != "sm_90a" or v.target) and _gated(run, arch, v)}
     assert {(r["arch"], r["name"]) for r in records} == expected
     for arch in set(archs) - {"sm_90a"}:
         families = {r["family"] for r in records if r["arch"] == arch}
@@ -123,7 +142,7 @@ def test_every_variant_compiled(gate):
 
 
 def test_records_complete(gate):
-    _, _, records, _ = gate
+    _, _, _, records, _ = gate
     for r in records:
         missing = [f for f in FIELDS if f not in r]
         missing += [f for f in SASS_FIELDS if r["target"] == "sm_90a" and f not in r]
@@ -137,7 +156,7 @@ def test_hopper_families_run_on_wgmma_without_local_memory(gate):
     """Every sm_90a row of a Hopper family (name containing "sm90") has HGMMA in its SASS and no
     local memory: no frame, no LDL/STL (careful twins excepted from the latter, as for spills).
     In the default run: the slow one compiles no sm_90a."""
-    archs, _, records, _ = gate
+    _, archs, _, records, _ = gate
     if "sm_90a" not in archs:
         pytest.skip(f"this run of the gate compiles {', '.join(archs)}: the default run gates sm_90a")
     rows = [r for r in records if r["arch"] == "sm_90a" and "sm90" in r["family"]]
@@ -153,7 +172,7 @@ def test_hopper_families_run_on_wgmma_without_local_memory(gate):
 def test_no_spills_and_budgets(gate):
     """No spills on the finite-data path; the careful twins (run only where Inf/NaN meets a
     masked pair) may spill, but within the same register and smem budgets."""
-    _, _, records, _ = gate
+    _, _, _, records, _ = gate
     for r in records:
         where = f"{r['arch']} {r['name']}"
         if not r["family"].endswith("_careful"):
@@ -172,7 +191,7 @@ def test_sm86_table_fits_99KB(gate):
     assert ARCH_LIMITS["sm_86"]["smem_per_block"] == SM86_SMEM_PER_BLOCK
     for v in all_variants("sm_86"):
         assert v.launch.smem_bytes <= SM86_SMEM_PER_BLOCK, v.name
-    archs, _, records, _ = gate
+    _, archs, _, records, _ = gate
     sm86 = [r for r in records if r["arch"] == "sm_86"]
     assert len(sm86) == (len(all_variants("sm_86")) if "sm_86" in archs else 0)
     for r in sm86:
@@ -180,9 +199,11 @@ def test_sm86_table_fits_99KB(gate):
 
 
 def test_forward_covers_native_headdims(gate):
-    archs, _, records, _ = gate
-    for arch in archs:
-        for dtype in ("float16", "bfloat16"):
+    run, _, _, records, _ = gate
+    for arch, dtypes in run:
+        for dtype in dtypes or ("float16", "bfloat16"):
+            if dtype == "float32":   # no forward step kernel of float32
+                continue
             # sm_90a: its own rows are the Hopper family (64, 128, 256); the sm_90 rows gate the rest
             family = "forward_sm90" if arch == "sm_90a" else "forward"
             want = {64, 128, 256} if arch == "sm_90a" else {32, 64, 96, 128, 256}
