@@ -4,7 +4,7 @@
 //   A kernel file that includes "common.cuh" gets this header automatically whenever neither nvcc nor
 //   NVRTC is compiling (common.cuh then defines BURSTCU_EMU). A file that does not include common.cuh
 //   can include this header first (burstcu/build/emulate.py's generated translation unit does).
-//   Build:   g++ -std=c++17 -O1 -shared -fPIC -fstack-clash-protection -I kernels -DBURSTCU_EMU x.cpp -lrt
+//   Build:   g++ -std=c++17 -O2 -shared -fPIC -fstack-clash-protection -I kernels -DBURSTCU_EMU x.cpp -lrt
 //   Register each instantiation after the kernel's definition, then launch through emu_launch
 //   (emu_launch.h) — emulate.py does both:
 //     BURSTCU_EMU_REGISTER("flash_fwd_step<__half, 64>", (flash_fwd_step<__half, 64>));
