@@ -579,9 +579,9 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
         raise ValueError(conflict)
     if group is not None and not says_ranks(group):
         raise TypeError(f"shard: {not_a_group(group)}")
-    if not (hasattr(x, "ndim") and hasattr(x, "shape")):
-        raise TypeError(f"shard takes an array (NumPy, CuPy, torch, JAX, ...), not a "
-                        f"{type(x).__name__}: pass np.asarray(x)")
+    not_array = _not_an_array("shard", "x", x)
+    if not_array is not None:
+        raise not_array.exception()
     if block_mask is not None:
         err = check_block_mask(block_mask, False, (-1, -1), None, True)
         if err is not None:
@@ -670,6 +670,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     if group is None or group.size == 1:
         if conflict is not None:
             raise ValueError(conflict)
+        not_array = _not_an_array("unshard", "x_local", x_local)
+        if not_array is not None:
+            raise not_array.exception()
         axis = check_axis(axis, x_local.ndim, "x_local")
         conflict = cut_problem(("x_local",), (x_local,), _rows_of_call(layout, cu_seqlens, None),
                                axis=axis)
@@ -689,7 +692,8 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
             free = length = export = docs = dtype = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
                 err = (InputError(ValueError, conflict) if conflict is not None
-                       else axis_problem(axis, x_local.ndim, "x_local"))
+                       else _not_an_array("unshard", "x_local", x_local)
+                       or axis_problem(axis, x_local.ndim, "x_local"))
                 if err is None:
                     axis = int(axis) % x_local.ndim
                     cut = cut_problem(("x_local",), (x_local,),
@@ -737,6 +741,14 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
             if held is not None:
                 raise ValueError(held)
         return returned(export, (_gathered(x_local, group, part, axis),))[0]
+
+
+def _not_an_array(call: str, name: str, x) -> InputError | None:
+    """A TypeError for an `x` that is no array (a list, a Python number), or None."""
+    if hasattr(x, "ndim") and hasattr(x, "shape"):
+        return None
+    return InputError(TypeError, f"{call} takes an array (NumPy, CuPy, torch, JAX, ...) as {name}, "
+                                 f"not a {type(x).__name__}: pass np.asarray({name})")
 
 
 def _held_problem(held: tuple, lengths: tuple | None) -> str | None:

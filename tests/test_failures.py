@@ -1,9 +1,11 @@
-"""Nothing hangs: failures on one rank end the whole job quickly, with a message naming the
-failing or missing rank, under a real `mpiexec -n 3` (each run under a time limit). The programs
-are tests/mpi/faults.py, started as users start them: through launch/rank-guard and
-`python -m mpi4py` (which aborts the world on an uncaught exception). Also: waiting does not
-spin, ranks inside different calls fail together, resident memory stays flat over 1000 calls,
-and 4,500 init/close cycles leak no communicator (MPICH runs out after about 2,000 leaked)."""
+"""Nothing hangs: failures on one rank end the whole job quickly, with a message naming the failing
+or missing rank, under a real `mpiexec -n 3` (each run under a time limit). The programs are
+tests/mpi/faults.py, started as users start them: through launch/rank-guard and `python -m
+mpi4py` (which aborts the world on an uncaught exception). Also: one rank's argument changed at
+random in drawn calls raises on every rank (or, a change of form only, returns the same bits),
+waiting does not spin, ranks inside different calls fail together, resident memory stays flat
+over 1000 calls, and 4,500 init/close cycles leak no communicator (MPICH runs out after about
+2,000 leaked)."""
 
 from __future__ import annotations
 
@@ -161,6 +163,20 @@ def test_bad_arguments_on_one_rank_raise_on_every_rank(world):
         assert f"rank {world - 1}" in results[0]["messages"]["0-d q"]
         assert "rank 0" in results[0]["messages"]["KVCache capacity"] or \
             f"rank {world - 1}" in results[0]["messages"]["KVCache capacity"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_rank_perturbed_calls_agree(world):
+    """30 drawn calls (attention and its backward over every strategy and mask, linear
+    attention, decode, a KVCache, unshard), each remade with every change that applies on one
+    drawn rank (tests/mpi/perturbed_bodies.py): a change of the problem raises on every rank, a
+    change of form returns the same bits, and every rank reaches the same outcome; none waits."""
+    results = run_mpi(world, "perturbed_bodies:one_rank_perturbed_calls", timeout=240,
+                      calls=30, seed=world)
+    assert all(r == results[0] for r in results), results
+    assert results[0]["refused unchanged"] == 0, results[0]   # every drawn call is a valid one
+    assert results[0]["raises"] > 300 and results[0]["same"] > 60, results[0]
 
 
 @pytest.mark.mpi

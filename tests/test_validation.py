@@ -121,7 +121,7 @@ def test_the_global_array_on_every_rank(world):
 
 
 def test_odd_arguments_get_messages_not_internal_errors():
-    """What a user passes by mistake is named: a list to shard, a name of no machine or a
+    """What a user passes by mistake is named: a list to shard or unshard, a name of no machine or a
     causal that is not a bool to plan, a communicator or a string as the group, an array as the
     softmax scale (its message blamed the value); and what is
     valid is taken: a NumPy int softmax scale in decode as in attention, an lse flattened in
@@ -132,6 +132,9 @@ def test_odd_arguments_get_messages_not_internal_errors():
     x = rng.standard_normal((1, 8, 2, 4)).astype(np.float32)
     with pytest.raises(TypeError, match="shard takes an array .* not a list"):
         burstcu.shard(x.tolist(), None)
+    for group in (None, burstcu.init(backend="numpy")):
+        with pytest.raises(TypeError, match=r"unshard takes an array .* as x_local, not a list"):
+            burstcu.unshard(x.tolist(), group)
     with pytest.raises(TypeError, match="group must be a burstcu group"):
         burstcu.shard(x, "world")
     with pytest.raises(ValueError, match="machine must be a Machine or one of"):
