@@ -46,8 +46,9 @@ from .group import Group, local_group
 from .validate import ordered_by
 
 # the calling thread every rank compares for a callback: XLA runs them in program order, on its
-# own threads or inline, so the thread that runs one says nothing of its order
-XLA_ORDERED = "a JAX ordered callback"
+# own threads or inline, so the thread that runs one says nothing of its order; a rank calling
+# eagerly where another jits the call is refused on every rank, this label naming why
+XLA_ORDERED = "burstcu.jax inside jax.jit (every rank must jit the same calls)"
 
 __all__ = ["attention", "linear_attention", "decode"]
 

@@ -48,6 +48,24 @@ def _to_burstcu(t: torch.Tensor):
         return t
 
 
+def _as_tensors(*xs) -> tuple:
+    """xs with each NumPy array as a CPU tensor of its values (`arrays.tensor_of`; another byte
+    order made native, a read-only array copied): autograd saves tensors only, so an array given
+    on one rank would fail there alone once the collective forward had run. An array of a dtype
+    torch cannot hold (burstcu refuses it too) and anything else stay as they are: validation
+    names them on every rank."""
+    out = []
+    for x in xs:
+        if isinstance(x, np.ndarray):
+            try:
+                native = x.astype(x.dtype.newbyteorder("="), copy=False)
+                x = arrays.tensor_of(native if native.flags.writeable else native.copy())
+            except (TypeError, ValueError):
+                pass
+        out.append(x)
+    return tuple(out)
+
+
 def _to_torch(x) -> torch.Tensor:
     """A burstcu result as a tensor: NumPy arrays zero-copy (bfloat16 through int16), tensors
     (CUDA results already handed back over DLPack) as they are."""
@@ -148,14 +166,16 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               strategy: str = "burst", **mask_kwargs) -> torch.Tensor:
     """`burstcu.attention` for tensors, differentiable: out (B, S, H, D), q's dtype and device.
 
-    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
-    cu_seqlens, block_mask, uneven, ulysses_degree (as `burstcu.attention`) and check (verify lse
-    in the backward). Every rank must call it, and later run its backward, collectively.
+    q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard (tensors; a NumPy array is taken as
+    a CPU tensor of its values). mask_kwargs: window_size, cu_seqlens, block_mask, uneven,
+    ulysses_degree (as `burstcu.attention`) and check (verify lse in the backward). Every rank
+    must call it, and later run its backward, collectively.
     Under `torch.autocast` q, k and v are cast to the region's dtype first, as for SDPA.
     """
     fwd, bwd = api.adapter_options(mask_kwargs)
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
-    return _Attention.apply(*_autocast(q, k, v), group, {**common, **fwd}, {**common, **bwd})
+    return _Attention.apply(*_autocast(*_as_tensors(q, k, v)), group, {**common, **fwd},
+                            {**common, **bwd})
 
 
 class _LinearAttention(torch.autograd.Function):
@@ -180,7 +200,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                      layout: str | None = None, strategy: str = "lasp2") -> torch.Tensor:
     """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D). Under
     `torch.autocast` q, k and v are cast to the region's dtype first."""
-    return _LinearAttention.apply(*_autocast(q, k, v), group,
+    return _LinearAttention.apply(*_autocast(*_as_tensors(q, k, v)), group,
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 

@@ -101,6 +101,29 @@ def test_torch_refuses_a_double_backward(torch):
         assert dq.shape == q.shape and not dq.requires_grad
 
 
+def test_torch_takes_numpy_arrays_as_tensors_of_their_values(torch):
+    """A NumPy array among q, k, v (of either byte order, read-only too) is taken as a CPU tensor
+    of its values, beside tensors that need gradients: autograd saves it (an array failed there,
+    after the collective forward, on its rank alone), and out and the gradients are the bits of
+    the call given tensors."""
+    q, k, v, dout = _inputs()
+
+    def grads(q_given, **kw):
+        kt, vt = (torch.from_numpy(x).requires_grad_(True) for x in (k, v))
+        out = getattr(burstcu.torch, kw.pop("fn", "attention"))(q_given, kt, vt, **kw)
+        out.backward(torch.from_numpy(dout))
+        return out, kt.grad, vt.grad
+
+    swapped = q.astype(q.dtype.newbyteorder(">"))
+    swapped.flags.writeable = False
+    for kw in ({"causal": True}, {"fn": "linear_attention"}):
+        want = grads(torch.from_numpy(q), **kw)
+        for given in (q, swapped):
+            got = grads(given, **kw)
+            assert got[0].requires_grad
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), kw
+
+
 def test_torch_autocast_casts_the_inputs_as_sdpa_does(torch):
     """Under torch.autocast (CPU, bfloat16), bfloat16 q beside float32 k, v (a projection's
     output beside tensors no autocast op made; a TypeError on the mixed dtypes before): the

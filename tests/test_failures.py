@@ -180,6 +180,23 @@ def test_one_rank_perturbed_calls_agree(world):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_one_rank_perturbed_adapter_calls_agree(world):
+    """10 drawn calls through burstcu.torch and burstcu.jax (attention and linear attention,
+    their backwards by torch autograd or jax.vjp, eager or under jax.jit; decode), each remade
+    with every change that applies on one drawn rank, the adapters' own among them (a NumPy
+    array for q, torch.autocast, jax.jit on one rank only): a change of the problem raises on
+    every rank, one of form returns the same bits, the ranks' outcomes agree; none waits."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    results = run_mpi(world, "perturbed_bodies:one_rank_perturbed_adapter_calls", timeout=300,
+                      calls=10, seed=world)
+    assert all(r == results[0] for r in results), results
+    assert results[0]["refused unchanged"] == 0, results[0]
+    assert results[0]["raises"] > 100 and results[0]["same"] > 30, results[0]
+
+
+@pytest.mark.mpi
 def test_two_threads_calling_on_one_group_end_the_job():
     output = run_mpi(2, "friction_bodies:two_threads_on_one_group", timeout=120, expect_fail=True)
     assert "was called from another thread while attention forward runs on the same group" in output

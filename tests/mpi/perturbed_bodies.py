@@ -1,16 +1,22 @@
-"""Randomized disagreement under `mpiexec -n N` (any N): the body of
-tests/test_failures.py::test_one_rank_perturbed_calls_agree.
+"""Randomized disagreement under `mpiexec -n N` (any N): the bodies of
+tests/test_failures.py::test_one_rank_perturbed_calls_agree and
+::test_one_rank_perturbed_adapter_calls_agree.
 
 Each drawn call (from one seed on every rank) is one of: `attention` (strategy, layout, causal,
 window, documents, block mask, scale), `attention_backward`, `linear_attention` and its backward
 (lasp2, lasp1), `decode`, a `KVCache` (made, filled from a prefill, appended to, decoded from;
-paged or not) and `unshard`, over shapes and dtypes. Every rank makes the call; then, once for
-each change `changes` lists for it, every rank makes it again with that argument changed on one
-drawn rank. A change that alters the problem (a keyword, a shape, a dtype, the array type, a
-shorter shard) must raise on every rank where the unchanged call returned; a change that does not
-(a strided, read-only or Fortran-ordered array, NumPy scalars and arrays for Python ones) must
-return the same bits; a few (return_lse, check, uneven, a NaN in the input, non-native byte
-order) may go either way. On every rank alike: the outcomes are compared over MPI.COMM_WORLD, not
+paged or not) and `unshard`, over shapes and dtypes; or (`one_rank_perturbed_adapter_calls`)
+one of the calls `burstcu.torch` and `burstcu.jax` take, made through the adapter, a backward by
+the framework's autodiff (torch autograd; `jax.vjp`, eager or under `jax.jit`). Every rank makes
+the call; then, once for each change `changes` lists for it, every rank makes it again with that
+argument changed on one drawn rank. A change that alters the problem (a keyword, a shape, a
+dtype, the array type, a shorter shard) must raise on every rank where the unchanged call
+returned; a change that does not (a strided, read-only or Fortran-ordered array, NumPy scalars
+and arrays for Python ones) must return the same bits; a few (return_lse, check, uneven, a NaN
+in the input, non-native byte order) may go either way. Through an adapter, changes of its own
+join them: a NumPy array for q (the same bits), `torch.autocast` (a cast of the inputs) or
+`jax.jit` on one rank only (refused on every rank: a call from inside jit is compared as one
+from another thread). On every rank alike: the outcomes are compared over MPI.COMM_WORLD, not
 the transport under test, and the group's short timeout turns a rank left waiting into a failure
 of this test.
 
@@ -18,6 +24,8 @@ Run through tests/mpi/runner.py as `perturbed_bodies:<function>`.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -27,12 +35,17 @@ import burstcu
 SOFTMAX = ("burst", "ring", "allgather", "ulysses", "usp")
 MASKABLE = ("burst", "ring", "allgather")   # windows, documents and block masks
 LINEAR = ("lasp2", "lasp1")
+CALLS = ("attention", "attention_backward", "linear_attention", "linear_attention_backward",
+         "decode", "kvcache", "unshard")
+ADAPTED = CALLS[:5]                  # what burstcu.torch and burstcu.jax take
+# what the message of a change refused on every rank must say, by the change's name
+SAYS = {"jit": "jax.jit", "eager": "jax.jit"}
 
 
-def draw_call(rng, size: int) -> dict:
-    """A valid call: {fn, b, n (global rows), h, hkv, d, dtype, packed, kw}, the same on every rank."""
-    fn = str(rng.choice(["attention", "attention_backward", "linear_attention",
-                         "linear_attention_backward", "decode", "kvcache", "unshard"]))
+def draw_call(rng, size: int, adapters: bool = False) -> dict:
+    """A valid call: {fn, b, n (global rows), h, hkv, d, dtype, packed, kw}, the same on every
+    rank; with adapters, one of ADAPTED made through {via: "torch" or "jax"} (jax: {jit}) too."""
+    fn = str(rng.choice(ADAPTED if adapters else CALLS))
     call = {"fn": fn, "b": int(rng.integers(1, 3)), "n": 8 * size * int(rng.integers(1, 3)),
             "hkv": size, "h": size * int(rng.choice([1, 2])), "d": int(rng.choice([8, 16])),
             "dtype": str(rng.choice(["float32", "float64"])), "packed": False, "kw": {}}
@@ -72,6 +85,10 @@ def draw_call(rng, size: int) -> dict:
             kw["softmax_scale"] = 0.5
     else:
         kw["layout"] = str(rng.choice(["contiguous", "zigzag"]))
+    if adapters:
+        call.update(via=str(rng.choice(["torch", "jax"])), jit=bool(rng.integers(2)))
+        if fn == "attention":
+            kw.pop("return_lse", None)       # the adapters' attention returns out alone
     return call
 
 
@@ -155,6 +172,25 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
     if fn == "attention_backward":
         out += [("check", "either", ("kw", "check", True)),
                 ("shorter lse", "raises", ("array", "short_lse", True))]
+    return out if "via" not in call else _adapter_changes(call, out)
+
+
+def _adapter_changes(call: dict, plain: list) -> list:
+    """`plain`'s changes for a call through an adapter, and the adapter's own: no lse or byte order
+    to change (the adapter keeps lse; torch takes native order only), no list for JAX (jax.jit
+    and jax.vjp take a list as a tree of numbers); a NumPy array for q (forward calls), autocast
+    (torch: the forward's inputs cast to bfloat16, not decode's), eager for jit or jit for
+    eager (JAX: refused on every rank, the message naming jax.jit)."""
+    fn, via = call["fn"], call["via"]
+    dropped = ("byte order", "return_lse", "shorter lse") + (("a list",) if via == "jax" else ())
+    out = [change for change in plain if change[0] not in dropped]
+    if not fn.endswith("backward"):
+        out.append(("a NumPy array for q", "same", ("array", "numpy", True)))
+    if via == "torch":
+        cast = call["dtype"] == "float32" and fn != "decode"
+        out.append(("autocast", "raises" if cast else "same", ("array", "autocast", True)))
+    else:
+        out.append(("eager" if call["jit"] else "jit", "raises", ("array", "jit", True)))
     return out
 
 
@@ -215,6 +251,8 @@ def make(group, call: dict, seed: list):
     if fn == "decode":   # q alike on every rank, the cache this rank's own
         q = np.random.default_rng(seed[:2]).standard_normal((b, 1, h, d)).astype(dtype)
         k_cache, v_cache = (draw((b, n, hkv, d)) for _ in range(2))
+        if "via" in call:
+            return _through_adapter(call, group, [_edited(q, edits, 1), k_cache, v_cache], kw)
         return burstcu.decode(_edited(q, edits, 1), k_cache, v_cache, group, **kw)
     if fn == "kvcache":
         q = np.random.default_rng(seed[:2]).standard_normal((b, 1, h, d)).astype(dtype)
@@ -234,6 +272,8 @@ def make(group, call: dict, seed: list):
     q, k, v, dout = (burstcu.shard(x[0] if call["packed"] else x, group, kw.get("layout"),
                                    axis=axis, cu_seqlens=docs) for x in whole)
     first = _edited(q, edits, axis)
+    if "via" in call:
+        return _through_adapter(call, group, [first, k, v, dout], kw)
     if fn == "unshard":
         return burstcu.unshard(first, group, kw["layout"])
     if fn in ("attention", "linear_attention"):
@@ -248,16 +288,74 @@ def make(group, call: dict, seed: list):
     return burstcu.attention_backward(dout, first, k, v, out, lse, group, **kw)
 
 
+def _through_adapter(call: dict, group, arrays: list, kw: dict) -> tuple:
+    """call["fn"] through burstcu.torch or burstcu.jax (call["via"]) on `arrays` (q, k, v and, for
+    a backward, dout; NumPy arrays, or q as an edit left it), each handed over as a tensor or a
+    jax array but q under the "numpy" edit or not an array; a backward by the framework's
+    autodiff (the adapter's forward, then its backward with dout); the results as NumPy arrays."""
+    edits, backward = call.get("arrays", {}), call["fn"].endswith("_backward")
+    fn = call["fn"].removesuffix("_backward")
+    native = [x if not isinstance(x, np.ndarray) or (i == 0 and edits.get("numpy")) else None
+              for i, x in enumerate(arrays[:3])]
+    if call["via"] == "torch":
+        import torch
+        import burstcu.torch as adapter
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            ins = [torch.from_numpy(x) if n is None else n for x, n in zip(arrays, native)]
+        for x in ins:     # grads asked for in the forward calls too: autograd saves the inputs
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and fn != "decode":
+                x.requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(edits.get("autocast"))):
+            got = getattr(adapter, fn)(*ins, group, **kw)
+        if backward:
+            got.backward(torch.from_numpy(_cut(arrays[3], got.shape)).to(got.dtype))
+            got = tuple(x.grad for x in ins)
+        got = got if isinstance(got, tuple) else (got,)
+        return tuple(x.detach().numpy() for x in got)
+    import jax
+    import burstcu.jax as adapter
+    ins = [jax.numpy.asarray(x) if n is None else n for x, n in zip(arrays, native)]
+
+    def run(*xs):
+        if not backward:
+            return getattr(adapter, fn)(*xs, group, **kw)
+        out, pull = jax.vjp(lambda *a: getattr(adapter, fn)(*a, group, **kw), *xs)
+        return pull(jax.numpy.asarray(_cut(arrays[3], out.shape)).astype(out.dtype))
+    got = (jax.jit(run) if call["jit"] != bool(edits.get("jit")) else run)(*ins)
+    return tuple(np.asarray(x) for x in (got if isinstance(got, tuple) else (got,)))
+
+
+def _cut(dout: np.ndarray, shape) -> np.ndarray:
+    """dout's leading block of `shape` (out's, of a shorter shard's rows where q has them: a
+    dout of another shape would fail in the framework on that rank alone, tracing under jit,
+    before the call reached the other ranks)."""
+    return dout[tuple(slice(0, n) for n in shape)]
+
+
 def outcome(group, call: dict, seed: list):
-    """("ok", the result as a tuple of arrays) or ("raised", "Type: message")."""
+    """("ok", the result as a tuple of arrays) or ("raised", "Type: message"): ValueError or
+    TypeError, or JAX's runtime error carrying one from inside jax.jit."""
     try:
         got = make(group, call, seed)
     except (ValueError, TypeError) as exc:
         return "raised", f"{type(exc).__name__}: {exc}"
+    except RuntimeError as exc:
+        if type(exc).__name__ != "JaxRuntimeError":
+            raise
+        return "raised", f"{type(exc).__name__}: {exc}"
     return "ok", got if isinstance(got, tuple) else (got,)
 
 
-def one_rank_perturbed_calls(calls: int = 30, seed: int = 0):
+def one_rank_perturbed_adapter_calls(calls: int = 12, seed: int = 0):
+    """`one_rank_perturbed_calls` through burstcu.torch and burstcu.jax (float64 kept: JAX's x64
+    on)."""
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    return one_rank_perturbed_calls(calls, seed, adapters=True)
+
+
+def one_rank_perturbed_calls(calls: int = 30, seed: int = 0, adapters: bool = False):
     """`calls` drawn calls, each made unchanged, then once per change `changes` lists for it
     with that change on one drawn rank (module docstring); asserts on every rank; returns how
     many changed calls of each expectation ran and how many drawn calls every rank refused."""
@@ -267,7 +365,7 @@ def one_rank_perturbed_calls(calls: int = 30, seed: int = 0):
     ran = {"raises": 0, "same": 0, "either": 0, "refused unchanged": 0}
     for index in range(calls):
         rng = np.random.default_rng([seed, index])
-        call, arrays = draw_call(rng, size), [seed, index, rank]
+        call, arrays = draw_call(rng, size, adapters), [seed, index, rank]
         base = outcome(group, call, arrays)
         assert len(set(comm.allgather(base[0]))) == 1, f"call {index}: {call}: the ranks' outcomes differ"
         if base[0] == "raised":
@@ -283,6 +381,7 @@ def one_rank_perturbed_calls(calls: int = 30, seed: int = 0):
             ran[expect] += 1
             if expect == "raises" and size > 1:
                 assert got[0] == "raised", f"{where}: accepted on every rank"
+                assert SAYS.get(name, "") in got[1], f"{where}: the message does not say {SAYS[name]!r}"
             if expect == "same":
                 assert got[0] == "ok", f"{where}: refused: {got[1]}"
                 assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(base[1], got[1])), \
