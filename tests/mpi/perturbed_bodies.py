@@ -12,7 +12,8 @@ the call; then, once for each change `changes` lists for it, every rank makes it
 argument changed on one drawn rank. A change that alters the problem (a keyword, a shape, a
 dtype, the array type, a shorter shard) must raise on every rank where the unchanged call
 returned; a change that does not (a strided, read-only or Fortran-ordered array, NumPy scalars
-and arrays for Python ones) must return the same bits; a few (return_lse, check, uneven, a NaN
+and arrays for Python ones, documents and layout in a `Sharding` for the same as keywords) must
+return the same bits; a few (return_lse, check, uneven, a NaN
 in the input, non-native byte order) may go either way. Through an adapter, changes of its own
 join them: a NumPy array for q (the same bits), `torch.autocast` (a cast of the inputs) or
 `jax.jit` on one rank only (refused on every rank: a call from inside jit is compared as one
@@ -68,6 +69,8 @@ def draw_call(rng, size: int, adapters: bool = False) -> dict:
             elif rng.random() < 0.25:    # uneven shards: a Sharding's lengths in place of the group
                 del kw["layout"]
                 call["lengths"] = _uneven(call["n"], size, 0)
+            if call["packed"]:           # the documents and layout as keywords or in a Sharding
+                call["sharding"] = bool(rng.integers(2))
         if fn == "attention" and rng.random() < 0.3:
             kw["return_lse"] = True
     elif fn.startswith("linear"):
@@ -131,6 +134,9 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
     if "lengths" in call:
         shifted = _uneven(call["n"], len(call["lengths"]), 1)
         out.append(("shard lengths", "raises", ("set", "lengths", shifted)))
+    if "sharding" in call:
+        form = "documents as keywords" if call["sharding"] else "documents in a Sharding"
+        out.append((form, "same", ("set", "sharding", not call["sharding"])))
     if "causal" in kw:
         out += [("causal", "raises", ("kw", "causal", not kw["causal"])),
                 ("causal as np.bool_", "same", ("kw", "causal", np.bool_(kw["causal"])))]
@@ -272,20 +278,32 @@ def make(group, call: dict, seed: list):
     q, k, v, dout = (burstcu.shard(x[0] if call["packed"] else x, group, kw.get("layout"),
                                    axis=axis, cu_seqlens=docs) for x in whole)
     first = _edited(q, edits, axis)
-    if "via" in call:
-        return _through_adapter(call, group, [first, k, v, dout], kw)
     if fn == "unshard":
         return burstcu.unshard(first, group, kw["layout"])
+    forward = {key: value for key, value in _with_mask(call.get("forward_kw", kw), n).items()
+               if key != "check"}
+    forward_group, forward = _in_a_sharding(group, forward,
+                                            call.get("forward_sharding", call.get("sharding")))
+    group, kw = _in_a_sharding(group, kw, call.get("sharding"))
+    if "via" in call:
+        return _through_adapter(call, group, [first, k, v, dout], kw)
     if fn in ("attention", "linear_attention"):
         return getattr(burstcu, fn)(first, k, v, group, **kw)
     if fn == "linear_attention_backward":
         return burstcu.linear_attention_backward(dout, first, k, v, group, **kw)
-    forward = {key: value for key, value in _with_mask(call.get("forward_kw", kw), n).items()
-               if key != "check"}
-    out, lse = burstcu.attention(q, k, v, group, return_lse=True, **forward)
+    out, lse = burstcu.attention(q, k, v, forward_group, return_lse=True, **forward)
     if edits.get("short_lse"):
         lse = lse[..., :-1]
     return burstcu.attention_backward(dout, first, k, v, out, lse, group, **kw)
+
+
+def _in_a_sharding(group, kw: dict, sharding: bool | None) -> tuple:
+    """(group, kw) with, where `sharding` and kw has documents, kw's cu_seqlens and layout moved
+    into a `burstcu.Sharding` of `group`."""
+    if not sharding or "cu_seqlens" not in kw:
+        return group, kw
+    kw = dict(kw)
+    return burstcu.Sharding(group, kw.pop("layout", "contiguous"), kw.pop("cu_seqlens")), kw
 
 
 def _through_adapter(call: dict, group, arrays: list, kw: dict) -> tuple:
@@ -374,8 +392,8 @@ def one_rank_perturbed_calls(calls: int = 30, seed: int = 0, adapters: bool = Fa
         for name, expect, change in changes(call):
             who = int(rng.integers(size))
             where = f"call {index}: {call['fn']} {call['kw']}, {name} changed on rank {who}"
-            got = outcome(group, {**changed(call, change), "forward_kw": call["kw"]} if rank == who
-                          else call, arrays)
+            base_form = {"forward_kw": call["kw"], "forward_sharding": call.get("sharding")}
+            got = outcome(group, {**changed(call, change), **base_form} if rank == who else call, arrays)
             kinds = comm.allgather(got[0])
             assert len(set(kinds)) == 1, f"{where}: the ranks' outcomes differ: {kinds} ({got[1]!s:.300})"
             ran[expect] += 1
