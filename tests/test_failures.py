@@ -183,10 +183,11 @@ def test_one_rank_perturbed_calls_agree(world):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_one_rank_perturbed_adapter_calls_agree(world):
     """10 drawn calls through burstcu.torch and burstcu.jax (attention and linear attention,
-    their backwards by torch autograd or jax.vjp, eager or under jax.jit; decode), each remade
-    with every change that applies on one drawn rank, the adapters' own among them (a NumPy
-    array for q, torch.autocast, jax.jit on one rank only): a change of the problem raises on
-    every rank, one of form returns the same bits, the ranks' outcomes agree; none waits."""
+    their backwards by torch autograd or jax.vjp, eager or under jax.jit; decode, from a KVCache
+    too), each remade with every change that applies on one drawn rank, the adapters' own among
+    them (a NumPy array for q, torch.autocast, jax.jit on one rank only): a change of the
+    problem raises on every rank, one of form returns the same bits, the ranks' outcomes agree;
+    none waits."""
     pytest.importorskip("torch")
     pytest.importorskip("jax")
     results = run_mpi(world, "perturbed_bodies:one_rank_perturbed_adapter_calls", timeout=300,

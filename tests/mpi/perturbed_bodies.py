@@ -38,7 +38,7 @@ MASKABLE = ("burst", "ring", "allgather")   # windows, documents and block masks
 LINEAR = ("lasp2", "lasp1")
 CALLS = ("attention", "attention_backward", "linear_attention", "linear_attention_backward",
          "decode", "kvcache", "unshard")
-ADAPTED = CALLS[:5]                  # what burstcu.torch and burstcu.jax take
+ADAPTED = CALLS[:6]                  # what burstcu.torch and burstcu.jax take (kvcache: decode)
 # what the message of a change refused on every rank must say, by the change's name
 SAYS = {"jit": "jax.jit", "eager": "jax.jit"}
 
@@ -193,7 +193,7 @@ def _adapter_changes(call: dict, plain: list) -> list:
     if not fn.endswith("backward"):
         out.append(("a NumPy array for q", "same", ("array", "numpy", True)))
     if via == "torch":
-        cast = call["dtype"] == "float32" and fn != "decode"
+        cast = call["dtype"] == "float32" and fn not in ("decode", "kvcache")
         out.append(("autocast", "raises" if cast else "same", ("array", "autocast", True)))
     else:
         out.append(("eager" if call["jit"] else "jit", "raises", ("array", "jit", True)))
@@ -268,6 +268,8 @@ def make(group, call: dict, seed: list):
                                 page_size=call["page_size"] or None)
         cache.from_prefill(draw((b, n, hkv, d)), draw((b, n, hkv, d)))
         cache.append(*new_rows)
+        if "via" in call:
+            return _through_adapter(call, group, [_edited(q, edits, 1), cache], kw)
         return cache.decode(_edited(q, edits, 1), **kw)
     kw = _with_mask(kw, n)
     axis, docs = (0, [0, n // 2, n]) if call["packed"] else (1, None)
@@ -308,11 +310,14 @@ def _in_a_sharding(group, kw: dict, sharding: bool | None) -> tuple:
 
 def _through_adapter(call: dict, group, arrays: list, kw: dict) -> tuple:
     """call["fn"] through burstcu.torch or burstcu.jax (call["via"]) on `arrays` (q, k, v and, for
-    a backward, dout; NumPy arrays, or q as an edit left it), each handed over as a tensor or a
-    jax array but q under the "numpy" edit or not an array; a backward by the framework's
-    autodiff (the adapter's forward, then its backward with dout); the results as NumPy arrays."""
+    a backward, dout; NumPy arrays, or q as an edit left it; for a KVCache, q and the cache,
+    decoded from by the adapter's decode(q, cache)), each handed over as a tensor or a jax
+    array but q under the "numpy" edit or not an array; a backward by the framework's autodiff
+    (the adapter's forward, then its backward with dout); the results as NumPy arrays."""
     edits, backward = call.get("arrays", {}), call["fn"].endswith("_backward")
     fn = call["fn"].removesuffix("_backward")
+    if fn == "kvcache":      # decode(q, cache): the cache brings its group
+        fn, group = "decode", None
     native = [x if not isinstance(x, np.ndarray) or (i == 0 and edits.get("numpy")) else None
               for i, x in enumerate(arrays[:3])]
     if call["via"] == "torch":
@@ -334,11 +339,16 @@ def _through_adapter(call: dict, group, arrays: list, kw: dict) -> tuple:
     import jax
     import burstcu.jax as adapter
     ins = [jax.numpy.asarray(x) if n is None else n for x, n in zip(arrays, native)]
+    cache = ins[1:] if call["fn"] == "kvcache" else []    # no array: closed over, not traced
+    ins = ins[:len(ins) - len(cache)]
+
+    def adapted(*xs):
+        return getattr(adapter, fn)(*xs, *cache, group, **kw)
 
     def run(*xs):
         if not backward:
-            return getattr(adapter, fn)(*xs, group, **kw)
-        out, pull = jax.vjp(lambda *a: getattr(adapter, fn)(*a, group, **kw), *xs)
+            return adapted(*xs)
+        out, pull = jax.vjp(adapted, *xs)
         return pull(jax.numpy.asarray(_cut(arrays[3], out.shape)).astype(out.dtype))
     got = (jax.jit(run) if call["jit"] != bool(edits.get("jit")) else run)(*ins)
     return tuple(np.asarray(x) for x in (got if isinstance(got, tuple) else (got,)))
