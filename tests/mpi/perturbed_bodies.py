@@ -11,9 +11,9 @@ the framework's autodiff (torch autograd; `jax.vjp`, eager or under `jax.jit`). 
 the call; then, once for each change `changes` lists for it, every rank makes it again with that
 argument changed on one drawn rank. A change that alters the problem (a keyword, a shape, a
 dtype, the array type, a shorter shard) must raise on every rank where the unchanged call
-returned; a change that does not (a strided, read-only or Fortran-ordered array, NumPy scalars
-and arrays for Python ones, documents and layout in a `Sharding` for the same as keywords) must
-return the same bits; a few (return_lse, check, uneven, a NaN
+returned; a change that does not (a strided, read-only or Fortran-ordered array, a CPU torch
+tensor, NumPy scalars and arrays for Python ones, documents and layout in a `Sharding` for the
+same as keywords) must return the same bits; a few (return_lse, check, uneven, a NaN
 in the input, non-native byte order) may go either way. Through an adapter, changes of its own
 join them: a NumPy array for q (the same bits), `torch.autocast` (a cast of the inputs) or
 `jax.jit` on one rank only (refused on every rank: a call from inside jit is compared as one
@@ -115,6 +115,7 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
            ("head dim", "raises", ("set", "d", 2 * call["d"])),
            ("heads", "raises", ("set", "h", 2 * call["h"])),
            ("a list", "raises", ("array", "list", True)),
+           ("a torch tensor", "same", ("array", "tensor", True)),
            ("strided", "same", ("array", "strided", True)),
            ("read-only", "same", ("array", "readonly", True)),
            ("Fortran order", "same", ("array", "fortran", True)),
@@ -183,12 +184,13 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
 
 def _adapter_changes(call: dict, plain: list) -> list:
     """`plain`'s changes for a call through an adapter, and the adapter's own: no lse or byte order
-    to change (the adapter keeps lse; torch takes native order only), no list for JAX (jax.jit
-    and jax.vjp take a list as a tree of numbers); a NumPy array for q (forward calls), autocast
-    (torch: the forward's inputs cast to bfloat16, not decode's), eager for jit or jit for
-    eager (JAX: refused on every rank, the message naming jax.jit)."""
+    to change (the adapter keeps lse; torch takes native order only), no list or tensor for JAX
+    (jax.jit and jax.vjp take a list as a tree of numbers, and no tensor); a NumPy array for q
+    (forward calls), autocast (torch: the forward's inputs cast to bfloat16, not decode's),
+    eager for jit or jit for eager (JAX: refused on every rank, the message naming jax.jit)."""
     fn, via = call["fn"], call["via"]
-    dropped = ("byte order", "return_lse", "shorter lse") + (("a list",) if via == "jax" else ())
+    dropped = ("byte order", "return_lse", "shorter lse")
+    dropped += ("a list", "a torch tensor") if via == "jax" else ()
     out = [change for change in plain if change[0] not in dropped]
     if not fn.endswith("backward"):
         out.append(("a NumPy array for q", "same", ("array", "numpy", True)))
@@ -231,6 +233,9 @@ def _edited(x, edits: dict, axis: int):
     if edits.get("nan"):
         x = x.copy()
         x.flat[0] = np.nan
+    if edits.get("tensor"):
+        import torch
+        x = torch.from_numpy(np.ascontiguousarray(x))
     return x.tolist() if edits.get("list") else x
 
 
