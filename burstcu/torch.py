@@ -49,19 +49,21 @@ def _to_burstcu(t: torch.Tensor):
 
 
 def _as_tensors(*xs) -> tuple:
-    """xs with each NumPy array as a CPU tensor of its values (`arrays.tensor_of`; another byte
-    order made native, a read-only array copied): autograd saves tensors only, so an array given
-    on one rank would fail there alone once the collective forward had run. An array of a dtype
-    torch cannot hold (burstcu refuses it too) and anything else stay as they are: validation
-    names them on every rank."""
+    """xs with each array that is no tensor as a tensor: a NumPy array as a CPU tensor copy of its
+    values (`arrays.tensor_of`; another byte order made native), which later writes to the array
+    cannot change; another framework's array (JAX, CuPy) through DLPack, zero-copy. Autograd
+    saves tensors only, so an array given on one rank would fail there alone once the
+    collective forward had run. An array of a dtype torch cannot hold (burstcu refuses it too)
+    and anything else stay as they are: validation names them on every rank."""
     out = []
     for x in xs:
-        if isinstance(x, np.ndarray):
-            try:
-                native = x.astype(x.dtype.newbyteorder("="), copy=False)
-                x = arrays.tensor_of(native if native.flags.writeable else native.copy())
-            except (TypeError, ValueError):
-                pass
+        try:
+            if isinstance(x, np.ndarray):
+                x = arrays.tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
+            elif not isinstance(x, torch.Tensor) and hasattr(x, "__dlpack__"):
+                x = torch.from_dlpack(x)
+        except (TypeError, ValueError, RuntimeError, BufferError):
+            pass
         out.append(x)
     return tuple(out)
 
@@ -167,9 +169,10 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     """`burstcu.attention` for tensors, differentiable: out (B, S, H, D), q's dtype and device.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard (tensors; a NumPy array is taken as
-    a CPU tensor of its values). mask_kwargs: window_size, cu_seqlens, block_mask, uneven,
-    ulysses_degree (as `burstcu.attention`) and check (verify lse in the backward). Every rank
-    must call it, and later run its backward, collectively.
+    a CPU tensor copy of its values, another framework's array through DLPack). mask_kwargs:
+    window_size, cu_seqlens, block_mask, uneven, ulysses_degree (as `burstcu.attention`) and
+    check (verify lse in the backward). Every rank must call it, and later run its backward,
+    collectively.
     Under `torch.autocast` q, k and v are cast to the region's dtype first, as for SDPA.
     """
     fwd, bwd = api.adapter_options(mask_kwargs)

@@ -102,27 +102,43 @@ def test_torch_refuses_a_double_backward(torch):
         assert dq.shape == q.shape and not dq.requires_grad
 
 
+def _torch_out_and_v_grad(torch, fn, q, k, v, dout, q_given=None, k_given=None, scribble=False):
+    """(out, v's gradient) of burstcu.torch's `fn` (causal) on tensors of q, k, v needing gradients,
+    q_given / k_given in place of q's / k's tensor; scribble: q_given zeroed after the forward."""
+    tensors = [torch.from_numpy(x.copy()).requires_grad_(True) for x in (q, k, v)]
+    given = [tensors[0] if q_given is None else q_given, tensors[1] if k_given is None else k_given]
+    out = getattr(burstcu.torch, fn)(*given, tensors[2], causal=True)
+    if scribble:
+        q_given[...] = 0
+    out.backward(torch.from_numpy(dout))
+    return out, tensors[2].grad
+
+
 def test_torch_takes_numpy_arrays_as_tensors_of_their_values(torch):
-    """A NumPy array among q, k, v (of either byte order, read-only too) is taken as a CPU tensor
-    of its values, beside tensors that need gradients: autograd saves it (an array failed there,
-    after the collective forward, on its rank alone), and out and the gradients are the bits of
-    the call given tensors."""
+    """A NumPy array among q, k, v (of either byte order, read-only too) beside tensors that need
+    gradients is taken as a tensor copy of its values: autograd saves it (an array failed there,
+    after the collective forward, on its rank alone), out and the gradients are the bits of the
+    call given tensors, and writing to the array after the forward leaves the backward as it was."""
     q, k, v, dout = _inputs()
-
-    def grads(q_given, **kw):
-        kt, vt = (torch.from_numpy(x).requires_grad_(True) for x in (k, v))
-        out = getattr(burstcu.torch, kw.pop("fn", "attention"))(q_given, kt, vt, **kw)
-        out.backward(torch.from_numpy(dout))
-        return out, kt.grad, vt.grad
-
     swapped = q.astype(q.dtype.newbyteorder(">"))
     swapped.flags.writeable = False
-    for kw in ({"causal": True}, {"fn": "linear_attention"}):
-        want = grads(torch.from_numpy(q), **kw)
-        for given in (q, swapped):
-            got = grads(given, **kw)
-            assert got[0].requires_grad
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), kw
+    for fn in ("attention", "linear_attention"):
+        want = _torch_out_and_v_grad(torch, fn, q, k, v, dout)
+        for kw in ({"q_given": q}, {"q_given": swapped}, {"q_given": q.copy(), "scribble": True},
+                   {"k_given": k}):
+            got = _torch_out_and_v_grad(torch, fn, q, k, v, dout, **kw)
+            assert got[0].requires_grad, (fn, kw)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (fn, kw)
+
+
+def test_torch_takes_jax_arrays_through_dlpack(torch, jax):
+    """A JAX array among q, k, v is taken through DLPack: out and the gradients are the bits of
+    the call given tensors (autograd saved the JAX array as it was given, on its rank alone)."""
+    q, k, v, dout = (x.astype(np.float32) for x in _inputs())
+    for fn in ("attention", "linear_attention"):
+        want = _torch_out_and_v_grad(torch, fn, q, k, v, dout)
+        got = _torch_out_and_v_grad(torch, fn, q, k, v, dout, q_given=jax.numpy.asarray(q))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), fn
 
 
 def test_torch_autocast_casts_the_inputs_as_sdpa_does(torch):

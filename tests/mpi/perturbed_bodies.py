@@ -26,6 +26,7 @@ Run through tests/mpi/runner.py as `perturbed_bodies:<function>`.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import numpy as np
@@ -39,6 +40,7 @@ LINEAR = ("lasp2", "lasp1")
 CALLS = ("attention", "attention_backward", "linear_attention", "linear_attention_backward",
          "decode", "kvcache", "unshard")
 ADAPTED = CALLS[:6]                  # what burstcu.torch and burstcu.jax take (kvcache: decode)
+TORCH = importlib.util.find_spec("torch") is not None   # an optional extra
 # what the message of a change refused on every rank must say, by the change's name
 SAYS = {"jit": "jax.jit", "eager": "jax.jit"}
 
@@ -115,12 +117,13 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
            ("head dim", "raises", ("set", "d", 2 * call["d"])),
            ("heads", "raises", ("set", "h", 2 * call["h"])),
            ("a list", "raises", ("array", "list", True)),
-           ("a torch tensor", "same", ("array", "tensor", True)),
            ("strided", "same", ("array", "strided", True)),
            ("read-only", "same", ("array", "readonly", True)),
            ("Fortran order", "same", ("array", "fortran", True)),
            ("byte order", "either", ("array", "byteswap", True)),
            ("a NaN", "either", ("array", "nan", True))]
+    if TORCH:
+        out.append(("a torch tensor", "same", ("array", "tensor", True)))
     if fn != "unshard":
         out.append(("kv heads", "raises", ("set", "hkv", call["hkv"] + 1)))
     if not call["packed"]:
@@ -184,17 +187,19 @@ def changes(call: dict) -> list[tuple[str, str, object]]:
 
 def _adapter_changes(call: dict, plain: list) -> list:
     """`plain`'s changes for a call through an adapter, and the adapter's own: no lse or byte order
-    to change (the adapter keeps lse; torch takes native order only), no list or tensor for JAX
-    (jax.jit and jax.vjp take a list as a tree of numbers, and no tensor); a NumPy array for q
-    (forward calls), autocast (torch: the forward's inputs cast to bfloat16, not decode's),
-    eager for jit or jit for eager (JAX: refused on every rank, the message naming jax.jit)."""
+    to change (the adapter keeps lse; torch takes native order only), no torch tensor (what
+    the torch adapter is given anyway, what JAX does not take), no list for JAX (jax.jit and
+    jax.vjp take a list as a tree of numbers); for torch a NumPy array for q (forward calls:
+    JAX converts one itself) and autocast (the forward's inputs cast to bfloat16, not
+    decode's), for JAX eager for jit or jit for eager (refused on every rank, the message
+    naming jax.jit)."""
     fn, via = call["fn"], call["via"]
-    dropped = ("byte order", "return_lse", "shorter lse")
-    dropped += ("a list", "a torch tensor") if via == "jax" else ()
+    dropped = ("byte order", "return_lse", "shorter lse", "a torch tensor")
+    dropped += ("a list",) if via == "jax" else ()
     out = [change for change in plain if change[0] not in dropped]
-    if not fn.endswith("backward"):
-        out.append(("a NumPy array for q", "same", ("array", "numpy", True)))
     if via == "torch":
+        if not fn.endswith("backward"):
+            out.append(("a NumPy array for q", "same", ("array", "numpy", True)))
         cast = call["dtype"] == "float32" and fn not in ("decode", "kvcache")
         out.append(("autocast", "raises" if cast else "same", ("array", "autocast", True)))
     else:
