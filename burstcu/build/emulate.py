@@ -7,13 +7,15 @@
 
 How it works: `build_module` writes a small C++ file that includes the emulator, the sources and one
 ``BURSTCU_EMU_REGISTER`` line per name expression (the emulator's equivalent of NVRTC name
-expressions), compiles it with ``g++ -O1 -shared`` (with a precompiled header of the emulator, built once) and
-loads the ``.so`` with ctypes. The ``.so`` is
+expressions), compiles it with ``g++ -O1 -shared`` (with a precompiled header of the emulator, built once),
+links the emulator's runtime object into it (``kernels/emu/emu_entry.h``: the C entry points, the
+scheduler and the sm_90 machinery, built once per option set, so that a module's build makes code
+for its own kernels alone) and loads the ``.so`` with ctypes. The ``.so`` is
 cached on disk under a hash of everything that decides its contents (the sources, every header under
 ``kernels/``, name expressions, options, compiler version), so each module is built once and
 later loads cost nothing; a file lock plus an atomic rename make concurrent builds by many ranks
-safe. On a cold cache the precompiled header comes first: the first build takes ~15 s in all,
-each further kernel a few seconds. The first time a process runs g++ it says so on stderr, and
+safe. On a cold cache the precompiled header and the runtime object come first: the first build
+takes ~15 s in all, each further kernel about a second. The first time a process runs g++ it says so on stderr, and
 then how long that build took (`_FirstCompileNotice`); cache hits print nothing. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.build.compile.cache_dir`),
 under the same rules as the rest of it (the module docstring of `burstcu.build.compile`): a
 folder only this user can change, a ``.so`` loaded only when its sha256 matches its manifest
@@ -58,7 +60,7 @@ from .variants import kernel_dir
 __all__ = ["EmuModule", "EmuFunction", "build_module", "cache_dir", "struct_layout"]
 
 # Bump when the generated file or the flags change in a way the hash would not see.
-_FORMAT_VERSION = "2"
+_FORMAT_VERSION = "3"
 _CXX = os.environ.get("BURSTCU_EMU_CXX", "g++")
 # -O1: builds take about 30% less time than at -O2 (the kernel tests compile a few hundred
 # modules on a fresh machine) and the modules run the tests as fast (measured on 2 cores)
@@ -107,7 +109,8 @@ class _FirstCompileNotice:
     compiling the kernels for the CPU and that it takes a while; when the build that needed it
     is done, how long it took. A process whose builds all come from the cache prints nothing.
 
-    `starting()` runs before each g++ run (the precompiled header's, a module's); `finished()`
+    `starting()` runs before each g++ run (the precompiled header's, the runtime object's, a
+    module's); `finished()`
     after each build, and speaks only on the thread that announced, once.
     """
 
@@ -123,7 +126,7 @@ class _FirstCompileNotice:
                 return
             self._started, self._thread = time.perf_counter(), threading.get_ident()
         _say(f"burstcu: compiling the CUDA kernels for the CPU (the emulator, with {_CXX}): the "
-             f"first compile takes a while (~15 s), each further kernel a few seconds; later "
+             f"first compile takes a while (~15 s), each further kernel about a second; later "
              f"runs load them from {cache_dir()}")
 
     def finished(self, what: str) -> None:
@@ -198,12 +201,7 @@ def _precompiled_header(kdir: Path) -> Path | None:
     per process). A PCH whose digest does not match its manifest is rebuilt, never used."""
     if os.environ.get("BURSTCU_EMU_PCH", "1") == "0":
         return None
-    h = hashlib.sha256()
-    for part in (_FORMAT_VERSION, _compiler_version(), " ".join(_BASE_FLAGS), str(kdir)):
-        h.update(part.encode() + b"\0")
-    for p in sorted((kdir / "emu").glob("*.h")):  # the PCH holds these and nothing else
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    folder = trusted_dir(cache_dir() / f"pch-{h.hexdigest()[:24]}")
+    folder = trusted_dir(cache_dir() / f"pch-{_emulator_digest(kdir)[:24]}")
     try:
         verified_entry(folder, "emu_pch", _PCH_FILES, lambda: _build_pch(kdir, folder))
     except subprocess.CalledProcessError as exc:
@@ -212,6 +210,33 @@ def _precompiled_header(kdir: Path) -> Path | None:
         return None
     _remove_stale_pch(keep=folder)
     return folder / _PCH_FILES[0]
+
+
+def _emulator_digest(kdir: Path, flags: Sequence[str] = ()) -> str:
+    """sha256 (hex) of what the emulator's own code depends on: the headers under kernels/emu/
+    (the precompiled header and the runtime object hold these and nothing else), the compiler,
+    the base flags and `flags`."""
+    h = hashlib.sha256()
+    for part in (_FORMAT_VERSION, _compiler_version(), " ".join(_BASE_FLAGS), " ".join(flags), str(kdir)):
+        h.update(part.encode() + b"\0")
+    for p in sorted((kdir / "emu").glob("*.h")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _runtime_object(kdir: Path, flags: Sequence[str], pch: Path | None) -> Path:
+    """The emulator's runtime object for modules built with `flags`: kernels/emu/emu_entry.h (the
+    C entry points and the sm_90 hooks, and through them the scheduler, the fault handling and
+    the sm_90 machinery) compiled once, with the modules' own options so that both sides of the
+    link see the same headers, and linked into each module. A module's translation unit then
+    makes code only for what its kernels call: its build takes about a quarter of the time of one
+    that compiles the runtime as well. Cached in `cache_dir()` under the rules of the modules."""
+    folder, key = cache_dir(), f"runtime-{_emulator_digest(kdir, flags)[:32]}"
+    target = folder / f"{key}.o"
+    verified_entry(folder, key, [target.name],
+                   lambda: _gxx(['#include "emu/emu_entry.h"'], [f for f in _BASE_FLAGS if f != "-shared"]
+                                + [f"-I{kdir}", *flags, "-c"], [], target, pch))
+    return target
 
 
 def _build_pch(kdir: Path, folder: Path) -> None:
@@ -251,16 +276,18 @@ def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _compile(text: str, flags: Sequence[str], kdir: Path, target: Path, pch: Path | None) -> None:
-    """Build `text` into the shared library `target` (atomically), with the precompiled header
-    `pch` when there is one; g++'s message on failure (RuntimeError)."""
+def _gxx(lines: Sequence[str], flags: Sequence[str], inputs: Sequence[Path], target: Path,
+         pch: Path | None) -> None:
+    """Compile the C++ source `lines` with `flags`, then `inputs` (objects to link), into `target`
+    (atomically), with the precompiled header `pch` when there is one; g++'s message on failure
+    (RuntimeError)."""
     _FIRST_COMPILE.starting()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        cpp = Path(tmp) / "module.cpp"
-        cpp.write_text(text)
-        out = Path(tmp) / "module.so"
+        cpp = Path(tmp) / "unit.cpp"
+        cpp.write_text("\n".join(lines) + "\n")
+        out = Path(tmp) / target.name
         # -lrt: timer_create (the watchdog) lives there before glibc 2.34
-        cmd = [_CXX, *_BASE_FLAGS, f"-I{kdir}", *flags, str(cpp), "-o", str(out), "-lrt"]
+        cmd = [_CXX, *flags, str(cpp), *map(str, inputs), "-o", str(out)] + (["-lrt"] if inputs else [])
         proc = None
         if pch:  # a PCH removed under our feet (cache cleanup) costs a retry without it, not an error
             proc = run_bounded(cmd[:1] + ["-Winvalid-pch", "-include", str(pch)] + cmd[1:])
@@ -299,9 +326,15 @@ def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path,
     key = _cache_key(paths, text, flags, kdir)
     folder = cache_dir()
     target = folder / f"{key}.so"
-    pch: list = []   # made before the entry's lock is taken: the PCH has a lock of its own
-    verified_entry(folder, key, [target.name], lambda: _compile(text, flags, kdir, target, pch[0]),
-                   before_lock=lambda: pch.append(_precompiled_header(kdir)))
+    made: list = []   # before the entry's lock is taken: the PCH and the runtime have locks of their own
+
+    def pch_and_runtime():
+        pch = _precompiled_header(kdir)
+        made.extend([pch, _runtime_object(kdir, flags, pch)])
+
+    verified_entry(folder, key, [target.name],
+                   lambda: _gxx([text], [*_BASE_FLAGS, f"-I{kdir}", *flags], [made[1]], target, made[0]),
+                   before_lock=pch_and_runtime)
     _FIRST_COMPILE.finished(what)
     return key, target
 

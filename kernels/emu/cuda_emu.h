@@ -4,9 +4,10 @@
 //   A kernel file that includes "common.cuh" gets this header automatically whenever neither nvcc nor
 //   NVRTC is compiling (common.cuh then defines BURSTCU_EMU). A file that does not include common.cuh
 //   can include this header first (burstcu/build/emulate.py's generated translation unit does).
-//   Build:   g++ -std=c++17 -O2 -shared -fPIC -fstack-clash-protection -I kernels -DBURSTCU_EMU x.cpp -lrt
+//   Build:   g++ -std=c++17 -O2 -shared -fPIC -fstack-clash-protection -I kernels -DBURSTCU_EMU x.cpp
+//            entry.cpp -lrt     (entry.cpp: #include "emu/emu_entry.h", the C entry points)
 //   Register each instantiation after the kernel's definition, then launch through emu_launch
-//   (emu_launch.h) — emulate.py does both:
+//   (emu_entry.h) — emulate.py does both:
 //     BURSTCU_EMU_REGISTER("flash_fwd_step<__half, 64>", (flash_fwd_step<__half, 64>));
 //
 // What it provides: the CUDA keywords (__global__, __device__, __shared__, __launch_bounds__,
@@ -14,9 +15,9 @@
 // types, __half/__nv_bfloat16 and their conversions, the math functions kernels use,
 // __syncthreads/__syncwarp, shuffles, votes, atomics, __trap. The machinery is in emu_fiber.h
 // (fibers), emu_runtime.h (scheduler, barriers, warp rendezvous, cp.async), emu_collectives.h
-// (what shuffles/ldmatrix/mma compute), emu_launch.h (registry, fault handling, emu_launch),
-// emu_hopper.h (sm_90: mbarriers, bulk tensor copies, named barriers, the warpgroup side of wgmma)
-// and emu_wgmma.h (what wgmma computes).
+// (what shuffles/ldmatrix/mma compute), emu_launch.h (registry, fault handling, launch),
+// emu_hopper.h (sm_90: mbarriers, bulk tensor copies, named barriers, the warpgroup side of wgmma),
+// emu_wgmma.h (what wgmma computes) and emu_entry.h (the C entry points, and the sm_90 hooks).
 //
 // Constraints kernels must respect (all hold for code that is correct CUDA):
 //   * `__shared__` is `static`, which is right only because blocks run one at a time: a kernel must

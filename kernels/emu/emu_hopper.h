@@ -1251,7 +1251,7 @@ inline void wgmma_issue(float* d, int n, Elem e, const u32* a, u64 desc_a, u64 d
 }
 
 // ---------------------------------------------------------------------------------------------
-// Scheduler hooks (g_hopper, emu_runtime.h; installed below when the library loads)
+// Scheduler hooks (g_hopper, emu_runtime.h; installed when the library loads: emu_entry.h)
 
 inline void hopper_block_begin() {
   const Run& r = *g_run;
@@ -1377,16 +1377,6 @@ inline std::string hopper_describe() {
   return s;
 }
 
-inline const bool g_hopper_installed = [] {
-  g_hopper.block_begin = &hopper_block_begin;
-  g_hopper.block_end = &hopper_block_end;
-  g_hopper.thread_exit = &hopper_thread_exit;
-  g_hopper.random_point = &hopper_random_point;
-  g_hopper.barrier_release = &hopper_barrier_release;
-  g_hopper.describe = &hopper_describe;
-  g_hopper.collective = &compute_hopper_collective;
-  return true;
-}();
 
 }  // namespace emu
 

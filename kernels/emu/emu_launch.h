@@ -1,5 +1,5 @@
-// emu_launch.h — kernel registry, the per-block scheduler loop, fault handling and the C entry
-// points that burstcu/build/emulate.py calls through ctypes.
+// emu_launch.h — kernel registry, the per-block scheduler loop, fault handling and `launch`, which
+// the C entry points that burstcu/build/emulate.py calls through ctypes (emu_entry.h) run:
 //
 //   BURSTCU_EMU_REGISTER("name<args>", (name<args>));   // at namespace scope, after the kernel
 //   int emu_launch(name, gx, gy, gz, bx, by, bz, dynamic_smem, args, arg_sizes, arg_kinds, nargs,
@@ -471,45 +471,6 @@ inline std::mutex& launch_mutex() {
 #define BURSTCU_EMU_CAT(a, b) BURSTCU_EMU_CAT2(a, b)
 #define BURSTCU_EMU_REGISTER(NAME, FN) \
   static ::emu::Registrar BURSTCU_EMU_CAT(burstcu_emu_registrar_, __COUNTER__)(NAME, FN)
-
-// ---------------------------------------------------------------------------------------------
-// C entry points (weak: several translation units of one .so may include this header)
-
-extern "C" __attribute__((weak, visibility("default"))) int emu_launch(
-    const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-    size_t dynamic_smem, void** args, const size_t* arg_sizes, const char* arg_kinds, int nargs,
-    unsigned long long seed, int flags, char* err, size_t errlen) {
-  std::lock_guard<std::mutex> lock(emu::launch_mutex());
-  const unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};
-  std::string msg;
-  const int rc = emu::launch(name, g, b, dynamic_smem, args, arg_sizes, arg_kinds, nargs, seed, flags, &msg);
-  if (rc && err && errlen) snprintf(err, errlen, "%s", msg.c_str());
-  return rc;
-}
-
-// Registered kernel names, one per line; returns the length needed.
-extern "C" __attribute__((weak, visibility("default"))) size_t emu_kernel_names(char* buf, size_t len) {
-  std::string all;
-  for (const emu::Kernel& k : emu::registry()) all += k.name + "\n";
-  if (buf && len) snprintf(buf, len, "%s", all.c_str());
-  return all.size() + 1;
-}
-
-// Gives back this module's fibers and dynamic shared memory (release_pool); the next launch maps
-// them again.
-extern "C" __attribute__((weak, visibility("default"))) void emu_release() {
-  std::lock_guard<std::mutex> lock(emu::launch_mutex());
-  emu::release_pool();
-}
-
-extern "C" __attribute__((weak, visibility("default"))) unsigned long long emu_switch_count() {
-  return emu::g_switches;
-}
-
-// out[3]: atomicAdd calls, red.global.add.v2.f32 and bulk tensor reductions since load (tests).
-extern "C" __attribute__((weak, visibility("default"))) void emu_global_adds(unsigned long long* out) {
-  for (int i = 0; i < 3; ++i) out[i] = emu::g_global_adds[i];
-}
 
 // The sm_90 machinery: fills in the g_hopper hooks that the scheduler above calls.
 #include "emu_hopper.h"

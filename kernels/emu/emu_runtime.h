@@ -181,8 +181,9 @@ struct Run {  // the state of one launch
   size_t dyn_size = 0;
 };
 
-// Hooks into the sm_90 machinery: emu_hopper.h (which emu_launch.h includes) fills them in when the
-// library loads. A translation unit without it (e.g. a shim around one header's math) gets no-ops.
+// Hooks into the sm_90 machinery (emu_hopper.h, which emu_launch.h includes): emu_entry.h fills them
+// in when the library loads. A library without emu_entry.h (e.g. a shim around one header's math)
+// gets no-ops.
 struct HopperHooks {
   void (*block_begin)() = nullptr;                 // per-block reset
   std::string (*block_end)() = nullptr;            // checks once every thread has exited ("" = fine)

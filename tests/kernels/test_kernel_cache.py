@@ -4,9 +4,9 @@ Where (`burstcu.build.compile.cache_dir`): $BURSTCU_CACHE_DIR, else a node-local
 user's under $TMPDIR that only this user may enter (the emulator's under it in ``emu/``).
 Trust (`trusted_dir`): a cache folder, or a folder burstcu uses under it (``emu/``,
 ``emu/pch-*``), that another user owns, that group or others may write, or that is a symbolic
-link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json`` or
-``.gch`` whose sha256 does not match its manifest (or has none) is rebuilt with a warning, never
-loaded. Deadlines (`build_timeout`): a build lock held elsewhere, a g++ that hangs and an NVRTC
+link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json``, ``.gch``
+or runtime ``.o`` (the emulator's runtime object, linked into every module) whose sha256 does
+not match its manifest (or has none) is rebuilt with a warning, never used. Deadlines (`build_timeout`): a build lock held elsewhere, a g++ that hangs and an NVRTC
 compile that hangs all end in BuildTimeoutError after $BURSTCU_BUILD_TIMEOUT seconds.
 
 Every test has its own cache folder. Emulator builds use a two-kernel source written here (about
@@ -24,6 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from filelock import FileLock
 
@@ -182,6 +183,38 @@ def test_planted_so_is_not_loaded(cache, tiny):
     assert compile.manifest_problem(target.parent, target.stem, [target.name]) is None
 
 
+def runtime_objects(cache: Path) -> list[Path]:
+    return sorted((cache / "emu").glob("runtime-*.o"))
+
+
+def test_modules_link_one_runtime_object_per_option_set(cache, tiny):
+    """The emulator's runtime (kernels/emu/emu_entry.h) is compiled once and linked into every
+    module built with the same options; other options get a runtime object of their own. Each
+    module answers through its own entry points and runs its kernel."""
+    a, b = (emulate.build_module([tiny], [name]) for name in ("tiny_a", "tiny_b"))
+    (shared,) = runtime_objects(cache)
+    c = emulate.build_module([tiny], ["tiny_a"], options=("-DTINY_OPTION=1",))
+    assert len(runtime_objects(cache)) == 2 and shared in runtime_objects(cache)
+    assert len({a.path, b.path, c.path}) == 3
+    for mod, name, value in ((a, "tiny_a", 1), (b, "tiny_b", 2), (c, "tiny_a", 1)):
+        assert mod.kernel_names() == [name]
+        out = np.zeros(32, np.int32)
+        mod.get_function(name)((1,), (32,), (out,))
+        assert (out == value).all(), (name, out)
+
+
+def test_damaged_runtime_object_is_rebuilt(cache, tiny):
+    emulate.build_module([tiny], ["tiny_a"])
+    (runtime,) = runtime_objects(cache)
+    whole = runtime.read_bytes()
+    replace_bytes(runtime, whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=f"{re.escape(runtime.name)} does not match its sha256.*rebuilt"):
+        mod = emulate.build_module([tiny], ["tiny_b"])
+    assert mod.kernel_names() == ["tiny_b"]
+    assert runtime.read_bytes() == whole
+    assert compile.manifest_problem(runtime.parent, runtime.stem, [runtime.name]) is None
+
+
 def test_truncated_so_is_rebuilt(cache, tiny):
     target = emulate.build_module([tiny], ["tiny_a"]).path
     whole = target.read_bytes()
@@ -296,6 +329,8 @@ def nvrtc_entry(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("builder", ["emulator", "nvrtc"])
 def test_lock_held_elsewhere_times_out(cache, tiny, tmp_path, monkeypatch, held_lock, builder):
+    if builder == "emulator":   # the runtime object that modules link comes before a module's lock
+        emulate.build_module([tiny], ["tiny_b"])
     monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1")
     if builder == "nvrtc":
         needs_nvrtc()
@@ -314,8 +349,11 @@ def test_lock_held_elsewhere_times_out(cache, tiny, tmp_path, monkeypatch, held_
     assert isinstance(err.value, compile.BuildTimeoutError)
 
 
-@pytest.mark.parametrize("stage", ["version", "pch", "module"])
+@pytest.mark.parametrize("stage", ["version", "pch", "runtime", "module"])
 def test_hanging_compiler_times_out(cache, tiny, tmp_path, monkeypatch, stage):
+    if stage == "module":   # the runtime object comes from the real compiler: only the module hangs
+        runtime = emulate._runtime_object(emulate.kernel_dir().resolve(), [], None)
+        monkeypatch.setattr(emulate, "_runtime_object", lambda kdir, flags, pch: runtime)
     cxx = tmp_path / "hanging-c++"
     cxx.write_text(HANGING_CXX)
     cxx.chmod(0o755)
