@@ -28,13 +28,14 @@ nodes (on a file system whose locks work) or to keep the CUBINs across reboots. 
 builds live in its ``emu/`` subfolder. Delete it freely.
 
 Trust (`trusted_dir`): code from this folder runs in the process (the emulator's ``.so`` through
-ctypes, CUBINs on the GPU, the precompiled header inside g++), so whoever can write the folder can
-run code as you. The cache folder and every folder burstcu uses below it (``emu/``,
-``emu/pch-*``) must therefore be a real folder, not a symbolic link (links are not followed, even
-to a good folder: point $BURSTCU_CACHE_DIR at the folder itself), owned by the current user and
-not writable by group or others. burstcu creates them with mode 0700 and refuses any other with a
-RuntimeError that says how to fix it. The folders above the cache folder are not checked: keep it
-where no one else can rename it away (a folder of your own, or a sticky-bit /tmp as by default).
+ctypes and the runtime objects linked into them, CUBINs on the GPU, the precompiled header inside
+g++), so whoever can write the folder can run code as you. The cache folder and every folder burstcu
+uses below it (``emu/``, ``emu/pch-*``) must therefore be a real folder, not a symbolic link (links
+are not followed, even to a good folder: point $BURSTCU_CACHE_DIR at the folder itself), owned by
+the current user and not writable by group or others. burstcu creates them with mode 0700 and
+refuses any other with a RuntimeError that says how to fix it. The folders above the cache folder
+are not checked: keep it where no one else can rename it away (a folder of your own, or a sticky-bit
+/tmp as by default).
 
 Entries: each is a few files plus ``<key>.manifest``, a JSON object
 ``{"format": 1, "sha256": {file name: sha256 hex digest of its content}}``, written (temp file +
@@ -44,6 +45,7 @@ cache from before manifests), a truncated or foreign file is rebuilt with a warn
 
 * NVRTC: ``<key>.cubin`` and ``<key>.json`` (lowered names, arch, source, log);
 * emulator (`burstcu.build.emulate`): ``emu/<key>.so``;
+* its runtime object, linked into every module of one option set: ``emu/runtime-<digest>.o``;
 * its precompiled header: ``emu/pch-<digest>/`` holding ``emu_pch.h`` and ``emu_pch.h.gch``.
 
 Deadlines (`build_timeout`): $BURSTCU_BUILD_TIMEOUT seconds (default 600) bound every wait of a

@@ -7,19 +7,20 @@
 
 How it works: `build_module` writes a small C++ file that includes the emulator, the sources and one
 ``BURSTCU_EMU_REGISTER`` line per name expression (the emulator's equivalent of NVRTC name
-expressions), compiles it with ``g++ -O1 -shared`` (with a precompiled header of the emulator, built once),
-links the emulator's runtime object into it (``kernels/emu/emu_entry.h``: the C entry points, the
-scheduler and the sm_90 machinery, built once per option set, so that a module's build makes code
-for its own kernels alone) and loads the ``.so`` with ctypes. The ``.so`` is
-cached on disk under a hash of everything that decides its contents (the sources, every header under
-``kernels/``, name expressions, options, compiler version), so each module is built once and
-later loads cost nothing; a file lock plus an atomic rename make concurrent builds by many ranks
-safe. On a cold cache the precompiled header and the runtime object come first: the first build
-takes ~15 s in all, each further kernel about a second. The first time a process runs g++ it says so on stderr, and
-then how long that build took (`_FirstCompileNotice`); cache hits print nothing. Cache folder: the ``emu/`` subfolder of the kernel cache (`burstcu.build.compile.cache_dir`),
-under the same rules as the rest of it (the module docstring of `burstcu.build.compile`): a
-folder only this user can change, a ``.so`` loaded only when its sha256 matches its manifest
-(else rebuilt, with a warning), and every g++ run and lock wait bounded by $BURSTCU_BUILD_TIMEOUT.
+expressions), compiles it with ``g++ -O1 -shared`` (with a precompiled header of the emulator, built
+once), links the emulator's runtime object into it (``kernels/emu/emu_entry.h``: the C entry points,
+the scheduler and the sm_90 machinery, built once per option set, so that a module's build makes
+code for its own kernels alone) and loads the ``.so`` with ctypes. The ``.so`` is cached on disk
+under a hash of everything that decides its contents (the sources, every header under ``kernels/``,
+name expressions, options, compiler version), so each module is built once and later loads cost
+nothing; a file lock plus an atomic rename make concurrent builds by many ranks safe. On a cold
+cache the precompiled header and the runtime object come first: the first build takes ~15 s in all,
+each further kernel about a second. The first time a process runs g++ it says so on stderr, and then
+how long that build took (`_FirstCompileNotice`); cache hits print nothing. Cache folder: the
+``emu/`` subfolder of the kernel cache (`burstcu.build.compile.cache_dir`), under the same rules as
+the rest of it (the module docstring of `burstcu.build.compile`): a folder only this user can
+change, a ``.so`` loaded only when its sha256 matches its manifest (else rebuilt, with a warning),
+and every g++ run and lock wait bounded by $BURSTCU_BUILD_TIMEOUT.
 
 Arguments: numpy arrays are passed as their data pointer (contiguity is the kernel's business:
 strides are passed explicitly), ``None`` as a null pointer, numpy scalars by value, and a
@@ -99,8 +100,8 @@ _PCH_FILES = ("emu_pch.h", "emu_pch.h.gch")
 
 
 def cache_dir() -> Path:
-    """Where built ``.so`` files live: ``emu/`` under the kernel cache (`compile.cache_dir`),
-    trusted like it (`compile.trusted_dir`)."""
+    """Where built modules (``.so``), runtime objects and precompiled headers live: ``emu/`` under the
+    kernel cache (`compile.cache_dir`), trusted like it (`compile.trusted_dir`)."""
     return trusted_dir(kernel_cache_dir() / "emu")
 
 
@@ -196,7 +197,7 @@ def _cache_key(sources: Sequence[Path], text: str, flags: Sequence[str], kdir: P
 
 def _precompiled_header(kdir: Path) -> Path | None:
     """A GCC precompiled header of emu/cuda_emu.h, built once per emulator version: it takes
-    parsing the standard library and the emulator (about 60% of a module build) off every build.
+    parsing the standard library and the emulator off every build (a quarter of a module's build).
     Returns the stub to force-include, or None (no PCH: slower, same result, and a warning once
     per process). A PCH whose digest does not match its manifest is rebuilt, never used."""
     if os.environ.get("BURSTCU_EMU_PCH", "1") == "0":
@@ -208,14 +209,14 @@ def _precompiled_header(kdir: Path) -> Path | None:
         _warn_pch_once(f"g++ could not build the precompiled header in {folder} "
                        f"({exc.stderr.strip()[-2000:]})")
         return None
-    _remove_stale_pch(keep=folder)
     return folder / _PCH_FILES[0]
 
 
 def _emulator_digest(kdir: Path, flags: Sequence[str] = ()) -> str:
     """sha256 (hex) of what the emulator's own code depends on: the headers under kernels/emu/
-    (the precompiled header and the runtime object hold these and nothing else), the compiler,
-    the base flags and `flags`."""
+    (the precompiled header and the runtime object hold these and nothing else: they include no
+    other local header, which tests/kernels/test_kernel_cache.py checks), the compiler, the base
+    flags and `flags`."""
     h = hashlib.sha256()
     for part in (_FORMAT_VERSION, _compiler_version(), " ".join(_BASE_FLAGS), " ".join(flags), str(kdir)):
         h.update(part.encode() + b"\0")
@@ -236,6 +237,8 @@ def _runtime_object(kdir: Path, flags: Sequence[str], pch: Path | None) -> Path:
     verified_entry(folder, key, [target.name],
                    lambda: _gxx(['#include "emu/emu_entry.h"'], [f for f in _BASE_FLAGS if f != "-shared"]
                                 + [f"-I{kdir}", *flags, "-c"], [], target, pch))
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(target)   # used now: not stale (`_remove_stale`)
     return target
 
 
@@ -261,19 +264,27 @@ def _build_pch(kdir: Path, folder: Path) -> None:
 
 def _warn_pch_once(reason: str) -> None:
     """Warn, the first time in this process, that emulator builds run without the precompiled
-    header (about twice as slow), and why."""
+    header (a third longer each), and why."""
     if not _PCH_WARNED.is_set():
         _PCH_WARNED.set()
-        warnings.warn(f"emulator builds run without the precompiled header, about twice as slow: "
+        warnings.warn(f"emulator builds run without the precompiled header, each a third longer: "
                       f"{reason}", stacklevel=3)
 
 
-def _remove_stale_pch(keep: Path, max_age_s: float = 86400.0) -> None:
-    """Each emulator version leaves a ~50 MB PCH: drop those of other versions older than a day."""
+def _remove_stale(keep: Sequence[Path], max_age_s: float = 86400.0) -> None:
+    """Each emulator version leaves a ~50 MB PCH and a runtime object per option set: drop those
+    (but `keep`) made or linked more than a day ago. One that another process still needs is
+    made again (`_built`)."""
     now = time.time()
-    for old in keep.parent.glob("pch-*"):
-        if old != keep and old.is_dir() and now - old.stat().st_mtime > max_age_s:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in [*cache_dir().glob("pch-*"), *cache_dir().glob("runtime-*.o")]:
+        with contextlib.suppress(FileNotFoundError):
+            if old in keep or now - old.stat().st_mtime <= max_age_s:
+                continue
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.with_suffix(".manifest").unlink(missing_ok=True)   # first: never a bare manifest
+                old.unlink()
 
 
 def _gxx(lines: Sequence[str], flags: Sequence[str], inputs: Sequence[Path], target: Path,
@@ -331,10 +342,13 @@ def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path,
     def pch_and_runtime():
         pch = _precompiled_header(kdir)
         made.extend([pch, _runtime_object(kdir, flags, pch)])
+        _remove_stale(keep=[made[1]] + ([pch.parent] if pch else []))
 
-    verified_entry(folder, key, [target.name],
-                   lambda: _gxx([text], [*_BASE_FLAGS, f"-I{kdir}", *flags], [made[1]], target, made[0]),
-                   before_lock=pch_and_runtime)
+    def link():   # a runtime object deleted since (clear_cache) is made again, not an error
+        runtime = made[1] if made[1].exists() else _runtime_object(kdir, flags, made[0])
+        _gxx([text], [*_BASE_FLAGS, f"-I{kdir}", *flags], [runtime], target, made[0])
+
+    verified_entry(folder, key, [target.name], link, before_lock=pch_and_runtime)
     _FIRST_COMPILE.finished(what)
     return key, target
 

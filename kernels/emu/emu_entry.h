@@ -7,8 +7,10 @@
 // "runtime object", per emulator version and option set) and links that object into every
 // module. A module's own translation unit includes cuda_emu.h alone, so g++ generates code
 // there only for what its kernels call; the scheduler, the fault handling and the sm_90
-// machinery (most of a module's build time) come from the object. A build by hand needs this
-// header in one translation unit of the library:
+// machinery (most of a module's build time) come from the object. Link the object itself, not an
+// archive holding it: nothing refers to the hooks' installer, so a linker picking members out of an
+// archive would leave it out. A build by hand needs this header in one translation unit of the
+// library:
 //   g++ -std=c++17 -O1 -shared -fPIC -I kernels -DBURSTCU_EMU kernel.cpp entry.cpp -o k.so -lrt
 // with entry.cpp holding `#include "emu/emu_entry.h"`.
 #pragma once
@@ -19,7 +21,9 @@
 
 namespace emu {
 
-inline const bool g_hopper_installed = [] {
+// static: one installation per translation unit that includes this header (one, in a module), run
+// when the library loads
+static const bool g_hopper_installed = [] {
   g_hopper.block_begin = &hopper_block_begin;
   g_hopper.block_end = &hopper_block_end;
   g_hopper.thread_exit = &hopper_thread_exit;

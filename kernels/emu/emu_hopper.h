@@ -1377,7 +1377,6 @@ inline std::string hopper_describe() {
   return s;
 }
 
-
 }  // namespace emu
 
 #pragma GCC visibility pop

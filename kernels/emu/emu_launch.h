@@ -472,5 +472,5 @@ inline std::mutex& launch_mutex() {
 #define BURSTCU_EMU_REGISTER(NAME, FN) \
   static ::emu::Registrar BURSTCU_EMU_CAT(burstcu_emu_registrar_, __COUNTER__)(NAME, FN)
 
-// The sm_90 machinery: fills in the g_hopper hooks that the scheduler above calls.
+// The sm_90 machinery: the g_hopper hooks that the scheduler above calls (installed by emu_entry.h).
 #include "emu_hopper.h"

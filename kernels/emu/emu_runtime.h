@@ -182,8 +182,9 @@ struct Run {  // the state of one launch
 };
 
 // Hooks into the sm_90 machinery (emu_hopper.h, which emu_launch.h includes): emu_entry.h fills them
-// in when the library loads. A library without emu_entry.h (e.g. a shim around one header's math)
-// gets no-ops.
+// in when the library loads, so every library that launches kernels holds emu_entry.h (it also holds
+// the entry points the launches go through). A library without it (e.g. a shim around one header's
+// math) must not reach them: the unset ones do nothing, but `collective` is called as it is.
 struct HopperHooks {
   void (*block_begin)() = nullptr;                 // per-block reset
   std::string (*block_end)() = nullptr;            // checks once every thread has exited ("" = fine)

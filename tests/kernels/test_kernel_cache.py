@@ -2,12 +2,13 @@
 
 Where (`burstcu.build.compile.cache_dir`): $BURSTCU_CACHE_DIR, else a node-local folder of this
 user's under $TMPDIR that only this user may enter (the emulator's under it in ``emu/``).
-Trust (`trusted_dir`): a cache folder, or a folder burstcu uses under it (``emu/``,
-``emu/pch-*``), that another user owns, that group or others may write, or that is a symbolic
-link is refused. Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json``, ``.gch``
-or runtime ``.o`` (the emulator's runtime object, linked into every module) whose sha256 does
-not match its manifest (or has none) is rebuilt with a warning, never used. Deadlines (`build_timeout`): a build lock held elsewhere, a g++ that hangs and an NVRTC
-compile that hangs all end in BuildTimeoutError after $BURSTCU_BUILD_TIMEOUT seconds.
+Trust (`trusted_dir`): a cache folder, or a folder burstcu uses under it (``emu/``, ``emu/pch-*``),
+that another user owns, that group or others may write, or that is a symbolic link is refused.
+Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json``, ``.gch`` or runtime ``.o`` (the
+emulator's runtime object, linked into every module) whose sha256 does not match its manifest (or
+has none) is rebuilt with a warning, never used. Deadlines (`build_timeout`): a build lock held
+elsewhere, a g++ that hangs and an NVRTC compile that hangs all end in BuildTimeoutError after
+$BURSTCU_BUILD_TIMEOUT seconds.
 
 Every test has its own cache folder. Emulator builds use a two-kernel source written here (about
 a second each, without the precompiled header unless the test is about it); NVRTC needs no GPU.
@@ -34,6 +35,16 @@ from burstcu.build import emulate
 TINY_CU = """
 __global__ void tiny_a(int* p) { p[threadIdx.x] = 1; }
 __global__ void tiny_b(int* p) { p[threadIdx.x] = 2; }
+"""
+# One warp-collective sm_90 primitive (elect.sync) behind a block barrier: it runs only where the
+# module's runtime object installed the sm_90 hooks, and its fibers switch at the barrier.
+ELECT_CU = """
+#include "hopper.cuh"
+__global__ void tiny_elect(int* p) {
+  const bool one = elect_one();
+  __syncthreads();
+  p[threadIdx.x] = one;
+}
 """
 NVRTC_CU = 'template <int N> __global__ void tiny(int* p) { p[threadIdx.x] = N; }\n'
 NVRTC_NAME = "tiny<3>"
@@ -203,6 +214,73 @@ def test_modules_link_one_runtime_object_per_option_set(cache, tiny):
         assert (out == value).all(), (name, out)
 
 
+@pytest.mark.parametrize("options", [(), ("-DBURSTCU_EMU_UCONTEXT",)])
+def test_a_module_runs_the_sm90_hooks_of_its_runtime_object(cache, tmp_path, options):
+    """elect.sync runs through the hooks that the runtime object installs, in a module built with
+    the same options: -DBURSTCU_EMU_UCONTEXT changes the fibers' context on both sides of the
+    link (a module and a runtime object of different options would disagree on its layout)."""
+    source = tmp_path / "elect.cu"
+    source.write_text(ELECT_CU)
+    mod = emulate.build_module([source], ["tiny_elect"], options=options)
+    (runtime,) = runtime_objects(cache)
+    out = np.zeros(96, np.int32)
+    mod.get_function("tiny_elect")((1,), (96,), (out,))
+    assert out.reshape(3, 32).sum(axis=1).tolist() == [1, 1, 1], out   # one lane of each warp
+
+
+def test_emulator_headers_include_no_other_local_header():
+    """The precompiled header and the runtime object are keyed by the headers in kernels/emu/
+    alone (`emulate._emulator_digest`): those may include system headers and each other only."""
+    emu = emulate.kernel_dir() / "emu"
+    for header in emu.glob("*.h"):
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', header.read_text(), re.M):
+            assert (emu / name).is_file() and "/" not in name, (header.name, name)
+
+
+def test_runtime_object_deleted_before_the_link_is_made_again(cache, tiny, monkeypatch):
+    """A runtime object removed (clear_cache, another process's cleanup) after it was checked and
+    before the module's link is built again; the module builds and runs."""
+    real = emulate._runtime_object
+    calls = []
+
+    def checked_then_removed(kdir, flags, pch):
+        path = real(kdir, flags, pch)
+        calls.append(path)
+        if len(calls) == 1:
+            path.unlink()
+        return path
+
+    monkeypatch.setattr(emulate, "_runtime_object", checked_then_removed)
+    with pytest.warns(UserWarning, match=r"runtime-\w+\.o cannot be read.*rebuilt"):
+        mod = emulate.build_module([tiny], ["tiny_a"])
+    assert len(calls) == 2 and calls[1].is_file()
+    out = np.zeros(32, np.int32)
+    mod.get_function("tiny_a")((1,), (32,), (out,))
+    assert (out == 1).all()
+
+
+def test_builds_of_other_versions_unused_for_a_day_are_removed(cache, tiny):
+    """Precompiled headers and runtime objects that no build made or used for a day go (with
+    their manifests); newer ones, and the ones this build uses, stay."""
+    emulate.build_module([tiny], ["tiny_a"])
+    (mine,) = runtime_objects(cache)
+    emu = cache / "emu"
+    day_old = time.time() - 86400 - 60
+    old_pch, new_pch = emu / "pch-0ld", emu / "pch-new"
+    old_rt, new_rt = emu / "runtime-0ld.o", emu / "runtime-new.o"
+    for folder in (old_pch, new_pch):
+        folder.mkdir(mode=0o700)
+    for obj in (old_rt, new_rt):
+        obj.write_bytes(b"\0")
+        obj.with_suffix(".manifest").write_text("{}")
+    for path in (old_pch, old_rt, old_rt.with_suffix(".manifest"), mine):
+        os.utime(path, (day_old, day_old))
+    emulate.build_module([tiny], ["tiny_b"])   # uses `mine`, which counts as a use
+    assert not old_pch.exists() and not old_rt.exists() and not old_rt.with_suffix(".manifest").exists()
+    assert new_pch.is_dir() and new_rt.is_file() and new_rt.with_suffix(".manifest").is_file()
+    assert mine.is_file() and time.time() - mine.stat().st_mtime < 600
+
+
 def test_damaged_runtime_object_is_rebuilt(cache, tiny):
     emulate.build_module([tiny], ["tiny_a"])
     (runtime,) = runtime_objects(cache)
@@ -213,6 +291,18 @@ def test_damaged_runtime_object_is_rebuilt(cache, tiny):
     assert mod.kernel_names() == ["tiny_b"]
     assert runtime.read_bytes() == whole
     assert compile.manifest_problem(runtime.parent, runtime.stem, [runtime.name]) is None
+
+
+def test_planted_runtime_object_is_not_linked(cache, tiny):
+    """A runtime object with no manifest (put there by someone else) is rebuilt, never linked."""
+    emulate.build_module([tiny], ["tiny_a"])
+    (runtime,) = runtime_objects(cache)
+    whole = runtime.read_bytes()
+    runtime.with_suffix(".manifest").unlink()
+    replace_bytes(runtime, b"\x7fELF planted")
+    with pytest.warns(UserWarning, match=f"{re.escape(runtime.name)}.*rebuilt"):
+        mod = emulate.build_module([tiny], ["tiny_b"])
+    assert mod.kernel_names() == ["tiny_b"] and runtime.read_bytes() == whole
 
 
 def test_truncated_so_is_rebuilt(cache, tiny):
@@ -369,6 +459,8 @@ def test_hanging_compiler_times_out(cache, tiny, tmp_path, monkeypatch, stage):
         with pytest.raises(RuntimeError, match=f"1 s for the compiler command `{re.escape(str(cxx))}"
                            ".*killed.*BURSTCU_BUILD_TIMEOUT") as err:
             emulate.build_module([tiny], ["tiny_a"])
+        hung = {"version": "--version`", "pch": "emu_pch.h", "runtime": ".o`", "module": ".so -lrt`"}[stage]
+        assert hung in str(err.value), (stage, str(err.value))
         assert time.monotonic() - start < 5
         assert isinstance(err.value, compile.BuildTimeoutError)
     finally:
