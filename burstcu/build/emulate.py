@@ -273,8 +273,8 @@ def _warn_pch_once(reason: str) -> None:
 
 def _remove_stale(keep: Sequence[Path], max_age_s: float = 86400.0) -> None:
     """Each emulator version leaves a ~50 MB PCH and a runtime object per option set: drop those
-    (but `keep`) made or linked more than a day ago. One that another process still needs is
-    made again (`_built`)."""
+    (but `keep`) made or used more than a day ago. A runtime object that another process still
+    needs is made again (`_built`); a PCH removed under a build costs it a retry without (`_gxx`)."""
     now = time.time()
     for old in [*cache_dir().glob("pch-*"), *cache_dir().glob("runtime-*.o")]:
         with contextlib.suppress(FileNotFoundError):
