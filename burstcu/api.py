@@ -31,14 +31,15 @@ from .group import Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, calling_thread, check_attention_call,
-                       check_axis, check_block_mask, check_block_mask_extent,
-                       check_decode_call, check_flags, check_linear_call, check_row_sums,
+from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_problem, call_marks,
+                       calling_thread, check_attention_call, check_axis, check_block_mask,
+                       check_block_mask_extent, check_decode_call, check_flags, check_linear_call,
+                       check_row_sums,
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
-                       sharding_keywords, thread_problem, warn_if_all_the_same,
-                       warn_if_heads_look_like_rows)
+                       sharding_keywords, thread_problem, valid_rows_digest,
+                       warn_if_all_the_same, warn_if_heads_look_like_rows)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -262,6 +263,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
+    given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
                                        positional=_positional(causal, window_size, cu_seqlens,
@@ -292,7 +294,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         remember_cut(out, *cut)                     # unshard(out) with another layout is refused
     sharded = cut is not None and cut[1] == (0 if packed else 1) and cut[0][3] > 1   # its sequence
     remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q,
-                                           block_mask), sharded), 1 if packed else 2)
+                                           block_mask), sharded, call_marks({**given, "out": out})),
+                 1 if packed else 2)
     return (out, lse) if return_lse else out
 
 
@@ -309,7 +312,9 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     (no batch axis): dout, q, out (T, H, D), k, v (T, Hkv, D), lse (H, T), gradients 3-D.
     Returns (dq, dk, dv) with q's, k's and v's shapes, dtype and array type.
     P is recomputed from lse; no score or probability matrix is stored beyond one tile.
-    lse must have exactly the dtype and shape `attention` returns. check=True also verifies
+    lse must have exactly the dtype and shape `attention` returns; a host lse remembers the
+    options, q, k, v and out of the call that returned it, and other ones are a ValueError on
+    every rank (`validate.lse_problem`; lse.view() forgets them). check=True also verifies
     that lse belongs to these inputs and options: each row's recomputed probabilities are
     summed over every ring step (the sums travel with dQ) and must add up to 1, else ValueError
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
@@ -321,7 +326,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                                        positional=_positional(causal, window_size, cu_seqlens,
                                                               block_mask))
     conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
-                                                         q, block_mask))
+                                                         q, block_mask),
+                                       {"q": q, "k": k, "v": v, "out": out})
     packed = getattr(q, "ndim", None) == 3
     cut = inherited_cut((q,), cut, 0 if packed else 1)
     if packed:
@@ -517,7 +523,9 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     Returns out (B, T, H, D) in q's dtype and array type, identical on every rank; with
     return_lse, (out, lse (B, H, T) float32; float64 for float64 q). A batch row with no valid
     row anywhere gets out 0 and lse -inf. Validation and agreement as `attention`: a bad input
-    or ranks disagreeing raise on every rank before the gather.
+    or ranks disagreeing raise on every rank before the gather; a cache `shard` cut for another
+    number of ranks (the group left out) is refused, and caches whose valid rows start and end
+    alike on every rank (the global arrays on every rank) warn (`burstcu.SameShardsWarning`).
     """
     agreed, group, rows, problem = {}, group_of(group), None, None
     cache_arguments = getattr(k_cache, "decode_arguments", None)
@@ -534,17 +542,24 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
         problem = InputError(TypeError, "decode(q, k_cache, v_cache, ...) needs v_cache (or pass a "
                                         "KVCache)")
     group = group_for(group, q)
+    if problem is None and rows is None:          # arrays, not a KVCache: cut for this group?
+        said = cache_cut_problem(("k_cache", "v_cache"), (k_cache, v_cache),
+                                 getattr(group, "size", 1))   # not a group: `Call` says so
+        problem = None if said is None else InputError(ValueError, said)
     with Call(group, "decode") as call:
         def check(native_arrays):
             err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
                                                  softmax_scale, return_lse, agreed, group.size)
-            summary = q_summary(native_arrays[0]) if err is None and group.size > 1 else None
-            return err, meta, extra, summary
+            if err is not None or group.size == 1:
+                return err, meta, extra, None
+            rows_digest = None if rows is not None else valid_rows_digest(native_arrays[1], extra[0])
+            return err, meta, extra, (q_summary(native_arrays[0]), rows_digest)
 
         def same_tokens(summaries, extra):   # every rank holds every summary: raises alike
-            problem = q_values_problem(summaries)
+            problem = q_values_problem([s and s[0] for s in summaries])
             if problem is not None:
                 raise ValueError(problem)
+            warn_if_all_the_same([s and s[1] for s in summaries], "k_cache")
             return extra
 
         (q, k_cache, v_cache), export, (lengths, scale) = _agreed(
@@ -663,8 +678,16 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     `burstcu.Sharding`: its layout, documents and lengths; a keyword that disagrees raises
     ValueError on every rank.
     """
+    return gather_shards(x_local, group, layout, axis, cu_seqlens, uneven)
+
+
+def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, uneven: bool | None,
+                  problem: str | None = None):
+    """`unshard`, with `problem`: what the caller found wrong before the call (`Sharding.unshard`:
+    an axis it cannot tell), a ValueError on every rank through the call's agreement."""
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                       uneven)
+    conflict = conflict or problem
     if group is not None and not isinstance(group, Group):
         raise TypeError(f"unshard: {not_a_group(group)}")
     if group is None or group.size == 1:

@@ -100,10 +100,16 @@ def external_stream(handle: int):
 def device_problem(ops, names: tuple, arrays: tuple) -> InputError | None:
     """When `ops` computes on a GPU: CuPy's current device other than the op's own
     (`LocalOps.device_id`), or the first input that lives on a GPU other than the current one
-    (the kernels and NCCL run there), as a deferred error; else None."""
+    (the kernels and NCCL run there); when it computes on the host, the first input that lives
+    on a GPU; as a deferred error, else None."""
     current = ops.current_device()
     if current is None:
-        return None
+        on_gpu = next(((name, cuda_device(x)) for name, x in zip(names, arrays)
+                       if cuda_device(x) is not None), None)
+        return None if on_gpu is None else InputError(ValueError, (
+            f"{on_gpu[0]} is on CUDA device {on_gpu[1]} but this group computes on the host "
+            f"({ops.name}): make the group with burstcu.init(backend='cupy') (or pass group=None "
+            f"for one process), or pass host arrays"))
     home = ops.device_id
     if home is not None and current != home:
         return InputError(ValueError, (

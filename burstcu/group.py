@@ -77,6 +77,9 @@ class Group:
     # a GPU group of one, whose calls take no turn: thread id -> its calls running now
     sharers: Any = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self):
+        self.transport.compiles_kernels = self.ops.compiles_on_first_use
+
     @property
     def stats(self) -> CommStats:
         return self.transport.stats
@@ -411,7 +414,10 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     timeout: seconds a rank may wait for a peer inside any burstcu call (agreement, exchange,
         collective) before it raises `burstcu.CommTimeoutError` naming the call, the step and the
         peer(s), and ends the job; default $BURSTCU_TIMEOUT, else 600. `math.inf` (or
-        $BURSTCU_TIMEOUT=inf) waits forever. Waiting does not spin.
+        $BURSTCU_TIMEOUT=inf) waits forever. Waiting does not spin. It also bounds MPI's start,
+        init's first step under an MPI launcher (at least 60 s there): a rank still waiting for
+        the launch's other ranks then says so and ends its process (a rank that spends longer
+        than that before its init keeps the others waiting past it: raise the timeout).
     progress: MPI transfers on a communication thread ("thread", overlapping compute) or on the
         caller's thread ("inline": the data moves only inside the engine's waits, so nothing
         overlaps; over a `link` each exchange's link time starts at its wait).
@@ -437,7 +443,7 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         mesh = " (a DeviceMesh: pass mesh.get_group())" if hasattr(comm, "get_group") else ""
         raise TypeError(f"burstcu.init: comm must be an mpi4py communicator or a "
                         f"torch.distributed ProcessGroup{mesh}, not a {type(comm).__name__}")
-    users_comm = comm = world_comm(comm)
+    users_comm = comm = world_comm(comm, timeout)
     if torch_process_group(comm):
         comm = TorchDistTransport(comm, _wait_for_init(timeout))
         comm.call, comm.where = "burstcu.init", "the agreement on its arguments"

@@ -28,7 +28,8 @@ from .arrays import host_view, torch_stream
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
-from .validate import InputError, agree
+from .validate import (InputError, agree, cache_cut_problem, first_rows_digest,
+                       warn_if_all_the_same)
 
 
 def _cache_dtype(dtype, names: tuple) -> np.dtype:
@@ -295,12 +296,18 @@ class KVCache:
     def from_prefill(self, k_local, v_local) -> None:
         """Adopt this rank's shard of a prefill (B, S_local, kv_heads, headdim), as a sharded
         `attention` holds it (any layout: decode needs no order); replaces what the cache held.
-        Collective: the ranks learn each other's S_local in one round."""
+        Collective: the ranks learn each other's S_local in one round. Rows `burstcu.shard` cut
+        for another number of ranks than the cache's group (the group left out) raise ValueError
+        on every rank; the same rows on every rank (the global arrays passed instead of each
+        rank's shard) warn (`burstcu.SameShardsWarning`)."""
         with Call(self.group, "KVCache.from_prefill") as call, self._rows_stream((k_local, v_local)):
             err = None
             try:
+                cut = cache_cut_problem(("k_local", "v_local"), (k_local, v_local), self.group.size)
                 k_local, v_local = self._check_rows("from_prefill", k_local, v_local)
-                if k_local.shape[1] > self.capacity:
+                if cut is not None:
+                    err = InputError(ValueError, f"KVCache.from_prefill: {cut}")
+                elif k_local.shape[1] > self.capacity:
                     err = InputError(ValueError, f"KVCache.from_prefill: {k_local.shape[1]} rows "
                                                  f"exceed the capacity {self.capacity} a rank")
                 elif self.paged and self.batch * -(-k_local.shape[1] // self.page_size) > self.num_pages:
@@ -311,8 +318,11 @@ class KVCache:
                 err = InputError(exc.__class__, f"KVCache.from_prefill cannot take these rows: "
                                        f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
-                lengths = agree(self.group.transport, err, None, "KVCache.from_prefill",
-                                None if err else int(k_local.shape[1]))
+                reports = agree(self.group.transport, err, None, "KVCache.from_prefill",
+                                None if err else (int(k_local.shape[1]),
+                                                   first_rows_digest(k_local) if k_local.shape[1] else None))
+            warn_if_all_the_same([digest for _, digest in reports], "k_local")
+            lengths = [n for n, _ in reports]
             n = int(k_local.shape[1])
             if self.paged:
                 with self._pages_restored_on_error():

@@ -81,25 +81,50 @@ class Sharding:
         whose axis 0 cannot be the sequence (fewer rows than ranks, or other than the N this
         Sharding's documents or lengths say while axis 1 has N) asks for `axis` (ValueError):
         (B, N, d_model) hidden states are 3-D too."""
-        if axis is None and getattr(x, "ndim", None) == 3:
+        if axis is None:
             total = (self.cu_seqlens[-1] if self.cu_seqlens is not None else
                      sum(self.lengths) if self.lengths is not None else None)
-            n0, n1 = x.shape[:2]
-            if n0 < self.group.size or (total is not None and n0 != total and n1 == total):
-                raise ValueError(f"Sharding.shard takes a 3-D array as packed (T, H, D), cut along axis "
-                                 f"0, but x {tuple(x.shape)} has {n0} rows there"
-                                 + (f" and the sequence's {total} along axis 1" if n1 == total else "")
-                                 + ": pass axis= (axis=1 for (B, N, ...) arrays such as hidden states)")
+            problem = self._packed_rows_problem("shard", "x", x, total, "the sequence's",
+                                                self.group.size)
+            if problem is not None:   # x is the global array: alike on every rank
+                raise ValueError(problem)
         return api.shard(x, self, axis=_sequence_axis(x, axis))
 
     def unshard(self, x_local, axis: int | None = None):
         """The global array on every rank from each rank's `x_local` (collective; axis as in
         `shard`, or where `shard` cut this very array when it remembers: hidden states cut
-        along axis 1 join along axis 1)."""
+        along axis 1 join along axis 1). A 3-D `x_local` it remembers nothing of (a copy)
+        whose axis 0 cannot be this rank's rows (other than the Sharding's lengths say, or one
+        row: an lse (1, H, S_local), for which there is `unshard_lse`) asks for `axis` on every
+        rank."""
         held = cut_of(x_local) if axis is None else None
+        problem = None
         if held is not None and held[0][0] == "rows":
             axis = held[1]
-        return api.unshard(x_local, self, axis=_sequence_axis(x_local, axis))
+        elif held is None and axis is None:   # raised on every rank (`gather_shards`)
+            mine = None if self.lengths is None else self.lengths[self.group.rank]
+            problem = self._packed_rows_problem("unshard", "x_local", x_local, mine, "this rank's",
+                                                2 if mine is None else 0)
+        return api.gather_shards(x_local, self, None, _sequence_axis(x_local, axis), None, None,
+                                 problem)
+
+    def _packed_rows_problem(self, call: str, name: str, x, rows: int | None, whose: str,
+                             fewest: int) -> str | None:
+        """Why a 3-D `x`, taken as packed (T, H, D) along axis 0 for want of `axis`, cannot have
+        its sequence there, or None: fewer than `fewest` rows (the ranks, for the global array; 2
+        for one rank's shard whose rows are not known: one row is most likely a batch of one),
+        or other than the `rows` known for it (`whose` rows, in words) while axis 1 has them
+        ((B, N, d_model) hidden states and an lse (B, H, S) are 3-D too)."""
+        if getattr(x, "ndim", None) != 3:
+            return None
+        n0, n1 = x.shape[:2]
+        if n0 >= fewest and (rows is None or n0 == rows or n1 != rows):
+            return None
+        return (f"Sharding.{call} takes a 3-D array as packed (T, H, D), its sequence along axis 0, "
+                f"but {name} {tuple(x.shape)} has {n0} row{'s' * (n0 != 1)} there"
+                + (f" and {whose} {rows} along axis 1" if rows is not None and n1 == rows else "")
+                + ": pass axis= (axis=1 for (B, N, ...) arrays such as hidden states; an lse "
+                  "(B, H, S): unshard_lse)")
 
     def unshard_lse(self, lse_local):
         """The global lse on every rank: (B, H, N) from (B, H, S_local), or (H, N) from packed

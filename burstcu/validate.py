@@ -575,8 +575,9 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     """Remember that the host array object `x` (NumPy, or a CPU torch tensor) is a piece cut as
     `cut` along `axis`: ("rows", layout, documents, ranks) (a shard, or a result whose rows are
     a shard's) or ("lse", the call's `mask_options`, whether its sequence is sharded over
-    ranks) (its sequence axis `axis`). Kept while `x` lives and holds the same end rows; device
-    arrays and arrays that take no weak reference are not remembered."""
+    ranks, the `call_marks` of its q, k, v and out) (its sequence axis `axis`). Kept while `x`
+    lives and holds the same end rows; device arrays and arrays that take no weak reference are
+    not remembered."""
     import weakref
 
     host = _host(x)
@@ -639,10 +640,13 @@ def _said(cut: tuple, other: tuple | None = None) -> str:
 def _axis_problem(name: str, ndim: int, cut_axis: int) -> str:
     """Why an attention call on a group refuses `name`, cut along `cut_axis`."""
     seq, shape = (0, "packed (T, H, D)") if ndim == 3 else (1, "(B, S, H, D)")
+    sdpa = (" If the arrays are (B, H, S, D) (SDPA's order), attention takes (B, S, H, D): pass "
+            "x.transpose(0, 2, 1, 3) (torch: x.transpose(1, 2)), then shard along axis 1"
+            if ndim == 4 and cut_axis == 2 else "")
     return (f"{name} was cut along axis {cut_axis}, but the sequence axis of a {shape} array is {seq}: "
             f"its rows would be taken for a shard of the sequence. Cut it with "
             f"burstcu.shard(x, group, axis={seq}) (whose default is axis 1), or with a "
-            f"burstcu.Sharding, which cuts packed arrays along axis 0")
+            f"burstcu.Sharding, which cuts packed arrays along axis 0.{sdpa}")
 
 
 def _ranks_problem(name: str, cut_for: int, size: int) -> str:
@@ -701,9 +705,17 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     return None
 
 
+def cache_cut_problem(names: tuple, arrays: tuple, ranks: int) -> str | None:
+    """`cut_problem` for a KV cache's rows (decode, `KVCache.from_prefill`): their order is free,
+    but rows `shard` cut for another number of ranks than the call's `ranks` are refused (a
+    group left out: each rank would decode over its own rows alone), as are heads cut for
+    rows."""
+    return cut_problem(names, arrays, rows_cut("contiguous", None, ranks), positional=False)
+
+
 def mask_options(causal, window_size, cu_seqlens, softmax_scale, q, block_mask) -> dict | None:
     """What of an attention call's options its lse depends on, as the forward remembers them with
-    lse (`remember_cut(lse, ("lse", options))`) and its backward compares them (`lse_problem`):
+    lse (`remember_cut(lse, ("lse", options, ...))`) and its backward compares them (`lse_problem`):
     {causal, window_size, cu_seqlens, softmax_scale (resolved for q's head dim), block_mask},
     spelled one way
     where spellings mean the same mask (a causal right bound 0 or -1, a right bound 0 without
@@ -724,18 +736,53 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, q, block_mask) 
         return None
 
 
-def lse_problem(lse, options: dict | None) -> str | None:
-    """What contradicts the options `attention` returned this very lse with (`mask_options`), or
-    None: gradients under another mask or scale than the forward's would be silently wrong."""
+def call_marks(arrays: dict) -> dict:
+    """{name: a digest of the array's first and last two rows along its sequence axis (0 of a
+    packed (T, H, D) array, else 1)} of the host arrays among `arrays` ({name: array}): what
+    `attention` remembers with its lse of the q, k, v it took and the out it gave, and what its
+    backward compares (`lse_problem`). Device arrays are left out (reading them would sync)."""
+    marks = {}
+    for name, x in arrays.items():
+        host = _host(x)
+        if host is not None and host.ndim >= 3 and host.size:
+            marks[name] = _fingerprint(host, 0 if host.ndim == 3 else 1)
+    return marks
+
+
+def _took_or_gave(names: list) -> str:
+    """What an attention call did with the arrays `names`: took q, k, v; gave out."""
+    return " and ".join(word for word, here in (("took", set(names) - {"out"}),
+                                                 ("gave", "out" in names)) if here)
+
+
+def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | None:
+    """What contradicts the call `attention` returned this very lse from, or None: the options
+    it ran with (`mask_options`; gradients under another mask or scale than the forward's would
+    be silently wrong), and `arrays` ({name: array} of q, k, v, out) against the ones it took
+    and gave (`call_marks`: another call's out, or q changed in place since, would be too)."""
     held = cut_of(lse)
     if options is None or held is None or held[0][0] != "lse" or held[0][1] is None:
         return None     # no memory, or rows `shard` cut (a reference's lse): nothing to compare
     forward = held[0][1]
     differ = [name for name in options if not _same(forward[name], options[name])]
+    left_alike = forward["window_size"][0] == options["window_size"][0]
+    implied = {"causal", "window_size"} <= set(differ) and left_alike
+    if implied:
+        differ.remove("window_size")      # its right bound only follows causal (`mask_options`)
+    marks, now = (held[0][3] if len(held[0]) > 3 else {}), call_marks(arrays or {})
+    others = [name for name in now if name in marks and marks[name] != now[name]]
+    if not differ and others:
+        return (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not what the attention "
+                f"call that returned this lse {_took_or_gave(others)} "
+                f"(another call's, or changed in place since): the gradients would be those of "
+                f"another attention. Pass the backward the q, k, v and out of that call; if this "
+                f"is meant, pass a view of lse (lse.view()): the memory is of this array object")
     if not differ:
         return None
     said = ", ".join(f"{name}: {_shown(forward[name])} in the forward, {_shown(options[name])} here"
                      for name in differ)
+    if implied:
+        said += " (a window_size right bound of 0 is causal too)"
     return (f"lse comes from an attention call with other options than this backward's ({said}): "
             f"the gradients would be those of another attention. Pass the backward the forward's "
             f"causal, window_size, cu_seqlens, softmax_scale and block_mask; if this is meant, pass "
@@ -1000,6 +1047,14 @@ def first_rows_digest(x) -> bytes | None:
     digest.update(np.ascontiguousarray(x[:, :2]).tobytes())
     digest.update(np.ascontiguousarray(x[:, -1:]).tobytes())
     return digest.digest()
+
+
+def valid_rows_digest(x, lengths) -> bytes | None:
+    """`first_rows_digest` of a KV cache x (B, S_cache, Hkv, D) over the rows every batch row
+    holds (the fewest of `lengths`, (B,) ints, the valid rows per batch row); None where a batch
+    row holds none (empty caches are alike on every rank by right) or x is not in host memory."""
+    fewest = int(np.min(lengths)) if len(lengths) else 0
+    return first_rows_digest(x[:, :fewest]) if fewest > 0 and isinstance(x, np.ndarray) else None
 
 
 def warn_if_all_the_same(digests: list, name: str) -> None:

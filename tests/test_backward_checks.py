@@ -204,6 +204,58 @@ def test_the_backward_refuses_an_lse_of_other_options(forward, backward, named):
     burstcu.attention_backward(dout, q, k, v, out, lse.view(), **backward)
 
 
+def test_a_causal_mismatch_names_causal_alone():
+    """The window a causal flag implies is not a second difference: the message names causal and
+    leaves the window out (the user gave none)."""
+    q, k, v, dout = make_inputs(15, 1, 16, 2, 1, 8, "float32")
+    out, lse = burstcu.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="causal: False in the forward, True here") as caught:
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert "window_size:" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"causal: False in the forward, True here \(a window_size "
+                                         r"right bound of 0 is causal too\)"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, window_size=(-1, 0))
+    out, lse = burstcu.attention(q, k, v, return_lse=True, window_size=(3, -1))
+    with pytest.raises(ValueError, match=r"window_size: \(3, -1\) in the forward, \(5, 0\) here"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True, window_size=(5, 0))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_backward_refuses_another_calls_arrays(packed):
+    """The lse attention returned also remembers the q, k, v it took and the out it gave (their
+    end rows): a backward given another call's out, or q, k or v changed in place since, would
+    silently compute other gradients (check=True sees only q and k through lse). It is a
+    ValueError naming them; the same values in other objects, and a view of lse (meant), run."""
+    q, k, v, dout = make_inputs(16, 1, 16, 2, 1, 8, "float32")
+    q2 = make_inputs(17, 1, 16, 2, 1, 8, "float32")[0]
+    if packed:
+        q, k, v, dout, q2 = (x[0] for x in (q, k, v, dout, q2))
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    out2 = burstcu.attention(q2, k, v, causal=True)
+    said = {}
+    for name, args in (("out", (dout, q, k, v, out2, lse)), ("q", (dout, q2, k, v, out, lse)),
+                       ("q, out", (dout, q2, k, v, out2, lse))):
+        with pytest.raises(ValueError) as caught:
+            burstcu.attention_backward(*args, causal=True)
+        said[name] = str(caught.value)
+    assert said["out"].startswith("out is not what the attention call that returned this lse gave ")
+    assert said["q"].startswith("q is not what the attention call that returned this lse took ")
+    assert said["q, out"].startswith("q, out are not what the attention call that returned this lse "
+                                     "took and gave (another call's, or changed in place since)")
+    with pytest.raises(ValueError, match=r"^out is not what"):   # before check=True's round
+        burstcu.attention_backward(dout, q, k, v, out2, lse, causal=True, check=True)
+    before = v.copy()
+    v += 1   # changed in place since the forward
+    with pytest.raises(ValueError, match="^v is not what the attention call"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    v[...] = before
+    want = burstcu.attention_backward(dout, q, k, v, out, lse.view(), causal=True)
+    for got in (burstcu.attention_backward(dout, q.copy(), k.copy(), v.copy(), out.copy(), lse, causal=True),
+                burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    burstcu.attention_backward(dout, q, k, v, out2, lse.view(), causal=True)   # meant: runs
+
+
 def test_options_spelled_otherwise_for_the_same_mask_are_the_forwards():
     """A causal right bound of 0 or -1, one document or none, a float32 scale or its float64
     value: the same attention, so the backward takes the forward's lse."""

@@ -210,7 +210,8 @@ def test_demo_on_the_kernel_backend():
 
 def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
     """One untimed pass (forward and backward) before the timed one, said so in the output."""
-    monkeypatch.setattr(burstcu.group, "world_comm", lambda comm=None: None)  # one process, no MPI
+    # one process, no MPI
+    monkeypatch.setattr(burstcu.group, "world_comm", lambda comm=None, timeout=None: None)
     forward = count_calls(demo.burstcu, "attention")
     backward = count_calls(demo.burstcu, "attention_backward")
     assert demo.main(["--seqlen", "32", "--heads", "2", "--headdim", "8", "--backend", "numpy"]) == 0

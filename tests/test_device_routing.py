@@ -57,6 +57,19 @@ def test_cuda_dlpack_arrays_on_a_cpu_only_machine_get_a_clear_error():
         burstcu.attention(q, k, v)
 
 
+def test_cuda_arrays_given_to_a_host_group_get_a_clear_error():
+    """A group that computes on the host (NumPy, the emulator) given CUDA arrays says so and
+    what to do, instead of DLPack's BufferError."""
+    q, k, v = _qkv()
+    with burstcu.init(backend="numpy") as group:
+        with pytest.raises(ValueError, match=r"^k is on CUDA device 1 but this group computes on "
+                                             r"the host \(numpy\): make the group with "
+                                             r"burstcu.init\(backend='cupy'\)"):
+            burstcu.attention(q, _DLTensor(k, device=(2, 1)), v, group)
+        with pytest.raises(ValueError, match=r"^q is on CUDA device 0 but this group computes on the host"):
+            burstcu.decode(_DLTensor(q[:, :1], device=(2, 0)), k, v, group)
+
+
 def test_cuda_dlpack_arrays_route_to_the_cupy_group(monkeypatch):
     sentinel = object()
     monkeypatch.setattr(arrays, "local_group", lambda backend: (backend, sentinel))

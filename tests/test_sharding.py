@@ -102,9 +102,11 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
     for r in results:
         assert set(r["messages"]) == {"attention", "causal attention", "backward", "unshard", "linear",
                                       "whole arrays as shards", "packed, cut along axis 1",
-                                      "heads on the group"}, r["messages"]
-        for name in ("attention", "causal attention", "backward", "linear"):
+                                      "heads on the group", "decode", "KV cache"}, r["messages"]
+        for name in ("attention", "causal attention", "backward", "linear", "decode", "KV cache"):
             assert f"is one rank's shard of {world} but this call has no group" in r["messages"][name]
+        assert r["messages"]["decode"].startswith("k_cache is one rank's shard")
+        assert r["messages"]["KV cache"].startswith("KVCache.from_prefill: k_local is one rank's shard")
         assert "x_local is one rank's shard of" in r["messages"]["unshard"]
         assert f"holds every row (cut for one process) but this call runs on {world} ranks" in \
             r["messages"]["whole arrays as shards"]
@@ -112,6 +114,8 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
             r["messages"]["packed, cut along axis 1"]
         assert "q was cut along axis 2, but the sequence axis of a (B, S, H, D) array is 1" in \
             r["messages"]["heads on the group"]
+        assert "(B, H, S, D) (SDPA's order), attention takes (B, S, H, D): pass x.transpose(0, 2, 1, 3)" \
+            in r["messages"]["heads on the group"]
         assert r["view_error"] < 1e-5 and r["heads_error"] < 1e-5   # heads split, each local
         assert r["heads_shape"] == [1, 6 * world, 6 // world, 8]
 
@@ -278,3 +282,21 @@ def test_unshard_joins_cpu_torch_tensors_bit_for_bit(world):
         for case, got in r["joined"].items():
             dtype = case.split()[0]
             assert got == ["Tensor", f"torch.{dtype}", [1, 5 * world + 1, 2, 8], True], (case, got)
+
+
+@pytest.mark.timeout(120)
+def test_unshard_of_a_copy_asks_for_the_axis():
+    """A copy of an lse (B = 1 < G) or of uneven hidden states (B, N_local, d) given to
+    Sharding.unshard without an axis used to be joined along its batch axis, silently a wrong
+    shape; now a ValueError on every rank asks for the axis, and with it (or unshard_lse) the
+    copies join as the float64 reference says. Packed copies that are this rank's rows (one row
+    where the Sharding's lengths say so) join without one."""
+    for r in run_mpi(2, "sharding_bodies:unshard_of_a_copy_asks_for_the_axis"):
+        assert set(r["messages"]) == {"lse copy", "hidden states copy"}, r["messages"]
+        assert "x_local (1, 4, 8) has 1 row there: pass axis=" in r["messages"]["lse copy"]
+        # rank 0's (3, 5, 16) gives itself away; rank 1's (3, 3, 16) does not, and raises rank 0's
+        assert "(3, 5, 16) has 3 rows there and this rank's 5 along axis 1" in \
+            r["messages"]["hidden states copy"]
+        assert max(r["errors"].values()) < 1e-5, r["errors"]
+        assert r["hidden_shape"] == [3, 8, 16]
+        assert r["packed"] == [0, 1, 1, 1] and r["pairs"] == [0, 1, 1, 0]   # zigzag: rank 0 ends

@@ -109,7 +109,8 @@ def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_global_array_on_every_rank(world):
     """The warning points at the user's line and names its category, on every rank; with
-    documents that cover one copy of the rows it is an error on every rank."""
+    documents that cover one copy of the rows it is an error on every rank. Decode over the
+    same cache rows on every rank, and a KV cache prefilled with them, warn alike."""
     for rank, r in enumerate(run_mpi(world, "global_array_on_every_rank", timeout=120)):
         assert r["warned"] == 1 and r["file"] == "bodies.py" and r["line_ok"], (rank, r)
         assert f"{world} copies of the sequence" in r["message"], (rank, r)
@@ -117,6 +118,11 @@ def test_the_global_array_on_every_rank(world):
         assert r["docs_error"] and "each holds the whole sequence" in r["docs_error"], (rank, r)
         assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
         assert r["padded_warned"] == 0, (rank, r)     # shards that only begin alike
+        for name, array in (("decode", "k_cache"), ("prefill", "k_local")):   # decode's caches too
+            (file, message), = r[f"{name}_warned"]
+            assert file == "bodies.py" and f"every rank's {array} starts and ends" in message, (rank, r)
+        for name in ("decode_own_rows", "decode_empty", "appended"):
+            assert r[f"{name}_warned"] == [], (rank, name, r)
 
 
 
@@ -146,6 +152,8 @@ def test_odd_arguments_get_messages_not_internal_errors():
             burstcu.attention(x, x, x, bad)
         with pytest.raises(TypeError, match="group must be a burstcu group from burstcu.init"):
             burstcu.KVCache(bad, 1, 4, 2, 4, np.float32)
+        with pytest.raises(TypeError, match="group must be a burstcu group from burstcu.init"):
+            burstcu.decode(x[:, :1], x, x, bad)
     with pytest.raises(TypeError, match="make the group of its ranks with burstcu.init"):
         burstcu.unshard(x, MPI.COMM_WORLD)
     with pytest.raises(TypeError, match="plan: group must be a burstcu group"):

@@ -565,11 +565,13 @@ def trusted_dir(path: str | os.PathLike) -> Path:
     saying what is wrong, why it matters and how to fix it.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        path.parent.mkdir(parents=True, exist_ok=True)   # FileExistsError: a file on the way
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    except OSError as exc:
+        raise RuntimeError(f"the kernel cache folder {path} cannot be made ({exc.__class__.__name__}: "
+                           f"{exc}). Fix: set BURSTCU_CACHE_DIR to a folder of your own") from exc
     st = os.lstat(path)
     uid = os.getuid()
     if stat.S_ISLNK(st.st_mode):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -195,12 +196,37 @@ def _cache_key(sources: Sequence[Path], text: str, flags: Sequence[str], kdir: P
     return h.hexdigest()[:32]
 
 
+# the emulator's settings from the environment: (variable, what it takes, its check); the C
+# runtime reads the last two itself (kernels/emu/emu_launch.h), with atof / atol
+_SWITCH = {"0": False, "false": False, "no": False, "off": False,
+           "1": True, "true": True, "yes": True, "on": True}
+_SETTINGS = (
+    ("BURSTCU_EMU_PCH", "1 or 0 (true/false, yes/no, on/off)", lambda v: v.lower() in _SWITCH),
+    ("BURSTCU_EMU_TIMEOUT_S", "seconds a launch may run, a number >= 0 (0: no limit)",
+     lambda v: re.fullmatch(r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", v) is not None
+     and math.isfinite(float(v))),
+    ("BURSTCU_EMU_STACK_KB", "KB of each emulated thread's stack, a positive integer",
+     lambda v: re.fullmatch(r"\+?[0-9]+", v) is not None and int(v) > 0),
+)
+
+
+def check_environment() -> None:
+    """ValueError naming the first of the emulator's environment variables (`_SETTINGS`) set to
+    what it does not take: the C runtime would read junk as 0 (no watchdog, or the default
+    stack) without a word."""
+    for name, takes, good in _SETTINGS:
+        raw = os.environ.get(name)
+        if raw is not None and not good(raw.strip()):
+            raise ValueError(f"{name}={raw!r}: it takes {takes} (or leave it unset)")
+
+
 def _precompiled_header(kdir: Path) -> Path | None:
     """A GCC precompiled header of emu/cuda_emu.h, built once per emulator version: it takes
     parsing the standard library and the emulator off every build (a quarter of a module's build).
     Returns the stub to force-include, or None (no PCH: slower, same result, and a warning once
     per process). A PCH whose digest does not match its manifest is rebuilt, never used."""
-    if os.environ.get("BURSTCU_EMU_PCH", "1") == "0":
+    check_environment()
+    if not _SWITCH[os.environ.get("BURSTCU_EMU_PCH", "1").strip().lower()]:
         return None
     folder = trusted_dir(cache_dir() / f"pch-{_emulator_digest(kdir)[:24]}")
     try:
@@ -274,16 +300,21 @@ def _warn_pch_once(reason: str) -> None:
 def _remove_stale(keep: Sequence[Path], max_age_s: float = 86400.0) -> None:
     """Each emulator version leaves a ~50 MB PCH and a runtime object per option set: drop those
     (but `keep`) made or used more than a day ago. A runtime object that another process still
-    needs is made again (`_built`); a PCH removed under a build costs it a retry without (`_gxx`)."""
+    needs is made again (`_built`); a PCH removed under a build costs it a retry without (`_gxx`).
+    What builds killed midway left (their `.build-*` folders and `*.tmp` files: a PCH's is
+    ~65 MB) goes too once a day old, older than any build lasts."""
     now = time.time()
-    for old in [*cache_dir().glob("pch-*"), *cache_dir().glob("runtime-*.o")]:
+    folder = cache_dir()
+    for old in [*folder.glob("pch-*"), *folder.glob("runtime-*.o"), *folder.glob(".build-*"),
+                *folder.glob("*.tmp"), *folder.glob("pch-*/*.tmp")]:
         with contextlib.suppress(FileNotFoundError):
             if old in keep or now - old.stat().st_mtime <= max_age_s:
                 continue
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                old.with_suffix(".manifest").unlink(missing_ok=True)   # first: never a bare manifest
+                if old.suffix == ".o":    # a runtime object's manifest first: never a bare one
+                    old.with_suffix(".manifest").unlink(missing_ok=True)
                 old.unlink()
 
 

@@ -180,6 +180,7 @@ class LocalOps(ABC):
     device: str = "cpu"                          # where its arrays live: "cpu" or "cuda"
     device_id: int | None = None                 # the CUDA device it was made on and computes on
     #                                              (its kernels, kept buffers and flags live there)
+    compiles_on_first_use: bool = False          # builds a kernel variant at its first call
 
     def current_device(self) -> int | None:
         """The CUDA device a launch would run on now (CuPy's current one; device "cuda"), else
@@ -368,7 +369,7 @@ class DelegatingOps(LocalOps):
         self.array_types, self.dtypes = inner.array_types, inner.dtypes
         self.array_dtypes, self.masks_windows = inner.array_dtypes, inner.masks_windows
         self.max_positions, self.device = inner.max_positions, inner.device
-        self.device_id = inner.device_id
+        self.device_id, self.compiles_on_first_use = inner.device_id, inner.compiles_on_first_use
 
     def current_device(self):
         return self.inner.current_device()

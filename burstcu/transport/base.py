@@ -226,6 +226,9 @@ class Transport(ABC):
 
     name: str = "abstract"
     link = None  # the emulated link its messages are paced to (`burstcu.transport.link`), if any
+    # whether its group's local op compiles kernels at their first call (a peer's compile can
+    # outlast a wait; `burstcu.Group` sets it from `LocalOps.compiles_on_first_use`)
+    compiles_kernels = True
 
     def __init__(self, rank: int, size: int, timeout: float | None = None):
         if not 0 <= rank < size:
@@ -269,7 +272,8 @@ class Transport(ABC):
         top = self
         while top.parent is not None:
             top = top.parent
-        hint = f"; {FIRST_USE_COMPILE}" if top.call not in (None, "burstcu.init") else ""
+        inside = top.call not in (None, "burstcu.init")
+        hint = f"; {FIRST_USE_COMPILE}" if inside and top.compiles_kernels else ""
         return CommTimeoutError(f"rank {self.top_rank(self.rank)} waited {self.timeout:g} s for "
                                 f"{waited_for} during {self.doing()} (timeout: "
                                 f"burstcu.init(timeout=...) or ${TIMEOUT_ENV}){hint}")

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 from ..build.compile import compute_capability
 from ..build.variants import MIN_COMPUTE_CAPABILITY
-from .base import DEFAULT_TIMEOUT, Transport, resolve_timeout
+from .base import DEFAULT_TIMEOUT, MAX_WAIT_S, Transport, resolve_timeout
 from .mpi import gather_plain
 from .nccl import CupyDevice, NCCLTransport
 
@@ -61,18 +63,20 @@ def launcher_world_size() -> tuple[str, int] | None:
     return None
 
 
-def world_comm(comm=None):
+def world_comm(comm=None, timeout: float | None = None):
     """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
     load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
     once). If a launcher started this process as one of several ranks (`launcher_world_size`),
     a missing mpi4py or MPI library, or an MPI world of another size (torchrun's processes, or
     a launcher of another MPI than mpi4py's: each process then a world of one), raises
     RuntimeError instead, on every process alike: the ranks would otherwise each run the whole
-    problem alone, as unrelated single processes."""
+    problem alone, as unrelated single processes. MPI's start waits for every rank of the
+    launch: one that takes longer than `timeout` (`_watching_mpi_start`) ends this process."""
     if comm is not None:
         return comm
     try:
-        from mpi4py import MPI
+        with _watching_mpi_start(timeout):
+            from mpi4py import MPI
     except ImportError as exc:
         _refuse_under_a_launcher(exc, "mpi4py is not installed", "Install the 'mpi' extra (pip "
                                  "install 'burstcu[mpi]') in the Python that mpiexec starts")
@@ -156,6 +160,70 @@ def _refuse_a_world_of_another_size(size: int) -> None:
                        f"{size} rank(s): {why}, and every process would run alone on the whole "
                        f"problem. {remedy}; pass comm=MPI.COMM_SELF for a one-process group on "
                        f"purpose")
+
+
+# MPI_Init returns once every rank of the launch has called it, and waits holding the
+# interpreter's lock, so no Python thread or signal handler runs meanwhile: a rank that ended
+# before starting MPI (an exception before burstcu.init, a Python without mpi4py) would leave the
+# others there for good. A watcher process ends such a wait; it never waits less than this.
+MPI_START_MIN_S = 60.0
+_MPI_START_WATCH = """
+import os, select, signal, sys, time
+parent, seconds, said = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if select.select([sys.stdin], [], [], seconds)[0]:
+    sys.exit(0)     # MPI started (the pipe was closed), or the rank ended
+sys.stderr.write(said + "\\n")
+sys.stderr.flush()
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    if os.getppid() != parent:
+        break       # the rank is gone
+    os.kill(parent, sig)
+    for _ in range(50):
+        if os.getppid() != parent:
+            break
+        time.sleep(0.1)
+"""
+
+
+@contextmanager
+def _watching_mpi_start(timeout: float | None):
+    """Around MPI's start in a process an MPI launcher started as one of several ranks (and
+    whose MPI has not started yet): a watcher process that, past `timeout` (`resolve_timeout`;
+    at least MPI_START_MIN_S), says why on stderr and ends this process (SIGTERM, then SIGKILL),
+    so that the launcher ends the job. Elsewhere, or where no process starts, nothing."""
+    launched = launcher_world_size()
+    try:
+        seconds = max(resolve_timeout(timeout), MPI_START_MIN_S)
+    except Exception:  # noqa: BLE001 - a bad timeout: burstcu.init says so on every rank, once MPI runs
+        seconds = max(DEFAULT_TIMEOUT, MPI_START_MIN_S)
+    if ("mpi4py.MPI" in sys.modules or launched is None or launched[0] == "WORLD_SIZE"
+            or launched[1] < 2 or seconds >= MAX_WAIT_S):   # math.inf too: no deadline
+        yield
+        return
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
+                                         "SLURM_PROCID")
+                 if v in os.environ), "?")
+    said = (f"burstcu: rank {rank} waited {seconds:g} s for MPI to start, which waits for every "
+            f"rank of the launch ({launched[0]}={launched[1]}): a rank may have ended before "
+            f"starting MPI (an exception before burstcu.init, a Python without mpi4py or with "
+            f"another MPI's). Ending this rank (timeout: burstcu.init(timeout=...) or "
+            f"$BURSTCU_TIMEOUT, at least {MPI_START_MIN_S:g} s here); launch/burstcu-run starts "
+            f"MPI before the program and names such a rank")
+    try:
+        watch = subprocess.Popen([sys.executable, "-I", "-S", "-c", _MPI_START_WATCH,
+                                  str(os.getpid()), repr(seconds), said],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        watch.stdin.close()
+        try:
+            watch.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            watch.kill()
 
 
 def _refuse_under_a_launcher(exc: Exception, what: str, remedy: str) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from filelock import FileLock
 
+import burstcu
 from burstcu.build import compile
 from burstcu.build import emulate
 
@@ -279,6 +280,29 @@ def test_builds_of_other_versions_unused_for_a_day_are_removed(cache, tiny):
     assert not old_pch.exists() and not old_rt.exists() and not old_rt.with_suffix(".manifest").exists()
     assert new_pch.is_dir() and new_rt.is_file() and new_rt.with_suffix(".manifest").is_file()
     assert mine.is_file() and time.time() - mine.stat().st_mtime < 600
+
+
+def test_what_killed_builds_left_is_removed_once_a_day_old(cache, tiny):
+    """A build killed midway (its rank aborted with the job) leaves its `.build-*` folder and its
+    `*.tmp` files (a precompiled header's is ~65 MB): once a day old they go with the next build;
+    younger ones (a build of another process may be running) stay."""
+    emulate.build_module([tiny], ["tiny_a"])
+    emu = cache / "emu"
+    pch = emu / "pch-new"          # a precompiled header's folder in use (none here: see `cache`)
+    pch.mkdir(mode=0o700)
+    day_old = time.time() - 86400 - 60
+    old = [emu / ".build-0ld", emu / "x.so.0ld.tmp", pch / "emu_pch.h.gch.0ld.tmp"]
+    new = [emu / ".build-new", emu / "x.so.new.tmp", pch / "emu_pch.h.gch.new.tmp"]
+    for folder in (old[0], new[0]):
+        folder.mkdir(mode=0o700)
+        (folder / "unit.cpp").write_text("//")
+    for path in old[1:] + new[1:]:
+        path.write_bytes(b"\0")
+    for path in old:
+        os.utime(path, (day_old, day_old))
+    emulate.build_module([tiny], ["tiny_b"])
+    assert not any(path.exists() for path in old), old
+    assert all(path.exists() for path in new), new
 
 
 def test_damaged_runtime_object_is_rebuilt(cache, tiny):
@@ -623,3 +647,28 @@ def test_check_refuses_a_family_the_arch_does_not_gate(capsys):
         cli.main(["check", "--arch", "sm_90a", "--family", "forward"])
     err = capsys.readouterr().err
     assert "unknown family ['forward']" in err and "forward_sm90" in err
+
+
+@pytest.mark.parametrize("name, bad, good", [
+    ("BURSTCU_EMU_TIMEOUT_S", ["abc", "-1", "nan", "inf", "5s", "1_000"], ["0", "2.5", " 300 ", "1e3"]),
+    ("BURSTCU_EMU_STACK_KB", ["abc", "0", "-64", "1.5", "\u00b2", "1_024"], ["128"]),
+    ("BURSTCU_EMU_PCH", ["2", "maybe"], ["0", "off", "No", "1", "true"]),
+])
+def test_the_emulators_settings_are_checked_when_its_group_is_made(monkeypatch, name, bad, good):
+    """The emulator's C runtime reads its settings with atof / atol, so junk read as 0 (the
+    watchdog off, the default stack) and a PCH switch other than "0" left it on, without a word:
+    a value it does not take is now a ValueError naming the variable when the group is made (on
+    every rank: burstcu.init agrees on the local op); the values it takes make the group."""
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"^burstcu.init: the 'emulated' local op: {name}="):
+            burstcu.init(backend="emulated")
+    for value in good:
+        monkeypatch.setenv(name, value)
+        burstcu.init(backend="emulated").close()
+
+
+def test_the_precompiled_header_switch_takes_its_words(cache, monkeypatch):
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("BURSTCU_EMU_PCH", off)
+        assert emulate._precompiled_header(emulate.kernel_dir()) is None

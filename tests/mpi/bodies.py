@@ -834,5 +834,21 @@ def global_array_on_every_rank():
         warnings.simplefilter("always")
         burstcu.attention(mine, mine, mine, group, causal=True)
     result["padded_warned"] = sum(issubclass(w.category, burstcu.SameShardsWarning) for w in caught)
+    # decode over the same cache rows on every rank, and a KV cache prefilled with them; a
+    # cache of each rank's own rows, an empty one, and a KV cache's appended rows: no warning
+    token = q[:, -1:]
+    cache = burstcu.KVCache(group, 1, 16, 2, 8, np.float32)
+    mine = mine[:, :16]   # this rank's rows of the padded sequence: the same first rows, not last
+    for name, call in (("decode", lambda: burstcu.decode(token, q, q, group)),
+                       ("prefill", lambda: cache.from_prefill(q, q)),
+                       ("decode_own_rows", lambda: burstcu.decode(token, mine, mine, group)),
+                       ("decode_empty", lambda: burstcu.decode(token, q, q, group, cache_seqlens=[0])),
+                       ("appended", lambda: (cache.clear(0), cache.append(q[:, :3], q[:, :3]),
+                                             cache.decode(token)))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        same = [w for w in caught if issubclass(w.category, burstcu.SameShardsWarning)]
+        result[f"{name}_warned"] = [(os.path.basename(w.filename), str(w.message)) for w in same]
     return result
 

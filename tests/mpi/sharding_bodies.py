@@ -164,7 +164,8 @@ def bare_keyword_mistakes():
 
 
 def group_left_out():
-    """Shards of this group passed to a call without it (one process), the results joined
+    """Shards of this group passed to a call without it (one process: attention, its backward,
+    linear attention, decode, a KV cache's prefill), the results joined
     without it, whole arrays (cut for one process) passed as a rank's shard, and arrays cut
     along another axis than their sequence's (packed arrays cut by shard's default axis 1,
     heads) passed to a call on the group: ValueError on every rank, naming the ranks or the
@@ -186,6 +187,8 @@ def group_left_out():
         "packed, cut along axis 1": lambda: burstcu.attention(
             *(burstcu.shard(x[0], group) for x in (q, k, v)), group),
         "heads on the group": lambda: burstcu.attention(*heads, group, causal=True),
+        "decode": lambda: burstcu.decode(q[:, -1:], ck, cv),
+        "KV cache": lambda: burstcu.KVCache(None, 1, n, 6, 8, np.float32).from_prefill(ck, cv),
     }
     heads = [burstcu.shard(x, group, axis=2) for x in (q, k, v)]
     messages = _value_errors(calls)
@@ -311,3 +314,33 @@ def torch_tensors_unshard(dtypes=("bfloat16",)):
     group.barrier()
     group.close()
     return {"joined": joined}
+
+
+def unshard_of_a_copy_asks_for_the_axis():
+    """Sharding.unshard of a 3-D array it remembers nothing of (a copy) takes it as packed
+    (T, H, D) joined along axis 0; where axis 0 cannot be this rank's rows (an lse (B, H, S)
+    with B = 1 < G, hidden states (B, N, d) whose rows are the Sharding's lengths) it asks for
+    the axis, on every rank, instead of joining batch rows; the same arrays with their axis (or
+    unshard_lse) join as the reference says."""
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    q, k, v, _ = make_inputs(9, 1, 8 * group.size, 4, 2, 8, "float32")
+    out, lse = burstcu.attention(*(sh.shard(x) for x in (q, k, v)), sh, causal=True, return_lse=True)
+    rows = [5] + [3] * (group.size - 1)
+    uneven = burstcu.Sharding(group, lengths=rows)
+    hidden = np.zeros((group.size + 1, rows[group.rank], 16), np.float32)  # (B, N_local, d), B > G
+    messages = _value_errors({"lse copy": lambda: sh.unshard(lse.copy()),
+                              "hidden states copy": lambda: uneven.unshard(hidden.copy())})
+    want_out, want_lse = attention_ref(q, k, v, causal=True)
+    errors = {"lse": float(np.abs(sh.unshard_lse(lse.copy()) - want_lse).max()),
+              "lse axis": float(np.abs(sh.unshard(lse.copy(), axis=2) - want_lse).max()),
+              "out copy": float(np.abs(sh.unshard(out.copy()) - want_out).max())}
+    shape = uneven.unshard(hidden.copy(), axis=1).shape
+    # packed copies that are this rank's rows: one row where the lengths say so, two without any
+    ones = [1] + [3] * (group.size - 1)
+    packed = np.zeros((ones[group.rank], 2, 4), np.float32) + group.rank
+    joined = burstcu.Sharding(group, lengths=ones).unshard(packed.copy())
+    pairs = sh.unshard(np.zeros((2, 2, 4), np.float32) + group.rank)
+    group.close()
+    return {"messages": messages, "errors": errors, "hidden_shape": list(shape),
+            "packed": joined[:, 0, 0].tolist(), "pairs": pairs[:, 0, 0].tolist()}

@@ -219,3 +219,42 @@ def test_a_launcher_of_another_mpi_is_refused(tmp_path):
     assert "one of 2 ranks (OMPI_COMM_WORLD_SIZE=2) but MPI's world has 1 rank(s): the " \
            "launcher's MPI is not the one mpi4py loaded" in proc.stderr, proc.stderr
     assert "MPI4PY_LIBMPI" in proc.stderr
+
+
+_START_THAT_HANGS = """
+import os, sys, time
+from burstcu.transport import bootstrap
+bootstrap.MPI_START_MIN_S = 0.5
+with bootstrap._watching_mpi_start({timeout}):
+    print("started", flush=True)
+    time.sleep({sleep})             # MPI's start, waiting for a rank that never comes
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launched, ends", [({"PMI_SIZE": "2", "PMI_RANK": "1"}, True),
+                                            ({"PMI_SIZE": "1", "PMI_RANK": "0"}, False),
+                                            ({}, False)])
+def test_a_start_of_mpi_that_waits_past_the_timeout_ends_the_rank(launched, ends):
+    """MPI's start waits, holding the interpreter's lock, for every rank of the launch: a rank
+    that ended before starting MPI left the others there for good (BURSTCU_TIMEOUT unheard). A
+    watcher process now ends such a rank past its timeout, saying why on stderr, when a launcher
+    started it as one of several ranks (else nothing is watched); a start in time goes on."""
+    launcher = (*bootstrap._LAUNCHER_SIZE_VARS, "PMI_RANK", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS",
+                "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "BURSTCU_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env.update(launched, PYTHONPATH=str(ROOT))
+    code = _START_THAT_HANGS.format(timeout=1.0, sleep=6 if ends else 2)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.startswith("started"), proc
+    if ends:
+        assert proc.returncode == -15 and "went on" not in proc.stdout, proc
+        assert proc.stderr.startswith("burstcu: rank 1 waited 1 s for MPI to start, which waits for "
+                                      "every rank of the launch (PMI_SIZE=2): a rank may have ended "
+                                      "before starting MPI"), proc.stderr
+    else:
+        assert proc.returncode == 0 and "went on" in proc.stdout and proc.stderr == "", proc
+    quick = subprocess.run([sys.executable, "-c", _START_THAT_HANGS.format(timeout=1.0, sleep=0)],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert quick.returncode == 0 and quick.stdout.endswith("went on\n") and quick.stderr == "", quick

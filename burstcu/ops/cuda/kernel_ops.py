@@ -220,6 +220,7 @@ class KernelOps(LocalOps):
                 raise ValueError("arch 'sm_90a' (the Hopper kernels) needs a compute capability "
                                  f"9.0 GPU; this one is {compute_capability() / 10:.1f}")
         else:
+            emulate.check_environment()   # the emulator's settings, read by its C runtime
             self.xp = np
             self.arch = arch or "sm_80"
             self.smem_limit = None
@@ -267,6 +268,7 @@ class KernelOps(LocalOps):
     dtypes = _KERNEL_DTYPES
     masks_windows = True  # Block.left / Block.right become the kernels' key bounds (lo, hi)
     max_positions = MAX_POSITION  # the kernels add bounds of 32-bit positions
+    compiles_on_first_use = True  # NVRTC (cupy) or g++ (emulated), then the kernel cache
 
     def current_device(self) -> int | None:
         """CuPy's current device. The op is bound to `device_id`, where it was made: its kernel
