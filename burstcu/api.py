@@ -716,6 +716,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
                 err = (InputError(ValueError, conflict) if conflict is not None
                        else _not_an_array("unshard", "x_local", x_local)
+                       or device_problem(group.ops, ("x_local",), (x_local,))
                        or axis_problem(axis, x_local.ndim, "x_local"))
                 if err is None:
                     axis = int(axis) % x_local.ndim

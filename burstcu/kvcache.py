@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
-from .arrays import host_view, torch_stream
+from .arrays import device_problem, host_view, torch_stream
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
@@ -225,6 +225,9 @@ class KVCache:
         rank given the same rows."""
         b, (hkv, d) = self.batch, self.k.shape[2:]
         xp = self.group.ops.xp
+        elsewhere = device_problem(self.group.ops, ("k", "v"), (k_new, v_new))
+        if elsewhere is not None:
+            raise ValueError(f"KVCache.{what}: {elsewhere.message}")
         if xp is np:   # CPU torch tensors of any dtype, bfloat16 and requires_grad too
             k_new, v_new = host_view(k_new), host_view(v_new)
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)

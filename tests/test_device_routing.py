@@ -68,6 +68,11 @@ def test_cuda_arrays_given_to_a_host_group_get_a_clear_error():
             burstcu.attention(q, _DLTensor(k, device=(2, 1)), v, group)
         with pytest.raises(ValueError, match=r"^q is on CUDA device 0 but this group computes on the host"):
             burstcu.decode(_DLTensor(q[:, :1], device=(2, 0)), k, v, group)
+        cache = burstcu.KVCache(group, 1, 16, 2, 8, np.float32)
+        for call in (cache.append, cache.from_prefill):
+            with pytest.raises(ValueError, match=rf"KVCache.{call.__name__}: k is on CUDA device 0 but "
+                                                 rf"this group computes on the host"):
+                call(_DLTensor(k, device=(2, 0)), v)
 
 
 def test_cuda_dlpack_arrays_route_to_the_cupy_group(monkeypatch):

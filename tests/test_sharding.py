@@ -292,7 +292,9 @@ def test_unshard_of_a_copy_asks_for_the_axis():
     copies join as the float64 reference says. Packed copies that are this rank's rows (one row
     where the Sharding's lengths say so) join without one."""
     for r in run_mpi(2, "sharding_bodies:unshard_of_a_copy_asks_for_the_axis"):
-        assert set(r["messages"]) == {"lse copy", "hidden states copy"}, r["messages"]
+        assert set(r["messages"]) == {"lse copy", "hidden states copy", "on a GPU"}, r["messages"]
+        assert "x_local is on CUDA device 0 but this group computes on the host" in \
+            r["messages"]["on a GPU"], r["messages"]
         assert "x_local (1, 4, 8) has 1 row there: pass axis=" in r["messages"]["lse copy"]
         # rank 0's (3, 5, 16) gives itself away; rank 1's (3, 3, 16) does not, and raises rank 0's
         assert "(3, 5, 16) has 3 rows there and this rank's 5 along axis 1" in \

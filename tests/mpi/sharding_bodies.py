@@ -329,8 +329,15 @@ def unshard_of_a_copy_asks_for_the_axis():
     rows = [5] + [3] * (group.size - 1)
     uneven = burstcu.Sharding(group, lengths=rows)
     hidden = np.zeros((group.size + 1, rows[group.rank], 16), np.float32)  # (B, N_local, d), B > G
+    class OnAGpu:   # a framework's array on CUDA device 0 (its DLPack device says so)
+        ndim, shape, dtype = 4, (1, 8, 4, 8), np.dtype(np.float32)
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
     messages = _value_errors({"lse copy": lambda: sh.unshard(lse.copy()),
-                              "hidden states copy": lambda: uneven.unshard(hidden.copy())})
+                              "hidden states copy": lambda: uneven.unshard(hidden.copy()),
+                              "on a GPU": lambda: sh.unshard(OnAGpu())})
     want_out, want_lse = attention_ref(q, k, v, causal=True)
     errors = {"lse": float(np.abs(sh.unshard_lse(lse.copy()) - want_lse).max()),
               "lse axis": float(np.abs(sh.unshard(lse.copy(), axis=2) - want_lse).max()),
