@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import engine
-from .arrays import (array_module, device_problem, group_for, host_view, is_cupy, joined, native, returned,
-                     tensor_of, untakeable)
+from .arrays import array_module, device_problem, group_for, is_cupy, joined, native, returned, untakeable
+from .cpu_tensors import host_view, tensor_of
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
@@ -786,9 +786,9 @@ def _held_problem(held: tuple, lengths: tuple | None) -> str | None:
 
 def _host_tensor(x_local, group: Group) -> tuple:
     """(x_local as `unshard` gathers it, how to hand the result back, or None): on a host group,
-    a CPU torch tensor not requiring grad as a NumPy view (`arrays.host_view`: bfloat16 through
+    a CPU torch tensor not requiring grad as a NumPy view (`cpu_tensors.host_view`: bfloat16 through
     int16, which DLPack cannot carry into NumPy), handed back as a tensor of its dtype
-    (`arrays.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
+    (`cpu_tensors.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
     it, or refuses it, as a GPU group refuses host arrays)."""
     on_host = group.ops.device != "cuda" and not getattr(x_local, "requires_grad", False)
     view = host_view(x_local) if on_host else x_local

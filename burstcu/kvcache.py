@@ -24,7 +24,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
-from .arrays import device_problem, host_view, torch_stream
+from .arrays import device_problem, torch_stream
+from .cpu_tensors import host_view
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows

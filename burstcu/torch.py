@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import api, arrays
+from .cpu_tensors import host_view, tensor_of
 from .group import Group
 from .validate import carry_cut
 
@@ -43,14 +44,14 @@ def _to_burstcu(t: torch.Tensor):
     if t.is_cuda:
         return t
     try:
-        return arrays.host_view(t)
+        return host_view(t)
     except (TypeError, RuntimeError):
         return t
 
 
 def _as_tensors(*xs) -> tuple:
     """xs with each array that is no tensor as a tensor: a NumPy array as a CPU tensor copy of its
-    values (`arrays.tensor_of`; another byte order made native), which later writes to the array
+    values (`tensor_of`; another byte order made native), which later writes to the array
     cannot change; another framework's array (JAX, CuPy) through DLPack, zero-copy. Autograd
     saves tensors only, so an array given on one rank would fail there alone once the
     collective forward had run. An array of a dtype torch cannot hold (burstcu refuses it too)
@@ -59,7 +60,7 @@ def _as_tensors(*xs) -> tuple:
     for x in xs:
         try:
             if isinstance(x, np.ndarray):
-                x = arrays.tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
+                x = tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
             elif not isinstance(x, torch.Tensor) and hasattr(x, "__dlpack__"):
                 x = torch.from_dlpack(x)
         except (TypeError, ValueError, RuntimeError, BufferError):
@@ -74,7 +75,7 @@ def _to_torch(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        return arrays.tensor_of(x)
+        return tensor_of(x)
     return torch.from_dlpack(x)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .blockmask import BlockMask
+from .cpu_tensors import host_view
 from .layout import LAYOUTS, Partition, partition
 from .ops.base import accum_dtype, caller_stacklevel, dtype_name, finfo
 
@@ -559,11 +560,10 @@ def _fingerprint(x, axis: int) -> bytes:
 
 def _host(x) -> np.ndarray | None:
     """x's values as a NumPy array, for its fingerprint: a NumPy array itself, a CPU torch tensor
-    through a view (`arrays.host_view`); None for anything else (device arrays, whose rows
+    through a view (`cpu_tensors.host_view`); None for anything else (device arrays, whose rows
     cannot be read without a sync)."""
     if isinstance(x, np.ndarray):
         return x
-    from .arrays import host_view   # (arrays imports this module)
     try:
         view = host_view(x)
     except Exception:  # noqa: BLE001 - a tensor NumPy cannot view: nothing to remember

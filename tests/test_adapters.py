@@ -420,6 +420,14 @@ def test_torch_compile_runs_the_calls_eagerly(torch):
         assert rank_result == {"loss": 0.0, "grads": 0.0}, rank_result
 
 
+@pytest.mark.mpi
+def test_torch_activation_checkpointing_recomputes_collectively(torch):
+    for rank_result in run_mpi(3, "adapter_bodies:torch_activation_checkpointing", timeout=300):
+        assert rank_result.pop("plain forwards") == 1, rank_result
+        for mode, got in rank_result.items():
+            assert got == {"forwards": 2, "same_loss": True, "same_grads": True}, (mode, got)
+
+
 def test_buffer_callbacks_are_held_in_program_order(jax):
     """burstcu.jax's GPU path (`_in_program_order`): each buffer_callback sits between an ordered
     ticket and an ordered receipt, so two calls with no data dependence still run in program

@@ -1,5 +1,6 @@
-"""Which way imports run: the library's run path never imports its verification package; and
-only `burstcu/group.py`, which picks the backend, asks which one it is.
+"""Which way imports run: the library's modules import each other in no circle, its run path never
+imports its verification package; and only `burstcu/group.py`, which picks the backend, asks
+which one it is.
 
 `burstcu.testing` (references, the loopback runner, the schedule checker, the self-test checks)
 sits above the library like `numpy.testing`; only the checking entry points users run
@@ -52,6 +53,59 @@ def test_the_scan_sees_relative_imports():
     names = imported_modules(PACKAGE / "ops" / "cuda" / "kernel_ops.py")
     assert "burstcu.build.emulate" in names
     assert any(n.startswith("burstcu.testing") for n in imported_modules(PACKAGE / "selftest.py"))
+
+
+def module_name(path: Path) -> str:
+    """burstcu/ops/base.py -> "burstcu.ops.base"; a package's __init__.py -> the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_imports(path: Path, modules: set) -> set:
+    """The library modules `path` imports, lazily or not, but not under `if TYPE_CHECKING:`
+    (never run): `from . import api` names burstcu.api, not the package that holds it."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for branch in ast.walk(tree) if isinstance(branch, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(branch.test) for n in ast.walk(branch)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            base = parts[:len(parts) - node.level] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{module}.{alias.name}" for alias in node.names]
+            names = names if all(n in modules for n in names) else [module]
+        for name in names:
+            while name and name not in modules:     # an attribute of a module: that module
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found - {module_name(path)}
+
+
+def test_no_import_circles():
+    """Each floor imports only the floors below it: following the imports from any module
+    never leads back to it (docs/repository.md)."""
+    paths = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    imports = {m: library_imports(p, set(paths)) for m, p in paths.items()}
+    circles = []
+    for start in imports:
+        trail, seen = [(start, [start])], set()
+        while trail:
+            here, way = trail.pop()
+            for there in sorted(imports[here]):
+                if there == start:
+                    circles.append(" -> ".join(way + [start]))
+                elif there not in seen:
+                    seen.add(there)
+                    trail.append((there, way + [there]))
+    assert not circles, circles[:4]
+    assert "burstcu.validate" in imports["burstcu.api"], "the scan follows relative imports"
+    assert "burstcu.ops.cuda.kernel_ops" in imports["burstcu.ops.cuda"], "and a package's own"
 
 
 def backend_tests(path: Path) -> list[str]:

@@ -192,6 +192,38 @@ def torch_shards_remember_their_cut():
             "grads": all(x.grad is not None for x in zig)}
 
 
+def torch_activation_checkpointing():
+    """A block around burstcu.torch.attention under torch.utils.checkpoint, reentrant and not:
+    its forward runs again inside the backward, collectively on every rank, and the loss and
+    gradients equal the plain block's bit for bit."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    q, k, v, dout = (sh.shard(torch.from_numpy(x)) for x in _inputs(11))
+    forwards = []
+
+    def block(q, k, v):
+        forwards.append(1)
+        return burstcu.torch.attention(q.tanh(), k, v, sh, causal=True).sin()
+
+    results = {}
+    for mode in ("plain", "reentrant", "non-reentrant"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        forwards.clear()
+        out = block(*leaves) if mode == "plain" else checkpoint(
+            block, *leaves, use_reentrant=mode == "reentrant")
+        loss = (out * dout).sum()
+        loss.backward()
+        results[mode] = (len(forwards), loss.detach(), [x.grad for x in leaves])
+    group.close()
+    plain = results.pop("plain")
+    return {mode: {"forwards": n, "same_loss": bool(torch.equal(loss, plain[1])),
+                   "same_grads": all(torch.equal(a, b) for a, b in zip(grads, plain[2]))}
+            for mode, (n, loss, grads) in results.items()} | {"plain forwards": plain[0]}
+
+
 def torch_compile_runs_the_calls_eagerly():
     """A loss around burstcu.torch.attention under torch.compile (backend "eager": no code made)
     gives the eager loss and gradients; Dynamo traced into the ring and every rank failed."""
