@@ -115,6 +115,9 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
                                       f"match{swapped}")
     if dk != d:
         return InputError(ValueError, f"q has head dim {d}, k and v have {dk}")
+    if s < 1 and min(b, h, d, hkv) >= 1:
+        return InputError(ValueError, f"q {tuple(q.shape)} holds no rows: every rank must hold at "
+                                      f"least one row of the sequence (uneven shards too)")
     if min(b, s, h, d, hkv) < 1:
         return InputError(ValueError, f"empty dimension in q {tuple(q.shape)} or k {tuple(k.shape)}")
     if h % hkv:

@@ -102,6 +102,10 @@ def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
     q, k = np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 0, 2, 8), np.float32)
     with pytest.raises(ValueError, match="k and v have 0: lengths must match$"):
         burstcu.attention(q, k, k)
+    with pytest.raises(ValueError, match=r"q \(1, 0, 2, 8\) holds no rows"):
+        burstcu.attention(k, k, k)
+    with pytest.raises(ValueError, match="empty dimension"):   # no head dim: not a row matter
+        burstcu.attention(*(np.zeros((1, 0, 2, 0), np.float32),) * 3)
     with pytest.raises(ValueError, match="does not fit the cache .*of Hkv$"):
         burstcu.decode(np.zeros((1, 1, 4, 8), np.float32), *(np.zeros((1, 16, 0, 8), np.float32),) * 2)
 

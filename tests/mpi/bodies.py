@@ -308,6 +308,8 @@ BAD_INPUTS = {
     "one_rank_passes_the_global_array": ("last", "ValueError", "did it pass the global array"),
     "ranks_disagree_heads": ("last", "ValueError", "q shape: rank 0 (1, 'S', 2, 16)"),
     "uneven_contiguous_shards_agree": ("none", None, None),
+    # uneven shards hold one row at least: a rank with none is named on every rank
+    "one_rank_holds_no_rows": ("last", "ValueError", "holds no rows: every rank must hold at least one"),
     "ranks_disagree_dtype": ("last", "ValueError", "q dtype: rank 0 float32"),
     "ranks_disagree_causal": ("last", "ValueError", "causal: rank 0 False"),
     "lse_shape": ("all", "ValueError", "lse must have shape"),
@@ -409,6 +411,12 @@ def _uneven_contiguous_shards(call: BadCall, singled_out: bool, size: int) -> No
     _shorter_shard(call, singled_out)
 
 
+def _no_rows_on_one_rank(call: BadCall, singled_out: bool, size: int) -> None:
+    call.uneven = True
+    if singled_out:
+        call.q, call.k, call.v = (x[:, :0].copy() for x in (call.q, call.k, call.v))
+
+
 def _the_global_array(call: BadCall, singled_out: bool, size: int) -> None:
     if singled_out:
         call.q, call.k, call.v = (np.concatenate([x] * size, axis=1)
@@ -464,6 +472,7 @@ SPOIL = {
     "one_rank_passes_the_global_array": _the_global_array,
     "ranks_disagree_heads": _twice_the_query_heads,
     "uneven_contiguous_shards_agree": _uneven_contiguous_shards,
+    "one_rank_holds_no_rows": _no_rows_on_one_rank,
     "ranks_disagree_dtype": _all_in_float64,
     "ranks_disagree_causal": _causal,
     "lse_shape": _backward_with_a_short_lse,
