@@ -258,7 +258,9 @@ class Call:
         t = self.transport
         try:
             if exc is not None and not self.together:
-                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {exc}")
+                said = str(exc) or ("interrupted (Ctrl-C or SIGINT)" if kind is KeyboardInterrupt
+                                    else "no message")
+                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {said}")
         finally:
             group, me = self.group, threading.get_ident()
             with group.entry:

@@ -287,12 +287,14 @@ class Transport(ABC):
             self.parent.fail(reason)
             return
         if self.size > 1:
-            sys.stderr.write(f"burstcu: {reason}{self.job_ranks_said()}\nburstcu: rank {self.rank} "
-                             f"ends all {self.size} ranks of the group (its peers may be waiting "
-                             f"for it)\n")
-            sys.stderr.flush()
-            time.sleep(ABORT_GRACE_S)
-            self._abort(reason)
+            try:   # a second Ctrl-C during the grace must not skip the abort (peers would wait)
+                sys.stderr.write(f"burstcu: {reason}{self.job_ranks_said()}\nburstcu: rank "
+                                 f"{self.rank} ends all {self.size} ranks of the group (its peers "
+                                 f"may be waiting for it)\n")
+                sys.stderr.flush()
+                time.sleep(ABORT_GRACE_S)
+            finally:
+                self._abort(reason)
 
     def job_ranks_said(self) -> str:
         """" (ranks 0-2 of this group are ranks [1, 2, 3] of the job)" where a message's rank

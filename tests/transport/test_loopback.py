@@ -352,3 +352,26 @@ def test_loopback_agreement_rounds_are_dropped_once_read():
     for t in threads:
         t.join()
     assert hub._objects == {}
+
+
+def test_an_interrupt_during_the_abort_grace_still_aborts(monkeypatch):
+    """fail() prints, waits ABORT_GRACE_S for the launcher to read it, then aborts every rank: a
+    second Ctrl-C in that wait must not skip the abort (the rank would leave through MPI's
+    finalize while its peers wait out their timeout)."""
+    from burstcu.transport import base
+
+    class Recording(base.SelfTransport):
+        aborted = None
+
+        def _abort(self, reason):
+            self.aborted = reason
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    t = Recording()
+    t.size = 2   # as a rank of two: fail() aborts
+    monkeypatch.setattr(base.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        t.fail("rank 0 failed in attention forward: KeyboardInterrupt")
+    assert t.aborted == "rank 0 failed in attention forward: KeyboardInterrupt"
