@@ -12,8 +12,8 @@ Passed where a group goes, a Sharding supplies `layout`, `cu_seqlens` and (with 
 
 layout: "contiguous", "zigzag" or "documents" (`burstcu.layout`). cu_seqlens: global document boundaries
 0 = b_0 <= ... <= b_n = N (host ints, the same on every rank), or None. lengths: rows each rank
-holds (one at least), for contiguous shards of other than near-equal lengths (rank r holds the run after the
-rows of ranks 0..r-1), or None. Packed inputs (flash-attn's varlen convention, no batch axis:
+holds (one at least), for contiguous shards of other than near-equal lengths (rank r holds the
+run after the rows of ranks 0..r-1), or None. Packed inputs (flash-attn's varlen convention, no batch axis:
 q (T, H, D)) have their sequence on axis 0: `sh.shard(x, axis=0)`, and their lse (H, T) on
 axis 1: `sh.unshard_lse(lse)` finds it from lse's rank.
 """
@@ -54,8 +54,8 @@ class Sharding:
             counts = host_ints(lengths)
             if counts.shape != (group.size,) or not np.issubdtype(counts.dtype, np.integer) \
                     or (counts < 1).any():
-                raise ValueError(f"lengths must be {group.size} positive ints (rows each rank holds: at least one), "
-                                 f"got {lengths!r}")
+                raise ValueError(f"lengths must be {group.size} positive ints (rows each rank "
+                                 f"holds: at least one), got {lengths!r}")
             lengths = tuple(int(n) for n in counts)
             if docs is not None and docs[-1] != sum(lengths):
                 raise ValueError(f"cu_seqlens ends at {docs[-1]} but the lengths add up to "
