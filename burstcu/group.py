@@ -19,9 +19,11 @@ import atexit
 import inspect
 import numbers
 import os
+import sys
 import threading
 import warnings
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,10 +170,73 @@ RANK_STATE = RankState(os.environ.pop(RankState.ENV, None))
 
 
 def _counted(group: Group) -> Group:
-    """`group`, counted among this rank's open groups (`RankState`)."""
+    """`group`, counted among this rank's open groups (`RankState`), and watched for an exception
+    that would end this rank's program while it is open (`UNCAUGHT`)."""
     RANK_STATE.change(+1)
     group.counted = True
+    UNCAUGHT.watch(group)
     return group
+
+
+class UncaughtEndsTheJob:
+    """While a group of several MPI ranks made by `init` is open, an exception that no code
+    catches (the program's end on this rank: a bug between calls, Ctrl-C) ends every rank, as
+    `python -m mpi4py` does: the traceback first (the hook that was there prints it), then
+    `Transport.fail` (a line naming the rank, MPI_Abort). Under a plain `mpiexec python
+    program.py` this rank would otherwise sit in MPI's finalize while its peers wait inside their
+    next call until the timeout. `sys.excepthook` is set once, at the first such group; putting
+    the previous hook back turns this off for good. Left alone: an error burstcu raised on every
+    rank alike inside a call (`burstcu_agreed`: bad input, ranks that disagree; each rank ends on
+    its own), a program run by mpi4py's runner (`-m mpi4py`, launch/: it aborts itself, with its
+    status), an interactive session (the prompt returns) and a forked child of the rank."""
+
+    def __init__(self):
+        self.groups: list[weakref.ref] = []   # (a Group compares by value: no WeakSet)
+        self.previous, self.pid, self.installed = None, os.getpid(), False
+        self.lock = threading.Lock()
+
+    def watch(self, group: Group) -> None:
+        if group.size < 2 or not group.transport.abort_ends_every_rank:
+            return
+        with self.lock:
+            self.pid = os.getpid()   # a forked child's exception is not this rank's end
+            self.groups = [ref for ref in self.groups if self._open(ref)] + [weakref.ref(group)]
+            if not self.installed:
+                self.installed, self.previous, sys.excepthook = True, sys.excepthook, self.hook
+
+    @staticmethod
+    def _open(ref: weakref.ref) -> bool:
+        group = ref()
+        return group is not None and not group.closed
+
+    def hook(self, kind, exc, tb) -> None:
+        try:
+            (self.previous or sys.__excepthook__)(kind, exc, tb)
+        finally:   # a hook that fails must not keep the peers waiting
+            group = next((ref() for ref in self.groups if self._open(ref)), None)
+            if group is not None and self._ends_the_job(exc):
+                group.transport.fail(f"rank {group.rank} stops on an uncaught "
+                                     f"{exception_text(kind, exc)} (outside any burstcu call, "
+                                     f"its group open)")
+
+    def _ends_the_job(self, exc: BaseException | None) -> bool:
+        interactive = sys.flags.interactive or hasattr(sys, "ps1")
+        return not (getattr(exc, "burstcu_agreed", False) or interactive
+                    or "mpi4py.run" in sys.modules or os.getpid() != self.pid)
+
+
+def exception_text(kind: type[BaseException], exc: BaseException | None) -> str:
+    """"ValueError: its message" for failure lines; an interrupt's empty message said in words."""
+    try:
+        said = str(exc) if exc is not None else ""
+    except Exception:   # a message that cannot be made must not stop the failure line
+        said = "(its message raised)"
+    if not said:
+        said = "interrupted (Ctrl-C or SIGINT)" if issubclass(kind, KeyboardInterrupt) else "no message"
+    return f"{kind.__name__}: {said}"
+
+
+UNCAUGHT = UncaughtEndsTheJob()
 
 
 CLOSED = "this group is closed: make a new one with burstcu.init()"   # what a call on a closed group raises
@@ -246,8 +311,10 @@ class Call:
         """Errors raised inside are raised on every rank alike: they end only this call."""
         try:
             yield
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as exc:
             self.together = True
+            with suppress(AttributeError):   # for `UncaughtEndsTheJob`: every rank raises it
+                exc.burstcu_agreed = True
             raise
         except MemoryError as exc:   # only one every rank raised (`InputError.exception`)
             self.together = getattr(exc, "burstcu_agreed", False)
@@ -258,9 +325,7 @@ class Call:
         t = self.transport
         try:
             if exc is not None and not self.together:
-                said = str(exc) or ("interrupted (Ctrl-C or SIGINT)" if kind is KeyboardInterrupt
-                                    else "no message")
-                t.fail(f"rank {t.rank} failed in {t.doing()}: {kind.__name__}: {said}")
+                t.fail(f"rank {t.rank} failed in {t.doing()}: {exception_text(kind, exc)}")
         finally:
             group, me = self.group, threading.get_ident()
             with group.entry:
@@ -439,7 +504,8 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
     `python -m mpi4py` anything init raises on one rank ends the job; then every rank checks
     its arguments and environment, and one bounded agreement raises the same error on every
     rank if any rank's are bad or the ranks' differ. Close the group when done (`close()`, or
-    use it as a context manager).
+    use it as a context manager). While a group of several MPI ranks is open, an exception no
+    code catches on one rank ends every rank, as under `-m mpi4py` (`UncaughtEndsTheJob`).
     """
     if comm is not None and not (torch_process_group(comm) or hasattr(comm, "Get_rank")):
         mesh = " (a DeviceMesh: pass mesh.get_group())" if hasattr(comm, "get_group") else ""

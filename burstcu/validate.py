@@ -482,7 +482,8 @@ def ordered_by(label: str):
 
 def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata",
           local=None) -> list:
-    """One collective round; then raise on every rank if any rank failed or ranks disagree.
+    """One collective round; then raise on every rank if any rank failed or ranks disagree
+    (the error marked `burstcu_agreed`, `InputError.exception`).
     `what` names the call, so ranks inside different calls fail together too; the calling
     thread (`calling_thread`) is compared too, so calls of two threads that reach the ranks in
     different orders fail rather than pair wrongly. `local`: a value each rank reports without
@@ -496,7 +497,7 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
         (error.plain() if error else None, meta, (local, thread)), what)
     crossed = thread_problem(what, [t for _, _, (_, t) in gathered])
     if crossed is not None:
-        raise ValueError(crossed)
+        raise InputError(ValueError, crossed).exception()
     gathered = [(e, m, value) for e, m, (value, _) in gathered]
     if error:
         raise error.exception()
@@ -507,9 +508,8 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     metas = [m for _, m, _ in gathered]
     if any(m != metas[0] for m in metas):
         differing = [r for r, m in enumerate(metas) if m != metas[0]]
-        raise ValueError(f"ranks disagree in {what}: "
-                         + _difference(metas[0], metas[differing[0]], differing[0],
-                                       ARRAY_NAMES.get(what), transport.size))
+        raise InputError(ValueError, f"ranks disagree in {what}: " + _difference(
+            metas[0], metas[differing[0]], differing[0], ARRAY_NAMES.get(what), transport.size)).exception()
     return [value for _, _, value in gathered]
 
 

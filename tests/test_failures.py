@@ -1,7 +1,8 @@
 """Nothing hangs: failures on one rank end the whole job quickly, with a message naming the failing
 or missing rank, under a real `mpiexec -n 3` (each run under a time limit). The programs are
 tests/mpi/faults.py, started as users start them: through launch/rank-guard and `python -m
-mpi4py` (which aborts the world on an uncaught exception). Also: one rank's argument changed at
+mpi4py` (which aborts the world on an uncaught exception), or as a plain `python` program (where
+burstcu's own hook does, once a group is open). Also: one rank's argument changed at
 random in drawn calls raises on every rank (or, a change of form only, returns the same bits),
 waiting does not spin, ranks inside different calls fail together, resident memory stays flat
 over 1000 calls, and 4,500 init/close cycles leak no communicator (MPICH runs out after about
@@ -29,14 +30,17 @@ TIMEOUT = 4  # burstcu.init(timeout=...) in the programs: seconds a rank waits f
 COMPILING = "still compiling kernels on first use (the emulated and CUDA backends compile"
 
 
-def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
-               launcher: bool = False) -> tuple[int, str, float]:
-    """(exit status, combined output, seconds) of tests/mpi/faults.py SCENARIO on `ranks`:
-    under mpiexec through launch/rank-guard and `python -m mpi4py`, or with `launcher` through
-    launch/burstcu-run (rank-guard and launch/mpi_first.py)."""
-    program = [str(ROOT / "tests" / "mpi" / "faults.py"), scenario, str(TIMEOUT)]
+def run_faulty(scenario: str, ranks: int = 3, limit: float = 60, launcher: bool = False,
+               plain: bool = False, timeout: float = TIMEOUT) -> tuple[int, str, float]:
+    """(exit status, combined output, seconds) of tests/mpi/faults.py SCENARIO on `ranks`, whose
+    burstcu.init waits `timeout` s for a peer: under mpiexec through launch/rank-guard and
+    `python -m mpi4py`; with `launcher` through launch/burstcu-run (rank-guard and
+    launch/mpi_first.py); `plain`: `mpiexec python faults.py`, nothing around it."""
+    program = [str(ROOT / "tests" / "mpi" / "faults.py"), scenario, str(timeout)]
     if launcher:
         cmd = [str(ROOT / "launch" / "burstcu-run"), "--cpu", "-n", str(ranks), "--", sys.executable, *program]
+    elif plain:
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, *program]
     else:
         cmd = [mpiexec(), "-n", str(ranks), str(ROOT / "launch" / "rank-guard"), sys.executable, "-m",
                "mpi4py", *program]
@@ -55,6 +59,7 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60,
     # the rank (MPICH's own abort line, "... - process 1", is not always flushed before the
     # launcher tears the job down on a loaded machine, so it is not required)
     ("raise_before_call", ["RuntimeError: user code failed on rank 1"]),
+    ("interrupt_between_calls", ["KeyboardInterrupt"]),   # Ctrl-C on rank 1 between two calls
     # an exception inside a ring step: burstcu names the rank, call, step and cause, then aborts
     ("raise_in_step", ["burstcu: rank 1 failed in attention forward at 'fwd 1 compute': "
                        "MemoryError: simulated: out of memory"]),
@@ -95,6 +100,7 @@ def test_a_failure_on_one_rank_ends_the_job(scenario, names):
     for text in names:
         assert text in out, f"{text!r} missing from:\n{out}"
     assert "finished" not in out  # no rank went on as if nothing happened
+    assert "stops on an uncaught" not in out   # mpi4py's runner aborts; burstcu's hook stays out
     if scenario in ("sleep_past_timeout", "link_too_slow"):   # NumPy ranks compile nothing
         assert COMPILING not in out, out
 
@@ -116,6 +122,117 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     for text in names:
         assert text in out, f"{text!r} missing from:\n{out}"
     assert "finished" not in out
+
+
+@pytest.mark.parametrize("scenario,names", [
+    # a bug in user code on rank 1 once its group is open: the traceback, then burstcu ends the
+    # job (the others are inside their next call; they would wait out their 60 s)
+    ("raise_before_call", ["RuntimeError: user code failed on rank 1 before calling burstcu",
+                           "burstcu: rank 1 stops on an uncaught RuntimeError: user code failed"]),
+    # Ctrl-C on rank 1 between two calls
+    ("interrupt_between_calls", ["burstcu: rank 1 stops on an uncaught KeyboardInterrupt: "
+                                 "interrupted (Ctrl-C or SIGINT) (outside any burstcu call"]),
+    # the same in a second group, the first closed: the hook is set once and prints once
+    ("raise_in_second_group", ["burstcu: rank 1 stops on an uncaught RuntimeError: user code "
+                               "failed on rank 1 in its second group"]),
+])
+def test_an_uncaught_exception_ends_a_plainly_launched_job(scenario, names):
+    """`mpiexec python program.py`, no `-m mpi4py`: an exception no code catches on one rank
+    while its group is open aborts every rank at once (burstcu.group.UncaughtEndsTheJob), well
+    before the others' timeout, after the rank's traceback (printed once)."""
+    status, out, seconds = run_faulty(scenario, plain=True, timeout=60)
+    assert status != 0, out
+    assert seconds < 30, f"{scenario} took {seconds:.0f} s to end:\n{out}"
+    for text in names:
+        assert text in out, f"{text!r} missing from:\n{out}"
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert out.index("Traceback (most recent call last)") < out.index("stops on an uncaught"), out
+    assert "finished" not in out and "waited" not in out, out
+
+
+def test_the_uncaught_hook_prints_then_ends_the_job_only_where_peers_would_wait(monkeypatch):
+    """UncaughtEndsTheJob: the hook that was there prints first; then `fail` on the open group,
+    also for an exception raised while handling an agreed one; not for an error every rank
+    raised, a closed group, a group of one, a transport whose abort ends only this process,
+    mpi4py's runner, an interactive session or a forked child of the rank. Set once: a second
+    group neither chains the hook to itself nor comes back after the hook was put back."""
+    from burstcu.group import UncaughtEndsTheJob
+
+    said = []
+
+    class Transport:
+        abort_ends_every_rank = True
+
+        def fail(self, reason):
+            said.append(("fail", reason))
+
+    class Group:
+        rank, size, closed = 1, 2, False
+
+        def __init__(self, transport=None):
+            self.transport = transport or Transport()
+
+    def printed(kind, exc, tb):
+        said.append(("printed", kind))
+
+    def hooked(exc) -> list:
+        said.clear()
+        sys.excepthook(type(exc), exc, None)
+        return list(said)
+
+    bug = RuntimeError("a bug")
+    line = ("fail", "rank 1 stops on an uncaught RuntimeError: a bug (outside any burstcu call, its "
+                    "group open)")
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    monkeypatch.delitem(sys.modules, "mpi4py.run", raising=False)
+    monkeypatch.setattr(sys, "excepthook", printed)
+    watcher, first = UncaughtEndsTheJob(), Group()
+    alone, torchlike = Group(), Group(Transport())
+    alone.size, torchlike.transport.abort_ends_every_rank = 1, False
+    for g in (alone, torchlike, first):
+        watcher.watch(g)
+    assert sys.excepthook == watcher.hook and len(watcher.groups) == 1
+    assert hooked(bug) == [("printed", RuntimeError), line]
+
+    first.closed, second = True, Group()
+    assert hooked(bug) == [("printed", RuntimeError)]     # no group open
+    watcher.watch(second)
+    assert watcher.previous is printed and len(watcher.groups) == 1
+    assert hooked(bug) == [("printed", RuntimeError), line]   # printed once, not recursing
+
+    agreed = ValueError("bad input")
+    agreed.burstcu_agreed = True
+    assert hooked(agreed) == [("printed", ValueError)]
+    try:   # rank 1's own bug while it handles the agreed error: the others may be waiting
+        try:
+            raise agreed
+        except ValueError:
+            raise RuntimeError("a bug") from None
+    except RuntimeError as exc:
+        assert hooked(exc) == [("printed", RuntimeError), line]
+
+    with monkeypatch.context() as m:   # an interactive session: the prompt comes back
+        m.setattr(sys, "ps1", ">>> ", raising=False)
+        assert hooked(bug) == [("printed", RuntimeError)]
+    with monkeypatch.context() as m:   # mpi4py's runner aborts by itself, with its status
+        m.setitem(sys.modules, "mpi4py.run", object())
+        assert hooked(bug) == [("printed", RuntimeError)]
+    watcher.pid = -1    # the hook runs in a forked child of the rank
+    assert hooked(bug) == [("printed", RuntimeError)]
+    watcher.pid = os.getpid()
+
+    monkeypatch.setattr(sys, "excepthook", printed)   # put back: a later group leaves it so
+    watcher.watch(Group())
+    assert sys.excepthook is printed
+
+
+def test_an_error_every_rank_raises_ends_each_rank_without_an_abort():
+    """Bad input on every rank, caught by no one, in a plainly launched job: each rank's
+    traceback names it and each ends on its own; nothing aborts."""
+    status, out, seconds = run_faulty("bad_input_uncaught", plain=True, timeout=60)
+    assert status != 0 and seconds < 30, out
+    assert out.count("ValueError: q is packed (T, H, D: no batch axis)") == 3, out
+    assert "stops on an uncaught" not in out and "ends all" not in out and "MPI_Abort" not in out, out
 
 
 def test_a_rank_that_leaves_through_os_exit_after_its_last_call_fails_the_job():

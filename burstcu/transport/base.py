@@ -229,6 +229,9 @@ class Transport(ABC):
     # whether its group's local op compiles kernels at their first call (a peer's compile can
     # outlast a wait; `burstcu.Group` sets it from `LocalOps.compiles_on_first_use`)
     compiles_kernels = True
+    # whether `_abort` ends the other ranks' processes too (MPI_Abort); where it ends only this
+    # process (torchrun stops the others) or wakes threads, False
+    abort_ends_every_rank = False
 
     def __init__(self, rank: int, size: int, timeout: float | None = None):
         if not 0 <= rank < size:

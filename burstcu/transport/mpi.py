@@ -144,6 +144,7 @@ def _world_ranks(comm) -> tuple[int, ...] | None:
 
 class MPITransport(Transport):
     name = "mpi"
+    abort_ends_every_rank = True
 
     def __init__(self, comm: Any, progress: str = "thread", timeout: float | None = None,
                  link: Link | None = None):

@@ -420,6 +420,10 @@ class NCCLTransport(Transport):
         if self.meta is not None:
             self.allgather_object(None, "barrier")
 
+    @property
+    def abort_ends_every_rank(self) -> bool:
+        return self.meta is not None and self.meta.abort_ends_every_rank
+
     def _abort(self, reason: str) -> None:
         abort = getattr(self.device, "abort", None)
         if abort is not None:  # unblock this rank's NCCL kernels first

@@ -1,7 +1,8 @@
 """Programs that fail on purpose, run as users run them: `mpiexec -n N python -m mpi4py
 tests/mpi/faults.py SCENARIO [TIMEOUT]` (an uncaught exception then aborts the world, as mpi4py's
-`-m mpi4py` does). tests/test_failures.py checks that each ends the job quickly, non-zero, with a
-message naming the failing or missing rank. Rank 1 is the one that misbehaves.
+`-m mpi4py` does), or as a plain `python tests/mpi/faults.py ...`. tests/test_failures.py checks
+that each ends the job quickly, non-zero, with a message naming the failing or missing rank.
+Rank 1 is the one that misbehaves.
 """
 
 import os
@@ -143,6 +144,13 @@ def misbehave(scenario: str, group, timeout: float, q, k, v) -> None:
         burstcu.attention(q, k, v, group)
         if bad:
             os._exit(0)
+    if scenario == "interrupt_between_calls":   # Ctrl-C reaches rank 1 outside any call
+        burstcu.attention(q, k, v, group)
+        if bad:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10 * timeout)
+    if scenario == "bad_input_uncaught":   # every rank raises the same error, which no one catches
+        burstcu.attention(q[0], k, v, group)
     if scenario == "wait_forever" and bad:   # the others wait for it with no deadline
         time.sleep(1.0)
 
@@ -191,8 +199,20 @@ def subgroup_late(timeout: float) -> None:
     _say(f"rank {group.rank} finished")
 
 
+def raise_in_second_group(timeout: float) -> None:
+    """A group closed, a second one open, then a bug on rank 1 between two calls."""
+    burstcu.init(backend="numpy", timeout=timeout).close()
+    group = burstcu.init(backend="numpy", timeout=timeout)
+    q, k, v, _ = _inputs(group)
+    burstcu.attention(q, k, v, group)
+    if group.rank == 1:
+        raise RuntimeError("user code failed on rank 1 in its second group")
+    burstcu.attention(q, k, v, group)
+    _say(f"rank {group.rank} finished")
+
+
 PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs,   # whole ones
-            "subgroup_late": subgroup_late}
+            "subgroup_late": subgroup_late, "raise_in_second_group": raise_in_second_group}
 ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu}
 
 

@@ -119,6 +119,22 @@ def test_a_sub_group_is_connected_by_the_function_bootstrap_gave(monkeypatch):
         plain.close()
 
 
+def test_an_abort_ends_every_rank_when_the_host_side_is_mpi():
+    """NCCL aborts through its host side: MPI_Abort ends every rank (so an uncaught exception
+    may end the job, `burstcu.group.UncaughtEndsTheJob`); a host side that is not MPI's (here
+    SelfTransport) or none at all does not say so."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    assert not nccl.NCCLTransport(0, 2, RecordingDevice()).abort_ends_every_rank
+
+    from burstcu.transport.base import SelfTransport
+    assert not nccl.NCCLTransport(0, 1, RecordingDevice(), SelfTransport()).abort_ends_every_rank
+    over_mpi = nccl.NCCLTransport(0, 1, RecordingDevice(), MPI.COMM_SELF, 5.0)
+    try:
+        assert over_mpi.abort_ends_every_rank
+    finally:
+        over_mpi.close()
+
+
 def test_the_watchdog_fires_once_even_when_more_exchanges_are_watched():
     """After the watchdog reported an exchange reached but never arrived (the job is ending), an
     exchange watched later is not reported again."""
