@@ -120,6 +120,7 @@ class Group:
                 raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
                                    f"group: close it once its calls have returned")
             self.closed = True
+        UNCAUGHT.left(self, sys.exc_info()[1])   # closed by `with` or `finally` as it passes
         if self.counted:
             RANK_STATE.change(-1)
         self.ops.close()
@@ -184,25 +185,38 @@ class UncaughtEndsTheJob:
     `python -m mpi4py` does: the traceback first (the hook that was there prints it), then
     `Transport.fail` (a line naming the rank, MPI_Abort). Under a plain `mpiexec python
     program.py` this rank would otherwise sit in MPI's finalize while its peers wait inside their
-    next call until the timeout. `sys.excepthook` is set once, at the first such group; putting
+    next call until the timeout. So does an exception that closed such a group on its way out
+    (a `with` block, `finally: group.close()`), or one raised from or while handling it: it is
+    marked `burstcu_left_group`. `sys.excepthook` is set once, at the first such group; putting
     the previous hook back turns this off for good. Left alone: an error burstcu raised on every
     rank alike inside a call (`burstcu_agreed`: bad input, ranks that disagree; each rank ends on
     its own), a program run by mpi4py's runner (`-m mpi4py`, launch/: it aborts itself, with its
-    status), an interactive session (the prompt returns) and a forked child of the rank."""
+    status), an interactive session (the prompt returns), a forked child of the rank, and an
+    exception ending a thread other than the main one (`threading.excepthook`)."""
 
     def __init__(self):
         self.groups: list[weakref.ref] = []   # (a Group compares by value: no WeakSet)
         self.previous, self.pid, self.installed = None, os.getpid(), False
         self.lock = threading.Lock()
 
+    @staticmethod
+    def _watched(group: Group) -> bool:
+        return group.size > 1 and group.transport.abort_ends_every_rank
+
     def watch(self, group: Group) -> None:
-        if group.size < 2 or not group.transport.abort_ends_every_rank:
+        if not self._watched(group):
             return
         with self.lock:
             self.pid = os.getpid()   # a forked child's exception is not this rank's end
             self.groups = [ref for ref in self.groups if self._open(ref)] + [weakref.ref(group)]
             if not self.installed:
                 self.installed, self.previous, sys.excepthook = True, sys.excepthook, self.hook
+
+    def left(self, group: Group, exc: BaseException | None) -> None:
+        """`group` is closing while `exc` passes (None: none does)."""
+        if exc is not None and self._watched(group) and not getattr(exc, "burstcu_agreed", False):
+            with suppress(AttributeError):
+                exc.burstcu_left_group = group
 
     @staticmethod
     def _open(ref: weakref.ref) -> bool:
@@ -213,16 +227,28 @@ class UncaughtEndsTheJob:
         try:
             (self.previous or sys.__excepthook__)(kind, exc, tb)
         finally:   # a hook that fails must not keep the peers waiting
-            group = next((ref() for ref in self.groups if self._open(ref)), None)
+            group = next((ref() for ref in self.groups if self._open(ref)), None) or _left_group(exc)
             if group is not None and self._ends_the_job(exc):
                 group.transport.fail(f"rank {group.rank} stops on an uncaught "
                                      f"{exception_text(kind, exc)} (outside any burstcu call, "
-                                     f"its group open)")
+                                     f"its group {'closed by it' if group.closed else 'open'})")
 
     def _ends_the_job(self, exc: BaseException | None) -> bool:
-        interactive = sys.flags.interactive or hasattr(sys, "ps1")
+        interactive = (sys.flags.interactive or sys.flags.inspect or os.environ.get("PYTHONINSPECT")
+                       or hasattr(sys, "ps1"))
         return not (getattr(exc, "burstcu_agreed", False) or interactive
                     or "mpi4py.run" in sys.modules or os.getpid() != self.pid)
+
+
+def _left_group(exc: BaseException | None) -> Group | None:
+    """The group `exc`, or one it was raised from or while handling, closed on its way out."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if getattr(exc, "burstcu_left_group", None) is not None:
+            return exc.burstcu_left_group
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def exception_text(kind: type[BaseException], exc: BaseException | None) -> str:

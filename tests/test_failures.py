@@ -122,6 +122,7 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     for text in names:
         assert text in out, f"{text!r} missing from:\n{out}"
     assert "finished" not in out
+    assert "stops on an uncaught" not in out   # launch/mpi_first.py runs mpi4py's runner
 
 
 @pytest.mark.parametrize("scenario,names", [
@@ -135,6 +136,10 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     # the same in a second group, the first closed: the hook is set once and prints once
     ("raise_in_second_group", ["burstcu: rank 1 stops on an uncaught RuntimeError: user code "
                                "failed on rank 1 in its second group"]),
+    # inside `with burstcu.init() as group:`, which closes the group as the exception passes
+    ("raise_in_with_block", ["burstcu: rank 1 stops on an uncaught RuntimeError: user code failed "
+                             "on rank 1 inside its with block (outside any burstcu call, its "
+                             "group closed by it)"]),
 ])
 def test_an_uncaught_exception_ends_a_plainly_launched_job(scenario, names):
     """`mpiexec python program.py`, no `-m mpi4py`: an exception no code catches on one rank
@@ -152,8 +157,9 @@ def test_an_uncaught_exception_ends_a_plainly_launched_job(scenario, names):
 
 def test_the_uncaught_hook_prints_then_ends_the_job_only_where_peers_would_wait(monkeypatch):
     """UncaughtEndsTheJob: the hook that was there prints first; then `fail` on the open group,
-    also for an exception raised while handling an agreed one; not for an error every rank
-    raised, a closed group, a group of one, a transport whose abort ends only this process,
+    also for an exception raised while handling an agreed one, or on a group the exception
+    closed on its way out (or one raised from it); not for an error every rank raised, a group
+    closed before, a group of one, a transport whose abort ends only this process,
     mpi4py's runner, an interactive session or a forked child of the rank. Set once: a second
     group neither chains the hook to itself nor comes back after the hook was put back."""
     from burstcu.group import UncaughtEndsTheJob
@@ -214,12 +220,29 @@ def test_the_uncaught_hook_prints_then_ends_the_job_only_where_peers_would_wait(
     with monkeypatch.context() as m:   # an interactive session: the prompt comes back
         m.setattr(sys, "ps1", ">>> ", raising=False)
         assert hooked(bug) == [("printed", RuntimeError)]
+    with monkeypatch.context() as m:   # ... also where the program asks for it at its end
+        m.setenv("PYTHONINSPECT", "1")
+        assert hooked(bug) == [("printed", RuntimeError)]
     with monkeypatch.context() as m:   # mpi4py's runner aborts by itself, with its status
         m.setitem(sys.modules, "mpi4py.run", object())
         assert hooked(bug) == [("printed", RuntimeError)]
     watcher.pid = -1    # the hook runs in a forked child of the rank
     assert hooked(bug) == [("printed", RuntimeError)]
     watcher.pid = os.getpid()
+
+    second.closed = True   # closed as the exception passed (`with`): that group ends the job
+    for exc in (RuntimeError("a bug"), agreed):
+        watcher.left(second, exc)
+    assert hooked(agreed) == [("printed", ValueError)]
+    assert hooked(bug) == [("printed", RuntimeError)]   # a group closed before it was raised
+    closed_line = ("fail", line[1].replace("its group open", "its group closed by it"))
+    passing, raised_from = RuntimeError("a bug"), RuntimeError("a bug")
+    watcher.left(second, passing)
+    raised_from.__cause__ = passing
+    for exc in (passing, raised_from):
+        assert hooked(exc) == [("printed", RuntimeError), closed_line]
+    watcher.left(alone, bug)
+    assert hooked(bug) == [("printed", RuntimeError)]   # a group of one keeps no one waiting
 
     monkeypatch.setattr(sys, "excepthook", printed)   # put back: a later group leaves it so
     watcher.watch(Group())

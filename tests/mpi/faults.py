@@ -211,8 +211,21 @@ def raise_in_second_group(timeout: float) -> None:
     _say(f"rank {group.rank} finished")
 
 
+def raise_in_with_block(timeout: float) -> None:
+    """A bug on rank 1 between two calls inside `with burstcu.init() as group:` (the block
+    closes the group as the exception leaves it)."""
+    with burstcu.init(backend="numpy", timeout=timeout) as group:
+        q, k, v, _ = _inputs(group)
+        burstcu.attention(q, k, v, group)
+        if group.rank == 1:
+            raise RuntimeError("user code failed on rank 1 inside its with block")
+        burstcu.attention(q, k, v, group)
+    _say(f"rank {group.rank} finished")
+
+
 PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs,   # whole ones
-            "subgroup_late": subgroup_late, "raise_in_second_group": raise_in_second_group}
+            "subgroup_late": subgroup_late, "raise_in_second_group": raise_in_second_group,
+            "raise_in_with_block": raise_in_with_block}
 ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu}
 
 
