@@ -202,24 +202,22 @@ def subgroup_late(timeout: float) -> None:
 def raise_in_second_group(timeout: float) -> None:
     """A group closed, a second one open, then a bug on rank 1 between two calls."""
     burstcu.init(backend="numpy", timeout=timeout).close()
-    group = burstcu.init(backend="numpy", timeout=timeout)
-    q, k, v, _ = _inputs(group)
-    burstcu.attention(q, k, v, group)
-    if group.rank == 1:
-        raise RuntimeError("user code failed on rank 1 in its second group")
-    burstcu.attention(q, k, v, group)
-    _say(f"rank {group.rank} finished")
+    _raise_between_calls(burstcu.init(backend="numpy", timeout=timeout), "in its second group")
 
 
 def raise_in_with_block(timeout: float) -> None:
     """A bug on rank 1 between two calls inside `with burstcu.init() as group:` (the block
     closes the group as the exception leaves it)."""
     with burstcu.init(backend="numpy", timeout=timeout) as group:
-        q, k, v, _ = _inputs(group)
-        burstcu.attention(q, k, v, group)
-        if group.rank == 1:
-            raise RuntimeError("user code failed on rank 1 inside its with block")
-        burstcu.attention(q, k, v, group)
+        _raise_between_calls(group, "inside its with block")
+
+
+def _raise_between_calls(group, where: str) -> None:
+    q, k, v, _ = _inputs(group)
+    burstcu.attention(q, k, v, group)
+    if group.rank == 1:
+        raise RuntimeError(f"user code failed on rank 1 {where}")
+    burstcu.attention(q, k, v, group)
     _say(f"rank {group.rank} finished")
 
 
