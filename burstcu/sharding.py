@@ -76,11 +76,12 @@ class Sharding:
         return self.group, self.layout, self.cu_seqlens, self.lengths
 
     def shard(self, x, axis: int | None = None):
-        """This rank's rows of the global array `x` along `axis` (the sequence axis; None: 0 for
-        packed (N, H, D) arrays, 1 otherwise, as (B, N, H, D)). No communication. A 3-D `x`
-        whose axis 0 cannot be the sequence (fewer rows than ranks, or other than the N this
-        Sharding's documents or lengths say while axis 1 has N) asks for `axis` (ValueError):
-        (B, N, d_model) hidden states are 3-D too."""
+        """This rank's rows of the global array `x` along `axis` (the sequence axis; None: 1 for
+        (B, N, H, D), 0 for a 3-D `x` where this Sharding's documents or lengths say it is packed
+        (T, H, D)). No communication. A 3-D `x` asks for `axis` (ValueError) where the Sharding
+        cannot tell packed (T, H, D) from (B, N, d_model) hidden states: without documents or
+        lengths, or where axis 0 cannot be the sequence (fewer rows than ranks, or other than
+        the N its documents or lengths say while axis 1 has N)."""
         if axis is None:
             total = (self.cu_seqlens[-1] if self.cu_seqlens is not None else
                      sum(self.lengths) if self.lengths is not None else None)
@@ -93,10 +94,10 @@ class Sharding:
     def unshard(self, x_local, axis: int | None = None):
         """The global array on every rank from each rank's `x_local` (collective; axis as in
         `shard`, or where `shard` cut this very array when it remembers: hidden states cut
-        along axis 1 join along axis 1). A 3-D `x_local` it remembers nothing of (a copy)
-        whose axis 0 cannot be this rank's rows (other than the Sharding's lengths say, or one
-        row: an lse (1, H, S_local), for which there is `unshard_lse`) asks for `axis` on every
-        rank."""
+        along axis 1 join along axis 1). A 3-D `x_local` it remembers nothing of (a copy) asks
+        for `axis` on every rank where the Sharding cannot tell its sequence axis (no documents
+        or lengths) or axis 0 cannot be this rank's rows (other than the Sharding's lengths say,
+        or one row: an lse (1, H, S_local), for which there is `unshard_lse`)."""
         held = cut_of(x_local) if axis is None else None
         problem = None
         if held is not None and held[0][0] == "rows":
@@ -110,13 +111,20 @@ class Sharding:
 
     def _packed_rows_problem(self, call: str, name: str, x, rows: int | None, whose: str,
                              fewest: int) -> str | None:
-        """Why a 3-D `x`, taken as packed (T, H, D) along axis 0 for want of `axis`, cannot have
-        its sequence there, or None: fewer than `fewest` rows (the ranks, for the global array; 2
-        for one rank's shard whose rows are not known: one row is most likely a batch of one),
-        or other than the `rows` known for it (`whose` rows, in words) while axis 1 has them
-        ((B, N, d_model) hidden states and an lse (B, H, S) are 3-D too)."""
+        """Why a 3-D `x`, taken as packed (T, H, D) along axis 0 for want of `axis`, cannot be
+        taken so, or None: this Sharding has no documents or lengths (nothing tells packed rows
+        from (B, N, d_model) hidden states, which are 3-D too); fewer than `fewest` rows (the
+        ranks, for the global array; 2 for one rank's shard whose rows are not known: one row
+        is most likely a batch of one); or other than the `rows` known for it (`whose` rows, in
+        words) while axis 1 has them (hidden states, an lse (B, H, S))."""
         if getattr(x, "ndim", None) != 3:
             return None
+        if self.cu_seqlens is None and self.lengths is None:
+            return (f"Sharding.{call} cannot tell the sequence axis of {name} {tuple(x.shape)}: a "
+                    f"3-D array is packed (T, H, D) (axis=0) or (B, N, ...), such as hidden states "
+                    f"(B, N, d_model) (axis=1), and this Sharding has no documents or lengths to "
+                    f"tell them apart: pass axis=" + (" (an lse (B, H, S): unshard_lse)"
+                                                      if call == "unshard" else ""))
         n0, n1 = x.shape[:2]
         if n0 >= fewest and (rows is None or n0 == rows or n1 != rows):
             return None
@@ -128,8 +136,14 @@ class Sharding:
 
     def unshard_lse(self, lse_local):
         """The global lse on every rank: (B, H, N) from (B, H, S_local), or (H, N) from packed
-        inputs' (H, T_local) — the sequence is lse's last axis (collective)."""
-        return self.unshard(lse_local, axis=-1)
+        inputs' (H, T_local) — the sequence is lse's last axis (collective). An array of other
+        than 2 or 3 dimensions (the output (B, S_local, H, D)) is a ValueError on every rank."""
+        ndim, problem = getattr(lse_local, "ndim", None), None
+        if ndim is not None and ndim not in (2, 3):
+            problem = (f"Sharding.unshard_lse takes an lse, (B, H, S_local) or packed inputs' "
+                       f"(H, T_local), but lse_local {tuple(lse_local.shape)} has {ndim} "
+                       f"dimensions: use unshard for other arrays")
+        return api.gather_shards(lse_local, self, None, -1, None, None, problem)
 
 
 def _sequence_axis(x, axis: int | None) -> int:

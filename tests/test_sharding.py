@@ -140,12 +140,17 @@ def test_cuts_that_are_right_still_run(world):
 
 
 def test_a_sharding_asks_for_the_axis_of_hidden_states():
-    """A 3-D array is packed (T, H, D) to a Sharding, cut along axis 0; hidden states (B, N,
-    d_model) are 3-D too: where the Sharding knows N (documents or lengths) and axis 1 has it,
-    it asks for axis= instead of cutting the batch; given axis=1 it cuts the sequence."""
+    """A 3-D array is packed (T, H, D) to a Sharding with documents or lengths, cut along axis
+    0; hidden states (B, N, d_model) are 3-D too: where the Sharding knows N and axis 1 has it,
+    or knows nothing (no documents or lengths), it asks for axis= instead of cutting the batch;
+    given axis=1 it cuts the sequence."""
     group = burstcu.init(backend="numpy")
+    hidden = np.zeros((4, 64, 32), np.float32)
+    for layout in ("contiguous", "zigzag"):   # nothing tells: it asks (it cut the batch before)
+        with pytest.raises(ValueError, match=r"cannot tell the sequence axis of x \(4, 64, 32\): .* "
+                                             r"\(B, N, d_model\) \(axis=1\), .*: pass axis="):
+            burstcu.Sharding(group, layout).shard(hidden)
     for sh in (burstcu.Sharding(group, lengths=[64]), burstcu.Sharding(group, cu_seqlens=[0, 20, 64])):
-        hidden = np.zeros((4, 64, 32), np.float32)
         with pytest.raises(ValueError, match=r"x \(4, 64, 32\) has 4 rows there and the sequence's 64 "
                                              r"along axis 1: pass axis="):
             sh.shard(hidden)
@@ -286,16 +291,22 @@ def test_unshard_joins_cpu_torch_tensors_bit_for_bit(world):
 
 @pytest.mark.timeout(120)
 def test_unshard_of_a_copy_asks_for_the_axis():
-    """A copy of an lse (B = 1 < G) or of uneven hidden states (B, N_local, d) given to
-    Sharding.unshard without an axis used to be joined along its batch axis, silently a wrong
-    shape; now a ValueError on every rank asks for the axis, and with it (or unshard_lse) the
-    copies join as the float64 reference says. Packed copies that are this rank's rows (one row
-    where the Sharding's lengths say so) join without one."""
+    """A copy of an lse, of packed rows (a Sharding without documents or lengths) or of uneven
+    hidden states (B, N_local, d) given to Sharding.unshard without an axis used to be joined
+    along its batch axis, silently a wrong shape; now a ValueError on every rank asks for the
+    axis, and with it (or unshard_lse) the copies join as the float64 reference says. Packed
+    copies that are this rank's rows (one row where the Sharding's lengths say so) join without
+    one. unshard_lse of the 4-D output (joined along its head dim before) is refused."""
     for r in run_mpi(2, "sharding_bodies:unshard_of_a_copy_asks_for_the_axis"):
-        assert set(r["messages"]) == {"lse copy", "hidden states copy", "on a GPU"}, r["messages"]
+        assert set(r["messages"]) == {"lse copy", "hidden states copy", "on a GPU", "packed copy",
+                                      "out as lse"}, r["messages"]
         assert "x_local is on CUDA device 0 but this group computes on the host" in \
             r["messages"]["on a GPU"], r["messages"]
-        assert "x_local (1, 4, 8) has 1 row there: pass axis=" in r["messages"]["lse copy"]
+        for name, shape in (("lse copy", "(1, 4, 8)"), ("packed copy", "(2, 2, 4)")):
+            assert f"cannot tell the sequence axis of x_local {shape}: a 3-D array is packed (T, " \
+                   f"H, D) (axis=0) or (B, N, ...)" in r["messages"][name], r["messages"][name]
+        assert "unshard_lse takes an lse, (B, H, S_local) or packed inputs' (H, T_local), but " \
+               "lse_local (1, 8, 4, 8) has 4 dimensions" in r["messages"]["out as lse"]
         # rank 0's (3, 5, 16) gives itself away; rank 1's (3, 3, 16) does not, and raises rank 0's
         assert "(3, 5, 16) has 3 rows there and this rank's 5 along axis 1" in \
             r["messages"]["hidden states copy"]

@@ -39,7 +39,10 @@ def check_sharding(group, layout, docs, uneven, packed, dtype, strategy) -> dict
     q, k, v, dout = make_inputs(7, 1, n, 4, 2, 8, dtype)
     axis = 0 if packed else 1
     whole = [x[0] if packed else x for x in (q, k, v, dout)]
-    ql, kl, vl, dol = (sh.shard(x) for x in whole)     # the sequence axis: 0 packed, 1 else
+    # the sequence axis, 0 packed and 1 else, found by the Sharding: told for packed rows without
+    # documents or lengths, which nothing tells from (B, N, d_model) hidden states
+    told = axis if packed and docs is None and lengths is None else None
+    ql, kl, vl, dol = (sh.shard(x, told) for x in whole)
     out, lse = burstcu.attention(ql, kl, vl, sh, causal=True, return_lse=True, strategy=strategy)
     dq, dk, dv = burstcu.attention_backward(dol, ql, kl, vl, out, lse, sh, causal=True,
                                             strategy=strategy)
@@ -317,11 +320,11 @@ def torch_tensors_unshard(dtypes=("bfloat16",)):
 
 
 def unshard_of_a_copy_asks_for_the_axis():
-    """Sharding.unshard of a 3-D array it remembers nothing of (a copy) takes it as packed
-    (T, H, D) joined along axis 0; where axis 0 cannot be this rank's rows (an lse (B, H, S)
-    with B = 1 < G, hidden states (B, N, d) whose rows are the Sharding's lengths) it asks for
-    the axis, on every rank, instead of joining batch rows; the same arrays with their axis (or
-    unshard_lse) join as the reference says."""
+    """Sharding.unshard of a 3-D array it remembers nothing of (a copy) asks for the axis, on
+    every rank, instead of joining batch rows: where the Sharding has no documents or lengths
+    (a packed copy, an lse copy) and where axis 0 cannot be this rank's rows (hidden states (B,
+    N, d) whose rows are the Sharding's lengths); the same arrays with their axis (or
+    unshard_lse) join as the reference says; unshard_lse refuses the 4-D output."""
     group = burstcu.init(backend="numpy")
     sh = burstcu.Sharding(group, layout="zigzag")
     q, k, v, _ = make_inputs(9, 1, 8 * group.size, 4, 2, 8, "float32")
@@ -337,17 +340,19 @@ def unshard_of_a_copy_asks_for_the_axis():
 
     messages = _value_errors({"lse copy": lambda: sh.unshard(lse.copy()),
                               "hidden states copy": lambda: uneven.unshard(hidden.copy()),
-                              "on a GPU": lambda: sh.unshard(OnAGpu())})
+                              "on a GPU": lambda: sh.unshard(OnAGpu()),
+                              "packed copy": lambda: sh.unshard(np.zeros((2, 2, 4), np.float32)),
+                              "out as lse": lambda: sh.unshard_lse(out)})
     want_out, want_lse = attention_ref(q, k, v, causal=True)
     errors = {"lse": float(np.abs(sh.unshard_lse(lse.copy()) - want_lse).max()),
               "lse axis": float(np.abs(sh.unshard(lse.copy(), axis=2) - want_lse).max()),
               "out copy": float(np.abs(sh.unshard(out.copy()) - want_out).max())}
     shape = uneven.unshard(hidden.copy(), axis=1).shape
-    # packed copies that are this rank's rows: one row where the lengths say so, two without any
+    # packed copies that are this rank's rows: one row where the lengths say so; told, without
     ones = [1] + [3] * (group.size - 1)
     packed = np.zeros((ones[group.rank], 2, 4), np.float32) + group.rank
     joined = burstcu.Sharding(group, lengths=ones).unshard(packed.copy())
-    pairs = sh.unshard(np.zeros((2, 2, 4), np.float32) + group.rank)
+    pairs = sh.unshard(np.zeros((2, 2, 4), np.float32) + group.rank, axis=0)
     group.close()
     return {"messages": messages, "errors": errors, "hidden_shape": list(shape),
             "packed": joined[:, 0, 0].tolist(), "pairs": pairs[:, 0, 0].tolist()}
