@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import engine
-from .arrays import array_module, device_problem, group_for, is_cupy, joined, native, returned, untakeable
+from .arrays import (array_module, device_problem, group_for, is_cupy, joined, native, returned, to_jax,
+                     untakeable)
 from .cpu_tensors import host_view, tensor_of
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
@@ -38,7 +39,7 @@ from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_p
                        cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
                        lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
-                       sharding_keywords, thread_problem, valid_rows_digest,
+                       sharding_keywords, thread_problem, uneven_problem, valid_rows_digest,
                        warn_if_all_the_same, warn_if_heads_look_like_rows)
 
 STRATEGIES = engine.NAMES + ("auto",)
@@ -705,6 +706,8 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
         misread = misread_array_problem("x_local", x_local) or _gatherable_problem(x_local)
         if misread is not None:
             raise misread.exception()
+        if uneven_problem(layout, uneven):
+            raise ValueError(uneven_problem(layout, uneven))
         _shard_partition(layout, 1, x_local, axis, cu_seqlens, name="x_local")
         held = _held_problem((x_local.shape[axis],), lengths)
         if held is not None:
@@ -789,8 +792,13 @@ def _host_tensor(x_local, group: Group) -> tuple:
     a CPU torch tensor not requiring grad as a NumPy view (`cpu_tensors.host_view`: bfloat16 through
     int16, which DLPack cannot carry into NumPy), handed back as a tensor of its dtype
     (`cpu_tensors.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
-    it, or refuses it, as a GPU group refuses host arrays)."""
+    it, or refuses it, as a GPU group refuses host arrays). A CPU JAX array of bfloat16 (which
+    DLPack cannot carry into NumPy either) goes as JAX's own NumPy view (ml_dtypes.bfloat16),
+    handed back as a JAX array (`to_jax`)."""
     on_host = group.ops.device != "cuda" and not getattr(x_local, "requires_grad", False)
+    if on_host and type(x_local).__module__.split(".")[0] in ("jax", "jaxlib") \
+            and str(getattr(x_local, "dtype", "")) == "bfloat16":
+        return np.asarray(x_local), to_jax
     view = host_view(x_local) if on_host else x_local
     return (x_local, None) if view is x_local else (view, tensor_of)
 

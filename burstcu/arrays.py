@@ -188,9 +188,10 @@ def untakeable(exc: Exception, arrays: tuple,
                dtype_advice: str = f"burstcu takes {', '.join(FLOAT_DTYPES)}: cast them first"
                ) -> InputError:
     """Why inputs could not be taken as the backend's arrays, with what to do instead: JAX
-    tracers (jax.jit/grad/vmap), tensors requiring grad, bfloat16 over DLPack into NumPy (then
-    `bfloat16_advice`). The kind is a builtin TypeError or ValueError (a framework's own
-    exception class may not take a message: JAX's tracer errors want the tracer)."""
+    tracers (jax.jit/grad/vmap), torch tensors traced by torch.compile, tensors requiring grad,
+    bfloat16 over DLPack into NumPy (then `bfloat16_advice`). The kind is a builtin TypeError or
+    ValueError (a framework's own exception class may not take a message: JAX's tracer errors
+    want the tracer)."""
     kind = ValueError if isinstance(exc, ValueError) and not isinstance(exc, TypeError) else TypeError
     jax = sys.modules.get("jax")
     text = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
@@ -200,6 +201,10 @@ def untakeable(exc: Exception, arrays: tuple,
         return InputError(TypeError, "got JAX tracers (inside jax.jit, jax.grad or jax.vmap): use "
                                      "burstcu.jax.attention / linear_attention / decode, which "
                                      "are differentiable and run under jax.jit")
+    if type(exc).__module__.startswith("torch._") and "fake tensor" in text.lower():
+        return InputError(TypeError, f"got torch tensors traced by torch.compile ({text}): use "
+                                     f"burstcu.torch.attention / linear_attention / decode, which "
+                                     f"run eagerly under torch.compile")
     if "require" in text and "grad" in text:
         return InputError(TypeError, f"cannot take tensors that require grad ({text}): use "
                                      f"burstcu.torch.attention for autograd, or pass .detach()")

@@ -43,7 +43,7 @@ except ImportError:
 from . import api, arrays
 from .arrays import to_jax
 from .group import Group, local_group
-from .validate import ordered_by
+from .validate import cut_of, ordered_by, remember_cut
 
 # the calling thread every rank compares for a callback: XLA runs them in program order, on its
 # own threads or inline, so the thread that runs one says nothing of its order; a rank calling
@@ -166,6 +166,24 @@ def _in_program_order(body, arrays, results):
     return outs
 
 
+def _remembering(fn, raw: tuple):
+    """fn, whose first arrays are `raw`'s values: NumPy arrays among `raw` that remember their cut
+    (`burstcu.shard`'s) lose it on the way in (JAX copies them), so the host arrays fn takes
+    are given it back, and a call that takes their rows for other positions is refused on every
+    rank, as `burstcu.attention` refuses the arrays themselves. fn as it is when none does (and
+    under jit, where the arrays arrive traced)."""
+    cuts = [cut_of(x) if isinstance(x, np.ndarray) else None for x in raw]
+    if not any(cuts):
+        return fn
+
+    def call(*arrays, **kwargs):
+        for x, held in zip(arrays, cuts):
+            if held is not None and isinstance(x, np.ndarray):
+                remember_cut(x, *held)
+        return fn(*arrays, **kwargs)
+    return call
+
+
 def _like(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -200,9 +218,10 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     """
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
+    attend_forward = _remembering(api.attention, (q, k, v))
 
     def forward(q, k, v):
-        return _run(api.attention, (q, k, v), (_like(q), _lse_struct(q)), group,
+        return _run(attend_forward, (q, k, v), (_like(q), _lse_struct(q)), group,
                     return_lse=True, **common, **fwd_options)
 
     @jax.custom_vjp
@@ -226,10 +245,11 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                      layout: str | None = None, strategy: str = "lasp2"):
     """`burstcu.linear_attention` for jax arrays, differentiable and jit-able: out (B, S, H, D)."""
     options = dict(causal=causal, layout=layout, strategy=strategy)
+    attend_forward = _remembering(api.linear_attention, (q, k, v))
 
     @jax.custom_vjp
     def attend(q, k, v):
-        return _run(api.linear_attention, (q, k, v), _like(q), group, **options)
+        return _run(attend_forward, (q, k, v), _like(q), group, **options)
 
     def attend_fwd(q, k, v):
         return attend(q, k, v), (q, k, v)

@@ -52,7 +52,9 @@ def _to_burstcu(t: torch.Tensor):
 def _as_tensors(*xs) -> tuple:
     """xs with each array that is no tensor as a tensor: a NumPy array as a CPU tensor copy of its
     values (`tensor_of`; another byte order made native), which later writes to the array
-    cannot change; another framework's array (JAX, CuPy) through DLPack, zero-copy. Autograd
+    cannot change, and which keeps what the array remembers of its cut (`burstcu.shard`'s
+    arrays: a call that takes their rows for other positions is refused, as `burstcu.attention`
+    refuses the array); another framework's array (JAX, CuPy) through DLPack, zero-copy. Autograd
     saves tensors only, so an array given on one rank would fail there alone once the
     collective forward had run. An array of a dtype torch cannot hold (burstcu refuses it too)
     and anything else stay as they are: validation names them on every rank."""
@@ -60,7 +62,8 @@ def _as_tensors(*xs) -> tuple:
     for x in xs:
         try:
             if isinstance(x, np.ndarray):
-                x = tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
+                array, x = x, tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
+                carry_cut(array, x)
             elif not isinstance(x, torch.Tensor) and hasattr(x, "__dlpack__"):
                 x = torch.from_dlpack(x)
         except (TypeError, ValueError, RuntimeError, BufferError):
@@ -208,12 +211,35 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 
+class _NoGradient(torch.autograd.Function):
+    """decode's results, in a graph where its inputs require grad: the forward passes them on, a
+    backward through them raises (decode has no gradient; detached results would leave decode's
+    share out of the inputs' gradients without a word)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *results):
+        return tuple(r.view_as(r) for r in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("burstcu.torch.decode has no gradient (inference only), but a backward "
+                           "reached its output: call it under torch.no_grad(), or give it "
+                           "q.detach() if no gradient should flow through it")
+
+
 @_eager
 def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlens=None,
            softmax_scale: float | None = None, return_lse: bool = False):
     """`burstcu.decode` for tensors (inference: no autograd): q (B, T, H, D) the same on every
     rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints; or
     `decode(q, cache)` with a `burstcu.KVCache` (its arrays, group and row counts).
-    Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank."""
-    return _call(api.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
-                 softmax_scale=softmax_scale, return_lse=return_lse)   # (a KVCache or None: as is)
+    Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank. Where
+    an input requires grad (and grad mode is on), a backward through them raises RuntimeError
+    instead of leaving decode out of the gradients."""
+    results = _call(api.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
+                    softmax_scale=softmax_scale, return_lse=return_lse)   # (a KVCache or None: as is)
+    wanting = [x for x in (q, k_cache, v_cache) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not wanting or not torch.is_grad_enabled():
+        return results
+    marked = _NoGradient.apply(wanting[0], *(results if isinstance(results, tuple) else (results,)))
+    return marked if isinstance(results, tuple) else marked[0]

@@ -328,10 +328,19 @@ def check_docs_total(docs, seqlen_global: int, size: int = 1) -> InputError | No
         hint = ""
         if size > 1 and seqlen_global == size * docs[-1]:
             hint = (f": the {size} ranks hold {size} x {docs[-1]} rows, so each holds the whole "
-                    f"sequence: pass each rank its shard (burstcu.shard), not the global array")
+                    f"sequence: pass each rank its shard (burstcu.shard; packed (T, H, D) arrays "
+                    f"with axis=0: its default axis 1 cuts their heads), not the global array")
         return InputError(ValueError, f"cu_seqlens must end at the global sequence length "
                                       f"N = {seqlen_global} (the ranks' local lengths added up), "
                                       f"got {docs[-1]}{hint}")
+    return None
+
+
+def uneven_problem(layout: str, uneven) -> str | None:
+    """Why `uneven` does not go with `layout`, or None: uneven shards are contiguous ones."""
+    if uneven and layout != "contiguous":
+        return (f"uneven=True describes contiguous shards of other lengths; layout='{layout}' cuts "
+                f"its own shards (burstcu.shard makes them): leave uneven out")
     return None
 
 
@@ -343,11 +352,13 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
     differing by at most one, as `burstcu.shard` cuts them) unless `uneven` says the ranks hold
     other lengths on purpose (so one rank passing the global array is an error, not a silently
     other sequence); zigzag and "documents" ones must be the ones `burstcu.shard` cuts (each
-    document in 2G pieces, or the short ones whole). uneven None: the call has no such option
-    (linear attention), so the refusal does not offer it. max_positions: the most positions the
-    local op can address (the kernels: 2^30)."""
+    document in 2G pieces, or the short ones whole), and `uneven` with them is refused. uneven
+    None: the call has no such option (linear attention), so the refusal does not offer it.
+    max_positions: the most positions the local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
+    if uneven_problem(layout, uneven):
+        return InputError(ValueError, uneven_problem(layout, uneven)), None
     err = check_docs_total(docs, total, size)
     if err:
         return err, None
@@ -552,10 +563,13 @@ _CUTS: dict[int, tuple] = {}   # id(array) -> (weak reference, cut, axis, finger
 
 
 def _fingerprint(x, axis: int) -> bytes:
-    """A digest of x's first and last two rows along `axis`: what tells a buffer refilled in
-    place (a new batch) from the piece it was when remembered."""
+    """A digest of a sample of x's rows along `axis` (the first and last two, and 16 spread
+    between): what tells a buffer refilled in place (a new batch) from the piece it was when
+    remembered, at the cost of reading about 20 rows. An edit of unsampled rows only goes
+    unseen."""
     rows = x.shape[axis]
-    ends = np.take(x, [i for i in (0, 1, rows - 2, rows - 1) if 0 <= i < rows], axis=axis)
+    sample = sorted({0, 1, rows - 2, rows - 1} | set(range(0, rows, max(1, rows // 16))))
+    ends = np.take(x, [i for i in sample if 0 <= i < rows], axis=axis)
     digest = hashlib.blake2b(np.ascontiguousarray(ends).tobytes(), digest_size=16)
     digest.update(repr(x.shape).encode())   # reshaped in place (x.shape = ...): another array
     return digest.digest()
@@ -579,8 +593,8 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     `cut` along `axis`: ("rows", layout, documents, ranks) (a shard, or a result whose rows are
     a shard's) or ("lse", the call's `mask_options`, whether its sequence is sharded over
     ranks, the `call_marks` of its q, k, v and out) (its sequence axis `axis`). Kept while `x`
-    lives and holds the same end rows; device arrays and arrays that take no weak reference are
-    not remembered."""
+    lives and holds the same sampled rows (`_fingerprint`); device arrays and arrays that take
+    no weak reference are not remembered."""
     import weakref
 
     host = _host(x)
@@ -595,7 +609,7 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
 
 
 def cut_of(x) -> tuple | None:
-    """(cut, axis) that `remember_cut` holds for this very array object, unless its end rows
+    """(cut, axis) that `remember_cut` holds for this very array object, unless its sampled rows
     changed since (refilled in place), or None."""
     held = _CUTS.get(id(x))
     if held is None or held[0]() is not x:
@@ -740,15 +754,15 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, q, block_mask) 
 
 
 def call_marks(arrays: dict) -> dict:
-    """{name: a digest of the array's first and last two rows along its sequence axis (0 of a
-    packed (T, H, D) array, else 1)} of the host arrays among `arrays` ({name: array}): what
-    `attention` remembers with its lse of the q, k, v it took and the out it gave, and what its
+    """{name: (its dtype, a digest of a sample of its rows along its sequence axis: `_fingerprint`;
+    axis 0 of a packed (T, H, D) array, else 1)} of the host arrays among `arrays` ({name:
+    array}): what `attention` remembers with its lse of the q, k, v it took and the out it gave, and what its
     backward compares (`lse_problem`). Device arrays are left out (reading them would sync)."""
     marks = {}
     for name, x in arrays.items():
         host = _host(x)
         if host is not None and host.ndim >= 3 and host.size:
-            marks[name] = _fingerprint(host, 0 if host.ndim == 3 else 1)
+            marks[name] = (str(host.dtype), _fingerprint(host, 0 if host.ndim == 3 else 1))
     return marks
 
 
@@ -773,7 +787,8 @@ def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | 
     if implied:
         differ.remove("window_size")      # its right bound only follows causal (`mask_options`)
     marks, now = (held[0][3] if len(held[0]) > 3 else {}), call_marks(arrays or {})
-    others = [name for name in now if name in marks and marks[name] != now[name]]
+    others = [name for name in now if name in marks and marks[name][0] == now[name][0]
+              and marks[name][1] != now[name][1]]    # a cast is the dtype checks' to name
     if not differ and others:
         return (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not what the attention "
                 f"call that returned this lse {_took_or_gave(others)} "

@@ -287,6 +287,41 @@ def test_the_adapters_decode_from_a_kv_cache(torch, jax):
     assert np.array_equal(small.rows()[0][:, :1], k[:, 30:31].astype(np.float32))
 
 
+def test_torch_decode_of_a_q_that_requires_grad_refuses_a_backward(torch):
+    """burstcu.torch.decode has no gradient. Given a q that requires grad (a model's projection
+    in a loop without torch.no_grad()) its results used to leave the graph, so a loss through
+    them got none of decode's share, silently; now they stay in it, and a backward reaching
+    them raises. The values are decode's; under no_grad, or given q.detach(), nothing is added."""
+    q, k, v, _ = _inputs(9)
+    cache = burstcu.KVCache(None, 2, 64, k.shape[2], k.shape[3], np.float64)
+    cache.append(k[:, :20], v[:, :20])
+    want, want_lse = burstcu.decode(q[:, :1], cache, return_lse=True)
+    tq = torch.from_numpy(q[:, :1]).requires_grad_()
+    out, lse = burstcu.torch.decode(tq * 1.0, cache, return_lse=True)
+    assert out.requires_grad and np.array_equal(out.detach().numpy(), want)
+    assert np.array_equal(lse.detach().numpy(), want_lse)
+    for result in (out, lse):
+        with pytest.raises(RuntimeError, match=r"burstcu.torch.decode has no gradient .*torch.no_grad"):
+            (result.sum() + tq.sum()).backward()
+    with torch.no_grad():
+        assert not burstcu.torch.decode(tq, cache).requires_grad
+    detached = burstcu.torch.decode(tq.detach(), cache)
+    assert not detached.requires_grad and np.array_equal(detached.numpy(), want)
+
+
+def test_torch_compile_around_the_plain_api_says_what_to_use(torch):
+    """The plain calls (burstcu.attention, KVCache.decode) on tensors inside torch.compile see
+    fake tensors; the error said only "cannot take these inputs: TorchRuntimeError"; it names
+    the adapters, which run eagerly under torch.compile."""
+    q = torch.randn(1, 8, 2, 16)
+    cache = burstcu.KVCache(None, 1, 8, 2, 16, torch.float32)
+    cache.append(q, q)
+    for call in (lambda q: burstcu.attention(q, q, q) + 0, lambda q: cache.decode(q[:, :1]) + 0):
+        with pytest.raises(TypeError, match=r"^got torch tensors traced by torch.compile .*: use "
+                                            r"burstcu.torch.attention / linear_attention / decode"):
+            torch.compile(call)(q)
+
+
 def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
     q = jax.numpy.ones((1, 8, 2, 4))
     for transform in (jax.jit, jax.grad):
@@ -412,6 +447,25 @@ def test_torch_shards_remember_their_cut(world, torch):
         if world == 2:     # (3 ranks cannot split 37 rows' 4 heads evenly: refused for that)
             assert "cut along axis 1" in refused["packed by heads"], refused
         assert rank_result["err"] < 1e-12 and rank_result["grads"]
+
+
+@pytest.mark.mpi
+def test_numpy_shards_remember_their_cut_in_the_adapters(torch, jax):
+    for rank_result in run_mpi(2, "adapter_bodies:numpy_shards_remember_their_cut_in_the_adapters",
+                               timeout=240):
+        refused = rank_result["refused"]
+        assert set(refused) == {"torch attention", "jax attention", "torch linear", "jax linear"}, \
+            refused
+        for message in refused.values():
+            assert message.startswith("q was cut with layout='zigzag' but this call has "
+                                      "layout='contiguous'"), message
+        assert max(rank_result["errors"].values()) < 1e-12, rank_result["errors"]
+
+
+@pytest.mark.mpi
+def test_jax_bfloat16_arrays_unshard(jax):
+    for rank_result in run_mpi(2, "adapter_bodies:jax_bfloat16_unshards", timeout=240):
+        assert rank_result == {"type": "jaxlib", "dtype": "bfloat16", "equal": True}, rank_result
 
 
 @pytest.mark.mpi

@@ -222,10 +222,11 @@ def test_a_causal_mismatch_names_causal_alone():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_backward_refuses_another_calls_arrays(packed):
-    """The lse attention returned also remembers the q, k, v it took and the out it gave (their
-    end rows): a backward given another call's out, or q, k or v changed in place since, would
-    silently compute other gradients (check=True sees only q and k through lse). It is a
-    ValueError naming them; the same values in other objects, and a view of lse (meant), run."""
+    """The lse attention returned also remembers the q, k, v it took and the out it gave (a
+    sample of their rows, the end rows and some between): a backward given another call's out,
+    or q, k or v changed in place since (a middle row too), would silently compute other
+    gradients (check=True sees only q and k through lse). It is a ValueError naming them; the
+    same values in other objects, and a view of lse (meant), run."""
     q, k, v, dout = make_inputs(16, 1, 16, 2, 1, 8, "float32")
     q2 = make_inputs(17, 1, 16, 2, 1, 8, "float32")[0]
     if packed:
@@ -249,11 +250,27 @@ def test_the_backward_refuses_another_calls_arrays(packed):
     with pytest.raises(ValueError, match="^v is not what the attention call"):
         burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
     v[...] = before
+    middle = 8 if packed else (slice(None), 8)   # not an end row: the sample spreads between
+    before = q.copy()
+    q[middle] += 1
+    with pytest.raises(ValueError, match="^q is not what the attention call"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+    q[...] = before
     want = burstcu.attention_backward(dout, q, k, v, out, lse.view(), causal=True)
     for got in (burstcu.attention_backward(dout, q.copy(), k.copy(), v.copy(), out.copy(), lse, causal=True),
                 burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     burstcu.attention_backward(dout, q, k, v, out2, lse.view(), causal=True)   # meant: runs
+
+
+def test_a_cast_out_is_named_for_its_dtype_not_as_another_calls():
+    """out cast to another dtype (float64 for a float32 call) changes its bytes, which the lse's
+    memory took for another call's out; the error is the dtype's, as without that memory."""
+    q, k, v, dout = make_inputs(18, 1, 16, 2, 1, 8, "float32")
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    for given in (lse, lse.view()):
+        with pytest.raises(TypeError, match="^out has dtype float64, q has float32"):
+            burstcu.attention_backward(dout, q, k, v, out.astype(np.float64), given, causal=True)
 
 
 def test_options_spelled_otherwise_for_the_same_mask_are_the_forwards():

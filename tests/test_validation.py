@@ -54,6 +54,12 @@ def test_messages_are_specific():
         burstcu.attention(q[:, :, :4], k, k, strategy="psychic")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
         burstcu.attention(q[:, :, :4], k, k, softmax_scale=float("nan"))
+    for layout in ("zigzag", "documents"):   # uneven describes contiguous shards: not ignored
+        for call in (lambda: burstcu.attention(q[:, :, :4], k, k, layout=layout, uneven=True),
+                     lambda: burstcu.unshard(q, None, layout=layout, uneven=True)):
+            with pytest.raises(ValueError, match=f"uneven=True describes contiguous shards of other "
+                                                 f"lengths; layout='{layout}' cuts its own shards"):
+                call()
 
 
 def test_init_rejects_unknown_backend():

@@ -192,6 +192,52 @@ def torch_shards_remember_their_cut():
             "grads": all(x.grad is not None for x in zig)}
 
 
+def numpy_shards_remember_their_cut_in_the_adapters():
+    """NumPy shards `burstcu.shard` cut with layout="zigzag", passed to burstcu.torch's and
+    burstcu.jax's (eager) attention and linear_attention without the layout: each adapter copies
+    them (a tensor, a jax array), and the copies keep the memory, so every call is refused on
+    every rank as burstcu.attention refuses the arrays (they ran, silently wrong). With the
+    layout, torch's and jax's outs equal the float64 reference."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    group = burstcu.init(backend="numpy")
+    q, k, v, _ = _inputs(12)
+    zig = [burstcu.shard(x, group, layout="zigzag") for x in (q, k, v)]
+    calls = {"torch attention": burstcu.torch.attention, "jax attention": burstcu.jax.attention,
+             "torch linear": burstcu.torch.linear_attention, "jax linear": burstcu.jax.linear_attention}
+    refused = {}
+    for name, call in calls.items():
+        try:
+            call(*zig, group, causal=True)
+        except ValueError as exc:
+            refused[name] = str(exc)
+    ref = attention_ref(q, k, v, keep=_keep(True, (-1, -1), None))[0]
+    outs = {"torch": burstcu.torch.attention(*zig, group, causal=True, layout="zigzag").numpy(),
+            "jax": np.asarray(burstcu.jax.attention(*zig, group, causal=True, layout="zigzag"))}
+    errors = {name: max_err(burstcu.unshard(out, group, layout="zigzag"), ref)
+              for name, out in outs.items()}
+    group.close()
+    return {"refused": refused, "errors": errors}
+
+
+def jax_bfloat16_unshards():
+    """unshard of CPU JAX arrays of bfloat16 (burstcu.jax's outputs in bfloat16), which DLPack
+    cannot carry into NumPy: it was refused; now it joins them as it joins the same NumPy arrays
+    of ml_dtypes.bfloat16, and hands back a JAX array of bfloat16."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    whole = _inputs(13)[0].astype(ml_dtypes.bfloat16)
+    mine = sh.shard(whole)
+    joined = sh.unshard(jnp.asarray(mine))
+    group.close()
+    return {"type": type(joined).__module__.split(".")[0], "dtype": str(joined.dtype),
+            "equal": bool(np.array_equal(np.asarray(joined).view(np.int16), whole.view(np.int16)))}
+
+
 def torch_activation_checkpointing():
     """A block around burstcu.torch.attention under torch.utils.checkpoint, reentrant and not:
     its forward runs again inside the backward, collectively on every rank, and the loss and
