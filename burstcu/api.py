@@ -255,7 +255,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     uneven: contiguous shards of other than near-equal lengths are what the ranks mean to
         hold (left out: False, or the Sharding's; with False, lengths differing by more than
         one row are refused on every rank, which catches a rank passing the global array
-        instead of its shard).
+        instead of its shard). Contiguous shards only: True with another layout is refused.
     Returns out (B, S, H, D) in q's dtype and array type; with return_lse, (out, lse) where lse
     is (B, H, S) float32 (float64 for float64 input). Arrays of other frameworks that speak
     DLPack (JAX, PyTorch, ... on the backend's device) are viewed zero-copy and the results

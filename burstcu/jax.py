@@ -170,8 +170,8 @@ def _remembering(fn, raw: tuple):
     """fn, whose first arrays are `raw`'s values: NumPy arrays among `raw` that remember their cut
     (`burstcu.shard`'s) lose it on the way in (JAX copies them), so the host arrays fn takes
     are given it back, and a call that takes their rows for other positions is refused on every
-    rank, as `burstcu.attention` refuses the arrays themselves. fn as it is when none does (and
-    under jit, where the arrays arrive traced)."""
+    rank, as `burstcu.attention` refuses the arrays themselves. fn as it is when none does
+    (under jax.jit or jax.grad the arrays arrive traced: no memory to keep)."""
     cuts = [cut_of(x) if isinstance(x, np.ndarray) else None for x in raw]
     if not any(cuts):
         return fn

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import api
 from .group import Group, not_a_group
-from .layout import LAYOUTS
+from .layout import LAYOUTS, partition
 from .validate import cut_of, host_ints, parse_cu_seqlens
 
 
@@ -96,18 +96,32 @@ class Sharding:
         `shard`, or where `shard` cut this very array when it remembers: hidden states cut
         along axis 1 join along axis 1). A 3-D `x_local` it remembers nothing of (a copy) asks
         for `axis` on every rank where the Sharding cannot tell its sequence axis (no documents
-        or lengths) or axis 0 cannot be this rank's rows (other than the Sharding's lengths say,
-        or one row: an lse (1, H, S_local), for which there is `unshard_lse`)."""
+        or lengths; axis 0 and axis 1 both have this rank's rows) or axis 0 cannot be this
+        rank's rows (other than the Sharding's lengths or documents say, or one row: an lse (1,
+        H, S_local), for which there is `unshard_lse`)."""
         held = cut_of(x_local) if axis is None else None
         problem = None
         if held is not None and held[0][0] == "rows":
             axis = held[1]
         elif held is None and axis is None:   # raised on every rank (`gather_shards`)
-            mine = None if self.lengths is None else self.lengths[self.group.rank]
+            mine = self._rows_of_this_rank()
             problem = self._packed_rows_problem("unshard", "x_local", x_local, mine, "this rank's",
                                                 2 if mine is None else 0)
         return api.gather_shards(x_local, self, None, _sequence_axis(x_local, axis), None, None,
                                  problem)
+
+    def _rows_of_this_rank(self) -> int | None:
+        """The rows this rank holds by the Sharding (its lengths, or the cut of its documents),
+        or None where it says nothing (or cannot cut them: `unshard` says why)."""
+        if self.lengths is not None:
+            return self.lengths[self.group.rank]
+        if self.cu_seqlens is None:
+            return None
+        try:
+            part = partition(self.layout, self.group.size, self.cu_seqlens[-1], self.cu_seqlens)
+        except ValueError:
+            return None
+        return part.lengths[self.group.rank]
 
     def _packed_rows_problem(self, call: str, name: str, x, rows: int | None, whose: str,
                              fewest: int) -> str | None:
@@ -126,6 +140,10 @@ class Sharding:
                     f"tell them apart: pass axis=" + (" (an lse (B, H, S): unshard_lse)"
                                                       if call == "unshard" else ""))
         n0, n1 = x.shape[:2]
+        if rows is not None and n0 == rows == n1:
+            return (f"Sharding.{call} cannot tell the sequence axis of {name} {tuple(x.shape)}: "
+                    f"axis 0 and axis 1 both have {whose} {rows} rows: pass axis= (0 for packed "
+                    f"(T, H, D), 1 for (B, N, ...) arrays such as hidden states)")
         if n0 >= fewest and (rows is None or n0 == rows or n1 != rows):
             return None
         return (f"Sharding.{call} takes a 3-D array as packed (T, H, D), its sequence along axis 0, "

@@ -145,7 +145,7 @@ def _autocast(*tensors) -> tuple:
     """The tensors as an op of torch's lower-precision list takes them under `torch.autocast`
     (SDPA's rule): floating tensors cast to the region's dtype for their device type, where
     autocast is on for it; otherwise as they are. The casts are recorded, so gradients come back
-    in each input's own dtype."""
+    in each input's own dtype. A cast keeps what its tensor remembers of its cut."""
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None:
         return tensors
@@ -162,8 +162,11 @@ def _autocast(*tensors) -> tuple:
         return tensors
     if not on:
         return tensors
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and
                  t.dtype != torch.float64 else t for t in tensors)
+    for t, c in zip(tensors, cast):
+        carry_cut(t, c)   # the same rows in another dtype: still cut as they were
+    return cast
 
 
 @_eager
@@ -211,14 +214,14 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
 
-class _NoGradient(torch.autograd.Function):
-    """decode's results, in a graph where its inputs require grad: the forward passes them on, a
-    backward through them raises (decode has no gradient; detached results would leave decode's
-    share out of the inputs' gradients without a word)."""
+class _Decode(torch.autograd.Function):
+    """decode, where an input requires grad: results in the graph like any op's (fresh tensors,
+    editable in place), whose backward raises. decode has no gradient; detached results would
+    leave decode's share out of the inputs' gradients without a word."""
 
     @staticmethod
-    def forward(ctx, anchor, *results):
-        return tuple(r.view_as(r) for r in results)
+    def forward(ctx, q, k_cache, v_cache, group, kwargs):
+        return _call(api.decode, (q, k_cache, v_cache), group, **kwargs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -234,12 +237,10 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     rank, k_cache, v_cache (B, S_cache, Hkv, D) this rank's rows, cache_seqlens (B,) ints; or
     `decode(q, cache)` with a `burstcu.KVCache` (its arrays, group and row counts).
     Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank. Where
-    an input requires grad (and grad mode is on), a backward through them raises RuntimeError
-    instead of leaving decode out of the gradients."""
-    results = _call(api.decode, (q, k_cache, v_cache), group, cache_seqlens=cache_seqlens,
-                    softmax_scale=softmax_scale, return_lse=return_lse)   # (a KVCache or None: as is)
-    wanting = [x for x in (q, k_cache, v_cache) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not wanting or not torch.is_grad_enabled():
-        return results
-    marked = _NoGradient.apply(wanting[0], *(results if isinstance(results, tuple) else (results,)))
-    return marked if isinstance(results, tuple) else marked[0]
+    an input requires grad (and grad mode is on), the results do too, as any op's, and a
+    backward through them raises RuntimeError instead of leaving decode out of the gradients."""
+    kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, return_lse=return_lse)
+    wanting = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k_cache, v_cache))
+    if wanting and torch.is_grad_enabled():
+        return _Decode.apply(q, k_cache, v_cache, group, kwargs)
+    return _call(api.decode, (q, k_cache, v_cache), group, **kwargs)   # (a KVCache or None: as is)

@@ -563,14 +563,21 @@ _CUTS: dict[int, tuple] = {}   # id(array) -> (weak reference, cut, axis, finger
 
 
 def _fingerprint(x, axis: int) -> bytes:
-    """A digest of a sample of x's rows along `axis` (the first and last two, and 16 spread
-    between): what tells a buffer refilled in place (a new batch) from the piece it was when
-    remembered, at the cost of reading about 20 rows. An edit of unsampled rows only goes
+    """A digest of a sample of x's rows along `axis`: the first and last two whole, and 16 spread
+    between through a grid of their elements (every (n // 8)-th along each other axis, so the
+    cost stays about four rows' whatever the batch): what tells a buffer refilled in place (a
+    new batch) from the piece it was when remembered. An edit outside the sample goes
     unseen."""
     rows = x.shape[axis]
-    sample = sorted({0, 1, rows - 2, rows - 1} | set(range(0, rows, max(1, rows // 16))))
-    ends = np.take(x, [i for i in sample if 0 <= i < rows], axis=axis)
-    digest = hashlib.blake2b(np.ascontiguousarray(ends).tobytes(), digest_size=16)
+    ends = sorted({i for i in (0, 1, rows - 2, rows - 1) if 0 <= i < rows})
+    digest = hashlib.blake2b(np.ascontiguousarray(np.take(x, ends, axis=axis)).tobytes(),
+                             digest_size=16)
+    between = [i for i in range(0, rows, max(1, rows // 16)) if i not in ends]
+    if between:
+        moved = np.moveaxis(x, axis, 0)
+        grid = moved[(slice(None),) + tuple(slice(None, None, max(1, n // 8))
+                                            for n in moved.shape[1:])]
+        digest.update(np.ascontiguousarray(grid[between]).tobytes())
     digest.update(repr(x.shape).encode())   # reshaped in place (x.shape = ...): another array
     return digest.digest()
 
@@ -663,7 +670,8 @@ def _axis_problem(name: str, ndim: int, cut_axis: int) -> str:
     return (f"{name} was cut along axis {cut_axis}, but the sequence axis of a {shape} array is {seq}: "
             f"its rows would be taken for a shard of the sequence. Cut it with "
             f"burstcu.shard(x, group, axis={seq}) (whose default is axis 1), or with a "
-            f"burstcu.Sharding, which cuts packed arrays along axis 0.{sdpa}")
+            f"burstcu.Sharding: sh.shard(x, axis={seq}) (it finds the axis of packed arrays "
+            f"from its documents or lengths, and asks for it without).{sdpa}")
 
 
 def _ranks_problem(name: str, cut_for: int, size: int) -> str:
@@ -787,14 +795,19 @@ def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | 
     if implied:
         differ.remove("window_size")      # its right bound only follows causal (`mask_options`)
     marks, now = (held[0][3] if len(held[0]) > 3 else {}), call_marks(arrays or {})
-    others = [name for name in now if name in marks and marks[name][0] == now[name][0]
-              and marks[name][1] != now[name][1]]    # a cast is the dtype checks' to name
+    mixed = len({dtype for dtype, _ in now.values()}) > 1   # the dtype checks name that
+    others = [name for name in now if name in marks and marks[name] != now[name]
+              and not (mixed and marks[name][0] != now[name][0])]
+    cast = sorted({(marks[name][0], now[name][0]) for name in others
+                   if marks[name][0] != now[name][0]})
     if not differ and others:
         return (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not what the attention "
                 f"call that returned this lse {_took_or_gave(others)} "
-                f"(another call's, or changed in place since): the gradients would be those of "
-                f"another attention. Pass the backward the q, k, v and out of that call; if this "
-                f"is meant, pass a view of lse (lse.view()): the memory is of this array object")
+                + (f"(cast: the call had {cast[0][0]}, these are {cast[0][1]}; or another call's)"
+                   if cast else "(another call's, or changed in place since)")
+                + ": the gradients would be those of another attention. Pass the backward the "
+                  "q, k, v and out of that call; if this is meant, pass a view of lse "
+                  "(lse.view()): the memory is of this array object")
     if not differ:
         return None
     said = ", ".join(f"{name}: {_shown(forward[name])} in the forward, {_shown(options[name])} here"

@@ -290,8 +290,9 @@ def test_the_adapters_decode_from_a_kv_cache(torch, jax):
 def test_torch_decode_of_a_q_that_requires_grad_refuses_a_backward(torch):
     """burstcu.torch.decode has no gradient. Given a q that requires grad (a model's projection
     in a loop without torch.no_grad()) its results used to leave the graph, so a loss through
-    them got none of decode's share, silently; now they stay in it, and a backward reaching
-    them raises. The values are decode's; under no_grad, or given q.detach(), nothing is added."""
+    them got none of decode's share, silently; now they stay in it, as any op's results (fresh
+    tensors, editable in place), and a backward reaching them raises. The values are decode's;
+    under no_grad, or given q.detach(), nothing is added."""
     q, k, v, _ = _inputs(9)
     cache = burstcu.KVCache(None, 2, 64, k.shape[2], k.shape[3], np.float64)
     cache.append(k[:, :20], v[:, :20])
@@ -303,6 +304,10 @@ def test_torch_decode_of_a_q_that_requires_grad_refuses_a_backward(torch):
     for result in (out, lse):
         with pytest.raises(RuntimeError, match=r"burstcu.torch.decode has no gradient .*torch.no_grad"):
             (result.sum() + tq.sum()).backward()
+    out, lse = burstcu.torch.decode(tq * 1.0, cache, return_lse=True)
+    out += 1                 # results are fresh tensors, as any op's: editable in place
+    lse[0] = 0
+    assert np.array_equal(out.detach().numpy(), want + 1)
     with torch.no_grad():
         assert not burstcu.torch.decode(tq, cache).requires_grad
     detached = burstcu.torch.decode(tq.detach(), cache)
@@ -454,8 +459,8 @@ def test_numpy_shards_remember_their_cut_in_the_adapters(torch, jax):
     for rank_result in run_mpi(2, "adapter_bodies:numpy_shards_remember_their_cut_in_the_adapters",
                                timeout=240):
         refused = rank_result["refused"]
-        assert set(refused) == {"torch attention", "jax attention", "torch linear", "jax linear"}, \
-            refused
+        assert set(refused) == {"torch attention", "jax attention", "torch linear", "jax linear",
+                                "torch autocast"}, refused
         for message in refused.values():
             assert message.startswith("q was cut with layout='zigzag' but this call has "
                                       "layout='contiguous'"), message

@@ -263,14 +263,32 @@ def test_the_backward_refuses_another_calls_arrays(packed):
     burstcu.attention_backward(dout, q, k, v, out2, lse.view(), causal=True)   # meant: runs
 
 
+def test_a_middle_row_refilled_in_a_long_sequence_is_seen():
+    """64 rows: the lse's memory samples rows 0, 1, 62, 63 whole and every fourth between (a
+    grid of each): q's row 32 refilled in place since the forward is refused (the ends alone
+    missed it, and the gradients came out wrong)."""
+    q, k, v, dout = make_inputs(19, 2, 64, 4, 2, 16, "float32")
+    out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
+    q[:, 32] = make_inputs(20, 2, 64, 4, 2, 16, "float32")[0][:, 32]
+    with pytest.raises(ValueError, match="^q is not what the attention call that returned this lse"):
+        burstcu.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+
 def test_a_cast_out_is_named_for_its_dtype_not_as_another_calls():
-    """out cast to another dtype (float64 for a float32 call) changes its bytes, which the lse's
-    memory took for another call's out; the error is the dtype's, as without that memory."""
+    """out alone cast to another dtype (float64 for a float32 call) changes its bytes, which the
+    lse's memory took for another call's out; the error is the dtype's, as without that memory.
+    q, k, v, out and dout all cast to float16 pass the dtype checks (a float32 lse goes with
+    float16 inputs): the memory refuses them, naming the cast."""
     q, k, v, dout = make_inputs(18, 1, 16, 2, 1, 8, "float32")
     out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
     for given in (lse, lse.view()):
         with pytest.raises(TypeError, match="^out has dtype float64, q has float32"):
             burstcu.attention_backward(dout, q, k, v, out.astype(np.float64), given, causal=True)
+    halves = [x.astype(np.float16) for x in (dout, q, k, v, out)]
+    with pytest.raises(ValueError, match=r"^q, k, v, out are not what the attention call that "
+                                         r"returned this lse took and gave \(cast: the call had "
+                                         r"float32, these are float16; or another call's\)"):
+        burstcu.attention_backward(*halves, lse, causal=True)
 
 
 def test_options_spelled_otherwise_for_the_same_mask_are_the_forwards():

@@ -296,10 +296,13 @@ def test_unshard_of_a_copy_asks_for_the_axis():
     along its batch axis, silently a wrong shape; now a ValueError on every rank asks for the
     axis, and with it (or unshard_lse) the copies join as the float64 reference says. Packed
     copies that are this rank's rows (one row where the Sharding's lengths say so) join without
-    one. unshard_lse of the 4-D output (joined along its head dim before) is refused."""
+    one. unshard_lse of the 4-D output (joined along its head dim before) is refused. A
+    Sharding with documents asks too where axis 0 and axis 1 both have this rank's rows."""
     for r in run_mpi(2, "sharding_bodies:unshard_of_a_copy_asks_for_the_axis"):
         assert set(r["messages"]) == {"lse copy", "hidden states copy", "on a GPU", "packed copy",
-                                      "out as lse"}, r["messages"]
+                                      "out as lse", "hidden copy, documents"}, r["messages"]
+        assert "x_local (4, 4, 3): axis 0 and axis 1 both have this rank's 4 rows: pass axis=" in \
+            r["messages"]["hidden copy, documents"]
         assert "x_local is on CUDA device 0 but this group computes on the host" in \
             r["messages"]["on a GPU"], r["messages"]
         for name, shape in (("lse copy", "(1, 4, 8)"), ("packed copy", "(2, 2, 4)")):

@@ -194,18 +194,29 @@ def torch_shards_remember_their_cut():
 
 def numpy_shards_remember_their_cut_in_the_adapters():
     """NumPy shards `burstcu.shard` cut with layout="zigzag", passed to burstcu.torch's and
-    burstcu.jax's (eager) attention and linear_attention without the layout: each adapter copies
-    them (a tensor, a jax array), and the copies keep the memory, so every call is refused on
+    burstcu.jax's (eager) attention and linear_attention without the layout, and to torch's
+    under autocast: each adapter copies them (a tensor, a jax array, a cast), and the copies keep
+    the memory, so every call is refused on
     every rank as burstcu.attention refuses the arrays (they ran, silently wrong). With the
     layout, torch's and jax's outs equal the float64 reference."""
     import jax
+    import torch
 
     jax.config.update("jax_enable_x64", True)
     group = burstcu.init(backend="numpy")
     q, k, v, _ = _inputs(12)
     zig = [burstcu.shard(x, group, layout="zigzag") for x in (q, k, v)]
+
+    tensors = [burstcu.shard(torch.from_numpy(x.astype(np.float32)), group, layout="zigzag")
+               for x in (q, k, v)]
+
+    def under_autocast(*args, **kwargs):   # its casts are new tensors: they keep the memory too
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return burstcu.torch.attention(*tensors, *args[3:], **kwargs)
+
     calls = {"torch attention": burstcu.torch.attention, "jax attention": burstcu.jax.attention,
-             "torch linear": burstcu.torch.linear_attention, "jax linear": burstcu.jax.linear_attention}
+             "torch linear": burstcu.torch.linear_attention, "jax linear": burstcu.jax.linear_attention,
+             "torch autocast": under_autocast}
     refused = {}
     for name, call in calls.items():
         try:

@@ -332,6 +332,9 @@ def unshard_of_a_copy_asks_for_the_axis():
     rows = [5] + [3] * (group.size - 1)
     uneven = burstcu.Sharding(group, lengths=rows)
     hidden = np.zeros((group.size + 1, rows[group.rank], 16), np.float32)  # (B, N_local, d), B > G
+    # documents cut 4 rows to a rank (2 ranks): hidden states (4, 4, d) whose batch is as long
+    documents = burstcu.Sharding(group, layout="zigzag", cu_seqlens=[0, 3, 4 * group.size])
+    hidden_docs = documents.shard(np.zeros((4, 4 * group.size, 3)), axis=1)
     class OnAGpu:   # a framework's array on CUDA device 0 (its DLPack device says so)
         ndim, shape, dtype = 4, (1, 8, 4, 8), np.dtype(np.float32)
 
@@ -342,6 +345,7 @@ def unshard_of_a_copy_asks_for_the_axis():
                               "hidden states copy": lambda: uneven.unshard(hidden.copy()),
                               "on a GPU": lambda: sh.unshard(OnAGpu()),
                               "packed copy": lambda: sh.unshard(np.zeros((2, 2, 4), np.float32)),
+                              "hidden copy, documents": lambda: documents.unshard(hidden_docs.copy()),
                               "out as lse": lambda: sh.unshard_lse(out)})
     want_out, want_lse = attention_ref(q, k, v, causal=True)
     errors = {"lse": float(np.abs(sh.unshard_lse(lse.copy()) - want_lse).max()),
