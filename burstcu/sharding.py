@@ -80,8 +80,8 @@ class Sharding:
         (B, N, H, D), 0 for a 3-D `x` where this Sharding's documents or lengths say it is packed
         (T, H, D)). No communication. A 3-D `x` asks for `axis` (ValueError) where the Sharding
         cannot tell packed (T, H, D) from (B, N, d_model) hidden states: without documents or
-        lengths, or where axis 0 cannot be the sequence (fewer rows than ranks, or other than
-        the N its documents or lengths say while axis 1 has N)."""
+        lengths, where axis 0 cannot be the sequence (fewer rows than ranks, or other than the N
+        its documents or lengths say), or where it may not be (N along axes 0 and 1 both)."""
         if axis is None:
             total = (self.cu_seqlens[-1] if self.cu_seqlens is not None else
                      sum(self.lengths) if self.lengths is not None else None)
@@ -127,10 +127,10 @@ class Sharding:
                              fewest: int) -> str | None:
         """Why a 3-D `x`, taken as packed (T, H, D) along axis 0 for want of `axis`, cannot be
         taken so, or None: this Sharding has no documents or lengths (nothing tells packed rows
-        from (B, N, d_model) hidden states, which are 3-D too); fewer than `fewest` rows (the
-        ranks, for the global array; 2 for one rank's shard whose rows are not known: one row
-        is most likely a batch of one); or other than the `rows` known for it (`whose` rows, in
-        words) while axis 1 has them (hidden states, an lse (B, H, S))."""
+        from (B, N, d_model) hidden states, which are 3-D too); axes 0 and 1 both of the `rows`
+        known for it (`whose` rows, in words); fewer than `fewest` rows (the ranks, for the
+        global array; 2 for one rank's shard whose rows are not known: one row is most likely a
+        batch of one); or other than the rows known for it (hidden states, an lse (B, H, S))."""
         if getattr(x, "ndim", None) != 3:
             return None
         if self.cu_seqlens is None and self.lengths is None:
@@ -144,11 +144,12 @@ class Sharding:
             return (f"Sharding.{call} cannot tell the sequence axis of {name} {tuple(x.shape)}: "
                     f"axis 0 and axis 1 both have {whose} {rows} rows: pass axis= (0 for packed "
                     f"(T, H, D), 1 for (B, N, ...) arrays such as hidden states)")
-        if n0 >= fewest and (rows is None or n0 == rows or n1 != rows):
+        if n0 >= fewest and (rows is None or n0 == rows):
             return None
+        elsewhere = "" if rows is None else (f" and {whose} {rows} along axis 1" if n1 == rows
+                                             else f", not {whose} {rows}")
         return (f"Sharding.{call} takes a 3-D array as packed (T, H, D), its sequence along axis 0, "
-                f"but {name} {tuple(x.shape)} has {n0} row{'s' * (n0 != 1)} there"
-                + (f" and {whose} {rows} along axis 1" if rows is not None and n1 == rows else "")
+                f"but {name} {tuple(x.shape)} has {n0} row{'s' * (n0 != 1)} there{elsewhere}"
                 + ": pass axis= (axis=1 for (B, N, ...) arrays such as hidden states; an lse "
                   "(B, H, S): unshard_lse)")
 

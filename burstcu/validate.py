@@ -562,22 +562,22 @@ def _difference(mine: tuple, theirs: tuple, rank: int, names, size: int) -> str:
 _CUTS: dict[int, tuple] = {}   # id(array) -> (weak reference, cut, axis, fingerprint)
 
 
-def _fingerprint(x, axis: int) -> bytes:
+def _fingerprint(x, axis: int, dtype=None) -> bytes:
     """A digest of a sample of x's rows along `axis`: the first and last two whole, and 16 spread
     between through a grid of their elements (every (n // 8)-th along each other axis, so the
     cost stays about four rows' whatever the batch): what tells a buffer refilled in place (a
     new batch) from the piece it was when remembered. An edit outside the sample goes
-    unseen."""
+    unseen. dtype: the sample's values cast to it first (what they were, if x is a cast)."""
     rows = x.shape[axis]
     ends = sorted({i for i in (0, 1, rows - 2, rows - 1) if 0 <= i < rows})
-    digest = hashlib.blake2b(np.ascontiguousarray(np.take(x, ends, axis=axis)).tobytes(),
+    digest = hashlib.blake2b(np.ascontiguousarray(np.take(x, ends, axis=axis), dtype).tobytes(),
                              digest_size=16)
     between = [i for i in range(0, rows, max(1, rows // 16)) if i not in ends]
     if between:
         moved = np.moveaxis(x, axis, 0)
         grid = moved[(slice(None),) + tuple(slice(None, None, max(1, n // 8))
                                             for n in moved.shape[1:])]
-        digest.update(np.ascontiguousarray(grid[between]).tobytes())
+        digest.update(np.ascontiguousarray(grid[between], dtype).tobytes())
     digest.update(repr(x.shape).encode())   # reshaped in place (x.shape = ...): another array
     return digest.digest()
 
@@ -762,16 +762,29 @@ def mask_options(causal, window_size, cu_seqlens, softmax_scale, q, block_mask) 
 
 
 def call_marks(arrays: dict) -> dict:
-    """{name: (its dtype, a digest of a sample of its rows along its sequence axis: `_fingerprint`;
-    axis 0 of a packed (T, H, D) array, else 1)} of the host arrays among `arrays` ({name:
-    array}): what `attention` remembers with its lse of the q, k, v it took and the out it gave, and what its
-    backward compares (`lse_problem`). Device arrays are left out (reading them would sync)."""
+    """{name: (its NumPy dtype, a digest of a sample of its rows along its sequence axis:
+    `_fingerprint`; axis 0 of a packed (T, H, D) array, else 1)} of the host arrays among
+    `arrays` ({name: array}): what `attention` remembers with its lse of the q, k, v it took and
+    the out it gave, and what its backward compares (`lse_problem`; a lossless cast of the same
+    values passes). Device arrays are left out (reading them would sync)."""
     marks = {}
     for name, x in arrays.items():
         host = _host(x)
         if host is not None and host.ndim >= 3 and host.size:
-            marks[name] = (str(host.dtype), _fingerprint(host, 0 if host.ndim == 3 else 1))
+            marks[name] = (host.dtype, _fingerprint(host, 0 if host.ndim == 3 else 1))
     return marks
+
+
+def _cast_of(x, mark: tuple) -> bool:
+    """Whether x, of another dtype than the array `mark` was taken of (`call_marks`), holds its
+    values exactly (a cast to a wider dtype: float32 copies of a bfloat16 call's arrays)."""
+    dtype, digest = mark
+    host = _host(x)
+    if host is None or host.dtype == dtype:
+        return False
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _fingerprint(host, 0 if host.ndim == 3 else 1, dtype) == digest
 
 
 def _took_or_gave(names: list) -> str:
@@ -797,9 +810,9 @@ def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | 
     marks, now = (held[0][3] if len(held[0]) > 3 else {}), call_marks(arrays or {})
     mixed = len({dtype for dtype, _ in now.values()}) > 1   # the dtype checks name that
     others = [name for name in now if name in marks and marks[name] != now[name]
-              and not (mixed and marks[name][0] != now[name][0])]
-    cast = sorted({(marks[name][0], now[name][0]) for name in others
-                   if marks[name][0] != now[name][0]})
+              and not (mixed and marks[name][0] != now[name][0])
+              and not _cast_of(arrays[name], marks[name])]
+    cast = [(marks[name][0], now[name][0]) for name in others if marks[name][0] != now[name][0]]
     if not differ and others:
         return (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not what the attention "
                 f"call that returned this lse {_took_or_gave(others)} "

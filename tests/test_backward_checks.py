@@ -278,7 +278,8 @@ def test_a_cast_out_is_named_for_its_dtype_not_as_another_calls():
     """out alone cast to another dtype (float64 for a float32 call) changes its bytes, which the
     lse's memory took for another call's out; the error is the dtype's, as without that memory.
     q, k, v, out and dout all cast to float16 pass the dtype checks (a float32 lse goes with
-    float16 inputs): the memory refuses them, naming the cast."""
+    float16 inputs): the memory refuses them, naming the cast; a float16 call's arrays cast to
+    float32 (the same values exactly) run."""
     q, k, v, dout = make_inputs(18, 1, 16, 2, 1, 8, "float32")
     out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
     for given in (lse, lse.view()):
@@ -289,6 +290,12 @@ def test_a_cast_out_is_named_for_its_dtype_not_as_another_calls():
                                          r"returned this lse took and gave \(cast: the call had "
                                          r"float32, these are float16; or another call's\)"):
         burstcu.attention_backward(*halves, lse, causal=True)
+    # a float16 call's arrays cast to float32 hold its values exactly: the same attention, run
+    out16, lse16 = burstcu.attention(*halves[1:4], causal=True, return_lse=True)
+    wide = [x.astype(np.float32) for x in (*halves[:4], out16)]
+    got = burstcu.attention_backward(*wide, lse16, causal=True)
+    want = burstcu.attention_backward(*wide, lse16.view(), causal=True)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
 def test_options_spelled_otherwise_for_the_same_mask_are_the_forwards():

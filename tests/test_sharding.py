@@ -300,7 +300,10 @@ def test_unshard_of_a_copy_asks_for_the_axis():
     Sharding with documents asks too where axis 0 and axis 1 both have this rank's rows."""
     for r in run_mpi(2, "sharding_bodies:unshard_of_a_copy_asks_for_the_axis"):
         assert set(r["messages"]) == {"lse copy", "hidden states copy", "on a GPU", "packed copy",
-                                      "out as lse", "hidden copy, documents"}, r["messages"]
+                                      "out as lse", "hidden copy, documents",
+                                      "lse copy, documents"}, r["messages"]
+        assert "x_local (1, 2, 4) has 1 row there, not this rank's 4: pass axis=" in \
+            r["messages"]["lse copy, documents"]
         assert "x_local (4, 4, 3): axis 0 and axis 1 both have this rank's 4 rows: pass axis=" in \
             r["messages"]["hidden copy, documents"]
         assert "x_local is on CUDA device 0 but this group computes on the host" in \

@@ -346,6 +346,7 @@ def unshard_of_a_copy_asks_for_the_axis():
                               "on a GPU": lambda: sh.unshard(OnAGpu()),
                               "packed copy": lambda: sh.unshard(np.zeros((2, 2, 4), np.float32)),
                               "hidden copy, documents": lambda: documents.unshard(hidden_docs.copy()),
+                              "lse copy, documents": lambda: documents.unshard(np.zeros((1, 2, 4))),
                               "out as lse": lambda: sh.unshard_lse(out)})
     want_out, want_lse = attention_ref(q, k, v, causal=True)
     errors = {"lse": float(np.abs(sh.unshard_lse(lse.copy()) - want_lse).max()),
