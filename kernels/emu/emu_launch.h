@@ -232,10 +232,12 @@ inline double watchdog_seconds() {
   return v ? atof(v) : 300.0;
 }
 
+// Armed by `arm` once the jump target of its signal exists (`run_grid`): a timer that fired before
+// would jump into a stale buffer (a tiny BURSTCU_EMU_TIMEOUT_S hung the process that way).
 struct Watchdog {
   timer_t id{};
   bool armed = false;
-  explicit Watchdog(double seconds) {
+  void arm(double seconds) {
     if (seconds <= 0) return;
     struct sigevent sev;
     memset(&sev, 0, sizeof sev);
@@ -408,7 +410,7 @@ inline const Kernel* checked_kernel(const char* name, unsigned const g[3], unsig
 inline void run_grid(Run& run, unsigned const g[3]) {
   const std::vector<unsigned long long> order = block_order(g, run.flags & EMU_RANDOMIZE);
   FaultGuard guard;
-  Watchdog watchdog(watchdog_seconds());
+  Watchdog watchdog;  // deleted on every way out of here, the jump back included
   if (!guard.ok) {
     run.failed = true;
     run.error = "cannot install the emulator's signal handlers";
@@ -419,6 +421,7 @@ inline void run_grid(Run& run, unsigned const g[3]) {
     run.error = describe_fault(g_fault_signal, g_fault_addr);
     return;
   }
+  watchdog.arm(watchdog_seconds());
   for (unsigned long long i = 0; i < order.size() && !run.failed; ++i) {
     const unsigned long long o = order[i];
     g_block_idx = {unsigned(o % g[0]), unsigned(o / g[0] % g[1]), unsigned(o / (1ull * g[0] * g[1]))};

@@ -8,6 +8,9 @@ so a reader can compare the two; nobody has yet checked the emulation against a 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -282,6 +285,23 @@ def test_spin_wait_stopped_by_watchdog(mod, monkeypatch):
     with pytest.raises(RuntimeError, match="longer than BURSTCU_EMU_TIMEOUT_S"):
         mod.get_function("probe_errors")((1,), (64,), (np.int32(10), out))
     assert race(mod, barrier=True, randomize=False, seed=0)
+
+
+def test_a_watchdog_shorter_than_the_launch_setup_is_an_error_not_a_hang(mod):
+    """BURSTCU_EMU_TIMEOUT_S = 1e-9: the timer fired before the launch had set the point its
+    signal jumps back to, and the process spun in the fault handler for ever. Now it is armed
+    after, and the launch fails with the watchdog's message. Run in a child, with a deadline, so
+    that a hang fails this test alone."""
+    program = ("import numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
+               "m = t.build_module([t.PROBES], t.NAMES)\n"
+               "try:\n"
+               "    m.get_function('probe_errors')((1,), (64,), (np.int32(0), np.zeros(64, np.int32)))\n"
+               "except RuntimeError as e:\n"
+               "    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="1e-9"))
+    assert "the launch ran longer than BURSTCU_EMU_TIMEOUT_S = 1e-09 s" in proc.stdout, \
+        proc.stdout + proc.stderr
 
 
 def test_exit_before_barrier_allowed_on_request(mod):
