@@ -118,7 +118,8 @@ def render_sbatch(*, nodes: int, gpus_per_node: int, command: list[str], time: s
                   job_name: str = "burstcu", partition: str | None = None, bind: str = "local-rank",
                   env: dict[str, str] | None = None) -> str:
     """A SLURM batch script: one task per GPU, started by `srun --mpi=pmix`. Running it with
-    BURSTCU_DRY_RUN=1 prints the srun line instead of running it."""
+    BURSTCU_DRY_RUN=1 (any value but 0, false or no) prints the srun line instead of running
+    it."""
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={job_name}",
              f"#SBATCH --nodes={nodes}",
@@ -137,7 +138,8 @@ def render_sbatch(*, nodes: int, gpus_per_node: int, command: list[str], time: s
     lines.append('export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"')
     srun = ["srun", "--mpi=pmix", "--cpu-bind=cores"]
     program = rank_program(command, bind, root="launch")  # relative to the submit directory
-    lines += ["", "${BURSTCU_DRY_RUN:+echo} " + shlex.join(srun + program), ""]
+    lines += ["", 'case "${BURSTCU_DRY_RUN:-0}" in 0|false|no) dry="" ;; *) dry=echo ;; esac',
+              "${dry} " + shlex.join(srun + program), ""]
     return "\n".join(lines)
 
 
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = _extra_env(args.env)
     hosts = [h for h in args.hosts.split(",") if h]
     if args.slurm:
+        if args.cpu or args.nprocs is not None:
+            raise SystemExit(f"burstcu-run --slurm: {'--cpu' if args.cpu else '-n'} does not apply: "
+                             f"the batch script runs one rank per GPU, --nodes x --gpus-per-node "
+                             f"ranks (for CPU ranks, write the srun line yourself)")
         if not args.gpus_per_node:
             raise SystemExit("burstcu-run --slurm: pass --gpus-per-node")
         print(render_sbatch(nodes=args.nodes or max(len(hosts), 1), gpus_per_node=args.gpus_per_node,

@@ -139,6 +139,27 @@ def test_slurm_example_dry_run_prints_srun():
                                    "python launch/mpi_first.py -m burstcu.selftest")
 
 
+@pytest.mark.parametrize("value", ["0", "false", ""])
+def test_slurm_dry_run_off_runs_srun(value, tmp_path):
+    """BURSTCU_DRY_RUN=0 (or false, or empty) runs srun: the script took any non-empty value for
+    a dry run, so a job meant to run printed its srun line and ended 0, having run nothing."""
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/sh\necho "srun ran with $#"\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(LAUNCH / "slurm_example.sbatch")], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT, env=dict(os.environ, BURSTCU_DRY_RUN=value,
+                                                         PATH=f"{tmp_path}:{os.environ['PATH']}"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "srun ran with 7", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("given", [["-n", "3"], ["--cpu"]])
+def test_slurm_refuses_options_it_would_ignore(given):
+    """--slurm renders --nodes x --gpus-per-node ranks: -n and --cpu were dropped without a word."""
+    proc = _cli("--slurm", "--nodes", "2", "--gpus-per-node", "8", *given, "--", "python", "t.py")
+    assert proc.returncode == 1 and f"burstcu-run --slurm: {given[0]} does not apply" in proc.stderr, \
+        proc.stderr
+
+
 def test_slurm_visible_binding_and_partition():
     text = run.render_sbatch(nodes=4, gpus_per_node=4, command=["python", "t.py"], partition="gpu",
                              bind="visible", env={"NCCL_IB_HCA": "mlx5_0"})
