@@ -3,8 +3,10 @@ a bench script given --plot where matplotlib is missing ends here, before measur
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import socket
@@ -375,6 +377,20 @@ def no_gpu(script: str) -> int | None:
     print(f"# {script}: no GPU here ({why or 'no CUDA device'}); --dry-run shows what it would run",
           file=sys.stderr)
     return 2
+
+
+def at_least(low: float, strict: bool = False):
+    """An argparse type: a finite float >= low (> low when strict)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            bound = "above" if strict else "at least"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} {low:g}, got {text}")
+        return value
+    return parse
 
 
 def add_shape_args(p, *, heads: int = 4, headdim: int = 64, dtype: str = "float32",

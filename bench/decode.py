@@ -200,12 +200,21 @@ def main(argv=None) -> int:
         args.cache = args.cache or [4096]
     if args.host_calls is None:
         args.host_calls = 1000 if args.host_only else 20
-    for key, value in DEFAULTS["cupy" if args.backend == "cupy" else "cpu"].items():
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (GQA)")
+    ignored = [name for name, given in (("--tokens", args.tokens != 1), ("--paged", args.paged),
+                                        ("--host-only", args.host_only), ("--plot", args.plot)) if given]
+    if args.predict and ignored:
+        p.error(f"--predict models one token a call on a contiguous cache, with no plot: "
+                f"leave out {', '.join(ignored)}")
+    gpu = args.backend == "cupy" or args.predict   # the model's presets are GPUs: their defaults
+    for key, value in DEFAULTS["cupy" if gpu else "cpu"].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.predict:
         result = predict(args)
-        C.emit("# PREDICTION (bench/model/predict.py presets; HBM-bound read of the cache shard + "
-               "the all-gather); not a measurement\n" + C.table(result["rows"], list(result["rows"][0])),
+        C.emit(f"# PREDICTION (bench/model/predict.py presets; HBM-bound read of the cache shard + "
+               f"the all-gather; B={args.batch} H={args.heads}/{args.kv_heads} D={args.headdim} "
+               f"{args.dtype}); not a measurement\n" + C.table(result["rows"], list(result["rows"][0])),
                result, args)
         return 0
     group = burstcu.init(backend=args.backend)

@@ -330,6 +330,25 @@ def test_model_smoke(tmp_path, capsys):
     assert json.loads((tmp_path / "m.json").read_text())["kind"] == "PREDICTION"
 
 
+def test_model_refuses_bad_options_and_names_its_overrides(capsys):
+    """predict.py: counts and rates that made it trace back (--ranks 0, --tflops 0, a negative
+    latency, a seqlen the ranks do not divide, which it modelled shorter than labelled) are
+    usage errors; one rank (no exchange) prints its efficiency as "-"; the overrides are named in
+    the heading, which otherwise stated only the preset's assumptions."""
+    from bench.model import predict
+
+    for bad in (["--ranks", "0"], ["--tflops", "0"], ["--link-gbs", "nan"], ["--latency-us", "-5"],
+                ["--seqlen", "4096", "--ranks", "3"], ["--causal", "--seqlen", "4101", "--ranks", "3"]):
+        with pytest.raises(SystemExit) as ended:
+            predict.main(bad)
+        assert ended.value.code == 2, bad
+    capsys.readouterr()
+    predict.main(["--ranks", "1", "--seqlen", "4096"])
+    assert "        -  " in capsys.readouterr().out
+    predict.main(["--tflops", "500", "--latency-us", "1", "--seqlen", "4096"])
+    assert "; OVERRIDDEN here: 500 TFLOP/s, 1 us a message" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_model_efficiency_is_below_one_where_communication_is_exposed():
     """The efficiency is the fraction of the exchange hidden: below 1 with slow links (exposed),
     1 in a forward whose every exchange is shorter than the compute beside it; over an emulated
@@ -719,7 +738,14 @@ def test_decode_bench_smoke(tmp_path):
     pred = tmp_path / "pred.json"
     run_bench("decode.py", ["--predict", "--ranks", "1", "4", "--cache", "1024", "--json", pred],
               nprocs=None)
-    assert all(r["kind"] == "PREDICTION" for r in json.loads(pred.read_text())["rows"])
+    predicted = json.loads(pred.read_text())
+    assert all(r["kind"] == "PREDICTION" for r in predicted["rows"])
+    # the GPU presets' own dtype (it modelled a float32 cache, the CPU's default, unnamed)
+    assert predicted["args"]["dtype"] == "float16"
+    for ignored in (["--tokens", "8"], ["--paged", "16"]):   # options it dropped without a word
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--predict", *ignored],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and f"leave out {ignored[0]}" in proc.stderr, proc.stderr
 
 
 def test_l2_flush_reads_twice_the_l2_then_waits():

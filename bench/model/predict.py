@@ -114,7 +114,8 @@ def print_report(rep: dict) -> None:
           f"{'causal (zigzag)' if sh['causal'] else 'full'}")
     show = [{"": "PREDICTION", "pass": r["pass"], "seqlen": r["seqlen"],
              **{k: C.fmt_s(r[k]) for k in ("t_compute", "t_comm", "t_overlapped")},
-             "efficiency": f"{r['efficiency']:.2f}", "exposed": C.fmt_s(r["exposed_comm"]),
+             "efficiency": "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}",
+             "exposed": C.fmt_s(r["exposed_comm"]),
              "compute >= comm": r["hidden"]} for r in rep["rows"]]
     print(C.table(show, list(show[0])))
     for pass_, n in rep["hidden_above_seqlen"].items():
@@ -122,29 +123,41 @@ def print_report(rep: dict) -> None:
 
 
 def machine(args, name: str) -> Machine:
-    """The preset, with the command line's overrides."""
-    bw = args.link_gbs and args.link_gbs * 1e9
-    over = {"flops": args.tflops and args.tflops * 1e12, "intra_bw": bw, "inter_bw": bw,
-            "latency": args.latency_us and args.latency_us * 1e-6}
-    return dataclasses.replace(PRESETS[name], **{k: v for k, v in over.items() if v is not None})
+    """The preset, with the command line's overrides, which its `source` then names (its text
+    states the preset's own assumptions)."""
+    bw = None if args.link_gbs is None else args.link_gbs * 1e9
+    over = {"flops": None if args.tflops is None else args.tflops * 1e12, "intra_bw": bw, "inter_bw": bw,
+            "latency": None if args.latency_us is None else args.latency_us * 1e-6}
+    said = [f"{value:g} {unit}" for value, unit in ((args.tflops, "TFLOP/s"), (args.link_gbs, "GB/s links"),
+                                                   (args.latency_us, "us a message")) if value is not None]
+    preset = PRESETS[name]
+    source = preset.source + (f"; OVERRIDDEN here: {', '.join(said)}" if said else "")
+    return dataclasses.replace(preset, source=source, **{k: v for k, v in over.items() if v is not None})
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="h100", choices=sorted(PRESETS))
     p.add_argument("--all-presets", action="store_true", help="only the hidden-above seqlen of every preset")
-    p.add_argument("--tflops", type=float, help="override the sustained attention TFLOP/s")
-    p.add_argument("--link-gbs", type=float, help="override both links' one-way bandwidth (GB/s)")
-    p.add_argument("--latency-us", type=float, help="override the per-exchange latency")
-    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--tflops", type=C.at_least(0, strict=True),
+                   help="override the sustained attention TFLOP/s")
+    p.add_argument("--link-gbs", type=C.at_least(0, strict=True),
+                   help="override both links' one-way bandwidth (GB/s)")
+    p.add_argument("--latency-us", type=C.at_least(0), help="override the per-exchange latency")
+    p.add_argument("--ranks", type=C.positive, default=8)
     C.add_shape_args(p, heads=32, headdim=128, dtype="bfloat16", dtypes=("float16", "bfloat16", "float32"))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--strategy", default="burst", choices=["burst", "ring"])
     p.add_argument("--strategies", action="store_true",
                    help="every strategy's predicted pass times (burstcu.plan) instead of one strategy's")
-    p.add_argument("--seqlen", type=int, nargs="+", default=[2**k for k in range(12, 21, 2)])
+    p.add_argument("--seqlen", type=C.positive, nargs="+", default=[2**k for k in range(12, 21, 2)])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    unit = 2 * args.ranks if args.causal or args.strategies else args.ranks   # zigzag: 2G chunks
+    odd = [n for n in args.seqlen if n % unit]
+    if odd:
+        p.error(f"--seqlen {odd[0]}: a multiple of {unit} ({'2 x ' if unit > args.ranks else ''}"
+                f"--ranks {args.ranks}), so that every rank holds the same rows")
     names = sorted(PRESETS) if args.all_presets else [args.preset]
     if args.strategies:   # every strategy (burstcu.plan.plan) and the one strategy="auto" picks
         tables, group = [], SimpleNamespace(size=args.ranks, rank=0, ops=None)
