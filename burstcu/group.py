@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .build.compile import atomic_write, build_timeout
+from .build.compile import atomic_write, build_timeout, cache_dir
 from .ops.base import LocalOps
 from .ops.cuda import KernelOps
 from .ops.numpy import NumpyOps
@@ -430,8 +430,12 @@ def _settings(backend: str, timeout, progress: str, link) -> dict:
         raise ValueError(f"progress must be one of {PROGRESS}, not {progress!r}")
     _check_link(link, backend)
     gpu = gpu_usable() if backend == "auto" else None
-    if backend in ("emulated", "cupy") or gpu:   # kernels are built: $BURSTCU_BUILD_TIMEOUT
-        build_timeout()
+    if backend in ("emulated", "cupy") or gpu:   # kernels are built: $BURSTCU_BUILD_TIMEOUT,
+        build_timeout()                         # and kept in a folder that must pass its trust
+        try:                                    # rule here, not inside the first call
+            cache_dir()
+        except RuntimeError as exc:             # a setting, as the others: every rank hears it
+            raise ValueError(str(exc)) from exc
     return {"backend": backend, "timeout": resolve_timeout(timeout), "progress": progress,
             "link": None if link is None else (float(link.gbps), float(link.latency_us)),
             "gpu": gpu}

@@ -668,6 +668,21 @@ def test_the_emulators_settings_are_checked_when_its_group_is_made(monkeypatch, 
         burstcu.init(backend="emulated").close()
 
 
+def test_a_cache_folder_that_fails_its_trust_rule_is_refused_when_the_group_is_made(tmp_path,
+                                                                                      monkeypatch):
+    """A group-writable $BURSTCU_CACHE_DIR was refused inside the first call that built a kernel,
+    which then aborted every rank; it is a ValueError from burstcu.init now, as other bad
+    settings (on every rank: init agrees on them), and the NumPy backend, which builds nothing,
+    does not look."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("BURSTCU_CACHE_DIR", str(shared))
+    with pytest.raises(ValueError, match=r"^burstcu.init: the kernel cache folder .*shared is writable"):
+        burstcu.init(backend="emulated")
+    burstcu.init(backend="numpy").close()
+
+
 def test_the_precompiled_header_switch_takes_its_words(cache, monkeypatch):
     for off in ("0", "false", "OFF", "no"):
         monkeypatch.setenv("BURSTCU_EMU_PCH", off)
