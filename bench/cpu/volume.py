@@ -148,13 +148,14 @@ def report(per_rank: list) -> str:
     rows = sorted((dict(r, rank=rank) for rank, rows_ in enumerate(per_rank) for r in rows_),
                   key=lambda r: (order[r["strategy"], r["pass"]], r["rank"]))
     show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
-                 paper=C.fmt_bytes(r["paper_bytes"]),
+                 paper=C.fmt_bytes(r["paper_bytes"]) if r["paper_bytes"] else "-",   # usp: no count
                  msgs=f"{r['measured_messages']}/{r['formula_messages']}",
                  **{"this rank/paper": r["measured_over_paper"]}) for r in rows]
     lines = [C.table(show, ["strategy", "pass", "rank", "measured", "formula", "match", "msgs", "paper",
                             "this rank/paper"]),
              "# over ranks: the mean of every rank's bytes against the paper's per-rank count"]
-    means = [dict(m, mean=C.fmt_bytes(m["measured_bytes_mean"]), paper=C.fmt_bytes(m["paper_bytes"]),
+    means = [dict(m, mean=C.fmt_bytes(m["measured_bytes_mean"]),
+                  paper=C.fmt_bytes(m["paper_bytes"]) if m["paper_bytes"] else "-",
                   per_rank=" ".join(C.fmt_bytes(b) for b in m["measured_bytes_per_rank"]),
                   **{"mean/paper": m["mean_over_paper"]}) for m in over_ranks(per_rank)]
     lines.append(C.table(means, ["strategy", "pass", "mean", "paper", "mean/paper", "per_rank"]))
