@@ -366,16 +366,17 @@ def print_and_write(env: dict, rows: list, columns: list, args) -> None:
          {"environment": env, "args": clean(vars(args)), "rows": rows}, args)
 
 
-def no_gpu(script: str) -> int | None:
-    """Exit status 2, with one line that says so, where no CUDA GPU is usable (a GPU script
-    run on a machine without one: --dry-run still works there); None where one is."""
+def no_gpu(script: str, dry_run: bool = True) -> int | None:
+    """Exit status 2, with one line that says so, where no CUDA GPU is usable (a GPU script, or a
+    CPU script given --backend cupy, run on a machine without one; `dry_run`: the script's
+    --dry-run still works there); None where one is."""
     from burstcu.transport.bootstrap import device_count
 
     count, why = device_count()
     if count >= 1:
         return None
-    print(f"# {script}: no GPU here ({why or 'no CUDA device'}); --dry-run shows what it would run",
-          file=sys.stderr)
+    print(f"# {script}: no GPU here ({why or 'no CUDA device'})"
+          + ("; --dry-run shows what it would run" if dry_run else ""), file=sys.stderr)
     return 2
 
 

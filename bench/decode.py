@@ -217,6 +217,8 @@ def main(argv=None) -> int:
                f"{args.dtype}); not a measurement\n" + C.table(result["rows"], list(result["rows"][0])),
                result, args)
         return 0
+    if args.backend == "cupy" and (status := C.no_gpu("decode.py", dry_run=False)) is not None:
+        return status
     group = burstcu.init(backend=args.backend)
     if args.mma_min_rows is not None:
         group.ops.decode_mma_min_rows = args.mma_min_rows

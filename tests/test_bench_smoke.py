@@ -748,6 +748,21 @@ def test_decode_bench_smoke(tmp_path):
         assert proc.returncode == 2 and f"leave out {ignored[0]}" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("script", ["cpu/memory.py", "cpu/linear.py", "decode.py"])
+def test_a_gpu_backend_without_a_gpu_says_so(script):
+    """--backend cupy on a machine without a usable GPU: one line and status 2, as the gpu/
+    scripts say it (it was burstcu.init's traceback)."""
+    from burstcu.transport.bootstrap import device_count
+
+    if device_count()[0]:
+        pytest.skip("a GPU is usable here")
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--backend", "cupy"], capture_output=True,
+                          text=True, timeout=120, env=_env(), cwd=ROOT)
+    name = script.rsplit("/", 1)[-1]
+    assert proc.returncode == 2 and proc.stderr.startswith(f"# {name}: no GPU here ("), proc.stderr
+    assert "Traceback" not in proc.stderr and "--dry-run" not in proc.stderr
+
+
 def test_l2_flush_reads_twice_the_l2_then_waits():
     """decode.py's timed calls follow `l2_flush`: off CuPy there is none; on CuPy (here a stand-in
     over NumPy) each call reads all of one buffer of twice L2's bytes (reads only: written lines

@@ -93,6 +93,8 @@ def main(argv=None) -> int:
                                 "lasp2_over_ring", "lasp2_over_lasp1"]),
                {"prediction": True, "rows": rows, "args": C.clean(vars(args))}, args)
         return 0
+    if args.backend == "cupy" and (status := C.no_gpu("linear.py", dry_run=False)) is not None:
+        return status
     group = burstcu.init(backend=args.backend)
     rows = []
     for seqlen in args.seqlens:

@@ -66,6 +66,8 @@ def main(argv=None):
     C.add_problem_args(p, seqlen=2048, dtype="float32")
     p.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
     args = p.parse_args(argv)
+    if args.backend == "cupy" and (status := C.no_gpu("memory.py", dry_run=False)) is not None:
+        sys.exit(status)
     group = burstcu.init(backend=args.backend)
     inputs = C.local_inputs(group, args)
     (B, S, H, D), Hkv, dtype = inputs[0].shape, inputs[1].shape[2], inputs[0].dtype
