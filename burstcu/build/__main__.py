@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="compile every kernel variant and check its resources")
     check.add_argument("--arch", default=",".join(ARCHS), help="comma-separated, e.g. sm_80,sm_86,sm_90,sm_90a")
-    check.add_argument("--family", default="", help="only these families (comma-separated)")
-    check.add_argument("--dtype", default="", help="only these dtypes (comma-separated)")
+    check.add_argument("--family", help="only these families (comma-separated)")
+    check.add_argument("--dtype", help="only these dtypes (comma-separated)")
     check.add_argument("--json", dest="json_path", help="write the records to this file")
     check.add_argument("--md", dest="md_path", help="write the occupancy table (markdown) to this file")
     warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
@@ -177,14 +177,17 @@ def main(argv: list[str] | None = None) -> int:
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in ARCHS]
-    if bad:
-        parser.error(f"unknown arch {bad}: choose from {ARCHS}")
-    families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    if bad or not archs:
+        parser.error(f"unknown arch {bad or repr(args.arch)}: choose from {ARCHS}")
+    for option, value in (("--family", args.family), ("--dtype", args.dtype)):
+        if value is not None and not value.replace(",", "").strip():   # given, naming nothing
+            parser.error(f"{option} {value!r} names none: leave it out for all")
+    families = [f.strip() for f in (args.family or "").split(",") if f.strip()] or None
     known = sorted({v.family for arch in archs for v in gated_variants(arch)})
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
-    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()] or None
+    dtypes = [d.strip() for d in (args.dtype or "").split(",") if d.strip()] or None
     known = sorted({v.dtype for arch in archs for v in gated_variants(arch)})
     unknown = [d for d in dtypes or () if d not in known]
     if unknown:
