@@ -748,6 +748,18 @@ def test_decode_bench_smoke(tmp_path):
         assert proc.returncode == 2 and f"leave out {ignored[0]}" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("given, said", [(["--repeats", "0"], "--repeats: must be at least 1"),
+                                         (["--warmup", "-1"], "--warmup -1: at least 0"),
+                                         (["--strategies", "bogus"], "invalid choice: 'bogus'"),
+                                         (["--link-latency-us", "5"], "give both")])
+def test_overlap_refuses_bad_options_before_measuring(given, said):
+    """cpu/overlap.py measured, then traced back (--repeats 0, --warmup -1: IndexError), or ran the
+    whole default benchmark without the link a lone --link-latency-us asked for."""
+    proc = subprocess.run([sys.executable, str(BENCH / "cpu" / "overlap.py"), *given], capture_output=True,
+                          text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("script", ["cpu/memory.py", "cpu/linear.py", "decode.py"])
 def test_a_gpu_backend_without_a_gpu_says_so(script):
     """--backend cupy on a machine without a usable GPU: one line and status 2, as the gpu/

@@ -23,6 +23,7 @@ from bench import _common as C  # noqa: E402
 from bench.model.predict import overlap_prediction  # noqa: E402
 
 import burstcu  # noqa: E402
+from burstcu import engine  # noqa: E402
 from burstcu.selftest import MEASURABLE, judge_overlap  # noqa: E402  (one rule for both)
 from burstcu.transport.base import Transport  # noqa: E402
 from burstcu.transport.link import Link  # noqa: E402
@@ -410,20 +411,26 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096], help="global lengths")
+    p.add_argument("--seqlen", type=C.positive, nargs="+", default=[1024, 2048, 4096], help="global lengths")
     C.add_shape_args(p)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--layout", default=None, choices=["contiguous", "zigzag"],
                    help="default: zigzag with --causal (balanced ranks), contiguous without")
-    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--strategies", nargs="+", default=["burst", "ring", "allgather"],
+                   choices=list(engine.NAMES))
+    p.add_argument("--repeats", type=C.positive, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this many Gb/s")
-    p.add_argument("--link-latency-us", type=float, default=0.0, help="its microseconds a message")
+    p.add_argument("--link-latency-us", type=float, default=None, help="its microseconds a message")
     p.add_argument("--allow-unbound", action="store_true", help="time even where ranks are not bound")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: at least 0")
+    if args.link_latency_us is not None and args.link_gbps is None:
+        p.error("--link-latency-us describes the link --link-gbps emulates: give both")
+    args.link_latency_us = args.link_latency_us or 0.0
     args.layout = args.layout or ("zigzag" if args.causal else "contiguous")
     args.kv_heads = args.kv_heads or args.heads
     link = None if args.link_gbps is None else Link(gbps=args.link_gbps, latency_us=args.link_latency_us)
