@@ -434,6 +434,9 @@ def _settings(backend: str, timeout, progress: str, link) -> dict:
         build_timeout()                         # and kept in a folder that must pass its trust
         try:                                    # rule here, not inside the first call
             cache_dir()
+            if backend == "emulated":           # and the emulator's folder under it
+                from .build import emulate
+                emulate.cache_dir()
         except RuntimeError as exc:             # a setting, as the others: every rank hears it
             raise ValueError(str(exc)) from exc
     return {"backend": backend, "timeout": resolve_timeout(timeout), "progress": progress,

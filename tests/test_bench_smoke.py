@@ -345,6 +345,9 @@ def test_model_refuses_bad_options_and_names_its_overrides(capsys):
     capsys.readouterr()
     predict.main(["--ranks", "1", "--seqlen", "4096"])
     assert "        -  " in capsys.readouterr().out
+    rows = predict.main(["--ranks", "3"])["reports"][0]["rows"]   # its defaults, rounded to 3
+    assert sorted({r["seqlen"] for r in rows}) == [4095, 16383, 65535, 262143, 1048575]
+    capsys.readouterr()
     predict.main(["--tflops", "500", "--latency-us", "1", "--seqlen", "4096"])
     assert "; OVERRIDDEN here: 500 TFLOP/s, 1 us a message" in capsys.readouterr().out.splitlines()[0]
 
@@ -392,7 +395,7 @@ def test_volume_smoke(tmp_path):
         assert r["measured_bytes"] == r["formula_bytes"] == sum(r["terms"].values())
         assert r["measured_messages"] == r["formula_messages"]
         if r["strategy"] == "usp":
-            assert r["paper_bytes"] == 0            # no paper formula of its own
+            assert r["paper_bytes"] is None         # no paper formula of its own
         elif r["pass"] == "forward":
             assert r["measured_bytes"] == r["paper_bytes"]          # 2BZNd (G-1)/G exactly
         else:

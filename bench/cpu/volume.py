@@ -22,7 +22,7 @@ from burstcu.ops.base import accum_dtype  # noqa: E402
 def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=None,
             counts=None) -> tuple[dict, str, int]:
     """(terms, why, paper): the bytes this rank sends as named terms, why they differ from the
-    paper's count, and that count as one rank's bytes (0 without one: usp), at input itemsize `it`,
+    paper's count, and that count as one rank's bytes (None without one: usp), at input itemsize `it`,
     H heads query-side and Hkv K/V-side. sends: the forward hops this rank sends K, V on (burst;
     usp: its ring of groups); counts: the backward's (bundles, dqs, messages) it sends (the same);
     fewer than G-1 and (G-1, G, G+1) where a mask ends a block's or a bundle's trip early."""
@@ -41,13 +41,13 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
             return ({f"q, k, v all-to-all in groups of {u}": (q_c + 2 * kv_c) * it * (u - 1),
                      "out + lse fp32 back": (q_c * it + rows_c * acc) * (u - 1),
                      f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1 if sends is None else sends)},
-                    why, 0)
+                    why, None)
         bundles, dqs = (r - 1, r) if counts is None else counts[:2]
         ring_bwd = (bundles * (2 * u * q_c * it + 2 * u * rows_c * acc) + dqs * u * q_c * acc) if r > 1 else 0
         return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
                  ((2 * q_c + 2 * kv_c) * it + 2 * rows_c * acc) * (u - 1),
                  f"ring of {r} groups: q, dout, lse, delta, dq": ring_bwd,
-                 "dq, dk, dv fp32 back": (q_c + 2 * kv_c) * acc * (u - 1)}, why, 0)
+                 "dq, dk, dv fp32 back": (q_c + 2 * kv_c) * acc * (u - 1)}, why, None)
     # the paper's ulysses: query-side tensors (G-1)/G of H heads, K/V-side ones Hk heads to each peer
     if strategy == "ulysses" and pass_ == "forward":
         return ({"q, k, v all-to-all": (q_c + 2 * kv_c) * it * hops,
@@ -148,14 +148,14 @@ def report(per_rank: list) -> str:
     rows = sorted((dict(r, rank=rank) for rank, rows_ in enumerate(per_rank) for r in rows_),
                   key=lambda r: (order[r["strategy"], r["pass"]], r["rank"]))
     show = [dict(r, measured=C.fmt_bytes(r["measured_bytes"]), formula=C.fmt_bytes(r["formula_bytes"]),
-                 paper=C.fmt_bytes(r["paper_bytes"]) if r["paper_bytes"] else "-",   # usp: no count
+                 paper="-" if r["paper_bytes"] is None else C.fmt_bytes(r["paper_bytes"]),  # usp: none
                  msgs=f"{r['measured_messages']}/{r['formula_messages']}",
                  **{"this rank/paper": r["measured_over_paper"]}) for r in rows]
     lines = [C.table(show, ["strategy", "pass", "rank", "measured", "formula", "match", "msgs", "paper",
                             "this rank/paper"]),
              "# over ranks: the mean of every rank's bytes against the paper's per-rank count"]
     means = [dict(m, mean=C.fmt_bytes(m["measured_bytes_mean"]),
-                  paper=C.fmt_bytes(m["paper_bytes"]) if m["paper_bytes"] else "-",
+                  paper="-" if m["paper_bytes"] is None else C.fmt_bytes(m["paper_bytes"]),
                   per_rank=" ".join(C.fmt_bytes(b) for b in m["measured_bytes_per_rank"]),
                   **{"mean/paper": m["mean_over_paper"]}) for m in over_ranks(per_rank)]
     lines.append(C.table(means, ["strategy", "pass", "mean", "paper", "mean/paper", "per_rank"]))

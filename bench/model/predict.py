@@ -150,10 +150,14 @@ def main(argv=None) -> dict:
     p.add_argument("--strategy", default="burst", choices=["burst", "ring"])
     p.add_argument("--strategies", action="store_true",
                    help="every strategy's predicted pass times (burstcu.plan) instead of one strategy's")
-    p.add_argument("--seqlen", type=C.positive, nargs="+", default=[2**k for k in range(12, 21, 2)])
+    p.add_argument("--seqlen", type=C.positive, nargs="+",
+                   help="global lengths, multiples of --ranks (2 x with --causal or --strategies); "
+                        "default: 4K, 16K, ... 1M, each rounded down to one")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     unit = 2 * args.ranks if args.causal or args.strategies else args.ranks   # zigzag: 2G chunks
+    if args.seqlen is None:
+        args.seqlen = [max(unit, n - n % unit) for n in (2**k for k in range(12, 21, 2))]
     odd = [n for n in args.seqlen if n % unit]
     if odd:
         p.error(f"--seqlen {odd[0]}: a multiple of {unit} ({'2 x ' if unit > args.ranks else ''}"

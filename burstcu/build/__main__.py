@@ -156,6 +156,17 @@ def _row(record: dict) -> str:
     return " ".join(str(record.get(col, "-")).rjust(width) for col, width in COLUMNS)
 
 
+
+def _listed(parser, option: str, value: str | None) -> list[str] | None:
+    """The comma-separated names `option` gave, or None (all) where it was left out; given but
+    naming none (an empty string), a usage error rather than all."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        parser.error(f"{option} {value!r} names none: leave it out for all")
+    return names
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m burstcu.build")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--device", required=True, help="the GPU's arch, e.g. sm_80, sm_86, sm_90")
     warm.add_argument("--tables", default="",
                       help="the tile tables to warm, comma-separated (default: the one the device loads)")
-    warm.add_argument("--family", default="", help="only these families (comma-separated)")
+    warm.add_argument("--family", help="only these families (comma-separated)")
     warm.add_argument("--jobs", type=int, default=None, help="compile processes (default: one a CPU)")
     args = parser.parse_args(argv)
     if args.command == "warm":
@@ -179,15 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
         parser.error(f"unknown arch {bad or repr(args.arch)}: choose from {ARCHS}")
-    for option, value in (("--family", args.family), ("--dtype", args.dtype)):
-        if value is not None and not value.replace(",", "").strip():   # given, naming nothing
-            parser.error(f"{option} {value!r} names none: leave it out for all")
-    families = [f.strip() for f in (args.family or "").split(",") if f.strip()] or None
+    families = _listed(parser, "--family", args.family)
     known = sorted({v.family for arch in archs for v in gated_variants(arch)})
     unknown = [f for f in families or () if f not in known]
     if unknown:
         parser.error(f"unknown family {unknown}: choose from {', '.join(known)}")
-    dtypes = [d.strip() for d in (args.dtype or "").split(",") if d.strip()] or None
+    dtypes = _listed(parser, "--dtype", args.dtype)
     known = sorted({v.dtype for arch in archs for v in gated_variants(arch)})
     unknown = [d for d in dtypes or () if d not in known]
     if unknown:
@@ -259,7 +267,7 @@ def _main_warm(parser, args) -> int:
     bad = [t for t in tables or () if t not in ARCHS]
     if bad:
         parser.error(f"unknown tile table {bad}: choose from {', '.join(ARCHS)}")
-    families = [f.strip() for f in args.family.split(",") if f.strip()] or None
+    families = _listed(parser, "--family", args.family)
     known = sorted(_families(args.device, tables))
     unknown = sorted(set(families or ()) - set(known))
     if unknown:

@@ -232,12 +232,15 @@ inline double watchdog_seconds() {
   return v ? atof(v) : 300.0;
 }
 
-// Armed by `arm` once the jump target of its signal exists (`run_grid`): a timer that fired before
-// would jump into a stale buffer (a tiny BURSTCU_EMU_TIMEOUT_S hung the process that way).
+// Made (its timer created, nothing armed) before the jump target of its signal exists, armed by
+// `arm` after (`run_grid`): a timer that fired before would jump into a stale buffer (a tiny
+// BURSTCU_EMU_TIMEOUT_S hung the process that way). Every member is written before the target is
+// set (values written between sigsetjmp and a jump back are indeterminate after it), and the
+// destructor deletes a created timer however the launch ends, an early signal included.
 struct Watchdog {
   timer_t id{};
-  bool armed = false;
-  void arm(double seconds) {
+  bool created = false;
+  explicit Watchdog(double seconds) {
     if (seconds <= 0) return;
     struct sigevent sev;
     memset(&sev, 0, sizeof sev);
@@ -248,16 +251,18 @@ struct Watchdog {
 #else
     sev._sigev_un._tid = static_cast<pid_t>(syscall(SYS_gettid));
 #endif
-    if (timer_create(CLOCK_MONOTONIC, &sev, &id) != 0) return;
+    created = timer_create(CLOCK_MONOTONIC, &sev, &id) == 0;
+  }
+  void arm(double seconds) const {
+    if (!created) return;
     struct itimerspec its;
     memset(&its, 0, sizeof its);
     its.it_value.tv_sec = static_cast<time_t>(seconds);
     its.it_value.tv_nsec = static_cast<long>((seconds - double(its.it_value.tv_sec)) * 1e9);
-    armed = timer_settime(id, 0, &its, nullptr) == 0;
-    if (!armed) timer_delete(id);
+    timer_settime(id, 0, &its, nullptr);
   }
   ~Watchdog() {
-    if (armed) timer_delete(id);
+    if (created) timer_delete(id);
   }
 };
 
@@ -410,7 +415,8 @@ inline const Kernel* checked_kernel(const char* name, unsigned const g[3], unsig
 inline void run_grid(Run& run, unsigned const g[3]) {
   const std::vector<unsigned long long> order = block_order(g, run.flags & EMU_RANDOMIZE);
   FaultGuard guard;
-  Watchdog watchdog;  // deleted on every way out of here, the jump back included
+  const double seconds = watchdog_seconds();
+  Watchdog watchdog(seconds);  // created here, armed below, deleted on every way out
   if (!guard.ok) {
     run.failed = true;
     run.error = "cannot install the emulator's signal handlers";
@@ -421,7 +427,7 @@ inline void run_grid(Run& run, unsigned const g[3]) {
     run.error = describe_fault(g_fault_signal, g_fault_addr);
     return;
   }
-  watchdog.arm(watchdog_seconds());
+  watchdog.arm(seconds);
   for (unsigned long long i = 0; i < order.size() && !run.failed; ++i) {
     const unsigned long long o = order[i];
     g_block_idx = {unsigned(o % g[0]), unsigned(o / g[0] % g[1]), unsigned(o / (1ull * g[0] * g[1]))};

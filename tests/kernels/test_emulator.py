@@ -290,18 +290,25 @@ def test_spin_wait_stopped_by_watchdog(mod, monkeypatch):
 def test_a_watchdog_shorter_than_the_launch_setup_is_an_error_not_a_hang(mod):
     """BURSTCU_EMU_TIMEOUT_S = 1e-9: the timer fired before the launch had set the point its
     signal jumps back to, and the process spun in the fault handler for ever. Now it is armed
-    after, and the launch fails with the watchdog's message. Run in a child, with a deadline, so
-    that a hang fails this test alone."""
-    program = ("import numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
+    after, each of 200 launches fails with the watchdog's message, and no timer is left behind.
+    Run in a child, with a deadline, so that a hang fails this test alone."""
+    program = ("import os, numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
                "m = t.build_module([t.PROBES], t.NAMES)\n"
-               "try:\n"
-               "    m.get_function('probe_errors')((1,), (64,), (np.int32(0), np.zeros(64, np.int32)))\n"
-               "except RuntimeError as e:\n"
-               "    print(e)\n")
+               "for _ in range(200):\n"
+               "    try:\n"
+               "        m.get_function('probe_errors')((1,), (64,), (np.int32(0), np.zeros(64, np.int32)))\n"
+               "    except RuntimeError as e:\n"
+               "        said = str(e)\n"
+               "print(said)\n"
+               "if os.path.exists('/proc/self/timers'):\n"
+               "    print('timers left:', sum(line.startswith('ID:') for line in open('/proc/self/timers')))\n")
     proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="1e-9"))
     assert "the launch ran longer than BURSTCU_EMU_TIMEOUT_S = 1e-09 s" in proc.stdout, \
         proc.stdout + proc.stderr
+    # every launch's timer deleted, an early signal included (one leaked a launch; enough of them
+    # exhaust RLIMIT_SIGPENDING, and the watchdog then never fires)
+    assert "timers left:" not in proc.stdout or "timers left: 0" in proc.stdout, proc.stdout
 
 
 def test_exit_before_barrier_allowed_on_request(mod):

@@ -649,16 +649,19 @@ def test_check_refuses_a_family_the_arch_does_not_gate(capsys):
     assert "unknown family ['forward']" in err and "forward_sm90" in err
 
 
-@pytest.mark.parametrize("given, said", [(["--arch", ""], "unknown arch ''"),
-                                         (["--family", ""], "--family '' names none"),
-                                         (["--dtype", " , "], "--dtype ' , ' names none")])
+@pytest.mark.parametrize("given, said", [(["check", "--arch", ""], "unknown arch ''"),
+                                         (["check", "--family", ""], "--family '' names none"),
+                                         (["check", "--dtype", " , "], "--dtype ' , ' names none"),
+                                         (["warm", "--device", "sm_80", "--family", ""],
+                                          "--family '' names none")])
 def test_check_refuses_options_that_name_nothing(capsys, given, said):
     """`check --arch ''` gated nothing and ended 2 with an empty table; `--family ''` gated every
-    family (all 738 variants, minutes): options given empty are usage errors."""
+    family (all 738 variants, minutes), and warmed every one: options given empty are usage
+    errors."""
     from burstcu.build import __main__ as cli
 
     with pytest.raises(SystemExit) as ended:
-        cli.main(["check", *given])
+        cli.main(given)
     assert ended.value.code == 2 and said in capsys.readouterr().err
 
 
@@ -694,6 +697,13 @@ def test_a_cache_folder_that_fails_its_trust_rule_is_refused_when_the_group_is_m
     with pytest.raises(ValueError, match=r"^burstcu.init: the kernel cache folder .*shared is writable"):
         burstcu.init(backend="emulated")
     burstcu.init(backend="numpy").close()
+    private = tmp_path / "private"            # a good folder whose emu/ is not: the emulator's
+    (private / "emu").mkdir(parents=True)
+    private.chmod(0o700)
+    (private / "emu").chmod(0o777)
+    monkeypatch.setenv("BURSTCU_CACHE_DIR", str(private))
+    with pytest.raises(ValueError, match=r"^burstcu.init: the kernel cache folder .*emu is writable"):
+        burstcu.init(backend="emulated")
 
 
 def test_the_precompiled_header_switch_takes_its_words(cache, monkeypatch):
