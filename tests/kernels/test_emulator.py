@@ -301,7 +301,8 @@ def test_a_watchdog_shorter_than_the_launch_setup_is_an_error_not_a_hang(mod):
                "        said = str(e)\n"
                "print(said)\n"
                "if os.path.exists('/proc/self/timers'):\n"
-               "    print('timers left:', sum(line.startswith('ID:') for line in open('/proc/self/timers')))\n")
+               "    left = sum(line.startswith('ID:') for line in open('/proc/self/timers'))\n"
+               "    print('timers left:', left)\n")
     proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="1e-9"))
     assert "the launch ran longer than BURSTCU_EMU_TIMEOUT_S = 1e-09 s" in proc.stdout, \
