@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import engine
-from .arrays import (array_module, device_problem, group_for, is_cupy, joined, native, returned, to_jax,
-                     untakeable)
+from .arrays import (array_module, device_problem, group_for, is_cupy, is_jax, joined, native, returned,
+                     to_jax, untakeable)
 from .cpu_tensors import host_view, tensor_of
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
@@ -706,8 +706,8 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
         misread = misread_array_problem("x_local", x_local) or _gatherable_problem(x_local)
         if misread is not None:
             raise misread.exception()
-        if uneven_problem(layout, uneven):
-            raise ValueError(uneven_problem(layout, uneven))
+        if (mixed := uneven_problem(layout, uneven)) is not None:
+            raise ValueError(mixed)
         _shard_partition(layout, 1, x_local, axis, cu_seqlens, name="x_local")
         held = _held_problem((x_local.shape[axis],), lengths)
         if held is not None:
@@ -796,8 +796,7 @@ def _host_tensor(x_local, group: Group) -> tuple:
     DLPack cannot carry into NumPy either) goes as JAX's own NumPy view (ml_dtypes.bfloat16),
     handed back as a JAX array (`to_jax`)."""
     on_host = group.ops.device != "cuda" and not getattr(x_local, "requires_grad", False)
-    if on_host and type(x_local).__module__.split(".")[0] in ("jax", "jaxlib") \
-            and str(getattr(x_local, "dtype", "")) == "bfloat16":
+    if on_host and is_jax(x_local) and str(getattr(x_local, "dtype", "")) == "bfloat16":
         return np.asarray(x_local), to_jax
     view = host_view(x_local) if on_host else x_local
     return (x_local, None) if view is x_local else (view, tensor_of)

@@ -132,11 +132,16 @@ def device_problem(ops, names: tuple, arrays: tuple) -> InputError | None:
 _FRAMEWORK_OF = {"jaxlib": "jax"}
 
 
+def is_jax(x) -> bool:
+    """Whether x is a JAX array (its class lives in jaxlib or jax)."""
+    return _FRAMEWORK_OF.get(type(x).__module__.split(".")[0]) == "jax"
+
+
 def _exporter(x):
     """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it:
     its array-API namespace's where it has one, else its package's (JAX's: `to_jax`); None
     when it cannot be found (the results then stay the backend's own arrays)."""
-    if _FRAMEWORK_OF.get(type(x).__module__.split(".")[0]) == "jax":
+    if is_jax(x):
         return to_jax
     namespace = getattr(x, "__array_namespace__", None)
     try:

@@ -432,11 +432,12 @@ def _settings(backend: str, timeout, progress: str, link) -> dict:
     gpu = gpu_usable() if backend == "auto" else None
     if backend in ("emulated", "cupy") or gpu:   # kernels are built: $BURSTCU_BUILD_TIMEOUT,
         build_timeout()                         # and kept in a folder that must pass its trust
-        try:                                    # rule here, not inside the first call
-            cache_dir()
-            if backend == "emulated":           # and the emulator's folder under it
+        try:                                    # rule here, not inside the first call (the
+            if backend == "emulated":           # emulator's folder under it, and it, checked)
                 from .build import emulate
                 emulate.cache_dir()
+            else:
+                cache_dir()
         except RuntimeError as exc:             # a setting, as the others: every rank hears it
             raise ValueError(str(exc)) from exc
     return {"backend": backend, "timeout": resolve_timeout(timeout), "progress": progress,

@@ -357,8 +357,8 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
     max_positions: the most positions the local op can address (the kernels: 2^30)."""
     lengths = tuple(int(n) for n in lengths)
     size, total = len(lengths), sum(lengths)
-    if uneven_problem(layout, uneven):
-        return InputError(ValueError, uneven_problem(layout, uneven)), None
+    if (mixed := uneven_problem(layout, uneven)) is not None:
+        return InputError(ValueError, mixed), None
     err = check_docs_total(docs, total, size)
     if err:
         return err, None
@@ -771,7 +771,7 @@ def call_marks(arrays: dict) -> dict:
     for name, x in arrays.items():
         host = _host(x)
         if host is not None and host.ndim >= 3 and host.size:
-            marks[name] = (host.dtype, _fingerprint(host, 0 if host.ndim == 3 else 1))
+            marks[name] = (host.dtype, _fingerprint(host, _marked_axis(host)))
     return marks
 
 
@@ -784,7 +784,12 @@ def _cast_of(x, mark: tuple) -> bool:
         return False
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _fingerprint(host, 0 if host.ndim == 3 else 1, dtype) == digest
+        return _fingerprint(host, _marked_axis(host), dtype) == digest
+
+
+def _marked_axis(x) -> int:
+    """The sequence axis `call_marks` samples: 0 of a packed (T, H, D) array, else 1."""
+    return 0 if x.ndim == 3 else 1
 
 
 def _took_or_gave(names: list) -> str:

@@ -156,7 +156,6 @@ def _row(record: dict) -> str:
     return " ".join(str(record.get(col, "-")).rjust(width) for col, width in COLUMNS)
 
 
-
 def _listed(parser, option: str, value: str | None) -> list[str] | None:
     """The comma-separated names `option` gave, or None (all) where it was left out; given but
     naming none (an empty string), a usage error rather than all."""
@@ -166,6 +165,7 @@ def _listed(parser, option: str, value: str | None) -> list[str] | None:
     if not names:
         parser.error(f"{option} {value!r} names none: leave it out for all")
     return names
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m burstcu.build")
