@@ -436,20 +436,72 @@ def save(fig, path: str, dpi: int = 110) -> None:
     pyplot().close(fig)
 
 
+def _launcher_rank0() -> bool:
+    """Whether this process is the first rank of its launch (or not launched by mpiexec): the
+    rank mpiexec's Hydra, Open MPI or PMIx names, read before MPI starts."""
+    return all(os.environ.get(var, "0") == "0"
+               for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
 def refuse_plot_without_matplotlib(argv) -> None:
     """SystemExit(2) on every rank for --plot without matplotlib (optional: only --plot needs
-    it), saying what to install on the first (the rank mpiexec's Hydra, Open MPI or PMIx names)."""
+    it), saying what to install on the first."""
     if not any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
         return
     try:
         __import__("matplotlib")
     except ImportError as exc:
-        if all(os.environ.get(var, "0") == "0" for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        if _launcher_rank0():
             sys.stderr.write(f"{Path(sys.argv[0]).name}: --plot needs matplotlib ({exc}): "
                              "pip install 'burstcu[bench]'\n")
         raise SystemExit(2) from None
 
 
+def _output_paths(argv) -> list[tuple[str, str]]:
+    """(option, path) for each --json, --table, --plot and --out in argv ("--json F" or
+    "--json=F")."""
+    found = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--json", "--table", "--plot", "--out"):
+            if eq:
+                found.append((name, value))
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                found.append((name, argv[i + 1]))
+    return found
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file could not be written at `path` (a folder there, or a folder on the way that
+    is a file or not writable), or None: the check a script makes before measuring, so a run
+    does not end, after its work, on a path it cannot write."""
+    target = Path(path)
+    if target.is_dir():
+        return "is a folder"
+    folder = target.parent
+    while not folder.exists():       # write_json and the tables make the missing folders
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "is not writable"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
+
+
+def refuse_unwritable_outputs(argv) -> None:
+    """SystemExit(2) on every rank, before any work, when an output path (--json, --table,
+    --plot, --out) cannot be written; the first rank says which and why."""
+    problems = [f"{name} {path}: {why}" for name, path in _output_paths(argv)
+                if (why := unwritable(path)) is not None]
+    if problems:
+        if _launcher_rank0():
+            sys.stderr.write(f"{Path(sys.argv[0]).name}: cannot write " + "; ".join(problems) + "\n")
+        raise SystemExit(2)
+
+
 _MAIN = getattr(sys.modules.get("__main__"), "__file__", None)
 if _MAIN is not None and Path(_MAIN).resolve().is_relative_to(ROOT / "bench"):
     refuse_plot_without_matplotlib(sys.argv[1:])
+    refuse_unwritable_outputs(sys.argv[1:])

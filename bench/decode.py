@@ -173,7 +173,7 @@ def plot(rows: list, path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", nargs="+", type=C.positive, help="cache rows, all ranks together")
-    p.add_argument("--prefill", nargs="*", type=C.positive, default=[4096], help="prompt lengths (numpy)")
+    p.add_argument("--prefill", nargs="*", type=C.positive, help="prompt lengths (numpy; 4096)")
     C.add_shape_args(p, heads=32, headdim=128, dtype=None,
                      kv_heads_help="default: a quarter of --heads (32 / 8: GQA 4), or --heads where 4 "
                                    "does not divide it")
@@ -198,15 +198,20 @@ def main(argv=None) -> int:
         args.kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads
     if args.host_only:
         args.cache = args.cache or [4096]
+    measuring = (("--tokens", args.tokens != 1), ("--paged", args.paged), ("--host-only", args.host_only),
+                 ("--plot", args.plot), ("--repeats", args.repeats), ("--warm-l2", args.warm_l2),
+                 ("--host-calls", args.host_calls), ("--mma-min-rows", args.mma_min_rows is not None),
+                 ("--backend", args.backend != "numpy"), ("--prefill", args.prefill is not None))
+    ignored = [name for name, given in measuring if given]
+    if args.predict and ignored:
+        p.error(f"--predict models one token a call on a contiguous cache, measuring nothing: "
+                f"leave out {', '.join(ignored)}")
     if args.host_calls is None:
         args.host_calls = 1000 if args.host_only else 20
+    if args.prefill is None:
+        args.prefill = [4096]
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (GQA)")
-    ignored = [name for name, given in (("--tokens", args.tokens != 1), ("--paged", args.paged),
-                                        ("--host-only", args.host_only), ("--plot", args.plot)) if given]
-    if args.predict and ignored:
-        p.error(f"--predict models one token a call on a contiguous cache, with no plot: "
-                f"leave out {', '.join(ignored)}")
     gpu = args.backend == "cupy" or args.predict   # the model's presets are GPUs: their defaults
     for key, value in DEFAULTS["cupy" if gpu else "cpu"].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))

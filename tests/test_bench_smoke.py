@@ -745,7 +745,9 @@ def test_decode_bench_smoke(tmp_path):
     assert all(r["kind"] == "PREDICTION" for r in predicted["rows"])
     # the GPU presets' own dtype (it modelled a float32 cache, the CPU's default, unnamed)
     assert predicted["args"]["dtype"] == "float16"
-    for ignored in (["--tokens", "8"], ["--paged", "16"]):   # options it dropped without a word
+    for ignored in (["--tokens", "8"], ["--paged", "16"], ["--repeats", "3"], ["--warm-l2"],
+                    ["--backend", "emulated"], ["--prefill"], ["--host-calls", "5"],
+                    ["--mma-min-rows", "16"]):   # options it dropped without a word
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--predict", *ignored],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and f"leave out {ignored[0]}" in proc.stderr, proc.stderr
@@ -1056,3 +1058,36 @@ def test_an_unknown_strategy_is_a_usage_error(script):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--strategies", "bogus"],
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 2 and "invalid choice: 'bogus'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder", "read_only_folder"])
+def test_an_unwritable_output_path_stops_before_measuring(tmp_path, where):
+    """An output path the script cannot write ended the run after its work (a traceback from
+    write_json once every figure was measured); now it ends at once, status 2, saying which
+    option and why, on every rank."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = {"under_a_file": blocker / "sub" / "d.json", "a_folder": tmp_path}.get(where)
+    if where == "read_only_folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        path = locked / "d.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(BENCH / "decode.py"), "--cache", "64",
+           "--prefill", "64", "--heads", "2", "--kv-heads", "1", "--headdim", "16",
+           "--repeats", "1", f"--json={path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot write --json {path}" in proc.stderr, proc.stderr
+    assert proc.stderr.count("cannot write") == 1, proc.stderr    # said once, by the first rank
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_the_output_check_reads_both_option_spellings():
+    from bench import _common as C
+
+    argv = ["--json", "a.json", "--plot=b.png", "--table", "--cache", "--out", "o"]
+    assert C._output_paths(argv) == [("--json", "a.json"), ("--plot", "b.png"), ("--out", "o")]
+    assert C.unwritable(str(ROOT / "bench" / "results" / "new" / "x.json")) is None
+    assert C.unwritable(str(ROOT / "bench")) == "is a folder"
