@@ -263,7 +263,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven,
+                                                                             block_mask)
     given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
@@ -321,7 +322,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven,
+                                                                             block_mask)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
                                        positional=_positional(causal, window_size, cu_seqlens,

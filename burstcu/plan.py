@@ -450,7 +450,7 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         raise TypeError(f"plan: dtype must be float16, bfloat16, float32 or float64 (a name or a "
                         f"NumPy dtype), got {given!r}")
     group, layout, cu_seqlens, _, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
-                                                                        None)
+                                                                        None, block_mask)
     if conflict is not None:
         raise ValueError(f"plan(..., sharding) takes its layout and cu_seqlens from the Sharding: "
                          f"pass them only through it ({conflict})")

@@ -421,15 +421,21 @@ def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
     if not bad.any():
         return None
     b, h, s = (int(i) for i in np.argwhere(bad)[0])
-    seen = ("" if saw[b, h, s] == sees[b, h, s] else
-            " (a row that sees no key under this mask)" if saw[b, h, s] else
-            " (a row that sees keys under this mask)")
+    where = f"batch {b}, head {h}, row {s}"
+    if saw[b, h, s] == sees[b, h, s]:
+        found = (f"the probabilities recomputed from lse sum to {sums[b, h, s]:.6g} over the keys "
+                 f"in {int(bad.sum())} rows, not {expect[b, h, s]:g} (first: {where}, lse "
+                 f"{lse_h[b, h, s]:.6g})")
+    elif saw[b, h, s]:
+        found = (f"lse is finite ({lse_h[b, h, s]:.6g}) at {where}, a row that sees no key under "
+                 f"this mask, where the forward's lse is -inf (rows wrong: {int(bad.sum())})")
+    else:
+        found = (f"lse is -inf at {where}, a row that sees keys under this mask "
+                 f"(rows wrong: {int(bad.sum())})")
     return InputError(ValueError, (
-        f"attention_backward(check=True): on rank {rank} the probabilities recomputed from lse "
-        f"sum to {sums[b, h, s]:.6g} over the keys in {int(bad.sum())} rows, not "
-        f"{expect[b, h, s]:g} (first: batch {b}, head {h}, row {s}, lse {lse_h[b, h, s]:.6g}{seen}): "
-        f"lse is not the one attention(..., return_lse=True) returned for these q, k, v and "
-        f"options, or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))
+        f"attention_backward(check=True): on rank {rank} {found}: lse is not the one "
+        f"attention(..., return_lse=True) returned for these q, k, v and options (the same "
+        f"mask?), or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))
 
 
 FREE = "S"   # a shape's sequence extent, which ranks need not agree on
@@ -862,12 +868,13 @@ def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
     return (want, seq_axis) if want[3] is not None and want[3] > 1 else None
 
 
-def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
+def sharding_keywords(group, layout, cu_seqlens, uneven, block_mask=None) -> tuple:
     """(group, layout, cu_seqlens, uneven, lengths, conflict) of a call given `group` (a Group,
     None, or a `burstcu.Sharding`) and its keywords (None: left out). A Sharding fills the
     keywords left out; `conflict` says which given keyword disagrees with it (else None), for
     an error on every rank (the public calls defer it through their agreement round; `plan`,
-    which sends nothing, raises it)."""
+    which sends nothing, raises it). block_mask: the call's; a Sharding with documents beside
+    it is a conflict (the mask says the documents)."""
     arguments = getattr(group, "sharding_arguments", None)
     if not callable(arguments):
         return (group, "contiguous" if layout is None else layout, cu_seqlens,
@@ -890,6 +897,11 @@ def sharding_keywords(group, layout, cu_seqlens, uneven) -> tuple:
                         f"{'uneven (lengths)' if lengths is not None else 'not uneven'}")
     if conflict is not None:
         conflict += "; pass the Sharding alone: it carries layout, cu_seqlens and lengths"
+    elif block_mask is not None and sh_docs is not None:
+        conflict = (f"the Sharding holds documents (cu_seqlens, layout {sh_layout!r}) and block_mask "
+                    f"is the whole mask: give the documents as rectangles of the block mask and "
+                    f"make the Sharding without cu_seqlens (layout 'contiguous' or 'zigzag'; "
+                    f"Sharding(group, lengths=mask.balanced_lengths(G, N)) balances the rows)")
     return group, sh_layout, sh_docs, lengths is not None, lengths, conflict
 
 

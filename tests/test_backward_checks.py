@@ -334,16 +334,18 @@ def test_check_refuses_an_lse_of_minus_inf_on_rows_that_see_keys():
     out, lse = burstcu.attention(q, k, v, block_mask=half, return_lse=True)
     assert np.isneginf(lse[:, :, 12:]).all()
     burstcu.attention_backward(dout, q, k, v, out, lse, block_mask=half, check=True)
-    with pytest.raises(ValueError, match=r"sum to 0 over the keys in 24 rows, not 1 \(first: "
-                                         r"batch 0, head 0, row 12, lse -inf \(a row that sees "
-                                         r"keys under this mask\)\)"):
+    with pytest.raises(ValueError, match=r"lse is -inf at batch 0, head 0, row 12, a row that "
+                                         r"sees keys under this mask \(rows wrong: 24\)"):
         burstcu.attention_backward(dout, q, k, v, out.view(), lse.view(), block_mask=whole, check=True)
-    with pytest.raises(ValueError, match=r"not 0 \(first: batch 0, head 0, row 6, lse [0-9.]+ "
-                                         r"\(a row that sees no key under this mask\)\)"):
+    # (it said "sum to 0 ... not 0": the sum was right, the lse was not)
+    with pytest.raises(ValueError, match=r"lse is finite \([0-9.]+\) at batch 0, head 0, row 6, a "
+                                         r"row that sees no key under this mask, where the "
+                                         r"forward's lse is -inf"):
         burstcu.attention_backward(dout, q, k, v, out.view(), lse.view(), check=True,
                                    block_mask=burstcu.BlockMask([[0, 6]], [[0, 6]], ["causal"]))
     out, lse = burstcu.attention(q, k, v, causal=True, return_lse=True)
     dead = lse.copy()
     dead[0, 1, 5] = -np.inf
-    with pytest.raises(ValueError, match=r"in 1 rows, not 1 \(first: batch 0, head 1, row 5"):
+    with pytest.raises(ValueError, match=r"lse is -inf at batch 0, head 1, row 5, a row that sees "
+                                         r"keys under this mask \(rows wrong: 1\)"):
         burstcu.attention_backward(dout, q, k, v, out, dead, causal=True, check=True)

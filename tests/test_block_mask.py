@@ -283,6 +283,26 @@ def test_attention_refuses_a_mask_beside_other_masks_and_past_the_sequence():
         burstcu.attention(q, q, q, block_mask=([[0, 8]], [[0, 8]], ["full"]))
 
 
+def test_a_sharding_of_documents_beside_a_block_mask_is_named_as_the_conflict():
+    """The documents came from the Sharding, so the message blamed a cu_seqlens the caller had
+    not passed; it now says the Sharding holds them and how to make one for a block mask."""
+    q = np.zeros((1, 8, 2, 8))
+    mask = burstcu.BlockMask([[0, 4], [4, 8]], [[0, 4], [4, 8]], ["causal", "causal"])
+    with burstcu.init(backend="numpy") as group:
+        for layout in ("documents", "zigzag"):
+            sh = burstcu.Sharding(group, layout=layout, cu_seqlens=[0, 4, 8])
+            for call in (lambda: burstcu.attention(q, q, q, sh, block_mask=mask),
+                         lambda: burstcu.attention_backward(q, q, q, q, q, np.zeros((1, 2, 8)), sh,
+                                                            block_mask=mask),
+                         lambda: burstcu.plan(q.shape, q.shape, sh, block_mask=mask)):
+                with pytest.raises(ValueError, match=r"the Sharding holds documents \(cu_seqlens, "
+                                                     rf"layout '{layout}'\) and block_mask is the "
+                                                     r"whole mask.*balanced_lengths"):
+                    call()
+        out = burstcu.attention(q, q, q, burstcu.Sharding(group, layout="zigzag"), block_mask=mask)
+        assert out.shape == q.shape
+
+
 def test_plan_refuses_what_attention_refuses():
     mask = burstcu.BlockMask([[0, 8]], [[0, 8]], ["causal"])
     shape = (1, 8, 2, 8)
