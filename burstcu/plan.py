@@ -157,7 +157,7 @@ class _Spec:
         self.nbytes = self.size * self.dtype.itemsize
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)   # keyed by partitions: a few (`layout.PARTITIONS_KEPT`)
 def _work(part: Partition, causal: bool, window_size, cu_seqlens,
           block_mask=None) -> tuple[np.ndarray, np.ndarray]:
     """(pairs, calls), each (G, G): kept (query, key) pairs of rank i's queries over rank j's

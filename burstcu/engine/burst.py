@@ -490,7 +490,7 @@ class _Schedule:
         return self._bundles[owner]
 
 
-SCHEDULES_KEPT = 64   # (partition, mask) pairs: varlen batches and block masks bring new ones each call
+SCHEDULES_KEPT = 16   # (partition, mask) pairs: varlen batches and block masks bring new ones each call
 
 
 @lru_cache(maxsize=SCHEDULES_KEPT)
