@@ -273,7 +273,8 @@ class Call:
     fails (docs/troubleshooting.md). Any exception leaving the call ends the whole group
     (`Transport.fail`: print the rank, the call, the step and the cause; abort every rank), since
     peers may be waiting for this rank; except errors raised inside `raising_together()`, which
-    every rank raises alike (the agreement on the inputs). In a group of one the exception just
+    every rank raises alike (the agreement on the inputs), or `raising_alike()` (checks every
+    rank makes alone on what it should hold alike). In a group of one the exception just
     rises."""
 
     def __init__(self, group: "Group", name: str):
@@ -346,6 +347,18 @@ class Call:
             self.together = getattr(exc, "burstcu_agreed", False)
             raise
         self.transport.where = "after the agreement"
+
+    @contextmanager
+    def raising_alike(self):
+        """Errors raised inside end only this call, as `raising_together`'s, but come from checks
+        made without a message (KVCache.append, clear): every rank given the same arguments
+        raises them, yet no rank knows the others did, so one left uncaught still ends the job
+        (`UncaughtEndsTheJob`), where the peers would otherwise wait until the timeout."""
+        try:
+            yield
+        except (ValueError, TypeError, MemoryError):
+            self.together = True
+            raise
 
     def __exit__(self, kind, exc, tb):
         t = self.transport

@@ -190,10 +190,10 @@ class KVCache:
         """Forget every rank's rows of the batch rows `rows` (an int or a sequence of ints in
         [0, batch); not bools, no negative indices), the same on every rank: a finished
         sequence's slot starts empty again; a paged cache's pages go back to the free pages.
-        Bad rows raise TypeError/ValueError on every rank (each is given the same rows) before
-        anything is cleared. No communication."""
+        Bad rows raise TypeError/ValueError on every rank given the same rows before anything
+        is cleared. No communication (an error left uncaught ends the job, `raising_alike`)."""
         with Call(self.group, "KVCache.clear") as call:
-            with call.raising_together():    # every rank checks the same rows alike
+            with call.raising_alike():    # every rank checks the same rows alike
                 index = self._batch_rows(rows)
             for b in index:
                 if self.paged:
@@ -276,10 +276,11 @@ class KVCache:
         """Add rows (batch, T, kv_heads, headdim), the same on every rank: row t of batch row b
         lands on the rank holding fewest rows of b then. Rows of another shape or not of real
         numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
-        on every rank before anything is stored. No communication. Rows that are CUDA torch
+        before anything is stored, on every rank given the same rows (No communication: a rank
+        given other rows raises alone, so an error left uncaught ends the job, `raising_alike`). Rows that are CUDA torch
         tensors are copied on torch's current stream, as `burstcu.torch.decode` reads there."""
         with Call(self.group, "KVCache.append") as call, self._rows_stream((k_new, v_new)):
-            with call.raising_together():    # every rank sees the same counts and shapes
+            with call.raising_alike():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)
                 counts = self.counts.copy()
                 owners = []

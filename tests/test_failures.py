@@ -136,6 +136,10 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     # the same in a second group, the first closed: the hook is set once and prints once
     ("raise_in_second_group", ["burstcu: rank 1 stops on an uncaught RuntimeError: user code "
                                "failed on rank 1 in its second group"]),
+    # KVCache.append checks its rows without a message: rows of another shape on rank 1 alone
+    # raised there as if every rank had, so the others waited in decode until the timeout
+    ("bad_append_uncaught", ["ValueError: KVCache.append takes k, v of shape", "burstcu: rank 1 "
+                             "stops on an uncaught ValueError: KVCache.append takes"]),
     # inside `with burstcu.init() as group:`, which closes the group as the exception passes
     ("raise_in_with_block", ["burstcu: rank 1 stops on an uncaught RuntimeError: user code failed "
                              "on rank 1 inside its with block (outside any burstcu call, its "

@@ -149,6 +149,11 @@ def misbehave(scenario: str, group, timeout: float, q, k, v) -> None:
         if bad:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(10 * timeout)
+    if scenario == "bad_append_uncaught":   # rank 1 alone appends rows of another shape
+        cache = burstcu.KVCache(group, batch=1, capacity_per_rank=8, kv_heads=2, headdim=64,
+                                dtype=np.float32)
+        cache.append(*[np.zeros((1, 1, 2, 32 if bad else 64), np.float32)] * 2)
+        cache.decode(np.zeros((1, 1, 2, 64), np.float32))
     if scenario == "bad_input_uncaught":   # every rank raises the same error, which no one catches
         burstcu.attention(q[0], k, v, group)
     if scenario == "wait_forever" and bad:   # the others wait for it with no deadline
