@@ -114,13 +114,14 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
 
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
              layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None,
-             block_mask=None, problem: str | None = None, sharding_lengths: tuple | None = None):
+             block_mask=None, problem: str | None = None, sharding_lengths: tuple | None = None,
+             packed: bool = False):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
     document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`).
     problem: what is wrong with the call before its arrays are looked at (a keyword that
     disagrees with the Sharding passed, packed and batched arrays mixed), for an error on every
     rank; sharding_lengths: the rows each rank holds by the Sharding, checked against the
-    ranks' shards."""
+    ranks' shards; packed: q was given as (T, H, D) (for the warning on hidden states)."""
     def local(native):
         conflict = None if problem is None else InputError(ValueError, problem)
         agreed = options if sharding_lengths is None else {
@@ -149,7 +150,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
                              f"{list(sharding_lengths)}: cut the shards with sharding.shard(x)")
         warn_if_all_the_same([rows for _, rows, _ in reports], "q")
         if not backward:   # the forward of the same arrays warned already
-            warn_if_heads_look_like_rows(reports[0][2], lengths)     # heads: agreed (metadata)
+            warn_if_heads_look_like_rows(reports[0][2], lengths, packed)   # heads: agreed (metadata)
         return scale, docs, part
 
     what = "attention_backward" if backward else "attention"
@@ -283,7 +284,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
             layout=layout, strategy=strategy, options=options,
             flags={"causal": causal, "return_lse": return_lse, "uneven": uneven}, window_size=window_size,
             cu_seqlens=cu_seqlens, block_mask=block_mask, problem=conflict,
-            sharding_lengths=lengths)
+            sharding_lengths=lengths, packed=packed)
         strategy, options = _resolved(strategy, options, group, q, k, causal, layout, part,
                                        _window(window_size), docs, block_mask)
         out, lse = returned(export, _engine(strategy, options).forward(

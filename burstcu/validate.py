@@ -1070,20 +1070,34 @@ SWAPPED_AXES = ("are these (batch, heads, seqlen, headdim), torch SDPA's order? 
 MANY_HEADS = 512      # query heads past any model's (the largest have 128): axes 1 and 2 swapped
 
 
+HIDDEN_STATES = ("are these hidden states (batch, seqlen, d_model), read as packed rows (T, H, D): "
+                 "the batch items as rows, each position a head? project and reshape them to "
+                 "(batch, seqlen, heads, headdim) first")
+
+
 class HeadsAxisWarning(RuntimeWarning):
-    """q has MANY_HEADS or more heads (its axis 2), more than any rank's rows (axis 1): most
-    likely arrays in torch SDPA's (batch, heads, seqlen, headdim) order, which burstcu reads as
-    (batch, seqlen, heads, headdim), attending across heads. Many heads can be meant; then
-    ``warnings.filterwarnings("ignore", category=burstcu.HeadsAxisWarning)`` silences it."""
+    """q's heads axis most likely holds something else: q has MANY_HEADS or more heads (its
+    axis 2), more than any rank's rows (axis 1), as arrays in torch SDPA's (batch, heads,
+    seqlen, headdim) order have, which burstcu reads as (batch, seqlen, heads, headdim),
+    attending across heads; or a packed q (T, H, D) has more heads than rows on all ranks
+    together, as hidden states (batch, seqlen, d_model) have, attending across the batch.
+    Either can be meant; then ``warnings.filterwarnings("ignore",
+    category=burstcu.HeadsAxisWarning)`` silences it."""
 
 
-def warn_if_heads_look_like_rows(heads: int, lengths: list) -> None:
+def warn_if_heads_look_like_rows(heads: int, lengths: list, packed: bool = False) -> None:
     """A HeadsAxisWarning on every rank (heads: q's axis 2, agreed; lengths: every rank's rows)
-    when q has MANY_HEADS or more heads and more heads than any rank has rows, pointing at the
-    caller's line. A warning, not an error: with multi-head q, k, v of one shape nothing else
-    tells the orders apart (with fewer kv heads than query heads, the lengths differ: an error
-    that says so)."""
-    if heads >= MANY_HEADS and heads > max(lengths):
+    when q has MANY_HEADS or more heads and more heads than any rank has rows, or, `packed` (q
+    given as (T, H, D)), more heads than the ranks' rows together, pointing at the caller's
+    line. A warning, not an error: with multi-head q, k, v of one shape nothing else tells the
+    orders apart (with fewer kv heads than query heads, the lengths differ: an error that says
+    so)."""
+    if packed and heads > sum(lengths):
+        warnings.warn(f"q is packed with {heads} heads and {sum(lengths)} rows on all ranks "
+                      f"together: {HIDDEN_STATES} (many heads meant? warnings.filterwarnings("
+                      f"'ignore', category=burstcu.HeadsAxisWarning))",
+                      HeadsAxisWarning, stacklevel=caller_stacklevel())
+    elif heads >= MANY_HEADS and heads > max(lengths):
         warnings.warn(f"q has {heads} heads and its ranks at most {max(lengths)} rows: {SWAPPED_AXES} "
                       f"(many heads meant? warnings.filterwarnings('ignore', "
                       f"category=burstcu.HeadsAxisWarning))",

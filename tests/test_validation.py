@@ -94,6 +94,27 @@ def test_the_heads_warning_needs_many_heads_and_more_heads_than_rows():
         assert [w.category for w in caught] == [burstcu.HeadsAxisWarning] * warns, (heads, lengths)
 
 
+def test_hidden_states_given_as_packed_rows_are_warned_of():
+    """(batch, seqlen, d_model) hidden states passed as q, k, v read as packed (T, H, D): the
+    batch items as rows, each position a head, attending across the batch without a word (with
+    fewer than 512 positions a rank); a packed q with more heads than rows on all ranks together
+    is now warned of, naming hidden states, and a real packed sequence is not."""
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((2, 64, 32)).astype(np.float32)     # batch 2, 64 positions
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.attention(hidden, hidden, hidden, causal=True)
+    assert [w.category for w in caught] == [burstcu.HeadsAxisWarning], caught
+    assert "hidden states (batch, seqlen, d_model)" in str(caught[0].message)
+    assert caught[0].filename == __file__                       # points at the caller's line
+    packed = rng.standard_normal((64, 4, 32)).astype(np.float32)   # 64 rows, 4 heads
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        burstcu.attention(packed, packed, packed, cu_seqlens=[0, 40, 64])
+        burstcu.attention(packed[:4], packed[:4], packed[:4])        # 4 rows, 4 heads: as many
+    assert caught == []
+
+
 def test_kv_cache_rows_in_sdpa_order_are_named():
     cache = burstcu.KVCache(None, 1, 32, 2, 8, np.float32)
     rows = np.zeros((1, 2, 5, 8), np.float32)     # (batch, kv_heads, rows, headdim)
