@@ -160,20 +160,33 @@ inline unsigned char* dyn_smem_buffer(size_t size) {
 
 // ---------------------------------------------------------------------------------------------
 // Faults: a signal on the launching OS thread jumps back into emu_launch; others are not ours.
-// The watchdog timer's signal takes the same path.
+// The watchdog timer's signal takes the same path when the scheduler has not stopped the launch
+// within kWatchdogGraceS of its first (`watchdog_point`, emu_runtime.h).
 
-inline sigjmp_buf g_fault_jmp;
-constexpr int kWatchdogSignal = SIGVTALRM;  // unused by CPython and pytest-timeout (which use SIGALRM)
-inline volatile sig_atomic_t g_fault_signal = 0;
-inline void* volatile g_fault_addr = nullptr;
+constexpr double kWatchdogGraceS = 0.1;
+inline timer_t g_watchdog_timer;
+inline volatile sig_atomic_t g_watchdog_armed = 0;
 inline pthread_t g_launch_thread;
 inline volatile sig_atomic_t g_launching = 0;
 constexpr int kNumSignals = 5;
 inline struct sigaction g_old_actions[kNumSignals];
 inline const int g_fault_signals[kNumSignals] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, kWatchdogSignal};
 
+inline void set_timer(timer_t id, double seconds) {  // timer_settime: async-signal-safe
+  struct itimerspec its;
+  memset(&its, 0, sizeof its);
+  its.it_value.tv_sec = static_cast<time_t>(seconds);
+  its.it_value.tv_nsec = static_cast<long>((seconds - double(its.it_value.tv_sec)) * 1e9);
+  timer_settime(id, 0, &its, nullptr);
+}
+
 inline void on_fault(int sig, siginfo_t* info, void* uctx) {
   if (g_launching && pthread_equal(pthread_self(), g_launch_thread)) {
+    if (sig == kWatchdogSignal && !g_watchdog_fired && g_watchdog_armed) {
+      g_watchdog_fired = 1;  // the scheduler stops the launch at its next switch point; a thread
+      set_timer(g_watchdog_timer, kWatchdogGraceS);  // spinning without one, the next signal
+      return;
+    }
     g_fault_signal = sig;
     g_fault_addr = info->si_addr;
     siglongjmp(g_fault_jmp, 1);
@@ -225,8 +238,10 @@ struct FaultGuard {  // installs the handlers and an alternate signal stack for 
 // Fibers never preempt each other, so a thread that spins on a flag another thread (or a later
 // block) sets never lets that thread run: the launch would hang where a GPU finishes. A timer
 // signal aimed at the launching thread turns that into an error after BURSTCU_EMU_TIMEOUT_S
-// seconds (default 300; 0 disables). The jump may leave a lock inside the C library held if it
-// interrupted one, so treat the process as suspect after a timeout.
+// seconds (default 300; 0 disables). Its first signal asks the scheduler to stop at its next
+// switch point, where no C library call is under way (a jump out of one, malloc say, would leave
+// its lock held and hang the process's next call); a thread that reaches none within
+// kWatchdogGraceS (a spin loop in kernel code, which calls no library) is stopped by the jump.
 inline double watchdog_seconds() {
   const char* v = getenv("BURSTCU_EMU_TIMEOUT_S");
   return v ? atof(v) : 300.0;
@@ -254,15 +269,16 @@ struct Watchdog {
     created = timer_create(CLOCK_MONOTONIC, &sev, &id) == 0;
   }
   void arm(double seconds) const {
+    g_watchdog_fired = 0;
     if (!created) return;
-    struct itimerspec its;
-    memset(&its, 0, sizeof its);
-    its.it_value.tv_sec = static_cast<time_t>(seconds);
-    its.it_value.tv_nsec = static_cast<long>((seconds - double(its.it_value.tv_sec)) * 1e9);
-    timer_settime(id, 0, &its, nullptr);
+    g_watchdog_timer = id;
+    g_watchdog_armed = 1;
+    set_timer(id, seconds);
   }
   ~Watchdog() {
-    if (created) timer_delete(id);
+    if (!created) return;
+    g_watchdog_armed = 0;
+    timer_delete(id);
   }
 };
 
@@ -336,6 +352,7 @@ inline void run_block() {
   if (g_hopper.block_begin) g_hopper.block_begin();
   enqueue_all(start.data(), r.nthreads);
   while (!r.failed) {
+    watchdog_point();
     Thread* t = dequeue();
     if (!t) break;
     t->state = S_RUNNING;
@@ -429,6 +446,7 @@ inline void run_grid(Run& run, unsigned const g[3]) {
   }
   watchdog.arm(seconds);
   for (unsigned long long i = 0; i < order.size() && !run.failed; ++i) {
+    watchdog_point();
     const unsigned long long o = order[i];
     g_block_idx = {unsigned(o % g[0]), unsigned(o / g[0] % g[1]), unsigned(o / (1ull * g[0] * g[1]))};
     run_block();

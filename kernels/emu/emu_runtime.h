@@ -240,6 +240,25 @@ inline std::string where(const Thread* t) {
   } while (0)
 
 // ---------------------------------------------------------------------------------------------
+// Stopping a launch: a fault's signal or the watchdog's (emu_launch.h) jumps back into run_grid.
+// The watchdog's first signal only raises g_watchdog_fired; the scheduler jumps at its next
+// switch point (watchdog_point), outside the C library, so no lock of it is left held.
+
+inline sigjmp_buf g_fault_jmp;
+constexpr int kWatchdogSignal = SIGVTALRM;  // unused by CPython and pytest-timeout (which use SIGALRM)
+inline volatile sig_atomic_t g_fault_signal = 0;
+inline void* volatile g_fault_addr = nullptr;
+inline volatile sig_atomic_t g_watchdog_fired = 0;
+
+inline void watchdog_point() {
+  if (__builtin_expect(g_watchdog_fired != 0, 0)) {
+    g_fault_signal = kWatchdogSignal;
+    g_fault_addr = nullptr;
+    siglongjmp(g_fault_jmp, 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Run queue and blocking
 
 inline u64 next_random() {  // splitmix64
@@ -276,6 +295,7 @@ inline Thread* dequeue() {
 
 // The running fiber stops (its state already says why, or it is queued) and the next one runs.
 inline void yield_to_next() {
+  watchdog_point();
   if ((g_run->flags & EMU_RANDOMIZE) && g_hopper.random_point) g_hopper.random_point();
   Thread* self = g_cur;
   Thread* next = dequeue();

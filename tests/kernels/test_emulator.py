@@ -312,6 +312,27 @@ def test_a_watchdog_shorter_than_the_launch_setup_is_an_error_not_a_hang(mod):
     assert "timers left:" not in proc.stdout or "timers left: 0" in proc.stdout, proc.stdout
 
 
+def test_the_watchdog_stops_a_launch_outside_the_c_library():
+    """A kernel that allocates and synchronises for ever: the watchdog's signal used to jump out
+    of wherever it landed, malloc included, leaving its lock held, and the process's next
+    allocation waited for ever. Its first signal now asks the scheduler to stop at its next
+    switch point: 40 launches stopped after 20 ms each, then the process still allocates. Run
+    in a child, with a deadline, so that a hang fails this test alone."""
+    program = ("import numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
+               "m = t.build_module([t.PROBES], t.NAMES)\n"
+               "stopped = 0\n"
+               "for _ in range(40):\n"
+               "    try:\n"
+               "        m.get_function('probe_errors')((1,), (64,), (np.int32(11), np.zeros(64, np.int32)))\n"
+               "    except RuntimeError as e:\n"
+               "        stopped += 'longer than BURSTCU_EMU_TIMEOUT_S' in str(e)\n"
+               "    junk = [bytearray(4096) for _ in range(1000)]\n"
+               "print('stopped', stopped)\n")
+    proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="0.02"))
+    assert "stopped 40" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_exit_before_barrier_allowed_on_request(mod):
     out = np.zeros(64, np.int32)
     mod.get_function("probe_errors")((1,), (64,), (np.int32(1), out), allow_exit_before_barrier=True)

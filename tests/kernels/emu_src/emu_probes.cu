@@ -198,6 +198,14 @@ __global__ void probe_errors(int mode, int* out) {
       if (t == 63) *flag = 1;
       break;
     }
+    case 11:  // allocate and synchronise for ever: the watchdog must not stop it inside malloc
+      for (;;) {
+        volatile char* p = static_cast<volatile char*>(malloc(4096 + t));
+        p[t] = char(t);
+        out[t] = int(reinterpret_cast<unsigned long long>(p) >> 4) + p[t];
+        free(const_cast<char*>(p));
+        __syncthreads();
+      }
     case 9:  // a real deadlock: half the warp waits at a shuffle, the other half at a vote
       if (lane < 16) out[t] = __shfl_xor_sync(0xffffffffu, t, 1);
       else out[t] = __ballot_sync(0xffffffffu, 1);
