@@ -42,6 +42,10 @@ Entries: each is a few files plus ``<key>.manifest``, a JSON object
 rename) after the files it vouches for; ``<key>.lock`` serializes its builders. An entry is used
 only when its manifest lists exactly its files and every digest matches: a missing manifest (a
 cache from before manifests), a truncated or foreign file is rebuilt with a warning, never loaded.
+A key is a digest of the sources, and the build reads them later: they are hashed again once it
+is done, and a build that saw them change is dropped (`SourcesChangedError`), never recorded under
+the key of the text before; `built_from_sources` builds again under the new key. A cache that
+cannot be written serves what it holds; an entry it lacks is a CacheNotWritableError.
 
 * NVRTC: ``<key>.cubin`` and ``<key>.json`` (lowered names, arch, source, log);
 * emulator (`burstcu.build.emulate`): ``emu/<key>.so``;
@@ -460,6 +464,19 @@ _WHY_TRUST = ("burstcu runs code it finds there, so anyone who can change the fo
               "code in this process")
 
 
+# builds in a row that may find their sources changed under them before `built_from_sources` gives up
+SOURCE_CHANGE_TRIES = 3
+
+
+class SourcesChangedError(RuntimeError):
+    """The kernel sources changed while a build compiled them: what it made is not cached, since
+    its key was computed from the sources as they were before (the build may have read either)."""
+
+
+class CacheNotWritableError(RuntimeError):
+    """A kernel the cache does not hold yet, in a cache folder this process cannot write."""
+
+
 class BuildTimeoutError(RuntimeError):
     """A build waited longer than $BURSTCU_BUILD_TIMEOUT for a build lock or a compiler."""
 
@@ -631,18 +648,29 @@ def manifest_problem(folder: Path, key: str, names: Sequence[str]) -> str | None
 
 
 def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable[[], None],
-                   before_lock: Callable[[], None] | None = None) -> bool:
+                   before_lock: Callable[[], None] | None = None,
+                   sources_unchanged: Callable[[], bool] | None = None) -> bool:
     """Make the cache entry `key` (the files `names` of the trusted `folder`) present and verified;
     whether this call built it.
 
-    Returns at once when its manifest vouches for every file. Else runs `before_lock` (work with
-    a lock of its own, such as the precompiled header: locks are never nested), then, holding
-    folder/<key>.lock, checks again (another process may have built it meanwhile), calls `build` (which writes the
-    files, each atomically) and records the manifest; an entry that was there but failed the
-    check is rebuilt, never used, with a warning naming the file.
+    Returns at once when its manifest vouches for every file. Else (CacheNotWritableError when
+    `folder` is read-only) runs `before_lock` (work with a lock of its own, such as the
+    precompiled header: locks are never nested), then, holding folder/<key>.lock, checks again
+    (another process may have built it meanwhile), calls `build` (which writes the files, each
+    atomically) and records the manifest; an entry that was there but failed the check is
+    rebuilt, never used, with a warning naming the file. `sources_unchanged`, asked once `build`
+    is done: whether the sources still have the digest `key` was made from; when they do not,
+    the files are removed, no manifest is written, and SourcesChangedError is raised (retry
+    with `built_from_sources`).
     """
     if manifest_problem(folder, key, names) is None:
         return False
+    if not os.access(folder, os.W_OK):
+        raise CacheNotWritableError(
+            f"the kernel cache folder {folder} cannot be written (read-only), and it does not hold "
+            f"{', '.join(names)} yet. Fix: set BURSTCU_CACHE_DIR to a folder you can write (a copy "
+            f"of this one keeps what it holds), or fill this one where it is writable (a run that "
+            f"uses the kernel; for a GPU's kernels, `python -m burstcu.build warm --device sm_XX`)")
     if before_lock is not None:   # what `build` needs that has a lock of its own (no nesting)
         before_lock()
     with build_lock(folder / f"{key}.lock"):
@@ -651,10 +679,31 @@ def verified_entry(folder: Path, key: str, names: Sequence[str], build: Callable
             return False
         stale = any((folder / name).exists() for name in (*names, f"{key}.manifest"))
         build()
+        if sources_unchanged is not None and not sources_unchanged():
+            for name in names:
+                (folder / name).unlink(missing_ok=True)
+            raise SourcesChangedError(
+                f"the kernel sources changed while {', '.join(names)} was built from them; "
+                f"the result was dropped, not cached under the key of the sources as they were")
         write_manifest(folder, key, names)
     if stale:
         warnings.warn(f"burstcu kernel cache: {problem}; rebuilt the entry", stacklevel=3)
     return True
+
+
+def built_from_sources(key_of: Callable[[], str], make: Callable[[str], T]) -> T:
+    """make(key_of()): the cache entry of the sources as they are, where `make` passes
+    ``lambda: key_of() == key`` to `verified_entry` as `sources_unchanged`. A source saved while
+    it was compiled (SourcesChangedError) costs a new key and a new build, up to
+    SOURCE_CHANGE_TRIES builds in all; then the error names what to do."""
+    for attempt in range(SOURCE_CHANGE_TRIES):
+        try:
+            return make(key_of())
+        except SourcesChangedError as exc:
+            if attempt == SOURCE_CHANGE_TRIES - 1:
+                raise SourcesChangedError(f"{exc}, in each of {SOURCE_CHANGE_TRIES} builds in a row. "
+                                          f"Run again once the kernel sources are saved") from None
+    raise AssertionError("unreachable")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -713,20 +762,27 @@ def cubin_entry(source: str, name_expressions: Sequence[str], arch: str,
     `build_timeout()`) and writes the entry, the others find it verified when they get the lock.
     """
     build_timeout()  # a bad $BURSTCU_BUILD_TIMEOUT is an error on every call, cached or not
-    key = cache_key(source, name_expressions, arch, extra_options, kdir)
     root = cache_dir()
-    cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
 
-    def build() -> None:
-        compiled = with_deadline(
-            lambda: nvrtc_compile(source, name_expressions, arch, extra_options, kdir),
-            f"NVRTC to compile {source} ({', '.join(name_expressions)}) for {arch}")
-        atomic_write(cubin_path, compiled.cubin)
-        atomic_write(meta_path, json.dumps({"lowered": compiled.lowered, "arch": arch,
-                                            "source": source, "log": compiled.log}).encode())
+    def key_of() -> str:
+        return cache_key(source, name_expressions, arch, extra_options, kdir)
 
-    built = verified_entry(root, key, [cubin_path.name, meta_path.name], build)
-    return cubin_path, meta_path, built
+    def make(key: str) -> tuple[Path, Path, bool]:
+        cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
+
+        def build() -> None:
+            compiled = with_deadline(
+                lambda: nvrtc_compile(source, name_expressions, arch, extra_options, kdir),
+                f"NVRTC to compile {source} ({', '.join(name_expressions)}) for {arch}")
+            atomic_write(cubin_path, compiled.cubin)
+            atomic_write(meta_path, json.dumps({"lowered": compiled.lowered, "arch": arch,
+                                                "source": source, "log": compiled.log}).encode())
+
+        built = verified_entry(root, key, [cubin_path.name, meta_path.name], build,
+                               sources_unchanged=lambda: key_of() == key)
+        return cubin_path, meta_path, built
+
+    return built_from_sources(key_of, make)
 
 
 # cudaDeviceAttr values (CUDA runtime, driver_types.h)

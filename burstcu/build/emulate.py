@@ -55,7 +55,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .compile import atomic_write, build_timeout, run_bounded, trusted_dir, verified_entry
+from .compile import (atomic_write, build_timeout, built_from_sources, run_bounded, trusted_dir,
+                      verified_entry)
 from .compile import cache_dir as kernel_cache_dir
 from .variants import kernel_dir
 
@@ -102,8 +103,16 @@ _PCH_FILES = ("emu_pch.h", "emu_pch.h.gch")
 
 def cache_dir() -> Path:
     """Where built modules (``.so``), runtime objects and precompiled headers live: ``emu/`` under the
-    kernel cache (`compile.cache_dir`), trusted like it (`compile.trusted_dir`)."""
-    return trusted_dir(kernel_cache_dir() / "emu")
+    kernel cache (`compile.cache_dir`), trusted like it (`compile.trusted_dir`). RuntimeError
+    when its file system is mounted noexec (a common setting for /tmp): the modules built there
+    could not be loaded."""
+    folder = trusted_dir(kernel_cache_dir() / "emu")
+    if os.statvfs(folder).f_flag & os.ST_NOEXEC:
+        raise RuntimeError(f"the kernel cache folder {folder} is on a file system mounted noexec, where "
+                           f"the emulator's modules, built there, may not run. Fix: set "
+                           f"BURSTCU_CACHE_DIR to a folder of yours on a file system that allows it "
+                           f"(under $HOME, say)")
+    return folder
 
 
 class _FirstCompileNotice:
@@ -228,13 +237,17 @@ def _precompiled_header(kdir: Path) -> Path | None:
     check_environment()
     if not _SWITCH[os.environ.get("BURSTCU_EMU_PCH", "1").strip().lower()]:
         return None
-    folder = trusted_dir(cache_dir() / f"pch-{_emulator_digest(kdir)[:24]}")
+    digest = _emulator_digest(kdir)
+    folder = trusted_dir(cache_dir() / f"pch-{digest[:24]}")
     try:
-        verified_entry(folder, "emu_pch", _PCH_FILES, lambda: _build_pch(kdir, folder))
+        verified_entry(folder, "emu_pch", _PCH_FILES, lambda: _build_pch(kdir, folder),
+                       sources_unchanged=lambda: _emulator_digest(kdir) == digest)
     except subprocess.CalledProcessError as exc:
         _warn_pch_once(f"g++ could not build the precompiled header in {folder} "
                        f"({exc.stderr.strip()[-2000:]})")
         return None
+    with contextlib.suppress(OSError):   # gone meanwhile, or a read-only cache
+        os.utime(folder)   # used now: not stale (`_remove_stale`), whoever cleans up
     return folder / _PCH_FILES[0]
 
 
@@ -262,8 +275,9 @@ def _runtime_object(kdir: Path, flags: Sequence[str], pch: Path | None) -> Path:
     target = folder / f"{key}.o"
     verified_entry(folder, key, [target.name],
                    lambda: _gxx('#include "emu/emu_entry.h"\n', [f for f in _BASE_FLAGS if f != "-shared"]
-                                + [f"-I{kdir}", *flags, "-c"], [], target, pch))
-    with contextlib.suppress(FileNotFoundError):
+                                + [f"-I{kdir}", *flags, "-c"], [], target, pch),
+                   sources_unchanged=lambda: f"runtime-{_emulator_digest(kdir, flags)[:32]}" == key)
+    with contextlib.suppress(OSError):   # gone meanwhile, or a read-only cache
         os.utime(target)   # used now: not stale (`_remove_stale`)
     return target
 
@@ -307,7 +321,7 @@ def _remove_stale(keep: Sequence[Path], max_age_s: float = 86400.0) -> None:
     folder = cache_dir()
     for old in [*folder.glob("pch-*"), *folder.glob("runtime-*.o"), *folder.glob(".build-*"),
                 *folder.glob("*.tmp"), *folder.glob("pch-*/*.tmp")]:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):   # gone meanwhile, or a read-only cache: left for later
             if old in keep or now - old.stat().st_mtime <= max_age_s:
                 continue
             if old.is_dir():
@@ -365,23 +379,31 @@ def _built(paths: Sequence[Path], text: str, flags: Sequence[str], kdir: Path,
     returned only once its sha256 matches its manifest (see `compile.verified_entry`). what:
     the library's contents in words, for the first-compile notice."""
     build_timeout()  # a bad $BURSTCU_BUILD_TIMEOUT is an error on every call, cached or not
-    key = _cache_key(paths, text, flags, kdir)
     folder = cache_dir()
-    target = folder / f"{key}.so"
-    made: list = []   # before the entry's lock is taken: the PCH and the runtime have locks of their own
 
-    def pch_and_runtime():
-        pch = _precompiled_header(kdir)
-        made.extend([pch, _runtime_object(kdir, flags, pch)])
-        _remove_stale(keep=[made[1]] + ([pch.parent] if pch else []))
+    def key_of() -> str:
+        return _cache_key(paths, text, flags, kdir)
 
-    def link():   # a runtime object deleted since (clear_cache) is made again, not an error
-        runtime = made[1] if made[1].exists() else _runtime_object(kdir, flags, made[0])
-        _gxx(text, [*_BASE_FLAGS, f"-I{kdir}", *flags], [runtime], target, made[0])
+    def make(key: str) -> tuple[str, Path]:
+        target = folder / f"{key}.so"
+        made: list = []   # before the entry's lock: the PCH and the runtime have locks of their own
 
-    verified_entry(folder, key, [target.name], link, before_lock=pch_and_runtime)
+        def pch_and_runtime():
+            pch = _precompiled_header(kdir)
+            made.extend([pch, _runtime_object(kdir, flags, pch)])
+            _remove_stale(keep=[made[1]] + ([pch.parent] if pch else []))
+
+        def link():   # a runtime object deleted since (clear_cache) is made again, not an error
+            runtime = made[1] if made[1].exists() else _runtime_object(kdir, flags, made[0])
+            _gxx(text, [*_BASE_FLAGS, f"-I{kdir}", *flags], [runtime], target, made[0])
+
+        verified_entry(folder, key, [target.name], link, before_lock=pch_and_runtime,
+                       sources_unchanged=lambda: key_of() == key)
+        return key, target
+
+    built = built_from_sources(key_of, make)
     _FIRST_COMPILE.finished(what)
-    return key, target
+    return built
 
 
 def build_module(

@@ -8,7 +8,9 @@ Digests (`verified_entry`): a cached ``.so``, ``.cubin``, ``.json``, ``.gch`` or
 emulator's runtime object, linked into every module) whose sha256 does not match its manifest (or
 has none) is rebuilt with a warning, never used. Deadlines (`build_timeout`): a build lock held
 elsewhere, a g++ that hangs and an NVRTC compile that hangs all end in BuildTimeoutError after
-$BURSTCU_BUILD_TIMEOUT seconds.
+$BURSTCU_BUILD_TIMEOUT seconds. Sources saved during a build are not cached under the key of the
+text before; a read-only cache serves what it holds and names what it lacks; the emulator's folder
+on a noexec file system is refused before anything is built.
 
 Every test has its own cache folder. Emulator builds use a two-kernel source written here (about
 a second each, without the precompiled header unless the test is about it); NVRTC needs no GPU.
@@ -19,11 +21,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -366,6 +370,161 @@ def test_damaged_nvrtc_entry_is_rebuilt(cache, tmp_path, damage):
 
 
 # ------------------------------------------------------------------------------------------------
+# a source saved during its build; folders that cannot be written or run code
+
+
+def saved_during_the_build(real, source: Path, contents: list[str], when) -> Callable:
+    """`real` (a compile function) that first writes the next of `contents`, while some are
+    left, into `source` each time `when(args)` holds: an editor saving the kernel after its key
+    was computed, before the compiler read it."""
+    edits = iter(contents)
+
+    def compile_after_a_save(*args, **kwargs):
+        text = next(edits, None) if when(args) else None
+        if text is not None:
+            source.write_text(text)
+        return real(*args, **kwargs)
+
+    return compile_after_a_save
+
+
+def test_a_source_saved_during_its_build_is_not_cached_under_the_old_key(cache, tiny, monkeypatch):
+    """The key was computed from the sources, then the build (seconds: the precompiled header, the
+    runtime object) read them later: a save in between was cached under the old key, so going back
+    to the old text loaded the new kernel, for good. Now the sources are hashed again after the
+    build: on a change the build is dropped and made again under the key of what was compiled."""
+    old_key_so = predicted_so(tiny, "tiny_a")
+    edited, real = TINY_CU.replace("= 1;", "= 7;"), emulate._gxx
+    monkeypatch.setattr(emulate, "_gxx", saved_during_the_build(
+        real, tiny, [edited], lambda args: args[3].suffix == ".so"))
+    mod = emulate.build_module([tiny], ["tiny_a"])
+    out = np.zeros(32, np.int32)
+    mod.get_function("tiny_a")((1,), (32,), (out,))
+    assert (out == 7).all()                              # what is there now, under its own key
+    assert mod.path == predicted_so(tiny, "tiny_a") != old_key_so
+    assert not old_key_so.exists() and not old_key_so.with_suffix(".manifest").exists()
+    tiny.write_text(TINY_CU)                             # back to the old text: its own kernel
+    monkeypatch.setattr(emulate, "_gxx", real)
+    back = emulate.build_module([tiny], ["tiny_a"])
+    back.get_function("tiny_a")((1,), (32,), (out,))
+    assert back.path == old_key_so and (out == 1).all()
+
+
+def test_sources_that_change_in_every_build_are_an_error_and_nothing_is_cached(cache, tiny,
+                                                                              monkeypatch):
+    texts = [TINY_CU.replace("= 1;", f"= {n};") for n in (3, 4, 5)]
+    monkeypatch.setattr(emulate, "_gxx", saved_during_the_build(
+        emulate._gxx, tiny, texts, lambda args: args[3].suffix == ".so"))
+    with pytest.raises(compile.SourcesChangedError,
+                       match=r"sources changed while \w+\.so was built.*in each of 3 builds in a row"):
+        emulate.build_module([tiny], ["tiny_a"])
+    assert not list((cache / "emu").glob("*.so")) and not list((cache / "emu").glob("[0-9a-f]*.manifest"))
+
+
+def test_an_emulator_header_saved_during_the_runtime_objects_build_is_not_cached(cache, tmp_path,
+                                                                                 tiny, monkeypatch):
+    """The runtime object is keyed by kernels/emu/*.h: a header saved while it compiles (here
+    a copy of the kernel folder, BURSTCU_KERNEL_DIR) leaves no object under the old digest."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(emulate.kernel_dir(), kdir)
+    monkeypatch.setenv("BURSTCU_KERNEL_DIR", str(kdir))
+    header = kdir / "emu" / "emu_runtime.h"
+    old_digest = emulate._emulator_digest(kdir.resolve())
+    monkeypatch.setattr(emulate, "_gxx", saved_during_the_build(
+        emulate._gxx, header, [header.read_text() + "\n// saved\n"],
+        lambda args: args[3].name.startswith("runtime-")))
+    emulate.build_module([tiny], ["tiny_a"])
+    (runtime,) = runtime_objects(cache)
+    assert runtime.name == f"runtime-{emulate._emulator_digest(kdir.resolve())[:32]}.o"
+    assert not runtime.name.startswith(f"runtime-{old_digest[:32]}")
+
+
+def test_an_nvrtc_source_saved_during_its_compile_is_not_cached_under_the_old_key(cache, tmp_path,
+                                                                                  monkeypatch):
+    needs_nvrtc()
+    old_entry = nvrtc_entry(tmp_path)                    # writes nvrtc.cu
+    edited = NVRTC_CU.replace("= N;", "= N + 1;")
+    monkeypatch.setattr(compile, "nvrtc_compile", saved_during_the_build(
+        compile.nvrtc_compile, tmp_path / "nvrtc.cu", [edited], lambda args: True))
+    cubin, meta, built = compile.cubin_entry("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    new_key = compile.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    assert built and cubin == compile.cache_dir() / f"{new_key}.cubin" != old_entry.with_suffix(".cubin")
+    assert compile.manifest_problem(cubin.parent, new_key, [cubin.name, meta.name]) is None
+    assert not old_entry.with_suffix(".cubin").exists() and not old_entry.with_suffix(".manifest").exists()
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(folder): make `folder` one this process cannot write. As root, whom modes do not
+    stop, os.access answers as it does for a read-only mount (checked by hand on a tmpfs mounted
+    ro: the same messages, and no other write is tried before the check)."""
+    made = []
+
+    def make(folder: Path) -> None:
+        if os.geteuid() != 0:
+            folder.chmod(0o500)
+            made.append(folder)
+            return
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if (
+            Path(path) == folder and mode & os.W_OK) else real(path, mode, **kw))
+
+    yield make
+    for folder in made:
+        folder.chmod(0o700)
+
+
+def test_a_read_only_cache_serves_what_it_holds_and_names_what_it_lacks(cache, tiny, read_only):
+    """A read-only cache (a shared image, a read-only mount) that lacks one kernel failed with a bare
+    'OSError: [Errno 30]' from a timestamp update; now what it holds loads, and the missing kernel
+    is an error naming the folder and the fix."""
+    held = emulate.build_module([tiny], ["tiny_a"])
+    read_only(cache / "emu")
+    emulate._LOADED.clear()                     # a new process: from the folder, not memory
+    again = emulate.build_module([tiny], ["tiny_a"])
+    assert again.path == held.path
+    with pytest.raises(compile.CacheNotWritableError, match=(
+            rf"kernel cache folder {re.escape(str(cache / 'emu'))} cannot be written \(read-only\), and it "
+            rf"does not hold \w+\.so yet. Fix: set BURSTCU_CACHE_DIR to a folder you can write")):
+        emulate.build_module([tiny], ["tiny_b"])
+
+
+def test_a_read_only_cache_names_a_cubin_it_lacks(cache, tmp_path, read_only):
+    needs_nvrtc()
+    nvrtc_entry(tmp_path)
+    compile.cache_dir()
+    read_only(cache)
+    with pytest.raises(compile.CacheNotWritableError, match=r"\w+\.cubin, \w+\.json yet"):
+        compile.cubin_entry("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+
+
+def test_a_cache_on_a_noexec_file_system_is_refused_before_anything_is_built(cache, tiny, monkeypatch):
+    """/tmp is often mounted noexec: the emulator compiled its modules there, then failed to load
+    them with the loader's 'failed to map segment from shared object'. Now the folder is refused
+    first, with the fix; at burstcu.init on every rank (checked by hand on a tmpfs mounted noexec:
+    the same message, from the file system's own flag). Here os.statvfs reports the flag."""
+    real = os.statvfs
+
+    class NoExec:
+        def __init__(self, st):
+            self.st = st
+
+        def __getattr__(self, name):
+            value = getattr(self.st, name)
+            return value | os.ST_NOEXEC if name == "f_flag" else value
+
+    monkeypatch.setattr(os, "statvfs", lambda path: NoExec(real(path)) if str(path).startswith(
+        str(cache)) else real(path))
+    said = (rf"the kernel cache folder {re.escape(str(cache / 'emu'))} is on a file system mounted noexec.*"
+            r"Fix: set BURSTCU_CACHE_DIR")
+    with pytest.raises(RuntimeError, match=said):
+        emulate.build_module([tiny], ["tiny_a"])
+    assert not list(cache.rglob("*.so")) and not list(cache.rglob("*.o"))
+    with pytest.raises(ValueError, match="^burstcu.init: " + said):
+        burstcu.init(backend="emulated")
+
+
+# ------------------------------------------------------------------------------------------------
 # the precompiled header
 
 
@@ -386,6 +545,21 @@ def test_corrupt_gch_is_rebuilt_and_used(cache, tiny, monkeypatch, recwarn):
     assert not [m for m in messages if "without the precompiled header" in m], messages
     assert compile.manifest_problem(gch.parent, "emu_pch", ["emu_pch.h", "emu_pch.h.gch"]) is None
     assert stat.S_IMODE(gch.parent.stat().st_mode) == 0o700
+
+
+def test_a_precompiled_header_in_use_is_not_removed_by_another_versions_cleanup(cache, tiny,
+                                                                                 monkeypatch):
+    """Each use of a precompiled header counts as a use (its folder's time), as a runtime
+    object's does: one made two days ago and used every day since was removed by the daily
+    cleanup of a build of another emulator version (another checkout), which keeps only its own."""
+    monkeypatch.setenv("BURSTCU_EMU_PCH", "1")
+    emulate.build_module([tiny], ["tiny_a"])
+    folder = pch_folder(cache)
+    two_days_old = time.time() - 2 * 86400
+    os.utime(folder, (two_days_old, two_days_old))
+    emulate.build_module([tiny], ["tiny_b"])      # uses it
+    emulate._remove_stale(keep=[])               # another version's build, keeping its own only
+    assert folder.is_dir() and time.time() - folder.stat().st_mtime < 600
 
 
 def test_group_writable_pch_folder_is_refused(cache, tiny, monkeypatch):
