@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .build.compile import atomic_write, build_timeout, cache_dir
+from .build.variants import kernel_dir, kernel_sources_digest
 from .ops.base import LocalOps
 from .ops.cuda import KernelOps
 from .ops.numpy import NumpyOps
@@ -443,6 +444,7 @@ def _settings(backend: str, timeout, progress: str, link) -> dict:
         raise ValueError(f"progress must be one of {PROGRESS}, not {progress!r}")
     _check_link(link, backend)
     gpu = gpu_usable() if backend == "auto" else None
+    kernels = None
     if backend in ("emulated", "cupy") or gpu:   # kernels are built: $BURSTCU_BUILD_TIMEOUT,
         build_timeout()                         # and kept in a folder that must pass its trust
         try:                                    # rule here, not inside the first call (the
@@ -453,9 +455,24 @@ def _settings(backend: str, timeout, progress: str, link) -> dict:
                 cache_dir()
         except RuntimeError as exc:             # a setting, as the others: every rank hears it
             raise ValueError(str(exc)) from exc
+        kernels = (kernel_sources_digest(), str(kernel_dir()))
     return {"backend": backend, "timeout": resolve_timeout(timeout), "progress": progress,
             "link": None if link is None else (float(link.gbps), float(link.latency_us)),
-            "gpu": gpu}
+            "gpu": gpu, "kernels": kernels}
+
+
+def _check_same_kernels(every: list) -> None:
+    """ValueError when ranks that will build kernels read different kernel sources (another
+    $BURSTCU_KERNEL_DIR, another burstcu on another node): each would run its own kernels and
+    the ranks' results would differ without a word. Compared only when every rank builds them
+    (under "auto" a rank without a GPU makes the whole group NumPy)."""
+    kernels = [settings["kernels"] for settings in every]
+    if None in kernels or len({digest for digest, _ in kernels}) == 1:
+        return
+    ranks = ", ".join(f"rank {r} {folder} (sha256 {digest[:12]})" for r, (digest, folder) in enumerate(kernels))
+    raise ValueError(f"burstcu.init: ranks read different kernel sources: {ranks}; each would run "
+                     f"its own kernels. Give every rank the same burstcu and the same "
+                     f"$BURSTCU_KERNEL_DIR (or none)")
 
 
 def _agreed_settings(comm, backend: str, timeout, progress: str, link) -> tuple[dict, list]:
@@ -484,6 +501,7 @@ def _agreed_settings(comm, backend: str, timeout, progress: str, link) -> tuple[
             raise ValueError(f"burstcu.init: ranks disagree on {key}: rank 0 {values[0]!r}, "
                              f"{differ}; every rank must pass the same arguments and environment "
                              f"(timeout: also $BURSTCU_TIMEOUT)")
+    _check_same_kernels(every)
     return mine, every
 
 

@@ -228,6 +228,24 @@ def test_an_unknown_option_on_one_rank_fails_on_every_rank(world):
     assert [r["ranks_failed"] for r in results] == [world] * world
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [1, 2])
+def test_ranks_that_read_other_kernel_sources_fail_at_init_on_every_rank(world):
+    """Each rank compiled the kernels its own folder held: ranks on nodes with different
+    checkouts (or one with $BURSTCU_KERNEL_DIR set) ran different kernels, and their results
+    differed without a word."""
+    results = run_mpi(world, "friction_bodies:ranks_reading_other_kernel_sources_fail_on_every_rank",
+                      timeout=120)
+    for r in results:
+        if world == 1:             # one rank: nothing to disagree with (its own copy is its kernels)
+            assert r["messages"] == {}, r
+            continue
+        said = r["messages"]["changed"]
+        assert said.startswith("burstcu.init: ranks read different kernel sources: rank 0 "), said
+        assert f"rank {world - 1} /" in said and "burstcu-kernels-" in said, said
+        assert "the same $BURSTCU_KERNEL_DIR" in said, said
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. docs/backends.md: head dims and deterministic
 

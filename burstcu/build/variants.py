@@ -8,6 +8,7 @@ instantiation (a CuPy `name_expressions` entry), with the launch configuration i
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,3 +82,16 @@ def kernel_dir() -> Path:
         if (candidate / "common.cuh").exists():
             return candidate
     raise FileNotFoundError("cannot find the kernel sources (kernels/common.cuh); set BURSTCU_KERNEL_DIR")
+
+
+KERNEL_SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
+
+
+def kernel_sources_digest(kdir: Path | None = None) -> str:
+    """sha256 (hex) over the relative name and content of every kernel source and header under
+    `kdir` (default `kernel_dir()`): ranks whose digests differ would run different kernels."""
+    kdir = Path(kdir or kernel_dir()).resolve()
+    h = hashlib.sha256()
+    for path in sorted(p for p in kdir.rglob("*") if p.suffix in KERNEL_SOURCE_SUFFIXES and p.is_file()):
+        h.update(str(path.relative_to(kdir)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()

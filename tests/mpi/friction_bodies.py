@@ -46,6 +46,39 @@ def bad_option_value_on_one_rank_fails_on_every_rank():
     return {"ranks_failed": len(comm.allgather(message))}
 
 
+def ranks_reading_other_kernel_sources_fail_on_every_rank():
+    """The last rank reads its kernels from a copy of kernels/ with one header changed (another
+    $BURSTCU_KERNEL_DIR, another checkout on another node): burstcu.init(backend="emulated")
+    raises the same ValueError on every rank, naming the last rank's folder; a byte-identical
+    copy in another folder is the same sources, and init goes on."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from burstcu.build.variants import kernel_dir
+
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    copy = Path(tempfile.mkdtemp(prefix="burstcu-kernels-")) / "kernels"
+    shutil.copytree(kernel_dir(), copy)
+    messages = {}
+    try:
+        if comm.Get_rank() == last:
+            os.environ["BURSTCU_KERNEL_DIR"] = str(copy)
+        burstcu.init(backend="emulated").close()             # the same bytes elsewhere
+        with open(copy / "common.cuh", "a") as f:
+            f.write("\n// changed on one node\n")
+        try:
+            burstcu.init(backend="emulated").close()
+        except ValueError as exc:
+            messages["changed"] = str(exc)
+    finally:
+        os.environ.pop("BURSTCU_KERNEL_DIR", None)
+        shutil.rmtree(copy.parent)
+    return {"messages": messages, "world": comm.Get_size()}
+
+
 def _raised(call, kind):
     """The message of the `kind` exception `call()` raises (an AssertionError if it returns)."""
     try:
