@@ -469,7 +469,8 @@ def _check_same_kernels(every: list) -> None:
     kernels = [settings["kernels"] for settings in every]
     if None in kernels or len({digest for digest, _ in kernels}) == 1:
         return
-    ranks = ", ".join(f"rank {r} {folder} (sha256 {digest[:12]})" for r, (digest, folder) in enumerate(kernels))
+    ranks = ", ".join(f"rank {r} {folder} (sha256 {digest[:12]})"
+                      for r, (digest, folder) in enumerate(kernels))
     raise ValueError(f"burstcu.init: ranks read different kernel sources: {ranks}; each would run "
                      f"its own kernels. Give every rank the same burstcu and the same "
                      f"$BURSTCU_KERNEL_DIR (or none)")
