@@ -7,11 +7,18 @@ Why: `-m mpi4py` aborts every rank on an uncaught exception only once MPI has be
 With MPI initialised first, any exception, anywhere in the program, ends the whole job.
 launch/burstcu-run starts every rank through this file. (mpi4py.rc settings a program makes
 itself come too late here: pass them as -rc options.)
+
+Under launch/rank-guard it also writes the program's state to $BURSTCU_PROGRAM_STATE: "running"
+once MPI has started, "exit" when the interpreter exits. A rank whose file still says "running"
+left without MPI_Finalize (os._exit, a C library's exit()), and rank-guard fails the job.
 """
 
+import atexit
 import os
 import sys
 from ast import literal_eval
+
+PROGRAM_STATE = "BURSTCU_PROGRAM_STATE"
 
 
 def rc_options(args: list) -> dict:
@@ -35,12 +42,34 @@ def rc_options(args: list) -> dict:
     return found
 
 
+def mark_running(path: str | None) -> None:
+    """Write "running" to `path` now and "exit" at the interpreter's exit, from this process
+    only (a forked child's exit does not count); None: write nothing."""
+    if not path:
+        return
+    pid = os.getpid()
+
+    def write(word: str) -> None:
+        if os.getpid() != pid:
+            return
+        try:
+            with open(path, "w") as f:
+                f.write(word + "\n")
+        except OSError:
+            pass   # rank-guard's folder is gone: nobody is left to read it
+
+    write("running")
+    atexit.register(write, "exit")
+
+
 if __name__ == "__main__":
     import mpi4py
 
     mpi4py.rc(**rc_options(sys.argv[1:]))
     from mpi4py import MPI  # noqa: F401  (importing it initialises MPI: the point of this file)
     from mpi4py.run import main
+
+    mark_running(os.environ.pop(PROGRAM_STATE, None))
 
     if not (sys.flags.safe_path or sys.flags.isolated):
         sys.path[0] = os.getcwd()  # as `python -m` has it (a script's folder replaces it in main)

@@ -72,8 +72,12 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60, launcher: bool 
     # a late rank at a barrier, and a rank that never calls init
     ("barrier_late", [f"rank 0 failed in barrier at 'agreement on the inputs': CommTimeoutError: "
                       f"rank 0 waited {TIMEOUT} s for rank(s) [1]"]),
-    ("exit_before_init", [f"waited {TIMEOUT} s for every rank of the communicator to reach "
-                          f"burstcu.init"]),
+    ("exit_before_init", [f"rank 0 waited {TIMEOUT} s for every rank of the communicator to "
+                          f"reach burstcu.init (every rank must call it): rank(s) [1] have not "
+                          f"reached it"]),
+    # rank 0, which hears who has arrived, is the missing one: the others name it
+    ("rank0_exit_before_init", [f"waited {TIMEOUT} s for every rank of the communicator to reach "
+                                f"burstcu.init (every rank must call it): rank 0 has not reached it"]),
     # bad arguments or environment on rank 1 alone: every rank raises, naming rank 1
     ("bad_timeout", ["rank 1: burstcu.init: timeout must be a positive number of seconds"]),
     ("bad_env_timeout", ["rank 1: burstcu.init: $BURSTCU_TIMEOUT must be a positive number"]),
@@ -114,6 +118,10 @@ def test_a_failure_on_one_rank_ends_the_job(scenario, names):
     # and fails the job (the launcher alone may report success)
     ("os_exit_between_calls", ["burstcu: rank 1 on ", "exited (status 0) with 1 burstcu group(s) "
                                "open, without the interpreter's exit"]),
+    # rank 1 leaves through os._exit(0) before burstcu.init: no group is open, but MPI has
+    # started (launch/mpi_first.py), so MPICH's mpiexec ended the others at once with status 0
+    ("os_exit_before_init", ["burstcu: rank 1 on ", "exited (status 0) without the interpreter's "
+                             "exit, so without MPI_Finalize"]),
 ])
 def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     status, out, seconds = run_faulty(scenario, launcher=True)

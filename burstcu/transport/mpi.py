@@ -28,6 +28,8 @@ when MPI has moved everything and the emulated link alone is late, it names the 
 and the link.
 
 The transport duplicates the user's communicator, so its messages can never match the user's.
+Before it exists, the start-up gathers (`gather_plain`) send only empty messages over the user's
+communicator, under a tag of their own (`_Arrivals.TAG`), each matched before the gather returns.
 """
 
 from __future__ import annotations
@@ -99,29 +101,89 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
     """Every rank's `obj` (plain values, `wire`) over a raw mpi4py communicator, before any
     transport exists (`burstcu.init`, the NCCL bootstrap, the self-test): non-blocking
     all-gathers of the lengths, then of the labelled messages, each bounded by `timeout`
-    seconds (past it, CommTimeoutError naming `what`). Every rank decodes every message, so a
-    message that cannot be used, or ranks in different rounds, raise ValueError on every rank."""
+    seconds (past it, CommTimeoutError naming `what`, and on rank 0 the ranks that have not
+    reached it: `_Arrivals`). Every rank decodes every message, so a message that cannot be
+    used, or ranks in different rounds, raise ValueError on every rank."""
     from mpi4py import MPI
 
     deadline = deadline_after(timeout)
+    arrivals = _Arrivals(comm)
 
     def timed_out() -> CommTimeoutError:
         return CommTimeoutError(f"rank {comm.Get_rank()} waited {timeout:g} s for every rank of the "
-                                f"communicator to reach {what} (a rank may have failed, exited or "
-                                f"be stuck before it)")
+                                f"communicator to reach {what}: {arrivals.missing()}")
 
     data = np.frombuffer(wire.labelled(what, obj), np.uint8)
     sizes = np.zeros(comm.Get_size(), np.int64)
     request = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
-    poll_until(request.Test, deadline, timed_out)
+    arrivals.wait(request, deadline, timed_out)
     if sizes.max() > wire.MAX_BYTES:
         raise ValueError(f"rank {int(sizes.argmax())} sent {int(sizes.max())} bytes, over the "
                          f"{wire.MAX_BYTES}-byte bound of agreement messages")
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     gathered = np.empty(int(sizes.sum()), np.uint8)
     request = comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE])
-    poll_until(request.Test, deadline, timed_out)
+    arrivals.wait(request, deadline, timed_out)
+    arrivals.complete(deadline, timed_out)
     return agreed(answer_of([wire.unlabelled(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]))
+
+
+class _Arrivals:
+    """Who has reached a start-up gather (`gather_plain`), so that a timeout names the missing:
+    an empty message from every rank to rank 0 and back, posted on entry beside the
+    collectives (which cannot tell who is late). Rank 0 names the ranks it has not heard from;
+    the others wait `_ROOT_GRACE_S` longer while rank 0 is here, so its message comes first,
+    and name rank 0 when it is not. The user's communicator carries them (ours is not made
+    yet), under a tag of their own; every one is matched before the gather returns."""
+
+    TAG = 32_749   # below MPI's least upper bound on tags (32767)
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        empty = [bytearray(0), MPI.BYTE]
+        peers = range(1, self.size) if self.rank == 0 else (0,) if self.size > 1 else ()
+        self.sends = [comm.Isend(empty, dest=p, tag=self.TAG) for p in peers]
+        self.receives = {p: comm.Irecv([bytearray(0), MPI.BYTE], source=p, tag=self.TAG)
+                         for p in peers}
+        self.heard: set[int] = set()
+
+    def _poll(self) -> bool:
+        for peer, request in self.receives.items():
+            if peer not in self.heard and request.Test():
+                self.heard.add(peer)
+        return len(self.heard) == len(self.receives)
+
+    def wait(self, request, deadline: float, timed_out) -> None:
+        """Wait for `request` (a collective of the gather) until `deadline`; on ranks but 0,
+        while rank 0 has reached the gather, `_ROOT_GRACE_S` longer."""
+        def done() -> bool:
+            if request.Test():
+                return True
+            if time.monotonic() > deadline and not (self.rank and self._poll()):
+                raise timed_out()
+            return False
+
+        poll_until(done, deadline + (_ROOT_GRACE_S if self.rank else 0.0), timed_out)
+
+    def missing(self) -> str:
+        """The late ranks as this rank knows them (a phrase ending the timeout's message)."""
+        self._poll()
+        late = sorted(set(self.receives) - self.heard)
+        for peer in late:
+            self.receives[peer].Cancel()
+        if self.rank:
+            return ("rank 0 has not reached it (it may have failed, exited or be stuck before it)"
+                    if late else "rank 0 names the ranks that have not")
+        if not late:   # each was here, yet the collective did not end: a rank left in between
+            return "every rank reached it, yet the collective did not complete"
+        return (f"rank(s) {late} have not reached it (they may have failed, exited or be stuck "
+                f"before it)")
+
+    def complete(self, deadline: float, timed_out) -> None:
+        """Match every message (each rank is known to have posted its own by now)."""
+        poll_until(lambda: self._poll() and all(s.Test() for s in self.sends), deadline, timed_out)
 
 
 def _world_ranks(comm) -> tuple[int, ...] | None:
