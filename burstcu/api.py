@@ -440,12 +440,14 @@ def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, 
         err, meta = check_linear_call(group.ops, native, backward=backward, causal=causal,
                                       layout=layout, strategy=strategy, strategies=LINEAR_STRATEGIES)
         q = native[1 if backward else 0]          # (dout, q, k, v) backward
-        return err, meta, None, None if err else (int(q.shape[1]), int(q.shape[2]))
+        return err, meta, None, None if err else (int(q.shape[1]), int(q.shape[2]),
+                                                  first_rows_digest(q))
 
     def finish(reports, extra):
+        warn_if_all_the_same([rows for _, _, rows in reports], "q")
         if not backward:   # the forward of the same arrays warned already
-            warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _ in reports])
-        err, part = partition_of(layout, [rows for rows, _ in reports], None, uneven=None)
+            warn_if_heads_look_like_rows(reports[0][1], [rows for rows, _, _ in reports])
+        err, part = partition_of(layout, [rows for rows, _, _ in reports], None, uneven=None)
         if err is None and len({len(runs) for runs in part.runs}) > 1:   # a rank short of a run
             need = "G" if layout == "contiguous" else "2 G (two pieces a rank; or N = G, one row a rank)"
             err = InputError(ValueError, f"linear attention's {layout} layout needs N >= {need} "

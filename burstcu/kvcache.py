@@ -372,7 +372,9 @@ class KVCache:
         """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows) that
         `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
         (stand-ins without memory when paged), rows: `rows()`, what the kernels read."""
-        agreed = {} if self.group.size == 1 else {
-            "kv_cache_counts": hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]}
+        agreed = {} if self.group.size == 1 else {   # the key and value read as the message says
+            "the KV cache's rows (every rank appends and clears the same rows)":
+                f"{int(self.counts.sum())} rows, counts sha1 "
+                f"{hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]}"}
         k, v = self._views if self.paged else (self.k, self.v)
         return k, v, self.group, self.seqlens, agreed, self.rows()

@@ -336,6 +336,25 @@ def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
         jax.jit(lambda q, docs: burstcu.jax.attention(q, q, q, cu_seqlens=docs))(q, jax.numpy.array([0, 8]))
 
 
+def test_jax_refuses_forward_mode_and_second_derivatives(jax):
+    """jax.jvp, jacfwd, hessian and a grad of a grad through either function raise JAX's own
+    error (docs/adapters.md) instead of returning derivatives; one jax.grad still runs."""
+    q = jax.numpy.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 8), dtype=np.float32))
+    for fn in (burstcu.jax.attention, burstcu.jax.linear_attention):
+        def f(q):
+            return fn(q, q, q, causal=True).sum()
+
+        with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+            jax.jvp(f, (q,), (q,))
+        with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+            jax.jacfwd(f)(q)
+        for second in (jax.hessian(f), jax.grad(lambda q: jax.grad(f)(q).sum())):
+            with pytest.raises((TypeError, ValueError),
+                               match="can't apply forward-mode autodiff|IO callbacks do not support JVP"):
+                second(q)
+        assert np.isfinite(np.asarray(jax.grad(f)(q))).all()
+
+
 def test_results_handed_to_jax_own_their_memory(jax, monkeypatch):
     """The plain API's results for JAX inputs on the CPU (attention's here; unshard's and the
     backward's go the same way, `arrays.returned`) are jax arrays over memory JAX owns, not over

@@ -97,7 +97,8 @@ def test_a_paged_pool_smaller_than_the_batch_needs_is_full_in_time():
                                        ("seqlens_dtype", "integers"), ("heads", "does not fit"),
                                        ("no_token", "has an empty axis"),
                                        ("q_dtype", "q has dtype int32"),
-                                       ("cache_counts", "kv_cache_counts"),
+                                       ("cache_counts", "the KV cache's rows (every rank appends and "
+                                                        "clears the same rows): rank 0 '2 rows, "),
                                        ("q_values", "q's values on rank 2 differ from rank 0's by more "
                                                     "than rounding")])
 def test_bad_decode_input_raises_on_every_rank(kind, text):

@@ -141,7 +141,8 @@ def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
 def test_the_global_array_on_every_rank(world):
     """The warning points at the user's line and names its category, on every rank; with
     documents that cover one copy of the rows it is an error on every rank. Decode over the
-    same cache rows on every rank, and a KV cache prefilled with them, warn alike."""
+    same cache rows on every rank, a KV cache prefilled with them, and linear attention (forward
+    and backward) warn alike."""
     for rank, r in enumerate(run_mpi(world, "global_array_on_every_rank", timeout=120)):
         assert r["warned"] == 1 and r["file"] == "bodies.py" and r["line_ok"], (rank, r)
         assert f"{world} copies of the sequence" in r["message"], (rank, r)
@@ -149,10 +150,11 @@ def test_the_global_array_on_every_rank(world):
         assert r["docs_error"] and "each holds the whole sequence" in r["docs_error"], (rank, r)
         assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
         assert r["padded_warned"] == 0, (rank, r)     # shards that only begin alike
-        for name, array in (("decode", "k_cache"), ("prefill", "k_local")):   # decode's caches too
+        for name, array in (("decode", "k_cache"), ("prefill", "k_local"),   # decode's caches too
+                            ("linear", "q"), ("linear_backward", "q")):      # and linear attention
             (file, message), = r[f"{name}_warned"]
             assert file == "bodies.py" and f"every rank's {array} starts and ends" in message, (rank, r)
-        for name in ("decode_own_rows", "decode_empty", "appended"):
+        for name in ("decode_own_rows", "decode_empty", "appended", "linear_own_rows"):
             assert r[f"{name}_warned"] == [], (rank, name, r)
 
 

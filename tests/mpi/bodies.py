@@ -859,5 +859,17 @@ def global_array_on_every_rank():
             call()
         same = [w for w in caught if issubclass(w.category, burstcu.SameShardsWarning)]
         result[f"{name}_warned"] = [(os.path.basename(w.filename), str(w.message)) for w in same]
+    # linear attention over the global arrays (its forward and backward), and over shards
+    own = burstcu.shard(np.random.default_rng(3).standard_normal((1, 16 * group.size, 2, 8))
+                        .astype(np.float32), group)
+    for name, call in (("linear", lambda: burstcu.linear_attention(q, q, q, group, causal=True)),
+                       ("linear_backward", lambda: burstcu.linear_attention_backward(
+                           q, q, q, q, group, causal=True)),
+                       ("linear_own_rows", lambda: burstcu.linear_attention(own, own, own, group))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        same = [w for w in caught if issubclass(w.category, burstcu.SameShardsWarning)]
+        result[f"{name}_warned"] = [(os.path.basename(w.filename), str(w.message)) for w in same]
     return result
 
