@@ -287,24 +287,31 @@ def test_spin_wait_stopped_by_watchdog(mod, monkeypatch):
     assert race(mod, barrier=True, randomize=False, seed=0)
 
 
+def _probe_child(body: str, emu_timeout: str, limit: float) -> subprocess.CompletedProcess:
+    """`body` run by a child Python under BURSTCU_EMU_TIMEOUT_S=`emu_timeout` (at most `limit`
+    s), with `m` the probe module built and `probe(case)` one launch of probe_errors."""
+    program = ("import os, numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
+               "m = t.build_module([t.PROBES], t.NAMES)\n"
+               "def probe(case):\n"
+               "    m.get_function('probe_errors')((1,), (64,), (np.int32(case), np.zeros(64, np.int32)))\n"
+               + body)
+    return subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=limit, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S=emu_timeout))
+
 def test_a_watchdog_shorter_than_the_launch_setup_is_an_error_not_a_hang(mod):
     """BURSTCU_EMU_TIMEOUT_S = 1e-9: the timer fired before the launch had set the point its
     signal jumps back to, and the process spun in the fault handler for ever. Now it is armed
     after, each of 200 launches fails with the watchdog's message, and no timer is left behind.
     Run in a child, with a deadline, so that a hang fails this test alone."""
-    program = ("import os, numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
-               "m = t.build_module([t.PROBES], t.NAMES)\n"
-               "for _ in range(200):\n"
-               "    try:\n"
-               "        m.get_function('probe_errors')((1,), (64,), (np.int32(0), np.zeros(64, np.int32)))\n"
-               "    except RuntimeError as e:\n"
-               "        said = str(e)\n"
-               "print(said)\n"
-               "if os.path.exists('/proc/self/timers'):\n"
-               "    left = sum(line.startswith('ID:') for line in open('/proc/self/timers'))\n"
-               "    print('timers left:', left)\n")
-    proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="1e-9"))
+    proc = _probe_child("for _ in range(200):\n"
+                        "    try:\n"
+                        "        probe(0)\n"
+                        "    except RuntimeError as e:\n"
+                        "        said = str(e)\n"
+                        "print(said)\n"
+                        "if os.path.exists('/proc/self/timers'):\n"
+                        "    left = sum(line.startswith('ID:') for line in open('/proc/self/timers'))\n"
+                        "    print('timers left:', left)\n", emu_timeout="1e-9", limit=120)
     assert "the launch ran longer than BURSTCU_EMU_TIMEOUT_S = 1e-09 s" in proc.stdout, \
         proc.stdout + proc.stderr
     # every launch's timer deleted, an early signal included (one leaked a launch; enough of them
@@ -318,18 +325,14 @@ def test_the_watchdog_stops_a_launch_outside_the_c_library():
     allocation waited for ever. Its first signal now asks the scheduler to stop at its next
     switch point: 40 launches stopped after 20 ms each, then the process still allocates. Run
     in a child, with a deadline, so that a hang fails this test alone."""
-    program = ("import numpy as np, sys; sys.path.insert(0, sys.argv[1]); import test_emulator as t\n"
-               "m = t.build_module([t.PROBES], t.NAMES)\n"
-               "stopped = 0\n"
-               "for _ in range(40):\n"
-               "    try:\n"
-               "        m.get_function('probe_errors')((1,), (64,), (np.int32(11), np.zeros(64, np.int32)))\n"
-               "    except RuntimeError as e:\n"
-               "        stopped += 'longer than BURSTCU_EMU_TIMEOUT_S' in str(e)\n"
-               "    junk = [bytearray(4096) for _ in range(1000)]\n"
-               "print('stopped', stopped)\n")
-    proc = subprocess.run([sys.executable, "-c", program, str(Path(__file__).parent)], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, BURSTCU_EMU_TIMEOUT_S="0.02"))
+    proc = _probe_child("stopped = 0\n"
+                        "for _ in range(40):\n"
+                        "    try:\n"
+                        "        probe(11)\n"
+                        "    except RuntimeError as e:\n"
+                        "        stopped += 'longer than BURSTCU_EMU_TIMEOUT_S' in str(e)\n"
+                        "    junk = [bytearray(4096) for _ in range(1000)]\n"
+                        "print('stopped', stopped)\n", emu_timeout="0.02", limit=60)
     assert "stopped 40" in proc.stdout, proc.stdout + proc.stderr
 
 
