@@ -36,7 +36,8 @@ from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_p
                        calling_thread, check_attention_call, check_axis, check_block_mask,
                        check_block_mask_extent, check_decode_call, check_flags, check_linear_call,
                        check_row_sums,
-                       cut_of, cut_problem, docs_digest, first_rows_digest, inherited_cut,
+                       cut_of, cut_problem, docs_digest, ends_digest, first_rows_digest,
+                       inherited_cut,
                        lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
                        sharding_keywords, thread_problem, uneven_problem, valid_rows_digest,
@@ -142,6 +143,12 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
         lengths = [length for length, _, _ in reports]
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
                                  group.ops.max_positions)
+        if err is not None and layout == "contiguous" and _balanced_for(block_mask, lengths):
+            err = InputError(ValueError, f"contiguous shards of {tuple(lengths)} rows: the ones "
+                                         f"burstcu.shard(x, group, block_mask=mask) cuts for this "
+                                         f"mask; pass uneven=True to the calls (or give a "
+                                         f"burstcu.Sharding(group, lengths=mask.balanced_lengths(G, "
+                                         f"N)) as the group)")
         err = err or check_block_mask_extent(block_mask, part.total, group.ops.max_positions)
         if err is not None:
             raise err.kind(err.message)
@@ -428,6 +435,16 @@ def _linearsharding_keywords(group, layout) -> tuple:
     return group, layout, conflict
 
 
+def _balanced_for(block_mask, lengths: list) -> bool:
+    """Whether the ranks' `lengths` are those `shard(..., block_mask=block_mask)` cuts."""
+    if not hasattr(block_mask, "balanced_lengths") or len(lengths) < 2 or min(lengths) < 1:
+        return False
+    try:
+        return tuple(lengths) == block_mask.balanced_lengths(len(lengths), sum(lengths))
+    except ValueError:   # a mask the call refuses on its own
+        return False
+
+
 def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
                     strategy, sharding_conflict: str | None = None):
     """`_agreed` for linear attention: (native arrays, exporter, the ranks' Partition: the
@@ -586,7 +603,8 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
     short document goes whole to one rank, dealt out so that no rank holds more than 5% of a
     share more rows or causal pairs than zigzag's fullest rank (`burstcu.layout`; a rank may
     hold fewer rows). Any N >= size works. No
-    communication: every rank must hold the whole `x`. cu_seqlens: the documents `attention`
+    communication: every rank must hold the whole `x` (a shard it remembers cutting for several
+    ranks is refused, ValueError). cu_seqlens: the documents `attention`
     will be given, checked against N (with "contiguous" they do not move any row). A
     numpy.ma.MaskedArray is refused (TypeError): its mask would be lost. group: a group, None
     (one rank), or a `burstcu.Sharding` (its layout, documents and lengths; a keyword that
@@ -624,6 +642,11 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
               for seg in part.runs[rank]]
     piece = joined(x, pieces, axis)
     held, seq = cut_of(x), 0 if x.ndim == 3 else 1
+    if held is not None and held[0][0] == "rows" and held[1] == axis and (held[0][3] or 1) > 1:
+        raise ValueError(f"shard: x is already one rank's shard of {held[0][3]} (burstcu.shard "
+                         f"cut it, or a call returned it for its rows): shard takes the global "
+                         f"array, the same on every rank. To cut this piece again all the same, "
+                         f"pass a view (x.view()): the memory is of this array object")
     if axis != seq and held is not None and held[0][0] == "rows" and held[1] == seq:
         remember_cut(piece, *held)      # heads (or a batch) cut from a shard: its rows as they were
     else:
@@ -748,12 +771,14 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
             mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs),
                                             (uneven, lengths), length)
+            rows_digest = None if err else ends_digest(x_local, axis)
             reports = group.transport.allgather_object(
-                (*mine, calling_thread(), err.plain() if err else None), "unshard")
+                (*mine, calling_thread(), err.plain() if err else None, rows_digest), "unshard")
             crossed = thread_problem("unshard", [rep[7] for rep in reports])
             if crossed is not None:
                 raise ValueError(crossed)
-            failed = [(r, InputError.from_plain(e)) for r, (*_, e) in enumerate(reports) if e is not None]
+            failed = [(r, InputError.from_plain(e)) for r, (*_, e, _) in enumerate(reports)
+                      if e is not None]
             if failed:
                 raise failed[0][1].exception(rank=failed[0][0])
             if any(rep[:6] != reports[0][:6] for rep in reports):
@@ -772,6 +797,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
             held = _held_problem(part.lengths, lengths)
             if held is not None:
                 raise ValueError(held)
+            warn_if_all_the_same([rep[9] for rep in reports], "x_local", "joins")
         return returned(export, (_gathered(x_local, group, part, axis),))[0]
 
 

@@ -134,7 +134,10 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
 def scale_problem(softmax_scale) -> InputError:
     """Why `softmax_scale` (not a finite real number) is refused: a 0-d tensor or JAX array is
     not a number here (the scale is a constant of the call, not differentiable)."""
-    if isinstance(softmax_scale, (np.bool_, numbers.Real)):
+    if isinstance(softmax_scale, (bool, np.bool_)):
+        return InputError(TypeError, f"softmax_scale must be a number, not a bool ({softmax_scale!r}): "
+                                     f"the scale multiplies the scores (None: 1/sqrt(headdim))")
+    if isinstance(softmax_scale, numbers.Real):
         return InputError(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
     return InputError(TypeError, f"softmax_scale must be a Python or NumPy number (a constant of "
                                  f"the call, not differentiable), got {type(softmax_scale).__name__}"
@@ -673,8 +676,12 @@ def _axis_problem(name: str, ndim: int, cut_axis: int) -> str:
     sdpa = (" If the arrays are (B, H, S, D) (SDPA's order), attention takes (B, S, H, D): pass "
             "x.transpose(0, 2, 1, 3) (torch: x.transpose(1, 2)), then shard along axis 1"
             if ndim == 4 and cut_axis == 2 else "")
+    hidden = ndim == 3 and cut_axis == 1      # hidden states cut as they should be, not projected
+    lead = (" If it holds hidden states (B, S, d_model), your cut along axis 1 is right: project "
+            "and reshape them to (B, S, H, D) before attention (cutting them along axis 0 would cut "
+            "the batch). If it holds packed rows, cut" if hidden else " Cut")
     return (f"{name} was cut along axis {cut_axis}, but the sequence axis of a {shape} array is {seq}: "
-            f"its rows would be taken for a shard of the sequence. Cut it with "
+            f"its rows would be taken for a shard of the sequence.{lead} it with "
             f"burstcu.shard(x, group, axis={seq}) (whose default is axis 1), or with a "
             f"burstcu.Sharding: sh.shard(x, axis={seq}) (it finds the axis of packed arrays "
             f"from its documents or lengths, and asks for it without).{sdpa}")
@@ -708,7 +715,7 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     attention call on a group refuses arrays cut along another axis than their sequence's (axis 0
     of packed (T, H, D), else 1): heads taken for a shard; without a group (heads split over the
     ranks, each attending over the whole sequence) they run."""
-    if not isinstance(want[1], str):
+    if not isinstance(want[1], str) or want[1] not in LAYOUTS:   # no layout: the call says so
         return None
     for name, x in zip(names, arrays):
         held = cut_of(x)
@@ -1124,6 +1131,16 @@ def first_rows_digest(x) -> bytes | None:
     return digest.digest()
 
 
+def ends_digest(x, axis: int) -> bytes | None:
+    """A digest of a host array's rows along `axis` (`_fingerprint`) when its first and last
+    rows differ, else None: shards of one constant value (zeros) are alike by right."""
+    host = _host(x)
+    if host is None or host.ndim <= axis or host.shape[axis] < 2 or \
+            np.array_equal(np.take(host, 0, axis=axis), np.take(host, -1, axis=axis)):
+        return None
+    return _fingerprint(host, axis)
+
+
 def valid_rows_digest(x, lengths) -> bytes | None:
     """`first_rows_digest` of a KV cache x (B, S_cache, Hkv, D) over the rows every batch row
     holds (the fewest of `lengths`, (B,) ints, the valid rows per batch row); None where a batch
@@ -1132,15 +1149,16 @@ def valid_rows_digest(x, lengths) -> bytes | None:
     return first_rows_digest(x[:, :fewest]) if fewest > 0 and isinstance(x, np.ndarray) else None
 
 
-def warn_if_all_the_same(digests: list, name: str) -> None:
+def warn_if_all_the_same(digests: list, name: str, does: str = "attends over") -> None:
     """A SameShardsWarning on every rank (each sees every digest) when G > 1 ranks hold the same
     first and last rows, pointing at the caller's line (the first frame outside burstcu): most likely
     each passed the global array instead of its shard, which attends over G copies of the
-    sequence. A warning, not an error: identical shards can be meant. (Where the shapes make it
-    certain, documents that cover one copy of the rows, `check_docs_total` raises.)"""
+    sequence (`does`: what the call does with them instead). A warning, not an error: identical
+    shards can be meant. (Where the shapes make it certain, documents that cover one copy of
+    the rows, `check_docs_total` raises.)"""
     if len(digests) > 1 and digests[0] is not None and all(d == digests[0] for d in digests):
         warnings.warn(f"every rank's {name} starts and ends with the same rows: if each rank passed the "
-                      f"global array instead of its shard, this attends over {len(digests)} "
+                      f"global array instead of its shard, this {does} {len(digests)} "
                       f"copies of the sequence; cut shards with burstcu.shard(x, group, layout) "
                       f"(identical shards meant? warnings.filterwarnings('ignore', "
                       f"category=burstcu.SameShardsWarning))",

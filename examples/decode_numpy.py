@@ -127,14 +127,14 @@ def generate(group, prompt: np.ndarray, new: int, capacity: int) -> tuple[list[i
     return tokens, attended
 
 
-def check(prompt: np.ndarray, tokens: list[int], attended: list) -> tuple[float, str | None]:
-    """(the attention outputs' `reference_error`, what differs from the float64 reference: the
-    outputs beyond TOLERANCE, or the tokens; None when nothing does)."""
+def check(prompt: np.ndarray, new: int, tokens: list[int], attended: list) -> tuple[float, str | None]:
+    """(the attention outputs' `reference_error`, what differs from the float64 reference's
+    `new` tokens: the outputs beyond TOLERANCE, or the tokens; None when nothing does)."""
     error = reference_error(prompt, tokens, attended)
     if not error <= TOLERANCE:   # NaN fails too
         return error, (f"max |attention - float64 reference| = {error:.3g} over "
                        f"{len(attended)} steps, tolerance {TOLERANCE:g}")
-    want = reference_generate(prompt, len(tokens))
+    want = reference_generate(prompt, new)
     if tokens != want:
         return error, (f"tokens {tokens} differ from the reference's {want} (max |attention "
                        f"error| {error:.3g}, tolerance {TOLERANCE:g})")
@@ -143,17 +143,26 @@ def check(prompt: np.ndarray, tokens: list[int], attended: list) -> tuple[float,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", type=int, default=37, help="prompt length (any)")
-    ap.add_argument("--new", type=int, default=12, help="tokens to generate")
+    ap.add_argument("--prompt", type=int, default=37,
+                    help="prompt length (at least the number of ranks: a row each)")
+    ap.add_argument("--new", type=int, default=12, help="tokens to generate (at least 1)")
     ap.add_argument("--json", help="write {'tokens': [...]} here (rank 0)")
     args = ap.parse_args(argv)
+    if args.new < 1:
+        ap.error(f"--new {args.new}: generate at least 1 token")
     group = burstcu.init(backend="numpy")
+    if args.prompt < group.size:              # every rank alike: rank 0 says so, each ends
+        if group.rank == 0:
+            print(f"decode_numpy.py: --prompt {args.prompt} is shorter than the {group.size} ranks: "
+                  f"the prefill gives each rank at least one row", file=sys.stderr)
+        group.close()
+        return 2
     prompt = np.random.default_rng(1).integers(0, VOCAB, args.prompt)
     capacity = -(-args.prompt // group.size) + 1 + args.new     # a shard plus every new token
     tokens, attended = generate(group, prompt, args.new, capacity)
     every = group.transport.allgather_object(tokens, "tokens")
     assert all(t == tokens for t in every), "ranks generated different tokens"
-    error, mismatch = check(prompt, tokens, attended)   # every rank: the same inputs, the same answer
+    error, mismatch = check(prompt, args.new, tokens, attended)   # every rank: the same inputs, the same answer
     if group.rank == 0:
         print(f"{group.size} rank(s), prompt {args.prompt} tokens: generated {tokens}")
         if mismatch:

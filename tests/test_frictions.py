@@ -337,6 +337,19 @@ def test_the_decode_example_passes_its_own_check(decode_example, capsys):
     assert "matches the float64 reference" in out and f"tolerance {decode_example.TOLERANCE:g}" in out
 
 
+def test_the_decode_example_refuses_what_it_cannot_do(decode_example, monkeypatch, capsys):
+    """--new 0 generated one token and passed its check (it compared as many tokens as came
+    out); a generator that gives fewer tokens than asked now fails the check."""
+    with pytest.raises(SystemExit):
+        decode_example.main(["--new", "0"])
+    assert "--new 0: generate at least 1 token" in capsys.readouterr().err
+    honest = decode_example.generate
+    monkeypatch.setattr(decode_example, "generate",
+                        lambda *a, **k: tuple(x[:-1] for x in honest(*a, **k)))   # one short
+    assert decode_example.main(["--prompt", "9", "--new", "4"]) == 1
+    assert "differ from the reference's" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spoil", ["attention", "token"])
 def test_the_decode_example_fails_on_a_mismatch(decode_example, monkeypatch, capsys, spoil):
     """A decode output off by 1e-6 (above the float64 tolerance), or a different token: exit

@@ -60,7 +60,7 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     assert set(messages) == {"zigzag shards, no layout", "documents at shard only",
                              "documents at attention only", "backward without layout",
                              "lse along axis 1", "out without layout", "linear without layout",
-                             "axis out of range"}
+                             "axis out of range", "misspelled layout"}
     for r in results:   # the same error everywhere, named by the rank that saw it first
         assert set(r["messages"]) == set(messages)
         assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
@@ -73,6 +73,9 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
         "layout='zigzag' with cu_seqlens" in said["documents at attention only"]
     assert "x_local is an lse (B, H, S) whose sequence axis is 2, not axis=1" in \
         said["lse along axis 1"]
+    # a layout no shard has is named as such (it read as a cut with another layout)
+    assert said["misspelled layout"].startswith("layout must be one of ('contiguous', 'zigzag', "
+                                                "'documents'), not 'zig-zag'"), said["misspelled layout"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
     assert "axis 4 is out of range for x_local of 4 dimensions" in said["axis out of range"]
 
@@ -111,6 +114,12 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
         assert f"holds every row (cut for one process) but this call runs on {world} ranks" in \
             r["messages"]["whole arrays as shards"]
         assert "q was cut along axis 1, but the sequence axis of a packed (T, H, D) array is 0" in \
+            r["messages"]["packed, cut along axis 1"]
+        # the same cut of hidden states (B, S, d_model) is right: the message says to project
+        # them, and asks for axis 0 only of packed rows (for hidden states it would cut the batch)
+        assert ("If it holds hidden states (B, S, d_model), your cut along axis 1 is right: project "
+                "and reshape them to (B, S, H, D) before attention") in r["messages"]["packed, cut along axis 1"]
+        assert "If it holds packed rows, cut it with burstcu.shard(x, group, axis=0)" in \
             r["messages"]["packed, cut along axis 1"]
         assert "q was cut along axis 2, but the sequence axis of a (B, S, H, D) array is 1" in \
             r["messages"]["heads on the group"]
@@ -319,3 +328,20 @@ def test_unshard_of_a_copy_asks_for_the_axis():
         assert max(r["errors"].values()) < 1e-5, r["errors"]
         assert r["hidden_shape"] == [3, 8, 16]
         assert r["packed"] == [0, 1, 1, 1] and r["pairs"] == [0, 1, 1, 0]   # zigzag: rank 0 ends
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_the_global_array_unsharded_and_a_shard_sharded_are_named(world):
+    for r in run_mpi(world, "sharding_bodies:global_array_to_unshard_and_a_shard_to_shard"):
+        (file, message), = r["global"]["warned"]
+        assert file == "sharding_bodies.py" and message.startswith(
+            f"every rank's x_local starts and ends with the same rows: if each rank passed the "
+            f"global array instead of its shard, this joins {world} copies of the sequence"), r
+        assert r["global"]["shape"] == [1, 6 * world * world, 2, 8]
+        for name in ("shards", "zeros", "view cut again", "one-process result cut"):
+            assert r[name]["warned"] == [], (name, r[name])
+        assert r["shards"]["shape"] == [1, 6 * world, 2, 8] == r["zeros"]["shape"]
+        assert r["view cut again"]["shape"] == [1, 6 // world, 2, 8]
+        assert r["one-process result cut"]["shape"] == [1, 6, 2, 8]
+        assert r["shard of a shard"].startswith(f"shard: x is already one rank's shard of {world} "
+                                                f"(burstcu.shard cut it, or a call returned it")

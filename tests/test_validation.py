@@ -54,6 +54,9 @@ def test_messages_are_specific():
         burstcu.attention(q[:, :, :4], k, k, strategy="psychic")
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
         burstcu.attention(q[:, :, :4], k, k, softmax_scale=float("nan"))
+    for flag in (True, np.True_):   # a bool is no scale (it read "must be a finite number")
+        with pytest.raises(TypeError, match="softmax_scale must be a number, not a bool"):
+            burstcu.attention(q[:, :, :4], k, k, softmax_scale=flag)
     for layout in ("zigzag", "documents"):   # uneven describes contiguous shards: not ignored
         for call in (lambda: burstcu.attention(q[:, :, :4], k, k, layout=layout, uneven=True),
                      lambda: burstcu.unshard(q, None, layout=layout, uneven=True)):

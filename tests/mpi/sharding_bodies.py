@@ -143,6 +143,7 @@ def bare_keyword_mistakes():
         "out without layout": lambda: burstcu.unshard(out, group),
         "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
         "axis out of range": lambda: burstcu.unshard(out, group, layout="zigzag", axis=4),
+        "misspelled layout": lambda: burstcu.attention(zq, zk, zv, group, layout="zig-zag"),
     }
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only
@@ -361,3 +362,33 @@ def unshard_of_a_copy_asks_for_the_axis():
     group.close()
     return {"messages": messages, "errors": errors, "hidden_shape": list(shape),
             "packed": joined[:, 0, 0].tolist(), "pairs": pairs[:, 0, 0].tolist()}
+
+
+def global_array_to_unshard_and_a_shard_to_shard():
+    """unshard given the global array on every rank joined G copies of it without a word, and
+    shard given a shard cut it again: a SameShardsWarning at the caller's line, and a
+    ValueError. Shards of their own, shards of one constant value (zeros), a view of a shard
+    cut again, and the result of a one-process call cut for the group: nothing said."""
+    import warnings
+
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    whole = make_inputs(4, 1, 6 * group.size, 2, 2, 8, "float32")[0]
+    result = {}
+    for name, call in (("global", lambda: sh.unshard(whole)),
+                       ("shards", lambda: sh.unshard(sh.shard(whole))),
+                       ("zeros", lambda: sh.unshard(np.zeros_like(sh.shard(whole)))),
+                       ("view cut again", lambda: burstcu.shard(sh.shard(whole).view(), group)),
+                       ("one-process result cut", lambda: sh.shard(burstcu.attention(whole, whole,
+                                                                                     whole)))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shape = list(call().shape)
+        result[name] = {"shape": shape, "warned": [(w.filename.rsplit("/", 1)[-1], str(w.message))
+                                                   for w in caught]}
+    try:
+        sh.shard(sh.shard(whole))
+        result["shard of a shard"] = None
+    except ValueError as exc:
+        result["shard of a shard"] = str(exc)
+    return result

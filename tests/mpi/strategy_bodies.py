@@ -403,7 +403,9 @@ def block_masks_disagree():
 def block_mask_balanced_shards(strategy="burst"):
     """shard(..., block_mask=...) cuts contiguous shards whose queries keep pairs within 10% of
     the mean (many causal documents of random lengths and one shared prefix); attention and its
-    backward on them (uneven=True) give the one-process results on this rank's rows."""
+    backward on them (uneven=True) give the one-process results on this rank's rows. Without
+    uneven=True the refusal names them as the mask's shards (it asked whether a rank had passed
+    the global array)."""
     group = burstcu.init(backend="numpy")
     rng = np.random.default_rng(21)
     n = 600 * group.size
@@ -420,6 +422,14 @@ def block_mask_balanced_shards(strategy="burst"):
     work = mask.row_pairs(n)
     per_rank = [work[starts[r]:starts[r + 1]].sum() for r in range(group.size)]
     assert max(per_rank) <= 1.1 * np.mean(per_rank) and min(per_rank) >= 0.9 * np.mean(per_rank)
+    assert max(lengths) - min(lengths) > 1, lengths   # so that uneven=True is needed:
+    try:                                               # without it, named as the mask's shards
+        burstcu.attention(ql, kl, vl, group, block_mask=mask, strategy=strategy)
+        said = "ran"
+    except ValueError as exc:
+        said = str(exc)
+    assert "the ones burstcu.shard(x, group, block_mask=mask) cuts for this mask; pass uneven=True" \
+        in said and "global array" not in said, said
     out, lse = burstcu.attention(ql, kl, vl, group, block_mask=mask, uneven=True, return_lse=True,
                                  strategy=strategy)
     grads = burstcu.attention_backward(dol, ql, kl, vl, out, lse, group, block_mask=mask,
