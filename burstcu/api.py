@@ -271,8 +271,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven,
-                                                                             block_mask)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
+        group, layout, cu_seqlens, uneven, block_mask)
     given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
@@ -330,8 +330,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
-    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens, uneven,
-                                                                             block_mask)
+    group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
+        group, layout, cu_seqlens, uneven, block_mask)
     cut = _rows_of_call(layout, cu_seqlens, group)
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
                                        positional=_positional(causal, window_size, cu_seqlens,
@@ -637,16 +637,17 @@ def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, b
         raise misread.exception()
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     axis = check_axis(axis, x.ndim, "x")
+    held, seq = cut_of(x), 0 if x.ndim == 3 else 1
+    if size > 1 and held is not None and held[0][0] == "rows" and held[1] == axis and \
+            (held[0][3] or 1) > 1:   # one process cuts nothing: nothing to refuse
+        raise ValueError(f"shard: x is already one rank's shard of {held[0][3]} (burstcu.shard "
+                         f"cut it, or a call returned it for its rows): shard takes the global "
+                         f"array, the same on every rank. To cut this piece again all the same, "
+                         f"pass a view (x[:]): the memory is of this array object")
     part = _shard_partition(layout, size, x, axis, cu_seqlens, lengths)
     pieces = [x[(slice(None),) * axis + (slice(seg.pos, seg.pos + seg.length),)]
               for seg in part.runs[rank]]
     piece = joined(x, pieces, axis)
-    held, seq = cut_of(x), 0 if x.ndim == 3 else 1
-    if held is not None and held[0][0] == "rows" and held[1] == axis and (held[0][3] or 1) > 1:
-        raise ValueError(f"shard: x is already one rank's shard of {held[0][3]} (burstcu.shard "
-                         f"cut it, or a call returned it for its rows): shard takes the global "
-                         f"array, the same on every rank. To cut this piece again all the same, "
-                         f"pass a view (x.view()): the memory is of this array object")
     if axis != seq and held is not None and held[0][0] == "rows" and held[1] == seq:
         remember_cut(piece, *held)      # heads (or a batch) cut from a shard: its rows as they were
     else:

@@ -277,8 +277,9 @@ class KVCache:
         lands on the rank holding fewest rows of b then. Rows of another shape or not of real
         numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
         before anything is stored, on every rank given the same rows (No communication: a rank
-        given other rows raises alone, so an error left uncaught ends the job, `raising_alike`). Rows that are CUDA torch
-        tensors are copied on torch's current stream, as `burstcu.torch.decode` reads there."""
+        given other rows raises alone, so an error left uncaught ends the job, `raising_alike`).
+        Rows that are CUDA torch tensors are copied on torch's current stream, as
+        `burstcu.torch.decode` reads there."""
         with Call(self.group, "KVCache.append") as call, self._rows_stream((k_new, v_new)):
             with call.raising_alike():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)

@@ -697,7 +697,7 @@ def _ranks_problem(name: str, cut_for: int, size: int) -> str:
                 f"pass the group it was cut for (without it each rank works on its own rows alone)")
     else:
         said = f"{name} is one rank's shard of {cut_for} but this call runs on {size} ranks"
-    return (f"{said}. If the rows are right, pass a view ({name}.view()): the memory is of this "
+    return (f"{said}. If the rows are right, pass a view ({name}[:]): the memory is of this "
             f"array object")
 
 
@@ -739,7 +739,7 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
         return (f"{name} was cut with {_said(cut, want)} but this call has {_said(want, cut)}: its rows "
                 f"would be taken for other positions. Pass the same layout and cu_seqlens as "
                 f"shard (or one burstcu.Sharding, which carries them to every call); if the rows "
-                f"are right, pass a view ({name}.view()): the memory is of this array object")
+                f"are right, pass a view ({name}[:]): the memory is of this array object")
     return None
 
 
@@ -838,7 +838,7 @@ def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | 
                    if cast else "(another call's, or changed in place since)")
                 + ": the gradients would be those of another attention. Pass the backward the "
                   "q, k, v and out of that call; if this is meant, pass a view of lse "
-                  "(lse.view()): the memory is of this array object")
+                  "(lse[:]): the memory is of this array object")
     if not differ:
         return None
     said = ", ".join(f"{name}: {_shown(forward[name])} in the forward, {_shown(options[name])} here"
@@ -848,7 +848,7 @@ def lse_problem(lse, options: dict | None, arrays: dict | None = None) -> str | 
     return (f"lse comes from an attention call with other options than this backward's ({said}): "
             f"the gradients would be those of another attention. Pass the backward the forward's "
             f"causal, window_size, cu_seqlens, softmax_scale and block_mask; if this is meant, pass "
-            f"a view (lse.view()): the memory is of this array object")
+            f"a view (lse[:]): the memory is of this array object")
 
 
 def _same(a, b) -> bool:

@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     tokens, attended = generate(group, prompt, args.new, capacity)
     every = group.transport.allgather_object(tokens, "tokens")
     assert all(t == tokens for t in every), "ranks generated different tokens"
-    error, mismatch = check(prompt, args.new, tokens, attended)   # every rank: the same inputs, the same answer
+    # every rank: the same inputs, the same answer
+    error, mismatch = check(prompt, args.new, tokens, attended)
     if group.rank == 0:
         print(f"{group.size} rank(s), prompt {args.prompt} tokens: generated {tokens}")
         if mismatch:

@@ -9,8 +9,9 @@ launch/burstcu-run starts every rank through this file. (mpi4py.rc settings a pr
 itself come too late here: pass them as -rc options.)
 
 Under launch/rank-guard it also writes the program's state to $BURSTCU_PROGRAM_STATE: "running"
-once MPI has started, "exit" when the interpreter exits. A rank whose file still says "running"
-left without MPI_Finalize (os._exit, a C library's exit()), and rank-guard fails the job.
+once MPI has started, "exit" once MPI is finalized or the interpreter exits. A rank whose file
+still says "running" left without either (os._exit, a C library's exit()), and rank-guard fails
+the job.
 """
 
 import atexit
@@ -43,8 +44,10 @@ def rc_options(args: list) -> dict:
 
 
 def mark_running(path: str | None) -> None:
-    """Write "running" to `path` now and "exit" at the interpreter's exit, from this process
-    only (a forked child's exit does not count); None: write nothing."""
+    """Write "running" to `path` now and "exit" when MPI is finalized (the program's own
+    MPI.Finalize(), or mpi4py's at the interpreter's exit: MPI_Finalize deletes COMM_SELF's
+    attributes first, which runs the hook set here) or at the interpreter's exit, from this
+    process only (a forked child's exit does not count); None: write nothing."""
     if not path:
         return
     pid = os.getpid()
@@ -60,6 +63,9 @@ def mark_running(path: str | None) -> None:
 
     write("running")
     atexit.register(write, "exit")
+    from mpi4py import MPI
+    finalized = MPI.Comm.Create_keyval(delete_fn=lambda *_: write("exit"))
+    MPI.COMM_SELF.Set_attr(finalized, True)
 
 
 if __name__ == "__main__":

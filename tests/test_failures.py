@@ -120,8 +120,8 @@ def test_a_failure_on_one_rank_ends_the_job(scenario, names):
                                "open, without the interpreter's exit"]),
     # rank 1 leaves through os._exit(0) before burstcu.init: no group is open, but MPI has
     # started (launch/mpi_first.py), so MPICH's mpiexec ended the others at once with status 0
-    ("os_exit_before_init", ["burstcu: rank 1 on ", "exited (status 0) without the interpreter's "
-                             "exit, so without MPI_Finalize"]),
+    ("os_exit_before_init", ["burstcu: rank 1 on ", "exited (status 0) without MPI_Finalize or the "
+                             "interpreter's exit (os._exit?)"]),
 ])
 def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
     status, out, seconds = run_faulty(scenario, launcher=True)
@@ -131,6 +131,25 @@ def test_a_failure_on_one_rank_ends_a_launched_job(scenario, names):
         assert text in out, f"{text!r} missing from:\n{out}"
     assert "finished" not in out
     assert "stops on an uncaught" not in out   # launch/mpi_first.py runs mpi4py's runner
+
+
+@pytest.mark.parametrize("ending,state", [
+    ("MPI.Finalize()\nos._exit(0)\n", "exit"),   # finalized by the program, teardown skipped
+    ("os._exit(0)\n", "running"),                 # no MPI_Finalize: rank-guard fails the job
+    ("raise SystemExit(0)\n", "exit"),
+])
+def test_the_program_state_rank_guard_reads(tmp_path, ending, state):
+    """launch/mpi_first.py's $BURSTCU_PROGRAM_STATE: "exit" once MPI is finalized, by the program
+    itself too (then os._exit(0) is a clean end: it read "running", and rank-guard failed the
+    job), or at the interpreter's exit; "running" where the process left without either. One
+    process, no launcher (MPI as a singleton)."""
+    program, file = tmp_path / "program.py", tmp_path / "state"
+    program.write_text("import os\nfrom mpi4py import MPI\n" + ending)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "mpi_first.py"), str(program)],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, BURSTCU_PROGRAM_STATE=str(file)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert file.read_text() == state + "\n"
 
 
 @pytest.mark.parametrize("scenario,names", [

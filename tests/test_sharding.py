@@ -118,7 +118,8 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
         # the same cut of hidden states (B, S, d_model) is right: the message says to project
         # them, and asks for axis 0 only of packed rows (for hidden states it would cut the batch)
         assert ("If it holds hidden states (B, S, d_model), your cut along axis 1 is right: project "
-                "and reshape them to (B, S, H, D) before attention") in r["messages"]["packed, cut along axis 1"]
+                "and reshape them to (B, S, H, D) before attention") in \
+            r["messages"]["packed, cut along axis 1"]
         assert "If it holds packed rows, cut it with burstcu.shard(x, group, axis=0)" in \
             r["messages"]["packed, cut along axis 1"]
         assert "q was cut along axis 2, but the sequence axis of a (B, S, H, D) array is 1" in \
@@ -338,10 +339,11 @@ def test_the_global_array_unsharded_and_a_shard_sharded_are_named(world):
             f"every rank's x_local starts and ends with the same rows: if each rank passed the "
             f"global array instead of its shard, this joins {world} copies of the sequence"), r
         assert r["global"]["shape"] == [1, 6 * world * world, 2, 8]
-        for name in ("shards", "zeros", "view cut again", "one-process result cut"):
+        for name in ("shards", "zeros", "view cut again", "shard kept whole", "one-process result cut"):
             assert r[name]["warned"] == [], (name, r[name])
         assert r["shards"]["shape"] == [1, 6 * world, 2, 8] == r["zeros"]["shape"]
         assert r["view cut again"]["shape"] == [1, 6 // world, 2, 8]
+        assert r["shard kept whole"]["shape"] == [1, 6, 2, 8]
         assert r["one-process result cut"]["shape"] == [1, 6, 2, 8]
         assert r["shard of a shard"].startswith(f"shard: x is already one rank's shard of {world} "
                                                 f"(burstcu.shard cut it, or a call returned it")

@@ -368,7 +368,8 @@ def global_array_to_unshard_and_a_shard_to_shard():
     """unshard given the global array on every rank joined G copies of it without a word, and
     shard given a shard cut it again: a SameShardsWarning at the caller's line, and a
     ValueError. Shards of their own, shards of one constant value (zeros), a view of a shard
-    cut again, and the result of a one-process call cut for the group: nothing said."""
+    cut again, a shard "cut" for one process (kept whole) and the result of a one-process call
+    cut for the group: nothing said."""
     import warnings
 
     group = burstcu.init(backend="numpy")
@@ -378,7 +379,8 @@ def global_array_to_unshard_and_a_shard_to_shard():
     for name, call in (("global", lambda: sh.unshard(whole)),
                        ("shards", lambda: sh.unshard(sh.shard(whole))),
                        ("zeros", lambda: sh.unshard(np.zeros_like(sh.shard(whole)))),
-                       ("view cut again", lambda: burstcu.shard(sh.shard(whole).view(), group)),
+                       ("view cut again", lambda: burstcu.shard(sh.shard(whole)[:], group)),
+                       ("shard kept whole", lambda: burstcu.shard(sh.shard(whole), None)),
                        ("one-process result cut", lambda: sh.shard(burstcu.attention(whole, whole,
                                                                                      whole)))):
         with warnings.catch_warnings(record=True) as caught:

@@ -332,3 +332,24 @@ def agreement_edges() -> dict:
             assert f"rank {last}: round B" in messages.get("rounds", ""), messages
         group.barrier()
     return messages
+
+
+def users_receives_across_init() -> dict:
+    """Receives of the user's own, posted before burstcu.init on its communicator with any tag
+    (and any source), still pending through init and close, then given their messages: init's
+    start-up gathers send nothing on that communicator unless they fail, so each receive gets
+    the user's message (one of the gathers' messages took it, and init timed out)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pending = [comm.irecv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG) for _ in range(size - 1)]
+    for _ in range(3):   # init and close, over the world and a communicator split from it
+        burstcu.init(backend="numpy", timeout=20).close()
+        burstcu.init(comm=comm.Split(0, rank), backend="numpy", timeout=20).close()
+    for r in range(size):
+        if r != rank:
+            comm.send(f"hello from {rank}", dest=r, tag=5)
+    got = sorted(request.wait() for request in pending)
+    comm.Barrier()
+    return {"got": got}

@@ -158,3 +158,9 @@ def test_agreement_rounds_at_their_edges():
     results = run_mpi(3, "transport_bodies:agreement_edges", timeout=60)
     assert all("rank 2's agreement message cannot be used" in r["unencodable"] for r in results)
     assert all("ranks are inside different burstcu calls" in r["rounds"] for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_init_leaves_the_users_pending_receives_alone(world):
+    for rank, r in enumerate(run_mpi(world, "transport_bodies:users_receives_across_init", timeout=90)):
+        assert r["got"] == [f"hello from {q}" for q in range(world) if q != rank], (rank, r)
