@@ -28,15 +28,13 @@ when MPI has moved everything and the emulated link alone is late, it names the 
 and the link.
 
 The transport duplicates the user's communicator, so its messages can never match the user's.
-Before it exists, the start-up gathers (`gather_plain`) use collectives only, unless one fails:
-then a few small messages over the user's communicator, under tags of their own (`_Census`),
-find out whom the timeout should name.
+Before it exists, the start-up gathers (`gather_plain`) use collectives only, which match no
+message of the user's (and cannot tell which rank is late).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,111 +101,29 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
     """Every rank's `obj` (plain values, `wire`) over a raw mpi4py communicator, before any
     transport exists (`burstcu.init`, the NCCL bootstrap, the self-test): non-blocking
     all-gathers of the lengths, then of the labelled messages, each bounded by `timeout`
-    seconds (past it, CommTimeoutError naming `what` and, from rank 0's `_Census`, the ranks
-    that have not reached it). Every rank decodes every message, so a message that cannot be
-    used, or ranks in different rounds, raise ValueError on every rank."""
+    seconds (past it, CommTimeoutError naming `what`). Every rank decodes every message, so a
+    message that cannot be used, or ranks in different rounds, raise ValueError on every rank."""
     from mpi4py import MPI
 
-    census = _Census(comm, deadline_after(timeout), timeout, what)
+    deadline = deadline_after(timeout)
+
+    def timed_out() -> CommTimeoutError:
+        return CommTimeoutError(f"rank {comm.Get_rank()} waited {timeout:g} s for every rank of the "
+                                f"communicator to reach {what} (a rank may have failed, exited or "
+                                f"be stuck before it)")
+
     data = np.frombuffer(wire.labelled(what, obj), np.uint8)
     sizes = np.zeros(comm.Get_size(), np.int64)
-    census.wait(comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T]))
+    request = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+    poll_until(request.Test, deadline, timed_out)
     if sizes.max() > wire.MAX_BYTES:
         raise ValueError(f"rank {int(sizes.argmax())} sent {int(sizes.max())} bytes, over the "
                          f"{wire.MAX_BYTES}-byte bound of agreement messages")
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     gathered = np.empty(int(sizes.sum()), np.uint8)
-    census.wait(comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE]))
+    request = comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE])
+    poll_until(request.Test, deadline, timed_out)
     return agreed(answer_of([wire.unlabelled(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]))
-
-
-class _Census:
-    """Who is inside a start-up gather (`gather_plain`) once it has failed, so that its timeout
-    names the missing ranks, which the collectives cannot tell. Nothing is sent while the gather
-    may still succeed: only when a rank's deadline has passed does it tell rank 0 (HERE); rank
-    0 then asks every rank it has not heard from (PING), each rank still inside a gather answers
-    (HERE), and after `_ROOT_GRACE_S` rank 0 raises, naming the silent ranks, and tells the
-    others (VERDICT, the missing ranks), which raise with the same names. A rank that hears no
-    verdict within 2 `_ROOT_GRACE_S` of its deadline names rank 0. The messages travel over the
-    user's communicator (ours is not made yet), under tags of their own, on the way to an error;
-    a gather that completes before its deadline sends none, so a receive of the user's left
-    pending across `burstcu.init` is never matched by one."""
-
-    HERE, PING, VERDICT = 32_749, 32_748, 32_747   # tags below MPI's least upper bound (32767)
-
-    def __init__(self, comm, deadline: float, timeout: float, what: str):
-        self.comm, self.deadline, self.timeout, self.what = comm, deadline, timeout, what
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.heard: set[int] = set()     # rank 0: the ranks that said HERE
-        self.sent: list = []             # requests of the messages this rank sent (kept alive)
-        self.asked_at: float | None = None
-
-    def _send(self, payload: np.ndarray, dest: int, tag: int) -> None:
-        from mpi4py import MPI
-        self.sent.append((payload, self.comm.Isend([payload, MPI.INT64_T], dest=dest, tag=tag)))
-
-    def _take(self, source: int, tag: int) -> np.ndarray | None:
-        """A census message from `source` (ANY_SOURCE: any) under `tag`, if one has come: never
-        one of the user's, whose tags differ."""
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        message = self.comm.Improbe(source=source, tag=tag, status=status)
-        if message is None:
-            return None
-        data = np.empty(status.Get_count(MPI.INT64_T), np.int64)
-        message.Recv([data, MPI.INT64_T])
-        return np.append(data, status.Get_source())
-
-    def _failed(self, late: list[int]) -> CommTimeoutError:
-        if self.rank and late == [0]:
-            said = ("rank 0 has not reached it, or did not answer (it may have failed, exited or "
-                    "be stuck before it)")
-        elif late:
-            said = f"rank(s) {late} have not reached it (they may have failed, exited or be stuck before it)"
-        else:
-            said = "every rank reached it, yet the collective did not complete"
-        return CommTimeoutError(f"rank {self.rank} waited {self.timeout:g} s for every rank of the "
-                                f"communicator to reach {self.what}: {said}")
-
-    def _poll_root(self, now: float) -> None:
-        from mpi4py import MPI
-
-        while (got := self._take(MPI.ANY_SOURCE, self.HERE)) is not None:
-            self.heard.add(int(got[-1]))
-        if self.asked_at is None and (self.heard or now > self.deadline):
-            self.asked_at = now                        # the gather has failed somewhere: ask
-            for r in range(1, self.size):
-                if r not in self.heard:
-                    self._send(np.zeros(0, np.int64), r, self.PING)
-        if self.asked_at is not None and now > self.asked_at + _ROOT_GRACE_S:
-            late = sorted(set(range(1, self.size)) - self.heard)
-            for r in sorted(self.heard):
-                self._send(np.array(late or [-1], np.int64), r, self.VERDICT)
-            raise self._failed(late)
-
-    def _poll_other(self, now: float) -> None:
-        if self._take(0, self.PING) is not None or (now > self.deadline and not self.sent):
-            if not self.sent:
-                self._send(np.zeros(0, np.int64), 0, self.HERE)
-        verdict = self._take(0, self.VERDICT)
-        if verdict is not None:
-            raise self._failed([int(r) for r in verdict[:-1] if r >= 0])
-        if now > self.deadline + 2 * _ROOT_GRACE_S:   # rank 0 asks for _ROOT_GRACE_S once told
-            raise self._failed([0])
-
-    def wait(self, request) -> None:
-        """Wait for `request` (a collective of the gather) until the census ends it."""
-        def done() -> bool:
-            if request.Test():
-                return True
-            if self.size > 1:
-                (self._poll_root if self.rank == 0 else self._poll_other)(time.monotonic())
-            elif time.monotonic() > self.deadline:
-                raise self._failed([])
-            return False
-
-        poll_until(done, math.inf, lambda: AssertionError("unreached"))
 
 
 def _world_ranks(comm) -> tuple[int, ...] | None:

@@ -110,11 +110,10 @@ def build_hangs(timeout: float) -> None:
 
 
 def before_init(scenario: str) -> None:
-    """What rank 1 (rank 0 in the rank0_ ones) does before burstcu.init in the scenarios about
-    that time."""
-    if scenario in ("exit_before_init", "rank0_exit_before_init"):
+    """What rank 1 does before burstcu.init in the scenarios about that time."""
+    if scenario == "exit_before_init":
         from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_rank() == (0 if scenario.startswith("rank0_") else 1):
+        if MPI.COMM_WORLD.Get_rank() == 1:
             sys.exit(0)
     if scenario == "os_exit_before_init" and _launched_rank() == 1:
         os._exit(0)

@@ -337,8 +337,8 @@ def agreement_edges() -> dict:
 def users_receives_across_init() -> dict:
     """Receives of the user's own, posted before burstcu.init on its communicator with any tag
     (and any source), still pending through init and close, then given their messages: init's
-    start-up gathers send nothing on that communicator unless they fail, so each receive gets
-    the user's message (one of the gathers' messages took it, and init timed out)."""
+    start-up gathers are collectives, which no receive matches, so each receive gets the user's
+    message (point-to-point messages that named a late rank took them, and init timed out)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
