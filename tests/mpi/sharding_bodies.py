@@ -143,7 +143,8 @@ def bare_keyword_mistakes():
         "out without layout": lambda: burstcu.unshard(out, group),
         "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
         "axis out of range": lambda: burstcu.unshard(out, group, layout="zigzag", axis=4),
-        "misspelled layout": lambda: burstcu.attention(zq, zk, zv, group, layout="zig-zag"),
+        "misspelled layout": lambda: burstcu.attention(zq, zk, zv, group, causal=True,
+                                                       layout="zig-zag"),
     }
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only
