@@ -141,14 +141,14 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
     def finish(reports, extra):
         scale, docs = extra
         lengths = [length for length, _, _ in reports]
+        if layout == "contiguous" and not flags.get("uneven") and \
+                max(lengths) - min(lengths) > 1 and _balanced_for(block_mask, lengths):
+            raise ValueError(f"contiguous shards of {tuple(lengths)} rows: the ones "
+                             f"burstcu.shard(x, group, block_mask=mask) cuts for this mask; pass "
+                             f"uneven=True to the calls (or give a burstcu.Sharding(group, "
+                             f"lengths=mask.balanced_lengths(G, N)) as the group)")
         err, part = partition_of(layout, lengths, docs, bool(flags.get("uneven")),
                                  group.ops.max_positions)
-        if err is not None and layout == "contiguous" and _balanced_for(block_mask, lengths):
-            err = InputError(ValueError, f"contiguous shards of {tuple(lengths)} rows: the ones "
-                                         f"burstcu.shard(x, group, block_mask=mask) cuts for this "
-                                         f"mask; pass uneven=True to the calls (or give a "
-                                         f"burstcu.Sharding(group, lengths=mask.balanced_lengths(G, "
-                                         f"N)) as the group)")
         err = err or check_block_mask_extent(block_mask, part.total, group.ops.max_positions)
         if err is not None:
             raise err.kind(err.message)
@@ -437,7 +437,7 @@ def _linearsharding_keywords(group, layout) -> tuple:
 
 def _balanced_for(block_mask, lengths: list) -> bool:
     """Whether the ranks' `lengths` are those `shard(..., block_mask=block_mask)` cuts."""
-    if not hasattr(block_mask, "balanced_lengths") or len(lengths) < 2 or min(lengths) < 1:
+    if not hasattr(block_mask, "balanced_lengths") or min(lengths) < 1:
         return False
     try:
         return tuple(lengths) == block_mask.balanced_lengths(len(lengths), sum(lengths))
