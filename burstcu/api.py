@@ -25,7 +25,7 @@ import numpy as np
 
 from . import engine
 from .arrays import (array_module, device_problem, group_for, is_cupy, is_jax, joined, native, returned,
-                     to_jax, untakeable)
+                     to_jax, untakeable, wait_computed)
 from .cpu_tensors import host_view, tensor_of
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
@@ -271,6 +271,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     Every rank must call it with the same shapes, dtypes and options; a bad input raises
     ValueError/TypeError on every rank before any data moves.
     """
+    wait_computed((q, k, v))
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
         group, layout, cu_seqlens, uneven, block_mask)
     given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
@@ -330,6 +331,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     on every rank. It costs a (B, H, S) accumulator in the messages and one more agreement
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
+    wait_computed((dout, q, k, v, out, lse))
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
         group, layout, cu_seqlens, uneven, block_mask)
     cut = _rows_of_call(layout, cu_seqlens, group)
@@ -340,7 +342,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                                                          q, block_mask),
                                        {"q": q, "k": k, "v": v, "out": out})
     packed = getattr(q, "ndim", None) == 3
-    cut = inherited_cut((q,), cut, 0 if packed else 1)
+    cuts = tuple(inherited_cut((x,), cut, 0 if packed else 1) for x in (q, k, v))  # dq's, dk's, dv's
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
                                                (dout, k, v, out, lse), (3, 3, 3, 3, 2))
@@ -374,8 +376,9 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                 agree(group.transport, verdict, None, "attention_backward check")
         grads = returned(export, grads)
     grads = tuple(g[0] for g in grads) if packed else grads
-    for g in grads if cut is not None else ():
-        remember_cut(g, *cut)
+    for g, lies_as in zip(grads, cuts):       # each gradient lies as its input: dk as k, ...
+        if lies_as is not None:
+            remember_cut(g, *lies_as)
     return grads
 
 
@@ -491,6 +494,7 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
         one hop at a time; `burstcu.engine.lasp1`). Both give the same result up to rounding.
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
+    wait_computed((q, k, v))
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
@@ -513,6 +517,7 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
                               layout: str | None = None, strategy: str = "lasp2"):
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
+    wait_computed((dout, q, k, v))
     group, layout, conflict = _linearsharding_keywords(group, layout)
     conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v),
                                        rows_cut(layout, None, getattr(group, "size", 1)),
@@ -550,6 +555,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     number of ranks (the group left out) is refused, and caches whose valid rows start and end
     alike on every rank (the global arrays on every rank) warn (`burstcu.SameShardsWarning`).
     """
+    wait_computed((q, k_cache, v_cache, cache_seqlens))
     agreed, group, rows, problem = {}, group_of(group), None, None
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
@@ -715,6 +721,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                   problem: str | None = None):
     """`unshard`, with `problem`: what the caller found wrong before the call (`Sharding.unshard`:
     an axis it cannot tell), a ValueError on every rank through the call's agreement."""
+    wait_computed((x_local,))
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(group, layout, cu_seqlens,
                                                                       uneven)
     conflict = conflict or problem

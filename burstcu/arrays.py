@@ -137,6 +137,23 @@ def is_jax(x) -> bool:
     return _FRAMEWORK_OF.get(type(x).__module__.split(".")[0]) == "jax"
 
 
+def wait_computed(arrays) -> None:
+    """Wait until the JAX arrays among `arrays` are computed, before a call takes its group
+    (`Call`): `jax.jit` returns before its program has run, and the program may still hold
+    burstcu calls (`burstcu.jax`'s callbacks, on XLA's threads) that need the group this call
+    would hold while it waited for their result, which ends the job (another thread's call).
+    Other arrays, and JAX arrays computed already, cost nothing (on a GPU, one still being
+    computed costs a host wait where DLPack would have made the stream wait); a program that
+    failed raises where the call reads the array, as before."""
+    for x in arrays:
+        if is_jax(x):
+            try:
+                if not x.is_deleted():        # (is_ready() of a deleted array ends the process)
+                    x.block_until_ready()
+            except Exception:  # noqa: BLE001 - a donated array, a failed program: the call says
+                pass
+
+
 def _exporter(x):
     """The `from_dlpack` of x's framework (jax.numpy, torch, ...), to hand results back in it:
     its array-API namespace's where it has one, else its package's (JAX's: `to_jax`); None

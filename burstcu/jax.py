@@ -206,6 +206,17 @@ def _static(options: dict) -> dict:
     return options
 
 
+def _constant_scale(softmax_scale) -> None:
+    """TypeError while tracing where `softmax_scale` is traced (computed inside `jax.jit`, or one
+    of its arguments): the scale is a constant of the call (not differentiable), and `float()`
+    of a tracer, which the call's own message asks for, fails there."""
+    if isinstance(softmax_scale, jax.core.Tracer):
+        raise TypeError("softmax_scale is traced (computed inside jax.jit, or passed as one of its "
+                        "arguments): the scale is a constant of the call, not differentiable; "
+                        "compute it with Python or NumPy (headdim ** -0.5, from q.shape) or mark "
+                        "the argument static (jax.jit(..., static_argnames=...))")
+
+
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
               strategy: str = "burst", **mask_kwargs):
@@ -216,6 +227,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     cu_seqlens (concrete), block_mask, uneven, ulysses_degree (as `burstcu.attention`) and check
     (verify lse in the backward). The backward (`jax.grad`) is collective too.
     """
+    _constant_scale(softmax_scale)
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.attention, (q, k, v))
@@ -271,6 +283,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     `decode(q, cache)` with a `burstcu.KVCache` (its arrays, group and row counts, read when the
     call runs). Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every
     rank."""
+    _constant_scale(softmax_scale)
     b, t, h, _ = q.shape
     lse = jax.ShapeDtypeStruct((b, h, t), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
     results = (_like(q), lse) if return_lse else _like(q)

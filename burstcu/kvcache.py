@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import api
-from .arrays import device_problem, torch_stream
+from .arrays import device_problem, torch_stream, wait_computed
 from .cpu_tensors import host_view
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
@@ -280,6 +280,7 @@ class KVCache:
         given other rows raises alone, so an error left uncaught ends the job, `raising_alike`).
         Rows that are CUDA torch tensors are copied on torch's current stream, as
         `burstcu.torch.decode` reads there."""
+        wait_computed((k_new, v_new))
         with Call(self.group, "KVCache.append") as call, self._rows_stream((k_new, v_new)):
             with call.raising_alike():    # every rank sees the same counts and shapes
                 k_new, v_new = self._check_rows("append", k_new, v_new)
@@ -306,6 +307,7 @@ class KVCache:
         for another number of ranks than the cache's group (the group left out) raise ValueError
         on every rank; the same rows on every rank (the global arrays passed instead of each
         rank's shard) warn (`burstcu.SameShardsWarning`)."""
+        wait_computed((k_local, v_local))
         with Call(self.group, "KVCache.from_prefill") as call, self._rows_stream((k_local, v_local)):
             err = None
             try:

@@ -122,6 +122,19 @@ def _first_order_only(what: str) -> None:
                            f"products) cannot be honoured")
 
 
+def _no_transforms(what: str) -> None:
+    """RuntimeError under a torch.func transform (grad, vmap, jvp, ...): the work runs outside
+    torch, where the transforms cannot follow (torch's own message asks the Function for a
+    setup_context, which reads as burstcu's bug). The same on every rank that runs the same
+    program, before anything is sent."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if callable(active) and active():
+        raise RuntimeError(f"burstcu.torch.{what} does not run under torch.func transforms (grad, "
+                           f"vmap, jvp, jacrev, ...): its work runs outside torch, where they cannot "
+                           f"follow it. Use torch.autograd (loss.backward(), torch.autograd.grad) "
+                           f"and put a batch in the B axis instead of vmap")
+
+
 class _Attention(torch.autograd.Function):
     """out = softmax(q k^T * scale [masked]) v over every rank's keys; backward: the ring backward."""
 
@@ -182,6 +195,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     collectively.
     Under `torch.autocast` q, k and v are cast to the region's dtype first, as for SDPA.
     """
+    _no_transforms("attention")
     fwd, bwd = api.adapter_options(mask_kwargs)
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     return _Attention.apply(*_autocast(*_as_tensors(q, k, v)), group, {**common, **fwd},
@@ -210,6 +224,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                      layout: str | None = None, strategy: str = "lasp2") -> torch.Tensor:
     """`burstcu.linear_attention` for tensors, differentiable: out (B, S, H, D). Under
     `torch.autocast` q, k and v are cast to the region's dtype first."""
+    _no_transforms("linear_attention")
     return _LinearAttention.apply(*_autocast(*_as_tensors(q, k, v)), group,
                                   dict(causal=causal, layout=layout, strategy=strategy))
 
@@ -239,6 +254,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     Returns out (B, T, H, D) (and lse (B, H, T) with return_lse), the same on every rank. Where
     an input requires grad (and grad mode is on), the results do too, as any op's, and a
     backward through them raises RuntimeError instead of leaving decode out of the gradients."""
+    _no_transforms("decode")
     kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, return_lse=return_lse)
     wanting = any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k_cache, v_cache))
     if wanting and torch.is_grad_enabled():

@@ -375,11 +375,12 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
                 f"burstcu.shard)")
     if layout == "contiguous":
         if not uneven and max(lengths) - min(lengths) > 1:
-            offer = ("; pass uneven=True if the ranks hold these lengths on purpose"
-                     if uneven is not None else "")
+            offer, masks = ("; pass uneven=True if the ranks hold these lengths on purpose",
+                            ", or with block_mask ones balanced for it") if uneven is not None else \
+                ("; this call takes near-equal shards only", "")
             return InputError(ValueError, f"contiguous shards of {lengths} rows differ by more "
-                                          f"than one row (burstcu.shard cuts near-equal ones, "
-                                          f"or with block_mask ones balanced for it){offer}{hint}"), None
+                                          f"than one row (burstcu.shard cuts near-equal ones"
+                                          f"{masks}){offer}{hint}"), None
         return None, partition(layout, size, total, lengths=lengths)
     want = partition(layout, size, total, docs).lengths
     if lengths != want:
@@ -714,9 +715,13 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
     keys, or the rows it joins, would be this rank's alone (a group left out, most often). An
     attention call on a group refuses arrays cut along another axis than their sequence's (axis 0
     of packed (T, H, D), else 1): heads taken for a shard; without a group (heads split over the
-    ranks, each attending over the whole sequence) they run."""
+    ranks, each attending over the whole sequence) they run. Arrays whose rows pair row by row
+    (`ROW_PAIRS`: keys with values, queries with their outputs and output gradients) must hold
+    one cut whatever the call: rows of two cuts would pair other positions' keys and values even
+    where the call's mask reads no position."""
     if not isinstance(want[1], str) or want[1] not in LAYOUTS:   # no layout: the call says so
         return None
+    rows = {}                         # name: the cut of its rows, where it is one of the call's
     for name, x in zip(names, arrays):
         held = cut_of(x)
         if held is None:
@@ -734,13 +739,30 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
             continue                 # heads cut, the whole sequence in each: a local call
         if cut[0] == "rows" and cut[3] != want[3]:
             return _ranks_problem(name, cut[3], want[3])
+        if cut[0] == "rows" and axis is None:
+            rows[name] = cut
         if cut[0] == "lse" or cut == want or not (positional or axis is not None):
             continue
         return (f"{name} was cut with {_said(cut, want)} but this call has {_said(want, cut)}: its rows "
                 f"would be taken for other positions. Pass the same layout and cu_seqlens as "
                 f"shard (or one burstcu.Sharding, which carries them to every call); if the rows "
                 f"are right, pass a view ({name}[:]): the memory is of this array object")
+    for pair in ROW_PAIRS:
+        held = [(name, rows[name]) for name in pair if name in rows]
+        for name, cut in held[1:]:
+            if cut != held[0][1]:
+                first, other = held[0]
+                return (f"{name} was cut with {_said(cut, other)} but {first} with "
+                        f"{_said(other, cut)}: row i of one would be paired with row i of the other, "
+                        f"which holds another position. Cut them the same way (one layout and "
+                        f"cu_seqlens, or one burstcu.Sharding); if the rows are right, pass a view "
+                        f"({name}[:]): the memory is of this array object")
     return None
+
+
+# The arguments whose rows pair row by row in every call (`cut_problem`): a key with its value,
+# a query with its output and that output's gradient.
+ROW_PAIRS = (("k", "v"), ("k_cache", "v_cache"), ("k_local", "v_local"), ("q", "out", "dout"))
 
 
 def cache_cut_problem(names: tuple, arrays: tuple, ranks: int) -> str | None:
@@ -1122,8 +1144,12 @@ class SameShardsWarning(RuntimeWarning):
 def first_rows_digest(x) -> bytes | None:
     """A digest of x's first two rows and its last row along the sequence axis (axis 1) when x
     is in host memory (NumPy), else None (reading device memory would synchronise the host).
-    The last row keeps shards that only begin alike (padding at the sequence's start) apart."""
+    The last row keeps shards that only begin alike (padding at the sequence's start) apart.
+    None too where those rows hold one value (`one_value`: shards of zeros, or a diverged step's
+    NaN, are alike by right)."""
     if not isinstance(x, np.ndarray) or x.ndim < 2:
+        return None
+    if x.shape[1] >= 2 and one_value(np.concatenate([x[:, :2], x[:, -1:]], axis=1)):
         return None
     digest = hashlib.blake2b(digest_size=16)
     digest.update(np.ascontiguousarray(x[:, :2]).tobytes())
@@ -1133,12 +1159,28 @@ def first_rows_digest(x) -> bytes | None:
 
 def ends_digest(x, axis: int) -> bytes | None:
     """A digest of a host array's rows along `axis` (`_fingerprint`) when its first and last
-    rows differ, else None: shards of one constant value (zeros) are alike by right."""
+    rows differ, else None: shards of one constant value (zeros, NaN) are alike by right."""
     host = _host(x)
     if host is None or host.ndim <= axis or host.shape[axis] < 2 or \
-            np.array_equal(np.take(host, 0, axis=axis), np.take(host, -1, axis=axis)):
+            same_rows(np.take(host, 0, axis=axis), np.take(host, -1, axis=axis)):
         return None
     return _fingerprint(host, axis)
+
+
+def same_rows(a, b) -> bool:
+    """Whether two rows of a host array hold the same values, NaN alike (a diverged step's NaN
+    shards are as alike by right as zeros); dtypes without NaN (strings, records) compared as
+    they are."""
+    try:
+        return bool(np.array_equal(a, b, equal_nan=True))
+    except TypeError:                         # no isnan for the dtype: no NaN to match
+        return bool(np.array_equal(a, b))
+
+
+def one_value(rows) -> bool:
+    """Whether every element of `rows` (a host array) is the same value, NaN alike."""
+    flat = rows.reshape(-1)
+    return flat.size > 0 and same_rows(flat, np.broadcast_to(flat[:1], flat.shape))
 
 
 def valid_rows_digest(x, lengths) -> bytes | None:

@@ -114,6 +114,28 @@ def _torch_out_and_v_grad(torch, fn, q, k, v, dout, q_given=None, k_given=None, 
     return out, tensors[2].grad
 
 
+def test_torch_func_transforms_are_refused_by_name(torch):
+    """torch.func's grad, vmap and jvp around any of the adapter's functions: a RuntimeError that
+    says they are not supported and what to use (torch's own asked the Function for a
+    setup_context); plain autograd still runs after them."""
+    from torch.func import grad, jvp, vmap
+
+    q = torch.randn(2, 16, 2, 8, dtype=torch.float64)
+    calls = {"grad attention": lambda: grad(lambda x: burstcu.torch.attention(x, q, q).sum())(q),
+             "vmap attention": lambda: vmap(lambda x: burstcu.torch.attention(x, q[0], q[0]))(q),
+             "jvp attention": lambda: jvp(lambda x: burstcu.torch.attention(x, q, q), (q,), (q,)),
+             "grad linear": lambda: grad(lambda x: burstcu.torch.linear_attention(x, q, q).sum())(q),
+             "vmap decode": lambda: vmap(lambda x: burstcu.torch.decode(x[None, :1], q, q))(q)}
+    for name, call in calls.items():
+        what = name.split()[1] if name.split()[1] != "linear" else "linear_attention"
+        with pytest.raises(RuntimeError, match=rf"burstcu.torch.{what} does not run under torch.func "
+                                               rf"transforms .*Use torch.autograd"):
+            call()
+    x = q.clone().requires_grad_()
+    burstcu.torch.attention(x, q, q).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_torch_takes_numpy_arrays_as_tensors_of_their_values(torch):
     """A NumPy array among q, k, v (of either byte order, read-only too) beside tensors that need
     gradients is taken as a tensor copy of its values: autograd saves it (an array failed there,
@@ -336,6 +358,37 @@ def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
         jax.jit(lambda q, docs: burstcu.jax.attention(q, q, q, cu_seqlens=docs))(q, jax.numpy.array([0, 8]))
 
 
+def test_jax_deleted_and_donated_arrays_are_named(jax):
+    """A deleted JAX array (x.delete(), or donated to a jitted program) given to a plain call:
+    the call's error, not the end of the process (reading whether a deleted array is ready
+    crashes it)."""
+    q = jax.numpy.ones((1, 8, 2, 4))
+    k = jax.numpy.ones((1, 8, 2, 4))
+    k.delete()
+    with pytest.raises(TypeError, match="deleted"):
+        burstcu.attention(q, k, q)
+    donated = jax.numpy.ones((1, 8, 2, 4))
+    jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+    with pytest.raises(TypeError, match="deleted"):
+        burstcu.attention(q, donated, q)
+
+
+def test_jax_traced_softmax_scale_is_refused_while_tracing(jax):
+    """A softmax_scale computed inside jax.jit (or passed as its argument) is refused while
+    tracing, with a way that works there (its call's message asked for float(scale), which a
+    tracer refuses); a Python number in the same program runs."""
+    q = jax.numpy.ones((1, 8, 2, 4))
+    for call in (lambda q: burstcu.jax.attention(q, q, q, softmax_scale=1 / jax.numpy.sqrt(4.0)),
+                 lambda q: burstcu.jax.decode(q[:, :1], q, q, softmax_scale=jax.numpy.float32(0.5))):
+        with pytest.raises(TypeError, match=r"softmax_scale is traced .* compute it with Python or "
+                                            r"NumPy \(headdim \*\* -0.5"):
+            jax.jit(call)(q)
+    with pytest.raises(TypeError, match="softmax_scale is traced"):
+        jax.jit(lambda q, s: burstcu.jax.attention(q, q, q, softmax_scale=s))(q, 0.5)
+    ran = jax.jit(lambda q: burstcu.jax.attention(q, q, q, softmax_scale=q.shape[-1] ** -0.5))(q)
+    assert np.allclose(np.asarray(ran), 1.0)
+
+
 def test_jax_refuses_forward_mode_and_second_derivatives(jax):
     """jax.jvp, jacfwd, hessian and a grad of a grad through either function raise JAX's own
     error (docs/adapters.md) instead of returning derivatives; one jax.grad still runs."""
@@ -490,6 +543,17 @@ def test_numpy_shards_remember_their_cut_in_the_adapters(torch, jax):
 def test_jax_bfloat16_arrays_unshard(jax):
     for rank_result in run_mpi(2, "adapter_bodies:jax_bfloat16_unshards", timeout=240):
         assert rank_result == {"type": "jaxlib", "dtype": "bfloat16", "equal": True}, rank_result
+
+
+@pytest.mark.mpi
+def test_jax_results_not_yet_computed_are_waited_for(jax):
+    """Plain calls given a jitted program's results while its burstcu call is still to run wait
+    for them, then take the group (they ended the job: another thread's call)."""
+    for result in run_mpi(2, "adapter_bodies:jax_results_not_yet_computed", timeout=240):
+        errors = result["errors"]
+        assert set(errors) == {"unshard", "attention", "linear", "decode", "KV cache"}, errors
+        assert max(errors.values()) == 0.0, errors
+        assert all(result["pending"].values()), result   # the case is the one meant
 
 
 @pytest.mark.mpi

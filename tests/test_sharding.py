@@ -52,15 +52,19 @@ def test_disagreeing_keywords_are_refused_on_every_rank(world):
 @pytest.mark.parametrize("world", (2, 3))
 def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     """Without a Sharding: zigzag shards passed without layout=, documents given to shard or to
-    attention only, unshard(lse) along axis 1, unshard(out) without the layout: ValueError on
-    every rank, naming the cut and the call's. Correct programs still run: no mask (the answer
-    does not depend on positions), a gather along the heads, buffers refilled in place."""
+    attention only, unshard(lse) along axis 1, unshard(out) without the layout, keys and values
+    (or queries and output gradients) cut two ways in a call without a mask: ValueError on every
+    rank, naming the cuts. Correct programs still run: no mask (the answer does not depend on
+    positions; queries cut one way beside keys and values cut another), a gather along the
+    heads, buffers refilled in place."""
     results = run_mpi(world, "sharding_bodies:bare_keyword_mistakes")
     messages = results[0]["messages"]
     assert set(messages) == {"zigzag shards, no layout", "documents at shard only",
                              "documents at attention only", "backward without layout",
                              "lse along axis 1", "out without layout", "linear without layout",
-                             "axis out of range", "misspelled layout"}
+                             "axis out of range", "misspelled layout", "values cut another way",
+                             "output gradient cut another way", "linear values cut another way",
+                             "cache values cut another way", "prefill values cut another way"}
     for r in results:   # the same error everywhere, named by the rank that saw it first
         assert set(r["messages"]) == set(messages)
         assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
@@ -78,6 +82,14 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
                                                 "'documents'), not 'zig-zag'"), said["misspelled layout"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
     assert "axis 4 is out of range for x_local of 4 dimensions" in said["axis out of range"]
+    pairs = {"values cut another way": "v was cut with layout='zigzag' but k with layout='contiguous'",
+             "output gradient cut another way": "dout was cut with layout='zigzag' but q with "
+                                                "layout='contiguous'",
+             "linear values cut another way": "v was cut with layout='zigzag' but k with",
+             "cache values cut another way": "v_cache was cut with layout='zigzag' but k_cache with",
+             "prefill values cut another way": "v_local was cut with layout='zigzag' but k_local with"}
+    for name, start in pairs.items():
+        assert start in said[name] and "row i of one would be paired" in said[name], said[name]
 
 
 @pytest.mark.parametrize("axis,kind", [(4, ValueError), (-5, ValueError), (1.0, TypeError),
@@ -339,9 +351,11 @@ def test_the_global_array_unsharded_and_a_shard_sharded_are_named(world):
             f"every rank's x_local starts and ends with the same rows: if each rank passed the "
             f"global array instead of its shard, this joins {world} copies of the sequence"), r
         assert r["global"]["shape"] == [1, 6 * world * world, 2, 8]
-        for name in ("shards", "zeros", "view cut again", "shard kept whole", "one-process result cut"):
+        assert r["strings"]["shape"] == [1, 4 * world, 2]
+        for name in ("shards", "zeros", "nan", "strings", "view cut again", "shard kept whole",
+                     "one-process result cut"):
             assert r[name]["warned"] == [], (name, r[name])
-        assert r["shards"]["shape"] == [1, 6 * world, 2, 8] == r["zeros"]["shape"]
+        assert r["shards"]["shape"] == [1, 6 * world, 2, 8] == r["zeros"]["shape"] == r["nan"]["shape"]
         assert r["view cut again"]["shape"] == [1, 6 // world, 2, 8]
         assert r["shard kept whole"]["shape"] == [1, 6, 2, 8]
         assert r["one-process result cut"]["shape"] == [1, 6, 2, 8]

@@ -154,10 +154,12 @@ def test_the_global_array_on_every_rank(world):
         assert r["backward_warned"] == 0, (rank, r)   # q differs between ranks: no warning
         assert r["padded_warned"] == 0, (rank, r)     # shards that only begin alike
         for name, array in (("decode", "k_cache"), ("prefill", "k_local"),   # decode's caches too
+                            ("decode_one_row", "k_cache"), ("one_row", "q"),  # one row alike
                             ("linear", "q"), ("linear_backward", "q")):      # and linear attention
             (file, message), = r[f"{name}_warned"]
             assert file == "bodies.py" and f"every rank's {array} starts and ends" in message, (rank, r)
-        for name in ("decode_own_rows", "decode_empty", "appended", "linear_own_rows"):
+        for name in ("decode_own_rows", "decode_empty", "appended", "linear_own_rows", "nan_rows",
+                     "linear_nan_rows"):
             assert r[f"{name}_warned"] == [], (rank, name, r)
 
 

@@ -49,9 +49,14 @@ def heads_problem(h: int, hkv: int, size: int, what: str) -> str | None:
     if h % size:
         return f"{what} gives each of its {size} ranks H/{size} query heads: H = {h} is not divisible by {size}"
     if hkv % size and size % hkv:
+        group = max(h // hkv, 1)                   # query heads a kv head serves
+        spans = [(r * (h // size) // group, ((r + 1) * (h // size) - 1) // group) for r in range(2)]
+        used = [f"rank {r}'s kv head {a}" if a == b else f"rank {r}'s kv heads {a}-{b}"
+                for r, (a, b) in enumerate(spans)]
         return (f"{what} over {size} ranks with {h} query heads on {hkv} kv heads: each rank's "
-                f"{h // size} query heads would need a fraction of a kv head (Hkv must divide "
-                f"{size} or be a multiple of it)")
+                f"{h // size} query heads would use kv heads shared unevenly with another rank "
+                f"({', '.join(used)}), which its exchange does not send (Hkv must divide {size} "
+                f"or be a multiple of it); strategy='burst' or 'auto' takes any heads")
     return None
 
 

@@ -56,6 +56,18 @@ def test_bad_head_counts_are_refused_on_every_rank(world, h, hkv):
     assert len(messages) == 1 and "strategy 'ulysses'" in messages.pop()
 
 
+def test_the_uneven_kv_head_split_is_described_as_it_is():
+    """Query heads a kv head serves, split over ranks unevenly: the refusal names the kv heads
+    two ranks would share (it said each rank would need a fraction of a kv head, which none
+    does) and what takes the heads instead."""
+    said = ulysses.heads_problem(6, 3, 2, "ulysses")
+    assert "rank 0's kv heads 0-1, rank 1's kv heads 1-2" in said, said
+    assert "fraction" not in said and "strategy='burst' or 'auto' takes any heads" in said, said
+    said = ulysses.heads_problem(6, 2, 3, "ulysses")
+    assert "rank 0's kv head 0, rank 1's kv heads 0-1" in said, said
+    assert ulysses.heads_problem(6, 3, 3, "ulysses") is None       # each rank its own kv head
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_check_through_ulysses(world):
     results = run_mpi(world, "backward_check_catches_wrong_lse", strategy="ulysses")

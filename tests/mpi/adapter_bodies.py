@@ -249,6 +249,44 @@ def jax_bfloat16_unshards():
             "equal": bool(np.array_equal(np.asarray(joined).view(np.int16), whole.view(np.int16)))}
 
 
+def jax_results_not_yet_computed():
+    """`jax.jit` returns before its program has run where its inputs are still being computed
+    (and, by XLA:CPU's choice, some calls in a training loop): a plain call given its result
+    (unshard, attention, linear attention, decode, a KV cache's rows) while the program's
+    burstcu calls are still to run (on XLA's thread) waits for the result before it takes the
+    group. It took the group first, then waited on the program, whose burstcu call found the
+    group taken by another thread and ended the job. Returns each call's largest error
+    against the same call on the computed values, and whether each result was pending."""
+    import jax
+    import jax.numpy as jnp
+
+    group = burstcu.init(backend="numpy")
+    sh = burstcu.Sharding(group, layout="zigzag")
+    q, k, v, _ = (jnp.asarray(sh.shard(x.astype(np.float32))) for x in _inputs(17))
+    grads = jax.jit(jax.grad(lambda q, k, v: (burstcu.jax.attention(q, k, v, sh, causal=True) ** 2)
+                             .sum(), argnums=(0, 1, 2)))
+    weights = jnp.eye(256, dtype=jnp.float32) * 0.5
+    # q after a slow computation (an encoder's layers, say): XLA runs it after returning
+    late = jax.jit(lambda q, w: q + 0 * jax.lax.fori_loop(0, 400, lambda i, a: jnp.tanh(a @ w), w)[0, 0])
+    token = np.asarray(_inputs(18)[0][:, :1], np.float32)     # the same on every rank
+    cache = burstcu.KVCache(group, 2, 64, HKV, D, np.float32)
+    calls = {"unshard": sh.unshard,
+             "attention": lambda dq: burstcu.attention(dq, k, v, sh, causal=True),
+             "linear": lambda dq: burstcu.linear_attention(dq, k, v, sh),
+             "decode": lambda dq: burstcu.decode(token, dq[:, :, :HKV], dq[:, :, :HKV], group),
+             "KV cache": lambda dq: (cache.from_prefill(dq[:, :, :HKV], dq[:, :, :HKV]),
+                                     cache.decode(token))[1]}
+    jax.block_until_ready(grads(late(q, weights), k, v))    # compiled: later calls return at once
+    errors, pending = {}, {}
+    for name, call in calls.items():
+        dq, _, _ = grads(late(q, weights), k, v)
+        pending[name] = not dq.is_ready()
+        got = np.asarray(call(dq))                 # before the program has run
+        errors[name] = max_err(got, np.asarray(call(np.asarray(dq))))
+    group.close()
+    return {"errors": errors, "pending": pending}
+
+
 def torch_activation_checkpointing():
     """A block around burstcu.torch.attention under torch.utils.checkpoint, reentrant and not:
     its forward runs again inside the backward, collectively on every rank, and the loss and

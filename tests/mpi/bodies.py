@@ -852,6 +852,7 @@ def global_array_on_every_rank():
                        ("prefill", lambda: cache.from_prefill(q, q)),
                        ("decode_own_rows", lambda: burstcu.decode(token, mine, mine, group)),
                        ("decode_empty", lambda: burstcu.decode(token, q, q, group, cache_seqlens=[0])),
+                       ("decode_one_row", lambda: burstcu.decode(token, q, q, group, cache_seqlens=[1])),
                        ("appended", lambda: (cache.clear(0), cache.append(q[:, :3], q[:, :3]),
                                              cache.decode(token)))):
         with warnings.catch_warnings(record=True) as caught:
@@ -865,7 +866,14 @@ def global_array_on_every_rank():
     for name, call in (("linear", lambda: burstcu.linear_attention(q, q, q, group, causal=True)),
                        ("linear_backward", lambda: burstcu.linear_attention_backward(
                            q, q, q, q, group, causal=True)),
-                       ("linear_own_rows", lambda: burstcu.linear_attention(own, own, own, group))):
+                       ("linear_own_rows", lambda: burstcu.linear_attention(own, own, own, group)),
+                       # one row, the same on every rank: its first row is its last
+                       ("one_row", lambda: burstcu.attention(q[:, :1], q[:, :1], q[:, :1], group)),
+                       # a diverged step's shards, NaN on every rank: alike by right, as zeros
+                       ("nan_rows", lambda: burstcu.attention(*(np.full_like(own, np.nan),) * 3,
+                                                              group, causal=True)),
+                       ("linear_nan_rows", lambda: burstcu.linear_attention(
+                           *(np.full_like(own, np.nan),) * 3, group))):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             call()

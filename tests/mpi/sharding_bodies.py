@@ -145,7 +145,17 @@ def bare_keyword_mistakes():
         "axis out of range": lambda: burstcu.unshard(out, group, layout="zigzag", axis=4),
         "misspelled layout": lambda: burstcu.attention(zq, zk, zv, group, causal=True,
                                                        layout="zig-zag"),
+        # rows that pair row by row cut two ways, in calls no position changes (no mask): each
+        # key would meet another position's value, each query another's output gradient
+        "values cut another way": lambda: burstcu.attention(cq, ck, zv, group),
+        "output gradient cut another way": lambda: burstcu.attention_backward(
+            burstcu.shard(dout, group, "zigzag"), cq, ck, cv, plain_c, plain_lse, group),
+        "linear values cut another way": lambda: burstcu.linear_attention(cq, ck, zv, group),
+        "cache values cut another way": lambda: burstcu.decode(q[:, -1:], ck, zv, group),
+        "prefill values cut another way": lambda: burstcu.KVCache(group, 1, n, 2, 8, np.float32)
+        .from_prefill(ck, zv),
     }
+    plain_c, plain_lse = burstcu.attention(cq, ck, cv, group, return_lse=True)
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only
     # (documents move no contiguous row), the lse along its sequence axis, ...
@@ -155,6 +165,17 @@ def bare_keyword_mistakes():
     # zigzag call's; a gather along another axis (heads) than the one the rows were cut on
     plain = burstcu.attention(zq, zk, zv, group)
     assert np.array_equal(plain, burstcu.attention(zq, zk, zv, group, layout="zigzag"))
+    # ... queries cut one way beside keys and values cut another (each pair cut alike): the
+    # same answer, the keys summed in another order
+    mixed = burstcu.attention(zq, ck, cv, group)
+    assert np.allclose(mixed, plain, rtol=1e-5, atol=1e-6), np.abs(mixed - plain).max()
+    # ... and its backward, whose dk lies as its keys (a layer's contiguous output) and is that
+    # layer's output gradient (each gradient remembered as its input's rows, dq as q's)
+    out1, lse1 = burstcu.attention(cq, ck, cv, group, return_lse=True)
+    out2, lse2 = burstcu.attention(zq, out1, out1, group, return_lse=True)
+    _, dk2, _ = burstcu.attention_backward(burstcu.shard(dout, group, "zigzag"), zq, out1, out1,
+                                           out2, lse2, group)
+    burstcu.attention_backward(dk2, cq, ck, cv, out1, lse1, group)
     heads = burstcu.unshard(out, group, axis=2)
     # ... and buffers refilled in place with pieces of a new batch cut another way
     buffers = [burstcu.shard(x, group, "zigzag", cu_seqlens=docs) for x in (q, k, v)]
@@ -368,7 +389,7 @@ def unshard_of_a_copy_asks_for_the_axis():
 def global_array_to_unshard_and_a_shard_to_shard():
     """unshard given the global array on every rank joined G copies of it without a word, and
     shard given a shard cut it again: a SameShardsWarning at the caller's line, and a
-    ValueError. Shards of their own, shards of one constant value (zeros), a view of a shard
+    ValueError. Shards of their own, shards of one constant value (zeros, NaN), a view of a shard
     cut again, a shard "cut" for one process (kept whole) and the result of a one-process call
     cut for the group: nothing said."""
     import warnings
@@ -380,6 +401,9 @@ def global_array_to_unshard_and_a_shard_to_shard():
     for name, call in (("global", lambda: sh.unshard(whole)),
                        ("shards", lambda: sh.unshard(sh.shard(whole))),
                        ("zeros", lambda: sh.unshard(np.zeros_like(sh.shard(whole)))),
+                       ("nan", lambda: sh.unshard(np.full_like(sh.shard(whole), np.nan))),
+                       ("strings", lambda: burstcu.unshard(np.char.add(f"{group.rank}.", np.arange(
+                           8).reshape(1, 4, 2).astype(str)), group)),   # no NaN to match there
                        ("view cut again", lambda: burstcu.shard(sh.shard(whole)[:], group)),
                        ("shard kept whole", lambda: burstcu.shard(sh.shard(whole), None)),
                        ("one-process result cut", lambda: sh.shard(burstcu.attention(whole, whole,
