@@ -272,15 +272,16 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     ValueError/TypeError on every rank before any data moves.
     """
     wait_computed((q, k, v))
+    said = _says_its_cut(group, layout)
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
         group, layout, cu_seqlens, uneven, block_mask)
     given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
     cut = _rows_of_call(layout, cu_seqlens, group)
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut,
-                                       positional=_positional(causal, window_size, cu_seqlens,
-                                                              block_mask))
+    positional = _positional(causal, window_size, cu_seqlens, block_mask)
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     packed = getattr(q, "ndim", None) == 3
-    cut = inherited_cut((q,), cut, 0 if packed else 1)
+    guess = inherited_cut((q,), cut, 0 if packed else 1)        # (where the sequence is sharded)
+    cut = inherited_cut((q,), cut if said or positional else None, 0 if packed else 1)
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
         q, k, v = (_batched(x, 4) for x in (q, k, v))
@@ -303,7 +304,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         out, lse = out[0], lse[0]
     if cut is not None:
         remember_cut(out, *cut)                     # unshard(out) with another layout is refused
-    sharded = cut is not None and cut[1] == (0 if packed else 1) and cut[0][3] > 1   # its sequence
+    sharded = guess is not None and guess[1] == (0 if packed else 1) and guess[0][3] > 1   # its sequence
     remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q,
                                            block_mask), sharded, call_marks({**given, "out": out})),
                  1 if packed else 2)
@@ -332,17 +333,19 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
     round, and on the CUDA kernels it runs the deterministic backward (whose dQ pass sums P).
     """
     wait_computed((dout, q, k, v, out, lse))
+    said = _says_its_cut(group, layout)
     group, layout, cu_seqlens, uneven, lengths, conflict = sharding_keywords(
         group, layout, cu_seqlens, uneven, block_mask)
     cut = _rows_of_call(layout, cu_seqlens, group)
+    positional = _positional(causal, window_size, cu_seqlens, block_mask)
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
-                                       positional=_positional(causal, window_size, cu_seqlens,
-                                                              block_mask))
+                                       positional=positional)
     conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
                                                          q, block_mask),
                                        {"q": q, "k": k, "v": v, "out": out})
     packed = getattr(q, "ndim", None) == 3
-    cuts = tuple(inherited_cut((x,), cut, 0 if packed else 1) for x in (q, k, v))  # dq's, dk's, dv's
+    cuts = tuple(inherited_cut((x,), cut if said or positional else None, 0 if packed else 1)
+                 for x in (q, k, v))                                              # dq's, dk's, dv's
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
                                                (dout, k, v, out, lse), (3, 3, 3, 3, 2))
@@ -398,6 +401,14 @@ def _positional(causal, window_size, cu_seqlens, block_mask=None) -> bool:
             [int(w) for w in window_size] != [-1, -1]
     except Exception:  # noqa: BLE001 - the call itself refuses it on every rank
         return True
+
+
+def _says_its_cut(group, layout) -> bool:
+    """Whether a call's own arguments say how its rows are cut (a layout, or a Sharding): what a
+    call that no position changes (no mask) may remember of its results' rows when its inputs
+    remember nothing (else its default layout would be a guess, refused beside rows cut
+    otherwise)."""
+    return layout is not None or callable(getattr(group, "sharding_arguments", None))
 
 
 def _rows_of_call(layout, cu_seqlens, group) -> tuple:
@@ -495,10 +506,12 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     Validation and agreement as in `attention`: a bad input raises on every rank.
     """
     wait_computed((q, k, v))
+    said = _says_its_cut(group, layout)
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
-    cut = inherited_cut((q,), cut, 1)
+    positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
+    cut = inherited_cut((q,), cut if said or positional else None, 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export, part = _linear_checked(call, group, (q, k, v), backward=False,

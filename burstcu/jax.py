@@ -207,14 +207,16 @@ def _static(options: dict) -> dict:
 
 
 def _constant_scale(softmax_scale) -> None:
-    """TypeError while tracing where `softmax_scale` is traced (computed inside `jax.jit`, or one
-    of its arguments): the scale is a constant of the call (not differentiable), and `float()`
-    of a tracer, which the call's own message asks for, fails there."""
+    """TypeError while tracing where `softmax_scale` is traced (computed inside `jax.jit` or
+    `jax.grad`, or one of their arguments): the scale is a constant of the call (not
+    differentiable), and `float()` of a tracer, which the call's own message asks for, fails
+    there."""
     if isinstance(softmax_scale, jax.core.Tracer):
-        raise TypeError("softmax_scale is traced (computed inside jax.jit, or passed as one of its "
-                        "arguments): the scale is a constant of the call, not differentiable; "
-                        "compute it with Python or NumPy (headdim ** -0.5, from q.shape) or mark "
-                        "the argument static (jax.jit(..., static_argnames=...))")
+        raise TypeError("softmax_scale is traced (computed inside a JAX transformation such as "
+                        "jax.jit or jax.grad, or passed to it as an argument): the scale is a "
+                        "constant of the call, not differentiable; compute it with Python or NumPy "
+                        "(headdim ** -0.5, from q.shape), or under jax.jit mark the argument static "
+                        "(static_argnames=...)")
 
 
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,

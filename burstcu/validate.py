@@ -889,12 +889,13 @@ def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
     """(cut, axis) a call's results get (`remember_cut`): their inputs' remembered one (the first
     that has one: a result lies as its input, rows or heads), else the call's own `want` along
     the sequence axis; None for a call without a group on inputs it remembers nothing of (a
-    view, a rank's own rows: what each rank computed alone says nothing of a cut)."""
+    view, a rank's own rows: what each rank computed alone says nothing of a cut), or with
+    `want` None (the call says nothing of its rows either)."""
     for x in arrays:
         held = cut_of(x)
         if held is not None and held[0][0] == "rows":
             return held
-    return (want, seq_axis) if want[3] is not None and want[3] > 1 else None
+    return (want, seq_axis) if want is not None and want[3] is not None and want[3] > 1 else None
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven, block_mask=None) -> tuple:
@@ -1149,7 +1150,7 @@ def first_rows_digest(x) -> bytes | None:
     NaN, are alike by right)."""
     if not isinstance(x, np.ndarray) or x.ndim < 2:
         return None
-    if x.shape[1] >= 2 and one_value(np.concatenate([x[:, :2], x[:, -1:]], axis=1)):
+    if one_value(np.concatenate([x[:, :2], x[:, -1:]], axis=1)):
         return None
     digest = hashlib.blake2b(digest_size=16)
     digest.update(np.ascontiguousarray(x[:, :2]).tobytes())

@@ -159,7 +159,7 @@ def test_the_global_array_on_every_rank(world):
             (file, message), = r[f"{name}_warned"]
             assert file == "bodies.py" and f"every rank's {array} starts and ends" in message, (rank, r)
         for name in ("decode_own_rows", "decode_empty", "appended", "linear_own_rows", "nan_rows",
-                     "linear_nan_rows"):
+                     "linear_nan_rows", "one_row_zeros"):
             assert r[f"{name}_warned"] == [], (rank, name, r)
 
 

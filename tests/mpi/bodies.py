@@ -869,6 +869,8 @@ def global_array_on_every_rank():
                        ("linear_own_rows", lambda: burstcu.linear_attention(own, own, own, group)),
                        # one row, the same on every rank: its first row is its last
                        ("one_row", lambda: burstcu.attention(q[:, :1], q[:, :1], q[:, :1], group)),
+                       ("one_row_zeros", lambda: burstcu.attention(*(np.zeros_like(q[:, :1]),) * 3,
+                                                                   group)),
                        # a diverged step's shards, NaN on every rank: alike by right, as zeros
                        ("nan_rows", lambda: burstcu.attention(*(np.full_like(own, np.nan),) * 3,
                                                               group, causal=True)),

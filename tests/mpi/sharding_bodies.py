@@ -176,6 +176,18 @@ def bare_keyword_mistakes():
     _, dk2, _ = burstcu.attention_backward(burstcu.shard(dout, group, "zigzag"), zq, out1, out1,
                                            out2, lse2, group)
     burstcu.attention_backward(dk2, cq, ck, cv, out1, lse1, group)
+    # ... and copies of zigzag shards (which remember nothing) in calls without a mask or a
+    # layout: their results remember nothing either (the default layout would be a guess),
+    # so they go with shards that remember zigzag, and unshard takes them with the layout
+    uq, uk, uv = (x.copy() for x in (zq, zk, zv))
+    out_u, lse_u = burstcu.attention(uq, uk, uv, group, return_lse=True)
+    zdout = burstcu.shard(dout, group, "zigzag")
+    burstcu.attention_backward(zdout, uq, uk, uv, out_u, lse_u, group)
+    burstcu.attention(zq, out_u, out_u, group)
+    _, dk_u, _ = burstcu.attention_backward(zdout, zq, uk, uv, *burstcu.attention(
+        zq, uk, uv, group, return_lse=True), group)
+    joined = [burstcu.unshard(x, group, layout="zigzag") for x in (out_u, dk_u)]
+    assert all(x.shape == (1, n, 2, 8) for x in joined), [x.shape for x in joined]
     heads = burstcu.unshard(out, group, axis=2)
     # ... and buffers refilled in place with pieces of a new batch cut another way
     buffers = [burstcu.shard(x, group, "zigzag", cu_seqlens=docs) for x in (q, k, v)]
