@@ -531,10 +531,14 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     """Gradients (dq, dk, dv) of `linear_attention` with respect to this rank's q, k, v (shapes,
     dtype and array type of q, k, v); dout: (B, S, H, D). Nothing is kept from the forward."""
     wait_computed((dout, q, k, v))
+    said = _says_its_cut(group, layout)
     group, layout, conflict = _linearsharding_keywords(group, layout)
-    conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v),
-                                       rows_cut(layout, None, getattr(group, "size", 1)),
-                                       positional=bool(causal))
+    cut = rows_cut(layout, None, getattr(group, "size", 1))
+    positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
+    conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v), cut,
+                                       positional=positional)
+    cuts = tuple(inherited_cut((x,), cut if said or positional else None, 1)
+                 for x in (q, k, v))                                              # dq's, dk's, dv's
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:
         (dout, q, k, v), export, part = _linear_checked(
@@ -543,7 +547,11 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
         grads = engine.get_linear(strategy).backward(
             dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), layout=part, trace=group.trace)
-    return returned(export, grads)
+    grads = returned(export, grads)
+    for g, lies_as in zip(grads, cuts):       # each gradient lies as its input, as attention's
+        if lies_as is not None:
+            remember_cut(g, *lies_as)
+    return grads
 
 
 # -- decode against a sharded KV cache ------------------------------------------------------------

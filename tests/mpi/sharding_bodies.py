@@ -142,6 +142,9 @@ def bare_keyword_mistakes():
         "lse along axis 1": lambda: burstcu.unshard(lse, group, layout="zigzag"),
         "out without layout": lambda: burstcu.unshard(out, group),
         "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
+        "linear gradient without layout": lambda: burstcu.unshard(burstcu.linear_attention_backward(
+            burstcu.shard(dout, group, "zigzag"), zq, zk, zv, group, causal=True, layout="zigzag")[1],
+            group),
         "axis out of range": lambda: burstcu.unshard(out, group, layout="zigzag", axis=4),
         "misspelled layout": lambda: burstcu.attention(zq, zk, zv, group, causal=True,
                                                        layout="zig-zag"),
