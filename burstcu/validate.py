@@ -369,10 +369,13 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
         return InputError(ValueError, f"the global sequence length N = {total} exceeds the "
                                       f"{max_positions} positions the CUDA kernels address"), None
     hint = ""
-    if size > 1 and max(lengths) >= size * min(lengths):
-        hint = (f" (rank {lengths.index(max(lengths))} holds {max(lengths)} rows, {size} times "
-                f"another's or more: did it pass the global array instead of its shard? see "
-                f"burstcu.shard)")
+    most = max(lengths)
+    others = list(lengths)
+    others.remove(most)
+    if size > 1 and all(most // size - 1 <= n <= -(-most // size) + 1 for n in others):
+        hint = (f" (rank {lengths.index(most)} holds {most} rows and every other rank about "
+                f"1/{size} of that: did it pass the global array instead of its shard? see "
+                f"burstcu.shard)")   # (the others' rows near its G-th part, as shard cuts them)
     if layout == "contiguous":
         if not uneven and max(lengths) - min(lengths) > 1:
             offer, masks = ("; pass uneven=True if the ranks hold these lengths on purpose",

@@ -229,3 +229,17 @@ def test_batches_past_the_cuda_grids_are_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"batch 65536: the CUDA decode kernels take at most 65535"):
         burstcu.decode(q, q, q, kernels)
     assert burstcu.decode(q, q, q).shape == (65536, 1, 1, 8)     # the NumPy op's group of one
+
+
+@pytest.mark.parametrize("lengths,hinted", [((512, 1024), True), ((256, 1024, 256, 257), True),
+                                            ((27, 12, 9), False), ((5, 20, 23), False),
+                                            ((1, 3), True)])
+def test_the_global_array_hint_fits_the_lengths(lengths, hinted):
+    """Contiguous shards too far apart in length: the refusal asks whether a rank passed the
+    global array only where the lengths look so (one rank's about G times every other's, as
+    shard cuts them); shards a block mask balanced, or hand-cut ones, are not blamed on it."""
+    from burstcu.validate import partition_of
+
+    err, _ = partition_of("contiguous", lengths, None, uneven=False)
+    assert "differ by more than one row" in err.message and "uneven=True" in err.message
+    assert ("did it pass the global array" in err.message) == hinted, err.message
