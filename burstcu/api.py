@@ -281,7 +281,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     packed = getattr(q, "ndim", None) == 3
     guess = inherited_cut((q,), cut, 0 if packed else 1)        # (where the sequence is sharded)
-    cut = inherited_cut((q,), cut if said or positional else None, 0 if packed else 1)
+    cut = inherited_cut((q,), _known(cut, said or positional), 0 if packed else 1)
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
         q, k, v = (_batched(x, 4) for x in (q, k, v))
@@ -344,7 +344,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                                                          q, block_mask),
                                        {"q": q, "k": k, "v": v, "out": out})
     packed = getattr(q, "ndim", None) == 3
-    cuts = tuple(inherited_cut((x,), cut if said or positional else None, 0 if packed else 1)
+    cuts = tuple(inherited_cut((x,), _known(cut, said or positional), 0 if packed else 1)
                  for x in (q, k, v))                                              # dq's, dk's, dv's
     if packed:
         conflict = conflict or _packed_problem(("dout", "k", "v", "out", "lse"),
@@ -405,10 +405,17 @@ def _positional(causal, window_size, cu_seqlens, block_mask=None) -> bool:
 
 def _says_its_cut(group, layout) -> bool:
     """Whether a call's own arguments say how its rows are cut (a layout, or a Sharding): what a
-    call that no position changes (no mask) may remember of its results' rows when its inputs
+    call that no position changes (no mask) may remember of its results' layout when its inputs
     remember nothing (else its default layout would be a guess, refused beside rows cut
     otherwise)."""
     return layout is not None or callable(getattr(group, "sharding_arguments", None))
+
+
+def _known(cut: tuple, layout_known: bool) -> tuple:
+    """What a call knows of its rows' cut (`rows_cut`): all of it, or, where its layout is a
+    default no mask depends on (`_says_its_cut`), the number of ranks alone (layout None: any
+    layout), which still refuses the group left out and a shard cut again."""
+    return cut if layout_known else ("rows", None, None, cut[3])
 
 
 def _rows_of_call(layout, cu_seqlens, group) -> tuple:
@@ -511,7 +518,7 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
     positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
-    cut = inherited_cut((q,), cut if said or positional else None, 1)
+    cut = inherited_cut((q,), _known(cut, said or positional), 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
         (q, k, v), export, part = _linear_checked(call, group, (q, k, v), backward=False,
@@ -537,7 +544,7 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
     conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v), cut,
                                        positional=positional)
-    cuts = tuple(inherited_cut((x,), cut if said or positional else None, 1)
+    cuts = tuple(inherited_cut((x,), _known(cut, said or positional), 1)
                  for x in (q, k, v))                                              # dq's, dk's, dv's
     group = group_for(group, q)
     with Call(group, "linear attention backward") as call:

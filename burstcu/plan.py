@@ -425,11 +425,11 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     (N not a multiple of G: near-equal shards); this rank's S must be what the layout gives it.
     Without it (and without documents, lengths or a Partition, which give N) each rank models
     G x its own S, or, where that cannot hold the block mask, the mask's extent if the layout's
-    split of it gives this rank S rows (contiguous shards: first the split `shard(...,
-    block_mask=mask)` cuts of the extent, where it gives this rank S rows and is not
-    near-equal). Nothing is sent: ranks holding different S may then predict a little
-    differently (pass seqlen), and a mask or seqlen that no split of N allows may be refused on
-    some ranks only (the ranks whose S shows it, saying what to pass). Documents, a window and a
+    split of it gives this rank S rows. Nothing is sent: ranks holding different S may then
+    predict a little differently (pass seqlen), and a mask or seqlen that no split of N allows
+    may be refused on some ranks only (the ranks whose S shows it, saying what to pass; shards
+    of other lengths, such as `shard(..., block_mask=mask)` cuts, need their lengths: a
+    Sharding or a Partition). Documents, a window and a
     block mask are checked as `attention` checks them: what it refuses, plan refuses.
 
     machine: a Machine, a name in MACHINES, or None for the backend's default ("h100" for CuPy,
@@ -504,10 +504,12 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         raise ValueError(
             f"plan: block_mask reaches position {block_mask.extent - 1}, but plan models the "
             f"sequence as {size} x this rank's {int(q_shape[1])} rows = {layout.total} positions "
-            f"(it sends nothing, so it knows no other rank's rows). For shards of other lengths "
-            f"(burstcu.shard(x, group, block_mask=mask) cuts them), pass the lengths: "
-            f"group=burstcu.Sharding(group, lengths=mask.balanced_lengths({size}, N)) or a "
-            f"layout=burstcu.layout.Partition; for near-equal shards, seqlen=N")
+            f"(it sends nothing, so it knows no other rank's rows). " + (
+                f"For contiguous shards of other lengths (burstcu.shard(x, group, "
+                f"block_mask=mask) cuts them), pass the lengths: group=burstcu.Sharding(group, "
+                f"lengths=mask.balanced_lengths({size}, N)) or a layout=burstcu.layout.Partition; "
+                f"for near-equal shards, seqlen=N" if layout.layout == "contiguous" else
+                f"For {layout.layout} shards of N positions, pass seqlen=N"))
     if err is not None:
         raise err.exception()
     how = dict(causal=causal, layout=layout, dtype=dtype, machine=machine, rank=rank,
@@ -530,9 +532,7 @@ def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | Non
     """The Partition `plan` models for a layout name and this rank's S rows: of `seqlen` when
     given (ValueError unless it gives this rank S rows); else of the documents' end (N itself)
     or, where G x S cannot hold the block mask, of the mask's extent, when that split gives this
-    rank S rows; else of G x S. Contiguous shards with a block mask over an extent other than
-    G x S: the split `shard(..., block_mask=mask)` cuts of the extent, first, when it gives this
-    rank S rows and is not near-equal. (Near-equal shards of an N that G does not divide: no rank can
+    rank S rows; else of G x S. (Near-equal shards of an N that G does not divide: no rank can
     tell N from its S alone, and one of the shorter shards would model fewer positions than the
     mask reaches; contiguous shards of N may come in any order, so a rank whose S is another
     near-equal shard's models that one in its place.)"""
@@ -545,10 +545,6 @@ def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | Non
                              f"rank {rank} {part.lengths[rank]} rows, but q has {s}")
         return part
     extent = 0 if block_mask is None else block_mask.extent
-    if documents_end is None and layout == "contiguous" and size <= extent != size * s:
-        balanced = block_mask.balanced_lengths(size, extent)    # shard(..., block_mask=) cuts
-        if balanced[rank] == s and max(balanced) - min(balanced) > 1:   # (not near-equal ones)
-            return partition(layout, size, extent, lengths=balanced)
     n = documents_end if documents_end is not None else extent if extent > size * s else None
     if n is not None and n >= size:
         part = partition(layout, size, n)

@@ -370,12 +370,15 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
                                       f"{max_positions} positions the CUDA kernels address"), None
     hint = ""
     most = max(lengths)
-    others = list(lengths)
-    others.remove(most)
-    if size > 1 and all(most // size - 1 <= n <= -(-most // size) + 1 for n in others):
-        hint = (f" (rank {lengths.index(most)} holds {most} rows and every other rank about "
-                f"1/{size} of that: did it pass the global array instead of its shard? see "
-                f"burstcu.shard)")   # (the others' rows near its G-th part, as shard cuts them)
+    whole = [r for r, n in enumerate(lengths) if n >= most - 1]        # the global array's?
+    others = [n for n in lengths if n < most - 1]
+    if others and all(most // size - 1 <= n <= -(-most // size) + 1 for n in others):
+        said = f"rank {whole[0]} holds" if len(whole) == 1 else \
+            f"ranks {', '.join(map(str, whole))} hold"
+        hint = (f" ({said} {most} rows and every other rank about 1/{size} of that: did "
+                f"{'it' if len(whole) == 1 else 'they'} pass the global array instead of "
+                f"{'its shard' if len(whole) == 1 else 'their shards'}? "
+                f"see burstcu.shard)")   # (the others' rows near its G-th part, as shard cuts them)
     if layout == "contiguous":
         if not uneven and max(lengths) - min(lengths) > 1:
             offer, masks = ("; pass uneven=True if the ranks hold these lengths on purpose",
@@ -611,8 +614,9 @@ def _host(x) -> np.ndarray | None:
 def remember_cut(x, cut: tuple, axis: int) -> None:
     """Remember that the host array object `x` (NumPy, or a CPU torch tensor) is a piece cut as
     `cut` along `axis`: ("rows", layout, documents, ranks) (a shard, or a result whose rows are
-    a shard's) or ("lse", the call's `mask_options`, whether its sequence is sharded over
-    ranks, the `call_marks` of its q, k, v and out) (its sequence axis `axis`). Kept while `x`
+    a shard's; layout None: the number of ranks alone is known) or ("lse", the call's
+    `mask_options`, whether its sequence is sharded over ranks, the `call_marks` of its q, k, v
+    and out) (its sequence axis `axis`). Kept while `x`
     lives and holds the same sampled rows (`_fingerprint`); device arrays and arrays that take
     no weak reference are not remembered."""
     import weakref
@@ -742,6 +746,8 @@ def cut_problem(names: tuple, arrays: tuple, want: tuple, *, axis: int | None = 
             continue                 # heads cut, the whole sequence in each: a local call
         if cut[0] == "rows" and cut[3] != want[3]:
             return _ranks_problem(name, cut[3], want[3])
+        if cut[0] == "rows" and cut[1] is None:
+            continue                 # the ranks alone are known (`api._known`): any layout
         if cut[0] == "rows" and axis is None:
             rows[name] = cut
         if cut[0] == "lse" or cut == want or not (positional or axis is not None):
@@ -892,13 +898,12 @@ def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
     """(cut, axis) a call's results get (`remember_cut`): their inputs' remembered one (the first
     that has one: a result lies as its input, rows or heads), else the call's own `want` along
     the sequence axis; None for a call without a group on inputs it remembers nothing of (a
-    view, a rank's own rows: what each rank computed alone says nothing of a cut), or with
-    `want` None (the call says nothing of its rows either)."""
+    view, a rank's own rows: what each rank computed alone says nothing of a cut)."""
     for x in arrays:
         held = cut_of(x)
         if held is not None and held[0][0] == "rows":
             return held
-    return (want, seq_axis) if want is not None and want[3] is not None and want[3] > 1 else None
+    return (want, seq_axis) if want[3] is not None and want[3] > 1 else None
 
 
 def sharding_keywords(group, layout, cu_seqlens, uneven, block_mask=None) -> tuple:

@@ -333,33 +333,35 @@ def test_each_rank_with_its_own_uneven_shard_predicts_what_auto_does(lengths):
     assert {"ulysses", "usp ulysses_degree=2"} <= {label for label, _, _ in table}
 
 
-def test_block_mask_balanced_shards_plan_alike_and_other_lengths_are_told_what_to_pass():
-    """The shards `shard(..., block_mask=mask)` cuts, planned with the plain group: every rank
-    models that split of the mask's extent and makes the same table as with the lengths given
-    (before, the longer shard's rank planned G x its S positions and the shorter ones were
-    refused, saying the ranks held fewer positions than they did). Lengths plan cannot tell:
-    refused on the ranks whose S shows it, saying what plan modelled and what to pass."""
+def test_block_mask_balanced_shards_are_told_what_to_pass():
+    """The shards `shard(..., block_mask=mask)` cuts, planned with the plain group: a rank whose
+    G x S cannot hold the mask is refused saying what plan modelled (it said the ranks held
+    fewer positions than they did) and what to pass; given the lengths, every rank makes the
+    same table."""
     from burstcu.layout import partition
 
     mask = burstcu.BlockMask([[0, 50], [50, 100], [50, 100]], [[0, 50], [0, 50], [50, 100]],
                              ["causal", "full", "causal"])
     balanced = mask.balanced_lengths(3, 100)
-    assert len(set(balanced)) == 3                                 # uneven: a case that can fail
+    assert 3 * min(balanced) < 100                                # a case that can fail
+    group = _Group(3)
+    group.rank = balanced.index(min(balanced))
+    shape = (1, min(balanced), 6, 8)
+    with pytest.raises(ValueError, match=rf"plan models the sequence as 3 x this rank's {min(balanced)} "
+                                         rf"rows = {3 * min(balanced)} positions .* "
+                                         rf"lengths=mask.balanced_lengths\(3, N\)"):
+        plan(shape, shape, group, block_mask=mask, machine="cpu")
+    with pytest.raises(ValueError, match=r"For zigzag shards of N positions, pass seqlen=N"):
+        plan(shape, shape, group, block_mask=mask, layout="zigzag", machine="cpu")
     given = partition("contiguous", 3, 100, lengths=balanced)
     tables = set()
     for rank, rows in enumerate(balanced):
         group = _Group(3)
         group.rank = rank
-        for layout in (None, given):
-            p = plan((1, rows, 6, 8), (1, rows, 3, 8), group, block_mask=mask, layout=layout,
-                     dtype="float64", machine="cpu")
-            tables.add(tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates))
+        p = plan((1, rows, 6, 8), (1, rows, 3, 8), group, block_mask=mask, layout=given,
+                 dtype="float64", machine="cpu")
+        tables.add(tuple((c.label, c.forward_s, c.backward_s) for c in p.candidates))
     assert len(tables) == 1
-    group = _Group(3)
-    group.rank = 0
-    with pytest.raises(ValueError, match=r"plan models the sequence as 3 x this rank's 5 rows = 15 "
-                                         r"positions .* lengths=mask.balanced_lengths\(3, N\)"):
-        plan((1, 5, 6, 8), (1, 5, 3, 8), group, block_mask=mask, machine="cpu")
 
 
 def test_ulysses_bytes_are_each_ranks_own_with_uneven_shards():

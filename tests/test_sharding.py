@@ -119,12 +119,17 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
     for r in results:
         assert set(r["messages"]) == {"attention", "causal attention", "backward", "unshard", "linear",
                                       "whole arrays as shards", "packed, cut along axis 1",
-                                      "heads on the group", "decode", "KV cache"}, r["messages"]
+                                      "heads on the group", "decode", "KV cache", "projected, unshard",
+                                      "projected, next layer", "projected, cut again"}, r["messages"]
         for name in ("attention", "causal attention", "backward", "linear", "decode", "KV cache"):
             assert f"is one rank's shard of {world} but this call has no group" in r["messages"][name]
         assert r["messages"]["decode"].startswith("k_cache is one rank's shard")
         assert r["messages"]["KV cache"].startswith("KVCache.from_prefill: k_local is one rank's shard")
         assert "x_local is one rank's shard of" in r["messages"]["unshard"]
+        assert "x_local is one rank's shard of" in r["messages"]["projected, unshard"]
+        assert f"q is one rank's shard of {world} but this call has no group" in \
+            r["messages"]["projected, next layer"]
+        assert "shard: x is already one rank's shard of" in r["messages"]["projected, cut again"]
         assert f"holds every row (cut for one process) but this call runs on {world} ranks" in \
             r["messages"]["whole arrays as shards"]
         assert "q was cut along axis 1, but the sequence axis of a packed (T, H, D) array is 0" in \

@@ -230,7 +230,13 @@ def group_left_out():
         "heads on the group": lambda: burstcu.attention(*heads, group, causal=True),
         "decode": lambda: burstcu.decode(q[:, -1:], ck, cv),
         "KV cache": lambda: burstcu.KVCache(None, 1, n, 6, 8, np.float32).from_prefill(ck, cv),
+        # a layer on rows that remember nothing (projections), no mask, no layout: its result
+        # remembers the ranks (its layout would be a guess): left out of the next call, refused
+        "projected, unshard": lambda: burstcu.unshard(projected, None),
+        "projected, next layer": lambda: burstcu.attention(projected, projected, projected),
+        "projected, cut again": lambda: burstcu.shard(projected, group),
     }
+    projected = burstcu.attention(cq * 1.0, ck * 1.0, cv * 1.0, group)
     heads = [burstcu.shard(x, group, axis=2) for x in (q, k, v)]
     messages = _value_errors(calls)
     mine = burstcu.attention(cq.view(), ck.view(), cv.view(), causal=True)
