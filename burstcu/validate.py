@@ -898,10 +898,15 @@ def inherited_cut(arrays: tuple, want: tuple, seq_axis: int) -> tuple | None:
     """(cut, axis) a call's results get (`remember_cut`): their inputs' remembered one (the first
     that has one: a result lies as its input, rows or heads), else the call's own `want` along
     the sequence axis; None for a call without a group on inputs it remembers nothing of (a
-    view, a rank's own rows: what each rank computed alone says nothing of a cut)."""
+    view, a rank's own rows: what each rank computed alone says nothing of a cut). Inputs that
+    remember the number of ranks alone (layout None) get the call's `want` where it says more
+    (a layout), on as many ranks."""
     for x in arrays:
         held = cut_of(x)
         if held is not None and held[0][0] == "rows":
+            cut, axis = held
+            if cut[1] is None and axis == seq_axis and want[1] is not None and want[3] == cut[3]:
+                return want, seq_axis
             return held
     return (want, seq_axis) if want[3] is not None and want[3] > 1 else None
 

@@ -65,7 +65,7 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
                              "axis out of range", "misspelled layout", "values cut another way",
                              "output gradient cut another way", "linear values cut another way",
                              "cache values cut another way", "prefill values cut another way",
-                             "linear gradient without layout"}
+                             "linear gradient without layout", "layout after a projection"}
     for r in results:   # the same error everywhere, named by the rank that saw it first
         assert set(r["messages"]) == set(messages)
         assert r["ok"] == [1, 12, 2, 8] and r["lse"] == [1, 2, 12 * world]
@@ -83,6 +83,7 @@ def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
                                                 "'documents'), not 'zig-zag'"), said["misspelled layout"]
     assert "x_local was cut with layout='zigzag'" in said["out without layout"]
     assert "x_local was cut with layout='zigzag'" in said["linear gradient without layout"]
+    assert "x_local was cut with layout='zigzag'" in said["layout after a projection"]
     assert "axis 4 is out of range for x_local of 4 dimensions" in said["axis out of range"]
     pairs = {"values cut another way": "v was cut with layout='zigzag' but k with layout='contiguous'",
              "output gradient cut another way": "dout was cut with layout='zigzag' but q with "

@@ -142,6 +142,10 @@ def bare_keyword_mistakes():
         "lse along axis 1": lambda: burstcu.unshard(lse, group, layout="zigzag"),
         "out without layout": lambda: burstcu.unshard(out, group),
         "linear without layout": lambda: burstcu.linear_attention(zq, zk, zv, group, causal=True),
+        # a layer without a mask on projections (its result remembers the ranks alone), then a
+        # zigzag causal layer: its output remembers zigzag
+        "layout after a projection": lambda: burstcu.unshard(burstcu.attention(
+            projected, projected, projected, group, causal=True, layout="zigzag"), group),
         "linear gradient without layout": lambda: burstcu.unshard(burstcu.linear_attention_backward(
             burstcu.shard(dout, group, "zigzag"), zq, zk, zv, group, causal=True, layout="zigzag")[1],
             group),
@@ -159,6 +163,7 @@ def bare_keyword_mistakes():
         .from_prefill(ck, zv),
     }
     plain_c, plain_lse = burstcu.attention(cq, ck, cv, group, return_lse=True)
+    projected = burstcu.attention(zq * 1.0, zk * 1.0, zv * 1.0, group)
     messages = _value_errors(calls)
     # what agrees with the cut runs: contiguous shards with documents given at attention only
     # (documents move no contiguous row), the lse along its sequence axis, ...
