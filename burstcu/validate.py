@@ -370,8 +370,8 @@ def partition_of(layout: str, lengths, docs, uneven: bool | None = False,
                                       f"{max_positions} positions the CUDA kernels address"), None
     hint = ""
     most = max(lengths)
-    whole = [r for r, n in enumerate(lengths) if n >= most - 1]        # the global array's?
-    others = [n for n in lengths if n < most - 1]
+    whole = [r for r, n in enumerate(lengths) if n == most]            # the global array's?
+    others = [n for n in lengths if n != most]
     if others and all(most // size - 1 <= n <= -(-most // size) + 1 for n in others):
         said = f"rank {whole[0]} holds" if len(whole) == 1 else \
             f"ranks {', '.join(map(str, whole))} hold"

@@ -233,7 +233,8 @@ def test_batches_past_the_cuda_grids_are_refused_before_any_launch():
 
 @pytest.mark.parametrize("lengths,hinted", [((512, 1024), True), ((256, 1024, 256, 257), True),
                                             ((27, 12, 9), False), ((5, 20, 23), False),
-                                            ((1, 3), True), ((400, 400, 100, 100), True)])
+                                            ((1, 3), True), ((400, 400, 100, 100), True),
+                                            ((400, 399, 100, 100), False)])
 def test_the_global_array_hint_fits_the_lengths(lengths, hinted):
     """Contiguous shards too far apart in length: the refusal asks whether a rank passed the
     global array only where the lengths look so (one rank's about G times every other's, as
