@@ -280,7 +280,6 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     positional = _positional(causal, window_size, cu_seqlens, block_mask)
     conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     packed = getattr(q, "ndim", None) == 3
-    guess = inherited_cut((q,), cut, 0 if packed else 1)        # (where the sequence is sharded)
     cut = inherited_cut((q,), _known(cut, said or positional), 0 if packed else 1)
     if packed:
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
@@ -304,7 +303,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         out, lse = out[0], lse[0]
     if cut is not None:
         remember_cut(out, *cut)                     # unshard(out) with another layout is refused
-    sharded = guess is not None and guess[1] == (0 if packed else 1) and guess[0][3] > 1   # its sequence
+    sharded = cut is not None and cut[1] == (0 if packed else 1) and cut[0][3] > 1   # its sequence
     remember_cut(lse, ("lse", mask_options(causal, window_size, cu_seqlens, softmax_scale, q,
                                            block_mask), sharded, call_marks({**given, "out": out})),
                  1 if packed else 2)
@@ -379,10 +378,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                 agree(group.transport, verdict, None, "attention_backward check")
         grads = returned(export, grads)
     grads = tuple(g[0] for g in grads) if packed else grads
-    for g, lies_as in zip(grads, cuts):       # each gradient lies as its input: dk as k, ...
-        if lies_as is not None:
-            remember_cut(g, *lies_as)
-    return grads
+    return _remembering_each(grads, cuts)
 
 
 def _rows_that_see(part: Partition, rank: int, block_mask) -> np.ndarray:
@@ -416,6 +412,14 @@ def _known(cut: tuple, layout_known: bool) -> tuple:
     default no mask depends on (`_says_its_cut`), the number of ranks alone (layout None: any
     layout), which still refuses the group left out and a shard cut again."""
     return cut if layout_known else ("rows", None, None, cut[3])
+
+
+def _remembering_each(grads: tuple, cuts: tuple) -> tuple:
+    """`grads`, each remembered with its input's cut (`inherited_cut`; dk lies as k, ...)."""
+    for g, lies_as in zip(grads, cuts):
+        if lies_as is not None:
+            remember_cut(g, *lies_as)
+    return grads
 
 
 def _rows_of_call(layout, cu_seqlens, group) -> tuple:
@@ -516,8 +520,8 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     said = _says_its_cut(group, layout)
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=bool(causal))
-    positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
+    positional = _positional(causal, (-1, -1), None)
+    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     cut = inherited_cut((q,), _known(cut, said or positional), 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
@@ -541,7 +545,7 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     said = _says_its_cut(group, layout)
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
-    positional = isinstance(causal, (bool, np.bool_)) and bool(causal)
+    positional = _positional(causal, (-1, -1), None)
     conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v), cut,
                                        positional=positional)
     cuts = tuple(inherited_cut((x,), _known(cut, said or positional), 1)
@@ -554,11 +558,7 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
         grads = engine.get_linear(strategy).backward(
             dout, q, k, v, _Tracking(group.ops, group.transport), group.transport,
             causal=bool(causal), layout=part, trace=group.trace)
-    grads = returned(export, grads)
-    for g, lies_as in zip(grads, cuts):       # each gradient lies as its input, as attention's
-        if lies_as is not None:
-            remember_cut(g, *lies_as)
-    return grads
+    return _remembering_each(returned(export, grads), cuts)
 
 
 # -- decode against a sharded KV cache ------------------------------------------------------------
