@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
 from contextlib import contextmanager
 
 import numpy as np
@@ -231,6 +232,10 @@ class KVCache:
             raise ValueError(f"KVCache.{what}: {elsewhere.message}")
         if xp is np:   # CPU torch tensors of any dtype, bfloat16 and requires_grad too
             k_new, v_new = host_view(k_new), host_view(v_new)
+        for name, x in (("k", k_new), ("v", v_new)):   # None, a number: no shape to speak of
+            if x is None or isinstance(x, (numbers.Number, str, bytes)):
+                raise TypeError(f"KVCache.{what} takes k, v arrays (batch={b}, rows, kv_heads={hkv}, "
+                                f"headdim={d}); {name} is {type(x).__name__}")
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):

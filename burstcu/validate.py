@@ -526,8 +526,8 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     if crossed is not None:
         raise InputError(ValueError, crossed).exception()
     gathered = [(e, m, value) for e, m, (value, _) in gathered]
-    if error:
-        raise error.exception()
+    if error:   # this rank's own problem, named as its peers name it
+        raise error.exception(rank=transport.rank)
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]
@@ -1072,36 +1072,55 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
     return None, meta, (lengths, scale)
 
 
-Q_PROJECTIONS = 8      # random ±1 projections of each of q's (b, t) rows that `q_summary` keeps
+Q_PROJECTIONS = 4      # random ±1 projections of each summarised piece of q that `q_summary` keeps
+Q_PIECES = 1024        # at most this many pieces: one a (b, t, h) head, or runs of heads when more
 Q_ULPS = 4             # the rounding `q_values_problem` forgives: each element off by this many ulps
 
 
-def q_summary(q) -> list | None:
-    """(2, B*T, Q_PROJECTIONS) floats (nested lists: the agreement's wire takes plain values) of a
-    NumPy q (B, T, H, D): its rows' projections on fixed random ±1 vectors, and what rounding of
-    Q_ULPS ulps an element could move each by; None for a device array (reading it would
-    synchronise) or an empty one (refused by `check_decode_call`)."""
+def q_summary(q) -> tuple | None:
+    """A NumPy q (B, T, H, D) in a few numbers, for `q_values_problem`: (shape, heads a piece,
+    projections, rounding, non-finite digest). q's B*T*H heads are cut into consecutive pieces
+    of g heads (g = 1 up to Q_PIECES heads); `projections` (bytes of float64 (pieces,
+    Q_PROJECTIONS)) are each piece's finite values projected on fixed random ±1 vectors,
+    `rounding` (bytes of float64 (pieces,)) what rounding of Q_ULPS ulps an element could move
+    each by, and the digest says where q holds NaN, +inf and -inf. None for a device array
+    (reading it would synchronise) or an empty one (refused by `check_decode_call`)."""
     if not isinstance(q, np.ndarray) or q.ndim != 4 or q.size == 0:
         return None
-    x = q.reshape(q.shape[0] * q.shape[1], -1).astype(np.float64)
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, x.shape[1]))
-    eps = float(finfo(q.dtype).eps)
-    rounding = Q_ULPS * eps * np.abs(x).sum(axis=1, keepdims=True)
-    return np.stack([x @ signs.T, np.broadcast_to(rounding, (x.shape[0], Q_PROJECTIONS))]).tolist()
+    heads, d = q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]
+    g = -(-heads // Q_PIECES)
+    x = np.zeros((-(-heads // g) * g, d))
+    x[:heads] = q.reshape(heads, d)
+    finite = np.isfinite(x)
+    codes = b"" if finite.all() else (np.isnan(x) + 2 * np.isposinf(x) + 3 * np.isneginf(x)).astype(np.uint8)
+    x = (x if finite.all() else np.where(finite, x, 0.0)).reshape(-1, g * d)
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, g * d))
+    limits = finfo(q.dtype)   # an ulp is at most eps |x|, or the smallest subnormal near zero
+    rounding = Q_ULPS * (float(limits.eps) * np.abs(x).sum(axis=1) + float(limits.smallest_subnormal) * g * d)
+    digest = hashlib.blake2b(bytes(codes), digest_size=16).digest()
+    return (tuple(int(n) for n in q.shape), g, (x @ signs.T).tobytes(), rounding.tobytes(), digest)
 
 
 def q_values_problem(summaries: list) -> str | None:
     """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None. Every
     rank gets the same list, so each says the same."""
-    first = None if summaries[0] is None else np.asarray(summaries[0], np.float64)
+    first = summaries[0]
     for rank, mine in enumerate(summaries[1:], 1):
-        mine = None if mine is None else np.asarray(mine, np.float64)
-        if first is None or mine is None or mine.shape != first.shape:
+        if first is None or mine is None or mine[:2] != first[:2]:
             continue
-        if (np.abs(mine[0] - first[0]) > np.maximum(mine[1], first[1]) + 1e-300).any():
+        (b, t, h, _), g = first[:2]
+        if mine[4] != first[4]:
+            return (f"ranks disagree in decode: q's NaN and inf on rank {rank} are not where rank 0's "
+                    f"are: every rank must decode the same new tokens (q the same on every rank)")
+        moved = np.abs(np.frombuffer(mine[2]) - np.frombuffer(first[2])).reshape(-1, Q_PROJECTIONS)
+        allowed = np.maximum(np.frombuffer(mine[3]), np.frombuffer(first[3]))[:, None]
+        if (moved > allowed).any():
+            head = int(np.argwhere(moved > allowed)[0, 0]) * g
+            where = (f"batch row {head // (t * h)}, token {head // h % t}, head {head % h}"
+                     + ("" if g == 1 else f" (or one of the {g - 1} after it)"))
             return (f"ranks disagree in decode: q's values on rank {rank} differ from rank 0's by more "
-                    f"than rounding: every rank must decode the same new tokens (q the same on every "
-                    f"rank)")
+                    f"than rounding at {where}: every rank must decode the same new tokens (q the "
+                    f"same on every rank)")
     return None
 
 

@@ -114,6 +114,51 @@ def test_q_off_by_rounding_on_one_rank_is_the_same_token():
         assert result["raised"] is None, result
 
 
+def _q_nudged(q, ulps):
+    """q with each element moved by up to `ulps` units in its last place (random directions)."""
+    import ml_dtypes
+    bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[q.dtype.itemsize]
+    raw = q.copy().view(bits)   # one ulp is one step of the bit pattern, away from zero or towards it
+    steps = np.random.default_rng(1).integers(-ulps, ulps + 1, size=q.shape)
+    away = np.where(np.signbit(q.astype(np.float64)), -steps, steps)
+    moved = (raw.astype(np.int64) + away).astype(bits).view(q.dtype)
+    assert q.dtype != ml_dtypes.bfloat16 or np.isfinite(moved.astype(np.float32)).all()
+    return moved
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_q_that_differs_on_one_rank_by_more_than_rounding_is_refused(dtype):
+    """The same-q check works head by head: one element of one head moved, NaN or inf in another
+    place, and another token are refused on both ranks, naming where; q moved by 4 ulps an element
+    on one rank (another BLAS path) decodes, on both ranks alike."""
+    from burstcu.ops.base import as_dtype
+    from burstcu.testing.world import RankFailed, run_ranks
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 2, 16, 64)).astype(as_dtype(dtype))
+    k, v = rng.standard_normal((2, 2, 2, 8, 4, 64)).astype(as_dtype(dtype))   # (k or v, rank, B, S, Hkv, D)
+    head_halved, element, nan = q.copy(), q.copy(), q.copy()
+    stale = rng.standard_normal(q.shape).astype(q.dtype)
+    head_halved[1, 0, 9] /= 2
+    element[1, 1, 3, 7] += 8
+    nan[0, 0, 0, 0] = np.nan
+    for other, text in ((head_halved, "at batch row 1, token 0, head 9"),
+                        (element, "at batch row 1, token 1, head 3"),
+                        (nan, "q's NaN and inf on rank 1 are not where rank 0's are"),
+                        (stale, "differ from rank 0's by more than rounding")):
+        def body(group, other=other):
+            with pytest.raises(ValueError, match="ranks disagree in decode") as raised:
+                burstcu.decode(q if group.rank == 0 else other, k[group.rank], v[group.rank], group)
+            return str(raised.value)
+        assert all(text in said for said in run_ranks(2, body, timeout=60)), text
+    nudged = _q_nudged(q, 4)
+    assert not np.array_equal(nudged, q)
+    outs = run_ranks(2, lambda g: burstcu.decode(q if g.rank == 0 else nudged, k[g.rank], v[g.rank], g))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(RankFailed):   # the same nudge with the NaN moved is not rounding
+        run_ranks(2, lambda g: burstcu.decode(nan if g.rank == 0 else _q_nudged(nan, 0)[::-1], k[g.rank],
+                                              v[g.rank], g))
+
+
 def test_nan_past_the_valid_rows_is_inert():
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((1, 1, 2, 8)), rng.standard_normal((1, 9, 2, 8)), rng.standard_normal((1, 9, 2, 8))
@@ -270,6 +315,18 @@ def test_append_of_rows_the_cache_cannot_hold_changes_nothing(bad):
     assert _same_state(cache, state)
     cache.append(np.ones((2, 3, 1, 4), np.float16), np.ones((2, 3, 1, 4), np.int32))
     assert cache.seqlens.tolist() == [5, 5] and (cache.page_table >= 0).sum() == 6
+
+
+@pytest.mark.parametrize("bad", [None, 1.0], ids=["None", "a number"])
+def test_rows_that_are_not_arrays_are_named_by_type(bad):
+    """None or a number read as a shape problem, 'got () and ()'."""
+    cache = _paged_cache()
+    state = _state(cache)
+    with pytest.raises(TypeError, match=f"takes k, v arrays .*; k is {type(bad).__name__}"):
+        cache.append(bad, bad)
+    with pytest.raises(TypeError, match=f"takes k, v arrays .*; v is {type(bad).__name__}"):
+        cache.from_prefill(np.ones((2, 3, 1, 4)), bad)
+    assert _same_state(cache, state)
 
 
 @pytest.mark.parametrize("dtype, big", [("float16", 65520.0), ("float16", np.int32(70000)),

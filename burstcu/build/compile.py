@@ -63,6 +63,7 @@ group aborts (`burstcu.group.Call`), instead of every rank hanging behind one st
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -135,6 +136,20 @@ def cuda_include_dir() -> str:
     if not found:
         raise CompileError("cannot find the CUDA runtime headers: pip install 'nvidia-cuda-runtime==13.0.*'")
     return str(found)
+
+
+@lru_cache(maxsize=1)
+def cuda_headers_digest() -> str:
+    """sha256 over the names and contents of the files in `cuda_include_dir()` (cuda_fp16.h and
+    what it includes: another headers wheel compiles other code), or "" where there is none."""
+    try:
+        folder = Path(cuda_include_dir())
+    except (CompileError, ImportError):
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def local_includes(source: str, kdir: Path | None = None) -> list[Path]:
@@ -232,8 +247,10 @@ def nvrtc_compile(source: str, name_expressions: Sequence[str], arch: str,
     kdir = Path(kdir or kernel_dir())
     options = nvrtc_options(arch, kdir, (*extra_options, *(["-Xptxas=-v"] if ptxas_verbose else [])))
     start = time.perf_counter()
-    prog = _check(nvrtc.nvrtcCreateProgram((kdir / source).read_bytes(), source.encode(), 0, [], []),
-                  "nvrtcCreateProgram")
+    # named by its full path: NVRTC looks for a quoted #include beside the program's name before
+    # the -I folders, so a bare name would take a common.cuh from the working directory
+    prog = _check(nvrtc.nvrtcCreateProgram((kdir / source).read_bytes(), str(kdir / source).encode(),
+                                           0, [], []), "nvrtcCreateProgram")
     try:
         for name in name_expressions:
             _check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), f"nvrtcAddNameExpression({name})")
@@ -456,6 +473,7 @@ def sass_summary(cubin: bytes) -> dict[str, Sass]:
 # the trusted cache: folders, manifests, deadlines (the module docstring has the rules)
 
 DEFAULT_BUILD_TIMEOUT_S = 600.0
+MAX_BUILD_WAIT_S = 1e6          # the longest a build waits (11 days): poll() takes at most 2**31 ms
 # a lock wait outlasts its holder's longest build: up to two compiler runs (the emulator's: with
 # the precompiled header, then without it), each within build_timeout()
 LOCK_WAIT_BUILDS = 2
@@ -512,7 +530,8 @@ def run_bounded(cmd: Sequence[str], what: str = "compiler") -> subprocess.Comple
 def build_timeout() -> float:
     """Seconds one wait of a build may last: $BURSTCU_BUILD_TIMEOUT, default 600.
 
-    Raises ValueError naming the variable when it is not a positive, finite number.
+    Raises ValueError naming the variable when it is not a positive, finite number; one past
+    MAX_BUILD_WAIT_S waits that long (poll(), under subprocess, takes no longer).
     """
     raw = os.environ.get("BURSTCU_BUILD_TIMEOUT", "").strip()
     if not raw:
@@ -525,7 +544,7 @@ def build_timeout() -> float:
         raise ValueError(f"BURSTCU_BUILD_TIMEOUT={raw!r}: it must be a positive number of seconds "
                          f"(the longest a kernel build may wait for a lock or a compiler; "
                          f"unset, {DEFAULT_BUILD_TIMEOUT_S:g})")
-    return value
+    return min(value, MAX_BUILD_WAIT_S)
 
 
 @contextmanager
@@ -608,10 +627,20 @@ def trusted_dir(path: str | os.PathLike) -> Path:
     raise RuntimeError(f"the kernel cache folder {path} {problem}; {_WHY_TRUST}. Fix: {fix}")
 
 
+def open_regular(path: Path):
+    """`path` opened for reading (a binary file object), or OSError when it is not a regular file:
+    a FIFO in a cache entry's place would block a plain open until something wrote to it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "rb")
+
+
 def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of a file's content."""
+    """The sha256 hex digest of a regular file's content (`open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -629,7 +658,8 @@ def manifest_problem(folder: Path, key: str, names: Sequence[str]) -> str | None
     manifest = folder / f"{key}.manifest"
     entry = ", ".join(str(folder / name) for name in names)
     try:
-        recorded = json.loads(manifest.read_bytes())
+        with open_regular(manifest) as f:
+            recorded = json.loads(f.read())
     except FileNotFoundError:
         return f"{entry}: no manifest vouches for it ({manifest.name} is missing)"
     except (OSError, ValueError) as exc:
@@ -735,12 +765,12 @@ def cache_dir() -> Path:
 def cache_key(source: str, name_expressions: Sequence[str], arch: str,
               extra_options: Sequence[str] = (), kdir: Path | None = None) -> str:
     """Everything that specializes a CUBIN: sources + headers, options, arch, instantiations,
-    and the NVRTC version."""
+    the NVRTC version and the CUDA headers the sources include (`cuda_headers_digest`)."""
     kdir = Path(kdir or kernel_dir())
     parts = {
         "source": source, "digest": source_digest(source, kdir), "arch": arch,
         "options": list((*BASE_OPTIONS, *extra_options)), "names": list(name_expressions),
-        "nvrtc": list(nvrtc_version()),
+        "nvrtc": list(nvrtc_version()), "cuda_headers": cuda_headers_digest(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 

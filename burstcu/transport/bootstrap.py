@@ -73,6 +73,10 @@ def world_comm(comm=None, timeout: float | None = None):
     problem alone, as unrelated single processes. MPI's start waits for every rank of the
     launch: one that takes longer than `timeout` (`_watching_mpi_start`) ends this process."""
     if comm is not None:
+        if _is_comm_null(comm):
+            raise ValueError("burstcu.init: comm is MPI.COMM_NULL: this rank is not a member of the "
+                             "communicator (a Split with MPI.UNDEFINED gives it): call init only on "
+                             "the ranks the communicator holds")
         return comm
     try:
         with _watching_mpi_start(timeout):
@@ -92,6 +96,15 @@ def world_comm(comm=None, timeout: float | None = None):
         return None
     _refuse_a_world_of_another_size(MPI.COMM_WORLD.Get_size())
     return MPI.COMM_WORLD
+
+
+def _is_comm_null(comm) -> bool:
+    """Whether `comm` is mpi4py's MPI.COMM_NULL (an mpi4py object compared without importing it
+    for anything else)."""
+    if not type(comm).__module__.startswith("mpi4py"):
+        return False
+    from mpi4py import MPI
+    return comm == MPI.COMM_NULL
 
 
 def agreed_arguments(parse, argv, what: str, ignore: tuple = ()) -> tuple:

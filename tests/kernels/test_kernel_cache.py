@@ -344,8 +344,43 @@ def test_truncated_so_is_rebuilt(cache, tiny):
     assert target.stat().st_size == len(whole)
 
 
+def test_a_fifo_in_place_of_an_entry_is_rebuilt_not_waited_on(cache, tiny):
+    """A FIFO where a manifest or a module stood blocked a plain open() with no deadline."""
+    target = emulate.build_module([tiny], ["tiny_a"]).path
+    for victim in (target.with_suffix(".manifest"), target):
+        victim.unlink()
+        os.mkfifo(victim)
+        emulate._LOADED.clear()
+        with pytest.warns(UserWarning, match=f"{re.escape(victim.name)}.*not a regular file.*rebuilt"):
+            assert emulate.build_module([tiny], ["tiny_a"]).kernel_names() == ["tiny_a"]
+        assert victim.is_file()
+
+
 # ------------------------------------------------------------------------------------------------
 # digests: NVRTC's .cubin and .json
+
+
+def test_nvrtc_takes_its_headers_from_the_kernel_folder_not_the_working_directory(cache, tmp_path,
+                                                                                  monkeypatch):
+    """A quoted #include was looked for in the working directory first (the program had a bare
+    name): a common.cuh there was compiled in and cached under the kernel folder's key."""
+    needs_nvrtc()
+    kdir, elsewhere = tmp_path / "kernels", tmp_path / "elsewhere"
+    kdir.mkdir(), elsewhere.mkdir()
+    (kdir / "nvrtc.cu").write_text('#include "common.cuh"\n' + NVRTC_CU)
+    (kdir / "common.cuh").write_text("#define FROM_THE_KERNEL_FOLDER 1\n")
+    (elsewhere / "common.cuh").write_text('#error "the working directory\'s common.cuh"\n')
+    monkeypatch.chdir(elsewhere)
+    compiled = compile.nvrtc_compile("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=kdir)
+    assert compiled.lowered[NVRTC_NAME].startswith("_Z4tiny")
+
+
+def test_the_cuda_headers_are_part_of_an_nvrtc_key(cache, tmp_path, monkeypatch):
+    needs_nvrtc()
+    (tmp_path / "nvrtc.cu").write_text(NVRTC_CU)
+    key = compile.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path)
+    monkeypatch.setattr(compile, "cuda_headers_digest", lambda: "another headers wheel")
+    assert compile.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path) != key
 
 
 @pytest.mark.parametrize("damage", ["truncated .cubin", "corrupt .json", "corrupt manifest"])
@@ -707,6 +742,14 @@ def test_build_timeout_reads_the_variable(monkeypatch):
     assert compile.build_timeout() == 2.5
     monkeypatch.delenv("BURSTCU_BUILD_TIMEOUT")
     assert compile.build_timeout() == compile.DEFAULT_BUILD_TIMEOUT_S == 600
+
+
+def test_a_build_timeout_past_what_a_wait_can_take_builds(cache, tiny, monkeypatch):
+    """1e10 s passed the check, then every build (and a cached one: `g++ --version`) failed with
+    an OverflowError inside subprocess; it waits MAX_BUILD_WAIT_S instead."""
+    monkeypatch.setenv("BURSTCU_BUILD_TIMEOUT", "1e10")
+    assert compile.build_timeout() == compile.MAX_BUILD_WAIT_S
+    assert emulate.build_module([tiny], ["tiny_a"]).kernel_names() == ["tiny_a"]
 
 
 # ------------------------------------------------------------------------------------------------

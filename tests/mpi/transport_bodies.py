@@ -353,3 +353,22 @@ def users_receives_across_init() -> dict:
     got = sorted(request.wait() for request in pending)
     comm.Barrier()
     return {"got": got}
+
+
+def a_rank_outside_a_split() -> dict:
+    """The last rank is left out of a Split (MPI.UNDEFINED: its communicator is MPI.COMM_NULL);
+    the others make a group of size - 1 and run a call on it."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    sub = world.Split(MPI.UNDEFINED if rank == size - 1 else 0, rank)
+    if rank == size - 1:
+        try:
+            burstcu.init(comm=sub, backend="numpy", timeout=20)
+        except ValueError as exc:
+            return {"raised": str(exc)}
+        return {"raised": None}
+    with burstcu.init(comm=sub, backend="numpy", timeout=20) as group:
+        q = np.ones((1, 4, 1, 8))
+        return {"size": group.size, "out": float(burstcu.attention(q, q, q, group).mean())}

@@ -164,3 +164,11 @@ def test_agreement_rounds_at_their_edges():
 def test_init_leaves_the_users_pending_receives_alone(world):
     for rank, r in enumerate(run_mpi(world, "transport_bodies:users_receives_across_init", timeout=90)):
         assert r["got"] == [f"hello from {q}" for q in range(world) if q != rank], (rank, r)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_given_comm_null_is_told_and_the_others_run(world):
+    """MPI.COMM_NULL used to pass the communicator check and fail in MPI_Comm_rank, in MPI's words."""
+    *members, outside = run_mpi(world, "transport_bodies:a_rank_outside_a_split", timeout=60)
+    assert "comm is MPI.COMM_NULL: this rank is not a member" in (outside["raised"] or ""), outside
+    assert all(r == {"size": world - 1, "out": 1.0} for r in members), members
