@@ -99,11 +99,11 @@ def local_inputs(group, args=None, **shape) -> list:
     """This rank's q, k, v, dout (batch, seqlen/G, heads or kv_heads, headdim), N(0, 1), in the
     group's array library: the shape options of `args` (`add_shape_args`, --seqlen), `shape`
     (batch=, seqlen=, heads=, kv_heads=, headdim=, dtype=, layout=) over them."""
-    from burstcu.layout import shard_slices
-
     keys = ("batch", "seqlen", "heads", "kv_heads", "headdim", "dtype")
     s = {"layout": "contiguous", **{k: getattr(args, k) for k in keys if hasattr(args, k)}, **shape}
-    shard_slices(s["layout"], group.rank, group.size, s["seqlen"])  # a clear error if it does not divide
+    if s["seqlen"] % group.size:   # the figures are labelled with the seqlen: it must be what ran
+        raise SystemExit(f"seqlen {s['seqlen']} over {group.size} ranks: pass a multiple of "
+                         f"{group.size} (every rank takes seqlen / {group.size} rows)")
     kv, n = s["kv_heads"] or s["heads"], s["seqlen"] // group.size
     shapes = [(s["batch"], n, h, s["headdim"]) for h in (s["heads"], kv, kv, s["heads"])]
     return [getattr(group.ops, "xp", np).asarray(x) for x in normal(np, shapes, s["dtype"], [0, group.rank])]

@@ -27,7 +27,7 @@ from burstcu.engine.decode import decode_bytes  # noqa: E402
 from burstcu.ops.cuda.decode import PINNED_SLOTS, split_kernel  # noqa: E402
 from burstcu.plan import predict_decode  # noqa: E402
 
-DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gbps", "hbm_fraction", "l2", "host_ms",
+DECODE_COLUMNS = ["ranks", "cache_rows", "ms_per_token", "gb_per_s", "hbm_fraction", "l2", "host_ms",
                   "host_bound", "torch_ms", "bytes_per_rank", "cache_rows_per_rank", "split_kernel"]
 PREFILL_COLUMNS = ["prompt", "strategy", "first_token_ms"]
 # defaults where an option is not given: a GPU's sizes, or what CPU ranks finish in minutes
@@ -56,7 +56,7 @@ def torch_ms(q, cache, n: int, repeats: int, flush=None) -> float | None:
     return C.median(seconds) * 1e3
 
 
-def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
+def measure_decode(group, args, n: int, copy_gb_per_s: float | None) -> dict:
     """The row of n cache rows in all: ceil(n / G) on each rank, one fewer past the first n % G.
     On a GPU each timed call (and torch's) follows a flush of L2 (`C.l2_flush`) unless
     --warm-l2: the cache is read from HBM, as between one layer's tokens."""
@@ -92,13 +92,14 @@ def measure_decode(group, args, n: int, copy_gbps: float | None) -> dict:
         step()
         host += C.call_seconds(lambda: cache.decode(q), PINNED_SLOTS, 0)
     ops.sync()
-    gbps = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
+    gb_per_s = 2 * b * n * hkv * d * q.dtype.itemsize / seconds / 1e9
     host_ms = C.median(host) * 1e3
     kernel = split_kernel(ops)         # the split kernel the last decode ran (None: array operations)
     return {"kind": "measured", "ranks": group.size, "cache_rows": n, "ms_per_token": seconds * 1e3,
-            "gbps": gbps, "hbm_fraction": gbps / (group.size * copy_gbps) if copy_gbps else None,
+            "gb_per_s": gb_per_s,
+            "hbm_fraction": gb_per_s / (group.size * copy_gb_per_s) if copy_gb_per_s else None,
             "l2": ("warm" if args.warm_l2 else "flushed") if group.backend == "cupy" else None,
-            "host_ms": host_ms,   # host_bound: a GPU call is mostly host time, its gbps not memory's
+            "host_ms": host_ms,   # host_bound: a GPU call is mostly host time, its gb_per_s not memory's
             "host_bound": host_ms >= 0.8 * seconds * 1e3 if group.backend == "cupy" else None,
             "torch_ms": torch_ms(q, cache, n, args.repeats, flush) if events and not args.paged else None,
             "bytes_per_rank": sent, "cache_rows_per_rank": int(cache.counts[:, 0].max()),
@@ -227,10 +228,10 @@ def main(argv=None) -> int:
     group = burstcu.init(backend=args.backend)
     if args.mma_min_rows is not None:
         group.ops.decode_mma_min_rows = args.mma_min_rows
-    copy_gbps = None
+    copy_gb_per_s = None
     if group.backend == "cupy":     # the device's copy bandwidth: read + write bytes of a 1 GiB copy / time
         a, b = group.ops.xp.empty(1 << 30, np.uint8), group.ops.xp.empty(1 << 30, np.uint8)
-        copy_gbps = 2 * (1 << 30) / C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), 5,
+        copy_gb_per_s = 2 * (1 << 30) / C.median(C.call_seconds(lambda: b.__setitem__(slice(None), a), 5,
                                                             cuda=True)) / 1e9
         del a, b
     if args.host_only and group.backend != "emulated":
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
     for n in args.cache:
         C.progress(f"decode, cache {n}", group.rank)
         rows.append(measure_host(group, args, n) if args.host_only else
-                    measure_decode(group, args, n, copy_gbps))
+                    measure_decode(group, args, n, copy_gb_per_s))
     for n in args.prefill if group.backend == "numpy" else []:
         C.progress(f"prefill, prompt {n}", group.rank)
         rows += measure_prefill(group, args, n)
@@ -247,8 +248,11 @@ def main(argv=None) -> int:
         timing = "CUDA events" if group.backend == "cupy" and group.size == 1 else "slowest rank, synced"
         columns = (["ranks", "cache_rows", "host_ms"] if args.host_only else
                    DECODE_COLUMNS + (PREFILL_COLUMNS if len(rows) > len(args.cache) else []))
-        C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gbps=copy_gbps),
-                          rows, columns, args)
+        if args.tokens > 1:
+            print(f"# --tokens {args.tokens}: ms_per_token is the milliseconds of a call of {args.tokens} "
+                  f"new tokens")
+        C.print_and_write(C.environment(group, synchronized=True, timing=timing, copy_gb_per_s=copy_gb_per_s,
+                                        new_tokens_a_call=args.tokens), rows, columns, args)
         if args.plot:
             plot(rows, args.plot)
     group.close()

@@ -372,7 +372,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                 verdict = check_row_sums(lse, row_sums["row_sums"], group.rank,
                                          _rows_that_see(part, group.rank, block_mask))
             except Exception as exc:
-                verdict = InputError(ValueError, f"cannot check the row sums on rank {group.rank}: "
+                verdict = InputError(ValueError, f"cannot check the row sums: "
                                                  f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
                 agree(group.transport, verdict, None, "attention_backward check")

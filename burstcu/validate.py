@@ -15,6 +15,7 @@ import re
 import threading
 import warnings
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -526,8 +527,9 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     if crossed is not None:
         raise InputError(ValueError, crossed).exception()
     gathered = [(e, m, value) for e, m, (value, _) in gathered]
-    if error:   # this rank's own problem, named as its peers name it
-        raise error.exception(rank=transport.rank)
+    if error:   # this rank's own problem, named as its peers name it unless every rank has it
+        alike = all(e is not None and tuple(e) == error.plain() for e, _, _ in gathered)
+        raise error.exception(rank=None if alike else transport.rank)
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]
@@ -1074,7 +1076,18 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
 
 Q_PROJECTIONS = 4      # random ±1 projections of each summarised piece of q that `q_summary` keeps
 Q_PIECES = 1024        # at most this many pieces: one a (b, t, h) head, or runs of heads when more
-Q_ULPS = 4             # the rounding `q_values_problem` forgives: each element off by this many ulps
+# the rounding `q_values_problem` forgives: a piece's projections may move by this fraction of the
+# piece's summed |q|, 4 ulps of the dtype but at least 2**-12 (q of one token computed on two
+# ranks by other BLAS paths: a long product's cancellation moves an element by far more than
+# its own ulps); another token moves them by about that sum / sqrt(D)
+Q_ULPS, Q_ROUNDING_FLOOR = 4, 2.0 ** -12
+Q_SCALE = 2.0 ** -20   # q scaled by it first: float64 near its largest sums without overflow
+
+
+@lru_cache(maxsize=8)
+def _q_signs(width: int) -> np.ndarray:
+    """(Q_PROJECTIONS, width) fixed random ±1, the same on every rank."""
+    return np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, width))
 
 
 def q_summary(q) -> tuple | None:
@@ -1082,9 +1095,9 @@ def q_summary(q) -> tuple | None:
     projections, rounding, non-finite digest). q's B*T*H heads are cut into consecutive pieces
     of g heads (g = 1 up to Q_PIECES heads); `projections` (bytes of float64 (pieces,
     Q_PROJECTIONS)) are each piece's finite values projected on fixed random ±1 vectors,
-    `rounding` (bytes of float64 (pieces,)) what rounding of Q_ULPS ulps an element could move
-    each by, and the digest says where q holds NaN, +inf and -inf. None for a device array
-    (reading it would synchronise) or an empty one (refused by `check_decode_call`)."""
+    `rounding` (bytes of float64 (pieces,)) how far rounding may move each (Q_ULPS,
+    Q_ROUNDING_FLOOR), and the digest says where q holds NaN, +inf and -inf. None for a device
+    array (reading it would synchronise) or an empty one (refused by `check_decode_call`)."""
     if not isinstance(q, np.ndarray) or q.ndim != 4 or q.size == 0:
         return None
     heads, d = q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]
@@ -1093,12 +1106,12 @@ def q_summary(q) -> tuple | None:
     x[:heads] = q.reshape(heads, d)
     finite = np.isfinite(x)
     codes = b"" if finite.all() else (np.isnan(x) + 2 * np.isposinf(x) + 3 * np.isneginf(x)).astype(np.uint8)
-    x = (x if finite.all() else np.where(finite, x, 0.0)).reshape(-1, g * d)
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(Q_PROJECTIONS, g * d))
+    x = (x if finite.all() else np.where(finite, x, 0.0)).reshape(-1, g * d) * Q_SCALE
     limits = finfo(q.dtype)   # an ulp is at most eps |x|, or the smallest subnormal near zero
-    rounding = Q_ULPS * (float(limits.eps) * np.abs(x).sum(axis=1) + float(limits.smallest_subnormal) * g * d)
+    rounding = (max(Q_ULPS * float(limits.eps), Q_ROUNDING_FLOOR) * np.abs(x).sum(axis=1)
+                + Q_ULPS * float(limits.smallest_subnormal) * Q_SCALE * g * d)
     digest = hashlib.blake2b(bytes(codes), digest_size=16).digest()
-    return (tuple(int(n) for n in q.shape), g, (x @ signs.T).tobytes(), rounding.tobytes(), digest)
+    return (tuple(int(n) for n in q.shape), g, (x @ _q_signs(g * d).T).tobytes(), rounding.tobytes(), digest)
 
 
 def q_values_problem(summaries: list) -> str | None:
@@ -1117,7 +1130,8 @@ def q_values_problem(summaries: list) -> str | None:
         if (moved > allowed).any():
             head = int(np.argwhere(moved > allowed)[0, 0]) * g
             where = (f"batch row {head // (t * h)}, token {head // h % t}, head {head % h}"
-                     + ("" if g == 1 else f" (or one of the {g - 1} after it)"))
+                     + ("" if g == 1 else f" or one of the {min(g, b * t * h - head) - 1} heads after it "
+                                          f"(in batch row, token, head order)"))
             return (f"ranks disagree in decode: q's values on rank {rank} differ from rank 0's by more "
                     f"than rounding at {where}: every rank must decode the same new tokens (q the "
                     f"same on every rank)")

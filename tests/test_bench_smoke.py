@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -160,15 +161,18 @@ def test_overlap_computes_on_finite_values_when_it_sends_nothing():
 def test_overlap_over_an_emulated_link(tmp_path):
     """--link-gbps: every configuration and pass carries the link and a prediction; the measured
     exchange takes at least the link's time (the pacing is a lower bound); allgather is predicted
-    to hide nothing; every figure that depends on the link says so."""
+    to hide nothing, and so are ulysses and usp at G = 2 (usp is ulysses there: its all-to-all in
+    was counted as its ring's first step's exchange, hidden behind that step's compute); every
+    figure that depends on the link says so; a pass's times are the medians of its repeats' sums."""
     js, png = tmp_path / "overlap.json", tmp_path / "overlap.png"
     gbps, lat = 0.01, 100.0
     out = run_bench("cpu/overlap.py", ["--seqlen", 128, "--heads", 2, "--headdim", 16, "--repeats", 2,
                                    "--warmup", 0, "--link-gbps", gbps, "--link-latency-us", lat,
-                                   "--allow-unbound", "--json", js, "--plot", png])
+                                   "--allow-unbound", "--json", js, "--plot", png,
+                                   "--strategies", "burst", "ring", "allgather", "ulysses", "usp"])
     label = "emulated link 0.01 Gb/s, 100 us"
     lines = [ln for ln in out.splitlines() if " | " in ln]
-    assert len(lines) == 3 and all(ln.endswith(label) for ln in lines), out
+    assert len(lines) == 5 and all(ln.endswith(label) for ln in lines), out
     assert f"# {label}" in out and png.stat().st_size > 10_000
     result = json.loads(js.read_text())
     assert result["link"] == label
@@ -180,8 +184,12 @@ def test_overlap_over_an_emulated_link(tmp_path):
             assert p["efficiency_predicted"] is not None and p["t_comm_predicted"] > 0
             assert p["t_comm"] >= 0.99 * p["t_comm_predicted"], (cfg["strategy"], pass_, p)
             _check_figure(p)
-            if cfg["strategy"] == "allgather":
-                assert p["efficiency_predicted"] == 0 and not p["comm_hidden_predicted"]
+            if cfg["strategy"] in ("allgather", "ulysses", "usp"):
+                assert p["efficiency_predicted"] == 0 and not p["comm_hidden_predicted"], cfg["strategy"]
+            for rank in cfg["ranks"]:
+                mine = rank[pass_]
+                assert all(mine[t] == statistics.median(mine["repeats_s"][t])
+                           for t in ("t_compute", "t_comm", "t_overlapped")), mine
         if cfg["strategy"] == "burst":      # forward: K, V in one message, one hop (G = 2)
             want = lat * 1e-6 + kv * 8 / (gbps * 1e9)
             assert math.isclose(cfg["summary"]["forward"]["t_comm_predicted"], want, rel_tol=1e-9)
@@ -330,6 +338,25 @@ def test_model_smoke(tmp_path, capsys):
     assert json.loads((tmp_path / "m.json").read_text())["kind"] == "PREDICTION"
 
 
+def test_model_names_the_lengths_at_which_communication_is_exposed(capsys):
+    """Within a node the backward is hidden at the shortest lengths (the per-call cost exceeds the
+    latency), exposed in between, hidden again above: predict.py said "exposed below" the upper
+    bound, which its own table contradicted at N = 8 to 1024."""
+    from bench.model import predict
+    seqlens = [8, 64, 256, 1024, 2048, 4096, 16384]
+    rep = predict.main(["--seqlen", *map(str, seqlens)])["reports"][0]
+    out = capsys.readouterr().out
+    start, above = rep["exposed_from_seqlen"]["backward"], rep["hidden_above_seqlen"]["backward"]
+    assert 16 < start < above
+    for r in rep["rows"]:
+        if r["pass"] == "backward":
+            assert r["hidden"] == (not start <= r["seqlen"] < above), r
+    assert f"exposed from ~{start:,} up to it; below ~{start:,} compute outlasts it again" in out
+    assert rep["exposed_from_seqlen"]["forward"] is None and "at every seqlen" in out
+    exposed_everywhere = predict.main(["--preset", "h100-ib", "--link-gbs", "0.01", "--seqlen", "4096"])
+    assert exposed_everywhere["reports"][0]["exposed_from_seqlen"]["forward"] == 16
+
+
 def test_model_refuses_bad_options_and_names_its_overrides(capsys):
     """predict.py: counts and rates that made it trace back (--ranks 0, --tflops 0, a negative
     latency, a seqlen the ranks do not divide, which it modelled shorter than labelled) are
@@ -400,6 +427,25 @@ def test_volume_smoke(tmp_path):
             assert r["measured_bytes"] == r["paper_bytes"]          # 2BZNd (G-1)/G exactly
         else:
             assert r["measured_bytes"] > r["paper_bytes"] > 0 and r["why_different"]
+
+
+@pytest.mark.mpi
+def test_a_seqlen_the_ranks_do_not_divide_is_refused(tmp_path):
+    """--seqlen 255 on 2 ranks ran 254 tokens (127 rows a rank) labelled N=255."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(BENCH / "cpu/volume.py"), "--seqlen", "255"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    said = "seqlen 255 over 2 ranks: pass a multiple of 2"
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr
+
+
+@pytest.mark.mpi
+def test_volume_names_the_accumulation_dtype(tmp_path):
+    """float64 inputs: dq and lse travel in float64, and the terms say so (they said fp32)."""
+    js = tmp_path / "volume.json"
+    run_bench("cpu/volume.py", ["--seqlen", 32, "--heads", 2, "--headdim", 8, "--dtype", "float64",
+                                "--strategies", "burst", "--json", js], nprocs=2)
+    terms = [t for r in json.loads(js.read_text())["ranks"][0]["rows"] for t in r["terms"]]
+    assert any("fp64" in t for t in terms) and not any("fp32" in t for t in terms), terms
 
 
 @pytest.mark.mpi
@@ -695,6 +741,12 @@ def test_linear_smoke(tmp_path):
     assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows.values())
     out = run_bench("cpu/linear.py", ["--predict", "--ranks", 8, "--seqlens", 65536], nprocs=None)
     assert "PREDICTION" in out and "lasp2_over_ring" in out
+    from bench.cpu import linear   # each dtype its own element size (float64 was priced as float32)
+    ring = {}
+    for d in ("float16", "float32", "float64"):
+        linear.main(["--predict", "--seqlens", "65536", "--dtype", d, "--json", str(tmp_path / f"{d}.json")])
+        ring[d] = json.loads((tmp_path / f"{d}.json").read_text())["rows"][0]["ring_s"]
+    assert ring["float16"] < ring["float32"] < ring["float64"], ring
 
 
 def test_varlen_schedule_smoke(tmp_path):
@@ -721,7 +773,7 @@ def test_decode_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     tokens = [r for r in rows if r.get("ms_per_token") is not None]
     assert [r["cache_rows"] for r in tokens] == [64, 512] and all(r["ms_per_token"] > 0 for r in tokens)
-    assert all(r["gbps"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None and r["l2"] is None
+    assert all(r["gb_per_s"] > 0 and r["host_ms"] > 0 and r["hbm_fraction"] is None and r["l2"] is None
                and r["host_bound"] is None for r in tokens)
     assert [r["cache_rows_per_rank"] for r in tokens] == [32, 256]
     assert len({r["bytes_per_rank"] for r in tokens}) == 1 and tokens[0]["bytes_per_rank"] > 0

@@ -67,21 +67,22 @@ def plot(rows, path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384, 65536])
+    p.add_argument("--seqlens", nargs="+", type=C.positive, default=[4096, 16384, 65536])
     C.add_shape_args(p, heads=8, dtypes=("float16", "float32", "float64"))
     p.add_argument("--strategies", nargs="+", default=["lasp2", "lasp1", "burst"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=C.positive, default=3)
     p.add_argument("--backend", default="auto")
     p.add_argument("--predict", action="store_true", help="the cost model only (PREDICTION)")
     p.add_argument("--preset", default="h100", choices=sorted(MACHINES))
-    p.add_argument("--ranks", type=int, default=64, help="--predict: ranks")
+    p.add_argument("--ranks", type=C.positive, default=64, help="--predict: ranks")
     C.add_output_args(p)
     args = p.parse_args(argv)
     if args.predict:
         rows = []
         for s in args.seqlens:
+            itemsize = C.array_dtype(args.dtype)(0).itemsize
             t = predict_linear(MACHINES[args.preset], args.ranks, s, args.batch, args.heads,
-                               args.kv_heads or args.heads, args.headdim, 2 if args.dtype == "float16" else 4)
+                               args.kv_heads or args.heads, args.headdim, itemsize)
             rows.append({"preset": args.preset, "ranks": args.ranks, "seqlen": s, **t,
                          "lasp2_over_ring": t["ring_s"] / t["lasp2_s"] - 1,
                          "lasp2_over_lasp1": t["lasp1_s"] / t["lasp2_s"] - 1})

@@ -104,7 +104,7 @@ def main(argv=None):
         p.add_argument(name, type=int, default=default)
     p.add_argument("--naive-max", type=int, default=1024, help="skip the O(S^2)-memory naive run above this")
     p.add_argument("--score-std", type=float, default=1.0, help="std of the scores (q is scaled to it)")
-    p.add_argument("--json", default="bench/out/local_op.json")
+    p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     threads_list = args.threads or sorted({1, os.cpu_count() or 1})
@@ -132,8 +132,9 @@ def main(argv=None):
     if blas_advice():
         print(f"note: {blas_advice()}")
     print(C.table(rows, ["threads", "seqlen", "mask", "pass", "impl", "seconds", "gflops", "time_vs_torch"]))
-    C.write_json(args.json, {"config": vars(args), "environment": env, "results": rows})
-    print(f"wrote {args.json}")
+    if args.json:
+        C.write_json(args.json, {"config": vars(args), "environment": env, "results": rows})
+        print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

@@ -306,9 +306,8 @@ def run_config(group, args, seqlen: int, strategy: str, index: str) -> dict:
                   **efficiency_from_repeats(*([run[i]["time"] for run in per_mode[m]] for m in MODES)),
                   **{k: ovl[k] for k in TRAFFIC}} for i, ovl in enumerate(per_mode["overlapped"][0])]
         sums = {t: [sum(s["time"] for s in run) for run in per_mode[m]] for m, t in zip(MODES, TIMES)}
-        record[pass_] = {"steps": steps, "repeats_s": sums,
-                         **pass_figures(*(sum(s[k] for s in steps) for k in TIMES),
-                                        {k: spread(xs) for k, xs in sums.items()}, args.repeats)}
+        record[pass_] = {"steps": steps, "repeats_s": sums,   # the medians of the repeats' step sums
+                         **efficiency_from_repeats(*(sums[t] for t in TIMES))}
         if link is not None:
             pred = overlap_prediction(steps, link, strategy in BLOCKING)
             record[pass_].update({f"{k}_predicted": pred[k] for k in ("efficiency", "t_comm", "t_overlapped",
@@ -420,8 +419,9 @@ def main(argv=None) -> dict | None:
                    choices=list(engine.NAMES))
     p.add_argument("--repeats", type=C.positive, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--link-gbps", type=float, default=None, help="emulate a link of this many Gb/s")
-    p.add_argument("--link-latency-us", type=float, default=None, help="its microseconds a message")
+    p.add_argument("--link-gbps", type=C.at_least(0, strict=True), default=None,
+                   help="emulate a link of this many Gb/s")
+    p.add_argument("--link-latency-us", type=C.at_least(0), default=None, help="its microseconds a message")
     p.add_argument("--allow-unbound", action="store_true", help="time even where ranks are not bound")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)

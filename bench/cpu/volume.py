@@ -26,6 +26,7 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
     H heads query-side and Hkv K/V-side. sends: the forward hops this rank sends K, V on (burst;
     usp: its ring of groups); counts: the backward's (bundles, dqs, messages) it sends (the same);
     fewer than G-1 and (G-1, G, G+1) where a mask ends a block's or a bundle's trip early."""
+    a = "fp32" if acc == 4 else "fp64"   # the accumulation dtype, what dq, dk, dv, lse travel in
     if G == 1:
         return {}, "one rank: nothing moves", 0
     hops = G - 1
@@ -39,7 +40,7 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
         why = "Ulysses inside groups, the burst ring across them (no published count)"
         if pass_ == "forward":
             return ({f"q, k, v all-to-all in groups of {u}": (q_c + 2 * kv_c) * it * (u - 1),
-                     "out + lse fp32 back": (q_c * it + rows_c * acc) * (u - 1),
+                     f"out + lse {a} back": (q_c * it + rows_c * acc) * (u - 1),
                      f"ring of {r} groups: k, v": 2 * u * kv_c * it * (r - 1 if sends is None else sends)},
                     why, None)
         bundles, dqs = (r - 1, r) if counts is None else counts[:2]
@@ -47,17 +48,17 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
         return ({f"q, dout, k, v + lse, delta all-to-all in groups of {u}":
                  ((2 * q_c + 2 * kv_c) * it + 2 * rows_c * acc) * (u - 1),
                  f"ring of {r} groups: q, dout, lse, delta, dq": ring_bwd,
-                 "dq, dk, dv fp32 back": (q_c + 2 * kv_c) * acc * (u - 1)}, why, None)
+                 f"dq, dk, dv {a} back": (q_c + 2 * kv_c) * acc * (u - 1)}, why, None)
     # the paper's ulysses: query-side tensors (G-1)/G of H heads, K/V-side ones Hk heads to each peer
     if strategy == "ulysses" and pass_ == "forward":
         return ({"q, k, v all-to-all": (q_c + 2 * kv_c) * it * hops,
-                 "out + lse fp32 all-to-all back": (q_c * it + rows_c * acc) * hops},
-                "the all-to-all volume, plus lse (fp32) with out", (2 * q_c + 2 * kv_c) * it * hops)
+                 f"out + lse {a} all-to-all back": (q_c * it + rows_c * acc) * hops},
+                f"the all-to-all volume, plus lse ({a}) with out", (2 * q_c + 2 * kv_c) * it * hops)
     if strategy == "ulysses":
         return ({"q, dout, k, v all-to-all": (2 * q_c + 2 * kv_c) * it * hops,
-                 "lse, delta fp32 with them": 2 * rows_c * acc * hops,
-                 "dq, dk, dv fp32 all-to-all back": (q_c + 2 * kv_c) * acc * hops},
-                "delta is formed before the all-to-all, so out does not travel; gradients in fp32",
+                 f"lse, delta {a} with them": 2 * rows_c * acc * hops,
+                 f"dq, dk, dv {a} all-to-all back": (q_c + 2 * kv_c) * acc * hops},
+                f"delta is formed before the all-to-all, so out does not travel; gradients in {a}",
                 (3 * q_c + 4 * kv_c) * it * hops)
     if pass_ == "forward" and strategy == "burst" and sends is not None and sends != hops:
         return ({f"k, v ({sends} of G-1 hops)": 2 * kv * sends},
@@ -68,24 +69,24 @@ def explain(strategy: str, pass_: str, *, G, B, S, H, Hkv, D, it, acc, sends=Non
     if strategy == "burst" and counts is not None and counts[:2] != (hops, G):
         bundles, dqs = counts[:2]
         return ({f"q, dout ({bundles} of G-1 bundle hops)": 2 * qd * bundles,
-                 "lse, delta fp32 with them": 2 * rows_acc * bundles,
-                 f"dq fp32 ({dqs} sends: riding behind, or straight home)": qd_acc * dqs},
+                 f"lse, delta {a} with them": 2 * rows_acc * bundles,
+                 f"dq {a} ({dqs} sends: riding behind, or straight home)": qd_acc * dqs},
                 "a bundle goes only as far as the last rank that needs it (backwards under causal), "
                 "its dq then straight home", burst_paper)
     if strategy == "burst":
-        return ({"q, dout (G-1 hops)": 2 * qd * hops, "lse, delta fp32 (G-1 hops)": 2 * rows_acc * hops,
-                 "dq fp32 (G-1 hops)": qd_acc * hops, "dq return hop to owner": qd_acc},
+        return ({"q, dout (G-1 hops)": 2 * qd * hops, f"lse, delta {a} (G-1 hops)": 2 * rows_acc * hops,
+                 f"dq {a} (G-1 hops)": qd_acc * hops, "dq return hop to owner": qd_acc},
                 "dq, lse, delta travel in the accumulation dtype (not the input dtype); dq makes one "
                 "extra hop home; the paper's 2BNZ/G term is one step of lse+delta, summed here over G-1 "
                 "steps", burst_paper)
     if strategy == "ring":
-        return ({"k, v (G-1 hops)": 2 * kv * hops, "dk, dv fp32 (G-1 hops)": 2 * kv_acc * hops,
+        return ({"k, v (G-1 hops)": 2 * kv * hops, f"dk, dv {a} (G-1 hops)": 2 * kv_acc * hops,
                  "dk, dv return hop to owner": 2 * kv_acc},
                 "the paper counts 6BZNd for Ring Attention; this baseline moves K, V, dK, dV "
-                "(4 tensors per step, as the seeds describe), dK/dV in fp32, plus one hop home",
+                f"(4 tensors per step, as the seeds describe), dK/dV in {a}, plus one hop home",
                 6 * kv * hops)
-    return ({"all-gather k, v": 2 * kv * hops, "reduce-scatter dk, dv fp32": 2 * kv_acc * hops},
-            "standard all-gather/reduce-scatter volume; dk, dv reduced in fp32", 4 * kv * hops)
+    return ({"all-gather k, v": 2 * kv * hops, f"reduce-scatter dk, dv {a}": 2 * kv_acc * hops},
+            f"standard all-gather/reduce-scatter volume; dk, dv reduced in {a}", 4 * kv * hops)
 
 
 def rows_for(group, strategy: str, inputs, causal: bool) -> list:

@@ -5,13 +5,13 @@ around the current table run fastest on this GPU, each checked and timed against
     python bench/gpu/tiles.py --gate --candidates F      # CPU: compile, drop failures, write F
     python bench/gpu/tiles.py --candidates F [--json F]  # one CUDA GPU: check and time each one
 
-Families, tiles BLOCK_M x BLOCK_N x warps: forward (flash_fwd_step), bwd_dkdv (atomic dQ), bwd_dq
-(the deterministic dQ kernel), forward_sm90 (--tile-table sm_90a: the Hopper kernel, 128 x BLOCK_N
-x STAGES). Legal: the kernels' static_asserts, 64-1024 threads, smem within the table's limit.
---gate drops those NVRTC/ptxas fail, spill or give over 255 registers. A GPU run times one full
-block of (B, S, H, d) = (tokens/S, S, width/d, d) per candidate (CUDA events, median of
---repeats), checks it against the table's tiles (TOLERANCE), starts nothing new past --budget and
-rewrites --json after every group.
+Families, tiles BLOCK_M x BLOCK_N x warps (the backward's: x WARPS_D, its warps along d): forward
+(flash_fwd_step), bwd_dkdv (atomic dQ), bwd_dq (the deterministic dQ kernel), forward_sm90
+(--tile-table sm_90a: the Hopper kernel, 128 x BLOCK_N x STAGES). Legal: the kernels'
+static_asserts, 64-1024 threads, smem within the table's limit. --gate drops those NVRTC/ptxas
+fail, spill or give over 255 registers. A GPU run times one full block of (B, S, H, d) =
+(tokens/S, S, width/d, d) per candidate (CUDA events, median of --repeats), checks it against the
+table's tiles (TOLERANCE), starts nothing new past --budget and rewrites --json after every group.
 """
 
 from __future__ import annotations

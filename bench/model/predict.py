@@ -48,22 +48,39 @@ def hidden_seqlen(args, machine: Machine, strategy: str, pass_: str) -> int | No
     """PREDICTED global seqlen (a multiple of 2G) above which t_compute >= t_comm, up to
     MAX_SEQLEN (None: not even there; 2G: at every length). The difference can dip below 0 between
     two roots: walk down by halves from MAX_SEQLEN to the first exposed length, bisect above it."""
-    unit = 2 * args.ranks
-
-    def hidden(units: int) -> bool:
-        t = pass_times(args, machine, strategy, units * unit)[pass_]
-        return t["t_compute"] >= t["t_comm"]
-
-    hi = MAX_SEQLEN // unit
+    hidden, hi = _hidden_at(args, machine, strategy, pass_), MAX_SEQLEN // (2 * args.ranks)
     if not hidden(hi):
         return None
+    return _boundary(hidden, hi) * 2 * args.ranks
+
+
+def exposed_from_seqlen(args, machine: Machine, strategy: str, pass_: str, above: int | None) -> int | None:
+    """PREDICTED shortest global seqlen (a multiple of 2G) at which t_comm > t_compute, below
+    `above` (`hidden_seqlen`): 2G where the shortest is exposed; None where none is. A per-call
+    cost above the latency hides short passes too: the exposed lengths lie between two roots."""
+    unit = 2 * args.ranks
+    hidden = _hidden_at(args, machine, strategy, pass_)
+    last = (MAX_SEQLEN if above is None else above) // unit - 1   # exposed, unless above is 2G
+    return None if last < 1 else _boundary(lambda u: not hidden(u), last) * unit
+
+
+def _hidden_at(args, machine: Machine, strategy: str, pass_: str):
+    def hidden(units: int) -> bool:   # at global seqlen units * 2G
+        t = pass_times(args, machine, strategy, units * 2 * args.ranks)[pass_]
+        return t["t_compute"] >= t["t_comm"]
+    return hidden
+
+
+def _boundary(holds, hi: int) -> int:
+    """From `hi`, where holds(hi): halve down to where it fails, then bisect; the smallest units
+    at or below `hi` from which holds() runs up to `hi` (1 where it holds down to 1)."""
     lo = hi // 2
-    while lo >= 1 and hidden(lo):
+    while lo >= 1 and holds(lo):
         lo, hi = lo // 2, lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
-    return hi * unit
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
 
 
 def report(args, machine: Machine) -> dict:
@@ -75,9 +92,12 @@ def report(args, machine: Machine) -> dict:
                          "t_overlapped": to, "efficiency": C.overlap_efficiency(tc, tm, to),
                          "exposed_comm": to - tc, "hidden": tc >= tm, "bytes": t["bytes"], "seqlen": n})
     keys = ("ranks", "batch", "heads", "kv_heads", "headdim", "dtype", "causal")
+    above = {p: hidden_seqlen(args, machine, args.strategy, p) for p in PASSES}
     return {"kind": "PREDICTION", "machine": dataclasses.asdict(machine), "strategy": args.strategy,
             "shape": {k: getattr(args, k) for k in keys}, "rows": rows,
-            "hidden_above_seqlen": {p: hidden_seqlen(args, machine, args.strategy, p) for p in PASSES}}
+            "hidden_above_seqlen": above,
+            "exposed_from_seqlen": {p: exposed_from_seqlen(args, machine, args.strategy, p, above[p])
+                                    for p in PASSES}}
 
 
 def overlap_prediction(steps, link, blocking: bool = False) -> dict:
@@ -97,13 +117,18 @@ def overlap_prediction(steps, link, blocking: bool = False) -> dict:
             "hidden": tm > 0 and to <= tc}
 
 
-def _hidden_text(n: int | None, ranks: int) -> str:
-    if n is None:
-        return f"communication longer than compute up to global seqlen {MAX_SEQLEN:,}"
-    if n == 2 * ranks:
+def _hidden_text(rep: dict, pass_: str) -> str:
+    ranks, above = rep["shape"]["ranks"], rep["hidden_above_seqlen"][pass_]
+    start = rep["exposed_from_seqlen"][pass_]
+    if start is None:
         return "compute outlasts communication at every seqlen (the per-call cost exceeds the latency)"
-    return (f"compute outlasts communication above global seqlen ~{n:,} (local {n // ranks:,} a "
-            f"rank); exposed below it")
+    shorter = ("" if start == 2 * ranks else f"; below ~{start:,} compute outlasts it again (the per-call "
+                                              f"cost exceeds the latency)")
+    if above is None:
+        return (f"communication longer than compute from global seqlen ~{start:,} up to {MAX_SEQLEN:,}"
+                + shorter)
+    return (f"compute outlasts communication above global seqlen ~{above:,} (local {above // ranks:,} a "
+            f"rank); exposed from ~{start:,} up to it" + shorter)
 
 
 def print_report(rep: dict) -> None:
@@ -118,8 +143,8 @@ def print_report(rep: dict) -> None:
              "exposed": C.fmt_s(r["exposed_comm"]),
              "compute >= comm": r["hidden"]} for r in rep["rows"]]
     print(C.table(show, list(show[0])))
-    for pass_, n in rep["hidden_above_seqlen"].items():
-        print(f"PREDICTION {m['name']} {rep['strategy']} {pass_}: {_hidden_text(n, sh['ranks'])}")
+    for pass_ in PASSES:
+        print(f"PREDICTION {m['name']} {rep['strategy']} {pass_}: {_hidden_text(rep, pass_)}")
 
 
 def machine(args, name: str) -> Machine:
@@ -179,9 +204,9 @@ def main(argv=None) -> dict:
     if not args.all_presets:
         print_report(reports[0])
     for rep in reports if args.all_presets else []:
-        for pass_, n in rep["hidden_above_seqlen"].items():
+        for pass_ in PASSES:
             print(f"PREDICTION {rep['machine']['name']:12s} {args.strategy} {pass_:8s}: "
-                  f"{_hidden_text(n, args.ranks)} (G={args.ranks})")
+                  f"{_hidden_text(rep, pass_)} (G={args.ranks})")
     return C.emit(None, {"benchmark": "model", "kind": "PREDICTION", "reports": reports}, args)
 
 

@@ -97,6 +97,7 @@ BASE_OPTIONS = ("-std=c++17", "-default-device", "--use_fast_math")
 T = TypeVar("T")
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_ANY_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
 
 
 class CompileError(RuntimeError):
@@ -138,18 +139,37 @@ def cuda_include_dir() -> str:
     return str(found)
 
 
+CUDA_HEADERS = ("cuda_fp16.h", "cuda_bf16.h")   # what kernels/ includes from the CUDA headers
+
+
 @lru_cache(maxsize=1)
 def cuda_headers_digest() -> str:
-    """sha256 over the names and contents of the files in `cuda_include_dir()` (cuda_fp16.h and
-    what it includes: another headers wheel compiles other code), or "" where there is none."""
+    """sha256 over the names and contents of CUDA_HEADERS and every header they include from
+    `cuda_include_dir()` (another headers wheel compiles other code); "" where there are none or
+    they cannot be read (compiling then says why)."""
     try:
         folder = Path(cuda_include_dir())
-    except (CompileError, ImportError):
+        h = hashlib.sha256()
+        for path in _included(folder, CUDA_HEADERS):
+            h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    except (CompileError, ImportError, OSError, ValueError):
         return ""
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def _included(folder: Path, names: Sequence[str]) -> list[Path]:
+    """The files `names` of `folder` and every header they reach by #include "..." or <...>
+    found beside the including file or in `folder`, sorted."""
+    seen: set[Path] = set()
+    todo = [folder / name for name in names]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for name in _ANY_INCLUDE_RE.findall(path.read_text(errors="replace")):
+            todo += [(path.parent / name).resolve(), (folder / name).resolve()]
+    return sorted(seen)
 
 
 def local_includes(source: str, kdir: Path | None = None) -> list[Path]:

@@ -21,7 +21,10 @@ def now() -> float:
 
 @dataclass
 class StepTrace:
-    """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only)."""
+    """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only),
+    noted as the step ends. `step`: the ring's 0, 1, ...; ulysses notes 0 (its all-to-all in),
+    1 (the attention) and 2 (the all-to-all back), usp -1 (its all-to-all in) before the ring's
+    steps and one step past them (the all-to-all back)."""
 
     pass_: str
     step: int

@@ -198,16 +198,18 @@ def forward(q, k, v, ops: LocalOps, transport: Transport, *, causal: bool, softm
                      as_partition(layout, transport.size, q.shape[1]), q.shape[2], k.shape[2])
     (q_all, k_all, v_all), wait_in = x.to_heads(
         ops, "ulysses fwd all-to-all q, k, v", [("q", q), ("kv", k), ("kv", v)])
+    _trace(trace, "forward", 0, transport.rank, wait_s=wait_in)
     state = ops.forward_init(q_all, softmax_scale)
     compute_s = timed(ops, "ulysses fwd compute", ops.forward_step, state, k_all, v_all,
                       step_blocks("contiguous", 0, 0, 1, x.n, bool(causal), window_size,
                                   cu_seqlens, block_mask), True)
     out_all, lse_all = ops.forward_finalize(state, q.dtype)   # (B, N, Hg, D), (B, Hg, N)
+    _trace(trace, "forward", 1, transport.rank, compute_s=compute_s)
     out, lse = ops.zeros(q.shape, q.dtype), ops.zeros(lse_all.shape[:1] + (q.shape[2], q.shape[1]),
                                                       lse_all.dtype)
     wait_out = x.to_rows(ops, "ulysses fwd all-to-all out, lse", [("q", out_all), ("st", lse_all)],
                          [out, lse])
-    _trace(trace, "forward", transport.rank, wait_in, compute_s, wait_out)
+    _trace(trace, "forward", 2, transport.rank, wait_s=wait_out)
     return out, lse
 
 
@@ -224,6 +226,7 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
     (lse_all, delta_all, q_all, do_all, k_all, v_all), wait_in = x.to_heads(
         ops, "ulysses bwd all-to-all q, dout, k, v",
         [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
+    _trace(trace, "backward", 0, transport.rank, wait_s=wait_in)
     ctx = ops.backward_init(k_all, v_all, softmax_scale)
     dq_all = ops.zeros(q_all.shape, acc)
     sums = [ops.zeros(lse_all.shape, acc)] if row_sums is not None else []
@@ -233,12 +236,13 @@ def backward(dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *, ca
                                   cu_seqlens, block_mask),
                       *sums)
     dk_all, dv_all = ops.backward_finalize(ctx, acc)       # (B, N, Hk, D)
+    _trace(trace, "backward", 1, transport.rank, compute_s=compute_s)
     dq, dk, dv = ops.zeros(q.shape, acc), ops.zeros(k.shape, acc), ops.zeros(v.shape, acc)
     wait_out = x.to_rows(ops, "ulysses bwd all-to-all dq, dk, dv",
                          [("q", dq_all), ("kv", dk_all), ("kv", dv_all)]
                          + [("st", p) for p in sums],
                          [dq, dk, dv] + ([row_sums] if sums else []))
-    _trace(trace, "backward", transport.rank, wait_in, compute_s, wait_out)
+    _trace(trace, "backward", 2, transport.rank, wait_s=wait_out)
     return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
 
@@ -285,9 +289,9 @@ def forward_messages(size: int, q, k, v, *, rank: int = 0,
 backward_messages = forward_messages   # the backward's two all-to-alls, the same count
 
 
-def _trace(trace, pass_: str, rank: int, wait_in: float, compute_s: float, wait_out: float) -> None:
-    """Steps 0 (all-to-all in), 1 (local attention), 2 (all-to-all back)."""
+def _trace(trace, pass_: str, step: int, rank: int, compute_s: float = 0.0, wait_s: float = 0.0) -> None:
+    """Note step 0 (the all-to-all in), 1 (the local attention) or 2 (the all-to-all back) as it
+    ends, as the ring strategies note theirs: a tracing transport gives a step what it moved since
+    the note before."""
     if trace is not None:
-        trace.add(pass_, 0, rank, 0, 0.0, wait_in)
-        trace.add(pass_, 1, rank, 1, compute_s, 0.0)
-        trace.add(pass_, 2, rank, 0, 0.0, wait_out)
+        trace.add(pass_, step, rank, int(step == 1), compute_s, wait_s)

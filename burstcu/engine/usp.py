@@ -91,6 +91,8 @@ class USPAttention:
         x, ring, groups = self._exchange(transport, layout, q, k)
         (q_g, k_g, v_g), wait_in = x.to_heads(ops, "usp fwd all-to-all q, k, v",
                                               [("q", q), ("kv", k), ("kv", v)])
+        if trace is not None:   # the all-to-all in, noted as it ends (before the ring's steps)
+            trace.add("forward", -1, transport.rank, 0, 0.0, wait_in)
         out_g, lse_g = burst.forward(q_g, k_g, v_g, ops, ring, causal=causal,
                                      softmax_scale=softmax_scale, layout=groups, trace=trace,
                                      window_size=window_size, cu_seqlens=cu_seqlens, block_mask=block_mask)
@@ -98,8 +100,8 @@ class USPAttention:
         lse = ops.zeros((q.shape[0], q.shape[2], q.shape[1]), lse_g.dtype)
         wait_out = x.to_rows(ops, "usp fwd all-to-all out, lse", [("q", out_g), ("st", lse_g)],
                              [out, lse])
-        if trace is not None:
-            trace.add("forward", ring.size, transport.rank, 0, 0.0, wait_in + wait_out)
+        if trace is not None:   # the all-to-all back, after the ring's steps 0 .. ring.size - 1
+            trace.add("forward", ring.size, transport.rank, 0, 0.0, wait_out)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, ops: LocalOps, transport: Transport, *,
@@ -113,6 +115,8 @@ class USPAttention:
         (lse_g, delta_g, q_g, do_g, k_g, v_g), wait_in = x.to_heads(
             ops, "usp bwd all-to-all q, dout, k, v",
             [("st", lse), ("st", delta), ("q", q), ("q", dout), ("kv", k), ("kv", v)])
+        if trace is not None:
+            trace.add("backward", -1, transport.rank, 0, 0.0, wait_in)
         sums = ops.zeros(lse_g.shape, acc) if row_sums is not None else None
         dq_g, dk_g, dv_g = burst.backward(do_g, q_g, k_g, v_g, None, lse_g, ops, ring,
                                           causal=causal, softmax_scale=softmax_scale,
@@ -123,8 +127,8 @@ class USPAttention:
         parts = [("q", dq_g), ("kv", dk_g), ("kv", dv_g)] + ([("st", sums)] if sums is not None else [])
         wait_out = x.to_rows(ops, "usp bwd all-to-all dq, dk, dv", parts,
                              [dq, dk, dv] + ([row_sums] if sums is not None else []))
-        if trace is not None:
-            trace.add("backward", ring.size + 1, transport.rank, 0, 0.0, wait_in + wait_out)
+        if trace is not None:   # after the ring's steps 0 .. ring.size (dQ's hop home)
+            trace.add("backward", ring.size + 1, transport.rank, 0, 0.0, wait_out)
         return cast_copy(ops, dq, q.dtype), cast_copy(ops, dk, k.dtype), cast_copy(ops, dv, v.dtype)
 
     # -- what one rank sends (the strategy interface, `burstcu.engine`) ----------------------

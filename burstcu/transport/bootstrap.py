@@ -75,8 +75,9 @@ def world_comm(comm=None, timeout: float | None = None):
     if comm is not None:
         if _is_comm_null(comm):
             raise ValueError("burstcu.init: comm is MPI.COMM_NULL: this rank is not a member of the "
-                             "communicator (a Split with MPI.UNDEFINED gives it): call init only on "
-                             "the ranks the communicator holds")
+                             "communicator (a Split with MPI.UNDEFINED gives it, and a freed "
+                             "communicator is it): call init only on the ranks a live communicator "
+                             "holds")
         return comm
     try:
         with _watching_mpi_start(timeout):
