@@ -69,8 +69,10 @@ def _window(window_size) -> tuple[int, int]:
 
 def _engine(strategy: str, options: dict):
     """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`;
-    options: its keywords (ulysses_degree for "usp"), None meaning the default."""
-    return engine.get(strategy, **{k: v for k, v in options.items() if v is not None})
+    options: its keywords (ulysses_degree for "usp", bidirectional for "burst"), None and False
+    meaning the default."""
+    return engine.get(strategy, **{k: v for k, v in options.items()
+                                   if v is not None and not (isinstance(v, (bool, np.bool_)) and not v)})
 
 
 class _Tracking(DelegatingOps):
@@ -189,6 +191,12 @@ def _batched(x, ndim: int):
 def _check_options(strategy: str, options: dict):
     if strategy not in STRATEGIES:
         return InputError(ValueError, f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    both = options.get("bidirectional")
+    if both is not None and not isinstance(both, (bool, np.bool_)):
+        return InputError(TypeError, f"bidirectional must be True or False, got {both!r}")
+    if both and strategy != "burst":   # "auto" offers it itself where it is predicted faster
+        return InputError(ValueError, f"bidirectional is an option of strategy='burst', not of "
+                                      f"strategy={strategy!r}")
     u = options.get("ulysses_degree")
     if u is not None:
         if strategy != "usp":  # "auto" picks a degree itself
@@ -211,8 +219,8 @@ def _strategy_problem(strategy: str, options: dict, q_shape, k_shape, size: int)
 def attention(q, k, v, group=None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
               return_lse: bool = False, strategy: str = "burst", ulysses_degree: int | None = None,
-              window_size: tuple[int, int] = (-1, -1), cu_seqlens=None, uneven: bool | None = None,
-              block_mask=None):
+              bidirectional: bool = False, window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
+              uneven: bool | None = None, block_mask=None):
     """Exact softmax attention of this rank's queries over the keys of every rank in `group`.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard under `layout` (see `shard`);
@@ -234,8 +242,10 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         None picks the largest u <= 8 that works —
         and the burst ring across the G/u groups), "allgather" (gather all K and V, then attend
         locally), or "auto": the one `burstcu.plan` predicts fastest for these shapes on this
-        group (printable: `print(burstcu.plan(q.shape, k.shape, group, causal=...))`). All give
-        the same result.
+        group (printable: `print(burstcu.plan(q.shape, k.shape, group, causal=...))`; its
+        `strategy` and `options` can be passed back). All give the same result.
+    bidirectional: burst's K/V blocks split both ways round the ring where the cheapest trips
+        tie (docs/strategies.md), fewer steps of two messages each; strategy="burst" only.
     window_size: (left, right) sliding window (flash-attn's convention): a query at global
         position i sees keys in [i - left, i + right], -1 meaning unbounded on that side; with
         causal the right bound is the diagonal (right 0 or -1). Steps and tiles wholly outside
@@ -285,7 +295,7 @@ def attention(q, k, v, group=None, *, causal: bool = False,
         conflict = conflict or _packed_problem(("k", "v"), (k, v), (3, 3))
         q, k, v = (_batched(x, 4) for x in (q, k, v))
     group = group_for(group, q)
-    options = {"ulysses_degree": ulysses_degree}
+    options = {"ulysses_degree": ulysses_degree, "bidirectional": bidirectional}
     with Call(group, "attention forward") as call:
         (q, k, v), export, scale, docs, part = _checked(
             call, group, (q, k, v), backward=False, causal=causal, softmax_scale=softmax_scale,
@@ -313,8 +323,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
 def attention_backward(dout, q, k, v, out, lse, group=None, *,
                        causal: bool = False, softmax_scale: float | None = None,
                        layout: str | None = None, strategy: str = "burst",
-                       ulysses_degree: int | None = None, check: bool = False,
-                       window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
+                       ulysses_degree: int | None = None, bidirectional: bool = False,
+                       check: bool = False, window_size: tuple[int, int] = (-1, -1), cu_seqlens=None,
                        uneven: bool | None = None, block_mask=None):
     """Gradients of `attention` with respect to this rank's q, k, v.
 
@@ -351,7 +361,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
         dout, q, k, v, out = (_batched(x, 4) for x in (dout, q, k, v, out))
         lse = _batched(lse, 3)
     group = group_for(group, q)
-    options = {"ulysses_degree": ulysses_degree}
+    options = {"ulysses_degree": ulysses_degree, "bidirectional": bidirectional}
     with Call(group, "attention backward") as call:
         (dout, q, k, v, out, lse), export, scale, docs, part = _checked(
             call, group, (dout, q, k, v, out, lse), backward=True, causal=causal,
@@ -432,7 +442,8 @@ def _rows_of_call(layout, cu_seqlens, group) -> tuple:
 
 # the keywords of `attention` that the autodiff adapters (burstcu.jax, burstcu.torch) pass
 # through besides causal, softmax_scale, layout and strategy
-ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "check", "block_mask")
+ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "bidirectional", "check",
+                   "block_mask")
 
 
 def adapter_options(options: dict) -> tuple[dict, dict]:

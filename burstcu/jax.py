@@ -226,8 +226,8 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     dtype.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
-    cu_seqlens (concrete), block_mask, uneven, ulysses_degree (as `burstcu.attention`) and check
-    (verify lse in the backward). The backward (`jax.grad`) is collective too.
+    cu_seqlens (concrete), block_mask, uneven, ulysses_degree, bidirectional (as
+    `burstcu.attention`) and check (verify lse in the backward). The backward (`jax.grad`) is collective too.
     """
     _constant_scale(softmax_scale)
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))

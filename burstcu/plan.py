@@ -123,6 +123,7 @@ class Plan:
     machine: Machine
     backward: bool
     shape: tuple = field(default=())
+    rank: int = 0   # whose bytes the candidates count (the ranks send different amounts)
 
     @property
     def choice(self) -> Candidate:
@@ -141,7 +142,8 @@ class Plan:
         lines = [f"PREDICTION ({self.machine.name}: {self.machine.source}) for G={g} B={b} S={s} "
                  f"a rank, H={h}/{hkv} D={d}; choice: {self.choice.label} "
                  f"(smallest forward{' + backward' if self.backward else ''})",
-                 f"{'strategy':24s} {'forward':>10s} {'backward':>10s} {'fwd bytes':>12s} {'bwd bytes':>12s}"]
+                 f"{'strategy':24s} {'forward':>10s} {'backward':>10s} {'fwd bytes':>12s} {'bwd bytes':>12s}"
+                 f"  (bytes rank {self.rank} sends)"]
         for c in self.candidates:
             lines.append(f"{c.label:24s} {c.forward_s * 1e3:8.3f}ms {c.backward_s * 1e3:8.3f}ms "
                          f"{c.forward_bytes:12d} {c.backward_bytes:12d}")
@@ -524,7 +526,7 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
     order = sorted(range(len(preds)), key=lambda i: (preds[i].forward_s
                                                       + (preds[i].backward_s if backward else 0.0), i))
     b, s, h, d = (int(n) for n in q_shape)
-    return Plan([preds[i] for i in order], machine, backward, (size, b, s, h, int(k_shape[2]), d))
+    return Plan([preds[i] for i in order], machine, backward, (size, b, s, h, int(k_shape[2]), d), rank)
 
 
 def _modelled_split(layout: str, size: int, rank: int, s: int, seqlen: int | None,

@@ -6,8 +6,10 @@
 Three checks, on the CPU backend (NumPy over MPI) always, and on the GPU backend (CUDA kernels
 over NCCL) when a GPU is usable:
 
-1. correctness: forward and backward of a small causal zigzag problem against a float64
-   softmax written out here (full score matrix), every rank's rows;
+1. correctness: forward and backward against the float64 reference of `burstcu.testing.reference`
+   (full score matrix), every rank's rows, in two cases (`correctness_cases`): a small causal
+   zigzag problem in the op's native dtype, and full attention in its working dtype (float32; the
+   kernels' float16) over shards of several tiles, the last one ragged;
 2. bandwidth: one ring exchange (send to next, receive from prev) of growing messages through
    the transport, host-timed to completion (a device sync on the GPU);
 3. overlap: one ring step's compute alone, its exchange alone, and both as the engine issues them.
@@ -19,8 +21,9 @@ over NCCL) when a GPU is usable:
    printing one (on one machine the exchange through shared memory is often shorter than the
    timings' jitter). A figure below zero by more than its uncertainty says what that means.
 
-Rank 0 prints one line per check; the exit status is 1 when a correctness check fails. Timings
-are what this machine measured; nothing here is a claim about other hardware.
+Rank 0 prints one line per check; the exit status is 1 when a correctness check fails or a GPU
+found here cannot be started. Timings are what this machine measured; nothing here is a claim
+about other hardware.
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ def _reference(q, k, v, dout, causal: bool):
     return (out, *attention_backward_ref(dout, q, k, v, causal))
 
 
+def correctness_cases(group: Group) -> list[tuple[dict, dict]]:
+    """(options of a group made for the case, `check_correctness` keywords) of each case: the
+    native dtype, causal zigzag, 32 rows a rank; then full attention over shards of several tiles
+    with a ragged last one (the NumPy op with 16 x 32 tiles in float32; the kernels' own tiles of
+    64 or 128 rows in float16)."""
+    native = native_dtype(group)
+    tiled = ({"tile_q": 16, "tile_k": 32}, 80, "float32") if native == "float64" else ({}, 160, native)
+    return [({}, dict(dtype=native, seqlen_local=32, causal=True, layout="zigzag")),
+            (tiled[0], dict(dtype=tiled[2], seqlen_local=tiled[1], causal=False, layout="contiguous"))]
+
+
 def check_correctness(group: Group, xp: Any = np, dtype: str = "float64", seqlen_local: int = 32,
                       causal: bool = True, layout: str = "zigzag") -> dict:
     """Max abs error of this rank's out, dq, dk, dv against `_reference`; ok when all < TOL."""
@@ -85,7 +99,8 @@ def check_correctness(group: Group, xp: Any = np, dtype: str = "float64", seqlen
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
         got = got.get() if hasattr(got, "get") else got
         errors[name] = float(np.abs(got.astype(np.float64) - api.shard(want, group, layout)).max())
-    return {"ok": all(e < TOL[dtype] for e in errors.values()), "errors": errors}
+    return {"ok": all(e < TOL[dtype] for e in errors.values()), "errors": errors,
+            "case": f"{dtype}, {'causal ' if causal else 'full, '}{layout}, {seqlen_local} rows a rank"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +219,12 @@ def run_backend(backend: str, quick: bool) -> dict:
     xp = group.ops.xp
     report: dict = {"backend": backend, "transport": group.transport.name, "size": group.size}
     dtype = native_dtype(group)
-    report["correctness"] = check_correctness(group, xp, dtype)
+    report["correctness"] = []
+    for options, case in correctness_cases(group):
+        own = init(backend=backend, **options) if options else group   # collective, like the checks
+        report["correctness"].append(check_correctness(own, xp, **case))
+        if own is not group:
+            own.close()
     sizes = (1 << 16, 1 << 20) if quick else (1 << 16, 1 << 20, 1 << 22, 1 << 24)
     report["bandwidth"] = probe_bandwidth(group, sizes, repeat=3 if quick else 10)
     report["overlap"] = probe_overlap(group, seqlen=128 if quick else 1024, repeat=3 if quick else 10,
@@ -216,11 +236,13 @@ def run_backend(backend: str, quick: bool) -> dict:
 def _lines(reports_by_rank: list[dict]) -> list[str]:
     first = reports_by_rank[0]
     head = f"[{first['backend']} over {first['transport']}, {first['size']} rank(s)]"
-    bad = [r for r, rep in enumerate(reports_by_rank) if not rep["correctness"]["ok"]]
-    worst = {k: max(rep["correctness"]["errors"][k] for rep in reports_by_rank)
-             for k in first["correctness"]["errors"]}
-    lines = [f"{head} correctness: {'FAIL on ranks ' + str(bad) if bad else 'ok'} (max abs error "
-             + ", ".join(f"{k} {e:.1e}" for k, e in worst.items()) + ")"]
+    lines = []
+    for i, case in enumerate(first["correctness"]):
+        bad = [r for r, rep in enumerate(reports_by_rank) if not rep["correctness"][i]["ok"]]
+        worst = {k: max(rep["correctness"][i]["errors"][k] for rep in reports_by_rank)
+                 for k in case["errors"]}
+        lines.append(f"{head} correctness: {'FAIL on ranks ' + str(bad) if bad else 'ok'} ({case['case']}; "
+                     f"max abs error " + ", ".join(f"{k} {e:.1e}" for k, e in worst.items()) + ")")
     for row in first["bandwidth"]:
         lines.append(f"{head} ring exchange {row['bytes']:>9d} B: {row['seconds'] * 1e6:9.1f} us, "
                      f"{row['GB/s']:.3f} GB/s per rank (rank 0)")
@@ -272,21 +294,21 @@ def main(argv=None) -> int:
         return run_full(args)
 
     # decided together: a rank alone on the GPU path would wait forever for the others
-    backends = ["numpy"] + (["cupy"] if all(_gather(gpu_usable())) else [])
+    gpu = all(_gather(gpu_usable()))
     results, ok, lines = {}, True, []
-    for backend in list(backends):
+    for backend in ["numpy"] + (["cupy"] if gpu else []):
         try:
             mine = run_backend(backend, args.quick)
         except BackendUnavailable as exc:  # raised on every rank alike (agreed in bootstrap)
-            lines.append(f"[{backend}] cannot start: {exc}")
-            backends.remove(backend)
+            lines.append(f"[{backend}] cannot start on the GPU found here: {exc}")
+            ok = False
             continue
         everyone = _gather(mine)
         results[backend] = everyone
-        ok &= all(rep["correctness"]["ok"] for rep in everyone)
+        ok &= all(case["ok"] for rep in everyone for case in rep["correctness"])
         lines += _lines(everyone)
     if _rank() == 0:
-        if len(backends) == 1:
+        if not gpu:
             lines.insert(0, "no usable CUDA GPU on this machine: ran the CPU checks only")
         advice = blas_advice()
         if advice:

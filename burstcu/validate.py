@@ -527,9 +527,8 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
     if crossed is not None:
         raise InputError(ValueError, crossed).exception()
     gathered = [(e, m, value) for e, m, (value, _) in gathered]
-    if error:   # this rank's own problem, named as its peers name it unless every rank has it
-        alike = all(e is not None and tuple(e) == error.plain() for e, _, _ in gathered)
-        raise error.exception(rank=None if alike else transport.rank)
+    if error:   # this rank's own problem, named as its peers name it unless every rank has one
+        raise error.exception(rank=None if all(e is not None for e, _, _ in gathered) else transport.rank)
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]

@@ -251,6 +251,51 @@ def test_selftest_usage_errors_come_before_any_check(capsys):
         assert selftest.main(argv) == 2 and said in capsys.readouterr().err
 
 
+def test_selftest_fails_an_op_wrong_over_several_tiles_or_in_float32(monkeypatch, capsys):
+    """Its one correctness case (float64, causal, 32 rows a rank: one tile of the NumPy op) passed
+    an op that folded only the first key tile of each block, and one whose float32 outputs were
+    off by 0.05; the second case (float32, full, shards of several tiles) fails both."""
+    from burstcu import selftest
+    from burstcu.ops.numpy import op
+
+    whole = op._tiles
+    monkeypatch.setattr(op, "_tiles", lambda block, tile_q, tile_k, keys_outer=False: whole(
+        block._replace(k_len=min(block.k_len, tile_k)), tile_q, tile_k, keys_outer))
+    first, tiled = selftest.run_backend("numpy", quick=True)["correctness"]
+    assert first["ok"] and not tiled["ok"] and "float32, full, contiguous" in tiled["case"], (first, tiled)
+    monkeypatch.setattr(op, "_tiles", whole)
+    finalize = op.NumpyOps.forward_finalize
+
+    def shifted(self, state, out_dtype):
+        out, lse = finalize(self, state, out_dtype)
+        return (out if np.dtype(out_dtype) == np.float64 else out + np.float32(0.05)), lse
+    monkeypatch.setattr(op.NumpyOps, "forward_finalize", shifted)
+    first, tiled = selftest.run_backend("numpy", quick=True)["correctness"]
+    assert first["ok"] and not tiled["ok"] and tiled["errors"]["out"] > 0.04, (first, tiled)
+    monkeypatch.setattr(op.NumpyOps, "forward_finalize", finalize)
+    assert selftest.main(["--quick"]) == 0 and capsys.readouterr().out.count("correctness: ok") == 2
+
+
+def test_selftest_fails_where_a_gpu_is_found_but_its_backend_cannot_start(monkeypatch, capsys):
+    """It said "no usable CUDA GPU on this machine" and PASSED (exit 0) when the GPU backend
+    could not start (NCCL missing, a driver too old)."""
+    from burstcu import selftest
+    from burstcu.transport.bootstrap import BackendUnavailable
+
+    real = selftest.run_backend
+
+    def run_backend(backend, quick):
+        if backend == "cupy":
+            raise BackendUnavailable("burstcu backend 'cupy' cannot start (rank(s) 0): NCCL is missing")
+        return real(backend, quick)
+    monkeypatch.setattr(selftest, "gpu_usable", lambda: True)
+    monkeypatch.setattr(selftest, "run_backend", run_backend)
+    assert selftest.main(["--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "[cupy] cannot start on the GPU found here" in out and "selftest FAILED" in out
+    assert "no usable CUDA GPU" not in out
+
+
 @pytest.mark.mpi
 def test_a_rank_whose_rows_have_a_result_of_zero_passes():
     """Two rows, causal, two ranks: rank 0's one row sees one key, so its exact dq is 0 and its

@@ -250,6 +250,48 @@ def test_burst_both_ways_is_offered_only_where_it_is_predicted_faster():
         assert all(c.options != {"bidirectional": True} for c in p.candidates), labels(p)
 
 
+def test_the_plans_choice_runs_when_passed_back():
+    """plan's choice may be burst bidirectional=True, which attention did not take (a TypeError on
+    every rank); now `attention(..., strategy=p.strategy, **p.options)` runs it: the reference's
+    result, auto's bits, and its own messages (rank 0 sends its block both ways, rank 1 one fewer
+    than one way round). The keyword is burst's, and a bool."""
+    from burstcu.testing.reference import attention_backward_ref, attention_ref
+    from burstcu.testing.world import RankFailed, run_ranks
+    rng = np.random.default_rng(0)
+    q_all, dout_all = (rng.standard_normal((1, 25, 4, 8)) for _ in range(2))
+    k_all, v_all = (rng.standard_normal((1, 25, 2, 8)) for _ in range(2))
+
+    def body(group):
+        q, k, v, dout = (burstcu.shard(x, group) for x in (q_all, k_all, v_all, dout_all))
+        chosen = burstcu.plan(q.shape, k.shape, group, causal=True, dtype="float64", seqlen=25)
+        assert chosen.options == {"bidirectional": True}
+        assert f"(bytes rank {group.rank} sends)" in str(chosen)
+        out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True,
+                                     strategy=chosen.strategy, **chosen.options)
+        grads = burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True,
+                                           strategy=chosen.strategy, **chosen.options)
+        assert np.array_equal(out, burstcu.attention(q, k, v, group, causal=True, strategy="auto"))
+        sent = []
+        for both in (True, False):
+            group.stats.reset()
+            burstcu.attention(q, k, v, group, causal=True, bidirectional=both)
+            sent.append(group.stats.messages)
+        return [burstcu.unshard(x, group) for x in (out, *grads)], sent
+
+    results = run_ranks(3, body)
+    want = (attention_ref(q_all, k_all, v_all, True)[0],
+            *attention_backward_ref(dout_all, q_all, k_all, v_all, True))
+    for got, _ in results:
+        for x, ref in zip(got, want):
+            np.testing.assert_allclose(x, ref, rtol=1e-10, atol=1e-12)
+    assert [sent for _, sent in results] == [[2, 1], [1, 2], [0, 0]]
+    for kw, error in (({"strategy": "ring", "bidirectional": True}, "an option of strategy='burst'"),
+                      ({"bidirectional": "yes"}, "bidirectional must be True or False")):
+        with pytest.raises(RankFailed, match=error):
+            run_ranks(2, lambda g, kw=kw: burstcu.attention(
+                *(burstcu.shard(x, g) for x in (q_all, k_all, v_all)), g, **kw))
+
+
 @pytest.mark.parametrize("q_shape,k_shape,said", [
     ((1, 64, 6, 16), (1, 64, 4, 16), "q has 6 heads, k has 4: nheads must be a multiple of nheads_kv"),
     ((1, 64, 4, 16), (1, 32, 4, 16), "differ in batch, length or head dim"),
