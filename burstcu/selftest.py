@@ -215,21 +215,21 @@ def overlap_figures(compute_s: float, comm_s: float, both_s: float, jitter_s: fl
 
 def run_backend(backend: str, quick: bool) -> dict:
     """All three checks on one backend; every rank returns its own results."""
-    group = init(backend=backend)
-    xp = group.ops.xp
-    report: dict = {"backend": backend, "transport": group.transport.name, "size": group.size}
-    dtype = native_dtype(group)
-    report["correctness"] = []
-    for options, case in correctness_cases(group):
-        own = init(backend=backend, **options) if options else group   # collective, like the checks
-        report["correctness"].append(check_correctness(own, xp, **case))
-        if own is not group:
-            own.close()
-    sizes = (1 << 16, 1 << 20) if quick else (1 << 16, 1 << 20, 1 << 22, 1 << 24)
-    report["bandwidth"] = probe_bandwidth(group, sizes, repeat=3 if quick else 10)
-    report["overlap"] = probe_overlap(group, seqlen=128 if quick else 1024, repeat=3 if quick else 10,
-                                      dtype="float32" if dtype == "float64" else dtype)
-    group.close()
+    with init(backend=backend) as group:
+        xp = group.ops.xp
+        report: dict = {"backend": backend, "transport": group.transport.name, "size": group.size}
+        dtype = native_dtype(group)
+        report["correctness"] = []
+        for options, case in correctness_cases(group):
+            if not options:
+                report["correctness"].append(check_correctness(group, xp, **case))
+                continue
+            with init(backend=backend, **options) as own:   # collective, like the checks
+                report["correctness"].append(check_correctness(own, xp, **case))
+        sizes = (1 << 16, 1 << 20) if quick else (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+        report["bandwidth"] = probe_bandwidth(group, sizes, repeat=3 if quick else 10)
+        report["overlap"] = probe_overlap(group, seqlen=128 if quick else 1024, repeat=3 if quick else 10,
+                                          dtype="float32" if dtype == "float64" else dtype)
     return report
 
 

@@ -1076,10 +1076,10 @@ def check_decode_call(ops, arrays: tuple, cache_seqlens, softmax_scale, return_l
 Q_PROJECTIONS = 4      # random ±1 projections of each summarised piece of q that `q_summary` keeps
 Q_PIECES = 1024        # at most this many pieces: one a (b, t, h) head, or runs of heads when more
 # the rounding `q_values_problem` forgives: a piece's projections may move by this fraction of the
-# piece's summed |q|, 4 ulps of the dtype but at least 2**-12 (q of one token computed on two
-# ranks by other BLAS paths: a long product's cancellation moves an element by far more than
-# its own ulps); another token moves them by about that sum / sqrt(D)
-Q_ULPS, Q_ROUNDING_FLOOR = 4, 2.0 ** -12
+# piece's summed |q|, 4 ulps of the dtype but at least sqrt(eps), at most 2**-12 (q of one token
+# computed on two ranks by other BLAS paths: a long product's cancellation moves an element by
+# far more than its own ulps); another token moves them by about that sum / sqrt(D)
+Q_ULPS, Q_ROUNDING_CAP = 4, 2.0 ** -12
 Q_SCALE = 2.0 ** -20   # q scaled by it first: float64 near its largest sums without overflow
 
 
@@ -1095,7 +1095,7 @@ def q_summary(q) -> tuple | None:
     of g heads (g = 1 up to Q_PIECES heads); `projections` (bytes of float64 (pieces,
     Q_PROJECTIONS)) are each piece's finite values projected on fixed random ±1 vectors,
     `rounding` (bytes of float64 (pieces,)) how far rounding may move each (Q_ULPS,
-    Q_ROUNDING_FLOOR), and the digest says where q holds NaN, +inf and -inf. None for a device
+    Q_ROUNDING_CAP), and the digest says where q holds NaN, +inf and -inf. None for a device
     array (reading it would synchronise) or an empty one (refused by `check_decode_call`)."""
     if not isinstance(q, np.ndarray) or q.ndim != 4 or q.size == 0:
         return None
@@ -1107,7 +1107,8 @@ def q_summary(q) -> tuple | None:
     codes = b"" if finite.all() else (np.isnan(x) + 2 * np.isposinf(x) + 3 * np.isneginf(x)).astype(np.uint8)
     x = (x if finite.all() else np.where(finite, x, 0.0)).reshape(-1, g * d) * Q_SCALE
     limits = finfo(q.dtype)   # an ulp is at most eps |x|, or the smallest subnormal near zero
-    rounding = (max(Q_ULPS * float(limits.eps), Q_ROUNDING_FLOOR) * np.abs(x).sum(axis=1)
+    eps = float(limits.eps)
+    rounding = (max(Q_ULPS * eps, min(math.sqrt(eps), Q_ROUNDING_CAP)) * np.abs(x).sum(axis=1)
                 + Q_ULPS * float(limits.smallest_subnormal) * Q_SCALE * g * d)
     digest = hashlib.blake2b(bytes(codes), digest_size=16).digest()
     return (tuple(int(n) for n in q.shape), g, (x @ _q_signs(g * d).T).tobytes(), rounding.tobytes(), digest)

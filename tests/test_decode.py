@@ -130,7 +130,7 @@ def test_q_that_differs_on_one_rank_by_more_than_rounding_is_refused(dtype):
     another token are refused on both ranks, naming where; q moved by 4 ulps an element on one
     rank decodes, on both ranks alike."""
     from burstcu.ops.base import as_dtype
-    from burstcu.testing.world import run_ranks
+    from burstcu.testing.world import RankFailed, run_ranks
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 2, 16, 64)).astype(as_dtype(dtype))
     k, v = rng.standard_normal((2, 2, 2, 8, 4, 64)).astype(as_dtype(dtype))   # (k or v, rank, B, S, Hkv, D)
@@ -153,6 +153,10 @@ def test_q_that_differs_on_one_rank_by_more_than_rounding_is_refused(dtype):
     assert not np.array_equal(nudged, q)
     outs = run_ranks(2, lambda g: burstcu.decode(q if g.rank == 0 else nudged, k[g.rank], v[g.rank], g))
     np.testing.assert_array_equal(outs[0], outs[1])
+    if dtype in ("float32", "float64"):   # a token that correlates 0.999 with q's is another token
+        near = (0.999 * q + 0.045 * rng.standard_normal(q.shape)).astype(q.dtype)
+        with pytest.raises(RankFailed, match="differ from rank 0's by more than rounding"):
+            run_ranks(2, lambda g: burstcu.decode(q if g.rank == 0 else near, k[g.rank], v[g.rank], g))
 
 
 def test_q_near_the_largest_float64_is_compared_too():

@@ -21,9 +21,6 @@ from bench import _common as C  # noqa: E402
 import burstcu  # noqa: E402
 from burstcu.plan import Machine, plan  # noqa: E402
 
-PUBLIC_OPTIONS = {"ulysses_degree"}   # the options of a strategy that `burstcu.attention` takes
-
-
 def fwd_bwd_seconds(group, inputs, repeats: int, on=None, **how) -> float:
     """Median over repeats of the slowest rank's forward + backward seconds, across the ranks of
     `on` (None: each rank alone)."""
@@ -66,17 +63,10 @@ def measure_machine(group, headdim: int, repeats: int) -> Machine:
                    f"{step_overhead * 1e3:.2f} ms a step", step_overhead)
 
 
-def time_candidates(candidates, seconds) -> tuple[dict, list]:
-    """({label: seconds(strategy, options)} of the candidates `burstcu.attention` can run, [labels
-    of those it cannot]): an option only the planner's own choice sets (burst's bidirectional=True,
-    which strategy="auto" runs with the library's machine, not the measured one) is not timed."""
-    measured, not_timed = {}, []
-    for c in candidates:
-        if set(c.options) <= PUBLIC_OPTIONS:
-            measured[c.label] = seconds(c.strategy, c.options)
-        else:
-            not_timed.append(c.label)
-    return measured, not_timed
+def time_candidates(candidates, seconds) -> dict:
+    """{label: seconds(strategy, options)} of every candidate, each run as `burstcu.attention`
+    takes the plan's choice (`strategy=c.strategy, **c.options`)."""
+    return {c.label: seconds(c.strategy, c.options) for c in candidates}
 
 
 def main(argv=None):
@@ -101,12 +91,11 @@ def main(argv=None):
                                 dtype="float32", layout=args.layout)
         q, k = inputs[0], inputs[1]
         chosen = plan(q.shape, k.shape, group, dtype=q.dtype, machine=machine, **how)
-        measured, not_timed = time_candidates(chosen.candidates, lambda strategy, options: fwd_bwd_seconds(
+        measured = time_candidates(chosen.candidates, lambda strategy, options: fwd_bwd_seconds(
             group, inputs, args.repeats, group, strategy=strategy, **how, **options))
         best, pick = min(measured, key=measured.get), chosen.choice.label
         rows.append({"seqlen": n, "heads": h, "kv_heads": hkv, "pick": pick, "measured_best": best,
-                     "regret": measured[pick] / measured[best] if pick in measured else None,
-                     "measured_s": measured, "not_timed": not_timed,
+                     "regret": measured[pick] / measured[best], "measured_s": measured,
                      "predicted_s": {c.label: c.forward_s + c.backward_s for c in chosen.candidates}})
     env = C.environment_on_rank0(group, print_header=True)
     if env is None:
@@ -115,8 +104,7 @@ def main(argv=None):
           f"layout={args.layout}; model machine: {machine.source}")
     show = [{"N": r["seqlen"], "H": f"{r['heads']}/{r['kv_heads']}", "pick": r["pick"],
              "measured best": r["measured_best"],
-             "regret": "not timed" if r["regret"] is None else f"{r['regret']:.2f}",
-             "pick measured": C.fmt_s(r["measured_s"].get(r["pick"])),
+             "regret": f"{r['regret']:.2f}", "pick measured": C.fmt_s(r["measured_s"][r["pick"]]),
              "best measured": C.fmt_s(r["measured_s"][r["measured_best"]])} for r in rows]
     return C.emit(C.table(show, list(show[0])) if show else "(no shape in the grid)",
                   {"benchmark": "plan_check", "environment": env, "args": vars(args),

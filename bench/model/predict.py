@@ -60,7 +60,7 @@ def exposed_from_seqlen(args, machine: Machine, strategy: str, pass_: str, above
     cost above the latency hides short passes too: the exposed lengths lie between two roots."""
     unit = 2 * args.ranks
     hidden = _hidden_at(args, machine, strategy, pass_)
-    last = (MAX_SEQLEN if above is None else above) // unit - 1   # exposed, unless above is 2G
+    last = MAX_SEQLEN // unit if above is None else above // unit - 1   # exposed, unless above is 2G
     return None if last < 1 else _boundary(lambda u: not hidden(u), last) * unit
 
 

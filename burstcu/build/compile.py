@@ -148,20 +148,21 @@ def cuda_headers_digest() -> str:
     `cuda_include_dir()` (another headers wheel compiles other code); "" where there are none or
     they cannot be read (compiling then says why)."""
     try:
-        folder = Path(cuda_include_dir())
+        folder = Path(cuda_include_dir()).resolve()   # /usr/local/cuda/include is often a link
         h = hashlib.sha256()
         for path in _included(folder, CUDA_HEADERS):
-            h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    except (CompileError, ImportError, OSError, ValueError):
+            name = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    except (CompileError, ImportError, OSError):
         return ""
     return h.hexdigest()
 
 
 def _included(folder: Path, names: Sequence[str]) -> list[Path]:
     """The files `names` of `folder` and every header they reach by #include "..." or <...>
-    found beside the including file or in `folder`, sorted."""
+    found beside the including file or in `folder`, resolved, sorted."""
     seen: set[Path] = set()
-    todo = [folder / name for name in names]
+    todo = [(folder / name).resolve() for name in names]
     while todo:
         path = todo.pop()
         if path in seen or not path.is_file():

@@ -24,7 +24,8 @@ class StepTrace:
     """Host-side timings of one ring step on one rank (seconds; on a GPU: enqueue times only),
     noted as the step ends. `step`: the ring's 0, 1, ...; ulysses notes 0 (its all-to-all in),
     1 (the attention) and 2 (the all-to-all back), usp -1 (its all-to-all in) before the ring's
-    steps and one step past them (the all-to-all back)."""
+    steps and G/u (forward) or G/u + 1 (backward) after them (the all-to-all back: past the
+    backward's last step G/u, which a ring of one group has not)."""
 
     pass_: str
     step: int

@@ -383,6 +383,33 @@ def test_the_cuda_headers_are_part_of_an_nvrtc_key(cache, tmp_path, monkeypatch)
     assert compile.cache_key("nvrtc.cu", [NVRTC_NAME], "sm_80", kdir=tmp_path) != key
 
 
+def test_the_cuda_headers_digest_reads_what_cuda_fp16_includes_through_a_link(tmp_path, monkeypatch):
+    """The headers cuda_fp16.h and cuda_bf16.h reach are hashed, the others not; an include folder
+    reached through a symbolic link (/usr/local/cuda/include) hashes alike (it gave "")."""
+    real, linked = tmp_path / "targets" / "include", tmp_path / "include"
+    (real / "crt").mkdir(parents=True)
+    linked.symlink_to(real, target_is_directory=True)
+    (real / "cuda_fp16.h").write_text('#include "cuda_fp16.hpp"\n#include <crt/host_defines.h>\n')
+    (real / "cuda_fp16.hpp").write_text("// fp16\n")
+    (real / "cuda_bf16.h").write_text("// bf16\n")
+    (real / "crt" / "host_defines.h").write_text("// defines\n")
+    (real / "unrelated.h").write_text("// another wheel's\n")
+
+    def digest(folder) -> str:
+        monkeypatch.setattr(compile, "cuda_include_dir", lambda: str(folder))
+        compile.cuda_headers_digest.cache_clear()
+        return compile.cuda_headers_digest()
+    try:
+        before = digest(real)
+        assert before and digest(linked) == before
+        (real / "unrelated.h").write_text("// changed\n")
+        assert digest(linked) == before
+        (real / "crt" / "host_defines.h").write_text("// changed\n")
+        assert digest(linked) != before
+    finally:
+        compile.cuda_headers_digest.cache_clear()
+
+
 @pytest.mark.parametrize("damage", ["truncated .cubin", "corrupt .json", "corrupt manifest"])
 def test_damaged_nvrtc_entry_is_rebuilt(cache, tmp_path, damage):
     needs_nvrtc()
