@@ -71,8 +71,7 @@ def _engine(strategy: str, options: dict):
     """The strategy object (`burstcu.engine`) with the forward/backward pair of `strategy`;
     options: its keywords (ulysses_degree for "usp", bidirectional for "burst"), None and False
     meaning the default."""
-    return engine.get(strategy, **{k: v for k, v in options.items()
-                                   if v is not None and not (isinstance(v, (bool, np.bool_)) and not v)})
+    return engine.get(strategy, **{k: v for k, v in options.items() if v not in (None, False)})
 
 
 class _Tracking(DelegatingOps):

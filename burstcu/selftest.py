@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,12 @@ def correctness_cases(group: Group) -> list[tuple[dict, dict]]:
     with a ragged last one (the NumPy op with 16 x 32 tiles in float32; the kernels' own tiles of
     64 or 128 rows in float16)."""
     native = native_dtype(group)
-    tiled = ({"tile_q": 16, "tile_k": 32}, 80, "float32") if native == "float64" else ({}, 160, native)
-    return [({}, dict(dtype=native, seqlen_local=32, causal=True, layout="zigzag")),
-            (tiled[0], dict(dtype=tiled[2], seqlen_local=tiled[1], causal=False, layout="contiguous"))]
+    full = dict(causal=False, layout="contiguous")
+    if native == "float64":   # the NumPy op
+        tiled = ({"tile_q": 16, "tile_k": 32}, dict(dtype="float32", seqlen_local=80, **full))
+    else:
+        tiled = ({}, dict(dtype=native, seqlen_local=160, **full))
+    return [({}, dict(dtype=native, seqlen_local=32, causal=True, layout="zigzag")), tiled]
 
 
 def check_correctness(group: Group, xp: Any = np, dtype: str = "float64", seqlen_local: int = 32,
@@ -220,11 +224,8 @@ def run_backend(backend: str, quick: bool) -> dict:
         report: dict = {"backend": backend, "transport": group.transport.name, "size": group.size}
         dtype = native_dtype(group)
         report["correctness"] = []
-        for options, case in correctness_cases(group):
-            if not options:
-                report["correctness"].append(check_correctness(group, xp, **case))
-                continue
-            with init(backend=backend, **options) as own:   # collective, like the checks
+        for options, case in correctness_cases(group):   # a group of its own: collective
+            with init(backend=backend, **options) if options else nullcontext(group) as own:
                 report["correctness"].append(check_correctness(own, xp, **case))
         sizes = (1 << 16, 1 << 20) if quick else (1 << 16, 1 << 20, 1 << 22, 1 << 24)
         report["bandwidth"] = probe_bandwidth(group, sizes, repeat=3 if quick else 10)

@@ -1103,9 +1103,11 @@ def q_summary(q) -> tuple | None:
     g = -(-heads // Q_PIECES)
     x = np.zeros((-(-heads // g) * g, d))
     x[:heads] = q.reshape(heads, d)
-    finite = np.isfinite(x)
-    codes = b"" if finite.all() else (np.isnan(x) + 2 * np.isposinf(x) + 3 * np.isneginf(x)).astype(np.uint8)
-    x = (x if finite.all() else np.where(finite, x, 0.0)).reshape(-1, g * d) * Q_SCALE
+    codes = b""                          # where NaN (1), +inf (2) and -inf (3) are, if anywhere
+    if not np.isfinite(x).all():
+        codes = (np.isnan(x) + 2 * np.isposinf(x) + 3 * np.isneginf(x)).astype(np.uint8)
+        x = np.where(codes == 0, x, 0.0)
+    x = x.reshape(-1, g * d) * Q_SCALE
     limits = finfo(q.dtype)   # an ulp is at most eps |x|, or the smallest subnormal near zero
     eps = float(limits.eps)
     rounding = (max(Q_ULPS * eps, min(math.sqrt(eps), Q_ROUNDING_CAP)) * np.abs(x).sum(axis=1)

@@ -150,7 +150,10 @@ def cuda_headers_digest() -> str:
     try:
         folder = Path(cuda_include_dir()).resolve()   # /usr/local/cuda/include is often a link
         h = hashlib.sha256()
-        for path in _included(folder, CUDA_HEADERS):
+        # what they include, "..." or <...>: beside the including file or in the folder
+        reached = _reached([(folder / name).resolve() for name in CUDA_HEADERS], _ANY_INCLUDE_RE,
+                           lambda path, name: [(path.parent / name).resolve(), (folder / name).resolve()])
+        for path in reached:
             name = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
             h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     except (CompileError, ImportError, OSError):
@@ -158,18 +161,19 @@ def cuda_headers_digest() -> str:
     return h.hexdigest()
 
 
-def _included(folder: Path, names: Sequence[str]) -> list[Path]:
-    """The files `names` of `folder` and every header they reach by #include "..." or <...>
-    found beside the including file or in `folder`, resolved, sorted."""
+def _reached(starts: list[Path], include_re: re.Pattern, candidates) -> list[Path]:
+    """`starts` and every file their #include lines (`include_re`) reach, recursively, sorted:
+    candidates(path, name) lists where an included name may be; files that do not exist are left
+    out."""
     seen: set[Path] = set()
-    todo = [(folder / name).resolve() for name in names]
+    todo = list(starts)
     while todo:
         path = todo.pop()
         if path in seen or not path.is_file():
             continue
         seen.add(path)
-        for name in _ANY_INCLUDE_RE.findall(path.read_text(errors="replace")):
-            todo += [(path.parent / name).resolve(), (folder / name).resolve()]
+        for name in include_re.findall(path.read_text(errors="replace")):
+            todo += candidates(path, name)
     return sorted(seen)
 
 
@@ -180,16 +184,7 @@ def local_includes(source: str, kdir: Path | None = None) -> list[Path]:
     branches NVRTC never takes but that do exist) are part of the result only if the file exists.
     """
     kdir = Path(kdir or kernel_dir())
-    seen: set[Path] = set()
-    todo = [kdir / source]
-    while todo:
-        path = todo.pop()
-        if path in seen or not path.exists():
-            continue
-        seen.add(path)
-        for name in _INCLUDE_RE.findall(path.read_text()):
-            todo.append((path.parent / name).resolve())
-    return sorted(seen)
+    return _reached([kdir / source], _INCLUDE_RE, lambda path, name: [(path.parent / name).resolve()])
 
 
 def source_digest(source: str, kdir: Path | None = None) -> str:
