@@ -21,12 +21,14 @@ whichever ranks hold them. A row that attends to no key gets out = 0 and lse = -
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import engine
 from .arrays import (array_module, device_problem, group_for, is_cupy, is_jax, joined, native, returned,
                      to_jax, untakeable, wait_computed)
-from .cpu_tensors import host_view, tensor_of
+from .cpu_tensors import host_view, resolved, tensor_of
 from .engine import decode as decode_strategy
 from .group import Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
@@ -378,7 +380,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
         if check:
             call.transport.where = "check of the row sums of P"
             try:  # nothing may raise on one rank alone before the agreement (see _checked)
-                verdict = check_row_sums(lse, row_sums["row_sums"], group.rank,
+                verdict = check_row_sums(lse, row_sums["row_sums"],
                                          _rows_that_see(part, group.rank, block_mask))
             except Exception as exc:
                 verdict = InputError(ValueError, f"cannot check the row sums: "
@@ -750,7 +752,9 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     most one row, or any lengths with uneven=True, as `attention` takes them). Traffic is
     counted in `group.stats` (uneven shards travel padded to the longest). group may be a
     `burstcu.Sharding`: its layout, documents and lengths; a keyword that disagrees raises
-    ValueError on every rank.
+    ValueError on every rank. A torch tensor's result carries no autograd history (as
+    torch.distributed's all_gather), whatever the group's size; float8 tensors travel as
+    their bytes.
     """
     return gather_shards(x_local, group, layout, axis, cu_seqlens, uneven)
 
@@ -786,10 +790,11 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
         held = _held_problem((x_local.shape[axis],), lengths)
         if held is not None:
             raise ValueError(held)
+        x_local = resolved(x_local, detach=True)
         return joined(x_local, [x_local], axis)
     with Call(group, "unshard") as call:
         with call.raising_together():
-            free = length = export = docs = dtype = None
+            free = length = export = docs = dtype = bits_of = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
                 err = (InputError(ValueError, conflict) if conflict is not None
                        else _not_an_array("unshard", "x_local", x_local)
@@ -801,6 +806,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                                       _rows_of_call(layout, cu_seqlens, group), axis=axis)
                     err = None if cut is None else InputError(ValueError, cut)
                 if err is None:
+                    x_local, bits_of = _float8_bits(resolved(x_local, detach=True))
                     if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
                         x_local, export = _host_tensor(x_local, group)   # CPU torch: NumPy
                         if export is None:
@@ -811,7 +817,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                            or _gatherable_problem(x_local))
                     shape = tuple(int(n) for n in x_local.shape)
                     free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
-                    dtype = str(x_local.dtype)
+                    dtype = str(bits_of or x_local.dtype)
             except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...), a bad layout
                 taken = untakeable(exc, (x_local,), UNSHARD_BFLOAT16, UNSHARD_OTHER_DTYPE)
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
@@ -844,7 +850,8 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
             if held is not None:
                 raise ValueError(held)
             warn_if_all_the_same([rep[9] for rep in reports], "x_local", "joins")
-        return returned(export, (_gathered(x_local, group, part, axis),))[0]
+        whole = returned(export, (_gathered(x_local, group, part, axis),))[0]
+    return whole if bits_of is None else whole.view(bits_of)
 
 
 def _not_an_array(call: str, name: str, x) -> InputError | None:
@@ -866,17 +873,29 @@ def _held_problem(held: tuple, lengths: tuple | None) -> str | None:
 
 def _host_tensor(x_local, group: Group) -> tuple:
     """(x_local as `unshard` gathers it, how to hand the result back, or None): on a host group,
-    a CPU torch tensor not requiring grad as a NumPy view (`cpu_tensors.host_view`: bfloat16 through
+    a CPU torch tensor (detached) as a NumPy view (`cpu_tensors.host_view`: bfloat16 through
     int16, which DLPack cannot carry into NumPy), handed back as a tensor of its dtype
     (`cpu_tensors.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
-    it, or refuses it, as a GPU group refuses host arrays). A CPU JAX array of bfloat16 (which
-    DLPack cannot carry into NumPy either) goes as JAX's own NumPy view (ml_dtypes.bfloat16),
-    handed back as a JAX array (`to_jax`)."""
-    on_host = group.ops.device != "cuda" and not getattr(x_local, "requires_grad", False)
-    if on_host and is_jax(x_local) and str(getattr(x_local, "dtype", "")) == "bfloat16":
+    it, or refuses it, as a GPU group refuses host arrays). A CPU JAX array of bfloat16 or a
+    float8 dtype (which DLPack cannot carry into NumPy either) goes as JAX's own NumPy view
+    (ml_dtypes), handed back as a JAX array (`to_jax`)."""
+    on_host = group.ops.device != "cuda"
+    dtype = str(getattr(x_local, "dtype", ""))
+    if on_host and is_jax(x_local) and dtype.startswith(("bfloat16", "float8_")):
         return np.asarray(x_local), to_jax
     view = host_view(x_local) if on_host else x_local
     return (x_local, None) if view is x_local else (view, tensor_of)
+
+
+def _float8_bits(x_local) -> tuple:
+    """(x_local's bytes as a uint8 torch tensor, the dtype to view the gathered bytes as) for a
+    torch tensor of a float8 dtype (NumPy and CuPy have none, so DLPack cannot carry it); else
+    (x_local, None)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x_local, torch.Tensor) or not str(x_local.dtype).startswith(
+            "torch.float8_"):
+        return x_local, None
+    return x_local.view(torch.uint8), x_local.dtype
 
 
 def _gatherable_problem(x_local) -> InputError | None:

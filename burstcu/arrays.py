@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from .cpu_tensors import resolved
 from .group import Group, local_group
 from .transport.torch_dist import torch_process_group
 from .validate import FLOAT_DTYPES, InputError
@@ -191,12 +192,13 @@ def to_jax(result):
 
 def native(ops, *arrays):
     """Arrays of another framework (JAX, PyTorch, ...) viewed zero-copy through DLPack as the
-    backend's own arrays, plus how to return results in the first one's framework (None: they
+    backend's own arrays (a torch tensor's lazy negation or conjugation applied first:
+    `cpu_tensors.resolved`), plus how to return results in the first one's framework (None: they
     already are native). Anything else is left for validation to reject with a clear error."""
     is_foreign = [not isinstance(x, ops.array_types) and hasattr(x, "__dlpack__") for x in arrays]
     if not any(is_foreign):
         return arrays, None
-    converted = tuple(ops.xp.from_dlpack(x) if f else x for x, f in zip(arrays, is_foreign))
+    converted = tuple(ops.xp.from_dlpack(resolved(x)) if f else x for x, f in zip(arrays, is_foreign))
     return converted, _exporter(arrays[is_foreign.index(True)])
 
 

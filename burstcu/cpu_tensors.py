@@ -1,5 +1,6 @@
 """CPU torch tensors as NumPy views of their values, and NumPy arrays as CPU tensors, bfloat16
-included (through int16: NumPy cannot import bfloat16 over DLPack). Imports neither torch nor
+included (through int16: NumPy cannot import bfloat16 over DLPack); torch tensors' lazy
+negation and conjugation applied, which DLPack does not carry. Imports neither torch nor
 anything of burstcu: torch is used only where the caller has imported it."""
 
 from __future__ import annotations
@@ -9,14 +10,24 @@ import sys
 import numpy as np
 
 
+def resolved(x, detach: bool = False):
+    """A torch tensor with its lazy negation and conjugation applied (a view such as
+    z.conj().imag holds -values it reads from memory that holds values: DLPack hands over the
+    memory alone), detached with `detach`; anything else as it is."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return x
+    return (x.detach() if detach else x).resolve_conj().resolve_neg()
+
+
 def host_view(x):
-    """A CPU torch tensor as a NumPy view of its values, detached (bfloat16 through int16, viewed
-    back as ml_dtypes.bfloat16: NumPy cannot import bfloat16 over DLPack, nor take a tensor that
-    requires grad); anything else as it is."""
+    """A CPU torch tensor as a NumPy view of its values (`resolved`, detached; bfloat16 through
+    int16, viewed back as ml_dtypes.bfloat16: NumPy cannot import bfloat16 over DLPack, nor take
+    a tensor that requires grad); anything else as it is."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
         return x
-    x = x.detach().contiguous()
+    x = resolved(x, detach=True).contiguous()
     if x.dtype == torch.bfloat16:
         import ml_dtypes
         return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import api, arrays
-from .cpu_tensors import host_view, tensor_of
+from .cpu_tensors import host_view, resolved, tensor_of
 from .group import Group
 from .validate import carry_cut
 
@@ -35,12 +35,13 @@ __all__ = ["attention", "linear_attention", "decode"]
 
 def _to_burstcu(t: torch.Tensor):
     """t as burstcu takes it: a CUDA tensor as itself (DLPack to CuPy), a CPU tensor as a NumPy
-    view (bfloat16 through int16, viewed back as ml_dtypes.bfloat16). Detached and contiguous.
+    view (bfloat16 through int16, viewed back as ml_dtypes.bfloat16). Detached, contiguous, its
+    lazy negation or conjugation applied (`cpu_tensors.resolved`).
     A tensor NumPy cannot view (float8, ...) is passed as it is: the call's validation refuses
     it on every rank, where raising here would leave the other ranks waiting."""
     if not isinstance(t, torch.Tensor):
         return t  # validation names what it is
-    t = t.detach().contiguous()
+    t = resolved(t, detach=True).contiguous()
     if t.is_cuda:
         return t
     try:

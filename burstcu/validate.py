@@ -412,13 +412,14 @@ ROW_SUM_TOL = 1e-3
 ROW_SUM_ULPS = 64
 
 
-def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
+def check_row_sums(lse, row_sums, sees=None) -> InputError | None:
     """A ValueError unless every row's sum of the recomputed P over the keys is 1 within
     ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|), and exactly 0 for rows that see no key:
     else lse is not the forward's for these inputs and options. lse, row_sums: (B, H, S), NumPy
     or CuPy. sees: (S,) bool, whether each local row sees a key under the backward's mask (a
     row with lse = -inf there has P = 0 by fiat, so its sum alone cannot tell); None: the rows
-    with a finite lse."""
+    with a finite lse. The message names no rank: `agree` names the one it comes from when
+    other ranks' rows were right."""
     lse_h, sums = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (lse, row_sums))
     eps = float(np.finfo(np.asarray(row_sums.dtype.type(0)).dtype).eps)
     saw = lse_h != -np.inf
@@ -444,7 +445,7 @@ def check_row_sums(lse, row_sums, rank: int, sees=None) -> InputError | None:
         found = (f"lse is -inf at {where}, a row that sees keys under this mask "
                  f"(rows wrong: {int(bad.sum())})")
     return InputError(ValueError, (
-        f"attention_backward(check=True): on rank {rank} {found}: lse is not the one "
+        f"attention_backward(check=True): {found}: lse is not the one "
         f"attention(..., return_lse=True) returned for these q, k, v and options (the same "
         f"mask?), or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))
 

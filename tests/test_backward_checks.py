@@ -146,11 +146,11 @@ def test_row_sums_tolerance_grows_with_lse():
     lse = np.array([[[0.0, 1e4, -np.inf]]], np.float32)
     eps = float(np.finfo(np.float32).eps)
     ok = np.array([[[1 + 0.9e-3, 1 - (1e-3 + 64 * eps * 1e4) * 0.99, 0.0]]], np.float32)
-    assert check_row_sums(lse, ok, 0) is None
+    assert check_row_sums(lse, ok) is None
     for bad in ([1.002, 1.0, 0.0], [1.0, 1 - (1e-3 + 64 * eps * 1e4) * 1.2, 0.0], [1.0, 1.0, 1e-3],
                 [np.nan, 1.0, 0.0]):
-        err = check_row_sums(lse, np.array([[bad]], np.float32), 3)
-        assert err is not None and err.kind is ValueError and "on rank 3" in err.message
+        err = check_row_sums(lse, np.array([[bad]], np.float32))
+        assert err is not None and err.kind is ValueError and "rank" not in err.message
 
 
 def _mpi4py():

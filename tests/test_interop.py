@@ -103,3 +103,41 @@ def test_results_return_through_the_arrays_namespace(monkeypatch):
     out = burstcu.attention(Array(q), Array(q), Array(q))
     assert isinstance(out, Array)
     assert np.abs(np.from_dlpack(out) - attention_ref(q, q, q)[0]).max() < 1e-12
+
+
+def test_torch_views_with_a_lazy_negation_are_read_as_their_values():
+    """A torch view whose values are its memory negated (z.conj().imag, as complex rotary code
+    makes; torch._neg_view, which a contiguous copy keeps): DLPack hands over the memory alone, so
+    attention (error 1.2 in out), its backward with such a dout (1.25 in dq), linear attention
+    and the torch adapter computed with the values negated. Each now gives what the same values
+    without the lazy negation give, and out is the float64 reference's."""
+    torch = pytest.importorskip("torch")
+    import burstcu.torch as burstcu_torch
+    from burstcu.testing.world import run_ranks
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.complex(torch.randn(1, 32, 2, 16, generator=gen), torch.randn(1, 32, 2, 16, generator=gen))
+    k, v, dout = (torch.randn(1, 32, 2, 16, generator=gen) for _ in range(3))
+    for lazy in (z.conj().imag, torch._neg_view(z.imag.contiguous())):
+        assert lazy.is_neg()
+        plain = lazy.resolve_neg().clone()
+        ref_out, _ = attention_ref(plain.numpy(), k.numpy(), v.numpy(), causal=True)
+        for attention in (burstcu.attention, burstcu_torch.attention):
+            out = attention(lazy, k, v, causal=True)
+            assert torch.equal(out, attention(plain, k, v, causal=True)), attention
+            assert np.abs(out.detach().numpy() - ref_out).max() < 1e-5, attention
+        out, lse = burstcu.attention(plain, k, v, causal=True, return_lse=True)
+        for got, want in zip(burstcu.attention_backward(lazy, plain, k, v, out, lse, causal=True),
+                             burstcu.attention_backward(plain, plain, k, v, out, lse, causal=True)):
+            assert torch.equal(got, want)
+        assert torch.equal(burstcu.linear_attention(lazy, k, v), burstcu.linear_attention(plain, k, v))
+
+    def body(group):   # a shard that is a lazy negation, on two ranks
+        sharding = burstcu.Sharding(group)
+        q = sharding.shard(plain)
+        lazy_q = torch.complex(torch.zeros_like(q), -q).conj().imag
+        assert lazy_q.is_neg()
+        return [sharding.unshard(burstcu.attention(x, sharding.shard(k), sharding.shard(v), sharding,
+                                                   causal=True)) for x in (lazy_q, q)]
+    for got, want in run_ranks(2, body):
+        assert torch.equal(got, want)

@@ -369,3 +369,35 @@ def test_the_global_array_unsharded_and_a_shard_sharded_are_named(world):
         assert r["one-process result cut"]["shape"] == [1, 6, 2, 8]
         assert r["shard of a shard"].startswith(f"shard: x is already one rank's shard of {world} "
                                                 f"(burstcu.shard cut it, or a call returned it")
+
+
+@pytest.mark.parametrize("world", (1, 2))
+def test_unshard_takes_what_it_takes_at_any_group_size(world):
+    """A torch tensor requiring grad (burstcu.torch.attention's output) and float8 torch and JAX
+    arrays were joined on one rank and refused on several (a program passing its tests on one
+    process failed on more): each is joined at any size now, bit for bit, a torch result
+    without autograd history on every size."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    from burstcu.testing.world import run_ranks
+
+    whole = torch.randn(1, 4 * world + 1, 2, 8, generator=torch.Generator().manual_seed(0))
+
+    def body(group):
+        sharding = burstcu.Sharding(group, layout="zigzag")
+        q = sharding.shard(whole).requires_grad_()
+        out = burstcu.torch.attention(q, q, q, sharding, causal=True)
+        joined = {"requires grad": sharding.unshard(q), "attention out": sharding.unshard(out),
+                  "torch float8": sharding.unshard(sharding.shard(whole.to(torch.float8_e5m2))),
+                  "jax float8": sharding.unshard(sharding.shard(
+                      jnp.asarray(whole.numpy()).astype(jnp.float8_e4m3fn)))}
+        return joined, out
+    for joined, _ in run_ranks(world, body):
+        assert torch.equal(joined["requires grad"], whole) and not joined["requires grad"].requires_grad
+        assert joined["attention out"].shape == whole.shape
+        assert not joined["attention out"].requires_grad
+        assert joined["torch float8"].dtype == torch.float8_e5m2
+        assert torch.equal(joined["torch float8"].view(torch.uint8), whole.to(torch.float8_e5m2).view(torch.uint8))
+        assert str(joined["jax float8"].dtype) == "float8_e4m3fn"
+        assert np.array_equal(np.asarray(joined["jax float8"]).view(np.uint8),
+                              np.asarray(jnp.asarray(whole.numpy()).astype(jnp.float8_e4m3fn)).view(np.uint8))
