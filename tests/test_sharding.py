@@ -397,7 +397,8 @@ def test_unshard_takes_what_it_takes_at_any_group_size(world):
         assert joined["attention out"].shape == whole.shape
         assert not joined["attention out"].requires_grad
         assert joined["torch float8"].dtype == torch.float8_e5m2
-        assert torch.equal(joined["torch float8"].view(torch.uint8), whole.to(torch.float8_e5m2).view(torch.uint8))
+        assert torch.equal(joined["torch float8"].view(torch.uint8),
+                           whole.to(torch.float8_e5m2).view(torch.uint8))
         assert str(joined["jax float8"].dtype) == "float8_e4m3fn"
         assert np.array_equal(np.asarray(joined["jax float8"]).view(np.uint8),
                               np.asarray(jnp.asarray(whole.numpy()).astype(jnp.float8_e4m3fn)).view(np.uint8))
