@@ -87,7 +87,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
-from .variants import CAREFUL_SUFFIX, kernel_dir
+from .variants import CAREFUL_SUFFIX, SMEM_PER_BLOCK, kernel_dir
 
 # Options every compile uses (the arch and include dirs are added per call). --use_fast_math
 # makes exp2f a single ex2.approx (FA2 does the same); -default-device lets common.cuh helpers
@@ -927,16 +927,16 @@ def get_function(source: str, name_expression: str, smem_bytes: int = 0,
 # Per-arch limits the gate checks and computes occupancy from (CUDA programming guide, "Technical
 # Specifications per Compute Capability").
 ARCH_LIMITS = {
-    "sm_80": {"regs_per_sm": 65536, "smem_per_sm": 164 * 1024, "smem_per_block": 163 * 1024,
+    "sm_80": {"regs_per_sm": 65536, "smem_per_sm": 164 * 1024, "smem_per_block": SMEM_PER_BLOCK["sm_80"],
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "A100"},
-    "sm_90": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": 227 * 1024,
+    "sm_90": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": SMEM_PER_BLOCK["sm_90"],
               "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "H100"},
     # the sm_90 table plus the Hopper families, for the same GPUs (cc 9.0 only)
-    "sm_90a": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": 227 * 1024,
+    "sm_90a": {"regs_per_sm": 65536, "smem_per_sm": 228 * 1024, "smem_per_block": SMEM_PER_BLOCK["sm_90"],
                "threads_per_sm": 2048, "blocks_per_sm": 32, "gpu": "H100"},
     # The "sm_86" table serves cc 8.6/8.7/8.9/12.x; the limits are sm_86's (cc 8.9 allows 24
     # blocks an SM, 12.0 32: a block-count bound never binds for these kernels).
-    "sm_86": {"regs_per_sm": 65536, "smem_per_sm": 100 * 1024, "smem_per_block": 99 * 1024,
+    "sm_86": {"regs_per_sm": 65536, "smem_per_sm": 100 * 1024, "smem_per_block": SMEM_PER_BLOCK["sm_86"],
               "threads_per_sm": 1536, "blocks_per_sm": 16, "gpu": "RTX 3090/4090, L40S"},
 }
 MAX_REGISTERS = 255

@@ -25,7 +25,7 @@
 
 from __future__ import annotations
 
-from .variants import ARCHS, KernelVariant, LaunchConfig, base_table
+from .variants import ARCHS, SMEM_PER_BLOCK, KernelVariant, LaunchConfig, base_table
 
 SOURCE = "flash_decode.cu"
 NWARPS = 4
@@ -35,8 +35,6 @@ KV_IN_FLIGHT = 65536    # bytes of K/V tiles a block's ring holds at most (STAGE
 _CXX = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 DPLS = (1, 2, 4, 8)
-# opt-in dynamic shared memory a block may take, by tile table (see variants.py)
-SMEM_BUDGET = {"sm_80": 166912, "sm_86": 101376, "sm_90": 232448}
 
 
 def rows_per_block(dpl: int) -> int:
@@ -91,7 +89,7 @@ def mma_keys(dn: int, rows: int) -> int:
     """BKM: keys a tile of the tensor-core twin, 64, or 32 where the 64-key tiles would not fit
     sm_86's budget and each of the NWARPS / (ROWS / 16) key slices still takes whole k16 steps."""
     slices = NWARPS // (rows // 16)
-    if _mma_bytes(dn, rows, 64) > SMEM_BUDGET["sm_86"] and (32 // slices) % 16 == 0:
+    if _mma_bytes(dn, rows, 64) > SMEM_PER_BLOCK["sm_86"] and (32 // slices) % 16 == 0:
         return 32
     return 64
 
@@ -133,7 +131,7 @@ def decode_variants(arch: str) -> list[KernelVariant]:
     """Every decode-family variant of the tile table `arch` that fits its shared memory."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
-    budget = SMEM_BUDGET[base_table(arch)]
+    budget = SMEM_PER_BLOCK[base_table(arch)]
     mma = [mma_variant(dt, dn, rows) for dt in MMA_DTYPES for rows in MMA_ROWS for dn in MMA_HEADDIMS
            if mma_smem_bytes(dn, rows) <= budget]
     return ([split_variant(dt, dpl) for dt in _CXX for dpl in DPLS if smem_bytes(dt, dpl) <= budget]

@@ -418,7 +418,9 @@ def build_module(
     sources: ``.cu`` files; a relative path is looked up in ``kernels/`` first, then the cwd.
     options: NVRTC-style options; ``-D``/``-U``/``-I``/``-O``/``-g`` are passed to g++, NVRTC-only ones
     (``--gpu-architecture``, ``-std``, ...) are ignored, anything else is a ValueError.
-    randomize/seed: the module's default for launches (see `EmuFunction.__call__`).
+    randomize/seed: the module's default for launches (see `EmuFunction.__call__`): a launch
+    that names no seed takes `seed` plus the number of this module's launches before it, so
+    each explores another order and a run of launches repeats as a whole.
     """
     kdir = kernel_dir().resolve()
     paths = _source_paths(sources, kdir)
@@ -508,6 +510,7 @@ class EmuModule:
         self.names = names
         self.randomize = randomize
         self.seed = seed
+        self.launches = 0   # of this module's functions so far (a launch's default seed)
         self._lib = _lib if _lib is not None else _load(self.path)
 
     def get_function(self, name: str) -> "EmuFunction":
@@ -610,7 +613,8 @@ class EmuFunction:
 
         randomize: resume threads released together (start, barrier, warp collective) and the
         blocks of the grid in a seeded random order, which exposes missing barriers; defaults to
-        the module's setting. allow_exit_before_barrier: let exited threads drop out of later
+        the module's setting. seed: the order's; defaults to the module's seed plus its launches
+        so far (`build_module`). allow_exit_before_barrier: let exited threads drop out of later
         __syncthreads (sm_70+ behaviour) instead of reporting it as an error.
         Raises RuntimeError with the emulator's message (deadlock, divergent barrier, fault, ...).
         """
@@ -620,10 +624,11 @@ class EmuFunction:
         ptrs = (ctypes.c_void_p * max(n, 1))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         c_sizes = (ctypes.c_size_t * max(n, 1))(*sizes)
         rnd = self.module.randomize if randomize is None else randomize
-        sd = self.module.seed if seed is None else seed
         flags = (1 if rnd else 0) | (2 if allow_exit_before_barrier else 0)
         err = ctypes.create_string_buffer(4096)
         with _LAUNCH_LOCK:
+            sd = self.module.seed + self.module.launches if seed is None else seed
+            self.module.launches += 1
             _keep_pool(self.module._lib)
             rc = self.module._lib.emu_launch(
                 self.name.encode(), *g, *b, int(shared_mem), ptrs, c_sizes, kinds, n,

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 
-from .variants import (ARCHS, CAREFUL_SUFFIX, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, KernelVariant,
-                       LaunchConfig, base_table, careful_variant)
+from .variants import (ARCHS, CAREFUL_SUFFIX, CXX_TYPE, DTYPES, NATIVE_HEADDIMS, SMEM_PER_BLOCK,
+                       KernelVariant, LaunchConfig, base_table, careful_variant)
 
 SOURCE = "flash_fwd.cu"
 FINALIZE_THREADS = 256  # flash_fwd_finalize's __launch_bounds__
@@ -103,7 +103,7 @@ SM90_THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # bench/results/h200/run4/tiles_sm90.json): at d = 128 a third stage (225 KB) runs the step 1.12x
 # (fp16, S = 16K) to 1.19x (S = 4K) faster than two; at d = 64 and 256 these tiles were best.
 _SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
-SM90_SMEM_LIMIT = 232448  # bytes of dynamic shared memory a block may take on sm_90 (227 KB)
+SM90_SMEM_LIMIT = SMEM_PER_BLOCK["sm_90"]  # 227 KB
 SM90_BLOCK_NS = (64, 128, 256)  # the kernel's static_assert: wgmma N of S = Q K^T
 SM90_HEADDIMS = tuple(_SM90_TILES)
 

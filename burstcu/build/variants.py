@@ -56,6 +56,11 @@ class KernelVariant:
     target: str = ""  # the arch it must be compiled for ("sm_90a"), or "": the device's own
 
 
+# opt-in dynamic shared memory a block may take, by tile table: what a table's variants must fit
+# (on a GPU its own limit is read instead; the emulator holds each table to its own)
+SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_90": 232448}
+
+
 def base_table(arch: str) -> str:
     """The tile table of the families every arch shares: "sm_90a" takes sm_90's."""
     return "sm_90" if arch == "sm_90a" else arch

@@ -253,6 +253,23 @@ def test_missing_barrier_exposed_by_random_order(mod):
     assert all(race(mod, barrier=True, randomize=True, seed=s) for s in range(4))
 
 
+def test_launches_without_a_seed_each_take_another_order():
+    """A module built with randomize=True (as KernelOps(randomize=True) builds them) ran every
+    launch in seed 0's order, so a race seed 0's order hides stayed hidden however often it ran:
+    a launch that names no seed now takes the module's seed plus its launches so far, and a
+    module built again repeats the same orders."""
+    def reads(module) -> list[bytes]:
+        fn, outs = module.get_function("probe_race<false>"), []
+        for _ in range(6):
+            out = np.zeros(128, np.int32)
+            fn((1,), (128,), (out,), shared_mem=128 * 4)
+            outs.append(out.tobytes())
+        return outs
+    first = reads(build_module([PROBES], NAMES, randomize=True))
+    assert len(set(first)) > 1
+    assert reads(build_module([PROBES], NAMES, randomize=True)) == first
+
+
 # ---------------------------------------------------------------------------------------------
 # errors come back as RuntimeError, never a hang or a dead interpreter
 

@@ -39,7 +39,7 @@ from ...build.bwd_variants import (LIST_SUFFIX, SM90_BULK_HEADDIMS, SM90_DKDV_BU
 from ...build.compile import (ATTR_SM_COUNT, ATTR_SMEM_PER_BLOCK_OPTIN, BuildTimeoutError,
                                compute_capability, device_attribute, get_function, nvrtc_version,
                                setmaxnreg_registers)
-from ...build.variants import MIN_COMPUTE_CAPABILITY, KernelVariant, kernel_dir
+from ...build.variants import MIN_COMPUTE_CAPABILITY, SMEM_PER_BLOCK, KernelVariant, base_table, kernel_dir
 from ...layout import Block
 from ...build import emulate
 from ...transport.streams import nvtx_range
@@ -223,7 +223,7 @@ class KernelOps(LocalOps):
             emulate.check_environment()   # the emulator's settings, read by its C runtime
             self.xp = np
             self.arch = arch or "sm_80"
-            self.smem_limit = None
+            self.smem_limit = None   # the table's own, once the table is known to exist (below)
             self.sm_count = _EMULATED_SM_COUNT
         self.array_types = (self.xp.ndarray,)
         if self.device == "cuda":                  # CuPy arrays have no bfloat16
@@ -261,6 +261,8 @@ class KernelOps(LocalOps):
         self.decode_mma_min_rows = decode.MMA_MIN_ROWS
         self._sm90_checking: set = set()   # Hopper backward variants whose first-use check runs
         self._variants: dict[str, KernelVariant] = {v.name: v for v in all_variants(self.arch)}
+        if self.device != "cuda":   # the emulator holds a table to the GPUs it is for
+            self.smem_limit = SMEM_PER_BLOCK[base_table(self.arch)]
         self._variant_of: dict[tuple, KernelVariant] = {}   # variant()'s answers (a fixed table)
         self._functions: dict[str, Any] = {}
         self._zero_flag = None
@@ -340,6 +342,10 @@ class KernelOps(LocalOps):
             fn = get_function(variant.source, name_expression, smem_bytes=variant.launch.smem_bytes,
                               target=variant.target)
         else:
+            if variant.launch.smem_bytes > self.smem_limit:   # a GPU of this table refuses it
+                raise ValueError(f"{name_expression} takes {variant.launch.smem_bytes} bytes of "
+                                 f"shared memory a block; the {self.arch} table's GPUs allow "
+                                 f"{self.smem_limit}")
             module = emulate.build_module([str(kernel_dir() / variant.source)], [name_expression],
                                           randomize=self.randomize)
             fn = module.get_function(name_expression)
