@@ -68,7 +68,7 @@ def positive_int(text: str) -> int:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m burstcu.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=positive_int, default=4096, help="global sequence length")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--heads", type=positive_int, default=8)
@@ -115,7 +115,13 @@ def main(argv=None) -> int:
     if rank == 0:
         _describe(args, group)
 
-    _passes(group, args, ql, kl, vl, dol)  # warm-up, untimed: compiles every kernel it needs
+    try:   # warm-up, untimed: compiles every kernel it needs
+        _passes(group, args, ql, kl, vl, dol)
+    except (ValueError, TypeError, MemoryError) as exc:
+        if not getattr(exc, "burstcu_agreed", False):   # not raised on every rank alike
+            raise
+        group.close()   # every rank refuses: these arguments are beyond this backend
+        return _refused(f"the {group.backend} backend: {exc}")
     row = {"rank": rank}
     out, _, grads = _passes(group, args, ql, kl, vl, dol, timings=row)
     if not args.no_check:

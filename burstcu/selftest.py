@@ -22,8 +22,9 @@ over NCCL) when a GPU is usable:
    timings' jitter). A figure below zero by more than its uncertainty says what that means.
 
 Rank 0 prints one line per check; the exit status is 1 when a correctness check fails or a GPU
-found here cannot be started. Timings are what this machine measured; nothing here is a claim
-about other hardware.
+found here cannot be started. `--full` exits 1 when a check fails, and 2, saying NOTHING
+CHECKED, when every check it ran was skipped (`--full --only nccl` without a GPU). Timings are
+what this machine measured; nothing here is a claim about other hardware.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from .transport.mpi import gather_plain
 MEASURABLE = 0.15
 NEGATIVE = ("negative beyond its uncertainty: compute and exchange together took longer than one "
             "after the other, cores contended")
+
+NOTHING_CHECKED = 2   # --full's exit status when every check it ran was skipped (as burstcu.build)
 
 # max abs error allowed against float64 on unit-normal inputs of this size: float64/float32 a few
 # hundred ulps; float16 (the CUDA kernels: fp16 operands, fp32 accumulation) ~10 ulps of 1
@@ -323,7 +326,8 @@ def main(argv=None) -> int:
 
 def run_full(args) -> int:
     """`--full`: one process, one device. On a GPU every check at full size; without one, the
-    same checks through the kernel emulator at toy sizes (what CI runs)."""
+    same checks through the kernel emulator at toy sizes (what CI runs). 1 if a check failed,
+    NOTHING_CHECKED if every check run was skipped (`--only nccl` without a GPU), else 0."""
     from .testing import checks
 
     if len(_gather(None)) > 1:
@@ -344,13 +348,15 @@ def run_full(args) -> int:
     passed, seconds = len(records) - len(failed) - len(skipped), time.perf_counter() - started
     summary = (f"selftest --full on {checks.device_name(backend)}: {passed} passed, {len(failed)} "
                f"failed, {len(skipped)} skipped in {seconds:.0f} s")
-    print(summary + (" - PASSED" if not failed else " - FAILED"), flush=True)
+    verdict = " - FAILED" if failed else " - PASSED" if passed else \
+        " - NOTHING CHECKED: every check run was skipped (what it needs is missing here)"
+    print(summary + verdict, flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": checks.device_name(backend), "backend": backend, "quick": quick,
                        "versions": checks.versions(), "summary": summary, "checks": records},
                       fh, indent=1, default=str)
-    return 1 if failed else 0
+    return 1 if failed else 0 if passed else NOTHING_CHECKED
 
 
 def _short(detail: Any) -> str:

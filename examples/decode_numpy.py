@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -141,6 +142,12 @@ def check(prompt: np.ndarray, new: int, tokens: list[int], attended: list) -> tu
     return error, None
 
 
+def writable_file(path: str) -> bool:
+    """Whether `path` names a file (not a folder) in an existing folder this user can write to."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return not os.path.isdir(path) and os.path.isdir(folder) and os.access(folder, os.W_OK)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=37,
@@ -150,6 +157,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.new < 1:
         ap.error(f"--new {args.new}: generate at least 1 token")
+    if args.json and not writable_file(args.json):   # before the run, not after it
+        ap.error(f"--json {args.json}: not a file in a folder this user can write to")
     group = burstcu.init(backend="numpy")
     if args.prompt < group.size:              # every rank alike: rank 0 says so, each ends
         if group.rank == 0:

@@ -164,7 +164,7 @@ def compare(ours: list[dict], theirs: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="training steps (at least 1)")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     parser.add_argument("--check", action="store_true",
@@ -173,6 +173,8 @@ def main(argv=None) -> int:
                         help="largest relative error of the loss and gradients with --check")
     parser.add_argument("--json", help="write the per-step figures here (rank 0)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: train at least 1 step")
     with burstcu.init(backend="numpy") as group:
         history = train(group, args.steps, args.lr, args.layout)
         rows = compare(history, train_reference(args.steps, args.lr)) if args.check else \

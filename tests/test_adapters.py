@@ -485,6 +485,19 @@ def test_train_jax_example_equals_one_process_jax(jax, tmp_path):
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
 
 
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_train_jax_refuses_steps_below_one(jax, steps):
+    """`--check --steps 0` trained nothing, printed nothing and exited 0: a usage error now."""
+    import subprocess
+    import sys
+
+    from tests.mpi_run import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_jax.py"), "--check", "--steps",
+                           steps], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and f"--steps {steps}: train at least 1 step" in proc.stderr, proc.stderr
+
+
 def test_train_jax_check_sees_a_wrong_attention(jax, monkeypatch):
     """The example's comparison can fail: training with attention that is not causal differs
     from the reference far beyond the tolerance."""

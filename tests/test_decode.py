@@ -293,6 +293,15 @@ def _generate(world: int, prompt: int, tmp_path) -> list[int]:
     return json.loads(out.read_text())["tokens"]
 
 
+def test_decode_example_refuses_an_unwritable_json_before_running(tmp_path):
+    """`--json /nonexistent/x.json` failed only after the whole run: a usage error at once."""
+    for path in ("/nonexistent/x.json", str(tmp_path)):
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "decode_numpy.py"), "--json", path],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "generated" not in proc.stdout, proc.stdout + proc.stderr
+        assert f"--json {path}: not a file in a folder this user can write to" in proc.stderr
+
+
 @pytest.mark.mpi
 def test_prefill_then_greedy_decode_gives_the_reference_tokens(tmp_path):
     """examples/decode_numpy.py: zigzag prefill over G ranks, then decode through KVCache; the

@@ -234,10 +234,12 @@ def test_demo_warms_up_before_timing(monkeypatch, capsys, count_calls):
     (["--heads", "x"], "--heads: must be an int, got 'x'"),
 ])
 def test_bad_demo_arguments_are_usage_errors(argv, said, capsys):
-    """Sizes the demo cannot make: argparse's usage error (status 2), not a library traceback."""
+    """Sizes the demo cannot make: argparse's usage error (status 2), not a library traceback,
+    under the name users type (it said `demo.py:`)."""
     with pytest.raises(SystemExit) as exc:
         demo.parse(argv)
-    assert exc.value.code == 2 and said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and said in err and "python -m burstcu.demo: error:" in err, err
 
 
 def test_selftest_usage_errors_come_before_any_check(capsys):
@@ -312,9 +314,12 @@ def test_a_rank_whose_rows_have_a_result_of_zero_passes():
 @pytest.mark.parametrize("argv, said", [
     (["--seqlen", "1", "--backend", "numpy"], "--seqlen 1 on 2 ranks: a sequence of 1 positions"),
     (["--backend", "emulated", "--dtype", "float32"], "--dtype float32: the emulated backend computes"),
+    (["--backend", "emulated", "--seqlen", "64", "--heads", "2", "--headdim", "512"],
+     "the emulated backend: head dim 512 is not supported by the CUDA kernels"),
 ])
 def test_what_the_backend_or_the_ranks_cannot_take_is_one_line(argv, said):
-    """A dtype the backend does not compute, or fewer rows than ranks: status 2 on every rank and
+    """A dtype the backend does not compute, fewer rows than ranks, or a head dim its kernels do
+    not take (a ValueError on every rank, status 1 as a FAILED run): status 2 on every rank and
     one line from rank 0 that says why, not a traceback on each."""
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "burstcu.demo", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env())

@@ -40,6 +40,17 @@ def test_full_selftest_on_the_emulator(tmp_path):
     assert "PASSED" in proc.stdout
 
 
+def test_a_full_run_where_every_check_was_skipped_checked_nothing():
+    """`--full --only nccl` without a GPU said "0 passed, 0 failed, 1 skipped ... PASSED" and
+    exited 0: it says NOTHING CHECKED and exits 2, as burstcu.build does with nothing to check."""
+    proc = subprocess.run([sys.executable, "-m", "burstcu.selftest", "--full", "--only", "nccl"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "0 passed, 0 failed, 1 skipped" in proc.stdout and "NOTHING CHECKED" in proc.stdout
+    assert "PASSED" not in proc.stdout
+
+
 def test_full_selftest_refuses_several_mpi_ranks():
     from tests.mpi_run import mpiexec
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "burstcu.selftest", "--full"],

@@ -178,14 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--md", dest="md_path", help="write the occupancy table (markdown) to this file")
     warm = sub.add_parser("warm", help="compile every kernel a GPU of this arch loads into the cache")
     warm.add_argument("--device", required=True, help="the GPU's arch, e.g. sm_80, sm_86, sm_90")
-    warm.add_argument("--tables", default="",
+    warm.add_argument("--tables",
                       help="the tile tables to warm, comma-separated (default: the one the device loads)")
     warm.add_argument("--family", help="only these families (comma-separated)")
     warm.add_argument("--jobs", type=int, default=None, help="compile processes (default: one a CPU)")
     args = parser.parse_args(argv)
     if args.command == "warm":
-        return _main_warm(parser, args)
+        return _main_warm(warm, args)
+    return _main_check(check, args)
 
+
+def _main_check(parser, args) -> int:
+    """`check` (module docstring), its usage errors from `parser` (the subcommand's)."""
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in ARCHS]
     if bad or not archs:
@@ -208,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{option} {path}: a folder, not a file")
     problem = compiler_problem()
     if problem:
-        print(f"{parser.prog} check: {problem}", file=sys.stderr)
+        print(f"{parser.prog}: {problem}", file=sys.stderr)
         return NO_COMPILER
     problem = _timeout_problem()
     if problem:
-        print(f"{parser.prog} check: {problem}", file=sys.stderr)
+        print(f"{parser.prog}: {problem}", file=sys.stderr)
         return 1
     records = run_check(archs, families, dtypes=dtypes)
     if args.json_path:
@@ -252,6 +256,7 @@ def _nvrtc_archs() -> list[int]:
 
 
 def _main_warm(parser, args) -> int:
+    """`warm` (module docstring), its usage errors from `parser` (the subcommand's)."""
     import re
 
     from .compile import cache_dir
@@ -263,7 +268,7 @@ def _main_warm(parser, args) -> int:
                      f"(e.g. sm_80, sm_86, sm_90; the Hopper kernels' sm_90a comes with sm_90)")
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: at least 1 compile process")
-    tables = [t.strip() for t in args.tables.split(",") if t.strip()] or None
+    tables = _listed(parser, "--tables", args.tables)
     bad = [t for t in tables or () if t not in ARCHS]
     if bad:
         parser.error(f"unknown tile table {bad}: choose from {', '.join(ARCHS)}")
@@ -274,7 +279,7 @@ def _main_warm(parser, args) -> int:
         parser.error(f"unknown family {unknown} for {args.device}: choose from {', '.join(known)}")
     problem = compiler_problem()
     if problem:
-        print(f"{parser.prog} warm: {problem}", file=sys.stderr)
+        print(f"{parser.prog}: {problem}", file=sys.stderr)
         return NO_COMPILER
     known_archs = _nvrtc_archs()
     if known_archs and int(m.group(1)) not in known_archs:
@@ -282,12 +287,12 @@ def _main_warm(parser, args) -> int:
                      f"{', '.join(f'sm_{a}' for a in known_archs if a >= MIN_COMPUTE_CAPABILITY)}")
     problem = _timeout_problem()
     if problem:
-        print(f"{parser.prog} warm: {problem}", file=sys.stderr)
+        print(f"{parser.prog}: {problem}", file=sys.stderr)
         return 1
     try:
         folder = cache_dir()   # once, before any worker: a folder that fails the trust rule
     except (RuntimeError, OSError) as exc:
-        print(f"{parser.prog} warm: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
     compiled, cached, failed = run_warm(args.device, families, jobs=args.jobs, tables=tables)
     print(f"{compiled} kernels compiled, {cached} already cached, {failed} failed, for {args.device} "

@@ -897,16 +897,22 @@ def test_check_refuses_a_family_the_arch_does_not_gate(capsys):
                                          (["check", "--family", ""], "--family '' names none"),
                                          (["check", "--dtype", " , "], "--dtype ' , ' names none"),
                                          (["warm", "--device", "sm_80", "--family", ""],
-                                          "--family '' names none")])
+                                          "--family '' names none"),
+                                         (["warm", "--device", "sm_80", "--tables", ","],
+                                          "--tables ',' names none")])
 def test_check_refuses_options_that_name_nothing(capsys, given, said):
     """`check --arch ''` gated nothing and ended 2 with an empty table; `--family ''` gated every
-    family (all 738 variants, minutes), and warmed every one: options given empty are usage
-    errors."""
+    family (all 738 variants, minutes), and warmed every one; `warm --tables ,` warmed the
+    default table: options given empty are usage errors, under the subcommand's usage line (it
+    was the top-level one)."""
     from burstcu.build import __main__ as cli
 
     with pytest.raises(SystemExit) as ended:
         cli.main(given)
-    assert ended.value.code == 2 and said in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and said in err, err
+    assert err.startswith(f"usage: python -m burstcu.build {given[0]} ") and \
+        f"python -m burstcu.build {given[0]}: error: " in err, err
 
 
 @pytest.mark.parametrize("name, bad, good", [
