@@ -30,7 +30,7 @@ from .arrays import (array_module, device_problem, group_for, is_cupy, is_jax, j
                      to_jax, untakeable, wait_computed)
 from .cpu_tensors import host_view, resolved, tensor_of
 from .engine import decode as decode_strategy
-from .group import Call, Group, not_a_group, says_ranks
+from .group import CLOSED, Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
@@ -769,6 +769,8 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
     conflict = conflict or problem
     if group is not None and not isinstance(group, Group):
         raise TypeError(f"unshard: {not_a_group(group)}")
+    if group is not None and group.closed:   # as every call's (a group of one makes no Call)
+        raise ValueError(CLOSED)
     if group is None or group.size == 1:
         if conflict is not None:
             raise ValueError(conflict)
@@ -794,7 +796,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
         return joined(x_local, [x_local], axis)
     with Call(group, "unshard") as call:
         with call.raising_together():
-            free = length = export = docs = dtype = bits_of = None
+            free = length = export = docs = dtype = float8 = None
             try:  # nothing may raise on one rank alone before the gather (see _agreed)
                 err = (InputError(ValueError, conflict) if conflict is not None
                        else _not_an_array("unshard", "x_local", x_local)
@@ -806,7 +808,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                                       _rows_of_call(layout, cu_seqlens, group), axis=axis)
                     err = None if cut is None else InputError(ValueError, cut)
                 if err is None:
-                    x_local, bits_of = _float8_bits(resolved(x_local, detach=True))
+                    x_local, float8 = _float8_bits(resolved(x_local, detach=True))
                     if not (isinstance(x_local, np.ndarray) or is_cupy(x_local)):
                         x_local, export = _host_tensor(x_local, group)   # CPU torch: NumPy
                         if export is None:
@@ -817,7 +819,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                            or _gatherable_problem(x_local))
                     shape = tuple(int(n) for n in x_local.shape)
                     free, length = shape[:axis] + ("S",) + shape[axis + 1:], shape[axis]
-                    dtype = str(bits_of or x_local.dtype)
+                    dtype = float8[0] if float8 else str(x_local.dtype)
             except Exception as exc:  # what untakeable names (bfloat16 over DLPack, ...), a bad layout
                 taken = untakeable(exc, (x_local,), UNSHARD_BFLOAT16, UNSHARD_OTHER_DTYPE)
                 err, docs, dtype = InputError(taken.kind, f"unshard: {taken.message}"), None, None
@@ -851,7 +853,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
                 raise ValueError(held)
             warn_if_all_the_same([rep[9] for rep in reports], "x_local", "joins")
         whole = returned(export, (_gathered(x_local, group, part, axis),))[0]
-    return whole if bits_of is None else whole.view(bits_of)
+    return whole if float8 is None else float8[1](whole)
 
 
 def _not_an_array(call: str, name: str, x) -> InputError | None:
@@ -876,26 +878,33 @@ def _host_tensor(x_local, group: Group) -> tuple:
     a CPU torch tensor (detached) as a NumPy view (`cpu_tensors.host_view`: bfloat16 through
     int16, which DLPack cannot carry into NumPy), handed back as a tensor of its dtype
     (`cpu_tensors.tensor_of`), as one rank returns; anything else as it is, with None (DLPack takes
-    it, or refuses it, as a GPU group refuses host arrays). A CPU JAX array of bfloat16 or a
-    float8 dtype (which DLPack cannot carry into NumPy either) goes as JAX's own NumPy view
-    (ml_dtypes), handed back as a JAX array (`to_jax`)."""
+    it, or refuses it, as a GPU group refuses host arrays). A CPU JAX array of bfloat16 (which
+    DLPack cannot carry into NumPy either) goes as JAX's own NumPy view (ml_dtypes.bfloat16),
+    handed back as a JAX array (`to_jax`)."""
     on_host = group.ops.device != "cuda"
-    dtype = str(getattr(x_local, "dtype", ""))
-    if on_host and is_jax(x_local) and dtype.startswith(("bfloat16", "float8_")):
+    if on_host and is_jax(x_local) and str(getattr(x_local, "dtype", "")) == "bfloat16":
         return np.asarray(x_local), to_jax
     view = host_view(x_local) if on_host else x_local
     return (x_local, None) if view is x_local else (view, tensor_of)
 
 
 def _float8_bits(x_local) -> tuple:
-    """(x_local's bytes as a uint8 torch tensor, the dtype to view the gathered bytes as) for a
-    torch tensor of a float8 dtype (NumPy and CuPy have none, so DLPack cannot carry it); else
-    (x_local, None)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(x_local, torch.Tensor) or not str(x_local.dtype).startswith(
-            "torch.float8_"):
+    """For a torch tensor or JAX array of a float8 dtype (NumPy and CuPy have none, so DLPack
+    cannot carry it): (its bytes as uint8 of its framework, (its dtype's name, what turns the
+    gathered bytes back into that dtype)); else (x_local, None)."""
+    name = str(getattr(x_local, "dtype", "")).removeprefix("torch.")
+    if not name.startswith("float8_"):
         return x_local, None
-    return x_local.view(torch.uint8), x_local.dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x_local, torch.Tensor):
+        dtype = x_local.dtype
+        return x_local.view(torch.uint8), (name, lambda whole: whole.view(dtype))
+    if is_jax(x_local):
+        from jax import lax
+        dtype = x_local.dtype
+        return lax.bitcast_convert_type(x_local, "uint8"), (
+            name, lambda whole: lax.bitcast_convert_type(whole, dtype))
+    return x_local, None
 
 
 def _gatherable_problem(x_local) -> InputError | None:

@@ -36,9 +36,12 @@ class InputError:
 
     KINDS = (MemoryError, ValueError, TypeError)
 
-    def __init__(self, kind: type[BaseException], message: str):
+    def __init__(self, kind: type[BaseException], message: str, own_data: bool = False):
         self.kind = next((k for k in self.KINDS if issubclass(kind, k)), TypeError)
         self.message = message
+        # the message speaks of this rank's own data (its rows): `agree` names the rank even
+        # where every rank has such an error (theirs are of other data)
+        self.own_data = own_data
 
     def plain(self) -> tuple[str, str]:
         return (self.kind.__name__, self.message)
@@ -418,8 +421,8 @@ def check_row_sums(lse, row_sums, sees=None) -> InputError | None:
     else lse is not the forward's for these inputs and options. lse, row_sums: (B, H, S), NumPy
     or CuPy. sees: (S,) bool, whether each local row sees a key under the backward's mask (a
     row with lse = -inf there has P = 0 by fiat, so its sum alone cannot tell); None: the rows
-    with a finite lse. The message names no rank: `agree` names the one it comes from when
-    other ranks' rows were right."""
+    with a finite lse. The message names no rank: `agree` names the one it comes from (its
+    `own_data`)."""
     lse_h, sums = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (lse, row_sums))
     eps = float(np.finfo(np.asarray(row_sums.dtype.type(0)).dtype).eps)
     saw = lse_h != -np.inf
@@ -447,7 +450,8 @@ def check_row_sums(lse, row_sums, sees=None) -> InputError | None:
     return InputError(ValueError, (
         f"attention_backward(check=True): {found}: lse is not the one "
         f"attention(..., return_lse=True) returned for these q, k, v and options (the same "
-        f"mask?), or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"))
+        f"mask?), or the inputs hold NaN/Inf, or a row's scores overflow (softmax_scale)"),
+        own_data=True)
 
 
 FREE = "S"   # a shape's sequence extent, which ranks need not agree on
@@ -529,7 +533,8 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
         raise InputError(ValueError, crossed).exception()
     gathered = [(e, m, value) for e, m, (value, _) in gathered]
     if error:   # this rank's own problem, named as its peers name it unless every rank has one
-        raise error.exception(rank=None if all(e is not None for e, _, _ in gathered) else transport.rank)
+        alike = all(e is not None for e, _, _ in gathered) and not error.own_data
+        raise error.exception(rank=None if alike else transport.rank)
     failed = [(r, InputError.from_plain(e)) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if failed:
         r, e = failed[0]

@@ -143,9 +143,12 @@ def check(prompt: np.ndarray, new: int, tokens: list[int], attended: list) -> tu
 
 
 def writable_file(path: str) -> bool:
-    """Whether `path` names a file (not a folder) in an existing folder this user can write to."""
+    """Whether this user can write `path`: a file (or /dev/null, ...) that exists and is
+    writable, or a new file in an existing folder this user can write to."""
+    if os.path.exists(path):
+        return not os.path.isdir(path) and os.access(path, os.W_OK)
     folder = os.path.dirname(os.path.abspath(path))
-    return not os.path.isdir(path) and os.path.isdir(folder) and os.access(folder, os.W_OK)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,9 @@ rank), page table entries under the valid rows that name no page."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -293,13 +295,25 @@ def _generate(world: int, prompt: int, tmp_path) -> list[int]:
     return json.loads(out.read_text())["tokens"]
 
 
-def test_decode_example_refuses_an_unwritable_json_before_running(tmp_path):
-    """`--json /nonexistent/x.json` failed only after the whole run: a usage error at once."""
+def test_decode_example_refuses_an_unwritable_json_before_running(tmp_path, monkeypatch):
+    """`--json /nonexistent/x.json` failed only after the whole run: a usage error at once; an
+    existing writable file in a folder this user cannot write to is taken."""
     for path in ("/nonexistent/x.json", str(tmp_path)):
         proc = subprocess.run([sys.executable, str(ROOT / "examples" / "decode_numpy.py"), "--json", path],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "generated" not in proc.stdout, proc.stdout + proc.stderr
         assert f"--json {path}: not a file in a folder this user can write to" in proc.stderr
+    # a file that exists and can be written, in a folder that cannot (/dev/null for a user
+    # who is not root; every folder refused here): taken
+    spec = importlib.util.spec_from_file_location("decode_numpy", ROOT / "examples" / "decode_numpy.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not os.path.isdir(p) and real_access(p, mode))
+    written = tmp_path / "x.json"
+    written.write_text("")
+    assert example.writable_file(str(written)) and example.writable_file("/dev/null")
+    assert not example.writable_file(str(tmp_path / "new.json"))
 
 
 @pytest.mark.mpi

@@ -727,4 +727,8 @@ def test_close_stops_worker_threads_and_a_closed_group_says_so():
         burstcu.attention(q, q, q, group)
     with pytest.raises(ValueError, match="this group is closed"):
         group.barrier()
+    # unshard on a closed group of one (no call's turn to take) returned the array
+    for call in (lambda: burstcu.unshard(q, group), lambda: burstcu.Sharding(group).unshard(q)):
+        with pytest.raises(ValueError, match="this group is closed"):
+            call()
     group.close()  # again: nothing happens

@@ -192,6 +192,8 @@ def test_slurm_example_is_the_rendered_template():
     proc = _cli("--slurm", "--nodes", "2", "--gpus-per-node", "8", "--", *command)
     assert proc.returncode == 0
     assert proc.stdout == run.render_sbatch(nodes=2, gpus_per_node=8, command=run.sbatch_python(command))
+    if Path(sys.executable).parent.resolve() == (ROOT / ".venv" / "bin").resolve():
+        assert proc.stdout == rendered   # README's install renders the example itself
 
 
 def test_slurm_maps_a_bare_python_as_mpiexec_runs_do():
@@ -286,6 +288,8 @@ def test_slurm_visible_binding_and_partition():
     ({"MPI_LOCALRANKID": "1"}, "1"),
     ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "6"),
     ({"SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "3"}, "3"),
+    # srun's per-task binding (--gpus-per-task=1): each task sees its one GPU
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "3"}, "3"),
 ])
 def test_bind_gpu_picks_the_local_ranks_gpu(env, expected):
     clean = {k: v for k, v in os.environ.items()
@@ -311,14 +315,17 @@ def test_bind_gpu_errors():
 
 @pytest.mark.parametrize("visible,message", [("5", "lists fewer GPUs"), ("5,6", "lists fewer GPUs"),
                                              ("", "set and empty: no GPU is visible")])
-def test_bind_gpu_refuses_a_list_shorter_than_the_local_ranks(visible, message):
+@pytest.mark.parametrize("inside_slurm", [False, True])
+def test_bind_gpu_refuses_a_list_shorter_than_the_local_ranks(visible, message, inside_slurm):
     """One entry in CUDA_VISIBLE_DEVICES gave that GPU to every local rank (`cut -f3` prints a
-    line without commas whole), and an empty one (no GPU visible) read as unset."""
+    line without commas whole), and an empty one (no GPU visible) read as unset; mpiexec inside
+    a SLURM job (whose SLURM_LOCALID the ranks inherit) is no srun per-task binding either."""
     local_rank = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMIX_LOCAL_RANK")
     clean = {k: v for k, v in os.environ.items() if k not in local_rank}
+    slurm = {"SLURM_LOCALID": "0"} if inside_slurm else {}
     proc = subprocess.run([str(LAUNCH / "bind-gpu"), "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
                           capture_output=True, text=True, timeout=30,
-                          env=dict(clean, MPI_LOCALRANKID="2", CUDA_VISIBLE_DEVICES=visible))
+                          env=dict(clean, MPI_LOCALRANKID="2", CUDA_VISIBLE_DEVICES=visible, **slurm))
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
 
 

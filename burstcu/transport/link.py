@@ -6,19 +6,19 @@ the compute. `burstcu.init(..., link=Link(gbps=1, latency_us=50))` paces every m
 network of that speed would: the exchange then takes as long as it would on such a link, and
 overlapping it with compute becomes measurable (`bench/cpu/overlap.py --link-gbps`).
 
-The model, per rank: one port, full duplex. Messages leave through the outgoing direction one
-after another, each occupying it for `latency + n * 8 / (gbps * 1e9)` seconds (n bytes);
-messages arrive through the incoming direction the same way. A message of n bytes therefore
-completes no earlier than latency + n*8/(gbps*1e9) after it was posted, later while earlier
-messages still occupy its direction; an exchange (one commit) completes when its last message
-does. This is the cost model's (`burstcu.plan`, `bench/model/predict.py`)
-`t_comm = messages * latency + bytes / bandwidth` for each direction. The clock of each message
-starts when its data can start to move on this rank: when this rank posts it with the progress
-thread (progress="thread"), at the `wait` that moves it with progress="inline" (there the data
-moves only inside the wait, so however long the compute between post and wait, the wait takes
-the link's time: nothing is hidden). The sender's and the receiver's sides are paced alike; a
-peer that posts later delays the data as well, but the pacing does not add that peer's lateness
-to the link time.
+The model, per rank: one port, full duplex, which every group of the rank made with that link
+shares. Messages leave through the outgoing direction one after another, each occupying it for
+`latency + n * 8 / (gbps * 1e9)` seconds (n bytes); messages arrive through the incoming
+direction the same way. A message of n bytes therefore completes no earlier than latency +
+n*8/(gbps*1e9) after it was posted, later while earlier messages still occupy its direction; an
+exchange (one commit) completes when its last message does. This is the cost model's
+(`burstcu.plan`, `bench/model/predict.py`) `t_comm = messages * latency + bytes / bandwidth`
+for each direction. The clock of each message starts when its data can start to move on this
+rank: when this rank posts it with the progress thread (progress="thread"), at the `wait` that
+moves it with progress="inline" (there the data moves only inside the wait, so however long the
+compute between post and wait, the wait takes the link's time: nothing is hidden). The sender's
+and the receiver's sides are paced alike; a peer that posts later delays the data as well, but
+the pacing does not add that peer's lateness to the link time.
 
 Pacing is done by the transport's progress thread, which sleeps until a message's completion
 time after MPI has really moved it, so the exchange overlaps with compute exactly as it would
@@ -30,6 +30,7 @@ the calling thread: it blocks anyway.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 from dataclasses import dataclass
@@ -47,11 +48,12 @@ class Link:
     def __post_init__(self):
         for name, low in (("gbps", None), ("latency_us", 0.0)):
             value = getattr(self, name)
-            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
                   and math.isfinite(value) and (value > 0 if low is None else value >= low))
             if not ok:
                 need = "a positive number" if low is None else "a number >= 0"
                 raise ValueError(f"Link({name}=...) must be {need}, not {value!r}")
+            object.__setattr__(self, name, float(value))   # a NumPy number too: plain, as it travels
 
     def seconds(self, nbytes: int) -> float:
         """Time one message of `nbytes` occupies a direction of the port."""
@@ -70,8 +72,8 @@ class Link:
 
 class Port:
     """One rank's port on a `Link`: when each direction is free again (time.monotonic()).
-    Shared by a transport and its sub-groups (one rank, one port); posts may come from any
-    thread."""
+    Shared by every group of this process on the same link, sub-groups too (one rank, one
+    port: `port_of`); posts may come from any thread."""
 
     def __init__(self, link: Link):
         self.link = link
@@ -95,4 +97,15 @@ class Port:
         return done
 
 
-__all__ = ["Link", "Port"]
+_PORTS: dict[Link, Port] = {}
+_PORTS_LOCK = threading.Lock()
+
+
+def port_of(link: Link) -> Port:
+    """This process's port on `link` (an equal Link is the same link): the groups a rank makes
+    with it queue their messages through one port, as a rank's one NIC would."""
+    with _PORTS_LOCK:
+        return _PORTS.setdefault(link, Port(link))
+
+
+__all__ = ["Link", "Port", "port_of"]

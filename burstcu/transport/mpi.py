@@ -35,6 +35,7 @@ message of the user's (and cannot tell which rank is late).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,7 @@ import numpy as np
 from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
                    deadline_after, nbytes, poll_until, sleep_until)
 from . import wire
-from .link import Link, Port
+from .link import Link, port_of
 
 PROGRESS = ("thread", "inline")   # where transfers progress: a worker thread, or the caller's
 _TAG_RING = 7
@@ -164,12 +165,13 @@ class MPITransport(Transport):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="burstcu-comm") if progress == "thread" else None
         self._pending: list[Future] = []   # progress="thread": one future an exchange
         # per pending future: [(request or None, peer)] still incomplete (the progress thread
-        # replaces it as requests complete) and every peer of its exchange, for timeout messages
-        self._posted: list[tuple[list, str]] = []
+        # replaces it as requests complete), every peer of its exchange (for timeout messages),
+        # and [when its thread gives up] (`_post`)
+        self._posted: list[tuple[list, str, list]] = []
         self._requests: list[tuple[Any, str]] = []    # progress="inline": (request, peer)
         self._unpaced: list[tuple[list, list]] = []   # progress="inline": sizes sent, received
         self.link = link
-        self._port = Port(link) if link is not None else None
+        self._port = port_of(link) if link is not None else None
 
     def _init_timed_out(self, comm):
         """Print and abort through the user's communicator (ours is not made yet): the ranks that
@@ -224,12 +226,14 @@ class MPITransport(Transport):
                 f"during {self.doing()}: {' '.join(exc.Get_error_string().split())} (that rank "
                 f"may have died or exited)") from None
 
-    def _complete(self, left: list, deadline: float, on_timeout) -> None:
+    def _complete(self, left: list, deadline: float, on_timeout, gave_up=lambda: False) -> None:
         """Test the requests of `left` [(request, peer)] until all have completed, dropping each
-        from `left` (in place: a timeout elsewhere reads it) as it does. Past `deadline` raise
-        `on_timeout(peers)` naming only the peers still incomplete; MPI's own error names the
-        peer of the request that raised it."""
+        from `left` (in place: a timeout elsewhere reads it) as it does. Past `deadline`, or once
+        `gave_up()`, raise `on_timeout(peers)` naming only the peers still incomplete; MPI's own
+        error names the peer of the request that raised it."""
         def done() -> bool:
+            if gave_up():
+                raise on_timeout(_peers(left))
             still = []
             for request, peer in left:
                 with self._naming_peers(peer):
@@ -248,16 +252,20 @@ class MPITransport(Transport):
             self._unpaced.append((sent, received))
             return
         ready = self._paced(sent, received)
-        give_up = self.deadline() + _ROOT_GRACE_S  # the caller's wait times out first
+        # when the thread gives up: never before the caller's wait begins (the compute between
+        # commit and wait may take any time, and a peer may post meanwhile), then 2 s past that
+        # wait's deadline (it times out first); close() ends it at once
+        give_up = [math.inf]
         left = [(None, peer) for peer in self._waited_for(exchanges)]   # none posted yet
         everyone = _peers(left)
 
         def run():
             left[:] = self._start(exchanges)
-            self._complete(left, give_up, lambda _: TimeoutError())
-            _sleep_until(ready, give_up, TimeoutError)   # the link's pace: asleep, not polling
+            self._complete(left, math.inf, lambda _: TimeoutError(),
+                           gave_up=lambda: time.monotonic() > give_up[0])
+            _sleep_until(ready, give_up[0], TimeoutError)   # the link's pace: asleep, not polling
 
-        self._posted.append((left, everyone))
+        self._posted.append((left, everyone, give_up))
         self._pending.append(self._pool.submit(run))
 
     def _wait(self):
@@ -270,6 +278,8 @@ class MPITransport(Transport):
             _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
         pending, self._pending = self._pending, []
         posted, self._posted = self._posted, []
+        for _, _, give_up in posted:
+            give_up[0] = deadline + _ROOT_GRACE_S
         for fut in pending:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -280,7 +290,7 @@ class MPITransport(Transport):
         """The peers of the exchanges not finished (`pending` futures, `posted` their requests)
         whose requests are still incomplete; when MPI has moved all of them, their peers and the
         emulated link that still paces them."""
-        unfinished = [p for f, p in zip(pending, posted) if not f.done() or f.exception() is not None]
+        unfinished = [p[:2] for f, p in zip(pending, posted) if not f.done() or f.exception() is not None]
         # tuple(left): one atomic read of a list the progress thread replaces; an exchange not
         # yet started (requests None: queued behind an earlier one) waits for no peer of its own
         incomplete = _peers([x for left, _ in unfinished for x in tuple(left) if x[0] is not None])
@@ -367,9 +377,8 @@ class MPITransport(Transport):
     def _split(self, color, key, members, name):
         sub_comm = self.comm.Split(color, key)  # every rank is here: split() agreed first
         try:
-            sub = MPITransport(sub_comm, progress=self.progress, timeout=self.timeout, link=self.link)
-            sub._port = self._port  # one rank, one port: the sub-groups' messages queue with ours
-            return sub
+            # the same link: the same port (`port_of`), so the sub-group's messages queue with ours
+            return MPITransport(sub_comm, progress=self.progress, timeout=self.timeout, link=self.link)
         finally:
             sub_comm.Free()  # the sub-group keeps its own duplicate
 
@@ -382,6 +391,8 @@ class MPITransport(Transport):
 
     def close(self):
         self._close_subgroups()
+        for _, _, give_up in self._posted:   # exchanges never waited for (a failed call): end them
+            give_up[0] = -math.inf
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -752,6 +752,9 @@ def backward_check_catches_wrong_lse(strategy="burst", layout="zigzag", backend=
     if size > 1:  # the shifted row lives on the last rank: every rank's message names it, once
         assert raised["one row shifted on the last rank"].count("rank") == 1, raised
         assert raised["one row shifted on the last rank"].startswith(f"rank {size - 1}: "), raised
+        # every rank's rows wrong: each names itself (its rows are not the others')
+        assert raised["non-causal lse"].startswith(f"rank {rank}: "), raised
+        assert raised["non-causal lse"].count("rank") == 1, raised
     group.close()
     return {"raised": sorted(raised), "same_as_unchecked": same}
 

@@ -44,6 +44,7 @@ BAD_INIT = {"bad_timeout": ({}, {"timeout": 0}),
             "other_timeout": ({}, {"timeout": "twice"}),
             "bad_env_build_timeout": ({"BURSTCU_BUILD_TIMEOUT": "-1"}, {"backend": "emulated"}),
             "bad_option": ({}, {"tile_q": -1}),
+            "other_option": ({}, {"tile_q": 32}),   # tile sizes change the bits
             "huge_timeout": ({}, {"timeout": 10**400})}
 
 

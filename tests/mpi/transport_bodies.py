@@ -217,6 +217,60 @@ def a_slow_link_is_named(progress: str, timeout: float = 1.0, nbytes: int = 1 <<
     return {"said": said}
 
 
+def compute_past_the_timeout_then_wait(progress: str, link: bool, timeout: float = 1.0) -> dict:
+    """Rank 0 commits, computes 4 s (past timeout + 2 s), then waits; the next rank posts 3 s
+    late, before rank 0's wait begins (over a link, its message takes 2.5 s more, hidden by the
+    compute too). Rank 0's wait must return at once with the data: its progress thread gave
+    up timeout + 2 s after the commit, and the wait raised CommTimeoutError at 0 s."""
+    with burstcu.init(backend="numpy", timeout=timeout, progress=progress,
+                      link=Link(gbps=0.004) if link else None) as group:   # 1.25 MB: 2.5 s
+        t = group.transport
+        send, recv = np.full(1_250_000, group.rank + 1, np.uint8), np.zeros(1_250_000, np.uint8)
+        group.barrier()
+        if group.rank == 1:
+            time.sleep(3.0)
+        t.send_recv(send, recv, t.next_rank, t.prev_rank)
+        t.commit()
+        time.sleep(4.0 if group.rank == 0 else 3.0)   # the next rank: its own link time hidden
+        began = time.monotonic()
+        t.wait()
+        waited = time.monotonic() - began
+        assert (recv == t.prev_rank + 1).all()
+    return {"waited": waited}
+
+
+def two_groups_share_the_port(nbytes: int = 1_250_000) -> dict:
+    """Two groups of the same ranks made with equal links, one message each way from each at
+    once (two threads): the rank's one port carries both, so the later exchange ends after two
+    link times (each group had a port of its own: both ended after one). Seconds each took."""
+    import threading
+
+    from mpi4py import MPI
+
+    link = Link(gbps=0.02)   # 1.25 MB: 0.5 s
+    groups = [burstcu.init(comm=MPI.COMM_WORLD, backend="numpy", link=Link(gbps=0.02))
+              for _ in range(2)]
+    took, start = {}, threading.Barrier(2)
+
+    def exchange(index: int):
+        t = groups[index].transport
+        send, recv = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        start.wait()
+        began = time.monotonic()
+        _exchange(t, send, recv)
+        took[index] = time.monotonic() - began
+    for g in groups:
+        g.barrier()
+    threads = [threading.Thread(target=exchange, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for g in groups:
+        g.close()
+    return {"took": sorted(took.values()), "one": link.seconds(nbytes)}
+
+
 def allgather_blocks(group, late_s: float = 0.3) -> float:
     """Rank 0 reaches a transport all-gather `late_s` seconds late: every other rank's host
     blocks for it, which `stats.wait_seconds` counts (checked here, on every rank; any

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.transport.link import Link, Port
+from burstcu.transport.link import Link, Port, port_of
 from tests.mpi_run import run_mpi
 
 
@@ -33,9 +33,11 @@ def test_link_model_and_validation():
     with pytest.raises(dataclasses.FrozenInstanceError):
         link.gbps = 3
     for bad in (dict(gbps=0), dict(gbps=-1), dict(gbps=True), dict(gbps=float("inf")),
-                dict(gbps=1, latency_us=-1), dict(gbps="1")):
+                dict(gbps=1, latency_us=-1), dict(gbps="1"), dict(gbps=np.bool_(True))):
         with pytest.raises(ValueError, match="Link"):
             Link(**bad)
+    numpy_numbers = Link(gbps=np.float32(2), latency_us=np.int64(10))   # were refused
+    assert numpy_numbers == link and type(numpy_numbers.gbps) is float
 
 
 def test_port_queues_each_direction():
@@ -107,6 +109,28 @@ def test_a_timeout_behind_a_slow_link_names_the_link(progress):
     exchange, queued behind the first, as if they were late)."""
     results = run_mpi(2, "transport_bodies:a_slow_link_is_named", timeout=90, progress=progress)
     assert all("(emulated link 0.004 Gb/s, 0 us)" in r["said"] for r in results), results
+
+
+@pytest.mark.mpi
+def test_the_groups_of_a_rank_share_its_port_on_a_link():
+    """Two groups made with equal links, each exchanging at once from its own thread: the
+    later one ends after about two link times on every rank (each group had its own port, so
+    the rank sent at twice the link's bandwidth); equal links are one port."""
+    assert port_of(Link(gbps=2)) is port_of(Link(gbps=2.0)) is not port_of(Link(gbps=3))
+    for rank, r in enumerate(run_mpi(2, "transport_bodies:two_groups_share_the_port", timeout=90)):
+        assert r["took"][1] >= 1.8 * r["one"], (rank, r)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("link", [False, True])
+def test_compute_longer_than_the_timeout_between_commit_and_wait(link):
+    """Rank 0 computes 4 s between commit and wait with timeout=1, and its peer posts 3 s late,
+    before that wait begins: the wait returns at once with the data (the progress thread gave
+    up 3 s after the commit, and the wait raised CommTimeoutError after waiting 0 s), also when
+    an emulated link's time is hidden behind the compute."""
+    results = run_mpi(2, "transport_bodies:compute_past_the_timeout_then_wait", timeout=90,
+                      progress="thread", link=link)
+    assert results[0]["waited"] < 0.5, results
 
 
 @pytest.mark.mpi
