@@ -627,7 +627,7 @@ def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
         error = InputError(type(exc), f"burstcu.init: the {backend!r} local op: {exc}")
     taken = None if error else ((), (), tuple(sorted(options.items())))   # as a call's metadata
     try:
-        agree(transport, error, taken, "burstcu.init (the local op's options)")
+        agree(transport, error, taken, "burstcu.init (the local op)")
     except BaseException:
         if ops is not None:
             ops.close()
