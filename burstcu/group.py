@@ -565,8 +565,8 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         already and ignores it.
     options: passed to the local op: deterministic on every backend; tile_q, tile_k, threads
         for "numpy" (`NumpyOps`); arch, randomize for "cupy" and "emulated" (`KernelOps`). An
-        option the backend's op does not take is a TypeError that names those it does. The
-        same on every rank.
+        option the backend's op does not take is a TypeError that names those it does. Those
+        that change the bits computed (`LocalOps.agreed_options`) the same on every rank.
     Collective over `comm`: every rank must call it. MPI is initialised first, so that under
     `python -m mpi4py` anything init raises on one rank ends the job; then every rank checks
     its arguments and environment, and one bounded agreement raises the same error on every
@@ -617,15 +617,15 @@ def _init_over(comm, users_comm, backend: str, timeout, progress: str, link, opt
 
 def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
     """The local op of `backend` made with `options` on every rank, or the same error on every
-    rank (one more agreement round: a bad option, one rank short of memory, or options that
-    differ between ranks (tile sizes change the bits; deterministic, which kernels run) raise
-    everywhere, with the transport closed)."""
+    rank (one more agreement round: a bad option, one rank short of memory, or ops whose
+    `agreed_options` differ between ranks (the NumPy op's tile sizes, the kernels'
+    deterministic) raise everywhere, with the transport closed)."""
     ops = error = None
     try:
         ops = _local_op(backend, options)
     except Exception as exc:  # noqa: BLE001 - whatever fails here fails on every rank
         error = InputError(type(exc), f"burstcu.init: the {backend!r} local op: {exc}")
-    taken = None if error else ((), (), tuple(sorted(options.items())))   # as a call's metadata
+    taken = None if error else ((), (), ops.agreed_options())   # as a call's metadata
     try:
         agree(transport, error, taken, "burstcu.init (the local op)")
     except BaseException:

@@ -182,6 +182,11 @@ class LocalOps(ABC):
     #                                              (its kernels, kept buffers and flags live there)
     compiles_on_first_use: bool = False          # builds a kernel variant at its first call
 
+    def agreed_options(self) -> tuple:
+        """((name, value), ...): the options, as this op resolved them, that change the bits it
+        computes; the ranks of a group must agree on them (`burstcu.init`). None here."""
+        return ()
+
     def current_device(self) -> int | None:
         """The CUDA device a launch would run on now (CuPy's current one; device "cuda"), else
         None. `arrays.device_problem` refuses a call where it is not `device_id`."""

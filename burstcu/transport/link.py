@@ -79,6 +79,7 @@ class Port:
         self.link = link
         self._free = {"out": 0.0, "in": 0.0}
         self._lock = threading.Lock()
+        self.holders = 0   # the open groups on it (`port_of`, `release_port`)
 
     def schedule(self, sent: Sequence[int], received: Sequence[int], posted: float | None = None) -> float:
         """Queue messages of these sizes (bytes) posted at `posted` (default now): the moment
@@ -102,10 +103,23 @@ _PORTS_LOCK = threading.Lock()
 
 
 def port_of(link: Link) -> Port:
-    """This process's port on `link` (an equal Link is the same link): the groups a rank makes
-    with it queue their messages through one port, as a rank's one NIC would."""
+    """This process's port on `link` (an equal Link is the same link) for one more group: the
+    open groups a rank makes with it queue their messages through one port, as a rank's one
+    NIC would. Give it back with `release_port` when the group closes."""
     with _PORTS_LOCK:
-        return _PORTS.setdefault(link, Port(link))
+        port = _PORTS.setdefault(link, Port(link))
+        port.holders += 1
+        return port
 
 
-__all__ = ["Link", "Port", "port_of"]
+def release_port(port: Port) -> None:
+    """A group on `port` has closed; once none is left the port goes, with what its messages
+    had booked (a later group starts on a free link, not behind a closed group's messages
+    that never moved)."""
+    with _PORTS_LOCK:
+        port.holders -= 1
+        if port.holders <= 0 and _PORTS.get(port.link) is port:
+            del _PORTS[port.link]
+
+
+__all__ = ["Link", "Port", "port_of", "release_port"]

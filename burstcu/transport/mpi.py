@@ -35,7 +35,6 @@ message of the user's (and cannot tell which rank is late).
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +46,7 @@ import numpy as np
 from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
                    deadline_after, nbytes, poll_until, sleep_until)
 from . import wire
-from .link import Link, port_of
+from .link import Link, port_of, release_port
 
 PROGRESS = ("thread", "inline")   # where transfers progress: a worker thread, or the caller's
 _TAG_RING = 7
@@ -166,8 +165,8 @@ class MPITransport(Transport):
         self._pending: list[Future] = []   # progress="thread": one future an exchange
         # per pending future: [(request or None, peer)] still incomplete (the progress thread
         # replaces it as requests complete), every peer of its exchange (for timeout messages),
-        # and [when its thread gives up] (`_post`)
-        self._posted: list[tuple[list, str, list]] = []
+        # and when the link has paced it (`_post`)
+        self._posted: list[tuple[list, str, float]] = []
         self._requests: list[tuple[Any, str]] = []    # progress="inline": (request, peer)
         self._unpaced: list[tuple[list, list]] = []   # progress="inline": sizes sent, received
         self.link = link
@@ -226,14 +225,12 @@ class MPITransport(Transport):
                 f"during {self.doing()}: {' '.join(exc.Get_error_string().split())} (that rank "
                 f"may have died or exited)") from None
 
-    def _complete(self, left: list, deadline: float, on_timeout, gave_up=lambda: False) -> None:
+    def _complete(self, left: list, deadline: float, on_timeout) -> None:
         """Test the requests of `left` [(request, peer)] until all have completed, dropping each
-        from `left` (in place: a timeout elsewhere reads it) as it does. Past `deadline`, or once
-        `gave_up()`, raise `on_timeout(peers)` naming only the peers still incomplete; MPI's own
-        error names the peer of the request that raised it."""
+        from `left` (in place: a timeout elsewhere reads it) as it does. Past `deadline` raise
+        `on_timeout(peers)` naming only the peers still incomplete; MPI's own error names the
+        peer of the request that raised it."""
         def done() -> bool:
-            if gave_up():
-                raise on_timeout(_peers(left))
             still = []
             for request, peer in left:
                 with self._naming_peers(peer):
@@ -252,20 +249,25 @@ class MPITransport(Transport):
             self._unpaced.append((sent, received))
             return
         ready = self._paced(sent, received)
-        # when the thread gives up: never before the caller's wait begins (the compute between
-        # commit and wait may take any time, and a peer may post meanwhile), then 2 s past that
-        # wait's deadline (it times out first); close() ends it at once
-        give_up = [math.inf]
+        # the thread gives up 2 s past the deadline of a wait begun now (nothing it runs outlives
+        # a closed group, or the interpreter, by more); a wait begun later, after a long compute,
+        # takes over what is left then (`_wait`)
+        give_up = self.deadline() + _ROOT_GRACE_S
         left = [(None, peer) for peer in self._waited_for(exchanges)]   # none posted yet
         everyone = _peers(left)
 
-        def run():
+        def run() -> bool:
+            """True once the exchange has moved and the link's pace has passed; False where
+            the thread gave up first (its requests still in `left`)."""
             left[:] = self._start(exchanges)
-            self._complete(left, math.inf, lambda _: TimeoutError(),
-                           gave_up=lambda: time.monotonic() > give_up[0])
-            _sleep_until(ready, give_up[0], TimeoutError)   # the link's pace: asleep, not polling
+            try:
+                self._complete(left, give_up, lambda _: TimeoutError())
+                _sleep_until(ready, give_up, TimeoutError)   # the link's pace: asleep, not polling
+            except TimeoutError:
+                return False
+            return True
 
-        self._posted.append((left, everyone, give_up))
+        self._posted.append((left, everyone, ready))
         self._pending.append(self._pool.submit(run))
 
     def _wait(self):
@@ -278,13 +280,18 @@ class MPITransport(Transport):
             _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
         pending, self._pending = self._pending, []
         posted, self._posted = self._posted, []
-        for _, _, give_up in posted:
-            give_up[0] = deadline + _ROOT_GRACE_S
+        finished = []
         for fut in pending:
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                finished.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
             except (concurrent.futures.TimeoutError, TimeoutError):  # distinct types before 3.11
                 raise self.timed_out(self._still_awaited(pending, posted)) from None
+        # exchanges whose thread gave up before this wait began (the compute between commit
+        # and wait outlasted the timeout): this wait goes on with them until its own deadline
+        for done, (left, everyone, ready) in zip(finished, posted):
+            if not done:
+                self._complete(left, deadline, self.timed_out)
+                _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
 
     def _still_awaited(self, pending: list, posted: list) -> str:
         """The peers of the exchanges not finished (`pending` futures, `posted` their requests)
@@ -391,11 +398,12 @@ class MPITransport(Transport):
 
     def close(self):
         self._close_subgroups()
-        for _, _, give_up in self._posted:   # exchanges never waited for (a failed call): end them
-            give_up[0] = -math.inf
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._port is not None:
+            release_port(self._port)
+            self._port = None
         if self.comm is None:
             return
         try:

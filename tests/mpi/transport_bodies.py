@@ -239,6 +239,18 @@ def compute_past_the_timeout_then_wait(progress: str, link: bool, timeout: float
     return {"waited": waited}
 
 
+def an_exchange_never_waited_for() -> dict:
+    """Rank 0 commits an exchange the next rank never posts, then ends its program without
+    waiting or closing its group (a caught failure between commit and wait, say): its progress
+    thread gives up 2 s past the timeout, so the interpreter's exit, which joins it, ends."""
+    group = burstcu.init(backend="numpy", timeout=2.0)
+    if group.rank == 0:
+        t = group.transport
+        t.send_recv(np.ones(1 << 20, np.uint8), np.empty(1 << 20, np.uint8), t.next_rank, t.prev_rank)
+        t.commit()
+    return {"rank": group.rank}
+
+
 def two_groups_share_the_port(nbytes: int = 1_250_000) -> dict:
     """Two groups of the same ranks made with equal links, one message each way from each at
     once (two threads): the rank's one port carries both, so the later exchange ends after two

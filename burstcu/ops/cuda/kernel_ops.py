@@ -272,6 +272,9 @@ class KernelOps(LocalOps):
     max_positions = MAX_POSITION  # the kernels add bounds of 32-bit positions
     compiles_on_first_use = True  # NVRTC (cupy) or g++ (emulated), then the kernel cache
 
+    def agreed_options(self) -> tuple:
+        return (("deterministic", self.deterministic),)   # which backward kernels run
+
     def current_device(self) -> int | None:
         """CuPy's current device. The op is bound to `device_id`, where it was made: its kernel
         objects (loaded and given their shared memory there), kept buffers, flags and device

@@ -82,6 +82,9 @@ class NumpyOps(LocalOps):
         self._scratch = {}
         self.scratch_bytes = self.tile_scratch_bytes = 0
 
+    def agreed_options(self) -> tuple:
+        return (("tile_q", self.tile_q), ("tile_k", self.tile_k))   # threads: the same bits
+
     def release_buffers(self) -> None:
         """Free the kept message buffers and scratch."""
         super().release_buffers()
