@@ -288,16 +288,19 @@ class MPITransport(Transport):
                 raise self.timed_out(self._still_awaited(pending, posted)) from None
         # exchanges whose thread gave up before this wait began (the compute between commit
         # and wait outlasted the timeout): this wait goes on with them until its own deadline
-        for done, (left, everyone, ready) in zip(finished, posted):
-            if not done:
-                self._complete(left, deadline, self.timed_out)
-                _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
+        given_up = [entry for done, entry in zip(finished, posted) if not done]
+        if given_up:
+            self._complete([x for left, _, _ in given_up for x in left], deadline, self.timed_out)
+            everyone = " and ".join(dict.fromkeys(peers for _, peers, _ in given_up))
+            _sleep_until(max(ready for _, _, ready in given_up), deadline,
+                         lambda: self.timed_out(f"{everyone} ({self.link})"))
 
     def _still_awaited(self, pending: list, posted: list) -> str:
         """The peers of the exchanges not finished (`pending` futures, `posted` their requests)
         whose requests are still incomplete; when MPI has moved all of them, their peers and the
         emulated link that still paces them."""
-        unfinished = [p[:2] for f, p in zip(pending, posted) if not f.done() or f.exception() is not None]
+        unfinished = [p[:2] for f, p in zip(pending, posted)
+                      if not f.done() or f.exception() is not None or not f.result()]
         # tuple(left): one atomic read of a list the progress thread replaces; an exchange not
         # yet started (requests None: queued behind an earlier one) waits for no peer of its own
         incomplete = _peers([x for left, _ in unfinished for x in tuple(left) if x[0] is not None])

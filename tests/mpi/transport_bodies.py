@@ -239,6 +239,30 @@ def compute_past_the_timeout_then_wait(progress: str, link: bool, timeout: float
     return {"waited": waited}
 
 
+def two_exchanges_given_up_then_waited(timeout: float = 2.0) -> dict:
+    """Rank 0 commits a receive from rank 1, then one from rank 2, computes past both progress
+    threads' giving up, then waits; neither peer posts. What rank 0's timeout says (it named
+    the second peer only: the wait went on with the first exchange left and raised there)."""
+    from burstcu.transport.base import CommTimeoutError
+
+    with burstcu.init(backend="numpy", timeout=timeout) as group:
+        said = None
+        if group.rank == 0:
+            t = group.transport
+            pieces = [np.zeros(1024, np.uint8) for _ in range(2)]
+            for peer, recv in zip((1, 2), pieces):
+                t.send_recv(None, recv, peer, peer)
+                t.commit()
+            time.sleep(timeout + 2.5)
+            try:
+                t.wait()
+            except CommTimeoutError as exc:
+                said = str(exc)
+        else:
+            time.sleep(2 * timeout + 3)
+    return {"said": said}
+
+
 def an_exchange_never_waited_for() -> dict:
     """Rank 0 commits an exchange the next rank never posts, then ends its program without
     waiting or closing its group (a caught failure between commit and wait, say): its progress

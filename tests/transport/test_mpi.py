@@ -112,6 +112,14 @@ def test_a_timeout_behind_a_slow_link_names_the_link(progress):
 
 
 @pytest.mark.mpi
+def test_a_wait_after_the_threads_gave_up_names_every_late_peer():
+    """Two exchanges committed, the progress threads gone past their deadline before the wait:
+    the wait's timeout names both silent peers, as a wait begun in time does."""
+    said = run_mpi(3, "transport_bodies:two_exchanges_given_up_then_waited", timeout=60)[0]["said"]
+    assert said is not None and "rank 0 waited 2 s for rank 1's message and rank 2's message" in said, said
+
+
+@pytest.mark.mpi
 def test_a_program_that_ends_with_an_exchange_never_waited_for_ends():
     """An exchange committed and never waited for, its peer silent, the group left open: the
     process ends a few seconds after the timeout (the progress thread gives up then; a thread
