@@ -136,7 +136,7 @@ EXPECTED = {
         "of its shard?",
     ],
     ("docs/troubleshooting.md", 1): [
-        "rank {rank}: ValueError: attention_backward(check=True): on rank ...the probabilities "
+        "rank {rank}: ValueError: rank {rank}: attention_backward(check=True): the probabilities "
         "recomputed from lse sum to ...not 1",
     ],
 }
