@@ -275,9 +275,7 @@ class MPITransport(Transport):
         if self._requests:   # inline: the link's clock starts now, when the data starts to move
             ready = max(self._paced(sent, received) for sent, received in self._unpaced)
             left, self._requests, self._unpaced = self._requests, [], []
-            everyone = _peers(left)
-            self._complete(left, deadline, self.timed_out)
-            _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
+            self._finish_here(left, _peers(left), ready, deadline)
         pending, self._pending = self._pending, []
         posted, self._posted = self._posted, []
         finished = []
@@ -290,10 +288,16 @@ class MPITransport(Transport):
         # and wait outlasted the timeout): this wait goes on with them until its own deadline
         given_up = [entry for done, entry in zip(finished, posted) if not done]
         if given_up:
-            self._complete([x for left, _, _ in given_up for x in left], deadline, self.timed_out)
-            everyone = " and ".join(dict.fromkeys(peers for _, peers, _ in given_up))
-            _sleep_until(max(ready for _, _, ready in given_up), deadline,
-                         lambda: self.timed_out(f"{everyone} ({self.link})"))
+            self._finish_here([x for left, _, _ in given_up for x in left],
+                              " and ".join(dict.fromkeys(peers for _, peers, _ in given_up)),
+                              max(ready for _, _, ready in given_up), deadline)
+
+    def _finish_here(self, left: list, everyone: str, ready: float, deadline: float) -> None:
+        """Complete `left`'s requests on the calling thread, then sleep until the link has paced
+        them (`ready`); past `deadline` raise CommTimeoutError naming the peers still silent, or
+        once MPI has moved everything, `everyone` and the link."""
+        self._complete(left, deadline, self.timed_out)
+        _sleep_until(ready, deadline, lambda: self.timed_out(f"{everyone} ({self.link})"))
 
     def _still_awaited(self, pending: list, posted: list) -> str:
         """The peers of the exchanges not finished (`pending` futures, `posted` their requests)
