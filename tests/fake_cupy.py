@@ -51,6 +51,10 @@ class FakeCupy:
             calls.append(("attr", attr, device_id))
             return values[attr]
 
+        def pci_bus_id(device_id):
+            calls.append(("pci", device_id))
+            return f"0000:{0x1B + device_id:02X}:00.0"
+
         class Communicator:
             def __init__(self, size, uid, rank):
                 calls.append(("NcclCommunicator",))
@@ -63,6 +67,7 @@ class FakeCupy:
         cuda = self.module.cuda = types.ModuleType("cupy.cuda")
         cuda.Device = Device
         cuda.runtime = types.SimpleNamespace(deviceGetAttribute=device_attribute,
+                                             deviceGetPCIBusId=pci_bus_id,
                                              getDevice=lambda: fake.current,
                                              getDeviceCount=lambda: n_devices)
         cuda.Stream = lambda **kwargs: object()

@@ -357,6 +357,33 @@ def _local_problem(comm: Any) -> tuple[int, str | None]:
     return device_id, _arch_problem(device_id) or _nccl_problem()
 
 
+def gpu_place(device_id: int) -> str | None:
+    """Where CUDA device `device_id` of this process sits: "host name, PCI bus 0000:1b:00.0",
+    read without making it current (no CUDA context is created), or None where it cannot be
+    read. Two ranks at one place share a GPU, which NCCL refuses (MIG slices of one GPU too)."""
+    try:
+        import cupy
+        bus = str(cupy.cuda.runtime.deviceGetPCIBusId(device_id)).lower()
+    except Exception:  # noqa: BLE001 - no place, no check
+        return None
+    return f"{socket.gethostname()}, PCI bus {bus}"
+
+
+def shared_gpu_problem(places: list) -> str | None:
+    """Which ranks would share a GPU, given every rank's `gpu_place` (None: unknown), or None."""
+    ranks_at: dict[str, list[int]] = {}
+    for rank, place in enumerate(places):
+        if place is not None:
+            ranks_at.setdefault(place, []).append(rank)
+    shared = [(place, ranks) for place, ranks in ranks_at.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    place, ranks = shared[0]
+    return (f"ranks {', '.join(map(str, ranks))} would share one GPU ({place}): NCCL needs a GPU "
+            f"of its own for every rank; check CUDA_VISIBLE_DEVICES and the launcher's GPU binding "
+            f"(docs/launching.md)")
+
+
 
 
 def _arch_problem(device_id: int) -> str | None:
@@ -373,15 +400,20 @@ def _arch_problem(device_id: int) -> str | None:
     return None
 
 
-def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None) -> None:
-    """Gather every rank's problem and raise the same BackendUnavailable on every rank if any
-    rank has one, so no rank enters a collective alone. Bounded by `timeout` (default
-    `resolve_timeout(None)`)."""
-    problems = host_gather(comm, problem, resolve_timeout(timeout), "the NCCL bootstrap's checks")
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+def agree_or_raise(comm: Any, problem: str | None, timeout: float | None = None,
+                   place: str | None = None) -> None:
+    """Gather every rank's problem and GPU `place` (`gpu_place`) and raise the same
+    BackendUnavailable on every rank if any rank has a problem or two ranks would share a GPU,
+    so no rank enters a collective alone. Bounded by `timeout` (default `resolve_timeout(None)`)."""
+    gathered = host_gather(comm, (problem, place), resolve_timeout(timeout),
+                           "the NCCL bootstrap's checks")
+    bad = [(r, p) for r, (p, _) in enumerate(gathered) if p is not None]
     if bad:
         ranks = ", ".join(str(r) for r, _ in bad)
         raise BackendUnavailable(f"burstcu backend 'cupy' cannot start (rank(s) {ranks}): {bad[0][1]}")
+    shared = shared_gpu_problem([p for _, p in gathered])
+    if shared:
+        raise BackendUnavailable(f"burstcu backend 'cupy' cannot start: {shared}")
 
 
 def unique_id(comm: Any, timeout: float | None = None) -> bytes:
@@ -400,10 +432,10 @@ def bootstrap(comm: Any, timeout: float | None = None) -> tuple[NCCLTransport, i
     single process. The node-local rank picks the GPU; every rank checks it can start, the
     ranks agree, then rank 0's NCCL unique id is broadcast and each rank creates its
     communicator. Raises BackendUnavailable on every rank when any rank lacks a GPU, has to
-    share one, or lacks NCCL.
+    share one (more ranks than GPUs on a node, or two ranks bound to one GPU), or lacks NCCL.
     """
     device_id, problem = _local_problem(comm)
-    agree_or_raise(comm, problem, timeout)
+    agree_or_raise(comm, problem, timeout, None if problem else gpu_place(device_id))
     uid = unique_id(comm, timeout)
     rank, size = host_rank_size(comm)
     nccl_comm = create_communicator(comm, size, uid, rank, device_id)

@@ -9,6 +9,7 @@ backend="cupy" when no GPU is usable.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 from mpi4py import MPI
@@ -83,6 +84,28 @@ def too_many_ranks_per_gpu():
     size = MPI.COMM_WORLD.Get_size()
     assert f"{size} ranks on this node but only 1 GPU(s)" in message, message
     return {"message": message}
+
+
+def two_ranks_bound_to_one_gpu():
+    """Every rank sees one GPU, bound by its launcher, but the first and the last rank were
+    given the same one (a launcher's binding gone wrong): every rank raises, naming both,
+    before any rank enters the NCCL init (where NCCL would refuse the duplicate on some ranks)."""
+    comm = MPI.COMM_WORLD
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    _pretend_devices(1)
+    os.environ[bootstrap.BOUND_ENV] = "1"
+    bus = "0000:1b:00.0" if rank in (0, last) else f"0000:{0x30 + rank:02x}:00.0"
+    bootstrap.gpu_place = lambda device_id: f"node, PCI bus {bus}"
+    started = []
+    bootstrap.create_communicator = lambda *args: started.append(args)
+    try:
+        bootstrap.bootstrap(comm)
+    except bootstrap.BackendUnavailable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("bootstrap accepted two ranks on one GPU")
+    assert f"ranks 0, {last} would share one GPU (node, PCI bus 0000:1b:00.0)" in message, message
+    return {"message": message, "nccl_started": bool(started)}
 
 
 def last_rank_without_gpu():

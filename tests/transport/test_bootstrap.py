@@ -67,6 +67,29 @@ def test_bootstrap_selects_the_device_once_after_reading_it(monkeypatch):
     assert {c[1] for c in fake.calls if c[0] == "Device"} == {2}
 
 
+def test_a_gpus_place_is_its_host_and_pci_bus_read_without_switching(monkeypatch):
+    fake = FakeCupy(n_devices=4).install(monkeypatch)
+    monkeypatch.setattr(bootstrap.socket, "gethostname", lambda: "node7")
+    assert bootstrap.gpu_place(2) == "node7, PCI bus 0000:1d:00.0"
+    assert fake.calls == [("pci", 2)] and fake.switches() == []
+
+
+def test_a_gpu_whose_place_cannot_be_read_is_not_checked(monkeypatch):
+    fake = FakeCupy().install(monkeypatch)
+    del fake.module.cuda.runtime.deviceGetPCIBusId
+    assert bootstrap.gpu_place(0) is None
+
+
+@pytest.mark.parametrize("places, shared", [
+    (["a, PCI bus 1", "a, PCI bus 2", "b, PCI bus 1"], None),    # one bus id on two hosts
+    (["a, PCI bus 1", None, None], None),                        # unknown places are no match
+    (["a, PCI bus 1", "a, PCI bus 2", "a, PCI bus 1"], "ranks 0, 2 would share one GPU (a, PCI bus 1)"),
+    (["x", "x", "x", "y"], "ranks 0, 1, 2 would share one GPU (x)")])
+def test_ranks_at_one_place_would_share_a_gpu(places, shared):
+    got = bootstrap.shared_gpu_problem(places)
+    assert got is None if shared is None else got.startswith(shared), got
+
+
 @pytest.mark.parametrize("cc, problem", [("75", "compute capability 7.5"), ("80", None), ("90", None)])
 def test_gpus_older_than_sm80_are_a_problem_reported_before_agreement(monkeypatch, cc, problem):
     """A T4/V100 stops the cupy backend on every rank (and 'auto' falls back), not mid-init."""
@@ -124,6 +147,14 @@ def test_one_rank_problem_raises_on_every_rank(world):
 def test_more_ranks_than_gpus_fails_on_every_rank(world):
     results = run_mpi(world, "bootstrap_bodies:too_many_ranks_per_gpu", timeout=60)
     assert len({r["message"] for r in results}) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_ranks_bound_to_one_gpu_fail_on_every_rank(world):
+    results = run_mpi(world, "bootstrap_bodies:two_ranks_bound_to_one_gpu", timeout=60)
+    assert len({r["message"] for r in results}) == 1, results
+    assert all(not r["nccl_started"] for r in results), results
 
 
 @pytest.mark.mpi
