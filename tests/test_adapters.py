@@ -528,6 +528,13 @@ def test_every_rank_passing_the_global_array_is_warned_about(world):
 
 
 @pytest.mark.mpi
+def test_the_adapters_warn_at_the_callers_line(torch, jax):
+    for r in run_mpi(2, "adapter_bodies:adapters_warn_at_the_callers_line", timeout=240):
+        for name, line in r["lines"].items():
+            assert r["warned"][name] == [["adapter_bodies.py", line]], (name, r)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_shards_remember_their_cut(world, torch):
     for rank_result in run_mpi(world, "adapter_bodies:torch_shards_remember_their_cut", timeout=240):

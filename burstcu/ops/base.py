@@ -31,12 +31,13 @@ GQA: query head h uses key/value head h // (H // Hkv).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any, ContextManager, Sequence
 
 import numpy as np
@@ -109,13 +110,28 @@ def accum_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if as_dtype(dtype).name == "float64" else np.dtype(np.float32)
 
 
+# the frameworks whose frames stand between an adapter's caller and burstcu (torch's autograd
+# and dynamo wrappers, JAX's custom_vjp and tracing, and the context managers and wrappers of
+# the standard library they use): never the user's line
+_FRAMEWORKS = ("torch", "jax", "jaxlib")
+_WRAPPER_FILES = tuple(os.path.abspath(m.__file__) for m in (contextlib, functools))
+
+
 def caller_stacklevel() -> int:
     """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
-    warning names the first frame outside the burstcu package (the user's line), or the
-    outermost frame where none is (a thread burstcu started)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    warning names the first frame outside the burstcu package and the frameworks its adapters
+    go through (the user's line), or the outermost frame where none is (a thread burstcu
+    started)."""
+    packages = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep]
+    for name in _FRAMEWORKS:
+        file = getattr(sys.modules.get(name), "__file__", None)   # imported by then, if used
+        if file:
+            packages.append(os.path.dirname(os.path.abspath(file)) + os.sep)
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame.f_back is not None:
+        file = os.path.abspath(frame.f_code.co_filename)
+        if not (file.startswith(tuple(packages)) or file in _WRAPPER_FILES):
+            break
         frame, level = frame.f_back, level + 1
     return level
 
@@ -264,7 +280,7 @@ class LocalOps(ABC):
 
     def annotate(self, label: str) -> ContextManager:
         """A named range around the work issued inside it (NVTX on a GPU; nothing on the CPU)."""
-        return nullcontext()
+        return contextlib.nullcontext()
 
     # -- forward -----------------------------------------------------------------------------------
     @abstractmethod

@@ -163,6 +163,39 @@ def every_rank_passes_the_global_array():
             "sharded": [str(w.message) for w in sharded if issubclass(w.category, RuntimeWarning)]}
 
 
+def adapters_warn_at_the_callers_line():
+    """The same global array on every rank through burstcu.torch (attention, linear_attention)
+    and burstcu.jax (eager, and a jitted function, whose check runs when it runs): the
+    SameShardsWarning names this file and the line of the adapter's call (the jitted function's
+    call), not a frame of torch's, JAX's or contextlib's wrappers between it and burstcu."""
+    import inspect
+    import os
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    group = burstcu.init(backend="numpy")
+    q = _inputs(7)[0][:1].astype(np.float32)
+    calls = (("torch", lambda x: burstcu.torch.attention(x, x, x, group), torch.from_numpy(q)),
+             ("torch.linear", lambda x: burstcu.torch.linear_attention(x, x, x, group),
+              torch.from_numpy(q)),
+             ("jax", lambda x: burstcu.jax.attention(x, x, x, group), jnp.asarray(q)),
+             ("jax.jit", jax.jit(lambda x: burstcu.jax.attention(x, x, x, group)), jnp.asarray(q)))
+    warned, lines = {}, {}
+    for name, call, x in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            here = inspect.currentframe().f_lineno + 1
+            call(x)
+        lines[name] = here if name == "jax.jit" else inspect.getsourcelines(call)[1]
+        warned[name] = [(os.path.basename(w.filename), w.lineno) for w in caught
+                        if issubclass(w.category, burstcu.SameShardsWarning)]
+    group.close()
+    return {"warned": warned, "lines": lines}
+
+
 def torch_shards_remember_their_cut():
     """Tensors `burstcu.shard` cut remember it as NumPy shards do: zigzag shards passed to a
     causal burstcu.torch.attention without layout="zigzag", and packed (T, H, D) tensors cut by
