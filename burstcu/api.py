@@ -116,9 +116,29 @@ def _agreed(call: Call, group: Group, arrays: tuple, what: str, local_check, fin
     return arrays, export, extra
 
 
+def misplaced_group(names: tuple, arrays: tuple) -> InputError | None:
+    """A TypeError, for every rank, where a Group or Sharding sits in an array's place (an
+    argument left out before it, so the group took its slot and the call has none), or None."""
+    for name, x in zip(names, arrays):
+        if isinstance(x, Group) or callable(getattr(x, "sharding_arguments", None)):
+            kind = "Group" if isinstance(x, Group) else "Sharding"
+            return InputError(TypeError, f"{name} is a burstcu.{kind} where an array goes: an "
+                                         f"argument before it is missing (the group comes after "
+                                         f"the arrays)")
+    return None
+
+
+def _as_error(problem: str | InputError | None) -> InputError | None:
+    """A call's problem found before its arrays are checked, as the error every rank raises
+    (a message alone: a ValueError)."""
+    return problem if problem is None or isinstance(problem, InputError) else \
+        InputError(ValueError, problem)
+
+
 def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, softmax_scale,
              layout, strategy, options: dict, flags: dict, window_size=(-1, -1), cu_seqlens=None,
-             block_mask=None, problem: str | None = None, sharding_lengths: tuple | None = None,
+             block_mask=None, problem: str | InputError | None = None,
+             sharding_lengths: tuple | None = None,
              packed: bool = False):
     """`_agreed` for softmax attention: (native arrays, exporter, resolved softmax scale,
     document boundaries as a tuple or None, the ranks' `burstcu.layout.Partition`).
@@ -127,7 +147,7 @@ def _checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal,
     rank; sharding_lengths: the rows each rank holds by the Sharding, checked against the
     ranks' shards; packed: q was given as (T, H, D) (for the warning on hidden states)."""
     def local(native):
-        conflict = None if problem is None else InputError(ValueError, problem)
+        conflict = _as_error(problem)
         agreed = options if sharding_lengths is None else {
             **options, "sharding_lengths": tuple(sharding_lengths)}   # the ranks' Shardings agree
         err, scale, meta, docs = check_attention_call(
@@ -289,7 +309,8 @@ def attention(q, k, v, group=None, *, causal: bool = False,
     given = {"q": q, "k": k, "v": v}               # as the caller holds them (`call_marks`)
     cut = _rows_of_call(layout, cu_seqlens, group)
     positional = _positional(causal, window_size, cu_seqlens, block_mask)
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
+    conflict = conflict or misplaced_group(("q", "k", "v"), (q, k, v)) or \
+        cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     packed = getattr(q, "ndim", None) == 3
     cut = inherited_cut((q,), _known(cut, said or positional), 0 if packed else 1)
     if packed:
@@ -348,6 +369,8 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
         group, layout, cu_seqlens, uneven, block_mask)
     cut = _rows_of_call(layout, cu_seqlens, group)
     positional = _positional(causal, window_size, cu_seqlens, block_mask)
+    conflict = conflict or misplaced_group(("dout", "q", "k", "v", "out", "lse"),
+                                            (dout, q, k, v, out, lse))
     conflict = conflict or cut_problem(("dout", "q", "k", "v", "out"), (dout, q, k, v, out), cut,
                                        positional=positional)
     conflict = conflict or lse_problem(lse, mask_options(causal, window_size, cu_seqlens, softmax_scale,
@@ -483,14 +506,14 @@ def _balanced_for(block_mask, lengths: list) -> bool:
 
 
 def _linear_checked(call: Call, group: Group, arrays: tuple, *, backward: bool, causal, layout,
-                    strategy, sharding_conflict: str | None = None):
+                    strategy, sharding_conflict: str | InputError | None = None):
     """`_agreed` for linear attention: (native arrays, exporter, the ranks' Partition: the
     shards `burstcu.shard` cuts under `layout`, of any length, checked on every rank alike).
     sharding_conflict: what the Sharding passed says that linear attention cannot take, or a
     keyword disagreeing with it."""
     def local(native):
         if sharding_conflict is not None:
-            return InputError(ValueError, sharding_conflict), None, None, None
+            return _as_error(sharding_conflict), None, None, None
         err, meta = check_linear_call(group.ops, native, backward=backward, causal=causal,
                                       layout=layout, strategy=strategy, strategies=LINEAR_STRATEGIES)
         q = native[1 if backward else 0]          # (dout, q, k, v) backward
@@ -533,7 +556,8 @@ def linear_attention(q, k, v, group=None, *, causal: bool = False,
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     positional = _positional(causal, (-1, -1), None)
-    conflict = conflict or cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
+    conflict = conflict or misplaced_group(("q", "k", "v"), (q, k, v)) or \
+        cut_problem(("q", "k", "v"), (q, k, v), cut, positional=positional)
     cut = inherited_cut((q,), _known(cut, said or positional), 1)
     group = group_for(group, q)
     with Call(group, "linear attention forward") as call:
@@ -558,8 +582,8 @@ def linear_attention_backward(dout, q, k, v, group=None, *, causal: bool = False
     group, layout, conflict = _linearsharding_keywords(group, layout)
     cut = rows_cut(layout, None, getattr(group, "size", 1))
     positional = _positional(causal, (-1, -1), None)
-    conflict = conflict or cut_problem(("dout", "q", "k", "v"), (dout, q, k, v), cut,
-                                       positional=positional)
+    conflict = conflict or misplaced_group(("dout", "q", "k", "v"), (dout, q, k, v)) or \
+        cut_problem(("dout", "q", "k", "v"), (dout, q, k, v), cut, positional=positional)
     cuts = tuple(inherited_cut((x,), _known(cut, said or positional), 1)
                  for x in (q, k, v))                                              # dq's, dk's, dv's
     group = group_for(group, q)
@@ -610,6 +634,9 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     elif v_cache is None:
         problem = InputError(TypeError, "decode(q, k_cache, v_cache, ...) needs v_cache (or pass a "
                                         "KVCache)")
+    else:
+        problem = misplaced_group(("q", "k_cache", "v_cache"), (q, k_cache, v_cache)) or \
+            (_unfilled_cache_rows(k_cache, v_cache) if cache_seqlens is None else None)
     group = group_for(group, q)
     if problem is None and rows is None:          # arrays, not a KVCache: cut for this group?
         said = cache_cut_problem(("k_cache", "v_cache"), (k_cache, v_cache),
@@ -637,6 +664,21 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
                                           _Tracking(group.ops, group.transport), group.transport)
     results = returned(export, (out, lse))
     return results if return_lse else results[0]
+
+
+def _unfilled_cache_rows(k_cache, v_cache) -> InputError | None:
+    """decode given a KVCache's own `k`, `v` without cache_seqlens (every row read as valid)
+    while the cache holds rows not filled yet (or pages): a ValueError, or None."""
+    from .kvcache import cache_of_buffer
+
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        cache = cache_of_buffer(x)
+        if cache is not None and (cache.paged or int(cache.seqlens.min()) < cache.capacity):
+            return InputError(ValueError, f"{name} is a KVCache's own array, which decode reads "
+                                          f"whole without cache_seqlens, its rows not filled yet "
+                                          f"(or its page pool) too: pass the cache itself, "
+                                          f"decode(q, cache), or cache_seqlens=cache.seqlens")
+    return None
 
 
 def shard(x, group, layout: str | None = None, axis: int = 1, cu_seqlens=None, block_mask=None):
@@ -742,7 +784,7 @@ UNSHARD_BFLOAT16 = ("unshard their bits instead, as 16-bit integers viewed back 
                     "NumPy arrays of ml_dtypes.bfloat16")
 
 
-def unshard(x_local, group, layout: str | None = None, axis: int = 1,
+def unshard(x_local, group, layout: str | None = None, axis: int | None = None,
             cu_seqlens=None, uneven: bool | None = None):
     """The global array on every rank, from each rank's `x_local` (the inverse of `shard`; with
     "contiguous", of any split the ranks' shards make in rank order).
@@ -754,9 +796,18 @@ def unshard(x_local, group, layout: str | None = None, axis: int = 1,
     `burstcu.Sharding`: its layout, documents and lengths; a keyword that disagrees raises
     ValueError on every rank. A torch tensor's result carries no autograd history (as
     torch.distributed's all_gather), whatever the group's size; float8 tensors travel as
-    their bytes.
+    their bytes. axis left out: 1, except that an array which remembers being cut along another
+    axis (packed (T, H, D) rows, along 0) is refused on every rank, asking for it.
     """
-    return gather_shards(x_local, group, layout, axis, cu_seqlens, uneven)
+    problem = None
+    if axis is None:
+        held = cut_of(x_local)
+        if held is not None and held[0][0] == "rows" and held[1] != 1:
+            problem = (f"x_local was cut along axis {held[1]} (its sequence), but unshard joins "
+                       f"along axis 1 unless told, which would join other rows than the ones cut: "
+                       f"pass axis={held[1]} (a burstcu.Sharding with the documents finds it)")
+        axis = 1
+    return gather_shards(x_local, group, layout, axis, cu_seqlens, uneven, problem)
 
 
 def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, uneven: bool | None,

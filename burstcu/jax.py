@@ -206,6 +206,14 @@ def _static(options: dict) -> dict:
     return options
 
 
+def _arrays_only(names: tuple, arrays: tuple) -> None:
+    """Raise (at trace time) where a Group or Sharding sits in an array's place: an argument left
+    out before it (`api.misplaced_group`); JAX would refuse it as no JAX type."""
+    error = api.misplaced_group(names, arrays)
+    if error is not None:
+        raise error.exception()
+
+
 def _constant_scale(softmax_scale) -> None:
     """TypeError while tracing where `softmax_scale` is traced (computed inside `jax.jit` or
     `jax.grad`, or one of their arguments): the scale is a constant of the call (not
@@ -229,6 +237,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     cu_seqlens (concrete), block_mask, uneven, ulysses_degree, bidirectional (as
     `burstcu.attention`) and check (verify lse in the backward). The backward (`jax.grad`) is collective too.
     """
+    _arrays_only(("q", "k", "v"), (q, k, v))
     _constant_scale(softmax_scale)
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
@@ -258,6 +267,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = False,
                      layout: str | None = None, strategy: str = "lasp2"):
     """`burstcu.linear_attention` for jax arrays, differentiable and jit-able: out (B, S, H, D)."""
+    _arrays_only(("q", "k", "v"), (q, k, v))
     options = dict(causal=causal, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.linear_attention, (q, k, v))
 
@@ -301,6 +311,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
         return _run(from_cache, (q,), results, k_cache.group)
     if v_cache is None:
         raise TypeError("decode(q, k_cache, v_cache, ...) needs v_cache (or pass a KVCache)")
+    _arrays_only(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     lengths = () if cache_seqlens is None else (cache_seqlens,)
     arrays = (q, k_cache, v_cache)
     arrays += tuple(jnp.asarray(n) for n in lengths) if _is_traced(arrays + lengths) else lengths

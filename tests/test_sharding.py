@@ -107,6 +107,77 @@ def test_an_axis_the_array_lacks_is_refused(axis, kind):
     assert np.array_equal(burstcu.unshard(burstcu.shard(x, None, axis=-3), None, axis=-3), x)
 
 
+def test_unshard_told_no_axis_of_rows_cut_along_another_is_refused():
+    """A packed (T, H, D) result remembers its rows cut along axis 0: burstcu.unshard(out, group)
+    joined its heads (out (T/G, G*H, D), silently); now a ValueError on every rank asking for
+    axis=0, which joins the rows the one-process call gives. Told axis=1 it still joins heads (a
+    gather along another axis, by choice), and 4-D shards are joined along 1 as before."""
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(0)
+    cu = [0, 10, 35, 60]
+    Q, K, V = (rng.standard_normal((60, 4, 16)).astype(np.float32) for _ in range(3))
+    want = burstcu.attention(Q, K, V, causal=True, cu_seqlens=cu)
+    X = rng.standard_normal((1, 12, 2, 8))
+
+    def body(group):
+        sh = burstcu.Sharding(group, cu_seqlens=cu)
+        out = burstcu.attention(*(sh.shard(x) for x in (Q, K, V)), sh, causal=True)
+        with pytest.raises(ValueError) as refused:
+            burstcu.unshard(out, group)
+        return (str(refused.value), burstcu.unshard(out, group, axis=0),
+                burstcu.unshard(out, group, axis=1).shape, burstcu.unshard(burstcu.shard(X, group), group))
+    for said, joined, heads, rows in run_ranks(2, body):
+        assert said.endswith("x_local was cut along axis 0 (its sequence), but unshard joins along "
+                             "axis 1 unless told, which would join other rows than the ones cut: "
+                             "pass axis=0 (a burstcu.Sharding with the documents finds it)"), said
+        assert np.abs(joined - want).max() < 1e-5
+        assert heads == (30, 8, 16) and np.array_equal(rows, X)
+
+
+def test_a_group_in_an_arrays_place_says_an_argument_is_missing():
+    """An array left out before the group (attention(q, k, sh), attention_backward without lse,
+    decode without v_cache) puts the group in an array's slot and leaves the call none: a
+    TypeError naming the slot on every rank, not "this call has no group" (the user passed one)
+    nor the type of the array expected; through burstcu.torch and burstcu.jax too."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(0)
+    Q, K, V, DO = (rng.standard_normal((1, 24, 2, 8)).astype(np.float32) for _ in range(4))
+
+    def body(group):
+        sh = burstcu.Sharding(group, layout="zigzag")
+        q, k, v, dout = (sh.shard(x) for x in (Q, K, V, DO))
+        out, lse = burstcu.attention(q, k, v, sh, causal=True, return_lse=True)
+        tq, tk = torch.from_numpy(q), torch.from_numpy(k)
+        jq, jk = jnp.asarray(q), jnp.asarray(k)
+        calls = {"attention": (lambda: burstcu.attention(q, k, sh, causal=True), "v", "Sharding"),
+                 "attention of views": (lambda: burstcu.attention(q[:], k[:], group), "v", "Group"),
+                 "backward": (lambda: burstcu.attention_backward(dout, q, k, v, out, sh, causal=True),
+                              "lse", "Sharding"),
+                 "linear": (lambda: burstcu.linear_attention(q, k, group), "v", "Group"),
+                 "linear backward": (lambda: burstcu.linear_attention_backward(dout, q, k, sh),
+                                     "v", "Sharding"),
+                 "decode": (lambda: burstcu.decode(q[:, :1], k, group), "v_cache", "Group"),
+                 "torch": (lambda: burstcu.torch.attention(tq, tk, sh), "v", "Sharding"),
+                 "torch decode": (lambda: burstcu.torch.decode(tq[:, :1], tk, group), "v_cache", "Group"),
+                 "jax": (lambda: burstcu.jax.attention(jq, jk, sh), "v", "Sharding"),
+                 "jax linear": (lambda: burstcu.jax.linear_attention(jq, jk, group), "v", "Group"),
+                 "jax decode": (lambda: burstcu.jax.decode(jq[:, :1], jk, group), "v_cache", "Group")}
+        said = {}
+        for name, (call, slot, kind) in calls.items():
+            with pytest.raises(TypeError) as caught:
+                call()
+            said[name] = (str(caught.value), slot, kind)
+        return said
+    for said in run_ranks(2, body):
+        for name, (message, slot, kind) in said.items():
+            assert message == (f"{slot} is a burstcu.{kind} where an array goes: an argument before "
+                               f"it is missing (the group comes after the arrays)"), (name, message)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (2, 3))
 def test_a_group_left_out_is_refused_on_every_rank(world):
