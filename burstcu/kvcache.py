@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -30,7 +31,7 @@ from .cpu_tensors import host_view
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
-from .validate import (InputError, agree, cache_cut_problem, first_rows_digest,
+from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest,
                        warn_if_all_the_same)
 
 
@@ -53,6 +54,16 @@ def _real(dtype) -> bool:
     bfloat16 and the other ml_dtypes floats), not complex, strings or objects."""
     dtype = np.dtype(dtype)
     return dtype.kind in "biuf" or np.can_cast(dtype, np.float64, "safe")
+
+
+# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache)
+_BUFFERS: dict[int, tuple] = {}
+
+
+def cache_of_buffer(x) -> "KVCache | None":
+    """The live KVCache whose `k` or `v` is this very array object, else None."""
+    held = _BUFFERS.get(id(x))
+    return held[1]() if held is not None and held[0]() is x else None
 
 
 class KVCache:
@@ -104,6 +115,11 @@ class KVCache:
                                                                           kv_heads, headdim)) for _ in "kv")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
+        for x in (self.k, self.v):    # known as this cache's where decode is given them
+            with contextlib.suppress(TypeError):   # an array type without weak references
+                key = id(x)
+                _BUFFERS[key] = (weakref.ref(x, lambda _, key=key: _BUFFERS.pop(key, None)),
+                                 weakref.ref(self))
 
     def _arguments(self, batch, capacity_per_rank, kv_heads, headdim, dtype, page_size,
                    num_pages) -> dict:
@@ -279,8 +295,9 @@ class KVCache:
 
     def append(self, k_new, v_new) -> None:
         """Add rows (batch, T, kv_heads, headdim), the same on every rank: row t of batch row b
-        lands on the rank holding fewest rows of b then. Rows of another shape or not of real
-        numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
+        lands on the rank holding fewest rows of b then. Rows `burstcu.shard` cut for several
+        ranks (a rank's own rows, which `from_prefill` takes), rows of another shape or not of
+        real numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
         before anything is stored, on every rank given the same rows (No communication: a rank
         given other rows raises alone, so an error left uncaught ends the job, `raising_alike`).
         Rows that are CUDA torch tensors are copied on torch's current stream, as
@@ -288,6 +305,14 @@ class KVCache:
         wait_computed((k_new, v_new))
         with Call(self.group, "KVCache.append") as call, self._rows_stream((k_new, v_new)):
             with call.raising_alike():    # every rank sees the same counts and shapes
+                for name, x in (("k_new", k_new), ("v_new", v_new)):
+                    held = cut_of(x)
+                    if held is not None and held[0][0] == "rows" and held[0][3] not in (None, 1):
+                        raise ValueError(
+                            f"KVCache.append: {name} is one rank's shard of {held[0][3]} (as "
+                            f"burstcu.shard cut it), but append takes rows that are the same on "
+                            f"every rank (a new token's keys and values) and stores each row on one "
+                            f"rank; give a rank's own rows of a prefill to from_prefill")
                 k_new, v_new = self._check_rows("append", k_new, v_new)
                 counts = self.counts.copy()
                 owners = []

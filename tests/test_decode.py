@@ -368,6 +368,63 @@ def test_append_of_rows_the_cache_cannot_hold_changes_nothing(bad):
     assert cache.seqlens.tolist() == [5, 5] and (cache.page_table >= 0).sum() == 6
 
 
+def test_append_of_a_ranks_own_rows_is_refused_on_every_rank():
+    """Each rank's shard of a prefill given to append (whose rows are the same on every rank,
+    each stored on one rank) kept half the rows, silently (decode off by 0.7): refused on every
+    rank, the cache unchanged; the same rows taken by from_prefill decode right."""
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(0)
+    K, V = (rng.standard_normal((1, 12, 2, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 1, 4, 8)).astype(np.float32)
+
+    def body(group):
+        cache = burstcu.KVCache(group, 1, 12, 2, 8, np.float32)
+        k_local, v_local = burstcu.shard(K, group), burstcu.shard(V, group)
+        with pytest.raises(ValueError) as refused:
+            cache.append(k_local, v_local)
+        kept = cache.seqlens.tolist()
+        cache.from_prefill(k_local, v_local)
+        return str(refused.value), kept, cache.decode(q)
+    want = attention_ref(q, K, V)[0]
+    for said, kept, out in run_ranks(2, body):
+        assert said.startswith("KVCache.append: k_new is one rank's shard of 2 (as burstcu.shard "
+                               "cut it), but append takes rows that are the same on every rank"), said
+        assert kept == [0]
+        assert np.abs(out - want).max() < 1e-5
+
+
+def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
+    """decode(q, cache.k, cache.v, group) without cache_seqlens reads every row of the buffers:
+    with rows not filled yet it was off by 1.4, silently; now a ValueError on every rank saying
+    what to pass (a paged cache's pool, always). Once every row is filled the call is right and
+    runs; cache_seqlens=cache.seqlens runs at any fill."""
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(0)
+    K, V = (rng.standard_normal((1, 8, 2, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 1, 4, 8)).astype(np.float32)
+
+    def body(group):
+        cache = burstcu.KVCache(group, 1, 4, 2, 8, np.float32)
+        paged = burstcu.KVCache(group, 1, 4, 2, 8, np.float32, page_size=2)
+        cache.append(K[:, :6], V[:, :6])
+        said = []
+        for c in (cache, paged):
+            with pytest.raises(ValueError) as refused:
+                burstcu.decode(q, c.k, c.v, group)
+            said.append(str(refused.value))
+        part = burstcu.decode(q, cache.k, cache.v, group, cache_seqlens=cache.seqlens)
+        cache.append(K[:, 6:], V[:, 6:])
+        return said, part, burstcu.decode(q, cache.k, cache.v, group)
+    for said, part, full in run_ranks(2, body):
+        assert said == ["k_cache is a KVCache's own array, which decode reads whole without "
+                        "cache_seqlens, its rows not filled yet (or its page pool) too: pass the "
+                        "cache itself, decode(q, cache), or cache_seqlens=cache.seqlens"] * 2
+        assert np.abs(part - attention_ref(q, K[:, :6], V[:, :6])[0]).max() < 1e-5
+        assert np.abs(full - attention_ref(q, K, V)[0]).max() < 1e-5
+
+
 @pytest.mark.parametrize("bad", [None, 1.0], ids=["None", "a number"])
 def test_rows_that_are_not_arrays_are_named_by_type(bad):
     """None or a number read as a shape problem, 'got () and ()'."""
