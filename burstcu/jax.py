@@ -227,6 +227,20 @@ def _constant_scale(softmax_scale) -> None:
                         "(static_argnames=...)")
 
 
+def _constant_options(options: dict) -> None:
+    """TypeError while tracing where an option that decides the mask or the exchange (causal,
+    window_size, uneven, ...) is traced, in whole or in part: it must be known when the call is
+    traced (as cu_seqlens), and the call's own check would fail only when the program runs,
+    wrapped in JAX's runtime error."""
+    for name, value in options.items():
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+        if name != "cu_seqlens" and any(isinstance(x, jax.core.Tracer) for x in parts):
+            raise TypeError(f"{name} is traced (computed inside a JAX transformation such as "
+                            f"jax.jit, or passed to it as an argument): it decides the mask and what "
+                            f"the ranks send, so it must be known when the call is traced; under "
+                            f"jax.jit mark the argument static (static_argnames=...)")
+
+
 def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
               softmax_scale: float | None = None, layout: str | None = None,
               strategy: str = "burst", **mask_kwargs):
@@ -239,6 +253,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     """
     _arrays_only(("q", "k", "v"), (q, k, v))
     _constant_scale(softmax_scale)
+    _constant_options({"causal": causal, **mask_kwargs})
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.attention, (q, k, v))
@@ -268,6 +283,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
                      layout: str | None = None, strategy: str = "lasp2"):
     """`burstcu.linear_attention` for jax arrays, differentiable and jit-able: out (B, S, H, D)."""
     _arrays_only(("q", "k", "v"), (q, k, v))
+    _constant_options({"causal": causal})
     options = dict(causal=causal, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.linear_attention, (q, k, v))
 

@@ -389,6 +389,24 @@ def test_jax_traced_softmax_scale_is_refused_while_tracing(jax):
     assert np.allclose(np.asarray(ran), 1.0)
 
 
+def test_jax_traced_mask_options_are_refused_while_tracing(jax):
+    """causal or window_size passed as jax.jit arguments (traced) failed only when the program
+    ran, as JAX's runtime error around "got JitTracer(...)": refused while tracing, saying to
+    mark them static; marked static they run."""
+    q = jax.numpy.ones((1, 8, 2, 4))
+    for name, call, value in (
+            ("window_size", lambda q, w: burstcu.jax.attention(q, q, q, window_size=w), (3, 0)),
+            ("window_size", lambda q, w: burstcu.jax.attention(q, q, q, window_size=w),
+             jax.numpy.array([3, 0])),
+            ("causal", lambda q, c: burstcu.jax.attention(q, q, q, causal=c), True),
+            ("causal", lambda q, c: burstcu.jax.linear_attention(q, q, q, causal=c), True)):
+        with pytest.raises(TypeError, match=f"{name} is traced .* mark the argument static"):
+            jax.jit(call)(q, value)
+    ran = jax.jit(lambda q, w: burstcu.jax.attention(q, q, q, window_size=w),
+                  static_argnames="w")(q, w=(3, 0))
+    assert np.allclose(np.asarray(ran), 1.0)
+
+
 def test_jax_refuses_forward_mode_and_second_derivatives(jax):
     """jax.jvp, jacfwd, hessian and a grad of a grad through either function raise JAX's own
     error (docs/adapters.md) instead of returning derivatives; one jax.grad still runs."""
