@@ -118,6 +118,27 @@ def test_very_large_logits_give_the_dominant_key(scale, causal):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scale", [1e7, 1e9])
+def test_very_large_logits_keep_the_backwards_p_a_probability(dtype, scale):
+    """The backward's P = exp(score - lse) is at most 1: at |score| 1e7-1e11 the NumPy op's
+    recomputed score - lse, rounded otherwise than the forward's, came out positive by many
+    units, and dv (P^T dO, exactly within each column's sum of |dO| over the rows) reached 147
+    times too large and inf. Now finite and within that sum, per key and per column."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 300, 2, 16)).astype(np.float32) for _ in range(4))
+    if dtype == "bfloat16":
+        q, k, v, dout = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v, dout))
+    out, lse = burstcu.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    with np.errstate(all="ignore"):
+        dq, dk, dv = burstcu.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                softmax_scale=scale)
+    assert all(np.isfinite(x.astype(np.float32)).all() for x in (dq, dk, dv))
+    # key j is seen by rows j..N-1 (causal): |dv_j| <= sum over those rows of |dO|, per column
+    bound = np.cumsum(np.abs(dout.astype(np.float64))[:, ::-1], axis=1)[:, ::-1]
+    assert (np.abs(dv.astype(np.float64)) <= bound * (1 + 1e-2) + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scale, value", [(0.5, 1e34), (None, 3e35), (0.5, 3e35)])
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_very_large_values_do_not_overflow(dtype, scale, value, poisoned):

@@ -340,6 +340,10 @@ class NumpyOps(LocalOps):
             future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 future.fill(p, -np.inf)
+            # score - lse <= 0 (lse >= every score of its row), but at |score| ~ 1e6 and more
+            # its rounding here differs from the forward's (whose -m column folded in another
+            # shift) by many units: exp of it reached 1e60 and inf, dv and dk with it
+            np.minimum(p, 0, out=p)
             np.exp(p, out=p)
             if row_p is not None:
                 row_p[r0:r1] += np.matmul(p, np.ones(keys, p.dtype))
