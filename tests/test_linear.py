@@ -143,7 +143,9 @@ def test_chunkwise_tiles_keep_masked_positions_inert(tile, at_once, monkeypatch)
     """burstcu.ops.linear's causal runs with a NaN / Inf at positions inside tiles, at a tile's
     first and last row, and with a prefix and suffix state handed in: exactly the entries that
     depend on the value are non-finite (tests/mpi/strategy_bodies.py, LINEAR_REACH), the others
-    equal the float64 quadratic form of the inputs with a 0 there."""
+    equal the float64 quadratic form of the inputs with a 0 there, and bit for bit what the
+    same run gives with a 0 there (a tile holding the value was computed row by row whole,
+    rounding the rows that cannot see it otherwise)."""
     from tests.mpi.strategy_bodies import LINEAR_REACH, linear_poisoned, linear_reached
     monkeypatch.setattr(linear, "TILES_AT_ONCE", at_once)
     rng = np.random.default_rng(5)
@@ -163,9 +165,12 @@ def test_chunkwise_tiles_keep_masked_positions_inert(tile, at_once, monkeypatch)
             early = dict(zip(("dq", "dk", "dv"), linear.backward_run(
                 np, x["dout"][:, :c], x["q"][:, :c], x["k"][:, :c], x["v"][:, :c], None, suffix,
                 acc, tile)))
-            whole = dict(zip(("dq", "dk", "dv"), linear.backward_run(
-                np, x["dout"], x["q"], x["k"], x["v"], None, None, acc, tile)))
-            whole["out"] = linear.forward_run(np, x["q"], x["k"], x["v"], None, acc, tile)
+            whole, zero_whole = {}, {}     # the poisoned inputs' results, and with a 0 there
+            for inputs, into in ((x, whole), (z, zero_whole)):
+                into.update(zip(("dq", "dk", "dv"), linear.backward_run(
+                    np, inputs["dout"], inputs["q"], inputs["k"], inputs["v"], None, None, acc, tile)))
+                into["out"] = linear.forward_run(np, inputs["q"], inputs["k"], inputs["v"], None, acc,
+                                                 tile)
             refs = {"out": ref_out, **dict(zip(("dq", "dk", "dv"), ref_grads))}
             for got, rows in ((late, slice(c, n)), (early, slice(0, c)), (whole, slice(0, n))):
                 for key, value_got in got.items():
@@ -174,6 +179,9 @@ def test_chunkwise_tiles_keep_masked_positions_inert(tile, at_once, monkeypatch)
                     assert np.array_equal(nonfinite, reached), (name, p, key, rows)
                     np.testing.assert_allclose(value_got[:, ~reached], refs[key][:, rows][:, ~reached],
                                                rtol=1e-12, atol=1e-10)
+                    if got is whole:
+                        assert np.array_equal(value_got[:, ~reached], zero_whole[key][:, ~reached]), \
+                            (name, p, key)
 
 
 @pytest.mark.mpi

@@ -31,8 +31,10 @@ Masked positions are inert (docs/numerics.md): a NaN or Inf reaches only the row
 order lets see it. So the tril masks select (a product times 0 would keep a NaN), the states of
 the tiles before (after) a tile are sums of those tiles alone, never a total minus the rest, and
 in a tile holding a non-finite value, where a product over the tile's rows would meet it with a
-masked weight of 0 (0 x Inf = NaN), that product is taken row by row instead, each row summing
-its own past (future) as a running state (`_running`): slower, and only in such tiles.
+masked weight of 0 (0 x Inf = NaN), that product is taken with zeros in its place, and again row
+by row for the rows that see it, each row summing its own past (future) as a running state
+(`_running`): slower, and only in such tiles; the rows that do not see it get the bits that a 0
+there gives.
 """
 
 from __future__ import annotations
@@ -165,17 +167,40 @@ def _t(x):
     return x.swapaxes(-1, -2)
 
 
+def _nonfinite_rows(xp, x):
+    """(B, G, T) bool: the rows of one tile x (B, G, [R,] T, D) holding a NaN or Inf (in any of
+    the R query heads)."""
+    bad = ~xp.isfinite(x).all(axis=-1)
+    return bad.any(axis=2) if bad.ndim == 4 else bad
+
+
+def _zeroed(xp, x, tiles: list[int]):
+    """x (..., n, T, D) with its tiles `tiles`' NaN and Inf replaced by 0 (a copy; x itself where
+    there are none)."""
+    if not tiles:
+        return x
+    x = x.copy()
+    for t in tiles:
+        x[..., t, :, :] = xp.where(xp.isfinite(x[..., t, :, :]), x[..., t, :, :], 0)
+    return x
+
+
 def _causal_tiles(xp, a, b, c, before, keep, careful: bool):
     """tril(A B^T) C + A Before, tile by tile: a (B, G, R, n, T, D); b, c (B, G, n, T, D);
     before (B, G, n, D, D) each tile's state of what lies before it; keep the tril mask (T, T).
     The forward's O (Q, K, V, P + M_<t) and the backward's dQ (dO, V, K, (P + M_<t)^T). With
-    `careful` (C may hold a NaN or Inf), a tile whose C does takes its first term row by row
-    (row i: A_i sum_{j <= i} B_j^T C_j, `_running`), since the product with masked weights of 0
-    would spread it to every row."""
-    within = _masked(xp, a @ _t(b)[:, :, None], keep) @ c[:, :, None]
-    for t in _nonfinite_tiles(xp, c) if careful else ():
+    `careful` (C may hold a NaN or Inf), a tile whose C does is multiplied with zeros in their
+    place (the product with masked weights of 0 would spread them to every row), and its rows
+    from the first that sees one on take their first term row by row (row i: A_i sum_{j <= i}
+    B_j^T C_j, `_running`): the rows before it get the bits that zeros there give."""
+    bad = _nonfinite_tiles(xp, c) if careful else []
+    within = _masked(xp, a @ _t(b)[:, :, None], keep) @ _zeroed(xp, c, bad)[:, :, None]
+    for t in bad:
         past = _running(xp, b[:, :, t], c[:, :, t], True, "bgjd,bgje->bgjde")
-        within[:, :, :, t] = (a[:, :, :, t, :, None, :] @ past[:, :, None])[..., 0, :]
+        seen = xp.cumsum(_nonfinite_rows(xp, c[:, :, t]), axis=-1) > 0     # (B, G, T)
+        within[:, :, :, t] = xp.where(seen[:, :, None, :, None],
+                                      (a[:, :, :, t, :, None, :] @ past[:, :, None])[..., 0, :],
+                                      within[:, :, :, t])
     return within + a @ before[:, :, None]
 
 
@@ -231,14 +256,22 @@ def backward_run(xp, dout, q, k, v, prefix, suffix, acc, tile: int = TILE):
         kt, vt = _tiled(xp, kh, r0, r1, tile), _tiled(xp, vh, r0, r1, tile)
         grads = (_t(qt) @ dt).sum(axis=2)                # (B, G, n, D, D), summed over heads
         after = _after(xp, grads) + grad[:, :, None]
-        scores = _masked(xp, qt @ _t(kt)[:, :, None], keep)
-        dscores = _masked(xp, dt @ _t(vt)[:, :, None], keep)
-        dk_within = (_t(dscores) @ qt).sum(axis=2)
-        dv_within = (_t(scores) @ dt).sum(axis=2)
-        for t in _nonfinite_tiles(xp, qt, dt) if careful_q else ():   # 0 weights x NaN in Q, dO
+        # 0 weights x NaN in Q, dO: tiles holding one are multiplied with zeros in their place,
+        # and their keys up to the last row that holds one (the keys it sees) row by row
+        bad = _nonfinite_tiles(xp, qt, dt) if careful_q else []
+        q0, d0 = _zeroed(xp, qt, bad), _zeroed(xp, dt, bad)
+        scores = _masked(xp, q0 @ _t(kt)[:, :, None], keep)
+        dscores = _masked(xp, d0 @ _t(vt)[:, :, None], keep)
+        dk_within = (_t(dscores) @ q0).sum(axis=2)
+        dv_within = (_t(scores) @ d0).sum(axis=2)
+        for t in bad:
             future = _running(xp, dt[:, :, :, t], qt[:, :, :, t], False, "bgrjd,bgrje->bgjde")
-            dk_within[:, :, t] = (vt[:, :, t, :, None, :] @ future)[..., 0, :]
-            dv_within[:, :, t] = (kt[:, :, t, :, None, :] @ _t(future))[..., 0, :]
+            rows = _nonfinite_rows(xp, qt[:, :, :, t]) | _nonfinite_rows(xp, dt[:, :, :, t])
+            seen = (xp.cumsum(rows[..., ::-1], axis=-1) > 0)[..., ::-1, None]   # (B, G, T, 1)
+            dk_within[:, :, t] = xp.where(seen, (vt[:, :, t, :, None, :] @ future)[..., 0, :],
+                                          dk_within[:, :, t])
+            dv_within[:, :, t] = xp.where(seen, (kt[:, :, t, :, None, :] @ _t(future))[..., 0, :],
+                                          dv_within[:, :, t])
         dk[..., r0:r1, :] = _untiled(dk_within + vt @ _t(after), r1 - r0)
         dv[..., r0:r1, :] = _untiled(dv_within + kt @ after, r1 - r0)
         grad = grad + grads.sum(axis=2)
