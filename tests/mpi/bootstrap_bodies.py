@@ -72,15 +72,20 @@ def _pretend_devices(count: int, why: str | None = None) -> None:
     bootstrap._arch_problem = lambda device_id: None
 
 
+def _refusal(comm, started: str) -> str:
+    """The BackendUnavailable message `bootstrap` raises on this rank (AssertionError(started) if
+    it starts)."""
+    try:
+        bootstrap.bootstrap(comm)
+    except bootstrap.BackendUnavailable as exc:
+        return str(exc)
+    raise AssertionError(started)
+
+
 def too_many_ranks_per_gpu():
     """N ranks on a node with one GPU: every rank raises, naming the count, before NCCL starts."""
     _pretend_devices(1)
-    try:
-        bootstrap.bootstrap(MPI.COMM_WORLD)
-    except bootstrap.BackendUnavailable as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("bootstrap accepted two ranks on one GPU")
+    message = _refusal(MPI.COMM_WORLD, "bootstrap accepted two ranks on one GPU")
     size = MPI.COMM_WORLD.Get_size()
     assert f"{size} ranks on this node but only 1 GPU(s)" in message, message
     return {"message": message}
@@ -98,12 +103,7 @@ def two_ranks_bound_to_one_gpu():
     bootstrap.gpu_place = lambda device_id: f"node, PCI bus {bus}"
     started = []
     bootstrap.create_communicator = lambda *args: started.append(args)
-    try:
-        bootstrap.bootstrap(comm)
-    except bootstrap.BackendUnavailable as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("bootstrap accepted two ranks on one GPU")
+    message = _refusal(comm, "bootstrap accepted two ranks on one GPU")
     assert f"ranks 0, {last} would share one GPU (node, PCI bus 0000:1b:00.0)" in message, message
     return {"message": message, "nccl_started": bool(started)}
 
@@ -116,11 +116,6 @@ def last_rank_without_gpu():
         _pretend_devices(0, "cudaErrorNoDevice: no CUDA-capable device is detected")
     else:
         _pretend_devices(64)
-    try:
-        bootstrap.bootstrap(comm)
-    except bootstrap.BackendUnavailable as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("bootstrap went on with a rank that has no GPU")
+    message = _refusal(comm, "bootstrap went on with a rank that has no GPU")
     assert f"(rank(s) {last}):" in message and "cudaErrorNoDevice" in message, message
     return {"message": message}
