@@ -636,7 +636,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
                                         "KVCache)")
     else:
         problem = misplaced_group(("q", "k_cache", "v_cache"), (q, k_cache, v_cache)) or \
-            (_unfilled_cache_rows(k_cache, v_cache) if cache_seqlens is None else None)
+            _cache_arrays_problem(k_cache, v_cache, cache_seqlens)
     group = group_for(group, q)
     if problem is None and rows is None:          # arrays, not a KVCache: cut for this group?
         said = cache_cut_problem(("k_cache", "v_cache"), (k_cache, v_cache),
@@ -666,18 +666,23 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     return results if return_lse else results[0]
 
 
-def _unfilled_cache_rows(k_cache, v_cache) -> InputError | None:
-    """decode given a KVCache's own `k`, `v` without cache_seqlens (every row read as valid)
-    while the cache holds rows not filled yet (or pages): a ValueError, or None."""
+def _cache_arrays_problem(k_cache, v_cache, cache_seqlens) -> InputError | None:
+    """decode given a KVCache's own `k`, `v` as arrays: a paged cache's page pool (read as batch
+    rows, whatever the row counts), or a cache's rows without cache_seqlens (every row read as
+    valid) while some are not filled yet: a ValueError, or None."""
     from .kvcache import cache_of_buffer
 
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         cache = cache_of_buffer(x)
-        if cache is not None and (cache.paged or int(cache.seqlens.min()) < cache.capacity):
+        if cache is not None and cache.paged:
+            return InputError(ValueError, f"{name} is a paged KVCache's page pool, which decode "
+                                          f"would read as batch rows: pass the cache itself, "
+                                          f"decode(q, cache)")
+        if cache is not None and cache_seqlens is None and int(cache.seqlens.min()) < cache.capacity:
             return InputError(ValueError, f"{name} is a KVCache's own array, which decode reads "
                                           f"whole without cache_seqlens, its rows not filled yet "
-                                          f"(or its page pool) too: pass the cache itself, "
-                                          f"decode(q, cache), or cache_seqlens=cache.seqlens")
+                                          f"too: pass the cache itself, decode(q, cache), or "
+                                          f"cache_seqlens=cache.seqlens")
     return None
 
 

@@ -61,9 +61,10 @@ _BUFFERS: dict[int, tuple] = {}
 
 
 def cache_of_buffer(x) -> "KVCache | None":
-    """The live KVCache whose `k` or `v` is this very array object, else None."""
+    """The live KVCache whose `k` or `v` is this very array object (still), else None."""
     held = _BUFFERS.get(id(x))
-    return held[1]() if held is not None and held[0]() is x else None
+    cache = held[1]() if held is not None and held[0]() is x else None
+    return cache if cache is not None and (x is cache.k or x is cache.v) else None
 
 
 class KVCache:
@@ -312,7 +313,9 @@ class KVCache:
                             f"KVCache.append: {name} is one rank's shard of {held[0][3]} (as "
                             f"burstcu.shard cut it), but append takes rows that are the same on "
                             f"every rank (a new token's keys and values) and stores each row on one "
-                            f"rank; give a rank's own rows of a prefill to from_prefill")
+                            f"rank; give a rank's own rows of a prefill to from_prefill (if these "
+                            f"rows are right, pass a view, {name}[:]: the memory is of this array "
+                            f"object)")
                 k_new, v_new = self._check_rows("append", k_new, v_new)
                 counts = self.counts.copy()
                 owners = []

@@ -397,8 +397,10 @@ def test_append_of_a_ranks_own_rows_is_refused_on_every_rank():
 def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
     """decode(q, cache.k, cache.v, group) without cache_seqlens reads every row of the buffers:
     with rows not filled yet it was off by 1.4, silently; now a ValueError on every rank saying
-    what to pass (a paged cache's pool, always). Once every row is filled the call is right and
-    runs; cache_seqlens=cache.seqlens runs at any fill."""
+    what to pass. A paged cache's pool is refused with its counts too (a pool shaped as the
+    rows, read as batch rows, was off by 1.3). Once every row is filled the call is right and
+    runs; cache_seqlens=cache.seqlens runs at any fill, and arrays the cache no longer holds
+    are arrays like any other."""
     from burstcu.testing.world import run_ranks
 
     rng = np.random.default_rng(0)
@@ -409,20 +411,29 @@ def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
         cache = burstcu.KVCache(group, 1, 4, 2, 8, np.float32)
         paged = burstcu.KVCache(group, 1, 4, 2, 8, np.float32, page_size=2)
         cache.append(K[:, :6], V[:, :6])
+        paged.append(K[:, :6], V[:, :6])
         said = []
-        for c in (cache, paged):
+        for c, counts in ((cache, None), (paged, None), (paged, paged.seqlens)):
             with pytest.raises(ValueError) as refused:
-                burstcu.decode(q, c.k, c.v, group)
+                burstcu.decode(q, c.k, c.v, group, cache_seqlens=counts)
             said.append(str(refused.value))
         part = burstcu.decode(q, cache.k, cache.v, group, cache_seqlens=cache.seqlens)
         cache.append(K[:, 6:], V[:, 6:])
-        return said, part, burstcu.decode(q, cache.k, cache.v, group)
-    for said, part, full in run_ranks(2, body):
+        full = burstcu.decode(q, cache.k, cache.v, group)
+        k_old, v_old = cache.k, cache.v
+        cache.k, cache.v = cache.k.copy(), cache.v.copy()
+        cache.clear(0)
+        gone = burstcu.decode(q, k_old, v_old, group)   # full rows the cache no longer holds
+        return said, part, full, gone
+    pool = ("k_cache is a paged KVCache's page pool, which decode would read as batch rows: pass "
+            "the cache itself, decode(q, cache)")
+    for said, part, full, gone in run_ranks(2, body):
         assert said == ["k_cache is a KVCache's own array, which decode reads whole without "
-                        "cache_seqlens, its rows not filled yet (or its page pool) too: pass the "
-                        "cache itself, decode(q, cache), or cache_seqlens=cache.seqlens"] * 2
+                        "cache_seqlens, its rows not filled yet too: pass the cache itself, "
+                        "decode(q, cache), or cache_seqlens=cache.seqlens", pool, pool]
         assert np.abs(part - attention_ref(q, K[:, :6], V[:, :6])[0]).max() < 1e-5
         assert np.abs(full - attention_ref(q, K, V)[0]).max() < 1e-5
+        assert np.array_equal(gone, full)
 
 
 @pytest.mark.parametrize("bad", [None, 1.0], ids=["None", "a number"])

@@ -357,16 +357,30 @@ def _local_problem(comm: Any) -> tuple[int, str | None]:
     return device_id, _arch_problem(device_id) or _nccl_problem()
 
 
+def host_identity() -> str:
+    """This machine as NCCL tells machines apart: NCCL_HOSTID where set, else the host name and
+    this boot's id (containers started with one --hostname, or cloned machines, share a name)."""
+    if os.environ.get("NCCL_HOSTID"):
+        return os.environ["NCCL_HOSTID"]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        return socket.gethostname()
+    return f"{socket.gethostname()} boot {boot}"
+
+
 def gpu_place(device_id: int) -> str | None:
-    """Where CUDA device `device_id` of this process sits: "host name, PCI bus 0000:1b:00.0",
-    read without making it current (no CUDA context is created), or None where it cannot be
-    read. Two ranks at one place share a GPU, which NCCL refuses (MIG slices of one GPU too)."""
+    """Where CUDA device `device_id` of this process sits: "HOST, PCI bus 0000:1b:00.0" (HOST:
+    `host_identity`), read without making it current (no CUDA context is created), or None where
+    it cannot be read. Two ranks at one place share a GPU, which NCCL refuses (MIG slices of one
+    GPU too)."""
     try:
         import cupy
         bus = str(cupy.cuda.runtime.deviceGetPCIBusId(device_id)).lower()
     except Exception:  # noqa: BLE001 - no place, no check
         return None
-    return f"{socket.gethostname()}, PCI bus {bus}"
+    return f"{host_identity()}, PCI bus {bus}"
 
 
 def shared_gpu_problem(places: list) -> str | None:

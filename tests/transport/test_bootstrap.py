@@ -69,9 +69,23 @@ def test_bootstrap_selects_the_device_once_after_reading_it(monkeypatch):
 
 def test_a_gpus_place_is_its_host_and_pci_bus_read_without_switching(monkeypatch):
     fake = FakeCupy(n_devices=4).install(monkeypatch)
-    monkeypatch.setattr(bootstrap.socket, "gethostname", lambda: "node7")
-    assert bootstrap.gpu_place(2) == "node7, PCI bus 0000:1d:00.0"
+    monkeypatch.setattr(bootstrap, "host_identity", lambda: "node7 boot 1a2b3c4d")
+    assert bootstrap.gpu_place(2) == "node7 boot 1a2b3c4d, PCI bus 0000:1d:00.0"
     assert fake.calls == [("pci", 2)] and fake.switches() == []
+
+
+def test_a_host_is_told_apart_as_nccl_does(monkeypatch):
+    """Machines sharing a host name (containers given one --hostname, cloned machines) differ by
+    their boot id, which NCCL hashes with the name: the shared-GPU check keys on both (it refused
+    a job over two such machines); NCCL_HOSTID, where set, replaces them, as for NCCL."""
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    monkeypatch.setattr(bootstrap.socket, "gethostname", lambda: "localhost")
+    here = bootstrap.host_identity()
+    if os.path.exists("/proc/sys/kernel/random/boot_id"):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            assert here == f"localhost boot {f.read().strip()[:8]}"
+    monkeypatch.setenv("NCCL_HOSTID", "rack3-node7")
+    assert bootstrap.host_identity() == "rack3-node7"
 
 
 def test_a_gpu_whose_place_cannot_be_read_is_not_checked(monkeypatch):

@@ -340,13 +340,13 @@ class NumpyOps(LocalOps):
             future = _future(block, q0, q1, k0, k1, g) if masked else None
             if masked:  # mask before exp: a masked score may exceed lse, and inf * 0 is NaN
                 future.fill(p, -np.inf)
-            # score - lse <= 0 (lse >= every score of its row), but at |score| ~ 1e6 and more
-            # its rounding here differs from the forward's (whose -m column folded in another
-            # shift) by many units: exp of it reached 1e60 and inf, dv and dk with it
-            np.minimum(p, 0, out=p)
             np.exp(p, out=p)
-            if row_p is not None:
+            if row_p is not None:   # before the clamp: a P past 1 is what check=True looks for
                 row_p[r0:r1] += np.matmul(p, np.ones(keys, p.dtype))
+            # P <= 1 (lse >= every score of its row), but at |score| ~ 1e6 and more score - lse
+            # rounds here otherwise than in the forward (whose -m column folded in another
+            # shift), by many units: P reached 1e60 and inf, dv and dk with it
+            np.minimum(p, 1, out=p)
             key_grad, row_grad = scratch.get("keys", keys, d), scratch.get("rows", rows, d)
             q_r, do_r, k_k = q[r0:r1, :d], do[r0:r1, :d], k[k0:k1, :d]
             # with P and dS exactly 0 at masked pairs, _matmul_masked keeps a non-finite dO, K
