@@ -123,8 +123,8 @@ def misplaced_group(names: tuple, arrays: tuple) -> InputError | None:
         if isinstance(x, Group) or callable(getattr(x, "sharding_arguments", None)):
             kind = "Group" if isinstance(x, Group) else "Sharding"
             return InputError(TypeError, f"{name} is a burstcu.{kind} where an array goes: an "
-                                         f"argument before it is missing (the group comes after "
-                                         f"the arrays)")
+                                         f"array is missing before it, or out of order (the group "
+                                         f"comes after the arrays)")
     return None
 
 

@@ -174,8 +174,9 @@ def test_a_group_in_an_arrays_place_says_an_argument_is_missing():
         return said
     for said in run_ranks(2, body):
         for name, (message, slot, kind) in said.items():
-            assert message == (f"{slot} is a burstcu.{kind} where an array goes: an argument before "
-                               f"it is missing (the group comes after the arrays)"), (name, message)
+            assert message == (f"{slot} is a burstcu.{kind} where an array goes: an array is missing "
+                               f"before it, or out of order (the group comes after the arrays)"), \
+                (name, message)
 
 
 @pytest.mark.timeout(240)
