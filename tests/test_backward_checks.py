@@ -143,16 +143,17 @@ def test_check_must_be_a_bool():
 def test_row_sums_tolerance_grows_with_lse():
     """The check's tolerance, written out here: t = 1e-3 + 64 ulps x max(1, |lse|), a sum within
     [1 - t, e^t] (t is the exponent's error; e^t, not 1 + t, what it makes of a sum: at lse
-    1.4e8 in float32 a right lse gave sums of e^8, refused), finite."""
+    1.4e8 in float32 a right lse gave sums of e^8, refused; at 1.7e11, of inf)."""
     from burstcu.validate import check_row_sums
     lse = np.array([[[0.0, 1e4, -np.inf, 1.4e8]]], np.float32)
     eps = float(np.finfo(np.float32).eps)
     t = 1e-3 + 64 * eps * 1e4
     ok = np.array([[[1 + 0.9e-3, 1 - t * 0.99, 0.0, np.exp(8)]]], np.float32)
     assert check_row_sums(lse, ok) is None
-    assert check_row_sums(lse, np.array([[[1.0, np.exp(t) * 0.999, 0.0, 1e38]]], np.float32)) is None
+    assert check_row_sums(lse, np.array([[[1.0, np.exp(t) * 0.999, 0.0, np.inf]]], np.float32)) is None
     for bad in ([1.002, 1.0, 0.0, 1.0], [1.0, 1 - t * 1.2, 0.0, 1.0], [1.0, np.exp(t) * 1.01, 0.0, 1.0],
-                [1.0, 1.0, 1e-3, 1.0], [np.nan, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, np.inf]):
+                [1.0, 1.0, 1e-3, 1.0], [np.nan, 1.0, 0.0, 1.0], [1.0, np.inf, 0.0, 1.0],
+                [1.0, 1.0, 0.0, np.nan]):
         err = check_row_sums(lse, np.array([[bad]], np.float32))
         assert err is not None and err.kind is ValueError and "rank" not in err.message, bad
 
