@@ -418,9 +418,10 @@ ROW_SUM_ULPS = 64
 
 def check_row_sums(lse, row_sums, sees=None) -> InputError | None:
     """A ValueError unless every row's sum of the recomputed P over the keys is within
-    [1 - t, e^t] for t = ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|) (past |lse| ~1.2e7 in
-    float32 every finite sum passes, past ~9.3e7, where e^t overflows, inf too: the check cannot
-    tell a wrong lse there), and exactly 0 for rows that see no key:
+    [1 - t, e^t] for t = ROW_SUM_TOL + ROW_SUM_ULPS ulps x max(1, |lse|) (in float32, past |lse|
+    ~1.3e5 every sum from 0 to 1 passes, so an lse too large by any amount; past ~1.2e7 every
+    finite sum, past ~9.3e7, where e^t overflows, inf too), and exactly 0 for rows that see no
+    key:
     else lse is not the forward's for these inputs and options. lse, row_sums: (B, H, S), NumPy
     or CuPy. sees: (S,) bool, whether each local row sees a key under the backward's mask (a
     row with lse = -inf there has P = 0 by fiat, so its sum alone cannot tell); None: the rows

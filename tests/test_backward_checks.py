@@ -123,9 +123,11 @@ def test_check_rejects_an_lse_of_the_right_dtype_and_shape_from_elsewhere(dtype)
     dout, q, k, v, out, lse = _forward(dtype)
     _, lse_full = burstcu.attention(q, k, v, causal=False, return_lse=True)
     _, lse_other = burstcu.attention((q * 1.25).astype(q.dtype), k, v, causal=True, return_lse=True)
-    shifted = lse.copy()
+    shifted, lowered = lse.copy(), lse.copy()
     shifted[0, 1, 7] += 0.01
-    for bad, causal in ((lse_full, True), (lse_other, True), (shifted, True), (lse, False)):
+    lowered[0, 0, 0] -= 0.5   # causal row 0 sees one key: its P past 1 (held at 1 for dv and dk)
+    for bad, causal in ((lse_full, True), (lse_other, True), (shifted, True), (lowered, True),
+                        (lse, False)):
         bad = bad.view()   # without the forward's options remembered (a device array has none)
         with pytest.raises(ValueError, match=r"probabilities recomputed from lse sum to .* not 1"):
             burstcu.attention_backward(dout, q, k, v, out, bad, causal=causal, check=True)
