@@ -34,10 +34,10 @@ from .group import CLOSED, Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_problem, call_marks,
-                       calling_thread, check_attention_call, check_axis, check_block_mask,
-                       check_block_mask_extent, check_decode_call, check_flags, check_linear_call,
-                       check_row_sums,
+from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_problem,
+                       cache_of_array, call_marks, calling_thread, check_attention_call, check_axis,
+                       check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
+                       check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, ends_digest, first_rows_digest,
                        inherited_cut,
                        lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
@@ -670,10 +670,8 @@ def _cache_arrays_problem(k_cache, v_cache, cache_seqlens) -> InputError | None:
     """decode given a KVCache's own `k`, `v` as arrays: a paged cache's page pool (read as batch
     rows, whatever the row counts), or a cache's rows without cache_seqlens (every row read as
     valid) while some are not filled yet: a ValueError, or None."""
-    from .kvcache import cache_of_buffer
-
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        cache = cache_of_buffer(x)
+        cache = cache_of_array(x)
         if cache is not None and cache.paged:
             return InputError(ValueError, f"{name} is a paged KVCache's page pool, which decode "
                                           f"would read as batch rows: pass the cache itself, "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
-import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -32,7 +31,7 @@ from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
 from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest,
-                       warn_if_all_the_same)
+                       remember_cache_arrays, warn_if_all_the_same)
 
 
 def _cache_dtype(dtype, names: tuple) -> np.dtype:
@@ -54,17 +53,6 @@ def _real(dtype) -> bool:
     bfloat16 and the other ml_dtypes floats), not complex, strings or objects."""
     dtype = np.dtype(dtype)
     return dtype.kind in "biuf" or np.can_cast(dtype, np.float64, "safe")
-
-
-# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache)
-_BUFFERS: dict[int, tuple] = {}
-
-
-def cache_of_buffer(x) -> "KVCache | None":
-    """The live KVCache whose `k` or `v` is this very array object (still), else None."""
-    held = _BUFFERS.get(id(x))
-    cache = held[1]() if held is not None and held[0]() is x else None
-    return cache if cache is not None and (x is cache.k or x is cache.v) else None
 
 
 class KVCache:
@@ -116,11 +104,7 @@ class KVCache:
                                                                           kv_heads, headdim)) for _ in "kv")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
-        for x in (self.k, self.v):    # known as this cache's where decode is given them
-            with contextlib.suppress(TypeError):   # an array type without weak references
-                key = id(x)
-                _BUFFERS[key] = (weakref.ref(x, lambda _, key=key: _BUFFERS.pop(key, None)),
-                                 weakref.ref(self))
+        remember_cache_arrays(self)    # known as this cache's where decode is given them
 
     def _arguments(self, batch, capacity_per_rank, kv_heads, headdim, dtype, page_size,
                    num_pages) -> dict:

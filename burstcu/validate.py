@@ -646,6 +646,31 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     _CUTS[key] = (ref, cut, axis, _fingerprint(host, axis))
 
 
+# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache)
+_CACHE_ARRAYS: dict[int, tuple] = {}
+
+
+def remember_cache_arrays(cache) -> None:
+    """Remember `cache.k`, `cache.v` (a `burstcu.KVCache`'s arrays) as the cache's, for
+    `cache_of_array` (arrays that take no weak reference are not remembered)."""
+    import weakref
+
+    for x in (cache.k, cache.v):
+        key = id(x)
+        try:
+            _CACHE_ARRAYS[key] = (weakref.ref(x, lambda _, key=key: _CACHE_ARRAYS.pop(key, None)),
+                                  weakref.ref(cache))
+        except TypeError:
+            pass
+
+
+def cache_of_array(x):
+    """The live KVCache whose `k` or `v` is this very array object (still), else None."""
+    held = _CACHE_ARRAYS.get(id(x))
+    cache = held[1]() if held is not None and held[0]() is x else None
+    return cache if cache is not None and (x is cache.k or x is cache.v) else None
+
+
 def cut_of(x) -> tuple | None:
     """(cut, axis) that `remember_cut` holds for this very array object, unless its sampled rows
     changed since (refilled in place), or None."""

@@ -121,7 +121,7 @@ def one_rank_bad_arguments_fail_on_every_rank():
     seen["cache_seqlens beside a KVCache"] = _raised(lambda: burstcu.decode(
         qd, cache, cache_seqlens=np.array([1]) if odd else None), TypeError)
     seen["no v_cache"] = _raised(lambda: burstcu.decode(
-        qd, cache.k, None if odd else cache.v, group), TypeError)
+        qd, cache.k, None if odd else cache.v, group, cache_seqlens=cache.seqlens), TypeError)
     # a KVCache whose capacity differs on one rank (full there alone at the first append); on
     # one rank, one it refuses
     capacity = (3 if group.size > 1 else 0) if odd else 2
