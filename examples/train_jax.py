@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: train at least 1 step")
+    if args.json and (os.path.isdir(args.json)      # said before training, not after it
+                      or not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK)):
+        parser.error(f"--json {args.json}: not a file in a folder this user can write to")
     with burstcu.init(backend="numpy") as group:
         history = train(group, args.steps, args.lr, args.layout)
         rows = compare(history, train_reference(args.steps, args.lr)) if args.check else \

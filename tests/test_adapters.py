@@ -503,17 +503,23 @@ def test_train_jax_example_equals_one_process_jax(jax, tmp_path):
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
 
 
-@pytest.mark.parametrize("steps", ["0", "-3"])
-def test_train_jax_refuses_steps_below_one(jax, steps):
-    """`--check --steps 0` trained nothing, printed nothing and exited 0: a usage error now."""
+@pytest.mark.parametrize("flags, said", [(["--steps", "0"], "--steps 0: train at least 1 step"),
+                                         (["--steps", "-3"], "--steps -3: train at least 1 step"),
+                                         (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing"),
+                                         (["--json", "{tmp}"], "--json {tmp}: not a file")])
+def test_train_jax_refuses_what_it_cannot_do_before_training(jax, flags, said, tmp_path):
+    """`--check --steps 0` trained nothing, printed nothing and exited 0; `--json` into a missing
+    folder failed after the training: both usage errors now, before any step."""
     import subprocess
     import sys
 
     from tests.mpi_run import ROOT
 
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_jax.py"), "--check", "--steps",
-                           steps], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and f"--steps {steps}: train at least 1 step" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_jax.py"), "--check",
+                           *(f.format(tmp=tmp_path) for f in flags)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and said.format(tmp=tmp_path) in proc.stderr, proc.stderr
+    assert "step" not in proc.stdout, proc.stdout
 
 
 def test_train_jax_check_sees_a_wrong_attention(jax, monkeypatch):
