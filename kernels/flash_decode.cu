@@ -76,8 +76,10 @@ K/V byte read (at most ROWS of them a block; row_groups = ceil(R / ROWS), 1 in t
         kernels write out as acc times MUFU.RCP(l) and lse as FFMA(LG2(l), ln 2, M ln 2)).
 A row that saw no valid key keeps m = -inf, l = 0, acc = 0; exponents use 0 in place of an -inf
 maximum (the finite -inf guard of flash_fwd.cu), so no NaN comes from empty splits or rows. Only
-l = 0 makes a row empty (out 0, lse -inf): a NaN in a valid row of q, K or V (or an Inf one: a
-+inf score) makes l NaN, which is not "no key": out and lse NaN, on every rank after the merge. A
+l = 0 makes a row empty (out 0, lse -inf; so do valid keys whose scores are all -inf): a NaN in q
+or a valid row of K (or an Inf one: a +inf score) makes l NaN, which is not "no key": out and
+lse NaN, on every rank after the merge; a NaN in a valid row of V reaches only acc's columns it
+multiplies. A
 zero-filled key row gives s = 0, replaced by -inf (a select, not a product), and p = 0 against a
 zero V row: nothing past n_b reaches the output, whatever the memory there holds.
 

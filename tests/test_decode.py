@@ -217,6 +217,38 @@ def test_a_nan_in_a_valid_row_reaches_the_rows_that_see_it():
 
 @pytest.mark.parametrize("backend,dtype", [("numpy", "float32"),
                                            pytest.param("emulated", "float16", marks=pytest.mark.emulated)])
+def test_a_nan_in_v_and_scores_all_minus_inf_as_documented(backend, dtype):
+    """docs/decode.md: a NaN in a valid row of V makes NaN only the out columns it reaches (no
+    score reads V: lse and the other columns as without it); a query whose scores over the valid
+    rows are all -inf (an Inf key against a q of the other sign) gets out 0, lse -inf, as a batch
+    row with no valid row does. Batch row 0: the NaN; row 1: one valid key, k = +inf in a column
+    where q < 0. One rank, the op's finish (emulated: the split kernel and flash_decode_finish)."""
+    rng = np.random.default_rng(5)
+    dt, d = np.dtype(dtype), 64
+    q = rng.standard_normal((2, 1, 2, d)).astype(dt)
+    k, v = (rng.standard_normal((2, 8, 1, d)).astype(dt) for _ in range(2))
+    q[1, :, :, 3], k[1, 0, 0, 3] = -1.0, np.inf
+    clean = v.copy()
+    v[0, 2, 0, 5] = np.nan
+    g = burstcu.init(backend=backend)
+    try:
+        got = burstcu.decode(q, k, v, g, cache_seqlens=[6, 1], return_lse=True)
+        without = burstcu.decode(q, k, clean, g, cache_seqlens=[6, 1], return_lse=True)
+        out, lse, out_clean, lse_clean = (np.asarray(x, np.float64) for x in (*got, *without))
+    finally:
+        g.close()
+    assert np.isnan(out[0, ..., 5]).all(), out[0, ..., 5]
+    rest = np.delete(np.arange(d), 5)
+    np.testing.assert_array_equal(out[0][..., rest], out_clean[0][..., rest])
+    np.testing.assert_array_equal(lse[0], lse_clean[0])
+    ref_out, ref_lse = attention_ref(q[:1].astype(np.float64), k[:1, :6].astype(np.float64),
+                                     clean[:1, :6].astype(np.float64))
+    assert np.abs(lse[0] - ref_lse[0]).max() < 1e-2 and np.abs(out_clean[0] - ref_out[0]).max() < 1e-2
+    assert not out[1].any() and np.isneginf(lse[1]).all(), (out[1], lse[1])
+
+
+@pytest.mark.parametrize("backend,dtype", [("numpy", "float32"),
+                                           pytest.param("emulated", "float16", marks=pytest.mark.emulated)])
 @pytest.mark.parametrize("case", ["one key far above the rest", "a rank with no valid rows"])
 def test_the_merge_shifts_by_the_largest_max_of_any_rank(backend, dtype, case):
     """Decode over 2 ranks (threads on the loopback) with logits of 100-150: the merge of the

@@ -11,9 +11,10 @@ holds, n_b <= S the valid rows of batch row b on this rank):
         M = max_r m_r;  w_r = exp(m_r - M) (0 where m_r = -inf);  L = sum_r w_r l_r
         out = sum_r w_r acc_r / L (0 where L = 0);  lse = M + log L (-inf where L = 0)
 GQA: query head h uses kv head h // (H // Hkv); K and V are never replicated. Rows past n_b are
-never read, so whatever they hold (garbage, NaN) is inert; a NaN in a valid row of q, K or V
-(or an Inf one: a +inf score) makes out and lse NaN where a row reads it (L is NaN then, not
-0: not an empty row).
+never read, so whatever they hold (garbage, NaN) is inert; a NaN in q or a valid row of K (or
+an Inf one: a +inf score) makes out and lse NaN where a row reads it (L is NaN then, not 0: not
+an empty row); a NaN in a valid row of V makes NaN only the out columns it reaches. A row whose
+scores over the valid rows are all -inf is empty as one with none (out 0, lse -inf).
 A paged cache (`PagedRows`, in place of k_cache and v_cache): pages (P, page_size, Hkv, D) and a
 page table (B, max_pages) int32 whose entry i names the page holding rows [i * page_size,
 (i + 1) * page_size) of batch row b (vLLM's and FlashInfer's convention); row j of batch row b
