@@ -4,8 +4,9 @@ tables (causal, and causal under a sliding window; GQA), forward and backward (a
 deterministic dQ, psum), against the float64 reference by FlashAttention's rule with the mask
 spelled out from global positions (never from the runs); deterministic runs repeat bit for bit;
 a NaN in V at a key that a packed tile spans but a row does not see leaves the forward's rows
-that do not see it, and every gradient it cannot reach, as the clean run's, bit for bit. The
-host side: tests/ops/test_packing.py.
+that do not see it, and every gradient it cannot reach, as the clean run's: bit for bit, but for
+the sm_90a table's backward, whose careful twin is the mma.sync kernel (within FlashAttention's
+rule of float64 there). The host side: tests/ops/test_packing.py.
 
 Shapes: q, dout (1, Sq, H, D); k, v (1, Sk, Hkv, D); lse, delta (1, H, Sq).
 """
@@ -166,18 +167,22 @@ def test_head_dim_256_packed(arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("seed", [9, 11, 12])
 @pytest.mark.usefixtures("lists_always")
-def test_a_nan_a_packed_tile_spans_stays_with_the_pairs_that_see_it(arch):
+def test_a_nan_a_packed_tile_spans_stays_with_the_pairs_that_see_it(arch, seed):
     """V holds NaN at one key of the diagonal step; a packed tile spans it beside keys of other
     documents. The careful twins run (the flag is set). Forward: the rows that do not see the key
     keep the clean run's bits, the rows that see it are NaN. Backward (deterministic, the NaN in
-    V): dq of the rows that do not see the key, dk of every other key and all of dv keep the clean
-    run's bits; dk of the key and dq of the rows that see it are non-finite."""
+    V): dk of the key and dq of the rows that see it are non-finite; dq of the other rows, dk of
+    every other key and all of dv keep the clean run's bits on the sm_80 table. On sm_90a the
+    clean step runs the Hopper dK/dV kernel and the poisoned one its careful twin, the mma.sync
+    kernel, which rounds P and dS otherwise (seeds 11 and 12 move 64 entries of dk or dv by up to
+    ~2e-4 relative): there they are within FlashAttention's rule of float64, as the clean run is."""
     ops = _ops(arch, deterministic=True)
     packed = _packed_lists(ops)
     counts = _counting(ops)
     qr, kr, sq, sk, blocks, keep = next(iter(_steps()))
-    x = _backward_inputs(sq, sk, keep, 64, "float16", seed=9)
+    x = _backward_inputs(sq, sk, keep, 64, "float16", seed=seed)
     q, dout, k, v, lse, delta = x
     key = int(np.argmax(keep.sum(0) > 0) + 3)          # a key some rows see
     sees = keep[:, key]
@@ -202,6 +207,10 @@ def test_a_nan_a_packed_tile_spans_stays_with_the_pairs_that_see_it(arch):
              "dk": np.zeros(got[1].shape, bool), "dv": np.zeros(got[2].shape, bool)}
     reach["dk"][0, key] = True   # dS of the key is NaN (dP = dO . v); dV = P^T dO stays finite
     assert not np.isfinite(got[0][reach["dq"]]).any() and not np.isfinite(got[1][reach["dk"]]).any()
-    for grad, a, b in zip(reach, got, clean):
-        same_bits(f"poisoned {grad}", np.where(reach[grad], 0, a), np.where(reach[grad], 0, b))
+    if arch == "sm_90a":   # the unreached entries by the rule, the reached ones the clean run's
+        check_float64("poisoned", [np.where(reach[g], b, a) for g, a, b in zip(reach, got, clean)],
+                      x, keep, "float16")
+    else:
+        for grad, a, b in zip(reach, got, clean):
+            same_bits(f"poisoned {grad}", np.where(reach[grad], 0, a), np.where(reach[grad], 0, b))
     assert packed and all(packed), packed

@@ -38,7 +38,8 @@ Block for a step of few or large Blocks, its list twin (flash_bwd_dkdv_steps_sm9
 many small ones; with atomic dQ, or beside the mma.sync dQ kernels where dQ has its own pass. A
 Block with masked pairs (a list: one with masked pairs, or rows ending inside a tile, whose
 neighbours its whole-array tensor maps read) pairs it with the mma.sync careful twin, of which the
-nonfinite flag runs one.
+nonfinite flag runs one: where it runs, the gradients a NaN/Inf cannot reach are the mma.sync
+kernel's rounding, within FlashAttention's rule of the Hopper kernel's, not its bits.
 """
 
 from __future__ import annotations
