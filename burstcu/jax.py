@@ -141,7 +141,20 @@ def _run(fn, arrays, results, group, *args, **kwargs):
     if (buffer_callback is not None and chosen is not None and api.group_of(chosen).ops.device == "cuda"
             and jax.default_backend() == "gpu"):
         return _in_program_order(_device_buffers(fn, group, *args, **kwargs), arrays, results)
-    return io_callback(_host(fn, chosen, *args, **kwargs), results, *arrays, ordered=True)
+    return _ordered(io_callback, _host(fn, chosen, *args, **kwargs), results, *arrays)
+
+
+def _ordered(callback, *args):
+    """callback(*args, ordered=True) (io_callback), saying what to do where `jax.vmap` batches it
+    (JAX's own ValueError, "Cannot `vmap` ordered IO callback", names the callback, not burstcu)."""
+    try:
+        return callback(*args, ordered=True)
+    except ValueError as exc:
+        if "vmap" not in str(exc):
+            raise
+        raise ValueError("burstcu.jax does not run under jax.vmap (each call is a collective "
+                         "over the ranks, an ordered callback JAX cannot batch): put the batch "
+                         "in the B axis of q, k, v instead") from exc
 
 
 def _ticket():
@@ -159,10 +172,10 @@ def _in_program_order(body, arrays, results):
     its ticket) starts after call n's receipt, hence after call n — on every rank, whatever
     XLA's schedule (buffer_callback alone carries no ordering token). Costs two tiny host
     round trips a call."""
-    ticket = io_callback(_ticket, jax.ShapeDtypeStruct((), jnp.int32), ordered=True)
+    ticket = _ordered(io_callback, _ticket, jax.ShapeDtypeStruct((), jnp.int32))
     outs = buffer_callback(body, results, has_side_effect=True)(*arrays, ticket)
     first = outs[0] if isinstance(outs, (tuple, list)) else outs
-    io_callback(_receipt, None, first.reshape(-1)[:1], ordered=True)
+    _ordered(io_callback, _receipt, None, first.reshape(-1)[:1])
     return outs
 
 

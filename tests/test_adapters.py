@@ -426,6 +426,22 @@ def test_jax_refuses_forward_mode_and_second_derivatives(jax):
         assert np.isfinite(np.asarray(jax.grad(f)(q))).all()
 
 
+def test_jax_vmap_says_to_put_the_batch_in_b(jax):
+    """jax.vmap around any of burstcu.jax's functions (alone, over a grad, under jit): burstcu's
+    ValueError saying to use the B axis (JAX's own read "Cannot `vmap` ordered IO callback")."""
+    rng = np.random.default_rng(0)
+    q = jax.numpy.asarray(rng.standard_normal((3, 1, 16, 2, 8), dtype=np.float32))
+    calls = {"attention": lambda x: burstcu.jax.attention(x, x, x, causal=True),
+             "linear": lambda x: burstcu.jax.linear_attention(x, x, x, causal=True),
+             "decode": lambda x: burstcu.jax.decode(x[:, :1], x, x),
+             "grad": jax.grad(lambda x: burstcu.jax.attention(x, x, x).sum())}
+    for name, fn in calls.items():
+        for wrapped in (jax.vmap(fn), jax.jit(jax.vmap(fn))):
+            with pytest.raises(ValueError, match="does not run under jax.vmap.*B axis"):
+                wrapped(q)
+    assert np.isfinite(np.asarray(calls["attention"](q[0]))).all()
+
+
 def test_results_handed_to_jax_own_their_memory(jax, monkeypatch):
     """The plain API's results for JAX inputs on the CPU (attention's here; unshard's and the
     backward's go the same way, `arrays.returned`) are jax arrays over memory JAX owns, not over
