@@ -427,8 +427,9 @@ def test_jax_refuses_forward_mode_and_second_derivatives(jax):
 
 
 def test_jax_vmap_says_to_put_the_batch_in_b(jax):
-    """jax.vmap around any of burstcu.jax's functions (alone, over a grad, under jit): burstcu's
-    ValueError saying to use the B axis (JAX's own read "Cannot `vmap` ordered IO callback")."""
+    """jax.vmap around any of burstcu.jax's functions (alone, over a grad, itself jitted): burstcu's
+    ValueError saying to use the B axis (JAX's own read "Cannot `vmap` ordered IO callback"); a
+    vmap of a function jitted before it batches the traced program: JAX's own, as the docs say."""
     rng = np.random.default_rng(0)
     q = jax.numpy.asarray(rng.standard_normal((3, 1, 16, 2, 8), dtype=np.float32))
     calls = {"attention": lambda x: burstcu.jax.attention(x, x, x, causal=True),
@@ -439,6 +440,8 @@ def test_jax_vmap_says_to_put_the_batch_in_b(jax):
         for wrapped in (jax.vmap(fn), jax.jit(jax.vmap(fn))):
             with pytest.raises(ValueError, match="does not run under jax.vmap.*B axis"):
                 wrapped(q)
+        with pytest.raises(ValueError, match="Cannot `vmap` ordered IO callback"):
+            jax.vmap(jax.jit(fn))(q)
     assert np.isfinite(np.asarray(calls["attention"](q[0]))).all()
 
 
@@ -522,7 +525,8 @@ def test_train_jax_example_equals_one_process_jax(jax, tmp_path):
 @pytest.mark.parametrize("flags, said", [(["--steps", "0"], "--steps 0: train at least 1 step"),
                                          (["--steps", "-3"], "--steps -3: train at least 1 step"),
                                          (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing"),
-                                         (["--json", "{tmp}"], "--json {tmp}: not a file")])
+                                         (["--json", "{tmp}"], "--json {tmp}: not a file"),
+                                         (["--json", "{file}/r.json"], "--json {file}/r.json: not")])
 def test_train_jax_refuses_what_it_cannot_do_before_training(jax, flags, said, tmp_path):
     """`--check --steps 0` trained nothing, printed nothing and exited 0; `--json` into a missing
     folder failed after the training: both usage errors now, before any step."""
@@ -531,10 +535,12 @@ def test_train_jax_refuses_what_it_cannot_do_before_training(jax, flags, said, t
 
     from tests.mpi_run import ROOT
 
+    (tmp_path / "a_file").write_text("")
+    paths = {"tmp": tmp_path, "file": tmp_path / "a_file"}   # a file where a folder should be
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_jax.py"), "--check",
-                           *(f.format(tmp=tmp_path) for f in flags)],
+                           *(f.format(**paths) for f in flags)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and said.format(tmp=tmp_path) in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and said.format(**paths) in proc.stderr, proc.stderr
     assert "step" not in proc.stdout, proc.stdout
 
 
