@@ -218,6 +218,14 @@ def test_malformed_masks_are_refused(args, error):
         burstcu.BlockMask(*args)
 
 
+def test_a_range_past_int64_is_named_as_given():
+    """An unsigned range past int64's largest value is named as given (it read as negative)."""
+    with pytest.raises(ValueError, match=r"q_ranges\[0\] = \[0, 9223372036854775808\] is not a range"):
+        burstcu.BlockMask(np.array([[0, 2**63]], np.uint64), [[0, 10]], ["full"])
+    mask = burstcu.BlockMask(np.array([[0, 4]], np.uint64), np.array([[0, 4]], np.uint32), ["full"])
+    assert mask.q_ranges.dtype == np.int64 and mask.kept_pairs() == 16
+
+
 def test_overlaps_are_refused_exactly_when_a_pair_is_kept_twice():
     """Random rectangles, not filtered: the constructor refuses them iff the dense count of
     some pair is 2 or more, and names a pair that is."""
