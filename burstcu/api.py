@@ -34,7 +34,8 @@ from .group import CLOSED, Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, axis_problem, cache_cut_problem,
+from .validate import (ARRAY_NAMES, InputError, agree, appended_rows_problem, axis_problem,
+                       cache_cut_problem,
                        cache_of_array, call_marks, calling_thread, check_attention_call, check_axis,
                        check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
                        check_linear_call, check_row_sums,
@@ -620,7 +621,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     alike on every rank (the global arrays on every rank) warn (`burstcu.SameShardsWarning`).
     """
     wait_computed((q, k_cache, v_cache, cache_seqlens))
-    agreed, group, rows, problem = {}, group_of(group), None, None
+    agreed, group, rows, problem, appended = {}, group_of(group), None, None, ()
     cache_arguments = getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
         from_cache = cache_arguments()
@@ -630,7 +631,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
                                             "with a KVCache")
         # rows: what the kernels read (a paged cache's pages and table); k_cache, v_cache: what
         # the checks see, (B, S_cache, Hkv, D)
-        k_cache, v_cache, group, cache_seqlens, agreed, rows = from_cache
+        k_cache, v_cache, group, cache_seqlens, agreed, rows, appended = from_cache
     elif v_cache is None:
         problem = InputError(TypeError, "decode(q, k_cache, v_cache, ...) needs v_cache (or pass a "
                                         "KVCache)")
@@ -649,10 +650,11 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
             if err is not None or group.size == 1:
                 return err, meta, extra, None
             rows_digest = None if rows is not None else valid_rows_digest(native_arrays[1], extra[0])
-            return err, meta, extra, (q_summary(native_arrays[0]), rows_digest)
+            return err, meta, extra, (q_summary(native_arrays[0]), rows_digest, appended)
 
         def same_tokens(summaries, extra):   # every rank holds every summary: raises alike
-            problem = q_values_problem([s and s[0] for s in summaries])
+            problem = (q_values_problem([s and s[0] for s in summaries])
+                       or appended_rows_problem([s[2] if s else () for s in summaries]))
             if problem is not None:
                 raise ValueError(problem)
             warn_if_all_the_same([s and s[1] for s in summaries], "k_cache")

@@ -30,8 +30,11 @@ from .cpu_tensors import host_view
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
-from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest,
+from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest, q_summary,
                        remember_cache_arrays, warn_if_all_the_same)
+
+# appends since the last decode whose rows the decode compares across ranks (the first ones)
+APPENDS_COMPARED = 64
 
 
 def _cache_dtype(dtype, names: tuple) -> np.dtype:
@@ -104,6 +107,8 @@ class KVCache:
                                                                           kv_heads, headdim)) for _ in "kv")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
+        # (k_new, v_new) `q_summary`s of the appends since the last decode, which compares them
+        self._appended: list = []
         remember_cache_arrays(self)    # known as this cache's where decode is given them
 
     def _arguments(self, batch, capacity_per_rank, kv_heads, headdim, dtype, page_size,
@@ -284,7 +289,9 @@ class KVCache:
         ranks (a rank's own rows, which `from_prefill` takes), rows of another shape or not of
         real numbers (`_check_rows`), or a cache with no room for them, raise ValueError/TypeError
         before anything is stored, on every rank given the same rows (No communication: a rank
-        given other rows raises alone, so an error left uncaught ends the job, `raising_alike`).
+        given other rows raises alone, so an error left uncaught ends the job, `raising_alike`;
+        rows that differ between ranks beyond rounding are refused by the next decode, on every
+        rank, which compares the first APPENDS_COMPARED appends since the last one).
         Rows that are CUDA torch tensors are copied on torch's current stream, as
         `burstcu.torch.decode` reads there."""
         wait_computed((k_new, v_new))
@@ -316,6 +323,8 @@ class KVCache:
                     if owner == self.group.rank:
                         self._store(b, row, k_new[b, t], v_new[b, t])
             self.counts = counts
+            if self.group.size > 1 and len(self._appended) < APPENDS_COMPARED:
+                self._appended.append((q_summary(k_new), q_summary(v_new)))
 
     def from_prefill(self, k_local, v_local) -> None:
         """Adopt this rank's shard of a prefill (B, S_local, kv_heads, headdim), as a sharded
@@ -356,6 +365,7 @@ class KVCache:
                 self.k[:, :n] = k_local
                 self.v[:, :n] = v_local
             self.counts = np.repeat(np.asarray(lengths, np.int64)[:, None], self.batch, axis=1)
+            self._appended = []
 
     def _prefill_pages(self, k_local, v_local) -> None:
         """Rows (B, n, Hkv, D) into fresh pages: batch row b takes pages b * ceil(n / P) on."""
@@ -389,12 +399,15 @@ class KVCache:
         return api.decode(q, self, softmax_scale=softmax_scale, return_lse=return_lse)
 
     def decode_arguments(self) -> tuple:
-        """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows) that
-        `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
-        (stand-ins without memory when paged), rows: `rows()`, what the kernels read."""
+        """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows, appended)
+        that `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
+        (stand-ins without memory when paged), rows: `rows()`, what the kernels read, appended:
+        the summaries of the rows appended since the last decode (handed over once: the decode
+        compares them across ranks, `validate.appended_rows_problem`)."""
+        appended, self._appended = tuple(self._appended), []
         agreed = {} if self.group.size == 1 else {   # the key and value read as the message says
             "the KV cache's rows (every rank appends and clears the same rows)":
                 f"{int(self.counts.sum())} rows, counts sha1 "
                 f"{hashlib.sha1(self.counts.tobytes()).hexdigest()[:16]}"}
         k, v = self._views if self.paged else (self.k, self.v)
-        return k, v, self.group, self.seqlens, agreed, self.rows()
+        return k, v, self.group, self.seqlens, agreed, self.rows(), appended

@@ -1154,17 +1154,20 @@ def q_summary(q) -> tuple | None:
     return (tuple(int(n) for n in q.shape), g, (x @ _q_signs(g * d).T).tobytes(), rounding.tobytes(), digest)
 
 
-def q_values_problem(summaries: list) -> str | None:
-    """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None. Every
-    rank gets the same list, so each says the same."""
+def q_values_problem(summaries: list, of: str = "q's",
+                     rule: str = "every rank must decode the same new tokens (q the same on every "
+                                 "rank)") -> str | None:
+    """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None; `of`
+    names the array in the message ("q's"; a KV cache's appended rows: `appended_rows_problem`),
+    `rule` what every rank must do. Every rank gets the same list, so each says the same."""
     first = summaries[0]
     for rank, mine in enumerate(summaries[1:], 1):
         if first is None or mine is None or mine[:2] != first[:2]:
             continue
         (b, t, h, _), g = first[:2]
         if mine[4] != first[4]:
-            return (f"ranks disagree in decode: q's NaN and inf on rank {rank} are not where rank 0's "
-                    f"are: every rank must decode the same new tokens (q the same on every rank)")
+            return (f"ranks disagree in decode: {of} NaN and inf on rank {rank} are not where rank "
+                    f"0's are: {rule}")
         moved = np.abs(np.frombuffer(mine[2]) - np.frombuffer(first[2])).reshape(-1, Q_PROJECTIONS)
         allowed = np.maximum(np.frombuffer(mine[3]), np.frombuffer(first[3]))[:, None]
         if (moved > allowed).any():
@@ -1172,9 +1175,25 @@ def q_values_problem(summaries: list) -> str | None:
             where = (f"batch row {head // (t * h)}, token {head // h % t}, head {head % h}"
                      + ("" if g == 1 else f" or one of the {min(g, b * t * h - head) - 1} heads after it "
                                           f"(in batch row, token, head order)"))
-            return (f"ranks disagree in decode: q's values on rank {rank} differ from rank 0's by more "
-                    f"than rounding at {where}: every rank must decode the same new tokens (q the "
-                    f"same on every rank)")
+            return (f"ranks disagree in decode: {of} values on rank {rank} differ from rank 0's by "
+                    f"more than rounding at {where}: {rule}")
+    return None
+
+
+def appended_rows_problem(appended: list) -> str | None:
+    """Why the rows the ranks appended to a KV cache since its last decode differ beyond
+    rounding, or None. appended: every rank's list of (k_new, v_new) `q_summary`s, one pair an
+    `append` (kept by `KVCache.append`; compared where every rank kept as many)."""
+    if any(len(mine) != len(appended[0]) for mine in appended):
+        return None          # appends counted otherwise: the cache's counts (agreed) differ too
+    for i, pairs in enumerate(zip(*appended)):
+        for name, summaries in zip(("k_new", "v_new"), zip(*pairs)):
+            problem = q_values_problem(list(summaries), f"KVCache.append's {name} (its call {i + 1} "
+                                                        f"since the last decode):",
+                                       "every rank must append the same rows (a new token's keys "
+                                       "and values; the cache stores each row on one rank)")
+            if problem is not None:
+                return problem
     return None
 
 

@@ -426,6 +426,42 @@ def test_append_of_a_ranks_own_rows_is_refused_on_every_rank():
         assert np.abs(out - want).max() < 1e-5
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_rows_appended_otherwise_on_one_rank_are_refused_at_the_next_decode(paged):
+    """Append sends nothing, so rows given otherwise on one rank (a new token's keys computed
+    from that rank's own state) were stored as they came, each on one rank, and decoded silently
+    wrong. The next decode compares the rows every rank appended since the last one (beyond
+    rounding, as q): a ValueError on every rank naming the append and the position. Rows one
+    rounding apart decode; the summaries are compared once (the next decode does not raise)."""
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(1)
+    K, V = (rng.standard_normal((2, 6, 2, 8)).astype(np.float32) for _ in range(2))
+    new = [rng.standard_normal((2, 1, 2, 8)).astype(np.float32) for _ in range(4)]
+    q = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)
+    pages = {"page_size": 2} if paged else {}
+
+    def body(group):
+        cache = burstcu.KVCache(group, 2, 12, 2, 8, np.float32, **pages)
+        cache.from_prefill(burstcu.shard(K, group), burstcu.shard(V, group))
+        cache.append(new[0], new[1])
+        k_new = new[2].copy()
+        if group.rank == 1:
+            k_new[1, 0, 1, 3] += 0.5                     # batch row 1, kv head 1: another token's
+        cache.append(k_new, new[3])
+        with pytest.raises(ValueError) as refused:
+            cache.decode(q)
+        again = cache.decode(q)                          # handed over once: not compared again
+        close = np.nextafter(new[0], np.inf) if group.rank == 1 else new[0]   # a rounding apart
+        cache.append(close, new[1])
+        return str(refused.value), again, cache.decode(q)
+    for said, again, out in run_ranks(2, body):
+        assert ("ranks disagree in decode: KVCache.append's k_new (its call 2 since the last "
+                "decode): values on rank 1 differ from rank 0's by more than rounding at batch row "
+                "1, token 0, head 1: every rank must append the same rows") in said, said
+        assert np.isfinite(again).all() and np.isfinite(out).all()
+
+
 def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
     """decode(q, cache.k, cache.v, group) without cache_seqlens reads every row of the buffers:
     with rows not filled yet it was off by 1.4, silently; now a ValueError on every rank saying
