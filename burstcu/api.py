@@ -34,8 +34,8 @@ from .group import CLOSED, Call, Group, not_a_group, says_ranks
 from .layout import Partition, check_layout, partition
 from .ops.base import DelegatingOps
 from .plan import plan
-from .validate import (ARRAY_NAMES, InputError, agree, appended_rows_problem, axis_problem,
-                       cache_cut_problem,
+from .validate import (ARRAY_NAMES, InputError, agree, appended_rows, appended_rows_problem,
+                       axis_problem, cache_cut_problem,
                        cache_of_array, call_marks, calling_thread, check_attention_call, check_axis,
                        check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
                        check_linear_call, check_row_sums,
@@ -622,7 +622,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
     """
     wait_computed((q, k_cache, v_cache, cache_seqlens))
     agreed, group, rows, problem, appended = {}, group_of(group), None, None, ()
-    cache_arguments = getattr(k_cache, "decode_arguments", None)
+    cache, cache_arguments = k_cache, getattr(k_cache, "decode_arguments", None)
     if callable(cache_arguments):                 # a KVCache
         from_cache = cache_arguments()
         if v_cache is not None or cache_seqlens is not None or group not in (None, from_cache[2]):
@@ -643,6 +643,7 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
         said = cache_cut_problem(("k_cache", "v_cache"), (k_cache, v_cache),
                                  getattr(group, "size", 1))   # not a group: `Call` says so
         problem = None if said is None else InputError(ValueError, said)
+    appended_summary = appended_rows(appended)    # (rows, their calls and tokens) or None
     with Call(group, "decode") as call:
         def check(native_arrays):
             err, meta, extra = check_decode_call(group.ops, native_arrays, cache_seqlens,
@@ -650,13 +651,16 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
             if err is not None or group.size == 1:
                 return err, meta, extra, None
             rows_digest = None if rows is not None else valid_rows_digest(native_arrays[1], extra[0])
-            return err, meta, extra, (q_summary(native_arrays[0]), rows_digest, appended)
+            return err, meta, extra, (q_summary(native_arrays[0]), rows_digest, appended_summary and
+                                      (q_summary(appended_summary[0]), appended_summary[1]))
 
         def same_tokens(summaries, extra):   # every rank holds every summary: raises alike
-            problem = (q_values_problem([s and s[0] for s in summaries])
-                       or appended_rows_problem([s[2] if s else () for s in summaries]))
-            if problem is not None:
-                raise ValueError(problem)
+            problems = [q_values_problem([s and s[0] for s in summaries]),
+                        appended_rows_problem([s and s[2] for s in summaries])]
+            if any(problems):
+                raise ValueError("; ".join(filter(None, problems)))
+            if appended:
+                cache.appends_compared(len(appended))   # kept until compared: a failed call keeps them
             warn_if_all_the_same([s and s[1] for s in summaries], "k_cache")
             return extra
 

@@ -30,11 +30,12 @@ from .cpu_tensors import host_view
 from .group import Call, Group, local_group, not_a_group
 from .ops.base import as_dtype, finfo
 from .ops.decode import PagedRows
-from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest, q_summary,
+from .validate import (InputError, agree, cache_cut_problem, cut_of, first_rows_digest,
                        remember_cache_arrays, warn_if_all_the_same)
 
-# appends since the last decode whose rows the decode compares across ranks (the first ones)
-APPENDS_COMPARED = 64
+# the appends since the last decode whose rows it compares across ranks (the first ones), and
+# the tokens of a call it compares (spread over the call's rows, its first and last among them)
+APPENDS_COMPARED, TOKENS_COMPARED = 64, 8
 
 
 def _cache_dtype(dtype, names: tuple) -> np.dtype:
@@ -107,7 +108,8 @@ class KVCache:
                                                                           kv_heads, headdim)) for _ in "kv")
         self.k, self.v = xp.zeros(shape, dtype=self.dtype), xp.zeros(shape, dtype=self.dtype)
         self.counts = np.zeros((self.group.size, batch), np.int64)
-        # (k_new, v_new) `q_summary`s of the appends since the last decode, which compares them
+        # (k, v, tokens) samples of the rows each append took since the last decode, which
+        # compares them across ranks (`validate.appended_rows`)
         self._appended: list = []
         remember_cache_arrays(self)    # known as this cache's where decode is given them
 
@@ -209,6 +211,8 @@ class KVCache:
                     self.page_table[b] = -1
                     self._table_dev = None
                 self.counts[:, b] = 0
+                for k, v, _ in self._appended:   # the same rows on every rank: nothing to compare
+                    k[b], v[b] = 0, 0
 
     def _batch_rows(self, rows) -> list[int]:
         """`rows` (an int or a 1-d sequence of them) as a list of batch rows, each checked."""
@@ -291,7 +295,8 @@ class KVCache:
         before anything is stored, on every rank given the same rows (No communication: a rank
         given other rows raises alone, so an error left uncaught ends the job, `raising_alike`;
         rows that differ between ranks beyond rounding are refused by the next decode, on every
-        rank, which compares the first APPENDS_COMPARED appends since the last one).
+        rank, which compares TOKENS_COMPARED tokens of each of the first APPENDS_COMPARED appends
+        since the last decode that passed, until `clear` empties their batch rows).
         Rows that are CUDA torch tensors are copied on torch's current stream, as
         `burstcu.torch.decode` reads there."""
         wait_computed((k_new, v_new))
@@ -318,13 +323,32 @@ class KVCache:
                 full = self._full(counts)
                 if full:
                     raise ValueError(full)
+                sample = self._sample(k_new, v_new)
             with self._pages_restored_on_error():
                 for t, b, owner, row in owners:
                     if owner == self.group.rank:
                         self._store(b, row, k_new[b, t], v_new[b, t])
             self.counts = counts
-            if self.group.size > 1 and len(self._appended) < APPENDS_COMPARED:
-                self._appended.append((q_summary(k_new), q_summary(v_new)))
+            if sample is not None:
+                self._appended.append(sample)
+
+    def _sample(self, k_new, v_new) -> tuple | None:
+        """(k, v, tokens): copies of TOKENS_COMPARED of the rows' tokens in the cache's dtype,
+        for the next decode to compare across ranks; None on one rank, for device arrays (read
+        only with a sync) and past APPENDS_COMPARED appends since the last decode."""
+        if self.group.size == 1 or len(self._appended) >= APPENDS_COMPARED or \
+                not isinstance(k_new, np.ndarray):
+            return None
+        t = k_new.shape[1]
+        if t <= TOKENS_COMPARED:     # a token a call, as decoding appends: every one, copied
+            return k_new.astype(self.dtype), v_new.astype(self.dtype), range(t)
+        tokens = np.unique(np.linspace(0, t - 1, TOKENS_COMPARED).round().astype(int))
+        return (k_new[:, tokens].astype(self.dtype, copy=False),
+                v_new[:, tokens].astype(self.dtype, copy=False), tokens)
+
+    def appends_compared(self, count: int) -> None:
+        """The first `count` appends' samples were compared by a decode: forgotten."""
+        del self._appended[:count]
 
     def from_prefill(self, k_local, v_local) -> None:
         """Adopt this rank's shard of a prefill (B, S_local, kv_heads, headdim), as a sharded
@@ -402,9 +426,9 @@ class KVCache:
         """(k, v, group, this rank's seqlens, {values every rank must hold alike}, rows, appended)
         that `burstcu.decode` takes from a cache: k, v (batch, capacity, Hkv, D) for the checks
         (stand-ins without memory when paged), rows: `rows()`, what the kernels read, appended:
-        the summaries of the rows appended since the last decode (handed over once: the decode
-        compares them across ranks, `validate.appended_rows_problem`)."""
-        appended, self._appended = tuple(self._appended), []
+        samples of the rows appended since the last decode, which it compares across ranks and
+        then forgets (`appends_compared`)."""
+        appended = tuple(self._appended)
         agreed = {} if self.group.size == 1 else {   # the key and value read as the message says
             "the KV cache's rows (every rank appends and clears the same rows)":
                 f"{int(self.counts.sum())} rows, counts sha1 "

@@ -1154,47 +1154,71 @@ def q_summary(q) -> tuple | None:
     return (tuple(int(n) for n in q.shape), g, (x @ _q_signs(g * d).T).tobytes(), rounding.tobytes(), digest)
 
 
-def q_values_problem(summaries: list, of: str = "q's",
-                     rule: str = "every rank must decode the same new tokens (q the same on every "
-                                 "rank)") -> str | None:
-    """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None; `of`
-    names the array in the message ("q's"; a KV cache's appended rows: `appended_rows_problem`),
-    `rule` what every rank must do. Every rank gets the same list, so each says the same."""
+def _moved_head(summaries: list) -> tuple | None:
+    """(rank, first head, heads a piece, whether it is the NaN and inf that differ) where a rank's
+    `q_summary` shows other values than rank 0's beyond rounding, or None."""
     first = summaries[0]
     for rank, mine in enumerate(summaries[1:], 1):
         if first is None or mine is None or mine[:2] != first[:2]:
             continue
-        (b, t, h, _), g = first[:2]
+        g = first[1]
         if mine[4] != first[4]:
-            return (f"ranks disagree in decode: {of} NaN and inf on rank {rank} are not where rank "
-                    f"0's are: {rule}")
+            return rank, None, g, True
         moved = np.abs(np.frombuffer(mine[2]) - np.frombuffer(first[2])).reshape(-1, Q_PROJECTIONS)
         allowed = np.maximum(np.frombuffer(mine[3]), np.frombuffer(first[3]))[:, None]
         if (moved > allowed).any():
-            head = int(np.argwhere(moved > allowed)[0, 0]) * g
-            where = (f"batch row {head // (t * h)}, token {head // h % t}, head {head % h}"
-                     + ("" if g == 1 else f" or one of the {min(g, b * t * h - head) - 1} heads after it "
-                                          f"(in batch row, token, head order)"))
-            return (f"ranks disagree in decode: {of} values on rank {rank} differ from rank 0's by "
-                    f"more than rounding at {where}: {rule}")
+            return rank, int(np.argwhere(moved > allowed)[0, 0]) * g, g, False
     return None
 
 
-def appended_rows_problem(appended: list) -> str | None:
-    """Why the rows the ranks appended to a KV cache since its last decode differ beyond
-    rounding, or None. appended: every rank's list of (k_new, v_new) `q_summary`s, one pair an
-    `append` (kept by `KVCache.append`; compared where every rank kept as many)."""
-    if any(len(mine) != len(appended[0]) for mine in appended):
-        return None          # appends counted otherwise: the cache's counts (agreed) differ too
-    for i, pairs in enumerate(zip(*appended)):
-        for name, summaries in zip(("k_new", "v_new"), zip(*pairs)):
-            problem = q_values_problem(list(summaries), f"KVCache.append's {name} (its call {i + 1} "
-                                                        f"since the last decode):",
-                                       "every rank must append the same rows (a new token's keys "
-                                       "and values; the cache stores each row on one rank)")
-            if problem is not None:
-                return problem
-    return None
+def q_values_problem(summaries: list) -> str | None:
+    """Why the ranks' `q_summary`s show different new tokens (beyond rounding), or None. Every
+    rank gets the same list, so each says the same."""
+    moved = _moved_head(summaries)
+    if moved is None:
+        return None
+    rank, head, g, nonfinite = moved
+    rule = "every rank must decode the same new tokens (q the same on every rank)"
+    if nonfinite:
+        return f"ranks disagree in decode: q's NaN and inf on rank {rank} are not where rank 0's are: {rule}"
+    (b, t, h, _) = summaries[0][0]
+    where = (f"batch row {head // (t * h)}, token {head // h % t}, head {head % h}"
+             + ("" if g == 1 else f" or one of the {min(g, b * t * h - head) - 1} heads after it "
+                                  f"(in batch row, token, head order)"))
+    return (f"ranks disagree in decode: q's values on rank {rank} differ from rank 0's by more than "
+            f"rounding at {where}: {rule}")
+
+
+def appended_rows(appended: list) -> tuple | None:
+    """The rows a KV cache took since its last decode (`KVCache.append`'s samples: a (k, v, token
+    indices) a call, k and v (B, t, Hkv, D) NumPy) as one array for `q_summary`, k's heads then
+    v's: ((B, T, 2 Hkv, D), [(call, token) of each of the T]), or None without any."""
+    if not appended:
+        return None
+    rows = np.concatenate([np.concatenate([k, v], axis=2) for k, v, _ in appended], axis=1)
+    return rows, [(i, int(t)) for i, (_, _, tokens) in enumerate(appended) for t in tokens]
+
+
+def appended_rows_problem(summaries: list) -> str | None:
+    """Why the ranks' (`q_summary` of `appended_rows`' array, its (call, token) list), or None
+    each, show rows appended otherwise on some rank, beyond rounding, or None."""
+    moved = _moved_head([s and s[0] for s in summaries])
+    if moved is None:
+        return None
+    tokens, summaries = summaries[0][1], [s and s[0] for s in summaries]   # rank 0's: compared
+    rank, head, g, nonfinite = moved
+    rule = ("every rank must append the same rows (a new token's keys and values: the cache stores "
+            "each row on one rank)")
+    if nonfinite:
+        return (f"ranks disagree in decode: the NaN and inf of the rows KVCache.append took since "
+                f"the last decode on rank {rank} are not where rank 0's are: {rule}")
+    (_, t, h2, _) = summaries[0][0]
+    call, token = tokens[head // h2 % t]
+    which, kv_head = ("k_new", head % h2) if head % h2 < h2 // 2 else ("v_new", head % h2 - h2 // 2)
+    near = "" if g == 1 else " (or a head after it)"
+    return (f"ranks disagree in decode: the rows KVCache.append took since the last decode differ "
+            f"on rank {rank} from rank 0's by more than rounding: {which} of call {call + 1}, batch "
+            f"row {head // (t * h2)}, token {token}, kv head {kv_head}{near}: {rule}")
 
 
 # -- q, k, v in torch SDPA's (batch, heads, seqlen, headdim) order ------------------------------

@@ -431,8 +431,10 @@ def test_rows_appended_otherwise_on_one_rank_are_refused_at_the_next_decode(page
     """Append sends nothing, so rows given otherwise on one rank (a new token's keys computed
     from that rank's own state) were stored as they came, each on one rank, and decoded silently
     wrong. The next decode compares the rows every rank appended since the last one (beyond
-    rounding, as q): a ValueError on every rank naming the append and the position. Rows one
-    rounding apart decode; the summaries are compared once (the next decode does not raise)."""
+    rounding, as q): a ValueError on every rank naming the append and the position, again at
+    every decode while the cache holds them (a decode refused for another reason compares them
+    later all the same), none once the batch row is cleared. Rows one rounding apart, and
+    integer rows, decode."""
     from burstcu.testing.world import run_ranks
 
     rng = np.random.default_rng(1)
@@ -449,17 +451,25 @@ def test_rows_appended_otherwise_on_one_rank_are_refused_at_the_next_decode(page
         if group.rank == 1:
             k_new[1, 0, 1, 3] += 0.5                     # batch row 1, kv head 1: another token's
         cache.append(k_new, new[3])
-        with pytest.raises(ValueError) as refused:
-            cache.decode(q)
-        again = cache.decode(q)                          # handed over once: not compared again
+        with pytest.raises(ValueError, match="softmax_scale"):
+            cache.decode(q, softmax_scale=float("nan"))  # refused first for what it is
+        said = []
+        for _ in range(2):                               # the rows are still there: again
+            with pytest.raises(ValueError) as refused:
+                cache.decode(q)
+            said.append(str(refused.value))
+        cache.clear(1)
+        cleared = cache.decode(q)
         close = np.nextafter(new[0], np.inf) if group.rank == 1 else new[0]   # a rounding apart
         cache.append(close, new[1])
-        return str(refused.value), again, cache.decode(q)
-    for said, again, out in run_ranks(2, body):
-        assert ("ranks disagree in decode: KVCache.append's k_new (its call 2 since the last "
-                "decode): values on rank 1 differ from rank 0's by more than rounding at batch row "
-                "1, token 0, head 1: every rank must append the same rows") in said, said
-        assert np.isfinite(again).all() and np.isfinite(out).all()
+        cache.append(np.ones((2, 1, 2, 8), np.int8), np.zeros((2, 1, 2, 8), bool))
+        return said, cleared, cache.decode(q)
+    for said, cleared, out in run_ranks(2, body):
+        for text in said:
+            assert ("ranks disagree in decode: the rows KVCache.append took since the last decode "
+                    "differ on rank 1 from rank 0's by more than rounding: k_new of call 2, batch "
+                    "row 1, token 0, kv head 1: every rank must append the same rows") in text, text
+        assert np.isfinite(cleared).all() and np.isfinite(out).all()
 
 
 def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
