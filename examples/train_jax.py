@@ -177,9 +177,9 @@ def main(argv=None) -> int:
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: train at least 1 step")
     folder = os.path.dirname(os.path.abspath(args.json or "."))
-    if args.json and not (os.access(args.json, os.W_OK) and not os.path.isdir(args.json)
-                          if os.path.exists(args.json) else os.access(folder, os.W_OK)
-                          and os.path.isdir(folder)):   # said before training, not after it
+    if args.json and (args.json.endswith(os.sep) or not (
+            os.access(args.json, os.W_OK) and not os.path.isdir(args.json) if os.path.exists(args.json)
+            else os.access(folder, os.W_OK) and os.path.isdir(folder))):   # before training, not after
         parser.error(f"--json {args.json}: not a file in a folder this user can write to")
     with burstcu.init(backend="numpy") as group:
         history = train(group, args.steps, args.lr, args.layout)

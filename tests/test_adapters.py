@@ -526,7 +526,8 @@ def test_train_jax_example_equals_one_process_jax(jax, tmp_path):
                                          (["--steps", "-3"], "--steps -3: train at least 1 step"),
                                          (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing"),
                                          (["--json", "{tmp}"], "--json {tmp}: not a file"),
-                                         (["--json", "{file}/r.json"], "--json {file}/r.json: not")])
+                                         (["--json", "{file}/r.json"], "--json {file}/r.json: not"),
+                                         (["--json", "{tmp}/new/"], "--json {tmp}/new/: not")])
 def test_train_jax_refuses_what_it_cannot_do_before_training(jax, flags, said, tmp_path):
     """`--check --steps 0` trained nothing, printed nothing and exited 0; `--json` into a missing
     folder failed after the training: both usage errors now, before any step."""
