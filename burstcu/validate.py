@@ -1212,13 +1212,17 @@ def appended_rows_problem(summaries: list) -> str | None:
     if nonfinite:
         return (f"ranks disagree in decode: the NaN and inf of the rows KVCache.append took since "
                 f"the last decode on rank {rank} are not where rank 0's are: {rule}")
-    (_, t, h2, _) = summaries[0][0]
-    call, token = tokens[head // h2 % t]
-    which, kv_head = ("k_new", head % h2) if head % h2 < h2 // 2 else ("v_new", head % h2 - h2 // 2)
-    near = "" if g == 1 else " (or a head after it)"
+    (b, t, h2, _) = summaries[0][0]
+
+    def place(i: int) -> str:          # head i of the (B, T, 2 Hkv) rows: k's kv heads, then v's
+        call, token = tokens[i // h2 % t]
+        which, kv_head = ("k_new", i % h2) if i % h2 < h2 // 2 else ("v_new", i % h2 - h2 // 2)
+        return f"{which} of call {call + 1}, batch row {i // (t * h2)}, token {token}, kv head {kv_head}"
+    last = min(head + g, b * t * h2) - 1
+    where = place(head) if last == head else \
+        f"{place(head)} or a row up to {place(last)} (by batch row, call, token, k_new then v_new)"
     return (f"ranks disagree in decode: the rows KVCache.append took since the last decode differ "
-            f"on rank {rank} from rank 0's by more than rounding: {which} of call {call + 1}, batch "
-            f"row {head // (t * h2)}, token {token}, kv head {kv_head}{near}: {rule}")
+            f"on rank {rank} from rank 0's by more than rounding at {where}: {rule}")
 
 
 # -- q, k, v in torch SDPA's (batch, heads, seqlen, headdim) order ------------------------------

@@ -467,9 +467,28 @@ def test_rows_appended_otherwise_on_one_rank_are_refused_at_the_next_decode(page
     for said, cleared, out in run_ranks(2, body):
         for text in said:
             assert ("ranks disagree in decode: the rows KVCache.append took since the last decode "
-                    "differ on rank 1 from rank 0's by more than rounding: k_new of call 2, batch "
+                    "differ on rank 1 from rank 0's by more than rounding at k_new of call 2, batch "
                     "row 1, token 0, kv head 1: every rank must append the same rows") in text, text
         assert np.isfinite(cleared).all() and np.isfinite(out).all()
+
+
+def test_appended_rows_summarised_in_runs_name_the_run():
+    """Past 1,024 rows x heads the summary takes heads in runs (as q's): the refusal names the
+    first and the last place of the run that moved. 64 one-token calls, 16 batch rows, one kv
+    head: runs of 2, a token's k_new and v_new; v_new of call 11, batch row 5 moved."""
+    from burstcu.validate import appended_rows, appended_rows_problem, q_summary
+
+    rng = np.random.default_rng(2)
+    calls = [(rng.standard_normal((16, 1, 1, 8)), rng.standard_normal((16, 1, 1, 8)), range(1))
+             for _ in range(64)]
+    moved = [(k, v.copy(), t) for k, v, t in calls]
+    moved[10][1][5, 0, 0, 2] += 1.0
+    summaries = [(q_summary(rows), tokens) for rows, tokens in map(appended_rows, (calls, moved))]
+    assert summaries[0][0][1] == 2                       # runs of 2 heads
+    said = appended_rows_problem(summaries)
+    assert ("at k_new of call 11, batch row 5, token 0, kv head 0 or a row up to v_new of call 11, "
+            "batch row 5, token 0, kv head 0 (by batch row, call, token, k_new then v_new)") in said, said
+    assert appended_rows_problem([summaries[0], summaries[0]]) is None
 
 
 def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
