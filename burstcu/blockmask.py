@@ -65,11 +65,11 @@ def _ranges(x, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be (n, 2) [start, stop) ranges, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got {arr.dtype}")
-    given = arr   # compared as given: unsigned values past int64's range are not wrapped
-    bad = np.flatnonzero((given[:, 0] < 0) | (given[:, 1] <= given[:, 0]) | (given[:, 1] > MAX_RANGE))
+    # compared as given, before the cast: unsigned values past int64's range are not wrapped
+    bad = np.flatnonzero((arr[:, 0] < 0) | (arr[:, 1] <= arr[:, 0]) | (arr[:, 1] > MAX_RANGE))
     if bad.size:
         r = int(bad[0])
-        raise ValueError(f"{name}[{r}] = {given[r].tolist()} is not a range 0 <= start < stop "
+        raise ValueError(f"{name}[{r}] = {arr[r].tolist()} is not a range 0 <= start < stop "
                          f"<= 2^31")
     return arr.astype(np.int64)
 

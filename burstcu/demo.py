@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -65,6 +66,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def writable_file(path: str) -> bool:
+    """Whether this user can write `path` (a command line's --json, checked before the run, not
+    after it): a file (or /dev/null, ...) that exists and is writable, or a new file, its name
+    not ending in a path separator, in an existing folder this user can write to."""
+    if os.path.exists(path):
+        return not os.path.isdir(path) and os.access(path, os.W_OK)
+    folder = os.path.dirname(os.path.abspath(path))
+    return not path.endswith(os.sep) and os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def parse(argv=None):

@@ -1205,14 +1205,13 @@ def appended_rows_problem(summaries: list) -> str | None:
     moved = _moved_head([s and s[0] for s in summaries])
     if moved is None:
         return None
-    tokens, summaries = summaries[0][1], [s and s[0] for s in summaries]   # rank 0's: compared
+    (b, t, h2, _), tokens = summaries[0][0][0], summaries[0][1]   # rank 0's, as compared
     rank, head, g, nonfinite = moved
     rule = ("every rank must append the same rows (a new token's keys and values: the cache stores "
             "each row on one rank)")
     if nonfinite:
         return (f"ranks disagree in decode: the NaN and inf of the rows KVCache.append took since "
                 f"the last decode on rank {rank} are not where rank 0's are: {rule}")
-    (b, t, h2, _) = summaries[0][0]
 
     def place(i: int) -> str:          # head i of the (B, T, 2 Hkv) rows: k's kv heads, then v's
         call, token = tokens[i // h2 % t]

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
 import burstcu
+from burstcu.demo import writable_file
 
 VOCAB, MODEL, HEADS, KV_HEADS, HEADDIM = 97, 32, 4, 2, 8
 # max |attention output - float64 reference|: both are float64 (rounding ~1e-15 at these
@@ -140,15 +140,6 @@ def check(prompt: np.ndarray, new: int, tokens: list[int], attended: list) -> tu
         return error, (f"tokens {tokens} differ from the reference's {want} (max |attention "
                        f"error| {error:.3g}, tolerance {TOLERANCE:g})")
     return error, None
-
-
-def writable_file(path: str) -> bool:
-    """Whether this user can write `path`: a file (or /dev/null, ...) that exists and is
-    writable, or a new file in an existing folder this user can write to."""
-    if os.path.exists(path):
-        return not os.path.isdir(path) and os.access(path, os.W_OK)
-    folder = os.path.dirname(os.path.abspath(path))
-    return os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def main(argv=None) -> int:

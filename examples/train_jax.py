@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import burstcu
+from burstcu.demo import writable_file
 
 VOCAB, MODEL, HEADS, KV_HEADS, HEADDIM, HIDDEN = 61, 32, 4, 2, 8, 64
 BATCH, SEQLEN = 2, 64
@@ -176,10 +176,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: train at least 1 step")
-    folder = os.path.dirname(os.path.abspath(args.json or "."))
-    if args.json and (args.json.endswith(os.sep) or not (
-            os.access(args.json, os.W_OK) and not os.path.isdir(args.json) if os.path.exists(args.json)
-            else os.access(folder, os.W_OK) and os.path.isdir(folder))):   # before training, not after
+    if args.json and not writable_file(args.json):   # before training, not after it
         parser.error(f"--json {args.json}: not a file in a folder this user can write to")
     with burstcu.init(backend="numpy") as group:
         history = train(group, args.steps, args.lr, args.layout)
