@@ -1,5 +1,6 @@
 """Helpers every benchmark in bench/ shares, each once (bench/README.md), imported as `bench._common`;
-a bench script given --plot where matplotlib is missing ends here, before measuring anything."""
+a bench script given an output path it cannot write, or --plot where matplotlib is missing, ends
+here on every rank, before measuring anything (`refuse_at_start`)."""
 
 from __future__ import annotations
 
@@ -436,27 +437,6 @@ def save(fig, path: str, dpi: int = 110) -> None:
     pyplot().close(fig)
 
 
-def _launcher_rank0() -> bool:
-    """Whether this process is the first rank of its launch (or not launched by mpiexec): the
-    rank mpiexec's Hydra, Open MPI or PMIx names, read before MPI starts."""
-    return all(os.environ.get(var, "0") == "0"
-               for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-
-
-def refuse_plot_without_matplotlib(argv) -> None:
-    """SystemExit(2) on every rank for --plot without matplotlib (optional: only --plot needs
-    it), saying what to install on the first."""
-    if not any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
-        return
-    try:
-        __import__("matplotlib")
-    except ImportError as exc:
-        if _launcher_rank0():
-            sys.stderr.write(f"{Path(sys.argv[0]).name}: --plot needs matplotlib ({exc}): "
-                             "pip install 'burstcu[bench]'\n")
-        raise SystemExit(2) from None
-
-
 def _output_paths(argv) -> list[tuple[str, str]]:
     """(option, path) for each --json, --table, --plot and --out in argv ("--json F" or
     "--json=F")."""
@@ -490,18 +470,53 @@ def unwritable(path: str) -> str | None:
     return None
 
 
-def refuse_unwritable_outputs(argv) -> None:
-    """SystemExit(2) on every rank, before any work, when an output path (--json, --table,
-    --plot, --out) cannot be written; the first rank says which and why."""
-    problems = [f"{name} {path}: {why}" for name, path in _output_paths(argv)
+def start_problems(argv) -> list[str]:
+    """What stops this rank's run before it measures anything: an output path (--json,
+    --table, --plot, --out) it cannot write, --plot without matplotlib (optional: only --plot
+    needs it)."""
+    problems = [f"cannot write {name} {path}: {why}" for name, path in _output_paths(argv)
                 if (why := unwritable(path)) is not None]
-    if problems:
-        if _launcher_rank0():
-            sys.stderr.write(f"{Path(sys.argv[0]).name}: cannot write " + "; ".join(problems) + "\n")
-        raise SystemExit(2)
+    if any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
+        try:
+            __import__("matplotlib")
+        except ImportError as exc:
+            problems.append(f"--plot needs matplotlib ({exc}): pip install 'burstcu[bench]'")
+    return problems
+
+
+def refuse_at_start(argv) -> None:
+    """SystemExit(2) on every rank, before any work, where `start_problems` finds one on some
+    rank; the first rank says which, and on which ranks where not on all. Under an MPI launcher
+    of several ranks the ranks compare them first, in one bounded round after MPI's start: a
+    rank that ended alone left the others waiting in MPI's start (MPICH's mpiexec), or ended
+    the job before the first rank had said why (Open MPI's)."""
+    from burstcu.transport.base import DEFAULT_TIMEOUT, resolve_timeout
+    from burstcu.transport.bootstrap import launcher_world_size, world_comm
+    from burstcu.transport.mpi import gather_plain
+
+    mine, launched = start_problems(argv), launcher_world_size()
+    if launched is None or launched[0] == "WORLD_SIZE" or launched[1] <= 1:
+        every, first = [mine], True
+    else:
+        comm = world_comm()
+        try:
+            timeout = resolve_timeout(None)
+        except ValueError:   # $BURSTCU_TIMEOUT unreadable: burstcu.init says so on every rank
+            timeout = DEFAULT_TIMEOUT
+        every = gather_plain(comm, mine, timeout, "the bench script's start")
+        first = comm.Get_rank() == 0
+    if not any(every):
+        return
+    if first:
+        said = []
+        for problem in dict.fromkeys(p for problems in every for p in problems):
+            ranks = [r for r, problems in enumerate(every) if problem in problems]
+            said.append(problem if len(ranks) == len(every) else f"{problem} (rank(s) {ranks})")
+        sys.stderr.write(f"{Path(sys.argv[0]).name}: " + "; ".join(said) + "\n")
+        sys.stderr.flush()
+    raise SystemExit(2)
 
 
 _MAIN = getattr(sys.modules.get("__main__"), "__file__", None)
 if _MAIN is not None and Path(_MAIN).resolve().is_relative_to(ROOT / "bench"):
-    refuse_plot_without_matplotlib(sys.argv[1:])
-    refuse_unwritable_outputs(sys.argv[1:])
+    refuse_at_start(sys.argv[1:])

@@ -27,8 +27,16 @@ def _tool(name: str, extra: str) -> str:
 
 
 def mpiexec() -> str:
-    """The venv's mpiexec (the mpich wheel's), else one on PATH."""
-    return _tool("mpiexec", "mpi")
+    """$BURSTCU_TEST_MPIEXEC where set (another MPI's launcher: docs/testing.md), else the venv's
+    mpiexec (the mpich wheel's), else one on PATH."""
+    return os.environ.get("BURSTCU_TEST_MPIEXEC") or _tool("mpiexec", "mpi")
+
+
+def burstcu_run_mpiexec() -> list[str]:
+    """`--mpiexec $BURSTCU_TEST_MPIEXEC` for launch/burstcu-run where that is set (it would take
+    the venv's mpiexec), else nothing."""
+    other = os.environ.get("BURSTCU_TEST_MPIEXEC")
+    return ["--mpiexec", other] if other else []
 
 
 def run_mpi(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = False, **kwargs):

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1132,6 +1133,24 @@ def test_an_unwritable_output_path_stops_before_measuring(tmp_path, where):
     assert f"cannot write --json {path}" in proc.stderr, proc.stderr
     assert proc.stderr.count("cannot write") == 1, proc.stderr    # said once, by the first rank
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_an_output_path_one_rank_cannot_write_ends_every_rank_at_once(tmp_path):
+    """Rank 1 alone given a folder as --json (one rank's view of the paths, as on another node)
+    ended alone before MPI's start, saying nothing (only the first rank spoke): under MPICH's
+    mpiexec rank 0 waited in MPI's start for burstcu's timeout (600 s; measured: still there after
+    250 s), and under Open MPI's the job could end before the first rank had said why. Now every
+    rank ends at once, status 2, and the first rank names the rank."""
+    decode = [sys.executable, str(BENCH / "decode.py"), "--cache", "64", "--prefill", "64",
+              "--heads", "2", "--kv-heads", "1", "--headdim", "16", "--repeats", "1"]
+    cmd = [mpiexec(), "-n", "1", *decode, f"--json={tmp_path / 'd.json'}", ":",
+           "-n", "1", *decode, f"--json={tmp_path}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert proc.returncode == 2 and time.monotonic() - t0 < 30, proc.stdout + proc.stderr
+    assert f"cannot write --json {tmp_path}: is a folder (rank(s) [1])" in proc.stderr, proc.stderr
+    assert proc.stderr.count("cannot write") == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert not (tmp_path / "d.json").exists()
 
 
 def test_the_output_check_reads_both_option_spellings():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi_run import mpiexec, run_mpi
+from tests.mpi_run import burstcu_run_mpiexec, mpiexec, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -38,7 +38,8 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60, launcher: bool 
     launch/mpi_first.py); `plain`: `mpiexec python faults.py`, nothing around it."""
     program = [str(ROOT / "tests" / "mpi" / "faults.py"), scenario, str(timeout)]
     if launcher:
-        cmd = [str(ROOT / "launch" / "burstcu-run"), "--cpu", "-n", str(ranks), "--", sys.executable, *program]
+        cmd = [str(ROOT / "launch" / "burstcu-run"), *burstcu_run_mpiexec(), "--cpu", "-n", str(ranks), "--",
+               sys.executable, *program]
     elif plain:
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, *program]
     else:
