@@ -68,6 +68,13 @@ def mark_running(path: str | None) -> None:
     MPI.COMM_SELF.Set_attr(finalized, True)
 
 
+def working_folder_first() -> None:
+    """sys.path[0] the working folder, as `python -m` has it (mpi4py's main puts a script's own
+    folder there), unless -P or -I asked for none (-P and sys.flags.safe_path: Python 3.11 on)."""
+    if not (getattr(sys.flags, "safe_path", 0) or sys.flags.isolated):
+        sys.path[0] = os.getcwd()
+
+
 if __name__ == "__main__":
     import mpi4py
 
@@ -77,6 +84,5 @@ if __name__ == "__main__":
 
     mark_running(os.environ.pop(PROGRAM_STATE, None))
 
-    if not (sys.flags.safe_path or sys.flags.isolated):
-        sys.path[0] = os.getcwd()  # as `python -m` has it (a script's folder replaces it in main)
+    working_folder_first()
     main()

@@ -15,14 +15,34 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
 
-def _load_run():
-    spec = importlib.util.spec_from_file_location("burstcu_launch_run", LAUNCH / "run.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"burstcu_launch_{name}", LAUNCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-run = _load_run()
+run = _load("run")
+
+
+@pytest.mark.parametrize("flags, first", [
+    (dict(isolated=0), "cwd"),                   # Python 3.10: no -P, no sys.flags.safe_path
+    (dict(isolated=0, safe_path=False), "cwd"),
+    (dict(isolated=0, safe_path=True), "kept"),  # python -P
+    (dict(isolated=1, safe_path=True), "kept"),  # python -I
+])
+def test_mpi_first_puts_the_working_folder_first_on_every_supported_python(monkeypatch, tmp_path,
+                                                                            flags, first):
+    """launch/mpi_first.py read sys.flags.safe_path, which Python 3.11 added: under Python 3.10
+    (requires-python >= 3.10) every rank launch/burstcu-run started ended in AttributeError."""
+    import types
+
+    mpi_first = _load("mpi_first")
+    monkeypatch.setattr(sys, "flags", types.SimpleNamespace(**flags))
+    monkeypatch.setattr(sys, "path", ["/a/script/folder", *sys.path[1:]])
+    monkeypatch.chdir(tmp_path)
+    mpi_first.working_folder_first()
+    assert sys.path[0] == (os.getcwd() if first == "cwd" else "/a/script/folder")
 
 
 def _cli(*args, env=None, unset=(), timeout=60):
