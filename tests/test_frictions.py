@@ -128,6 +128,19 @@ def test_the_bench_extra_installs_what_bench_imports():
     assert not missing, f"bench/ imports these, neither a core dependency nor in the bench extra: {missing}"
 
 
+def test_the_code_needs_no_newer_python_than_pyproject_admits():
+    """launch/mpi_first.py read sys.flags.safe_path, which Python 3.11 added, where pyproject
+    admits 3.10: every rank launch/burstcu-run started there ended in AttributeError. vermin reads
+    the library, launch/ and bench/ against requires-python (the tests may use newer Python)."""
+    pytest.importorskip("vermin")
+    lowest = re.fullmatch(r">=\s*(3\.\d+)", PYPROJECT["project"]["requires-python"]).group(1)
+    argv = [f"-t={lowest}-", "--violations", "--no-tips", "--eval-annotations", "burstcu",
+            "launch/run.py", "launch/mpi_first.py", "bench"]
+    proc = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", *argv],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, f"needs a newer Python than {lowest}:\n{proc.stdout}{proc.stderr}"
+
+
 def test_bench_readme_says_how_to_install_the_extra():
     text = (ROOT / "bench" / "README.md").read_text()
     assert "pip install -e '.[bench]'" in text
