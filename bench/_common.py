@@ -474,8 +474,14 @@ def start_problems(argv) -> list[str]:
     """What stops this rank's run before it measures anything: an output path (--json,
     --table, --plot, --out) it cannot write, --plot without matplotlib (optional: only --plot
     needs it)."""
-    problems = [f"cannot write {name} {path}: {why}" for name, path in _output_paths(argv)
-                if (why := unwritable(path)) is not None]
+    problems = []
+    for name, path in _output_paths(argv):
+        try:
+            why = unwritable(path)
+        except OSError as exc:   # a name too long, a folder on the way this user cannot read
+            why = f"cannot be checked ({exc.strerror or exc})"
+        if why is not None:
+            problems.append(f"cannot write {name} {path}: {why}")
     if any(arg == "--plot" or arg.startswith("--plot=") for arg in argv):
         try:
             __import__("matplotlib")
@@ -487,16 +493,17 @@ def start_problems(argv) -> list[str]:
 def refuse_at_start(argv) -> None:
     """SystemExit(2) on every rank, before any work, where `start_problems` finds one on some
     rank; the first rank says which, and on which ranks where not on all. Under an MPI launcher
-    of several ranks the ranks compare them first, in one bounded round after MPI's start: a
-    rank that ended alone left the others waiting in MPI's start (MPICH's mpiexec), or ended
-    the job before the first rank had said why (Open MPI's)."""
-    from burstcu.transport.base import DEFAULT_TIMEOUT, resolve_timeout
+    of several ranks the ranks compare them first, in one bounded round after MPI's start, and
+    leave together once the first has said it: a rank that ended alone left the others waiting
+    in MPI's start (MPICH's mpiexec), or ended the job before the first rank had said why (Open
+    MPI's; mpi4py's runner, under launch/burstcu-run, aborts at a non-zero exit)."""
+    from burstcu.transport.base import DEFAULT_TIMEOUT, deadline_after, poll_until, resolve_timeout
     from burstcu.transport.bootstrap import launcher_world_size, world_comm
     from burstcu.transport.mpi import gather_plain
 
-    mine, launched = start_problems(argv), launcher_world_size()
+    mine, launched, comm = start_problems(argv), launcher_world_size(), None
     if launched is None or launched[0] == "WORLD_SIZE" or launched[1] <= 1:
-        every, first = [mine], True
+        every = [mine]
     else:
         comm = world_comm()
         try:
@@ -504,16 +511,17 @@ def refuse_at_start(argv) -> None:
         except ValueError:   # $BURSTCU_TIMEOUT unreadable: burstcu.init says so on every rank
             timeout = DEFAULT_TIMEOUT
         every = gather_plain(comm, mine, timeout, "the bench script's start")
-        first = comm.Get_rank() == 0
     if not any(every):
         return
-    if first:
+    if comm is None or comm.Get_rank() == 0:
         said = []
         for problem in dict.fromkeys(p for problems in every for p in problems):
             ranks = [r for r, problems in enumerate(every) if problem in problems]
             said.append(problem if len(ranks) == len(every) else f"{problem} (rank(s) {ranks})")
         sys.stderr.write(f"{Path(sys.argv[0]).name}: " + "; ".join(said) + "\n")
         sys.stderr.flush()
+    if comm is not None:   # every rank is here: they agreed to end
+        poll_until(comm.Ibarrier().Test, deadline_after(timeout), lambda: SystemExit(2))
     raise SystemExit(2)
 
 

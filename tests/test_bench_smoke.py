@@ -1111,14 +1111,16 @@ def test_an_unknown_strategy_is_a_usage_error(script):
     assert proc.returncode == 2 and "invalid choice: 'bogus'" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "a_folder", "read_only_folder"])
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder", "read_only_folder", "name_too_long"])
 def test_an_unwritable_output_path_stops_before_measuring(tmp_path, where):
     """An output path the script cannot write ended the run after its work (a traceback from
     write_json once every figure was measured); now it ends at once, status 2, saying which
-    option and why, on every rank."""
+    option and why, on every rank (a name too long for the file system was an OSError
+    traceback from the check itself)."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    path = {"under_a_file": blocker / "sub" / "d.json", "a_folder": tmp_path}.get(where)
+    path = {"under_a_file": blocker / "sub" / "d.json", "a_folder": tmp_path,
+            "name_too_long": tmp_path / ("x" * 300 + ".json")}.get(where)
     if where == "read_only_folder":
         if os.geteuid() == 0:
             pytest.skip("root writes into read-only folders")

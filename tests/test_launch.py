@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.mpi_run import burstcu_run_mpiexec
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
@@ -384,9 +386,11 @@ def test_a_failed_job_leaves_no_state_folder_behind(tmp_path):
               "if MPI.COMM_WORLD.Get_rank() == 1: raise SystemExit('rank 1 fails')\n"
               "time.sleep(60)\n")
     env = {"TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    proc = _cli("--cpu", "-n", "2", "--", sys.executable, "-c", script, env=env, timeout=120)
+    proc = _cli(*burstcu_run_mpiexec(), "--cpu", "-n", "2", "--", sys.executable, "-c", script, env=env,
+                timeout=120)
     assert proc.returncode != 0 and "rank 1 fails" in proc.stderr, proc.stdout + proc.stderr
-    proc = _cli("--cpu", "-n", "1", "--", sys.executable, "-c", "pass", env=env, timeout=120)
+    proc = _cli(*burstcu_run_mpiexec(), "--cpu", "-n", "1", "--", sys.executable, "-c", "pass", env=env,
+                timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("burstcu-rank-guard.")] == []
 
@@ -395,7 +399,8 @@ def test_a_failed_job_leaves_no_state_folder_behind(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", [1, 2])
 def test_selftest_through_the_launcher(world):
-    proc = _cli("--cpu", "-n", str(world), "--", sys.executable, "-m", "burstcu.selftest", "--quick",
+    proc = _cli(*burstcu_run_mpiexec(), "--cpu", "-n", str(world), "--", sys.executable, "-m",
+                "burstcu.selftest", "--quick",
                 env={"PYTHONPATH": str(ROOT)}, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
