@@ -498,11 +498,11 @@ def refuse_at_start(argv) -> None:
     in MPI's start (MPICH's mpiexec), or ended the job before the first rank had said why (Open
     MPI's; mpi4py's runner, under launch/burstcu-run, aborts at a non-zero exit)."""
     from burstcu.transport.base import DEFAULT_TIMEOUT, deadline_after, poll_until, resolve_timeout
-    from burstcu.transport.bootstrap import launcher_world_size, world_comm
+    from burstcu.transport.bootstrap import launched_as_mpi_ranks, world_comm
     from burstcu.transport.mpi import gather_plain
 
-    mine, launched, comm = start_problems(argv), launcher_world_size(), None
-    if launched is None or launched[0] == "WORLD_SIZE" or launched[1] <= 1:
+    mine, comm = start_problems(argv), None
+    if not launched_as_mpi_ranks():
         every = [mine]
     else:
         comm = world_comm()

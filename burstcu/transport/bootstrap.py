@@ -63,6 +63,13 @@ def launcher_world_size() -> tuple[str, int] | None:
     return None
 
 
+def launched_as_mpi_ranks() -> bool:
+    """Whether an MPI launcher (or srun), not torchrun, started this process as one of several
+    ranks (`launcher_world_size`)."""
+    launched = launcher_world_size()
+    return launched is not None and launched[0] != "WORLD_SIZE" and launched[1] >= 2
+
+
 def world_comm(comm=None, timeout: float | None = None):
     """`comm`, else `MPI.COMM_WORLD`, else None (one process) when mpi4py is missing or cannot
     load an MPI library (mpi4py 4 raises RuntimeError "cannot load MPI library" then; warned
@@ -210,8 +217,8 @@ def _watching_mpi_start(timeout: float | None):
         seconds = max(resolve_timeout(timeout), MPI_START_MIN_S)
     except Exception:  # noqa: BLE001 - a bad timeout: burstcu.init says so on every rank, once MPI runs
         seconds = max(DEFAULT_TIMEOUT, MPI_START_MIN_S)
-    if ("mpi4py.MPI" in sys.modules or launched is None or launched[0] == "WORLD_SIZE"
-            or launched[1] < 2 or seconds >= MAX_WAIT_S):   # math.inf too: no deadline
+    if "mpi4py.MPI" in sys.modules or not launched_as_mpi_ranks() or seconds >= MAX_WAIT_S:
+        # math.inf too: no deadline
         yield
         return
     rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
