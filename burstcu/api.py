@@ -41,7 +41,7 @@ from .validate import (ARRAY_NAMES, InputError, agree, appended_rows, appended_r
                        check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, ends_digest, first_rows_digest,
                        inherited_cut,
-                       lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
+                       host_ints, lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
                        partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
                        sharding_keywords, thread_problem, uneven_problem, valid_rows_digest,
                        warn_if_all_the_same, warn_if_heads_look_like_rows)
@@ -473,12 +473,28 @@ ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "bid
 
 def adapter_options(options: dict) -> tuple[dict, dict]:
     """An adapter's extra keywords split into (the forward's, the backward's): `check` applies to
-    the backward only. TypeError names an unknown one."""
+    the backward only; cu_seqlens as a host copy of its values when the call is made
+    (`_values_now`). TypeError names an unknown one."""
     unknown = sorted(set(options) - set(ADAPTER_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; the options besides causal, "
                         f"softmax_scale, layout and strategy are {list(ADAPTER_OPTIONS)}")
+    if "cu_seqlens" in options:
+        options = {**options, "cu_seqlens": _values_now(options["cu_seqlens"])}
     return {k: v for k, v in options.items() if k != "check"}, dict(options)
+
+
+def _values_now(cu_seqlens):
+    """cu_seqlens' values as the call is made, in a NumPy array of their own: an adapter runs
+    the backward later (torch autograd, jax.vjp) and, inside jax.jit, the forward too (a callback
+    when the program runs, perhaps after JAX's asynchronous dispatch has returned), so a buffer
+    the caller refills for the next batch would otherwise reach them with the next batch's
+    documents. As it is where its values cannot be read here (a tracer, no integers): the call
+    says why on every rank."""
+    try:
+        return cu_seqlens if cu_seqlens is None else np.array(host_ints(cu_seqlens), copy=True)
+    except Exception:  # noqa: BLE001 - the call's own check names what is wrong with it
+        return cu_seqlens
 
 
 # -- linear attention --------------------------------------------------------------------------

@@ -208,14 +208,13 @@ def _lse_struct(q) -> jax.ShapeDtypeStruct:
 
 
 def _static(options: dict) -> dict:
-    """cu_seqlens as host ints (it decides the masks, so it must be known when tracing)."""
-    docs = options.get("cu_seqlens")
-    if docs is not None:
-        if isinstance(docs, jax.core.Tracer):
-            raise TypeError("cu_seqlens must be concrete (a NumPy array, a list, or a jax array "
-                            "made outside jax.jit): the document boundaries decide which blocks "
-                            "are computed and sent")
-        options = {**options, "cu_seqlens": np.asarray(docs)}
+    """`options`, TypeError where cu_seqlens is traced (it decides the masks, so it must be known
+    when tracing; `api.adapter_options` has made a concrete one a host copy of its values, which
+    a jitted call keeps, as JAX keeps every NumPy constant a traced function closes over)."""
+    if isinstance(options.get("cu_seqlens"), jax.core.Tracer):
+        raise TypeError("cu_seqlens must be concrete (a NumPy array, a list, or a jax array "
+                        "made outside jax.jit): the document boundaries decide which blocks "
+                        "are computed and sent")
     return options
 
 
@@ -261,8 +260,9 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     dtype.
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard. mask_kwargs: window_size,
-    cu_seqlens (concrete), block_mask, uneven, ulysses_degree, bidirectional (as
-    `burstcu.attention`) and check (verify lse in the backward). The backward (`jax.grad`) is collective too.
+    cu_seqlens (concrete; its values as the call is made), block_mask, uneven, ulysses_degree,
+    bidirectional (as `burstcu.attention`) and check (verify lse in the backward). The backward
+    (`jax.grad`) is collective too.
     """
     _arrays_only(("q", "k", "v"), (q, k, v))
     _constant_scale(softmax_scale)

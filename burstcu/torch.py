@@ -191,9 +191,9 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
 
     q: (B, S, H, D); k, v: (B, S, Hkv, D), this rank's shard (tensors; a NumPy array is taken as
     a CPU tensor copy of its values, another framework's array through DLPack). mask_kwargs:
-    window_size, cu_seqlens, block_mask, uneven, ulysses_degree, bidirectional (as
-    `burstcu.attention`) and check (verify lse in the backward). Every rank must call it, and
-    later run its backward, collectively.
+    window_size, cu_seqlens (its values as the call is made: the backward takes those too),
+    block_mask, uneven, ulysses_degree, bidirectional (as `burstcu.attention`) and check (verify
+    lse in the backward). Every rank must call it, and later run its backward, collectively.
     Under `torch.autocast` q, k and v are cast to the region's dtype first, as for SDPA.
     """
     _no_transforms("attention")

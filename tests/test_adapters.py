@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import burstcu
-from burstcu.testing.reference import (attention_backward_ref, attention_ref, linear_attention_ref,
-                                       max_err, within_fa_rule)
+from burstcu.testing.reference import (attention_backward_ref, attention_ref, document_mask,
+                                       linear_attention_ref, max_err, within_fa_rule)
 from tests.mpi.bodies import EPS
 from tests.mpi_run import run_mpi
 
@@ -151,6 +151,61 @@ def test_torch_takes_numpy_arrays_as_tensors_of_their_values(torch):
             got = _torch_out_and_v_grad(torch, fn, q, k, v, dout, **kw)
             assert got[0].requires_grad, (fn, kw)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (fn, kw)
+
+
+DOCS, REFILLED = (0, 24, 40), (0, 8, 40)    # a batch's documents and the next batch's, rows 0..39
+
+
+def _docs_grads_ref(q, k, v, dout, docs) -> list:
+    """float64 (out, dq, dk, dv) of causal attention within the documents `docs` (rows of one
+    sequence, batch 2), spelled out by the reference."""
+    keep = document_mask(q.shape[1], True, docs)
+    return [attention_ref(q, k, v, keep=keep)[0], *attention_backward_ref(dout, q, k, v, keep=keep)]
+
+
+def _assert_documents(got: list, want: list, other: list) -> None:
+    """got within float64 rounding of the reference `want`, which the reference of other
+    documents is not (the test could tell them apart)."""
+    for g, w, o in zip(got, want, other):
+        assert max_err(np.asarray(g, np.float64), w) < 1e-12
+    assert max(max_err(w, o) for w, o in zip(want, other)) > 1e-2
+
+
+@pytest.mark.parametrize("container", ["numpy", "tensor"])
+def test_torch_backward_takes_cu_seqlens_as_the_forward_was_called(torch, container):
+    """A cu_seqlens buffer the caller refills (the next batch's documents, in place) between the
+    forward and the backward: the backward is that of the forward's documents (it failed on the
+    lse's options, which held the new ones)."""
+    q, k, v, dout = _inputs(6)
+    docs = np.array(DOCS, np.int32) if container == "numpy" else torch.tensor(DOCS, dtype=torch.int32)
+    leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+    out = burstcu.torch.attention(*leaves, causal=True, cu_seqlens=docs)
+    docs[:] = np.array(REFILLED) if container == "numpy" else torch.tensor(REFILLED)
+    (out * torch.from_numpy(dout)).sum().backward()
+    got = [out.detach().numpy()] + [x.grad.numpy() for x in leaves]
+    _assert_documents(got, _docs_grads_ref(q, k, v, dout, DOCS), _docs_grads_ref(q, k, v, dout, REFILLED))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_takes_cu_seqlens_as_the_call_was_made(jax, jit):
+    """A NumPy cu_seqlens refilled in place after the call: jax.vjp's backward (run later) is
+    that of the call's documents (it read the new ones: wrong gradients without a word), and a
+    jitted function that closes over the buffer keeps the documents it was traced with, as JAX
+    keeps every NumPy constant it closes over (it read the buffer each time the program ran,
+    perhaps after JAX's asynchronous dispatch had returned and the caller had refilled it)."""
+    jnp = jax.numpy
+    q, k, v, dout = _inputs(7)
+    docs = np.array(DOCS, np.int64)
+    want, other = _docs_grads_ref(q, k, v, dout, DOCS), _docs_grads_ref(q, k, v, dout, REFILLED)
+
+    def attend(q, k, v):
+        return burstcu.jax.attention(q, k, v, causal=True, cu_seqlens=docs)
+    forward = jax.jit(attend) if jit else attend
+    out, vjp = jax.vjp(forward, *(jnp.asarray(x) for x in (q, k, v)))
+    docs[:] = REFILLED
+    _assert_documents([out, *vjp(jnp.asarray(dout))], want, other)
+    if jit:
+        _assert_documents([forward(*(jnp.asarray(x) for x in (q, k, v)))], want[:1], other[:1])
 
 
 def test_torch_takes_jax_arrays_through_dlpack(torch, jax):
