@@ -473,28 +473,31 @@ ADAPTER_OPTIONS = ("window_size", "cu_seqlens", "uneven", "ulysses_degree", "bid
 
 def adapter_options(options: dict) -> tuple[dict, dict]:
     """An adapter's extra keywords split into (the forward's, the backward's): `check` applies to
-    the backward only; cu_seqlens as a host copy of its values when the call is made
-    (`_values_now`). TypeError names an unknown one."""
+    the backward only; each as its values stand when the call is made (`_values_now`). TypeError
+    names an unknown one."""
     unknown = sorted(set(options) - set(ADAPTER_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; the options besides causal, "
                         f"softmax_scale, layout and strategy are {list(ADAPTER_OPTIONS)}")
-    if "cu_seqlens" in options:
-        options = {**options, "cu_seqlens": _values_now(options["cu_seqlens"])}
+    options = {name: _values_now(name, value) for name, value in options.items()}
     return {k: v for k, v in options.items() if k != "check"}, dict(options)
 
 
-def _values_now(cu_seqlens):
-    """cu_seqlens' values as the call is made, in a NumPy array of their own: an adapter runs
-    the backward later (torch autograd, jax.vjp) and, inside jax.jit, the forward too (a callback
+def _values_now(name: str, value):
+    """An option's values as the call is made, in an object of their own: an adapter runs the
+    backward later (torch autograd, jax.vjp) and, inside jax.jit, the forward too (a callback
     when the program runs, perhaps after JAX's asynchronous dispatch has returned), so a buffer
-    the caller refills for the next batch would otherwise reach them with the next batch's
-    documents. As it is where its values cannot be read here (a tracer, no integers): the call
-    says why on every rank."""
-    try:
-        return cu_seqlens if cu_seqlens is None else np.array(host_ints(cu_seqlens), copy=True)
-    except Exception:  # noqa: BLE001 - the call's own check names what is wrong with it
-        return cu_seqlens
+    the caller refills in place (the next batch's documents, a window) would otherwise reach
+    them with its new values. cu_seqlens as a NumPy copy on the host; a list or NumPy array
+    (a window_size) as a copy of its own kind; the rest (ints, bools, BlockMask) cannot change.
+    A cu_seqlens whose values cannot be read here (a tracer among them, no integers) stays as
+    it is: the call says why, on every rank."""
+    if name == "cu_seqlens" and value is not None:
+        try:
+            return np.array(host_ints(value), copy=True)
+        except Exception:  # noqa: BLE001 - the call's own check names what is wrong with it
+            return value
+    return value.copy() if isinstance(value, (list, np.ndarray)) else value
 
 
 # -- linear attention --------------------------------------------------------------------------

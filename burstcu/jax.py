@@ -208,10 +208,12 @@ def _lse_struct(q) -> jax.ShapeDtypeStruct:
 
 
 def _static(options: dict) -> dict:
-    """`options`, TypeError where cu_seqlens is traced (it decides the masks, so it must be known
-    when tracing; `api.adapter_options` has made a concrete one a host copy of its values, which
-    a jitted call keeps, as JAX keeps every NumPy constant a traced function closes over)."""
-    if isinstance(options.get("cu_seqlens"), jax.core.Tracer):
+    """`options`, TypeError where cu_seqlens is traced, in whole or in part (it decides the
+    masks, so it must be known when tracing; `api.adapter_options` has made a concrete one a
+    host copy of its values, which a jitted call keeps, as JAX keeps every NumPy constant a
+    traced function closes over)."""
+    leaves = jax.tree_util.tree_leaves(options.get("cu_seqlens"))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
         raise TypeError("cu_seqlens must be concrete (a NumPy array, a list, or a jax array "
                         "made outside jax.jit): the document boundaries decide which blocks "
                         "are computed and sent")

@@ -165,10 +165,33 @@ def _docs_grads_ref(q, k, v, dout, docs) -> list:
 
 def _assert_documents(got: list, want: list, other: list) -> None:
     """got within float64 rounding of the reference `want`, which the reference of other
-    documents is not (the test could tell them apart)."""
+    documents (or another window) is not (the test could tell them apart)."""
     for g, w, o in zip(got, want, other):
         assert max_err(np.asarray(g, np.float64), w) < 1e-12
     assert max(max_err(w, o) for w, o in zip(want, other)) > 1e-2
+
+
+def test_the_adapters_take_a_window_as_the_call_was_made(torch, jax):
+    """A window_size list or NumPy array changed in place between the forward and the backward:
+    the backward is that of the forward's window (jax.vjp's mixed the two windows without a
+    word; torch's failed on the lse's options)."""
+    jnp = jax.numpy
+    q, k, v, dout = _inputs(8)
+    keep = [(np.arange(40)[None, :] <= np.arange(40)[:, None])
+            & (np.arange(40)[None, :] >= np.arange(40)[:, None] - left) for left in (5, 2)]
+    want, other = ([attention_ref(q, k, v, keep=m)[0], *attention_backward_ref(dout, q, k, v, keep=m)]
+                   for m in keep)
+    for window in ([5, 0], np.array([5, 0])):
+        leaves = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+        out = burstcu.torch.attention(*leaves, causal=True, window_size=window)
+        window[0] = 2
+        (out * torch.from_numpy(dout)).sum().backward()
+        _assert_documents([out.detach().numpy()] + [x.grad.numpy() for x in leaves], want, other)
+        window[0] = 5
+        out, vjp = jax.vjp(lambda q, k, v: burstcu.jax.attention(q, k, v, causal=True, window_size=window),
+                           *(jnp.asarray(x) for x in (q, k, v)))
+        window[0] = 2
+        _assert_documents([out, *vjp(jnp.asarray(dout))], want, other)
 
 
 @pytest.mark.parametrize("container", ["numpy", "tensor"])
@@ -411,6 +434,8 @@ def test_jax_tracers_in_the_plain_api_say_what_to_use(jax):
             transform(lambda q: burstcu.attention(q, q, q).sum())(q)
     with pytest.raises(TypeError, match="cu_seqlens must be concrete"):
         jax.jit(lambda q, docs: burstcu.jax.attention(q, q, q, cu_seqlens=docs))(q, jax.numpy.array([0, 8]))
+    with pytest.raises(TypeError, match="cu_seqlens must be concrete"):   # one boundary traced
+        jax.jit(lambda q, n: burstcu.jax.attention(q, q, q, cu_seqlens=[0, n, 8]))(q, 4)
 
 
 def test_jax_deleted_and_donated_arrays_are_named(jax):
