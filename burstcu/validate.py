@@ -12,6 +12,7 @@ import hashlib
 import math
 import numbers
 import re
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -665,10 +666,40 @@ def remember_cache_arrays(cache) -> None:
 
 
 def cache_of_array(x):
-    """The live KVCache whose `k` or `v` is this very array object (still), else None."""
+    """The live KVCache whose `k` or `v` is this very array object (still), or whose memory x
+    is, element for element (a view of the whole array: `cache.k[:]`, `torch.from_numpy(cache.k)`,
+    a CuPy cache's array as a torch CUDA tensor), else None."""
     held = _CACHE_ARRAYS.get(id(x))
     cache = held[1]() if held is not None and held[0]() is x else None
-    return cache if cache is not None and (x is cache.k or x is cache.v) else None
+    if cache is not None and (x is cache.k or x is cache.v):
+        return cache
+    where = _memory(x)
+    for array_ref, cache_ref in list(_CACHE_ARRAYS.values()) if where is not None else ():
+        array, cache = array_ref(), cache_ref()
+        if cache is not None and (array is cache.k or array is cache.v) and _memory(array) == where:
+            return cache
+    return None
+
+
+def _memory(x) -> tuple | None:
+    """Where x's elements lie: (memory, address, shape, byte strides, bytes an element) for an
+    array that says so through NumPy's or CUDA's array interface (NumPy, CuPy) or a torch
+    tensor (its own pointer and strides: no copy); else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        size = x.element_size()
+        memory = "__array_interface__" if x.device.type == "cpu" else "__cuda_array_interface__"
+        return memory, x.data_ptr(), tuple(x.shape), tuple(n * size for n in x.stride()), size
+    for interface in ("__array_interface__", "__cuda_array_interface__"):
+        try:
+            face = getattr(x, interface)
+            shape, size = tuple(int(n) for n in face["shape"]), int(face["typestr"][2:])
+        except Exception:  # noqa: BLE001 - no such interface (a CPU tensor has no CUDA one)
+            continue
+        strides = face.get("strides") or tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size
+                                               for i in range(len(shape)))
+        return interface, int(face["data"][0]), shape, tuple(int(n) for n in strides), size
+    return None
 
 
 def cut_of(x) -> tuple | None:

@@ -110,6 +110,7 @@ def test_bad_decode_input_raises_on_every_rank(kind, text):
         assert result["raised"] and text in result["raised"], (rank, result)
 
 
+@pytest.mark.mpi
 def test_q_off_by_rounding_on_one_rank_is_the_same_token():
     """q computed on each rank may differ in its last bits (another BLAS path): the ranks agree
     on q's values within a few ulps, so that decodes."""
@@ -531,6 +532,30 @@ def test_a_caches_own_arrays_without_its_row_counts_are_refused_until_full():
         assert np.abs(part - attention_ref(q, K[:, :6], V[:, :6])[0]).max() < 1e-5
         assert np.abs(full - attention_ref(q, K, V)[0]).max() < 1e-5
         assert np.array_equal(gone, full)
+
+
+def test_a_view_of_a_caches_whole_array_is_refused_as_the_array_is():
+    """The cache's arrays given as views of their whole memory (`cache.k[:]`, a torch tensor over
+    them, to the plain API and through burstcu.torch) without cache_seqlens: refused as the
+    arrays themselves are (every row read as valid: a torch user's from_numpy views were off
+    silently); a view of the filled rows alone, or a copy, is arrays like any other."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    K, V = (rng.standard_normal((1, 5, 2, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 1, 4, 8)).astype(np.float32)
+    cache = burstcu.KVCache(None, 1, 8, 2, 8, np.float32)
+    cache.append(K, V)
+    want = attention_ref(q, K, V)[0]
+    views = [(cache.k[:], cache.v[:]), (torch.from_numpy(cache.k), torch.from_numpy(cache.v))]
+    for k, v in views:
+        with pytest.raises(ValueError, match="k_cache is a KVCache's own array"):
+            burstcu.decode(q, k, v)
+    with pytest.raises(ValueError, match="k_cache is a KVCache's own array"):
+        burstcu.torch.decode(torch.from_numpy(q), *views[1])
+    got = burstcu.torch.decode(torch.from_numpy(q), *views[1], cache_seqlens=cache.seqlens)
+    assert np.abs(got.numpy() - want).max() < 1e-5
+    for k, v in ((cache.k[:, :5], cache.v[:, :5]), (cache.k.copy()[:, :5], cache.v.copy()[:, :5])):
+        assert np.abs(burstcu.decode(q, k, v) - want).max() < 1e-5
 
 
 @pytest.mark.parametrize("bad", [None, 1.0], ids=["None", "a number"])
