@@ -2,6 +2,17 @@
 
 import pytest
 
+from tests import mpi_run
+
+
+@pytest.fixture(autouse=True)
+def _mpi_marked(request):
+    """Tells tests/mpi_run.py whether the running test carries the `mpi` marker: one that starts
+    mpiexec without it fails there, so that `-m "not mpi"` leaves out every test that does."""
+    mpi_run.MARKED = request.node.get_closest_marker("mpi") is not None
+    yield
+    mpi_run.MARKED = None
+
 
 @pytest.fixture
 def count_calls(monkeypatch):

@@ -26,15 +26,29 @@ def _tool(name: str, extra: str) -> str:
     return found
 
 
+# whether the running test carries the `mpi` marker (tests/conftest.py sets it; None outside a test)
+MARKED: bool | None = None
+
+
+def _marked(launcher: str) -> None:
+    """Fail the running test where it starts `launcher` without the `mpi` marker."""
+    if MARKED is False:
+        pytest.fail(f"this test starts {launcher} but carries no `mpi` marker (pyproject's "
+                    f"markers): mark it @pytest.mark.mpi, so that -m 'not mpi' leaves it out")
+
+
 def mpiexec() -> str:
     """$BURSTCU_TEST_MPIEXEC where set (another MPI's launcher: docs/testing.md), else the venv's
-    mpiexec (the mpich wheel's), else one on PATH."""
+    mpiexec (the mpich wheel's), else one on PATH. Only a test marked `mpi` may ask."""
+    _marked("mpiexec")
     return os.environ.get("BURSTCU_TEST_MPIEXEC") or _tool("mpiexec", "mpi")
 
 
 def burstcu_run_mpiexec() -> list[str]:
     """`--mpiexec $BURSTCU_TEST_MPIEXEC` for launch/burstcu-run where that is set (it would take
-    the venv's mpiexec), else nothing."""
+    the venv's mpiexec), else nothing. Only a test marked `mpi` may ask (burstcu-run starts
+    mpiexec)."""
+    _marked("launch/burstcu-run")
     other = os.environ.get("BURSTCU_TEST_MPIEXEC")
     return ["--mpiexec", other] if other else []
 

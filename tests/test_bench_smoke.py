@@ -727,6 +727,7 @@ def test_model_strategies_smoke(tmp_path):
     assert {c["strategy"] for c in table["candidates"]} == {"burst", "ring", "allgather", "ulysses", "usp"}
 
 
+@pytest.mark.mpi
 def test_linear_smoke(tmp_path):
     """bench/cpu/linear.py on 2 ranks: lasp2's bytes are one state a pass whatever the seqlen, the
     burst ring's grow with it; --predict labels its figures."""
@@ -760,6 +761,7 @@ def test_varlen_schedule_smoke(tmp_path):
     assert sched["rectangles_per_step_median"] >= 50   # a rectangle or more a document and step
 
 
+@pytest.mark.mpi
 def test_decode_bench_smoke(tmp_path):
     """bench/decode.py on 2 ranks at toy sizes: a row a cache length with every decode column,
     bytes per rank the same at every length (decode_bytes; the script asserts it against
@@ -1112,6 +1114,7 @@ def test_an_unknown_strategy_is_a_usage_error(script):
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "a_folder", "read_only_folder", "name_too_long"])
+@pytest.mark.mpi
 def test_an_unwritable_output_path_stops_before_measuring(tmp_path, where):
     """An output path the script cannot write ended the run after its work (a traceback from
     write_json once every figure was measured); now it ends at once, status 2, saying which
@@ -1137,6 +1140,7 @@ def test_an_unwritable_output_path_stops_before_measuring(tmp_path, where):
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
 
 
+@pytest.mark.mpi
 def test_an_output_path_one_rank_cannot_write_ends_every_rank_at_once(tmp_path):
     """Rank 1 alone given a folder as --json (one rank's view of the paths, as on another node)
     ended alone before MPI's start, saying nothing (only the first rank spoke): under MPICH's

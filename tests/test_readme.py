@@ -182,6 +182,7 @@ def _run(code: str, tmp_path, torchrun: bool = False) -> str:
 
 
 @pytest.mark.parametrize("page, n, code", PYTHON_BLOCKS, ids=[f"{p}:{n}" for p, n, _ in PYTHON_BLOCKS])
+@pytest.mark.mpi
 def test_the_python_block_runs_as_written(page, n, code, tmp_path):
     for framework in ("jax", "torch"):
         if re.search(rf"^\s*(import|from) {framework}\b", code, flags=re.M):

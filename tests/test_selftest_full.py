@@ -51,6 +51,7 @@ def test_a_full_run_where_every_check_was_skipped_checked_nothing():
     assert "PASSED" not in proc.stdout
 
 
+@pytest.mark.mpi
 def test_full_selftest_refuses_several_mpi_ranks():
     from tests.mpi_run import mpiexec
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "burstcu.selftest", "--full"],
@@ -72,6 +73,7 @@ def test_a_failing_check_is_reported_not_raised(monkeypatch):
     assert records[1]["passed"] is None
 
 
+@pytest.mark.mpi
 def test_ranks_agree_on_the_gpu_backend():
     """The plain selftest under mpiexec -n 2, where only rank 1 believes it has a GPU: both
     ranks run the CPU checks only (none enters the GPU path alone), and the job ends."""

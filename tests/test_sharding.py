@@ -22,6 +22,7 @@ CASES = {   # name: keywords of sharding_matches_reference
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", (1, 2, 3, 4))
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.mpi
 def test_sharding_matches_the_float64_reference(world, case):
     if world == 1 and CASES[case].get("uneven"):
         pytest.skip("one rank holds the whole sequence: nothing is uneven")
@@ -34,6 +35,7 @@ def test_sharding_matches_the_float64_reference(world, case):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.mpi
 def test_disagreeing_keywords_are_refused_on_every_rank(world):
     results = run_mpi(world, "sharding_bodies:disagreeing_keywords_are_refused")
     messages = results[0]["messages"]
@@ -50,6 +52,7 @@ def test_disagreeing_keywords_are_refused_on_every_rank(world):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.mpi
 def test_bare_keyword_mistakes_are_refused_on_every_rank(world):
     """Without a Sharding: zigzag shards passed without layout=, documents given to shard or to
     attention only, unshard(lse) along axis 1, unshard(out) without the layout, keys and values
@@ -181,6 +184,7 @@ def test_a_group_in_an_arrays_place_says_an_argument_is_missing():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.mpi
 def test_a_group_left_out_is_refused_on_every_rank(world):
     """The shards of a group passed without it: each rank would attend over its own rows alone,
     a wrong answer with no error before; now a ValueError on every rank that says so, for the
@@ -224,6 +228,7 @@ def test_a_group_left_out_is_refused_on_every_rank(world):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.mpi
 def test_cuts_that_are_right_still_run(world):
     """The checks of a cut refuse no right program: heads or a batch split and attended locally
     (forward, backward, next layer, the lse joined along the cut axis), a local call on a view
@@ -344,6 +349,7 @@ def test_decode_and_the_kv_cache_take_a_sharding():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (1, 2, 3))
+@pytest.mark.mpi
 def test_a_sharding_whose_lengths_miss_the_rows_is_refused(world):
     """Lengths that add up to another N than x's rows: an error at any world size (one rank
     accepted them before)."""
@@ -356,6 +362,7 @@ def test_a_sharding_whose_lengths_miss_the_rows_is_refused(world):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (1, 2, 3))
+@pytest.mark.mpi
 def test_packed_documents_cut_along_axis_1_ask_for_axis_0(world):
     """shard / unshard of packed (T, H, D) arrays with cu_seqlens and the default axis=1 name x's
     rows along axis 1 and where cu_seqlens ends, and tell to pass axis=0 (not the ranks' lengths
@@ -377,6 +384,7 @@ def test_packed_documents_cut_along_axis_1_ask_for_axis_0(world):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", (1, 2, 3))
+@pytest.mark.mpi
 def test_unshard_joins_cpu_torch_tensors_bit_for_bit(world):
     """CPU torch tensors of every float dtype, bfloat16 included (refused on several ranks
     before), come back from unshard as on one rank: a tensor of their dtype, the global one
@@ -392,6 +400,7 @@ def test_unshard_joins_cpu_torch_tensors_bit_for_bit(world):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.mpi
 def test_unshard_of_a_copy_asks_for_the_axis():
     """A copy of an lse, of packed rows (a Sharding without documents or lengths) or of uneven
     hidden states (B, N_local, d) given to Sharding.unshard without an axis used to be joined
@@ -424,6 +433,7 @@ def test_unshard_of_a_copy_asks_for_the_axis():
 
 
 @pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.mpi
 def test_the_global_array_unsharded_and_a_shard_sharded_are_named(world):
     for r in run_mpi(world, "sharding_bodies:global_array_to_unshard_and_a_shard_to_shard"):
         (file, message), = r["global"]["warned"]

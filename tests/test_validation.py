@@ -72,6 +72,7 @@ def test_init_rejects_unknown_backend():
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.mpi
 def test_shards_in_sdpa_order_are_named_on_every_rank(world):
     """(batch, heads, seqlen, headdim) shards: a warning at the caller's line where nothing else
     tells the orders apart (512 heads, 4 rows a rank), the GQA length error and decode's shape
@@ -142,6 +143,7 @@ def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.mpi
 def test_the_global_array_on_every_rank(world):
     """The warning points at the user's line and names its category, on every rank; with
     documents that cover one copy of the rows it is an error on every rank. Decode over the

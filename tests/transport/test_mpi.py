@@ -169,6 +169,7 @@ def test_an_all_gather_counts_as_waiting():
         assert rank == 0 or r["late_wait_seconds"] >= 0.15, (rank, r)
 
 
+@pytest.mark.mpi
 def test_an_agreement_message_is_never_unpickled(tmp_path):
     """A peer's bytes decode to plain values or are refused: a pickle sent in place of an
     agreement message is refused on every rank, and never runs."""
@@ -205,6 +206,7 @@ def test_an_mpi_error_inside_a_wait_names_the_peer(progress):
         t.close()
 
 
+@pytest.mark.mpi
 def test_agreement_rounds_at_their_edges():
     """tests/mpi/transport_bodies.py: agreement_edges, on 3 ranks."""
     results = run_mpi(3, "transport_bodies:agreement_edges", timeout=60)
@@ -213,12 +215,14 @@ def test_agreement_rounds_at_their_edges():
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.mpi
 def test_init_leaves_the_users_pending_receives_alone(world):
     for rank, r in enumerate(run_mpi(world, "transport_bodies:users_receives_across_init", timeout=90)):
         assert r["got"] == [f"hello from {q}" for q in range(world) if q != rank], (rank, r)
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.mpi
 def test_a_rank_given_comm_null_is_told_and_the_others_run(world):
     """MPI.COMM_NULL used to pass the communicator check and fail in MPI_Comm_rank, in MPI's words."""
     *members, outside = run_mpi(world, "transport_bodies:a_rank_outside_a_split", timeout=60)
