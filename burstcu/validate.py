@@ -647,59 +647,81 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     _CUTS[key] = (ref, cut, axis, _fingerprint(host, axis))
 
 
-# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache)
+# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); and the same
+# by the array's memory (`_memory`), which a live array keeps
 _CACHE_ARRAYS: dict[int, tuple] = {}
+_CACHE_MEMORY: dict[tuple, tuple] = {}
 
 
 def remember_cache_arrays(cache) -> None:
-    """Remember `cache.k`, `cache.v` (a `burstcu.KVCache`'s arrays) as the cache's, for
-    `cache_of_array` (arrays that take no weak reference are not remembered)."""
+    """Remember `cache.k`, `cache.v` (a `burstcu.KVCache`'s arrays) as the cache's, by object and
+    by memory, for `cache_of_array` (arrays that take no weak reference are not remembered)."""
     import weakref
 
     for x in (cache.k, cache.v):
-        key = id(x)
+        key, where = id(x), _memory(x)
+
+        def forget(_, key=key, where=where):
+            _CACHE_ARRAYS.pop(key, None)
+            held = _CACHE_MEMORY.get(where)
+            if held is not None and held[0]() is None:    # this array's (not a later one's)
+                del _CACHE_MEMORY[where]
         try:
-            _CACHE_ARRAYS[key] = (weakref.ref(x, lambda _, key=key: _CACHE_ARRAYS.pop(key, None)),
-                                  weakref.ref(cache))
+            ref = weakref.ref(x, forget)
         except TypeError:
-            pass
+            continue
+        _CACHE_ARRAYS[key] = (ref, weakref.ref(cache))
+        if where is not None:
+            _CACHE_MEMORY[where] = _CACHE_ARRAYS[key]
 
 
 def cache_of_array(x):
     """The live KVCache whose `k` or `v` is this very array object (still), or whose memory x
     is, element for element (a view of the whole array: `cache.k[:]`, `torch.from_numpy(cache.k)`,
     a CuPy cache's array as a torch CUDA tensor), else None."""
-    held = _CACHE_ARRAYS.get(id(x))
-    cache = held[1]() if held is not None and held[0]() is x else None
-    if cache is not None and (x is cache.k or x is cache.v):
-        return cache
-    where = _memory(x)
-    for array_ref, cache_ref in list(_CACHE_ARRAYS.values()) if where is not None else ():
-        array, cache = array_ref(), cache_ref()
-        if cache is not None and (array is cache.k or array is cache.v) and _memory(array) == where:
+    by_object = _CACHE_ARRAYS.get(id(x))
+    if by_object is not None and by_object[0]() is not x:
+        by_object = None                          # another object that had x's id
+    by_memory = _CACHE_MEMORY.get(_memory(x)) if _CACHE_MEMORY else None
+    for held in (by_object, by_memory):
+        array, cache = (held[0](), held[1]()) if held is not None else (None, None)
+        if cache is not None and array is not None and (array is cache.k or array is cache.v):
             return cache
     return None
 
 
 def _memory(x) -> tuple | None:
     """Where x's elements lie: (memory, address, shape, byte strides, bytes an element) for an
-    array that says so through NumPy's or CUDA's array interface (NumPy, CuPy) or a torch
-    tensor (its own pointer and strides: no copy); else None."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        size = x.element_size()
-        memory = "__array_interface__" if x.device.type == "cpu" else "__cuda_array_interface__"
-        return memory, x.data_ptr(), tuple(x.shape), tuple(n * size for n in x.stride()), size
-    for interface in ("__array_interface__", "__cuda_array_interface__"):
-        try:
-            face = getattr(x, interface)
+    array that says so through NumPy's or CUDA's array interface (NumPy, CuPy) or a torch tensor
+    (its own pointer and strides: no copy), a size-1 axis's stride read as 0 (it steps nowhere);
+    None for anything else, or where they cannot be read."""
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor):
+            size = x.element_size()
+            memory = "__array_interface__" if x.device.type == "cpu" else "__cuda_array_interface__"
+            shape, address = tuple(int(n) for n in x.shape), int(x.data_ptr())
+            strides = tuple(int(n) * size for n in x.stride())
+        else:
+            for memory in ("__array_interface__", "__cuda_array_interface__"):
+                face = getattr(x, memory, None)
+                if isinstance(face, dict):
+                    break
+            else:
+                return None
             shape, size = tuple(int(n) for n in face["shape"]), int(face["typestr"][2:])
-        except Exception:  # noqa: BLE001 - no such interface (a CPU tensor has no CUDA one)
-            continue
-        strides = face.get("strides") or tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size
-                                               for i in range(len(shape)))
-        return interface, int(face["data"][0]), shape, tuple(int(n) for n in strides), size
-    return None
+            address, strides = int(face["data"][0]), face.get("strides")
+            if strides is None:                        # C-contiguous
+                strides, step = [], size
+                for n in reversed(shape):
+                    strides.insert(0, step)
+                    step *= n
+            strides = tuple(int(n) for n in strides)
+        if len(strides) != len(shape):
+            return None
+        return memory, address, shape, tuple(0 if n == 1 else st for n, st in zip(shape, strides)), size
+    except Exception:  # noqa: BLE001 - an object that cannot say where its elements lie
+        return None
 
 
 def cut_of(x) -> tuple | None:

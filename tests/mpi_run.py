@@ -71,7 +71,9 @@ def run_mpi(nprocs: int, body: str, timeout: float = 240, expect_fail: bool = Fa
 
 
 def torchrun() -> str:
-    """The venv's torchrun (the torch extra's), else one on PATH."""
+    """The venv's torchrun (the torch extra's), else one on PATH. Only a test marked `mpi` may
+    ask (it starts processes of several ranks, as mpiexec does)."""
+    _marked("torchrun")
     return _tool("torchrun", "torch")
 
 

@@ -546,7 +546,9 @@ def test_a_view_of_a_caches_whole_array_is_refused_as_the_array_is():
     cache = burstcu.KVCache(None, 1, 8, 2, 8, np.float32)
     cache.append(K, V)
     want = attention_ref(q, K, V)[0]
-    views = [(cache.k[:], cache.v[:]), (torch.from_numpy(cache.k), torch.from_numpy(cache.v))]
+    views = [(cache.k[:], cache.v[:]), (torch.from_numpy(cache.k), torch.from_numpy(cache.v)),
+             tuple(t.as_strided(t.shape, (7,) + t.stride()[1:])    # batch 1: any stride steps nowhere
+                   for t in (torch.from_numpy(cache.k), torch.from_numpy(cache.v)))]
     for k, v in views:
         with pytest.raises(ValueError, match="k_cache is a KVCache's own array"):
             burstcu.decode(q, k, v)
@@ -556,6 +558,29 @@ def test_a_view_of_a_caches_whole_array_is_refused_as_the_array_is():
     assert np.abs(got.numpy() - want).max() < 1e-5
     for k, v in ((cache.k[:, :5], cache.v[:, :5]), (cache.k.copy()[:, :5], cache.v.copy()[:, :5])):
         assert np.abs(burstcu.decode(q, k, v) - want).max() < 1e-5
+
+
+def test_an_object_that_cannot_say_where_its_elements_lie_is_refused_on_every_rank():
+    """decode's look for a cache's memory (a view of its whole array) reads no odd object's
+    interface into an error of its own: a malformed __array_interface__ or a sparse tensor on one
+    rank is the TypeError every rank raises (it raised on that rank alone, the others waiting)."""
+    torch = pytest.importorskip("torch")
+    from burstcu.testing.world import run_ranks
+
+    class NoData:
+        __array_interface__ = {"shape": (1, 4, 2, 8), "typestr": "<f4", "version": 3}
+
+    odd = [NoData(), torch.zeros(1, 4, 2, 8).to_sparse()]
+    q, k = np.ones((1, 1, 2, 8), np.float32), np.ones((1, 4, 2, 8), np.float32)
+
+    def body(group, thing):
+        burstcu.KVCache(group, 1, 4, 2, 8, np.float32)     # a cache alive: the look runs
+        with pytest.raises(TypeError) as refused:
+            burstcu.decode(q, thing if group.rank == 0 else k, k, group)
+        return str(refused.value)
+    for thing in odd:
+        said = run_ranks(2, lambda group: body(group, thing), timeout=10)
+        assert said[0] == said[1] and re.match(r"rank 0: (k_cache must|cannot take these inputs)", said[0])
 
 
 @pytest.mark.parametrize("bad", [None, 1.0], ids=["None", "a number"])

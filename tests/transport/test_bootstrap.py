@@ -9,16 +9,15 @@ whole problem alone."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from burstcu.transport import bootstrap
 from tests.fake_cupy import FakeCupy
 from tests.mpi_run import ROOT, run_mpi
+from tests.mpi_run import torchrun as torchrun_path
 
 # the world-size variables of the launchers, removed so that a test sets the ones it means
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_ID",
@@ -219,12 +218,11 @@ def test_no_mpi4py_under_a_launcher_of_several_ranks_is_an_error(launched, ok, t
         assert "burstcu[mpi]" in proc.stderr
 
 
+@pytest.mark.mpi
 def test_torchrun_processes_are_refused_on_every_process(tmp_path):
     """torchrun --standalone --nproc_per_node 2: MPI does not join its processes (each is a
     world of one), so init raises on both, saying how to launch, instead of two one-rank jobs."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists() and not shutil.which("torchrun"):
-        pytest.skip("no torchrun (the torch extra)")
+    torchrun = torchrun_path()
     # torchrun stops the other process as soon as one fails, so each process writes what init
     # raised to its own file and waits (up to 60 s) for the other's before it fails in turn.
     program = tmp_path / "job.py"
@@ -242,7 +240,7 @@ def test_torchrun_processes_are_refused_on_every_process(tmp_path):
         "        time.sleep(0.05)\n"
         "    raise\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([str(torchrun if torchrun.exists() else "torchrun"), "--standalone",
+    proc = subprocess.run([torchrun, "--standalone",
                            "--nproc_per_node", "2", str(program)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     out = proc.stdout + proc.stderr
