@@ -36,8 +36,8 @@ from .ops.base import DelegatingOps
 from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, appended_rows, appended_rows_problem,
                        axis_problem, cache_cut_problem,
-                       cache_of_array, call_marks, calling_thread, check_attention_call, check_axis,
-                       check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
+                       cache_of_array, cache_rows_of, call_marks, calling_thread, check_attention_call,
+                       check_axis, check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
                        check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, ends_digest, first_rows_digest,
                        inherited_cut,
@@ -693,19 +693,34 @@ def decode(q, k_cache, v_cache=None, group: Group | None = None, *, cache_seqlen
 
 def _cache_arrays_problem(k_cache, v_cache, cache_seqlens) -> InputError | None:
     """decode given a KVCache's own `k`, `v` as arrays: a paged cache's page pool (read as batch
-    rows, whatever the row counts), or a cache's rows without cache_seqlens (every row read as
-    valid) while some are not filled yet: a ValueError, or None."""
+    rows, whatever the row counts), or, without cache_seqlens (every row read as valid), a
+    cache's array or rows of it (`cache.k[:, :n]`, as a cache that is not sharded would be
+    sliced) some of which this rank has not filled yet: a ValueError, or None."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         cache = cache_of_array(x)
         if cache is not None and cache.paged:
             return InputError(ValueError, f"{name} is a paged KVCache's page pool, which decode "
                                           f"would read as batch rows: pass the cache itself, "
                                           f"decode(q, cache)")
-        if cache is not None and cache_seqlens is None and int(cache.seqlens.min()) < cache.capacity:
+        if cache_seqlens is not None:
+            continue
+        if cache is not None and int(cache.seqlens.min()) < cache.capacity:
             return InputError(ValueError, f"{name} is a KVCache's own array, which decode reads "
                                           f"whole without cache_seqlens, its rows not filled yet "
                                           f"too: pass the cache itself, decode(q, cache), or "
                                           f"cache_seqlens=cache.seqlens")
+        held = cache_rows_of(x) if cache is None else None
+        if held is not None:
+            cache, (b0, b1), (r0, r1) = held
+            filled = cache.seqlens[b0:b1]
+            if int(filled.min()) < r1:
+                return InputError(ValueError, (
+                    f"{name} holds rows {r0}..{r1 - 1} of batch rows {b0}..{b1 - 1} of a KVCache's "
+                    f"array, which decode reads as valid without cache_seqlens, but this rank has "
+                    f"filled only {int(filled.min())} row(s) of one of them (the cache deals each "
+                    f"new row to the rank holding fewest: a rank holds about 1/G of the tokens): "
+                    f"pass the cache itself, decode(q, cache), or cache_seqlens, this rank's filled "
+                    f"rows among those given (cache.seqlens counts them from row 0)"))
     return None
 
 

@@ -8,6 +8,7 @@ reached a collective would leave them waiting forever, so nothing raises before 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import numbers
@@ -647,15 +648,19 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     _CUTS[key] = (ref, cut, axis, _fingerprint(host, axis))
 
 
-# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); and the same
-# by the array's memory (`_memory`), which a live array keeps
+# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); the same by
+# the array's memory (`_memory`), which a live array keeps; and, sorted by (interface, first
+# byte), the unpaged caches' arrays' spans, for `cache_rows_of` (_SPANS[i]: (end, held, memory))
 _CACHE_ARRAYS: dict[int, tuple] = {}
 _CACHE_MEMORY: dict[tuple, tuple] = {}
+_SPAN_STARTS: list[tuple] = []
+_SPANS: list[tuple] = []
 
 
 def remember_cache_arrays(cache) -> None:
     """Remember `cache.k`, `cache.v` (a `burstcu.KVCache`'s arrays) as the cache's, by object and
-    by memory, for `cache_of_array` (arrays that take no weak reference are not remembered)."""
+    by memory, for `cache_of_array` and `cache_rows_of` (arrays that take no weak reference are
+    not remembered)."""
     import weakref
 
     for x in (cache.k, cache.v):
@@ -666,13 +671,48 @@ def remember_cache_arrays(cache) -> None:
             held = _CACHE_MEMORY.get(where)
             if held is not None and held[0]() is None:    # this array's (not a later one's)
                 del _CACHE_MEMORY[where]
+            for i in [i for i, span in enumerate(_SPANS) if span[1][0]() is None][::-1]:
+                del _SPAN_STARTS[i], _SPANS[i]
         try:
             ref = weakref.ref(x, forget)
         except TypeError:
             continue
-        _CACHE_ARRAYS[key] = (ref, weakref.ref(cache))
-        if where is not None:
-            _CACHE_MEMORY[where] = _CACHE_ARRAYS[key]
+        held = _CACHE_ARRAYS[key] = (ref, weakref.ref(cache))
+        if where is None:
+            continue
+        _CACHE_MEMORY[where] = held
+        if not cache.paged:
+            i = bisect.bisect_right(_SPAN_STARTS, where[:2])
+            end = where[1] + sum((n - 1) * stride for n, stride in zip(where[2], where[3])) + where[4]
+            _SPAN_STARTS.insert(i, where[:2])
+            _SPANS.insert(i, (end, held, where))
+
+
+def cache_rows_of(x) -> tuple | None:
+    """(cache, (b0, b1), (r0, r1)) where x holds whole rows (every kv head, every element) of a
+    live unpaged KVCache's `k` or `v`: batch rows b0..b1-1 and rows r0..r1-1 of each, in the
+    cache's order (`cache.k[:, :n]`, `cache.k[1:3]`, a torch tensor over them); else None."""
+    where = _memory(x) if _SPANS else None
+    if where is None:
+        return None
+    interface, address, shape, strides, size = where
+    i = bisect.bisect_right(_SPAN_STARTS, (interface, address)) - 1
+    if i < 0 or _SPAN_STARTS[i][0] != interface or address >= _SPANS[i][0]:
+        return None
+    _, held, (_, start, whole, _, element) = _SPANS[i]
+    array, cache = held[0](), held[1]()
+    if cache is None or array is None or not (array is cache.k or array is cache.v):
+        return None
+    if len(shape) != 4 or shape[2:] != whole[2:] or size != element:
+        return None
+    steps = tuple(int(np.prod(whole[axis + 1:], dtype=np.int64)) * size for axis in range(4))
+    if any(n > 1 and stride != step for n, stride, step in zip(shape, strides, steps)):
+        return None
+    b0, rest = divmod(address - start, steps[0])
+    r0, rest = divmod(rest, steps[1])
+    if rest or b0 + shape[0] > whole[0] or r0 + shape[1] > whole[1]:
+        return None
+    return cache, (b0, b0 + shape[0]), (r0, r0 + shape[1])
 
 
 def cache_of_array(x):

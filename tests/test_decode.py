@@ -560,6 +560,41 @@ def test_a_view_of_a_caches_whole_array_is_refused_as_the_array_is():
         assert np.abs(burstcu.decode(q, k, v) - want).max() < 1e-5
 
 
+def test_rows_of_a_caches_array_some_unfilled_are_refused_on_every_rank():
+    """cache.k[:, :n] sliced as a cache that is not sharded would be (n tokens appended), given
+    without cache_seqlens: each of 2 ranks holds n/2 of the rows, so the slice reads unfilled
+    rows as keys (off silently); now a ValueError on every rank naming the rows. Rows that are
+    all filled run and give attention over every token; so does the slice with its counts."""
+    torch = pytest.importorskip("torch")
+    from burstcu.testing.world import run_ranks
+
+    rng = np.random.default_rng(2)
+    K, V = (rng.standard_normal((2, 6, 2, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)
+
+    def body(group):
+        cache = burstcu.KVCache(group, 2, 8, 2, 8, np.float32)
+        cache.append(K, V)                                   # 3 rows a rank of each batch row
+        said = []
+        for k, v in ((cache.k[:, :6], cache.v[:, :6]), (cache.k[1:], cache.v[1:]),
+                     (torch.from_numpy(cache.k)[:, 2:5], torch.from_numpy(cache.v)[:, 2:5])):
+            with pytest.raises(ValueError) as refused:
+                burstcu.decode(q[:k.shape[0]], k, v, group)
+            said.append(str(refused.value))
+        filled = burstcu.decode(q, cache.k[:, :3], cache.v[:, :3], group)
+        counted = burstcu.decode(q, cache.k[:, :6], cache.v[:, :6], group,
+                                 cache_seqlens=cache.seqlens)
+        return said, filled, counted
+    want = attention_ref(q, K, V)[0]
+    for said, filled, counted in run_ranks(2, body, timeout=20):
+        assert said[0].startswith("k_cache holds rows 0..5 of batch rows 0..1 of a KVCache's array")
+        assert said[1].startswith("k_cache holds rows 0..7 of batch rows 1..1")
+        assert said[2].startswith("k_cache holds rows 2..4 of batch rows 0..1")
+        assert all("filled only 3 row(s)" in s for s in said), said
+        for got in (filled, counted):
+            assert np.abs(got - want).max() < 1e-5
+
+
 def test_an_object_that_cannot_say_where_its_elements_lie_is_refused_on_every_rank():
     """decode's look for a cache's memory (a view of its whole array) reads no odd object's
     interface into an error of its own: a malformed __array_interface__ or a sparse tensor on one
