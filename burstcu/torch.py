@@ -29,7 +29,7 @@ import torch
 from . import api, arrays
 from .cpu_tensors import host_view, resolved, tensor_of
 from .group import Group
-from .validate import carry_cut
+from .validate import carry_cache_rows, carry_cut
 
 __all__ = ["attention", "linear_attention", "decode"]
 
@@ -100,10 +100,12 @@ def _call(fn, tensors, *args, **kwargs):
     """fn(*tensors as burstcu takes them, *args, **kwargs) on torch's stream, results as tensors
     (a tuple stays a tuple). What a CPU tensor remembers of its cut (`burstcu.shard` of a tensor,
     or a result) goes with its NumPy view into the call, and back with the results: a call that
-    takes its rows for other positions is refused as it is for NumPy arrays."""
+    takes its rows for other positions is refused as it is for NumPy arrays; so does being rows of
+    a KVCache's array (decode refuses unfilled ones), where the way in copies them."""
     taken = tuple(_to_burstcu(t) for t in tensors)
     for t, x in zip(tensors, taken):
         carry_cut(t, x)
+        carry_cache_rows(t, x)
     with arrays.torch_stream(tensors):
         result = fn(*taken, *args, **kwargs)
     results = result if isinstance(result, tuple) else (result,)

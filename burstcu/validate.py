@@ -649,12 +649,17 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
 
 
 # id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); the same by
-# the array's memory (`_memory`), which a live array keeps; and, sorted by (interface, first
-# byte), the unpaged caches' arrays' spans, for `cache_rows_of` (_SPANS[i]: (end, held, memory))
+# the array's memory (`_memory`), which a live array keeps; and the unpaged caches' arrays' spans
+# for `cache_rows_of`: (their (interface, first byte), sorted; their (end, held, memory)), replaced
+# whole under the lock when a cache is made (dead ones pruned then, now and again: a weak
+# reference's callback, which the garbage collector may run inside any of this, never touches them)
 _CACHE_ARRAYS: dict[int, tuple] = {}
 _CACHE_MEMORY: dict[tuple, tuple] = {}
-_SPAN_STARTS: list[tuple] = []
-_SPANS: list[tuple] = []
+_SPANS: tuple = ((), ())
+_SPANS_LOCK = threading.Lock()
+_SPANS_DEAD = 0      # cache arrays that died since the spans were last pruned (a hint)
+# a copy of a cache's rows made on the way into a call (burstcu.torch's): id -> (ref, rows)
+_CARRIED_ROWS: dict[int, tuple] = {}
 
 
 def remember_cache_arrays(cache) -> None:
@@ -667,43 +672,79 @@ def remember_cache_arrays(cache) -> None:
         key, where = id(x), _memory(x)
 
         def forget(_, key=key, where=where):
+            global _SPANS_DEAD
+            _SPANS_DEAD += 1
             _CACHE_ARRAYS.pop(key, None)
             held = _CACHE_MEMORY.get(where)
             if held is not None and held[0]() is None:    # this array's (not a later one's)
-                del _CACHE_MEMORY[where]
-            for i in [i for i, span in enumerate(_SPANS) if span[1][0]() is None][::-1]:
-                del _SPAN_STARTS[i], _SPANS[i]
+                _CACHE_MEMORY.pop(where, None)
         try:
             ref = weakref.ref(x, forget)
         except TypeError:
             continue
         held = _CACHE_ARRAYS[key] = (ref, weakref.ref(cache))
-        if where is None:
-            continue
-        _CACHE_MEMORY[where] = held
-        if not cache.paged:
-            i = bisect.bisect_right(_SPAN_STARTS, where[:2])
-            end = where[1] + sum((n - 1) * stride for n, stride in zip(where[2], where[3])) + where[4]
-            _SPAN_STARTS.insert(i, where[:2])
-            _SPANS.insert(i, (end, held, where))
+        if where is not None:
+            _CACHE_MEMORY[where] = held
+            if not cache.paged:
+                end = where[1] + sum((n - 1) * step for n, step in zip(where[2], where[3])) + where[4]
+                _add_span(where[:2], (end, held, where))
+
+
+def _add_span(start: tuple, span: tuple) -> None:
+    """`span` among `_SPANS` at `start` (in place of a dead one there), the dead ones left out
+    once they may be half of them."""
+    global _SPANS, _SPANS_DEAD
+    with _SPANS_LOCK:
+        starts, spans = list(_SPANS[0]), list(_SPANS[1])
+        if 2 * _SPANS_DEAD > len(starts):
+            kept = [(s, t) for s, t in zip(starts, spans) if t[1][0]() is not None]
+            starts, spans, _SPANS_DEAD = [s for s, _ in kept], [t for _, t in kept], 0
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start:
+            spans[i] = span
+        else:
+            starts.insert(i, start)
+            spans.insert(i, span)
+        _SPANS = (tuple(starts), tuple(spans))
+
+
+def carry_cache_rows(source, target) -> None:
+    """What `cache_rows_of(source)` finds, remembered for `target`: a copy of the same rows made
+    on the way into a call (burstcu.torch makes a non-contiguous tensor contiguous)."""
+    import weakref
+
+    held = cache_rows_of(source) if target is not source and _SPANS[0] else None
+    if held is None:
+        return
+    key = id(target)
+    try:
+        _CARRIED_ROWS[key] = (weakref.ref(target, lambda _, key=key: _CARRIED_ROWS.pop(key, None)),
+                              weakref.ref(held[0]), held[1:])
+    except TypeError:
+        pass
 
 
 def cache_rows_of(x) -> tuple | None:
     """(cache, (b0, b1), (r0, r1)) where x holds whole rows (every kv head, every element) of a
     live unpaged KVCache's `k` or `v`: batch rows b0..b1-1 and rows r0..r1-1 of each, in the
-    cache's order (`cache.k[:, :n]`, `cache.k[1:3]`, a torch tensor over them); else None."""
-    where = _memory(x) if _SPANS else None
+    cache's order (`cache.k[:, :n]`, `cache.k[1:3]`, a torch tensor over them, a copy of them
+    `carry_cache_rows` remembered), at least one of each; else None."""
+    carried = _CARRIED_ROWS.get(id(x))
+    if carried is not None and carried[0]() is x and carried[1]() is not None:
+        return (carried[1](), *carried[2])
+    starts, spans = _SPANS
+    where = _memory(x) if starts else None
     if where is None:
         return None
     interface, address, shape, strides, size = where
-    i = bisect.bisect_right(_SPAN_STARTS, (interface, address)) - 1
-    if i < 0 or _SPAN_STARTS[i][0] != interface or address >= _SPANS[i][0]:
+    i = bisect.bisect_right(starts, (interface, address)) - 1
+    if i < 0 or starts[i][0] != interface or address >= spans[i][0]:
         return None
-    _, held, (_, start, whole, _, element) = _SPANS[i]
+    _, held, (_, start, whole, _, element) = spans[i]
     array, cache = held[0](), held[1]()
     if cache is None or array is None or not (array is cache.k or array is cache.v):
         return None
-    if len(shape) != 4 or shape[2:] != whole[2:] or size != element:
+    if len(shape) != 4 or shape[2:] != whole[2:] or size != element or 0 in shape:
         return None
     steps = tuple(int(np.prod(whole[axis + 1:], dtype=np.int64)) * size for axis in range(4))
     if any(n > 1 and stride != step for n, stride, step in zip(shape, strides, steps)):

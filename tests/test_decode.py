@@ -567,6 +567,7 @@ def test_rows_of_a_caches_array_some_unfilled_are_refused_on_every_rank():
     all filled run and give attention over every token; so does the slice with its counts."""
     torch = pytest.importorskip("torch")
     from burstcu.testing.world import run_ranks
+    from burstcu.validate import cache_rows_of
 
     rng = np.random.default_rng(2)
     K, V = (rng.standard_normal((2, 6, 2, 8)).astype(np.float32) for _ in range(2))
@@ -581,6 +582,11 @@ def test_rows_of_a_caches_array_some_unfilled_are_refused_on_every_rank():
             with pytest.raises(ValueError) as refused:
                 burstcu.decode(q[:k.shape[0]], k, v, group)
             said.append(str(refused.value))
+        tk, tv = (torch.from_numpy(x)[:, :6] for x in (cache.k, cache.v))   # copied on the way in
+        with pytest.raises(ValueError) as refused:
+            burstcu.torch.decode(torch.from_numpy(q), tk, tv, group)
+        said.append(str(refused.value))
+        assert cache_rows_of(cache.k[:, 3:3]) is None                  # no rows: none read
         filled = burstcu.decode(q, cache.k[:, :3], cache.v[:, :3], group)
         counted = burstcu.decode(q, cache.k[:, :6], cache.v[:, :6], group,
                                  cache_seqlens=cache.seqlens)
@@ -590,6 +596,7 @@ def test_rows_of_a_caches_array_some_unfilled_are_refused_on_every_rank():
         assert said[0].startswith("k_cache holds rows 0..5 of batch rows 0..1 of a KVCache's array")
         assert said[1].startswith("k_cache holds rows 0..7 of batch rows 1..1")
         assert said[2].startswith("k_cache holds rows 2..4 of batch rows 0..1")
+        assert said[3] == said[0]
         assert all("filled only 3 row(s)" in s for s in said), said
         for got in (filled, counted):
             assert np.abs(got - want).max() < 1e-5
