@@ -691,21 +691,29 @@ def remember_cache_arrays(cache) -> None:
 
 
 def _add_span(start: tuple, span: tuple) -> None:
-    """`span` among `_SPANS` at `start` (in place of a dead one there), the dead ones left out
-    once they may be half of them."""
+    """`span` among `_SPANS` at `start`, in place of the spans that start inside it (dead: live
+    arrays never overlap, so the one a view's first byte bisects to is the array it lies in),
+    the dead ones left out once they may be half of them. Built outside the lock, which is held
+    only to swap the whole (nothing allocated under it: a collection there could run a __del__
+    that makes a cache, on this very thread); built again where another swap came first."""
     global _SPANS, _SPANS_DEAD
-    with _SPANS_LOCK:
-        starts, spans = list(_SPANS[0]), list(_SPANS[1])
-        if 2 * _SPANS_DEAD > len(starts):
+    while True:
+        seen = _SPANS
+        starts, spans = list(seen[0]), list(seen[1])
+        pruned = 2 * _SPANS_DEAD > len(starts)
+        if pruned:
             kept = [(s, t) for s, t in zip(starts, spans) if t[1][0]() is not None]
-            starts, spans, _SPANS_DEAD = [s for s, _ in kept], [t for _, t in kept], 0
-        i = bisect.bisect_left(starts, start)
-        if i < len(starts) and starts[i] == start:
-            spans[i] = span
-        else:
-            starts.insert(i, start)
-            spans.insert(i, span)
-        _SPANS = (tuple(starts), tuple(spans))
+            starts, spans = [s for s, _ in kept], [t for _, t in kept]
+        lo = bisect.bisect_left(starts, start)
+        hi = bisect.bisect_left(starts, (start[0], span[0]))
+        starts[lo:hi], spans[lo:hi] = [start], [span]
+        new = (tuple(starts), tuple(spans))
+        with _SPANS_LOCK:
+            if _SPANS is seen:
+                _SPANS = new
+                if pruned:
+                    _SPANS_DEAD = 0
+                return
 
 
 def carry_cache_rows(source, target) -> None:

@@ -602,6 +602,30 @@ def test_rows_of_a_caches_array_some_unfilled_are_refused_on_every_rank():
             assert np.abs(got - want).max() < 1e-5
 
 
+def test_rows_of_a_cache_made_where_dropped_caches_were_are_found():
+    """A cache whose arrays are mapped over dropped caches' memory (glibc maps arrays over 32 MiB
+    and puts a new mapping over the freed ones) is found for rows past their first bytes too:
+    a dropped cache's span left inside a live array hid it, and decode read unfilled rows of
+    big.k[1:2, :100] silently. No span starts inside another live array's."""
+    from burstcu import validate
+
+    rows = 40 << 14                      # 40 MiB of (1 kv head, 16 float32) rows
+    keep = [burstcu.KVCache(None, 1, 8, 1, 16, np.float32) for _ in range(20)]
+    dropped = [burstcu.KVCache(None, 1, rows, 1, 16, np.float32) for _ in range(2)]
+    del dropped
+    big = burstcu.KVCache(None, 2, rows, 1, 16, np.float32)
+    big.append(np.ones((2, 1, 1, 16), np.float32), np.ones((2, 1, 1, 16), np.float32))
+    q = np.ones((1, 1, 1, 16), np.float32)
+    for b in (0, 1):
+        with pytest.raises(ValueError, match=f"rows 0..99 of batch rows {b}..{b} of a KVCache"):
+            burstcu.decode(q, big.k[b:b + 1, :100], big.v[b:b + 1, :100])
+    starts, spans = validate._SPANS
+    live = [(start, span[0]) for start, span in zip(starts, spans) if span[1][0]() is not None]
+    for (kind, first), end in live:
+        assert not [s for s in starts if s[0] == kind and first < s[1] < end]
+    assert len(keep) == 20
+
+
 def test_an_object_that_cannot_say_where_its_elements_lie_is_refused_on_every_rank():
     """decode's look for a cache's memory (a view of its whole array) reads no odd object's
     interface into an error of its own: a malformed __array_interface__ or a sparse tensor on one
