@@ -648,13 +648,12 @@ def remember_cut(x, cut: tuple, axis: int) -> None:
     _CUTS[key] = (ref, cut, axis, _fingerprint(host, axis))
 
 
-# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); the same by
-# the array's memory (`_memory`), which a live array keeps; and the unpaged caches' arrays' spans
-# for `cache_rows_of`: (their (interface, first byte), sorted; their (end, held, memory)), replaced
-# whole under the lock when a cache is made (dead ones pruned then, now and again: a weak
-# reference's callback, which the garbage collector may run inside any of this, never touches them)
+# id of a KVCache's `k` or `v`: (a weak reference to that array, one to its cache); and the
+# caches' arrays' spans, for `cache_of_array` and `cache_rows_of`: (their (interface, first
+# byte), sorted; their (end, held, memory)), replaced whole when a cache is made (dead ones pruned
+# then, now and again: a weak reference's callback, which the garbage collector may run inside
+# any of this, never touches them)
 _CACHE_ARRAYS: dict[int, tuple] = {}
-_CACHE_MEMORY: dict[tuple, tuple] = {}
 _SPANS: tuple = ((), ())
 _SPANS_LOCK = threading.Lock()
 _SPANS_DEAD = 0      # cache arrays that died since the spans were last pruned (a hint)
@@ -671,23 +670,18 @@ def remember_cache_arrays(cache) -> None:
     for x in (cache.k, cache.v):
         key, where = id(x), _memory(x)
 
-        def forget(_, key=key, where=where):
+        def forget(_, key=key):
             global _SPANS_DEAD
             _SPANS_DEAD += 1
             _CACHE_ARRAYS.pop(key, None)
-            held = _CACHE_MEMORY.get(where)
-            if held is not None and held[0]() is None:    # this array's (not a later one's)
-                _CACHE_MEMORY.pop(where, None)
         try:
             ref = weakref.ref(x, forget)
         except TypeError:
             continue
         held = _CACHE_ARRAYS[key] = (ref, weakref.ref(cache))
         if where is not None:
-            _CACHE_MEMORY[where] = held
-            if not cache.paged:
-                end = where[1] + sum((n - 1) * step for n, step in zip(where[2], where[3])) + where[4]
-                _add_span(where[:2], (end, held, where))
+            end = where[1] + sum((n - 1) * step for n, step in zip(where[2], where[3])) + where[4]
+            _add_span(where[:2], (end, held, where))
 
 
 def _add_span(start: tuple, span: tuple) -> None:
@@ -716,6 +710,22 @@ def _add_span(start: tuple, span: tuple) -> None:
                 return
 
 
+def _cache_around(where) -> tuple | None:
+    """(cache, its array's memory) of the live cache array whose span holds the first byte of
+    `where` (a `_memory`), else None."""
+    starts, spans = _SPANS
+    if where is None or not starts:
+        return None
+    i = bisect.bisect_right(starts, where[:2]) - 1
+    if i < 0 or starts[i][0] != where[0] or where[1] >= spans[i][0]:
+        return None
+    _, held, whole = spans[i]
+    array, cache = held[0](), held[1]()
+    if cache is None or array is None or not (array is cache.k or array is cache.v):
+        return None
+    return cache, whole
+
+
 def carry_cache_rows(source, target) -> None:
     """What `cache_rows_of(source)` finds, remembered for `target`: a copy of the same rows made
     on the way into a call (burstcu.torch makes a non-contiguous tensor contiguous)."""
@@ -740,18 +750,11 @@ def cache_rows_of(x) -> tuple | None:
     carried = _CARRIED_ROWS.get(id(x))
     if carried is not None and carried[0]() is x and carried[1]() is not None:
         return (carried[1](), *carried[2])
-    starts, spans = _SPANS
-    where = _memory(x) if starts else None
-    if where is None:
+    where = _memory(x) if _SPANS[0] else None
+    found = _cache_around(where)
+    if found is None or found[0].paged:
         return None
-    interface, address, shape, strides, size = where
-    i = bisect.bisect_right(starts, (interface, address)) - 1
-    if i < 0 or starts[i][0] != interface or address >= spans[i][0]:
-        return None
-    _, held, (_, start, whole, _, element) = spans[i]
-    array, cache = held[0](), held[1]()
-    if cache is None or array is None or not (array is cache.k or array is cache.v):
-        return None
+    (cache, (_, start, whole, _, element)), (_, address, shape, strides, size) = found, where
     if len(shape) != 4 or shape[2:] != whole[2:] or size != element or 0 in shape:
         return None
     steps = tuple(int(np.prod(whole[axis + 1:], dtype=np.int64)) * size for axis in range(4))
@@ -768,15 +771,13 @@ def cache_of_array(x):
     """The live KVCache whose `k` or `v` is this very array object (still), or whose memory x
     is, element for element (a view of the whole array: `cache.k[:]`, `torch.from_numpy(cache.k)`,
     a CuPy cache's array as a torch CUDA tensor), else None."""
-    by_object = _CACHE_ARRAYS.get(id(x))
-    if by_object is not None and by_object[0]() is not x:
-        by_object = None                          # another object that had x's id
-    by_memory = _CACHE_MEMORY.get(_memory(x)) if _CACHE_MEMORY else None
-    for held in (by_object, by_memory):
-        array, cache = (held[0](), held[1]()) if held is not None else (None, None)
-        if cache is not None and array is not None and (array is cache.k or array is cache.v):
-            return cache
-    return None
+    held = _CACHE_ARRAYS.get(id(x))
+    if held is not None and held[0]() is x and held[1]() is not None \
+            and (x is held[1]().k or x is held[1]().v):
+        return held[1]()
+    where = _memory(x) if _SPANS[0] else None
+    found = _cache_around(where)
+    return found[0] if found is not None and found[1] == where else None
 
 
 def _memory(x) -> tuple | None:
