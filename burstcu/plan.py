@@ -486,6 +486,12 @@ def plan(q_shape, k_shape, group=None, *, causal: bool = False,
         raise TypeError(f"plan: seqlen must be an int (the global number of positions), got {seqlen!r}")
     if seqlen is not None and cu_seqlens is not None and seqlen != cu_seqlens[-1]:
         raise ValueError(f"plan: seqlen={seqlen} but cu_seqlens ends at {cu_seqlens[-1]}")
+    if not isinstance(layout, Partition) and cu_seqlens is not None and \
+            int(q_shape[1]) > cu_seqlens[-1] - (size - 1):   # what no split of N can give a rank
+        raise ValueError(f"plan: cu_seqlens ends at N = {cu_seqlens[-1]}, but q has "
+                         f"{int(q_shape[1])} rows on rank {rank}: no split of N over {size} ranks "
+                         f"gives a rank more than N - {size - 1} (cu_seqlens holds the global "
+                         f"documents' ends, as attention takes them, not this rank's)")
     if not isinstance(layout, Partition):
         layout = _modelled_split(layout, size, rank, int(q_shape[1]), seqlen,
                                  None if cu_seqlens is None else cu_seqlens[-1], block_mask)

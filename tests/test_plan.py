@@ -324,6 +324,9 @@ def test_plan_takes_dtype_names_and_refuses_others():
     ({"window_size": (-2, 1)}, "window_size left must be an int from -1"),
     ({"window_size": (1, 1, 1)}, r"window_size must be \(left, right\)"),
     ({"layout": "zigzag", "cu_seqlens": [0, 20, 41]}, "gives rank 0 11 rows, but q has 10"),
+    # one rank's own ends where the global ones go: no split of 12 over 4 gives a rank 10 rows
+    ({"cu_seqlens": [0, 5, 12]}, r"cu_seqlens ends at N = 12, but q has 10 rows on rank 0: no "
+                                 r"split of N over 4 ranks gives a rank more than N - 3"),
 ])
 def test_plan_refuses_masks_attention_refuses(kwargs, said):
     """Documents or a window that `attention` refuses: plan refuses them too (on every rank:
