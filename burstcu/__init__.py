@@ -33,12 +33,12 @@ from .plan import plan
 from .sharding import Sharding
 from .transport.base import CommTimeoutError, PeerFailedError
 from .transport.link import Link
-from .validate import HeadsAxisWarning, SameShardsWarning, ordered_by
+from .validate import CallSiteWarning, HeadsAxisWarning, SameShardsWarning, ordered_by
 
 __all__ = ["init", "Group", "Sharding", "BlockMask", "attention", "attention_backward", "linear_attention",
            "linear_attention_backward", "shard", "unshard", "plan", "decode", "KVCache",
            "CommTimeoutError", "PeerFailedError", "Link", "SameShardsWarning", "HeadsAxisWarning",
-           "ordered_by"]
+           "CallSiteWarning", "ordered_by"]
 __version__ = "0.1.0"
 
 # the autodiff adapters import their framework: loaded on first use (`burstcu.jax.attention`)

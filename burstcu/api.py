@@ -36,15 +36,16 @@ from .ops.base import DelegatingOps
 from .plan import plan
 from .validate import (ARRAY_NAMES, InputError, agree, appended_rows, appended_rows_problem,
                        axis_problem, cache_cut_problem,
-                       cache_of_array, cache_rows_of, call_marks, calling_thread, check_attention_call,
+                       cache_of_array, cache_rows_of, call_marks, call_site, calling_thread,
+                       check_attention_call,
                        check_axis, check_block_mask, check_block_mask_extent, check_decode_call, check_flags,
                        check_linear_call, check_row_sums,
                        cut_of, cut_problem, docs_digest, ends_digest, first_rows_digest,
                        inherited_cut,
                        host_ints, lse_problem, mask_options, misread_array_problem, parse_cu_seqlens,
-                       partition_of, q_summary, q_values_problem, remember_cut, rows_cut,
+                       partition_of, q_summary, q_values_problem, remember_cut, rows_cut, site_digest,
                        sharding_keywords, thread_problem, uneven_problem, valid_rows_digest,
-                       warn_if_all_the_same, warn_if_heads_look_like_rows)
+                       warn_if_all_the_same, warn_if_heads_look_like_rows, warn_if_sites_differ)
 
 STRATEGIES = engine.NAMES + ("auto",)
 
@@ -410,7 +411,7 @@ def attention_backward(dout, q, k, v, out, lse, group=None, *,
                 verdict = InputError(ValueError, f"cannot check the row sums: "
                                                  f"{exc.__class__.__name__}: {exc}")
             with call.raising_together():
-                agree(group.transport, verdict, None, "attention_backward check")
+                agree(group.transport, verdict, None, "attention_backward check", sites=False)
         grads = returned(export, grads)
     grads = tuple(g[0] for g in grads) if packed else grads
     return _remembering_each(grads, cuts)
@@ -920,13 +921,15 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
             mine = (None,) * 7 if err else (free, dtype, axis, layout, docs_digest(docs),
                                             (uneven, lengths), length)
             rows_digest = None if err else ends_digest(x_local, axis)
+            site = call_site()
             reports = group.transport.allgather_object(
-                (*mine, calling_thread(), err.plain() if err else None, rows_digest), "unshard")
+                (*mine, calling_thread(), err.plain() if err else None, rows_digest,
+                 site_digest(site)), "unshard")
             crossed = thread_problem("unshard", [rep[7] for rep in reports])
             if crossed is not None:
                 raise ValueError(crossed)
-            failed = [(r, InputError.from_plain(e)) for r, (*_, e, _) in enumerate(reports)
-                      if e is not None]
+            failed = [(r, InputError.from_plain(rep[8])) for r, rep in enumerate(reports)
+                      if rep[8] is not None]
             if failed:
                 raise failed[0][1].exception(rank=failed[0][0])
             if any(rep[:6] != reports[0][:6] for rep in reports):
@@ -946,6 +949,7 @@ def gather_shards(x_local, group, layout: str | None, axis: int, cu_seqlens, une
             if held is not None:
                 raise ValueError(held)
             warn_if_all_the_same([rep[9] for rep in reports], "x_local", "joins")
+            warn_if_sites_differ(group.transport, "unshard", site, [rep[10] for rep in reports])
         whole = returned(export, (_gathered(x_local, group, part, axis),))[0]
     return whole if float8 is None else float8[1](whole)
 

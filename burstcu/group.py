@@ -73,6 +73,7 @@ class Group:
     trace: Any = field(default=None, repr=False)  # a burstcu.engine.Trace to record step timings into
     closed: bool = field(default=False, repr=False)
     counted: bool = field(default=False, repr=False)  # in the rank's state (`RankState`)
+    left_open: Any = field(default=None, repr=False, compare=False)  # `_left_open`'s finalizer
     # (thread id, call name) of the call running on this group, or None (`Call`, `close`)
     calling: Any = field(default=None, repr=False, compare=False)
     entry: Any = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -121,9 +122,15 @@ class Group:
                 raise RuntimeError(f"close() while another thread is inside {running[1]} on this "
                                    f"group: close it once its calls have returned")
             self.closed = True
-        UNCAUGHT.left(self, sys.exc_info()[1])   # closed by `with` or `finally` as it passes
+        passing = sys.exc_info()[1]
+        UNCAUGHT.left(self, passing)   # closed by `with` or `finally` as it passes
+        if passing is not None and not getattr(passing, "burstcu_agreed", False):
+            self.transport.says_left = False   # the job ends on it (`UncaughtEndsTheJob`), or the
+            # caller handles it: no peer is told it made a call this rank did not
         if self.counted:
             RANK_STATE.change(-1)
+        if self.left_open is not None:
+            self.left_open.detach()   # the transport's close says it has left
         self.ops.close()
         self.transport.close()
 
@@ -177,7 +184,17 @@ def _counted(group: Group) -> Group:
     RANK_STATE.change(+1)
     group.counted = True
     UNCAUGHT.watch(group)
+    group.left_open = weakref.finalize(group, _left_open, group.transport, os.getpid())
     return group
+
+
+def _left_open(transport: Transport, pid: int) -> None:
+    """A group still open when its program ends, or dropped (garbage-collected) without a
+    close: its peers are told this rank has left (`Transport.say_left`), so that one inside a
+    call this rank never made fails at once instead of at its timeout. Not from a forked child."""
+    if os.getpid() == pid:
+        with suppress(Exception):   # MPI may be gone already; nothing here may stop the exit
+            transport.say_left("its program ended, or dropped the group, with the group open")
 
 
 class UncaughtEndsTheJob:
@@ -212,6 +229,7 @@ class UncaughtEndsTheJob:
             self.groups = [ref for ref in self.groups if self._open(ref)] + [weakref.ref(group)]
             if not self.installed:
                 self.installed, self.previous, sys.excepthook = True, sys.excepthook, self.hook
+
 
     def left(self, group: Group, exc: BaseException | None) -> None:
         """`group` is closing while `exc` passes (None: none does)."""
@@ -336,10 +354,11 @@ class Call:
 
     @contextmanager
     def raising_together(self):
-        """Errors raised inside are raised on every rank alike: they end only this call."""
+        """Errors raised inside are raised on every rank alike: they end only this call. So are
+        warnings made errors (`-W error`): what warns after an agreement warns on every rank."""
         try:
             yield
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, Warning) as exc:
             self.together = True
             with suppress(AttributeError):   # for `UncaughtEndsTheJob`: every rank raises it
                 exc.burstcu_agreed = True
@@ -627,7 +646,7 @@ def _agreed_ops(transport: Transport, backend: str, options: dict) -> LocalOps:
         error = InputError(type(exc), f"burstcu.init: the {backend!r} local op: {exc}")
     taken = None if error else ((), (), ops.agreed_options())   # as a call's metadata
     try:
-        agree(transport, error, taken, "burstcu.init (the local op)")
+        agree(transport, error, taken, "burstcu.init (the local op)", sites=False)
     except BaseException:
         if ops is not None:
             ops.close()

@@ -12,6 +12,7 @@ import bisect
 import hashlib
 import math
 import numbers
+import os
 import re
 import sys
 import threading
@@ -25,7 +26,8 @@ import numpy as np
 from .blockmask import BlockMask
 from .cpu_tensors import host_view
 from .layout import LAYOUTS, Partition, partition
-from .ops.base import accum_dtype, caller_stacklevel, dtype_name, finfo
+from .ops.base import (accum_dtype, caller_stacklevel, dtype_name, finfo, is_users_frame,
+                       not_the_users_files)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -513,34 +515,141 @@ def thread_problem(what: str, threads: list) -> str | None:
 def ordered_by(label: str):
     """Calls made inside, on this thread, count as coming from `label` where every rank compares
     its calling thread: for calls that reach every rank in the same order from threads whose
-    names differ between ranks (JAX's ordered callbacks run on XLA's threads, or inline)."""
-    outer = getattr(_ORIGIN, "label", None)
-    _ORIGIN.label = label
+    names differ between ranks (JAX's ordered callbacks run on XLA's threads, or inline). Their
+    places in the program (`call_site`) are compared from inside it only: for the same calls
+    made from different places (a wrapper on one rank, each rank its own program)."""
+    outer = getattr(_ORIGIN, "label", None), getattr(_ORIGIN, "frame", None)
+    _ORIGIN.label, _ORIGIN.frame = label, sys._getframe(2)   # the frame of the `with` (or wrapper)
     try:
         yield
     finally:
-        _ORIGIN.label = outer
+        _ORIGIN.label, _ORIGIN.frame = outer
+
+
+SITE_FRAMES = 64   # the innermost frames of the program's that a call's place is made of
+
+
+def call_site() -> tuple:
+    """Where in the program this call was made: (code, instruction offset, file name) for each
+    frame of the user's code on the stack (`is_users_frame`: none of burstcu's, nor of the
+    frameworks its adapters go through), outermost first, at most SITE_FRAMES; inside
+    `ordered_by`, only the frames called from where it was entered. Its digest (`site_digest`)
+    is what ranks compare, its words (`site_words`) what they show."""
+    inside, frame = getattr(_ORIGIN, "frame", None), sys._getframe(1)
+    names, site = _users_file_names(not_the_users_files()), []
+    while frame is not None and frame is not inside and len(site) < SITE_FRAMES:
+        code = frame.f_code
+        name = names.get(code.co_filename, False)
+        if name is False:   # a file not met yet
+            name = names[code.co_filename] = (os.path.basename(code.co_filename)
+                                              if is_users_frame(frame) else None)
+        if name is not None:
+            site.append((code, frame.f_lasti, name))
+        frame = frame.f_back
+    return tuple(reversed(site))
+
+
+_FILE_NAMES: dict = {}   # not_the_users_files() -> {a code's file: its name if the user's, else None}
+
+
+def _users_file_names(not_the_users: tuple) -> dict:
+    """The file names `call_site` has met, while the frameworks imported are these (a framework
+    imported later makes its files no longer the user's); emptied past 4096 files."""
+    names = _FILE_NAMES.get(not_the_users)
+    if names is None or len(names) > 4096:
+        _FILE_NAMES.clear()
+        names = _FILE_NAMES[not_the_users] = {}
+    return names
+
+
+def site_digest(site: tuple) -> str:
+    """A short digest of a `call_site`, what each rank sends in every agreement: each frame by
+    its file's name (not its folder: ranks may run copies of the program from different
+    folders), its function and its instruction's offset (the line's, cheaper to read)."""
+    plain = "\n".join([f"{name}:{code.co_name}:{at}" for code, at, name in site])
+    return hashlib.blake2b(plain.encode(), digest_size=8).hexdigest()
+
+
+def site_words(site: tuple) -> list[list]:
+    """A `call_site` as words, outermost first: ["train.py:57 in step", its instruction's offset]
+    for each frame (two calls on one line differ in the offset alone)."""
+    def line(code, at):
+        return next((n for start, end, n in code.co_lines() if start <= at < end), None)
+
+    return [[f"{name}:{line(code, at)} in {code.co_name}", at] for code, at, name in site]
+
+
+class CallSiteWarning(RuntimeWarning):
+    """The ranks made one burstcu call from different places in the program: most likely one
+    rank makes a call the others do not (an evaluation on rank 0 alone), which pairs its arrays
+    with the others' next call, a wrong result on every rank. The same calls can be made from
+    different places (a wrapper on one rank, each rank its own program); then make them inside
+    `burstcu.ordered_by(label)` (the places are compared from there in), or
+    ``warnings.filterwarnings("ignore", category=burstcu.CallSiteWarning)`` silences it."""
+
+
+def warn_if_sites_differ(transport, what: str, site: tuple, digests: list) -> None:
+    """A CallSiteWarning on every rank, naming where two ranks made the call, when the ranks'
+    `site_digest`s differ (`digests`, rank by rank, what every rank was told alike: the round
+    that gathers the sites is made by every rank or none). The sites gathered are kept with the
+    transport (`Transport.sites_seen`, the same on every rank of its group) by the digests: the
+    same difference again (every call of a loop, the warning silenced) costs no round."""
+    odd = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if odd is None:
+        return
+    seen, key = getattr(transport, "sites_seen", None), (what, tuple(digests))
+    sites = None if seen is None else seen.get(key)
+    if sites is None:
+        sites = transport.allgather_object(site_words(site), f"{what} (the places it was called from)")
+        if seen is not None:
+            if len(seen) >= 256:   # (every rank of the group empties it at the same call)
+                seen.clear()
+            seen[key] = sites
+    first, other = sites[0], sites[odd]
+    same = 0   # the outer frames alike; shown from the first that differs
+    while same < min(len(first), len(other)) and first[same] == other[same]:
+        same += 1
+    one_line = same < min(len(first), len(other)) and first[same][0] == other[same][0]
+
+    def shown(site) -> str:
+        frames = [words for words, _ in site[same:]] or \
+            ["(no frame of the program's: burstcu's own thread)"]
+        return " -> ".join(frames if len(frames) <= 4 else frames[:2] + ["..."] + frames[-2:])
+
+    warnings.warn(
+        f"the ranks made this {what} call from different places in the program: rank 0 from "
+        f"{shown(first)}; rank {odd} from {shown(other)}"
+        f"{' (another call on its first line)' if one_line else ''}. Every rank must make the same "
+        f"burstcu calls in the same order: a call one rank makes alone (an evaluation on rank 0, "
+        f"say) pairs its arrays with the others' next call (wrong results, no error), and one "
+        f"call is left waiting at the end. Where the ranks do make the same calls from different "
+        f"places, make them inside burstcu.ordered_by(label), entered where their paths have met "
+        f"again, or warnings.filterwarnings('ignore', category=burstcu.CallSiteWarning)",
+        CallSiteWarning, stacklevel=caller_stacklevel())
 
 
 def agree(transport, error: InputError | None, meta: tuple, what: str = "metadata",
-          local=None) -> list:
+          local=None, sites: bool = True) -> list:
     """One collective round; then raise on every rank if any rank failed or ranks disagree
     (the error marked `burstcu_agreed`, `InputError.exception`).
     `what` names the call, so ranks inside different calls fail together too; the calling
     thread (`calling_thread`) is compared too, so calls of two threads that reach the ranks in
     different orders fail rather than pair wrongly. `local`: a value each rank reports without
-    agreeing on it (its sequence length); returns every rank's."""
+    agreeing on it (its sequence length); returns every rank's. `sites`: the ranks' places in
+    the program are compared last, a CallSiteWarning where they differ (`warn_if_sites_differ`;
+    False for the rounds inside a call, and init's)."""
     if transport.size == 1:
         if error:
             raise error.exception()
         return [local]
-    thread = calling_thread()
+    thread, site = calling_thread(), call_site() if sites else ()
     gathered = transport.allgather_object(
-        (error.plain() if error else None, meta, (local, thread)), what)
-    crossed = thread_problem(what, [t for _, _, (_, t) in gathered])
+        (error.plain() if error else None, meta, (local, thread, site_digest(site))), what)
+    crossed = thread_problem(what, [t for _, _, (_, t, _) in gathered])
     if crossed is not None:
         raise InputError(ValueError, crossed).exception()
-    gathered = [(e, m, value) for e, m, (value, _) in gathered]
+    digests = [d for _, _, (_, _, d) in gathered]
+    gathered = [(e, m, value) for e, m, (value, _, _) in gathered]
     if error:   # this rank's own problem, named as its peers name it unless every rank has one
         alike = all(e is not None for e, _, _ in gathered) and not error.own_data
         raise error.exception(rank=None if alike else transport.rank)
@@ -553,6 +662,7 @@ def agree(transport, error: InputError | None, meta: tuple, what: str = "metadat
         differing = [r for r, m in enumerate(metas) if m != metas[0]]
         raise InputError(ValueError, f"ranks disagree in {what}: " + _difference(
             metas[0], metas[differing[0]], differing[0], ARRAY_NAMES.get(what), transport.size)).exception()
+    warn_if_sites_differ(transport, what, site, digests)
     return [value for _, _, value in gathered]
 
 

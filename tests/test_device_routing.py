@@ -113,12 +113,12 @@ def _cupy_group(monkeypatch, peer, current=0):
 
 
 def test_inputs_on_another_gpu_fail_through_the_agreement(monkeypatch):
-    group = _cupy_group(monkeypatch, peer=(None, None, (None, calling_thread())))
+    group = _cupy_group(monkeypatch, peer=(None, None, (None, calling_thread(), "its site")))
     q, k, v = (_DLTensor(x, device=(2, 1)) for x in _qkv())
     with pytest.raises(ValueError, match=r"q is on CUDA device 1 but the current CuPy device is 0"
                                          r".*cupy\.cuda\.Device\(1\)\.use\(\)"):
         burstcu.attention(q, k, v, group)
-    (err, meta, (length, thread)), = group.transport.sent  # raised only after the agreement round
+    (err, meta, (length, thread, _)), = group.transport.sent  # raised only after the agreement round
     assert err[0] == "ValueError" and meta is None and length is None and thread == "MainThread"
     assert InputError.from_plain(err).kind is ValueError
 
@@ -126,7 +126,7 @@ def test_inputs_on_another_gpu_fail_through_the_agreement(monkeypatch):
 def test_a_peer_on_another_gpu_stops_this_rank_too(monkeypatch):
     message = "k is on CUDA device 1 but the current CuPy device is 0: call cupy.cuda.Device(1).use()"
     group = _cupy_group(monkeypatch, peer=(InputError(ValueError, message).plain(), None,
-                                           (None, calling_thread())))
+                                           (None, calling_thread(), "its site")))
     with pytest.raises(ValueError, match=r"rank 1: k is on CUDA device 1"):
         burstcu.attention(*_qkv(), group)  # this rank's inputs (host arrays here) are fine
     assert len(group.transport.sent) == 1

@@ -10,6 +10,7 @@ over 1000 calls, and 4,500 init/close cycles leak no communicator (MPICH runs ou
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -64,8 +65,11 @@ def run_faulty(scenario: str, ranks: int = 3, limit: float = 60, launcher: bool 
     # an exception inside a ring step: burstcu names the rank, call, step and cause, then aborts
     ("raise_in_step", ["burstcu: rank 1 failed in attention forward at 'fwd 1 compute': "
                        "MemoryError: simulated: out of memory"]),
-    # a rank that exits early, or sleeps past the timeout: rank 0 names the missing rank
-    ("exit_early", [f"rank 0 waited {TIMEOUT} s for rank(s) [1] to reach the agreement round"]),
+    # a rank that exits early: the others are told at once; one that sleeps past the timeout:
+    # rank 0 names the missing rank
+    ("exit_early", ["ranks are inside different burstcu calls (rank 0: attention, rank 1: no call: "
+                    "it has left the group (its program ended, or dropped the group, with the "
+                    "group open), rank 2: attention)"]),
     ("sleep_past_timeout", [f"rank 0 waited {TIMEOUT} s for rank(s) [1]", "CommTimeoutError"]),
     # Ctrl-C (any exception) while the inputs are agreed on: the others are in the agreement
     ("interrupt_in_agreement", ["burstcu: rank 1 failed in attention forward at 'agreement on the "
@@ -488,6 +492,28 @@ def test_ranks_inside_different_calls_fail_together():
                f"rank 1: barrier, rank 2: attention)" in out
 
 
+@pytest.mark.parametrize("scenario,left,why", [
+    ("one_more_call_after_close", 1, "group.close(), or the end of its with-block"),
+    ("one_more_call_after_exit", 1, "its program ended, or dropped the group, with the group open"),
+    ("one_more_call_after_rank0_exit", 0, "its program ended, or dropped the group, with the group "
+                                          "open")])
+def test_a_call_that_a_rank_which_left_never_made_fails_at_once(scenario, left, why):
+    """A rank leaves its group (closes it, or its program ends with it open) while the others
+    make one more call (an evaluation it does not make, one more batch): they fail at once with
+    a ValueError naming the rank that left and why, not at their 600 s timeout; a second call
+    after the first error was caught too."""
+    status, out, seconds = run_faulty(scenario, limit=120, timeout=600)
+    assert status == 0 and seconds < 60, out
+    said = (f"rank 0 has left the group ({why}) while this rank is inside a burstcu call" if left == 0
+            else f"ranks are inside different burstcu calls (rank 0: attention, rank 1: no call: it "
+                 f"has left the group ({why}), rank 2: attention)")
+    for rank, attempt in itertools.product({0, 1, 2} - {left}, (1, 2)):   # a second call too
+        caught = re.search(rf"rank {rank} caught call {attempt} after ([0-9.]+) s: (.*)", out)
+        assert caught and float(caught[1]) < 10 and caught[2].startswith(said), out
+        assert "more batches on some ranks than on others" in caught[2], out
+    assert f"rank {left} caught" not in out, out
+
+
 def test_waiting_for_a_late_peer_does_not_spin():
     """Rank 1 arrives 3 s late: the others wait those 3 s using well under 1 s of CPU (the
     progress thread included: process CPU time)."""
@@ -710,6 +736,23 @@ def test_a_training_loop_runs_and_repeats_its_bits(nprocs):
 def test_4500_init_close_cycles_leak_no_communicator():
     results = run_mpi(2, "resource_bodies:init_close_cycles", timeout=240)
     assert [r["cycles"] for r in results] == [4500, 4500]
+
+
+def test_a_program_that_finalizes_mpi_with_its_group_open_ends_cleanly():
+    """Nothing burstcu does at the interpreter's exit (telling the peers it has left) touches MPI
+    once the program has finalized it."""
+    status, out, _ = run_faulty("finalize_with_group_open", plain=True, timeout=60)
+    assert status == 0 and all(f"rank {r} finished" in out for r in range(3)), out
+    assert "after finalizing" not in out, out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_closed_groups_notices_reach_no_later_communicator(world):
+    """What closing sends (a notice that the rank has left) is taken before the communicator is
+    freed: no later communicator, the user's included, ever sees a stray message."""
+    for rank, r in enumerate(run_mpi(world, "resource_bodies:closed_groups_leave_no_message",
+                                     timeout=240)):
+        assert r["stray"] == 0 and r["parked"] <= 2, (rank, r)
 
 
 def test_close_stops_worker_threads_and_a_closed_group_says_so():

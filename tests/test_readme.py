@@ -63,8 +63,8 @@ def test_main_job_command_runs_the_demo_under_mpiexec():
 def test_documented_api_exists():
     for name in ("init", "attention", "attention_backward", "shard", "unshard", "Group", "Sharding",
                  "decode", "KVCache", "linear_attention", "linear_attention_backward", "plan",
-                 "Link", "SameShardsWarning", "HeadsAxisWarning", "CommTimeoutError", "PeerFailedError",
-                 "BlockMask"):
+                 "Link", "SameShardsWarning", "HeadsAxisWarning", "CallSiteWarning", "CommTimeoutError",
+                 "PeerFailedError", "BlockMask"):
         assert hasattr(burstcu, name), name
 
 

@@ -3,6 +3,7 @@ hang; and the group keeps working afterwards."""
 
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,6 +141,77 @@ def test_empty_axes_get_their_own_errors_not_the_swapped_axes_hint():
         burstcu.attention(*(np.zeros((1, 0, 2, 0), np.float32),) * 3)
     with pytest.raises(ValueError, match="does not fit the cache .*of Hkv$"):
         burstcu.decode(np.zeros((1, 1, 4, 8), np.float32), *(np.zeros((1, 16, 0, 8), np.float32),) * 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.mpi
+def test_a_call_one_rank_makes_alone_is_named_on_every_rank(world):
+    """Rank 0's evaluation paired with the others' training step (same shapes, so nothing else
+    tells): a CallSiteWarning on every rank, at the caller's line, naming where rank 0 and a
+    peer made the call; none for the same call from one place, nor for calls that meet inside
+    burstcu.ordered_by below a wrapper only rank 0 has; none in a world of one."""
+    for rank, r in enumerate(run_mpi(world, "calls_from_different_places", timeout=120)):
+        if world == 1:
+            assert r["one_rank_alone"] == [], r
+        else:
+            (category, file, message), = r["one_rank_alone"]
+            assert category == "CallSiteWarning" and file == "bodies.py", (rank, r)
+            places = re.search(r"rank 0 from bodies\.py:(\d+) in evaluate; rank 1 from "
+                               r"bodies\.py:(\d+) in train_step\. ", message)
+            assert places, (rank, message)
+            source = (Path(__file__).parent / "mpi" / "bodies.py").read_text().splitlines()
+            assert all("burstcu.attention(q, k, v, group)" in source[int(n) - 1] for n in places.groups())
+            assert "burstcu.ordered_by(label)" in message and "CallSiteWarning" in message, message
+        assert r["same_place"] == [] and r["wrapped_inside_ordered_by"] == [], (rank, r)
+
+
+def test_an_unshard_made_from_different_places_is_named_on_every_rank():
+    """unshard compares the ranks' places too (ranks as threads: one CallSiteWarning each)."""
+    from burstcu.testing.world import run_ranks
+
+    def body(group):
+        x = np.arange(8.0).reshape(1, 8, 1, 1)[:, 4 * group.rank:4 * group.rank + 4]
+        rounds, agree = [], group.transport.allgather_object
+        group.transport.allgather_object = lambda obj, what: rounds.append(what) or agree(obj, what)
+        for _ in range(3):   # the same difference again: the places are gathered once
+            if group.rank == 0:
+                burstcu.unshard(x, group)   # rank 0 alone: logging, say
+            else:
+                burstcu.unshard(x, group)
+        return rounds
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rounds = run_ranks(2, body)
+    assert rounds == [["unshard", "unshard (the places it was called from)", "unshard", "unshard"]] * 2, \
+        rounds
+    said = [str(w.message) for w in caught if w.category is burstcu.CallSiteWarning]
+    assert len(said) == 6 and len(set(said)) == 1, said
+    assert re.match(r"the ranks made this unshard call from different places in the program: "
+                    r"rank 0 from test_validation\.py:\d+ in body; rank 1 from "
+                    r"test_validation\.py:\d+ in body\. ", said[0]), said[0]
+
+
+def test_a_call_site_warning_made_an_error_is_raised_on_every_rank():
+    """With the warning an error (`-W error`), every rank raises it from the call, catchable,
+    and the group goes on: it is not one rank's failure that ends the world."""
+    from burstcu.testing.world import run_ranks
+
+    def body(group):
+        q = np.random.default_rng(group.rank).standard_normal((1, 8, 1, 8))
+        try:
+            if group.rank == 0:
+                burstcu.attention(q, q, q, group)
+            else:
+                burstcu.attention(q, q, q, group)
+        except burstcu.CallSiteWarning as exc:
+            caught = str(exc)
+        return caught[:40], burstcu.attention(q, q, q, group).shape
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", burstcu.CallSiteWarning)
+        results = run_ranks(2, body)
+    assert results == [("the ranks made this attention call from ", (1, 8, 1, 8))] * 2, results
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -117,21 +117,44 @@ _FRAMEWORKS = ("torch", "jax", "jaxlib")
 _WRAPPER_FILES = tuple(os.path.abspath(m.__file__) for m in (contextlib, functools))
 
 
-def caller_stacklevel() -> int:
-    """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
-    warning names the first frame outside the burstcu package and the frameworks its adapters
-    go through (the user's line), or the outermost frame where none is (a thread burstcu
-    started)."""
+def not_the_users_files() -> tuple:
+    """The folders (and files) whose frames are never the user's: the burstcu package, the
+    frameworks its adapters go through (those imported by now), contextlib and functools."""
+    return _not_the_users(tuple(name in sys.modules for name in _FRAMEWORKS))
+
+
+@functools.lru_cache(maxsize=None)
+def _not_the_users(imported: tuple) -> tuple:
+    """`not_the_users_files` once `_FRAMEWORKS` stand imported or not as `imported` says."""
     packages = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep]
     for name in _FRAMEWORKS:
         file = getattr(sys.modules.get(name), "__file__", None)   # imported by then, if used
         if file:
             packages.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(packages) + _WRAPPER_FILES
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_users(code_file: str, not_the_users: tuple) -> bool:
+    """Whether frames of `code_file` (a code object's co_filename) are the user's."""
+    file = os.path.abspath(code_file)
+    return not file.startswith(not_the_users)
+
+
+def is_users_frame(frame, not_the_users: tuple | None = None) -> bool:
+    """Whether `frame` runs the user's code: none of burstcu's, of the frameworks its adapters
+    go through, or of the standard library's wrappers they use (`not_the_users_files`)."""
+    return _is_users(frame.f_code.co_filename, not_the_users or not_the_users_files())
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` in the function that calls this one, so that the
+    warning names the first frame outside the burstcu package and the frameworks its adapters
+    go through (the user's line), or the outermost frame where none is (a thread burstcu
+    started)."""
+    not_the_users = not_the_users_files()
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None:
-        file = os.path.abspath(frame.f_code.co_filename)
-        if not (file.startswith(tuple(packages)) or file in _WRAPPER_FILES):
-            break
+    while frame.f_back is not None and not is_users_frame(frame, not_the_users):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -190,11 +190,20 @@ def check_contiguous(buf: Any, what: str, transport: str) -> None:
         raise ValueError(f"{transport} transport needs C-contiguous buffers; the {what} buffer is not")
 
 
+# the call a rank that has left its group stands for in its peers' agreement rounds
+# (`Transport.say_left`), followed by why it left
+LEFT = "no call: it has left the group"
+CLOSED = "group.close(), or the end of its with-block"   # why a rank that closed its group left
+UNMATCHED = ("the ranks still in the group made a call that the rank which left did not make (an "
+             "evaluation on some ranks alone, or more batches on some ranks than on others)")
+
+
 def calls_differ(labels: Sequence[str]) -> ValueError:
     """The error every rank raises when the agreement finds ranks inside different calls."""
     calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
+    left = any(label.startswith(LEFT) for label in labels)
     return ValueError(f"ranks are inside different burstcu calls ({calls}): every rank must make "
-                      f"the same calls in the same order")
+                      f"the same calls in the same order" + (f"; {UNMATCHED}" if left else ""))
 
 
 def answer_of(messages: list[tuple]) -> dict:
@@ -214,6 +223,11 @@ def agreed(answer: dict) -> list:
     """The values of an agreement round's answer (`answer_of`), or the error every rank raises."""
     if "calls" in answer:
         raise calls_differ(answer["calls"])
+    if "left" in answer:   # rank 0's notice that it has left (`Transport.say_left`)
+        rank, why = answer["left"]
+        raise ValueError(f"rank {rank} has left the group ({why}) while this rank is inside a "
+                         f"burstcu call: every rank must make the same calls in the same order; "
+                         f"{UNMATCHED}")
     if "unusable" in answer:
         rank, why = answer["unusable"]
         raise ValueError(f"rank {rank}'s agreement message cannot be used: {why}. Are all ranks "
@@ -238,6 +252,9 @@ class Transport(ABC):
             raise ValueError(f"rank {rank} is outside a group of size {size}")
         self.rank = rank
         self.size = size
+        # the places in the program the group's calls came from, where they differed between
+        # ranks (`burstcu.validate.warn_if_sites_differ`)
+        self.sites_seen: dict = {}
         self.stats = CommStats()
         self.timeout = resolve_timeout(timeout)
         self.call: str | None = None     # the burstcu call in progress ("attention forward")
@@ -407,6 +424,16 @@ class Transport(ABC):
     def close(self) -> None:
         """Release resources (threads, communicators), sub-groups included."""
         self._close_subgroups()
+
+    # whether `close` tells the peers this rank has left (`say_left`); False where an exception
+    # that is this rank's own closes the group
+    says_left = True
+
+    def say_left(self, why: str) -> None:
+        """Tell the peers, without waiting for any, that this rank has left the group (`why`: it
+        closed it, its program ended), so that a peer inside a call this rank never made fails
+        at once (`LEFT`, `UNMATCHED`) instead of at its timeout. Default: nothing (the peers
+        wait until their timeout)."""
 
 
 class SelfTransport(Transport):

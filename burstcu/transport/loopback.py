@@ -41,8 +41,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import wire
-from .base import (FIRST_USE_COMPILE, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
-                   check_contiguous, nbytes)
+from .base import (CLOSED, FIRST_USE_COMPILE, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
+                   answer_of, check_contiguous, nbytes)
 from .streams import CupyStreams, join_stream
 
 
@@ -60,9 +60,14 @@ class LoopbackHub:
         self._cond = threading.Condition()
         self._boxes: dict[tuple, Any] = {}
         self._failure: str | None = None
-        self._objects: dict[int, list] = {}  # round -> [slots, readers]
-        self._rounds = [0] * size
+        # a rank's k-th transport on the hub (`join`) meets the others' k-th: its generation,
+        # each with its own agreement rounds
+        self._objects: dict[tuple, list] = {}   # (generation, round) -> [slots, readers]
+        self._rounds: dict[tuple, int] = {}     # (rank, generation) -> its next round
+        self._generations = [0] * size          # transports made so far, rank by rank
         self._subhubs: dict[tuple, LoopbackHub] = {}
+        # (rank, generation) -> what stands for that rank in the generation's rounds once it left
+        self._left: dict[tuple, Any] = {}
 
     def subhub(self, name: str, members: tuple[int, ...]) -> "LoopbackHub":
         """The hub of the sub-group `members` made under `name`: the first member thread to ask
@@ -86,6 +91,19 @@ class LoopbackHub:
         for hub in subhubs:
             hub.abort(reason)
 
+    def join(self, rank: int) -> int:
+        """A transport of `rank` is made on this hub: its generation (1 for the first)."""
+        with self._cond:
+            self._generations[rank] += 1
+            return self._generations[rank]
+
+    def leave(self, rank: int, generation: int, stand_in: Any) -> None:
+        """`rank`'s transport of `generation` has left: `stand_in` is its object in every one of
+        that generation's agreement rounds from now on."""
+        with self._cond:
+            self._left[(rank, generation)] = stand_in
+            self._cond.notify_all()
+
     def put(self, key: tuple, value: Any) -> None:
         with self._cond:
             assert key not in self._boxes, f"message {key} posted twice"
@@ -105,18 +123,26 @@ class LoopbackHub:
                 self._cond.wait(min(left, 1.0))
             return self._boxes.pop(key)
 
-    def allgather_object(self, rank: int, obj: Any) -> list:
-        """Every rank's `obj` in rank order. Round k of every rank meets round k of the others;
-        a round's slots are dropped once every rank has read them."""
+    def allgather_object(self, rank: int, obj: Any, generation: int = 0) -> list:
+        """Every rank's `obj` in rank order. Round k of every rank's transports of `generation`
+        meets round k of the others'; a rank that has left (`leave`) is its stand-in there; a
+        round's slots are dropped once every rank has read them (or stands in)."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
-            round_ = self._rounds[rank]
-            self._rounds[rank] += 1
-            slots, readers = self._objects.setdefault(round_, [[None] * self.size, 0])
+            round_ = self._rounds.get((rank, generation), 0)
+            self._rounds[(rank, generation)] = round_ + 1
+            key = (generation, round_)
+            slots = self._objects.setdefault(key, [[None] * self.size, 0])[0]
             slots[rank] = (obj,)
             self._cond.notify_all()
             while any(slot is None for slot in slots):
+                for peer in [p for p, slot in enumerate(slots) if slot is None]:
+                    if (peer, generation) in self._left:
+                        slots[peer] = (self._left[(peer, generation)],)
+                        self._objects[key][1] += 1   # it reads nothing more
                 missing = [peer for peer, slot in enumerate(slots) if slot is None]
+                if not missing:
+                    break
                 if self._failure is not None:
                     raise PeerFailedError(f"rank {rank} stopped waiting for rank(s) {missing} "
                                           f"(agreement round {round_}): {self._failure}")
@@ -125,9 +151,9 @@ class LoopbackHub:
                     raise CommTimeoutError(f"rank {rank} waited {self.timeout:.0f} s for rank(s) "
                                            f"{missing} (agreement round {round_})")
                 self._cond.wait(min(left, 1.0))
-            self._objects[round_][1] += 1
-            if self._objects[round_][1] == self.size:
-                del self._objects[round_]
+            self._objects[key][1] += 1
+            if self._objects[key][1] == self.size:
+                del self._objects[key]
             return [slot[0] for slot in slots]
 
 
@@ -184,6 +210,7 @@ class LoopbackTransport(Transport):
     def __init__(self, rank: int, hub: LoopbackHub, device: Any):
         super().__init__(rank, hub.size, hub.timeout)
         self.hub = hub
+        self.generation = hub.join(rank)
         self.device = device
         self.stream = device.new_stream()
         self._arrived = device.new_event()
@@ -284,11 +311,21 @@ class LoopbackTransport(Transport):
 
     def allgather_object(self, obj: Any, what: str = "metadata") -> list:
         # in the wire encoding, as over MPI: plain values only, whatever the transport
-        messages = self.hub.allgather_object(self.rank, wire.labelled(what, obj))
+        messages = self.hub.allgather_object(self.rank, wire.labelled(what, obj), self.generation)
         return agreed(answer_of([wire.unlabelled(m) for m in messages]))
 
     def barrier(self) -> None:
         self.allgather_object(None, "barrier")
+
+    def say_left(self, why: str) -> None:
+        """(See `Transport.say_left`.) A message labelled as the call `LEFT` stands for this
+        rank in its peers' agreement rounds from now on."""
+        self.hub.leave(self.rank, self.generation, wire.labelled(f"{LEFT} ({why})", None))
+
+    def close(self) -> None:
+        super().close()
+        if self.says_left:
+            self.say_left(CLOSED)
 
     def _abort(self, reason: str) -> None:
         self.hub.abort(reason)

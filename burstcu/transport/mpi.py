@@ -27,6 +27,12 @@ message", "rank 1 to take this rank's message"), not those whose messages alread
 when MPI has moved everything and the emulated link alone is late, it names the exchange's peers
 and the link.
 
+A rank that leaves a group (closes it, or its program ends with it open) tells its peers so
+(`say_left`): a peer inside a call it never made (one more batch) fails at once, naming it,
+instead of waiting out its timeout. The communicator is freed only once the peers' own notices
+have come back (`_Parked`): MPI hands a freed communicator's context to the next one made, where
+a late notice would be read as a message of that one's.
+
 The transport duplicates the user's communicator, so its messages can never match the user's.
 Before it exists, the start-up gathers (`gather_plain`) use collectives only, which match no
 message of the user's (and cannot tell which rank is late).
@@ -36,15 +42,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
 
-from .base import (ABORT_GRACE_S, CommTimeoutError, PeerFailedError, Transport, agreed, answer_of,
-                   deadline_after, nbytes, poll_until, sleep_until)
+from .base import (ABORT_GRACE_S, CLOSED, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
+                   answer_of, deadline_after, nbytes, poll_until, sleep_until)
 from . import wire
 from .link import Link, port_of, release_port
 
@@ -52,6 +59,76 @@ PROGRESS = ("thread", "inline")   # where transfers progress: a worker thread, o
 _TAG_RING = 7
 _TAG_AGREE = 8
 _ROOT_GRACE_S = 2.0  # other ranks wait this much longer, so rank 0 names a missing rank first
+_FAREWELLS: list[bytes] = []   # what `say_left` sent, alive for as long as MPI might read it
+
+
+class _Parked:
+    """Communicators closed by this rank whose peers may still send on them: the `say_left`
+    notice is the last message a rank sends there, so a communicator is freed once this rank
+    has taken the notice of every peer that sends it one (rank 0: every other rank's; the
+    others: rank 0's), and whatever came before it. Freed earlier, its context could be handed to a new
+    communicator (MPICH reuses them) where a late notice would be taken as that one's message
+    (one of the next group's, or of the user's); until then it stays, and each transport made
+    or closed frees those whose peers have all spoken."""
+
+    def __init__(self):
+        self.comms: list[tuple[Any, set]] = []   # (communicator, peers not heard from yet)
+        self.lock = threading.Lock()
+
+    def park(self, comm, peers: set) -> None:
+        with self.lock:
+            self.comms.append((comm, set(peers)))
+        self.free_heard()
+
+    def free_heard(self) -> None:
+        from mpi4py import MPI
+
+        if MPI.Is_finalized():   # (any MPI call would end the process)
+            return
+        with self.lock:
+            waiting = []
+            for comm, peers in self.comms:
+                try:
+                    peers -= {peer for peer in peers if _took_notice(comm, peer)}
+                    if not peers:
+                        comm.Free()
+                except Exception:  # noqa: BLE001 - MPI finalized (interpreter exit): all gone
+                    continue
+                if peers:
+                    waiting.append((comm, peers))
+            self.comms = waiting
+
+
+def _took_notice(comm, peer: int) -> bool:
+    """Take every message `peer` has sent on `comm` so far; whether its `say_left` notice (the
+    last it sends there) was among them."""
+    from mpi4py import MPI
+
+    while True:
+        status = MPI.Status()
+        message = comm.Improbe(source=peer, tag=MPI.ANY_TAG, status=status)
+        if message is None:
+            return False
+        data = bytearray(status.Get_count(MPI.BYTE))
+        message.Recv([data, MPI.BYTE])
+        if status.Get_tag() == _TAG_AGREE and _is_notice(bytes(data)):
+            return True
+
+
+def _is_notice(data: bytes) -> bool:
+    """Whether agreement bytes are a `say_left` notice: rank 0's answer {"left": ...}, or another
+    rank's message labelled as the call `LEFT`."""
+    try:
+        message = wire.decode(data)
+    except ValueError:
+        return False
+    if isinstance(message, dict):
+        return "left" in message
+    label, _, _ = wire.unlabelled(data)
+    return label.startswith(LEFT)
+
+
+PARKED = _Parked()
 
 
 def _byte_view(buf: np.ndarray) -> np.ndarray:
@@ -156,7 +233,11 @@ class MPITransport(Transport):
             raise TypeError(f"link must be a burstcu.Link or None, not {type(link).__name__}")
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.job_ranks = _world_ranks(comm)
+        # peers whose `say_left` notice a round has taken -> that notice (rank 0's: its answer;
+        # the others': their message, unlabelled), which stands for them in every later round
+        self.heard_left: dict[int, Any] = {}
         self.where = "creating the group (every rank must call burstcu.init)"
+        PARKED.free_heard()
         self.comm, request = comm.Idup()  # a private communicator; bounded like every wait
         poll_until(request.Test, self.deadline(), lambda: self._init_timed_out(comm))
         self.where = "between calls"
@@ -324,7 +405,7 @@ class MPITransport(Transport):
     def _collect(self, mine: bytes) -> dict:
         """Rank 0: receive every rank's labelled message, answer each with the values, the calls
         when they differ, or the first rank whose message cannot be used."""
-        got: dict[int, tuple] = {0: wire.unlabelled(mine)}
+        got: dict[int, tuple] = {0: wire.unlabelled(mine), **self.heard_left}
 
         def arrived() -> bool:
             for r in range(1, self.size):
@@ -340,7 +421,9 @@ class MPITransport(Transport):
             f"(they may have failed, exited, or be inside another call)"))
         payload = wire.encode(answer_of([got[r] for r in range(self.size)]),
                               limit=self.size * wire.MAX_BYTES)
-        sends = [_send(self.comm, payload, r) for r in range(1, self.size)]
+        left = {r: got[r] for r in range(1, self.size) if got[r][0].startswith(LEFT)}
+        self.heard_left.update(left)   # taken: `close` waits for them no more, rounds stand them in
+        sends = [_send(self.comm, payload, r) for r in range(1, self.size) if r not in left]
         with self._naming_peers("the other ranks to take the agreement's answer"):
             poll_until(lambda: all(req.Test() for req in sends), self.deadline(),
                        lambda: self.timed_out("the other ranks to take the agreement's answer"))
@@ -348,6 +431,8 @@ class MPITransport(Transport):
 
     def _ask(self, mine: bytes) -> dict:
         """Other ranks: send this rank's labelled message to rank 0 and wait for its answer."""
+        if 0 in self.heard_left:   # rank 0 has left: its notice answers every round
+            return self.heard_left[0]
         send = _send(self.comm, mine, 0)
         box: list = []
 
@@ -364,7 +449,10 @@ class MPITransport(Transport):
         with self._naming_peers(f"rank {self.top_rank(0)} to take this rank's agreement message"):
             poll_until(send.Test, self.deadline(), lambda: self.timed_out("rank 0 to take this "
                                                                           "rank's agreement message"))
-        return wire.decode(box[0], limit=self.size * wire.MAX_BYTES)
+        answer = wire.decode(box[0], limit=self.size * wire.MAX_BYTES)
+        if isinstance(answer, dict) and "left" in answer:
+            self.heard_left[0] = answer
+        return answer
 
     def allgather(self, send_buf, recv_buf):
         """Counted (and paced on an emulated link) as G-1 messages of send_buf's size each
@@ -403,8 +491,36 @@ class MPITransport(Transport):
         # closed meanwhile (its communicator freed): the world's abort ends the same job
         (self.comm if self.comm is not None else MPI.COMM_WORLD).Abort(1)
 
+    def say_left(self, why: str) -> None:
+        """(See `Transport.say_left`.) Rank 0 sends each peer the answer {"left": (0, why)} to
+        the agreement round it is in or will be in; the others send rank 0 a message labelled
+        as the call `LEFT`, which rank 0's round answers as ranks inside different calls. The
+        sends are a few bytes (completed as posted: MPI's eager protocol), tested for a moment,
+        then freed; a peer that has left too never receives them."""
+        from mpi4py import MPI
+
+        if self.comm is None or self.size == 1 or MPI.Is_finalized():   # (a call now would end
+            return                                                       # the process)
+        payload = wire.encode({"left": (0, why)}) if self.rank == 0 else \
+            wire.labelled(f"{LEFT} ({why})", None)
+        try:
+            sends = [_send(self.comm, payload, r) for r in (range(1, self.size) if self.rank == 0
+                                                              else (0,))]
+        except MPI.Exception:   # MPI finalized (interpreter exit): nobody is left to tell
+            return
+        with suppress(MPI.Exception, TimeoutError):
+            poll_until(lambda: all(req.Test() for req in sends), deadline_after(0.2), TimeoutError)
+        unsent = [req for req in sends if req != MPI.REQUEST_NULL]
+        if unsent:
+            _FAREWELLS.append(payload)   # MPI may still read it
+        for req in unsent:
+            with suppress(MPI.Exception):
+                req.Free()
+
     def close(self):
         self._close_subgroups()
+        if self.comm is not None and self.says_left:
+            self.say_left(CLOSED)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -413,8 +529,6 @@ class MPITransport(Transport):
             self._port = None
         if self.comm is None:
             return
-        try:
-            self.comm.Free()
-        except Exception:  # MPI already finalized at interpreter exit
-            pass
+        # freed once the peers that tell this rank they have left (`say_left`) have done so
+        PARKED.park(self.comm, (set(range(1, self.size)) if self.rank == 0 else {0}) - set(self.heard_left))
         self.comm = None

@@ -445,6 +445,10 @@ class NCCLTransport(Transport):
             sub_host.close()
             raise
 
+    def say_left(self, why: str) -> None:
+        if self.meta is not None:   # the agreement rounds run there
+            self.meta.say_left(why)
+
     def close(self) -> None:
         self._close_subgroups()
         self.watchdog.stop()

@@ -806,6 +806,47 @@ def sdpa_order_on_every_rank():
     return result
 
 
+def calls_from_different_places():
+    """Rank 0 evaluates (an attention call of its own, through `evaluate`) while the others run
+    their next step (through `train_step`): both calls have the same shapes, so they pair, and
+    each rank reports the CallSiteWarnings it got (category, file, message). Then every rank
+    runs `train_step` (no warning), and rank 0 alone through a wrapper of its own with the
+    call inside burstcu.ordered_by (no warning: the places are compared from there in)."""
+    import os
+    import warnings
+
+    group = burstcu.init(backend="numpy", timeout=60)
+    rng = np.random.default_rng(group.rank)
+    q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+
+    def train_step():
+        return burstcu.attention(q, k, v, group)
+
+    def evaluate():
+        return burstcu.attention(q, k, v, group)
+
+    def ordered_step():
+        with burstcu.ordered_by("step"):
+            return burstcu.attention(q, k, v, group)
+
+    def timed(step):   # a wrapper rank 0 alone puts around its step
+        return step()
+
+    result = {}
+    for name, calls in (("one_rank_alone", [evaluate if group.rank == 0 else train_step]),
+                        ("same_place", [train_step]),
+                        ("wrapped_inside_ordered_by",
+                         [(lambda: timed(ordered_step)) if group.rank == 0 else ordered_step])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for call in calls:
+                call()
+        result[name] = [(w.category.__name__, os.path.basename(w.filename), str(w.message))
+                        for w in caught]
+    group.close()
+    return result
+
+
 def global_array_on_every_rank():
     """Every rank passes the same global array: a SameShardsWarning that names this file's line
     (not burstcu's) and says how to silence it; with documents that cover one copy of the rows

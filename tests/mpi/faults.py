@@ -173,6 +173,27 @@ def mismatched_calls(group, q, k, v) -> None:
         _say(f"rank {group.rank} caught: {exc}")
 
 
+def one_more_call(leaving: int, closes: bool):
+    """An ending where rank `leaving` leaves the group (closing it, or its program ending with
+    it open) and the others make one more call (an evaluation it does not make): they must fail
+    at once, not at the timeout, and so must a second such call after the first's error was
+    caught. True: the rank leaves its group as it is (else main closes it)."""
+    def ending(group, q, k, v) -> bool:
+        if group.rank == leaving:
+            if closes:
+                group.close()
+            return True
+        for attempt in (1, 2):
+            t0 = time.monotonic()
+            try:
+                burstcu.attention(q, k, v, group)
+            except ValueError as exc:
+                _say(f"rank {group.rank} caught call {attempt} after {time.monotonic() - t0:.1f} s: "
+                     f"{exc}")
+        return False
+    return ending
+
+
 def slow_peer_cpu(group, q, k, v) -> None:
     """Rank 1 arrives 3 s late; the others must not spin."""
     if group.rank == 1:
@@ -229,10 +250,26 @@ def _raise_between_calls(group, where: str) -> None:
     _say(f"rank {group.rank} finished")
 
 
+def finalize_with_group_open(timeout: float) -> None:
+    """A program that calls MPI.Finalize() itself at its end, its group still open: nothing is
+    sent after it (MPICH ends a process that calls MPI then)."""
+    from mpi4py import MPI
+
+    group = burstcu.init(backend="numpy", timeout=timeout)
+    q, k, v, _ = _inputs(group)
+    burstcu.attention(q, k, v, group)
+    MPI.Finalize()
+    _say(f"rank {group.rank} finished")
+
+
 PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs,   # whole ones
             "subgroup_late": subgroup_late, "raise_in_second_group": raise_in_second_group,
-            "raise_in_with_block": raise_in_with_block}
-ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu}
+            "raise_in_with_block": raise_in_with_block,
+            "finalize_with_group_open": finalize_with_group_open}
+ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu,
+           "one_more_call_after_close": one_more_call(1, closes=True),
+           "one_more_call_after_exit": one_more_call(1, closes=False),
+           "one_more_call_after_rank0_exit": one_more_call(0, closes=False)}
 
 
 def main(scenario: str, timeout: float) -> None:
@@ -245,8 +282,8 @@ def main(scenario: str, timeout: float) -> None:
     q, k, v, dout = _inputs(group)
     misbehave(scenario, group, timeout, q, k, v)
     if scenario in ENDINGS:
-        ENDINGS[scenario](group, q, k, v)
-        group.close()
+        if not ENDINGS[scenario](group, q, k, v):
+            group.close()
         return
     out, lse = burstcu.attention(q, k, v, group, causal=True, return_lse=True)
     burstcu.attention_backward(dout, q, k, v, out, lse, group, causal=True)

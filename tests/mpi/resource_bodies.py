@@ -51,6 +51,33 @@ def init_close_cycles(cycles: int = 4500) -> dict:
     return {"cycles": cycles}
 
 
+def closed_groups_leave_no_message(cycles: int = 40) -> dict:
+    """Groups closed at different moments on each rank (rank r lingers after cycle c where
+    c % G == r): the notice each close sends its peers (`Transport.say_left`) never reaches a
+    communicator made later, neither the next group's calls nor the user's own duplicate of the
+    world (MPICH hands a freed communicator's context to the next one made), and the
+    communicators kept until their peers' notices come back stay few."""
+    import time
+
+    from mpi4py import MPI
+
+    from burstcu.transport.mpi import PARKED
+
+    world, q = MPI.COMM_WORLD, np.ones((1, 8, 1, 8))
+    stray = parked = 0
+    for cycle in range(cycles):
+        with burstcu.init(backend="numpy", timeout=60) as group:
+            assert np.allclose(burstcu.attention(q, q, q, group), 1.0)
+        if cycle % world.size == world.rank:
+            time.sleep(0.02)
+        users = world.Dup()
+        time.sleep(0.005)
+        stray += bool(users.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG))
+        users.Free()
+        parked = max(parked, len(PARKED.comms))
+    return {"stray": stray, "parked": parked}
+
+
 # (batch, rows per rank, heads, kv heads, dim, dtype): arrays of 16 MiB a rank (the first, as a
 # training step at batch 64 has), and smaller ones between; the sizes add up past any amount of
 # work arrays an op might keep between calls

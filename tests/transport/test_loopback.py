@@ -211,17 +211,9 @@ def test_a_failing_rank_inside_a_sub_group_ends_the_world():
     def body(group):
         local = [burstcu.shard(x, group, "zigzag") for x in (q, k, v)]
         if group.rank == 3:
-            ops = group.ops
-            step = ops.forward_step
-
             def failing(*args):
                 raise Boom("injected")
-            ops.forward_step = failing
-            try:
-                return burstcu.attention(*local, group, causal=True, layout="zigzag", strategy="usp",
-                                         ulysses_degree=2)
-            finally:
-                ops.forward_step = step
+            group.ops.forward_step = failing   # (the group is rank 3's alone)
         return burstcu.attention(*local, group, causal=True, layout="zigzag", strategy="usp",
                                  ulysses_degree=2)
 
@@ -341,6 +333,67 @@ def test_a_sub_group_made_after_an_abort_is_aborted():
     with pytest.raises(PeerFailedError, match="rank 1 failed"):
         sub.take(("msg", 1, 0, 0), "a message")
     assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("leaving", [0, 1])
+def test_a_call_that_a_rank_which_closed_its_group_never_made_fails_at_once(leaving):
+    """One rank closes its group; the others make one more call (one more batch): they raise a
+    ValueError at once naming the rank that left, not at their timeout (60 s here). A transport
+    made again for that rank on the hub takes part in rounds again."""
+    def body(group):
+        sh = burstcu.Sharding(group)
+        q, k, v, _ = (sh.shard(x) for x in _problem(0, 24, h=2, hkv=2))
+        burstcu.attention(q, k, v, sh)
+        if group.rank == leaving:
+            group.close()
+            return None
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as caught:
+            burstcu.attention(q, k, v, sh)
+        return str(caught.value), time.monotonic() - t0
+
+    results = run_ranks(3, body, timeout=60)
+    why = "group.close(), or the end of its with-block"
+    for rank, result in enumerate(results):
+        if rank == leaving:
+            assert result is None
+            continue
+        said, seconds = result
+        assert seconds < 10, result
+        assert "more batches on some ranks than on others" in said, said
+        calls = ["attention"] * 3
+        calls[leaving] = f"no call: it has left the group ({why})"
+        assert said.startswith("ranks are inside different burstcu calls (" + ", ".join(
+            f"rank {r}: {call}" for r, call in enumerate(calls)) + ")"), said
+
+
+
+def test_a_rank_that_closed_a_group_late_leaves_the_next_group_alone():
+    """Each rank's k-th group on a hub meets the others' k-th: rank 0 closing its first group
+    late (rank 1 already inside a round of its second, after a call rank 0 did not make) stands
+    in for rank 0 in the first group's rounds only; the second groups agree as if nothing was."""
+    from burstcu.transport.loopback import HostDevice
+    hub, answers = LoopbackHub(2, timeout=30), {}
+
+    def rank(r):
+        first = LoopbackTransport(r, hub, HostDevice())
+        first.allgather_object(r)
+        if r == 0:
+            time.sleep(0.3)
+        else:   # a call rank 0 never makes: refused once rank 0 has left
+            with pytest.raises(ValueError, match="rank 0: no call: it has left the group"):
+                first.allgather_object("extra")
+        first.close()
+        second = LoopbackTransport(r, hub, HostDevice())
+        answers[r] = [second.allgather_object(10 * r + i) for i in range(2)]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert answers == {r: [[0, 10], [1, 11]] for r in (0, 1)}, answers
+    assert hub._objects == {}
 
 
 def test_loopback_agreement_rounds_are_dropped_once_read():
