@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
 import numbers
 from contextlib import contextmanager
 
@@ -101,7 +102,8 @@ class KVCache:
             self.num_pages = arguments["num_pages"]
             shape = (self.num_pages, page_size, kv_heads, headdim)
             self.page_table = np.full((batch, per_row), -1, np.int32)
-            self._free = list(range(self.num_pages))        # this rank's free pages, lowest first
+            self._free = list(range(self.num_pages))   # this rank's free pages: a heap, lowest first
+            self._taken: list | None = None             # (b, i) of pages taken in a store block
             self._table_dev = None                           # the table on the device, when current
             # stand-ins of (batch, capacity, kv_heads, headdim) for the shape checks: no memory
             self._views = tuple(xp.broadcast_to(xp.zeros((), self.dtype), (batch, capacity_per_rank,
@@ -156,8 +158,10 @@ class KVCache:
         when the row starts a page."""
         i = row // self.page_size
         if self.page_table[b, i] < 0:
-            self.page_table[b, i] = self._free.pop(0)
+            self.page_table[b, i] = heapq.heappop(self._free)
             self._table_dev = None
+            if self._taken is not None:
+                self._taken.append((b, i))
         return int(self.page_table[b, i])
 
     def _store(self, b: int, row: int, k_row, v_row) -> None:
@@ -172,16 +176,26 @@ class KVCache:
 
     @contextmanager
     def _pages_restored_on_error(self):
-        """Around stores: if one raises, the page table and the free pages are put back as they
-        were, so no page stays taken by rows the counts do not hold (a later append on this
-        rank alone would otherwise find the free pages short)."""
-        saved = (self.page_table.copy(), list(self._free)) if self.paged else None
+        """Around stores: if one raises, the pages taken inside go back to the free pages and
+        their entries of the page table to -1, so no page stays taken by rows the counts do not
+        hold (a later append on this rank alone would otherwise find the free pages short). Its
+        cost is the pages taken, not the pool's size."""
+        if not self.paged:
+            yield
+            return
+        outer, self._taken = self._taken, []
         try:
             yield
         except BaseException:
-            if saved is not None:
-                self.page_table[...], self._free, self._table_dev = saved[0], saved[1], None
+            for b, i in self._taken:
+                heapq.heappush(self._free, int(self.page_table[b, i]))
+                self.page_table[b, i] = -1
+            self._table_dev = None
             raise
+        finally:
+            if outer is not None:
+                outer.extend(self._taken)
+            self._taken = outer
 
     def _full(self, counts) -> str | None:
         """Why `counts` (G, batch) do not fit (the same text on every rank), or None."""
@@ -207,7 +221,8 @@ class KVCache:
             for b in index:
                 if self.paged:
                     taken = self.page_table[b][self.page_table[b] >= 0]
-                    self._free = sorted(self._free + taken.tolist())
+                    self._free += taken.tolist()
+                    heapq.heapify(self._free)
                     self.page_table[b] = -1
                     self._table_dev = None
                 self.counts[:, b] = 0
@@ -382,9 +397,13 @@ class KVCache:
             warn_if_all_the_same([digest for _, digest in reports], "k_local")
             lengths = [n for n, _ in reports]
             n = int(k_local.shape[1])
-            if self.paged:
-                with self._pages_restored_on_error():
+            if self.paged:   # the whole table replaced: put back whole if a store raises
+                saved = self.page_table.copy(), list(self._free)
+                try:
                     self._prefill_pages(k_local, v_local)
+                except BaseException:
+                    self.page_table[...], self._free, self._table_dev = saved[0], saved[1], None
+                    raise
             else:
                 self.k[:, :n] = k_local
                 self.v[:, :n] = v_local

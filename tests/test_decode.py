@@ -383,7 +383,7 @@ def _state(cache):
 
 def _same_state(cache, state):
     table, free, counts = state
-    return (np.array_equal(cache.page_table, table) and cache._free == free
+    return (np.array_equal(cache.page_table, table) and sorted(cache._free) == sorted(free)
             and np.array_equal(cache.counts, counts))
 
 
