@@ -230,7 +230,6 @@ class UncaughtEndsTheJob:
             if not self.installed:
                 self.installed, self.previous, sys.excepthook = True, sys.excepthook, self.hook
 
-
     def left(self, group: Group, exc: BaseException | None) -> None:
         """`group` is closing while `exc` passes (None: none does)."""
         if exc is not None and self._watched(group) and not getattr(exc, "burstcu_agreed", False):

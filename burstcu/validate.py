@@ -12,7 +12,6 @@ import bisect
 import hashlib
 import math
 import numbers
-import os
 import re
 import sys
 import threading
@@ -26,8 +25,8 @@ import numpy as np
 from .blockmask import BlockMask
 from .cpu_tensors import host_view
 from .layout import LAYOUTS, Partition, partition
-from .ops.base import (accum_dtype, caller_stacklevel, dtype_name, finfo, is_users_frame,
-                       not_the_users_files)
+from .ops.base import (accum_dtype, caller_stacklevel, dtype_name, finfo, not_the_users_files,
+                       users_file_name)
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -531,35 +530,19 @@ SITE_FRAMES = 64   # the innermost frames of the program's that a call's place i
 
 def call_site() -> tuple:
     """Where in the program this call was made: (code, instruction offset, file name) for each
-    frame of the user's code on the stack (`is_users_frame`: none of burstcu's, nor of the
+    frame of the user's code on the stack (`users_file_name`: none of burstcu's, nor of the
     frameworks its adapters go through), outermost first, at most SITE_FRAMES; inside
     `ordered_by`, only the frames called from where it was entered. Its digest (`site_digest`)
     is what ranks compare, its words (`site_words`) what they show."""
     inside, frame = getattr(_ORIGIN, "frame", None), sys._getframe(1)
-    names, site = _users_file_names(not_the_users_files()), []
+    not_the_users, site = not_the_users_files(), []
     while frame is not None and frame is not inside and len(site) < SITE_FRAMES:
         code = frame.f_code
-        name = names.get(code.co_filename, False)
-        if name is False:   # a file not met yet
-            name = names[code.co_filename] = (os.path.basename(code.co_filename)
-                                              if is_users_frame(frame) else None)
+        name = users_file_name(code.co_filename, not_the_users)
         if name is not None:
             site.append((code, frame.f_lasti, name))
         frame = frame.f_back
     return tuple(reversed(site))
-
-
-_FILE_NAMES: dict = {}   # not_the_users_files() -> {a code's file: its name if the user's, else None}
-
-
-def _users_file_names(not_the_users: tuple) -> dict:
-    """The file names `call_site` has met, while the frameworks imported are these (a framework
-    imported later makes its files no longer the user's); emptied past 4096 files."""
-    names = _FILE_NAMES.get(not_the_users)
-    if names is None or len(names) > 4096:
-        _FILE_NAMES.clear()
-        names = _FILE_NAMES[not_the_users] = {}
-    return names
 
 
 def site_digest(site: tuple) -> str:

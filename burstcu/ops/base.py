@@ -135,16 +135,11 @@ def _not_the_users(imported: tuple) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_users(code_file: str, not_the_users: tuple) -> bool:
-    """Whether frames of `code_file` (a code object's co_filename) are the user's."""
+def users_file_name(code_file: str, not_the_users: tuple) -> str | None:
+    """The name of `code_file` (a code object's co_filename) where its frames are the user's:
+    none of `not_the_users` (`not_the_users_files`); else None."""
     file = os.path.abspath(code_file)
-    return not file.startswith(not_the_users)
-
-
-def is_users_frame(frame, not_the_users: tuple | None = None) -> bool:
-    """Whether `frame` runs the user's code: none of burstcu's, of the frameworks its adapters
-    go through, or of the standard library's wrappers they use (`not_the_users_files`)."""
-    return _is_users(frame.f_code.co_filename, not_the_users or not_the_users_files())
+    return None if file.startswith(not_the_users) else os.path.basename(file)
 
 
 def caller_stacklevel() -> int:
@@ -154,7 +149,7 @@ def caller_stacklevel() -> int:
     started)."""
     not_the_users = not_the_users_files()
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and not is_users_frame(frame, not_the_users):
+    while frame.f_back is not None and users_file_name(frame.f_code.co_filename, not_the_users) is None:
         frame, level = frame.f_back, level + 1
     return level
 

@@ -65,11 +65,11 @@ _FAREWELLS: list[bytes] = []   # what `say_left` sent, alive for as long as MPI 
 class _Parked:
     """Communicators closed by this rank whose peers may still send on them: the `say_left`
     notice is the last message a rank sends there, so a communicator is freed once this rank
-    has taken the notice of every peer that sends it one (rank 0: every other rank's; the
-    others: rank 0's), and whatever came before it. Freed earlier, its context could be handed to a new
-    communicator (MPICH reuses them) where a late notice would be taken as that one's message
-    (one of the next group's, or of the user's); until then it stays, and each transport made
-    or closed frees those whose peers have all spoken."""
+    has taken the notice of every peer that sends it one (`MPITransport._notice_peers`), and
+    whatever came before it. Freed earlier, its context could be handed to a new communicator
+    (MPICH reuses them) where a late notice would be taken as that one's message (one of the
+    next group's, or of the user's); until then it stays, and each transport made or closed
+    frees those whose peers have all spoken."""
 
     def __init__(self):
         self.comms: list[tuple[Any, set]] = []   # (communicator, peers not heard from yet)
@@ -504,9 +504,8 @@ class MPITransport(Transport):
         payload = wire.encode({"left": (0, why)}) if self.rank == 0 else \
             wire.labelled(f"{LEFT} ({why})", None)
         try:
-            sends = [_send(self.comm, payload, r) for r in (range(1, self.size) if self.rank == 0
-                                                              else (0,))]
-        except MPI.Exception:   # MPI finalized (interpreter exit): nobody is left to tell
+            sends = [_send(self.comm, payload, r) for r in self._notice_peers()]
+        except MPI.Exception:   # MPI's own error (a peer gone): nothing more to tell
             return
         with suppress(MPI.Exception, TimeoutError):
             poll_until(lambda: all(req.Test() for req in sends), deadline_after(0.2), TimeoutError)
@@ -530,5 +529,10 @@ class MPITransport(Transport):
         if self.comm is None:
             return
         # freed once the peers that tell this rank they have left (`say_left`) have done so
-        PARKED.park(self.comm, (set(range(1, self.size)) if self.rank == 0 else {0}) - set(self.heard_left))
+        PARKED.park(self.comm, self._notice_peers() - set(self.heard_left))
         self.comm = None
+
+    def _notice_peers(self) -> set[int]:
+        """The peers this rank tells it has left, and that tell it (`say_left`): every other
+        rank for rank 0, rank 0 for the others (the agreement rounds' two ways)."""
+        return set(range(1, self.size)) if self.rank == 0 else {0}
