@@ -231,7 +231,8 @@ def untakeable(exc: Exception, arrays: tuple,
                                      f"run eagerly under torch.compile")
     if "require" in text and "grad" in text:
         return InputError(TypeError, f"cannot take tensors that require grad ({text}): use "
-                                     f"burstcu.torch.attention for autograd, or pass .detach()")
+                                     f"burstcu.torch.attention / linear_attention / decode, "
+                                     f"which take them, or pass .detach()")
     if "dtype" in text.lower() and any("bfloat16" in str(getattr(x, "dtype", "")) for x in arrays):
         return InputError(TypeError, f"bfloat16 arrays cannot cross DLPack into NumPy ({text}): "
                                      f"{bfloat16_advice}")

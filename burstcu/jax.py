@@ -67,7 +67,8 @@ def _eager(fn, arrays, *args, **kwargs):
     memory JAX owns: `arrays.to_jax`), a tuple stays a tuple."""
     if any(_on_gpu(x) for x in arrays):
         return fn(*arrays, *args, **kwargs)
-    result = fn(*(np.asarray(x) for x in arrays), *args, **kwargs)
+    result = fn(*(x if isinstance(x, np.ma.MaskedArray) else np.asarray(x) for x in arrays),
+                *args, **kwargs)   # a masked array as it is: the call refuses it on every rank
     return tuple(to_jax(r) for r in result) if isinstance(result, tuple) else to_jax(result)
 
 

@@ -261,6 +261,10 @@ class KVCache:
             if x is None or isinstance(x, (numbers.Number, str, bytes)):
                 raise TypeError(f"KVCache.{what} takes k, v arrays (batch={b}, rows, kv_heads={hkv}, "
                                 f"headdim={d}); {name} is {type(x).__name__}")
+            if isinstance(x, np.ma.MaskedArray):
+                raise TypeError(f"KVCache.{what}: {name} is a numpy.ma.MaskedArray, whose mask the "
+                                f"cache would drop (storing the masked rows too): pass only the "
+                                f"rows to keep, as a plain array")
         k_new, v_new = xp.asarray(k_new), xp.asarray(v_new)
         if k_new.ndim != 4 or tuple(k_new.shape) != tuple(v_new.shape) or \
                 (k_new.shape[0], k_new.shape[2], k_new.shape[3]) != (b, hkv, d):

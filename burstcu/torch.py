@@ -41,7 +41,10 @@ def _to_burstcu(t: torch.Tensor):
     it on every rank, where raising here would leave the other ranks waiting."""
     if not isinstance(t, torch.Tensor):
         return t  # validation names what it is
-    t = resolved(t, detach=True).contiguous()
+    try:
+        t = resolved(t, detach=True).contiguous()
+    except RuntimeError:   # a sparse or otherwise non-strided tensor: validation names it
+        return t
     if t.is_cuda:
         return t
     try:
@@ -57,12 +60,14 @@ def _as_tensors(*xs) -> tuple:
     arrays: a call that takes their rows for other positions is refused, as `burstcu.attention`
     refuses the array); another framework's array (JAX, CuPy) through DLPack, zero-copy. Autograd
     saves tensors only, so an array given on one rank would fail there alone once the
-    collective forward had run. An array of a dtype torch cannot hold (burstcu refuses it too)
-    and anything else stay as they are: validation names them on every rank."""
+    collective forward had run. An array of a dtype torch cannot hold (burstcu refuses it too),
+    a masked array and anything else stay as they are: validation names them on every rank."""
     out = []
     for x in xs:
         try:
-            if isinstance(x, np.ndarray):
+            if isinstance(x, np.ma.MaskedArray):
+                pass   # its mask would be dropped: validation refuses it
+            elif isinstance(x, np.ndarray):
                 array, x = x, tensor_of(x.astype(x.dtype.newbyteorder("="), copy=True))
                 carry_cut(array, x)
             elif not isinstance(x, torch.Tensor) and hasattr(x, "__dlpack__"):

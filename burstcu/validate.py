@@ -101,7 +101,7 @@ def check_attention_inputs(q, k, v, *, array_types: tuple, dtypes: tuple, layout
                            softmax_scale, op_rule=None) -> InputError | None:
     """Local checks of q (B,S,H,D), k, v (B,S,Hkv,D). Returns the first problem, or None."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        err = _check_array(name, x, 4, array_types)
+        err = _check_array(name, x, 4, array_types, dtypes=None)   # the backend's dtypes below
         if err:
             return err
     if layout not in LAYOUTS:

@@ -5,6 +5,7 @@ the plain API's framework errors say what to do."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -760,3 +761,69 @@ def test_block_masks_through_torch_and_jax(torch, jax):
         *(jnp.asarray(x) for x in (q, k, v)))
     for got, ref in zip(grads, want):
         assert max_err(np.asarray(got), ref) < 1e-12
+
+
+def test_what_one_rank_passes_wrongly_is_refused_on_every_rank_by_the_adapters(torch, jax):
+    """A numpy.ma.MaskedArray (its mask would be dropped: the masked keys were attended to) and a
+    sparse tensor (it failed in `.contiguous()` on its rank alone, the peer waiting out the
+    timeout) given on rank 1 only: TypeError on both ranks at once, naming it, through
+    burstcu.torch's attention and linear_attention and burstcu.jax.decode."""
+    from burstcu.testing.world import run_ranks
+
+    q, k, v, _ = (x[:1, :8].astype(np.float32) for x in _inputs(3))
+    mask = np.zeros(k.shape, bool)
+    mask[:, 4:] = True   # "keys 4.. are padding"
+    masked = np.ma.masked_array(k, mask=mask)
+    sparse = torch.from_numpy(k).to_sparse()
+    calls = {"torch attention": (burstcu.torch.attention, masked, "MaskedArray"),
+             "torch linear_attention": (burstcu.torch.linear_attention, masked, "MaskedArray"),
+             "torch attention, sparse": (burstcu.torch.attention, sparse, "layout"),
+             "jax decode": (lambda q, k, v, group: burstcu.jax.decode(q[:, :1], k, v, group),
+                            masked, "MaskedArray")}
+
+    def body(group):
+        said = {}
+        for name, (call, odd, word) in calls.items():
+            start = time.perf_counter()
+            try:
+                call(q, odd if group.rank == 1 else k, v, group)
+                said[name] = "ran"
+            except TypeError as exc:
+                said[name] = (word in str(exc), time.perf_counter() - start)
+        return said
+
+    for said in run_ranks(2, body, timeout=60):
+        assert all(s != "ran" and s[0] and s[1] < 5 for s in said.values()), said
+
+
+def test_a_kv_cache_refuses_masked_rows():
+    """KVCache.from_prefill and append stored a masked array's masked rows too (decode then
+    attended to them); both refuse it now, before anything is stored."""
+    cache = burstcu.KVCache(None, 1, 16, 2, 16, np.float32)
+    k = np.ones((1, 8, 2, 16), np.float32)
+    masked = np.ma.masked_array(k, mask=np.broadcast_to(np.arange(8)[None, :, None, None] >= 4, k.shape))
+    with pytest.raises(TypeError, match="k is a numpy.ma.MaskedArray"):
+        cache.from_prefill(masked, k)
+    cache.from_prefill(k, k)
+    with pytest.raises(TypeError, match="v is a numpy.ma.MaskedArray"):
+        cache.append(k[:, :1], masked[:, :1])
+    assert int(cache.seqlens[0]) == 8
+
+
+def test_the_advice_for_refused_dtypes_and_tensors_names_what_works():
+    """The emulated backend refused int32 with "supported: float16, bfloat16, float32, float64"
+    (it refuses the last two); decode given a tensor that requires grad was told to use
+    burstcu.torch.attention."""
+    from burstcu.testing.world import run_ranks
+
+    def body(group):
+        x = np.ones((1, 8, 2, 16), np.int32)
+        with pytest.raises(TypeError, match="supports dtypes float16, bfloat16; got int32"):
+            burstcu.attention(x, x, x, group)
+        return True
+
+    assert run_ranks(1, body, backend="emulated") == [True]
+    torch = pytest.importorskip("torch")
+    t = torch.ones(1, 8, 2, 16, requires_grad=True)
+    with pytest.raises(TypeError, match="burstcu.torch.attention / linear_attention / decode"):
+        burstcu.decode(t[:, :1], t, t)
