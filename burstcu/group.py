@@ -33,7 +33,8 @@ from .build.variants import kernel_dir, kernel_sources_digest
 from .ops.base import LocalOps
 from .ops.cuda import KernelOps
 from .ops.numpy import NumpyOps
-from .transport.base import DEFAULT_TIMEOUT, CommStats, SelfTransport, Transport, resolve_timeout
+from .transport.base import (BY_CLOSE, DEFAULT_TIMEOUT, RAISED, CommStats, SelfTransport, Transport,
+                             resolve_timeout)
 from .transport.link import Link
 from .transport.loopback import CupyCopyDevice, HostDevice, LoopbackTransport
 from .transport.mpi import PROGRESS, MPITransport
@@ -125,8 +126,11 @@ class Group:
         passing = sys.exc_info()[1]
         UNCAUGHT.left(self, passing)   # closed by `with` or `finally` as it passes
         if passing is not None and not getattr(passing, "burstcu_agreed", False):
-            self.transport.says_left = False   # the job ends on it (`UncaughtEndsTheJob`), or the
-            # caller handles it: no peer is told it made a call this rank did not
+            # the job ends on it (`UncaughtEndsTheJob`), or the caller handles it and goes on: a
+            # peer inside a call this rank will not make hears why at once, not at its timeout
+            said = exception_text(type(passing), passing)
+            self.transport.left_why = f"{BY_CLOSE}, {RAISED}" + \
+                (said if len(said) <= 300 else said[:300] + "...")
         if self.counted:
             RANK_STATE.change(-1)
         if self.left_open is not None:
@@ -359,8 +363,9 @@ class Call:
             yield
         except (ValueError, TypeError, Warning) as exc:
             self.together = True
-            with suppress(AttributeError):   # for `UncaughtEndsTheJob`: every rank raises it
-                exc.burstcu_agreed = True
+            if not getattr(exc, "burstcu_peer_left", False):   # (the rank that left does not
+                with suppress(AttributeError):   # raise it) for `UncaughtEndsTheJob`: every rank
+                    exc.burstcu_agreed = True    # raises it
             raise
         except MemoryError as exc:   # only one every rank raised (`InputError.exception`)
             self.together = getattr(exc, "burstcu_agreed", False)
@@ -597,15 +602,45 @@ def init(comm=None, backend: str = "auto", *, timeout: float | None = None,
         raise TypeError(f"burstcu.init: comm must be an mpi4py communicator or a "
                         f"torch.distributed ProcessGroup{mesh}, not a {type(comm).__name__}")
     users_comm = comm = world_comm(comm, timeout)
-    if torch_process_group(comm):
-        comm = TorchDistTransport(comm, _wait_for_init(timeout))
-        comm.call, comm.where = "burstcu.init", "the agreement on its arguments"
+    with _one_init_at_a_time(users_comm):
+        if torch_process_group(comm):
+            comm = TorchDistTransport(comm, _wait_for_init(timeout))
+            comm.call, comm.where = "burstcu.init", "the agreement on its arguments"
+        try:
+            return _init_over(comm, users_comm, backend, timeout, progress, link, options)
+        except BaseException:
+            if isinstance(comm, TorchDistTransport):
+                comm.close()   # idempotent: a transport that took it over may have closed it
+            raise
+
+
+_INITS: dict[Any, tuple] = {}   # a communicator inside `init` on this rank -> (thread id, name)
+_INITS_LOCK = threading.Lock()
+
+
+@contextmanager
+def _one_init_at_a_time(comm):
+    """RuntimeError where another thread of this rank is inside `init` over the same
+    communicator (an mpi4py one by handle; a ProcessGroup by identity): the start-up
+    collectives of the two would interleave, and each rank would pair them differently."""
+    if comm is None:
+        yield
+        return
+    key = comm.py2f() if hasattr(comm, "py2f") else id(comm)
+    me = (threading.get_ident(), threading.current_thread().name)
+    with _INITS_LOCK:
+        other = _INITS.setdefault(key, me)
+    if other != me:
+        raise RuntimeError(f"burstcu.init: thread {other[1]!r} is inside burstcu.init over the same "
+                           f"communicator on this rank: their start-up collectives would "
+                           f"interleave, paired differently on each rank. Make the groups one "
+                           f"after another from one thread, in the same order on every rank, then "
+                           f"give each thread its own")
     try:
-        return _init_over(comm, users_comm, backend, timeout, progress, link, options)
-    except BaseException:
-        if isinstance(comm, TorchDistTransport):
-            comm.close()   # idempotent: a transport that took it over may have closed it
-        raise
+        yield
+    finally:
+        with _INITS_LOCK:
+            del _INITS[key]
 
 
 def _init_over(comm, users_comm, backend: str, timeout, progress: str, link, options) -> Group:

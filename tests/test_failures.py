@@ -514,6 +514,44 @@ def test_a_call_that_a_rank_which_left_never_made_fails_at_once(scenario, left, 
     assert f"rank {left} caught" not in out, out
 
 
+@pytest.mark.parametrize("scenario,said", [
+    # rank 1 catches its error outside the with-block it closed and ends normally
+    ("caught_outside_with_block", "rank 1: no call: it has left the group (group.close(), or the "
+                                  "end of its with-block, as an exception passed through it: "
+                                  "RuntimeError: user code failed on rank 1 inside its with block)"),
+    # rank 1 closes the group and waits in a second init while the others make one more call
+    ("init_again_after_close", "rank 1: no call: it has left the group (group.close(), or the end "
+                               "of its with-block)")])
+def test_a_rank_that_left_while_its_peers_call_ends_the_job_at_once(scenario, said):
+    """Both waited out the timeout: a group closed as an exception passed told no one, so the
+    peers' next call waited for the rank that had caught it; and the peers' error about a rank
+    that left was taken as raised on every rank alike (it is not raised where that rank is now),
+    so nothing ended the job while rank 1 waited in its second init. Now the peers fail at once,
+    naming rank 1's error, and their error, left uncaught, ends every rank (a plain `mpiexec`)."""
+    status, out, seconds = run_faulty(scenario, plain=True, timeout=60)
+    assert status != 0 and seconds < 30, f"{seconds:.0f} s:\n{out}"
+    assert said in out and "stops on an uncaught ValueError: ranks are inside different" in out, out
+    assert "waited" not in out and "rank 0 finished" not in out, out
+    if scenario == "caught_outside_with_block":
+        assert "rank 1 caught user code failed" in out and "that rank's error ended its part" in out
+
+
+def test_an_init_retried_after_its_timeout_says_it_cannot_start():
+    """A start-up gather that timed out stays posted (MPI cannot withdraw a collective), so a
+    retried init paired with it on the ranks that came late: one rank read another round's
+    bytes as a length ("rank 1 sent 3275633655786141026 bytes"), then ranks made groups the
+    others did not. Now every rank's retry refuses at once, saying why."""
+    status, out, seconds = run_faulty("init_retried_after_timeout", timeout=30, limit=90)
+    assert status == 0 and seconds < 30, out
+    for rank in range(3):
+        first = re.search(rf"rank {rank} first after [0-9.]+ s: (.*)", out)
+        again = re.search(rf"rank {rank} again after ([0-9.]+) s: (.*)", out)
+        assert first and first[1].startswith("CommTimeoutError: "), out
+        assert again and float(again[1]) < 1 and again[2].startswith(
+            f"RuntimeError: rank {rank} cannot start burstcu.init (every rank must call it): an "
+            f"earlier one timed out on this communicator"), out
+
+
 def test_waiting_for_a_late_peer_does_not_spin():
     """Rank 1 arrives 3 s late: the others wait those 3 s using well under 1 s of CPU (the
     progress thread included: process CPU time)."""

@@ -47,3 +47,42 @@ def test_a_loopback_world_names_an_unknown_op_option():
     with pytest.raises(RankFailed, match="unknown option 'determinstic': it takes"):
         run_ranks(2, lambda group: None, backend="numpy", determinstic=True)
     assert run_ranks(2, lambda group: group.ops.deterministic, deterministic=True) == [True, True]
+
+
+def test_a_second_thread_in_init_over_the_same_communicator_is_refused(monkeypatch):
+    """Two threads of a rank in init over one communicator at once: their start-up collectives
+    interleaved, each rank pairing them its own way (garbage lengths, groups of mixed threads,
+    or a hang). The second is refused at once; another communicator, or the same one once the
+    first init has returned, is not."""
+    import threading
+
+    from mpi4py import MPI
+
+    inside, release = threading.Event(), threading.Event()
+    made = group._init_over
+
+    def held(*args):   # alpha's init waits inside until released
+        if threading.current_thread().name == "alpha":
+            inside.set()
+            assert release.wait(30)
+        return made(*args)
+
+    monkeypatch.setattr(group, "_init_over", held)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(g=burstcu.init(MPI.COMM_SELF, "numpy")),
+                              name="alpha")
+    thread.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match="thread 'alpha' is inside burstcu.init over the "
+                                               "same communicator on this rank"):
+            burstcu.init(MPI.COMM_SELF, "numpy")
+        other = MPI.COMM_SELF.Dup()
+        burstcu.init(other, "numpy").close()   # while alpha is still inside
+        assert thread.is_alive()
+    finally:
+        release.set()
+        thread.join(30)
+    first["g"].close()
+    burstcu.init(MPI.COMM_SELF, "numpy").close()
+    other.Free()

@@ -193,17 +193,38 @@ def check_contiguous(buf: Any, what: str, transport: str) -> None:
 # the call a rank that has left its group stands for in its peers' agreement rounds
 # (`Transport.say_left`), followed by why it left
 LEFT = "no call: it has left the group"
-CLOSED = "group.close(), or the end of its with-block"   # why a rank that closed its group left
+BY_CLOSE = "group.close(), or the end of its with-block"   # why a rank that closed its group left
+RAISED = "as an exception passed through it: "   # why, when a rank's own error closed its group
 UNMATCHED = ("the ranks still in the group made a call that the rank which left did not make (an "
              "evaluation on some ranks alone, or more batches on some ranks than on others)")
+ENDED = "that rank's error ended its part in the group (see its own message)"
+
+
+def _peer_left(message: str, whys: Sequence[str]) -> ValueError:
+    """The error the ranks still in a call raise when a peer has left the group (`whys`: why
+    each such peer left): marked `burstcu_peer_left`, since the rank that left does not raise
+    it (one left uncaught ends the job: `group.UncaughtEndsTheJob`, `Call.raising_together`)."""
+    plain = any(RAISED not in why for why in whys)
+    exc = ValueError(f"{message}; {UNMATCHED if plain else ENDED}")
+    exc.burstcu_peer_left = True
+    return exc
+
+
+def left_raising(answer: dict) -> bool:
+    """Whether an agreement round's answer (`answer_of`) holds a peer that left its group as an
+    exception of its own passed (`RAISED`): an exception that may yet end the job."""
+    whys = [answer["left"][1]] if "left" in answer else \
+        [label for label in answer.get("calls", ()) if label.startswith(LEFT)]
+    return any(RAISED in why for why in whys)
 
 
 def calls_differ(labels: Sequence[str]) -> ValueError:
     """The error every rank raises when the agreement finds ranks inside different calls."""
     calls = ", ".join(f"rank {r}: {label}" for r, label in enumerate(labels))
-    left = any(label.startswith(LEFT) for label in labels)
-    return ValueError(f"ranks are inside different burstcu calls ({calls}): every rank must make "
-                      f"the same calls in the same order" + (f"; {UNMATCHED}" if left else ""))
+    said = f"ranks are inside different burstcu calls ({calls}): every rank must make the same " \
+           f"calls in the same order"
+    left = [label for label in labels if label.startswith(LEFT)]
+    return _peer_left(said, left) if left else ValueError(said)
 
 
 def answer_of(messages: list[tuple]) -> dict:
@@ -225,9 +246,9 @@ def agreed(answer: dict) -> list:
         raise calls_differ(answer["calls"])
     if "left" in answer:   # rank 0's notice that it has left (`Transport.say_left`)
         rank, why = answer["left"]
-        raise ValueError(f"rank {rank} has left the group ({why}) while this rank is inside a "
-                         f"burstcu call: every rank must make the same calls in the same order; "
-                         f"{UNMATCHED}")
+        raise _peer_left(f"rank {rank} has left the group ({why}) while this rank is inside a "
+                         f"burstcu call: every rank must make the same calls in the same order",
+                         [why])
     if "unusable" in answer:
         rank, why = answer["unusable"]
         raise ValueError(f"rank {rank}'s agreement message cannot be used: {why}. Are all ranks "
@@ -425,9 +446,9 @@ class Transport(ABC):
         """Release resources (threads, communicators), sub-groups included."""
         self._close_subgroups()
 
-    # whether `close` tells the peers this rank has left (`say_left`); False where an exception
-    # that is this rank's own closes the group
-    says_left = True
+    # why `close` tells the peers this rank has left (`say_left`): `BY_CLOSE`, followed by
+    # `RAISED` and the exception where one of this rank's own closes the group
+    left_why = BY_CLOSE
 
     def say_left(self, why: str) -> None:
         """Tell the peers, without waiting for any, that this rank has left the group (`why`: it

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import wire
-from .base import (CLOSED, FIRST_USE_COMPILE, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
+from .base import (FIRST_USE_COMPILE, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
                    answer_of, check_contiguous, nbytes)
 from .streams import CupyStreams, join_stream
 
@@ -324,8 +324,7 @@ class LoopbackTransport(Transport):
 
     def close(self) -> None:
         super().close()
-        if self.says_left:
-            self.say_left(CLOSED)
+        self.say_left(self.left_why)
 
     def _abort(self, reason: str) -> None:
         self.hub.abort(reason)

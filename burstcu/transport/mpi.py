@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import (ABORT_GRACE_S, CLOSED, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
-                   answer_of, deadline_after, nbytes, poll_until, sleep_until)
+from .base import (ABORT_GRACE_S, LEFT, CommTimeoutError, PeerFailedError, Transport, agreed,
+                   answer_of, deadline_after, left_raising, nbytes, poll_until, sleep_until)
 from . import wire
 from .link import Link, port_of, release_port
 
@@ -59,6 +59,10 @@ PROGRESS = ("thread", "inline")   # where transfers progress: a worker thread, o
 _TAG_RING = 7
 _TAG_AGREE = 8
 _ROOT_GRACE_S = 2.0  # other ranks wait this much longer, so rank 0 names a missing rank first
+# a round that finds a peer left as its own exception passed (`left_raising`) waits this long
+# before raising: left uncaught, that exception aborts the job first (its traceback, then
+# `Transport.fail`'s line and ABORT_GRACE_S), and its message is the job's only one
+LEFT_RAISING_GRACE_S = 2.0
 _FAREWELLS: list[bytes] = []   # what `say_left` sent, alive for as long as MPI might read it
 
 
@@ -174,24 +178,44 @@ def _take(comm, source: int) -> bytes | None:
     return bytes(data)
 
 
+# communicators (by handle) whose start-up gather timed out -> (what it was, its requests and
+# buffers, kept: MPI may still complete it and write into them). MPI cannot withdraw a posted
+# collective, so the next one over the communicator would pair with it on the ranks that came
+# late: a retried init read another round's bytes as a length. `gather_plain` refuses instead.
+_STALLED: dict[int, tuple[str, list]] = {}
+
+
 def gather_plain(comm, obj, timeout: float, what: str) -> list:
     """Every rank's `obj` (plain values, `wire`) over a raw mpi4py communicator, before any
     transport exists (`burstcu.init`, the NCCL bootstrap, the self-test): non-blocking
     all-gathers of the lengths, then of the labelled messages, each bounded by `timeout`
-    seconds (past it, CommTimeoutError naming `what`). Every rank decodes every message, so a
-    message that cannot be used, or ranks in different rounds, raise ValueError on every rank."""
+    seconds (past it, CommTimeoutError naming `what`; every later gather over `comm` then
+    raises RuntimeError at once, `_STALLED`). Every rank decodes every message, so a message
+    that cannot be used, or ranks in different rounds, raise ValueError on every rank."""
     from mpi4py import MPI
 
+    key = comm.py2f()
+    if key in _STALLED:
+        stale = _STALLED[key][0]
+        raise RuntimeError(f"rank {comm.Get_rank()} cannot start {what}: an earlier "
+                           f"{'one' if stale == what else stale} timed out on this communicator, "
+                           f"and MPI cannot withdraw a collective once posted: a new one would "
+                           f"pair with it on the ranks that came late. "
+                           f"End the job (every rank), and give the next run a longer timeout "
+                           f"(burstcu.init(timeout=...) or $BURSTCU_TIMEOUT)")
     deadline = deadline_after(timeout)
+    held = []   # the requests and buffers of the collectives posted, which MPI may yet use
 
     def timed_out() -> CommTimeoutError:
+        _STALLED[key] = (what, held)
         return CommTimeoutError(f"rank {comm.Get_rank()} waited {timeout:g} s for every rank of the "
                                 f"communicator to reach {what} (a rank may have failed, exited or "
                                 f"be stuck before it)")
 
     data = np.frombuffer(wire.labelled(what, obj), np.uint8)
-    sizes = np.zeros(comm.Get_size(), np.int64)
-    request = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+    sizes, mine = np.zeros(comm.Get_size(), np.int64), np.array([data.size], np.int64)
+    request = comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T])
+    held += [request, mine, sizes, data]
     poll_until(request.Test, deadline, timed_out)
     if sizes.max() > wire.MAX_BYTES:
         raise ValueError(f"rank {int(sizes.argmax())} sent {int(sizes.max())} bytes, over the "
@@ -199,6 +223,7 @@ def gather_plain(comm, obj, timeout: float, what: str) -> list:
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     gathered = np.empty(int(sizes.sum()), np.uint8)
     request = comm.Iallgatherv([data, MPI.BYTE], [gathered, (sizes, offsets), MPI.BYTE])
+    held += [request, gathered, offsets]
     poll_until(request.Test, deadline, timed_out)
     return agreed(answer_of([wire.unlabelled(gathered[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]))
 
@@ -400,6 +425,8 @@ class MPITransport(Transport):
         encoded or read (whichever rank's it is)."""
         mine = wire.labelled(what, obj)
         answer = self._collect(mine) if self.rank == 0 else self._ask(mine)
+        if left_raising(answer):   # left uncaught, that rank's exception ends the job within
+            time.sleep(LEFT_RAISING_GRACE_S)   # about a second: its message then stands alone
         return agreed(answer)
 
     def _collect(self, mine: bytes) -> dict:
@@ -518,8 +545,8 @@ class MPITransport(Transport):
 
     def close(self):
         self._close_subgroups()
-        if self.comm is not None and self.says_left:
-            self.say_left(CLOSED)
+        if self.comm is not None:
+            self.say_left(self.left_why)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -241,6 +241,46 @@ def raise_in_with_block(timeout: float) -> None:
         _raise_between_calls(group, "inside its with block")
 
 
+def caught_outside_with_block(timeout: float) -> None:
+    """Rank 1's bug closes its group on the way out of `with burstcu.init() as group:`, and the
+    program catches it outside (a top-level `except: log`) and ends normally."""
+    try:
+        raise_in_with_block(timeout)
+    except RuntimeError as exc:
+        _say(f"rank 1 caught {exc} and ends normally")
+
+
+def init_again_after_close(timeout: float) -> None:
+    """Rank 1 closes its group and calls `burstcu.init` again while the others make one more
+    call on the first group."""
+    group = burstcu.init(backend="numpy", timeout=timeout)
+    q, k, v, _ = _inputs(group)
+    burstcu.attention(q, k, v, group)
+    if group.rank == 1:
+        group.close()
+        burstcu.init(backend="numpy", timeout=timeout)
+    else:
+        burstcu.attention(q, k, v, group)
+    _say(f"rank {group.rank} finished")
+
+
+def init_retried_after_timeout(timeout: float) -> None:
+    """Rank 1 reaches init 1 s after the others, whose timeout is 0.2 s; every rank catches its
+    error and calls init again."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        time.sleep(1)
+    for attempt, seconds in (("first", 0.2), ("again", timeout)):
+        t0 = time.monotonic()
+        try:
+            burstcu.init(backend="numpy", timeout=seconds).close()
+            said = "made a group"
+        except Exception as exc:  # noqa: BLE001 - said, whatever it is
+            said = f"{type(exc).__name__}: {exc}"
+        _say(f"rank {MPI.COMM_WORLD.Get_rank()} {attempt} after {time.monotonic() - t0:.1f} s: {said}")
+
+
 def _raise_between_calls(group, where: str) -> None:
     q, k, v, _ = _inputs(group)
     burstcu.attention(q, k, v, group)
@@ -265,6 +305,9 @@ def finalize_with_group_open(timeout: float) -> None:
 PROGRAMS = {"init_errors_caught": init_errors_caught, "build_hangs": build_hangs,   # whole ones
             "subgroup_late": subgroup_late, "raise_in_second_group": raise_in_second_group,
             "raise_in_with_block": raise_in_with_block,
+            "caught_outside_with_block": caught_outside_with_block,
+            "init_again_after_close": init_again_after_close,
+            "init_retried_after_timeout": init_retried_after_timeout,
             "finalize_with_group_open": finalize_with_group_open}
 ENDINGS = {"mismatched_calls": mismatched_calls, "slow_peer_cpu": slow_peer_cpu,
            "one_more_call_after_close": one_more_call(1, closes=True),
