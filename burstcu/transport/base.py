@@ -330,12 +330,16 @@ class Transport(ABC):
         if self.size > 1:
             try:   # a second Ctrl-C during the grace must not skip the abort (peers would wait)
                 sys.stderr.write(f"burstcu: {reason}{self.job_ranks_said()}\nburstcu: rank "
-                                 f"{self.rank} ends all {self.size} ranks of the group (its peers "
-                                 f"may be waiting for it)\n")
+                                 f"{self.rank} {self.ending}\n")
                 sys.stderr.flush()
                 time.sleep(ABORT_GRACE_S)
             finally:
                 self._abort(reason)
+
+    @property
+    def ending(self) -> str:
+        """What `fail` does, as its last line says it after "rank r"."""
+        return f"ends all {self.size} ranks of the group (its peers may be waiting for it)"
 
     def job_ranks_said(self) -> str:
         """" (ranks 0-2 of this group are ranks [1, 2, 3] of the job)" where a message's rank

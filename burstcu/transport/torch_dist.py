@@ -29,7 +29,9 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -88,7 +90,8 @@ def _gloo(prefix: str, rank: int, size: int, timeout: float):
             f"burstcu: rank {rank}: connecting burstcu's gloo group {prefix!r} of {size} "
             f"processes failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
             f"within {timeout:g} s: every process of the group must make it (burstcu.init, or "
-            f"the same burstcu call); a rank may have failed or exited before it\n"
+            f"the same burstcu call); a rank may have failed or exited before it, or passed "
+            f"burstcu.init another ProcessGroup (every rank must pass the same one)\n"
             f"burstcu: rank {rank} ends its process\n")
         sys.stderr.flush()
         os._exit(1)
@@ -113,7 +116,10 @@ class TorchDistTransport(Transport):
             rank, size = dist.get_rank(group), dist.get_world_size(group)
             name = str(getattr(group, "group_name", "") or "world")
             _MADE[name] = _MADE.get(name, 0) + 1        # every member makes the same count
-            _prefix = f"{name}/{_MADE[name]}"
+            # torchrun's store outlives a restart, which counts from 1 again: the attempt's own
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")   # keys, not the last's
+            _prefix = f"{name}/{_MADE[name]}" if restart == "0" else \
+                f"{name}/{_MADE[name]}.restart{restart}"
         else:
             rank, size = _rank, _size
         super().__init__(rank, size, timeout)
@@ -125,6 +131,7 @@ class TorchDistTransport(Transport):
         self.prefix = _prefix
         self.group = _gloo(_prefix, rank, size, self.timeout)
         self._works: list[tuple[Any, str]] = []   # posted messages and the peer each waits on
+        self._waiter: ThreadPoolExecutor | None = None   # the main thread's waits run there
 
     def _posted(self, post, peer: str):
         """post() -> a gloo Work; torch's own errors in posting (this rank's alone) raised as
@@ -159,13 +166,28 @@ class TorchDistTransport(Transport):
                 raise PeerFailedError(
                     f"rank {self.top_rank(self.rank)}: gloo failed while waiting for {peer} "
                     f"during {self.doing()}: {str(exc).splitlines()[0]} (that rank may have "
-                    f"died or exited)") from None
+                    f"died, exited or closed its burstcu group)") from None
             return False
+
+    def _late(self, works: list[tuple[Any, str]], deadline: float) -> list[str]:
+        """The peers of `works` whose messages did not complete by `deadline` (`_arrived`). On
+        the main thread the waits run on the transport's waiting thread, while this one waits
+        in Python: gloo's wait holds the thread in C++ until it returns, and Python runs signal
+        handlers (Ctrl-C's KeyboardInterrupt, a SIGTERM handler that saves a checkpoint) only
+        on the main thread between its instructions, so a signal to a rank whose peer is stuck
+        would wait for the deadline."""
+        def wait() -> list[str]:
+            return [peer for work, peer in works if not self._arrived(work, peer, deadline)]
+        if threading.current_thread() is not threading.main_thread():
+            return wait()
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="burstcu-gloo-wait")
+        return self._waiter.submit(wait).result()   # (a signal interrupts this wait)
 
     def _finish(self, works: list[tuple[Any, str]], deadline: float, on_timeout) -> None:
         """Wait for every posted message until `deadline`; past it raise `on_timeout(peers)`
         naming the peers still awaited (those not in by then: each asked once more)."""
-        late = [peer for work, peer in works if not self._arrived(work, peer, deadline)]
+        late = self._late(works, deadline)
         if late:
             raise on_timeout(" and ".join(dict.fromkeys(late)))
 
@@ -235,8 +257,9 @@ class TorchDistTransport(Transport):
             self._finish(sends, deadline, self.timed_out)
             return agreed(wire.decode(answer, limit=answer_limit))
         lengths = {r: self._post_length(r) for r in range(1, self.size)}
-        missing = [r for r, (_, work) in lengths.items()
-                   if not self._arrived(work, f"rank {self.top_rank(r)}", deadline)]
+        peers = {r: f"rank {self.top_rank(r)}" for r in lengths}
+        late = self._late([(work, peers[r]) for r, (_, work) in lengths.items()], deadline)
+        missing = [r for r in lengths if peers[r] in late]
         if missing:
             raise self.timed_out(f"rank(s) {[self.top_rank(r) for r in missing]} to reach the "
                                  f"agreement round (they may have failed, exited, or be inside "
@@ -274,6 +297,8 @@ class TorchDistTransport(Transport):
                                   _rank=members.index(self.rank), _size=len(members))
 
     # -- failures and cleanup ---------------------------------------------------------------------
+    ending = "ends its process (torchrun then stops the others; a peer waiting on it fails, naming it)"
+
     def _abort(self, reason: str):
         """End this process (the reason is printed): torchrun then stops the others."""
         sys.stdout.flush()
@@ -283,6 +308,9 @@ class TorchDistTransport(Transport):
     def close(self):
         self._close_subgroups()
         self.group = None   # gloo closes its connections when the group is freed
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+            self._waiter = None
 
 
 __all__ = ["TorchDistTransport", "torch_process_group"]

@@ -140,6 +140,23 @@ def a_missing_rank_is_named():
     return {"returned": True}
 
 
+def an_interrupt_reaches_a_waiting_rank():
+    """The last rank is busy for 60 s before its call; rank 0, waiting for it inside attention
+    (timeout 100 s), gets SIGINT 1 s in: gloo's wait held the main thread until its deadline,
+    so the KeyboardInterrupt came only then; now at once."""
+    import signal
+    import threading
+
+    group = _torch_group(backend="numpy", timeout=100)
+    if group.rank == group.size - 1:
+        time.sleep(60)
+        return {"woke": True}
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    x = np.ones((1, 4, 2, 8), np.float32)
+    burstcu.attention(x, x, x, group)
+    return {"returned": True}
+
+
 class _Communicator:
     """A stand-in for NCCL's communicator that records what it was made with."""
     made: list = []

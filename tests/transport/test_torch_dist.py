@@ -89,6 +89,17 @@ def test_a_rank_that_never_arrives_is_named_and_the_job_ends():
     assert "BURSTCU-RESULT" not in output          # neither rank returned
 
 
+def test_an_interrupt_reaches_a_rank_waiting_for_a_busy_peer():
+    start = time.monotonic()
+    output = run_torchrun(2, "torch_dist_bodies:an_interrupt_reaches_a_waiting_rank", timeout=150,
+                          expect_fail=True)
+    assert time.monotonic() - start < 45, output
+    assert "burstcu: rank 0 failed in attention forward at 'agreement on the inputs': " \
+           "KeyboardInterrupt" in output, output
+    assert "rank 0 ends its process (torchrun then stops the others" in output, output
+    assert "BURSTCU-RESULT" not in output          # neither rank returned
+
+
 def test_init_without_a_peer_ends_the_job_with_why():
     start = time.monotonic()
     output = run_torchrun(2, "torch_dist_bodies:init_without_a_peer", timeout=120, expect_fail=True)
