@@ -126,8 +126,8 @@ class Group:
         passing = sys.exc_info()[1]
         UNCAUGHT.left(self, passing)   # closed by `with` or `finally` as it passes
         if passing is not None and not getattr(passing, "burstcu_agreed", False):
-            # the job ends on it (`UncaughtEndsTheJob`), or the caller handles it and goes on: a
-            # peer inside a call this rank will not make hears why at once, not at its timeout
+            # raised (the job ends on it, `UncaughtEndsTheJob`, or the caller handles it and goes
+            # on) or being handled: a peer inside a call this rank will not make hears it at once
             said = exception_text(type(passing), passing)
             self.transport.left_why = f"{BY_CLOSE}, {RAISED}" + \
                 (said if len(said) <= 300 else said[:300] + "...")

@@ -229,6 +229,15 @@ def _arrays_only(names: tuple, arrays: tuple) -> None:
         raise error.exception()
 
 
+def _refuse_masked(fn, arrays: tuple, group, **kwargs) -> None:
+    """Where one of `arrays` is a numpy.ma.MaskedArray (JAX refuses it as the call is traced, on
+    this rank alone, the peers left to their timeout): fn run eagerly, whose validation refuses
+    it on every rank (`_eager`)."""
+    if any(isinstance(x, np.ma.MaskedArray) for x in arrays):
+        _eager(fn, arrays, group, **kwargs)
+        raise AssertionError("the call took a masked array")   # (its validation raises first)
+
+
 def _constant_scale(softmax_scale) -> None:
     """TypeError while tracing where `softmax_scale` is traced (computed inside `jax.jit` or
     `jax.grad`, or one of their arguments): the scale is a constant of the call (not
@@ -273,6 +282,7 @@ def attention(q, k, v, group: Group | None = None, *, causal: bool = False,
     fwd_options, bwd_options = (_static(o) for o in api.adapter_options(mask_kwargs))
     common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.attention, (q, k, v))
+    _refuse_masked(attend_forward, (q, k, v), group, return_lse=True, **common, **fwd_options)
 
     def forward(q, k, v):
         return _run(attend_forward, (q, k, v), (_like(q), _lse_struct(q)), group,
@@ -302,6 +312,7 @@ def linear_attention(q, k, v, group: Group | None = None, *, causal: bool = Fals
     _constant_options({"causal": causal})
     options = dict(causal=causal, layout=layout, strategy=strategy)
     attend_forward = _remembering(api.linear_attention, (q, k, v))
+    _refuse_masked(attend_forward, (q, k, v), group, **options)
 
     @jax.custom_vjp
     def attend(q, k, v):

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import heapq
 import numbers
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -255,6 +256,11 @@ class KVCache:
         elsewhere = device_problem(self.group.ops, ("k", "v"), (k_new, v_new))
         if elsewhere is not None:
             raise ValueError(f"KVCache.{what}: {elsewhere.message}")
+        torch = sys.modules.get("torch")
+        for name, x in (("k", k_new), ("v", v_new)):
+            if torch is not None and isinstance(x, torch.Tensor) and x.layout != torch.strided:
+                raise TypeError(f"KVCache.{what}: {name} is a tensor of layout {x.layout} (no "
+                                f"rows in memory to copy): pass {name}.to_dense()")
         if xp is np:   # CPU torch tensors of any dtype, bfloat16 and requires_grad too
             k_new, v_new = host_view(k_new), host_view(v_new)
         for name, x in (("k", k_new), ("v", v_new)):   # None, a number: no shape to speak of

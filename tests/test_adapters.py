@@ -767,7 +767,8 @@ def test_what_one_rank_passes_wrongly_is_refused_on_every_rank_by_the_adapters(t
     """A numpy.ma.MaskedArray (its mask would be dropped: the masked keys were attended to) and a
     sparse tensor (it failed in `.contiguous()` on its rank alone, the peer waiting out the
     timeout) given on rank 1 only: TypeError on both ranks at once, naming it, through
-    burstcu.torch's attention and linear_attention and burstcu.jax.decode."""
+    burstcu.torch's and burstcu.jax's attention and linear_attention and burstcu.jax.decode (JAX
+    refused the masked array on its rank alone)."""
     from burstcu.testing.world import run_ranks
 
     q, k, v, _ = (x[:1, :8].astype(np.float32) for x in _inputs(3))
@@ -779,7 +780,9 @@ def test_what_one_rank_passes_wrongly_is_refused_on_every_rank_by_the_adapters(t
              "torch linear_attention": (burstcu.torch.linear_attention, masked, "MaskedArray"),
              "torch attention, sparse": (burstcu.torch.attention, sparse, "layout"),
              "jax decode": (lambda q, k, v, group: burstcu.jax.decode(q[:, :1], k, v, group),
-                            masked, "MaskedArray")}
+                            masked, "MaskedArray"),
+             "jax attention": (burstcu.jax.attention, masked, "MaskedArray"),
+             "jax linear_attention": (burstcu.jax.linear_attention, masked, "MaskedArray")}
 
     def body(group):
         said = {}
@@ -796,9 +799,10 @@ def test_what_one_rank_passes_wrongly_is_refused_on_every_rank_by_the_adapters(t
         assert all(s != "ran" and s[0] and s[1] < 5 for s in said.values()), said
 
 
-def test_a_kv_cache_refuses_masked_rows():
+def test_a_kv_cache_refuses_masked_and_sparse_rows():
     """KVCache.from_prefill and append stored a masked array's masked rows too (decode then
-    attended to them); both refuse it now, before anything is stored."""
+    attended to them); both refuse it now, before anything is stored, and append a sparse
+    tensor (it failed inside torch, which ended the job)."""
     cache = burstcu.KVCache(None, 1, 16, 2, 16, np.float32)
     k = np.ones((1, 8, 2, 16), np.float32)
     masked = np.ma.masked_array(k, mask=np.broadcast_to(np.arange(8)[None, :, None, None] >= 4, k.shape))
@@ -807,6 +811,10 @@ def test_a_kv_cache_refuses_masked_rows():
     cache.from_prefill(k, k)
     with pytest.raises(TypeError, match="v is a numpy.ma.MaskedArray"):
         cache.append(k[:, :1], masked[:, :1])
+    torch = pytest.importorskip("torch")
+    sparse = torch.from_numpy(k[:, :1]).to_sparse()   # it ended the job: no message agreed
+    with pytest.raises(TypeError, match=r"k is a tensor of layout torch.sparse_coo .*to_dense\(\)"):
+        cache.append(sparse, k[:, :1])
     assert int(cache.seqlens[0]) == 8
 
 

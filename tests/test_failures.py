@@ -517,7 +517,7 @@ def test_a_call_that_a_rank_which_left_never_made_fails_at_once(scenario, left, 
 @pytest.mark.parametrize("scenario,said", [
     # rank 1 catches its error outside the with-block it closed and ends normally
     ("caught_outside_with_block", "rank 1: no call: it has left the group (group.close(), or the "
-                                  "end of its with-block, as an exception passed through it: "
+                                  "end of its with-block, with an exception in flight there: "
                                   "RuntimeError: user code failed on rank 1 inside its with block)"),
     # rank 1 closes the group and waits in a second init while the others make one more call
     ("init_again_after_close", "rank 1: no call: it has left the group (group.close(), or the end "
@@ -533,7 +533,7 @@ def test_a_rank_that_left_while_its_peers_call_ends_the_job_at_once(scenario, sa
     assert said in out and "stops on an uncaught ValueError: ranks are inside different" in out, out
     assert "waited" not in out and "rank 0 finished" not in out, out
     if scenario == "caught_outside_with_block":
-        assert "rank 1 caught user code failed" in out and "that rank's error ended its part" in out
+        assert "rank 1 caught user code failed" in out and "cannot be made with that rank" in out
 
 
 def test_an_init_retried_after_its_timeout_says_it_cannot_start():

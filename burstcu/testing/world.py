@@ -62,7 +62,8 @@ def run_ranks(size: int, body: Callable[[Group], Any], *, backend: str = "numpy"
                                                 f"its thread is left behind (daemon)"))
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        first = next(((r, e) for r, e in failed if not isinstance(e, PeerFailedError)), failed[0])
+        first = next(((r, e) for r, e in failed if not isinstance(e, PeerFailedError) and
+                      not getattr(e, "burstcu_peer_left", False)), failed[0])   # a rank's own
         raise RankFailed(*first) from first[1]
     return results
 

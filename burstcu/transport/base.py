@@ -194,10 +194,10 @@ def check_contiguous(buf: Any, what: str, transport: str) -> None:
 # (`Transport.say_left`), followed by why it left
 LEFT = "no call: it has left the group"
 BY_CLOSE = "group.close(), or the end of its with-block"   # why a rank that closed its group left
-RAISED = "as an exception passed through it: "   # why, when a rank's own error closed its group
+RAISED = "with an exception in flight there: "   # why, when one was raised or handled at its close
 UNMATCHED = ("the ranks still in the group made a call that the rank which left did not make (an "
              "evaluation on some ranks alone, or more batches on some ranks than on others)")
-ENDED = "that rank's error ended its part in the group (see its own message)"
+ENDED = "the calls after it cannot be made with that rank"
 
 
 def _peer_left(message: str, whys: Sequence[str]) -> ValueError:
@@ -211,8 +211,8 @@ def _peer_left(message: str, whys: Sequence[str]) -> ValueError:
 
 
 def left_raising(answer: dict) -> bool:
-    """Whether an agreement round's answer (`answer_of`) holds a peer that left its group as an
-    exception of its own passed (`RAISED`): an exception that may yet end the job."""
+    """Whether an agreement round's answer (`answer_of`) holds a peer that left its group with
+    an exception in flight there (`RAISED`): one that may yet end the job."""
     whys = [answer["left"][1]] if "left" in answer else \
         [label for label in answer.get("calls", ()) if label.startswith(LEFT)]
     return any(RAISED in why for why in whys)
@@ -451,7 +451,7 @@ class Transport(ABC):
         self._close_subgroups()
 
     # why `close` tells the peers this rank has left (`say_left`): `BY_CLOSE`, followed by
-    # `RAISED` and the exception where one of this rank's own closes the group
+    # `RAISED` and the exception where one is in flight at its close
     left_why = BY_CLOSE
 
     def say_left(self, why: str) -> None:

@@ -456,6 +456,7 @@ class NCCLTransport(Transport):
         if close is not None:
             close()
         if self.meta is not None:
+            self.meta.left_why = self.left_why   # its close tells the peers (`say_left`)
             self.meta.close()
             self.meta = None
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ from .base import MAX_WAIT_S, PeerFailedError, Transport, agreed, answer_of, nby
 _TAG_RING = 7          # a ring step's exchange
 _TAG_LENGTH = 8        # an agreement message's length (int64), then
 _TAG_MESSAGE = 9       # its bytes
+PEER_GONE = "that rank may have died, exited or closed its burstcu group"   # a closed connection
 _MADE: dict[str, int] = {}   # gloo groups made over each torch group so far (their key prefixes)
 
 
@@ -97,6 +98,45 @@ def _gloo(prefix: str, rank: int, size: int, timeout: float):
         os._exit(1)
 
 
+class _Waiter:
+    """One daemon thread that runs the main thread's waits (`TorchDistTransport._late`): the
+    main thread waits on an event meanwhile, which a signal interrupts. A daemon, and fed
+    through a queue, so that a wait left behind by an interrupt never holds the interpreter's
+    exit, and waits made in an `atexit` handler still run (an executor refuses them then)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="burstcu-gloo-wait").start()
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._run_one(*job)
+            # nothing of a finished wait is held while idle: a daemon's frame outlives the
+            # interpreter, and the transport's gloo group kept alive past it aborts the process
+            del job
+
+    @staticmethod
+    def _run_one(fn, done: threading.Event, box: list) -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the waiting thread
+            box.append((False, exc))
+        done.set()
+
+    def run(self, fn):
+        """fn() on the waiting thread: its result, or its exception raised here."""
+        done, box = threading.Event(), []
+        self.jobs.put((fn, done, box))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.jobs.put(None)   # the thread ends after the wait it is in, if any
+
+
 class TorchDistTransport(Transport):
     """Ring exchange and agreement over a private gloo group of a torch.distributed group.
 
@@ -131,7 +171,7 @@ class TorchDistTransport(Transport):
         self.prefix = _prefix
         self.group = _gloo(_prefix, rank, size, self.timeout)
         self._works: list[tuple[Any, str]] = []   # posted messages and the peer each waits on
-        self._waiter: ThreadPoolExecutor | None = None   # the main thread's waits run there
+        self._waiter: _Waiter | None = None   # the main thread's waits run there
 
     def _posted(self, post, peer: str):
         """post() -> a gloo Work; torch's own errors in posting (this rank's alone) raised as
@@ -141,7 +181,8 @@ class TorchDistTransport(Transport):
         except Exception as exc:  # noqa: BLE001
             raise PeerFailedError(f"rank {self.top_rank(self.rank)}: gloo refused a message to or "
                                   f"from {peer} during {self.doing()}: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''} ({PEER_GONE})"
+                                  ) from None
 
     def _send(self, tensor, dst: int, tag: int, peer: str):
         return self._posted(lambda: self.group.send([tensor], dst, tag), peer), peer
@@ -165,8 +206,7 @@ class TorchDistTransport(Transport):
             if time.monotonic() < deadline and "imed out" not in str(exc):
                 raise PeerFailedError(
                     f"rank {self.top_rank(self.rank)}: gloo failed while waiting for {peer} "
-                    f"during {self.doing()}: {str(exc).splitlines()[0]} (that rank may have "
-                    f"died, exited or closed its burstcu group)") from None
+                    f"during {self.doing()}: {str(exc).splitlines()[0]} ({PEER_GONE})") from None
             return False
 
     def _late(self, works: list[tuple[Any, str]], deadline: float) -> list[str]:
@@ -181,8 +221,8 @@ class TorchDistTransport(Transport):
         if threading.current_thread() is not threading.main_thread():
             return wait()
         if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="burstcu-gloo-wait")
-        return self._waiter.submit(wait).result()   # (a signal interrupts this wait)
+            self._waiter = _Waiter()
+        return self._waiter.run(wait)
 
     def _finish(self, works: list[tuple[Any, str]], deadline: float, on_timeout) -> None:
         """Wait for every posted message until `deadline`; past it raise `on_timeout(peers)`
@@ -309,7 +349,7 @@ class TorchDistTransport(Transport):
         self._close_subgroups()
         self.group = None   # gloo closes its connections when the group is freed
         if self._waiter is not None:
-            self._waiter.shutdown(wait=True)
+            self._waiter.close()
             self._waiter = None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -155,6 +156,20 @@ def an_interrupt_reaches_a_waiting_rank():
     x = np.ones((1, 4, 2, 8), np.float32)
     burstcu.attention(x, x, x, group)
     return {"returned": True}
+
+
+def a_call_at_exit(folder: str):
+    """A barrier in an `atexit` handler, as a program's own cleanup makes it: the waits of the
+    main thread ran on an executor, which refuses work once the interpreter is shutting down."""
+    import atexit
+
+    group = _torch_group(backend="numpy", timeout=60)
+
+    def at_exit():
+        group.barrier()
+        (Path(folder) / f"rank{group.rank}").write_text("barrier at exit")
+    atexit.register(at_exit)
+    return {"registered": True}
 
 
 class _Communicator:

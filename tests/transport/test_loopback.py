@@ -368,6 +368,23 @@ def test_a_call_that_a_rank_which_closed_its_group_never_made_fails_at_once(leav
 
 
 
+def test_a_world_names_the_rank_whose_error_closed_its_group():
+    """Rank 1's own error leaves its `with group:` block, which tells the peers it has left (with
+    the error): run_ranks named rank 0, whose ValueError about the rank that left came first in
+    rank order, and rank 1's traceback was lost."""
+    def body(group):
+        x = np.ones((1, 8, 2, 16))
+        with group:
+            burstcu.attention(x, x, x, group)
+            if group.rank == 1:
+                raise RuntimeError("the bug, on rank 1")
+            burstcu.attention(x, x, x, group)
+
+    with pytest.raises(RankFailed, match="rank 1 failed: RuntimeError: the bug, on rank 1") as info:
+        run_ranks(2, body, timeout=30)
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, RuntimeError)
+
+
 def test_a_rank_that_closed_a_group_late_leaves_the_next_group_alone():
     """Each rank's k-th group on a hub meets the others' k-th: rank 0 closing its first group
     late (rank 1 already inside a round of its second, after a call rank 0 did not make) stands

@@ -161,3 +161,30 @@ def test_the_watchdog_fires_once_even_when_more_exchanges_are_watched():
     time.sleep(0.5)
     dog.stop()
     assert fired == ["first"]
+
+
+def test_the_host_transport_tells_the_peers_why_the_group_closed():
+    """A "cupy" group closed with an exception in flight: its NCCL transport's `left_why` was
+    not handed to the host transport whose close sends the notice, so the peers heard a plain
+    close (no grace for that rank's own failure to end the job, a wrong explanation)."""
+    from burstcu.transport.base import Transport
+
+    heard = []
+
+    class Host(Transport):   # a host side that records the notice its close sends
+        def say_left(self, why):
+            heard.append(why)
+
+        def close(self):
+            self.say_left(self.left_why)
+
+        def _post(self, exchanges): ...
+        def _wait(self): ...
+        def allgather_object(self, obj, what="metadata"): ...
+        def allgather(self, send_buf, recv_buf): ...
+        def barrier(self): ...
+
+    transport = nccl.NCCLTransport(0, 2, RecordingDevice(), Host(0, 2, 10), 10)
+    transport.left_why = "group.close(), with an exception in flight there: RuntimeError: x"
+    transport.close()
+    assert heard == [transport.left_why]

@@ -100,6 +100,11 @@ def test_an_interrupt_reaches_a_rank_waiting_for_a_busy_peer():
     assert "BURSTCU-RESULT" not in output          # neither rank returned
 
 
+def test_a_call_made_at_exit_runs(tmp_path):
+    run_torchrun(2, "torch_dist_bodies:a_call_at_exit", timeout=150, folder=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
 def test_init_without_a_peer_ends_the_job_with_why():
     start = time.monotonic()
     output = run_torchrun(2, "torch_dist_bodies:init_without_a_peer", timeout=120, expect_fail=True)
