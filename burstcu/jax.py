@@ -232,8 +232,9 @@ def _arrays_only(names: tuple, arrays: tuple) -> None:
 def _refuse_masked(fn, arrays: tuple, group, **kwargs) -> None:
     """Where one of `arrays` is a numpy.ma.MaskedArray (JAX refuses it as the call is traced, on
     this rank alone, the peers left to their timeout): fn run eagerly, whose validation refuses
-    it on every rank (`_eager`)."""
-    if any(isinstance(x, np.ma.MaskedArray) for x in arrays):
+    it on every rank (`_eager`). Under a transformation (another argument traced) JAX's own
+    refusal stands."""
+    if any(isinstance(x, np.ma.MaskedArray) for x in arrays) and not _is_traced(arrays):
         _eager(fn, arrays, group, **kwargs)
         raise AssertionError("the call took a masked array")   # (its validation raises first)
 

@@ -32,6 +32,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -172,6 +173,7 @@ class TorchDistTransport(Transport):
         self.group = _gloo(_prefix, rank, size, self.timeout)
         self._works: list[tuple[Any, str]] = []   # posted messages and the peer each waits on
         self._waiter: _Waiter | None = None   # the main thread's waits run there
+        self._last_allgather: tuple = ()   # (see `allgather`)
 
     def _posted(self, post, peer: str):
         """post() -> a gloo Work; torch's own errors in posting (this rank's alone) raised as
@@ -222,6 +224,7 @@ class TorchDistTransport(Transport):
             return wait()
         if self._waiter is None:
             self._waiter = _Waiter()
+            weakref.finalize(self, self._waiter.close)   # a group dropped unclosed: its thread ends
         return self._waiter.run(wait)
 
     def _finish(self, works: list[tuple[Any, str]], deadline: float, on_timeout) -> None:
@@ -316,11 +319,16 @@ class TorchDistTransport(Transport):
         """Counted as G-1 messages of send_buf's size each way (`CommStats`); recv_buf holds the
         ranks' pieces in this transport's rank order (the gloo group's). The host blocks until
         it completes: `stats.wait_seconds`."""
-        pieces = list(_byte_tensor(recv_buf).view(self.size, -1).unbind(0))
+        pieces, send = list(_byte_tensor(recv_buf).view(self.size, -1).unbind(0)), _byte_tensor(send_buf)
         with self._blocking():
-            work = self._posted(lambda: self.group.allgather([pieces], [_byte_tensor(send_buf)]),
+            work = self._posted(lambda: self.group.allgather([pieces], [send]),
                                 "every rank's allgather")
             self._finish([(work, "every rank's allgather")], self.deadline(), self.timed_out)
+        # kept until the next allgather or the close: gloo's thread lets go of a finished
+        # allgather just after the wait returns, and where it lets go last it takes the GIL to
+        # free the tensors, which at the interpreter's exit (an allgather the program's last
+        # call) ends the process: "terminate called without an active exception"
+        self._last_allgather = (work, pieces, send)
         n = nbytes(send_buf) * (self.size - 1)
         self.stats.bytes_sent += n
         self.stats.bytes_received += n
@@ -348,6 +356,7 @@ class TorchDistTransport(Transport):
     def close(self):
         self._close_subgroups()
         self.group = None   # gloo closes its connections when the group is freed
+        self._last_allgather = ()
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None

@@ -172,6 +172,30 @@ def a_call_at_exit(folder: str):
     return {"registered": True}
 
 
+_KEPT_TO_THE_END: list = []
+
+
+def dropped_groups_and_an_allgather_last():
+    """Five groups made and dropped without a close (each had started a waiting thread that
+    nothing ended), then a group left open whose last call is an unshard (an allgather): gloo's
+    thread could let go of its tensors last, at the interpreter's exit, which ended the process
+    ("terminate called without an active exception") in about half the runs."""
+    import gc
+    import threading
+
+    x = np.ones((1, 8 * int(os.environ["WORLD_SIZE"]), 2, 8), np.float32)
+    for _ in range(5):
+        sh = burstcu.Sharding(_torch_group(backend="numpy", timeout=60))
+        burstcu.attention(sh.shard(x), sh.shard(x), sh.shard(x), sh)
+        del sh
+    gc.collect()
+    waiting = sum(t.name == "burstcu-gloo-wait" for t in threading.enumerate())
+    sh = burstcu.Sharding(_torch_group(backend="numpy", timeout=60))
+    _KEPT_TO_THE_END.append(sh)
+    out = sh.unshard(burstcu.attention(sh.shard(x), sh.shard(x), sh.shard(x), sh))
+    return {"waiting_threads": waiting, "shape": list(out.shape)}
+
+
 class _Communicator:
     """A stand-in for NCCL's communicator that records what it was made with."""
     made: list = []

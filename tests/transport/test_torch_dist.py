@@ -105,6 +105,13 @@ def test_a_call_made_at_exit_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
+def test_dropped_groups_end_their_threads_and_an_allgather_last_exits_cleanly():
+    for _ in range(3):   # the exit's abort came in about half the runs
+        results = run_torchrun(2, "torch_dist_bodies:dropped_groups_and_an_allgather_last",
+                               timeout=150)
+        assert all(r == {"waiting_threads": 0, "shape": [1, 16, 2, 8]} for r in results), results
+
+
 def test_init_without_a_peer_ends_the_job_with_why():
     start = time.monotonic()
     output = run_torchrun(2, "torch_dist_bodies:init_without_a_peer", timeout=120, expect_fail=True)
